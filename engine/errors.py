@@ -1,0 +1,34 @@
+"""Errors the engine raises to its callers; the gRPC edge maps each to one status code."""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Base class of every error Sluice raises on purpose."""
+
+
+class InvalidRequestError(SluiceError, ValueError):
+    """A request field is malformed. `field` names it (maps to INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ContextLengthError(InvalidRequestError):
+    """prompt + max_tokens does not fit the model's context (maps to RESOURCE_EXHAUSTED)."""
+
+
+class QueueFullError(SluiceError):
+    """The waiting queue is at its bound (maps to RESOURCE_EXHAUSTED)."""
+
+
+class UnknownRequestError(InvalidRequestError):
+    """No live request has this id (maps to INVALID_ARGUMENT)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("request_id", f"no live request with id {request_id!r}")
+
+
+class EngineDeadError(SluiceError):
+    """The engine loop stopped with an error; no further requests can be served (maps to INTERNAL)."""

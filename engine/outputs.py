@@ -1,0 +1,91 @@
+"""What the engine hands back to callers, one `RequestOutput` per step per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log-probability of the sampled token and of the `top` most likely tokens (raw model logits)."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock timestamps (time.time()); None until the event happened."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def total_seconds(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta: the tokens and text produced since the previous output for this request.
+
+    `finish_reason` is set on the last output only: "stop", "length", "abort" or "error".
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[Logprobs, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    num_steps: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)

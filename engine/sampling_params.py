@@ -1,0 +1,62 @@
+"""Per-request sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    `temperature=0` is greedy. `top_k=0` and `top_p=1` and `min_p=0` disable those filters.
+    `logprobs=None` returns none; `logprobs=N` returns the sampled token's logprob and the top N.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but keep the dataclass hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = (
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
+            (all(self.stop), "stop", "must not contain empty strings"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+        )
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name}: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
