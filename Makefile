@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint serve bench proto clean
+.PHONY: venv test lint serve gpu-check bench proto proto-check toolchains clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,28 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv lint
+test: venv toolchains lint
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
+
+# Go, Java, protoc plugins (apt) and buf (npm, into .tools/) for the client examples and proto checks.
+toolchains:
+	scripts/install_toolchains.sh
+
+# Regenerates the committed Python, Go and Java stubs from proto/.
+proto: venv toolchains
+	PY=$(PY) scripts/gen_proto_all.sh
+
+# buf lint + buf breaking against proto/released/ + generated code up to date.
+proto-check: venv toolchains
+	PY=$(PY) scripts/check_proto.sh
 
 serve: venv
 	$(VENV)/bin/sluice serve $(ARGS)
 
+# On a CUDA machine: kernel tests compiled for the GPU, bf16 parity with transformers, decode
+# benchmarks (eager vs CUDA graphs); writes docs/perf/gpu_check.md.
+gpu-check: venv
+	$(PY) scripts/gpu_check.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .tools clients/go/build clients/java/build

@@ -1,0 +1,171 @@
+package ai.sluice.example;
+
+import ai.sluice.v1.AbortRequest;
+import ai.sluice.v1.FinishReason;
+import ai.sluice.v1.GenerateRequest;
+import ai.sluice.v1.GenerateResponse;
+import ai.sluice.v1.GetModelInfoRequest;
+import ai.sluice.v1.GetModelInfoResponse;
+import ai.sluice.v1.InferenceServiceGrpc;
+import ai.sluice.v1.SamplingParams;
+import ai.sluice.v1.StreamCancel;
+import ai.sluice.v1.StreamGenerateRequest;
+import ai.sluice.v1.StreamGenerateResponse;
+import io.grpc.ManagedChannel;
+import io.grpc.ManagedChannelBuilder;
+import io.grpc.stub.StreamObserver;
+import java.util.ArrayList;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.TimeUnit;
+import java.util.stream.Collectors;
+
+/**
+ * Talks to a Sluice server three ways: one Generate stream read to the end, one Generate stream
+ * aborted mid-stream with the Abort RPC, and two requests multiplexed on one bidirectional
+ * StreamGenerate stream, the second cancelled in-band after its first chunk.
+ *
+ * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
+ * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N}.
+ */
+public final class SluiceExample {
+  private SluiceExample() {}
+
+  /** What one request streamed back. */
+  static final class Result {
+    final StringBuilder text = new StringBuilder();
+    final List<Integer> tokenIds = new ArrayList<>();
+    FinishReason finish = FinishReason.FINISH_REASON_UNSPECIFIED;
+
+    void add(GenerateResponse chunk) {
+      text.append(chunk.getText());
+      tokenIds.addAll(chunk.getTokenIdsList());
+      if (chunk.getFinishReason() != FinishReason.FINISH_REASON_UNSPECIFIED) {
+        finish = chunk.getFinishReason();
+      }
+    }
+
+    void print(String kind, String requestId) {
+      String ids = tokenIds.stream().map(String::valueOf).collect(Collectors.joining(","));
+      String body = text.toString();
+      int textBytes = body.getBytes(java.nio.charset.StandardCharsets.UTF_8).length;
+      System.out.printf("%s: request_id=%s finish=%s tokens=%d text_bytes=%d token_ids=[%s] text=\"%s\"%n",
+          kind, requestId, finish, tokenIds.size(), textBytes, ids, body.replace("\n", "\\n"));
+    }
+  }
+
+  /** Greedy sampling of exactly maxTokens tokens, past any EOS. */
+  static GenerateRequest textRequest(String requestId, String prompt, int maxTokens) {
+    SamplingParams params = SamplingParams.newBuilder()
+        .setTemperature(0f).setMaxTokens(maxTokens).setIgnoreEos(true).build();
+    return GenerateRequest.newBuilder()
+        .setRequestId(requestId).setText(prompt).setSamplingParams(params).build();
+  }
+
+  /** Reads one Generate stream to its end; abortAfterFirst aborts it after its first chunk. */
+  static Result runGenerate(InferenceServiceGrpc.InferenceServiceBlockingStub stub,
+      GenerateRequest request, boolean abortAfterFirst) {
+    Result result = new Result();
+    Iterator<GenerateResponse> chunks = stub.withDeadlineAfter(120, TimeUnit.SECONDS).generate(request);
+    while (chunks.hasNext()) {
+      result.add(chunks.next());
+      if (abortAfterFirst && !result.tokenIds.isEmpty()) {
+        abortAfterFirst = false;
+        stub.abort(AbortRequest.newBuilder().setRequestId(request.getRequestId()).build());
+      }
+    }
+    return result;
+  }
+
+  /**
+   * Starts the requests on one StreamGenerate stream, cancels {@code cancelled} after its first chunk
+   * and half-closes, then waits until the server ends the stream.
+   */
+  static Map<String, Result> runBidi(InferenceServiceGrpc.InferenceServiceStub stub,
+      List<GenerateRequest> requests, String cancelled) throws Exception {
+    Map<String, Result> results = new LinkedHashMap<>();
+    requests.forEach(r -> results.put(r.getRequestId(), new Result()));
+    CompletableFuture<Void> ended = new CompletableFuture<>();
+    // The request side is written from this thread and from gRPC's callback thread: guard it.
+    Object sendLock = new Object();
+    List<StreamObserver<StreamGenerateRequest>> sender = new ArrayList<>();
+    StreamObserver<StreamGenerateResponse> receiver = new StreamObserver<>() {
+      private boolean sentCancel;
+
+      @Override
+      public void onNext(StreamGenerateResponse event) {
+        if (event.hasError()) {
+          ended.completeExceptionally(new IllegalStateException("request " + event.getRequestId()
+              + " failed: code=" + event.getError().getCode() + " " + event.getError().getMessage()));
+          return;
+        }
+        results.get(event.getRequestId()).add(event.getChunk());
+        if (!sentCancel && event.getRequestId().equals(cancelled)) {
+          sentCancel = true;
+          synchronized (sendLock) {
+            StreamCancel cancel = StreamCancel.newBuilder().setRequestId(cancelled).build();
+            sender.get(0).onNext(StreamGenerateRequest.newBuilder().setCancel(cancel).build());
+            sender.get(0).onCompleted();
+          }
+        }
+      }
+
+      @Override
+      public void onError(Throwable t) {
+        ended.completeExceptionally(t);
+      }
+
+      @Override
+      public void onCompleted() {
+        ended.complete(null);
+      }
+    };
+    synchronized (sendLock) {
+      sender.add(stub.withDeadlineAfter(120, TimeUnit.SECONDS).streamGenerate(receiver));
+      for (GenerateRequest request : requests) {
+        sender.get(0).onNext(StreamGenerateRequest.newBuilder().setGenerate(request).build());
+      }
+    }
+    ended.get(120, TimeUnit.SECONDS);
+    return results;
+  }
+
+  public static void main(String[] args) throws Exception {
+    Map<String, String> flags = new LinkedHashMap<>(Map.of(
+        "--addr", "localhost:50051", "--prompt", "The quick brown fox",
+        "--max-tokens", "8", "--long-tokens", "200"));
+    for (int i = 0; i + 1 < args.length; i += 2) {
+      if (!flags.containsKey(args[i])) {
+        throw new IllegalArgumentException("unknown flag " + args[i] + "; known: " + flags.keySet());
+      }
+      flags.put(args[i], args[i + 1]);
+    }
+    String prompt = flags.get("--prompt");
+    int maxTokens = Integer.parseInt(flags.get("--max-tokens"));
+    int longTokens = Integer.parseInt(flags.get("--long-tokens"));
+
+    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr")).usePlaintext().build();
+    try {
+      var blocking = InferenceServiceGrpc.newBlockingStub(channel);
+      GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
+          .withWaitForReady().getModelInfo(GetModelInfoRequest.getDefaultInstance());
+      System.out.printf("model: name=%s max_model_len=%d%n", info.getModelName(), info.getMaxModelLen());
+
+      runGenerate(blocking, textRequest("java-generate", prompt, maxTokens), false)
+          .print("generate", "java-generate");
+      runGenerate(blocking, textRequest("java-abort", prompt, longTokens), true)
+          .print("abort", "java-abort");
+
+      List<GenerateRequest> requests = List.of(
+          textRequest("java-bidi-0", prompt, maxTokens), textRequest("java-bidi-1", prompt, longTokens));
+      Map<String, Result> results = runBidi(InferenceServiceGrpc.newStub(channel), requests, "java-bidi-1");
+      results.forEach((requestId, result) -> result.print("bidi", requestId));
+      System.out.println("done");
+    } finally {
+      channel.shutdownNow().awaitTermination(5, TimeUnit.SECONDS);
+    }
+  }
+}

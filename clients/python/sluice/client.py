@@ -1,0 +1,327 @@
+"""Typed Python clients for sluice.v1.InferenceService: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("localhost:50051") as client:
+        for chunk in client.generate(generate_request("Hello", max_tokens=32, temperature=0)):
+            print(chunk.text, end="", flush=True)
+
+Every RPC failure is raised as `SluiceError(code, message)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from sluice.v1 import sluice_pb2 as pb
+from sluice.v1 import sluice_pb2_grpc as pb_grpc
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class SluiceError(Exception):
+    """An RPC ended with a non-OK status; `code` is the grpc.StatusCode, `message` its details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> SluiceError:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        return cls(code, details or "")
+
+
+def generate_request(
+    text: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool | None = None,
+    logprobs: int | None = None,
+    skip_special_tokens: bool | None = None,
+) -> pb.GenerateRequest:
+    """Builds a GenerateRequest from one prompt form; sampling arguments left None take server defaults."""
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    if text is not None:
+        request.text = text
+    if token_ids is not None:
+        request.token_ids.token_ids.extend(token_ids)
+    if messages is not None:
+        request.messages.messages.extend(
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
+    optional = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": skip_special_tokens,
+    }
+    sampling = request.sampling_params
+    for name, value in optional.items():
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.stop.extend(stop)
+    sampling.stop_token_ids.extend(stop_token_ids)
+    return request
+
+
+@dataclass
+class Completion:
+    """A whole generation, collected from its chunks."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.Logprobs] = field(default_factory=list)
+    finish_reason: pb.FinishReason.ValueType = pb.FINISH_REASON_UNSPECIFIED
+    usage: pb.Usage | None = None
+    timings: pb.Timings | None = None
+
+    def add(self, chunk: pb.GenerateResponse) -> None:
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = chunk.finish_reason
+            self.usage = chunk.usage
+            self.timings = chunk.timings
+
+    @property
+    def finish_reason_name(self) -> str:
+        """ "stop", "length", "abort", "error", or "" while unfinished."""
+        name = pb.FinishReason.Name(self.finish_reason)
+        return (
+            ""
+            if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+            else name.removeprefix("FINISH_REASON_").lower()
+        )
+
+
+def _auth_metadata(api_key: str | None, metadata: Metadata) -> tuple[tuple[str, str], ...]:
+    auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (*auth, *metadata)
+
+
+class Client:
+    """Blocking client. `credentials` set means TLS; `api_key` is sent as a bearer token on every call."""
+
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        *,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=list(options))
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=list(options))
+        self._stub = pb_grpc.InferenceServiceStub(self._channel)
+        self._api_key = api_key
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> Iterator[pb.GenerateResponse]:
+        """Streams chunks; leaving the loop early cancels the call (the server then aborts the request)."""
+        call = self._stub.Generate(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata))
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    def complete(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> Completion:
+        """Runs one request to its end and returns the collected text, tokens, usage and timings."""
+        completion = Completion()
+        for chunk in self.generate(request, timeout=timeout, metadata=metadata):
+            completion.add(chunk)
+        return completion
+
+    def stream_generate(
+        self,
+        requests: Iterable[pb.StreamGenerateRequest],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+    ) -> Iterator[pb.StreamGenerateResponse]:
+        """Many requests on one bidirectional stream; responses are tagged with their request_id."""
+        call = self._stub.StreamGenerate(
+            iter(requests), timeout=timeout, metadata=_auth_metadata(self._api_key, metadata)
+        )
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        request = _tokenize_request(text, messages, add_special_tokens)
+        return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
+
+    def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
+        try:
+            return method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+
+
+def _tokenize_request(
+    text: str | None, messages: Sequence[Mapping[str, str]] | None, add_special_tokens: bool | None
+) -> pb.TokenizeRequest:
+    request = pb.TokenizeRequest()
+    if text is not None:
+        request.text = text
+    if messages is not None:
+        request.messages.messages.extend(
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    return request
+
+
+class AsyncClient:
+    """asyncio client with the same methods as `Client`, awaited; streams are async iterators."""
+
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        *,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=list(options))
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=list(options))
+        self._stub = pb_grpc.InferenceServiceStub(self._channel)
+        self._api_key = api_key
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata))
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    async def complete(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> Completion:
+        completion = Completion()
+        async for chunk in self.generate(request, timeout=timeout, metadata=metadata):
+            completion.add(chunk)
+        return completion
+
+    async def stream_generate(
+        self,
+        requests: AsyncIterable[pb.StreamGenerateRequest] | Iterable[pb.StreamGenerateRequest],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        call = self._stub.StreamGenerate(
+            requests, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata)
+        )
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        request = _tokenize_request(text, messages, add_special_tokens)
+        return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def _unary(
+        self, method: grpc.aio.UnaryUnaryMultiCallable, request: object, timeout: float | None
+    ) -> object:
+        try:
+            return await method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None

@@ -1,0 +1,206 @@
+"""asyncio front of the engine: the step loop runs in a background thread, requests stream outputs.
+
+event loop (callers)                       engine thread
+--------------------                       -------------
+add_request() --validate--> inbox  ----->  engine.add_request()
+abort()       ------------> inbox  ----->  engine.abort()       (before the next step)
+per-request asyncio.Queue  <--call_soon_threadsafe--  engine.step() outputs
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.model_loader import ModelSource
+from engine.outputs import EngineStats, RequestOutput
+from engine.prompt import check_prompt, resolve_prompt
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Thread-safe, asyncio-facing engine. Construct (blocking: loads the model), then `await start()`."""
+
+    def __init__(
+        self, config: EngineConfig, max_queue: int | None = None, source: ModelSource | None = None
+    ) -> None:
+        self._engine = Engine(config, source)
+        self.tokenizer = self._engine.tokenizer
+        self.model_info = self._engine.model_info
+        self._max_queue = max_queue
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stats = self._engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Aborts what is still running and stops the engine thread."""
+        if self._thread is None:
+            return
+        for request_id in list(self._streams):
+            self._inbox.put(_Abort(request_id))
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        text: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validates now (raising InvalidRequestError, ContextLengthError, QueueFullError), then streams.
+
+        Abandoning the returned iterator (cancelling the task that awaits it, or `aclose()`) aborts the
+        request, so its KV blocks are freed before the next engine step.
+        """
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
+        if not request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt = resolve_prompt(self.tokenizer, text=text, token_ids=token_ids, messages=messages)
+        info = self.model_info
+        check_prompt(
+            prompt,
+            params,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            has_tokenizer=self.tokenizer is not None,
+        )
+        num_queued = len(self._streams) - self._stats.num_running
+        if self._max_queue is not None and num_queued >= self._max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = outputs
+        self._inbox.put(_Add(request_id, prompt, params, priority, cache_salt, time.time()))
+        return self._stream(request_id, outputs)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a live request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        if request_id in self._streams:
+            self._inbox.put(_Abort(request_id))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def _stream(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+            self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        """The engine thread: apply commands, step while there is work, hand outputs to the loop."""
+        try:
+            while self._apply_commands(block=not self._engine.has_unfinished_requests()):
+                self._publish(self._engine.step())
+        except BaseException as exc:  # the loop must report, never die silently
+            logger.exception("engine loop failed")
+            self._error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Drains the inbox (waiting for one command when idle). False once shutdown was asked."""
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                self._publish(self._engine.abort([command.request_id]))
+            else:
+                self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self._engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                priority=command.priority,
+                cache_salt=command.cache_salt,
+                arrival_time=command.arrival_time,
+            )
+        except InvalidRequestError as exc:
+            self._loop.call_soon_threadsafe(self._deliver_error, command.request_id, exc)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Refreshes the stats snapshot and hands outputs to the event loop."""
+        self._stats = self._engine.stats()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)

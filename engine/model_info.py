@@ -1,0 +1,20 @@
+"""What a server tells clients about the model it serves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_size * self.num_kv_blocks

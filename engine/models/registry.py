@@ -1,0 +1,24 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+# Mistral and Qwen2 are Llama with a sliding window / q,k,v biases, both read from ModelArchConfig.
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """Raises ValueError naming the supported architectures when `architecture` is not one."""
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architectures: {architecture!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
+        ) from None

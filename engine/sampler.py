@@ -1,0 +1,204 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded generators, logprobs.
+
+Order per row (transformers / vLLM semantics):
+  raw logits --(logprobs are taken here: log_softmax of the raw model logits)
+  -> min_tokens mask (eos and stop_token_ids get -inf until min_tokens outputs exist)
+  -> repetition penalty on prompt + output tokens (positive logits divided, negative multiplied)
+  -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
+  -> greedy rows: argmax;  random rows: / temperature -> top_k -> top_p -> min_p -> draw
+Draws use the exponential race argmax(p / q), q ~ Exp(1), which picks token i with probability p_i; each
+seeded request draws its q from its own generator, so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import Logprobs, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of the logits batch: the request it samples for and the tokens it has seen."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: Logprobs | None
+
+
+class Sampler:
+    """Samples one token per logits row. Holds the generators of seeded requests until `free`."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Drop the per-request generators of finished requests."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """logits: [num_rows, vocab] float32, row i belongs to rows[i]. Does not modify `logits`."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        logits = logits.float()
+        processed = apply_min_tokens(logits.clone(), rows)
+        processed = apply_penalties(processed, rows)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            token_ids[greedy] = processed[greedy].argmax(dim=-1)
+        if random:
+            sub_rows = [rows[i] for i in random]
+            probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
+            token_ids[random] = self._draw(probs, sub_rows)
+        return self._attach_logprobs(logits, rows, token_ids)
+
+    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # probs: [m, vocab]; q: [m, vocab] ~ Exp(1). argmax(probs / q) is a draw from probs.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
+        if unseeded:
+            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self._shared(probs.device))
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                q[i].exponential_(generator=self._for_request(row, probs.device))
+        # q == 0 would make 0 / 0 = nan for filtered tokens, and argmax picks nan.
+        return (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            if self._seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self._seed)
+        return self._generator
+
+    def _for_request(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        generator = self._request_generators.get(row.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(row.params.seed)
+            self._request_generators[row.request_id] = generator
+        return generator
+
+    def _attach_logprobs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    ) -> list[SampledToken]:
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        ids = token_ids.tolist()
+        if not wanted:
+            return [SampledToken(token_id, None) for token_id in ids]
+        logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        sampled = logprobs.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1).tolist()
+        top = logprobs.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        by_row: dict[int, Logprobs] = {}
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[j][:n], top_values[j][:n], strict=True))
+            by_row[i] = Logprobs(sampled=TokenLogprob(ids[i], sampled[j]), top=top)
+        return [SampledToken(token_id, by_row.get(i)) for i, token_id in enumerate(ids)]
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """In place: ban eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs."""
+    vocab = logits.shape[1]
+    row_idx, col_idx = [], []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        banned = set(row.params.stop_token_ids)
+        if not row.params.ignore_eos:
+            banned |= row.eos_token_ids
+        cols = [t for t in banned if t < vocab]
+        row_idx += [i] * len(cols)
+        col_idx += cols
+    if row_idx:
+        logits[row_idx, col_idx] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """In place: repetition (prompt + output), frequency and presence (output only) penalties."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = (
+            _token_counts(
+                [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep], vocab, device
+            )
+            > 0
+        )
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device).unsqueeze(1)
+        sub = logits[rep]
+        scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[rep] = torch.where(seen, scaled, sub)
+    freq = [i for i, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
+    if freq:
+        counts = _token_counts([list(rows[i].output_token_ids) for i in freq], vocab, device)
+        f = torch.tensor([rows[i].params.frequency_penalty for i in freq], device=device).unsqueeze(1)
+        p = torch.tensor([rows[i].params.presence_penalty for i in freq], device=device).unsqueeze(1)
+        logits[freq] = logits[freq] - f * counts - p * (counts > 0).float()
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top_k, top_p, min_p; filtered-out entries become -inf. Returns a new tensor."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    logits = logits / temperature
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        too_unlikely = probs < min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_unlikely, float("-inf"))
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # logits: [m, vocab]; top_k: [m] (vocab = off); top_p: [m] (1.0 = off).
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # transformers removes a token when the ascending cumulative mass up to it is <= 1 - top_p, i.e. when the
+    # tokens ranked above it already hold >= top_p of the mass. The top token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts; ids >= vocab are ignored. One host->device copy."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
+    token_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+    row_ids = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    keep = token_ids < vocab
+    token_ids, row_ids = token_ids[keep].to(device), row_ids[keep].to(device)
+    counts = torch.zeros((len(token_lists), vocab), device=device)
+    counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
+    return counts

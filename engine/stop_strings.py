@@ -1,0 +1,58 @@
+"""Finds stop strings in streamed text, holding back only what could still become one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopStringMatcher:
+    """Feed text pieces with `push`; it returns what is safe to emit.
+
+    Invariant: the held-back text is the longest suffix of the unemitted text that is a proper prefix of some
+    stop string, so at most (longest stop string - 1) characters are held, and a stop string that spans
+    several pieces is still found. Once `matched` is set, the text from the stop string on is dropped.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        self.stop_strings = tuple(stop_strings)
+        self.matched: str | None = None
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        """Append `text`; return the newly emittable text (empty once a stop string matched)."""
+        if self.matched is not None:
+            return ""
+        pending = self._held + text
+        if not self.stop_strings:
+            return pending
+        stop_at, stop = self._first_match(pending)
+        if stop is not None:
+            self.matched = stop
+            self._held = ""
+            return pending[:stop_at]
+        keep = self._partial_suffix_len(pending)
+        self._held = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]
+
+    def flush(self) -> str:
+        """Release the held-back text (the stream ended without completing a stop string)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_match(self, text: str) -> tuple[int, str | None]:
+        # Earliest occurrence wins; on a tie, the stop string listed first.
+        best_at, best = len(text), None
+        for stop in self.stop_strings:
+            at = text.find(stop)
+            if at != -1 and at < best_at:
+                best_at, best = at, stop
+        return best_at, best
+
+    def _partial_suffix_len(self, text: str) -> int:
+        longest = 0
+        for stop in self.stop_strings:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

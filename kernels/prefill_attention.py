@@ -1,0 +1,207 @@
+"""Variable-length causal attention over the paged KV cache (prefill chunks, prefix-cache hits, decodes).
+
+Queries of many sequences are concatenated; sequence s owns rows query_start_loc[s] : query_start_loc[s+1].
+Its K/V (cached prefix and this step's tokens, already written by `store_kv`) are read from the cache:
+
+    context positions   0 ........ prefix_len-1 | prefix_len ........ seq_len-1
+                        cached by earlier steps  | new tokens = this step's query rows
+    query row j sits at position prefix_len + j and sees positions <= its own.
+
+Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): one program per tile of BLOCK_M query rows
+of one head; the online softmax runs over BLOCK_N context positions at a time, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+
+_BLOCK_M = 16
+_BLOCK_N = 16
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if q_tile * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - query_len
+    kv_head = head // QUERIES_PER_KV
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM_PAD)
+    row_mask = rows < query_len
+    dim_mask = dims < HEAD_DIM
+    q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    query_positions = prefix_len + rows  # [BLOCK_M]
+    # The last row of this tile sees up to its own position; nothing later is loaded.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    # Every row sees position 0 in the first tile, so running_max is finite from then on (no NaN).
+    for tile_start in range(0, kv_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        pos_mask = positions < kv_end
+        blocks = tl.load(
+            block_tables_ptr + seq * stride_bt_seq + positions // BLOCK_SIZE, mask=pos_mask, other=0
+        )
+        offsets = positions % BLOCK_SIZE
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k_rows = k_cache_ptr + blocks * stride_k_block + offsets * stride_k_slot + kv_head * stride_k_head
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        visible = (positions[None, :] <= query_positions[:, None]) & pos_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        probs = tl.exp(scores - new_max[:, None])
+        alpha = tl.exp(running_max - new_max)
+        running_sum = running_sum * alpha + tl.sum(probs, axis=1)
+        v_rows = v_cache_ptr + blocks * stride_v_block + offsets * stride_v_slot + kv_head * stride_v_head
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    out = acc / running_sum[:, None]
+    o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + dims[None, :]
+    tl.store(
+        out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :]
+    )
+
+
+def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_heads, head_dim = q.shape[1:]
+    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
+    check_same_dtype("k_cache", k_cache, q.dtype)
+    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_same_dtype("v_cache", v_cache, q.dtype)
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} does not match q's {head_dim}")
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(
+            f"q: num_heads {num_heads} is not a multiple of k_cache's num_kv_heads {k_cache.shape[2]}"
+        )
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=q.device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: {block_tables.shape[0]} rows, expected num_seqs={num_seqs}")
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
+
+    query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, max_blocks]
+    int32; `max_query_len` >= every query length (sets the grid). Returns [num_tokens, num_heads, head_dim]
+    (written into `out` when given).
+    """
+    _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    out = output_like("out", out, q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _BLOCK_M))
+    _prefill_attention_kernel[grid](
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain PyTorch version of `prefill_attention`: gather each context, mask, softmax in fp32."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    out = torch.empty_like(q)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[s], starts[s + 1])
+        query_len = starts[s + 1] - starts[s]
+        positions = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[s, positions // block_size].long()
+        k = (
+            k_cache[blocks, positions % block_size]
+            .float()
+            .repeat_interleave(num_heads // num_kv_heads, dim=1)
+        )
+        v = (
+            v_cache[blocks, positions % block_size]
+            .float()
+            .repeat_interleave(num_heads // num_kv_heads, dim=1)
+        )
+        scores = torch.einsum("qhd,thd->hqt", q[rows].float(), k) * scale
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        scores = scores.masked_fill(positions[None, None, :] > query_positions[None, :, None], float("-inf"))
+        out[rows] = torch.einsum("hqt,thd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

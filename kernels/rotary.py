@@ -1,0 +1,159 @@
+"""Rotary position embedding (the "rotate half" / NeoX layout used by Llama, Mistral and Qwen2).
+
+    cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)]        [max_position, head_dim] fp32
+    x = [x1 | x2]  (halves of head_dim)  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
+
+`build_cos_sin_cache` computes inv_freq like `transformers` (plain, or "llama3" scaled).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model_arch import RopeScaling
+from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] fp32; with `rope_scaling` the Llama 3.1 recipe is applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    if rope_scaling is None:
+        return inv_freq
+    factor = rope_scaling.factor
+    low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
+    old_context = rope_scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin."""
+    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr, dst_ptr, token, stride_src_token, stride_src_head, stride_dst_token, stride_dst_head,
+    cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    heads = tl.arange(0, HEADS_PAD)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < HALF)
+    src = src_ptr + token * stride_src_token + heads[:, None] * stride_src_head + cols[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + token * stride_dst_token + heads[:, None] * stride_dst_head + cols[None, :]
+    tl.store(dst, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
+    tl.store(dst + HALF, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+    stride_qo_token, stride_qo_head, stride_ko_token, stride_ko_head, stride_cache,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    # One program per token: all its q heads and k heads share one cos/sin row.
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    cols = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_sin_ptr + position * stride_cache + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * stride_cache + HALF + cols, mask=cols < HALF, other=0.0)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
+                  cos, sin, NUM_HEADS, HEADS_PAD, HALF, HALF_PAD)  # fmt: skip
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,
+                  cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)  # fmt: skip
+
+
+def _check_rotary_args(positions, q, k, cos_sin_cache) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q: head_dim {head_dim} must be even")
+    check_tensor("k", k, ndim=3, device=q.device)
+    check_same_dtype("k", k, q.dtype)
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k: expected [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(k.shape)}")
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
+    check_shape("positions", positions, (num_tokens,))
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,), device=q.device)
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(
+            f"cos_sin_cache: expected [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+        )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    inplace: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] by
+    `positions` [num_tokens] (every entry < cos_sin_cache.shape[0]). q and k may be strided views
+    (e.g. of a fused qkv projection). Returns (q, k) when `inplace`; otherwise writes `out`
+    (q_out, k_out) when given, else new tensors."""
+    _check_rotary_args(positions, q, k, cos_sin_cache)
+    if inplace:
+        if out is not None:
+            raise ValueError("out: must be None when inplace=True")
+        q_out, k_out = q, k
+    else:
+        q_out = output_like("out[0]", out[0] if out is not None else None, q)
+        k_out = output_like("out[1]", out[1] if out is not None else None, k)
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q_out, k_out
+    num_kv_heads = k.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch version of `rotary_embedding` (out of place, fp32 math, one rounding)."""
+    half = q.shape[-1] // 2
+    cos = cos_sin_cache[positions.long(), :half][:, None, :]
+    sin = cos_sin_cache[positions.long(), half:][:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float()[..., :half], x.float()[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

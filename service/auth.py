@@ -1,0 +1,72 @@
+"""API-key authentication: every call must carry `authorization: Bearer <key>` metadata.
+
+Health checks are exempt, so load balancers and probes need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+_BEARER = "bearer "
+
+
+def _service_of(method: str) -> str:
+    """'/pkg.Service/Method' -> 'pkg.Service'."""
+    return method.lstrip("/").split("/", 1)[0]
+
+
+def check_api_key(metadata: Sequence[tuple[str, str | bytes]] | None, api_key: str) -> str | None:
+    """None if the metadata carries the key; otherwise the reason it does not, naming the header."""
+    values = [v for k, v in metadata or () if k == "authorization" and isinstance(v, str)]
+    if not values:
+        return "authorization: missing; send 'authorization: Bearer <api key>' metadata"
+    value = values[0]
+    if not value.lower().startswith(_BEARER):
+        return "authorization: must be 'Bearer <api key>'"
+    if not hmac.compare_digest(value[len(_BEARER) :].strip().encode(), api_key.encode()):
+        return "authorization: invalid API key"
+    return None
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+
+    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, **serializers)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **serializers)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, **serializers)
+    return grpc.unary_unary_rpc_method_handler(deny, **serializers)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the right bearer key with UNAUTHENTICATED, before any handler runs."""
+
+    def __init__(self, api_key: str, exempt_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
+        if not api_key:
+            raise ValueError("api_key: must not be empty")
+        self._api_key = api_key
+        self._exempt = frozenset(exempt_services)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or _service_of(handler_call_details.method) in self._exempt:
+            return handler
+        reason = check_api_key(handler_call_details.invocation_metadata, self._api_key)
+        return handler if reason is None else _denying_handler(handler, reason)

@@ -1,0 +1,140 @@
+"""Pure conversions between sluice.v1 messages and engine types. No I/O, no grpc calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.v1 import sluice_pb2 as pb
+
+from engine.model_info import ModelInfo
+from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
+from engine.sampling_params import SamplingParams
+
+# Scalar SamplingParams fields that are proto3 `optional`: copied only when the caller set them.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt of a GenerateRequest in the keyword form `AsyncEngine.add_request` takes."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+    def as_kwargs(self) -> dict[str, object]:
+        return {"text": self.text, "token_ids": self.token_ids, "messages": self.messages}
+
+    @property
+    def operation(self) -> str:
+        """The gen_ai.operation.name of a request with this prompt."""
+        return "chat" if self.messages is not None else "text_completion"
+
+
+def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """Absent optional fields keep SamplingParams' defaults; raises ValueError naming a bad field."""
+    kwargs: dict[str, object] = {
+        name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(name)
+    }
+    kwargs["stop"] = tuple(message.stop)
+    kwargs["stop_token_ids"] = tuple(message.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def messages_from_proto(message: pb.ChatMessages) -> tuple[dict[str, str], ...]:
+    return tuple({"role": m.role, "content": m.content} for m in message.messages)
+
+
+def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
+    """Maps the `prompt` oneof; an unset oneof is an empty prompt, which the engine rejects."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return Prompt(token_ids=tuple(request.token_ids.token_ids))
+    if kind == "messages":
+        return Prompt(messages=messages_from_proto(request.messages))
+    return Prompt(text=request.text)
+
+
+def _token_logprob_to_proto(value: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=value.token_id, logprob=value.logprob)
+
+
+def logprobs_to_proto(value: Logprobs) -> pb.Logprobs:
+    return pb.Logprobs(
+        sampled=_token_logprob_to_proto(value.sampled),
+        top=[_token_logprob_to_proto(t) for t in value.top],
+    )
+
+
+def usage_to_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
+
+
+def timings_to_proto(timings: Timings) -> pb.Timings:
+    """Seconds since arrival; an event that never happened (e.g. aborted while queued) reads 0."""
+    return pb.Timings(
+        queue_seconds=timings.queue_seconds or 0.0,
+        ttft_seconds=timings.ttft_seconds or 0.0,
+        total_seconds=timings.total_seconds or 0.0,
+    )
+
+
+def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.GenerateResponse:
+    """One engine delta as one chunk, named by the caller's request id (not the engine's)."""
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        text=output.text,
+        token_ids=output.token_ids,
+        logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
+    )
+    if output.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[output.finish_reason]
+    if isinstance(output.stop_reason, str):
+        response.stop_string = output.stop_reason
+    elif isinstance(output.stop_reason, int):
+        response.stop_token_id = output.stop_reason
+    if not output.finished:  # usage and timings go out once, on the last chunk
+        return response
+    if output.usage is not None:
+        response.usage.CopyFrom(usage_to_proto(output.usage))
+    if output.timings is not None:
+        response.timings.CopyFrom(timings_to_proto(output.timings))
+    return response
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_name=info.name,
+        architecture=info.architecture,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+    )

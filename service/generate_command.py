@@ -1,0 +1,66 @@
+"""`sluice generate`: stream one completion from a running server to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from sluice.client import Client, SluiceError, generate_request
+
+NAME = "generate"
+HELP = "Stream a completion from a Sluice server; tokens/s and time to first token go to stderr."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    parser.add_argument("--target", default="localhost:50051", help="HOST:PORT of the server")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a chat user message")
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: server's)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
+    parser.add_argument("--timeout", type=float, default=None, help="call deadline in seconds")
+
+
+def _request(args: argparse.Namespace):
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+    if not args.chat:
+        return generate_request(args.prompt, **sampling)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    return generate_request(messages=messages, **sampling)
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    first_token: float | None = None
+    num_tokens = 0
+    try:
+        with Client(args.target, api_key=args.api_key) as client:
+            for chunk in client.generate(_request(args), timeout=args.timeout):
+                if chunk.token_ids and first_token is None:
+                    first_token = time.perf_counter()
+                num_tokens += len(chunk.token_ids)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except SluiceError as exc:
+        print(f"\nsluice generate: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    ttft_ms = (first_token - start) * 1000 if first_token is not None else float("nan")
+    decode_seconds = elapsed - (first_token - start) if first_token is not None else elapsed
+    rate = (num_tokens - 1) / decode_seconds if num_tokens > 1 and decode_seconds > 0 else float("nan")
+    print(
+        f"{num_tokens} tokens in {elapsed:.2f}s: {rate:.1f} tokens/s, TTFT {ttft_ms:.0f} ms", file=sys.stderr
+    )
+    return 0

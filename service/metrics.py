@@ -1,0 +1,134 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (so a process can host several)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats, RequestOutput
+
+# Latency buckets in seconds: sub-millisecond decode steps up to minute-long requests.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges (and the engine's cumulative preemption count) read from `stats()` at every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:  # the model is still loading
+            return
+        yield GaugeMetricFamily(
+            "sluice_num_requests_running", "Requests in the running batch.", stats.num_running
+        )
+        yield GaugeMetricFamily(
+            "sluice_num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", stats.kv_usage
+        )
+        yield GaugeMetricFamily(
+            "sluice_kv_cache_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used
+        )
+        yield CounterMetricFamily(
+            "sluice_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions
+        )
+
+
+class RequestTracker:
+    """Observes one request's outputs as they stream; `finish` records its totals once."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last_token_time: float | None = None
+
+    def on_output(self, output: RequestOutput) -> None:
+        """Inter-token latency: time between chunks, spread over the tokens of the later chunk."""
+        if not output.token_ids:
+            return
+        now = time.monotonic()
+        if self._last_token_time is not None:
+            gap = (now - self._last_token_time) / len(output.token_ids)
+            for _ in output.token_ids:
+                self._metrics.inter_token_latency.observe(gap)
+        self._last_token_time = now
+
+    def finish(self, final: RequestOutput | None) -> None:
+        """Counts the request's tokens, finish reason and latencies; `final` is None if it never finished."""
+        if final is None:
+            return
+        m = self._metrics
+        m.requests.labels(finish_reason=final.finish_reason).inc()
+        if final.usage is not None:
+            m.prompt_tokens.inc(final.usage.prompt_tokens)
+            m.generation_tokens.inc(final.usage.completion_tokens)
+            m.cached_tokens.inc(final.usage.cached_tokens)
+        timings = final.timings
+        if timings is None:
+            return
+        for histogram, seconds in (
+            (m.queue_time, timings.queue_seconds),
+            (m.time_to_first_token, timings.ttft_seconds),
+            (m.e2e_latency, timings.total_seconds),
+        ):
+            if seconds is not None:
+                histogram.observe(seconds)
+
+
+class ServerMetrics:
+    """All metrics of one server. `serve(port)` exposes them at http://host:port/metrics."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.time_to_first_token = histogram("sluice_time_to_first_token_seconds", "Arrival to first token.")
+        self.inter_token_latency = histogram("sluice_inter_token_latency_seconds", "Between output tokens.")
+        self.e2e_latency = histogram("sluice_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = histogram("sluice_queue_time_seconds", "Arrival to first scheduled.")
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens.", registry=r)
+        self.cached_tokens = Counter(
+            "sluice_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.requests = Counter(
+            "sluice_requests", "Finished generation requests by finish reason.", ["finish_reason"], registry=r
+        )
+        self.rpc_status = Counter(
+            "sluice_rpc_requests",
+            "Requests by method and final gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        r.register(EngineStatsCollector(stats))
+        self._http_server = None
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def record_status(self, method: str, code: grpc.StatusCode) -> None:
+        self.rpc_status.labels(method=method, code=code.name).inc()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
+        self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http_server.server_port
+
+    def close(self) -> None:
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None

@@ -1,0 +1,135 @@
+"""`sluice serve`: load a model and serve sluice.v1.InferenceService until SIGTERM / SIGINT drains it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+
+from engine.async_engine import AsyncEngine
+from engine.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.server import ServerConfig, SluiceServer, TlsConfig
+from service.tracing import tracer_provider_from_env
+
+NAME = "serve"
+HELP = "Serve a model over gRPC (health, reflection, /metrics, OpenTelemetry via OTEL_* variables)."
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+
+logger = logging.getLogger("sluice.serve")
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '2G', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"kv-cache-memory: cannot read size {text!r} (e.g. 4GiB, 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="Hugging Face directory or .gguf file (default: the embedded model)")
+    source.add_argument("--preset", help="random weights in a named shape (engine.presets)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
+    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    parser.add_argument("--tls-cert", help="PEM server certificate")
+    parser.add_argument("--tls-key", help="PEM server private key")
+    parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate (mTLS)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_size, default=None, help="KV cache size on CPU, e.g. 2GiB"
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of random (preset) weights")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    cache_kwargs = {} if args.kv_cache_memory is None else {"kv_cache_memory_bytes": args.kv_cache_memory}
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            load_format="dummy" if args.preset else "auto",
+            preset=args.preset,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, **cache_kwargs
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+        ),
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("tls-cert: --tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("tls-client-ca: needs --tls-cert and --tls-key")
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        grace_period=args.grace_period,
+        metrics_port=args.metrics_port,
+        tls=tls,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain, exit 0."""
+    config = engine_config(args)
+    server = SluiceServer(server_config(args), tracer_provider=tracer_provider_from_env())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    engine = await asyncio.to_thread(AsyncEngine, config, args.max_queue)
+    await engine.start()
+    await server.attach_engine(engine)
+    metrics = f" metrics_port={server.metrics_port}" if server.metrics_port is not None else ""
+    print(f"sluice ready: model={engine.model_info.name} port={port}{metrics}", flush=True)
+    await stop.wait()
+    logger.info("draining (grace period %.1fs)", server.config.grace_period)
+    await server.drain()
+    await engine.shutdown()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_config(args)
+        server_config(args)
+    except ValueError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))

@@ -1,0 +1,152 @@
+"""The grpc.aio server: InferenceService, health, reflection, auth, TLS, metrics endpoint, and drain.
+
+Life of a server:
+    start()          port bound, health NOT_SERVING, InferenceService answers UNAVAILABLE
+    attach_engine()  health SERVING
+    drain()          health NOT_SERVING, new calls UNAVAILABLE, in-flight requests get
+                     `grace_period` seconds, the rest are aborted; then the server stops
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from sluice.v1 import sluice_pb2, sluice_pb2_grpc
+
+from engine.async_engine import AsyncEngine
+from service.auth import ApiKeyInterceptor
+from service.metrics import ServerMetrics
+from service.servicer import InferenceServicer
+
+logger = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Server certificate and key (PEM files); `client_ca` set means clients must present a cert (mTLS)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        key_pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]
+        client_ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            key_pair, root_certificates=client_ca, require_client_auth=client_ca is not None
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0 picks a free port
+    api_key: str | None = None
+    grace_period: float = 30.0
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0 picks a free port
+    tls: TlsConfig | None = None
+    max_message_bytes: int = 64 << 20
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("port: must be in [0, 65535]")
+        if self.grace_period < 0:
+            raise ValueError("grace_period: must be >= 0")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+
+class SluiceServer:
+    """One gRPC server with its own metrics registry; the engine is attached once loaded."""
+
+    def __init__(self, config: ServerConfig, tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.servicer = InferenceServicer(self.metrics, tracer_provider)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
+        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
+        sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (INFERENCE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls is not None:
+            self.port = server.add_secure_port(address, self.config.tls.credentials())
+        else:
+            self.port = server.add_insecure_port(address)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+        return self.port
+
+    async def attach_engine(self, engine: AsyncEngine) -> None:
+        """Starts serving requests on a started engine."""
+        self.engine = engine
+        self.servicer.attach(engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def begin_drain(self) -> None:
+        """Health NOT_SERVING and new calls UNAVAILABLE; in-flight requests go on."""
+        self.servicer.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self, grace_period: float | None = None) -> None:
+        """Stops taking requests, waits up to the grace period for in-flight ones, aborts the rest, stops."""
+        grace = self.config.grace_period if grace_period is None else grace_period
+        await self.begin_drain()
+        runner = self.servicer.runner
+        deadline = time.monotonic() + grace
+        while runner is not None and runner.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if runner is not None and (num_aborted := await runner.abort_all()):
+            logger.warning("grace period over: aborted %d in-flight requests", num_aborted)
+        await self.stop(grace=1.0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops the gRPC server (cancelling calls still open after `grace`) and the metrics endpoint."""
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        self.metrics.close()
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", INFERENCE_SERVICE):
+            await self.health.set(service, status)

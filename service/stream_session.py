@@ -1,0 +1,125 @@
+"""One StreamGenerate call: many concurrent generation requests multiplexed over a bidirectional stream.
+
+    client ──StreamGenerateRequest──> _read ──generate──> one _pump task per request ──┐
+                                            └─cancel────> engine.abort                 │
+    client <──StreamGenerateResponse── run() <── outbox (chunks and in-band errors) <──┘
+
+A request's error goes out in-band (RequestError) and the stream goes on. Half-close lets the
+outstanding requests finish, then ends the stream. Cancelling the call cancels every pump, and each
+pump's generation iterator aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+from sluice.v1 import sluice_pb2 as pb
+
+from service.generation import GenerationRunner
+from service.status import ServiceUnavailableError, status_for
+
+StatusRecorder = Callable[[str, grpc.StatusCode], None]
+
+# Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
+_METHOD = "StreamGenerate.request"
+
+
+class StreamSession:
+    """Serves one StreamGenerate call. Request ids are the client's, unique among its live requests."""
+
+    def __init__(
+        self,
+        runner: GenerationRunner,
+        metadata: Sequence[tuple[str, str | bytes]],
+        check_accepting: Callable[[], None],
+        record_status: StatusRecorder,
+    ) -> None:
+        self._runner = runner
+        self._metadata = metadata
+        self._check_accepting = check_accepting
+        self._record_status = record_status
+        # Engine ids are namespaced per stream so two streams may both use request_id "1".
+        self._prefix = f"stream-{uuid.uuid4().hex[:12]}/"
+        self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+
+    async def run(
+        self, requests: AsyncIterator[pb.StreamGenerateRequest]
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        """Yields every request's chunks as they come; ends after half-close and the last request."""
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            while (response := await self._outbox.get()) is not None:
+                yield response
+            await reader  # re-raises a failure of the request stream itself
+        finally:
+            tasks = [reader, *self._pumps.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
+        try:
+            async for message in requests:
+                action = message.WhichOneof("action")
+                if action == "generate":
+                    self._start(message.generate)
+                elif action == "cancel":
+                    await self._cancel(message.cancel.request_id)
+                else:
+                    self._send_error("", ValueError("action: set generate or cancel"))
+            # Half-closed: let the outstanding requests finish, then end the stream.
+            while self._pumps:
+                await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        finally:
+            self._outbox.put_nowait(None)
+
+    def _start(self, request: pb.GenerateRequest) -> None:
+        request_id = request.request_id
+        try:
+            self._check_accepting()
+            if not request_id:
+                raise ValueError("request_id: must not be empty on StreamGenerate")
+            if request_id in self._pumps:
+                raise ValueError(f"request_id: {request_id!r} is already in use on this stream")
+        except (ValueError, ServiceUnavailableError) as exc:
+            self._send_error(request_id, exc)
+            return
+        task = asyncio.create_task(self._pump(request))
+        self._pumps[request_id] = task
+        task.add_done_callback(lambda done: self._forget(request_id, done))
+
+    async def _cancel(self, request_id: str) -> None:
+        """Aborts one live request; its last chunk has FINISH_REASON_ABORT. Unknown or finished ids are
+        ignored, since a cancel may race with the request's natural end."""
+        if request_id in self._pumps:
+            await self._runner.engine.abort(self._prefix + request_id)
+
+    async def _pump(self, request: pb.GenerateRequest) -> None:
+        request_id = request.request_id
+        chunks = self._runner.run(request, self._prefix + request_id, self._metadata)
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    self._outbox.put_nowait(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
+        except Exception as exc:
+            self._send_error(request_id, exc)
+        else:
+            self._record_status(_METHOD, grpc.StatusCode.OK)
+        finally:
+            # Forget the id in the same step as its last message, so the client may reuse it at once.
+            self._forget(request_id, asyncio.current_task())
+
+    def _forget(self, request_id: str, task: asyncio.Task[None] | None) -> None:
+        if self._pumps.get(request_id) is task:
+            del self._pumps[request_id]
+
+    def _send_error(self, request_id: str, exc: BaseException) -> None:
+        code, message = status_for(exc)
+        self._record_status(_METHOD, code)
+        error = pb.RequestError(code=code.value[0], message=message)
+        self._outbox.put_nowait(pb.StreamGenerateResponse(request_id=request_id, error=error))

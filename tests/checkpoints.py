@@ -1,0 +1,154 @@
+"""Tiny random-weight checkpoints in the Hugging Face layout, built with transformers itself.
+
+Every builder writes config.json, safetensors weights (float32), generation_config.json and a
+byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json with a ChatML chat template) trained
+here with the `tokenizers` library. Same arguments, same bytes: all randomness is seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+VOCAB_SIZE = 512
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)  # ids 0, 1, 2, 3
+BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(4)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Shared shape: 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16.
+_SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+
+def build_llama_checkpoint(directory: str, *, max_shard_size: str | None = None, seed: int = 0) -> str:
+    """Llama 3.1-style: rope_scaling "llama3" (active at these positions) and tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(**_SHAPE, rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    return _save(LlamaForCausalLM(config), directory, max_shard_size, seed)
+
+
+def build_mistral_checkpoint(directory: str, *, max_shard_size: str | None = None, seed: int = 1) -> str:
+    """Mistral: untied lm_head, rope_theta 1e6, sliding window wider than the context."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**_SHAPE, rope_theta=1e6, sliding_window=4096, tie_word_embeddings=False)
+    return _save(MistralForCausalLM(config), directory, max_shard_size, seed)
+
+
+def build_qwen2_checkpoint(directory: str, *, max_shard_size: str | None = "100KB", seed: int = 2) -> str:
+    """Qwen2: q/k/v biases, rms_norm_eps 1e-6; sharded over several safetensors files by default."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_SHAPE, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    return _save(Qwen2ForCausalLM(config), directory, max_shard_size, seed)
+
+
+def _save(model: torch.nn.Module, directory: str, max_shard_size: str | None, seed: int) -> str:
+    randomize_weights(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}, f)
+    save_tokenizer(directory)
+    return directory
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is far from uniform (so RoPE and masking errors show),
+    norm weights around 1 and non-zero biases (so a dropped bias or norm shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(0.15 * noise)
+
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE with exactly VOCAB_SIZE tokens; encoding prepends <|begin_of_text|>."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, BOS_ID)]
+    )
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"trained {tokenizer.get_vocab_size()} tokens, wanted {VOCAB_SIZE}")
+    return tokenizer
+
+
+def save_tokenizer(directory: str) -> None:
+    """tokenizer.json + tokenizer_config.json (chat template inline), loadable by AutoTokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["chat_template"] = CHAT_TEMPLATE
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _corpus() -> list[str]:
+    text = (
+        "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches; "
+        "sluice serves tokens fast with paged attention, continuous batching and chunked prefill. "
+        "Hello world! How are you today? I am fine, thank you. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 1999. "
+        "Émile ate crème brûlée in Zürich; naïve café façade — “quotes” and ‘apostrophes’ 日本語 中文 😀"
+    )
+    words = text.split()
+    generator = torch.Generator().manual_seed(1234)
+    lines = []
+    for _ in range(400):
+        picks = torch.randint(len(words), (12,), generator=generator).tolist()
+        lines.append(" ".join(words[i] for i in picks))
+    return lines

@@ -1,0 +1,24 @@
+"""Session-wide tiny checkpoints (see checkpoints.py), built once and shared by every test file."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import build_llama_checkpoint, build_mistral_checkpoint, build_qwen2_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama with rope_scaling llama3 and tied embeddings; one model.safetensors."""
+    return build_llama_checkpoint(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Mistral with an untied lm_head; one model.safetensors."""
+    return build_mistral_checkpoint(str(tmp_path_factory.mktemp("mistral")))
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen2 with q/k/v biases, sharded over several safetensors files plus an index."""
+    return build_qwen2_checkpoint(str(tmp_path_factory.mktemp("qwen2")))

@@ -1,0 +1,180 @@
+"""CUDA graph runner: capture sizes, padding, static buffers, and the padded batch's model output.
+
+Capture and replay need a GPU (scripts/gpu_check.py); here the pure parts run on CPU, and a padded
+decode batch runs through the real model with the Triton backend (interpreted) exactly as a graph
+would replay it, compared with the unpadded eager run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import DEVICE
+
+from engine.attention.triton_backend import TritonAttentionBackend
+from engine.cuda_graph_runner import (
+    CudaGraphRunner,
+    GraphInputBuffers,
+    capture_sizes,
+    estimate_graph_memory_bytes,
+    padded_size,
+)
+from engine.input_batch import build_model_inputs
+from engine.model_arch import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.presets import PRESETS
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+BLOCK_SIZE = 16
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "expected"),
+    [
+        (1, [1]),
+        (3, [1, 2, 4]),
+        (8, [1, 2, 4, 8]),
+        (9, [1, 2, 4, 8, 16]),
+        (20, [1, 2, 4, 8, 16, 24]),
+        (128, [1, 2, 4, 8, *range(16, 129, 8)]),
+    ],
+)
+def test_capture_sizes(max_num_seqs, expected):
+    assert capture_sizes(max_num_seqs) == expected
+
+
+def test_capture_sizes_rejects_zero():
+    with pytest.raises(ValueError, match="^max_num_seqs: must be > 0, got 0$"):
+        capture_sizes(0)
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "expected"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24)]
+)
+def test_padded_size_is_the_smallest_captured_size_that_fits(num_seqs, expected):
+    assert padded_size(num_seqs, capture_sizes(24)) == expected
+
+
+def test_padded_size_is_none_above_the_largest_size():
+    assert padded_size(25, capture_sizes(24)) is None
+
+
+def _decode_inputs(seq_lens_and_blocks, token_base=100):
+    """A pure-decode step built by the real input builder: each request decodes its last token."""
+    scheduled = tuple(
+        ScheduledRequest(f"r{i}", (token_base + i,), seq_len - 1, tuple(blocks), sample=True)
+        for i, (seq_len, blocks) in enumerate(seq_lens_and_blocks)
+    )
+    return build_model_inputs(SchedulerOutput(scheduled, len(scheduled)), BLOCK_SIZE, DEVICE)
+
+
+def test_fill_copies_the_batch_and_pads_the_rest():
+    buffers = GraphInputBuffers.allocate(8, 4, DEVICE)
+    buffers.block_tables.fill_(6)  # stale ids from an earlier, wider batch
+    inputs = _decode_inputs([(17, [3, 5]), (1, [2]), (40, [7, 1, 4])])
+    buffers.fill(inputs, 4)
+    assert buffers.input_ids[:4].tolist() == [100, 101, 102, 0]
+    assert buffers.positions[:4].tolist() == [16, 0, 39, 0]
+    assert buffers.slot_mapping[:4].tolist() == [5 * 16 + 0, 2 * 16 + 0, 4 * 16 + 7, -1]
+    assert buffers.seq_lens[:4].tolist() == [17, 1, 40, 1]
+    assert buffers.block_tables[:3, :3].tolist() == [[3, 5, 0], [2, 0, 0], [7, 1, 4]]
+    assert buffers.block_tables[:, 3].tolist() == [6] * 8  # beyond the batch width: untouched
+
+    md = buffers.metadata(4, BLOCK_SIZE)
+    assert md.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()
+    assert md.block_tables.shape == (4, 4) and md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert (md.max_query_len, md.max_seq_len, md.is_pure_decode) == (1, 64, True)
+
+    buffers.fill(_decode_inputs([(5, [9])]), 2)  # a smaller batch turns row 1 into padding
+    assert buffers.slot_mapping[:2].tolist() == [9 * 16 + 4, -1]
+    assert buffers.seq_lens[:2].tolist() == [5, 1]
+
+
+def test_fill_rejects_batches_a_graph_cannot_replay():
+    buffers = GraphInputBuffers.allocate(4, 2, DEVICE)
+    prefill = build_model_inputs(
+        SchedulerOutput((ScheduledRequest("p", (1, 2, 3), 0, (0,), sample=True),), 3), BLOCK_SIZE, DEVICE
+    )
+    with pytest.raises(ValueError, match="^inputs: CUDA graphs replay decode batches only"):
+        buffers.fill(prefill, 4)
+    with pytest.raises(ValueError, match="^block_tables: 3 blocks per sequence > 2$"):
+        buffers.fill(_decode_inputs([(40, [1, 2, 3])]), 1)
+    with pytest.raises(ValueError, match="^inputs: 2 sequences do not fit a graph of 1$"):
+        buffers.fill(_decode_inputs([(3, [1]), (4, [2])]), 1)
+
+
+def _tiny_model(backend):
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(arch, backend, torch.float32, DEVICE)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model
+
+
+def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    gen = torch.Generator().manual_seed(1)
+
+    def caches():
+        gen.manual_seed(1)
+        return [tuple(torch.randn(12, BLOCK_SIZE, 1, 16, generator=gen) for _ in range(2)) for _ in range(2)]
+
+    inputs = _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])
+    eager_caches, graph_caches = caches(), caches()
+    with torch.no_grad():
+        eager = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
+        buffers = GraphInputBuffers.allocate(8, 6, DEVICE)
+        buffers.fill(inputs, 8)  # 3 real rows + 5 padding rows, as a graph of size 8 replays them
+        padded = model(
+            buffers.input_ids[:8], buffers.positions[:8], graph_caches, buffers.metadata(8, BLOCK_SIZE)
+        )
+    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(padded).all()
+    # Only the 3 real slots were written (matmuls over 8 rows round slightly differently from 3 rows).
+    real_slots = inputs.metadata.slot_mapping
+    untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
+    untouched[real_slots] = False
+    initial = [part for layer in caches() for part in layer]
+    eager_parts = [part for layer in eager_caches for part in layer]
+    graph_parts = [part for layer in graph_caches for part in layer]
+    for before, eager_part, graph_part in zip(initial, eager_parts, graph_parts, strict=True):
+        eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
+        assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
+        torch.testing.assert_close(graph_flat[real_slots], eager_flat[real_slots], atol=1e-5, rtol=1e-5)
+
+
+def test_runner_off_cuda_runs_eagerly():
+    model = _tiny_model(TritonAttentionBackend())
+    kv_caches = [(torch.randn(8, BLOCK_SIZE, 1, 16), torch.randn(8, BLOCK_SIZE, 1, 16)) for _ in range(2)]
+    runner = CudaGraphRunner(
+        model, kv_caches, max_num_seqs=5, max_num_blocks_per_seq=4, block_size=16, device=DEVICE
+    )
+    runner.capture()
+    inputs = _decode_inputs([(5, [1]), (20, [2, 3])])
+    assert runner.enforce_eager and runner.sizes == [1, 2, 4, 8] and not runner.can_run(inputs)
+    with torch.no_grad():
+        expected = model(inputs.input_ids, inputs.positions, [(k.clone(), v.clone()) for k, v in kv_caches],
+                         inputs.metadata)  # fmt: skip
+        torch.testing.assert_close(runner.run(inputs), expected, atol=0, rtol=0)
+
+
+def test_graph_memory_estimate_grows_with_the_batch_and_covers_the_outputs():
+    arch = ModelArchConfig.from_hf_config(PRESETS["llama-3.2-1b"])
+    small = estimate_graph_memory_bytes(arch, 8, 4096, torch.bfloat16)
+    large = estimate_graph_memory_bytes(arch, 128, 4096, torch.bfloat16)
+    assert 0 < small < large
+    # At least the graph outputs (hidden states of every captured size) and the largest batch's residual.
+    sizes = capture_sizes(128)
+    assert large > 2 * arch.hidden_size * (sum(sizes) + 128)

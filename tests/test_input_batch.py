@@ -1,0 +1,78 @@
+"""build_model_inputs on a mixed batch: every tensor checked against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.input_batch import build_model_inputs
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+BLOCK_SIZE = 16
+CPU = torch.device("cpu")
+
+# A decode at position 20 (block table [3, 5]); a 10-token chunk at positions 16..25 after 16 cached
+# tokens (table [8, 1, 6]); a fresh 19-token prefill ending mid-block (table [2, 9]).
+DECODE = ScheduledRequest("decode", (7,), 20, (3, 5), sample=True)
+CHUNK = ScheduledRequest("chunk", tuple(range(100, 110)), 16, (8, 1, 6), sample=False)
+PREFILL = ScheduledRequest("prefill", tuple(range(200, 219)), 0, (2, 9), sample=True)
+MIXED = SchedulerOutput((DECODE, CHUNK, PREFILL), num_batched_tokens=30)
+
+
+def test_tokens_and_positions_are_concatenated_in_scheduled_order() -> None:
+    inputs = build_model_inputs(MIXED, BLOCK_SIZE, CPU)
+    assert inputs.input_ids.tolist() == [7, *range(100, 110), *range(200, 219)]
+    assert inputs.positions.tolist() == [20, *range(16, 26), *range(0, 19)]
+    assert inputs.input_ids.dtype == inputs.positions.dtype == torch.int64
+
+
+def test_slot_mapping_goes_through_each_block_table() -> None:
+    slots = build_model_inputs(MIXED, BLOCK_SIZE, CPU).metadata.slot_mapping.tolist()
+    decode = [5 * 16 + 4]  # position 20 -> logical block 1 -> physical 5, offset 4
+    chunk = [1 * 16 + i for i in range(10)]  # positions 16..25 -> logical block 1 -> physical 1
+    prefill = [2 * 16 + i for i in range(16)] + [9 * 16 + i for i in range(3)]
+    assert slots == decode + chunk + prefill
+
+
+def test_attention_metadata_fields() -> None:
+    metadata = build_model_inputs(MIXED, BLOCK_SIZE, CPU).metadata
+    assert metadata.query_start_loc.tolist() == [0, 1, 11, 30]
+    assert metadata.query_start_loc.dtype == torch.int32
+    assert metadata.seq_lens.tolist() == [21, 26, 19]
+    assert metadata.seq_lens.dtype == torch.int32
+    assert metadata.block_tables.tolist() == [[3, 5, 0], [8, 1, 6], [2, 9, 0]]
+    assert metadata.block_tables.dtype == torch.int32
+    assert metadata.slot_mapping.dtype == torch.int64
+    assert (metadata.max_query_len, metadata.max_seq_len) == (19, 26)
+    assert metadata.query_lens_cpu == (1, 10, 19)
+    assert metadata.seq_lens_cpu == (21, 26, 19)
+    assert metadata.block_size == BLOCK_SIZE
+    assert metadata.num_seqs == 3
+    assert not metadata.is_pure_decode
+
+
+def test_logits_indices_are_last_rows_of_sampled_slices() -> None:
+    inputs = build_model_inputs(MIXED, BLOCK_SIZE, CPU)
+    assert inputs.logits_indices.tolist() == [0, 29]  # the chunk (rows 1..10) does not sample
+
+
+def test_pure_decode_batch() -> None:
+    out = SchedulerOutput(
+        (ScheduledRequest("a", (1,), 15, (4,), True), ScheduledRequest("b", (2,), 16, (0, 7), True)), 2
+    )
+    inputs = build_model_inputs(out, BLOCK_SIZE, CPU)
+    assert inputs.metadata.is_pure_decode
+    assert inputs.metadata.slot_mapping.tolist() == [4 * 16 + 15, 7 * 16]
+    assert inputs.logits_indices.tolist() == [0, 1]
+
+
+def test_block_table_too_short_is_rejected() -> None:
+    out = SchedulerOutput((ScheduledRequest("short", (1, 2), 15, (4,), True),), 2)
+    message = "block_ids: request 'short' has 1 blocks of 16, too few for 17 tokens"
+    with pytest.raises(ValueError, match=message):
+        build_model_inputs(out, BLOCK_SIZE, CPU)
+
+
+def test_empty_step_is_rejected() -> None:
+    with pytest.raises(ValueError, match="scheduled: an empty step"):
+        build_model_inputs(SchedulerOutput((), 0), BLOCK_SIZE, CPU)

@@ -1,0 +1,164 @@
+"""load_model_source: Hugging Face directories (single and sharded), dummy presets, and its errors."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from checkpoints import EOS_ID, IM_END_ID, build_qwen2_checkpoint
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.model_arch import ModelArchConfig
+from engine.model_loader import load_model_source
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import get_model_class
+from engine.presets import PRESETS, preset_arch
+from engine.tokenizer import Tokenizer
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _weights(directory: str) -> dict[str, torch.Tensor]:
+    return dict(load_model_source(ModelConfig(model=directory)).weights)
+
+
+def test_sharded_checkpoint_loads_the_same_tensors_as_unsharded(qwen2_dir: str, tmp_path) -> None:
+    single_dir = build_qwen2_checkpoint(str(tmp_path / "single"), max_shard_size=None)
+    assert len(glob.glob(os.path.join(qwen2_dir, "model-*-of-*.safetensors"))) > 1
+    assert os.path.isfile(os.path.join(single_dir, "model.safetensors"))
+    sharded, single = _weights(qwen2_dir), _weights(single_dir)
+    assert sorted(sharded) == sorted(single)
+    assert "model.layers.0.self_attn.q_proj.bias" in sharded
+    for name, tensor in single.items():
+        assert torch.equal(sharded[name], tensor), name
+
+
+def test_directory_source_reads_config_generation_config_and_tokenizer(llama_dir: str) -> None:
+    source = load_model_source(ModelConfig(model=llama_dir))
+    arch = source.arch
+    assert arch.architecture == "LlamaForCausalLM"
+    assert arch.eos_token_ids == (EOS_ID, IM_END_ID)  # config.json's 1, then generation_config's extra 3
+    assert arch.tie_word_embeddings
+    assert arch.rope_scaling is not None and arch.rope_scaling.factor == 8.0
+    assert isinstance(source.tokenizer, Tokenizer)
+    assert source.tokenizer.vocab_size == arch.vocab_size == 512
+    assert "lm_head.weight" not in dict(source.weights)  # tied: transformers does not save it
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
+    config = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 8, "hidden_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load_model_source(ModelConfig(model=str(tmp_path)))
+    assert "'GPT2LMHeadModel' is not supported" in str(error.value)
+    assert all(name in str(error.value) for name in SUPPORTED)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_directory_without_weights_is_rejected(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        load_model_source(ModelConfig(model=str(tmp_path)))
+
+
+def test_tiny_dummy_preset_shapes_and_parameter_count() -> None:
+    source = load_model_source(ModelConfig(load_format="dummy", preset="tiny", seed=3))
+    weights = dict(source.weights)
+    assert source.tokenizer is None
+    assert weights["model.embed_tokens.weight"].shape == (32000, 384)
+    assert weights["lm_head.weight"].shape == (32000, 384)
+    assert weights["model.layers.3.self_attn.q_proj.weight"].shape == (384, 384)
+    assert weights["model.layers.3.self_attn.k_proj.weight"].shape == (128, 384)  # 2 kv heads of 64
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (1024, 384)
+    assert "model.layers.4.mlp.up_proj.weight" not in weights
+    assert torch.equal(weights["model.norm.weight"], torch.ones(384))
+    # 2 * 32000 * 384 embeddings + 4 layers * (384 * 640 + 384 * 384 + 3 * 384 * 1024 + 2 * 384) + 384
+    assert sum(t.numel() for t in weights.values()) == 30_870_912
+    again = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny", seed=3)).weights)
+    other = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny", seed=4)).weights)
+    name = "model.layers.2.mlp.down_proj.weight"
+    assert torch.equal(again[name], weights[name])
+    assert not torch.equal(other[name], weights[name])
+
+
+def test_tiny_dummy_model_runs_one_step() -> None:
+    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    model_config = ModelConfig(load_format="dummy", preset="tiny")
+    config = EngineConfig(model=model_config, cache=CacheConfig(num_blocks=4))
+    runner = ModelRunner(config, load_model_source(config.model))
+    out = SchedulerOutput((ScheduledRequest("r", (1, 5, 9), 0, (2,), True),), 3)
+    logits = runner.execute_model(out)
+    assert logits.shape == (1, 32000)
+    assert torch.isfinite(logits).all()
+
+
+# Published parameter counts (Hugging Face model cards / safetensors metadata), biases included.
+PUBLISHED_PARAMS = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3-8b": 8_030_261_248,
+    "llama-2-7b": 6_738_415_616,
+    "mistral-7b": 7_241_732_096,
+    "qwen2-0.5b": 494_032_768,
+    "qwen2-7b": 7_615_616_512,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_big_presets_match_published_parameter_counts(name: str) -> None:
+    arch = preset_arch(name)  # shape only: nothing is allocated
+    q_kv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+    biases = arch.num_hidden_layers * q_kv_rows if arch.attention_bias else 0
+    assert arch.num_params + biases == PUBLISHED_PARAMS[name]
+
+
+def test_preset_details() -> None:
+    llama32 = preset_arch("llama-3.2-1b")
+    assert llama32.tie_word_embeddings and llama32.rope_scaling is not None
+    assert llama32.rope_scaling.factor == 32.0 and llama32.rope_theta == 500000.0
+    assert preset_arch("qwen2-0.5b").attention_bias and preset_arch("qwen2-0.5b").sliding_window is None
+    assert preset_arch("mistral-7b").sliding_window == 4096
+
+
+def test_unknown_preset_names_the_known_ones() -> None:
+    with pytest.raises(ValueError) as error:
+        load_model_source(ModelConfig(load_format="dummy", preset="gpt-5"))
+    assert "preset: unknown 'gpt-5'" in str(error.value)
+    assert all(name in str(error.value) for name in PRESETS)
+
+
+def test_dummy_from_directory_takes_its_shape_and_tokenizer(llama_dir: str) -> None:
+    source = load_model_source(ModelConfig(model=llama_dir, load_format="dummy"))
+    real = _weights(llama_dir)
+    dummy = dict(source.weights)
+    assert {n: t.shape for n, t in dummy.items()} == {n: t.shape for n, t in real.items()}
+    assert source.arch == load_model_source(ModelConfig(model=llama_dir)).arch
+    assert isinstance(source.tokenizer, Tokenizer)
+
+
+def _tiny_arch() -> ModelArchConfig:
+    return ModelArchConfig.from_hf_config({**PRESETS["tiny"], "num_hidden_layers": 1, "vocab_size": 64})
+
+
+def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    arch = _tiny_arch()
+    weights = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny")).weights)
+    own = {n: t for n, t in weights.items() if not n.startswith(("model.layers.", "model.embed", "lm_head"))}
+    own |= {n: t for n, t in weights.items() if n.startswith("model.layers.0.")}
+    own["model.embed_tokens.weight"] = torch.zeros(64, 384)
+    model = LlamaForCausalLM(arch, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    partial = {n: t for n, t in own.items() if "v_proj" not in n}
+    with pytest.raises(ValueError, match=r"weights: missing \['model.layers.0.self_attn.qkv_proj.weight'\]"):
+        model.load_weights(partial.items())
+    wrong = own | {"model.layers.0.mlp.up_proj.weight": torch.zeros(1024, 383)}
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' has shape \(1024, 383\)"):
+        model.load_weights(wrong.items())
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.1.mlp.up_proj.weight'"):
+        model.load_weights((own | {"model.layers.1.mlp.up_proj.weight": torch.zeros(1)}).items())

@@ -1,0 +1,151 @@
+"""ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded).
+
+Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks
+with a cached prefix and fresh prefills, over interleaved (non-contiguous) block tables. Tolerance: the
+float32 logits of each prompt's last position match transformers' forward within rtol 1e-4, atol
+1e-4 * max|logit|; the greedy continuation equals transformers' generate(do_sample=False) token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import VOCAB_SIZE
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.model_loader import load_model_source
+from engine.model_runner import ModelRunner
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+PROMPT_LENS = (5, 23, 40)
+BLOCK_SIZE = 16
+TOKEN_BUDGET = 20
+NUM_NEW_TOKENS = 4
+BLOCKS_PER_REQUEST = 4
+
+
+@pytest.fixture(scope="module", params=["llama_dir", "mistral_dir", "qwen2_dir"])
+def checkpoint(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(request.param)
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(4, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+def _block_ids(index: int) -> tuple[int, ...]:
+    """Interleaved: request r owns blocks r, r + 3, r + 6, ... so no table is contiguous."""
+    return tuple(index + len(PROMPT_LENS) * i for i in range(BLOCKS_PER_REQUEST))
+
+
+def _run_sluice(directory: str, prompts: list[list[int]]):
+    """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),
+        attention_backend="torch",
+    )
+    runner = ModelRunner(config, load_model_source(config.model))
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    prompt_logits: list[torch.Tensor | None] = [None] * len(prompts)
+    steps = []
+    while any(len(t) - len(p) < NUM_NEW_TOKENS for t, p in zip(tokens, prompts, strict=True)):
+        budget, scheduled = TOKEN_BUDGET, []
+        for i, seq in enumerate(tokens):
+            n = min(len(seq) - computed[i], budget)
+            if n == 0 or len(seq) - len(prompts[i]) >= NUM_NEW_TOKENS:
+                continue
+            chunk = tuple(seq[computed[i] : computed[i] + n])
+            sample = computed[i] + n == len(seq)
+            scheduled.append(ScheduledRequest(str(i), chunk, computed[i], _block_ids(i), sample))
+            budget -= n
+        out = SchedulerOutput(tuple(scheduled), TOKEN_BUDGET - budget)
+        logits = runner.execute_model(out)
+        assert logits.shape == (sum(r.sample for r in scheduled), VOCAB_SIZE)
+        assert logits.dtype == torch.float32
+        sampled = iter(logits)
+        for req in scheduled:
+            i = int(req.request_id)
+            computed[i] += req.num_tokens
+            if req.sample:
+                row = next(sampled)
+                if prompt_logits[i] is None:
+                    prompt_logits[i] = row.clone()
+                tokens[i].append(int(row.argmax()))
+        steps.append(out)
+    generated = [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
+    return prompt_logits, generated, steps
+
+
+def _hf_reference(directory: str, prompts: list[list[int]]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare a fixed number of greedy tokens
+    logits, generated = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            logits.append(model(ids).logits[0, -1].float())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            generated.append(out[0, len(prompt) :].tolist())
+    return logits, generated
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint: str):
+    prompts = _prompts()
+    return _run_sluice(checkpoint, prompts), _hf_reference(checkpoint, prompts)
+
+
+def test_steps_mix_decodes_cached_prefix_chunks_and_fresh_prefills(runs) -> None:
+    (_, _, steps), _ = runs
+    mixed = [
+        s
+        for s in steps
+        if any(r.num_tokens == 1 and r.start_position >= PROMPT_LENS[0] for r in s.scheduled)
+        and any(r.num_tokens > 1 and r.start_position > 0 for r in s.scheduled)
+    ]
+    assert mixed, "the schedule must contain a step with a decode next to a continuing prefill chunk"
+    assert all(r.num_tokens == 1 for r in steps[-1].scheduled), "the last step must be pure decode"
+
+
+def test_prompt_logits_match_transformers(runs) -> None:
+    (ours, _, _), (reference, _) = runs
+    for got, want in zip(ours, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_greedy_tokens_match_transformers_generate(runs) -> None:
+    (_, ours, _), (_, reference) = runs
+    assert ours == reference
+
+
+def test_runner_reports_shape_of_cache_and_model(llama_dir: str) -> None:
+    config = EngineConfig(
+        model=ModelConfig(model=llama_dir, device="cpu"),
+        cache=CacheConfig(block_size=16, kv_cache_memory_bytes=10 * 2 * 2 * 16 * 2 * 16 * 4 + 5),
+    )
+    runner = ModelRunner(config, load_model_source(config.model))
+    # bytes per block = 2 (K, V) * 2 layers * 16 slots * 2 kv heads * 16 head_dim * 4 bytes
+    assert runner.num_blocks == 10
+    assert runner.kv_caches[0][0].shape == (10, 16, 2, 16)
+    assert len(runner.kv_caches) == 2
+    assert runner.dtype == torch.float32
+    assert runner.device == torch.device("cpu")
+    assert runner.max_model_len == 256
+    assert runner.arch.architecture == "LlamaForCausalLM"
+
+
+def test_max_model_len_beyond_the_model_limit_is_rejected(llama_dir: str) -> None:
+    config = EngineConfig(model=ModelConfig(model=llama_dir, device="cpu", max_model_len=257))
+    with pytest.raises(ValueError, match="max_model_len: 257 exceeds the model's limit of 256"):
+        ModelRunner(config, load_model_source(config.model))

@@ -1,0 +1,211 @@
+"""Sampler semantics against direct computations on small known logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingRow, apply_penalties
+from engine.sampling_params import SamplingParams
+
+LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
+NUM_DRAWS = 20000
+# Frequencies of NUM_DRAWS independent draws: std <= sqrt(0.25 / 20000) = 0.0035; 0.015 is > 4 sigma.
+TOLERANCE = 0.015
+
+
+def row(params: SamplingParams, request_id: str = "r", prompt=(), output=(), eos=frozenset()) -> SamplingRow:
+    return SamplingRow(request_id, params, list(prompt), list(output), frozenset(eos))
+
+
+def softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) if v != -math.inf else 0.0 for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def frequencies(params: SamplingParams, logits: list[float] = LOGITS) -> list[float]:
+    batch = torch.tensor([logits] * NUM_DRAWS)
+    tokens = [
+        t.token_id for t in Sampler(seed=0).sample(batch, [row(params, f"r{i}") for i in range(NUM_DRAWS)])
+    ]
+    return [tokens.count(t) / NUM_DRAWS for t in range(len(logits))]
+
+
+def assert_distribution(observed: list[float], expected: list[float]) -> None:
+    for token, (got, want) in enumerate(zip(observed, expected, strict=True)):
+        if want == 0.0:
+            assert got == 0.0, f"token {token} was filtered out but drawn"
+        else:
+            assert abs(got - want) < TOLERANCE, (token, got, want)
+
+
+def test_plain_sampling_follows_softmax() -> None:
+    assert_distribution(frequencies(SamplingParams()), softmax(LOGITS))
+
+
+def test_temperature_scales_logits() -> None:
+    expected = softmax([v / 0.5 for v in LOGITS])
+    assert_distribution(frequencies(SamplingParams(temperature=0.5)), expected)
+
+
+def test_top_k_keeps_only_k_best() -> None:
+    expected = softmax(LOGITS[:2]) + [0.0] * 4
+    assert_distribution(frequencies(SamplingParams(top_k=2)), expected)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = softmax(LOGITS)  # 0.574, 0.211, 0.128, 0.078, ...: the first three hold 0.913 >= 0.85
+    assert probs[0] + probs[1] < 0.85 <= probs[0] + probs[1] + probs[2]
+    expected = softmax(LOGITS[:3]) + [0.0] * 3
+    assert_distribution(frequencies(SamplingParams(top_p=0.85)), expected)
+
+
+def test_min_p_drops_tokens_below_fraction_of_best() -> None:
+    probs = softmax(LOGITS)  # keep p >= 0.2 * p_max = 0.115: tokens 0, 1, 2
+    kept = [p >= 0.2 * probs[0] for p in probs]
+    assert kept == [True, True, True, False, False, False]
+    expected = softmax(LOGITS[:3]) + [0.0] * 3
+    assert_distribution(frequencies(SamplingParams(min_p=0.2)), expected)
+
+
+def test_top_k_then_top_p_then_min_p_combined() -> None:
+    # top_k=4 renormalises over 4 tokens: 0.579, 0.213, 0.129, 0.078; top_p=0.7 keeps 2 of them.
+    probs = softmax(LOGITS[:4])
+    assert probs[0] < 0.7 <= probs[0] + probs[1]
+    expected = softmax(LOGITS[:2]) + [0.0] * 4
+    assert_distribution(frequencies(SamplingParams(top_k=4, top_p=0.7, min_p=0.01)), expected)
+
+
+def test_greedy_is_argmax_and_respects_penalties() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 4.0, 1.0, 0.0]])
+    rows = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[0]),
+    ]
+    assert [t.token_id for t in Sampler().sample(logits, rows)] == [1, 1]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -1.0, 3.0, -2.0, 0.5]])
+    params = SamplingParams(repetition_penalty=2.0)
+    got = apply_penalties(logits.clone(), [row(params, prompt=[0, 1], output=[1, 3])])
+    assert got.tolist() == [[1.0, -2.0, 3.0, -4.0, 0.5]]
+
+
+def test_frequency_and_presence_penalties_use_output_counts_only() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(logits.clone(), [row(params, prompt=[3, 3], output=[0, 0, 0, 1])])
+    # token 0: 1 - 0.5 * 3 - 0.25 = -0.75; token 1: 1 - 0.5 - 0.25 = 0.25; prompt-only token 3 untouched.
+    assert got.tolist() == [[-0.75, 0.25, 1.0, 1.0]]
+
+
+def test_penalties_apply_per_row() -> None:
+    logits = torch.tensor([[2.0, 2.0, 2.0]] * 3)
+    rows = [
+        row(SamplingParams(), output=[0]),
+        row(SamplingParams(repetition_penalty=4.0), output=[1]),
+        row(SamplingParams(presence_penalty=1.0), output=[2, 2]),
+    ]
+    assert apply_penalties(logits.clone(), rows).tolist() == [
+        [2.0, 2.0, 2.0],
+        [2.0, 0.5, 2.0],
+        [2.0, 2.0, 1.0],
+    ]
+
+
+def test_penalised_sampling_distribution() -> None:
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5)
+    batch = torch.tensor([LOGITS] * NUM_DRAWS)
+    rows = [row(params, f"r{i}", prompt=[0], output=[1, 1]) for i in range(NUM_DRAWS)]
+    tokens = [t.token_id for t in Sampler(seed=1).sample(batch, rows)]
+    penalised = [2.0 / 2, 1.0 / 2 - 0.5 * 2, 0.5, 0.0, -1.0, -3.0]
+    assert_distribution([tokens.count(t) / NUM_DRAWS for t in range(6)], softmax(penalised))
+
+
+def test_seed_reproduces_regardless_of_batch() -> None:
+    torch.manual_seed(123)
+    logits = torch.randn(4, 50)
+    seeded = SamplingParams(seed=42, temperature=1.3, top_p=0.95)
+
+    def run(batch_logits: torch.Tensor, rows: list[SamplingRow], index: int) -> list[int]:
+        sampler = Sampler()
+        return [sampler.sample(batch_logits, rows)[index].token_id for _ in range(30)]
+
+    alone = run(logits[:1], [row(seeded, "a")], 0)
+    others = [
+        row(SamplingParams(), "x"),
+        row(SamplingParams(seed=7), "y"),
+        row(seeded, "a"),
+        row(SamplingParams(temperature=0), "z"),
+    ]
+    in_batch = run(torch.cat([logits[1:3], logits[:1], logits[3:]]), others, 2)
+    assert alone == in_batch
+    assert len(set(alone)) > 3  # really random, not a constant
+    other_seed = run(logits[:1], [row(SamplingParams(seed=43, temperature=1.3, top_p=0.95), "a")], 0)
+    assert other_seed != alone
+
+
+def test_free_restarts_seeded_generator() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler()
+    rows = [row(SamplingParams(seed=5), "a")]
+    first = [sampler.sample(logits, rows)[0].token_id for _ in range(10)]
+    sampler.free(["a"])
+    again = [sampler.sample(logits, rows)[0].token_id for _ in range(10)]
+    assert first == again
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.5), prompt=[1]),
+        row(SamplingParams(logprobs=0, temperature=0.7)),
+    ]
+    out = Sampler(seed=0).sample(logits, rows)
+    for i, sampled in enumerate(out):
+        values = logits[i].tolist()
+        log_z = math.log(sum(math.exp(v) for v in values))
+        assert sampled.logprobs.sampled.token_id == sampled.token_id
+        assert sampled.logprobs.sampled.logprob == pytest.approx(values[sampled.token_id] - log_z, abs=1e-5)
+    top = out[0].logprobs.top
+    assert [t.token_id for t in top] == [1, 2]
+    assert [t.logprob for t in top] == pytest.approx(
+        [
+            3.0 - math.log(sum(math.exp(v) for v in [1, 3, 2, 0])),
+            2.0 - math.log(sum(math.exp(v) for v in [1, 3, 2, 0])),
+        ]
+    )
+    assert out[1].logprobs.top == ()
+
+
+def test_no_logprobs_unless_asked() -> None:
+    out = Sampler().sample(torch.tensor([[0.0, 1.0]]), [row(SamplingParams(temperature=0))])
+    assert out[0].logprobs is None and out[0].token_id == 1
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids() -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 4)
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(2,))
+    rows = [
+        row(params, "a", output=[3], eos={1}),  # 1 output < 2: eos 1 and stop id 2 banned
+        row(params, "b", output=[3, 3], eos={1}),  # min_tokens reached
+        row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), "c", eos={1}),  # eos allowed
+        row(SamplingParams(min_tokens=5, max_tokens=8), "d", eos={1, 2}),  # random: never eos
+    ]
+    tokens = [t.token_id for t in Sampler(seed=0).sample(logits, rows)]
+    assert tokens[:3] == [3, 1, 1]
+    assert tokens[3] not in (1, 2)
+    draws = Sampler(seed=0).sample(torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 2000), [rows[3]] * 2000)
+    assert {t.token_id for t in draws} == {0, 3}
+
+
+def test_sample_does_not_modify_logits_and_checks_shape() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    before = logits.clone()
+    Sampler().sample(logits, [row(SamplingParams(repetition_penalty=2.0, top_k=1), output=[2])])
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="does not match 2 rows"):
+        Sampler().sample(logits, [row(SamplingParams()), row(SamplingParams())])

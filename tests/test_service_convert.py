@@ -1,0 +1,344 @@
+"""Pure parts of the gRPC edge: proto <-> engine conversion, status mapping, auth, metrics, tracing, CLI."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from sluice import Completion, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from engine.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    UnknownRequestError,
+)
+from engine.model_info import ModelInfo
+from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
+from engine.sampling_params import SamplingParams
+from service import convert
+from service.auth import check_api_key
+from service.cli import build_parser, load_commands
+from service.metrics import ServerMetrics
+from service.serve_command import engine_config, parse_size
+from service.status import RequestFailedError, ServiceUnavailableError, status_for
+from service.tracing import RequestTracer, tracer_provider_from_env
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+def _final_output(**overrides: object) -> RequestOutput:
+    fields = {
+        "request_id": "engine-1",
+        "token_ids": (7, 9),
+        "text": "hi",
+        "logprobs": (
+            Logprobs(TokenLogprob(7, -0.5), (TokenLogprob(7, -0.5), TokenLogprob(3, -1.25))),
+            Logprobs(TokenLogprob(9, -0.75), ()),
+        ),
+        "finish_reason": "stop",
+        "stop_reason": "###",
+        "usage": Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2),
+        "timings": Timings(arrival=100.0, first_scheduled=100.5, first_token=101.0, finished=103.0),
+        "num_preemptions": 1,
+    }
+    fields.update(overrides)
+    return RequestOutput(**fields)
+
+
+def test_absent_sampling_fields_keep_engine_defaults() -> None:
+    assert convert.sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+
+
+def test_every_sampling_field_is_copied() -> None:
+    message = pb.SamplingParams(
+        temperature=0.0,
+        top_k=5,
+        top_p=0.5,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        presence_penalty=-0.5,
+        frequency_penalty=0.75,
+        seed=12345678901,
+        max_tokens=33,
+        min_tokens=2,
+        stop=["\n\n", "END"],
+        stop_token_ids=[4, 5],
+        ignore_eos=True,
+        logprobs=3,
+        skip_special_tokens=False,
+    )
+    expected = SamplingParams(
+        temperature=0.0,
+        top_k=5,
+        top_p=0.5,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        presence_penalty=-0.5,
+        frequency_penalty=0.75,
+        seed=12345678901,
+        max_tokens=33,
+        min_tokens=2,
+        stop=("\n\n", "END"),
+        stop_token_ids=(4, 5),
+        ignore_eos=True,
+        logprobs=3,
+        skip_special_tokens=False,
+    )
+    assert convert.sampling_params_from_proto(message) == expected
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (pb.SamplingParams(top_p=0.0), "top_p: must be in (0, 1]"),
+        (pb.SamplingParams(max_tokens=-1), "max_tokens: must be >= 1"),
+        (pb.SamplingParams(logprobs=21), "logprobs: must be in [0, 20]"),
+        (pb.SamplingParams(temperature=-1.0), "temperature: must be >= 0"),
+    ],
+)
+def test_bad_sampling_field_is_named(message: pb.SamplingParams, error: str) -> None:
+    with pytest.raises(ValueError) as info:
+        convert.sampling_params_from_proto(message)
+    assert str(info.value) == error
+
+
+def test_prompt_oneof_maps_to_engine_keywords() -> None:
+    assert convert.prompt_from_proto(pb.GenerateRequest(text="abc")) == convert.Prompt(text="abc")
+    by_ids = pb.GenerateRequest(token_ids=pb.TokenIds(token_ids=[1, 2, 3]))
+    assert convert.prompt_from_proto(by_ids) == convert.Prompt(token_ids=(1, 2, 3))
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hey")]))
+    prompt = convert.prompt_from_proto(chat)
+    assert prompt.messages == ({"role": "user", "content": "hey"},)
+    assert (prompt.operation, convert.Prompt(text="x").operation) == ("chat", "text_completion")
+    assert convert.prompt_from_proto(pb.GenerateRequest()).as_kwargs() == {
+        "text": "",
+        "token_ids": None,
+        "messages": None,
+    }
+
+
+def test_final_output_becomes_last_chunk() -> None:
+    response = convert.generate_response_from_output(_final_output(), "client-7")
+    expected = pb.GenerateResponse(
+        request_id="client-7",
+        text="hi",
+        token_ids=[7, 9],
+        logprobs=[
+            pb.Logprobs(
+                sampled=pb.TokenLogprob(token_id=7, logprob=-0.5),
+                top=[pb.TokenLogprob(token_id=7, logprob=-0.5), pb.TokenLogprob(token_id=3, logprob=-1.25)],
+            ),
+            pb.Logprobs(sampled=pb.TokenLogprob(token_id=9, logprob=-0.75)),
+        ],
+        finish_reason=pb.FINISH_REASON_STOP,
+        stop_string="###",
+        usage=pb.Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2),
+        timings=pb.Timings(queue_seconds=0.5, ttft_seconds=1.0, total_seconds=3.0),
+    )
+    assert response == expected
+
+
+def test_delta_chunk_has_no_final_fields() -> None:
+    delta = _final_output(token_ids=(4,), text="a", logprobs=(), finish_reason=None, stop_reason=None)
+    response = convert.generate_response_from_output(delta, "c")
+    assert response == pb.GenerateResponse(request_id="c", text="a", token_ids=[4])
+    assert not response.HasField("usage") and response.WhichOneof("stop_reason") is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "stop_reason", "enum", "oneof"),
+    [
+        ("length", None, pb.FINISH_REASON_LENGTH, None),
+        ("abort", None, pb.FINISH_REASON_ABORT, None),
+        ("error", None, pb.FINISH_REASON_ERROR, None),
+        ("stop", 2, pb.FINISH_REASON_STOP, "stop_token_id"),
+    ],
+)
+def test_finish_reasons(reason: str, stop_reason: int | None, enum: int, oneof: str | None) -> None:
+    out = _final_output(finish_reason=reason, stop_reason=stop_reason)
+    response = convert.generate_response_from_output(out, "c")
+    assert response.finish_reason == enum
+    assert response.WhichOneof("stop_reason") == oneof
+
+
+def test_timings_of_request_aborted_in_queue_read_zero() -> None:
+    timings = Timings(arrival=10.0, first_scheduled=None, first_token=None, finished=12.5)
+    assert convert.timings_to_proto(timings) == pb.Timings(total_seconds=2.5)
+
+
+def test_model_info() -> None:
+    info = ModelInfo("tiny", "LlamaForCausalLM", 256, 512, (2, 3), 16, 40)
+    assert convert.model_info_to_proto(info) == pb.GetModelInfoResponse(
+        model_name="tiny",
+        architecture="LlamaForCausalLM",
+        max_model_len=256,
+        vocab_size=512,
+        eos_token_ids=[2, 3],
+        block_size=16,
+        num_kv_blocks=40,
+        kv_capacity_tokens=640,
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "code", "message"),
+    [
+        (QueueFullError("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"),
+        (
+            ContextLengthError("max_tokens", "too long"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "max_tokens: too long",
+        ),
+        (InvalidRequestError("top_k", "bad"), grpc.StatusCode.INVALID_ARGUMENT, "top_k: bad"),
+        (
+            ValueError("top_p: must be in (0, 1]"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p: must be in (0, 1]",
+        ),
+        (
+            UnknownRequestError("r9"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id: no live request with id 'r9'",
+        ),
+        (ServiceUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
+        (EngineDeadError("the engine stopped: x"), grpc.StatusCode.INTERNAL, "the engine stopped: x"),
+        (RequestFailedError("nan logits"), grpc.StatusCode.INTERNAL, "nan logits"),
+        (RuntimeError("secret detail"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError"),
+    ],
+)
+def test_exceptions_map_to_status(exc: Exception, code: grpc.StatusCode, message: str) -> None:
+    assert status_for(exc) == (code, message)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        ((("authorization", "Bearer k3y"),), None),
+        ((("authorization", "bearer k3y"),), None),
+        ((), "authorization: missing; send 'authorization: Bearer <api key>' metadata"),
+        ((("authorization", "k3y"),), "authorization: must be 'Bearer <api key>'"),
+        ((("authorization", "Bearer wrong"),), "authorization: invalid API key"),
+    ],
+)
+def test_api_key_check(metadata: tuple[tuple[str, str], ...], reason: str | None) -> None:
+    assert check_api_key(metadata, "k3y") == reason
+
+
+def test_request_tracker_counts_a_finished_request() -> None:
+    metrics = ServerMetrics(lambda: None)
+    tracker = metrics.track()
+    tracker.on_output(RequestOutput(request_id="e", token_ids=(1,), text="a"))
+    tracker.on_output(RequestOutput(request_id="e", token_ids=(2, 3), text="bc"))
+    tracker.finish(_final_output())
+    value = metrics.registry.get_sample_value
+    assert value("sluice_requests_total", {"finish_reason": "stop"}) == 1
+    assert value("sluice_prompt_tokens_total") == 5
+    assert value("sluice_generation_tokens_total") == 4
+    assert value("sluice_cached_tokens_total") == 2
+    assert value("sluice_inter_token_latency_seconds_count") == 2  # two tokens in the second chunk
+    assert value("sluice_time_to_first_token_seconds_sum") == 1.0
+    assert value("sluice_queue_time_seconds_sum") == 0.5
+    assert value("sluice_e2e_request_latency_seconds_sum") == 3.0
+    assert value("sluice_num_requests_running") is None  # no engine yet: no gauges
+
+
+@pytest.mark.parametrize(
+    ("environ", "enabled"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, False),
+    ],
+)
+def test_tracer_provider_from_env(environ: dict[str, str], enabled: bool) -> None:
+    provider = tracer_provider_from_env(environ)
+    assert (provider is not None) == enabled
+    if provider is not None:
+        provider.shutdown()
+
+
+def test_span_continues_traceparent_and_records_request() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider, "tiny-llama")
+    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"),)
+    span = tracer.start(metadata, "text_completion", SamplingParams(temperature=0.5, top_p=0.9, max_tokens=8))
+    tracer.finish(span, _final_output())
+    (finished,) = exporter.get_finished_spans()
+    assert finished.name == "text_completion tiny-llama"
+    assert finished.kind == SpanKind.SERVER
+    assert format(finished.context.trace_id, "032x") == TRACE_ID
+    assert format(finished.parent.span_id, "016x") == PARENT_SPAN_ID
+    attrs = dict(finished.attributes)
+    assert attrs["gen_ai.request.model"] == "tiny-llama"
+    assert attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.request.temperature"] == 0.5
+    assert attrs["gen_ai.request.top_p"] == 0.9
+    assert attrs["gen_ai.usage.input_tokens"] == 5
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == 2
+    assert attrs["gen_ai.response.finish_reasons"] == ("stop",)
+    events = {event.name: event.timestamp for event in finished.events}
+    assert list(events) == ["queued", "scheduled", "first_token", "preempted", "finished"]
+    assert events["queued"] == 100_000_000_000 and events["finished"] == 103_000_000_000
+
+
+def test_client_request_builder_sets_only_given_fields() -> None:
+    request = generate_request(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+    assert request.WhichOneof("prompt") == "messages"
+    sampling = request.sampling_params
+    assert sampling.HasField("temperature") and sampling.temperature == 0.0
+    assert not sampling.HasField("top_p")
+    assert convert.sampling_params_from_proto(sampling) == SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def test_client_completion_collects_chunks() -> None:
+    completion = Completion()
+    completion.add(pb.GenerateResponse(request_id="a", text="he", token_ids=[1]))
+    completion.add(
+        pb.GenerateResponse(
+            request_id="a",
+            text="llo",
+            token_ids=[2],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=3),
+        )
+    )
+    assert (completion.text, completion.token_ids, completion.finish_reason_name) == (
+        "hello",
+        [1, 2],
+        "length",
+    )
+    assert completion.usage.prompt_tokens == 3
+    error = SluiceError(grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1]")
+    assert str(error) == "INVALID_ARGUMENT: top_p: must be in (0, 1]"
+
+
+def test_serve_arguments_build_engine_config() -> None:
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1000") == 1000
+    parser = build_parser(load_commands())
+    args = parser.parse_args(
+        [
+            "serve",
+            "--preset",
+            "llama-tiny",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--no-prefix-caching",
+        ]
+    )
+    config = engine_config(args)
+    assert (config.model.load_format, config.model.preset) == ("dummy", "llama-tiny")
+    assert (config.cache.block_size, config.cache.kv_cache_memory_bytes) == (32, 64 << 20)
+    assert config.cache.enable_prefix_caching is False and config.scheduler.enable_chunked_prefill is True

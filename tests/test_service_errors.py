@@ -1,0 +1,236 @@
+"""Status codes and messages for bad requests, and that every way a request can end early (cancel,
+deadline, in-band cancel, Abort, dropped stream) frees its KV blocks at once."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from service_harness import ServerThread, tiny_engine_config
+from sluice import generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+# 6 prompt tokens + 240 fits the 256-token context; on CPU this runs for well over a second.
+LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: str):
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()
+
+
+class Outbox:
+    """A request iterator for a bidi call that the test feeds while reading responses."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[pb.StreamGenerateRequest | None] = queue.Queue()
+
+    def generate(self, request: pb.GenerateRequest) -> None:
+        self._queue.put(pb.StreamGenerateRequest(generate=request))
+
+    def cancel(self, request_id: str) -> None:
+        self._queue.put(pb.StreamGenerateRequest(cancel=pb.StreamCancel(request_id=request_id)))
+
+    def half_close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[pb.StreamGenerateRequest]:
+        while (message := self._queue.get()) is not None:
+            yield message
+
+
+def _status(call_result: Iterator[object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        list(call_result)
+    return info.value.code(), info.value.details()
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def _rpc_count(server: ServerThread, method: str, code: str) -> float:
+    labels = {"method": method, "code": code}
+    return server.server.metrics.registry.get_sample_value("sluice_rpc_requests_total", labels) or 0.0
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+MALFORMED = [
+    ("empty text", generate_request(""), INVALID, "prompt: is empty: give text, token_ids or messages"),
+    ("no prompt", pb.GenerateRequest(), INVALID, "prompt: is empty: give text, token_ids or messages"),
+    ("negative max_tokens", generate_request("hi", max_tokens=-1), INVALID, "max_tokens: must be >= 1"),
+    ("top_p 0", generate_request("hi", top_p=0.0), INVALID, "top_p: must be in (0, 1]"),
+    ("logprobs 21", generate_request("hi", logprobs=21), INVALID, "logprobs: must be in [0, 20]"),
+    ("temperature -1", generate_request("hi", temperature=-1.0), INVALID, "temperature: must be >= 0"),
+    (
+        "min_tokens > max_tokens",
+        generate_request("hi", max_tokens=2, min_tokens=3),
+        INVALID,
+        "min_tokens: must be in [0, max_tokens]",
+    ),
+    ("empty stop string", generate_request("hi", stop=[""]), INVALID, "stop: must not contain empty strings"),
+    (
+        "token id >= vocab",
+        generate_request(token_ids=[5, 512]),
+        INVALID,
+        "token_ids: token id 512 is outside the vocabulary [0, 512)",
+    ),
+    (
+        "negative token id",
+        generate_request(token_ids=[-3]),
+        INVALID,
+        "token_ids: token id -3 is outside the vocabulary [0, 512)",
+    ),
+    (
+        "empty chat role",
+        generate_request(messages=[{"role": "", "content": "x"}]),
+        INVALID,
+        "messages[0].role: must not be empty",
+    ),
+    (
+        "prompt + max_tokens > context",
+        generate_request(token_ids=[7] * 250, max_tokens=16),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "max_tokens: prompt (250 tokens) + max_tokens (16) = 266 exceeds the model's context of 256 tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "request_", "code", "message"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_generate_request(stub, server, case, request_, code, message) -> None:
+    assert _status(stub.Generate(request_)) == (code, message)
+    server.wait_idle()
+
+
+def test_malformed_unary_requests(stub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Abort(pb.AbortRequest(request_id="nope"))
+    assert (info.value.code(), info.value.details()) == (
+        INVALID,
+        "request_id: no live request with id 'nope'",
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Abort(pb.AbortRequest())
+    assert (info.value.code(), info.value.details()) == (INVALID, "request_id: must not be empty")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(pb.TokenizeRequest(text=""))
+    assert (info.value.code(), info.value.details()) == (INVALID, "prompt: is empty: give text or messages")
+
+
+def test_cancel_mid_stream_frees_blocks(stub, server: ServerThread) -> None:
+    call = stub.Generate(generate_request("Hello world", **LONG))
+    chunks = [next(call) for _ in range(3)]
+    stats = server.stats()
+    assert (stats.num_running, len(chunks)) == (1, 3) and stats.num_kv_blocks_used > 0
+    before = _rpc_count(server, "Generate", "CANCELLED")
+    call.cancel()
+    server.wait_idle(timeout=2.0)
+    assert _rpc_count(server, "Generate", "CANCELLED") == before + 1
+
+
+def test_deadline_aborts_the_request(stub, server: ServerThread) -> None:
+    before = _rpc_count(server, "Generate", "DEADLINE_EXCEEDED")
+    code, _ = _status(stub.Generate(generate_request("Hello world", **LONG), timeout=0.1))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_idle(timeout=2.0)
+    assert _rpc_count(server, "Generate", "DEADLINE_EXCEEDED") == before + 1
+
+
+def test_abort_rpc_ends_the_stream_with_abort(stub, server: ServerThread) -> None:
+    call = stub.Generate(generate_request("Hello world", request_id="to-abort", **LONG))
+    first = next(call)
+    assert first.request_id == "to-abort"
+    assert stub.Abort(pb.AbortRequest(request_id="to-abort")) == pb.AbortResponse()
+    rest = list(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert rest[-1].usage.completion_tokens == len([t for c in [first, *rest] for t in c.token_ids]) < 240
+    server.wait_idle(timeout=2.0)
+
+
+def test_in_band_cancel_and_errors_keep_the_stream_open(stub, server: ServerThread) -> None:
+    outbox = Outbox()
+    responses = stub.StreamGenerate(iter(outbox))
+    outbox.generate(generate_request("Hello world", request_id="long", **LONG))
+    assert next(responses).request_id == "long"
+    outbox.generate(generate_request("again", request_id="long", **LONG))
+    outbox.generate(generate_request("no id", max_tokens=2))
+    errors = [(r.request_id, r.error) for r in _drain_until_errors(responses, 2)]
+    assert errors == [
+        (
+            "long",
+            pb.RequestError(
+                code=INVALID.value[0], message="request_id: 'long' is already in use on this stream"
+            ),
+        ),
+        (
+            "",
+            pb.RequestError(code=INVALID.value[0], message="request_id: must not be empty on StreamGenerate"),
+        ),
+    ]
+    outbox.cancel("long")
+    tail = [r for r in responses if r.request_id == "long"]
+    assert tail and tail[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT
+    server.wait_idle(timeout=2.0)
+    outbox.half_close()
+    assert list(responses) == []
+
+
+def _drain_until_errors(
+    responses: Iterator[pb.StreamGenerateResponse], count: int
+) -> list[pb.StreamGenerateResponse]:
+    errors = []
+    while len(errors) < count:
+        response = next(responses)
+        if response.WhichOneof("event") == "error":
+            errors.append(response)
+    return errors
+
+
+def test_cancelling_the_bidi_call_aborts_every_request(stub, server: ServerThread) -> None:
+    outbox = Outbox()
+    responses = stub.StreamGenerate(iter(outbox))
+    for i in range(3):
+        outbox.generate(generate_request(f"prompt {i}", request_id=str(i), **LONG))
+    seen = set()
+    while len(seen) < 3:
+        seen.add(next(responses).request_id)
+    assert server.stats().num_running == 3
+    responses.cancel()
+    server.wait_idle(timeout=2.0)
+
+
+def test_full_queue_is_resource_exhausted(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir, max_num_seqs=1), max_queue=1).start()
+    try:
+        channel = thread.channel()
+        stub = thread.stub(channel)
+        running = stub.Generate(generate_request("first", **LONG))
+        next(running)  # running now; the next request waits, since only one sequence may run
+        waiting = stub.Generate(generate_request("second", **LONG))
+        _wait_for(lambda: thread.stats().num_waiting == 1)
+        code, message = _status(stub.Generate(generate_request("third", **LONG)))
+        assert (code, message) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the waiting queue is full (1 requests); retry later",
+        )
+        running.cancel()
+        waiting.cancel()
+        thread.wait_idle(timeout=2.0)
+        channel.close()
+    finally:
+        thread.stop()

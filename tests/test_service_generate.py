@@ -1,0 +1,163 @@
+"""Generation over gRPC against the real engine: streamed output equals the offline engine's, alone
+and under 50-way concurrency on Generate and on one StreamGenerate stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import grpc
+import pytest
+from checkpoints import EOS_ID, IM_END_ID
+from service_harness import ServerThread, tiny_engine_config
+from sluice import AsyncClient, Client, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    f"{word} number {i}" for i, word in enumerate(["Hello", "The quick", "Café", "def add", "Emoji"] * 2)
+]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: str):
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: str) -> LLM:
+    return LLM(llama_dir, num_blocks=128, attention_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def alone(llm: LLM) -> dict[str, tuple[str, list[int]]]:
+    """Each prompt's greedy output when it runs alone in the offline engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {p: ((c := llm.generate(p, params)[0]).text, c.token_ids) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()
+
+
+def _greedy(text: str, **kwargs: object) -> pb.GenerateRequest:
+    return generate_request(text, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
+
+
+def test_generate_streams_what_the_offline_engine_produces(stub, llm: LLM) -> None:
+    prompt = "The quick brown fox jumps"
+    expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    chunks = list(stub.Generate(generate_request(prompt, temperature=0.0, max_tokens=12, request_id="r-1")))
+    assert "".join(c.text for c in chunks) == expected.text
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert len(chunks) >= 2 and all(c.request_id == "r-1" for c in chunks)
+    *deltas, last = chunks
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not c.HasField("usage") for c in deltas)
+    assert pb.FinishReason.Name(last.finish_reason) == f"FINISH_REASON_{expected.finish_reason.upper()}"
+    prompt_ids = llm.tokenizer.encode(prompt)
+    assert last.usage == pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(expected.token_ids))
+    timings = last.timings
+    assert 0.0 <= timings.queue_seconds <= timings.ttft_seconds <= timings.total_seconds
+
+
+def test_chat_messages_use_the_chat_template(server: ServerThread, llm: LLM) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    expected = llm.chat([messages], SamplingParams(temperature=0.0, max_tokens=10))[0]
+    with Client(server.target) as client:
+        completion = client.complete(generate_request(messages=messages, temperature=0.0, max_tokens=10))
+    assert (completion.text, completion.token_ids) == (expected.text, expected.token_ids)
+    assert completion.usage.prompt_tokens == len(llm.tokenizer.encode_chat(messages))
+
+
+def test_token_ids_prompt_with_logprobs(stub, llm: LLM) -> None:
+    prompt_ids = [5, 17, 42, 99, 200, 311]
+    request = generate_request(
+        token_ids=prompt_ids, temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True
+    )
+    chunks = list(stub.Generate(request))
+    expected = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    token_ids = [t for c in chunks for t in c.token_ids]
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert token_ids == expected.token_ids
+    assert [lp.sampled.token_id for lp in logprobs] == token_ids
+    for lp in logprobs:  # greedy: the sampled token is the most likely one
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.sampled.token_id
+        assert lp.top[0].logprob == pytest.approx(lp.sampled.logprob)
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+
+
+def test_stop_token_reports_stop_reason(stub, alone) -> None:
+    prompt = PROMPTS[0]
+    text, token_ids = alone[prompt]
+    stop_id = token_ids[2]
+    chunks = list(stub.Generate(_greedy(prompt, stop_token_ids=[stop_id])))
+    assert [t for c in chunks for t in c.token_ids] == token_ids[: token_ids.index(stop_id) + 1]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP and chunks[-1].stop_token_id == stop_id
+
+
+def test_tokenize_and_model_info(server: ServerThread, llm: LLM) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with Client(server.target) as client:
+        assert client.tokenize("Hello world") == llm.tokenizer.encode("Hello world")
+        no_special = llm.tokenizer.encode("Hello world", add_special_tokens=False)
+        assert client.tokenize("Hello world", add_special_tokens=False) == no_special
+        assert client.tokenize(messages=messages) == llm.tokenizer.encode_chat(messages)
+        info = client.model_info()
+    assert (info.architecture, info.max_model_len, info.vocab_size) == ("LlamaForCausalLM", 256, 512)
+    assert sorted(info.eos_token_ids) == sorted({EOS_ID, IM_END_ID})
+    assert (info.block_size, info.num_kv_blocks, info.kv_capacity_tokens) == (16, 128, 16 * 128)
+
+
+def test_fifty_concurrent_generate_streams(server: ServerThread, alone) -> None:
+    prompts = PROMPTS * 5
+
+    async def run_all() -> list:
+        async with AsyncClient(server.target) as client:
+            return await asyncio.gather(*(client.complete(_greedy(p)) for p in prompts))
+
+    completions = asyncio.run(run_all())
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert (completion.text, completion.token_ids) == alone[prompt], prompt
+        assert completion.finish_reason == pb.FINISH_REASON_LENGTH
+    server.wait_idle()
+
+
+def test_fifty_requests_interleaved_on_one_bidi_stream(stub, server: ServerThread, alone) -> None:
+    prompts = PROMPTS * 5
+    messages = [
+        pb.StreamGenerateRequest(generate=_greedy(p, request_id=f"req-{i}")) for i, p in enumerate(prompts)
+    ]
+    bad = generate_request("x", request_id="bad", top_p=0.0)
+    messages.insert(25, pb.StreamGenerateRequest(generate=bad))
+    chunks: dict[str, list[pb.GenerateResponse]] = defaultdict(list)
+    errors: dict[str, pb.RequestError] = {}
+    order: list[str] = []
+    for response in stub.StreamGenerate(iter(messages)):  # half-closes after the last message
+        if response.WhichOneof("event") == "error":
+            errors[response.request_id] = response.error
+        else:
+            chunks[response.request_id].append(response.chunk)
+            order.append(response.request_id)
+    assert errors == {
+        "bad": pb.RequestError(
+            code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="top_p: must be in (0, 1]"
+        )
+    }
+    assert len(chunks) == 50
+    for i, prompt in enumerate(prompts):
+        got = chunks[f"req-{i}"]
+        assert ("".join(c.text for c in got), [t for c in got for t in c.token_ids]) == alone[prompt]
+        assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(c.request_id == f"req-{i}" for c in got)
+    last_index = {rid: i for i, rid in enumerate(order)}
+    first_done = min(last_index.values())
+    assert len(set(order[: first_done + 1])) > 1, "requests did not interleave"
+    server.wait_idle()
