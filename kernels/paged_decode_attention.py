@@ -84,7 +84,7 @@ def _decode_partition_kernel(
         pos_mask = positions < end
         blocks = tl.load(
             block_tables_ptr + seq * stride_bt_seq + positions // BLOCK_SIZE, mask=pos_mask, other=0
-        )
+        ).to(tl.int64)  # block * stride_k_block can pass 2**31 in a large cache
         offsets = positions % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k_rows = k_cache_ptr + blocks * stride_k_block + offsets * stride_k_slot + kv_head * stride_k_head

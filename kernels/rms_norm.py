@@ -43,7 +43,8 @@ def _rms_norm_kernel(
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, (weight.to(tl.float32) * normed.to(tl.float32)), mask=mask)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rms_norm_args(x, weight, residual) -> None:

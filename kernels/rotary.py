@@ -61,8 +61,9 @@ def _rotate_heads(
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + token * stride_dst_token + heads[:, None] * stride_dst_head + cols[None, :]
-    tl.store(dst, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
-    tl.store(dst + HALF, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+    out_dtype = dst_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_dtype), mask=mask)
 
 
 @triton.jit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
 import pytest
 import torch
 
