@@ -6,6 +6,7 @@ import torch
 
 from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.input_batch import build_model_inputs
 from engine.model_arch import ModelArchConfig
 from engine.model_loader import ModelSource
@@ -37,14 +38,28 @@ class ModelRunner:
         )
         self.model.load_weights(source.weights)
         self.model.eval()
+        # Graphs replay decode steps; the torch backend cannot skip padded rows, so it stays eager.
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
+        )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            config.scheduler.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+            enforce_eager=not self.use_cuda_graphs,
+        )
+        self.graph_runner.capture()
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns logits [num_sampled, vocab] float32, one row per slice with sample=True."""
         inputs = build_model_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        hidden = self.graph_runner.run(inputs)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @property
@@ -82,7 +97,8 @@ class ModelRunner:
         ]
 
     def _profile_available_cuda_bytes(self) -> float:
-        """gpu_memory_utilization * total, minus the weights, other processes and a worst-case step's peak."""
+        """gpu_memory_utilization * total, minus the weights, other processes, a worst-case step's peak
+        and the memory the decode CUDA graphs will keep."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
@@ -91,7 +107,12 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
-        return self.config.cache.gpu_memory_utilization * total - peak - non_torch
+        graphs = 0
+        if self.use_cuda_graphs:
+            graphs = estimate_graph_memory_bytes(
+                self.arch, self.config.scheduler.max_num_seqs, self.max_model_len, self.dtype
+            )
+        return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

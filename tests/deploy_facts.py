@@ -14,12 +14,12 @@ from service.metrics import ServerMetrics
 
 
 def parse_sluice_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parses a container's `sluice ...` arguments with the real CLI parser (SystemExit if it rejects them)."""
+    """Parses a container's `sluice ...` arguments with the real CLI parser (SystemExit on a bad flag)."""
     return build_parser(load_commands()).parse_args(list(argv))
 
 
 def exported_sample_names() -> set[str]:
-    """Every sample name a server's /metrics shows once the engine runs (`_total`, `_bucket`, ... included)."""
+    """Every sample name a server's /metrics shows once the engine runs (`_total`, `_bucket`... included)."""
     stats = EngineStats(
         num_running=1,
         num_waiting=2,

@@ -33,5 +33,7 @@ def render(directory: str) -> list[dict[str, Any]]:
 
 
 def _containers(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    pod_specs = [d["spec"]["template"]["spec"] for d in documents if d["kind"] in ("Deployment", "StatefulSet")]
+    pod_specs = [
+        d["spec"]["template"]["spec"] for d in documents if d["kind"] in ("Deployment", "StatefulSet")
+    ]
     return [c for spec in pod_specs for c in spec.get("containers", []) + spec.get("initContainers", [])]
