@@ -34,7 +34,8 @@ def installed_file(distribution: str, relative_path: str) -> str:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         raise ModelFileNotInstalledError(
-            f"the Python package {distribution!r} that holds the model file {relative_path} is not installed; {hint}"
+            f"the Python package {distribution!r} that holds the model file {relative_path} "
+            f"is not installed; {hint}"
         ) from None
     recorded = any(str(f) == relative_path for f in dist.files or ())
     path = os.path.abspath(str(dist.locate_file(relative_path)))

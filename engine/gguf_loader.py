@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.gguf_tokenizer import gguf_field, gguf_tokenizer
+from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.gguf_tokenizer import gguf_tokenizer
 from engine.model_arch import ModelArchConfig
 from engine.model_loader import ModelSource
 
@@ -57,35 +58,35 @@ def load_gguf(path: str | os.PathLike[str]) -> ModelSource:
     Raises ValueError naming the metadata key when the architecture, the tokenizer or a tensor type is
     not supported. The returned `weights` dequantize lazily, one tensor per step of the iteration.
     """
-    reader = GGUFReader(os.fspath(path))
-    tokenizer = gguf_tokenizer(reader)
-    name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    file = GGUFFile(path)
+    tokenizer = gguf_tokenizer(file)
+    name = file.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0]
     arch = gguf_arch_config(
-        reader, name=name, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
+        file, name=name, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
     )
-    _check_tensors(reader)
-    return ModelSource(arch=arch, weights=GGUFWeights(reader, arch), tokenizer=tokenizer, name=arch.name)
+    _check_tensors(file)
+    return ModelSource(arch=arch, weights=GGUFWeights(file, arch), tokenizer=tokenizer, name=arch.name)
 
 
 def gguf_arch_config(
-    reader: GGUFReader,
+    file: GGUFFile,
     *,
     name: str = "unknown",
     bos_token_id: int | None = None,
     eos_token_ids: tuple[int, ...] = (),
 ) -> ModelArchConfig:
     """The model's shape from `<arch>.*` metadata. Raises ValueError for an unsupported architecture."""
-    gguf_arch = gguf_field(reader, "general.architecture")
+    gguf_arch = file.metadata.get("general.architecture")
     if gguf_arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"general.architecture: {gguf_arch!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if any(t.name == "rope_freqs.weight" for t in file.tensors):
         raise ValueError("rope_freqs.weight: Llama 3.1-style RoPE frequency scaling in GGUF is not supported")
 
     def key(name: str, default: Any = None) -> Any:
-        value = gguf_field(reader, f"{gguf_arch}.{name}", default)
+        value = file.metadata.get(f"{gguf_arch}.{name}", default)
         if value is None:
             raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
         return value
@@ -97,7 +98,7 @@ def gguf_arch_config(
         raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
     return ModelArchConfig(
         architecture=SUPPORTED_GGUF_ARCHITECTURES[gguf_arch],
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(file.metadata["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
         num_hidden_layers=key("block_count"),
@@ -107,7 +108,7 @@ def gguf_arch_config(
         max_position_embeddings=key("context_length"),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in file.tensors),
         attention_bias=gguf_arch == "qwen2",
         bos_token_id=bos_token_id,
         eos_token_ids=eos_token_ids,
@@ -137,12 +138,13 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _check_tensors(reader: GGUFReader) -> None:
+def _check_tensors(file: GGUFFile) -> None:
     supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
-                f"tensor {tensor.name!r}: type {tensor.tensor_type.name} is not supported; supported: {supported}"
+                f"tensor {tensor.name!r}: type {tensor.tensor_type.name} is not supported; "
+                f"supported: {supported}"
             )
         hf_tensor_name(tensor.name)
 
@@ -153,13 +155,13 @@ class GGUFWeights:
     Each pass reads the memory-mapped file again, so the weights can be iterated more than once.
     """
 
-    def __init__(self, reader: GGUFReader, arch: ModelArchConfig) -> None:
-        self.reader = reader
+    def __init__(self, file: GGUFFile, arch: ModelArchConfig) -> None:
+        self.file = file
         self.arch = arch
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         permute_rows = self.arch.architecture == "LlamaForCausalLM"
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             name = hf_tensor_name(tensor.name)
             weight = _dequantize(tensor)
             if permute_rows and name.endswith("q_proj.weight"):
@@ -169,9 +171,9 @@ class GGUFWeights:
             yield name, weight
 
 
-def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """One tensor as float32, in torch's shape order (GGUF lists dimensions innermost first)."""
     values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     if not values.flags.writeable:  # F32 data is a view of the read-only memory map
         values = values.copy()
-    return torch.from_numpy(values.reshape(tuple(int(d) for d in reversed(tensor.shape))))
+    return torch.from_numpy(values.reshape(tensor.shape))

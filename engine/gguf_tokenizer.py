@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
@@ -70,38 +70,33 @@ _PRE_TOKENIZERS = {
 SUPPORTED_PRE_TOKENIZERS = tuple(_PRE_TOKENIZERS)
 
 
-def gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar, string or list; `default` when the key is absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_tokenizer(reader: GGUFReader) -> Tokenizer:
+def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     """The tokenizer a GGUF file describes. Raises ValueError naming the key when it is not supported."""
-    model = gguf_field(reader, "tokenizer.ggml.model")
+    model = file.metadata.get("tokenizer.ggml.model")
     if model not in SUPPORTED_TOKENIZER_MODELS:
         raise ValueError(
-            f"tokenizer.ggml.model: {model!r} is not supported; supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+            f"tokenizer.ggml.model: {model!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
         )
-    pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+    pre = file.metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
             f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
         )
-    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [])
-    backend = byte_level_bpe(tokens, gguf_field(reader, "tokenizer.ggml.merges", []), token_types)
+    tokens: list[str] = file.metadata.get("tokenizer.ggml.tokens")
+    token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
+    backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-    bos_id = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos_ids = _eos_token_ids(reader)
+    bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
+    eos_ids = _eos_token_ids(file.metadata)
     return Tokenizer(
         backend,
-        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=file.metadata.get("tokenizer.chat_template"),
         bos_token=None if bos_id is None else tokens[bos_id],
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
         eos_token_ids=eos_ids,
-        add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        name=gguf_field(reader, "general.name", "gguf"),
+        add_bos_token=bool(file.metadata.get("tokenizer.ggml.add_bos_token", False)),
+        name=file.metadata.get("general.name", "gguf"),
     )
 
 
@@ -126,12 +121,12 @@ def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int])
     return backend
 
 
-def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+def _eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     # eos first; llama.cpp also stops on end-of-turn / end-of-message ids (Llama 3 writes <|eot_id|> there).
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids: list[int] = []
     for key in keys:
-        token_id = gguf_field(reader, key)
+        token_id = metadata.get(key)
         if token_id is not None and token_id not in ids:
             ids.append(int(token_id))
     return tuple(ids)

@@ -47,9 +47,7 @@ def hf():
 @pytest.fixture(scope="module")
 def llm():
     # No prefix caching: test_logits writes the KV cache through the runner behind the scheduler's back.
-    return LLM(
-        model=None, dtype="float32", block_size=BLOCK_SIZE, num_blocks=64, enable_prefix_caching=False
-    )
+    return LLM(model=None, dtype="float32", block_size=BLOCK_SIZE, num_blocks=64, enable_prefix_caching=False)
 
 
 def test_default_model_path_is_the_installed_gguf():

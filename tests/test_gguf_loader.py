@@ -18,10 +18,16 @@ Q = GGMLQuantizationType
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "café naïve 東京 🙂"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello there",
+    "café naïve 東京 🙂",
+] * 20
 
 
 def _train_bpe() -> BackendTokenizer:
@@ -50,7 +56,9 @@ def _hf_tensors(vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         tensors[p + "self_attn.q_proj.weight"] = rand(HEADS * HEAD_DIM, HIDDEN)
         # F16 in the file: start from f16-representable values so the round trip is exact.
-        tensors[p + "self_attn.k_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN).astype(np.float16).astype(np.float32)
+        tensors[p + "self_attn.k_proj.weight"] = (
+            rand(KV_HEADS * HEAD_DIM, HIDDEN).astype(np.float16).astype(np.float32)
+        )
         tensors[p + "self_attn.v_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
         tensors[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HEADS * HEAD_DIM)
         tensors[p + "mlp.gate_proj.weight"] = rand(INTERMEDIATE, HIDDEN)
@@ -95,8 +103,9 @@ def write_tiny_gguf(path, *, arch="llama", tokenizer_model="gpt2", tied=False, e
     writer = GGUFWriter(str(path), arch)
     writer.add_name("Tiny Llama")
     for add, value in [
-        (writer.add_block_count, LAYERS), (writer.add_context_length, 256), (writer.add_embedding_length, HIDDEN),
-        (writer.add_feed_forward_length, INTERMEDIATE), (writer.add_head_count, HEADS),
+        (writer.add_block_count, LAYERS), (writer.add_context_length, 256),
+        (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, INTERMEDIATE),
+        (writer.add_head_count, HEADS),
         (writer.add_head_count_kv, KV_HEADS), (writer.add_layer_norm_rms_eps, 1e-5),
         (writer.add_rope_freq_base, 50000.0), (writer.add_rope_dimension_count, HEAD_DIM),
         (writer.add_tokenizer_model, tokenizer_model), (writer.add_tokenizer_pre, "gpt-2"),

@@ -34,7 +34,7 @@ class TorchAttentionBackend:
             return decode_attention(
                 q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale
             )
-        return _mixed_attention(q, k_cache, v_cache, metadata, scale)
+        return _mixed_attention(q, k, v, k_cache, v_cache, metadata, scale)
 
 
 def write_kv_cache(
@@ -87,12 +87,15 @@ def _gather_context(
 
 def _mixed_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Decode rows batched through `decode_attention`; each longer query attended on its own."""
+    """Decode rows batched through `decode_attention`; each longer query attended on its own (straight
+    from this step's k, v when it has no cached prefix, else over its context gathered from the cache)."""
     out = torch.empty_like(q)
     starts = [0]
     for query_len in metadata.query_lens_cpu:
@@ -112,8 +115,17 @@ def _mixed_attention(
             scale,
         )
     for i, query_len in enumerate(metadata.query_lens_cpu):
-        if query_len > 1:
-            rows = slice(starts[i], starts[i + 1])
+        rows = slice(starts[i], starts[i + 1])
+        if query_len == metadata.seq_lens_cpu[i] > 1:
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                k[rows].transpose(0, 1),
+                v[rows].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        elif query_len > 1:
             out[rows] = prefill_attention(
                 q[rows], k_cache, v_cache, metadata.block_tables[i], metadata.seq_lens_cpu[i], scale
             )

@@ -1,0 +1,129 @@
+"""How a benchmark request reaches the server: one streaming Generate call per request, or every
+request multiplexed on a single bidirectional StreamGenerate call.
+
+A transport's `generate(request_id, request)` is an async iterator of the number of tokens in each
+chunk as it arrives; a failed request raises `BenchError` with a status code name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from sluice.client import AsyncClient, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from sluice.bench.workloads import BenchRequest
+
+_GOOD_FINISH = (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+class BenchError(Exception):
+    """A request that failed: `code` is a gRPC status name or a FinishReason name such as
+    "FINISH_REASON_ABORT"."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class Transport(Protocol):
+    def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]: ...
+
+    async def close(self) -> None: ...
+
+
+def bench_generate_request(request_id: str, request: BenchRequest) -> pb.GenerateRequest:
+    """Greedy, EOS ignored: the output has exactly `request.output_len` tokens."""
+    return generate_request(
+        token_ids=request.prompt_token_ids,
+        request_id=request_id,
+        temperature=0.0,
+        max_tokens=request.output_len,
+        ignore_eos=True,
+    )
+
+
+def _chunk_tokens(chunk: pb.GenerateResponse) -> int:
+    if chunk.finish_reason not in _GOOD_FINISH:
+        raise BenchError(pb.FinishReason.Name(chunk.finish_reason))
+    return len(chunk.token_ids)
+
+
+class GenerateTransport:
+    """One server-streaming Generate call per request."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+        try:
+            async for chunk in self._client.generate(bench_generate_request(request_id, request)):
+                if num_tokens := _chunk_tokens(chunk):
+                    yield num_tokens
+        except SluiceError as error:
+            raise BenchError(error.code.name, error.message) from None
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class StreamTransport:
+    """All requests on one StreamGenerate call; a reader task routes responses by request_id."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._outbox: asyncio.Queue[pb.StreamGenerateRequest | None] = asyncio.Queue()
+        self._inboxes: dict[str, asyncio.Queue[pb.StreamGenerateResponse | BenchError]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        inbox: asyncio.Queue[pb.StreamGenerateResponse | BenchError] = asyncio.Queue()
+        self._inboxes[request_id] = inbox
+        self._outbox.put_nowait(
+            pb.StreamGenerateRequest(generate=bench_generate_request(request_id, request))
+        )
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, BenchError):
+                    raise item
+                if item.HasField("error"):
+                    raise BenchError(_code_name(item.error.code), item.error.message)
+                if num_tokens := _chunk_tokens(item.chunk):
+                    yield num_tokens
+                if item.chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            self._inboxes.pop(request_id, None)
+
+    async def _requests(self) -> AsyncIterator[pb.StreamGenerateRequest]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._client.stream_generate(self._requests()):
+                if (inbox := self._inboxes.get(response.request_id)) is not None:
+                    inbox.put_nowait(response)
+        except SluiceError as error:
+            for inbox in self._inboxes.values():
+                inbox.put_nowait(BenchError(error.code.name, error.message))
+
+    async def close(self) -> None:
+        """Half-closes the stream, waits for the server to end it, and closes the channel."""
+        if self._reader is not None:
+            self._outbox.put_nowait(None)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._client.close()
+
+
+def _code_name(code: int) -> str:
+    import grpc
+
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))

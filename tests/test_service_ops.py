@@ -1,0 +1,156 @@
+"""Operating the server: health while loading and draining, drain semantics, reflection, API keys."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from service_harness import ServerThread, tiny_engine_config
+from sluice import Client, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from service.server import ServerConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+
+
+def _health(channel: grpc.Channel, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def _generate_error(client: Client, request: pb.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(SluiceError) as info:
+        client.complete(request)
+    return info.value.code, info.value.message
+
+
+def test_health_follows_loading_then_serving(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    try:
+        with thread.channel() as channel, Client(thread.target) as client:
+            assert _health(channel) == NOT_SERVING
+            assert _health(channel, "sluice.v1.InferenceService") == NOT_SERVING
+            loading = (UNAVAILABLE, "the server is still loading the model")
+            assert _generate_error(client, generate_request("hi")) == loading
+            thread.attach()
+            assert _health(channel) == SERVING
+            assert _health(channel, "sluice.v1.InferenceService") == SERVING
+            assert client.complete(generate_request("hi", max_tokens=2)).usage.completion_tokens > 0
+    finally:
+        thread.stop()
+
+
+def test_drain_lets_in_flight_requests_finish(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    try:
+        with thread.channel() as channel, Client(thread.target) as client:
+            in_flight = client.generate(
+                generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
+            )
+            first = next(in_flight)
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=30.0), thread.loop)
+            assert _health(channel) == NOT_SERVING
+            draining = (UNAVAILABLE, "the server is draining and accepts no new requests")
+            assert _generate_error(client, generate_request("new")) == draining
+            with pytest.raises(SluiceError) as info:
+                client.tokenize("new")
+            assert info.value.code == UNAVAILABLE
+            chunks = [first, *in_flight]
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert sum(len(c.token_ids) for c in chunks) == 60
+            drained.result(timeout=10)
+    finally:
+        thread.stop()
+
+
+def test_drain_aborts_what_outlives_the_grace_period(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    try:
+        with Client(thread.target) as client:
+            in_flight = client.generate(generate_request("Hello", **LONG))
+            next(in_flight)
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.2), thread.loop)
+            last = list(in_flight)[-1]
+            assert last.finish_reason == pb.FINISH_REASON_ABORT and last.usage.completion_tokens < 240
+            drained.result(timeout=10)
+            thread.wait_idle(timeout=2.0)
+    finally:
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(llama_dir: str):
+    thread = ServerThread(
+        tiny_engine_config(llama_dir), ServerConfig(host="127.0.0.1", port=0, api_key="s3cret")
+    )
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+def test_reflection_lists_the_services(keyed_server: ServerThread) -> None:
+    with keyed_server.channel() as channel:
+        # Reflection needs the key too; the reflection client cannot send metadata, so use an interceptor.
+        authed = grpc.intercept_channel(channel, _BearerInterceptor("s3cret"))
+        database = ProtoReflectionDescriptorDatabase(authed)
+        assert set(database.get_services()) == {
+            "sluice.v1.InferenceService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
+        service = DescriptorPool(database).FindServiceByName("sluice.v1.InferenceService")
+        methods = {m.name: (m.input_type.full_name, m.output_type.full_name) for m in service.methods}
+    assert methods == {
+        "Generate": ("sluice.v1.GenerateRequest", "sluice.v1.GenerateResponse"),
+        "StreamGenerate": ("sluice.v1.StreamGenerateRequest", "sluice.v1.StreamGenerateResponse"),
+        "Abort": ("sluice.v1.AbortRequest", "sluice.v1.AbortResponse"),
+        "Tokenize": ("sluice.v1.TokenizeRequest", "sluice.v1.TokenizeResponse"),
+        "GetModelInfo": ("sluice.v1.GetModelInfoRequest", "sluice.v1.GetModelInfoResponse"),
+    }
+
+
+def test_api_key_is_required_except_for_health(keyed_server: ServerThread) -> None:
+    request = generate_request("hi", max_tokens=2)
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    with Client(keyed_server.target) as client:
+        missing = "authorization: missing; send 'authorization: Bearer <api key>' metadata"
+        assert _generate_error(client, request) == (unauthenticated, missing)
+        with pytest.raises(SluiceError) as info:
+            client.model_info()
+        assert (info.value.code, info.value.message) == (unauthenticated, missing)
+    with Client(keyed_server.target, api_key="wrong") as client:
+        assert _generate_error(client, request) == (unauthenticated, "authorization: invalid API key")
+        with pytest.raises(SluiceError) as info:
+            list(client.stream_generate([pb.StreamGenerateRequest(generate=request)]))
+        assert (info.value.code, info.value.message) == (unauthenticated, "authorization: invalid API key")
+    with Client(keyed_server.target, api_key="s3cret") as client:
+        assert client.complete(request).finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert client.model_info().vocab_size == 512
+    with keyed_server.channel() as channel:
+        assert _health(channel) == SERVING
+
+
+class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to calls made by clients that take no metadata argument."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = (("authorization", f"Bearer {key}"),)
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
