@@ -47,5 +47,11 @@ serve: venv
 gpu-check: venv
 	$(PY) scripts/gpu_check.py $(ARGS)
 
+# Sluice over gRPC against transformers.generate (sequential and static batches), against itself with
+# prefix caching / chunked prefill off, and against the in-process engine; tables, JSON and PNGs in
+# bench-results/ (about 5 minutes on 2 CPU cores).
+bench: venv
+	$(PY) -m sluice.bench.baselines --out bench-results $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .tools clients/go/build clients/java/build

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -41,6 +41,51 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    However the caller lets go of it (reads to the end, `aclose()`, cancels the task awaiting it, or
+    drops it without ever iterating), `on_close(request_id, finished)` runs exactly once, so an
+    unfinished request is aborted and its KV blocks freed.
+    """
+
+    def __init__(self, request_id: str, on_close: Callable[[str, bool], None]) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._on_close: Callable[[str, bool], None] | None = on_close
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._on_close is None:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:  # cancelled while waiting: the caller is gone
+            self._close()
+            raise
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._finished = True
+            self._close()
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close(self.request_id, self._finished)
+
+    def __del__(self) -> None:
+        self._close()
 
 
 class AsyncEngine:
@@ -93,11 +138,11 @@ class AsyncEngine:
         messages: Sequence[dict[str, str]] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Validates now (raising InvalidRequestError, ContextLengthError, QueueFullError), then streams.
 
-        Abandoning the returned iterator (cancelling the task that awaits it, or `aclose()`) aborts the
-        request, so its KV blocks are freed before the next engine step.
+        Abandoning the returned stream (cancelling the task that awaits it, `aclose()`, or dropping it)
+        aborts the request, so its KV blocks are freed before the next engine step.
         """
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error}")
@@ -117,10 +162,10 @@ class AsyncEngine:
         num_queued = len(self._streams) - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = outputs
+        stream = RequestStream(request_id, self._abandon)
+        self._streams[request_id] = stream.queue
         self._inbox.put(_Add(request_id, prompt, params, priority, cache_salt, time.time()))
-        return self._stream(request_id, outputs)
+        return stream
 
     async def abort(self, request_id: str) -> None:
         """Aborts a live request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
@@ -130,21 +175,11 @@ class AsyncEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    async def _stream(
-        self, request_id: str, outputs: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._inbox.put(_Abort(request_id))
-            self._streams.pop(request_id, None)
+    def _abandon(self, request_id: str, finished: bool) -> None:
+        """A stream ended: forget it, and abort its request unless it had finished."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            self._inbox.put(_Abort(request_id))
 
     def _run(self) -> None:
         """The engine thread: apply commands, step while there is work, hand outputs to the loop."""

@@ -15,6 +15,7 @@ from types import ModuleType
 COMMAND_MODULES = (
     "service.serve_command",
     "service.generate_command",
+    "sluice.bench.cli",
 )
 
 

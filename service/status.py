@@ -24,6 +24,7 @@ from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestErr
 logger = logging.getLogger(__name__)
 
 StatusRecorder = Callable[[str, grpc.StatusCode], None]
+"""Counts a call's final status: (method name, code)."""
 
 
 class ServiceUnavailableError(Exception):

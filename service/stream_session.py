@@ -20,9 +20,7 @@ import grpc
 from sluice.v1 import sluice_pb2 as pb
 
 from service.generation import GenerationRunner
-from service.status import ServiceUnavailableError, status_for
-
-StatusRecorder = Callable[[str, grpc.StatusCode], None]
+from service.status import ServiceUnavailableError, StatusRecorder, status_for
 
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"

@@ -117,7 +117,20 @@ async def test_queue_bound_rejects_with_queue_full(llama_dir):
     config = EngineConfig(model=ModelConfig(model=llama_dir))
     engine = AsyncEngine(config, max_queue=2)
     # Not started: nothing leaves the queue, so the third request finds it full.
-    engine.add_request("a", PARAMS, text="one")
-    engine.add_request("b", PARAMS, text="two")
+    held = [engine.add_request("a", PARAMS, text="one"), engine.add_request("b", PARAMS, text="two")]
+    assert engine.num_live_requests == len(held)
     with pytest.raises(QueueFullError, match="the waiting queue is full"):
         engine.add_request("c", PARAMS, text="three")
+
+
+async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
+    import gc
+
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream = engine.add_request("never-read", params, text="the quick brown fox")
+    assert engine.has_request("never-read")
+    del stream
+    gc.collect()
+    assert not engine.has_request("never-read")
+    await _wait_for_free_blocks(engine)
+    assert engine.stats().num_waiting == 0

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from engine.gguf_file import GGUFFile
 from engine.gguf_loader import load_gguf
 from engine.model_arch import ModelArchConfig
 
@@ -141,6 +142,20 @@ def tiny(tmp_path_factory):
     tensors, bpe = write_tiny_gguf(path)
     source = load_gguf(path)
     return path, tensors, bpe, source, dict(source.weights)
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(tiny):
+    path = tiny[0]
+    reference = GGUFReader(path)
+    ours = GGUFFile(path)
+    expected = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == expected
+    assert [(t.name, t.tensor_type) for t in ours.tensors] == [
+        (t.name, t.tensor_type) for t in reference.tensors
+    ]
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert mine.shape == tuple(int(d) for d in reversed(theirs.shape)), mine.name
+        assert np.array_equal(mine.data.view(np.uint8).ravel(), theirs.data.view(np.uint8).ravel()), mine.name
 
 
 def test_arch_from_metadata(tiny):

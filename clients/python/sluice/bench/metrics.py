@@ -127,10 +127,13 @@ class RunMetrics:
         return cls(**(data | latencies))
 
 
-def summarize(records: Sequence[RequestRecord], duration_seconds: float, slo: Slo = Slo()) -> RunMetrics:
+def summarize(
+    records: Sequence[RequestRecord], duration_seconds: float, slo: Slo | None = None
+) -> RunMetrics:
     """Aggregates request timelines from a run that took `duration_seconds` of wall time."""
     if duration_seconds <= 0:
         raise ValueError("duration_seconds: must be > 0")
+    slo = slo or Slo()
     done = [r for r in records if r.ok]
     errors = Counter(r.error or "INCOMPLETE" for r in records if not r.ok)
     prompt_tokens = sum(r.prompt_len for r in done)

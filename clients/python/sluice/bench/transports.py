@@ -12,10 +12,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from sluice.client import AsyncClient, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
+import grpc
 
 from sluice.bench.workloads import BenchRequest
+from sluice.client import AsyncClient, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
 
 _GOOD_FINISH = (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
 
@@ -124,6 +125,4 @@ class StreamTransport:
 
 
 def _code_name(code: int) -> str:
-    import grpc
-
     return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))

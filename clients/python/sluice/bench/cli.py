@@ -1,0 +1,176 @@
+"""`sluice bench`: drive a running server over gRPC and report serving metrics.
+
+sluice bench --target localhost:50051 --workload chat --request-rate 4 --num-requests 200
+sluice bench --target localhost:50051 --concurrency 8 --duration 60 --json out.json --plot charts/
+sluice bench --target localhost:50051 --sweep 1,2,4,8 --num-requests 64 --plot charts/
+sluice bench compare before.json after.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from sluice.bench import report
+from sluice.bench.metrics import Slo
+from sluice.bench.runner import LoadConfig, run_load
+from sluice.bench.transports import GenerateTransport, StreamTransport, Transport
+from sluice.bench.workloads import WORKLOAD_KINDS, Workload
+from sluice.client import AsyncClient, SluiceError
+
+NAME = "bench"
+HELP = "Benchmark a running Sluice server: TTFT, TPOT, ITL, latency percentiles, throughput, goodput."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="localhost:50051", help="HOST:PORT of the server")
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
+    parser.add_argument(
+        "--api",
+        choices=("generate", "stream"),
+        default="generate",
+        help="one Generate call per request, or all on one bidi StreamGenerate call",
+    )
+    parser.add_argument("--workload", choices=WORKLOAD_KINDS, default="fixed")
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt tokens (chat: median; shared-prefix: the unique suffix)",
+    )
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (chat: median)")
+    parser.add_argument("--sigma", type=float, default=0.8, help="chat: log-normal shape")
+    parser.add_argument("--max-input-len", type=int, default=2048, help="chat: prompt length clip")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="chat: output length clip")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the served model's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--sweep", default=None, help="comma-separated concurrencies, one run each")
+    stop = parser.add_mutually_exclusive_group()
+    stop.add_argument("--num-requests", type=int, default=None, help="default 100")
+    stop.add_argument("--duration", type=float, default=None, help="seconds of sending")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed requests sent first")
+    parser.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
+    parser.add_argument("--label", default=None, help="name of the run in tables and charts")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    parser.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here")
+    parser.add_argument("--no-progress", action="store_true")
+    compare = parser.add_subparsers(dest="bench_command", metavar="compare").add_parser(
+        "compare", help="print each metric of two --json files and the ratio B/A"
+    )
+    compare.add_argument("a", help="baseline JSON (A)")
+    compare.add_argument("b", help="JSON to compare (B)")
+
+
+class Progress:
+    """One self-overwriting stderr line, at most ten updates a second."""
+
+    def __init__(self, label: str, total: int | None, enabled: bool) -> None:
+        self._label, self._total, self._enabled = label, total, enabled
+        self._shown = 0.0
+
+    def __call__(self, finished: int, sent: int, elapsed: float) -> None:
+        if not self._enabled or (time.monotonic() - self._shown < 0.1 and finished != self._total):
+            return
+        self._shown = time.monotonic()
+        total = f"/{self._total}" if self._total else ""
+        sys.stderr.write(
+            f"\r[{self._label}] {finished}{total} done, {sent - finished} in flight, {elapsed:.1f}s "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._enabled:
+            sys.stderr.write("\n")
+
+
+def _transport(args: argparse.Namespace) -> Transport:
+    client = AsyncClient(args.target, api_key=args.api_key)
+    return StreamTransport(client) if args.api == "stream" else GenerateTransport(client)
+
+
+async def _vocab_size(args: argparse.Namespace) -> int:
+    if args.vocab_size is not None:
+        return args.vocab_size
+    async with AsyncClient(args.target, api_key=args.api_key) as client:
+        return (await client.model_info(timeout=30)).vocab_size
+
+
+def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    return Workload(
+        kind=args.workload,
+        vocab_size=vocab_size,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        sigma=args.sigma,
+        max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len,
+        prefix_len=args.prefix_len,
+    )
+
+
+async def _one_run(args: argparse.Namespace, workload: Workload, concurrency: int | None) -> dict[str, Any]:
+    load = LoadConfig(
+        num_requests=args.num_requests if args.duration is None else None,
+        duration=args.duration,
+        request_rate=args.request_rate,
+        concurrency=concurrency,
+        warmup_requests=args.warmup,
+    )
+    slo = Slo(*(None if v is None else v / 1e3 for v in (args.slo_ttft, args.slo_tpot)))
+    label = args.label or (f"concurrency {concurrency}" if args.sweep else args.workload)
+    progress = Progress(label, load.num_requests, not args.no_progress)
+    transport = _transport(args)
+    try:
+        result = await run_load(transport, workload, load, slo=slo, progress=progress)
+    finally:
+        progress.close()
+        await transport.close()
+    config = {"target": args.target, "api": args.api, "workload": asdict(workload)} | asdict(load)
+    config |= {"slo_ttft": slo.ttft, "slo_tpot": slo.tpot}
+    return report.run_document(label, config, result.metrics, result.records)
+
+
+async def _bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    workload = _workload(args, await _vocab_size(args))
+    sweep = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.concurrency]
+    return [await _one_run(args, workload, concurrency) for concurrency in sweep]
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    if args.json:
+        report.write_json(args.json, runs)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from sluice.bench import plot
+
+        paths = [plot.latency_cdfs(runs, os.path.join(args.plot, "latency_cdfs.png"))]
+        if args.sweep:
+            paths.append(plot.sweep(runs, os.path.join(args.plot, "sweep.png")))
+        print(f"wrote {', '.join(paths)}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "compare":
+        print(report.compare(report.read_json(args.a), report.read_json(args.b)))
+        return 0
+    if args.num_requests is None and args.duration is None:
+        args.num_requests = 100
+    try:
+        runs = asyncio.run(_bench(args))
+    except (ValueError, SluiceError) as exc:
+        print(f"sluice bench: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_runs(runs))
+    _write_outputs(args, runs)
+    return 0 if all(run["metrics"]["num_completed"] for run in runs) else 1

@@ -1,0 +1,52 @@
+"""The in-process transport: benchmark requests straight into an AsyncEngine, with no gRPC in between.
+
+Driving the same workload through this and through a server measures what the gRPC layer costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from engine.sampling_params import SamplingParams
+from sluice.bench.transports import BenchError
+from sluice.bench.workloads import BenchRequest
+
+# The status codes the gRPC edge gives the same exceptions, so both transports report alike.
+_CODES = (
+    (ContextLengthError, "RESOURCE_EXHAUSTED"),  # before its base class InvalidRequestError
+    (InvalidRequestError, "INVALID_ARGUMENT"),
+    (QueueFullError, "RESOURCE_EXHAUSTED"),
+)
+
+
+class EngineTransport:
+    """Owns an AsyncEngine started on the running loop; `create` loads the model off the loop."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> EngineTransport:
+        engine = await asyncio.to_thread(AsyncEngine, config)
+        await engine.start()
+        return cls(engine)
+
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+        try:
+            stream = self._engine.add_request(request_id, params, token_ids=request.prompt_token_ids)
+        except Exception as error:
+            code = next((name for kind, name in _CODES if isinstance(error, kind)), "INTERNAL")
+            raise BenchError(code, str(error)) from None
+        async for output in stream:
+            if output.finish_reason in ("abort", "error"):
+                raise BenchError(f"FINISH_REASON_{output.finish_reason.upper()}", output.error or "")
+            if output.token_ids:
+                yield len(output.token_ids)
+
+    async def close(self) -> None:
+        await self._engine.shutdown()
