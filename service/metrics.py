@@ -17,7 +17,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class EngineStatsCollector(Collector):
-    """Gauges (and the engine's cumulative preemption count) read from `stats()` at every scrape."""
+    """Gauges and the engine's cumulative counters (preemptions, prefix cache) read from `stats()` at
+    every scrape."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
@@ -38,9 +39,22 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "sluice_kv_cache_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used
         )
-        yield CounterMetricFamily(
-            "sluice_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions
+        counters = (
+            ("sluice_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
+            (
+                "sluice_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            ("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            (
+                "sluice_prefix_cache_evictions",
+                "Cached KV blocks evicted for reuse.",
+                stats.prefix_cache_evictions,
+            ),
         )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value)
 
 
 class RequestTracker:

@@ -117,6 +117,6 @@ def test_dashboard_panels_query_exported_metrics() -> None:
         "sluice_inter_token_latency_seconds_bucket",
         "sluice_generation_tokens_total",
         "sluice_kv_cache_usage_ratio",
-        "sluice_cached_tokens_total",
+        "sluice_prefix_cache_hits_total",
     ):
         assert required in queried, required

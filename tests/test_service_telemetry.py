@@ -179,3 +179,6 @@ def test_metrics_count_the_requests_made(observed: ServerThread) -> None:
     assert after[("sluice_num_requests_waiting", ())] == 0
     assert after[("sluice_kv_cache_usage_ratio", ())] == 0
     assert ("sluice_preemptions_total", ()) in after
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    assert delta("sluice_prefix_cache_queries_total") == prompt_tokens
+    assert delta("sluice_prefix_cache_hits_total") == sum(u.cached_tokens for u in usages)
