@@ -6,11 +6,10 @@ parameter names (yielded lazily, one tensor at a time), and the tokenizer when t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,9 +46,10 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
         return _dummy_source(model_config)
     path = model_config.model
     if path is None:
-        from engine.default_model import default_model_path
+        from engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from engine.gguf_loader import load_gguf
 
-        path = default_model_path()
+        return replace(load_gguf(default_model_path()), name=DEFAULT_MODEL_NAME)
     if path.endswith(".gguf") or model_config.load_format == "gguf":
         from engine.gguf_loader import load_gguf
 
@@ -78,7 +78,7 @@ def read_arch(directory: str) -> ModelArchConfig:
             eos = json.load(f).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
-        arch = dataclasses.replace(arch, eos_token_ids=merged)
+        arch = replace(arch, eos_token_ids=merged)
     return arch
 
 

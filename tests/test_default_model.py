@@ -122,3 +122,12 @@ def test_greedy_generation_matches_transformers(hf, llm):
     for completion, ids in zip(completions, hf_prompts, strict=True):
         assert completion.prompt_token_ids == ids
         assert completion.token_ids == _hf_greedy(model, ids, 16), hf_tokenizer.decode(ids)
+
+
+def test_the_default_model_answers_a_real_question(llm):
+    assert llm.engine.model_info.name == "SmolLM2-135M-Instruct"
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.chat([question], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert "Paris" in answer.text
+    assert answer.finish_reason == "stop"  # ended at <|im_end|>, which is not part of the text
+    assert "<|im_end|>" not in answer.text

@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC stubs for sluice.v1 (regenerate with scripts/gen_proto.sh)."""
+"""Generated protobuf and gRPC stubs for sluice.v1 (regenerate with `make proto`)."""
