@@ -10,16 +10,21 @@ import time
 from sluice.client import Client, SluiceError, generate_request
 
 NAME = "generate"
-HELP = "Stream a completion from a Sluice server; tokens/s and time to first token go to stderr."
+HELP = (
+    "Stream an answer from a Sluice server (the prompt is a chat message unless --raw); "
+    "tokens/s and time to first token go to stderr."
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    parser.add_argument("prompt", help="the user message (with --raw: the prompt text)")
     parser.add_argument("--target", default="localhost:50051", help="HOST:PORT of the server")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a chat user message")
-    parser.add_argument("--system", default=None, help="with --chat: a system message first")
+    parser.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
+    )
+    parser.add_argument("--system", default=None, help="a system message before the user message")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: server's)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
@@ -33,7 +38,7 @@ def _request(args: argparse.Namespace):
         "top_p": args.top_p,
         "seed": args.seed,
     }
-    if not args.chat:
+    if args.raw:
         return generate_request(args.prompt, **sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})

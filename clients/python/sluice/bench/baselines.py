@@ -102,7 +102,8 @@ def in_process_run(label: str, model_dir: str, workload: Workload, load: LoadCon
     return report.run_document(label, run_config, result.metrics, result.records)
 
 
-def transformers_run(label: str, run: Any, num_requests: int) -> dict[str, Any]:
+def transformers_run(label: str, run: Any, num_requests: int, warmup: Any) -> dict[str, Any]:
+    warmup()
     result = run()
     return {
         "label": label,
@@ -123,12 +124,16 @@ def throughput_runs(plan: Plan, model_dir: str, model: torch.nn.Module) -> tuple
     ]
     prompts = [list(r.prompt_token_ids) for r in workload.requests(plan.num_requests)]
     n, out = plan.num_requests, plan.output_len
+    warmup = lambda: run_hf_sequential(model, prompts[:1], 2)
     baselines = [
-        transformers_run("transformers sequential", lambda: run_hf_sequential(model, prompts, out), n),
+        transformers_run(
+            "transformers sequential", lambda: run_hf_sequential(model, prompts, out), n, warmup
+        ),
         transformers_run(
             f"transformers static batch {plan.static_batch}",
             lambda: run_hf_static_batches(model, prompts, out, plan.static_batch),
             n,
+            warmup,
         ),
     ]
     return sluice, baselines

@@ -140,8 +140,9 @@ async def _send(
 
 
 def _warmup_request(workload: Workload) -> BenchRequest:
-    request = workload.request(0)
-    return BenchRequest(request.prompt_token_ids[:16], 2)
+    """The first request's prompt with two output tokens: warms the server up, and the prefix cache
+    with a shared system prompt as a server in steady state would have it."""
+    return BenchRequest(workload.request(0).prompt_token_ids, 2)
 
 
 def run_load_sync(
