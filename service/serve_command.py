@@ -11,7 +11,15 @@ import signal
 import sys
 
 from engine.async_engine import AsyncEngine
-from engine.config import ATTENTION_BACKENDS, DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from service.server import ServerConfig, SluiceServer, TlsConfig
 from service.tracing import tracer_provider_from_env
 
@@ -35,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="Hugging Face directory or .gguf file (default: the embedded model)")
     source.add_argument("--preset", help="random weights in a named shape (engine.presets)")
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights shaped by --preset or by --model's config.json",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
@@ -50,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory", type=parse_size, default=None, help="KV cache size on CPU, e.g. 2GiB"
     )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory Sluice may use"
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -64,14 +81,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
             model=args.model,
-            load_format="dummy" if args.preset else "auto",
+            load_format="dummy" if args.preset else args.load_format,
             preset=args.preset,
             dtype=args.dtype,
             seed=args.seed,
             max_model_len=args.max_model_len,
         ),
         cache=CacheConfig(
-            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching, **cache_kwargs
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            **cache_kwargs,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

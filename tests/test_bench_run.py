@@ -1,0 +1,76 @@
+"""`sluice bench` against a real Sluice server on a loopback port: JSON, charts, sweeps, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from service_harness import ServerThread, tiny_engine_config
+
+from service.cli import main
+
+METRIC_KEYS = {
+    "num_requests", "num_completed", "errors", "duration_seconds", "prompt_tokens", "output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput", "goodput",
+    "ttft", "tpot", "itl", "e2e",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: str):
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    yield thread
+    thread.stop()
+
+
+def _bench(server: ServerThread, *args: str) -> int:
+    return main(["bench", "--target", server.target, "--no-progress", "--input-len", "16", *args])
+
+
+def test_closed_loop_run_writes_json_and_charts(server: ServerThread, tmp_path, capsys) -> None:
+    path, charts = tmp_path / "run.json", tmp_path / "charts"
+    slo = ["--slo-ttft", "60000", "--slo-tpot", "60000"]
+    rc = _bench(server, "--num-requests", "6", "--concurrency", "3", "--output-len", "8", *slo,
+                "--json", str(path), "--plot", str(charts))  # fmt: skip
+    assert rc == 0
+    (run,) = json.loads(path.read_text())["runs"]
+    m = run["metrics"]
+    assert set(m) == METRIC_KEYS
+    assert (m["num_requests"], m["num_completed"], m["errors"]) == (6, 6, {})
+    assert (m["prompt_tokens"], m["output_tokens"]) == (6 * 16, 6 * 8)
+    assert m["goodput"] == pytest.approx(m["request_throughput"])  # every request meets a 60 s SLO
+    assert m["ttft"]["count"] == 6 and m["tpot"]["count"] == 6
+    assert m["itl"]["count"] == sum(len(r["itls"]) for r in run["requests"]) >= 6
+    assert [r["output_tokens"] for r in run["requests"]] == [8] * 6
+    assert [r["index"] for r in sorted(run["requests"], key=lambda r: r["index"])] == list(range(6))
+    assert run["config"]["concurrency"] == 3 and run["config"]["request_rate"] is None
+    assert run["config"]["workload"]["vocab_size"] == 512  # read from GetModelInfo
+    assert (charts / "latency_cdfs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "6/6" in table and "TTFT p99" in table
+    server.wait_idle()
+
+
+def test_sweep_on_one_bidi_stream_with_poisson_arrivals(server: ServerThread, tmp_path) -> None:
+    path, charts = tmp_path / "sweep.json", tmp_path / "charts"
+    rc = _bench(server, "--api", "stream", "--workload", "shared-prefix", "--prefix-len", "32",
+                "--request-rate", "50", "--sweep", "1,4", "--num-requests", "5", "--output-len", "4",
+                "--json", str(path), "--plot", str(charts))  # fmt: skip
+    assert rc == 0
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["concurrency 1", "concurrency 4"]
+    assert [(r["metrics"]["num_completed"], r["metrics"]["output_tokens"]) for r in runs] == [(5, 20)] * 2
+    assert all(r["metrics"]["prompt_tokens"] == 5 * 48 for r in runs)
+    assert (charts / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    server.wait_idle()
+
+
+def test_rejected_requests_are_counted_by_status_code(server: ServerThread, tmp_path) -> None:
+    path = tmp_path / "errors.json"
+    # 300 prompt tokens exceed the checkpoint's 256-token context: RESOURCE_EXHAUSTED for each.
+    rc = main(["bench", "--target", server.target, "--no-progress", "--input-len", "300",
+               "--num-requests", "3", "--json", str(path)])  # fmt: skip
+    assert rc == 1
+    m = json.loads(path.read_text())["runs"][0]["metrics"]
+    assert (m["num_requests"], m["num_completed"], m["errors"]) == (3, 0, {"RESOURCE_EXHAUSTED": 3})
+    assert m["ttft"]["p99"] is None
