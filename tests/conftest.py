@@ -29,3 +29,13 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2 with q/k/v biases, sharded over several safetensors files plus an index."""
     return build_qwen2_checkpoint(str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: str):
+    """A real Sluice gRPC server on a loopback port, serving the tiny Llama (one per test module)."""
+    from service_harness import ServerThread, tiny_engine_config
+
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    yield thread
+    thread.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import ServerThread
 
 from service.cli import main
 
@@ -14,13 +14,6 @@ METRIC_KEYS = {
     "request_throughput", "output_throughput", "total_token_throughput", "goodput",
     "ttft", "tpot", "itl", "e2e",
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir: str):
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
-    yield thread
-    thread.stop()
 
 
 def _bench(server: ServerThread, *args: str) -> int:

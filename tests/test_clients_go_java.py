@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import ServerThread
 from sluice.v1 import sluice_pb2 as pb
 from tokenizers import Tokenizer
 from toolchains import REPO, require
@@ -28,13 +28,6 @@ CLIENTS = {
     "go": (("go", "protoc-gen-go"), os.path.join(REPO, "clients", "go", "run_example.sh")),
     "java": (("javac", "java"), os.path.join(REPO, "clients", "java", "run_example.sh")),
 }
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir: str):
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
-    yield thread
-    thread.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,6 @@ LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: str):
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
-    yield thread
-    thread.stop()
-
-
-@pytest.fixture(scope="module")
 def stub(server: ServerThread):
     channel = server.channel()
     yield server.stub(channel)

@@ -9,7 +9,7 @@ from collections import defaultdict
 import grpc
 import pytest
 from checkpoints import EOS_ID, IM_END_ID
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import ServerThread
 from sluice import AsyncClient, Client, generate_request
 from sluice.v1 import sluice_pb2 as pb
 
@@ -20,13 +20,6 @@ PROMPTS = [
     f"{word} number {i}" for i, word in enumerate(["Hello", "The quick", "Café", "def add", "Emoji"] * 2)
 ]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir: str):
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
-    yield thread
-    thread.stop()
 
 
 @pytest.fixture(scope="module")
