@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
+    sys.stdout.flush()
     ttft_ms = (first_token - start) * 1000 if first_token is not None else float("nan")
     decode_seconds = elapsed - (first_token - start) if first_token is not None else elapsed
     rate = (num_tokens - 1) / decode_seconds if num_tokens > 1 and decode_seconds > 0 else float("nan")
