@@ -22,7 +22,7 @@ from engine.engine import Engine
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.model_loader import ModelSource
 from engine.outputs import EngineStats, RequestOutput
-from engine.prompt import check_prompt, resolve_prompt
+from engine.prompt import resolve_prompt
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -151,14 +151,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt = resolve_prompt(self.tokenizer, text=text, token_ids=token_ids, messages=messages)
-        info = self.model_info
-        check_prompt(
-            prompt,
-            params,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            has_tokenizer=self.tokenizer is not None,
-        )
+        self._engine.check_prompt(prompt, params)
         num_queued = len(self._streams) - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")

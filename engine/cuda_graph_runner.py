@@ -39,17 +39,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     holds `max_num_seqs` (so every decode batch the scheduler can form has a graph)."""
     if max_num_seqs <= 0:
         raise ValueError(f"max_num_seqs: must be > 0, got {max_num_seqs}")
-    sizes: list[int] = []
-    candidate_index, candidate = 0, _FIRST_SIZES[0]
-    while True:
-        sizes.append(candidate)
-        if candidate >= max_num_seqs:
-            return sizes
-        candidate_index += 1
-        if candidate_index < len(_FIRST_SIZES):
-            candidate = _FIRST_SIZES[candidate_index]
-        else:
-            candidate += _SIZE_STEP
+    sizes = [size for size in _FIRST_SIZES if size < max_num_seqs]
+    if len(sizes) < len(_FIRST_SIZES):
+        return [*sizes, _FIRST_SIZES[len(sizes)]]
+    return [*sizes, *range(_FIRST_SIZES[-1] + _SIZE_STEP, max_num_seqs + _SIZE_STEP, _SIZE_STEP)]
 
 
 def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
@@ -143,10 +136,10 @@ def estimate_graph_memory_bytes(
     """
     sizes = capture_sizes(max_num_seqs)
     batch = sizes[-1]
-    item = torch.empty((), dtype=dtype).element_size()
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
-    per_token = item * (4 * arch.hidden_size + 2 * (q + 2 * kv) + 3 * arch.intermediate_size)
+    item = dtype.itemsize
+    per_token = item * (
+        4 * arch.hidden_size + 2 * (arch.q_size + 2 * arch.kv_size) + 3 * arch.intermediate_size
+    )
     partitions = -(-max_seq_len // decode_partition_size)
     partials = 4 * arch.num_attention_heads * partitions * (arch.head_dim + 2)
     outputs = item * arch.hidden_size * sum(sizes)

@@ -78,13 +78,7 @@ class Engine:
         """Validates and queues a request; raises InvalidRequestError / ContextLengthError."""
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        check_prompt(
-            prompt_token_ids,
-            params,
-            vocab_size=self.model_info.vocab_size,
-            max_model_len=self.model_info.max_model_len,
-            has_tokenizer=self.tokenizer is not None,
-        )
+        self.check_prompt(prompt_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -98,13 +92,25 @@ class Engine:
         self.output_processor.add_request(request)
         return request
 
+    def check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError / ContextLengthError for a prompt this model cannot serve.
+
+        Reads only the model's fixed facts, so any thread may call it.
+        """
+        check_prompt(
+            prompt_token_ids,
+            params,
+            vocab_size=self.model_info.vocab_size,
+            max_model_len=self.model_info.max_model_len,
+            has_tokenizer=self.tokenizer is not None,
+        )
+
     def abort(self, request_ids: Iterable[str], error: str | None = None) -> list[RequestOutput]:
-        """Frees the requests' blocks now; returns their final outputs (finish_reason "abort")."""
-        aborted = self.scheduler.abort_requests(list(request_ids))
-        for request in aborted:
-            if error is not None:
-                request.status = RequestStatus.FINISHED_ERROR
-        return [self.output_processor.finish_aborted(r, error) for r in aborted]
+        """Frees the requests' blocks now; returns their final outputs (finish_reason "abort", or
+        "error" with `error` as the message). Unknown ids are skipped."""
+        status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+        finished = (self.scheduler.finish_request(request_id, status) for request_id in request_ids)
+        return [self.output_processor.finish_aborted(r, error) for r in finished if r is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -34,10 +34,6 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     data: np.ndarray  # raw bytes as gguf.quants.dequantize expects: [rows, bytes per row] uint8
 
-    @property
-    def num_elements(self) -> int:
-        return int(np.prod(self.shape))
-
 
 class GGUFFile:
     """`metadata`: key -> int / float / bool / str / list; `tensors`: in file order."""
@@ -46,7 +42,6 @@ class GGUFFile:
         self.path = os.fspath(path)
         self._buffer = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._view = memoryview(self._buffer)
-        self._pos = 0
         if bytes(self._view[:4]) != b"GGUF":
             raise ValueError(f"model: {self.path!r} is not a GGUF file (bad magic)")
         self._pos = 4

@@ -83,7 +83,9 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         raise ValueError(
             f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
         )
-    tokens: list[str] = file.metadata.get("tokenizer.ggml.tokens")
+    tokens: list[str] | None = file.metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("tokenizer.ggml.tokens: missing from the GGUF metadata")
     token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
     backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()

@@ -92,14 +92,19 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_token_ids)
         completions: dict[str, Completion] = {}
-        for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
-            request_id = f"llm-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(request_id, ids, p, priority=priorities[i] if priorities else 0)
-            completions[request_id] = Completion(request_id, list(ids))
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                completions[output.request_id].add(output)
+        try:
+            for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, ids, p, priority=priorities[i] if priorities else 0)
+                completions[request_id] = Completion(request_id, list(ids))
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    completions[output.request_id].add(output)
+        except BaseException:
+            # A rejected prompt or an interrupted run must not leave requests behind for the next call.
+            self.engine.abort(list(completions))
+            raise
         return list(completions.values())
 
 

@@ -20,6 +20,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelArchConfig:
+    """Shape, RoPE and special token ids of a Llama-family model; validated on construction."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -41,19 +43,24 @@ class ModelArchConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architectures: {self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        _check_architecture(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads: must divide num_attention_heads")
 
     @property
+    def q_size(self) -> int:
+        """Width of the query projection: num_attention_heads * head_dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection: num_key_value_heads * head_dim."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
+        q, kv = self.q_size, self.kv_size
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embeddings + h
@@ -63,21 +70,15 @@ class ModelArchConfig:
         """Build from a parsed `config.json`. Raises ValueError naming the field when it is unusable."""
         architectures = config.get("architectures") or ["LlamaForCausalLM"]
         architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architectures: {architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        num_heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        _check_architecture(architecture)  # before the shape fields, which another family may lack
+        num_heads = _required(config, "num_attention_heads")
+        hidden = _required(config, "hidden_size")
         return cls(
             architecture=architecture,
-            vocab_size=config["vocab_size"],
+            vocab_size=_required(config, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
+            intermediate_size=_required(config, "intermediate_size"),
+            num_hidden_layers=_required(config, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden // num_heads,
@@ -89,9 +90,30 @@ class ModelArchConfig:
             attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
             bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=token_ids(config.get("eos_token_id")),
             name=name,
         )
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A config's `eos_token_id` (one id, a list of ids, or absent) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _check_architecture(architecture: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architectures: {architecture!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _required(config: dict[str, Any], key: str) -> Any:
+    if key not in config:
+        raise ValueError(f"{key}: missing from the model's config.json")
+    return config[key]
 
 
 def _rope_theta(config: dict[str, Any]) -> float:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.model_arch import ModelArchConfig
+from engine.model_arch import ModelArchConfig, token_ids
 from engine.models.llama import hf_weight_shapes
 from engine.presets import preset_arch
 
@@ -75,8 +75,7 @@ def read_arch(directory: str) -> ModelArchConfig:
     generation_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation_path):
         with open(generation_path) as f:
-            eos = json.load(f).get("eos_token_id")
-        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+            extra = token_ids(json.load(f).get("eos_token_id"))
         merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
         arch = replace(arch, eos_token_ids=merged)
     return arch

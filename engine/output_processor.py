@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -77,8 +76,6 @@ class OutputProcessor:
         finished = request.is_finished
         if finished:
             self._detokenizers.pop(request.request_id, None)
-            if request.times.finished is None:
-                request.times.finished = time.time()
         times = request.times
         return RequestOutput(
             request_id=request.request_id,

@@ -81,13 +81,8 @@ class Scheduler:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort live requests in any state and free their blocks now; unknown ids are skipped."""
-        aborted = []
-        for request_id in request_ids:
-            request = self._requests.get(request_id)
-            if request is not None:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-                aborted.append(request)
-        return aborted
+        aborted = (self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids)
+        return [request for request in aborted if request is not None]
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a live request with `status` (e.g. a stop string hit) and free its blocks."""
@@ -201,7 +196,7 @@ class Scheduler:
             block_ids = self.kv.allocate_slots(request, num_new)
             if block_ids is not None:
                 return block_ids
-            victim = max(self._running.values(), key=self._order_key)
+            victim = self._worst_running()
             self._preempt(victim, plan)
             if victim is request:
                 return None
@@ -247,7 +242,7 @@ class Scheduler:
         """Preempt the worst running request if its priority is strictly worse than `request`'s."""
         if not self._running:
             return False
-        victim = max(self._running.values(), key=self._order_key)
+        victim = self._worst_running()
         if victim.priority <= request.priority:
             return False
         self._preempt(victim, plan)
@@ -308,6 +303,10 @@ class Scheduler:
         del self._requests[request_id]
         del self._seq[request_id]
         self._finished_since_schedule.append(request_id)
+
+    def _worst_running(self) -> Request:
+        """The running request preempted first: the last in run order."""
+        return max(self._running.values(), key=self._order_key)
 
     def _order_key(self, request: Request) -> tuple[int, float, int]:
         """Run order: lower priority value first, then earlier arrival, then insertion."""

@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+from kernels.tensor_checks import (
+    check_block_tables,
+    check_q_and_kv_cache,
+    check_shape,
+    check_tensor,
+    output_like,
+)
 
 DEFAULT_PARTITION_SIZE = 512
 _TILE_N = 16  # context positions per inner step; tl.dot needs every dim >= 16 on GPUs
@@ -150,23 +156,9 @@ def _decode_reduce_kernel(
 
 
 def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size) -> None:
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_seqs, num_heads, head_dim = q.shape
-    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
-    check_same_dtype("k_cache", k_cache, q.dtype)
-    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    check_same_dtype("v_cache", v_cache, q.dtype)
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} does not match q's {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"q: num_heads {num_heads} is not a multiple of k_cache's num_kv_heads {num_kv_heads}"
-        )
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: {block_tables.shape[0]} rows, expected num_seqs={num_seqs}")
+    check_q_and_kv_cache(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
+    check_block_tables(block_tables, num_seqs, q.device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_shape("seq_lens", seq_lens, (num_seqs,))
     if partition_size <= 0 or partition_size % _TILE_N:

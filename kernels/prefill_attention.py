@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+from kernels.tensor_checks import (
+    check_block_tables,
+    check_q_and_kv_cache,
+    check_shape,
+    check_tensor,
+    output_like,
+)
 
 _BLOCK_M = 16
 _BLOCK_N = 16
@@ -108,26 +114,12 @@ def _prefill_attention_kernel(
 
 
 def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_heads, head_dim = q.shape[1:]
-    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
-    check_same_dtype("k_cache", k_cache, q.dtype)
-    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    check_same_dtype("v_cache", v_cache, q.dtype)
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} does not match q's {head_dim}")
-    if num_heads % k_cache.shape[2]:
-        raise ValueError(
-            f"q: num_heads {num_heads} is not a multiple of k_cache's num_kv_heads {k_cache.shape[2]}"
-        )
+    check_q_and_kv_cache(q, k_cache, v_cache)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
     num_seqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: {block_tables.shape[0]} rows, expected num_seqs={num_seqs}")
+    check_block_tables(block_tables, num_seqs, q.device)
 
 
 def prefill_attention(

@@ -3,37 +3,18 @@
     cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)]        [max_position, head_dim] fp32
     x = [x1 | x2]  (halves of head_dim)  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 
-`build_cos_sin_cache` computes inv_freq like `transformers` (plain, or "llama3" scaled).
+`build_cos_sin_cache` takes inv_freq from the model's `compute_inv_freq` (plain, or "llama3" scaled).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.model_arch import RopeScaling
+from engine.models.rotary import compute_inv_freq
 from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
-
-
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: RopeScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] fp32; with `rope_scaling` the Llama 3.1 recipe is applied."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope_theta**exponents)
-    if rope_scaling is None:
-        return inv_freq
-    factor = rope_scaling.factor
-    low, high = rope_scaling.low_freq_factor, rope_scaling.high_freq_factor
-    old_context = rope_scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 def build_cos_sin_cache(
@@ -44,7 +25,7 @@ def build_cos_sin_cache(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin."""
-    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+    inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
     freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 

@@ -37,11 +37,39 @@ def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> Non
 
 
 def check_same_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise ValueError unless `tensor.dtype == dtype`."""
     if tensor.dtype != dtype:
         raise ValueError(f"{name}: dtype {tensor.dtype} must match {dtype}")
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_q_and_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless q [num_tokens, num_heads, head_dim] (float) and k_cache, v_cache
+    [num_blocks, block_size, num_kv_heads, head_dim] share device, dtype and head_dim, and
+    num_kv_heads divides num_heads (the attention kernels' GQA grouping)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_heads, head_dim = q.shape[1:]
+    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
+    check_same_dtype("k_cache", k_cache, q.dtype)
+    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_same_dtype("v_cache", v_cache, q.dtype)
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} does not match q's {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"q: num_heads {num_heads} is not a multiple of k_cache's num_kv_heads {num_kv_heads}"
+        )
+
+
+def check_block_tables(block_tables: torch.Tensor, num_seqs: int, device: torch.device) -> None:
+    """Raise ValueError unless block_tables is [num_seqs, max_blocks] int32 on `device`."""
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: {block_tables.shape[0]} rows, expected num_seqs={num_seqs}")
 
 
 def output_like(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2
 
-HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _BEARER = "bearer "
 
 

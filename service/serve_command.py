@@ -119,16 +119,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(config: EngineConfig, serving: ServerConfig, max_queue: int | None) -> int:
     """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain, exit 0."""
-    config = engine_config(args)
-    server = SluiceServer(server_config(args), tracer_provider=tracer_provider_from_env())
+    server = SluiceServer(serving, tracer_provider=tracer_provider_from_env())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()
-    engine = await asyncio.to_thread(AsyncEngine, config, args.max_queue)
+    engine = await asyncio.to_thread(AsyncEngine, config, max_queue)
     await engine.start()
     await server.attach_engine(engine)
     metrics = f" metrics_port={server.metrics_port}" if server.metrics_port is not None else ""
@@ -143,13 +142,12 @@ async def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine_config(args)
-        server_config(args)
+        main = serve(engine_config(args), server_config(args), args.max_queue)
     except ValueError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        return asyncio.run(main)
+    return uvloop.run(main)

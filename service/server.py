@@ -22,14 +22,13 @@ from opentelemetry import trace
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
 from engine.async_engine import AsyncEngine
-from service.auth import ApiKeyInterceptor
+from service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from service.metrics import ServerMetrics
 from service.servicer import InferenceServicer
 
 logger = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,13 @@ def cancelled_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.CANCELLED
 
 
-def _log_unexpected(exc: BaseException) -> None:
-    if not isinstance(exc, InvalidRequestError | QueueFullError | ValueError | ServiceUnavailableError):
+def failure_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """`status_for(exc)` for a request that failed; a failure of the server's own (INTERNAL), not the
+    caller's, is logged with its traceback."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
         logger.exception("request failed", exc_info=exc)
+    return code, message
 
 
 def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,8 +71,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     name = method.__name__
 
     async def fail(self: Any, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        _log_unexpected(exc)
-        code, message = status_for(exc)
+        code, message = failure_status(exc)
         self.record_status(name, code)
         await context.abort(code, message)
 

@@ -20,7 +20,7 @@ import grpc
 from sluice.v1 import sluice_pb2 as pb
 
 from service.generation import GenerationRunner
-from service.status import ServiceUnavailableError, StatusRecorder, status_for
+from service.status import ServiceUnavailableError, StatusRecorder, failure_status
 
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"
@@ -117,7 +117,7 @@ class StreamSession:
             del self._pumps[request_id]
 
     def _send_error(self, request_id: str, exc: BaseException) -> None:
-        code, message = status_for(exc)
+        code, message = failure_status(exc)
         self._record_status(_METHOD, code)
         error = pb.RequestError(code=code.value[0], message=message)
         self._outbox.put_nowait(pb.StreamGenerateResponse(request_id=request_id, error=error))

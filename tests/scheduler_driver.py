@@ -28,10 +28,15 @@ def next_token(context: list[int]) -> int:
 
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     """What greedy generation with the fake model must produce, computed directly."""
-    tokens = list(prompt)
+    sequence = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt) :]
+        sequence.append(next_token(sequence))
+    return sequence[len(prompt) :]
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    """n consecutive token ids from `start`: distinct prompts that share no block unless meant to."""
+    return list(range(start, start + n))
 
 
 def make_request(

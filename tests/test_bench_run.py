@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-from service_harness import ServerThread
+from service_harness import ServerThread, tiny_engine_config
+from sluice.bench.runner import LoadConfig, run_load
+from sluice.bench.transports import StreamTransport
+from sluice.bench.workloads import Workload
+from sluice.client import AsyncClient
 
 from service.cli import main
 
@@ -67,3 +72,24 @@ def test_rejected_requests_are_counted_by_status_code(server: ServerThread, tmp_
     m = json.loads(path.read_text())["runs"][0]["metrics"]
     assert (m["num_requests"], m["num_completed"], m["errors"]) == (3, 0, {"RESOURCE_EXHAUSTED": 3})
     assert m["ttft"]["p99"] is None
+
+
+def test_stream_transport_fails_requests_sent_after_the_call_ended(llama_dir: str) -> None:
+    # The model is still loading, so the server ends the one StreamGenerate call UNAVAILABLE at once;
+    # the requests that arrive later on the Poisson clock must fail too, not wait forever.
+    server = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    workload = Workload("fixed", 512, input_len=4, output_len=2)
+    load = LoadConfig(num_requests=3, request_rate=20, warmup_requests=0)
+
+    async def bench():
+        transport = StreamTransport(AsyncClient(server.target))
+        try:
+            return await asyncio.wait_for(run_load(transport, workload, load), 30)
+        finally:
+            await transport.close()
+
+    try:
+        result = asyncio.run(bench())
+    finally:
+        server.stop()
+    assert (result.metrics.num_requests, result.metrics.errors) == (3, {"UNAVAILABLE": 3})

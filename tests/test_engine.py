@@ -9,6 +9,7 @@ import pytest
 import torch
 from checkpoints import EOS_ID
 
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -146,3 +147,12 @@ def test_abort_in_every_state_returns_every_block(llama_dir):
     assert engine.stats().num_kv_blocks_used == 0
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
+
+
+def test_a_rejected_prompt_leaves_no_request_behind(llama_dir):
+    llm = LLM(llama_dir)
+    with pytest.raises(InvalidRequestError, match="token_ids: token id 1000000 is outside the vocabulary"):
+        llm.generate([[5, 6, 7], [1_000_000]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    completions = llm.generate([5, 6, 7], GREEDY)
+    assert [c.request_id for c in completions] == ["llm-2"]

@@ -13,6 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.gguf_file import GGUFFile
 from engine.gguf_loader import load_gguf
+from engine.gguf_tokenizer import gguf_tokenizer
 from engine.model_arch import ModelArchConfig
 
 Q = GGMLQuantizationType
@@ -251,3 +252,11 @@ def test_unsupported_tokenizer_model(tmp_path):
     with pytest.raises(ValueError) as err:
         load_gguf(tmp_path / "spm.gguf")
     assert str(err.value) == "tokenizer.ggml.model: 'llama' is not supported; supported: gpt2"
+
+
+def test_missing_vocabulary_is_named(tiny):
+    file = GGUFFile(tiny[0])  # a fresh read: the module's other tests share `tiny`
+    del file.metadata["tokenizer.ggml.tokens"]
+    with pytest.raises(ValueError) as err:
+        gguf_tokenizer(file)
+    assert str(err.value) == "tokenizer.ggml.tokens: missing from the GGUF metadata"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_driver import make_request
+from scheduler_driver import make_request, tokens
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
@@ -18,10 +18,6 @@ def admit_and_compute(kv: KVCacheManager, request: Request) -> tuple[int, ...]:
     request.num_computed_tokens = request.num_tokens
     kv.cache_computed_blocks(request)
     return block_ids
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
 
 
 def test_block_table_is_ceil_of_tokens_and_grows_by_decode():

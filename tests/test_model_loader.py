@@ -60,6 +60,14 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
         get_model_class("GPT2LMHeadModel")
 
 
+def test_config_missing_a_shape_field_names_it(tmp_path) -> None:
+    config = {key: value for key, value in PRESETS["tiny"].items() if key != "intermediate_size"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load_model_source(ModelConfig(model=str(tmp_path)))
+    assert str(error.value) == "intermediate_size: missing from the model's config.json"
+
+
 def test_directory_without_weights_is_rejected(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
     with pytest.raises(ValueError, match="has no model.safetensors"):

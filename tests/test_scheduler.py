@@ -17,6 +17,7 @@ from scheduler_driver import (
     run_until_done,
     slices,
     step,
+    tokens,
 )
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -45,10 +46,6 @@ def make_scheduler(
         max_model_len=max_model_len,
     )
     return scheduler, PagedFakeModel(BS)
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
 
 
 def assert_reference(*requests: Request) -> None:

@@ -26,7 +26,7 @@ from service.auth import check_api_key
 from service.cli import build_parser, load_commands
 from service.metrics import ServerMetrics
 from service.serve_command import engine_config, parse_size
-from service.status import RequestFailedError, ServiceUnavailableError, status_for
+from service.status import RequestFailedError, ServiceUnavailableError, failure_status, status_for
 from service.tracing import RequestTracer, tracer_provider_from_env
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -215,6 +215,17 @@ def test_model_info() -> None:
 )
 def test_exceptions_map_to_status(exc: Exception, code: grpc.StatusCode, message: str) -> None:
     assert status_for(exc) == (code, message)
+
+
+def test_only_the_servers_own_failures_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    assert failure_status(QueueFullError("full")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    assert failure_status(ValueError("top_p: bad")) == (grpc.StatusCode.INVALID_ARGUMENT, "top_p: bad")
+    assert caplog.records == []
+    internal = (grpc.StatusCode.INTERNAL, "internal error: RuntimeError")
+    assert failure_status(RuntimeError("secret detail")) == internal
+    (record,) = caplog.records
+    assert (record.levelname, record.getMessage()) == ("ERROR", "request failed")
+    assert record.exc_info[1].args == ("secret detail",)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ CPU than gathering slots and attending with explicit matmuls). Rows with longer 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -97,9 +99,7 @@ def _mixed_attention(
     """Decode rows batched through `decode_attention`; each longer query attended on its own (straight
     from this step's k, v when it has no cached prefix, else over its context gathered from the cache)."""
     out = torch.empty_like(q)
-    starts = [0]
-    for query_len in metadata.query_lens_cpu:
-        starts.append(starts[-1] + query_len)
+    starts = list(itertools.accumulate(metadata.query_lens_cpu, initial=0))  # query_start_loc on the host
     decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
     if decode_seqs:
         seq_index = torch.tensor(decode_seqs, device=q.device)

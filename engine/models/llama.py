@@ -42,8 +42,8 @@ class LlamaAttention(nn.Module):
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
         self.scale = self.head_dim**-0.5
         self.backend = backend
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
@@ -199,10 +199,7 @@ class LlamaForCausalLM(nn.Module):
         return name, 0, None
 
     def _fused_slices(self) -> tuple[tuple[str, str, int, int], ...]:
-        arch = self.arch
-        q = arch.num_attention_heads * arch.head_dim
-        kv = arch.num_key_value_heads * arch.head_dim
-        inter = arch.intermediate_size
+        q, kv, inter = self.arch.q_size, self.arch.kv_size, self.arch.intermediate_size
         return (
             ("q_proj", "qkv_proj", 0, q),
             ("k_proj", "qkv_proj", q, kv),
@@ -214,9 +211,7 @@ class LlamaForCausalLM(nn.Module):
 
 def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Hugging Face parameter names and shapes of a checkpoint for `arch`, in checkpoint order."""
-    h, inter = arch.hidden_size, arch.intermediate_size
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_key_value_heads * arch.head_dim
+    h, inter, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (arch.vocab_size, h))]
     for i in range(arch.num_hidden_layers):
         prefix = f"model.layers.{i}"

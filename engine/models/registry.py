@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.model_arch import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM
 
-# Mistral and Qwen2 are Llama with a sliding window / q,k,v biases, both read from ModelArchConfig.
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+# Every supported architecture runs on LlamaForCausalLM: Mistral and Qwen2 are Llama with a sliding
+# window / q,k,v biases, both read from ModelArchConfig.
+MODEL_CLASSES: dict[str, type[nn.Module]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaForCausalLM)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -62,7 +62,6 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
-        self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T]: each [T, 1, head_dim], ready to broadcast over heads."""

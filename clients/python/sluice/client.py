@@ -35,6 +35,10 @@ class SluiceError(Exception):
         return cls(code, details or "")
 
 
+def _chat_messages(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+
+
 def generate_request(
     text: str | None = None,
     *,
@@ -66,9 +70,7 @@ def generate_request(
     if token_ids is not None:
         request.token_ids.token_ids.extend(token_ids)
     if messages is not None:
-        request.messages.messages.extend(
-            pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        )
+        request.messages.CopyFrom(_chat_messages(messages))
     optional = {
         "temperature": temperature,
         "top_k": top_k,
@@ -118,12 +120,9 @@ class Completion:
     @property
     def finish_reason_name(self) -> str:
         """ "stop", "length", "abort", "error", or "" while unfinished."""
-        name = pb.FinishReason.Name(self.finish_reason)
-        return (
-            ""
-            if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED
-            else name.removeprefix("FINISH_REASON_").lower()
-        )
+        if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return ""
+        return pb.FinishReason.Name(self.finish_reason).removeprefix("FINISH_REASON_").lower()
 
 
 def _auth_metadata(api_key: str | None, metadata: Metadata) -> tuple[tuple[str, str], ...]:
@@ -228,9 +227,7 @@ def _tokenize_request(
     if text is not None:
         request.text = text
     if messages is not None:
-        request.messages.messages.extend(
-            pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        )
+        request.messages.CopyFrom(_chat_messages(messages))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request

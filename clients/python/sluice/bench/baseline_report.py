@@ -9,7 +9,8 @@ def _by_label(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {run["label"]: run for run in runs}
 
 
-def _throughput(run: dict[str, Any]) -> float:
+def throughput(run: dict[str, Any]) -> float:
+    """Output tokens / s of a Sluice run document or a transformers baseline row."""
     return run["metrics"]["output_throughput"] if "metrics" in run else run["output_throughput"]
 
 
@@ -22,14 +23,14 @@ def effects(document: dict[str, Any]) -> dict[str, float]:
     no_chunk = sluice["sluice gRPC, chunked prefill off"]
     in_process = sluice["sluice in-process"]
     chunk_on, chunk_off = (run["metrics"]["itl"] for run in document["decode_itl"])
-    grpc_vs_in_process = _throughput(base) / _throughput(in_process)
+    grpc_vs_in_process = throughput(base) / throughput(in_process)
     return {
-        "throughput_vs_transformers_sequential": _throughput(base) / _throughput(hf_sequential),
-        "throughput_vs_transformers_static_batch": _throughput(base) / _throughput(hf_static),
-        "throughput_prefix_caching_on_vs_off": _throughput(base) / _throughput(no_cache),
+        "throughput_vs_transformers_sequential": throughput(base) / throughput(hf_sequential),
+        "throughput_vs_transformers_static_batch": throughput(base) / throughput(hf_static),
+        "throughput_prefix_caching_on_vs_off": throughput(base) / throughput(no_cache),
         "ttft_mean_prefix_caching_off_vs_on": no_cache["metrics"]["ttft"]["mean"]
         / base["metrics"]["ttft"]["mean"],
-        "throughput_chunked_prefill_on_vs_off": _throughput(base) / _throughput(no_chunk),
+        "throughput_chunked_prefill_on_vs_off": throughput(base) / throughput(no_chunk),
         "decode_itl_p99_ms_chunked_prefill_on": chunk_on["p99"] * 1e3,
         "decode_itl_p99_ms_chunked_prefill_off": chunk_off["p99"] * 1e3,
         "decode_itl_p99_chunked_prefill_off_vs_on": chunk_off["p99"] / chunk_on["p99"],
@@ -43,7 +44,7 @@ def _ms(value: float | None) -> str:
 
 
 def throughput_table(document: dict[str, Any]) -> str:
-    base = _throughput(_by_label(document["sluice"])["sluice gRPC"])
+    base = throughput(_by_label(document["sluice"])["sluice gRPC"])
     lines = [
         f"{'run':<36}{'seconds':>9}{'tok/s':>9}{'req/s':>8}{'TTFT mean':>10}{'TTFT p99':>10}"
         f"{'sluice/this':>13}"
@@ -53,9 +54,9 @@ def throughput_table(document: dict[str, Any]) -> str:
         seconds = m["duration_seconds"] if m else run["seconds"]
         requests = m["request_throughput"] if m else run["request_throughput"]
         ttft = _ms(m["ttft"]["mean"]) + _ms(m["ttft"]["p99"]) if m else _ms(None) + _ms(None)
-        ratio = base / _throughput(run)
+        ratio = base / throughput(run)
         lines.append(
-            f"{run['label']:<36}{seconds:>9.2f}{_throughput(run):>9.1f}{requests:>8.2f}{ttft}{ratio:>12.2f}x"
+            f"{run['label']:<36}{seconds:>9.2f}{throughput(run):>9.1f}{requests:>8.2f}{ttft}{ratio:>12.2f}x"
         )
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ import torch
 from engine.bench import build_checkpoint, run_hf_sequential, run_hf_static_batches
 from engine.presets import PRESETS
 from sluice.bench import plot, report
-from sluice.bench.baseline_report import effects, print_report
+from sluice.bench.baseline_report import effects, print_report, throughput
 from sluice.bench.engine_transport import EngineTransport
 from sluice.bench.runner import LoadConfig, run_load, run_load_sync
 from sluice.bench.server_process import ServerProcess
@@ -196,7 +196,7 @@ def write_outputs(out_dir: str, document: dict[str, Any]) -> list[str]:
     return [
         plot.bars(
             [r["label"] for r in rows],
-            [r["metrics"]["output_throughput"] if "metrics" in r else r["output_throughput"] for r in rows],
+            [throughput(r) for r in rows],
             os.path.join(out_dir, "throughput.png"),
             title="Output throughput, same workload and weights",
             ylabel="output tokens / s",

@@ -10,17 +10,10 @@ from collections.abc import AsyncIterator
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from engine.sampling_params import SamplingParams
+from service.status import status_for
 from sluice.bench.transports import BenchError
 from sluice.bench.workloads import BenchRequest
-
-# The status codes the gRPC edge gives the same exceptions, so both transports report alike.
-_CODES = (
-    (ContextLengthError, "RESOURCE_EXHAUSTED"),  # before its base class InvalidRequestError
-    (InvalidRequestError, "INVALID_ARGUMENT"),
-    (QueueFullError, "RESOURCE_EXHAUSTED"),
-)
 
 
 class EngineTransport:
@@ -39,9 +32,9 @@ class EngineTransport:
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         try:
             stream = self._engine.add_request(request_id, params, token_ids=request.prompt_token_ids)
-        except Exception as error:
-            code = next((name for kind, name in _CODES if isinstance(error, kind)), "INTERNAL")
-            raise BenchError(code, str(error)) from None
+        except Exception as error:  # the status the gRPC edge gives it, so both transports report alike
+            code, message = status_for(error)
+            raise BenchError(code.name, message) from None
         async for output in stream:
             if output.finish_reason in ("abort", "error"):
                 raise BenchError(f"FINISH_REASON_{output.finish_reason.upper()}", output.error or "")

@@ -79,10 +79,13 @@ class StreamTransport:
         self._outbox: asyncio.Queue[pb.StreamGenerateRequest | None] = asyncio.Queue()
         self._inboxes: dict[str, asyncio.Queue[pb.StreamGenerateResponse | BenchError]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._ended: tuple[str, str] | None = None  # (code, message) once the call has ended
 
     async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+        if self._ended is not None:
+            raise BenchError(*self._ended)
         inbox: asyncio.Queue[pb.StreamGenerateResponse | BenchError] = asyncio.Queue()
         self._inboxes[request_id] = inbox
         self._outbox.put_nowait(
@@ -107,13 +110,19 @@ class StreamTransport:
             yield message
 
     async def _read(self) -> None:
+        """Routes responses to their requests. Once the call ends, the requests still waiting and every
+        later one fail with its status, so none waits for a response that cannot come."""
+        ended = ("CANCELLED", "the StreamGenerate call ended")
         try:
             async for response in self._client.stream_generate(self._requests()):
                 if (inbox := self._inboxes.get(response.request_id)) is not None:
                     inbox.put_nowait(response)
         except SluiceError as error:
+            ended = (error.code.name, error.message)
+        finally:
+            self._ended = ended
             for inbox in self._inboxes.values():
-                inbox.put_nowait(BenchError(error.code.name, error.message))
+                inbox.put_nowait(BenchError(*ended))
 
     async def close(self) -> None:
         """Half-closes the stream, waits for the server to end it, and closes the channel."""
