@@ -10,6 +10,7 @@ per-request asyncio.Queue  <--call_soon_threadsafe--  engine.step() outputs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -182,7 +183,12 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must report, never die silently
             logger.exception("engine loop failed")
             self._error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine stopped: {exc}"))
+            message = f"the engine stopped: {exc}"
+            # Requests the engine holds end with finish_reason "error" and free their blocks; streams
+            # whose requests never reached it (still in the inbox) get EngineDeadError.
+            with contextlib.suppress(Exception):
+                self._publish(self._engine.abort(self._engine.unfinished_request_ids(), error=message))
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(message))
 
     def _apply_commands(self, block: bool) -> bool:
         """Drains the inbox (waiting for one command when idle). False once shutdown was asked."""

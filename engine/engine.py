@@ -115,6 +115,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids()
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

@@ -9,7 +9,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -134,3 +134,20 @@ async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
     assert not engine.has_request("never-read")
     await _wait_for_free_blocks(engine)
     assert engine.stats().num_waiting == 0
+
+
+async def test_a_failing_step_ends_requests_with_an_error_and_frees_blocks(engine):
+    def broken_step(scheduler_output):
+        raise RuntimeError("device lost")
+
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    stream = engine.add_request("doomed", params, text="the quick brown fox")
+    first = await anext(stream)
+    assert first.finish_reason is None
+    engine._engine.model_runner.execute_model = broken_step  # fault injection into the real engine
+    rest = [out async for out in stream]
+    assert rest[-1].finish_reason == "error"
+    assert rest[-1].error == "the engine stopped: device lost"
+    await _wait_for_free_blocks(engine)
+    with pytest.raises(EngineDeadError, match="the engine stopped: device lost"):
+        engine.add_request("after", params, text="hello")
