@@ -18,6 +18,7 @@ from tokenizers import processors
 
 from engine.chat_template import ChatTemplate
 from engine.errors import InvalidRequestError
+from engine.model_arch import token_ids
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -79,7 +80,7 @@ class Tokenizer:
             chat_template=_load_chat_template(directory, config),
             bos_token=special.get("bos_token"),
             eos_token=special.get("eos_token"),
-            eos_token_ids=_as_id_tuple(generation.get("eos_token_id")),
+            eos_token_ids=token_ids(generation.get("eos_token_id")),
             add_bos_token=False,
             name=directory.name,
             special_tokens=special,
@@ -167,12 +168,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 def _read_json(path: Path) -> dict:
