@@ -75,8 +75,8 @@ def test_rejected_requests_are_counted_by_status_code(server: ServerThread, tmp_
 
 
 def test_stream_transport_fails_requests_sent_after_the_call_ended(llama_dir: str) -> None:
-    # The model is still loading, so the server ends the one StreamGenerate call UNAVAILABLE at once;
-    # the requests that arrive later on the Poisson clock must fail too, not wait forever.
+    # The model is still loading, so the server ends the one StreamGenerate call at once; the requests
+    # that arrive later on the Poisson clock must fail with the call's status too, not wait forever.
     server = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
     workload = Workload("fixed", 512, input_len=4, output_len=2)
     load = LoadConfig(num_requests=3, request_rate=20, warmup_requests=0)
@@ -92,4 +92,8 @@ def test_stream_transport_fails_requests_sent_after_the_call_ended(llama_dir: st
         result = asyncio.run(bench())
     finally:
         server.stop()
-    assert (result.metrics.num_requests, result.metrics.errors) == (3, {"UNAVAILABLE": 3})
+    # The server ends the call UNAVAILABLE; when that races the client's first write, gRPC core reports
+    # the call as INTERNAL ("Internal error from Core") instead. Either way every request gets it.
+    (code,) = result.metrics.errors
+    assert code in ("UNAVAILABLE", "INTERNAL")
+    assert (result.metrics.num_requests, result.metrics.errors[code]) == (3, 3)
