@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from sluice.v1 import sluice_pb2 as pb
@@ -42,7 +44,9 @@ class GenerationRunner:
         span = self._tracer.start(metadata, prompt.operation, params)
         tracker = self._metrics.track()
         final: RequestOutput | None = None
+        last: RequestOutput | None = None
         error: BaseException | None = None
+        cancelled = False
         try:
             outputs = self.engine.add_request(
                 engine_request_id,
@@ -56,15 +60,21 @@ class GenerationRunner:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     tracker.on_output(output)
+                    last = output
                     final = output if output.finished else final
                     yield convert.generate_response_from_output(output, reply_id)
             if final is not None and final.finish_reason == "error":
                 raise RequestFailedError(final.error or "the engine failed while running the request")
+        except (GeneratorExit, asyncio.CancelledError):
+            cancelled = True  # the caller left (cancel, deadline, disconnect): an abort, not a failure
+            raise
         except BaseException as exc:
             error = exc
             raise
         finally:
             self.live.discard(engine_request_id)
+            if final is None and cancelled:
+                final = _aborted(last, engine_request_id)
             tracker.finish(final)
             self._tracer.finish(span, final, error)
 
@@ -74,3 +84,10 @@ class GenerationRunner:
         for request_id in live:
             await self.engine.abort(request_id)
         return len(live)
+
+
+def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
+    """The final output of a request whose caller left: its latest usage, finish_reason "abort"."""
+    if last is None:
+        return RequestOutput(request_id=request_id, token_ids=(), text="", finish_reason="abort")
+    return dataclasses.replace(last, token_ids=(), text="", logprobs=(), finish_reason="abort")

@@ -182,3 +182,25 @@ def test_metrics_count_the_requests_made(observed: ServerThread) -> None:
     prompt_tokens = sum(u.prompt_tokens for u in usages)
     assert delta("sluice_prefix_cache_queries_total") == prompt_tokens
     assert delta("sluice_prefix_cache_hits_total") == sum(u.cached_tokens for u in usages)
+
+
+def test_a_request_the_caller_cancels_counts_as_aborted_not_failed(observed: ServerThread) -> None:
+    observed.memory.clear()
+    before = _scrape(observed)
+    request = generate_request("Hello world", temperature=0.0, max_tokens=200, ignore_eos=True)
+    with Client(observed.target) as client:
+        chunks = client.generate(request)
+        assert next(chunks).token_ids
+        chunks.close()  # leaving the stream cancels the call
+    observed.wait_idle()
+    after = _scrape(observed)
+    key = ("sluice_requests_total", (("finish_reason", "abort"),))
+    assert after.get(key, 0.0) - before.get(key, 0.0) == 1
+    for _ in range(100):
+        spans = observed.memory.get_finished_spans()
+        if spans:
+            break
+        threading.Event().wait(0.02)
+    (span,) = spans
+    assert dict(span.attributes)["gen_ai.response.finish_reasons"] == ("abort",)
+    assert span.status.status_code.name == "UNSET"
