@@ -129,6 +129,10 @@ class AsyncEngine:
     def num_live_requests(self) -> int:
         return len(self._streams)
 
+    def live_request_ids(self) -> list[str]:
+        """Requests added and not yet ended for their callers (streams still open)."""
+        return list(self._streams)
+
     def add_request(
         self,
         request_id: str,

@@ -18,13 +18,12 @@ from service.tracing import RequestTracer
 
 
 class GenerationRunner:
-    """Runs generation requests on one engine and knows which of them are still live."""
+    """Runs generation requests on one engine, with their telemetry."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, tracer: RequestTracer) -> None:
         self.engine = engine
         self._metrics = metrics
         self._tracer = tracer
-        self.live: set[str] = set()  # engine request ids submitted and not yet ended
 
     async def run(
         self,
@@ -55,7 +54,6 @@ class GenerationRunner:
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
             )
-            self.live.add(engine_request_id)
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -72,7 +70,6 @@ class GenerationRunner:
             error = exc
             raise
         finally:
-            self.live.discard(engine_request_id)
             if final is None and cancelled:
                 final = _aborted(last, engine_request_id)
             tracker.finish(final)
@@ -80,7 +77,7 @@ class GenerationRunner:
 
     async def abort_all(self) -> int:
         """Aborts every live request (their streams end with FINISH_REASON_ABORT); returns how many."""
-        live = list(self.live)
+        live = self.engine.live_request_ids()
         for request_id in live:
             await self.engine.abort(request_id)
         return len(live)

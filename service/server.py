@@ -129,7 +129,7 @@ class SluiceServer:
         await self.begin_drain()
         runner = self.servicer.runner
         deadline = time.monotonic() + grace
-        while runner is not None and runner.live and time.monotonic() < deadline:
+        while runner is not None and runner.engine.num_live_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if runner is not None and (num_aborted := await runner.abort_all()):
             logger.warning("grace period over: aborted %d in-flight requests", num_aborted)
