@@ -42,10 +42,12 @@ proto-check: venv toolchains
 serve: venv
 	$(VENV)/bin/sluice serve $(ARGS)
 
-# On a CUDA machine: kernel tests compiled for the GPU, bf16 parity with transformers, decode
-# benchmarks (eager vs CUDA graphs); writes docs/perf/gpu_check.md.
-gpu-check: venv
-	$(PY) scripts/gpu_check.py $(ARGS)
+# On a CUDA machine whose python already has torch (CUDA build), triton, transformers and pytest: kernel
+# tests compiled for the GPU, bf16 parity with transformers, decode benchmarks (eager vs CUDA graphs),
+# Sluice vs transformers.generate; writes docs/perf/gpu_check.md. Uses that python, not the CPU .venv.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(ARGS)
 
 # Sluice over gRPC against transformers.generate (sequential and static batches), against itself with
 # prefix caching / chunked prefill off, and against the in-process engine; tables, JSON and PNGs in

@@ -2,6 +2,7 @@
 
     python -m engine.bench                     # throughput: 64 mixed-length requests, 128 output tokens
     python -m engine.bench --workload agent    # prefix caching on vs off on a shared system prompt
+    python -m engine.bench --device cuda --dtype bfloat16 --preset llama-3.2-1b   # on a GPU
 
 Builds a random-weight checkpoint of a preset's shape with `transformers` (so both sides run the very
 same weights), then prints a table of ratios and writes JSON with --json.
@@ -38,17 +39,20 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def build_checkpoint(preset: str, directory: str, seed: int) -> torch.nn.Module:
-    """Saves a random-weight transformers model of the preset's shape; returns it (eval, float32)."""
+def build_checkpoint(
+    preset: str, directory: str, seed: int, dtype: str = "float32", device: str = "cpu"
+) -> torch.nn.Module:
+    """Saves a random-weight transformers model of the preset's shape in `dtype`; returns it (eval)
+    on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(PRESETS[preset])
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
     config = AutoConfig.for_model(model_type[fields["architectures"][0]], **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
     model.save_pretrained(directory)
-    return model
+    return model.to(device)
 
 
 def mixed_workload(num_requests: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -85,8 +89,9 @@ def run_hf_sequential(model: torch.nn.Module, prompts: list[list[int]], output_l
     start = time.perf_counter()
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+    _synchronize(model.device)
     return Result("transformers sequential", time.perf_counter() - start, len(prompts) * output_len)
 
 
@@ -98,8 +103,8 @@ def run_hf_static_batches(
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i : i + batch_size]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)  # left pad
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
             model.generate(
                 ids,
                 attention_mask=mask,
@@ -108,8 +113,14 @@ def run_hf_static_batches(
                 do_sample=False,
                 pad_token_id=0,
             )
+    _synchronize(model.device)
     name = f"transformers static batch {batch_size}"
     return Result(name, time.perf_counter() - start, len(prompts) * output_len)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def print_table(title: str, results: list[Result], reference: Result) -> None:
@@ -123,7 +134,9 @@ def print_table(title: str, results: list[Result], reference: Result) -> None:
 
 def throughput(args: argparse.Namespace, directory: str, model: torch.nn.Module) -> list[Result]:
     prompts = mixed_workload(args.num_requests, model.config.vocab_size, args.seed)
-    sluice = run_sluice("sluice", directory, prompts, args.output_len, max_num_batched_tokens=1024)
+    sluice = run_sluice(
+        "sluice", directory, prompts, args.output_len, max_num_batched_tokens=1024, **_placement(args)
+    )
     runs: list[Callable[[], Result]] = [
         lambda: run_hf_sequential(model, prompts, args.output_len),
         lambda: run_hf_static_batches(model, prompts, args.output_len, 8),
@@ -136,7 +149,7 @@ def throughput(args: argparse.Namespace, directory: str, model: torch.nn.Module)
 def agent(args: argparse.Namespace, directory: str, model: torch.nn.Module) -> list[Result]:
     prompts = agent_workload(args.num_requests, model.config.vocab_size, args.seed, args.system_len)
     results = [
-        run_sluice(name, directory, prompts, args.output_len, enable_prefix_caching=on)
+        run_sluice(name, directory, prompts, args.output_len, enable_prefix_caching=on, **_placement(args))
         for name, on in (("sluice prefix caching on", True), ("sluice prefix caching off", False))
     ]
     print_table("Agent workload (shared system prompt; ratio vs caching off)", results, results[1])
@@ -144,6 +157,10 @@ def agent(args: argparse.Namespace, directory: str, model: torch.nn.Module) -> l
     mean_ratio, p90_ratio = off.ttft_mean / on.ttft_mean, off.ttft_p90 / on.ttft_p90
     print(f"TTFT mean off/on: {mean_ratio:.2f}x   p90 off/on: {p90_ratio:.2f}x")
     return results
+
+
+def _placement(args: argparse.Namespace) -> dict[str, str]:
+    return {"device": args.device, "dtype": args.dtype}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,10 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--system-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides of the comparison)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
-        model = build_checkpoint(args.preset, directory, args.seed)
+        model = build_checkpoint(args.preset, directory, args.seed, args.dtype, args.device)
         results = (throughput if args.workload == "throughput" else agent)(args, directory, model)
     if args.json:
         with open(args.json, "w") as f:

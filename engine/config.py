@@ -88,10 +88,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Decode batches whose longest context exceeds this run eagerly: a graph's attention grid and
+    # partial buffers are sized for the longest context it may see, frozen at capture.
+    max_seq_len_to_capture: int = 8192
 
     def __post_init__(self) -> None:
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"must be one of {ATTENTION_BACKENDS}",
+        )
+        _require(
+            self.max_seq_len_to_capture > 0,
+            "max_seq_len_to_capture",
+            f"must be > 0, got {self.max_seq_len_to_capture}",
         )

@@ -29,12 +29,19 @@ class ModelRunner:
         self.dtype = pick_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = pick_max_model_len(config.model, self.arch)
+        self.max_seq_len_to_capture = min(self.max_model_len, config.max_seq_len_to_capture)
         self.attention_backend = get_attention_backend(
             config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
         model_class = get_model_class(self.arch.architecture)
+        # The Triton/flash-attn backends run where Triton kernels do; norms and rotary then use them too.
         self.model = model_class(
-            self.arch, self.attention_backend, self.dtype, self.device, max_positions=self.max_model_len
+            self.arch,
+            self.attention_backend,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,
+            use_triton_kernels=self.attention_backend.name != "torch",
         )
         self.model.load_weights(source.weights)
         self.model.eval()
@@ -48,7 +55,7 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             config.scheduler.max_num_seqs,
-            -(-self.max_model_len // self.block_size),
+            -(-self.max_seq_len_to_capture // self.block_size),
             self.block_size,
             self.device,
             enforce_eager=not self.use_cuda_graphs,
@@ -110,7 +117,7 @@ class ModelRunner:
         graphs = 0
         if self.use_cuda_graphs:
             graphs = estimate_graph_memory_bytes(
-                self.arch, self.config.scheduler.max_num_seqs, self.max_model_len, self.dtype
+                self.arch, self.config.scheduler.max_num_seqs, self.max_seq_len_to_capture, self.dtype
             )
         return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 

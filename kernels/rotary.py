@@ -3,7 +3,7 @@
     cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)]        [max_position, head_dim] fp32
     x = [x1 | x2]  (halves of head_dim)  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 
-`build_cos_sin_cache` takes inv_freq from the model's `compute_inv_freq` (plain, or "llama3" scaled).
+The table comes from `engine.models.rotary.build_cos_sin_cache` (plain, or "llama3" scaled frequencies).
 """
 
 from __future__ import annotations
@@ -12,22 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model_arch import RopeScaling
-from engine.models.rotary import compute_inv_freq
 from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
-
-
-def build_cos_sin_cache(
-    head_dim: int,
-    max_position: int,
-    rope_theta: float,
-    rope_scaling: RopeScaling | None = None,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin."""
-    inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
 @triton.jit

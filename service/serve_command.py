@@ -72,6 +72,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--max-seq-len-to-capture",
+        type=int,
+        default=8192,
+        help="decode batches with a longer context run without CUDA graphs",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="seed of random (preset) weights")
 
@@ -100,6 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        max_seq_len_to_capture=args.max_seq_len_to_capture,
     )
 
 

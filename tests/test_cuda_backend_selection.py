@@ -17,11 +17,18 @@ def test_auto_off_cuda_is_torch():
     assert get_attention_backend("auto", CPU, block_size=256, dtype=torch.bfloat16).name == "torch"
 
 
-def test_triton_off_cuda_is_a_clear_error():
+def test_triton_off_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(
         ValueError, match=r"^attention_backend: 'triton' needs a CUDA device .* device is 'cpu'"
     ):
         get_attention_backend("triton", CPU)
+
+
+def test_triton_on_cpu_runs_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_attention_backend("triton", CPU).name == "triton"
+    assert get_attention_backend("auto", CPU).name == "torch"  # auto never picks the slow interpreter
 
 
 def test_flash_attn_off_cuda_is_a_clear_error():

@@ -42,3 +42,20 @@ def test_decode_step_inputs_are_disjoint_pure_decode_rows():
     assert md.block_tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert md.slot_mapping.tolist() == [2 * 16 + 7, 5 * 16 + 7, 8 * 16 + 7]
     assert inputs.positions.tolist() == [39, 39, 39]
+
+
+def test_goal_rows_state_each_goal_and_whether_it_was_met():
+    rows = gpu_check.goal_rows(
+        batch1_step_s=1.2e-3, floor_s=1e-3, batch1_speedup=1.4, long_context_fraction=0.75
+    )
+    assert [row[2] for row in rows] == ["met", "NOT met", "met"]
+    assert rows[0][1] == pytest.approx(1.2) and rows[1][1] == 1.4 and rows[2][1] == 0.75
+
+
+def test_parity_check_runs_the_triton_model_against_transformers():
+    # The GPU check's own parity path, on CPU in float32 with the kernels interpreted: it must pass
+    # with float32-sized differences, so a regression in the script or the fused model path fails here.
+    ok, rows = gpu_check.check_parity(torch.device("cpu"), torch.float32, steps=4)
+    assert ok
+    assert rows[0][0] == "prefill last-token logits, max abs diff" and rows[0][1] < 1e-4
+    assert rows[1] == ["greedy tokens equal", "4/4"]

@@ -9,8 +9,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.model_arch import RopeScaling
+from engine.models.rotary import build_cos_sin_cache
 from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_reference
+from kernels.rotary import rotary_embedding, rotary_embedding_reference
 
 EPS = 1e-5
 LLAMA3 = RopeScaling(

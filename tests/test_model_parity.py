@@ -1,4 +1,6 @@
-"""ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded).
+"""ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded),
+with the torch backend and with the Triton one (attention, fused RMSNorm + residual and rotary kernels,
+run by Triton's interpreter on CPU).
 
 Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks
 with a cached prefix and fresh prefills, over interleaved (non-contiguous) block tables. Tolerance: the
@@ -29,6 +31,11 @@ def checkpoint(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
 
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 def _prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(7)
     return [torch.randint(4, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENS]
@@ -39,14 +46,16 @@ def _block_ids(index: int) -> tuple[int, ...]:
     return tuple(index + len(PROMPT_LENS) * i for i in range(BLOCKS_PER_REQUEST))
 
 
-def _run_sluice(directory: str, prompts: list[list[int]]):
+def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),
-        attention_backend="torch",
+        attention_backend=backend,
     )
     runner = ModelRunner(config, load_model_source(config.model))
+    assert runner.attention_backend.name == backend
+    assert runner.model.model.norm.use_triton == (backend == "triton")
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     prompt_logits: list[torch.Tensor | None] = [None] * len(prompts)
@@ -101,9 +110,13 @@ def _hf_reference(directory: str, prompts: list[list[int]]):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint: str):
-    prompts = _prompts()
-    return _run_sluice(checkpoint, prompts), _hf_reference(checkpoint, prompts)
+def reference(checkpoint: str):
+    return _hf_reference(checkpoint, _prompts())
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint: str, backend: str, reference):
+    return _run_sluice(checkpoint, _prompts(), backend), reference
 
 
 def test_steps_mix_decodes_cached_prefix_chunks_and_fresh_prefills(runs) -> None:
@@ -143,6 +156,21 @@ def test_runner_reports_shape_of_cache_and_model(llama_dir: str) -> None:
     assert runner.device == torch.device("cpu")
     assert runner.max_model_len == 256
     assert runner.arch.architecture == "LlamaForCausalLM"
+    # Graph buffers address at most min(max_model_len, max_seq_len_to_capture) tokens per sequence.
+    assert runner.graph_runner.buffers.max_num_blocks_per_seq == 256 // 16
+
+
+def test_graphs_address_at_most_max_seq_len_to_capture(llama_dir: str) -> None:
+    config = EngineConfig(
+        model=ModelConfig(model=llama_dir, device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=8),
+        max_seq_len_to_capture=40,
+    )
+    runner = ModelRunner(config, load_model_source(config.model))
+    assert runner.max_seq_len_to_capture == 40
+    assert runner.graph_runner.buffers.max_num_blocks_per_seq == 3
+    with pytest.raises(ValueError, match="^max_seq_len_to_capture: must be > 0, got 0$"):
+        EngineConfig(max_seq_len_to_capture=0)
 
 
 def test_max_model_len_beyond_the_model_limit_is_rejected(llama_dir: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -12,6 +13,13 @@ from engine.attention.torch_backend import TorchAttentionBackend
 CUDA_ONLY_BACKENDS = ("triton", "flash-attn")
 
 
+def triton_can_run(device: torch.device) -> bool:
+    """Triton kernels compile for CUDA; on CPU they only run in Triton's interpreter (slow: tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def get_attention_backend(
     name: str,
     device: torch.device,
@@ -19,7 +27,8 @@ def get_attention_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """ "auto" -> flash-attn when it can run here, else triton on CUDA, else torch.
+    """ "auto" -> flash-attn when it can run here, else triton on CUDA, else torch ("auto" never picks
+    the interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1).
 
     flash-attn is only chosen by "auto" when `block_size` and `dtype` are given and it supports both
     (see `flash_attn_supports`). Raises ValueError for an unknown name, or for a CUDA-only backend
@@ -38,10 +47,10 @@ def get_attention_backend(
         if flash_reason is not None:
             raise ValueError(f"attention_backend: 'flash-attn' cannot run: {flash_reason}")
         return FlashAttnBackend(device, block_size, dtype)
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if not triton_can_run(device):
         raise ValueError(
-            f"attention_backend: 'triton' needs a CUDA device and the triton package; device is "
-            f"{device.type!r}, use 'torch' or 'auto'"
+            f"attention_backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the "
+            f"triton package; device is {device.type!r}, use 'torch' or 'auto'"
         )
     from engine.attention.triton_backend import TritonAttentionBackend
 

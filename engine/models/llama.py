@@ -17,23 +17,36 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model_arch import ModelArchConfig
-from engine.models.rotary import RotaryEmbedding, apply_rotary
+from engine.models.rotary import RotaryEmbedding
+from kernels.rms_norm import rms_norm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class RMSNorm(nn.Module):
-    """Normalizes in float32 and casts back before scaling, exactly as transformers' LlamaRMSNorm."""
+    """`norm(x, residual=None) -> (normed, residual_out)`, rounded like transformers' LlamaRMSNorm.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    With `residual`, x + residual (in x's dtype) is normalized and also returned as the next residual:
+    the decoder's residual stream flows through the norms, so the add fuses into the norm kernel.
+    use_triton: `kernels.rms_norm.rms_norm`, one pass over each row; else plain PyTorch.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_triton = use_triton
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * x32.to(x.dtype), x
 
 
 class LlamaAttention(nn.Module):
@@ -52,7 +65,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -61,7 +75,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = rope(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -79,34 +93,47 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    """(hidden, residual) -> (hidden, residual); the layer's output is their sum, which the next norm
+    forms (fused with the norm when use_triton). The first layer gets residual None."""
+
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, use_triton: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
         self.self_attn = LlamaAttention(arch, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
         self.mlp = LlamaMLP(arch)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rope, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, use_triton: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend) for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, backend, use_triton) for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size]."""
+    """forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size].
+
+    use_triton_kernels: RMSNorm (+ residual add) and rotary run as the fused Triton kernels in
+    `kernels/` (on CUDA, or on CPU under TRITON_INTERPRET=1); otherwise plain PyTorch.
+    """
 
     def __init__(
         self,
@@ -115,12 +142,13 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int | None = None,
+        use_triton_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.arch = arch
         # Built on the meta device so no memory is touched until the real (empty) storage is allocated.
         with torch.device("meta"):
-            self.model = LlamaModel(arch, backend)
+            self.model = LlamaModel(arch, backend, use_triton_kernels)
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.to(dtype)
         self.to_empty(device=device)
@@ -133,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
             arch.rope_scaling,
             dtype,
             device,
+            use_triton=use_triton_kernels,
         )
 
     def forward(
@@ -142,11 +171,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, metadata)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

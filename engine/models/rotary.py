@@ -11,6 +11,7 @@ import math
 import torch
 
 from engine.model_arch import RopeScaling
+from kernels.rotary import rotary_embedding
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -41,10 +42,27 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables for positions `0 .. max_positions - 1`.
+def build_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin (the table
+    `kernels.rotary.rotary_embedding` reads)."""
+    inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
-    cos, sin: [max_positions, head_dim] in the model dtype (each half repeated, as in transformers).
+
+class RotaryEmbedding:
+    """Rotates q and k by their positions: `rope(positions, q, k) -> (q, k)`.
+
+    torch (default): cos/sin tables [max_positions, head_dim] in the model dtype (each half repeated),
+        applied out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`.
+    use_triton: the fused kernel `kernels.rotary.rotary_embedding` rotates q and k in place from an
+        fp32 cos|sin table, one program per token, one rounding (a CUDA graph can capture it).
     """
 
     def __init__(
@@ -55,24 +73,26 @@ class RotaryEmbedding:
         scaling: RopeScaling | None,
         dtype: torch.dtype,
         device: torch.device,
+        use_triton: bool = False,
     ) -> None:
-        inv_freq = compute_inv_freq(head_dim, theta, scaling).to(device)
-        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.use_triton = use_triton
+        cos_sin = build_cos_sin_cache(head_dim, max_positions, theta, scaling, device)
+        if use_triton:
+            self.cos_sin_cache = cos_sin
+            return
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
+        self.sin = torch.cat((sin, sin), dim=-1).to(dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [T]: each [T, 1, head_dim], ready to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]; cos, sin from `lookup`."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim] (may be views of
+        the fused qkv projection; the Triton path writes into them)."""
+        if self.use_triton:
+            return rotary_embedding(positions, q, k, self.cos_sin_cache, inplace=True)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
