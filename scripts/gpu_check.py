@@ -37,6 +37,7 @@ from engine.models.llama import LlamaForCausalLM  # noqa: E402
 from engine.presets import preset_arch  # noqa: E402
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
+from kernels.prefill_attention import prefill_attention  # noqa: E402
 
 KERNEL_TESTS = (
     "tests/test_kernels_store_kv.py",
@@ -276,6 +277,49 @@ def bench_attention(device: torch.device, bandwidth: float) -> list[list[object]
     return rows
 
 
+def prefill_step_inputs(prompt_len: int, block_size: int, device: torch.device) -> ModelInputs:
+    """One fresh prompt of `prompt_len` tokens prefilled in one step, on blocks 0, 1, 2, ..."""
+    blocks = tuple(range(-(-prompt_len // block_size)))
+    request = ScheduledRequest("prefill", (1,) * prompt_len, 0, blocks, sample=True)
+    return build_model_inputs(SchedulerOutput((request,), prompt_len), block_size, device)
+
+
+def causal_attention_flops(prompt_len: int, num_heads: int, head_dim: int) -> float:
+    """Multiply-adds of QK^T and PV under a causal mask (half the square), 2 flops each."""
+    return 2 * 2 * num_heads * head_dim * prompt_len * (prompt_len + 1) / 2
+
+
+def bench_prefill_attention(device: torch.device) -> list[list[object]]:
+    """Our paged varlen prefill kernel against torch's scaled_dot_product_attention (flash) on the same
+    q/k/v, contiguous, causal, GQA: one prompt of 2k and of 8k tokens, llama-3.2-1b heads, bf16."""
+    import torch.nn.functional as F
+
+    arch = preset_arch("llama-3.2-1b")
+    heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    rows = []
+    for prompt_len in (2048, 8192):
+        md = prefill_step_inputs(prompt_len, BLOCK_SIZE, device).metadata
+        q = torch.randn(prompt_len, heads, dim, dtype=torch.bfloat16, device=device)
+        k = torch.randn(prompt_len, kv_heads, dim, dtype=torch.bfloat16, device=device)
+        v = torch.randn_like(k)
+        k_cache = k.view(-1, BLOCK_SIZE, kv_heads, dim)  # blocks 0, 1, ... hold positions in order
+        v_cache = v.view(-1, BLOCK_SIZE, kv_heads, dim)
+        ours = time_cuda_s(
+            lambda md=md, q=q, kc=k_cache, vc=v_cache: prefill_attention(
+                q, kc, vc, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len, dim**-0.5
+            )
+        )
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, T, dim]
+        sdpa = time_cuda_s(
+            lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, enable_gqa=True
+            )
+        )
+        tflop = causal_attention_flops(prompt_len, heads, dim) / 1e12
+        rows.append([prompt_len, ours * 1e3, tflop / ours, sdpa * 1e3, tflop / sdpa, sdpa / ours])
+    return rows
+
+
 def bench_end_to_end(
     device: torch.device, num_requests: int = 32, output_len: int = 64
 ) -> list[list[object]]:
@@ -328,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_rows, batch1_s, weight_bytes = bench_decode(device)
     floor_s = floor_step_time_s(int(weight_bytes), bandwidth)
     attention_rows = bench_attention(device, bandwidth)
+    prefill_rows = bench_prefill_attention(device)
     torch.cuda.empty_cache()
     e2e_rows = [["skipped", "", "", "", ""]] if args.skip_e2e else bench_end_to_end(device)
     report = "\n\n".join([
@@ -344,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "## Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
         markdown_table(["context", "batch", "us", "GB/s", "of copy bw"], attention_rows),
+        "## Prefill attention: our paged varlen kernel vs torch SDPA (bf16, causal, 32 / 8 heads, dim 64)",
+        markdown_table(["prompt", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA speed"],
+                       prefill_rows),
         "## Goals",
         markdown_table(
             ["goal", "measured", "status"],

@@ -59,3 +59,11 @@ def test_parity_check_runs_the_triton_model_against_transformers():
     assert ok
     assert rows[0][0] == "prefill last-token logits, max abs diff" and rows[0][1] < 1e-4
     assert rows[1] == ["greedy tokens equal", "4/4"]
+
+
+def test_prefill_inputs_and_causal_flops():
+    md = gpu_check.prefill_step_inputs(40, 16, torch.device("cpu")).metadata
+    assert md.query_start_loc.tolist() == [0, 40] and md.seq_lens.tolist() == [40]
+    assert md.block_tables.tolist() == [[0, 1, 2]] and md.slot_mapping.tolist() == list(range(40))
+    # 1 head, dim 1, 2 tokens: QK^T and PV each cover 3 visible pairs -> 2 * 2 * 3 flops.
+    assert gpu_check.causal_attention_flops(2, 1, 1) == 12
