@@ -6,10 +6,12 @@ Health checks are exempt, so load balancers and probes need no key.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+from service.stream_refusal import drain_request_stream
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _BEARER = "bearer "
@@ -36,7 +38,11 @@ def check_api_key(metadata: Sequence[tuple[str, str | bytes]] | None, api_key: s
 def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
 
-    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def deny_stream(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
+        await drain_request_stream(requests)  # else a grpc.aio client may see INTERNAL
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     serializers = {
@@ -44,9 +50,9 @@ def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMet
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **serializers)
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **serializers)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **serializers)
+        return grpc.stream_unary_rpc_method_handler(deny_stream, **serializers)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(deny, **serializers)
     return grpc.unary_unary_rpc_method_handler(deny, **serializers)

@@ -16,6 +16,7 @@ from service import convert
 from service.generation import GenerationRunner
 from service.metrics import ServerMetrics
 from service.status import ServiceUnavailableError, rpc_errors
+from service.stream_refusal import drain_request_stream
 from service.stream_session import StreamSession
 from service.tracing import RequestTracer
 
@@ -65,8 +66,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def StreamGenerate(
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        try:
+            runner = self._accepting_runner()
+        except ServiceUnavailableError:
+            await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
+            raise
         session = StreamSession(
-            self._accepting_runner(),
+            runner,
             context.invocation_metadata() or (),
             self.check_accepting,
             self.record_status,
