@@ -1,0 +1,241 @@
+"""Compile every Triton kernel for an NVIDIA GPU on a machine without one, and report its resources.
+
+    python scripts/compile_kernels.py                 # sm_90 (H100/H200), every model shape and dtype
+    python scripts/compile_kernels.py --arch 80 --json out.json
+
+Triton's interpreter (how `make test` runs the kernels on CPU) executes kernels with numpy and does not
+check what only the GPU compiler checks: `tl.dot` shapes, dtype rules, layouts, shared memory. Here each
+public launcher in `kernels/` runs on small CPU tensors shaped like a real model's, with its Triton
+kernel swapped for a recorder; the recorded arguments give the exact signature and constexprs the
+launcher would use on a GPU, and Triton compiles them ahead of time down to a cubin with its bundled
+ptxas (no driver, no GPU). The bundled cuobjdump then reads registers, shared memory and local memory
+(spills) of each kernel. Must run without TRITON_INTERPRET (it makes kernels uncompilable objects).
+Exit status 1 when a kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_kernels: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.models.rotary import build_cos_sin_cache  # noqa: E402
+from engine.presets import preset_arch  # noqa: E402
+from kernels import paged_decode_attention, prefill_attention, rms_norm, rotary, store_kv  # noqa: E402
+
+# Shapes that exercise the kernels' constexpr choices: head_dim 64 and 128, GQA 4 and 7, MHA, a head
+# count and hidden size that are not powers of two. The first one is also checked in every dtype.
+SHAPES = ("llama-3.2-1b", "llama-3-8b", "llama-2-7b", "qwen2-0.5b")
+EXTRA_DTYPES = (torch.float16, torch.float32)
+BLOCK_SIZE = 16
+# Decode contexts set the reduce kernel's partition count: the graph capture limit and a 128k context.
+DECODE_CONTEXTS = (8192, 131072)
+_TYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_KERNELS = (
+    (store_kv, "_store_kv_kernel"),
+    (paged_decode_attention, "_decode_partition_kernel"),
+    (paged_decode_attention, "_decode_reduce_kernel"),
+    (prefill_attention, "_prefill_attention_kernel"),
+    (rms_norm, "_rms_norm_kernel"),
+    (rotary, "_rotary_kernel"),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher would issue it: what Triton needs to compile it."""
+
+    kernel: triton.JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+
+    @property
+    def key(self) -> str:
+        constexprs = sorted(self.constexprs.items())
+        return json.dumps([self.kernel.__name__, self.signature, constexprs], default=str)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernel: str
+    shape: str
+    dtype: str
+    constexprs: str
+    registers: int | None
+    shared_bytes: int | None
+    local_bytes: int | None
+    error: str | None = None
+
+
+def _arg_type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPE_NAMES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"launch argument of unsupported type {type(value).__name__}")
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records a Launch instead of running."""
+
+    def __init__(self, kernel: triton.JITFunction, sink: list[Launch]) -> None:
+        self.kernel, self.sink = kernel, sink
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        def record(*args: object, **kwargs: object) -> None:
+            values = dict(zip(self.kernel.arg_names, args, strict=False)) | kwargs
+            signature, constexprs = {}, {}
+            for param in self.kernel.params:
+                value = values[param.name]
+                signature[param.name] = "constexpr" if param.is_constexpr else _arg_type(value)
+                if param.is_constexpr:
+                    constexprs[param.name] = value
+            self.sink.append(Launch(self.kernel, signature, constexprs))
+
+        return record
+
+
+def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
+    """Every kernel launch the engine issues for a model of `shape` in `dtype` (decode, prefill, store,
+    norm with and without residual, rotary), recorded from the real launchers on CPU tensors."""
+    sink: list[Launch] = []
+    originals = [(module, name, getattr(module, name)) for module, name in _KERNELS]
+    for module, name, kernel in originals:
+        setattr(module, name, _Recorder(kernel, sink))
+    try:
+        _run_launchers(shape, dtype)
+    finally:
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
+    return sink
+
+
+def _run_launchers(shape: str, dtype: torch.dtype) -> None:
+    arch = preset_arch(shape)
+    heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    num_tokens, num_blocks = 3, 4
+    q = torch.empty(num_tokens, heads, dim, dtype=dtype)
+    k = torch.empty(num_tokens, kv_heads, dim, dtype=dtype)
+    cache = torch.empty(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype)
+    seq_lens = torch.ones(num_tokens, dtype=torch.int32)
+    block_tables = torch.zeros(num_tokens, 1, dtype=torch.int32)
+    store_kv.store_kv(k, k, cache, cache, torch.zeros(num_tokens, dtype=torch.int64))
+    for context in DECODE_CONTEXTS:
+        paged_decode_attention.paged_decode_attention(q, cache, cache, block_tables, seq_lens, 1.0, context)
+    query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32)
+    prefill_attention.prefill_attention(q, cache, cache, query_start_loc, seq_lens, block_tables, 1, 1.0)
+    hidden = torch.empty(num_tokens, arch.hidden_size, dtype=dtype)
+    weight = torch.empty(arch.hidden_size, dtype=dtype)
+    rms_norm.rms_norm(hidden, weight, 1e-5)
+    rms_norm.rms_norm(hidden, weight, 1e-5, residual=hidden)
+    cos_sin = build_cos_sin_cache(dim, 8, arch.rope_theta, arch.rope_scaling)
+    rotary.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin)
+
+
+def compile_launch(launch: Launch, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:
+    """Compiles to a cubin; returns (registers, shared bytes, local bytes) per thread/block."""
+    compiled = triton.compile(ASTSource(launch.kernel, launch.signature, launch.constexprs), target=target)
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = Path(directory) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    return parse_resource_usage(usage)
+
+
+def parse_resource_usage(text: str) -> tuple[int, int, int]:
+    """REG, SHARED and LOCAL of the one function in `cuobjdump --dump-resource-usage` output."""
+    fields = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", text))
+    if set(fields) != {"REG", "SHARED", "LOCAL"}:
+        raise ValueError(f"cuobjdump output without REG/SHARED/LOCAL: {text!r}")
+    return int(fields["REG"]), int(fields["SHARED"]), int(fields["LOCAL"])
+
+
+def compile_all(arch: int) -> Iterator[Compiled]:
+    """Every distinct launch of every shape and dtype, compiled for sm_`arch`."""
+    target = GPUTarget("cuda", arch, 32)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    configs = [(shape, torch.bfloat16) for shape in SHAPES] + [(SHAPES[0], d) for d in EXTRA_DTYPES]
+    seen: set[str] = set()
+    for shape, dtype in configs:
+        for launch in record_launches(shape, dtype):
+            if launch.key in seen:
+                continue
+            seen.add(launch.key)
+            described = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items())
+            names = (launch.kernel.__name__, shape, _TYPE_NAMES[dtype], described)
+            try:
+                yield Compiled(*names, *compile_launch(launch, target, cuobjdump))
+            except Exception as error:  # noqa: BLE001 (report every failing kernel, not just the first)
+                yield Compiled(*names, None, None, None, error=f"{type(error).__name__}: {error}"[:2000])
+
+
+def markdown_report(results: list[Compiled], arch: int) -> str:
+    lines = [
+        f"| kernel | shape | dtype | registers / thread | shared bytes | local (spill) bytes | sm_{arch} "
+        "| constexprs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        status = "ok" if r.error is None else "FAILED"
+        lines.append(
+            f"| `{r.kernel}` | {r.shape} | {r.dtype} | {r.registers} | {r.shared_bytes} | {r.local_bytes} "
+            f"| {status} | {r.constexprs} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100), 80 (A100)")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--markdown", help="write a markdown table of the results to this file")
+    args = parser.parse_args(argv)
+    results = []
+    print(f"{'kernel':<28}{'shape':<14}{'dtype':<6}{'regs':>6}{'shared':>8}{'local':>7}  status")
+    for r in compile_all(args.arch):
+        results.append(r)
+        status = "ok" if r.error is None else f"FAILED {r.error.splitlines()[0]}"
+        usage = (r.registers, r.shared_bytes, r.local_bytes) if r.error is None else ("-", "-", "-")
+        print(f"{r.kernel:<28}{r.shape:<14}{r.dtype:<6}{usage[0]:>6}{usage[1]:>8}{usage[2]:>7}  {status}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(results, args.arch))
+    failed = [r for r in results if r.error is not None]
+    print(f"{len(results) - len(failed)} of {len(results)} kernel variants compiled for sm_{args.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
