@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -356,6 +357,97 @@ def goal_rows(
     return [[name, value, "met" if met else "NOT met"] for name, value, met in goals]
 
 
+class CheckFailed(Exception):
+    """A section measured what it should and the result fails its check; the message is its body."""
+
+
+class Report:
+    """Markdown sections, rewritten to `path` after each one so that a crash, or a command killed at its
+    time limit, keeps everything measured before it. A section that raises is recorded with its
+    traceback and the next one still runs."""
+
+    def __init__(self, path: Path, title: str) -> None:
+        self.path, self.parts, self.ok = path, [title], True
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(self, title: str, body: Callable[[], str]) -> None:
+        try:
+            text = body()
+        except CheckFailed as failed:
+            self.ok, text = False, f"**FAIL**\n\n{failed}"
+        except Exception:  # noqa: BLE001 (one broken section must not lose the others)
+            self.ok, text = False, f"**ERROR**\n\n```\n{traceback.format_exc()[-4000:]}```"
+        self.parts.append(f"## {title}\n\n{text}")
+        self.path.write_text("\n\n".join(self.parts) + "\n")
+        print(self.parts[-1], flush=True)
+
+
+class GpuCheck:
+    """The report's sections, in order; later sections read what earlier ones measured."""
+
+    def __init__(self, device: torch.device, skip_tests: bool, skip_e2e: bool) -> None:
+        self.device, self.skip_tests, self.skip_e2e = device, skip_tests, skip_e2e
+
+    def sections(self) -> list[tuple[str, Callable[[], str]]]:
+        return [
+            ("Kernel tests (compiled for the GPU)", self.tests),
+            ("Parity with transformers (bf16, Triton kernels)", self.parity),
+            (f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode),
+            ("Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)", self.attention),
+            ("Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)", self.prefill),
+            ("Goals", self.goals),
+            ("End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)", self.end_to_end),
+        ]
+
+    def tests(self) -> str:
+        if self.skip_tests:
+            return "skipped"
+        passed, summary = run_kernel_tests()
+        if not passed:
+            raise CheckFailed(summary)
+        return f"PASS ({summary})"
+
+    def parity(self) -> str:
+        passed, rows = check_parity(self.device)
+        table = markdown_table(["check", "value"], rows)
+        if not passed:
+            raise CheckFailed(table)
+        return "PASS\n\n" + table
+
+    def decode(self) -> str:
+        self.bandwidth = copy_bandwidth_bytes_per_s(self.device)
+        self.decode_rows, self.batch1_s, weight_bytes = bench_decode(self.device)
+        self.floor_s = floor_step_time_s(int(weight_bytes), self.bandwidth)
+        floor_headers = ["copy bandwidth GB/s", "weights GB", "floor ms", "graph step ms", "floor / step"]
+        floor = [self.bandwidth / 1e9, weight_bytes / 1e9, self.floor_s * 1e3, self.batch1_s * 1e3,
+                 self.floor_s / self.batch1_s]  # fmt: skip
+        return "\n\n".join([
+            markdown_table(["batch", "eager ms", "CUDA graph ms", "speedup"], self.decode_rows),
+            "Batch-1 step vs the memory floor:",
+            markdown_table(floor_headers, [floor]),
+        ])  # fmt: skip
+
+    def attention(self) -> str:
+        self.attention_rows = bench_attention(self.device, self.bandwidth)
+        return markdown_table(["context", "batch", "us", "GB/s", "of copy bw"], self.attention_rows)
+
+    def prefill(self) -> str:
+        headers = ["prompt", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA speed"]
+        return markdown_table(headers, bench_prefill_attention(self.device))
+
+    def goals(self) -> str:
+        speedup, fraction = self.decode_rows[0][3], self.attention_rows[-1][4]
+        rows = goal_rows(self.batch1_s, self.floor_s, speedup, fraction)
+        return markdown_table(["goal", "measured", "status"], rows)
+
+    def end_to_end(self) -> str:
+        if self.skip_e2e:
+            return "skipped"
+        torch.cuda.empty_cache()
+        rows = bench_end_to_end(self.device)
+        return markdown_table(["run", "output tokens", "seconds", "tok/s", "vs sequential"], rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "perf" / "gpu_check.md"))
@@ -365,45 +457,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
+    import triton
+
     device = torch.device("cuda")
-    tests_ok, tests_summary = (True, "skipped") if args.skip_tests else run_kernel_tests()
-    parity_ok, parity_rows = check_parity(device)
-    bandwidth = copy_bandwidth_bytes_per_s(device)
-    decode_rows, batch1_s, weight_bytes = bench_decode(device)
-    floor_s = floor_step_time_s(int(weight_bytes), bandwidth)
-    attention_rows = bench_attention(device, bandwidth)
-    prefill_rows = bench_prefill_attention(device)
-    torch.cuda.empty_cache()
-    e2e_rows = [["skipped", "", "", "", ""]] if args.skip_e2e else bench_end_to_end(device)
-    report = "\n\n".join([
-        f"# GPU check: {torch.cuda.get_device_name(device)}",
-        f"Kernel tests (compiled for the GPU): {'PASS' if tests_ok else 'FAIL'} ({tests_summary})",
-        f"## Parity with transformers (bf16): {'PASS' if parity_ok else 'FAIL'}",
-        markdown_table(["check", "value"], parity_rows),
-        f"## Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}",
-        markdown_table(["batch", "eager ms", "CUDA graph ms", "speedup"], decode_rows),
-        "## Batch-1 step vs the memory floor",
-        markdown_table(
-            ["copy bandwidth GB/s", "weights GB", "floor ms", "graph step ms", "floor / step"],
-            [[bandwidth / 1e9, weight_bytes / 1e9, floor_s * 1e3, batch1_s * 1e3, floor_s / batch1_s]],
-        ),
-        "## Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
-        markdown_table(["context", "batch", "us", "GB/s", "of copy bw"], attention_rows),
-        "## Prefill attention: our paged varlen kernel vs torch SDPA (bf16, causal, 32 / 8 heads, dim 64)",
-        markdown_table(["prompt", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA speed"],
-                       prefill_rows),
-        "## Goals",
-        markdown_table(
-            ["goal", "measured", "status"],
-            goal_rows(batch1_s, floor_s, decode_rows[0][3], attention_rows[-1][4]),
-        ),
-        "## End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16, 32 requests, 64 out)",
-        markdown_table(["run", "output tokens", "seconds", "tok/s", "vs sequential"], e2e_rows),
-    ])  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
-    print(report)
-    return 0 if tests_ok and parity_ok else 1
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    report = Report(Path(args.out), f"# GPU check: {torch.cuda.get_device_name(device)} ({versions})")
+    for title, body in GpuCheck(device, args.skip_tests, args.skip_e2e).sections():
+        report.section(title, body)
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

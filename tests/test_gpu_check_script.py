@@ -67,3 +67,35 @@ def test_prefill_inputs_and_causal_flops():
     assert md.block_tables.tolist() == [[0, 1, 2]] and md.slot_mapping.tolist() == list(range(40))
     # 1 head, dim 1, 2 tokens: QK^T and PV each cover 3 visible pairs -> 2 * 2 * 3 flops.
     assert gpu_check.causal_attention_flops(2, 1, 1) == 12
+
+
+def test_report_keeps_every_section_and_records_failures(tmp_path):
+    out = tmp_path / "perf" / "gpu_check.md"
+    report = gpu_check.Report(out, "# GPU check: test")
+    report.section("first", lambda: "| a |")
+    assert out.read_text() == "# GPU check: test\n\n## first\n\n| a |\n" and report.ok
+
+    def failing_check() -> str:
+        raise gpu_check.CheckFailed("2/8 tokens")
+
+    def broken() -> str:
+        raise RuntimeError("CUDA error: out of memory")
+
+    report.section("parity", failing_check)
+    report.section("bench", broken)
+    report.section("after", lambda: "still measured")
+    text = out.read_text()
+    assert not report.ok
+    assert "## parity\n\n**FAIL**\n\n2/8 tokens" in text
+    assert "## bench\n\n**ERROR**" in text and "RuntimeError: CUDA error: out of memory" in text
+    assert text.endswith("## after\n\nstill measured\n")
+
+
+def test_sections_are_in_report_order():
+    check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
+    titles = [title for title, _ in check.sections()]
+    assert titles[0] == "Kernel tests (compiled for the GPU)" and titles[-2:] == [
+        "Goals",
+        "End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)",
+    ]
+    assert check.tests() == "skipped" and check.end_to_end() == "skipped"
