@@ -8,10 +8,12 @@ Needs one CUDA device with torch, triton and transformers; downloads nothing. Ru
    bf16: last-token logits after a prefill and 8 greedy decode tokens through the paged cache;
 3. a llama-3.2-1b-shaped random model in bf16: decode step time at batch 1/8/32/128, eager vs CUDA
    graphs; batch 1 against the floor (weight bytes / measured copy bandwidth); paged decode
-   attention bandwidth at 4k and 32k context against the measured bandwidth;
+   attention bandwidth at 4k and 32k context against the measured bandwidth; the prefill attention
+   kernel against torch SDPA; the issue's three goals, met or not;
 4. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
    `transformers.generate` one request at a time and in static batches of 8, same weights and prompts.
-Results go to a markdown file; the exit status is non-zero when the tests or the parity check fail.
+Results go to a markdown file, rewritten after each section (a crash or a timeout keeps what was
+measured); the exit status is non-zero when a section fails or raises.
 """
 
 from __future__ import annotations
