@@ -51,6 +51,15 @@ def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
+def replay_size(metadata: AttentionMetadata, sizes: Sequence[int], max_num_blocks_per_seq: int) -> int | None:
+    """The captured batch size that replays this step, or None when it must run eagerly: not pure
+    decode, more sequences than the largest size, or a block table wider than the graphs address
+    (a context beyond max_seq_len_to_capture)."""
+    if not metadata.is_pure_decode or metadata.block_tables.shape[1] > max_num_blocks_per_seq:
+        return None
+    return padded_size(metadata.num_seqs, sizes)
+
+
 @dataclass(frozen=True)
 class GraphInputBuffers:
     """Static inputs shared by every captured graph; graph for size b reads rows [:b]."""
@@ -206,21 +215,18 @@ class CudaGraphRunner:
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
 
     def can_run(self, inputs: ModelInputs) -> bool:
-        """True when a captured graph fits: a pure-decode batch no larger than the largest size."""
-        md = inputs.metadata
-        return (
-            bool(self._graphs)
-            and md.is_pure_decode
-            and padded_size(md.num_seqs, self.sizes) is not None
-            and md.block_tables.shape[1] <= self.buffers.max_num_blocks_per_seq
-        )
+        """True when graphs were captured and one replays this step (see `replay_size`)."""
+        return bool(self._graphs) and self._replay_size(inputs) is not None
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """hidden [num_tokens, hidden_size] for `inputs`, by graph replay when possible."""
         if not self.can_run(inputs):
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         num_seqs = inputs.metadata.num_seqs
-        size = padded_size(num_seqs, self.sizes)
+        size = self._replay_size(inputs)
         self.buffers.fill(inputs, size)
         self._graphs[size].replay()
         return self._outputs[size][:num_seqs]
+
+    def _replay_size(self, inputs: ModelInputs) -> int | None:
+        return replay_size(inputs.metadata, self.sizes, self.buffers.max_num_blocks_per_seq)

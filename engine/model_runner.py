@@ -29,7 +29,10 @@ class ModelRunner:
         self.dtype = pick_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = pick_max_model_len(config.model, self.arch)
-        self.max_seq_len_to_capture = min(self.max_model_len, config.max_seq_len_to_capture)
+        # Graphs address whole blocks: contexts up to max_seq_len_to_capture, rounded up to a block.
+        self.graph_max_blocks_per_seq = -(
+            -min(self.max_model_len, config.max_seq_len_to_capture) // self.block_size
+        )
         self.attention_backend = get_attention_backend(
             config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
@@ -41,7 +44,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             max_positions=self.max_model_len,
-            use_triton_kernels=self.attention_backend.name != "torch",
+            use_triton_kernels=self.attention_backend.name in ("triton", "flash-attn"),
         )
         self.model.load_weights(source.weights)
         self.model.eval()
@@ -55,7 +58,7 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             config.scheduler.max_num_seqs,
-            -(-self.max_seq_len_to_capture // self.block_size),
+            self.graph_max_blocks_per_seq,
             self.block_size,
             self.device,
             enforce_eager=not self.use_cuda_graphs,
@@ -117,7 +120,10 @@ class ModelRunner:
         graphs = 0
         if self.use_cuda_graphs:
             graphs = estimate_graph_memory_bytes(
-                self.arch, self.config.scheduler.max_num_seqs, self.max_seq_len_to_capture, self.dtype
+                self.arch,
+                self.config.scheduler.max_num_seqs,
+                self.graph_max_blocks_per_seq * self.block_size,
+                self.dtype,
             )
         return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 

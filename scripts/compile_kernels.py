@@ -4,13 +4,14 @@
     python scripts/compile_kernels.py --arch 80 --json out.json
 
 Triton's interpreter (how `make test` runs the kernels on CPU) executes kernels with numpy and does not
-check what only the GPU compiler checks: `tl.dot` shapes, dtype rules, layouts, shared memory. Here each
+check what only the GPU compiler checks: `tl.dot` operand types, layouts, shared memory. Here each
 public launcher in `kernels/` runs on small CPU tensors shaped like a real model's, with its Triton
-kernel swapped for a recorder; the recorded arguments give the exact signature and constexprs the
-launcher would use on a GPU, and Triton compiles them ahead of time down to a cubin with its bundled
-ptxas (no driver, no GPU). The bundled cuobjdump then reads registers, shared memory and local memory
-(spills) of each kernel. Must run without TRITON_INTERPRET (it makes kernels uncompilable objects).
-Exit status 1 when a kernel fails to compile.
+kernel swapped for a recorder. Each recorded launch goes through Triton's own argument binder for the
+target (so arguments are specialized as the JIT would specialize them: 16-byte-divisible pointers and
+integers, constexprs) and is compiled ahead of time down to a cubin with Triton's bundled ptxas (no
+driver, no GPU). Reported per kernel: registers (cuobjdump), the shared memory the launch requests and
+local memory (register spills). Must run without TRITON_INTERPRET (it makes kernels uncompilable
+objects). Exit status 1 when a kernel fails to compile.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("compile_kernels: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from engine.models.rotary import build_cos_sin_cache  # noqa: E402
 from engine.presets import preset_arch  # noqa: E402
@@ -53,8 +55,6 @@ _TYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
     torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
 }
 _KERNELS = (
     (store_kv, "_store_kv_kernel"),
@@ -68,16 +68,47 @@ _KERNELS = (
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch as a launcher would issue it: what Triton needs to compile it."""
+    """One kernel launch as a launcher issued it (arguments as passed, grid dropped)."""
+
+    kernel: triton.JITFunction
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Specialized:
+    """A launch bound and specialized for a target, exactly as Triton's JIT would compile it."""
 
     kernel: triton.JITFunction
     signature: dict[str, str]
-    constexprs: dict[str, object]
+    constexprs: dict[tuple[int, ...], object]
+    attrs: dict[tuple[int, ...], list]
+    options: dict[str, object]
 
     @property
     def key(self) -> str:
-        constexprs = sorted(self.constexprs.items())
-        return json.dumps([self.kernel.__name__, self.signature, constexprs], default=str)
+        parts = [
+            self.kernel.__name__,
+            self.signature,
+            sorted(self.constexprs.items()),
+            sorted(self.attrs.items()),
+        ]
+        return json.dumps(parts, default=str)
+
+    def describe_constexprs(self) -> str:
+        names = list(self.signature)
+        return ", ".join(f"{names[path[0]]}={value}" for path, value in self.constexprs.items())
+
+
+def specialize(launch: Launch, backend: BaseBackend) -> Specialized:
+    """Triton's runtime path (`JITFunction.run` up to compilation), minus the device queries."""
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, launch.kwargs, bound_args, specialization, options
+    )
+    return Specialized(kernel, signature, constexprs, attrs, options.__dict__)
 
 
 @dataclass(frozen=True)
@@ -92,18 +123,6 @@ class Compiled:
     error: str | None = None
 
 
-def _arg_type(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPE_NAMES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"launch argument of unsupported type {type(value).__name__}")
-
-
 class _Recorder:
     """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records a Launch instead of running."""
 
@@ -112,14 +131,7 @@ class _Recorder:
 
     def __getitem__(self, grid: object) -> Callable[..., None]:
         def record(*args: object, **kwargs: object) -> None:
-            values = dict(zip(self.kernel.arg_names, args, strict=False)) | kwargs
-            signature, constexprs = {}, {}
-            for param in self.kernel.params:
-                value = values[param.name]
-                signature[param.name] = "constexpr" if param.is_constexpr else _arg_type(value)
-                if param.is_constexpr:
-                    constexprs[param.name] = value
-            self.sink.append(Launch(self.kernel, signature, constexprs))
+            self.sink.append(Launch(self.kernel, args, kwargs))
 
         return record
 
@@ -161,16 +173,20 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
     rotary.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin)
 
 
-def compile_launch(launch: Launch, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:
-    """Compiles to a cubin; returns (registers, shared bytes, local bytes) per thread/block."""
-    compiled = triton.compile(ASTSource(launch.kernel, launch.signature, launch.constexprs), target=target)
+def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:
+    """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes)."""
+    source = ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs)
+    compiled = triton.compile(source, target=target, options=launch.options)
     with tempfile.TemporaryDirectory() as directory:
         cubin = Path(directory) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run(
             [str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
         ).stdout
-    return parse_resource_usage(usage)
+    registers, _, local = parse_resource_usage(usage)
+    # Triton's shared memory is dynamic: the launch requests metadata.shared bytes, which cuobjdump's
+    # static SHARED figure does not include.
+    return registers, compiled.metadata.shared, local
 
 
 def parse_resource_usage(text: str) -> tuple[int, int, int]:
@@ -184,18 +200,19 @@ def parse_resource_usage(text: str) -> tuple[int, int, int]:
 def compile_all(arch: int) -> Iterator[Compiled]:
     """Every distinct launch of every shape and dtype, compiled for sm_`arch`."""
     target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     configs = [(shape, torch.bfloat16) for shape in SHAPES] + [(SHAPES[0], d) for d in EXTRA_DTYPES]
     seen: set[str] = set()
     for shape, dtype in configs:
         for launch in record_launches(shape, dtype):
-            if launch.key in seen:
+            specialized = specialize(launch, backend)
+            if specialized.key in seen:
                 continue
-            seen.add(launch.key)
-            described = ", ".join(f"{k}={v}" for k, v in launch.constexprs.items())
-            names = (launch.kernel.__name__, shape, _TYPE_NAMES[dtype], described)
+            seen.add(specialized.key)
+            names = (launch.kernel.__name__, shape, _TYPE_NAMES[dtype], specialized.describe_constexprs())
             try:
-                yield Compiled(*names, *compile_launch(launch, target, cuobjdump))
+                yield Compiled(*names, *compile_launch(specialized, target, cuobjdump))
             except Exception as error:  # noqa: BLE001 (report every failing kernel, not just the first)
                 yield Compiled(*names, None, None, None, error=f"{type(error).__name__}: {error}"[:2000])
 

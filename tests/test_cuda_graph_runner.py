@@ -11,6 +11,7 @@ import pytest
 import torch
 from paged_batch import DEVICE
 
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.cuda_graph_runner import (
     CudaGraphRunner,
@@ -18,6 +19,7 @@ from engine.cuda_graph_runner import (
     capture_sizes,
     estimate_graph_memory_bytes,
     padded_size,
+    replay_size,
 )
 from engine.input_batch import build_model_inputs
 from engine.model_arch import ModelArchConfig
@@ -59,13 +61,27 @@ def test_padded_size_is_none_above_the_largest_size():
     assert padded_size(25, capture_sizes(24)) is None
 
 
-def _decode_inputs(seq_lens_and_blocks, token_base=100):
+def _decode_inputs(seq_lens_and_blocks, token_base=100, device=DEVICE):
     """A pure-decode step built by the real input builder: each request decodes its last token."""
     scheduled = tuple(
         ScheduledRequest(f"r{i}", (token_base + i,), seq_len - 1, tuple(blocks), sample=True)
         for i, (seq_len, blocks) in enumerate(seq_lens_and_blocks)
     )
-    return build_model_inputs(SchedulerOutput(scheduled, len(scheduled)), BLOCK_SIZE, DEVICE)
+    return build_model_inputs(SchedulerOutput(scheduled, len(scheduled)), BLOCK_SIZE, device)
+
+
+def test_replay_size_pads_decode_batches_and_refuses_what_graphs_cannot_replay():
+    sizes = capture_sizes(8)  # [1, 2, 4, 8]
+    three = _decode_inputs([(17, [3, 5]), (1, [2]), (40, [7, 1, 4])])  # widest table: 3 blocks
+    assert replay_size(three.metadata, sizes, max_num_blocks_per_seq=3) == 4
+    # A context beyond max_seq_len_to_capture (a wider block table) runs eagerly.
+    assert replay_size(three.metadata, sizes, max_num_blocks_per_seq=2) is None
+    nine = _decode_inputs([(5, [i]) for i in range(9)])
+    assert replay_size(nine.metadata, sizes, max_num_blocks_per_seq=3) is None  # above the largest size
+    prefill = build_model_inputs(
+        SchedulerOutput((ScheduledRequest("p", (1, 2, 3), 0, (0,), sample=True),), 3), BLOCK_SIZE, DEVICE
+    )
+    assert replay_size(prefill.metadata, sizes, max_num_blocks_per_seq=3) is None
 
 
 def test_fill_copies_the_batch_and_pads_the_rest():
@@ -103,7 +119,7 @@ def test_fill_rejects_batches_a_graph_cannot_replay():
         buffers.fill(_decode_inputs([(3, [1]), (4, [2])]), 1)
 
 
-def _tiny_model(backend):
+def _tiny_model(backend, device=DEVICE):
     arch = ModelArchConfig(
         architecture="LlamaForCausalLM",
         vocab_size=300,
@@ -116,7 +132,7 @@ def _tiny_model(backend):
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(arch, backend, torch.float32, DEVICE)
+    model = LlamaForCausalLM(arch, backend, torch.float32, device)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
@@ -129,7 +145,8 @@ def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
 
     def caches():
         gen.manual_seed(1)
-        return [tuple(torch.randn(12, BLOCK_SIZE, 1, 16, generator=gen) for _ in range(2)) for _ in range(2)]
+        shape = (12, BLOCK_SIZE, 1, 16)
+        return [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
 
     inputs = _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])
     eager_caches, graph_caches = caches(), caches()
@@ -143,12 +160,12 @@ def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()
     # Only the 3 real slots were written (matmuls over 8 rows round slightly differently from 3 rows).
-    real_slots = inputs.metadata.slot_mapping
+    real_slots = inputs.metadata.slot_mapping.cpu()
     untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
     untouched[real_slots] = False
-    initial = [part for layer in caches() for part in layer]
-    eager_parts = [part for layer in eager_caches for part in layer]
-    graph_parts = [part for layer in graph_caches for part in layer]
+    initial = [part.cpu() for layer in caches() for part in layer]
+    eager_parts = [part.cpu() for layer in eager_caches for part in layer]
+    graph_parts = [part.cpu() for layer in graph_caches for part in layer]
     for before, eager_part, graph_part in zip(initial, eager_parts, graph_parts, strict=True):
         eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
         assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
@@ -156,13 +173,14 @@ def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
 
 
 def test_runner_off_cuda_runs_eagerly():
-    model = _tiny_model(TritonAttentionBackend())
+    cpu = torch.device("cpu")
+    model = _tiny_model(TorchAttentionBackend(), cpu)
     kv_caches = [(torch.randn(8, BLOCK_SIZE, 1, 16), torch.randn(8, BLOCK_SIZE, 1, 16)) for _ in range(2)]
     runner = CudaGraphRunner(
-        model, kv_caches, max_num_seqs=5, max_num_blocks_per_seq=4, block_size=16, device=DEVICE
+        model, kv_caches, max_num_seqs=5, max_num_blocks_per_seq=4, block_size=16, device=cpu
     )
     runner.capture()
-    inputs = _decode_inputs([(5, [1]), (20, [2, 3])])
+    inputs = _decode_inputs([(5, [1]), (20, [2, 3])], device=cpu)
     assert runner.enforce_eager and runner.sizes == [1, 2, 4, 8] and not runner.can_run(inputs)
     with torch.no_grad():
         expected = model(inputs.input_ids, inputs.positions, [(k.clone(), v.clone()) for k, v in kv_caches],

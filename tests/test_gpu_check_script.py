@@ -13,7 +13,8 @@ _SPEC = importlib.util.spec_from_file_location(
     "gpu_check", Path(__file__).parent.parent / "scripts" / "gpu_check.py"
 )
 gpu_check = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpu_check)
+_SPEC.loader.exec_module(gpu_check)  # puts scripts/ on sys.path
+import gpu_benchmarks  # noqa: E402
 
 
 def test_markdown_table():
@@ -28,15 +29,15 @@ def test_markdown_table_rejects_a_short_row():
 
 def test_floor_and_bytes():
     # 2.47 GB of bf16 weights at 3 TB/s: 0.823 ms per batch-1 step at best.
-    assert gpu_check.floor_step_time_s(2_470_000_000, 3e12) == pytest.approx(8.2333e-4, rel=1e-4)
+    assert gpu_benchmarks.floor_step_time_s(2_470_000_000, 3e12) == pytest.approx(8.2333e-4, rel=1e-4)
     with pytest.raises(ValueError, match="^bandwidth_bytes_per_s: must be > 0"):
-        gpu_check.floor_step_time_s(1, 0.0)
+        gpu_benchmarks.floor_step_time_s(1, 0.0)
     # 32 sequences x 4096 positions x 8 kv heads x 64 dims x 2 bytes, for K and for V.
-    assert gpu_check.kv_read_bytes(32, 4096, 8, 64, 2) == 268_435_456
+    assert gpu_benchmarks.kv_read_bytes(32, 4096, 8, 64, 2) == 268_435_456
 
 
 def test_decode_step_inputs_are_disjoint_pure_decode_rows():
-    inputs = gpu_check.decode_step_inputs(3, 40, 16, torch.device("cpu"))
+    inputs = gpu_benchmarks.decode_step_inputs(3, 40, 16, torch.device("cpu"))
     md = inputs.metadata
     assert md.is_pure_decode and md.seq_lens.tolist() == [40, 40, 40]
     assert md.block_tables.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
@@ -45,7 +46,7 @@ def test_decode_step_inputs_are_disjoint_pure_decode_rows():
 
 
 def test_goal_rows_state_each_goal_and_whether_it_was_met():
-    rows = gpu_check.goal_rows(
+    rows = gpu_benchmarks.goal_rows(
         batch1_step_s=1.2e-3, floor_s=1e-3, batch1_speedup=1.4, long_context_fraction=0.75
     )
     assert [row[2] for row in rows] == ["met", "NOT met", "met"]
@@ -62,11 +63,11 @@ def test_parity_check_runs_the_triton_model_against_transformers():
 
 
 def test_prefill_inputs_and_causal_flops():
-    md = gpu_check.prefill_step_inputs(40, 16, torch.device("cpu")).metadata
+    md = gpu_benchmarks.prefill_step_inputs(40, 16, torch.device("cpu")).metadata
     assert md.query_start_loc.tolist() == [0, 40] and md.seq_lens.tolist() == [40]
     assert md.block_tables.tolist() == [[0, 1, 2]] and md.slot_mapping.tolist() == list(range(40))
     # 1 head, dim 1, 2 tokens: QK^T and PV each cover 3 visible pairs -> 2 * 2 * 3 flops.
-    assert gpu_check.causal_attention_flops(2, 1, 1) == 12
+    assert gpu_benchmarks.causal_attention_flops(2, 1, 1) == 12
 
 
 def test_report_keeps_every_section_and_records_failures(tmp_path):

@@ -10,6 +10,8 @@ float32 logits of each prompt's last position match transformers' forward within
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from checkpoints import VOCAB_SIZE
@@ -48,8 +50,10 @@ def _block_ids(index: int) -> tuple[int, ...]:
 
 def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
+    # The Triton kernels run compiled on a GPU, else in the interpreter (TRITON_INTERPRET=1) on CPU.
+    interpreted = backend == "torch" or os.environ.get("TRITON_INTERPRET") == "1"
     config = EngineConfig(
-        model=ModelConfig(model=directory, dtype="float32", device="cpu"),
+        model=ModelConfig(model=directory, dtype="float32", device="cpu" if interpreted else "cuda"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),
         attention_backend=backend,
     )
@@ -81,7 +85,7 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
             if req.sample:
                 row = next(sampled)
                 if prompt_logits[i] is None:
-                    prompt_logits[i] = row.clone()
+                    prompt_logits[i] = row.cpu()
                 tokens[i].append(int(row.argmax()))
         steps.append(out)
     generated = [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
@@ -167,7 +171,7 @@ def test_graphs_address_at_most_max_seq_len_to_capture(llama_dir: str) -> None:
         max_seq_len_to_capture=40,
     )
     runner = ModelRunner(config, load_model_source(config.model))
-    assert runner.max_seq_len_to_capture == 40
+    assert runner.graph_max_blocks_per_seq == 3  # 40 tokens round up to 3 blocks of 16
     assert runner.graph_runner.buffers.max_num_blocks_per_seq == 3
     with pytest.raises(ValueError, match="^max_seq_len_to_capture: must be > 0, got 0$"):
         EngineConfig(max_seq_len_to_capture=0)

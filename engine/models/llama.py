@@ -9,6 +9,7 @@ Parameter names follow Hugging Face except two fused projections:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from importlib import import_module
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,6 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model_arch import ModelArchConfig
 from engine.models.rotary import RotaryEmbedding
-from kernels.rms_norm import rms_norm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -36,12 +36,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_triton = use_triton
+        # Imported only when used: triton is not installed everywhere the torch path runs.
+        self._fused = import_module("kernels.rms_norm").rms_norm if use_triton else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
-            return rms_norm(x, self.weight, self.eps, residual)
+        if self._fused is not None:
+            return self._fused(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         x32 = x.float()

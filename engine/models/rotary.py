@@ -7,11 +7,11 @@ half, which is how Hugging Face checkpoints store q_proj/k_proj.
 from __future__ import annotations
 
 import math
+from importlib import import_module
 
 import torch
 
 from engine.model_arch import RopeScaling
-from kernels.rotary import rotary_embedding
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -51,9 +51,10 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin (the table
     `kernels.rotary.rotary_embedding` reads)."""
-    inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    # On `device`, as transformers computes its tables: CUDA's cos/sin may differ from the CPU's by an ulp.
+    inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
+    freqs = torch.arange(max_position, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 class RotaryEmbedding:
@@ -78,6 +79,8 @@ class RotaryEmbedding:
         self.use_triton = use_triton
         cos_sin = build_cos_sin_cache(head_dim, max_positions, theta, scaling, device)
         if use_triton:
+            # Imported only when used: triton is not installed everywhere the torch path runs.
+            self._fused = import_module("kernels.rotary").rotary_embedding
             self.cos_sin_cache = cos_sin
             return
         cos, sin = cos_sin.chunk(2, dim=-1)
@@ -90,7 +93,7 @@ class RotaryEmbedding:
         """positions [T]; q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim] (may be views of
         the fused qkv projection; the Triton path writes into them)."""
         if self.use_triton:
-            return rotary_embedding(positions, q, k, self.cos_sin_cache, inplace=True)
+            return self._fused(positions, q, k, self.cos_sin_cache, inplace=True)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
