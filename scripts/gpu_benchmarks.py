@@ -55,9 +55,6 @@ def decode_step_inputs(
     return build_model_inputs(SchedulerOutput(scheduled, batch), block_size, device)
 
 
-# ---- measurements -------------------------------------------------------------------------------
-
-
 def time_cuda_s(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
     """Median seconds per call, timed with CUDA events."""
     for _ in range(warmup):
