@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.model_arch import ModelArchConfig
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import Rope, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -67,8 +67,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: Rope,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -77,7 +76,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rope(q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -109,13 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: Rope,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rope, kv_cache, metadata)
+        hidden = self.self_attn(hidden, rope, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -174,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden, residual = self.model.embed_tokens(input_ids), None
+        rope = self.rotary.bind(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, self.rotary, kv_cache, metadata)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ half, which is how Hugging Face checkpoints store q_proj/k_proj.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from importlib import import_module
 
 import torch
@@ -57,8 +58,13 @@ def build_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+# rope(q, k) -> (q, k): one step's rotation, applied by every layer.
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding:
-    """Rotates q and k by their positions: `rope(positions, q, k) -> (q, k)`.
+    """Rotates q and k by their positions: `rope = rotary.bind(positions)` once per step, then
+    `q, k = rope(q, k)` in every layer.
 
     torch (default): cos/sin tables [max_positions, head_dim] in the model dtype (each half repeated),
         applied out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`.
@@ -87,15 +93,14 @@ class RotaryEmbedding:
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         self.sin = torch.cat((sin, sin), dim=-1).to(dtype)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim] (may be views of
-        the fused qkv projection; the Triton path writes into them)."""
+    def bind(self, positions: torch.Tensor) -> Rope:
+        """The rotation for positions [T], gathered once for all layers. It takes q: [T, num_heads,
+        head_dim] and k: [T, num_kv_heads, head_dim] (may be views of the fused qkv projection; the
+        Triton path writes into them)."""
         if self.use_triton:
-            return self._fused(positions, q, k, self.cos_sin_cache, inplace=True)
+            return lambda q, k: self._fused(positions, q, k, self.cos_sin_cache, inplace=True)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return lambda q, k: (q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
