@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention_tile import attend_paged_tile
 from kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
@@ -88,24 +89,12 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, TILE_N):
         positions = tile_start + tl.arange(0, TILE_N)
         pos_mask = positions < end
-        blocks = tl.load(
-            block_tables_ptr + seq * stride_bt_seq + positions // BLOCK_SIZE, mask=pos_mask, other=0
-        ).to(tl.int64)  # block * stride_k_block can pass 2**31 in a large cache
-        offsets = positions % BLOCK_SIZE
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k_rows = k_cache_ptr + blocks * stride_k_block + offsets * stride_k_slot + kv_head * stride_k_head
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [TILE_N, DIM_PAD]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, TILE_N]
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp(scores - new_max[:, None])
-        alpha = tl.exp(running_max - new_max)
-        running_sum = running_sum * alpha + tl.sum(probs, axis=1)
-        v_rows = v_cache_ptr + blocks * stride_v_block + offsets * stride_v_slot + kv_head * stride_v_head
-        v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [TILE_N, DIM_PAD]
-        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc,
+            k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
+            block_tables_ptr + seq * stride_bt_seq, positions, pos_mask, pos_mask[None, :], dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, scale, BLOCK_SIZE, DOT_PRECISION,
+        )  # fmt: skip
 
     stat_offsets = (seq * num_heads + heads) * max_partitions + part
     tl.store(part_max_ptr + stat_offsets, running_max, mask=group_mask)
