@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import grpc
 
@@ -130,6 +131,18 @@ def _auth_metadata(api_key: str | None, metadata: Metadata) -> tuple[tuple[str, 
     return (*auth, *metadata)
 
 
+def _open_channel(
+    api: ModuleType,
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, object]],
+) -> grpc.Channel | grpc.aio.Channel:
+    """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given."""
+    if credentials is None:
+        return api.insecure_channel(target, options=list(options))
+    return api.secure_channel(target, credentials, options=list(options))
+
+
 class Client:
     """Blocking client. `credentials` set means TLS; `api_key` is sent as a bearer token on every call."""
 
@@ -141,10 +154,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=list(options))
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=list(options))
+        self._channel = _open_channel(grpc, target, credentials, options)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 
@@ -244,10 +254,7 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=list(options))
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=list(options))
+        self._channel = _open_channel(grpc.aio, target, credentials, options)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 
