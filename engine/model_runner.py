@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.selector import get_attention_backend
+from engine.attention.selector import TRITON_BACKENDS, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.input_batch import build_model_inputs
@@ -44,7 +44,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             max_positions=self.max_model_len,
-            use_triton_kernels=self.attention_backend.name in ("triton", "flash-attn"),
+            use_triton_kernels=self.attention_backend.name in TRITON_BACKENDS,
         )
         self.model.load_weights(source.weights)
         self.model.eval()

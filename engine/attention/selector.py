@@ -10,7 +10,8 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
-CUDA_ONLY_BACKENDS = ("triton", "flash-attn")
+# Built on Triton kernels (flash-attn writes the cache with store_kv): CUDA, or CPU under the interpreter.
+TRITON_BACKENDS = ("triton", "flash-attn")
 
 
 def triton_can_run(device: torch.device) -> bool:
@@ -34,7 +35,7 @@ def get_attention_backend(
     (see `flash_attn_supports`). Raises ValueError for an unknown name, or for a CUDA-only backend
     that cannot run here (off CUDA, package missing, unsupported block_size or dtype).
     """
-    if name not in ("auto", "torch", *CUDA_ONLY_BACKENDS):
+    if name not in ("auto", "torch", *TRITON_BACKENDS):
         raise ValueError(f"attention_backend: unknown {name!r}; supported: auto, torch, triton, flash-attn")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
