@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.cuda_graph_runner import CudaGraphRunner
-from engine.input_batch import ModelInputs, build_model_inputs
-from engine.model_arch import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.presets import preset_arch
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.loading.model_arch import ModelArchConfig
+from engine.loading.presets import preset_arch
+from engine.worker.attention.triton_backend import TritonAttentionBackend
+from engine.worker.cuda_graph_runner import CudaGraphRunner
+from engine.worker.input_batch import ModelInputs, build_model_inputs
+from engine.worker.models.llama import LlamaForCausalLM
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
 
@@ -209,7 +209,7 @@ def bench_prefill_attention(device: torch.device) -> list[list[object]]:
 def bench_end_to_end(
     device: torch.device, num_requests: int = 32, output_len: int = 64
 ) -> list[list[object]]:
-    """`engine.bench`'s mixed workload (prompts of 32-512 tokens) on a llama-3.2-1b-shaped random bf16
+    """`sluice.bench.offline`'s mixed workload (prompts of 32-512 tokens) on a llama-3.2-1b-shaped random bf16
     checkpoint: transformers first (its model stays loaded), then the engine with CUDA graphs."""
     from engine import bench
 

@@ -47,9 +47,9 @@ from gpu_benchmarks import (  # noqa: E402
     triton_model,
 )
 
-from engine.input_batch import build_model_inputs  # noqa: E402
-from engine.models.llama import LlamaForCausalLM  # noqa: E402
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from engine.worker.input_batch import build_model_inputs  # noqa: E402
+from engine.worker.models.llama import LlamaForCausalLM  # noqa: E402
 
 KERNEL_TESTS = (
     "tests/test_kernels_store_kv.py",
@@ -125,7 +125,7 @@ def check_parity(
     from transformers import LlamaForCausalLM as HfLlama
 
     from engine.config import ModelConfig
-    from engine.model_loader import load_model_source
+    from engine.loading.model_loader import load_model_source
 
     with tempfile.TemporaryDirectory() as directory, torch.inference_mode():
         _save_tiny_checkpoint(directory)

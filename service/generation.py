@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from sluice.v1 import sluice_pb2 as pb
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from service import convert
 from service.metrics import ServerMetrics

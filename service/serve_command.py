@@ -10,7 +10,6 @@ import re
 import signal
 import sys
 
-from engine.async_engine import AsyncEngine
 from engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -20,6 +19,7 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from engine.frontend.async_engine import AsyncEngine
 from service.server import ServerConfig, SluiceServer, TlsConfig
 from service.tracing import tracer_provider_from_env
 
@@ -42,7 +42,7 @@ def parse_size(text: str) -> int:
 def configure(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="Hugging Face directory or .gguf file (default: the embedded model)")
-    source.add_argument("--preset", help="random weights in a named shape (engine.presets)")
+    source.add_argument("--preset", help="random weights in a named shape (engine.loading.presets)")
     parser.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,

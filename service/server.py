@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from service.metrics import ServerMetrics
 from service.servicer import InferenceServicer

@@ -10,8 +10,8 @@ from opentelemetry import trace
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
-from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.frontend.async_engine import AsyncEngine
 from service import convert
 from service.generation import GenerationRunner
 from service.metrics import ServerMetrics

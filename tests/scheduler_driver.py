@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
 
 VOCAB = 1000
 

@@ -16,8 +16,8 @@ import grpc
 import uvloop
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
-from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import EngineStats
 from service.server import ServerConfig, SluiceServer
 

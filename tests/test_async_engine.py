@@ -7,10 +7,10 @@ import contextlib
 
 import pytest
 
-from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
-from engine.llm import LLM
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

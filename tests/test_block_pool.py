@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import hash_block
-from engine.block_pool import BlockPool
+from engine.core.block_hash import hash_block
+from engine.core.block_pool import BlockPool
 
 
 def test_allocation_pops_from_head_in_id_order():
@@ -115,7 +115,8 @@ def test_block_hash_chains_parent_tokens_and_salt():
 def test_kv_layer_and_scheduler_never_import_torch():
     code = (
         "import sys\n"
-        "import engine.block_pool, engine.kv_cache_manager, engine.request_queue, engine.scheduler\n"
+        "import engine.core.block_pool, engine.core.kv_cache_manager\n"
+        "import engine.core.request_queue, engine.core.scheduler\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

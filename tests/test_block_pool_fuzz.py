@@ -20,8 +20,8 @@ from scheduler_driver import (
 )
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 
 BS = 8
 

@@ -11,9 +11,12 @@ import pytest
 import torch
 from paged_batch import DEVICE
 
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.cuda_graph_runner import (
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.loading.model_arch import ModelArchConfig
+from engine.loading.presets import PRESETS
+from engine.worker.attention.torch_backend import TorchAttentionBackend
+from engine.worker.attention.triton_backend import TritonAttentionBackend
+from engine.worker.cuda_graph_runner import (
     CudaGraphRunner,
     GraphInputBuffers,
     capture_sizes,
@@ -21,11 +24,8 @@ from engine.cuda_graph_runner import (
     padded_size,
     replay_size,
 )
-from engine.input_batch import build_model_inputs
-from engine.model_arch import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.presets import PRESETS
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.input_batch import build_model_inputs
+from engine.worker.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 

@@ -10,7 +10,7 @@ import torch
 from checkpoints import EOS_ID
 
 from engine.errors import InvalidRequestError
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 NUM_NEW = 12

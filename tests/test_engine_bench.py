@@ -1,4 +1,4 @@
-"""`python -m engine.bench`: both sides run the same checkpoint and workload; JSON holds every run."""
+"""`python -m sluice.bench.offline`: both sides run the same checkpoint and workload; JSON holds every run."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.input_batch import build_model_inputs
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.input_batch import build_model_inputs
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")

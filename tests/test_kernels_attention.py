@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from paged_batch import DEVICE, TEST_DTYPES, make_paged_batch, nan_like, tolerance
 
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
+from engine.worker.attention.torch_backend import TorchAttentionBackend
+from engine.worker.attention.triton_backend import TritonAttentionBackend
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from kernels.store_kv import store_kv_reference

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from scheduler_driver import make_request, tokens
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 
 BS = 16
 

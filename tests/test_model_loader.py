@@ -11,13 +11,13 @@ import torch
 from checkpoints import EOS_ID, IM_END_ID, build_qwen2_checkpoint
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.model_arch import ModelArchConfig
-from engine.model_loader import load_model_source
-from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import get_model_class
-from engine.presets import PRESETS, preset_arch
-from engine.tokenizer import Tokenizer
+from engine.loading.model_arch import ModelArchConfig
+from engine.loading.model_loader import load_model_source
+from engine.loading.presets import PRESETS, preset_arch
+from engine.text.tokenizer import Tokenizer
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.registry import get_model_class
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -95,7 +95,7 @@ def test_tiny_dummy_preset_shapes_and_parameter_count() -> None:
 
 
 def test_tiny_dummy_model_runs_one_step() -> None:
-    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
     model_config = ModelConfig(load_format="dummy", preset="tiny")
     config = EngineConfig(model=model_config, cache=CacheConfig(num_blocks=4))
@@ -154,7 +154,7 @@ def _tiny_arch() -> ModelArchConfig:
 
 
 def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
-    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.worker.attention.torch_backend import TorchAttentionBackend
 
     arch = _tiny_arch()
     weights = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny")).weights)

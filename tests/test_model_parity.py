@@ -17,9 +17,9 @@ import torch
 from checkpoints import VOCAB_SIZE
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.model_loader import load_model_source
-from engine.model_runner import ModelRunner
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.loading.model_loader import load_model_source
+from engine.worker.model_runner import ModelRunner
 
 PROMPT_LENS = (5, 23, 40)
 BLOCK_SIZE = 16

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, apply_penalties
+from engine.sample.sampler import Sampler, SamplingRow, apply_penalties
 from engine.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]

@@ -21,9 +21,9 @@ from scheduler_driver import (
 )
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.errors import ContextLengthError
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
 
 BS = 16
 PREEMPTED = RequestStatus.PREEMPTED

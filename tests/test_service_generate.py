@@ -13,7 +13,7 @@ from service_harness import ServerThread
 from sluice import AsyncClient, Client, generate_request
 from sluice.v1 import sluice_pb2 as pb
 
-from engine.llm import LLM
+from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -13,7 +13,7 @@ from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.errors import InvalidRequestError
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",

@@ -21,7 +21,7 @@ _PROGRAM = textwrap.dedent(
 
     sys.meta_path.insert(0, RefuseTriton())
     import service.server, service.cli  # noqa: F401
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(None, load_format="dummy", preset="tiny", device="cpu", kv_cache_memory_bytes=2**24)

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from engine.bench import build_checkpoint, run_hf_sequential, run_hf_static_batches
-from engine.presets import PRESETS
+from engine.loading.presets import PRESETS
 from sluice.bench import plot, report
 from sluice.bench.baseline_report import effects, print_report, throughput
 from sluice.bench.engine_transport import EngineTransport
+from sluice.bench.offline import build_checkpoint, run_hf_sequential, run_hf_static_batches
 from sluice.bench.runner import LoadConfig, run_load, run_load_sync
 from sluice.bench.server_process import ServerProcess
 from sluice.bench.transports import GenerateTransport

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.frontend.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from service.status import status_for
 from sluice.bench.transports import BenchError

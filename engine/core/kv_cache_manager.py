@@ -1,0 +1,137 @@
+"""Maps requests to their KV blocks, and finds reusable prefixes in the cache.
+
+A request's block table covers exactly the tokens that have (or are about to get) K/V:
+
+    tokens with K/V:  [ 0 ............ 15 | 16 ........... 31 | 32 .. 37 ]     block_size = 16
+    block table:      [       b4          |        b9         |    b2    ]     ceil(38 / 16) = 3 blocks
+                        full, hashed         full, hashed       partial, never shared
+
+Full blocks of computed tokens are registered in the pool's prefix cache under their chained hash
+(`engine.core.block_hash`). A new request first looks up the longest run of cached blocks matching its
+tokens (`find_prefix`), then `allocate_slots` shares those blocks by ref count and allocates the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.block_hash import BlockHash, extend_block_hashes
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks holding a request's leading tokens. The scheduler reads only `num_tokens` and
+    hands the hit back to `allocate_slots` unchanged."""
+
+    blocks: tuple[KVCacheBlock, ...]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit(blocks=(), num_tokens=0)
+
+
+class KVCacheManager:
+    """Request id -> block list, on top of a `BlockPool`."""
+
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # parallel to _blocks, so tables are cheap to copy
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks of tokens
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.num_queries = 0  # tokens looked up in the prefix cache at admission
+        self.num_hits = 0  # of which found cached
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest run of cached full blocks matching the request's leading tokens.
+
+        The hit never covers the last token: at least one token must be computed to produce logits.
+        Has no side effect on the pool (nothing is referenced until `allocate_slots`).
+        """
+        if not self.enable_caching:
+            return NO_HIT
+        hashes = self._request_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks=tuple(blocks), num_tokens=len(blocks) * self.block_size)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> tuple[int, ...] | None:
+        """Grow the request's block table to hold `num_new_tokens` more tokens; return the whole table.
+
+        `hit` is given once, when a request with no blocks is admitted: its blocks are shared first and
+        the new tokens follow `hit.num_tokens`. Otherwise the new tokens follow
+        `request.num_computed_tokens`. Returns None (and changes nothing) if the pool is short.
+        """
+        request_id = request.request_id
+        blocks = self._blocks.get(request_id, [])
+        hit_blocks = () if hit is None else hit.blocks
+        num_computed = request.num_computed_tokens if hit is None else hit.num_tokens
+        if hit is not None and blocks:
+            raise RuntimeError(f"request {request_id!r} already holds blocks; a prefix hit needs none")
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(num_required - len(blocks) - len(hit_blocks), 0)
+        # Hit blocks sitting in the free queue stop being free once referenced.
+        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(hit_blocks)
+        new_blocks = list(hit_blocks) + (self.pool.allocate(num_new_blocks) or [])
+        blocks = self._blocks.setdefault(request_id, blocks)
+        block_ids = self._block_ids.setdefault(request_id, [])
+        blocks.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
+        if hit is not None:
+            self._num_cached_blocks[request_id] = len(hit_blocks)
+            if self.enable_caching:
+                self.num_queries += request.num_tokens
+                self.num_hits += hit.num_tokens
+        return tuple(block_ids)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register in the prefix cache every block now full of computed tokens."""
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(request)
+        blocks = self._blocks[request_id]
+        for i in range(start, num_full):
+            self.pool.cache_full_block(blocks[i], hashes[i])
+        self._num_cached_blocks[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request, tail first, and forget it. Unknown ids are a no-op."""
+        blocks = self._blocks.pop(request_id, [])
+        self.pool.free(reversed(blocks))
+        self._block_ids.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (logical block i -> physical block id); empty if it holds none."""
+        return tuple(self._block_ids.get(request_id, ()))
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests that hold blocks."""
+        return list(self._blocks)
+
+    def _request_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of every full block of the request's tokens, extended as tokens are appended."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return hashes

@@ -1,0 +1,127 @@
+"""Offline batch API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.frontend.engine import Engine
+from engine.outputs import Logprobs, RequestOutput, Timings
+from engine.sampling_params import SamplingParams
+from engine.text.prompt import resolve_prompt
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class Completion:
+    """Everything one request produced, accumulated over its outputs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    timings: Timings | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.token_ids.extend(output.token_ids)
+        self.text += output.text
+        self.logprobs.extend(output.logprobs)
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+            self.cached_tokens = output.usage.cached_tokens if output.usage else 0
+            self.num_preemptions = output.num_preemptions
+            self.timings = output.timings
+
+
+class LLM:
+    """Runs many prompts to completion on one engine, with continuous batching.
+
+    Keyword arguments name fields of `ModelConfig`, `CacheConfig` or `SchedulerConfig`
+    (e.g. `block_size=16, num_blocks=64, max_num_batched_tokens=256, enable_prefix_caching=False`),
+    or `attention_backend` / `enforce_eager`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        self.engine = Engine(_engine_config(model, kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """Completions in the order of `prompts`. A single prompt (str or token ids) is one request."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = [self._encode(p) for p in prompts]
+        return self._run(token_ids, params, priorities)
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        token_ids = [resolve_prompt(self.engine.tokenizer, messages=c) for c in conversations]
+        return self._run(token_ids, params, None)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return resolve_prompt(self.engine.tokenizer, text=prompt)
+        return resolve_prompt(self.engine.tokenizer, token_ids=prompt)
+
+    def _run(
+        self,
+        prompt_token_ids: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        priorities: Sequence[int] | None,
+    ) -> list[Completion]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompt_token_ids)
+        completions: dict[str, Completion] = {}
+        try:
+            for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, ids, p, priority=priorities[i] if priorities else 0)
+                completions[request_id] = Completion(request_id, list(ids))
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    completions[output.request_id].add(output)
+        except BaseException:
+            # A rejected prompt or an interrupted run must not leave requests behind for the next call.
+            self.engine.abort(list(completions))
+            raise
+        return list(completions.values())
+
+
+def _engine_config(model: str | None, kwargs: dict[str, object]) -> EngineConfig:
+    sections = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    top = {}
+    for key, value in kwargs.items():
+        owner = next((cls for cls in sections if key in cls.__dataclass_fields__), None)
+        if owner is not None:
+            sections[owner][key] = value
+        elif key in EngineConfig.__dataclass_fields__:
+            top[key] = value
+        else:
+            raise TypeError(f"LLM() got an unknown argument {key!r}")
+    return EngineConfig(
+        model=ModelConfig(model=model, **sections[ModelConfig]),
+        cache=CacheConfig(**sections[CacheConfig]),
+        scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+        **top,
+    )

@@ -1,0 +1,179 @@
+"""Load a model from one GGUF file (llama.cpp's format): shape, tokenizer and dequantized weights.
+
+A GGUF holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and tensors under llama.cpp's
+names (`blk.0.attn_q.weight`), many of them quantized. `load_gguf` turns it into the same `ModelSource` a
+Hugging Face checkpoint gives: Hugging Face parameter names, float32 tensors, yielded one at a time so that
+only one dequantized tensor is alive while the model copies it in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from engine.loading.gguf_file import GGUFFile, GGUFTensor
+from engine.loading.model_arch import ModelArchConfig
+from engine.loading.model_loader import ModelSource
+from engine.text.gguf_tokenizer import gguf_tokenizer
+
+# general.architecture -> the model class that runs it.
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_Q = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = (
+    _Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+)  # fmt: skip
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def load_gguf(path: str | os.PathLike[str]) -> ModelSource:
+    """Read a GGUF file into a `ModelSource`.
+
+    Raises ValueError naming the metadata key when the architecture, the tokenizer or a tensor type is
+    not supported. The returned `weights` dequantize lazily, one tensor per step of the iteration.
+    """
+    file = GGUFFile(path)
+    tokenizer = gguf_tokenizer(file)
+    name = file.metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0]
+    arch = gguf_arch_config(
+        file, name=name, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
+    )
+    _check_tensors(file)
+    return ModelSource(arch=arch, weights=GGUFWeights(file, arch), tokenizer=tokenizer, name=arch.name)
+
+
+def gguf_arch_config(
+    file: GGUFFile,
+    *,
+    name: str = "unknown",
+    bos_token_id: int | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+) -> ModelArchConfig:
+    """The model's shape from `<arch>.*` metadata. Raises ValueError for an unsupported architecture."""
+    gguf_arch = file.metadata.get("general.architecture")
+    if gguf_arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"general.architecture: {gguf_arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in file.tensors):
+        raise ValueError("rope_freqs.weight: Llama 3.1-style RoPE frequency scaling in GGUF is not supported")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = file.metadata.get(f"{gguf_arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
+        return value
+
+    hidden = key("embedding_length")
+    num_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // num_heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
+    return ModelArchConfig(
+        architecture=SUPPORTED_GGUF_ARCHITECTURES[gguf_arch],
+        vocab_size=len(file.metadata["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=key("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=key("context_length"),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in file.tensors),
+        attention_bias=gguf_arch == "qwen2",
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
+        name=name,
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`. Raises ValueError when unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"tensor {gguf_name!r}: no Hugging Face name is known for it")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (its converter's `permute`).
+
+    Hugging Face stores each head's rows as [first half | second half] of the rotary pairs
+    (rotate_half); llama.cpp interleaves them (x0, x_d/2, x1, x_d/2+1, ...). Per head:
+        gguf rows  [num_heads, half, 2, ...]  -- swap axes 1 and 2 -->  hf rows [num_heads, 2, half, ...]
+    """
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _check_tensors(file: GGUFFile) -> None:
+    supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+    for tensor in file.tensors:
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(
+                f"tensor {tensor.name!r}: type {tensor.tensor_type.name} is not supported; "
+                f"supported: {supported}"
+            )
+        hf_tensor_name(tensor.name)
+
+
+class GGUFWeights:
+    """Iterates (Hugging Face name, float32 tensor) over a GGUF's tensors, dequantizing one at a time.
+
+    Each pass reads the memory-mapped file again, so the weights can be iterated more than once.
+    """
+
+    def __init__(self, file: GGUFFile, arch: ModelArchConfig) -> None:
+        self.file = file
+        self.arch = arch
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        permute_rows = self.arch.architecture == "LlamaForCausalLM"
+        for tensor in self.file.tensors:
+            name = hf_tensor_name(tensor.name)
+            weight = _dequantize(tensor)
+            if permute_rows and name.endswith("q_proj.weight"):
+                weight = unpermute_rotary_rows(weight, self.arch.num_attention_heads)
+            elif permute_rows and name.endswith("k_proj.weight"):
+                weight = unpermute_rotary_rows(weight, self.arch.num_key_value_heads)
+            yield name, weight
+
+
+def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """One tensor as float32, in torch's shape order (GGUF lists dimensions innermost first)."""
+    values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if not values.flags.writeable:  # F32 data is a view of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values.reshape(tensor.shape))

@@ -1,0 +1,143 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or random ("dummy") weights.
+
+Whatever the origin, the result is a `ModelSource`: the shape, the weights under Hugging Face
+parameter names (yielded lazily, one tensor at a time), and the tokenizer when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.loading.model_arch import ModelArchConfig, token_ids
+from engine.loading.presets import preset_arch
+from engine.worker.models.llama import hf_weight_shapes
+
+if TYPE_CHECKING:
+    from engine.text.tokenizer import Tokenizer
+
+DUMMY_INIT_STD = 0.02
+
+
+@dataclass
+class ModelSource:
+    arch: ModelArchConfig
+    weights: Iterable[tuple[str, torch.Tensor]]  # Hugging Face names, e.g. "model.norm.weight"
+    tokenizer: Tokenizer | None
+    name: str
+
+
+def load_model_source(model_config: ModelConfig) -> ModelSource:
+    """Resolve `model_config` to a `ModelSource`.
+
+    model=None is the embedded default GGUF model; a path ending in .gguf (or load_format="gguf") is
+    read by `engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy" gives
+    random weights shaped by `preset`, or by the directory's config.json.
+    Raises ValueError on an unknown preset, an unsupported architecture or a missing file.
+    """
+    if model_config.load_format == "dummy":
+        return _dummy_source(model_config)
+    path = model_config.model
+    if path is None:
+        from engine.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from engine.loading.gguf_loader import load_gguf
+
+        return replace(load_gguf(default_model_path()), name=DEFAULT_MODEL_NAME)
+    if path.endswith(".gguf") or model_config.load_format == "gguf":
+        from engine.loading.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    return _hf_directory_source(path)
+
+
+def _hf_directory_source(directory: str) -> ModelSource:
+    arch = read_arch(directory)
+    return ModelSource(
+        arch=arch, weights=SafetensorsWeights(directory), tokenizer=_tokenizer(directory), name=arch.name
+    )
+
+
+def read_arch(directory: str) -> ModelArchConfig:
+    """config.json -> ModelArchConfig, with generation_config.json's eos ids merged in."""
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model: {directory!r} has no config.json")
+    with open(config_path) as f:
+        name = os.path.basename(os.path.normpath(directory))
+        arch = ModelArchConfig.from_hf_config(json.load(f), name=name)
+    generation_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation_path):
+        with open(generation_path) as f:
+            extra = token_ids(json.load(f).get("eos_token_id"))
+        merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
+        arch = replace(arch, eos_token_ids=merged)
+    return arch
+
+
+class SafetensorsWeights:
+    """Iterates (name, tensor) over model.safetensors or the shards listed in model.safetensors.index.json.
+
+    Each pass reopens the files, so the weights can be read more than once; tensors load one at a time.
+    """
+
+    def __init__(self, directory: str) -> None:
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        single_path = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                shard_names = sorted(set(json.load(f)["weight_map"].values()))
+            self.files = [os.path.join(directory, name) for name in shard_names]
+        elif os.path.isfile(single_path):
+            self.files = [single_path]
+        else:
+            raise ValueError(f"model: {directory!r} has no model.safetensors or model.safetensors.index.json")
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    yield name, f.get_tensor(name)
+
+
+class DummyWeights:
+    """Random weights for `arch`: normal(0, 0.02) matrices and biases, norms = 1; same seed, same weights."""
+
+    def __init__(self, arch: ModelArchConfig, seed: int) -> None:
+        self.arch = arch
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        for name, shape in hf_weight_shapes(self.arch):
+            if name.endswith("norm.weight"):
+                yield name, torch.ones(shape)
+            else:
+                yield name, torch.empty(shape).normal_(0.0, DUMMY_INIT_STD, generator=generator)
+
+
+def _dummy_source(model_config: ModelConfig) -> ModelSource:
+    directory = model_config.model
+    if model_config.preset is not None:
+        arch = preset_arch(model_config.preset)
+        tokenizer = _tokenizer(directory) if directory and os.path.isdir(directory) else None
+    else:
+        assert directory is not None  # ModelConfig guarantees a preset or a model directory
+        arch = read_arch(directory)
+        tokenizer = _tokenizer(directory)
+    weights = DummyWeights(arch, model_config.seed)
+    return ModelSource(arch=arch, weights=weights, tokenizer=tokenizer, name=f"dummy-{arch.name}")
+
+
+def _tokenizer(directory: str) -> Tokenizer | None:
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return None
+    from engine.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(directory)

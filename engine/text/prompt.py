@@ -1,0 +1,63 @@
+"""Turning a caller's prompt (text, token ids, or chat messages) into validated token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.errors import ContextLengthError, InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.text.tokenizer import Tokenizer
+
+
+def resolve_prompt(
+    tokenizer: Tokenizer | None,
+    *,
+    text: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+) -> list[int]:
+    """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids."""
+    given = [name for name, v in (("text", text), ("token_ids", token_ids), ("messages", messages)) if v]
+    if len(given) != 1:
+        if not given:
+            raise InvalidRequestError("prompt", "is empty: give text, token_ids or messages")
+        raise InvalidRequestError("prompt", f"give exactly one of text, token_ids, messages (got {given})")
+    if token_ids:
+        return [int(t) for t in token_ids]
+    if tokenizer is None:
+        raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
+    if messages:
+        for i, message in enumerate(messages):
+            if not message.get("role"):
+                raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
+        return tokenizer.encode_chat(list(messages))
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise InvalidRequestError("text", "encodes to no tokens")
+    return ids
+
+
+def check_prompt(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    has_tokenizer: bool,
+) -> None:
+    """Rejects prompts the engine cannot serve, naming the field."""
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ContextLengthError(
+            "max_tokens",
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the model's context of {max_model_len} tokens",
+        )

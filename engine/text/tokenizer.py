@@ -1,0 +1,177 @@
+"""Text <-> token ids, and chat rendering, on top of a Hugging Face `tokenizers.Tokenizer`.
+
+Encoding follows transformers' `AutoTokenizer` on the same directory: the post-processor in
+`tokenizer.json` alone decides which special tokens `add_special_tokens=True` adds (transformers 5 ignores
+`add_bos_token` in `tokenizer_config.json` when a `tokenizer.json` exists). Decoding never applies
+transformers' `clean_up_tokenization_spaces`, so streamed text and whole decodes agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import processors
+
+from engine.errors import InvalidRequestError
+from engine.loading.model_arch import token_ids
+from engine.text.chat_template import ChatTemplate
+
+# Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class Tokenizer:
+    """A tokenizer plus the model's chat template and end-of-sequence ids.
+
+    `backend` may be mutated: when `add_bos_token` is set and its post-processor does not already prepend
+    `bos_token`, one that does is installed (GGUF vocabularies come without a post-processor).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: tuple[int, ...],
+        add_bos_token: bool,
+        name: str,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
+        eos_id = None if eos_token is None else backend.token_to_id(eos_token)
+        head = () if eos_id is None else (eos_id,)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(head + tuple(eos_token_ids)))
+        self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(special_tokens or {})}
+        self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
+        self.chat_template = None if chat_template is None else ChatTemplate(chat_template)
+        if add_bos_token and self.bos_token_id is not None:
+            _ensure_bos_prepended(backend, bos_token, self.bos_token_id)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`."""
+        directory = Path(directory)
+        backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config = _read_json(directory / "tokenizer_config.json")
+        special = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        special = {name: token for name, token in special.items() if token is not None}
+        _add_missing_tokens(backend, config, special.values())
+        generation = _read_json(directory / "generation_config.json")
+        return cls(
+            backend,
+            chat_template=_load_chat_template(directory, config),
+            bos_token=special.get("bos_token"),
+            eos_token=special.get("eos_token"),
+            eos_token_ids=token_ids(generation.get("eos_token_id")),
+            add_bos_token=False,
+            name=directory.name,
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation to the prompt text. InvalidRequestError("messages") without a template."""
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                "messages", f"model {self.name!r} has no chat template; send text instead"
+            )
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render, then encode without adding special tokens (the template has them), as transformers."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _ensure_bos_prepended(backend: tokenizers.Tokenizer, bos_token: str, bos_token_id: int) -> None:
+    if backend.encode("a", add_special_tokens=True).ids[:1] == [bos_token_id]:
+        return
+    template = processors.TemplateProcessing(
+        single=f"{bos_token}:0 $A:0",
+        pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+        special_tokens=[(bos_token, bos_token_id)],
+    )
+    existing = backend.post_processor
+    backend.post_processor = template if existing is None else processors.Sequence([existing, template])
+
+
+def _add_missing_tokens(backend: tokenizers.Tokenizer, config: dict, named: Any) -> None:
+    # transformers adds tokens listed in the config but absent from tokenizer.json, keeping their flags.
+    for entry in config.get("added_tokens_decoder", {}).values():
+        if backend.token_to_id(entry["content"]) is None:
+            flags = {
+                k: entry[k]
+                for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
+                if k in entry
+            }
+            backend.add_tokens([tokenizers.AddedToken(entry["content"], **flags)])
+    missing = [token for token in named if backend.token_to_id(token) is None]
+    if missing:
+        backend.add_special_tokens(
+            [tokenizers.AddedToken(t, special=True, normalized=False) for t in missing]
+        )
+
+
+def _load_chat_template(directory: Path, config: dict) -> str | None:
+    # A separate chat_template.jinja (transformers >= 4.47 saves it there) takes priority over the config.
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry["name"]: entry["template"] for entry in template}
+        return named.get("default")
+    return template
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,31 @@
+"""The interface every attention backend (torch reference, Triton, flash-attn) implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends over the cache.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    returns: [num_tokens, num_heads, head_dim]
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

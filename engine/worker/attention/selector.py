@@ -1,0 +1,58 @@
+"""Picks the attention backend for a device by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.torch_backend import TorchAttentionBackend
+
+# Built on Triton kernels (flash-attn writes the cache with store_kv): CUDA, or CPU under the interpreter.
+TRITON_BACKENDS = ("triton", "flash-attn")
+
+
+def triton_can_run(device: torch.device) -> bool:
+    """Triton kernels compile for CUDA; on CPU they only run in Triton's interpreter (slow: tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def get_attention_backend(
+    name: str,
+    device: torch.device,
+    *,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """ "auto" -> flash-attn when it can run here, else triton on CUDA, else torch ("auto" never picks
+    the interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1).
+
+    flash-attn is only chosen by "auto" when `block_size` and `dtype` are given and it supports both
+    (see `flash_attn_supports`). Raises ValueError for an unknown name, or for a CUDA-only backend
+    that cannot run here (off CUDA, package missing, unsupported block_size or dtype).
+    """
+    if name not in ("auto", "torch", *TRITON_BACKENDS):
+        raise ValueError(f"attention_backend: unknown {name!r}; supported: auto, torch, triton, flash-attn")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    from engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
+
+    flash_reason = flash_attn_supports(device, block_size, dtype)
+    if name == "auto" and block_size is not None and dtype is not None and flash_reason is None:
+        name = "flash-attn"
+    if name == "flash-attn":
+        if flash_reason is not None:
+            raise ValueError(f"attention_backend: 'flash-attn' cannot run: {flash_reason}")
+        return FlashAttnBackend(device, block_size, dtype)
+    if not triton_can_run(device):
+        raise ValueError(
+            f"attention_backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the "
+            f"triton package; device is {device.type!r}, use 'torch' or 'auto'"
+        )
+    from engine.worker.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()

@@ -1,0 +1,157 @@
+"""Paged attention in plain PyTorch: the reference backend, and the one used on CPU.
+
+Decode rows (query_len == 1) are attended together: one gather pulls every decode sequence's context,
+padded to the longest, and one masked batched attention call covers them all (measured 4x faster on
+CPU than gathering slots and attending with explicit matmuls). Rows with longer queries
+(prefill chunks) are attended one sequence at a time with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from engine.worker.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Implements `engine.worker.attention.backend.AttentionBackend` on any device."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if metadata.is_pure_decode:
+            return decode_attention(
+                q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale
+            )
+        return _mixed_attention(q, k, v, k_cache, v_cache, metadata, scale)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] -> cache slots `slot_mapping` [num_tokens]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence. q: [S, num_heads, head_dim], block_tables: [S, >= ceil(max_seq_len / bs)].
+
+    Returns [S, num_heads, head_dim]. Context positions >= seq_lens[s] are masked out.
+    """
+    num_seqs = q.shape[0]
+    num_blocks = -(-max_seq_len // k_cache.shape[1])
+    keys, values = _gather_context(k_cache, v_cache, block_tables[:, :num_blocks])  # [S, kv_heads, L, d]
+    context = torch.arange(keys.shape[2], device=q.device)
+    allowed = context[None, :] < seq_lens[:, None]  # [S, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [S, num_heads, 1, head_dim]
+    return out.view(num_seqs, q.shape[1], q.shape[2])
+
+
+def _gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_tables [S, n] -> keys, values [S, num_kv_heads, n * block_size, head_dim] (strided views).
+
+    Whole blocks are gathered (one index op each): measured 2x faster on CPU than gathering slots.
+    """
+    num_seqs = block_tables.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    index = block_tables.long()
+    keys = k_cache[index].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[index].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    return keys, values
+
+
+def _mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows batched through `decode_attention`; each longer query attended on its own (straight
+    from this step's k, v when it has no cached prefix, else over its context gathered from the cache)."""
+    out = torch.empty_like(q)
+    starts = list(itertools.accumulate(metadata.query_lens_cpu, initial=0))  # query_start_loc on the host
+    decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
+    if decode_seqs:
+        seq_index = torch.tensor(decode_seqs, device=q.device)
+        token_index = torch.tensor([starts[i] for i in decode_seqs], device=q.device)
+        max_decode_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
+        out[token_index] = decode_attention(
+            q[token_index],
+            k_cache,
+            v_cache,
+            metadata.block_tables[seq_index],
+            metadata.seq_lens[seq_index],
+            max_decode_len,
+            scale,
+        )
+    for i, query_len in enumerate(metadata.query_lens_cpu):
+        rows = slice(starts[i], starts[i + 1])
+        if query_len == metadata.seq_lens_cpu[i] > 1:
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                k[rows].transpose(0, 1),
+                v[rows].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        elif query_len > 1:
+            out[rows] = prefill_attention(
+                q[rows], k_cache, v_cache, metadata.block_tables[i], metadata.seq_lens_cpu[i], scale
+            )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's query chunk q: [query_len, num_heads, head_dim], the last query_len of seq_len.
+
+    Query j sits at position seq_len - query_len + j and sees context positions <= its own.
+    """
+    query_len = q.shape[0]
+    num_blocks = -(-seq_len // k_cache.shape[1])
+    keys, values = _gather_context(k_cache, v_cache, block_table[None, :num_blocks])
+    keys, values = keys[0, :, :seq_len], values[0, :, :seq_len]  # [kv_heads, seq_len, head_dim]
+    context = torch.arange(seq_len, device=q.device)
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    allowed = context[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
+    )  # [num_heads, query_len, head_dim]
+    return out.transpose(0, 1)

@@ -1,0 +1,232 @@
+"""CUDA graphs for decode steps: capture once per batch size, pad each batch up, replay.
+
+    capture sizes  [1, 2, 4, 8, 16, 24, ...]  up to the first size >= max_num_seqs
+    decode batch of n sequences  ->  padded to padded_size(n)  ->  copy into the static buffers  ->  replay
+
+Rows n .. padded-1 are padding: slot_mapping -1 (no K/V write), seq_len 1 reading block 0 (every
+block-table entry ever written is a real block id, so every read stays in bounds), token 0 at position 0.
+Their outputs are computed and dropped. Prefill/mixed batches and batches larger than the largest
+captured size run eagerly.
+
+The attention backend must skip slot_mapping < 0 (the Triton and flash-attn backends do) and read only
+tensors plus `max_seq_len` from the metadata: a graph freezes everything else at capture.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.loading.model_arch import ModelArchConfig
+from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.input_batch import ModelInputs
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# model(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size]
+ModelForward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata], torch.Tensor]
+
+_FIRST_SIZES = (1, 2, 4, 8)
+_SIZE_STEP = 8
+_PADDING_SLOT = -1
+_PADDING_SEQ_LEN = 1
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture, ascending: 1, 2, 4, 8, then steps of 8, ending at the first size that
+    holds `max_num_seqs` (so every decode batch the scheduler can form has a graph)."""
+    if max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs: must be > 0, got {max_num_seqs}")
+    sizes = [size for size in _FIRST_SIZES if size < max_num_seqs]
+    if len(sizes) < len(_FIRST_SIZES):
+        return [*sizes, _FIRST_SIZES[len(sizes)]]
+    return [*sizes, *range(_FIRST_SIZES[-1] + _SIZE_STEP, max_num_seqs + _SIZE_STEP, _SIZE_STEP)]
+
+
+def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """Smallest captured size >= num_seqs (sizes ascending); None when the batch is too large."""
+    index = bisect.bisect_left(sizes, num_seqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+def replay_size(metadata: AttentionMetadata, sizes: Sequence[int], max_num_blocks_per_seq: int) -> int | None:
+    """The captured batch size that replays this step, or None when it must run eagerly: not pure
+    decode, more sequences than the largest size, or a block table wider than the graphs address
+    (a context beyond max_seq_len_to_capture)."""
+    if not metadata.is_pure_decode or metadata.block_tables.shape[1] > max_num_blocks_per_seq:
+        return None
+    return padded_size(metadata.num_seqs, sizes)
+
+
+@dataclass(frozen=True)
+class GraphInputBuffers:
+    """Static inputs shared by every captured graph; graph for size b reads rows [:b]."""
+
+    input_ids: torch.Tensor  # [max_batch] int64
+    positions: torch.Tensor  # [max_batch] int64
+    slot_mapping: torch.Tensor  # [max_batch] int64
+    seq_lens: torch.Tensor  # [max_batch] int32
+    query_start_loc: torch.Tensor  # [max_batch + 1] int32, always 0, 1, 2, ... (one token per sequence)
+    block_tables: torch.Tensor  # [max_batch, max_num_blocks_per_seq] int32
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_num_blocks_per_seq: int, device: torch.device) -> GraphInputBuffers:
+        """Buffers holding an all-padding batch (safe to run before any real input arrives)."""
+        return cls(
+            input_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_batch, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((max_batch,), _PADDING_SLOT, dtype=torch.int64, device=device),
+            seq_lens=torch.full((max_batch,), _PADDING_SEQ_LEN, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_batch, max_num_blocks_per_seq, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def max_num_blocks_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    def metadata(self, batch_size: int, block_size: int) -> AttentionMetadata:
+        """Metadata viewing rows [:batch_size]. max_seq_len is the largest context a block table
+        can address, so kernels size their grids for any batch this graph will see; the `*_cpu`
+        tuples are only upper bounds and must not be read inside a graph."""
+        max_seq_len = self.max_num_blocks_per_seq * block_size
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch_size],
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=(1,) * batch_size,
+            seq_lens_cpu=(max_seq_len,) * batch_size,
+            block_size=block_size,
+        )
+
+    def fill(self, inputs: ModelInputs, batch_size: int) -> None:
+        """Copy a decode batch of n <= batch_size sequences into rows [:n]; rows [n:batch_size] become
+        padding.
+
+        Raises ValueError when the batch is not pure decode or does not fit the buffers.
+        """
+        md = inputs.metadata
+        num_seqs, width = md.num_seqs, md.block_tables.shape[1]
+        if not md.is_pure_decode or inputs.input_ids.shape[0] != num_seqs:
+            raise ValueError("inputs: CUDA graphs replay decode batches only (one token per sequence)")
+        if num_seqs > batch_size or batch_size > self.input_ids.shape[0]:
+            raise ValueError(f"inputs: {num_seqs} sequences do not fit a graph of {batch_size}")
+        if width > self.max_num_blocks_per_seq:
+            raise ValueError(f"block_tables: {width} blocks per sequence > {self.max_num_blocks_per_seq}")
+        self.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(md.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(md.seq_lens, non_blocking=True)
+        # Columns >= width keep older block ids: real ids, never read past seq_lens.
+        self.block_tables[:num_seqs, :width].copy_(md.block_tables, non_blocking=True)
+        self.input_ids[num_seqs:batch_size].zero_()
+        self.positions[num_seqs:batch_size].zero_()
+        self.slot_mapping[num_seqs:batch_size].fill_(_PADDING_SLOT)
+        self.seq_lens[num_seqs:batch_size].fill_(_PADDING_SEQ_LEN)
+
+
+def estimate_graph_memory_bytes(
+    arch: ModelArchConfig,
+    max_num_seqs: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    decode_partition_size: int = 512,
+) -> int:
+    """Upper estimate of the device memory the captured graphs keep, to subtract before sizing the cache.
+
+    The shared pool holds the peak activations of the largest graph (one layer's intermediates live at
+    a time, plus the residual stream), the flash-decoding partials, and one output per graph; each graph
+    also keeps a few hundred bytes per kernel node. A factor 2 covers allocator rounding.
+    """
+    sizes = capture_sizes(max_num_seqs)
+    batch = sizes[-1]
+    item = dtype.itemsize
+    per_token = item * (
+        4 * arch.hidden_size + 2 * (arch.q_size + 2 * arch.kv_size) + 3 * arch.intermediate_size
+    )
+    partitions = -(-max_seq_len // decode_partition_size)
+    partials = 4 * arch.num_attention_heads * partitions * (arch.head_dim + 2)
+    outputs = item * arch.hidden_size * sum(sizes)
+    nodes = len(sizes) * arch.num_hidden_layers * 16 * 512
+    return 2 * (batch * (per_token + partials) + outputs + nodes)
+
+
+class CudaGraphRunner:
+    """Captures `model` for every decode batch size and replays the graph that fits each batch.
+
+        runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_num_blocks_per_seq, block_size, device)
+        runner.capture()                       # after the KV cache is allocated; no-op when enforce_eager
+        hidden = runner.run(inputs)            # graph when can_run(inputs), else eager model(...)
+
+    `run` returns a view of the graph's static output, valid until the next `run`.
+    """
+
+    def __init__(
+        self,
+        model: ModelForward,
+        kv_caches: list[KVCache],
+        max_num_seqs: int,
+        max_num_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.enforce_eager = enforce_eager or device.type != "cuda"
+        self.sizes = capture_sizes(max_num_seqs)
+        self.buffers = GraphInputBuffers.allocate(self.sizes[-1], max_num_blocks_per_seq, device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0  # measured by capture()
+
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool (smaller graphs reuse
+        the largest one's blocks). Each size runs once eagerly first so kernels compile outside capture."""
+        if self.enforce_eager or self._graphs:
+            return
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                metadata = self.buffers.metadata(size, self.block_size)
+                args = (
+                    self.buffers.input_ids[:size],
+                    self.buffers.positions[:size],
+                    self.kv_caches,
+                    metadata,
+                )
+                self.model(*args)  # warm-up: Triton compiles here, not inside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[size] = self.model(*args)
+                pool = graph.pool() if pool is None else pool
+                self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+
+    def can_run(self, inputs: ModelInputs) -> bool:
+        """True when graphs were captured and one replays this step (see `replay_size`)."""
+        return bool(self._graphs) and self._replay_size(inputs) is not None
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size] for `inputs`, by graph replay when possible."""
+        if not self.can_run(inputs):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        num_seqs = inputs.metadata.num_seqs
+        size = self._replay_size(inputs)
+        self.buffers.fill(inputs, size)
+        self._graphs[size].replay()
+        return self._outputs[size][:num_seqs]
+
+    def _replay_size(self, inputs: ModelInputs) -> int | None:
+        return replay_size(inputs.metadata, self.sizes, self.buffers.max_num_blocks_per_seq)

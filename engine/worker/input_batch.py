@@ -1,0 +1,85 @@
+"""Turns the scheduler's plain-data decision into the model's input tensors.
+
+Tokens of all scheduled requests are concatenated in scheduled order. For request i with block
+table [7, 2, 9], block_size 4, 6 cached tokens and 3 new ones (positions 6, 7, 8):
+
+    context position:   0  1  2  3 | 4  5  6  7 | 8
+    logical block:      0          | 1          | 2
+    physical block:     7          | 2          | 9
+    slot = physical_block * block_size + position % block_size
+    new tokens write:                      10 11 | 36      -> slot_mapping rows for request i
+
+    query_start_loc = [0, ..., start_i, start_i + 3, ...]   seq_lens[i] = 9
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.scheduler_output import SchedulerOutput
+from engine.worker.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64: last token row of each slice with sample=True
+
+
+def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Raises ValueError on an empty step or a block table too short for its request's context."""
+    if out.is_empty:
+        raise ValueError("scheduled: an empty step has no model inputs")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    for req in out.scheduled:
+        if len(req.block_ids) * block_size < req.seq_len:
+            raise ValueError(
+                f"block_ids: request {req.request_id!r} has {len(req.block_ids)} blocks of {block_size}, "
+                f"too few for {req.seq_len} tokens"
+            )
+        input_ids.extend(req.token_ids)
+        for pos in range(req.start_position, req.seq_len):
+            positions.append(pos)
+            slot_mapping.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
+        query_start_loc.append(len(input_ids))
+        if req.sample:
+            logits_indices.append(len(input_ids) - 1)
+    max_num_blocks = max(len(req.block_ids) for req in out.scheduled)
+    block_tables = [
+        list(req.block_ids) + [0] * (max_num_blocks - len(req.block_ids)) for req in out.scheduled
+    ]
+    query_lens = tuple(req.num_tokens for req in out.scheduled)
+    seq_lens = tuple(req.seq_len for req in out.scheduled)
+    metadata = AttentionMetadata(
+        slot_mapping=_tensor(slot_mapping, torch.int64, device),
+        query_start_loc=_tensor(query_start_loc, torch.int32, device),
+        seq_lens=_tensor(list(seq_lens), torch.int32, device),
+        block_tables=_tensor(block_tables, torch.int32, device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    return ModelInputs(
+        input_ids=_tensor(input_ids, torch.int64, device),
+        positions=_tensor(positions, torch.int64, device),
+        metadata=metadata,
+        logits_indices=_tensor(logits_indices, torch.int64, device),
+    )
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Built on the host, then copied once; pinned memory lets the copy overlap on CUDA.
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host

@@ -1,0 +1,187 @@
+"""Owns the model and its paged KV cache; runs one scheduled step to logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.loading.model_arch import ModelArchConfig
+from engine.loading.model_loader import ModelSource
+from engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
+from engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
+from engine.worker.input_batch import build_model_inputs
+from engine.worker.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Builds the model on `device` in `dtype`, loads `source.weights`, allocates the KV cache.
+
+    kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.arch = source.arch
+        self.device = pick_device(config.model.device)
+        self.dtype = pick_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = pick_max_model_len(config.model, self.arch)
+        # Graphs address whole blocks: contexts up to max_seq_len_to_capture, rounded up to a block.
+        self.graph_max_blocks_per_seq = -(
+            -min(self.max_model_len, config.max_seq_len_to_capture) // self.block_size
+        )
+        self.attention_backend = get_attention_backend(
+            config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
+        )
+        model_class = get_model_class(self.arch.architecture)
+        # The Triton/flash-attn backends run where Triton kernels do; norms and rotary then use them too.
+        self.model = model_class(
+            self.arch,
+            self.attention_backend,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,
+            use_triton_kernels=self.attention_backend.name in TRITON_BACKENDS,
+        )
+        self.model.load_weights(source.weights)
+        self.model.eval()
+        # Graphs replay decode steps; the torch backend cannot skip padded rows, so it stays eager.
+        self.use_cuda_graphs = (
+            self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
+        )
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            config.scheduler.max_num_seqs,
+            self.graph_max_blocks_per_seq,
+            self.block_size,
+            self.device,
+            enforce_eager=not self.use_cuda_graphs,
+        )
+        self.graph_runner.capture()
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
+        """Runs the step; returns logits [num_sampled, vocab] float32, one row per slice with sample=True."""
+        inputs = build_model_inputs(out, self.block_size, self.device)
+        hidden = self.graph_runner.run(inputs)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        arch = self.arch
+        per_layer = self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
+        return 2 * arch.num_hidden_layers * per_layer
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type == "cuda":
+            available = self._profile_available_cuda_bytes()
+        else:
+            available = cache.kv_cache_memory_bytes
+        num_blocks = int(available // self.kv_block_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"cache: {available / 2**20:.1f} MiB left for the KV cache holds no block of "
+                f"{self.kv_block_bytes / 2**20:.2f} MiB; raise kv_cache_memory_bytes / gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Zeroed, not empty: padded context rows are masked, but 0 * NaN garbage would still poison them.
+        shape = (num_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.arch.num_hidden_layers)
+        ]
+
+    def _profile_available_cuda_bytes(self) -> float:
+        """gpu_memory_utilization * total, minus the weights, other processes, a worst-case step's peak
+        and the memory the decode CUDA graphs will keep."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        graphs = 0
+        if self.use_cuda_graphs:
+            graphs = estimate_graph_memory_bytes(
+                self.arch,
+                self.config.scheduler.max_num_seqs,
+                self.graph_max_blocks_per_seq * self.block_size,
+                self.dtype,
+            )
+        return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """One forward pass of max_num_batched_tokens prompt tokens through a throwaway cache."""
+        out = _profile_step(
+            self.config.scheduler.max_num_batched_tokens,
+            self.config.scheduler.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+        )
+        num_blocks = sum(len(req.block_ids) for req in out.scheduled)
+        caches = self._allocate_kv_cache(num_blocks)
+        inputs = build_model_inputs(out, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.metadata)
+        self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> SchedulerOutput:
+    """Prompts of at most max_model_len tokens adding up to num_tokens, on consecutive blocks from 0."""
+    scheduled = []
+    next_block = 0
+    remaining = num_tokens
+    while remaining > 0 and len(scheduled) < max_num_seqs:
+        length = min(remaining, max_model_len)
+        num_blocks = -(-length // block_size)
+        block_ids = tuple(range(next_block, next_block + num_blocks))
+        scheduled.append(ScheduledRequest(f"profile-{len(scheduled)}", (0,) * length, 0, block_ids, True))
+        next_block += num_blocks
+        remaining -= length
+    return SchedulerOutput(scheduled=tuple(scheduled), num_batched_tokens=num_tokens - remaining)
+
+
+def pick_device(name: str) -> torch.device:
+    """Device `name`; "auto" means cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Dtype `name`; "auto" means bfloat16 on cuda, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def pick_max_model_len(model_config: ModelConfig, arch: ModelArchConfig) -> int:
+    """ModelConfig.max_model_len, else the model's limit: max_position_embeddings, capped by its sliding
+    window because attention here is full (exact only while the context fits the window)."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)
+    requested = model_config.max_model_len
+    if requested is not None and requested > limit:
+        raise ValueError(
+            f"max_model_len: {requested} exceeds the model's limit of {limit} "
+            "(max_position_embeddings, or the sliding window)"
+        )
+    return requested or limit
