@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine import bench
+from sluice.bench import offline as bench
 
 
 def test_throughput_bench_compares_sluice_with_transformers_on_the_same_workload(tmp_path, capsys):
