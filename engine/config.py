@@ -91,6 +91,8 @@ class EngineConfig:
     # Decode batches whose longest context exceeds this run eagerly: a graph's attention grid and
     # partial buffers are sized for the longest context it may see, frozen at capture.
     max_seq_len_to_capture: int = 8192
+    # torch intra-op threads of the engine core; None: one per physical core this process may run on.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -103,3 +105,4 @@ class EngineConfig:
             "max_seq_len_to_capture",
             f"must be > 0, got {self.max_seq_len_to_capture}",
         )
+        _require(self.num_threads is None or self.num_threads > 0, "num_threads", "must be > 0")

@@ -31,4 +31,5 @@ class UnknownRequestError(InvalidRequestError):
 
 
 class EngineDeadError(SluiceError):
-    """The engine loop stopped with an error; no further requests can be served (maps to INTERNAL)."""
+    """The engine core died (exited, failed a step, stopped answering); nothing more can be served
+    here (maps to UNAVAILABLE, so clients retry on another replica)."""

@@ -1,7 +1,8 @@
-"""The `sluice` command line. Each subcommand lives in its own module, listed in COMMAND_MODULES.
+"""The `sluice` command line. Each subcommand lives in its own module, listed in COMMANDS.
 
-A command module defines NAME, HELP, `configure(parser)` (adds its arguments) and `run(args) -> int`
-(the exit code). Adding a subcommand means writing such a module and listing it here.
+A command module defines `configure(parser)` (adds its arguments) and `run(args) -> int` (the exit code).
+Only the module of the command being run is imported, so `sluice --help` and `sluice generate` stay
+light (no torch, no server). Adding a subcommand means writing such a module and listing it here.
 """
 
 from __future__ import annotations
@@ -12,32 +13,43 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-COMMAND_MODULES = (
-    "service.serve_command",
-    "service.generate_command",
-    "sluice.bench.cli",
-)
+# name -> (module, help)
+COMMANDS = {
+    "serve": (
+        "service.serve_command",
+        "Serve a model over gRPC (health, reflection, /metrics, OpenTelemetry via OTEL_* variables).",
+    ),
+    "generate": (
+        "service.generate_command",
+        "Stream an answer from a Sluice server (the prompt is a chat message unless --raw); "
+        "tokens/s and time to first token go to stderr.",
+    ),
+    "bench": (
+        "sluice.bench.cli",
+        "Benchmark a running Sluice server: TTFT, TPOT, ITL, latency percentiles, throughput, goodput.",
+    ),
+}
 
 
-def load_commands(module_names: Sequence[str] = COMMAND_MODULES) -> dict[str, ModuleType]:
-    commands = {}
-    for module_name in module_names:
-        module = importlib.import_module(module_name)
-        commands[module.NAME] = module
-    return commands
+def load_commands(names: Sequence[str] = tuple(COMMANDS)) -> dict[str, ModuleType]:
+    return {name: importlib.import_module(COMMANDS[name][0]) for name in names}
 
 
 def build_parser(commands: dict[str, ModuleType]) -> argparse.ArgumentParser:
+    """Every command is listed; the arguments of those in `commands` (name -> module) are added."""
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: gRPC LLM inference.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in commands.items():
-        sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
-        module.configure(sub)
+    for name, (_, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name in commands:
+            commands[name].configure(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    commands = load_commands()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    commands = load_commands([chosen] if chosen in COMMANDS else [])
     args = build_parser(commands).parse_args(argv)
     return commands[args.command].run(args)
 

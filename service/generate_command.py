@@ -9,12 +9,6 @@ import time
 
 from sluice.client import Client, SluiceError, generate_request
 
-NAME = "generate"
-HELP = (
-    "Stream an answer from a Sluice server (the prompt is a chat message unless --raw); "
-    "tokens/s and time to first token go to stderr."
-)
-
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user message (with --raw: the prompt text)")

@@ -47,7 +47,7 @@ class GenerationRunner:
         error: BaseException | None = None
         cancelled = False
         try:
-            outputs = self.engine.add_request(
+            outputs = await self.engine.add_request(
                 engine_request_id,
                 params,
                 **prompt.as_kwargs(),

@@ -19,16 +19,17 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from engine.errors import EngineDeadError
 from engine.frontend.async_engine import AsyncEngine
 from service.server import ServerConfig, SluiceServer, TlsConfig
 from service.tracing import tracer_provider_from_env
 
-NAME = "serve"
-HELP = "Serve a model over gRPC (health, reflection, /metrics, OpenTelemetry via OTEL_* variables)."
-
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
 logger = logging.getLogger("sluice.serve")
+
+# Seconds between an engine failure and the exit: clients get their UNAVAILABLE, probes see NOT_SERVING.
+ENGINE_FAILURE_GRACE = 1.0
 
 
 def parse_size(text: str) -> int:
@@ -80,6 +81,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="seed of random (preset) weights")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine core process (default: its physical cores)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk (a request's stream_interval overrides it); slow readers get "
+        "merged chunks whatever this is",
+    )
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a word from the engine core before it counts as failed",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -107,6 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_seq_len_to_capture=args.max_seq_len_to_capture,
+        num_threads=args.num_threads,
     )
 
 
@@ -126,20 +147,41 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-async def serve(config: EngineConfig, serving: ServerConfig, max_queue: int | None) -> int:
-    """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain, exit 0."""
+async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine) -> int:
+    """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain and exit 0.
+
+    If the engine core dies, health goes NOT_SERVING, calls end UNAVAILABLE, and after
+    ENGINE_FAILURE_GRACE seconds the process exits 1, so the orchestrator restarts it.
+    """
     server = SluiceServer(serving, tracer_provider=tracer_provider_from_env())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()
-    engine = await asyncio.to_thread(AsyncEngine, config, max_queue)
-    await engine.start()
+    try:
+        await engine.start()
+    except EngineDeadError as exc:
+        logger.error("the engine could not start: %s", exc)
+        await server.stop(0)
+        await engine.shutdown()
+        return 1
     await server.attach_engine(engine)
     metrics = f" metrics_port={server.metrics_port}" if server.metrics_port is not None else ""
-    print(f"sluice ready: model={engine.model_info.name} port={port}{metrics}", flush=True)
-    await stop.wait()
+    print(
+        f"sluice ready: model={engine.model_info.name} port={port}{metrics} core_pid={engine.core_pid}",
+        flush=True,
+    )
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.engine_failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if server.engine_failed.is_set():
+        logger.error("exiting in %.1fs: the engine failed (%s)", ENGINE_FAILURE_GRACE, engine.error)
+        await asyncio.sleep(ENGINE_FAILURE_GRACE)
+        await server.stop(grace=0.5)
+        await engine.shutdown()
+        return 1
     logger.info("draining (grace period %.1fs)", server.config.grace_period)
     await server.drain()
     await engine.shutdown()
@@ -149,7 +191,14 @@ async def serve(config: EngineConfig, serving: ServerConfig, max_queue: int | No
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        main = serve(engine_config(args), server_config(args), args.max_queue)
+        config = engine_config(args)
+        engine = AsyncEngine(
+            config,
+            args.max_queue,
+            stream_interval=args.stream_interval,
+            engine_timeout=args.engine_timeout,
+        )
+        main = serve(config, server_config(args), engine)
     except ValueError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2

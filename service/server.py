@@ -5,6 +5,8 @@ Life of a server:
     attach_engine()  health SERVING
     drain()          health NOT_SERVING, new calls UNAVAILABLE, in-flight requests get
                      `grace_period` seconds, the rest are aborted; then the server stops
+    engine dies      health NOT_SERVING at once, every call UNAVAILABLE; `engine_failed` is set so
+                     `sluice serve` exits non-zero and the orchestrator restarts the pod
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class SluiceServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self.engine_failed = asyncio.Event()
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
@@ -116,7 +119,13 @@ class SluiceServer:
         """Starts serving requests on a started engine."""
         self.engine = engine
         self.servicer.attach(engine)
+        engine.on_dead(self._on_engine_dead)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        logger.error("engine failed, no longer serving: %s", reason)
+        self.engine_failed.set()
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def begin_drain(self) -> None:
         """Health NOT_SERVING and new calls UNAVAILABLE; in-flight requests go on."""

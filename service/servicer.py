@@ -43,6 +43,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     def check_accepting(self) -> None:
         """Raises ServiceUnavailableError unless new requests may start now."""
+        if self._runner is not None and self._runner.engine.error is not None:
+            raise ServiceUnavailableError(f"the engine failed: {self._runner.engine.error}")
         if self.draining:
             raise ServiceUnavailableError("the server is draining and accepts no new requests")
         if self._runner is None:

@@ -2,8 +2,9 @@
 
 QueueFullError, ContextLengthError      -> RESOURCE_EXHAUSTED
 InvalidRequestError, ValueError         -> INVALID_ARGUMENT   (message names the field)
-ServiceUnavailableError                 -> UNAVAILABLE        (loading or draining)
-RequestFailedError, EngineDeadError     -> INTERNAL
+ServiceUnavailableError, EngineDeadError -> UNAVAILABLE       (loading, draining, the engine failed:
+                                                               a retry goes to another replica)
+RequestFailedError                      -> INTERNAL
 asyncio.CancelledError                  -> DEADLINE_EXCEEDED when the deadline passed, else CANCELLED
 """
 
@@ -43,7 +44,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ServiceUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, RequestFailedError | EngineDeadError):
+    if isinstance(exc, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, f"the engine failed: {exc}"
+    if isinstance(exc, RequestFailedError):
         return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 

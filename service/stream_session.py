@@ -7,6 +7,10 @@
 A request's error goes out in-band (RequestError) and the stream goes on. Half-close lets the
 outstanding requests finish, then ends the stream. Cancelling the call cancels every pump, and each
 pump's generation iterator aborts its engine request.
+
+A pump hands over one chunk and waits until the call has written it before it reads its request's next
+output, so a client that reads slowly gets merged chunks (see RequestStream) and the outbox holds at
+most one chunk per request.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ class StreamSession:
         self._record_status = record_status
         # Engine ids are namespaced per stream so two streams may both use request_id "1".
         self._prefix = f"stream-{uuid.uuid4().hex[:12]}/"
-        self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
+        # (response, set once written); None ends the call.
+        self._outbox: asyncio.Queue[tuple[pb.StreamGenerateResponse, asyncio.Future[None]] | None] = (
+            asyncio.Queue()
+        )
         self._pumps: dict[str, asyncio.Task[None]] = {}
 
     async def run(
@@ -51,8 +58,11 @@ class StreamSession:
         """Yields every request's chunks as they come; ends after half-close and the last request."""
         reader = asyncio.create_task(self._read(requests))
         try:
-            while (response := await self._outbox.get()) is not None:
+            while (item := await self._outbox.get()) is not None:
+                response, written = item
                 yield response
+                if not written.done():
+                    written.set_result(None)
             await reader  # re-raises a failure of the request stream itself
         finally:
             tasks = [reader, *self._pumps.values()]
@@ -103,7 +113,7 @@ class StreamSession:
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    self._outbox.put_nowait(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
+                    await self._send(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
         except Exception as exc:
             self._send_error(request_id, exc)
         else:
@@ -116,8 +126,14 @@ class StreamSession:
         if self._pumps.get(request_id) is task:
             del self._pumps[request_id]
 
+    def _send(self, response: pb.StreamGenerateResponse) -> asyncio.Future[None]:
+        """Queues `response`; the future is done once the call has written it."""
+        written = asyncio.get_running_loop().create_future()
+        self._outbox.put_nowait((response, written))
+        return written
+
     def _send_error(self, request_id: str, exc: BaseException) -> None:
         code, message = failure_status(exc)
         self._record_status(_METHOD, code)
         error = pb.RequestError(code=code.value[0], message=message)
-        self._outbox.put_nowait(pb.StreamGenerateResponse(request_id=request_id, error=error))
+        self._send(pb.StreamGenerateResponse(request_id=request_id, error=error))

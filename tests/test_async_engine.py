@@ -1,36 +1,50 @@
-"""AsyncEngine: streaming from the engine thread, aborts, abandoned streams, and request validation."""
+"""AsyncEngine: a frontend in this process, the engine core in its own; streaming, aborts, abandoned
+streams, merged outputs for slow readers, validation, and what happens when the core or a request fails."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import os
+import signal
+import sys
+import threading
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core.faults import ENV_VAR as FAULT_VAR
 from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.text.prompt import resolve_prompt
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def _config(model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=model_dir), cache=CacheConfig(block_size=16), attention_backend="torch"
+    )
 
 
 @pytest.fixture
 async def engine(llama_dir):
-    engine = AsyncEngine(EngineConfig(model=ModelConfig(model=llama_dir), cache=CacheConfig(block_size=16)))
+    engine = AsyncEngine(_config(llama_dir))
     await engine.start()
     yield engine
     await engine.shutdown()
 
 
 async def _collect(stream):
-    outputs = [out async for out in stream]
-    return outputs
+    return [out async for out in stream]
 
 
 async def _wait_for_free_blocks(engine: AsyncEngine) -> None:
-    for _ in range(200):
+    for _ in range(300):
         if engine.stats().num_kv_blocks_used == 0 and engine.stats().num_running == 0:
             return
         await asyncio.sleep(0.01)
@@ -40,7 +54,7 @@ async def _wait_for_free_blocks(engine: AsyncEngine) -> None:
 async def test_concurrent_streams_equal_the_offline_engine(engine, llama_dir):
     prompts = ["the quick brown fox", "Hello world! How are you today?", "Numbers: 1 2 3"]
     offline = LLM(llama_dir).generate(prompts, PARAMS)
-    streams = [engine.add_request(f"req-{i}", PARAMS, text=p) for i, p in enumerate(prompts)]
+    streams = [await engine.add_request(f"req-{i}", PARAMS, text=p) for i, p in enumerate(prompts)]
     results = await asyncio.gather(*(_collect(s) for s in streams))
     for outputs, expected in zip(results, offline, strict=True):
         assert [t for o in outputs for t in o.token_ids] == expected.token_ids
@@ -54,12 +68,41 @@ async def test_concurrent_streams_equal_the_offline_engine(engine, llama_dir):
     await _wait_for_free_blocks(engine)
 
 
+async def test_the_frontend_process_never_imports_torch(engine):
+    assert "torch" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER") is None
+    assert engine.core_pid is not None and engine.core_pid != os.getpid()
+
+
+async def test_a_slow_reader_gets_merged_outputs_equal_to_the_offline_engine(engine, llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    offline = LLM(llama_dir).generate(["the quick brown fox"], params)[0]
+    stream = await engine.add_request("slow", params, text="the quick brown fox")
+    outputs = []
+    async for output in stream:
+        outputs.append(output)
+        await asyncio.sleep(0.2)  # far slower than the engine makes tokens
+    assert len(outputs) < 60, f"{len(outputs)} outputs: nothing was merged"
+    assert any(len(o.token_ids) > 1 for o in outputs)
+    assert [t for o in outputs for t in o.token_ids] == offline.token_ids
+    assert "".join(o.text for o in outputs) == offline.text
+    assert outputs[-1].finish_reason == "length" and outputs[-1].usage.completion_tokens == 120
+
+
+async def test_stream_interval_hands_over_fixed_size_chunks(engine, llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)
+    offline = LLM(llama_dir).generate(["Hello world"], params)[0]
+    stream = await engine.add_request("chunky", params, text="Hello world", stream_interval=5)
+    outputs = await _collect(stream)
+    assert [len(o.token_ids) for o in outputs[:-1]] == [5, 5, 5, 5]
+    assert len(outputs[-1].token_ids) == 3
+    assert [t for o in outputs for t in o.token_ids] == offline.token_ids
+    assert [lp.sampled.token_id for o in outputs for lp in o.logprobs] == offline.token_ids
+
+
 async def test_abort_ends_the_stream_and_frees_blocks(engine):
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    stream = engine.add_request("long", params, text="the quick brown fox")
+    stream = await engine.add_request("long", LONG, text="the quick brown fox")
     first = await anext(stream)
     assert first.token_ids
-    assert engine.stats().num_kv_blocks_used > 0
     await engine.abort("long")
     rest = [out async for out in stream]
     assert rest[-1].finish_reason == "abort"
@@ -69,8 +112,7 @@ async def test_abort_ends_the_stream_and_frees_blocks(engine):
 
 
 async def test_cancelling_the_consumer_aborts_the_request(engine):
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    stream = engine.add_request("abandoned", params, text="the quick brown fox")
+    stream = await engine.add_request("abandoned", LONG, text="the quick brown fox")
 
     async def consume():
         async for _ in stream:
@@ -102,32 +144,53 @@ async def test_bad_requests_raise_before_queueing(engine):
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message.replace("(", r"\(").replace("[", r"\[")):
-            engine.add_request("bad", PARAMS, **kwargs)
+            await engine.add_request("bad", PARAMS, **kwargs)
     too_long = SamplingParams(max_tokens=250)
     with pytest.raises(ContextLengthError, match=r"max_tokens: prompt \(\d+ tokens\) \+ max_tokens \(250\)"):
-        engine.add_request("long", too_long, text="the quick brown fox jumps over the lazy dog")
-    stream = engine.add_request("dup", PARAMS, text="hi")
+        await engine.add_request("long", too_long, text="the quick brown fox jumps over the lazy dog")
+    stream = await engine.add_request("dup", PARAMS, text="hi")
     with pytest.raises(InvalidRequestError, match="request_id: 'dup' is already in use"):
-        engine.add_request("dup", PARAMS, text="hi")
+        await engine.add_request("dup", PARAMS, text="hi")
     await _collect(stream)
     assert engine.num_live_requests == 0
 
 
+async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, llama_dir, monkeypatch):
+    from engine.frontend import async_engine
+
+    threads = []
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return resolve_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "resolve_prompt", spy)
+    monkeypatch.setattr(async_engine, "TOKENIZE_INLINE_MAX_CHARS", 40)
+    short, long = "the quick brown fox", "the quick brown fox jumps over the lazy dog " * 2
+    expected = LLM(llama_dir).generate([short, long], PARAMS)
+    for i, text in enumerate((short, long)):
+        outputs = await _collect(await engine.add_request(f"p{i}", PARAMS, text=text))
+        assert [t for o in outputs for t in o.token_ids] == expected[i].token_ids
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread()
+
+
 async def test_queue_bound_rejects_with_queue_full(llama_dir):
-    config = EngineConfig(model=ModelConfig(model=llama_dir))
-    engine = AsyncEngine(config, max_queue=2)
-    # Not started: nothing leaves the queue, so the third request finds it full.
-    held = [engine.add_request("a", PARAMS, text="one"), engine.add_request("b", PARAMS, text="two")]
-    assert engine.num_live_requests == len(held)
-    with pytest.raises(QueueFullError, match="the waiting queue is full"):
-        engine.add_request("c", PARAMS, text="three")
+    engine = AsyncEngine(_config(llama_dir), max_queue=2)
+    await engine.start()
+    try:
+        # Added back to back: the core has not reported any of them running yet.
+        held = [await engine.add_request(r, PARAMS, text="one") for r in ("a", "b")]
+        with pytest.raises(QueueFullError, match="the waiting queue is full"):
+            await engine.add_request("c", PARAMS, text="three")
+        for stream in held:
+            await _collect(stream)
+    finally:
+        await engine.shutdown()
 
 
 async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
-    import gc
-
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    stream = engine.add_request("never-read", params, text="the quick brown fox")
+    stream = await engine.add_request("never-read", LONG, text="the quick brown fox")
     assert engine.has_request("never-read")
     del stream
     gc.collect()
@@ -136,18 +199,59 @@ async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
     assert engine.stats().num_waiting == 0
 
 
-async def test_a_failing_step_ends_requests_with_an_error_and_frees_blocks(engine):
-    def broken_step(scheduler_output):
-        raise RuntimeError("device lost")
+async def _started(llama_dir: str, monkeypatch: pytest.MonkeyPatch, fault: str) -> AsyncEngine:
+    monkeypatch.setenv(FAULT_VAR, fault)
+    engine = AsyncEngine(_config(llama_dir))
+    await engine.start()
+    return engine
 
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    stream = engine.add_request("doomed", params, text="the quick brown fox")
-    first = await anext(stream)
-    assert first.finish_reason is None
-    engine._engine.model_runner.execute_model = broken_step  # fault injection into the real engine
-    rest = [out async for out in stream]
-    assert rest[-1].finish_reason == "error"
-    assert rest[-1].error == "the engine stopped: device lost"
-    await _wait_for_free_blocks(engine)
-    with pytest.raises(EngineDeadError, match="the engine stopped: device lost"):
-        engine.add_request("after", params, text="hello")
+
+async def test_a_killed_core_fails_every_stream_and_refuses_new_requests(engine):
+    dead = asyncio.Event()
+    engine.on_dead(lambda reason: dead.set())
+    streams = [await engine.add_request(f"s{i}", LONG, text="the quick brown fox") for i in range(4)]
+    await anext(streams[0])
+    os.kill(engine.core_pid, signal.SIGKILL)
+    for stream in streams:
+        with pytest.raises(EngineDeadError, match=r"the engine core process exited \(killed by SIGKILL\)"):
+            await asyncio.wait_for(_collect(stream), 2.0)
+    assert dead.is_set()
+    with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+        await engine.add_request("after", PARAMS, text="hello")
+
+
+async def test_a_step_that_raises_kills_the_core_with_its_reason(llama_dir, monkeypatch):
+    engine = await _started(llama_dir, monkeypatch, "step:poison")
+    try:
+        healthy = await engine.add_request("healthy", LONG, text="the quick brown fox")
+        await anext(healthy)
+        poisoned = await engine.add_request("poison-1", PARAMS, text="hello")
+        for stream in (healthy, poisoned):
+            with pytest.raises(EngineDeadError, match="engine failed: InjectedFault: injected step fault"):
+                await asyncio.wait_for(_collect(stream), 2.0)
+        await asyncio.sleep(0.2)
+        assert engine._client.process.returncode is not None  # the failed core is gone
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("place", "message"), [("sample", "sampling failed"), ("detokenize", "detokenization failed")]
+)
+async def test_a_request_that_fails_alone_ends_alone(llama_dir, monkeypatch, place, message):
+    engine = await _started(llama_dir, monkeypatch, f"{place}:bad-")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        expected = LLM(llama_dir).generate(["the quick brown fox"], params)[0]
+        good = [await engine.add_request(f"good-{i}", params, text="the quick brown fox") for i in range(3)]
+        bad = await engine.add_request("bad-1", params, text="the quick brown fox")
+        outputs = await asyncio.gather(*(_collect(s) for s in [*good, bad]))
+        for result in outputs[:3]:
+            assert [t for o in result for t in o.token_ids] == expected.token_ids
+            assert result[-1].finish_reason == "length"
+        assert outputs[3][-1].finish_reason == "error"
+        assert message in outputs[3][-1].error
+        await _wait_for_free_blocks(engine)
+        assert engine.error is None
+    finally:
+        await engine.shutdown()

@@ -89,13 +89,13 @@ def test_high_priority_request_preempts_a_low_priority_one(llama_dir):
     assert engine.stats().num_running == 3
     engine.add_request("urgent", urgent, params, priority=0)
     steps_until_start = 0
-    while engine.scheduler.get_request("urgent").num_computed_tokens == 0:
+    while engine.core.scheduler.get_request("urgent").num_computed_tokens == 0:
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
         steps_until_start += 1
     assert steps_until_start <= 2
     assert engine.stats().num_preemptions == 1
-    assert engine.scheduler.get_request("low2").num_preemptions == 1  # the newest of the worst priority
+    assert engine.core.scheduler.get_request("low2").num_preemptions == 1  # the newest of the worst priority
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
@@ -122,5 +122,5 @@ def test_aborting_100_requests_in_random_states_returns_every_block(llama_dir):
     assert stats.num_kv_blocks_used == 0
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert not engine.has_unfinished_requests()
-    pool = engine.scheduler.kv.pool
+    pool = engine.core.scheduler.kv.pool
     assert pool.num_free_blocks == stats.num_kv_blocks_total

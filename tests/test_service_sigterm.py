@@ -33,7 +33,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(llama_dir: str, tmp_pa
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         ready = process.stdout.readline()
-        match = re.fullmatch(r"sluice ready: model=\S+ port=(\d+)\n", ready)
+        match = re.fullmatch(r"sluice ready: model=\S+ port=(\d+) core_pid=\d+\n", ready)
         assert match, f"unexpected ready line {ready!r}; log: {(tmp_path / 'serve.log').read_text()}"
         target = f"127.0.0.1:{match.group(1)}"
 

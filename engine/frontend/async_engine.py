@@ -1,128 +1,86 @@
-"""asyncio front of the engine: the step loop runs in a background thread, requests stream outputs.
+"""The server's engine: a frontend on the event loop in front of an engine core process.
 
-event loop (callers)                       engine thread
---------------------                       -------------
-add_request() --validate--> inbox  ----->  engine.add_request()
-abort()       ------------> inbox  ----->  engine.abort()       (before the next step)
-per-request asyncio.Queue  <--call_soon_threadsafe--  engine.step() outputs
+event loop (this process; never imports torch)                    engine core process
+----------------------------------------------                    -------------------
+add_request(): tokenize, validate  ---- AddRequest ------------>  scheduler, model runner, sampler
+abort(), abandoned streams         ---- AbortRequests --------->  blocks freed before the next step
+RequestStream.put <- OutputProcessor <- CoreOutputs (one message per step, every request's tokens)
+health / streams  <- on_dead  <- the core exited, failed a step, or stopped answering
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.faults import FaultInjector
+from engine.core.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from engine.frontend.engine import Engine
-from engine.loading.model_loader import ModelSource
-from engine.outputs import EngineStats, RequestOutput
+from engine.frontend.core_client import CoreClient
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.request_stream import OutputCollector, RequestStream
+from engine.model_info import ModelInfo
+from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
-from engine.text.prompt import resolve_prompt
+from engine.text.prompt import check_prompt, resolve_prompt
+from engine.text.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator.
-
-    However the caller lets go of it (reads to the end, `aclose()`, cancels the task awaiting it, or
-    drops it without ever iterating), `on_close(request_id, finished)` runs exactly once, so an
-    unfinished request is aborted and its KV blocks freed.
-    """
-
-    def __init__(self, request_id: str, on_close: Callable[[str, bool], None]) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._on_close: Callable[[str, bool], None] | None = on_close
-        self._finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._finished or self._on_close is None:
-            raise StopAsyncIteration
-        try:
-            item = await self.queue.get()
-        except BaseException:  # cancelled while waiting: the caller is gone
-            self._close()
-            raise
-        if isinstance(item, BaseException):
-            self._close()
-            raise item
-        if item.finished:
-            self._finished = True
-            self._close()
-        return item
-
-    async def aclose(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close(self.request_id, self._finished)
-
-    def __del__(self) -> None:
-        self._close()
+# Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 4096
 
 
 class AsyncEngine:
-    """Thread-safe, asyncio-facing engine. Construct (blocking: loads the model), then `await start()`."""
+    """Construct, `await start()` (spawns the core and loads the model), serve, `await shutdown()`."""
 
     def __init__(
-        self, config: EngineConfig, max_queue: int | None = None, source: ModelSource | None = None
+        self,
+        config: EngineConfig,
+        max_queue: int | None = None,
+        *,
+        stream_interval: int = 1,
+        engine_timeout: float = 30.0,
     ) -> None:
-        self._engine = Engine(config, source)
-        self.tokenizer = self._engine.tokenizer
-        self.model_info = self._engine.model_info
+        if stream_interval < 1:
+            raise ValueError("stream_interval: must be >= 1")
+        self._client = CoreClient(config, timeout_seconds=engine_timeout)
         self._max_queue = max_queue
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._stats = self._engine.stats()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._stream_interval = stream_interval
+        self._streams: dict[str, OutputCollector] = {}
+        self._dead_listeners: list[Callable[[str], None]] = []
+        self.error: EngineDeadError | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.model_info: ModelInfo | None = None
+        self._output_processor: OutputProcessor | None = None
+        self._stats: EngineStats | None = None
+        self._closed = False
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
-        self._thread.start()
+        """Raises EngineDeadError if the core cannot load the model."""
+        ready = await self._client.start(self._on_message, self._on_dead)
+        self.model_info = ready.model_info
+        self.tokenizer = None if ready.tokenizer is None else Tokenizer.from_spec(ready.tokenizer)
+        self._output_processor = OutputProcessor(self.tokenizer, FaultInjector.from_env())
+        self._stats = EngineStats(0, 0, ready.model_info.num_kv_blocks, 0, 0, 0, 0)
 
     async def shutdown(self) -> None:
-        """Aborts what is still running and stops the engine thread."""
-        if self._thread is None:
-            return
-        for request_id in list(self._streams):
-            self._inbox.put(_Abort(request_id))
-        self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        """Aborts what still runs, stops the core process."""
+        if self._streams and self.error is None:
+            self._client.send(AbortRequests(list(self._streams)))
+        self._closed = True
+        await self._client.shutdown()
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self._client.process is None else self._client.process.pid
+
+    def on_dead(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` runs once if the engine core dies."""
+        self._dead_listeners.append(listener)
 
     def stats(self) -> EngineStats:
-        """A snapshot taken by the engine thread after its latest step."""
+        """As of the core's latest step."""
         return self._stats
 
     @property
@@ -133,7 +91,10 @@ class AsyncEngine:
         """Requests added and not yet ended for their callers (streams still open)."""
         return list(self._streams)
 
-    def add_request(
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def add_request(
         self,
         request_id: str,
         params: SamplingParams,
@@ -143,102 +104,69 @@ class AsyncEngine:
         messages: Sequence[dict[str, str]] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        stream_interval: int | None = None,
     ) -> RequestStream:
-        """Validates now (raising InvalidRequestError, ContextLengthError, QueueFullError), then streams.
+        """Validates (raising InvalidRequestError, ContextLengthError, QueueFullError, EngineDeadError),
+        queues the request in the core, and returns its stream.
 
-        Abandoning the returned stream (cancelling the task that awaits it, `aclose()`, or dropping it)
-        aborts the request, so its KV blocks are freed before the next engine step.
+        Abandoning the stream (cancelling the task that awaits it, `aclose()`, or dropping it) aborts the
+        request, so its KV blocks are freed before the core's next step.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}")
+        self._check_accepting(request_id)
+        prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages)
+        check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
+        self._check_accepting(request_id)  # again: tokenizing may have awaited
+        collector = OutputCollector(stream_interval or self._stream_interval)
+        self._streams[request_id] = collector
+        arrival = time.time()
+        self._output_processor.add_request(request_id, len(prompt), params, arrival)
+        self._client.send(AddRequest(request_id, prompt, params, arrival, priority, cache_salt))
+        return RequestStream(request_id, collector, self._abandon)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a live request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        if request_id in self._streams and self.error is None:
+            self._client.send(AbortRequests([request_id]))
+
+    def _check_accepting(self, request_id: str) -> None:
+        if self.error is not None:
+            raise self.error
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt = resolve_prompt(self.tokenizer, text=text, token_ids=token_ids, messages=messages)
-        self._engine.check_prompt(prompt, params)
         num_queued = len(self._streams) - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
-        stream = RequestStream(request_id, self._abandon)
-        self._streams[request_id] = stream.queue
-        self._inbox.put(_Add(request_id, prompt, params, priority, cache_salt, time.time()))
-        return stream
 
-    async def abort(self, request_id: str) -> None:
-        """Aborts a live request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        if request_id in self._streams:
-            self._inbox.put(_Abort(request_id))
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._streams
+    async def _tokenize(self, **prompt: object) -> list[int]:
+        text, messages = prompt["text"], prompt["messages"]
+        size = len(text or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
+        if size <= TOKENIZE_INLINE_MAX_CHARS:
+            return resolve_prompt(self.tokenizer, **prompt)
+        return await asyncio.to_thread(resolve_prompt, self.tokenizer, **prompt)
 
     def _abandon(self, request_id: str, finished: bool) -> None:
         """A stream ended: forget it, and abort its request unless it had finished."""
         self._streams.pop(request_id, None)
-        if not finished:
-            self._inbox.put(_Abort(request_id))
+        if not finished and self.error is None and not self._closed:
+            self._client.send(AbortRequests([request_id]))
 
-    def _run(self) -> None:
-        """The engine thread: apply commands, step while there is work, hand outputs to the loop."""
-        try:
-            while self._apply_commands(block=not self._engine.has_unfinished_requests()):
-                self._publish(self._engine.step())
-        except BaseException as exc:  # the loop must report, never die silently
-            logger.exception("engine loop failed")
-            self._error = exc
-            message = f"the engine stopped: {exc}"
-            # Requests the engine holds end with finish_reason "error" and free their blocks; streams
-            # whose requests never reached it (still in the inbox) get EngineDeadError.
-            with contextlib.suppress(Exception):
-                self._publish(self._engine.abort(self._engine.unfinished_request_ids(), error=message))
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(message))
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Drains the inbox (waiting for one command when idle). False once shutdown was asked."""
-        while True:
-            try:
-                command = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if command is None:
-                return False
-            if isinstance(command, _Abort):
-                self._publish(self._engine.abort([command.request_id]))
-            else:
-                self._add(command)
-
-    def _add(self, command: _Add) -> None:
-        try:
-            self._engine.add_request(
-                command.request_id,
-                command.prompt_token_ids,
-                command.params,
-                priority=command.priority,
-                cache_salt=command.cache_salt,
-                arrival_time=command.arrival_time,
-            )
-        except InvalidRequestError as exc:
-            self._loop.call_soon_threadsafe(self._deliver_error, command.request_id, exc)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Refreshes the stats snapshot and hands outputs to the event loop."""
-        self._stats = self._engine.stats()
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
+    def _on_message(self, message: CoreMessage) -> None:
+        self._stats = message.stats
+        if not isinstance(message, CoreOutputs):
+            return
+        processed = self._output_processor.process(message.outputs)
+        if processed.to_abort:
+            self._client.send(AbortRequests(processed.to_abort))
+        for output in processed.outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.put_nowait(output)
+                stream.put(output)
 
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(exc)
+    def _on_dead(self, reason: str) -> None:
+        self.error = EngineDeadError(reason)
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDeadError(reason))
+        for listener in self._dead_listeners:
+            listener(reason)

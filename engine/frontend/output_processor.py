@@ -1,91 +1,119 @@
-"""Turns requests that advanced this step into `RequestOutput` deltas: text, stop strings, usage."""
+"""Turns the core's per-step token outputs into `RequestOutput` deltas: text, stop strings, usage.
+
+Token-level stops (eos, stop token ids, max_tokens) are decided by the core's scheduler; stop strings are
+found here, after detokenization, and the request is then aborted in the core (`ProcessedOutputs.to_abort`).
+A request whose detokenization raises ends alone with finish_reason "error"; the others go on.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.request import Request, RequestStatus
-from engine.outputs import Logprobs, RequestOutput, Timings, Usage
+from engine.core.faults import FaultInjector
+from engine.core.messages import CoreOutput
+from engine.outputs import RequestOutput, Timings, Usage
+from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
 
-FinishRequest = Callable[[str, RequestStatus], object]
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    num_prompt_tokens: int
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None
+    num_output_tokens: int = 0
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests that finished here (stop string, failed detokenization) but still run in the core.
+    to_abort: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
-    """Owns one incremental detokenizer per live request.
+    """Owns the detokenizer of every live request."""
 
-    Token-level stops (eos, stop token ids, max_tokens) are decided by the scheduler; stop strings are
-    found here, and such a request is finished through `finish_request` before its output is built.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None, finish_request: FinishRequest) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, faults: FaultInjector | None = None) -> None:
         self._tokenizer = tokenizer
-        self._finish_request = finish_request
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._faults = faults
+        self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request) -> None:
-        if self._tokenizer is not None:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self._tokenizer, request.sampling_params
-            )
+    def add_request(
+        self, request_id: str, num_prompt_tokens: int, params: SamplingParams, arrival_time: float
+    ) -> None:
+        detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
+        self._states[request_id] = _RequestState(num_prompt_tokens, arrival_time, detokenizer)
 
-    def process(
-        self, requests: Iterable[Request], logprobs: Mapping[str, Logprobs | None]
-    ) -> list[RequestOutput]:
-        """One output per request that received a token this step (its last output token)."""
-        outputs = []
-        for request in requests:
-            token_id = request.output_token_ids[-1]
-            text = self._detokenize(request, token_id)
-            lp = logprobs.get(request.request_id)
-            outputs.append(self._build(request, (token_id,), text, () if lp is None else (lp,)))
-        return outputs
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
 
-    def finish_aborted(self, request: Request, error: str | None = None) -> RequestOutput:
-        """The last output of a request that was aborted or failed (no new tokens)."""
-        return self._build(request, (), "", (), error=error)
+    def process(self, core_outputs: Sequence[CoreOutput]) -> ProcessedOutputs:
+        """One `RequestOutput` per core output of a request still tracked here."""
+        processed = ProcessedOutputs()
+        for core_output in core_outputs:
+            state = self._states.get(core_output.request_id)
+            if state is None:
+                continue  # ended here already (stop string); the core's abort echo is dropped
+            output = self._process_one(state, core_output)
+            if output.finished:
+                del self._states[output.request_id]
+                if not core_output.finished:
+                    processed.to_abort.append(output.request_id)
+            processed.outputs.append(output)
+        return processed
 
-    def _detokenize(self, request: Request, token_id: int) -> str:
-        detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is None:
-            return ""
-        text = detokenizer.add_tokens([token_id])
-        if detokenizer.stop_string is not None:
-            request.stop_reason = detokenizer.stop_string
-            if request.is_finished:
-                # Finished by length in the same step: the stop string still decides the reason.
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self._finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif request.is_finished:
-            text += detokenizer.flush()
-        return text
-
-    def _build(
-        self,
-        request: Request,
-        token_ids: tuple[int, ...],
-        text: str,
-        logprobs: tuple[Logprobs, ...],
-        error: str | None = None,
-    ) -> RequestOutput:
-        finished = request.is_finished
-        if finished:
-            self._detokenizers.pop(request.request_id, None)
-        times = request.times
-        return RequestOutput(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason if finished else None,
-            error=error,
-            usage=Usage(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens),
-            timings=Timings(times.arrival, times.first_scheduled, times.first_token, times.finished),
-            num_preemptions=request.num_preemptions,
+    def _process_one(self, state: _RequestState, core_output: CoreOutput) -> RequestOutput:
+        state.num_output_tokens += len(core_output.new_token_ids)
+        finish_reason, stop_reason, error = (
+            core_output.finish_reason,
+            core_output.stop_reason,
+            core_output.error,
         )
+        try:
+            text, stop_string = self._detokenize(state, core_output)
+        except Exception as exc:
+            logger.exception("detokenizing request %s failed", core_output.request_id)
+            text, stop_string = "", None
+            finish_reason, stop_reason, error = "error", None, f"detokenization failed: {exc}"
+        if stop_string is not None:
+            # Also when the core finished it by length in the same step: the stop string decides.
+            finish_reason, stop_reason = "stop", stop_string
+        finished_time = core_output.finished_time
+        if finish_reason is not None and finished_time is None:
+            finished_time = time.time()
+        return RequestOutput(
+            request_id=core_output.request_id,
+            token_ids=tuple(core_output.new_token_ids),
+            text=text,
+            logprobs=tuple(core_output.new_logprobs),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason if finish_reason is not None else None,
+            error=error,
+            usage=Usage(state.num_prompt_tokens, state.num_output_tokens, core_output.num_cached_tokens),
+            timings=Timings(
+                state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time
+            ),
+            num_preemptions=core_output.num_preemptions,
+        )
+
+    def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None]:
+        """The text delta, and the stop string if one matched."""
+        if self._faults is not None:
+            self._faults.check("detokenize", [core_output.request_id])
+        detokenizer = state.detokenizer
+        if detokenizer is None:
+            return "", None
+        text = detokenizer.add_tokens(core_output.new_token_ids)
+        if detokenizer.stop_string is None and core_output.finished:
+            text += detokenizer.flush()
+        return text, detokenizer.stop_string

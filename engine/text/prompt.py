@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.errors import ContextLengthError, InvalidRequestError
+from engine.model_info import ModelInfo
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,14 +42,10 @@ def resolve_prompt(
 
 
 def check_prompt(
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    *,
-    vocab_size: int,
-    max_model_len: int,
-    has_tokenizer: bool,
+    prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo, *, has_tokenizer: bool
 ) -> None:
-    """Rejects prompts the engine cannot serve, naming the field."""
+    """Rejects prompts the model cannot serve, naming the field."""
+    vocab_size, max_model_len = model_info.vocab_size, model_info.max_model_len
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")

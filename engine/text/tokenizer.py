@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,20 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Everything a `Tokenizer` is made of, as plain data: how the engine core hands its tokenizer to a
+    frontend process (`tokenizer_json` already holds any post-processor the constructor installed)."""
+
+    tokenizer_json: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    name: str
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
 
 class Tokenizer:
@@ -84,6 +99,30 @@ class Tokenizer:
             add_bos_token=False,
             name=directory.name,
             special_tokens=special,
+        )
+
+    def spec(self) -> TokenizerSpec:
+        return TokenizerSpec(
+            tokenizer_json=self.backend.to_str(),
+            chat_template=None if self.chat_template is None else self.chat_template.source,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            eos_token_ids=self.eos_token_ids,
+            name=self.name,
+            special_tokens=dict(self.special_tokens),
+        )
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        return cls(
+            tokenizers.Tokenizer.from_str(spec.tokenizer_json),
+            chat_template=spec.chat_template,
+            bos_token=spec.bos_token,
+            eos_token=spec.eos_token,
+            eos_token_ids=spec.eos_token_ids,
+            add_bos_token=False,
+            name=spec.name,
+            special_tokens=spec.special_tokens,
         )
 
     @property

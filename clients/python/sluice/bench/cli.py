@@ -24,9 +24,6 @@ from sluice.bench.transports import GenerateTransport, StreamTransport, Transpor
 from sluice.bench.workloads import WORKLOAD_KINDS, Workload
 from sluice.client import AsyncClient, SluiceError
 
-NAME = "bench"
-HELP = "Benchmark a running Sluice server: TTFT, TPOT, ITL, latency percentiles, throughput, goodput."
-
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="localhost:50051", help="HOST:PORT of the server")

@@ -5,7 +5,6 @@ Driving the same workload through this and through a server measures what the gR
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
@@ -24,14 +23,14 @@ class EngineTransport:
 
     @classmethod
     async def create(cls, config: EngineConfig) -> EngineTransport:
-        engine = await asyncio.to_thread(AsyncEngine, config)
+        engine = AsyncEngine(config)
         await engine.start()
         return cls(engine)
 
     async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         try:
-            stream = self._engine.add_request(request_id, params, token_ids=request.prompt_token_ids)
+            stream = await self._engine.add_request(request_id, params, token_ids=request.prompt_token_ids)
         except Exception as error:  # the status the gRPC edge gives it, so both transports report alike
             code, message = status_for(error)
             raise BenchError(code.name, message) from None

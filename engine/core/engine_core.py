@@ -1,0 +1,195 @@
+"""The engine core: scheduler, model runner and sampler. Token ids in, token ids out; no text.
+
+It runs in its own process behind a server (`engine.core.process`) and in-process under the offline
+`LLM` (`engine.frontend.engine.Engine`); both drive this same class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.faults import FaultInjector
+from engine.core.messages import AddRequest, CoreOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.errors import InvalidRequestError
+from engine.loading.model_loader import ModelSource, load_model_source
+from engine.model_info import ModelInfo
+from engine.outputs import EngineStats
+from engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Not thread-safe: one thread owns it. `step()` advances every scheduled request by one step."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        source = source if source is not None else load_model_source(config.model)
+        self.config = config
+        self.tokenizer = source.tokenizer
+        self.model_runner = ModelRunner(config, source)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.model_runner.num_blocks, self.model_runner.max_model_len
+        )
+        self.sampler = Sampler()
+        self.faults = FaultInjector.from_env()
+        eos = set(source.arch.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.model_info = ModelInfo(
+            name=source.name,
+            architecture=source.arch.architecture,
+            max_model_len=self.model_runner.max_model_len,
+            vocab_size=source.arch.vocab_size,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            block_size=config.cache.block_size,
+            num_kv_blocks=self.model_runner.num_blocks,
+        )
+        self._num_steps = 0
+        self._num_prompt_tokens_computed = 0
+        self._num_generation_tokens = 0
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
+        scheduler_output = self.scheduler.schedule()
+        self.sampler.free(scheduler_output.finished_request_ids)
+        if scheduler_output.is_empty:
+            return []
+        logits = self._execute(scheduler_output)
+        sampled, sampling_errors = self._sample(logits, scheduler_output)
+        self._count(scheduler_output, num_sampled=len(sampled))
+        failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
+        updated = self.scheduler.update_from_output(scheduler_output, sampled_token_ids(sampled))
+        return failed + [self._output(r, sampled[r.request_id]) for r in updated]
+
+    def add_request(self, add: AddRequest) -> None:
+        """Queues a validated request (the frontend checked the prompt against `model_info`)."""
+        if self.scheduler.get_request(add.request_id) is not None:
+            raise InvalidRequestError("request_id", f"{add.request_id!r} is already in use")
+        request = Request(
+            request_id=add.request_id,
+            prompt_token_ids=add.prompt_token_ids,
+            sampling_params=add.params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=add.arrival_time,
+            priority=add.priority,
+            cache_salt=add.cache_salt,
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Iterable[str], errors: dict[str, str] | None = None) -> list[CoreOutput]:
+        """Frees the requests' blocks now; their final outputs say "abort", or "error" with the message
+        in `errors`. Unknown or finished ids are skipped."""
+        errors = errors or {}
+        outputs = []
+        for request_id in request_ids:
+            error = errors.get(request_id)
+            status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
+            request = self.scheduler.finish_request(request_id, status)
+            if request is not None:
+                outputs.append(self._output(request, None, error))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_kv_blocks_total=s.num_blocks_total,
+            num_kv_blocks_used=s.num_blocks_used,
+            num_preemptions=s.num_preemptions,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            num_generation_tokens=self._num_generation_tokens,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_evictions=s.prefix_cache_evictions,
+            num_steps=self._num_steps,
+        )
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        if self.faults is not None:
+            self.faults.check("step", (s.request_id for s in scheduler_output.scheduled))
+        return self.model_runner.execute_model(scheduler_output)
+
+    def _sample(
+        self, logits: torch.Tensor, scheduler_output: SchedulerOutput
+    ) -> tuple[dict[str, SampledToken], dict[str, str]]:
+        """One token per slice that reached its request's last token, in scheduled order.
+
+        A batch that fails is sampled again row by row, so a failure caused by one request's parameters
+        ends that request (returned in the second dict: request id -> error) and the others go on.
+        """
+        rows = [self._sampling_row(s.request_id) for s in scheduler_output.scheduled if s.sample]
+        try:
+            self._check_sample_faults(rows)
+            sampled = self.sampler.sample(logits, rows)
+            return {row.request_id: s for row, s in zip(rows, sampled, strict=True)}, {}
+        except Exception:
+            logger.exception("batched sampling failed; sampling each request alone")
+        good, failed = {}, {}
+        for i, row in enumerate(rows):
+            try:
+                self._check_sample_faults([row])
+                good[row.request_id] = self.sampler.sample(logits[i : i + 1], [row])[0]
+            except Exception as exc:
+                failed[row.request_id] = f"sampling failed: {exc}"
+        return good, failed
+
+    def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
+        if self.faults is not None:
+            self.faults.check("sample", (row.request_id for row in rows))
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        request = self.scheduler.get_request(request_id)
+        return SamplingRow(
+            request_id=request.request_id,
+            params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _output(self, request: Request, sampled: SampledToken | None, error: str | None = None) -> CoreOutput:
+        finished = request.is_finished
+        times = request.times
+        logprobs = sampled.logprobs if sampled is not None else None
+        return CoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[] if sampled is None else [sampled.token_id],
+            new_logprobs=[] if logprobs is None else [logprobs],
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            first_scheduled=times.first_scheduled,
+            first_token=times.first_token,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            error=error,
+            finished_time=times.finished if finished else None,
+        )
+
+    def _count(self, scheduler_output: SchedulerOutput, num_sampled: int) -> None:
+        """Prompt tokens computed (prefill work, after prefix-cache hits) and tokens generated."""
+        self._num_steps += 1
+        self._num_generation_tokens += num_sampled
+        for scheduled in scheduler_output.scheduled:
+            request = self.scheduler.get_request(scheduled.request_id)
+            prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
+            self._num_prompt_tokens_computed += max(0, prompt_end - scheduled.start_position)
+
+
+def sampled_token_ids(sampled: dict[str, SampledToken]) -> dict[str, int]:
+    return {request_id: s.token_id for request_id, s in sampled.items()}

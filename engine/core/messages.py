@@ -1,0 +1,104 @@
+"""What crosses between a frontend and the engine core: requests in, one message per step out.
+
+    frontend                                   engine core (owns torch)
+    --------                                   ------------------------
+    CoreConfig        ---------------------->  loads the model
+                      <----------------------  CoreReady(model_info, tokenizer)  | CoreFailed(error)
+    AddRequest        ---------------------->  scheduler
+    AbortRequests     ---------------------->  frees blocks before the next step
+                      <----------------------  CoreOutputs(outputs, stats): every request's new tokens
+                      <----------------------  CoreHeartbeat (when idle)
+                      <----------------------  CoreFailed(error): the core is dead
+    Shutdown          ---------------------->  exits
+
+Pure data (msgspec structs over msgpack), no torch: the frontend imports this module too.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.model_info import ModelInfo
+from engine.outputs import EngineStats, Logprobs
+from engine.sampling_params import SamplingParams
+from engine.text.tokenizer import TokenizerSpec
+
+
+class CoreConfig(msgspec.Struct, tag=True):
+    config: EngineConfig
+    heartbeat_seconds: float
+
+
+class CoreReady(msgspec.Struct, tag=True):
+    model_info: ModelInfo
+    tokenizer: TokenizerSpec | None
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core could not load, or died; `error` says why."""
+
+    error: str
+
+
+class CoreHeartbeat(msgspec.Struct, tag=True):
+    stats: EngineStats
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    """Ends the requests now (`error` None: finish_reason "abort"; else "error" with that message)."""
+
+    request_ids: list[str]
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class CoreOutput(msgspec.Struct, array_like=True):
+    """One request's advance in one step: the tokens it accepted, and its state after them."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs]
+    num_cached_tokens: int
+    num_preemptions: int
+    first_scheduled: float | None
+    first_token: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> CoreOutput:
+        """The last output of a request the core could not take."""
+        return cls(request_id, [], [], 0, 0, None, None, finish_reason="error", error=error)
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    outputs: list[CoreOutput]
+    stats: EngineStats
+
+
+FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown
+CoreMessage = CoreReady | CoreFailed | CoreHeartbeat | CoreOutputs
+
+encode = msgspec.msgpack.Encoder().encode
+decode_frontend_message = msgspec.msgpack.Decoder(FrontendMessage).decode
+decode_core_message = msgspec.msgpack.Decoder(CoreMessage).decode

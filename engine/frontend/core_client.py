@@ -1,0 +1,174 @@
+"""Starts the engine core process and talks to it over ZeroMQ IPC sockets, from the event loop.
+
+    frontend (event loop)                                  engine core process
+    send(AddRequest | AbortRequests) --PUSH commands-->    engine.core.process.CoreLoop
+    on_message(CoreOutputs | CoreHeartbeat) <--PULL results--
+    on_dead(reason)  <- the process exited, said CoreFailed, or sent nothing for `timeout_seconds`
+
+`on_dead` runs once, on the event loop; the process is killed if it still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.core.messages import (
+    CoreConfig,
+    CoreFailed,
+    CoreMessage,
+    CoreReady,
+    FrontendMessage,
+    Shutdown,
+    decode_core_message,
+    encode,
+)
+from engine.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+class CoreClient:
+    """One engine core process. `await start(...)` returns once the model is loaded."""
+
+    def __init__(
+        self, config: EngineConfig, *, heartbeat_seconds: float = 0.5, timeout_seconds: float = 30.0
+    ) -> None:
+        self.config = config
+        self.heartbeat_seconds = heartbeat_seconds
+        self.timeout_seconds = timeout_seconds
+        self.process: asyncio.subprocess.Process | None = None
+        self._directory = tempfile.mkdtemp(prefix="sluice-core-")
+        # Commands go out on a plain socket (a send never waits: no high-water mark); results are
+        # awaited on an asyncio one.
+        self._context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._commands = self._context.socket(zmq.PUSH)
+        self._results = self._async_context.socket(zmq.PULL)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_heard = time.monotonic()
+        self._on_dead: Callable[[str], None] | None = None
+        self._closing = False
+
+    async def start(
+        self, on_message: Callable[[CoreMessage], None], on_dead: Callable[[str], None]
+    ) -> CoreReady:
+        """Spawns the core, sends it the config and waits for `CoreReady`.
+
+        Raises EngineDeadError if the model fails to load or the process exits first.
+        """
+        self._commands.setsockopt(zmq.SNDHWM, 0)
+        # The core binds the commands address; connecting first queues the config until it does.
+        self._commands.connect(f"ipc://{self._directory}/commands")
+        self._results.bind(f"ipc://{self._directory}/results")
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "engine.core.process",
+            "--commands",
+            f"ipc://{self._directory}/commands",
+            "--results",
+            f"ipc://{self._directory}/results",
+        )
+        self.send(CoreConfig(self.config, self.heartbeat_seconds))
+        ready = await self._wait_ready()
+        self._on_dead = on_dead
+        self._last_heard = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._receive(on_message)),
+            asyncio.create_task(self._watch_exit()),
+            asyncio.create_task(self._watch_silence()),
+        ]
+        return ready
+
+    def send(self, message: FrontendMessage) -> None:
+        """Queues a command without waiting (the commands socket has no high-water mark)."""
+        self._commands.send(encode(message), zmq.NOBLOCK)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Asks the core to exit, kills it after `timeout`, and releases the sockets."""
+        self._closing = True
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.send(Shutdown())
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout)
+            except TimeoutError:
+                self.kill()
+                await self.process.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._commands.close(linger=0)
+        self._results.close(linger=0)
+        self._context.term()
+        self._async_context.term()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def _wait_ready(self) -> CoreReady:
+        receive = asyncio.ensure_future(self._results.recv())
+        exited = asyncio.ensure_future(self.process.wait())
+        await asyncio.wait((receive, exited), return_when=asyncio.FIRST_COMPLETED)
+        if not receive.done():
+            receive.cancel()
+            raise EngineDeadError(f"the engine core exited while loading ({_exit_reason(exited.result())})")
+        exited.cancel()
+        message = decode_core_message(receive.result())
+        if isinstance(message, CoreReady):
+            return message
+        self.kill()
+        error = message.error if isinstance(message, CoreFailed) else f"unexpected {message!r}"
+        raise EngineDeadError(error)
+
+    async def _receive(self, on_message: Callable[[CoreMessage], None]) -> None:
+        while True:
+            message = decode_core_message(await self._results.recv())
+            self._last_heard = time.monotonic()
+            if isinstance(message, CoreFailed):
+                self._dead(message.error)
+                return
+            on_message(message)
+
+    async def _watch_exit(self) -> None:
+        returncode = await self.process.wait()
+        # A CoreFailed sent just before exiting says more than the exit code: let it arrive first.
+        await asyncio.sleep(0.05)
+        self._dead(f"the engine core process exited ({_exit_reason(returncode)})")
+
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.25, self.timeout_seconds / 4))
+            silent = time.monotonic() - self._last_heard
+            if silent > self.timeout_seconds:
+                self._dead(f"the engine core stopped answering ({silent:.1f}s without a message)")
+                return
+
+    def _dead(self, reason: str) -> None:
+        if self._on_dead is None or self._closing:
+            return
+        on_dead, self._on_dead = self._on_dead, None
+        logger.error("engine core failed: %s", reason)
+        self.kill()
+        on_dead(reason)
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"

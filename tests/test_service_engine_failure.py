@@ -1,0 +1,209 @@
+"""A dead engine is a failed pod: real `sluice serve` processes, real engine core processes, loopback.
+
+SIGKILL of the core, or a step that raises: health NOT_SERVING within 1 s, every running stream ends
+UNAVAILABLE within 2 s, `sluice serve` exits non-zero. A request whose detokenization raises ends alone
+with INTERNAL. A slow reader gets merged chunks. The frontend process never loads torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sluice.bench.server_process import ServerProcess
+from sluice.v1 import sluice_pb2 as pb
+from sluice.v1 import sluice_pb2_grpc as pb_grpc
+
+from engine.core.faults import ENV_VAR as FAULT_VAR
+from engine.frontend.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_STREAMS = 16
+PROMPT = "the quick brown fox"
+
+
+def _serve(model_dir: str, tmp_path: Path, fault: str | None = None) -> ServerProcess:
+    args = ["--model", model_dir, "--attention-backend", "torch", "--kv-cache-memory", "8MiB"]
+    log = (tmp_path / "serve.log").open("w")
+    return ServerProcess(args, env={FAULT_VAR: fault} if fault else {}, stderr=log, startup_timeout=120)
+
+
+def _request(request_id: str, max_tokens: int = 200) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, text=PROMPT, sampling_params=params)
+
+
+class StreamWatcher(threading.Thread):
+    """Reads one Generate stream to its end; records the first chunk and how and when it ended."""
+
+    def __init__(self, stub: pb_grpc.InferenceServiceStub, request_id: str, max_tokens: int = 200) -> None:
+        super().__init__(daemon=True)
+        self.started = threading.Event()
+        self.chunks: list[pb.GenerateResponse] = []
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.ended_at: float | None = None
+        self._call = stub.Generate(_request(request_id, max_tokens))
+
+    def run(self) -> None:
+        try:
+            for chunk in self._call:
+                self.chunks.append(chunk)
+                self.started.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code, self.details = error.code(), error.details()
+        self.ended_at = time.monotonic()
+        self.started.set()
+
+
+def _start_streams(channel: grpc.Channel, num: int = NUM_STREAMS) -> list[StreamWatcher]:
+    stub = pb_grpc.InferenceServiceStub(channel)
+    watchers = [StreamWatcher(stub, f"stream-{i}") for i in range(num)]
+    for watcher in watchers:
+        watcher.start()
+    for watcher in watchers:
+        assert watcher.started.wait(60), "a stream never produced a chunk"
+        assert watcher.code is None, f"{watcher.code}: {watcher.details}"
+    return watchers
+
+
+def _seconds_until_not_serving(channel: grpc.Channel, since: float) -> float:
+    health = health_pb2_grpc.HealthStub(channel)
+    while time.monotonic() - since < 5:
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            return time.monotonic() - since
+        time.sleep(0.02)
+    raise AssertionError("health never went NOT_SERVING")
+
+
+def _assert_engine_failure_ends_everything(server: ServerProcess, channel, watchers, since, reason) -> None:
+    assert _seconds_until_not_serving(channel, since) < 1.0
+    for watcher in watchers:
+        watcher.join(5)
+        assert watcher.code == grpc.StatusCode.UNAVAILABLE, f"{watcher.code}: {watcher.details}"
+        assert "the engine failed" in watcher.details and reason in watcher.details, watcher.details
+        assert watcher.ended_at - since < 2.0
+    assert server.process.wait(30) != 0
+
+
+def test_a_killed_engine_core_fails_every_stream_health_and_the_process(llama_dir, tmp_path):
+    server = _serve(llama_dir, tmp_path)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            watchers = _start_streams(channel)
+            since = time.monotonic()
+            os.kill(server.core_pid, signal.SIGKILL)
+            _assert_engine_failure_ends_everything(server, channel, watchers, since, "killed by SIGKILL")
+    finally:
+        server.stop()
+
+
+def test_a_step_that_raises_fails_every_stream_health_and_the_process(llama_dir, tmp_path):
+    server = _serve(llama_dir, tmp_path, fault="step:poison")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            watchers = _start_streams(channel)
+            since = time.monotonic()
+            poisoned = StreamWatcher(pb_grpc.InferenceServiceStub(channel), "poison-1")
+            poisoned.start()
+            _assert_engine_failure_ends_everything(
+                server, channel, [*watchers, poisoned], since, "InjectedFault"
+            )
+    finally:
+        server.stop()
+
+
+def test_a_request_whose_detokenization_raises_ends_alone_with_internal(llama_dir, tmp_path):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = LLM(llama_dir).generate([PROMPT], params)
+    server = _serve(llama_dir, tmp_path, fault="detokenize:bad-")
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            watchers = [StreamWatcher(stub, name, max_tokens=40) for name in ("ok-1", "bad-1", "ok-2")]
+            for watcher in watchers:
+                watcher.start()
+            for watcher in watchers:
+                watcher.join(60)
+            ok_1, bad, ok_2 = watchers
+            assert bad.code == grpc.StatusCode.INTERNAL and "detokenization failed" in bad.details
+            for ok in (ok_1, ok_2):
+                assert ok.code == grpc.StatusCode.OK
+                assert [t for c in ok.chunks for t in c.token_ids] == expected[0].token_ids
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop()
+    assert server.process.returncode == 0
+
+
+def test_a_slow_reader_receives_fewer_merged_chunks_equal_to_the_offline_engine(llama_dir, tmp_path):
+    num_tokens = 200
+    expected = LLM(llama_dir).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    )[0]
+    server = _serve(llama_dir, tmp_path)
+    # A small HTTP/2 receive window, as a client on a slow link has: the server's writes then wait for
+    # the reader instead of piling up in the client's buffers.
+    options = [("grpc.http2.lookahead_bytes", 256), ("grpc.http2.bdp_probe", 0)]
+    try:
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            chunks = []
+            for chunk in stub.Generate(_request("slow", num_tokens)):
+                chunks.append(chunk)
+                time.sleep(1.0)  # one message per second
+        assert len(chunks) < num_tokens // 4, f"{len(chunks)} chunks: the server did not merge"
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert "".join(c.text for c in chunks) == expected.text
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finally:
+        server.stop()
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_frontend_process_never_loads_torch_and_the_core_does(llama_dir, tmp_path):
+    server = _serve(llama_dir, tmp_path)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            for watcher in _start_streams(channel, num=2):
+                watcher.join(60)
+                assert watcher.code == grpc.StatusCode.OK
+        assert _maps_torch(server.core_pid)
+        assert not _maps_torch(server.process.pid)
+    finally:
+        server.stop()
+
+
+def test_sluice_help_is_light():
+    code = (
+        "import sys, time\n"
+        "start = time.perf_counter()\n"
+        "from service.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(time.perf_counter() - start)\n"
+        "heavy = [m for m in ('torch', 'grpc', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "serve" in done.stdout and "generate" in done.stdout and "bench" in done.stdout
+    assert float(done.stdout.strip().splitlines()[-1]) < 0.5
