@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint serve gpu-check bench proto proto-check toolchains clean
+.PHONY: venv test lint serve gpu-check bench bench-serving proto proto-check toolchains clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ gpu-check:
 # bench-results/ (about 5 minutes on 2 CPU cores).
 bench: venv
 	$(PY) -m sluice.bench.baselines --out bench-results $(ARGS)
+	$(PY) -m sluice.bench.serving_overhead --json bench-results/serving_overhead.json
+
+# `sluice serve` over gRPC against the offline LLM on the embedded SmolLM2-135M, concurrency 1, 16, 64
+# (about 4 minutes on 2 CPU cores).
+bench-serving: venv
+	mkdir -p bench-results
+	$(PY) -m sluice.bench.serving_overhead --json bench-results/serving_overhead.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .tools clients/go/build clients/java/build

@@ -13,13 +13,20 @@ PY="${PY:-.venv/bin/python}"
 PROTO=sluice/v1/sluice.proto
 
 python_out="$OUT_ROOT/clients/python"
+server_out="$OUT_ROOT/service/stubs"
 go_out="$OUT_ROOT/clients/go"
 java_out="$OUT_ROOT/clients/java/src/main/java"
-mkdir -p "$python_out" "$go_out" "$java_out"
+mkdir -p "$python_out" "$server_out" "$go_out" "$java_out"
 
 "$PY" -m grpc_tools.protoc -I proto \
     --python_out="$python_out" --grpc_python_out="$python_out" --pyi_out="$python_out" \
     "proto/$PROTO"
+
+# The server's own copy of the Python messages and service base (it does not depend on the client
+# package): the same generated code, its one import pointed at service.stubs.
+cp "$python_out/sluice/v1/sluice_pb2.py" "$server_out/sluice_pb2.py"
+sed 's/^from sluice\.v1 import sluice_pb2 as /from service.stubs import sluice_pb2 as /' \
+    "$python_out/sluice/v1/sluice_pb2_grpc.py" >"$server_out/sluice_pb2_grpc.py"
 
 # go_package is github.com/sluice-ai/sluice/clients/go/sluice/v1: source_relative puts the files in
 # clients/go/sluice/v1, which a GOPATH holding the repo as src/github.com/sluice-ai/sluice resolves.

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.v1 import sluice_pb2 as pb
-
 from engine.model_info import ModelInfo
 from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
 from engine.sampling_params import SamplingParams
+from service.stubs import sluice_pb2 as pb
 
 # Scalar SamplingParams fields that are proto3 `optional`: copied only when the caller set them.
 _OPTIONAL_SAMPLING_FIELDS = (

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     first_token: float | None = None
     num_tokens = 0
+    text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
     try:
         with Client(args.target, api_key=args.api_key) as client:
             for chunk in client.generate(_request(args), timeout=args.timeout):
@@ -51,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
                 num_tokens += len(chunk.token_ids)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                text_end = chunk.text[-1:] or text_end
     except SluiceError as exc:
         print(f"\nsluice generate: {exc}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    if text_end != "\n":  # the stats line starts on a line of its own
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     ttft_ms = (first_token - start) * 1000 if first_token is not None else float("nan")
     decode_seconds = elapsed - (first_token - start) if first_token is not None else elapsed
     rate = (num_tokens - 1) / decode_seconds if num_tokens > 1 and decode_seconds > 0 else float("nan")

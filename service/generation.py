@@ -7,13 +7,12 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
-from sluice.v1 import sluice_pb2 as pb
-
 from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from service import convert
 from service.metrics import ServerMetrics
 from service.status import RequestFailedError
+from service.stubs import sluice_pb2 as pb
 from service.tracing import RequestTracer
 
 
@@ -53,6 +52,7 @@ class GenerationRunner:
                 **prompt.as_kwargs(),
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
+                stream_interval=request.stream_interval or None,
             )
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):

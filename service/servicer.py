@@ -7,8 +7,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
-from sluice.v1 import sluice_pb2 as pb
-from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.frontend.async_engine import AsyncEngine
@@ -18,6 +16,8 @@ from service.metrics import ServerMetrics
 from service.status import ServiceUnavailableError, rpc_errors
 from service.stream_refusal import drain_request_stream
 from service.stream_session import StreamSession
+from service.stubs import sluice_pb2 as pb
+from service.stubs import sluice_pb2_grpc as pb_grpc
 from service.tracing import RequestTracer
 
 

@@ -21,10 +21,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
-from sluice.v1 import sluice_pb2 as pb
 
 from service.generation import GenerationRunner
 from service.status import ServiceUnavailableError, StatusRecorder, failure_status
+from service.stubs import sluice_pb2 as pb
 
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"

@@ -208,7 +208,7 @@ def test_model_info() -> None:
             "request_id: no live request with id 'r9'",
         ),
         (ServiceUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
-        (EngineDeadError("the engine stopped: x"), grpc.StatusCode.INTERNAL, "the engine stopped: x"),
+        (EngineDeadError("exit code 1"), grpc.StatusCode.UNAVAILABLE, "the engine failed: exit code 1"),
         (RequestFailedError("nan logits"), grpc.StatusCode.INTERNAL, "nan logits"),
         (RuntimeError("secret detail"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError"),
     ],

@@ -44,6 +44,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(llama_dir: str, tmp_pa
             timeout=60,
         )
         assert generated.returncode == 0, generated.stderr
+        assert generated.stdout.endswith("\n")
         assert re.search(r"^5 tokens in [\d.]+s: [\d.]+ tokens/s, TTFT \d+ ms$", generated.stderr, re.M)
 
         with Client(target) as client:

@@ -343,6 +343,22 @@ private static final long serialVersionUID = 0L;
     }
   }
 
+  public static final int STREAM_INTERVAL_FIELD_NUMBER = 8;
+  private int streamInterval_ = 0;
+  /**
+   * <pre>
+   * Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
+   * reads slower than tokens arrive gets merged chunks whatever this is.
+   * </pre>
+   *
+   * <code>uint32 stream_interval = 8;</code>
+   * @return The streamInterval.
+   */
+  @java.lang.Override
+  public int getStreamInterval() {
+    return streamInterval_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -378,6 +394,9 @@ private static final long serialVersionUID = 0L;
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(cacheSalt_)) {
       com.google.protobuf.GeneratedMessageV3.writeString(output, 7, cacheSalt_);
     }
+    if (streamInterval_ != 0) {
+      output.writeUInt32(8, streamInterval_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -412,6 +431,10 @@ private static final long serialVersionUID = 0L;
     if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(cacheSalt_)) {
       size += com.google.protobuf.GeneratedMessageV3.computeStringSize(7, cacheSalt_);
     }
+    if (streamInterval_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(8, streamInterval_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -438,6 +461,8 @@ private static final long serialVersionUID = 0L;
         != other.getPriority()) return false;
     if (!getCacheSalt()
         .equals(other.getCacheSalt())) return false;
+    if (getStreamInterval()
+        != other.getStreamInterval()) return false;
     if (!getPromptCase().equals(other.getPromptCase())) return false;
     switch (promptCase_) {
       case 2:
@@ -476,6 +501,8 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getPriority();
     hash = (37 * hash) + CACHE_SALT_FIELD_NUMBER;
     hash = (53 * hash) + getCacheSalt().hashCode();
+    hash = (37 * hash) + STREAM_INTERVAL_FIELD_NUMBER;
+    hash = (53 * hash) + getStreamInterval();
     switch (promptCase_) {
       case 2:
         hash = (37 * hash) + TEXT_FIELD_NUMBER;
@@ -639,6 +666,7 @@ private static final long serialVersionUID = 0L;
       }
       priority_ = 0;
       cacheSalt_ = "";
+      streamInterval_ = 0;
       promptCase_ = 0;
       prompt_ = null;
       return this;
@@ -688,6 +716,9 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000040) != 0)) {
         result.cacheSalt_ = cacheSalt_;
+      }
+      if (((from_bitField0_ & 0x00000080) != 0)) {
+        result.streamInterval_ = streamInterval_;
       }
     }
 
@@ -763,6 +794,9 @@ private static final long serialVersionUID = 0L;
         cacheSalt_ = other.cacheSalt_;
         bitField0_ |= 0x00000040;
         onChanged();
+      }
+      if (other.getStreamInterval() != 0) {
+        setStreamInterval(other.getStreamInterval());
       }
       switch (other.getPromptCase()) {
         case TEXT: {
@@ -851,6 +885,11 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000040;
               break;
             } // case 58
+            case 64: {
+              streamInterval_ = input.readUInt32();
+              bitField0_ |= 0x00000080;
+              break;
+            } // case 64
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1608,6 +1647,53 @@ private static final long serialVersionUID = 0L;
       checkByteStringIsUtf8(value);
       cacheSalt_ = value;
       bitField0_ |= 0x00000040;
+      onChanged();
+      return this;
+    }
+
+    private int streamInterval_ ;
+    /**
+     * <pre>
+     * Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
+     * reads slower than tokens arrive gets merged chunks whatever this is.
+     * </pre>
+     *
+     * <code>uint32 stream_interval = 8;</code>
+     * @return The streamInterval.
+     */
+    @java.lang.Override
+    public int getStreamInterval() {
+      return streamInterval_;
+    }
+    /**
+     * <pre>
+     * Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
+     * reads slower than tokens arrive gets merged chunks whatever this is.
+     * </pre>
+     *
+     * <code>uint32 stream_interval = 8;</code>
+     * @param value The streamInterval to set.
+     * @return This builder for chaining.
+     */
+    public Builder setStreamInterval(int value) {
+      
+      streamInterval_ = value;
+      bitField0_ |= 0x00000080;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
+     * reads slower than tokens arrive gets merged chunks whatever this is.
+     * </pre>
+     *
+     * <code>uint32 stream_interval = 8;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearStreamInterval() {
+      bitField0_ = (bitField0_ & ~0x00000080);
+      streamInterval_ = 0;
       onChanged();
       return this;
     }

@@ -121,5 +121,16 @@ public interface GenerateRequestOrBuilder extends
   com.google.protobuf.ByteString
       getCacheSaltBytes();
 
+  /**
+   * <pre>
+   * Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
+   * reads slower than tokens arrive gets merged chunks whatever this is.
+   * </pre>
+   *
+   * <code>uint32 stream_interval = 8;</code>
+   * @return The streamInterval.
+   */
+  int getStreamInterval();
+
   public ai.sluice.v1.GenerateRequest.PromptCase getPromptCase();
 }

@@ -142,64 +142,65 @@ public final class SluiceProto {
       "ce_penaltyB\024\n\022_frequency_penaltyB\007\n\005_see" +
       "dB\r\n\013_max_tokensB\r\n\013_min_tokensB\r\n\013_igno" +
       "re_eosB\013\n\t_logprobsB\026\n\024_skip_special_tok" +
-      "ens\"\360\001\n\017GenerateRequest\022\022\n\nrequest_id\030\001 " +
+      "ens\"\211\002\n\017GenerateRequest\022\022\n\nrequest_id\030\001 " +
       "\001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoken_ids\030\003 \001(\0132\023" +
       ".sluice.v1.TokenIdsH\000\022+\n\010messages\030\004 \001(\0132" +
       "\027.sluice.v1.ChatMessagesH\000\0222\n\017sampling_p" +
       "arams\030\005 \001(\0132\031.sluice.v1.SamplingParams\022\020" +
-      "\n\010priority\030\006 \001(\005\022\022\n\ncache_salt\030\007 \001(\tB\010\n\006" +
-      "prompt\"1\n\014TokenLogprob\022\020\n\010token_id\030\001 \001(\005" +
-      "\022\017\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled" +
-      "\030\001 \001(\0132\027.sluice.v1.TokenLogprob\022$\n\003top\030\002" +
-      " \003(\0132\027.sluice.v1.TokenLogprob\"P\n\005Usage\022\025" +
-      "\n\rprompt_tokens\030\001 \001(\005\022\031\n\021completion_toke" +
-      "ns\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\"M\n\007Timin" +
-      "gs\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_second" +
-      "s\030\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\243\002\n\020Gener" +
-      "ateResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text\030" +
-      "\002 \001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003" +
-      "(\0132\023.sluice.v1.Logprobs\022.\n\rfinish_reason" +
-      "\030\005 \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop_" +
-      "token_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000\022" +
-      "\037\n\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007timi" +
-      "ngs\030\t \001(\0132\022.sluice.v1.TimingsB\r\n\013stop_re" +
-      "ason\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t" +
-      "\"|\n\025StreamGenerateRequest\022.\n\010generate\030\001 " +
-      "\001(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006can" +
-      "cel\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006" +
-      "action\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007" +
-      "message\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse" +
-      "\022\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sl" +
-      "uice.v1.GenerateResponseH\000\022(\n\005error\030\003 \001(" +
-      "\0132\027.sluice.v1.RequestErrorH\000B\007\n\005event\"\"\n" +
-      "\014AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbo" +
-      "rtResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001" +
-      " \001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.Cha" +
-      "tMessagesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H" +
-      "\001\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"%\n" +
-      "\020TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023" +
-      "GetModelInfoRequest\"\311\001\n\024GetModelInfoResp" +
-      "onse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture" +
-      "\030\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_s" +
-      "ize\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nbloc" +
-      "k_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022k" +
-      "v_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishReason" +
-      "\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINIS" +
-      "H_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020" +
-      "\002\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH_REA" +
-      "SON_ERROR\020\0042\206\003\n\020InferenceService\022E\n\010Gene" +
-      "rate\022\032.sluice.v1.GenerateRequest\032\033.sluic" +
-      "e.v1.GenerateResponse0\001\022Y\n\016StreamGenerat" +
-      "e\022 .sluice.v1.StreamGenerateRequest\032!.sl" +
-      "uice.v1.StreamGenerateResponse(\0010\001\022:\n\005Ab" +
-      "ort\022\027.sluice.v1.AbortRequest\032\030.sluice.v1" +
-      ".AbortResponse\022C\n\010Tokenize\022\032.sluice.v1.T" +
-      "okenizeRequest\032\033.sluice.v1.TokenizeRespo" +
-      "nse\022O\n\014GetModelInfo\022\036.sluice.v1.GetModel" +
-      "InfoRequest\032\037.sluice.v1.GetModelInfoResp" +
-      "onseBX\n\014ai.sluice.v1B\013SluiceProtoP\001Z9git" +
-      "hub.com/sluice-ai/sluice/clients/go/slui" +
-      "ce/v1;sluicev1b\006proto3"
+      "\n\010priority\030\006 \001(\005\022\022\n\ncache_salt\030\007 \001(\t\022\027\n\017" +
+      "stream_interval\030\010 \001(\rB\010\n\006prompt\"1\n\014Token" +
+      "Logprob\022\020\n\010token_id\030\001 \001(\005\022\017\n\007logprob\030\002 \001" +
+      "(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001 \001(\0132\027.sluice" +
+      ".v1.TokenLogprob\022$\n\003top\030\002 \003(\0132\027.sluice.v" +
+      "1.TokenLogprob\"P\n\005Usage\022\025\n\rprompt_tokens" +
+      "\030\001 \001(\005\022\031\n\021completion_tokens\030\002 \001(\005\022\025\n\rcac" +
+      "hed_tokens\030\003 \001(\005\"M\n\007Timings\022\025\n\rqueue_sec" +
+      "onds\030\001 \001(\001\022\024\n\014ttft_seconds\030\002 \001(\001\022\025\n\rtota" +
+      "l_seconds\030\003 \001(\001\"\243\002\n\020GenerateResponse\022\022\n\n" +
+      "request_id\030\001 \001(\t\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_" +
+      "ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\0132\023.sluice.v1." +
+      "Logprobs\022.\n\rfinish_reason\030\005 \001(\0162\027.sluice" +
+      ".v1.FinishReason\022\027\n\rstop_token_id\030\006 \001(\005H" +
+      "\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132" +
+      "\020.sluice.v1.Usage\022#\n\007timings\030\t \001(\0132\022.slu" +
+      "ice.v1.TimingsB\r\n\013stop_reason\"\"\n\014StreamC" +
+      "ancel\022\022\n\nrequest_id\030\001 \001(\t\"|\n\025StreamGener" +
+      "ateRequest\022.\n\010generate\030\001 \001(\0132\032.sluice.v1" +
+      ".GenerateRequestH\000\022)\n\006cancel\030\002 \001(\0132\027.slu" +
+      "ice.v1.StreamCancelH\000B\010\n\006action\"-\n\014Reque" +
+      "stError\022\014\n\004code\030\001 \001(\005\022\017\n\007message\030\002 \001(\t\"\215" +
+      "\001\n\026StreamGenerateResponse\022\022\n\nrequest_id\030" +
+      "\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sluice.v1.Generat" +
+      "eResponseH\000\022(\n\005error\030\003 \001(\0132\027.sluice.v1.R" +
+      "equestErrorH\000B\007\n\005event\"\"\n\014AbortRequest\022\022" +
+      "\n\nrequest_id\030\001 \001(\t\"\017\n\rAbortResponse\"\220\001\n\017" +
+      "TokenizeRequest\022\016\n\004text\030\001 \001(\tH\000\022+\n\010messa" +
+      "ges\030\002 \001(\0132\027.sluice.v1.ChatMessagesH\000\022\037\n\022" +
+      "add_special_tokens\030\003 \001(\010H\001\210\001\001B\010\n\006promptB" +
+      "\025\n\023_add_special_tokens\"%\n\020TokenizeRespon" +
+      "se\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023GetModelInfoReq" +
+      "uest\"\311\001\n\024GetModelInfoResponse\022\022\n\nmodel_n" +
+      "ame\030\001 \001(\t\022\024\n\014architecture\030\002 \001(\t\022\025\n\rmax_m" +
+      "odel_len\030\003 \001(\005\022\022\n\nvocab_size\030\004 \001(\005\022\025\n\reo" +
+      "s_token_ids\030\005 \003(\005\022\022\n\nblock_size\030\006 \001(\005\022\025\n" +
+      "\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv_capacity_toke" +
+      "ns\030\010 \001(\003*\221\001\n\014FinishReason\022\035\n\031FINISH_REAS" +
+      "ON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020\001" +
+      "\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_REA" +
+      "SON_ABORT\020\003\022\027\n\023FINISH_REASON_ERROR\020\0042\206\003\n" +
+      "\020InferenceService\022E\n\010Generate\022\032.sluice.v" +
+      "1.GenerateRequest\032\033.sluice.v1.GenerateRe" +
+      "sponse0\001\022Y\n\016StreamGenerate\022 .sluice.v1.S" +
+      "treamGenerateRequest\032!.sluice.v1.StreamG" +
+      "enerateResponse(\0010\001\022:\n\005Abort\022\027.sluice.v1" +
+      ".AbortRequest\032\030.sluice.v1.AbortResponse\022" +
+      "C\n\010Tokenize\022\032.sluice.v1.TokenizeRequest\032" +
+      "\033.sluice.v1.TokenizeResponse\022O\n\014GetModel" +
+      "Info\022\036.sluice.v1.GetModelInfoRequest\032\037.s" +
+      "luice.v1.GetModelInfoResponseBX\n\014ai.slui" +
+      "ce.v1B\013SluiceProtoP\001Z9github.com/sluice-" +
+      "ai/sluice/clients/go/sluice/v1;sluicev1b" +
+      "\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -234,7 +235,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateRequest_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "Prompt", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "Prompt", });
     internal_static_sluice_v1_TokenLogprob_descriptor =
       getDescriptor().getMessageTypes().get(5);
     internal_static_sluice_v1_TokenLogprob_fieldAccessorTable = new
