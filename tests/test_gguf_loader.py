@@ -244,7 +244,10 @@ def test_unsupported_architecture(tmp_path):
     write_tiny_gguf(tmp_path / "phi.gguf", arch="phi3")
     with pytest.raises(ValueError) as err:
         load_gguf(tmp_path / "phi.gguf")
-    assert str(err.value) == "general.architecture: 'phi3' is not supported; supported: llama, qwen2"
+    assert (
+        str(err.value)
+        == "general.architecture: 'phi3' is not supported; supported: llama, qwen2, qwen3, gemma3"
+    )
 
 
 def test_unsupported_tokenizer_model(tmp_path):

@@ -31,7 +31,11 @@ class Engine:
         self.tokenizer = source.tokenizer
         self.model_runner = ModelRunner(config, source)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.model_runner.num_blocks, self.model_runner.max_model_len
+            config.scheduler,
+            config.cache,
+            self.model_runner.num_blocks,
+            self.model_runner.max_model_len,
+            sliding_window=source.arch.uniform_sliding_window,
         )
         self.sampler = Sampler()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)

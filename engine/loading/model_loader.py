@@ -18,7 +18,6 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.loading.model_arch import ModelArchConfig, token_ids
 from engine.loading.presets import preset_arch
-from engine.worker.models.llama import hf_weight_shapes
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -115,11 +114,21 @@ class DummyWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
-        for name, shape in hf_weight_shapes(self.arch):
+        for name, shape in checkpoint_weight_shapes(self.arch):
             if name.endswith("norm.weight"):
                 yield name, torch.ones(shape)
             else:
                 yield name, torch.empty(shape).normal_(0.0, DUMMY_INIT_STD, generator=generator)
+
+
+def checkpoint_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face names and shapes of a full checkpoint for `arch`, read off its model class built on
+    the meta device (nothing is allocated)."""
+    from engine.loading.weight_loader import checkpoint_shapes
+    from engine.worker.models.registry import get_model_class
+
+    model = get_model_class(arch.architecture)(arch, None, torch.float32, torch.device("meta"))
+    return checkpoint_shapes(model)
 
 
 def _dummy_source(model_config: ModelConfig) -> ModelSource:
