@@ -31,6 +31,7 @@ SUPPORTED_TENSOR_TYPES = (
     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
 )  # fmt: skip
 
+ROPE_FREQS = "rope_freqs.weight"  # not a weight: read into the config's rope scaling
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -63,8 +64,6 @@ def gguf_arch_config(
     Raises ValueError for an unsupported architecture or a missing key."""
     gguf_arch = file.metadata.get("general.architecture")
     spec = gguf_spec(gguf_arch)
-    if any(t.name == "rope_freqs.weight" for t in file.tensors):
-        raise ValueError("rope_freqs.weight: Llama 3.1-style RoPE frequency scaling in GGUF is not supported")
 
     def key(name: str, default: Any = None) -> Any:
         value = file.metadata.get(f"{gguf_arch}.{name}", default)
@@ -93,6 +92,12 @@ def gguf_arch_config(
         "bos_token_id": bos_token_id,
         "eos_token_id": list(eos_token_ids),
     }
+    rope_freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None:  # Llama 3.1+: the llama3 scaling, one divisor per frequency
+        config["rope_scaling"] = {
+            "rope_type": "freq_factors",
+            "freq_factors": _dequantize(rope_freqs).tolist(),
+        }
     for metadata_key, config_key in spec.config_keys.items():
         if f"{gguf_arch}.{metadata_key}" in file.metadata:
             config[config_key] = file.metadata[f"{gguf_arch}.{metadata_key}"]
@@ -134,6 +139,8 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _check_tensors(file: GGUFFile, spec: GGUFSpec) -> None:
     supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
     for tensor in file.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
                 f"tensor {tensor.name!r}: type {tensor.tensor_type.name} is not supported; "
@@ -156,6 +163,8 @@ class GGUFWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         permute_rows = self.spec.permute_qk
         for tensor in self.file.tensors:
+            if tensor.name == ROPE_FREQS:
+                continue
             name = hf_tensor_name(tensor.name, self.spec)
             weight = _dequantize(tensor)
             if permute_rows and name.endswith("q_proj.weight"):

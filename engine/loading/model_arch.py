@@ -11,20 +11,22 @@ from typing import Any
 
 from engine.worker.models.registry import SUPPORTED_ARCHITECTURES
 
-ROPE_SCALING_TYPES = ("llama3", "linear")
+ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope_scaling` of type "llama3" (Llama 3.1/3.2) or "linear" (positions divided by `factor`, e.g.
-    Gemma 3's global layers); None on the config means plain RoPE."""
+    """`rope_scaling` of type "llama3" (Llama 3.1/3.2), "linear" (positions divided by `factor`, e.g.
+    Gemma 3's global layers) or "freq_factors" (each inverse frequency divided by its factor, as a GGUF's
+    `rope_freqs.weight` stores the llama3 scaling); None on the config means plain RoPE."""
 
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
@@ -180,6 +182,9 @@ def _rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
         return None
     if kind == "linear":
         return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind == "freq_factors":
+        factors = tuple(float(f) for f in scaling["freq_factors"])
+        return RopeScaling(factor=1.0, rope_type="freq_factors", freq_factors=factors)
     if kind != "llama3":
         raise ValueError(
             f"rope_scaling: type {kind!r} is not supported; "

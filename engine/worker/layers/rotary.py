@@ -24,6 +24,12 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":
+        if len(scaling.freq_factors) != len(inv_freq):
+            raise ValueError(
+                f"rope_scaling: {len(scaling.freq_factors)} freq_factors for {len(inv_freq)} frequencies"
+            )
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return _llama3_scale(inv_freq, scaling)
 
 
