@@ -77,6 +77,7 @@ def gguf_arch_config(
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
     config = {
+        **spec.config_defaults,
         "architectures": [GGUF_ARCHITECTURES[gguf_arch]],
         "vocab_size": len(file.metadata["tokenizer.ggml.tokens"]),
         "hidden_size": hidden,

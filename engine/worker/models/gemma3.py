@@ -94,6 +94,8 @@ class Gemma3ForCausalLM(CausalLM):
                 "post_ffw_norm": "post_feedforward_layernorm",
             },
             config_keys={"attention.sliding_window": "sliding_window"},
+            # As llama.cpp and transformers assume for Gemma 3 files: every 6th layer global.
+            config_defaults={"sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
             norm_shift=1.0,
         )
     }
