@@ -81,7 +81,20 @@ def test_greedy_tokens_equal_transformers(hf, llm):
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
         assert completion.token_ids == out[0, len(ids) :].tolist(), prompt[:40]
-    assert "Paris" in completions[0].text or "capital" in completions[0].text
+    assert completions[0].text.startswith(" the capital of the country of France")
+
+
+def test_chat_turns_generate_what_transformers_generates_from_them(hf, llm):
+    # The packaged file is the base (not instruction-tuned) model, so its replies to a chat are not
+    # sensible answers; what is checked is that the turn-formatted prompt runs exactly as transformers.
+    _, model = hf
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    (completion,) = llm.chat([chat], SamplingParams(temperature=0.0, max_tokens=NUM_NEW))
+    ids = completion.prompt_token_ids
+    assert ids[:3] == [2, 105, 2364]  # <bos> <start_of_turn> user
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
+    assert completion.token_ids == out[0, len(ids) :].tolist()
 
 
 def test_chat_uses_gemma_turns_and_stops_at_end_of_turn(llm):

@@ -64,32 +64,9 @@ def gguf_arch_config(
     Raises ValueError for an unsupported architecture or a missing key."""
     gguf_arch = file.metadata.get("general.architecture")
     spec = gguf_spec(gguf_arch)
-
-    def key(name: str, default: Any = None) -> Any:
-        value = file.metadata.get(f"{gguf_arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
-        return value
-
-    hidden = key("embedding_length")
-    num_heads = key("attention.head_count")
-    head_dim = key("attention.key_length", hidden // num_heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
     config = {
         **spec.config_defaults,
-        "architectures": [GGUF_ARCHITECTURES[gguf_arch]],
-        "vocab_size": len(file.metadata["tokenizer.ggml.tokens"]),
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": key("attention.head_count_kv", num_heads),
-        "head_dim": head_dim,
-        "max_position_embeddings": key("context_length"),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in file.tensors),
+        **_shape_config(file, gguf_arch),
         "bos_token_id": bos_token_id,
         "eos_token_id": list(eos_token_ids),
     }
@@ -103,6 +80,36 @@ def gguf_arch_config(
         if f"{gguf_arch}.{metadata_key}" in file.metadata:
             config[config_key] = file.metadata[f"{gguf_arch}.{metadata_key}"]
     return ModelArchConfig.from_hf_config(config, name=name)
+
+
+def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
+    """config.json entries from the `<arch>.*` keys every GGUF has."""
+
+    def key(name: str, default: Any = None) -> Any:
+        value = file.metadata.get(f"{gguf_arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
+        return value
+
+    hidden = key("embedding_length")
+    num_heads = key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // num_heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
+    return {
+        "architectures": [GGUF_ARCHITECTURES[gguf_arch]],
+        "vocab_size": len(file.metadata["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in file.tensors),
+    }
 
 
 def gguf_spec(gguf_arch: str | None) -> GGUFSpec:

@@ -126,21 +126,7 @@ def _mixed_attention(
     from this step's k, v when it has no cached prefix, else over its context gathered from the cache)."""
     out = torch.empty_like(q)
     starts = list(itertools.accumulate(metadata.query_lens_cpu, initial=0))  # query_start_loc on the host
-    decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
-    if decode_seqs:
-        seq_index = torch.tensor(decode_seqs, device=q.device)
-        token_index = torch.tensor([starts[i] for i in decode_seqs], device=q.device)
-        max_decode_len = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
-        out[token_index] = decode_attention(
-            q[token_index],
-            k_cache,
-            v_cache,
-            metadata.block_tables[seq_index],
-            metadata.seq_lens[seq_index],
-            max_decode_len,
-            scale,
-            sliding_window,
-        )
+    _attend_decode_rows(out, q, k_cache, v_cache, metadata, starts, scale, sliding_window)
     for i, query_len in enumerate(metadata.query_lens_cpu):
         rows = slice(starts[i], starts[i + 1])
         window_covers_query = sliding_window is None or sliding_window >= query_len
@@ -164,6 +150,34 @@ def _mixed_attention(
                 sliding_window,
             )
     return out
+
+
+def _attend_decode_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    starts: list[int],
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """out[row of each query_len == 1 sequence] = its decode attention, all in one batched call."""
+    decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
+    if not decode_seqs:
+        return
+    seq_index = torch.tensor(decode_seqs, device=q.device)
+    token_index = torch.tensor([starts[i] for i in decode_seqs], device=q.device)
+    out[token_index] = decode_attention(
+        q[token_index],
+        k_cache,
+        v_cache,
+        metadata.block_tables[seq_index],
+        metadata.seq_lens[seq_index],
+        max(metadata.seq_lens_cpu[i] for i in decode_seqs),
+        scale,
+        sliding_window,
+    )
 
 
 def prefill_attention(
