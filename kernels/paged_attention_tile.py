@@ -5,6 +5,8 @@ A tile is N context positions of one sequence and one KV head. Position p lives 
 The step gathers the tile's K and V through the block table, scores the query rows against K, masks
 what a row may not see, and folds the tile into the running online softmax (all fp32):
     m' = max(m, rowmax(s));  l' = l * e^(m - m') + rowsum(e^(s - m'));  acc' = acc * e^(m - m') + e^(s - m') V
+A row that sees nothing in this tile (or before it: a sliding window starts later for later rows) keeps
+m' = -inf; its exponentials are taken against 0 instead, so they are 0, never NaN.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def attend_paged_tile(
     v_head_ptr,  # v_cache + kv_head * stride_v_head
     block_table_ptr,  # this sequence's row of the block table
     positions,  # [N] context positions of the tile
-    pos_mask,  # [N] positions that exist (< the end of what this program reads)
+    pos_mask,  # [N] positions to load (inside what this program reads; never a freed block)
     visible,  # [M, N] or [1, N]: which positions each row may attend to
     dims,  # [DIM_PAD]
     dim_mask,  # [DIM_PAD]
@@ -47,8 +49,9 @@ def attend_paged_tile(
     scores = tl.where(visible, scores, float("-inf"))
 
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    probs = tl.exp(scores - new_max[:, None])
-    alpha = tl.exp(running_max - new_max)
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    probs = tl.exp(scores - safe_max[:, None])
+    alpha = tl.exp(running_max - safe_max)
     running_sum = running_sum * alpha + tl.sum(probs, axis=1)
     v_rows = v_head_ptr + blocks * stride_v_block + offsets * stride_v_slot
     v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, DIM_PAD]

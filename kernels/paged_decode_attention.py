@@ -10,6 +10,8 @@ Flash-decoding in two kernels:
         combines the slices with the log-sum-exp:  out = sum_p acc_p * e^(m_p - M) / sum_p l_p * e^(m_p - M)
 
 Context position p of sequence s lives at k_cache[block_tables[s, p // block_size], p % block_size].
+With a sliding window W only positions seq_len - W .. seq_len - 1 are read; partitions wholly before
+them store an empty softmax (max -inf, sum 0) that the reduction weighs 0.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels.tensor_checks import (
 DEFAULT_PARTITION_SIZE = 512
 _TILE_N = 16  # context positions per inner step; tl.dot needs every dim >= 16 on GPUs
 _MIN_DOT_ROWS = 16
+NO_WINDOW = 2**31 - 1  # sliding_window passed to the kernels for full attention
 
 
 @triton.jit
@@ -43,6 +46,7 @@ def _decode_partition_kernel(
     part_max_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     part_sum_ptr,  # [num_seqs, num_heads, max_partitions] fp32
     scale,
+    sliding_window,
     stride_q_seq,
     stride_q_head,
     stride_k_block,
@@ -71,6 +75,8 @@ def _decode_partition_kernel(
     if start >= seq_len:
         return
     end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    window_start = tl.maximum(seq_len - sliding_window, 0)
+    first_tile = tl.maximum(start, window_start // TILE_N * TILE_N)
 
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -86,9 +92,9 @@ def _decode_partition_kernel(
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for tile_start in range(start, end, TILE_N):
+    for tile_start in range(first_tile, end, TILE_N):
         positions = tile_start + tl.arange(0, TILE_N)
-        pos_mask = positions < end
+        pos_mask = (positions < end) & (positions >= window_start)
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc,
             k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
@@ -144,7 +150,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size) -> None:
+def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window) -> None:
     check_q_and_kv_cache(q, k_cache, v_cache)
     num_seqs = q.shape[0]
     check_block_tables(block_tables, num_seqs, q.device)
@@ -152,6 +158,8 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_si
     check_shape("seq_lens", seq_lens, (num_seqs,))
     if partition_size <= 0 or partition_size % _TILE_N:
         raise ValueError(f"partition_size: {partition_size} must be a positive multiple of {_TILE_N}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
 
 
 def paged_decode_attention(
@@ -164,15 +172,17 @@ def paged_decode_attention(
     max_seq_len: int,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [num_seqs, num_heads, head_dim] (one new token per sequence) over each
     sequence's first seq_lens[s] cached positions. Returns [num_seqs, num_heads, head_dim] in q's dtype.
 
     `max_seq_len` bounds every seq_lens entry and sets the partition grid; under CUDA graphs pass the
     largest context the graph may see (the grid is frozen at capture). `out`, when given, receives
-    the result (same shape and dtype as q).
+    the result (same shape and dtype as q). `sliding_window` W: attend to the last W positions only
+    (block-table entries before them are never read).
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size)
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = output_like("out", out, q)
@@ -188,7 +198,7 @@ def paged_decode_attention(
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, scale,
-        q.stride(0), q.stride(1),
+        sliding_window or NO_WINDOW, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), num_heads, max_partitions,
@@ -219,15 +229,16 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch version of `paged_decode_attention`: gather each context, softmax in fp32."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
-        positions = torch.arange(seq_len, device=q.device)
+        positions = torch.arange(max(seq_len - (sliding_window or seq_len), 0), seq_len, device=q.device)
         blocks = block_tables[s, positions // block_size].long()
-        k = k_cache[blocks, positions % block_size].float()  # [seq_len, num_kv_heads, head_dim]
+        k = k_cache[blocks, positions % block_size].float()  # [num_positions, num_kv_heads, head_dim]
         v = v_cache[blocks, positions % block_size].float()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)

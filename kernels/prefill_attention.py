@@ -5,7 +5,8 @@ Its K/V (cached prefix and this step's tokens, already written by `store_kv`) ar
 
     context positions   0 ........ prefix_len-1 | prefix_len ........ seq_len-1
                         cached by earlier steps  | new tokens = this step's query rows
-    query row j sits at position prefix_len + j and sees positions <= its own.
+    query row j sits at position prefix_len + j and sees positions <= its own
+    (and, with a sliding window W, > its own - W; a tile starts reading at its first row's window).
 
 Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): one program per tile of BLOCK_M query rows
 of one head; the online softmax runs over BLOCK_N context positions at a time, in fp32.
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention_tile import attend_paged_tile
+from kernels.paged_decode_attention import NO_WINDOW
 from kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
@@ -40,6 +42,7 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale,
+    sliding_window,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -79,15 +82,17 @@ def _prefill_attention_kernel(
     query_positions = prefix_len + rows  # [BLOCK_M]
     # The last row of this tile sees up to its own position; nothing later is loaded.
     kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
+    # The first row of this tile sees nothing before its window; nothing earlier is loaded.
+    kv_start = tl.maximum(prefix_len + q_tile * BLOCK_M - sliding_window + 1, 0)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    # Every row sees position 0 in the first tile, so running_max is finite from then on (no NaN).
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
-        pos_mask = positions < kv_end
+        pos_mask = (positions < kv_end) & (positions >= kv_start)
         visible = (positions[None, :] <= query_positions[:, None]) & pos_mask[None, :]
+        visible &= positions[None, :] > query_positions[:, None] - sliding_window
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc,
             k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
@@ -121,14 +126,17 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 
     query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, max_blocks]
     int32; `max_query_len` >= every query length (sets the grid). Returns [num_tokens, num_heads, head_dim]
-    (written into `out` when given).
+    (written into `out` when given). `sliding_window` W: each query sees the last W positions up to its own.
     """
     _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
     num_tokens, num_heads, head_dim = q.shape
     out = output_like("out", out, q)
     num_seqs = seq_lens.shape[0]
@@ -136,7 +144,7 @@ def prefill_attention(
         return out
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _BLOCK_M))
     _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -160,6 +168,7 @@ def prefill_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch version of `prefill_attention`: gather each context, mask, softmax in fp32."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -169,7 +178,9 @@ def prefill_attention_reference(
     for s, seq_len in enumerate(seq_lens.tolist()):
         rows = slice(starts[s], starts[s + 1])
         query_len = starts[s + 1] - starts[s]
-        positions = torch.arange(seq_len, device=q.device)
+        # Only positions some query's window reaches: entries before them may be freed blocks.
+        first = 0 if sliding_window is None else max(seq_len - query_len - sliding_window + 1, 0)
+        positions = torch.arange(first, seq_len, device=q.device)
         blocks = block_tables[s, positions // block_size].long()
         k = (
             k_cache[blocks, positions % block_size]
@@ -183,6 +194,9 @@ def prefill_attention_reference(
         )
         scores = torch.einsum("qhd,thd->hqt", q[rows].float(), k) * scale
         query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        scores = scores.masked_fill(positions[None, None, :] > query_positions[None, :, None], float("-inf"))
+        hidden = positions[None, None, :] > query_positions[None, :, None]
+        if sliding_window is not None:
+            hidden |= positions[None, None, :] <= query_positions[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hqt,thd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out

@@ -42,7 +42,11 @@ def parse_size(text: str) -> int:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="Hugging Face directory or .gguf file (default: the embedded model)")
+    source.add_argument(
+        "--model",
+        help="Hugging Face directory, .gguf file or packaged model name such as gemma3-270m "
+        "(default: the embedded SmolLM2)",
+    )
     source.add_argument("--preset", help="random weights in a named shape (engine.loading.presets)")
     parser.add_argument(
         "--load-format",

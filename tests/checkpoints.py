@@ -20,6 +20,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)  # ids 0, 1, 2, 3
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(4)
+MISTRAL_WINDOW = 12
+GEMMA3_WINDOW = 8
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -71,6 +73,46 @@ def build_qwen2_checkpoint(directory: str, *, max_shard_size: str | None = "100K
 
     config = Qwen2Config(**_SHAPE, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
     return _save(Qwen2ForCausalLM(config), directory, max_shard_size, seed)
+
+
+def build_mistral_windowed_checkpoint(directory: str, *, seed: int = 3) -> str:
+    """Mistral whose sliding window (12) is shorter than most test prompts, so windowing shows."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**_SHAPE, rope_theta=1e4, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
+    return _save(MistralForCausalLM(config), directory, None, seed)
+
+
+def build_qwen3_checkpoint(directory: str, *, seed: int = 4) -> str:
+    """Qwen3: q/k RMSNorm per head, no biases, head_dim 32 (wider than hidden / heads), tied."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = {**_SHAPE, "head_dim": 32}
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
+    return _save(Qwen3ForCausalLM(config), directory, None, seed)
+
+
+def build_gemma3_checkpoint(
+    directory: str, *, seed: int = 5, layer_types: tuple[str, ...] | None = None
+) -> str:
+    """Gemma 3 text: 3 layers, local (window 8, shorter than the prompts) then global by default;
+    query_pre_attn_scalar differs from head_dim; separate local and global RoPE bases."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layer_types = layer_types or ("sliding_attention", "sliding_attention", "full_attention")
+    config = Gemma3TextConfig(
+        **{**_SHAPE, "num_hidden_layers": len(layer_types)},
+        head_dim=16,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=list(layer_types),
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        pad_token_id=0,
+    )
+    return _save(Gemma3ForCausalLM(config), directory, None, seed)
 
 
 def _save(model: torch.nn.Module, directory: str, max_shard_size: str | None, seed: int) -> str:

@@ -10,7 +10,14 @@ import torch
 # Triton reads this when a kernel module is first imported: without a GPU, kernels run interpreted.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from checkpoints import build_llama_checkpoint, build_mistral_checkpoint, build_qwen2_checkpoint
+from checkpoints import (
+    build_gemma3_checkpoint,
+    build_llama_checkpoint,
+    build_mistral_checkpoint,
+    build_mistral_windowed_checkpoint,
+    build_qwen2_checkpoint,
+    build_qwen3_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +36,24 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2 with q/k/v biases, sharded over several safetensors files plus an index."""
     return build_qwen2_checkpoint(str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="session")
+def mistral_windowed_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Mistral with a sliding window of 12 tokens: every layer windowed."""
+    return build_mistral_windowed_checkpoint(str(tmp_path_factory.mktemp("mistral_windowed")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3 with q/k norms and head_dim 32."""
+    return build_qwen3_checkpoint(str(tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Gemma 3 text: two local layers (window 8) and one global layer."""
+    return build_gemma3_checkpoint(str(tmp_path_factory.mktemp("gemma3")))
 
 
 @pytest.fixture(scope="module")

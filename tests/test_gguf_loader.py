@@ -244,14 +244,26 @@ def test_unsupported_architecture(tmp_path):
     write_tiny_gguf(tmp_path / "phi.gguf", arch="phi3")
     with pytest.raises(ValueError) as err:
         load_gguf(tmp_path / "phi.gguf")
-    assert str(err.value) == "general.architecture: 'phi3' is not supported; supported: llama, qwen2"
+    assert (
+        str(err.value)
+        == "general.architecture: 'phi3' is not supported; supported: llama, qwen2, qwen3, gemma3"
+    )
 
 
 def test_unsupported_tokenizer_model(tmp_path):
-    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
+    write_tiny_gguf(tmp_path / "t5.gguf", tokenizer_model="t5")
     with pytest.raises(ValueError) as err:
-        load_gguf(tmp_path / "spm.gguf")
-    assert str(err.value) == "tokenizer.ggml.model: 'llama' is not supported; supported: gpt2"
+        load_gguf(tmp_path / "t5.gguf")
+    assert str(err.value) == "tokenizer.ggml.model: 't5' is not supported; supported: gpt2, llama"
+
+
+def test_sentencepiece_vocabulary_without_scores_or_merges_is_named(tmp_path):
+    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
+    file = GGUFFile(tmp_path / "spm.gguf")
+    del file.metadata["tokenizer.ggml.merges"]
+    with pytest.raises(ValueError) as err:
+        gguf_tokenizer(file)
+    assert str(err.value) == "tokenizer.ggml.scores: missing from the GGUF metadata (needed without merges)"
 
 
 def test_missing_vocabulary_is_named(tiny):

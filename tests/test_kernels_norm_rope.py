@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.loading.model_arch import RopeScaling
-from engine.worker.models.rotary import build_cos_sin_cache
+from engine.worker.layers.rotary import build_cos_sin_cache
 from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.rotary import rotary_embedding, rotary_embedding_reference
 

@@ -28,7 +28,10 @@ NUM_NEW_TOKENS = 4
 BLOCKS_PER_REQUEST = 4
 
 
-@pytest.fixture(scope="module", params=["llama_dir", "mistral_dir", "qwen2_dir"])
+CHECKPOINTS = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "mistral_windowed_dir", "gemma3_dir"]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
 def checkpoint(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
@@ -59,7 +62,8 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     )
     runner = ModelRunner(config, load_model_source(config.model))
     assert runner.attention_backend.name == backend
-    assert runner.model.model.norm.use_triton == (backend == "triton")
+    if runner.arch.architecture != "Gemma3ForCausalLM":  # Gemma's norms round differently: plain PyTorch
+        assert runner.model.model.norm.use_triton == (backend == "triton")
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     prompt_logits: list[torch.Tensor | None] = [None] * len(prompts)

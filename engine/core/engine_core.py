@@ -36,7 +36,11 @@ class EngineCore:
         self.tokenizer = source.tokenizer
         self.model_runner = ModelRunner(config, source)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.model_runner.num_blocks, self.model_runner.max_model_len
+            config.scheduler,
+            config.cache,
+            self.model_runner.num_blocks,
+            self.model_runner.max_model_len,
+            sliding_window=source.arch.uniform_sliding_window,
         )
         self.sampler = Sampler()
         self.faults = FaultInjector.from_env()
@@ -100,9 +104,6 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def unfinished_request_ids(self) -> list[str]:
-        return self.scheduler.request_ids()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

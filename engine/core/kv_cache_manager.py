@@ -9,6 +9,15 @@ A request's block table covers exactly the tokens that have (or are about to get
 Full blocks of computed tokens are registered in the pool's prefix cache under their chained hash
 (`engine.core.block_hash`). A new request first looks up the longest run of cached blocks matching its
 tokens (`find_prefix`), then `allocate_slots` shares those blocks by ref count and allocates the rest.
+
+With a `sliding_window` W (a model whose every layer is windowed), the next query at position
+num_computed sees positions num_computed - W + 1 onwards; blocks wholly before that are freed when the
+request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (never read by attention):
+
+    W = 20, block_size = 16, num_computed = 50: first visible position 31
+    block table:      [ 0 (freed) | b9 | b2 | b5 ]      positions 0..15 freed; 16..31 kept (holds 31)
+
+Freed blocks keep their hash in the pool, so other requests can still hit them until evicted.
 """
 
 from __future__ import annotations
@@ -30,16 +39,23 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit(blocks=(), num_tokens=0)
+PLACEHOLDER_BLOCK_ID = 0  # table entry of a block freed for being out of the window: a real id, never read
 
 
 class KVCacheManager:
     """Request id -> block list, on top of a `BlockPool`."""
 
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._blocks: dict[str, list[KVCacheBlock | None]] = {}  # None: freed, out of the window
+        self._num_freed: dict[str, int] = {}  # leading blocks freed for being out of the window
         self._block_ids: dict[str, list[int]] = {}  # parallel to _blocks, so tables are cheap to copy
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks of tokens
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
@@ -71,7 +87,8 @@ class KVCacheManager:
 
         `hit` is given once, when a request with no blocks is admitted: its blocks are shared first and
         the new tokens follow `hit.num_tokens`. Otherwise the new tokens follow
-        `request.num_computed_tokens`. Returns None (and changes nothing) if the pool is short.
+        `request.num_computed_tokens`. Returns None if the pool is short (having changed nothing but, with
+        a window, freed blocks the request no longer sees).
         """
         request_id = request.request_id
         blocks = self._blocks.get(request_id, [])
@@ -83,6 +100,7 @@ class KVCacheManager:
         num_new_blocks = max(num_required - len(blocks) - len(hit_blocks), 0)
         # Hit blocks sitting in the free queue stop being free once referenced.
         num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        self._free_out_of_window(request_id, num_computed)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
         self.pool.touch(hit_blocks)
@@ -96,7 +114,18 @@ class KVCacheManager:
             if self.enable_caching:
                 self.num_queries += request.num_tokens
                 self.num_hits += hit.num_tokens
+            self._free_out_of_window(request_id, num_computed)
         return tuple(block_ids)
+
+    def num_blocks_needed(self, num_tokens: int, max_tokens_per_step: int) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once, advancing at most
+        `max_tokens_per_step` tokens a step: all of them, or with a window only the blocks a step's
+        queries can see (the window before the first query, the step's tokens, one partial block)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return num_blocks
+        window_blocks = -(-(self.sliding_window - 1 + max_tokens_per_step) // self.block_size) + 1
+        return min(num_blocks, window_blocks)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register in the prefix cache every block now full of computed tokens."""
@@ -110,13 +139,16 @@ class KVCacheManager:
         hashes = self._request_hashes(request)
         blocks = self._blocks[request_id]
         for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], hashes[i])
+            block = blocks[i]
+            if block is not None:  # a freed block was cached before it left the window
+                self.pool.cache_full_block(block, hashes[i])
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Release every block of the request, tail first, and forget it. Unknown ids are a no-op."""
         blocks = self._blocks.pop(request_id, [])
-        self.pool.free(reversed(blocks))
+        self.pool.free(block for block in reversed(blocks) if block is not None)
+        self._num_freed.pop(request_id, None)
         self._block_ids.pop(request_id, None)
         self._hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
@@ -128,6 +160,25 @@ class KVCacheManager:
     def request_ids(self) -> list[str]:
         """Ids of the requests that hold blocks."""
         return list(self._blocks)
+
+    def _free_out_of_window(self, request_id: str, num_computed: int) -> None:
+        """Free the request's blocks wholly before position num_computed - sliding_window + 1 (the
+        first one its next query sees), oldest first."""
+        if self.sliding_window is None:
+            return
+        first_visible = max(num_computed - self.sliding_window + 1, 0)
+        blocks = self._blocks.get(request_id, [])
+        start = self._num_freed.get(request_id, 0)
+        end = min(first_visible // self.block_size, len(blocks))
+        if end <= start:
+            return
+        freed = [block for block in blocks[start:end] if block is not None]
+        block_ids = self._block_ids[request_id]
+        for i in range(start, end):
+            blocks[i] = None
+            block_ids[i] = PLACEHOLDER_BLOCK_ID
+        self._num_freed[request_id] = end
+        self.pool.free(freed)
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's tokens, extended as tokens are appended."""

@@ -53,12 +53,17 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: the model's window when every layer has it (ModelArchConfig.
+        uniform_sliding_window); a request then holds only the blocks its window reaches."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(self.block_size, num_blocks, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.block_size, num_blocks, cache_config.enable_prefix_caching, sliding_window
+        )
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting = RequestQueue()
         self._running: dict[str, Request] = {}
@@ -323,7 +328,7 @@ class Scheduler:
                 "prompt", f"{request.num_prompt_tokens} tokens exceed max_model_len {self.max_model_len}"
             )
         max_tokens_with_kv = min(request.num_tokens + request.sampling_params.max_tokens, self.max_model_len)
-        num_blocks_needed = -(-max_tokens_with_kv // self.block_size)
+        num_blocks_needed = self.kv.num_blocks_needed(max_tokens_with_kv, self.config.max_num_batched_tokens)
         if num_blocks_needed > self.num_blocks:
             raise ContextLengthError(
                 "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"

@@ -19,12 +19,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.loading.gguf_file import GGUFFile, GGUFTensor
+from engine.loading.gguf_spec import GLOBAL_NAMES, GGUFSpec
 from engine.loading.model_arch import ModelArchConfig
 from engine.loading.model_loader import ModelSource
 from engine.text.gguf_tokenizer import gguf_tokenizer
-
-# general.architecture -> the model class that runs it.
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from engine.worker.models.registry import GGUF_ARCHITECTURES, get_model_class
 
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
@@ -32,23 +31,7 @@ SUPPORTED_TENSOR_TYPES = (
     _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
 )  # fmt: skip
 
-# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+ROPE_FREQS = "rope_freqs.weight"  # not a weight: read into the config's rope scaling
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -64,8 +47,10 @@ def load_gguf(path: str | os.PathLike[str]) -> ModelSource:
     arch = gguf_arch_config(
         file, name=name, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
     )
-    _check_tensors(file)
-    return ModelSource(arch=arch, weights=GGUFWeights(file, arch), tokenizer=tokenizer, name=arch.name)
+    spec = gguf_spec(file.metadata.get("general.architecture"))
+    _check_tensors(file, spec)
+    weights = GGUFWeights(file, arch, spec)
+    return ModelSource(arch=arch, weights=weights, tokenizer=tokenizer, name=arch.name)
 
 
 def gguf_arch_config(
@@ -75,15 +60,30 @@ def gguf_arch_config(
     bos_token_id: int | None = None,
     eos_token_ids: tuple[int, ...] = (),
 ) -> ModelArchConfig:
-    """The model's shape from `<arch>.*` metadata. Raises ValueError for an unsupported architecture."""
+    """The model's shape from `<arch>.*` metadata, as the config.json a Hugging Face export would have.
+    Raises ValueError for an unsupported architecture or a missing key."""
     gguf_arch = file.metadata.get("general.architecture")
-    if gguf_arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"general.architecture: {gguf_arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
-    if any(t.name == "rope_freqs.weight" for t in file.tensors):
-        raise ValueError("rope_freqs.weight: Llama 3.1-style RoPE frequency scaling in GGUF is not supported")
+    spec = gguf_spec(gguf_arch)
+    config = {
+        **spec.config_defaults,
+        **_shape_config(file, gguf_arch),
+        "bos_token_id": bos_token_id,
+        "eos_token_id": list(eos_token_ids),
+    }
+    rope_freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None:  # Llama 3.1+: the llama3 scaling, one divisor per frequency
+        config["rope_scaling"] = {
+            "rope_type": "freq_factors",
+            "freq_factors": _dequantize(rope_freqs).tolist(),
+        }
+    for metadata_key, config_key in spec.config_keys.items():
+        if f"{gguf_arch}.{metadata_key}" in file.metadata:
+            config[config_key] = file.metadata[f"{gguf_arch}.{metadata_key}"]
+    return ModelArchConfig.from_hf_config(config, name=name)
+
+
+def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
+    """config.json entries from the `<arch>.*` keys every GGUF has."""
 
     def key(name: str, default: Any = None) -> Any:
         value = file.metadata.get(f"{gguf_arch}.{name}", default)
@@ -96,35 +96,41 @@ def gguf_arch_config(
     head_dim = key("attention.key_length", hidden // num_heads)
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{gguf_arch}.rope.dimension_count: partial rotary embeddings are not supported")
-    return ModelArchConfig(
-        architecture=SUPPORTED_GGUF_ARCHITECTURES[gguf_arch],
-        vocab_size=len(file.metadata["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=key("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        max_position_embeddings=key("context_length"),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in file.tensors),
-        attention_bias=gguf_arch == "qwen2",
-        bos_token_id=bos_token_id,
-        eos_token_ids=eos_token_ids,
-        name=name,
-    )
+    return {
+        "architectures": [GGUF_ARCHITECTURES[gguf_arch]],
+        "vocab_size": len(file.metadata["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in file.tensors),
+    }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def gguf_spec(gguf_arch: str | None) -> GGUFSpec:
+    """The GGUF layout of `general.architecture` = gguf_arch. Raises ValueError when unsupported."""
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"general.architecture: {gguf_arch!r} is not supported; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    return get_model_class(GGUF_ARCHITECTURES[gguf_arch]).gguf_specs[gguf_arch]
+
+
+def hf_tensor_name(gguf_name: str, spec: GGUFSpec) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`. Raises ValueError when unknown."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in spec.layer_names:
         raise ValueError(f"tensor {gguf_name!r}: no Hugging Face name is known for it")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{spec.layer_names[part]}.{kind}"
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -138,15 +144,17 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _check_tensors(file: GGUFFile) -> None:
+def _check_tensors(file: GGUFFile, spec: GGUFSpec) -> None:
     supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
     for tensor in file.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
                 f"tensor {tensor.name!r}: type {tensor.tensor_type.name} is not supported; "
                 f"supported: {supported}"
             )
-        hf_tensor_name(tensor.name)
+        hf_tensor_name(tensor.name, spec)
 
 
 class GGUFWeights:
@@ -155,19 +163,24 @@ class GGUFWeights:
     Each pass reads the memory-mapped file again, so the weights can be iterated more than once.
     """
 
-    def __init__(self, file: GGUFFile, arch: ModelArchConfig) -> None:
+    def __init__(self, file: GGUFFile, arch: ModelArchConfig, spec: GGUFSpec) -> None:
         self.file = file
         self.arch = arch
+        self.spec = spec
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        permute_rows = self.arch.architecture == "LlamaForCausalLM"
+        permute_rows = self.spec.permute_qk
         for tensor in self.file.tensors:
-            name = hf_tensor_name(tensor.name)
+            if tensor.name == ROPE_FREQS:
+                continue
+            name = hf_tensor_name(tensor.name, self.spec)
             weight = _dequantize(tensor)
             if permute_rows and name.endswith("q_proj.weight"):
                 weight = unpermute_rotary_rows(weight, self.arch.num_attention_heads)
             elif permute_rows and name.endswith("k_proj.weight"):
                 weight = unpermute_rotary_rows(weight, self.arch.num_key_value_heads)
+            elif self.spec.norm_shift and name.endswith("norm.weight"):
+                weight = weight - self.spec.norm_shift
             yield name, weight
 
 

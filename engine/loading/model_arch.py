@@ -1,26 +1,44 @@
-"""The shape of a Llama-family model, read from a Hugging Face `config.json` (or built by a loader)."""
+"""The shape of a decoder-only model, read from a Hugging Face `config.json` (or built by a loader).
+
+Fields every architecture shares live here; a model file reads its own extras (q/k norms, Gemma's local
+rope base, ...) from `extra`, the config.json it came from.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from engine.worker.models.registry import SUPPORTED_ARCHITECTURES
+
+ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope_scaling` of type "llama3" (Llama 3.1/3.2); None on the config means plain RoPE."""
+    """`rope_scaling` of type "llama3" (Llama 3.1/3.2), "linear" (positions divided by `factor`, e.g.
+    Gemma 3's global layers) or "freq_factors" (each inverse frequency divided by its factor, as a GGUF's
+    `rope_freqs.weight` stores the llama3 scaling); None on the config means plain RoPE."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"rope_scaling: type {self.rope_type!r} is not supported; "
+                f"supported: {', '.join(repr(t) for t in ROPE_SCALING_TYPES)}"
+            )
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shape, RoPE and special token ids of a Llama-family model; validated on construction."""
+    """Shape, RoPE, attention windows and special token ids of a model; validated on construction."""
 
     architecture: str
     vocab_size: int
@@ -37,6 +55,9 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    # Per layer, "full_attention" or "sliding_attention"; () means every layer is sliding when
+    # sliding_window is set (Mistral), else full.
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "unknown"
@@ -46,6 +67,29 @@ class ModelArchConfig:
         _check_architecture(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads: must divide num_attention_heads")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window: must be > 0, got {self.sliding_window}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types: {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types: each must be one of {LAYER_TYPES}, got {self.layer_types}")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None when it attends to its whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer is windowed (then KV blocks wholly before it can be freed);
+        None when any layer keeps its full context."""
+        windows = {self.layer_sliding_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def q_size(self) -> int:
@@ -89,9 +133,11 @@ class ModelArchConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+            layer_types=_layer_types(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=token_ids(config.get("eos_token_id")),
             name=name,
+            extra=dict(config),
         )
 
 
@@ -110,27 +156,52 @@ def _check_architecture(architecture: str) -> None:
         )
 
 
+def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+    """config.json's `layer_types`, or the one a `sliding_window_pattern` p implies (older Gemma 3
+    configs and GGUFs): every p-th layer full, the others sliding."""
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    pattern = config.get("sliding_window_pattern")
+    if not pattern:
+        return ()
+    layers = range(_required(config, "num_hidden_layers"))
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
+
+
 def _required(config: dict[str, Any], key: str) -> Any:
     if key not in config:
         raise ValueError(f"{key}: missing from the model's config.json")
     return config[key]
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
+def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """The RoPE settings of `layer_type` layers. transformers >= 5 writes `rope_parameters` (per layer
+    type for hybrid models such as Gemma 3); older configs write `rope_theta` and `rope_scaling`."""
     params = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if layer_type in params or "full_attention" in params:
+        params = params.get(layer_type) or {}
+    return {**params, **(config.get("rope_scaling") or {})}
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    return float(config.get("rope_theta") or rope_parameters(config).get("rope_theta") or 10000.0)
 
 
 def _rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
-    # transformers >= 5 writes `rope_parameters`; older configs write `rope_scaling`.
-    scaling = config.get("rope_scaling") or config.get("rope_parameters")
-    if not scaling:
-        return None
+    scaling = rope_parameters(config)
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind == "freq_factors":
+        factors = tuple(float(f) for f in scaling["freq_factors"])
+        return RopeScaling(factor=1.0, rope_type="freq_factors", freq_factors=factors)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling: type {kind!r} is not supported; supported: 'llama3'")
+        raise ValueError(
+            f"rope_scaling: type {kind!r} is not supported; "
+            f"supported: {', '.join(repr(t) for t in ROPE_SCALING_TYPES)}"
+        )
     return RopeScaling(
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling["low_freq_factor"]),

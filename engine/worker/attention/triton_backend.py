@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if metadata.is_pure_decode:
@@ -48,6 +49,7 @@ class TritonAttentionBackend:
                 scale,
                 max_seq_len=metadata.max_seq_len,
                 partition_size=self.decode_partition_size,
+                sliding_window=sliding_window,
             )
         return prefill_attention(
             q,
@@ -58,4 +60,5 @@ class TritonAttentionBackend:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            sliding_window=sliding_window,
         )

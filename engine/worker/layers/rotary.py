@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE), including the "llama3" frequency scaling of Llama 3.1/3.2.
+"""Rotary position embedding (RoPE), with the "llama3" frequency scaling of Llama 3.1/3.2 and "linear"
+position scaling (Gemma 3's global layers), or explicit per-frequency factors (a GGUF's rope_freqs).
 
 Uses the Hugging Face "rotate half" layout: the first half of each head is paired with the second
 half, which is how Hugging Face checkpoints store q_proj/k_proj.
@@ -21,6 +22,14 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":
+        if len(scaling.freq_factors) != len(inv_freq):
+            raise ValueError(
+                f"rope_scaling: {len(scaling.freq_factors)} freq_factors for {len(inv_freq)} frequencies"
+            )
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return _llama3_scale(inv_freq, scaling)
 
 

@@ -1,0 +1,91 @@
+"""Checkpoint tensors (Hugging Face names) -> a model's parameters, driven by the model's name mapping.
+
+A model class declares `packed_modules`: checkpoint module name -> (its module, shard), e.g.
+    {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), ...}
+so `model.layers.3.self_attn.k_proj.weight` fills shard 1 of `model.layers.3.self_attn.qkv_proj.weight`.
+The owning layer's `weight_loader(param, tensor, shard)` lays the tensor out; layers without one get a
+plain shape-checked copy. After everything is in, every layer's `process_weights_after_loading()` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+# Checkpoint tensors that are not weights (transformers may save rotary tables).
+_SKIPPED = ("rotary_emb.inv_freq",)
+Packed = Mapping[str, tuple[str, int]]
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every tensor into `model` (casting to its dtype); a missing `lm_head.weight` ties it to the
+    embeddings. Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
+    packed: Packed = getattr(model, "packed_modules", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[tuple[str, int | None]] = set()
+    for name, tensor in weights:
+        if any(part in name for part in _SKIPPED) or (tied and name == "lm_head.weight"):
+            continue
+        param_name, shard = locate(name, packed)
+        if param_name not in params:
+            raise ValueError(f"weights: unexpected tensor {name!r}")
+        owner = model.get_submodule(param_name.rpartition(".")[0])
+        try:
+            getattr(owner, "weight_loader", _copy)(params[param_name], tensor, shard)
+        except ValueError as error:
+            raise ValueError(f"weights: {name!r} {error}") from None
+        loaded.add((param_name, shard))
+    missing = [key for key in expected_keys(model) if key not in loaded]
+    if ("lm_head.weight", None) in missing:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing.remove(("lm_head.weight", None))
+    if missing:
+        raise ValueError(f"weights: missing {sorted({name for name, _ in missing})}")
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+
+
+def locate(name: str, packed: Packed) -> tuple[str, int | None]:
+    """Checkpoint name -> (parameter name, shard); shard None for a tensor that fills a whole parameter."""
+    for checkpoint_part, (fused_part, shard) in packed.items():
+        if f".{checkpoint_part}." in name:
+            return name.replace(f".{checkpoint_part}.", f".{fused_part}."), shard
+    return name, None
+
+
+def expected_keys(model: nn.Module) -> list[tuple[str, int | None]]:
+    """(parameter, shard) pairs a complete checkpoint fills: every shard of packed layers."""
+    keys: list[tuple[str, int | None]] = []
+    for param_name, _ in model.named_parameters():
+        owner = model.get_submodule(param_name.rpartition(".")[0])
+        num_shards = getattr(owner, "num_shards", 1)
+        keys += [(param_name, i) for i in range(num_shards)] if num_shards > 1 else [(param_name, None)]
+    return keys
+
+
+def checkpoint_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face names and shapes of a full checkpoint for `model` (packed layers unpacked)."""
+    unpack: dict[str, list[tuple[str, int]]] = {}
+    for checkpoint_part, (fused_part, shard) in getattr(model, "packed_modules", {}).items():
+        unpack.setdefault(fused_part, []).append((checkpoint_part, shard))
+    shapes = []
+    for param_name, param in model.named_parameters():
+        owner = model.get_submodule(param_name.rpartition(".")[0])
+        fused_part = param_name.split(".")[-2]
+        if getattr(owner, "num_shards", 1) == 1 or fused_part not in unpack:
+            shapes.append((param_name, tuple(param.shape)))
+            continue
+        for checkpoint_part, shard in sorted(unpack[fused_part], key=lambda item: item[1]):
+            name = param_name.replace(f".{fused_part}.", f".{checkpoint_part}.")
+            shapes.append((name, (owner.output_sizes[shard], *param.shape[1:])))
+    return shapes
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)

@@ -1,0 +1,78 @@
+"""SentencePiece vocabularies from GGUF files (`tokenizer.ggml.model == "llama"`: Llama 2, Mistral, Gemma).
+
+A GGUF stores a SentencePiece model as its pieces (`▁` for a space, `<0x41>` byte pieces), their
+scores and types, rarely with merges. It is rebuilt as a `tokenizers` BPE with byte fallback, the way
+transformers rebuilds it (`integrations/gguf/gguf_tokenizer_mapping.py`), so both encode alike:
+
+    merges   the file's, else every split of a piece into two pieces of the vocabulary, ranked by the
+             piece's score (Gemma: by its position in the file, which is its merge order)
+    Llama    Metaspace pre-tokenizer: spaces -> `▁`, one `▁` prepended to the text; decoding strips it
+    Gemma    spaces -> `▁` by a normalizer, nothing prepended; pieces of 2+ real spaces respelled `▁▁`
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+_CONTROL = 3  # llama.cpp's token types
+_USER_DEFINED = 4
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def sentencepiece_bpe(
+    tokens: list[str],
+    scores: list[float],
+    token_types: list[int],
+    merges: list[str] | None,
+    *,
+    gemma: bool,
+    unk_token: str | None,
+    special_ids: tuple[int, ...] = (),
+) -> BackendTokenizer:
+    """A byte-fallback BPE over the GGUF's pieces (ids are list positions). Control tokens and
+    `special_ids` (the file's bos/eos/unk/pad) become special added tokens, user-defined ones plain
+    added tokens, all matched whole."""
+    if gemma:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {token: -index for index, token in enumerate(tokens)}
+    else:
+        ranks = dict(zip(tokens, scores, strict=False))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else merges_from_vocab(vocab, ranks)
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, unk_token=unk_token)
+    backend = BackendTokenizer(bpe)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    typed = list(zip(tokens, token_types, strict=False))
+    special = [t for t, kind in typed if kind == _CONTROL]
+    special += [tokens[i] for i in special_ids if tokens[i] not in special]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in typed if kind == _USER_DEFINED]
+    )
+    return backend
+
+
+def merges_from_vocab(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) split of a piece into two pieces, best-ranked piece first; ties: longer left,
+    then longer right piece first, then by the pieces' ids (transformers' `generate_merges`)."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, rank in ranks.items():
+        local = [
+            (piece[:i], piece[i:], rank)
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]

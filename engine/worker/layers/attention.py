@@ -1,0 +1,53 @@
+"""One layer's paged attention: writes this step's K/V into the layer's cache, then attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim].
+
+    sliding_window None: every query sees its whole context. sliding_window W: the query at position p
+    sees positions p - W + 1 .. p (W positions, itself included), as transformers' sliding-window mask.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: {num_kv_heads} must divide num_heads {num_heads}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, sliding_window=self.sliding_window
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,91 @@
+"""Linear layers that own their weights: how checkpoint tensors land in them, and how the backend reads them.
+
+    ReplicatedLinear      one checkpoint tensor -> one weight            (o_proj, down_proj, lm_head)
+    MergedLinear          n checkpoint tensors  -> row slices of one weight (gate_up_proj = [gate; up])
+    QKVLinear             MergedLinear with shards q, k, v              (qkv_proj = [q; k; v])
+
+    weight [sum(output_sizes), input_size]:   rows 0 .. q-1 | q .. q+kv-1 | q+kv .. q+2kv-1
+                                              shard 0 (q)   | shard 1 (k) | shard 2 (v)
+
+Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
+(`engine.loading.weight_loader`) never knows how a layer lays out its weight. After every tensor is in,
+`process_weights_after_loading()` runs once per layer: the single place where a backend-specific layout
+(pre-transposed CPU weights, quantized packing, tensor-parallel slices) is made from the loaded weight.
+`forward` calls `apply`, which reads whatever that layout is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b). weight: [output_size, input_size]; bias: [output_size] when `bias`."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        super().__init__()
+        if not output_sizes or min(output_sizes) <= 0 or input_size <= 0:
+            raise ValueError(f"output_sizes: must be positive, got {tuple(output_sizes)} x {input_size}")
+        self.input_size = input_size
+        self.output_sizes = tuple(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
+
+    @property
+    def num_shards(self) -> int:
+        """Checkpoint tensors per parameter (1 unless the layer packs several projections)."""
+        return len(self.output_sizes)
+
+    def shard_slice(self, shard: int) -> slice:
+        """Rows of the packed weight (and bias) that checkpoint shard `shard` fills."""
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        """Copy checkpoint tensor `loaded` into `param` (all of it, or shard `shard`'s rows), casting to
+        the parameter's dtype. Raises ValueError on a shape mismatch."""
+        target = param.data if shard is None else param.data[self.shard_slice(shard)]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        """Hook run once after loading: lay the weight out for the backend. Plain PyTorch keeps it as is."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size], from the layout `process_weights_after_loading` made."""
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x)
+
+
+class ReplicatedLinear(LinearBase):
+    """One checkpoint tensor, whole."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, (output_size,), bias)
+
+
+class MergedLinear(LinearBase):
+    """Several projections of the same input, stacked by rows (e.g. gate_up_proj = [gate; up])."""
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[..., output_size] -> one view per shard."""
+        return y.split(self.output_sizes, dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections in one matmul: shards 0, 1, 2 of sizes num_heads, num_kv_heads, num_kv_heads
+    times head_dim."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, (q_size, kv_size, kv_size), bias)

@@ -1,0 +1,22 @@
+"""The gated feed-forward block every supported decoder uses: down(act(gate) * up)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.worker.layers.activation import get_act_and_mul
+from engine.worker.layers.linear import MergedLinear, ReplicatedLinear
+
+
+class GatedMLP(nn.Module):
+    """x [T, hidden] -> [T, hidden]; gate and up run as one packed matmul (gate_up_proj = [gate; up])."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size))
+        self.act = get_act_and_mul(activation)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -1,0 +1,143 @@
+"""Gemma 3 text decoder (Gemma3ForCausalLM): GeLU-tanh MLP, q/k norms, norms before and after both
+attention and MLP, a scaled embedding, and local (sliding-window) layers interleaved with global ones,
+each kind with its own RoPE base.
+
+Norms follow transformers' Gemma3RMSNorm (`(1 + weight) * normed`, fp32) and the residual adds are the
+plain ones of transformers' decoder layer, so every backend gets the same roundings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
+from engine.loading.model_arch import ModelArchConfig
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.layers.attention import KVCache
+from engine.worker.layers.mlp import GatedMLP
+from engine.worker.layers.norm import GemmaRMSNorm
+from engine.worker.layers.rotary import Rope
+from engine.worker.models.causal_lm import CausalLM
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        self.head_dim = arch.head_dim
+        self.is_sliding = arch.layer_sliding_window(layer) is not None
+        self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
+        self.o_proj = CausalLM.o_proj(arch)
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        scale = float(arch.extra.get("query_pre_attn_scalar") or arch.head_dim) ** -0.5
+        self.attn = CausalLM.attention(arch, layer, backend, scale)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim))
+        k = self.k_norm(k.reshape(k.shape[0], -1, self.head_dim))
+        q, k = rope(q, k)
+        return self.o_proj(self.attn(q, k, v.reshape(k.shape), kv_cache, metadata))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.self_attn = Gemma3Attention(arch, layer, backend)
+        activation = arch.extra.get("hidden_activation") or "gelu_pytorch_tanh"
+        self.mlp = GatedMLP(h, arch.intermediate_size, activation)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(arch, i, backend) for i in range(arch.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size].
+
+    Global layers rotate with `rope_theta` (and its scaling); local ones with the sliding-attention
+    base (config `rope_parameters.sliding_attention` or `rope_local_base_freq`, 10000 by default).
+    Norms and rotary stay plain PyTorch on every backend (the fused kernels round like Llama).
+    """
+
+    gguf_specs = {
+        "gemma3": GGUFSpec(
+            layer_names={
+                **LLAMA_LAYER_NAMES,
+                "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm",
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+            },
+            config_keys={"attention.sliding_window": "sliding_window"},
+            # As llama.cpp and transformers assume for Gemma 3 files: every 6th layer global.
+            config_defaults={"sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
+            norm_shift=1.0,
+        )
+    }
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int | None = None,
+        use_triton_kernels: bool = False,
+    ) -> None:
+        super().__init__(arch)
+        with torch.device("meta"):
+            self.model = Gemma3Model(arch, backend)
+            self.lm_head = CausalLM.lm_head_for(arch)
+        self.materialize(dtype, device)
+        # As transformers: sqrt(hidden_size) in fp32, then rounded to the model dtype.
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype=dtype, device=device)
+        self.softcap = arch.extra.get("final_logit_softcapping")
+        local = (arch.extra.get("rope_parameters") or {}).get("sliding_attention") or {}
+        local_theta = float(local.get("rope_theta") or arch.extra.get("rope_local_base_freq") or 10000.0)
+        self.rotary_global = self.rope(arch.rope_theta, arch.rope_scaling, max_positions, device, False)
+        self.rotary_local = self.rope(local_theta, None, max_positions, device, False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) * self.embed_scale
+        rope_global, rope_local = self.rotary_global.bind(positions), self.rotary_local.bind(positions)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            rope = rope_local if layer.self_attn.is_sliding else rope_global
+            hidden = layer(hidden, rope, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()

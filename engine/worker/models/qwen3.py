@@ -1,0 +1,56 @@
+"""Qwen3: the Llama decoder with an RMSNorm over each head of q and of k before RoPE (no q/k/v bias)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
+from engine.loading.model_arch import ModelArchConfig
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.layers.attention import KVCache
+from engine.worker.layers.norm import RMSNorm
+from engine.worker.layers.rotary import Rope
+from engine.worker.models.causal_lm import CausalLM
+from engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend, use_triton: bool):
+        super().__init__()
+        self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        self.head_dim = arch.head_dim
+        self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
+        self.o_proj = CausalLM.o_proj(arch)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, use_triton)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, use_triton)
+        self.attn = CausalLM.attention(arch, layer, backend, scale=arch.head_dim**-0.5)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q = self.q_norm.norm(q.reshape(q.shape[0], -1, self.head_dim))
+        k = self.k_norm.norm(k.reshape(k.shape[0], -1, self.head_dim))
+        q, k = rope(q, k)
+        return self.o_proj(self.attn(q, k, v.view(k.shape), kv_cache, metadata))
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_class = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size]."""
+
+    decoder_layer = Qwen3DecoderLayer
+    gguf_specs = {
+        "qwen3": GGUFSpec(
+            layer_names={
+                **LLAMA_LAYER_NAMES,
+                "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm",
+            }
+        )
+    }

@@ -1,0 +1,64 @@
+"""KVCacheManager with a sliding window: blocks wholly before every layer's window are freed, exactly."""
+
+from __future__ import annotations
+
+from scheduler_driver import make_request, tokens
+
+from engine.core.kv_cache_manager import PLACEHOLDER_BLOCK_ID, KVCacheManager
+
+BS = 16
+
+
+def test_blocks_before_the_window_are_freed_as_the_request_advances():
+    kv = KVCacheManager(BS, 10, sliding_window=20)
+    request = make_request("a", tokens(40))
+    assert kv.allocate_slots(request, 40) == (0, 1, 2)  # nothing computed yet: no window to leave
+    request.num_computed_tokens = 40
+    kv.cache_computed_blocks(request)
+    # The next query (position 40) sees 21..40: block 0 (0..15) is out, block 1 (16..31) holds 21.
+    assert kv.allocate_slots(request, 1) == (PLACEHOLDER_BLOCK_ID, 1, 2)
+    assert kv.pool.num_free_blocks == 8
+    request.num_computed_tokens = 52
+    # Position 52 sees 33..52: blocks 0 and 1 out; block 3 is new for positions 48..52.
+    assert kv.allocate_slots(request, 1) == (PLACEHOLDER_BLOCK_ID, PLACEHOLDER_BLOCK_ID, 2, 3)
+    assert kv.pool.num_free_blocks == 8
+    kv.free("a")
+    assert kv.pool.num_free_blocks == 10
+
+
+def test_blocks_held_stay_bounded_over_a_long_decode():
+    kv = KVCacheManager(BS, 6, sliding_window=20)
+    request = make_request("a", tokens(1))
+    held = []
+    for position in range(400):
+        assert kv.allocate_slots(request, 1) is not None
+        request.num_computed_tokens = position + 1
+        kv.cache_computed_blocks(request)
+        held.append(kv.pool.num_used_blocks)
+        request.append_output_token(7)
+    # A query sees 20 positions, spanning at most 2 blocks, plus the block being written.
+    assert max(held) == 3 and held[-1] == 2
+    assert len(kv.block_ids("a")) == 25  # the table still has one entry per logical block
+
+
+def test_freed_blocks_stay_cached_for_other_requests_until_evicted():
+    kv = KVCacheManager(BS, 10, sliding_window=12)
+    first = make_request("a", tokens(40))
+    assert kv.allocate_slots(first, 40) == (0, 1, 2)
+    first.num_computed_tokens = 40
+    kv.cache_computed_blocks(first)
+    kv.allocate_slots(first, 1)  # position 40 sees 29..40: frees block 0, which keeps its hash
+    second = make_request("b", tokens(40))
+    hit = kv.find_prefix(second)
+    assert hit.num_tokens == 32 and [b.block_id for b in hit.blocks] == [0, 1]
+    # Admitted with 32 cached tokens: its next query (position 32) sees 21..32, so block 0 leaves again.
+    assert kv.allocate_slots(second, 8, hit) == (PLACEHOLDER_BLOCK_ID, 1, 3)
+    assert kv.pool.num_used_blocks == 3  # blocks 1, 2 (a) and 1, 3 (b): block 1 shared
+
+
+def test_windowed_request_needs_only_the_blocks_its_window_reaches():
+    kv = KVCacheManager(BS, 4, sliding_window=20)
+    # 19 positions before a 32-token chunk + the chunk = 51 positions -> 4 blocks, +1 for misalignment.
+    assert kv.num_blocks_needed(10_000, max_tokens_per_step=32) == 5
+    assert kv.num_blocks_needed(40, max_tokens_per_step=32) == 3
+    assert KVCacheManager(BS, 4).num_blocks_needed(10_000, max_tokens_per_step=32) == 625

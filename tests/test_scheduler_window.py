@@ -1,0 +1,54 @@
+"""The scheduler with a sliding window (every layer windowed): block tables step by step, blocks held,
+and admission bounded by the window instead of the whole context."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_driver import make_request, tokens
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import PLACEHOLDER_BLOCK_ID as FREED
+from engine.core.scheduler import Scheduler
+from engine.errors import ContextLengthError
+
+BS = 16
+
+
+def _scheduler(num_blocks: int, sliding_window: int | None) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4),
+        CacheConfig(block_size=BS),
+        num_blocks=num_blocks,
+        max_model_len=1000,
+        sliding_window=sliding_window,
+    )
+
+
+def test_a_long_prompt_runs_in_blocks_its_window_reaches():
+    scheduler = _scheduler(num_blocks=5, sliding_window=20)
+    request = make_request("a", tokens(100), max_tokens=2)
+    scheduler.add_request(request)
+    tables, used = [], []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        (scheduled,) = out.scheduled
+        tables.append((scheduled.start_position, scheduled.block_ids))
+        used.append(scheduler.num_blocks_used)
+        scheduler.update_from_output(out, {"a": 7} if scheduled.sample else {})
+    assert tables == [
+        (0, (0, 1)),  # positions 0..31
+        (32, (0, 1, 2, 3)),  # position 32 sees 13..32: block 0 still needed
+        (64, (FREED, FREED, 2, 3, 4, 0)),  # 64 sees 45..: blocks 0, 1 freed; 0 comes back as block 5
+        (96, (FREED, FREED, FREED, FREED, 4, 0, 1)),  # 96 sees 77..: block 4 (64..79) kept
+        (100, (FREED, FREED, FREED, FREED, FREED, 0, 1)),  # decode at 100 sees 81..: block 4 freed
+    ]
+    assert used == [2, 4, 4, 3, 2]
+    assert scheduler.num_blocks_used == 0 and scheduler.num_preemptions == 0
+
+
+def test_admission_counts_only_the_windowed_blocks():
+    request = make_request("a", tokens(100), max_tokens=2)
+    # 19 positions before a 32-token chunk span at most 5 blocks; the whole context would need 7.
+    _scheduler(num_blocks=5, sliding_window=20).add_request(request)
+    with pytest.raises(ContextLengthError, match="needs 7 KV blocks but the cache has 5"):
+        _scheduler(num_blocks=5, sliding_window=None).add_request(make_request("b", tokens(100), 2))
