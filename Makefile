@@ -56,4 +56,4 @@ bench: venv
 	$(PY) -m sluice.bench.baselines --out bench-results $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .tools clients/go/build clients/java/build
+	rm -rf $(VENV) .pytest_cache .tools .build clients/go/build clients/java/build
