@@ -137,7 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for batch in args.batches:
             for llm, timed in engines.values():
-                runs.append(run_batch(llm, timed, prompts[:batch], args.output_len))
+                run = run_batch(llm, timed, prompts[:batch], args.output_len)
+                runs.append(run)
+                print(
+                    f"  {run.backend} batch {run.batch}: {run.tokens_per_second:.1f} tok/s, "
+                    f"{run.attention_ms_per_decode_step:.1f} ms attention per decode step",
+                    flush=True,
+                )
     print_table(runs, args.backends, args.batches)
     print("(2-core machine shared with others: figures are noisy; min-max over repeats, speedup of medians)")
     if args.json:
