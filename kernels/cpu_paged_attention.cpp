@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -74,10 +75,13 @@ struct Strides {
   int64_t bt_seq;
 };
 
-template <typename scalar_t>
+// kHeadDim > 0 fixes head_dim at compile time (loops unrolled, the accumulator row kept in registers);
+// 0 reads it from `runtime_head_dim`.
+template <typename scalar_t, int64_t kHeadDim>
 void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             const int32_t* block_tables, scalar_t* out, const Strides& st, int64_t group,
-            int64_t head_dim, int64_t block_size, float scale) {
+            int64_t runtime_head_dim, int64_t block_size, float scale) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t num_vectors = task.num_rows * group;  // vector i: row i / group, head kv_head*group + i % group
   std::vector<float> qf(num_vectors * head_dim), acc(num_vectors * head_dim, 0.0f);
   std::vector<float> running_max(num_vectors, -std::numeric_limits<float>::infinity());
@@ -115,7 +119,14 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc_i[d] *= correction;
       }
-      for (int64_t t = 0; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
+      if constexpr (kHeadDim > 0) {
+        float row[kHeadDim];  // a local copy the compiler can keep in registers across the positions
+        std::memcpy(row, acc_i, sizeof(row));
+        for (int64_t t = 0; t < visible; ++t) add_scaled(row, scores[t], values + t * st.v_slot, kHeadDim);
+        std::memcpy(acc_i, row, sizeof(row));
+      } else {
+        for (int64_t t = 0; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
+      }
       exp_sum[i] = exp_sum[i] * correction + sum;
       running_max[i] = new_max;
     }
@@ -175,13 +186,23 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-      for (int64_t i = next++; i < num_tasks; i = next++) {
-        attend(tasks[i], q_ptr, k_ptr, v_ptr, tables, out_ptr, st, group, head_dim, block_size,
-               static_cast<float>(scale));
-      }
-    });
+    auto run = [&](auto fixed_head_dim) {
+      constexpr int64_t kHeadDim = decltype(fixed_head_dim)::value;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+        for (int64_t i = next++; i < num_tasks; i = next++) {
+          attend<scalar_t, kHeadDim>(tasks[i], q_ptr, k_ptr, v_ptr, tables, out_ptr, st, group, head_dim,
+                                     block_size, static_cast<float>(scale));
+        }
+      });
+    };
+    if (head_dim == 64) {
+      run(std::integral_constant<int64_t, 64>{});
+    } else if (head_dim == 128) {
+      run(std::integral_constant<int64_t, 128>{});
+    } else {
+      run(std::integral_constant<int64_t, 0>{});
+    }
   });
 }
 
