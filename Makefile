@@ -63,4 +63,4 @@ bench-serving: venv
 	$(PY) -m sluice.bench.serving_overhead --json bench-results/serving_overhead.json $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .tools clients/go/build clients/java/build
+	rm -rf $(VENV) .pytest_cache .tools .build clients/go/build clients/java/build

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 
 
 def _require(condition: bool, name: str, message: str) -> None:

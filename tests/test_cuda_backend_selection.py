@@ -17,8 +17,8 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only named, never used: these checks run before any CUDA call
 
 
-def test_auto_off_cuda_is_torch():
-    assert get_attention_backend("auto", CPU, block_size=256, dtype=torch.bfloat16).name == "torch"
+def test_auto_off_cuda_is_the_cpu_kernel():
+    assert get_attention_backend("auto", CPU, block_size=256, dtype=torch.bfloat16).name == "cpu"
 
 
 def test_triton_off_cuda_is_a_clear_error(monkeypatch):
@@ -32,7 +32,7 @@ def test_triton_off_cuda_is_a_clear_error(monkeypatch):
 def test_triton_on_cpu_runs_in_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert get_attention_backend("triton", CPU).name == "triton"
-    assert get_attention_backend("auto", CPU).name == "torch"  # auto never picks the slow interpreter
+    assert get_attention_backend("auto", CPU).name == "cpu"  # auto never picks the slow interpreter
 
 
 def test_flash_attn_off_cuda_is_a_clear_error():
@@ -64,6 +64,6 @@ def test_flash_attn_limits_are_named():
 def test_unknown_backend_name():
     with pytest.raises(
         ValueError,
-        match="^attention_backend: unknown 'xformers'; supported: auto, torch, triton, flash-attn$",
+        match="^attention_backend: unknown 'xformers'; supported: auto, torch, cpu, triton, flash-attn$",
     ):
         get_attention_backend("xformers", CPU)

@@ -1,6 +1,6 @@
 """ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded),
-with the torch backend and with the Triton one (attention, fused RMSNorm + residual and rotary kernels,
-run by Triton's interpreter on CPU).
+with the torch backend, the C++ CPU one (kernels/cpu_paged_attention.cpp), and the Triton one (attention,
+fused RMSNorm + residual and rotary kernels, run by Triton's interpreter on CPU).
 
 Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks
 with a cached prefix and fresh prefills, over interleaved (non-contiguous) block tables. Tolerance: the
@@ -36,7 +36,7 @@ def checkpoint(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
 
-@pytest.fixture(scope="module", params=["torch", "triton"])
+@pytest.fixture(scope="module", params=["torch", "cpu", "triton"])
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -54,7 +54,7 @@ def _block_ids(index: int) -> tuple[int, ...]:
 def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
     # The Triton kernels run compiled on a GPU, else in the interpreter (TRITON_INTERPRET=1) on CPU.
-    interpreted = backend == "torch" or os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = backend in ("torch", "cpu") or os.environ.get("TRITON_INTERPRET") == "1"
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="float32", device="cpu" if interpreted else "cuda"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
 
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 # Built on Triton kernels (flash-attn writes the cache with store_kv): CUDA, or CPU under the interpreter.
 TRITON_BACKENDS = ("triton", "flash-attn")
@@ -28,15 +31,21 @@ def get_attention_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """ "auto" -> flash-attn when it can run here, else triton on CUDA, else torch ("auto" never picks
-    the interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1).
+    """ "auto" -> flash-attn when it can run here, else triton on CUDA; on CPU the C++ kernel ("cpu"),
+    or torch with a logged warning when it cannot be built (no compiler). "auto" never picks the
+    interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1.
 
     flash-attn is only chosen by "auto" when `block_size` and `dtype` are given and it supports both
-    (see `flash_attn_supports`). Raises ValueError for an unknown name, or for a CUDA-only backend
-    that cannot run here (off CUDA, package missing, unsupported block_size or dtype).
+    (see `flash_attn_supports`). Raises ValueError for an unknown name, for a CUDA-only backend
+    that cannot run here (off CUDA, package missing, unsupported block_size or dtype), or for "cpu"
+    off CPU or without its compiled kernel.
     """
-    if name not in ("auto", "torch", *TRITON_BACKENDS):
-        raise ValueError(f"attention_backend: unknown {name!r}; supported: auto, torch, triton, flash-attn")
+    if name not in ("auto", "torch", "cpu", *TRITON_BACKENDS):
+        raise ValueError(
+            f"attention_backend: unknown {name!r}; supported: auto, torch, cpu, triton, flash-attn"
+        )
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _cpu_backend(name, device)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
     from engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
@@ -56,3 +65,16 @@ def get_attention_backend(
     from engine.worker.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
+
+
+def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The C++ CPU backend; for "auto", the torch backend (logged) when the kernel cannot be built."""
+    from engine.worker.attention.cpu_backend import CpuAttentionBackend, cpu_kernel_unavailable_reason
+
+    reason = cpu_kernel_unavailable_reason(device)
+    if reason is None:
+        return CpuAttentionBackend()
+    if name == "cpu":
+        raise ValueError(f"attention_backend: 'cpu' cannot run: {reason}")
+    logger.warning("attention_backend auto: using the torch backend on cpu: %s", reason)
+    return TorchAttentionBackend()

@@ -1,0 +1,56 @@
+"""Paged attention on CPU with the C++ kernel in `kernels/cpu_paged_attention.cpp` (built on first use).
+
+Each step writes the new K/V through slot_mapping, then one kernel call attends the whole mixed batch
+(prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block tables,
+one task per (sequence, KV head, query tile) covering the GQA group. The torch backend is its reference.
+The kernel has no sliding window yet: windowed layers run the torch backend's windowed attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from kernels.cpu_extension import cpu_extension_unavailable_reason
+from kernels.cpu_paged_attention import EXTENSION, cpu_paged_attention
+
+
+def cpu_kernel_unavailable_reason(device: torch.device) -> str | None:
+    """None when the C++ kernel can run on `device` (building it if needed), else why not."""
+    if device.type != "cpu":
+        return f"device: the C++ kernel runs on cpu, got {device.type!r}"
+    return cpu_extension_unavailable_reason(EXTENSION)
+
+
+class CpuAttentionBackend:
+    """Implements `engine.worker.attention.backend.AttentionBackend` with the C++ CPU kernel."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._windowed = TorchAttentionBackend()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        if sliding_window is not None:
+            return self._windowed.forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return cpu_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            scale,
+        )

@@ -1,0 +1,99 @@
+"""Builds and loads the C++ CPU kernels in `kernels/` with torch's JIT extension loader, once per machine.
+
+The build lands in `<repo>/.build/cpu_extensions/<tag>/` (ignored by git), where the tag names the torch
+version and this CPU's instruction-set flags (the code is compiled with -march=native), so `make test` or
+`make serve` builds on first use and every later process, and every later run, reuses the library
+(torch's loader rebuilds only when the source or flags change). Concurrent first builds are serialised by
+torch's lock file in that directory.
+
+`load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
+failed build); `cpu_extension_unavailable_reason(name)` says why without raising.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNELS_DIR = Path(__file__).resolve().parent
+BUILD_ROOT = KERNELS_DIR.parent / ".build" / "cpu_extensions"
+# OpenMP: at::parallel_for is inlined from torch's headers; the extension links the libgomp torch already
+# loaded (same soname), so there is one OpenMP thread pool, sized by torch.set_num_threads.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def _machine_tag() -> str:
+    """torch version + a hash of the CPU's flags: a library built for one CPU is never loaded on another."""
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    return f"torch{torch.__version__.replace('+', '_')}-{digest}"
+
+
+def _ninja_on_path() -> bool:
+    """torch's loader runs `ninja`; the pip package puts it beside this interpreter, maybe not on PATH."""
+    if shutil.which("ninja"):
+        return True
+    bin_dir = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(bin_dir, "ninja")):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        return True
+    return False
+
+
+@functools.cache
+def _build(name: str) -> tuple[ModuleType | None, str | None]:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler ({compiler!r} not found on PATH)"
+    if not _ninja_on_path():
+        return None, "ninja not found (pip install ninja)"
+    build_dir = BUILD_ROOT / _machine_tag() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            name=f"sluice_{name}",
+            sources=[str(KERNELS_DIR / f"{name}.cpp")],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as error:  # a compiler error, a missing header: the caller falls back
+        return None, f"building kernels/{name}.cpp failed: {error}"
+    return module, None
+
+
+def load_cpu_extension(name: str) -> ModuleType | None:
+    """The compiled `kernels/<name>.cpp` module, or None (logged once as a warning, with the reason)."""
+    module, reason = _build(name)
+    if module is None:
+        _warn_once(name, reason)
+    return module
+
+
+def cpu_extension_unavailable_reason(name: str) -> str | None:
+    """None when `kernels/<name>.cpp` is built and loaded (building it if needed), else why not."""
+    return _build(name)[1]
+
+
+@functools.cache
+def _warn_once(name: str, reason: str | None) -> None:
+    logger.warning("C++ CPU kernel %s unavailable: %s", name, reason)

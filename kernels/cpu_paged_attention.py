@@ -1,0 +1,89 @@
+"""Paged attention on CPU over a mixed batch (the C++ kernel in `cpu_paged_attention.cpp`), its launcher,
+and the plain PyTorch version it must equal.
+
+One call covers prefill chunks (with or without a cached prefix) and decodes: sequence s owns query rows
+`query_start_loc[s] : query_start_loc[s + 1]`, the last `query_len` of its `seq_lens[s]` context tokens,
+and each row sees the positions up to its own. K/V are read in place from the cache:
+
+    block_tables[s] = [7, 2, 9]      block_size = 4
+    context position p  ->  k_cache[block_tables[s][p // 4], p % 4, kv_head, :]
+
+The new tokens' K/V must already be in the cache (the backend writes them first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_extension import load_cpu_extension
+from kernels.tensor_checks import check_block_tables, check_q_and_kv_cache, check_tensor, output_like
+
+EXTENSION = "cpu_paged_attention"
+CPU = torch.device("cpu")
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] (fp32, bf16 or fp16, on CPU); k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc:
+    [num_seqs + 1] int32 (ending at num_tokens); seq_lens: [num_seqs] int32. Returns out [num_tokens,
+    num_heads, head_dim]. Raises ValueError naming a bad argument, RuntimeError if the kernel is not built.
+    """
+    check_q_and_kv_cache(q, k_cache, v_cache)
+    if q.device != CPU:
+        raise ValueError(f"q: on {q.device}, the C++ kernel runs on cpu")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=CPU)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=CPU)
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc: {query_start_loc.shape[0]} entries, expected num_seqs + 1")
+    check_block_tables(block_tables, num_seqs, CPU)
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tensor.stride(2) != tensor.shape[3]:
+            raise ValueError(f"{name}: heads must be packed (stride head_dim), strides are {tensor.stride()}")
+    query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
+    if int(query_start_loc[-1]) != q.shape[0] or int(query_start_loc[0]) != 0:
+        raise ValueError(f"query_start_loc: must run from 0 to num_tokens={q.shape[0]}")
+    out = output_like("out", out, q)
+    module = load_cpu_extension(EXTENSION)
+    if module is None:
+        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    module.paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return out
+
+
+def cpu_paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention, one sequence at a time: gather its context, causal mask offset by the prefix."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        rows = slice(starts[s], starts[s + 1])
+        query_len = starts[s + 1] - starts[s]
+        positions = torch.arange(seq_len)
+        slots = block_tables[s].long()[positions // block_size] * block_size + positions % block_size
+        keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)  # [kv_heads, seq_len, d]
+        values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+        query_positions = torch.arange(seq_len - query_len, seq_len)
+        allowed = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out
