@@ -65,6 +65,8 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     num_preemptions: int = 0
+    # Set when the request was refused before it ran (finish_reason "error"): the field to blame.
+    invalid_field: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+from engine.errors import InvalidRequestError
 from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from service import convert
@@ -57,6 +58,8 @@ class GenerationRunner:
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
+                    if output.invalid_field is not None:  # refused by the core: no chunk, a status
+                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
                     tracker.on_output(output)
                     last = output
                     final = output if output.finished else final

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.errors import InvalidRequestError
 from engine.frontend.engine import Engine
 from engine.outputs import Logprobs, RequestOutput, Timings
 from engine.sampling_params import SamplingParams
@@ -100,6 +101,8 @@ class LLM:
                 completions[request_id] = Completion(request_id, list(ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    if output.invalid_field is not None:
+                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
                     completions[output.request_id].add(output)
         except BaseException:
             # A rejected prompt or an interrupted run must not leave requests behind for the next call.

@@ -104,6 +104,7 @@ class OutputProcessor:
                 state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time
             ),
             num_preemptions=core_output.num_preemptions,
+            invalid_field=core_output.invalid_field,
         )
 
     def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None]:

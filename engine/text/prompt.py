@@ -51,6 +51,18 @@ def check_prompt(
         raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if params.stop and not has_tokenizer:
         raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+    if params.constraint is not None and not has_tokenizer:
+        raise InvalidRequestError(
+            params.constraint.kind, "constrained output needs a tokenizer; this model has none"
+        )
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ContextLengthError(
