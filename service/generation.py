@@ -39,6 +39,7 @@ class GenerationRunner:
         """
         params = convert.sampling_params_from_proto(request.sampling_params)
         prompt = convert.prompt_from_proto(request)
+        tool_use = convert.tool_use_from_proto(request)
         reply_id = request.request_id or engine_request_id
         span = self._tracer.start(metadata, prompt.operation, params)
         tracker = self._metrics.track()
@@ -54,6 +55,7 @@ class GenerationRunner:
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
                 stream_interval=request.stream_interval or None,
+                tool_use=tool_use,
             )
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):

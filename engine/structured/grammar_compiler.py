@@ -30,8 +30,8 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 # The character class xgrammar gives length- or format-bounded JSON strings lets control characters
 # through (its unbounded strings exclude them, as RFC 8259 requires); `strict_json_strings` closes it.
-_LENIENT_STRING_CHAR = r'[^\"\\\r\n]'
-_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
 def strict_json_strings(ebnf: str) -> str:
