@@ -49,6 +49,14 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call the model made; `arguments` is a JSON object as text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A delta: the tokens and text produced since the previous output for this request.
 
@@ -65,6 +73,10 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     num_preemptions: int = 0
+    # Set when the request was refused before it ran (finish_reason "error"): the field to blame.
+    invalid_field: str | None = None
+    # On the last output of a chat request with tools: the calls parsed from the whole output.
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def finished(self) -> bool:

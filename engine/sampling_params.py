@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.structured.constraint import Constraint
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,9 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k=0` and `top_p=1` and `min_p=0` disable those filters.
     `logprobs=None` returns none; `logprobs=N` returns the sampled token's logprob and the top N.
+    `logit_bias` adds a bias to token ids' logits (a mapping or (token_id, bias) pairs; kept sorted);
+    `allowed_token_ids=None` allows every token, else only those. `constraint` forces the output to
+    match a JSON schema, regex, grammar or choice (logprobs stay those of the raw model logits).
     """
 
     temperature: float = 1.0
@@ -30,11 +36,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         checks = (
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
@@ -51,6 +64,22 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "token ids must be >= 0"),
+            (
+                all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
+                "logit_bias",
+                f"biases must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "must not be empty (leave it unset to allow every token)",
+            ),
+            (
+                all(t >= 0 for t in self.allowed_token_ids or ()),
+                "allowed_token_ids",
+                "must be >= 0",
             ),
         )
         for ok, name, message in checks:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequestError
 from engine.model_info import ModelInfo
 from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
 from engine.sampling_params import SamplingParams
+from engine.structured.constraint import Constraint
+from engine.structured.tool_calls import Tool, ToolUse
 from service.stubs import sluice_pb2 as pb
 
 # Scalar SamplingParams fields that are proto3 `optional`: copied only when the caller set them.
@@ -25,6 +28,12 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "logprobs",
     "skip_special_tokens",
 )
+
+_TOOL_CHOICE_MODES = {
+    pb.TOOL_CHOICE_MODE_NONE: "none",
+    pb.TOOL_CHOICE_MODE_AUTO: "auto",
+    pb.TOOL_CHOICE_MODE_REQUIRED: "required",
+}
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -58,7 +67,38 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     }
     kwargs["stop"] = tuple(message.stop)
     kwargs["stop_token_ids"] = tuple(message.stop_token_ids)
+    kwargs["logit_bias"] = dict(message.logit_bias)
+    kwargs["allowed_token_ids"] = tuple(message.allowed_token_ids) or None
+    kwargs["constraint"] = constraint_from_proto(message)
     return SamplingParams(**kwargs)
+
+
+def constraint_from_proto(message: pb.SamplingParams) -> Constraint | None:
+    """Maps the `constraint` oneof; unset is None."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint(choice=tuple(message.choice.choices))
+    if kind == "json_object":
+        return Constraint(json_object=True)
+    return Constraint(**{kind: getattr(message, kind)})
+
+
+def tool_use_from_proto(request: pb.GenerateRequest) -> ToolUse | None:
+    """The tools of a chat request and its tool_choice (unset: "auto"); None without tools."""
+    if request.WhichOneof("prompt") != "messages":
+        return None
+    chat = request.messages
+    if not chat.tools:
+        if chat.HasField("tool_choice"):
+            raise InvalidRequestError("tool_choice", "needs tools")
+        return None
+    tools = tuple(Tool(t.name, t.description, t.parameters) for t in chat.tools)
+    kind = chat.tool_choice.WhichOneof("choice")
+    if kind == "function_name":
+        return ToolUse(tools, chat.tool_choice.function_name)
+    return ToolUse(tools, _TOOL_CHOICE_MODES.get(chat.tool_choice.mode, "auto"))
 
 
 def messages_from_proto(message: pb.ChatMessages) -> tuple[dict[str, str], ...]:
@@ -123,6 +163,7 @@ def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.
         response.usage.CopyFrom(usage_to_proto(output.usage))
     if output.timings is not None:
         response.timings.CopyFrom(timings_to_proto(output.timings))
+    response.tool_calls.extend(pb.ToolCall(name=c.name, arguments=c.arguments) for c in output.tool_calls)
     return response
 
 

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+from engine.errors import InvalidRequestError
 from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from service import convert
@@ -38,6 +39,7 @@ class GenerationRunner:
         """
         params = convert.sampling_params_from_proto(request.sampling_params)
         prompt = convert.prompt_from_proto(request)
+        tool_use = convert.tool_use_from_proto(request)
         reply_id = request.request_id or engine_request_id
         span = self._tracer.start(metadata, prompt.operation, params)
         tracker = self._metrics.track()
@@ -53,10 +55,13 @@ class GenerationRunner:
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
                 stream_interval=request.stream_interval or None,
+                tool_use=tool_use,
             )
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
+                    if output.invalid_field is not None:  # refused by the core: no chunk, a status
+                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
                     tracker.on_output(output)
                     last = output
                     final = output if output.finished else final

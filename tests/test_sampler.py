@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sample.sampler import Sampler, SamplingRow, apply_penalties
+from engine.sample.logits_processors import Penalties
+from engine.sample.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
@@ -18,6 +19,11 @@ TOLERANCE = 0.015
 
 def row(params: SamplingParams, request_id: str = "r", prompt=(), output=(), eos=frozenset()) -> SamplingRow:
     return SamplingRow(request_id, params, list(prompt), list(output), frozenset(eos))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    Penalties().apply(logits, rows)
+    return logits
 
 
 def softmax(values: list[float]) -> list[float]:
@@ -105,9 +111,9 @@ def test_frequency_and_presence_penalties_use_output_counts_only() -> None:
 def test_penalties_apply_per_row() -> None:
     logits = torch.tensor([[2.0, 2.0, 2.0]] * 3)
     rows = [
-        row(SamplingParams(), output=[0]),
-        row(SamplingParams(repetition_penalty=4.0), output=[1]),
-        row(SamplingParams(presence_penalty=1.0), output=[2, 2]),
+        row(SamplingParams(), "a", output=[0]),
+        row(SamplingParams(repetition_penalty=4.0), "b", output=[1]),
+        row(SamplingParams(presence_penalty=1.0), "c", output=[2, 2]),
     ]
     assert apply_penalties(logits.clone(), rows).tolist() == [
         [2.0, 2.0, 2.0],

@@ -7,12 +7,14 @@ It runs in its own process behind a server (`engine.core.process`) and in-proces
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.faults import FaultInjector
+from engine.core.grammar_waiting_room import GrammarWaitingRoom
 from engine.core.messages import AddRequest, CoreOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -21,10 +23,16 @@ from engine.errors import InvalidRequestError
 from engine.loading.model_loader import ModelSource, load_model_source
 from engine.model_info import ModelInfo
 from engine.outputs import EngineStats
+from engine.sample.grammar_mask import GrammarMask
+from engine.sample.logits_processors import default_processors
 from engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a compiling grammar before returning (seconds).
+GRAMMAR_IDLE_WAIT_SECONDS = 0.01
 
 
 class EngineCore:
@@ -42,12 +50,18 @@ class EngineCore:
             self.model_runner.max_model_len,
             sliding_window=source.arch.uniform_sliding_window,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
         self.faults = FaultInjector.from_env()
         eos = set(source.arch.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = (
+            None
+            if self.tokenizer is None
+            else GrammarCompiler(self.tokenizer, source.arch.vocab_size, self.eos_token_ids)
+        )
+        self._compiling = GrammarWaitingRoom()
         self.model_info = ModelInfo(
             name=source.name,
             architecture=source.arch.architecture,
@@ -63,20 +77,26 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
+        rejected = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         self.sampler.free(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
-            return []
+            self._compiling.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
+            return rejected
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)
         self._count(scheduler_output, num_sampled=len(sampled))
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
         updated = self.scheduler.update_from_output(scheduler_output, sampled_token_ids(sampled))
-        return failed + [self._output(r, sampled[r.request_id]) for r in updated]
+        return rejected + failed + [self._output(r, sampled[r.request_id]) for r in updated]
 
     def add_request(self, add: AddRequest) -> None:
-        """Queues a validated request (the frontend checked the prompt against `model_info`)."""
-        if self.scheduler.get_request(add.request_id) is not None:
+        """Queues a validated request (the frontend checked the prompt against `model_info`).
+
+        A request with a constraint waits outside the scheduler until its grammar compiled (in the
+        compile thread); if it does not compile, a later step ends it with an error naming the field.
+        """
+        if self.scheduler.get_request(add.request_id) is not None or add.request_id in self._compiling:
             raise InvalidRequestError("request_id", f"{add.request_id!r} is already in use")
         request = Request(
             request_id=add.request_id,
@@ -87,7 +107,15 @@ class EngineCore:
             priority=add.priority,
             cache_salt=add.cache_salt,
         )
-        self.scheduler.add_request(request)
+        constraint = add.params.constraint
+        if constraint is None:
+            self.scheduler.add_request(request)
+        elif self.grammars is None:
+            raise InvalidRequestError(
+                constraint.kind, "constrained output needs a tokenizer; this model has none"
+            )
+        else:
+            self._compiling.add(request, self.grammars.submit(constraint))
 
     def abort(self, request_ids: Iterable[str], errors: dict[str, str] | None = None) -> list[CoreOutput]:
         """Frees the requests' blocks now; their final outputs say "abort", or "error" with the message
@@ -97,13 +125,44 @@ class EngineCore:
         for request_id in request_ids:
             error = errors.get(request_id)
             status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
-            request = self.scheduler.finish_request(request_id, status)
+            request = self.scheduler.finish_request(request_id, status) or self._finish_compiling(
+                request_id, status
+            )
             if request is not None:
                 outputs.append(self._output(request, None, error))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self._compiling) > 0
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids() + self._compiling.request_ids()
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Requests whose grammar is ready join the scheduler; one that did not compile ends with an
+        error naming its constraint's field (outputs returned)."""
+        outputs = []
+        for request, grammar in self._compiling.pop_done():
+            try:
+                request.grammar = grammar.result()
+                self.scheduler.add_request(request)
+            except GrammarCompileError as exc:
+                field = request.sampling_params.constraint.kind
+                error = InvalidRequestError(field, f"does not compile: {exc}")
+                outputs.append(CoreOutput.failed(request.request_id, str(error), invalid_field=field))
+            except InvalidRequestError as exc:
+                outputs.append(CoreOutput.failed(request.request_id, str(exc), invalid_field=exc.field))
+            except Exception as exc:
+                logger.exception("compiling the grammar of request %s failed", request.request_id)
+                outputs.append(CoreOutput.failed(request.request_id, f"grammar compilation failed: {exc}"))
+        return outputs
+
+    def _finish_compiling(self, request_id: str, status: RequestStatus) -> Request | None:
+        request = self._compiling.remove(request_id)
+        if request is not None:
+            request.status = status
+            request.times.finished = time.time()
+        return request
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -162,6 +221,7 @@ class EngineCore:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            grammar=request.grammar,
         )
 
     def _output(self, request: Request, sampled: SampledToken | None, error: str | None = None) -> CoreOutput:

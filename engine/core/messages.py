@@ -80,15 +80,29 @@ class CoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     error: str | None = None
     finished_time: float | None = None
+    # The request was refused before it ran, because of this field (e.g. a json_schema that does not
+    # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
+    invalid_field: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @classmethod
-    def failed(cls, request_id: str, error: str) -> CoreOutput:
+    def failed(cls, request_id: str, error: str, invalid_field: str | None = None) -> CoreOutput:
         """The last output of a request the core could not take."""
-        return cls(request_id, [], [], 0, 0, None, None, finish_reason="error", error=error)
+        return cls(
+            request_id,
+            [],
+            [],
+            0,
+            0,
+            None,
+            None,
+            finish_reason="error",
+            error=error,
+            invalid_field=invalid_field,
+        )
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

@@ -54,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    grammar: object | None = None  # the compiled constraint (xgrammar CompiledGrammar), set by the core
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from engine.frontend.request_stream import OutputCollector, RequestStream
 from engine.model_info import ModelInfo
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
+from engine.structured.tool_calls import ToolUse
 from engine.text.prompt import check_prompt, resolve_prompt
 from engine.text.tokenizer import Tokenizer
 
@@ -105,21 +106,25 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         stream_interval: int | None = None,
+        tool_use: ToolUse | None = None,
     ) -> RequestStream:
         """Validates (raising InvalidRequestError, ContextLengthError, QueueFullError, EngineDeadError),
         queues the request in the core, and returns its stream.
 
         Abandoning the stream (cancelling the task that awaits it, `aclose()`, or dropping it) aborts the
-        request, so its KV blocks are freed before the core's next step.
+        request, so its KV blocks are freed before the core's next step. `tool_use` (chat only): tools
+        rendered by the chat template, a required or named call enforced, calls parsed on the last output.
         """
         self._check_accepting(request_id)
-        prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages)
+        tools = None if tool_use is None else tool_use.for_template()
+        prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
+        params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         self._check_accepting(request_id)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
         self._streams[request_id] = collector
         arrival = time.time()
-        self._output_processor.add_request(request_id, len(prompt), params, arrival)
+        self._output_processor.add_request(request_id, len(prompt), params, arrival, tool_use)
         self._client.send(AddRequest(request_id, prompt, params, arrival, priority, cache_salt))
         return RequestStream(request_id, collector, self._abandon)
 

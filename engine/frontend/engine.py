@@ -13,6 +13,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.loading.model_loader import ModelSource
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.tool_calls import ToolUse
 from engine.text.prompt import check_prompt
 
 
@@ -44,14 +45,16 @@ class Engine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tool_use: ToolUse | None = None,
     ) -> None:
-        """Validates and queues a request; raises InvalidRequestError / ContextLengthError."""
+        """Validates and queues a request; raises InvalidRequestError / ContextLengthError. With
+        `tool_use`, `params` must already carry its constraint (`ToolUse.sampling_params`)."""
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         arrival = time.time()
         self.core.add_request(
             AddRequest(request_id, list(prompt_token_ids), params, arrival, priority, cache_salt)
         )
-        self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival)
+        self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival, tool_use)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Frees the requests' blocks now; returns their final outputs (finish_reason "abort")."""

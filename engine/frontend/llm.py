@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.errors import InvalidRequestError
 from engine.frontend.engine import Engine
-from engine.outputs import Logprobs, RequestOutput, Timings
+from engine.outputs import Logprobs, RequestOutput, Timings, ToolCall
 from engine.sampling_params import SamplingParams
+from engine.structured.tool_calls import ToolUse
 from engine.text.prompt import resolve_prompt
 
 Prompt = str | Sequence[int]
@@ -28,6 +30,7 @@ class Completion:
     cached_tokens: int = 0
     num_preemptions: int = 0
     timings: Timings | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def add(self, output: RequestOutput) -> None:
         self.token_ids.extend(output.token_ids)
@@ -39,6 +42,7 @@ class Completion:
             self.cached_tokens = output.usage.cached_tokens if output.usage else 0
             self.num_preemptions = output.num_preemptions
             self.timings = output.timings
+            self.tool_calls = output.tool_calls
 
 
 class LLM:
@@ -74,9 +78,14 @@ class LLM:
         self,
         conversations: Sequence[Sequence[dict[str, str]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tool_use: ToolUse | None = None,
     ) -> list[Completion]:
-        token_ids = [resolve_prompt(self.engine.tokenizer, messages=c) for c in conversations]
-        return self._run(token_ids, params, None)
+        """`tool_use`: tools for every conversation (see `engine.structured.tool_calls`); the
+        completions then carry the parsed `tool_calls`."""
+        tools = None if tool_use is None else tool_use.for_template()
+        token_ids = [resolve_prompt(self.engine.tokenizer, messages=c, tools=tools) for c in conversations]
+        return self._run(token_ids, params, None, tool_use)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -88,18 +97,24 @@ class LLM:
         prompt_token_ids: list[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         priorities: Sequence[int] | None,
+        tool_use: ToolUse | None = None,
     ) -> list[Completion]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_token_ids)
+        if tool_use is not None:
+            params = [tool_use.sampling_params(p) for p in params]
         completions: dict[str, Completion] = {}
         try:
             for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, ids, p, priority=priorities[i] if priorities else 0)
+                priority = priorities[i] if priorities else 0
+                self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
                 completions[request_id] = Completion(request_id, list(ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    if output.invalid_field is not None:
+                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
                     completions[output.request_id].add(output)
         except BaseException:
             # A rejected prompt or an interrupted run must not leave requests behind for the next call.

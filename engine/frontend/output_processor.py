@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from engine.core.faults import FaultInjector
 from engine.core.messages import CoreOutput
-from engine.outputs import RequestOutput, Timings, Usage
+from engine.outputs import RequestOutput, Timings, ToolCall, Usage
 from engine.sampling_params import SamplingParams
+from engine.structured.tool_calls import ToolUse
 from engine.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class _RequestState:
     arrival_time: float
     detokenizer: IncrementalDetokenizer | None
     num_output_tokens: int = 0
+    tool_use: ToolUse | None = None
+    text: str = ""  # the whole output so far, kept only for requests with tools
 
 
 @dataclass
@@ -49,10 +52,18 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
 
     def add_request(
-        self, request_id: str, num_prompt_tokens: int, params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        arrival_time: float,
+        tool_use: ToolUse | None = None,
     ) -> None:
+        """`tool_use`: the request's tools; its last output carries the tool calls parsed from its text."""
         detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
-        self._states[request_id] = _RequestState(num_prompt_tokens, arrival_time, detokenizer)
+        self._states[request_id] = _RequestState(
+            num_prompt_tokens, arrival_time, detokenizer, tool_use=tool_use
+        )
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
@@ -91,6 +102,7 @@ class OutputProcessor:
         finished_time = core_output.finished_time
         if finish_reason is not None and finished_time is None:
             finished_time = time.time()
+        tool_calls = self._tool_calls(state, text, finished=finish_reason is not None)
         return RequestOutput(
             request_id=core_output.request_id,
             token_ids=tuple(core_output.new_token_ids),
@@ -104,7 +116,15 @@ class OutputProcessor:
                 state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time
             ),
             num_preemptions=core_output.num_preemptions,
+            invalid_field=core_output.invalid_field,
+            tool_calls=tool_calls,
         )
+
+    def _tool_calls(self, state: _RequestState, text: str, finished: bool) -> tuple[ToolCall, ...]:
+        if state.tool_use is None:
+            return ()
+        state.text += text
+        return state.tool_use.parse(state.text) if finished else ()
 
     def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None]:
         """The text delta, and the stop string if one matched."""

@@ -1,10 +1,12 @@
-"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded generators, logprobs.
+"""Batched token sampling: logits processors, temperature, top-k / top-p / min-p, seeded generators, logprobs.
 
 Order per row (transformers / vLLM semantics):
   raw logits --(logprobs are taken here: log_softmax of the raw model logits)
-  -> min_tokens mask (eos and stop_token_ids get -inf until min_tokens outputs exist)
-  -> repetition penalty on prompt + output tokens (positive logits divided, negative multiplied)
-  -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
+  -> the logits processors, in list order (engine.sample.logits_processors):
+     min_tokens mask (eos and stop_token_ids get -inf until min_tokens outputs exist)
+     -> repetition penalty on prompt + output tokens (positive logits divided, negative multiplied)
+     -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
+     -> logit_bias -> allowed_token_ids -> grammar mask (when the engine core adds one)
   -> greedy rows: argmax;  random rows: / temperature -> top_k -> top_p -> min_p -> draw
 Draws use the exponential race argmax(p / q), q ~ Exp(1), which picks token i with probability p_i; each
 seeded request draws its q from its own generator, so its tokens do not depend on the rest of the batch.
@@ -18,18 +20,24 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import Logprobs, TokenLogprob
+from engine.sample.logits_processors import LogitsProcessor, default_processors
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row of the logits batch: the request it samples for and the tokens it has seen."""
+    """One row of the logits batch: the request it samples for and the tokens it has seen.
+
+    `grammar` is the compiled grammar of a request with a constraint (opaque here; the grammar mask
+    processor reads it).
+    """
 
     request_id: str
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    grammar: object | None = None
 
 
 @dataclass(frozen=True)
@@ -39,25 +47,31 @@ class SampledToken:
 
 
 class Sampler:
-    """Samples one token per logits row. Holds the generators of seeded requests until `free`."""
+    """Samples one token per logits row. Holds the generators of seeded requests and the processors'
+    per-request state until `free`. `processors` default to `default_processors()`."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, processors: Sequence[LogitsProcessor] | None = None) -> None:
         self._seed = seed
         self._generator: torch.Generator | None = None
         self._request_generators: dict[str, torch.Generator] = {}
+        self.processors = list(default_processors() if processors is None else processors)
 
     def free(self, request_ids: Iterable[str]) -> None:
-        """Drop the per-request generators of finished requests."""
+        """Drop the per-request generators and processor state of finished requests."""
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+        for processor in self.processors:
+            processor.free(request_ids)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits: [num_rows, vocab] float32, row i belongs to rows[i]. Does not modify `logits`."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
-        processed = apply_min_tokens(logits.clone(), rows)
-        processed = apply_penalties(processed, rows)
+        processed = logits.clone()
+        for processor in self.processors:
+            processor.apply(processed, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -117,49 +131,6 @@ class Sampler:
         return [SampledToken(token_id, by_row.get(i)) for i, token_id in enumerate(ids)]
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """In place: ban eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs."""
-    vocab = logits.shape[1]
-    row_idx, col_idx = [], []
-    for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
-            continue
-        banned = set(row.params.stop_token_ids)
-        if not row.params.ignore_eos:
-            banned |= row.eos_token_ids
-        cols = [t for t in banned if t < vocab]
-        row_idx += [i] * len(cols)
-        col_idx += cols
-    if row_idx:
-        logits[row_idx, col_idx] = float("-inf")
-    return logits
-
-
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """In place: repetition (prompt + output), frequency and presence (output only) penalties."""
-    num_rows, vocab = logits.shape
-    device = logits.device
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if rep:
-        seen = (
-            _token_counts(
-                [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep], vocab, device
-            )
-            > 0
-        )
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device).unsqueeze(1)
-        sub = logits[rep]
-        scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[rep] = torch.where(seen, scaled, sub)
-    freq = [i for i, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
-    if freq:
-        counts = _token_counts([list(rows[i].output_token_ids) for i in freq], vocab, device)
-        f = torch.tensor([rows[i].params.frequency_penalty for i in freq], device=device).unsqueeze(1)
-        p = torch.tensor([rows[i].params.presence_penalty for i in freq], device=device).unsqueeze(1)
-        logits[freq] = logits[freq] - f * counts - p * (counts > 0).float()
-    return logits
-
-
 def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, then top_k, top_p, min_p; filtered-out entries become -inf. Returns a new tensor."""
     device = logits.device
@@ -190,15 +161,3 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop = (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float counts; ids >= vocab are ignored. One host->device copy."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
-    token_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    row_ids = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    keep = token_ids < vocab
-    token_ids, row_ids = token_ids[keep].to(device), row_ids[keep].to(device)
-    counts = torch.zeros((len(token_lists), vocab), device=device)
-    counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
-    return counts

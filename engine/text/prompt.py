@@ -19,13 +19,17 @@ def resolve_prompt(
     text: str | None = None,
     token_ids: Sequence[int] | None = None,
     messages: Sequence[dict[str, str]] | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> list[int]:
-    """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids."""
+    """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids. `tools` (with
+    `messages` only) are rendered by the chat template."""
     given = [name for name, v in (("text", text), ("token_ids", token_ids), ("messages", messages)) if v]
     if len(given) != 1:
         if not given:
             raise InvalidRequestError("prompt", "is empty: give text, token_ids or messages")
         raise InvalidRequestError("prompt", f"give exactly one of text, token_ids, messages (got {given})")
+    if tools is not None and not messages:
+        raise InvalidRequestError("tools", "need a chat prompt (messages)")
     if token_ids:
         return [int(t) for t in token_ids]
     if tokenizer is None:
@@ -34,7 +38,7 @@ def resolve_prompt(
         for i, message in enumerate(messages):
             if not message.get("role"):
                 raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
-        return tokenizer.encode_chat(list(messages))
+        return tokenizer.encode_chat(list(messages), tools=tools)
     ids = tokenizer.encode(text)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")
@@ -51,6 +55,18 @@ def check_prompt(
         raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if params.stop and not has_tokenizer:
         raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+    if params.constraint is not None and not has_tokenizer:
+        raise InvalidRequestError(
+            params.constraint.kind, "constrained output needs a tokenizer; this model has none"
+        )
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ContextLengthError(

@@ -143,22 +143,33 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render a conversation to the prompt text. InvalidRequestError("messages") without a template."""
+        """Render a conversation to the prompt text. InvalidRequestError("messages") without a template.
+
+        `tools` are JSON-schema function tools, passed to the template as transformers passes them."""
         if self.chat_template is None:
             raise InvalidRequestError(
                 "messages", f"model {self.name!r} has no chat template; send text instead"
             )
         return self.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            tools=None if tools is None else list(tools),
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Render, then encode without adding special tokens (the template has them), as transformers."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 

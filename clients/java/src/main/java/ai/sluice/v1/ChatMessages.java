@@ -21,6 +21,7 @@ private static final long serialVersionUID = 0L;
   }
   private ChatMessages() {
     messages_ = java.util.Collections.emptyList();
+    tools_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -89,6 +90,110 @@ private static final long serialVersionUID = 0L;
     return messages_.get(index);
   }
 
+  public static final int TOOLS_FIELD_NUMBER = 2;
+  @SuppressWarnings("serial")
+  private java.util.List<ai.sluice.v1.Tool> tools_;
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public java.util.List<ai.sluice.v1.Tool> getToolsList() {
+    return tools_;
+  }
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends ai.sluice.v1.ToolOrBuilder> 
+      getToolsOrBuilderList() {
+    return tools_;
+  }
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public int getToolsCount() {
+    return tools_.size();
+  }
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.Tool getTools(int index) {
+    return tools_.get(index);
+  }
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ToolOrBuilder getToolsOrBuilder(
+      int index) {
+    return tools_.get(index);
+  }
+
+  public static final int TOOL_CHOICE_FIELD_NUMBER = 3;
+  private ai.sluice.v1.ToolChoice toolChoice_;
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   * @return Whether the toolChoice field is set.
+   */
+  @java.lang.Override
+  public boolean hasToolChoice() {
+    return toolChoice_ != null;
+  }
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   * @return The toolChoice.
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ToolChoice getToolChoice() {
+    return toolChoice_ == null ? ai.sluice.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+  }
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder() {
+    return toolChoice_ == null ? ai.sluice.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -106,6 +211,12 @@ private static final long serialVersionUID = 0L;
     for (int i = 0; i < messages_.size(); i++) {
       output.writeMessage(1, messages_.get(i));
     }
+    for (int i = 0; i < tools_.size(); i++) {
+      output.writeMessage(2, tools_.get(i));
+    }
+    if (toolChoice_ != null) {
+      output.writeMessage(3, getToolChoice());
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -118,6 +229,14 @@ private static final long serialVersionUID = 0L;
     for (int i = 0; i < messages_.size(); i++) {
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(1, messages_.get(i));
+    }
+    for (int i = 0; i < tools_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(2, tools_.get(i));
+    }
+    if (toolChoice_ != null) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(3, getToolChoice());
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -136,6 +255,13 @@ private static final long serialVersionUID = 0L;
 
     if (!getMessagesList()
         .equals(other.getMessagesList())) return false;
+    if (!getToolsList()
+        .equals(other.getToolsList())) return false;
+    if (hasToolChoice() != other.hasToolChoice()) return false;
+    if (hasToolChoice()) {
+      if (!getToolChoice()
+          .equals(other.getToolChoice())) return false;
+    }
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -150,6 +276,14 @@ private static final long serialVersionUID = 0L;
     if (getMessagesCount() > 0) {
       hash = (37 * hash) + MESSAGES_FIELD_NUMBER;
       hash = (53 * hash) + getMessagesList().hashCode();
+    }
+    if (getToolsCount() > 0) {
+      hash = (37 * hash) + TOOLS_FIELD_NUMBER;
+      hash = (53 * hash) + getToolsList().hashCode();
+    }
+    if (hasToolChoice()) {
+      hash = (37 * hash) + TOOL_CHOICE_FIELD_NUMBER;
+      hash = (53 * hash) + getToolChoice().hashCode();
     }
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
@@ -291,6 +425,18 @@ private static final long serialVersionUID = 0L;
         messagesBuilder_.clear();
       }
       bitField0_ = (bitField0_ & ~0x00000001);
+      if (toolsBuilder_ == null) {
+        tools_ = java.util.Collections.emptyList();
+      } else {
+        tools_ = null;
+        toolsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000002);
+      toolChoice_ = null;
+      if (toolChoiceBuilder_ != null) {
+        toolChoiceBuilder_.dispose();
+        toolChoiceBuilder_ = null;
+      }
       return this;
     }
 
@@ -333,10 +479,24 @@ private static final long serialVersionUID = 0L;
       } else {
         result.messages_ = messagesBuilder_.build();
       }
+      if (toolsBuilder_ == null) {
+        if (((bitField0_ & 0x00000002) != 0)) {
+          tools_ = java.util.Collections.unmodifiableList(tools_);
+          bitField0_ = (bitField0_ & ~0x00000002);
+        }
+        result.tools_ = tools_;
+      } else {
+        result.tools_ = toolsBuilder_.build();
+      }
     }
 
     private void buildPartial0(ai.sluice.v1.ChatMessages result) {
       int from_bitField0_ = bitField0_;
+      if (((from_bitField0_ & 0x00000004) != 0)) {
+        result.toolChoice_ = toolChoiceBuilder_ == null
+            ? toolChoice_
+            : toolChoiceBuilder_.build();
+      }
     }
 
     @java.lang.Override
@@ -409,6 +569,35 @@ private static final long serialVersionUID = 0L;
           }
         }
       }
+      if (toolsBuilder_ == null) {
+        if (!other.tools_.isEmpty()) {
+          if (tools_.isEmpty()) {
+            tools_ = other.tools_;
+            bitField0_ = (bitField0_ & ~0x00000002);
+          } else {
+            ensureToolsIsMutable();
+            tools_.addAll(other.tools_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.tools_.isEmpty()) {
+          if (toolsBuilder_.isEmpty()) {
+            toolsBuilder_.dispose();
+            toolsBuilder_ = null;
+            tools_ = other.tools_;
+            bitField0_ = (bitField0_ & ~0x00000002);
+            toolsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getToolsFieldBuilder() : null;
+          } else {
+            toolsBuilder_.addAllMessages(other.tools_);
+          }
+        }
+      }
+      if (other.hasToolChoice()) {
+        mergeToolChoice(other.getToolChoice());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -448,6 +637,26 @@ private static final long serialVersionUID = 0L;
               }
               break;
             } // case 10
+            case 18: {
+              ai.sluice.v1.Tool m =
+                  input.readMessage(
+                      ai.sluice.v1.Tool.parser(),
+                      extensionRegistry);
+              if (toolsBuilder_ == null) {
+                ensureToolsIsMutable();
+                tools_.add(m);
+              } else {
+                toolsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 18
+            case 26: {
+              input.readMessage(
+                  getToolChoiceFieldBuilder().getBuilder(),
+                  extensionRegistry);
+              bitField0_ |= 0x00000004;
+              break;
+            } // case 26
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -703,6 +912,491 @@ private static final long serialVersionUID = 0L;
         messages_ = null;
       }
       return messagesBuilder_;
+    }
+
+    private java.util.List<ai.sluice.v1.Tool> tools_ =
+      java.util.Collections.emptyList();
+    private void ensureToolsIsMutable() {
+      if (!((bitField0_ & 0x00000002) != 0)) {
+        tools_ = new java.util.ArrayList<ai.sluice.v1.Tool>(tools_);
+        bitField0_ |= 0x00000002;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.Tool, ai.sluice.v1.Tool.Builder, ai.sluice.v1.ToolOrBuilder> toolsBuilder_;
+
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<ai.sluice.v1.Tool> getToolsList() {
+      if (toolsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(tools_);
+      } else {
+        return toolsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public int getToolsCount() {
+      if (toolsBuilder_ == null) {
+        return tools_.size();
+      } else {
+        return toolsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public ai.sluice.v1.Tool getTools(int index) {
+      if (toolsBuilder_ == null) {
+        return tools_.get(index);
+      } else {
+        return toolsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder setTools(
+        int index, ai.sluice.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.set(index, value);
+        onChanged();
+      } else {
+        toolsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder setTools(
+        int index, ai.sluice.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(ai.sluice.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.add(value);
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        int index, ai.sluice.v1.Tool value) {
+      if (toolsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolsIsMutable();
+        tools_.add(index, value);
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        ai.sluice.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.add(builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder addTools(
+        int index, ai.sluice.v1.Tool.Builder builderForValue) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder addAllTools(
+        java.lang.Iterable<? extends ai.sluice.v1.Tool> values) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, tools_);
+        onChanged();
+      } else {
+        toolsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder clearTools() {
+      if (toolsBuilder_ == null) {
+        tools_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000002);
+        onChanged();
+      } else {
+        toolsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public Builder removeTools(int index) {
+      if (toolsBuilder_ == null) {
+        ensureToolsIsMutable();
+        tools_.remove(index);
+        onChanged();
+      } else {
+        toolsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public ai.sluice.v1.Tool.Builder getToolsBuilder(
+        int index) {
+      return getToolsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public ai.sluice.v1.ToolOrBuilder getToolsOrBuilder(
+        int index) {
+      if (toolsBuilder_ == null) {
+        return tools_.get(index);  } else {
+        return toolsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<? extends ai.sluice.v1.ToolOrBuilder> 
+         getToolsOrBuilderList() {
+      if (toolsBuilder_ != null) {
+        return toolsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(tools_);
+      }
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public ai.sluice.v1.Tool.Builder addToolsBuilder() {
+      return getToolsFieldBuilder().addBuilder(
+          ai.sluice.v1.Tool.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public ai.sluice.v1.Tool.Builder addToolsBuilder(
+        int index) {
+      return getToolsFieldBuilder().addBuilder(
+          index, ai.sluice.v1.Tool.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+     * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Tool tools = 2;</code>
+     */
+    public java.util.List<ai.sluice.v1.Tool.Builder> 
+         getToolsBuilderList() {
+      return getToolsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.Tool, ai.sluice.v1.Tool.Builder, ai.sluice.v1.ToolOrBuilder> 
+        getToolsFieldBuilder() {
+      if (toolsBuilder_ == null) {
+        toolsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            ai.sluice.v1.Tool, ai.sluice.v1.Tool.Builder, ai.sluice.v1.ToolOrBuilder>(
+                tools_,
+                ((bitField0_ & 0x00000002) != 0),
+                getParentForChildren(),
+                isClean());
+        tools_ = null;
+      }
+      return toolsBuilder_;
+    }
+
+    private ai.sluice.v1.ToolChoice toolChoice_;
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.ToolChoice, ai.sluice.v1.ToolChoice.Builder, ai.sluice.v1.ToolChoiceOrBuilder> toolChoiceBuilder_;
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     * @return Whether the toolChoice field is set.
+     */
+    public boolean hasToolChoice() {
+      return ((bitField0_ & 0x00000004) != 0);
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     * @return The toolChoice.
+     */
+    public ai.sluice.v1.ToolChoice getToolChoice() {
+      if (toolChoiceBuilder_ == null) {
+        return toolChoice_ == null ? ai.sluice.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+      } else {
+        return toolChoiceBuilder_.getMessage();
+      }
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder setToolChoice(ai.sluice.v1.ToolChoice value) {
+      if (toolChoiceBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        toolChoice_ = value;
+      } else {
+        toolChoiceBuilder_.setMessage(value);
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder setToolChoice(
+        ai.sluice.v1.ToolChoice.Builder builderForValue) {
+      if (toolChoiceBuilder_ == null) {
+        toolChoice_ = builderForValue.build();
+      } else {
+        toolChoiceBuilder_.setMessage(builderForValue.build());
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder mergeToolChoice(ai.sluice.v1.ToolChoice value) {
+      if (toolChoiceBuilder_ == null) {
+        if (((bitField0_ & 0x00000004) != 0) &&
+          toolChoice_ != null &&
+          toolChoice_ != ai.sluice.v1.ToolChoice.getDefaultInstance()) {
+          getToolChoiceBuilder().mergeFrom(value);
+        } else {
+          toolChoice_ = value;
+        }
+      } else {
+        toolChoiceBuilder_.mergeFrom(value);
+      }
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public Builder clearToolChoice() {
+      bitField0_ = (bitField0_ & ~0x00000004);
+      toolChoice_ = null;
+      if (toolChoiceBuilder_ != null) {
+        toolChoiceBuilder_.dispose();
+        toolChoiceBuilder_ = null;
+      }
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public ai.sluice.v1.ToolChoice.Builder getToolChoiceBuilder() {
+      bitField0_ |= 0x00000004;
+      onChanged();
+      return getToolChoiceFieldBuilder().getBuilder();
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    public ai.sluice.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder() {
+      if (toolChoiceBuilder_ != null) {
+        return toolChoiceBuilder_.getMessageOrBuilder();
+      } else {
+        return toolChoice_ == null ?
+            ai.sluice.v1.ToolChoice.getDefaultInstance() : toolChoice_;
+      }
+    }
+    /**
+     * <pre>
+     * Whether and which tool to call; unset is auto when tools are given.
+     * </pre>
+     *
+     * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+     */
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.ToolChoice, ai.sluice.v1.ToolChoice.Builder, ai.sluice.v1.ToolChoiceOrBuilder> 
+        getToolChoiceFieldBuilder() {
+      if (toolChoiceBuilder_ == null) {
+        toolChoiceBuilder_ = new com.google.protobuf.SingleFieldBuilderV3<
+            ai.sluice.v1.ToolChoice, ai.sluice.v1.ToolChoice.Builder, ai.sluice.v1.ToolChoiceOrBuilder>(
+                getToolChoice(),
+                getParentForChildren(),
+                isClean());
+        toolChoice_ = null;
+      }
+      return toolChoiceBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

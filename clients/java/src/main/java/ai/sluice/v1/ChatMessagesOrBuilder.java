@@ -30,4 +30,80 @@ public interface ChatMessagesOrBuilder extends
    */
   ai.sluice.v1.ChatMessageOrBuilder getMessagesOrBuilder(
       int index);
+
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  java.util.List<ai.sluice.v1.Tool> 
+      getToolsList();
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  ai.sluice.v1.Tool getTools(int index);
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  int getToolsCount();
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  java.util.List<? extends ai.sluice.v1.ToolOrBuilder> 
+      getToolsOrBuilderList();
+  /**
+   * <pre>
+   * Functions the model may call, passed to the chat template as transformers' apply_chat_template(tools=...)
+   * passes them: [{"type": "function", "function": {"name", "description", "parameters"}}].
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Tool tools = 2;</code>
+   */
+  ai.sluice.v1.ToolOrBuilder getToolsOrBuilder(
+      int index);
+
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   * @return Whether the toolChoice field is set.
+   */
+  boolean hasToolChoice();
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   * @return The toolChoice.
+   */
+  ai.sluice.v1.ToolChoice getToolChoice();
+  /**
+   * <pre>
+   * Whether and which tool to call; unset is auto when tools are given.
+   * </pre>
+   *
+   * <code>.sluice.v1.ToolChoice tool_choice = 3;</code>
+   */
+  ai.sluice.v1.ToolChoiceOrBuilder getToolChoiceOrBuilder();
 }

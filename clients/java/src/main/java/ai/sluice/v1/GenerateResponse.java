@@ -25,6 +25,7 @@ private static final long serialVersionUID = 0L;
     tokenIds_ = emptyIntList();
     logprobs_ = java.util.Collections.emptyList();
     finishReason_ = 0;
+    toolCalls_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -436,6 +437,67 @@ private static final long serialVersionUID = 0L;
     return timings_ == null ? ai.sluice.v1.Timings.getDefaultInstance() : timings_;
   }
 
+  public static final int TOOL_CALLS_FIELD_NUMBER = 10;
+  @SuppressWarnings("serial")
+  private java.util.List<ai.sluice.v1.ToolCall> toolCalls_;
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  @java.lang.Override
+  public java.util.List<ai.sluice.v1.ToolCall> getToolCallsList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends ai.sluice.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList() {
+    return toolCalls_;
+  }
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  @java.lang.Override
+  public int getToolCallsCount() {
+    return toolCalls_.size();
+  }
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ToolCall getToolCalls(int index) {
+    return toolCalls_.get(index);
+  }
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index) {
+    return toolCalls_.get(index);
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -482,6 +544,9 @@ private static final long serialVersionUID = 0L;
     }
     if (timings_ != null) {
       output.writeMessage(9, getTimings());
+    }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      output.writeMessage(10, toolCalls_.get(i));
     }
     getUnknownFields().writeTo(output);
   }
@@ -536,6 +601,10 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(9, getTimings());
     }
+    for (int i = 0; i < toolCalls_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(10, toolCalls_.get(i));
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -570,6 +639,8 @@ private static final long serialVersionUID = 0L;
       if (!getTimings()
           .equals(other.getTimings())) return false;
     }
+    if (!getToolCallsList()
+        .equals(other.getToolCallsList())) return false;
     if (!getStopReasonCase().equals(other.getStopReasonCase())) return false;
     switch (stopReasonCase_) {
       case 6:
@@ -615,6 +686,10 @@ private static final long serialVersionUID = 0L;
     if (hasTimings()) {
       hash = (37 * hash) + TIMINGS_FIELD_NUMBER;
       hash = (53 * hash) + getTimings().hashCode();
+    }
+    if (getToolCallsCount() > 0) {
+      hash = (37 * hash) + TOOL_CALLS_FIELD_NUMBER;
+      hash = (53 * hash) + getToolCallsList().hashCode();
     }
     switch (stopReasonCase_) {
       case 6:
@@ -782,6 +857,13 @@ private static final long serialVersionUID = 0L;
         timingsBuilder_.dispose();
         timingsBuilder_ = null;
       }
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+      } else {
+        toolCalls_ = null;
+        toolCallsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000200);
       stopReasonCase_ = 0;
       stopReason_ = null;
       return this;
@@ -831,6 +913,15 @@ private static final long serialVersionUID = 0L;
         result.logprobs_ = logprobs_;
       } else {
         result.logprobs_ = logprobsBuilder_.build();
+      }
+      if (toolCallsBuilder_ == null) {
+        if (((bitField0_ & 0x00000200) != 0)) {
+          toolCalls_ = java.util.Collections.unmodifiableList(toolCalls_);
+          bitField0_ = (bitField0_ & ~0x00000200);
+        }
+        result.toolCalls_ = toolCalls_;
+      } else {
+        result.toolCalls_ = toolCallsBuilder_.build();
       }
     }
 
@@ -961,6 +1052,32 @@ private static final long serialVersionUID = 0L;
       if (other.hasTimings()) {
         mergeTimings(other.getTimings());
       }
+      if (toolCallsBuilder_ == null) {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCalls_.isEmpty()) {
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000200);
+          } else {
+            ensureToolCallsIsMutable();
+            toolCalls_.addAll(other.toolCalls_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.toolCalls_.isEmpty()) {
+          if (toolCallsBuilder_.isEmpty()) {
+            toolCallsBuilder_.dispose();
+            toolCallsBuilder_ = null;
+            toolCalls_ = other.toolCalls_;
+            bitField0_ = (bitField0_ & ~0x00000200);
+            toolCallsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getToolCallsFieldBuilder() : null;
+          } else {
+            toolCallsBuilder_.addAllMessages(other.toolCalls_);
+          }
+        }
+      }
       switch (other.getStopReasonCase()) {
         case STOP_TOKEN_ID: {
           setStopTokenId(other.getStopTokenId());
@@ -1071,6 +1188,19 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000100;
               break;
             } // case 74
+            case 82: {
+              ai.sluice.v1.ToolCall m =
+                  input.readMessage(
+                      ai.sluice.v1.ToolCall.parser(),
+                      extensionRegistry);
+              if (toolCallsBuilder_ == null) {
+                ensureToolCallsIsMutable();
+                toolCalls_.add(m);
+              } else {
+                toolCallsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 82
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -2156,6 +2286,318 @@ private static final long serialVersionUID = 0L;
         timings_ = null;
       }
       return timingsBuilder_;
+    }
+
+    private java.util.List<ai.sluice.v1.ToolCall> toolCalls_ =
+      java.util.Collections.emptyList();
+    private void ensureToolCallsIsMutable() {
+      if (!((bitField0_ & 0x00000200) != 0)) {
+        toolCalls_ = new java.util.ArrayList<ai.sluice.v1.ToolCall>(toolCalls_);
+        bitField0_ |= 0x00000200;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.ToolCall, ai.sluice.v1.ToolCall.Builder, ai.sluice.v1.ToolCallOrBuilder> toolCallsBuilder_;
+
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public java.util.List<ai.sluice.v1.ToolCall> getToolCallsList() {
+      if (toolCallsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      } else {
+        return toolCallsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public int getToolCallsCount() {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.size();
+      } else {
+        return toolCallsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public ai.sluice.v1.ToolCall getToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);
+      } else {
+        return toolCallsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder setToolCalls(
+        int index, ai.sluice.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder setToolCalls(
+        int index, ai.sluice.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder addToolCalls(ai.sluice.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder addToolCalls(
+        int index, ai.sluice.v1.ToolCall value) {
+      if (toolCallsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, value);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder addToolCalls(
+        ai.sluice.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder addToolCalls(
+        int index, ai.sluice.v1.ToolCall.Builder builderForValue) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        toolCallsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder addAllToolCalls(
+        java.lang.Iterable<? extends ai.sluice.v1.ToolCall> values) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, toolCalls_);
+        onChanged();
+      } else {
+        toolCallsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder clearToolCalls() {
+      if (toolCallsBuilder_ == null) {
+        toolCalls_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000200);
+        onChanged();
+      } else {
+        toolCallsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public Builder removeToolCalls(int index) {
+      if (toolCallsBuilder_ == null) {
+        ensureToolCallsIsMutable();
+        toolCalls_.remove(index);
+        onChanged();
+      } else {
+        toolCallsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public ai.sluice.v1.ToolCall.Builder getToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public ai.sluice.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+        int index) {
+      if (toolCallsBuilder_ == null) {
+        return toolCalls_.get(index);  } else {
+        return toolCallsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public java.util.List<? extends ai.sluice.v1.ToolCallOrBuilder> 
+         getToolCallsOrBuilderList() {
+      if (toolCallsBuilder_ != null) {
+        return toolCallsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(toolCalls_);
+      }
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public ai.sluice.v1.ToolCall.Builder addToolCallsBuilder() {
+      return getToolCallsFieldBuilder().addBuilder(
+          ai.sluice.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public ai.sluice.v1.ToolCall.Builder addToolCallsBuilder(
+        int index) {
+      return getToolCallsFieldBuilder().addBuilder(
+          index, ai.sluice.v1.ToolCall.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+     */
+    public java.util.List<ai.sluice.v1.ToolCall.Builder> 
+         getToolCallsBuilderList() {
+      return getToolCallsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.ToolCall, ai.sluice.v1.ToolCall.Builder, ai.sluice.v1.ToolCallOrBuilder> 
+        getToolCallsFieldBuilder() {
+      if (toolCallsBuilder_ == null) {
+        toolCallsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            ai.sluice.v1.ToolCall, ai.sluice.v1.ToolCall.Builder, ai.sluice.v1.ToolCallOrBuilder>(
+                toolCalls_,
+                ((bitField0_ & 0x00000200) != 0),
+                getParentForChildren(),
+                isClean());
+        toolCalls_ = null;
+      }
+      return toolCallsBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

@@ -193,5 +193,49 @@ public interface GenerateResponseOrBuilder extends
    */
   ai.sluice.v1.TimingsOrBuilder getTimingsOrBuilder();
 
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  java.util.List<ai.sluice.v1.ToolCall> 
+      getToolCallsList();
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  ai.sluice.v1.ToolCall getToolCalls(int index);
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  int getToolCallsCount();
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  java.util.List<? extends ai.sluice.v1.ToolCallOrBuilder> 
+      getToolCallsOrBuilderList();
+  /**
+   * <pre>
+   * Set on the last chunk only, for chat requests with tools: the calls parsed from the output.
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.ToolCall tool_calls = 10;</code>
+   */
+  ai.sluice.v1.ToolCallOrBuilder getToolCallsOrBuilder(
+      int index);
+
   public ai.sluice.v1.GenerateResponse.StopReasonCase getStopReasonCase();
 }

@@ -23,6 +23,7 @@ private static final long serialVersionUID = 0L;
   private SamplingParams() {
     stop_ = com.google.protobuf.LazyStringArrayList.EMPTY;
     stopTokenIds_ = emptyIntList();
+    allowedTokenIds_ = emptyIntList();
   }
 
   @java.lang.Override
@@ -42,6 +43,18 @@ private static final long serialVersionUID = 0L;
     return ai.sluice.v1.SluiceProto.internal_static_sluice_v1_SamplingParams_descriptor;
   }
 
+  @SuppressWarnings({"rawtypes"})
+  @java.lang.Override
+  protected com.google.protobuf.MapField internalGetMapField(
+      int number) {
+    switch (number) {
+      case 16:
+        return internalGetLogitBias();
+      default:
+        throw new RuntimeException(
+            "Invalid map field number: " + number);
+    }
+  }
   @java.lang.Override
   protected com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internalGetFieldAccessorTable() {
@@ -51,6 +64,53 @@ private static final long serialVersionUID = 0L;
   }
 
   private int bitField0_;
+  private int constraintCase_ = 0;
+  private java.lang.Object constraint_;
+  public enum ConstraintCase
+      implements com.google.protobuf.Internal.EnumLite,
+          com.google.protobuf.AbstractMessage.InternalOneOfEnum {
+    JSON_SCHEMA(18),
+    REGEX(19),
+    GRAMMAR(20),
+    CHOICE(21),
+    JSON_OBJECT(22),
+    CONSTRAINT_NOT_SET(0);
+    private final int value;
+    private ConstraintCase(int value) {
+      this.value = value;
+    }
+    /**
+     * @param value The number of the enum to look for.
+     * @return The enum associated with the given number.
+     * @deprecated Use {@link #forNumber(int)} instead.
+     */
+    @java.lang.Deprecated
+    public static ConstraintCase valueOf(int value) {
+      return forNumber(value);
+    }
+
+    public static ConstraintCase forNumber(int value) {
+      switch (value) {
+        case 18: return JSON_SCHEMA;
+        case 19: return REGEX;
+        case 20: return GRAMMAR;
+        case 21: return CHOICE;
+        case 22: return JSON_OBJECT;
+        case 0: return CONSTRAINT_NOT_SET;
+        default: return null;
+      }
+    }
+    public int getNumber() {
+      return this.value;
+    }
+  };
+
+  public ConstraintCase
+  getConstraintCase() {
+    return ConstraintCase.forNumber(
+        constraintCase_);
+  }
+
   public static final int TEMPERATURE_FIELD_NUMBER = 1;
   private float temperature_ = 0F;
   /**
@@ -495,6 +555,418 @@ private static final long serialVersionUID = 0L;
     return skipSpecialTokens_;
   }
 
+  public static final int LOGIT_BIAS_FIELD_NUMBER = 16;
+  private static final class LogitBiasDefaultEntryHolder {
+    static final com.google.protobuf.MapEntry<
+        java.lang.Integer, java.lang.Float> defaultEntry =
+            com.google.protobuf.MapEntry
+            .<java.lang.Integer, java.lang.Float>newDefaultInstance(
+                ai.sluice.v1.SluiceProto.internal_static_sluice_v1_SamplingParams_LogitBiasEntry_descriptor, 
+                com.google.protobuf.WireFormat.FieldType.INT32,
+                0,
+                com.google.protobuf.WireFormat.FieldType.FLOAT,
+                0F);
+  }
+  @SuppressWarnings("serial")
+  private com.google.protobuf.MapField<
+      java.lang.Integer, java.lang.Float> logitBias_;
+  private com.google.protobuf.MapField<java.lang.Integer, java.lang.Float>
+  internalGetLogitBias() {
+    if (logitBias_ == null) {
+      return com.google.protobuf.MapField.emptyMapField(
+          LogitBiasDefaultEntryHolder.defaultEntry);
+    }
+    return logitBias_;
+  }
+  public int getLogitBiasCount() {
+    return internalGetLogitBias().getMap().size();
+  }
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  @java.lang.Override
+  public boolean containsLogitBias(
+      int key) {
+    
+    return internalGetLogitBias().getMap().containsKey(key);
+  }
+  /**
+   * Use {@link #getLogitBiasMap()} instead.
+   */
+  @java.lang.Override
+  @java.lang.Deprecated
+  public java.util.Map<java.lang.Integer, java.lang.Float> getLogitBias() {
+    return getLogitBiasMap();
+  }
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  @java.lang.Override
+  public java.util.Map<java.lang.Integer, java.lang.Float> getLogitBiasMap() {
+    return internalGetLogitBias().getMap();
+  }
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  @java.lang.Override
+  public float getLogitBiasOrDefault(
+      int key,
+      float defaultValue) {
+    
+    java.util.Map<java.lang.Integer, java.lang.Float> map =
+        internalGetLogitBias().getMap();
+    return map.containsKey(key) ? map.get(key) : defaultValue;
+  }
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  @java.lang.Override
+  public float getLogitBiasOrThrow(
+      int key) {
+    
+    java.util.Map<java.lang.Integer, java.lang.Float> map =
+        internalGetLogitBias().getMap();
+    if (!map.containsKey(key)) {
+      throw new java.lang.IllegalArgumentException();
+    }
+    return map.get(key);
+  }
+
+  public static final int ALLOWED_TOKEN_IDS_FIELD_NUMBER = 17;
+  @SuppressWarnings("serial")
+  private com.google.protobuf.Internal.IntList allowedTokenIds_;
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  @java.lang.Override
+  public java.util.List<java.lang.Integer>
+      getAllowedTokenIdsList() {
+    return allowedTokenIds_;
+  }
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @return The count of allowedTokenIds.
+   */
+  public int getAllowedTokenIdsCount() {
+    return allowedTokenIds_.size();
+  }
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  public int getAllowedTokenIds(int index) {
+    return allowedTokenIds_.getInt(index);
+  }
+  private int allowedTokenIdsMemoizedSerializedSize = -1;
+
+  public static final int JSON_SCHEMA_FIELD_NUMBER = 18;
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return Whether the jsonSchema field is set.
+   */
+  public boolean hasJsonSchema() {
+    return constraintCase_ == 18;
+  }
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return The jsonSchema.
+   */
+  public java.lang.String getJsonSchema() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 18) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 18) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return The bytes for jsonSchema.
+   */
+  public com.google.protobuf.ByteString
+      getJsonSchemaBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 18) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 18) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int REGEX_FIELD_NUMBER = 19;
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return Whether the regex field is set.
+   */
+  public boolean hasRegex() {
+    return constraintCase_ == 19;
+  }
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return The regex.
+   */
+  public java.lang.String getRegex() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 19) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 19) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return The bytes for regex.
+   */
+  public com.google.protobuf.ByteString
+      getRegexBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 19) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 19) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int GRAMMAR_FIELD_NUMBER = 20;
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return Whether the grammar field is set.
+   */
+  public boolean hasGrammar() {
+    return constraintCase_ == 20;
+  }
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The grammar.
+   */
+  public java.lang.String getGrammar() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 20) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      if (constraintCase_ == 20) {
+        constraint_ = s;
+      }
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The bytes for grammar.
+   */
+  public com.google.protobuf.ByteString
+      getGrammarBytes() {
+    java.lang.Object ref = "";
+    if (constraintCase_ == 20) {
+      ref = constraint_;
+    }
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      if (constraintCase_ == 20) {
+        constraint_ = b;
+      }
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int CHOICE_FIELD_NUMBER = 21;
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   * @return Whether the choice field is set.
+   */
+  @java.lang.Override
+  public boolean hasChoice() {
+    return constraintCase_ == 21;
+  }
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   * @return The choice.
+   */
+  @java.lang.Override
+  public ai.sluice.v1.Choice getChoice() {
+    if (constraintCase_ == 21) {
+       return (ai.sluice.v1.Choice) constraint_;
+    }
+    return ai.sluice.v1.Choice.getDefaultInstance();
+  }
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.ChoiceOrBuilder getChoiceOrBuilder() {
+    if (constraintCase_ == 21) {
+       return (ai.sluice.v1.Choice) constraint_;
+    }
+    return ai.sluice.v1.Choice.getDefaultInstance();
+  }
+
+  public static final int JSON_OBJECT_FIELD_NUMBER = 22;
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   * @return Whether the jsonObject field is set.
+   */
+  @java.lang.Override
+  public boolean hasJsonObject() {
+    return constraintCase_ == 22;
+  }
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   * @return The jsonObject.
+   */
+  @java.lang.Override
+  public ai.sluice.v1.JsonObject getJsonObject() {
+    if (constraintCase_ == 22) {
+       return (ai.sluice.v1.JsonObject) constraint_;
+    }
+    return ai.sluice.v1.JsonObject.getDefaultInstance();
+  }
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.JsonObjectOrBuilder getJsonObjectOrBuilder() {
+    if (constraintCase_ == 22) {
+       return (ai.sluice.v1.JsonObject) constraint_;
+    }
+    return ai.sluice.v1.JsonObject.getDefaultInstance();
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -558,6 +1030,34 @@ private static final long serialVersionUID = 0L;
     }
     if (((bitField0_ & 0x00001000) != 0)) {
       output.writeBool(15, skipSpecialTokens_);
+    }
+    com.google.protobuf.GeneratedMessageV3
+      .serializeIntegerMapTo(
+        output,
+        internalGetLogitBias(),
+        LogitBiasDefaultEntryHolder.defaultEntry,
+        16);
+    if (getAllowedTokenIdsList().size() > 0) {
+      output.writeUInt32NoTag(138);
+      output.writeUInt32NoTag(allowedTokenIdsMemoizedSerializedSize);
+    }
+    for (int i = 0; i < allowedTokenIds_.size(); i++) {
+      output.writeInt32NoTag(allowedTokenIds_.getInt(i));
+    }
+    if (constraintCase_ == 18) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 18, constraint_);
+    }
+    if (constraintCase_ == 19) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 19, constraint_);
+    }
+    if (constraintCase_ == 20) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 20, constraint_);
+    }
+    if (constraintCase_ == 21) {
+      output.writeMessage(21, (ai.sluice.v1.Choice) constraint_);
+    }
+    if (constraintCase_ == 22) {
+      output.writeMessage(22, (ai.sluice.v1.JsonObject) constraint_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -641,6 +1141,47 @@ private static final long serialVersionUID = 0L;
     if (((bitField0_ & 0x00001000) != 0)) {
       size += com.google.protobuf.CodedOutputStream
         .computeBoolSize(15, skipSpecialTokens_);
+    }
+    for (java.util.Map.Entry<java.lang.Integer, java.lang.Float> entry
+         : internalGetLogitBias().getMap().entrySet()) {
+      com.google.protobuf.MapEntry<java.lang.Integer, java.lang.Float>
+      logitBias__ = LogitBiasDefaultEntryHolder.defaultEntry.newBuilderForType()
+          .setKey(entry.getKey())
+          .setValue(entry.getValue())
+          .build();
+      size += com.google.protobuf.CodedOutputStream
+          .computeMessageSize(16, logitBias__);
+    }
+    {
+      int dataSize = 0;
+      for (int i = 0; i < allowedTokenIds_.size(); i++) {
+        dataSize += com.google.protobuf.CodedOutputStream
+          .computeInt32SizeNoTag(allowedTokenIds_.getInt(i));
+      }
+      size += dataSize;
+      if (!getAllowedTokenIdsList().isEmpty()) {
+        size += 2;
+        size += com.google.protobuf.CodedOutputStream
+            .computeInt32SizeNoTag(dataSize);
+      }
+      allowedTokenIdsMemoizedSerializedSize = dataSize;
+    }
+    if (constraintCase_ == 18) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(18, constraint_);
+    }
+    if (constraintCase_ == 19) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(19, constraint_);
+    }
+    if (constraintCase_ == 20) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(20, constraint_);
+    }
+    if (constraintCase_ == 21) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(21, (ai.sluice.v1.Choice) constraint_);
+    }
+    if (constraintCase_ == 22) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(22, (ai.sluice.v1.JsonObject) constraint_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -732,6 +1273,35 @@ private static final long serialVersionUID = 0L;
       if (getSkipSpecialTokens()
           != other.getSkipSpecialTokens()) return false;
     }
+    if (!internalGetLogitBias().equals(
+        other.internalGetLogitBias())) return false;
+    if (!getAllowedTokenIdsList()
+        .equals(other.getAllowedTokenIdsList())) return false;
+    if (!getConstraintCase().equals(other.getConstraintCase())) return false;
+    switch (constraintCase_) {
+      case 18:
+        if (!getJsonSchema()
+            .equals(other.getJsonSchema())) return false;
+        break;
+      case 19:
+        if (!getRegex()
+            .equals(other.getRegex())) return false;
+        break;
+      case 20:
+        if (!getGrammar()
+            .equals(other.getGrammar())) return false;
+        break;
+      case 21:
+        if (!getChoice()
+            .equals(other.getChoice())) return false;
+        break;
+      case 22:
+        if (!getJsonObject()
+            .equals(other.getJsonObject())) return false;
+        break;
+      case 0:
+      default:
+    }
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -811,6 +1381,38 @@ private static final long serialVersionUID = 0L;
       hash = (37 * hash) + SKIP_SPECIAL_TOKENS_FIELD_NUMBER;
       hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
           getSkipSpecialTokens());
+    }
+    if (!internalGetLogitBias().getMap().isEmpty()) {
+      hash = (37 * hash) + LOGIT_BIAS_FIELD_NUMBER;
+      hash = (53 * hash) + internalGetLogitBias().hashCode();
+    }
+    if (getAllowedTokenIdsCount() > 0) {
+      hash = (37 * hash) + ALLOWED_TOKEN_IDS_FIELD_NUMBER;
+      hash = (53 * hash) + getAllowedTokenIdsList().hashCode();
+    }
+    switch (constraintCase_) {
+      case 18:
+        hash = (37 * hash) + JSON_SCHEMA_FIELD_NUMBER;
+        hash = (53 * hash) + getJsonSchema().hashCode();
+        break;
+      case 19:
+        hash = (37 * hash) + REGEX_FIELD_NUMBER;
+        hash = (53 * hash) + getRegex().hashCode();
+        break;
+      case 20:
+        hash = (37 * hash) + GRAMMAR_FIELD_NUMBER;
+        hash = (53 * hash) + getGrammar().hashCode();
+        break;
+      case 21:
+        hash = (37 * hash) + CHOICE_FIELD_NUMBER;
+        hash = (53 * hash) + getChoice().hashCode();
+        break;
+      case 22:
+        hash = (37 * hash) + JSON_OBJECT_FIELD_NUMBER;
+        hash = (53 * hash) + getJsonObject().hashCode();
+        break;
+      case 0:
+      default:
     }
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
@@ -924,6 +1526,28 @@ private static final long serialVersionUID = 0L;
       return ai.sluice.v1.SluiceProto.internal_static_sluice_v1_SamplingParams_descriptor;
     }
 
+    @SuppressWarnings({"rawtypes"})
+    protected com.google.protobuf.MapField internalGetMapField(
+        int number) {
+      switch (number) {
+        case 16:
+          return internalGetLogitBias();
+        default:
+          throw new RuntimeException(
+              "Invalid map field number: " + number);
+      }
+    }
+    @SuppressWarnings({"rawtypes"})
+    protected com.google.protobuf.MapField internalGetMutableMapField(
+        int number) {
+      switch (number) {
+        case 16:
+          return internalGetMutableLogitBias();
+        default:
+          throw new RuntimeException(
+              "Invalid map field number: " + number);
+      }
+    }
     @java.lang.Override
     protected com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
         internalGetFieldAccessorTable() {
@@ -962,6 +1586,16 @@ private static final long serialVersionUID = 0L;
       ignoreEos_ = false;
       logprobs_ = 0;
       skipSpecialTokens_ = false;
+      internalGetMutableLogitBias().clear();
+      allowedTokenIds_ = emptyIntList();
+      if (choiceBuilder_ != null) {
+        choiceBuilder_.clear();
+      }
+      if (jsonObjectBuilder_ != null) {
+        jsonObjectBuilder_.clear();
+      }
+      constraintCase_ = 0;
+      constraint_ = null;
       return this;
     }
 
@@ -990,6 +1624,7 @@ private static final long serialVersionUID = 0L;
       ai.sluice.v1.SamplingParams result = new ai.sluice.v1.SamplingParams(this);
       buildPartialRepeatedFields(result);
       if (bitField0_ != 0) { buildPartial0(result); }
+      buildPartialOneofs(result);
       onBuilt();
       return result;
     }
@@ -1005,6 +1640,11 @@ private static final long serialVersionUID = 0L;
         bitField0_ = (bitField0_ & ~0x00000800);
       }
       result.stopTokenIds_ = stopTokenIds_;
+      if (((bitField0_ & 0x00010000) != 0)) {
+        allowedTokenIds_.makeImmutable();
+        bitField0_ = (bitField0_ & ~0x00010000);
+      }
+      result.allowedTokenIds_ = allowedTokenIds_;
     }
 
     private void buildPartial0(ai.sluice.v1.SamplingParams result) {
@@ -1062,7 +1702,24 @@ private static final long serialVersionUID = 0L;
         result.skipSpecialTokens_ = skipSpecialTokens_;
         to_bitField0_ |= 0x00001000;
       }
+      if (((from_bitField0_ & 0x00008000) != 0)) {
+        result.logitBias_ = internalGetLogitBias();
+        result.logitBias_.makeImmutable();
+      }
       result.bitField0_ |= to_bitField0_;
+    }
+
+    private void buildPartialOneofs(ai.sluice.v1.SamplingParams result) {
+      result.constraintCase_ = constraintCase_;
+      result.constraint_ = this.constraint_;
+      if (constraintCase_ == 21 &&
+          choiceBuilder_ != null) {
+        result.constraint_ = choiceBuilder_.build();
+      }
+      if (constraintCase_ == 22 &&
+          jsonObjectBuilder_ != null) {
+        result.constraint_ = jsonObjectBuilder_.build();
+      }
     }
 
     @java.lang.Override
@@ -1167,6 +1824,50 @@ private static final long serialVersionUID = 0L;
       }
       if (other.hasSkipSpecialTokens()) {
         setSkipSpecialTokens(other.getSkipSpecialTokens());
+      }
+      internalGetMutableLogitBias().mergeFrom(
+          other.internalGetLogitBias());
+      bitField0_ |= 0x00008000;
+      if (!other.allowedTokenIds_.isEmpty()) {
+        if (allowedTokenIds_.isEmpty()) {
+          allowedTokenIds_ = other.allowedTokenIds_;
+          bitField0_ = (bitField0_ & ~0x00010000);
+        } else {
+          ensureAllowedTokenIdsIsMutable();
+          allowedTokenIds_.addAll(other.allowedTokenIds_);
+        }
+        onChanged();
+      }
+      switch (other.getConstraintCase()) {
+        case JSON_SCHEMA: {
+          constraintCase_ = 18;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case REGEX: {
+          constraintCase_ = 19;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case GRAMMAR: {
+          constraintCase_ = 20;
+          constraint_ = other.constraint_;
+          onChanged();
+          break;
+        }
+        case CHOICE: {
+          mergeChoice(other.getChoice());
+          break;
+        }
+        case JSON_OBJECT: {
+          mergeJsonObject(other.getJsonObject());
+          break;
+        }
+        case CONSTRAINT_NOT_SET: {
+          break;
+        }
       }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
@@ -1281,6 +1982,63 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00004000;
               break;
             } // case 120
+            case 130: {
+              com.google.protobuf.MapEntry<java.lang.Integer, java.lang.Float>
+              logitBias__ = input.readMessage(
+                  LogitBiasDefaultEntryHolder.defaultEntry.getParserForType(), extensionRegistry);
+              internalGetMutableLogitBias().getMutableMap().put(
+                  logitBias__.getKey(), logitBias__.getValue());
+              bitField0_ |= 0x00008000;
+              break;
+            } // case 130
+            case 136: {
+              int v = input.readInt32();
+              ensureAllowedTokenIdsIsMutable();
+              allowedTokenIds_.addInt(v);
+              break;
+            } // case 136
+            case 138: {
+              int length = input.readRawVarint32();
+              int limit = input.pushLimit(length);
+              ensureAllowedTokenIdsIsMutable();
+              while (input.getBytesUntilLimit() > 0) {
+                allowedTokenIds_.addInt(input.readInt32());
+              }
+              input.popLimit(limit);
+              break;
+            } // case 138
+            case 146: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 18;
+              constraint_ = s;
+              break;
+            } // case 146
+            case 154: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 19;
+              constraint_ = s;
+              break;
+            } // case 154
+            case 162: {
+              java.lang.String s = input.readStringRequireUtf8();
+              constraintCase_ = 20;
+              constraint_ = s;
+              break;
+            } // case 162
+            case 170: {
+              input.readMessage(
+                  getChoiceFieldBuilder().getBuilder(),
+                  extensionRegistry);
+              constraintCase_ = 21;
+              break;
+            } // case 170
+            case 178: {
+              input.readMessage(
+                  getJsonObjectFieldBuilder().getBuilder(),
+                  extensionRegistry);
+              constraintCase_ = 22;
+              break;
+            } // case 178
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1296,6 +2054,21 @@ private static final long serialVersionUID = 0L;
       } // finally
       return this;
     }
+    private int constraintCase_ = 0;
+    private java.lang.Object constraint_;
+    public ConstraintCase
+        getConstraintCase() {
+      return ConstraintCase.forNumber(
+          constraintCase_);
+    }
+
+    public Builder clearConstraint() {
+      constraintCase_ = 0;
+      constraint_ = null;
+      onChanged();
+      return this;
+    }
+
     private int bitField0_;
 
     private float temperature_ ;
@@ -2273,6 +3046,975 @@ private static final long serialVersionUID = 0L;
       skipSpecialTokens_ = false;
       onChanged();
       return this;
+    }
+
+    private com.google.protobuf.MapField<
+        java.lang.Integer, java.lang.Float> logitBias_;
+    private com.google.protobuf.MapField<java.lang.Integer, java.lang.Float>
+        internalGetLogitBias() {
+      if (logitBias_ == null) {
+        return com.google.protobuf.MapField.emptyMapField(
+            LogitBiasDefaultEntryHolder.defaultEntry);
+      }
+      return logitBias_;
+    }
+    private com.google.protobuf.MapField<java.lang.Integer, java.lang.Float>
+        internalGetMutableLogitBias() {
+      if (logitBias_ == null) {
+        logitBias_ = com.google.protobuf.MapField.newMapField(
+            LogitBiasDefaultEntryHolder.defaultEntry);
+      }
+      if (!logitBias_.isMutable()) {
+        logitBias_ = logitBias_.copy();
+      }
+      bitField0_ |= 0x00008000;
+      onChanged();
+      return logitBias_;
+    }
+    public int getLogitBiasCount() {
+      return internalGetLogitBias().getMap().size();
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    @java.lang.Override
+    public boolean containsLogitBias(
+        int key) {
+      
+      return internalGetLogitBias().getMap().containsKey(key);
+    }
+    /**
+     * Use {@link #getLogitBiasMap()} instead.
+     */
+    @java.lang.Override
+    @java.lang.Deprecated
+    public java.util.Map<java.lang.Integer, java.lang.Float> getLogitBias() {
+      return getLogitBiasMap();
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    @java.lang.Override
+    public java.util.Map<java.lang.Integer, java.lang.Float> getLogitBiasMap() {
+      return internalGetLogitBias().getMap();
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    @java.lang.Override
+    public float getLogitBiasOrDefault(
+        int key,
+        float defaultValue) {
+      
+      java.util.Map<java.lang.Integer, java.lang.Float> map =
+          internalGetLogitBias().getMap();
+      return map.containsKey(key) ? map.get(key) : defaultValue;
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    @java.lang.Override
+    public float getLogitBiasOrThrow(
+        int key) {
+      
+      java.util.Map<java.lang.Integer, java.lang.Float> map =
+          internalGetLogitBias().getMap();
+      if (!map.containsKey(key)) {
+        throw new java.lang.IllegalArgumentException();
+      }
+      return map.get(key);
+    }
+    public Builder clearLogitBias() {
+      bitField0_ = (bitField0_ & ~0x00008000);
+      internalGetMutableLogitBias().getMutableMap()
+          .clear();
+      return this;
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    public Builder removeLogitBias(
+        int key) {
+      
+      internalGetMutableLogitBias().getMutableMap()
+          .remove(key);
+      return this;
+    }
+    /**
+     * Use alternate mutation accessors instead.
+     */
+    @java.lang.Deprecated
+    public java.util.Map<java.lang.Integer, java.lang.Float>
+        getMutableLogitBias() {
+      bitField0_ |= 0x00008000;
+      return internalGetMutableLogitBias().getMutableMap();
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    public Builder putLogitBias(
+        int key,
+        float value) {
+      
+      
+      internalGetMutableLogitBias().getMutableMap()
+          .put(key, value);
+      bitField0_ |= 0x00008000;
+      return this;
+    }
+    /**
+     * <pre>
+     * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+     * </pre>
+     *
+     * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+     */
+    public Builder putAllLogitBias(
+        java.util.Map<java.lang.Integer, java.lang.Float> values) {
+      internalGetMutableLogitBias().getMutableMap()
+          .putAll(values);
+      bitField0_ |= 0x00008000;
+      return this;
+    }
+
+    private com.google.protobuf.Internal.IntList allowedTokenIds_ = emptyIntList();
+    private void ensureAllowedTokenIdsIsMutable() {
+      if (!((bitField0_ & 0x00010000) != 0)) {
+        allowedTokenIds_ = mutableCopy(allowedTokenIds_);
+        bitField0_ |= 0x00010000;
+      }
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @return A list containing the allowedTokenIds.
+     */
+    public java.util.List<java.lang.Integer>
+        getAllowedTokenIdsList() {
+      return ((bitField0_ & 0x00010000) != 0) ?
+               java.util.Collections.unmodifiableList(allowedTokenIds_) : allowedTokenIds_;
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @return The count of allowedTokenIds.
+     */
+    public int getAllowedTokenIdsCount() {
+      return allowedTokenIds_.size();
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @param index The index of the element to return.
+     * @return The allowedTokenIds at the given index.
+     */
+    public int getAllowedTokenIds(int index) {
+      return allowedTokenIds_.getInt(index);
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @param index The index to set the value at.
+     * @param value The allowedTokenIds to set.
+     * @return This builder for chaining.
+     */
+    public Builder setAllowedTokenIds(
+        int index, int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.setInt(index, value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @param value The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllowedTokenIds(int value) {
+      
+      ensureAllowedTokenIdsIsMutable();
+      allowedTokenIds_.addInt(value);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @param values The allowedTokenIds to add.
+     * @return This builder for chaining.
+     */
+    public Builder addAllAllowedTokenIds(
+        java.lang.Iterable<? extends java.lang.Integer> values) {
+      ensureAllowedTokenIdsIsMutable();
+      com.google.protobuf.AbstractMessageLite.Builder.addAll(
+          values, allowedTokenIds_);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * When not empty, only these token ids may be generated.
+     * </pre>
+     *
+     * <code>repeated int32 allowed_token_ids = 17;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearAllowedTokenIds() {
+      allowedTokenIds_ = emptyIntList();
+      bitField0_ = (bitField0_ & ~0x00010000);
+      onChanged();
+      return this;
+    }
+
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @return Whether the jsonSchema field is set.
+     */
+    @java.lang.Override
+    public boolean hasJsonSchema() {
+      return constraintCase_ == 18;
+    }
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @return The jsonSchema.
+     */
+    @java.lang.Override
+    public java.lang.String getJsonSchema() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 18) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 18) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @return The bytes for jsonSchema.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getJsonSchemaBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 18) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 18) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @param value The jsonSchema to set.
+     * @return This builder for chaining.
+     */
+    public Builder setJsonSchema(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 18;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearJsonSchema() {
+      if (constraintCase_ == 18) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+     * </pre>
+     *
+     * <code>string json_schema = 18;</code>
+     * @param value The bytes for jsonSchema to set.
+     * @return This builder for chaining.
+     */
+    public Builder setJsonSchemaBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 18;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @return Whether the regex field is set.
+     */
+    @java.lang.Override
+    public boolean hasRegex() {
+      return constraintCase_ == 19;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @return The regex.
+     */
+    @java.lang.Override
+    public java.lang.String getRegex() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 19) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 19) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @return The bytes for regex.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getRegexBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 19) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 19) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @param value The regex to set.
+     * @return This builder for chaining.
+     */
+    public Builder setRegex(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 19;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearRegex() {
+      if (constraintCase_ == 19) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * A regular expression the whole output matches.
+     * </pre>
+     *
+     * <code>string regex = 19;</code>
+     * @param value The bytes for regex to set.
+     * @return This builder for chaining.
+     */
+    public Builder setRegexBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 19;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return Whether the grammar field is set.
+     */
+    @java.lang.Override
+    public boolean hasGrammar() {
+      return constraintCase_ == 20;
+    }
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return The grammar.
+     */
+    @java.lang.Override
+    public java.lang.String getGrammar() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 20) {
+        ref = constraint_;
+      }
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        if (constraintCase_ == 20) {
+          constraint_ = s;
+        }
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return The bytes for grammar.
+     */
+    @java.lang.Override
+    public com.google.protobuf.ByteString
+        getGrammarBytes() {
+      java.lang.Object ref = "";
+      if (constraintCase_ == 20) {
+        ref = constraint_;
+      }
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        if (constraintCase_ == 20) {
+          constraint_ = b;
+        }
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @param value The grammar to set.
+     * @return This builder for chaining.
+     */
+    public Builder setGrammar(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      constraintCase_ = 20;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearGrammar() {
+      if (constraintCase_ == 20) {
+        constraintCase_ = 0;
+        constraint_ = null;
+        onChanged();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+     * </pre>
+     *
+     * <code>string grammar = 20;</code>
+     * @param value The bytes for grammar to set.
+     * @return This builder for chaining.
+     */
+    public Builder setGrammarBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      constraintCase_ = 20;
+      constraint_ = value;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.Choice, ai.sluice.v1.Choice.Builder, ai.sluice.v1.ChoiceOrBuilder> choiceBuilder_;
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     * @return Whether the choice field is set.
+     */
+    @java.lang.Override
+    public boolean hasChoice() {
+      return constraintCase_ == 21;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     * @return The choice.
+     */
+    @java.lang.Override
+    public ai.sluice.v1.Choice getChoice() {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 21) {
+          return (ai.sluice.v1.Choice) constraint_;
+        }
+        return ai.sluice.v1.Choice.getDefaultInstance();
+      } else {
+        if (constraintCase_ == 21) {
+          return choiceBuilder_.getMessage();
+        }
+        return ai.sluice.v1.Choice.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    public Builder setChoice(ai.sluice.v1.Choice value) {
+      if (choiceBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        constraint_ = value;
+        onChanged();
+      } else {
+        choiceBuilder_.setMessage(value);
+      }
+      constraintCase_ = 21;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    public Builder setChoice(
+        ai.sluice.v1.Choice.Builder builderForValue) {
+      if (choiceBuilder_ == null) {
+        constraint_ = builderForValue.build();
+        onChanged();
+      } else {
+        choiceBuilder_.setMessage(builderForValue.build());
+      }
+      constraintCase_ = 21;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    public Builder mergeChoice(ai.sluice.v1.Choice value) {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 21 &&
+            constraint_ != ai.sluice.v1.Choice.getDefaultInstance()) {
+          constraint_ = ai.sluice.v1.Choice.newBuilder((ai.sluice.v1.Choice) constraint_)
+              .mergeFrom(value).buildPartial();
+        } else {
+          constraint_ = value;
+        }
+        onChanged();
+      } else {
+        if (constraintCase_ == 21) {
+          choiceBuilder_.mergeFrom(value);
+        } else {
+          choiceBuilder_.setMessage(value);
+        }
+      }
+      constraintCase_ = 21;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    public Builder clearChoice() {
+      if (choiceBuilder_ == null) {
+        if (constraintCase_ == 21) {
+          constraintCase_ = 0;
+          constraint_ = null;
+          onChanged();
+        }
+      } else {
+        if (constraintCase_ == 21) {
+          constraintCase_ = 0;
+          constraint_ = null;
+        }
+        choiceBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    public ai.sluice.v1.Choice.Builder getChoiceBuilder() {
+      return getChoiceFieldBuilder().getBuilder();
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    @java.lang.Override
+    public ai.sluice.v1.ChoiceOrBuilder getChoiceOrBuilder() {
+      if ((constraintCase_ == 21) && (choiceBuilder_ != null)) {
+        return choiceBuilder_.getMessageOrBuilder();
+      } else {
+        if (constraintCase_ == 21) {
+          return (ai.sluice.v1.Choice) constraint_;
+        }
+        return ai.sluice.v1.Choice.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is exactly one of these strings.
+     * </pre>
+     *
+     * <code>.sluice.v1.Choice choice = 21;</code>
+     */
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.Choice, ai.sluice.v1.Choice.Builder, ai.sluice.v1.ChoiceOrBuilder> 
+        getChoiceFieldBuilder() {
+      if (choiceBuilder_ == null) {
+        if (!(constraintCase_ == 21)) {
+          constraint_ = ai.sluice.v1.Choice.getDefaultInstance();
+        }
+        choiceBuilder_ = new com.google.protobuf.SingleFieldBuilderV3<
+            ai.sluice.v1.Choice, ai.sluice.v1.Choice.Builder, ai.sluice.v1.ChoiceOrBuilder>(
+                (ai.sluice.v1.Choice) constraint_,
+                getParentForChildren(),
+                isClean());
+        constraint_ = null;
+      }
+      constraintCase_ = 21;
+      onChanged();
+      return choiceBuilder_;
+    }
+
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.JsonObject, ai.sluice.v1.JsonObject.Builder, ai.sluice.v1.JsonObjectOrBuilder> jsonObjectBuilder_;
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     * @return Whether the jsonObject field is set.
+     */
+    @java.lang.Override
+    public boolean hasJsonObject() {
+      return constraintCase_ == 22;
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     * @return The jsonObject.
+     */
+    @java.lang.Override
+    public ai.sluice.v1.JsonObject getJsonObject() {
+      if (jsonObjectBuilder_ == null) {
+        if (constraintCase_ == 22) {
+          return (ai.sluice.v1.JsonObject) constraint_;
+        }
+        return ai.sluice.v1.JsonObject.getDefaultInstance();
+      } else {
+        if (constraintCase_ == 22) {
+          return jsonObjectBuilder_.getMessage();
+        }
+        return ai.sluice.v1.JsonObject.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    public Builder setJsonObject(ai.sluice.v1.JsonObject value) {
+      if (jsonObjectBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        constraint_ = value;
+        onChanged();
+      } else {
+        jsonObjectBuilder_.setMessage(value);
+      }
+      constraintCase_ = 22;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    public Builder setJsonObject(
+        ai.sluice.v1.JsonObject.Builder builderForValue) {
+      if (jsonObjectBuilder_ == null) {
+        constraint_ = builderForValue.build();
+        onChanged();
+      } else {
+        jsonObjectBuilder_.setMessage(builderForValue.build());
+      }
+      constraintCase_ = 22;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    public Builder mergeJsonObject(ai.sluice.v1.JsonObject value) {
+      if (jsonObjectBuilder_ == null) {
+        if (constraintCase_ == 22 &&
+            constraint_ != ai.sluice.v1.JsonObject.getDefaultInstance()) {
+          constraint_ = ai.sluice.v1.JsonObject.newBuilder((ai.sluice.v1.JsonObject) constraint_)
+              .mergeFrom(value).buildPartial();
+        } else {
+          constraint_ = value;
+        }
+        onChanged();
+      } else {
+        if (constraintCase_ == 22) {
+          jsonObjectBuilder_.mergeFrom(value);
+        } else {
+          jsonObjectBuilder_.setMessage(value);
+        }
+      }
+      constraintCase_ = 22;
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    public Builder clearJsonObject() {
+      if (jsonObjectBuilder_ == null) {
+        if (constraintCase_ == 22) {
+          constraintCase_ = 0;
+          constraint_ = null;
+          onChanged();
+        }
+      } else {
+        if (constraintCase_ == 22) {
+          constraintCase_ = 0;
+          constraint_ = null;
+        }
+        jsonObjectBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    public ai.sluice.v1.JsonObject.Builder getJsonObjectBuilder() {
+      return getJsonObjectFieldBuilder().getBuilder();
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    @java.lang.Override
+    public ai.sluice.v1.JsonObjectOrBuilder getJsonObjectOrBuilder() {
+      if ((constraintCase_ == 22) && (jsonObjectBuilder_ != null)) {
+        return jsonObjectBuilder_.getMessageOrBuilder();
+      } else {
+        if (constraintCase_ == 22) {
+          return (ai.sluice.v1.JsonObject) constraint_;
+        }
+        return ai.sluice.v1.JsonObject.getDefaultInstance();
+      }
+    }
+    /**
+     * <pre>
+     * The output is a JSON object (any keys and values).
+     * </pre>
+     *
+     * <code>.sluice.v1.JsonObject json_object = 22;</code>
+     */
+    private com.google.protobuf.SingleFieldBuilderV3<
+        ai.sluice.v1.JsonObject, ai.sluice.v1.JsonObject.Builder, ai.sluice.v1.JsonObjectOrBuilder> 
+        getJsonObjectFieldBuilder() {
+      if (jsonObjectBuilder_ == null) {
+        if (!(constraintCase_ == 22)) {
+          constraint_ = ai.sluice.v1.JsonObject.getDefaultInstance();
+        }
+        jsonObjectBuilder_ = new com.google.protobuf.SingleFieldBuilderV3<
+            ai.sluice.v1.JsonObject, ai.sluice.v1.JsonObject.Builder, ai.sluice.v1.JsonObjectOrBuilder>(
+                (ai.sluice.v1.JsonObject) constraint_,
+                getParentForChildren(),
+                isClean());
+        constraint_ = null;
+      }
+      constraintCase_ = 22;
+      onChanged();
+      return jsonObjectBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

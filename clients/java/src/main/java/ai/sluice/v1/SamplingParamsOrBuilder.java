@@ -323,4 +323,228 @@ public interface SamplingParamsOrBuilder extends
    * @return The skipSpecialTokens.
    */
   boolean getSkipSpecialTokens();
+
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  int getLogitBiasCount();
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  boolean containsLogitBias(
+      int key);
+  /**
+   * Use {@link #getLogitBiasMap()} instead.
+   */
+  @java.lang.Deprecated
+  java.util.Map<java.lang.Integer, java.lang.Float>
+  getLogitBias();
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  java.util.Map<java.lang.Integer, java.lang.Float>
+  getLogitBiasMap();
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  float getLogitBiasOrDefault(
+      int key,
+      float defaultValue);
+  /**
+   * <pre>
+   * Token id -&gt; bias added to its logit before sampling, in [-100, 100].
+   * </pre>
+   *
+   * <code>map&lt;int32, float&gt; logit_bias = 16;</code>
+   */
+  float getLogitBiasOrThrow(
+      int key);
+
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @return A list containing the allowedTokenIds.
+   */
+  java.util.List<java.lang.Integer> getAllowedTokenIdsList();
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @return The count of allowedTokenIds.
+   */
+  int getAllowedTokenIdsCount();
+  /**
+   * <pre>
+   * When not empty, only these token ids may be generated.
+   * </pre>
+   *
+   * <code>repeated int32 allowed_token_ids = 17;</code>
+   * @param index The index of the element to return.
+   * @return The allowedTokenIds at the given index.
+   */
+  int getAllowedTokenIds(int index);
+
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return Whether the jsonSchema field is set.
+   */
+  boolean hasJsonSchema();
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return The jsonSchema.
+   */
+  java.lang.String getJsonSchema();
+  /**
+   * <pre>
+   * A JSON schema, as JSON text. Output is compact JSON (", " and ": " separators).
+   * </pre>
+   *
+   * <code>string json_schema = 18;</code>
+   * @return The bytes for jsonSchema.
+   */
+  com.google.protobuf.ByteString
+      getJsonSchemaBytes();
+
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return Whether the regex field is set.
+   */
+  boolean hasRegex();
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return The regex.
+   */
+  java.lang.String getRegex();
+  /**
+   * <pre>
+   * A regular expression the whole output matches.
+   * </pre>
+   *
+   * <code>string regex = 19;</code>
+   * @return The bytes for regex.
+   */
+  com.google.protobuf.ByteString
+      getRegexBytes();
+
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return Whether the grammar field is set.
+   */
+  boolean hasGrammar();
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The grammar.
+   */
+  java.lang.String getGrammar();
+  /**
+   * <pre>
+   * An EBNF / GBNF grammar whose `root` rule the whole output matches.
+   * </pre>
+   *
+   * <code>string grammar = 20;</code>
+   * @return The bytes for grammar.
+   */
+  com.google.protobuf.ByteString
+      getGrammarBytes();
+
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   * @return Whether the choice field is set.
+   */
+  boolean hasChoice();
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   * @return The choice.
+   */
+  ai.sluice.v1.Choice getChoice();
+  /**
+   * <pre>
+   * The output is exactly one of these strings.
+   * </pre>
+   *
+   * <code>.sluice.v1.Choice choice = 21;</code>
+   */
+  ai.sluice.v1.ChoiceOrBuilder getChoiceOrBuilder();
+
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   * @return Whether the jsonObject field is set.
+   */
+  boolean hasJsonObject();
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   * @return The jsonObject.
+   */
+  ai.sluice.v1.JsonObject getJsonObject();
+  /**
+   * <pre>
+   * The output is a JSON object (any keys and values).
+   * </pre>
+   *
+   * <code>.sluice.v1.JsonObject json_object = 22;</code>
+   */
+  ai.sluice.v1.JsonObjectOrBuilder getJsonObjectOrBuilder();
+
+  public ai.sluice.v1.SamplingParams.ConstraintCase getConstraintCase();
 }

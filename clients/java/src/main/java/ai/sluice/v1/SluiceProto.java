@@ -25,6 +25,31 @@ public final class SluiceProto {
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_sluice_v1_ChatMessages_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_Tool_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_Tool_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_ToolChoice_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_ToolChoice_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_ToolCall_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_ToolCall_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_Choice_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_Choice_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_JsonObject_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_JsonObject_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
     internal_static_sluice_v1_TokenIds_descriptor;
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
@@ -34,6 +59,11 @@ public final class SluiceProto {
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_sluice_v1_SamplingParams_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_SamplingParams_LogitBiasEntry_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
     internal_static_sluice_v1_GenerateRequest_descriptor;
   static final 
@@ -125,82 +155,101 @@ public final class SluiceProto {
     java.lang.String[] descriptorData = {
       "\n\026sluice/v1/sluice.proto\022\tsluice.v1\",\n\013C" +
       "hatMessage\022\014\n\004role\030\001 \001(\t\022\017\n\007content\030\002 \001(" +
-      "\t\"8\n\014ChatMessages\022(\n\010messages\030\001 \003(\0132\026.sl" +
-      "uice.v1.ChatMessage\"\035\n\010TokenIds\022\021\n\ttoken" +
-      "_ids\030\001 \003(\005\"\316\004\n\016SamplingParams\022\030\n\013tempera" +
-      "ture\030\001 \001(\002H\000\210\001\001\022\022\n\005top_k\030\002 \001(\005H\001\210\001\001\022\022\n\005t" +
-      "op_p\030\003 \001(\002H\002\210\001\001\022\022\n\005min_p\030\004 \001(\002H\003\210\001\001\022\037\n\022r" +
-      "epetition_penalty\030\005 \001(\002H\004\210\001\001\022\035\n\020presence" +
-      "_penalty\030\006 \001(\002H\005\210\001\001\022\036\n\021frequency_penalty" +
-      "\030\007 \001(\002H\006\210\001\001\022\021\n\004seed\030\010 \001(\003H\007\210\001\001\022\027\n\nmax_to" +
-      "kens\030\t \001(\005H\010\210\001\001\022\027\n\nmin_tokens\030\n \001(\005H\t\210\001\001" +
-      "\022\014\n\004stop\030\013 \003(\t\022\026\n\016stop_token_ids\030\014 \003(\005\022\027" +
-      "\n\nignore_eos\030\r \001(\010H\n\210\001\001\022\025\n\010logprobs\030\016 \001(" +
-      "\005H\013\210\001\001\022 \n\023skip_special_tokens\030\017 \001(\010H\014\210\001\001" +
-      "B\016\n\014_temperatureB\010\n\006_top_kB\010\n\006_top_pB\010\n\006" +
-      "_min_pB\025\n\023_repetition_penaltyB\023\n\021_presen" +
-      "ce_penaltyB\024\n\022_frequency_penaltyB\007\n\005_see" +
-      "dB\r\n\013_max_tokensB\r\n\013_min_tokensB\r\n\013_igno" +
-      "re_eosB\013\n\t_logprobsB\026\n\024_skip_special_tok" +
-      "ens\"\211\002\n\017GenerateRequest\022\022\n\nrequest_id\030\001 " +
-      "\001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoken_ids\030\003 \001(\0132\023" +
-      ".sluice.v1.TokenIdsH\000\022+\n\010messages\030\004 \001(\0132" +
-      "\027.sluice.v1.ChatMessagesH\000\0222\n\017sampling_p" +
-      "arams\030\005 \001(\0132\031.sluice.v1.SamplingParams\022\020" +
-      "\n\010priority\030\006 \001(\005\022\022\n\ncache_salt\030\007 \001(\t\022\027\n\017" +
-      "stream_interval\030\010 \001(\rB\010\n\006prompt\"1\n\014Token" +
-      "Logprob\022\020\n\010token_id\030\001 \001(\005\022\017\n\007logprob\030\002 \001" +
-      "(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001 \001(\0132\027.sluice" +
-      ".v1.TokenLogprob\022$\n\003top\030\002 \003(\0132\027.sluice.v" +
-      "1.TokenLogprob\"P\n\005Usage\022\025\n\rprompt_tokens" +
-      "\030\001 \001(\005\022\031\n\021completion_tokens\030\002 \001(\005\022\025\n\rcac" +
-      "hed_tokens\030\003 \001(\005\"M\n\007Timings\022\025\n\rqueue_sec" +
-      "onds\030\001 \001(\001\022\024\n\014ttft_seconds\030\002 \001(\001\022\025\n\rtota" +
-      "l_seconds\030\003 \001(\001\"\243\002\n\020GenerateResponse\022\022\n\n" +
-      "request_id\030\001 \001(\t\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_" +
-      "ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\0132\023.sluice.v1." +
-      "Logprobs\022.\n\rfinish_reason\030\005 \001(\0162\027.sluice" +
-      ".v1.FinishReason\022\027\n\rstop_token_id\030\006 \001(\005H" +
-      "\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132" +
-      "\020.sluice.v1.Usage\022#\n\007timings\030\t \001(\0132\022.slu" +
-      "ice.v1.TimingsB\r\n\013stop_reason\"\"\n\014StreamC" +
-      "ancel\022\022\n\nrequest_id\030\001 \001(\t\"|\n\025StreamGener" +
-      "ateRequest\022.\n\010generate\030\001 \001(\0132\032.sluice.v1" +
-      ".GenerateRequestH\000\022)\n\006cancel\030\002 \001(\0132\027.slu" +
-      "ice.v1.StreamCancelH\000B\010\n\006action\"-\n\014Reque" +
-      "stError\022\014\n\004code\030\001 \001(\005\022\017\n\007message\030\002 \001(\t\"\215" +
-      "\001\n\026StreamGenerateResponse\022\022\n\nrequest_id\030" +
-      "\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sluice.v1.Generat" +
-      "eResponseH\000\022(\n\005error\030\003 \001(\0132\027.sluice.v1.R" +
-      "equestErrorH\000B\007\n\005event\"\"\n\014AbortRequest\022\022" +
-      "\n\nrequest_id\030\001 \001(\t\"\017\n\rAbortResponse\"\220\001\n\017" +
-      "TokenizeRequest\022\016\n\004text\030\001 \001(\tH\000\022+\n\010messa" +
-      "ges\030\002 \001(\0132\027.sluice.v1.ChatMessagesH\000\022\037\n\022" +
-      "add_special_tokens\030\003 \001(\010H\001\210\001\001B\010\n\006promptB" +
-      "\025\n\023_add_special_tokens\"%\n\020TokenizeRespon" +
-      "se\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023GetModelInfoReq" +
-      "uest\"\311\001\n\024GetModelInfoResponse\022\022\n\nmodel_n" +
-      "ame\030\001 \001(\t\022\024\n\014architecture\030\002 \001(\t\022\025\n\rmax_m" +
-      "odel_len\030\003 \001(\005\022\022\n\nvocab_size\030\004 \001(\005\022\025\n\reo" +
-      "s_token_ids\030\005 \003(\005\022\022\n\nblock_size\030\006 \001(\005\022\025\n" +
-      "\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv_capacity_toke" +
-      "ns\030\010 \001(\003*\221\001\n\014FinishReason\022\035\n\031FINISH_REAS" +
-      "ON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020\001" +
-      "\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_REA" +
-      "SON_ABORT\020\003\022\027\n\023FINISH_REASON_ERROR\020\0042\206\003\n" +
-      "\020InferenceService\022E\n\010Generate\022\032.sluice.v" +
-      "1.GenerateRequest\032\033.sluice.v1.GenerateRe" +
-      "sponse0\001\022Y\n\016StreamGenerate\022 .sluice.v1.S" +
-      "treamGenerateRequest\032!.sluice.v1.StreamG" +
-      "enerateResponse(\0010\001\022:\n\005Abort\022\027.sluice.v1" +
-      ".AbortRequest\032\030.sluice.v1.AbortResponse\022" +
-      "C\n\010Tokenize\022\032.sluice.v1.TokenizeRequest\032" +
-      "\033.sluice.v1.TokenizeResponse\022O\n\014GetModel" +
-      "Info\022\036.sluice.v1.GetModelInfoRequest\032\037.s" +
-      "luice.v1.GetModelInfoResponseBX\n\014ai.slui" +
-      "ce.v1B\013SluiceProtoP\001Z9github.com/sluice-" +
-      "ai/sluice/clients/go/sluice/v1;sluicev1b" +
-      "\006proto3"
+      "\t\"\204\001\n\014ChatMessages\022(\n\010messages\030\001 \003(\0132\026.s" +
+      "luice.v1.ChatMessage\022\036\n\005tools\030\002 \003(\0132\017.sl" +
+      "uice.v1.Tool\022*\n\013tool_choice\030\003 \001(\0132\025.slui" +
+      "ce.v1.ToolChoice\"=\n\004Tool\022\014\n\004name\030\001 \001(\t\022\023" +
+      "\n\013description\030\002 \001(\t\022\022\n\nparameters\030\003 \001(\t\"" +
+      "Z\n\nToolChoice\022)\n\004mode\030\001 \001(\0162\031.sluice.v1." +
+      "ToolChoiceModeH\000\022\027\n\rfunction_name\030\002 \001(\tH" +
+      "\000B\010\n\006choice\"+\n\010ToolCall\022\014\n\004name\030\001 \001(\t\022\021\n" +
+      "\targuments\030\002 \001(\t\"\031\n\006Choice\022\017\n\007choices\030\001 " +
+      "\003(\t\"\014\n\nJsonObject\"\035\n\010TokenIds\022\021\n\ttoken_i" +
+      "ds\030\001 \003(\005\"\365\006\n\016SamplingParams\022\030\n\013temperatu" +
+      "re\030\001 \001(\002H\001\210\001\001\022\022\n\005top_k\030\002 \001(\005H\002\210\001\001\022\022\n\005top" +
+      "_p\030\003 \001(\002H\003\210\001\001\022\022\n\005min_p\030\004 \001(\002H\004\210\001\001\022\037\n\022rep" +
+      "etition_penalty\030\005 \001(\002H\005\210\001\001\022\035\n\020presence_p" +
+      "enalty\030\006 \001(\002H\006\210\001\001\022\036\n\021frequency_penalty\030\007" +
+      " \001(\002H\007\210\001\001\022\021\n\004seed\030\010 \001(\003H\010\210\001\001\022\027\n\nmax_toke" +
+      "ns\030\t \001(\005H\t\210\001\001\022\027\n\nmin_tokens\030\n \001(\005H\n\210\001\001\022\014" +
+      "\n\004stop\030\013 \003(\t\022\026\n\016stop_token_ids\030\014 \003(\005\022\027\n\n" +
+      "ignore_eos\030\r \001(\010H\013\210\001\001\022\025\n\010logprobs\030\016 \001(\005H" +
+      "\014\210\001\001\022 \n\023skip_special_tokens\030\017 \001(\010H\r\210\001\001\022<" +
+      "\n\nlogit_bias\030\020 \003(\0132(.sluice.v1.SamplingP" +
+      "arams.LogitBiasEntry\022\031\n\021allowed_token_id" +
+      "s\030\021 \003(\005\022\025\n\013json_schema\030\022 \001(\tH\000\022\017\n\005regex\030" +
+      "\023 \001(\tH\000\022\021\n\007grammar\030\024 \001(\tH\000\022#\n\006choice\030\025 \001" +
+      "(\0132\021.sluice.v1.ChoiceH\000\022,\n\013json_object\030\026" +
+      " \001(\0132\025.sluice.v1.JsonObjectH\000\0320\n\016LogitBi" +
+      "asEntry\022\013\n\003key\030\001 \001(\005\022\r\n\005value\030\002 \001(\002:\0028\001B" +
+      "\014\n\nconstraintB\016\n\014_temperatureB\010\n\006_top_kB" +
+      "\010\n\006_top_pB\010\n\006_min_pB\025\n\023_repetition_penal" +
+      "tyB\023\n\021_presence_penaltyB\024\n\022_frequency_pe" +
+      "naltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_min_to" +
+      "kensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026\n\024_ski" +
+      "p_special_tokens\"\211\002\n\017GenerateRequest\022\022\n\n" +
+      "request_id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoke" +
+      "n_ids\030\003 \001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010me" +
+      "ssages\030\004 \001(\0132\027.sluice.v1.ChatMessagesH\000\022" +
+      "2\n\017sampling_params\030\005 \001(\0132\031.sluice.v1.Sam" +
+      "plingParams\022\020\n\010priority\030\006 \001(\005\022\022\n\ncache_s" +
+      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\rB\010\n\006pr" +
+      "ompt\"1\n\014TokenLogprob\022\020\n\010token_id\030\001 \001(\005\022\017" +
+      "\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001" +
+      " \001(\0132\027.sluice.v1.TokenLogprob\022$\n\003top\030\002 \003" +
+      "(\0132\027.sluice.v1.TokenLogprob\"P\n\005Usage\022\025\n\r" +
+      "prompt_tokens\030\001 \001(\005\022\031\n\021completion_tokens" +
+      "\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\"M\n\007Timings" +
+      "\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_seconds\030" +
+      "\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\314\002\n\020Generat" +
+      "eResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text\030\002 " +
+      "\001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\013" +
+      "2\023.sluice.v1.Logprobs\022.\n\rfinish_reason\030\005" +
+      " \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop_to" +
+      "ken_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n" +
+      "\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007timing" +
+      "s\030\t \001(\0132\022.sluice.v1.Timings\022\'\n\ntool_call" +
+      "s\030\n \003(\0132\023.sluice.v1.ToolCallB\r\n\013stop_rea" +
+      "son\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t\"" +
+      "|\n\025StreamGenerateRequest\022.\n\010generate\030\001 \001" +
+      "(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006canc" +
+      "el\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006a" +
+      "ction\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007m" +
+      "essage\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse\022" +
+      "\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.slu" +
+      "ice.v1.GenerateResponseH\000\022(\n\005error\030\003 \001(\013" +
+      "2\027.sluice.v1.RequestErrorH\000B\007\n\005event\"\"\n\014" +
+      "AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbor" +
+      "tResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 " +
+      "\001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.Chat" +
+      "MessagesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001" +
+      "\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"%\n\020" +
+      "TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023G" +
+      "etModelInfoRequest\"\311\001\n\024GetModelInfoRespo" +
+      "nse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture\030" +
+      "\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_si" +
+      "ze\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock" +
+      "_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv" +
+      "_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishReason\022" +
+      "\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH" +
+      "_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002" +
+      "\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH_REAS" +
+      "ON_ERROR\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TOOL_CH" +
+      "OICE_MODE_UNSPECIFIED\020\000\022\031\n\025TOOL_CHOICE_M" +
+      "ODE_NONE\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n" +
+      "\031TOOL_CHOICE_MODE_REQUIRED\020\0032\206\003\n\020Inferen" +
+      "ceService\022E\n\010Generate\022\032.sluice.v1.Genera" +
+      "teRequest\032\033.sluice.v1.GenerateResponse0\001" +
+      "\022Y\n\016StreamGenerate\022 .sluice.v1.StreamGen" +
+      "erateRequest\032!.sluice.v1.StreamGenerateR" +
+      "esponse(\0010\001\022:\n\005Abort\022\027.sluice.v1.AbortRe" +
+      "quest\032\030.sluice.v1.AbortResponse\022C\n\010Token" +
+      "ize\022\032.sluice.v1.TokenizeRequest\032\033.sluice" +
+      ".v1.TokenizeResponse\022O\n\014GetModelInfo\022\036.s" +
+      "luice.v1.GetModelInfoRequest\032\037.sluice.v1" +
+      ".GetModelInfoResponseBX\n\014ai.sluice.v1B\013S" +
+      "luiceProtoP\001Z9github.com/sluice-ai/sluic" +
+      "e/clients/go/sluice/v1;sluicev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -217,111 +266,147 @@ public final class SluiceProto {
     internal_static_sluice_v1_ChatMessages_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_ChatMessages_descriptor,
-        new java.lang.String[] { "Messages", });
-    internal_static_sluice_v1_TokenIds_descriptor =
+        new java.lang.String[] { "Messages", "Tools", "ToolChoice", });
+    internal_static_sluice_v1_Tool_descriptor =
       getDescriptor().getMessageTypes().get(2);
+    internal_static_sluice_v1_Tool_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_Tool_descriptor,
+        new java.lang.String[] { "Name", "Description", "Parameters", });
+    internal_static_sluice_v1_ToolChoice_descriptor =
+      getDescriptor().getMessageTypes().get(3);
+    internal_static_sluice_v1_ToolChoice_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_ToolChoice_descriptor,
+        new java.lang.String[] { "Mode", "FunctionName", "Choice", });
+    internal_static_sluice_v1_ToolCall_descriptor =
+      getDescriptor().getMessageTypes().get(4);
+    internal_static_sluice_v1_ToolCall_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_ToolCall_descriptor,
+        new java.lang.String[] { "Name", "Arguments", });
+    internal_static_sluice_v1_Choice_descriptor =
+      getDescriptor().getMessageTypes().get(5);
+    internal_static_sluice_v1_Choice_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_Choice_descriptor,
+        new java.lang.String[] { "Choices", });
+    internal_static_sluice_v1_JsonObject_descriptor =
+      getDescriptor().getMessageTypes().get(6);
+    internal_static_sluice_v1_JsonObject_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_JsonObject_descriptor,
+        new java.lang.String[] { });
+    internal_static_sluice_v1_TokenIds_descriptor =
+      getDescriptor().getMessageTypes().get(7);
     internal_static_sluice_v1_TokenIds_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_TokenIds_descriptor,
         new java.lang.String[] { "TokenIds", });
     internal_static_sluice_v1_SamplingParams_descriptor =
-      getDescriptor().getMessageTypes().get(3);
+      getDescriptor().getMessageTypes().get(8);
     internal_static_sluice_v1_SamplingParams_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_SamplingParams_descriptor,
-        new java.lang.String[] { "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "Stop", "StopTokenIds", "IgnoreEos", "Logprobs", "SkipSpecialTokens", "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "IgnoreEos", "Logprobs", "SkipSpecialTokens", });
+        new java.lang.String[] { "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "Stop", "StopTokenIds", "IgnoreEos", "Logprobs", "SkipSpecialTokens", "LogitBias", "AllowedTokenIds", "JsonSchema", "Regex", "Grammar", "Choice", "JsonObject", "Constraint", "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "IgnoreEos", "Logprobs", "SkipSpecialTokens", });
+    internal_static_sluice_v1_SamplingParams_LogitBiasEntry_descriptor =
+      internal_static_sluice_v1_SamplingParams_descriptor.getNestedTypes().get(0);
+    internal_static_sluice_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_SamplingParams_LogitBiasEntry_descriptor,
+        new java.lang.String[] { "Key", "Value", });
     internal_static_sluice_v1_GenerateRequest_descriptor =
-      getDescriptor().getMessageTypes().get(4);
+      getDescriptor().getMessageTypes().get(9);
     internal_static_sluice_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateRequest_descriptor,
         new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "Prompt", });
     internal_static_sluice_v1_TokenLogprob_descriptor =
-      getDescriptor().getMessageTypes().get(5);
+      getDescriptor().getMessageTypes().get(10);
     internal_static_sluice_v1_TokenLogprob_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_TokenLogprob_descriptor,
         new java.lang.String[] { "TokenId", "Logprob", });
     internal_static_sluice_v1_Logprobs_descriptor =
-      getDescriptor().getMessageTypes().get(6);
+      getDescriptor().getMessageTypes().get(11);
     internal_static_sluice_v1_Logprobs_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Logprobs_descriptor,
         new java.lang.String[] { "Sampled", "Top", });
     internal_static_sluice_v1_Usage_descriptor =
-      getDescriptor().getMessageTypes().get(7);
+      getDescriptor().getMessageTypes().get(12);
     internal_static_sluice_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Usage_descriptor,
         new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
     internal_static_sluice_v1_Timings_descriptor =
-      getDescriptor().getMessageTypes().get(8);
+      getDescriptor().getMessageTypes().get(13);
     internal_static_sluice_v1_Timings_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Timings_descriptor,
         new java.lang.String[] { "QueueSeconds", "TtftSeconds", "TotalSeconds", });
     internal_static_sluice_v1_GenerateResponse_descriptor =
-      getDescriptor().getMessageTypes().get(9);
+      getDescriptor().getMessageTypes().get(14);
     internal_static_sluice_v1_GenerateResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateResponse_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Logprobs", "FinishReason", "StopTokenId", "StopString", "Usage", "Timings", "StopReason", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Logprobs", "FinishReason", "StopTokenId", "StopString", "Usage", "Timings", "ToolCalls", "StopReason", });
     internal_static_sluice_v1_StreamCancel_descriptor =
-      getDescriptor().getMessageTypes().get(10);
+      getDescriptor().getMessageTypes().get(15);
     internal_static_sluice_v1_StreamCancel_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_StreamCancel_descriptor,
         new java.lang.String[] { "RequestId", });
     internal_static_sluice_v1_StreamGenerateRequest_descriptor =
-      getDescriptor().getMessageTypes().get(11);
+      getDescriptor().getMessageTypes().get(16);
     internal_static_sluice_v1_StreamGenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_StreamGenerateRequest_descriptor,
         new java.lang.String[] { "Generate", "Cancel", "Action", });
     internal_static_sluice_v1_RequestError_descriptor =
-      getDescriptor().getMessageTypes().get(12);
+      getDescriptor().getMessageTypes().get(17);
     internal_static_sluice_v1_RequestError_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_RequestError_descriptor,
         new java.lang.String[] { "Code", "Message", });
     internal_static_sluice_v1_StreamGenerateResponse_descriptor =
-      getDescriptor().getMessageTypes().get(13);
+      getDescriptor().getMessageTypes().get(18);
     internal_static_sluice_v1_StreamGenerateResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_StreamGenerateResponse_descriptor,
         new java.lang.String[] { "RequestId", "Chunk", "Error", "Event", });
     internal_static_sluice_v1_AbortRequest_descriptor =
-      getDescriptor().getMessageTypes().get(14);
+      getDescriptor().getMessageTypes().get(19);
     internal_static_sluice_v1_AbortRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_AbortRequest_descriptor,
         new java.lang.String[] { "RequestId", });
     internal_static_sluice_v1_AbortResponse_descriptor =
-      getDescriptor().getMessageTypes().get(15);
+      getDescriptor().getMessageTypes().get(20);
     internal_static_sluice_v1_AbortResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_AbortResponse_descriptor,
         new java.lang.String[] { });
     internal_static_sluice_v1_TokenizeRequest_descriptor =
-      getDescriptor().getMessageTypes().get(16);
+      getDescriptor().getMessageTypes().get(21);
     internal_static_sluice_v1_TokenizeRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_TokenizeRequest_descriptor,
         new java.lang.String[] { "Text", "Messages", "AddSpecialTokens", "Prompt", "AddSpecialTokens", });
     internal_static_sluice_v1_TokenizeResponse_descriptor =
-      getDescriptor().getMessageTypes().get(17);
+      getDescriptor().getMessageTypes().get(22);
     internal_static_sluice_v1_TokenizeResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_TokenizeResponse_descriptor,
         new java.lang.String[] { "TokenIds", });
     internal_static_sluice_v1_GetModelInfoRequest_descriptor =
-      getDescriptor().getMessageTypes().get(18);
+      getDescriptor().getMessageTypes().get(23);
     internal_static_sluice_v1_GetModelInfoRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GetModelInfoRequest_descriptor,
         new java.lang.String[] { });
     internal_static_sluice_v1_GetModelInfoResponse_descriptor =
-      getDescriptor().getMessageTypes().get(19);
+      getDescriptor().getMessageTypes().get(24);
     internal_static_sluice_v1_GetModelInfoResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GetModelInfoResponse_descriptor,

@@ -1,0 +1,62 @@
+"""The grammar mask: a logits processor that allows only the tokens a request's grammar accepts next.
+
+Each constrained request has an xgrammar matcher, synced before every step with the request's accepted
+output tokens: new ones are accepted, and a matcher that has seen more tokens than the request holds is
+rebuilt from the request's tokens. After a preemption by recompute the outputs are kept, so the matcher
+stays valid; anything that shortens them (none today, speculative rejection later) rebuilds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from engine.sample.sampler import SamplingRow
+
+
+class GrammarViolationError(ValueError):
+    """A request holds a token its grammar does not accept (it can only come from outside the mask)."""
+
+
+@dataclass
+class _MatcherState:
+    matcher: xgr.GrammarMatcher
+    num_accepted: int = 0
+
+
+class GrammarMask:
+    """Rows whose `grammar` is set (an xgrammar CompiledGrammar) get -inf on every disallowed token."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, _MatcherState] = {}
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        picked = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not picked:
+            return
+        # bitmask: [num_rows, ceil(vocab / 32)] int32, bit j of row i set = token j allowed.
+        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+        for i in picked:
+            self._sync(rows[i]).matcher.fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=picked)
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def _sync(self, row: SamplingRow) -> _MatcherState:
+        state = self._states.get(row.request_id)
+        outputs = row.output_token_ids
+        if state is None or state.num_accepted > len(outputs):
+            state = _MatcherState(xgr.GrammarMatcher(row.grammar))
+            self._states[row.request_id] = state
+        for token_id in outputs[state.num_accepted :]:
+            if not state.matcher.accept_token(token_id):
+                raise GrammarViolationError(f"token {token_id} does not match the request's constraint")
+            state.num_accepted += 1
+        return state

@@ -1,0 +1,162 @@
+"""Logits processors: the steps between the model's logits and the draw, applied in list order.
+
+Each processor edits the logits of the rows it concerns, in place, and may keep per-request state across
+steps (dropped by `free`). State is synced from the row's `output_token_ids` (the accepted tokens), never
+from what the processor saw sampled, so a preempted or re-sampled request finds its state consistent.
+
+    MinTokens -> Penalties -> LogitBias -> AllowedTokenIds -> (GrammarMask, engine.sample.grammar_mask)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sample.sampler import SamplingRow
+
+
+class LogitsProcessor(Protocol):
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """logits: [num_rows, vocab] float32, row i belongs to rows[i]; edited in place."""
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Forget the state of finished requests."""
+
+
+def default_processors() -> list[LogitsProcessor]:
+    return [MinTokens(), Penalties(), LogitBias(), AllowedTokenIds()]
+
+
+class MinTokens:
+    """Bans eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs. Stateless."""
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        row_idx, col_idx = [], []
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) >= row.params.min_tokens:
+                continue
+            banned = set(row.params.stop_token_ids)
+            if not row.params.ignore_eos:
+                banned |= row.eos_token_ids
+            cols = [t for t in banned if t < vocab]
+            row_idx += [i] * len(cols)
+            col_idx += cols
+        if row_idx:
+            logits[row_idx, col_idx] = float("-inf")
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        pass
+
+
+@dataclass
+class _TokenCounts:
+    seen: torch.Tensor  # [vocab] bool: in the prompt or the outputs (repetition penalty)
+    counts: torch.Tensor  # [vocab] float: occurrences in the outputs (frequency / presence)
+    num_outputs: int  # output tokens counted so far
+
+
+class Penalties:
+    """Repetition (prompt + output), frequency and presence (output only) penalties.
+
+    Keeps each penalized request's token counts and adds only the tokens accepted since the last step.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[str, _TokenCounts] = {}
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        picked = [i for i, r in enumerate(rows) if _penalized(r)]
+        if not picked:
+            return
+        device = logits.device
+        states = [self._sync(rows[i], logits.shape[1], device) for i in picked]
+        params = [rows[i].params for i in picked]
+        sub = logits[picked]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        seen = torch.stack([s.seen for s in states])
+        scaled = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, scaled, sub)
+        counts = torch.stack([s.counts for s in states])
+        f = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        p = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        logits[picked] = sub - f * counts - p * (counts > 0).float()
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._state.pop(request_id, None)
+
+    def _sync(self, row: SamplingRow, vocab: int, device: torch.device) -> _TokenCounts:
+        state = self._state.get(row.request_id)
+        if state is None or state.num_outputs > len(row.output_token_ids) or state.seen.shape[0] != vocab:
+            state = _TokenCounts(
+                seen=torch.zeros(vocab, dtype=torch.bool, device=device),
+                counts=torch.zeros(vocab, device=device),
+                num_outputs=0,
+            )
+            state.seen[_ids_below(row.prompt_token_ids, vocab, device)] = True
+            self._state[row.request_id] = state
+        new = _ids_below(row.output_token_ids[state.num_outputs :], vocab, device)
+        state.seen[new] = True
+        state.counts.index_put_((new,), torch.ones_like(new, dtype=state.counts.dtype), accumulate=True)
+        state.num_outputs = len(row.output_token_ids)
+        return state
+
+
+class LogitBias:
+    """Adds `params.logit_bias` (token id -> bias); ids outside the logits are ignored. Stateless."""
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        row_idx, col_idx, values = [], [], []
+        for i, row in enumerate(rows):
+            for token_id, bias in row.params.logit_bias:
+                if token_id < vocab:
+                    row_idx.append(i)
+                    col_idx.append(token_id)
+                    values.append(bias)
+        if row_idx:
+            logits[row_idx, col_idx] += torch.tensor(values, device=logits.device)
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        pass
+
+
+class AllowedTokenIds:
+    """Every token not in `params.allowed_token_ids` gets -inf. Keeps each request's mask."""
+
+    def __init__(self) -> None:
+        self._masks: dict[str, torch.Tensor] = {}  # request id -> [vocab] bool, True = banned
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        picked = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+        if not picked:
+            return
+        banned = torch.stack([self._mask(rows[i], logits.shape[1], logits.device) for i in picked])
+        logits[picked] = logits[picked].masked_fill(banned, float("-inf"))
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._masks.pop(request_id, None)
+
+    def _mask(self, row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+        mask = self._masks.get(row.request_id)
+        if mask is None or mask.shape[0] != vocab:
+            mask = torch.ones(vocab, dtype=torch.bool, device=device)
+            mask[_ids_below(row.params.allowed_token_ids, vocab, device)] = False
+            self._masks[row.request_id] = mask
+        return mask
+
+
+def _penalized(row: SamplingRow) -> bool:
+    p = row.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _ids_below(token_ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    return ids[ids < vocab].to(device)

@@ -1,0 +1,1 @@
+"""Structured output: constraints (JSON schema, regex, grammar, choice) as token masks; tool calls."""

@@ -1,0 +1,80 @@
+"""What a request's output must match: plain data that crosses to the engine core inside SamplingParams.
+
+Exactly one kind is set. `key` names the compiled grammar in the core's cache, so two requests with the
+same constraint share one compilation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One of: `json_schema` (a JSON schema, as text), `regex`, `grammar` (EBNF / GBNF, rule `root`),
+    `choice` (the output is exactly one of these strings), `json_object` (any JSON object)."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if len(self.kinds) != 1:
+            given = ", ".join(self.kinds) or "none"
+            raise ValueError(
+                f"constraint: give exactly one of json_schema, regex, grammar, choice, "
+                f"json_object (got {given})"
+            )
+        if self.json_schema is not None:
+            _check_json(self.json_schema)
+        for name, value in (("regex", self.regex), ("grammar", self.grammar)):
+            if value is not None and not value:
+                raise ValueError(f"{name}: must not be empty")
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("choice: must hold at least one non-empty string")
+
+    @property
+    def kinds(self) -> list[str]:
+        values = (
+            ("json_schema", self.json_schema is not None),
+            ("regex", self.regex is not None),
+            ("grammar", self.grammar is not None),
+            ("choice", self.choice is not None),
+            ("json_object", self.json_object),
+        )
+        return [name for name, given in values if given]
+
+    @property
+    def kind(self) -> str:
+        """The request field the constraint came from; compile errors name it."""
+        return self.kinds[0]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, source): what the core compiles and caches."""
+        if self.json_object:
+            return ("json_schema", ANY_JSON_OBJECT_SCHEMA)
+        if self.choice is not None:
+            return ("grammar", choice_grammar(self.choice))
+        return (self.kind, self.json_schema or self.regex or self.grammar)
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """EBNF whose only sentences are the choices (JSON string escapes are valid EBNF literals)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _check_json(schema: str) -> None:
+    try:
+        value = json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"json_schema: is not valid JSON: {e}") from e
+    if not isinstance(value, dict | bool):
+        raise ValueError("json_schema: must be a JSON object")

@@ -1,0 +1,108 @@
+"""Compiles constraints to xgrammar grammars off the engine's step path, and caches them.
+
+One background thread compiles; `submit` returns at once with a future. Futures are cached by
+`Constraint.key` (least recently used dropped past `cache_size`), so a request whose constraint was seen
+before gets a finished future and waits for nothing. The xgrammar vocabulary is built in that thread on
+the first submit, so a server that never sees a constraint never pays for it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import xgrammar as xgr
+
+from engine.structured.constraint import Constraint
+from engine.structured.tokenizer_info import build_tokenizer_info
+
+if TYPE_CHECKING:
+    from engine.text.tokenizer import Tokenizer
+
+# xgrammar prefixes its messages with "[12:09:21] /project/cpp/regex_converter.cc:83: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+# The character class xgrammar gives length- or format-bounded JSON strings lets control characters
+# through (its unbounded strings exclude them, as RFC 8259 requires); `strict_json_strings` closes it.
+_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def strict_json_strings(ebnf: str) -> str:
+    """The EBNF of an xgrammar JSON schema grammar with control characters banned inside every string."""
+    return ebnf.replace(_LENIENT_STRING_CHAR, _STRICT_STRING_CHAR)
+
+
+class GrammarCompileError(Exception):
+    """The constraint's source does not compile; the message says why (without the field)."""
+
+
+class GrammarCompiler:
+    """Thread-safe. `submit` from the engine thread; compilation runs in one worker thread."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Iterable[int], cache_size: int = 256
+    ) -> None:
+        if cache_size < 1:
+            raise ValueError("cache_size: must be >= 1")
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = tuple(stop_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+        self._compiler: xgr.GrammarCompiler | None = None
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+        self.compile_seconds = 0.0  # total time spent compiling (vocabulary setup excluded)
+
+    def submit(self, constraint: Constraint) -> Future:
+        """A future of the compiled grammar; it raises GrammarCompileError if the source is invalid."""
+        key = constraint.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return future
+            future = self._executor.submit(self._compile, key)
+            self._cache[key] = future
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return future
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
+        compiler = self._get_compiler()
+        kind, source = key
+        start = time.perf_counter()
+        try:
+            if kind == "json_schema":
+                grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+                compiled = compiler.compile_grammar(strict_json_strings(str(grammar)))
+            elif kind == "regex":
+                compiled = compiler.compile_regex(source)
+            else:
+                compiled = compiler.compile_grammar(source)
+        except (RuntimeError, ValueError) as e:
+            raise GrammarCompileError(_XGRAMMAR_PREFIX.sub("", str(e)).strip()) from e
+        finally:
+            self.num_compiles += 1
+            self.compile_seconds += time.perf_counter() - start
+        return compiled
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            info = build_tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
+            # xgrammar's own cache stays off: ours holds the futures, so in-flight compiles are shared too.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler

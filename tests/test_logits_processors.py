@@ -1,0 +1,70 @@
+"""Logits processors: logit_bias, allowed_token_ids, and penalty state kept across steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sample.logits_processors import AllowedTokenIds, LogitBias, Penalties
+from engine.sample.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+
+INF = float("inf")
+
+
+def row(params: SamplingParams, request_id: str = "r", prompt=(), output=()) -> SamplingRow:
+    return SamplingRow(request_id, params, list(prompt), list(output))
+
+
+def test_logit_bias_adds_to_the_named_ids_and_skips_ids_past_the_logits() -> None:
+    logits = torch.zeros(2, 4)
+    LogitBias().apply(
+        logits, [row(SamplingParams(logit_bias={1: 2.5, 3: -1.0, 9: 5.0}), "a"), row(SamplingParams(), "b")]
+    )
+    assert logits.tolist() == [[0.0, 2.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_allowed_token_ids_ban_everything_else() -> None:
+    logits = torch.arange(8.0).reshape(2, 4)
+    AllowedTokenIds().apply(
+        logits, [row(SamplingParams(), "a"), row(SamplingParams(allowed_token_ids=[0, 2]), "b")]
+    )
+    assert logits.tolist() == [[0.0, 1.0, 2.0, 3.0], [4.0, -INF, 6.0, -INF]]
+
+
+def test_greedy_picks_the_best_allowed_token_after_bias() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 3], logit_bias={3: 4.5})
+    assert Sampler().sample(logits, [row(params)])[0].token_id == 3
+
+
+def test_penalty_state_grows_with_accepted_tokens_and_equals_a_fresh_computation() -> None:
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    kept = Penalties()
+    outputs: list[int] = []
+    for token in [0, 3, 3, 1, 3]:
+        outputs.append(token)
+        logits = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]])
+        kept.apply(logits, [row(params, prompt=[2], output=outputs)])
+        fresh = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]])
+        Penalties().apply(fresh, [row(params, prompt=[2], output=list(outputs))])
+        assert logits.tolist() == fresh.tolist()
+    # outputs 0, 3, 3, 1, 3; prompt 2. token 3: 1 / 2 - 0.5 * 3 - 0.25 = -1.25
+    assert logits.tolist() == [[2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.25, 3.0 / 2, -1.25, 0.5]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logit_bias": {3: 101.0}}, "logit_bias: biases must be in [-100, 100]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias: token ids must be >= 0"),
+        (
+            {"allowed_token_ids": []},
+            "allowed_token_ids: must not be empty (leave it unset to allow every token)",
+        ),
+    ],
+)
+def test_bad_bias_and_allowed_ids_name_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value) == message

@@ -1,0 +1,146 @@
+"""Constraints and tools over real gRPC: a tiny random-weight Llama behind the real server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import jsonschema
+import pytest
+from service_harness import ServerThread
+from sluice.v1 import sluice_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
+WEATHER = pb.Tool(
+    name="get_weather",
+    description="Current weather in a city",
+    parameters=json.dumps(
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    ),
+)
+TIME = pb.Tool(name="get_time", description="The time now", parameters="")
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()
+
+
+def generate(stub, **params) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        text="hello there", sampling_params=pb.SamplingParams(**{"max_tokens": 120, **params})
+    )
+    return list(stub.Generate(request, timeout=60))
+
+
+def text_of(chunks: list[pb.GenerateResponse]) -> str:
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    return "".join(chunk.text for chunk in chunks)
+
+
+def test_each_constraint_kind_holds_over_grpc(stub) -> None:
+    value = json.loads(text_of(generate(stub, json_schema=json.dumps(SCHEMA), temperature=0.0)))
+    jsonschema.validate(value, SCHEMA)
+    assert re.fullmatch(r"[a-c]{2}[0-9]", text_of(generate(stub, regex=r"[a-c]{2}[0-9]", seed=3)))
+    grammar = 'root ::= "<" [0-9]{1,2} ">"'
+    assert re.fullmatch(r"<[0-9]{1,2}>", text_of(generate(stub, grammar=grammar, seed=4)))
+    choice = pb.Choice(choices=["red", "green", "blue"])
+    assert text_of(generate(stub, choice=choice, seed=5)) in {"red", "green", "blue"}
+
+
+def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
+    chunks = generate(stub, allowed_token_ids=[40, 41, 42], logit_bias={42: -100.0}, max_tokens=8, seed=1)
+    token_ids = [t for chunk in chunks for t in chunk.token_ids]
+    assert len(token_ids) == 8 and set(token_ids) <= {40, 41}
+
+
+@pytest.mark.parametrize(
+    ("params", "details"),
+    [
+        ({"json_schema": '{"type": "foo"}'}, 'json_schema: does not compile: Unsupported type "foo"'),
+        ({"json_schema": "{"}, "json_schema: is not valid JSON: "),
+        (
+            {"regex": "a(b"},
+            "regex: does not compile: Regex parsing error at position 4: The parenthesis is not closed.",
+        ),
+        (
+            {"grammar": "root ::= foo"},
+            'grammar: does not compile: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
+        ),
+        ({"choice": pb.Choice()}, "choice: must hold at least one non-empty string"),
+        ({"logit_bias": {600: 1.0}}, "logit_bias: token id 600 is outside the vocabulary [0, 512)"),
+        ({"allowed_token_ids": [512]}, "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"),
+    ],
+)
+def test_a_bad_constraint_is_invalid_argument_naming_the_field(stub, params, details) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, **params)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(details), info.value.details()
+
+
+def test_a_constraint_that_does_not_compile_is_reported_in_band_on_stream_generate(stub) -> None:
+    bad = pb.GenerateRequest(request_id="bad", text="x", sampling_params=pb.SamplingParams(regex="(("))
+    good = pb.GenerateRequest(request_id="good", text="x", sampling_params=pb.SamplingParams(max_tokens=3))
+    requests = [pb.StreamGenerateRequest(generate=bad), pb.StreamGenerateRequest(generate=good)]
+    responses = list(stub.StreamGenerate(iter(requests), timeout=60))
+    errors = [r for r in responses if r.WhichOneof("event") == "error"]
+    assert [(r.request_id, r.error.code) for r in errors] == [
+        ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    ]
+    assert errors[0].error.message.startswith("regex: does not compile: ")
+    good_chunks = [r.chunk for r in responses if r.request_id == "good"]
+    assert good_chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def chat(stub, tool_choice: pb.ToolChoice | None, **params) -> list[pb.GenerateResponse]:
+    messages = pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="What is the weather in Paris?")],
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+    )
+    sampling = pb.SamplingParams(**{"max_tokens": 120, **params})
+    return list(stub.Generate(pb.GenerateRequest(messages=messages, sampling_params=sampling), timeout=60))
+
+
+def test_required_tool_choice_returns_parsed_calls_of_the_tools(stub) -> None:
+    chunks = chat(stub, pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), seed=2)
+    text = text_of(chunks)
+    calls = chunks[-1].tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (call["name"], call["arguments"]) for call in json.loads(text)
+    ]
+    assert calls and all(c.name in {"get_weather", "get_time"} for c in calls)
+    assert all(not chunk.tool_calls for chunk in chunks[:-1])
+
+
+def test_named_tool_choice_returns_one_call_of_that_function(stub) -> None:
+    chunks = chat(stub, pb.ToolChoice(function_name="get_weather"), temperature=0.0)
+    arguments = json.loads(text_of(chunks))
+    jsonschema.validate(arguments, json.loads(WEATHER.parameters))
+    assert [(c.name, json.loads(c.arguments)) for c in chunks[-1].tool_calls] == [("get_weather", arguments)]
+
+
+def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        chat(stub, pb.ToolChoice(function_name="nope"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        info.value.details()
+        == "tool_choice: 'nope' is not a mode nor one of the tools ['get_weather', 'get_time']"
+    )

@@ -1,0 +1,211 @@
+"""Constrained decoding on a tiny random-weight model, the hardest case: it has no idea what JSON is, so
+every valid output is the grammar mask's doing. Outputs are checked with `jsonschema`, `json` and `re`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.frontend.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured.constraint import Constraint
+
+SCHEMAS = {
+    "nested_objects": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                    "name": {"type": "string", "maxLength": 6},
+                },
+                "required": ["id", "name"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    "array_min_max_items": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "enums": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M"]},
+        },
+        "required": ["color", "size"],
+        "additionalProperties": False,
+    },
+    "bounded_numbers": {
+        "type": "object",
+        "properties": {
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "count": {"type": "integer", "minimum": 10, "maximum": 20},
+        },
+        "required": ["score", "count"],
+        "additionalProperties": False,
+    },
+    "required_and_optional": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "boolean"},
+            "b": {"type": "null"},
+            "c": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "string_patterns": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        },
+        "required": ["code", "zip"],
+        "additionalProperties": False,
+    },
+}
+REGEXES = [
+    r"[0-9]{3}-[a-z]{2,4}",
+    r"(true|false)",
+    r"[A-Z][a-z]{0,5}( [A-Z][a-z]{0,5}){0,2}",
+    r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)",
+]
+# A JSON array of 0 to 5 small integers, so `json.loads` is the reference parser.
+EBNF = 'root ::= "[" (int ("," int){0,4})? "]"\nint ::= "-"? [1-9] [0-9]{0,2} | "0"'
+PROMPTS = ["hello", "the cat sat on", "1 2 3", "JSON please:", "<tag>", "x"]
+
+
+def sampled(constraint: Constraint, i: int, max_tokens: int = 200) -> SamplingParams:
+    """Greedy for the first two prompts, seeded random draws for the others."""
+    temperature = 0.0 if i < 2 else 1.0
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, constraint=constraint)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: str) -> LLM:
+    return LLM(llama_dir, block_size=16, num_blocks=256, max_num_seqs=64, attention_backend="torch")
+
+
+def test_every_output_validates_against_its_json_schema(llm: LLM) -> None:
+    prompts, params, names = [], [], []
+    for name, schema in SCHEMAS.items():
+        for i, prompt in enumerate(PROMPTS):
+            prompts.append(prompt)
+            params.append(sampled(Constraint(json_schema=json.dumps(schema)), i))
+            names.append(name)
+    completions = llm.generate(prompts, params)
+    for name, completion in zip(names, completions, strict=True):
+        assert completion.finish_reason == "stop", (name, completion.text)
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
+
+
+def test_json_object_outputs_are_json_objects(llm: LLM) -> None:
+    # Free strings never end by chance with this model; a bias towards closing them (applied before the
+    # mask, so it cannot allow anything the grammar forbids) keeps outputs within max_tokens.
+    bias = {llm.tokenizer.token_to_id(t): 4.0 for t in ('"', "}")}
+    params = [
+        dataclasses.replace(sampled(Constraint(json_object=True), i), logit_bias=bias)
+        for i in range(len(PROMPTS))
+    ]
+    for completion in llm.generate(PROMPTS, params):
+        assert completion.finish_reason == "stop", completion.text
+        assert isinstance(json.loads(completion.text), dict)
+
+
+def test_every_output_fully_matches_its_regex(llm: LLM) -> None:
+    params = [sampled(Constraint(regex=r), i) for r in REGEXES for i in range(len(PROMPTS))]
+    completions = llm.generate(PROMPTS * len(REGEXES), params)
+    for param, completion in zip(params, completions, strict=True):
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(param.constraint.regex, completion.text), (
+            param.constraint.regex,
+            completion.text,
+        )
+
+
+def test_every_output_is_a_sentence_of_the_ebnf_grammar(llm: LLM) -> None:
+    params = [sampled(Constraint(grammar=EBNF), i) for i in range(len(PROMPTS))]
+    for completion in llm.generate(PROMPTS, params):
+        assert completion.finish_reason == "stop"
+        value = json.loads(completion.text)
+        assert isinstance(value, list) and len(value) <= 5 and all(-999 <= v <= 999 for v in value)
+        assert re.fullmatch(r"\[((0|-?[1-9][0-9]{0,2})(,(0|-?[1-9][0-9]{0,2})){0,4})?\]", completion.text)
+
+
+def test_choice_returns_exactly_one_of_the_choices(llm: LLM) -> None:
+    choices = ("yes", "no", "maybe so", "yes!")
+    params = [sampled(Constraint(choice=choices), i) for i in range(len(PROMPTS))]
+    texts = [c.text for c in llm.generate(PROMPTS, params)]
+    assert all(text in choices for text in texts), texts
+
+
+def test_constrained_requests_leave_unconstrained_greedy_outputs_unchanged(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = [c.token_ids for c in llm.generate(PROMPTS, greedy)]
+    schema = Constraint(json_schema=json.dumps(SCHEMAS["nested_objects"]))
+    mixed_params = [greedy] * len(PROMPTS) + [sampled(schema, i) for i in range(len(PROMPTS))]
+    mixed_params += [SamplingParams(max_tokens=24, allowed_token_ids=[5, 6], logit_bias={5: 3.0})]
+    mixed = llm.generate(PROMPTS * 2 + ["z"], mixed_params)
+    assert [c.token_ids for c in mixed[: len(PROMPTS)]] == alone
+    assert set(mixed[-1].token_ids) <= {5, 6}
+
+
+def test_preempted_constrained_requests_recompute_to_the_same_valid_outputs(llama_dir: str, llm: LLM) -> None:
+    constraint = Constraint(json_schema=json.dumps(SCHEMAS["nested_objects"]))
+    prompts = [f"{p} {p} {p}" for p in PROMPTS] * 2
+    params = [SamplingParams(max_tokens=120, temperature=0.0, constraint=constraint)] * len(prompts)
+    roomy = [c.token_ids for c in llm.generate(prompts, params)]
+    small = LLM(llama_dir, block_size=16, num_blocks=14, max_num_seqs=12, attention_backend="torch")
+    completions = small.generate(prompts, params)
+    assert small.engine.stats().num_preemptions > 0
+    assert [c.token_ids for c in completions] == roomy
+    for completion in completions:
+        jsonschema.validate(json.loads(completion.text), SCHEMAS["nested_objects"])
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (Constraint(json_schema='{"type": "foo"}'), 'json_schema: does not compile: Unsupported type "foo"'),
+        (Constraint(regex="a(b"), "regex: does not compile: Regex parsing error at position 4"),
+        (
+            Constraint(grammar="root ::= foo"),
+            "grammar: does not compile: EBNF parser error at line 1, column 10",
+        ),
+    ],
+)
+def test_a_constraint_that_does_not_compile_names_its_field(llm: LLM, constraint, message) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["hello", "world"], [SamplingParams(constraint=constraint), SamplingParams()])
+    assert info.value.field == constraint.kind
+    assert str(info.value).startswith(message), str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_constraints_are_validated_when_built() -> None:
+    with pytest.raises(ValueError, match=r"^json_schema: is not valid JSON"):
+        Constraint(json_schema="{")
+    with pytest.raises(ValueError, match=r"^constraint: give exactly one of .* \(got regex, choice\)"):
+        Constraint(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match=r"^choice: must hold at least one non-empty string"):
+        Constraint(choice=("a", ""))
+
+
+def test_a_repeated_constraint_compiles_once(llm: LLM) -> None:
+    grammars = llm.engine.core.grammars
+    constraint = Constraint(regex="(ab){1,3}c")
+    compiles, hits = grammars.num_compiles, grammars.num_cache_hits
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=16, constraint=constraint))
+    assert (grammars.num_compiles, grammars.num_cache_hits) == (compiles + 1, hits + 2)
