@@ -70,7 +70,7 @@ def test_preemption_keeps_outputs_equal_to_transformers(checkpoint, expected):
 
 def test_only_all_windowed_models_free_blocks(qwen3_dir, mistral_windowed_dir, gemma3_dir):
     directories = (qwen3_dir, mistral_windowed_dir, gemma3_dir)
-    windows = [LLM(d, num_blocks=8).engine.scheduler.kv.sliding_window for d in directories]
+    windows = [LLM(d, num_blocks=8).engine.core.scheduler.kv.sliding_window for d in directories]
     assert windows == [None, MISTRAL_WINDOW, None]  # Gemma 3 keeps full context in its global layer
 
 
@@ -89,6 +89,6 @@ def test_long_context_holds_blocks_bounded_by_the_window(mistral_windowed_dir):
     # Chunks start at multiples of 32, so the 11 positions a chunk's first query sees before it lie in
     # one block, and the chunk fills two: 3 blocks (the scheduler's bound, for any alignment, is 4).
     assert max(used) == 3 and used[-1] == 0
-    assert engine.scheduler.kv.num_blocks_needed(240, 32) == 4
+    assert engine.core.scheduler.kv.num_blocks_needed(240, 32) == 4
     assert engine.stats().num_preemptions == 0
     assert tokens == _hf_greedy(mistral_windowed_dir, [prompt], num_new)[0]

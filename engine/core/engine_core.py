@@ -135,9 +135,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or len(self._compiling) > 0
 
-    def unfinished_request_ids(self) -> list[str]:
-        return self.scheduler.request_ids() + self._compiling.request_ids()
-
     def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar is ready join the scheduler; one that did not compile ends with an
         error naming its constraint's field (outputs returned)."""
