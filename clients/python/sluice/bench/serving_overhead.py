@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= 4)")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= 8)")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = []
     with ServerProcess(serve_args) as server:
         for concurrency in args.concurrency:
-            num_requests = max(4, args.rounds * concurrency)
+            num_requests = max(8, args.rounds * concurrency)
             offline = offline_run(llm, workload, concurrency, num_requests)
             grpc = grpc_run(server, workload, concurrency, num_requests)
             pairs.append((offline, grpc))
