@@ -104,10 +104,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def request_ids(self) -> list[str]:
-        """Ids of every unfinished request (waiting, running or preempted)."""
-        return list(self._requests)
-
     # ---- stats (read by the engine's EngineStats) --------------------------------------------------
 
     @property

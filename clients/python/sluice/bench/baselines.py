@@ -9,7 +9,8 @@ the very same weights), measures:
                  (a) Sluice over gRPC (a `sluice serve` subprocess on a loopback port),
                  (b) transformers.generate one request at a time, (c) in static batches,
                  (d) Sluice with prefix caching off, (e) Sluice with chunked prefill off,
-                 (f) the in-process AsyncEngine (no gRPC): the gRPC layer's cost
+                 (f) the AsyncEngine without gRPC (its engine core in its own process, as the
+                 server runs it): the gRPC layer's cost
     decode ITL   running decodes while long prompts arrive, chunked prefill on (small token budget)
                  against off (the budget must then hold a whole prompt)
 
