@@ -108,3 +108,17 @@ def test_chat_uses_gemma_turns_and_stops_at_end_of_turn(llm):
     assert llm.tokenizer.apply_chat_template(messages) == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_chat_with_example_turns_answers_sensibly(llm):
+    # A base model answers a chat when earlier turns show it how. Its chat control tokens are untrained,
+    # so it ends the turn with a look-alike token instead of <end_of_turn>: the reply is cut at max_tokens.
+    turns = [
+        {"role": "user", "content": "What is the capital of Italy?"},
+        {"role": "assistant", "content": "The capital of Italy is Rome."},
+        {"role": "user", "content": "What color is grass?"},
+        {"role": "assistant", "content": "Grass is green."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    (completion,) = llm.chat([turns], SamplingParams(temperature=0.0, max_tokens=8))
+    assert completion.text.startswith("The capital of France is Paris.")
