@@ -28,13 +28,20 @@ def _hf_greedy(directory: str, prompt: list[int], num_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("prompt_len", [37, 32])
-def test_greedy_n4_gives_transformers_output_four_times_computing_the_prompt_once(llama_dir, prompt_len):
+@pytest.mark.parametrize(
+    ("checkpoint", "prompt_len"),
+    [("llama_dir", 37), ("llama_dir", 32), ("mistral_windowed_dir", 37), ("gemma3_dir", 37)],
+)
+def test_greedy_n4_gives_transformers_output_four_times_computing_the_prompt_once(
+    checkpoint, prompt_len, request
+):
+    # Windowed Mistral frees the blocks out of its window before the fork; Gemma 3 is hybrid.
+    directory = request.getfixturevalue(checkpoint)
     prompt = PROMPT[:prompt_len]
     # Chunked prefill: the prompt takes 3 steps of 16 tokens.
-    llm = LLM(llama_dir, block_size=16, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=16)
+    llm = LLM(directory, block_size=16, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=16)
     completions = llm.generate(prompt, GREEDY_4)
-    expected = _hf_greedy(llama_dir, prompt, NUM_NEW)
+    expected = _hf_greedy(directory, prompt, NUM_NEW)
     assert [c.index for c in completions] == [0, 1, 2, 3]
     assert [c.token_ids for c in completions] == [expected] * 4
     assert [c.finish_reason for c in completions] == ["length"] * 4
