@@ -187,3 +187,18 @@ def test_prompt_logprobs_come_once_on_sample_zero(llama_dir):
 def test_bad_n_and_prompt_logprobs_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**kwargs)
+
+
+def test_every_sample_of_a_constrained_request_matches_its_constraint(llama_dir):
+    from engine.structured.constraint import Constraint
+
+    choices = ("yes", "no", "maybe so", "yes!")
+    llm = LLM(llama_dir, block_size=16, num_blocks=64)
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=20, n=6, constraint=Constraint(choice=choices)
+    )
+    completions = llm.generate("the cat sat on", params)
+    assert [c.index for c in completions] == list(range(6))
+    assert all(c.text in choices and c.finish_reason == "stop" for c in completions), completions
+    assert [c.prompt_tokens_computed > 0 for c in completions] == [True] + [False] * 5
+    assert llm.engine.stats().num_kv_blocks_used == 0
