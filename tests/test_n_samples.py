@@ -202,3 +202,18 @@ def test_every_sample_of_a_constrained_request_matches_its_constraint(llama_dir)
     assert all(c.text in choices and c.finish_reason == "stop" for c in completions), completions
     assert [c.prompt_tokens_computed > 0 for c in completions] == [True] + [False] * 5
     assert llm.engine.stats().num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("marker", ["bad#0", "bad#2"])  # the leader's sampling fails; one fork's does
+def test_a_sample_whose_sampling_fails_ends_alone(llama_dir, monkeypatch, marker):
+    monkeypatch.setenv("SLUICE_INJECT_FAULT", f"sample:{marker}")
+    engine = LLM(llama_dir, block_size=16, num_blocks=64).engine
+    engine.add_request("bad", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=3))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.index] = (output.finish_reason, output.usage.completion_tokens)
+    failed = int(marker[-1])
+    assert finals == {i: ("error", 0) if i == failed else ("length", 4) for i in range(3)}
+    assert engine.stats().num_kv_blocks_used == 0

@@ -301,6 +301,8 @@ class EngineCore:
             for follower in self._forks.pop(s.request_id):
                 if follower.request_id in errors:
                     follower.status = RequestStatus.FINISHED_ERROR
+                    follower.times.finished = time.time()
+                    self._free([follower.request_id])
                     outputs.append(self._output(follower, None, errors.pop(follower.request_id)))
                     continue
                 token = sampled[follower.request_id]
