@@ -21,9 +21,13 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class Usage:
+    """`prompt_tokens_computed`: prompt tokens this request ran through the model (after prefix-cache
+    hits; 0 for samples 1.. of an n-sample request, which share sample 0's prompt)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    prompt_tokens_computed: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class RequestOutput:
     """A delta: the tokens and text produced since the previous output for this request.
 
     `finish_reason` is set on the last output only: "stop", "length", "abort" or "error".
+    A request with n > 1 yields the outputs of its n samples interleaved, each with its `index`; each
+    sample finishes on its own. `prompt_logprobs` (one per prompt token after the first) come once, on
+    sample 0's first output, when asked for.
     """
 
     request_id: str
@@ -77,6 +84,8 @@ class RequestOutput:
     invalid_field: str | None = None
     # On the last output of a chat request with tools: the calls parsed from the whole output.
     tool_calls: tuple[ToolCall, ...] = ()
+    index: int = 0
+    prompt_logprobs: tuple[Logprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.structured.constraint import Constraint
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # samples of one prompt
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -19,6 +21,9 @@ class SamplingParams:
     `logit_bias` adds a bias to token ids' logits (a mapping or (token_id, bias) pairs; kept sorted);
     `allowed_token_ids=None` allows every token, else only those. `constraint` forces the output to
     match a JSON schema, regex, grammar or choice (logprobs stay those of the raw model logits).
+    `n` samples of the prompt share its KV blocks (the prompt is computed once); with a `seed`, sample i
+    draws from seed + i. `prompt_logprobs=N` returns, once, the logprob of every prompt token after the
+    first and the top N at each position (such a request takes no prefix-cache hit).
     """
 
     temperature: float = 1.0
@@ -39,6 +44,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     constraint: Constraint | None = None
+    n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -65,6 +72,12 @@ class SamplingParams:
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
+            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "token ids must be >= 0"),
             (
                 all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias),
@@ -89,3 +102,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n-sample request: n=1, seed + index when seeded, and
+        prompt logprobs for sample 0 only."""
+        seed = None if self.seed is None else self.seed + index
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

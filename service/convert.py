@@ -27,6 +27,8 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "ignore_eos",
     "logprobs",
     "skip_special_tokens",
+    "n",
+    "prompt_logprobs",
 )
 
 _TOOL_CHOICE_MODES = {
@@ -131,6 +133,7 @@ def usage_to_proto(usage: Usage) -> pb.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_tokens=usage.cached_tokens,
+        prompt_tokens_computed=usage.prompt_tokens_computed,
     )
 
 
@@ -144,12 +147,15 @@ def timings_to_proto(timings: Timings) -> pb.Timings:
 
 
 def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.GenerateResponse:
-    """One engine delta as one chunk, named by the caller's request id (not the engine's)."""
+    """One engine delta as one chunk, named by the caller's request id (not the engine's) and, for
+    n > 1, the sample's index."""
     response = pb.GenerateResponse(
         request_id=request_id,
         text=output.text,
         token_ids=output.token_ids,
         logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
+        index=output.index,
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in output.prompt_logprobs],
     )
     if output.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[output.finish_reason]

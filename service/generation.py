@@ -34,8 +34,10 @@ class GenerationRunner:
         """Streams the request's chunks, each named `request.request_id` (or the engine id if empty).
 
         Raises what the engine raises on validation, and RequestFailedError after the last chunk if the
-        engine ended the request with finish_reason "error". Closing this iterator early (the handler
-        was cancelled, the deadline passed) aborts the engine request, freeing its KV blocks.
+        engine ended the request (any of its n samples) with finish_reason "error". Closing this
+        iterator early (the handler was cancelled, the deadline passed) aborts the engine request (all
+        its samples), freeing its KV blocks. Telemetry records one request: the completion tokens of
+        all samples, the finish of the last.
         """
         params = convert.sampling_params_from_proto(request.sampling_params)
         prompt = convert.prompt_from_proto(request)
@@ -44,6 +46,8 @@ class GenerationRunner:
         span = self._tracer.start(metadata, prompt.operation, params)
         tracker = self._metrics.track()
         final: RequestOutput | None = None
+        failed: RequestOutput | None = None
+        num_completion_tokens = 0
         last: RequestOutput | None = None
         error: BaseException | None = None
         cancelled = False
@@ -64,10 +68,13 @@ class GenerationRunner:
                         raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
                     tracker.on_output(output)
                     last = output
-                    final = output if output.finished else final
+                    if output.finished:
+                        final = output
+                        failed = output if output.finish_reason == "error" else failed
+                        num_completion_tokens += output.usage.completion_tokens if output.usage else 0
                     yield convert.generate_response_from_output(output, reply_id)
-            if final is not None and final.finish_reason == "error":
-                raise RequestFailedError(final.error or "the engine failed while running the request")
+            if failed is not None:
+                raise RequestFailedError(failed.error or "the engine failed while running the request")
         except (GeneratorExit, asyncio.CancelledError):
             cancelled = True  # the caller left (cancel, deadline, disconnect): an abort, not a failure
             raise
@@ -77,6 +84,9 @@ class GenerationRunner:
         finally:
             if final is None and cancelled:
                 final = _aborted(last, engine_request_id)
+            if final is not None and final.usage is not None and params.n > 1:
+                usage = dataclasses.replace(final.usage, completion_tokens=num_completion_tokens)
+                final = dataclasses.replace(final, usage=usage)
             tracker.finish(final)
             self._tracer.finish(span, final, error)
 

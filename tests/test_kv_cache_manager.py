@@ -6,6 +6,7 @@ from scheduler_driver import make_request, tokens
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.sampling_params import SamplingParams
 
 BS = 16
 
@@ -150,3 +151,40 @@ def test_no_hit_and_no_counting_when_caching_disabled():
     assert hit.num_tokens == 0
     assert kv.allocate_slots(b, 50, hit) == (4, 5, 6, 7)
     assert kv.num_queries == 0 and kv.num_hits == 0 and kv.pool.num_evictions == 0
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    kv = KVCacheManager(BS, 10)
+    parent = make_request("p", tokens(37))
+    assert kv.allocate_slots(parent, 37) == (0, 1, 2)
+    assert kv.fork("p", "c1", 37) == [(2, 3)]
+    assert kv.fork("p", "c2", 37) == [(2, 4)]
+    assert kv.block_ids("c1") == (0, 1, 3) and kv.block_ids("c2") == (0, 1, 4)
+    assert [kv.pool.blocks[i].ref_cnt for i in range(5)] == [3, 3, 1, 1, 1]
+    for request_id in ("p", "c1", "c2"):
+        kv.free(request_id)
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_fork_of_a_whole_number_of_blocks_copies_nothing():
+    kv = KVCacheManager(BS, 10)
+    parent = make_request("p", tokens(32))
+    kv.allocate_slots(parent, 32)
+    assert kv.fork("p", "c", 32) == []
+    assert kv.block_ids("c") == (0, 1) and kv.pool.num_used_blocks == 2
+
+
+def test_fork_with_no_free_block_for_the_copy_changes_nothing():
+    kv = KVCacheManager(BS, 3)
+    kv.allocate_slots(make_request("p", tokens(40)), 40)
+    assert kv.fork("p", "c", 40) is None
+    assert kv.block_ids("c") == () and [b.ref_cnt for b in kv.pool.blocks] == [1, 1, 1]
+
+
+def test_prompt_logprobs_requests_take_no_prefix_hit():
+    kv = KVCacheManager(BS, 10)
+    admit_and_compute(kv, make_request("a", tokens(40)))
+    wants = make_request("b", tokens(40))
+    wants.sampling_params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    assert kv.find_prefix(wants).num_tokens == 0
+    assert kv.find_prefix(make_request("c", tokens(40))).num_tokens == 32

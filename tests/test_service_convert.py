@@ -73,6 +73,8 @@ def test_every_sampling_field_is_copied() -> None:
         ignore_eos=True,
         logprobs=3,
         skip_special_tokens=False,
+        n=4,
+        prompt_logprobs=2,
     )
     expected = SamplingParams(
         temperature=0.0,
@@ -90,6 +92,8 @@ def test_every_sampling_field_is_copied() -> None:
         ignore_eos=True,
         logprobs=3,
         skip_special_tokens=False,
+        n=4,
+        prompt_logprobs=2,
     )
     assert convert.sampling_params_from_proto(message) == expected
 
@@ -143,6 +147,21 @@ def test_final_output_becomes_last_chunk() -> None:
         timings=pb.Timings(queue_seconds=0.5, ttft_seconds=1.0, total_seconds=3.0),
     )
     assert response == expected
+
+
+def test_sample_index_prompt_logprobs_and_computed_prompt_tokens_go_out() -> None:
+    prompt_logprobs = (Logprobs(TokenLogprob(5, -2.5), (TokenLogprob(6, -0.25),)),)
+    usage = Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=0, prompt_tokens_computed=5)
+    output = _final_output(index=3, prompt_logprobs=prompt_logprobs, usage=usage)
+    response = convert.generate_response_from_output(output, "c")
+    assert response.index == 3
+    assert list(response.prompt_logprobs) == [
+        pb.Logprobs(
+            sampled=pb.TokenLogprob(token_id=5, logprob=-2.5),
+            top=[pb.TokenLogprob(token_id=6, logprob=-0.25)],
+        )
+    ]
+    assert response.usage == pb.Usage(prompt_tokens=5, completion_tokens=4, prompt_tokens_computed=5)
 
 
 def test_delta_chunk_has_no_final_fields() -> None:

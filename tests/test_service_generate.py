@@ -56,7 +56,11 @@ def test_generate_streams_what_the_offline_engine_produces(stub, llm: LLM) -> No
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not c.HasField("usage") for c in deltas)
     assert pb.FinishReason.Name(last.finish_reason) == f"FINISH_REASON_{expected.finish_reason.upper()}"
     prompt_ids = llm.tokenizer.encode(prompt)
-    assert last.usage == pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(expected.token_ids))
+    assert last.usage == pb.Usage(
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(expected.token_ids),
+        prompt_tokens_computed=len(prompt_ids),
+    )
     timings = last.timings
     assert 0.0 <= timings.queue_seconds <= timings.ttft_seconds <= timings.total_seconds
 

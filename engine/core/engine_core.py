@@ -10,19 +10,22 @@ import logging
 import time
 from collections.abc import Iterable
 
+import msgspec
 import torch
 
 from engine.config import EngineConfig
 from engine.core.faults import FaultInjector
 from engine.core.grammar_waiting_room import GrammarWaitingRoom
 from engine.core.messages import AddRequest, CoreOutput
+from engine.core.prompt_logprobs import PromptLogprobsTracker
 from engine.core.request import Request, RequestStatus
+from engine.core.sample_group import SampleForks, sample_request_ids
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.loading.model_loader import ModelSource, load_model_source
 from engine.model_info import ModelInfo
-from engine.outputs import EngineStats
+from engine.outputs import EngineStats, Logprobs
 from engine.sample.grammar_mask import GrammarMask
 from engine.sample.logits_processors import default_processors
 from engine.sample.sampler import SampledToken, Sampler, SamplingRow
@@ -62,6 +65,8 @@ class EngineCore:
             else GrammarCompiler(self.tokenizer, source.arch.vocab_size, self.eos_token_ids)
         )
         self._compiling = GrammarWaitingRoom()
+        self._forks = SampleForks()
+        self._prompt_logprobs = PromptLogprobsTracker()
         self.model_info = ModelInfo(
             name=source.name,
             architecture=source.arch.architecture,
@@ -79,80 +84,127 @@ class EngineCore:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
         rejected = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
-        self.sampler.free(scheduler_output.finished_request_ids)
+        self._free(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
             self._compiling.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
             return rejected
         logits = self._execute(scheduler_output)
-        sampled, sampling_errors = self._sample(logits, scheduler_output)
+        sampled, sampling_errors = self._sample(logits, scheduler_output)  # forking samples' first tokens too
         self._count(scheduler_output, num_sampled=len(sampled))
+        forked = self._fork(scheduler_output, sampled, sampling_errors)  # while the leaders hold their blocks
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
         updated = self.scheduler.update_from_output(scheduler_output, sampled_token_ids(sampled))
-        return rejected + failed + [self._output(r, sampled[r.request_id]) for r in updated]
+        return rejected + forked + failed + [self._output(r, sampled[r.request_id]) for r in updated]
 
     def add_request(self, add: AddRequest) -> None:
         """Queues a validated request (the frontend checked the prompt against `model_info`).
 
         A request with a constraint waits outside the scheduler until its grammar compiled (in the
         compile thread); if it does not compile, a later step ends it with an error naming the field.
+        With n > 1 it becomes n requests `sample_request_ids(id, n)`: the first computes the prompt, the
+        others wait to fork from it (`engine.core.sample_group`).
         """
-        if self.scheduler.get_request(add.request_id) is not None or add.request_id in self._compiling:
-            raise InvalidRequestError("request_id", f"{add.request_id!r} is already in use")
-        request = Request(
-            request_id=add.request_id,
-            prompt_token_ids=add.prompt_token_ids,
-            sampling_params=add.params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=add.arrival_time,
-            priority=add.priority,
-            cache_salt=add.cache_salt,
+        n = add.params.n
+        request_ids = sample_request_ids(add.request_id, n)
+        for request_id in request_ids:
+            if self._is_live(request_id):
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        leader, *followers = (
+            Request(
+                request_id=request_id,
+                prompt_token_ids=list(add.prompt_token_ids),
+                sampling_params=add.params if n == 1 else add.params.for_sample(i),
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=add.arrival_time,
+                priority=add.priority,
+                cache_salt=add.cache_salt,
+            )
+            for i, request_id in enumerate(request_ids)
         )
         constraint = add.params.constraint
         if constraint is None:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(leader)
         elif self.grammars is None:
             raise InvalidRequestError(
                 constraint.kind, "constrained output needs a tokenizer; this model has none"
             )
         else:
-            self._compiling.add(request, self.grammars.submit(constraint))
+            self._compiling.add(leader, self.grammars.submit(constraint))
+        if followers:
+            self._forks.add(leader.request_id, followers)
 
     def abort(self, request_ids: Iterable[str], errors: dict[str, str] | None = None) -> list[CoreOutput]:
         """Frees the requests' blocks now; their final outputs say "abort", or "error" with the message
         in `errors`. Unknown or finished ids are skipped."""
         errors = errors or {}
         outputs = []
-        for request_id in request_ids:
+        # Waiting samples first, so aborting a whole n-sample request does not start them on the way.
+        for request_id in sorted(request_ids, key=lambda request_id: request_id not in self._forks):
             error = errors.get(request_id)
             status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
-            request = self.scheduler.finish_request(request_id, status) or self._finish_compiling(
-                request_id, status
+            request = (
+                self.scheduler.finish_request(request_id, status)
+                or self._finish_compiling(request_id, status)
+                or self._finish_waiting_sample(request_id, status)
             )
             if request is not None:
                 outputs.append(self._output(request, None, error))
+                outputs += self._start_followers(request_id)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or len(self._compiling) > 0
+        return self.scheduler.has_unfinished_requests() or len(self._compiling) > 0 or len(self._forks) > 0
+
+    def _is_live(self, request_id: str) -> bool:
+        return (
+            self.scheduler.get_request(request_id) is not None
+            or request_id in self._compiling
+            or request_id in self._forks
+        )
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar is ready join the scheduler; one that did not compile ends with an
         error naming its constraint's field (outputs returned)."""
         outputs = []
         for request, grammar in self._compiling.pop_done():
+            failed = None
             try:
                 request.grammar = grammar.result()
                 self.scheduler.add_request(request)
             except GrammarCompileError as exc:
                 field = request.sampling_params.constraint.kind
                 error = InvalidRequestError(field, f"does not compile: {exc}")
-                outputs.append(CoreOutput.failed(request.request_id, str(error), invalid_field=field))
+                failed = CoreOutput.failed(request.request_id, str(error), invalid_field=field)
             except InvalidRequestError as exc:
-                outputs.append(CoreOutput.failed(request.request_id, str(exc), invalid_field=exc.field))
+                failed = CoreOutput.failed(request.request_id, str(exc), invalid_field=exc.field)
             except Exception as exc:
                 logger.exception("compiling the grammar of request %s failed", request.request_id)
-                outputs.append(CoreOutput.failed(request.request_id, f"grammar compilation failed: {exc}"))
+                failed = CoreOutput.failed(request.request_id, f"grammar compilation failed: {exc}")
+            if failed is None:
+                for follower in self._forks.followers(request.request_id):
+                    follower.grammar = request.grammar
+                continue
+            outputs.append(failed)
+            for follower in self._forks.pop(request.request_id):  # the same constraint fails them all
+                outputs.append(msgspec.structs.replace(failed, request_id=follower.request_id))
         return outputs
+
+    def _start_followers(self, leader_id: str) -> list[CoreOutput]:
+        """The leader ended before its prompt was computed: its waiting samples run on their own."""
+        outputs = []
+        for follower in self._forks.pop(leader_id):
+            try:
+                self.scheduler.add_request(follower)
+            except ValueError as exc:
+                outputs.append(CoreOutput.failed(follower.request_id, str(exc)))
+        return outputs
+
+    def _finish_waiting_sample(self, request_id: str, status: RequestStatus) -> Request | None:
+        request = self._forks.remove(request_id)
+        if request is not None:
+            request.status = status
+            request.times.finished = time.time()
+        return request
 
     def _finish_compiling(self, request_id: str, status: RequestStatus) -> Request | None:
         request = self._compiling.remove(request_id)
@@ -177,20 +229,35 @@ class EngineCore:
             num_steps=self._num_steps,
         )
 
+    def _free(self, request_ids: Iterable[str]) -> None:
+        """Drop the per-request sampling and prompt-logprob state of finished requests."""
+        self.sampler.free(request_ids)
+        self._prompt_logprobs.free(request_ids)
+
     def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`."""
         if self.faults is not None:
             self.faults.check("step", (s.request_id for s in scheduler_output.scheduled))
-        return self.model_runner.execute_model(scheduler_output)
+        slices = self._prompt_logprobs.slices(scheduler_output, self.scheduler.get_request)
+        if not slices:
+            return self.model_runner.execute_model(scheduler_output)
+        logits, results = self.model_runner.execute_model_with_prompt_logprobs(scheduler_output, slices)
+        self._prompt_logprobs.add(slices, results)
+        return logits
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, SampledToken], dict[str, str]]:
-        """One token per slice that reached its request's last token, in scheduled order.
+        """One token per slice that reached its request's last token, in scheduled order; then the first
+        token of every sample waiting to fork from a leader whose prompt this step completes, drawn
+        from the leader's logits row.
 
         A batch that fails is sampled again row by row, so a failure caused by one request's parameters
         ends that request (returned in the second dict: request id -> error) and the others go on.
         """
-        rows = [self._sampling_row(s.request_id) for s in scheduler_output.scheduled if s.sample]
+        rows, logits_rows = self._sampling_rows(scheduler_output)
+        if len(logits_rows) > logits.shape[0]:
+            logits = logits[torch.tensor(logits_rows, device=logits.device)]
         try:
             self._check_sample_faults(rows)
             sampled = self.sampler.sample(logits, rows)
@@ -210,8 +277,56 @@ class EngineCore:
         if self.faults is not None:
             self.faults.check("sample", (row.request_id for row in rows))
 
-    def _sampling_row(self, request_id: str) -> SamplingRow:
-        request = self.scheduler.get_request(request_id)
+    def _sampling_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[SamplingRow], list[int]]:
+        """The rows to sample and the logits row of each (a forking sample shares its leader's)."""
+        scheduled = [s for s in scheduler_output.scheduled if s.sample]
+        rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
+        logits_rows = list(range(len(rows)))
+        for i, s in enumerate(scheduled):
+            for follower in self._forks.followers(s.request_id):
+                rows.append(self._sampling_row(follower))
+                logits_rows.append(i)
+        return rows, logits_rows
+
+    def _fork(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken], errors: dict[str, str]
+    ) -> list[CoreOutput]:
+        """Fork the samples whose first token was drawn this step from their leader's blocks (those
+        that already stopped never join the scheduler). Their outputs, errors included."""
+        outputs = []
+        for s in scheduler_output.scheduled:
+            if not s.sample or not self._forks.followers(s.request_id):
+                continue
+            leader = self.scheduler.get_request(s.request_id)
+            for follower in self._forks.pop(s.request_id):
+                if follower.request_id in errors:
+                    follower.status = RequestStatus.FINISHED_ERROR
+                    follower.times.finished = time.time()
+                    self._free([follower.request_id])
+                    outputs.append(self._output(follower, None, errors.pop(follower.request_id)))
+                    continue
+                token = sampled[follower.request_id]
+                self._start_forked(leader, follower, token.token_id)
+                outputs.append(self._output(follower, token))
+        return outputs
+
+    def _start_forked(self, leader: Request, follower: Request, token_id: int) -> None:
+        now = time.time()
+        follower.times.first_scheduled = leader.times.first_scheduled
+        follower.times.first_token = now
+        follower.num_cached_tokens = leader.num_cached_tokens
+        follower.append_output_token(token_id)
+        status = follower.check_token_stop()
+        if status is None and follower.num_tokens >= self.model_runner.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            self.scheduler.fork_request(leader.request_id, follower)
+            return
+        follower.status = status
+        follower.times.finished = now
+        self._free([follower.request_id])
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
         return SamplingRow(
             request_id=request.request_id,
             params=request.sampling_params,
@@ -225,6 +340,9 @@ class EngineCore:
         finished = request.is_finished
         times = request.times
         logprobs = sampled.logprobs if sampled is not None else None
+        prompt_logprobs: list[Logprobs] | None = None
+        if sampled is not None:
+            prompt_logprobs = self._prompt_logprobs.take(request)
         return CoreOutput(
             request_id=request.request_id,
             new_token_ids=[] if sampled is None else [sampled.token_id],
@@ -237,6 +355,8 @@ class EngineCore:
             stop_reason=request.stop_reason if finished else None,
             error=error,
             finished_time=times.finished if finished else None,
+            prompt_logprobs=prompt_logprobs,
+            num_prompt_tokens_computed=request.num_prompt_tokens_computed,
         )
 
     def _count(self, scheduler_output: SchedulerOutput, num_sampled: int) -> None:
@@ -246,7 +366,9 @@ class EngineCore:
         for scheduled in scheduler_output.scheduled:
             request = self.scheduler.get_request(scheduled.request_id)
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
-            self._num_prompt_tokens_computed += max(0, prompt_end - scheduled.start_position)
+            num_prompt = max(0, prompt_end - scheduled.start_position)
+            request.num_prompt_tokens_computed += num_prompt
+            self._num_prompt_tokens_computed += num_prompt
 
 
 def sampled_token_ids(sampled: dict[str, SampledToken]) -> dict[str, int]:

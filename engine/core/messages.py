@@ -83,6 +83,11 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # The request was refused before it ran, because of this field (e.g. a json_schema that does not
     # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
     invalid_field: str | None = None
+    # On the output carrying the first token of a request with prompt_logprobs: one per prompt token
+    # after the first.
+    prompt_logprobs: list[Logprobs] | None = None
+    # Prompt tokens this request ran through the model so far (0 for a sample forked from another).
+    num_prompt_tokens_computed: int = 0
 
     @property
     def finished(self) -> bool:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.faults import FaultInjector
 from engine.core.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
+from engine.core.sample_group import sample_request_ids
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.frontend.core_client import CoreClient
 from engine.frontend.output_processor import OutputProcessor
@@ -68,7 +69,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Aborts what still runs, stops the core process."""
         if self._streams and self.error is None:
-            self._client.send(AbortRequests(list(self._streams)))
+            self._client.send(AbortRequests(self._engine_ids(self._streams)))
         self._closed = True
         await self._client.shutdown()
 
@@ -114,32 +115,43 @@ class AsyncEngine:
         Abandoning the stream (cancelling the task that awaits it, `aclose()`, or dropping it) aborts the
         request, so its KV blocks are freed before the core's next step. `tool_use` (chat only): tools
         rendered by the chat template, a required or named call enforced, calls parsed on the last output.
+        With `params.n` > 1 the stream yields the outputs of the n samples (each with its `index`) and
+        ends after the last one finished.
         """
-        self._check_accepting(request_id)
+        self._check_accepting(request_id, params.n)
         tools = None if tool_use is None else tool_use.for_template()
         prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
         params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
-        self._check_accepting(request_id)  # again: tokenizing may have awaited
+        self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
         self._streams[request_id] = collector
         arrival = time.time()
         self._output_processor.add_request(request_id, len(prompt), params, arrival, tool_use)
         self._client.send(AddRequest(request_id, prompt, params, arrival, priority, cache_salt))
-        return RequestStream(request_id, collector, self._abandon)
+        return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a live request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        """Aborts a live request (every sample of it); its stream ends with finish_reason "abort".
+        Unknown ids are ignored."""
         if request_id in self._streams and self.error is None:
-            self._client.send(AbortRequests([request_id]))
+            self._client.send(AbortRequests(self._engine_ids([request_id])))
 
-    def _check_accepting(self, request_id: str) -> None:
+    def _engine_ids(self, request_ids: Iterable[str]) -> list[str]:
+        """The core's ids of the requests' live samples."""
+        return [eid for request_id in request_ids for eid in self._output_processor.engine_ids(request_id)]
+
+    def _check_accepting(self, request_id: str, n: int = 1) -> None:
         if self.error is not None:
             raise self.error
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        for engine_id in sample_request_ids(request_id, n):  # e.g. "a#1" of "a" with n > 1
+            owner = self._output_processor.owner(engine_id)
+            if owner is not None and owner != request_id:
+                raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         num_queued = len(self._streams) - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
@@ -155,7 +167,7 @@ class AsyncEngine:
         """A stream ended: forget it, and abort its request unless it had finished."""
         self._streams.pop(request_id, None)
         if not finished and self.error is None and not self._closed:
-            self._client.send(AbortRequests([request_id]))
+            self._client.send(AbortRequests(self._engine_ids([request_id])))
 
     def _on_message(self, message: CoreMessage) -> None:
         self._stats = message.stats

@@ -57,8 +57,10 @@ class Engine:
         self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival, tool_use)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Frees the requests' blocks now; returns their final outputs (finish_reason "abort")."""
-        return self.output_processor.process(self.core.abort(request_ids)).outputs
+        """Frees the requests' blocks now (every sample of an n-sample request); returns their final
+        outputs (finish_reason "abort")."""
+        engine_ids = [eid for rid in request_ids for eid in self.output_processor.engine_ids(rid) or [rid]]
+        return self.output_processor.process(self.core.abort(engine_ids)).outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -18,10 +18,16 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class Completion:
-    """Everything one request produced, accumulated over its outputs."""
+    """Everything one request (one sample of it, when n > 1) produced, accumulated over its outputs.
+
+    `prompt_logprobs` (when asked for): one per prompt token after the first, on sample 0.
+    `prompt_tokens_computed`: prompt tokens this sample ran through the model (0 for samples 1.. of an
+    n-sample request, which fork sample 0's prompt blocks).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
+    index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[Logprobs] = field(default_factory=list)
@@ -31,15 +37,19 @@ class Completion:
     num_preemptions: int = 0
     timings: Timings | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_tokens_computed: int = 0
 
     def add(self, output: RequestOutput) -> None:
         self.token_ids.extend(output.token_ids)
         self.text += output.text
         self.logprobs.extend(output.logprobs)
+        self.prompt_logprobs.extend(output.prompt_logprobs)
         if output.finished:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.cached_tokens = output.usage.cached_tokens if output.usage else 0
+            self.prompt_tokens_computed = output.usage.prompt_tokens_computed if output.usage else 0
             self.num_preemptions = output.num_preemptions
             self.timings = output.timings
             self.tool_calls = output.tool_calls
@@ -68,7 +78,8 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Completions in the order of `prompts`. A single prompt (str or token ids) is one request."""
+        """Completions in the order of `prompts`. A single prompt (str or token ids) is one request.
+        A prompt whose params have n > 1 gives n consecutive completions (`index` 0 .. n - 1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_ids = [self._encode(p) for p in prompts]
@@ -103,22 +114,23 @@ class LLM:
             params = [params or SamplingParams()] * len(prompt_token_ids)
         if tool_use is not None:
             params = [tool_use.sampling_params(p) for p in params]
-        completions: dict[str, Completion] = {}
+        completions: dict[tuple[str, int], Completion] = {}  # (request id, sample index)
         try:
             for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
                 priority = priorities[i] if priorities else 0
                 self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
-                completions[request_id] = Completion(request_id, list(ids))
+                for index in range(p.n):
+                    completions[request_id, index] = Completion(request_id, list(ids), index)
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.invalid_field is not None:
                         raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
-                    completions[output.request_id].add(output)
+                    completions[output.request_id, output.index].add(output)
         except BaseException:
             # A rejected prompt or an interrupted run must not leave requests behind for the next call.
-            self.engine.abort(list(completions))
+            self.engine.abort(list(dict.fromkeys(request_id for request_id, _ in completions)))
             raise
         return list(completions.values())
 

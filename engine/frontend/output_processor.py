@@ -3,6 +3,9 @@
 Token-level stops (eos, stop token ids, max_tokens) are decided by the core's scheduler; stop strings are
 found here, after detokenization, and the request is then aborted in the core (`ProcessedOutputs.to_abort`).
 A request whose detokenization raises ends alone with finish_reason "error"; the others go on.
+
+A request with n > 1 runs in the core as n requests (`engine.core.sample_group.sample_request_ids`);
+each has its own state here and its outputs carry the caller's request id and the sample's `index`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.faults import FaultInjector
 from engine.core.messages import CoreOutput
+from engine.core.sample_group import sample_request_ids
 from engine.outputs import RequestOutput, Timings, ToolCall, Usage
 from engine.sampling_params import SamplingParams
 from engine.structured.tool_calls import ToolUse
@@ -28,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _RequestState:
+    request_id: str  # the caller's id (the engine's id of a sample of an n-sample request differs)
+    index: int  # which of the request's samples
     num_prompt_tokens: int
     arrival_time: float
     detokenizer: IncrementalDetokenizer | None
@@ -39,7 +45,8 @@ class _RequestState:
 @dataclass
 class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
-    # Requests that finished here (stop string, failed detokenization) but still run in the core.
+    # Engine ids of requests that finished here (stop string, failed detokenization) but still run in
+    # the core.
     to_abort: list[str] = field(default_factory=list)
 
 
@@ -49,7 +56,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, faults: FaultInjector | None = None) -> None:
         self._tokenizer = tokenizer
         self._faults = faults
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, _RequestState] = {}  # engine request id -> state
+        self._engine_ids: dict[str, list[str]] = {}  # caller's id -> engine ids of its live samples
 
     def add_request(
         self,
@@ -58,15 +66,26 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
         tool_use: ToolUse | None = None,
-    ) -> None:
-        """`tool_use`: the request's tools; its last output carries the tool calls parsed from its text."""
-        detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
-        self._states[request_id] = _RequestState(
-            num_prompt_tokens, arrival_time, detokenizer, tool_use=tool_use
-        )
+    ) -> list[str]:
+        """`tool_use`: the request's tools; its last output carries the tool calls parsed from its text.
+        Returns the engine ids of the request's `params.n` samples."""
+        engine_ids = sample_request_ids(request_id, params.n)
+        for index, engine_id in enumerate(engine_ids):
+            detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
+            self._states[engine_id] = _RequestState(
+                request_id, index, num_prompt_tokens, arrival_time, detokenizer, tool_use=tool_use
+            )
+        self._engine_ids[request_id] = list(engine_ids)
+        return engine_ids
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
+    def owner(self, engine_id: str) -> str | None:
+        """The caller's id of the live request that engine id `engine_id` belongs to, if any."""
+        state = self._states.get(engine_id)
+        return None if state is None else state.request_id
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """Engine ids of the request's samples still live here (empty once all finished)."""
+        return list(self._engine_ids.get(request_id, ()))
 
     def process(self, core_outputs: Sequence[CoreOutput]) -> ProcessedOutputs:
         """One `RequestOutput` per core output of a request still tracked here."""
@@ -77,11 +96,19 @@ class OutputProcessor:
                 continue  # ended here already (stop string); the core's abort echo is dropped
             output = self._process_one(state, core_output)
             if output.finished:
-                del self._states[output.request_id]
+                self._forget(core_output.request_id)
                 if not core_output.finished:
-                    processed.to_abort.append(output.request_id)
+                    processed.to_abort.append(core_output.request_id)
             processed.outputs.append(output)
         return processed
+
+    def _forget(self, engine_id: str) -> None:
+        state = self._states.pop(engine_id)
+        live = self._engine_ids.get(state.request_id, [])
+        if engine_id in live:
+            live.remove(engine_id)
+        if not live:
+            self._engine_ids.pop(state.request_id, None)
 
     def _process_one(self, state: _RequestState, core_output: CoreOutput) -> RequestOutput:
         state.num_output_tokens += len(core_output.new_token_ids)
@@ -104,20 +131,27 @@ class OutputProcessor:
             finished_time = time.time()
         tool_calls = self._tool_calls(state, text, finished=finish_reason is not None)
         return RequestOutput(
-            request_id=core_output.request_id,
+            request_id=state.request_id,
             token_ids=tuple(core_output.new_token_ids),
             text=text,
             logprobs=tuple(core_output.new_logprobs),
             finish_reason=finish_reason,
             stop_reason=stop_reason if finish_reason is not None else None,
             error=error,
-            usage=Usage(state.num_prompt_tokens, state.num_output_tokens, core_output.num_cached_tokens),
+            usage=Usage(
+                state.num_prompt_tokens,
+                state.num_output_tokens,
+                core_output.num_cached_tokens,
+                core_output.num_prompt_tokens_computed,
+            ),
             timings=Timings(
                 state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time
             ),
             num_preemptions=core_output.num_preemptions,
             invalid_field=core_output.invalid_field,
             tool_calls=tool_calls,
+            index=state.index,
+            prompt_logprobs=tuple(core_output.prompt_logprobs or ()),
         )
 
     def _tool_calls(self, state: _RequestState, text: str, finished: bool) -> tuple[ToolCall, ...]:

@@ -9,58 +9,83 @@ from collections.abc import Callable
 from engine.outputs import Logprobs, RequestOutput
 
 
+class _Pending:
+    """One sample's deltas not yet read, merged."""
+
+    def __init__(self) -> None:
+        self.latest: RequestOutput | None = None
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[Logprobs] = []
+        self.prompt_logprobs: tuple[Logprobs, ...] = ()
+
+    def add(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.token_ids.extend(output.token_ids)
+        self.texts.append(output.text)
+        self.logprobs.extend(output.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
+
+    def merged(self) -> RequestOutput:
+        return dataclasses.replace(
+            self.latest,
+            token_ids=tuple(self.token_ids),
+            text="".join(self.texts),
+            logprobs=tuple(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+
 class OutputCollector:
     """The engine side `put`s each step's delta and never blocks; `get` returns them merged.
 
     A reader slower than the engine finds every delta since its last read merged into one output
     (token ids, text and logprobs concatenated in order; usage, timings and finish of the newest), so a
-    request holds at most one pending output however slow its reader. With `stream_interval` n > 1 an
-    output is handed over once it holds n tokens, or the request finished.
+    request holds at most one pending output per sample however slow its reader. With `stream_interval`
+    n > 1 an output is handed over once it holds n tokens, or its sample finished. The samples of an
+    n-sample request (`RequestOutput.index`) are merged separately and handed over oldest first.
     """
 
     def __init__(self, stream_interval: int = 1) -> None:
         self._stream_interval = stream_interval
         self._ready = asyncio.Event()
-        self._latest: RequestOutput | None = None  # newest delta not yet read
-        self._token_ids: list[int] = []  # every pending delta's tokens, text and logprobs, in order
-        self._texts: list[str] = []
-        self._logprobs: list[Logprobs] = []
+        self._pending: dict[int, _Pending] = {}  # sample index -> its unread deltas, oldest first
         self._error: BaseException | None = None
 
     def put(self, output: RequestOutput) -> None:
-        self._latest = output
-        self._token_ids.extend(output.token_ids)
-        self._texts.append(output.text)
-        self._logprobs.extend(output.logprobs)
-        if output.finished or len(self._token_ids) >= self._stream_interval:
+        pending = self._pending.setdefault(output.index, _Pending())
+        pending.add(output)
+        if self._is_ready(pending):
             self._ready.set()
 
     def fail(self, error: BaseException) -> None:
-        """`get` raises `error` once the pending output, if any, was taken."""
+        """`get` raises `error` once the pending outputs, if any, were taken."""
         self._error = error
         self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         self._ready.clear()
-        if self._latest is None:
+        index = next((i for i, p in self._pending.items() if self._is_ready(p)), None)
+        if index is None:
             self._ready.set()
             raise self._error
-        output = dataclasses.replace(
-            self._latest,
-            token_ids=tuple(self._token_ids),
-            text="".join(self._texts),
-            logprobs=tuple(self._logprobs),
-        )
-        self._latest = None
-        self._token_ids, self._texts, self._logprobs = [], [], []
-        if self._error is not None:
+        output = self._pending.pop(index).merged()
+        if self._error is not None or any(self._is_ready(p) for p in self._pending.values()):
             self._ready.set()
         return output
 
+    def _is_ready(self, pending: _Pending) -> bool:
+        return (
+            self._error is not None
+            or pending.latest.finished
+            or len(pending.token_ids) >= self._stream_interval
+        )
+
 
 class RequestStream:
-    """A request's outputs, as an async iterator over its `OutputCollector`.
+    """A request's outputs, as an async iterator over its `OutputCollector`; with `num_samples` n > 1 it
+    ends after the last output of each of the n samples.
 
     However the caller lets go of it (reads to the end, `aclose()`, cancels the task awaiting it, or
     drops it without ever iterating), `on_close(request_id, finished)` runs exactly once, so an
@@ -69,11 +94,16 @@ class RequestStream:
     """
 
     def __init__(
-        self, request_id: str, collector: OutputCollector, on_close: Callable[[str, bool], None]
+        self,
+        request_id: str,
+        collector: OutputCollector,
+        on_close: Callable[[str, bool], None],
+        num_samples: int = 1,
     ) -> None:
         self.request_id = request_id
         self._collector = collector
         self._on_close: Callable[[str, bool], None] | None = on_close
+        self._num_unfinished = num_samples  # the stream ends after every sample's last output
         self._finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -88,8 +118,10 @@ class RequestStream:
             self._close()
             raise
         if output.finished:
-            self._finished = True
-            self._close()
+            self._num_unfinished -= 1
+            if self._num_unfinished == 0:
+                self._finished = True
+                self._close()
         return output
 
     async def aclose(self) -> None:

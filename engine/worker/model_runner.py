@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core.prompt_logprobs import PromptLogprobsSlice
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.loading.model_arch import ModelArchConfig
 from engine.loading.model_loader import ModelSource
+from engine.outputs import Logprobs
 from engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
+from engine.worker.block_copy import copy_blocks
 from engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.worker.input_batch import build_model_inputs
 from engine.worker.models.registry import get_model_class
+from engine.worker.prompt_logprobs import compute_prompt_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,9 +74,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns logits [num_sampled, vocab] float32, one row per slice with sample=True."""
+        return self.execute_model_with_prompt_logprobs(out, ())[0]
+
+    @torch.inference_mode()
+    def execute_model_with_prompt_logprobs(
+        self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
+    ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
+        """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token).
+        Makes the step's block copies (forked samples) before the forward pass."""
+        self.copy_blocks(out.block_copies)
         inputs = build_model_inputs(out, self.block_size, self.device)
         hidden = self.graph_runner.run(inputs)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not slices:
+            return logits, {}
+        query_lens = inputs.metadata.query_lens_cpu
+        return logits, compute_prompt_logprobs(hidden, query_lens, slices, self.model.compute_logits)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Block dst of every layer's K/V becomes a copy of block src, for each (src, dst)."""
+        copy_blocks(self.kv_caches, copies)
 
     @property
     def kv_block_bytes(self) -> int:

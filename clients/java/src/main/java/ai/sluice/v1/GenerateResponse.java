@@ -26,6 +26,7 @@ private static final long serialVersionUID = 0L;
     logprobs_ = java.util.Collections.emptyList();
     finishReason_ = 0;
     toolCalls_ = java.util.Collections.emptyList();
+    promptLogprobs_ = java.util.Collections.emptyList();
   }
 
   @java.lang.Override
@@ -498,6 +499,92 @@ private static final long serialVersionUID = 0L;
     return toolCalls_.get(index);
   }
 
+  public static final int INDEX_FIELD_NUMBER = 11;
+  private int index_ = 0;
+  /**
+   * <pre>
+   * Which sample (0 .. n-1) this chunk belongs to; 0 unless sampling_params.n &gt; 1.
+   * </pre>
+   *
+   * <code>uint32 index = 11;</code>
+   * @return The index.
+   */
+  @java.lang.Override
+  public int getIndex() {
+    return index_;
+  }
+
+  public static final int PROMPT_LOGPROBS_FIELD_NUMBER = 12;
+  @SuppressWarnings("serial")
+  private java.util.List<ai.sluice.v1.Logprobs> promptLogprobs_;
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  @java.lang.Override
+  public java.util.List<ai.sluice.v1.Logprobs> getPromptLogprobsList() {
+    return promptLogprobs_;
+  }
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  @java.lang.Override
+  public java.util.List<? extends ai.sluice.v1.LogprobsOrBuilder> 
+      getPromptLogprobsOrBuilderList() {
+    return promptLogprobs_;
+  }
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  @java.lang.Override
+  public int getPromptLogprobsCount() {
+    return promptLogprobs_.size();
+  }
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.Logprobs getPromptLogprobs(int index) {
+    return promptLogprobs_.get(index);
+  }
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  @java.lang.Override
+  public ai.sluice.v1.LogprobsOrBuilder getPromptLogprobsOrBuilder(
+      int index) {
+    return promptLogprobs_.get(index);
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -547,6 +634,12 @@ private static final long serialVersionUID = 0L;
     }
     for (int i = 0; i < toolCalls_.size(); i++) {
       output.writeMessage(10, toolCalls_.get(i));
+    }
+    if (index_ != 0) {
+      output.writeUInt32(11, index_);
+    }
+    for (int i = 0; i < promptLogprobs_.size(); i++) {
+      output.writeMessage(12, promptLogprobs_.get(i));
     }
     getUnknownFields().writeTo(output);
   }
@@ -605,6 +698,14 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(10, toolCalls_.get(i));
     }
+    if (index_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeUInt32Size(11, index_);
+    }
+    for (int i = 0; i < promptLogprobs_.size(); i++) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeMessageSize(12, promptLogprobs_.get(i));
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -641,6 +742,10 @@ private static final long serialVersionUID = 0L;
     }
     if (!getToolCallsList()
         .equals(other.getToolCallsList())) return false;
+    if (getIndex()
+        != other.getIndex()) return false;
+    if (!getPromptLogprobsList()
+        .equals(other.getPromptLogprobsList())) return false;
     if (!getStopReasonCase().equals(other.getStopReasonCase())) return false;
     switch (stopReasonCase_) {
       case 6:
@@ -690,6 +795,12 @@ private static final long serialVersionUID = 0L;
     if (getToolCallsCount() > 0) {
       hash = (37 * hash) + TOOL_CALLS_FIELD_NUMBER;
       hash = (53 * hash) + getToolCallsList().hashCode();
+    }
+    hash = (37 * hash) + INDEX_FIELD_NUMBER;
+    hash = (53 * hash) + getIndex();
+    if (getPromptLogprobsCount() > 0) {
+      hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
+      hash = (53 * hash) + getPromptLogprobsList().hashCode();
     }
     switch (stopReasonCase_) {
       case 6:
@@ -864,6 +975,14 @@ private static final long serialVersionUID = 0L;
         toolCallsBuilder_.clear();
       }
       bitField0_ = (bitField0_ & ~0x00000200);
+      index_ = 0;
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobs_ = java.util.Collections.emptyList();
+      } else {
+        promptLogprobs_ = null;
+        promptLogprobsBuilder_.clear();
+      }
+      bitField0_ = (bitField0_ & ~0x00000800);
       stopReasonCase_ = 0;
       stopReason_ = null;
       return this;
@@ -923,6 +1042,15 @@ private static final long serialVersionUID = 0L;
       } else {
         result.toolCalls_ = toolCallsBuilder_.build();
       }
+      if (promptLogprobsBuilder_ == null) {
+        if (((bitField0_ & 0x00000800) != 0)) {
+          promptLogprobs_ = java.util.Collections.unmodifiableList(promptLogprobs_);
+          bitField0_ = (bitField0_ & ~0x00000800);
+        }
+        result.promptLogprobs_ = promptLogprobs_;
+      } else {
+        result.promptLogprobs_ = promptLogprobsBuilder_.build();
+      }
     }
 
     private void buildPartial0(ai.sluice.v1.GenerateResponse result) {
@@ -945,6 +1073,9 @@ private static final long serialVersionUID = 0L;
         result.timings_ = timingsBuilder_ == null
             ? timings_
             : timingsBuilder_.build();
+      }
+      if (((from_bitField0_ & 0x00000400) != 0)) {
+        result.index_ = index_;
       }
     }
 
@@ -1078,6 +1209,35 @@ private static final long serialVersionUID = 0L;
           }
         }
       }
+      if (other.getIndex() != 0) {
+        setIndex(other.getIndex());
+      }
+      if (promptLogprobsBuilder_ == null) {
+        if (!other.promptLogprobs_.isEmpty()) {
+          if (promptLogprobs_.isEmpty()) {
+            promptLogprobs_ = other.promptLogprobs_;
+            bitField0_ = (bitField0_ & ~0x00000800);
+          } else {
+            ensurePromptLogprobsIsMutable();
+            promptLogprobs_.addAll(other.promptLogprobs_);
+          }
+          onChanged();
+        }
+      } else {
+        if (!other.promptLogprobs_.isEmpty()) {
+          if (promptLogprobsBuilder_.isEmpty()) {
+            promptLogprobsBuilder_.dispose();
+            promptLogprobsBuilder_ = null;
+            promptLogprobs_ = other.promptLogprobs_;
+            bitField0_ = (bitField0_ & ~0x00000800);
+            promptLogprobsBuilder_ = 
+              com.google.protobuf.GeneratedMessageV3.alwaysUseFieldBuilders ?
+                 getPromptLogprobsFieldBuilder() : null;
+          } else {
+            promptLogprobsBuilder_.addAllMessages(other.promptLogprobs_);
+          }
+        }
+      }
       switch (other.getStopReasonCase()) {
         case STOP_TOKEN_ID: {
           setStopTokenId(other.getStopTokenId());
@@ -1201,6 +1361,24 @@ private static final long serialVersionUID = 0L;
               }
               break;
             } // case 82
+            case 88: {
+              index_ = input.readUInt32();
+              bitField0_ |= 0x00000400;
+              break;
+            } // case 88
+            case 98: {
+              ai.sluice.v1.Logprobs m =
+                  input.readMessage(
+                      ai.sluice.v1.Logprobs.parser(),
+                      extensionRegistry);
+              if (promptLogprobsBuilder_ == null) {
+                ensurePromptLogprobsIsMutable();
+                promptLogprobs_.add(m);
+              } else {
+                promptLogprobsBuilder_.addMessage(m);
+              }
+              break;
+            } // case 98
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -2598,6 +2776,398 @@ private static final long serialVersionUID = 0L;
         toolCalls_ = null;
       }
       return toolCallsBuilder_;
+    }
+
+    private int index_ ;
+    /**
+     * <pre>
+     * Which sample (0 .. n-1) this chunk belongs to; 0 unless sampling_params.n &gt; 1.
+     * </pre>
+     *
+     * <code>uint32 index = 11;</code>
+     * @return The index.
+     */
+    @java.lang.Override
+    public int getIndex() {
+      return index_;
+    }
+    /**
+     * <pre>
+     * Which sample (0 .. n-1) this chunk belongs to; 0 unless sampling_params.n &gt; 1.
+     * </pre>
+     *
+     * <code>uint32 index = 11;</code>
+     * @param value The index to set.
+     * @return This builder for chaining.
+     */
+    public Builder setIndex(int value) {
+      
+      index_ = value;
+      bitField0_ |= 0x00000400;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Which sample (0 .. n-1) this chunk belongs to; 0 unless sampling_params.n &gt; 1.
+     * </pre>
+     *
+     * <code>uint32 index = 11;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearIndex() {
+      bitField0_ = (bitField0_ & ~0x00000400);
+      index_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private java.util.List<ai.sluice.v1.Logprobs> promptLogprobs_ =
+      java.util.Collections.emptyList();
+    private void ensurePromptLogprobsIsMutable() {
+      if (!((bitField0_ & 0x00000800) != 0)) {
+        promptLogprobs_ = new java.util.ArrayList<ai.sluice.v1.Logprobs>(promptLogprobs_);
+        bitField0_ |= 0x00000800;
+       }
+    }
+
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.Logprobs, ai.sluice.v1.Logprobs.Builder, ai.sluice.v1.LogprobsOrBuilder> promptLogprobsBuilder_;
+
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public java.util.List<ai.sluice.v1.Logprobs> getPromptLogprobsList() {
+      if (promptLogprobsBuilder_ == null) {
+        return java.util.Collections.unmodifiableList(promptLogprobs_);
+      } else {
+        return promptLogprobsBuilder_.getMessageList();
+      }
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public int getPromptLogprobsCount() {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.size();
+      } else {
+        return promptLogprobsBuilder_.getCount();
+      }
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public ai.sluice.v1.Logprobs getPromptLogprobs(int index) {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.get(index);
+      } else {
+        return promptLogprobsBuilder_.getMessage(index);
+      }
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder setPromptLogprobs(
+        int index, ai.sluice.v1.Logprobs value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.set(index, value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.setMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder setPromptLogprobs(
+        int index, ai.sluice.v1.Logprobs.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.set(index, builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.setMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder addPromptLogprobs(ai.sluice.v1.Logprobs value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder addPromptLogprobs(
+        int index, ai.sluice.v1.Logprobs value) {
+      if (promptLogprobsBuilder_ == null) {
+        if (value == null) {
+          throw new NullPointerException();
+        }
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(index, value);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(index, value);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder addPromptLogprobs(
+        ai.sluice.v1.Logprobs.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder addPromptLogprobs(
+        int index, ai.sluice.v1.Logprobs.Builder builderForValue) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.add(index, builderForValue.build());
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addMessage(index, builderForValue.build());
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder addAllPromptLogprobs(
+        java.lang.Iterable<? extends ai.sluice.v1.Logprobs> values) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        com.google.protobuf.AbstractMessageLite.Builder.addAll(
+            values, promptLogprobs_);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.addAllMessages(values);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder clearPromptLogprobs() {
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobs_ = java.util.Collections.emptyList();
+        bitField0_ = (bitField0_ & ~0x00000800);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.clear();
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public Builder removePromptLogprobs(int index) {
+      if (promptLogprobsBuilder_ == null) {
+        ensurePromptLogprobsIsMutable();
+        promptLogprobs_.remove(index);
+        onChanged();
+      } else {
+        promptLogprobsBuilder_.remove(index);
+      }
+      return this;
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public ai.sluice.v1.Logprobs.Builder getPromptLogprobsBuilder(
+        int index) {
+      return getPromptLogprobsFieldBuilder().getBuilder(index);
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public ai.sluice.v1.LogprobsOrBuilder getPromptLogprobsOrBuilder(
+        int index) {
+      if (promptLogprobsBuilder_ == null) {
+        return promptLogprobs_.get(index);  } else {
+        return promptLogprobsBuilder_.getMessageOrBuilder(index);
+      }
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public java.util.List<? extends ai.sluice.v1.LogprobsOrBuilder> 
+         getPromptLogprobsOrBuilderList() {
+      if (promptLogprobsBuilder_ != null) {
+        return promptLogprobsBuilder_.getMessageOrBuilderList();
+      } else {
+        return java.util.Collections.unmodifiableList(promptLogprobs_);
+      }
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public ai.sluice.v1.Logprobs.Builder addPromptLogprobsBuilder() {
+      return getPromptLogprobsFieldBuilder().addBuilder(
+          ai.sluice.v1.Logprobs.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public ai.sluice.v1.Logprobs.Builder addPromptLogprobsBuilder(
+        int index) {
+      return getPromptLogprobsFieldBuilder().addBuilder(
+          index, ai.sluice.v1.Logprobs.getDefaultInstance());
+    }
+    /**
+     * <pre>
+     * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+     * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+     * position i as `top`).
+     * </pre>
+     *
+     * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+     */
+    public java.util.List<ai.sluice.v1.Logprobs.Builder> 
+         getPromptLogprobsBuilderList() {
+      return getPromptLogprobsFieldBuilder().getBuilderList();
+    }
+    private com.google.protobuf.RepeatedFieldBuilderV3<
+        ai.sluice.v1.Logprobs, ai.sluice.v1.Logprobs.Builder, ai.sluice.v1.LogprobsOrBuilder> 
+        getPromptLogprobsFieldBuilder() {
+      if (promptLogprobsBuilder_ == null) {
+        promptLogprobsBuilder_ = new com.google.protobuf.RepeatedFieldBuilderV3<
+            ai.sluice.v1.Logprobs, ai.sluice.v1.Logprobs.Builder, ai.sluice.v1.LogprobsOrBuilder>(
+                promptLogprobs_,
+                ((bitField0_ & 0x00000800) != 0),
+                getParentForChildren(),
+                isClean());
+        promptLogprobs_ = null;
+      }
+      return promptLogprobsBuilder_;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

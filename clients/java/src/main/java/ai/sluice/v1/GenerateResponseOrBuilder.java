@@ -237,5 +237,69 @@ public interface GenerateResponseOrBuilder extends
   ai.sluice.v1.ToolCallOrBuilder getToolCallsOrBuilder(
       int index);
 
+  /**
+   * <pre>
+   * Which sample (0 .. n-1) this chunk belongs to; 0 unless sampling_params.n &gt; 1.
+   * </pre>
+   *
+   * <code>uint32 index = 11;</code>
+   * @return The index.
+   */
+  int getIndex();
+
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  java.util.List<ai.sluice.v1.Logprobs> 
+      getPromptLogprobsList();
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  ai.sluice.v1.Logprobs getPromptLogprobs(int index);
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  int getPromptLogprobsCount();
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  java.util.List<? extends ai.sluice.v1.LogprobsOrBuilder> 
+      getPromptLogprobsOrBuilderList();
+  /**
+   * <pre>
+   * When sampling_params.prompt_logprobs is set: in the first chunk of sample 0, one entry per prompt
+   * token after the first (entry i: prompt token i + 1 as `sampled`, and the most likely tokens at
+   * position i as `top`).
+   * </pre>
+   *
+   * <code>repeated .sluice.v1.Logprobs prompt_logprobs = 12;</code>
+   */
+  ai.sluice.v1.LogprobsOrBuilder getPromptLogprobsOrBuilder(
+      int index);
+
   public ai.sluice.v1.GenerateResponse.StopReasonCase getStopReasonCase();
 }

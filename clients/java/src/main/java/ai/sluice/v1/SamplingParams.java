@@ -967,6 +967,70 @@ private static final long serialVersionUID = 0L;
     return ai.sluice.v1.JsonObject.getDefaultInstance();
   }
 
+  public static final int N_FIELD_NUMBER = 23;
+  private int n_ = 0;
+  /**
+   * <pre>
+   * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+   * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+   * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+   * draws from seed + i.
+   * </pre>
+   *
+   * <code>optional int32 n = 23;</code>
+   * @return Whether the n field is set.
+   */
+  @java.lang.Override
+  public boolean hasN() {
+    return ((bitField0_ & 0x00002000) != 0);
+  }
+  /**
+   * <pre>
+   * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+   * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+   * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+   * draws from seed + i.
+   * </pre>
+   *
+   * <code>optional int32 n = 23;</code>
+   * @return The n.
+   */
+  @java.lang.Override
+  public int getN() {
+    return n_;
+  }
+
+  public static final int PROMPT_LOGPROBS_FIELD_NUMBER = 24;
+  private int promptLogprobs_ = 0;
+  /**
+   * <pre>
+   * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+   * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+   * Such a request takes no prefix-cache hit (cached positions have no logits).
+   * </pre>
+   *
+   * <code>optional int32 prompt_logprobs = 24;</code>
+   * @return Whether the promptLogprobs field is set.
+   */
+  @java.lang.Override
+  public boolean hasPromptLogprobs() {
+    return ((bitField0_ & 0x00004000) != 0);
+  }
+  /**
+   * <pre>
+   * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+   * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+   * Such a request takes no prefix-cache hit (cached positions have no logits).
+   * </pre>
+   *
+   * <code>optional int32 prompt_logprobs = 24;</code>
+   * @return The promptLogprobs.
+   */
+  @java.lang.Override
+  public int getPromptLogprobs() {
+    return promptLogprobs_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -1058,6 +1122,12 @@ private static final long serialVersionUID = 0L;
     }
     if (constraintCase_ == 22) {
       output.writeMessage(22, (ai.sluice.v1.JsonObject) constraint_);
+    }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      output.writeInt32(23, n_);
+    }
+    if (((bitField0_ & 0x00004000) != 0)) {
+      output.writeInt32(24, promptLogprobs_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -1183,6 +1253,14 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeMessageSize(22, (ai.sluice.v1.JsonObject) constraint_);
     }
+    if (((bitField0_ & 0x00002000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(23, n_);
+    }
+    if (((bitField0_ & 0x00004000) != 0)) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(24, promptLogprobs_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -1277,6 +1355,16 @@ private static final long serialVersionUID = 0L;
         other.internalGetLogitBias())) return false;
     if (!getAllowedTokenIdsList()
         .equals(other.getAllowedTokenIdsList())) return false;
+    if (hasN() != other.hasN()) return false;
+    if (hasN()) {
+      if (getN()
+          != other.getN()) return false;
+    }
+    if (hasPromptLogprobs() != other.hasPromptLogprobs()) return false;
+    if (hasPromptLogprobs()) {
+      if (getPromptLogprobs()
+          != other.getPromptLogprobs()) return false;
+    }
     if (!getConstraintCase().equals(other.getConstraintCase())) return false;
     switch (constraintCase_) {
       case 18:
@@ -1389,6 +1477,14 @@ private static final long serialVersionUID = 0L;
     if (getAllowedTokenIdsCount() > 0) {
       hash = (37 * hash) + ALLOWED_TOKEN_IDS_FIELD_NUMBER;
       hash = (53 * hash) + getAllowedTokenIdsList().hashCode();
+    }
+    if (hasN()) {
+      hash = (37 * hash) + N_FIELD_NUMBER;
+      hash = (53 * hash) + getN();
+    }
+    if (hasPromptLogprobs()) {
+      hash = (37 * hash) + PROMPT_LOGPROBS_FIELD_NUMBER;
+      hash = (53 * hash) + getPromptLogprobs();
     }
     switch (constraintCase_) {
       case 18:
@@ -1594,6 +1690,8 @@ private static final long serialVersionUID = 0L;
       if (jsonObjectBuilder_ != null) {
         jsonObjectBuilder_.clear();
       }
+      n_ = 0;
+      promptLogprobs_ = 0;
       constraintCase_ = 0;
       constraint_ = null;
       return this;
@@ -1705,6 +1803,14 @@ private static final long serialVersionUID = 0L;
       if (((from_bitField0_ & 0x00008000) != 0)) {
         result.logitBias_ = internalGetLogitBias();
         result.logitBias_.makeImmutable();
+      }
+      if (((from_bitField0_ & 0x00400000) != 0)) {
+        result.n_ = n_;
+        to_bitField0_ |= 0x00002000;
+      }
+      if (((from_bitField0_ & 0x00800000) != 0)) {
+        result.promptLogprobs_ = promptLogprobs_;
+        to_bitField0_ |= 0x00004000;
       }
       result.bitField0_ |= to_bitField0_;
     }
@@ -1837,6 +1943,12 @@ private static final long serialVersionUID = 0L;
           allowedTokenIds_.addAll(other.allowedTokenIds_);
         }
         onChanged();
+      }
+      if (other.hasN()) {
+        setN(other.getN());
+      }
+      if (other.hasPromptLogprobs()) {
+        setPromptLogprobs(other.getPromptLogprobs());
       }
       switch (other.getConstraintCase()) {
         case JSON_SCHEMA: {
@@ -2039,6 +2151,16 @@ private static final long serialVersionUID = 0L;
               constraintCase_ = 22;
               break;
             } // case 178
+            case 184: {
+              n_ = input.readInt32();
+              bitField0_ |= 0x00400000;
+              break;
+            } // case 184
+            case 192: {
+              promptLogprobs_ = input.readInt32();
+              bitField0_ |= 0x00800000;
+              break;
+            } // case 192
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -4015,6 +4137,138 @@ private static final long serialVersionUID = 0L;
       constraintCase_ = 22;
       onChanged();
       return jsonObjectBuilder_;
+    }
+
+    private int n_ ;
+    /**
+     * <pre>
+     * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+     * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+     * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+     * draws from seed + i.
+     * </pre>
+     *
+     * <code>optional int32 n = 23;</code>
+     * @return Whether the n field is set.
+     */
+    @java.lang.Override
+    public boolean hasN() {
+      return ((bitField0_ & 0x00400000) != 0);
+    }
+    /**
+     * <pre>
+     * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+     * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+     * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+     * draws from seed + i.
+     * </pre>
+     *
+     * <code>optional int32 n = 23;</code>
+     * @return The n.
+     */
+    @java.lang.Override
+    public int getN() {
+      return n_;
+    }
+    /**
+     * <pre>
+     * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+     * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+     * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+     * draws from seed + i.
+     * </pre>
+     *
+     * <code>optional int32 n = 23;</code>
+     * @param value The n to set.
+     * @return This builder for chaining.
+     */
+    public Builder setN(int value) {
+      
+      n_ = value;
+      bitField0_ |= 0x00400000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+     * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+     * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+     * draws from seed + i.
+     * </pre>
+     *
+     * <code>optional int32 n = 23;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearN() {
+      bitField0_ = (bitField0_ & ~0x00400000);
+      n_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int promptLogprobs_ ;
+    /**
+     * <pre>
+     * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+     * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+     * Such a request takes no prefix-cache hit (cached positions have no logits).
+     * </pre>
+     *
+     * <code>optional int32 prompt_logprobs = 24;</code>
+     * @return Whether the promptLogprobs field is set.
+     */
+    @java.lang.Override
+    public boolean hasPromptLogprobs() {
+      return ((bitField0_ & 0x00800000) != 0);
+    }
+    /**
+     * <pre>
+     * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+     * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+     * Such a request takes no prefix-cache hit (cached positions have no logits).
+     * </pre>
+     *
+     * <code>optional int32 prompt_logprobs = 24;</code>
+     * @return The promptLogprobs.
+     */
+    @java.lang.Override
+    public int getPromptLogprobs() {
+      return promptLogprobs_;
+    }
+    /**
+     * <pre>
+     * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+     * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+     * Such a request takes no prefix-cache hit (cached positions have no logits).
+     * </pre>
+     *
+     * <code>optional int32 prompt_logprobs = 24;</code>
+     * @param value The promptLogprobs to set.
+     * @return This builder for chaining.
+     */
+    public Builder setPromptLogprobs(int value) {
+      
+      promptLogprobs_ = value;
+      bitField0_ |= 0x00800000;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+     * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+     * Such a request takes no prefix-cache hit (cached positions have no logits).
+     * </pre>
+     *
+     * <code>optional int32 prompt_logprobs = 24;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearPromptLogprobs() {
+      bitField0_ = (bitField0_ & ~0x00800000);
+      promptLogprobs_ = 0;
+      onChanged();
+      return this;
     }
     @java.lang.Override
     public final Builder setUnknownFields(

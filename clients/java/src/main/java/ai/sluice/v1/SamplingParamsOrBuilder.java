@@ -546,5 +546,53 @@ public interface SamplingParamsOrBuilder extends
    */
   ai.sluice.v1.JsonObjectOrBuilder getJsonObjectOrBuilder();
 
+  /**
+   * <pre>
+   * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+   * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+   * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+   * draws from seed + i.
+   * </pre>
+   *
+   * <code>optional int32 n = 23;</code>
+   * @return Whether the n field is set.
+   */
+  boolean hasN();
+  /**
+   * <pre>
+   * In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
+   * GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
+   * its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
+   * draws from seed + i.
+   * </pre>
+   *
+   * <code>optional int32 n = 23;</code>
+   * @return The n.
+   */
+  int getN();
+
+  /**
+   * <pre>
+   * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+   * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+   * Such a request takes no prefix-cache hit (cached positions have no logits).
+   * </pre>
+   *
+   * <code>optional int32 prompt_logprobs = 24;</code>
+   * @return Whether the promptLogprobs field is set.
+   */
+  boolean hasPromptLogprobs();
+  /**
+   * <pre>
+   * In [0, 20]: return the logprob of every prompt token after the first and the N most likely
+   * tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
+   * Such a request takes no prefix-cache hit (cached positions have no logits).
+   * </pre>
+   *
+   * <code>optional int32 prompt_logprobs = 24;</code>
+   * @return The promptLogprobs.
+   */
+  int getPromptLogprobs();
+
   public ai.sluice.v1.SamplingParams.ConstraintCase getConstraintCase();
 }

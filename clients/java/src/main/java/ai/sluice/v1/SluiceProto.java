@@ -165,7 +165,7 @@ public final class SluiceProto {
       "\000B\010\n\006choice\"+\n\010ToolCall\022\014\n\004name\030\001 \001(\t\022\021\n" +
       "\targuments\030\002 \001(\t\"\031\n\006Choice\022\017\n\007choices\030\001 " +
       "\003(\t\"\014\n\nJsonObject\"\035\n\010TokenIds\022\021\n\ttoken_i" +
-      "ds\030\001 \003(\005\"\365\006\n\016SamplingParams\022\030\n\013temperatu" +
+      "ds\030\001 \003(\005\"\275\007\n\016SamplingParams\022\030\n\013temperatu" +
       "re\030\001 \001(\002H\001\210\001\001\022\022\n\005top_k\030\002 \001(\005H\002\210\001\001\022\022\n\005top" +
       "_p\030\003 \001(\002H\003\210\001\001\022\022\n\005min_p\030\004 \001(\002H\004\210\001\001\022\037\n\022rep" +
       "etition_penalty\030\005 \001(\002H\005\210\001\001\022\035\n\020presence_p" +
@@ -180,76 +180,81 @@ public final class SluiceProto {
       "s\030\021 \003(\005\022\025\n\013json_schema\030\022 \001(\tH\000\022\017\n\005regex\030" +
       "\023 \001(\tH\000\022\021\n\007grammar\030\024 \001(\tH\000\022#\n\006choice\030\025 \001" +
       "(\0132\021.sluice.v1.ChoiceH\000\022,\n\013json_object\030\026" +
-      " \001(\0132\025.sluice.v1.JsonObjectH\000\0320\n\016LogitBi" +
-      "asEntry\022\013\n\003key\030\001 \001(\005\022\r\n\005value\030\002 \001(\002:\0028\001B" +
-      "\014\n\nconstraintB\016\n\014_temperatureB\010\n\006_top_kB" +
-      "\010\n\006_top_pB\010\n\006_min_pB\025\n\023_repetition_penal" +
-      "tyB\023\n\021_presence_penaltyB\024\n\022_frequency_pe" +
-      "naltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_min_to" +
-      "kensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026\n\024_ski" +
-      "p_special_tokens\"\211\002\n\017GenerateRequest\022\022\n\n" +
-      "request_id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoke" +
-      "n_ids\030\003 \001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010me" +
-      "ssages\030\004 \001(\0132\027.sluice.v1.ChatMessagesH\000\022" +
-      "2\n\017sampling_params\030\005 \001(\0132\031.sluice.v1.Sam" +
-      "plingParams\022\020\n\010priority\030\006 \001(\005\022\022\n\ncache_s" +
-      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\rB\010\n\006pr" +
-      "ompt\"1\n\014TokenLogprob\022\020\n\010token_id\030\001 \001(\005\022\017" +
-      "\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001" +
-      " \001(\0132\027.sluice.v1.TokenLogprob\022$\n\003top\030\002 \003" +
-      "(\0132\027.sluice.v1.TokenLogprob\"P\n\005Usage\022\025\n\r" +
-      "prompt_tokens\030\001 \001(\005\022\031\n\021completion_tokens" +
-      "\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\"M\n\007Timings" +
-      "\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_seconds\030" +
-      "\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\314\002\n\020Generat" +
-      "eResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text\030\002 " +
-      "\001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\013" +
-      "2\023.sluice.v1.Logprobs\022.\n\rfinish_reason\030\005" +
-      " \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop_to" +
-      "ken_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n" +
-      "\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007timing" +
-      "s\030\t \001(\0132\022.sluice.v1.Timings\022\'\n\ntool_call" +
-      "s\030\n \003(\0132\023.sluice.v1.ToolCallB\r\n\013stop_rea" +
-      "son\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t\"" +
-      "|\n\025StreamGenerateRequest\022.\n\010generate\030\001 \001" +
-      "(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006canc" +
-      "el\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006a" +
-      "ction\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007m" +
-      "essage\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse\022" +
-      "\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.slu" +
-      "ice.v1.GenerateResponseH\000\022(\n\005error\030\003 \001(\013" +
-      "2\027.sluice.v1.RequestErrorH\000B\007\n\005event\"\"\n\014" +
-      "AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbor" +
-      "tResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 " +
-      "\001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.Chat" +
-      "MessagesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001" +
-      "\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"%\n\020" +
-      "TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023G" +
-      "etModelInfoRequest\"\311\001\n\024GetModelInfoRespo" +
-      "nse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture\030" +
-      "\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_si" +
-      "ze\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock" +
-      "_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv" +
-      "_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishReason\022" +
-      "\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH" +
-      "_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002" +
-      "\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH_REAS" +
-      "ON_ERROR\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TOOL_CH" +
-      "OICE_MODE_UNSPECIFIED\020\000\022\031\n\025TOOL_CHOICE_M" +
-      "ODE_NONE\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n" +
-      "\031TOOL_CHOICE_MODE_REQUIRED\020\0032\206\003\n\020Inferen" +
-      "ceService\022E\n\010Generate\022\032.sluice.v1.Genera" +
-      "teRequest\032\033.sluice.v1.GenerateResponse0\001" +
-      "\022Y\n\016StreamGenerate\022 .sluice.v1.StreamGen" +
-      "erateRequest\032!.sluice.v1.StreamGenerateR" +
-      "esponse(\0010\001\022:\n\005Abort\022\027.sluice.v1.AbortRe" +
-      "quest\032\030.sluice.v1.AbortResponse\022C\n\010Token" +
-      "ize\022\032.sluice.v1.TokenizeRequest\032\033.sluice" +
-      ".v1.TokenizeResponse\022O\n\014GetModelInfo\022\036.s" +
-      "luice.v1.GetModelInfoRequest\032\037.sluice.v1" +
-      ".GetModelInfoResponseBX\n\014ai.sluice.v1B\013S" +
-      "luiceProtoP\001Z9github.com/sluice-ai/sluic" +
-      "e/clients/go/sluice/v1;sluicev1b\006proto3"
+      " \001(\0132\025.sluice.v1.JsonObjectH\000\022\016\n\001n\030\027 \001(\005" +
+      "H\016\210\001\001\022\034\n\017prompt_logprobs\030\030 \001(\005H\017\210\001\001\0320\n\016L" +
+      "ogitBiasEntry\022\013\n\003key\030\001 \001(\005\022\r\n\005value\030\002 \001(" +
+      "\002:\0028\001B\014\n\nconstraintB\016\n\014_temperatureB\010\n\006_" +
+      "top_kB\010\n\006_top_pB\010\n\006_min_pB\025\n\023_repetition" +
+      "_penaltyB\023\n\021_presence_penaltyB\024\n\022_freque" +
+      "ncy_penaltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_" +
+      "min_tokensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026" +
+      "\n\024_skip_special_tokensB\004\n\002_nB\022\n\020_prompt_" +
+      "logprobs\"\211\002\n\017GenerateRequest\022\022\n\nrequest_" +
+      "id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoken_ids\030\003 " +
+      "\001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010messages\030\004" +
+      " \001(\0132\027.sluice.v1.ChatMessagesH\000\0222\n\017sampl" +
+      "ing_params\030\005 \001(\0132\031.sluice.v1.SamplingPar" +
+      "ams\022\020\n\010priority\030\006 \001(\005\022\022\n\ncache_salt\030\007 \001(" +
+      "\t\022\027\n\017stream_interval\030\010 \001(\rB\010\n\006prompt\"1\n\014" +
+      "TokenLogprob\022\020\n\010token_id\030\001 \001(\005\022\017\n\007logpro" +
+      "b\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001 \001(\0132\027.s" +
+      "luice.v1.TokenLogprob\022$\n\003top\030\002 \003(\0132\027.slu" +
+      "ice.v1.TokenLogprob\"p\n\005Usage\022\025\n\rprompt_t" +
+      "okens\030\001 \001(\005\022\031\n\021completion_tokens\030\002 \001(\005\022\025" +
+      "\n\rcached_tokens\030\003 \001(\005\022\036\n\026prompt_tokens_c" +
+      "omputed\030\006 \001(\005\"M\n\007Timings\022\025\n\rqueue_second" +
+      "s\030\001 \001(\001\022\024\n\014ttft_seconds\030\002 \001(\001\022\025\n\rtotal_s" +
+      "econds\030\003 \001(\001\"\211\003\n\020GenerateResponse\022\022\n\nreq" +
+      "uest_id\030\001 \001(\t\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_ids" +
+      "\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\0132\023.sluice.v1.Log" +
+      "probs\022.\n\rfinish_reason\030\005 \001(\0162\027.sluice.v1" +
+      ".FinishReason\022\027\n\rstop_token_id\030\006 \001(\005H\000\022\025" +
+      "\n\013stop_string\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132\020.s" +
+      "luice.v1.Usage\022#\n\007timings\030\t \001(\0132\022.sluice" +
+      ".v1.Timings\022\'\n\ntool_calls\030\n \003(\0132\023.sluice" +
+      ".v1.ToolCall\022\r\n\005index\030\013 \001(\r\022,\n\017prompt_lo" +
+      "gprobs\030\014 \003(\0132\023.sluice.v1.LogprobsB\r\n\013sto" +
+      "p_reason\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001" +
+      " \001(\t\"|\n\025StreamGenerateRequest\022.\n\010generat" +
+      "e\030\001 \001(\0132\032.sluice.v1.GenerateRequestH\000\022)\n" +
+      "\006cancel\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000" +
+      "B\010\n\006action\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005" +
+      "\022\017\n\007message\030\002 \001(\t\"\215\001\n\026StreamGenerateResp" +
+      "onse\022\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132" +
+      "\033.sluice.v1.GenerateResponseH\000\022(\n\005error\030" +
+      "\003 \001(\0132\027.sluice.v1.RequestErrorH\000B\007\n\005even" +
+      "t\"\"\n\014AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n" +
+      "\rAbortResponse\"\220\001\n\017TokenizeRequest\022\016\n\004te" +
+      "xt\030\001 \001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1" +
+      ".ChatMessagesH\000\022\037\n\022add_special_tokens\030\003 " +
+      "\001(\010H\001\210\001\001B\010\n\006promptB\025\n\023_add_special_token" +
+      "s\"%\n\020TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005" +
+      "\"\025\n\023GetModelInfoRequest\"\311\001\n\024GetModelInfo" +
+      "Response\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architec" +
+      "ture\030\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvoc" +
+      "ab_size\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\n" +
+      "block_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022" +
+      "\032\n\022kv_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishRe" +
+      "ason\022\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022F" +
+      "INISH_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LEN" +
+      "GTH\020\002\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH" +
+      "_REASON_ERROR\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TO" +
+      "OL_CHOICE_MODE_UNSPECIFIED\020\000\022\031\n\025TOOL_CHO" +
+      "ICE_MODE_NONE\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO" +
+      "\020\002\022\035\n\031TOOL_CHOICE_MODE_REQUIRED\020\0032\206\003\n\020In" +
+      "ferenceService\022E\n\010Generate\022\032.sluice.v1.G" +
+      "enerateRequest\032\033.sluice.v1.GenerateRespo" +
+      "nse0\001\022Y\n\016StreamGenerate\022 .sluice.v1.Stre" +
+      "amGenerateRequest\032!.sluice.v1.StreamGene" +
+      "rateResponse(\0010\001\022:\n\005Abort\022\027.sluice.v1.Ab" +
+      "ortRequest\032\030.sluice.v1.AbortResponse\022C\n\010" +
+      "Tokenize\022\032.sluice.v1.TokenizeRequest\032\033.s" +
+      "luice.v1.TokenizeResponse\022O\n\014GetModelInf" +
+      "o\022\036.sluice.v1.GetModelInfoRequest\032\037.slui" +
+      "ce.v1.GetModelInfoResponseBX\n\014ai.sluice." +
+      "v1B\013SluiceProtoP\001Z9github.com/sluice-ai/" +
+      "sluice/clients/go/sluice/v1;sluicev1b\006pr" +
+      "oto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -308,7 +313,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_SamplingParams_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_SamplingParams_descriptor,
-        new java.lang.String[] { "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "Stop", "StopTokenIds", "IgnoreEos", "Logprobs", "SkipSpecialTokens", "LogitBias", "AllowedTokenIds", "JsonSchema", "Regex", "Grammar", "Choice", "JsonObject", "Constraint", "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "IgnoreEos", "Logprobs", "SkipSpecialTokens", });
+        new java.lang.String[] { "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "Stop", "StopTokenIds", "IgnoreEos", "Logprobs", "SkipSpecialTokens", "LogitBias", "AllowedTokenIds", "JsonSchema", "Regex", "Grammar", "Choice", "JsonObject", "N", "PromptLogprobs", "Constraint", "Temperature", "TopK", "TopP", "MinP", "RepetitionPenalty", "PresencePenalty", "FrequencyPenalty", "Seed", "MaxTokens", "MinTokens", "IgnoreEos", "Logprobs", "SkipSpecialTokens", "N", "PromptLogprobs", });
     internal_static_sluice_v1_SamplingParams_LogitBiasEntry_descriptor =
       internal_static_sluice_v1_SamplingParams_descriptor.getNestedTypes().get(0);
     internal_static_sluice_v1_SamplingParams_LogitBiasEntry_fieldAccessorTable = new
@@ -338,7 +343,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Usage_descriptor,
-        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
+        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", "PromptTokensComputed", });
     internal_static_sluice_v1_Timings_descriptor =
       getDescriptor().getMessageTypes().get(13);
     internal_static_sluice_v1_Timings_fieldAccessorTable = new
@@ -350,7 +355,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GenerateResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateResponse_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Logprobs", "FinishReason", "StopTokenId", "StopString", "Usage", "Timings", "ToolCalls", "StopReason", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Logprobs", "FinishReason", "StopTokenId", "StopString", "Usage", "Timings", "ToolCalls", "Index", "PromptLogprobs", "StopReason", });
     internal_static_sluice_v1_StreamCancel_descriptor =
       getDescriptor().getMessageTypes().get(15);
     internal_static_sluice_v1_StreamCancel_fieldAccessorTable = new

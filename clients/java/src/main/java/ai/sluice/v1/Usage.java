@@ -84,6 +84,22 @@ private static final long serialVersionUID = 0L;
     return cachedTokens_;
   }
 
+  public static final int PROMPT_TOKENS_COMPUTED_FIELD_NUMBER = 6;
+  private int promptTokensComputed_ = 0;
+  /**
+   * <pre>
+   * Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
+   * after preemption). With n &gt; 1 the prompt is computed once: samples 1.. usually read 0.
+   * </pre>
+   *
+   * <code>int32 prompt_tokens_computed = 6;</code>
+   * @return The promptTokensComputed.
+   */
+  @java.lang.Override
+  public int getPromptTokensComputed() {
+    return promptTokensComputed_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -107,6 +123,9 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       output.writeInt32(3, cachedTokens_);
     }
+    if (promptTokensComputed_ != 0) {
+      output.writeInt32(6, promptTokensComputed_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -127,6 +146,10 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       size += com.google.protobuf.CodedOutputStream
         .computeInt32Size(3, cachedTokens_);
+    }
+    if (promptTokensComputed_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(6, promptTokensComputed_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -149,6 +172,8 @@ private static final long serialVersionUID = 0L;
         != other.getCompletionTokens()) return false;
     if (getCachedTokens()
         != other.getCachedTokens()) return false;
+    if (getPromptTokensComputed()
+        != other.getPromptTokensComputed()) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -166,6 +191,8 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCompletionTokens();
     hash = (37 * hash) + CACHED_TOKENS_FIELD_NUMBER;
     hash = (53 * hash) + getCachedTokens();
+    hash = (37 * hash) + PROMPT_TOKENS_COMPUTED_FIELD_NUMBER;
+    hash = (53 * hash) + getPromptTokensComputed();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -302,6 +329,7 @@ private static final long serialVersionUID = 0L;
       promptTokens_ = 0;
       completionTokens_ = 0;
       cachedTokens_ = 0;
+      promptTokensComputed_ = 0;
       return this;
     }
 
@@ -343,6 +371,9 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000004) != 0)) {
         result.cachedTokens_ = cachedTokens_;
+      }
+      if (((from_bitField0_ & 0x00000008) != 0)) {
+        result.promptTokensComputed_ = promptTokensComputed_;
       }
     }
 
@@ -399,6 +430,9 @@ private static final long serialVersionUID = 0L;
       if (other.getCachedTokens() != 0) {
         setCachedTokens(other.getCachedTokens());
       }
+      if (other.getPromptTokensComputed() != 0) {
+        setPromptTokensComputed(other.getPromptTokensComputed());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -440,6 +474,11 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000004;
               break;
             } // case 24
+            case 48: {
+              promptTokensComputed_ = input.readInt32();
+              bitField0_ |= 0x00000008;
+              break;
+            } // case 48
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -561,6 +600,53 @@ private static final long serialVersionUID = 0L;
     public Builder clearCachedTokens() {
       bitField0_ = (bitField0_ & ~0x00000004);
       cachedTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int promptTokensComputed_ ;
+    /**
+     * <pre>
+     * Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
+     * after preemption). With n &gt; 1 the prompt is computed once: samples 1.. usually read 0.
+     * </pre>
+     *
+     * <code>int32 prompt_tokens_computed = 6;</code>
+     * @return The promptTokensComputed.
+     */
+    @java.lang.Override
+    public int getPromptTokensComputed() {
+      return promptTokensComputed_;
+    }
+    /**
+     * <pre>
+     * Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
+     * after preemption). With n &gt; 1 the prompt is computed once: samples 1.. usually read 0.
+     * </pre>
+     *
+     * <code>int32 prompt_tokens_computed = 6;</code>
+     * @param value The promptTokensComputed to set.
+     * @return This builder for chaining.
+     */
+    public Builder setPromptTokensComputed(int value) {
+      
+      promptTokensComputed_ = value;
+      bitField0_ |= 0x00000008;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
+     * after preemption). With n &gt; 1 the prompt is computed once: samples 1.. usually read 0.
+     * </pre>
+     *
+     * <code>int32 prompt_tokens_computed = 6;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearPromptTokensComputed() {
+      bitField0_ = (bitField0_ & ~0x00000008);
+      promptTokensComputed_ = 0;
       onChanged();
       return this;
     }

@@ -28,4 +28,15 @@ public interface UsageOrBuilder extends
    * @return The cachedTokens.
    */
   int getCachedTokens();
+
+  /**
+   * <pre>
+   * Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
+   * after preemption). With n &gt; 1 the prompt is computed once: samples 1.. usually read 0.
+   * </pre>
+   *
+   * <code>int32 prompt_tokens_computed = 6;</code>
+   * @return The promptTokensComputed.
+   */
+  int getPromptTokensComputed();
 }

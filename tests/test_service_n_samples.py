@@ -1,0 +1,134 @@
+"""`n` samples and prompt logprobs over gRPC, on a real server on loopback: indices, independent
+finishes, the prompt computed once (usage and engine stats), seeds, aborts, validation."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import grpc
+import pytest
+import torch
+from service_harness import ServerThread
+from sluice.v1 import sluice_pb2 as pb
+
+PROMPT = [(5 * i + 9) % 500 + 4 for i in range(41)]  # 2 full blocks of 16 + 9 tokens
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()
+
+
+def _request(request_id: str = "", prompt: list[int] = PROMPT, **sampling: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(token_ids=prompt),
+        sampling_params=pb.SamplingParams(**sampling),
+    )
+
+
+def _by_index(chunks: list[pb.GenerateResponse]) -> dict[int, list[pb.GenerateResponse]]:
+    samples: dict[int, list[pb.GenerateResponse]] = defaultdict(list)
+    for chunk in chunks:
+        samples[chunk.index].append(chunk)
+    return dict(samples)
+
+
+def _tokens(chunks: list[pb.GenerateResponse]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def test_greedy_n4_streams_four_identical_samples_and_computes_the_prompt_once(stub, server):
+    prompt = PROMPT[::-1]  # not cached yet
+    before = server.wait_idle().num_prompt_tokens_computed
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    samples = _by_index(list(stub.Generate(_request("four", prompt=prompt, n=4, **greedy))))
+    computed = server.wait_idle().num_prompt_tokens_computed - before
+    (single,) = _by_index(list(stub.Generate(_request("one", prompt=prompt, **greedy)))).values()
+    assert sorted(samples) == [0, 1, 2, 3]
+    assert all(c.request_id == "four" for chunks in samples.values() for c in chunks)
+    assert [_tokens(chunks) for chunks in samples.values()] == [_tokens(single)] * 4
+    finals = [chunks[-1] for chunks in samples.values()]
+    assert [f.finish_reason for f in finals] == [pb.FINISH_REASON_LENGTH] * 4
+    assert all((f.usage.prompt_tokens, f.usage.completion_tokens) == (len(prompt), 6) for f in finals)
+    assert sorted(f.usage.prompt_tokens_computed for f in finals) == [0, 0, 0, len(prompt)]
+    assert computed == len(prompt)
+
+
+def test_seeded_n4_gives_four_different_reproducible_samples(stub, server):
+    sampling = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, "seed": 77, "n": 4}
+    runs = []
+    for _ in range(2):
+        samples = _by_index(list(stub.Generate(_request(**sampling))))
+        runs.append([_tokens(samples[i]) for i in range(4)])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 4
+    server.wait_idle()
+
+
+def test_abort_ends_every_sample_and_frees_every_block(stub, server):
+    call = stub.Generate(_request("long-n", n=4, temperature=0.0, max_tokens=200, ignore_eos=True))
+    chunks = [next(call)]
+    stub.Abort(pb.AbortRequest(request_id="long-n"))
+    chunks += list(call)
+    finals = [c for c in chunks if c.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted((f.index, f.finish_reason) for f in finals) == [
+        (i, pb.FINISH_REASON_ABORT) for i in range(4)
+    ]
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+
+
+def test_cancelling_an_n4_call_frees_every_block(stub, server):
+    call = stub.Generate(_request("cancelled-n", n=4, temperature=1.0, max_tokens=200, ignore_eos=True))
+    next(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+
+
+def test_stream_generate_names_each_sample(stub, server):
+    requests = [
+        pb.StreamGenerateRequest(generate=_request("s", n=2, temperature=0.0, max_tokens=3, ignore_eos=True))
+    ]
+    responses = list(stub.StreamGenerate(iter(requests)))
+    samples = _by_index([r.chunk for r in responses])
+    assert sorted(samples) == [0, 1] and all(r.request_id == "s" for r in responses)
+    assert _tokens(samples[0]) == _tokens(samples[1]) and len(_tokens(samples[0])) == 3
+    server.wait_idle()
+
+
+def test_prompt_logprobs_equal_transformers(stub, server, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    chunks = list(stub.Generate(_request(temperature=0.0, max_tokens=2, prompt_logprobs=3)))
+    first, *rest = chunks
+    assert all(not c.prompt_logprobs for c in rest)
+    got = first.prompt_logprobs
+    assert [entry.sampled.token_id for entry in got] == PROMPT[1:]
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)
+    want = expected.gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor([e.sampled.logprob for e in got]), want, atol=1e-4, rtol=0)
+    assert [[t.token_id for t in e.top] for e in got] == expected.topk(3, dim=-1).indices.tolist()
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        ({"n": 0}, "n: must be in [1, 16]"),
+        ({"n": 17}, "n: must be in [1, 16]"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20]"),
+    ],
+)
+def test_out_of_range_n_and_prompt_logprobs_are_invalid_argument(stub, sampling, message):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(_request(**sampling)))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
