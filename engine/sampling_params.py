@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.structured.constraint import Constraint
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# Float fields checked finite before any range check (inf passes `>= 0`, and NaN fails every range
+# with a message that does not say why).
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        _check_finite(self)
         checks = (
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
@@ -89,3 +101,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_finite(params: SamplingParams) -> None:
+    """Raises ValueError naming the first float field (or logit_bias entry) that is NaN or infinite."""
+    for name in _FLOAT_FIELDS:
+        if not math.isfinite(getattr(params, name)):
+            raise ValueError(f"{name}: must be a finite number, got {getattr(params, name)}")
+    for token_id, bias in params.logit_bias:
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be a finite number, got {bias}")

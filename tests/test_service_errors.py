@@ -73,6 +73,18 @@ MALFORMED = [
     ("logprobs 21", generate_request("hi", logprobs=21), INVALID, "logprobs: must be in [0, 20]"),
     ("temperature -1", generate_request("hi", temperature=-1.0), INVALID, "temperature: must be >= 0"),
     (
+        "temperature inf",
+        generate_request("hi", temperature=float("inf")),
+        INVALID,
+        "temperature: must be a finite number, got inf",
+    ),
+    (
+        "repetition_penalty nan",
+        generate_request("hi", repetition_penalty=float("nan")),
+        INVALID,
+        "repetition_penalty: must be a finite number, got nan",
+    ),
+    (
         "min_tokens > max_tokens",
         generate_request("hi", max_tokens=2, min_tokens=3),
         INVALID,
