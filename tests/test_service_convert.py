@@ -111,9 +111,7 @@ def test_bad_sampling_field_is_named(message: pb.SamplingParams, error: str) -> 
     assert str(info.value) == error
 
 
-_FLOAT_SAMPLING_FIELDS = [
-    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.type == f.TYPE_FLOAT
-]
+_FLOAT_SAMPLING_FIELDS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.type == f.TYPE_FLOAT]
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
