@@ -239,8 +239,8 @@ def test_model_info() -> None:
         ),
         (
             UnknownRequestError("r9"),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "request_id: no live request with id 'r9'",
+            grpc.StatusCode.NOT_FOUND,
+            "request_id: no request with id 'r9'",
         ),
         (ServiceUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
         (EngineDeadError("exit code 1"), grpc.StatusCode.UNAVAILABLE, "the engine failed: exit code 1"),
@@ -284,10 +284,11 @@ def test_request_tracker_counts_a_finished_request() -> None:
     tracker.on_output(RequestOutput(request_id="e", token_ids=(2, 3), text="bc"))
     tracker.finish(_final_output())
     value = metrics.registry.get_sample_value
-    assert value("sluice_requests_total", {"finish_reason": "stop"}) == 1
-    assert value("sluice_prompt_tokens_total") == 5
-    assert value("sluice_generation_tokens_total") == 4
-    assert value("sluice_cached_tokens_total") == 2
+    default = {"tenant": "default"}
+    assert value("sluice_requests_total", {"finish_reason": "stop", **default}) == 1
+    assert value("sluice_prompt_tokens_total", default) == 5
+    assert value("sluice_generation_tokens_total", default) == 4
+    assert value("sluice_cached_tokens_total", default) == 2
     assert value("sluice_inter_token_latency_seconds_count") == 2  # two tokens in the second chunk
     assert value("sluice_time_to_first_token_seconds_sum") == 1.0
     assert value("sluice_queue_time_seconds_sum") == 0.5

@@ -128,8 +128,8 @@ def test_malformed_unary_requests(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Abort(pb.AbortRequest(request_id="nope"))
     assert (info.value.code(), info.value.details()) == (
-        INVALID,
-        "request_id: no live request with id 'nope'",
+        grpc.StatusCode.NOT_FOUND,
+        "request_id: no request with id 'nope'",
     )
     with pytest.raises(grpc.RpcError) as info:
         stub.Abort(pb.AbortRequest())
@@ -181,7 +181,8 @@ def test_in_band_cancel_and_errors_keep_the_stream_open(stub, server: ServerThre
         (
             "long",
             pb.RequestError(
-                code=INVALID.value[0], message="request_id: 'long' is already in use on this stream"
+                code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                message="request_id: 'long' is already in use by a live request",
             ),
         ),
         (

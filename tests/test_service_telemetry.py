@@ -165,12 +165,12 @@ def test_metrics_count_the_requests_made(observed: ServerThread) -> None:
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert delta("sluice_requests_total", finish_reason="length") == 3
+    assert delta("sluice_requests_total", finish_reason="length", tenant="default") == 3
     assert delta("sluice_rpc_requests_total", method="Generate", code="OK") == 3
     assert delta("sluice_rpc_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
-    assert delta("sluice_generation_tokens_total") == 12
-    assert delta("sluice_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("sluice_cached_tokens_total") == sum(u.cached_tokens for u in usages)
+    assert delta("sluice_generation_tokens_total", tenant="default") == 12
+    assert delta("sluice_prompt_tokens_total", tenant="default") == sum(u.prompt_tokens for u in usages)
+    assert delta("sluice_cached_tokens_total", tenant="default") == sum(u.cached_tokens for u in usages)
     assert delta("sluice_time_to_first_token_seconds_count") == 3
     assert delta("sluice_e2e_request_latency_seconds_count") == 3
     assert delta("sluice_queue_time_seconds_count") == 3
@@ -194,7 +194,7 @@ def test_a_request_the_caller_cancels_counts_as_aborted_not_failed(observed: Ser
         chunks.close()  # leaving the stream cancels the call
     observed.wait_idle()
     after = _scrape(observed)
-    key = ("sluice_requests_total", (("finish_reason", "abort"),))
+    key = ("sluice_requests_total", (("finish_reason", "abort"), ("tenant", "default")))
     assert after.get(key, 0.0) - before.get(key, 0.0) == 1
     for _ in range(100):
         spans = observed.memory.get_finished_spans()

@@ -70,6 +70,11 @@ public final class SluiceProto {
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internal_static_sluice_v1_GenerateRequest_fieldAccessorTable;
   static final com.google.protobuf.Descriptors.Descriptor
+    internal_static_sluice_v1_GenerateRequest_TraceContextEntry_descriptor;
+  static final 
+    com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
+      internal_static_sluice_v1_GenerateRequest_TraceContextEntry_fieldAccessorTable;
+  static final com.google.protobuf.Descriptors.Descriptor
     internal_static_sluice_v1_TokenLogprob_descriptor;
   static final 
     com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
@@ -187,69 +192,73 @@ public final class SluiceProto {
       "tyB\023\n\021_presence_penaltyB\024\n\022_frequency_pe" +
       "naltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_min_to" +
       "kensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026\n\024_ski" +
-      "p_special_tokens\"\211\002\n\017GenerateRequest\022\022\n\n" +
+      "p_special_tokens\"\234\003\n\017GenerateRequest\022\022\n\n" +
       "request_id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoke" +
       "n_ids\030\003 \001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010me" +
       "ssages\030\004 \001(\0132\027.sluice.v1.ChatMessagesH\000\022" +
       "2\n\017sampling_params\030\005 \001(\0132\031.sluice.v1.Sam" +
       "plingParams\022\020\n\010priority\030\006 \001(\005\022\022\n\ncache_s" +
-      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\rB\010\n\006pr" +
-      "ompt\"1\n\014TokenLogprob\022\020\n\010token_id\030\001 \001(\005\022\017" +
-      "\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001" +
-      " \001(\0132\027.sluice.v1.TokenLogprob\022$\n\003top\030\002 \003" +
-      "(\0132\027.sluice.v1.TokenLogprob\"P\n\005Usage\022\025\n\r" +
-      "prompt_tokens\030\001 \001(\005\022\031\n\021completion_tokens" +
-      "\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\"M\n\007Timings" +
-      "\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_seconds\030" +
-      "\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\314\002\n\020Generat" +
-      "eResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text\030\002 " +
-      "\001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\013" +
-      "2\023.sluice.v1.Logprobs\022.\n\rfinish_reason\030\005" +
-      " \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop_to" +
-      "ken_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n" +
-      "\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007timing" +
-      "s\030\t \001(\0132\022.sluice.v1.Timings\022\'\n\ntool_call" +
-      "s\030\n \003(\0132\023.sluice.v1.ToolCallB\r\n\013stop_rea" +
-      "son\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t\"" +
-      "|\n\025StreamGenerateRequest\022.\n\010generate\030\001 \001" +
-      "(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006canc" +
-      "el\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006a" +
-      "ction\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007m" +
-      "essage\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse\022" +
-      "\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.slu" +
-      "ice.v1.GenerateResponseH\000\022(\n\005error\030\003 \001(\013" +
-      "2\027.sluice.v1.RequestErrorH\000B\007\n\005event\"\"\n\014" +
-      "AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbor" +
-      "tResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 " +
-      "\001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.Chat" +
-      "MessagesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001" +
-      "\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"%\n\020" +
-      "TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023G" +
-      "etModelInfoRequest\"\311\001\n\024GetModelInfoRespo" +
-      "nse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture\030" +
-      "\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_si" +
-      "ze\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock" +
-      "_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv" +
-      "_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishReason\022" +
-      "\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH" +
-      "_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002" +
-      "\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH_REAS" +
-      "ON_ERROR\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TOOL_CH" +
-      "OICE_MODE_UNSPECIFIED\020\000\022\031\n\025TOOL_CHOICE_M" +
-      "ODE_NONE\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n" +
-      "\031TOOL_CHOICE_MODE_REQUIRED\020\0032\206\003\n\020Inferen" +
-      "ceService\022E\n\010Generate\022\032.sluice.v1.Genera" +
-      "teRequest\032\033.sluice.v1.GenerateResponse0\001" +
-      "\022Y\n\016StreamGenerate\022 .sluice.v1.StreamGen" +
-      "erateRequest\032!.sluice.v1.StreamGenerateR" +
-      "esponse(\0010\001\022:\n\005Abort\022\027.sluice.v1.AbortRe" +
-      "quest\032\030.sluice.v1.AbortResponse\022C\n\010Token" +
-      "ize\022\032.sluice.v1.TokenizeRequest\032\033.sluice" +
-      ".v1.TokenizeResponse\022O\n\014GetModelInfo\022\036.s" +
-      "luice.v1.GetModelInfoRequest\032\037.sluice.v1" +
-      ".GetModelInfoResponseBX\n\014ai.sluice.v1B\013S" +
-      "luiceProtoP\001Z9github.com/sluice-ai/sluic" +
-      "e/clients/go/sluice/v1;sluicev1b\006proto3"
+      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\r\022\027\n\017ti" +
+      "meout_seconds\030\n \001(\001\022C\n\rtrace_context\030\013 \003" +
+      "(\0132,.sluice.v1.GenerateRequest.TraceCont" +
+      "extEntry\0323\n\021TraceContextEntry\022\013\n\003key\030\001 \001" +
+      "(\t\022\r\n\005value\030\002 \001(\t:\0028\001B\010\n\006prompt\"1\n\014Token" +
+      "Logprob\022\020\n\010token_id\030\001 \001(\005\022\017\n\007logprob\030\002 \001" +
+      "(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001 \001(\0132\027.sluice" +
+      ".v1.TokenLogprob\022$\n\003top\030\002 \003(\0132\027.sluice.v" +
+      "1.TokenLogprob\"P\n\005Usage\022\025\n\rprompt_tokens" +
+      "\030\001 \001(\005\022\031\n\021completion_tokens\030\002 \001(\005\022\025\n\rcac" +
+      "hed_tokens\030\003 \001(\005\"M\n\007Timings\022\025\n\rqueue_sec" +
+      "onds\030\001 \001(\001\022\024\n\014ttft_seconds\030\002 \001(\001\022\025\n\rtota" +
+      "l_seconds\030\003 \001(\001\"\314\002\n\020GenerateResponse\022\022\n\n" +
+      "request_id\030\001 \001(\t\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_" +
+      "ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\0132\023.sluice.v1." +
+      "Logprobs\022.\n\rfinish_reason\030\005 \001(\0162\027.sluice" +
+      ".v1.FinishReason\022\027\n\rstop_token_id\030\006 \001(\005H" +
+      "\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132" +
+      "\020.sluice.v1.Usage\022#\n\007timings\030\t \001(\0132\022.slu" +
+      "ice.v1.Timings\022\'\n\ntool_calls\030\n \003(\0132\023.slu" +
+      "ice.v1.ToolCallB\r\n\013stop_reason\"\"\n\014Stream" +
+      "Cancel\022\022\n\nrequest_id\030\001 \001(\t\"|\n\025StreamGene" +
+      "rateRequest\022.\n\010generate\030\001 \001(\0132\032.sluice.v" +
+      "1.GenerateRequestH\000\022)\n\006cancel\030\002 \001(\0132\027.sl" +
+      "uice.v1.StreamCancelH\000B\010\n\006action\"-\n\014Requ" +
+      "estError\022\014\n\004code\030\001 \001(\005\022\017\n\007message\030\002 \001(\t\"" +
+      "\215\001\n\026StreamGenerateResponse\022\022\n\nrequest_id" +
+      "\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sluice.v1.Genera" +
+      "teResponseH\000\022(\n\005error\030\003 \001(\0132\027.sluice.v1." +
+      "RequestErrorH\000B\007\n\005event\"\"\n\014AbortRequest\022" +
+      "\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbortResponse\"\220\001\n" +
+      "\017TokenizeRequest\022\016\n\004text\030\001 \001(\tH\000\022+\n\010mess" +
+      "ages\030\002 \001(\0132\027.sluice.v1.ChatMessagesH\000\022\037\n" +
+      "\022add_special_tokens\030\003 \001(\010H\001\210\001\001B\010\n\006prompt" +
+      "B\025\n\023_add_special_tokens\"%\n\020TokenizeRespo" +
+      "nse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023GetModelInfoRe" +
+      "quest\"\311\001\n\024GetModelInfoResponse\022\022\n\nmodel_" +
+      "name\030\001 \001(\t\022\024\n\014architecture\030\002 \001(\t\022\025\n\rmax_" +
+      "model_len\030\003 \001(\005\022\022\n\nvocab_size\030\004 \001(\005\022\025\n\re" +
+      "os_token_ids\030\005 \003(\005\022\022\n\nblock_size\030\006 \001(\005\022\025" +
+      "\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv_capacity_tok" +
+      "ens\030\010 \001(\003*\221\001\n\014FinishReason\022\035\n\031FINISH_REA" +
+      "SON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020" +
+      "\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_RE" +
+      "ASON_ABORT\020\003\022\027\n\023FINISH_REASON_ERROR\020\004*\207\001" +
+      "\n\016ToolChoiceMode\022 \n\034TOOL_CHOICE_MODE_UNS" +
+      "PECIFIED\020\000\022\031\n\025TOOL_CHOICE_MODE_NONE\020\001\022\031\n" +
+      "\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n\031TOOL_CHOICE_" +
+      "MODE_REQUIRED\020\0032\206\003\n\020InferenceService\022E\n\010" +
+      "Generate\022\032.sluice.v1.GenerateRequest\032\033.s" +
+      "luice.v1.GenerateResponse0\001\022Y\n\016StreamGen" +
+      "erate\022 .sluice.v1.StreamGenerateRequest\032" +
+      "!.sluice.v1.StreamGenerateResponse(\0010\001\022:" +
+      "\n\005Abort\022\027.sluice.v1.AbortRequest\032\030.sluic" +
+      "e.v1.AbortResponse\022C\n\010Tokenize\022\032.sluice." +
+      "v1.TokenizeRequest\032\033.sluice.v1.TokenizeR" +
+      "esponse\022O\n\014GetModelInfo\022\036.sluice.v1.GetM" +
+      "odelInfoRequest\032\037.sluice.v1.GetModelInfo" +
+      "ResponseBX\n\014ai.sluice.v1B\013SluiceProtoP\001Z" +
+      "9github.com/sluice-ai/sluice/clients/go/" +
+      "sluice/v1;sluicev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -320,7 +329,13 @@ public final class SluiceProto {
     internal_static_sluice_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateRequest_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "Prompt", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "TimeoutSeconds", "TraceContext", "Prompt", });
+    internal_static_sluice_v1_GenerateRequest_TraceContextEntry_descriptor =
+      internal_static_sluice_v1_GenerateRequest_descriptor.getNestedTypes().get(0);
+    internal_static_sluice_v1_GenerateRequest_TraceContextEntry_fieldAccessorTable = new
+      com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
+        internal_static_sluice_v1_GenerateRequest_TraceContextEntry_descriptor,
+        new java.lang.String[] { "Key", "Value", });
     internal_static_sluice_v1_TokenLogprob_descriptor =
       getDescriptor().getMessageTypes().get(10);
     internal_static_sluice_v1_TokenLogprob_fieldAccessorTable = new
