@@ -38,7 +38,9 @@ def _generate_error(client: Client, request: pb.GenerateRequest) -> tuple[grpc.S
 def test_health_follows_loading_then_serving(llama_dir: str) -> None:
     thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
     try:
-        with thread.channel() as channel, Client(thread.target) as client:
+        # No service config: the calls reach the loading server (the default one would not pick an
+        # unhealthy server at all, see test_the_default_client_does_not_pick_a_loading_server).
+        with thread.channel() as channel, Client(thread.target, service_config=None) as client:
             assert _health(channel) == NOT_SERVING
             assert _health(channel, "sluice.v1.InferenceService") == NOT_SERVING
             loading = (UNAVAILABLE, "the server is still loading the model")
@@ -51,10 +53,22 @@ def test_health_follows_loading_then_serving(llama_dir: str) -> None:
         thread.stop()
 
 
+def test_the_default_client_does_not_pick_a_loading_server(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    try:
+        with Client(thread.target) as client:
+            code, message = _generate_error(client, generate_request("hi"))
+            assert code == UNAVAILABLE and message.endswith("backend unhealthy")
+            thread.attach()
+            assert client.complete(generate_request("hi", max_tokens=2)).usage.completion_tokens > 0
+    finally:
+        thread.stop()
+
+
 def test_drain_lets_in_flight_requests_finish(llama_dir: str) -> None:
     thread = ServerThread(tiny_engine_config(llama_dir)).start()
     try:
-        with Client(thread.target) as client:
+        with Client(thread.target, service_config=None) as client:
             in_flight = client.generate(
                 generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
             )
