@@ -113,6 +113,34 @@ def test_one_span_per_request_continuing_the_callers_trace(observed: ServerThrea
     assert dict(chat.attributes)["gen_ai.usage.output_tokens"] == 3
 
 
+def test_each_stream_request_continues_its_own_trace_context(observed: ServerThread) -> None:
+    """Two requests on one StreamGenerate call, each with its own W3C trace_context: two spans, each a
+    child of its request's traceparent (not of the call's metadata), tracestate kept."""
+    observed.memory.clear()
+    parents = {"a": ("1" * 32, "a1" * 8), "b": ("2" * 32, "b2" * 8)}
+
+    def request(request_id: str) -> pb.StreamGenerateRequest:
+        trace_id, span_id = parents[request_id]
+        context = {"traceparent": f"00-{trace_id}-{span_id}-01", "tracestate": f"vendor={request_id}"}
+        return pb.StreamGenerateRequest(
+            generate=generate_request("hi", request_id=request_id, max_tokens=2, trace_context=context)
+        )
+
+    with Client(observed.target) as client:
+        metadata = _traceparent(TRACE_IDS[0])  # overridden by each request's own context
+        list(client.stream_generate([request("a"), request("b")], metadata=metadata))
+    spans = observed.memory.get_finished_spans()
+    got = {
+        (
+            format(s.context.trace_id, "032x"),
+            format(s.parent.span_id, "016x"),
+            s.parent.trace_state.get("vendor"),
+        )
+        for s in spans
+    }
+    assert got == {("1" * 32, "a1" * 8, "a"), ("2" * 32, "b2" * 8, "b")}
+
+
 def completion_model(server: ServerThread) -> str:
     return server.engine.model_info.name
 
