@@ -97,3 +97,24 @@ def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThr
     # The aborted and cancelled requests released every KV block.
     stats = server.wait_idle()
     assert stats.num_kv_blocks_used == 0
+
+
+def test_go_and_java_examples_use_the_documented_service_config() -> None:
+    """The service config in the Go and Java examples is the Python client's default, field for field."""
+    import json
+    from pathlib import Path
+
+    from sluice.service_config import SERVICE_CONFIG
+
+    go = Path(REPO, "clients", "go", "cmd", "sluice-example", "main.go").read_text()
+    go_json = re.search(r"const serviceConfig = `(.*?)`", go, re.S).group(1)
+    java_dir = Path(REPO, "clients", "java", "src", "main", "java", "ai", "sluice", "example")
+    java = (java_dir / "SluiceExample.java").read_text()
+    java_block = re.search(r'SERVICE_CONFIG = String\.join\("\\n",(.*?)\);', java, re.S).group(1)
+    java_json = "\n".join(
+        json.loads(f'"{literal}"') for literal in re.findall(r'"((?:[^"\\]|\\.)*)"', java_block)
+    )
+    assert json.loads(go_json) == SERVICE_CONFIG
+    assert json.loads(java_json) == SERVICE_CONFIG
+    assert "grpc.WithDefaultServiceConfig(serviceConfig)" in go
+    assert ".defaultServiceConfig(serviceConfig())" in java and ".enableRetry()" in java

@@ -13,6 +13,7 @@ import ai.sluice.v1.StreamGenerateRequest;
 import ai.sluice.v1.StreamGenerateResponse;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
+import io.grpc.internal.JsonParser;
 import io.grpc.stub.StreamObserver;
 import java.util.ArrayList;
 import java.util.Iterator;
@@ -133,6 +134,33 @@ public final class SluiceExample {
     return results;
   }
 
+  /**
+   * Sluice's documented client service config (README "Kubernetes with N replicas", sluice.service_config
+   * in Python): round robin over every address of the target, UNAVAILABLE retried; healthCheckConfig
+   * takes effect where grpc-services is on the classpath (it is not among Debian's jars used here).
+   */
+  static final String SERVICE_CONFIG = String.join("\n",
+      "{",
+      "  \"loadBalancingConfig\": [{\"round_robin\": {}}],",
+      "  \"healthCheckConfig\": {\"serviceName\": \"sluice.v1.InferenceService\"},",
+      "  \"methodConfig\": [{",
+      "    \"name\": [{\"service\": \"sluice.v1.InferenceService\"}],",
+      "    \"retryPolicy\": {",
+      "      \"maxAttempts\": 5,",
+      "      \"initialBackoff\": \"0.1s\",",
+      "      \"maxBackoff\": \"1s\",",
+      "      \"backoffMultiplier\": 2,",
+      "      \"retryableStatusCodes\": [\"UNAVAILABLE\"]",
+      "    }",
+      "  }]",
+      "}");
+
+  @SuppressWarnings("unchecked")
+  static Map<String, ?> serviceConfig() throws java.io.IOException {
+    // grpc-java's own JSON parser (io.grpc.internal): no JSON library among Debian's grpc jars.
+    return (Map<String, ?>) JsonParser.parse(SERVICE_CONFIG);
+  }
+
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
@@ -147,7 +175,11 @@ public final class SluiceExample {
     int maxTokens = Integer.parseInt(flags.get("--max-tokens"));
     int longTokens = Integer.parseInt(flags.get("--long-tokens"));
 
-    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr")).usePlaintext().build();
+    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr"))
+        .defaultServiceConfig(serviceConfig())
+        .enableRetry()
+        .usePlaintext()
+        .build();
     try {
       var blocking = InferenceServiceGrpc.newBlockingStub(channel);
       GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
