@@ -13,7 +13,6 @@ import ai.sluice.v1.StreamGenerateRequest;
 import ai.sluice.v1.StreamGenerateResponse;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
-import io.grpc.internal.JsonParser;
 import io.grpc.stub.StreamObserver;
 import java.util.ArrayList;
 import java.util.Iterator;
@@ -136,29 +135,24 @@ public final class SluiceExample {
 
   /**
    * Sluice's documented client service config (README "Kubernetes with N replicas", sluice.service_config
-   * in Python): round robin over every address of the target, UNAVAILABLE retried; healthCheckConfig
-   * takes effect where grpc-services is on the classpath (it is not among Debian's jars used here).
+   * in Python) as the Map grpc-java takes (numbers as Double): round robin over every address of the
+   * target, UNAVAILABLE retried; healthCheckConfig takes effect where grpc-services is on the classpath
+   * (it is not among Debian's jars used here).
    */
-  static final String SERVICE_CONFIG = String.join("\n",
-      "{",
-      "  \"loadBalancingConfig\": [{\"round_robin\": {}}],",
-      "  \"healthCheckConfig\": {\"serviceName\": \"sluice.v1.InferenceService\"},",
-      "  \"methodConfig\": [{",
-      "    \"name\": [{\"service\": \"sluice.v1.InferenceService\"}],",
-      "    \"retryPolicy\": {",
-      "      \"maxAttempts\": 5,",
-      "      \"initialBackoff\": \"0.1s\",",
-      "      \"maxBackoff\": \"1s\",",
-      "      \"backoffMultiplier\": 2,",
-      "      \"retryableStatusCodes\": [\"UNAVAILABLE\"]",
-      "    }",
-      "  }]",
-      "}");
-
-  @SuppressWarnings("unchecked")
-  static Map<String, ?> serviceConfig() throws java.io.IOException {
-    // grpc-java's own JSON parser (io.grpc.internal): no JSON library among Debian's grpc jars.
-    return (Map<String, ?>) JsonParser.parse(SERVICE_CONFIG);
+  static Map<String, ?> serviceConfig() {
+    Map<String, Object> retryPolicy = Map.of(
+        "maxAttempts", 5.0,
+        "initialBackoff", "0.1s",
+        "maxBackoff", "1s",
+        "backoffMultiplier", 2.0,
+        "retryableStatusCodes", List.of("UNAVAILABLE"));
+    Map<String, Object> methodConfig = Map.of(
+        "name", List.of(Map.of("service", "sluice.v1.InferenceService")),
+        "retryPolicy", retryPolicy);
+    return Map.of(
+        "loadBalancingConfig", List.of(Map.of("round_robin", Map.of())),
+        "healthCheckConfig", Map.of("serviceName", "sluice.v1.InferenceService"),
+        "methodConfig", List.of(methodConfig));
   }
 
   public static void main(String[] args) throws Exception {
