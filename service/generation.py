@@ -15,7 +15,7 @@ from engine.structured.tool_calls import ToolUse
 from service import convert
 from service.caller import Caller
 from service.metrics import ServerMetrics
-from service.request_cancel import TIMEOUT, RequestCancel
+from service.request_cancel import ABORT, TIMEOUT, RequestCancel
 from service.status import RequestFailedError, RequestTimeoutError
 from service.stubs import sluice_pb2 as pb
 from service.tenant_limits import TenantLimiter, TenantOverLimitError
@@ -97,7 +97,7 @@ class GenerationRunner:
         error: BaseException | None = None
         cancelled = False
         try:
-            if cancel.cancelled:  # an Abort came before the request: it never reaches the engine
+            if cancel.reason == ABORT:  # an Abort came before the request: it never reaches the engine
                 final = _aborted(None, engine_request_id)
                 yield final
                 return

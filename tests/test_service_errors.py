@@ -232,11 +232,13 @@ def test_full_queue_is_resource_exhausted(llama_dir: str) -> None:
         next(running)  # running now; the next request waits, since only one sequence may run
         waiting = stub.Generate(generate_request("second", **LONG))
         _wait_for(lambda: thread.stats().num_waiting == 1)
-        code, message = _status(stub.Generate(generate_request("third", **LONG)))
-        assert (code, message) == (
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_request("third", **LONG)))
+        assert (info.value.code(), info.value.details()) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "the waiting queue is full (1 requests); retry later",
         )
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
         running.cancel()
         waiting.cancel()
         thread.wait_idle(timeout=2.0)
