@@ -24,10 +24,10 @@ class QueueFullError(SluiceError):
 
 
 class UnknownRequestError(InvalidRequestError):
-    """No live request has this id (maps to INVALID_ARGUMENT)."""
+    """No request has this id (maps to NOT_FOUND)."""
 
     def __init__(self, request_id: str) -> None:
-        super().__init__("request_id", f"no live request with id {request_id!r}")
+        super().__init__("request_id", f"no request with id {request_id!r}")
 
 
 class EngineDeadError(SluiceError):

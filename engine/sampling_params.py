@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from engine.structured.constraint import Constraint
@@ -10,6 +11,16 @@ from engine.structured.constraint import Constraint
 MAX_LOGPROBS = 20
 MAX_N = 16  # samples of one prompt
 MAX_LOGIT_BIAS = 100.0
+# Float fields checked finite before any range check (inf passes `>= 0`, and NaN fails every range
+# with a message that does not say why).
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        _check_finite(self)
         checks = (
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
@@ -109,3 +121,13 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def _check_finite(params: SamplingParams) -> None:
+    """Raises ValueError naming the first float field (or logit_bias entry) that is NaN or infinite."""
+    for name in _FLOAT_FIELDS:
+        if not math.isfinite(getattr(params, name)):
+            raise ValueError(f"{name}: must be a finite number, got {getattr(params, name)}")
+    for token_id, bias in params.logit_bias:
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be a finite number, got {bias}")

@@ -1,17 +1,18 @@
-"""API-key authentication: every call must carry `authorization: Bearer <key>` metadata.
+"""API-key authentication: every call must carry `authorization: Bearer <key>` metadata; the key
+names the caller's tenant (service.tenants).
 
 Health checks are exempt, so load balancers and probes need no key.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from service.stream_refusal import drain_request_stream
+from service.tenants import Tenant, TenantDirectory
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _BEARER = "bearer "
@@ -22,17 +23,26 @@ def _service_of(method: str) -> str:
     return method.lstrip("/").split("/", 1)[0]
 
 
-def check_api_key(metadata: Sequence[tuple[str, str | bytes]] | None, api_key: str) -> str | None:
-    """None if the metadata carries the key; otherwise the reason it does not, naming the header."""
+def authenticate(
+    metadata: Sequence[tuple[str, str | bytes]] | None, tenants: TenantDirectory
+) -> Tenant | str:
+    """The caller's tenant, or the reason the call is refused (naming the header). Keys are never echoed."""
+    if not tenants.requires_key:
+        return tenants.tenants[0]
     values = [v for k, v in metadata or () if k == "authorization" and isinstance(v, str)]
     if not values:
         return "authorization: missing; send 'authorization: Bearer <api key>' metadata"
     value = values[0]
     if not value.lower().startswith(_BEARER):
         return "authorization: must be 'Bearer <api key>'"
-    if not hmac.compare_digest(value[len(_BEARER) :].strip().encode(), api_key.encode()):
-        return "authorization: invalid API key"
-    return None
+    tenant = tenants.tenant_for_key(value[len(_BEARER) :].strip())
+    return "authorization: invalid API key" if tenant is None else tenant
+
+
+def check_api_key(metadata: Sequence[tuple[str, str | bytes]] | None, api_key: str) -> str | None:
+    """None if the metadata carries `api_key`; otherwise the reason it does not, naming the header."""
+    found = authenticate(metadata, TenantDirectory.single_key(api_key))
+    return found if isinstance(found, str) else None
 
 
 def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
@@ -59,12 +69,12 @@ def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMet
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without the right bearer key with UNAUTHENTICATED, before any handler runs."""
+    """Rejects calls without a known bearer key with UNAUTHENTICATED, before any handler runs."""
 
-    def __init__(self, api_key: str, exempt_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
-        if not api_key:
-            raise ValueError("api_key: must not be empty")
-        self._api_key = api_key
+    def __init__(self, tenants: TenantDirectory, exempt_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
+        if not tenants.requires_key:
+            raise ValueError("tenants: no API keys to check")
+        self._tenants = tenants
         self._exempt = frozenset(exempt_services)
 
     async def intercept_service(
@@ -75,5 +85,5 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or _service_of(handler_call_details.method) in self._exempt:
             return handler
-        reason = check_api_key(handler_call_details.invocation_metadata, self._api_key)
-        return handler if reason is None else _denying_handler(handler, reason)
+        found = authenticate(handler_call_details.invocation_metadata, self._tenants)
+        return handler if isinstance(found, Tenant) else _denying_handler(handler, found)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -73,6 +74,15 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     kwargs["allowed_token_ids"] = tuple(message.allowed_token_ids) or None
     kwargs["constraint"] = constraint_from_proto(message)
     return SamplingParams(**kwargs)
+
+
+def timeout_from_proto(request: pb.GenerateRequest) -> float | None:
+    """The request's own timeout in seconds; None when 0 (none). Raises InvalidRequestError if it is
+    negative or not finite."""
+    seconds = request.timeout_seconds
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequestError("timeout_seconds", f"must be a finite number >= 0, got {seconds}")
+    return seconds or None
 
 
 def constraint_from_proto(message: pb.SamplingParams) -> Constraint | None:

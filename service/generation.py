@@ -5,46 +5,94 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 from engine.errors import InvalidRequestError
 from engine.frontend.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.structured.tool_calls import ToolUse
 from service import convert
+from service.caller import Caller
 from service.metrics import ServerMetrics
-from service.status import RequestFailedError
+from service.request_cancel import ABORT, TIMEOUT, RequestCancel
+from service.status import RequestFailedError, RequestTimeoutError
 from service.stubs import sluice_pb2 as pb
+from service.tenant_limits import TenantLimiter, TenantOverLimitError
 from service.tracing import RequestTracer
 
 
 class GenerationRunner:
-    """Runs generation requests on one engine, with their telemetry."""
+    """Runs generation requests on one engine, with their tenant's limits and their telemetry."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, tracer: RequestTracer) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        tracer: RequestTracer,
+        limiter: TenantLimiter | None = None,
+    ) -> None:
         self.engine = engine
         self._metrics = metrics
         self._tracer = tracer
+        self._limiter = limiter or TenantLimiter()
+        self._timers: set[asyncio.Task[None]] = set()
 
     async def run(
         self,
         request: pb.GenerateRequest,
         engine_request_id: str,
-        metadata: Sequence[tuple[str, str | bytes]],
+        caller: Caller,
+        *,
+        reply_id: str | None = None,
+        cancel: RequestCancel | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams the request's chunks, each named `request.request_id` (or the engine id if empty).
+        """Streams the request's chunks, each named `reply_id` (default: `request.request_id`, or the
+        engine id if empty).
 
-        Raises what the engine raises on validation, and RequestFailedError after the last chunk if the
-        engine ended the request (any of its n samples) with finish_reason "error". Closing this
-        iterator early (the handler was cancelled, the deadline passed) aborts the engine request (all
-        its samples), freeing its KV blocks. Telemetry records one request: the completion tokens of
-        all samples, the finish of the last.
+        Raises what the engine raises on validation, TenantOverLimitError, RequestTimeoutError when
+        `request.timeout_seconds` passed, and RequestFailedError after the last chunk if the engine
+        ended the request (any of its n samples) with finish_reason "error". `cancel` ends the request
+        from outside (Abort): cancelled before it reached the engine, it never does and ends with one
+        FINISH_REASON_ABORT chunk. Closing this iterator early (the handler was cancelled, the deadline
+        passed) aborts the engine request (all its samples), freeing its KV blocks. Telemetry records
+        one request: the completion tokens of all samples, the finish of the last.
         """
         params = convert.sampling_params_from_proto(request.sampling_params)
         prompt = convert.prompt_from_proto(request)
         tool_use = convert.tool_use_from_proto(request)
-        reply_id = request.request_id or engine_request_id
-        span = self._tracer.start(metadata, prompt.operation, params)
-        tracker = self._metrics.track()
+        timeout = convert.timeout_from_proto(request)
+        cancel = cancel or RequestCancel()
+        try:
+            release = self._limiter.admit(caller.tenant)
+        except TenantOverLimitError:
+            self._metrics.tenant_rejections.labels(tenant=caller.tenant.name).inc()
+            raise
+        timer = None if timeout is None else self._start_timer(timeout, cancel)
+        try:
+            chunks = self._run(request, engine_request_id, caller, prompt, params, tool_use, cancel)
+            async with contextlib.aclosing(chunks):
+                async for output in chunks:
+                    yield convert.generate_response_from_output(
+                        output, reply_id or request.request_id or engine_request_id
+                    )
+        finally:
+            if timer is not None:
+                timer.cancel()
+            release()
+
+    async def _run(
+        self,
+        request: pb.GenerateRequest,
+        engine_request_id: str,
+        caller: Caller,
+        prompt: convert.Prompt,
+        params: SamplingParams,
+        tool_use: ToolUse | None,
+        cancel: RequestCancel,
+    ) -> AsyncIterator[RequestOutput]:
+        span = self._tracer.start(caller.metadata, prompt.operation, params, request.trace_context)
+        tracker = self._metrics.track(caller.tenant.name)
         final: RequestOutput | None = None
         failed: RequestOutput | None = None
         num_completion_tokens = 0
@@ -52,15 +100,22 @@ class GenerationRunner:
         error: BaseException | None = None
         cancelled = False
         try:
+            if cancel.reason == ABORT:  # an Abort came before the request: it never reaches the engine
+                final = _aborted(None, engine_request_id)
+                yield final
+                return
             outputs = await self.engine.add_request(
                 engine_request_id,
                 params,
                 **prompt.as_kwargs(),
-                priority=request.priority,
-                cache_salt=request.cache_salt or None,
+                priority=caller.tenant.clamp_priority(request.priority),
+                cache_salt=caller.tenant.cache_salt(request.cache_salt),
                 stream_interval=request.stream_interval or None,
                 tool_use=tool_use,
             )
+            cancel.attach(lambda: self.engine.abort(engine_request_id))
+            if cancel.cancelled:  # cancelled while the prompt was tokenized
+                await self.engine.abort(engine_request_id)
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -72,7 +127,11 @@ class GenerationRunner:
                         final = output
                         failed = output if output.finish_reason == "error" else failed
                         num_completion_tokens += output.usage.completion_tokens if output.usage else 0
-                    yield convert.generate_response_from_output(output, reply_id)
+                    if final is not None and final.finish_reason == "abort" and cancel.reason == TIMEOUT:
+                        raise RequestTimeoutError(
+                            f"timeout_seconds: the request's timeout of {request.timeout_seconds:g} s passed"
+                        )
+                    yield output
             if failed is not None:
                 raise RequestFailedError(failed.error or "the engine failed while running the request")
         except (GeneratorExit, asyncio.CancelledError):
@@ -89,6 +148,16 @@ class GenerationRunner:
                 final = dataclasses.replace(final, usage=usage)
             tracker.finish(final)
             self._tracer.finish(span, final, error)
+
+    def _start_timer(self, timeout: float, cancel: RequestCancel) -> asyncio.Task[None]:
+        async def expire() -> None:
+            await asyncio.sleep(timeout)
+            await cancel.cancel(TIMEOUT)
+
+        timer = asyncio.get_running_loop().create_task(expire())
+        self._timers.add(timer)
+        timer.add_done_callback(self._timers.discard)
+        return timer
 
     async def abort_all(self) -> int:
         """Aborts every live request (their streams end with FINISH_REASON_ABORT); returns how many."""

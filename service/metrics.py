@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats, RequestOutput
+from service.tenants import DEFAULT_TENANT
 
 # Latency buckets in seconds: sub-millisecond decode steps up to minute-long requests.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,8 +61,9 @@ class EngineStatsCollector(Collector):
 class RequestTracker:
     """Observes one request's outputs as they stream; `finish` records its totals once."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, tenant: str) -> None:
         self._metrics = metrics
+        self._tenant = tenant
         self._last_token_time: float | None = None
 
     def on_output(self, output: RequestOutput) -> None:
@@ -80,11 +82,11 @@ class RequestTracker:
         if final is None:
             return
         m = self._metrics
-        m.requests.labels(finish_reason=final.finish_reason).inc()
+        m.requests.labels(finish_reason=final.finish_reason, tenant=self._tenant).inc()
         if final.usage is not None:
-            m.prompt_tokens.inc(final.usage.prompt_tokens)
-            m.generation_tokens.inc(final.usage.completion_tokens)
-            m.cached_tokens.inc(final.usage.cached_tokens)
+            m.prompt_tokens.labels(tenant=self._tenant).inc(final.usage.prompt_tokens)
+            m.generation_tokens.labels(tenant=self._tenant).inc(final.usage.completion_tokens)
+            m.cached_tokens.labels(tenant=self._tenant).inc(final.usage.cached_tokens)
         timings = final.timings
         if timings is None:
             return
@@ -111,15 +113,27 @@ class ServerMetrics:
         self.inter_token_latency = histogram("sluice_inter_token_latency_seconds", "Between output tokens.")
         self.e2e_latency = histogram("sluice_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("sluice_queue_time_seconds", "Arrival to first scheduled.")
+        # Per tenant (service.tenants; "default" without --api-keys).
         self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", ["tenant"], registry=r
         )
-        self.generation_tokens = Counter("sluice_generation_tokens", "Generated tokens.", registry=r)
+        self.generation_tokens = Counter(
+            "sluice_generation_tokens", "Generated tokens.", ["tenant"], registry=r
+        )
         self.cached_tokens = Counter(
-            "sluice_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r
+            "sluice_cached_tokens", "Prompt tokens served from the prefix cache.", ["tenant"], registry=r
         )
         self.requests = Counter(
-            "sluice_requests", "Finished generation requests by finish reason.", ["finish_reason"], registry=r
+            "sluice_requests",
+            "Finished generation requests by finish reason and tenant.",
+            ["finish_reason", "tenant"],
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "sluice_tenant_rejected_requests",
+            "Requests refused because their tenant was over its concurrency or rate limit.",
+            ["tenant"],
+            registry=r,
         )
         self.rpc_status = Counter(
             "sluice_rpc_requests",
@@ -130,8 +144,8 @@ class ServerMetrics:
         r.register(EngineStatsCollector(stats))
         self._http_server = None
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
+    def track(self, tenant: str = DEFAULT_TENANT) -> RequestTracker:
+        return RequestTracker(self, tenant)
 
     def record_status(self, method: str, code: grpc.StatusCode) -> None:
         self.rpc_status.labels(method=method, code=code.name).inc()

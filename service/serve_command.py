@@ -22,6 +22,7 @@ from engine.config import (
 from engine.errors import EngineDeadError
 from engine.frontend.async_engine import AsyncEngine
 from service.server import ServerConfig, SluiceServer, TlsConfig
+from service.tenants import TenantDirectory
 from service.tracing import tracer_provider_from_env
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
@@ -57,8 +58,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
-    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SLUICE_API_KEY"),
+        help="one shared key, tenant 'default' (or SLUICE_API_KEY)",
+    )
+    parser.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="TOML file of tenants: keys, max_priority, limits, prefix_cache_scope (see README)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM (GOAWAY and NOT_SERVING come at once)",
+    )
+    parser.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=300.0,
+        help="seconds before a client connection gets a GOAWAY, so clients re-resolve and new "
+        "replicas get traffic (0 disables)",
+    )
+    parser.add_argument(
+        "--max-connection-age-grace",
+        type=float,
+        default=120.0,
+        help="seconds the calls of an aged connection may still run before it closes",
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     parser.add_argument("--tls-cert", help="PEM server certificate")
     parser.add_argument("--tls-key", help="PEM server private key")
@@ -141,13 +169,18 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if args.tls_client_ca and not args.tls_cert:
         raise ValueError("tls-client-ca: needs --tls-cert and --tls-key")
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if args.api_keys and args.api_key:
+        raise ValueError("api-keys: give --api-key (or SLUICE_API_KEY) or --api-keys, not both")
     return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        tenants=TenantDirectory.load(args.api_keys) if args.api_keys else None,
         grace_period=args.grace_period,
         metrics_port=args.metrics_port,
         tls=tls,
+        max_connection_age=args.max_connection_age or None,
+        max_connection_age_grace=args.max_connection_age_grace,
     )
 
 
@@ -186,7 +219,7 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
         await server.stop(grace=0.5)
         await engine.shutdown()
         return 1
-    logger.info("draining (grace period %.1fs)", server.config.grace_period)
+    logger.info("draining: GOAWAY sent, grace period %.1fs", server.config.grace_period)
     await server.drain()
     await engine.shutdown()
     return 0

@@ -3,8 +3,13 @@
 Life of a server:
     start()          port bound, health NOT_SERVING, InferenceService answers UNAVAILABLE
     attach_engine()  health SERVING
-    drain()          health NOT_SERVING, new calls UNAVAILABLE, in-flight requests get
-                     `grace_period` seconds, the rest are aborted; then the server stops
+    drain()          health NOT_SERVING, and HEALTH_NOTICE_S later grpc's stop(grace): GOAWAY to every
+                     connection (clients send new calls elsewhere), the listener closes, calls that
+                     still arrive get UNAVAILABLE (retryable); in-flight requests get
+                     `grace_period` seconds, the rest are aborted (FINISH_REASON_ABORT); then it stops
+    every connection lives `max_connection_age` seconds (grpc adds +-10% jitter), then gets a GOAWAY
+                     so clients re-resolve and new replicas get their share; its calls in flight get
+                     `max_connection_age_grace` more seconds before the connection closes
     engine dies      health NOT_SERVING at once, every call UNAVAILABLE; `engine_failed` is set so
                      `sluice serve` exits non-zero and the orchestrator restarts the pod
 """
@@ -27,10 +32,17 @@ from service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from service.metrics import ServerMetrics
 from service.servicer import InferenceServicer
 from service.stubs import sluice_pb2, sluice_pb2_grpc
+from service.tenants import TenantDirectory
 
 logger = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# After the drain's grace period, leftover requests are aborted; their last chunks go out within this.
+ABORT_MARGIN_S = 1.0
+# Between NOT_SERVING and the GOAWAY: clients that watch health (the documented service config) stop
+# picking this server first, so no call of theirs lands in the GOAWAY's race window, where grpc's
+# server cancels a call it has not yet handed to us (CANCELLED, which clients do not retry).
+HEALTH_NOTICE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,24 +63,41 @@ class TlsConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """`api_key` (one key, tenant "default") and `tenants` (--api-keys) are exclusive; neither: no auth.
+    `max_connection_age` None disables it."""
+
     host: str = "0.0.0.0"
     port: int = 50051  # 0 picks a free port
     api_key: str | None = None
+    tenants: TenantDirectory | None = None
     grace_period: float = 30.0
     metrics_port: int | None = None  # None: no /metrics endpoint; 0 picks a free port
     tls: TlsConfig | None = None
     max_message_bytes: int = 64 << 20
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
+    max_connection_age: float | None = 300.0
+    max_connection_age_grace: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("port: must be in [0, 65535]")
         if self.grace_period < 0:
             raise ValueError("grace_period: must be >= 0")
+        if self.api_key is not None and self.tenants is not None:
+            raise ValueError("api_keys: give an API key or an API keys file, not both")
+        if self.max_connection_age is not None and not self.max_connection_age > 0:
+            raise ValueError("max_connection_age: must be > 0 seconds (None disables it)")
+        if not self.max_connection_age_grace >= 0:
+            raise ValueError("max_connection_age_grace: must be >= 0 seconds")
+
+    def tenant_directory(self) -> TenantDirectory:
+        if self.tenants is not None:
+            return self.tenants
+        return TenantDirectory.single_key(self.api_key) if self.api_key else TenantDirectory.open()
 
     def grpc_options(self) -> list[tuple[str, int]]:
-        return [
+        options = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
@@ -77,6 +106,12 @@ class ServerConfig:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.http2.max_pings_without_data", 0),
         ]
+        if self.max_connection_age is not None:
+            options += [
+                ("grpc.max_connection_age_ms", round(self.max_connection_age * 1000)),
+                ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace * 1000)),
+            ]
+        return options
 
 
 class SluiceServer:
@@ -86,7 +121,8 @@ class SluiceServer:
         self.config = config
         self.engine: AsyncEngine | None = None
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
-        self.servicer = InferenceServicer(self.metrics, tracer_provider)
+        self.tenants = config.tenant_directory()
+        self.servicer = InferenceServicer(self.metrics, tracer_provider, self.tenants)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -96,7 +132,7 @@ class SluiceServer:
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
-        interceptors = [ApiKeyInterceptor(self.config.api_key)] if self.config.api_key else []
+        interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
         server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -133,16 +169,29 @@ class SluiceServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def drain(self, grace_period: float | None = None) -> None:
-        """Stops taking requests, waits up to the grace period for in-flight ones, aborts the rest, stops."""
+        """Health NOT_SERVING, then (HEALTH_NOTICE_S later) grpc's stop(grace): GOAWAY, no new calls;
+        in-flight requests get the grace period, then the rest are aborted and their streams end.
+        Then the calls that never end by themselves (health Watch streams, idle StreamGenerate calls)
+        are cancelled and the server stops."""
         grace = self.config.grace_period if grace_period is None else grace_period
+        start = time.monotonic()
         await self.begin_drain()
+        await asyncio.sleep(min(HEALTH_NOTICE_S, grace))
+        server, self._server = self._server, None
+        stopping = None if server is None else asyncio.ensure_future(server.stop(grace + ABORT_MARGIN_S))
+        await self._wait_for_requests(start + grace)
         runner = self.servicer.runner
-        deadline = time.monotonic() + grace
-        while runner is not None and runner.engine.num_live_requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
         if runner is not None and (num_aborted := await runner.abort_all()):
             logger.warning("grace period over: aborted %d in-flight requests", num_aborted)
-        await self.stop(grace=1.0)
+            await self._wait_for_requests(time.monotonic() + ABORT_MARGIN_S)
+        if server is not None:
+            await server.stop(0)
+            await stopping
+        await self.stop()
+
+    async def _wait_for_requests(self, deadline: float) -> None:
+        while self.servicer.num_active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops the gRPC server (cancelling calls still open after `grace`) and the metrics endpoint."""

@@ -2,37 +2,59 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.errors import InvalidRequestError
 from engine.frontend.async_engine import AsyncEngine
 from service import convert
+from service.auth import authenticate
+from service.caller import Caller
 from service.generation import GenerationRunner
 from service.metrics import ServerMetrics
-from service.status import ServiceUnavailableError, rpc_errors
+from service.request_cancel import ABORT
+from service.request_ids import RequestIds
+from service.status import ServiceUnavailableError, UnauthenticatedError, rpc_errors
 from service.stream_refusal import drain_request_stream
 from service.stream_session import StreamSession
 from service.stubs import sluice_pb2 as pb
 from service.stubs import sluice_pb2_grpc as pb_grpc
+from service.tenant_limits import TenantLimiter
+from service.tenants import TenantDirectory
 from service.tracing import RequestTracer
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """Serves requests once an engine is attached; until then, and while draining, answers UNAVAILABLE."""
 
-    def __init__(self, metrics: ServerMetrics, tracer_provider: trace.TracerProvider | None = None) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        tracer_provider: trace.TracerProvider | None = None,
+        tenants: TenantDirectory | None = None,
+    ) -> None:
         self._metrics = metrics
         self._tracer_provider = tracer_provider
+        self._tenants = tenants or TenantDirectory.open()
+        self._limiter = TenantLimiter()
+        self._request_ids = RequestIds()
         self._runner: GenerationRunner | None = None
+        self._num_generate_calls = 0
+        self._sessions: set[StreamSession] = set()
         self.draining = False
+
+    @property
+    def num_active_requests(self) -> int:
+        """Generate calls and StreamGenerate requests not yet ended (their last chunk written)."""
+        return self._num_generate_calls + sum(s.num_live_requests for s in self._sessions)
 
     def attach(self, engine: AsyncEngine) -> None:
         tracer = RequestTracer(self._tracer_provider, engine.model_info.name)
-        self._runner = GenerationRunner(engine, self._metrics, tracer)
+        self._runner = GenerationRunner(engine, self._metrics, tracer, self._limiter)
 
     @property
     def runner(self) -> GenerationRunner | None:
@@ -50,6 +72,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self._runner is None:
             raise ServiceUnavailableError("the server is still loading the model")
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The call's tenant (the interceptor has already refused unknown keys) and its metadata."""
+        metadata = context.invocation_metadata() or ()
+        tenant = authenticate(metadata, self._tenants)
+        if isinstance(tenant, str):
+            raise UnauthenticatedError(tenant)
+        return Caller(tenant, metadata)
+
     def _accepting_runner(self) -> GenerationRunner:
         self.check_accepting()
         assert self._runner is not None
@@ -60,9 +90,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         runner = self._accepting_runner()
+        caller = self._caller(context)
+        tenant = caller.tenant.name
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        async for chunk in runner.run(request, request_id, context.invocation_metadata() or ()):
-            yield chunk
+        cancel = self._request_ids.claim(tenant, request_id)
+        self._num_generate_calls += 1
+        try:
+            # Tenant names hold no "/": engine ids of two tenants never collide.
+            engine_request_id = f"gen/{tenant}/{request_id}"
+            chunks = runner.run(request, engine_request_id, caller, reply_id=request_id, cancel=cancel)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._num_generate_calls -= 1
+            self._request_ids.release(tenant, request_id, cancel)
 
     @rpc_errors
     async def StreamGenerate(
@@ -73,23 +115,35 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except ServiceUnavailableError:
             await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
             raise
+        try:
+            caller = self._caller(context)
+        except UnauthenticatedError:
+            await drain_request_stream(request_iterator)
+            raise
         session = StreamSession(
             runner,
-            context.invocation_metadata() or (),
+            caller,
             self.check_accepting,
             self.record_status,
         )
-        async for response in session.run(request_iterator):
-            yield response
+        self._sessions.add(session)
+        try:
+            async for response in session.run(request_iterator):
+                yield response
+        finally:
+            self._sessions.discard(session)
 
     @rpc_errors
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        runner = self._accepting_runner()
+        """Idempotent; NOT_FOUND for an id this tenant never used (remembered: see RequestIds).
+        Allowed while draining, so callers can still stop what runs."""
+        if self._runner is None:
+            self.check_accepting()
         if not request.request_id:
             raise InvalidRequestError("request_id", "must not be empty")
-        if not runner.engine.has_request(request.request_id):
-            raise UnknownRequestError(request.request_id)
-        await runner.engine.abort(request.request_id)
+        cancel = self._request_ids.abort(self._caller(context).tenant.name, request.request_id)
+        if cancel is not None:
+            await cancel.cancel(ABORT)
         return pb.AbortResponse()
 
     @rpc_errors

@@ -1,6 +1,11 @@
 """The one place where exceptions become gRPC status codes.
 
-QueueFullError, ContextLengthError      -> RESOURCE_EXHAUSTED
+QueueFullError, TenantOverLimitError    -> RESOURCE_EXHAUSTED + `grpc-retry-pushback-ms` trailer
+ContextLengthError                      -> RESOURCE_EXHAUSTED (no trailer: a retry cannot help)
+UnknownRequestError                     -> NOT_FOUND
+RequestIdInUseError                     -> ALREADY_EXISTS
+RequestTimeoutError                     -> DEADLINE_EXCEEDED  (the request's own timeout_seconds)
+UnauthenticatedError                    -> UNAUTHENTICATED
 InvalidRequestError, ValueError         -> INVALID_ARGUMENT   (message names the field)
 ServiceUnavailableError, EngineDeadError -> UNAVAILABLE       (loading, draining, the engine failed:
                                                                a retry goes to another replica)
@@ -20,12 +25,18 @@ from typing import Any
 
 import grpc
 
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError
+from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, UnknownRequestError
+from service.request_ids import RequestIdInUseError
+from service.tenant_limits import TenantOverLimitError
 
 logger = logging.getLogger(__name__)
 
 StatusRecorder = Callable[[str, grpc.StatusCode], None]
 """Counts a call's final status: (method name, code)."""
+
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# A full waiting queue drains as requests finish: a short fixed hint.
+QUEUE_FULL_PUSHBACK_MS = 1000
 
 
 class ServiceUnavailableError(Exception):
@@ -36,10 +47,26 @@ class RequestFailedError(Exception):
     """The engine ended a request with finish_reason "error"."""
 
 
+class RequestTimeoutError(Exception):
+    """The request's own timeout_seconds passed; the engine request was aborted."""
+
+
+class UnauthenticatedError(Exception):
+    """The call carries no known API key."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a caller sees for `exc`."""
-    if isinstance(exc, QueueFullError | ContextLengthError):
+    if isinstance(exc, QueueFullError | ContextLengthError | TenantOverLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnknownRequestError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, RequestIdInUseError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, RequestTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError is a ValueError
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ServiceUnavailableError):
@@ -49,6 +76,21 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RequestFailedError):
         return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def retry_pushback_ms(exc: BaseException) -> int | None:
+    """Milliseconds after which a retry of the refused call may succeed; None: no hint."""
+    if isinstance(exc, TenantOverLimitError):
+        return exc.retry_pushback_ms
+    if isinstance(exc, QueueFullError):
+        return QUEUE_FULL_PUSHBACK_MS
+    return None
+
+
+def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a call that failed with `exc`: the retry pushback, when there is one."""
+    pushback = retry_pushback_ms(exc)
+    return () if pushback is None else ((RETRY_PUSHBACK_KEY, str(pushback)),)
 
 
 def cancelled_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -76,7 +118,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     async def fail(self: Any, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         code, message = failure_status(exc)
         self.record_status(name, code)
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata=trailers_for(exc))
 
     if inspect.isasyncgenfunction(method):
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 # A client that writes in a burst sends its next message well within this; one that keeps the stream
 # open waits this long for its refusal.
 QUIET_S = 0.25
-# Below the 1 s grace a draining server gives open calls before it cancels them.
+# Short: once no request is left, a draining server closes the calls still open (SluiceServer.drain).
 MAX_S = 0.9
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from service.caller import Caller
 from service.generation import GenerationRunner
+from service.request_ids import RequestIdInUseError
 from service.status import ServiceUnavailableError, StatusRecorder, failure_status
 from service.stubs import sluice_pb2 as pb
 
@@ -31,17 +33,18 @@ _METHOD = "StreamGenerate.request"
 
 
 class StreamSession:
-    """Serves one StreamGenerate call. Request ids are the client's, unique among its live requests."""
+    """Serves one StreamGenerate call. Request ids are the client's, unique among the stream's live
+    requests (a duplicate gets ALREADY_EXISTS in-band); each request has its own timeout_seconds."""
 
     def __init__(
         self,
         runner: GenerationRunner,
-        metadata: Sequence[tuple[str, str | bytes]],
+        caller: Caller,
         check_accepting: Callable[[], None],
         record_status: StatusRecorder,
     ) -> None:
         self._runner = runner
-        self._metadata = metadata
+        self._caller = caller
         self._check_accepting = check_accepting
         self._record_status = record_status
         # Engine ids are namespaced per stream so two streams may both use request_id "1".
@@ -51,6 +54,11 @@ class StreamSession:
             asyncio.Queue()
         )
         self._pumps: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests whose last message is not yet written."""
+        return len(self._pumps)
 
     async def run(
         self, requests: AsyncIterator[pb.StreamGenerateRequest]
@@ -93,8 +101,8 @@ class StreamSession:
             if not request_id:
                 raise ValueError("request_id: must not be empty on StreamGenerate")
             if request_id in self._pumps:
-                raise ValueError(f"request_id: {request_id!r} is already in use on this stream")
-        except (ValueError, ServiceUnavailableError) as exc:
+                raise RequestIdInUseError(request_id)
+        except (ValueError, ServiceUnavailableError, RequestIdInUseError) as exc:
             self._send_error(request_id, exc)
             return
         task = asyncio.create_task(self._pump(request))
@@ -109,7 +117,7 @@ class StreamSession:
 
     async def _pump(self, request: pb.GenerateRequest) -> None:
         request_id = request.request_id
-        chunks = self._runner.run(request, self._prefix + request_id, self._metadata)
+        chunks = self._runner.run(request, self._prefix + request_id, self._caller)
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

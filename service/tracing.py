@@ -1,4 +1,5 @@
-"""OpenTelemetry: one SERVER span per generation request, continuing the caller's W3C traceparent.
+"""OpenTelemetry: one SERVER span per generation request, continuing the caller's W3C traceparent
+(the request's own `trace_context`, else the call's metadata).
 
 The tracer provider is passed in explicitly (never the global one). `tracer_provider_from_env`
 builds an OTLP/gRPC exporting provider when the standard OTEL_* variables ask for one.
@@ -54,10 +55,18 @@ class RequestTracer:
         self._model_name = model_name
 
     def start(
-        self, metadata: Sequence[tuple[str, str | bytes]], operation: str, params: SamplingParams
+        self,
+        metadata: Sequence[tuple[str, str | bytes]],
+        operation: str,
+        params: SamplingParams,
+        trace_context: Mapping[str, str] | None = None,
     ) -> Span:
-        """A SERVER span whose parent is the traceparent in the call's metadata (if any)."""
-        carrier = {key: value for key, value in metadata if isinstance(value, str)}
+        """A SERVER span whose parent is the request's own `trace_context` (traceparent, tracestate)
+        when given, else the traceparent in the call's metadata (if any)."""
+        if trace_context:
+            carrier = {key.lower(): value for key, value in trace_context.items()}
+        else:
+            carrier = {key: value for key, value in metadata if isinstance(value, str)}
         parent = _PROPAGATOR.extract(carrier=carrier)
         attributes = {
             "gen_ai.operation.name": operation,

@@ -31,7 +31,10 @@ def exported_sample_names() -> set[str]:
     )
     metrics = ServerMetrics(lambda: stats)
     # Label values appear only once used: touch every labelled metric.
-    metrics.requests.labels(finish_reason="length").inc()
+    metrics.requests.labels(finish_reason="length", tenant="default").inc()
+    for counter in (metrics.prompt_tokens, metrics.generation_tokens, metrics.cached_tokens):
+        counter.labels(tenant="default").inc()
+    metrics.tenant_rejections.labels(tenant="default").inc()
     metrics.rpc_status.labels(method="Generate", code="OK").inc()
     text = generate_latest(metrics.registry).decode()
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}

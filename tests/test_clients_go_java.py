@@ -97,3 +97,33 @@ def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThr
     # The aborted and cancelled requests released every KV block.
     stats = server.wait_idle()
     assert stats.num_kv_blocks_used == 0
+
+
+def test_go_and_java_examples_use_the_documented_service_config() -> None:
+    """The service config in the Go and Java examples is the Python client's default, field for field."""
+    import json
+    from pathlib import Path
+
+    from sluice.service_config import SERVICE_CONFIG
+
+    go = Path(REPO, "clients", "go", "cmd", "sluice-example", "main.go").read_text()
+    go_json = re.search(r"const serviceConfig = `(.*?)`", go, re.S).group(1)
+    java_dir = Path(REPO, "clients", "java", "src", "main", "java", "ai", "sluice", "example")
+    java = (java_dir / "SluiceExample.java").read_text()
+    # Java builds the same config as a Map (no JSON parser among Debian's jars): every value is there.
+    retry = SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]
+    java_values = [
+        '"round_robin", Map.of()',
+        '"serviceName", "sluice.v1.InferenceService"',
+        'Map.of("service", "sluice.v1.InferenceService")',
+        f'"maxAttempts", {float(retry["maxAttempts"])}',
+        f'"initialBackoff", "{retry["initialBackoff"]}"',
+        f'"maxBackoff", "{retry["maxBackoff"]}"',
+        f'"backoffMultiplier", {float(retry["backoffMultiplier"])}',
+        '"retryableStatusCodes", List.of("UNAVAILABLE")',
+    ]
+    assert [v for v in java_values if v not in java] == []
+    assert retry["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert json.loads(go_json) == SERVICE_CONFIG
+    assert "grpc.WithDefaultServiceConfig(serviceConfig)" in go
+    assert ".defaultServiceConfig(serviceConfig())" in java and ".enableRetry()" in java

@@ -62,12 +62,22 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(container) -> None:
 
 
 def test_termination_grace_outlasts_the_server_drain(resources, container) -> None:
+    """preStop keeps the pod serving while it leaves the endpoints; then SIGTERM starts the drain
+    (NOT_SERVING, GOAWAY, --grace-period); the kubelet's SIGKILL must come after all of it."""
     args = parse_sluice_args(container["args"])
     grace = resources["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= args.grace_period + MIN_STOP_MARGIN_SECONDS
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 1
+    assert grace >= pre_stop + args.grace_period + MIN_STOP_MARGIN_SECONDS
     liveness = container["livenessProbe"]
     # Liveness must not kill a draining (NOT_SERVING) pod before its drain ends.
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] > args.grace_period
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > pre_stop + args.grace_period
+
+
+def test_connections_age_out_so_new_pods_get_traffic(container) -> None:
+    args = parse_sluice_args(container["args"])
+    assert 0 < args.max_connection_age <= 600
+    assert args.max_connection_age_grace >= 0
 
 
 def test_gpu_and_read_only_model_volume(resources, container) -> None:

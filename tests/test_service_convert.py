@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -111,6 +113,39 @@ def test_bad_sampling_field_is_named(message: pb.SamplingParams, error: str) -> 
     with pytest.raises(ValueError) as info:
         convert.sampling_params_from_proto(message)
     assert str(info.value) == error
+
+
+_FLOAT_SAMPLING_FIELDS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.type == f.TYPE_FLOAT]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", _FLOAT_SAMPLING_FIELDS)
+def test_non_finite_float_fields_are_refused_by_name(name: str, value: float) -> None:
+    with pytest.raises(ValueError) as info:
+        convert.sampling_params_from_proto(pb.SamplingParams(**{name: value}))
+    assert str(info.value) == f"{name}: must be a finite number, got {value}"
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_non_finite_logit_bias_is_refused(value: float) -> None:
+    message = pb.SamplingParams(logit_bias={7: value})
+    with pytest.raises(ValueError) as info:
+        convert.sampling_params_from_proto(message)
+    assert str(info.value) == f"logit_bias: the bias of token 7 must be a finite number, got {value}"
+
+
+def test_every_float_field_of_the_api_is_checked() -> None:
+    """A float field added to SamplingParams without a finiteness check fails here."""
+    assert set(_FLOAT_SAMPLING_FIELDS) == {
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+    map_fields = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.message_type is not None]
+    assert "logit_bias" in map_fields
 
 
 def test_prompt_oneof_maps_to_engine_keywords() -> None:
@@ -223,8 +258,8 @@ def test_model_info() -> None:
         ),
         (
             UnknownRequestError("r9"),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "request_id: no live request with id 'r9'",
+            grpc.StatusCode.NOT_FOUND,
+            "request_id: no request with id 'r9'",
         ),
         (ServiceUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
         (EngineDeadError("exit code 1"), grpc.StatusCode.UNAVAILABLE, "the engine failed: exit code 1"),
@@ -268,10 +303,11 @@ def test_request_tracker_counts_a_finished_request() -> None:
     tracker.on_output(RequestOutput(request_id="e", token_ids=(2, 3), text="bc"))
     tracker.finish(_final_output())
     value = metrics.registry.get_sample_value
-    assert value("sluice_requests_total", {"finish_reason": "stop"}) == 1
-    assert value("sluice_prompt_tokens_total") == 5
-    assert value("sluice_generation_tokens_total") == 4
-    assert value("sluice_cached_tokens_total") == 2
+    default = {"tenant": "default"}
+    assert value("sluice_requests_total", {"finish_reason": "stop", **default}) == 1
+    assert value("sluice_prompt_tokens_total", default) == 5
+    assert value("sluice_generation_tokens_total", default) == 4
+    assert value("sluice_cached_tokens_total", default) == 2
     assert value("sluice_inter_token_latency_seconds_count") == 2  # two tokens in the second chunk
     assert value("sluice_time_to_first_token_seconds_sum") == 1.0
     assert value("sluice_queue_time_seconds_sum") == 0.5

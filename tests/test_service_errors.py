@@ -73,6 +73,18 @@ MALFORMED = [
     ("logprobs 21", generate_request("hi", logprobs=21), INVALID, "logprobs: must be in [0, 20]"),
     ("temperature -1", generate_request("hi", temperature=-1.0), INVALID, "temperature: must be >= 0"),
     (
+        "temperature inf",
+        generate_request("hi", temperature=float("inf")),
+        INVALID,
+        "temperature: must be a finite number, got inf",
+    ),
+    (
+        "repetition_penalty nan",
+        generate_request("hi", repetition_penalty=float("nan")),
+        INVALID,
+        "repetition_penalty: must be a finite number, got nan",
+    ),
+    (
         "min_tokens > max_tokens",
         generate_request("hi", max_tokens=2, min_tokens=3),
         INVALID,
@@ -116,8 +128,8 @@ def test_malformed_unary_requests(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Abort(pb.AbortRequest(request_id="nope"))
     assert (info.value.code(), info.value.details()) == (
-        INVALID,
-        "request_id: no live request with id 'nope'",
+        grpc.StatusCode.NOT_FOUND,
+        "request_id: no request with id 'nope'",
     )
     with pytest.raises(grpc.RpcError) as info:
         stub.Abort(pb.AbortRequest())
@@ -169,7 +181,8 @@ def test_in_band_cancel_and_errors_keep_the_stream_open(stub, server: ServerThre
         (
             "long",
             pb.RequestError(
-                code=INVALID.value[0], message="request_id: 'long' is already in use on this stream"
+                code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                message="request_id: 'long' is already in use by a live request",
             ),
         ),
         (
@@ -219,11 +232,13 @@ def test_full_queue_is_resource_exhausted(llama_dir: str) -> None:
         next(running)  # running now; the next request waits, since only one sequence may run
         waiting = stub.Generate(generate_request("second", **LONG))
         _wait_for(lambda: thread.stats().num_waiting == 1)
-        code, message = _status(stub.Generate(generate_request("third", **LONG)))
-        assert (code, message) == (
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_request("third", **LONG)))
+        assert (info.value.code(), info.value.details()) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "the waiting queue is full (1 requests); retry later",
         )
+        assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
         running.cancel()
         waiting.cancel()
         thread.wait_idle(timeout=2.0)

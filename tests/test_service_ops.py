@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -37,7 +38,9 @@ def _generate_error(client: Client, request: pb.GenerateRequest) -> tuple[grpc.S
 def test_health_follows_loading_then_serving(llama_dir: str) -> None:
     thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
     try:
-        with thread.channel() as channel, Client(thread.target) as client:
+        # No service config: the calls reach the loading server (the default one would not pick an
+        # unhealthy server at all, see test_the_default_client_does_not_pick_a_loading_server).
+        with thread.channel() as channel, Client(thread.target, service_config=None) as client:
             assert _health(channel) == NOT_SERVING
             assert _health(channel, "sluice.v1.InferenceService") == NOT_SERVING
             loading = (UNAVAILABLE, "the server is still loading the model")
@@ -50,24 +53,70 @@ def test_health_follows_loading_then_serving(llama_dir: str) -> None:
         thread.stop()
 
 
+def test_the_default_client_does_not_pick_a_loading_server(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    try:
+        with Client(thread.target) as client:
+            code, message = _generate_error(client, generate_request("hi"))
+            assert code == UNAVAILABLE and message.endswith("backend unhealthy")
+            thread.attach()
+            assert client.complete(generate_request("hi", max_tokens=2)).usage.completion_tokens > 0
+    finally:
+        thread.stop()
+
+
 def test_drain_lets_in_flight_requests_finish(llama_dir: str) -> None:
     thread = ServerThread(tiny_engine_config(llama_dir)).start()
     try:
-        with thread.channel() as channel, Client(thread.target) as client:
+        with Client(thread.target, service_config=None) as client:
             in_flight = client.generate(
                 generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
             )
             first = next(in_flight)
             drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=30.0), thread.loop)
-            assert _health(channel) == NOT_SERVING
-            draining = (UNAVAILABLE, "the server is draining and accepts no new requests")
-            assert _generate_error(client, generate_request("new")) == draining
+            # GOAWAY at once and the listener closed: new calls fail to connect (UNAVAILABLE, which
+            # the documented service config retries on another replica).
+            _wait_for_unavailable(client)
             with pytest.raises(SluiceError) as info:
                 client.tokenize("new")
             assert info.value.code == UNAVAILABLE
             chunks = [first, *in_flight]
             assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert sum(len(c.token_ids) for c in chunks) == 60
+            drained.result(timeout=10)
+    finally:
+        thread.stop()
+
+
+def _wait_for_unavailable(client: Client) -> None:
+    """New calls get UNAVAILABLE: from the draining servicer until the GOAWAY lands, then from the
+    closed listener."""
+    code, _ = _generate_error(client, generate_request("new"))
+    assert code == UNAVAILABLE
+
+
+def test_drain_sends_goaway_at_once(llama_dir: str) -> None:
+    """A connected client learns of the drain from health (NOT_SERVING first) and then from the GOAWAY,
+    well before the grace period ends: its channel leaves READY although a request still runs."""
+    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    try:
+        with thread.channel() as channel:
+            stub = thread.stub(channel)
+            in_flight = stub.Generate(generate_request("Hello", **LONG))
+            next(in_flight)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert next(watch).status == SERVING
+            assert channel._channel.check_connectivity_state(False) == 2  # READY
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=30.0), thread.loop)
+            assert next(watch).status == NOT_SERVING
+            assert channel._channel.check_connectivity_state(False) == 2  # the notice before the GOAWAY
+            deadline = time.monotonic() + 5.0
+            while channel._channel.check_connectivity_state(False) == 2:
+                assert time.monotonic() < deadline, "no GOAWAY within 5 s of the drain"
+                time.sleep(0.02)
+            chunks = list(in_flight)
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            # The open Watch stream does not hold the drain for its 30 s grace period.
             drained.result(timeout=10)
     finally:
         thread.stop()

@@ -113,6 +113,34 @@ def test_one_span_per_request_continuing_the_callers_trace(observed: ServerThrea
     assert dict(chat.attributes)["gen_ai.usage.output_tokens"] == 3
 
 
+def test_each_stream_request_continues_its_own_trace_context(observed: ServerThread) -> None:
+    """Two requests on one StreamGenerate call, each with its own W3C trace_context: two spans, each a
+    child of its request's traceparent (not of the call's metadata), tracestate kept."""
+    observed.memory.clear()
+    parents = {"a": ("1" * 32, "a1" * 8), "b": ("2" * 32, "b2" * 8)}
+
+    def request(request_id: str) -> pb.StreamGenerateRequest:
+        trace_id, span_id = parents[request_id]
+        context = {"traceparent": f"00-{trace_id}-{span_id}-01", "tracestate": f"vendor={request_id}"}
+        return pb.StreamGenerateRequest(
+            generate=generate_request("hi", request_id=request_id, max_tokens=2, trace_context=context)
+        )
+
+    with Client(observed.target) as client:
+        metadata = _traceparent(TRACE_IDS[0])  # overridden by each request's own context
+        list(client.stream_generate([request("a"), request("b")], metadata=metadata))
+    spans = observed.memory.get_finished_spans()
+    got = {
+        (
+            format(s.context.trace_id, "032x"),
+            format(s.parent.span_id, "016x"),
+            s.parent.trace_state.get("vendor"),
+        )
+        for s in spans
+    }
+    assert got == {("1" * 32, "a1" * 8, "a"), ("2" * 32, "b2" * 8, "b")}
+
+
 def completion_model(server: ServerThread) -> str:
     return server.engine.model_info.name
 
@@ -165,12 +193,12 @@ def test_metrics_count_the_requests_made(observed: ServerThread) -> None:
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert delta("sluice_requests_total", finish_reason="length") == 3
+    assert delta("sluice_requests_total", finish_reason="length", tenant="default") == 3
     assert delta("sluice_rpc_requests_total", method="Generate", code="OK") == 3
     assert delta("sluice_rpc_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
-    assert delta("sluice_generation_tokens_total") == 12
-    assert delta("sluice_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("sluice_cached_tokens_total") == sum(u.cached_tokens for u in usages)
+    assert delta("sluice_generation_tokens_total", tenant="default") == 12
+    assert delta("sluice_prompt_tokens_total", tenant="default") == sum(u.prompt_tokens for u in usages)
+    assert delta("sluice_cached_tokens_total", tenant="default") == sum(u.cached_tokens for u in usages)
     assert delta("sluice_time_to_first_token_seconds_count") == 3
     assert delta("sluice_e2e_request_latency_seconds_count") == 3
     assert delta("sluice_queue_time_seconds_count") == 3
@@ -194,7 +222,7 @@ def test_a_request_the_caller_cancels_counts_as_aborted_not_failed(observed: Ser
         chunks.close()  # leaving the stream cancels the call
     observed.wait_idle()
     after = _scrape(observed)
-    key = ("sluice_requests_total", (("finish_reason", "abort"),))
+    key = ("sluice_requests_total", (("finish_reason", "abort"), ("tenant", "default")))
     assert after.get(key, 0.0) - before.get(key, 0.0) == 1
     for _ in range(100):
         spans = observed.memory.get_finished_spans()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/sluice.proto\x12\tsluice.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x84\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.sluice.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.sluice.v1.ToolChoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.sluice.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"+\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xbd\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.sluice.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x11.sluice.v1.ChoiceH\x00\x12,\n\x0bjson_object\x18\x16 \x01(\x0b\x32\x15.sluice.v1.JsonObjectH\x00\x12\x0e\n\x01n\x18\x17 \x01(\x05H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x17\n\x0fstream_interval\x18\x08 \x01(\rB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x08Logprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.sluice.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x06 \x01(\x05\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x89\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.sluice.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.sluice.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.sluice.v1.Timings\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.sluice.v1.ToolCall\x12\r\n\x05index\x18\x0b \x01(\r\x12,\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x13.sluice.v1.LogprobsB\r\n\x0bstop_reason\"\"\n\x0cStreamCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x15StreamGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.sluice.v1.StreamCancelH\x00\x42\x08\n\x06\x61\x63tion\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.sluice.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.sluice.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xc9\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x86\x03\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12Y\n\x0eStreamGenerate\x12 .sluice.v1.StreamGenerateRequest\x1a!.sluice.v1.StreamGenerateResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseBX\n\x0c\x61i.sluice.v1B\x0bSluiceProtoP\x01Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/sluice.proto\x12\tsluice.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x84\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.sluice.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.sluice.v1.ToolChoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.sluice.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"+\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xbd\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.sluice.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x11.sluice.v1.ChoiceH\x00\x12,\n\x0bjson_object\x18\x16 \x01(\x0b\x32\x15.sluice.v1.JsonObjectH\x00\x12\x0e\n\x01n\x18\x17 \x01(\x05H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\x9c\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x17\n\x0fstream_interval\x18\x08 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x43\n\rtrace_context\x18\x0b \x03(\x0b\x32,.sluice.v1.GenerateRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x08Logprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.sluice.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"p\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16prompt_tokens_computed\x18\x06 \x01(\x05\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x89\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.sluice.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.sluice.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.sluice.v1.Timings\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.sluice.v1.ToolCall\x12\r\n\x05index\x18\x0b \x01(\r\x12,\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x13.sluice.v1.LogprobsB\r\n\x0bstop_reason\"\"\n\x0cStreamCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x15StreamGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.sluice.v1.StreamCancelH\x00\x42\x08\n\x06\x61\x63tion\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.sluice.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.sluice.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xc9\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x86\x03\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12Y\n\x0eStreamGenerate\x12 .sluice.v1.StreamGenerateRequest\x1a!.sluice.v1.StreamGenerateResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseBX\n\x0c\x61i.sluice.v1B\x0bSluiceProtoP\x01Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\014ai.sluice.v1B\013SluiceProtoP\001Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3270
-  _globals['_FINISHREASON']._serialized_end=3415
-  _globals['_TOOLCHOICEMODE']._serialized_start=3418
-  _globals['_TOOLCHOICEMODE']._serialized_end=3553
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3417
+  _globals['_FINISHREASON']._serialized_end=3562
+  _globals['_TOOLCHOICEMODE']._serialized_start=3565
+  _globals['_TOOLCHOICEMODE']._serialized_end=3700
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_CHATMESSAGES']._serialized_start=84
@@ -59,37 +61,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1157
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1205
   _globals['_GENERATEREQUEST']._serialized_start=1451
-  _globals['_GENERATEREQUEST']._serialized_end=1716
-  _globals['_TOKENLOGPROB']._serialized_start=1718
-  _globals['_TOKENLOGPROB']._serialized_end=1767
-  _globals['_LOGPROBS']._serialized_start=1769
-  _globals['_LOGPROBS']._serialized_end=1859
-  _globals['_USAGE']._serialized_start=1861
-  _globals['_USAGE']._serialized_end=1973
-  _globals['_TIMINGS']._serialized_start=1975
-  _globals['_TIMINGS']._serialized_end=2052
-  _globals['_GENERATERESPONSE']._serialized_start=2055
-  _globals['_GENERATERESPONSE']._serialized_end=2448
-  _globals['_STREAMCANCEL']._serialized_start=2450
-  _globals['_STREAMCANCEL']._serialized_end=2484
-  _globals['_STREAMGENERATEREQUEST']._serialized_start=2486
-  _globals['_STREAMGENERATEREQUEST']._serialized_end=2610
-  _globals['_REQUESTERROR']._serialized_start=2612
-  _globals['_REQUESTERROR']._serialized_end=2657
-  _globals['_STREAMGENERATERESPONSE']._serialized_start=2660
-  _globals['_STREAMGENERATERESPONSE']._serialized_end=2801
-  _globals['_ABORTREQUEST']._serialized_start=2803
-  _globals['_ABORTREQUEST']._serialized_end=2837
-  _globals['_ABORTRESPONSE']._serialized_start=2839
-  _globals['_ABORTRESPONSE']._serialized_end=2854
-  _globals['_TOKENIZEREQUEST']._serialized_start=2857
-  _globals['_TOKENIZEREQUEST']._serialized_end=3001
-  _globals['_TOKENIZERESPONSE']._serialized_start=3003
-  _globals['_TOKENIZERESPONSE']._serialized_end=3040
-  _globals['_GETMODELINFOREQUEST']._serialized_start=3042
-  _globals['_GETMODELINFOREQUEST']._serialized_end=3063
-  _globals['_GETMODELINFORESPONSE']._serialized_start=3066
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3267
-  _globals['_INFERENCESERVICE']._serialized_start=3556
-  _globals['_INFERENCESERVICE']._serialized_end=3946
+  _globals['_GENERATEREQUEST']._serialized_end=1863
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=1802
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=1853
+  _globals['_TOKENLOGPROB']._serialized_start=1865
+  _globals['_TOKENLOGPROB']._serialized_end=1914
+  _globals['_LOGPROBS']._serialized_start=1916
+  _globals['_LOGPROBS']._serialized_end=2006
+  _globals['_USAGE']._serialized_start=2008
+  _globals['_USAGE']._serialized_end=2120
+  _globals['_TIMINGS']._serialized_start=2122
+  _globals['_TIMINGS']._serialized_end=2199
+  _globals['_GENERATERESPONSE']._serialized_start=2202
+  _globals['_GENERATERESPONSE']._serialized_end=2595
+  _globals['_STREAMCANCEL']._serialized_start=2597
+  _globals['_STREAMCANCEL']._serialized_end=2631
+  _globals['_STREAMGENERATEREQUEST']._serialized_start=2633
+  _globals['_STREAMGENERATEREQUEST']._serialized_end=2757
+  _globals['_REQUESTERROR']._serialized_start=2759
+  _globals['_REQUESTERROR']._serialized_end=2804
+  _globals['_STREAMGENERATERESPONSE']._serialized_start=2807
+  _globals['_STREAMGENERATERESPONSE']._serialized_end=2948
+  _globals['_ABORTREQUEST']._serialized_start=2950
+  _globals['_ABORTREQUEST']._serialized_end=2984
+  _globals['_ABORTRESPONSE']._serialized_start=2986
+  _globals['_ABORTRESPONSE']._serialized_end=3001
+  _globals['_TOKENIZEREQUEST']._serialized_start=3004
+  _globals['_TOKENIZEREQUEST']._serialized_end=3148
+  _globals['_TOKENIZERESPONSE']._serialized_start=3150
+  _globals['_TOKENIZERESPONSE']._serialized_end=3187
+  _globals['_GETMODELINFOREQUEST']._serialized_start=3189
+  _globals['_GETMODELINFOREQUEST']._serialized_end=3210
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3213
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3414
+  _globals['_INFERENCESERVICE']._serialized_start=3703
+  _globals['_INFERENCESERVICE']._serialized_end=4093
 # @@protoc_insertion_point(module_scope)

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import grpc
 
+from sluice.service_config import SERVICE_CONFIG, channel_options
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
@@ -63,9 +65,19 @@ def generate_request(
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
+    timeout_seconds: float = 0.0,
+    trace_context: Mapping[str, str] | None = None,
 ) -> pb.GenerateRequest:
-    """Builds a GenerateRequest from one prompt form; sampling arguments left None take server defaults."""
-    request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    """Builds a GenerateRequest from one prompt form; sampling arguments left None take server defaults.
+    `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
+    `trace_context`: W3C traceparent/tracestate the request's server span continues."""
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        priority=priority,
+        cache_salt=cache_salt,
+        timeout_seconds=timeout_seconds,
+        trace_context=dict(trace_context or {}),
+    )
     if text is not None:
         request.text = text
     if token_ids is not None:
@@ -136,15 +148,22 @@ def _open_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, object]],
+    service_config: Mapping[str, Any] | None,
 ) -> grpc.Channel | grpc.aio.Channel:
     """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given."""
+    options = channel_options(None if service_config is None else dict(service_config), list(options))
     if credentials is None:
-        return api.insecure_channel(target, options=list(options))
-    return api.secure_channel(target, credentials, options=list(options))
+        return api.insecure_channel(target, options=options)
+    return api.secure_channel(target, credentials, options=options)
 
 
 class Client:
-    """Blocking client. `credentials` set means TLS; `api_key` is sent as a bearer token on every call."""
+    """Blocking client. `credentials` set means TLS; `api_key` is sent as a bearer token on every call.
+
+    `service_config` (default: sluice.service_config.SERVICE_CONFIG, round robin over healthy replicas,
+    UNAVAILABLE retried) is the channel's gRPC service config; None leaves grpc's defaults. Give a
+    `dns:///name:port` target so every replica behind the name is used.
+    """
 
     def __init__(
         self,
@@ -153,8 +172,9 @@ class Client:
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
+        service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
     ) -> None:
-        self._channel = _open_channel(grpc, target, credentials, options)
+        self._channel = _open_channel(grpc, target, credentials, options, service_config)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 
@@ -244,7 +264,8 @@ def _tokenize_request(
 
 
 class AsyncClient:
-    """asyncio client with the same methods as `Client`, awaited; streams are async iterators."""
+    """asyncio client with the same methods (and service config) as `Client`, awaited; streams are
+    async iterators."""
 
     def __init__(
         self,
@@ -253,8 +274,9 @@ class AsyncClient:
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
+        service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
     ) -> None:
-        self._channel = _open_channel(grpc.aio, target, credentials, options)
+        self._channel = _open_channel(grpc.aio, target, credentials, options, service_config)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 

@@ -16,7 +16,27 @@ import (
 
 	sluicev1 "github.com/sluice-ai/sluice/clients/go/sluice/v1"
 	"google.golang.org/grpc"
+	// Registers client-side health checking, which the service config's healthCheckConfig turns on.
+	_ "google.golang.org/grpc/health"
 )
+
+// serviceConfig is Sluice's documented client service config (README "Kubernetes with N replicas",
+// sluice.service_config in Python): round robin over every address of the target, replicas that are
+// NOT_SERVING (loading, draining) left out, UNAVAILABLE retried (grpc-go < 1.40: GRPC_GO_RETRY=on).
+const serviceConfig = `{
+  "loadBalancingConfig": [{"round_robin": {}}],
+  "healthCheckConfig": {"serviceName": "sluice.v1.InferenceService"},
+  "methodConfig": [{
+    "name": [{"service": "sluice.v1.InferenceService"}],
+    "retryPolicy": {
+      "maxAttempts": 5,
+      "initialBackoff": "0.1s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}`
 
 // result is what one request streamed back.
 type result struct {
@@ -143,7 +163,8 @@ func main() {
 	dialCtx, cancelDial := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancelDial()
 	// grpc-go 1.33 (Debian 12) predates credentials/insecure: WithInsecure is its plaintext option.
-	conn, err := grpc.DialContext(dialCtx, *addr, grpc.WithInsecure(), grpc.WithBlock())
+	conn, err := grpc.DialContext(dialCtx, *addr, grpc.WithInsecure(), grpc.WithBlock(),
+		grpc.WithDefaultServiceConfig(serviceConfig))
 	if err != nil {
 		log.Fatalf("dial %s: %v", *addr, err)
 	}

@@ -25,7 +25,10 @@ type InferenceServiceClient interface {
 	// stream; half-closing finishes the outstanding requests, then ends the stream;
 	// cancelling the call aborts every request on it.
 	StreamGenerate(ctx context.Context, opts ...grpc.CallOption) (InferenceService_StreamGenerateClient, error)
-	// Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+	// Abort stops a request started with Generate by the same tenant; its stream ends with
+	// FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+	// for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+	// Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
 	// Tokenize returns the token ids the server would feed the model for a prompt.
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
@@ -143,7 +146,10 @@ type InferenceServiceServer interface {
 	// stream; half-closing finishes the outstanding requests, then ends the stream;
 	// cancelling the call aborts every request on it.
 	StreamGenerate(InferenceService_StreamGenerateServer) error
-	// Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+	// Abort stops a request started with Generate by the same tenant; its stream ends with
+	// FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+	// for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+	// Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
 	// Tokenize returns the token ids the server would feed the model for a prompt.
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)

@@ -85,7 +85,10 @@ class InferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+        """Abort stops a request started with Generate by the same tenant; its stream ends with
+        FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+        for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+        Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

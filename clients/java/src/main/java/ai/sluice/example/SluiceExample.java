@@ -133,6 +133,28 @@ public final class SluiceExample {
     return results;
   }
 
+  /**
+   * Sluice's documented client service config (README "Kubernetes with N replicas", sluice.service_config
+   * in Python) as the Map grpc-java takes (numbers as Double): round robin over every address of the
+   * target, UNAVAILABLE retried; healthCheckConfig takes effect where grpc-services is on the classpath
+   * (it is not among Debian's jars used here).
+   */
+  static Map<String, ?> serviceConfig() {
+    Map<String, Object> retryPolicy = Map.of(
+        "maxAttempts", 5.0,
+        "initialBackoff", "0.1s",
+        "maxBackoff", "1s",
+        "backoffMultiplier", 2.0,
+        "retryableStatusCodes", List.of("UNAVAILABLE"));
+    Map<String, Object> methodConfig = Map.of(
+        "name", List.of(Map.of("service", "sluice.v1.InferenceService")),
+        "retryPolicy", retryPolicy);
+    return Map.of(
+        "loadBalancingConfig", List.of(Map.of("round_robin", Map.of())),
+        "healthCheckConfig", Map.of("serviceName", "sluice.v1.InferenceService"),
+        "methodConfig", List.of(methodConfig));
+  }
+
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
@@ -147,7 +169,11 @@ public final class SluiceExample {
     int maxTokens = Integer.parseInt(flags.get("--max-tokens"));
     int longTokens = Integer.parseInt(flags.get("--long-tokens"));
 
-    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr")).usePlaintext().build();
+    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr"))
+        .defaultServiceConfig(serviceConfig())
+        .enableRetry()
+        .usePlaintext()
+        .build();
     try {
       var blocking = InferenceServiceGrpc.newBlockingStub(channel);
       GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)

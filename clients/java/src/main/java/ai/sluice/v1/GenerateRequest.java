@@ -41,6 +41,18 @@ private static final long serialVersionUID = 0L;
     return ai.sluice.v1.SluiceProto.internal_static_sluice_v1_GenerateRequest_descriptor;
   }
 
+  @SuppressWarnings({"rawtypes"})
+  @java.lang.Override
+  protected com.google.protobuf.MapField internalGetMapField(
+      int number) {
+    switch (number) {
+      case 11:
+        return internalGetTraceContext();
+      default:
+        throw new RuntimeException(
+            "Invalid map field number: " + number);
+    }
+  }
   @java.lang.Override
   protected com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
       internalGetFieldAccessorTable() {
@@ -97,8 +109,9 @@ private static final long serialVersionUID = 0L;
   private volatile java.lang.Object requestId_ = "";
   /**
    * <pre>
-   * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-   * on StreamGenerate it is required and unique among the stream's live requests.
+   * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+   * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+   * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
    * </pre>
    *
    * <code>string request_id = 1;</code>
@@ -119,8 +132,9 @@ private static final long serialVersionUID = 0L;
   }
   /**
    * <pre>
-   * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-   * on StreamGenerate it is required and unique among the stream's live requests.
+   * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+   * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+   * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
    * </pre>
    *
    * <code>string request_id = 1;</code>
@@ -285,7 +299,8 @@ private static final long serialVersionUID = 0L;
   private int priority_ = 0;
   /**
    * <pre>
-   * Lower values are scheduled first; default 0.
+   * Lower values are scheduled first; default 0. A value below the tenant's max_priority runs at
+   * max_priority (clamped).
    * </pre>
    *
    * <code>int32 priority = 6;</code>
@@ -301,7 +316,8 @@ private static final long serialVersionUID = 0L;
   private volatile java.lang.Object cacheSalt_ = "";
   /**
    * <pre>
-   * Requests with different salts never share prefix-cache blocks.
+   * Requests with different salts never share prefix-cache blocks; neither do different tenants
+   * unless the operator gives them the same prefix_cache_scope.
    * </pre>
    *
    * <code>string cache_salt = 7;</code>
@@ -322,7 +338,8 @@ private static final long serialVersionUID = 0L;
   }
   /**
    * <pre>
-   * Requests with different salts never share prefix-cache blocks.
+   * Requests with different salts never share prefix-cache blocks; neither do different tenants
+   * unless the operator gives them the same prefix_cache_scope.
    * </pre>
    *
    * <code>string cache_salt = 7;</code>
@@ -357,6 +374,127 @@ private static final long serialVersionUID = 0L;
   @java.lang.Override
   public int getStreamInterval() {
     return streamInterval_;
+  }
+
+  public static final int TIMEOUT_SECONDS_FIELD_NUMBER = 10;
+  private double timeoutSeconds_ = 0D;
+  /**
+   * <pre>
+   * Seconds from arrival after which the server aborts the request (its KV blocks are free before
+   * the next engine step) and ends it with DEADLINE_EXCEEDED: the call's status on Generate, the
+   * request's RequestError on StreamGenerate, where one stream's requests have no deadline of
+   * their own otherwise. 0 means none (a Generate call's gRPC deadline still applies).
+   * </pre>
+   *
+   * <code>double timeout_seconds = 10;</code>
+   * @return The timeoutSeconds.
+   */
+  @java.lang.Override
+  public double getTimeoutSeconds() {
+    return timeoutSeconds_;
+  }
+
+  public static final int TRACE_CONTEXT_FIELD_NUMBER = 11;
+  private static final class TraceContextDefaultEntryHolder {
+    static final com.google.protobuf.MapEntry<
+        java.lang.String, java.lang.String> defaultEntry =
+            com.google.protobuf.MapEntry
+            .<java.lang.String, java.lang.String>newDefaultInstance(
+                ai.sluice.v1.SluiceProto.internal_static_sluice_v1_GenerateRequest_TraceContextEntry_descriptor, 
+                com.google.protobuf.WireFormat.FieldType.STRING,
+                "",
+                com.google.protobuf.WireFormat.FieldType.STRING,
+                "");
+  }
+  @SuppressWarnings("serial")
+  private com.google.protobuf.MapField<
+      java.lang.String, java.lang.String> traceContext_;
+  private com.google.protobuf.MapField<java.lang.String, java.lang.String>
+  internalGetTraceContext() {
+    if (traceContext_ == null) {
+      return com.google.protobuf.MapField.emptyMapField(
+          TraceContextDefaultEntryHolder.defaultEntry);
+    }
+    return traceContext_;
+  }
+  public int getTraceContextCount() {
+    return internalGetTraceContext().getMap().size();
+  }
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  @java.lang.Override
+  public boolean containsTraceContext(
+      java.lang.String key) {
+    if (key == null) { throw new NullPointerException("map key"); }
+    return internalGetTraceContext().getMap().containsKey(key);
+  }
+  /**
+   * Use {@link #getTraceContextMap()} instead.
+   */
+  @java.lang.Override
+  @java.lang.Deprecated
+  public java.util.Map<java.lang.String, java.lang.String> getTraceContext() {
+    return getTraceContextMap();
+  }
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  @java.lang.Override
+  public java.util.Map<java.lang.String, java.lang.String> getTraceContextMap() {
+    return internalGetTraceContext().getMap();
+  }
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  @java.lang.Override
+  public /* nullable */
+java.lang.String getTraceContextOrDefault(
+      java.lang.String key,
+      /* nullable */
+java.lang.String defaultValue) {
+    if (key == null) { throw new NullPointerException("map key"); }
+    java.util.Map<java.lang.String, java.lang.String> map =
+        internalGetTraceContext().getMap();
+    return map.containsKey(key) ? map.get(key) : defaultValue;
+  }
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  @java.lang.Override
+  public java.lang.String getTraceContextOrThrow(
+      java.lang.String key) {
+    if (key == null) { throw new NullPointerException("map key"); }
+    java.util.Map<java.lang.String, java.lang.String> map =
+        internalGetTraceContext().getMap();
+    if (!map.containsKey(key)) {
+      throw new java.lang.IllegalArgumentException();
+    }
+    return map.get(key);
   }
 
   private byte memoizedIsInitialized = -1;
@@ -397,6 +535,15 @@ private static final long serialVersionUID = 0L;
     if (streamInterval_ != 0) {
       output.writeUInt32(8, streamInterval_);
     }
+    if (java.lang.Double.doubleToRawLongBits(timeoutSeconds_) != 0) {
+      output.writeDouble(10, timeoutSeconds_);
+    }
+    com.google.protobuf.GeneratedMessageV3
+      .serializeStringMapTo(
+        output,
+        internalGetTraceContext(),
+        TraceContextDefaultEntryHolder.defaultEntry,
+        11);
     getUnknownFields().writeTo(output);
   }
 
@@ -435,6 +582,20 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(8, streamInterval_);
     }
+    if (java.lang.Double.doubleToRawLongBits(timeoutSeconds_) != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeDoubleSize(10, timeoutSeconds_);
+    }
+    for (java.util.Map.Entry<java.lang.String, java.lang.String> entry
+         : internalGetTraceContext().getMap().entrySet()) {
+      com.google.protobuf.MapEntry<java.lang.String, java.lang.String>
+      traceContext__ = TraceContextDefaultEntryHolder.defaultEntry.newBuilderForType()
+          .setKey(entry.getKey())
+          .setValue(entry.getValue())
+          .build();
+      size += com.google.protobuf.CodedOutputStream
+          .computeMessageSize(11, traceContext__);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -463,6 +624,11 @@ private static final long serialVersionUID = 0L;
         .equals(other.getCacheSalt())) return false;
     if (getStreamInterval()
         != other.getStreamInterval()) return false;
+    if (java.lang.Double.doubleToLongBits(getTimeoutSeconds())
+        != java.lang.Double.doubleToLongBits(
+            other.getTimeoutSeconds())) return false;
+    if (!internalGetTraceContext().equals(
+        other.internalGetTraceContext())) return false;
     if (!getPromptCase().equals(other.getPromptCase())) return false;
     switch (promptCase_) {
       case 2:
@@ -503,6 +669,13 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCacheSalt().hashCode();
     hash = (37 * hash) + STREAM_INTERVAL_FIELD_NUMBER;
     hash = (53 * hash) + getStreamInterval();
+    hash = (37 * hash) + TIMEOUT_SECONDS_FIELD_NUMBER;
+    hash = (53 * hash) + com.google.protobuf.Internal.hashLong(
+        java.lang.Double.doubleToLongBits(getTimeoutSeconds()));
+    if (!internalGetTraceContext().getMap().isEmpty()) {
+      hash = (37 * hash) + TRACE_CONTEXT_FIELD_NUMBER;
+      hash = (53 * hash) + internalGetTraceContext().hashCode();
+    }
     switch (promptCase_) {
       case 2:
         hash = (37 * hash) + TEXT_FIELD_NUMBER;
@@ -630,6 +803,28 @@ private static final long serialVersionUID = 0L;
       return ai.sluice.v1.SluiceProto.internal_static_sluice_v1_GenerateRequest_descriptor;
     }
 
+    @SuppressWarnings({"rawtypes"})
+    protected com.google.protobuf.MapField internalGetMapField(
+        int number) {
+      switch (number) {
+        case 11:
+          return internalGetTraceContext();
+        default:
+          throw new RuntimeException(
+              "Invalid map field number: " + number);
+      }
+    }
+    @SuppressWarnings({"rawtypes"})
+    protected com.google.protobuf.MapField internalGetMutableMapField(
+        int number) {
+      switch (number) {
+        case 11:
+          return internalGetMutableTraceContext();
+        default:
+          throw new RuntimeException(
+              "Invalid map field number: " + number);
+      }
+    }
     @java.lang.Override
     protected com.google.protobuf.GeneratedMessageV3.FieldAccessorTable
         internalGetFieldAccessorTable() {
@@ -667,6 +862,8 @@ private static final long serialVersionUID = 0L;
       priority_ = 0;
       cacheSalt_ = "";
       streamInterval_ = 0;
+      timeoutSeconds_ = 0D;
+      internalGetMutableTraceContext().clear();
       promptCase_ = 0;
       prompt_ = null;
       return this;
@@ -719,6 +916,13 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000080) != 0)) {
         result.streamInterval_ = streamInterval_;
+      }
+      if (((from_bitField0_ & 0x00000100) != 0)) {
+        result.timeoutSeconds_ = timeoutSeconds_;
+      }
+      if (((from_bitField0_ & 0x00000200) != 0)) {
+        result.traceContext_ = internalGetTraceContext();
+        result.traceContext_.makeImmutable();
       }
     }
 
@@ -798,6 +1002,12 @@ private static final long serialVersionUID = 0L;
       if (other.getStreamInterval() != 0) {
         setStreamInterval(other.getStreamInterval());
       }
+      if (other.getTimeoutSeconds() != 0D) {
+        setTimeoutSeconds(other.getTimeoutSeconds());
+      }
+      internalGetMutableTraceContext().mergeFrom(
+          other.internalGetTraceContext());
+      bitField0_ |= 0x00000200;
       switch (other.getPromptCase()) {
         case TEXT: {
           promptCase_ = 2;
@@ -890,6 +1100,20 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000080;
               break;
             } // case 64
+            case 81: {
+              timeoutSeconds_ = input.readDouble();
+              bitField0_ |= 0x00000100;
+              break;
+            } // case 81
+            case 90: {
+              com.google.protobuf.MapEntry<java.lang.String, java.lang.String>
+              traceContext__ = input.readMessage(
+                  TraceContextDefaultEntryHolder.defaultEntry.getParserForType(), extensionRegistry);
+              internalGetMutableTraceContext().getMutableMap().put(
+                  traceContext__.getKey(), traceContext__.getValue());
+              bitField0_ |= 0x00000200;
+              break;
+            } // case 90
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -925,8 +1149,9 @@ private static final long serialVersionUID = 0L;
     private java.lang.Object requestId_ = "";
     /**
      * <pre>
-     * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-     * on StreamGenerate it is required and unique among the stream's live requests.
+     * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+     * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+     * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
      * </pre>
      *
      * <code>string request_id = 1;</code>
@@ -946,8 +1171,9 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-     * on StreamGenerate it is required and unique among the stream's live requests.
+     * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+     * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+     * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
      * </pre>
      *
      * <code>string request_id = 1;</code>
@@ -968,8 +1194,9 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-     * on StreamGenerate it is required and unique among the stream's live requests.
+     * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+     * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+     * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
      * </pre>
      *
      * <code>string request_id = 1;</code>
@@ -986,8 +1213,9 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-     * on StreamGenerate it is required and unique among the stream's live requests.
+     * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+     * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+     * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
      * </pre>
      *
      * <code>string request_id = 1;</code>
@@ -1001,8 +1229,9 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-     * on StreamGenerate it is required and unique among the stream's live requests.
+     * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+     * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+     * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
      * </pre>
      *
      * <code>string request_id = 1;</code>
@@ -1518,7 +1747,8 @@ private static final long serialVersionUID = 0L;
     private int priority_ ;
     /**
      * <pre>
-     * Lower values are scheduled first; default 0.
+     * Lower values are scheduled first; default 0. A value below the tenant's max_priority runs at
+     * max_priority (clamped).
      * </pre>
      *
      * <code>int32 priority = 6;</code>
@@ -1530,7 +1760,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Lower values are scheduled first; default 0.
+     * Lower values are scheduled first; default 0. A value below the tenant's max_priority runs at
+     * max_priority (clamped).
      * </pre>
      *
      * <code>int32 priority = 6;</code>
@@ -1546,7 +1777,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Lower values are scheduled first; default 0.
+     * Lower values are scheduled first; default 0. A value below the tenant's max_priority runs at
+     * max_priority (clamped).
      * </pre>
      *
      * <code>int32 priority = 6;</code>
@@ -1562,7 +1794,8 @@ private static final long serialVersionUID = 0L;
     private java.lang.Object cacheSalt_ = "";
     /**
      * <pre>
-     * Requests with different salts never share prefix-cache blocks.
+     * Requests with different salts never share prefix-cache blocks; neither do different tenants
+     * unless the operator gives them the same prefix_cache_scope.
      * </pre>
      *
      * <code>string cache_salt = 7;</code>
@@ -1582,7 +1815,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Requests with different salts never share prefix-cache blocks.
+     * Requests with different salts never share prefix-cache blocks; neither do different tenants
+     * unless the operator gives them the same prefix_cache_scope.
      * </pre>
      *
      * <code>string cache_salt = 7;</code>
@@ -1603,7 +1837,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Requests with different salts never share prefix-cache blocks.
+     * Requests with different salts never share prefix-cache blocks; neither do different tenants
+     * unless the operator gives them the same prefix_cache_scope.
      * </pre>
      *
      * <code>string cache_salt = 7;</code>
@@ -1620,7 +1855,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Requests with different salts never share prefix-cache blocks.
+     * Requests with different salts never share prefix-cache blocks; neither do different tenants
+     * unless the operator gives them the same prefix_cache_scope.
      * </pre>
      *
      * <code>string cache_salt = 7;</code>
@@ -1634,7 +1870,8 @@ private static final long serialVersionUID = 0L;
     }
     /**
      * <pre>
-     * Requests with different salts never share prefix-cache blocks.
+     * Requests with different salts never share prefix-cache blocks; neither do different tenants
+     * unless the operator gives them the same prefix_cache_scope.
      * </pre>
      *
      * <code>string cache_salt = 7;</code>
@@ -1695,6 +1932,228 @@ private static final long serialVersionUID = 0L;
       bitField0_ = (bitField0_ & ~0x00000080);
       streamInterval_ = 0;
       onChanged();
+      return this;
+    }
+
+    private double timeoutSeconds_ ;
+    /**
+     * <pre>
+     * Seconds from arrival after which the server aborts the request (its KV blocks are free before
+     * the next engine step) and ends it with DEADLINE_EXCEEDED: the call's status on Generate, the
+     * request's RequestError on StreamGenerate, where one stream's requests have no deadline of
+     * their own otherwise. 0 means none (a Generate call's gRPC deadline still applies).
+     * </pre>
+     *
+     * <code>double timeout_seconds = 10;</code>
+     * @return The timeoutSeconds.
+     */
+    @java.lang.Override
+    public double getTimeoutSeconds() {
+      return timeoutSeconds_;
+    }
+    /**
+     * <pre>
+     * Seconds from arrival after which the server aborts the request (its KV blocks are free before
+     * the next engine step) and ends it with DEADLINE_EXCEEDED: the call's status on Generate, the
+     * request's RequestError on StreamGenerate, where one stream's requests have no deadline of
+     * their own otherwise. 0 means none (a Generate call's gRPC deadline still applies).
+     * </pre>
+     *
+     * <code>double timeout_seconds = 10;</code>
+     * @param value The timeoutSeconds to set.
+     * @return This builder for chaining.
+     */
+    public Builder setTimeoutSeconds(double value) {
+      
+      timeoutSeconds_ = value;
+      bitField0_ |= 0x00000100;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Seconds from arrival after which the server aborts the request (its KV blocks are free before
+     * the next engine step) and ends it with DEADLINE_EXCEEDED: the call's status on Generate, the
+     * request's RequestError on StreamGenerate, where one stream's requests have no deadline of
+     * their own otherwise. 0 means none (a Generate call's gRPC deadline still applies).
+     * </pre>
+     *
+     * <code>double timeout_seconds = 10;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearTimeoutSeconds() {
+      bitField0_ = (bitField0_ & ~0x00000100);
+      timeoutSeconds_ = 0D;
+      onChanged();
+      return this;
+    }
+
+    private com.google.protobuf.MapField<
+        java.lang.String, java.lang.String> traceContext_;
+    private com.google.protobuf.MapField<java.lang.String, java.lang.String>
+        internalGetTraceContext() {
+      if (traceContext_ == null) {
+        return com.google.protobuf.MapField.emptyMapField(
+            TraceContextDefaultEntryHolder.defaultEntry);
+      }
+      return traceContext_;
+    }
+    private com.google.protobuf.MapField<java.lang.String, java.lang.String>
+        internalGetMutableTraceContext() {
+      if (traceContext_ == null) {
+        traceContext_ = com.google.protobuf.MapField.newMapField(
+            TraceContextDefaultEntryHolder.defaultEntry);
+      }
+      if (!traceContext_.isMutable()) {
+        traceContext_ = traceContext_.copy();
+      }
+      bitField0_ |= 0x00000200;
+      onChanged();
+      return traceContext_;
+    }
+    public int getTraceContextCount() {
+      return internalGetTraceContext().getMap().size();
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    @java.lang.Override
+    public boolean containsTraceContext(
+        java.lang.String key) {
+      if (key == null) { throw new NullPointerException("map key"); }
+      return internalGetTraceContext().getMap().containsKey(key);
+    }
+    /**
+     * Use {@link #getTraceContextMap()} instead.
+     */
+    @java.lang.Override
+    @java.lang.Deprecated
+    public java.util.Map<java.lang.String, java.lang.String> getTraceContext() {
+      return getTraceContextMap();
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    @java.lang.Override
+    public java.util.Map<java.lang.String, java.lang.String> getTraceContextMap() {
+      return internalGetTraceContext().getMap();
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    @java.lang.Override
+    public /* nullable */
+java.lang.String getTraceContextOrDefault(
+        java.lang.String key,
+        /* nullable */
+java.lang.String defaultValue) {
+      if (key == null) { throw new NullPointerException("map key"); }
+      java.util.Map<java.lang.String, java.lang.String> map =
+          internalGetTraceContext().getMap();
+      return map.containsKey(key) ? map.get(key) : defaultValue;
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    @java.lang.Override
+    public java.lang.String getTraceContextOrThrow(
+        java.lang.String key) {
+      if (key == null) { throw new NullPointerException("map key"); }
+      java.util.Map<java.lang.String, java.lang.String> map =
+          internalGetTraceContext().getMap();
+      if (!map.containsKey(key)) {
+        throw new java.lang.IllegalArgumentException();
+      }
+      return map.get(key);
+    }
+    public Builder clearTraceContext() {
+      bitField0_ = (bitField0_ & ~0x00000200);
+      internalGetMutableTraceContext().getMutableMap()
+          .clear();
+      return this;
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    public Builder removeTraceContext(
+        java.lang.String key) {
+      if (key == null) { throw new NullPointerException("map key"); }
+      internalGetMutableTraceContext().getMutableMap()
+          .remove(key);
+      return this;
+    }
+    /**
+     * Use alternate mutation accessors instead.
+     */
+    @java.lang.Deprecated
+    public java.util.Map<java.lang.String, java.lang.String>
+        getMutableTraceContext() {
+      bitField0_ |= 0x00000200;
+      return internalGetMutableTraceContext().getMutableMap();
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    public Builder putTraceContext(
+        java.lang.String key,
+        java.lang.String value) {
+      if (key == null) { throw new NullPointerException("map key"); }
+      if (value == null) { throw new NullPointerException("map value"); }
+      internalGetMutableTraceContext().getMutableMap()
+          .put(key, value);
+      bitField0_ |= 0x00000200;
+      return this;
+    }
+    /**
+     * <pre>
+     * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+     * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+     * Lets each request of one StreamGenerate stream continue its own trace.
+     * </pre>
+     *
+     * <code>map&lt;string, string&gt; trace_context = 11;</code>
+     */
+    public Builder putAllTraceContext(
+        java.util.Map<java.lang.String, java.lang.String> values) {
+      internalGetMutableTraceContext().getMutableMap()
+          .putAll(values);
+      bitField0_ |= 0x00000200;
       return this;
     }
     @java.lang.Override

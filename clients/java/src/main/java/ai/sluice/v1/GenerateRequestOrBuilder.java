@@ -9,8 +9,9 @@ public interface GenerateRequestOrBuilder extends
 
   /**
    * <pre>
-   * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-   * on StreamGenerate it is required and unique among the stream's live requests.
+   * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+   * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+   * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
    * </pre>
    *
    * <code>string request_id = 1;</code>
@@ -19,8 +20,9 @@ public interface GenerateRequestOrBuilder extends
   java.lang.String getRequestId();
   /**
    * <pre>
-   * Names the request for Abort and in every chunk. Generate assigns a fresh id when empty;
-   * on StreamGenerate it is required and unique among the stream's live requests.
+   * Names the request for Abort and in every chunk. On Generate, unique among the live requests of
+   * the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
+   * required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
    * </pre>
    *
    * <code>string request_id = 1;</code>
@@ -93,7 +95,8 @@ public interface GenerateRequestOrBuilder extends
 
   /**
    * <pre>
-   * Lower values are scheduled first; default 0.
+   * Lower values are scheduled first; default 0. A value below the tenant's max_priority runs at
+   * max_priority (clamped).
    * </pre>
    *
    * <code>int32 priority = 6;</code>
@@ -103,7 +106,8 @@ public interface GenerateRequestOrBuilder extends
 
   /**
    * <pre>
-   * Requests with different salts never share prefix-cache blocks.
+   * Requests with different salts never share prefix-cache blocks; neither do different tenants
+   * unless the operator gives them the same prefix_cache_scope.
    * </pre>
    *
    * <code>string cache_salt = 7;</code>
@@ -112,7 +116,8 @@ public interface GenerateRequestOrBuilder extends
   java.lang.String getCacheSalt();
   /**
    * <pre>
-   * Requests with different salts never share prefix-cache blocks.
+   * Requests with different salts never share prefix-cache blocks; neither do different tenants
+   * unless the operator gives them the same prefix_cache_scope.
    * </pre>
    *
    * <code>string cache_salt = 7;</code>
@@ -131,6 +136,83 @@ public interface GenerateRequestOrBuilder extends
    * @return The streamInterval.
    */
   int getStreamInterval();
+
+  /**
+   * <pre>
+   * Seconds from arrival after which the server aborts the request (its KV blocks are free before
+   * the next engine step) and ends it with DEADLINE_EXCEEDED: the call's status on Generate, the
+   * request's RequestError on StreamGenerate, where one stream's requests have no deadline of
+   * their own otherwise. 0 means none (a Generate call's gRPC deadline still applies).
+   * </pre>
+   *
+   * <code>double timeout_seconds = 10;</code>
+   * @return The timeoutSeconds.
+   */
+  double getTimeoutSeconds();
+
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  int getTraceContextCount();
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  boolean containsTraceContext(
+      java.lang.String key);
+  /**
+   * Use {@link #getTraceContextMap()} instead.
+   */
+  @java.lang.Deprecated
+  java.util.Map<java.lang.String, java.lang.String>
+  getTraceContext();
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  java.util.Map<java.lang.String, java.lang.String>
+  getTraceContextMap();
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  /* nullable */
+java.lang.String getTraceContextOrDefault(
+      java.lang.String key,
+      /* nullable */
+java.lang.String defaultValue);
+  /**
+   * <pre>
+   * W3C trace context of this request (keys "traceparent" and optionally "tracestate"): the
+   * parent of the request's server span. When empty, the call's own traceparent metadata is used.
+   * Lets each request of one StreamGenerate stream continue its own trace.
+   * </pre>
+   *
+   * <code>map&lt;string, string&gt; trace_context = 11;</code>
+   */
+  java.lang.String getTraceContextOrThrow(
+      java.lang.String key);
 
   public ai.sluice.v1.GenerateRequest.PromptCase getPromptCase();
 }

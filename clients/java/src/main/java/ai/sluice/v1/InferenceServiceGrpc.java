@@ -250,7 +250,10 @@ public final class InferenceServiceGrpc {
 
     /**
      * <pre>
-     * Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+     * Abort stops a request started with Generate by the same tenant; its stream ends with
+     * FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+     * for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+     * Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
      * </pre>
      */
     public void abort(ai.sluice.v1.AbortRequest request,
@@ -364,7 +367,10 @@ public final class InferenceServiceGrpc {
 
     /**
      * <pre>
-     * Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+     * Abort stops a request started with Generate by the same tenant; its stream ends with
+     * FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+     * for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+     * Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
      * </pre>
      */
     public void abort(ai.sluice.v1.AbortRequest request,
@@ -427,7 +433,10 @@ public final class InferenceServiceGrpc {
 
     /**
      * <pre>
-     * Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+     * Abort stops a request started with Generate by the same tenant; its stream ends with
+     * FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+     * for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+     * Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
      * </pre>
      */
     public ai.sluice.v1.AbortResponse abort(ai.sluice.v1.AbortRequest request) {
@@ -475,7 +484,10 @@ public final class InferenceServiceGrpc {
 
     /**
      * <pre>
-     * Abort stops a running request started with Generate; its stream ends with FINISH_REASON_ABORT.
+     * Abort stops a request started with Generate by the same tenant; its stream ends with
+     * FINISH_REASON_ABORT. Idempotent: OK for a live request or one that ended lately. NOT_FOUND
+     * for an id never seen (or another tenant's); such an Abort is still remembered for 30 s, and a
+     * Generate with that id arriving meanwhile ends at once with FINISH_REASON_ABORT.
      * </pre>
      */
     public com.google.common.util.concurrent.ListenableFuture<ai.sluice.v1.AbortResponse> abort(

@@ -1,0 +1,16 @@
+"""Caller: who sent a request (its tenant) and the call's metadata (traceparent, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from service.tenants import Tenant
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    metadata: Metadata = ()

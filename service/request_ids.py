@@ -1,0 +1,111 @@
+"""Generate request ids, per tenant: which are live, which ended lately, and Aborts that came early.
+
+    claim(tenant, id)  live already ─────────────> RequestIdInUseError (ALREADY_EXISTS)
+                       an early Abort remembered ─> a RequestCancel already cancelled (never runs)
+                       else ──────────────────────> a fresh RequestCancel, live until release()
+    abort(tenant, id)  live ──────> its RequestCancel (the caller cancels it)
+                       ended lately (or aborted) ──> None: nothing to do, and OK (idempotent)
+                       never seen ─> remembered for `remember_s`, then UnknownRequestError (NOT_FOUND)
+
+Ids are keys per tenant: two tenants may use the same id, and one tenant's Abort never finds another's
+request (it is "never seen" from there). Ended ids and early Aborts are kept for `remember_s` seconds
+and at most `max_remembered` of each (oldest dropped first), so memory stays bounded whatever callers do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine.errors import SluiceError, UnknownRequestError
+from service.request_cancel import ABORT, RequestCancel
+
+REMEMBER_S = 30.0
+MAX_REMEMBERED = 10_000
+
+_Key = tuple[str, str]  # (tenant name, request id)
+
+
+class RequestIdInUseError(SluiceError):
+    """A live request of the same tenant already has this id (maps to ALREADY_EXISTS)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id: {request_id!r} is already in use by a live request")
+
+
+class _ExpiringSet:
+    """Keys with the time they were added; older than `ttl` or beyond `capacity` are forgotten."""
+
+    def __init__(self, ttl: float, capacity: int, clock: Callable[[], float]) -> None:
+        self._ttl, self._capacity, self._clock = ttl, capacity, clock
+        self._items: OrderedDict[_Key, float] = OrderedDict()
+
+    def add(self, key: _Key) -> None:
+        self._items.pop(key, None)
+        self._items[key] = self._clock()
+        self._expire()
+
+    def pop(self, key: _Key) -> bool:
+        self._expire()
+        return self._items.pop(key, None) is not None
+
+    def __contains__(self, key: _Key) -> bool:
+        self._expire()
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        oldest_kept = self._clock() - self._ttl
+        while self._items and (
+            len(self._items) > self._capacity or next(iter(self._items.values())) < oldest_kept
+        ):
+            self._items.popitem(last=False)
+
+
+class RequestIds:
+    """The Generate request ids of one server."""
+
+    def __init__(
+        self,
+        *,
+        remember_s: float = REMEMBER_S,
+        max_remembered: int = MAX_REMEMBERED,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._live: dict[_Key, RequestCancel] = {}
+        self._ended = _ExpiringSet(remember_s, max_remembered, clock)
+        self._early_aborts = _ExpiringSet(remember_s, max_remembered, clock)
+
+    def claim(self, tenant: str, request_id: str) -> RequestCancel:
+        key = (tenant, request_id)
+        if key in self._live:
+            raise RequestIdInUseError(request_id)
+        cancel = RequestCancel()
+        if self._early_aborts.pop(key):
+            cancel.reason = ABORT
+        self._live[key] = cancel
+        self._ended.pop(key)
+        return cancel
+
+    def release(self, tenant: str, request_id: str, cancel: RequestCancel) -> None:
+        key = (tenant, request_id)
+        if self._live.get(key) is cancel:
+            del self._live[key]
+            self._ended.add(key)
+
+    def abort(self, tenant: str, request_id: str) -> RequestCancel | None:
+        """The live request's RequestCancel; None if it ended lately; raises UnknownRequestError."""
+        key = (tenant, request_id)
+        if key in self._live:
+            return self._live[key]
+        if key in self._ended:
+            return None
+        self._early_aborts.add(key)
+        raise UnknownRequestError(request_id)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)

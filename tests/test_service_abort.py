@@ -1,0 +1,134 @@
+"""Request ids and Abort: NOT_FOUND for an id never seen, an Abort that comes before its Generate still
+cancels it, a duplicate live id is ALREADY_EXISTS, Abort is idempotent; and a request's own
+timeout_seconds ends it with DEADLINE_EXCEEDED and frees its KV blocks."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+import pytest
+from service_harness import ServerThread
+from sluice import generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from engine.errors import UnknownRequestError
+from service.request_ids import RequestIdInUseError, RequestIds
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()
+
+
+def _error(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call() if callable(call) else list(call)
+    return info.value.code(), info.value.details()
+
+
+def test_abort_of_an_unknown_id_is_not_found(stub) -> None:
+    assert _error(lambda: stub.Abort(pb.AbortRequest(request_id="never"))) == (
+        grpc.StatusCode.NOT_FOUND,
+        "request_id: no request with id 'never'",
+    )
+
+
+def test_an_abort_before_its_generate_still_cancels_it(stub, server: ServerThread) -> None:
+    code, _ = _error(lambda: stub.Abort(pb.AbortRequest(request_id="early")))
+    assert code == grpc.StatusCode.NOT_FOUND  # no such request yet, but the Abort is remembered
+    chunks = list(stub.Generate(generate_request("Hello", request_id="early", **LONG)))
+    assert [(c.request_id, c.finish_reason, c.usage.completion_tokens) for c in chunks] == [
+        ("early", pb.FINISH_REASON_ABORT, 0)
+    ]
+    server.wait_idle()
+    # Remembered once: the id may be used again.
+    again = list(stub.Generate(generate_request("Hello", request_id="early", temperature=0.0, max_tokens=2)))
+    assert again[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_duplicate_live_id_is_already_exists_and_abort_is_idempotent(stub, server: ServerThread) -> None:
+    running = stub.Generate(generate_request("Hello", request_id="dup", **LONG))
+    next(running)
+    assert _error(stub.Generate(generate_request("Hi", request_id="dup", max_tokens=2))) == (
+        grpc.StatusCode.ALREADY_EXISTS,
+        "request_id: 'dup' is already in use by a live request",
+    )
+    assert server.stats().num_running == 1  # the duplicate never reached the engine
+    assert stub.Abort(pb.AbortRequest(request_id="dup")) == pb.AbortResponse()
+    assert stub.Abort(pb.AbortRequest(request_id="dup")) == pb.AbortResponse()
+    assert list(running)[-1].finish_reason == pb.FINISH_REASON_ABORT
+    server.wait_idle()
+    assert stub.Abort(pb.AbortRequest(request_id="dup")) == pb.AbortResponse()  # ended lately: still OK
+    done = list(stub.Generate(generate_request("Hi", request_id="dup", temperature=0.0, max_tokens=2)))
+    assert done[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_generate_timeout_is_deadline_exceeded_and_frees_the_blocks(stub, server: ServerThread) -> None:
+    start = time.monotonic()
+    call = stub.Generate(generate_request("Hello", timeout_seconds=0.5, **LONG))
+    assert _error(call) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "timeout_seconds: the request's timeout of 0.5 s passed",
+    )
+    assert 0.5 <= time.monotonic() - start < 5
+    server.wait_idle(timeout=1.0)
+
+
+def test_stream_request_timeout_ends_only_that_request(stub, server: ServerThread) -> None:
+    requests = [
+        pb.StreamGenerateRequest(
+            generate=generate_request("a", request_id="slow", timeout_seconds=0.4, **LONG)
+        ),
+        pb.StreamGenerateRequest(
+            generate=generate_request("b", request_id="quick", temperature=0.0, max_tokens=3)
+        ),
+    ]
+    responses = list(stub.StreamGenerate(iter(requests)))
+    errors = [
+        (r.request_id, r.error.code, r.error.message) for r in responses if r.WhichOneof("event") == "error"
+    ]
+    assert errors == [
+        (
+            "slow",
+            grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+            "timeout_seconds: the request's timeout of 0.4 s passed",
+        )
+    ]
+    quick = [r.chunk for r in responses if r.request_id == "quick"]
+    assert quick[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(c.token_ids) for c in quick) == 3
+    server.wait_idle(timeout=1.0)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
+def test_bad_timeout_is_invalid_argument(stub, seconds: float) -> None:
+    code, message = _error(stub.Generate(generate_request("Hi", timeout_seconds=seconds)))
+    assert (code, message) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"timeout_seconds: must be a finite number >= 0, got {seconds}",
+    )
+
+
+def test_request_ids_forget_after_the_window_and_stay_bounded() -> None:
+    now = [0.0]
+    ids = RequestIds(remember_s=30.0, max_remembered=2, clock=lambda: now[0])
+    with pytest.raises(UnknownRequestError):
+        ids.abort("t", "x")
+    now[0] += 31.0  # the early Abort expired: a Generate now runs
+    assert not ids.claim("t", "x").cancelled
+    with pytest.raises(RequestIdInUseError):
+        ids.claim("t", "x")
+    assert not ids.claim("other-tenant", "x").cancelled
+    for i in range(5):  # more early Aborts than remembered: the oldest go first
+        with pytest.raises(UnknownRequestError):
+            ids.abort("t", f"early-{i}")
+    assert not ids.claim("t", "early-0").cancelled
+    assert ids.claim("t", "early-4").cancelled

@@ -1,0 +1,305 @@
+"""Tenants (`--api-keys`): the key names the tenant; tenants share no prefix-cache blocks unless given
+the same scope, cannot get ahead of their max_priority (clamped), cannot abort each other's requests,
+and get RESOURCE_EXHAUSTED with a `grpc-retry-pushback-ms` trailer over their limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from service_harness import ServerThread, tiny_engine_config
+from sluice import Client, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from service.serve_command import configure, server_config
+from service.server import ServerConfig
+from service.tenant_limits import TenantLimiter, TenantOverLimitError
+from service.tenants import Tenant, TenantDirectory
+
+pytestmark = pytest.mark.timeout(120)
+
+KEYS_TOML = """
+[[tenant]]
+name = "alpha"
+keys = ["key-alpha"]
+
+[[tenant]]
+name = "beta"
+keys = ["key-beta", "key-beta-2"]
+
+[[tenant]]
+name = "gamma"
+keys = ["key-gamma"]
+prefix_cache_scope = "shared"
+
+[[tenant]]
+name = "delta"
+keys = ["key-delta"]
+prefix_cache_scope = "shared"
+
+[[tenant]]
+name = "batch"
+keys = ["key-batch"]
+max_priority = 10
+
+[[tenant]]
+name = "small"
+keys = ["key-small"]
+max_concurrent_requests = 1
+
+[[tenant]]
+name = "slow"
+keys = ["key-slow"]
+requests_per_second = 0.5
+burst = 1
+"""
+LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+PUSHBACK = "grpc-retry-pushback-ms"
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api-keys.toml"
+    path.write_text(KEYS_TOML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tenant_server(llama_dir: str, keys_file: Path):
+    config = ServerConfig(host="127.0.0.1", port=0, tenants=TenantDirectory.load(keys_file))
+    thread = ServerThread(tiny_engine_config(llama_dir, max_num_seqs=1), config).start()
+    yield thread
+    thread.stop()
+
+
+def _client(server: ServerThread, key: str) -> Client:
+    return Client(server.target, api_key=key)
+
+
+def _stub_call(server: ServerThread, key: str, request: pb.GenerateRequest) -> grpc.RpcError:
+    """The error of a Generate call made with a raw stub (to read its trailers)."""
+    with server.channel() as channel:
+        call = server.stub(channel).Generate(request, metadata=(("authorization", f"Bearer {key}"),))
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    return info.value
+
+
+def test_tenants_share_no_cache_blocks_unless_given_the_same_scope(tenant_server: ServerThread) -> None:
+    prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16 can be cached
+
+    def cached(key: str) -> int:
+        with _client(tenant_server, key) as client:
+            request = generate_request(token_ids=prompt, temperature=0.0, max_tokens=2)
+            return client.complete(request).usage.cached_tokens
+
+    assert cached("key-alpha") == 0
+    assert cached("key-alpha") == 32  # the cache works within a tenant
+    assert cached("key-beta") == 0  # same prompt, other tenant: nothing shared
+    assert cached("key-beta-2") == 32  # another key of the same tenant shares
+    assert cached("key-gamma") == 0
+    assert cached("key-delta") == 32  # gamma and delta have one prefix_cache_scope
+    tenant_server.wait_idle()
+
+
+def test_priority_is_clamped_to_the_tenants_max_priority(tenant_server: ServerThread) -> None:
+    """One sequence runs at a time. batch asks for priority 0 but runs at 10, so alpha's priority 5
+    request, queued after it, runs first."""
+    for attempt in range(5):
+        order, occupier_finish = _queue_behind_an_occupier(tenant_server, f"occupier-{attempt}")
+        if occupier_finish == pb.FINISH_REASON_ABORT:  # both were queued while it ran: a valid run
+            break
+    assert occupier_finish == pb.FINISH_REASON_ABORT, "the occupier always finished too soon"
+    assert order == ["key-alpha", "key-batch"]
+    tenant_server.wait_idle()
+
+
+def _queue_behind_an_occupier(server: ServerThread, occupier_id: str) -> tuple[list[str], int]:
+    """Queues batch (priority 0) then alpha (priority 5) behind a running request, aborts that
+    request, and returns the order they finished in and how the running request ended."""
+    order: list[str] = []
+
+    def run(key: str, priority: int) -> None:
+        with _client(server, key) as client:
+            request = generate_request("queued", priority=priority, temperature=0.0, max_tokens=2)
+            client.complete(request)
+            order.append(key)
+
+    with _client(server, "key-alpha") as client:
+        running = client.generate(generate_request("Hello", request_id=occupier_id, **LONG))
+        next(running)
+        threads = [threading.Thread(target=run, args=args) for args in (("key-batch", 0), ("key-alpha", 5))]
+        for waiting, thread in enumerate(threads, start=1):
+            thread.start()
+            _wait_for(lambda n=waiting: server.stats().num_waiting >= n or server.stats().num_running == 0)
+        client.abort(occupier_id)
+        finish = list(running)[-1].finish_reason
+        for thread in threads:
+            thread.join(30)
+    server.wait_idle()
+    return order, finish
+
+
+def test_a_tenant_cannot_abort_another_tenants_request(tenant_server: ServerThread) -> None:
+    with _client(tenant_server, "key-alpha") as alpha, _client(tenant_server, "key-beta") as beta:
+        alpha_chunks = alpha.generate(generate_request("Hello", request_id="job-1", **LONG))
+        next(alpha_chunks)
+        with pytest.raises(SluiceError) as info:
+            beta.abort("job-1")
+        assert (info.value.code, info.value.message) == (
+            grpc.StatusCode.NOT_FOUND,
+            "request_id: no request with id 'job-1'",
+        )
+        rest = list(alpha_chunks)  # beta's Abort did not touch it: it runs to its length
+        assert (rest[-1].finish_reason, rest[-1].usage.completion_tokens) == (pb.FINISH_REASON_LENGTH, 240)
+        # Ids are per tenant: gamma may use the same id. (Beta's own "job-1" is cancelled at once:
+        # its Abort above is remembered, see test_service_abort.)
+        with _client(tenant_server, "key-gamma") as gamma:
+            request = generate_request("Hi", request_id="job-1", temperature=0.0, max_tokens=1)
+            assert gamma.complete(request).finish_reason == pb.FINISH_REASON_LENGTH
+        early = beta.complete(generate_request("Hi", request_id="job-1", max_tokens=1))
+        assert (early.finish_reason, early.usage.completion_tokens) == (pb.FINISH_REASON_ABORT, 0)
+    tenant_server.wait_idle()
+
+
+def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_server: ServerThread) -> None:
+    rejected = tenant_server.server.metrics.registry.get_sample_value
+    before = rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) or 0.0
+    with _client(tenant_server, "key-small") as client:
+        running = client.generate(generate_request("Hello", **LONG))
+        next(running)
+        error = _stub_call(tenant_server, "key-small", generate_request("more", max_tokens=2))
+        assert (error.code(), error.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "tenant 'small' has 1 requests running, its max_concurrent_requests; retry later",
+        )
+        assert dict(error.trailing_metadata())[PUSHBACK] == "500"
+        # Another tenant is not limited by small's requests.
+        with _client(tenant_server, "key-beta") as beta:
+            assert beta.complete(generate_request("x", max_tokens=1), timeout=0.1 + 60).usage is not None
+        running.close()
+    tenant_server.wait_idle()
+    assert rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) == before + 1
+    with _client(tenant_server, "key-small") as client:  # the slot is free again
+        assert client.complete(generate_request("again", max_tokens=1)).usage.completion_tokens == 1
+
+
+def test_over_the_rate_limit_is_resource_exhausted_with_pushback(tenant_server: ServerThread) -> None:
+    with _client(tenant_server, "key-slow") as client:
+        client.complete(generate_request("one", max_tokens=1))
+    error = _stub_call(tenant_server, "key-slow", generate_request("two", max_tokens=1))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details().startswith("tenant 'slow' is over its rate of 0.5 requests/s; retry in ")
+    pushback = int(dict(error.trailing_metadata())[PUSHBACK])
+    assert 0 < pushback <= 2000
+    assert error.details() == f"tenant 'slow' is over its rate of 0.5 requests/s; retry in {pushback} ms"
+
+
+def test_stream_requests_count_against_the_tenant_too(tenant_server: ServerThread) -> None:
+    with _client(tenant_server, "key-small") as client:
+        requests = [
+            pb.StreamGenerateRequest(generate=generate_request("a", request_id="a", **LONG)),
+            pb.StreamGenerateRequest(generate=generate_request("b", request_id="b", max_tokens=1)),
+            pb.StreamGenerateRequest(cancel=pb.StreamCancel(request_id="a")),
+        ]
+        responses = list(client.stream_generate(iter(requests)))
+    errors = [(r.request_id, r.error.code) for r in responses if r.WhichOneof("event") == "error"]
+    assert errors == [("b", grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    tenant_server.wait_idle()
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+# The keys file and the limiter without a server.
+
+
+def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
+    directory = TenantDirectory.load(keys_file)
+    assert directory.tenant_for_key("key-beta-2").name == "beta"
+    assert directory.tenant_for_key("key-beta") is directory.tenant_for_key("key-beta-2")
+    assert directory.tenant_for_key("key-nobody") is None
+    assert directory.tenant_for_key("") is None
+    gamma = directory.tenant_for_key("key-gamma")
+    assert gamma.cache_salt("") == directory.tenant_for_key("key-delta").cache_salt("")
+    assert gamma.cache_salt("") != directory.tenant_for_key("key-alpha").cache_salt("")
+    assert "key-" not in repr(directory)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["secret-1"]\n[[tenant]]\nname = "b"\nkeys = ["secret-1"]\n',
+            "keys: a key of tenant 'b' is also given elsewhere",
+        ),
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\n[[tenant]]\nname = "a"\nkeys = ["k2"]\n',
+            "name: tenant 'a' is listed twice",
+        ),
+        ('[[tenant]]\nname = "a b"\nkeys = ["k"]\n', "name: 'a b' must match [A-Za-z0-9._-]{1,64}"),
+        ('[[tenant]]\nname = "a"\nkeys = []\n', "keys: tenant 'a' needs one or more non-empty keys"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_prio = 1\n', "max_prio: unknown tenant field"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nburst = 3\n', "burst: must be >= 1 and needs"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = 0\n', "requests_per_second: must be"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_priority = "high"\n', "max_priority: must be an integer"),
+        ('key = "k"\n', "api-keys: expected only [[tenant]] tables"),
+    ],
+)
+def test_bad_keys_files_are_refused_naming_the_field_never_the_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        TenantDirectory.load(path)
+    assert str(info.value).startswith(message)
+    assert "secret-1" not in str(info.value)
+
+
+def test_serve_flags_build_the_tenant_directory(keys_file: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    config = server_config(parser.parse_args(["--api-keys", str(keys_file)]))
+    assert config.tenant_directory().tenant_for_key("key-alpha").name == "alpha"
+    args = parser.parse_args(["--api-keys", str(keys_file), "--api-key", "k"])
+    with pytest.raises(ValueError, match="api-keys: give --api-key"):
+        server_config(args)
+    single = server_config(parser.parse_args(["--api-key", "k"])).tenant_directory()
+    assert single.tenant_for_key("k") == Tenant() and single.tenant_for_key("x") is None
+    assert config.grpc_options()[-2:] == [
+        ("grpc.max_connection_age_ms", 300_000),
+        ("grpc.max_connection_age_grace_ms", 120_000),
+    ]
+    no_age = server_config(parser.parse_args(["--max-connection-age", "0"])).grpc_options()
+    assert not any(name.startswith("grpc.max_connection_age") for name, _ in no_age)
+
+
+def test_token_bucket_refills_at_the_rate() -> None:
+    now = [100.0]
+    limiter = TenantLimiter(clock=lambda: now[0])
+    tenant = Tenant(name="t", requests_per_second=2.0, burst=2)
+    limiter.admit(tenant)()
+    limiter.admit(tenant)()
+    with pytest.raises(TenantOverLimitError) as info:
+        limiter.admit(tenant)
+    assert info.value.retry_pushback_ms == 500
+    now[0] += 0.25
+    with pytest.raises(TenantOverLimitError) as info:
+        limiter.admit(tenant)
+    assert info.value.retry_pushback_ms == 250
+    now[0] += 0.25
+    release = limiter.admit(tenant)
+    assert limiter.live(tenant) == 1
+    release()
+    release()  # idempotent
+    assert limiter.live(tenant) == 0
