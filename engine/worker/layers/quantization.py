@@ -76,7 +76,7 @@ def unsupported_reason(method: str, weight: torch.Tensor) -> str | None:
     if weight.device.type != "cpu":
         return f"runs on cpu, the weight is on {weight.device.type}"
     if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE:
-        return f"int4 needs input_size divisible by {INT4_GROUP_SIZE}, got {weight.shape[1]}"
+        return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {weight.shape[1]}"
     return None
 
 
