@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
+QUANTIZATIONS = ("int4", "int8")
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -30,8 +31,13 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # Weight-only quantization of the linear layers on CPU: None, "int4" or "int8".
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {QUANTIZATIONS}"
+        )
         _require(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(

@@ -14,6 +14,7 @@ from engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -103,6 +104,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help="weight-only, CPU (default: off)"
+    )
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
@@ -144,6 +148,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             seed=args.seed,
             max_model_len=args.max_model_len,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

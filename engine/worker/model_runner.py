@@ -52,6 +52,9 @@ class ModelRunner:
             max_positions=self.max_model_len,
             use_triton_kernels=self.attention_backend.name in TRITON_BACKENDS,
         )
+        if config.model.quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"quantization: {config.model.quantization} runs on cpu, not {self.device.type}")
+        self.model.set_quantization(config.model.quantization)
         self.model.load_weights(source.weights)
         self.model.eval()
         # Graphs replay decode steps; the torch backend cannot skip padded rows, so it stays eager.

@@ -4,6 +4,8 @@ Each step writes the new K/V through slot_mapping, then one kernel call attends 
 (prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block tables,
 one task per (sequence, KV head, query tile) covering the GQA group. The torch backend is its reference.
 The kernel has no sliding window yet: windowed layers run the torch backend's windowed attention.
+The launcher's argument checks run on a step's first layer only: every layer of a step passes the same
+metadata and caches of one shape.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from kernels.cpu_extension import cpu_extension_unavailable_reason
-from kernels.cpu_paged_attention import EXTENSION, cpu_paged_attention
+from kernels.cpu_paged_attention import EXTENSION, cpu_paged_attention, cpu_paged_attention_prechecked
 
 
 def cpu_kernel_unavailable_reason(device: torch.device) -> str | None:
@@ -30,6 +32,7 @@ class CpuAttentionBackend:
 
     def __init__(self) -> None:
         self._windowed = TorchAttentionBackend()
+        self._checked: AttentionMetadata | None = None  # the step whose arguments passed the checks
 
     def forward(
         self,
@@ -45,7 +48,8 @@ class CpuAttentionBackend:
         if sliding_window is not None:
             return self._windowed.forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return cpu_paged_attention(
+        attend = cpu_paged_attention_prechecked if metadata is self._checked else cpu_paged_attention
+        out = attend(
             q,
             k_cache,
             v_cache,
@@ -54,3 +58,5 @@ class CpuAttentionBackend:
             metadata.seq_lens,
             scale,
         )
+        self._checked = metadata
+        return out

@@ -19,7 +19,7 @@ from engine.loading.model_arch import ModelArchConfig, RopeScaling
 from engine.loading.weight_loader import load_weights
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.layers.attention import Attention
-from engine.worker.layers.linear import QKVLinear, ReplicatedLinear
+from engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
 from engine.worker.layers.rotary import RotaryEmbedding
 
 # checkpoint module -> (our packed module, shard)
@@ -72,6 +72,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
         return self.lm_head(hidden).float()
+
+    def set_quantization(self, method: str | None) -> None:
+        """Weight-only quantization of every linear layer when the weights load (None: none). Under int4
+        lm_head takes int8: its error reaches the logits directly, and it is a tenth of the weights."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                is_head = module is self.lm_head and method == "int4"
+                module.set_quantization("int8" if is_head else method)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named tensors -> parameters; see `engine.loading.weight_loader.load_weights`."""

@@ -1,0 +1,87 @@
+"""Weight-only quantization of linear layers on CPU (`--quantization int4|int8`), with torch's own kernels.
+
+    int4   groups of INT4_GROUP_SIZE input columns, asymmetric: w = (q - 8) * scale + zero, q in 0..15
+           (`aten._weight_int4pack_mm_for_cpu`); a GGUF's Q4_1 blocks (w = d * q + m over 32 columns)
+           land on the same codes: scale = d, zero = m + 8 d.
+    int8   one symmetric scale per output row: w = q * scale, q in -127..127 (`aten._weight_int8pack_mm`).
+
+Both kernels are fast only with bfloat16 activations (with float32 ones they are a slow reference path), so
+a quantized matmul rounds x, the scales and the result to bf16 once each. They pay while the step is
+bandwidth-bound: up to MAX_QUANTIZED_ROWS rows; larger steps keep the float32 weight (sgemm is then
+compute-bound and faster), so a quantized layer holds both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import QUANTIZATIONS
+
+INT4_GROUP_SIZE = 32
+# Rows at or below which a quantized matmul beats float32 sgemm (measured on SmolLM2-135M, 2 cores).
+MAX_QUANTIZED_ROWS = 32
+_ACTIVATIONS = torch.bfloat16
+
+
+class Int4Weight:
+    """Group-wise asymmetric int4, packed for the CPU kernel. input_size must be a multiple of 32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        out_features, in_features = weight.shape
+        groups = weight.float().reshape(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low) / scale).round().clamp(0, 15)
+        self.codes = codes.to(torch.int32).reshape(out_features, in_features)
+        self.scale, self.low = scale, low
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes, 1)
+        zero = low + 8 * scale
+        # [in_features // group, out_features, 2]: (scale, zero) per group and output row
+        self.scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_ACTIVATIONS)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(_ACTIVATIONS), self.packed, INT4_GROUP_SIZE, self.scales_and_zeros
+        ).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        groups = self.codes.reshape(*self.scale.shape[:2], INT4_GROUP_SIZE)
+        return (groups * self.scale + self.low).reshape(self.codes.shape)
+
+
+class Int8Weight:
+    """Per-output-row symmetric int8."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        weight = weight.float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale
+        self.scales = scale.to(_ACTIVATIONS)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(_ACTIVATIONS), self.codes, self.scales).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale[:, None]
+
+
+QuantizedWeight = Int4Weight | Int8Weight  # weight [out, in] -> matmul(x, bias) = x W^T (+ b)
+
+
+def unsupported_reason(method: str, weight: torch.Tensor) -> str | None:
+    """None when `method` can quantize `weight` [output_size, input_size] on its device, else why not."""
+    if weight.device.type != "cpu":
+        return f"runs on cpu, the weight is on {weight.device.type}"
+    if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE:
+        return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {weight.shape[1]}"
+    return None
+
+
+def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` [output_size, input_size] quantized by `method` ("int4" or "int8")."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {method!r}")
+    return Int4Weight(weight) if method == "int4" else Int8Weight(weight)
