@@ -24,6 +24,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: draft tokens verified for this request, and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     num_steps: int = 0
+    # Speculative decoding: drafts verified and accepted; per draft position j (0-based), how many
+    # drafts were verified there and how many accepted (acceptance rate at j = accepted / verified).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    draft_tokens_per_position: tuple[int, ...] = ()
+    accepted_draft_tokens_per_position: tuple[int, ...] = ()
     extra: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -26,6 +26,10 @@ from engine.outputs import EngineStats
 from engine.sample.grammar_mask import GrammarMask
 from engine.sample.logits_processors import default_processors
 from engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from engine.spec.build import build_proposer
+from engine.spec.proposer import Proposal, speculation_allowed
+from engine.spec.rejection_sampler import RejectionSampler
+from engine.spec.spec_counters import SpecCounters
 from engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
 from engine.worker.model_runner import ModelRunner
 
@@ -51,6 +55,10 @@ class EngineCore:
             sliding_window=source.arch.uniform_sliding_window,
         )
         self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer = build_proposer(config, source, self.model_runner)
+        self._proposals: dict[str, Proposal] = {}  # request id -> its drafts for the next step
+        self.spec_counters = SpecCounters()
         self.faults = FaultInjector.from_env()
         eos = set(source.arch.eos_token_ids)
         if self.tokenizer is not None:
@@ -79,16 +87,17 @@ class EngineCore:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
         rejected = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
-        self.sampler.free(scheduler_output.finished_request_ids)
+        self._free(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
             self._compiling.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
             return rejected
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)
-        self._count(scheduler_output, num_sampled=len(sampled))
+        self._count(scheduler_output, sampled)
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
-        updated = self.scheduler.update_from_output(scheduler_output, sampled_token_ids(sampled))
-        return rejected + failed + [self._output(r, sampled[r.request_id]) for r in updated]
+        updated = self._update(scheduler_output, sampled)
+        self._propose(updated)
+        return rejected + failed + [self._output(r, tokens) for r, tokens in updated]
 
     def add_request(self, add: AddRequest) -> None:
         """Queues a validated request (the frontend checked the prompt against `model_info`).
@@ -106,6 +115,7 @@ class EngineCore:
             arrival_time=add.arrival_time,
             priority=add.priority,
             cache_salt=add.cache_salt,
+            use_speculation=add.use_speculation,
         )
         constraint = add.params.constraint
         if constraint is None:
@@ -175,6 +185,7 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_evictions=s.prefix_cache_evictions,
             num_steps=self._num_steps,
+            **self.spec_counters.stats_fields(),
         )
 
     def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
@@ -184,27 +195,73 @@ class EngineCore:
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
-    ) -> tuple[dict[str, SampledToken], dict[str, str]]:
-        """One token per slice that reached its request's last token, in scheduled order.
+    ) -> tuple[dict[str, list[SampledToken]], dict[str, str]]:
+        """Per slice that reached its request's last token, in scheduled order: its accepted drafts
+        (if it verified any) then one token.
 
-        A batch that fails is sampled again row by row, so a failure caused by one request's parameters
-        ends that request (returned in the second dict: request id -> error) and the others go on.
+        A batch that fails is sampled again request by request, so a failure caused by one request's
+        parameters ends that request (returned in the second dict: request id -> error) and the others
+        go on.
         """
-        rows = [self._sampling_row(s.request_id) for s in scheduler_output.scheduled if s.sample]
+        sampling = [s for s in scheduler_output.scheduled if s.sample]
+        rows = [self._sampling_row(s.request_id) for s in sampling]
+        proposals = [self._proposal(s.request_id, s.spec_token_ids) for s in sampling]
         try:
             self._check_sample_faults(rows)
-            sampled = self.sampler.sample(logits, rows)
+            sampled = self.rejection_sampler.sample(logits, rows, proposals)
             return {row.request_id: s for row, s in zip(rows, sampled, strict=True)}, {}
         except Exception:
             logger.exception("batched sampling failed; sampling each request alone")
         good, failed = {}, {}
-        for i, row in enumerate(rows):
+        start = 0
+        for row, proposal, s in zip(rows, proposals, sampling, strict=True):
+            end = start + len(s.spec_token_ids) + 1
             try:
                 self._check_sample_faults([row])
-                good[row.request_id] = self.sampler.sample(logits[i : i + 1], [row])[0]
+                good[row.request_id] = self.rejection_sampler.sample(logits[start:end], [row], [proposal])[0]
             except Exception as exc:
                 failed[row.request_id] = f"sampling failed: {exc}"
+            start = end
         return good, failed
+
+    def _free(self, request_ids: tuple[str, ...]) -> None:
+        """Drop the sampler's and the proposer's state of requests finished since the last step."""
+        self.sampler.free(request_ids)
+        if self.proposer is not None:
+            self.proposer.free(request_ids)
+
+    def _proposal(self, request_id: str, spec_token_ids: tuple[int, ...]) -> Proposal | None:
+        """The drafts the scheduler kept for this step (a prefix of those proposed)."""
+        if not spec_token_ids:
+            return None
+        probs = self._proposals[request_id].probs
+        return Proposal(spec_token_ids, None if probs is None else probs[: len(spec_token_ids)])
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        """The scheduler takes the sampled tokens; returns each request that got tokens with those it
+        kept (a token stop in the middle of a run drops the rest)."""
+        num_before = {}
+        for s in scheduler_output.scheduled:
+            request = self.scheduler.get_request(s.request_id)
+            if request is not None:
+                num_before[s.request_id] = request.num_output_tokens
+        token_ids = {request_id: [t.token_id for t in tokens] for request_id, tokens in sampled.items()}
+        updated = self.scheduler.update_from_output(scheduler_output, token_ids)
+        return [(r, sampled[r.request_id][: r.num_output_tokens - num_before[r.request_id]]) for r in updated]
+
+    def _propose(self, updated: list[tuple[Request, list[SampledToken]]]) -> None:
+        """Drafts for the next step, for the requests now in decode that may speculate."""
+        self._proposals = {}
+        if self.proposer is None:
+            return
+        requests = [r for r, _ in updated if not r.is_finished and speculation_allowed(r)]
+        if not requests:
+            return
+        self._proposals = self.proposer.propose(requests)
+        for request_id, proposal in self._proposals.items():
+            self.scheduler.get_request(request_id).spec_token_ids = list(proposal.token_ids)
 
     def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
         if self.faults is not None:
@@ -221,14 +278,16 @@ class EngineCore:
             grammar=request.grammar,
         )
 
-    def _output(self, request: Request, sampled: SampledToken | None, error: str | None = None) -> CoreOutput:
+    def _output(
+        self, request: Request, sampled: list[SampledToken] | None, error: str | None = None
+    ) -> CoreOutput:
         finished = request.is_finished
         times = request.times
-        logprobs = sampled.logprobs if sampled is not None else None
+        sampled = sampled or []
         return CoreOutput(
             request_id=request.request_id,
-            new_token_ids=[] if sampled is None else [sampled.token_id],
-            new_logprobs=[] if logprobs is None else [logprobs],
+            new_token_ids=[s.token_id for s in sampled],
+            new_logprobs=[s.logprobs for s in sampled if s.logprobs is not None],
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             first_scheduled=times.first_scheduled,
@@ -237,17 +296,18 @@ class EngineCore:
             stop_reason=request.stop_reason if finished else None,
             error=error,
             finished_time=times.finished if finished else None,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_draft_tokens=request.num_accepted_draft_tokens,
         )
 
-    def _count(self, scheduler_output: SchedulerOutput, num_sampled: int) -> None:
-        """Prompt tokens computed (prefill work, after prefix-cache hits) and tokens generated."""
+    def _count(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
+        """Prompt tokens computed (prefill work, after prefix-cache hits), tokens generated, drafts."""
         self._num_steps += 1
-        self._num_generation_tokens += num_sampled
+        self._num_generation_tokens += sum(len(tokens) for tokens in sampled.values())
         for scheduled in scheduler_output.scheduled:
+            if scheduled.spec_token_ids and scheduled.request_id in sampled:
+                num_accepted = len(sampled[scheduled.request_id]) - 1
+                self.spec_counters.add(len(scheduled.spec_token_ids), num_accepted)
             request = self.scheduler.get_request(scheduled.request_id)
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
             self._num_prompt_tokens_computed += max(0, prompt_end - scheduled.start_position)
-
-
-def sampled_token_ids(sampled: dict[str, SampledToken]) -> dict[str, int]:
-    return {request_id: s.token_id for request_id, s in sampled.items()}

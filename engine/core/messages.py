@@ -53,6 +53,7 @@ class AddRequest(msgspec.Struct, tag=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    use_speculation: bool = True  # False: this request never verifies draft tokens
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -83,6 +84,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # The request was refused before it ran, because of this field (e.g. a json_schema that does not
     # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
     invalid_field: str | None = None
+    # Speculative decoding, the request's totals so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -67,7 +67,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
-        """Runs the step; returns logits [num_sampled, vocab] float32, one row per slice with sample=True."""
+        """Runs the step; returns logits [num_logits, vocab] float32: per slice with sample=True, in
+        scheduled order, one row for its last token then one per draft token (`spec_token_ids`)."""
         inputs = build_model_inputs(out, self.block_size, self.device)
         hidden = self.graph_runner.run(inputs)
         return self.model.compute_logits(hidden[inputs.logits_indices])
