@@ -211,7 +211,7 @@ class Scheduler:
         if status is not None:
             self._finish(request, status)
         elif num_drafts:
-            self.kv.free_blocks_beyond(request.request_id, request.num_tokens)
+            self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
 
     # ---- schedule() helpers --------------------------------------------------------------------
 
