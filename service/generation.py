@@ -56,6 +56,7 @@ class GenerationRunner:
                 cache_salt=request.cache_salt or None,
                 stream_interval=request.stream_interval or None,
                 tool_use=tool_use,
+                use_speculation=not request.disable_speculation,
             )
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):

@@ -78,6 +78,10 @@ class EngineCore:
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             block_size=config.cache.block_size,
             num_kv_blocks=self.model_runner.num_blocks,
+            speculative_method="" if config.speculative is None else config.speculative.method,
+            num_speculative_tokens=0
+            if config.speculative is None
+            else config.speculative.num_speculative_tokens,
         )
         self._num_steps = 0
         self._num_prompt_tokens_computed = 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/sluice.proto\x12\tsluice.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x84\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.sluice.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.sluice.v1.ToolChoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.sluice.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"+\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf5\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.sluice.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x11.sluice.v1.ChoiceH\x00\x12,\n\x0bjson_object\x18\x16 \x01(\x0b\x32\x15.sluice.v1.JsonObjectH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x17\n\x0fstream_interval\x18\x08 \x01(\rB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x08Logprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.sluice.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.sluice.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.sluice.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.sluice.v1.Timings\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.sluice.v1.ToolCallB\r\n\x0bstop_reason\"\"\n\x0cStreamCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x15StreamGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.sluice.v1.StreamCancelH\x00\x42\x08\n\x06\x61\x63tion\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.sluice.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.sluice.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xc9\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x86\x03\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12Y\n\x0eStreamGenerate\x12 .sluice.v1.StreamGenerateRequest\x1a!.sluice.v1.StreamGenerateResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseBX\n\x0c\x61i.sluice.v1B\x0bSluiceProtoP\x01Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/sluice.proto\x12\tsluice.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x84\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.sluice.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.sluice.v1.ToolChoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.sluice.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"+\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf5\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.sluice.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x13 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x11.sluice.v1.ChoiceH\x00\x12,\n\x0bjson_object\x18\x16 \x01(\x0b\x32\x15.sluice.v1.JsonObjectH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x17\n\x0fstream_interval\x18\x08 \x01(\r\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x42\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x08Logprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.sluice.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"\x85\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x03(\x0b\x32\x13.sluice.v1.Logprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.sluice.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.sluice.v1.Timings\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.sluice.v1.ToolCallB\r\n\x0bstop_reason\"\"\n\x0cStreamCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"|\n\x15StreamGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.sluice.v1.StreamCancelH\x00\x42\x08\n\x06\x61\x63tion\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.sluice.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.sluice.v1.RequestErrorH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.sluice.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x85\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03\x12\x1a\n\x12speculative_method\x18\t \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x86\x03\n\x10InferenceService\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12Y\n\x0eStreamGenerate\x12 .sluice.v1.StreamGenerateRequest\x1a!.sluice.v1.StreamGenerateResponse(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.sluice.v1.AbortRequest\x1a\x18.sluice.v1.AbortResponse\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.sluice.v1.GetModelInfoRequest\x1a\x1f.sluice.v1.GetModelInfoResponseBX\n\x0c\x61i.sluice.v1B\x0bSluiceProtoP\x01Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\014ai.sluice.v1B\013SluiceProtoP\001Z9github.com/sluice-ai/sluice/clients/go/sluice/v1;sluicev1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3105
-  _globals['_FINISHREASON']._serialized_end=3250
-  _globals['_TOOLCHOICEMODE']._serialized_start=3253
-  _globals['_TOOLCHOICEMODE']._serialized_end=3388
+  _globals['_FINISHREASON']._serialized_start=3248
+  _globals['_FINISHREASON']._serialized_end=3393
+  _globals['_TOOLCHOICEMODE']._serialized_start=3396
+  _globals['_TOOLCHOICEMODE']._serialized_end=3531
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_CHATMESSAGES']._serialized_start=84
@@ -59,37 +59,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1111
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1159
   _globals['_GENERATEREQUEST']._serialized_start=1379
-  _globals['_GENERATEREQUEST']._serialized_end=1644
-  _globals['_TOKENLOGPROB']._serialized_start=1646
-  _globals['_TOKENLOGPROB']._serialized_end=1695
-  _globals['_LOGPROBS']._serialized_start=1697
-  _globals['_LOGPROBS']._serialized_end=1787
-  _globals['_USAGE']._serialized_start=1789
-  _globals['_USAGE']._serialized_end=1869
-  _globals['_TIMINGS']._serialized_start=1871
-  _globals['_TIMINGS']._serialized_end=1948
-  _globals['_GENERATERESPONSE']._serialized_start=1951
-  _globals['_GENERATERESPONSE']._serialized_end=2283
-  _globals['_STREAMCANCEL']._serialized_start=2285
-  _globals['_STREAMCANCEL']._serialized_end=2319
-  _globals['_STREAMGENERATEREQUEST']._serialized_start=2321
-  _globals['_STREAMGENERATEREQUEST']._serialized_end=2445
-  _globals['_REQUESTERROR']._serialized_start=2447
-  _globals['_REQUESTERROR']._serialized_end=2492
-  _globals['_STREAMGENERATERESPONSE']._serialized_start=2495
-  _globals['_STREAMGENERATERESPONSE']._serialized_end=2636
-  _globals['_ABORTREQUEST']._serialized_start=2638
-  _globals['_ABORTREQUEST']._serialized_end=2672
-  _globals['_ABORTRESPONSE']._serialized_start=2674
-  _globals['_ABORTRESPONSE']._serialized_end=2689
-  _globals['_TOKENIZEREQUEST']._serialized_start=2692
-  _globals['_TOKENIZEREQUEST']._serialized_end=2836
-  _globals['_TOKENIZERESPONSE']._serialized_start=2838
-  _globals['_TOKENIZERESPONSE']._serialized_end=2875
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2877
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2898
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2901
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3102
-  _globals['_INFERENCESERVICE']._serialized_start=3391
-  _globals['_INFERENCESERVICE']._serialized_end=3781
+  _globals['_GENERATEREQUEST']._serialized_end=1673
+  _globals['_TOKENLOGPROB']._serialized_start=1675
+  _globals['_TOKENLOGPROB']._serialized_end=1724
+  _globals['_LOGPROBS']._serialized_start=1726
+  _globals['_LOGPROBS']._serialized_end=1816
+  _globals['_USAGE']._serialized_start=1819
+  _globals['_USAGE']._serialized_end=1952
+  _globals['_TIMINGS']._serialized_start=1954
+  _globals['_TIMINGS']._serialized_end=2031
+  _globals['_GENERATERESPONSE']._serialized_start=2034
+  _globals['_GENERATERESPONSE']._serialized_end=2366
+  _globals['_STREAMCANCEL']._serialized_start=2368
+  _globals['_STREAMCANCEL']._serialized_end=2402
+  _globals['_STREAMGENERATEREQUEST']._serialized_start=2404
+  _globals['_STREAMGENERATEREQUEST']._serialized_end=2528
+  _globals['_REQUESTERROR']._serialized_start=2530
+  _globals['_REQUESTERROR']._serialized_end=2575
+  _globals['_STREAMGENERATERESPONSE']._serialized_start=2578
+  _globals['_STREAMGENERATERESPONSE']._serialized_end=2719
+  _globals['_ABORTREQUEST']._serialized_start=2721
+  _globals['_ABORTREQUEST']._serialized_end=2755
+  _globals['_ABORTRESPONSE']._serialized_start=2757
+  _globals['_ABORTRESPONSE']._serialized_end=2772
+  _globals['_TOKENIZEREQUEST']._serialized_start=2775
+  _globals['_TOKENIZEREQUEST']._serialized_end=2919
+  _globals['_TOKENIZERESPONSE']._serialized_start=2921
+  _globals['_TOKENIZERESPONSE']._serialized_end=2958
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2960
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2981
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2984
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3245
+  _globals['_INFERENCESERVICE']._serialized_start=3534
+  _globals['_INFERENCESERVICE']._serialized_end=3924
 # @@protoc_insertion_point(module_scope)

@@ -359,6 +359,22 @@ private static final long serialVersionUID = 0L;
     return streamInterval_;
   }
 
+  public static final int DISABLE_SPECULATION_FIELD_NUMBER = 9;
+  private boolean disableSpeculation_ = false;
+  /**
+   * <pre>
+   * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+   * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+   * </pre>
+   *
+   * <code>bool disable_speculation = 9;</code>
+   * @return The disableSpeculation.
+   */
+  @java.lang.Override
+  public boolean getDisableSpeculation() {
+    return disableSpeculation_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -396,6 +412,9 @@ private static final long serialVersionUID = 0L;
     }
     if (streamInterval_ != 0) {
       output.writeUInt32(8, streamInterval_);
+    }
+    if (disableSpeculation_ != false) {
+      output.writeBool(9, disableSpeculation_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -435,6 +454,10 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(8, streamInterval_);
     }
+    if (disableSpeculation_ != false) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(9, disableSpeculation_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -463,6 +486,8 @@ private static final long serialVersionUID = 0L;
         .equals(other.getCacheSalt())) return false;
     if (getStreamInterval()
         != other.getStreamInterval()) return false;
+    if (getDisableSpeculation()
+        != other.getDisableSpeculation()) return false;
     if (!getPromptCase().equals(other.getPromptCase())) return false;
     switch (promptCase_) {
       case 2:
@@ -503,6 +528,9 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCacheSalt().hashCode();
     hash = (37 * hash) + STREAM_INTERVAL_FIELD_NUMBER;
     hash = (53 * hash) + getStreamInterval();
+    hash = (37 * hash) + DISABLE_SPECULATION_FIELD_NUMBER;
+    hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+        getDisableSpeculation());
     switch (promptCase_) {
       case 2:
         hash = (37 * hash) + TEXT_FIELD_NUMBER;
@@ -667,6 +695,7 @@ private static final long serialVersionUID = 0L;
       priority_ = 0;
       cacheSalt_ = "";
       streamInterval_ = 0;
+      disableSpeculation_ = false;
       promptCase_ = 0;
       prompt_ = null;
       return this;
@@ -719,6 +748,9 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000080) != 0)) {
         result.streamInterval_ = streamInterval_;
+      }
+      if (((from_bitField0_ & 0x00000100) != 0)) {
+        result.disableSpeculation_ = disableSpeculation_;
       }
     }
 
@@ -797,6 +829,9 @@ private static final long serialVersionUID = 0L;
       }
       if (other.getStreamInterval() != 0) {
         setStreamInterval(other.getStreamInterval());
+      }
+      if (other.getDisableSpeculation() != false) {
+        setDisableSpeculation(other.getDisableSpeculation());
       }
       switch (other.getPromptCase()) {
         case TEXT: {
@@ -890,6 +925,11 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000080;
               break;
             } // case 64
+            case 72: {
+              disableSpeculation_ = input.readBool();
+              bitField0_ |= 0x00000100;
+              break;
+            } // case 72
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1694,6 +1734,53 @@ private static final long serialVersionUID = 0L;
     public Builder clearStreamInterval() {
       bitField0_ = (bitField0_ & ~0x00000080);
       streamInterval_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private boolean disableSpeculation_ ;
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @return The disableSpeculation.
+     */
+    @java.lang.Override
+    public boolean getDisableSpeculation() {
+      return disableSpeculation_;
+    }
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @param value The disableSpeculation to set.
+     * @return This builder for chaining.
+     */
+    public Builder setDisableSpeculation(boolean value) {
+      
+      disableSpeculation_ = value;
+      bitField0_ |= 0x00000100;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearDisableSpeculation() {
+      bitField0_ = (bitField0_ & ~0x00000100);
+      disableSpeculation_ = false;
       onChanged();
       return this;
     }

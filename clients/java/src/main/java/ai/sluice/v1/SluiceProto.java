@@ -187,69 +187,73 @@ public final class SluiceProto {
       "tyB\023\n\021_presence_penaltyB\024\n\022_frequency_pe" +
       "naltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_min_to" +
       "kensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026\n\024_ski" +
-      "p_special_tokens\"\211\002\n\017GenerateRequest\022\022\n\n" +
+      "p_special_tokens\"\246\002\n\017GenerateRequest\022\022\n\n" +
       "request_id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoke" +
       "n_ids\030\003 \001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010me" +
       "ssages\030\004 \001(\0132\027.sluice.v1.ChatMessagesH\000\022" +
       "2\n\017sampling_params\030\005 \001(\0132\031.sluice.v1.Sam" +
       "plingParams\022\020\n\010priority\030\006 \001(\005\022\022\n\ncache_s" +
-      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\rB\010\n\006pr" +
-      "ompt\"1\n\014TokenLogprob\022\020\n\010token_id\030\001 \001(\005\022\017" +
-      "\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001" +
-      " \001(\0132\027.sluice.v1.TokenLogprob\022$\n\003top\030\002 \003" +
-      "(\0132\027.sluice.v1.TokenLogprob\"P\n\005Usage\022\025\n\r" +
-      "prompt_tokens\030\001 \001(\005\022\031\n\021completion_tokens" +
-      "\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\"M\n\007Timings" +
-      "\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_seconds\030" +
-      "\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\314\002\n\020Generat" +
-      "eResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text\030\002 " +
-      "\001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 \003(\013" +
-      "2\023.sluice.v1.Logprobs\022.\n\rfinish_reason\030\005" +
-      " \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop_to" +
-      "ken_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000\022\037\n" +
-      "\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007timing" +
-      "s\030\t \001(\0132\022.sluice.v1.Timings\022\'\n\ntool_call" +
-      "s\030\n \003(\0132\023.sluice.v1.ToolCallB\r\n\013stop_rea" +
-      "son\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t\"" +
-      "|\n\025StreamGenerateRequest\022.\n\010generate\030\001 \001" +
-      "(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006canc" +
-      "el\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006a" +
-      "ction\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007m" +
-      "essage\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse\022" +
-      "\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.slu" +
-      "ice.v1.GenerateResponseH\000\022(\n\005error\030\003 \001(\013" +
-      "2\027.sluice.v1.RequestErrorH\000B\007\n\005event\"\"\n\014" +
-      "AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbor" +
-      "tResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 " +
-      "\001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.Chat" +
-      "MessagesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001" +
-      "\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"%\n\020" +
-      "TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023G" +
-      "etModelInfoRequest\"\311\001\n\024GetModelInfoRespo" +
-      "nse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture\030" +
-      "\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_si" +
-      "ze\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock" +
-      "_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv" +
-      "_capacity_tokens\030\010 \001(\003*\221\001\n\014FinishReason\022" +
-      "\035\n\031FINISH_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH" +
-      "_REASON_STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002" +
-      "\022\027\n\023FINISH_REASON_ABORT\020\003\022\027\n\023FINISH_REAS" +
-      "ON_ERROR\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TOOL_CH" +
-      "OICE_MODE_UNSPECIFIED\020\000\022\031\n\025TOOL_CHOICE_M" +
-      "ODE_NONE\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n" +
-      "\031TOOL_CHOICE_MODE_REQUIRED\020\0032\206\003\n\020Inferen" +
-      "ceService\022E\n\010Generate\022\032.sluice.v1.Genera" +
-      "teRequest\032\033.sluice.v1.GenerateResponse0\001" +
-      "\022Y\n\016StreamGenerate\022 .sluice.v1.StreamGen" +
-      "erateRequest\032!.sluice.v1.StreamGenerateR" +
-      "esponse(\0010\001\022:\n\005Abort\022\027.sluice.v1.AbortRe" +
-      "quest\032\030.sluice.v1.AbortResponse\022C\n\010Token" +
-      "ize\022\032.sluice.v1.TokenizeRequest\032\033.sluice" +
-      ".v1.TokenizeResponse\022O\n\014GetModelInfo\022\036.s" +
-      "luice.v1.GetModelInfoRequest\032\037.sluice.v1" +
-      ".GetModelInfoResponseBX\n\014ai.sluice.v1B\013S" +
-      "luiceProtoP\001Z9github.com/sluice-ai/sluic" +
-      "e/clients/go/sluice/v1;sluicev1b\006proto3"
+      "alt\030\007 \001(\t\022\027\n\017stream_interval\030\010 \001(\r\022\033\n\023di" +
+      "sable_speculation\030\t \001(\010B\010\n\006prompt\"1\n\014Tok" +
+      "enLogprob\022\020\n\010token_id\030\001 \001(\005\022\017\n\007logprob\030\002" +
+      " \001(\002\"Z\n\010Logprobs\022(\n\007sampled\030\001 \001(\0132\027.slui" +
+      "ce.v1.TokenLogprob\022$\n\003top\030\002 \003(\0132\027.sluice" +
+      ".v1.TokenLogprob\"\205\001\n\005Usage\022\025\n\rprompt_tok" +
+      "ens\030\001 \001(\005\022\031\n\021completion_tokens\030\002 \001(\005\022\025\n\r" +
+      "cached_tokens\030\003 \001(\005\022\024\n\014draft_tokens\030\004 \001(" +
+      "\005\022\035\n\025accepted_draft_tokens\030\005 \001(\005\"M\n\007Timi" +
+      "ngs\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014ttft_secon" +
+      "ds\030\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"\314\002\n\020Gene" +
+      "rateResponse\022\022\n\nrequest_id\030\001 \001(\t\022\014\n\004text" +
+      "\030\002 \001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010logprobs\030\004 " +
+      "\003(\0132\023.sluice.v1.Logprobs\022.\n\rfinish_reaso" +
+      "n\030\005 \001(\0162\027.sluice.v1.FinishReason\022\027\n\rstop" +
+      "_token_id\030\006 \001(\005H\000\022\025\n\013stop_string\030\007 \001(\tH\000" +
+      "\022\037\n\005usage\030\010 \001(\0132\020.sluice.v1.Usage\022#\n\007tim" +
+      "ings\030\t \001(\0132\022.sluice.v1.Timings\022\'\n\ntool_c" +
+      "alls\030\n \003(\0132\023.sluice.v1.ToolCallB\r\n\013stop_" +
+      "reason\"\"\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001" +
+      "(\t\"|\n\025StreamGenerateRequest\022.\n\010generate\030" +
+      "\001 \001(\0132\032.sluice.v1.GenerateRequestH\000\022)\n\006c" +
+      "ancel\030\002 \001(\0132\027.sluice.v1.StreamCancelH\000B\010" +
+      "\n\006action\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017" +
+      "\n\007message\030\002 \001(\t\"\215\001\n\026StreamGenerateRespon" +
+      "se\022\022\n\nrequest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033." +
+      "sluice.v1.GenerateResponseH\000\022(\n\005error\030\003 " +
+      "\001(\0132\027.sluice.v1.RequestErrorH\000B\007\n\005event\"" +
+      "\"\n\014AbortRequest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rA" +
+      "bortResponse\"\220\001\n\017TokenizeRequest\022\016\n\004text" +
+      "\030\001 \001(\tH\000\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.C" +
+      "hatMessagesH\000\022\037\n\022add_special_tokens\030\003 \001(" +
+      "\010H\001\210\001\001B\010\n\006promptB\025\n\023_add_special_tokens\"" +
+      "%\n\020TokenizeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025" +
+      "\n\023GetModelInfoRequest\"\205\002\n\024GetModelInfoRe" +
+      "sponse\022\022\n\nmodel_name\030\001 \001(\t\022\024\n\014architectu" +
+      "re\030\002 \001(\t\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab" +
+      "_size\030\004 \001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nbl" +
+      "ock_size\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n" +
+      "\022kv_capacity_tokens\030\010 \001(\003\022\032\n\022speculative" +
+      "_method\030\t \001(\t\022\036\n\026num_speculative_tokens\030" +
+      "\n \001(\005*\221\001\n\014FinishReason\022\035\n\031FINISH_REASON_" +
+      "UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_STOP\020\001\022\030\n" +
+      "\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINISH_REASON" +
+      "_ABORT\020\003\022\027\n\023FINISH_REASON_ERROR\020\004*\207\001\n\016To" +
+      "olChoiceMode\022 \n\034TOOL_CHOICE_MODE_UNSPECI" +
+      "FIED\020\000\022\031\n\025TOOL_CHOICE_MODE_NONE\020\001\022\031\n\025TOO" +
+      "L_CHOICE_MODE_AUTO\020\002\022\035\n\031TOOL_CHOICE_MODE" +
+      "_REQUIRED\020\0032\206\003\n\020InferenceService\022E\n\010Gene" +
+      "rate\022\032.sluice.v1.GenerateRequest\032\033.sluic" +
+      "e.v1.GenerateResponse0\001\022Y\n\016StreamGenerat" +
+      "e\022 .sluice.v1.StreamGenerateRequest\032!.sl" +
+      "uice.v1.StreamGenerateResponse(\0010\001\022:\n\005Ab" +
+      "ort\022\027.sluice.v1.AbortRequest\032\030.sluice.v1" +
+      ".AbortResponse\022C\n\010Tokenize\022\032.sluice.v1.T" +
+      "okenizeRequest\032\033.sluice.v1.TokenizeRespo" +
+      "nse\022O\n\014GetModelInfo\022\036.sluice.v1.GetModel" +
+      "InfoRequest\032\037.sluice.v1.GetModelInfoResp" +
+      "onseBX\n\014ai.sluice.v1B\013SluiceProtoP\001Z9git" +
+      "hub.com/sluice-ai/sluice/clients/go/slui" +
+      "ce/v1;sluicev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -320,7 +324,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateRequest_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "Prompt", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "DisableSpeculation", "Prompt", });
     internal_static_sluice_v1_TokenLogprob_descriptor =
       getDescriptor().getMessageTypes().get(10);
     internal_static_sluice_v1_TokenLogprob_fieldAccessorTable = new
@@ -338,7 +342,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Usage_descriptor,
-        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", });
+        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", "DraftTokens", "AcceptedDraftTokens", });
     internal_static_sluice_v1_Timings_descriptor =
       getDescriptor().getMessageTypes().get(13);
     internal_static_sluice_v1_Timings_fieldAccessorTable = new
@@ -410,7 +414,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GetModelInfoResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GetModelInfoResponse_descriptor,
-        new java.lang.String[] { "ModelName", "Architecture", "MaxModelLen", "VocabSize", "EosTokenIds", "BlockSize", "NumKvBlocks", "KvCapacityTokens", });
+        new java.lang.String[] { "ModelName", "Architecture", "MaxModelLen", "VocabSize", "EosTokenIds", "BlockSize", "NumKvBlocks", "KvCapacityTokens", "SpeculativeMethod", "NumSpeculativeTokens", });
   }
 
   // @@protoc_insertion_point(outer_class_scope)

@@ -84,6 +84,33 @@ private static final long serialVersionUID = 0L;
     return cachedTokens_;
   }
 
+  public static final int DRAFT_TOKENS_FIELD_NUMBER = 4;
+  private int draftTokens_ = 0;
+  /**
+   * <pre>
+   * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+   * (each accepted draft is a completion token produced without a step of its own).
+   * </pre>
+   *
+   * <code>int32 draft_tokens = 4;</code>
+   * @return The draftTokens.
+   */
+  @java.lang.Override
+  public int getDraftTokens() {
+    return draftTokens_;
+  }
+
+  public static final int ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER = 5;
+  private int acceptedDraftTokens_ = 0;
+  /**
+   * <code>int32 accepted_draft_tokens = 5;</code>
+   * @return The acceptedDraftTokens.
+   */
+  @java.lang.Override
+  public int getAcceptedDraftTokens() {
+    return acceptedDraftTokens_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -107,6 +134,12 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       output.writeInt32(3, cachedTokens_);
     }
+    if (draftTokens_ != 0) {
+      output.writeInt32(4, draftTokens_);
+    }
+    if (acceptedDraftTokens_ != 0) {
+      output.writeInt32(5, acceptedDraftTokens_);
+    }
     getUnknownFields().writeTo(output);
   }
 
@@ -127,6 +160,14 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       size += com.google.protobuf.CodedOutputStream
         .computeInt32Size(3, cachedTokens_);
+    }
+    if (draftTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(4, draftTokens_);
+    }
+    if (acceptedDraftTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(5, acceptedDraftTokens_);
     }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
@@ -149,6 +190,10 @@ private static final long serialVersionUID = 0L;
         != other.getCompletionTokens()) return false;
     if (getCachedTokens()
         != other.getCachedTokens()) return false;
+    if (getDraftTokens()
+        != other.getDraftTokens()) return false;
+    if (getAcceptedDraftTokens()
+        != other.getAcceptedDraftTokens()) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -166,6 +211,10 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCompletionTokens();
     hash = (37 * hash) + CACHED_TOKENS_FIELD_NUMBER;
     hash = (53 * hash) + getCachedTokens();
+    hash = (37 * hash) + DRAFT_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getDraftTokens();
+    hash = (37 * hash) + ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getAcceptedDraftTokens();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -302,6 +351,8 @@ private static final long serialVersionUID = 0L;
       promptTokens_ = 0;
       completionTokens_ = 0;
       cachedTokens_ = 0;
+      draftTokens_ = 0;
+      acceptedDraftTokens_ = 0;
       return this;
     }
 
@@ -343,6 +394,12 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000004) != 0)) {
         result.cachedTokens_ = cachedTokens_;
+      }
+      if (((from_bitField0_ & 0x00000008) != 0)) {
+        result.draftTokens_ = draftTokens_;
+      }
+      if (((from_bitField0_ & 0x00000010) != 0)) {
+        result.acceptedDraftTokens_ = acceptedDraftTokens_;
       }
     }
 
@@ -399,6 +456,12 @@ private static final long serialVersionUID = 0L;
       if (other.getCachedTokens() != 0) {
         setCachedTokens(other.getCachedTokens());
       }
+      if (other.getDraftTokens() != 0) {
+        setDraftTokens(other.getDraftTokens());
+      }
+      if (other.getAcceptedDraftTokens() != 0) {
+        setAcceptedDraftTokens(other.getAcceptedDraftTokens());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -440,6 +503,16 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000004;
               break;
             } // case 24
+            case 32: {
+              draftTokens_ = input.readInt32();
+              bitField0_ |= 0x00000008;
+              break;
+            } // case 32
+            case 40: {
+              acceptedDraftTokens_ = input.readInt32();
+              bitField0_ |= 0x00000010;
+              break;
+            } // case 40
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -561,6 +634,85 @@ private static final long serialVersionUID = 0L;
     public Builder clearCachedTokens() {
       bitField0_ = (bitField0_ & ~0x00000004);
       cachedTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int draftTokens_ ;
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @return The draftTokens.
+     */
+    @java.lang.Override
+    public int getDraftTokens() {
+      return draftTokens_;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @param value The draftTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setDraftTokens(int value) {
+      
+      draftTokens_ = value;
+      bitField0_ |= 0x00000008;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearDraftTokens() {
+      bitField0_ = (bitField0_ & ~0x00000008);
+      draftTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int acceptedDraftTokens_ ;
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @return The acceptedDraftTokens.
+     */
+    @java.lang.Override
+    public int getAcceptedDraftTokens() {
+      return acceptedDraftTokens_;
+    }
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @param value The acceptedDraftTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setAcceptedDraftTokens(int value) {
+      
+      acceptedDraftTokens_ = value;
+      bitField0_ |= 0x00000010;
+      onChanged();
+      return this;
+    }
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearAcceptedDraftTokens() {
+      bitField0_ = (bitField0_ & ~0x00000010);
+      acceptedDraftTokens_ = 0;
       onChanged();
       return this;
     }
