@@ -101,3 +101,34 @@ def test_requests_that_opt_out_or_use_penalties_never_verify_drafts(llama_dir):
     assert engine.stats().num_draft_tokens == 0
     llm.generate([prompt], PARAMS)
     assert engine.stats().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(checkpoint, spec_off, k):
+    """The draft's own paged KV cache must hold exactly the target's context for this to hold."""
+    spec = SpeculativeConfig("draft", num_speculative_tokens=k, draft_model=checkpoint)
+    llm = LLM(checkpoint, speculative=spec, **PRESSURE)
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == spec_off
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
+    assert stats.num_kv_blocks_used == 0
+    assert llm.engine.core.proposer.tables.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from checkpoints import build_llama_checkpoint
+
+    return build_llama_checkpoint(str(tmp_path_factory.mktemp("llama_other")), seed=5)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_tokens_are_identical_with_a_different_draft_model(llama_dir, other_llama_dir, k):
+    expected = [c.token_ids for c in LLM(llama_dir, **PRESSURE).generate(_prompts(), PARAMS)]
+    spec = SpeculativeConfig("draft", num_speculative_tokens=k, draft_model=other_llama_dir)
+    llm = LLM(llama_dir, speculative=spec, **PRESSURE)
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_kv_blocks_used == 0

@@ -144,6 +144,8 @@ class EngineCore:
             )
             if request is not None:
                 outputs.append(self._output(request, None, error))
+        if self.proposer is not None:
+            self.proposer.free([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -260,6 +262,7 @@ class EngineCore:
         self._proposals = {}
         if self.proposer is None:
             return
+        self.proposer.free([r.request_id for r, _ in updated if r.is_finished])
         requests = [r for r, _ in updated if not r.is_finished and speculation_allowed(r)]
         if not requests:
             return
