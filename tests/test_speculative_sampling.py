@@ -2,7 +2,8 @@
 
 A one-layer Llama with a 16-token vocabulary samples at temperature 0.9 with top-k 10. A proposer that
 is deliberately wrong drafts 2 tokens per step from a fixed skewed distribution q (unrelated to the
-model) and hands q to the rejection sampler, so every path runs: accepted drafts, rejections with a draw
+model) and hands q to the rejection sampler (and, in a second run, a draft model of other weights
+does), so every path runs: accepted drafts, rejections with a draw
 from norm(max(0, p - q)), and the bonus token. The first output token comes from the prefill (no
 drafts); the second and third are the first ones speculation decides. Their empirical distributions
 over 2000 seeded requests must match the exact marginals computed with transformers (chi-square,
@@ -36,9 +37,18 @@ ALPHA = 1e-3
 
 @pytest.fixture(scope="module")
 def tiny_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _build_vocab16(str(tmp_path_factory.mktemp("vocab16")), seed=21)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Same shape and vocabulary, other weights: a draft model that disagrees with the target."""
+    return _build_vocab16(str(tmp_path_factory.mktemp("vocab16_draft")), seed=22)
+
+
+def _build_vocab16(directory: str, seed: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    directory = str(tmp_path_factory.mktemp("vocab16"))
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -52,7 +62,7 @@ def tiny_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    randomize_weights(model, seed=21)
+    randomize_weights(model, seed=seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)  # a peaked, far from uniform p
     model.save_pretrained(directory, safe_serialization=True)
@@ -105,9 +115,15 @@ def exact_marginals(tiny_vocab_dir):
 
 
 def _sample(
-    directory: str, proposer=None, always_accept=False, num_seeds=NUM_SEEDS
+    directory: str, proposer=None, always_accept=False, num_seeds=NUM_SEEDS, draft_model=None
 ) -> tuple[list[int], list[int], object]:
-    kwargs = {} if proposer is None else {"speculative": SpeculativeConfig("ngram", num_speculative_tokens=K)}
+    kwargs = {}
+    if proposer is not None:
+        kwargs = {"speculative": SpeculativeConfig("ngram", num_speculative_tokens=K)}
+    if draft_model is not None:
+        kwargs = {
+            "speculative": SpeculativeConfig("draft", num_speculative_tokens=K, draft_model=draft_model)
+        }
     llm = LLM(directory, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, **kwargs)
     if proposer is not None:
         llm.engine.core.proposer = proposer
@@ -156,6 +172,16 @@ def test_sampling_with_a_wrong_draft_keeps_the_target_distribution(tiny_vocab_di
     assert stats.num_draft_tokens >= NUM_SEEDS * K
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert stats.accepted_draft_tokens_per_position[1] > 0  # the bonus and second-draft paths both ran
+    assert chi_square_p_value(second, exact_marginals[0]) > ALPHA
+    assert chi_square_p_value(third, exact_marginals[1]) > ALPHA
+
+
+def test_sampling_with_a_different_draft_model_keeps_the_target_distribution(
+    tiny_vocab_dir, tiny_vocab_draft_dir, exact_marginals
+):
+    second, third, stats = _sample(tiny_vocab_dir, draft_model=tiny_vocab_draft_dir)
+    assert stats.num_draft_tokens >= NUM_SEEDS * K
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert chi_square_p_value(second, exact_marginals[0]) > ALPHA
     assert chi_square_p_value(third, exact_marginals[1]) > ALPHA
 

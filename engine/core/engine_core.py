@@ -57,7 +57,8 @@ class EngineCore:
         self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.proposer = build_proposer(config, source, self.model_runner)
-        self._proposals: dict[str, Proposal] = {}  # request id -> its drafts for the next step
+        # request id -> its latest drafts (Request.spec_token_ids), until they are verified
+        self._proposals: dict[str, Proposal] = {}
         self.spec_counters = SpecCounters()
         self.faults = FaultInjector.from_env()
         eos = set(source.arch.eos_token_ids)
@@ -144,8 +145,7 @@ class EngineCore:
             )
             if request is not None:
                 outputs.append(self._output(request, None, error))
-        if self.proposer is not None:
-            self.proposer.free([o.request_id for o in outputs])  # the draft's KV blocks, now
+        self._free_proposals([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -233,8 +233,15 @@ class EngineCore:
     def _free(self, request_ids: tuple[str, ...]) -> None:
         """Drop the sampler's and the proposer's state of requests finished since the last step."""
         self.sampler.free(request_ids)
-        if self.proposer is not None:
-            self.proposer.free(request_ids)
+        self._free_proposals(request_ids)
+
+    def _free_proposals(self, request_ids: Iterable[str]) -> None:
+        if self.proposer is None:
+            return
+        request_ids = list(request_ids)
+        self.proposer.free(request_ids)
+        for request_id in request_ids:
+            self._proposals.pop(request_id, None)
 
     def _proposal(self, request_id: str, spec_token_ids: tuple[int, ...]) -> Proposal | None:
         """The drafts the scheduler kept for this step (a prefix of those proposed)."""
@@ -259,16 +266,18 @@ class EngineCore:
 
     def _propose(self, updated: list[tuple[Request, list[SampledToken]]]) -> None:
         """Drafts for the next step, for the requests now in decode that may speculate."""
-        self._proposals = {}
         if self.proposer is None:
             return
+        for request, _ in updated:  # their drafts were verified (or they finished)
+            self._proposals.pop(request.request_id, None)
         self.proposer.free([r.request_id for r, _ in updated if r.is_finished])
         requests = [r for r, _ in updated if not r.is_finished and speculation_allowed(r)]
         if not requests:
             return
-        self._proposals = self.proposer.propose(requests)
-        for request_id, proposal in self._proposals.items():
+        proposals = self.proposer.propose(requests)
+        for request_id, proposal in proposals.items():
             self.scheduler.get_request(request_id).spec_token_ids = list(proposal.token_ids)
+        self._proposals.update(proposals)
 
     def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
         if self.faults is not None:
