@@ -71,6 +71,7 @@ class EngineCore:
             else GrammarCompiler(self.tokenizer, source.arch.vocab_size, self.eos_token_ids)
         )
         self._compiling = GrammarWaitingRoom()
+        spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
             architecture=source.arch.architecture,
@@ -79,10 +80,8 @@ class EngineCore:
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             block_size=config.cache.block_size,
             num_kv_blocks=self.model_runner.num_blocks,
-            speculative_method="" if config.speculative is None else config.speculative.method,
-            num_speculative_tokens=0
-            if config.speculative is None
-            else config.speculative.num_speculative_tokens,
+            speculative_method=spec.method if spec is not None else "",
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self._num_steps = 0
         self._num_prompt_tokens_computed = 0
