@@ -51,6 +51,7 @@ class RejectionSampler:
         ]
         processed = self.sampler.apply_processors(logits, expanded)
         argmax = processed.argmax(dim=-1).tolist()
+        probs = self._target_probs(processed, expanded)
         results = []
         start = 0
         for row, draft, proposal in zip(rows, drafts, proposals, strict=True):
@@ -58,15 +59,25 @@ class RejectionSampler:
             if row.params.greedy:
                 token_ids = _verify_greedy(draft, argmax[start:end])
             else:
-                probs = torch.softmax(apply_filters(processed[start:end], expanded[start:end]), dim=-1)
                 q = None if proposal is None else proposal.probs
-                token_ids = self._verify_random(row, draft, probs, q)
+                token_ids = self._verify_random(row, draft, probs[start:end], q)
             n = len(token_ids)
             ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
             rows_used = slice(start, start + n)
             results.append(self.sampler.attach_logprobs(logits[rows_used], expanded[rows_used], ids))
             start = end
         return results
+
+    @staticmethod
+    def _target_probs(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """p of every row of a random (non-greedy) request, after its filters, in one batch; greedy rows
+        stay 0 (never read)."""
+        probs = torch.zeros_like(processed)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random:
+            filtered = apply_filters(processed[random], [rows[i] for i in random])
+            probs[random] = torch.softmax(filtered, dim=-1)
+        return probs
 
     def _verify_random(
         self, row: SamplingRow, draft: Sequence[int], probs: torch.Tensor, q: torch.Tensor | None
