@@ -87,6 +87,41 @@ class SchedulerConfig:
         )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to `num_speculative_tokens` tokens per request and step,
+    the target model verifies them in one forward pass.
+
+    `ngram` (prompt lookup) matches the last `ngram_max` .. `ngram_min` tokens of the prompt + output
+    against earlier tokens and proposes what followed; `draft` runs `draft_model` (same tokenizer).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, "speculative", f"must be one of {SPECULATIVE_METHODS}")
+        _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
+        _require(self.ngram_min >= 1, "ngram_min", "must be >= 1")
+        _require(self.ngram_max >= self.ngram_min, "ngram_max", "must be >= ngram_min")
+        _require(
+            self.method != "draft" or self.draft_model is not None,
+            "draft_model",
+            "speculative method 'draft' needs a draft model",
+        )
+        _require(
+            self.method == "draft" or self.draft_model is None,
+            "draft_model",
+            "is only used with speculative method 'draft'",
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -99,6 +134,8 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192
     # torch intra-op threads of the engine core; None: one per physical core this process may run on.
     num_threads: int | None = None
+    # None: no speculative decoding.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(

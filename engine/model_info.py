@@ -14,6 +14,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     block_size: int
     num_kv_blocks: int
+    speculative_method: str = ""  # "" when speculative decoding is off
+    num_speculative_tokens: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -28,6 +28,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     prompt_tokens_computed: int = 0
+    # Speculative decoding: draft tokens verified for this request, and those accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     num_steps: int = 0
+    # Speculative decoding: drafts verified and accepted; per draft position j (0-based), how many
+    # drafts were verified there and how many accepted (acceptance rate at j = accepted / verified).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    draft_tokens_per_position: tuple[int, ...] = ()
+    accepted_draft_tokens_per_position: tuple[int, ...] = ()
     extra: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -144,6 +144,8 @@ def usage_to_proto(usage: Usage) -> pb.Usage:
         completion_tokens=usage.completion_tokens,
         cached_tokens=usage.cached_tokens,
         prompt_tokens_computed=usage.prompt_tokens_computed,
+        draft_tokens=usage.draft_tokens,
+        accepted_draft_tokens=usage.accepted_draft_tokens,
     )
 
 
@@ -193,4 +195,6 @@ def model_info_to_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
         kv_capacity_tokens=info.kv_capacity_tokens,
+        speculative_method=info.speculative_method,
+        num_speculative_tokens=info.num_speculative_tokens,
     )

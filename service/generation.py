@@ -112,6 +112,7 @@ class GenerationRunner:
                 cache_salt=caller.tenant.cache_salt(request.cache_salt),
                 stream_interval=request.stream_interval or None,
                 tool_use=tool_use,
+                use_speculation=not request.disable_speculation,
             )
             cancel.attach(lambda: self.engine.abort(engine_request_id))
             if cancel.cancelled:  # cancelled while the prompt was tokenized

@@ -56,6 +56,42 @@ class EngineStatsCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value)
+        yield from _speculative_metrics(stats)
+
+
+def _speculative_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Draft tokens verified and accepted, in total and per draft position (0 = the first draft after
+    the last accepted token), and the acceptance rate at each position."""
+    yield CounterMetricFamily(
+        "sluice_spec_decode_draft_tokens",
+        "Draft tokens verified by the target model.",
+        stats.num_draft_tokens,
+    )
+    yield CounterMetricFamily(
+        "sluice_spec_decode_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_draft_tokens
+    )
+    drafts = CounterMetricFamily(
+        "sluice_spec_decode_draft_tokens_by_position",
+        "Draft tokens verified at each position.",
+        labels=["position"],
+    )
+    accepted = CounterMetricFamily(
+        "sluice_spec_decode_accepted_tokens_by_position",
+        "Draft tokens accepted at each position.",
+        labels=["position"],
+    )
+    rate = GaugeMetricFamily(
+        "sluice_spec_decode_acceptance_rate",
+        "Accepted / verified draft tokens at each position, since the server started.",
+        labels=["position"],
+    )
+    pairs = zip(stats.draft_tokens_per_position, stats.accepted_draft_tokens_per_position, strict=True)
+    for position, (num_drafts, num_accepted) in enumerate(pairs):
+        label = [str(position)]
+        drafts.add_metric(label, num_drafts)
+        accepted.add_metric(label, num_accepted)
+        rate.add_metric(label, num_accepted / num_drafts if num_drafts else 0.0)
+    yield from (drafts, accepted, rate)
 
 
 class RequestTracker:

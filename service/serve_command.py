@@ -15,10 +15,12 @@ from engine.config import (
     DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.errors import EngineDeadError
 from engine.frontend.async_engine import AsyncEngine
@@ -131,6 +133,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "merged chunks whatever this is",
     )
     parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (a smaller model, --draft-model)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=3, help="draft tokens verified per step"
+    )
+    parser.add_argument("--draft-model", default=None, help="draft model directory (--speculative draft)")
+    parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix n-gram looked up")
+    parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram looked up")
+    parser.add_argument(
         "--engine-timeout",
         type=float,
         default=30.0,
@@ -165,6 +179,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         max_seq_len_to_capture=args.max_seq_len_to_capture,
         num_threads=args.num_threads,
+        speculative=speculative_config(args),
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative is None:
+        if args.draft_model is not None:
+            raise ValueError("draft-model: needs --speculative draft")
+        return None
+    return SpeculativeConfig(
+        method=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=args.draft_model,
     )
 
 

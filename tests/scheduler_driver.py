@@ -85,7 +85,7 @@ class PagedFakeModel:
 
 def step(scheduler: Scheduler, model: PagedFakeModel) -> tuple[SchedulerOutput, list[Request]]:
     out = scheduler.schedule()
-    got_token = scheduler.update_from_output(out, model.execute(out))
+    got_token = scheduler.update_from_output(out, {k: [v] for k, v in model.execute(out).items()})
     return out, got_token
 
 

@@ -76,3 +76,17 @@ def test_block_table_too_short_is_rejected() -> None:
 def test_empty_step_is_rejected() -> None:
     with pytest.raises(ValueError, match="scheduled: an empty step"):
         build_model_inputs(SchedulerOutput((), 0), BLOCK_SIZE, CPU)
+
+
+def test_draft_tokens_follow_their_slice_and_get_a_logits_row_each() -> None:
+    # A decode at position 30 (table [4, 7]) verifying drafts 8, 9, 10 at positions 31, 32, 33: position
+    # 32 starts logical block 2 (physical 11). Then the mixed prefill from above.
+    verify = ScheduledRequest("verify", (7,), 30, (4, 7, 11), sample=True, spec_token_ids=(8, 9, 10))
+    out = SchedulerOutput((verify, PREFILL), num_batched_tokens=4 + 19)
+    inputs = build_model_inputs(out, BLOCK_SIZE, CPU)
+    assert inputs.input_ids.tolist() == [7, 8, 9, 10, *range(200, 219)]
+    assert inputs.positions.tolist() == [30, 31, 32, 33, *range(0, 19)]
+    assert inputs.metadata.slot_mapping.tolist()[:4] == [7 * 16 + 14, 7 * 16 + 15, 11 * 16, 11 * 16 + 1]
+    assert inputs.metadata.seq_lens.tolist() == [34, 19]
+    assert inputs.metadata.query_lens_cpu == (4, 19)
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 3, 22]

@@ -265,7 +265,7 @@ def test_abort_while_decoding_between_schedule_and_update_drops_the_result():
     assert slices(out) == [("decoding", 1, 10, True)]
     scheduler.abort_requests(["decoding"])
     assert scheduler.num_blocks_used == 0
-    assert scheduler.update_from_output(out, model.execute(out)) == []
+    assert scheduler.update_from_output(out, {k: [v] for k, v in model.execute(out).items()}) == []
     assert decoding.num_output_tokens == 1 and decoding.status is RequestStatus.FINISHED_ABORTED
 
 

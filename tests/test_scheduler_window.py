@@ -34,7 +34,7 @@ def test_a_long_prompt_runs_in_blocks_its_window_reaches():
         (scheduled,) = out.scheduled
         tables.append((scheduled.start_position, scheduled.block_ids))
         used.append(scheduler.num_blocks_used)
-        scheduler.update_from_output(out, {"a": 7} if scheduled.sample else {})
+        scheduler.update_from_output(out, {"a": [7]} if scheduled.sample else {})
     assert tables == [
         (0, (0, 1)),  # positions 0..31
         (32, (0, 1, 2, 3)),  # position 32 sees 13..32: block 0 still needed

@@ -25,10 +25,14 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.loading.model_loader import ModelSource, load_model_source
 from engine.model_info import ModelInfo
-from engine.outputs import EngineStats, Logprobs
+from engine.outputs import EngineStats
 from engine.sample.grammar_mask import GrammarMask
 from engine.sample.logits_processors import default_processors
 from engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from engine.spec.build import build_proposer
+from engine.spec.proposer import Proposal, speculation_allowed
+from engine.spec.rejection_sampler import RejectionSampler
+from engine.spec.spec_counters import SpecCounters
 from engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
 from engine.worker.model_runner import ModelRunner
 
@@ -54,6 +58,11 @@ class EngineCore:
             sliding_window=source.arch.uniform_sliding_window,
         )
         self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer = build_proposer(config, source, self.model_runner)
+        # request id -> its latest drafts (Request.spec_token_ids), until they are verified
+        self._proposals: dict[str, Proposal] = {}
+        self.spec_counters = SpecCounters()
         self.faults = FaultInjector.from_env()
         eos = set(source.arch.eos_token_ids)
         if self.tokenizer is not None:
@@ -67,6 +76,7 @@ class EngineCore:
         self._compiling = GrammarWaitingRoom()
         self._forks = SampleForks()
         self._prompt_logprobs = PromptLogprobsTracker()
+        spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
             architecture=source.arch.architecture,
@@ -75,6 +85,8 @@ class EngineCore:
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             block_size=config.cache.block_size,
             num_kv_blocks=self.model_runner.num_blocks,
+            speculative_method=spec.method if spec is not None else "",
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self._num_steps = 0
         self._num_prompt_tokens_computed = 0
@@ -90,11 +102,12 @@ class EngineCore:
             return rejected
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)  # forking samples' first tokens too
-        self._count(scheduler_output, num_sampled=len(sampled))
+        self._count(scheduler_output, sampled)
         forked = self._fork(scheduler_output, sampled, sampling_errors)  # while the leaders hold their blocks
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
-        updated = self.scheduler.update_from_output(scheduler_output, sampled_token_ids(sampled))
-        return rejected + forked + failed + [self._output(r, sampled[r.request_id]) for r in updated]
+        updated = self._update(scheduler_output, sampled)
+        self._propose(updated)
+        return rejected + forked + failed + [self._output(r, tokens) for r, tokens in updated]
 
     def add_request(self, add: AddRequest) -> None:
         """Queues a validated request (the frontend checked the prompt against `model_info`).
@@ -118,6 +131,7 @@ class EngineCore:
                 arrival_time=add.arrival_time,
                 priority=add.priority,
                 cache_salt=add.cache_salt,
+                use_speculation=add.use_speculation,
             )
             for i, request_id in enumerate(request_ids)
         )
@@ -150,6 +164,7 @@ class EngineCore:
             if request is not None:
                 outputs.append(self._output(request, None, error))
                 outputs += self._start_followers(request_id)
+        self._free_proposals([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -227,12 +242,15 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_evictions=s.prefix_cache_evictions,
             num_steps=self._num_steps,
+            **self.spec_counters.stats_fields(),
         )
 
     def _free(self, request_ids: Iterable[str]) -> None:
-        """Drop the per-request sampling and prompt-logprob state of finished requests."""
+        """Drop the sampler's, the prompt logprobs' and the proposer's state of finished requests."""
+        request_ids = list(request_ids)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
+        self._free_proposals(request_ids)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`."""
@@ -247,49 +265,109 @@ class EngineCore:
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
-    ) -> tuple[dict[str, SampledToken], dict[str, str]]:
-        """One token per slice that reached its request's last token, in scheduled order; then the first
-        token of every sample waiting to fork from a leader whose prompt this step completes, drawn
-        from the leader's logits row.
+    ) -> tuple[dict[str, list[SampledToken]], dict[str, str]]:
+        """Per slice that reached its request's last token, in scheduled order: its accepted drafts
+        (if it verified any) then one token; then the first token of every sample waiting to fork from
+        a leader whose prompt this step completes, drawn from the leader's logits row.
 
-        A batch that fails is sampled again row by row, so a failure caused by one request's parameters
-        ends that request (returned in the second dict: request id -> error) and the others go on.
+        A batch that fails is sampled again request by request, so a failure caused by one request's
+        parameters ends that request (returned in the second dict: request id -> error) and the others
+        go on.
         """
-        rows, logits_rows = self._sampling_rows(scheduler_output)
-        if len(logits_rows) > logits.shape[0]:
+        rows, proposals, logits_rows = self._sampling_rows(scheduler_output)
+        if len(logits_rows) > logits.shape[0]:  # forking samples: rows of their leaders' logits
             logits = logits[torch.tensor(logits_rows, device=logits.device)]
         try:
             self._check_sample_faults(rows)
-            sampled = self.sampler.sample(logits, rows)
+            sampled = self.rejection_sampler.sample(logits, rows, proposals)
             return {row.request_id: s for row, s in zip(rows, sampled, strict=True)}, {}
         except Exception:
             logger.exception("batched sampling failed; sampling each request alone")
         good, failed = {}, {}
-        for i, row in enumerate(rows):
+        start = 0
+        for row, proposal in zip(rows, proposals, strict=True):
+            end = start + 1 + (0 if proposal is None else len(proposal.token_ids))
             try:
                 self._check_sample_faults([row])
-                good[row.request_id] = self.sampler.sample(logits[i : i + 1], [row])[0]
+                good[row.request_id] = self.rejection_sampler.sample(logits[start:end], [row], [proposal])[0]
             except Exception as exc:
                 failed[row.request_id] = f"sampling failed: {exc}"
+            start = end
         return good, failed
+
+    def _free_proposals(self, request_ids: Iterable[str]) -> None:
+        if self.proposer is None:
+            return
+        request_ids = list(request_ids)
+        self.proposer.free(request_ids)
+        for request_id in request_ids:
+            self._proposals.pop(request_id, None)
+
+    def _proposal(self, request_id: str, spec_token_ids: tuple[int, ...]) -> Proposal | None:
+        """The drafts the scheduler kept for this step (a prefix of those proposed)."""
+        if not spec_token_ids:
+            return None
+        probs = self._proposals[request_id].probs
+        return Proposal(spec_token_ids, None if probs is None else probs[: len(spec_token_ids)])
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        """The scheduler takes the sampled tokens; returns each request that got tokens with those it
+        kept (a token stop in the middle of a run drops the rest)."""
+        num_before = {}
+        for s in scheduler_output.scheduled:
+            request = self.scheduler.get_request(s.request_id)
+            if request is not None:
+                num_before[s.request_id] = request.num_output_tokens
+        token_ids = {request_id: [t.token_id for t in tokens] for request_id, tokens in sampled.items()}
+        updated = self.scheduler.update_from_output(scheduler_output, token_ids)
+        return [(r, sampled[r.request_id][: r.num_output_tokens - num_before[r.request_id]]) for r in updated]
+
+    def _propose(self, updated: list[tuple[Request, list[SampledToken]]]) -> None:
+        """Drafts for the next step, for the requests now in decode that may speculate."""
+        if self.proposer is None:
+            return
+        for request, _ in updated:  # their drafts were verified (or they finished)
+            self._proposals.pop(request.request_id, None)
+        self.proposer.free([r.request_id for r, _ in updated if r.is_finished])
+        requests = [r for r, _ in updated if not r.is_finished and speculation_allowed(r)]
+        if not requests:
+            return
+        proposals = self.proposer.propose(requests)
+        for request_id, proposal in proposals.items():
+            self.scheduler.get_request(request_id).spec_token_ids = list(proposal.token_ids)
+        self._proposals.update(proposals)
 
     def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
         if self.faults is not None:
             self.faults.check("sample", (row.request_id for row in rows))
 
-    def _sampling_rows(self, scheduler_output: SchedulerOutput) -> tuple[list[SamplingRow], list[int]]:
-        """The rows to sample and the logits row of each (a forking sample shares its leader's)."""
+    def _sampling_rows(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[SamplingRow], list[Proposal | None], list[int]]:
+        """The rows to sample, their drafts, and the logits rows they read: one per slice and draft,
+        then one for each forking sample (its leader's row; a leader completing its prompt has no
+        drafts)."""
         scheduled = [s for s in scheduler_output.scheduled if s.sample]
         rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
-        logits_rows = list(range(len(rows)))
-        for i, s in enumerate(scheduled):
+        proposals = [self._proposal(s.request_id, s.spec_token_ids) for s in scheduled]
+        logits_rows, starts = [], []
+        for s in scheduled:
+            starts.append(len(logits_rows))
+            logits_rows += range(len(logits_rows), len(logits_rows) + 1 + len(s.spec_token_ids))
+        for start, s in zip(starts, scheduled, strict=True):
             for follower in self._forks.followers(s.request_id):
                 rows.append(self._sampling_row(follower))
-                logits_rows.append(i)
-        return rows, logits_rows
+                proposals.append(None)
+                logits_rows.append(start)
+        return rows, proposals, logits_rows
 
     def _fork(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken], errors: dict[str, str]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, list[SampledToken]],
+        errors: dict[str, str],
     ) -> list[CoreOutput]:
         """Fork the samples whose first token was drawn this step from their leader's blocks (those
         that already stopped never join the scheduler). Their outputs, errors included."""
@@ -305,9 +383,9 @@ class EngineCore:
                     self._free([follower.request_id])
                     outputs.append(self._output(follower, None, errors.pop(follower.request_id)))
                     continue
-                token = sampled[follower.request_id]
-                self._start_forked(leader, follower, token.token_id)
-                outputs.append(self._output(follower, token))
+                tokens = sampled[follower.request_id]  # one: a follower has no drafts
+                self._start_forked(leader, follower, tokens[0].token_id)
+                outputs.append(self._output(follower, tokens))
         return outputs
 
     def _start_forked(self, leader: Request, follower: Request, token_id: int) -> None:
@@ -336,17 +414,17 @@ class EngineCore:
             grammar=request.grammar,
         )
 
-    def _output(self, request: Request, sampled: SampledToken | None, error: str | None = None) -> CoreOutput:
+    def _output(
+        self, request: Request, sampled: list[SampledToken] | None, error: str | None = None
+    ) -> CoreOutput:
         finished = request.is_finished
         times = request.times
-        logprobs = sampled.logprobs if sampled is not None else None
-        prompt_logprobs: list[Logprobs] | None = None
-        if sampled is not None:
-            prompt_logprobs = self._prompt_logprobs.take(request)
+        sampled = sampled or []
+        prompt_logprobs = self._prompt_logprobs.take(request) if sampled else None
         return CoreOutput(
             request_id=request.request_id,
-            new_token_ids=[] if sampled is None else [sampled.token_id],
-            new_logprobs=[] if logprobs is None else [logprobs],
+            new_token_ids=[s.token_id for s in sampled],
+            new_logprobs=[s.logprobs for s in sampled if s.logprobs is not None],
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             first_scheduled=times.first_scheduled,
@@ -357,19 +435,20 @@ class EngineCore:
             finished_time=times.finished if finished else None,
             prompt_logprobs=prompt_logprobs,
             num_prompt_tokens_computed=request.num_prompt_tokens_computed,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_draft_tokens=request.num_accepted_draft_tokens,
         )
 
-    def _count(self, scheduler_output: SchedulerOutput, num_sampled: int) -> None:
-        """Prompt tokens computed (prefill work, after prefix-cache hits) and tokens generated."""
+    def _count(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
+        """Prompt tokens computed (prefill work, after prefix-cache hits), tokens generated, drafts."""
         self._num_steps += 1
-        self._num_generation_tokens += num_sampled
+        self._num_generation_tokens += sum(len(tokens) for tokens in sampled.values())
         for scheduled in scheduler_output.scheduled:
+            if scheduled.spec_token_ids and scheduled.request_id in sampled:
+                num_accepted = len(sampled[scheduled.request_id]) - 1
+                self.spec_counters.add(len(scheduled.spec_token_ids), num_accepted)
             request = self.scheduler.get_request(scheduled.request_id)
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
             num_prompt = max(0, prompt_end - scheduled.start_position)
             request.num_prompt_tokens_computed += num_prompt
             self._num_prompt_tokens_computed += num_prompt
-
-
-def sampled_token_ids(sampled: dict[str, SampledToken]) -> dict[str, int]:
-    return {request_id: s.token_id for request_id, s in sampled.items()}

@@ -53,6 +53,7 @@ class AddRequest(msgspec.Struct, tag=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    use_speculation: bool = True  # False: this request never verifies draft tokens
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -88,6 +89,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[Logprobs] | None = None
     # Prompt tokens this request ran through the model so far (0 for a sample forked from another).
     num_prompt_tokens_computed: int = 0
+    # Speculative decoding, the request's totals so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:

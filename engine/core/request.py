@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -56,6 +57,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     grammar: object | None = None  # the compiled constraint (xgrammar CompiledGrammar), set by the core
+    # Speculative decoding: the draft tokens proposed for the next step (after the last token, not part
+    # of num_tokens), whether this request may speculate at all, and its running counts.
+    use_speculation: bool = True
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +92,18 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: Sequence[int], max_model_len: int) -> RequestStatus | None:
+        """Append a step's accepted tokens one at a time, checking the token stops after each: a stop in
+        the middle of the run drops the tokens after it. Returns the finishing status, if any."""
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            status = self.check_token_stop()
+            if status is None and self.num_tokens >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                return status
+        return None
 
     def check_token_stop(self) -> RequestStatus | None:
         """Stop conditions decided by token ids alone (stop strings are the detokenizer's job)."""

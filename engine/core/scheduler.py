@@ -5,6 +5,12 @@ or decode modes. A decode is an advance of 1, a prefill chunk an advance of many
 advance taken for free at admission. `schedule()` fills the budget with running requests first (in
 priority order), then admits waiting ones in (priority, arrival, sequence) order.
 
+A request in decode with draft tokens (speculative decoding, `Request.spec_token_ids`) advances by
+1 + k: its last token and k drafts, all under the same budget and with KV slots reserved for them. The
+step's result says how many drafts were accepted: `num_computed_tokens` then covers only the accepted
+ones (the rejected positions' KV is garbage to be overwritten), blocks past the request's tokens are
+freed, and the prefix cache registers only blocks full of accepted tokens.
+
 When a running request needs a block and none is free, the worst running request (largest priority
 value, then newest) is preempted by recompute: its blocks are freed, `num_computed_tokens` drops to 0,
 it keeps its output tokens and returns to the waiting queue in its original place.
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -32,15 +38,20 @@ class _StepPlan:
     token_budget: int
     num_new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
     block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts, beyond num_new
     preempted: list[str] = field(default_factory=list)
 
-    def add(self, request_id: str, num_new_tokens: int, block_ids: tuple[int, ...]) -> None:
+    def add(
+        self, request_id: str, num_new_tokens: int, block_ids: tuple[int, ...], spec: tuple[int, ...] = ()
+    ) -> None:
         self.num_new_tokens[request_id] = num_new_tokens
         self.block_ids[request_id] = block_ids
-        self.token_budget -= num_new_tokens
+        self.spec_token_ids[request_id] = spec
+        self.token_budget -= num_new_tokens + len(spec)
 
     def unschedule(self, request_id: str) -> None:
         self.token_budget += self.num_new_tokens.pop(request_id, 0)
+        self.token_budget += len(self.spec_token_ids.pop(request_id, ()))
         self.block_ids.pop(request_id, None)
 
 
@@ -176,31 +187,55 @@ class Scheduler:
             self._schedule_waiting(plan)
         return self._build_output(plan)
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled tokens, finish stopped requests.
 
-        Returns the requests that got a new token this step, finished ones included. Requests aborted
-        or finished since `schedule()` are skipped.
+        `sampled_token_ids[request_id]` are the tokens a sampling slice produced: its accepted drafts
+        (a prefix of its `spec_token_ids`) then one token sampled by the target model. Stops are checked
+        at every token; a stop in the middle truncates the run. Returns the requests that got tokens this
+        step, finished ones included. Requests aborted or finished since `schedule()` are skipped.
         """
         got_token = []
         for scheduled in out.scheduled:
             request = self._running.get(scheduled.request_id)
             if request is None or request.num_computed_tokens != scheduled.start_position:
                 continue
-            request.num_computed_tokens += scheduled.num_tokens
-            self.kv.cache_computed_blocks(request)
+            request.spec_token_ids = []
             if not scheduled.sample:
+                request.num_computed_tokens += scheduled.num_tokens
+                self.kv.cache_computed_blocks(request)
                 continue
-            request.append_output_token(sampled_token_ids[scheduled.request_id])
-            if request.times.first_token is None:
-                request.times.first_token = time.time()
+            self._accept(request, scheduled, sampled_token_ids[scheduled.request_id])
             got_token.append(request)
-            status = request.check_token_stop()
-            if status is None and request.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self._finish(request, status)
         return got_token
+
+    def _accept(self, request: Request, scheduled: ScheduledRequest, token_ids: Sequence[int]) -> None:
+        """Append a sampling slice's tokens; roll back the KV of rejected drafts; finish on a stop."""
+        num_drafts = len(scheduled.spec_token_ids)
+        num_accepted = len(token_ids) - 1
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(
+                f"sampled_token_ids: request {request.request_id!r} got {len(token_ids)} tokens "
+                f"for {num_drafts} drafts"
+            )
+        num_tokens_before = request.num_tokens
+        status = request.append_output_tokens(token_ids, self.max_model_len)
+        num_appended = request.num_tokens - num_tokens_before
+        # K/V is valid for the slice's own tokens and the accepted drafts; the last token has none yet.
+        request.num_computed_tokens = min(
+            scheduled.start_position + len(scheduled.token_ids) + num_accepted, request.num_tokens - 1
+        )
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_draft_tokens += min(num_accepted, num_appended)
+        if request.times.first_token is None:
+            request.times.first_token = time.time()
+        self.kv.cache_computed_blocks(request)
+        if status is not None:
+            self._finish(request, status)
+        elif num_drafts:
+            self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
 
     # ---- schedule() helpers --------------------------------------------------------------------
 
@@ -214,9 +249,27 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new == 0:
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new, plan)
+            spec = self._spec_tokens(request, num_new, plan.token_budget)
+            # Drafts never preempt anyone: without free blocks for them the request just decodes.
+            block_ids = self.kv.allocate_slots(request, num_new + len(spec)) if spec else None
+            if block_ids is None:
+                spec = ()
+                block_ids = self._allocate_or_preempt(request, num_new, plan)
             if block_ids is not None:
-                plan.add(request.request_id, num_new, block_ids)
+                plan.add(request.request_id, num_new, block_ids, spec)
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The drafts a request verifies this step: only in decode (the step reaches its last token),
+        within the budget, max_model_len and the outputs it may still produce (k drafts yield up to
+        k + 1 tokens)."""
+        if not request.spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens:
+            return ()
+        limit = min(
+            budget - num_new,
+            self.max_model_len - request.num_tokens,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
+        return tuple(request.spec_token_ids[: max(limit, 0)])
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> tuple[int, ...] | None:
         """Blocks for `num_new` more tokens, preempting the worst running requests until they fit.
@@ -284,6 +337,7 @@ class Scheduler:
         self.kv.free(request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.push(request, self._seq[request_id])
@@ -310,13 +364,15 @@ class Scheduler:
                     start_position=start,
                     block_ids=plan.block_ids[request_id],
                     sample=start + num_new == request.num_tokens,
+                    spec_token_ids=plan.spec_token_ids[request_id],
                 )
             )
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         copies, self._block_copies = self._block_copies, []
         return SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_batched_tokens=sum(plan.num_new_tokens.values()),
+            num_batched_tokens=sum(plan.num_new_tokens.values())
+            + sum(len(spec) for spec in plan.spec_token_ids.values()),
             preempted_request_ids=tuple(plan.preempted),
             finished_request_ids=tuple(finished),
             block_copies=tuple(copies),

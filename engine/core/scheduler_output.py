@@ -12,6 +12,13 @@ class ScheduledRequest:
     The request computes `token_ids` at positions `start_position .. start_position + len(token_ids) - 1`.
     `block_ids` is its whole block table (logical block i -> physical block `block_ids[i]`).
     `sample` is true when this slice reaches the request's last token, so a new token is produced.
+    `spec_token_ids` (only with `sample`) are draft tokens computed after `token_ids`, at the next
+    positions; the step then yields logits for the last token and every draft, and the request advances
+    by the drafts it accepts plus one token. They count in `num_tokens` and have KV slots:
+
+        position:   start ...        seq_len - k - 1 | seq_len - k ... seq_len - 1
+        tokens:     token_ids (last one is sampled)  | spec_token_ids (k drafts)
+        logits:                      row 0           | rows 1 .. k
     """
 
     request_id: str
@@ -19,15 +26,17 @@ class ScheduledRequest:
     start_position: int
     block_ids: tuple[int, ...]
     sample: bool
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens computed this step, drafts included."""
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def seq_len(self) -> int:
-        """Context length after this step: cached/computed tokens plus the new ones."""
-        return self.start_position + len(self.token_ids)
+        """Context length after this step: cached/computed tokens plus the new ones (drafts included)."""
+        return self.start_position + self.num_tokens
 
 
 @dataclass(frozen=True)

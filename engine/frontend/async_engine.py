@@ -108,6 +108,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         stream_interval: int | None = None,
         tool_use: ToolUse | None = None,
+        use_speculation: bool = True,
     ) -> RequestStream:
         """Validates (raising InvalidRequestError, ContextLengthError, QueueFullError, EngineDeadError),
         queues the request in the core, and returns its stream.
@@ -116,7 +117,8 @@ class AsyncEngine:
         request, so its KV blocks are freed before the core's next step. `tool_use` (chat only): tools
         rendered by the chat template, a required or named call enforced, calls parsed on the last output.
         With `params.n` > 1 the stream yields the outputs of the n samples (each with its `index`) and
-        ends after the last one finished.
+        ends after the last one finished. `use_speculation` False: the request never verifies draft
+        tokens (when the engine speculates).
         """
         self._check_accepting(request_id, params.n)
         tools = None if tool_use is None else tool_use.for_template()
@@ -128,7 +130,9 @@ class AsyncEngine:
         self._streams[request_id] = collector
         arrival = time.time()
         self._output_processor.add_request(request_id, len(prompt), params, arrival, tool_use)
-        self._client.send(AddRequest(request_id, prompt, params, arrival, priority, cache_salt))
+        self._client.send(
+            AddRequest(request_id, prompt, params, arrival, priority, cache_salt, use_speculation)
+        )
         return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
 
     async def abort(self, request_id: str) -> None:

@@ -46,13 +46,16 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         tool_use: ToolUse | None = None,
+        use_speculation: bool = True,
     ) -> None:
         """Validates and queues a request; raises InvalidRequestError / ContextLengthError. With
         `tool_use`, `params` must already carry its constraint (`ToolUse.sampling_params`)."""
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         arrival = time.time()
         self.core.add_request(
-            AddRequest(request_id, list(prompt_token_ids), params, arrival, priority, cache_salt)
+            AddRequest(
+                request_id, list(prompt_token_ids), params, arrival, priority, cache_salt, use_speculation
+            )
         )
         self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival, tool_use)
 

@@ -35,6 +35,8 @@ class Completion:
     stop_reason: int | str | None = None
     cached_tokens: int = 0
     num_preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified for this request, and accepted
+    accepted_draft_tokens: int = 0
     timings: Timings | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
@@ -50,6 +52,8 @@ class Completion:
             self.stop_reason = output.stop_reason
             self.cached_tokens = output.usage.cached_tokens if output.usage else 0
             self.prompt_tokens_computed = output.usage.prompt_tokens_computed if output.usage else 0
+            self.draft_tokens = output.usage.draft_tokens if output.usage else 0
+            self.accepted_draft_tokens = output.usage.accepted_draft_tokens if output.usage else 0
             self.num_preemptions = output.num_preemptions
             self.timings = output.timings
             self.tool_calls = output.tool_calls

@@ -111,18 +111,19 @@ class OutputProcessor:
             self._engine_ids.pop(state.request_id, None)
 
     def _process_one(self, state: _RequestState, core_output: CoreOutput) -> RequestOutput:
-        state.num_output_tokens += len(core_output.new_token_ids)
         finish_reason, stop_reason, error = (
             core_output.finish_reason,
             core_output.stop_reason,
             core_output.error,
         )
         try:
-            text, stop_string = self._detokenize(state, core_output)
+            text, stop_string, num_taken = self._detokenize(state, core_output)
         except Exception as exc:
             logger.exception("detokenizing request %s failed", core_output.request_id)
-            text, stop_string = "", None
+            text, stop_string, num_taken = "", None, len(core_output.new_token_ids)
             finish_reason, stop_reason, error = "error", None, f"detokenization failed: {exc}"
+        # A stop string completed by a token in the middle of a multi-token advance drops the rest.
+        state.num_output_tokens += num_taken
         if stop_string is not None:
             # Also when the core finished it by length in the same step: the stop string decides.
             finish_reason, stop_reason = "stop", stop_string
@@ -132,9 +133,9 @@ class OutputProcessor:
         tool_calls = self._tool_calls(state, text, finished=finish_reason is not None)
         return RequestOutput(
             request_id=state.request_id,
-            token_ids=tuple(core_output.new_token_ids),
+            token_ids=tuple(core_output.new_token_ids[:num_taken]),
             text=text,
-            logprobs=tuple(core_output.new_logprobs),
+            logprobs=tuple(core_output.new_logprobs[:num_taken]),
             finish_reason=finish_reason,
             stop_reason=stop_reason if finish_reason is not None else None,
             error=error,
@@ -143,6 +144,8 @@ class OutputProcessor:
                 state.num_output_tokens,
                 core_output.num_cached_tokens,
                 core_output.num_prompt_tokens_computed,
+                core_output.num_draft_tokens,
+                core_output.num_accepted_draft_tokens,
             ),
             timings=Timings(
                 state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time
@@ -160,14 +163,16 @@ class OutputProcessor:
         state.text += text
         return state.tool_use.parse(state.text) if finished else ()
 
-    def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None]:
-        """The text delta, and the stop string if one matched."""
+    def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None, int]:
+        """The text delta, the stop string if one matched, and how many of the new tokens count (all
+        of them, or those up to the one that completed the stop string)."""
         if self._faults is not None:
             self._faults.check("detokenize", [core_output.request_id])
         detokenizer = state.detokenizer
         if detokenizer is None:
-            return "", None
+            return "", None, len(core_output.new_token_ids)
+        num_before = detokenizer.num_tokens
         text = detokenizer.add_tokens(core_output.new_token_ids)
         if detokenizer.stop_string is None and core_output.finished:
             text += detokenizer.flush()
-        return text, detokenizer.stop_string
+        return text, detokenizer.stop_string, detokenizer.num_tokens - num_before

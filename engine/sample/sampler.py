@@ -69,9 +69,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
-        processed = logits.clone()
-        for processor in self.processors:
-            processor.apply(processed, rows)
+        processed = self.apply_processors(logits, rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -80,10 +78,23 @@ class Sampler:
         if random:
             sub_rows = [rows[i] for i in random]
             probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
-            token_ids[random] = self._draw(probs, sub_rows)
-        return self._attach_logprobs(logits, rows, token_ids)
+            token_ids[random] = self.draw(probs, sub_rows)
+        return self.attach_logprobs(logits, rows, token_ids)
 
-    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def apply_processors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """A copy of logits [num_rows, vocab] float32 with every logits processor applied."""
+        processed = logits.float().clone()
+        for processor in self.processors:
+            processor.apply(processed, rows)
+        return processed
+
+    def uniform(self, row: SamplingRow, device: torch.device) -> float:
+        """One draw from U[0, 1), from the request's generator when it is seeded."""
+        generator = self._shared(device) if row.params.seed is None else self._for_request(row, device)
+        return float(torch.rand(1, generator=generator, device=device).item())
+
+    def draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row."""
         # probs: [m, vocab]; q: [m, vocab] ~ Exp(1). argmax(probs / q) is a draw from probs.
         q = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
@@ -112,7 +123,7 @@ class Sampler:
             self._request_generators[row.request_id] = generator
         return generator
 
-    def _attach_logprobs(
+    def attach_logprobs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
     ) -> list[SampledToken]:
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]

@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         # _ids: recent ids; the last _num_undecoded of them produced no text yet (partial character).
         self._ids: list[int] = []
         self._num_undecoded = 0
+        self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 
     @property
     def stop_string(self) -> str | None:
@@ -46,6 +47,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             if self._stops.matched is not None:
                 break
+            self.num_tokens += 1
             text = self._step(token_id)
             if text:
                 pieces.append(self._stops.push(text))

@@ -10,6 +10,9 @@ table [7, 2, 9], block_size 4, 6 cached tokens and 3 new ones (positions 6, 7, 8
     new tokens write:                      10 11 | 36      -> slot_mapping rows for request i
 
     query_start_loc = [0, ..., start_i, start_i + 3, ...]   seq_lens[i] = 9
+
+A sampling slice with k draft tokens (speculative decoding) appends them after its own tokens and gets
+k + 1 logits rows, in position order: its last token's, then each draft's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64: last token row of each slice with sample=True
+    # [num_logits] int64: for each slice with sample=True, its last token's row and its drafts' rows
+    logits_indices: torch.Tensor
 
 
 def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -46,12 +50,14 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
                 f"too few for {req.seq_len} tokens"
             )
         input_ids.extend(req.token_ids)
+        input_ids.extend(req.spec_token_ids)
         for pos in range(req.start_position, req.seq_len):
             positions.append(pos)
             slot_mapping.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
         query_start_loc.append(len(input_ids))
         if req.sample:
-            logits_indices.append(len(input_ids) - 1)
+            num_rows = len(req.spec_token_ids) + 1
+            logits_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
     max_num_blocks = max(len(req.block_ids) for req in out.scheduled)
     block_tables = [
         list(req.block_ids) + [0] * (max_num_blocks - len(req.block_ids)) for req in out.scheduled

@@ -76,7 +76,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
-        """Runs the step; returns logits [num_sampled, vocab] float32, one row per slice with sample=True."""
+        """Runs the step; returns logits [num_logits, vocab] float32: per slice with sample=True, in
+        scheduled order, one row for its last token then one per draft token (`spec_token_ids`)."""
         return self.execute_model_with_prompt_logprobs(out, ())[0]
 
     @torch.inference_mode()

@@ -151,7 +151,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling_params", "priority", "cache_salt", "stream_interval", "timeout_seconds", "trace_context")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling_params", "priority", "cache_salt", "stream_interval", "timeout_seconds", "trace_context", "disable_speculation")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class GenerateRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -179,7 +180,8 @@ class GenerateRequest(_message.Message):
     stream_interval: int
     timeout_seconds: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., stream_interval: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., stream_interval: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -198,16 +200,20 @@ class Logprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prompt_tokens_computed")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prompt_tokens_computed", "draft_tokens", "accepted_draft_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     prompt_tokens_computed: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "ttft_seconds", "total_seconds")
@@ -310,7 +316,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "kv_capacity_tokens")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "kv_capacity_tokens", "speculative_method", "num_speculative_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +325,8 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -327,4 +335,6 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     num_kv_blocks: int
     kv_capacity_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    speculative_method: str
+    num_speculative_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...

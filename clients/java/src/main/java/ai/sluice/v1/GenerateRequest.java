@@ -497,6 +497,22 @@ java.lang.String defaultValue) {
     return map.get(key);
   }
 
+  public static final int DISABLE_SPECULATION_FIELD_NUMBER = 9;
+  private boolean disableSpeculation_ = false;
+  /**
+   * <pre>
+   * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+   * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+   * </pre>
+   *
+   * <code>bool disable_speculation = 9;</code>
+   * @return The disableSpeculation.
+   */
+  @java.lang.Override
+  public boolean getDisableSpeculation() {
+    return disableSpeculation_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -534,6 +550,9 @@ java.lang.String defaultValue) {
     }
     if (streamInterval_ != 0) {
       output.writeUInt32(8, streamInterval_);
+    }
+    if (disableSpeculation_ != false) {
+      output.writeBool(9, disableSpeculation_);
     }
     if (java.lang.Double.doubleToRawLongBits(timeoutSeconds_) != 0) {
       output.writeDouble(10, timeoutSeconds_);
@@ -582,6 +601,10 @@ java.lang.String defaultValue) {
       size += com.google.protobuf.CodedOutputStream
         .computeUInt32Size(8, streamInterval_);
     }
+    if (disableSpeculation_ != false) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeBoolSize(9, disableSpeculation_);
+    }
     if (java.lang.Double.doubleToRawLongBits(timeoutSeconds_) != 0) {
       size += com.google.protobuf.CodedOutputStream
         .computeDoubleSize(10, timeoutSeconds_);
@@ -629,6 +652,8 @@ java.lang.String defaultValue) {
             other.getTimeoutSeconds())) return false;
     if (!internalGetTraceContext().equals(
         other.internalGetTraceContext())) return false;
+    if (getDisableSpeculation()
+        != other.getDisableSpeculation()) return false;
     if (!getPromptCase().equals(other.getPromptCase())) return false;
     switch (promptCase_) {
       case 2:
@@ -676,6 +701,9 @@ java.lang.String defaultValue) {
       hash = (37 * hash) + TRACE_CONTEXT_FIELD_NUMBER;
       hash = (53 * hash) + internalGetTraceContext().hashCode();
     }
+    hash = (37 * hash) + DISABLE_SPECULATION_FIELD_NUMBER;
+    hash = (53 * hash) + com.google.protobuf.Internal.hashBoolean(
+        getDisableSpeculation());
     switch (promptCase_) {
       case 2:
         hash = (37 * hash) + TEXT_FIELD_NUMBER;
@@ -864,6 +892,7 @@ java.lang.String defaultValue) {
       streamInterval_ = 0;
       timeoutSeconds_ = 0D;
       internalGetMutableTraceContext().clear();
+      disableSpeculation_ = false;
       promptCase_ = 0;
       prompt_ = null;
       return this;
@@ -923,6 +952,9 @@ java.lang.String defaultValue) {
       if (((from_bitField0_ & 0x00000200) != 0)) {
         result.traceContext_ = internalGetTraceContext();
         result.traceContext_.makeImmutable();
+      }
+      if (((from_bitField0_ & 0x00000400) != 0)) {
+        result.disableSpeculation_ = disableSpeculation_;
       }
     }
 
@@ -1008,6 +1040,9 @@ java.lang.String defaultValue) {
       internalGetMutableTraceContext().mergeFrom(
           other.internalGetTraceContext());
       bitField0_ |= 0x00000200;
+      if (other.getDisableSpeculation() != false) {
+        setDisableSpeculation(other.getDisableSpeculation());
+      }
       switch (other.getPromptCase()) {
         case TEXT: {
           promptCase_ = 2;
@@ -1100,6 +1135,11 @@ java.lang.String defaultValue) {
               bitField0_ |= 0x00000080;
               break;
             } // case 64
+            case 72: {
+              disableSpeculation_ = input.readBool();
+              bitField0_ |= 0x00000400;
+              break;
+            } // case 72
             case 81: {
               timeoutSeconds_ = input.readDouble();
               bitField0_ |= 0x00000100;
@@ -2154,6 +2194,53 @@ java.lang.String defaultValue) {
       internalGetMutableTraceContext().getMutableMap()
           .putAll(values);
       bitField0_ |= 0x00000200;
+      return this;
+    }
+
+    private boolean disableSpeculation_ ;
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @return The disableSpeculation.
+     */
+    @java.lang.Override
+    public boolean getDisableSpeculation() {
+      return disableSpeculation_;
+    }
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @param value The disableSpeculation to set.
+     * @return This builder for chaining.
+     */
+    public Builder setDisableSpeculation(boolean value) {
+      
+      disableSpeculation_ = value;
+      bitField0_ |= 0x00000400;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+     * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+     * </pre>
+     *
+     * <code>bool disable_speculation = 9;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearDisableSpeculation() {
+      bitField0_ = (bitField0_ & ~0x00000400);
+      disableSpeculation_ = false;
+      onChanged();
       return this;
     }
     @java.lang.Override

@@ -214,5 +214,16 @@ java.lang.String defaultValue);
   java.lang.String getTraceContextOrThrow(
       java.lang.String key);
 
+  /**
+   * <pre>
+   * True: this request never verifies draft tokens, even on a server run with --speculative (outputs
+   * are the same either way; greedy tokens are identical, sampled ones follow the same distribution).
+   * </pre>
+   *
+   * <code>bool disable_speculation = 9;</code>
+   * @return The disableSpeculation.
+   */
+  boolean getDisableSpeculation();
+
   public ai.sluice.v1.GenerateRequest.PromptCase getPromptCase();
 }

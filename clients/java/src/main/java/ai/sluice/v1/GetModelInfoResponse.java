@@ -23,6 +23,7 @@ private static final long serialVersionUID = 0L;
     modelName_ = "";
     architecture_ = "";
     eosTokenIds_ = emptyIntList();
+    speculativeMethod_ = "";
   }
 
   @java.lang.Override
@@ -224,6 +225,64 @@ private static final long serialVersionUID = 0L;
     return kvCapacityTokens_;
   }
 
+  public static final int SPECULATIVE_METHOD_FIELD_NUMBER = 9;
+  @SuppressWarnings("serial")
+  private volatile java.lang.Object speculativeMethod_ = "";
+  /**
+   * <pre>
+   * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+   * </pre>
+   *
+   * <code>string speculative_method = 9;</code>
+   * @return The speculativeMethod.
+   */
+  @java.lang.Override
+  public java.lang.String getSpeculativeMethod() {
+    java.lang.Object ref = speculativeMethod_;
+    if (ref instanceof java.lang.String) {
+      return (java.lang.String) ref;
+    } else {
+      com.google.protobuf.ByteString bs = 
+          (com.google.protobuf.ByteString) ref;
+      java.lang.String s = bs.toStringUtf8();
+      speculativeMethod_ = s;
+      return s;
+    }
+  }
+  /**
+   * <pre>
+   * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+   * </pre>
+   *
+   * <code>string speculative_method = 9;</code>
+   * @return The bytes for speculativeMethod.
+   */
+  @java.lang.Override
+  public com.google.protobuf.ByteString
+      getSpeculativeMethodBytes() {
+    java.lang.Object ref = speculativeMethod_;
+    if (ref instanceof java.lang.String) {
+      com.google.protobuf.ByteString b = 
+          com.google.protobuf.ByteString.copyFromUtf8(
+              (java.lang.String) ref);
+      speculativeMethod_ = b;
+      return b;
+    } else {
+      return (com.google.protobuf.ByteString) ref;
+    }
+  }
+
+  public static final int NUM_SPECULATIVE_TOKENS_FIELD_NUMBER = 10;
+  private int numSpeculativeTokens_ = 0;
+  /**
+   * <code>int32 num_speculative_tokens = 10;</code>
+   * @return The numSpeculativeTokens.
+   */
+  @java.lang.Override
+  public int getNumSpeculativeTokens() {
+    return numSpeculativeTokens_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -266,6 +325,12 @@ private static final long serialVersionUID = 0L;
     }
     if (kvCapacityTokens_ != 0L) {
       output.writeInt64(8, kvCapacityTokens_);
+    }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(speculativeMethod_)) {
+      com.google.protobuf.GeneratedMessageV3.writeString(output, 9, speculativeMethod_);
+    }
+    if (numSpeculativeTokens_ != 0) {
+      output.writeInt32(10, numSpeculativeTokens_);
     }
     getUnknownFields().writeTo(output);
   }
@@ -316,6 +381,13 @@ private static final long serialVersionUID = 0L;
       size += com.google.protobuf.CodedOutputStream
         .computeInt64Size(8, kvCapacityTokens_);
     }
+    if (!com.google.protobuf.GeneratedMessageV3.isStringEmpty(speculativeMethod_)) {
+      size += com.google.protobuf.GeneratedMessageV3.computeStringSize(9, speculativeMethod_);
+    }
+    if (numSpeculativeTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(10, numSpeculativeTokens_);
+    }
     size += getUnknownFields().getSerializedSize();
     memoizedSize = size;
     return size;
@@ -347,6 +419,10 @@ private static final long serialVersionUID = 0L;
         != other.getNumKvBlocks()) return false;
     if (getKvCapacityTokens()
         != other.getKvCapacityTokens()) return false;
+    if (!getSpeculativeMethod()
+        .equals(other.getSpeculativeMethod())) return false;
+    if (getNumSpeculativeTokens()
+        != other.getNumSpeculativeTokens()) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -377,6 +453,10 @@ private static final long serialVersionUID = 0L;
     hash = (37 * hash) + KV_CAPACITY_TOKENS_FIELD_NUMBER;
     hash = (53 * hash) + com.google.protobuf.Internal.hashLong(
         getKvCapacityTokens());
+    hash = (37 * hash) + SPECULATIVE_METHOD_FIELD_NUMBER;
+    hash = (53 * hash) + getSpeculativeMethod().hashCode();
+    hash = (37 * hash) + NUM_SPECULATIVE_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getNumSpeculativeTokens();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -518,6 +598,8 @@ private static final long serialVersionUID = 0L;
       blockSize_ = 0;
       numKvBlocks_ = 0;
       kvCapacityTokens_ = 0L;
+      speculativeMethod_ = "";
+      numSpeculativeTokens_ = 0;
       return this;
     }
 
@@ -580,6 +662,12 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000080) != 0)) {
         result.kvCapacityTokens_ = kvCapacityTokens_;
+      }
+      if (((from_bitField0_ & 0x00000100) != 0)) {
+        result.speculativeMethod_ = speculativeMethod_;
+      }
+      if (((from_bitField0_ & 0x00000200) != 0)) {
+        result.numSpeculativeTokens_ = numSpeculativeTokens_;
       }
     }
 
@@ -662,6 +750,14 @@ private static final long serialVersionUID = 0L;
       if (other.getKvCapacityTokens() != 0L) {
         setKvCapacityTokens(other.getKvCapacityTokens());
       }
+      if (!other.getSpeculativeMethod().isEmpty()) {
+        speculativeMethod_ = other.speculativeMethod_;
+        bitField0_ |= 0x00000100;
+        onChanged();
+      }
+      if (other.getNumSpeculativeTokens() != 0) {
+        setNumSpeculativeTokens(other.getNumSpeculativeTokens());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -739,6 +835,16 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000080;
               break;
             } // case 64
+            case 74: {
+              speculativeMethod_ = input.readStringRequireUtf8();
+              bitField0_ |= 0x00000100;
+              break;
+            } // case 74
+            case 80: {
+              numSpeculativeTokens_ = input.readInt32();
+              bitField0_ |= 0x00000200;
+              break;
+            } // case 80
             default: {
               if (!super.parseUnknownField(input, extensionRegistry, tag)) {
                 done = true; // was an endgroup tag
@@ -1173,6 +1279,130 @@ private static final long serialVersionUID = 0L;
     public Builder clearKvCapacityTokens() {
       bitField0_ = (bitField0_ & ~0x00000080);
       kvCapacityTokens_ = 0L;
+      onChanged();
+      return this;
+    }
+
+    private java.lang.Object speculativeMethod_ = "";
+    /**
+     * <pre>
+     * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+     * </pre>
+     *
+     * <code>string speculative_method = 9;</code>
+     * @return The speculativeMethod.
+     */
+    public java.lang.String getSpeculativeMethod() {
+      java.lang.Object ref = speculativeMethod_;
+      if (!(ref instanceof java.lang.String)) {
+        com.google.protobuf.ByteString bs =
+            (com.google.protobuf.ByteString) ref;
+        java.lang.String s = bs.toStringUtf8();
+        speculativeMethod_ = s;
+        return s;
+      } else {
+        return (java.lang.String) ref;
+      }
+    }
+    /**
+     * <pre>
+     * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+     * </pre>
+     *
+     * <code>string speculative_method = 9;</code>
+     * @return The bytes for speculativeMethod.
+     */
+    public com.google.protobuf.ByteString
+        getSpeculativeMethodBytes() {
+      java.lang.Object ref = speculativeMethod_;
+      if (ref instanceof String) {
+        com.google.protobuf.ByteString b = 
+            com.google.protobuf.ByteString.copyFromUtf8(
+                (java.lang.String) ref);
+        speculativeMethod_ = b;
+        return b;
+      } else {
+        return (com.google.protobuf.ByteString) ref;
+      }
+    }
+    /**
+     * <pre>
+     * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+     * </pre>
+     *
+     * <code>string speculative_method = 9;</code>
+     * @param value The speculativeMethod to set.
+     * @return This builder for chaining.
+     */
+    public Builder setSpeculativeMethod(
+        java.lang.String value) {
+      if (value == null) { throw new NullPointerException(); }
+      speculativeMethod_ = value;
+      bitField0_ |= 0x00000100;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+     * </pre>
+     *
+     * <code>string speculative_method = 9;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearSpeculativeMethod() {
+      speculativeMethod_ = getDefaultInstance().getSpeculativeMethod();
+      bitField0_ = (bitField0_ & ~0x00000100);
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+     * </pre>
+     *
+     * <code>string speculative_method = 9;</code>
+     * @param value The bytes for speculativeMethod to set.
+     * @return This builder for chaining.
+     */
+    public Builder setSpeculativeMethodBytes(
+        com.google.protobuf.ByteString value) {
+      if (value == null) { throw new NullPointerException(); }
+      checkByteStringIsUtf8(value);
+      speculativeMethod_ = value;
+      bitField0_ |= 0x00000100;
+      onChanged();
+      return this;
+    }
+
+    private int numSpeculativeTokens_ ;
+    /**
+     * <code>int32 num_speculative_tokens = 10;</code>
+     * @return The numSpeculativeTokens.
+     */
+    @java.lang.Override
+    public int getNumSpeculativeTokens() {
+      return numSpeculativeTokens_;
+    }
+    /**
+     * <code>int32 num_speculative_tokens = 10;</code>
+     * @param value The numSpeculativeTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setNumSpeculativeTokens(int value) {
+      
+      numSpeculativeTokens_ = value;
+      bitField0_ |= 0x00000200;
+      onChanged();
+      return this;
+    }
+    /**
+     * <code>int32 num_speculative_tokens = 10;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearNumSpeculativeTokens() {
+      bitField0_ = (bitField0_ & ~0x00000200);
+      numSpeculativeTokens_ = 0;
       onChanged();
       return this;
     }

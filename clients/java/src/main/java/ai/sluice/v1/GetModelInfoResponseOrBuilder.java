@@ -89,4 +89,30 @@ public interface GetModelInfoResponseOrBuilder extends
    * @return The kvCapacityTokens.
    */
   long getKvCapacityTokens();
+
+  /**
+   * <pre>
+   * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+   * </pre>
+   *
+   * <code>string speculative_method = 9;</code>
+   * @return The speculativeMethod.
+   */
+  java.lang.String getSpeculativeMethod();
+  /**
+   * <pre>
+   * Speculative decoding the server runs: "ngram", "draft", or empty when off; and draft tokens per step.
+   * </pre>
+   *
+   * <code>string speculative_method = 9;</code>
+   * @return The bytes for speculativeMethod.
+   */
+  com.google.protobuf.ByteString
+      getSpeculativeMethodBytes();
+
+  /**
+   * <code>int32 num_speculative_tokens = 10;</code>
+   * @return The numSpeculativeTokens.
+   */
+  int getNumSpeculativeTokens();
 }

@@ -194,7 +194,7 @@ public final class SluiceProto {
       "ncy_penaltyB\007\n\005_seedB\r\n\013_max_tokensB\r\n\013_" +
       "min_tokensB\r\n\013_ignore_eosB\013\n\t_logprobsB\026" +
       "\n\024_skip_special_tokensB\004\n\002_nB\022\n\020_prompt_" +
-      "logprobs\"\234\003\n\017GenerateRequest\022\022\n\nrequest_" +
+      "logprobs\"\271\003\n\017GenerateRequest\022\022\n\nrequest_" +
       "id\030\001 \001(\t\022\016\n\004text\030\002 \001(\tH\000\022(\n\ttoken_ids\030\003 " +
       "\001(\0132\023.sluice.v1.TokenIdsH\000\022+\n\010messages\030\004" +
       " \001(\0132\027.sluice.v1.ChatMessagesH\000\0222\n\017sampl" +
@@ -203,66 +203,70 @@ public final class SluiceProto {
       "\t\022\027\n\017stream_interval\030\010 \001(\r\022\027\n\017timeout_se" +
       "conds\030\n \001(\001\022C\n\rtrace_context\030\013 \003(\0132,.slu" +
       "ice.v1.GenerateRequest.TraceContextEntry" +
-      "\0323\n\021TraceContextEntry\022\013\n\003key\030\001 \001(\t\022\r\n\005va" +
-      "lue\030\002 \001(\t:\0028\001B\010\n\006prompt\"1\n\014TokenLogprob\022" +
-      "\020\n\010token_id\030\001 \001(\005\022\017\n\007logprob\030\002 \001(\002\"Z\n\010Lo" +
-      "gprobs\022(\n\007sampled\030\001 \001(\0132\027.sluice.v1.Toke" +
-      "nLogprob\022$\n\003top\030\002 \003(\0132\027.sluice.v1.TokenL" +
-      "ogprob\"p\n\005Usage\022\025\n\rprompt_tokens\030\001 \001(\005\022\031" +
-      "\n\021completion_tokens\030\002 \001(\005\022\025\n\rcached_toke" +
-      "ns\030\003 \001(\005\022\036\n\026prompt_tokens_computed\030\006 \001(\005" +
-      "\"M\n\007Timings\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n\014tt" +
-      "ft_seconds\030\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001(\001\"" +
-      "\211\003\n\020GenerateResponse\022\022\n\nrequest_id\030\001 \001(\t" +
-      "\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010log" +
-      "probs\030\004 \003(\0132\023.sluice.v1.Logprobs\022.\n\rfini" +
-      "sh_reason\030\005 \001(\0162\027.sluice.v1.FinishReason" +
-      "\022\027\n\rstop_token_id\030\006 \001(\005H\000\022\025\n\013stop_string" +
-      "\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132\020.sluice.v1.Usag" +
-      "e\022#\n\007timings\030\t \001(\0132\022.sluice.v1.Timings\022\'" +
-      "\n\ntool_calls\030\n \003(\0132\023.sluice.v1.ToolCall\022" +
-      "\r\n\005index\030\013 \001(\r\022,\n\017prompt_logprobs\030\014 \003(\0132" +
-      "\023.sluice.v1.LogprobsB\r\n\013stop_reason\"\"\n\014S" +
-      "treamCancel\022\022\n\nrequest_id\030\001 \001(\t\"|\n\025Strea" +
-      "mGenerateRequest\022.\n\010generate\030\001 \001(\0132\032.slu" +
-      "ice.v1.GenerateRequestH\000\022)\n\006cancel\030\002 \001(\013" +
-      "2\027.sluice.v1.StreamCancelH\000B\010\n\006action\"-\n" +
-      "\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007message\030\002" +
-      " \001(\t\"\215\001\n\026StreamGenerateResponse\022\022\n\nreque" +
-      "st_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sluice.v1.G" +
-      "enerateResponseH\000\022(\n\005error\030\003 \001(\0132\027.sluic" +
-      "e.v1.RequestErrorH\000B\007\n\005event\"\"\n\014AbortReq" +
-      "uest\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbortRespons" +
-      "e\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 \001(\tH\000\022+\n" +
-      "\010messages\030\002 \001(\0132\027.sluice.v1.ChatMessages" +
-      "H\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001\210\001\001B\010\n\006p" +
-      "romptB\025\n\023_add_special_tokens\"%\n\020Tokenize" +
-      "Response\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023GetModelI" +
-      "nfoRequest\"\311\001\n\024GetModelInfoResponse\022\022\n\nm" +
-      "odel_name\030\001 \001(\t\022\024\n\014architecture\030\002 \001(\t\022\025\n" +
-      "\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_size\030\004 \001(\005" +
-      "\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock_size\030\006 " +
-      "\001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv_capacit" +
-      "y_tokens\030\010 \001(\003*\221\001\n\014FinishReason\022\035\n\031FINIS" +
-      "H_REASON_UNSPECIFIED\020\000\022\026\n\022FINISH_REASON_" +
-      "STOP\020\001\022\030\n\024FINISH_REASON_LENGTH\020\002\022\027\n\023FINI" +
-      "SH_REASON_ABORT\020\003\022\027\n\023FINISH_REASON_ERROR" +
-      "\020\004*\207\001\n\016ToolChoiceMode\022 \n\034TOOL_CHOICE_MOD" +
-      "E_UNSPECIFIED\020\000\022\031\n\025TOOL_CHOICE_MODE_NONE" +
-      "\020\001\022\031\n\025TOOL_CHOICE_MODE_AUTO\020\002\022\035\n\031TOOL_CH" +
-      "OICE_MODE_REQUIRED\020\0032\206\003\n\020InferenceServic" +
-      "e\022E\n\010Generate\022\032.sluice.v1.GenerateReques" +
-      "t\032\033.sluice.v1.GenerateResponse0\001\022Y\n\016Stre" +
-      "amGenerate\022 .sluice.v1.StreamGenerateReq" +
-      "uest\032!.sluice.v1.StreamGenerateResponse(" +
-      "\0010\001\022:\n\005Abort\022\027.sluice.v1.AbortRequest\032\030." +
-      "sluice.v1.AbortResponse\022C\n\010Tokenize\022\032.sl" +
-      "uice.v1.TokenizeRequest\032\033.sluice.v1.Toke" +
-      "nizeResponse\022O\n\014GetModelInfo\022\036.sluice.v1" +
-      ".GetModelInfoRequest\032\037.sluice.v1.GetMode" +
-      "lInfoResponseBX\n\014ai.sluice.v1B\013SluicePro" +
-      "toP\001Z9github.com/sluice-ai/sluice/client" +
-      "s/go/sluice/v1;sluicev1b\006proto3"
+      "\022\033\n\023disable_speculation\030\t \001(\010\0323\n\021TraceCo" +
+      "ntextEntry\022\013\n\003key\030\001 \001(\t\022\r\n\005value\030\002 \001(\t:\002" +
+      "8\001B\010\n\006prompt\"1\n\014TokenLogprob\022\020\n\010token_id" +
+      "\030\001 \001(\005\022\017\n\007logprob\030\002 \001(\002\"Z\n\010Logprobs\022(\n\007s" +
+      "ampled\030\001 \001(\0132\027.sluice.v1.TokenLogprob\022$\n" +
+      "\003top\030\002 \003(\0132\027.sluice.v1.TokenLogprob\"\245\001\n\005" +
+      "Usage\022\025\n\rprompt_tokens\030\001 \001(\005\022\031\n\021completi" +
+      "on_tokens\030\002 \001(\005\022\025\n\rcached_tokens\030\003 \001(\005\022\036" +
+      "\n\026prompt_tokens_computed\030\006 \001(\005\022\024\n\014draft_" +
+      "tokens\030\004 \001(\005\022\035\n\025accepted_draft_tokens\030\005 " +
+      "\001(\005\"M\n\007Timings\022\025\n\rqueue_seconds\030\001 \001(\001\022\024\n" +
+      "\014ttft_seconds\030\002 \001(\001\022\025\n\rtotal_seconds\030\003 \001" +
+      "(\001\"\211\003\n\020GenerateResponse\022\022\n\nrequest_id\030\001 " +
+      "\001(\t\022\014\n\004text\030\002 \001(\t\022\021\n\ttoken_ids\030\003 \003(\005\022%\n\010" +
+      "logprobs\030\004 \003(\0132\023.sluice.v1.Logprobs\022.\n\rf" +
+      "inish_reason\030\005 \001(\0162\027.sluice.v1.FinishRea" +
+      "son\022\027\n\rstop_token_id\030\006 \001(\005H\000\022\025\n\013stop_str" +
+      "ing\030\007 \001(\tH\000\022\037\n\005usage\030\010 \001(\0132\020.sluice.v1.U" +
+      "sage\022#\n\007timings\030\t \001(\0132\022.sluice.v1.Timing" +
+      "s\022\'\n\ntool_calls\030\n \003(\0132\023.sluice.v1.ToolCa" +
+      "ll\022\r\n\005index\030\013 \001(\r\022,\n\017prompt_logprobs\030\014 \003" +
+      "(\0132\023.sluice.v1.LogprobsB\r\n\013stop_reason\"\"" +
+      "\n\014StreamCancel\022\022\n\nrequest_id\030\001 \001(\t\"|\n\025St" +
+      "reamGenerateRequest\022.\n\010generate\030\001 \001(\0132\032." +
+      "sluice.v1.GenerateRequestH\000\022)\n\006cancel\030\002 " +
+      "\001(\0132\027.sluice.v1.StreamCancelH\000B\010\n\006action" +
+      "\"-\n\014RequestError\022\014\n\004code\030\001 \001(\005\022\017\n\007messag" +
+      "e\030\002 \001(\t\"\215\001\n\026StreamGenerateResponse\022\022\n\nre" +
+      "quest_id\030\001 \001(\t\022,\n\005chunk\030\002 \001(\0132\033.sluice.v" +
+      "1.GenerateResponseH\000\022(\n\005error\030\003 \001(\0132\027.sl" +
+      "uice.v1.RequestErrorH\000B\007\n\005event\"\"\n\014Abort" +
+      "Request\022\022\n\nrequest_id\030\001 \001(\t\"\017\n\rAbortResp" +
+      "onse\"\220\001\n\017TokenizeRequest\022\016\n\004text\030\001 \001(\tH\000" +
+      "\022+\n\010messages\030\002 \001(\0132\027.sluice.v1.ChatMessa" +
+      "gesH\000\022\037\n\022add_special_tokens\030\003 \001(\010H\001\210\001\001B\010" +
+      "\n\006promptB\025\n\023_add_special_tokens\"%\n\020Token" +
+      "izeResponse\022\021\n\ttoken_ids\030\001 \003(\005\"\025\n\023GetMod" +
+      "elInfoRequest\"\205\002\n\024GetModelInfoResponse\022\022" +
+      "\n\nmodel_name\030\001 \001(\t\022\024\n\014architecture\030\002 \001(\t" +
+      "\022\025\n\rmax_model_len\030\003 \001(\005\022\022\n\nvocab_size\030\004 " +
+      "\001(\005\022\025\n\reos_token_ids\030\005 \003(\005\022\022\n\nblock_size" +
+      "\030\006 \001(\005\022\025\n\rnum_kv_blocks\030\007 \001(\005\022\032\n\022kv_capa" +
+      "city_tokens\030\010 \001(\003\022\032\n\022speculative_method\030" +
+      "\t \001(\t\022\036\n\026num_speculative_tokens\030\n \001(\005*\221\001" +
+      "\n\014FinishReason\022\035\n\031FINISH_REASON_UNSPECIF" +
+      "IED\020\000\022\026\n\022FINISH_REASON_STOP\020\001\022\030\n\024FINISH_" +
+      "REASON_LENGTH\020\002\022\027\n\023FINISH_REASON_ABORT\020\003" +
+      "\022\027\n\023FINISH_REASON_ERROR\020\004*\207\001\n\016ToolChoice" +
+      "Mode\022 \n\034TOOL_CHOICE_MODE_UNSPECIFIED\020\000\022\031" +
+      "\n\025TOOL_CHOICE_MODE_NONE\020\001\022\031\n\025TOOL_CHOICE" +
+      "_MODE_AUTO\020\002\022\035\n\031TOOL_CHOICE_MODE_REQUIRE" +
+      "D\020\0032\206\003\n\020InferenceService\022E\n\010Generate\022\032.s" +
+      "luice.v1.GenerateRequest\032\033.sluice.v1.Gen" +
+      "erateResponse0\001\022Y\n\016StreamGenerate\022 .slui" +
+      "ce.v1.StreamGenerateRequest\032!.sluice.v1." +
+      "StreamGenerateResponse(\0010\001\022:\n\005Abort\022\027.sl" +
+      "uice.v1.AbortRequest\032\030.sluice.v1.AbortRe" +
+      "sponse\022C\n\010Tokenize\022\032.sluice.v1.TokenizeR" +
+      "equest\032\033.sluice.v1.TokenizeResponse\022O\n\014G" +
+      "etModelInfo\022\036.sluice.v1.GetModelInfoRequ" +
+      "est\032\037.sluice.v1.GetModelInfoResponseBX\n\014" +
+      "ai.sluice.v1B\013SluiceProtoP\001Z9github.com/" +
+      "sluice-ai/sluice/clients/go/sluice/v1;sl" +
+      "uicev1b\006proto3"
     };
     descriptor = com.google.protobuf.Descriptors.FileDescriptor
       .internalBuildGeneratedFileFrom(descriptorData,
@@ -333,7 +337,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GenerateRequest_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GenerateRequest_descriptor,
-        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "TimeoutSeconds", "TraceContext", "Prompt", });
+        new java.lang.String[] { "RequestId", "Text", "TokenIds", "Messages", "SamplingParams", "Priority", "CacheSalt", "StreamInterval", "TimeoutSeconds", "TraceContext", "DisableSpeculation", "Prompt", });
     internal_static_sluice_v1_GenerateRequest_TraceContextEntry_descriptor =
       internal_static_sluice_v1_GenerateRequest_descriptor.getNestedTypes().get(0);
     internal_static_sluice_v1_GenerateRequest_TraceContextEntry_fieldAccessorTable = new
@@ -357,7 +361,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_Usage_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_Usage_descriptor,
-        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", "PromptTokensComputed", });
+        new java.lang.String[] { "PromptTokens", "CompletionTokens", "CachedTokens", "PromptTokensComputed", "DraftTokens", "AcceptedDraftTokens", });
     internal_static_sluice_v1_Timings_descriptor =
       getDescriptor().getMessageTypes().get(13);
     internal_static_sluice_v1_Timings_fieldAccessorTable = new
@@ -429,7 +433,7 @@ public final class SluiceProto {
     internal_static_sluice_v1_GetModelInfoResponse_fieldAccessorTable = new
       com.google.protobuf.GeneratedMessageV3.FieldAccessorTable(
         internal_static_sluice_v1_GetModelInfoResponse_descriptor,
-        new java.lang.String[] { "ModelName", "Architecture", "MaxModelLen", "VocabSize", "EosTokenIds", "BlockSize", "NumKvBlocks", "KvCapacityTokens", });
+        new java.lang.String[] { "ModelName", "Architecture", "MaxModelLen", "VocabSize", "EosTokenIds", "BlockSize", "NumKvBlocks", "KvCapacityTokens", "SpeculativeMethod", "NumSpeculativeTokens", });
   }
 
   // @@protoc_insertion_point(outer_class_scope)

@@ -100,6 +100,33 @@ private static final long serialVersionUID = 0L;
     return promptTokensComputed_;
   }
 
+  public static final int DRAFT_TOKENS_FIELD_NUMBER = 4;
+  private int draftTokens_ = 0;
+  /**
+   * <pre>
+   * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+   * (each accepted draft is a completion token produced without a step of its own).
+   * </pre>
+   *
+   * <code>int32 draft_tokens = 4;</code>
+   * @return The draftTokens.
+   */
+  @java.lang.Override
+  public int getDraftTokens() {
+    return draftTokens_;
+  }
+
+  public static final int ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER = 5;
+  private int acceptedDraftTokens_ = 0;
+  /**
+   * <code>int32 accepted_draft_tokens = 5;</code>
+   * @return The acceptedDraftTokens.
+   */
+  @java.lang.Override
+  public int getAcceptedDraftTokens() {
+    return acceptedDraftTokens_;
+  }
+
   private byte memoizedIsInitialized = -1;
   @java.lang.Override
   public final boolean isInitialized() {
@@ -122,6 +149,12 @@ private static final long serialVersionUID = 0L;
     }
     if (cachedTokens_ != 0) {
       output.writeInt32(3, cachedTokens_);
+    }
+    if (draftTokens_ != 0) {
+      output.writeInt32(4, draftTokens_);
+    }
+    if (acceptedDraftTokens_ != 0) {
+      output.writeInt32(5, acceptedDraftTokens_);
     }
     if (promptTokensComputed_ != 0) {
       output.writeInt32(6, promptTokensComputed_);
@@ -146,6 +179,14 @@ private static final long serialVersionUID = 0L;
     if (cachedTokens_ != 0) {
       size += com.google.protobuf.CodedOutputStream
         .computeInt32Size(3, cachedTokens_);
+    }
+    if (draftTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(4, draftTokens_);
+    }
+    if (acceptedDraftTokens_ != 0) {
+      size += com.google.protobuf.CodedOutputStream
+        .computeInt32Size(5, acceptedDraftTokens_);
     }
     if (promptTokensComputed_ != 0) {
       size += com.google.protobuf.CodedOutputStream
@@ -174,6 +215,10 @@ private static final long serialVersionUID = 0L;
         != other.getCachedTokens()) return false;
     if (getPromptTokensComputed()
         != other.getPromptTokensComputed()) return false;
+    if (getDraftTokens()
+        != other.getDraftTokens()) return false;
+    if (getAcceptedDraftTokens()
+        != other.getAcceptedDraftTokens()) return false;
     if (!getUnknownFields().equals(other.getUnknownFields())) return false;
     return true;
   }
@@ -193,6 +238,10 @@ private static final long serialVersionUID = 0L;
     hash = (53 * hash) + getCachedTokens();
     hash = (37 * hash) + PROMPT_TOKENS_COMPUTED_FIELD_NUMBER;
     hash = (53 * hash) + getPromptTokensComputed();
+    hash = (37 * hash) + DRAFT_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getDraftTokens();
+    hash = (37 * hash) + ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER;
+    hash = (53 * hash) + getAcceptedDraftTokens();
     hash = (29 * hash) + getUnknownFields().hashCode();
     memoizedHashCode = hash;
     return hash;
@@ -330,6 +379,8 @@ private static final long serialVersionUID = 0L;
       completionTokens_ = 0;
       cachedTokens_ = 0;
       promptTokensComputed_ = 0;
+      draftTokens_ = 0;
+      acceptedDraftTokens_ = 0;
       return this;
     }
 
@@ -374,6 +425,12 @@ private static final long serialVersionUID = 0L;
       }
       if (((from_bitField0_ & 0x00000008) != 0)) {
         result.promptTokensComputed_ = promptTokensComputed_;
+      }
+      if (((from_bitField0_ & 0x00000010) != 0)) {
+        result.draftTokens_ = draftTokens_;
+      }
+      if (((from_bitField0_ & 0x00000020) != 0)) {
+        result.acceptedDraftTokens_ = acceptedDraftTokens_;
       }
     }
 
@@ -433,6 +490,12 @@ private static final long serialVersionUID = 0L;
       if (other.getPromptTokensComputed() != 0) {
         setPromptTokensComputed(other.getPromptTokensComputed());
       }
+      if (other.getDraftTokens() != 0) {
+        setDraftTokens(other.getDraftTokens());
+      }
+      if (other.getAcceptedDraftTokens() != 0) {
+        setAcceptedDraftTokens(other.getAcceptedDraftTokens());
+      }
       this.mergeUnknownFields(other.getUnknownFields());
       onChanged();
       return this;
@@ -474,6 +537,16 @@ private static final long serialVersionUID = 0L;
               bitField0_ |= 0x00000004;
               break;
             } // case 24
+            case 32: {
+              draftTokens_ = input.readInt32();
+              bitField0_ |= 0x00000010;
+              break;
+            } // case 32
+            case 40: {
+              acceptedDraftTokens_ = input.readInt32();
+              bitField0_ |= 0x00000020;
+              break;
+            } // case 40
             case 48: {
               promptTokensComputed_ = input.readInt32();
               bitField0_ |= 0x00000008;
@@ -647,6 +720,85 @@ private static final long serialVersionUID = 0L;
     public Builder clearPromptTokensComputed() {
       bitField0_ = (bitField0_ & ~0x00000008);
       promptTokensComputed_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int draftTokens_ ;
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @return The draftTokens.
+     */
+    @java.lang.Override
+    public int getDraftTokens() {
+      return draftTokens_;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @param value The draftTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setDraftTokens(int value) {
+      
+      draftTokens_ = value;
+      bitField0_ |= 0x00000010;
+      onChanged();
+      return this;
+    }
+    /**
+     * <pre>
+     * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+     * (each accepted draft is a completion token produced without a step of its own).
+     * </pre>
+     *
+     * <code>int32 draft_tokens = 4;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearDraftTokens() {
+      bitField0_ = (bitField0_ & ~0x00000010);
+      draftTokens_ = 0;
+      onChanged();
+      return this;
+    }
+
+    private int acceptedDraftTokens_ ;
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @return The acceptedDraftTokens.
+     */
+    @java.lang.Override
+    public int getAcceptedDraftTokens() {
+      return acceptedDraftTokens_;
+    }
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @param value The acceptedDraftTokens to set.
+     * @return This builder for chaining.
+     */
+    public Builder setAcceptedDraftTokens(int value) {
+      
+      acceptedDraftTokens_ = value;
+      bitField0_ |= 0x00000020;
+      onChanged();
+      return this;
+    }
+    /**
+     * <code>int32 accepted_draft_tokens = 5;</code>
+     * @return This builder for chaining.
+     */
+    public Builder clearAcceptedDraftTokens() {
+      bitField0_ = (bitField0_ & ~0x00000020);
+      acceptedDraftTokens_ = 0;
       onChanged();
       return this;
     }

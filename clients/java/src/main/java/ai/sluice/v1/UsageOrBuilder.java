@@ -39,4 +39,21 @@ public interface UsageOrBuilder extends
    * @return The promptTokensComputed.
    */
   int getPromptTokensComputed();
+
+  /**
+   * <pre>
+   * Speculative decoding: draft tokens the model verified for this request, and those it accepted
+   * (each accepted draft is a completion token produced without a step of its own).
+   * </pre>
+   *
+   * <code>int32 draft_tokens = 4;</code>
+   * @return The draftTokens.
+   */
+  int getDraftTokens();
+
+  /**
+   * <code>int32 accepted_draft_tokens = 5;</code>
+   * @return The acceptedDraftTokens.
+   */
+  int getAcceptedDraftTokens();
 }

@@ -1,0 +1,63 @@
+"""The output processor takes a step's run of several tokens (accepted drafts): a stop string completed
+in the middle of the run ends the request there, and the tokens after it are dropped."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizer_fixtures import build_byte_level_bpe
+
+from engine.core.messages import CoreOutput
+from engine.frontend.output_processor import OutputProcessor
+from engine.outputs import Logprobs, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+
+TEXT = "Hello world, stop here please and more text"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_pretrained(build_byte_level_bpe(tmp_path_factory.mktemp("bpe")))
+
+
+def _core_output(ids: list[int], finish_reason: str | None = None) -> CoreOutput:
+    logprobs = [Logprobs(TokenLogprob(i, -1.0)) for i in ids]
+    return CoreOutput(
+        "r",
+        ids,
+        logprobs,
+        0,
+        0,
+        None,
+        None,
+        finish_reason=finish_reason,
+        num_draft_tokens=9,
+        num_accepted_draft_tokens=4,
+    )
+
+
+def test_a_stop_string_inside_a_multi_token_advance_truncates_it(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    completes_stop = next(i for i in range(len(ids)) if "stop here" in tokenizer.decode(ids[: i + 1]))
+    assert completes_stop + 2 < len(ids)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", 3, SamplingParams(stop=("stop here",), max_tokens=100), 0.0)
+    first = processor.process([_core_output(ids[:2])]).outputs[0]
+    processed = processor.process([_core_output(ids[2:])])
+    (out,) = processed.outputs
+    assert out.token_ids == tuple(ids[2 : completes_stop + 1])
+    assert len(out.logprobs) == len(out.token_ids)
+    assert first.text + out.text == "Hello world, "
+    assert out.finish_reason == "stop" and out.stop_reason == "stop here"
+    assert out.usage.completion_tokens == completes_stop + 1
+    assert (out.usage.draft_tokens, out.usage.accepted_draft_tokens) == (9, 4)
+    assert processed.to_abort == ["r"]
+
+
+def test_a_multi_token_advance_without_a_stop_keeps_every_token(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", 3, SamplingParams(max_tokens=100), 0.0)
+    (out,) = processor.process([_core_output(ids, finish_reason="length")]).outputs
+    assert out.token_ids == tuple(ids) and out.text == TEXT
+    assert out.usage.completion_tokens == len(ids)

@@ -1,0 +1,84 @@
+"""Speculative decoding through the real gRPC server: the final chunk's usage reports draft tokens, a
+request can opt out (GenerateRequest.disable_speculation), GetModelInfo says what runs, and /metrics
+exports drafts verified, accepted and the acceptance rate per position."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from service_harness import ServerThread, tiny_engine_config
+from sluice import Client, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+from engine.config import SpeculativeConfig
+from service.server import ServerConfig
+
+pytestmark = pytest.mark.timeout(120)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def speculating(llama_dir: str):
+    config = dataclasses.replace(
+        tiny_engine_config(llama_dir), speculative=SpeculativeConfig("ngram", num_speculative_tokens=K)
+    )
+    thread = ServerThread(config, ServerConfig(host="127.0.0.1", port=0, metrics_port=0)).start()
+    yield thread
+    thread.stop()
+
+
+def _prompt() -> list[int]:
+    rng = random.Random(2)
+    phrase = [rng.randrange(4, 512) for _ in range(10)]
+    return phrase * 4
+
+
+def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThread) -> None:
+    request = generate_request(token_ids=_prompt(), temperature=0.0, max_tokens=40, ignore_eos=True)
+    opted_out = pb.GenerateRequest()
+    opted_out.CopyFrom(request)
+    opted_out.disable_speculation = True
+    with Client(speculating.target) as client:
+        spec = client.complete(request)
+        plain = client.complete(opted_out)
+    assert list(spec.token_ids) == list(plain.token_ids)
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens == 40
+    assert 0 < spec.usage.accepted_draft_tokens < spec.usage.draft_tokens
+    assert plain.usage.draft_tokens == 0 and plain.usage.accepted_draft_tokens == 0
+    speculating.wait_idle()
+
+
+def test_model_info_and_metrics_show_speculation(speculating: ServerThread) -> None:
+    with Client(speculating.target) as client:
+        client.complete(
+            generate_request(token_ids=_prompt(), temperature=0.0, max_tokens=20, ignore_eos=True)
+        )
+    stats = speculating.wait_idle()
+    with speculating.channel() as channel:
+        info = speculating.stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.speculative_method, info.num_speculative_tokens) == ("ngram", K)
+    samples = _scrape(speculating)
+    assert samples[("sluice_spec_decode_draft_tokens_total", ())] == stats.num_draft_tokens > 0
+    assert samples[("sluice_spec_decode_accepted_tokens_total", ())] == stats.num_accepted_draft_tokens > 0
+    for position in range(K):
+        label = (("position", str(position)),)
+        verified = samples[("sluice_spec_decode_draft_tokens_by_position_total", label)]
+        accepted = samples[("sluice_spec_decode_accepted_tokens_by_position_total", label)]
+        assert verified == stats.draft_tokens_per_position[position]
+        assert accepted == stats.accepted_draft_tokens_per_position[position]
+        assert samples[("sluice_spec_decode_acceptance_rate", label)] == pytest.approx(accepted / verified)

@@ -1,0 +1,58 @@
+"""Speculative decoding settings: validated config, `sluice serve` flags, and the n-gram lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SpeculativeConfig
+from engine.spec.ngram_proposer import propose_ngram
+from service.cli import build_parser, load_commands
+from service.serve_command import engine_config
+
+
+def _serve(*flags: str):
+    return engine_config(build_parser(load_commands()).parse_args(["serve", "--preset", "tiny", *flags]))
+
+
+def test_serve_flags_build_the_speculative_config() -> None:
+    assert _serve().speculative is None
+    config = _serve(
+        "--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2", "--ngram-max", "3"
+    )
+    assert config.speculative == SpeculativeConfig(
+        "ngram", num_speculative_tokens=5, ngram_min=2, ngram_max=3
+    )
+    config = _serve("--speculative", "draft", "--draft-model", "/models/small")
+    assert (config.speculative.method, config.speculative.draft_model) == ("draft", "/models/small")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(method="medusa"), "speculative: must be one of ('ngram', 'draft')"),
+        (dict(num_speculative_tokens=0), "num_speculative_tokens: must be in 1..16"),
+        (dict(ngram_min=0), "ngram_min: must be >= 1"),
+        (dict(ngram_min=3, ngram_max=2), "ngram_max: must be >= ngram_min"),
+        (dict(method="draft"), "draft_model: speculative method 'draft' needs a draft model"),
+        (dict(draft_model="/m"), "draft_model: is only used with speculative method 'draft'"),
+    ],
+)
+def test_invalid_settings_name_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig(**kwargs)
+
+
+def test_draft_model_without_draft_speculation_is_refused() -> None:
+    with pytest.raises(ValueError, match="draft-model: needs --speculative draft"):
+        _serve("--draft-model", "/models/small")
+
+
+def test_ngram_lookup_prefers_the_longest_suffix_and_the_latest_match() -> None:
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 8, 2, 3, 7, 6, 1, 2, 3]
+    assert propose_ngram(tokens, 1, 3, 2) == [9, 8]  # "1 2 3" at 0 beats the later "2 3" at 5
+    assert propose_ngram(tokens, 1, 2, 2) == [7, 6]  # n <= 2: the latest "2 3" is at 5
+    assert propose_ngram(tokens, 1, 2, 10) == [7, 6, 1, 2, 3]  # runs up to the end of the sequence
+    assert propose_ngram([4, 5, 6], 1, 3, 2) == []  # no earlier match
+    assert propose_ngram([5, 5], 1, 3, 3) == [5]
+    assert propose_ngram([5], 1, 3, 3) == []

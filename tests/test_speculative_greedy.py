@@ -1,0 +1,134 @@
+"""Greedy outputs are identical with speculative decoding (n-gram prompt lookup) on and off, and equal
+transformers' generate, on the tiny Llama, Mistral and Qwen2 checkpoints.
+
+The runs mix chunked prefill (a 32-token budget), prefix-cache hits (a shared 3-block prefix) and
+preemption (too few blocks for every request at once). Prompts repeat themselves so that the n-gram
+proposer has something to propose; each test also checks that drafts were verified and some accepted
+(and some rejected), so the comparison cannot pass with speculation idle.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.frontend.llm import LLM
+from engine.sampling_params import SamplingParams
+
+BLOCK = 16
+MAX_TOKENS = 40
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PRESSURE = dict(block_size=BLOCK, num_blocks=13, max_num_batched_tokens=32, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module", params=["llama_dir", "mistral_dir", "qwen2_dir"])
+def checkpoint(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(request.param)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    tokens = lambda n: [rng.randrange(4, 512) for _ in range(n)]  # noqa: E731
+    system = tokens(3 * BLOCK)
+    phrase = tokens(12)
+    return [
+        system + phrase * 3,
+        system + tokens(5) + phrase + tokens(4) + phrase[:6],
+        system + tokens(30),
+        tokens(9) * 4,
+    ]
+
+
+@pytest.fixture(scope="module")
+def spec_off(checkpoint: str):
+    llm = LLM(checkpoint, **PRESSURE)
+    return [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_tokens_are_identical_with_ngram_speculation(checkpoint, spec_off, k):
+    llm = LLM(checkpoint, speculative=SpeculativeConfig("ngram", num_speculative_tokens=k), **PRESSURE)
+    completions = llm.generate(_prompts(), PARAMS)
+    assert [c.token_ids for c in completions] == spec_off
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_kv_blocks_used == 0
+    assert len(stats.draft_tokens_per_position) == k
+    assert sum(c.accepted_draft_tokens for c in completions) == stats.num_accepted_draft_tokens
+    assert sum(c.draft_tokens for c in completions) == stats.num_draft_tokens
+
+
+def test_speculative_greedy_tokens_equal_transformers_generate(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts()
+    llm = LLM(checkpoint, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4), block_size=BLOCK)
+    ours = [c.token_ids for c in llm.generate(prompts, PARAMS)]
+    assert llm.engine.stats().num_accepted_draft_tokens > 0
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, ours, strict=True):
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_requests_that_opt_out_or_use_penalties_never_verify_drafts(llama_dir):
+    llm = LLM(llama_dir, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3), block_size=BLOCK)
+    engine = llm.engine
+    prompt = _prompts()[0]
+    penalized = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    llm.generate([prompt], penalized)
+    assert engine.stats().num_draft_tokens == 0
+    from engine.core.messages import AddRequest
+
+    engine.core.add_request(AddRequest("opt-out", prompt, PARAMS, 0.0, use_speculation=False))
+    engine.output_processor.add_request("opt-out", len(prompt), PARAMS, 0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_draft_tokens == 0
+    llm.generate([prompt], PARAMS)
+    assert engine.stats().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(checkpoint, spec_off, k):
+    """The draft's own paged KV cache must hold exactly the target's context for this to hold."""
+    spec = SpeculativeConfig("draft", num_speculative_tokens=k, draft_model=checkpoint)
+    llm = LLM(checkpoint, speculative=spec, **PRESSURE)
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == spec_off
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
+    assert stats.num_kv_blocks_used == 0
+    assert llm.engine.core.proposer.tables.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from checkpoints import build_llama_checkpoint
+
+    return build_llama_checkpoint(str(tmp_path_factory.mktemp("llama_other")), seed=5)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_tokens_are_identical_with_a_different_draft_model(llama_dir, other_llama_dir, k):
+    expected = [c.token_ids for c in LLM(llama_dir, **PRESSURE).generate(_prompts(), PARAMS)]
+    spec = SpeculativeConfig("draft", num_speculative_tokens=k, draft_model=other_llama_dir)
+    llm = LLM(llama_dir, speculative=spec, **PRESSURE)
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_kv_blocks_used == 0
