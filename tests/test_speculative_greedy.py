@@ -132,3 +132,22 @@ def test_greedy_tokens_are_identical_with_a_different_draft_model(llama_dir, oth
     stats = llm.engine.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert stats.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_n_samples_fork_then_speculate_with_identical_tokens(llama_dir, method):
+    # Samples forked from the leader's logits row join decode and speculate like any request.
+    prompts = _prompts()[:2]
+    expected = [c.token_ids for c in LLM(llama_dir, block_size=BLOCK).generate(prompts, PARAMS)]
+    draft = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
+    ngram = SpeculativeConfig("ngram", num_speculative_tokens=3)
+    llm = LLM(llama_dir, speculative=draft if method == "draft" else ngram, block_size=BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    completions = llm.generate(prompts, params)
+    assert [c.token_ids for c in completions] == [e for e in expected for _ in range(3)]
+    assert [c.index for c in completions] == [0, 1, 2] * 2
+    assert [c.prompt_tokens_computed > 0 for c in completions] == [True, False, False] * 2
+    stats = llm.engine.stats()
+    assert stats.num_accepted_draft_tokens > 0 and stats.num_kv_blocks_used == 0
+    if method == "draft":
+        assert llm.engine.core.proposer.tables.num_used_blocks == 0
