@@ -3,6 +3,7 @@ finishes, the prompt computed once (usage and engine stats), seeds, aborts, vali
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 
 import grpc
@@ -132,3 +133,26 @@ def test_out_of_range_n_and_prompt_logprobs_are_invalid_argument(stub, sampling,
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(_request(**sampling)))
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_python_client_collects_each_sample_and_refuses_n_in_complete(server):
+    from sluice import AsyncClient, Client, generate_request
+
+    request = generate_request(
+        token_ids=PROMPT, n=3, seed=11, temperature=1.0, max_tokens=5, ignore_eos=True, prompt_logprobs=2
+    )
+    with Client(server.target) as client:
+        samples = client.complete_samples(request)
+        with pytest.raises(ValueError, match=r"sampling_params.n > 1"):
+            client.complete(request)
+
+    async def collect_async():
+        async with AsyncClient(server.target) as client:
+            return await client.complete_samples(request)
+
+    assert [s.index for s in samples] == [0, 1, 2]
+    assert all(len(s.token_ids) == 5 and s.finish_reason_name == "length" for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) == 3  # seeds 11, 12, 13
+    assert [len(s.prompt_logprobs) for s in samples] == [len(PROMPT) - 1, 0, 0]
+    assert all(len(lp.top) == 2 for lp in samples[0].prompt_logprobs)
+    assert [s.token_ids for s in asyncio.run(collect_async())] == [s.token_ids for s in samples]

@@ -65,10 +65,14 @@ def generate_request(
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
+    n: int | None = None,
+    prompt_logprobs: int | None = None,
     timeout_seconds: float = 0.0,
     trace_context: Mapping[str, str] | None = None,
+    disable_speculation: bool = False,
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest from one prompt form; sampling arguments left None take server defaults.
+    `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
     `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
     `trace_context`: W3C traceparent/tracestate the request's server span continues."""
     request = pb.GenerateRequest(
@@ -77,6 +81,7 @@ def generate_request(
         cache_salt=cache_salt,
         timeout_seconds=timeout_seconds,
         trace_context=dict(trace_context or {}),
+        disable_speculation=disable_speculation,
     )
     if text is not None:
         request.text = text
@@ -98,6 +103,8 @@ def generate_request(
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
         "skip_special_tokens": skip_special_tokens,
+        "n": n,
+        "prompt_logprobs": prompt_logprobs,
     }
     sampling = request.sampling_params
     for name, value in optional.items():
@@ -110,18 +117,22 @@ def generate_request(
 
 @dataclass
 class Completion:
-    """A whole generation, collected from its chunks."""
+    """A whole generation (one sample of it), collected from its chunks."""
 
     request_id: str = ""
+    index: int = 0  # which of the request's n samples
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[pb.Logprobs] = field(default_factory=list)
     finish_reason: pb.FinishReason.ValueType = pb.FINISH_REASON_UNSPECIFIED
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
+        self.index = chunk.index
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
@@ -136,6 +147,19 @@ class Completion:
         if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return ""
         return pb.FinishReason.Name(self.finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def collect_samples(chunks: Iterable[pb.GenerateResponse]) -> list[Completion]:
+    """The chunks of one request, collected per sample, in `index` order."""
+    samples: dict[int, Completion] = {}
+    for chunk in chunks:
+        samples.setdefault(chunk.index, Completion()).add(chunk)
+    return [samples[index] for index in sorted(samples)]
+
+
+def _single(request: pb.GenerateRequest) -> None:
+    if request.sampling_params.n > 1:
+        raise ValueError("sampling_params.n > 1: collect the samples with complete_samples()")
 
 
 def _auth_metadata(api_key: str | None, metadata: Metadata) -> tuple[tuple[str, str], ...]:
@@ -202,11 +226,18 @@ class Client:
     def complete(
         self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
     ) -> Completion:
-        """Runs one request to its end and returns the collected text, tokens, usage and timings."""
+        """Runs one request (n = 1) to its end and returns the collected text, tokens, usage and timings."""
+        _single(request)
         completion = Completion()
         for chunk in self.generate(request, timeout=timeout, metadata=metadata):
             completion.add(chunk)
         return completion
+
+    def complete_samples(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> list[Completion]:
+        """Runs a request with `sampling_params.n` samples to its end: one Completion per sample."""
+        return collect_samples(self.generate(request, timeout=timeout, metadata=metadata))
 
     def stream_generate(
         self,
@@ -304,10 +335,16 @@ class AsyncClient:
     async def complete(
         self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
     ) -> Completion:
+        _single(request)
         completion = Completion()
         async for chunk in self.generate(request, timeout=timeout, metadata=metadata):
             completion.add(chunk)
         return completion
+
+    async def complete_samples(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> list[Completion]:
+        return collect_samples([c async for c in self.generate(request, timeout=timeout, metadata=metadata)])
 
     async def stream_generate(
         self,
