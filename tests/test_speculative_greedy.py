@@ -113,7 +113,7 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(checkpoint, 
     assert stats.num_preemptions > 0
     assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
     assert stats.num_kv_blocks_used == 0
-    assert llm.engine.core.proposer.tables.num_used_blocks == 0
+    assert llm.engine.core.speculator.proposer.tables.num_used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -150,4 +150,4 @@ def test_n_samples_fork_then_speculate_with_identical_tokens(llama_dir, method):
     stats = llm.engine.stats()
     assert stats.num_accepted_draft_tokens > 0 and stats.num_kv_blocks_used == 0
     if method == "draft":
-        assert llm.engine.core.proposer.tables.num_used_blocks == 0
+        assert llm.engine.core.speculator.proposer.tables.num_used_blocks == 0

@@ -126,7 +126,7 @@ def _sample(
         }
     llm = LLM(directory, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, **kwargs)
     if proposer is not None:
-        llm.engine.core.proposer = proposer
+        llm.engine.core.speculator.proposer = proposer
     if always_accept:
         llm.engine.core.rejection_sampler.sampler.uniform = lambda row, device: 0.0
     params = [

@@ -48,4 +48,4 @@ def test_aborts_in_the_middle_of_speculative_steps_return_every_block(llama_dir,
     assert not engine.has_unfinished_requests()
     assert engine.core.scheduler.kv.pool.num_free_blocks == stats.num_kv_blocks_total
     if method == "draft":
-        assert engine.core.proposer.tables.num_used_blocks == 0  # the draft's own cache too
+        assert engine.core.speculator.proposer.tables.num_used_blocks == 0  # the draft's own cache too

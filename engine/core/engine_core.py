@@ -30,9 +30,9 @@ from engine.sample.grammar_mask import GrammarMask
 from engine.sample.logits_processors import default_processors
 from engine.sample.sampler import SampledToken, Sampler, SamplingRow
 from engine.spec.build import build_proposer
-from engine.spec.proposer import Proposal, speculation_allowed
+from engine.spec.proposer import Proposal
 from engine.spec.rejection_sampler import RejectionSampler
-from engine.spec.spec_counters import SpecCounters
+from engine.spec.speculator import Speculator
 from engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
 from engine.worker.model_runner import ModelRunner
 
@@ -59,10 +59,7 @@ class EngineCore:
         )
         self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.proposer = build_proposer(config, source, self.model_runner)
-        # request id -> its latest drafts (Request.spec_token_ids), until they are verified
-        self._proposals: dict[str, Proposal] = {}
-        self.spec_counters = SpecCounters()
+        self.speculator = Speculator(build_proposer(config, source, self.model_runner))
         self.faults = FaultInjector.from_env()
         eos = set(source.arch.eos_token_ids)
         if self.tokenizer is not None:
@@ -106,7 +103,7 @@ class EngineCore:
         forked = self._fork(scheduler_output, sampled, sampling_errors)  # while the leaders hold their blocks
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
         updated = self._update(scheduler_output, sampled)
-        self._propose(updated)
+        self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
         return rejected + forked + failed + [self._output(r, tokens) for r, tokens in updated]
 
     def add_request(self, add: AddRequest) -> None:
@@ -164,7 +161,7 @@ class EngineCore:
             if request is not None:
                 outputs.append(self._output(request, None, error))
                 outputs += self._start_followers(request_id)
-        self._free_proposals([o.request_id for o in outputs])  # the draft's KV blocks, now
+        self.speculator.free([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -242,7 +239,7 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_evictions=s.prefix_cache_evictions,
             num_steps=self._num_steps,
-            **self.spec_counters.stats_fields(),
+            **self.speculator.counters.stats_fields(),
         )
 
     def _free(self, request_ids: Iterable[str]) -> None:
@@ -250,7 +247,7 @@ class EngineCore:
         request_ids = list(request_ids)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
-        self._free_proposals(request_ids)
+        self.speculator.free(request_ids)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`."""
@@ -295,21 +292,6 @@ class EngineCore:
             start = end
         return good, failed
 
-    def _free_proposals(self, request_ids: Iterable[str]) -> None:
-        if self.proposer is None:
-            return
-        request_ids = list(request_ids)
-        self.proposer.free(request_ids)
-        for request_id in request_ids:
-            self._proposals.pop(request_id, None)
-
-    def _proposal(self, request_id: str, spec_token_ids: tuple[int, ...]) -> Proposal | None:
-        """The drafts the scheduler kept for this step (a prefix of those proposed)."""
-        if not spec_token_ids:
-            return None
-        probs = self._proposals[request_id].probs
-        return Proposal(spec_token_ids, None if probs is None else probs[: len(spec_token_ids)])
-
     def _update(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
     ) -> list[tuple[Request, list[SampledToken]]]:
@@ -324,21 +306,6 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, token_ids)
         return [(r, sampled[r.request_id][: r.num_output_tokens - num_before[r.request_id]]) for r in updated]
 
-    def _propose(self, updated: list[tuple[Request, list[SampledToken]]]) -> None:
-        """Drafts for the next step, for the requests now in decode that may speculate."""
-        if self.proposer is None:
-            return
-        for request, _ in updated:  # their drafts were verified (or they finished)
-            self._proposals.pop(request.request_id, None)
-        self.proposer.free([r.request_id for r, _ in updated if r.is_finished])
-        requests = [r for r, _ in updated if not r.is_finished and speculation_allowed(r)]
-        if not requests:
-            return
-        proposals = self.proposer.propose(requests)
-        for request_id, proposal in proposals.items():
-            self.scheduler.get_request(request_id).spec_token_ids = list(proposal.token_ids)
-        self._proposals.update(proposals)
-
     def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
         if self.faults is not None:
             self.faults.check("sample", (row.request_id for row in rows))
@@ -351,7 +318,7 @@ class EngineCore:
         drafts)."""
         scheduled = [s for s in scheduler_output.scheduled if s.sample]
         rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
-        proposals = [self._proposal(s.request_id, s.spec_token_ids) for s in scheduled]
+        proposals = [self.speculator.proposal(s.request_id, s.spec_token_ids) for s in scheduled]
         logits_rows, starts = [], []
         for s in scheduled:
             starts.append(len(logits_rows))
@@ -443,10 +410,8 @@ class EngineCore:
         """Prompt tokens computed (prefill work, after prefix-cache hits), tokens generated, drafts."""
         self._num_steps += 1
         self._num_generation_tokens += sum(len(tokens) for tokens in sampled.values())
+        self.speculator.count(scheduler_output, {r: len(tokens) for r, tokens in sampled.items()})
         for scheduled in scheduler_output.scheduled:
-            if scheduled.spec_token_ids and scheduled.request_id in sampled:
-                num_accepted = len(sampled[scheduled.request_id]) - 1
-                self.spec_counters.add(len(scheduled.spec_token_ids), num_accepted)
             request = self.scheduler.get_request(scheduled.request_id)
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
             num_prompt = max(0, prompt_end - scheduled.start_position)
