@@ -103,7 +103,8 @@ class RequestTracker:
         self._last_token_time: float | None = None
 
     def on_output(self, output: RequestOutput) -> None:
-        """Inter-token latency: time between chunks, spread over the tokens of the later chunk."""
+        """Inter-token latency: time between chunks, spread over the tokens of the later chunk (tokens
+        merged into the first chunk, behind a slow reader, have no gap to observe)."""
         if not output.token_ids:
             return
         now = time.monotonic()
