@@ -54,11 +54,11 @@ def cpu_paged_attention(
     if int(query_start_loc[-1]) != q.shape[0] or int(query_start_loc[0]) != 0:
         raise ValueError(f"query_start_loc: must run from 0 to num_tokens={q.shape[0]}")
     out = output_like("out", out, q)
-    module = load_cpu_extension(EXTENSION)
-    if module is None:
+    if load_cpu_extension(EXTENSION) is None:
         raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
-    module.paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    return out
+    return cpu_paged_attention_prechecked(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out
+    )
 
 
 def cpu_paged_attention_prechecked(
@@ -69,11 +69,12 @@ def cpu_paged_attention_prechecked(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`cpu_paged_attention` without its checks (50-100 us of Python per call), for arguments of the same
     shapes, dtypes, strides and devices as a call that passed them: the other layers of the same step.
     query_start_loc and seq_lens must be contiguous."""
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     load_cpu_extension(EXTENSION).paged_attention(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
     )

@@ -155,8 +155,8 @@ class EngineCore:
             status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
             request = (
                 self.scheduler.finish_request(request_id, status)
-                or self._finish_compiling(request_id, status)
-                or self._finish_waiting_sample(request_id, status)
+                or _finish_outside_scheduler(self._compiling.remove(request_id), status)
+                or _finish_outside_scheduler(self._forks.remove(request_id), status)
             )
             if request is not None:
                 outputs.append(self._output(request, None, error))
@@ -210,20 +210,6 @@ class EngineCore:
             except ValueError as exc:
                 outputs.append(CoreOutput.failed(follower.request_id, str(exc)))
         return outputs
-
-    def _finish_waiting_sample(self, request_id: str, status: RequestStatus) -> Request | None:
-        request = self._forks.remove(request_id)
-        if request is not None:
-            request.status = status
-            request.times.finished = time.time()
-        return request
-
-    def _finish_compiling(self, request_id: str, status: RequestStatus) -> Request | None:
-        request = self._compiling.remove(request_id)
-        if request is not None:
-            request.status = status
-            request.times.finished = time.time()
-        return request
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -345,8 +331,7 @@ class EngineCore:
             leader = self.scheduler.get_request(s.request_id)
             for follower in self._forks.pop(s.request_id):
                 if follower.request_id in errors:
-                    follower.status = RequestStatus.FINISHED_ERROR
-                    follower.times.finished = time.time()
+                    _finish_outside_scheduler(follower, RequestStatus.FINISHED_ERROR)
                     self._free([follower.request_id])
                     outputs.append(self._output(follower, None, errors.pop(follower.request_id)))
                     continue
@@ -417,3 +402,12 @@ class EngineCore:
             num_prompt = max(0, prompt_end - scheduled.start_position)
             request.num_prompt_tokens_computed += num_prompt
             self._num_prompt_tokens_computed += num_prompt
+
+
+def _finish_outside_scheduler(request: Request | None, status: RequestStatus) -> Request | None:
+    """Ends a request the scheduler does not hold (waiting for its grammar or to fork): its status and
+    finish time. Returns it; None stays None."""
+    if request is not None:
+        request.status = status
+        request.times.finished = time.time()
+    return request
