@@ -40,7 +40,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         loaded.add((param_name, shard))
     missing = [key for key in expected_keys(model) if key not in loaded]
     if ("lm_head.weight", None) in missing:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.tie_weight(model.model.embed_tokens.weight)
         missing.remove(("lm_head.weight", None))
     if missing:
         raise ValueError(f"weights: missing {sorted({name for name, _ in missing})}")

@@ -49,7 +49,7 @@ class CausalLM(nn.Module):
         self.to(dtype)
         self.to_empty(device=device)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_weight(self.model.embed_tokens.weight)
 
     def rope(
         self,
