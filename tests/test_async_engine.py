@@ -93,8 +93,10 @@ async def test_stream_interval_hands_over_fixed_size_chunks(engine, llama_dir):
     offline = LLM(llama_dir).generate(["Hello world"], params)[0]
     stream = await engine.add_request("chunky", params, text="Hello world", stream_interval=5)
     outputs = await _collect(stream)
-    assert [len(o.token_ids) for o in outputs[:-1]] == [5, 5, 5, 5]
-    assert len(outputs[-1].token_ids) == 3
+    # Every output but the last holds >= 5 tokens (exactly 5 unless this reader lagged behind the engine
+    # and found deltas merged); the last holds the rest.
+    sizes = [len(o.token_ids) for o in outputs]
+    assert len(outputs) >= 2 and min(sizes[:-1]) >= 5 and sum(sizes) == 23, sizes
     assert [t for o in outputs for t in o.token_ids] == offline.token_ids
     assert [lp.sampled.token_id for o in outputs for lp in o.logprobs] == offline.token_ids
 
