@@ -21,7 +21,7 @@ packed copy. Without the kernel (another dtype, no C++ compiler) the weight is s
 `weight.t()` is a contiguous [input_size, output_size] matrix, so `F.linear` hands MKL an untransposed
 operand (its sgemm on a transposed one is 2-4.6x slower for 4-32 rows). With `quantization` set ("int4" /
 "int8", `engine.worker.layers.quantization`) the layer also keeps a quantized copy, used for steps of up
-to MAX_QUANTIZED_ROWS rows.
+to `quantized.max_rows` rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.worker.layers.quantization import (
-    MAX_QUANTIZED_ROWS,
     QuantizedWeight,
     quantize_weight,
     unsupported_reason,
@@ -107,7 +106,7 @@ class LinearBase(nn.Module):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size], from the layout `process_weights_after_loading` made."""
-        if self.quantized is not None and x.shape[0] <= MAX_QUANTIZED_ROWS:
+        if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             return self.quantized.matmul(x, self.bias)
         if self.packed is not None:
             return packed_linear_prechecked(x, self.packed, self.output_size, self.bias)

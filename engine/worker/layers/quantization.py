@@ -6,9 +6,9 @@
     int8   one symmetric scale per output row: w = q * scale, q in -127..127 (`aten._weight_int8pack_mm`).
 
 Both kernels are fast only with bfloat16 activations (with float32 ones they are a slow reference path), so
-a quantized matmul rounds x, the scales and the result to bf16 once each. They pay while the step is
-bandwidth-bound: up to MAX_QUANTIZED_ROWS rows; larger steps keep the float32 weight (sgemm is then
-compute-bound and faster), so a quantized layer holds both.
+a quantized matmul rounds x, the scales and the result to bf16 once each. They pay only on small steps,
+up to MAX_QUANTIZED_ROWS[method] rows; larger steps use the float32 weight, packed for the C++ kernel
+(`kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import torch
 from engine.config import QUANTIZATIONS
 
 INT4_GROUP_SIZE = 32
-# Rows at or below which a quantized matmul beats float32 sgemm (measured on SmolLM2-135M, 2 cores).
-MAX_QUANTIZED_ROWS = 32
+# Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
+# shapes on 2 cores (int4 1.1-1.3x at 16 rows, slower at 32; int8 0.8-1.0x from 8 rows on).
+MAX_QUANTIZED_ROWS = {"int4": 16, "int8": 4}
 _ACTIVATIONS = torch.bfloat16
 
 
 class Int4Weight:
     """Group-wise asymmetric int4, packed for the CPU kernel. input_size must be a multiple of 32."""
+
+    max_rows = MAX_QUANTIZED_ROWS["int4"]  # larger steps use the float32 weight
 
     def __init__(self, weight: torch.Tensor) -> None:
         out_features, in_features = weight.shape
@@ -52,6 +55,8 @@ class Int4Weight:
 
 class Int8Weight:
     """Per-output-row symmetric int8."""
+
+    max_rows = MAX_QUANTIZED_ROWS["int8"]  # larger steps use the float32 weight
 
     def __init__(self, weight: torch.Tensor) -> None:
         weight = weight.float()

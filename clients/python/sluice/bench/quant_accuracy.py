@@ -3,9 +3,9 @@
     python -m sluice.bench.quant_accuracy
 
 Two measures, same engine code, float32 weights as the reference:
-  * logit error on a fixed text: the text runs teacher-forced in chunks of 32 tokens (so every step takes
-    the quantized path); max |logit - fp32 logit| over all positions, also relative to max |fp32 logit|,
-    and how often the top-1 token agrees;
+  * logit error on a fixed text: the text runs teacher-forced one token per step, as decode runs (so
+    every step takes the quantized path, lm_head included); max |logit - fp32 logit| over all positions,
+    also relative to max |fp32 logit|, and how often the top-1 token agrees;
   * greedy agreement: a few chat prompts decode 64 tokens each; positions equal to float32's output before
     the first divergence, and whole sequences equal.
 """
@@ -20,7 +20,6 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.worker.input_batch import build_model_inputs
-from engine.worker.layers.quantization import MAX_QUANTIZED_ROWS
 
 TEXT = (
     "The river rose slowly through the night, and by morning the lower fields were under water. "
@@ -40,13 +39,13 @@ PROMPTS = (
 
 @torch.inference_mode()
 def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """[len(token_ids), vocab] float32, computed in steps of MAX_QUANTIZED_ROWS tokens."""
+    """[len(token_ids), vocab] float32, computed in steps of one token, as decode steps run."""
     runner = llm.engine.model_runner
     num_blocks = -(-len(token_ids) // runner.block_size)
     blocks = tuple(range(num_blocks))
     rows = []
-    for start in range(0, len(token_ids), MAX_QUANTIZED_ROWS):
-        chunk = tuple(token_ids[start : start + MAX_QUANTIZED_ROWS])
+    for start in range(len(token_ids)):
+        chunk = (token_ids[start],)
         out = SchedulerOutput((ScheduledRequest("text", chunk, start, blocks, False),), len(chunk))
         inputs = build_model_inputs(out, runner.block_size, runner.device)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metadata)
