@@ -39,7 +39,8 @@ inline void micro_kernel(const float* x, int64_t x_stride, const float* panel, i
     for (int v = 0; v < kVectors; ++v) acc[r][v] = vec{};
   for (int64_t k = 0; k < k_size; ++k) {
     const float* w = panel + k * kPanel;
-    __builtin_prefetch(w + 32 * kPanel);
+    if constexpr (rows == 1)  // the fastest loop: ask for the panel 32 rows ahead (+5-10% there, a loss above)
+      for (int v = 0; v < kVectors; ++v) __builtin_prefetch(w + 32 * kPanel + v * kLanes);
     vec wv[kVectors];
     for (int v = 0; v < kVectors; ++v) wv[v] = load(w + v * kLanes);
     for (int r = 0; r < rows; ++r) {
