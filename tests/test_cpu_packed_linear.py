@@ -121,3 +121,19 @@ def test_other_dtypes_keep_the_column_major_layout():
     assert layer.packed is None and layer.weight.t().is_contiguous()
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, weight))
+
+
+def test_without_a_compiler_layers_fall_back_to_column_major_f_linear(monkeypatch):
+    monkeypatch.setenv("CXX", "sluice-no-such-compiler")
+    cpu_extension._build.cache_clear()
+    try:
+        layer = ReplicatedLinear(32, 48)
+        weight = torch.randn(48, 32)
+        layer.weight.data.copy_(weight)
+        layer.process_weights_after_loading()
+        assert layer.packed is None and layer.weight.t().is_contiguous()
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, weight))
+    finally:
+        monkeypatch.undo()
+        cpu_extension._build.cache_clear()

@@ -24,7 +24,7 @@ from engine.worker.layers.quantization import MAX_QUANTIZED_ROWS, Int4Weight
 from engine.worker.model_runner import ModelRunner
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Each prompt's prefill is one step; the int8 lm_head (4 rows at most) takes the decode steps.
+# Prefills of 3, 9 and 16 rows: int4 runs them quantized; int8 (4 rows at most) the decode steps.
 PROMPT_LENS = (3, 9, MAX_QUANTIZED_ROWS["int4"])
 NUM_NEW_TOKENS = 6
 TOLERANCE = 0.03  # of max |logit|

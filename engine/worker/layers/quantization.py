@@ -19,7 +19,7 @@ from engine.config import QUANTIZATIONS
 
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
-# shapes on 2 cores (int4 1.1-1.3x at 16 rows, slower at 32; int8 0.8-1.0x from 8 rows on).
+# shapes on 2 cores (int4 1.1-1.3x at 16 rows, 0.3-0.8x at 32 on a busy machine; int8 0.8-1.0x from 8).
 MAX_QUANTIZED_ROWS = {"int4": 16, "int8": 4}
 _ACTIVATIONS = torch.bfloat16
 
