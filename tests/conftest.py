@@ -64,3 +64,11 @@ def server(llama_dir: str):
     thread = ServerThread(tiny_engine_config(llama_dir)).start()
     yield thread
     thread.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """Generated stubs on one channel to the module's `server`."""
+    channel = server.channel()
+    yield server.stub(channel)
+    channel.close()

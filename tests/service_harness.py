@@ -23,6 +23,10 @@ from service.server import ServerConfig, SluiceServer
 
 T = TypeVar("T")
 
+# A request that keeps the tiny model busy: 6 prompt tokens + 240 fit its 256-token context, and decoding
+# them takes about 0.3 s on a quiet machine (timeouts meant to fire mid-generation stay below that).
+LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+
 
 def tiny_engine_config(model_dir: str, *, num_blocks: int = 128, max_num_seqs: int = 64) -> EngineConfig:
     """The torch attention backend keeps CPU tests fast (the Triton kernels have their own tests)."""

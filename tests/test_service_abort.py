@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from service_harness import ServerThread
+from service_harness import LONG, ServerThread
 from sluice import generate_request
 from sluice.v1 import sluice_pb2 as pb
 
@@ -17,16 +17,6 @@ from engine.errors import UnknownRequestError
 from service.request_ids import RequestIdInUseError, RequestIds
 
 pytestmark = pytest.mark.timeout(60)
-
-# 240 tokens take the tiny model about 0.3 s on a quiet machine: timeouts below are shorter than that.
-LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerThread):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
 
 
 def _error(call) -> tuple[grpc.StatusCode, str]:

@@ -9,21 +9,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import LONG, ServerThread, tiny_engine_config
 from sluice import generate_request
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
-
-# 6 prompt tokens + 240 fits the 256-token context; on CPU this runs for well over a second.
-LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerThread):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
 
 
 class Outbox:

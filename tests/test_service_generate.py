@@ -34,13 +34,6 @@ def alone(llm: LLM) -> dict[str, tuple[str, list[int]]]:
     return {p: ((c := llm.generate(p, params)[0]).text, c.token_ids) for p in PROMPTS}
 
 
-@pytest.fixture(scope="module")
-def stub(server: ServerThread):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
-
-
 def _greedy(text: str, **kwargs: object) -> pb.GenerateRequest:
     return generate_request(text, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
 

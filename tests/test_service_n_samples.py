@@ -9,17 +9,9 @@ from collections import defaultdict
 import grpc
 import pytest
 import torch
-from service_harness import ServerThread
 from sluice.v1 import sluice_pb2 as pb
 
 PROMPT = [(5 * i + 9) % 500 + 4 for i in range(41)]  # 2 full blocks of 16 + 9 tokens
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerThread):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
 
 
 def _request(request_id: str = "", prompt: list[int] = PROMPT, **sampling: object) -> pb.GenerateRequest:

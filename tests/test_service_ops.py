@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import LONG, ServerThread, tiny_engine_config
 from sluice import Client, SluiceError, generate_request
 from sluice.v1 import sluice_pb2 as pb
 
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
 
 
 def _health(channel: grpc.Channel, service: str = "") -> int:

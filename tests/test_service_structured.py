@@ -8,7 +8,6 @@ import re
 import grpc
 import jsonschema
 import pytest
-from service_harness import ServerThread
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,13 +31,6 @@ WEATHER = pb.Tool(
     ),
 )
 TIME = pb.Tool(name="get_time", description="The time now", parameters="")
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerThread):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
 
 
 def generate(stub, **params) -> list[pb.GenerateResponse]:

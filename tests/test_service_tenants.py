@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import LONG, ServerThread, tiny_engine_config
 from sluice import Client, SluiceError, generate_request
 from sluice.v1 import sluice_pb2 as pb
 
@@ -56,7 +56,6 @@ keys = ["key-slow"]
 requests_per_second = 0.5
 burst = 1
 """
-LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
 PUSHBACK = "grpc-retry-pushback-ms"
 
 
