@@ -7,7 +7,8 @@ version and this CPU's instruction-set flags (the code is compiled with -march=n
 torch's lock file in that directory.
 
 `load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
-failed build); `cpu_extension_unavailable_reason(name)` says why without raising.
+failed build); `cpu_extension_available(name)` says whether it loaded;
+`cpu_extension_unavailable_reason(name)` says why not without raising.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def _machine_tag() -> str:
     return f"torch{torch.__version__.replace('+', '_')}-{digest}"
 
 
+def _headers_digest() -> str:
+    """A hash of the shared headers (`kernels/*.h`): torch's loader rebuilds when the sources or the flags
+    change, and this flag is how a header change reaches it."""
+    digest = hashlib.sha256()
+    for header in sorted(KERNELS_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _ninja_on_path() -> bool:
     """torch's loader runs `ninja`; the pip package puts it beside this interpreter, maybe not on PATH."""
     if shutil.which("ninja"):
@@ -71,7 +81,8 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
         module = load(
             name=f"sluice_{name}",
             sources=[str(KERNELS_DIR / f"{name}.cpp")],
-            extra_cflags=CFLAGS,
+            extra_cflags=[*CFLAGS, f"-DSLUICE_HEADERS={_headers_digest()}"],
+            extra_include_paths=[str(KERNELS_DIR)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -87,6 +98,12 @@ def load_cpu_extension(name: str) -> ModuleType | None:
     if module is None:
         _warn_once(name, reason)
     return module
+
+
+def cpu_extension_available(name: str) -> bool:
+    """Whether `kernels/<name>.cpp` is built and loaded (building it on first call; if it cannot be, the
+    reason is logged once): the layers' test before taking a kernel's prechecked path."""
+    return load_cpu_extension(name) is not None
 
 
 def cpu_extension_unavailable_reason(name: str) -> str | None:

@@ -23,28 +23,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vector_math.h"
+
 namespace {
 
 constexpr int64_t kQueryTile = 16;
-
-// exp(x) for x <= 0 (scores minus their running max), Cephes' polynomial: relative error ~2e-7, and a
-// loop of it vectorises (no libm call). Inputs below -87 return ~1e-38 instead of 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
 
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
@@ -111,7 +94,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < visible; ++t) {
-        scores[t] = exp_nonpositive(scores[t] - new_max);
+        scores[t] = sluice::exp_nonpositive(scores[t] - new_max);
         sum += scores[t];
       }
       float* acc_i = acc.data() + i * head_dim;

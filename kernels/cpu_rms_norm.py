@@ -11,21 +11,13 @@ batch sizes (the model runs 2 norms per layer per step).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.cpu_extension import cpu_extension_unavailable_reason, load_cpu_extension
+from kernels.cpu_extension import load_cpu_extension
 from kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_rms_norm"
 CPU = torch.device("cpu")
-
-
-@functools.cache
-def cpu_rms_norm_available() -> bool:
-    """Whether the C++ kernel is built (building it on first call); the reason is logged once if not."""
-    return cpu_extension_unavailable_reason(EXTENSION) is None
 
 
 def cpu_rms_norm(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+from kernels.tensor_checks import check_rotary_args, output_like
 
 
 @triton.jit
@@ -53,24 +53,6 @@ def _rotary_kernel(
                   cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)  # fmt: skip
 
 
-def _check_rotary_args(positions, q, k, cos_sin_cache) -> None:
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_tokens, _, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"q: head_dim {head_dim} must be even")
-    check_tensor("k", k, ndim=3, device=q.device)
-    check_same_dtype("k", k, q.dtype)
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise ValueError(f"k: expected [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(k.shape)}")
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
-    check_shape("positions", positions, (num_tokens,))
-    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,), device=q.device)
-    if cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(
-            f"cos_sin_cache: expected [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
-        )
-
-
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -83,7 +65,7 @@ def rotary_embedding(
     `positions` [num_tokens] (every entry < cos_sin_cache.shape[0]). q and k may be strided views
     (e.g. of a fused qkv projection). Returns (q, k) when `inplace`; otherwise writes `out`
     (q_out, k_out) when given, else new tensors."""
-    _check_rotary_args(positions, q, k, cos_sin_cache)
+    check_rotary_args(positions, q, k, cos_sin_cache)
     if inplace:
         if out is not None:
             raise ValueError("out: must be None when inplace=True")

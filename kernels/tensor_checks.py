@@ -80,3 +80,24 @@ def output_like(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torc
     check_shape(name, out, like.shape)
     check_same_dtype(name, out, like.dtype)
     return out
+
+
+def check_rotary_args(positions, q, k, cos_sin_cache) -> None:
+    """Raise ValueError unless q [T, num_heads, head_dim] (float, even head_dim), k [T, num_kv_heads,
+    head_dim] like q, positions [T] int32/int64 and cos_sin_cache [max_position, head_dim] float32 share q's
+    device: the rotary kernels' arguments."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q: head_dim {head_dim} must be even")
+    check_tensor("k", k, ndim=3, device=q.device)
+    check_same_dtype("k", k, q.dtype)
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k: expected [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(k.shape)}")
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
+    check_shape("positions", positions, (num_tokens,))
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,), device=q.device)
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(
+            f"cos_sin_cache: expected [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+        )

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_rms_norm import cpu_rms_norm_available, cpu_rms_norm_prechecked
+from kernels.cpu_extension import cpu_extension_available
+from kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
+from kernels.cpu_rms_norm import cpu_rms_norm_prechecked
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +36,8 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._fused is not None:
             return self._fused(x, self.weight, self.eps, residual)
-        if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and cpu_rms_norm_available():
+        cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+        if cpu_float32 and cpu_extension_available(CPU_RMS_NORM):
             return cpu_rms_norm_prechecked(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

@@ -14,6 +14,9 @@ from importlib import import_module
 import torch
 
 from engine.loading.model_arch import RopeScaling
+from kernels.cpu_extension import cpu_extension_available
+from kernels.cpu_rotary import EXTENSION as CPU_ROTARY
+from kernels.cpu_rotary import cpu_rotary_embedding_prechecked
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -79,6 +82,7 @@ class RotaryEmbedding:
         applied out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`.
     use_triton: the fused kernel `kernels.rotary.rotary_embedding` rotates q and k in place from an
         fp32 cos|sin table, one program per token, one rounding (a CUDA graph can capture it).
+    float32 on CPU: the C++ kernel `kernels.cpu_rotary`, in place from the same table.
     """
 
     def __init__(
@@ -93,10 +97,15 @@ class RotaryEmbedding:
     ) -> None:
         self.use_triton = use_triton
         cos_sin = build_cos_sin_cache(head_dim, max_positions, theta, scaling, device)
+        self.cos_sin_cache = cos_sin
         if use_triton:
             # Imported only when used: triton is not installed everywhere the torch path runs.
             self._fused = import_module("kernels.rotary").rotary_embedding
-            self.cos_sin_cache = cos_sin
+            return
+        self._fused = None
+        on_cpu = torch.device(device).type == "cpu"
+        if dtype == torch.float32 and on_cpu and cpu_extension_available(CPU_ROTARY):
+            self._fused = cpu_rotary_embedding_prechecked
             return
         cos, sin = cos_sin.chunk(2, dim=-1)
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
@@ -105,9 +114,9 @@ class RotaryEmbedding:
     def bind(self, positions: torch.Tensor) -> Rope:
         """The rotation for positions [T], gathered once for all layers. It takes q: [T, num_heads,
         head_dim] and k: [T, num_kv_heads, head_dim] (may be views of the fused qkv projection; the
-        Triton path writes into them)."""
-        if self.use_triton:
-            return lambda q, k: self._fused(positions, q, k, self.cos_sin_cache, inplace=True)
+        Triton and C++ paths write into them)."""
+        if self._fused is not None:
+            return lambda q, k: self._fused(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return lambda q, k: (q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin)
 
