@@ -31,7 +31,9 @@ KERNELS_DIR = Path(__file__).resolve().parent
 BUILD_ROOT = KERNELS_DIR.parent / ".build" / "cpu_extensions"
 # OpenMP: at::parallel_for is inlined from torch's headers; the extension links the libgomp torch already
 # loaded (same soname), so there is one OpenMP thread pool, sized by torch.set_num_threads.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# -fno-trapping-math: without it GCC leaves any loop that calls std::floor (the exp in cpu_vector_math.h)
+# scalar; no kernel reads the floating-point exception flags.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def _machine_tag() -> str:

@@ -5,15 +5,17 @@
 //
 // Each panel is one contiguous stream of K * kPanel floats, so a step's weights are read front to back
 // (the hardware prefetcher's best case: no strided rows, no page crossings per row). Threads split the
-// panels; within a panel, rows of x go kRows at a time through a register-blocked micro-kernel
-// (kRows x kPanel accumulators), so the panel comes from memory once and from L2 for the other row
-// blocks. Decode steps (1-64 rows) are bandwidth- or nearly bandwidth-bound, where sgemm on small M is
+// output columns evenly in whole vectors (kLanes columns), so a thread's share is whole panels plus a part
+// of one at either end, and 9 panels split over 2 threads as evenly as 8 do. Within its part of a panel,
+// rows of x go kRows at a time through a register-blocked micro-kernel (kRows x kPanel accumulators), so
+// the panel comes from memory once and from L2 for the other row blocks. Decode steps (1-64 rows) are bandwidth- or nearly bandwidth-bound, where sgemm on small M is
 // far from the machine's limits; bigger steps use the same kernel.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 namespace {
@@ -28,46 +30,55 @@ typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), 
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
-inline vec broadcast(float s) { return vec{} + s; }
 
-// out[r, 0:kPanel] = sum_k x[r, k] * panel[k, :] for r < rows (rows <= kRows).
-template <int rows>
+// out[r, 0:vectors * kLanes] = sum_k x[r, k] * panel[k, 0:vectors * kLanes] for r < rows (rows <= kRows),
+// `panel` pointing at the first of the vectors in a panel's row 0.
+template <int rows, int vectors>
 inline void micro_kernel(const float* x, int64_t x_stride, const float* panel, int64_t k_size,
                          float* out, int64_t out_stride) {
-  vec acc[rows][kVectors];
+  vec acc[rows][vectors];
   for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = vec{};
+    for (int v = 0; v < vectors; ++v) acc[r][v] = vec{};
   for (int64_t k = 0; k < k_size; ++k) {
     const float* w = panel + k * kPanel;
     if constexpr (rows == 1)  // the fastest loop: ask for the panel 32 rows ahead (+5-10% there, a loss above)
-      for (int v = 0; v < kVectors; ++v) __builtin_prefetch(w + 32 * kPanel + v * kLanes);
-    vec wv[kVectors];
-    for (int v = 0; v < kVectors; ++v) wv[v] = load(w + v * kLanes);
+      for (int v = 0; v < vectors; ++v) __builtin_prefetch(w + 32 * kPanel + v * kLanes);
+    vec wv[vectors];
+    for (int v = 0; v < vectors; ++v) wv[v] = load(w + v * kLanes);
     for (int r = 0; r < rows; ++r) {
-      const vec xv = broadcast(x[r * x_stride + k]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] += xv * wv[v];
+      const float xs = x[r * x_stride + k];  // vector * scalar: a broadcast load, no shuffle
+      for (int v = 0; v < vectors; ++v) acc[r][v] += wv[v] * xs;
     }
   }
   for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < kVectors; ++v) store(out + r * out_stride + v * kLanes, acc[r][v]);
+    for (int v = 0; v < vectors; ++v) store(out + r * out_stride + v * kLanes, acc[r][v]);
 }
 
 using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-constexpr MicroKernel kMicroKernels[kRows + 1] = {nullptr,          micro_kernel<1>, micro_kernel<2>,
-                                                  micro_kernel<3>,  micro_kernel<4>, micro_kernel<5>,
-                                                  micro_kernel<6>};
 
-// One panel against every row of x: y[:, p * kPanel : min(N, (p + 1) * kPanel)].
-void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, const float* panel, int64_t first_col,
-                      int64_t n_size, const float* bias, float* y) {
-  const int64_t cols = std::min(kPanel, n_size - first_col);
+template <int rows>
+constexpr std::array<MicroKernel, kVectors + 1> kernels_for_rows() {
+  return {nullptr, micro_kernel<rows, 1>, micro_kernel<rows, 2>, micro_kernel<rows, 3>, micro_kernel<rows, 4>};
+}
+
+// kMicroKernels[rows][vectors]
+constexpr std::array<std::array<MicroKernel, kVectors + 1>, kRows + 1> kMicroKernels = {
+    {{}, kernels_for_rows<1>(), kernels_for_rows<2>(), kernels_for_rows<3>(), kernels_for_rows<4>(),
+     kernels_for_rows<5>(), kernels_for_rows<6>()}};
+static_assert(kVectors == 4 && kRows == 6, "kMicroKernels lists every (rows, vectors) instance");
+
+// Vectors [first_vector, first_vector + vectors) of one panel against every row of x:
+// y[:, first_col : min(N, first_col + vectors * kLanes)], first_col = p * kPanel + first_vector * kLanes.
+void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, const float* panel, int64_t first_vector,
+                      int64_t vectors, int64_t first_col, int64_t n_size, const float* bias, float* y) {
+  const int64_t cols = std::min(vectors * kLanes, n_size - first_col);
   alignas(64) float tile[kRows * kPanel];
   for (int64_t m = 0; m < m_size; m += kRows) {
     const int64_t rows = std::min(kRows, m_size - m);
-    const bool whole = cols == kPanel;
+    const bool whole = cols == vectors * kLanes;
     float* out = whole ? y + m * n_size + first_col : tile;
     const int64_t out_stride = whole ? n_size : kPanel;
-    kMicroKernels[rows](x + m * k_size, k_size, panel, k_size, out, out_stride);
+    kMicroKernels[rows][vectors](x + m * k_size, k_size, panel + first_vector * kLanes, k_size, out, out_stride);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = y + (m + r) * n_size + first_col;
       if (!whole) std::memcpy(row, tile + r * kPanel, cols * sizeof(float));
@@ -81,15 +92,19 @@ void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, const floa
 void packed_linear(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& packed,
                    const c10::optional<torch::Tensor>& bias) {
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = y.size(1);
-  const int64_t num_panels = packed.size(0);
+  const int64_t num_vectors = (n_size + kLanes - 1) / kLanes;  // the padding past the last one is skipped
   const float* x_data = x.data_ptr<float>();
   const float* w_data = packed.data_ptr<float>();
   const float* b_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y_data = y.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      panel_times_rows(x_data, m_size, k_size, w_data + p * k_size * kPanel, p * kPanel, n_size, b_data,
-                       y_data);
+  at::parallel_for(0, num_vectors, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end;) {  // one panel, or the part of it in [begin, end), per pass
+      const int64_t p = v / kVectors, first_vector = v % kVectors;
+      const int64_t vectors = std::min(kVectors - first_vector, end - v);
+      panel_times_rows(x_data, m_size, k_size, w_data + p * k_size * kPanel, first_vector, vectors, v * kLanes,
+                       n_size, b_data, y_data);
+      v += vectors;
+    }
   });
 }
 

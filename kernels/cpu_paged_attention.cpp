@@ -11,6 +11,8 @@
 //
 // Per block of the context, each query vector does an online-softmax step (running max m, exp-sum l,
 // unnormalised accumulator acc, all fp32); the output is acc / l. Inputs may be fp32, bf16 or fp16.
+// head_dim 64 and 128 take attend_vectorized: whole-vector rows, the scores of up to 16 positions summed by
+// one butterfly, and the next block's rows prefetched.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,7 +20,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -28,6 +29,40 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kLanes = 16;  // floats per vector (one AVX-512 register; two AVX2 ones)
+
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
+
+template <typename scalar_t>
+inline vec load_lanes(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return *reinterpret_cast<const vec_unaligned*>(p);
+  } else {
+    vec v;
+    for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+  }
+}
+
+// out[t] = the sum of p[t]'s lanes, for t < kLanes: a butterfly of two-source shuffles and adds (15 of each)
+// instead of 16 horizontal sums. Level by level, each vector holds halves of twice as many sums:
+//   a[j] = [p[2j] (8 partial sums) | p[2j+1] (8)],  b[j] = [p[4j] (4) | ... | p[4j+3] (4)],  ...
+inline vec sum_lanes(const vec (&p)[kLanes]) {
+  vec a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * j], p[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int j = 0; j < 4; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
@@ -58,13 +93,11 @@ struct Strides {
   int64_t bt_seq;
 };
 
-// kHeadDim > 0 fixes head_dim at compile time (loops unrolled, the accumulator row kept in registers);
-// 0 reads it from `runtime_head_dim`.
-template <typename scalar_t, int64_t kHeadDim>
+// Any head_dim, one scalar dot product per (query vector, position).
+template <typename scalar_t>
 void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-            const int32_t* block_tables, scalar_t* out, const Strides& st, int64_t group,
-            int64_t runtime_head_dim, int64_t block_size, float scale) {
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+            const int32_t* block_tables, scalar_t* out, const Strides& st, int64_t group, int64_t head_dim,
+            int64_t block_size, float scale) {
   const int64_t num_vectors = task.num_rows * group;  // vector i: row i / group, head kv_head*group + i % group
   std::vector<float> qf(num_vectors * head_dim), acc(num_vectors * head_dim, 0.0f);
   std::vector<float> running_max(num_vectors, -std::numeric_limits<float>::infinity());
@@ -90,7 +123,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
         block_max = std::max(block_max, scores[t]);
       }
       const float new_max = std::max(running_max[i], block_max);
-      const float correction = std::exp(running_max[i] - new_max);  // exp(-inf) = 0 on the first block
+      const float correction = sluice::exp_nonpositive(running_max[i] - new_max);  // ~0 on the first block
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < visible; ++t) {
@@ -102,14 +135,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc_i[d] *= correction;
       }
-      if constexpr (kHeadDim > 0) {
-        float row[kHeadDim];  // a local copy the compiler can keep in registers across the positions
-        std::memcpy(row, acc_i, sizeof(row));
-        for (int64_t t = 0; t < visible; ++t) add_scaled(row, scores[t], values + t * st.v_slot, kHeadDim);
-        std::memcpy(acc_i, row, sizeof(row));
-      } else {
-        for (int64_t t = 0; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
-      }
+      for (int64_t t = 0; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
       exp_sum[i] = exp_sum[i] * correction + sum;
       running_max[i] = new_max;
     }
@@ -119,6 +145,91 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
                     (task.kv_head * group + i % group) * st.out_head;
     const float inv = 1.0f / exp_sum[i];
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv);
+  }
+}
+
+// attend() for a head_dim that is a multiple of kLanes, fixed at compile time: query vectors, accumulators and
+// key rows are whole vectors, and each chunk of up to kLanes positions gets its scores from one sum_lanes.
+template <typename scalar_t, int64_t kHeadDim>
+void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                       const int32_t* block_tables, scalar_t* out, const Strides& st, int64_t group,
+                       int64_t block_size, float scale) {
+  constexpr int64_t kVectors = kHeadDim / kLanes;
+  const int64_t num_vectors = task.num_rows * group;  // vector i: row i / group, head kv_head*group + i % group
+  thread_local std::vector<vec> q_scaled, acc;        // [num_vectors * kVectors]; reused across tasks
+  thread_local std::vector<float> running_max, exp_sum;
+  q_scaled.resize(num_vectors * kVectors);
+  acc.assign(num_vectors * kVectors, vec{});
+  running_max.assign(num_vectors, -std::numeric_limits<float>::infinity());
+  exp_sum.assign(num_vectors, 0.0f);
+  for (int64_t i = 0; i < num_vectors; ++i) {
+    const scalar_t* src = q + (task.first_row + i / group) * st.q_row +
+                          (task.kv_head * group + i % group) * st.q_head;
+    for (int64_t v = 0; v < kVectors; ++v) q_scaled[i * kVectors + v] = load_lanes(src + v * kLanes) * scale;
+  }
+  const int64_t num_positions = task.first_position + task.num_rows;  // the last row sees them all
+  const int32_t* table = block_tables + task.seq * st.bt_seq;
+  for (int64_t start = 0; start < num_positions; start += block_size) {
+    const int64_t block = table[start / block_size];
+    const scalar_t* keys = k_cache + block * st.k_block + task.kv_head * st.k_head;
+    const scalar_t* values = v_cache + block * st.v_block + task.kv_head * st.v_head;
+    const int64_t block_len = std::min(block_size, num_positions - start);
+    if (start + block_size < num_positions) {  // ask for the next block's rows while this one is computed
+      const int64_t next = table[start / block_size + 1];
+      const int64_t next_len = std::min(block_size, num_positions - start - block_size);
+      const scalar_t* next_keys = k_cache + next * st.k_block + task.kv_head * st.k_head;
+      const scalar_t* next_values = v_cache + next * st.v_block + task.kv_head * st.v_head;
+      for (int64_t t = 0; t < next_len; ++t)
+        for (int64_t byte = 0; byte < kHeadDim * int64_t(sizeof(scalar_t)); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(next_keys + t * st.k_slot) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(next_values + t * st.v_slot) + byte);
+        }
+    }
+    for (int64_t chunk = 0; chunk < block_len; chunk += kLanes) {
+      const int64_t chunk_len = std::min(kLanes, block_len - chunk);
+      for (int64_t i = 0; i < num_vectors; ++i) {
+        const int64_t visible = std::min(chunk_len, task.first_position + i / group + 1 - (start + chunk));
+        if (visible <= 0) continue;
+        const vec* qi = q_scaled.data() + i * kVectors;
+        vec partial[kLanes];
+        for (int64_t t = 0; t < kLanes; ++t) {
+          partial[t] = vec{};
+          if (t >= visible) continue;
+          const scalar_t* key = keys + (chunk + t) * st.k_slot;
+          for (int64_t v = 0; v < kVectors; ++v) partial[t] += qi[v] * load_lanes(key + v * kLanes);
+        }
+        alignas(64) float scores[kLanes];
+        *reinterpret_cast<vec*>(scores) = sum_lanes(partial);
+        float block_max = scores[0];
+        for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, scores[t]);
+        const float new_max = std::max(running_max[i], block_max);
+        const float correction = sluice::exp_nonpositive(running_max[i] - new_max);  // ~0 on the first chunk
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < kLanes; ++t) {
+          scores[t] = t < visible ? sluice::exp_nonpositive(scores[t] - new_max) : 0.0f;
+          sum += scores[t];
+        }
+        vec row[kVectors];
+        for (int64_t v = 0; v < kVectors; ++v) row[v] = acc[i * kVectors + v] * correction;
+        for (int64_t t = 0; t < visible; ++t) {
+          const scalar_t* value = values + (chunk + t) * st.v_slot;
+          for (int64_t v = 0; v < kVectors; ++v) row[v] += scores[t] * load_lanes(value + v * kLanes);
+        }
+        for (int64_t v = 0; v < kVectors; ++v) acc[i * kVectors + v] = row[v];
+        exp_sum[i] = exp_sum[i] * correction + sum;
+        running_max[i] = new_max;
+      }
+    }
+  }
+  for (int64_t i = 0; i < num_vectors; ++i) {
+    scalar_t* dst = out + (task.first_row + i / group) * st.out_row +
+                    (task.kv_head * group + i % group) * st.out_head;
+    const vec row_scale = vec{} + 1.0f / exp_sum[i];
+    for (int64_t v = 0; v < kVectors; ++v) {
+      const vec result = acc[i * kVectors + v] * row_scale;
+      for (int64_t d = 0; d < kLanes; ++d) dst[v * kLanes + d] = static_cast<scalar_t>(result[d]);
+    }
   }
 }
 
@@ -174,8 +285,13 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
       std::atomic<int64_t> next{0};
       at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
         for (int64_t i = next++; i < num_tasks; i = next++) {
-          attend<scalar_t, kHeadDim>(tasks[i], q_ptr, k_ptr, v_ptr, tables, out_ptr, st, group, head_dim,
-                                     block_size, static_cast<float>(scale));
+          if constexpr (kHeadDim > 0) {
+            attend_vectorized<scalar_t, kHeadDim>(tasks[i], q_ptr, k_ptr, v_ptr, tables, out_ptr, st, group,
+                                                  block_size, static_cast<float>(scale));
+          } else {
+            attend<scalar_t>(tasks[i], q_ptr, k_ptr, v_ptr, tables, out_ptr, st, group, head_dim, block_size,
+                             static_cast<float>(scale));
+          }
         }
       });
     };

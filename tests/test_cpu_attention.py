@@ -2,7 +2,7 @@
 against the torch reference backend, on random mixed batches with the output poisoned (NaN) first.
 
 Batches mix fresh prefills, chunks after a cached prefix (one longer than a 16-row query tile), decodes and
-first-token decodes, with contexts ending mid-block; GQA ratios 1, 3, 4, 8; block sizes 16 and 32.
+first-token decodes, with contexts ending mid-block; GQA ratios 1, 3, 4, 8; block sizes 8, 16 and 32.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SCALE = 0.125
 MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (21, 50), (1, 33), (3, 64)]
 PURE_DECODE = [(1, 1), (1, 17), (1, 40), (1, 63), (1, 32)]
 GQA = [(4, 4), (9, 3), (8, 2), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 4, 8
-BLOCK_SIZES = [16, 32]
+BLOCK_SIZES = [8, 16, 32]
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
