@@ -34,6 +34,7 @@ from engine.core.messages import (
     decode_frontend_message,
     encode,
 )
+from engine.core.host_memory import retain_freed_memory
 from engine.core.threads import configure_torch_threads
 from engine.errors import InvalidRequestError
 
@@ -100,6 +101,7 @@ def serve_core(commands_address: str, results_address: str) -> int:
         setup = decode_frontend_message(commands.recv())
         assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
         num_threads = configure_torch_threads(setup.config.num_threads)
+        retain_freed_memory()
         core = EngineCore(setup.config)
     except Exception as exc:
         logger.exception("loading the engine core failed")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.host_memory import retain_freed_memory
 from engine.core.threads import configure_torch_threads
 from engine.frontend.llm import LLM
 from engine.loading.default_model import default_model_path
@@ -175,6 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     threads = configure_torch_threads(args.threads)
+    retain_freed_memory()  # as the engine core process does; transformers, in this process, gains too
     model_path = default_model_path()
     bandwidth, gflops = read_bandwidth_gbs(), gemm_gflops()
     sluices = {"sluice fp32": LLM(dtype="float32")}

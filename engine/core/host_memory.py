@@ -1,0 +1,35 @@
+"""Host-memory settings of the engine core process.
+
+A CPU step allocates its activations afresh (a prefill chunk's gate/up output is 25 MB on SmolLM2-135M).
+By default glibc serves blocks that big with mmap and hands them back on free, so every step pays the
+kernel to fault in and zero its buffers again: on the 2-core CPU the SiLU-and-mul of a 2048-row chunk took
+6.5 ms in place of 1.5 ms. `retain_freed_memory` keeps such blocks in the heap for reuse (what vLLM's and
+IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of holding on to the peak of a step's
+temporaries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+# mallopt(3) parameters
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to 32 MiB come from the heap
+TRIM_THRESHOLD = 1 << 30  # free heap top kept up to 1 GiB
+
+
+def retain_freed_memory() -> bool:
+    """Tells glibc's malloc to serve blocks up to 32 MiB from the heap and keep freed heap memory; False
+    (and a debug log) where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, TypeError, AttributeError):
+        logger.debug("no mallopt in C library %s: freed host memory goes back to the OS", name)
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
