@@ -76,10 +76,14 @@ def packed_linear_prechecked(
 ) -> torch.Tensor:
     """`packed_linear` without its checks, for a layer whose packed weight and bias were checked when they
     were made: the hot path (one call per linear layer per step)."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.dim() != 2:  # the model's activations are [num_tokens, hidden]: no reshapes on the hot path
+        return packed_linear_prechecked(x.reshape(-1, x.shape[-1]), packed, output_size, bias).view(
+            *x.shape[:-1], output_size
+        )
+    rows = x.contiguous()
     y = torch.empty(rows.shape[0], output_size)
     load_cpu_extension(EXTENSION).packed_linear(y, rows, packed, bias)
-    return y.view(*x.shape[:-1], output_size)
+    return y
 
 
 def packed_linear_reference(

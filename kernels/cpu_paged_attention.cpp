@@ -1,5 +1,6 @@
 // Paged attention on CPU for a mixed batch (prefill chunks, chunks after a cached prefix, decodes), reading
-// K/V in place from the paged cache through the block table: no sequence's context is ever gathered.
+// K/V in place from the paged cache through the block table: no sequence's context is ever gathered. And
+// store_kv, which writes a step's new K/V into the cache first.
 //
 // One task = (sequence, KV head, tile of up to kQueryTile query tokens) and covers every query head of that
 // KV head's GQA group, so each key/value row is loaded once for all of them. Tasks are handed out
@@ -20,8 +21,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_vector_math.h"
@@ -307,6 +310,35 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   });
 }
 
+// k_cache[slot / block_size, slot % block_size] = k[t] and the same for v, for each token t whose
+// slot = slot_mapping[t] is >= 0 (kernels/store_kv.py's contract): this step's keys and values into the
+// cache, one row copy per (token, KV head) and no thread hand-off, as decode writes a few rows per layer.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous");
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " (token ", t, ") is past the cache's ",
+                num_slots, " slots");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+    const size_t row_bytes = head_dim * sizeof(scalar_t);
+    for (auto [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+      const scalar_t* src_data = src->data_ptr<scalar_t>();
+      scalar_t* cache_data = cache->data_ptr<scalar_t>();
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0) continue;
+        scalar_t* dst =
+            cache_data + (slots[t] / block_size) * cache->stride(0) + (slots[t] % block_size) * cache->stride(1);
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          std::memcpy(dst + h * cache->stride(2), src_data + t * src->stride(0) + h * src->stride(1), row_bytes);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a mixed batch, K/V read through block tables");
+  m.def("store_kv", &store_kv, "This step's K/V into the paged cache at slot_mapping (slot < 0 skipped)");
 }

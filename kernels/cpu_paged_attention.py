@@ -8,7 +8,8 @@ and each row sees the positions up to its own. K/V are read in place from the ca
     block_tables[s] = [7, 2, 9]      block_size = 4
     context position p  ->  k_cache[block_tables[s][p // 4], p % 4, kv_head, :]
 
-The new tokens' K/V must already be in the cache (the backend writes them first).
+The new tokens' K/V must already be in the cache: the backend writes them first with `cpu_store_kv` (the
+same contract as the Triton `kernels.store_kv`, whose `store_kv_reference` is its reference too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_extension import load_cpu_extension
-from kernels.tensor_checks import check_block_tables, check_q_and_kv_cache, check_tensor, output_like
+from kernels.tensor_checks import (
+    check_block_tables,
+    check_q_and_kv_cache,
+    check_store_kv_args,
+    check_tensor,
+    output_like,
+)
 
 EXTENSION = "cpu_paged_attention"
 CPU = torch.device("cpu")
@@ -79,6 +86,37 @@ def cpu_paged_attention_prechecked(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
     )
     return out
+
+
+def cpu_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into k_cache, v_cache [num_blocks, block_size,
+    num_kv_heads, head_dim] at slot_mapping [num_tokens] int64 (slot < 0: skipped), in place, on CPU.
+    Raises ValueError naming a bad argument; RuntimeError for a slot past the cache or if the kernel is
+    not built."""
+    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    if k.device != CPU:
+        raise ValueError(f"k: on {k.device}, the C++ kernel runs on cpu")
+    if load_cpu_extension(EXTENSION) is None:
+        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    cpu_store_kv_prechecked(k, v, k_cache, v_cache, slot_mapping.contiguous())
+
+
+def cpu_store_kv_prechecked(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`cpu_store_kv` without its checks, for the other layers of a step whose first call passed them
+    (two index_copy_ took 10 us a layer at batch 1 on the 2-core CPU, this 1 us)."""
+    load_cpu_extension(EXTENSION).store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def cpu_paged_attention_reference(

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+from kernels.tensor_checks import check_store_kv_args
 
 
 @triton.jit
@@ -55,26 +55,6 @@ def _store_kv_kernel(
     tl.store(v_dst + heads[:, None] * stride_vc_head + dims[None, :], v, mask=mask)
 
 
-def _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    check_tensor("v", v, ndim=3, device=k.device)
-    check_shape("v", v, k.shape)
-    check_same_dtype("v", v, k.dtype)
-    check_tensor("k_cache", k_cache, ndim=4, device=k.device)
-    check_same_dtype("k_cache", k_cache, k.dtype)
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"k_cache: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-            f"got {tuple(k_cache.shape)}"
-        )
-    check_tensor("v_cache", v_cache, ndim=4, device=k.device)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    check_same_dtype("v_cache", v_cache, k.dtype)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=k.device)
-    check_shape("slot_mapping", slot_mapping, (num_tokens,))
-
-
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -84,7 +64,7 @@ def store_kv(
 ) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into k_cache, v_cache
     [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] int64 (in place)."""
-    _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

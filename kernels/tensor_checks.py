@@ -101,3 +101,25 @@ def check_rotary_args(positions, q, k, cos_sin_cache) -> None:
         raise ValueError(
             f"cos_sin_cache: expected [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
         )
+
+
+def check_store_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """The arguments of a K/V store (Triton `kernels.store_kv` and the C++ CPU one): k, v [num_tokens,
+    num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping int64."""
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    check_tensor("v", v, ndim=3, device=k.device)
+    check_shape("v", v, k.shape)
+    check_same_dtype("v", v, k.dtype)
+    check_tensor("k_cache", k_cache, ndim=4, device=k.device)
+    check_same_dtype("k_cache", k_cache, k.dtype)
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(k_cache.shape)}"
+        )
+    check_tensor("v_cache", v_cache, ndim=4, device=k.device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_same_dtype("v_cache", v_cache, k.dtype)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=k.device)
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))

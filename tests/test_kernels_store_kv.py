@@ -1,4 +1,5 @@
-"""store_kv writes exactly the slots of slot_mapping, skips slot < 0 and touches nothing else."""
+"""store_kv (Triton) and cpu_store_kv (C++, on CPU) write exactly the slots of slot_mapping, skip slot < 0
+and touch nothing else."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import pytest
 import torch
 from paged_batch import DEVICE, TEST_DTYPES, make_paged_batch, nan_like
 
+from kernels.cpu_paged_attention import cpu_store_kv
 from kernels.store_kv import store_kv, store_kv_reference
 
+STORES = [store_kv, cpu_store_kv] if DEVICE.type == "cpu" else [store_kv]
 
+
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("dtype", TEST_DTYPES)
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(1, 16, 16), (2, 32, 32), (3, 24, 16)])
-def test_store_kv_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim, block_size):
+def test_store_kv_writes_exactly_the_mapped_slots(store, dtype, num_kv_heads, head_dim, block_size):
     batch = make_paged_batch(
         [5, 1, 19],
         [5, 40, 30],
@@ -24,7 +29,7 @@ def test_store_kv_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim,
     slot_mapping = batch.metadata.slot_mapping.clone()
     slot_mapping[[2, 7]] = -1  # padding rows: must not be written anywhere
     k_cache, v_cache = nan_like(batch.k_cache), nan_like(batch.v_cache)
-    store_kv(batch.k, batch.v, k_cache, v_cache, slot_mapping)
+    store(batch.k, batch.v, k_cache, v_cache, slot_mapping)
 
     expected_k, expected_v = nan_like(batch.k_cache), nan_like(batch.v_cache)
     store_kv_reference(batch.k, batch.v, expected_k, expected_v, slot_mapping)
@@ -41,7 +46,8 @@ def test_store_kv_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim,
     assert int((~k_cache.isnan()).all(dim=-1).all(dim=-1).sum()) == written_slots
 
 
-def test_store_kv_reads_strided_views_of_a_fused_projection():
+@pytest.mark.parametrize("store", STORES)
+def test_store_kv_reads_strided_views_of_a_fused_projection(store):
     num_tokens, num_kv_heads, head_dim, block_size = 6, 2, 16, 16
     kv = torch.randn(num_tokens, 2 * num_kv_heads * head_dim, device=DEVICE)
     k = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
@@ -50,7 +56,7 @@ def test_store_kv_reads_strided_views_of_a_fused_projection():
     k_cache = torch.full((4, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE)
     v_cache = k_cache.clone()
     slot_mapping = torch.tensor([3, 17, 18, 63, 0, 40], dtype=torch.int64, device=DEVICE)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store(k, v, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping], k)
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping], v)
 
@@ -74,9 +80,17 @@ def _args():
         ("k_cache", torch.randn(16, 2, 16), "k_cache: expected 4 dims"),
     ],
 )
-def test_store_kv_rejects_bad_arguments_naming_them(name, bad, message):
+@pytest.mark.parametrize("store", STORES)
+def test_store_kv_rejects_bad_arguments_naming_them(store, name, bad, message):
     args = _args()
     args[name] = bad.to(DEVICE)
     with pytest.raises(ValueError) as err:
-        store_kv(**args)
+        store(**args)
     assert str(err.value).startswith(message)
+
+
+def test_cpu_store_kv_rejects_a_slot_past_the_cache_naming_it():
+    args = {name: tensor.cpu() for name, tensor in _args().items()}
+    args["slot_mapping"] = torch.tensor([0, 1, 48, 2])  # 3 blocks of 16: slots 0-47
+    with pytest.raises(RuntimeError, match=r"slot_mapping: slot 48 \(token 2\) is past the cache's 48 slots"):
+        cpu_store_kv(**args)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import zmq
 
 from engine.core.engine_core import EngineCore
+from engine.core.host_memory import retain_freed_memory
 from engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -34,7 +35,6 @@ from engine.core.messages import (
     decode_frontend_message,
     encode,
 )
-from engine.core.host_memory import retain_freed_memory
 from engine.core.threads import configure_torch_threads
 from engine.errors import InvalidRequestError
 

@@ -1,10 +1,11 @@
 """Paged attention on CPU with the C++ kernel in `kernels/cpu_paged_attention.cpp` (built on first use).
 
-Each step writes the new K/V through slot_mapping, then one kernel call attends the whole mixed batch
-(prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block tables,
-one task per (sequence, KV head, query tile) covering the GQA group. The torch backend is its reference.
+Each step writes the new K/V through slot_mapping (C++ `store_kv`), then one kernel call attends the whole
+mixed batch (prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block
+tables, one task per (sequence, KV head, query tile) covering the GQA group. The torch backend is its
+reference.
 The kernel has no sliding window yet: windowed layers run the torch backend's windowed attention.
-The launcher's argument checks run on a step's first layer only: every layer of a step passes the same
+The launchers' argument checks run on a step's first layer only: every layer of a step passes the same
 metadata and caches of one shape.
 """
 
@@ -13,9 +14,15 @@ from __future__ import annotations
 import torch
 
 from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from engine.worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cpu_extension import cpu_extension_unavailable_reason
-from kernels.cpu_paged_attention import EXTENSION, cpu_paged_attention, cpu_paged_attention_prechecked
+from kernels.cpu_paged_attention import (
+    EXTENSION,
+    cpu_paged_attention,
+    cpu_paged_attention_prechecked,
+    cpu_store_kv,
+    cpu_store_kv_prechecked,
+)
 
 
 def cpu_kernel_unavailable_reason(device: torch.device) -> str | None:
@@ -47,8 +54,10 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         if sliding_window is not None:
             return self._windowed.forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        attend = cpu_paged_attention_prechecked if metadata is self._checked else cpu_paged_attention
+        checked = metadata is self._checked
+        store = cpu_store_kv_prechecked if checked else cpu_store_kv
+        store(k, v, k_cache, v_cache, metadata.slot_mapping)
+        attend = cpu_paged_attention_prechecked if checked else cpu_paged_attention
         out = attend(
             q,
             k_cache,
