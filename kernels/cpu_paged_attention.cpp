@@ -96,6 +96,12 @@ struct Strides {
   int64_t bt_seq;
 };
 
+// Where a task's query vector i (row first_row + i / group, head kv_head * group + i % group) sits in a
+// [num_tokens, num_heads, head_dim] tensor with these row and head strides.
+inline int64_t vector_offset(const Task& task, int64_t i, int64_t group, int64_t row_stride, int64_t head_stride) {
+  return (task.first_row + i / group) * row_stride + (task.kv_head * group + i % group) * head_stride;
+}
+
 // Any head_dim, one scalar dot product per (query vector, position).
 template <typename scalar_t>
 void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
@@ -106,8 +112,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
   std::vector<float> running_max(num_vectors, -std::numeric_limits<float>::infinity());
   std::vector<float> exp_sum(num_vectors, 0.0f), scores(block_size);
   for (int64_t i = 0; i < num_vectors; ++i) {
-    const scalar_t* src = q + (task.first_row + i / group) * st.q_row +
-                          (task.kv_head * group + i % group) * st.q_head;
+    const scalar_t* src = q + vector_offset(task, i, group, st.q_row, st.q_head);
     for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * scale;
   }
   const int64_t num_positions = task.first_position + task.num_rows;  // the last row sees them all
@@ -144,8 +149,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
     }
   }
   for (int64_t i = 0; i < num_vectors; ++i) {
-    scalar_t* dst = out + (task.first_row + i / group) * st.out_row +
-                    (task.kv_head * group + i % group) * st.out_head;
+    scalar_t* dst = out + vector_offset(task, i, group, st.out_row, st.out_head);
     const float inv = 1.0f / exp_sum[i];
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d] * inv);
   }
@@ -166,8 +170,7 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
   running_max.assign(num_vectors, -std::numeric_limits<float>::infinity());
   exp_sum.assign(num_vectors, 0.0f);
   for (int64_t i = 0; i < num_vectors; ++i) {
-    const scalar_t* src = q + (task.first_row + i / group) * st.q_row +
-                          (task.kv_head * group + i % group) * st.q_head;
+    const scalar_t* src = q + vector_offset(task, i, group, st.q_row, st.q_head);
     for (int64_t v = 0; v < kVectors; ++v) q_scaled[i * kVectors + v] = load_lanes(src + v * kLanes) * scale;
   }
   const int64_t num_positions = task.first_position + task.num_rows;  // the last row sees them all
@@ -228,8 +231,7 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
     }
   }
   for (int64_t i = 0; i < num_vectors; ++i) {
-    scalar_t* dst = out + (task.first_row + i / group) * st.out_row +
-                    (task.kv_head * group + i % group) * st.out_head;
+    scalar_t* dst = out + vector_offset(task, i, group, st.out_row, st.out_head);
     const vec row_scale = vec{} + 1.0f / exp_sum[i];
     for (int64_t v = 0; v < kVectors; ++v) {
       const vec result = acc[i * kVectors + v] * row_scale;
