@@ -21,6 +21,8 @@ def test_qkv_linear_fills_each_shard_and_names_a_bad_shape():
     for shard, tensor in enumerate((q, k, v)):
         layer.weight_loader(layer.weight, tensor, shard)
     assert torch.equal(layer.weight, torch.cat([q, k, v]))
+    layer.weight_loader(layer.bias, torch.randn(8), 0)  # all three shards: the rest would be torch.empty
+    layer.weight_loader(layer.bias, torch.randn(4), 1)
     layer.weight_loader(layer.bias, torch.arange(4.0), 2)
     assert torch.equal(layer.bias[12:], torch.arange(4.0))
     x = torch.randn(3, 8)

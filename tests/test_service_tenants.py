@@ -118,19 +118,23 @@ def test_priority_is_clamped_to_the_tenants_max_priority(tenant_server: ServerTh
 
 def _queue_behind_an_occupier(server: ServerThread, occupier_id: str) -> tuple[list[str], int]:
     """Queues batch (priority 0) then alpha (priority 5) behind a running request, aborts that
-    request, and returns the order they finished in and how the running request ended."""
+    request, and returns the order they finished in and how the running request ended. Batch asks for
+    32 tokens and alpha for 2, so whichever runs second finishes well after the first: the order the
+    threads record is the order they ran, not the order their client threads woke up in."""
     order: list[str] = []
 
-    def run(key: str, priority: int) -> None:
+    def run(key: str, priority: int, max_tokens: int) -> None:
         with _client(server, key) as client:
-            request = generate_request("queued", priority=priority, temperature=0.0, max_tokens=2)
+            request = generate_request("queued", priority=priority, temperature=0.0, max_tokens=max_tokens)
             client.complete(request)
             order.append(key)
 
     with _client(server, "key-alpha") as client:
         running = client.generate(generate_request("Hello", request_id=occupier_id, **LONG))
         next(running)
-        threads = [threading.Thread(target=run, args=args) for args in (("key-batch", 0), ("key-alpha", 5))]
+        threads = [
+            threading.Thread(target=run, args=args) for args in (("key-batch", 0, 32), ("key-alpha", 5, 2))
+        ]
         for waiting, thread in enumerate(threads, start=1):
             thread.start()
             _wait_for(lambda n=waiting: server.stats().num_waiting >= n or server.stats().num_running == 0)
