@@ -70,17 +70,16 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
         processed = self.apply_processors(logits, rows)
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # no row selection: indexing copies [rows, vocab] (1.4 ms at 64 x 49152 on CPU)
             return self.attach_logprobs(logits, rows, processed.argmax(dim=-1))
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
             token_ids[greedy] = processed[greedy].argmax(dim=-1)
-        if random:
-            sub_rows = [rows[i] for i in random]
-            probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
-            token_ids[random] = self.draw(probs, sub_rows)
+        sub_rows = [rows[i] for i in random]
+        probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
+        token_ids[random] = self.draw(probs, sub_rows)
         return self.attach_logprobs(logits, rows, token_ids)
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
