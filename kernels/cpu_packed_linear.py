@@ -1,5 +1,5 @@
 """y = x W^T (+ b) on CPU in float32 with W packed in column panels (the C++ kernel in
-`cpu_packed_linear.cpp`), its launcher, and the plain PyTorch version it must equal.
+`cpu_packed_linear.h`), its launcher, and the plain PyTorch version it must equal.
 
     W [N, K]  ->  packed [num_panels, K, PANEL]     packed[p, k, j] = W[p * PANEL + j, k], 0 past row N-1
 

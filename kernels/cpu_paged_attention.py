@@ -1,4 +1,4 @@
-"""Paged attention on CPU over a mixed batch (the C++ kernel in `cpu_paged_attention.cpp`), its launcher,
+"""Paged attention on CPU over a mixed batch (the C++ kernel in `cpu_paged_attention.h`), its launcher,
 and the plain PyTorch version it must equal.
 
 One call covers prefill chunks (with or without a cached prefix) and decodes: sequence s owns query rows

@@ -1,4 +1,4 @@
-"""RMSNorm with the residual add fused, float32 on CPU (the C++ kernel in `cpu_rms_norm.cpp`), and its
+"""RMSNorm with the residual add fused, float32 on CPU (the C++ kernel in `cpu_rms_norm.h`), and its
 launcher. Its reference is `kernels.rms_norm.rms_norm_reference` (transformers' LlamaRMSNorm recipe):
 
     with residual:  residual_out = x + residual;  out = norm(residual_out)

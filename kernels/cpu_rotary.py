@@ -1,4 +1,4 @@
-"""Rotary position embedding in place, float32 on CPU (the C++ kernel in `cpu_rotary.cpp`), and its
+"""Rotary position embedding in place, float32 on CPU (the C++ kernel in `cpu_rotary.h`), and its
 launcher. Same layout and table as the Triton kernel in `kernels/rotary.py`, whose
 `rotary_embedding_reference` is its reference:
 

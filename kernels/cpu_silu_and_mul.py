@@ -1,5 +1,5 @@
 """silu(gate) * up over a packed gate_up projection, float32 on CPU (the C++ kernel in
-`cpu_silu_and_mul.cpp`), its launcher, and the plain PyTorch version it must equal:
+`cpu_silu_and_mul.h`), its launcher, and the plain PyTorch version it must equal:
 
     x [num_tokens, 2 * d] = [gate | up]  ->  [num_tokens, d] = silu(gate) * up
 

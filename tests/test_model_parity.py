@@ -1,6 +1,8 @@
 """ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded),
-with the torch backend, the C++ CPU one (kernels/cpu_paged_attention.cpp), and the Triton one (attention,
-fused RMSNorm + residual and rotary kernels, run by Triton's interpreter on CPU).
+with the torch backend, the C++ CPU one (kernels/cpu_paged_attention.h), and the Triton one (attention,
+fused RMSNorm + residual and rotary kernels, run by Triton's interpreter on CPU). On "cpu", Llama, Mistral
+without a window and Qwen2 run their layers as one C++ call per step (kernels/cpu_decoder_stack.cpp);
+"cpu-layers" runs the same kernels one layer call at a time.
 
 Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks
 with a cached prefix and fresh prefills, over interleaved (non-contiguous) block tables. Tolerance: the
@@ -36,7 +38,10 @@ def checkpoint(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
 
-@pytest.fixture(scope="module", params=["torch", "cpu", "triton"])
+STACKED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # without a sliding window
+
+
+@pytest.fixture(scope="module", params=["torch", "cpu", "cpu-layers", "triton"])
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -54,14 +59,21 @@ def _block_ids(index: int) -> tuple[int, ...]:
 def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
     # The Triton kernels run compiled on a GPU, else in the interpreter (TRITON_INTERPRET=1) on CPU.
-    interpreted = backend in ("torch", "cpu") or os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = backend in ("torch", "cpu", "cpu-layers") or os.environ.get("TRITON_INTERPRET") == "1"
+    attention_backend = "cpu" if backend == "cpu-layers" else backend
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="float32", device="cpu" if interpreted else "cuda"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),
-        attention_backend=backend,
+        attention_backend=attention_backend,
     )
     runner = ModelRunner(config, load_model_source(config.model))
-    assert runner.attention_backend.name == backend
+    assert runner.attention_backend.name == attention_backend
+    arch = runner.arch
+    windowed = arch.layer_sliding_window(0) is not None
+    stacked = attention_backend == "cpu" and arch.architecture in STACKED and not windowed
+    assert (getattr(runner.model, "cpu_stack", None) is not None) == stacked
+    if backend == "cpu-layers":
+        runner.model.cpu_stack = None
     if runner.arch.architecture != "Gemma3ForCausalLM":  # Gemma's norms round differently: plain PyTorch
         assert runner.model.model.norm.use_triton == (backend == "triton")
     tokens = [list(p) for p in prompts]

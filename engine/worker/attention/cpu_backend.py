@@ -1,4 +1,4 @@
-"""Paged attention on CPU with the C++ kernel in `kernels/cpu_paged_attention.cpp` (built on first use).
+"""Paged attention on CPU with the C++ kernel in `kernels/cpu_paged_attention.h` (built on first use).
 
 Each step writes the new K/V through slot_mapping (C++ `store_kv`), then one kernel call attends the whole
 mixed batch (prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block

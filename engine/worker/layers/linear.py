@@ -13,7 +13,7 @@ Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
 (pre-transposed CPU weights, quantized packing, tensor-parallel slices) is made from the loaded weight.
 `forward` calls `apply`, which reads whatever that layout is.
 
-On CPU, a float32 weight is packed in column panels for the C++ kernel in `kernels/cpu_packed_linear.cpp`
+On CPU, a float32 weight is packed in column panels for the C++ kernel in `kernels/cpu_packed_linear.h`
 (`packed` [num_panels, input_size, PANEL]; each matmul streams them front to back, 1.2-7x faster than
 MKL's sgemm on decode-sized steps). The packed tensor replaces the weight's data, so memory stays flat,
 except for a weight tied to the embeddings (`tie_weight`), which keeps its rows for the lookups and gets a

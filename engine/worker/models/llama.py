@@ -7,6 +7,8 @@ Parameter names follow Hugging Face except two packed projections (see `engine.w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from engine.worker.layers.mlp import GatedMLP
 from engine.worker.layers.norm import RMSNorm
 from engine.worker.layers.rotary import Rope
 from engine.worker.models.causal_lm import CausalLM
+from engine.worker.models.llama_cpu_stack import LlamaCpuStack
 
 
 class LlamaAttention(nn.Module):
@@ -81,7 +84,9 @@ class LlamaForCausalLM(CausalLM):
     """forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size].
 
     use_triton_kernels: RMSNorm (+ residual add) and rotary run as the fused Triton kernels in
-    `kernels/` (on CUDA, or on CPU under TRITON_INTERPRET=1); otherwise plain PyTorch.
+    `kernels/` (on CUDA, or on CPU under TRITON_INTERPRET=1); otherwise plain PyTorch, or the C++ kernels
+    on CPU in float32. When every layer runs those, the loaded model runs its layers as one C++ call per
+    step (`cpu_stack`, `engine.worker.models.llama_cpu_stack`), with the same result.
     """
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
@@ -103,6 +108,12 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = CausalLM.lm_head_for(arch)
         self.materialize(dtype, device)
         self.rotary = self.rope(arch.rope_theta, arch.rope_scaling, max_positions, device, use_triton_kernels)
+        self.cpu_stack: LlamaCpuStack | None = None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        if type(self).decoder_layer is LlamaDecoderLayer:  # the stack runs this layer, not a subclass's
+            self.cpu_stack = LlamaCpuStack.build(self.model.layers, self.model.norm, self.rotary)
 
     def forward(
         self,
@@ -112,6 +123,8 @@ class LlamaForCausalLM(CausalLM):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden, residual = self.model.embed_tokens(input_ids), None
+        if self.cpu_stack is not None:
+            return self.cpu_stack(hidden, positions, kv_caches, metadata)
         rope = self.rotary.bind(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)

@@ -1,0 +1,70 @@
+"""A Llama-style decoder stack as one C++ call per step, float32 on CPU (`cpu_decoder_stack.cpp`).
+
+    stack = make_decoder_stack(layer_weights, final_norm, ...)      once, after loading
+    hidden = stack.forward(embeddings, positions, cos_sin, ...)      every step
+
+It calls the kernels the layers call one by one (`cpu_packed_linear`, `cpu_rms_norm`, `cpu_rotary`,
+`cpu_paged_attention`, `cpu_silu_and_mul`), in the same order, so its reference is the model's own
+per-layer path: the tests compare the two, and transformers, on mixed batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu_extension import load_cpu_extension
+
+EXTENSION = "cpu_decoder_stack"
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weights as the kernels read them: norms [hidden]; projections packed in column panels
+    (`kernels.cpu_packed_linear.pack_weight`); qkv_bias [q_size + 2 * kv_size] or None."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float  # attention's softmax scale
+
+
+def make_decoder_stack(layers: Sequence[LayerWeights], final_norm: torch.Tensor, shape: StackShape):
+    """The C++ `DecoderStack` over these weights (held by reference, not copied). Raises RuntimeError if
+    the kernel is not built. Its `forward(embeddings, positions, cos_sin, k_caches, v_caches, slot_mapping,
+    block_tables, query_start_loc, seq_lens)` overwrites `embeddings` [T, hidden] with the residual stream
+    and returns the final norm's output [T, hidden]."""
+    module = load_cpu_extension(EXTENSION)
+    if module is None:
+        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    return module.DecoderStack(
+        [layer.input_norm for layer in layers],
+        [layer.qkv for layer in layers],
+        [layer.qkv_bias for layer in layers],
+        [layer.o for layer in layers],
+        [layer.post_norm for layer in layers],
+        [layer.gate_up for layer in layers],
+        [layer.down for layer in layers],
+        final_norm,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.intermediate_size,
+        shape.eps,
+        shape.scale,
+    )

@@ -1,0 +1,134 @@
+"""The one-call C++ decoder stack (kernels/cpu_decoder_stack.cpp) against the model's per-layer path on the
+same kernels: equal hidden states on a mixed step (a fresh prefill, a chunk after a cached prefix, decodes),
+for tiny Llama (GQA, llama3 RoPE, tied embeddings) and Qwen2 (qkv biases). Its parity with transformers is in
+test_model_parity.py. Also: when the model keeps its per-layer path, and the checks the C++ side makes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.loading.model_loader import load_model_source
+from engine.worker.input_batch import build_model_inputs
+from engine.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 24
+
+
+def _runner(directory: str, attention_backend: str = "cpu", **model_options) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32", device="cpu", **model_options),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+        attention_backend=attention_backend,
+    )
+    return ModelRunner(config, load_model_source(config.model))
+
+
+def _steps() -> list[SchedulerOutput]:
+    """Step 1 prefills three prompts; step 2 continues one as a chunk after its cached prefix, decodes the
+    second, and prefills a fourth fresh: contexts ending mid-block, non-contiguous block tables."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 500, (n,), generator=generator).tolist() for n in (13, 21, 6, 9)]
+    blocks = [(0, 5, 9, 14), (1, 6, 10), (2, 7), (3, 11, 15)]
+    first = SchedulerOutput(
+        (
+            ScheduledRequest("a", tuple(prompts[0][:10]), 0, blocks[0], False),
+            ScheduledRequest("b", tuple(prompts[1]), 0, blocks[1], True),
+            ScheduledRequest("c", tuple(prompts[2]), 0, blocks[2], True),
+        ),
+        37,
+    )
+    second = SchedulerOutput(
+        (
+            ScheduledRequest("a", tuple(prompts[0][10:]), 10, blocks[0], True),
+            ScheduledRequest("b", (17,), 21, blocks[1], True),
+            ScheduledRequest("d", tuple(prompts[3]), 0, blocks[3], True),
+        ),
+        13,
+    )
+    return [first, second]
+
+
+def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
+    """Each step's hidden states, from fresh (zeroed) caches, with or without the stack."""
+    model = runner.model
+    stack = model.cpu_stack
+    model.cpu_stack = stack if stacked else None
+    caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+    try:
+        with torch.inference_mode():
+            results = []
+            for out in _steps():
+                inputs = build_model_inputs(out, BLOCK_SIZE, runner.device)
+                results.append(model(inputs.input_ids, inputs.positions, caches, inputs.metadata))
+    finally:
+        model.cpu_stack = stack
+    return results
+
+
+@pytest.mark.parametrize("checkpoint", ["llama_dir", "qwen2_dir"])
+def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, request):
+    runner = _runner(request.getfixturevalue(checkpoint))
+    assert runner.model.cpu_stack is not None
+    stacked, layered = _hidden_states(runner, True), _hidden_states(runner, False)
+    for got, want in zip(stacked, layered, strict=True):
+        assert got.shape == want.shape
+        assert torch.isfinite(want).all()
+        # The same kernels in the same order: the same roundings.
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "options", "reason"),
+    [
+        ("llama_dir", {"quantization": "int8"}, "quantized"),
+        ("llama_dir", {"attention_backend": "torch"}, "attention is not the C++ backend"),
+        ("mistral_dir", {}, "sliding window"),  # 4096, wider than its context: windowed all the same
+    ],
+)
+def test_models_off_the_stack_keep_their_layers_and_say_why(checkpoint, options, reason, request, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.worker.models.llama_cpu_stack"):
+        runner = _runner(request.getfixturevalue(checkpoint), **options)
+    assert runner.model.cpu_stack is None
+    assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_a_subclassed_layer_stays_off_the_stack(qwen3_dir):
+    assert _runner(qwen3_dir).model.cpu_stack is None
+
+
+@pytest.fixture(scope="module")
+def llama_runner(llama_dir) -> ModelRunner:
+    return _runner(llama_dir)
+
+
+def _forward_args(runner: ModelRunner):
+    inputs = build_model_inputs(_steps()[0], BLOCK_SIZE, runner.device)
+    embeddings = runner.model.model.embed_tokens(inputs.input_ids)
+    return embeddings, inputs.positions, runner.kv_caches, inputs.metadata
+
+
+def test_a_position_past_the_rotary_table_is_refused(llama_runner):
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    positions = positions.clone()
+    positions[3] = llama_runner.model.rotary.cos_sin_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"positions: \d+ \(token 3\) is outside the rotary table"):
+        llama_runner.model.cpu_stack(embeddings, positions, caches, metadata)
+
+
+def test_a_cache_per_layer_is_required(llama_runner):
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    with pytest.raises(RuntimeError, match=r"kv_caches: \d+ for \d+ layers"):
+        llama_runner.model.cpu_stack(embeddings, positions, caches[:-1], metadata)
+
+
+def test_query_rows_must_cover_the_step(llama_runner):
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    with pytest.raises(RuntimeError, match="query_start_loc: must run from 0 to 36"):
+        llama_runner.model.cpu_stack(embeddings[:36], positions[:36], caches, metadata)
