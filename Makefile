@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint serve gpu-check bench bench-serving proto proto-check toolchains clean
+.PHONY: venv kernels test lint serve gpu-check bench bench-serving proto proto-check toolchains clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ venv: $(STAMP)
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv toolchains lint
+# The C++ CPU kernels, built once into .build/ (later runs find them built): before the tests and the
+# server, so no engine process compiles on its first step.
+kernels: venv
+	$(PY) -m kernels.cpu_extension
+
+test: venv toolchains lint kernels
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
 
 # Go, Java, protoc plugins (apt) and buf (npm, into .tools/) for the client examples and proto checks.
@@ -39,7 +44,7 @@ proto: venv toolchains
 proto-check: venv toolchains
 	PY=$(PY) scripts/check_proto.sh
 
-serve: venv
+serve: venv kernels
 	$(VENV)/bin/sluice serve $(ARGS)
 
 # On a CUDA machine whose python already has torch (CUDA build), triton, transformers and pytest: kernel

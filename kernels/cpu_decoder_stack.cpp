@@ -1,4 +1,4 @@
-// A Llama-style decoder stack (Llama 2/3, Mistral without a sliding window, Qwen2) run as one call per step,
+// A Llama-style decoder stack (Llama 2/3, Mistral, Qwen2) run as one call per step,
 // float32 on CPU: the kernels the layers call one at a time from Python (kernels/cpu_*.h), called here in
 // the same order with the same roundings, so the hidden states are bit-for-bit the layers' own. What it
 // removes is the Python and dispatch between ~300 kernel calls a step: on SmolLM2-135M on the 2-core CPU,
@@ -29,17 +29,19 @@ namespace {
 struct Layer {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // qkv .. down: packed panels
   std::optional<torch::Tensor> qkv_bias;
+  int64_t sliding_window;  // 0 for none
 };
 
 class DecoderStack {
  public:
   // Per layer i: input_norms[i], qkv[i], qkv_biases[i] (None: no bias), o[i], post_norms[i], gate_up[i],
-  // down[i]; final_norm after the last layer. Sizes in elements.
+  // down[i], sliding_windows[i] (0: none); final_norm after the last layer. Sizes in elements.
   DecoderStack(const std::vector<torch::Tensor>& input_norms, const std::vector<torch::Tensor>& qkv,
                const std::vector<std::optional<torch::Tensor>>& qkv_biases, const std::vector<torch::Tensor>& o,
                const std::vector<torch::Tensor>& post_norms, const std::vector<torch::Tensor>& gate_up,
-               const std::vector<torch::Tensor>& down, torch::Tensor final_norm, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale)
+               const std::vector<torch::Tensor>& down, const std::vector<int64_t>& sliding_windows,
+               torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               int64_t intermediate_size, double eps, double scale)
       : final_norm_(std::move(final_norm)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -50,10 +52,11 @@ class DecoderStack {
     const size_t n = input_norms.size();
     TORCH_CHECK(n > 0, "DecoderStack: no layers");
     TORCH_CHECK(qkv.size() == n && qkv_biases.size() == n && o.size() == n && post_norms.size() == n &&
-                    gate_up.size() == n && down.size() == n,
+                    gate_up.size() == n && down.size() == n && sliding_windows.size() == n,
                 "DecoderStack: every weight list needs one entry per layer (", n, ")");
     for (size_t i = 0; i < n; ++i)
-      layers_.push_back({input_norms[i], qkv[i], o[i], post_norms[i], gate_up[i], down[i], qkv_biases[i]});
+      layers_.push_back(
+          {input_norms[i], qkv[i], o[i], post_norms[i], gate_up[i], down[i], qkv_biases[i], sliding_windows[i]});
   }
 
   // residual [T, hidden] (the embeddings; overwritten with the residual stream) -> the final norm's output
@@ -87,7 +90,7 @@ class DecoderStack {
       sluice::rotary::rotary_embedding(q, k, positions, cos_sin);
       sluice::attention::store_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       sluice::attention::paged_attention(attn, q, k_caches[i], v_caches[i], block_tables, query_start_loc, seq_lens,
-                                         scale_);
+                                         scale_, layer.sliding_window);
       sluice::linear::packed_linear(mlp_out, attn_rows, layer.o, std::nullopt);
       sluice::norm::rms_norm(normed, residual, mlp_out, residual, layer.post_norm, eps_);
       sluice::linear::packed_linear(gate_up, normed, layer.gate_up, std::nullopt);
@@ -142,7 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
                           const std::vector<std::optional<torch::Tensor>>&, const std::vector<torch::Tensor>&,
                           const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          const std::vector<torch::Tensor>&, torch::Tensor, int64_t, int64_t, int64_t, int64_t, double,
-                          double>())
+                          const std::vector<torch::Tensor>&, const std::vector<int64_t>&, torch::Tensor, int64_t,
+                          int64_t, int64_t, int64_t, double, double>())
       .def("forward", &DecoderStack::forward, "One step through every layer and the final norm");
 }

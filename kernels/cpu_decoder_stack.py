@@ -1,6 +1,6 @@
 """A Llama-style decoder stack as one C++ call per step, float32 on CPU (`cpu_decoder_stack.cpp`).
 
-    stack = make_decoder_stack(layer_weights, final_norm, ...)      once, after loading
+    stack = make_decoder_stack(layers, final_norm, shape)           once, after loading
     hidden = stack.forward(embeddings, positions, cos_sin, ...)      every step
 
 It calls the kernels the layers call one by one (`cpu_packed_linear`, `cpu_rms_norm`, `cpu_rotary`,
@@ -21,9 +21,10 @@ EXTENSION = "cpu_decoder_stack"
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    """One layer's weights as the kernels read them: norms [hidden]; projections packed in column panels
-    (`kernels.cpu_packed_linear.pack_weight`); qkv_bias [q_size + 2 * kv_size] or None."""
+class StackLayer:
+    """One layer as the stack runs it: its weights as the kernels read them (norms [hidden]; projections
+    packed in column panels by `kernels.cpu_packed_linear.pack_weight`; qkv_bias [q_size + 2 * kv_size] or
+    None) and its attention's sliding window (None: the whole context)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -32,6 +33,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    sliding_window: int | None
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class StackShape:
     scale: float  # attention's softmax scale
 
 
-def make_decoder_stack(layers: Sequence[LayerWeights], final_norm: torch.Tensor, shape: StackShape):
+def make_decoder_stack(layers: Sequence[StackLayer], final_norm: torch.Tensor, shape: StackShape):
     """The C++ `DecoderStack` over these weights (held by reference, not copied). Raises RuntimeError if
     the kernel is not built. Its `forward(embeddings, positions, cos_sin, k_caches, v_caches, slot_mapping,
     block_tables, query_start_loc, seq_lens)` overwrites `embeddings` [T, hidden] with the residual stream
@@ -60,6 +62,7 @@ def make_decoder_stack(layers: Sequence[LayerWeights], final_norm: torch.Tensor,
         [layer.post_norm for layer in layers],
         [layer.gate_up for layer in layers],
         [layer.down for layer in layers],
+        [layer.sliding_window or 0 for layer in layers],
         final_norm,
         shape.num_heads,
         shape.num_kv_heads,

@@ -8,7 +8,9 @@ torch's lock file in that directory.
 
 `load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
 failed build); `cpu_extension_available(name)` says whether it loaded;
-`cpu_extension_unavailable_reason(name)` says why not without raising.
+`cpu_extension_unavailable_reason(name)` says why not without raising. `python -m kernels.cpu_extension`
+builds every one up front (`make test` and `make serve` run it), so no engine process compiles on its
+first step (minutes on 2 busy cores, past the frontend's liveness timeout).
 """
 
 from __future__ import annotations
@@ -116,3 +118,20 @@ def cpu_extension_unavailable_reason(name: str) -> str | None:
 @functools.cache
 def _warn_once(name: str, reason: str | None) -> None:
     logger.warning("C++ CPU kernel %s unavailable: %s", name, reason)
+
+
+def extension_names() -> list[str]:
+    """Every C++ kernel in `kernels/` (one `<name>.cpp` each)."""
+    return sorted(path.stem for path in KERNELS_DIR.glob("*.cpp"))
+
+
+def main() -> None:
+    """Build (or find built) every C++ kernel; one line each. A kernel that cannot build is reported, not
+    fatal: its callers fall back as the module docstring says."""
+    for name in extension_names():
+        reason = cpu_extension_unavailable_reason(name)
+        print(f"kernels/{name}.cpp: {'ready' if reason is None else reason}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,8 @@
 //   query row r of sequence s sits at context position  seq_len - query_len + (r - query_start)
 //   and sees positions <= its own; position p lives at   k_cache[block_tables[s][p / block_size],
 //                                                                p % block_size, kv_head, :]
+//   with a sliding window W it sees only positions > its own - W, and blocks wholly before the first row's
+//   window are never read.
 //
 // Per block of the context, each query vector does an online-softmax step (running max m, exp-sum l,
 // unnormalised accumulator acc, all fp32); the output is acc / l. Inputs may be fp32, bf16 or fp16.
@@ -89,6 +91,12 @@ struct Task {
   int64_t num_rows;
   int64_t first_position;  // context position of first_row
   int64_t cost;
+  int64_t window;  // sliding window W (row at position p sees p - W + 1 .. p), 0 for none
+
+  // The first context position row r (0-based in the task) sees.
+  int64_t lowest_visible(int64_t row) const {
+    return window > 0 ? std::max<int64_t>(0, first_position + row - window + 1) : 0;
+  }
 };
 
 struct Strides {
@@ -118,16 +126,18 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
   }
   const int64_t num_positions = task.first_position + task.num_rows;  // the last row sees them all
   const int32_t* table = block_tables + task.seq * st.bt_seq;
-  for (int64_t start = 0; start < num_positions; start += block_size) {
+  // Blocks before the first row's window are never read (a windowed cache may have freed them).
+  for (int64_t start = task.lowest_visible(0) / block_size * block_size; start < num_positions; start += block_size) {
     const int64_t block = table[start / block_size];
     const scalar_t* keys = k_cache + block * st.k_block + task.kv_head * st.k_head;
     const scalar_t* values = v_cache + block * st.v_block + task.kv_head * st.v_head;
-    for (int64_t i = 0; i < num_vectors; ++i) {
+    for (int64_t i = 0; i < num_vectors; ++i) {  // it sees slots [first, visible) of this block
       const int64_t visible = std::min(block_size, task.first_position + i / group + 1 - start);
-      if (visible <= 0) continue;
+      const int64_t first = std::max<int64_t>(0, task.lowest_visible(i / group) - start);
+      if (visible <= first) continue;
       const float* qi = qf.data() + i * head_dim;
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = first; t < visible; ++t) {
         scores[t] = dot(qi, keys + t * st.k_slot, head_dim);
         block_max = std::max(block_max, scores[t]);
       }
@@ -135,7 +145,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
       const float correction = sluice::exp_nonpositive(running_max[i] - new_max);  // ~0 on the first block
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = first; t < visible; ++t) {
         scores[t] = sluice::exp_nonpositive(scores[t] - new_max);
         sum += scores[t];
       }
@@ -144,7 +154,7 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) acc_i[d] *= correction;
       }
-      for (int64_t t = 0; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
+      for (int64_t t = first; t < visible; ++t) add_scaled(acc_i, scores[t], values + t * st.v_slot, head_dim);
       exp_sum[i] = exp_sum[i] * correction + sum;
       running_max[i] = new_max;
     }
@@ -176,7 +186,8 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
   }
   const int64_t num_positions = task.first_position + task.num_rows;  // the last row sees them all
   const int32_t* table = block_tables + task.seq * st.bt_seq;
-  for (int64_t start = 0; start < num_positions; start += block_size) {
+  // Blocks before the first row's window are never read (a windowed cache may have freed them).
+  for (int64_t start = task.lowest_visible(0) / block_size * block_size; start < num_positions; start += block_size) {
     const int64_t block = table[start / block_size];
     const scalar_t* keys = k_cache + block * st.k_block + task.kv_head * st.k_head;
     const scalar_t* values = v_cache + block * st.v_block + task.kv_head * st.v_head;
@@ -196,33 +207,35 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
     }
     for (int64_t chunk = 0; chunk < block_len; chunk += kLanes) {
       const int64_t chunk_len = std::min(kLanes, block_len - chunk);
-      for (int64_t i = 0; i < num_vectors; ++i) {
+      for (int64_t i = 0; i < num_vectors; ++i) {  // it sees lanes [first, visible) of this chunk
         const int64_t visible = std::min(chunk_len, task.first_position + i / group + 1 - (start + chunk));
-        if (visible <= 0) continue;
+        const int64_t first = std::max<int64_t>(0, task.lowest_visible(i / group) - (start + chunk));
+        if (visible <= first) continue;
         const vec* qi = q_scaled.data() + i * kVectors;
         vec partial[kLanes];
         for (int64_t t = 0; t < kLanes; ++t) {
           partial[t] = vec{};
-          if (t >= visible) continue;
+          if (t < first || t >= visible) continue;
           const scalar_t* key = keys + (chunk + t) * st.k_slot;
           for (int64_t v = 0; v < kVectors; ++v) partial[t] += qi[v] * load_lanes(key + v * kLanes);
         }
         alignas(64) float scores[kLanes];
         *reinterpret_cast<vec*>(scores) = sum_lanes(partial);
-        float block_max = scores[0];
-        for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, scores[t]);
+        float block_max = scores[first];
+        for (int64_t t = first + 1; t < visible; ++t) block_max = std::max(block_max, scores[t]);
         const float new_max = std::max(running_max[i], block_max);
         const float correction = sluice::exp_nonpositive(running_max[i] - new_max);  // ~0 on the first chunk
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < kLanes; ++t) {  // lanes past `visible` hold 0: keep exp's argument <= 0 there too
-          const float e = sluice::exp_nonpositive(t < visible ? scores[t] - new_max : 0.0f);
-          scores[t] = t < visible ? e : 0.0f;
+        for (int64_t t = 0; t < kLanes; ++t) {  // unseen lanes hold 0: keep exp's argument <= 0 there too
+          const bool seen = t >= first && t < visible;
+          const float e = sluice::exp_nonpositive(seen ? scores[t] - new_max : 0.0f);
+          scores[t] = seen ? e : 0.0f;
           sum += scores[t];
         }
         vec row[kVectors];
         for (int64_t v = 0; v < kVectors; ++v) row[v] = acc[i * kVectors + v] * correction;
-        for (int64_t t = 0; t < visible; ++t) {
+        for (int64_t t = first; t < visible; ++t) {
           const scalar_t* value = values + (chunk + t) * st.v_slot;
           for (int64_t v = 0; v < kVectors; ++v) row[v] += scores[t] * load_lanes(value + v * kLanes);
         }
@@ -243,7 +256,7 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
 }
 
 inline std::vector<Task> make_tasks(const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
-                                    int64_t max_blocks, int64_t block_size, int64_t num_kv_heads) {
+                                    int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t window) {
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<Task> tasks;
@@ -257,8 +270,9 @@ inline std::vector<Task> make_tasks(const torch::Tensor& query_start_loc, const 
     for (int64_t r = 0; r < query_len; r += kQueryTile) {
       const int64_t rows = std::min(kQueryTile, query_len - r);
       const int64_t first_position = seq_len - query_len + r;
+      const int64_t seen = window > 0 ? std::min(first_position + rows, window) : first_position + rows;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        tasks.push_back({s, h, starts[s] + r, rows, first_position, rows * (first_position + rows)});
+        tasks.push_back({s, h, starts[s] + r, rows, first_position, rows * seen, window});
       }
     }
   }
@@ -268,14 +282,17 @@ inline std::vector<Task> make_tasks(const torch::Tensor& query_start_loc, const 
 
 // out, q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
 // head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
-// seq_lens: [num_seqs] int32. The Python launcher checks shapes, dtypes and devices.
+// seq_lens: [num_seqs] int32; sliding_window: 0 for none. The Python launcher checks shapes, dtypes and
+// devices.
 inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                            double scale) {
+                            double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window: must be >= 0 (0 for none), got ", sliding_window);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const std::vector<Task> tasks = make_tasks(query_start_loc, seq_lens, block_tables.size(1), block_size, num_kv_heads);
+  const std::vector<Task> tasks =
+      make_tasks(query_start_loc, seq_lens, block_tables.size(1), block_size, num_kv_heads, sliding_window);
   const Strides st{q.stride(0),       q.stride(1),       out.stride(0),         out.stride(1),
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),     v_cache.stride(0),
                    v_cache.stride(1), v_cache.stride(2), block_tables.stride(0)};

@@ -39,11 +39,13 @@ def cpu_paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (fp32, bf16 or fp16, on CPU); k_cache, v_cache: [num_blocks,
     block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc:
-    [num_seqs + 1] int32 (ending at num_tokens); seq_lens: [num_seqs] int32. Returns out [num_tokens,
-    num_heads, head_dim]. Raises ValueError naming a bad argument, RuntimeError if the kernel is not built.
+    [num_seqs + 1] int32 (ending at num_tokens); seq_lens: [num_seqs] int32; sliding_window W: the row at
+    position p sees p - W + 1 .. p (None: its whole context). Returns out [num_tokens, num_heads, head_dim].
+    Raises ValueError naming a bad argument, RuntimeError if the kernel is not built.
     """
     check_q_and_kv_cache(q, k_cache, v_cache)
     if q.device != CPU:
@@ -60,11 +62,13 @@ def cpu_paged_attention(
     query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     if int(query_start_loc[-1]) != q.shape[0] or int(query_start_loc[0]) != 0:
         raise ValueError(f"query_start_loc: must run from 0 to num_tokens={q.shape[0]}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
     out = output_like("out", out, q)
     if load_cpu_extension(EXTENSION) is None:
         raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
     return cpu_paged_attention_prechecked(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, sliding_window
     )
 
 
@@ -77,13 +81,14 @@ def cpu_paged_attention_prechecked(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`cpu_paged_attention` without its checks (50-100 us of Python per call), for arguments of the same
     shapes, dtypes, strides and devices as a call that passed them: the other layers of the same step.
     query_start_loc and seq_lens must be contiguous."""
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     load_cpu_extension(EXTENSION).paged_attention(
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0
     )
     return out
 
@@ -127,8 +132,10 @@ def cpu_paged_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """The same attention, one sequence at a time: gather its context, causal mask offset by the prefix."""
+    """The same attention, one sequence at a time: gather its context, causal mask offset by the prefix
+    (and by the window)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -141,6 +148,8 @@ def cpu_paged_attention_reference(
         values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
         query_positions = torch.arange(seq_len - query_len, seq_len)
         allowed = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+        if sliding_window is not None:
+            allowed &= positions[None, :] > query_positions[:, None] - sliding_window
         out[rows] = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1), keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
         ).transpose(0, 1)

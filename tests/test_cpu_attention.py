@@ -2,7 +2,8 @@
 against the torch reference backend, on random mixed batches with the output poisoned (NaN) first.
 
 Batches mix fresh prefills, chunks after a cached prefix (one longer than a 16-row query tile), decodes and
-first-token decodes, with contexts ending mid-block; GQA ratios 1, 3, 4, 8; block sizes 8, 16 and 32.
+first-token decodes, with contexts ending mid-block; GQA ratios 1, 3, 4, 8; block sizes 8, 16 and 32; with
+and without a sliding window (the blocks before a window poisoned, so reading one fails the test).
 """
 
 from __future__ import annotations
@@ -94,16 +95,45 @@ def test_kernel_handles_other_head_dims_and_strided_q(head_dim):
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 16])  # the vector path and the scalar one
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 20, 100])
+def test_kernel_with_a_sliding_window_matches_reference_and_skips_blocks_before_it(
+    window, block_size, head_dim
+):
+    batch = _cpu_batch(MIXED, 9, 3, block_size, head_dim=head_dim, seed=window + block_size)
+    md = batch.metadata
+    store_kv_reference(batch.k, batch.v, batch.k_cache, batch.v_cache, md.slot_mapping)
+    expected = cpu_paged_attention_reference(**_kernel_args(batch), sliding_window=window)
+    # Blocks wholly before every query row's window (a windowed cache may have freed them): NaN, never read.
+    poisoned = 0
+    for s, (query_len, seq_len) in enumerate(MIXED):
+        for index in range(max(0, seq_len - query_len - window + 1) // block_size):
+            block = int(md.block_tables[s, index])
+            batch.k_cache[block], batch.v_cache[block] = float("nan"), float("nan")
+            poisoned += 1
+    out = cpu_paged_attention(**_kernel_args(batch), out=nan_like(batch.q), sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert poisoned > 0 or window >= 50
+
+
+def test_kernel_rejects_a_window_below_one():
+    args = _kernel_args(_cpu_batch([(3, 3), (1, 9)], 4, 2, 16))
+    with pytest.raises(ValueError, match="sliding_window: must be > 0 or None, got 0"):
+        cpu_paged_attention(**args, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
 @pytest.mark.parametrize("pairs", [MIXED, PURE_DECODE], ids=["mixed", "pure-decode"])
-def test_cpu_backend_equals_torch_backend(pairs, num_heads, num_kv_heads, block_size):
+def test_cpu_backend_equals_torch_backend(pairs, num_heads, num_kv_heads, block_size, window):
     batch = _cpu_batch(pairs, num_heads, num_kv_heads, block_size, seed=7)
     outs, caches = {}, {}
     for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
         outs[backend.name] = backend.forward(
-            batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE
+            batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE, sliding_window=window
         )
         caches[backend.name] = (k_cache, v_cache)
     torch.testing.assert_close(outs["cpu"], outs["torch"], atol=2e-5, rtol=2e-5)

@@ -1,6 +1,7 @@
 """The one-call C++ decoder stack (kernels/cpu_decoder_stack.cpp) against the model's per-layer path on the
 same kernels: equal hidden states on a mixed step (a fresh prefill, a chunk after a cached prefix, decodes),
-for tiny Llama (GQA, llama3 RoPE, tied embeddings) and Qwen2 (qkv biases). Its parity with transformers is in
+for tiny Llama (GQA, llama3 RoPE, tied embeddings), Mistral with a sliding window shorter than the contexts,
+and Qwen2 (qkv biases). Its parity with transformers is in
 test_model_parity.py. Also: when the model keeps its per-layer path, and the checks the C++ side makes.
 """
 
@@ -72,7 +73,7 @@ def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
     return results
 
 
-@pytest.mark.parametrize("checkpoint", ["llama_dir", "qwen2_dir"])
+@pytest.mark.parametrize("checkpoint", ["llama_dir", "mistral_windowed_dir", "qwen2_dir"])
 def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, request):
     runner = _runner(request.getfixturevalue(checkpoint))
     assert runner.model.cpu_stack is not None
@@ -89,7 +90,6 @@ def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, request):
     [
         ("llama_dir", {"quantization": "int8"}, "quantized"),
         ("llama_dir", {"attention_backend": "torch"}, "attention is not the C++ backend"),
-        ("mistral_dir", {}, "sliding window"),  # 4096, wider than its context: windowed all the same
     ],
 )
 def test_models_off_the_stack_keep_their_layers_and_say_why(checkpoint, options, reason, request, caplog):

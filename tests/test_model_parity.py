@@ -1,7 +1,7 @@
 """ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded),
 with the torch backend, the C++ CPU one (kernels/cpu_paged_attention.h), and the Triton one (attention,
 fused RMSNorm + residual and rotary kernels, run by Triton's interpreter on CPU). On "cpu", Llama, Mistral
-without a window and Qwen2 run their layers as one C++ call per step (kernels/cpu_decoder_stack.cpp);
+(windowed too) and Qwen2 run their layers as one C++ call per step (kernels/cpu_decoder_stack.cpp);
 "cpu-layers" runs the same kernels one layer call at a time.
 
 Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks
@@ -38,7 +38,7 @@ def checkpoint(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
 
-STACKED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # without a sliding window
+STACKED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @pytest.fixture(scope="module", params=["torch", "cpu", "cpu-layers", "triton"])
@@ -69,8 +69,7 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     runner = ModelRunner(config, load_model_source(config.model))
     assert runner.attention_backend.name == attention_backend
     arch = runner.arch
-    windowed = arch.layer_sliding_window(0) is not None
-    stacked = attention_backend == "cpu" and arch.architecture in STACKED and not windowed
+    stacked = attention_backend == "cpu" and arch.architecture in STACKED
     assert (getattr(runner.model, "cpu_stack", None) is not None) == stacked
     if backend == "cpu-layers":
         runner.model.cpu_stack = None

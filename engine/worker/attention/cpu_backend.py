@@ -4,7 +4,7 @@ Each step writes the new K/V through slot_mapping (C++ `store_kv`), then one ker
 mixed batch (prefill chunks, chunks after a cached prefix, decodes) reading K/V in place through the block
 tables, one task per (sequence, KV head, query tile) covering the GQA group. The torch backend is its
 reference.
-The kernel has no sliding window yet: windowed layers run the torch backend's windowed attention.
+Windowed layers (Mistral, Gemma 3's local layers) pass their window to the kernel.
 The launchers' argument checks run on a step's first layer only: every layer of a step passes the same
 metadata and caches of one shape.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cpu_extension import cpu_extension_unavailable_reason
 from kernels.cpu_paged_attention import (
     EXTENSION,
@@ -38,7 +37,6 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self) -> None:
-        self._windowed = TorchAttentionBackend()
         self._checked: AttentionMetadata | None = None  # the step whose arguments passed the checks
 
     def forward(
@@ -52,8 +50,6 @@ class CpuAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None:
-            return self._windowed.forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
         checked = metadata is self._checked
         store = cpu_store_kv_prechecked if checked else cpu_store_kv
         store(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -66,6 +62,7 @@ class CpuAttentionBackend:
             metadata.query_start_loc,
             metadata.seq_lens,
             scale,
+            sliding_window=sliding_window,
         )
         self._checked = metadata
         return out

@@ -9,7 +9,7 @@ returns None, and the model keeps its per-layer path, unless every layer runs th
     linears   packed (`kernels.cpu_packed_linear`), not quantized; a bias on qkv_proj only (Qwen2)
     norms     RMSNorm on the C++ kernel; the same eps everywhere
     rotary    the C++ kernel's cos|sin table
-    attention the C++ backend (`engine.worker.attention.cpu_backend`), no sliding window, one scale
+    attention the C++ backend (`engine.worker.attention.cpu_backend`), one scale (windows per layer)
     mlp       SiLU gate
 """
 
@@ -28,7 +28,7 @@ from engine.worker.layers.attention import KVCache
 from engine.worker.layers.linear import LinearBase
 from engine.worker.layers.norm import RMSNorm
 from engine.worker.layers.rotary import RotaryEmbedding
-from kernels.cpu_decoder_stack import EXTENSION, LayerWeights, StackShape, make_decoder_stack
+from kernels.cpu_decoder_stack import EXTENSION, StackLayer, StackShape, make_decoder_stack
 from kernels.cpu_extension import cpu_extension_unavailable_reason
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class LlamaCpuStack:
             scale=attn.scale,
         )
         self.cos_sin_cache = rotary.cos_sin_cache
-        self._stack = make_decoder_stack([_layer_weights(layer) for layer in layers], norm.weight, shape)
+        self._stack = make_decoder_stack([_stack_layer(layer) for layer in layers], norm.weight, shape)
 
     @classmethod
     def build(
@@ -97,8 +97,8 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
         return "a norm is not the C++ RMSNorm with the model's eps"
     for i, layer in enumerate(layers):
         attn = layer.self_attn.attn
-        if not isinstance(attn.backend, CpuAttentionBackend) or attn.sliding_window is not None:
-            return f"layer {i}: attention is not the C++ backend without a sliding window"
+        if not isinstance(attn.backend, CpuAttentionBackend):
+            return f"layer {i}: attention is not the C++ backend"
         if type(layer.mlp.act) is not SiluAndMul:
             return f"layer {i}: the MLP's activation is not SiLU"
         attention, mlp = layer.self_attn, layer.mlp
@@ -110,10 +110,10 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
     return cpu_extension_unavailable_reason(EXTENSION)
 
 
-def _layer_weights(layer: nn.Module) -> LayerWeights:
+def _stack_layer(layer: nn.Module) -> StackLayer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv: LinearBase = attention.qkv_proj
-    return LayerWeights(
+    return StackLayer(
         input_norm=layer.input_layernorm.weight,
         qkv=qkv.packed,
         qkv_bias=qkv.bias,
@@ -121,4 +121,5 @@ def _layer_weights(layer: nn.Module) -> LayerWeights:
         post_norm=layer.post_attention_layernorm.weight,
         gate_up=mlp.gate_up_proj.packed,
         down=mlp.down_proj.packed,
+        sliding_window=attention.attn.sliding_window,
     )
