@@ -147,5 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
                           const std::vector<torch::Tensor>&, const std::vector<int64_t>&, torch::Tensor, int64_t,
                           int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &DecoderStack::forward, "One step through every layer and the final norm");
+      // Tensors only from here on: other Python threads run while a step (up to seconds on a prefill) does.
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "One step through every layer and the final norm");
 }
