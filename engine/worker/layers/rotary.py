@@ -96,7 +96,6 @@ class RotaryEmbedding:
         use_triton: bool = False,
     ) -> None:
         self.use_triton = use_triton
-        self.runs_cpu_kernel = False  # whether the C++ kernel rotates, from cos_sin_cache
         cos_sin = build_cos_sin_cache(head_dim, max_positions, theta, scaling, device)
         self.cos_sin_cache = cos_sin
         if use_triton:
@@ -107,11 +106,15 @@ class RotaryEmbedding:
         on_cpu = torch.device(device).type == "cpu"
         if dtype == torch.float32 and on_cpu and cpu_extension_available(CPU_ROTARY):
             self._fused = cpu_rotary_embedding_prechecked
-            self.runs_cpu_kernel = True
             return
         cos, sin = cos_sin.chunk(2, dim=-1)
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         self.sin = torch.cat((sin, sin), dim=-1).to(dtype)
+
+    @property
+    def runs_cpu_kernel(self) -> bool:
+        """Whether the C++ kernel rotates q and k, from `cos_sin_cache`."""
+        return self._fused is cpu_rotary_embedding_prechecked
 
     def bind(self, positions: torch.Tensor) -> Rope:
         """The rotation for positions [T], gathered once for all layers. It takes q: [T, num_heads,
