@@ -66,6 +66,10 @@ class DecoderStack {
                         const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens) const {
+    const int64_t hidden = final_norm_.size(0);
+    TORCH_CHECK(residual.scalar_type() == torch::kFloat && residual.dim() == 2 && residual.size(1) == hidden &&
+                    residual.is_contiguous(),
+                "embeddings: must be a contiguous float32 [num_tokens, ", hidden, "] tensor");
     const int64_t num_tokens = residual.size(0);
     check_step(num_tokens, positions, cos_sin, k_caches, v_caches, block_tables, query_start_loc, seq_lens);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;

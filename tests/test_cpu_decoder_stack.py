@@ -122,6 +122,14 @@ def test_a_position_past_the_rotary_table_is_refused(llama_runner):
         llama_runner.model.cpu_stack(embeddings, positions, caches, metadata)
 
 
+def test_embeddings_of_another_width_are_refused(llama_runner):
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    with pytest.raises(
+        RuntimeError, match=r"embeddings: must be a contiguous float32 \[num_tokens, 64\] tensor"
+    ):
+        llama_runner.model.cpu_stack(embeddings[:, :32].contiguous(), positions, caches, metadata)
+
+
 def test_a_cache_per_layer_is_required(llama_runner):
     embeddings, positions, caches, metadata = _forward_args(llama_runner)
     with pytest.raises(RuntimeError, match=r"kv_caches: \d+ for \d+ layers"):
