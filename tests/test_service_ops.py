@@ -127,7 +127,8 @@ def test_drain_aborts_what_outlives_the_grace_period(llama_dir: str) -> None:
         with Client(thread.target) as client:
             in_flight = client.generate(generate_request("Hello", **LONG))
             next(in_flight)
-            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.2), thread.loop)
+            # 240 tokens take ~0.2 s on the tiny model: a grace period a tenth of that leaves it running.
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.02), thread.loop)
             last = list(in_flight)[-1]
             assert last.finish_reason == pb.FINISH_REASON_ABORT and last.usage.completion_tokens < 240
             drained.result(timeout=10)
