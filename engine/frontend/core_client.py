@@ -54,6 +54,10 @@ class CoreClient:
         # awaited on an asyncio one.
         self._context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
+        # Linger 0 on every socket: a client dropped without `shutdown` (a failed start, a test's failed
+        # teardown) must not block its context's garbage collection waiting to deliver to a dead core.
+        for context in (self._context, self._async_context):
+            context.setsockopt(zmq.LINGER, 0)
         self._commands = self._context.socket(zmq.PUSH)
         self._results = self._async_context.socket(zmq.PULL)
         self._tasks: list[asyncio.Task[None]] = []
