@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.sample.logits_processors import Penalties
-from engine.sample.sampler import Sampler, SamplingRow
+from engine.sample.sampler import Sampler, SamplingRow, argmax_rows
 from engine.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
@@ -91,6 +91,21 @@ def test_greedy_is_argmax_and_respects_penalties() -> None:
         row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[0]),
     ]
     assert [t.token_id for t in Sampler().sample(logits, rows)] == [1, 1]
+
+
+@pytest.mark.parametrize("vocab", [49152, 256, 1000])  # 1000: not whole chunks, torch's argmax
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "-inf", "all -inf"])
+def test_argmax_rows_is_torch_argmax(vocab: int, kind: str) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    if kind == "ties":  # many equal maxima per row, across and within chunks: the first one wins
+        x = x.round().clamp(max=1.0)
+    elif kind in ("nan", "-inf"):
+        x[::2, 3::97] = float(kind)
+    elif kind == "all -inf":
+        x[:] = float("-inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, : vocab // 2]), x[:, : vocab // 2].argmax(dim=-1))  # not contiguous
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:

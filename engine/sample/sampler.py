@@ -23,6 +23,24 @@ from engine.outputs import Logprobs, TokenLogprob
 from engine.sample.logits_processors import LogitsProcessor, default_processors
 from engine.sampling_params import SamplingParams
 
+_ARGMAX_CHUNK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [rows, vocab]: the first maximum of each row, NaN counting as the maximum.
+
+    In two passes over `_ARGMAX_CHUNK`-wide chunks: the first chunk holding the row's maximum (amax, which
+    vectorises), then the first maximum within it. torch's CPU argmax does not vectorise: at 64 x 49152
+    float32 it takes 2.7 ms against 0.2 ms for this, a few percent of a 64-sequence decode step.
+    """
+    rows, vocab = x.shape
+    if vocab % _ARGMAX_CHUNK or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # amax propagates NaN, and argmax takes the first NaN
+    within = chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
+    return best * _ARGMAX_CHUNK + within
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -72,11 +90,11 @@ class Sampler:
         processed = self.apply_processors(logits, rows)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # no row selection: indexing copies [rows, vocab] (1.4 ms at 64 x 49152 on CPU)
-            return self.attach_logprobs(logits, rows, processed.argmax(dim=-1))
+            return self.attach_logprobs(logits, rows, argmax_rows(processed))
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
-            token_ids[greedy] = processed[greedy].argmax(dim=-1)
+            token_ids[greedy] = argmax_rows(processed[greedy])
         sub_rows = [rows[i] for i in random]
         probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
         token_ids[random] = self.draw(probs, sub_rows)

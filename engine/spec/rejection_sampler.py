@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.sample.sampler import SampledToken, Sampler, SamplingRow, apply_filters
+from engine.sample.sampler import SampledToken, Sampler, SamplingRow, apply_filters, argmax_rows
 from engine.spec.proposer import Proposal
 
 
@@ -50,7 +50,7 @@ class RejectionSampler:
             for j in range(len(draft) + 1)
         ]
         processed = self.sampler.apply_processors(logits, expanded)
-        argmax = processed.argmax(dim=-1).tolist()
+        argmax = argmax_rows(processed).tolist()
         probs = self._target_probs(processed, expanded)
         results = []
         start = 0
