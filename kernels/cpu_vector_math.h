@@ -1,4 +1,4 @@
-// Math the C++ CPU kernels share, written so that loops over it vectorise (no libm calls).
+// The vector type and math the C++ CPU kernels share, written so that loops over it vectorise (no libm calls).
 #pragma once
 
 #include <algorithm>
@@ -7,6 +7,24 @@
 #include <cstring>
 
 namespace sluice {
+
+// Floats per vector: one register of the widest vector unit the build targets (-march=native). A wider
+// GCC vector than the target's registers is not split into them but lowered through the stack, element
+// by element (10-20x slower), so the width follows the target.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;  // one AVX-512 register
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;  // one AVX / AVX2 register
+#else
+constexpr int64_t kLanes = 4;  // one SSE / NEON register
+#endif
+constexpr int64_t kFloatsPerLine = 16;  // one 64-byte cache line
+
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
+
+inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
 
 // exp(x) for x <= 0 (e.g. scores minus their running max), Cephes' polynomial: relative error ~2e-7, and a
 // loop of it vectorises (no libm call). Inputs below -87 return ~1e-38 instead of 0.
