@@ -11,11 +11,14 @@
 //               mlp_out = (silu(x Wgate^T) * x Wup^T) Wdown^T
 //   out = norm(residual + mlp_out)                          (the final norm)
 //
-// Weights are the layers' own packed panels (kernels/cpu_packed_linear.h), held by reference. The caller
+// Weights are the layers' own packed panels (kernels/cpu_packed_linear.h), held by reference. A projection
+// quantized with --quantization (engine/worker/layers/quantization.py) runs torch's int4 / int8 kernel
+// instead on steps of up to its max_rows rows, with bf16 activations, as the layer does. The caller
 // (kernels/cpu_decoder_stack.py) checks the step's tensors once; the kernels check the ranges they index.
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_packed_linear.h"
@@ -26,8 +29,32 @@
 
 namespace {
 
+// A projection's weight-only quantized form: (weight, scales, group_size, max_rows). int4 (group_size > 0):
+// the weight packed for _weight_int4pack_mm_for_cpu and its scales_and_zeros; int8 (group_size 0): the
+// [out, in] codes for _weight_int8pack_mm and the per-row scales.
+using Quantized = std::tuple<torch::Tensor, torch::Tensor, int64_t, int64_t>;
+
+struct Projection {
+  torch::Tensor packed;  // panels for the float32 kernel
+  std::optional<Quantized> quantized;
+};
+
+// y = x W^T (+ bias): the quantized kernel for steps of up to its max_rows rows, else the packed one.
+void linear(torch::Tensor& y, const torch::Tensor& x, const Projection& w, const std::optional<torch::Tensor>& bias) {
+  if (w.quantized && x.size(0) <= std::get<3>(*w.quantized)) {
+    const auto& [weight, scales, group_size, max_rows] = *w.quantized;
+    const torch::Tensor activations = x.to(torch::kBFloat16);
+    y.copy_(group_size > 0 ? at::_weight_int4pack_mm_for_cpu(activations, weight, group_size, scales)
+                           : at::_weight_int8pack_mm(activations, weight, scales));
+    if (bias) y.add_(*bias);
+    return;
+  }
+  sluice::linear::packed_linear(y, x, w.packed, bias);
+}
+
 struct Layer {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // qkv .. down: packed panels
+  torch::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;
   std::optional<torch::Tensor> qkv_bias;
   int64_t sliding_window;  // 0 for none
 };
@@ -35,13 +62,15 @@ struct Layer {
 class DecoderStack {
  public:
   // Per layer i: input_norms[i], qkv[i], qkv_biases[i] (None: no bias), o[i], post_norms[i], gate_up[i],
-  // down[i], sliding_windows[i] (0: none); final_norm after the last layer. Sizes in elements.
+  // down[i], sliding_windows[i] (0: none), quantized[i] (qkv, o, gate_up, down: each None or Quantized);
+  // final_norm after the last layer. Sizes in elements.
   DecoderStack(const std::vector<torch::Tensor>& input_norms, const std::vector<torch::Tensor>& qkv,
                const std::vector<std::optional<torch::Tensor>>& qkv_biases, const std::vector<torch::Tensor>& o,
                const std::vector<torch::Tensor>& post_norms, const std::vector<torch::Tensor>& gate_up,
                const std::vector<torch::Tensor>& down, const std::vector<int64_t>& sliding_windows,
-               torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               int64_t intermediate_size, double eps, double scale)
+               const std::vector<std::vector<std::optional<Quantized>>>& quantized, torch::Tensor final_norm,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+               double scale)
       : final_norm_(std::move(final_norm)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -52,11 +81,14 @@ class DecoderStack {
     const size_t n = input_norms.size();
     TORCH_CHECK(n > 0, "DecoderStack: no layers");
     TORCH_CHECK(qkv.size() == n && qkv_biases.size() == n && o.size() == n && post_norms.size() == n &&
-                    gate_up.size() == n && down.size() == n && sliding_windows.size() == n,
+                    gate_up.size() == n && down.size() == n && sliding_windows.size() == n && quantized.size() == n,
                 "DecoderStack: every weight list needs one entry per layer (", n, ")");
-    for (size_t i = 0; i < n; ++i)
-      layers_.push_back(
-          {input_norms[i], qkv[i], o[i], post_norms[i], gate_up[i], down[i], qkv_biases[i], sliding_windows[i]});
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(quantized[i].size() == 4, "DecoderStack: quantized[", i, "] needs qkv, o, gate_up and down");
+      layers_.push_back({input_norms[i], post_norms[i], Projection{qkv[i], quantized[i][0]},
+                         Projection{o[i], quantized[i][1]}, Projection{gate_up[i], quantized[i][2]},
+                         Projection{down[i], quantized[i][3]}, qkv_biases[i], sliding_windows[i]});
+    }
   }
 
   // residual [T, hidden] (the embeddings; overwritten with the residual stream) -> the final norm's output
@@ -90,16 +122,16 @@ class DecoderStack {
       } else {
         sluice::norm::rms_norm(normed, residual, mlp_out, residual, layer.input_norm, eps_);
       }
-      sluice::linear::packed_linear(qkv, normed, layer.qkv, layer.qkv_bias);
+      linear(qkv, normed, layer.qkv, layer.qkv_bias);
       sluice::rotary::rotary_embedding(q, k, positions, cos_sin);
       sluice::attention::store_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
       sluice::attention::paged_attention(attn, q, k_caches[i], v_caches[i], block_tables, query_start_loc, seq_lens,
                                          scale_, layer.sliding_window);
-      sluice::linear::packed_linear(mlp_out, attn_rows, layer.o, std::nullopt);
+      linear(mlp_out, attn_rows, layer.o, std::nullopt);
       sluice::norm::rms_norm(normed, residual, mlp_out, residual, layer.post_norm, eps_);
-      sluice::linear::packed_linear(gate_up, normed, layer.gate_up, std::nullopt);
+      linear(gate_up, normed, layer.gate_up, std::nullopt);
       sluice::activation::silu_and_mul(act, gate_up);
-      sluice::linear::packed_linear(mlp_out, act, layer.down, std::nullopt);
+      linear(mlp_out, act, layer.down, std::nullopt);
     }
     sluice::norm::rms_norm(normed, residual, mlp_out, residual, final_norm_, eps_);
     return normed;
@@ -149,8 +181,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
                           const std::vector<std::optional<torch::Tensor>>&, const std::vector<torch::Tensor>&,
                           const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          const std::vector<torch::Tensor>&, const std::vector<int64_t>&, torch::Tensor, int64_t,
-                          int64_t, int64_t, int64_t, double, double>())
+                          const std::vector<torch::Tensor>&, const std::vector<int64_t>&,
+                          const std::vector<std::vector<std::optional<Quantized>>>&, torch::Tensor, int64_t, int64_t,
+                          int64_t, int64_t, double, double>())
       // Tensors only from here on: other Python threads run while a step (up to seconds on a prefill) does.
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "One step through every layer and the final norm");

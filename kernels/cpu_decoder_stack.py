@@ -18,13 +18,17 @@ import torch
 from kernels.cpu_extension import load_cpu_extension
 
 EXTENSION = "cpu_decoder_stack"
+# A quantized projection as the stack's C++ side takes it: (weight, scales, group_size, max_rows), see
+# `engine.worker.layers.quantization`.
+QuantizedArgs = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 @dataclass(frozen=True)
 class StackLayer:
     """One layer as the stack runs it: its weights as the kernels read them (norms [hidden]; projections
     packed in column panels by `kernels.cpu_packed_linear.pack_weight`; qkv_bias [q_size + 2 * kv_size] or
-    None) and its attention's sliding window (None: the whole context)."""
+    None), its attention's sliding window (None: the whole context), and the projections' quantized forms
+    (qkv, o, gate_up, down: each None or `QuantizedWeight.kernel_args()`)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -34,6 +38,7 @@ class StackLayer:
     gate_up: torch.Tensor
     down: torch.Tensor
     sliding_window: int | None
+    quantized: tuple[QuantizedArgs | None, ...] = (None, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ def make_decoder_stack(layers: Sequence[StackLayer], final_norm: torch.Tensor, s
         [layer.gate_up for layer in layers],
         [layer.down for layer in layers],
         [layer.sliding_window or 0 for layer in layers],
+        [list(layer.quantized) for layer in layers],
         final_norm,
         shape.num_heads,
         shape.num_kv_heads,

@@ -33,7 +33,8 @@ def _runner(directory: str, attention_backend: str = "cpu", **model_options) -> 
 
 def _steps() -> list[SchedulerOutput]:
     """Step 1 prefills three prompts; step 2 continues one as a chunk after its cached prefix, decodes the
-    second, and prefills a fourth fresh: contexts ending mid-block, non-contiguous block tables."""
+    second, and prefills a fourth fresh: contexts ending mid-block, non-contiguous block tables. Step 3
+    decodes three (3 rows: quantized projections run their kernels, as they do up to 4 rows)."""
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 500, (n,), generator=generator).tolist() for n in (13, 21, 6, 9)]
     blocks = [(0, 5, 9, 14), (1, 6, 10), (2, 7), (3, 11, 15)]
@@ -53,7 +54,15 @@ def _steps() -> list[SchedulerOutput]:
         ),
         13,
     )
-    return [first, second]
+    third = SchedulerOutput(
+        (
+            ScheduledRequest("a", (31,), 13, blocks[0], True),
+            ScheduledRequest("b", (45,), 22, blocks[1], True),
+            ScheduledRequest("d", (59,), 9, blocks[3], True),
+        ),
+        3,
+    )
+    return [first, second, third]
 
 
 def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
@@ -73,10 +82,21 @@ def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
     return results
 
 
-@pytest.mark.parametrize("checkpoint", ["llama_dir", "mistral_windowed_dir", "qwen2_dir"])
-def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, request):
-    runner = _runner(request.getfixturevalue(checkpoint))
+@pytest.mark.parametrize(
+    ("checkpoint", "options"),
+    [
+        ("llama_dir", {}),
+        ("mistral_windowed_dir", {}),
+        ("qwen2_dir", {}),
+        ("llama_dir", {"quantization": "int4"}),
+        ("qwen2_dir", {"quantization": "int8"}),  # the qkv bias added after the int8 kernel
+    ],
+)
+def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, options, request):
+    runner = _runner(request.getfixturevalue(checkpoint), **options)
     assert runner.model.cpu_stack is not None
+    projections = [layer.mlp.down_proj for layer in runner.model.model.layers]
+    assert all((p.quantized is not None) == ("quantization" in options) for p in projections)
     stacked, layered = _hidden_states(runner, True), _hidden_states(runner, False)
     for got, want in zip(stacked, layered, strict=True):
         assert got.shape == want.shape
@@ -88,7 +108,6 @@ def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, request):
 @pytest.mark.parametrize(
     ("checkpoint", "options", "reason"),
     [
-        ("llama_dir", {"quantization": "int8"}, "quantized"),
         ("llama_dir", {"attention_backend": "torch"}, "attention is not the C++ backend"),
     ],
 )

@@ -45,6 +45,10 @@ class Int4Weight:
         # [in_features // group, out_features, 2]: (scale, zero) per group and output row
         self.scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_ACTIVATIONS)
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """What the C++ decoder stack runs `matmul` from: (packed, scales_and_zeros, group size, max_rows)."""
+        return self.packed, self.scales_and_zeros, INT4_GROUP_SIZE, self.max_rows
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(_ACTIVATIONS), self.packed, INT4_GROUP_SIZE, self.scales_and_zeros
@@ -67,6 +71,10 @@ class Int8Weight:
         self.codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale
         self.scales = scale.to(_ACTIVATIONS)
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """What the C++ decoder stack runs `matmul` from: (codes, scales, 0 (no groups), max_rows)."""
+        return self.codes, self.scales, 0, self.max_rows
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(_ACTIVATIONS), self.codes, self.scales).to(x.dtype)

@@ -6,7 +6,7 @@ hidden states equal the per-layer path's; it drops the Python and dispatch betwe
 (SmolLM2-135M on the 2-core CPU, batch 1: 17.3-19.9 -> 15.3-17.4 ms per token). `LlamaCpuStack.build`
 returns None, and the model keeps its per-layer path, unless every layer runs the float32 CPU kernels:
 
-    linears   packed (`kernels.cpu_packed_linear`), not quantized; a bias on qkv_proj only (Qwen2)
+    linears   packed (`kernels.cpu_packed_linear`), quantized or not; a bias on qkv_proj only (Qwen2)
     norms     RMSNorm on the C++ kernel; the same eps everywhere
     rotary    the C++ kernel's cos|sin table
     attention the C++ backend (`engine.worker.attention.cpu_backend`), one scale (windows per layer)
@@ -103,8 +103,8 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
             return f"layer {i}: the MLP's activation is not SiLU"
         attention, mlp = layer.self_attn, layer.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(linear.packed is None or linear.quantized is not None for linear in linears):
-            return f"layer {i}: a projection is quantized or not packed for the C++ kernel"
+        if any(linear.packed is None for linear in linears):
+            return f"layer {i}: a projection is not packed for the C++ kernel"
         if any(linear.bias is not None for linear in linears[1:]):
             return f"layer {i}: o_proj, gate_up_proj or down_proj has a bias"
     return cpu_extension_unavailable_reason(EXTENSION)
@@ -113,6 +113,7 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
 def _stack_layer(layer: nn.Module) -> StackLayer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv: LinearBase = attention.qkv_proj
+    quantized = (linear.quantized for linear in (qkv, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
     return StackLayer(
         input_norm=layer.input_layernorm.weight,
         qkv=qkv.packed,
@@ -122,4 +123,5 @@ def _stack_layer(layer: nn.Module) -> StackLayer:
         gate_up=mlp.gate_up_proj.packed,
         down=mlp.down_proj.packed,
         sliding_window=attention.attn.sliding_window,
+        quantized=tuple(None if q is None else q.kernel_args() for q in quantized),
     )
