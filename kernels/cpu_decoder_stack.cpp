@@ -41,13 +41,15 @@ struct Projection {
 
 // y = x W^T (+ bias): the quantized kernel for steps of up to its max_rows rows, else the packed one.
 void linear(torch::Tensor& y, const torch::Tensor& x, const Projection& w, const std::optional<torch::Tensor>& bias) {
-  if (w.quantized && x.size(0) <= std::get<3>(*w.quantized)) {
+  if (w.quantized) {
     const auto& [weight, scales, group_size, max_rows] = *w.quantized;
-    const torch::Tensor activations = x.to(torch::kBFloat16);
-    y.copy_(group_size > 0 ? at::_weight_int4pack_mm_for_cpu(activations, weight, group_size, scales)
-                           : at::_weight_int8pack_mm(activations, weight, scales));
-    if (bias) y.add_(*bias);
-    return;
+    if (x.size(0) <= max_rows) {
+      const torch::Tensor activations = x.to(torch::kBFloat16);
+      y.copy_(group_size > 0 ? at::_weight_int4pack_mm_for_cpu(activations, weight, group_size, scales)
+                             : at::_weight_int8pack_mm(activations, weight, scales));
+      if (bias) y.add_(*bias);
+      return;
+    }
   }
   sluice::linear::packed_linear(y, x, w.packed, bias);
 }

@@ -253,7 +253,6 @@ void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_ca
       const int64_t first = std::max<int64_t>(0, task.lowest_visible(i / group) - start);
       if (visible <= first) continue;
       const bool ask = asked < 0;
-      if (ask) asked = 0;
       const vec* qi = q_scaled.data() + i * kVectors;
       const int64_t lo = first / kLanes * kLanes, hi = (visible + kLanes - 1) / kLanes * kLanes;
       for (int64_t chunk = lo; chunk < hi; chunk += kLanes) {  // scores of the chunk's kLanes slots
