@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import QUANTIZATIONS
+from kernels.cpu_decoder_stack import QuantizedArgs
 
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
@@ -45,7 +46,7 @@ class Int4Weight:
         # [in_features // group, out_features, 2]: (scale, zero) per group and output row
         self.scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_ACTIVATIONS)
 
-    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def kernel_args(self) -> QuantizedArgs:
         """What the C++ decoder stack runs `matmul` from: (packed, scales_and_zeros, group size, max_rows)."""
         return self.packed, self.scales_and_zeros, INT4_GROUP_SIZE, self.max_rows
 
@@ -72,7 +73,7 @@ class Int8Weight:
         self.scale = scale
         self.scales = scale.to(_ACTIVATIONS)
 
-    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def kernel_args(self) -> QuantizedArgs:
         """What the C++ decoder stack runs `matmul` from: (codes, scales, 0 (no groups), max_rows)."""
         return self.codes, self.scales, 0, self.max_rows
 
