@@ -12,6 +12,12 @@ failed build); `cpu_extension_available(name)` says whether it loaded;
 builds every one up front, as many at once as there are cores (`make test` and `make serve` run it), so
 no engine process compiles on its first step (minutes on 2 busy cores, past the frontend's liveness
 timeout).
+
+`SLUICE_CPU_MARCH` compiles for a named target instead of this CPU (GCC's -march: `x86-64-v3` for any
+AVX2 host, `x86-64-v4` for AVX-512, `armv8.2-a` ...), and the tag names that target in place of the CPU's
+flags: a build made once then runs on every host of that level. The kernels' vector width follows the
+target (kernels/cpu_vector_math.h); a target the host lacks dies on its first kernel with an illegal
+instruction, so name one every host has.
 """
 
 from __future__ import annotations
@@ -37,11 +43,21 @@ BUILD_ROOT = KERNELS_DIR.parent / ".build" / "cpu_extensions"
 # loaded (same soname), so there is one OpenMP thread pool, sized by torch.set_num_threads.
 # -fno-trapping-math: without it GCC leaves any loop that calls std::floor (the exp in cpu_vector_math.h)
 # scalar; no kernel reads the floating-point exception flags.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+MARCH_ENV = "SLUICE_CPU_MARCH"
+
+
+def _march() -> str:
+    """The -march target: $SLUICE_CPU_MARCH, else this CPU (native)."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
 
 
 def _machine_tag() -> str:
-    """torch version + a hash of the CPU's flags: a library built for one CPU is never loaded on another."""
+    """torch version + a hash of the CPU's flags (a library built for one CPU is never loaded on another),
+    or + the named -march target."""
+    torch_tag = f"torch{torch.__version__.replace('+', '_')}"
+    if _march() != "native":
+        return f"{torch_tag}-{_march()}"
     try:
         flags = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
@@ -49,7 +65,7 @@ def _machine_tag() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-    return f"torch{torch.__version__.replace('+', '_')}-{digest}"
+    return f"{torch_tag}-{digest}"
 
 
 def _headers_digest() -> str:
@@ -87,7 +103,7 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
         module = load(
             name=f"sluice_{name}",
             sources=[str(KERNELS_DIR / f"{name}.cpp")],
-            extra_cflags=[*CFLAGS, f"-DSLUICE_HEADERS={_headers_digest()}"],
+            extra_cflags=[*CFLAGS, f"-march={_march()}", f"-DSLUICE_HEADERS={_headers_digest()}"],
             extra_include_paths=[str(KERNELS_DIR)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

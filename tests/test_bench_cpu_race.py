@@ -4,6 +4,7 @@ ratios are Sluice's rate over each other engine's; a missing llama-cpp-python is
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from sluice.bench import cpu_race as race
@@ -18,11 +19,14 @@ def test_runners_decode_every_requested_token(llama_dir):
     assert prompts == race.make_prompts(3, 8, vocab_size=512, seed=0)
     assert len(prompts) == 3 and all(len(p) == 8 and all(3 <= t < 512 for t in p) for p in prompts)
     llm = LLM(llama_dir, dtype="float32", num_blocks=16)
-    seconds_per_token = []
-    for run in (race.run_sluice, race.run_transformers):
-        engine = llm if run is race.run_sluice else AutoModelForCausalLM.from_pretrained(llama_dir).eval()
-        seconds_per_token.append(1 / run(engine, prompts, 5))
-    assert all(0 < s < 60 for s in seconds_per_token)
+    start = time.perf_counter()
+    rate, decode_rate = race.run_sluice(llm, prompts, 5)
+    seconds = time.perf_counter() - start
+    assert 3 * 5 <= rate * seconds < 3 * 5 * 1.1  # 3 requests x 5 tokens over (about) the run's wall time
+    # 3 x 4 tokens after the first ones, over less time than the whole run (the prefill is not in it)
+    assert 3 * 4 / seconds < decode_rate < float("inf")
+    hf_rate = race.run_transformers(AutoModelForCausalLM.from_pretrained(llama_dir).eval(), prompts, 5)
+    assert 0 < 1 / hf_rate < 60
 
 
 def test_table_prints_ratios_against_sluice(capsys):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +42,41 @@ def test_without_a_compiler_each_kernel_reports_why(no_compiler, capsys):
     assert all(
         line.endswith("no C++ compiler ('sluice-no-such-compiler' not found on PATH)") for line in lines
     )
+
+
+# A target with 4-float vectors (SSE / NEON), as this machine's native build may not be.
+FOUR_LANE_TARGETS = {"x86_64": "x86-64-v2", "aarch64": "armv8-a"}
+
+FOUR_LANE_CHECK = """
+import torch
+import torch.nn.functional as F
+from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_packed_linear import pack_weight, packed_linear
+
+print(load_cpu_extension("cpu_packed_linear").__file__)
+torch.manual_seed(0)
+for rows, k, n in [(1, 576, 960), (3, 33, 70), (7, 200, 130), (64, 96, 200)]:
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    y = packed_linear(x, pack_weight(w), n, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+"""
+
+
+def test_a_named_target_builds_apart_and_its_4_lane_vectors_compute_the_same(monkeypatch):
+    """SLUICE_CPU_MARCH: the kernels compiled for that target, in a directory named after it. A 4-float
+    target runs the vector code's narrowest width (its strips are twice as many vectors as AVX2's)."""
+    march = FOUR_LANE_TARGETS[platform.machine()]
+    monkeypatch.setenv(cpu_extension.MARCH_ENV, march)
+    assert cpu_extension._machine_tag().endswith(f"-{march}")
+    result = subprocess.run(
+        [sys.executable, "-c", FOUR_LANE_CHECK],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, cpu_extension.MARCH_ENV: march},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    built = Path(result.stdout.splitlines()[0])
+    assert built.parent.parent.name == cpu_extension._machine_tag()
+    monkeypatch.delenv(cpu_extension.MARCH_ENV)
+    assert cpu_extension._machine_tag() != built.parent.parent.name  # the native build lives elsewhere

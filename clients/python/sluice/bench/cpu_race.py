@@ -6,12 +6,14 @@ batches) and llama.cpp (llama-cpp-python, batched sequences) on the same GGUF, i
     python -m sluice.bench.cpu_race --quantization int4              # adds a Sluice int4 column
 
 Every engine gets the same random 64-token prompts and decodes 64 greedy tokens each (no EOS stop); a
-run's tok/s is its output tokens over its wall time, prefill included. Sluice and transformers run in
-float32 on the GGUF's dequantized weights; llama.cpp runs the Q4_1 file as is. llama.cpp needs
-llama-cpp-python, which builds from source, so it lives in its own environment (`--llamacpp-python`);
-without one, its column says why. The machine's limits are measured first: read bandwidth (a sum over a
-tensor far larger than the caches), the fp32 GEMM rate, and the batch-1 floor they imply for Sluice's
-fp32 weights (every weight read once per step).
+run's tok/s is its output tokens over its wall time, prefill included. For Sluice the run also gives its
+decode rate: the tokens after each request's first over the time from the first first token to the last
+finish, which at batch 1 is the steady decode step the bandwidth floor describes (no prefill in it).
+Sluice and transformers run in float32 on the GGUF's dequantized weights; llama.cpp runs the Q4_1 file
+as is. llama.cpp needs llama-cpp-python, which builds from source, so it lives in its own environment
+(`--llamacpp-python`); without one, its column says why. The machine's limits are measured first: read
+bandwidth (a sum over a tensor far larger than the caches), the fp32 GEMM rate, and the batch-1 floor
+they imply for Sluice's fp32 weights (every weight read once per step).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Row:
     concurrency: int
     tokens_per_second: float | None
     note: str = ""
+    decode_tokens_per_second: float | None = None  # Sluice only: after the first token, see above
 
 
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
@@ -72,12 +75,18 @@ def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int) -> lis
     return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(count)]
 
 
-def run_sluice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+def run_sluice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float | None]:
+    """(output tokens / wall time, decode rate after the first token: see the module docstring; None
+    when every request stopped at its first token)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     completions = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for c in completions) / seconds
+    timings = [c.timings for c in completions]
+    decode_seconds = max(t.finished for t in timings) - min(t.first_token for t in timings)
+    decode_tokens = sum(len(c.token_ids) - 1 for c in completions)
+    decode_rate = decode_tokens / decode_seconds if decode_tokens else None
+    return sum(len(c.token_ids) for c in completions) / seconds, decode_rate
 
 
 def run_transformers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> float:
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, {threads} threads; read bandwidth {bandwidth:.1f} GB/s, "
         f"fp32 GEMM {gflops:.0f} GFLOP/s; fp32 weights read per step {weight_bytes / 1e6:.0f} MB "
-        f"-> batch-1 floor {bandwidth * 1e9 / weight_bytes:.1f} tok/s"
+        f"-> batch-1 floor {bandwidth * 1e9 / weight_bytes:.1f} tok/s (fp32)"
     )
     vocab = runner.arch.vocab_size
     hf_model = None
@@ -206,12 +215,19 @@ def main(argv: list[str] | None = None) -> None:
     warm = make_prompts(2, 16, vocab, args.seed + 1)
     for llm in sluices.values():
         run_sluice(llm, warm, 4)
+    floor = bandwidth * 1e9 / weight_bytes
     rows: list[Row] = []
     for concurrency in args.concurrency:
         prompts = make_prompts(concurrency, args.prompt_len, vocab, args.seed + concurrency)
         for name, llm in sluices.items():
-            rows.append(Row(name, concurrency, run_sluice(llm, prompts, args.max_tokens)))
+            rate, decode_rate = run_sluice(llm, prompts, args.max_tokens)
+            rows.append(Row(name, concurrency, rate, decode_tokens_per_second=decode_rate))
             print(rows[-1], flush=True)
+            if concurrency == 1 and decode_rate is not None and llm is sluices["sluice fp32"]:
+                print(  # the floor is the fp32 weights' (a quantized run reads fewer bytes)
+                    f"{name} at batch 1: {rate / floor:.0%} of the floor with its prefill, "
+                    f"{decode_rate / floor:.0%} decoding ({decode_rate:.1f} tok/s after the first token)"
+                )
         if hf_model is not None:
             rows.append(
                 Row(
