@@ -24,7 +24,7 @@ def test_runners_decode_every_requested_token(llama_dir):
     seconds = time.perf_counter() - start
     assert 3 * 5 <= rate * seconds < 3 * 5 * 1.1  # 3 requests x 5 tokens over (about) the run's wall time
     # 3 x 4 tokens after the first ones, over less time than the whole run (the prefill is not in it)
-    assert 3 * 4 / seconds < decode_rate < float("inf")
+    assert decode_rate is not None and decode_rate > 3 * 4 / seconds
     hf_rate = race.run_transformers(AutoModelForCausalLM.from_pretrained(llama_dir).eval(), prompts, 5)
     assert 0 < 1 / hf_rate < 60
 

@@ -64,7 +64,7 @@ for rows, k, n in [(1, 576, 960), (3, 33, 70), (7, 200, 130), (64, 96, 200)]:
 
 def test_a_named_target_builds_apart_and_its_4_lane_vectors_compute_the_same(monkeypatch):
     """SLUICE_CPU_MARCH: the kernels compiled for that target, in a directory named after it. A 4-float
-    target runs the vector code's narrowest width (its strips are twice as many vectors as AVX2's)."""
+    target runs the vector code's narrowest width (a weight panel's row is 16 of its vectors, 8 of AVX2's)."""
     march = FOUR_LANE_TARGETS[platform.machine()]
     monkeypatch.setenv(cpu_extension.MARCH_ENV, march)
     assert cpu_extension._machine_tag().endswith(f"-{march}")
