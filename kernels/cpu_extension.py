@@ -1,13 +1,13 @@
 """Builds and loads the C++ CPU kernels in `kernels/` with torch's JIT extension loader, once per machine.
 
-The build lands in `<repo>/.build/cpu_extensions/<tag>/` (ignored by git), where the tag names the torch
-version and this CPU's instruction-set flags (the code is compiled with -march=native), so `make test` or
-`make serve` builds on first use and every later process, and every later run, reuses the library
-(torch's loader rebuilds only when the source or flags change). Concurrent first builds are serialised by
-torch's lock file in that directory.
+The build lands in `<repo>/.build/cpu_extensions/<tag>/` (ignored by git; `$SLUICE_CPU_BUILD_DIR/<tag>/`
+when that is set), where the tag names the torch version and this CPU's instruction-set flags (the code
+is compiled with -march=native), so `make test` or `make serve` builds on first use and every later
+process, and every later run, reuses the library (torch's loader rebuilds only when the source or flags
+change). Concurrent first builds are serialised by torch's lock file in that directory.
 
 `load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
-failed build); `cpu_extension_available(name)` says whether it loaded;
+build directory that cannot be made, a failed build); `cpu_extension_available(name)` says whether it loaded;
 `cpu_extension_unavailable_reason(name)` says why not without raising. `python -m kernels.cpu_extension`
 builds every one up front, as many at once as there are cores (`make test` and `make serve` run it), so
 no engine process compiles on its first step (minutes on 2 busy cores, past the frontend's liveness
@@ -38,7 +38,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).resolve().parent
-BUILD_ROOT = KERNELS_DIR.parent / ".build" / "cpu_extensions"
+# $SLUICE_CPU_BUILD_DIR where the project's own directory is not writable (an installed package run by
+# another user).
+BUILD_ROOT = Path(os.environ.get("SLUICE_CPU_BUILD_DIR") or KERNELS_DIR.parent / ".build" / "cpu_extensions")
 # OpenMP: at::parallel_for is inlined from torch's headers; the extension links the libgomp torch already
 # loaded (same soname), so there is one OpenMP thread pool, sized by torch.set_num_threads.
 # -fno-trapping-math: without it GCC leaves any loop that calls std::floor (the exp in cpu_vector_math.h)
@@ -96,7 +98,10 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
     if not _ninja_on_path():
         return None, "ninja not found (pip install ninja)"
     build_dir = BUILD_ROOT / _machine_tag() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return None, f"cannot create {build_dir} ({error}); set SLUICE_CPU_BUILD_DIR to a writable directory"
     from torch.utils.cpp_extension import load
 
     try:

@@ -27,12 +27,17 @@ def test_every_kernel_is_listed_and_ready():
 
 
 @pytest.fixture
-def no_compiler(monkeypatch):
-    monkeypatch.setenv("CXX", "sluice-no-such-compiler")
+def fresh_builds(monkeypatch):
+    """The builds' cache emptied before and after, so a test's settings reach `_build` and go with it."""
     cpu_extension._build.cache_clear()
-    yield
+    yield monkeypatch
     monkeypatch.undo()
     cpu_extension._build.cache_clear()
+
+
+@pytest.fixture
+def no_compiler(fresh_builds):
+    fresh_builds.setenv("CXX", "sluice-no-such-compiler")
 
 
 def test_without_a_compiler_each_kernel_reports_why(no_compiler, capsys):
@@ -42,6 +47,16 @@ def test_without_a_compiler_each_kernel_reports_why(no_compiler, capsys):
     assert all(
         line.endswith("no C++ compiler ('sluice-no-such-compiler' not found on PATH)") for line in lines
     )
+
+
+def test_an_unwritable_build_directory_is_a_reason_not_a_crash(fresh_builds, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    fresh_builds.setattr(cpu_extension, "BUILD_ROOT", not_a_dir / "cpu_extensions")
+    reason = cpu_extension.cpu_extension_unavailable_reason("cpu_rms_norm")
+    assert reason is not None and reason.startswith(f"cannot create {not_a_dir / 'cpu_extensions'}")
+    assert reason.endswith("set SLUICE_CPU_BUILD_DIR to a writable directory")
+    assert cpu_extension.load_cpu_extension("cpu_rms_norm") is None
 
 
 # A target with 4-float vectors (SSE / NEON), as this machine's native build may not be.

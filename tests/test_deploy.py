@@ -137,6 +137,9 @@ def test_dockerfile_runs_the_cli_as_non_root_with_a_grpc_healthcheck() -> None:
     assert (args.model, args.port, args.metrics_port) == ("/models", 50051, 9400)
     assert values["EXPOSE"].split() == [str(args.port), str(args.metrics_port)]
     assert values["USER"].split(":")[0] not in ("0", "root")
+    # that user builds the C++ CPU kernels in its own home (the installed package's directory is root's)
+    envs = [rest for name, rest in instructions if name == "ENV"]
+    assert f"SLUICE_CPU_BUILD_DIR={values['WORKDIR']}/.cache/sluice/cpu_extensions" in envs
     healthcheck = json.loads(values["HEALTHCHECK"].split("CMD", 1)[1])
     assert healthcheck == [
         "python",
