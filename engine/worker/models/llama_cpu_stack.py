@@ -101,8 +101,7 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
             return f"layer {i}: attention is not the C++ backend"
         if type(layer.mlp.act) is not SiluAndMul:
             return f"layer {i}: the MLP's activation is not SiLU"
-        attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = _projections(layer)
         if any(linear.packed is None for linear in linears):
             return f"layer {i}: a projection is not packed for the C++ kernel"
         if any(linear.bias is not None for linear in linears[1:]):
@@ -110,10 +109,16 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
     return cpu_extension_unavailable_reason(EXTENSION)
 
 
+def _projections(layer: nn.Module) -> tuple[LinearBase, LinearBase, LinearBase, LinearBase]:
+    """qkv_proj, o_proj, gate_up_proj, down_proj: the order the stack takes their quantized forms in."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _stack_layer(layer: nn.Module) -> StackLayer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv: LinearBase = attention.qkv_proj
-    quantized = (linear.quantized for linear in (qkv, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    quantized = (linear.quantized for linear in _projections(layer))
     return StackLayer(
         input_norm=layer.input_layernorm.weight,
         qkv=qkv.packed,

@@ -196,10 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     embedding = runner.model.model.embed_tokens.weight
     if runner.model.lm_head.weight is not embedding:  # untied: the lookup reads one row per token
         weight_bytes -= embedding.numel() * embedding.element_size()
+    floor = bandwidth * 1e9 / weight_bytes  # batch-1 tok/s with every fp32 weight read once per step
     print(
         f"torch {torch.__version__}, {threads} threads; read bandwidth {bandwidth:.1f} GB/s, "
         f"fp32 GEMM {gflops:.0f} GFLOP/s; fp32 weights read per step {weight_bytes / 1e6:.0f} MB "
-        f"-> batch-1 floor {bandwidth * 1e9 / weight_bytes:.1f} tok/s (fp32)"
+        f"-> batch-1 floor {floor:.1f} tok/s (fp32)"
     )
     vocab = runner.arch.vocab_size
     hf_model = None
@@ -215,7 +216,6 @@ def main(argv: list[str] | None = None) -> None:
     warm = make_prompts(2, 16, vocab, args.seed + 1)
     for llm in sluices.values():
         run_sluice(llm, warm, 4)
-    floor = bandwidth * 1e9 / weight_bytes
     rows: list[Row] = []
     for concurrency in args.concurrency:
         prompts = make_prompts(concurrency, args.prompt_len, vocab, args.seed + concurrency)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             rate, decode_rate = run_sluice(llm, prompts, args.max_tokens)
             rows.append(Row(name, concurrency, rate, decode_tokens_per_second=decode_rate))
             print(rows[-1], flush=True)
-            if concurrency == 1 and decode_rate is not None and llm is sluices["sluice fp32"]:
+            if concurrency == 1 and decode_rate is not None and name == "sluice fp32":
                 print(  # the floor is the fp32 weights' (a quantized run reads fewer bytes)
                     f"{name} at batch 1: {rate / floor:.0%} of the floor with its prefill, "
                     f"{decode_rate / floor:.0%} decoding ({decode_rate:.1f} tok/s after the first token)"
