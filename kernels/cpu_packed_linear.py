@@ -1,12 +1,15 @@
 """y = x W^T (+ b) on CPU in float32 with W packed in column panels (the C++ kernel in
 `cpu_packed_linear.h`), its launcher, and the plain PyTorch version it must equal.
 
-    W [N, K]  ->  packed [num_panels, K, PANEL]     packed[p, k, j] = W[p * PANEL + j, k], 0 past row N-1
+    W [N, K]  ->  packed [num_panels, K, P]     packed[p, k, j] = W[p * P + j, k], 0 past row N-1
 
-         k ->                       panel 0 = W[0:64].T   (one contiguous K x 64 block)
-    W  [ row 0   ... ]              panel 1 = W[64:128].T
+         k ->                       panel 0 = W[0:P].T     (one contiguous K x P block)
+    W  [ row 0   ... ]              panel 1 = W[P:2P].T
        [ row 1   ... ]      ->      ...
-       [ ...         ]              last panel zero-padded to 64 columns
+       [ ...         ]              last panel zero-padded to P columns
+
+P, the panel width (`panel_width()`), is the build's micro-kernel width: 16 columns with AVX2, 64 with
+AVX-512, 8 with SSE or NEON.
 
 The layer packs its weight once at load (`pack_weight`); each matmul then streams the panels front to
 back. On this project's 2-core CPU it beats MKL's sgemm 1.2-7x for 1-64 rows (sgemm on a few rows is
@@ -22,7 +25,6 @@ from kernels.cpu_extension import cpu_extension_unavailable_reason, load_cpu_ext
 from kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_packed_linear"
-PANEL = 64  # columns per panel; the C++ kernel's kPanel (checked when the module loads)
 CPU = torch.device("cpu")
 
 
@@ -30,44 +32,48 @@ def packed_linear_unavailable_reason(weight: torch.Tensor) -> str | None:
     """None when `weight` can be packed for the kernel (float32, on CPU, kernel built), else why not."""
     if weight.device != CPU or weight.dtype != torch.float32:
         return f"runs float32 weights on cpu, got {weight.dtype} on {weight.device}"
-    reason = cpu_extension_unavailable_reason(EXTENSION)
-    if reason is None and load_cpu_extension(EXTENSION).PANEL != PANEL:
-        return f"kernels/{EXTENSION}.cpp was built with another panel width"
-    return reason
+    return cpu_extension_unavailable_reason(EXTENSION)
+
+
+def panel_width() -> int:
+    """Columns per panel: the built kernel's kPanel. Raises RuntimeError if the kernel is not built."""
+    extension = load_cpu_extension(EXTENSION)
+    if extension is None:
+        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    return extension.PANEL
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> packed [ceil(N / PANEL), K, PANEL], contiguous, zero-padded columns."""
+    """weight [N, K] -> packed [ceil(N / P), K, P] (P = `panel_width()`), contiguous, zero-padded columns."""
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=False)
+    panel = panel_width()
     output_size, input_size = weight.shape
-    num_panels = -(-output_size // PANEL)
-    padded = F.pad(weight, (0, 0, 0, num_panels * PANEL - output_size))
-    return padded.reshape(num_panels, PANEL, input_size).transpose(1, 2).contiguous()
+    num_panels = -(-output_size // panel)
+    padded = F.pad(weight, (0, 0, 0, num_panels * panel - output_size))
+    return padded.reshape(num_panels, panel, input_size).transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, output_size: int) -> torch.Tensor:
-    """The inverse of `pack_weight`: packed [num_panels, K, PANEL] -> W [output_size, K]."""
-    num_panels, input_size, _ = packed.shape
-    return packed.transpose(1, 2).reshape(num_panels * PANEL, input_size)[:output_size]
+    """The inverse of `pack_weight`: packed [num_panels, K, P] -> W [output_size, K]."""
+    num_panels, input_size, panel = packed.shape
+    return packed.transpose(1, 2).reshape(num_panels * panel, input_size)[:output_size]
 
 
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, output_size: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] float32 on CPU; packed [num_panels, K, PANEL] from `pack_weight`; bias [output_size] or
+    """x [..., K] float32 on CPU; packed [num_panels, K, P] from `pack_weight`; bias [output_size] or
     None. Returns [..., output_size]. Raises ValueError naming a bad argument, RuntimeError if the kernel
     is not built."""
     check_tensor("x", x, ndim=x.dim(), dtypes=(torch.float32,), device=CPU, last_dim_contiguous=False)
     check_tensor("packed", packed, ndim=3, dtypes=(torch.float32,), device=CPU)
     if not packed.is_contiguous():
         raise ValueError(f"packed: must be contiguous, strides are {packed.stride()}")
-    num_panels = -(-output_size // PANEL)
-    check_shape("packed", packed, (num_panels, x.shape[-1], PANEL))
+    panel = panel_width()
+    check_shape("packed", packed, (-(-output_size // panel), x.shape[-1], panel))
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(torch.float32,), device=CPU)
         check_shape("bias", bias, (output_size,))
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
     return packed_linear_prechecked(x, packed, output_size, bias)
 
 

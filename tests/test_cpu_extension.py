@@ -65,9 +65,10 @@ FOUR_LANE_CHECK = """
 import torch
 import torch.nn.functional as F
 from kernels.cpu_extension import load_cpu_extension
-from kernels.cpu_packed_linear import pack_weight, packed_linear
+from kernels.cpu_packed_linear import pack_weight, packed_linear, panel_width
 
 print(load_cpu_extension("cpu_packed_linear").__file__)
+assert panel_width() == 8, panel_width()  # two 4-float vectors
 torch.manual_seed(0)
 for rows, k, n in [(1, 576, 960), (3, 33, 70), (7, 200, 130), (64, 96, 200)]:
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
@@ -78,7 +79,7 @@ for rows, k, n in [(1, 576, 960), (3, 33, 70), (7, 200, 130), (64, 96, 200)]:
 
 def test_a_named_target_builds_apart_and_its_4_lane_vectors_compute_the_same(monkeypatch):
     """SLUICE_CPU_MARCH: the kernels compiled for that target, in a directory named after it. A 4-float
-    target runs the vector code's narrowest width (a weight panel's row is 16 of its vectors, 8 of AVX2's)."""
+    target runs the vector code's narrowest width (a weight panel's row is 2 of its vectors: 8 columns)."""
     march = FOUR_LANE_TARGETS[platform.machine()]
     monkeypatch.setenv(cpu_extension.MARCH_ENV, march)
     assert cpu_extension._machine_tag().endswith(f"-{march}")

@@ -15,10 +15,10 @@ from engine.worker.layers.linear import MergedLinear, ReplicatedLinear
 from kernels import cpu_extension
 from kernels.cpu_packed_linear import (
     EXTENSION,
-    PANEL,
     pack_weight,
     packed_linear,
     packed_linear_reference,
+    panel_width,
     unpack_weight,
 )
 
@@ -59,32 +59,35 @@ def test_launcher_keeps_leading_dims_and_reads_strided_rows():
 
 
 def test_pack_lays_out_panels_and_unpacks_exactly():
-    weight = torch.arange(130 * 3, dtype=torch.float32).reshape(130, 3)
+    panel = panel_width()
+    rows = 2 * panel + 2
+    weight = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
     packed = pack_weight(weight)
-    assert packed.shape == (3, 3, PANEL) and packed.is_contiguous()
-    assert packed[1, 2, 5] == weight[PANEL + 5, 2]
-    assert torch.equal(packed[2, :, 2:], torch.zeros(3, PANEL - 2))  # rows past 129: zeros
-    assert torch.equal(unpack_weight(packed, 130), weight)
+    assert packed.shape == (3, 3, panel) and packed.is_contiguous()
+    assert packed[1, 2, 5] == weight[panel + 5, 2]
+    assert torch.equal(packed[2, :, 2:], torch.zeros(3, panel - 2))  # rows past the last: zeros
+    assert torch.equal(unpack_weight(packed, rows), weight)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"x": torch.randn(2, 8, dtype=torch.float64)}, r"^x: dtype torch.float64"),
-        ({"packed": torch.randn(1, 8, PANEL)[:, ::2]}, r"^packed: "),
-        ({"output_size": 65}, r"^packed: expected shape \(2, 8, 64\)"),
-        ({"bias": torch.randn(11)}, r"^bias: expected shape \(10,\)"),
+        (lambda panel: {"x": torch.randn(2, 8, dtype=torch.float64)}, r"^x: dtype torch.float64"),
+        (lambda panel: {"packed": torch.randn(1, 8, 2 * panel)[..., ::2]}, r"^packed: last dim must be"),
+        (lambda panel: {"output_size": 2 * panel + 1}, r"^packed: expected shape \(3, 8, {panel}\)"),
+        (lambda panel: {"bias": torch.randn(11)}, r"^bias: expected shape \(10,\)"),
     ],
 )
 def test_launcher_names_the_bad_argument(change, message):
+    panel = panel_width()
     args = {
         "x": torch.randn(2, 8),
         "packed": pack_weight(torch.randn(10, 8)),
         "output_size": 10,
         "bias": None,
     }
-    with pytest.raises(ValueError, match=message):
-        packed_linear(**{**args, **change})
+    with pytest.raises(ValueError, match=message.format(panel=panel)):
+        packed_linear(**{**args, **change(panel)})
 
 
 def test_loaded_layers_pack_their_weight_in_place():
@@ -94,7 +97,8 @@ def test_loaded_layers_pack_their_weight_in_place():
     layer.weight.data.copy_(weight)
     layer.bias.data.copy_(bias)
     layer.process_weights_after_loading()
-    assert layer.weight.shape == (2, 40, PANEL)
+    panel = panel_width()
+    assert layer.weight.shape == (-(-80 // panel), 40, panel)
     assert layer.packed.data_ptr() == layer.weight.data_ptr()  # one copy of the weight
     x = torch.randn(9, 40)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
@@ -108,7 +112,8 @@ def test_a_tied_layer_keeps_the_embedding_rows_and_packs_a_copy():
     lm_head.process_weights_after_loading()
     assert lm_head.weight is embedding.weight
     assert embedding.weight.shape == (70, 16) and embedding.weight.is_contiguous()
-    assert lm_head.packed.shape == (2, 16, PANEL)
+    panel = panel_width()
+    assert lm_head.packed.shape == (-(-70 // panel), 16, panel)
     x = torch.randn(4, 16)
     torch.testing.assert_close(lm_head(x), x @ embedding.weight.t(), atol=1e-4, rtol=1e-4)
 

@@ -1,10 +1,16 @@
-"""glibc's malloc told to keep freed activation buffers (engine.core.host_memory)."""
+"""glibc's malloc told to keep freed activation buffers, and the loaded heap frozen for the garbage collector
+(engine.core.host_memory)."""
 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
+from pathlib import Path
 
 from engine.core import host_memory
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_glibc_takes_both_settings():
@@ -17,3 +23,27 @@ def test_a_c_library_without_mallopt_is_reported_not_raised(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_library)
     assert host_memory.retain_freed_memory() is False
+
+
+FREEZE_CHECK = """
+import gc, weakref
+from engine.core.host_memory import freeze_gc_heap
+
+class Node:
+    pass
+
+alive, cycle = Node(), Node()
+cycle.self = cycle  # garbage only a collection frees
+dead = weakref.ref(cycle)
+del cycle
+frozen = freeze_gc_heap()
+assert dead() is None, "the garbage was frozen instead of collected"
+assert frozen == gc.get_freeze_count() > 0
+assert not any(o is alive for o in gc.get_objects()), "a live object is still in the collected generations"
+"""
+
+
+def test_freezing_collects_the_garbage_and_takes_the_rest_out_of_collections():
+    # in a child: a frozen heap stays frozen for the rest of the process
+    result = subprocess.run([sys.executable, "-c", FREEZE_CHECK], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

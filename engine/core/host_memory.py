@@ -5,13 +5,14 @@ By default glibc serves blocks that big with mmap and hands them back on free, s
 kernel to fault in and zero its buffers again: on the 2-core CPU the SiLU-and-mul of a 2048-row chunk took
 6.5 ms in place of 1.5 ms. `retain_freed_memory` keeps such blocks in the heap for reuse (what vLLM's and
 IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of holding on to the peak of a step's
-temporaries.
+temporaries. `freeze_gc_heap` takes what loading left alive out of the garbage collector's reach.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 logger = logging.getLogger(__name__)
@@ -33,3 +34,13 @@ def retain_freed_memory() -> bool:
         logger.debug("no mallopt in C library %s: freed host memory goes back to the OS", name)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def freeze_gc_heap() -> int:
+    """Collects once, then moves every object alive (the model, tokenizer and modules loading made) to
+    the collector's permanent generation, so the full collections that a step's allocations trigger no
+    longer walk them (vLLM does the same after start-up). On SmolLM2 that is about 380k objects, and 2% of
+    a 64-sequence decode's CPU time went to walking them. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import zmq
 
 from engine.core.engine_core import EngineCore
-from engine.core.host_memory import retain_freed_memory
+from engine.core.host_memory import freeze_gc_heap, retain_freed_memory
 from engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -103,11 +103,14 @@ def serve_core(commands_address: str, results_address: str) -> int:
         num_threads = configure_torch_threads(setup.config.num_threads)
         retain_freed_memory()
         core = EngineCore(setup.config)
+        frozen = freeze_gc_heap()
     except Exception as exc:
         logger.exception("loading the engine core failed")
         results.send(encode(CoreFailed(f"loading the model failed: {type(exc).__name__}: {exc}")))
         return 1
-    logger.info("engine core ready (pid %d, %d torch threads)", os.getpid(), num_threads)
+    logger.info(
+        "engine core ready (pid %d, %d torch threads, %d objects frozen)", os.getpid(), num_threads, frozen
+    )
     tokenizer = None if core.tokenizer is None else core.tokenizer.spec()
     results.send(encode(CoreReady(core.model_info, tokenizer, os.getpid())))
     try:

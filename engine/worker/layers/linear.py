@@ -14,7 +14,7 @@ Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
 `forward` calls `apply`, which reads whatever that layout is.
 
 On CPU, a float32 weight is packed in column panels for the C++ kernel in `kernels/cpu_packed_linear.h`
-(`packed` [num_panels, input_size, PANEL]; each matmul streams them front to back, 1.2-7x faster than
+(`packed` [num_panels, input_size, panel width]; each matmul streams them front to back, 1.2-7x faster than
 MKL's sgemm on decode-sized steps). The packed tensor replaces the weight's data, so memory stays flat,
 except for a weight tied to the embeddings (`tie_weight`), which keeps its rows for the lookups and gets a
 packed copy. Without the kernel (another dtype, no C++ compiler) the weight is stored column-major:
@@ -91,7 +91,7 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Hook run once after loading: on CPU, the packed (or column-major) layout and the quantized copy.
-        After it, an untied packed layer's `weight` holds the panels [num_panels, input_size, PANEL]."""
+        After it, an untied packed layer's `weight` holds the panels [num_panels, input_size, panel width]."""
         if self.weight.device.type != "cpu":
             return
         if self.quantization is not None:

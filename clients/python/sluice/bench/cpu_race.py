@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.host_memory import retain_freed_memory
+from engine.core.host_memory import freeze_gc_heap, retain_freed_memory
 from engine.core.threads import configure_torch_threads
 from engine.frontend.llm import LLM
 from engine.loading.default_model import default_model_path
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     llama_reason = llamacpp_unavailable_reason(args.llamacpp_python)
     if llama_reason:
         print(f"llama.cpp: skipped: {llama_reason}")
+    freeze_gc_heap()  # every model loaded: as the engine core process does once its engine is
     warm = make_prompts(2, 16, vocab, args.seed + 1)
     for llm in sluices.values():
         run_sluice(llm, warm, 4)
