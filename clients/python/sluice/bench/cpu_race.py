@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     llama_reason = llamacpp_unavailable_reason(args.llamacpp_python)
     if llama_reason:
         print(f"llama.cpp: skipped: {llama_reason}")
-    freeze_gc_heap()  # every model loaded: as the engine core process does once its engine is
+    freeze_gc_heap()  # every model loaded, as the engine core process does once its engine is loaded
     warm = make_prompts(2, 16, vocab, args.seed + 1)
     for llm in sluices.values():
         run_sluice(llm, warm, 4)
