@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_extension import require_cpu_extension
 
 EXTENSION = "cpu_decoder_stack"
 # A quantized projection as the stack's C++ side takes it: (weight, scales, group_size, max_rows), see
@@ -56,9 +56,7 @@ def make_decoder_stack(layers: Sequence[StackLayer], final_norm: torch.Tensor, s
     the kernel is not built. Its `forward(embeddings, positions, cos_sin, k_caches, v_caches, slot_mapping,
     block_tables, query_start_loc, seq_lens)` overwrites `embeddings` [T, hidden] with the residual stream
     and returns the final norm's output [T, hidden]."""
-    module = load_cpu_extension(EXTENSION)
-    if module is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    module = require_cpu_extension(EXTENSION)
     return module.DecoderStack(
         [layer.input_norm for layer in layers],
         [layer.qkv for layer in layers],

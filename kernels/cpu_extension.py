@@ -127,6 +127,15 @@ def load_cpu_extension(name: str) -> ModuleType | None:
     return module
 
 
+def require_cpu_extension(name: str) -> ModuleType:
+    """The compiled `kernels/<name>.cpp` module; RuntimeError pointing at the log where it is not built
+    (the launchers' check)."""
+    module = load_cpu_extension(name)
+    if module is None:
+        raise RuntimeError(f"the C++ kernel kernels/{name}.cpp is not available (see the log)")
+    return module
+
+
 def cpu_extension_available(name: str) -> bool:
     """Whether `kernels/<name>.cpp` is built and loaded (building it on first call; if it cannot be, the
     reason is logged once): the layers' test before taking a kernel's prechecked path."""

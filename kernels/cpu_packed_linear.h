@@ -33,7 +33,7 @@ constexpr int64_t kPanelVectors = 4;  // 32 registers: up to 6 x 4 accumulators 
 #else
 constexpr int64_t kPanelVectors = 2;  // 16 registers: up to 6 x 2 accumulators + 2 weights + a broadcast
 #endif
-constexpr int64_t kPanel = kPanelVectors * kLanes;  // output columns per panel: the packing (kernels/cpu_packed_linear.py)
+constexpr int64_t kPanel = kPanelVectors * kLanes;  // columns per panel: the packing (cpu_packed_linear.py)
 constexpr int64_t kRows = 6;                         // rows of x per micro-kernel call
 constexpr int64_t kPrefetchFloats = 2048;            // how far ahead in its panel a first row block asks for (8 KiB)
 
@@ -109,7 +109,8 @@ inline void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, con
                                  /*from_memory=*/m == 0, next_panel + std::max(first_line, int64_t{0}) * kFloatsPerLine,
                                  ahead_lines);
     if (!whole)
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m + r) * n_size + first_col, tile + r * kPanel, cols * sizeof(float));
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(y + (m + r) * n_size + first_col, tile + r * kPanel, cols * sizeof(float));
   }
   if (bias != nullptr)
     for (int64_t r = 0; r < m_size; ++r)

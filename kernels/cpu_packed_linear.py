@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import cpu_extension_unavailable_reason, load_cpu_extension
+from kernels.cpu_extension import cpu_extension_unavailable_reason, load_cpu_extension, require_cpu_extension
 from kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_packed_linear"
@@ -37,10 +37,7 @@ def packed_linear_unavailable_reason(weight: torch.Tensor) -> str | None:
 
 def panel_width() -> int:
     """Columns per panel: the built kernel's kPanel. Raises RuntimeError if the kernel is not built."""
-    extension = load_cpu_extension(EXTENSION)
-    if extension is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
-    return extension.PANEL
+    return require_cpu_extension(EXTENSION).PANEL
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

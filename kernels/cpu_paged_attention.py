@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
 from kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
@@ -65,8 +65,7 @@ def cpu_paged_attention(
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
     out = output_like("out", out, q)
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    require_cpu_extension(EXTENSION)
     return cpu_paged_attention_prechecked(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, sliding_window
     )
@@ -107,8 +106,7 @@ def cpu_store_kv(
     check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
     if k.device != CPU:
         raise ValueError(f"k: on {k.device}, the C++ kernel runs on cpu")
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    require_cpu_extension(EXTENSION)
     cpu_store_kv_prechecked(k, v, k_cache, v_cache, slot_mapping.contiguous())
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
 from kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_rms_norm"
@@ -32,8 +32,7 @@ def cpu_rms_norm(
     if residual is not None:
         check_tensor("residual", residual, ndim=2, dtypes=(torch.float32,), device=CPU)
         check_shape("residual", residual, x.shape)
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    require_cpu_extension(EXTENSION)
     return cpu_rms_norm_prechecked(x, weight, eps, residual)
 
 

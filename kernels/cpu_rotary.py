@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
 from kernels.tensor_checks import check_rotary_args
 
 EXTENSION = "cpu_rotary"
@@ -30,8 +30,7 @@ def cpu_rotary_embedding(
     check_rotary_args(positions, q, k, cos_sin_cache)
     if q.device != CPU or q.dtype != torch.float32:
         raise ValueError(f"q: the C++ kernel runs float32 on cpu, got {q.dtype} on {q.device}")
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    require_cpu_extension(EXTENSION)
     return cpu_rotary_embedding_prechecked(positions, q, k, cos_sin_cache)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import load_cpu_extension
+from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
 from kernels.tensor_checks import check_tensor
 
 EXTENSION = "cpu_silu_and_mul"
@@ -25,8 +25,7 @@ def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_tensor("x", x, ndim=2, dtypes=(torch.float32,), device=CPU)
     if x.shape[1] % 2:
         raise ValueError(f"x: last dim must be even ([gate | up]), got {x.shape[1]}")
-    if load_cpu_extension(EXTENSION) is None:
-        raise RuntimeError(f"the C++ kernel kernels/{EXTENSION}.cpp is not available (see the log)")
+    require_cpu_extension(EXTENSION)
     return cpu_silu_and_mul_prechecked(x)
 
 

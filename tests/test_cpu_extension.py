@@ -56,6 +56,8 @@ def test_an_unwritable_build_directory_is_a_reason_not_a_crash(fresh_builds, tmp
     assert reason is not None and reason.startswith(f"cannot create {not_a_dir / 'cpu_extensions'}")
     assert reason.endswith("set SLUICE_CPU_BUILD_DIR to a writable directory")
     assert cpu_extension.load_cpu_extension("cpu_rms_norm") is None
+    with pytest.raises(RuntimeError, match=r"^the C\+\+ kernel kernels/cpu_rms_norm.cpp is not available"):
+        cpu_extension.require_cpu_extension("cpu_rms_norm")  # what the launchers raise
 
 
 # A target with 4-float vectors (SSE / NEON), as this machine's native build may not be.
