@@ -88,7 +88,9 @@ def test_a_bad_constraint_is_invalid_argument_naming_the_field(stub, params, det
 
 def test_a_constraint_that_does_not_compile_is_reported_in_band_on_stream_generate(stub) -> None:
     bad = pb.GenerateRequest(request_id="bad", text="x", sampling_params=pb.SamplingParams(regex="(("))
-    good = pb.GenerateRequest(request_id="good", text="x", sampling_params=pb.SamplingParams(max_tokens=3))
+    # Greedy and past EOS, so the good request's end is its length whatever token the random model picks.
+    greedy = pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    good = pb.GenerateRequest(request_id="good", text="x", sampling_params=greedy)
     requests = [pb.StreamGenerateRequest(generate=bad), pb.StreamGenerateRequest(generate=good)]
     responses = list(stub.StreamGenerate(iter(requests), timeout=60))
     errors = [r for r in responses if r.WhichOneof("event") == "error"]
