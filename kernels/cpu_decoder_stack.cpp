@@ -149,10 +149,10 @@ class DecoderStack {
                 " for ", layers_.size(), " layers");
     for (const auto* caches : {&k_caches, &v_caches})
       for (const torch::Tensor& cache : *caches)
-        TORCH_CHECK(cache.scalar_type() == torch::kFloat && cache.dim() == 4 && cache.is_contiguous() &&
-                        cache.size(2) == num_kv_heads_ && cache.size(3) == head_dim_,
-                    "kv_caches: each must be a contiguous float32 [num_blocks, block_size, ", num_kv_heads_, ", ",
-                    head_dim_, "] tensor");
+        TORCH_CHECK(cache.scalar_type() == torch::kFloat && cache.dim() == 4 && cache.size(2) == num_kv_heads_ &&
+                        cache.size(3) == head_dim_ && cache.stride(3) == 1,
+                    "kv_caches: each must be a float32 [num_blocks, block_size, ", num_kv_heads_, ", ", head_dim_,
+                    "] tensor with unit stride on head_dim");
     TORCH_CHECK(positions.numel() == num_tokens && positions.is_contiguous(), "positions: ", positions.numel(), " for ",
                 num_tokens, " tokens");
     const int64_t* pos = positions.data_ptr<int64_t>();

@@ -42,10 +42,12 @@ def cpu_paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] (fp32, bf16 or fp16, on CPU); k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc:
-    [num_seqs + 1] int32 (ending at num_tokens); seq_lens: [num_seqs] int32; sliding_window W: the row at
-    position p sees p - W + 1 .. p (None: its whole context). Returns out [num_tokens, num_heads, head_dim].
-    Raises ValueError naming a bad argument, RuntimeError if the kernel is not built.
+    block_size, num_kv_heads, head_dim], any strides with a unit one on head_dim (the engine lays them out
+    heads first, a transposed view, so a block's rows of one head sit together); block_tables: [num_seqs,
+    max_blocks] int32; query_start_loc: [num_seqs + 1] int32 (ending at num_tokens); seq_lens: [num_seqs]
+    int32; sliding_window W: the row at position p sees p - W + 1 .. p (None: its whole context). Returns
+    out [num_tokens, num_heads, head_dim]. Raises ValueError naming a bad argument, RuntimeError if the
+    kernel is not built.
     """
     check_q_and_kv_cache(q, k_cache, v_cache)
     if q.device != CPU:
@@ -56,9 +58,6 @@ def cpu_paged_attention(
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(f"query_start_loc: {query_start_loc.shape[0]} entries, expected num_seqs + 1")
     check_block_tables(block_tables, num_seqs, CPU)
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.stride(2) != tensor.shape[3]:
-            raise ValueError(f"{name}: heads must be packed (stride head_dim), strides are {tensor.stride()}")
     query_start_loc, seq_lens = query_start_loc.contiguous(), seq_lens.contiguous()
     if int(query_start_loc[-1]) != q.shape[0] or int(query_start_loc[0]) != 0:
         raise ValueError(f"query_start_loc: must run from 0 to num_tokens={q.shape[0]}")

@@ -52,6 +52,14 @@ def _cpu_batch(pairs, num_heads, num_kv_heads, block_size, *, dtype=torch.float3
     return PagedBatch(**tensors, metadata=metadata)
 
 
+def _heads_first(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache laid out as the engine allocates it for the CPU backend: a block's rows of one KV head
+    together, under the same [num_blocks, block_size, num_kv_heads, head_dim] shape."""
+    laid_out = cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert laid_out.stride(1) == cache.shape[3]  # slot to slot within a head: one row
+    return laid_out
+
+
 def _kernel_args(batch: PagedBatch) -> dict:
     md = batch.metadata
     return {
@@ -69,14 +77,19 @@ def _kernel_args(batch: PagedBatch) -> dict:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
 @pytest.mark.parametrize("pairs", [MIXED, PURE_DECODE], ids=["mixed", "pure-decode"])
-def test_kernel_matches_reference(pairs, num_heads, num_kv_heads, block_size, dtype):
+@pytest.mark.parametrize("heads_first", [False, True], ids=["slot-major", "heads-first"])
+def test_kernel_matches_reference(heads_first, pairs, num_heads, num_kv_heads, block_size, dtype):
     batch = _cpu_batch(pairs, num_heads, num_kv_heads, block_size, dtype=dtype, seed=block_size + num_heads)
     md = batch.metadata
     store_kv_reference(batch.k, batch.v, batch.k_cache, batch.v_cache, md.slot_mapping)
+    expected = cpu_paged_attention_reference(**_kernel_args(batch))
+    if heads_first:
+        batch = dataclasses.replace(
+            batch, k_cache=_heads_first(batch.k_cache), v_cache=_heads_first(batch.v_cache)
+        )
     out = nan_like(batch.q)
     got = cpu_paged_attention(**_kernel_args(batch), out=out)
     assert got is out
-    expected = cpu_paged_attention_reference(**_kernel_args(batch))
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
@@ -131,7 +144,9 @@ def test_cpu_backend_equals_torch_backend(pairs, num_heads, num_kv_heads, block_
     batch = _cpu_batch(pairs, num_heads, num_kv_heads, block_size, seed=7)
     outs, caches = {}, {}
     for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
-        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        # Each gets its cache laid out as the engine allocates it for that backend.
+        laid_out = _heads_first if backend.kv_cache_heads_first else torch.clone
+        k_cache, v_cache = laid_out(batch.k_cache), laid_out(batch.v_cache)
         outs[backend.name] = backend.forward(
             batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE, sliding_window=window
         )

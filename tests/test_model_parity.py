@@ -170,6 +170,9 @@ def test_runner_reports_shape_of_cache_and_model(llama_dir: str) -> None:
     # bytes per block = 2 (K, V) * 2 layers * 16 slots * 2 kv heads * 16 head_dim * 4 bytes
     assert runner.num_blocks == 10
     assert runner.kv_caches[0][0].shape == (10, 16, 2, 16)
+    # The CPU kernel's cache keeps a block's rows of one KV head together: laid out [10, 2, 16, 16].
+    assert runner.attention_backend.name == "cpu"
+    assert runner.kv_caches[0][0].stride() == (2 * 16 * 16, 16, 16 * 16, 1)
     assert len(runner.kv_caches) == 2
     assert runner.dtype == torch.float32
     assert runner.device == torch.device("cpu")
@@ -177,6 +180,16 @@ def test_runner_reports_shape_of_cache_and_model(llama_dir: str) -> None:
     assert runner.arch.architecture == "LlamaForCausalLM"
     # Graph buffers address at most min(max_model_len, max_seq_len_to_capture) tokens per sequence.
     assert runner.graph_runner.buffers.max_num_blocks_per_seq == 256 // 16
+
+
+def test_a_backend_that_does_not_ask_for_heads_first_gets_contiguous_caches(llama_dir: str) -> None:
+    config = EngineConfig(
+        model=ModelConfig(model=llama_dir, device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=4),
+        attention_backend="torch",
+    )
+    runner = ModelRunner(config, load_model_source(config.model))
+    assert all(k.is_contiguous() and v.is_contiguous() for k, v in runner.kv_caches)
 
 
 def test_graphs_address_at_most_max_seq_len_to_capture(llama_dir: str) -> None:

@@ -25,7 +25,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ModelRunner:
     """Builds the model on `device` in `dtype`, loads `source.weights`, allocates the KV cache.
 
-    kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (laid out
+    heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`).
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
@@ -124,14 +125,17 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeroed, not empty: padded context rows are masked, but 0 * NaN garbage would still poison them.
-        shape = (num_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        heads, head_dim = self.arch.num_key_value_heads, self.arch.head_dim
+        heads_first = self.attention_backend.kv_cache_heads_first
+
+        def new_cache() -> torch.Tensor:
+            if heads_first:  # the same [blocks, block_size, heads, head_dim] shape, a head's rows together
+                laid_out = (num_blocks, heads, self.block_size, head_dim)
+                return torch.zeros(laid_out, dtype=self.dtype, device=self.device).transpose(1, 2)
+            shape = (num_blocks, self.block_size, heads, head_dim)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return [(new_cache(), new_cache()) for _ in range(self.arch.num_hidden_layers)]
 
     def _profile_available_cuda_bytes(self) -> float:
         """gpu_memory_utilization * total, minus the weights, other processes, a worst-case step's peak

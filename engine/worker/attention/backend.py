@@ -13,13 +13,16 @@ class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache, then attends over the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], unit stride on head_dim; with
+        kv_cache_heads_first the cache is laid out [num_blocks, num_kv_heads, block_size, head_dim] under that
+        shape (a transposed view), so a block's rows of one KV head are contiguous
     sliding_window: None, or W: the query at position p attends to positions p - W + 1 .. p only (block
         table entries wholly before that may have been freed and must not be read)
     returns: [num_tokens, num_heads, head_dim]
     """
 
     name: str
+    kv_cache_heads_first: bool
 
     def forward(
         self,

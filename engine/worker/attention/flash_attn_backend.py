@@ -46,6 +46,7 @@ class FlashAttnBackend:
     """
 
     name = "flash-attn"
+    kv_cache_heads_first = False
 
     def __init__(self, device: torch.device, block_size: int | None = None, dtype: torch.dtype | None = None):
         reason = flash_attn_supports(device, block_size, dtype)

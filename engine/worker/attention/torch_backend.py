@@ -23,6 +23,7 @@ class TorchAttentionBackend:
     """Implements `engine.worker.attention.backend.AttentionBackend` on any device."""
 
     name = "torch"
+    kv_cache_heads_first = False
 
     def forward(
         self,

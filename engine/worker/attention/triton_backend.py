@@ -22,6 +22,7 @@ class TritonAttentionBackend:
     """Implements `engine.worker.attention.backend.AttentionBackend` with Triton kernels."""
 
     name = "triton"
+    kv_cache_heads_first = False
 
     def __init__(self, decode_partition_size: int = DEFAULT_PARTITION_SIZE) -> None:
         self.decode_partition_size = decode_partition_size
