@@ -3,9 +3,12 @@ ratios are Sluice's rate over each other engine's; a missing llama-cpp-python is
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
 import time
 
+import pytest
 import torch
 from sluice.bench import cpu_race as race
 
@@ -54,3 +57,50 @@ def test_machine_limits_are_measured():
     assert race.read_bandwidth_gbs(megabytes=16, repeats=1) > 0.1
     assert race.gemm_gflops(size=256, repeats=2) > 0.1
     assert torch.get_num_threads() >= 1
+
+
+def test_rounds_give_median_rates_and_the_median_of_each_rounds_own_ratio(capsys):
+    rows = [
+        race.Row("sluice fp32", 16, 200.0, round=0),
+        race.Row("transformers static batch", 16, 80.0, round=0),  # 2.5x
+        race.Row("sluice fp32", 16, 150.0, round=1),
+        race.Row("transformers static batch", 16, 100.0, round=1),  # 1.5x
+        race.Row("sluice fp32", 16, 240.0, round=2),
+        race.Row("transformers static batch", 16, 200.0, round=2),  # 1.2x
+    ]
+    race.print_table(rows, [16])
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("sluice fp32 ")).split()[-2:] == ["200.0", "tok/s"]
+    assert next(line for line in lines if line.startswith("transformers")).split()[-2:] == ["100.0", "tok/s"]
+    # the median of 2.5, 1.5 and 1.2, not the medians' ratio (200 / 100)
+    ratio_line = next(line for line in lines if "/ transformers" in line)
+    assert ratio_line.split()[-2:] == ["1.50x", "(1.20-2.50)"]
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        race.parse_args(["--rounds", "0"])
+    assert "--rounds: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_two_round_race_runs_every_engine_each_round_and_probes_each_batch1_floor(tmp_path, capsys):
+    out = tmp_path / "race.json"
+    race.main(
+        ["--concurrency", "1", "2", "--prompt-len", "4", "--max-tokens", "3", "--rounds", "2"]
+        + ["--skip-transformers", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    runs = [(row["engine"], row["concurrency"], row["round"]) for row in result["rows"]]
+    assert runs == [("sluice fp32", c, r) for r in (0, 1) for c in (1, 2)]
+    assert all(row["tokens_per_second"] > 0 for row in result["rows"])
+    floors = result["machine"]["batch1_floors"]
+    assert [f["round"] for f in floors] == [0, 1]
+    weight_bytes = result["machine"]["weight_bytes"]
+    assert all(f["floor"] == pytest.approx(f["read_bandwidth_gbs"] * 1e9 / weight_bytes) for f in floors)
+    printed = capsys.readouterr().out
+    assert printed.count("sluice fp32 at batch 1:") == 2
+    batch1 = [row["tokens_per_second"] for row in result["rows"] if row["concurrency"] == 1]
+    shares = [rate / f["floor"] for rate, f in zip(batch1, floors, strict=True)]
+    median = statistics.median(shares)
+    assert f"of the floor probed before it: {median:.0%} ({shares[0]:.0%}, {shares[1]:.0%})" in printed
+    assert "llama.cpp: skipped: no --llamacpp-python given" in printed

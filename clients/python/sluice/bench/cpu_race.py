@@ -4,6 +4,7 @@ batches) and llama.cpp (llama-cpp-python, batched sequences) on the same GGUF, i
     python -m sluice.bench.cpu_race                                  # 1, 16, 64 concurrent requests
     python -m sluice.bench.cpu_race --llamacpp-python /work/llamacpp-venv/bin/python --json race.json
     python -m sluice.bench.cpu_race --quantization int4              # adds a Sluice int4 column
+    python -m sluice.bench.cpu_race --rounds 3                       # medians of 3 interleaved rounds
 
 Every engine gets the same random 64-token prompts and decodes 64 greedy tokens each (no EOS stop); a
 run's tok/s is its output tokens over its wall time, prefill included. For Sluice the run also gives its
@@ -14,6 +15,12 @@ as is. llama.cpp needs llama-cpp-python, which builds from source, so it lives i
 (`--llamacpp-python`); without one, its column says why. The machine's limits are measured first: read
 bandwidth (a sum over a tensor far larger than the caches), the fp32 GEMM rate, and the batch-1 floor
 they imply for Sluice's fp32 weights (every weight read once per step).
+
+On a shared or virtual machine a run samples the minute it runs in. So the bandwidth is probed again right
+before each Sluice fp32 batch-1 run, whose share of the floor is the floor of its own minute; and
+`--rounds N` repeats the whole sweep N times, the engines in reverse order every other round. The table
+then gives each cell's median over the rounds, and each ratio as the median of the rounds' own ratios
+(engines seconds to minutes apart, not a round apart) with their range.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +56,7 @@ class Row:
     tokens_per_second: float | None
     note: str = ""
     decode_tokens_per_second: float | None = None  # Sluice only: after the first token, see above
+    round: int = 0
 
 
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
@@ -146,24 +156,48 @@ def llamacpp_unavailable_reason(python: str | None) -> str | None:
 
 
 def print_table(rows: list[Row], concurrencies: list[int]) -> None:
+    """Each engine's tok/s at each concurrency (the median over rounds), then Sluice's over each other
+    engine's: with one round the ratio, with several the median of the rounds' own ratios and their range."""
     engines = list(dict.fromkeys(row.engine for row in rows))
-    rate = {(row.engine, row.concurrency): row.tokens_per_second for row in rows}
-    print(f"\n{'engine':<28}" + "".join(f"{f'{c} concurrent':>16}" for c in concurrencies))
+    rates: dict[tuple[str, int], dict[int, float]] = {}
+    for row in rows:
+        if row.tokens_per_second:
+            rates.setdefault((row.engine, row.concurrency), {})[row.round] = row.tokens_per_second
+    print(f"\n{'engine':<42}" + "".join(f"{f'{c} concurrent':>20}" for c in concurrencies))
     for engine in engines:
-        cells = [rate.get((engine, c)) for c in concurrencies]
-        print(f"{engine:<28}" + "".join(f"{'-' if v is None else f'{v:.1f} tok/s':>16}" for v in cells))
+        cells = [rates.get((engine, c)) for c in concurrencies]
+        text = [f"{statistics.median(v.values()):.1f} tok/s" if v else "-" for v in cells]
+        print(f"{engine:<42}" + "".join(f"{t:>20}" for t in text))
     sluice = engines[0]
     for other in engines[1:]:
-        ratios = [
-            f"{rate[(sluice, c)] / rate[(other, c)]:.2f}x"
-            if rate.get((other, c)) and rate.get((sluice, c))
-            else "-"
-            for c in concurrencies
-        ]
-        print(f"{f'{sluice} / {other}':<28}" + "".join(f"{r:>16}" for r in ratios))
+        cells = []
+        for c in concurrencies:
+            ours, theirs = rates.get((sluice, c), {}), rates.get((other, c), {})
+            ratios = [ours[r] / theirs[r] for r in ours.keys() & theirs.keys()]
+            cells.append(_ratio_text(ratios))
+        print(f"{f'{sluice} / {other}':<42}" + "".join(f"{t:>20}" for t in cells))
     for row in rows:
         if row.note:
             print(f"note: {row.engine} at {row.concurrency}: {row.note}")
+
+
+def print_floor_shares(rows: list[Row], floors: list[dict]) -> None:
+    """With several rounds: Sluice fp32's batch-1 rate over the floor probed before it, per round."""
+    batch1 = {r.round: r.tokens_per_second for r in rows if r.engine == "sluice fp32" and r.concurrency == 1}
+    shares = [batch1[f["round"]] / f["floor"] for f in floors if batch1.get(f["round"])]
+    if len(shares) > 1:
+        print(
+            "sluice fp32 at batch 1, of the floor probed before it: "
+            f"{statistics.median(shares):.0%} ({', '.join(f'{share:.0%}' for share in shares)})"
+        )
+
+
+def _ratio_text(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,8 +212,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llamacpp-python", help="python of an environment with llama-cpp-python")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the sweep, interleaved (see above)")
     parser.add_argument("--json", help="write the rows and machine limits here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: must be >= 1, got {args.rounds}")
+    return args
+
+
+Runner = Callable[[list[list[int]]], tuple[float | None, float | None, str]]  # (tok/s, decode tok/s, note)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,57 +233,38 @@ def main(argv: list[str] | None = None) -> None:
     if args.quantization:
         sluices[f"sluice {args.quantization}"] = LLM(dtype="float32", quantization=args.quantization)
     runner = next(iter(sluices.values())).engine.model_runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    embedding = runner.model.model.embed_tokens.weight
-    if runner.model.lm_head.weight is not embedding:  # untied: the lookup reads one row per token
-        weight_bytes -= embedding.numel() * embedding.element_size()
-    floor = bandwidth * 1e9 / weight_bytes  # batch-1 tok/s with every fp32 weight read once per step
+    weight_bytes = fp32_weight_bytes(runner.model)
     print(
         f"torch {torch.__version__}, {threads} threads; read bandwidth {bandwidth:.1f} GB/s, "
         f"fp32 GEMM {gflops:.0f} GFLOP/s; fp32 weights read per step {weight_bytes / 1e6:.0f} MB "
-        f"-> batch-1 floor {floor:.1f} tok/s (fp32)"
+        f"-> batch-1 floor {bandwidth * 1e9 / weight_bytes:.1f} tok/s (fp32)"
     )
     vocab = runner.arch.vocab_size
-    hf_model = None
-    if not args.skip_transformers:
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
-        ).eval()
-    llama_reason = llamacpp_unavailable_reason(args.llamacpp_python)
-    if llama_reason:
-        print(f"llama.cpp: skipped: {llama_reason}")
+    runners = make_runners(args, sluices, model_path, vocab, threads)
     freeze_gc_heap()  # every model loaded, as the engine core process does once its engine is loaded
-    warm = make_prompts(2, 16, vocab, args.seed + 1)
-    for llm in sluices.values():
-        run_sluice(llm, warm, 4)
     rows: list[Row] = []
-    for concurrency in args.concurrency:
-        prompts = make_prompts(concurrency, args.prompt_len, vocab, args.seed + concurrency)
-        for name, llm in sluices.items():
-            rate, decode_rate = run_sluice(llm, prompts, args.max_tokens)
-            rows.append(Row(name, concurrency, rate, decode_tokens_per_second=decode_rate))
-            print(rows[-1], flush=True)
-            if concurrency == 1 and decode_rate is not None and name == "sluice fp32":
-                print(  # the floor is the fp32 weights' (a quantized run reads fewer bytes)
-                    f"{name} at batch 1: {rate / floor:.0%} of the floor with its prefill, "
-                    f"{decode_rate / floor:.0%} decoding ({decode_rate:.1f} tok/s after the first token)"
-                )
-        if hf_model is not None:
-            rows.append(
-                Row(
-                    "transformers static batch",
-                    concurrency,
-                    run_transformers(hf_model, prompts, args.max_tokens),
-                )
-            )
-            print(rows[-1], flush=True)
-        if llama_reason is None:
-            rate, note = run_llamacpp(args.llamacpp_python, model_path, prompts, args.max_tokens, threads)
-            rows.append(Row("llama.cpp (Q4_1 GGUF)", concurrency, rate, note))
-            print(rows[-1], flush=True)
+    floors = []  # probed again right before each round's fp32 batch-1 run
+    for round_index in range(args.rounds):
+        order = list(runners.items()) if round_index % 2 == 0 else list(runners.items())[::-1]
+        for concurrency in args.concurrency:
+            prompts = make_prompts(concurrency, args.prompt_len, vocab, args.seed + concurrency)
+            for name, run in order:
+                at_floor = concurrency == 1 and name == "sluice fp32"
+                if at_floor:
+                    probe = read_bandwidth_gbs()
+                    floor = probe * 1e9 / weight_bytes
+                    floors.append({"round": round_index, "read_bandwidth_gbs": probe, "floor": floor})
+                rate, decode_rate, note = run(prompts)
+                rows.append(Row(name, concurrency, rate, note, decode_rate, round_index))
+                print(rows[-1], flush=True)
+                if at_floor and rate is not None and decode_rate is not None:
+                    print(  # the floor is the fp32 weights' (a quantized run reads fewer bytes)
+                        f"{name} at batch 1: {rate / floor:.0%} of the floor probed before it "
+                        f"({probe:.1f} GB/s -> {floor:.1f} tok/s) with its prefill, "
+                        f"{decode_rate / floor:.0%} decoding ({decode_rate:.1f} tok/s after the first token)"
+                    )
     print_table(rows, args.concurrency)
+    print_floor_shares(rows, floors)
     if args.json:
         machine = {
             "threads": threads,
@@ -251,10 +273,54 @@ def main(argv: list[str] | None = None) -> None:
             "weight_bytes": weight_bytes,
             "cpu_count": os.cpu_count(),
             "python": sys.version.split()[0],
+            "batch1_floors": floors,
         }
         Path(args.json).write_text(
             json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=2)
         )
+
+
+def fp32_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 step reads: every parameter, less the embedding's when lm_head does not
+    share it (the lookup reads one row per token)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    if model.lm_head.weight is not embedding:
+        weight_bytes -= embedding.numel() * embedding.element_size()
+    return weight_bytes
+
+
+def make_runners(
+    args: argparse.Namespace, sluices: dict[str, LLM], model_path: str, vocab_size: int, threads: int
+) -> dict[str, Runner]:
+    """Each engine of the race, by name, as a function of the prompts; Sluice's engines warmed up."""
+    runners: dict[str, Runner] = {}
+    warm = make_prompts(2, 16, vocab_size, args.seed + 1)
+    for name, llm in sluices.items():
+        run_sluice(llm, warm, 4)
+        runners[name] = lambda prompts, llm=llm: (*run_sluice(llm, prompts, args.max_tokens), "")
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+        ).eval()
+        runners["transformers static batch"] = lambda prompts: (
+            run_transformers(hf_model, prompts, args.max_tokens),
+            None,
+            "",
+        )
+    llama_reason = llamacpp_unavailable_reason(args.llamacpp_python)
+    if llama_reason:
+        print(f"llama.cpp: skipped: {llama_reason}")
+    else:
+
+        def run_llama(prompts: list[list[int]]) -> tuple[float | None, None, str]:
+            rate, note = run_llamacpp(args.llamacpp_python, model_path, prompts, args.max_tokens, threads)
+            return rate, None, note
+
+        runners["llama.cpp (Q4_1 GGUF)"] = run_llama
+    return runners
 
 
 if __name__ == "__main__":
