@@ -83,16 +83,29 @@ def test_rounds_must_be_positive(capsys):
     assert "--rounds: must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_a_two_round_race_runs_every_engine_each_round_and_probes_each_batch1_floor(tmp_path, capsys):
+def test_a_two_round_race_runs_every_engine_each_round_on_new_prompts(tmp_path, capsys, monkeypatch):
+    computed = []  # (prompt tokens the engine computed, prompt tokens it was given), per Sluice run
+    run_sluice = race.run_sluice
+
+    def counting_run(llm, prompts, max_tokens):
+        before = llm.engine.core.stats().num_prompt_tokens_computed
+        result = run_sluice(llm, prompts, max_tokens)
+        after = llm.engine.core.stats().num_prompt_tokens_computed
+        computed.append((after - before, sum(len(p) for p in prompts)))
+        return result
+
+    monkeypatch.setattr(race, "run_sluice", counting_run)
     out = tmp_path / "race.json"
-    race.main(
-        ["--concurrency", "1", "2", "--prompt-len", "4", "--max-tokens", "3", "--rounds", "2"]
+    race.main(  # 40-token prompts fill 2 blocks of 16: a repeated prompt would be a prefix-cache hit
+        ["--concurrency", "1", "2", "--prompt-len", "40", "--max-tokens", "3", "--rounds", "2"]
         + ["--skip-transformers", "--json", str(out)]
     )
     result = json.loads(out.read_text())
     runs = [(row["engine"], row["concurrency"], row["round"]) for row in result["rows"]]
     assert runs == [("sluice fp32", c, r) for r in (0, 1) for c in (1, 2)]
     assert all(row["tokens_per_second"] > 0 for row in result["rows"])
+    # the warm-up, then four race runs, each computing every prompt token: none served from the cache
+    assert computed == [(32, 32), (40, 40), (80, 80), (40, 40), (80, 80)]
     floors = result["machine"]["batch1_floors"]
     assert [f["round"] for f in floors] == [0, 1]
     weight_bytes = result["machine"]["weight_bytes"]

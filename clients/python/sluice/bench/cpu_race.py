@@ -18,9 +18,10 @@ they imply for Sluice's fp32 weights (every weight read once per step).
 
 On a shared or virtual machine a run samples the minute it runs in. So the bandwidth is probed again right
 before each Sluice fp32 batch-1 run, whose share of the floor is the floor of its own minute; and
-`--rounds N` repeats the whole sweep N times, the engines in reverse order every other round. The table
-then gives each cell's median over the rounds, and each ratio as the median of the rounds' own ratios
-(engines seconds to minutes apart, not a round apart) with their range.
+`--rounds N` repeats the whole sweep N times, the engines in reverse order every other round, each round
+on new prompts (Sluice's prefix cache would serve a repeat's). The table then gives each cell's median
+over the rounds, and each ratio as the median of the rounds' own ratios (engines seconds to minutes
+apart, not a round apart) with their range. The warm-up's prompts are drawn apart from the race's too.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int | str) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(count)]
 
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_index in range(args.rounds):
         order = list(runners.items()) if round_index % 2 == 0 else list(runners.items())[::-1]
         for concurrency in args.concurrency:
-            prompts = make_prompts(concurrency, args.prompt_len, vocab, args.seed + concurrency)
+            prompts = race_prompts(args, vocab, round_index, concurrency)
             for name, run in order:
                 at_floor = concurrency == 1 and name == "sluice fp32"
                 if at_floor:
@@ -280,6 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         )
 
 
+def race_prompts(
+    args: argparse.Namespace, vocab_size: int, round_index: int, concurrency: int
+) -> list[list[int]]:
+    """The prompts of one round at one concurrency: new in every round, or a repeat would be served from
+    Sluice's prefix cache (round 0's are those of the single-round races before --rounds)."""
+    seed = args.seed + concurrency + 10_000 * round_index
+    return make_prompts(concurrency, args.prompt_len, vocab_size, seed)
+
+
 def fp32_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 step reads: every parameter, less the embedding's when lm_head does not
     share it (the lookup reads one row per token)."""
@@ -295,7 +305,7 @@ def make_runners(
 ) -> dict[str, Runner]:
     """Each engine of the race, by name, as a function of the prompts; Sluice's engines warmed up."""
     runners: dict[str, Runner] = {}
-    warm = make_prompts(2, 16, vocab_size, args.seed + 1)
+    warm = make_prompts(2, 16, vocab_size, f"warm-up {args.seed}")  # no prefix of any race prompt
     for name, llm in sluices.items():
         run_sluice(llm, warm, 4)
         runners[name] = lambda prompts, llm=llm: (*run_sluice(llm, prompts, args.max_tokens), "")
