@@ -1,5 +1,7 @@
 """`python -m sluice.bench.cpu_race`: each engine's runner counts the tokens it produced; the table's
-ratios are Sluice's rate over each other engine's; a missing llama-cpp-python is reported, not fatal."""
+ratios are Sluice's rate over each other engine's (over rounds, the median of each round's own ratio);
+each round runs on prompts Sluice's prefix cache has not seen; a missing llama-cpp-python is reported,
+not fatal."""
 
 from __future__ import annotations
 
