@@ -85,7 +85,7 @@ def test_rounds_must_be_positive(capsys):
     assert "--rounds: must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_a_two_round_race_runs_every_engine_each_round_on_new_prompts(tmp_path, capsys, monkeypatch):
+def test_a_two_round_race_runs_every_engine_each_round_in_turn_on_new_prompts(tmp_path, capsys, monkeypatch):
     computed = []  # (prompt tokens the engine computed, prompt tokens it was given), per Sluice run
     run_sluice = race.run_sluice
 
@@ -100,21 +100,28 @@ def test_a_two_round_race_runs_every_engine_each_round_on_new_prompts(tmp_path, 
     out = tmp_path / "race.json"
     race.main(  # 40-token prompts fill 2 blocks of 16: a repeated prompt would be a prefix-cache hit
         ["--concurrency", "1", "2", "--prompt-len", "40", "--max-tokens", "3", "--rounds", "2"]
-        + ["--skip-transformers", "--json", str(out)]
+        + ["--quantization", "int4", "--skip-transformers", "--json", str(out)]
     )
     result = json.loads(out.read_text())
     runs = [(row["engine"], row["concurrency"], row["round"]) for row in result["rows"]]
-    assert runs == [("sluice fp32", c, r) for r in (0, 1) for c in (1, 2)]
+    fp32, int4 = "sluice fp32", "sluice int4"
+    first = [(fp32, 1, 0), (int4, 1, 0), (fp32, 2, 0), (int4, 2, 0)]
+    second = [(int4, 1, 1), (fp32, 1, 1), (int4, 2, 1), (fp32, 2, 1)]  # the engines in reverse order
+    assert runs == first + second
     assert all(row["tokens_per_second"] > 0 for row in result["rows"])
-    # the warm-up, then four race runs, each computing every prompt token: none served from the cache
-    assert computed == [(32, 32), (40, 40), (80, 80), (40, 40), (80, 80)]
+    # each engine's warm-up, then eight race runs, each computing every prompt token: none from the cache
+    assert computed == [(32, 32)] * 2 + [(40, 40), (40, 40), (80, 80), (80, 80)] * 2
     floors = result["machine"]["batch1_floors"]
     assert [f["round"] for f in floors] == [0, 1]
     weight_bytes = result["machine"]["weight_bytes"]
     assert all(f["floor"] == pytest.approx(f["read_bandwidth_gbs"] * 1e9 / weight_bytes) for f in floors)
     printed = capsys.readouterr().out
     assert printed.count("sluice fp32 at batch 1:") == 2
-    batch1 = [row["tokens_per_second"] for row in result["rows"] if row["concurrency"] == 1]
+    batch1 = [
+        row["tokens_per_second"]
+        for row in result["rows"]
+        if row["concurrency"] == 1 and row["engine"] == fp32
+    ]
     shares = [rate / f["floor"] for rate, f in zip(batch1, floors, strict=True)]
     median = statistics.median(shares)
     assert f"of the floor probed before it: {median:.0%} ({shares[0]:.0%}, {shares[1]:.0%})" in printed
