@@ -1,10 +1,12 @@
 """`python -m sluice.bench.cpu_race`: each engine's runner counts the tokens it produced; the table's
 ratios are Sluice's rate over each other engine's (over rounds, the median of each round's own ratio);
-each round runs on prompts Sluice's prefix cache has not seen; a missing llama-cpp-python is reported,
+each round runs on prompts Sluice's prefix cache has not seen; each Sluice fp32 run is set against the
+floor (sluice/bench/machine_limits.py) probed right before it; a missing llama-cpp-python is reported,
 not fatal."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -13,6 +15,7 @@ import time
 import pytest
 import torch
 from sluice.bench import cpu_race as race
+from sluice.bench import machine_limits as limits
 
 from engine.frontend.llm import LLM
 
@@ -56,9 +59,31 @@ def test_missing_llama_cpp_python_is_a_reason_not_an_error():
 
 
 def test_machine_limits_are_measured():
-    assert race.read_bandwidth_gbs(megabytes=16, repeats=1) > 0.1
-    assert race.gemm_gflops(size=256, repeats=2) > 0.1
-    assert torch.get_num_threads() >= 1
+    assert limits.read_bandwidth_gbs(megabytes=16, repeats=1) > 0.1
+    gemm = limits.gemm_gflops(size=256, repeats=2)
+    assert list(gemm)[1] == "torch" and list(gemm)[0].startswith("numpy (")
+    assert all(rate > 0.1 for rate in gemm.values())
+
+
+def test_linear_flops_count_every_computed_token_and_every_sampled_row(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir)
+    layer_weights = sum(m.weight.numel() for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    model = LLM(llama_dir, dtype="float32", num_blocks=16).engine.model_runner.model
+    # 10 prompt tokens and 4 outputs: 13 tokens through the layers, 4 rows through lm_head
+    expected = 2 * (layer_weights * 13 + hf.lm_head.weight.numel() * 4)
+    assert limits.linear_flops_per_request(model, prompt_len=10, max_tokens=4) == expected
+
+
+def test_the_floor_is_memory_bound_at_batch_1_and_compute_bound_above():
+    # 1 GB of weights at 20 GB/s: 64 steps take 3.2 s; 10 GFLOP a request at 100 GFLOP/s: 0.1 s each
+    roofline = limits.Roofline(20.0, 100.0, weight_bytes=10**9, flops_per_request=10**10, max_tokens=64)
+    assert roofline.tokens_per_second(1) == pytest.approx(64 / 3.2)
+    assert roofline.tokens_per_second(32) == pytest.approx(32 * 64 / 3.2)  # both 3.2 s
+    assert roofline.tokens_per_second(64) == pytest.approx(64 * 64 / 6.4)
+    assert roofline.why(1) == "memory: 1000 MB a step at 20.0 GB/s -> 20.0 tok/s"
+    assert roofline.why(64) == "compute: 640 GFLOP at 100 GFLOP/s -> 640.0 tok/s"
 
 
 def test_rounds_give_median_rates_and_the_median_of_each_rounds_own_ratio(capsys):
@@ -97,6 +122,7 @@ def test_a_two_round_race_runs_every_engine_each_round_in_turn_on_new_prompts(tm
         return result
 
     monkeypatch.setattr(race, "run_sluice", counting_run)
+    monkeypatch.setattr(race, "gemm_gflops", functools.partial(limits.gemm_gflops, size=256))
     out = tmp_path / "race.json"
     race.main(  # 40-token prompts fill 2 blocks of 16: a repeated prompt would be a prefix-cache hit
         ["--concurrency", "1", "2", "--prompt-len", "40", "--max-tokens", "3", "--rounds", "2"]
@@ -111,18 +137,23 @@ def test_a_two_round_race_runs_every_engine_each_round_in_turn_on_new_prompts(tm
     assert all(row["tokens_per_second"] > 0 for row in result["rows"])
     # each engine's warm-up, then eight race runs, each computing every prompt token: none from the cache
     assert computed == [(32, 32)] * 2 + [(40, 40), (40, 40), (80, 80), (80, 80)] * 2
-    floors = result["machine"]["batch1_floors"]
-    assert [f["round"] for f in floors] == [0, 1]
-    weight_bytes = result["machine"]["weight_bytes"]
-    assert all(f["floor"] == pytest.approx(f["read_bandwidth_gbs"] * 1e9 / weight_bytes) for f in floors)
+    machine = result["machine"]
+    floors = machine["floors"]  # one probe before each fp32 run
+    assert [(f["round"], f["concurrency"]) for f in floors] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for f in floors:
+        roofline = limits.Roofline(
+            f["read_bandwidth_gbs"], max(f["gemm_gflops"].values()), machine["weight_bytes"],
+            machine["linear_flops_per_request"], max_tokens=3,
+        )  # fmt: skip
+        assert f["floor"] == pytest.approx(roofline.tokens_per_second(f["concurrency"]))
+        assert f["bound"] == roofline.bound(f["concurrency"])
     printed = capsys.readouterr().out
-    assert printed.count("sluice fp32 at batch 1:") == 2
-    batch1 = [
-        row["tokens_per_second"]
-        for row in result["rows"]
-        if row["concurrency"] == 1 and row["engine"] == fp32
-    ]
-    shares = [rate / f["floor"] for rate, f in zip(batch1, floors, strict=True)]
-    median = statistics.median(shares)
-    assert f"of the floor probed before it: {median:.0%} ({shares[0]:.0%}, {shares[1]:.0%})" in printed
+    rates = {
+        (r["round"], r["concurrency"]): r["tokens_per_second"] for r in result["rows"] if r["engine"] == fp32
+    }
+    for c in (1, 2):
+        assert printed.count(f"sluice fp32 at {c}: ") == 2
+        shares = [rates[f["round"], c] / f["floor"] for f in floors if f["concurrency"] == c]
+        listed = f"{statistics.median(shares):.0%} ({shares[0]:.0%}, {shares[1]:.0%})"
+        assert f"sluice fp32 at {c}, of the floor probed before it: {listed}" in printed
     assert "llama.cpp: skipped: no --llamacpp-python given" in printed

@@ -13,15 +13,15 @@ finish, which at batch 1 is the steady decode step the bandwidth floor describes
 Sluice and transformers run in float32 on the GGUF's dequantized weights; llama.cpp runs the Q4_1 file
 as is. llama.cpp needs llama-cpp-python, which builds from source, so it lives in its own environment
 (`--llamacpp-python`); without one, its column says why. The machine's limits are measured first: read
-bandwidth (a sum over a tensor far larger than the caches), the fp32 GEMM rate, and the batch-1 floor
-they imply for Sluice's fp32 weights (every weight read once per step).
+bandwidth, the fp32 GEMM rate of torch's BLAS and numpy's, and the floor they set on each run of Sluice's
+fp32 weights (sluice/bench/machine_limits.py: memory-bound at batch 1, compute-bound from a few rows up).
 
-On a shared or virtual machine a run samples the minute it runs in. So the bandwidth is probed again right
-before each Sluice fp32 batch-1 run, whose share of the floor is the floor of its own minute; and
-`--rounds N` repeats the whole sweep N times, the engines in reverse order every other round, each round
-on new prompts (Sluice's prefix cache would serve a repeat's). The table then gives each cell's median
-over the rounds, and each ratio as the median of the rounds' own ratios (engines seconds to minutes
-apart, not a round apart) with their range. The warm-up's prompts are drawn apart from the race's too.
+On a shared or virtual machine a run samples the minute it runs in. So the limits are probed again right
+before each Sluice fp32 run, whose share of the floor is the floor of its own minute; and `--rounds N`
+repeats the whole sweep N times, the engines in reverse order every other round, each round on new
+prompts (Sluice's prefix cache would serve a repeat's). The table then gives each cell's median over the
+rounds, and each ratio as the median of the rounds' own ratios (engines seconds to minutes apart, not a
+round apart) with their range. The warm-up's prompts are drawn apart from the race's too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ from engine.core.threads import configure_torch_threads
 from engine.frontend.llm import LLM
 from engine.loading.default_model import default_model_path
 from engine.sampling_params import SamplingParams
+from sluice.bench.machine_limits import (
+    Roofline,
+    fp32_weight_bytes,
+    gemm_gflops,
+    linear_flops_per_request,
+    read_bandwidth_gbs,
+)
 
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
 
@@ -58,27 +65,6 @@ class Row:
     note: str = ""
     decode_tokens_per_second: float | None = None  # Sluice only: after the first token, see above
     round: int = 0
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Best of `repeats` sums over a float32 tensor of `megabytes` (GB/s read)."""
-    x = torch.ones(megabytes * 2**20 // 4)
-    best = min(_seconds(lambda: x.sum()) for _ in range(repeats))
-    return x.numel() * 4 / best / 1e9
-
-
-def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best of `repeats` float32 [size, size] x [size, size] matmuls (GFLOP/s)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up: MKL's first call sets itself up
-    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
-    return 2 * size**3 / best / 1e9
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int | str) -> list[list[int]]:
@@ -183,14 +169,19 @@ def print_table(rows: list[Row], concurrencies: list[int]) -> None:
 
 
 def print_floor_shares(rows: list[Row], floors: list[dict]) -> None:
-    """With several rounds: Sluice fp32's batch-1 rate over the floor probed before it, per round."""
-    batch1 = {r.round: r.tokens_per_second for r in rows if r.engine == "sluice fp32" and r.concurrency == 1}
-    shares = [batch1[f["round"]] / f["floor"] for f in floors if batch1.get(f["round"])]
-    if len(shares) > 1:
-        print(
-            "sluice fp32 at batch 1, of the floor probed before it: "
-            f"{statistics.median(shares):.0%} ({', '.join(f'{share:.0%}' for share in shares)})"
-        )
+    """With several rounds: each Sluice fp32 run's rate over the floor probed before it, by concurrency."""
+    rates = {(r.round, r.concurrency): r.tokens_per_second for r in rows if r.engine == "sluice fp32"}
+    for concurrency in dict.fromkeys(f["concurrency"] for f in floors):
+        shares = [
+            rates[f["round"], concurrency] / f["floor"]
+            for f in floors
+            if f["concurrency"] == concurrency and rates.get((f["round"], concurrency))
+        ]
+        if len(shares) > 1:
+            print(
+                f"sluice fp32 at {concurrency}, of the floor probed before it: "
+                f"{statistics.median(shares):.0%} ({', '.join(f'{share:.0%}' for share in shares)})"
+            )
 
 
 def _ratio_text(ratios: list[float]) -> str:
@@ -229,56 +220,83 @@ def main(argv: list[str] | None = None) -> None:
     threads = configure_torch_threads(args.threads)
     retain_freed_memory()  # as the engine core process does; transformers, in this process, gains too
     model_path = default_model_path()
-    bandwidth, gflops = read_bandwidth_gbs(), gemm_gflops()
     sluices = {"sluice fp32": LLM(dtype="float32")}
     if args.quantization:
         sluices[f"sluice {args.quantization}"] = LLM(dtype="float32", quantization=args.quantization)
     runner = next(iter(sluices.values())).engine.model_runner
-    weight_bytes = fp32_weight_bytes(runner.model)
+    model, vocab = runner.model, runner.arch.vocab_size
+    weight_bytes = fp32_weight_bytes(model)
+    flops = linear_flops_per_request(model, args.prompt_len, args.max_tokens)
+
+    roofline, gemm = probe_roofline(weight_bytes, flops, args.max_tokens)
     print(
-        f"torch {torch.__version__}, {threads} threads; read bandwidth {bandwidth:.1f} GB/s, "
-        f"fp32 GEMM {gflops:.0f} GFLOP/s; fp32 weights read per step {weight_bytes / 1e6:.0f} MB "
-        f"-> batch-1 floor {bandwidth * 1e9 / weight_bytes:.1f} tok/s (fp32)"
+        f"torch {torch.__version__}, {threads} threads; "
+        f"read bandwidth {roofline.read_bandwidth_gbs:.1f} GB/s; "
+        f"fp32 GEMM {', '.join(f'{name} {rate:.0f}' for name, rate in gemm.items())} GFLOP/s; "
+        f"fp32 weights read per step {weight_bytes / 1e6:.0f} MB, linears {flops / 1e9:.1f} GFLOP a request "
+        f"-> floor {', '.join(f'{roofline.tokens_per_second(c):.1f}' for c in args.concurrency)} tok/s "
+        f"at {', '.join(map(str, args.concurrency))} (fp32)"
     )
-    vocab = runner.arch.vocab_size
+    machine = {
+        "threads": threads,
+        "read_bandwidth_gbs": roofline.read_bandwidth_gbs,
+        "gemm_gflops": gemm,
+        "weight_bytes": weight_bytes,
+        "linear_flops_per_request": flops,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "floors": [],  # probed again right before each Sluice fp32 run
+    }
     runners = make_runners(args, sluices, model_path, vocab, threads)
     freeze_gc_heap()  # every model loaded, as the engine core process does once its engine is loaded
     rows: list[Row] = []
-    floors = []  # probed again right before each round's fp32 batch-1 run
     for round_index in range(args.rounds):
         order = list(runners.items()) if round_index % 2 == 0 else list(runners.items())[::-1]
         for concurrency in args.concurrency:
             prompts = race_prompts(args, vocab, round_index, concurrency)
             for name, run in order:
-                at_floor = concurrency == 1 and name == "sluice fp32"
-                if at_floor:
-                    probe = read_bandwidth_gbs()
-                    floor = probe * 1e9 / weight_bytes
-                    floors.append({"round": round_index, "read_bandwidth_gbs": probe, "floor": floor})
+                if name == "sluice fp32":
+                    roofline, gemm = probe_roofline(weight_bytes, flops, args.max_tokens)
+                    machine["floors"].append(floor_record(round_index, concurrency, roofline, gemm))
                 rate, decode_rate, note = run(prompts)
                 rows.append(Row(name, concurrency, rate, note, decode_rate, round_index))
                 print(rows[-1], flush=True)
-                if at_floor and rate is not None and decode_rate is not None:
-                    print(  # the floor is the fp32 weights' (a quantized run reads fewer bytes)
-                        f"{name} at batch 1: {rate / floor:.0%} of the floor probed before it "
-                        f"({probe:.1f} GB/s -> {floor:.1f} tok/s) with its prefill, "
-                        f"{decode_rate / floor:.0%} decoding ({decode_rate:.1f} tok/s after the first token)"
-                    )
+                if name == "sluice fp32" and rate is not None:
+                    print_share(name, concurrency, rate, decode_rate, roofline)
     print_table(rows, args.concurrency)
-    print_floor_shares(rows, floors)
+    print_floor_shares(rows, machine["floors"])
     if args.json:
-        machine = {
-            "threads": threads,
-            "read_bandwidth_gbs": bandwidth,
-            "gemm_gflops": gflops,
-            "weight_bytes": weight_bytes,
-            "cpu_count": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "batch1_floors": floors,
-        }
         Path(args.json).write_text(
             json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=2)
         )
+
+
+def probe_roofline(weight_bytes: int, flops: int, max_tokens: int) -> tuple[Roofline, dict[str, float]]:
+    """The machine's limits this minute, and each library's GEMM rate."""
+    gemm = gemm_gflops()  # first: numpy's BLAS threads must be idle by the bandwidth probe and the run
+    return Roofline(read_bandwidth_gbs(), max(gemm.values()), weight_bytes, flops, max_tokens), gemm
+
+
+def floor_record(round_index: int, concurrency: int, roofline: Roofline, gemm: dict[str, float]) -> dict:
+    return {
+        "round": round_index,
+        "concurrency": concurrency,
+        "read_bandwidth_gbs": roofline.read_bandwidth_gbs,
+        "gemm_gflops": gemm,
+        "bound": roofline.bound(concurrency),
+        "floor": roofline.tokens_per_second(concurrency),
+    }
+
+
+def print_share(name: str, concurrency: int, rate: float, decode: float | None, roofline: Roofline) -> None:
+    """A run's rate against the floor probed right before it (of the fp32 weights: a quantized run reads
+    fewer bytes); at batch 1 also its decode rate after the first token, against the same floor."""
+    floor = roofline.tokens_per_second(concurrency)
+    text = f"{name} at {concurrency}: {rate / floor:.0%} of the floor probed before it "
+    text += f"({roofline.why(concurrency)})"
+    if concurrency == 1 and decode is not None:
+        text += f"; {decode / floor:.0%} decoding ({decode:.1f} tok/s after the first token)"
+    print(text)
 
 
 def race_prompts(
@@ -288,16 +306,6 @@ def race_prompts(
     Sluice's prefix cache (round 0's are those of the single-round races before --rounds)."""
     seed = args.seed + concurrency + 10_000 * round_index
     return make_prompts(concurrency, args.prompt_len, vocab_size, seed)
-
-
-def fp32_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 step reads: every parameter, less the embedding's when lm_head does not
-    share it (the lookup reads one row per token)."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embedding = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embedding:
-        weight_bytes -= embedding.numel() * embedding.element_size()
-    return weight_bytes
 
 
 def make_runners(
