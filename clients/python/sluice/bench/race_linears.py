@@ -5,10 +5,10 @@ process (OpenBLAS's threads busy-wait after a call and would slow the other), ta
 
     python -m sluice.bench.race_linears --rounds 3                   # 64 requests, as the race's 64 x 64
 
-The workload is shaped as Sluice schedules it: the requests' prompt tokens in steps of up to
-`--token-budget` rows through every layer's linears (qkv, o, gate_up, down) and lm_head for the rows of
-requests whose prompt ends in that step, then max_tokens - 1 decode steps of one row a request through
-the layers and lm_head. Its FLOPs are the race's (sluice.bench.machine_limits.linear_flops_per_request).
+The workload is shaped like Sluice's schedule of it, with the same FLOPs: the requests' prompt tokens in
+steps of up to `--token-budget` rows through every layer's linears (qkv, o, gate_up, down) and lm_head for
+the rows of requests whose prompt ends in that step, then max_tokens - 1 decode steps of one row a request
+through the layers and lm_head (sluice.bench.machine_limits.linear_flops_per_request counts the same).
 The weights are random, of the embedded SmolLM2-135M's shapes, a set per layer as in the model (they do
 not fit in the caches); lm_head is the vocabulary's [vocab, hidden].
 """
