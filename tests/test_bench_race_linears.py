@@ -1,6 +1,6 @@
-"""`python -m sluice.bench.race_linears`: the race's workload as the engine schedules it, its FLOPs equal to
-the race's floor's count on the real model, both libraries computing x @ W^T, and a whole run in child
-processes reporting each library."""
+"""`python -m sluice.bench.race_linears`: the race's workload shaped like the engine's schedule, its
+FLOPs equal to the race's floor's count on the real model, both libraries computing x @ W^T, and a whole
+run in child processes reporting each library."""
 
 from __future__ import annotations
 
