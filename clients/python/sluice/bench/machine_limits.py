@@ -36,14 +36,15 @@ def gemm_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
     """Best of `repeats` float32 [size, size] x [size, size] matmuls in torch and in numpy (GFLOP/s), by
     library."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    products = {f"numpy ({_numpy_blas()})": lambda: a.numpy() @ b.numpy(), "torch": lambda: a @ b}
-    rates = {}
-    for name, product in products.items():
+
+    def gflops(product) -> float:
         product()  # warm-up: a BLAS's first call sets itself up
-        rates[name] = 2 * size**3 / min(_seconds(product) for _ in range(repeats)) / 1e9
-        # OpenBLAS's threads busy-wait about 0.1 s after a call: torch's GEMM right after ran at half speed
-        time.sleep(0.5)
-    return rates
+        return 2 * size**3 / min(_seconds(product) for _ in range(repeats)) / 1e9
+
+    numpy_rate = gflops(lambda: a.numpy() @ b.numpy())
+    # OpenBLAS's threads busy-wait about 0.1 s after a call: torch's GEMM right after ran at half speed
+    time.sleep(0.5)
+    return {f"numpy ({_numpy_blas()})": numpy_rate, "torch": gflops(lambda: a @ b)}
 
 
 def _numpy_blas() -> str:
