@@ -27,7 +27,7 @@ lint: venv
 # The C++ CPU kernels, built once into .build/ (later runs find them built): before the tests and the
 # server, so no engine process compiles on its first step.
 kernels: venv
-	$(PY) -m kernels.cpu_extension
+	$(PY) -m sluice.kernels.cpu_extension
 
 test: venv toolchains lint kernels
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
@@ -58,14 +58,14 @@ gpu-check:
 # prefix caching / chunked prefill off, and against the in-process engine; tables, JSON and PNGs in
 # bench-results/ (about 5 minutes on 2 CPU cores).
 bench: venv
-	$(PY) -m sluice.bench.baselines --out bench-results $(ARGS)
-	$(PY) -m sluice.bench.serving_overhead --json bench-results/serving_overhead.json
+	$(PY) -m sluice.benchmarks.serving.baselines --out bench-results $(ARGS)
+	$(PY) -m sluice.benchmarks.serving.serving_overhead --json bench-results/serving_overhead.json
 
 # `sluice serve` over gRPC against the offline LLM on the embedded SmolLM2-135M, concurrency 1, 16, 64
 # (about 4 minutes on 2 CPU cores).
 bench-serving: venv
 	mkdir -p bench-results
-	$(PY) -m sluice.bench.serving_overhead --json bench-results/serving_overhead.json $(ARGS)
+	$(PY) -m sluice.benchmarks.serving.serving_overhead --json bench-results/serving_overhead.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .tools .build clients/go/build clients/java/build

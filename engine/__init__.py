@@ -1,8 +1,8 @@
 """Sluice engine: paged KV cache, continuous batching, chunked prefill, prefix caching."""
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sluice.engine.outputs import EngineStats, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 __all__ = [
     "CacheConfig",

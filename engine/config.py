@@ -20,8 +20,8 @@ class ModelConfig:
     """Where the weights come from and how they are held.
 
     `model` is a Hugging Face directory or a `.gguf` file; None means the embedded default model.
-    With `load_format="dummy"`, `preset` names a shape from `engine.loading.presets` (or `model` points at a
-    directory whose config.json gives the shape) and the weights are random.
+    With `load_format="dummy"`, `preset` names a shape from `sluice.engine.loading.presets` (or `model` points
+    at a directory whose config.json gives the shape) and the weights are random.
     """
 
     model: str | None = None

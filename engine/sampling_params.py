@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from engine.structured.constraint import Constraint
+from sluice.engine.structured.constraint import Constraint
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # samples of one prompt

@@ -15,19 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_extension import require_cpu_extension
+from sluice.kernels.cpu_extension import require_cpu_extension
 
 EXTENSION = "cpu_decoder_stack"
 # A quantized projection as the stack's C++ side takes it: (weight, scales, group_size, max_rows), see
-# `engine.worker.layers.quantization`.
+# `sluice.engine.worker.layers.quantization`.
 QuantizedArgs = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 @dataclass(frozen=True)
 class StackLayer:
     """One layer as the stack runs it: its weights as the kernels read them (norms [hidden]; projections
-    packed in column panels by `kernels.cpu_packed_linear.pack_weight`; qkv_bias [q_size + 2 * kv_size] or
-    None), its attention's sliding window (None: the whole context), and the projections' quantized forms
+    packed in column panels by `sluice.kernels.cpu_packed_linear.pack_weight`; qkv_bias [q_size + 2 * kv_size]
+    or None), its attention's sliding window (None: the whole context), and the projections' quantized forms
     (qkv, o, gate_up, down: each None or `QuantizedWeight.kernel_args()`)."""
 
     input_norm: torch.Tensor

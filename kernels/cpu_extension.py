@@ -8,10 +8,10 @@ change). Concurrent first builds are serialised by torch's lock file in that dir
 
 `load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
 build directory that cannot be made, a failed build); `cpu_extension_available(name)` says whether it loaded;
-`cpu_extension_unavailable_reason(name)` says why not without raising. `python -m kernels.cpu_extension`
-builds every one up front, as many at once as there are cores (`make test` and `make serve` run it), so
-no engine process compiles on its first step (minutes on 2 busy cores, past the frontend's liveness
-timeout).
+`cpu_extension_unavailable_reason(name)` says why not without raising. `python -m
+sluice.kernels.cpu_extension` builds every one up front, as many at once as there are cores (`make test` and
+`make serve` run it), so no engine process compiles on its first step (minutes on 2 busy cores, past the
+frontend's liveness timeout).
 
 `SLUICE_CPU_MARCH` compiles for a named target instead of this CPU (GCC's -march: `x86-64-v3` for any
 AVX2 host, `x86-64-v4` for AVX-512, `armv8.2-a` ...), and the tag names that target in place of the CPU's

@@ -21,8 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import cpu_extension_unavailable_reason, load_cpu_extension, require_cpu_extension
-from kernels.tensor_checks import check_shape, check_tensor
+from sluice.kernels.cpu_extension import (
+    cpu_extension_unavailable_reason,
+    load_cpu_extension,
+    require_cpu_extension,
+)
+from sluice.kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_packed_linear"
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ and each row sees the positions up to its own. K/V are read in place from the ca
     context position p  ->  k_cache[block_tables[s][p // 4], p % 4, kv_head, :]
 
 The new tokens' K/V must already be in the cache: the backend writes them first with `cpu_store_kv` (the
-same contract as the Triton `kernels.store_kv`, whose `store_kv_reference` is its reference too).
+same contract as the Triton `sluice.kernels.store_kv`, whose `store_kv_reference` is its reference too).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
-from kernels.tensor_checks import (
+from sluice.kernels.cpu_extension import load_cpu_extension, require_cpu_extension
+from sluice.kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
     check_store_kv_args,

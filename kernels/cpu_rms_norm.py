@@ -1,5 +1,5 @@
 """RMSNorm with the residual add fused, float32 on CPU (the C++ kernel in `cpu_rms_norm.h`), and its
-launcher. Its reference is `kernels.rms_norm.rms_norm_reference` (transformers' LlamaRMSNorm recipe):
+launcher. Its reference is `sluice.kernels.rms_norm.rms_norm_reference` (transformers' LlamaRMSNorm recipe):
 
     with residual:  residual_out = x + residual;  out = norm(residual_out)
     without:        residual_out = x;             out = norm(x)
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
-from kernels.tensor_checks import check_shape, check_tensor
+from sluice.kernels.cpu_extension import load_cpu_extension, require_cpu_extension
+from sluice.kernels.tensor_checks import check_shape, check_tensor
 
 EXTENSION = "cpu_rms_norm"
 CPU = torch.device("cpu")

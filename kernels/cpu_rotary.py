@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
-from kernels.tensor_checks import check_rotary_args
+from sluice.kernels.cpu_extension import load_cpu_extension, require_cpu_extension
+from sluice.kernels.tensor_checks import check_rotary_args
 
 EXTENSION = "cpu_rotary"
 CPU = torch.device("cpu")

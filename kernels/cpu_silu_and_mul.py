@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import load_cpu_extension, require_cpu_extension
-from kernels.tensor_checks import check_tensor
+from sluice.kernels.cpu_extension import load_cpu_extension, require_cpu_extension
+from sluice.kernels.tensor_checks import check_tensor
 
 EXTENSION = "cpu_silu_and_mul"
 CPU = torch.device("cpu")

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_tile import attend_paged_tile
-from kernels.tensor_checks import (
+from sluice.kernels.paged_attention_tile import attend_paged_tile
+from sluice.kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
     check_shape,

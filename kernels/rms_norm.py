@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor, output_like
+from sluice.kernels.tensor_checks import (
+    FLOAT_DTYPES,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    output_like,
+)
 
 
 @triton.jit

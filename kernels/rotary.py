@@ -3,7 +3,7 @@
     cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)]        [max_position, head_dim] fp32
     x = [x1 | x2]  (halves of head_dim)  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 
-The table comes from `engine.worker.layers.rotary.build_cos_sin_cache` (plain, or "llama3" scaled
+The table comes from `sluice.engine.worker.layers.rotary.build_cos_sin_cache` (plain, or "llama3" scaled
 frequencies).
 """
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import check_rotary_args, output_like
+from sluice.kernels.tensor_checks import check_rotary_args, output_like
 
 
 @triton.jit

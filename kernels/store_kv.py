@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import check_store_kv_args
+from sluice.kernels.tensor_checks import check_store_kv_args
 
 
 @triton.jit

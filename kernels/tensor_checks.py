@@ -104,7 +104,7 @@ def check_rotary_args(positions, q, k, cos_sin_cache) -> None:
 
 
 def check_store_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """The arguments of a K/V store (Triton `kernels.store_kv` and the C++ CPU one): k, v [num_tokens,
+    """The arguments of a K/V store (Triton `sluice.kernels.store_kv` and the C++ CPU one): k, v [num_tokens,
     num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping int64."""
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_kv_heads, head_dim = k.shape

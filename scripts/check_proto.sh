@@ -26,7 +26,7 @@ trap 'rm -rf "$fresh"' EXIT
 scripts/gen_proto_all.sh "$fresh"
 stale=0
 # committed directory : its freshly generated twin (only generated files live in these directories)
-for dir in clients/python/sluice/v1 service/stubs clients/go/sluice/v1 clients/java/src/main/java/ai/sluice/v1; do
+for dir in clients/python/sluice/v1 clients/go/sluice/v1; do
     if ! diff -r -q --exclude=__init__.py --exclude=__pycache__ "$fresh/$dir" "$dir"; then
         stale=1
     fi

@@ -40,9 +40,9 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from engine.loading.presets import preset_arch  # noqa: E402
-from engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
-from kernels import paged_decode_attention, prefill_attention, rms_norm, rotary, store_kv  # noqa: E402
+from sluice.engine.loading.presets import preset_arch  # noqa: E402
+from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
+from sluice.kernels import paged_decode_attention, prefill_attention, rms_norm, rotary, store_kv  # noqa: E402
 
 # Shapes that exercise the kernels' constexpr choices: head_dim 64 and 128, GQA 4 and 7, MHA, a head
 # count and hidden size that are not powers of two. The first one is also checked in every dtype.

@@ -29,10 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]
-
-from gpu_benchmarks import (  # noqa: E402
+from sluice.benchmarks.gpu.gpu_benchmarks import (
     BENCH_CONTEXT,
     BLOCK_SIZE,
     GRAPH_MAX_REL_DIFF,
@@ -46,10 +43,11 @@ from gpu_benchmarks import (  # noqa: E402
     random_kv_caches,
     triton_model,
 )
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.models.llama import LlamaForCausalLM
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from engine.worker.input_batch import build_model_inputs  # noqa: E402
-from engine.worker.models.llama import LlamaForCausalLM  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 KERNEL_TESTS = (
     "tests/test_kernels_store_kv.py",
@@ -124,8 +122,8 @@ def check_parity(
     """Our Triton model vs transformers on one tiny checkpoint: prefill logits and greedy tokens."""
     from transformers import LlamaForCausalLM as HfLlama
 
-    from engine.config import ModelConfig
-    from engine.loading.model_loader import load_model_source
+    from sluice.engine.config import ModelConfig
+    from sluice.engine.loading.model_loader import load_model_source
 
     with tempfile.TemporaryDirectory() as directory, torch.inference_mode():
         _save_tiny_checkpoint(directory)

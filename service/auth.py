@@ -1,5 +1,5 @@
 """API-key authentication: every call must carry `authorization: Bearer <key>` metadata; the key
-names the caller's tenant (service.tenants).
+names the caller's tenant (sluice.service.tenants).
 
 Health checks are exempt, so load balancers and probes need no key.
 """
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
-from service.stream_refusal import drain_request_stream
-from service.tenants import Tenant, TenantDirectory
+from sluice.service.stream_refusal import drain_request_stream
+from sluice.service.tenants import Tenant, TenantDirectory
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _BEARER = "bearer "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.tenants import Tenant
+from sluice.service.tenants import Tenant
 
 Metadata = Sequence[tuple[str, str | bytes]]
 

@@ -16,11 +16,11 @@ from types import ModuleType
 # name -> (module, help)
 COMMANDS = {
     "serve": (
-        "service.serve_command",
+        "sluice.service.serve_command",
         "Serve a model over gRPC (health, reflection, /metrics, OpenTelemetry via OTEL_* variables).",
     ),
     "generate": (
-        "service.generate_command",
+        "sluice.service.generate_command",
         "Stream an answer from a Sluice server (the prompt is a chat message unless --raw); "
         "tokens/s and time to first token go to stderr.",
     ),

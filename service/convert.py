@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
-from engine.model_info import ModelInfo
-from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
-from engine.sampling_params import SamplingParams
-from engine.structured.constraint import Constraint
-from engine.structured.tool_calls import Tool, ToolUse
-from service.stubs import sluice_pb2 as pb
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.tool_calls import Tool, ToolUse
+from sluice.v1 import sluice_pb2 as pb
 
 # Scalar SamplingParams fields that are proto3 `optional`: copied only when the caller set them.
 _OPTIONAL_SAMPLING_FIELDS = (

@@ -7,19 +7,19 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from engine.errors import InvalidRequestError
-from engine.frontend.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured.tool_calls import ToolUse
-from service import convert
-from service.caller import Caller
-from service.metrics import ServerMetrics
-from service.request_cancel import ABORT, TIMEOUT, RequestCancel
-from service.status import RequestFailedError, RequestTimeoutError
-from service.stubs import sluice_pb2 as pb
-from service.tenant_limits import TenantLimiter, TenantOverLimitError
-from service.tracing import RequestTracer
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import ToolUse
+from sluice.service import convert
+from sluice.service.caller import Caller
+from sluice.service.metrics import ServerMetrics
+from sluice.service.request_cancel import ABORT, TIMEOUT, RequestCancel
+from sluice.service.status import RequestFailedError, RequestTimeoutError
+from sluice.service.tenant_limits import TenantLimiter, TenantOverLimitError
+from sluice.service.tracing import RequestTracer
+from sluice.v1 import sluice_pb2 as pb
 
 
 class GenerationRunner:

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats, RequestOutput
-from service.tenants import DEFAULT_TENANT
+from sluice.engine.outputs import EngineStats, RequestOutput
+from sluice.service.tenants import DEFAULT_TENANT
 
 # Latency buckets in seconds: sub-millisecond decode steps up to minute-long requests.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -150,7 +150,7 @@ class ServerMetrics:
         self.inter_token_latency = histogram("sluice_inter_token_latency_seconds", "Between output tokens.")
         self.e2e_latency = histogram("sluice_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("sluice_queue_time_seconds", "Arrival to first scheduled.")
-        # Per tenant (service.tenants; "default" without --api-keys).
+        # Per tenant (sluice.service.tenants; "default" without --api-keys).
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens of finished requests.", ["tenant"], registry=r
         )

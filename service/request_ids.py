@@ -18,8 +18,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.errors import SluiceError, UnknownRequestError
-from service.request_cancel import ABORT, RequestCancel
+from sluice.engine.errors import SluiceError, UnknownRequestError
+from sluice.service.request_cancel import ABORT, RequestCancel
 
 REMEMBER_S = 30.0
 MAX_REMEMBERED = 10_000

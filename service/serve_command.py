@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 
-from engine.config import (
+from sluice.engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     LOAD_FORMATS,
@@ -22,11 +22,11 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.errors import EngineDeadError
-from engine.frontend.async_engine import AsyncEngine
-from service.server import ServerConfig, SluiceServer, TlsConfig
-from service.tenants import TenantDirectory
-from service.tracing import tracer_provider_from_env
+from sluice.engine.errors import EngineDeadError
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.service.server import ServerConfig, SluiceServer, TlsConfig
+from sluice.service.tenants import TenantDirectory
+from sluice.service.tracing import tracer_provider_from_env
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 
@@ -51,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face directory, .gguf file or packaged model name such as gemma3-270m "
         "(default: the embedded SmolLM2)",
     )
-    source.add_argument("--preset", help="random weights in a named shape (engine.loading.presets)")
+    source.add_argument("--preset", help="random weights in a named shape (sluice.engine.loading.presets)")
     parser.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,

@@ -27,12 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from engine.frontend.async_engine import AsyncEngine
-from service.auth import HEALTH_SERVICE, ApiKeyInterceptor
-from service.metrics import ServerMetrics
-from service.servicer import InferenceServicer
-from service.stubs import sluice_pb2, sluice_pb2_grpc
-from service.tenants import TenantDirectory
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
+from sluice.service.metrics import ServerMetrics
+from sluice.service.servicer import InferenceServicer
+from sluice.service.tenants import TenantDirectory
+from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

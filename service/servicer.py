@@ -1,4 +1,4 @@
-"""sluice.v1.InferenceService: thin async handlers over the engine; errors map in service.status."""
+"""sluice.v1.InferenceService: thin async handlers over the engine; errors map in sluice.service.status."""
 
 from __future__ import annotations
 
@@ -9,23 +9,23 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from engine.errors import InvalidRequestError
-from engine.frontend.async_engine import AsyncEngine
-from service import convert
-from service.auth import authenticate
-from service.caller import Caller
-from service.generation import GenerationRunner
-from service.metrics import ServerMetrics
-from service.request_cancel import ABORT
-from service.request_ids import RequestIds
-from service.status import ServiceUnavailableError, UnauthenticatedError, rpc_errors
-from service.stream_refusal import drain_request_stream
-from service.stream_session import StreamSession
-from service.stubs import sluice_pb2 as pb
-from service.stubs import sluice_pb2_grpc as pb_grpc
-from service.tenant_limits import TenantLimiter
-from service.tenants import TenantDirectory
-from service.tracing import RequestTracer
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.service import convert
+from sluice.service.auth import authenticate
+from sluice.service.caller import Caller
+from sluice.service.generation import GenerationRunner
+from sluice.service.metrics import ServerMetrics
+from sluice.service.request_cancel import ABORT
+from sluice.service.request_ids import RequestIds
+from sluice.service.status import ServiceUnavailableError, UnauthenticatedError, rpc_errors
+from sluice.service.stream_refusal import drain_request_stream
+from sluice.service.stream_session import StreamSession
+from sluice.service.tenant_limits import TenantLimiter
+from sluice.service.tenants import TenantDirectory
+from sluice.service.tracing import RequestTracer
+from sluice.v1 import sluice_pb2 as pb
+from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):

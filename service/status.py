@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from engine.errors import ContextLengthError, EngineDeadError, QueueFullError, UnknownRequestError
-from service.request_ids import RequestIdInUseError
-from service.tenant_limits import TenantOverLimitError
+from sluice.engine.errors import ContextLengthError, EngineDeadError, QueueFullError, UnknownRequestError
+from sluice.service.request_ids import RequestIdInUseError
+from sluice.service.tenant_limits import TenantOverLimitError
 
 logger = logging.getLogger(__name__)
 

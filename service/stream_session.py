@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from service.caller import Caller
-from service.generation import GenerationRunner
-from service.request_ids import RequestIdInUseError
-from service.status import ServiceUnavailableError, StatusRecorder, failure_status
-from service.stubs import sluice_pb2 as pb
+from sluice.service.caller import Caller
+from sluice.service.generation import GenerationRunner
+from sluice.service.request_ids import RequestIdInUseError
+from sluice.service.status import ServiceUnavailableError, StatusRecorder, failure_status
+from sluice.v1 import sluice_pb2 as pb
 
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"

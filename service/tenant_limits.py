@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import SluiceError
-from service.tenants import Tenant
+from sluice.engine.errors import SluiceError
+from sluice.service.tenants import Tenant
 
 # A concurrency slot frees when some request ends: unknown when, so a short fixed hint.
 CONCURRENCY_PUSHBACK_MS = 500

@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 

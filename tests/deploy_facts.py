@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.outputs import EngineStats
-from service.cli import build_parser, load_commands
-from service.metrics import ServerMetrics
+from sluice.engine.outputs import EngineStats
+from sluice.service.cli import build_parser, load_commands
+from sluice.service.metrics import ServerMetrics
 
 
 def parse_sluice_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from sluice.engine.worker.attention.metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 # The interpreter runs on numpy, which has no bfloat16: CPU checks float32, a GPU also bfloat16.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler.scheduler import Scheduler
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 
 VOCAB = 1000
 

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 
 import grpc
 import uvloop
-from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.frontend.async_engine import AsyncEngine
-from engine.outputs import EngineStats
-from service.server import ServerConfig, SluiceServer
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.outputs import EngineStats
+from sluice.service.server import ServerConfig, SluiceServer
+from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 

@@ -13,13 +13,13 @@ import threading
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core.faults import ENV_VAR as FAULT_VAR
-from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
-from engine.frontend.async_engine import AsyncEngine
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.text.prompt import resolve_prompt
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
+from sluice.engine.faults import ENV_VAR as FAULT_VAR
+from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.prompt import resolve_prompt
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -158,7 +158,7 @@ async def test_bad_requests_raise_before_queueing(engine):
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, llama_dir, monkeypatch):
-    from engine.frontend import async_engine
+    from sluice.engine.frontend import async_engine
 
     threads = []
 

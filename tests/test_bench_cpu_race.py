@@ -1,8 +1,8 @@
-"""`python -m sluice.bench.cpu_race`: each engine's runner counts the tokens it produced; the table's
-ratios are Sluice's rate over each other engine's (over rounds, the median of each round's own ratio);
-each round runs on prompts Sluice's prefix cache has not seen; each Sluice fp32 run is set against the
-floor (sluice/bench/machine_limits.py) probed right before it; a missing llama-cpp-python is reported,
-not fatal."""
+"""`python -m sluice.benchmarks.engine.cpu_race`: each engine's runner counts the tokens it produced; the
+table's ratios are Sluice's rate over each other engine's (over rounds, the median of each round's own ratio);
+each round runs on prompts Sluice's prefix cache has not seen; each Sluice fp32 run is set against the floor
+(benchmarks/engine/machine_limits.py) probed right before it; a missing llama-cpp-python is reported, not
+fatal."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import time
 
 import pytest
 import torch
-from sluice.bench import cpu_race as race
-from sluice.bench import machine_limits as limits
 
-from engine.frontend.llm import LLM
+from sluice.benchmarks.engine import cpu_race as race
+from sluice.benchmarks.engine import machine_limits as limits
+from sluice.engine.frontend.llm import LLM
 
 
 def test_runners_decode_every_requested_token(llama_dir):

@@ -6,6 +6,7 @@ import random
 
 import numpy
 import pytest
+
 from sluice.bench.metrics import Distribution, RequestRecord, RunMetrics, Slo, percentile, summarize
 
 #   A: sent 0.0, chunks at 0.5 0.6 0.8 1.1, 4 tokens  -> TTFT 0.5, E2E 1.1, TPOT 0.6/3, ITL .1 .2 .3

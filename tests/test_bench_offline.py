@@ -1,10 +1,11 @@
-"""`python -m sluice.bench.offline`: both sides run the same checkpoint and workload; JSON holds every run."""
+"""`python -m sluice.benchmarks.engine.offline`: both sides run the same checkpoint and workload; JSON holds
+every run."""
 
 from __future__ import annotations
 
 import json
 
-from sluice.bench import offline as bench
+from sluice.benchmarks.engine import offline as bench
 
 
 def test_throughput_bench_compares_sluice_with_transformers_on_the_same_workload(tmp_path, capsys):

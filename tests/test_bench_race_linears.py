@@ -1,5 +1,5 @@
-"""`python -m sluice.bench.race_linears`: the race's workload shaped like the engine's schedule, its
-FLOPs equal to the race's floor's count on the real model, both libraries computing x @ W^T, and a whole
+"""`python -m sluice.benchmarks.engine.race_linears`: the race's workload shaped like the engine's schedule,
+its FLOPs equal to the race's floor's count on the real model, both libraries computing x @ W^T, and a whole
 run in child processes reporting each library."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sluice.bench import machine_limits as limits
-from sluice.bench import race_linears as bench
 
-from engine.frontend.llm import LLM
-from engine.loading.default_model import default_model_path
-from engine.loading.gguf_loader import load_gguf
+from sluice.benchmarks.engine import machine_limits as limits
+from sluice.benchmarks.engine import race_linears as bench
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.default_model import default_model_path
+from sluice.engine.loading.gguf_loader import load_gguf
 
 
 def test_schedule_chunks_the_prompts_then_decodes_every_request():

@@ -6,12 +6,12 @@ import asyncio
 import json
 
 import pytest
+
 from sluice.bench.metrics import RequestRecord, summarize
 from sluice.bench.report import compare, run_document, write_json
 from sluice.bench.runner import LoadConfig, run_load
 from sluice.bench.workloads import BenchRequest, Workload
-
-from service.cli import main
+from sluice.service.cli import main
 
 
 def _document(label: str, scale: float, path) -> None:

@@ -7,12 +7,12 @@ import json
 
 import pytest
 from service_harness import ServerThread, tiny_engine_config
+
 from sluice.bench.runner import LoadConfig, run_load
 from sluice.bench.transports import StreamTransport
 from sluice.bench.workloads import Workload
 from sluice.client import AsyncClient
-
-from service.cli import main
+from sluice.service.cli import main
 
 METRIC_KEYS = {
     "num_requests", "num_completed", "errors", "duration_seconds", "prompt_tokens", "output_tokens",

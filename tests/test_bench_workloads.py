@@ -7,6 +7,7 @@ import math
 import statistics
 
 import pytest
+
 from sluice.bench.workloads import FIRST_PROMPT_TOKEN, BenchRequest, Workload, poisson_arrival_times
 
 

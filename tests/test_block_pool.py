@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.block_hash import hash_block
-from engine.core.block_pool import BlockPool
+from sluice.engine.kv_cache.block_hash import hash_block
+from sluice.engine.kv_cache.block_pool import BlockPool
 
 
 def test_allocation_pops_from_head_in_id_order():
@@ -115,8 +115,8 @@ def test_block_hash_chains_parent_tokens_and_salt():
 def test_kv_layer_and_scheduler_never_import_torch():
     code = (
         "import sys\n"
-        "import engine.core.block_pool, engine.core.kv_cache_manager\n"
-        "import engine.core.request_queue, engine.core.scheduler\n"
+        "import sluice.engine.kv_cache.block_pool, sluice.engine.kv_cache.kv_cache_manager\n"
+        "import sluice.engine.scheduler.request_queue, sluice.engine.scheduler.scheduler\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

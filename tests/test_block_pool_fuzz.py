@@ -19,9 +19,9 @@ from scheduler_driver import (
     step,
 )
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
+from sluice.engine.config import CacheConfig, SchedulerConfig
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.scheduler.scheduler import Scheduler
 
 BS = 8
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from paged_batch import PagedBatch, make_paged_batch, nan_like
 
-from engine.worker.attention.cpu_backend import CpuAttentionBackend
-from engine.worker.attention.selector import get_attention_backend
-from engine.worker.attention.torch_backend import TorchAttentionBackend
-from kernels import cpu_extension
-from kernels.cpu_paged_attention import cpu_paged_attention, cpu_paged_attention_reference
-from kernels.store_kv import store_kv_reference
+from sluice.engine.worker.attention.cpu_backend import CpuAttentionBackend
+from sluice.engine.worker.attention.selector import get_attention_backend
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.kernels import cpu_extension
+from sluice.kernels.cpu_paged_attention import cpu_paged_attention, cpu_paged_attention_reference
+from sluice.kernels.store_kv import store_kv_reference
 
 CPU = torch.device("cpu")
 SCALE = 0.125

@@ -12,11 +12,11 @@ import logging
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.loading.model_loader import load_model_source
-from engine.worker.input_batch import build_model_inputs
-from engine.worker.model_runner import ModelRunner
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 24
@@ -112,7 +112,7 @@ def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, options, re
     ],
 )
 def test_models_off_the_stack_keep_their_layers_and_say_why(checkpoint, options, reason, request, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.worker.models.llama_cpu_stack"):
+    with caplog.at_level(logging.INFO, logger="sluice.engine.worker.models.llama_cpu_stack"):
         runner = _runner(request.getfixturevalue(checkpoint), **options)
     assert runner.model.cpu_stack is None
     assert any(reason in record.getMessage() for record in caplog.records), caplog.text

@@ -1,4 +1,4 @@
-"""`python -m kernels.cpu_extension` (what `make test` and `make serve` run first): every C++ kernel in
+"""`python -m sluice.kernels.cpu_extension` (what `make test` and `make serve` run first): every C++ kernel in
 `kernels/` built up front, one line each, and a reason instead of a failure where none can be built."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_extension
+from sluice.kernels import cpu_extension
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,11 @@ def test_every_kernel_is_listed_and_ready():
     assert names == sorted(p.stem for p in (REPO / "kernels").glob("*.cpp"))
     assert {"cpu_decoder_stack", "cpu_packed_linear", "cpu_paged_attention"} <= set(names)
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.cpu_extension"], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "sluice.kernels.cpu_extension"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert result.stdout.splitlines() == [f"kernels/{name}.cpp: ready" for name in names]
 
@@ -66,8 +70,8 @@ FOUR_LANE_TARGETS = {"x86_64": "x86-64-v2", "aarch64": "armv8-a"}
 FOUR_LANE_CHECK = """
 import torch
 import torch.nn.functional as F
-from kernels.cpu_extension import load_cpu_extension
-from kernels.cpu_packed_linear import pack_weight, packed_linear, panel_width
+from sluice.kernels.cpu_extension import load_cpu_extension
+from sluice.kernels.cpu_packed_linear import pack_weight, packed_linear, panel_width
 
 print(load_cpu_extension("cpu_packed_linear").__file__)
 assert panel_width() == 8, panel_width()  # two 4-float vectors

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.worker.layers.linear import MergedLinear, ReplicatedLinear
-from kernels import cpu_extension
-from kernels.cpu_packed_linear import (
+from sluice.engine.worker.layers.linear import MergedLinear, ReplicatedLinear
+from sluice.kernels import cpu_extension
+from sluice.kernels.cpu_packed_linear import (
     EXTENSION,
     pack_weight,
     packed_linear,

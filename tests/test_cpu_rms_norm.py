@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker.layers.norm import RMSNorm
-from kernels import cpu_extension
-from kernels.cpu_rms_norm import EXTENSION, cpu_rms_norm
-from kernels.rms_norm import rms_norm_reference
+from sluice.engine.worker.layers.norm import RMSNorm
+from sluice.kernels import cpu_extension
+from sluice.kernels.cpu_rms_norm import EXTENSION, cpu_rms_norm
+from sluice.kernels.rms_norm import rms_norm_reference
 
 EPS = 1e-5
 
@@ -46,7 +46,7 @@ def test_launcher_names_the_bad_argument():
 def test_the_layer_uses_the_kernel_on_cpu_float32(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "engine.worker.layers.norm.cpu_rms_norm_prechecked",
+        "sluice.engine.worker.layers.norm.cpu_rms_norm_prechecked",
         lambda *args: calls.append(args) or cpu_rms_norm(*args),
     )
     norm = RMSNorm(64, EPS)

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.worker.layers.activation import SiluAndMul
-from engine.worker.layers.rotary import RotaryEmbedding, build_cos_sin_cache
-from kernels.cpu_rotary import cpu_rotary_embedding, cpu_rotary_embedding_prechecked
-from kernels.cpu_silu_and_mul import cpu_silu_and_mul, silu_and_mul_reference
-from kernels.rotary import rotary_embedding_reference
+from sluice.engine.worker.layers.activation import SiluAndMul
+from sluice.engine.worker.layers.rotary import RotaryEmbedding, build_cos_sin_cache
+from sluice.kernels.cpu_rotary import cpu_rotary_embedding, cpu_rotary_embedding_prechecked
+from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul, silu_and_mul_reference
+from sluice.kernels.rotary import rotary_embedding_reference
 
 CPU = torch.device("cpu")
 
@@ -85,7 +85,7 @@ def test_silu_and_mul_launcher_names_the_bad_argument():
 def test_the_mlp_activation_takes_the_kernel_on_cpu_float32(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "engine.worker.layers.activation.cpu_silu_and_mul_prechecked",
+        "sluice.engine.worker.layers.activation.cpu_silu_and_mul_prechecked",
         lambda x: calls.append(x.shape) or cpu_silu_and_mul(x),
     )
     x = torch.randn(4, 10)

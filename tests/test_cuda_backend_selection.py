@@ -6,12 +6,12 @@ import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter wi
 import pytest
 import torch
 
-from engine.worker.attention.flash_attn_backend import (
+from sluice.engine.worker.attention.flash_attn_backend import (
     FlashAttnBackend,
     flash_attn_installed,
     flash_attn_supports,
 )
-from engine.worker.attention.selector import get_attention_backend
+from sluice.engine.worker.attention.selector import get_attention_backend
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only named, never used: these checks run before any CUDA call

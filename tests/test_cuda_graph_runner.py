@@ -11,12 +11,12 @@ import pytest
 import torch
 from paged_batch import DEVICE
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.loading.model_arch import ModelArchConfig
-from engine.loading.presets import PRESETS
-from engine.worker.attention.torch_backend import TorchAttentionBackend
-from engine.worker.attention.triton_backend import TritonAttentionBackend
-from engine.worker.cuda_graph_runner import (
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.presets import PRESETS
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.cuda_graph_runner import (
     CudaGraphRunner,
     GraphInputBuffers,
     capture_sizes,
@@ -24,8 +24,8 @@ from engine.worker.cuda_graph_runner import (
     padded_size,
     replay_size,
 )
-from engine.worker.input_batch import build_model_inputs
-from engine.worker.models.llama import LlamaForCausalLM
+from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 

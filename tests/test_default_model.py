@@ -11,15 +11,15 @@ import os
 import pytest
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.frontend.llm import LLM
-from engine.loading.default_model import (
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.default_model import (
     DEFAULT_MODEL_FILE,
     ModelFileNotInstalledError,
     default_model_path,
     installed_file,
 )
-from engine.sampling_params import SamplingParams
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Both sides run float32 on the same dequantized weights; only the summation order differs (paged attention
 # vs. transformers' sdpa), which moves logits of magnitude ~20 by well under 1e-3.

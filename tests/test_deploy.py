@@ -18,7 +18,7 @@ from kustomize_render import render
 from service_harness import ServerThread, tiny_engine_config
 from toolchains import REPO
 
-from service.server import INFERENCE_SERVICE
+from sluice.service.server import INFERENCE_SERVICE
 
 K8S_DIR = os.path.join(REPO, "deploy", "k8s")
 DOCKERFILE = os.path.join(REPO, "deploy", "Dockerfile")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
 
-from engine.sampling_params import SamplingParams
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.stop_strings import StopStringMatcher
-from engine.text.tokenizer import Tokenizer
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.detokenizer import IncrementalDetokenizer
+from sluice.engine.text.stop_strings import StopStringMatcher
+from sluice.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world! Streaming tokens one at a time.",

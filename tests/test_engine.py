@@ -9,9 +9,9 @@ import pytest
 import torch
 from checkpoints import EOS_ID
 
-from engine.errors import InvalidRequestError
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 NUM_NEW = 12
 

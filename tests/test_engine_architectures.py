@@ -10,8 +10,8 @@ import pytest
 import torch
 from checkpoints import MISTRAL_WINDOW
 
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 NUM_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 BLOCK = 16
 

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from engine.frontend.llm import LLM
-from engine.loading import packaged_models
-from engine.loading.default_model import ModelFileNotInstalledError
-from engine.loading.packaged_models import PackagedModel, packaged_model_path
-from engine.sampling_params import SamplingParams
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading import packaged_models
+from sluice.engine.loading.default_model import ModelFileNotInstalledError
+from sluice.engine.loading.packaged_models import PackagedModel, packaged_model_path
+from sluice.engine.sampling_params import SamplingParams
 
 NUM_NEW = 24
 MULTILINGUAL = (

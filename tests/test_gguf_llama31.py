@@ -11,9 +11,9 @@ import torch
 from gguf_export import export_llama_gguf, llama3_rope_factors
 from test_model_parity import _hf_reference, _prompts, _run_sluice
 
-from engine.config import ModelConfig
-from engine.loading.model_loader import load_model_source
-from engine.worker.layers.rotary import compute_inv_freq
+from sluice.engine.config import ModelConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.worker.layers.rotary import compute_inv_freq
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.loading.gguf_file import GGUFFile
-from engine.loading.gguf_loader import load_gguf
-from engine.loading.model_arch import ModelArchConfig
-from engine.text.gguf_tokenizer import gguf_tokenizer
+from sluice.engine.loading.gguf_file import GGUFFile
+from sluice.engine.loading.gguf_loader import load_gguf
+from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
+from sluice.engine.loading.model_arch import ModelArchConfig
 
 Q = GGMLQuantizationType
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16

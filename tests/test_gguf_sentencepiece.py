@@ -12,8 +12,8 @@ import os
 import pytest
 from gguf import GGUFWriter, TokenType
 
-from engine.loading.gguf_file import GGUFFile
-from engine.text.gguf_tokenizer import gguf_tokenizer
+from sluice.engine.loading.gguf_file import GGUFFile
+from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog; hello world, how are you today?",

@@ -9,12 +9,13 @@ import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter wi
 import pytest
 import torch
 
+from sluice.benchmarks.gpu import gpu_benchmarks
+
 _SPEC = importlib.util.spec_from_file_location(
     "gpu_check", Path(__file__).parent.parent / "scripts" / "gpu_check.py"
 )
 gpu_check = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpu_check)  # puts scripts/ on sys.path
-import gpu_benchmarks  # noqa: E402
+_SPEC.loader.exec_module(gpu_check)
 
 
 def test_markdown_table():

@@ -1,5 +1,5 @@
 """glibc's malloc told to keep freed activation buffers, and the loaded heap frozen for the garbage collector
-(engine.core.host_memory)."""
+(sluice.engine.process.host_memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.core import host_memory
+from sluice.engine.process import host_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_a_c_library_without_mallopt_is_reported_not_raised(monkeypatch):
 
 FREEZE_CHECK = """
 import atexit, gc, weakref
-from engine.core.host_memory import freeze_gc_heap
+from sluice.engine.process.host_memory import freeze_gc_heap
 
 atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count()))  # runs after the ones made later
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.worker.input_batch import build_model_inputs
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.input_batch import build_model_inputs
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")

@@ -8,10 +8,10 @@ from paged_batch import DEVICE, TEST_DTYPES, nan_like, tolerance
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from engine.loading.model_arch import RopeScaling
-from engine.worker.layers.rotary import build_cos_sin_cache
-from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.rotary import rotary_embedding, rotary_embedding_reference
+from sluice.engine.loading.model_arch import RopeScaling
+from sluice.engine.worker.layers.rotary import build_cos_sin_cache
+from sluice.kernels.rms_norm import rms_norm, rms_norm_reference
+from sluice.kernels.rotary import rotary_embedding, rotary_embedding_reference
 
 EPS = 1e-5
 LLAMA3 = RopeScaling(

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from paged_batch import DEVICE, TEST_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
 
-from engine.worker.attention.torch_backend import TorchAttentionBackend
-from engine.worker.attention.triton_backend import TritonAttentionBackend
-from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-from kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from kernels.store_kv import store_kv_reference
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from sluice.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from sluice.kernels.store_kv import store_kv_reference
 
 SCALE = 0.25
 WINDOW = 20

@@ -7,8 +7,8 @@ import pytest
 import torch
 from paged_batch import DEVICE, TEST_DTYPES, make_paged_batch, nan_like
 
-from kernels.cpu_paged_attention import cpu_store_kv
-from kernels.store_kv import store_kv, store_kv_reference
+from sluice.kernels.cpu_paged_attention import cpu_store_kv
+from sluice.kernels.store_kv import store_kv, store_kv_reference
 
 STORES = [store_kv, cpu_store_kv] if DEVICE.type == "cpu" else [store_kv]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from scheduler_driver import make_request, tokens
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.kv_cache.kv_cache_manager import KVCacheManager
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import SamplingParams
 
 BS = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduler_driver import make_request, tokens
 
-from engine.core.kv_cache_manager import PLACEHOLDER_BLOCK_ID, KVCacheManager
+from sluice.engine.kv_cache.kv_cache_manager import PLACEHOLDER_BLOCK_ID, KVCacheManager
 
 BS = 16
 

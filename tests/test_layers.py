@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.loading.model_loader import checkpoint_weight_shapes, load_model_source
-from engine.loading.weight_loader import load_weights
-from engine.worker.attention.torch_backend import TorchAttentionBackend
-from engine.worker.layers.linear import LinearBase, QKVLinear
-from engine.worker.models.registry import get_model_class
+from sluice.engine.config import ModelConfig
+from sluice.engine.loading.model_loader import checkpoint_weight_shapes, load_model_source
+from sluice.engine.loading.weight_loader import load_weights
+from sluice.engine.model_registry import get_model_class
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.layers.linear import LinearBase, QKVLinear
 
 
 def test_qkv_linear_fills_each_shard_and_names_a_bad_shape():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sample.logits_processors import AllowedTokenIds, LogitBias, Penalties
-from engine.sample.sampler import Sampler, SamplingRow
-from engine.sampling_params import SamplingParams
+from sluice.engine.sample.logits_processors import AllowedTokenIds, LogitBias, Penalties
+from sluice.engine.sample.sampler import Sampler, SamplingRow
+from sluice.engine.sampling_params import SamplingParams
 
 INF = float("inf")
 

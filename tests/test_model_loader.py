@@ -10,14 +10,14 @@ import pytest
 import torch
 from checkpoints import EOS_ID, IM_END_ID, build_qwen2_checkpoint
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.loading.model_arch import ModelArchConfig
-from engine.loading.model_loader import load_model_source
-from engine.loading.presets import PRESETS, preset_arch
-from engine.text.tokenizer import Tokenizer
-from engine.worker.model_runner import ModelRunner
-from engine.worker.models.llama import LlamaForCausalLM
-from engine.worker.models.registry import get_model_class
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.loading.presets import PRESETS, preset_arch
+from sluice.engine.model_registry import get_model_class
+from sluice.engine.text.tokenizer import Tokenizer
+from sluice.engine.worker.model_runner import ModelRunner
+from sluice.engine.worker.models.llama import LlamaForCausalLM
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -95,7 +95,7 @@ def test_tiny_dummy_preset_shapes_and_parameter_count() -> None:
 
 
 def test_tiny_dummy_model_runs_one_step() -> None:
-    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 
     model_config = ModelConfig(load_format="dummy", preset="tiny")
     config = EngineConfig(model=model_config, cache=CacheConfig(num_blocks=4))
@@ -154,7 +154,7 @@ def _tiny_arch() -> ModelArchConfig:
 
 
 def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
-    from engine.worker.attention.torch_backend import TorchAttentionBackend
+    from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 
     arch = _tiny_arch()
     weights = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny")).weights)

@@ -18,10 +18,10 @@ import pytest
 import torch
 from checkpoints import VOCAB_SIZE
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.loading.model_loader import load_model_source
-from engine.worker.model_runner import ModelRunner
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.model_runner import ModelRunner
 
 PROMPT_LENS = (5, 23, 40)
 BLOCK_SIZE = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 PROMPT = [(7 * i + 11) % 500 + 4 for i in range(37)]  # 37 tokens: 2 full blocks of 16 + 5 tokens
 NUM_NEW = 10
@@ -190,7 +190,7 @@ def test_bad_n_and_prompt_logprobs_name_the_field(kwargs, message):
 
 
 def test_every_sample_of_a_constrained_request_matches_its_constraint(llama_dir):
-    from engine.structured.constraint import Constraint
+    from sluice.engine.structured.constraint import Constraint
 
     choices = ("yes", "no", "maybe so", "yes!")
     llm = LLM(llama_dir, block_size=16, num_blocks=64)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from tokenizer_fixtures import build_byte_level_bpe
 
-from engine.core.messages import CoreOutput
-from engine.frontend.output_processor import OutputProcessor
-from engine.outputs import Logprobs, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.text.tokenizer import Tokenizer
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.messages import CoreOutput
+from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.tokenizer import Tokenizer
 
 TEXT = "Hello world, stop here please and more text"
 

@@ -1,4 +1,4 @@
-"""Weight-only int4 / int8 on CPU (`engine.worker.layers.quantization`) against transformers.
+"""Weight-only int4 / int8 on CPU (`sluice.engine.worker.layers.quantization`) against transformers.
 
 The checkpoints' weights are first snapped onto the quantization grid here, with the formats' own
 definitions (int4: w = d * q + m over groups of 32 input columns with q in 0..15 and both ends used, as a
@@ -15,13 +15,13 @@ import pytest
 import torch
 from checkpoints import VOCAB_SIZE, build_llama_checkpoint, build_qwen2_checkpoint
 
-from engine.config import EngineConfig, ModelConfig
-from engine.frontend.llm import LLM
-from engine.loading.model_loader import load_model_source
-from engine.sampling_params import SamplingParams
-from engine.worker.layers.linear import ReplicatedLinear
-from engine.worker.layers.quantization import Int4Weight
-from engine.worker.model_runner import ModelRunner
+from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.worker.layers.linear import ReplicatedLinear
+from sluice.engine.worker.layers.quantization import Int4Weight
+from sluice.engine.worker.model_runner import ModelRunner
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Prefills of 3, 9 and 16 rows: int4 runs those up to its row limit quantized (all three with AVX-512, the
@@ -102,7 +102,7 @@ def test_quantized_engine_agrees_with_transformers(method, build, tmp_path):
 
 
 def _prompt_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 
     out = SchedulerOutput((ScheduledRequest("p", tuple(prompt), 0, (0, 1, 2), True),), len(prompt))
     return runner.execute_model(out)[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.frontend.request_stream import OutputCollector, RequestStream
-from engine.outputs import Logprobs, RequestOutput, TokenLogprob
+from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
+from sluice.engine.outputs import Logprobs, RequestOutput, TokenLogprob
 
 PROMPT_LOGPROBS = (Logprobs(TokenLogprob(5, -1.0)),)
 

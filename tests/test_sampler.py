@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.sample.logits_processors import Penalties
-from engine.sample.sampler import Sampler, SamplingRow, argmax_rows
-from engine.sampling_params import SamplingParams
+from sluice.engine.sample.logits_processors import Penalties
+from sluice.engine.sample.sampler import Sampler, SamplingRow, argmax_rows
+from sluice.engine.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
 NUM_DRAWS = 20000

@@ -20,10 +20,10 @@ from scheduler_driver import (
     tokens,
 )
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.errors import ContextLengthError
+from sluice.engine.config import CacheConfig, SchedulerConfig
+from sluice.engine.errors import ContextLengthError
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.scheduler.scheduler import Scheduler
 
 BS = 16
 PREEMPTED = RequestStatus.PREEMPTED

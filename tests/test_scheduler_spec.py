@@ -20,10 +20,10 @@ from scheduler_driver import (
     tokens,
 )
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
+from sluice.engine.config import CacheConfig, SchedulerConfig
+from sluice.engine.request import RequestStatus
+from sluice.engine.scheduler.scheduler import Scheduler
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 
 BS = 16
 

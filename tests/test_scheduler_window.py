@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from scheduler_driver import make_request, tokens
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import PLACEHOLDER_BLOCK_ID as FREED
-from engine.core.scheduler import Scheduler
-from engine.errors import ContextLengthError
+from sluice.engine.config import CacheConfig, SchedulerConfig
+from sluice.engine.errors import ContextLengthError
+from sluice.engine.kv_cache.kv_cache_manager import PLACEHOLDER_BLOCK_ID as FREED
+from sluice.engine.scheduler.scheduler import Scheduler
 
 BS = 16
 

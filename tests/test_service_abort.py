@@ -10,11 +10,11 @@ import time
 import grpc
 import pytest
 from service_harness import LONG, ServerThread
-from sluice import generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from engine.errors import UnknownRequestError
-from service.request_ids import RequestIdInUseError, RequestIds
+from sluice import generate_request
+from sluice.engine.errors import UnknownRequestError
+from sluice.service.request_ids import RequestIdInUseError, RequestIds
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,26 +10,26 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from sluice import Completion, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from engine.errors import (
+from sluice import Completion, SluiceError, generate_request
+from sluice.engine.errors import (
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
     UnknownRequestError,
 )
-from engine.model_info import ModelInfo
-from engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
-from engine.sampling_params import SamplingParams
-from service import convert
-from service.auth import check_api_key
-from service.cli import build_parser, load_commands
-from service.metrics import ServerMetrics
-from service.serve_command import engine_config, parse_size
-from service.status import RequestFailedError, ServiceUnavailableError, failure_status, status_for
-from service.tracing import RequestTracer, tracer_provider_from_env
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
+from sluice.engine.sampling_params import SamplingParams
+from sluice.service import convert
+from sluice.service.auth import check_api_key
+from sluice.service.cli import build_parser, load_commands
+from sluice.service.metrics import ServerMetrics
+from sluice.service.serve_command import engine_config, parse_size
+from sluice.service.status import RequestFailedError, ServiceUnavailableError, failure_status, status_for
+from sluice.service.tracing import RequestTracer, tracer_provider_from_env
+from sluice.v1 import sluice_pb2 as pb
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"

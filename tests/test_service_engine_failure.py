@@ -18,13 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sluice.bench.server_process import ServerProcess
+
+from sluice.benchmarks.serving.server_process import ServerProcess
+from sluice.engine.faults import ENV_VAR as FAULT_VAR
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
-
-from engine.core.faults import ENV_VAR as FAULT_VAR
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -194,7 +194,7 @@ def test_sluice_help_is_light():
     code = (
         "import sys, time\n"
         "start = time.perf_counter()\n"
-        "from service.cli import main\n"
+        "from sluice.service.cli import main\n"
         "try:\n"
         "    main(['--help'])\n"
         "except SystemExit:\n"

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 from service_harness import LONG, ServerThread, tiny_engine_config
+
 from sluice import generate_request
 from sluice.v1 import sluice_pb2 as pb
 

@@ -10,11 +10,11 @@ import grpc
 import pytest
 from checkpoints import EOS_ID, IM_END_ID
 from service_harness import ServerThread
-from sluice import AsyncClient, Client, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice import AsyncClient, Client, generate_request
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+from sluice.v1 import sluice_pb2 as pb
 
 PROMPTS = [
     f"{word} number {i}" for i, word in enumerate(["Hello", "The quick", "Café", "def add", "Emoji"] * 2)

@@ -9,6 +9,7 @@ from collections import defaultdict
 import grpc
 import pytest
 import torch
+
 from sluice.v1 import sluice_pb2 as pb
 
 PROMPT = [(5 * i + 9) % 500 + 4 for i in range(41)]  # 2 full blocks of 16 + 9 tokens

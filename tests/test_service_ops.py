@@ -11,10 +11,10 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from service_harness import LONG, ServerThread, tiny_engine_config
-from sluice import Client, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from service.server import ServerConfig
+from sluice import Client, SluiceError, generate_request
+from sluice.service.server import ServerConfig
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

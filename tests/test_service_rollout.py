@@ -22,10 +22,10 @@ import pytest
 from fake_dns import FakeDns
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, tiny_engine_config
-from sluice import Client, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from service.server import ServerConfig
+from sluice import Client, SluiceError, generate_request
+from sluice.service.server import ServerConfig
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 

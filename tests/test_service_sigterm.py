@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from sluice import Client, generate_request
 from sluice.v1 import sluice_pb2 as pb
 

@@ -11,11 +11,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, tiny_engine_config
-from sluice import Client, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from engine.config import SpeculativeConfig
-from service.server import ServerConfig
+from sluice import Client, generate_request
+from sluice.engine.config import SpeculativeConfig
+from sluice.service.server import ServerConfig
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 K = 3

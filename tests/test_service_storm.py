@@ -12,6 +12,7 @@ import random
 import grpc
 import pytest
 from service_harness import ServerThread, tiny_engine_config
+
 from sluice import generate_request
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc

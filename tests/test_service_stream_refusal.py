@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 from service_harness import ServerThread, tiny_engine_config
+
 from sluice import generate_request
+from sluice.service.server import ServerConfig
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
-
-from service.server import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,6 +8,7 @@ import re
 import grpc
 import jsonschema
 import pytest
+
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

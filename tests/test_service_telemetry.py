@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, tiny_engine_config
-from sluice import Client, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from service.server import ServerConfig
-from service.tracing import tracer_provider_from_env
+from sluice import Client, SluiceError, generate_request
+from sluice.service.server import ServerConfig
+from sluice.service.tracing import tracer_provider_from_env
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 from service_harness import LONG, ServerThread, tiny_engine_config
-from sluice import Client, SluiceError, generate_request
-from sluice.v1 import sluice_pb2 as pb
 
-from service.serve_command import configure, server_config
-from service.server import ServerConfig
-from service.tenant_limits import TenantLimiter, TenantOverLimitError
-from service.tenants import Tenant, TenantDirectory
+from sluice import Client, SluiceError, generate_request
+from sluice.service.serve_command import configure, server_config
+from sluice.service.server import ServerConfig
+from sluice.service.tenant_limits import TenantLimiter, TenantOverLimitError
+from sluice.service.tenants import Tenant, TenantDirectory
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 

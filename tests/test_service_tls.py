@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from service_harness import ServerThread, tiny_engine_config
-from sluice import Client, SluiceError, generate_request
 
-from service.cli import build_parser, load_commands, main
-from service.serve_command import server_config
-from service.server import ServerConfig, TlsConfig
+from sluice import Client, SluiceError, generate_request
+from sluice.service.cli import build_parser, load_commands, main
+from sluice.service.serve_command import server_config
+from sluice.service.server import ServerConfig, TlsConfig
 
 MAX_TOKENS = 6
 

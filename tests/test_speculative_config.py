@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SpeculativeConfig
-from engine.spec.ngram_proposer import propose_ngram
-from service.cli import build_parser, load_commands
-from service.serve_command import engine_config
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.spec_decode.ngram_proposer import propose_ngram
+from sluice.service.cli import build_parser, load_commands
+from sluice.service.serve_command import engine_config
 
 
 def _serve(*flags: str):

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from engine.config import SpeculativeConfig
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 BLOCK = 16
 MAX_TOKENS = 40
@@ -92,7 +92,7 @@ def test_requests_that_opt_out_or_use_penalties_never_verify_drafts(llama_dir):
     penalized = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
     llm.generate([prompt], penalized)
     assert engine.stats().num_draft_tokens == 0
-    from engine.core.messages import AddRequest
+    from sluice.engine.messages import AddRequest
 
     engine.core.add_request(AddRequest("opt-out", prompt, PARAMS, 0.0, use_speculation=False))
     engine.output_processor.add_request("opt-out", len(prompt), PARAMS, 0.0)

@@ -21,10 +21,10 @@ import pytest
 import torch
 from checkpoints import randomize_weights
 
-from engine.config import SpeculativeConfig
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec.proposer import Proposal
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode.proposer import Proposal
 
 VOCAB = 16
 K = 2

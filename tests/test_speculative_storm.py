@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from engine.config import SpeculativeConfig
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

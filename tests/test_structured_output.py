@@ -10,10 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.frontend.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured.constraint import Constraint
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
 
 SCHEMAS = {
     "nested_objects": {

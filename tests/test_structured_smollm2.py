@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from engine.frontend.llm import LLM
-from engine.loading.default_model import default_model_path
-from engine.sampling_params import SamplingParams
-from engine.structured.constraint import Constraint
-from engine.structured.tokenizer_info import build_tokenizer_info
-from engine.structured.tool_calls import Tool, ToolUse
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.default_model import default_model_path
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.tokenizer_info import build_tokenizer_info
+from sluice.engine.structured.tool_calls import Tool, ToolUse
 
 PERSON = {
     "type": "object",

@@ -12,8 +12,8 @@ import tokenizers
 from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.errors import InvalidRequestError
-from engine.text.tokenizer import Tokenizer
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",

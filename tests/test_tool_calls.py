@@ -7,11 +7,11 @@ import json
 import jsonschema
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.outputs import ToolCall
-from engine.sampling_params import SamplingParams
-from engine.structured.constraint import Constraint
-from engine.structured.tool_calls import Tool, ToolUse
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.outputs import ToolCall
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.tool_calls import Tool, ToolUse
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = Tool("get_weather", "Weather in a city", json.dumps(CITY))

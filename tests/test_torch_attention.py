@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.worker.attention.torch_backend import TorchAttentionBackend
-from engine.worker.input_batch import build_model_inputs
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.input_batch import build_model_inputs
 
 BLOCK_SIZE = 8
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from kernels.cpu_extension import cpu_extension_unavailable_reason
-from kernels.cpu_paged_attention import EXTENSION
+from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
+from sluice.kernels.cpu_paged_attention import EXTENSION
 
 _PROGRAM = textwrap.dedent(
     """
@@ -23,14 +23,14 @@ _PROGRAM = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, RefuseTriton())
-    import service.server, service.cli  # noqa: F401
-    from engine.frontend.llm import LLM
-    from engine.sampling_params import SamplingParams
+    import sluice.service.server, sluice.service.cli  # noqa: F401
+    from sluice.engine.frontend.llm import LLM
+    from sluice.engine.sampling_params import SamplingParams
 
     llm = LLM(None, load_format="dummy", preset="tiny", device="cpu", kv_cache_memory_bytes=2**24)
     [done] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(done.token_ids) == 3, done
-    assert "triton" not in sys.modules and "kernels.rms_norm" not in sys.modules
+    assert "triton" not in sys.modules and "sluice.kernels.rms_norm" not in sys.modules
     print("served without triton:", llm.engine.model_runner.attention_backend.name)
     """
 )

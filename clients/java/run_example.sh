@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# Compiles the generated stubs and the Java example with javac against Debian's jars in /usr/share/java
-# and runs it:
+# Generates the Java stubs from proto/ (protoc with grpc_java_plugin, as a Maven or Gradle protobuf plugin
+# would at build time; they are not committed), compiles them and the Java example with javac against
+# Debian's jars in /usr/share/java, and runs it:
 #   clients/java/run_example.sh --addr localhost:50051
-# Classes go to clients/java/build/ (ignored by git).
+# Generated sources and classes go to clients/java/build/ (ignored by git).
 set -euo pipefail
 java_dir="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$java_dir/../.." && pwd)"
 build="$java_dir/build/classes"
+generated="$java_dir/build/generated"
 jars=(grpc-api grpc-context grpc-core grpc-netty grpc-protobuf grpc-protobuf-lite grpc-stub protobuf
       guava perfmark-api geronimo-annotation-1.3-spec
       netty-buffer netty-codec netty-codec-http netty-codec-http2 netty-common netty-handler
       netty-handler-proxy netty-codec-socks netty-resolver netty-transport)
 classpath="$(printf '/usr/share/java/%s.jar:' "${jars[@]}")"
 stamp="$java_dir/build/compiled.stamp"
+proto="$repo/proto/sluice/v1/sluice.proto"
 mkdir -p "$build"
-# Recompile only when a source changed since the last build (javac on ~50 stubs takes a while).
-if [ ! -e "$stamp" ] || [ -n "$(find "$java_dir/src/main/java" -name '*.java' -newer "$stamp")" ]; then
-    mapfile -t sources < <(find "$java_dir/src/main/java" -name '*.java')
-    rm -rf "$build" && mkdir -p "$build"
+# Regenerate and recompile only when the proto or the example changed since the last build (javac on ~50
+# generated classes takes a while).
+if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
+    || [ -n "$(find "$java_dir/src/main/java" -name '*.java' -newer "$stamp")" ]; then
+    rm -rf "$build" "$generated" && mkdir -p "$build" "$generated"
+    protoc -I "$repo/proto" --plugin=protoc-gen-grpc-java=/usr/bin/grpc_java_plugin \
+        --java_out="$generated" --grpc-java_out="$generated" "$proto"
+    mapfile -t sources < <(find "$java_dir/src/main/java" "$generated" -name '*.java')
     # C1-only JIT: a short javac run finishes sooner without the optimizing compiler.
     javac -J-XX:TieredStopAtLevel=1 -nowarn -encoding UTF-8 -d "$build" -cp "$classpath" "${sources[@]}"
     touch "$stamp"

@@ -1,7 +1,7 @@
 """The engine core: scheduler, model runner and sampler. Token ids in, token ids out; no text.
 
-It runs in its own process behind a server (`engine.core.process`) and in-process under the offline
-`LLM` (`engine.frontend.engine.Engine`); both drive this same class.
+It runs in its own process behind a server (`sluice.engine.process.core_process`) and in-process under the
+offline `LLM` (`sluice.engine.frontend.engine.Engine`); both drive this same class.
 """
 
 from __future__ import annotations
@@ -13,28 +13,28 @@ from collections.abc import Iterable
 import msgspec
 import torch
 
-from engine.config import EngineConfig
-from engine.core.faults import FaultInjector
-from engine.core.grammar_waiting_room import GrammarWaitingRoom
-from engine.core.messages import AddRequest, CoreOutput
-from engine.core.prompt_logprobs import PromptLogprobsTracker
-from engine.core.request import Request, RequestStatus
-from engine.core.sample_group import SampleForks, sample_request_ids
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.errors import InvalidRequestError
-from engine.loading.model_loader import ModelSource, load_model_source
-from engine.model_info import ModelInfo
-from engine.outputs import EngineStats
-from engine.sample.grammar_mask import GrammarMask
-from engine.sample.logits_processors import default_processors
-from engine.sample.sampler import SampledToken, Sampler, SamplingRow
-from engine.spec.build import build_proposer
-from engine.spec.proposer import Proposal
-from engine.spec.rejection_sampler import RejectionSampler
-from engine.spec.speculator import Speculator
-from engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
-from engine.worker.model_runner import ModelRunner
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
+from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
+from sluice.engine.core.sample_group import SampleForks, sample_request_ids
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.faults import FaultInjector
+from sluice.engine.loading.model_loader import ModelSource, load_model_source
+from sluice.engine.messages import AddRequest, CoreOutput
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import EngineStats
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.sample.grammar_mask import GrammarMask
+from sluice.engine.sample.logits_processors import default_processors
+from sluice.engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from sluice.engine.scheduler.scheduler import Scheduler
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.spec_decode.build import build_proposer
+from sluice.engine.spec_decode.proposer import Proposal
+from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
+from sluice.engine.spec_decode.speculator import Speculator
+from sluice.engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
+from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class EngineCore:
         A request with a constraint waits outside the scheduler until its grammar compiled (in the
         compile thread); if it does not compile, a later step ends it with an error naming the field.
         With n > 1 it becomes n requests `sample_request_ids(id, n)`: the first computes the prompt, the
-        others wait to fork from it (`engine.core.sample_group`).
+        others wait to fork from it (`sluice.engine.core.sample_group`).
         """
         n = add.params.n
         request_ids = sample_request_ids(add.request_id, n)

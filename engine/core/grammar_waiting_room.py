@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from engine.core.request import Request
+from sluice.engine.request import Request
 
 
 class GrammarWaitingRoom:

@@ -17,7 +17,7 @@ scheduler as ordinary requests (or fail with the leader's grammar error). No tor
 
 from __future__ import annotations
 
-from engine.core.request import Request
+from sluice.engine.request import Request
 
 SAMPLE_ID_SEPARATOR = "#"
 

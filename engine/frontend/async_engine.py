@@ -14,20 +14,20 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from engine.config import EngineConfig
-from engine.core.faults import FaultInjector
-from engine.core.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
-from engine.core.sample_group import sample_request_ids
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from engine.frontend.core_client import CoreClient
-from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.request_stream import OutputCollector, RequestStream
-from engine.model_info import ModelInfo
-from engine.outputs import EngineStats
-from engine.sampling_params import SamplingParams
-from engine.structured.tool_calls import ToolUse
-from engine.text.prompt import check_prompt, resolve_prompt
-from engine.text.tokenizer import Tokenizer
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.sample_group import sample_request_ids
+from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from sluice.engine.faults import FaultInjector
+from sluice.engine.frontend.core_client import CoreClient
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
+from sluice.engine.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import EngineStats
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.prompt import check_prompt, resolve_prompt
+from sluice.engine.text.tokenizer import Tokenizer
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 4096

@@ -1,7 +1,7 @@
 """Starts the engine core process and talks to it over ZeroMQ IPC sockets, from the event loop.
 
     frontend (event loop)                                  engine core process
-    send(AddRequest | AbortRequests) --PUSH commands-->    engine.core.process.CoreLoop
+    send(AddRequest | AbortRequests) --PUSH commands-->    sluice.engine.process.core_process.CoreLoop
     on_message(CoreOutputs | CoreHeartbeat) <--PULL results--
     on_dead(reason)  <- the process exited, said CoreFailed, or sent nothing for `timeout_seconds`
 
@@ -23,8 +23,9 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
-from engine.core.messages import (
+from sluice.engine.config import EngineConfig
+from sluice.engine.errors import EngineDeadError
+from sluice.engine.messages import (
     CoreConfig,
     CoreFailed,
     CoreMessage,
@@ -34,7 +35,6 @@ from engine.core.messages import (
     decode_core_message,
     encode,
 )
-from engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class CoreClient:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "engine.core.process",
+            "sluice.engine.process.core_process",
             "--commands",
             f"ipc://{self._directory}/commands",
             "--results",

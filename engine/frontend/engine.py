@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.core.messages import AddRequest
-from engine.frontend.output_processor import OutputProcessor
-from engine.loading.model_loader import ModelSource
-from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured.tool_calls import ToolUse
-from engine.text.prompt import check_prompt
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.engine_core import EngineCore
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.loading.model_loader import ModelSource
+from sluice.engine.messages import AddRequest
+from sluice.engine.outputs import EngineStats, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.prompt import check_prompt
 
 
 class Engine:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.errors import InvalidRequestError
-from engine.frontend.engine import Engine
-from engine.outputs import Logprobs, RequestOutput, Timings, ToolCall
-from engine.sampling_params import SamplingParams
-from engine.structured.tool_calls import ToolUse
-from engine.text.prompt import resolve_prompt
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.engine import Engine
+from sluice.engine.outputs import Logprobs, RequestOutput, Timings, ToolCall
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.prompt import resolve_prompt
 
 Prompt = str | Sequence[int]
 
@@ -96,7 +96,7 @@ class LLM:
         *,
         tool_use: ToolUse | None = None,
     ) -> list[Completion]:
-        """`tool_use`: tools for every conversation (see `engine.structured.tool_calls`); the
+        """`tool_use`: tools for every conversation (see `sluice.engine.structured.tool_calls`); the
         completions then carry the parsed `tool_calls`."""
         tools = None if tool_use is None else tool_use.for_template()
         token_ids = [resolve_prompt(self.engine.tokenizer, messages=c, tools=tools) for c in conversations]

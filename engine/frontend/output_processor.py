@@ -4,7 +4,7 @@ Token-level stops (eos, stop token ids, max_tokens) are decided by the core's sc
 found here, after detokenization, and the request is then aborted in the core (`ProcessedOutputs.to_abort`).
 A request whose detokenization raises ends alone with finish_reason "error"; the others go on.
 
-A request with n > 1 runs in the core as n requests (`engine.core.sample_group.sample_request_ids`);
+A request with n > 1 runs in the core as n requests (`sluice.engine.core.sample_group.sample_request_ids`);
 each has its own state here and its outputs carry the caller's request id and the sample's `index`.
 """
 
@@ -16,16 +16,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.faults import FaultInjector
-from engine.core.messages import CoreOutput
-from engine.core.sample_group import sample_request_ids
-from engine.outputs import RequestOutput, Timings, ToolCall, Usage
-from engine.sampling_params import SamplingParams
-from engine.structured.tool_calls import ToolUse
-from engine.text.detokenizer import IncrementalDetokenizer
+from sluice.engine.core.sample_group import sample_request_ids
+from sluice.engine.faults import FaultInjector
+from sluice.engine.messages import CoreOutput
+from sluice.engine.outputs import RequestOutput, Timings, ToolCall, Usage
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

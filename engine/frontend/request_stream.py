@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from engine.outputs import Logprobs, RequestOutput
+from sluice.engine.outputs import Logprobs, RequestOutput
 
 
 class _Pending:

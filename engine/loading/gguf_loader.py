@@ -18,12 +18,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.loading.gguf_file import GGUFFile, GGUFTensor
-from engine.loading.gguf_spec import GLOBAL_NAMES, GGUFSpec
-from engine.loading.model_arch import ModelArchConfig
-from engine.loading.model_loader import ModelSource
-from engine.text.gguf_tokenizer import gguf_tokenizer
-from engine.worker.models.registry import GGUF_ARCHITECTURES, get_model_class
+from sluice.engine.loading.gguf_file import GGUFFile, GGUFTensor
+from sluice.engine.loading.gguf_spec import GLOBAL_NAMES, GGUFSpec
+from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.model_loader import ModelSource
+from sluice.engine.model_registry import GGUF_ARCHITECTURES, get_model_class
 
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (

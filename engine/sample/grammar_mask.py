@@ -16,7 +16,7 @@ import torch
 import xgrammar as xgr
 
 if TYPE_CHECKING:
-    from engine.sample.sampler import SamplingRow
+    from sluice.engine.sample.sampler import SamplingRow
 
 
 class GrammarViolationError(ValueError):

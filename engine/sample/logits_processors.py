@@ -4,7 +4,7 @@ Each processor edits the logits of the rows it concerns, in place, and may keep 
 steps (dropped by `free`). State is synced from the row's `output_token_ids` (the accepted tokens), never
 from what the processor saw sampled, so a preempted or re-sampled request finds its state consistent.
 
-    MinTokens -> Penalties -> LogitBias -> AllowedTokenIds -> (GrammarMask, engine.sample.grammar_mask)
+    MinTokens -> Penalties -> LogitBias -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from engine.sample.sampler import SamplingRow
+    from sluice.engine.sample.sampler import SamplingRow
 
 
 class LogitsProcessor(Protocol):

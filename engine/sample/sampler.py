@@ -2,7 +2,7 @@
 
 Order per row (transformers / vLLM semantics):
   raw logits --(logprobs are taken here: log_softmax of the raw model logits)
-  -> the logits processors, in list order (engine.sample.logits_processors):
+  -> the logits processors, in list order (sluice.engine.sample.logits_processors):
      min_tokens mask (eos and stop_token_ids get -inf until min_tokens outputs exist)
      -> repetition penalty on prompt + output tokens (positive logits divided, negative multiplied)
      -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import Logprobs, TokenLogprob
-from engine.sample.logits_processors import LogitsProcessor, default_processors
-from engine.sampling_params import SamplingParams
+from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
+from sluice.engine.sampling_params import SamplingParams
 
 _ARGMAX_CHUNK = 128
 

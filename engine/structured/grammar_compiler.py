@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import xgrammar as xgr
 
-from engine.structured.constraint import Constraint
-from engine.structured.tokenizer_info import build_tokenizer_info
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.tokenizer_info import build_tokenizer_info
 
 if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
 # xgrammar prefixes its messages with "[12:09:21] /project/cpp/regex_converter.cc:83: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

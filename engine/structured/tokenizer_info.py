@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import xgrammar as xgr
 
 if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
 
 def build_tokenizer_info(

@@ -21,10 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError
-from engine.outputs import ToolCall
-from engine.sampling_params import SamplingParams
-from engine.structured.constraint import Constraint
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.outputs import ToolCall
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}

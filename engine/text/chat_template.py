@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidRequestError
+from sluice.engine.errors import InvalidRequestError
 
 
 class ChatTemplate:

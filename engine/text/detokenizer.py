@@ -12,9 +12,9 @@ from collections.abc import Iterable
 
 from tokenizers.decoders import DecodeStream
 
-from engine.sampling_params import SamplingParams
-from engine.text.stop_strings import StopStringMatcher
-from engine.text.tokenizer import Tokenizer
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.stop_strings import StopStringMatcher
+from sluice.engine.text.tokenizer import Tokenizer
 
 # Ids kept before the undecoded tail, so `flush` decodes it in context (leading spaces, merges).
 _CONTEXT_IDS = 4

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.errors import ContextLengthError, InvalidRequestError
-from engine.model_info import ModelInfo
-from engine.sampling_params import SamplingParams
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.text.tokenizer import Tokenizer
+    from sluice.engine.text.tokenizer import Tokenizer
 
 
 def resolve_prompt(

@@ -17,9 +17,8 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
-from engine.errors import InvalidRequestError
-from engine.loading.model_arch import token_ids
-from engine.text.chat_template import ChatTemplate
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.text.chat_template import ChatTemplate
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -31,6 +30,13 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A config's `eos_token_id` (one id, a list of ids, or absent) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 @dataclass(frozen=True)

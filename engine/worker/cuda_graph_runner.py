@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.loading.model_arch import ModelArchConfig
-from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.input_batch import ModelInputs
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.input_batch import ModelInputs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # model(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.scheduler_output import SchedulerOutput
-from engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.core.prompt_logprobs import PromptLogprobsSlice
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.loading.model_arch import ModelArchConfig
-from engine.loading.model_loader import ModelSource
-from engine.outputs import Logprobs
-from engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
-from engine.worker.block_copy import copy_blocks
-from engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
-from engine.worker.input_batch import build_model_inputs
-from engine.worker.models.registry import get_model_class
-from engine.worker.prompt_logprobs import compute_prompt_logprobs
+from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.model_loader import ModelSource
+from sluice.engine.model_registry import get_model_class
+from sluice.engine.outputs import Logprobs
+from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
+from sluice.engine.worker.block_copy import copy_blocks
+from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
+from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

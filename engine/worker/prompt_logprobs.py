@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.core.prompt_logprobs import PromptLogprobsSlice
-from engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice
 
 ROWS_PER_CHUNK = 256
 

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

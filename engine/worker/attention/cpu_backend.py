@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.attention.metadata import AttentionMetadata
-from kernels.cpu_extension import cpu_extension_unavailable_reason
-from kernels.cpu_paged_attention import (
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
+from sluice.kernels.cpu_paged_attention import (
     EXTENSION,
     cpu_paged_attention,
     cpu_paged_attention_prechecked,
@@ -32,7 +32,7 @@ def cpu_kernel_unavailable_reason(device: torch.device) -> str | None:
 
 
 class CpuAttentionBackend:
-    """Implements `engine.worker.attention.backend.AttentionBackend` with the C++ CPU kernel."""
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with the C++ CPU kernel."""
 
     name = "cpu"
     # Its tasks read a block one KV head at a time: with that head's rows contiguous (vLLM's CPU layout)

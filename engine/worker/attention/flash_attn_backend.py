@@ -11,8 +11,8 @@ import importlib.util
 
 import torch
 
-from engine.worker.attention.metadata import AttentionMetadata
-from kernels.store_kv import store_kv
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.kernels.store_kv import store_kv
 
 FLASH_ATTN_PAGE_MULTIPLE = 256
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
@@ -39,7 +39,8 @@ def flash_attn_supports(
 
 
 class FlashAttnBackend:
-    """Implements `engine.worker.attention.backend.AttentionBackend` with flash_attn's paged-KV kernels.
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with flash_attn's paged-KV
+    kernels.
 
     K/V are written by the Triton `store_kv` kernel; decode batches use `flash_attn_with_kvcache`,
     mixed batches `flash_attn_varlen_func`, both reading the cache through `block_tables`.

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from engine.worker.attention.backend import AttentionBackend
-from engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def get_attention_backend(
         return _cpu_backend(name, device)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    from engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
+    from sluice.engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
 
     flash_reason = flash_attn_supports(device, block_size, dtype)
     if name == "auto" and block_size is not None and dtype is not None and flash_reason is None:
@@ -62,14 +62,14 @@ def get_attention_backend(
             f"attention_backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU) and the "
             f"triton package; device is {device.type!r}, use 'torch' or 'auto'"
         )
-    from engine.worker.attention.triton_backend import TritonAttentionBackend
+    from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
 
 def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
     """The C++ CPU backend; for "auto", the torch backend (logged) when the kernel cannot be built."""
-    from engine.worker.attention.cpu_backend import CpuAttentionBackend, cpu_kernel_unavailable_reason
+    from sluice.engine.worker.attention.cpu_backend import CpuAttentionBackend, cpu_kernel_unavailable_reason
 
     reason = cpu_kernel_unavailable_reason(device)
     if reason is None:

@@ -16,11 +16,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    """Implements `engine.worker.attention.backend.AttentionBackend` on any device."""
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` on any device."""
 
     name = "torch"
     kv_cache_heads_first = False

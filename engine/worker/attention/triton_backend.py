@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.attention.metadata import AttentionMetadata
-from kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.store_kv import store_kv
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
+from sluice.kernels.prefill_attention import prefill_attention
+from sluice.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend:
-    """Implements `engine.worker.attention.backend.AttentionBackend` with Triton kernels."""
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with Triton kernels."""
 
     name = "triton"
     kv_cache_heads_first = False

@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_extension import cpu_extension_available
-from kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
-from kernels.cpu_silu_and_mul import cpu_silu_and_mul_prechecked
+from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
+from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul_prechecked
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up (Llama, Mistral, Qwen); on CPU in float32 one pass of the C++ kernel
-    `kernels.cpu_silu_and_mul`."""
+    `sluice.kernels.cpu_silu_and_mul`."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         cpu_float32 = gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2

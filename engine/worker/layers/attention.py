@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.worker.attention.backend import AttentionBackend
-from engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -8,7 +8,7 @@
                                               shard 0 (q)   | shard 1 (k) | shard 2 (v)
 
 Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
-(`engine.loading.weight_loader`) never knows how a layer lays out its weight. After every tensor is in,
+(`sluice.engine.loading.weight_loader`) never knows how a layer lays out its weight. After every tensor is in,
 `process_weights_after_loading()` runs once per layer: the single place where a backend-specific layout
 (pre-transposed CPU weights, quantized packing, tensor-parallel slices) is made from the loaded weight.
 `forward` calls `apply`, which reads whatever that layout is.
@@ -20,8 +20,8 @@ except for a weight tied to the embeddings (`tie_weight`), which keeps its rows 
 packed copy. Without the kernel (another dtype, no C++ compiler) the weight is stored column-major:
 `weight.t()` is a contiguous [input_size, output_size] matrix, so `F.linear` hands MKL an untransposed
 operand (its sgemm on a transposed one is 2-4.6x slower for 4-32 rows). With `quantization` set ("int4" /
-"int8", `engine.worker.layers.quantization`) the layer also keeps a quantized copy, used for steps of up
-to `quantized.max_rows` rows.
+"int8", `sluice.engine.worker.layers.quantization`) the layer also keeps a quantized copy, used for steps
+of up to `quantized.max_rows` rows.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.worker.layers.quantization import (
+from sluice.engine.worker.layers.quantization import (
     QuantizedWeight,
     quantize_weight,
     unsupported_reason,
 )
-from kernels.cpu_packed_linear import pack_weight, packed_linear_prechecked, packed_linear_unavailable_reason
+from sluice.kernels.cpu_packed_linear import (
+    pack_weight,
+    packed_linear_prechecked,
+    packed_linear_unavailable_reason,
+)
 
 
 class LinearBase(nn.Module):
@@ -56,7 +60,7 @@ class LinearBase(nn.Module):
         self.quantization: str | None = None
         self.quantized: QuantizedWeight | None = None
         self.weight_is_tied = False
-        # Made by the hook on CPU: the weight in column panels (`kernels.cpu_packed_linear`).
+        # Made by the hook on CPU: the weight in column panels (`sluice.kernels.cpu_packed_linear`).
         self.packed: torch.Tensor | None = None
 
     @property

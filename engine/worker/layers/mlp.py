@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.worker.layers.activation import get_act_and_mul
-from engine.worker.layers.linear import MergedLinear, ReplicatedLinear
+from sluice.engine.worker.layers.activation import get_act_and_mul
+from sluice.engine.worker.layers.linear import MergedLinear, ReplicatedLinear
 
 
 class GatedMLP(nn.Module):

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_extension import cpu_extension_available
-from kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
-from kernels.cpu_rms_norm import cpu_rms_norm_prechecked
+from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
+from sluice.kernels.cpu_rms_norm import cpu_rms_norm_prechecked
 
 
 class RMSNorm(nn.Module):
@@ -18,8 +18,8 @@ class RMSNorm(nn.Module):
 
     With `residual`, x + residual (in x's dtype) is normalized and also returned as the next residual:
     the decoder's residual stream flows through the norms, so the add fuses into the norm kernel.
-    use_triton: `kernels.rms_norm.rms_norm`, one pass over each row. On CPU in float32, the C++ kernel
-    `kernels.cpu_rms_norm` (one call instead of ~12 ATen ops); without it `F.rms_norm`; other dtypes
+    use_triton: `sluice.kernels.rms_norm.rms_norm`, one pass over each row. On CPU in float32, the C++ kernel
+    `sluice.kernels.cpu_rms_norm` (one call instead of ~12 ATen ops); without it `F.rms_norm`; other dtypes
     plain PyTorch.
     """
 
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_triton = use_triton
         # Imported only when used: triton is not installed everywhere the torch path runs.
-        self._fused = import_module("kernels.rms_norm").rms_norm if use_triton else None
+        self._fused = import_module("sluice.kernels.rms_norm").rms_norm if use_triton else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -8,15 +8,15 @@
 Both kernels are fast only with bfloat16 activations (with float32 ones they are a slow reference path), so
 a quantized matmul rounds x, the scales and the result to bf16 once each. They pay only on small steps,
 up to MAX_QUANTIZED_ROWS[method] rows; larger steps use the float32 weight, packed for the C++ kernel
-(`kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both.
+(`sluice.kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.config import QUANTIZATIONS
-from kernels.cpu_decoder_stack import QuantizedArgs
+from sluice.engine.config import QUANTIZATIONS
+from sluice.kernels.cpu_decoder_stack import QuantizedArgs
 
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's

@@ -13,10 +13,10 @@ from importlib import import_module
 
 import torch
 
-from engine.loading.model_arch import RopeScaling
-from kernels.cpu_extension import cpu_extension_available
-from kernels.cpu_rotary import EXTENSION as CPU_ROTARY
-from kernels.cpu_rotary import cpu_rotary_embedding_prechecked
+from sluice.engine.loading.model_arch import RopeScaling
+from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.kernels.cpu_rotary import EXTENSION as CPU_ROTARY
+from sluice.kernels.cpu_rotary import cpu_rotary_embedding_prechecked
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -63,7 +63,7 @@ def build_cos_sin_cache(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin (the table
-    `kernels.rotary.rotary_embedding` reads)."""
+    `sluice.kernels.rotary.rotary_embedding` reads)."""
     # On `device`, as transformers computes its tables: CUDA's cos/sin may differ from the CPU's by an ulp.
     inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
     freqs = torch.arange(max_position, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
@@ -80,9 +80,9 @@ class RotaryEmbedding:
 
     torch (default): cos/sin tables [max_positions, head_dim] in the model dtype (each half repeated),
         applied out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`.
-    use_triton: the fused kernel `kernels.rotary.rotary_embedding` rotates q and k in place from an
+    use_triton: the fused kernel `sluice.kernels.rotary.rotary_embedding` rotates q and k in place from an
         fp32 cos|sin table, one program per token, one rounding (a CUDA graph can capture it).
-    float32 on CPU: the C++ kernel `kernels.cpu_rotary`, in place from the same table.
+    float32 on CPU: the C++ kernel `sluice.kernels.cpu_rotary`, in place from the same table.
     """
 
     def __init__(
@@ -100,7 +100,7 @@ class RotaryEmbedding:
         self.cos_sin_cache = cos_sin
         if use_triton:
             # Imported only when used: triton is not installed everywhere the torch path runs.
-            self._fused = import_module("kernels.rotary").rotary_embedding
+            self._fused = import_module("sluice.kernels.rotary").rotary_embedding
             return
         self._fused = None
         on_cpu = torch.device(device).type == "cpu"

@@ -3,7 +3,8 @@
 A model file subclasses `CausalLM`, builds `self.model` (with `embed_tokens`) and `self.lm_head` under
 `torch.device("meta")`, calls `materialize`, and implements `forward(input_ids, positions, kv_caches,
 metadata) -> hidden`. Checkpoint names map onto its parameters through `packed_modules`
-(`engine.loading.weight_loader`) and, for GGUF files, its `gguf_specs` (`engine.loading.gguf_spec`).
+(`sluice.engine.loading.weight_loader`) and, for GGUF files, its `gguf_specs`
+(`sluice.engine.loading.gguf_spec`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from engine.loading.gguf_spec import GGUFSpec
-from engine.loading.model_arch import ModelArchConfig, RopeScaling
-from engine.loading.weight_loader import load_weights
-from engine.worker.attention.backend import AttentionBackend
-from engine.worker.layers.attention import Attention
-from engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
-from engine.worker.layers.rotary import RotaryEmbedding
+from sluice.engine.loading.gguf_spec import GGUFSpec
+from sluice.engine.loading.model_arch import ModelArchConfig, RopeScaling
+from sluice.engine.loading.weight_loader import load_weights
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.layers.attention import Attention
+from sluice.engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
+from sluice.engine.worker.layers.rotary import RotaryEmbedding
 
 # checkpoint module -> (our packed module, shard)
 PACKED_QKV_GATE_UP = {
@@ -82,7 +83,8 @@ class CausalLM(nn.Module):
                 module.set_quantization("int8" if is_head else method)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face-named tensors -> parameters; see `engine.loading.weight_loader.load_weights`."""
+        """Hugging Face-named tensors -> parameters; see
+        `sluice.engine.loading.weight_loader.load_weights`."""
         load_weights(self, weights)
 
     @staticmethod

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
-from engine.loading.model_arch import ModelArchConfig
-from engine.worker.attention.backend import AttentionBackend
-from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.layers.attention import KVCache
-from engine.worker.layers.mlp import GatedMLP
-from engine.worker.layers.norm import GemmaRMSNorm
-from engine.worker.layers.rotary import Rope
-from engine.worker.models.causal_lm import CausalLM
+from sluice.engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.mlp import GatedMLP
+from sluice.engine.worker.layers.norm import GemmaRMSNorm
+from sluice.engine.worker.layers.rotary import Rope
+from sluice.engine.worker.models.causal_lm import CausalLM
 
 
 class Gemma3Attention(nn.Module):

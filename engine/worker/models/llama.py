@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2) over a paged KV cache.
 
-Parameter names follow Hugging Face except two packed projections (see `engine.worker.layers.linear`):
+Parameter names follow Hugging Face except two packed projections (see `sluice.engine.worker.layers.linear`):
     self_attn.qkv_proj  = [q_proj; k_proj; v_proj]   (rows concatenated; Qwen2 biases likewise)
     mlp.gate_up_proj    = [gate_proj; up_proj]
 """
@@ -12,16 +12,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.loading.gguf_spec import GGUFSpec
-from engine.loading.model_arch import ModelArchConfig
-from engine.worker.attention.backend import AttentionBackend
-from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.layers.attention import KVCache
-from engine.worker.layers.mlp import GatedMLP
-from engine.worker.layers.norm import RMSNorm
-from engine.worker.layers.rotary import Rope
-from engine.worker.models.causal_lm import CausalLM
-from engine.worker.models.llama_cpu_stack import LlamaCpuStack
+from sluice.engine.loading.gguf_spec import GGUFSpec
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.mlp import GatedMLP
+from sluice.engine.worker.layers.norm import RMSNorm
+from sluice.engine.worker.layers.rotary import Rope
+from sluice.engine.worker.models.causal_lm import CausalLM
+from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack
 
 
 class LlamaAttention(nn.Module):
@@ -86,7 +86,7 @@ class LlamaForCausalLM(CausalLM):
     use_triton_kernels: RMSNorm (+ residual add) and rotary run as the fused Triton kernels in
     `kernels/` (on CUDA, or on CPU under TRITON_INTERPRET=1); otherwise plain PyTorch, or the C++ kernels
     on CPU in float32. When every layer runs those, the loaded model runs its layers as one C++ call per
-    step (`cpu_stack`, `engine.worker.models.llama_cpu_stack`), with the same result.
+    step (`cpu_stack`, `sluice.engine.worker.models.llama_cpu_stack`), with the same result.
     """
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer

@@ -6,10 +6,10 @@ hidden states equal the per-layer path's; it drops the Python and dispatch betwe
 (SmolLM2-135M on the 2-core CPU, batch 1: 17.3-19.9 -> 15.3-17.4 ms per token). `LlamaCpuStack.build`
 returns None, and the model keeps its per-layer path, unless every layer runs the float32 CPU kernels:
 
-    linears   packed (`kernels.cpu_packed_linear`), quantized or not; a bias on qkv_proj only (Qwen2)
+    linears   packed (`sluice.kernels.cpu_packed_linear`), quantized or not; a bias on qkv_proj only (Qwen2)
     norms     RMSNorm on the C++ kernel; the same eps everywhere
     rotary    the C++ kernel's cos|sin table
-    attention the C++ backend (`engine.worker.attention.cpu_backend`), one scale (windows per layer)
+    attention the C++ backend (`sluice.engine.worker.attention.cpu_backend`), one scale (windows per layer)
     mlp       SiLU gate
 """
 
@@ -21,15 +21,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.worker.attention.cpu_backend import CpuAttentionBackend
-from engine.worker.attention.metadata import AttentionMetadata
-from engine.worker.layers.activation import SiluAndMul
-from engine.worker.layers.attention import KVCache
-from engine.worker.layers.linear import LinearBase
-from engine.worker.layers.norm import RMSNorm
-from engine.worker.layers.rotary import RotaryEmbedding
-from kernels.cpu_decoder_stack import EXTENSION, StackLayer, StackShape, make_decoder_stack
-from kernels.cpu_extension import cpu_extension_unavailable_reason
+from sluice.engine.worker.attention.cpu_backend import CpuAttentionBackend
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.layers.activation import SiluAndMul
+from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.norm import RMSNorm
+from sluice.engine.worker.layers.rotary import RotaryEmbedding
+from sluice.kernels.cpu_decoder_stack import EXTENSION, StackLayer, StackShape, make_decoder_stack
+from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Engine benchmarks: the offline engine, the CPU race, speculation, structured output, quantization."""

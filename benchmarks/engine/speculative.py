@@ -1,0 +1,189 @@
+"""Speculative decoding (n-gram prompt lookup) on the embedded SmolLM2-135M, offline, batch 1: TPOT with
+speculation against the same requests without it, in the same run, on two workloads.
+
+    python -m sluice.benchmarks.engine.speculative                 # table on stdout
+    python -m sluice.benchmarks.engine.speculative --json out.json
+
+  grounded:   the model is asked to repeat a ~300-token passage from its prompt with one light edit: its
+              output copies its input, where prompt lookup drafts well.
+  chat:       free-form questions: little to copy, so drafts are few and mostly rejected; speculation
+              must not make it slower.
+
+Greedy both ways, so the two runs produce the same tokens (checked). Requests run one at a time,
+alternating between the engine without and the engine with speculation. TPOT per request is (last token
+time - first token time) / (tokens - 1); the table gives the mean over requests, the speedup (TPOT off /
+TPOT on) and the acceptance rate per draft position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM, Completion
+from sluice.engine.outputs import EngineStats
+from sluice.engine.sampling_params import SamplingParams
+
+PASSAGES = [
+    "The lighthouse on the northern cape was built in 1871 from granite quarried on the island itself. "
+    "For more than a century its keepers climbed the hundred and twelve steps each evening to light the "
+    "lamp, wind the clockwork that turned the lens, and record the weather in a leather logbook. The "
+    "logbooks survive: they describe storms that tore slates from the roof, winters when the supply boat "
+    "could not land for six weeks, and summers so calm that the keepers fished from the rocks below the "
+    "tower. In 1952 the lamp was electrified, and in 1989 the last keeper left when the light became "
+    "automatic. Today the keepers' cottage is a small museum. Visitors can read the logbooks, climb the "
+    "tower on clear afternoons, and look out over the same grey water that the keepers watched for "
+    "ships in trouble. The granite walls are still cold to the touch even in August, and the wind "
+    "still finds every gap in the old window frames.",
+    "Our team reviewed the quarterly report and found three issues that need attention before the board "
+    "meeting. First, the revenue table counts the March orders twice, which inflates the total by about "
+    "four percent. Second, the section on hiring refers to a plan that was cancelled in January and "
+    "should be replaced with the current plan, which adds two engineers and one designer in the second "
+    "half of the year. Third, the chart of support tickets uses a different scale from last quarter's "
+    "chart, so the two cannot be compared at a glance. None of these issues changes the conclusions of "
+    "the report, but each of them would raise questions that take time away from the discussion of the "
+    "budget. We suggest fixing the table and the hiring section this week and redrawing the chart with "
+    "the old scale. After that, the report can be sent to the board together with the budget proposal "
+    "and the summary of customer interviews.",
+]
+EDITS = ["Replace the word 'granite' with 'stone'", "Replace the word 'board' with 'committee'"]
+CHAT = [
+    "Give me three tips for learning to play the guitar as an adult.",
+    "Why is the sky blue? Explain it simply.",
+    "Write a short poem about a cat watching the rain.",
+    "What should I pack for a weekend hiking trip in the mountains?",
+]
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str
+    num_requests: int
+    output_tokens: int
+    identical: bool
+    tpot_off_ms: float
+    tpot_on_ms: float
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    acceptance_per_position: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        return self.tpot_off_ms / self.tpot_on_ms
+
+    @property
+    def acceptance(self) -> float:
+        return self.num_accepted_draft_tokens / max(self.num_draft_tokens, 1)
+
+
+def grounded(i: int) -> list[dict[str, str]]:
+    passage, edit = PASSAGES[i % len(PASSAGES)], EDITS[i % len(EDITS)]
+    return [
+        {
+            "role": "user",
+            "content": f"{edit} in the passage below and write out the whole passage, changing nothing "
+            f"else.\n\nPassage:\n{passage}",
+        }
+    ]
+
+
+def chat(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": CHAT[i % len(CHAT)]}]
+
+
+def tpot_ms(completion: Completion) -> float:
+    timings = completion.timings
+    return 1000 * (timings.finished - timings.first_token) / (len(completion.token_ids) - 1)
+
+
+def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int) -> Row:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = on.engine.stats()
+    without, with_spec = [], []
+    for conversation in conversations:
+        without += off.chat([conversation], params)
+        with_spec += on.chat([conversation], params)
+    after = on.engine.stats()
+    return Row(
+        workload=name,
+        num_requests=len(conversations),
+        output_tokens=sum(len(c.token_ids) for c in with_spec),
+        identical=[c.token_ids for c in without] == [c.token_ids for c in with_spec],
+        tpot_off_ms=statistics.mean(tpot_ms(c) for c in without),
+        tpot_on_ms=statistics.mean(tpot_ms(c) for c in with_spec),
+        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+        num_accepted_draft_tokens=after.num_accepted_draft_tokens - before.num_accepted_draft_tokens,
+        acceptance_per_position=_acceptance_per_position(before, after),
+    )
+
+
+def _acceptance_per_position(before: EngineStats, after: EngineStats) -> tuple[float, ...]:
+    rates = []
+    for j, (drafts, accepted) in enumerate(
+        zip(after.draft_tokens_per_position, after.accepted_draft_tokens_per_position, strict=True)
+    ):
+        drafts -= before.draft_tokens_per_position[j] if j < len(before.draft_tokens_per_position) else 0
+        accepted -= (
+            before.accepted_draft_tokens_per_position[j]
+            if j < len(before.accepted_draft_tokens_per_position)
+            else 0
+        )
+        rates.append(accepted / drafts if drafts else 0.0)
+    return tuple(rates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.benchmarks.engine.speculative", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--requests", type=int, default=4, help="requests per workload")
+    parser.add_argument("--max-tokens", type=int, default=320)
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--ngram-min", type=int, default=2)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine (CPU)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    spec = SpeculativeConfig(
+        "ngram",
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+    )
+    off = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory)
+    on = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, speculative=spec)
+    warm = SamplingParams(temperature=0.0, max_tokens=8)
+    for llm in (off, on):
+        llm.chat([chat(0)], warm)
+    rows = [
+        measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens),
+        measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens),
+    ]
+    print(
+        f"Speculative decoding, ngram k={spec.num_speculative_tokens} n={spec.ngram_min}..{spec.ngram_max}, "
+        f"{off.engine.model_info.name}, batch 1, greedy"
+    )
+    print(
+        f"{'workload':>9} {'reqs':>4} {'tokens':>6} {'same':>4} {'off ms':>7} {'on ms':>7} "
+        f"{'speedup':>7} {'accept':>6}  per position"
+    )
+    for r in rows:
+        per_position = " ".join(f"{rate:.2f}" for rate in r.acceptance_per_position)
+        same = "yes" if r.identical else "NO"
+        print(
+            f"{r.workload:>9} {r.num_requests:>4} {r.output_tokens:>6} {same:>4} {r.tpot_off_ms:>7.2f} "
+            f"{r.tpot_on_ms:>7.2f} {r.speedup:>7.2f} {r.acceptance:>6.2f}  {per_position}"
+        )
+    if args.json:
+        result = [asdict(r) | {"speedup": r.speedup, "acceptance": r.acceptance} for r in rows]
+        with open(args.json, "w") as f:
+            json.dump({"config": asdict(spec), "rows": result}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

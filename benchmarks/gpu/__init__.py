@@ -1,0 +1,1 @@
+"""GPU benchmarks (run by scripts/gpu_check.py)."""

@@ -1,0 +1,242 @@
+"""GPU benchmarks for `scripts/gpu_check.py`: decode steps eager vs CUDA graphs, attention kernels, and
+Sluice vs transformers.generate end to end. Timed with CUDA events; the pure helpers are unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.presets import preset_arch
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
+from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
+from sluice.engine.worker.models.llama import LlamaForCausalLM
+from sluice.kernels.paged_decode_attention import paged_decode_attention
+from sluice.kernels.prefill_attention import prefill_attention
+
+BLOCK_SIZE = 16
+BENCH_BATCHES = (1, 8, 32, 128)
+BENCH_CONTEXT = 512
+GRAPH_MAX_REL_DIFF = 1e-2  # graph replay vs eager on the same inputs: the same kernels, bf16
+
+
+def floor_step_time_s(weight_bytes: int, bandwidth_bytes_per_s: float) -> float:
+    """Lower bound of a batch-1 decode step: every weight byte is read once from device memory."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError(f"bandwidth_bytes_per_s: must be > 0, got {bandwidth_bytes_per_s}")
+    return weight_bytes / bandwidth_bytes_per_s
+
+
+def kv_read_bytes(num_seqs: int, context_len: int, num_kv_heads: int, head_dim: int, item_size: int) -> int:
+    """Bytes a decode attention step must read: K and V of every context position of every sequence."""
+    return 2 * num_seqs * context_len * num_kv_heads * head_dim * item_size
+
+
+def decode_step_inputs(
+    batch: int, context_len: int, block_size: int, device: torch.device, first_block: int = 0
+) -> ModelInputs:
+    """A pure-decode step for `batch` sequences of `context_len` tokens with disjoint block tables."""
+    blocks_per_seq = -(-context_len // block_size)
+    scheduled = tuple(
+        ScheduledRequest(
+            request_id=f"b{i}",
+            token_ids=(1 + i,),
+            start_position=context_len - 1,
+            block_ids=tuple(range(first_block + i * blocks_per_seq, first_block + (i + 1) * blocks_per_seq)),
+            sample=True,
+        )
+        for i in range(batch)
+    )
+    return build_model_inputs(SchedulerOutput(scheduled, batch), block_size, device)
+
+
+def time_cuda_s(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_bytes_per_s(device: torch.device, num_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, counting the read and the write."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / time_cuda_s(lambda: dst.copy_(src), iters=10)
+
+
+def triton_model(
+    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+) -> LlamaForCausalLM:
+    """Our model as ModelRunner builds it on CUDA: Triton attention, fused RMSNorm and rotary."""
+    backend = TritonAttentionBackend()
+    return LlamaForCausalLM(arch, backend, dtype, device, max_positions, use_triton_kernels=True)
+
+
+def _random_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    model = triton_model(arch, dtype, device, max_positions=4 * BENCH_CONTEXT)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def random_kv_caches(
+    arch: ModelArchConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
+    return [
+        (torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
+        for _ in range(arch.num_hidden_layers)
+    ]
+
+
+def bench_decode(device: torch.device) -> tuple[list[list[object]], float, float]:
+    """Rows (batch, eager ms, graph ms, speedup, graph vs eager max relative difference) and the graph
+    pool size; batch-1 graph step seconds; weight bytes. A step is the forward plus the logits of the
+    sampled rows."""
+    arch = preset_arch("llama-3.2-1b")
+    model = _random_model(arch, torch.bfloat16, device)
+    blocks_per_seq = -(-BENCH_CONTEXT // BLOCK_SIZE)
+    kv_caches = random_kv_caches(arch, max(BENCH_BATCHES) * blocks_per_seq + 1, torch.bfloat16, device)
+    runner = CudaGraphRunner(model, kv_caches, max(BENCH_BATCHES), blocks_per_seq, BLOCK_SIZE, device)
+
+    def eager(inputs: ModelInputs) -> torch.Tensor:
+        return model(inputs.input_ids, inputs.positions, kv_caches, inputs.metadata)
+
+    rows, batch1_graph_s = [], 0.0
+    with torch.inference_mode():
+        runner.capture()
+        for batch in BENCH_BATCHES:
+            inputs = decode_step_inputs(batch, BENCH_CONTEXT, BLOCK_SIZE, device)
+            difference = _relative_difference(runner.run(inputs).clone(), eager(inputs))
+            eager_s = time_cuda_s(lambda i=inputs: _logits(model, eager(i), i))
+            graph_s = time_cuda_s(lambda i=inputs: _logits(model, runner.run(i), i))
+            batch1_graph_s = graph_s if batch == 1 else batch1_graph_s
+            rows.append([batch, eager_s * 1e3, graph_s * 1e3, eager_s / graph_s, difference])
+    rows.append(["graph pool MiB", runner.memory_bytes / 2**20, "", "", ""])
+    return rows, batch1_graph_s, _weight_bytes(model)
+
+
+def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+
+
+def _logits(model: LlamaForCausalLM, hidden: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    return model.compute_logits(hidden[inputs.logits_indices])
+
+
+def _weight_bytes(model: torch.nn.Module) -> float:
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return float(sum(unique.values()))
+
+
+def bench_attention(device: torch.device, bandwidth: float) -> list[list[object]]:
+    """Paged decode attention alone at 4k and 32k context with llama-3.2-1b's heads, in bf16."""
+    arch = preset_arch("llama-3.2-1b")
+    rows = []
+    for context, batch in ((4096, 32), (32768, 8)):
+        md = decode_step_inputs(batch, context, BLOCK_SIZE, device).metadata
+        shape = (batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
+        k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(batch, arch.num_attention_heads, arch.head_dim, dtype=torch.bfloat16, device=device)
+        seconds = time_cuda_s(
+            lambda md=md, q=q, k=k_cache, v=v_cache: paged_decode_attention(
+                q, k, v, md.block_tables, md.seq_lens, arch.head_dim**-0.5, md.max_seq_len
+            )
+        )
+        moved = kv_read_bytes(batch, context, arch.num_key_value_heads, arch.head_dim, 2)
+        rows.append([context, batch, seconds * 1e6, moved / seconds / 1e9, moved / seconds / bandwidth])
+    return rows
+
+
+def prefill_step_inputs(prompt_len: int, block_size: int, device: torch.device) -> ModelInputs:
+    """One fresh prompt of `prompt_len` tokens prefilled in one step, on blocks 0, 1, 2, ..."""
+    blocks = tuple(range(-(-prompt_len // block_size)))
+    request = ScheduledRequest("prefill", (1,) * prompt_len, 0, blocks, sample=True)
+    return build_model_inputs(SchedulerOutput((request,), prompt_len), block_size, device)
+
+
+def causal_attention_flops(prompt_len: int, num_heads: int, head_dim: int) -> float:
+    """Multiply-adds of QK^T and PV under a causal mask (half the square), 2 flops each."""
+    return 2 * 2 * num_heads * head_dim * prompt_len * (prompt_len + 1) / 2
+
+
+def bench_prefill_attention(device: torch.device) -> list[list[object]]:
+    """Our paged varlen prefill kernel against torch's scaled_dot_product_attention (flash) on the same
+    q/k/v, contiguous, causal, GQA: one prompt of 2k and of 8k tokens, llama-3.2-1b heads, bf16."""
+    import torch.nn.functional as F
+
+    arch = preset_arch("llama-3.2-1b")
+    heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    rows = []
+    for prompt_len in (2048, 8192):
+        md = prefill_step_inputs(prompt_len, BLOCK_SIZE, device).metadata
+        q = torch.randn(prompt_len, heads, dim, dtype=torch.bfloat16, device=device)
+        k = torch.randn(prompt_len, kv_heads, dim, dtype=torch.bfloat16, device=device)
+        v = torch.randn_like(k)
+        k_cache = k.view(-1, BLOCK_SIZE, kv_heads, dim)  # blocks 0, 1, ... hold positions in order
+        v_cache = v.view(-1, BLOCK_SIZE, kv_heads, dim)
+        ours = time_cuda_s(
+            lambda md=md, q=q, kc=k_cache, vc=v_cache: prefill_attention(
+                q, kc, vc, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len, dim**-0.5
+            )
+        )
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, T, dim]
+        sdpa = time_cuda_s(
+            lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, enable_gqa=True
+            )
+        )
+        tflop = causal_attention_flops(prompt_len, heads, dim) / 1e12
+        rows.append([prompt_len, ours * 1e3, tflop / ours, sdpa * 1e3, tflop / sdpa, sdpa / ours])
+    return rows
+
+
+def bench_end_to_end(
+    device: torch.device, num_requests: int = 32, output_len: int = 64
+) -> list[list[object]]:
+    """`sluice.benchmarks.engine.offline`'s mixed workload (prompts of 32-512 tokens) on a llama-3.2-1b-shaped
+    random bf16 checkpoint: transformers first (its model stays loaded), then the engine with CUDA graphs."""
+    from sluice.engine import bench
+
+    with tempfile.TemporaryDirectory() as directory:
+        hf = bench.build_checkpoint("llama-3.2-1b", directory, 0, "bfloat16", device.type)
+        prompts = bench.mixed_workload(num_requests, hf.config.vocab_size, seed=0)
+        results = [
+            bench.run_hf_sequential(hf, prompts, output_len),
+            bench.run_hf_static_batches(hf, prompts, output_len, 8),
+            bench.run_sluice(
+                "sluice (LLM, CUDA graphs)", directory, prompts, output_len, device=device.type,
+                dtype="bfloat16", gpu_memory_utilization=0.6, max_num_batched_tokens=2048,
+            ),
+        ]  # fmt: skip
+    base = results[0].tokens_per_second
+    return [
+        [r.name, r.output_tokens, r.seconds, r.tokens_per_second, r.tokens_per_second / base] for r in results
+    ]
+
+
+def goal_rows(
+    batch1_step_s: float, floor_s: float, batch1_speedup: float, long_context_fraction: float
+) -> list[list[object]]:
+    """The issue's three GPU goals, each with its measured value and whether it was met."""
+    goals = (
+        ("batch-1 graph step / floor <= 1.5", batch1_step_s / floor_s, batch1_step_s / floor_s <= 1.5),
+        ("CUDA graphs vs eager at batch 1 >= 1.5x", batch1_speedup, batch1_speedup >= 1.5),
+        ("decode attention at 32k >= 70% of copy bw", long_context_fraction, long_context_fraction >= 0.7),
+    )
+    return [[name, value, "met" if met else "NOT met"] for name, value, met in goals]

@@ -1,0 +1,1 @@
+"""Kernel benchmarks on CPU: paged attention and the packed linear."""

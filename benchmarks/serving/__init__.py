@@ -1,0 +1,1 @@
+"""Serving benchmarks: Sluice over gRPC against baselines and the in-process engine."""

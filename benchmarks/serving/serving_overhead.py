@@ -1,0 +1,125 @@
+"""What serving costs: `sluice serve` over gRPC against the offline `LLM`, same model, same run.
+
+    python -m sluice.benchmarks.serving.serving_overhead [--concurrency 1 16 64] [--json out.json]
+
+Both sides run the model `sluice serve` serves by default (the embedded SmolLM2-135M unless --model) with
+the server's default engine settings, on a fixed workload: seeded 64-token prompts, 64 output tokens,
+greedy, ignore_eos. For each concurrency c, alternating sides:
+
+    offline  LLM.generate on rounds of c prompts at once (the engine batches them)
+    grpc     a closed loop of c Generate calls in flight to a `sluice serve` process on loopback
+
+and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (offline: from the
+request's arrival in the engine; gRPC: as the client sees it, from sending the call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from sluice.bench.runner import LoadConfig, run_load_sync
+from sluice.bench.transports import GenerateTransport
+from sluice.bench.workloads import Workload
+from sluice.benchmarks.serving.server_process import ServerProcess
+from sluice.client import AsyncClient
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    concurrency: int
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    ttft_p50_ms: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: int) -> Side:
+    params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
+    llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up
+    output_tokens, ttfts, start = 0, [], time.perf_counter()
+    for first in range(0, num_requests, concurrency):
+        for completion in llm.generate(requests[first : first + concurrency], params):
+            output_tokens += len(completion.token_ids)
+            ttfts.append(completion.timings.ttft_seconds)
+    seconds = time.perf_counter() - start
+    ttft_ms = 1000 * statistics.median(ttfts)
+    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms)
+
+
+def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
+    load = LoadConfig(num_requests=num_requests, concurrency=concurrency)
+    result = run_load_sync(lambda: GenerateTransport(AsyncClient(server.target)), workload, load)
+    metrics = result.metrics
+    if metrics.errors:
+        raise RuntimeError(f"gRPC run failed requests: {metrics.errors}")
+    return Side(
+        "sluice serve (gRPC)",
+        concurrency,
+        num_requests,
+        metrics.output_tokens,
+        metrics.duration_seconds,
+        1000 * metrics.ttft.p50,
+    )
+
+
+def format_table(pairs: list[tuple[Side, Side]]) -> str:
+    lines = [
+        "| concurrency | offline tok/s | gRPC tok/s | gRPC / offline "
+        "| TTFT p50 offline | TTFT p50 gRPC | ratio |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for offline, grpc in pairs:
+        lines.append(
+            f"| {offline.concurrency} | {offline.tokens_per_second:.1f} | {grpc.tokens_per_second:.1f} | "
+            f"{grpc.tokens_per_second / offline.tokens_per_second:.3f} | {offline.ttft_p50_ms:.0f} ms | "
+            f"{grpc.ttft_p50_ms:.0f} ms | {grpc.ttft_p50_ms / offline.ttft_p50_ms:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.benchmarks.serving.serving_overhead", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= 8)")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    llm = LLM(args.model)
+    vocab_size = llm.engine.model_info.vocab_size
+    workload = Workload("fixed", vocab_size, input_len=args.input_len, output_len=args.output_len)
+    serve_args = [] if args.model is None else ["--model", args.model]
+    pairs = []
+    with ServerProcess(serve_args) as server:
+        for concurrency in args.concurrency:
+            num_requests = max(8, args.rounds * concurrency)
+            offline = offline_run(llm, workload, concurrency, num_requests)
+            grpc = grpc_run(server, workload, concurrency, num_requests)
+            pairs.append((offline, grpc))
+            print(format_table(pairs[-1:]).splitlines()[-1], flush=True)
+    print(f"\nmodel: {llm.engine.model_info.name}; {args.input_len}-token prompts, {args.output_len} out\n")
+    print(format_table(pairs))
+    if args.json:
+        rows = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for pair in pairs for s in pair]
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Maps requests to their KV blocks, and finds reusable prefixes in the cache.
+
+A request's block table covers exactly the tokens that have (or are about to get) K/V:
+
+    tokens with K/V:  [ 0 ............ 15 | 16 ........... 31 | 32 .. 37 ]     block_size = 16
+    block table:      [       b4          |        b9         |    b2    ]     ceil(38 / 16) = 3 blocks
+                        full, hashed         full, hashed       partial, never shared
+
+Full blocks of computed tokens are registered in the pool's prefix cache under their chained hash
+(`sluice.engine.kv_cache.block_hash`). A new request first looks up the longest run of cached blocks matching
+its tokens (`find_prefix`), then `allocate_slots` shares those blocks by ref count and allocates the rest.
+
+With a `sliding_window` W (a model whose every layer is windowed), the next query at position
+num_computed sees positions num_computed - W + 1 onwards; blocks wholly before that are freed when the
+request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (never read by attention):
+
+    W = 20, block_size = 16, num_computed = 50: first visible position 31
+    block table:      [ 0 (freed) | b9 | b2 | b5 ]      positions 0..15 freed; 16..31 kept (holds 31)
+
+Freed blocks keep their hash in the pool, so other requests can still hit them until evicted.
+
+`fork` gives another sample of the same prompt the parent's prompt blocks: full blocks shared by ref
+count, the partial last block copied (copy on write, done by the model runner before the next step):
+
+    parent, 38 prompt tokens:  [ b4 (full) | b9 (full) | b2 (6 of 16) ]
+    child after fork:          [ b4        | b9        | b7 ]      b4, b9: ref_cnt 2;  copy b2 -> b7
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.engine.kv_cache.block_hash import BlockHash, extend_block_hashes
+from sluice.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from sluice.engine.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks holding a request's leading tokens. The scheduler reads only `num_tokens` and
+    hands the hit back to `allocate_slots` unchanged."""
+
+    blocks: tuple[KVCacheBlock, ...]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit(blocks=(), num_tokens=0)
+PLACEHOLDER_BLOCK_ID = 0  # table entry of a block freed for being out of the window: a real id, never read
+
+
+class KVCacheManager:
+    """Request id -> block list, on top of a `BlockPool`."""
+
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVCacheBlock | None]] = {}  # None: freed, out of the window
+        self._num_freed: dict[str, int] = {}  # leading blocks freed for being out of the window
+        self._block_ids: dict[str, list[int]] = {}  # parallel to _blocks, so tables are cheap to copy
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks of tokens
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.num_queries = 0  # tokens looked up in the prefix cache at admission
+        self.num_hits = 0  # of which found cached
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest run of cached full blocks matching the request's leading tokens.
+
+        The hit never covers the last token: at least one token must be computed to produce logits.
+        A request that wants prompt logprobs gets no hit.
+        Has no side effect on the pool (nothing is referenced until `allocate_slots`).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return NO_HIT  # cached positions have no logits: a request wanting prompt logprobs computes all
+        hashes = self._request_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks=tuple(blocks), num_tokens=len(blocks) * self.block_size)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> tuple[int, ...] | None:
+        """Grow the request's block table to hold `num_new_tokens` more tokens; return the whole table.
+
+        `hit` is given once, when a request with no blocks is admitted: its blocks are shared first and
+        the new tokens follow `hit.num_tokens`. Otherwise the new tokens follow
+        `request.num_computed_tokens`. Returns None if the pool is short (having changed nothing but, with
+        a window, freed blocks the request no longer sees).
+        """
+        request_id = request.request_id
+        blocks = self._blocks.get(request_id, [])
+        hit_blocks = () if hit is None else hit.blocks
+        num_computed = request.num_computed_tokens if hit is None else hit.num_tokens
+        if hit is not None and blocks:
+            raise RuntimeError(f"request {request_id!r} already holds blocks; a prefix hit needs none")
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(num_required - len(blocks) - len(hit_blocks), 0)
+        # Hit blocks sitting in the free queue stop being free once referenced.
+        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        self._free_out_of_window(request_id, num_computed)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(hit_blocks)
+        new_blocks = list(hit_blocks) + (self.pool.allocate(num_new_blocks) or [])
+        blocks = self._blocks.setdefault(request_id, blocks)
+        block_ids = self._block_ids.setdefault(request_id, [])
+        blocks.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
+        if hit is not None:
+            self._num_cached_blocks[request_id] = len(hit_blocks)
+            if self.enable_caching:
+                self.num_queries += request.num_tokens
+                self.num_hits += hit.num_tokens
+            self._free_out_of_window(request_id, num_computed)
+        return tuple(block_ids)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child_id` (holding no blocks) the parent's blocks of its first `num_tokens` tokens:
+        full blocks shared, the partial last block, if any, replaced by a new one. Returns the
+        (src, dst) block copies the runner must make before the child's next step; None, changing
+        nothing, if no block is free for the copy."""
+        if child_id in self._blocks:
+            raise RuntimeError(f"request {child_id!r} already holds blocks; a fork needs none")
+        num_blocks = -(-num_tokens // self.block_size)
+        parent = self._blocks[parent_id][:num_blocks]
+        if len(parent) < num_blocks:
+            raise RuntimeError(f"request {parent_id!r} holds too few blocks for {num_tokens} tokens")
+        num_full = num_tokens // self.block_size
+        copied = self.pool.allocate(num_blocks - num_full)
+        if copied is None:
+            return None
+        shared = parent[:num_full]
+        self.pool.touch(block for block in shared if block is not None)
+        blocks = shared + copied
+        self._blocks[child_id] = blocks
+        self._block_ids[child_id] = self._block_ids[parent_id][:num_full] + [b.block_id for b in copied]
+        if parent_id in self._num_freed:
+            self._num_freed[child_id] = min(self._num_freed[parent_id], num_full)
+        return [(src.block_id, dst.block_id) for src, dst in zip(parent[num_full:], copied, strict=True)]
+
+    def num_blocks_needed(self, num_tokens: int, max_tokens_per_step: int) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once, advancing at most
+        `max_tokens_per_step` tokens a step: all of them, or with a window only the blocks a step's
+        queries can see (the window before the first query, the step's tokens, one partial block)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return num_blocks
+        window_blocks = -(-(self.sliding_window - 1 + max_tokens_per_step) // self.block_size) + 1
+        return min(num_blocks, window_blocks)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register in the prefix cache every block now full of computed tokens."""
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(request)
+        blocks = self._blocks[request_id]
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block is not None:  # a freed block was cached before it left the window
+                self.pool.cache_full_block(block, hashes[i])
+        self._num_cached_blocks[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request, tail first, and forget it. Unknown ids are a no-op."""
+        blocks = self._blocks.pop(request_id, [])
+        self.pool.free(block for block in reversed(blocks) if block is not None)
+        self._num_freed.pop(request_id, None)
+        self._block_ids.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+
+    def free_blocks_beyond(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past the first ceil(num_tokens / block_size), tail first: blocks
+        reserved for draft tokens that were rejected. They were never full of computed tokens, so never
+        cached."""
+        blocks = self._blocks.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self._block_ids[request_id][keep:]
+        self.pool.free(block for block in reversed(tail) if block is not None)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (logical block i -> physical block id); empty if it holds none."""
+        return tuple(self._block_ids.get(request_id, ()))
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests that hold blocks."""
+        return list(self._blocks)
+
+    def _free_out_of_window(self, request_id: str, num_computed: int) -> None:
+        """Free the request's blocks wholly before position num_computed - sliding_window + 1 (the
+        first one its next query sees), oldest first."""
+        if self.sliding_window is None:
+            return
+        first_visible = max(num_computed - self.sliding_window + 1, 0)
+        blocks = self._blocks.get(request_id, [])
+        start = self._num_freed.get(request_id, 0)
+        end = min(first_visible // self.block_size, len(blocks))
+        if end <= start:
+            return
+        freed = [block for block in blocks[start:end] if block is not None]
+        block_ids = self._block_ids[request_id]
+        for i in range(start, end):
+            blocks[i] = None
+            block_ids[i] = PLACEHOLDER_BLOCK_ID
+        self._num_freed[request_id] = end
+        self.pool.free(freed)
+
+    def _request_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of every full block of the request's tokens, extended as tokens are appended."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return hashes

@@ -1,0 +1,162 @@
+"""Build a `Tokenizer` from the `tokenizer.*` metadata of a GGUF file.
+
+A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, each token's type and the special
+token ids under llama.cpp's key names. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`, used by
+SmolLM2, Llama 3 and Qwen2) is rebuilt here with the `tokenizers` library; SentencePiece vocabularies
+(`"llama"`: Llama 2, Mistral, Gemma) by `sluice.engine.loading.sentencepiece_gguf`:
+
+    tokens + merges        -> BPE model (tokens are already spelled in the GPT-2 byte alphabet)
+    token_type CONTROL     -> added special tokens (`<|im_start|>`), matched whole, skipped on decode
+    token_type USER_DEFINED-> added plain tokens, matched whole
+    tokenizer.ggml.pre     -> the pre-tokenizer split the merges were learned with
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from sluice.engine.loading.gguf_file import GGUFFile
+from sluice.engine.loading.sentencepiece_gguf import GEMMA_ARCHITECTURES, sentencepiece_bpe
+from sluice.engine.text.tokenizer import Tokenizer
+
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+
+_SPECIAL_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding"))
+_CONTROL = 3  # llama.cpp's token types
+_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
+    # SmolLM2's own tokenizer.json: every digit is its own piece, then the GPT-2 split.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
+
+
+def _regex_split(pattern: str):
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# tokenizer.ggml.pre -> builder of the pre-tokenizer (llama.cpp's llama-vocab.cpp names).
+_PRE_TOKENIZERS = {
+    "default": _gpt2_split,
+    "gpt-2": _gpt2_split,
+    "smollm": _digits_then_gpt2_split,
+    "llama-bpe": _regex_split(_LLAMA3_SPLIT),
+    "llama3": _regex_split(_LLAMA3_SPLIT),
+    "smaug-bpe": _regex_split(_LLAMA3_SPLIT),
+    "qwen2": _regex_split(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": _regex_split(_QWEN2_SPLIT),
+}
+SUPPORTED_PRE_TOKENIZERS = tuple(_PRE_TOKENIZERS)
+
+
+def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
+    """The tokenizer a GGUF file describes. Raises ValueError naming the key when it is not supported."""
+    model = file.metadata.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        raise ValueError(
+            f"tokenizer.ggml.model: {model!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+        )
+    tokens: list[str] | None = file.metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("tokenizer.ggml.tokens: missing from the GGUF metadata")
+    backend = _sentencepiece(file, tokens) if model == "llama" else _byte_level(file, tokens)
+    bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
+    eos_ids = _eos_token_ids(file.metadata)
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", model == "llama")
+    return Tokenizer(
+        backend,
+        chat_template=file.metadata.get("tokenizer.chat_template"),
+        bos_token=None if bos_id is None else tokens[bos_id],
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        add_bos_token=bool(add_bos),
+        name=file.metadata.get("general.name", "gguf"),
+    )
+
+
+def _byte_level(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
+    pre = file.metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
+    backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    return backend
+
+
+def _sentencepiece(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
+    scores = file.metadata.get("tokenizer.ggml.scores")
+    merges = file.metadata.get("tokenizer.ggml.merges")
+    if scores is None and merges is None:
+        raise ValueError("tokenizer.ggml.scores: missing from the GGUF metadata (needed without merges)")
+    gemma = file.metadata.get("general.architecture") in GEMMA_ARCHITECTURES
+    unk_id = file.metadata.get("tokenizer.ggml.unknown_token_id")
+    return sentencepiece_bpe(
+        tokens,
+        scores or [0.0] * len(tokens),
+        file.metadata.get("tokenizer.ggml.token_type", []),
+        merges,
+        gemma=gemma,
+        unk_token=tokens[unk_id] if gemma and unk_id is not None else None,
+        special_ids=tuple(i for i in map(file.metadata.get, _SPECIAL_ID_KEYS) if i is not None),
+    )
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` over `tokens` (ids are list positions).
+
+    Control tokens become special added tokens and user-defined ones plain added tokens, so both are
+    matched whole in the text instead of being cut into bytes.
+    """
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _gpt2_split()
+    backend.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types, strict=False))
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in typed if kind == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in typed if kind == _USER_DEFINED]
+    )
+    return backend
+
+
+def _eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
+    # eos first; llama.cpp also stops on end-of-turn / end-of-message ids (Llama 3 writes <|eot_id|> there).
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids: list[int] = []
+    for key in keys:
+        token_id = metadata.get(key)
+        if token_id is not None and token_id not in ids:
+            ids.append(int(token_id))
+    return tuple(ids)

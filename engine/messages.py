@@ -1,0 +1,127 @@
+"""What crosses between a frontend and the engine core: requests in, one message per step out.
+
+    frontend                                   engine core (owns torch)
+    --------                                   ------------------------
+    CoreConfig        ---------------------->  loads the model
+                      <----------------------  CoreReady(model_info, tokenizer)  | CoreFailed(error)
+    AddRequest        ---------------------->  scheduler
+    AbortRequests     ---------------------->  frees blocks before the next step
+                      <----------------------  CoreOutputs(outputs, stats): every request's new tokens
+                      <----------------------  CoreHeartbeat (when idle)
+                      <----------------------  CoreFailed(error): the core is dead
+    Shutdown          ---------------------->  exits
+
+Pure data (msgspec structs over msgpack), no torch: the frontend imports this module too.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import EngineStats, Logprobs
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.tokenizer import TokenizerSpec
+
+
+class CoreConfig(msgspec.Struct, tag=True):
+    config: EngineConfig
+    heartbeat_seconds: float
+
+
+class CoreReady(msgspec.Struct, tag=True):
+    model_info: ModelInfo
+    tokenizer: TokenizerSpec | None
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core could not load, or died; `error` says why."""
+
+    error: str
+
+
+class CoreHeartbeat(msgspec.Struct, tag=True):
+    stats: EngineStats
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    use_speculation: bool = True  # False: this request never verifies draft tokens
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    """Ends the requests now (`error` None: finish_reason "abort"; else "error" with that message)."""
+
+    request_ids: list[str]
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class CoreOutput(msgspec.Struct, array_like=True):
+    """One request's advance in one step: the tokens it accepted, and its state after them."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs]
+    num_cached_tokens: int
+    num_preemptions: int
+    first_scheduled: float | None
+    first_token: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    finished_time: float | None = None
+    # The request was refused before it ran, because of this field (e.g. a json_schema that does not
+    # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
+    invalid_field: str | None = None
+    # On the output carrying the first token of a request with prompt_logprobs: one per prompt token
+    # after the first.
+    prompt_logprobs: list[Logprobs] | None = None
+    # Prompt tokens this request ran through the model so far (0 for a sample forked from another).
+    num_prompt_tokens_computed: int = 0
+    # Speculative decoding, the request's totals so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, invalid_field: str | None = None) -> CoreOutput:
+        """The last output of a request the core could not take."""
+        return cls(
+            request_id,
+            [],
+            [],
+            0,
+            0,
+            None,
+            None,
+            finish_reason="error",
+            error=error,
+            invalid_field=invalid_field,
+        )
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    outputs: list[CoreOutput]
+    stats: EngineStats
+
+
+FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown
+CoreMessage = CoreReady | CoreFailed | CoreHeartbeat | CoreOutputs
+
+encode = msgspec.msgpack.Encoder().encode
+decode_frontend_message = msgspec.msgpack.Decoder(FrontendMessage).decode
+decode_core_message = msgspec.msgpack.Decoder(CoreMessage).decode

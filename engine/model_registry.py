@@ -1,0 +1,36 @@
+"""Architecture name (config.json `architectures[0]`, or a GGUF's `general.architecture`) -> model class.
+
+Model classes are imported on first use, so reading the supported names costs no torch import.
+Adding an architecture: a model file in `sluice.engine.worker.models`, one line here, and its tests.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# architecture -> (module in sluice.engine.worker.models, class)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+
+# GGUF general.architecture -> architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def get_model_class(architecture: str) -> Any:
+    """The nn.Module class running `architecture`. Raises ValueError naming the supported ones."""
+    if architecture not in _MODELS:
+        raise ValueError(f"architectures: {architecture!r} is not supported; supported: {', '.join(_MODELS)}")
+    module, name = _MODELS[architecture]
+    return getattr(import_module(f"sluice.engine.worker.models.{module}"), name)

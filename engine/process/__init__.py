@@ -1,0 +1,1 @@
+"""The engine core's own process: its loop, torch threads and host memory settings."""

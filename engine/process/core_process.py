@@ -1,0 +1,137 @@
+"""The engine core's own process: `python -m sluice.engine.process.core_process --commands ADDR --results
+ADDR`.
+
+Started by `sluice.engine.frontend.core_client.CoreClient`. It receives a `CoreConfig`, loads the model,
+answers `CoreReady` (or `CoreFailed`), then loops:
+
+    apply every queued command (waiting up to a heartbeat when idle)
+    step while there is work, sending one `CoreOutputs` per step (every request's new tokens, and stats)
+
+It exits 0 on `Shutdown` or when its parent process is gone, and 1 after telling the frontend why it
+failed (`CoreFailed`) when loading or a step raises. Only this process imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import zmq
+
+from sluice.engine.core.engine_core import EngineCore
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreConfig,
+    CoreFailed,
+    CoreHeartbeat,
+    CoreOutput,
+    CoreOutputs,
+    CoreReady,
+    Shutdown,
+    decode_frontend_message,
+    encode,
+)
+from sluice.engine.process.host_memory import freeze_gc_heap, retain_freed_memory
+from sluice.engine.process.threads import configure_torch_threads
+
+logger = logging.getLogger("sluice.engine_core")
+
+
+class CoreLoop:
+    """Feeds commands to an `EngineCore` and sends back what each step produced."""
+
+    def __init__(self, core: EngineCore, commands: zmq.Socket, results: zmq.Socket, heartbeat: float) -> None:
+        self.core = core
+        self.commands = commands
+        self.results = results
+        self.heartbeat_ms = int(heartbeat * 1000)
+        self.parent_pid = os.getppid()
+
+    def run(self) -> int:
+        """Returns the process exit code."""
+        while True:
+            if not self.core.has_unfinished_requests() and not self.commands.poll(self.heartbeat_ms):
+                if os.getppid() != self.parent_pid:
+                    return 0  # the frontend is gone
+                self.results.send(encode(CoreHeartbeat(self.core.stats())))
+                continue
+            outputs = self._apply_commands()
+            if outputs is None:
+                return 0
+            try:
+                outputs += self.core.step()
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self.results.send(encode(CoreFailed(f"the engine failed: {type(exc).__name__}: {exc}")))
+                return 1
+            self.results.send(encode(CoreOutputs(outputs, self.core.stats())))
+
+    def _apply_commands(self) -> list[CoreOutput] | None:
+        """Applies every queued command; returns the outputs of aborted requests (None: shut down)."""
+        outputs: list[CoreOutput] = []
+        while True:
+            try:
+                message = decode_frontend_message(self.commands.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return outputs
+            if isinstance(message, Shutdown):
+                return None
+            if isinstance(message, AbortRequests):
+                errors = dict.fromkeys(message.request_ids, message.error) if message.error else None
+                outputs += self.core.abort(message.request_ids, errors)
+            elif isinstance(message, AddRequest):
+                try:
+                    self.core.add_request(message)
+                except InvalidRequestError as exc:
+                    outputs.append(CoreOutput.failed(message.request_id, str(exc)))
+
+
+def serve_core(commands_address: str, results_address: str) -> int:
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.bind(commands_address)
+    results = context.socket(zmq.PUSH)
+    results.setsockopt(zmq.SNDHWM, 0)
+    results.connect(results_address)
+    try:
+        setup = decode_frontend_message(commands.recv())
+        assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
+        num_threads = configure_torch_threads(setup.config.num_threads)
+        retain_freed_memory()
+        core = EngineCore(setup.config)
+        frozen = freeze_gc_heap()
+    except Exception as exc:
+        logger.exception("loading the engine core failed")
+        results.send(encode(CoreFailed(f"loading the model failed: {type(exc).__name__}: {exc}")))
+        return 1
+    logger.info(
+        "engine core ready (pid %d, %d torch threads, %d objects frozen)", os.getpid(), num_threads, frozen
+    )
+    tokenizer = None if core.tokenizer is None else core.tokenizer.spec()
+    results.send(encode(CoreReady(core.model_info, tokenizer, os.getpid())))
+    try:
+        return CoreLoop(core, commands, results, setup.heartbeat_seconds).run()
+    finally:
+        results.close(linger=1000)  # let the last message (e.g. CoreFailed) go out
+        commands.close(linger=0)
+        context.term()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.engine.process.core_process", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--commands", required=True, help="ZeroMQ address to pull commands from")
+    parser.add_argument("--results", required=True, help="ZeroMQ address to push results to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve_core(args.commands, args.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

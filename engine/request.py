@@ -1,0 +1,122 @@
+"""A request as the engine tracks it: token counts, state, and timestamps. No torch here."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sluice.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.time()) of a request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request.
+
+    Invariants: `num_computed_tokens <= num_tokens`; the tokens in
+    `all_token_ids[:num_computed_tokens]` have K/V in the request's blocks. A request produces a new
+    token only in a step whose scheduled tokens reach `num_tokens`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens this request ran through the model (0 if forked)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    grammar: object | None = None  # the compiled constraint (xgrammar CompiledGrammar), set by the core
+    # Speculative decoding: the draft tokens proposed for the next step (after the last token, not part
+    # of num_tokens), whether this request may speculate at all, and its running counts.
+    use_speculation: bool = True
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: Sequence[int], max_model_len: int) -> RequestStatus | None:
+        """Append a step's accepted tokens one at a time, checking the token stops after each: a stop in
+        the middle of the run drops the tokens after it. Returns the finishing status, if any."""
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            status = self.check_token_stop()
+            if status is None and self.num_tokens >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                return status
+        return None
+
+    def check_token_stop(self) -> RequestStatus | None:
+        """Stop conditions decided by token ids alone (stop strings are the detokenizer's job)."""
+        params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

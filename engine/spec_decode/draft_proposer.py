@@ -1,0 +1,139 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer runs k steps per verify, each a
+batched forward over the requests it drafts for, on its own paged KV cache (`DraftBlockTables`).
+
+For a request of T tokens (the last one sampled, not yet in the target's KV) with draft KV for its
+first c tokens, one proposal runs:
+
+    step 0:      feed tokens[c:T] at positions c .. T-1   -> logits at T-1 -> d_0
+    step j > 0:  feed d_{j-1} at position T + j - 1      -> logits       -> d_j      (j < k)
+
+after which the draft KV counts as covering tokens[:T] only: the drafts' positions are recomputed by the
+next proposal from the tokens the target accepted. Greedy requests take the draft's argmax (q is then
+irrelevant to the verification); others draw d_j from q_j = the draft's distribution under the request's
+temperature / top-k / top-p / min-p, returned with the proposal for the rejection rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_loader import ModelSource, load_model_source
+from sluice.engine.request import Request
+from sluice.engine.sample.sampler import SamplingRow, apply_filters
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
+from sluice.engine.spec_decode.proposer import Proposal
+from sluice.engine.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _Drafting:
+    """One request's proposal in progress."""
+
+    request: Request
+    block_ids: tuple[int, ...]
+    start: int  # tokens with draft KV before this proposal
+    k: int  # drafts to propose
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class DraftProposer:
+    def __init__(self, config: EngineConfig, target_source: ModelSource, target: ModelRunner) -> None:
+        spec = config.speculative
+        model_config = ModelConfig(
+            model=spec.draft_model, dtype=config.model.dtype, device=config.model.device
+        )
+        source = load_model_source(model_config)
+        if source.arch.vocab_size != target_source.arch.vocab_size:
+            raise ValueError(
+                f"draft_model: vocabulary of {source.arch.vocab_size} tokens differs from the target's "
+                f"{target_source.arch.vocab_size}; the draft must share the target's tokenizer"
+            )
+        self.k = spec.num_speculative_tokens
+        self.max_model_len = min(target.max_model_len, source.arch.max_position_embeddings)
+        draft_config = EngineConfig(
+            model=dataclasses.replace(model_config, max_model_len=self.max_model_len),
+            cache=CacheConfig(
+                block_size=config.cache.block_size, num_blocks=target.num_blocks, enable_prefix_caching=False
+            ),
+            scheduler=config.scheduler,
+            attention_backend=config.attention_backend,
+            enforce_eager=True,
+        )
+        self.runner = ModelRunner(draft_config, source)
+        self.tables = DraftBlockTables(config.cache.block_size, target.num_blocks)
+        self._shared_generator = torch.Generator(device=self.runner.device).manual_seed(config.model.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
+        drafting = [d for d in (self._start(r) for r in requests) if d is not None]
+        for j in range(max((d.k for d in drafting), default=0)):
+            active = [d for d in drafting if d.k > j]
+            logits = self.runner.execute_model(self._step(active, j))
+            for d, row in zip(active, logits, strict=True):
+                self._choose(d, row)
+        proposals = {}
+        for d in drafting:
+            self.tables.num_computed[d.request.request_id] = d.request.num_tokens
+            probs = None if d.request.sampling_params.greedy else torch.stack(d.probs)
+            proposals[d.request.request_id] = Proposal(tuple(d.token_ids), probs)
+        return proposals
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        self.tables.free(request_ids)
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def _start(self, request: Request) -> _Drafting | None:
+        """Blocks for the tokens this proposal feeds; None when none can be drafted (too long, or the
+        draft cache is full: the request then decodes without drafts)."""
+        num_tokens = request.num_tokens
+        k = min(self.k, self.max_model_len - num_tokens)
+        if k <= 0:
+            return None
+        block_ids = self.tables.grow(request.request_id, num_tokens + k - 1)
+        if block_ids is None:
+            return None
+        start = min(self.tables.num_computed.get(request.request_id, 0), num_tokens - 1)
+        return _Drafting(request, block_ids, start, k)
+
+    def _step(self, active: list[_Drafting], j: int) -> SchedulerOutput:
+        scheduled = []
+        for d in active:
+            request = d.request
+            if j == 0:
+                token_ids = tuple(request.all_token_ids[d.start :])
+                start = d.start
+            else:
+                token_ids = (d.token_ids[-1],)
+                start = request.num_tokens + j - 1
+            scheduled.append(ScheduledRequest(request.request_id, token_ids, start, d.block_ids, True))
+        return SchedulerOutput(tuple(scheduled), sum(s.num_tokens for s in scheduled))
+
+    def _choose(self, d: _Drafting, logits: torch.Tensor) -> None:
+        params = d.request.sampling_params
+        if params.greedy:
+            d.token_ids.append(int(logits.argmax()))
+            return
+        row = SamplingRow(d.request.request_id, params, (), ())
+        q = torch.softmax(apply_filters(logits.float().unsqueeze(0), [row]), dim=-1)[0]
+        d.token_ids.append(int(torch.multinomial(q, 1, generator=self._generator(d.request))))
+        d.probs.append(q)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._shared_generator
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            # Seeded requests draft reproducibly, from a stream apart from the sampler's.
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed + 0x5EED)
+            self._generators[request.request_id] = generator
+        return generator

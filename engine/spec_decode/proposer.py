@@ -1,0 +1,49 @@
+"""The proposer protocol: after each step, draft up to k next tokens for requests in decode.
+
+A proposal is a run of draft token ids and, for a proposer that samples its drafts, the distribution q
+each was drawn from (the rejection sampler accepts draft d at position j with probability
+min(1, p_j(d) / q_j(d))). A proposer that picks drafts deterministically (n-gram lookup) gives no q: it
+is then a point mass at the draft, and a draft is accepted with probability p_j(d).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from sluice.engine.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: tuple[int, ...]
+    # [len(token_ids), vocab] float32: row j is the distribution token_ids[j] was drawn from; None for a
+    # deterministic proposer (a point mass at each draft).
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
+        """Drafts for requests whose computed tokens end right before their last token. A request may
+        get an empty proposal or none."""
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Forget the state of finished requests."""
+
+
+def speculation_allowed(request: Request) -> bool:
+    """Whether a request may verify drafts. Logits processors whose state follows the output tokens
+    (penalties, the grammar mask of structured output) would have to see each draft as if accepted, so
+    requests with them decode one token per step; so do requests that opted out."""
+    params = request.sampling_params
+    return (
+        request.use_speculation
+        and params.constraint is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )

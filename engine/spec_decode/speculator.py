@@ -1,0 +1,60 @@
+"""The engine core's speculative decoding state: drafts proposed after a step, kept until the step that
+verifies them, and the counts of drafts verified and accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from sluice.engine.request import Request
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.spec_decode.proposer import Proposal, Proposer, speculation_allowed
+from sluice.engine.spec_decode.spec_counters import SpecCounters
+
+
+class Speculator:
+    """Proposes drafts for requests in decode (`Request.spec_token_ids`, which the scheduler trims to
+    its budget) and hands the rejection sampler the drafts a step verifies. `proposer` None: a no-op."""
+
+    def __init__(self, proposer: Proposer | None) -> None:
+        self.proposer = proposer
+        self.counters = SpecCounters()
+        self._proposals: dict[str, Proposal] = {}  # request id -> its latest drafts, until verified
+
+    def proposal(self, request_id: str, spec_token_ids: tuple[int, ...]) -> Proposal | None:
+        """The drafts the scheduler kept for this step (a prefix of those proposed)."""
+        if not spec_token_ids:
+            return None
+        probs = self._proposals[request_id].probs
+        return Proposal(spec_token_ids, None if probs is None else probs[: len(spec_token_ids)])
+
+    def count(self, scheduler_output: SchedulerOutput, num_sampled: dict[str, int]) -> None:
+        """A verify step's drafts and accepted drafts (all sampled tokens but the last)."""
+        for scheduled in scheduler_output.scheduled:
+            if scheduled.spec_token_ids and scheduled.request_id in num_sampled:
+                num_accepted = num_sampled[scheduled.request_id] - 1
+                self.counters.add(len(scheduled.spec_token_ids), num_accepted)
+
+    def propose(self, updated: Iterable[Request], get_request: Callable[[str], Request | None]) -> None:
+        """Drafts for the next step, for the requests just advanced that are in decode and may speculate."""
+        if self.proposer is None:
+            return
+        updated = list(updated)
+        for request in updated:  # their drafts were verified (or they finished)
+            self._proposals.pop(request.request_id, None)
+        self.proposer.free([r.request_id for r in updated if r.is_finished])
+        requests = [r for r in updated if not r.is_finished and speculation_allowed(r)]
+        if not requests:
+            return
+        proposals = self.proposer.propose(requests)
+        for request_id, proposal in proposals.items():
+            get_request(request_id).spec_token_ids = list(proposal.token_ids)
+        self._proposals.update(proposals)
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Drops the requests' drafts and the proposer's state (a draft model's KV blocks), now."""
+        if self.proposer is None:
+            return
+        request_ids = list(request_ids)
+        self.proposer.free(request_ids)
+        for request_id in request_ids:
+            self._proposals.pop(request_id, None)
