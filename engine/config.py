@@ -1,8 +1,15 @@
-"""Engine configuration: frozen dataclasses validated on construction."""
+"""Engine configuration: frozen dataclasses validated on construction.
+
+Each field that a user sets is declared with `option(default, help, ...)`: its help text and command-line
+spelling live here, once, and `sluice serve` builds its engine flags from these fields
+(`sluice.service.engine_args`), as `LLM(**kwargs)` builds the config from the same field names.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from types import UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -15,6 +22,22 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    unit: str | None = None,
+    exclusive: str | None = None,
+) -> Any:
+    """A config field with what its command-line flag needs: `help`; `flag`, the flag's name when it is not
+    the field's (a True-by-default bool is switched off by a `no-...` flag); `choices`; `unit` ("bytes": the
+    flag reads sizes such as 4GiB); `exclusive`, a group of flags of which at most one may be given."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "unit": unit, "exclusive": exclusive}
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where the weights come from and how they are held.
@@ -24,22 +47,41 @@ class ModelConfig:
     at a directory whose config.json gives the shape) and the weights are random.
     """
 
-    model: str | None = None
-    load_format: str = "auto"
-    preset: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    # Weight-only quantization of the linear layers on CPU: None, "int4" or "int8".
-    quantization: str | None = None
+    model: str | None = option(
+        None,
+        "Hugging Face directory, .gguf file or packaged model name such as gemma3-270m "
+        "(default: the embedded SmolLM2)",
+        exclusive="source",
+    )
+    load_format: str = option(
+        "auto", "dummy: random weights shaped by --preset or by --model's config.json", choices=LOAD_FORMATS
+    )
+    preset: str | None = option(
+        None, "random weights in a named shape (sluice.engine.loading.presets)", exclusive="source"
+    )
+    dtype: str = option(
+        "auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES
+    )
+    device: str = option("auto", "cuda, cpu or auto (CUDA when available)")
+    seed: int = option(0, "seed of random (preset) weights")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
+    quantization: str | None = option(
+        None, "weight-only quantization of the linear layers, CPU (default: off)", choices=QUANTIZATIONS
+    )
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.load_format == "auto":
+            object.__setattr__(self, "load_format", "dummy")  # a preset's weights are random
         _require(
             self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {QUANTIZATIONS}"
         )
         _require(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        _require(
+            self.preset is None or self.load_format == "dummy",
+            "preset",
+            f"gives random weights; it does not go with load_format={self.load_format!r}",
+        )
         _require(
             self.load_format != "dummy" or self.preset is not None or self.model is not None,
             "preset",
@@ -56,11 +98,13 @@ class CacheConfig:
     device's memory minus what the weights and a profiling forward pass used. `num_blocks` overrides both.
     """
 
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory_bytes: int = option(
+        1 << 30, "KV cache size on CPU, e.g. 2GiB", flag="kv-cache-memory", unit="bytes"
+    )
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory Sluice may use")
+    num_blocks: int | None = option(None, "KV cache blocks (overrides both sizes above)")
+    enable_prefix_caching: bool = option(True, "no automatic prefix caching", flag="no-prefix-caching")
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size % 8 == 0, "block_size", "must be a multiple of 8")
@@ -73,9 +117,9 @@ class CacheConfig:
 class SchedulerConfig:
     """One token budget per step shared by decodes and prefill chunks."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes + prefill chunks)")
+    max_num_seqs: int = option(128, "requests running at once")
+    enable_chunked_prefill: bool = option(True, "prefill a prompt in one step", flag="no-chunked-prefill")
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
@@ -99,11 +143,16 @@ class SpeculativeConfig:
     against earlier tokens and proposes what followed; `draft` runs `draft_model` (same tokenizer).
     """
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_model: str | None = None
+    method: str = option(
+        "ngram",
+        "speculative decoding: ngram (prompt lookup) or draft (a smaller model, --draft-model)",
+        flag="speculative",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = option(3, "draft tokens verified per step")
+    ngram_min: int = option(1, "shortest suffix n-gram looked up")
+    ngram_max: int = option(4, "longest suffix n-gram looked up")
+    draft_model: str | None = option(None, "draft model directory (--speculative draft)")
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "speculative", f"must be one of {SPECULATIVE_METHODS}")
@@ -124,17 +173,23 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The whole engine: its sections, and the settings of the model runner.
+
+    `EngineConfig.from_kwargs(model, **kwargs)` builds one from flat field names, as `LLM(...)` takes them.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    attention_backend: str = option("auto", "attention kernels", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "no CUDA graphs")
     # Decode batches whose longest context exceeds this run eagerly: a graph's attention grid and
     # partial buffers are sized for the longest context it may see, frozen at capture.
-    max_seq_len_to_capture: int = 8192
-    # torch intra-op threads of the engine core; None: one per physical core this process may run on.
-    num_threads: int | None = None
-    # None: no speculative decoding.
+    max_seq_len_to_capture: int = option(8192, "decode batches with a longer context run without CUDA graphs")
+    num_threads: int | None = option(
+        None, "torch threads of the engine core process (default: its physical cores)"
+    )
+    # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -149,3 +204,52 @@ class EngineConfig:
             f"must be > 0, got {self.max_seq_len_to_capture}",
         )
         _require(self.num_threads is None or self.num_threads > 0, "num_threads", "must be > 0")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Flat keyword arguments (fields of any section, e.g. `block_size=16`, `max_num_seqs=8`,
+        `dtype="bfloat16"`, or of `EngineConfig` itself, or a whole section such as
+        `speculative=SpeculativeConfig(...)`) -> a config. An optional section (`speculative`) is built only
+        when one of its fields is given. An argument nothing owns raises TypeError."""
+        sections = config_sections(cls)
+        given: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        given["model"]["model"] = model
+        top = {}
+        for key, value in kwargs.items():
+            owner = next((name for name, s in sections.items() if key in s.cls.__dataclass_fields__), None)
+            if owner is not None:
+                given[owner][key] = value
+            elif key in cls.__dataclass_fields__:
+                top[key] = (
+                    value  # a setting of EngineConfig's own, or a whole section (SpeculativeConfig(...))
+                )
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        built = {
+            name: s.cls(**given[name])
+            for name, s in sections.items()
+            if name not in top and (given[name] or not s.optional)
+        }
+        return cls(**built, **top)
+
+
+@dataclass(frozen=True)
+class ConfigSection:
+    """A field of a config that is a config dataclass itself; `optional`: it may be None (then absent)."""
+
+    cls: type
+    optional: bool
+
+
+def config_sections(config: type = EngineConfig) -> dict[str, ConfigSection]:
+    """field name -> its `ConfigSection`, for the fields of `config` typed as config dataclasses."""
+    hints = get_type_hints(config)
+    sections = {}
+    for f in fields(config):
+        hint = hints[f.name]
+        members = (
+            [m for m in get_args(hint) if m is not type(None)] if get_origin(hint) is UnionType else [hint]
+        )
+        if len(members) == 1 and is_dataclass(members[0]):
+            sections[f.name] = ConfigSection(members[0], optional=members[0] is not hint)
+    return sections

@@ -25,8 +25,9 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.service import convert
 from sluice.service.auth import check_api_key
 from sluice.service.cli import build_parser, load_commands
+from sluice.service.engine_args import parse_size
 from sluice.service.metrics import ServerMetrics
-from sluice.service.serve_command import engine_config, parse_size
+from sluice.service.serve_command import engine_config
 from sluice.service.status import RequestFailedError, ServiceUnavailableError, failure_status, status_for
 from sluice.service.tracing import RequestTracer, tracer_provider_from_env
 from sluice.v1 import sluice_pb2 as pb

@@ -43,7 +43,7 @@ def test_invalid_settings_name_the_field(kwargs, message) -> None:
 
 
 def test_draft_model_without_draft_speculation_is_refused() -> None:
-    with pytest.raises(ValueError, match="draft-model: needs --speculative draft"):
+    with pytest.raises(ValueError, match="draft-model: needs --speculative"):
         _serve("--draft-model", "/models/small")
 
 

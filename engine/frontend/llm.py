@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sluice.engine.config import EngineConfig
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.engine import Engine
 from sluice.engine.outputs import Logprobs, RequestOutput, Timings, ToolCall
@@ -62,13 +62,14 @@ class Completion:
 class LLM:
     """Runs many prompts to completion on one engine, with continuous batching.
 
-    Keyword arguments name fields of `ModelConfig`, `CacheConfig` or `SchedulerConfig`
-    (e.g. `block_size=16, num_blocks=64, max_num_batched_tokens=256, enable_prefix_caching=False`),
-    or `attention_backend` / `enforce_eager`.
+    Keyword arguments name fields of the config sections (`ModelConfig`, `CacheConfig`, `SchedulerConfig`,
+    ...: e.g. `block_size=16, num_blocks=64, max_num_batched_tokens=256, enable_prefix_caching=False`) or
+    of `EngineConfig` (`attention_backend`, `enforce_eager`, `speculative=SpeculativeConfig(...)`); see
+    `EngineConfig.from_kwargs`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
-        self.engine = Engine(_engine_config(model, kwargs))
+        self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs))
         self._next_id = 0
 
     @property
@@ -137,22 +138,3 @@ class LLM:
             self.engine.abort(list(dict.fromkeys(request_id for request_id, _ in completions)))
             raise
         return list(completions.values())
-
-
-def _engine_config(model: str | None, kwargs: dict[str, object]) -> EngineConfig:
-    sections = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
-    top = {}
-    for key, value in kwargs.items():
-        owner = next((cls for cls in sections if key in cls.__dataclass_fields__), None)
-        if owner is not None:
-            sections[owner][key] = value
-        elif key in EngineConfig.__dataclass_fields__:
-            top[key] = value
-        else:
-            raise TypeError(f"LLM() got an unknown argument {key!r}")
-    return EngineConfig(
-        model=ModelConfig(model=model, **sections[ModelConfig]),
-        cache=CacheConfig(**sections[CacheConfig]),
-        scheduler=SchedulerConfig(**sections[SchedulerConfig]),
-        **top,
-    )

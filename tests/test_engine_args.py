@@ -1,0 +1,107 @@
+"""`sluice serve`'s engine flags come from the config dataclasses: every option field has its flag, with the
+field's default, and the flags build the config the fields describe; `LLM(**kwargs)` takes the same names."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+import pytest
+
+from sluice.engine.config import EngineConfig, SpeculativeConfig, config_sections, option
+from sluice.service.cli import build_parser, load_commands
+from sluice.service.engine_args import add_engine_arguments, engine_config_from_args, flag_name, parse_size
+
+
+def _parse(*flags: str) -> argparse.Namespace:
+    return build_parser(load_commands(["serve"])).parse_args(["serve", *flags])
+
+
+def _option_fields() -> list[tuple[str | None, object]]:
+    found = [(None, f) for f in fields(EngineConfig) if "help" in f.metadata]
+    for name, section in config_sections().items():
+        found += [(name, f) for f in fields(section.cls) if "help" in f.metadata]
+    return found
+
+
+def test_every_option_field_has_a_flag_with_the_field_default() -> None:
+    parser = build_parser(load_commands(["serve"]))
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {option: action for action in serve._actions for option in action.option_strings}
+    assert len(_option_fields()) >= 25
+    for section, f in _option_fields():
+        action = flags[f"--{flag_name(f)}"]
+        assert action.help.startswith(f.metadata["help"]), f.name
+        switches_section_on = section == "speculative" and f.name == "method"
+        assert action.default == (None if switches_section_on else f.default), f.name
+
+
+def test_no_flags_give_the_default_config() -> None:
+    assert engine_config_from_args(_parse()) == EngineConfig()
+
+
+def test_flags_build_every_section() -> None:
+    config = engine_config_from_args(
+        _parse(
+            "--preset", "tiny", "--dtype", "float32", "--max-model-len", "512",
+            "--block-size", "32", "--kv-cache-memory", "64MiB", "--no-prefix-caching",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-chunked-prefill",
+            "--attention-backend", "torch", "--enforce-eager", "--num-threads", "1",
+            "--speculative", "ngram", "--ngram-max", "3",
+        )
+    )  # fmt: skip
+    assert (config.model.preset, config.model.load_format, config.model.dtype) == ("tiny", "dummy", "float32")
+    assert config.model.max_model_len == 512
+    assert (config.cache.block_size, config.cache.kv_cache_memory_bytes) == (32, 64 << 20)
+    assert config.cache.enable_prefix_caching is False
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 256)
+    assert config.scheduler.enable_chunked_prefill is False
+    assert (config.attention_backend, config.enforce_eager, config.num_threads) == ("torch", True, 1)
+    assert config.speculative == SpeculativeConfig("ngram", ngram_max=3)
+
+
+def test_bad_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--model", "/m", "--preset", "tiny")
+    assert "argument --preset: not allowed with argument --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-memory", "lots")
+    assert "argument --kv-cache-memory: cannot read size 'lots'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^ngram-max: needs --speculative$"):
+        engine_config_from_args(_parse("--ngram-max", "3"))
+    with pytest.raises(ValueError, match="^block_size: must be a multiple of 8$"):
+        engine_config_from_args(_parse("--block-size", "12"))
+
+
+@dataclass(frozen=True)
+class _BadSection:
+    enable_thing: bool = option(True, "a thing")
+
+
+@dataclass(frozen=True)
+class _BadConfig:
+    bad: _BadSection = field(default_factory=_BadSection)
+
+
+def test_a_true_by_default_bool_needs_a_no_flag() -> None:
+    with pytest.raises(TypeError, match="enable_thing: a field that defaults to True needs a flag='no-...'"):
+        add_engine_arguments(argparse.ArgumentParser(), _BadConfig)
+
+
+def test_parse_size() -> None:
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("2G") == 2 * 1000**3 and parse_size("1000") == 1000
+
+
+def test_llm_keywords_are_the_config_field_names() -> None:
+    config = EngineConfig.from_kwargs(
+        "/models/x", block_size=32, max_num_seqs=4, dtype="float32", enforce_eager=True, ngram_max=3
+    )
+    assert (config.model.model, config.model.dtype) == ("/models/x", "float32")
+    assert (config.cache.block_size, config.scheduler.max_num_seqs, config.enforce_eager) == (32, 4, True)
+    assert config.speculative == SpeculativeConfig(ngram_max=3)
+    assert EngineConfig.from_kwargs(None).speculative is None
+    whole = SpeculativeConfig("ngram", num_speculative_tokens=5)
+    assert EngineConfig.from_kwargs(None, speculative=whole).speculative is whole
+    with pytest.raises(TypeError, match="unknown engine argument 'bogus'"):
+        EngineConfig.from_kwargs(None, bogus=1)
