@@ -87,7 +87,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # On the output carrying the first token of a request with prompt_logprobs: one per prompt token
     # after the first.
     prompt_logprobs: list[Logprobs] | None = None
-    # Prompt tokens this request ran through the model so far (0 for a sample forked from another).
+    # Prompt tokens this request ran through the model so far (after its prefix-cache hit).
     num_prompt_tokens_computed: int = 0
     # Speculative decoding, the request's totals so far: draft tokens verified, and accepted.
     num_draft_tokens: int = 0
@@ -112,6 +112,11 @@ class CoreOutput(msgspec.Struct, array_like=True):
             error=error,
             invalid_field=invalid_field,
         )
+
+    @classmethod
+    def aborted(cls, request_id: str) -> CoreOutput:
+        """The last output of a request aborted before the core ran it."""
+        return cls(request_id, [], [], 0, 0, None, None, finish_reason="abort")
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

@@ -52,7 +52,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens this request ran through the model (0 if forked)
+    num_prompt_tokens_computed: int = 0  # prompt tokens this request ran through the model (not cached)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from scheduler_driver import make_request, tokens
 
 from sluice.engine.kv_cache.kv_cache_manager import KVCacheManager
@@ -153,32 +154,20 @@ def test_no_hit_and_no_counting_when_caching_disabled():
     assert kv.num_queries == 0 and kv.num_hits == 0 and kv.pool.num_evictions == 0
 
 
-def test_fork_shares_full_blocks_and_copies_the_partial_one():
+@pytest.mark.parametrize(("num_tokens", "num_hit"), [(37, 32), (32, 16)])
+def test_another_sample_of_a_computed_prompt_shares_its_full_blocks(num_tokens, num_hit):
+    # How samples 1.. of an n-sample request reuse sample 0's prompt: a hit never covers the last token.
     kv = KVCacheManager(BS, 10)
-    parent = make_request("p", tokens(37))
-    assert kv.allocate_slots(parent, 37) == (0, 1, 2)
-    assert kv.fork("p", "c1", 37) == [(2, 3)]
-    assert kv.fork("p", "c2", 37) == [(2, 4)]
-    assert kv.block_ids("c1") == (0, 1, 3) and kv.block_ids("c2") == (0, 1, 4)
-    assert [kv.pool.blocks[i].ref_cnt for i in range(5)] == [3, 3, 1, 1, 1]
-    for request_id in ("p", "c1", "c2"):
-        kv.free(request_id)
-    assert kv.pool.num_used_blocks == 0
-
-
-def test_fork_of_a_whole_number_of_blocks_copies_nothing():
-    kv = KVCacheManager(BS, 10)
-    parent = make_request("p", tokens(32))
-    kv.allocate_slots(parent, 32)
-    assert kv.fork("p", "c", 32) == []
-    assert kv.block_ids("c") == (0, 1) and kv.pool.num_used_blocks == 2
-
-
-def test_fork_with_no_free_block_for_the_copy_changes_nothing():
-    kv = KVCacheManager(BS, 3)
-    kv.allocate_slots(make_request("p", tokens(40)), 40)
-    assert kv.fork("p", "c", 40) is None
-    assert kv.block_ids("c") == () and [b.ref_cnt for b in kv.pool.blocks] == [1, 1, 1]
+    admit_and_compute(kv, make_request("a#0", tokens(num_tokens)))
+    first = kv.block_ids("a#0")
+    later = make_request("a#1", tokens(num_tokens))
+    hit = kv.find_prefix(later)
+    assert hit.num_tokens == num_hit
+    table = kv.allocate_slots(later, num_tokens - num_hit, hit)
+    num_shared = num_hit // BS
+    assert table[:num_shared] == first[:num_shared] and len(table) == len(first)
+    assert set(table[num_shared:]).isdisjoint(first)
+    assert [kv.pool.blocks[b].ref_cnt for b in first] == [2] * num_shared + [1] * (len(first) - num_shared)
 
 
 def test_prompt_logprobs_requests_take_no_prefix_hit():

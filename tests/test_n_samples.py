@@ -1,17 +1,33 @@
-"""`n` samples of one prompt (the prompt computed once, its blocks forked) and prompt logprobs, on the
-engine: outputs against transformers, exact block counts, seeds, aborts."""
+"""`n` samples of one prompt (fanned out by the frontend: sample 0 first, the others once its prompt is
+computed, sharing its full blocks through the prefix cache) and prompt logprobs, on the engine: outputs
+against transformers, exact prompt tokens computed and block counts, seeds, aborts, failures."""
 
 from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from sluice.engine.core.engine_core import EngineCore
+from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
 
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 16
 PROMPT = [(7 * i + 11) % 500 + 4 for i in range(37)]  # 37 tokens: 2 full blocks of 16 + 5 tokens
 NUM_NEW = 10
 GREEDY_4 = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, n=4)
+
+
+def last_block(num_prompt_tokens: int) -> int:
+    """Prompt tokens a later sample computes: those of the prompt's last block (a prefix hit covers whole
+    blocks and never the last token), i.e. P mod 16, or 16 when P is a multiple of 16."""
+    return (num_prompt_tokens - 1) % BLOCK + 1
 
 
 def _hf_model(directory: str):
@@ -32,44 +48,61 @@ def _hf_greedy(directory: str, prompt: list[int], num_new: int) -> list[int]:
     ("checkpoint", "prompt_len"),
     [("llama_dir", 37), ("llama_dir", 32), ("mistral_windowed_dir", 37), ("gemma3_dir", 37)],
 )
-def test_greedy_n4_gives_transformers_output_four_times_computing_the_prompt_once(
+def test_greedy_n4_gives_transformers_output_four_times_computing_the_prompt_and_then_its_last_block(
     checkpoint, prompt_len, request
 ):
-    # Windowed Mistral frees the blocks out of its window before the fork; Gemma 3 is hybrid.
+    # Windowed Mistral frees the blocks out of its window (they stay cached); Gemma 3 is hybrid.
     directory = request.getfixturevalue(checkpoint)
     prompt = PROMPT[:prompt_len]
     # Chunked prefill: the prompt takes 3 steps of 16 tokens.
-    llm = LLM(directory, block_size=16, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=16)
+    llm = LLM(directory, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=16)
     completions = llm.generate(prompt, GREEDY_4)
     expected = _hf_greedy(directory, prompt, NUM_NEW)
     assert [c.index for c in completions] == [0, 1, 2, 3]
     assert [c.token_ids for c in completions] == [expected] * 4
     assert [c.finish_reason for c in completions] == ["length"] * 4
-    assert [c.prompt_tokens_computed for c in completions] == [prompt_len, 0, 0, 0]
+    later = last_block(prompt_len)  # 5 of 37; 16 of 32
+    assert [c.prompt_tokens_computed for c in completions] == [prompt_len, later, later, later]
+    assert [c.cached_tokens for c in completions] == [0] + [prompt_len - later] * 3
     stats = llm.engine.stats()
-    assert stats.num_prompt_tokens_computed == prompt_len
+    assert stats.num_prompt_tokens_computed == prompt_len + 3 * later
     assert stats.num_generation_tokens == 4 * NUM_NEW
     assert stats.num_kv_blocks_used == 0
 
 
-def test_fork_shares_full_blocks_and_copies_the_partial_one(llama_dir):
-    engine = LLM(llama_dir, block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=16).engine
+def test_later_samples_are_sent_after_sample_zeros_first_token_and_share_its_full_blocks(llama_dir):
+    llm = LLM(llama_dir, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=16)
+    engine = llm.engine
     engine.add_request("a", PROMPT, GREEDY_4)
-    outputs = engine.step()  # the whole prompt, then 4 first tokens from its last logits row
-    assert sorted((o.request_id, o.index, len(o.token_ids)) for o in outputs) == [
-        ("a", i, 1) for i in range(4)
-    ]
-    # The leader holds 3 blocks; each of the 3 forks shares its 2 full ones and owns a copy of the third.
-    assert engine.stats().num_kv_blocks_used == 3 + 3
-    kv = engine.core.scheduler.kv
-    leader = kv.block_ids("a#0")
+    core = engine.core
+    assert [core.scheduler.get_request(f"a#{i}") is not None for i in range(4)] == [True] + [False] * 3
+    outputs = engine.step()  # sample 0 computes the whole prompt and samples its first token
+    assert [(o.request_id, o.index, len(o.token_ids)) for o in outputs] == [("a", 0, 1)]
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (1, 3, 3)
+    outputs = engine.step()  # samples 1..3: a prefix hit of 2 blocks, their last 5 prompt tokens computed
+    assert sorted((o.index, len(o.token_ids)) for o in outputs) == [(i, 1) for i in range(4)]
+    kv = core.scheduler.kv
+    first = kv.block_ids("a#0")
     for i in (1, 2, 3):
         table = kv.block_ids(f"a#{i}")
-        assert table[:2] == leader[:2] and table[2] != leader[2]
-    assert [kv.pool.blocks[b].ref_cnt for b in leader] == [4, 4, 1]
+        assert len(table) == 3 and table[:2] == first[:2] and table[2] != first[2]
+    assert [kv.pool.blocks[b].ref_cnt for b in first] == [4, 4, 1]
+    stats = engine.stats()
+    assert stats.num_kv_blocks_used == 3 + 3
+    assert stats.num_prompt_tokens_computed == 37 + 3 * 5
+    assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == (3 * 32, 4 * 37)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_without_prefix_caching_every_sample_computes_the_prompt(llama_dir):
+    llm = LLM(llama_dir, block_size=BLOCK, num_blocks=64, enable_prefix_caching=False)
+    completions = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=3))
+    assert [c.token_ids for c in completions] == [_hf_greedy(llama_dir, PROMPT, 4)] * 3
+    assert [c.prompt_tokens_computed for c in completions] == [len(PROMPT)] * 3
+    assert llm.engine.stats().num_prompt_tokens_computed == 3 * len(PROMPT)
 
 
 def test_seeded_n4_gives_four_different_reproducible_samples_seeded_seed_plus_index(llama_dir):
@@ -103,7 +136,8 @@ def test_each_sample_finishes_on_its_own(llama_dir):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("steps", [1, 5])  # before the fork (samples waiting), after it (all running)
+# Step 1: sample 0 mid-prompt, samples 1..3 not sent to the core yet; step 5: all four running.
+@pytest.mark.parametrize("steps", [1, 5])
 def test_abort_of_an_n4_request_frees_everything(llama_dir, steps):
     engine = LLM(llama_dir, block_size=16, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=16).engine
     engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, n=4))
@@ -118,21 +152,24 @@ def test_abort_of_an_n4_request_frees_everything(llama_dir, steps):
     assert engine.step() == []
 
 
-def test_forks_that_find_no_free_block_recompute_and_still_match(llama_dir):
-    # 4 blocks: the leader takes 3, one fork copies into the last; two wait and recompute the prompt.
-    llm = LLM(llama_dir, block_size=16, num_blocks=4, max_num_batched_tokens=64, max_num_seqs=16)
+def test_samples_that_find_no_free_block_wait_and_still_match(llama_dir):
+    # 4 blocks: sample 0 takes 3; sample 1 shares its 2 full ones and takes the last; 2 and 3 wait.
+    llm = LLM(llama_dir, block_size=BLOCK, num_blocks=4, max_num_batched_tokens=64, max_num_seqs=16)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=4)
     engine = llm.engine
     engine.add_request("a", PROMPT, params)
-    outputs = engine.step()
+    outputs = engine.step() + engine.step()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (2, 2, 4)
     completions: dict[int, list[int]] = {}
+    computed = {}
     while outputs:
         for output in outputs:
             completions.setdefault(output.index, []).extend(output.token_ids)
+            computed[output.index] = output.usage.prompt_tokens_computed
         outputs = engine.step()
     assert completions == dict.fromkeys(range(4), _hf_greedy(llama_dir, PROMPT, 4))
+    assert computed == {0: 37, 1: 5, 2: 5, 3: 5}  # sample 1 still held the shared blocks
     assert engine.stats().num_kv_blocks_used == 0
     assert not engine.has_unfinished_requests()
 
@@ -171,6 +208,8 @@ def test_prompt_logprobs_come_once_on_sample_zero(llama_dir):
     first, second = llm.generate(PROMPT, params)
     assert len(first.prompt_logprobs) == len(PROMPT) - 1 and first.prompt_logprobs[0].top == ()
     assert second.prompt_logprobs == []
+    # Sample 0 takes no prefix hit (it needs every position's logits); sample 1 hits its blocks.
+    assert (first.prompt_tokens_computed, second.prompt_tokens_computed) == (37, 5)
     plain = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3))
     assert plain[0].prompt_logprobs == []
 
@@ -190,8 +229,6 @@ def test_bad_n_and_prompt_logprobs_name_the_field(kwargs, message):
 
 
 def test_every_sample_of_a_constrained_request_matches_its_constraint(llama_dir):
-    from sluice.engine.structured.constraint import Constraint
-
     choices = ("yes", "no", "maybe so", "yes!")
     llm = LLM(llama_dir, block_size=16, num_blocks=64)
     params = SamplingParams(
@@ -200,11 +237,13 @@ def test_every_sample_of_a_constrained_request_matches_its_constraint(llama_dir)
     completions = llm.generate("the cat sat on", params)
     assert [c.index for c in completions] == list(range(6))
     assert all(c.text in choices and c.finish_reason == "stop" for c in completions), completions
-    assert [c.prompt_tokens_computed > 0 for c in completions] == [True] + [False] * 5
+    num_prompt = len(completions[0].prompt_token_ids)
+    assert [c.prompt_tokens_computed for c in completions] == [num_prompt] + [last_block(num_prompt)] * 5
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("marker", ["bad#0", "bad#2"])  # the leader's sampling fails; one fork's does
+# Sample 0's sampling fails (it ran: the others are sent and run on their own); sample 2's does.
+@pytest.mark.parametrize("marker", ["bad#0", "bad#2"])
 def test_a_sample_whose_sampling_fails_ends_alone(llama_dir, monkeypatch, marker):
     monkeypatch.setenv("SLUICE_INJECT_FAULT", f"sample:{marker}")
     engine = LLM(llama_dir, block_size=16, num_blocks=64).engine
@@ -217,3 +256,45 @@ def test_a_sample_whose_sampling_fails_ends_alone(llama_dir, monkeypatch, marker
     failed = int(marker[-1])
     assert finals == {i: ("error", 0) if i == failed else ("length", 4) for i in range(3)}
     assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_a_grammar_that_does_not_compile_ends_every_sample_with_its_field(llama_dir):
+    llm = LLM(llama_dir, block_size=BLOCK, num_blocks=64)
+    params = SamplingParams(max_tokens=4, n=3, constraint=Constraint(regex="a(b"))
+    engine = llm.engine
+    engine.add_request("g", PROMPT, params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step()
+    assert [(o.index, o.finish_reason, o.invalid_field) for o in finals] == [
+        (i, "error", "regex") for i in range(3)
+    ]
+    assert len({o.error for o in finals}) == 1 and finals[0].error.startswith("regex: does not compile")
+    with pytest.raises(InvalidRequestError, match=r"^regex: does not compile") as info:
+        llm.generate(PROMPT, params)
+    assert info.value.field == "regex"
+    assert not engine.has_unfinished_requests() and engine.stats().num_kv_blocks_used == 0
+
+
+def test_the_engine_core_knows_nothing_of_n():
+    # n > 1 lives in the frontend (engine/frontend/parallel_sampling.py); no word of it in the core.
+    words = re.compile(r"fork|follower|leader", re.IGNORECASE)
+    for path in sorted((REPO / "engine" / "core").glob("*.py")):
+        hits = [line for line in path.read_text().splitlines() if words.search(line)]
+        assert hits == [], f"{path.relative_to(REPO)}: {hits}"
+    gone = ("fork" + "_request", "block" + "_copies", "block" + "_copy", "sample" + "_group")
+    roots = ("engine", "service", "kernels", "benchmarks", "clients", "scripts", "tests", "docs")
+    files = [REPO / "README.md"] + [p for root in roots for p in sorted((REPO / root).rglob("*.py"))]
+    files += sorted((REPO / "docs").rglob("*.md"))
+    assert len(files) > 100
+    for path in files:
+        text = path.read_text(errors="replace")
+        assert [g for g in gone if g in text] == [], path.relative_to(REPO)
+
+
+def test_engine_core_step_reads_as_its_table_of_contents():
+    source = inspect.getsource(EngineCore.step)
+    body = source.split('"""')[2].strip().splitlines()
+    assert len(body) <= 10, body
+    for call in ("self.scheduler.schedule()", "self._execute(", "self._sample(", "self._update("):
+        assert call in source

@@ -7,7 +7,7 @@ import pytest
 from tokenizer_fixtures import build_byte_level_bpe
 
 from sluice.engine.frontend.output_processor import OutputProcessor
-from sluice.engine.messages import CoreOutput
+from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.outputs import Logprobs, TokenLogprob
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.tokenizer import Tokenizer
@@ -41,7 +41,8 @@ def test_a_stop_string_inside_a_multi_token_advance_truncates_it(tokenizer: Toke
     completes_stop = next(i for i in range(len(ids)) if "stop here" in tokenizer.decode(ids[: i + 1]))
     assert completes_stop + 2 < len(ids)
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", 3, SamplingParams(stop=("stop here",), max_tokens=100), 0.0)
+    params = SamplingParams(stop=("stop here",), max_tokens=100)
+    processor.add_request(AddRequest("r", [1, 2, 3], params, 0.0))
     first = processor.process([_core_output(ids[:2])]).outputs[0]
     processed = processor.process([_core_output(ids[2:])])
     (out,) = processed.outputs
@@ -57,7 +58,7 @@ def test_a_stop_string_inside_a_multi_token_advance_truncates_it(tokenizer: Toke
 def test_a_multi_token_advance_without_a_stop_keeps_every_token(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", 3, SamplingParams(max_tokens=100), 0.0)
+    processor.add_request(AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=100), 0.0))
     (out,) = processor.process([_core_output(ids, finish_reason="length")]).outputs
     assert out.token_ids == tuple(ids) and out.text == TEXT
     assert out.usage.completion_tokens == len(ids)

@@ -1,5 +1,6 @@
 """`n` samples and prompt logprobs over gRPC, on a real server on loopback: indices, independent
-finishes, the prompt computed once (usage and engine stats), seeds, aborts, validation."""
+finishes, the prompt computed by sample 0 and only its last block by the others (usage and engine
+stats), seeds, aborts, validation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from sluice.v1 import sluice_pb2 as pb
 
 PROMPT = [(5 * i + 9) % 500 + 4 for i in range(41)]  # 2 full blocks of 16 + 9 tokens
+LAST_BLOCK = 9  # prompt tokens each of samples 1.. computes: sample 0's 2 full blocks are cached
 
 
 def _request(request_id: str = "", prompt: list[int] = PROMPT, **sampling: object) -> pb.GenerateRequest:
@@ -34,7 +36,7 @@ def _tokens(chunks: list[pb.GenerateResponse]) -> list[int]:
     return [t for chunk in chunks for t in chunk.token_ids]
 
 
-def test_greedy_n4_streams_four_identical_samples_and_computes_the_prompt_once(stub, server):
+def test_greedy_n4_streams_four_identical_samples_sharing_the_prompts_full_blocks(stub, server):
     prompt = PROMPT[::-1]  # not cached yet
     before = server.wait_idle().num_prompt_tokens_computed
     greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
@@ -47,8 +49,9 @@ def test_greedy_n4_streams_four_identical_samples_and_computes_the_prompt_once(s
     finals = [chunks[-1] for chunks in samples.values()]
     assert [f.finish_reason for f in finals] == [pb.FINISH_REASON_LENGTH] * 4
     assert all((f.usage.prompt_tokens, f.usage.completion_tokens) == (len(prompt), 6) for f in finals)
-    assert sorted(f.usage.prompt_tokens_computed for f in finals) == [0, 0, 0, len(prompt)]
-    assert computed == len(prompt)
+    assert [f.usage.prompt_tokens_computed for f in finals] == [len(prompt)] + [LAST_BLOCK] * 3
+    assert [f.usage.cached_tokens for f in finals] == [0] + [len(prompt) - LAST_BLOCK] * 3
+    assert computed == len(prompt) + 3 * LAST_BLOCK
 
 
 def test_seeded_n4_gives_four_different_reproducible_samples(stub, server):
@@ -84,6 +87,19 @@ def test_cancelling_an_n4_call_frees_every_block(stub, server):
     assert info.value.code() == grpc.StatusCode.CANCELLED
     stats = server.wait_idle()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+
+
+def test_a_grammar_that_does_not_compile_is_invalid_argument_for_an_n_sample_request(stub, server):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(_request("bad-n", n=3, regex="a(b", max_tokens=4)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("regex: does not compile: "), info.value.details()
+    stats = server.wait_idle()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+    # Samples 1 and 2 never reached the core and are forgotten: their engine ids are free.
+    chunks = list(stub.Generate(_request("bad-n#1", temperature=0.0, max_tokens=2, ignore_eos=True)))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    server.wait_idle()
 
 
 def test_stream_generate_names_each_sample(stub, server):

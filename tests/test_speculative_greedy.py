@@ -92,10 +92,7 @@ def test_requests_that_opt_out_or_use_penalties_never_verify_drafts(llama_dir):
     penalized = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
     llm.generate([prompt], penalized)
     assert engine.stats().num_draft_tokens == 0
-    from sluice.engine.messages import AddRequest
-
-    engine.core.add_request(AddRequest("opt-out", prompt, PARAMS, 0.0, use_speculation=False))
-    engine.output_processor.add_request("opt-out", len(prompt), PARAMS, 0.0)
+    engine.add_request("opt-out", prompt, PARAMS, use_speculation=False)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_draft_tokens == 0
@@ -135,8 +132,8 @@ def test_greedy_tokens_are_identical_with_a_different_draft_model(llama_dir, oth
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_n_samples_fork_then_speculate_with_identical_tokens(llama_dir, method):
-    # Samples forked from the leader's logits row join decode and speculate like any request.
+def test_n_samples_share_the_prompt_then_speculate_with_identical_tokens(llama_dir, method):
+    # Samples 1.. join after sample 0's first token, hit its prompt blocks, and speculate like any request.
     prompts = _prompts()[:2]
     expected = [c.token_ids for c in LLM(llama_dir, block_size=BLOCK).generate(prompts, PARAMS)]
     draft = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
@@ -146,7 +143,10 @@ def test_n_samples_fork_then_speculate_with_identical_tokens(llama_dir, method):
     completions = llm.generate(prompts, params)
     assert [c.token_ids for c in completions] == [e for e in expected for _ in range(3)]
     assert [c.index for c in completions] == [0, 1, 2] * 2
-    assert [c.prompt_tokens_computed > 0 for c in completions] == [True, False, False] * 2
+    last_block = [(len(p) - 1) % BLOCK + 1 for p in prompts]  # of the prompt: what samples 1.. compute
+    assert [c.prompt_tokens_computed for c in completions] == [
+        n for p, last in zip(prompts, last_block, strict=True) for n in (len(p), last, last)
+    ]
     stats = llm.engine.stats()
     assert stats.num_accepted_draft_tokens > 0 and stats.num_kv_blocks_used == 0
     if method == "draft":

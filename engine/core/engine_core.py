@@ -7,16 +7,13 @@ offline `LLM` (`sluice.engine.frontend.engine.Engine`); both drive this same cla
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 
-import msgspec
 import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
-from sluice.engine.core.sample_group import SampleForks, sample_request_ids
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
@@ -30,10 +27,9 @@ from sluice.engine.sample.sampler import SampledToken, Sampler, SamplingRow
 from sluice.engine.scheduler.scheduler import Scheduler
 from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.build import build_proposer
-from sluice.engine.spec_decode.proposer import Proposal
 from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
 from sluice.engine.spec_decode.speculator import Speculator
-from sluice.engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
+from sluice.engine.structured.grammar_compiler import GrammarCompiler
 from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -43,7 +39,15 @@ GRAMMAR_IDLE_WAIT_SECONDS = 0.01
 
 
 class EngineCore:
-    """Not thread-safe: one thread owns it. `step()` advances every scheduled request by one step."""
+    """Not thread-safe: one thread owns it. `step()` advances every scheduled request by one step.
+
+    One request per `AddRequest` (n > 1 is the frontend's: `sluice.engine.frontend.parallel_sampling`).
+    Side concerns sit behind one object each, called at fixed points: the grammar waiting room
+    (`GrammarWaitingRoom`: on add, before scheduling, when idle), prompt logprobs
+    (`PromptLogprobsTracker`: around the model run, in each output), speculation (`Speculator`: drafts
+    verified at sampling, proposed after the update) and fault injection (`FaultInjector`, tests only:
+    before the model runs and before sampling).
+    """
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         source = source if source is not None else load_model_source(config.model)
@@ -70,8 +74,7 @@ class EngineCore:
             if self.tokenizer is None
             else GrammarCompiler(self.tokenizer, source.arch.vocab_size, self.eos_token_ids)
         )
-        self._compiling = GrammarWaitingRoom()
-        self._forks = SampleForks()
+        self._grammar_room = GrammarWaitingRoom(self.grammars)
         self._prompt_logprobs = PromptLogprobsTracker()
         spec = config.speculative
         self.model_info = ModelInfo(
@@ -91,135 +94,61 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
-        rejected = self._admit_compiled()
+        refused = self._grammar_room.admit_ready(self.scheduler.add_request)  # grammars now compiled
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
-            self._compiling.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
-            return rejected
+            self._grammar_room.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
+            return refused
         logits = self._execute(scheduler_output)
-        sampled, sampling_errors = self._sample(logits, scheduler_output)  # forking samples' first tokens too
-        return rejected + self._update_requests(scheduler_output, sampled, sampling_errors)
-
-    def _update_requests(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled: dict[str, list[SampledToken]],
-        sampling_errors: dict[str, str],
-    ) -> list[CoreOutput]:
-        """Counts the step, forks n > 1 samples, ends the requests whose sampling failed, appends the
-        sampled tokens and proposes the next drafts: one output per request touched."""
-        self._count(scheduler_output, sampled)
-        forked = self._fork(scheduler_output, sampled, sampling_errors)  # while the leaders hold their blocks
-        failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
-        updated = self._update(scheduler_output, sampled)
-        self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
-        return forked + failed + [self._output(r, tokens) for r, tokens in updated]
+        sampled, sampling_errors = self._sample(logits, scheduler_output)
+        return refused + self._update(scheduler_output, sampled, sampling_errors)
 
     def add_request(self, add: AddRequest) -> None:
-        """Queues a validated request (the frontend checked the prompt against `model_info`).
+        """Queues one validated request (the frontend checked the prompt against `model_info`).
 
         A request with a constraint waits outside the scheduler until its grammar compiled (in the
         compile thread); if it does not compile, a later step ends it with an error naming the field.
-        With n > 1 it becomes n requests `sample_request_ids(id, n)`: the first computes the prompt, the
-        others wait to fork from it (`sluice.engine.core.sample_group`).
         """
-        n = add.params.n
-        request_ids = sample_request_ids(add.request_id, n)
-        for request_id in request_ids:
-            if self._is_live(request_id):
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        leader, *followers = (
-            Request(
-                request_id=request_id,
-                prompt_token_ids=list(add.prompt_token_ids),
-                sampling_params=add.params if n == 1 else add.params.for_sample(i),
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=add.arrival_time,
-                priority=add.priority,
-                cache_salt=add.cache_salt,
-                use_speculation=add.use_speculation,
-            )
-            for i, request_id in enumerate(request_ids)
-        )
-        constraint = add.params.constraint
-        if constraint is None:
-            self.scheduler.add_request(leader)
-        elif self.grammars is None:
+        if add.params.n != 1:
             raise InvalidRequestError(
-                constraint.kind, "constrained output needs a tokenizer; this model has none"
+                "n", "the engine core runs one sample per request (the frontend fans out)"
             )
+        if self.scheduler.get_request(add.request_id) is not None or add.request_id in self._grammar_room:
+            raise InvalidRequestError("request_id", f"{add.request_id!r} is already in use")
+        request = Request(
+            request_id=add.request_id,
+            prompt_token_ids=list(add.prompt_token_ids),
+            sampling_params=add.params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=add.arrival_time,
+            priority=add.priority,
+            cache_salt=add.cache_salt,
+            use_speculation=add.use_speculation,
+        )
+        if add.params.constraint is None:
+            self.scheduler.add_request(request)
         else:
-            self._compiling.add(leader, self.grammars.submit(constraint))
-        if followers:
-            self._forks.add(leader.request_id, followers)
+            self._grammar_room.add(request)
 
     def abort(self, request_ids: Iterable[str], errors: dict[str, str] | None = None) -> list[CoreOutput]:
         """Frees the requests' blocks now; their final outputs say "abort", or "error" with the message
         in `errors`. Unknown or finished ids are skipped."""
         errors = errors or {}
         outputs = []
-        # Waiting samples first, so aborting a whole n-sample request does not start them on the way.
-        for request_id in sorted(request_ids, key=lambda request_id: request_id not in self._forks):
+        for request_id in request_ids:
             error = errors.get(request_id)
             status = RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR
-            request = (
-                self.scheduler.finish_request(request_id, status)
-                or _finish_outside_scheduler(self._compiling.remove(request_id), status)
-                or _finish_outside_scheduler(self._forks.remove(request_id), status)
+            request = self.scheduler.finish_request(request_id, status) or self._grammar_room.abort(
+                request_id, status
             )
             if request is not None:
                 outputs.append(self._output(request, None, error))
-                outputs += self._start_followers(request_id)
         self.speculator.free([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or len(self._compiling) > 0 or len(self._forks) > 0
-
-    def _is_live(self, request_id: str) -> bool:
-        return (
-            self.scheduler.get_request(request_id) is not None
-            or request_id in self._compiling
-            or request_id in self._forks
-        )
-
-    def _admit_compiled(self) -> list[CoreOutput]:
-        """Requests whose grammar is ready join the scheduler; one that did not compile ends with an
-        error naming its constraint's field (outputs returned)."""
-        outputs = []
-        for request, grammar in self._compiling.pop_done():
-            failed = None
-            try:
-                request.grammar = grammar.result()
-                self.scheduler.add_request(request)
-            except GrammarCompileError as exc:
-                field = request.sampling_params.constraint.kind
-                error = InvalidRequestError(field, f"does not compile: {exc}")
-                failed = CoreOutput.failed(request.request_id, str(error), invalid_field=field)
-            except InvalidRequestError as exc:
-                failed = CoreOutput.failed(request.request_id, str(exc), invalid_field=exc.field)
-            except Exception as exc:
-                logger.exception("compiling the grammar of request %s failed", request.request_id)
-                failed = CoreOutput.failed(request.request_id, f"grammar compilation failed: {exc}")
-            if failed is None:
-                for follower in self._forks.followers(request.request_id):
-                    follower.grammar = request.grammar
-                continue
-            outputs.append(failed)
-            for follower in self._forks.pop(request.request_id):  # the same constraint fails them all
-                outputs.append(msgspec.structs.replace(failed, request_id=follower.request_id))
-        return outputs
-
-    def _start_followers(self, leader_id: str) -> list[CoreOutput]:
-        """The leader ended before its prompt was computed: its waiting samples run on their own."""
-        outputs = []
-        for follower in self._forks.pop(leader_id):
-            try:
-                self.scheduler.add_request(follower)
-            except ValueError as exc:
-                outputs.append(CoreOutput.failed(follower.request_id, str(exc)))
-        return outputs
+        return self.scheduler.has_unfinished_requests() or len(self._grammar_room) > 0
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -247,8 +176,7 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`."""
-        if self.faults is not None:
-            self.faults.check("step", (s.request_id for s in scheduler_output.scheduled))
+        self._inject_faults("step", (s.request_id for s in scheduler_output.scheduled))
         slices = self._prompt_logprobs.slices(scheduler_output, self.scheduler.get_request)
         if not slices:
             return self.model_runner.execute_model(scheduler_output)
@@ -260,18 +188,17 @@ class EngineCore:
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, list[SampledToken]], dict[str, str]]:
         """Per slice that reached its request's last token, in scheduled order: its accepted drafts
-        (if it verified any) then one token; then the first token of every sample waiting to fork from
-        a leader whose prompt this step completes, drawn from the leader's logits row.
+        (if it verified any) then one token.
 
         A batch that fails is sampled again request by request, so a failure caused by one request's
         parameters ends that request (returned in the second dict: request id -> error) and the others
         go on.
         """
-        rows, proposals, logits_rows = self._sampling_rows(scheduler_output)
-        if len(logits_rows) > logits.shape[0]:  # forking samples: rows of their leaders' logits
-            logits = logits[torch.tensor(logits_rows, device=logits.device)]
+        scheduled = [s for s in scheduler_output.scheduled if s.sample]
+        rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
+        proposals = [self.speculator.proposal(s.request_id, s.spec_token_ids) for s in scheduled]
         try:
-            self._check_sample_faults(rows)
+            self._inject_faults("sample", (row.request_id for row in rows))
             sampled = self.rejection_sampler.sample(logits, rows, proposals)
             return {row.request_id: s for row, s in zip(rows, sampled, strict=True)}, {}
         except Exception:
@@ -281,7 +208,7 @@ class EngineCore:
         for row, proposal in zip(rows, proposals, strict=True):
             end = start + 1 + (0 if proposal is None else len(proposal.token_ids))
             try:
-                self._check_sample_faults([row])
+                self._inject_faults("sample", [row.request_id])
                 good[row.request_id] = self.rejection_sampler.sample(logits[start:end], [row], [proposal])[0]
             except Exception as exc:
                 failed[row.request_id] = f"sampling failed: {exc}"
@@ -289,6 +216,20 @@ class EngineCore:
         return good, failed
 
     def _update(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, list[SampledToken]],
+        sampling_errors: dict[str, str],
+    ) -> list[CoreOutput]:
+        """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
+        scheduler and proposes the next drafts: one output per request touched."""
+        self._count(scheduler_output, sampled)
+        failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
+        updated = self._append(scheduler_output, sampled)
+        self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
+        return failed + [self._output(r, tokens) for r, tokens in updated]
+
+    def _append(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
     ) -> list[tuple[Request, list[SampledToken]]]:
         """The scheduler takes the sampled tokens; returns each request that got tokens with those it
@@ -302,69 +243,10 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, token_ids)
         return [(r, sampled[r.request_id][: r.num_output_tokens - num_before[r.request_id]]) for r in updated]
 
-    def _check_sample_faults(self, rows: list[SamplingRow]) -> None:
+    def _inject_faults(self, place: str, request_ids: Iterable[str]) -> None:
+        """`SLUICE_INJECT_FAULT` (tests of failure handling): raises at `place` for marked requests."""
         if self.faults is not None:
-            self.faults.check("sample", (row.request_id for row in rows))
-
-    def _sampling_rows(
-        self, scheduler_output: SchedulerOutput
-    ) -> tuple[list[SamplingRow], list[Proposal | None], list[int]]:
-        """The rows to sample, their drafts, and the logits rows they read: one per slice and draft,
-        then one for each forking sample (its leader's row; a leader completing its prompt has no
-        drafts)."""
-        scheduled = [s for s in scheduler_output.scheduled if s.sample]
-        rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
-        proposals = [self.speculator.proposal(s.request_id, s.spec_token_ids) for s in scheduled]
-        logits_rows, starts = [], []
-        for s in scheduled:
-            starts.append(len(logits_rows))
-            logits_rows += range(len(logits_rows), len(logits_rows) + 1 + len(s.spec_token_ids))
-        for start, s in zip(starts, scheduled, strict=True):
-            for follower in self._forks.followers(s.request_id):
-                rows.append(self._sampling_row(follower))
-                proposals.append(None)
-                logits_rows.append(start)
-        return rows, proposals, logits_rows
-
-    def _fork(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled: dict[str, list[SampledToken]],
-        errors: dict[str, str],
-    ) -> list[CoreOutput]:
-        """Fork the samples whose first token was drawn this step from their leader's blocks (those
-        that already stopped never join the scheduler). Their outputs, errors included."""
-        outputs = []
-        for s in scheduler_output.scheduled:
-            if not s.sample or not self._forks.followers(s.request_id):
-                continue
-            leader = self.scheduler.get_request(s.request_id)
-            for follower in self._forks.pop(s.request_id):
-                if follower.request_id in errors:
-                    _finish_outside_scheduler(follower, RequestStatus.FINISHED_ERROR)
-                    self._free([follower.request_id])
-                    outputs.append(self._output(follower, None, errors.pop(follower.request_id)))
-                    continue
-                tokens = sampled[follower.request_id]  # one: a follower has no drafts
-                self._start_forked(leader, follower, tokens[0].token_id)
-                outputs.append(self._output(follower, tokens))
-        return outputs
-
-    def _start_forked(self, leader: Request, follower: Request, token_id: int) -> None:
-        now = time.time()
-        follower.times.first_scheduled = leader.times.first_scheduled
-        follower.times.first_token = now
-        follower.num_cached_tokens = leader.num_cached_tokens
-        follower.append_output_token(token_id)
-        status = follower.check_token_stop()
-        if status is None and follower.num_tokens >= self.model_runner.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is None:
-            self.scheduler.fork_request(leader.request_id, follower)
-            return
-        follower.status = status
-        follower.times.finished = now
-        self._free([follower.request_id])
+            self.faults.check(place, request_ids)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         return SamplingRow(
@@ -412,12 +294,3 @@ class EngineCore:
             num_prompt = max(0, prompt_end - scheduled.start_position)
             request.num_prompt_tokens_computed += num_prompt
             self._num_prompt_tokens_computed += num_prompt
-
-
-def _finish_outside_scheduler(request: Request | None, status: RequestStatus) -> Request | None:
-    """Ends a request the scheduler does not hold (waiting for its grammar or to fork): its status and
-    finish time. Returns it; None stays None."""
-    if request is not None:
-        request.status = status
-        request.times.finished = time.time()
-    return request

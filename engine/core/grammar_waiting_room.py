@@ -1,30 +1,69 @@
 """Requests whose grammar is still compiling. They are not in the scheduler yet, so the requests that
-are keep running; each joins the scheduler at the first step after its grammar is ready."""
+are keep running; each joins the scheduler at the first step after its grammar is ready, or ends with an
+error naming its constraint's field if it does not compile."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from sluice.engine.request import Request
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.messages import CoreOutput
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.structured.grammar_compiler import GrammarCompileError, GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarWaitingRoom:
-    """Not thread-safe: the engine thread owns it (the futures complete in the compile thread)."""
+    """Not thread-safe: the engine thread owns it (the futures complete in the compile thread).
+    `compiler` is None for a model without a tokenizer, which takes no constrained request."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiler: GrammarCompiler | None) -> None:
+        self._compiler = compiler
         self._waiting: dict[str, tuple[Request, Future]] = {}  # arrival order
 
-    def add(self, request: Request, grammar: Future) -> None:
-        self._waiting[request.request_id] = (request, grammar)
+    def add(self, request: Request) -> None:
+        """Starts compiling the request's constraint (in the compile thread); the request waits here."""
+        constraint = request.sampling_params.constraint
+        if self._compiler is None:
+            raise InvalidRequestError(
+                constraint.kind, "constrained output needs a tokenizer; this model has none"
+            )
+        self._waiting[request.request_id] = (request, self._compiler.submit(constraint))
 
-    def pop_done(self) -> list[tuple[Request, Future]]:
-        """The requests whose compilation finished (or failed), in arrival order."""
-        done = [rid for rid, (_, future) in self._waiting.items() if future.done()]
-        return [self._waiting.pop(rid) for rid in done]
+    def admit_ready(self, admit: Callable[[Request], None]) -> list[CoreOutput]:
+        """Hands every request whose grammar is ready to `admit` (the scheduler's `add_request`), in
+        arrival order. Returns the last outputs of those that cannot run: the grammar did not compile
+        (an error naming the constraint's field), or `admit` refused them."""
+        failed = []
+        for request_id in [rid for rid, (_, future) in self._waiting.items() if future.done()]:
+            request, grammar = self._waiting.pop(request_id)
+            try:
+                request.grammar = grammar.result()
+                admit(request)
+            except GrammarCompileError as exc:
+                field = request.sampling_params.constraint.kind
+                error = InvalidRequestError(field, f"does not compile: {exc}")
+                failed.append(CoreOutput.failed(request_id, str(error), invalid_field=field))
+            except InvalidRequestError as exc:
+                failed.append(CoreOutput.failed(request_id, str(exc), invalid_field=exc.field))
+            except Exception as exc:
+                logger.exception("compiling the grammar of request %s failed", request_id)
+                failed.append(CoreOutput.failed(request_id, f"grammar compilation failed: {exc}"))
+        return failed
 
-    def remove(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Takes a waiting request out, finished with `status`; None if it is not here."""
         entry = self._waiting.pop(request_id, None)
-        return None if entry is None else entry[0]
+        if entry is None:
+            return None
+        request = entry[0]
+        request.status = status
+        request.times.finished = time.time()
+        return request
 
     def wait(self, timeout: float) -> None:
         """Block until some grammar is ready or `timeout` seconds pass (returns at once when empty)."""
@@ -36,6 +75,3 @@ class GrammarWaitingRoom:
 
     def __len__(self) -> int:
         return len(self._waiting)
-
-    def request_ids(self) -> list[str]:
-        return list(self._waiting)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.core.sample_group import sample_request_ids
 from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from sluice.engine.faults import FaultInjector
 from sluice.engine.frontend.core_client import CoreClient
-from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
+from sluice.engine.frontend.parallel_sampling import sample_request_ids
 from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
 from sluice.engine.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import EngineStats
+from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.prompt import check_prompt, resolve_prompt
@@ -69,7 +69,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Aborts what still runs, stops the core process."""
         if self._streams and self.error is None:
-            self._client.send(AbortRequests(self._engine_ids(self._streams)))
+            self._send(self._output_processor.abort(list(self._streams)))
         self._closed = True
         await self._client.shutdown()
 
@@ -128,22 +128,17 @@ class AsyncEngine:
         self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
         self._streams[request_id] = collector
-        arrival = time.time()
-        self._output_processor.add_request(request_id, len(prompt), params, arrival, tool_use)
-        self._client.send(
-            AddRequest(request_id, prompt, params, arrival, priority, cache_salt, use_speculation)
-        )
+        add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
+        self._client.send(self._output_processor.add_request(add, tool_use))  # sample 0 when n > 1
         return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a live request (every sample of it); its stream ends with finish_reason "abort".
         Unknown ids are ignored."""
-        if request_id in self._streams and self.error is None:
-            self._client.send(AbortRequests(self._engine_ids([request_id])))
-
-    def _engine_ids(self, request_ids: Iterable[str]) -> list[str]:
-        """The core's ids of the requests' live samples."""
-        return [eid for request_id in request_ids for eid in self._output_processor.engine_ids(request_id)]
+        stream = self._streams.get(request_id)
+        if stream is not None and self.error is None:
+            for output in self._send(self._output_processor.abort([request_id])):
+                stream.put(output)  # samples never sent to the core
 
     def _check_accepting(self, request_id: str, n: int = 1) -> None:
         if self.error is not None:
@@ -171,19 +166,25 @@ class AsyncEngine:
         """A stream ended: forget it, and abort its request unless it had finished."""
         self._streams.pop(request_id, None)
         if not finished and self.error is None and not self._closed:
-            self._client.send(AbortRequests(self._engine_ids([request_id])))
+            self._send(self._output_processor.abort([request_id]))
 
     def _on_message(self, message: CoreMessage) -> None:
         self._stats = message.stats
         if not isinstance(message, CoreOutputs):
             return
-        processed = self._output_processor.process(message.outputs)
-        if processed.to_abort:
-            self._client.send(AbortRequests(processed.to_abort))
-        for output in processed.outputs:
+        for output in self._send(self._output_processor.process(message.outputs)):
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
+
+    def _send(self, processed: ProcessedOutputs) -> list[RequestOutput]:
+        """Sends the core what `processed` asks (aborts, then samples 1 .. n - 1 of n-sample requests
+        whose sample 0 answered); returns its outputs."""
+        if processed.to_abort:
+            self._client.send(AbortRequests(processed.to_abort))
+        for add in processed.to_add:
+            self._client.send(add)
+        return processed.outputs
 
     def _on_dead(self, reason: str) -> None:
         self.error = EngineDeadError(reason)

@@ -10,7 +10,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.core.engine_core import EngineCore
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.loading.model_loader import ModelSource
-from sluice.engine.messages import AddRequest
+from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
@@ -35,6 +35,8 @@ class Engine:
         """Advances every scheduled request by one step; returns the outputs it produced."""
         processed = self.output_processor.process(self.core.step())
         self.core.abort(processed.to_abort)
+        for add in processed.to_add:  # samples 1 .. n - 1 of requests whose sample 0 answered
+            self.core.add_request(add)
         return processed.outputs
 
     def add_request(
@@ -51,19 +53,21 @@ class Engine:
         """Validates and queues a request; raises InvalidRequestError / ContextLengthError. With
         `tool_use`, `params` must already carry its constraint (`ToolUse.sampling_params`)."""
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
-        arrival = time.time()
-        self.core.add_request(
-            AddRequest(
-                request_id, list(prompt_token_ids), params, arrival, priority, cache_salt, use_speculation
-            )
+        add = AddRequest(
+            request_id, list(prompt_token_ids), params, time.time(), priority, cache_salt, use_speculation
         )
-        self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival, tool_use)
+        first = self.output_processor.add_request(add, tool_use)  # sample 0 when n > 1
+        try:
+            self.core.add_request(first)
+        except Exception as exc:  # refused (e.g. needs more KV blocks than the cache has): forget it
+            self.output_processor.process([CoreOutput.failed(first.request_id, str(exc))])
+            raise
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Frees the requests' blocks now (every sample of an n-sample request); returns their final
         outputs (finish_reason "abort")."""
-        engine_ids = [eid for rid in request_ids for eid in self.output_processor.engine_ids(rid) or [rid]]
-        return self.output_processor.process(self.core.abort(engine_ids)).outputs
+        processed = self.output_processor.abort(request_ids)
+        return processed.outputs + self.output_processor.process(self.core.abort(processed.to_abort)).outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

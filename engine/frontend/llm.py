@@ -21,8 +21,8 @@ class Completion:
     """Everything one request (one sample of it, when n > 1) produced, accumulated over its outputs.
 
     `prompt_logprobs` (when asked for): one per prompt token after the first, on sample 0.
-    `prompt_tokens_computed`: prompt tokens this sample ran through the model (0 for samples 1.. of an
-    n-sample request, which fork sample 0's prompt blocks).
+    `prompt_tokens_computed`: prompt tokens this sample ran through the model, those not found in the
+    prefix cache (samples 1.. of an n-sample request find sample 0's full prompt blocks there).
     """
 
     request_id: str

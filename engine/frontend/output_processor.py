@@ -4,23 +4,25 @@ Token-level stops (eos, stop token ids, max_tokens) are decided by the core's sc
 found here, after detokenization, and the request is then aborted in the core (`ProcessedOutputs.to_abort`).
 A request whose detokenization raises ends alone with finish_reason "error"; the others go on.
 
-A request with n > 1 runs in the core as n requests (`sluice.engine.core.sample_group.sample_request_ids`);
-each has its own state here and its outputs carry the caller's request id and the sample's `index`.
+A request with n > 1 runs in the core as n requests, sent by `ParallelSampling`
+(`sluice.engine.frontend.parallel_sampling`): sample 0 at once, the others in `ProcessedOutputs.to_add`
+once sample 0's first output came. Each sample has its own state here and its outputs carry the caller's
+request id and the sample's `index`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sluice.engine.core.sample_group import sample_request_ids
+from sluice.engine.errors import InvalidRequestError
 from sluice.engine.faults import FaultInjector
-from sluice.engine.messages import CoreOutput
+from sluice.engine.frontend.parallel_sampling import ParallelSampling, sample_request_ids
+from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.outputs import RequestOutput, Timings, ToolCall, Usage
-from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
 
@@ -44,10 +46,14 @@ class _RequestState:
 
 @dataclass
 class ProcessedOutputs:
+    """What the frontend hands its caller, and what it must send the core."""
+
     outputs: list[RequestOutput] = field(default_factory=list)
-    # Engine ids of requests that finished here (stop string, failed detokenization) but still run in
-    # the core.
+    # Engine ids of requests that finished here (stop string, failed detokenization, aborted) but still
+    # run in the core.
     to_abort: list[str] = field(default_factory=list)
+    # Samples 1 .. n - 1 of n-sample requests whose sample 0 gave its first output.
+    to_add: list[AddRequest] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -58,48 +64,58 @@ class OutputProcessor:
         self._faults = faults
         self._states: dict[str, _RequestState] = {}  # engine request id -> state
         self._engine_ids: dict[str, list[str]] = {}  # caller's id -> engine ids of its live samples
+        self._samples = ParallelSampling()
 
-    def add_request(
-        self,
-        request_id: str,
-        num_prompt_tokens: int,
-        params: SamplingParams,
-        arrival_time: float,
-        tool_use: ToolUse | None = None,
-    ) -> list[str]:
-        """`tool_use`: the request's tools; its last output carries the tool calls parsed from its text.
-        Returns the engine ids of the request's `params.n` samples."""
+    def add_request(self, add: AddRequest, tool_use: ToolUse | None = None) -> AddRequest:
+        """Tracks the request's `add.params.n` samples; returns what to send to the core now (sample 0
+        when n > 1). `tool_use`: the request's tools; its last output carries the tool calls parsed from
+        its text. Raises InvalidRequestError if an engine id of it belongs to another live request (`a#1`
+        while `a` with n = 2 runs)."""
+        request_id, params = add.request_id, add.params
         engine_ids = sample_request_ids(request_id, params.n)
+        for engine_id in engine_ids:
+            owner = self.owner(engine_id)
+            if owner is not None and owner != request_id:
+                raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         for index, engine_id in enumerate(engine_ids):
             detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
             self._states[engine_id] = _RequestState(
-                request_id, index, num_prompt_tokens, arrival_time, detokenizer, tool_use=tool_use
+                request_id, index, len(add.prompt_token_ids), add.arrival_time, detokenizer, tool_use=tool_use
             )
         self._engine_ids[request_id] = list(engine_ids)
-        return engine_ids
+        return self._samples.add(add)
+
+    def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
+        """Ends the requests (every sample): the last outputs of the samples never sent to the core, and
+        in `to_abort` the engine ids of those the core holds. Unknown ids are skipped."""
+        processed = ProcessedOutputs()
+        for request_id in request_ids:
+            unsent = self._samples.drop(request_id)
+            processed.to_abort += [e for e in self._engine_ids.get(request_id, ()) if e not in unsent]
+            processed.outputs += self.process([CoreOutput.aborted(e) for e in unsent]).outputs
+        return processed
 
     def owner(self, engine_id: str) -> str | None:
         """The caller's id of the live request that engine id `engine_id` belongs to, if any."""
         state = self._states.get(engine_id)
         return None if state is None else state.request_id
 
-    def engine_ids(self, request_id: str) -> list[str]:
-        """Engine ids of the request's samples still live here (empty once all finished)."""
-        return list(self._engine_ids.get(request_id, ()))
-
     def process(self, core_outputs: Sequence[CoreOutput]) -> ProcessedOutputs:
-        """One `RequestOutput` per core output of a request still tracked here."""
+        """One `RequestOutput` per core output of a request still tracked here (and, when sample 0 of an
+        n-sample request ended without ever running, one for each of its unsent samples)."""
         processed = ProcessedOutputs()
         for core_output in core_outputs:
-            state = self._states.get(core_output.request_id)
-            if state is None:
+            if core_output.request_id not in self._states:
                 continue  # ended here already (stop string); the core's abort echo is dropped
-            output = self._process_one(state, core_output)
-            if output.finished:
-                self._forget(core_output.request_id)
-                if not core_output.finished:
-                    processed.to_abort.append(core_output.request_id)
-            processed.outputs.append(output)
+            to_add, ended_alike = self._samples.on_output(core_output)
+            processed.to_add += to_add
+            for one in (core_output, *ended_alike):
+                output = self._process_one(self._states[one.request_id], one)
+                if output.finished:
+                    self._forget(one.request_id)
+                    if not one.finished:
+                        processed.to_abort.append(one.request_id)
+                processed.outputs.append(output)
         return processed
 
     def _forget(self, engine_id: str) -> None:

@@ -18,12 +18,6 @@ request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (nev
     block table:      [ 0 (freed) | b9 | b2 | b5 ]      positions 0..15 freed; 16..31 kept (holds 31)
 
 Freed blocks keep their hash in the pool, so other requests can still hit them until evicted.
-
-`fork` gives another sample of the same prompt the parent's prompt blocks: full blocks shared by ref
-count, the partial last block copied (copy on write, done by the model runner before the next step):
-
-    parent, 38 prompt tokens:  [ b4 (full) | b9 (full) | b2 (6 of 16) ]
-    child after fork:          [ b4        | b9        | b7 ]      b4, b9: ref_cnt 2;  copy b2 -> b7
 """
 
 from __future__ import annotations
@@ -123,30 +117,6 @@ class KVCacheManager:
                 self.num_hits += hit.num_tokens
             self._free_out_of_window(request_id, num_computed)
         return tuple(block_ids)
-
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
-        """Give `child_id` (holding no blocks) the parent's blocks of its first `num_tokens` tokens:
-        full blocks shared, the partial last block, if any, replaced by a new one. Returns the
-        (src, dst) block copies the runner must make before the child's next step; None, changing
-        nothing, if no block is free for the copy."""
-        if child_id in self._blocks:
-            raise RuntimeError(f"request {child_id!r} already holds blocks; a fork needs none")
-        num_blocks = -(-num_tokens // self.block_size)
-        parent = self._blocks[parent_id][:num_blocks]
-        if len(parent) < num_blocks:
-            raise RuntimeError(f"request {parent_id!r} holds too few blocks for {num_tokens} tokens")
-        num_full = num_tokens // self.block_size
-        copied = self.pool.allocate(num_blocks - num_full)
-        if copied is None:
-            return None
-        shared = parent[:num_full]
-        self.pool.touch(block for block in shared if block is not None)
-        blocks = shared + copied
-        self._blocks[child_id] = blocks
-        self._block_ids[child_id] = self._block_ids[parent_id][:num_full] + [b.block_id for b in copied]
-        if parent_id in self._num_freed:
-            self._num_freed[child_id] = min(self._num_freed[parent_id], num_full)
-        return [(src.block_id, dst.block_id) for src, dst in zip(parent[num_full:], copied, strict=True)]
 
     def num_blocks_needed(self, num_tokens: int, max_tokens_per_step: int) -> int:
         """Most blocks a request of `num_tokens` tokens holds at once, advancing at most

@@ -81,7 +81,6 @@ class Scheduler:
         self._seq: dict[str, int] = {}  # insertion sequence, the last tie-breaker
         self._next_seq = itertools.count()
         self._finished_since_schedule: list[str] = []
-        self._block_copies: list[tuple[int, int]] = []  # made by forks since the last schedule()
         self._num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -95,29 +94,6 @@ class Scheduler:
         self._seq[request.request_id] = next(self._next_seq)
         request.status = RequestStatus.WAITING
         self._waiting.push(request, self._seq[request.request_id])
-
-    def fork_request(self, parent_id: str, child: Request) -> None:
-        """Add `child`, another sample of the running parent's prompt that already holds its first
-        output token (sampled from the parent's logits), as if it had computed the prompt: it shares the
-        parent's prompt blocks (`KVCacheManager.fork`) and runs from the next step. With no block free
-        for the copy of the partial last block it waits instead, like a preempted request (it
-        recomputes the prompt, reusing the prefix cache); so does it when max_num_seqs already run."""
-        if child.request_id in self._requests:
-            raise ValueError(f"request_id: {child.request_id!r} is already live")
-        self._requests[child.request_id] = child
-        self._seq[child.request_id] = next(self._next_seq)
-        copies = None
-        if len(self._running) < self.config.max_num_seqs:
-            copies = self.kv.fork(parent_id, child.request_id, child.num_prompt_tokens)
-        if copies is None:
-            child.status = RequestStatus.WAITING
-            child.num_computed_tokens = 0
-            self._waiting.push(child, self._seq[child.request_id])
-            return
-        self._block_copies.extend(copies)
-        child.num_computed_tokens = child.num_prompt_tokens
-        child.status = RequestStatus.RUNNING
-        self._running[child.request_id] = child
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort live requests in any state and free their blocks now; unknown ids are skipped."""
@@ -368,14 +344,12 @@ class Scheduler:
                 )
             )
         finished, self._finished_since_schedule = self._finished_since_schedule, []
-        copies, self._block_copies = self._block_copies, []
         return SchedulerOutput(
             scheduled=tuple(scheduled),
             num_batched_tokens=sum(plan.num_new_tokens.values())
             + sum(len(spec) for spec in plan.spec_token_ids.values()),
             preempted_request_ids=tuple(plan.preempted),
             finished_request_ids=tuple(finished),
-            block_copies=tuple(copies),
         )
 
     # ---- bookkeeping ---------------------------------------------------------------------------

@@ -41,14 +41,12 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """`block_copies`: (src, dst) physical blocks whose K/V (every layer) the runner copies before this
-    step's forward pass: the partial last prompt block of each sample forked since the last step."""
+    """One step: the scheduled slices, and the requests preempted or finished since the last step."""
 
     scheduled: tuple[ScheduledRequest, ...]
     num_batched_tokens: int
     preempted_request_ids: tuple[str, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
-    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -13,7 +13,6 @@ from sluice.engine.model_registry import get_model_class
 from sluice.engine.outputs import Logprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
-from sluice.engine.worker.block_copy import copy_blocks
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -84,9 +83,7 @@ class ModelRunner:
     def execute_model_with_prompt_logprobs(
         self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
     ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
-        """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token).
-        Makes the step's block copies (forked samples) before the forward pass."""
-        self.copy_blocks(out.block_copies)
+        """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token)."""
         inputs = build_model_inputs(out, self.block_size, self.device)
         hidden = self.graph_runner.run(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -94,10 +91,6 @@ class ModelRunner:
             return logits, {}
         query_lens = inputs.metadata.query_lens_cpu
         return logits, compute_prompt_logprobs(hidden, query_lens, slices, self.model.compute_logits)
-
-    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Block dst of every layer's K/V becomes a copy of block src, for each (src, dst)."""
-        copy_blocks(self.kv_caches, copies)
 
     @property
     def kv_block_bytes(self) -> int:

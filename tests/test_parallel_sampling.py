@@ -1,0 +1,93 @@
+"""The frontend's fan-out of n > 1 (`ParallelSampling` inside `OutputProcessor`), without a model: what
+goes to the core and when, and how each way sample 0 can end without a token ends the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.messages import AddRequest, CoreOutput
+from sluice.engine.sampling_params import SamplingParams
+
+PROMPT = [5, 6, 7]
+PARAMS = SamplingParams(temperature=1.0, seed=40, max_tokens=4, n=3, prompt_logprobs=1)
+
+
+def _token(request_id: str, token_id: int, finish_reason: str | None = None) -> CoreOutput:
+    return CoreOutput(request_id, [token_id], [], 0, 0, 1.0, 2.0, finish_reason=finish_reason)
+
+
+def _started(params: SamplingParams = PARAMS) -> tuple[OutputProcessor, AddRequest]:
+    processor = OutputProcessor(None)
+    first = processor.add_request(AddRequest("a", PROMPT, params, 1.0, priority=2, cache_salt="s"))
+    return processor, first
+
+
+def test_sample_zero_goes_first_and_the_others_follow_its_first_output():
+    processor, first = _started()
+    assert (first.request_id, first.params) == ("a#0", PARAMS.for_sample(0))
+    assert (first.params.n, first.params.seed, first.params.prompt_logprobs) == (1, 40, 1)
+    processed = processor.process([_token("a#0", 9)])
+    assert [(o.request_id, o.index, o.token_ids) for o in processed.outputs] == [("a", 0, (9,))]
+    assert [(a.request_id, a.params) for a in processed.to_add] == [
+        ("a#1", PARAMS.for_sample(1)),
+        ("a#2", PARAMS.for_sample(2)),
+    ]
+    assert [(a.params.seed, a.params.prompt_logprobs) for a in processed.to_add] == [(41, None), (42, None)]
+    assert all(
+        (a.prompt_token_ids, a.arrival_time, a.priority, a.cache_salt) == (PROMPT, 1.0, 2, "s")
+        for a in processed.to_add
+    )
+    assert processor.process([_token("a#0", 3)]).to_add == []  # sent once
+
+
+def test_a_request_with_n_1_goes_to_the_core_as_it_is():
+    processor = OutputProcessor(None)
+    add = AddRequest("b", PROMPT, SamplingParams(seed=40), 1.0)
+    assert processor.add_request(add) is add
+    assert processor.process([_token("b", 9, "length")]).to_add == []
+
+
+def test_aborting_before_sample_zeros_first_output_ends_the_unsent_samples_here():
+    processor, _ = _started()
+    processed = processor.abort(["a"])
+    assert processed.to_abort == ["a#0"]
+    assert [(o.index, o.finish_reason) for o in processed.outputs] == [(1, "abort"), (2, "abort")]
+    late = processor.process([_token("a#0", 9)])  # a token sampled before the core saw the abort
+    assert late.to_add == []
+    final = processor.process([CoreOutput.aborted("a#0")])
+    assert [(o.index, o.finish_reason) for o in final.outputs] == [(0, "abort")]
+    assert processor.abort(["a"]).to_abort == []  # nothing left of it
+
+
+def test_a_refused_sample_zero_ends_every_sample_with_its_error_and_field():
+    processor, _ = _started()
+    refused = CoreOutput.failed("a#0", "regex: does not compile: oops", invalid_field="regex")
+    processed = processor.process([refused])
+    assert processed.to_add == []
+    assert [(o.index, o.finish_reason, o.error, o.invalid_field) for o in processed.outputs] == [
+        (i, "error", "regex: does not compile: oops", "regex") for i in range(3)
+    ]
+    assert processor.owner("a#1") is None and processor.owner("a#2") is None
+
+
+def test_sample_zero_aborted_before_its_first_token_aborts_the_others():
+    processor, _ = _started()
+    processed = processor.process([CoreOutput.aborted("a#0")])
+    assert processed.to_add == []
+    assert [(o.index, o.finish_reason) for o in processed.outputs] == [(i, "abort") for i in range(3)]
+
+
+def test_sample_zero_that_ran_and_failed_ends_alone_and_the_others_are_sent():
+    processor, _ = _started()
+    failed = CoreOutput("a#0", [], [], 0, 0, 1.0, None, finish_reason="error", error="sampling failed: boom")
+    processed = processor.process([failed])
+    assert [(o.index, o.finish_reason) for o in processed.outputs] == [(0, "error")]
+    assert [a.request_id for a in processed.to_add] == ["a#1", "a#2"]
+
+
+def test_an_id_colliding_with_a_live_sample_is_refused():
+    processor, _ = _started()
+    with pytest.raises(InvalidRequestError, match=r"^request_id: 'a#1' is already in use by 'a'$"):
+        processor.add_request(AddRequest("a#1", PROMPT, SamplingParams(), 1.0))
