@@ -32,7 +32,8 @@ class SamplingParams:
     `logit_bias` adds a bias to token ids' logits (a mapping or (token_id, bias) pairs; kept sorted);
     `allowed_token_ids=None` allows every token, else only those. `constraint` forces the output to
     match a JSON schema, regex, grammar or choice (logprobs stay those of the raw model logits).
-    `n` samples of the prompt share its KV blocks (the prompt is computed once); with a `seed`, sample i
+    `n` samples of the prompt share its full KV blocks (sample 0 computes the prompt, the others recompute
+    its last partial block); with a `seed`, sample i
     draws from seed + i. `prompt_logprobs=N` returns, once, the logprob of every prompt token after the
     first and the top N at each position (such a request takes no prefix-cache hit).
     """

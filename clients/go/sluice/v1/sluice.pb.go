@@ -661,8 +661,8 @@ type SamplingParams struct {
 	Constraint isSamplingParams_Constraint `protobuf_oneof:"constraint"`
 	// In [1, 16]; default 1. Samples of the prompt, streamed interleaved, each chunk naming its
 	// GenerateResponse.index; each finishes on its own (its own finish_reason, usage and timings on
-	// its last chunk). The prompt is computed once and its KV blocks are shared. With a seed, sample i
-	// draws from seed + i.
+	// its last chunk). Samples 1.. start once sample 0 computed the prompt and share its full KV blocks
+	// through the prefix cache. With a seed, sample i draws from seed + i.
 	N *int32 `protobuf:"varint,23,opt,name=n,proto3,oneof" json:"n,omitempty"`
 	// In [0, 20]: return the logprob of every prompt token after the first and the N most likely
 	// tokens at each prompt position, once, in the first chunk of sample 0 (GenerateResponse.prompt_logprobs).
@@ -1219,7 +1219,7 @@ type Usage struct {
 	// Prompt tokens served from the prefix cache.
 	CachedTokens int32 `protobuf:"varint,3,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	// Prompt tokens this sample ran through the model (after prefix-cache hits, counting recomputes
-	// after preemption). With n > 1 the prompt is computed once: samples 1.. usually read 0.
+	// after preemption). With n > 1, samples 1.. recompute only the prompt's last partial block.
 	PromptTokensComputed int32 `protobuf:"varint,6,opt,name=prompt_tokens_computed,json=promptTokensComputed,proto3" json:"prompt_tokens_computed,omitempty"`
 	// Speculative decoding: draft tokens the model verified for this request, and those it accepted
 	// (each accepted draft is a completion token produced without a step of its own).
