@@ -28,8 +28,9 @@ def test_runners_decode_every_requested_token(llama_dir):
     assert len(prompts) == 3 and all(len(p) == 8 and all(3 <= t < 512 for t in p) for p in prompts)
     llm = LLM(llama_dir, dtype="float32", num_blocks=16)
     start = time.perf_counter()
-    rate, decode_rate = race.run_sluice(llm, prompts, 5)
+    rate, decode_rate, cached_tokens = race.run_sluice(llm, prompts, 5)
     seconds = time.perf_counter() - start
+    assert cached_tokens == 0  # 8-token prompts: not a full block, nothing to serve from the cache
     assert 3 * 5 <= rate * seconds < 3 * 5 * 1.1  # 3 requests x 5 tokens over (about) the run's wall time
     # 3 x 4 tokens after the first ones, over less time than the whole run (the prefill is not in it)
     assert decode_rate is not None and decode_rate > 3 * 4 / seconds
@@ -135,6 +136,7 @@ def test_a_two_round_race_runs_every_engine_each_round_in_turn_on_new_prompts(tm
     second = [(int4, 1, 1), (fp32, 1, 1), (int4, 2, 1), (fp32, 2, 1)]  # the engines in reverse order
     assert runs == first + second
     assert all(row["tokens_per_second"] > 0 for row in result["rows"])
+    assert [row["cached_tokens"] for row in result["rows"]] == [0] * 8  # as the engines' stats say below
     # each engine's warm-up, then eight race runs, each computing every prompt token: none from the cache
     assert computed == [(32, 32)] * 2 + [(40, 40), (40, 40), (80, 80), (80, 80)] * 2
     machine = result["machine"]
@@ -157,3 +159,17 @@ def test_a_two_round_race_runs_every_engine_each_round_in_turn_on_new_prompts(tm
         listed = f"{statistics.median(shares):.0%} ({shares[0]:.0%}, {shares[1]:.0%})"
         assert f"sluice fp32 at {c}, of the floor probed before it: {listed}" in printed
     assert "llama.cpp: skipped: no --llamacpp-python given" in printed
+    assert "warning" not in printed
+
+
+def test_a_run_served_from_the_prefix_cache_is_warned_about(capsys):
+    rows = [
+        race.Row("sluice fp32", 16, 200.0, cached_tokens=0),
+        race.Row("sluice fp32", 64, 300.0, cached_tokens=32),
+    ]
+    race.print_table(rows, [16, 64])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert warnings == [
+        "warning: sluice fp32 at 64, round 0: 32 prompt tokens served from the prefix cache, though its "
+        "prompts are new: that run timed the cache"
+    ]

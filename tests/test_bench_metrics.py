@@ -7,7 +7,15 @@ import random
 import numpy
 import pytest
 
-from sluice.bench.metrics import Distribution, RequestRecord, RunMetrics, Slo, percentile, summarize
+from sluice.bench.metrics import (
+    Distribution,
+    RequestRecord,
+    RunMetrics,
+    Slo,
+    percentile,
+    summarize,
+    unexpected_cache_hits,
+)
 
 #   A: sent 0.0, chunks at 0.5 0.6 0.8 1.1, 4 tokens  -> TTFT 0.5, E2E 1.1, TPOT 0.6/3, ITL .1 .2 .3
 #   B: sent 1.0, chunks at 1.2 (1 tok), 2.2 (4 tok)   -> TTFT 0.2, E2E 1.2, TPOT 1.0/4, ITL 1.0
@@ -91,3 +99,24 @@ def test_no_samples_give_empty_distributions_and_round_trip() -> None:
     assert RunMetrics.from_dict(full.to_dict()) == full
     with pytest.raises(ValueError, match="duration_seconds"):
         summarize([], 0.0)
+
+
+def test_prompt_tokens_split_into_cached_and_computed_as_the_server_reports_them() -> None:
+    records = _timeline()
+    records[0].cached_tokens, records[0].prompt_tokens_computed = 0, 10
+    records[1].cached_tokens, records[1].prompt_tokens_computed = 16, 4
+    records[2].cached_tokens = 30  # failed: not counted
+    m = summarize(records, 4.0)
+    # D completed without a report: the sums are over the requests that reported
+    assert (m.prompt_tokens, m.cached_prompt_tokens, m.computed_prompt_tokens) == (70, 16, 14)
+    assert RunMetrics.from_dict(m.to_dict()) == m
+    assert summarize(_timeline(), 4.0).cached_prompt_tokens is None  # a server that reports nothing
+
+
+def test_a_request_is_an_unexpected_cache_hit_when_served_more_than_the_shared_prefix() -> None:
+    records = _timeline()
+    for record, cached in zip(records, (0, 16, None, 32, None), strict=True):
+        record.cached_tokens = cached
+    assert unexpected_cache_hits(records, shared_prefix_len=0) == 2
+    assert unexpected_cache_hits(records, shared_prefix_len=16) == 1
+    assert unexpected_cache_hits(records, shared_prefix_len=32) == 0

@@ -1,4 +1,5 @@
-"""`sluice bench compare` ratios, and the runner's arrival logic (concurrency cap, duration)."""
+"""`sluice bench compare` ratios, the table's prefix-cache columns and warnings, and the runner's arrival
+logic (concurrency cap, duration)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,25 @@ import json
 import pytest
 
 from sluice.bench.metrics import RequestRecord, summarize
-from sluice.bench.report import compare, run_document, write_json
+from sluice.bench.report import compare, format_runs, run_document, write_json
 from sluice.bench.runner import LoadConfig, run_load
+from sluice.bench.transports import Chunk
 from sluice.bench.workloads import BenchRequest, Workload
 from sluice.service.cli import main
 
 
-def _document(label: str, scale: float, path) -> None:
-    """One run of 4 one-second requests whose chunk gaps are all `scale` * 0.1 s."""
-    records = [
-        RequestRecord(i, 8, float(i), [i + scale * 0.1 * k for k in range(1, 5)], 4, i + scale * 0.4)
-        for i in range(4)
-    ]
+def _records(scale: float, cached: tuple[int | None, ...] = (None,) * 4) -> list[RequestRecord]:
+    """4 one-second requests of 24 prompt tokens whose chunk gaps are all `scale` * 0.1 s; `cached` of
+    each prompt's tokens served from the prefix cache."""
+    return [
+        RequestRecord(i, 24, float(i), [i + scale * 0.1 * k for k in range(1, 5)], 4, i + scale * 0.4, None,
+                      c, None if c is None else 24 - c)
+        for i, c in enumerate(cached)
+    ]  # fmt: skip
+
+
+def _document(label: str, scale: float, path, cached: tuple[int | None, ...] = (None,) * 4) -> None:
+    records = _records(scale, cached)
     metrics = summarize(records, duration_seconds=4.0 * scale)
     write_json(str(path), [run_document(label, {"concurrency": 1}, metrics, records)])
 
@@ -36,6 +44,35 @@ def test_compare_prints_b_over_a(tmp_path, capsys) -> None:
     assert rows["ITL p99 (ms)"][-3:] == ["100.00", "200.00", "2.00x"]
     assert rows["E2E p99 (ms)"][-3:] == ["400.00", "800.00", "2.00x"]
     assert rows["goodput (req/s)"][-3:] == ["-", "-", "-"]
+
+
+def test_the_table_flags_a_run_served_from_the_cache_beyond_its_shared_prefix(tmp_path, capsys) -> None:
+    honest, cached = _records(1.0, (0, 0, 0, 0)), _records(1.0, (0, 0, 0, 0))
+    cached[2].cached_tokens, cached[2].prompt_tokens_computed = 16, 8  # one request hit the cache...
+    runs = [
+        run_document("honest", {}, summarize(honest, 4.0), honest),
+        run_document("cached", {}, summarize(cached, 4.0), cached),
+        run_document("shared prefix", {}, summarize(cached, 4.0), cached, shared_prefix_len=16),
+    ]
+    # ...which a workload sharing no prefix does not explain; one sharing 16 tokens does
+    assert [(r["cache_hits_unexpected"], r["num_unexpected_cache_hits"]) for r in runs] == [
+        (False, 0), (True, 1), (False, 0)
+    ]  # fmt: skip
+    assert [r["requests"][2]["cached_tokens"] for r in runs] == [0, 16, 16]
+    lines = format_runs(runs).splitlines()
+    assert lines[0].split()[:5] == ["run", "done", "prompt", "cached", "computed"]
+    assert lines[1].split()[1:5] == ["4/4", "96", "0", "96"]
+    assert lines[2].split()[1:5] == ["4/4", "96", "16!", "80"]
+    assert lines[3].split()[2:6] == ["4/4", "96", "16", "80"]  # "shared prefix" is two words
+    assert lines[4:] == [
+        "warning: cached: 1 requests hit the prefix cache (16 of 96 prompt tokens cached) although the "
+        "workload shares no prefix: its TTFT and throughput measure the cache, not the engine (the server "
+        "has seen these prompts: restart it or pass another --seed)"
+    ]
+    _document("base", 1.0, tmp_path / "a.json", (0, 0, 0, 0))
+    _document("again", 1.0, tmp_path / "b.json", (0, 0, 16, 0))
+    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("B: warning: again: 1 requests hit the prefix")
 
 
 def test_compare_needs_paired_runs(tmp_path) -> None:
@@ -57,7 +94,7 @@ class _Clock:
         try:
             for _ in range(request.output_len):
                 await asyncio.sleep(self.seconds / request.output_len)
-                yield 1
+                yield Chunk(1)
         finally:
             self.in_flight -= 1
 

@@ -17,7 +17,7 @@ from sluice.service.cli import main
 METRIC_KEYS = {
     "num_requests", "num_completed", "errors", "duration_seconds", "prompt_tokens", "output_tokens",
     "request_throughput", "output_throughput", "total_token_throughput", "goodput",
-    "ttft", "tpot", "itl", "e2e",
+    "ttft", "tpot", "itl", "e2e", "cached_prompt_tokens", "computed_prompt_tokens",
 }  # fmt: skip
 
 
@@ -36,6 +36,8 @@ def test_closed_loop_run_writes_json_and_charts(server: ServerThread, tmp_path, 
     assert set(m) == METRIC_KEYS
     assert (m["num_requests"], m["num_completed"], m["errors"]) == (6, 6, {})
     assert (m["prompt_tokens"], m["output_tokens"]) == (6 * 16, 6 * 8)
+    assert (m["cached_prompt_tokens"], m["computed_prompt_tokens"]) == (0, 6 * 16)
+    assert run["cache_hits_unexpected"] is False
     assert m["goodput"] == pytest.approx(m["request_throughput"])  # every request meets a 60 s SLO
     assert m["ttft"]["count"] == 6 and m["tpot"]["count"] == 6
     assert m["itl"]["count"] == sum(len(r["itls"]) for r in run["requests"]) >= 6
@@ -59,6 +61,14 @@ def test_sweep_on_one_bidi_stream_with_poisson_arrivals(server: ServerThread, tm
     assert [r["label"] for r in runs] == ["concurrency 1", "concurrency 4"]
     assert [(r["metrics"]["num_completed"], r["metrics"]["output_tokens"]) for r in runs] == [(5, 20)] * 2
     assert all(r["metrics"]["prompt_tokens"] == 5 * 48 for r in runs)
+    # The warm-up computed each run's 32-token system prompt (two blocks); every request reads it from
+    # the prefix cache, as the workload asks, and computes its own 16 tokens: nothing is flagged.
+    assert [r["config"]["run_index"] for r in runs] == [0, 1]
+    assert runs[0]["config"]["workload"]["seed"] != runs[1]["config"]["workload"]["seed"]
+    for run in runs:
+        assert [q["cached_tokens"] for q in run["requests"]] == [32] * 5
+        assert [q["prompt_tokens_computed"] for q in run["requests"]] == [16] * 5
+        assert (run["shared_prefix_len"], run["cache_hits_unexpected"]) == (32, False)
     assert (charts / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     server.wait_idle()
 

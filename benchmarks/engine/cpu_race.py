@@ -23,7 +23,9 @@ before each Sluice fp32 run, whose share of the floor is the floor of its own mi
 repeats the whole sweep N times, the engines in reverse order every other round, each round on new
 prompts (Sluice's prefix cache would serve a repeat's). The table then gives each cell's median over the
 rounds, and each ratio as the median of the rounds' own ratios (engines seconds to minutes apart, not a
-round apart) with their range. The warm-up's prompts are drawn apart from the race's too.
+round apart) with their range. The warm-up's prompts are drawn apart from the race's too. Each Sluice
+run records the prompt tokens its engine served from the prefix cache (its JSON row's cached_tokens):
+0, or the table ends with a warning that the run timed the cache.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Row:
     note: str = ""
     decode_tokens_per_second: float | None = None  # Sluice only: after the first token, see above
     round: int = 0
+    cached_tokens: int | None = None  # Sluice only: prompt tokens served from its prefix cache (0)
 
 
 def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int | str) -> list[list[int]]:
@@ -74,9 +77,9 @@ def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: int | str) 
     return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(count)]
 
 
-def run_sluice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float | None]:
-    """(output tokens / wall time, decode rate after the first token: see the module docstring; None
-    when every request stopped at its first token)."""
+def run_sluice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float | None, int]:
+    """(output tokens / wall time, decode rate after the first token: see the module docstring (None
+    when every request stopped at its first token), prompt tokens served from the prefix cache)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     completions = llm.generate(prompts, params)
@@ -85,7 +88,8 @@ def run_sluice(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     decode_seconds = max(t.finished for t in timings) - min(t.first_token for t in timings)
     decode_tokens = sum(len(c.token_ids) - 1 for c in completions)
     decode_rate = decode_tokens / decode_seconds if decode_tokens else None
-    return sum(len(c.token_ids) for c in completions) / seconds, decode_rate
+    cached_tokens = sum(c.cached_tokens for c in completions)
+    return sum(len(c.token_ids) for c in completions) / seconds, decode_rate, cached_tokens
 
 
 def run_transformers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> float:
@@ -168,6 +172,11 @@ def print_table(rows: list[Row], concurrencies: list[int]) -> None:
     for row in rows:
         if row.note:
             print(f"note: {row.engine} at {row.concurrency}: {row.note}")
+        if row.cached_tokens:
+            print(
+                f"warning: {row.engine} at {row.concurrency}, round {row.round}: {row.cached_tokens} prompt "
+                "tokens served from the prefix cache, though its prompts are new: that run timed the cache"
+            )
 
 
 def print_floor_shares(rows: list[Row], floors: list[dict]) -> None:
@@ -214,7 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-Runner = Callable[[list[list[int]]], tuple[float | None, float | None, str]]  # (tok/s, decode tok/s, note)
+# (tok/s, decode tok/s, note, prompt tokens served from a prefix cache)
+Runner = Callable[[list[list[int]]], tuple[float | None, float | None, str, int | None]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,8 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                 if name == "sluice fp32":
                     roofline, gemm = probe_roofline(weight_bytes, flops, args.max_tokens)
                     machine["floors"].append(floor_record(round_index, concurrency, roofline, gemm))
-                rate, decode_rate, note = run(prompts)
-                rows.append(Row(name, concurrency, rate, note, decode_rate, round_index))
+                rate, decode_rate, note, cached_tokens = run(prompts)
+                rows.append(Row(name, concurrency, rate, note, decode_rate, round_index, cached_tokens))
                 print(rows[-1], flush=True)
                 if name == "sluice fp32" and rate is not None:
                     print_share(name, concurrency, rate, decode_rate, roofline)
@@ -310,6 +320,12 @@ def race_prompts(
     return make_prompts(concurrency, args.prompt_len, vocab_size, seed)
 
 
+def _sluice_runner(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple:
+    """run_sluice's figures as a Runner gives them (no note)."""
+    rate, decode_rate, cached_tokens = run_sluice(llm, prompts, max_tokens)
+    return rate, decode_rate, "", cached_tokens
+
+
 def make_runners(
     args: argparse.Namespace, sluices: dict[str, LLM], model_path: str, vocab_size: int, threads: int
 ) -> dict[str, Runner]:
@@ -318,7 +334,7 @@ def make_runners(
     warm = make_prompts(2, 16, vocab_size, f"warm-up {args.seed}")  # no prefix of any race prompt
     for name, llm in sluices.items():
         run_sluice(llm, warm, 4)
-        runners[name] = lambda prompts, llm=llm: (*run_sluice(llm, prompts, args.max_tokens), "")
+        runners[name] = lambda prompts, llm=llm: _sluice_runner(llm, prompts, args.max_tokens)
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -329,15 +345,16 @@ def make_runners(
             run_transformers(hf_model, prompts, args.max_tokens),
             None,
             "",
+            None,
         )
     llama_reason = llamacpp_unavailable_reason(args.llamacpp_python)
     if llama_reason:
         print(f"llama.cpp: skipped: {llama_reason}")
     else:
 
-        def run_llama(prompts: list[list[int]]) -> tuple[float | None, None, str]:
+        def run_llama(prompts: list[list[int]]) -> tuple[float | None, None, str, None]:
             rate, note = run_llamacpp(args.llamacpp_python, model_path, prompts, args.max_tokens, threads)
-            return rate, None, note
+            return rate, None, note, None
 
         runners["llama.cpp (Q4_1 GGUF)"] = run_llama
     return runners

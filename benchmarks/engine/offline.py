@@ -8,7 +8,9 @@
     python -m sluice.benchmarks.engine.offline --device cuda --dtype bfloat16 --preset llama-3.2-1b
 
 Builds a random-weight checkpoint of a preset's shape with `transformers` (so both sides run the very
-same weights), then prints a table of ratios and writes JSON with --json.
+same weights), then prints a table of ratios and writes JSON with --json. Each Sluice run is a fresh
+engine warmed up on a prompt of its own; the table gives the prompt tokens it served from its prefix
+cache (only the agent workload's shared system prompt may be) and flags a run that was served more.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.benchmarks.engine.cache_hits import CacheHits
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.presets import PRESETS
 from sluice.engine.sampling_params import SamplingParams
@@ -36,6 +39,9 @@ class Result:
     output_tokens: int
     ttft_mean: float | None = None
     ttft_p90: float | None = None
+    cached_tokens: int | None = None  # Sluice: prompt tokens served from the prefix cache
+    prompt_tokens_computed: int | None = None
+    cache_hits_unexpected: bool = False  # beyond the prefix all the run's prompts share
 
     @property
     def tokens_per_second(self) -> float:
@@ -74,18 +80,30 @@ def agent_workload(num_requests: int, vocab_size: int, seed: int, system_len: in
 def run_sluice(name: str, directory: str, prompts: list[list[int]], output_len: int, **engine_args) -> Result:
     llm = LLM(directory, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[0][:16], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    warmup = warmup_prompt(llm.engine.model_info.vocab_size)
+    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=2))
     start = time.perf_counter()
     completions = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     ttfts = sorted(c.timings.ttft_seconds for c in completions)
+    hits = CacheHits.of(completions)
     return Result(
         name,
         seconds,
         sum(len(c.token_ids) for c in completions),
         ttft_mean=statistics.fmean(ttfts),
         ttft_p90=ttfts[int(0.9 * (len(ttfts) - 1))],
+        cached_tokens=hits.cached_tokens,
+        prompt_tokens_computed=hits.computed_tokens,
+        cache_hits_unexpected=hits.unexpected,
     )
+
+
+def warmup_prompt(vocab_size: int, num_tokens: int = 32) -> list[int]:
+    """Random tokens from a stream of their own: no prefix of a measured prompt, so the warm-up leaves
+    nothing in the prefix cache that a measured request could use."""
+    rng = random.Random("offline warm-up")
+    return [rng.randrange(3, vocab_size) for _ in range(num_tokens)]
 
 
 def run_hf_sequential(model: torch.nn.Module, prompts: list[list[int]], output_len: int) -> Result:
@@ -128,11 +146,16 @@ def _synchronize(device: torch.device) -> None:
 
 def print_table(title: str, results: list[Result], reference: Result) -> None:
     print(f"\n{title}")
-    print(f"{'run':<34}{'seconds':>9}{'tok/s':>10}{'ratio':>8}{'TTFT mean':>11}{'TTFT p90':>10}")
+    print(f"{'run':<34}{'seconds':>9}{'tok/s':>10}{'ratio':>8}{'TTFT mean':>11}{'TTFT p90':>10}{'cached':>9}")
     for r in results:
         ttft = f"{'-':>11}{'-':>10}" if r.ttft_mean is None else f"{r.ttft_mean:>11.3f}{r.ttft_p90:>10.3f}"
         ratio = r.tokens_per_second / reference.tokens_per_second
-        print(f"{r.name:<34}{r.seconds:>9.2f}{r.tokens_per_second:>10.1f}{ratio:>7.2f}x{ttft}")
+        flag = "!" if r.cache_hits_unexpected else ""
+        cached = "-" if r.cached_tokens is None else f"{r.cached_tokens}{flag}"
+        print(f"{r.name:<34}{r.seconds:>9.2f}{r.tokens_per_second:>10.1f}{ratio:>7.2f}x{ttft}{cached:>9}")
+    for r in results:
+        if r.cache_hits_unexpected:
+            print(f"warning: {r.name}: prompts hit the prefix cache beyond the prefix they share by design")
 
 
 def throughput(args: argparse.Namespace, directory: str, model: torch.nn.Module) -> list[Result]:

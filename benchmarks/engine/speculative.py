@@ -13,6 +13,10 @@ Greedy both ways, so the two runs produce the same tokens (checked). Requests ru
 alternating between the engine without and the engine with speculation. TPOT per request is (last token
 time - first token time) / (tokens - 1); the table gives the mean over requests, the speedup (TPOT off /
 TPOT on) and the acceptance rate per draft position.
+
+Every request (and the warm-up) is a conversation of its own, so neither engine's prefix cache holds
+more of a prompt than the chat template's system prompt that all share; the "cached" column gives the
+prompt tokens each engine served from it and flags a workload served more.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 
+from sluice.benchmarks.engine.cache_hits import CacheHits
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.outputs import EngineStats
@@ -49,13 +54,33 @@ PASSAGES = [
     "the old scale. After that, the report can be sent to the board together with the budget proposal "
     "and the summary of customer interviews.",
 ]
-EDITS = ["Replace the word 'granite' with 'stone'", "Replace the word 'board' with 'committee'"]
+# Edits of each passage: request i edits passage i % 2 with its (i // 2)-th edit, so no two are the same.
+EDITS = [
+    [
+        "Replace the word 'granite' with 'stone'",
+        "Replace the word 'lighthouse' with 'beacon'",
+        "Replace the word 'keepers' with 'wardens'",
+        "Replace the word 'logbooks' with 'journals'",
+    ],
+    [
+        "Replace the word 'board' with 'committee'",
+        "Replace the word 'report' with 'review'",
+        "Replace the word 'chart' with 'graph'",
+        "Replace the word 'budget' with 'spending plan'",
+    ],
+]
 CHAT = [
     "Give me three tips for learning to play the guitar as an adult.",
     "Why is the sky blue? Explain it simply.",
     "Write a short poem about a cat watching the rain.",
     "What should I pack for a weekend hiking trip in the mountains?",
+    "How do I keep basil alive on a windowsill?",
+    "Explain what a mortgage is to a teenager.",
+    "Suggest a name for a small bakery by the sea, and say why.",
+    "What are the rules of chess for how a knight moves?",
 ]
+WARM_UP = [{"role": "user", "content": "Say hello in three languages."}]
+MAX_REQUESTS = min(len(PASSAGES) * len(EDITS[0]), len(CHAT))  # distinct requests per workload
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,9 @@ class Row:
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     acceptance_per_position: tuple[float, ...]
+    cached_tokens_off: int  # prompt tokens each engine served from its prefix cache
+    cached_tokens_on: int
+    cache_hits_unexpected: bool  # beyond the chat template's prefix that every prompt shares
 
     @property
     def speedup(self) -> float:
@@ -80,7 +108,7 @@ class Row:
 
 
 def grounded(i: int) -> list[dict[str, str]]:
-    passage, edit = PASSAGES[i % len(PASSAGES)], EDITS[i % len(EDITS)]
+    passage, edit = PASSAGES[i % len(PASSAGES)], EDITS[i % len(PASSAGES)][i // len(PASSAGES)]
     return [
         {
             "role": "user",
@@ -107,6 +135,7 @@ def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int) 
         without += off.chat([conversation], params)
         with_spec += on.chat([conversation], params)
     after = on.engine.stats()
+    hits_off, hits_on = CacheHits.of(without), CacheHits.of(with_spec)
     return Row(
         workload=name,
         num_requests=len(conversations),
@@ -117,6 +146,9 @@ def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int) 
         num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
         num_accepted_draft_tokens=after.num_accepted_draft_tokens - before.num_accepted_draft_tokens,
         acceptance_per_position=_acceptance_per_position(before, after),
+        cached_tokens_off=hits_off.cached_tokens,
+        cached_tokens_on=hits_on.cached_tokens,
+        cache_hits_unexpected=hits_off.unexpected or hits_on.unexpected,
     )
 
 
@@ -148,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes per engine (CPU)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        parser.error(f"--requests: must be in [1, {MAX_REQUESTS}] (a repeated request is a prefix-cache hit)")
     spec = SpeculativeConfig(
         "ngram",
         num_speculative_tokens=args.num_speculative_tokens,
@@ -158,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     on = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, speculative=spec)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     for llm in (off, on):
-        llm.chat([chat(0)], warm)
+        llm.chat([WARM_UP], warm)
     rows = [
         measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens),
         measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens),
@@ -169,15 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'workload':>9} {'reqs':>4} {'tokens':>6} {'same':>4} {'off ms':>7} {'on ms':>7} "
-        f"{'speedup':>7} {'accept':>6}  per position"
+        f"{'speedup':>7} {'accept':>6} {'cached off/on':>13}  per position"
     )
     for r in rows:
         per_position = " ".join(f"{rate:.2f}" for rate in r.acceptance_per_position)
         same = "yes" if r.identical else "NO"
+        cached = f"{r.cached_tokens_off}/{r.cached_tokens_on}{'!' if r.cache_hits_unexpected else ''}"
         print(
             f"{r.workload:>9} {r.num_requests:>4} {r.output_tokens:>6} {same:>4} {r.tpot_off_ms:>7.2f} "
-            f"{r.tpot_on_ms:>7.2f} {r.speedup:>7.2f} {r.acceptance:>6.2f}  {per_position}"
+            f"{r.tpot_on_ms:>7.2f} {r.speedup:>7.2f} {r.acceptance:>6.2f} {cached:>13}  {per_position}"
         )
+    for r in rows:
+        if r.cache_hits_unexpected:
+            print(f"warning: {r.workload}: prompts hit the prefix cache beyond the chat template's prefix")
     if args.json:
         result = [asdict(r) | {"speedup": r.speedup, "acceptance": r.acceptance} for r in rows]
         with open(args.json, "w") as f:

@@ -6,7 +6,13 @@
 Each batch size runs `batch` requests of `--prompt-len` random tokens for `--output-len` greedy tokens
 (ignore_eos) through `LLM.generate`, the backends alternating within each repeat so machine noise falls
 on both. Attention time is the backends' `forward` (K/V write + attention, all layers) summed over the
-pure-decode steps and divided by their number. Prints min-max over the repeats and writes JSON with --json.
+pure-decode steps and divided by their number ("-" where no decode step called it: the C++ backend's
+decoder stack runs every layer in one C++ call, attention included). Prints min-max over the repeats and
+writes JSON with --json.
+
+Every (repeat, batch) draws new prompts (both backends the same ones: each has its own engine) and the
+warm-up its own, so no prefill is served from the prefix cache (a run's JSON has cached_tokens: 0; a
+warning names a run that is not).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class Run:
     seconds: float
     output_tokens: int
     decode_steps: int
-    attention_ms_per_decode_step: float
+    attention_ms_per_decode_step: float | None  # None: no pure-decode step went through `forward`
+    cached_tokens: int  # prompt tokens served from the prefix cache
 
     @property
     def tokens_per_second(self) -> float:
@@ -47,11 +54,13 @@ class TimedBackend:
         self.decode_seconds = 0.0
         self.decode_calls = 0
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float, **kwargs
+    ) -> torch.Tensor:
         if not metadata.is_pure_decode:
-            return self.backend.forward(q, k, v, k_cache, v_cache, metadata, scale)
+            return self.backend.forward(q, k, v, k_cache, v_cache, metadata, scale, **kwargs)
         start = time.perf_counter()
-        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, scale, **kwargs)
         self.decode_seconds += time.perf_counter() - start
         self.decode_calls += 1
         return out
@@ -63,7 +72,7 @@ def load(backend: str, model: str | None) -> tuple[LLM, TimedBackend]:
     assert runner.attention_backend.name == backend, runner.attention_backend.name
     timed = TimedBackend(runner.attention_backend)
     for layer in runner.model.model.layers:
-        layer.self_attn.backend = timed
+        layer.self_attn.attn.backend = timed  # the layer's Attention module calls its backend
     return llm, timed
 
 
@@ -81,8 +90,14 @@ def run_batch(llm: LLM, timed: TimedBackend, prompts: list[list[int]], output_le
         seconds,
         sum(len(c.token_ids) for c in completions),
         steps,
-        1000 * timed.decode_seconds / max(steps, 1),
+        1000 * timed.decode_seconds / steps if steps else None,
+        sum(c.cached_tokens for c in completions),
     )
+
+
+def make_prompts(count: int, prompt_len: int, vocab_size: int, seed: str) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(count)]
 
 
 def greedy_tokens(llm: LLM, prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -97,10 +112,13 @@ def print_table(runs: list[Run], backends: list[str], batches: list[int]) -> Non
         tps = {b: sorted(r.tokens_per_second for r in rows[b]) for b in backends}
         baseline = _median(tps[backends[-1]])
         for backend in backends:
-            attn = sorted(r.attention_ms_per_decode_step for r in rows[backend])
+            timed = sorted(
+                r.attention_ms_per_decode_step for r in rows[backend] if r.attention_ms_per_decode_step
+            )
+            attn = f"{timed[0]:.1f}-{timed[-1]:.1f}" if timed else "-"
             print(
                 f"{backend:<8}{batch:>6}{f'{tps[backend][0]:.1f}-{tps[backend][-1]:.1f}':>20}"
-                f"{f'{attn[0]:.1f}-{attn[-1]:.1f}':>24}{_median(tps[backend]) / baseline:>9.2f}x"
+                f"{attn:>24}{_median(tps[backend]) / baseline:>9.2f}x"
             )
 
 
@@ -128,23 +146,29 @@ def main(argv: list[str] | None = None) -> None:
           f"inter-op threads {torch.get_num_interop_threads()}")  # fmt: skip
     engines = {backend: load(backend, args.model) for backend in args.backends}
     vocab = engines[args.backends[0]][0].engine.model_runner.arch.vocab_size
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
-    check = {b: greedy_tokens(llm, prompts[:4], 16) for b, (llm, _) in engines.items()}  # also a warm-up
+    warm = make_prompts(4, args.prompt_len, vocab, f"{args.seed} warm-up")
+    check = {b: greedy_tokens(llm, warm, 16) for b, (llm, _) in engines.items()}  # also a warm-up
     agree = all(check[b] == check[args.backends[-1]] for b in args.backends)
     print(f"greedy tokens (4 prompts x 16) equal across backends: {agree}")
     runs = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for batch in args.batches:
+            seed = f"{args.seed} repeat {repeat} batch {batch}"
+            prompts = make_prompts(batch, args.prompt_len, vocab, seed)
             for llm, timed in engines.values():
-                run = run_batch(llm, timed, prompts[:batch], args.output_len)
+                run = run_batch(llm, timed, prompts, args.output_len)
                 runs.append(run)
+                attention = run.attention_ms_per_decode_step
+                attention_text = "-" if attention is None else f"{attention:.1f}"
                 print(
                     f"  {run.backend} batch {run.batch}: {run.tokens_per_second:.1f} tok/s, "
-                    f"{run.attention_ms_per_decode_step:.1f} ms attention per decode step",
+                    f"{attention_text} ms attention per decode step, {run.cached_tokens} tokens cached",
                     flush=True,
                 )
     print_table(runs, args.backends, args.batches)
+    for run in runs:
+        if run.cached_tokens:
+            print(f"warning: {run.backend} batch {run.batch}: {run.cached_tokens} prompt tokens cached")
     print("(2-core machine shared with others: figures are noisy; min-max over repeats, speedup of medians)")
     if args.json:
         with open(args.json, "w") as f:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.bench.report import cache_warning
+
 
 def _by_label(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {run["label"]: run for run in runs}
@@ -43,11 +45,17 @@ def _ms(value: float | None) -> str:
     return f"{'-':>10}" if value is None else f"{value * 1e3:>10.1f}"
 
 
+def _cached(run: dict[str, Any]) -> str:
+    """A Sluice run's prompt tokens served from the prefix cache, "!" when beyond the shared prefix."""
+    cached = run.get("metrics", {}).get("cached_prompt_tokens")
+    return "-" if cached is None else f"{cached}{'!' if run.get('cache_hits_unexpected') else ''}"
+
+
 def throughput_table(document: dict[str, Any]) -> str:
     base = throughput(_by_label(document["sluice"])["sluice gRPC"])
     lines = [
         f"{'run':<36}{'seconds':>9}{'tok/s':>9}{'req/s':>8}{'TTFT mean':>10}{'TTFT p99':>10}"
-        f"{'sluice/this':>13}"
+        f"{'cached':>8}{'sluice/this':>13}"
     ]
     for run in document["sluice"] + document["transformers"]:
         m = run.get("metrics")
@@ -56,21 +64,31 @@ def throughput_table(document: dict[str, Any]) -> str:
         ttft = _ms(m["ttft"]["mean"]) + _ms(m["ttft"]["p99"]) if m else _ms(None) + _ms(None)
         ratio = base / throughput(run)
         lines.append(
-            f"{run['label']:<36}{seconds:>9.2f}{throughput(run):>9.1f}{requests:>8.2f}{ttft}{ratio:>12.2f}x"
+            f"{run['label']:<36}{seconds:>9.2f}{throughput(run):>9.1f}{requests:>8.2f}{ttft}"
+            f"{_cached(run):>8}{ratio:>12.2f}x"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + [cache_warning(r) for r in document["sluice"] if r.get("cache_hits_unexpected")])
 
 
 def decode_itl_table(document: dict[str, Any]) -> str:
-    lines = [f"{'run':<34}{'ITL p50':>10}{'ITL p90':>10}{'ITL p99':>10}{'TPOT p99':>10}{'long TTFT':>11}"]
+    lines = [
+        f"{'run':<34}{'ITL p50':>10}{'ITL p90':>10}{'ITL p99':>10}{'TPOT p99':>10}{'long TTFT':>11}"
+        f"{'cached':>8}"
+    ]
+    warnings = []
     for run in document["decode_itl"]:
         itl, tpot = run["metrics"]["itl"], run["metrics"]["tpot"]
         long_ttft = run["long_prompts"]["ttft"]["mean"]
+        counts = [m.get("cached_prompt_tokens") for m in (run["metrics"], run["long_prompts"])]
+        cached = "-" if counts == [None, None] else str(sum(c or 0 for c in counts))
+        if run.get("cache_hits_unexpected") or run.get("long_prompts_cache_hits_unexpected"):
+            cached += "!"
+            warnings.append(f"warning: {run['label']}: prompts hit the prefix cache, which none shares")
         lines.append(
             f"{run['label']:<34}{_ms(itl['p50'])}{_ms(itl['p90'])}{_ms(itl['p99'])}"
-            f"{_ms(tpot['p99'])}{_ms(long_ttft)} "
+            f"{_ms(tpot['p99'])}{_ms(long_ttft)}{cached:>8}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + warnings)
 
 
 def print_report(document: dict[str, Any]) -> None:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from sluice.bench import plot, report
-from sluice.bench.runner import LoadConfig, run_load, run_load_sync
+from sluice.bench.metrics import unexpected_cache_hits
+from sluice.bench.runner import LoadConfig, run_load, run_load_sync, warm_up
 from sluice.bench.transports import GenerateTransport
 from sluice.bench.workloads import Workload
 from sluice.benchmarks.engine.offline import build_checkpoint, run_hf_sequential, run_hf_static_batches
@@ -81,7 +82,8 @@ def grpc_run(label: str, model_dir: str, serve_args: list[str], workload: Worklo
     with ServerProcess(["--model", model_dir, *serve_args]) as server:
         result = run_load_sync(lambda: GenerateTransport(AsyncClient(server.target)), workload, load)
     config = {"transport": "grpc", "serve_args": serve_args, "workload": asdict(workload)} | asdict(load)
-    return report.run_document(label, config, result.metrics, result.records)
+    shared = workload.shared_prefix_len
+    return report.run_document(label, config, result.metrics, result.records, shared_prefix_len=shared)
 
 
 def in_process_run(label: str, model_dir: str, workload: Workload, load: LoadConfig) -> dict[str, Any]:
@@ -100,7 +102,8 @@ def in_process_run(label: str, model_dir: str, workload: Workload, load: LoadCon
 
     result = asyncio.run(main())
     run_config = {"transport": "in-process", "workload": asdict(workload)} | asdict(load)
-    return report.run_document(label, run_config, result.metrics, result.records)
+    shared = workload.shared_prefix_len
+    return report.run_document(label, run_config, result.metrics, result.records, shared_prefix_len=shared)
 
 
 def transformers_run(label: str, run: Any, num_requests: int, warmup: Any) -> dict[str, Any]:
@@ -141,11 +144,14 @@ def throughput_runs(plan: Plan, model_dir: str, model: torch.nn.Module) -> tuple
 
 
 async def _decodes_during_long_prompts(target: str, plan: Plan) -> tuple:
+    """The decodes and the long prompts draw prompts of their own, and the warm-up from its own stream:
+    no prompt is served from the prefix cache."""
     decodes = Workload("fixed", plan.vocab_size, plan.seed, input_len=32, output_len=plan.decode_output_len)
-    longs = Workload("fixed", plan.vocab_size, plan.seed + 1, input_len=plan.long_prompt_len, output_len=4)
+    longs = Workload("fixed", plan.vocab_size, plan.seed, input_len=plan.long_prompt_len, output_len=4)
+    decodes, longs = decodes.for_run(0), longs.for_run(1)
     transport = GenerateTransport(AsyncClient(target))
     try:
-        await run_load(transport, decodes, LoadConfig(num_requests=1))  # warm-up
+        await warm_up(transport, decodes, 1)
         decode_load = LoadConfig(num_requests=plan.num_decodes, warmup_requests=0)
         long_load = LoadConfig(
             num_requests=plan.num_long_prompts, request_rate=plan.long_prompt_rate, warmup_requests=0
@@ -172,6 +178,7 @@ def decode_itl_runs(plan: Plan, model_dir: str) -> list[dict[str, Any]]:
         config = {"serve_args": serve_args, "plan": asdict(plan)}
         run = report.run_document(f"decodes, {label}", config, decodes.metrics, decodes.records)
         run["long_prompts"] = longs.metrics.to_dict()
+        run["long_prompts_cache_hits_unexpected"] = unexpected_cache_hits(longs.records, 0) > 0
         runs.append(run)
     return runs
 

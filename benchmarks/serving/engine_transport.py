@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from sluice.bench.transports import BenchError
+from sluice.bench.transports import BenchError, Chunk
 from sluice.bench.workloads import BenchRequest
 from sluice.engine.config import EngineConfig
 from sluice.engine.frontend.async_engine import AsyncEngine
@@ -27,7 +27,7 @@ class EngineTransport:
         await engine.start()
         return cls(engine)
 
-    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[Chunk]:
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         try:
             stream = await self._engine.add_request(request_id, params, token_ids=request.prompt_token_ids)
@@ -37,8 +37,11 @@ class EngineTransport:
         async for output in stream:
             if output.finish_reason in ("abort", "error"):
                 raise BenchError(f"FINISH_REASON_{output.finish_reason.upper()}", output.error or "")
-            if output.token_ids:
-                yield len(output.token_ids)
+            if output.usage is not None:
+                usage = output.usage
+                yield Chunk(len(output.token_ids), usage.cached_tokens, usage.prompt_tokens_computed)
+            elif output.token_ids:
+                yield Chunk(len(output.token_ids))
 
     async def close(self) -> None:
         await self._engine.shutdown()

@@ -11,6 +11,10 @@ greedy, ignore_eos. For each concurrency c, alternating sides:
 
 and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (offline: from the
 request's arrival in the engine; gRPC: as the client sees it, from sending the call).
+
+Each concurrency's runs draw prompts of their own (both sides the same ones: each side has its own
+prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
+"cached" column gives the prompt tokens each side's engine did serve from it (0 in an honest run).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Side:
     output_tokens: int
     seconds: float
     ttft_p50_ms: float
+    cached_tokens: int | None  # prompt tokens the engine served from its prefix cache (None: unreported)
 
     @property
     def tokens_per_second(self) -> float:
@@ -47,15 +52,17 @@ class Side:
 def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: int) -> Side:
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
-    llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up
-    output_tokens, ttfts, start = 0, [], time.perf_counter()
+    warmup = list(workload.warmup_request(0).prompt_token_ids)
+    llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    output_tokens, cached_tokens, ttfts, start = 0, 0, [], time.perf_counter()
     for first in range(0, num_requests, concurrency):
         for completion in llm.generate(requests[first : first + concurrency], params):
             output_tokens += len(completion.token_ids)
+            cached_tokens += completion.cached_tokens
             ttfts.append(completion.timings.ttft_seconds)
     seconds = time.perf_counter() - start
     ttft_ms = 1000 * statistics.median(ttfts)
-    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms)
+    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms, cached_tokens)
 
 
 def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
@@ -71,22 +78,35 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         metrics.output_tokens,
         metrics.duration_seconds,
         1000 * metrics.ttft.p50,
+        metrics.cached_prompt_tokens,
     )
 
 
 def format_table(pairs: list[tuple[Side, Side]]) -> str:
     lines = [
         "| concurrency | offline tok/s | gRPC tok/s | gRPC / offline "
-        "| TTFT p50 offline | TTFT p50 gRPC | ratio |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| TTFT p50 offline | TTFT p50 gRPC | ratio | cached offline / gRPC |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for offline, grpc in pairs:
         lines.append(
             f"| {offline.concurrency} | {offline.tokens_per_second:.1f} | {grpc.tokens_per_second:.1f} | "
             f"{grpc.tokens_per_second / offline.tokens_per_second:.3f} | {offline.ttft_p50_ms:.0f} ms | "
-            f"{grpc.ttft_p50_ms:.0f} ms | {grpc.ttft_p50_ms / offline.ttft_p50_ms:.2f}x |"
+            f"{grpc.ttft_p50_ms:.0f} ms | {grpc.ttft_p50_ms / offline.ttft_p50_ms:.2f}x | "
+            f"{offline.cached_tokens} / {grpc.cached_tokens} |"
         )
     return "\n".join(lines)
+
+
+def cache_warnings(pairs: list[tuple[Side, Side]]) -> list[str]:
+    """A line for each side whose engine served prompt tokens from its prefix cache: none is repeated."""
+    return [
+        f"warning: {side.name} at concurrency {side.concurrency}: {side.cached_tokens} prompt tokens "
+        "served from the prefix cache, though no prompt repeats: that run measured the cache"
+        for pair in pairs
+        for side in pair
+        if side.cached_tokens
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,14 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     serve_args = [] if args.model is None else ["--model", args.model]
     pairs = []
     with ServerProcess(serve_args) as server:
-        for concurrency in args.concurrency:
+        for run_index, concurrency in enumerate(args.concurrency):
             num_requests = max(8, args.rounds * concurrency)
-            offline = offline_run(llm, workload, concurrency, num_requests)
-            grpc = grpc_run(server, workload, concurrency, num_requests)
+            offline = offline_run(llm, workload.for_run(run_index), concurrency, num_requests)
+            grpc = grpc_run(server, workload.for_run(run_index), concurrency, num_requests)
             pairs.append((offline, grpc))
             print(format_table(pairs[-1:]).splitlines()[-1], flush=True)
     print(f"\nmodel: {llm.engine.model_info.name}; {args.input_len}-token prompts, {args.output_len} out\n")
     print(format_table(pairs))
+    for warning in cache_warnings(pairs):
+        print(warning)
     if args.json:
         rows = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for pair in pairs for s in pair]
         with open(args.json, "w") as f:

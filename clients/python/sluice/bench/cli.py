@@ -47,7 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=1024, help="chat: output length clip")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the served model's")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="each run of a sweep draws its prompts from this and its index"
+    )
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument("--sweep", default=None, help="comma-separated concurrencies, one run each")
@@ -116,7 +118,11 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     )
 
 
-async def _one_run(args: argparse.Namespace, workload: Workload, concurrency: int | None) -> dict[str, Any]:
+async def _one_run(
+    args: argparse.Namespace, workload: Workload, concurrency: int | None, run_index: int
+) -> dict[str, Any]:
+    """Run `run_index` of the sweep, on prompts of its own (no run or warm-up repeats another's)."""
+    workload = workload.for_run(run_index)
     load = LoadConfig(
         num_requests=args.num_requests if args.duration is None else None,
         duration=args.duration,
@@ -133,15 +139,17 @@ async def _one_run(args: argparse.Namespace, workload: Workload, concurrency: in
     finally:
         progress.close()
         await transport.close()
-    config = {"target": args.target, "api": args.api, "workload": asdict(workload)} | asdict(load)
-    config |= {"slo_ttft": slo.ttft, "slo_tpot": slo.tpot}
-    return report.run_document(label, config, result.metrics, result.records)
+    config = {"target": args.target, "api": args.api, "seed": args.seed, "run_index": run_index}
+    config |= {"workload": asdict(workload)} | asdict(load) | {"slo_ttft": slo.ttft, "slo_tpot": slo.tpot}
+    return report.run_document(
+        label, config, result.metrics, result.records, shared_prefix_len=workload.shared_prefix_len
+    )
 
 
 async def _bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     workload = _workload(args, await _vocab_size(args))
     sweep = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.concurrency]
-    return [await _one_run(args, workload, concurrency) for concurrency in sweep]
+    return [await _one_run(args, workload, concurrency, i) for i, concurrency in enumerate(sweep)]
 
 
 def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:

@@ -10,6 +10,10 @@ stream closed at `end`, having produced n_out tokens:
 
 Throughputs divide by the run's wall time. Goodput counts the successful requests whose TTFT and TPOT
 both meet the SLOs given (an SLO left None always holds; a one-token request has no TPOT to miss).
+
+Prompt tokens split, as the server counts them, into those served from its prefix cache and those it
+computed. A request served more from the cache than its workload shares by design (`unexpected_cache_hits`)
+repeats a prompt the server has seen: its TTFT and throughput measure the cache, not the engine.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     end: float | None = None
     error: str | None = None  # a status code name, e.g. "RESOURCE_EXHAUSTED"; None on success
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (server's count)
+    prompt_tokens_computed: int | None = None  # prompt tokens the server ran through the model
 
     @property
     def ok(self) -> bool:
@@ -117,6 +123,9 @@ class RunMetrics:
     tpot: Distribution
     itl: Distribution
     e2e: Distribution
+    # Over completed requests, as the server reports them (None: it reported none).
+    cached_prompt_tokens: int | None = None
+    computed_prompt_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,4 +163,17 @@ def summarize(
         tpot=Distribution.of([t for r in done if (t := r.tpot) is not None]),
         itl=Distribution.of([gap for r in done for gap in r.itls]),
         e2e=Distribution.of([r.e2e for r in done]),
+        cached_prompt_tokens=_reported_sum([r.cached_tokens for r in done]),
+        computed_prompt_tokens=_reported_sum([r.prompt_tokens_computed for r in done]),
     )
+
+
+def unexpected_cache_hits(records: Sequence[RequestRecord], shared_prefix_len: int) -> int:
+    """How many requests the prefix cache served more prompt tokens than the `shared_prefix_len` their
+    workload shares by design (0 unless it asks for a shared prefix)."""
+    return sum(r.cached_tokens is not None and r.cached_tokens > shared_prefix_len for r in records)
+
+
+def _reported_sum(values: Sequence[int | None]) -> int | None:
+    reported = [v for v in values if v is not None]
+    return sum(reported) if reported else None

@@ -2,7 +2,10 @@
 
 The JSON document is {"runs": [run, ...]}: one run, or one per point of a sweep. A run holds its
 "label", "config" (workload, load, SLO, target), "metrics" (RunMetrics.to_dict(), seconds and per
-second) and "requests" (each request's timeline, for charts).
+second; the prompt tokens the server served from its prefix cache and those it computed),
+"requests" (each request's timeline, for charts), "shared_prefix_len" (prompt tokens its workload
+shares by design) and "cache_hits_unexpected": true when a request was served more than that from the
+prefix cache, so that the run measured the cache; the table then marks it and prints a warning.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sluice.bench.metrics import RequestRecord, RunMetrics
+from sluice.bench.metrics import RequestRecord, RunMetrics, unexpected_cache_hits
 
 # (label, path into metrics, scale, unit) of the rows `compare` prints.
 COMPARED = (
@@ -36,11 +39,23 @@ def _finite(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def run_document(label: str, config: dict[str, Any], metrics: RunMetrics, records: Sequence[RequestRecord]):
+def run_document(
+    label: str,
+    config: dict[str, Any],
+    metrics: RunMetrics,
+    records: Sequence[RequestRecord],
+    *,
+    shared_prefix_len: int = 0,
+) -> dict[str, Any]:
+    """`shared_prefix_len`: prompt tokens the run's workload shares by design (Workload.shared_prefix_len)."""
+    num_unexpected = unexpected_cache_hits(records, shared_prefix_len)
     return {
         "label": label,
         "config": {key: _finite(value) for key, value in config.items()},
         "metrics": metrics.to_dict(),
+        "shared_prefix_len": shared_prefix_len,
+        "cache_hits_unexpected": num_unexpected > 0,
+        "num_unexpected_cache_hits": num_unexpected,
         "requests": [
             {
                 "index": r.index,
@@ -52,6 +67,8 @@ def run_document(label: str, config: dict[str, Any], metrics: RunMetrics, record
                 "e2e": r.e2e if r.ok else None,
                 "itls": r.itls if r.ok else [],
                 "error": r.error if not r.ok else None,
+                "cached_tokens": r.cached_tokens,
+                "prompt_tokens_computed": r.prompt_tokens_computed,
             }
             for r in records
         ],
@@ -99,16 +116,40 @@ TABLE_COLUMNS = (
 
 
 def format_runs(runs: Sequence[dict[str, Any]]) -> str:
-    """One row per run: throughputs, goodput, latency percentiles (ms), errors by status code."""
-    header = f"{'run':<24}{'done':>9}" + "".join(f"{name:>11}" for name, *_ in TABLE_COLUMNS) + "  errors"
-    lines = [header]
+    """One row per run: prompt tokens (all, served from the prefix cache, computed), throughputs,
+    goodput, latency percentiles (ms), errors by status code. A run whose requests hit the prefix cache
+    beyond what its workload shares is marked "!" and explained under the table."""
+    header = f"{'run':<24}{'done':>9}{'prompt':>9}{'cached':>10}{'computed':>10}"
+    header += "".join(f"{name:>11}" for name, *_ in TABLE_COLUMNS) + "  errors"
+    lines, warnings = [header], []
     for run in runs:
         m = run["metrics"]
         cells = "".join(_cell(metric_value(m, path), scale, 11) for _, path, scale in TABLE_COLUMNS)
         errors = ", ".join(f"{code}={n}" for code, n in m["errors"].items()) or "none"
         done = f"{m['num_completed']}/{m['num_requests']}"
-        lines.append(f"{run['label'][:23]:<24}{done:>9}{cells}  {errors}")
-    return "\n".join(lines)
+        flag = "!" if run.get("cache_hits_unexpected") else " "
+        cached = f"{_count(m.get('cached_prompt_tokens'))}{flag}"
+        tokens = f"{m['prompt_tokens']:>9}{cached:>10}{_count(m.get('computed_prompt_tokens')):>10}"
+        lines.append(f"{run['label'][:23]:<24}{done:>9}{tokens}{cells}  {errors}")
+        if run.get("cache_hits_unexpected"):
+            warnings.append(cache_warning(run))
+    return "\n".join(lines + warnings)
+
+
+def cache_warning(run: dict[str, Any]) -> str:
+    """The line that explains a run flagged `cache_hits_unexpected`."""
+    shared, m = run.get("shared_prefix_len", 0), run["metrics"]
+    shares = f"shares only its {shared}-token prefix" if shared else "shares no prefix"
+    return (
+        f"warning: {run['label']}: {run['num_unexpected_cache_hits']} requests hit the prefix cache "
+        f"({m['cached_prompt_tokens']} of {m['prompt_tokens']} prompt tokens cached) "
+        f"although the workload {shares}: its TTFT and throughput measure the cache, not the engine "
+        "(the server has seen these prompts: restart it or pass another --seed)"
+    )
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def compare(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> str:
@@ -124,5 +165,7 @@ def compare(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> str:
             ratio = "-" if not value_a or value_b is None else f"{value_b / value_a:.2f}x"
             label = f"{name} ({unit})"
             lines.append(f"{label:<28}{_cell(value_a, scale, 24)}{_cell(value_b, scale, 24)}{ratio:>9}")
+        lines += [f"{side}: {cache_warning(run)}" for side, run in (("A", run_a), ("B", run_b))
+                  if run.get("cache_hits_unexpected")]  # fmt: skip
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

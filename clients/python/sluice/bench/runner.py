@@ -64,9 +64,16 @@ async def run_load(
 ) -> RunResult:
     """Runs the load and returns the metrics and every request's timeline (clock: run start = 0)."""
     run_id = uuid.uuid4().hex[:8]
-    for i in range(load.warmup_requests):
-        await _send(transport, f"warmup-{run_id}-{i}", RequestRecord(-1, 0, 0.0), _warmup_request(workload))
+    await warm_up(transport, workload, load.warmup_requests, run_id)
     return await _LoadRun(transport, load, run_id, progress).run(workload, slo or Slo())
+
+
+async def warm_up(transport: Transport, workload: Workload, num_requests: int, run_id: str = "") -> None:
+    """Sends the workload's warm-up requests one by one, untimed (prompts no timed request repeats)."""
+    run_id = run_id or uuid.uuid4().hex[:8]
+    for i in range(num_requests):
+        record = RequestRecord(-1, 0, 0.0)
+        await _send(transport, f"warmup-{run_id}-{i}", record, workload.warmup_request(i))
 
 
 class _LoadRun:
@@ -127,22 +134,22 @@ class _LoadRun:
 async def _send(
     transport: Transport, request_id: str, record: RequestRecord, request: BenchRequest, start: float = 0.0
 ) -> None:
-    """Streams one request, stamping each token-carrying chunk and the end on `record` (clock: start)."""
+    """Streams one request, stamping each token-carrying chunk and the end on `record` (clock: start),
+    and the prefix-cache counts the last chunk reports."""
     try:
-        async for num_tokens in transport.generate(request_id, request):
-            record.chunk_times.append(time.perf_counter() - start)
-            record.num_output_tokens += num_tokens
+        async for chunk in transport.generate(request_id, request):
+            if chunk.num_tokens:
+                record.chunk_times.append(time.perf_counter() - start)
+                record.num_output_tokens += chunk.num_tokens
+            if chunk.cached_tokens is not None:
+                record.cached_tokens = chunk.cached_tokens
+            if chunk.prompt_tokens_computed is not None:
+                record.prompt_tokens_computed = chunk.prompt_tokens_computed
         record.end = time.perf_counter() - start
     except BenchError as error:
         record.error = error.code
     except Exception as error:  # a benchmark reports failures; it does not stop at the first
         record.error = type(error).__name__
-
-
-def _warmup_request(workload: Workload) -> BenchRequest:
-    """The first request's prompt with two output tokens: warms the server up, and the prefix cache
-    with a shared system prompt as a server in steady state would have it."""
-    return BenchRequest(workload.request(0).prompt_token_ids, 2)
 
 
 def run_load_sync(

@@ -1,8 +1,9 @@
 """How a benchmark request reaches the server: one streaming Generate call per request, or every
 request multiplexed on a single bidirectional StreamGenerate call.
 
-A transport's `generate(request_id, request)` is an async iterator of the number of tokens in each
-chunk as it arrives; a failed request raises `BenchError` with a status code name.
+A transport's `generate(request_id, request)` is an async iterator of `Chunk`s as they arrive: the
+number of tokens in each, and on the last the server's count of prompt tokens served from its prefix
+cache; a failed request raises `BenchError` with a status code name.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -30,8 +32,19 @@ class BenchError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One response of a request. `cached_tokens` / `prompt_tokens_computed`: on the last chunk, the
+    prompt tokens the server served from its prefix cache and those it ran through the model (the
+    proto's Usage); None on the others, and from a server that does not report them."""
+
+    num_tokens: int
+    cached_tokens: int | None = None
+    prompt_tokens_computed: int | None = None
+
+
 class Transport(Protocol):
-    def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]: ...
+    def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[Chunk]: ...
 
     async def close(self) -> None: ...
 
@@ -47,10 +60,14 @@ def bench_generate_request(request_id: str, request: BenchRequest) -> pb.Generat
     )
 
 
-def _chunk_tokens(chunk: pb.GenerateResponse) -> int:
-    if chunk.finish_reason not in _GOOD_FINISH:
-        raise BenchError(pb.FinishReason.Name(chunk.finish_reason))
-    return len(chunk.token_ids)
+def bench_chunk(response: pb.GenerateResponse) -> Chunk | None:
+    """The chunk a response carries (None: no tokens and no usage); a failed finish raises BenchError."""
+    if response.finish_reason not in _GOOD_FINISH:
+        raise BenchError(pb.FinishReason.Name(response.finish_reason))
+    if not response.HasField("usage"):
+        return Chunk(len(response.token_ids)) if response.token_ids else None
+    usage = response.usage
+    return Chunk(len(response.token_ids), usage.cached_tokens, usage.prompt_tokens_computed)
 
 
 class GenerateTransport:
@@ -59,11 +76,11 @@ class GenerateTransport:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[Chunk]:
         try:
-            async for chunk in self._client.generate(bench_generate_request(request_id, request)):
-                if num_tokens := _chunk_tokens(chunk):
-                    yield num_tokens
+            async for response in self._client.generate(bench_generate_request(request_id, request)):
+                if chunk := bench_chunk(response):
+                    yield chunk
         except SluiceError as error:
             raise BenchError(error.code.name, error.message) from None
 
@@ -81,7 +98,7 @@ class StreamTransport:
         self._reader: asyncio.Task[None] | None = None
         self._ended: tuple[str, str] | None = None  # (code, message) once the call has ended
 
-    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
+    async def generate(self, request_id: str, request: BenchRequest) -> AsyncIterator[Chunk]:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         if self._ended is not None:
@@ -98,8 +115,8 @@ class StreamTransport:
                     raise item
                 if item.HasField("error"):
                     raise BenchError(_code_name(item.error.code), item.error.message)
-                if num_tokens := _chunk_tokens(item.chunk):
-                    yield num_tokens
+                if chunk := bench_chunk(item.chunk):
+                    yield chunk
                 if item.chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return
         finally:

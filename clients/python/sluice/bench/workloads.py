@@ -3,14 +3,21 @@
 Prompts are token ids (the server may serve a random-weight model with no tokenizer) and requests set
 ignore_eos, so every request produces exactly `output_len` tokens. Request `i` of a workload depends only
 on (seed, i), so a run of any length, by count or by duration, replays the same requests.
+
+A server's prefix cache serves any prompt it has seen, so a benchmark must not show it one twice unless
+the workload asks for that: each run of a sweep draws its prompts with its own seed (`for_run`, from the
+sweep's seed and the run's index), and its warm-up requests come from a stream of their own
+(`warmup_request`). Only the shared-prefix workload's system prompt is shared, within a run and with
+its warm-up (`shared_prefix_len`): that sharing is what it measures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Token ids below this are left out of prompts: they are the special tokens of most vocabularies.
 FIRST_PROMPT_TOKEN = 3
@@ -56,9 +63,26 @@ class Workload:
         if self.prefix_len < 0:
             raise ValueError("prefix_len: must be >= 0")
 
+    @property
+    def shared_prefix_len(self) -> int:
+        """Prompt tokens every request of a run (and its warm-up) shares by design: the most the prefix
+        cache may serve a request without the run measuring the cache instead of the engine."""
+        return self.prefix_len if self.kind == "shared-prefix" else 0
+
+    def for_run(self, run_index: int) -> Workload:
+        """This workload for run `run_index` of a sweep: the same shape, prompts of its own."""
+        return replace(self, seed=run_seed(self.seed, run_index))
+
     def request(self, index: int) -> BenchRequest:
         """Request number `index`: a pure function of (seed, index)."""
-        rng = random.Random(f"{self.seed}:{index}")
+        return self._draw(random.Random(f"{self.seed}:{index}"))
+
+    def warmup_request(self, index: int) -> BenchRequest:
+        """Warm-up request number `index`: the workload's shape, two output tokens, a prompt from a
+        stream apart from the timed requests' (with a shared prefix, the run's: warm as in steady state)."""
+        return replace(self._draw(random.Random(f"{self.seed}:warm-up:{index}")), output_len=2)
+
+    def _draw(self, rng: random.Random) -> BenchRequest:
         if self.kind == "fixed":
             return BenchRequest(self._tokens(rng, self.input_len), self.output_len)
         if self.kind == "chat":
@@ -80,6 +104,15 @@ class Workload:
 
 
 WORKLOAD_KINDS = ("fixed", "chat", "shared-prefix")
+
+
+def run_seed(seed: int, run_index: int) -> int:
+    """The seed of run `run_index` of a sweep seeded `seed`: a 63-bit hash of both, so every run draws
+    its own prompts and the same (seed, run_index) draws the same ones again."""
+    if run_index < 0:
+        raise ValueError(f"run_index: must be >= 0, got {run_index}")
+    digest = hashlib.sha256(f"sluice bench run {run_index} of seed {seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def _log_normal(rng: random.Random, median: int, sigma: float, upper: int) -> int:

@@ -1,0 +1,25 @@
+"""`python -m sluice.benchmarks.engine.speculative`: every request and the warm-up is a conversation of its
+own, so neither engine's prefix cache holds more of a prompt than the chat template they all share."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.benchmarks.engine import speculative as bench
+
+
+def test_every_request_and_the_warm_up_is_a_conversation_of_its_own():
+    conversations = [bench.grounded(i) for i in range(bench.MAX_REQUESTS)]
+    conversations += [bench.chat(i) for i in range(bench.MAX_REQUESTS)] + [bench.WARM_UP]
+    # the user's message is the only one, and they differ within their first 30 characters
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in conversations)
+    assert len({c[0]["content"][:30] for c in conversations}) == len(conversations) == 17
+    assert bench.grounded(5)[0]["content"].endswith(bench.PASSAGES[1])
+
+
+def test_more_requests_than_distinct_conversations_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--requests", str(bench.MAX_REQUESTS + 1)])
+    assert (
+        "--requests: must be in [1, 8] (a repeated request is a prefix-cache hit)" in capsys.readouterr().err
+    )
