@@ -73,12 +73,14 @@ def prefill_config(
     """The tile shape for a launch (untuned table; sm_90 numbers await a GPU run).
 
     bf16/fp16 with head_dim <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows; with 4 warps the
-    head_dim 64 tile needs ~254 registers a thread), 3 stages;
-    head_dim > 128 or fp32 (twice the bytes per element): 64 x 32, 4 warps, 2 stages. A batch of
-    short queries (decode rows, small chunks) shrinks block_m to what one sequence's group fills, and
-    block_m never drops below the group size (one token's heads share a tile).
+    head_dim 64 tile needs ~254 registers a thread), 3 stages; head_dim > 128: 64 x 32, 4 warps, 2
+    stages; fp32 (twice the bytes, FMA dots): 64 x 32, 8 warps, 2 stages. A batch of short queries
+    (decode rows, small chunks) shrinks block_m to what one sequence's group fills, and block_m never
+    drops below the group size (one token's heads share a tile).
     """
-    if dtype == torch.float32 or head_dim > 128:
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units and need many registers: 8 warps
+        config = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    elif head_dim > 128:
         config = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     else:
         config = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)

@@ -145,6 +145,52 @@ def test_paged_decode_with_a_graph_sized_grid_and_padding_rows(num_splits):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+class _GridRecorder:
+    """Wraps a Triton kernel: records each launch's grid and the shapes of its tensor arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            self.launches.append((grid, shapes))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_decode_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monkeypatch):
+    """What a CUDA graph freezes at capture (grid, partial buffers) is the same for any seq_lens under
+    one max_seq_len, and the partials hold at most cdiv(max_seq_len, partition_size) slices per head
+    (cuda_graph_runner.estimate_graph_memory_bytes' bound)."""
+    from sluice.kernels import paged_decode_attention as module
+
+    split = _GridRecorder(module._decode_partition_kernel)
+    reduce = _GridRecorder(module._decode_reduce_kernel)
+    monkeypatch.setattr(module, "_decode_partition_kernel", split)
+    monkeypatch.setattr(module, "_decode_reduce_kernel", reduce)
+    batch = _batch([(1, 90), (1, 30), (1, 64)], 4, 2, 16)
+    md = batch.metadata
+    max_seq_len, partition_size = 128, 32
+    for seq_lens in (md.seq_lens, torch.tensor([2, 1, 64], dtype=torch.int32, device=DEVICE)):
+        out = nan_like(batch.q)
+        paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE, max_seq_len,
+            partition_size, out=out, config=SMALL_DECODE,
+        )  # fmt: skip
+        expected = paged_decode_attention_reference(
+            batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE
+        )
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    assert len(split.launches) == len(reduce.launches) == 2
+    assert split.launches[0] == split.launches[1] and reduce.launches[0] == reduce.launches[1]
+    grid, shapes = split.launches[0]
+    num_splits = grid[2]
+    assert grid == (3, 2, num_splits) and 1 < num_splits <= -(-max_seq_len // partition_size)
+    assert (3, 4, num_splits, 16) in shapes and (3, 4, num_splits) in shapes  # partial outputs and LSEs
+
+
 def test_pick_num_splits_fills_the_sms_only_when_the_batch_does_not():
     sms = 132
     # One sequence, 8 KV heads, long context: 8 programs alone would leave most SMs idle.
@@ -212,7 +258,7 @@ def test_prefill_with_a_group_that_does_not_divide_the_tile(config):
 def test_prefill_config_table():
     assert prefill_config(128, torch.bfloat16, 4, 4096) == PrefillConfig(128, 64, 8, 3)
     assert prefill_config(64, torch.float16, 1, 2048) == PrefillConfig(128, 64, 8, 3)
-    assert prefill_config(128, torch.float32, 4, 4096) == PrefillConfig(64, 32, 4, 2)
+    assert prefill_config(128, torch.float32, 4, 4096) == PrefillConfig(64, 32, 8, 2)
     assert prefill_config(256, torch.bfloat16, 2, 4096) == PrefillConfig(64, 32, 4, 2)
     # Short queries: the tile shrinks to one sequence's rows, never below the group or 16.
     assert prefill_config(128, torch.bfloat16, 4, 1).block_m == 16
