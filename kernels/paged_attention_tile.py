@@ -2,58 +2,139 @@
 
 A tile is N context positions of one sequence and one KV head. Position p lives at
     cache[block_table[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head, :]
-The step gathers the tile's K and V through the block table, scores the query rows against K, masks
-what a row may not see, and folds the tile into the running online softmax (all fp32):
-    m' = max(m, rowmax(s));  l' = l * e^(m - m') + rowsum(e^(s - m'));  acc' = acc * e^(m - m') + e^(s - m') V
-A row that sees nothing in this tile (or before it: a sliding window starts later for later rows) keeps
-m' = -inf; its exponentials are taken against 0 instead, so they are 0, never NaN.
+so each tile looks up its block-table entries (one gathered load of N int32, a few distinct blocks)
+and then gathers K^T [D, N] and V [N, D]. The step scores the query rows against K, masks what a row
+may not see and folds the tile into the running online softmax, in base 2 (scores are pre-multiplied
+by log2(e), so exp2 replaces exp; all fp32):
+    m' = max(m, rowmax(s));  l' = l * 2^(m - m') + rowsum(2^(s - m'));  acc' = acc * 2^(m - m') + 2^(s - m') V
+A row that sees nothing yet (a sliding window starts later for later rows) keeps m' = -inf; its
+exponentials are taken against 0 instead, so they are 0, never NaN.
+
+MASKED = False is the fast path for tiles every row sees wholly (FlashAttention-2's off-diagonal
+tiles): no position mask on the loads and no `where` on the scores. MASKED = True takes
+[kv_lo, kv_hi) as the positions that may be loaded (never a freed block before a window, never past
+the context) and, with CAUSAL, each row's own causal and sliding-window limits.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
+LOG2_E = 1.4426950408889634
+
+
+def dot_settings(dtype: torch.dtype) -> tuple[str, bool]:
+    """(input_precision, upcast) for `tl.dot` on `dtype` tiles.
+
+    fp32 uses exact "ieee" products (the tests compare with a 2e-5 tolerance). Triton's interpreter
+    multiplies bfloat16 operands wrongly (numpy has no bfloat16), so under TRITON_INTERPRET=1 bf16
+    tiles are widened to fp32 right before each dot: the products of two bf16 numbers are exact in
+    fp32 and the GPU's tensor cores accumulate in fp32 too, so only the summation order differs.
+    """
+    upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
+
 
 @triton.jit
-def attend_paged_tile(
-    q,  # [M, DIM_PAD] query rows (padded rows are 0)
-    running_max,  # [M] fp32
-    running_sum,  # [M] fp32
-    acc,  # [M, DIM_PAD] fp32
+def load_kv_tile(
     k_head_ptr,  # k_cache + kv_head * stride_k_head
     v_head_ptr,  # v_cache + kv_head * stride_v_head
     block_table_ptr,  # this sequence's row of the block table
     positions,  # [N] context positions of the tile
-    pos_mask,  # [N] positions to load (inside what this program reads; never a freed block)
-    visible,  # [M, N] or [1, N]: which positions each row may attend to
+    pos_mask,  # [N] which may be loaded (ignored unless MASKED)
     dims,  # [DIM_PAD]
     dim_mask,  # [DIM_PAD]
     stride_k_block,
     stride_k_slot,
     stride_v_block,
     stride_v_slot,
-    scale,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0."""
+    if MASKED:
+        blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0)
+        kt_mask = dim_mask[:, None] & pos_mask[None, :]
+        v_mask = pos_mask[:, None] & dim_mask[None, :]
+    else:
+        blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE)
+        kt_mask = dim_mask[:, None]
+        v_mask = dim_mask[None, :]
+    blocks = blocks.to(tl.int64)  # block * stride_k_block can pass 2**31 in a large cache
+    slots = positions % BLOCK_SIZE
+    k_rows = k_head_ptr + blocks * stride_k_block + slots * stride_k_slot  # [N]
+    v_rows = v_head_ptr + blocks * stride_v_block + slots * stride_v_slot
+    if MASKED or HEAD_DIM != DIM_PAD:
+        kt = tl.load(k_rows[None, :] + dims[:, None], mask=kt_mask, other=0.0)
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    else:
+        kt = tl.load(k_rows[None, :] + dims[:, None])
+        v = tl.load(v_rows[:, None] + dims[None, :])
+    return kt, v
+
+
+@triton.jit
+def attend_paged_tile(
+    q,  # [M, DIM_PAD] query rows (padded rows are 0), already in the dot's operand dtype
+    running_max,  # [M] fp32, base 2
+    running_sum,  # [M] fp32
+    acc,  # [M, DIM_PAD] fp32
+    k_head_ptr,
+    v_head_ptr,
+    block_table_ptr,
+    tile_start,  # first context position of the tile
+    kv_lo,  # positions in [kv_lo, kv_hi) may be loaded (MASKED only)
+    kv_hi,
+    query_positions,  # [M] each row's own position (CAUSAL only)
+    sliding_window,  # W: a row at p sees p - W + 1 .. p (CAUSAL only)
+    dims,
+    dim_mask,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    qk_scale,  # softmax scale * log2(e)
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """Returns the updated (running_max, running_sum, acc)."""
-    blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(
-        tl.int64
-    )  # block * stride_k_block can pass 2**31 in a large cache
-    offsets = positions % BLOCK_SIZE
-    kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k_rows = k_head_ptr + blocks * stride_k_block + offsets * stride_k_slot
-    k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, DIM_PAD]
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
-    scores = tl.where(visible, scores, float("-inf"))
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    pos_mask = (positions >= kv_lo) & (positions < kv_hi)
+    kt, v = load_kv_tile(
+        k_head_ptr, v_head_ptr, block_table_ptr, positions, pos_mask, dims, dim_mask,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED,
+    )  # fmt: skip
+    v_dtype = v.dtype
+    if UPCAST_DOT:
+        kt = kt.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    if MASKED:
+        visible = pos_mask[None, :]
+        if CAUSAL:
+            visible = visible & (positions[None, :] <= query_positions[:, None])
+            visible = visible & (positions[None, :] > query_positions[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
 
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    probs = tl.exp(scores - safe_max[:, None])
-    alpha = tl.exp(running_max - safe_max)
+    probs = tl.math.exp2(scores - safe_max[:, None])
+    alpha = tl.math.exp2(running_max - safe_max)
     running_sum = running_sum * alpha + tl.sum(probs, axis=1)
-    v_rows = v_head_ptr + blocks * stride_v_block + offsets * stride_v_slot
-    v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, DIM_PAD]
-    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    probs = probs.to(v_dtype)  # P in the cache's dtype, as FlashAttention feeds the second GEMM
+    if UPCAST_DOT:
+        probs = probs.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc

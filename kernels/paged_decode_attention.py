@@ -2,25 +2,41 @@
 
 Flash-decoding in two kernels:
 
-    partition kernel   grid (num_seqs, num_kv_heads, num_partitions)
-        each program takes the query heads sharing one KV head (GQA) and one slice of
-        `partition_size` context positions, and writes its unnormalized output, running max
-        and exp-sum (all fp32) for that slice.
-    reduce kernel      grid (num_seqs, num_heads)
-        combines the slices with the log-sum-exp:  out = sum_p acc_p * e^(m_p - M) / sum_p l_p * e^(m_p - M)
+    split kernel    grid (num_seqs, num_kv_heads, num_splits)
+        each program takes the QUERIES_PER_KV query heads sharing one KV head (GQA: one K/V load serves
+        the group) and one slice of the sequence's context, and writes that slice's normalized output
+        and log-sum-exp (fp32, base 2) for each head.
+    reduce kernel   grid (num_seqs, num_heads)
+        merges the slices:  LSE = log2(sum_p 2^lse_p);  out = sum_p 2^(lse_p - LSE) * out_p
 
-Context position p of sequence s lives at k_cache[block_tables[s, p // block_size], p % block_size].
-With a sliding window W only positions seq_len - W .. seq_len - 1 are read; partitions wholly before
-them store an empty softmax (max -inf, sum 0) that the reduction weighs 0.
+`num_splits` is fixed per launch (`pick_num_splits`: enough programs for every SM when batch x KV heads
+alone is too few), and each sequence divides *its own* context among at most that many slices, none
+shorter than `partition_size` positions (rounded up to whole tiles) unless the context is:
+
+    ctx_lo = window start rounded down to a tile;  L = seq_len - ctx_lo
+    splits_s = min(num_splits, cdiv(L, partition_size));  slice = cdiv(L, splits_s) rounded up to TILE_N
+    slice i covers [ctx_lo + i * slice, min(ctx_lo + (i + 1) * slice, seq_len))  for i < cdiv(L, slice)
+
+The grid and the partial buffers depend only on (num_seqs, num_kv_heads, max_seq_len) and the device, so a
+CUDA graph captured with max_seq_len = the largest context it may see replays any shorter contexts
+correctly; the partials never exceed cdiv(max_seq_len, partition_size) slices per head (the bound
+`cuda_graph_runner.estimate_graph_memory_bytes` assumes). With num_splits == 1 the split kernel writes
+the output itself and no reduce runs. A sequence with no context (seq_len 0, a padding row) gets 0.
+
+With a sliding window W only positions seq_len - W .. seq_len - 1 are read (earlier blocks may be freed).
+Tile sizes and num_warps / num_stages (`decode_config`) are NOT tuned yet: they await a GPU run.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import attend_paged_tile
+from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings
 from sluice.kernels.tensor_checks import (
     check_block_tables,
     check_q_and_kv_cache,
@@ -29,10 +45,83 @@ from sluice.kernels.tensor_checks import (
     output_like,
 )
 
-DEFAULT_PARTITION_SIZE = 512
-_TILE_N = 16  # context positions per inner step; tl.dot needs every dim >= 16 on GPUs
-_MIN_DOT_ROWS = 16
+DEFAULT_PARTITION_SIZE = 512  # the shortest slice a program takes (unless the whole context is shorter)
+MAX_SPLITS = 64  # the most slices per (sequence, KV head); bounds the reduce kernel's tile
+PROGRAMS_PER_SM = 2  # split until batch x KV heads x splits fills every SM this many times (untuned)
+DEFAULT_NUM_SMS = 132  # an H100 SXM's SM count: used to size splits when not on a CUDA device
+_MIN_DOT_ROWS = 16  # tl.dot needs every dim >= 16 on GPUs
+_PARTITION_MULTIPLE = 16
 NO_WINDOW = 2**31 - 1  # sliding_window passed to the kernels for full attention
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The split kernel's tile: tile_n positions per step."""
+
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
+            raise ValueError(f"config.tile_n: must be a power of two >= 16, got {self.tile_n}")
+        if self.num_warps <= 0 or self.num_stages <= 0:
+            raise ValueError(f"config: num_warps and num_stages must be > 0, got {self}")
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Untuned table: 64-position tiles (16 KiB of K per step at head_dim 128 in bf16), 4 warps, 3 stages;
+    32 positions and 2 stages when an element is 4 bytes or head_dim > 128."""
+    if dtype == torch.float32 or head_dim > 128:
+        return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig(tile_n=64, num_warps=4, num_stages=3)
+
+
+def pick_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    num_sms: int,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """Slices per (sequence, KV head) for a decode launch: the fewest that give every SM
+    PROGRAMS_PER_SM programs, but no more than the longest context has `partition_size` slices
+    (a short context is not worth splitting) and no more than `max_splits`. Always >= 1."""
+    for name, value in (("num_sms", num_sms), ("partition_size", partition_size), ("max_splits", max_splits)):
+        if value <= 0:
+            raise ValueError(f"{name}: must be > 0, got {value}")
+    units = num_seqs * num_kv_heads
+    if units <= 0 or max_context <= 0:
+        return 1
+    wanted = -(-PROGRAMS_PER_SM * num_sms // units)
+    by_length = -(-max_context // partition_size)
+    return max(1, min(wanted, by_length, max_splits))
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; DEFAULT_NUM_SMS elsewhere (interpreter, AOT compile)."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+@triton.jit
+def _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """(window_start, ctx_lo, slice_len, slices) of one sequence; both kernels derive them alike."""
+    window_start = tl.maximum(seq_len - sliding_window, 0)
+    ctx_lo = window_start // TILE_N * TILE_N
+    ctx_len = seq_len - ctx_lo
+    wanted = tl.minimum(tl.cdiv(ctx_len, PARTITION_SIZE), num_splits)
+    # At least one tile, so that a sequence without context (seq_len 0) gets 0 slices, not 0 / 0.
+    slice_len = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, tl.maximum(wanted, 1)), TILE_N), 1) * TILE_N
+    slices = tl.cdiv(ctx_len, slice_len)
+    return window_start, ctx_lo, slice_len, slices
 
 
 @triton.jit
@@ -42,13 +131,16 @@ def _decode_partition_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    part_acc_ptr,  # [num_seqs, num_heads, max_partitions, head_dim] fp32
-    part_max_ptr,  # [num_seqs, num_heads, max_partitions] fp32
-    part_sum_ptr,  # [num_seqs, num_heads, max_partitions] fp32
-    scale,
+    out_ptr,  # [num_seqs, num_heads, head_dim]: written only when SINGLE_SPLIT
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base 2
+    qk_scale,
     sliding_window,
+    num_splits,
     stride_q_seq,
     stride_q_head,
+    stride_o_seq,
+    stride_o_head,
     stride_k_block,
     stride_k_slot,
     stride_k_head,
@@ -57,7 +149,6 @@ def _decode_partition_kernel(
     stride_v_head,
     stride_bt_seq,
     num_heads,
-    max_partitions,
     QUERIES_PER_KV: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -65,87 +156,120 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    part = tl.program_id(2)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION_SIZE
-    if start >= seq_len:
-        return
-    end = tl.minimum(start + PARTITION_SIZE, seq_len)
-    window_start = tl.maximum(seq_len - sliding_window, 0)
-    first_tile = tl.maximum(start, window_start // TILE_N * TILE_N)
-
+    window_start, ctx_lo, slice_len, slices = _sequence_slices(
+        seq_len, sliding_window, num_splits, PARTITION_SIZE, TILE_N
+    )
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
     heads = kv_head * QUERIES_PER_KV + groups
     group_mask = groups < QUERIES_PER_KV
     dim_mask = dims < HEAD_DIM
     q_mask = group_mask[:, None] & dim_mask[None, :]
+    if split >= slices:
+        if SINGLE_SPLIT:  # no context at all: the output is defined as 0
+            zeros = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty)
+            o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
+            tl.store(out_ptr + o_offsets, zeros, mask=q_mask)
+        return
+    lo = ctx_lo + split * slice_len
+    hi = tl.minimum(lo + slice_len, seq_len)
+    # Whole tiles inside [window_start, hi) need no mask; the window's first tile and the last,
+    # partial tile do.
+    full_lo = tl.minimum(tl.maximum(lo, tl.cdiv(window_start, TILE_N) * TILE_N), hi)
+    full_hi = tl.maximum(hi // TILE_N * TILE_N, full_lo)
+
     # q: [GROUP_PAD, DIM_PAD]; padded rows are 0 and never stored.
     q = tl.load(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0
     )
-
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for tile_start in range(first_tile, end, TILE_N):
-        positions = tile_start + tl.arange(0, TILE_N)
-        pos_mask = (positions < end) & (positions >= window_start)
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_head
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_head
+    table_ptr = block_tables_ptr + seq * stride_bt_seq
+    for tile_start in tl.range(lo, full_lo, TILE_N):
         running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc,
-            k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
-            block_tables_ptr + seq * stride_bt_seq, positions, pos_mask, pos_mask[None, :], dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, scale, BLOCK_SIZE, DOT_PRECISION,
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
+            running_max, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile_start in tl.range(full_lo, full_hi, TILE_N, num_stages=NUM_STAGES):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
+            running_max, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile_start in tl.range(full_hi, hi, TILE_N):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
+            running_max, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
-    stat_offsets = (seq * num_heads + heads) * max_partitions + part
-    tl.store(part_max_ptr + stat_offsets, running_max, mask=group_mask)
-    tl.store(part_sum_ptr + stat_offsets, running_sum, mask=group_mask)
-    tl.store(part_acc_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
+    # Every slice holds at least one visible position, so running_sum > 0.
+    out = acc / running_sum[:, None]
+    if SINGLE_SPLIT:
+        o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        stat_offsets = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_lse_ptr + stat_offsets, running_max + tl.math.log2(running_sum), mask=group_mask)
+        tl.store(part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], out, mask=q_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     seq_lens_ptr,
+    sliding_window,
+    num_splits,
     stride_o_seq,
     stride_o_head,
     num_heads,
-    max_partitions,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
-    PARTS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)
-    parts = tl.arange(0, PARTS_PAD)
+    _, _, _, slices = _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE, TILE_N)
+    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    part_mask = parts < num_parts
-    stat_offsets = (seq * num_heads + head) * max_partitions + parts
-
-    part_max = tl.load(part_max_ptr + stat_offsets, mask=part_mask, other=float("-inf"))
-    global_max = tl.max(part_max, axis=0)
-    global_max = tl.where(num_parts > 0, global_max, 0.0)
-    # A sequence with no context (seq_len 0, e.g. a padding row) has no partitions: output 0.
-    weights = tl.where(part_mask, tl.exp(part_max - global_max), 0.0)
-    part_sum = tl.load(part_sum_ptr + stat_offsets, mask=part_mask, other=0.0)
-    total = tl.sum(part_sum * weights, axis=0)
+    split_mask = splits < slices
+    stat_offsets = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + stat_offsets, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(slices > 0, lse_max, 0.0)
+    weights = tl.where(split_mask, tl.math.exp2(lse - lse_max), 0.0)
+    total = tl.sum(weights, axis=0)
+    # A sequence with no context (seq_len 0, e.g. a padding row) has no slices: output 0.
     total = tl.where(total > 0.0, total, 1.0)
-    acc_mask = part_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    part_acc = tl.load(
-        part_acc_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], mask=acc_mask, other=0.0
+    part_out = tl.load(
+        part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
     )
-    out = tl.sum(part_acc * weights[:, None], axis=0) / total
+    out = tl.sum(part_out * weights[:, None], axis=0) / total
     out_ptrs = out_ptr + seq * stride_o_seq + head * stride_o_head + dims
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -156,8 +280,10 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_si
     check_block_tables(block_tables, num_seqs, q.device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_shape("seq_lens", seq_lens, (num_seqs,))
-    if partition_size <= 0 or partition_size % _TILE_N:
-        raise ValueError(f"partition_size: {partition_size} must be a positive multiple of {_TILE_N}")
+    if partition_size <= 0 or partition_size % _PARTITION_MULTIPLE:
+        raise ValueError(
+            f"partition_size: {partition_size} must be a positive multiple of {_PARTITION_MULTIPLE}"
+        )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
 
@@ -173,52 +299,72 @@ def paged_decode_attention(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of q [num_seqs, num_heads, head_dim] (one new token per sequence) over each
     sequence's first seq_lens[s] cached positions. Returns [num_seqs, num_heads, head_dim] in q's dtype.
 
-    `max_seq_len` bounds every seq_lens entry and sets the partition grid; under CUDA graphs pass the
-    largest context the graph may see (the grid is frozen at capture). `out`, when given, receives
-    the result (same shape and dtype as q). `sliding_window` W: attend to the last W positions only
-    (block-table entries before them are never read).
+    `max_seq_len` bounds every seq_lens entry and, with the batch and the SM count, sets the split count
+    (`pick_num_splits`); under CUDA graphs pass the largest context the graph may see (the grid is
+    frozen at capture). `partition_size`: the shortest slice one program takes. `num_splits` overrides
+    the pick (tests; capped at `MAX_SPLITS`), `config` the tile (`decode_config`). `out`, when given,
+    receives the result (same shape and dtype as q). `sliding_window` W: attend to the last W
+    positions only (block-table entries before them are never read).
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window)
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = output_like("out", out, q)
     if num_seqs == 0:
         return out
-    max_partitions = max(1, triton.cdiv(max_seq_len, partition_size))
-    part_acc = torch.empty(
-        num_seqs, num_heads, max_partitions, head_dim, dtype=torch.float32, device=q.device
-    )
-    part_max = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
+    config = config or decode_config(head_dim, q.dtype)
+    if num_splits is None:
+        context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + config.tile_n)
+        num_splits = pick_num_splits(
+            num_seqs, num_kv_heads, context, device_sm_count(q.device), partition_size
+        )
+    single = num_splits == 1
+    part_shape = (num_seqs, num_heads, num_splits) if not single else (1, 1, 1)
+    part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     queries_per_kv = num_heads // num_kv_heads
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, scale,
-        sliding_window or NO_WINDOW, q.stride(0), q.stride(1),
+    window = sliding_window or NO_WINDOW
+    precision, upcast = dot_settings(q.dtype)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2_E, window,
+        num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), num_heads, max_partitions,
+        block_tables.stride(0), num_heads,
         QUERIES_PER_KV=queries_per_kv,
         GROUP_PAD=max(_MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv)),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         BLOCK_SIZE=k_cache.shape[1],
-        TILE_N=_TILE_N,
+        TILE_N=config.tile_n,
         PARTITION_SIZE=partition_size,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=config.num_stages,
+        SINGLE_SPLIT=single,
+        DOT_PRECISION=precision,
+        UPCAST_DOT=upcast,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        out, part_acc, part_max, part_sum, seq_lens,
-        out.stride(0), out.stride(1), num_heads, max_partitions,
-        HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad,
-        PARTITION_SIZE=partition_size,
-        PARTS_PAD=triton.next_power_of_2(max_partitions),
-    )  # fmt: skip
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, window, num_splits,
+            out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            TILE_N=config.tile_n,
+            PARTITION_SIZE=partition_size,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
     return out
 
 

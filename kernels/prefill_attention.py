@@ -6,19 +6,39 @@ Its K/V (cached prefix and this step's tokens, already written by `store_kv`) ar
     context positions   0 ........ prefix_len-1 | prefix_len ........ seq_len-1
                         cached by earlier steps  | new tokens = this step's query rows
     query row j sits at position prefix_len + j and sees positions <= its own
-    (and, with a sliding window W, > its own - W; a tile starts reading at its first row's window).
+    (and, with a sliding window W, > its own - W).
 
-Grid (num_seqs, num_heads, cdiv(max_query_len, BLOCK_M)): one program per tile of BLOCK_M query rows
-of one head; the online softmax runs over BLOCK_N context positions at a time, in fp32.
+FlashAttention-2 over a paged cache, with the GQA group packed into the tile's rows:
+
+    grid (num_q_tiles, num_kv_heads); a q tile is BLOCK_Q = BLOCK_M // QUERIES_PER_KV tokens of one
+    sequence times the QUERIES_PER_KV query heads of one KV head:
+        tile row r  ->  token r // QUERIES_PER_KV, query head kv_head * QUERIES_PER_KV + r % QUERIES_PER_KV
+    so every K/V tile loaded from the cache serves the whole group (one load instead of QUERIES_PER_KV).
+    Sequence s's tiles are numbered from query_start_loc[s] // BLOCK_Q + s (a binary search finds s), so
+    num_q_tiles = num_tokens // BLOCK_Q + num_seqs covers any ragged batch; programs run the
+    numbering backwards so the longest causal tiles start first.
+
+Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pipelined) in three runs:
+
+    [lo, full_lo)        masked: the window's lower edge (positions some rows may not see)
+    [full_lo, full_hi)   unmasked: every row sees every position (no masks, the bulk of the work)
+    [full_hi, kv_end)    masked: the causal diagonal
+    lo = the first row's window start (tiles wholly before it, possibly freed blocks, are never read),
+    kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
+
+Tile shapes and num_warps / num_stages come from `prefill_config`, a small table that is NOT tuned yet:
+its sm_90 entries follow the shapes of Triton's fused-attention tutorial and await a measured GPU run.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import attend_paged_tile
+from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings
 from sluice.kernels.paged_decode_attention import NO_WINDOW
 from sluice.kernels.tensor_checks import (
     check_block_tables,
@@ -28,8 +48,63 @@ from sluice.kernels.tensor_checks import (
     output_like,
 )
 
-_BLOCK_M = 16
-_BLOCK_N = 16
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One launch's tile shape: block_m rows (tokens x group heads) against block_n positions."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"config.{name}: must be a power of two >= 16, got {value}")
+        if self.num_warps <= 0 or self.num_stages <= 0:
+            raise ValueError(f"config: num_warps and num_stages must be > 0, got {self}")
+
+
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, queries_per_kv: int, max_query_len: int
+) -> PrefillConfig:
+    """The tile shape for a launch (untuned table; sm_90 numbers await a GPU run).
+
+    bf16/fp16 with head_dim <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows; with 4 warps the
+    head_dim 64 tile needs ~254 registers a thread), 3 stages; head_dim > 128: 64 x 32, 4 warps, 2
+    stages; fp32 (twice the bytes, FMA dots): 64 x 32, 8 warps, 2 stages. A batch of short queries
+    (decode rows, small chunks) shrinks block_m to what one sequence's group fills, and block_m never
+    drops below the group size (one token's heads share a tile).
+    """
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units and need many registers: 8 warps
+        config = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    elif head_dim > 128:
+        config = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    else:
+        config = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    rows_needed = max(16, triton.next_power_of_2(max(1, max_query_len) * queries_per_kv))
+    group_rows = max(16, triton.next_power_of_2(queries_per_kv))
+    block_m = max(group_rows, min(config.block_m, rows_needed))
+    if block_m != config.block_m:
+        config = PrefillConfig(block_m, config.block_n, min(config.num_warps, 4), config.num_stages)
+    return config
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence s whose tiles [query_start_loc[s] // BLOCK_Q + s, ...) contain `tile_id`."""
+    left: tl.int32 = 0
+    right: tl.int32 = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
 
 
 @triton.jit
@@ -41,8 +116,10 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    scale,
+    qk_scale,
     sliding_window,
+    num_seqs,
+    num_q_tiles,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -59,52 +136,80 @@ def _prefill_attention_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    tile_id = num_q_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if q_tile * BLOCK_M >= query_len:
+    q_tile = tile_id - (query_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - query_len
-    kv_head = head // QUERIES_PER_KV
 
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    tokens = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # token index within the sequence's query
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_mask = (rows < BLOCK_Q * QUERIES_PER_KV) & (tokens < query_len)
     dims = tl.arange(0, DIM_PAD)
-    row_mask = rows < query_len
     dim_mask = dims < HEAD_DIM
-    q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    query_positions = prefix_len + rows  # [BLOCK_M]
-    # The last row of this tile sees up to its own position; nothing later is loaded.
-    kv_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)
-    # The first row of this tile sees nothing before its window; nothing earlier is loaded.
-    kv_start = tl.maximum(prefix_len + q_tile * BLOCK_M - sliding_window + 1, 0)
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    row_tokens = (query_start + tokens).to(tl.int64)  # token * stride can pass 2**31 in a long batch
+    q_offsets = row_tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    query_positions = prefix_len + tokens
+
+    first_position = prefix_len + q_tile * BLOCK_Q
+    last_position = prefix_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len) - 1
+    kv_end = last_position + 1
+    kv_start = tl.maximum(first_position - sliding_window + 1, 0)
+    lo = kv_start // BLOCK_N * BLOCK_N
+    # Positions >= last_position - W + 1 are inside every row's window; <= first_position, causally
+    # visible to every row. Tiles wholly between the two need no mask.
+    all_windows_start = tl.maximum(last_position - sliding_window + 1, 0)
+    full_lo = tl.minimum(tl.cdiv(all_windows_start, BLOCK_N) * BLOCK_N, kv_end)
+    full_hi = tl.maximum((first_position + 1) // BLOCK_N * BLOCK_N, full_lo)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    for tile_start in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        pos_mask = (positions < kv_end) & (positions >= kv_start)
-        visible = (positions[None, :] <= query_positions[:, None]) & pos_mask[None, :]
-        visible &= positions[None, :] > query_positions[:, None] - sliding_window
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_head
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_head
+    table_ptr = block_tables_ptr + seq * stride_bt_seq
+    for tile_start in tl.range(lo, full_lo, BLOCK_N):
         running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc,
-            k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
-            block_tables_ptr + seq * stride_bt_seq, positions, pos_mask, visible, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, scale, BLOCK_SIZE, DOT_PRECISION,
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
+            query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
+            query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
+            query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
 
-    out = acc / running_sum[:, None]
-    o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + dims[None, :]
-    tl.store(
-        out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :]
-    )
+    # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
+    out = acc / tl.where(running_sum > 0.0, running_sum, 1.0)[:, None]
+    o_offsets = row_tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -127,35 +232,52 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 
     query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, max_blocks]
-    int32; `max_query_len` >= every query length (sets the grid). Returns [num_tokens, num_heads, head_dim]
-    (written into `out` when given). `sliding_window` W: each query sees the last W positions up to its own.
+    int32; `max_query_len` >= every query length (picks the tile shape). Returns [num_tokens, num_heads,
+    head_dim] (written into `out` when given). `sliding_window` W: each query sees the last W positions up
+    to its own. `config` overrides the tile shape of `prefill_config` (tests use small tiles).
     """
     _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
     num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
     out = output_like("out", out, q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _BLOCK_M))
-    _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window or NO_WINDOW,
+    config = config or prefill_config(head_dim, q.dtype, queries_per_kv, max_query_len)
+    if config.block_m < queries_per_kv:
+        raise ValueError(
+            f"config.block_m: {config.block_m} rows cannot hold the {queries_per_kv} heads of a group"
+        )
+    block_q = config.block_m // queries_per_kv
+    num_q_tiles = num_tokens // block_q + num_seqs
+    precision, upcast = dot_settings(q.dtype)
+    _prefill_attention_kernel[(num_q_tiles, num_kv_heads)](
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale * LOG2_E,
+        sliding_window or NO_WINDOW, num_seqs, num_q_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        QUERIES_PER_KV=num_heads // k_cache.shape[2],
+        QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=_BLOCK_N,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages,
+        DOT_PRECISION=precision,
+        UPCAST_DOT=upcast,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

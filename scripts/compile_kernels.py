@@ -42,15 +42,28 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
-from sluice.kernels import paged_decode_attention, prefill_attention, rms_norm, rotary, store_kv  # noqa: E402
+from sluice.kernels import (  # noqa: E402
+    paged_decode_attention,
+    prefill_attention,
+    rms_norm,
+    rotary,
+    rotary_store_kv,
+    silu_and_mul,
+    store_kv,
+)
 
 # Shapes that exercise the kernels' constexpr choices: head_dim 64 and 128, GQA 4 and 7, MHA, a head
 # count and hidden size that are not powers of two. The first one is also checked in every dtype.
 SHAPES = ("llama-3.2-1b", "llama-3-8b", "llama-2-7b", "qwen2-0.5b")
 EXTRA_DTYPES = (torch.float16, torch.float32)
 BLOCK_SIZE = 16
-# Decode contexts set the reduce kernel's partition count: the graph capture limit and a 128k context.
-DECODE_CONTEXTS = (8192, 131072)
+# Decode launches (batch, context): the split count comes from batch x KV heads vs the SM count (132 off
+# a GPU) and the context, so these give a few slices (graph capture limit), the most slices (one 128k
+# sequence) and a single split (a large batch: the split kernel writes the output, no reduce).
+DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
+# Prefill launches (num_seqs, max_query_len): a batch of short queries shrinks the tile to the GQA group;
+# one long prompt takes the full tile (and num_seqs 1 is specialized as a constant by Triton).
+PREFILL_LAUNCHES = ((3, 1), (1, 4096))
 _TYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -63,6 +76,8 @@ _KERNELS = (
     (prefill_attention, "_prefill_attention_kernel"),
     (rms_norm, "_rms_norm_kernel"),
     (rotary, "_rotary_kernel"),
+    (rotary_store_kv, "_rotary_store_kv_kernel"),
+    (silu_and_mul, "_silu_and_mul_kernel"),
 )
 
 
@@ -158,19 +173,29 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
     q = torch.empty(num_tokens, heads, dim, dtype=dtype)
     k = torch.empty(num_tokens, kv_heads, dim, dtype=dtype)
     cache = torch.empty(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype)
-    seq_lens = torch.ones(num_tokens, dtype=torch.int32)
-    block_tables = torch.zeros(num_tokens, 1, dtype=torch.int32)
-    store_kv.store_kv(k, k, cache, cache, torch.zeros(num_tokens, dtype=torch.int64))
-    for context in DECODE_CONTEXTS:
-        paged_decode_attention.paged_decode_attention(q, cache, cache, block_tables, seq_lens, 1.0, context)
-    query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32)
-    prefill_attention.prefill_attention(q, cache, cache, query_start_loc, seq_lens, block_tables, 1, 1.0)
+    slots = torch.zeros(num_tokens, dtype=torch.int64)
+    store_kv.store_kv(k, k, cache, cache, slots)
+    for batch, context in DECODE_LAUNCHES:
+        paged_decode_attention.paged_decode_attention(
+            torch.empty(batch, heads, dim, dtype=dtype), cache, cache,
+            torch.zeros(batch, 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0, context,
+        )  # fmt: skip
+    for num_seqs, max_query_len in PREFILL_LAUNCHES:
+        tokens = num_seqs * max_query_len  # a real token count, so the tile count is not a constant 1
+        query_start_loc = torch.arange(0, tokens + 1, max_query_len, dtype=torch.int32)
+        prefill_attention.prefill_attention(
+            torch.empty(tokens, heads, dim, dtype=dtype), cache, cache, query_start_loc,
+            query_start_loc.diff(), torch.zeros(num_seqs, 1, dtype=torch.int32), max_query_len, 1.0,
+        )  # fmt: skip
     hidden = torch.empty(num_tokens, arch.hidden_size, dtype=dtype)
     weight = torch.empty(arch.hidden_size, dtype=dtype)
     rms_norm.rms_norm(hidden, weight, 1e-5)
     rms_norm.rms_norm(hidden, weight, 1e-5, residual=hidden)
     cos_sin = build_cos_sin_cache(dim, 8, arch.rope_theta, arch.rope_scaling)
-    rotary.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin)
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    rotary.rotary_embedding(positions, q, k, cos_sin)
+    rotary_store_kv.rotary_store_kv(positions, q, k, k, cos_sin, cache, cache, slots)
+    silu_and_mul.silu_and_mul(torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype))
 
 
 def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:

@@ -19,6 +19,9 @@ from sluice.engine.worker.attention.metadata import AttentionMetadata  # noqa: E
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 # The interpreter runs on numpy, which has no bfloat16: CPU checks float32, a GPU also bfloat16.
 TEST_DTYPES = (torch.float32,) if DEVICE.type == "cpu" else (torch.float32, torch.bfloat16)
+# The attention and fused kernels load and store bf16 under the interpreter too (their dots widen bf16
+# tiles to fp32 there: `sluice.kernels.paged_attention_tile.dot_settings`), so they check all three.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:

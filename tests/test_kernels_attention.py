@@ -1,7 +1,10 @@
-"""Paged decode and varlen prefill attention kernels, and the Triton backend built on them.
+"""Paged decode (split-KV) and varlen prefill attention kernels, and the Triton backend built on them.
 
 Each kernel is compared with its plain PyTorch reference on random caches, with the output poisoned
 (NaN) first; the references are checked once against torch's dense scaled_dot_product_attention.
+Small tiles (16 x 16) make the interpreter's tiny contexts span many tiles, so every loop of the
+kernels (window edge, unmasked bulk, causal diagonal; many slices per sequence) runs here; the default
+tiles run too.
 """
 
 from __future__ import annotations
@@ -9,21 +12,35 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_batch import DEVICE, TEST_DTYPES, make_paged_batch, nan_like, tolerance
+from paged_batch import DEVICE, KERNEL_DTYPES, make_paged_batch, nan_like, tolerance
 
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
-from sluice.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-from sluice.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from sluice.kernels.paged_decode_attention import (
+    MAX_SPLITS,
+    PROGRAMS_PER_SM,
+    DecodeConfig,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    pick_num_splits,
+)
+from sluice.kernels.prefill_attention import (
+    PrefillConfig,
+    prefill_attention,
+    prefill_attention_reference,
+    prefill_config,
+)
 from sluice.kernels.store_kv import store_kv_reference
 
 SCALE = 0.25
 # (query_len, seq_len): fresh prefill, chunk after a cached prefix (prefix-cache hit / chunked prefill),
-# decode, first-token decode, a 2-tile chunk ending mid-block.
-MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (18, 50)]
+# decode, first-token decode, a chunk ending mid-block, a 40-token chunk after 35 cached positions.
+MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (18, 50), (40, 75)]
 # (num_heads, num_kv_heads, block_size): GQA ratios 1, 4, 8 over block sizes 16 and 32.
 LAYOUTS = [(2, 2, 16), (8, 2, 32), (8, 1, 16), (8, 1, 32)]
-PREFILL_LAYOUTS = LAYOUTS[:3]  # the prefill kernel runs one program per head: fewer cases keep it fast
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=2)
+DECODES = [(1, 1), (1, 17), (1, 40), (1, 63), (1, 130)]  # contexts ending mid-block, one of a single token
 
 
 def _batch(pairs, num_heads, num_kv_heads, block_size, dtype=torch.float32, head_dim=16, seed=0):
@@ -42,41 +59,85 @@ def _batch(pairs, num_heads, num_kv_heads, block_size, dtype=torch.float32, head
     return batch
 
 
-@pytest.mark.parametrize("dtype", TEST_DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
-def test_paged_decode_matches_reference(dtype, num_heads, num_kv_heads, block_size):
-    pairs = [(1, 1), (1, 17), (1, 40), (1, 63)]  # contexts ending mid-block, one of a single token
-    batch = _batch(pairs, num_heads, num_kv_heads, block_size, dtype)
+def _decode(batch, **kwargs):
     md = batch.metadata
     out = nan_like(batch.q)
-    # partition_size 16 splits the 63-token context into 4 partitions combined by the reduce kernel.
     paged_decode_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        md.block_tables,
-        md.seq_lens,
-        SCALE,
-        md.max_seq_len,
-        16,
-        out=out,
-    )
-    expected = paged_decode_attention_reference(
-        batch.q, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, SCALE
-    )
-    torch.testing.assert_close(out, expected, **tolerance(dtype))
+        batch.q, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, SCALE, md.max_seq_len, out=out,
+        **kwargs,
+    )  # fmt: skip
+    return out
 
 
-def test_paged_decode_with_a_graph_sized_grid_and_padding_rows():
+def _decode_reference(batch, sliding_window=None):
+    md = batch.metadata
+    return paged_decode_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, SCALE, sliding_window
+    )
+
+
+def _prefill(batch, **kwargs):
+    md = batch.metadata
+    out = nan_like(batch.q)
+    prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+        md.max_query_len, SCALE, out=out, **kwargs,
+    )  # fmt: skip
+    return out
+
+
+def _prefill_reference(batch, sliding_window=None):
+    md = batch.metadata
+    return prefill_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE,
+        sliding_window=sliding_window,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
+def test_paged_decode_matches_reference(dtype, num_heads, num_kv_heads, block_size):
+    batch = _batch(DECODES, num_heads, num_kv_heads, block_size, dtype)
+    # partition_size 16 with 16-position tiles: the 130-token context is split into up to 9 slices.
+    out = _decode(batch, partition_size=16, config=SMALL_DECODE)
+    torch.testing.assert_close(out, _decode_reference(batch), **tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    ("num_splits", "layout"),
+    [(n, layout) for n in (1, 2, 3, 9) for layout in (LAYOUTS[0], LAYOUTS[1], LAYOUTS[3])]
+    + [(MAX_SPLITS, LAYOUTS[2])],
+)
+def test_split_decode_matches_reference_for_every_split_count(num_splits, layout):
+    """Each sequence divides its own context among at most num_splits slices of >= 16 positions: short
+    contexts use fewer slices than the grid has (the rest exit), long ones all of them."""
+    num_heads, num_kv_heads, block_size = layout
+    batch = _batch(DECODES, num_heads, num_kv_heads, block_size, seed=num_splits)
+    out = _decode(batch, partition_size=16, num_splits=num_splits, config=SMALL_DECODE)
+    torch.testing.assert_close(out, _decode_reference(batch), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_decode_with_the_default_tiles_and_split_pick(dtype):
+    batch = _batch([(1, 200), (1, 3), (1, 129)], 8, 2, 16, dtype, head_dim=32)
+    # 200 positions in slices of >= 64 (one default tile): the pick for 3 x 2 programs asks for more.
+    assert pick_num_splits(3, 2, 200, 132, partition_size=64) == 4
+    out = _decode(batch, partition_size=64)
+    torch.testing.assert_close(out, _decode_reference(batch), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_paged_decode_with_a_graph_sized_grid_and_padding_rows(num_splits):
     batch = _batch([(1, 9), (1, 33), (1, 2)], 4, 2, 16, head_dim=32)
     md = batch.metadata
     seq_lens = md.seq_lens.clone()
     seq_lens[2] = 0  # a padding row with no context: output is defined as 0, never NaN
-    # max_seq_len far above every context, as under a CUDA graph: idle partitions must not matter.
+    # max_seq_len far above every context, as under a CUDA graph: idle slices must not matter.
     out = nan_like(batch.q)
     paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE, 200, 32, out=out
-    )
+        batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE, 200, 32, out=out,
+        num_splits=num_splits, config=SMALL_DECODE,
+    )  # fmt: skip
     expected = paged_decode_attention_reference(
         batch.q[:2], batch.k_cache, batch.v_cache, md.block_tables[:2], seq_lens[:2], SCALE
     )
@@ -84,20 +145,125 @@ def test_paged_decode_with_a_graph_sized_grid_and_padding_rows():
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
-@pytest.mark.parametrize("dtype", TEST_DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), PREFILL_LAYOUTS)
-def test_prefill_matches_reference_on_a_mixed_batch(dtype, num_heads, num_kv_heads, block_size):
-    batch = _batch(MIXED, num_heads, num_kv_heads, block_size, dtype)
+class _GridRecorder:
+    """Wraps a Triton kernel: records each launch's grid and the shapes of its tensor arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            self.launches.append((grid, shapes))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_decode_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monkeypatch):
+    """What a CUDA graph freezes at capture (grid, partial buffers) is the same for any seq_lens under
+    one max_seq_len, and the partials hold at most cdiv(max_seq_len, partition_size) slices per head
+    (cuda_graph_runner.estimate_graph_memory_bytes' bound)."""
+    from sluice.kernels import paged_decode_attention as module
+
+    split = _GridRecorder(module._decode_partition_kernel)
+    reduce = _GridRecorder(module._decode_reduce_kernel)
+    monkeypatch.setattr(module, "_decode_partition_kernel", split)
+    monkeypatch.setattr(module, "_decode_reduce_kernel", reduce)
+    batch = _batch([(1, 90), (1, 30), (1, 64)], 4, 2, 16)
     md = batch.metadata
-    out = nan_like(batch.q)
-    prefill_attention(
-        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-        md.max_query_len, SCALE, out=out,
-    )  # fmt: skip
-    expected = prefill_attention_reference(
-        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE
-    )
-    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    max_seq_len, partition_size = 128, 32
+    for seq_lens in (md.seq_lens, torch.tensor([2, 1, 64], dtype=torch.int32, device=DEVICE)):
+        out = nan_like(batch.q)
+        paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE, max_seq_len,
+            partition_size, out=out, config=SMALL_DECODE,
+        )  # fmt: skip
+        expected = paged_decode_attention_reference(
+            batch.q, batch.k_cache, batch.v_cache, md.block_tables, seq_lens, SCALE
+        )
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    assert len(split.launches) == len(reduce.launches) == 2
+    assert split.launches[0] == split.launches[1] and reduce.launches[0] == reduce.launches[1]
+    grid, shapes = split.launches[0]
+    num_splits = grid[2]
+    assert grid == (3, 2, num_splits) and 1 < num_splits <= -(-max_seq_len // partition_size)
+    assert (3, 4, num_splits, 16) in shapes and (3, 4, num_splits) in shapes  # partial outputs and LSEs
+
+
+def test_pick_num_splits_fills_the_sms_only_when_the_batch_does_not():
+    sms = 132
+    # One sequence, 8 KV heads, long context: 8 programs alone would leave most SMs idle.
+    splits = pick_num_splits(1, 8, 32768, sms)
+    assert splits == -(-PROGRAMS_PER_SM * sms // 8) and splits * 8 >= PROGRAMS_PER_SM * sms
+    # A batch that already has PROGRAMS_PER_SM programs per SM is not split.
+    assert pick_num_splits(64, 8, 32768, sms) == 1
+    assert pick_num_splits(33, 8, 4096, sms) == 1
+    # In between: just enough slices.
+    assert pick_num_splits(8, 8, 32768, sms) == 5
+    # Never more slices than the longest context has partition_size pieces (short contexts are not
+    # worth splitting; cuda_graph_runner sizes the partials by this bound), never more than MAX_SPLITS.
+    assert pick_num_splits(1, 8, 1000, sms) == 2
+    assert pick_num_splits(1, 8, 1000, sms, partition_size=128) == 8
+    assert pick_num_splits(1, 1, 1 << 20, sms) == MAX_SPLITS
+    assert pick_num_splits(1, 1, 1 << 20, sms, max_splits=7) == 7
+    assert pick_num_splits(4, 8, 1, sms) == 1
+    # More SMs, more slices; an empty batch still launches a valid grid.
+    assert pick_num_splits(2, 8, 32768, 2 * sms) > pick_num_splits(2, 8, 32768, sms)
+    assert pick_num_splits(0, 8, 32768, sms) == 1
+
+
+@pytest.mark.parametrize("max_context", [1, 15, 16, 17, 511, 512, 513, 8192, 131072])
+@pytest.mark.parametrize("batch", [1, 3, 8, 64, 256])
+def test_pick_num_splits_respects_the_graph_memory_bound(max_context, batch):
+    splits = pick_num_splits(batch, 8, max_context, 132)
+    assert 1 <= splits <= min(MAX_SPLITS, -(-max_context // 512))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((1, 8, 100, 0), "num_sms: must be > 0"),
+        ((1, 8, 100, 132, 0), "partition_size: must be > 0"),
+        ((1, 8, 100, 132, 512, 0), "max_splits: must be > 0"),
+    ],
+)
+def test_pick_num_splits_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        pick_num_splits(*args)
+
+
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
+def test_prefill_matches_reference_on_a_ragged_batch(tiles, dtype, num_heads, num_kv_heads, block_size):
+    batch = _batch(MIXED, num_heads, num_kv_heads, block_size, dtype)
+    out = _prefill(batch, config=SMALL_PREFILL if tiles == "small" else None)
+    torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(dtype))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SMALL_PREFILL, PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)],
+    ids=["one-token-of-7-heads-per-16-rows", "four-tokens-per-32-rows"],
+)
+def test_prefill_with_a_group_that_does_not_divide_the_tile(config):
+    """14 query heads over 2 KV heads (Qwen2-0.5B's ratio, 7) and head_dim 24 (padded to 32): the tile's
+    last rows hold no (token, head) pair and must not be written anywhere."""
+    batch = _batch(MIXED, 14, 2, 16, head_dim=24)
+    out = _prefill(batch, config=config)
+    torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(torch.float32))
+
+
+def test_prefill_config_table():
+    assert prefill_config(128, torch.bfloat16, 4, 4096) == PrefillConfig(128, 64, 8, 3)
+    assert prefill_config(64, torch.float16, 1, 2048) == PrefillConfig(128, 64, 8, 3)
+    assert prefill_config(128, torch.float32, 4, 4096) == PrefillConfig(64, 32, 8, 2)
+    assert prefill_config(256, torch.bfloat16, 2, 4096) == PrefillConfig(64, 32, 4, 2)
+    # Short queries: the tile shrinks to one sequence's rows, never below the group or 16.
+    assert prefill_config(128, torch.bfloat16, 4, 1).block_m == 16
+    assert prefill_config(128, torch.bfloat16, 4, 6).block_m == 32
+    assert prefill_config(128, torch.bfloat16, 32, 1).block_m == 32
 
 
 def test_references_equal_dense_causal_sdpa():
@@ -105,9 +271,7 @@ def test_references_equal_dense_causal_sdpa():
     num_heads, num_kv_heads, block_size = 4, 2, 16
     batch = _batch([(6, 30), (1, 21)], num_heads, num_kv_heads, block_size)
     md = batch.metadata
-    prefill = prefill_attention_reference(
-        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE
-    )
+    prefill = _prefill_reference(batch)
     decode = paged_decode_attention_reference(
         batch.q[6:], batch.k_cache, batch.v_cache, md.block_tables[1:], md.seq_lens[1:], SCALE
     )
@@ -176,6 +340,9 @@ def _decode_args():
         ("seq_lens", lambda a: a["seq_lens"][:1], "seq_lens: expected shape (2,)"),
         ("out", lambda a: torch.empty(2, 4, 8), "out: expected shape (2, 4, 16)"),
         ("partition_size", lambda a: 24, "partition_size: 24 must be a positive multiple of 16"),
+        ("num_splits", lambda a: 0, f"num_splits: must be in 1..{MAX_SPLITS}, got 0"),
+        ("num_splits", lambda a: MAX_SPLITS + 1, f"num_splits: must be in 1..{MAX_SPLITS}"),
+        ("sliding_window", lambda a: 0, "sliding_window: must be > 0"),
     ],
 )
 def test_paged_decode_rejects_bad_arguments_naming_them(name, bad, message):
@@ -201,3 +368,25 @@ def test_prefill_rejects_bad_query_start_loc():
             3,
             SCALE,
         )
+
+
+def test_prefill_rejects_a_tile_smaller_than_the_group():
+    batch = _batch([(3, 3)], 32, 1, 16)
+    with pytest.raises(ValueError, match=r"^config.block_m: 16 rows cannot hold the 32 heads"):
+        _prefill(batch, config=SMALL_PREFILL)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: PrefillConfig(24, 16, 4, 1), "config.block_m: must be a power of two >= 16, got 24"),
+        (lambda: PrefillConfig(16, 8, 4, 1), "config.block_n: must be a power of two >= 16, got 8"),
+        (lambda: PrefillConfig(16, 16, 0, 1), "config: num_warps and num_stages must be > 0"),
+        (lambda: DecodeConfig(48, 4, 1), "config.tile_n: must be a power of two >= 16, got 48"),
+        (lambda: DecodeConfig(16, 4, 0), "config: num_warps and num_stages must be > 0"),
+    ],
+)
+def test_tile_configs_reject_shapes_the_kernels_cannot_run(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value).startswith(message)

@@ -12,12 +12,16 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_batch import DEVICE, TEST_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
+from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
 
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
-from sluice.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-from sluice.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from sluice.kernels.paged_decode_attention import (
+    DecodeConfig,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from sluice.kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
 from sluice.kernels.store_kv import store_kv_reference
 
 SCALE = 0.25
@@ -26,6 +30,9 @@ WINDOW = 20
 # far past the window, a decode inside it, a chunk crossing several tiles.
 MIXED = [(30, 30), (5, 70), (1, 90), (1, 7), (40, 75)]
 DECODES = [(1, 90), (1, 7), (1, 64), (1, 21)]
+# 16 x 16 tiles: the window's lower edge, the unmasked bulk and the causal diagonal each span tiles.
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=2)
 
 
 def _windowed_batch(pairs, num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.float32) -> PagedBatch:
@@ -45,16 +52,18 @@ def _windowed_batch(pairs, num_heads=4, num_kv_heads=2, block_size=16, dtype=tor
     return dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache, metadata=metadata)
 
 
-@pytest.mark.parametrize("dtype", TEST_DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_windowed_decode_matches_reference_and_skips_freed_blocks(dtype, block_size):
+def test_windowed_decode_matches_reference_and_skips_freed_blocks(num_splits, dtype, block_size):
     batch = _windowed_batch(DECODES, block_size=block_size, dtype=dtype)
     md = batch.metadata
     out = nan_like(batch.q)
-    # partition_size 16: whole partitions of the 90-token context lie before the window.
+    # The window (20 positions) is split among up to 3 slices of 16; the picked count (None) and a
+    # single split also run. Blocks before each window are NaN: reading one fails the comparison.
     paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, SCALE, md.max_seq_len, 16,
-        out=out, sliding_window=WINDOW,
+        out=out, sliding_window=WINDOW, num_splits=num_splits, config=SMALL_DECODE,
     )  # fmt: skip
     expected = paged_decode_attention_reference(
         batch.q, batch.k_cache, batch.v_cache, md.block_tables, md.seq_lens, SCALE, sliding_window=WINDOW
@@ -63,21 +72,47 @@ def test_windowed_decode_matches_reference_and_skips_freed_blocks(dtype, block_s
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", TEST_DTYPES)
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_windowed_prefill_matches_reference_and_skips_freed_blocks(dtype, block_size):
+def test_windowed_prefill_matches_reference_and_skips_freed_blocks(tiles, dtype, block_size):
     batch = _windowed_batch(MIXED, block_size=block_size, dtype=dtype)
     md = batch.metadata
     out = nan_like(batch.q)
     prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
         md.max_query_len, SCALE, out=out, sliding_window=WINDOW,
+        config=SMALL_PREFILL if tiles == "small" else None,
     )  # fmt: skip
     expected = prefill_attention_reference(
         batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE,
         sliding_window=WINDOW,
     )  # fmt: skip
+    assert not expected.isnan().any()
     torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("window", [1, 16, 17])
+def test_windows_at_tile_boundaries(window):
+    """Windows of one position (each query sees itself only) and of exactly one tile or one past it."""
+    pairs = [(33, 33), (6, 50), (1, 40)]
+    batch = make_paged_batch(
+        [q for q, _ in pairs], [s for _, s in pairs], num_heads=8, num_kv_heads=2, head_dim=16, block_size=16
+    )
+    store_kv_reference(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    md = batch.metadata
+    out = nan_like(batch.q)
+    prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+        md.max_query_len, SCALE, out=out, sliding_window=window, config=SMALL_PREFILL,
+    )  # fmt: skip
+    expected = prefill_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE,
+        sliding_window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    if window == 1:  # softmax over one position: the output is that position's V
+        torch.testing.assert_close(out[:33], batch.v.repeat_interleave(4, dim=1)[:33], atol=1e-6, rtol=0)
 
 
 def test_windowed_references_equal_dense_sdpa_with_the_sliding_mask():

@@ -1,11 +1,19 @@
 """Paged attention with the Triton kernels in `kernels/` (CUDA, or CPU under TRITON_INTERPRET=1).
 
-Each step: `store_kv` writes the new K/V through slot_mapping, then
-    pure-decode batch (every query_len == 1)  -> `paged_decode_attention` (flash-decoding, GQA-grouped)
-    any batch with a longer query              -> `prefill_attention` (varlen, causal, over the paged cache;
-                                                  its decode rows are just query_len == 1 sequences)
+Each step: `store_kv` writes the new K/V through slot_mapping, then `attend`:
+    pure-decode batch (every query_len == 1)  -> `paged_decode_attention` (split-KV flash-decoding,
+                                                  GQA-grouped; the split count is picked per launch
+                                                  from batch x KV heads vs the SM count)
+    any batch with a longer query              -> `prefill_attention` (FlashAttention-2 style varlen,
+                                                  causal, GQA heads packed per tile, over the paged
+                                                  cache; its decode rows are query_len == 1 sequences)
 Only tensors and `max_query_len` / `max_seq_len` are read, never the `*_cpu` tuples, so a decode step
-can be captured in a CUDA graph.
+can be captured in a CUDA graph (the decode grid and partial buffers depend only on the batch size,
+max_seq_len and the device).
+
+`rotate_and_store` + `attend` is the fused alternative to rotary + `forward`: one kernel rotates q and k
+in place and writes k, v into the cache. It is ready but not called yet: the model layers must hand the
+backend q, k, v before their rotary step to use it.
 """
 
 from __future__ import annotations
@@ -15,11 +23,17 @@ import torch
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
+from sluice.kernels.rotary_store_kv import rotary_store_kv
 from sluice.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend:
-    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with Triton kernels."""
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with Triton kernels.
+
+    `decode_partition_size` is the shortest context slice one decode program takes; the decode kernel
+    never makes more than cdiv(max_seq_len, decode_partition_size) slices per head, the bound
+    `cuda_graph_runner.estimate_graph_memory_bytes` is given.
+    """
 
     name = "triton"
     kv_cache_heads_first = False
@@ -39,6 +53,33 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata, scale, sliding_window)
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k in place by `positions` and store k, v at metadata.slot_mapping (one kernel);
+        follow with `attend`. Returns (q, k)."""
+        return rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of q over the cache, which already holds this step's K/V."""
         if metadata.is_pure_decode:
             # One query row per sequence, so q's rows are the sequences in order.
             return paged_decode_attention(
