@@ -21,7 +21,7 @@ from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import ReplicatedLinear
-from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod, Int4Weight, linear_method_for
+from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod, Int4Weight
 from sluice.engine.worker.model_runner import ModelRunner
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,7 +126,7 @@ def test_quantization_names_the_field(llama_dir):
         ModelConfig(model=llama_dir, quantization="int3")
     int4 = KernelConfig(torch.device("cpu"), torch.float32, quantization="int4")
     with pytest.raises(ValueError, match=r"^quantization: int4 needs input_size divisible by 32, got 48$"):
-        linear_method_for("model.layers.0.mlp.down_proj", ReplicatedLinear(48, 16), int4)
+        ReplicatedLinear(48, 16).select(int4, "model.layers.0.mlp.down_proj")
     config = EngineConfig(model=ModelConfig(model=llama_dir, device="meta", quantization="int8"))
     with pytest.raises(ValueError, match=r"^quantization: int8 runs on cpu, not meta$"):
         ModelRunner(config, load_model_source(config.model))

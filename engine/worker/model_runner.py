@@ -184,7 +184,7 @@ class ModelRunner:
         num_blocks = sum(len(req.block_ids) for req in out.scheduled)
         caches = self._allocate_kv_cache(num_blocks)
         inputs = build_model_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.metadata)
+        hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
         self.model.compute_logits(hidden[inputs.logits_indices])
 
 

@@ -23,12 +23,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from sluice.engine.worker.layers.quantization import linear_method_for
 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b). weight: [output_size, input_size]; bias: [output_size] when `bias`. Built with an
-    `UnquantizedLinearMethod`; `set_method` swaps it before loading."""
+    `UnquantizedLinearMethod`; `select` (at load) swaps in the method the `KernelConfig` gives it."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
         super().__init__()
@@ -40,6 +42,11 @@ class LinearBase(nn.Module):
         self.has_bias = bias
         self.weight_is_tied = False
         self.set_method(UnquantizedLinearMethod(), torch.get_default_dtype())
+
+    def select(self, kernels: KernelConfig, prefix: str) -> None:
+        """At load, before the weights exist: take the method `kernels` gives this layer (module name
+        `prefix`), which creates its parameters. A tensor-parallel layer sizes its rank's part here first."""
+        self.set_method(linear_method_for(prefix, self, kernels), kernels.dtype)
 
     def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Before loading: `method` runs this layer and creates its parameters (in `dtype` for float ones, on

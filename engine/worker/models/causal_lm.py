@@ -23,7 +23,6 @@ from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
-from sluice.engine.worker.layers.quantization import linear_method_for
 from sluice.engine.worker.layers.rotary import RotaryEmbedding
 
 # checkpoint module -> (our packed module, shard)
@@ -61,7 +60,7 @@ class CausalLM(nn.Module):
         with torch.device("meta"):
             for prefix, module in self.named_modules():
                 if isinstance(module, LinearBase):
-                    module.set_method(linear_method_for(prefix, module, kernels), kernels.dtype)
+                    module.select(kernels, prefix)
         self.to_empty(device=kernels.device)
         for module in self.modules():
             if isinstance(module, CustomOp | Attention):
