@@ -16,6 +16,7 @@ from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod
 from sluice.engine.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 8
@@ -24,7 +25,7 @@ NUM_BLOCKS = 24
 
 def _runner(directory: str, attention_backend: str = "cpu", **model_options) -> ModelRunner:
     config = EngineConfig(
-        model=ModelConfig(model=directory, dtype="float32", device="cpu", **model_options),
+        model=ModelConfig(**{"model": directory, "dtype": "float32", "device": "cpu", **model_options}),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         attention_backend=attention_backend,
     )
@@ -66,19 +67,14 @@ def _steps() -> list[SchedulerOutput]:
 
 
 def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
-    """Each step's hidden states, from fresh (zeroed) caches, with or without the stack."""
-    model = runner.model
-    stack = model.cpu_stack
-    model.cpu_stack = stack if stacked else None
+    """Each step's hidden states, from fresh (zeroed) caches, with the stack or the model's layers."""
+    forward = runner.cpu_stack if stacked else runner.model
     caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
-    try:
-        with torch.inference_mode():
-            results = []
-            for out in _steps():
-                inputs = build_model_inputs(out, BLOCK_SIZE, runner.device)
-                results.append(model(inputs.input_ids, inputs.positions, caches, inputs.metadata))
-    finally:
-        model.cpu_stack = stack
+    with torch.inference_mode():
+        results = []
+        for out in _steps():
+            inputs = build_model_inputs(out, BLOCK_SIZE, runner.device)
+            results.append(forward(inputs.input_ids, inputs.positions, caches, inputs.metadata))
     return results
 
 
@@ -94,9 +90,10 @@ def _hidden_states(runner: ModelRunner, stacked: bool) -> list[torch.Tensor]:
 )
 def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, options, request):
     runner = _runner(request.getfixturevalue(checkpoint), **options)
-    assert runner.model.cpu_stack is not None
+    assert runner.cpu_stack is not None
     projections = [layer.mlp.down_proj for layer in runner.model.model.layers]
-    assert all((p.quantized is not None) == ("quantization" in options) for p in projections)
+    quantized = [isinstance(p.method, CpuQuantizedLinearMethod) for p in projections]
+    assert quantized == [("quantization" in options)] * len(projections)
     stacked, layered = _hidden_states(runner, True), _hidden_states(runner, False)
     for got, want in zip(stacked, layered, strict=True):
         assert got.shape == want.shape
@@ -109,17 +106,21 @@ def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, options, re
     ("checkpoint", "options", "reason"),
     [
         ("llama_dir", {"attention_backend": "torch"}, "attention is not the C++ backend"),
+        ("llama_dir", {"dtype": "bfloat16"}, "rotary does not run the C++ kernel (not float32 on cpu)"),
     ],
 )
 def test_models_off_the_stack_keep_their_layers_and_say_why(checkpoint, options, reason, request, caplog):
     with caplog.at_level(logging.INFO, logger="sluice.engine.worker.models.llama_cpu_stack"):
         runner = _runner(request.getfixturevalue(checkpoint), **options)
-    assert runner.model.cpu_stack is None
+    assert runner.cpu_stack is None
     assert any(reason in record.getMessage() for record in caplog.records), caplog.text
 
 
-def test_a_subclassed_layer_stays_off_the_stack(qwen3_dir):
-    assert _runner(qwen3_dir).model.cpu_stack is None
+def test_a_subclassed_layer_stays_off_the_stack(qwen3_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="sluice.engine.worker.models.llama_cpu_stack"):
+        runner = _runner(qwen3_dir)
+    assert runner.cpu_stack is None
+    assert "Qwen3ForCausalLM's layers are not the Llama decoder layer the stack runs" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_a_position_past_the_rotary_table_is_refused(llama_runner):
     positions = positions.clone()
     positions[3] = llama_runner.model.rotary.cos_sin_cache.shape[0]
     with pytest.raises(RuntimeError, match=r"positions: \d+ \(token 3\) is outside the rotary table"):
-        llama_runner.model.cpu_stack(embeddings, positions, caches, metadata)
+        llama_runner.cpu_stack.run(embeddings, positions, caches, metadata)
 
 
 def test_embeddings_of_another_width_are_refused(llama_runner):
@@ -146,16 +147,16 @@ def test_embeddings_of_another_width_are_refused(llama_runner):
     with pytest.raises(
         RuntimeError, match=r"embeddings: must be a contiguous float32 \[num_tokens, 64\] tensor"
     ):
-        llama_runner.model.cpu_stack(embeddings[:, :32].contiguous(), positions, caches, metadata)
+        llama_runner.cpu_stack.run(embeddings[:, :32].contiguous(), positions, caches, metadata)
 
 
 def test_a_cache_per_layer_is_required(llama_runner):
     embeddings, positions, caches, metadata = _forward_args(llama_runner)
     with pytest.raises(RuntimeError, match=r"kv_caches: \d+ for \d+ layers"):
-        llama_runner.model.cpu_stack(embeddings, positions, caches[:-1], metadata)
+        llama_runner.cpu_stack.run(embeddings, positions, caches[:-1], metadata)
 
 
 def test_query_rows_must_cover_the_step(llama_runner):
     embeddings, positions, caches, metadata = _forward_args(llama_runner)
     with pytest.raises(RuntimeError, match="query_start_loc: must run from 0 to 36"):
-        llama_runner.model.cpu_stack(embeddings[:36], positions[:36], caches, metadata)
+        llama_runner.cpu_stack.run(embeddings[:36], positions[:36], caches, metadata)

@@ -11,7 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import MergedLinear, ReplicatedLinear
+from sluice.engine.worker.layers.linear_method import CpuPackedLinearMethod, UnquantizedLinearMethod
+from sluice.engine.worker.layers.quantization import linear_method_for
 from sluice.kernels import cpu_extension
 from sluice.kernels.cpu_packed_linear import (
     EXTENSION,
@@ -93,6 +96,7 @@ def test_launcher_names_the_bad_argument(change, message):
 def test_loaded_layers_pack_their_weight_in_place():
     torch.manual_seed(1)
     layer = MergedLinear(40, (30, 50), bias=True)
+    layer.set_method(CpuPackedLinearMethod(), torch.float32)
     weight, bias = torch.randn(80, 40), torch.randn(80)
     layer.weight.data.copy_(weight)
     layer.bias.data.copy_(bias)
@@ -108,6 +112,7 @@ def test_a_tied_layer_keeps_the_embedding_rows_and_packs_a_copy():
     torch.manual_seed(2)
     embedding = torch.nn.Embedding(70, 16)
     lm_head = ReplicatedLinear(16, 70)
+    lm_head.set_method(CpuPackedLinearMethod(), torch.float32)
     lm_head.tie_weight(embedding.weight)
     lm_head.process_weights_after_loading()
     assert lm_head.weight is embedding.weight
@@ -119,11 +124,14 @@ def test_a_tied_layer_keeps_the_embedding_rows_and_packs_a_copy():
 
 
 def test_other_dtypes_keep_the_column_major_layout():
-    layer = ReplicatedLinear(32, 48).to(torch.bfloat16)
+    layer = ReplicatedLinear(32, 48)
+    method = linear_method_for("lm_head", layer, KernelConfig(torch.device("cpu"), torch.bfloat16))
+    assert type(method) is UnquantizedLinearMethod and method.column_major
+    layer.set_method(method, torch.bfloat16)
     weight = torch.randn(48, 32, dtype=torch.bfloat16)
     layer.weight.data.copy_(weight)
     layer.process_weights_after_loading()
-    assert layer.packed is None and layer.weight.t().is_contiguous()
+    assert layer.weight.t().is_contiguous()
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, weight))
 
@@ -132,11 +140,16 @@ def test_without_a_compiler_layers_fall_back_to_column_major_f_linear(monkeypatc
     monkeypatch.setenv("CXX", "sluice-no-such-compiler")
     cpu_extension._build.cache_clear()
     try:
+        kernels = KernelConfig.for_model(torch.device("cpu"), torch.float32, None)
+        assert kernels.cpu_kernels == frozenset()
         layer = ReplicatedLinear(32, 48)
+        method = linear_method_for("lm_head", layer, kernels)
+        assert type(method) is UnquantizedLinearMethod and method.column_major
+        layer.set_method(method, torch.float32)
         weight = torch.randn(48, 32)
         layer.weight.data.copy_(weight)
         layer.process_weights_after_loading()
-        assert layer.packed is None and layer.weight.t().is_contiguous()
+        assert layer.weight.t().is_contiguous()
         x = torch.randn(3, 32)
         torch.testing.assert_close(layer(x), F.linear(x, weight))
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.kernels import cpu_extension
 from sluice.kernels.cpu_rms_norm import EXTENSION, cpu_rms_norm
@@ -50,6 +51,8 @@ def test_the_layer_uses_the_kernel_on_cpu_float32(monkeypatch):
         lambda *args: calls.append(args) or cpu_rms_norm(*args),
     )
     norm = RMSNorm(64, EPS)
+    norm.select(KernelConfig(torch.device("cpu"), torch.float32, cpu_kernels=frozenset({EXTENSION})))
+    assert norm.implementation == "cpu"
     norm.weight.data.copy_(torch.randn(64))
     x, residual = torch.randn(5, 64), torch.randn(5, 64)
     out, residual_out = norm(x, residual)

@@ -12,12 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.worker.layers.activation import SiluAndMul
+from sluice.engine.worker.layers.kernel_config import CPU_LAYER_KERNELS, KernelConfig
 from sluice.engine.worker.layers.rotary import RotaryEmbedding, build_cos_sin_cache
-from sluice.kernels.cpu_rotary import cpu_rotary_embedding, cpu_rotary_embedding_prechecked
+from sluice.kernels.cpu_rotary import cpu_rotary_embedding
 from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul, silu_and_mul_reference
 from sluice.kernels.rotary import rotary_embedding_reference
 
 CPU = torch.device("cpu")
+CPU_FLOAT32 = KernelConfig(CPU, torch.float32, cpu_kernels=frozenset(CPU_LAYER_KERNELS))
+CPU_BFLOAT16 = KernelConfig(CPU, torch.bfloat16)  # other dtypes: no C++ kernel
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 19])
@@ -51,17 +54,28 @@ def test_rotary_launcher_names_the_bad_argument():
         cpu_rotary_embedding(torch.zeros(2, dtype=torch.int64), q.bfloat16(), k.bfloat16(), table)
 
 
-def test_rotary_embedding_takes_the_kernel_on_cpu_float32():
-    rotary = RotaryEmbedding(16, 64, 10000.0, None, torch.float32, CPU)
-    eager = RotaryEmbedding(16, 64, 10000.0, None, torch.bfloat16, CPU)  # other dtypes: PyTorch ops
-    assert rotary._fused is cpu_rotary_embedding_prechecked
-    assert eager._fused is None
+def test_rotary_embedding_takes_the_kernel_on_cpu_float32(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        "sluice.engine.worker.layers.rotary.cpu_rotary_embedding_prechecked",
+        lambda *args: calls.append(args[0]) or cpu_rotary_embedding(*args),
+    )
+    rotary, eager = RotaryEmbedding(16, 64, 10000.0, None), RotaryEmbedding(16, 64, 10000.0, None)
+    rotary.select(CPU_FLOAT32)
+    eager.select(CPU_BFLOAT16)
+    assert (rotary.implementation, eager.implementation) == ("cpu", "native")
     positions = torch.tensor([0, 7, 63])
     q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
     expected = rotary_embedding_reference(positions, q, k, rotary.cos_sin_cache)
-    got = rotary.bind(positions)(q.clone(), k.clone())
+    got = rotary(positions)(q.clone(), k.clone())
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+    got = eager(positions)(q.bfloat16(), k.bfloat16())
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 65])
@@ -89,7 +103,11 @@ def test_the_mlp_activation_takes_the_kernel_on_cpu_float32(monkeypatch):
         lambda x: calls.append(x.shape) or cpu_silu_and_mul(x),
     )
     x = torch.randn(4, 10)
-    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:], atol=1e-5, rtol=1e-5)
+    activation, eager = SiluAndMul(), SiluAndMul()
+    activation.select(CPU_FLOAT32)
+    eager.select(CPU_BFLOAT16)
+    assert (activation.implementation, eager.implementation) == ("cpu", "native")
+    torch.testing.assert_close(activation(x), F.silu(x[:, :5]) * x[:, 5:], atol=1e-5, rtol=1e-5)
     assert calls == [(4, 10)]
-    assert torch.equal(SiluAndMul()(x.bfloat16()), F.silu(x[:, :5].bfloat16()) * x[:, 5:].bfloat16())
+    assert torch.equal(eager(x.bfloat16()), F.silu(x[:, :5].bfloat16()) * x[:, 5:].bfloat16())
     assert calls == [(4, 10)]  # bf16: PyTorch ops

@@ -25,6 +25,7 @@ from sluice.engine.worker.cuda_graph_runner import (
     replay_size,
 )
 from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
@@ -132,7 +133,7 @@ def _tiny_model(backend, device=DEVICE):
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(arch, backend, torch.float32, device)
+    model = LlamaForCausalLM(arch, KernelConfig(device, torch.float32, backend))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)

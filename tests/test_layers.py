@@ -11,6 +11,7 @@ from sluice.engine.loading.model_loader import checkpoint_weight_shapes, load_mo
 from sluice.engine.loading.weight_loader import load_weights
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase, QKVLinear
 
 
@@ -49,7 +50,9 @@ def test_post_loading_hook_runs_once_per_linear_layer(qwen3_dir, monkeypatch):
     )
     source = load_model_source(ModelConfig(model=qwen3_dir))
     model_class = get_model_class(source.arch.architecture)
-    model = model_class(source.arch, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    model = model_class(
+        source.arch, KernelConfig(torch.device("cpu"), torch.float32, TorchAttentionBackend())
+    )
     load_weights(model, source.weights)
     # 2 layers x (qkv, o, gate_up, down) + lm_head (tied, still one layer)
     assert len(calls) == 2 * 4 + 1

@@ -155,13 +155,14 @@ def _tiny_arch() -> ModelArchConfig:
 
 def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
     from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+    from sluice.engine.worker.layers.kernel_config import KernelConfig
 
     arch = _tiny_arch()
     weights = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny")).weights)
     own = {n: t for n, t in weights.items() if not n.startswith(("model.layers.", "model.embed", "lm_head"))}
     own |= {n: t for n, t in weights.items() if n.startswith("model.layers.0.")}
     own["model.embed_tokens.weight"] = torch.zeros(64, 384)
-    model = LlamaForCausalLM(arch, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM(arch, KernelConfig(torch.device("cpu"), torch.float32, TorchAttentionBackend()))
     partial = {n: t for n, t in own.items() if "v_proj" not in n}
     with pytest.raises(ValueError, match=r"weights: missing \['model.layers.0.self_attn.qkv_proj.weight'\]"):
         model.load_weights(partial.items())

@@ -70,11 +70,11 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
     assert runner.attention_backend.name == attention_backend
     arch = runner.arch
     stacked = attention_backend == "cpu" and arch.architecture in STACKED
-    assert (getattr(runner.model, "cpu_stack", None) is not None) == stacked
+    assert (runner.cpu_stack is not None) == stacked
     if backend == "cpu-layers":
-        runner.model.cpu_stack = None
+        runner.cpu_stack = None
     if runner.arch.architecture != "Gemma3ForCausalLM":  # Gemma's norms round differently: plain PyTorch
-        assert runner.model.model.norm.use_triton == (backend == "triton")
+        assert runner.model.model.norm.implementation == ("triton" if backend == "triton" else "cpu")
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     prompt_logits: list[torch.Tensor | None] = [None] * len(prompts)

@@ -19,8 +19,9 @@ from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import ReplicatedLinear
-from sluice.engine.worker.layers.quantization import Int4Weight
+from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod, Int4Weight
 from sluice.engine.worker.model_runner import ModelRunner
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,7 +86,9 @@ def test_quantized_engine_agrees_with_transformers(method, build, tmp_path):
     directory = snapped_checkpoint(build, str(tmp_path / method), method)
     llm = LLM(directory, dtype="float32", quantization=method, num_blocks=16, block_size=16)
     layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, ReplicatedLinear)]
-    assert layers and all(m.quantized is not None for m in layers)
+    assert layers and all(isinstance(m.method, CpuQuantizedLinearMethod) for m in layers)
+    lm_head = llm.engine.model_runner.model.lm_head.method
+    assert lm_head.quantization == "int8"  # under int4 too: its error reaches the logits directly
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     completions = llm.generate(prompts(), params)
     sequences = [p + c.token_ids for p, c in zip(prompts(), completions, strict=True)]
@@ -121,8 +124,9 @@ def test_int4_keeps_q4_1_codes_exactly():
 def test_quantization_names_the_field(llama_dir):
     with pytest.raises(ValueError, match=r"^quantization: must be one of \('int4', 'int8'\)$"):
         ModelConfig(model=llama_dir, quantization="int3")
+    int4 = KernelConfig(torch.device("cpu"), torch.float32, quantization="int4")
     with pytest.raises(ValueError, match=r"^quantization: int4 needs input_size divisible by 32, got 48$"):
-        ReplicatedLinear(48, 16).set_quantization("int4")
+        ReplicatedLinear(48, 16).select(int4, "model.layers.0.mlp.down_proj")
     config = EngineConfig(model=ModelConfig(model=llama_dir, device="meta", quantization="int8"))
     with pytest.raises(ValueError, match=r"^quantization: int8 runs on cpu, not meta$"):
         ModelRunner(config, load_model_source(config.model))

@@ -15,6 +15,7 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 from sluice.kernels.paged_decode_attention import paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
@@ -81,8 +82,8 @@ def triton_model(
     arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
 ) -> LlamaForCausalLM:
     """Our model as ModelRunner builds it on CUDA: Triton attention, fused RMSNorm and rotary."""
-    backend = TritonAttentionBackend()
-    return LlamaForCausalLM(arch, backend, dtype, device, max_positions, use_triton_kernels=True)
+    kernels = KernelConfig.for_model(device, dtype, TritonAttentionBackend())
+    return LlamaForCausalLM(arch, kernels, max_positions)
 
 
 def _random_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -133,7 +133,7 @@ def checkpoint_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int
     from sluice.engine.loading.weight_loader import checkpoint_shapes
     from sluice.engine.model_registry import get_model_class
 
-    model = get_model_class(arch.architecture)(arch, None, torch.float32, torch.device("meta"))
+    model = get_model_class(arch.architecture)(arch, None)  # on the meta device
     return checkpoint_shapes(model)
 
 

@@ -12,9 +12,12 @@ from sluice.engine.loading.model_loader import ModelSource
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.outputs import Logprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
-from sluice.engine.worker.attention.selector import TRITON_BACKENDS, get_attention_backend
-from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, estimate_graph_memory_bytes
+from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.attention.selector import get_attention_backend
+from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, KVCache, estimate_graph_memory_bytes
 from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +25,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ModelRunner:
     """Builds the model on `device` in `dtype`, loads `source.weights`, allocates the KV cache.
+
+    The kernels are chosen once, here: the attention backend, then a `KernelConfig` the model's layers choose
+    from as they are built; after loading, the whole-stack C++ path (`cpu_stack`) where every layer runs
+    the C++ kernels.
 
     kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (laid out
     heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`).
@@ -41,21 +48,16 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(
             config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
         )
-        model_class = get_model_class(self.arch.architecture)
-        # The Triton/flash-attn backends run where Triton kernels do; norms and rotary then use them too.
-        self.model = model_class(
-            self.arch,
-            self.attention_backend,
-            self.dtype,
-            self.device,
-            max_positions=self.max_model_len,
-            use_triton_kernels=self.attention_backend.name in TRITON_BACKENDS,
-        )
         if config.model.quantization is not None and self.device.type != "cpu":
             raise ValueError(f"quantization: {config.model.quantization} runs on cpu, not {self.device.type}")
-        self.model.set_quantization(config.model.quantization)
+        self.kernels = KernelConfig.for_model(
+            self.device, self.dtype, self.attention_backend, config.model.quantization
+        )
+        model_class = get_model_class(self.arch.architecture)
+        self.model = model_class(self.arch, self.kernels, max_positions=self.max_model_len)
         self.model.load_weights(source.weights)
         self.model.eval()
+        self.cpu_stack: LlamaCpuStack | None = build_cpu_stack(self.model)
         # Graphs replay decode steps; the torch backend cannot skip padded rows, so it stays eager.
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
@@ -63,7 +65,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graph_runner = CudaGraphRunner(
-            self.model,
+            self.forward,
             self.kv_caches,
             config.scheduler.max_num_seqs,
             self.graph_max_blocks_per_seq,
@@ -72,6 +74,19 @@ class ModelRunner:
             enforce_eager=not self.use_cuda_graphs,
         )
         self.graph_runner.capture()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size]: the decoder stack as one C++ call where it runs, else the model's
+        layers."""
+        if self.cpu_stack is not None:
+            return self.cpu_stack(input_ids, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
@@ -162,7 +177,7 @@ class ModelRunner:
         num_blocks = sum(len(req.block_ids) for req in out.scheduled)
         caches = self._allocate_kv_cache(num_blocks)
         inputs = build_model_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.metadata)
+        hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
         self.model.compute_logits(hidden[inputs.logits_indices])
 
 

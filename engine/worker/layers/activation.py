@@ -1,32 +1,34 @@
-"""Gated activations over a packed gate_up projection: [..., 2 * d] -> [..., d]."""
+"""Gated activations over a packed gate_up projection: [T, 2 * d] -> [T, d]."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
 from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul_prechecked
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up (Llama, Mistral, Qwen); on CPU in float32 one pass of the C++ kernel
+class SiluAndMul(CustomOp):
+    """silu(gate) * up (Llama, Mistral, Qwen); cpu: one pass of the C++ kernel
     `sluice.kernels.cpu_silu_and_mul`."""
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        cpu_float32 = gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2
-        if cpu_float32 and cpu_extension_available(CPU_SILU_AND_MUL):
-            return cpu_silu_and_mul_prechecked(gate_up)
+    implementations = ("cpu", "native")
+    cpu_kernel = CPU_SILU_AND_MUL
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_silu_and_mul_prechecked(gate_up)
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(CustomOp):
     """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)."""
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
@@ -34,7 +36,7 @@ class GeluTanhAndMul(nn.Module):
 _ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
-def get_act_and_mul(name: str) -> nn.Module:
+def get_act_and_mul(name: str) -> CustomOp:
     """The gated activation for config.json's `hidden_act` / `hidden_activation`."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")

@@ -7,6 +7,7 @@ from torch import nn
 
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.metadata import AttentionMetadata
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -16,6 +17,7 @@ class Attention(nn.Module):
 
     sliding_window None: every query sees its whole context. sliding_window W: the query at position p
     sees positions p - W + 1 .. p (W positions, itself included), as transformers' sliding-window mask.
+    The kernels are the attention backend's, which `select` takes from the `KernelConfig` at load.
     """
 
     def __init__(
@@ -24,7 +26,6 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         scale: float,
-        backend: AttentionBackend,
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
@@ -37,7 +38,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        self.backend = backend
+        self.backend: AttentionBackend | None = None
+
+    def select(self, kernels: KernelConfig) -> None:
+        """Take the attention backend the runner chose (one object shared by every layer)."""
+        self.backend = kernels.attention_backend
 
     def forward(
         self,

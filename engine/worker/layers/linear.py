@@ -8,20 +8,12 @@
                                               shard 0 (q)   | shard 1 (k) | shard 2 (v)
 
 Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
-(`sluice.engine.loading.weight_loader`) never knows how a layer lays out its weight. After every tensor is in,
-`process_weights_after_loading()` runs once per layer: the single place where a backend-specific layout
-(pre-transposed CPU weights, quantized packing, tensor-parallel slices) is made from the loaded weight.
-`forward` calls `apply`, which reads whatever that layout is.
-
-On CPU, a float32 weight is packed in column panels for the C++ kernel in `kernels/cpu_packed_linear.h`
-(`packed` [num_panels, input_size, panel width]; each matmul streams them front to back, 1.2-7x faster than
-MKL's sgemm on decode-sized steps). The packed tensor replaces the weight's data, so memory stays flat,
-except for a weight tied to the embeddings (`tie_weight`), which keeps its rows for the lookups and gets a
-packed copy. Without the kernel (another dtype, no C++ compiler) the weight is stored column-major:
-`weight.t()` is a contiguous [input_size, output_size] matrix, so `F.linear` hands MKL an untransposed
-operand (its sgemm on a transposed one is 2-4.6x slower for 4-32 rows). With `quantization` set ("int4" /
-"int8", `sluice.engine.worker.layers.quantization`) the layer also keeps a quantized copy, used for steps
-of up to `quantized.max_rows` rows.
+(`sluice.engine.loading.weight_loader`) never knows how a layer lays out its weight. Everything else about
+the weight belongs to the layer's `LinearMethod` (`sluice.engine.worker.layers.linear_method`), chosen at
+load by `CausalLM.materialize`: which parameters exist (`create_weights`), the layout the kernel reads, made
+once after every tensor is in (`process_weights_after_loading`: packed panels, column-major, a quantized
+copy), and the matmul (`apply`). A tensor-parallel layer subclasses these classes: its sizes are its rank's
+part, and its `weight_loader` takes its rows of each checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -29,23 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sluice.engine.worker.layers.quantization import (
-    QuantizedWeight,
-    quantize_weight,
-    unsupported_reason,
-)
-from sluice.kernels.cpu_packed_linear import (
-    pack_weight,
-    packed_linear_prechecked,
-    packed_linear_unavailable_reason,
-)
+from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from sluice.engine.worker.layers.quantization import linear_method_for
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b). weight: [output_size, input_size]; bias: [output_size] when `bias`."""
+    """y = x W^T (+ b). weight: [output_size, input_size]; bias: [output_size] when `bias`. Built with an
+    `UnquantizedLinearMethod`; `select` (at load) swaps in the method the `KernelConfig` gives it."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
         super().__init__()
@@ -54,14 +39,20 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
         self.output_size = sum(output_sizes)
-        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
-        # Set before loading (`set_quantization`); the hook then builds `quantized` from the weight.
-        self.quantization: str | None = None
-        self.quantized: QuantizedWeight | None = None
+        self.has_bias = bias
         self.weight_is_tied = False
-        # Made by the hook on CPU: the weight in column panels (`sluice.kernels.cpu_packed_linear`).
-        self.packed: torch.Tensor | None = None
+        self.set_method(UnquantizedLinearMethod(), torch.get_default_dtype())
+
+    def select(self, kernels: KernelConfig, prefix: str) -> None:
+        """At load, before the weights exist: take the method `kernels` gives this layer (module name
+        `prefix`), which creates its parameters. A tensor-parallel layer sizes its rank's part here first."""
+        self.set_method(linear_method_for(prefix, self, kernels), kernels.dtype)
+
+    def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
+        """Before loading: `method` runs this layer and creates its parameters (in `dtype` for float ones, on
+        the current default device), replacing any it had."""
+        self.method = method
+        method.create_weights(self, self.input_size, self.output_sizes, self.has_bias, dtype)
 
     @property
     def num_shards(self) -> int:
@@ -81,43 +72,18 @@ class LinearBase(nn.Module):
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def set_quantization(self, method: str | None) -> None:
-        """Quantize this layer's weight when loaded (None: keep it float). Raises ValueError naming
-        `quantization` when `method` cannot quantize it."""
-        if method is not None and (reason := unsupported_reason(method, self.weight)):
-            raise ValueError(f"quantization: {method} {reason}")
-        self.quantization = method
-
     def tie_weight(self, weight: nn.Parameter) -> None:
-        """Share `weight` (the embeddings) instead of owning one; the hook leaves its rows as they are."""
+        """Share `weight` (the embeddings) instead of owning one; the method leaves its rows as they are."""
         self.weight = weight
         self.weight_is_tied = True
 
     def process_weights_after_loading(self) -> None:
-        """Hook run once after loading: on CPU, the packed (or column-major) layout and the quantized copy.
-        After it, an untied packed layer's `weight` holds the panels [num_panels, input_size, panel width]."""
-        if self.weight.device.type != "cpu":
-            return
-        if self.quantization is not None:
-            self.quantized = quantize_weight(self.quantization, self.weight.data)
-        if packed_linear_unavailable_reason(self.weight) is None:
-            self.packed = pack_weight(self.weight.data)
-            if not self.weight_is_tied:
-                self.weight.data = self.packed
-        else:
-            # In place on the parameter, so a tied embedding shares the layout (lookups read strided rows).
-            self.weight.data = self.weight.data.t().contiguous().t()
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size] -> [..., output_size], from the layout `process_weights_after_loading` made."""
-        if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
-            return self.quantized.matmul(x, self.bias)
-        if self.packed is not None:
-            return packed_linear_prechecked(x, self.packed, self.output_size, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        """Run once after loading (`sluice.engine.loading.weight_loader`): the method's layout."""
+        self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply(x)
+        """x [..., input_size] -> [..., output_size]."""
+        return self.method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):

@@ -8,40 +8,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.engine.worker.layers.custom_op import CustomOp
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
 from sluice.kernels.cpu_rms_norm import cpu_rms_norm_prechecked
 
 
-class RMSNorm(nn.Module):
-    """`norm(x, residual=None) -> (normed, residual_out)`, rounded like transformers' LlamaRMSNorm.
+class RMSNorm(CustomOp):
+    """`norm(x [T, hidden], residual=None) -> (normed, residual_out)`, rounded like transformers'
+    LlamaRMSNorm.
 
     With `residual`, x + residual (in x's dtype) is normalized and also returned as the next residual:
     the decoder's residual stream flows through the norms, so the add fuses into the norm kernel.
-    use_triton: `sluice.kernels.rms_norm.rms_norm`, one pass over each row. On CPU in float32, the C++ kernel
-    `sluice.kernels.cpu_rms_norm` (one call instead of ~12 ATen ops); without it `F.rms_norm`; other dtypes
-    plain PyTorch.
+        triton  `sluice.kernels.rms_norm.rms_norm`, one pass over each row
+        cpu     the C++ kernel `sluice.kernels.cpu_rms_norm` (one call instead of ~12 ATen ops)
+        native  `F.rms_norm` in float32 (the same roundings, fewer passes), plain PyTorch in other dtypes
     """
 
-    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+    implementations = ("triton", "cpu", "native")
+    cpu_kernel = CPU_RMS_NORM
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.use_triton = use_triton
-        # Imported only when used: triton is not installed everywhere the torch path runs.
-        self._fused = import_module("sluice.kernels.rms_norm").rms_norm if use_triton else None
 
-    def forward(
+    def select(self, kernels: KernelConfig) -> None:
+        super().select(kernels)
+        if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
+            self._triton_rms_norm = import_module("sluice.kernels.rms_norm").rms_norm
+
+    def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fused is not None:
-            return self._fused(x, self.weight, self.eps, residual)
-        cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-        if cpu_float32 and cpu_extension_available(CPU_RMS_NORM):
-            return cpu_rms_norm_prechecked(x, self.weight, self.eps, residual)
+        return self._triton_rms_norm(x, self.weight, self.eps, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_rms_norm_prechecked(x, self.weight, self.eps, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
-        if x.dtype == torch.float32:  # torch's fused op: the same roundings in float32, fewer passes
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,8 +65,9 @@ class RMSNorm(nn.Module):
         return self(x.reshape(-1, shape[-1]))[0].view(shape)
 
 
-class GemmaRMSNorm(nn.Module):
-    """y = normed(x) * (1 + weight), computed in fp32 and cast back once, as transformers' Gemma3RMSNorm.
+class GemmaRMSNorm(CustomOp):
+    """y = normed(x) * (1 + weight), computed in fp32 and cast back once, as transformers' Gemma3RMSNorm;
+    plain PyTorch on every backend (the fused kernels round like Llama's norm).
 
     The checkpoint stores the offset `weight` (0 means identity). Applies over the last dimension.
     """
@@ -64,7 +77,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -8,15 +8,31 @@
 Both kernels are fast only with bfloat16 activations (with float32 ones they are a slow reference path), so
 a quantized matmul rounds x, the scales and the result to bf16 once each. They pay only on small steps,
 up to MAX_QUANTIZED_ROWS[method] rows; larger steps use the float32 weight, packed for the C++ kernel
-(`sluice.kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both.
+(`sluice.kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both
+(`CpuQuantizedLinearMethod`).
+
+`linear_method_for` is where a layer's `LinearMethod` is chosen, from the `KernelConfig`: a new quantization
+(FP8 weights, a checkpoint's own quantization config) adds its method and a branch there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear_method import (
+    CpuPackedLinearMethod,
+    LinearMethod,
+    UnquantizedLinearMethod,
+)
 from sluice.kernels.cpu_decoder_stack import QuantizedArgs
+from sluice.kernels.cpu_packed_linear import EXTENSION as CPU_PACKED_LINEAR
+
+if TYPE_CHECKING:
+    from sluice.engine.worker.layers.linear import LinearBase
 
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
@@ -88,12 +104,12 @@ class Int8Weight:
 QuantizedWeight = Int4Weight | Int8Weight  # weight [out, in] -> matmul(x, bias) = x W^T (+ b)
 
 
-def unsupported_reason(method: str, weight: torch.Tensor) -> str | None:
-    """None when `method` can quantize `weight` [output_size, input_size] on its device, else why not."""
-    if weight.device.type != "cpu":
-        return f"runs on cpu, the weight is on {weight.device.type}"
-    if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE:
-        return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {weight.shape[1]}"
+def unsupported_reason(method: str, input_size: int, device: torch.device) -> str | None:
+    """None when `method` can quantize a weight [output_size, input_size] on `device`, else why not."""
+    if device.type != "cpu":
+        return f"runs on cpu, the weight is on {device.type}"
+    if method == "int4" and input_size % INT4_GROUP_SIZE:
+        return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {input_size}"
     return None
 
 
@@ -102,3 +118,54 @@ def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {method!r}")
     return Int4Weight(weight) if method == "int4" else Int8Weight(weight)
+
+
+class CpuQuantizedLinearMethod(LinearMethod):
+    """The float weight (`float_method`: packed, or column-major) plus `layer.quantized`, its int4 / int8
+    copy, which runs steps of up to `layer.quantized.max_rows` rows."""
+
+    def __init__(self, quantization: str, float_method: UnquantizedLinearMethod) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {quantization!r}")
+        self.quantization = quantization
+        self.float_method = float_method
+
+    def create_weights(
+        self,
+        layer: LinearBase,
+        input_size: int,
+        output_sizes: tuple[int, ...],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        self.float_method.create_weights(layer, input_size, output_sizes, bias, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.quantized = quantize_weight(self.quantization, layer.weight.data)  # before the packing
+        self.float_method.process_weights_after_loading(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= layer.quantized.max_rows:
+            return layer.quantized.matmul(x, bias)
+        return self.float_method.apply(layer, x, bias)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.quantization!r}, {self.float_method!r})"
+
+
+def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> LinearMethod:
+    """The method of linear layer `layer` (module name `prefix`, e.g. "model.layers.0.mlp.down_proj") under
+    `kernels`. Under int4, lm_head takes int8: its error reaches the logits directly, and it is a tenth of the
+    weights. Raises ValueError naming `quantization` when the layer cannot be quantized so."""
+    if kernels.runs_cpu_kernel(CPU_PACKED_LINEAR):
+        float_method: UnquantizedLinearMethod = CpuPackedLinearMethod()
+    else:
+        float_method = UnquantizedLinearMethod(column_major=kernels.device.type == "cpu")
+    method = kernels.quantization
+    if method is None:
+        return float_method
+    if method == "int4" and prefix == "lm_head":
+        method = "int8"
+    if reason := unsupported_reason(method, layer.input_size, kernels.device):
+        raise ValueError(f"quantization: {method} {reason}")
+    return CpuQuantizedLinearMethod(method, float_method)

@@ -14,7 +14,8 @@ from importlib import import_module
 import torch
 
 from sluice.engine.loading.model_arch import RopeScaling
-from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.engine.worker.layers.custom_op import CustomOp
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.kernels.cpu_rotary import EXTENSION as CPU_ROTARY
 from sluice.kernels.cpu_rotary import cpu_rotary_embedding_prechecked
 
@@ -74,54 +75,51 @@ def build_cos_sin_cache(
 Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class RotaryEmbedding:
-    """Rotates q and k by their positions: `rope = rotary.bind(positions)` once per step, then
-    `q, k = rope(q, k)` in every layer.
+class RotaryEmbedding(CustomOp):
+    """Rotates q and k by their positions: `rope = rotary(positions)` once per step, then `q, k = rope(q, k)`
+    in every layer. `select` builds the tables, on the model's device.
 
-    torch (default): cos/sin tables [max_positions, head_dim] in the model dtype (each half repeated),
-        applied out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`.
-    use_triton: the fused kernel `sluice.kernels.rotary.rotary_embedding` rotates q and k in place from an
-        fp32 cos|sin table, one program per token, one rounding (a CUDA graph can capture it).
-    float32 on CPU: the C++ kernel `sluice.kernels.cpu_rotary`, in place from the same table.
+        triton  the fused kernel `sluice.kernels.rotary.rotary_embedding` rotates q and k in place from the
+                fp32 cos|sin table `cos_sin_cache`, one program per token, one rounding (a CUDA graph can
+                capture it)
+        cpu     the C++ kernel `sluice.kernels.cpu_rotary`, in place from the same table
+        native  cos/sin tables [max_positions, head_dim] in the model dtype (each half repeated), applied
+                out of place with the model-dtype roundings of transformers' `apply_rotary_pos_emb`
     """
 
-    def __init__(
-        self,
-        head_dim: int,
-        max_positions: int,
-        theta: float,
-        scaling: RopeScaling | None,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_triton: bool = False,
-    ) -> None:
-        self.use_triton = use_triton
-        cos_sin = build_cos_sin_cache(head_dim, max_positions, theta, scaling, device)
-        self.cos_sin_cache = cos_sin
-        if use_triton:
-            # Imported only when used: triton is not installed everywhere the torch path runs.
-            self._fused = import_module("sluice.kernels.rotary").rotary_embedding
-            return
-        self._fused = None
-        on_cpu = torch.device(device).type == "cpu"
-        if dtype == torch.float32 and on_cpu and cpu_extension_available(CPU_ROTARY):
-            self._fused = cpu_rotary_embedding_prechecked
-            return
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
-        self.sin = torch.cat((sin, sin), dim=-1).to(dtype)
+    implementations = ("triton", "cpu", "native")
+    cpu_kernel = CPU_ROTARY
 
-    @property
-    def runs_cpu_kernel(self) -> bool:
-        """Whether the C++ kernel rotates q and k, from `cos_sin_cache`."""
-        return self._fused is cpu_rotary_embedding_prechecked
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
 
-    def bind(self, positions: torch.Tensor) -> Rope:
-        """The rotation for positions [T], gathered once for all layers. It takes q: [T, num_heads,
-        head_dim] and k: [T, num_kv_heads, head_dim] (may be views of the fused qkv projection; the
-        Triton and C++ paths write into them)."""
-        if self._fused is not None:
-            return lambda q, k: self._fused(positions, q, k, self.cos_sin_cache)
+    def select(self, kernels: KernelConfig) -> None:
+        super().select(kernels)
+        self.cos_sin_cache = build_cos_sin_cache(
+            self.head_dim, self.max_positions, self.theta, self.scaling, kernels.device
+        )
+        if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
+            self._triton_rotary = import_module("sluice.kernels.rotary").rotary_embedding
+        elif self.implementation == "native":
+            cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+            self.cos = torch.cat((cos, cos), dim=-1).to(kernels.dtype)
+            self.sin = torch.cat((sin, sin), dim=-1).to(kernels.dtype)
+
+    # Each takes positions [T] and returns the rotation for them, gathered once for all layers. It takes
+    # q: [T, num_heads, head_dim] and k: [T, num_kv_heads, head_dim] (may be views of the fused qkv
+    # projection; the Triton and C++ kernels write into them).
+
+    def forward_triton(self, positions: torch.Tensor) -> Rope:
+        return lambda q, k: self._triton_rotary(positions, q, k, self.cos_sin_cache)
+
+    def forward_cpu(self, positions: torch.Tensor) -> Rope:
+        return lambda q, k: cpu_rotary_embedding_prechecked(positions, q, k, self.cos_sin_cache)
+
+    def forward_native(self, positions: torch.Tensor) -> Rope:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return lambda q, k: (q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin)
 

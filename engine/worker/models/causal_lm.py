@@ -1,8 +1,9 @@
 """What every model file shares: meta-device construction, tied embeddings, logits, weight loading.
 
-A model file subclasses `CausalLM`, builds `self.model` (with `embed_tokens`) and `self.lm_head` under
-`torch.device("meta")`, calls `materialize`, and implements `forward(input_ids, positions, kv_caches,
-metadata) -> hidden`. Checkpoint names map onto its parameters through `packed_modules`
+A model file subclasses `CausalLM`, builds `self.model` (with `embed_tokens`), `self.lm_head` and its rotary
+embeddings under `torch.device("meta")`, calls `materialize(kernels)`, and implements `forward(input_ids,
+positions, kv_caches, metadata) -> hidden`. Its layers take no kernel choices: `materialize` makes them all,
+once, from the runner's `KernelConfig`. Checkpoint names map onto its parameters through `packed_modules`
 (`sluice.engine.loading.weight_loader`) and, for GGUF files, its `gguf_specs`
 (`sluice.engine.loading.gguf_spec`).
 """
@@ -18,8 +19,9 @@ from torch import nn
 from sluice.engine.loading.gguf_spec import GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig, RopeScaling
 from sluice.engine.loading.weight_loader import load_weights
-from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.layers.attention import Attention
+from sluice.engine.worker.layers.custom_op import CustomOp
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
 from sluice.engine.worker.layers.rotary import RotaryEmbedding
 
@@ -44,43 +46,36 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.tie_word_embeddings = arch.tie_word_embeddings
 
-    def materialize(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the (meta-built) parameters, uninitialized, in `dtype` on `device`; tie lm_head."""
-        self.dtype = dtype
-        self.to(dtype)
-        self.to_empty(device=device)
+    def materialize(self, kernels: KernelConfig | None) -> None:
+        """Choose every layer's kernels, once, and allocate the (meta-built) parameters, uninitialized, in
+        `kernels.dtype` on `kernels.device`; tie lm_head. kernels None: float32 on the meta device, a model
+        built only to read its parameters' names and shapes.
+
+        Each linear gets its `LinearMethod` first, which creates its parameters (still on meta); then, on the
+        device, each `CustomOp` (norms, activations, rotary) picks its implementation and each attention
+        layer takes the backend."""
+        kernels = kernels or KernelConfig(torch.device("meta"), torch.float32)
+        self.kernels = kernels
+        self.to(kernels.dtype)
+        with torch.device("meta"):
+            for prefix, module in self.named_modules():
+                if isinstance(module, LinearBase):
+                    module.select(kernels, prefix)
+        self.to_empty(device=kernels.device)
+        for module in self.modules():
+            if isinstance(module, CustomOp | Attention):
+                module.select(kernels)
         if self.tie_word_embeddings:
             self.lm_head.tie_weight(self.model.embed_tokens.weight)
 
-    def rope(
-        self,
-        theta: float,
-        scaling: RopeScaling | None,
-        max_positions: int | None,
-        device: torch.device,
-        use_triton: bool,
-    ) -> RotaryEmbedding:
+    def rope(self, theta: float, scaling: RopeScaling | None, max_positions: int | None) -> RotaryEmbedding:
         return RotaryEmbedding(
-            self.arch.head_dim,
-            max_positions or self.arch.max_position_embeddings,
-            theta,
-            scaling,
-            self.dtype,
-            device,
-            use_triton=use_triton,
+            self.arch.head_dim, max_positions or self.arch.max_position_embeddings, theta, scaling
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
         return self.lm_head(hidden).float()
-
-    def set_quantization(self, method: str | None) -> None:
-        """Weight-only quantization of every linear layer when the weights load (None: none). Under int4
-        lm_head takes int8: its error reaches the logits directly, and it is a tenth of the weights."""
-        for module in self.modules():
-            if isinstance(module, LinearBase):
-                is_head = module is self.lm_head and method == "int4"
-                module.set_quantization("int8" if is_head else method)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named tensors -> parameters; see
@@ -101,8 +96,8 @@ class CausalLM(nn.Module):
         return ReplicatedLinear(arch.hidden_size, arch.vocab_size)
 
     @staticmethod
-    def attention(arch: ModelArchConfig, layer: int, backend: AttentionBackend, scale: float) -> Attention:
+    def attention(arch: ModelArchConfig, layer: int, scale: float) -> Attention:
         """Layer `layer`'s paged attention, windowed when the architecture says so."""
         heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         window = arch.layer_sliding_window(layer)
-        return Attention(heads, kv_heads, arch.head_dim, scale, backend, window)
+        return Attention(heads, kv_heads, arch.head_dim, scale, window)

@@ -13,17 +13,24 @@ from torch import nn
 
 from sluice.engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig
-from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import GemmaRMSNorm
-from sluice.engine.worker.layers.rotary import Rope
+from sluice.engine.worker.layers.rotary import Rope, RotaryEmbedding
 from sluice.engine.worker.models.causal_lm import CausalLM
 
 
+class Gemma3RotaryEmbedding(RotaryEmbedding):
+    """Gemma 3 keeps transformers' model-dtype roundings on the Triton backends (the fused kernel rounds
+    once, from fp32); on CPU in float32 the C++ kernel rotates in float32, as plain PyTorch does."""
+
+    implementations = ("cpu", "native")
+
+
 class Gemma3Attention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
         self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.head_dim = arch.head_dim
@@ -33,7 +40,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
         scale = float(arch.extra.get("query_pre_attn_scalar") or arch.head_dim) ** -0.5
-        self.attn = CausalLM.attention(arch, layer, backend, scale)
+        self.attn = CausalLM.attention(arch, layer, scale)
 
     def forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
@@ -46,10 +53,10 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
-        self.self_attn = Gemma3Attention(arch, layer, backend)
+        self.self_attn = Gemma3Attention(arch, layer)
         activation = arch.extra.get("hidden_activation") or "gelu_pytorch_tanh"
         self.mlp = GatedMLP(h, arch.intermediate_size, activation)
         self.input_layernorm = GemmaRMSNorm(h, eps)
@@ -66,12 +73,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, i, backend) for i in range(arch.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -80,7 +85,8 @@ class Gemma3ForCausalLM(CausalLM):
 
     Global layers rotate with `rope_theta` (and its scaling); local ones with the sliding-attention
     base (config `rope_parameters.sliding_attention` or `rope_local_base_freq`, 10000 by default).
-    Norms and rotary stay plain PyTorch on every backend (the fused kernels round like Llama).
+    Norms stay plain PyTorch on every backend and rotary off the Triton kernel (the fused kernels round like
+    Llama).
     """
 
     gguf_specs = {
@@ -101,26 +107,26 @@ class Gemma3ForCausalLM(CausalLM):
     }
 
     def __init__(
-        self,
-        arch: ModelArchConfig,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int | None = None,
-        use_triton_kernels: bool = False,
+        self, arch: ModelArchConfig, kernels: KernelConfig | None, max_positions: int | None = None
     ) -> None:
+        """kernels: see `CausalLM.materialize`."""
         super().__init__(arch)
-        with torch.device("meta"):
-            self.model = Gemma3Model(arch, backend)
-            self.lm_head = CausalLM.lm_head_for(arch)
-        self.materialize(dtype, device)
-        # As transformers: sqrt(hidden_size) in fp32, then rounded to the model dtype.
-        self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype=dtype, device=device)
-        self.softcap = arch.extra.get("final_logit_softcapping")
         local = (arch.extra.get("rope_parameters") or {}).get("sliding_attention") or {}
         local_theta = float(local.get("rope_theta") or arch.extra.get("rope_local_base_freq") or 10000.0)
-        self.rotary_global = self.rope(arch.rope_theta, arch.rope_scaling, max_positions, device, False)
-        self.rotary_local = self.rope(local_theta, None, max_positions, device, False)
+        max_positions = max_positions or arch.max_position_embeddings
+        with torch.device("meta"):
+            self.model = Gemma3Model(arch)
+            self.lm_head = CausalLM.lm_head_for(arch)
+            self.rotary_global = Gemma3RotaryEmbedding(
+                arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
+            )
+            self.rotary_local = Gemma3RotaryEmbedding(arch.head_dim, max_positions, local_theta, None)
+        self.materialize(kernels)
+        # As transformers: sqrt(hidden_size) in fp32, then rounded to the model dtype.
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(
+            device=self.kernels.device, dtype=self.kernels.dtype
+        )
+        self.softcap = arch.extra.get("final_logit_softcapping")
 
     def forward(
         self,
@@ -130,7 +136,7 @@ class Gemma3ForCausalLM(CausalLM):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids) * self.embed_scale
-        rope_global, rope_local = self.rotary_global.bind(positions), self.rotary_local.bind(positions)
+        rope_global, rope_local = self.rotary_global(positions), self.rotary_local(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             rope = rope_local if layer.self_attn.is_sliding else rope_global
             hidden = layer(hidden, rope, kv_cache, metadata)

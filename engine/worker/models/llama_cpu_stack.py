@@ -3,10 +3,11 @@
 
 The stack runs the kernels the layers run one at a time, in the same order with the same roundings, so the
 hidden states equal the per-layer path's; it drops the Python and dispatch between ~300 kernel calls a step
-(SmolLM2-135M on the 2-core CPU, batch 1: 17.3-19.9 -> 15.3-17.4 ms per token). `LlamaCpuStack.build`
-returns None, and the model keeps its per-layer path, unless every layer runs the float32 CPU kernels:
+(SmolLM2-135M on the 2-core CPU, batch 1: 17.3-19.9 -> 15.3-17.4 ms per token). The runner decides, after
+loading (`build_cpu_stack`): the model keeps its per-layer path, and the reason is logged, unless it is a
+`LlamaForCausalLM` with exactly `LlamaDecoderLayer` layers and every layer runs the float32 CPU kernels:
 
-    linears   packed (`sluice.kernels.cpu_packed_linear`), quantized or not; a bias on qkv_proj only (Qwen2)
+    linears   `CpuPackedLinearMethod`, quantized or not; a bias on qkv_proj only (Qwen2)
     norms     RMSNorm on the C++ kernel; the same eps everywhere
     rotary    the C++ kernel's cos|sin table
     attention the C++ backend (`sluice.engine.worker.attention.cpu_backend`), one scale (windows per layer)
@@ -26,18 +27,32 @@ from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.activation import SiluAndMul
 from sluice.engine.worker.layers.attention import KVCache
 from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.linear_method import CpuPackedLinearMethod
 from sluice.engine.worker.layers.norm import RMSNorm
-from sluice.engine.worker.layers.rotary import RotaryEmbedding
+from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod, QuantizedWeight
+from sluice.engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from sluice.kernels.cpu_decoder_stack import EXTENSION, StackLayer, StackShape, make_decoder_stack
 from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
 
 logger = logging.getLogger(__name__)
 
 
-class LlamaCpuStack:
-    """`stack(embeddings, positions, kv_caches, metadata) -> hidden`, the per-layer loop's result."""
+def build_cpu_stack(model: nn.Module) -> LlamaCpuStack | None:
+    """The stack over a loaded model's layers, or None with the reason logged (the model then runs layer
+    by layer)."""
+    reason = unavailable_reason(model)
+    if reason is not None:
+        logger.info("decoder layers run one call each: %s", reason)
+        return None
+    logger.info("decoder layers run as one C++ call per step (kernels/%s.cpp)", EXTENSION)
+    return LlamaCpuStack(model)
 
-    def __init__(self, layers: Sequence[nn.Module], norm: RMSNorm, rotary: RotaryEmbedding) -> None:
+
+class LlamaCpuStack:
+    """`stack(input_ids, positions, kv_caches, metadata) -> hidden`, the model's forward's result."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        layers, norm = model.model.layers, model.model.norm
         attn = layers[0].self_attn.attn
         shape = StackShape(
             num_heads=attn.num_heads,
@@ -47,22 +62,20 @@ class LlamaCpuStack:
             eps=norm.eps,
             scale=attn.scale,
         )
-        self.cos_sin_cache = rotary.cos_sin_cache
+        self.embed_tokens = model.model.embed_tokens
+        self.cos_sin_cache = model.rotary.cos_sin_cache
         self._stack = make_decoder_stack([_stack_layer(layer) for layer in layers], norm.weight, shape)
 
-    @classmethod
-    def build(
-        cls, layers: Sequence[nn.Module], norm: RMSNorm, rotary: RotaryEmbedding
-    ) -> LlamaCpuStack | None:
-        """The stack over these (loaded, Llama-layout) layers, or None with the reason logged."""
-        reason = unavailable_reason(layers, norm, rotary)
-        if reason is not None:
-            logger.info("decoder layers run one call each: %s", reason)
-            return None
-        logger.info("decoder layers run as one C++ call per step (kernels/%s.cpp)", EXTENSION)
-        return cls(layers, norm, rotary)
-
     def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.run(self.embed_tokens(input_ids), positions, kv_caches, metadata)
+
+    def run(
         self,
         embeddings: torch.Tensor,
         positions: torch.Tensor,
@@ -83,17 +96,21 @@ class LlamaCpuStack:
         )
 
 
-def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: RotaryEmbedding) -> str | None:
-    """None when every layer runs the float32 CPU kernels the stack calls, else the first reason not."""
+def unavailable_reason(model: nn.Module) -> str | None:
+    """None when the model is Llama-layout and every layer runs the float32 CPU kernels the stack calls, else
+    the first reason not."""
+    if not isinstance(model, LlamaForCausalLM) or type(model).decoder_layer is not LlamaDecoderLayer:
+        return f"{type(model).__name__}'s layers are not the Llama decoder layer the stack runs"
+    layers, norm = model.model.layers, model.model.norm
     if not layers:
         return "the model has no layers"
-    if not rotary.runs_cpu_kernel:
+    if model.rotary.implementation != "cpu":
         return "rotary does not run the C++ kernel (not float32 on cpu)"
     scales = {layer.self_attn.attn.scale for layer in layers}
     if len(scales) > 1:
         return f"attention scales differ across layers: {sorted(scales)}"
     norms = [norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if any(type(n) is not RMSNorm or n.use_triton or n.eps != norm.eps for n in norms):
+    if any(type(n) is not RMSNorm or n.implementation != "cpu" or n.eps != norm.eps for n in norms):
         return "a norm is not the C++ RMSNorm with the model's eps"
     for i, layer in enumerate(layers):
         attn = layer.self_attn.attn
@@ -102,11 +119,21 @@ def unavailable_reason(layers: Sequence[nn.Module], norm: RMSNorm, rotary: Rotar
         if type(layer.mlp.act) is not SiluAndMul:
             return f"layer {i}: the MLP's activation is not SiLU"
         linears = _projections(layer)
-        if any(linear.packed is None for linear in linears):
+        if any(not isinstance(_float_method(linear), CpuPackedLinearMethod) for linear in linears):
             return f"layer {i}: a projection is not packed for the C++ kernel"
         if any(linear.bias is not None for linear in linears[1:]):
             return f"layer {i}: o_proj, gate_up_proj or down_proj has a bias"
     return cpu_extension_unavailable_reason(EXTENSION)
+
+
+def _float_method(linear: LinearBase) -> object:
+    """The method that runs the layer's float weight (a quantized layer's larger steps)."""
+    method = linear.method
+    return method.float_method if isinstance(method, CpuQuantizedLinearMethod) else method
+
+
+def _quantized(linear: LinearBase) -> QuantizedWeight | None:
+    return linear.quantized if isinstance(linear.method, CpuQuantizedLinearMethod) else None
 
 
 def _projections(layer: nn.Module) -> tuple[LinearBase, LinearBase, LinearBase, LinearBase]:
@@ -118,7 +145,7 @@ def _projections(layer: nn.Module) -> tuple[LinearBase, LinearBase, LinearBase, 
 def _stack_layer(layer: nn.Module) -> StackLayer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv: LinearBase = attention.qkv_proj
-    quantized = (linear.quantized for linear in _projections(layer))
+    quantized = (_quantized(linear) for linear in _projections(layer))
     return StackLayer(
         input_norm=layer.input_layernorm.weight,
         qkv=qkv.packed,

@@ -7,7 +7,6 @@ from torch import nn
 
 from sluice.engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig
-from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.attention import KVCache
 from sluice.engine.worker.layers.norm import RMSNorm
@@ -17,15 +16,15 @@ from sluice.engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalL
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer: int, backend: AttentionBackend, use_triton: bool):
+    def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
         self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.head_dim = arch.head_dim
         self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
         self.o_proj = CausalLM.o_proj(arch)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, use_triton)
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, use_triton)
-        self.attn = CausalLM.attention(arch, layer, backend, scale=arch.head_dim**-0.5)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.attn = CausalLM.attention(arch, layer, scale=arch.head_dim**-0.5)
 
     def forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata

@@ -1,0 +1,83 @@
+"""Which kernels run a model's layers: decided once, by the runner, before the model is built.
+
+    kernels = KernelConfig.for_model(device, dtype, attention_backend, quantization)   # checks availability
+    model = model_class(arch, kernels)      # every op, linear and attention layer chooses from it, once
+
+The choice reaches the layers through this one frozen object, handed to the model constructor, which hands it
+to `CausalLM.materialize`: that walks the built (meta) model once, giving each linear its `LinearMethod` and
+each `CustomOp` its implementation. No constructor below the model class takes it, and nothing looks at a
+tensor's device or dtype per call. Why an object and not a walk after loading: a linear's method decides
+which parameters it has (an FP8 checkpoint's `weight_scale`), so it must be known before the weights are
+created; and tensor-parallel layers will need their rank and size at that same moment (they go here too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.worker.attention.backend import AttentionBackend
+from sluice.engine.worker.attention.selector import TRITON_BACKENDS
+from sluice.kernels.cpu_extension import cpu_extension_available
+from sluice.kernels.cpu_packed_linear import EXTENSION as CPU_PACKED_LINEAR
+from sluice.kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
+from sluice.kernels.cpu_rotary import EXTENSION as CPU_ROTARY
+from sluice.kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
+
+# The C++ kernels the layers call one at a time (the attention backend and the decoder stack check their own).
+CPU_LAYER_KERNELS = (CPU_PACKED_LINEAR, CPU_RMS_NORM, CPU_ROTARY, CPU_SILU_AND_MUL)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """device, dtype: where and in what the model runs.
+    attention_backend: the attention layers' backend (None: a model built only to read its shapes).
+    cpu_kernels: the C++ kernels (`CPU_LAYER_KERNELS` names) that are built and may run: float32 on cpu only.
+    quantization: weight-only quantization of the linears ("int4", "int8" on cpu), or None.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: AttentionBackend | None = None
+    cpu_kernels: frozenset[str] = frozenset()
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, torch.device):
+            raise ValueError(f"device: must be a torch.device, got {self.device!r}")
+        unknown = self.cpu_kernels - set(CPU_LAYER_KERNELS)
+        if unknown:
+            raise ValueError(f"cpu_kernels: unknown {sorted(unknown)}; known: {', '.join(CPU_LAYER_KERNELS)}")
+        if self.cpu_kernels and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"cpu_kernels: the C++ kernels run float32 on cpu, not {self.dtype} on {self.device}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+
+    @classmethod
+    def for_model(
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: AttentionBackend | None,
+        quantization: str | None = None,
+    ) -> KernelConfig:
+        """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
+        once; a kernel that cannot be built is logged and its ops run plain PyTorch."""
+        cpu_kernels: frozenset[str] = frozenset()
+        if device.type == "cpu" and dtype == torch.float32:
+            cpu_kernels = frozenset(name for name in CPU_LAYER_KERNELS if cpu_extension_available(name))
+        return cls(device, dtype, attention_backend, cpu_kernels, quantization)
+
+    @property
+    def triton(self) -> bool:
+        """Whether the Triton kernels run the norms and rotary: with a Triton-based attention backend (CUDA,
+        or CPU under TRITON_INTERPRET=1; the selector only picks one where Triton runs)."""
+        return self.attention_backend is not None and self.attention_backend.name in TRITON_BACKENDS
+
+    def runs_cpu_kernel(self, extension: str) -> bool:
+        """Whether the C++ kernel `extension` (`kernels/<extension>.cpp`) runs here."""
+        return extension in self.cpu_kernels
