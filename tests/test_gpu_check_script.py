@@ -22,7 +22,12 @@ import pytest
 import torch
 from packaging.version import Version
 
-from sluice.benchmarks.gpu import borrowed_tokenizer, check_figures, gpu_benchmarks, greedy_compare
+from sluice.benchmarks.gpu import (
+    borrowed_tokenizer,
+    check_figures,
+    gpu_benchmarks,
+    greedy_compare,
+)
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
 
 REPO = Path(__file__).parent.parent
@@ -31,7 +36,8 @@ _SPEC = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "
 gpu_check = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_check)
 
-OUT_FILES = {"report.md", "gpu_check.md", "results.jsonl", "steps.log", "servers.log", "bench_serve.json"}
+OUT_FILES = {"report.md", "gpu_check.md", "results.jsonl", "steps.log", "servers.log", "bench_serve.json",
+             "bench_large.json"}  # fmt: skip
 
 
 def run_script(out: Path, timeout: float, python: str = sys.executable, **env: str):
@@ -76,10 +82,13 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         "speculative": "passed",
         "structured": "passed",
         "tensor_parallel": "skipped",
-        "large": "skipped",
+        "large": "passed",  # on the tiny preset here
     }
     assert step_result(out, "tensor_parallel")["skipped"] == "needs 2 GPUs, this machine has 0"
 
+    (run,) = json.loads((out / "bench_large.json").read_text())["runs"]
+    assert run["config"]["workload"]["input_len"] == 24 and run["metrics"]["num_completed"] == 2
+    assert step_result(out, "large")["model_info"]["model_name"] == "dummy-tiny"
     runs = json.loads((out / "bench_serve.json").read_text())["runs"]
     assert [run["config"]["concurrency"] for run in runs] == [1, 16, 64]
     assert all(run["metrics"]["num_completed"] == run["metrics"]["num_requests"] == 4 for run in runs)

@@ -67,7 +67,7 @@ def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
     serve_runs, large_runs = read_runs(out / "bench_serve.json"), read_runs(out / "bench_large.json")
     large_preset = PLANS[mode].large_preset
     rows = check_figures.kernel_rows(figures) + check_figures.serving_rows(figures, serve_runs)
-    if large_preset and large_runs:
+    if large_runs:
         rows += check_figures.large_rows(figures, large_runs, check_figures.model_numbers(large_preset))
     ceilings = figures.get("ceilings")
     lines = []
