@@ -27,6 +27,7 @@ from sluice.benchmarks.gpu import (
     check_figures,
     gpu_benchmarks,
     greedy_compare,
+    serve_checks,
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
 
@@ -423,3 +424,10 @@ def test_a_borrowed_tokenizer_widens_a_small_vocabulary_only(tmp_path):
         borrowed_tokenizer.write_model_dir("tiny", tmp_path / "missing", tmp_path / "x")
     with pytest.raises(ValueError, match="^preset: unknown 'huge'"):
         borrowed_tokenizer.write_model_dir("huge", tokenizer_dir, tmp_path / "x")
+
+
+def test_wait_gone_tells_an_exited_process_from_a_live_one():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert serve_checks.wait_gone(child.pid, timeout=5.0)
+    assert not serve_checks.wait_gone(os.getpid(), timeout=0.3)

@@ -20,12 +20,13 @@ The CPU mode runs the same steps on the `tiny` preset in float32, so a CPU test 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ SERVERS_LOG = "servers.log"
 EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
 TOP_LOGPROBS = 5
 RPC_TIMEOUT_S = 120.0
+CORE_EXIT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -90,14 +92,21 @@ class StepContext:
         self.out, self.plan, self.step = out, plan, step
         self.ready_s: list[float] = []  # seconds from start to ready, of each server started
 
-    def server(self, serve_args: Sequence[str]) -> ServerProcess:
+    @contextlib.contextmanager
+    def server(self, serve_args: Sequence[str]) -> Iterator[ServerProcess]:
+        """A `sluice serve` on a loopback port; on leaving, stopped, and its engine core gone too, so the
+        next server finds the GPU's memory free."""
         with (self.out / SERVERS_LOG).open("a", encoding="utf-8") as log:
             log.write(f"\n==== {self.step}: sluice serve {' '.join(serve_args)}\n")
             log.flush()
             started = time.monotonic()
             server = ServerProcess(serve_args, stderr=log)  # the server keeps its own descriptor
         self.ready_s.append(round(time.monotonic() - started, 1))
-        return server
+        try:
+            yield server
+        finally:
+            server.stop()
+            wait_gone(server.core_pid, CORE_EXIT_TIMEOUT_S)
 
     def reference(self) -> dict[str, Any]:
         """serve_bench's record: the greedy outputs the other servers must reproduce."""
@@ -105,6 +114,20 @@ class StepContext:
             if record.get("step") == "serve_bench" and record.get("greedy"):
                 return record
         raise RuntimeError("no greedy outputs recorded by the serve_bench step (it failed or did not run)")
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Waits until process `pid` no longer exists; False if it still does after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":  # exited; its memory is freed, whoever reaps it
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:
