@@ -25,6 +25,7 @@ from packaging.version import Version
 from sluice.benchmarks.gpu import (
     borrowed_tokenizer,
     check_figures,
+    check_report,
     gpu_benchmarks,
     greedy_compare,
     serve_checks,
@@ -431,3 +432,43 @@ def test_wait_gone_tells_an_exited_process_from_a_live_one():
     child.wait()
     assert serve_checks.wait_gone(child.pid, timeout=5.0)
     assert not serve_checks.wait_gone(os.getpid(), timeout=0.3)
+
+
+def test_the_report_sets_a_gpu_run_against_issue_33s_table(tmp_path: Path):
+    # Issue 33's own H200 figures, as the steps would record them: the report must reproduce its gaps.
+    def run(concurrency: int, tpot: float, ttft: float) -> dict:
+        metrics = {"num_requests": 64, "num_completed": 64, "errors": {}, "output_throughput": 100.0,
+                   "tpot": {"p50": tpot, "p99": tpot}, "ttft": {"p50": ttft}}  # fmt: skip
+        return {"config": {"concurrency": concurrency, "workload": {"input_len": 4096}}, "metrics": metrics}
+
+    figures = {
+        "ceilings": {"copy_bytes_per_s": 4.2e12, "bf16_matmul_flops_per_s": 7.9e14},
+        "decode": {"floor_s": 5.9e-4, "graph_step_s": {"1": 1.72e-3, "64": 2.2e-3}},
+        "attention": {"rows": [{"context": 32768, "batch": 8, "gb_per_s": 1785.0, "of_copy_bw": 0.425}]},
+    }
+    records = [{"step": "gpu_check", "section": key, "figures": value} for key, value in figures.items()]
+    records += [
+        {"step": "gpu_check", "status": "passed", "seconds": 130, "limit_s": 240, "note": "exit status 0"},
+        {"step": "large", "status": "timed out", "seconds": 180, "limit_s": 180, "note": "exit status 124"},
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "bench_serve.json").write_text(
+        json.dumps({"runs": [run(1, 2.1e-3, 0.01), run(64, 3.6e-3, 0.05)]})
+    )
+    (tmp_path / "bench_large.json").write_text(json.dumps({"runs": [run(1, 5.6e-3, 0.177)]}))
+    text, ok = check_report.build_report(tmp_path, "gpu", 431, 470)
+    assert (
+        not ok
+        and text.splitlines()[0].startswith("# Sluice GPU check: ")
+        and text.splitlines()[0].endswith(": FAIL")
+    )
+    for row in (
+        "| paged decode attention, 32k x 8, GB/s | 1785 | copy 4200 | 0.42 | >= 0.70 | NOT met |",
+        "| 1b batch-1 decode step (CUDA graph), ms | 1.72 | floor 0.59 | 2.92 | <= 1.5 | NOT met |",
+        "| 1b TPOT p50 over gRPC, concurrency 64, ms | 3.60 | graph step at batch 64: 2.20 | 1.64 | <= 1.2 |",
+        "| 8b batch-1 TPOT p50 over gRPC, ms | 5.60 | floor 3.82 | 0.68 | floor/TPOT >= 0.8 | NOT met |",
+        "| 8b TTFT p50, 4096-token prompt, ms | 177.0 | FLOP floor 77.9 | 2.27 | <= 1.3 | NOT met |",
+        "| large | llama-3-8b shape: batch-1 TPOT, 4096-token TTFT | TIMED OUT | 180 | 180 |",
+        "| serve_bench | sluice serve + greedy reference + sluice bench --sweep 1,16,64 | NOT RUN |  |  |  |",
+    ):
+        assert row in text, row

@@ -116,6 +116,15 @@ def serving_section(out: Path) -> str:
     return markdown_table(headers, rows)
 
 
+def comparison_line(comparison: dict[str, Any], extra: str = "") -> str:
+    """greedy_compare.summarize's counts as a sentence (then `extra`), and a line per sample that differed."""
+    counts = (
+        f"{comparison['equal']} equal, {comparison['near tie']} parting at a near tie, "
+        f"{comparison['mismatch']} mismatched{extra}."
+    )
+    return counts + "".join(f"\n- {line}" for line in comparison["details"])
+
+
 def _request_name(seed: int | None) -> str:
     return "greedy" if seed is None else f"seed {seed}, temperature 1"
 
@@ -124,13 +133,13 @@ def checks_section(results: dict[str, dict]) -> str:
     parts = []
     speculative = results.get("speculative")
     if speculative and "comparison" in speculative:
-        c = speculative["comparison"]
         parts.append(
-            f"**Speculative decoding (ngram) vs plain greedy, one request at a time:** {c['equal']} equal, "
-            f"{c['near tie']} parting at a near tie, {c['mismatch']} mismatched; "
-            f"{speculative.get('draft_tokens', 0)} draft tokens verified, "
-            f"{speculative.get('accepted_draft_tokens', 0)} accepted."
-            + "".join(f"\n- {line}" for line in c["details"])
+            "**Speculative decoding (ngram) vs plain greedy, one request at a time:** "
+            + comparison_line(
+                speculative["comparison"],
+                f"; {speculative.get('draft_tokens', 0)} draft tokens verified, "
+                f"{speculative.get('accepted_draft_tokens', 0)} accepted",
+            )
         )
     structured = results.get("structured")
     if structured and "answers" in structured:
@@ -149,7 +158,9 @@ def checks_section(results: dict[str, dict]) -> str:
             + markdown_table(["request", "output", "schema", "cached prompt tokens"], rows)
         )
     tensor_parallel = results.get("tensor_parallel", {})
-    tp_line = tensor_parallel.get("skipped") or tensor_parallel.get("comparison") or "not run"
+    tp_line = tensor_parallel.get("skipped") or tensor_parallel.get("error") or "not run"
+    if "comparison" in tensor_parallel:
+        tp_line = "TP=2 vs TP=1 greedy: " + comparison_line(tensor_parallel["comparison"])
     parts.append(f"**Tensor parallelism (issue 35):** {tp_line}")
     from sluice.engine.config import QUANTIZATIONS
 
