@@ -33,10 +33,6 @@ if [[ $# -ne 1 ]]; then
     echo "usage: scripts/gpu_check.sh OUT_DIR" >&2
     exit 2
 fi
-REPO=$(cd "$(dirname "$0")/.." && pwd)
-cd "$REPO" || exit 2
-mkdir -p "$1" || exit 2
-OUT=$(cd "$1" && pwd)
 DEVICE=${SLUICE_GPU_CHECK_DEVICE:-cuda}
 case $DEVICE in
     cuda) MODE=gpu ;;
@@ -47,7 +43,17 @@ BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
 STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel large)
 SELECTED=${SLUICE_GPU_CHECK_STEPS:-${STEPS[*]}}
 SELECTED=${SELECTED//,/ }
+for name in $SELECTED; do
+    if [[ " ${STEPS[*]} " != *" $name "* ]]; then
+        echo "SLUICE_GPU_CHECK_STEPS: unknown step '$name'; steps: ${STEPS[*]}" >&2
+        exit 2
+    fi
+done
 STEP_CAP=${SLUICE_GPU_CHECK_STEP_LIMIT_S:-}
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO" || exit 2
 REPORT_RESERVE=20 # seconds kept for the report at the end
 OPTIONAL_STEP=large # run "if time allows"
 WHL=$REPO/.whl

@@ -157,12 +157,23 @@ def test_a_budget_too_small_fails_the_required_steps_and_skips_the_optional_one(
     assert (out / "report.md").read_text().startswith("# Sluice GPU check: CPU: FAIL")
 
 
-def test_the_script_refuses_a_missing_out_dir_and_an_unknown_device() -> None:
+def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_step(tmp_path: Path) -> None:
     proc = subprocess.run([str(SCRIPT)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == "usage: scripts/gpu_check.sh OUT_DIR\n"
     env = {**os.environ, "SLUICE_GPU_CHECK_DEVICE": "tpu"}
-    proc = subprocess.run([str(SCRIPT), "/tmp/unused"], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and proc.stderr == "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got 'tpu'\n"
+    env = {**os.environ, "SLUICE_GPU_CHECK_STEPS": "serve_bench,parity"}
+    proc = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
+        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel large\n"
+    )
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_the_wheel_list_pins_one_version_of_each_and_stubs_fit_its_grpc_and_protobuf() -> None:
