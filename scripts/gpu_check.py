@@ -1,24 +1,32 @@
 """GPU acceptance check: kernel tests on the device, bf16 parity with transformers, decode benchmarks.
 
-Needs one CUDA device with torch, triton and transformers; downloads nothing. Run `make gpu-check`
-(or `python scripts/gpu_check.py [--out docs/perf/gpu_check.md]`). Steps:
+Step (b) of `scripts/gpu_check.sh`, which runs it with `--skip-tests` after running the kernel tests itself
+(its step (a), `--print-kernel-tests` gives the files); it also runs alone on a CUDA machine whose python
+has torch (CUDA build), triton, transformers, pytest and Sluice's own dependencies:
+`python scripts/gpu_check.py [--out docs/perf/gpu_check.md]`. Downloads nothing. Sections:
 
 1. pytest on the kernel test files with the kernels compiled for the GPU (no TRITON_INTERPRET);
 2. a tiny random Llama saved with save_pretrained, loaded into both transformers and our model in
    bf16: last-token logits after a prefill and 8 greedy decode tokens through the paged cache;
-3. a llama-3.2-1b-shaped random model in bf16: decode step time at batch 1/8/32/128, eager vs CUDA
+3. the ceilings measured here: device-to-device copy bandwidth and the bf16 matrix product rate;
+4. a llama-3.2-1b-shaped random model in bf16: decode step time at batch 1/8/32/64/128, eager vs CUDA
    graphs; batch 1 against the floor (weight bytes / measured copy bandwidth); paged decode
-   attention bandwidth at 4k and 32k context against the measured bandwidth; the prefill attention
-   kernel against torch SDPA; the issue's three goals, met or not;
-4. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
+   attention bandwidth at 4k x 32 and 32k x 8 against the copy bandwidth; the prefill attention
+   kernel against torch SDPA at 2k and 8k; issue 33's kernel goals, met or not;
+5. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
    `transformers.generate` one request at a time and in static batches of 8, same weights and prompts.
 Results go to a markdown file, rewritten after each section (a crash or a timeout keeps what was
-measured); the exit status is non-zero when a section fails or raises.
+measured); with `--results FILE` each section's figures are appended to FILE as one JSON line
+(`{"step": "gpu_check", "section": ..., "figures": {...}}`, read by the GPU check's report). The exit
+status is non-zero when a section fails or raises. `--device cpu` runs the parity section in float32
+with the kernels interpreted (set TRITON_INTERPRET=1) and reports the CUDA-only sections as skipped:
+the GPU check's CPU mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +48,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     copy_bandwidth_bytes_per_s,
     floor_step_time_s,
     goal_rows,
+    matmul_flops_per_s,
     random_kv_caches,
     triton_model,
 )
@@ -56,6 +65,9 @@ KERNEL_TESTS = (
     "tests/test_cuda_graph_runner.py",
     "tests/test_model_parity.py",  # the whole model with every Triton kernel, fp32, against transformers
 )
+# The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
+CPU_KERNEL_TESTS = ("tests/test_kernels_store_kv.py",)
+CUDA_ONLY = "skipped: needs CUDA (this run is on the CPU)"
 PARITY_LOGIT_ATOL = 0.25  # bf16 logits of a 2-layer model: different kernels round differently
 
 
@@ -176,42 +188,82 @@ class Report:
         print(self.parts[-1], flush=True)
 
 
+def _skipped() -> str:
+    return CUDA_ONLY
+
+
 class GpuCheck:
-    """The report's sections, in order; later sections read what earlier ones measured."""
+    """The report's sections, in order; later sections read what earlier ones measured. Each section
+    may leave its figures in `self.figures[key]` for the machine-readable results."""
 
     def __init__(self, device: torch.device, skip_tests: bool, skip_e2e: bool) -> None:
         self.device, self.skip_tests, self.skip_e2e = device, skip_tests, skip_e2e
+        self.figures: dict[str, dict[str, object]] = {}
 
-    def sections(self) -> list[tuple[str, Callable[[], str]]]:
+    def sections(self) -> list[tuple[str, str, Callable[[], str]]]:
+        """(key, title, body) of each section, in report order; on a CPU the CUDA-only ones say so."""
+        sections = [
+            ("tests", "Kernel tests (compiled for the GPU)", self.tests, False),
+            ("parity", "Parity with transformers (Triton kernels)", self.parity, False),
+            ("ceilings", "Ceilings measured here", self.ceilings, True),
+            ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
+            ("attention", "Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
+             self.attention, True),
+            ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
+             self.prefill, True),
+            ("goals", "Goals (issue 33, kernel level)", self.goals, True),
+            ("end_to_end", "End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)",
+             self.end_to_end, True),
+        ]  # fmt: skip
+        on_cpu = self.device.type != "cuda"
         return [
-            ("Kernel tests (compiled for the GPU)", self.tests),
-            ("Parity with transformers (bf16, Triton kernels)", self.parity),
-            (f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode),
-            ("Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)", self.attention),
-            ("Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)", self.prefill),
-            ("Goals", self.goals),
-            ("End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)", self.end_to_end),
+            (key, title, _skipped if cuda_only and on_cpu else body)
+            for key, title, body, cuda_only in sections
         ]
 
     def tests(self) -> str:
         if self.skip_tests:
-            return "skipped"
+            return "skipped (scripts/gpu_check.sh runs them as its own step)"
         passed, summary = run_kernel_tests()
         if not passed:
             raise CheckFailed(summary)
         return f"PASS ({summary})"
 
     def parity(self) -> str:
-        passed, rows = check_parity(self.device)
-        table = markdown_table(["check", "value"], rows)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        passed, rows = check_parity(self.device, dtype)
+        self.figures["parity"] = {
+            "dtype": str(dtype),
+            "max_logit_diff": rows[0][1],
+            "tokens_equal": rows[1][1],
+        }
+        table = markdown_table(["check", "value"], [["dtype", str(dtype)], *rows])
         if not passed:
             raise CheckFailed(table)
         return "PASS\n\n" + table
 
-    def decode(self) -> str:
+    def ceilings(self) -> str:
         self.bandwidth = copy_bandwidth_bytes_per_s(self.device)
+        self.matmul = matmul_flops_per_s(self.device)
+        self.figures["ceilings"] = {
+            "copy_bytes_per_s": self.bandwidth,
+            "bf16_matmul_flops_per_s": self.matmul,
+        }
+        rows = [["device-to-device copy, read + write (1 GiB)", self.bandwidth / 1e9, "GB/s"],
+                ["bf16 matrix product 8192^3, random data", self.matmul / 1e12, "TFLOP/s"]]  # fmt: skip
+        return markdown_table(["ceiling", "measured", "unit"], rows)
+
+    def decode(self) -> str:
         self.decode_rows, self.batch1_s, weight_bytes = bench_decode(self.device)
         self.floor_s = floor_step_time_s(int(weight_bytes), self.bandwidth)
+        steps = [row for row in self.decode_rows if isinstance(row[0], int)]
+        self.figures["decode"] = {
+            "context": BENCH_CONTEXT,
+            "weight_bytes": weight_bytes,
+            "floor_s": self.floor_s,
+            "graph_step_s": {str(row[0]): row[2] / 1e3 for row in steps},
+            "eager_step_s": {str(row[0]): row[1] / 1e3 for row in steps},
+        }
         step_headers = ["batch", "eager ms", "CUDA graph ms", "speedup", "graph vs eager (max rel diff)"]
         floor_headers = ["copy bandwidth GB/s", "weights GB", "floor ms", "graph step ms", "floor / step"]
         floor = [self.bandwidth / 1e9, weight_bytes / 1e9, self.floor_s * 1e3, self.batch1_s * 1e3,
@@ -221,7 +273,7 @@ class GpuCheck:
             "Batch-1 step vs the memory floor:",
             markdown_table(floor_headers, [floor]),
         ])  # fmt: skip
-        if any(row[4] > GRAPH_MAX_REL_DIFF for row in self.decode_rows[:-1]):
+        if any(row[4] > GRAPH_MAX_REL_DIFF for row in steps):
             raise CheckFailed(
                 f"CUDA graph replay departs from eager by more than {GRAPH_MAX_REL_DIFF}\n\n{text}"
             )
@@ -229,15 +281,22 @@ class GpuCheck:
 
     def attention(self) -> str:
         self.attention_rows = bench_attention(self.device, self.bandwidth)
+        keys = ("context", "batch", "us", "gb_per_s", "of_copy_bw")
+        self.figures["attention"] = {
+            "rows": [dict(zip(keys, row, strict=True)) for row in self.attention_rows]
+        }
         return markdown_table(["context", "batch", "us", "GB/s", "of copy bw"], self.attention_rows)
 
     def prefill(self) -> str:
+        self.prefill_rows = bench_prefill_attention(self.device)
+        keys = ("prompt", "ours_ms", "ours_tflops", "sdpa_ms", "sdpa_tflops", "ours_over_sdpa_speed")
+        self.figures["prefill"] = {"rows": [dict(zip(keys, row, strict=True)) for row in self.prefill_rows]}
         headers = ["prompt", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA speed"]
-        return markdown_table(headers, bench_prefill_attention(self.device))
+        return markdown_table(headers, self.prefill_rows)
 
     def goals(self) -> str:
-        speedup, fraction = self.decode_rows[0][3], self.attention_rows[-1][4]
-        rows = goal_rows(self.batch1_s, self.floor_s, speedup, fraction)
+        speedup = self.decode_rows[0][3]
+        rows = goal_rows(self.batch1_s, self.floor_s, speedup, self.attention_rows, self.prefill_rows)
         return markdown_table(["goal", "measured", "status"], rows)
 
     def end_to_end(self) -> str:
@@ -245,25 +304,46 @@ class GpuCheck:
             return "skipped"
         torch.cuda.empty_cache()
         rows = bench_end_to_end(self.device)
+        self.figures["end_to_end"] = {"rows": [{"run": r[0], "tokens_per_s": r[3]} for r in rows]}
         return markdown_table(["run", "output tokens", "seconds", "tok/s", "vs sequential"], rows)
+
+
+def append_result(path: Path, record: dict[str, object]) -> None:
+    """One JSON line appended to the GPU check's results file."""
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "perf" / "gpu_check.md"))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--results", default=None, help="append each section's figures here (JSON lines)")
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest step")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end comparison")
+    parser.add_argument(
+        "--print-kernel-tests", action="store_true", help="print the kernel test files of --device and exit"
+    )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device", file=sys.stderr)
+    if args.print_kernel_tests:
+        print(" ".join(KERNEL_TESTS if args.device == "cuda" else CPU_KERNEL_TESTS))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (--device cpu runs the CPU mode)", file=sys.stderr)
         return 2
     import triton
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    report = Report(Path(args.out), f"# GPU check: {torch.cuda.get_device_name(device)} ({versions})")
-    for title, body in GpuCheck(device, args.skip_tests, args.skip_e2e).sections():
+    report = Report(Path(args.out), f"# GPU check: {name} ({versions})")
+    check = GpuCheck(device, args.skip_tests, args.skip_e2e)
+    for key, title, body in check.sections():
         report.section(title, body)
+        if args.results and key in check.figures:
+            append_result(
+                Path(args.results), {"step": "gpu_check", "section": key, "figures": check.figures[key]}
+            )
     return 0 if report.ok else 1
 
 

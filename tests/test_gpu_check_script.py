@@ -1,21 +1,198 @@
-"""scripts/gpu_check.py imports without a GPU, and its pure helpers compute what the report prints."""
+"""The GPU check: scripts/gpu_check.sh run end to end in its CPU mode, and the pure parts of
+scripts/gpu_check.py and sluice.benchmarks.gpu (comparisons, floors, the report) on known inputs.
+
+The CPU mode runs the same steps as on a GPU (kernel tests, scripts/gpu_check.py, three real servers,
+`sluice bench`) on the tiny preset in float32; it installs nothing: SLUICE_GPU_CHECK_PYTHON points the script
+at this interpreter, whose environment already has Sluice and its dependencies.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import jsonschema
 import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
 import pytest
 import torch
+from packaging.version import Version
 
-from sluice.benchmarks.gpu import gpu_benchmarks
-
-_SPEC = importlib.util.spec_from_file_location(
-    "gpu_check", Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+from sluice.benchmarks.gpu import (
+    borrowed_tokenizer,
+    check_figures,
+    check_report,
+    gpu_benchmarks,
+    greedy_compare,
+    serve_checks,
 )
+from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
+
+REPO = Path(__file__).parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+_SPEC = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_check)
+
+OUT_FILES = {"report.md", "gpu_check.md", "results.jsonl", "steps.log", "servers.log", "bench_serve.json",
+             "bench_large.json"}  # fmt: skip
+
+
+def run_script(out: Path, timeout: float, python: str = sys.executable, **env: str):
+    environment = {
+        **os.environ,
+        "SLUICE_GPU_CHECK_DEVICE": "cpu",
+        "SLUICE_GPU_CHECK_PYTHON": python,
+        **env,
+    }
+    return subprocess.run(
+        [str(SCRIPT), str(out)], cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def statuses(out: Path) -> dict[str, dict]:
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "status" in r}
+
+
+def step_result(out: Path, step: str) -> dict:
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return next(r for r in records if r.get("step") == step and "status" not in r)
+
+
+# ---- the whole script, CPU mode ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_script(out, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = {p.name for p in out.iterdir()}
+    assert files == OUT_FILES and len(files) <= 8
+
+    steps = statuses(out)
+    assert {name: steps[name]["status"] for name in steps} == {
+        "install": "skipped",
+        "kernel_tests": "passed",
+        "gpu_check": "passed",
+        "serve_bench": "passed",
+        "speculative": "passed",
+        "structured": "passed",
+        "tensor_parallel": "skipped",
+        "large": "passed",  # on the tiny preset here
+    }
+    assert step_result(out, "tensor_parallel")["skipped"] == "needs 2 GPUs, this machine has 0"
+
+    (run,) = json.loads((out / "bench_large.json").read_text())["runs"]
+    assert run["config"]["workload"]["input_len"] == 24 and run["metrics"]["num_completed"] == 2
+    assert step_result(out, "large")["model_info"]["model_name"] == "dummy-tiny"
+    runs = json.loads((out / "bench_serve.json").read_text())["runs"]
+    assert [run["config"]["concurrency"] for run in runs] == [1, 16, 64]
+    assert all(run["metrics"]["num_completed"] == run["metrics"]["num_requests"] == 4 for run in runs)
+
+    reference = step_result(out, "serve_bench")
+    assert [len(sample["tokens"]) for sample in reference["greedy"]] == [8, 8, 8]
+    speculative = step_result(out, "speculative")
+    assert speculative["comparison"]["mismatch"] == 0 and speculative["draft_tokens"] > 0
+    assert speculative["model_info"]["speculative_method"] == "ngram"
+
+    structured = step_result(out, "structured")
+    assert structured["vocab_size"] == 49152  # tiny's 32000 widened to SmolLM2's tokenizer
+    for answer in structured["answers"]:
+        jsonschema.validate(json.loads(answer["text"]), SCHEMA)
+    assert structured["answers"][1]["cached_tokens"] > 0  # the same chat prompt, served from the cache
+
+    parity = (out / "gpu_check.md").read_text()
+    assert "## Parity with transformers (Triton kernels)\n\nPASS" in parity
+    assert "## Decode step" in parity and "skipped: needs CUDA (this run is on the CPU)" in parity
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Sluice GPU check: CPU: PASS")
+    assert (
+        "| serve_bench | sluice serve + greedy reference + sluice bench --sweep 1,16,64 | PASSED |" in report
+    )
+    assert "**Tensor parallelism (issue 35):** needs 2 GPUs, this machine has 0" in report
+    assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
+
+
+def test_a_hung_step_is_killed_at_its_limit_and_fails_the_check(tmp_path: Path) -> None:
+    # A python that hangs when asked to run pytest (the kernel-test step) and is itself otherwise.
+    pid_file = tmp_path / "hung.pid"
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        f'if [[ "$1 $2" == "-m pytest" ]]; then echo $$ > {pid_file}; exec sleep 300; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    out = tmp_path / "out"
+    env = {"SLUICE_GPU_CHECK_STEPS": "kernel_tests", "SLUICE_GPU_CHECK_STEP_LIMIT_S": "3"}
+    proc = run_script(out, timeout=300, python=str(python), **env)
+    assert proc.returncode == 1
+    steps = statuses(out)
+    assert steps["kernel_tests"]["status"] == "timed out" and steps["kernel_tests"]["limit_s"] == 3
+    assert (steps["gpu_check"]["status"], steps["gpu_check"]["note"]) == (
+        "skipped",
+        "not in SLUICE_GPU_CHECK_STEPS",
+    )
+    with pytest.raises(ProcessLookupError):  # the hung process went with its step
+        os.kill(int(pid_file.read_text()), 0)
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Sluice GPU check: CPU: FAIL")
+    assert "| kernel_tests |" in report and "| TIMED OUT | " in report
+
+
+def test_a_budget_too_small_fails_the_required_steps_and_skips_the_optional_one(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_script(out, timeout=300, SLUICE_GPU_CHECK_BUDGET_S="40")
+    assert proc.returncode == 1
+    steps = statuses(out)
+    for name in ("kernel_tests", "gpu_check", "serve_bench", "speculative", "structured", "tensor_parallel"):
+        assert steps[name]["status"] == "out of time", name
+    assert steps["large"]["status"] == "skipped"
+    assert (out / "report.md").read_text().startswith("# Sluice GPU check: CPU: FAIL")
+
+
+def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_step(tmp_path: Path) -> None:
+    proc = subprocess.run([str(SCRIPT)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "usage: scripts/gpu_check.sh OUT_DIR\n"
+    env = {**os.environ, "SLUICE_GPU_CHECK_DEVICE": "tpu"}
+    proc = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr == "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got 'tpu'\n"
+    env = {**os.environ, "SLUICE_GPU_CHECK_STEPS": "serve_bench,parity"}
+    proc = subprocess.run(
+        [str(SCRIPT), str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
+        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel large\n"
+    )
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_the_wheel_list_pins_one_version_of_each_and_stubs_fit_its_grpc_and_protobuf() -> None:
+    lines = (REPO / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    pins = dict(
+        line.removeprefix("build: ").split("==") for line in lines if line and not line.startswith("#")
+    )
+    assert len(pins) == len([line for line in lines if line and not line.startswith("#")])  # one of each
+    needed = {"msgspec", "pyzmq", "xgrammar", "apache-tvm-ffi", "pydantic", "gguf", "grpcio-health-checking"}
+    needed |= {"grpcio-reflection", "pytest-asyncio", "setuptools", "opentelemetry-sdk", "grpcio", "protobuf"}
+    assert needed <= set(pins)
+    grpc_stub = (REPO / "clients/python/sluice/v1/sluice_pb2_grpc.py").read_text()
+    pb_stub = (REPO / "clients/python/sluice/v1/sluice_pb2.py").read_text()
+    grpc_needed = grpc_stub.split("GRPC_GENERATED_VERSION = '")[1].split("'")[0]
+    pb_needed = pb_stub.split("# Protobuf Python Version: ")[1].split()[0]
+    assert Version(pins["grpcio"]) >= Version(grpc_needed) and Version(pins["protobuf"]) >= Version(pb_needed)
+
+
+# ---- scripts/gpu_check.py -------------------------------------------------------------------------
 
 
 def test_markdown_table():
@@ -46,12 +223,21 @@ def test_decode_step_inputs_are_disjoint_pure_decode_rows():
     assert inputs.positions.tolist() == [39, 39, 39]
 
 
+ATTENTION_ROWS = [[4096, 32, 100.0, 2600.0, 0.65], [32768, 8, 200.0, 2800.0, 0.68]]
+PREFILL_ROWS = [[2048, 1.0, 300.0, 0.9, 330.0, 0.9], [8192, 10.0, 400.0, 7.0, 560.0, 0.7]]
+
+
 def test_goal_rows_state_each_goal_and_whether_it_was_met():
-    rows = gpu_benchmarks.goal_rows(
-        batch1_step_s=1.2e-3, floor_s=1e-3, batch1_speedup=1.4, long_context_fraction=0.75
-    )
-    assert [row[2] for row in rows] == ["met", "NOT met", "met"]
-    assert rows[0][1] == pytest.approx(1.2) and rows[1][1] == 1.4 and rows[2][1] == 0.75
+    rows = gpu_benchmarks.goal_rows(1.2e-3, 1e-3, 1.4, ATTENTION_ROWS, PREFILL_ROWS)
+    assert [(row[0], row[2]) for row in rows] == [
+        ("batch-1 graph step / floor <= 1.5", "met"),
+        ("CUDA graphs vs eager at batch 1 >= 1.5x", "NOT met"),
+        ("decode attention 4k x 32 >= 60% of copy bw", "met"),
+        ("decode attention 32k x 8 >= 70% of copy bw", "NOT met"),
+        ("prefill attention 2k >= 0.8x torch SDPA", "met"),
+        ("prefill attention 8k >= 0.8x torch SDPA", "NOT met"),
+    ]
+    assert rows[0][1] == pytest.approx(1.2) and rows[3][1] == 0.68
 
 
 def test_parity_check_runs_the_triton_model_against_transformers():
@@ -93,11 +279,207 @@ def test_report_keeps_every_section_and_records_failures(tmp_path):
     assert text.endswith("## after\n\nstill measured\n")
 
 
-def test_sections_are_in_report_order():
+def test_sections_are_in_report_order_and_cuda_only_ones_skip_on_cpu():
     check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
-    titles = [title for title, _ in check.sections()]
-    assert titles[0] == "Kernel tests (compiled for the GPU)" and titles[-2:] == [
-        "Goals",
-        "End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)",
+    sections = check.sections()
+    assert [key for key, _, _ in sections] == [
+        "tests", "parity", "ceilings", "decode", "attention", "prefill", "goals", "end_to_end",
+    ]  # fmt: skip
+    assert sections[0][2]().startswith("skipped")
+    assert all(body() == gpu_check.CUDA_ONLY for key, _, body in sections[2:])
+
+
+def test_print_kernel_tests_names_existing_files(capsys):
+    assert gpu_check.main(["--print-kernel-tests"]) == 0
+    files = capsys.readouterr().out.split()
+    assert files == list(gpu_check.KERNEL_TESTS) and all((REPO / f).is_file() for f in files)
+    assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split() == list(gpu_check.CPU_KERNEL_TESTS)
+
+
+def test_measured_sections_leave_figures_the_report_reads(monkeypatch):
+    # The CUDA sections with their benchmarks replaced by known numbers: the figures they record are
+    # what check_figures turns into rows (the shapes the two must agree on, checked without a GPU).
+    decode_rows = [[1, 5.0, 1.0, 5.0, 0.0], [64, 9.0, 3.0, 3.0, 0.0], ["graph pool MiB", 12.0, "", "", ""]]
+    monkeypatch.setattr(gpu_check, "copy_bandwidth_bytes_per_s", lambda device: 3e12)
+    monkeypatch.setattr(gpu_check, "matmul_flops_per_s", lambda device: 8e14)
+    monkeypatch.setattr(gpu_check, "bench_decode", lambda device: (decode_rows, 1e-3, 1.5e9))
+    monkeypatch.setattr(gpu_check, "bench_attention", lambda device, bandwidth: ATTENTION_ROWS)
+    monkeypatch.setattr(gpu_check, "bench_prefill_attention", lambda device: PREFILL_ROWS)
+    check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
+    for body in (check.ceilings, check.decode, check.attention, check.prefill, check.goals):
+        body()
+    figures = check.figures
+    assert figures["decode"]["floor_s"] == pytest.approx(5e-4)
+    assert figures["decode"]["graph_step_s"] == {"1": 1e-3, "64": 3e-3}
+    rows = check_figures.kernel_rows(figures)
+    assert [row[0] for row in rows] == [
+        "prefill attention, 2k causal, TFLOP/s",
+        "prefill attention, 8k causal, TFLOP/s",
+        "paged decode attention, 4k x 32, GB/s",
+        "paged decode attention, 32k x 8, GB/s",
+        "1b batch-1 decode step (CUDA graph), ms",
     ]
-    assert check.tests() == "skipped" and check.end_to_end() == "skipped"
+    assert rows[-1] == [
+        "1b batch-1 decode step (CUDA graph), ms",
+        "1.00",
+        "floor 0.50",
+        "2.00",
+        "<= 1.5",
+        "NOT met",
+    ]
+    assert rows[2][1:] == ["2600", "copy 3000", "0.65", ">= 0.60", "met"]
+    serve_runs = [
+        {"config": {"concurrency": 1}, "metrics": {"tpot": {"p50": 1.5e-3}}},
+        {"config": {"concurrency": 64}, "metrics": {"tpot": {"p50": 3.3e-3}}},
+    ]
+    assert check_figures.serving_rows(figures, serve_runs) == [
+        ["1b TPOT p50 over gRPC, concurrency 1, ms", "1.50", "graph step at batch 1: 1.00", "1.50", "", ""],
+        [
+            "1b TPOT p50 over gRPC, concurrency 64, ms",
+            "3.30",
+            "graph step at batch 64: 3.00",
+            "1.10",
+            "<= 1.2",
+            "met",
+        ],
+    ]
+
+
+# ---- sluice.benchmarks.gpu -------------------------------------------------------------------------
+
+
+def test_the_8b_floors_follow_from_its_parameter_counts():
+    numbers = check_figures.model_numbers("llama-3-8b")
+    assert numbers["weight_bytes"] == 2 * 8_030_261_248
+    assert numbers["body_params"] == 8_030_261_248 - 2 * 128256 * 4096  # embedding and untied head out
+    # 2 flops per body parameter per token, causal attention in 32 layers, the head once.
+    attention = 32 * 2 * 2 * 32 * 128 * 4096 * 4097 / 2
+    expected = 2 * numbers["body_params"] * 4096 + attention + 2 * 128256 * 4096
+    assert check_figures.prompt_flops(numbers, 4096) == pytest.approx(expected, rel=1e-12)
+    figures = {"ceilings": {"copy_bytes_per_s": 4e12, "bf16_matmul_flops_per_s": 8e14}}
+    runs = [
+        {
+            "config": {"workload": {"input_len": 4096}},
+            "metrics": {"tpot": {"p50": 5e-3}, "ttft": {"p50": 0.11}},
+        }
+    ]
+    tpot, ttft = check_figures.large_rows(figures, runs, numbers)
+    assert tpot[:4] == ["8b batch-1 TPOT p50 over gRPC, ms", "5.00", "floor 4.02", "0.80"]
+    assert tpot[5] == "met"  # 4.015 ms / 5 ms = 0.803 of the floor's speed
+    assert ttft[2] == f"FLOP floor {expected / 8e14 * 1e3:.1f}" and ttft[5] == "NOT met"  # 110 ms vs 77 ms
+
+
+def test_greedy_comparison_tells_equal_near_ties_and_mismatches():
+    def sample(tokens, tops):
+        return {"tokens": tokens, "top": tops}
+
+    top = [[[5, -1.0], [6, -1.05], [7, -3.0]]]
+    reference = [sample([5, 1], top * 2), sample([5], top), sample([5], top), sample([5, 1], top * 2)]
+    candidate = [
+        sample([5, 1], top * 2),  # equal
+        sample([6], [[[6, -1.0], [5, -1.04]]]),  # parts at a near tie: 0.05 and 0.04 nats
+        sample([7], [[[7, -1.0], [5, -2.0]]]),  # parts where the reference put 2 nats between them
+        sample([5], top),  # shorter
+    ]
+    verdicts = greedy_compare.compare_greedy(reference, candidate, near_tie_nats=0.1)
+    assert [v.kind for v in verdicts] == ["equal", "near tie", "mismatch", "mismatch"]
+    assert verdicts[1].position == 0 and verdicts[1].gap == pytest.approx(0.05)
+    summary = greedy_compare.summarize(verdicts)
+    assert (summary["equal"], summary["near tie"], summary["mismatch"]) == (1, 1, 2)
+    assert summary["details"][1] == "sample 2: mismatch, token 5 vs 7 at position 0: 2.0000 nats apart"
+    assert summary["details"][2] == "sample 3: mismatch, 2 vs 1 tokens"
+    with pytest.raises(ValueError, match="^candidate: 1 samples, the reference has 4$"):
+        greedy_compare.compare_greedy(reference, candidate[:1], 0.1)
+
+
+def test_greedy_prompts_repeat_a_motif_inside_the_vocabulary():
+    prompts = greedy_compare.greedy_prompts(3, vocab_size=100, seed=1)
+    assert len(prompts) == 3 and all(len(p) == 44 and p[:12] == p[12:24] == p[24:36] for p in prompts)
+    assert all(3 <= t < 100 for p in prompts for t in p)
+    assert prompts == greedy_compare.greedy_prompts(3, vocab_size=100, seed=1)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"id": 5, "paid": True, "color": "red"},
+        {"id": 5, "paid": True},
+        {"id": 1000, "paid": True, "color": "red"},
+        {"id": 5.5, "paid": True, "color": "red"},
+        {"id": True, "paid": True, "color": "red"},
+        {"id": 5, "paid": 1, "color": "red"},
+        {"id": 5, "paid": True, "color": "pink"},
+        {"id": 5, "paid": True, "color": "red", "x": 1},
+        [1, 2],
+    ],
+)
+def test_the_schema_check_by_hand_agrees_with_jsonschema(value):
+    assert bool(_errors_by_hand(value)) == bool(schema_errors(value))
+
+
+def test_a_borrowed_tokenizer_widens_a_small_vocabulary_only(tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    assert borrowed_tokenizer.export_smollm2_tokenizer(tokenizer_dir) == 49152
+    tiny = borrowed_tokenizer.write_model_dir("tiny", tokenizer_dir, tmp_path / "tiny")
+    one_b = borrowed_tokenizer.write_model_dir("llama-3.2-1b", tokenizer_dir, tmp_path / "1b")
+    assert tiny["vocab_size"] == 49152 and one_b["vocab_size"] == 128256
+    assert json.loads((tmp_path / "1b" / "config.json").read_text())["hidden_size"] == 2048
+    from transformers import AutoTokenizer  # the tokenizer loads where transformers reads it
+
+    text = "Describe a paint order as JSON."
+    ours = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert ours.decode(ours(text)["input_ids"], skip_special_tokens=True) == text
+    with pytest.raises(
+        ValueError, match="^tokenizer_dir: '.*' has no tokenizer.json, tokenizer_config.json$"
+    ):
+        borrowed_tokenizer.write_model_dir("tiny", tmp_path / "missing", tmp_path / "x")
+    with pytest.raises(ValueError, match="^preset: unknown 'huge'"):
+        borrowed_tokenizer.write_model_dir("huge", tokenizer_dir, tmp_path / "x")
+
+
+def test_wait_gone_tells_an_exited_process_from_a_live_one():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert serve_checks.wait_gone(child.pid, timeout=5.0)
+    assert not serve_checks.wait_gone(os.getpid(), timeout=0.3)
+
+
+def test_the_report_sets_a_gpu_run_against_issue_33s_table(tmp_path: Path):
+    # Issue 33's own H200 figures, as the steps would record them: the report must reproduce its gaps.
+    def run(concurrency: int, tpot: float, ttft: float) -> dict:
+        metrics = {"num_requests": 64, "num_completed": 64, "errors": {}, "output_throughput": 100.0,
+                   "tpot": {"p50": tpot, "p99": tpot}, "ttft": {"p50": ttft}}  # fmt: skip
+        return {"config": {"concurrency": concurrency, "workload": {"input_len": 4096}}, "metrics": metrics}
+
+    figures = {
+        "ceilings": {"copy_bytes_per_s": 4.2e12, "bf16_matmul_flops_per_s": 7.9e14},
+        "decode": {"floor_s": 5.9e-4, "graph_step_s": {"1": 1.72e-3, "64": 2.2e-3}},
+        "attention": {"rows": [{"context": 32768, "batch": 8, "gb_per_s": 1785.0, "of_copy_bw": 0.425}]},
+    }
+    records = [{"step": "gpu_check", "section": key, "figures": value} for key, value in figures.items()]
+    records += [
+        {"step": "gpu_check", "status": "passed", "seconds": 130, "limit_s": 240, "note": "exit status 0"},
+        {"step": "large", "status": "timed out", "seconds": 180, "limit_s": 180, "note": "exit status 124"},
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "bench_serve.json").write_text(
+        json.dumps({"runs": [run(1, 2.1e-3, 0.01), run(64, 3.6e-3, 0.05)]})
+    )
+    (tmp_path / "bench_large.json").write_text(json.dumps({"runs": [run(1, 5.6e-3, 0.177)]}))
+    text, ok = check_report.build_report(tmp_path, "gpu", 431, 470)
+    assert (
+        not ok
+        and text.splitlines()[0].startswith("# Sluice GPU check: ")
+        and text.splitlines()[0].endswith(": FAIL")
+    )
+    for row in (
+        "| paged decode attention, 32k x 8, GB/s | 1785 | copy 4200 | 0.42 | >= 0.70 | NOT met |",
+        "| 1b batch-1 decode step (CUDA graph), ms | 1.72 | floor 0.59 | 2.92 | <= 1.5 | NOT met |",
+        "| 1b TPOT p50 over gRPC, concurrency 64, ms | 3.60 | graph step at batch 64: 2.20 | 1.64 | <= 1.2 |",
+        "| 8b batch-1 TPOT p50 over gRPC, ms | 5.60 | floor 3.82 | 0.68 | floor/TPOT >= 0.8 | NOT met |",
+        "| 8b TTFT p50, 4096-token prompt, ms | 177.0 | FLOP floor 77.9 | 2.27 | <= 1.3 | NOT met |",
+        "| large | llama-3-8b shape: batch-1 TPOT, 4096-token TTFT | TIMED OUT | 180 | 180 |",
+        "| serve_bench | sluice serve + greedy reference + sluice bench --sweep 1,16,64 | NOT RUN |  |  |  |",
+    ):
+        assert row in text, row

@@ -1,0 +1,237 @@
+"""OUT/report.md of `scripts/gpu_check.sh`: every step's status, the figures issues 33-35 ask for set
+against their limits, and what each server step saw; built from OUT/results.jsonl and the bench JSON.
+
+    python -m sluice.benchmarks.gpu.check_report OUT --mode gpu --wall-s 431 --budget-s 470
+
+Exits 0 when every step passed or was skipped, 1 otherwise (the script's exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sluice.benchmarks.gpu import check_figures
+from sluice.benchmarks.gpu.serve_checks import PLANS, RESULTS, read_results
+
+# The steps of scripts/gpu_check.sh, in order, and what each runs.
+STEPS = {
+    "install": "wheels from .whl/ and Sluice itself, pip --no-index --target",
+    "kernel_tests": "kernel tests, compiled for the device (scripts/gpu_check.py --print-kernel-tests)",
+    "gpu_check": "scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, end to end",
+    "serve_bench": "sluice serve + greedy reference + sluice bench --sweep 1,16,64",
+    "speculative": "sluice serve --speculative ngram: greedy outputs equal serve_bench's",
+    "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",
+    "tensor_parallel": "sluice serve --tensor-parallel-size 2 (issue 35)",
+    "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
+}
+FAILING = ("failed", "timed out", "out of time")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def step_records(records: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(status written by the script, result written by the step itself), by step name: the last of each."""
+    statuses = {r["step"]: r for r in records if "status" in r}
+    results = {r["step"]: r for r in records if "status" not in r and r.get("step") in STEPS}
+    return statuses, results
+
+
+def read_runs(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text(encoding="utf-8")).get("runs", [])
+
+
+def steps_section(statuses: dict[str, dict], results: dict[str, dict]) -> str:
+    rows = []
+    for name, what in STEPS.items():
+        status = statuses.get(name, {"status": "not run", "seconds": "", "limit_s": ""})
+        note = (
+            status.get("note") or results.get(name, {}).get("skipped") or results.get(name, {}).get("error")
+        )
+        rows.append([name, what, status["status"].upper(), status["seconds"], status["limit_s"], note or ""])
+    return markdown_table(["step", "what", "status", "seconds", "limit s", "note"], rows)
+
+
+def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
+    figures = check_figures.gpu_check_figures(records)
+    serve_runs, large_runs = read_runs(out / "bench_serve.json"), read_runs(out / "bench_large.json")
+    large_preset = PLANS[mode].large_preset
+    rows = check_figures.kernel_rows(figures) + check_figures.serving_rows(figures, serve_runs)
+    if large_runs:
+        rows += check_figures.large_rows(figures, large_runs, check_figures.model_numbers(large_preset))
+    ceilings = figures.get("ceilings")
+    lines = []
+    if ceilings:
+        copy, matmul = ceilings["copy_bytes_per_s"] / 1e9, ceilings["bf16_matmul_flops_per_s"] / 1e12
+        lines.append(
+            f"Ceilings measured in this run: copy {copy:.0f} GB/s (read + write), "
+            f"bf16 matrix product {matmul:.0f} TFLOP/s."
+        )
+    none = "No figures: the steps that measure them did not record any."
+    lines.append(markdown_table(check_figures.HEADERS, rows) if rows else none)
+    lines.append(
+        "The 1b graph step is timed at a 512-token context (scripts/gpu_check.py); the sweep's requests "
+        "run at 128-256. Floors and FLOP counts: sluice/benchmarks/gpu/check_figures.py."
+    )
+    return "\n\n".join(lines)
+
+
+def _ms(metrics: dict[str, Any], name: str, quantile: str) -> str:
+    value = (metrics.get(name) or {}).get(quantile)
+    return "-" if value is None else f"{value * 1e3:.2f}"
+
+
+def serving_section(out: Path) -> str:
+    runs = read_runs(out / "bench_serve.json")
+    if not runs:
+        return "No `sluice bench` results (bench_serve.json is missing)."
+    rows = []
+    for run in runs:
+        m = run["metrics"]
+        cached = m.get("cached_prompt_tokens", "n/a")
+        errors = ", ".join(f"{code}={n}" for code, n in m["errors"].items()) or "none"
+        rows.append([run["config"].get("concurrency"), f"{m['num_completed']}/{m['num_requests']}",
+                     f"{m['output_throughput']:.0f}", _ms(m, "ttft", "p50"), _ms(m, "tpot", "p50"),
+                     _ms(m, "tpot", "p99"), cached, errors])  # fmt: skip
+    headers = [
+        "concurrency",
+        "done",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+        "cached",
+        "errors",
+    ]
+    return markdown_table(headers, rows)
+
+
+def comparison_line(comparison: dict[str, Any], extra: str = "") -> str:
+    """greedy_compare.summarize's counts as a sentence (then `extra`), and a line per sample that differed."""
+    counts = (
+        f"{comparison['equal']} equal, {comparison['near tie']} parting at a near tie, "
+        f"{comparison['mismatch']} mismatched{extra}."
+    )
+    return counts + "".join(f"\n- {line}" for line in comparison["details"])
+
+
+def _request_name(seed: int | None) -> str:
+    return "greedy" if seed is None else f"seed {seed}, temperature 1"
+
+
+def checks_section(results: dict[str, dict]) -> str:
+    parts = []
+    speculative = results.get("speculative")
+    if speculative and "comparison" in speculative:
+        parts.append(
+            "**Speculative decoding (ngram) vs plain greedy, one request at a time:** "
+            + comparison_line(
+                speculative["comparison"],
+                f"; {speculative.get('draft_tokens', 0)} draft tokens verified, "
+                f"{speculative.get('accepted_draft_tokens', 0)} accepted",
+            )
+        )
+    structured = results.get("structured")
+    if structured and "answers" in structured:
+        rows = [
+            [
+                _request_name(a["seed"]),
+                f"`{a['text']}`",
+                "; ".join(a["errors"]) or "valid",
+                a["cached_tokens"],
+            ]
+            for a in structured["answers"]
+        ]
+        parts.append(
+            f"**Constrained output (JSON schema), SmolLM2's tokenizer on the preset "
+            f"(vocab_size {structured['vocab_size']}):**\n\n"
+            + markdown_table(["request", "output", "schema", "cached prompt tokens"], rows)
+        )
+    tensor_parallel = results.get("tensor_parallel", {})
+    tp_line = tensor_parallel.get("skipped") or tensor_parallel.get("error") or "not run"
+    if "comparison" in tensor_parallel:
+        tp_line = "TP=2 vs TP=1 greedy: " + comparison_line(tensor_parallel["comparison"])
+    parts.append(f"**Tensor parallelism (issue 35):** {tp_line}")
+    from sluice.engine.config import QUANTIZATIONS
+
+    fp8 = "fp8" in QUANTIZATIONS
+    parts.append(
+        "**FP8 (issue 34):** "
+        + ("this build has `--quantization fp8`; this check does not run it yet." if fp8 else
+           f"not measured: this build has no `--quantization fp8` (it has {', '.join(QUANTIZATIONS)}).")
+    )  # fmt: skip
+    ready = {name: r["ready_s"] for name, r in results.items() if r.get("ready_s")}
+    if ready:
+        parts.append("**Server start to ready, s:** " + ", ".join(f"{k} {v}" for k, v in ready.items()))
+    return "\n\n".join(parts)
+
+
+def environment(mode: str) -> tuple[str, str]:
+    """The device's name, and the versions that matter."""
+    import torch
+
+    device = torch.cuda.get_device_name() if mode == "gpu" and torch.cuda.is_available() else "CPU"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    cuda = torch.version.cuda or "none"
+    return (
+        device,
+        f"torch {torch.__version__}, CUDA {cuda}, triton {triton_version}, Python {sys.version.split()[0]}",
+    )
+
+
+def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[str, bool]:
+    records = read_results(out)
+    statuses, results = step_records(records)
+    ok = not any(s["status"] in FAILING for s in statuses.values())
+    device, versions = environment(mode)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    gpu_check = out / "gpu_check.md"
+    parts = [
+        f"# Sluice GPU check: {device}: {'PASS' if ok else 'FAIL'}",
+        f"{date}; mode {mode}; {versions}; {wall_s:.0f} s of a {budget_s:.0f} s budget.",
+        "## Steps\n\n" + steps_section(statuses, results),
+        "## Figures against their limits and issue 33's goals\n\n" + figures_section(records, out, mode),
+        "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
+        "## Checks\n\n" + checks_section(results),
+        "Logs: steps.log (every step's output), servers.log (every server's). Details of the kernel-level "
+        "sections: gpu_check.md"
+        + ("" if gpu_check.is_file() else " (not written: the step did not run)")
+        + ".",
+    ]
+    return "\n\n".join(parts) + "\n", ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--mode", choices=tuple(PLANS), default="gpu")
+    parser.add_argument("--wall-s", type=float, default=0.0)
+    parser.add_argument("--budget-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not (out / RESULTS).is_file():
+        print(f"check_report: {out / RESULTS} does not exist", file=sys.stderr)
+        return 1
+    text, ok = build_report(out, args.mode, args.wall_s, args.budget_s)
+    (out / "report.md").write_text(text, encoding="utf-8")
+    print(f"wrote {out / 'report.md'}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

