@@ -63,8 +63,9 @@ class Plan:
     large_bench: tuple[str, ...]
 
     def serve_args(self, *extra: str) -> list[str]:
-        # Prompts of a sweep repeat across its runs (one seed): no prefix caching keeps every run's prefill.
-        base = ["--preset", self.preset, "--dtype", self.dtype, "--no-prefix-caching", "--grace-period", "2"]
+        # Prefix caching stays on, as served: every run of `sluice bench` draws its own prompts, and the
+        # report shows each run's cached prompt tokens (0 unless something repeats a prompt).
+        base = ["--preset", self.preset, "--dtype", self.dtype, "--grace-period", "2"]
         return [*base, *self.extra_serve_args, *extra]
 
 
@@ -276,7 +277,6 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
         plan.large_preset,
         "--dtype",
         plan.dtype,
-        "--no-prefix-caching",
         "--grace-period",
         "2",
     ]
