@@ -50,8 +50,8 @@ _METHOD_PREFIX = "VllmEngine."
 
 class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Shares `inference`'s engine, admission (loading, draining, a failed engine) and tenants.
-    Embed, FlushCache, StartProfile, StopProfile and SubscribeKvEvents answer UNIMPLEMENTED (the
-    base class): SMG then polls GetLoads and keeps its own prefix tree for cache-aware routing."""
+    Embed, FlushCache, StartProfile, StopProfile and SubscribeKvEvents answer UNIMPLEMENTED: SMG then
+    polls GetLoads and keeps its own prefix tree for cache-aware routing."""
 
     def __init__(self, inference: InferenceServicer, metrics: ServerMetrics) -> None:
         self._inference = inference
@@ -164,6 +164,15 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(
                 data=archive[offset:end], sha256=digest if end >= len(archive) else ""
             )
+
+
+async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc.aio.ServicerContext) -> None:
+    """UNIMPLEMENTED with a message, without the traceback grpc logs for the generated base methods."""
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by Sluice")
+
+
+for _name in ("Embed", "FlushCache", "StartProfile", "StopProfile", "SubscribeKvEvents"):
+    setattr(SmgEngineServicer, _name, _unimplemented)
 
 
 def _zip(files: dict[str, str]) -> bytes:
