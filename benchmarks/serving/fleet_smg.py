@@ -9,9 +9,9 @@ model `sluice serve` serves by default, the embedded SmolLM2-135M unless --model
 `--turns` turns through the OpenAI API (/v1/chat/completions, streamed, greedy): every turn sends the
 whole history plus a new seeded user message. Per policy it prints the prompt tokens the workers
 computed (prompt tokens minus those served from their prefix caches, from each response's usage), the
-share of prompt tokens cached, TTFT p50/p90 as the client sees it (first content chunk), and the wall
-time. Cache-aware routing sends a conversation's turns to the worker holding its prefix; round robin
-spreads them, so each worker recomputes histories it has not seen.
+share of prompt tokens cached, TTFT p50/p90 as the client sees it (first content chunk), the wall
+time and the requests each worker served. Cache-aware routing sends a conversation's turns to the
+worker holding its prefix; round robin spreads them, so each worker recomputes histories it has not seen.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.benchmarks.serving.server_process import ServerProcess
 
@@ -56,6 +57,7 @@ class PolicyResult:
     ttft_p50_ms: float
     ttft_p90_ms: float
     seconds: float
+    requests_per_worker: tuple[int, ...]
 
     @property
     def cached_share(self) -> float:
@@ -137,7 +139,7 @@ def converse(client: openai.OpenAI, model: str, index: int, args: argparse.Names
 
 def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResult:
     serve_args = ["--model", args.model] if args.model else []
-    serve_args += ["--kv-cache-memory", args.kv_cache_memory]
+    serve_args += ["--kv-cache-memory", args.kv_cache_memory, "--metrics-port", "0"]
     workers = []
     try:
         for i in range(2):
@@ -155,6 +157,7 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResul
                     pool.map(lambda i: converse(client, model, i, args), range(args.conversations))
                 )
             seconds = time.perf_counter() - start
+            requests_per_worker = tuple(_generate_calls(w) for w in workers)
         finally:
             gateway.close()
     finally:
@@ -170,18 +173,35 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResul
         ttft_p50_ms=1000 * statistics.median(ttfts),
         ttft_p90_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         seconds=seconds,
+        requests_per_worker=requests_per_worker,
+    )
+
+
+def _generate_calls(worker: ServerProcess) -> int:
+    """VllmEngine.Generate calls the worker served, from its /metrics."""
+    url = f"http://127.0.0.1:{worker.ready_fields['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "sluice_rpc_requests_total"
+            and sample.labels == {"method": "VllmEngine.Generate", "code": "OK"}
+        )
     )
 
 
 def print_table(results: list[PolicyResult]) -> None:
     print(
         f"{'policy':<12} {'requests':>8} {'prompt tok':>10} {'computed':>9} {'cached':>7} "
-        f"{'TTFT p50':>9} {'TTFT p90':>9} {'wall':>7}"
+        f"{'TTFT p50':>9} {'TTFT p90':>9} {'wall':>7}  per worker"
     )
     for r in results:
         print(
             f"{r.policy:<12} {r.num_requests:>8} {r.prompt_tokens:>10} {r.prompt_tokens_computed:>9} "
             f"{r.cached_share:>6.0%} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p90_ms:>7.0f}ms {r.seconds:>6.1f}s"
+            f"  {'/'.join(map(str, r.requests_per_worker))}"
         )
     base, other = results[0], results[-1]
     if len(results) == 2 and base.prompt_tokens_computed:
