@@ -72,9 +72,8 @@ def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) 
 def sampling_params_from_smg(message: smg.SamplingParams, *, default_max_tokens: int) -> SamplingParams:
     """vLLM's reading of the proto3 defaults: an unset `temperature` is 1, `top_p` 0 and
     `repetition_penalty` 0 mean off (1), `n` 0 is 1, `top_k` 0 and `min_p` 0 are off."""
-    for name in ("truncate_prompt_tokens",):
-        if message.HasField(name):
-            raise InvalidRequestError(f"sampling_params.{name}", "is not supported")
+    if message.HasField("truncate_prompt_tokens"):
+        raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "is not supported")
     return SamplingParams(
         temperature=message.temperature if message.HasField("temperature") else 1.0,
         top_k=message.top_k,
