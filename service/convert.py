@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
@@ -11,6 +10,7 @@ from sluice.engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.tool_calls import Tool, ToolUse
+from sluice.service.generation_spec import GenerationSpec, Prompt
 from sluice.v1 import sluice_pb2 as pb
 
 # Scalar SamplingParams fields that are proto3 `optional`: copied only when the caller set them.
@@ -46,23 +46,6 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """The prompt of a GenerateRequest in the keyword form `AsyncEngine.add_request` takes."""
-
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-
-    def as_kwargs(self) -> dict[str, object]:
-        return {"text": self.text, "token_ids": self.token_ids, "messages": self.messages}
-
-    @property
-    def operation(self) -> str:
-        """The gen_ai.operation.name of a request with this prompt."""
-        return "chat" if self.messages is not None else "text_completion"
-
-
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Absent optional fields keep SamplingParams' defaults; raises ValueError naming a bad field."""
     kwargs: dict[str, object] = {
@@ -74,6 +57,21 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     kwargs["allowed_token_ids"] = tuple(message.allowed_token_ids) or None
     kwargs["constraint"] = constraint_from_proto(message)
     return SamplingParams(**kwargs)
+
+
+def generation_spec_from_proto(request: pb.GenerateRequest) -> GenerationSpec:
+    """Raises ValueError naming a bad field."""
+    return GenerationSpec(
+        prompt=prompt_from_proto(request),
+        params=sampling_params_from_proto(request.sampling_params),
+        tool_use=tool_use_from_proto(request),
+        timeout=timeout_from_proto(request),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        stream_interval=request.stream_interval or None,
+        use_speculation=not request.disable_speculation,
+        trace_context=dict(request.trace_context),
+    )
 
 
 def timeout_from_proto(request: pb.GenerateRequest) -> float | None:

@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.outputs import RequestOutput
-from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured.tool_calls import ToolUse
 from sluice.service import convert
 from sluice.service.caller import Caller
+from sluice.service.generation_spec import GenerationSpec
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT, TIMEOUT, RequestCancel
 from sluice.service.status import RequestFailedError, RequestTimeoutError
@@ -48,50 +47,54 @@ class GenerationRunner:
         cancel: RequestCancel | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Streams the request's chunks, each named `reply_id` (default: `request.request_id`, or the
-        engine id if empty).
+        engine id if empty); what `outputs` raises, after converting the request (ValueError naming a
+        bad field)."""
+        spec = convert.generation_spec_from_proto(request)
+        reply_id = reply_id or request.request_id or engine_request_id
+        outputs = self.outputs(spec, engine_request_id, caller, cancel)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                yield convert.generate_response_from_output(output, reply_id)
+
+    async def outputs(
+        self,
+        spec: GenerationSpec,
+        engine_request_id: str,
+        caller: Caller,
+        cancel: RequestCancel | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the engine's outputs of one request.
 
         Raises what the engine raises on validation, TenantOverLimitError, RequestTimeoutError when
-        `request.timeout_seconds` passed, and RequestFailedError after the last chunk if the engine
-        ended the request (any of its n samples) with finish_reason "error". `cancel` ends the request
-        from outside (Abort): cancelled before it reached the engine, it never does and ends with one
-        FINISH_REASON_ABORT chunk. Closing this iterator early (the handler was cancelled, the deadline
-        passed) aborts the engine request (all its samples), freeing its KV blocks. Telemetry records
-        one request: the completion tokens of all samples, the finish of the last.
+        `spec.timeout` passed, and RequestFailedError after the last output if the engine ended the
+        request (any of its n samples) with finish_reason "error". `cancel` ends the request from
+        outside (Abort): cancelled before it reached the engine, it never does and ends with one
+        "abort" output. Closing this iterator early (the handler was cancelled, the deadline passed)
+        aborts the engine request (all its samples), freeing its KV blocks. Telemetry records one
+        request: the completion tokens of all samples, the finish of the last.
         """
-        params = convert.sampling_params_from_proto(request.sampling_params)
-        prompt = convert.prompt_from_proto(request)
-        tool_use = convert.tool_use_from_proto(request)
-        timeout = convert.timeout_from_proto(request)
         cancel = cancel or RequestCancel()
         try:
             release = self._limiter.admit(caller.tenant)
         except TenantOverLimitError:
             self._metrics.tenant_rejections.labels(tenant=caller.tenant.name).inc()
             raise
-        timer = None if timeout is None else self._start_timer(timeout, cancel)
+        timer = None if spec.timeout is None else self._start_timer(spec.timeout, cancel)
         try:
-            chunks = self._run(request, engine_request_id, caller, prompt, params, tool_use, cancel)
-            async with contextlib.aclosing(chunks):
-                async for output in chunks:
-                    yield convert.generate_response_from_output(
-                        output, reply_id or request.request_id or engine_request_id
-                    )
+            outputs = self._run(spec, engine_request_id, caller, cancel)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    yield output
         finally:
             if timer is not None:
                 timer.cancel()
             release()
 
     async def _run(
-        self,
-        request: pb.GenerateRequest,
-        engine_request_id: str,
-        caller: Caller,
-        prompt: convert.Prompt,
-        params: SamplingParams,
-        tool_use: ToolUse | None,
-        cancel: RequestCancel,
+        self, spec: GenerationSpec, engine_request_id: str, caller: Caller, cancel: RequestCancel
     ) -> AsyncIterator[RequestOutput]:
-        span = self._tracer.start(caller.metadata, prompt.operation, params, request.trace_context)
+        params = spec.params
+        span = self._tracer.start(caller.metadata, spec.prompt.operation, params, spec.trace_context)
         tracker = self._metrics.track(caller.tenant.name)
         final: RequestOutput | None = None
         failed: RequestOutput | None = None
@@ -107,12 +110,12 @@ class GenerationRunner:
             outputs = await self.engine.add_request(
                 engine_request_id,
                 params,
-                **prompt.as_kwargs(),
-                priority=caller.tenant.clamp_priority(request.priority),
-                cache_salt=caller.tenant.cache_salt(request.cache_salt),
-                stream_interval=request.stream_interval or None,
-                tool_use=tool_use,
-                use_speculation=not request.disable_speculation,
+                **spec.prompt.as_kwargs(),
+                priority=caller.tenant.clamp_priority(spec.priority),
+                cache_salt=caller.tenant.cache_salt(spec.cache_salt),
+                stream_interval=spec.stream_interval,
+                tool_use=spec.tool_use,
+                use_speculation=spec.use_speculation,
             )
             cancel.attach(lambda: self.engine.abort(engine_request_id))
             if cancel.cancelled:  # cancelled while the prompt was tokenized
@@ -130,7 +133,7 @@ class GenerationRunner:
                         num_completion_tokens += output.usage.completion_tokens if output.usage else 0
                     if final is not None and final.finish_reason == "abort" and cancel.reason == TIMEOUT:
                         raise RequestTimeoutError(
-                            f"timeout_seconds: the request's timeout of {request.timeout_seconds:g} s passed"
+                            f"timeout_seconds: the request's timeout of {spec.timeout:g} s passed"
                         )
                     yield output
             if failed is not None:

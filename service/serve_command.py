@@ -43,7 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--grace-period",
         type=float,
         default=30.0,
-        help="seconds in-flight requests get after SIGTERM (GOAWAY and NOT_SERVING come at once)",
+        help="seconds in-flight requests get after SIGTERM (NOT_SERVING at once, new calls refused with "
+        "UNAVAILABLE, GOAWAY once they stop coming)",
     )
     server.add_argument(
         "--max-connection-age",
@@ -138,7 +139,7 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
         await server.stop(grace=0.5)
         await engine.shutdown()
         return 1
-    logger.info("draining: GOAWAY sent, grace period %.1fs", server.config.grace_period)
+    logger.info("draining: NOT_SERVING, new calls refused; grace period %.1fs", server.config.grace_period)
     await server.drain()
     await engine.shutdown()
     return 0

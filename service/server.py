@@ -3,10 +3,12 @@
 Life of a server:
     start()          port bound, health NOT_SERVING, InferenceService answers UNAVAILABLE
     attach_engine()  health SERVING
-    drain()          health NOT_SERVING, and HEALTH_NOTICE_S later grpc's stop(grace): GOAWAY to every
-                     connection (clients send new calls elsewhere), the listener closes, calls that
-                     still arrive get UNAVAILABLE (retryable); in-flight requests get
-                     `grace_period` seconds, the rest are aborted (FINISH_REASON_ABORT); then it stops
+    drain()          health NOT_SERVING and every new call refused with UNAVAILABLE (retryable) by the
+                     servicers, while the server still takes calls; once clients have moved away (no
+                     call for QUIET_S, at least HEALTH_NOTICE_S after the start, at most the grace
+                     period) grpc's stop(grace): GOAWAY to every connection, the listener closes;
+                     in-flight requests get `grace_period` seconds (from the start), the rest are
+                     aborted (FINISH_REASON_ABORT); then it stops
     every connection lives `max_connection_age` seconds (grpc adds +-10% jitter), then gets a GOAWAY
                      so clients re-resolve and new replicas get their share; its calls in flight get
                      `max_connection_age_grace` more seconds before the connection closes
@@ -26,11 +28,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
+from sluice.service.call_arrivals import CallArrivals
 from sluice.service.metrics import ServerMetrics
 from sluice.service.servicer import InferenceServicer
+from sluice.service.smg_servicer import SERVICE_NAME as SMG_SERVICE
+from sluice.service.smg_servicer import SmgEngineServicer
 from sluice.service.tenants import TenantDirectory
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
@@ -39,10 +45,14 @@ logger = logging.getLogger(__name__)
 INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # After the drain's grace period, leftover requests are aborted; their last chunks go out within this.
 ABORT_MARGIN_S = 1.0
-# Between NOT_SERVING and the GOAWAY: clients that watch health (the documented service config) stop
-# picking this server first, so no call of theirs lands in the GOAWAY's race window, where grpc's
-# server cancels a call it has not yet handed to us (CANCELLED, which clients do not retry).
+# Why the GOAWAY waits: from grpc's stop() on, grpc's core cancels (CANCELLED, which no client retries)
+# every call it has accepted but not yet handed to a handler (the aio server takes one at a time, so
+# under load they queue) and every call that reaches a connection before its client has read the
+# GOAWAY. Until then the servicers refuse calls with UNAVAILABLE (retried elsewhere), so the GOAWAY
+# waits until calls have stopped coming: at least HEALTH_NOTICE_S (clients watching health move away)
+# and then until no call has arrived for QUIET_S (nothing queued, nothing on the way).
 HEALTH_NOTICE_S = 0.5
+QUIET_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,8 @@ class SluiceServer:
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
         self.tenants = config.tenant_directory()
         self.servicer = InferenceServicer(self.metrics, tracer_provider, self.tenants)
+        self.smg_servicer = SmgEngineServicer(self.servicer, self.metrics)
+        self.arrivals = CallArrivals()
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -132,12 +144,15 @@ class SluiceServer:
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
-        interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [self.arrivals]
+        if self.tenants.requires_key:
+            interceptors.append(ApiKeyInterceptor(self.tenants))
         server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+            (INFERENCE_SERVICE, SMG_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls is not None:
@@ -169,16 +184,17 @@ class SluiceServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def drain(self, grace_period: float | None = None) -> None:
-        """Health NOT_SERVING, then (HEALTH_NOTICE_S later) grpc's stop(grace): GOAWAY, no new calls;
-        in-flight requests get the grace period, then the rest are aborted and their streams end.
-        Then the calls that never end by themselves (health Watch streams, idle StreamGenerate calls)
-        are cancelled and the server stops."""
+        """Health NOT_SERVING and new calls UNAVAILABLE; once calls have stopped coming (see QUIET_S)
+        grpc's stop(grace): GOAWAY, no new connections; in-flight requests get the grace period, then
+        the rest are aborted and their streams end. Then the calls that never end by themselves
+        (health Watch streams, idle StreamGenerate calls) are cancelled and the server stops."""
         grace = self.config.grace_period if grace_period is None else grace_period
         start = time.monotonic()
         await self.begin_drain()
-        await asyncio.sleep(min(HEALTH_NOTICE_S, grace))
+        await self._wait_for_quiet(start + min(HEALTH_NOTICE_S, grace), start + grace)
         server, self._server = self._server, None
-        stopping = None if server is None else asyncio.ensure_future(server.stop(grace + ABORT_MARGIN_S))
+        remaining = max(0.0, start + grace - time.monotonic())
+        stopping = None if server is None else asyncio.ensure_future(server.stop(remaining + ABORT_MARGIN_S))
         await self._wait_for_requests(start + grace)
         runner = self.servicer.runner
         if runner is not None and (num_aborted := await runner.abort_all()):
@@ -189,8 +205,24 @@ class SluiceServer:
             await stopping
         await self.stop()
 
+    @property
+    def num_active_requests(self) -> int:
+        """Generation requests of every API not yet ended."""
+        return self.servicer.num_active_requests + self.smg_servicer.num_active_requests
+
+    async def _wait_for_quiet(self, earliest: float, latest: float) -> None:
+        """Returns once `earliest` has passed and no call has arrived for QUIET_S, or at `latest`."""
+        await asyncio.sleep(max(0.0, earliest - time.monotonic()))
+        while (now := time.monotonic()) < latest:
+            quiet_for = now - self.arrivals.last_arrival
+            if quiet_for >= QUIET_S:
+                return
+            await asyncio.sleep(min(QUIET_S - quiet_for, latest - now))
+        if self.arrivals.last_arrival > latest - QUIET_S:
+            logger.warning("calls still arriving at the end of the grace period; sending GOAWAY anyway")
+
     async def _wait_for_requests(self, deadline: float) -> None:
-        while self.servicer.num_active_requests and time.monotonic() < deadline:
+        while self.num_active_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def stop(self, grace: float | None = None) -> None:

@@ -72,7 +72,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self._runner is None:
             raise ServiceUnavailableError("the server is still loading the model")
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+    def caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """The call's tenant (the interceptor has already refused unknown keys) and its metadata."""
         metadata = context.invocation_metadata() or ()
         tenant = authenticate(metadata, self._tenants)
@@ -80,7 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise UnauthenticatedError(tenant)
         return Caller(tenant, metadata)
 
-    def _accepting_runner(self) -> GenerationRunner:
+    def accepting_runner(self) -> GenerationRunner:
         self.check_accepting()
         assert self._runner is not None
         return self._runner
@@ -89,8 +89,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        runner = self._accepting_runner()
-        caller = self._caller(context)
+        runner = self.accepting_runner()
+        caller = self.caller(context)
         tenant = caller.tenant.name
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cancel = self._request_ids.claim(tenant, request_id)
@@ -111,12 +111,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         try:
-            runner = self._accepting_runner()
+            runner = self.accepting_runner()
         except ServiceUnavailableError:
             await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
             raise
         try:
-            caller = self._caller(context)
+            caller = self.caller(context)
         except UnauthenticatedError:
             await drain_request_stream(request_iterator)
             raise
@@ -141,7 +141,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self.check_accepting()
         if not request.request_id:
             raise InvalidRequestError("request_id", "must not be empty")
-        cancel = self._request_ids.abort(self._caller(context).tenant.name, request.request_id)
+        cancel = self._request_ids.abort(self.caller(context).tenant.name, request.request_id)
         if cancel is not None:
             await cancel.cancel(ABORT)
         return pb.AbortResponse()
@@ -150,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        tokenizer = self._accepting_runner().engine.tokenizer
+        tokenizer = self.accepting_runner().engine.tokenizer
         kind = request.WhichOneof("prompt")
         if tokenizer is None:
             raise InvalidRequestError(kind or "prompt", "this model has no tokenizer")
@@ -167,4 +167,4 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        return convert.model_info_to_proto(self._accepting_runner().engine.model_info)
+        return convert.model_info_to_proto(self.accepting_runner().engine.model_info)

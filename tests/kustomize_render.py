@@ -1,4 +1,5 @@
-"""A small offline `kustomize build` for deploy/k8s: resources and image overrides, nothing else.
+"""A small offline `kustomize build` for deploy/k8s: resources (files, or a base directory) and image
+overrides, nothing else.
 
 kustomize is not installed everywhere the tests run. A kustomization using any other field fails loudly
 here instead of being rendered wrong.
@@ -23,7 +24,11 @@ def render(directory: str) -> list[dict[str, Any]]:
         raise ValueError(f"kustomization.yaml: fields {sorted(unsupported)} are not rendered by this helper")
     documents = []
     for resource in kustomization["resources"]:
-        with open(os.path.join(directory, resource)) as f:
+        path = os.path.join(directory, resource)
+        if os.path.isdir(path):  # a base this overlay builds on
+            documents.extend(render(path))
+            continue
+        with open(path) as f:
             documents.extend(doc for doc in yaml.safe_load_all(f) if doc is not None)
     for image in kustomization.get("images", []):
         for container in _containers(documents):

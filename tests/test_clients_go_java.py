@@ -105,11 +105,12 @@ def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThr
 
 
 def test_go_and_java_examples_use_the_documented_service_config() -> None:
-    """The service config in the Go and Java examples is the Python client's default, field for field."""
+    """The service configs in the Go and Java examples are the Python client's, field for field: the
+    default, and with --session the ring-hash one keyed on x-sluice-session."""
     import json
     from pathlib import Path
 
-    from sluice.service_config import SERVICE_CONFIG
+    from sluice.service_config import SERVICE_CONFIG, SESSION_AFFINITY_SERVICE_CONFIG, SESSION_HEADER
 
     go = Path(REPO, "clients", "go", "cmd", "sluice-example", "main.go").read_text()
     go_json = re.search(r"const serviceConfig = `(.*?)`", go, re.S).group(1)
@@ -130,5 +131,12 @@ def test_go_and_java_examples_use_the_documented_service_config() -> None:
     assert [v for v in java_values if v not in java] == []
     assert retry["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert json.loads(go_json) == SERVICE_CONFIG
-    assert "grpc.WithDefaultServiceConfig(serviceConfig)" in go
-    assert ".defaultServiceConfig(serviceConfig())" in java and ".enableRetry()" in java
+    go_session_json = re.search(r"const sessionServiceConfig = `(.*?)`", go, re.S).group(1)
+    assert json.loads(go_session_json) == SESSION_AFFINITY_SERVICE_CONFIG
+    assert "config = sessionServiceConfig" in go and "grpc.WithDefaultServiceConfig(config)" in go
+    assert f'const sessionHeader = "{SESSION_HEADER}"' in go
+    assert "metadata.AppendToOutgoingContext(ctx, sessionHeader, *session)" in go
+    assert ".defaultServiceConfig(session.isEmpty() ? serviceConfig() : sessionServiceConfig())" in java
+    assert ".enableRetry()" in java
+    assert f'static final String SESSION_HEADER = "{SESSION_HEADER}";' in java
+    assert 'Map.of("ring_hash_experimental", Map.of("requestHashHeader", SESSION_HEADER))' in java

@@ -154,6 +154,7 @@ def test_reflection_lists_the_services(keyed_server: ServerThread) -> None:
         database = ProtoReflectionDescriptorDatabase(authed)
         assert set(database.get_services()) == {
             "sluice.v1.InferenceService",
+            "vllm.grpc.engine.VllmEngine",
             "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection",
         }

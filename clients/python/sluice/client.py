@@ -16,7 +16,13 @@ from typing import Any
 
 import grpc
 
-from sluice.service_config import SERVICE_CONFIG, channel_options
+from sluice.service_config import (
+    SERVICE_CONFIG,
+    SESSION_AFFINITY_SERVICE_CONFIG,
+    SESSION_HEADER,
+    channel_options,
+    enable_request_hash_header,
+)
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
@@ -162,9 +168,12 @@ def _single(request: pb.GenerateRequest) -> None:
         raise ValueError("sampling_params.n > 1: collect the samples with complete_samples()")
 
 
-def _auth_metadata(api_key: str | None, metadata: Metadata) -> tuple[tuple[str, str], ...]:
+def _auth_metadata(
+    api_key: str | None, metadata: Metadata, session: str | None = None
+) -> tuple[tuple[str, str], ...]:
     auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    return (*auth, *metadata)
+    affinity = ((SESSION_HEADER, session),) if session else ()
+    return (*auth, *affinity, *metadata)
 
 
 def _open_channel(
@@ -173,8 +182,14 @@ def _open_channel(
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, object]],
     service_config: Mapping[str, Any] | None,
+    session_affinity: bool = False,
 ) -> grpc.Channel | grpc.aio.Channel:
-    """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given."""
+    """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given.
+    `session_affinity` swaps the default service config for the ring-hash one."""
+    if session_affinity:
+        enable_request_hash_header()
+        if service_config is SERVICE_CONFIG:
+            service_config = SESSION_AFFINITY_SERVICE_CONFIG
     options = channel_options(None if service_config is None else dict(service_config), list(options))
     if credentials is None:
         return api.insecure_channel(target, options=options)
@@ -187,6 +202,10 @@ class Client:
     `service_config` (default: sluice.service_config.SERVICE_CONFIG, round robin over healthy replicas,
     UNAVAILABLE retried) is the channel's gRPC service config; None leaves grpc's defaults. Give a
     `dns:///name:port` target so every replica behind the name is used.
+
+    `session_affinity=True` uses SESSION_AFFINITY_SERVICE_CONFIG instead (ring hash on the
+    `x-sluice-session` header): calls given the same `session=` go to the same replica, so a
+    conversation's later turns hit its prefix cache.
     """
 
     def __init__(
@@ -197,8 +216,9 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
         service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
+        session_affinity: bool = False,
     ) -> None:
-        self._channel = _open_channel(grpc, target, credentials, options, service_config)
+        self._channel = _open_channel(grpc, target, credentials, options, service_config, session_affinity)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 
@@ -212,10 +232,17 @@ class Client:
         self._channel.close()
 
     def generate(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Streams chunks; leaving the loop early cancels the call (the server then aborts the request)."""
-        call = self._stub.Generate(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata))
+        call = self._stub.Generate(
+            request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
+        )
         try:
             yield from call
         except grpc.RpcError as error:
@@ -224,20 +251,30 @@ class Client:
             call.cancel()
 
     def complete(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> Completion:
         """Runs one request (n = 1) to its end and returns the collected text, tokens, usage and timings."""
         _single(request)
         completion = Completion()
-        for chunk in self.generate(request, timeout=timeout, metadata=metadata):
+        for chunk in self.generate(request, timeout=timeout, metadata=metadata, session=session):
             completion.add(chunk)
         return completion
 
     def complete_samples(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> list[Completion]:
         """Runs a request with `sampling_params.n` samples to its end: one Completion per sample."""
-        return collect_samples(self.generate(request, timeout=timeout, metadata=metadata))
+        return collect_samples(self.generate(request, timeout=timeout, metadata=metadata, session=session))
 
     def stream_generate(
         self,
@@ -245,10 +282,11 @@ class Client:
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        session: str | None = None,
     ) -> Iterator[pb.StreamGenerateResponse]:
         """Many requests on one bidirectional stream; responses are tagged with their request_id."""
         call = self._stub.StreamGenerate(
-            iter(requests), timeout=timeout, metadata=_auth_metadata(self._api_key, metadata)
+            iter(requests), timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
         )
         try:
             yield from call
@@ -306,8 +344,11 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, object]] = (),
         service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
+        session_affinity: bool = False,
     ) -> None:
-        self._channel = _open_channel(grpc.aio, target, credentials, options, service_config)
+        self._channel = _open_channel(
+            grpc.aio, target, credentials, options, service_config, session_affinity
+        )
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._api_key = api_key
 
@@ -321,9 +362,16 @@ class AsyncClient:
         await self._channel.close()
 
     async def generate(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata))
+        call = self._stub.Generate(
+            request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
+        )
         try:
             async for chunk in call:
                 yield chunk
@@ -333,18 +381,30 @@ class AsyncClient:
             call.cancel()
 
     async def complete(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> Completion:
         _single(request)
         completion = Completion()
-        async for chunk in self.generate(request, timeout=timeout, metadata=metadata):
+        async for chunk in self.generate(request, timeout=timeout, metadata=metadata, session=session):
             completion.add(chunk)
         return completion
 
     async def complete_samples(
-        self, request: pb.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+        self,
+        request: pb.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
     ) -> list[Completion]:
-        return collect_samples([c async for c in self.generate(request, timeout=timeout, metadata=metadata)])
+        return collect_samples(
+            [c async for c in self.generate(request, timeout=timeout, metadata=metadata, session=session)]
+        )
 
     async def stream_generate(
         self,
@@ -352,9 +412,10 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        session: str | None = None,
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         call = self._stub.StreamGenerate(
-            requests, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata)
+            requests, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
         )
         try:
             async for response in call:

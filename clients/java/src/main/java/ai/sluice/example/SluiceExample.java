@@ -11,8 +11,11 @@ import ai.sluice.v1.SamplingParams;
 import ai.sluice.v1.StreamCancel;
 import ai.sluice.v1.StreamGenerateRequest;
 import ai.sluice.v1.StreamGenerateResponse;
+import io.grpc.ClientInterceptor;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
+import io.grpc.Metadata;
+import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.StreamObserver;
 import java.util.ArrayList;
 import java.util.Iterator;
@@ -29,7 +32,13 @@ import java.util.stream.Collectors;
  * StreamGenerate stream, the second cancelled in-band after its first chunk.
  *
  * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
- * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N}.
+ * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID}.
+ *
+ * <p>{@code --session ID} turns on session affinity (docs/FLEET.md): the ring-hash service config
+ * ({@link #sessionServiceConfig}) and the header {@code x-sluice-session: ID} on every call, so all of
+ * them reach the replica ID hashes to. That needs a grpc-java whose ring_hash_experimental policy
+ * (grpc-xds on the classpath) reads requestHashHeader (gRFC A76, grpc/grpc-java#11881); Debian 12's
+ * grpc-java 1.41 used by run_example.sh has neither, so leave the flag out there.
  */
 public final class SluiceExample {
   private SluiceExample() {}
@@ -155,10 +164,31 @@ public final class SluiceExample {
         "methodConfig", List.of(methodConfig));
   }
 
+  /** The request header whose value places a call on the hash ring. */
+  static final String SESSION_HEADER = "x-sluice-session";
+
+  /**
+   * serviceConfig() with calls placed on a hash ring by the value of the x-sluice-session header
+   * (sluice.service_config.SESSION_AFFINITY_SERVICE_CONFIG in Python).
+   */
+  static Map<String, ?> sessionServiceConfig() {
+    Map<String, Object> config = new LinkedHashMap<>(serviceConfig());
+    config.put("loadBalancingConfig",
+        List.of(Map.of("ring_hash_experimental", Map.of("requestHashHeader", SESSION_HEADER))));
+    return config;
+  }
+
+  /** Adds x-sluice-session: session to every call of a stub. */
+  static ClientInterceptor sessionHeader(String session) {
+    Metadata headers = new Metadata();
+    headers.put(Metadata.Key.of(SESSION_HEADER, Metadata.ASCII_STRING_MARSHALLER), session);
+    return MetadataUtils.newAttachHeadersInterceptor(headers);
+  }
+
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
-        "--max-tokens", "8", "--long-tokens", "200"));
+        "--max-tokens", "8", "--long-tokens", "200", "--session", ""));
     for (int i = 0; i + 1 < args.length; i += 2) {
       if (!flags.containsKey(args[i])) {
         throw new IllegalArgumentException("unknown flag " + args[i] + "; known: " + flags.keySet());
@@ -168,14 +198,20 @@ public final class SluiceExample {
     String prompt = flags.get("--prompt");
     int maxTokens = Integer.parseInt(flags.get("--max-tokens"));
     int longTokens = Integer.parseInt(flags.get("--long-tokens"));
+    String session = flags.get("--session");
 
     ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr"))
-        .defaultServiceConfig(serviceConfig())
+        .defaultServiceConfig(session.isEmpty() ? serviceConfig() : sessionServiceConfig())
         .enableRetry()
         .usePlaintext()
         .build();
     try {
       var blocking = InferenceServiceGrpc.newBlockingStub(channel);
+      var async = InferenceServiceGrpc.newStub(channel);
+      if (!session.isEmpty()) {
+        blocking = blocking.withInterceptors(sessionHeader(session));
+        async = async.withInterceptors(sessionHeader(session));
+      }
       GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
           .withWaitForReady().getModelInfo(GetModelInfoRequest.getDefaultInstance());
       System.out.printf("model: name=%s max_model_len=%d%n", info.getModelName(), info.getMaxModelLen());
@@ -187,7 +223,7 @@ public final class SluiceExample {
 
       List<GenerateRequest> requests = List.of(
           textRequest("java-bidi-0", prompt, maxTokens), textRequest("java-bidi-1", prompt, longTokens));
-      Map<String, Result> results = runBidi(InferenceServiceGrpc.newStub(channel), requests, "java-bidi-1");
+      Map<String, Result> results = runBidi(async, requests, "java-bidi-1");
       results.forEach((requestId, result) -> result.print("bidi", requestId));
       System.out.println("done");
     } finally {

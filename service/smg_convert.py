@@ -1,0 +1,305 @@
+"""Pure conversions between SMG's `vllm.grpc.engine` messages (PyPI smg-grpc-proto) and engine types.
+No I/O, no grpc calls.
+
+SMG (Shepherd Model Gateway) speaks to a worker in token ids: it applies the chat template, tokenizes,
+parses tool calls and reasoning, and detokenizes itself; the worker takes `tokenized.input_ids` and
+sampling parameters and streams token ids back. Streaming (`stream`): one GenerateStreamChunk per
+engine output (the new token ids, "delta" semantics) and, per sample, a GenerateComplete after its
+last chunk with the finish reason and the usage. Not streaming: one GenerateComplete per sample with
+all its token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from smg_grpc_proto import vllm_engine_pb2 as smg
+
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import EngineStats, Logprobs, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.text.tokenizer import Tokenizer
+from sluice.service.generation_spec import GenerationSpec, Prompt
+
+# What GetServerInfo calls this server; SMG files it away as a label.
+SERVER_TYPE = "sluice-grpc"
+
+
+def generation_spec_from_smg(
+    request: smg.GenerateRequest, model_info: ModelInfo, tokenizer: Tokenizer | None
+) -> GenerationSpec:
+    """Raises InvalidRequestError naming a bad field. A prompt given as text is tokenized here (SMG
+    always sends token ids), so the rest of the context is known: it is `max_tokens` when unset, as in
+    vLLM, and a prompt with `max_tokens` past the context is INVALID_ARGUMENT (vLLM's 400), not
+    RESOURCE_EXHAUSTED, which SMG would retry."""
+    token_ids = prompt_token_ids(request, tokenizer)
+    num_free = model_info.max_model_len - len(token_ids)
+    if num_free < 1:
+        raise InvalidRequestError(
+            "tokenized.input_ids",
+            f"the prompt has {len(token_ids)} tokens; the model's context is {model_info.max_model_len}",
+        )
+    params = sampling_params_from_smg(request.sampling_params, default_max_tokens=num_free)
+    if params.max_tokens > num_free:
+        raise InvalidRequestError(
+            "sampling_params.max_tokens",
+            f"{params.max_tokens} tokens after a {len(token_ids)}-token prompt exceed the model's "
+            f"context of {model_info.max_model_len}",
+        )
+    return GenerationSpec(prompt=Prompt(token_ids=token_ids), params=params)
+
+
+def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The prompt's token ids: `tokenized.input_ids`, or `text` encoded with the model's tokenizer."""
+    if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
+        raise InvalidRequestError("mm_inputs", "this server serves text models only")
+    kind = request.WhichOneof("input")
+    if kind == "tokenized":
+        if not request.tokenized.input_ids:
+            raise InvalidRequestError("tokenized.input_ids", "must not be empty")
+        return tuple(request.tokenized.input_ids)
+    if kind == "text" and request.text:
+        if tokenizer is None:
+            raise InvalidRequestError("text", "this model has no tokenizer: send tokenized.input_ids")
+        return tuple(tokenizer.encode(request.text))
+    raise InvalidRequestError("input", "is empty: give tokenized.input_ids or text")
+
+
+def sampling_params_from_smg(message: smg.SamplingParams, *, default_max_tokens: int) -> SamplingParams:
+    """vLLM's reading of the proto3 defaults: an unset `temperature` is 1, `top_p` 0 and
+    `repetition_penalty` 0 mean off (1), `n` 0 is 1, `top_k` 0 and `min_p` 0 are off."""
+    if message.HasField("truncate_prompt_tokens"):
+        raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "is not supported")
+    return SamplingParams(
+        temperature=message.temperature if message.HasField("temperature") else 1.0,
+        top_k=message.top_k,
+        top_p=message.top_p or 1.0,
+        min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        seed=message.seed if message.HasField("seed") else None,
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else default_max_tokens,
+        min_tokens=message.min_tokens,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        skip_special_tokens=message.skip_special_tokens,
+        logit_bias=dict(message.logit_bias),
+        constraint=constraint_from_smg(message),
+        n=message.n or 1,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+    )
+
+
+def constraint_from_smg(message: smg.SamplingParams) -> Constraint | None:
+    """Maps the `constraint` oneof (json_object: any JSON object); unset is None."""
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "structural_tag":
+        raise InvalidRequestError("sampling_params.structural_tag", "is not supported by Sluice")
+    if kind == "choice":
+        return Constraint(choice=tuple(message.choice.choices))
+    if kind == "json_object":
+        return Constraint(json_object=True) if message.json_object else None
+    return Constraint(**{kind: getattr(message, kind)})
+
+
+def output_logprobs_to_smg(values: Sequence[Logprobs], num_top: int | None) -> smg.OutputLogProbs:
+    """The sampled tokens' logprobs, and the top `num_top` at each position when asked for."""
+    message = smg.OutputLogProbs(
+        token_logprobs=[v.sampled.logprob for v in values], token_ids=[v.sampled.token_id for v in values]
+    )
+    if num_top:
+        message.top_logprobs.extend(_top_logprobs(v) for v in values)
+    return message
+
+
+def input_logprobs_to_smg(
+    values: Sequence[Logprobs], prompt_token_ids: Sequence[int], num_top: int | None
+) -> smg.InputLogProbs:
+    """The prompt's logprobs: none for its first token (no value set), then one per later token."""
+    message = smg.InputLogProbs(token_ids=prompt_token_ids[: len(values) + 1])
+    message.token_logprobs.append(smg.InputTokenLogProb())
+    message.token_logprobs.extend(smg.InputTokenLogProb(value=v.sampled.logprob) for v in values)
+    if num_top:
+        message.top_logprobs.append(smg.TopLogProbs())
+        message.top_logprobs.extend(_top_logprobs(v) for v in values)
+    return message
+
+
+def _top_logprobs(value: Logprobs) -> smg.TopLogProbs:
+    return smg.TopLogProbs(values=[t.logprob for t in value.top], token_ids=[t.token_id for t in value.top])
+
+
+@dataclass
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    sent_first_chunk: bool = False
+
+
+class SmgResponses:
+    """Turns one request's engine outputs (all its samples, interleaved) into GenerateResponses."""
+
+    def __init__(self, spec: GenerationSpec, stream: bool) -> None:
+        self._params = spec.params
+        self._prompt_token_ids = spec.prompt.token_ids or ()
+        self._stream = stream
+        self._samples: dict[int, _Sample] = {}
+        self._prompt_logprobs: tuple[Logprobs, ...] = ()
+
+    def responses(self, output: RequestOutput) -> Iterator[smg.GenerateResponse]:
+        sample = self._samples.setdefault(output.index, _Sample())
+        sample.token_ids += output.token_ids
+        sample.logprobs += output.logprobs
+        self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
+        if self._stream and (output.token_ids or not sample.sent_first_chunk):
+            yield smg.GenerateResponse(chunk=self._chunk(output, sample))
+        if output.finished:
+            yield smg.GenerateResponse(complete=self._complete(output, sample))
+
+    def _chunk(self, output: RequestOutput, sample: _Sample) -> smg.GenerateStreamChunk:
+        chunk = smg.GenerateStreamChunk(
+            token_ids=output.token_ids,
+            prompt_tokens=len(self._prompt_token_ids),
+            completion_tokens=len(output.token_ids),
+            cached_tokens=output.usage.cached_tokens if output.usage else 0,
+            index=output.index,
+        )
+        if self._params.logprobs is not None and output.logprobs:
+            chunk.output_logprobs.CopyFrom(output_logprobs_to_smg(output.logprobs, self._params.logprobs))
+        if not sample.sent_first_chunk and output.prompt_logprobs:
+            chunk.input_logprobs.CopyFrom(self._input_logprobs())
+        sample.sent_first_chunk = True
+        return chunk
+
+    def _complete(self, output: RequestOutput, sample: _Sample) -> smg.GenerateComplete:
+        """Streaming: `output_ids` is the last delta (as vLLM sends it; SMG takes the text from the
+        chunks); otherwise every token of the sample. Usage is the sample's whole."""
+        token_ids, logprobs = (
+            (output.token_ids, output.logprobs)
+            if self._stream
+            else (
+                sample.token_ids,
+                sample.logprobs,
+            )
+        )
+        usage = output.usage
+        complete = smg.GenerateComplete(
+            output_ids=token_ids,
+            finish_reason=output.finish_reason,
+            prompt_tokens=usage.prompt_tokens if usage else len(self._prompt_token_ids),
+            completion_tokens=len(sample.token_ids),
+            cached_tokens=usage.cached_tokens if usage else 0,
+            index=output.index,
+            spec_accepted_tokens=usage.accepted_draft_tokens if usage else 0,
+            spec_draft_tokens=usage.draft_tokens if usage else 0,
+        )
+        if self._params.logprobs is not None and logprobs:
+            complete.output_logprobs.CopyFrom(output_logprobs_to_smg(logprobs, self._params.logprobs))
+        if self._prompt_logprobs and not self._stream:
+            complete.input_logprobs.CopyFrom(self._input_logprobs())
+        if isinstance(output.stop_reason, str):
+            complete.matched_stop_str = output.stop_reason
+        elif isinstance(output.stop_reason, int):
+            complete.matched_token_id = output.stop_reason
+        return complete
+
+    def _input_logprobs(self) -> smg.InputLogProbs:
+        return input_logprobs_to_smg(
+            self._prompt_logprobs, self._prompt_token_ids, self._params.prompt_logprobs
+        )
+
+
+def model_info_to_smg(info: ModelInfo, tokenizer: Tokenizer | None) -> smg.GetModelInfoResponse:
+    """`tokenizer_path` names no file on purpose: SMG then fetches the tokenizer with GetTokenizer
+    (a path that exists where SMG runs would be loaded from there instead)."""
+    bos = None if tokenizer is None else tokenizer.bos_token_id
+    pad = None if tokenizer is None else tokenizer.token_to_id(tokenizer.special_tokens.get("pad_token", ""))
+    return smg.GetModelInfoResponse(
+        model_path=info.name,
+        is_generation=True,
+        max_context_length=info.max_model_len,
+        vocab_size=info.vocab_size,
+        supports_vision=False,
+        served_model_name=info.name,
+        tokenizer_path="",
+        model_type=model_type(info.architecture),
+        architectures=[info.architecture],
+        eos_token_ids=info.eos_token_ids,
+        pad_token_id=pad or 0,
+        bos_token_id=bos or 0,
+        max_req_input_len=info.max_model_len - 1,
+        default_sampling_params_json="",
+    )
+
+
+def model_type(architecture: str) -> str:
+    """The Hugging Face `model_type` of an architecture name: LlamaForCausalLM -> llama,
+    Gemma3ForCausalLM -> gemma3_text (the text-only Gemma 3), Qwen2ForCausalLM -> qwen2."""
+    base = architecture.removesuffix("ForCausalLM").lower()
+    return "gemma3_text" if base == "gemma3" else base
+
+
+def server_info_to_smg(
+    *, num_active_requests: int, uptime_seconds: float, last_receive_timestamp: float, info: ModelInfo
+) -> smg.GetServerInfoResponse:
+    return smg.GetServerInfoResponse(
+        active_requests=num_active_requests,
+        is_paused=False,
+        last_receive_timestamp=last_receive_timestamp,
+        uptime_seconds=uptime_seconds,
+        server_type=SERVER_TYPE,
+        data_parallel_size=1,
+        block_size=info.block_size,
+        attention_backend="",
+    )
+
+
+def loads_to_smg(stats: EngineStats, info: ModelInfo, timestamp: str, version: str) -> smg.GetLoadsResponse:
+    """One rank: running and waiting requests, KV usage (blocks in use over all blocks)."""
+    queries = stats.prefix_cache_queries
+    load = smg.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=stats.num_running,
+        num_waiting_reqs=stats.num_waiting,
+        num_total_reqs=stats.num_running + stats.num_waiting,
+        num_used_tokens=stats.num_kv_blocks_used * info.block_size,
+        max_total_num_tokens=info.kv_capacity_tokens,
+        token_usage=stats.kv_usage,
+        cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
+    )
+    return smg.GetLoadsResponse(timestamp=timestamp, version=version, dp_rank_count=1, loads=[load])
+
+
+def tokenizer_config(tokenizer: Tokenizer, info: ModelInfo) -> dict[str, object]:
+    """tokenizer_config.json for the bundle GetTokenizer sends: the chat template and named special
+    tokens (`tokenizer.json` holds the vocabulary, added tokens and post-processor)."""
+    config: dict[str, object] = dict(tokenizer.special_tokens)
+    config["model_max_length"] = info.max_model_len
+    config["add_bos_token"] = False  # tokenizer.json's post-processor adds what is needed
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template.source
+    return config
+
+
+def bundle_files(tokenizer: Tokenizer, info: ModelInfo) -> dict[str, str]:
+    """The files of the tokenizer bundle (GetTokenizer), built from the tokenizer the engine uses, so a
+    GGUF model's vocabulary is exported as `tokenizer.json` like a Hugging Face directory's."""
+    config = {"architectures": [info.architecture], "model_type": model_type(info.architecture)}
+    config |= {"max_position_embeddings": info.max_model_len, "vocab_size": info.vocab_size}
+    config["eos_token_id"] = list(info.eos_token_ids)
+    generation = {"eos_token_id": list(tokenizer.eos_token_ids or info.eos_token_ids)}
+    return {
+        "tokenizer.json": tokenizer.backend.to_str(),
+        "tokenizer_config.json": json.dumps(tokenizer_config(tokenizer, info), indent=2),
+        "config.json": json.dumps(config, indent=2),
+        "generation_config.json": json.dumps(generation, indent=2),
+    }

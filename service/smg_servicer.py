@@ -1,0 +1,183 @@
+"""vllm.grpc.engine.VllmEngine (PyPI smg-grpc-proto): the engine API that SMG, the Shepherd Model Gateway,
+routes OpenAI-compatible requests to over gRPC. Served on the same port as sluice.v1.InferenceService,
+over the same engine, tenants, metrics, tracing and drain; errors map in sluice.service.status.
+
+Why this service of SMG's protos: SMG registers a gRPC worker by calling each runtime's HealthCheck in
+turn (sglang, vllm, trtllm, tokenspeed, mlx) and speaks the first that answers. vLLM's is the one
+whose Generate takes plain token ids and sampling parameters with vLLM's structured-output oneof (json
+schema, regex, grammar, choice), streams token-id deltas, and has out-of-band Abort, GetLoads and
+GetTokenizer: what Sluice's engine does, with nothing left over. (SGLang's carries SGLang's scheduler
+options, TensorRT-LLM's its executor's, MLX's and TokenSpeed's their engines'.)
+
+    SMG                                   this servicer                       engine
+    HealthCheck  -> healthy unless loading, draining or the engine failed
+    GetModelInfo / GetServerInfo / GetTokenizer (zip of tokenizer.json, configs) at registration
+    GetLoads     -> running / waiting requests, KV usage (polled)
+    Generate     -> token ids in  ---- GenerationRunner.outputs ---->   add_request
+                 <- chunks (token-id deltas), one Complete per sample
+    Abort        -> ends the live requests named (unknown ids are ignored: SMG aborts what it drops)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import time
+import uuid
+import zipfile
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from importlib.metadata import version
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from sluice.engine.errors import InvalidRequestError, UnknownRequestError
+from sluice.service import smg_convert
+from sluice.service.metrics import ServerMetrics
+from sluice.service.request_cancel import ABORT
+from sluice.service.request_ids import RequestIds
+from sluice.service.servicer import InferenceServicer
+from sluice.service.status import ServiceUnavailableError, rpc_errors
+
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# GetTokenizer's chunk size (SMG's client reassembles up to 200 MB).
+TOKENIZER_CHUNK_BYTES = 64 << 10
+_METHOD_PREFIX = "VllmEngine."
+
+
+class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Shares `inference`'s engine, admission (loading, draining, a failed engine) and tenants.
+    Embed, FlushCache, StartProfile, StopProfile and SubscribeKvEvents answer UNIMPLEMENTED: SMG then
+    polls GetLoads and keeps its own prefix tree for cache-aware routing."""
+
+    def __init__(self, inference: InferenceServicer, metrics: ServerMetrics) -> None:
+        self._inference = inference
+        self._metrics = metrics
+        self._request_ids = RequestIds()
+        self._num_generate_calls = 0
+        self._started = time.time()
+        self._last_receive = 0.0
+        self._version = version("sluice")
+
+    @property
+    def num_active_requests(self) -> int:
+        return self._num_generate_calls
+
+    def record_status(self, method: str, code: grpc.StatusCode) -> None:
+        self._metrics.record_status(_METHOD_PREFIX + method, code)
+
+    @rpc_errors
+    async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+        runner = self._inference.accepting_runner()
+        caller = self._inference.caller(context)
+        self._last_receive = time.time()
+        engine = runner.engine
+        spec = smg_convert.generation_spec_from_smg(request, engine.model_info, engine.tokenizer)
+        tenant = caller.tenant.name
+        request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
+        cancel = self._request_ids.claim(tenant, request_id)
+        self._num_generate_calls += 1
+        try:
+            # Tenant names hold no "/": engine ids of two tenants never collide.
+            outputs = runner.outputs(spec, f"smg/{tenant}/{request_id}", caller, cancel)
+            responses = smg_convert.SmgResponses(spec, request.stream)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    for response in responses.responses(output):
+                        yield response
+        finally:
+            self._num_generate_calls -= 1
+            self._request_ids.release(tenant, request_id, cancel)
+
+    @rpc_errors
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        """Idempotent, and allowed while draining; an id never seen is remembered (a Generate with it
+        arriving later ends at once), not an error."""
+        tenant = self._inference.caller(context).tenant.name
+        for request_id in request.request_ids:
+            if not request_id:
+                raise InvalidRequestError("request_ids", "must not contain empty ids")
+            with contextlib.suppress(UnknownRequestError):
+                cancel = self._request_ids.abort(tenant, request_id)
+                if cancel is not None:
+                    await cancel.cancel(ABORT)
+        return vllm_engine_pb2.AbortResponse()
+
+    @rpc_errors
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        """Unhealthy while loading, draining or after the engine failed: SMG stops routing here."""
+        try:
+            self._inference.check_accepting()
+        except ServiceUnavailableError as exc:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=str(exc))
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+
+    @rpc_errors
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        engine = self._inference.accepting_runner().engine
+        return smg_convert.model_info_to_smg(engine.model_info, engine.tokenizer)
+
+    @rpc_errors
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        engine = self._inference.accepting_runner().engine
+        return smg_convert.server_info_to_smg(
+            num_active_requests=engine.num_live_requests,
+            uptime_seconds=time.time() - self._started,
+            last_receive_timestamp=self._last_receive,
+            info=engine.model_info,
+        )
+
+    @rpc_errors
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        engine = self._inference.accepting_runner().engine
+        timestamp = datetime.now(UTC).isoformat()
+        return smg_convert.loads_to_smg(engine.stats(), engine.model_info, timestamp, self._version)
+
+    @rpc_errors
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """A zip of tokenizer.json, tokenizer_config.json (chat template), config.json and
+        generation_config.json, in chunks; the last carries the archive's SHA-256."""
+        engine = self._inference.accepting_runner().engine
+        if engine.tokenizer is None:
+            raise InvalidRequestError("tokenizer", "this model has no tokenizer")
+        archive = _zip(smg_convert.bundle_files(engine.tokenizer, engine.model_info))
+        digest = hashlib.sha256(archive).hexdigest()
+        for offset in range(0, len(archive), TOKENIZER_CHUNK_BYTES):
+            end = offset + TOKENIZER_CHUNK_BYTES
+            yield common_pb2.GetTokenizerChunk(
+                data=archive[offset:end], sha256=digest if end >= len(archive) else ""
+            )
+
+
+async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc.aio.ServicerContext) -> None:
+    """UNIMPLEMENTED with a message, without the traceback grpc logs for the generated base methods."""
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by Sluice")
+
+
+for _name in ("Embed", "FlushCache", "StartProfile", "StopProfile", "SubscribeKvEvents"):
+    setattr(SmgEngineServicer, _name, _unimplemented)
+
+
+def _zip(files: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return buffer.getvalue()

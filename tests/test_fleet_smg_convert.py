@@ -1,0 +1,253 @@
+"""sluice.service.smg_convert: SMG's vllm.grpc.engine messages to engine types and back (pure functions),
+and the tokenizer bundle GetTokenizer serves, read back by transformers (for a Hugging Face directory
+and for the embedded SmolLM2 GGUF, whose vocabulary the bundle exports as tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as smg
+
+from sluice.engine.errors import InvalidRequestError
+from sluice.engine.loading.default_model import default_model_path
+from sluice.engine.loading.gguf_file import GGUFFile
+from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import Logprobs, RequestOutput, TokenLogprob, Usage
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.text.tokenizer import Tokenizer
+from sluice.service import smg_convert
+
+INFO = ModelInfo(
+    name="tiny",
+    architecture="LlamaForCausalLM",
+    max_model_len=64,
+    vocab_size=512,
+    eos_token_ids=(1,),
+    block_size=16,
+    num_kv_blocks=8,
+)
+TEXTS = ("Hello there!", "def f(x):\n    return x ** 2  # 0 1 42", "naïve café, 東京 ✓")
+
+
+def _request(**sampling: object) -> smg.GenerateRequest:
+    return smg.GenerateRequest(
+        request_id="r",
+        tokenized=smg.TokenizedInput(input_ids=[5, 6, 7, 8]),
+        sampling_params=smg.SamplingParams(**sampling),
+        stream=True,
+    )
+
+
+def test_proto3_defaults_read_as_vllm_reads_them() -> None:
+    spec = smg_convert.generation_spec_from_smg(_request(), INFO, None)
+    assert spec.prompt.token_ids == (5, 6, 7, 8)
+    # temperature unset: 1; top_p 0 and repetition_penalty 0: off; n 0: 1; max_tokens: the rest;
+    # skip_special_tokens as sent (false unset: only Sluice's stop-string matching reads it).
+    assert spec.params == SamplingParams(temperature=1.0, max_tokens=60, skip_special_tokens=False)
+
+
+def test_sampling_fields_map_one_to_one() -> None:
+    request = _request(
+        temperature=0.0,
+        top_p=0.75,
+        top_k=5,
+        min_p=0.125,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.25,
+        max_tokens=7,
+        min_tokens=2,
+        stop=["\n\n"],
+        stop_token_ids=[3],
+        ignore_eos=True,
+        n=3,
+        logprobs=2,
+        prompt_logprobs=1,
+        seed=11,
+        logit_bias={9: 2.5},
+        json_schema='{"type": "object"}',
+        skip_special_tokens=True,
+    )
+    params = smg_convert.generation_spec_from_smg(request, INFO, None).params
+    assert params == SamplingParams(
+        temperature=0.0,
+        top_p=0.75,
+        top_k=5,
+        min_p=0.125,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.25,
+        max_tokens=7,
+        min_tokens=2,
+        stop=("\n\n",),
+        stop_token_ids=(3,),
+        ignore_eos=True,
+        n=3,
+        logprobs=2,
+        prompt_logprobs=1,
+        seed=11,
+        logit_bias={9: 2.5},
+        constraint=Constraint(json_schema='{"type": "object"}'),
+    )
+
+
+@pytest.mark.parametrize(
+    ("constraint", "expected"),
+    [
+        ({"regex": "[0-9]+"}, Constraint(regex="[0-9]+")),
+        ({"grammar": 'root ::= "a"'}, Constraint(grammar='root ::= "a"')),
+        ({"choice": smg.ChoiceConstraint(choices=["yes", "no"])}, Constraint(choice=("yes", "no"))),
+        ({"json_object": True}, Constraint(json_object=True)),
+    ],
+)
+def test_constraints(constraint: dict, expected: Constraint) -> None:
+    assert (
+        smg_convert.generation_spec_from_smg(_request(**constraint), INFO, None).params.constraint == expected
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (_request(structural_tag="{}"), "sampling_params.structural_tag"),
+        (_request(truncate_prompt_tokens=3), "sampling_params.truncate_prompt_tokens"),
+        (_request(max_tokens=61), "sampling_params.max_tokens"),
+        (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=list(range(64)))), "tokenized.input_ids"),
+        (smg.GenerateRequest(), "input"),
+        (smg.GenerateRequest(text="hi"), "text"),  # no tokenizer to encode it with
+        (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), mm_inputs={}), "mm_inputs"),
+    ],
+)
+def test_what_sluice_cannot_do_is_invalid_argument_naming_the_field(request_, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        smg_convert.generation_spec_from_smg(request_, INFO, None)
+    assert info.value.field == field
+
+
+def test_a_bad_value_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="^top_p: must be in"):
+        smg_convert.generation_spec_from_smg(_request(top_p=1.5), INFO, None)
+
+
+def _output(tokens, index=0, finish=None, logprobs=(), prompt_logprobs=(), stop_reason=None) -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        token_ids=tuple(tokens),
+        text="",
+        logprobs=tuple(logprobs),
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        usage=Usage(prompt_tokens=4, completion_tokens=0, cached_tokens=2),
+        index=index,
+        prompt_logprobs=tuple(prompt_logprobs),
+    )
+
+
+def _lp(token_id: int, logprob: float, *top: tuple[int, float]) -> Logprobs:
+    return Logprobs(TokenLogprob(token_id, logprob), tuple(TokenLogprob(t, v) for t, v in top))
+
+
+def test_streaming_sends_token_deltas_then_one_complete_per_sample() -> None:
+    spec = smg_convert.generation_spec_from_smg(_request(n=2, max_tokens=3), INFO, None)
+    responses = smg_convert.SmgResponses(spec, stream=True)
+    sent = [
+        *responses.responses(_output([10])),
+        *responses.responses(_output([20], index=1)),
+        *responses.responses(_output([11, 12], finish="length")),
+        *responses.responses(_output([], index=1, finish="stop", stop_reason=1)),
+    ]
+    kinds = [r.WhichOneof("response") for r in sent]
+    assert kinds == ["chunk", "chunk", "chunk", "complete", "complete"]
+    assert [list(r.chunk.token_ids) for r in sent[:3]] == [[10], [20], [11, 12]]
+    assert [r.chunk.index for r in sent[:3]] == [0, 1, 0]
+    first, second = sent[3].complete, sent[4].complete
+    assert (first.index, first.finish_reason, first.completion_tokens) == (0, "length", 3)
+    assert list(first.output_ids) == [11, 12]  # the last delta, as vLLM sends it
+    assert (first.prompt_tokens, first.cached_tokens) == (4, 2)
+    assert (second.index, second.finish_reason, second.completion_tokens) == (1, "stop", 1)
+    assert second.matched_token_id == 1
+
+
+def test_not_streaming_sends_one_complete_with_every_token_and_logprob() -> None:
+    spec = smg_convert.generation_spec_from_smg(
+        _request(max_tokens=2, logprobs=1, prompt_logprobs=1), INFO, None
+    )
+    responses = smg_convert.SmgResponses(spec, stream=False)
+    prompt_lps = [_lp(6, -1.0, (6, -1.0)), _lp(7, -2.0, (9, -0.5)), _lp(8, -3.0, (8, -3.0))]
+    sent = [
+        *responses.responses(_output([10], logprobs=[_lp(10, -0.1, (10, -0.1))], prompt_logprobs=prompt_lps)),
+        *responses.responses(
+            _output([11], finish="stop", logprobs=[_lp(11, -0.2, (11, -0.2))], stop_reason="\n")
+        ),
+    ]
+    (response,) = sent
+    complete = response.complete
+    assert list(complete.output_ids) == [10, 11] and complete.completion_tokens == 2
+    assert complete.matched_stop_str == "\n"
+    assert list(complete.output_logprobs.token_ids) == [10, 11]
+    assert list(complete.output_logprobs.token_logprobs) == pytest.approx([-0.1, -0.2])
+    assert [list(t.token_ids) for t in complete.output_logprobs.top_logprobs] == [[10], [11]]
+    prompt = complete.input_logprobs
+    assert list(prompt.token_ids) == [5, 6, 7, 8]
+    assert [v.HasField("value") for v in prompt.token_logprobs] == [False, True, True, True]
+    assert [v.value for v in prompt.token_logprobs[1:]] == pytest.approx([-1.0, -2.0, -3.0])
+    assert [list(t.token_ids) for t in prompt.top_logprobs] == [[], [6], [9], [8]]
+
+
+def test_loads_and_model_info() -> None:
+    from sluice.engine.outputs import EngineStats
+
+    stats = EngineStats(3, 2, 8, 4, 0, 0, 0, prefix_cache_queries=10, prefix_cache_hits=4)
+    (load,) = smg_convert.loads_to_smg(stats, INFO, "now", "0.1.0").loads
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_total_reqs) == (3, 2, 5)
+    assert load.token_usage == 0.5 and load.num_used_tokens == 64 and load.max_total_num_tokens == 128
+    assert load.cache_hit_rate == pytest.approx(0.4)
+    info = smg_convert.model_info_to_smg(INFO, None)
+    assert (info.served_model_name, info.max_context_length, list(info.eos_token_ids)) == ("tiny", 64, [1])
+    assert (info.model_type, list(info.architectures), info.tokenizer_path) == (
+        "llama",
+        ["LlamaForCausalLM"],
+        "",
+    )
+    assert smg_convert.model_type("Gemma3ForCausalLM") == "gemma3_text"
+
+
+def _bundle_dir(tokenizer: Tokenizer, info: ModelInfo, directory: Path) -> Path:
+    for name, text in smg_convert.bundle_files(tokenizer, info).items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def _check_against_transformers(ours: Tokenizer, directory: Path) -> None:
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(directory))
+    for text in TEXTS:
+        assert theirs.encode(text) == ours.encode(text), text
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[0]}]
+    rendered = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == ours.apply_chat_template(messages)
+    assert theirs.eos_token == ours.eos_token
+    generation = json.loads((directory / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == list(ours.eos_token_ids)
+
+
+def test_the_bundle_of_a_hugging_face_directory_loads_in_transformers(llama_dir: str, tmp_path: Path) -> None:
+    ours = Tokenizer.from_pretrained(llama_dir)
+    info = INFO
+    _check_against_transformers(ours, _bundle_dir(ours, info, tmp_path))
+
+
+def test_the_bundle_exports_a_gguf_vocabulary_as_tokenizer_json(tmp_path: Path) -> None:
+    ours = gguf_tokenizer(GGUFFile(default_model_path()))
+    assert ours.chat_template is not None
+    info = ModelInfo("smollm2", "LlamaForCausalLM", 8192, ours.vocab_size, ours.eos_token_ids, 16, 8)
+    directory = _bundle_dir(ours, info, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["model_type"], config["max_position_embeddings"]) == ("llama", 8192)
+    _check_against_transformers(ours, directory)

@@ -1,0 +1,135 @@
+"""vllm.grpc.engine.VllmEngine on a real Sluice server, called through smg-grpc-proto's generated stubs
+as SMG calls it: health across the server's life, the tokenizer bundle, token ids in and out equal to
+sluice.v1's answer, Abort, and the status codes of what Sluice does not do."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+
+import grpc
+import pytest
+from service_harness import ServerThread, tiny_engine_config
+from smg_grpc_proto import vllm_engine_pb2 as smg
+from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from sluice import Client, generate_request
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def engine_stub(server: ServerThread):
+    with server.channel() as channel:
+        yield smg_grpc.VllmEngineStub(channel)
+
+
+def _generate(stub, prompt: list[int], stream: bool, **sampling) -> list[smg.GenerateResponse]:
+    request = smg.GenerateRequest(
+        request_id=f"t-{hash((tuple(prompt), stream, tuple(sampling.items())))}",
+        tokenized=smg.TokenizedInput(input_ids=prompt),
+        sampling_params=smg.SamplingParams(**sampling),
+        stream=stream,
+    )
+    return list(stub.Generate(request, timeout=60))
+
+
+def test_token_ids_in_and_out_equal_sluices_own_answer(server: ServerThread, engine_stub) -> None:
+    prompt = list(range(20, 60))
+    with Client(server.target) as client:
+        expected = client.complete(
+            generate_request(token_ids=prompt, temperature=0.0, max_tokens=9, ignore_eos=True), timeout=60
+        )
+    streamed = _generate(engine_stub, prompt, True, temperature=0.0, max_tokens=9, ignore_eos=True)
+    chunks = [r.chunk for r in streamed if r.WhichOneof("response") == "chunk"]
+    (complete,) = [r.complete for r in streamed if r.WhichOneof("response") == "complete"]
+    assert [t for c in chunks for t in c.token_ids] == list(expected.token_ids)
+    assert (complete.finish_reason, complete.completion_tokens, complete.prompt_tokens) == ("length", 9, 40)
+    (whole,) = _generate(engine_stub, prompt, False, temperature=0.0, max_tokens=9, ignore_eos=True)
+    assert list(whole.complete.output_ids) == list(expected.token_ids)
+    # The same prompt again: its full blocks come from the prefix cache.
+    assert whole.complete.cached_tokens == 32
+
+
+def test_health_model_info_and_tokenizer_bundle(server: ServerThread, engine_stub, llama_dir: str) -> None:
+    health = engine_stub.HealthCheck(smg.HealthCheckRequest(), timeout=10)
+    assert health.healthy
+    info = engine_stub.GetModelInfo(smg.GetModelInfoRequest(), timeout=10)
+    assert (info.max_context_length, info.vocab_size, info.model_type) == (256, 512, "llama")
+    chunks = list(engine_stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
+    archive = b"".join(c.data for c in chunks)
+    assert [c.sha256 for c in chunks[:-1]] == [""] * (len(chunks) - 1)
+    assert chunks[-1].sha256 == hashlib.sha256(archive).hexdigest()
+    files = zipfile.ZipFile(io.BytesIO(archive))
+    assert sorted(files.namelist()) == [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    with open(f"{llama_dir}/tokenizer.json") as f:
+        original = json.load(f)
+    assert json.loads(files.read("tokenizer.json"))["model"]["vocab"] == original["model"]["vocab"]
+    loads = engine_stub.GetLoads(smg.GetLoadsRequest(), timeout=10)
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == 128 * 16
+
+
+def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread, engine_stub) -> None:
+    request = smg.GenerateRequest(
+        request_id="to-abort",
+        tokenized=smg.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True),
+        stream=True,
+    )
+    responses = engine_stub.Generate(request, timeout=60)
+    next(responses)
+    engine_stub.Abort(smg.AbortRequest(request_ids=["to-abort", "never-seen"]), timeout=10)
+    (complete,) = [r.complete for r in responses if r.WhichOneof("response") == "complete"]
+    assert complete.finish_reason == "abort" and complete.completion_tokens < 240
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        ({"max_tokens": 250}, "sampling_params.max_tokens: 250 tokens after a 40-token prompt"),
+        ({"structural_tag": "{}"}, "sampling_params.structural_tag: is not supported"),
+        ({"top_p": 2.0}, "top_p: must be in (0, 1]"),
+    ],
+)
+def test_what_cannot_run_is_invalid_argument(engine_stub, sampling: dict, message: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(engine_stub, list(range(20, 60)), True, **sampling)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(message)
+
+
+def test_kv_events_and_embeddings_are_unimplemented(engine_stub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as info:
+        engine_stub.Embed(smg.EmbedRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_health_follows_loading_and_draining(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    try:
+        with thread.channel() as channel:
+            stub = smg_grpc.VllmEngineStub(channel)
+            loading = stub.HealthCheck(smg.HealthCheckRequest(), timeout=10)
+            assert (loading.healthy, loading.message) == (False, "the server is still loading the model")
+            thread.attach()
+            assert stub.HealthCheck(smg.HealthCheckRequest(), timeout=10).healthy
+            thread.call(thread.server.begin_drain())
+            draining = stub.HealthCheck(smg.HealthCheckRequest(), timeout=10)
+            assert not draining.healthy and "draining" in draining.message
+            with pytest.raises(grpc.RpcError) as info:
+                _generate(stub, [5, 6, 7], True, max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        thread.stop()

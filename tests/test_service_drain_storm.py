@@ -1,0 +1,139 @@
+"""No lost call in a drain, ever: calls fired at a `sluice serve` process across its whole drain window,
+by plain clients (no service config, no retries, aimed at the draining server alone) and by the
+documented service config (round robin over two servers, health checking, UNAVAILABLE retried).
+
+grpc's server cancels (CANCELLED, which no client retries) the calls it has accepted but not yet handed
+to a handler when stop() starts, and the calls that reach a connection after it: the drain therefore
+refuses calls with UNAVAILABLE while the server still takes them, and calls stop() only once calls
+have stopped coming. Every plain call must end OK (it came before the drain) or UNAVAILABLE (the
+drain refused it, or the server was gone), never CANCELLED; the service-config client sees no failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from fleet_harness import SluiceProcess, wait_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice import Client, SluiceError, generate_request
+from sluice.service.server import INFERENCE_SERVICE
+from sluice.v1 import sluice_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(300)
+
+GRACE_PERIOD = 10.0
+LOAD = 200  # long calls in flight when the drain starts, keeping the server's event loop busy
+WAVES = 21  # then waves of calls, one every WAVE_INTERVAL_S from the moment the server is NOT_SERVING
+WAVE_SIZE = 50  # (over the first second of the drain, where the GOAWAY used to come at 0.5 s)
+WAVE_INTERVAL_S = 0.05
+TRICKLE_INTERVAL_S = 0.02  # and one call every 20 ms from before SIGTERM ...
+TRICKLE_AFTER_DRAIN_S = 2.0  # ... until this long after the server went NOT_SERVING
+
+
+class DocumentedClientLoop:
+    """Threads calling through the documented service config over both servers; failures recorded."""
+
+    def __init__(self, target: str, num_threads: int) -> None:
+        self.client = Client(target)
+        self._stop = threading.Event()
+        self.failures: list[str] = []
+        self.num_ok = 0
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        request = generate_request(f"loop {index}", temperature=0.0, max_tokens=3, ignore_eos=True)
+        while not self._stop.is_set():
+            try:
+                self.client.complete(request, timeout=60)
+                self.num_ok += 1
+            except SluiceError as exc:
+                self.failures.append(f"{exc.code.name}: {exc.message}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+        self.client.close()
+
+
+async def _plain_call(stub: pb_grpc.InferenceServiceStub, index: int, max_tokens: int = 2) -> grpc.StatusCode:
+    request = generate_request(f"storm {index}", temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    call = stub.Generate(request, timeout=60)
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def _storm(draining: SluiceProcess) -> collections.Counter[grpc.StatusCode]:
+    """Plain calls at the draining server: LOAD long ones just before SIGTERM, a trickle from before
+    SIGTERM to well after NOT_SERVING, and WAVES waves of calls over the drain's first second."""
+    options = [("grpc.enable_retries", 0)]  # plain: no retry of any kind
+    async with (
+        grpc.aio.insecure_channel(draining.target, options=options) as channel,
+        grpc.aio.insecure_channel(draining.target) as health_channel,
+    ):
+        stub = pb_grpc.InferenceServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(health_channel)
+        calls: list[asyncio.Task[grpc.StatusCode]] = []
+        drain_seen = asyncio.Event()
+
+        async def trickle() -> None:
+            loop = asyncio.get_running_loop()
+            while not drain_seen.is_set() or loop.time() < drain_seen_at + TRICKLE_AFTER_DRAIN_S:
+                calls.append(asyncio.create_task(_plain_call(stub, len(calls))))
+                await asyncio.sleep(TRICKLE_INTERVAL_S)
+
+        async def serving() -> bool:
+            check = health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE)
+            response = await health.Check(check, timeout=10)
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+
+        drain_seen_at = 0.0
+        trickling = asyncio.create_task(trickle())
+        calls += [asyncio.create_task(_plain_call(stub, -i, max_tokens=40)) for i in range(LOAD)]
+        await asyncio.sleep(0.5)
+        draining.terminate()
+        while await serving():
+            await asyncio.sleep(0.005)
+        drain_seen_at = asyncio.get_running_loop().time()
+        drain_seen.set()
+        for _ in range(WAVES):
+            calls += [asyncio.create_task(_plain_call(stub, len(calls) + i)) for i in range(WAVE_SIZE)]
+            await asyncio.sleep(WAVE_INTERVAL_S)
+        await trickling
+        return collections.Counter(await asyncio.gather(*calls))
+
+
+def test_calls_fired_across_a_drain_end_ok_or_unavailable_never_cancelled(
+    llama_dir: str, tmp_path: Path
+) -> None:
+    draining = SluiceProcess(llama_dir, tmp_path / "draining.log", grace_period=GRACE_PERIOD)
+    staying = SluiceProcess(llama_dir, tmp_path / "staying.log", grace_period=GRACE_PERIOD)
+    try:
+        documented = DocumentedClientLoop(f"ipv4:{draining.target},{staying.target}", num_threads=3)
+        try:
+            wait_for(lambda: draining.finished() >= 2 and staying.finished() >= 2, 120, "calls on both")
+            codes = asyncio.run(_storm(draining))
+            assert draining.process.wait(timeout=GRACE_PERIOD + 30) == 0
+            ok_before_stop = documented.num_ok
+            wait_for(lambda: documented.num_ok >= ok_before_stop + 5, 120, "calls on the staying server")
+        finally:
+            documented.stop()
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+        assert codes[grpc.StatusCode.UNAVAILABLE] >= WAVES * WAVE_SIZE, codes  # the waves met the drain
+        assert codes[grpc.StatusCode.OK] >= 1, codes  # the trickle's first calls came before it
+        assert documented.failures == []
+    finally:
+        draining.close()
+        staying.close()
