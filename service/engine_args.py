@@ -36,7 +36,9 @@ def flag_name(f: Field) -> str:
 
 
 def _dest(section: str | None, f: Field) -> str:
-    return f"engine.{section}.{f.name}" if section else f"engine.{f.name}"
+    """The parsed value's attribute: the field's own name (`args.max_num_seqs`, `args.enable_prefix_caching`);
+    names are unique across the sections (`add_engine_arguments` checks)."""
+    return f.name
 
 
 def _scalar_type(hint: Any) -> type:
@@ -90,6 +92,12 @@ def _add_flag(
 def add_engine_arguments(parser: argparse.ArgumentParser, config: type = EngineConfig) -> None:
     """Adds one flag per `option` field of `config` and its sections, a group per section."""
     sections = config_sections(config)
+    names = [f.name for s in sections.values() for f in fields(s.cls) if "help" in f.metadata]
+    names += [f.name for f in fields(config) if f.name not in sections and "help" in f.metadata]
+    if len(names) != len(set(names)):
+        raise TypeError(
+            f"option fields share a name across sections: {sorted({n for n in names if names.count(n) > 1})}"
+        )
     for name, section in sections.items():
         summary = (section.cls.__doc__ or "").strip().split("\n\n")[0]
         group = parser.add_argument_group(name, " ".join(summary.split()))
