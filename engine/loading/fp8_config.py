@@ -123,14 +123,16 @@ def resolve_fp8_config(
     quantization: str | None,
     hf_config: Mapping[str, Any],
     packed_modules: Mapping[str, tuple[str, int]],
+    *,
+    tied_lm_head: bool = False,
     random_weights: bool = False,
 ) -> Fp8Config | None:
     """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
     compressed-tensors), else `--quantization fp8`'s, else None. A checkpoint that quantizes only its KV
     cache has float weights: `--quantization fp8` quantizes them at load. `random_weights` (load_format
     dummy): the weights are random floats, so a checkpoint's FP8 scheme is made at load. Raises ValueError
-    naming the field when the checkpoint's config is not one Sluice runs, or does not go with
-    `quantization`."""
+    naming the field when the checkpoint's config is not one Sluice runs, does not go with `quantization`,
+    or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
     raw = hf_config.get("quantization_config")
     if raw is None:
         config = QUANTIZE_AT_LOAD if quantization == "fp8" else None
@@ -145,7 +147,14 @@ def resolve_fp8_config(
             config = QUANTIZE_AT_LOAD if config.groups else None
         elif quantization == "fp8" and not config.groups:
             config = replace(QUANTIZE_AT_LOAD, kv_cache_scales=config.kv_cache_scales)
-    return None if config is None else replace(config, packed_modules=_packed_parts(packed_modules))
+    if config is None:
+        return None
+    if tied_lm_head and config.scheme_for("lm_head") is not None:
+        raise ValueError(
+            "quantization_config.ignore: lm_head shares the embeddings' weight (tie_word_embeddings) and "
+            "cannot run FP8; list it in ignore"
+        )
+    return replace(config, packed_modules=_packed_parts(packed_modules))
 
 
 def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
@@ -164,7 +173,7 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     for extra in ("sparsity_config", "transform_config", "moe_sparsity_config"):
         if raw.get(extra):
             raise ValueError(f"{where}.{extra}: is not supported")
-    groups_raw = raw.get("config_groups") or {}
+    groups_raw = raw.get("config_groups", {})
     if not isinstance(groups_raw, Mapping) or not (groups_raw or raw.get("kv_cache_scheme")):
         raise ValueError(f"{where}.config_groups: must be a non-empty object (or a kv_cache_scheme given)")
     default_format = raw.get("format", FLOAT_QUANTIZED)
@@ -190,10 +199,12 @@ def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8G
     if not isinstance(group, Mapping):
         raise ValueError(f"{where}: must be a scheme object with targets and weights, got {group!r}")
     _refuse_unknown(group, _GROUP_FIELDS, where)
-    group_format = group.get("format") or default_format
+    group_format, field = (
+        (group["format"], f"{where}.format") if group.get("format") else (default_format, "")
+    )
     if group_format != FLOAT_QUANTIZED:
-        field = "format" if group.get("format") else "format (quantization_config)"
-        raise ValueError(f"{where}.{field}: {group_format!r} is not supported; supported: {FLOAT_QUANTIZED}")
+        field = field or "quantization_config.format"
+        raise ValueError(f"{field}: {group_format!r} is not supported; supported: {FLOAT_QUANTIZED}")
     targets = group.get("targets")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"{where}.targets: must be a non-empty list of names")
@@ -203,10 +214,12 @@ def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8G
     if weights is None:
         raise ValueError(f"{where}.weights: missing; Sluice runs FP8 weights")
     weight_args = _parse_args(weights, f"{where}.weights")
-    if weight_args["strategy"] not in WEIGHT_STRATEGIES or weight_args["dynamic"]:
+    if weight_args["dynamic"]:
+        raise ValueError(f"{where}.weights.dynamic: True is not supported (FP8 weights have stored scales)")
+    if weight_args["strategy"] not in WEIGHT_STRATEGIES:
         raise ValueError(
-            f"{where}.weights.strategy: {weight_args['strategy']!r} (dynamic {weight_args['dynamic']}) is "
-            f"not supported; supported: static {' or '.join(WEIGHT_STRATEGIES)}"
+            f"{where}.weights.strategy: {weight_args['strategy']!r} is not supported; supported: "
+            f"{' or '.join(WEIGHT_STRATEGIES)}"
         )
     return Fp8Group(
         name,
@@ -237,17 +250,17 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: must be an object, got {args!r}")
     _refuse_unknown(args, _ARGS_FIELDS, where)
     checks = (
-        ("num_bits", args.get("num_bits", 8) == 8, "FP8 needs 8"),
-        ("type", str(args.get("type", "int")).lower() == "float", "FP8 needs 'float' (int is not supported)"),
+        ("num_bits", args.get("num_bits", 8) == 8, "FP8 takes 8"),
+        ("type", str(args.get("type", "int")).lower() == "float", "FP8 takes 'float'"),
         ("symmetric", args.get("symmetric", True) is True, "FP8 scales are symmetric"),
-        ("group_size", args.get("group_size") in (None, -1), "groups are not supported"),
-        ("block_structure", args.get("block_structure") is None, "blocks are not supported"),
-        ("actorder", args.get("actorder") in (None, False), "activation ordering is not supported"),
-        ("dynamic", args.get("dynamic", False) in (True, False), "must be true or false"),
+        ("group_size", args.get("group_size") in (None, -1), "scales per channel or tensor, not group"),
+        ("block_structure", args.get("block_structure") is None, "scales per channel or tensor, not block"),
+        ("actorder", args.get("actorder") in (None, False), "no activation ordering"),
+        ("dynamic", args.get("dynamic", False) in (True, False), "true or false"),
     )  # fmt: skip
     for field, ok, why in checks:
         if not ok:
-            raise ValueError(f"{where}.{field}: {args.get(field)!r} is not supported; {why}")
+            raise ValueError(f"{where}.{field}: {args.get(field)!r} is not supported ({why})")
     strategy = args.get("strategy")
     if not isinstance(strategy, str):
         raise ValueError(f"{where}.strategy: missing")

@@ -97,7 +97,11 @@ class ModelRunner:
         if model.quantization in ("int4", "int8") and self.device.type != "cpu":
             raise ValueError(f"quantization: {model.quantization} runs on cpu, not {self.device.type}")
         fp8 = resolve_fp8_config(
-            model.quantization, self.arch.extra, packed_modules, random_weights=model.load_format == "dummy"
+            model.quantization,
+            self.arch.extra,
+            packed_modules,
+            tied_lm_head=self.arch.tie_word_embeddings,
+            random_weights=model.load_format == "dummy",
         )
         if fp8 is not None and fp8.kv_cache_scales and not fp8_cache:
             logger.info(

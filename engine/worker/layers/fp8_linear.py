@@ -160,11 +160,6 @@ class Fp8LinearMethod(LinearMethod):
         return super().checkpoint_shape(layer, name, shard)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        if layer.weight_is_tied:
-            raise ValueError(
-                "quantization_config.ignore: lm_head shares the embeddings' weight (tie_word_embeddings) and "
-                "cannot run FP8; list it in ignore"
-            )
         if not self.scheme.serialized:
             codes, scale = quantize_weight(layer.weight.data)
             layer.weight, layer.weight_scale = _parameter(codes), _parameter(scale)
