@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD, Fp8Scheme
+from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD, Fp8Config, Fp8Group, Fp8Scheme
 from sluice.engine.worker.layers.fp8_linear import (
     FP8,
     Fp8LinearMethod,
@@ -52,9 +52,7 @@ def test_emulated_off_cuda_for_odd_sizes_and_weights_only():
     assert method_on((9, 0), sizes=(64, (120, 128))).matmul == "emulated"  # 248 rows: not a multiple of 16
     assert method_on((9, 0), sizes=(72, (128, 128))).matmul == "emulated"
     weights_only = Fp8Scheme("channel", "none", serialized=True)
-    fp8 = QUANTIZE_AT_LOAD.__class__(
-        groups=(QUANTIZE_AT_LOAD.groups[0].__class__("g", ("Linear",), weights_only),)
-    )
+    fp8 = Fp8Config(groups=(Fp8Group("weights-only", ("Linear",), weights_only),))
     assert method_on((9, 0), fp8=fp8).matmul == "dequantized"
 
 
