@@ -79,7 +79,7 @@ def test_dynamic_per_tensor_activations_take_one_scale_per_step(llama_dir, tmp_p
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("source", ["llama_dir", "qwen2_dir"])
+@pytest.mark.parametrize("source", ["llama_dir", "qwen2_dir", "qwen3_dir", "gemma3_dir"])
 def test_quantize_at_load_equals_the_checkpoint_quantized_per_channel(source, request, tmp_path):
     float_dir = request.getfixturevalue(source)
     directory = write_fp8_checkpoint(float_dir, str(tmp_path / "fp8"), weights="channel", activations="token")

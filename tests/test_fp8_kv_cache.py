@@ -54,9 +54,10 @@ def greedy(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-@pytest.mark.parametrize("source", ["llama_dir", "qwen2_dir", "mistral_windowed_dir"])
+@pytest.mark.parametrize("source", ["llama_dir", "qwen2_dir", "mistral_windowed_dir", "gemma3_dir"])
 def test_fp8_kv_greedy_equals_transformers_with_rounded_kv(source, backend, request):
-    """Llama (GQA, tied), Qwen2 (biases), Mistral with a 12-token window (blocks freed behind it)."""
+    """Llama (GQA, tied), Qwen2 (biases), Mistral with a 12-token window (blocks freed behind it), Gemma 3
+    (local and global layers)."""
     directory = request.getfixturevalue(source)
     llm = LLM(directory, kv_cache_dtype="fp8", attention_backend=backend, block_size=BLOCK, num_blocks=64)
     runner = llm.engine.model_runner
