@@ -14,7 +14,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
-QUANTIZATIONS = ("int4", "int8")
+QUANTIZATIONS = ("int4", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -66,7 +67,10 @@ class ModelConfig:
     seed: int = option(0, "seed of random (preset) weights")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     quantization: str | None = option(
-        None, "weight-only quantization of the linear layers, CPU (default: off)", choices=QUANTIZATIONS
+        None,
+        "quantization of the linear layers: int4 / int8 weight-only on CPU; fp8 (e4m3 weights, per-token "
+        "activations) quantizes a float checkpoint at load (default: off; an FP8 checkpoint is FP8 anyway)",
+        choices=QUANTIZATIONS,
     )
 
     def __post_init__(self) -> None:
@@ -105,8 +109,17 @@ class CacheConfig:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory Sluice may use")
     num_blocks: int | None = option(None, "KV cache blocks (overrides both sizes above)")
     enable_prefix_caching: bool = option(True, "no automatic prefix caching", flag="no-prefix-caching")
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model dtype) or fp8 (e4m3, a byte per value: twice the tokens of bf16; "
+        "scaled by the checkpoint's k_scale / v_scale, else 1.0)",
+        choices=KV_CACHE_DTYPES,
+    )
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}"
+        )
         _require(self.block_size > 0 and self.block_size % 8 == 0, "block_size", "must be a multiple of 8")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")

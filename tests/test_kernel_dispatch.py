@@ -126,7 +126,9 @@ def test_kernel_config_names_a_bad_field():
         KernelConfig(CPU, torch.bfloat16, cpu_kernels=frozenset(CPU_LAYER_KERNELS))
     with pytest.raises(ValueError, match=r"^cpu_kernels: unknown \['cpu_gelu'\]"):
         KernelConfig(CPU, torch.float32, cpu_kernels=frozenset({"cpu_gelu"}))
-    with pytest.raises(ValueError, match=r"^quantization: must be one of \('int4', 'int8'\), got 'int3'$"):
+    with pytest.raises(
+        ValueError, match=r"^quantization: must be one of \('int4', 'int8', 'fp8'\), got 'int3'$"
+    ):
         KernelConfig(CPU, torch.float32, quantization="int3")
 
 

@@ -122,7 +122,7 @@ def test_int4_keeps_q4_1_codes_exactly():
 
 
 def test_quantization_names_the_field(llama_dir):
-    with pytest.raises(ValueError, match=r"^quantization: must be one of \('int4', 'int8'\)$"):
+    with pytest.raises(ValueError, match=r"^quantization: must be one of \('int4', 'int8', 'fp8'\)$"):
         ModelConfig(model=llama_dir, quantization="int3")
     int4 = KernelConfig(torch.device("cpu"), torch.float32, quantization="int4")
     with pytest.raises(ValueError, match=r"^quantization: int4 needs input_size divisible by 32, got 48$"):

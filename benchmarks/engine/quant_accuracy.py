@@ -48,7 +48,7 @@ def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
         chunk = (token_ids[start],)
         out = SchedulerOutput((ScheduledRequest("text", chunk, start, blocks, False),), len(chunk))
         inputs = build_model_inputs(out, runner.block_size, runner.device)
-        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metadata)
+        hidden = runner.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metadata)
         rows.append(runner.model.compute_logits(hidden))
     return torch.cat(rows)
 

@@ -5,6 +5,11 @@ A model class declares `packed_modules`: checkpoint module name -> (its module, 
 so `model.layers.3.self_attn.k_proj.weight` fills shard 1 of `model.layers.3.self_attn.qkv_proj.weight`.
 The owning layer's `weight_loader(param, tensor, shard)` lays the tensor out; layers without one get a
 plain shape-checked copy. After everything is in, every layer's `process_weights_after_loading()` runs.
+
+An FP8 KV cache's per-layer scales arrive as `self_attn.k_scale` / `v_scale` (compressed-tensors; older
+checkpoints: `self_attn.k_proj.output_scale` / `v_proj.output_scale`) and fill the attention layer's
+`attn.k_scale` / `attn.v_scale`; a model whose cache is not FP8 has no such parameter and skips them. A
+module's `optional_parameters` (those scales) may be missing from a checkpoint: their defaults stand.
 """
 
 from __future__ import annotations
@@ -16,6 +21,13 @@ from torch import nn
 
 # Checkpoint tensors that are not weights (transformers may save rotary tables).
 _SKIPPED = ("rotary_emb.inv_freq",)
+# checkpoint suffix -> the attention layer's parameter (an FP8 KV cache's scales)
+KV_SCALE_NAMES = {
+    ".self_attn.k_scale": ".self_attn.attn.k_scale",
+    ".self_attn.v_scale": ".self_attn.attn.v_scale",
+    ".self_attn.k_proj.output_scale": ".self_attn.attn.k_scale",
+    ".self_attn.v_proj.output_scale": ".self_attn.attn.v_scale",
+}
 Packed = Mapping[str, tuple[str, int]]
 
 
@@ -29,8 +41,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if any(part in name for part in _SKIPPED) or (tied and name == "lm_head.weight"):
             continue
-        param_name, shard = locate(name, packed)
+        param_name, shard = locate(kv_scale_name(name), packed)
         if param_name not in params:
+            if kv_scale_name(name) != name:  # a KV-cache scale, and the cache is not FP8: nothing to scale
+                continue
             raise ValueError(f"weights: unexpected tensor {name!r}")
         owner = model.get_submodule(param_name.rpartition(".")[0])
         try:
@@ -49,6 +63,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             module.process_weights_after_loading()
 
 
+def kv_scale_name(name: str) -> str:
+    """A checkpoint's KV-cache scale name -> the attention layer's parameter; other names unchanged."""
+    for suffix, ours in KV_SCALE_NAMES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ours
+    return name
+
+
 def locate(name: str, packed: Packed) -> tuple[str, int | None]:
     """Checkpoint name -> (parameter name, shard); shard None for a tensor that fills a whole parameter."""
     for checkpoint_part, (fused_part, shard) in packed.items():
@@ -61,7 +83,10 @@ def expected_keys(model: nn.Module) -> list[tuple[str, int | None]]:
     """(parameter, shard) pairs a complete checkpoint fills: every shard of packed layers."""
     keys: list[tuple[str, int | None]] = []
     for param_name, _ in model.named_parameters():
-        owner = model.get_submodule(param_name.rpartition(".")[0])
+        owner_name, _, leaf = param_name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if leaf in getattr(owner, "optional_parameters", ()):
+            continue
         num_shards = getattr(owner, "num_shards", 1)
         keys += [(param_name, i) for i in range(num_shards)] if num_shards > 1 else [(param_name, None)]
     return keys
@@ -74,14 +99,18 @@ def checkpoint_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
         unpack.setdefault(fused_part, []).append((checkpoint_part, shard))
     shapes = []
     for param_name, param in model.named_parameters():
-        owner = model.get_submodule(param_name.rpartition(".")[0])
-        fused_part = param_name.split(".")[-2]
+        owner_name, _, leaf = param_name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if leaf in getattr(owner, "optional_parameters", ()):
+            continue
+        fused_part = owner_name.rpartition(".")[2]
         if getattr(owner, "num_shards", 1) == 1 or fused_part not in unpack:
-            shapes.append((param_name, tuple(param.shape)))
+            shape = owner.checkpoint_shape(leaf, None) if hasattr(owner, "checkpoint_shape") else param.shape
+            shapes.append((param_name, tuple(shape)))
             continue
         for checkpoint_part, shard in sorted(unpack[fused_part], key=lambda item: item[1]):
             name = param_name.replace(f".{fused_part}.", f".{checkpoint_part}.")
-            shapes.append((name, (owner.output_sizes[shard], *param.shape[1:])))
+            shapes.append((name, owner.checkpoint_shape(leaf, shard)))
     return shapes
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.model_loader import ModelSource
 from sluice.engine.model_registry import get_model_class
@@ -20,6 +22,8 @@ from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,7 +35,8 @@ class ModelRunner:
     the C++ kernels.
 
     kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (laid out
-    heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`).
+    heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`), in
+    `kv_cache_dtype`: the model dtype, or float8_e4m3fn (`--kv-cache-dtype fp8`, a byte per value).
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
@@ -45,15 +50,17 @@ class ModelRunner:
         self.graph_max_blocks_per_seq = -(
             -min(self.max_model_len, config.max_seq_len_to_capture) // self.block_size
         )
+        fp8_cache = config.cache.kv_cache_dtype == "fp8"
+        self.kv_cache_dtype = torch.float8_e4m3fn if fp8_cache else self.dtype
         self.attention_backend = get_attention_backend(
-            config.attention_backend, self.device, block_size=self.block_size, dtype=self.dtype
-        )
-        if config.model.quantization is not None and self.device.type != "cpu":
-            raise ValueError(f"quantization: {config.model.quantization} runs on cpu, not {self.device.type}")
-        self.kernels = KernelConfig.for_model(
-            self.device, self.dtype, self.attention_backend, config.model.quantization
+            config.attention_backend,
+            self.device,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
         )
         model_class = get_model_class(self.arch.architecture)
+        self.kernels = self._kernel_config(model_class.packed_modules, fp8_cache)
         self.model = model_class(self.arch, self.kernels, max_positions=self.max_model_len)
         self.model.load_weights(source.weights)
         self.model.eval()
@@ -64,6 +71,14 @@ class ModelRunner:
         )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.kv_cache_dtype,
+            self.num_blocks * self.kv_block_bytes / 2**20,
+        )
         self.graph_runner = CudaGraphRunner(
             self.forward,
             self.kv_caches,
@@ -74,6 +89,33 @@ class ModelRunner:
             enforce_eager=not self.use_cuda_graphs,
         )
         self.graph_runner.capture()
+
+    def _kernel_config(self, packed_modules: dict[str, tuple[str, int]], fp8_cache: bool) -> KernelConfig:
+        """The layers' kernels: the checkpoint's FP8 quantization_config or `quantization`, and the cache's
+        dtype. Raises ValueError naming the field for CPU-only int4/int8 off CPU or a bad FP8 config."""
+        model = self.config.model
+        if model.quantization in ("int4", "int8") and self.device.type != "cpu":
+            raise ValueError(f"quantization: {model.quantization} runs on cpu, not {self.device.type}")
+        fp8 = resolve_fp8_config(
+            model.quantization,
+            self.arch.extra,
+            packed_modules,
+            tied_lm_head=self.arch.tie_word_embeddings,
+            random_weights=model.load_format == "dummy",
+        )
+        if fp8 is not None and fp8.kv_cache_scales and not fp8_cache:
+            logger.info(
+                "the checkpoint's KV-cache scales are not used: the cache is %s (--kv-cache-dtype)",
+                self.dtype,
+            )
+        return KernelConfig.for_model(
+            self.device,
+            self.dtype,
+            self.attention_backend,
+            "fp8" if fp8 is not None else model.quantization,
+            fp8=fp8,
+            kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
+        )
 
     def forward(
         self,
@@ -111,7 +153,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
         arch = self.arch
-        per_layer = self.block_size * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
+        per_layer = self.block_size * arch.num_key_value_heads * arch.head_dim * self.kv_cache_dtype.itemsize
         return 2 * arch.num_hidden_layers * per_layer
 
     def _num_kv_blocks(self) -> int:
@@ -138,9 +180,9 @@ class ModelRunner:
         def new_cache() -> torch.Tensor:
             if heads_first:  # the same [blocks, block_size, heads, head_dim] shape, a head's rows together
                 laid_out = (num_blocks, heads, self.block_size, head_dim)
-                return torch.zeros(laid_out, dtype=self.dtype, device=self.device).transpose(1, 2)
+                return torch.zeros(laid_out, dtype=self.kv_cache_dtype, device=self.device).transpose(1, 2)
             shape = (num_blocks, self.block_size, heads, head_dim)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         return [(new_cache(), new_cache()) for _ in range(self.arch.num_hidden_layers)]
 

@@ -18,11 +18,14 @@ class AttentionBackend(Protocol):
         shape (a transposed view), so a block's rows of one KV head are contiguous
     sliding_window: None, or W: the query at position p attends to positions p - W + 1 .. p only (block
         table entries wholly before that may have been freed and must not be read)
+    kv_scales: (k_scale, v_scale) of an FP8 cache (`kv_cache_dtype` torch.float8_e4m3fn), else None
+        (`sluice.engine.worker.attention.fp8_kv_cache`)
     returns: [num_tokens, num_heads, head_dim]
     """
 
     name: str
     kv_cache_heads_first: bool
+    kv_cache_dtype: torch.dtype | None  # None: the model dtype
 
     def forward(
         self,
@@ -34,4 +37,5 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...

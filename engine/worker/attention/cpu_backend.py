@@ -7,12 +7,16 @@ reference.
 Windowed layers (Mistral, Gemma 3's local layers) pass their window to the kernel.
 The launchers' argument checks run on a step's first layer only: every layer of a step passes the same
 metadata and caches of one shape.
+The kernel reads the model dtype: with an FP8 cache (`kv_cache_dtype`) this step's K/V are stored quantized
+and the blocks the step's tables name are dequantized into a scratch cache the kernel then reads
+(`sluice.engine.worker.attention.fp8_kv_cache`): a correctness path, not a speed path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales, dequantize_blocks, store_fp8_kv
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
 from sluice.kernels.cpu_paged_attention import (
@@ -40,7 +44,11 @@ class CpuAttentionBackend:
     # the 2-core Zen 3 (docs/BENCHMARKS.md), the results bit for bit the same.
     kv_cache_heads_first = True
 
-    def __init__(self) -> None:
+    def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
+        """kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 (None: the model dtype)."""
+        if kv_cache_dtype not in (None, FP8):
+            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
+        self.kv_cache_dtype = kv_cache_dtype
         self._checked: AttentionMetadata | None = None  # the step whose arguments passed the checks
 
     def forward(
@@ -53,7 +61,10 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
+        if self.kv_cache_dtype is not None:
+            return self._forward_fp8(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
         checked = metadata is self._checked
         store = cpu_store_kv_prechecked if checked else cpu_store_kv
         store(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -70,3 +81,28 @@ class CpuAttentionBackend:
         )
         self._checked = metadata
         return out
+
+    def _forward_fp8(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KVScales,
+    ) -> torch.Tensor:
+        store_fp8_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
+        keys, values, tables = dequantize_blocks(k_cache, v_cache, metadata.block_tables, kv_scales, q.dtype)
+        return cpu_paged_attention(
+            q,
+            keys,
+            values,
+            tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            scale,
+            sliding_window=sliding_window,
+        )

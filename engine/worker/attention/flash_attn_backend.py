@@ -48,6 +48,7 @@ class FlashAttnBackend:
 
     name = "flash-attn"
     kv_cache_heads_first = False
+    kv_cache_dtype = None  # an FP8 cache is refused by the selector (its kernels read the model dtype)
 
     def __init__(self, device: torch.device, block_size: int | None = None, dtype: torch.dtype | None = None):
         reason = flash_attn_supports(device, block_size, dtype)
@@ -68,6 +69,7 @@ class FlashAttnBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         # flash-attn's window (left, right) counts keys before the query: W positions = W - 1 to its left.

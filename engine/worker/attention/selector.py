@@ -30,24 +30,35 @@ def get_attention_backend(
     *,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """ "auto" -> flash-attn when it can run here, else triton on CUDA; on CPU the C++ kernel ("cpu"),
     or torch with a logged warning when it cannot be built (no compiler). "auto" never picks the
     interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1.
 
     flash-attn is only chosen by "auto" when `block_size` and `dtype` are given and it supports both
-    (see `flash_attn_supports`). Raises ValueError for an unknown name, for a CUDA-only backend
-    that cannot run here (off CUDA, package missing, unsupported block_size or dtype), or for "cpu"
-    off CPU or without its compiled kernel.
+    (see `flash_attn_supports`). An FP8 cache (`kv_cache_dtype` torch.float8_e4m3fn) is read by the torch
+    and cpu backends only: "auto" on CUDA then picks torch, with a logged warning. Raises ValueError for an
+    unknown name, for a CUDA-only backend that cannot run here (off CUDA, package missing, unsupported
+    block_size or dtype, an FP8 cache), or for "cpu" off CPU or without its compiled kernel.
     """
     if name not in ("auto", "torch", "cpu", *TRITON_BACKENDS):
         raise ValueError(
             f"attention_backend: unknown {name!r}; supported: auto, torch, cpu, triton, flash-attn"
         )
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        return _cpu_backend(name, device)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
+        return _cpu_backend(name, device, kv_cache_dtype)
+    if kv_cache_dtype is not None and name in TRITON_BACKENDS:
+        raise ValueError(
+            f"kv_cache_dtype: fp8 is not read by the {name!r} backend's kernels yet; use attention_backend "
+            "'torch' (or 'cpu' on CPU)"
+        )
+    if kv_cache_dtype is not None and name == "auto" and device.type == "cuda":
+        logger.warning(
+            "kv_cache_dtype fp8: using the torch attention backend (the Triton kernels read bf16/fp16)"
+        )
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or kv_cache_dtype is not None)):
+        return TorchAttentionBackend(kv_cache_dtype)
     from sluice.engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
 
     flash_reason = flash_attn_supports(device, block_size, dtype)
@@ -67,14 +78,14 @@ def get_attention_backend(
     return TritonAttentionBackend()
 
 
-def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
+def _cpu_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None) -> AttentionBackend:
     """The C++ CPU backend; for "auto", the torch backend (logged) when the kernel cannot be built."""
     from sluice.engine.worker.attention.cpu_backend import CpuAttentionBackend, cpu_kernel_unavailable_reason
 
     reason = cpu_kernel_unavailable_reason(device)
     if reason is None:
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(kv_cache_dtype)
     if name == "cpu":
         raise ValueError(f"attention_backend: 'cpu' cannot run: {reason}")
     logger.warning("attention_backend auto: using the torch backend on cpu: %s", reason)
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(kv_cache_dtype)

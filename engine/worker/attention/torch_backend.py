@@ -7,23 +7,34 @@ CPU than gathering slots and attending with explicit matmuls). Rows with longer 
 
 With a sliding window W, the query at position p sees positions p - W + 1 .. p; only the blocks that
 hold such positions are gathered, so block-table entries before the window are never read.
+
+With an FP8 cache (`kv_cache_dtype`), this step's K/V are stored quantized and the blocks the step's tables
+name are dequantized first (`sluice.engine.worker.attention.fp8_kv_cache`); the rest is the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 import torch.nn.functional as F
 
+from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales, dequantize_blocks, store_fp8_kv
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` on any device."""
+    """Implements `sluice.engine.worker.attention.backend.AttentionBackend` on any device; kv_cache_dtype
+    torch.float8_e4m3fn: the caches are FP8 (None: the model dtype)."""
 
     name = "torch"
     kv_cache_heads_first = False
+
+    def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
+        if kv_cache_dtype not in (None, FP8):
+            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
+        self.kv_cache_dtype = kv_cache_dtype
 
     def forward(
         self,
@@ -35,8 +46,16 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.kv_cache_dtype is None:
+            write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        else:
+            k, v = store_fp8_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
+            k_cache, v_cache, tables = dequantize_blocks(
+                k_cache, v_cache, metadata.block_tables, kv_scales, q.dtype
+            )
+            metadata = dataclasses.replace(metadata, block_tables=tables)
         if metadata.is_pure_decode:
             return decode_attention(
                 q,

@@ -37,6 +37,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     kv_cache_heads_first = False
+    kv_cache_dtype = None  # an FP8 cache is refused by the selector (its kernels read the model dtype)
 
     def __init__(self, decode_partition_size: int = DEFAULT_PARTITION_SIZE) -> None:
         self.decode_partition_size = decode_partition_size
@@ -51,6 +52,7 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self.attend(q, k_cache, v_cache, metadata, scale, sliding_window)

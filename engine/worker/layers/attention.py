@@ -1,4 +1,7 @@
-"""One layer's paged attention: writes this step's K/V into the layer's cache, then attends over it."""
+"""One layer's paged attention: writes this step's K/V into the layer's cache, then attends over it.
+
+With an FP8 KV cache the layer holds its cache's scales, `k_scale` and `v_scale` (float32 scalars, 1.0
+unless the checkpoint has them: `sluice.engine.worker.attention.fp8_kv_cache`)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ class Attention(nn.Module):
     The kernels are the attention backend's, which `select` takes from the `KernelConfig` at load.
     """
 
+    optional_parameters = ("k_scale", "v_scale")  # a checkpoint without them leaves 1.0
+
     def __init__(
         self,
         num_heads: int,
@@ -39,10 +44,26 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
+        self.kv_scales: tuple[nn.Parameter, nn.Parameter] | None = None
 
     def select(self, kernels: KernelConfig) -> None:
-        """Take the attention backend the runner chose (one object shared by every layer)."""
+        """Take the attention backend the runner chose (one object shared by every layer); with an FP8
+        KV cache, make the cache's scales (1.0 until a checkpoint fills them)."""
         self.backend = kernels.attention_backend
+        if kernels.kv_cache_dtype is not None:
+            ones = torch.ones((), dtype=torch.float32, device=kernels.device)
+            self.k_scale = nn.Parameter(ones.clone(), requires_grad=False)
+            self.v_scale = nn.Parameter(ones.clone(), requires_grad=False)
+            self.kv_scales = (self.k_scale, self.v_scale)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        """A checkpoint's k_scale / v_scale: one positive finite value. Raises ValueError otherwise."""
+        if loaded.numel() != 1:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected one value")
+        value = loaded.reshape(()).float()
+        if not bool(torch.isfinite(value) and value > 0):
+            raise ValueError(f"is {value.item()}, expected a positive scale")
+        param.data.copy_(value)
 
     def forward(
         self,
@@ -53,6 +74,14 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         out = self.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, sliding_window=self.sliding_window
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            kv_scales=self.kv_scales,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

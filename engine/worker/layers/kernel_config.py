@@ -1,6 +1,6 @@
 """Which kernels run a model's layers: decided once, by the runner, before the model is built.
 
-    kernels = KernelConfig.for_model(device, dtype, attention_backend, quantization)   # checks availability
+    kernels = KernelConfig.for_model(device, dtype, backend, quantization, ...)   # checks availability
     model = model_class(arch, kernels)      # every op, linear and attention layer chooses from it, once
 
 The choice reaches the layers through this one frozen object, handed to the model constructor, which hands it
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.loading.fp8_config import Fp8Config
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.selector import TRITON_BACKENDS
 from sluice.kernels.cpu_extension import cpu_extension_available
@@ -35,7 +36,10 @@ class KernelConfig:
     """device, dtype: where and in what the model runs.
     attention_backend: the attention layers' backend (None: a model built only to read its shapes).
     cpu_kernels: the C++ kernels (`CPU_LAYER_KERNELS` names) that are built and may run: float32 on cpu only.
-    quantization: weight-only quantization of the linears ("int4", "int8" on cpu), or None.
+    quantization: quantization of the linears ("int4", "int8": weight-only on cpu; "fp8"), or None.
+    fp8: with quantization "fp8", each linear's FP8 scheme (`sluice.engine.loading.fp8_config`).
+    kv_cache_dtype: the KV cache's dtype when it is not `dtype` (torch.float8_e4m3fn), else None.
+    cuda_capability: the CUDA device's (major, minor) compute capability, None off CUDA.
     """
 
     device: torch.device
@@ -43,6 +47,9 @@ class KernelConfig:
     attention_backend: AttentionBackend | None = None
     cpu_kernels: frozenset[str] = frozenset()
     quantization: str | None = None
+    fp8: Fp8Config | None = None
+    kv_cache_dtype: torch.dtype | None = None
+    cuda_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -56,6 +63,10 @@ class KernelConfig:
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if (self.quantization == "fp8") != (self.fp8 is not None):
+            raise ValueError(f"fp8: an Fp8Config goes with quantization 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in (None, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype: None or torch.float8_e4m3fn, got {self.kv_cache_dtype}")
 
     @classmethod
     def for_model(
@@ -64,13 +75,20 @@ class KernelConfig:
         dtype: torch.dtype,
         attention_backend: AttentionBackend | None,
         quantization: str | None = None,
+        *,
+        fp8: Fp8Config | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
-        once; a kernel that cannot be built is logged and its ops run plain PyTorch."""
+        once; a kernel that cannot be built is logged and its ops run plain PyTorch. A CUDA device's
+        compute capability is read here, once."""
         cpu_kernels: frozenset[str] = frozenset()
         if device.type == "cpu" and dtype == torch.float32:
             cpu_kernels = frozenset(name for name in CPU_LAYER_KERNELS if cpu_extension_available(name))
-        return cls(device, dtype, attention_backend, cpu_kernels, quantization)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls(
+            device, dtype, attention_backend, cpu_kernels, quantization, fp8, kv_cache_dtype, capability
+        )
 
     @property
     def triton(self) -> bool:

@@ -65,12 +65,13 @@ class LinearBase(nn.Module):
         return slice(start, start + self.output_sizes[shard])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        """Copy checkpoint tensor `loaded` into `param` (all of it, or shard `shard`'s rows), casting to
-        the parameter's dtype. Raises ValueError on a shape mismatch."""
-        target = param.data if shard is None else param.data[self.shard_slice(shard)]
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        """Copy checkpoint tensor `loaded` into `param` (all of it, or shard `shard`'s rows, as the method
+        lays them out), casting to the parameter's dtype. Raises ValueError on a shape mismatch."""
+        self.method.load_weight(self, param, loaded, shard)
+
+    def checkpoint_shape(self, name: str, shard: int | None) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor that fills parameter `name` (shard `shard` of it)."""
+        return self.method.checkpoint_shape(self, name, shard)
 
     def tie_weight(self, weight: nn.Parameter) -> None:
         """Share `weight` (the embeddings) instead of owning one; the method leaves its rows as they are."""

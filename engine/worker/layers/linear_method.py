@@ -3,7 +3,8 @@
 
     create_weights(layer, ...)            before loading: register the parameters the checkpoint names
                                           (weight, bias; a quantized checkpoint's weight_scale, ...)
-    layer.weight_loader(param, t, shard)  the layer, not the method, places each checkpoint tensor
+    layer.weight_loader(param, t, shard)  the layer places each checkpoint tensor, by shard; the rows of
+                                          a shard are `load_weight`'s (a per-tensor scale fills them all)
     process_weights_after_loading(layer)  once, after loading: the layout the kernel reads
     apply(layer, x, bias)                 every step: x [..., input_size] -> [..., output_size]
 
@@ -21,6 +22,7 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
                               stays flat, except for a weight tied to the embeddings, which keeps its rows for
                               the lookups and gets a packed copy.
     CpuQuantizedLinearMethod  `sluice.engine.worker.layers.quantization`: int4 / int8 on CPU
+    Fp8LinearMethod           `sluice.engine.worker.layers.fp8_linear`: e4m3 weights, FP8 checkpoints
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ class LinearMethod:
         """Register on `layer` the parameters a checkpoint fills, on the current default device (meta while a
         model is built): at least `weight`, and `bias` [sum(output_sizes)] (None without)."""
         raise NotImplementedError
+
+    def load_weight(
+        self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None
+    ) -> None:
+        """Copy checkpoint tensor `loaded` into `param` (all of it, or shard `shard`'s rows), casting to the
+        parameter's dtype. Raises ValueError on a shape mismatch."""
+        target = param.data if shard is None else param.data[layer.shard_slice(shard)]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def checkpoint_shape(self, layer: LinearBase, name: str, shard: int | None) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor that fills parameter `name` (or its shard `shard`)."""
+        shape = tuple(getattr(layer, name).shape)
+        return shape if shard is None else (layer.output_sizes[shard], *shape[1:])
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Run once after every checkpoint tensor is in: make the layout `apply` reads."""

@@ -11,8 +11,8 @@ up to MAX_QUANTIZED_ROWS[method] rows; larger steps use the float32 weight, pack
 (`sluice.kernels.cpu_packed_linear`), which is then faster, so a quantized layer holds both
 (`CpuQuantizedLinearMethod`).
 
-`linear_method_for` is where a layer's `LinearMethod` is chosen, from the `KernelConfig`: a new quantization
-(FP8 weights, a checkpoint's own quantization config) adds its method and a branch there.
+`linear_method_for` is where a layer's `LinearMethod` is chosen, from the `KernelConfig`: FP8 (a checkpoint's
+compressed-tensors config or `--quantization fp8`) takes `sluice.engine.worker.layers.fp8_linear`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.worker.layers.fp8_linear import Fp8LinearMethod, fp8_matmul_for
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import (
     CpuPackedLinearMethod,
@@ -34,6 +34,7 @@ from sluice.kernels.cpu_packed_linear import EXTENSION as CPU_PACKED_LINEAR
 if TYPE_CHECKING:
     from sluice.engine.worker.layers.linear import LinearBase
 
+CPU_QUANTIZATIONS = ("int4", "int8")
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
 # shapes on 2 cores. torch's int4 kernel gains more from AVX-512 than the packed kernel does: with it
@@ -115,8 +116,8 @@ def unsupported_reason(method: str, input_size: int, device: torch.device) -> st
 
 def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
     """`weight` [output_size, input_size] quantized by `method` ("int4" or "int8")."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {method!r}")
+    if method not in CPU_QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {CPU_QUANTIZATIONS}, got {method!r}")
     return Int4Weight(weight) if method == "int4" else Int8Weight(weight)
 
 
@@ -125,8 +126,8 @@ class CpuQuantizedLinearMethod(LinearMethod):
     copy, which runs steps of up to `layer.quantized.max_rows` rows."""
 
     def __init__(self, quantization: str, float_method: UnquantizedLinearMethod) -> None:
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: must be one of {QUANTIZATIONS}, got {quantization!r}")
+        if quantization not in CPU_QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {CPU_QUANTIZATIONS}, got {quantization!r}")
         self.quantization = quantization
         self.float_method = float_method
 
@@ -156,11 +157,17 @@ class CpuQuantizedLinearMethod(LinearMethod):
 def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> LinearMethod:
     """The method of linear layer `layer` (module name `prefix`, e.g. "model.layers.0.mlp.down_proj") under
     `kernels`. Under int4, lm_head takes int8: its error reaches the logits directly, and it is a tenth of the
-    weights. Raises ValueError naming `quantization` when the layer cannot be quantized so."""
+    weights. Under fp8, the layers its `Fp8Config` leaves out take the float method. Raises ValueError
+    naming `quantization` when the layer cannot be quantized so."""
     if kernels.runs_cpu_kernel(CPU_PACKED_LINEAR):
         float_method: UnquantizedLinearMethod = CpuPackedLinearMethod()
     else:
         float_method = UnquantizedLinearMethod(column_major=kernels.device.type == "cpu")
+    if kernels.fp8 is not None:
+        scheme = kernels.fp8.scheme_for(prefix)
+        if scheme is None:
+            return float_method
+        return Fp8LinearMethod(scheme, fp8_matmul_for(scheme, kernels, layer.input_size, layer.output_size))
     method = kernels.quantization
     if method is None:
         return float_method

@@ -10,7 +10,8 @@ loading (`build_cpu_stack`): the model keeps its per-layer path, and the reason 
     linears   `CpuPackedLinearMethod`, quantized or not; a bias on qkv_proj only (Qwen2)
     norms     RMSNorm on the C++ kernel; the same eps everywhere
     rotary    the C++ kernel's cos|sin table
-    attention the C++ backend (`sluice.engine.worker.attention.cpu_backend`), one scale (windows per layer)
+    attention the C++ backend (`sluice.engine.worker.attention.cpu_backend`), one scale (windows per layer),
+              a KV cache in the model dtype
     mlp       SiLU gate
 """
 
@@ -116,6 +117,8 @@ def unavailable_reason(model: nn.Module) -> str | None:
         attn = layer.self_attn.attn
         if not isinstance(attn.backend, CpuAttentionBackend):
             return f"layer {i}: attention is not the C++ backend"
+        if attn.backend.kv_cache_dtype is not None:
+            return f"layer {i}: the KV cache is {attn.backend.kv_cache_dtype}; not the model dtype"
         if type(layer.mlp.act) is not SiluAndMul:
             return f"layer {i}: the MLP's activation is not SiLU"
         linears = _projections(layer)

@@ -1,0 +1,289 @@
+"""FP8 quantization of a model's linear layers: the scheme each layer runs, from a checkpoint's
+`quantization_config` (the compressed-tensors format that llm-compressor writes) or from `--quantization fp8`.
+
+A compressed-tensors FP8 checkpoint says, in config.json:
+
+    "quantization_config": {
+      "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {
+          "targets": ["Linear"],
+          "weights": {"num_bits": 8, "type": "float", "symmetric": true, "dynamic": false,
+                      "strategy": "channel" | "tensor"},
+          "input_activations": {"num_bits": 8, "type": "float", "symmetric": true,
+                                "strategy": "token" (dynamic) | "tensor" (dynamic or static)} | null}},
+      "ignore": ["lm_head"],                                  # names, or "re:<regex>" (re.match)
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false} | null}
+
+and holds, for each quantized linear (checkpoint names, before q/k/v or gate/up are packed):
+
+    weight         [out, in] float8_e4m3fn
+    weight_scale   [out, 1] (channel) or [1] (tensor), float:  w = weight * weight_scale
+    input_scale    [1], static activations only:               x_q = round(x / input_scale)
+
+and, with a kv_cache_scheme, each attention layer's `self_attn.k_scale` and `self_attn.v_scale`.
+
+Anything else is refused with the field named (another quant_method, int weights, group or block strategies,
+output activations, a field this reader does not know): a quantized checkpoint never runs as if it were not.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+WEIGHT_STRATEGIES = ("channel", "tensor")
+# token: dynamic, a scale per row of x; tensor: dynamic, one scale per step; static: the checkpoint's
+# input_scale; none: weights only (x stays in the model dtype).
+ACTIVATION_MODES = ("token", "tensor", "static", "none")
+COMPRESSED_TENSORS = "compressed-tensors"
+FLOAT_QUANTIZED = "float-quantized"
+_ARGS_FIELDS = {
+    "num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
+    "observer", "observer_kwargs", "scale_dtype", "zp_dtype",
+}  # fmt: skip
+_CONFIG_FIELDS = {
+    "quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
+    "global_compression_ratio", "sparsity_config", "transform_config", "version", "moe_sparsity_config",
+}  # fmt: skip
+_GROUP_FIELDS = {"targets", "weights", "input_activations", "output_activations", "format"}
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How one linear runs FP8: `weight_strategy` ("channel": a scale per output row; "tensor": one per
+    checkpoint tensor, so a packed layer's shards each keep theirs), `activations` (one of
+    ACTIVATION_MODES) and `serialized` (the checkpoint holds the e4m3 weights and their scales; False:
+    float weights, quantized per channel at load)."""
+
+    weight_strategy: str = "channel"
+    activations: str = "token"
+    serialized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(f"weight_strategy: one of {WEIGHT_STRATEGIES}, got {self.weight_strategy!r}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations: must be one of {ACTIVATION_MODES}, got {self.activations!r}")
+        if not self.serialized and (self.weight_strategy, self.activations) != ("channel", "token"):
+            raise ValueError("serialized: weights quantized at load take channel scales, token activations")
+
+
+@dataclass(frozen=True)
+class Fp8Group:
+    """Linears matching any of `targets` ("Linear": every one; "re:<regex>": re.match on the checkpoint
+    module name; else that exact name) run `scheme`."""
+
+    name: str
+    targets: tuple[str, ...]
+    scheme: Fp8Scheme
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The FP8 scheme of every linear layer, by module name; `kv_cache_scales`: the checkpoint holds each
+    attention layer's k_scale and v_scale. `packed_modules` maps a packed module of ours to the checkpoint
+    modules it stacks (qkv_proj -> q_proj, k_proj, v_proj), whose names the targets match."""
+
+    groups: tuple[Fp8Group, ...]
+    ignore: tuple[str, ...] = ()
+    kv_cache_scales: bool = False
+    packed_modules: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def scheme_for(self, prefix: str) -> Fp8Scheme | None:
+        """The scheme of the linear named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj"), None when it
+        stays unquantized. Raises ValueError when the checkpoint modules a packed layer stacks differ."""
+        parent, _, leaf = prefix.rpartition(".")
+        parts = dict(self.packed_modules).get(leaf, (leaf,))
+        names = [f"{parent}.{part}" if parent else part for part in parts]
+        schemes = {name: self._scheme_of(name) for name in names}
+        if len(set(schemes.values())) > 1:
+            raise ValueError(
+                f"quantization_config: {', '.join(names)} are quantized differently "
+                f"({', '.join(f'{n}: {s}' for n, s in schemes.items())}); Sluice runs them as one matmul"
+            )
+        return schemes[names[0]]
+
+    def _scheme_of(self, name: str) -> Fp8Scheme | None:
+        if any(_matches(target, name) for target in self.ignore):
+            return None
+        matched = {group.scheme for group in self.groups if any(_matches(t, name) for t in group.targets)}
+        if len(matched) > 1:
+            raise ValueError(f"quantization_config.config_groups: {name} matches groups of different schemes")
+        return matched.pop() if matched else None
+
+
+# `--quantization fp8` on a float checkpoint: every linear but lm_head (its error reaches the logits
+# directly; llm-compressor's recipes ignore it too), per-channel weights, dynamic per-token activations.
+QUANTIZE_AT_LOAD = Fp8Config(groups=(Fp8Group("fp8", ("Linear",), Fp8Scheme()),), ignore=("lm_head",))
+
+
+def resolve_fp8_config(
+    quantization: str | None,
+    hf_config: Mapping[str, Any],
+    packed_modules: Mapping[str, tuple[str, int]],
+    *,
+    tied_lm_head: bool = False,
+    random_weights: bool = False,
+) -> Fp8Config | None:
+    """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
+    compressed-tensors), else `--quantization fp8`'s, else None. A checkpoint that quantizes only its KV
+    cache has float weights: `--quantization fp8` quantizes them at load. `random_weights` (load_format
+    dummy): the weights are random floats, so a checkpoint's FP8 scheme is made at load. Raises ValueError
+    naming the field when the checkpoint's config is not one Sluice runs, does not go with `quantization`,
+    or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
+    raw = hf_config.get("quantization_config")
+    if raw is None:
+        config = QUANTIZE_AT_LOAD if quantization == "fp8" else None
+    else:
+        config = parse_compressed_tensors(raw)
+        if quantization not in (None, "fp8"):
+            raise ValueError(
+                f"quantization: {quantization} does not go with the checkpoint's FP8 quantization_config "
+                "(leave it unset, or fp8)"
+            )
+        if random_weights:
+            config = QUANTIZE_AT_LOAD if config.groups else None
+        elif quantization == "fp8" and not config.groups:
+            config = replace(QUANTIZE_AT_LOAD, kv_cache_scales=config.kv_cache_scales)
+    if config is None:
+        return None
+    if tied_lm_head and config.scheme_for("lm_head") is not None:
+        raise ValueError(
+            "quantization_config.ignore: lm_head shares the embeddings' weight (tie_word_embeddings) and "
+            "cannot run FP8; list it in ignore"
+        )
+    return replace(config, packed_modules=_packed_parts(packed_modules))
+
+
+def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
+    """A checkpoint's `quantization_config` dict -> Fp8Config (serialized schemes). Raises ValueError naming
+    the first field (dotted from `quantization_config`) that is not FP8 compressed-tensors as above."""
+    where = "quantization_config"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: must be a JSON object, got {type(raw).__name__}")
+    _refuse_unknown(raw, _CONFIG_FIELDS, where)
+    method = raw.get("quant_method")
+    if method != COMPRESSED_TENSORS:
+        raise ValueError(f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}")
+    status = raw.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"{where}.quantization_status: {status!r} is not supported; supported: 'compressed'")
+    for extra in ("sparsity_config", "transform_config", "moe_sparsity_config"):
+        if raw.get(extra):
+            raise ValueError(f"{where}.{extra}: is not supported")
+    groups_raw = raw.get("config_groups", {})
+    if not isinstance(groups_raw, Mapping) or not (groups_raw or raw.get("kv_cache_scheme")):
+        raise ValueError(f"{where}.config_groups: must be a non-empty object (or a kv_cache_scheme given)")
+    default_format = raw.get("format", FLOAT_QUANTIZED)
+    groups = tuple(
+        _parse_group(name, group, default_format, f"{where}.config_groups.{name}")
+        for name, group in groups_raw.items()
+    )
+    ignore = raw.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+        raise ValueError(f"{where}.ignore: must be a list of module names")
+    kv_scheme = raw.get("kv_cache_scheme")
+    if kv_scheme is not None:
+        args = _parse_args(kv_scheme, f"{where}.kv_cache_scheme")
+        if args["strategy"] != "tensor" or args["dynamic"]:
+            raise ValueError(
+                f"{where}.kv_cache_scheme.strategy: only static per-tensor ('tensor', dynamic false) K/V "
+                f"scales are supported, got {args['strategy']!r} with dynamic {args['dynamic']}"
+            )
+    return Fp8Config(groups, tuple(ignore), kv_cache_scales=kv_scheme is not None)
+
+
+def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8Group:
+    if not isinstance(group, Mapping):
+        raise ValueError(f"{where}: must be a scheme object with targets and weights, got {group!r}")
+    _refuse_unknown(group, _GROUP_FIELDS, where)
+    group_format, field = (
+        (group["format"], f"{where}.format") if group.get("format") else (default_format, "")
+    )
+    if group_format != FLOAT_QUANTIZED:
+        field = field or "quantization_config.format"
+        raise ValueError(f"{field}: {group_format!r} is not supported; supported: {FLOAT_QUANTIZED}")
+    targets = group.get("targets")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{where}.targets: must be a non-empty list of names")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}.output_activations: output quantization is not supported")
+    weights = group.get("weights")
+    if weights is None:
+        raise ValueError(f"{where}.weights: missing; Sluice runs FP8 weights")
+    weight_args = _parse_args(weights, f"{where}.weights")
+    if weight_args["dynamic"]:
+        raise ValueError(f"{where}.weights.dynamic: True is not supported (FP8 weights have stored scales)")
+    if weight_args["strategy"] not in WEIGHT_STRATEGIES:
+        raise ValueError(
+            f"{where}.weights.strategy: {weight_args['strategy']!r} is not supported; supported: "
+            f"{' or '.join(WEIGHT_STRATEGIES)}"
+        )
+    return Fp8Group(
+        name,
+        tuple(targets),
+        Fp8Scheme(weight_args["strategy"], _activation_mode(group, where), serialized=True),
+    )
+
+
+def _activation_mode(group: Mapping[str, Any], where: str) -> str:
+    inputs = group.get("input_activations")
+    if inputs is None:
+        return "none"
+    args = _parse_args(inputs, f"{where}.input_activations")
+    strategy, dynamic = args["strategy"], args["dynamic"]
+    if strategy == "token" and dynamic:
+        return "token"
+    if strategy == "tensor":
+        return "tensor" if dynamic else "static"
+    raise ValueError(
+        f"{where}.input_activations.strategy: {strategy!r} (dynamic {dynamic}) is not supported; supported: "
+        "dynamic 'token', dynamic or static 'tensor'"
+    )
+
+
+def _parse_args(args: Any, where: str) -> dict[str, Any]:
+    """A compressed-tensors QuantizationArgs object that is symmetric 8-bit float; returns it."""
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}: must be an object, got {args!r}")
+    _refuse_unknown(args, _ARGS_FIELDS, where)
+    checks = (
+        ("num_bits", args.get("num_bits", 8) == 8, "FP8 takes 8"),
+        ("type", str(args.get("type", "int")).lower() == "float", "FP8 takes 'float'"),
+        ("symmetric", args.get("symmetric", True) is True, "FP8 scales are symmetric"),
+        ("group_size", args.get("group_size") in (None, -1), "scales per channel or tensor, not group"),
+        ("block_structure", args.get("block_structure") is None, "scales per channel or tensor, not block"),
+        ("actorder", args.get("actorder") in (None, False), "no activation ordering"),
+        ("dynamic", args.get("dynamic", False) in (True, False), "true or false"),
+    )  # fmt: skip
+    for field, ok, why in checks:
+        if not ok:
+            raise ValueError(f"{where}.{field}: {args.get(field)!r} is not supported ({why})")
+    strategy = args.get("strategy")
+    if not isinstance(strategy, str):
+        raise ValueError(f"{where}.strategy: missing")
+    return {"strategy": strategy, "dynamic": args.get("dynamic", False)}
+
+
+def _refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown field; Sluice does not know what it changes")
+
+
+def _packed_parts(packed_modules: Mapping[str, tuple[str, int]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """{"q_proj": ("qkv_proj", 0), ...} -> (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ...)."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for checkpoint_part, (ours, shard) in packed_modules.items():
+        parts.setdefault(ours, []).append((shard, checkpoint_part))
+    return tuple((ours, tuple(part for _, part in sorted(shards))) for ours, shards in parts.items())
+
+
+def _matches(target: str, name: str) -> bool:
+    if target == "Linear":
+        return True  # the class name: every linear layer
+    if target.startswith("re:"):
+        return re.match(target.removeprefix("re:"), name) is not None
+    return target == name

@@ -1,0 +1,204 @@
+"""FP8 (e4m3) linear layers: `Fp8LinearMethod`, and the matmul each layer runs, chosen once at load.
+
+After loading, a layer holds
+    weight        [out, in] float8_e4m3fn      w = weight * weight_scale[:, None]
+    weight_scale  [out] float32                one scale per output row. A tensor-strategy checkpoint's one
+                                               scale per q/k/v (gate/up) tensor is kept on each of that
+                                               shard's rows: exact, nothing is requantized.
+    input_scale   [] float32                   static activations only: the largest of the packed shards'
+                                               input_scale (they all quantize the same x)
+
+and each step computes, for x [M, in] in the model dtype (`FP8_MATMULS` picks the kernel):
+    x_q, x_scale = quantize_activations(x)          token: x_scale [M, 1] = max |x[m]| / 448, per step;
+                                                    tensor: one [1, 1] for the step's x; static: input_scale
+    y = (x_q @ weight^T) * x_scale * weight_scale   accumulated in fp32, rounded to the model dtype once;
+                                                    then + bias
+
+    rowwise      torch._scaled_mm, row-wise scales, bf16 out: CUDA sm_89+ with a bfloat16 model
+    tensorwise   torch._scaled_mm into fp32, the scales applied after: CUDA sm_89+, float16 / float32 models
+    emulated     the same product with `torch.mm` in fp32; the e4m3 weights are widened to fp32 once, at
+                 load (exact: every e4m3 value is a float32 one). CPU and older GPUs: a correctness path,
+                 not a speed path -- it holds 4 bytes a weight, as float32 does.
+    dequantized  weights-only schemes (no input_activations): w in the model dtype, F.linear
+
+`_scaled_mm` reads its second operand column-major: `weight.t()` of the row-major [out, in] weight is.
+It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.engine.loading.fp8_config import Fp8Scheme
+from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear_method import LinearMethod
+
+if TYPE_CHECKING:
+    from sluice.engine.worker.layers.linear import LinearBase
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
+_MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (e4m3 codes [out, in], scale [out] float32): per output row, max |w| -> 448."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_activations(
+    x: torch.Tensor, activations: str, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, in] -> (x_q [M, in] e4m3, x_scale float32 [M, 1] (token) or [1, 1]), x ~ x_q * x_scale."""
+    x = x.float()
+    if activations == "token":
+        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    elif activations == "tensor":
+        scale = (x.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1, 1)
+    else:  # static
+        scale = input_scale.reshape(1, 1)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    scale_a = x_scale.expand(x_q.shape[0], 1).contiguous()  # [M, 1]
+    scale_b = layer.weight_scale.view(1, -1)  # [1, out]
+    return torch._scaled_mm(x_q, layer.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def _tensorwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    one = layer.unit_scale
+    y = torch._scaled_mm(x_q, layer.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (y * x_scale * layer.weight_scale).to(layer.activation_dtype)
+
+
+def _emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    y = torch.mm(x_q.float(), layer.weight.t())  # layer.weight: the e4m3 values widened to float32
+    return (y * x_scale * layer.weight_scale).to(layer.activation_dtype)
+
+
+# (layer, x_q, x_scale) -> y [M, out] in the model dtype, before the bias
+FP8_MATMULS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "emulated": _emulated}
+
+
+def fp8_matmul_for(scheme: Fp8Scheme, kernels: KernelConfig, input_size: int, output_size: int) -> str:
+    """The matmul a layer [output_size, input_size] of `scheme` runs under `kernels`: "dequantized" for
+    weights only, `torch._scaled_mm` on CUDA sm_89+ ("rowwise" for bfloat16 models, else "tensorwise")
+    when both sizes are multiples of 16, else "emulated"."""
+    if scheme.activations == "none":
+        return "dequantized"
+    capability = kernels.cuda_capability or (0, 0)
+    fp8_cores = kernels.device.type == "cuda" and capability >= FP8_MIN_CUDA_CAPABILITY
+    if fp8_cores and input_size % 16 == 0 and output_size % 16 == 0:
+        return "rowwise" if kernels.dtype == torch.bfloat16 else "tensorwise"
+    return "emulated"
+
+
+class Fp8LinearMethod(LinearMethod):
+    """`scheme` (from `sluice.engine.loading.fp8_config`) with the matmul `matmul` (a `FP8_MATMULS` key or
+    "dequantized"). Serialized: the checkpoint fills weight (e4m3), weight_scale and, static, input_scale;
+    else the float weight is quantized per channel after loading."""
+
+    def __init__(self, scheme: Fp8Scheme, matmul: str) -> None:
+        if matmul not in (*FP8_MATMULS, "dequantized"):
+            raise ValueError(f"matmul: must be one of {(*FP8_MATMULS, 'dequantized')}, got {matmul!r}")
+        self.scheme = scheme
+        self.matmul = matmul
+
+    def create_weights(
+        self,
+        layer: LinearBase,
+        input_size: int,
+        output_sizes: tuple[int, ...],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        output_size = sum(output_sizes)
+        weight_dtype = FP8 if self.scheme.serialized else dtype
+        layer.activation_dtype = dtype
+        layer.weight = _parameter(torch.empty(output_size, input_size, dtype=weight_dtype))
+        layer.bias = _parameter(torch.empty(output_size, dtype=dtype)) if bias else None
+        if self.scheme.serialized:
+            layer.weight_scale = _parameter(torch.empty(output_size, dtype=torch.float32))
+        if self.scheme.activations == "static":
+            layer.input_scale = _parameter(torch.empty(len(output_sizes), dtype=torch.float32))
+
+    def load_weight(
+        self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None
+    ) -> None:
+        if param is layer.weight and self.scheme.serialized and loaded.dtype != FP8:
+            raise ValueError(f"has dtype {loaded.dtype}, expected {FP8} (quantization_config: FP8 weights)")
+        if param is getattr(layer, "weight_scale", None):
+            rows = param.data if shard is None else param.data[layer.shard_slice(shard)]
+            expected = self._scale_shape(rows.shape[0])
+            if loaded.numel() != _numel(expected):
+                raise ValueError(
+                    f"has shape {tuple(loaded.shape)}, expected {expected} "
+                    f"(weights.strategy {self.scheme.weight_strategy})"
+                )
+            rows.copy_(loaded.reshape(-1).float().expand(rows.shape))
+        elif param is getattr(layer, "input_scale", None):
+            if loaded.numel() != 1:
+                raise ValueError(f"has shape {tuple(loaded.shape)}, expected (1,): one static scale")
+            param.data[shard or 0] = loaded.reshape(()).float()
+        else:
+            super().load_weight(layer, param, loaded, shard)
+
+    def checkpoint_shape(self, layer: LinearBase, name: str, shard: int | None) -> tuple[int, ...]:
+        rows = layer.output_size if shard is None else layer.output_sizes[shard]
+        if name == "weight_scale":
+            return self._scale_shape(rows)
+        if name == "input_scale":
+            return (1,)
+        return super().checkpoint_shape(layer, name, shard)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if not self.scheme.serialized:
+            codes, scale = quantize_weight(layer.weight.data)
+            layer.weight, layer.weight_scale = _parameter(codes), _parameter(scale)
+        _check_scales("weight_scale", layer.weight_scale.data)
+        if self.scheme.activations == "static":
+            _check_scales("input_scale", layer.input_scale.data)
+            layer.input_scale = _parameter(layer.input_scale.data.amax())
+        if self.matmul == "emulated":
+            layer.weight.data = layer.weight.data.float()
+        elif self.matmul == "dequantized":
+            dequantized = layer.weight.data.float() * layer.weight_scale.data[:, None]
+            layer.weight.data = dequantized.to(layer.activation_dtype)
+        elif self.matmul == "tensorwise":
+            layer.unit_scale = torch.ones((), dtype=torch.float32, device=layer.weight.device)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.matmul == "dequantized":
+            return F.linear(x, layer.weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        input_scale = getattr(layer, "input_scale", None)
+        x_q, x_scale = quantize_activations(rows, self.scheme.activations, input_scale)
+        y = FP8_MATMULS[self.matmul](layer, x_q, x_scale).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+    def _scale_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows, 1) if self.scheme.weight_strategy == "channel" else (1,)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scheme}, matmul={self.matmul!r})"
+
+
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def _check_scales(name: str, scales: torch.Tensor) -> None:
+    if not bool(torch.isfinite(scales).all() and (scales > 0).all()):
+        raise ValueError(f"weights: a {name} is not a positive finite number ({scales.min().item()})")

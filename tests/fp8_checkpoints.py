@@ -1,0 +1,196 @@
+"""FP8 checkpoints in the compressed-tensors layout (what llm-compressor writes), made here from the tiny
+random float checkpoints of `checkpoints.py`, and the transformers references the FP8 tests compare with.
+
+`write_fp8_checkpoint` quantizes every q/k/v/o/gate/up/down projection to e4m3 with torch's own cast:
+weights per output row ("channel") or per tensor ("tensor"), scale = max |w| / 448; static activation
+scales ("static") from the float model's largest input to each projection over a calibration batch (q, k
+and v see the same input, so they share it; so do gate and up); and, given `kv_scales`, every attention
+layer's `self_attn.k_scale` / `v_scale`. config.json gets the matching `quantization_config`.
+
+References nobody here wrote:
+  * `transformers_greedy` on an FP8 checkpoint: transformers with compressed-tensors loading it the usual
+    way: it decompresses the e4m3 weights (w = weight * weight_scale) and quantizes each projection's input
+    itself (per token, per tensor or with input_scale) before the float matmul.
+  * `transformers_greedy(..., kv_scales=...)`: transformers with every K/V it caches rounded to e4m3 as
+    k / k_scale (`RoundingCache`): transformers + compressed-tensors here do not apply a
+    kv_cache_scheme (compressed-tensors looks for an attention `past_key_values` argument, which
+    transformers 5 renamed `cache`), so that rounding, one torch cast, is the test's.
+Greedy decoding reruns the whole sequence each step, so every step sees the same rounding as a prefill.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ARGS = {"num_bits": 8, "type": "float", "symmetric": True}
+
+
+def write_fp8_checkpoint(
+    source: str,
+    directory: str,
+    *,
+    weights: str = "channel",
+    activations: str | None = "token",
+    kv_scales: tuple[float, float] | None = None,
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> str:
+    """`source` (a float checkpoint directory) quantized into `directory`; `activations` is "token"
+    (dynamic), "tensor" (dynamic per tensor), "static" or None (weights only)."""
+    tensors = _read_tensors(source)
+    input_scales = _calibrate(source) if activations == "static" else {}
+    out = {}
+    for name, tensor in tensors.items():
+        module = name.removesuffix(".weight")
+        if module.rpartition(".")[2] not in PROJECTIONS or module in ignore or not name.endswith(".weight"):
+            out[name] = tensor
+            continue
+        out[name], out[f"{module}.weight_scale"] = quantize_weight(tensor, weights)
+        if activations == "static":
+            out[f"{module}.input_scale"] = input_scales[module].reshape(1)
+    for layer in range(_layers(source)):
+        if kv_scales is not None:
+            out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(kv_scales[0])
+            out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(kv_scales[1])
+    os.makedirs(directory, exist_ok=True)
+    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "generation_config", "special_tokens")):
+            shutil.copy(os.path.join(source, name), directory)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config(weights, activations, kv_scales is not None, ignore)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+def quantization_config(
+    weights: str, activations: str | None, kv_cache: bool, ignore: tuple[str, ...]
+) -> dict:
+    """The compressed-tensors `quantization_config` of such a checkpoint."""
+    inputs = None
+    if activations is not None:
+        strategy = "token" if activations == "token" else "tensor"
+        inputs = {**_ARGS, "strategy": strategy, "dynamic": activations != "static"}
+    group = {
+        "targets": ["Linear"],
+        "weights": {**_ARGS, "strategy": weights, "dynamic": False},
+        "input_activations": inputs,
+        "output_activations": None,
+    }
+    kv_scheme = {**_ARGS, "strategy": "tensor", "dynamic": False} if kv_cache else None
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": list(ignore),
+        "kv_cache_scheme": kv_scheme,
+    }
+
+
+def quantize_weight(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, weight_scale [rows, 1] or [1]) with max |w| -> 448 per row or per tensor."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    scale = amax / FP8_MAX
+    codes = (w / (scale if strategy == "channel" else scale[0])).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scale
+
+
+def transformers_greedy(
+    directory: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_scales: tuple[float, float] | None = None,
+) -> list[list[int]]:
+    """Greedy tokens of transformers on `directory` (float, or FP8 through compressed-tensors); with
+    `kv_scales`, every cached K/V rounded to e4m3 as k / k_scale (v / v_scale), then scaled back."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return _greedy(model, prompts, max_tokens, kv_scales)
+
+
+def transformers_logits(directory: str, prompt: list[int]) -> torch.Tensor:
+    """transformers (+ compressed-tensors for an FP8 checkpoint) logits [len(prompt), vocab], one forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def round_to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
+
+
+def _greedy(model, prompts: list[list[int]], max_tokens: int, kv_scales) -> list[list[int]]:
+    # transformers 5 names the cache argument `cache`, earlier versions `past_key_values`
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                kwargs = {} if kv_scales is None else {cache_argument: _rounding_cache(model, kv_scales)}
+                logits = model(torch.tensor([ids]), use_cache=kv_scales is not None, **kwargs).logits
+                ids.append(int(logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+def _rounding_cache(model, kv_scales: tuple[float, float]):
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = round_to_fp8(key_states, kv_scales[0]), round_to_fp8(value_states, kv_scales[1])
+            return super().update(keys, values, layer_idx, *args, **kwargs)
+
+    return RoundingCache(config=model.config)
+
+
+def _read_tensors(directory: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def _layers(directory: str) -> int:
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)["num_hidden_layers"]
+
+
+def _calibrate(source: str) -> dict[str, torch.Tensor]:
+    """Each projection's input_scale: max |input| / 448 over a seeded calibration batch, float model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(module, args):
+            value = args[0].abs().amax().float()
+            amax[name] = torch.maximum(amax.get(name, value), value)
+
+        return record
+
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in PROJECTIONS:
+            module.register_forward_pre_hook(hook(name))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        model(torch.randint(4, model.config.vocab_size, (4, 24), generator=generator))
+    return {name: value / FP8_MAX for name, value in amax.items()}
