@@ -8,16 +8,17 @@ to `CausalLM.materialize`: that walks the built (meta) model once, giving each l
 each `CustomOp` its implementation. No constructor below the model class takes it, and nothing looks at a
 tensor's device or dtype per call. Why an object and not a walk after loading: a linear's method decides
 which parameters it has (an FP8 checkpoint's `weight_scale`), so it must be known before the weights are
-created; and tensor-parallel layers will need their rank and size at that same moment (they go here too).
+created; and a tensor-parallel layer sizes its rank's part at that same moment (`tensor_parallel`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.selector import TRITON_BACKENDS
 from sluice.kernels.cpu_extension import cpu_extension_available
@@ -36,6 +37,8 @@ class KernelConfig:
     attention_backend: the attention layers' backend (None: a model built only to read its shapes).
     cpu_kernels: the C++ kernels (`CPU_LAYER_KERNELS` names) that are built and may run: float32 on cpu only.
     quantization: weight-only quantization of the linears ("int4", "int8" on cpu), or None.
+    tensor_parallel: this rank's group; the parallel layers hold its part of the weights and call its
+        collectives (`sluice.engine.worker.layers.parallel_linear`). One process: rank 0 of 1.
     """
 
     device: torch.device
@@ -43,6 +46,7 @@ class KernelConfig:
     attention_backend: AttentionBackend | None = None
     cpu_kernels: frozenset[str] = frozenset()
     quantization: str | None = None
+    tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -64,13 +68,15 @@ class KernelConfig:
         dtype: torch.dtype,
         attention_backend: AttentionBackend | None,
         quantization: str | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
         once; a kernel that cannot be built is logged and its ops run plain PyTorch."""
         cpu_kernels: frozenset[str] = frozenset()
         if device.type == "cpu" and dtype == torch.float32:
             cpu_kernels = frozenset(name for name in CPU_LAYER_KERNELS if cpu_extension_available(name))
-        return cls(device, dtype, attention_backend, cpu_kernels, quantization)
+        tensor_parallel = tensor_parallel or TensorParallelGroup.single()
+        return cls(device, dtype, attention_backend, cpu_kernels, quantization, tensor_parallel)
 
     @property
     def triton(self) -> bool:
