@@ -12,6 +12,9 @@ Needs one CUDA device with torch, triton and transformers; downloads nothing. Ru
    kernel against torch SDPA; the issue's three goals, met or not;
 4. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
    `transformers.generate` one request at a time and in static batches of 8, same weights and prompts.
+After the parity step, with 2+ devices: tensor parallelism, the tiny Llama on 2 ranks (NCCL), eager and
+with the all-reduces captured in CUDA graphs, must give the 1-rank greedy tokens (with one device the
+report says plainly that it was not checked).
 Results go to a markdown file, rewritten after each section (a crash or a timeout keeps what was
 measured); the exit status is non-zero when a section fails or raises.
 """
@@ -151,6 +154,35 @@ def check_parity(
     ]
 
 
+# ---- tensor parallelism --------------------------------------------------------------------------
+
+
+def check_tensor_parallel() -> tuple[bool, list[list[object]]]:
+    """The tiny Llama (fp32) on 1 rank, then on 2 (NCCL) eager and with CUDA graphs, which capture the
+    row-parallel all-reduces: a batch's greedy tokens must be equal."""
+    from sluice.engine.frontend.llm import LLM
+    from sluice.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 512, (n,), generator=generator).tolist() for n in (5, 37, 80, 130)]
+    runs, rows = {}, []
+    with tempfile.TemporaryDirectory() as directory:
+        _save_tiny_checkpoint(directory)
+        for size, eager in ((1, False), (2, True), (2, False)):
+            llm = LLM(
+                directory, tensor_parallel_size=size, enforce_eager=eager, dtype="float32", num_blocks=64
+            )
+            try:
+                runs[size, eager] = [c.token_ids for c in llm.generate(prompts, params)]
+            finally:
+                if size > 1:
+                    llm.engine.model_runner.shutdown()
+            equal = runs[size, eager] == runs[1, False]
+            rows.append([f"{size} rank(s), {'eager' if eager else 'CUDA graphs'}", "yes" if equal else "NO"])
+    return all(row[1] == "yes" for row in rows), rows
+
+
 class CheckFailed(Exception):
     """A section measured what it should and the result fails its check; the message is its body."""
 
@@ -186,6 +218,7 @@ class GpuCheck:
         return [
             ("Kernel tests (compiled for the GPU)", self.tests),
             ("Parity with transformers (bf16, Triton kernels)", self.parity),
+            ("Tensor parallelism: 2 ranks (NCCL), all-reduces in CUDA graphs", self.tensor_parallel),
             (f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode),
             ("Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)", self.attention),
             ("Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)", self.prefill),
@@ -246,6 +279,16 @@ class GpuCheck:
         torch.cuda.empty_cache()
         rows = bench_end_to_end(self.device)
         return markdown_table(["run", "output tokens", "seconds", "tok/s", "vs sequential"], rows)
+
+    def tensor_parallel(self) -> str:
+        visible = torch.cuda.device_count()
+        if visible < 2:
+            return f"NOT CHECKED: {visible} CUDA device visible, tensor parallelism needs 2"
+        passed, rows = check_tensor_parallel()
+        table = markdown_table(["run", "greedy tokens equal 1 rank's"], rows)
+        if not passed:
+            raise CheckFailed(table)
+        return "PASS\n\n" + table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
