@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU with gloo, in real processes: the offline `LLM` is rank 0, ranks 1..N-1 are
-spawned worker processes. Tiny Llama (tied, llama3 RoPE), Qwen3 (q/k norms, head_dim 32) and Gemma 3
-(windowed local layers) on 2 ranks; a Llama with 4 KV heads on 4 ranks (one KV head each) and the
-2-KV-head Llama on 4 ranks (each KV head replicated on 2).
+spawned worker processes. Tiny Llama (tied, llama3 RoPE), Qwen2 (biases), Mistral (12-token window), Qwen3
+(q/k norms, head_dim 32) and Gemma 3 (windowed local layers) on 2 ranks; a Llama with 4 KV heads on 4
+ranks (one KV head each) and the 2-KV-head Llama on 4 ranks (each KV head replicated on 2); the Llama as
+a GGUF file on 2 ranks.
 
 One workload mixes what changes a step's shape: prompts chunked under a 24-token budget, prompts sharing a
 40-token prefix (prefix-cache hits), 12 KV blocks for 8 running requests (preemption), n = 2 samples and
@@ -19,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 from checkpoints import build_llama_kv4_checkpoint
+from gguf_export import export_llama_gguf
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.distributed.partition import VocabPartition, partition_heads
@@ -38,7 +40,15 @@ MIXED = dict(
     speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3),
 )
 # (checkpoint fixture, ranks)
-CASES = [("llama_dir", 2), ("qwen3_dir", 2), ("gemma3_dir", 2), ("llama_kv4_dir", 4), ("llama_dir", 4)]
+CASES = [
+    ("llama_dir", 2),
+    ("qwen2_dir", 2),  # q/k/v biases, sharded safetensors
+    ("mistral_windowed_dir", 2),  # every layer windowed: the cache frees blocks behind the window
+    ("qwen3_dir", 2),
+    ("gemma3_dir", 2),
+    ("llama_kv4_dir", 4),
+    ("llama_dir", 4),
+]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +171,18 @@ def _replicated_parts(directory: str, size: int) -> tuple[int, int, float, int]:
     qkv_rows = (arch.num_attention_heads // size + 2 * heads_held) * head_dim
     padding = layers * (-qkv_rows % panel) * arch.hidden_size * 4
     return whole, kv, kv * heads_held / kv_heads, padding
+
+
+def test_a_gguf_file_on_two_ranks_gives_transformers_tokens(llama_dir, tmp_path):
+    path = export_llama_gguf(llama_dir, str(tmp_path / "tiny-llama.gguf"))
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
+    try:
+        completions = llm.generate(prompts, params)
+    finally:
+        llm.engine.model_runner.shutdown()
+    assert [c.token_ids for c in completions] == _hf_greedy(llama_dir, prompts)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_flag(llama_dir):
