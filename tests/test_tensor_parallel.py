@@ -66,9 +66,15 @@ def _prompts() -> list[list[int]]:
 
 
 def _params() -> list[SamplingParams]:
-    """Greedy; prompts 1 and 4 ask for two samples each."""
+    """Greedy; prompts 1 and 4 ask for two samples each, prompt 3 for prompt logprobs (top 3)."""
     return [
-        SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, n=2 if i in (1, 4) else 1)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=NUM_NEW,
+            ignore_eos=True,
+            n=2 if i in (1, 4) else 1,
+            prompt_logprobs=3 if i == 3 else None,
+        )
         for i in range(8)
     ]
 
@@ -138,6 +144,18 @@ def test_the_mix_ran_and_was_scheduled_alike(runs):
     for field in ("num_preemptions", "prefix_cache_hits", "num_draft_tokens", "num_accepted_draft_tokens"):
         assert getattr(stats, field) == getattr(one.stats, field), field
     assert stats.num_kv_blocks_used == 0
+
+
+def test_prompt_logprobs_equal_one_ranks(runs):
+    """Every rank computes them (the logits are gathered on every rank); rank 0's are returned."""
+    one, many = runs
+    (expected,) = [c.prompt_logprobs for c in one.completions if c.prompt_logprobs]
+    (got,) = [c.prompt_logprobs for c in many.completions if c.prompt_logprobs]
+    assert len(got) == len(expected) == len(_prompts()[3]) - 1
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.sampled.token_id == theirs.sampled.token_id
+        assert ours.sampled.logprob == pytest.approx(theirs.sampled.logprob, abs=1e-4)
+        assert [t.token_id for t in ours.top] == [t.token_id for t in theirs.top]
 
 
 def test_each_rank_holds_about_one_nth_of_the_parameters(case, runs):
