@@ -203,6 +203,21 @@ def test_a_gguf_file_on_two_ranks_gives_transformers_tokens(llama_dir, tmp_path)
     assert [c.token_ids for c in completions] == _hf_greedy(llama_dir, prompts)
 
 
+def test_a_draft_model_runs_whole_on_rank_zero_and_gives_one_ranks_tokens(llama_dir, mistral_dir):
+    draft = SpeculativeConfig(method="draft", draft_model=mistral_dir)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    expected = [
+        c.token_ids for c in LLM(llama_dir, num_blocks=64, speculative=draft).generate(prompts, params)
+    ]
+    llm = LLM(llama_dir, tensor_parallel_size=2, num_blocks=64, speculative=draft)
+    try:
+        assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+        assert llm.engine.stats().num_draft_tokens > 0
+    finally:
+        llm.engine.model_runner.shutdown()
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_flag(llama_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide the 4 query heads"):
         LLM(llama_dir, tensor_parallel_size=3, num_blocks=8)

@@ -2,14 +2,15 @@
 process starts. A configuration that cannot work is refused with an error naming `tensor_parallel_size`.
 
     cuda   rank r on cuda:r (of the visible devices); more ranks than devices is refused
-    cpu    every rank on the host, each with `num_threads` torch threads (default: the process's threads,
-           shared out, at least 1). More ranks than cores is allowed, with a warning: the ranks then take
-           turns on the cores (slower, still correct), which is how 4 ranks are tested on 2 cores.
+    cpu    every rank on the host, each with `num_threads` torch threads (default: this process's torch
+           threads, shared out, at least 1). More ranks than CPUs is allowed, with a warning: the ranks then
+           take turns on them (slower, still correct), which is how 4 ranks are tested on 2 cores.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,11 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
         return Placement(tuple(torch.device("cuda", r) for r in range(size)), 1)
     if device.type != "cpu":
         raise ValueError(f"tensor_parallel_size: ranks run on cuda or cpu devices, not {device.type}")
-    cores = torch.get_num_threads()
-    if size > cores:
-        logger.warning("%d tensor-parallel ranks on %d cores: the ranks take turns on the cores", size, cores)
-    return Placement((device,) * size, config.num_threads or max(1, cores // size))
+    cpus = len(os.sched_getaffinity(0))
+    if size > cpus:
+        logger.warning("%d tensor-parallel ranks on %d CPUs: the ranks take turns on them", size, cpus)
+    # torch's threads in this process: its physical cores, unless set otherwise (as the core process does)
+    return Placement((device,) * size, config.num_threads or max(1, torch.get_num_threads() // size))
 
 
 def check_model_splits(arch: ModelArchConfig, size: int) -> None:
