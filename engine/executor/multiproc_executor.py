@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -48,6 +49,7 @@ from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, Schedu
 from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # After a collective failed: how long the monitor may take to name the worker that caused it.
 FAILURE_NAMING_SECONDS = 2.0
@@ -123,7 +125,7 @@ class MultiprocExecutor:
         """Stops the workers; rank 0's torch threads go back to what they were."""
         self._finalizer()
 
-    def _named_failures(self, call, *args):
+    def _named_failures(self, call: Callable[..., T], *args: object) -> T:
         """call(*args); an exception raised while a worker is failing becomes that worker's
         `WorkerDiedError` (the collective that broke names no rank)."""
         try:

@@ -41,6 +41,8 @@ class ModelRunner:
     layers' collectives pair up across ranks. `num_blocks` is the smallest any rank's memory allows.
     """
 
+    failed = False  # as `MultiprocExecutor.failed` (a worker is gone): never, in one process
+
     def __init__(
         self, config: EngineConfig, source: ModelSource, tensor_parallel: TensorParallelGroup | None = None
     ) -> None:
@@ -124,8 +126,6 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Nothing to check: the model runs in this process (`MultiprocExecutor` checks its workers)."""
-
-    failed = False  # as `MultiprocExecutor.failed`: never, in one process
 
     @property
     def parameter_bytes(self) -> int:
