@@ -10,6 +10,7 @@ everything else is waited for generously.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -183,6 +184,27 @@ def test_a_worker_killed_while_idle_fails_the_server(llama_dir, tmp_path):
         assert server.process.wait(60) != 0
         assert f"tensor-parallel rank 1 (pid {worker}) exited (killed by SIGKILL)" in log_path.read_text()
     finally:
+        server.stop()
+
+
+def test_a_worker_that_hangs_fails_the_server_after_the_collective_timeout(llama_dir, tmp_path):
+    """SIGSTOP: the worker neither answers nor exits; rank 0's all-reduce gives up after
+    --distributed-timeout-seconds (20 here), and the engine fails as for a dead worker."""
+    server, log_path = _serve(llama_dir, tmp_path, "--distributed-timeout-seconds", "20")
+    worker = _worker_pid(log_path)
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            streams = _running_streams(channel, ["stream-0", "stream-1"])
+            os.kill(worker, signal.SIGSTOP)
+            _wait_not_serving(channel, timeout=300)
+            for stream in streams:
+                stream.join(60)
+                assert stream.code == grpc.StatusCode.UNAVAILABLE, f"{stream.code}: {stream.details}"
+                assert "Timed out waiting 20000ms" in stream.details
+        assert server.process.wait(60) != 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the core kills it as it exits
+            os.kill(worker, signal.SIGKILL)
         server.stop()
 
 
