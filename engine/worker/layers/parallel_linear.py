@@ -45,8 +45,15 @@ class MergedColumnParallelLinear(MergedLinear):
         return slice(self.group.rank * rows, (self.group.rank + 1) * rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        check_shape(loaded, (self.checkpoint_output_sizes[shard or 0], *param.shape[1:]))
-        super().weight_loader(param, loaded[self.rank_rows(shard or 0)], shard)
+        """This rank's rows of a tensor with the shard's rows (weight, bias, per-row scales); any other
+        (a per-tensor scale) whole. With one rank, the plain loader."""
+        if (
+            self.group.size > 1
+            and loaded.dim() > 0
+            and loaded.shape[0] == self.checkpoint_output_sizes[shard or 0]
+        ):
+            loaded = loaded[self.rank_rows(shard or 0)]
+        super().weight_loader(param, loaded, shard)
 
 
 class QKVParallelLinear(QKVLinear, MergedColumnParallelLinear):
@@ -87,8 +94,9 @@ class RowParallelLinear(ReplicatedLinear):
         self._set_sizes(input_size, self.checkpoint_output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        if param.dim() == 2:  # the weight; a bias is whole
-            check_shape(loaded, (param.shape[0], self.checkpoint_input_size))
+        """This rank's columns of the weight; a bias (or a per-row scale) whole. With one rank, the plain
+        loader."""
+        if self.group.size > 1 and loaded.dim() == 2 and loaded.shape[1] == self.checkpoint_input_size:
             start = self.group.rank * self.input_size
             loaded = loaded[:, start : start + self.input_size]
         super().weight_loader(param, loaded, shard)
@@ -111,6 +119,8 @@ class ParallelLMHead(ReplicatedLinear):
         self._set_sizes(self.checkpoint_input_size, (self.vocab.num_rows,))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        if self.group.size == 1:
+            return super().weight_loader(param, loaded, shard)
         check_shape(loaded, (self.checkpoint_output_sizes[0], *param.shape[1:]))
         rows = loaded[self.vocab.start : self.vocab.end]
         param.data.zero_()
