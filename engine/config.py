@@ -144,6 +144,23 @@ class SchedulerConfig:
         )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: each layer's weights split over `tensor_parallel_size` ranks, one process per
+    device (NCCL between GPUs, gloo between CPU processes); docs/PARALLELISM.md."""
+
+    tensor_parallel_size: int = option(
+        1, "ranks (processes, one per device) that each hold 1/N of every layer's weights"
+    )
+    distributed_timeout_seconds: float = option(
+        300.0, "seconds a collective waits for a silent rank before the engine fails"
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "must be > 0")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
@@ -194,13 +211,16 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str = option("auto", "attention kernels", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "no CUDA graphs")
     # Decode batches whose longest context exceeds this run eagerly: a graph's attention grid and
     # partial buffers are sized for the longest context it may see, frozen at capture.
     max_seq_len_to_capture: int = option(8192, "decode batches with a longer context run without CUDA graphs")
     num_threads: int | None = option(
-        None, "torch threads of the engine core process (default: its physical cores)"
+        None,
+        "torch threads of the engine core process, of each rank under tensor parallelism "
+        "(default: its physical cores, divided among the ranks)",
     )
     # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None

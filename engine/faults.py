@@ -6,6 +6,8 @@ where:
     step        the engine step raises while a request whose id contains <marker> is scheduled
                 (an engine failure: the core dies)
     sample      sampling raises for requests whose id contains <marker> (those requests fail alone)
+    worker      a tensor-parallel worker process (rank >= 1) raises while such a request is scheduled
+                (an engine failure: the worker exits, the engine fails)
     detokenize  the frontend's detokenization raises for such requests (those requests fail alone)
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 ENV_VAR = "SLUICE_INJECT_FAULT"
-PLACES = ("step", "sample", "detokenize")
+PLACES = ("step", "sample", "detokenize", "worker")
 
 
 class InjectedFault(RuntimeError):

@@ -15,6 +15,9 @@ has torch (CUDA build), triton, transformers, pytest and Sluice's own dependenci
    kernel against torch SDPA at 2k and 8k; issue 33's kernel goals, met or not;
 5. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
    `transformers.generate` one request at a time and in static batches of 8, same weights and prompts.
+After the parity step, with 2+ devices: tensor parallelism, the tiny Llama on 2 ranks (NCCL), eager and
+with the all-reduces captured in CUDA graphs, must give the 1-rank greedy tokens (with one device the
+report says plainly that it was not checked).
 Results go to a markdown file, rewritten after each section (a crash or a timeout keeps what was
 measured); with `--results FILE` each section's figures are appended to FILE as one JSON line
 (`{"step": "gpu_check", "section": ..., "figures": {...}}`, read by the GPU check's report). The exit
@@ -163,6 +166,35 @@ def check_parity(
     ]
 
 
+# ---- tensor parallelism --------------------------------------------------------------------------
+
+
+def check_tensor_parallel() -> tuple[bool, list[list[object]]]:
+    """The tiny Llama (fp32) on 1 rank, then on 2 (NCCL) eager and with CUDA graphs, which capture the
+    row-parallel all-reduces: a batch's greedy tokens must be equal."""
+    from sluice.engine.frontend.llm import LLM
+    from sluice.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 512, (n,), generator=generator).tolist() for n in (5, 37, 80, 130)]
+    runs, rows = {}, []
+    with tempfile.TemporaryDirectory() as directory:
+        _save_tiny_checkpoint(directory)
+        for size, eager in ((1, False), (2, True), (2, False)):
+            llm = LLM(
+                directory, tensor_parallel_size=size, enforce_eager=eager, dtype="float32", num_blocks=64
+            )
+            try:
+                runs[size, eager] = [c.token_ids for c in llm.generate(prompts, params)]
+            finally:
+                if size > 1:
+                    llm.engine.model_runner.shutdown()
+            equal = runs[size, eager] == runs[1, False]
+            rows.append([f"{size} rank(s), {'eager' if eager else 'CUDA graphs'}", "yes" if equal else "NO"])
+    return all(row[1] == "yes" for row in rows), rows
+
+
 class CheckFailed(Exception):
     """A section measured what it should and the result fails its check; the message is its body."""
 
@@ -205,6 +237,8 @@ class GpuCheck:
         sections = [
             ("tests", "Kernel tests (compiled for the GPU)", self.tests, False),
             ("parity", "Parity with transformers (Triton kernels)", self.parity, False),
+            ("tensor_parallel", "Tensor parallelism: 2 ranks (NCCL), all-reduces in CUDA graphs",
+             self.tensor_parallel, True),
             ("ceilings", "Ceilings measured here", self.ceilings, True),
             ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
             ("attention", "Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
@@ -306,6 +340,16 @@ class GpuCheck:
         rows = bench_end_to_end(self.device)
         self.figures["end_to_end"] = {"rows": [{"run": r[0], "tokens_per_s": r[3]} for r in rows]}
         return markdown_table(["run", "output tokens", "seconds", "tok/s", "vs sequential"], rows)
+
+    def tensor_parallel(self) -> str:
+        visible = torch.cuda.device_count()
+        if visible < 2:
+            return f"NOT CHECKED: {visible} CUDA device visible, tensor parallelism needs 2"
+        passed, rows = check_tensor_parallel()
+        table = markdown_table(["run", "greedy tokens equal 1 rank's"], rows)
+        if not passed:
+            raise CheckFailed(table)
+        return "PASS\n\n" + table
 
 
 def append_result(path: Path, record: dict[str, object]) -> None:

@@ -92,6 +92,16 @@ def build_qwen3_checkpoint(directory: str, *, seed: int = 4) -> str:
     return _save(Qwen3ForCausalLM(config), directory, None, seed)
 
 
+def build_llama_kv4_checkpoint(directory: str, *, seed: int = 6) -> str:
+    """Llama with 8 query heads sharing 4 KV heads (head_dim 16), hidden 128, untied: 4 tensor-parallel ranks
+    each hold one KV head (the other checkpoints' 2 KV heads are replicated over 4 ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {**_SHAPE, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8}
+    config = LlamaConfig(**{**shape, "num_key_value_heads": 4}, rope_theta=1e4, tie_word_embeddings=False)
+    return _save(LlamaForCausalLM(config), directory, None, seed)
+
+
 def build_gemma3_checkpoint(
     directory: str, *, seed: int = 5, layer_types: tuple[str, ...] | None = None
 ) -> str:

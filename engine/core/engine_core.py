@@ -15,6 +15,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
 from sluice.engine.errors import InvalidRequestError
+from sluice.engine.executor.build import build_model_runner
 from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
 from sluice.engine.messages import AddRequest, CoreOutput
@@ -30,7 +31,6 @@ from sluice.engine.spec_decode.build import build_proposer
 from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
 from sluice.engine.spec_decode.speculator import Speculator
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
-from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class EngineCore:
         source = source if source is not None else load_model_source(config.model)
         self.config = config
         self.tokenizer = source.tokenizer
-        self.model_runner = ModelRunner(config, source)
+        self.model_runner = build_model_runner(config, source)  # tensor-parallel: an executor over the ranks
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -94,6 +94,7 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
+        self.model_runner.check_health()  # a tensor-parallel worker that is gone fails the engine here
         refused = self._grammar_room.admit_ready(self.scheduler.add_request)  # grammars now compiled
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
@@ -148,7 +149,9 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or len(self._grammar_room) > 0
+        """Requests to run, or a worker failure for `step()` to raise."""
+        work = self.scheduler.has_unfinished_requests() or len(self._grammar_room) > 0
+        return work or self.model_runner.failed
 
     def stats(self) -> EngineStats:
         s = self.scheduler

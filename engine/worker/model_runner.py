@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.distributed.group import TensorParallelGroup
+from sluice.engine.distributed.partition import partition_heads
 from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.model_loader import ModelSource
@@ -37,12 +39,23 @@ class ModelRunner:
     kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (laid out
     heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`), in
     `kv_cache_dtype`: the model dtype, or float8_e4m3fn (`--kv-cache-dtype fp8`, a byte per value).
+
+    Under tensor parallelism (`tensor_parallel` of more than one rank, on the group's device) it runs one
+    rank: the model holds this rank's part of the weights, the cache this rank's KV heads, and every rank's
+    runner must be driven through the same calls in the same order (`sluice.engine.executor`), since the
+    layers' collectives pair up across ranks. `num_blocks` is the smallest any rank's memory allows.
     """
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    failed = False  # as `MultiprocExecutor.failed` (a worker is gone): never, in one process
+
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, tensor_parallel: TensorParallelGroup | None = None
+    ) -> None:
         self.config = config
         self.arch = source.arch
-        self.device = pick_device(config.model.device)
+        self.tensor_parallel = tensor_parallel or TensorParallelGroup.single()
+        tp = self.tensor_parallel
+        self.device = tp.device if tp.size > 1 else pick_device(config.model.device)
         self.dtype = pick_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = pick_max_model_len(config.model, self.arch)
@@ -59,6 +72,10 @@ class ModelRunner:
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
         )
+        heads = partition_heads(
+            self.arch.num_attention_heads, self.arch.num_key_value_heads, tp.rank, tp.size
+        )
+        self.num_kv_heads = heads.num_kv_heads  # this rank's
         model_class = get_model_class(self.arch.architecture)
         self.kernels = self._kernel_config(model_class.packed_modules, fp8_cache)
         self.model = model_class(self.arch, self.kernels, max_positions=self.max_model_len)
@@ -69,7 +86,7 @@ class ModelRunner:
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
         )
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = tp.min(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB",
@@ -115,6 +132,7 @@ class ModelRunner:
             "fp8" if fp8 is not None else model.quantization,
             fp8=fp8,
             kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def forward(
@@ -149,11 +167,19 @@ class ModelRunner:
         query_lens = inputs.metadata.query_lens_cpu
         return logits, compute_prompt_logprobs(hidden, query_lens, slices, self.model.compute_logits)
 
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process (`MultiprocExecutor` checks its workers)."""
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of the model's parameters in this process (a tensor-parallel rank's part), as laid out."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (this rank's KV heads)."""
         arch = self.arch
-        per_layer = self.block_size * arch.num_key_value_heads * arch.head_dim * self.kv_cache_dtype.itemsize
+        per_layer = self.block_size * self.num_kv_heads * arch.head_dim * self.kv_cache_dtype.itemsize
         return 2 * arch.num_hidden_layers * per_layer
 
     def _num_kv_blocks(self) -> int:
@@ -174,7 +200,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeroed, not empty: padded context rows are masked, but 0 * NaN garbage would still poison them.
-        heads, head_dim = self.arch.num_key_value_heads, self.arch.head_dim
+        heads, head_dim = self.num_kv_heads, self.arch.head_dim
         heads_first = self.attention_backend.kv_cache_heads_first
 
         def new_cache() -> torch.Tensor:

@@ -24,6 +24,7 @@ _EXPORTS = {
     "ModelConfig": "sluice.engine.config",
     "CacheConfig": "sluice.engine.config",
     "SchedulerConfig": "sluice.engine.config",
+    "ParallelConfig": "sluice.engine.config",
     "SpeculativeConfig": "sluice.engine.config",
     "RequestOutput": "sluice.engine.outputs",
     "EngineStats": "sluice.engine.outputs",
@@ -46,6 +47,7 @@ __all__ = [
     "EngineStats",
     "LLM",
     "ModelConfig",
+    "ParallelConfig",
     "RequestOutput",
     "SERVICE_CONFIG",
     "SamplingParams",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         CacheConfig,
         EngineConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sluice.engine.distributed.partition import partition_heads
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -20,7 +21,8 @@ class Attention(nn.Module):
 
     sliding_window None: every query sees its whole context. sliding_window W: the query at position p
     sees positions p - W + 1 .. p (W positions, itself included), as transformers' sliding-window mask.
-    The kernels are the attention backend's, which `select` takes from the `KernelConfig` at load.
+    The kernels are the attention backend's, which `select` takes from the `KernelConfig` at load, with
+    this rank's share of the heads under tensor parallelism (`sluice.engine.distributed.partition`).
     """
 
     optional_parameters = ("k_scale", "v_scale")  # a checkpoint without them leaves 1.0
@@ -38,8 +40,8 @@ class Attention(nn.Module):
             raise ValueError(f"num_kv_heads: {num_kv_heads} must divide num_heads {num_heads}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.num_heads = self.total_num_heads = num_heads
+        self.num_kv_heads = self.total_num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
@@ -47,9 +49,12 @@ class Attention(nn.Module):
         self.kv_scales: tuple[nn.Parameter, nn.Parameter] | None = None
 
     def select(self, kernels: KernelConfig) -> None:
-        """Take the attention backend the runner chose (one object shared by every layer); with an FP8
-        KV cache, make the cache's scales (1.0 until a checkpoint fills them)."""
+        """Take the attention backend the runner chose (one object shared by every layer), and this rank's
+        heads; with an FP8 KV cache, make the cache's scales (1.0 until a checkpoint fills them)."""
         self.backend = kernels.attention_backend
+        group = kernels.tensor_parallel
+        heads = partition_heads(self.total_num_heads, self.total_num_kv_heads, group.rank, group.size)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         if kernels.kv_cache_dtype is not None:
             ones = torch.ones((), dtype=torch.float32, device=kernels.device)
             self.k_scale = nn.Parameter(ones.clone(), requires_grad=False)

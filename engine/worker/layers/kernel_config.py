@@ -8,16 +8,17 @@ to `CausalLM.materialize`: that walks the built (meta) model once, giving each l
 each `CustomOp` its implementation. No constructor below the model class takes it, and nothing looks at a
 tensor's device or dtype per call. Why an object and not a walk after loading: a linear's method decides
 which parameters it has (an FP8 checkpoint's `weight_scale`), so it must be known before the weights are
-created; and tensor-parallel layers will need their rank and size at that same moment (they go here too).
+created; and a tensor-parallel layer sizes its rank's part at that same moment (`tensor_parallel`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sluice.engine.config import QUANTIZATIONS
+from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.loading.fp8_config import Fp8Config
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.selector import TRITON_BACKENDS
@@ -40,6 +41,8 @@ class KernelConfig:
     fp8: with quantization "fp8", each linear's FP8 scheme (`sluice.engine.loading.fp8_config`).
     kv_cache_dtype: the KV cache's dtype when it is not `dtype` (torch.float8_e4m3fn), else None.
     cuda_capability: the CUDA device's (major, minor) compute capability, None off CUDA.
+    tensor_parallel: this rank's group; the parallel layers hold its part of the weights and call its
+        collectives (`sluice.engine.worker.layers.parallel_linear`). One process: rank 0 of 1.
     """
 
     device: torch.device
@@ -50,6 +53,7 @@ class KernelConfig:
     fp8: Fp8Config | None = None
     kv_cache_dtype: torch.dtype | None = None
     cuda_capability: tuple[int, int] | None = None
+    tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -78,6 +82,7 @@ class KernelConfig:
         *,
         fp8: Fp8Config | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
         once; a kernel that cannot be built is logged and its ops run plain PyTorch. A CUDA device's
@@ -86,8 +91,17 @@ class KernelConfig:
         if device.type == "cpu" and dtype == torch.float32:
             cpu_kernels = frozenset(name for name in CPU_LAYER_KERNELS if cpu_extension_available(name))
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        tensor_parallel = tensor_parallel or TensorParallelGroup.single()
         return cls(
-            device, dtype, attention_backend, cpu_kernels, quantization, fp8, kv_cache_dtype, capability
+            device,
+            dtype,
+            attention_backend,
+            cpu_kernels,
+            quantization,
+            fp8,
+            kv_cache_dtype,
+            capability,
+            tensor_parallel,
         )
 
     @property

@@ -12,8 +12,9 @@ Loading goes through `weight_loader(param, tensor, shard)`: the generic loader
 the weight belongs to the layer's `LinearMethod` (`sluice.engine.worker.layers.linear_method`), chosen at
 load by `CausalLM.materialize`: which parameters exist (`create_weights`), the layout the kernel reads, made
 once after every tensor is in (`process_weights_after_loading`: packed panels, column-major, a quantized
-copy), and the matmul (`apply`). A tensor-parallel layer subclasses these classes: its sizes are its rank's
-part, and its `weight_loader` takes its rows of each checkpoint tensor.
+copy), and the matmul (`apply`). A tensor-parallel layer (`sluice.engine.worker.layers.parallel_linear`)
+subclasses these classes: `partition` sets its sizes to its rank's part before the method creates the
+weights, and its `weight_loader` takes its rows (or columns) of each checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from sluice.engine.worker.layers.quantization import linear_method_for
@@ -39,14 +41,27 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
         self.output_size = sum(output_sizes)
+        # The whole layer's sizes, as the checkpoint has them (a tensor-parallel rank holds a part).
+        self.checkpoint_input_size = input_size
+        self.checkpoint_output_sizes = self.output_sizes
         self.has_bias = bias
         self.weight_is_tied = False
         self.set_method(UnquantizedLinearMethod(), torch.get_default_dtype())
 
     def select(self, kernels: KernelConfig, prefix: str) -> None:
         """At load, before the weights exist: take the method `kernels` gives this layer (module name
-        `prefix`), which creates its parameters. A tensor-parallel layer sizes its rank's part here first."""
+        `prefix`), which creates its parameters, sized first to this rank's part (`partition`)."""
+        self.partition(kernels.tensor_parallel)
         self.set_method(linear_method_for(prefix, self, kernels), kernels.dtype)
+
+    def partition(self, group: TensorParallelGroup) -> None:
+        """Set `input_size` and `output_sizes` to rank `group.rank`'s part, before the weights exist. A
+        replicated layer holds the whole on every rank."""
+
+    def _set_sizes(self, input_size: int, output_sizes: Sequence[int]) -> None:
+        self.input_size = input_size
+        self.output_sizes = tuple(output_sizes)
+        self.output_size = sum(self.output_sizes)
 
     def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Before loading: `method` runs this layer and creates its parameters (in `dtype` for float ones, on

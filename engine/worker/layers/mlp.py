@@ -6,17 +6,19 @@ import torch
 from torch import nn
 
 from sluice.engine.worker.layers.activation import get_act_and_mul
-from sluice.engine.worker.layers.linear import MergedLinear, ReplicatedLinear
+from sluice.engine.worker.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    """x [T, hidden] -> [T, hidden]; gate and up run as one packed matmul (gate_up_proj = [gate; up])."""
+    """x [T, hidden] -> [T, hidden]; gate and up run as one packed matmul (gate_up_proj = [gate; up]).
+    Under tensor parallelism each rank holds 1/N of the intermediate columns: gate_up column-parallel,
+    down row-parallel (one all-reduce)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size))
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, (intermediate_size, intermediate_size))
         self.act = get_act_and_mul(activation)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

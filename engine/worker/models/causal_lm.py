@@ -6,6 +6,12 @@ positions, kv_caches, metadata) -> hidden`. Its layers take no kernel choices: `
 once, from the runner's `KernelConfig`. Checkpoint names map onto its parameters through `packed_modules`
 (`sluice.engine.loading.weight_loader`) and, for GGUF files, its `gguf_specs`
 (`sluice.engine.loading.gguf_spec`).
+
+Its projections, embeddings and lm_head are the tensor-parallel layers (`parallel_linear`,
+`vocab_parallel_embedding`): with one rank they hold and compute the whole; under tensor parallelism each
+rank's part, sized from the `KernelConfig`'s group at `materialize`. A model class whose forward works on
+any rank's part of the heads (it splits qkv with `qkv_proj.split`, never with the whole model's sizes) says
+`supports_tensor_parallel = True`.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from sluice.engine.loading.weight_loader import load_weights
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.engine.worker.layers.kernel_config import KernelConfig
-from sluice.engine.worker.layers.linear import LinearBase, QKVLinear, ReplicatedLinear
+from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.parallel_linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from sluice.engine.worker.layers.rotary import RotaryEmbedding
+from sluice.engine.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 # checkpoint module -> (our packed module, shard)
 PACKED_QKV_GATE_UP = {
@@ -40,6 +48,7 @@ class CausalLM(nn.Module):
 
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = PACKED_QKV_GATE_UP
     gguf_specs: ClassVar[dict[str, GGUFSpec]] = {}  # GGUF general.architecture -> its layout
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
@@ -51,15 +60,16 @@ class CausalLM(nn.Module):
         `kernels.dtype` on `kernels.device`; tie lm_head. kernels None: float32 on the meta device, a model
         built only to read its parameters' names and shapes.
 
-        Each linear gets its `LinearMethod` first, which creates its parameters (still on meta); then, on the
-        device, each `CustomOp` (norms, activations, rotary) picks its implementation and each attention
-        layer takes the backend."""
+        Each linear gets its `LinearMethod` first, which creates its parameters (still on meta), and each
+        linear and the embeddings size this rank's part under tensor parallelism; then, on the device, each
+        `CustomOp` (norms, activations, rotary) picks its implementation and each attention layer takes the
+        backend and its heads."""
         kernels = kernels or KernelConfig(torch.device("meta"), torch.float32)
         self.kernels = kernels
         self.to(kernels.dtype)
         with torch.device("meta"):
             for prefix, module in self.named_modules():
-                if isinstance(module, LinearBase):
+                if isinstance(module, LinearBase | VocabParallelEmbedding):
                     module.select(kernels, prefix)
         self.to_empty(device=kernels.device)
         for module in self.modules():
@@ -83,17 +93,17 @@ class CausalLM(nn.Module):
         load_weights(self, weights)
 
     @staticmethod
-    def qkv_proj(arch: ModelArchConfig, bias: bool) -> QKVLinear:
+    def qkv_proj(arch: ModelArchConfig, bias: bool) -> QKVParallelLinear:
         heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
-        return QKVLinear(arch.hidden_size, arch.head_dim, heads, kv_heads, bias)
+        return QKVParallelLinear(arch.hidden_size, arch.head_dim, heads, kv_heads, bias)
 
     @staticmethod
-    def o_proj(arch: ModelArchConfig) -> ReplicatedLinear:
-        return ReplicatedLinear(arch.q_size, arch.hidden_size)
+    def o_proj(arch: ModelArchConfig) -> RowParallelLinear:
+        return RowParallelLinear(arch.q_size, arch.hidden_size)
 
     @staticmethod
-    def lm_head_for(arch: ModelArchConfig) -> ReplicatedLinear:
-        return ReplicatedLinear(arch.hidden_size, arch.vocab_size)
+    def lm_head_for(arch: ModelArchConfig) -> ParallelLMHead:
+        return ParallelLMHead(arch.hidden_size, arch.vocab_size)
 
     @staticmethod
     def attention(arch: ModelArchConfig, layer: int, scale: float) -> Attention:

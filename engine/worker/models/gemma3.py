@@ -19,6 +19,7 @@ from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import GemmaRMSNorm
 from sluice.engine.worker.layers.rotary import Rope, RotaryEmbedding
+from sluice.engine.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sluice.engine.worker.models.causal_lm import CausalLM
 
 
@@ -32,7 +33,6 @@ class Gemma3RotaryEmbedding(RotaryEmbedding):
 class Gemma3Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
-        self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.head_dim = arch.head_dim
         self.is_sliding = arch.layer_sliding_window(layer) is not None
         self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
@@ -45,7 +45,7 @@ class Gemma3Attention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim))
         k = self.k_norm(k.reshape(k.shape[0], -1, self.head_dim))
         q, k = rope(q, k)
@@ -75,7 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -89,6 +89,7 @@ class Gemma3ForCausalLM(CausalLM):
     Llama).
     """
 
+    supports_tensor_parallel = True
     gguf_specs = {
         "gemma3": GGUFSpec(
             layer_names={

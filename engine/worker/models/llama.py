@@ -18,13 +18,13 @@ from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.engine.worker.layers.rotary import Rope
+from sluice.engine.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sluice.engine.worker.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
-        self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.head_dim = arch.head_dim
         self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
         self.o_proj = CausalLM.o_proj(arch)
@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
         q, k = rope(q, k)
@@ -70,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_class: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(layer_class(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -85,6 +85,7 @@ class LlamaForCausalLM(CausalLM):
     """
 
     decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    supports_tensor_parallel = True
     # llama.cpp's converter interleaves Llama's q/k rotary rows; Qwen2's it keeps.
     gguf_specs = {"llama": GGUFSpec(permute_qk=True), "qwen2": GGUFSpec()}
 

@@ -13,6 +13,7 @@ loading (`build_cpu_stack`): the model keeps its per-layer path, and the reason 
     attention the C++ backend (`sluice.engine.worker.attention.cpu_backend`), one scale (windows per layer),
               a KV cache in the model dtype
     mlp       SiLU gate
+    one rank  no tensor parallelism (its all-reduces sit between the projections, outside the C++ call)
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def unavailable_reason(model: nn.Module) -> str | None:
     the first reason not."""
     if not isinstance(model, LlamaForCausalLM) or type(model).decoder_layer is not LlamaDecoderLayer:
         return f"{type(model).__name__}'s layers are not the Llama decoder layer the stack runs"
+    if model.kernels.tensor_parallel.size > 1:
+        return "tensor parallel: the ranks all-reduce between the layers' projections"
     layers, norm = model.model.layers, model.model.norm
     if not layers:
         return "the model has no layers"

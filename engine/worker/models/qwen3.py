@@ -18,7 +18,6 @@ from sluice.engine.worker.models.llama import LlamaDecoderLayer, LlamaForCausalL
 class Qwen3Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
-        self.sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.head_dim = arch.head_dim
         self.qkv_proj = CausalLM.qkv_proj(arch, bias=arch.attention_bias)
         self.o_proj = CausalLM.o_proj(arch)
@@ -29,7 +28,7 @@ class Qwen3Attention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = self.q_norm.norm(q.reshape(q.shape[0], -1, self.head_dim))
         k = self.k_norm.norm(k.reshape(k.shape[0], -1, self.head_dim))
         q, k = rope(q, k)
