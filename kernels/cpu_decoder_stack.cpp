@@ -1,8 +1,8 @@
 // A Llama-style decoder stack (Llama 2/3, Mistral, Qwen2) run as one call per step,
 // float32 on CPU: the kernels the layers call one at a time from Python (kernels/cpu_*.h), called here in
 // the same order with the same roundings, so the hidden states are bit-for-bit the layers' own. What it
-// removes is the Python and dispatch between ~300 kernel calls a step: on SmolLM2-135M on the 2-core CPU,
-// batch 1 went from 17.3-19.9 to 15.3-17.4 ms per token.
+// removes is the Python and dispatch between ~300 kernel calls a step (docs/BENCHMARKS.md, "Figures
+// behind the code").
 //
 //   residual = embeddings                                   (the caller's tensor, updated in place)
 //   per layer:  x = norm(residual)                           (after the first: residual += mlp_out first)

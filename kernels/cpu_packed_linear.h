@@ -8,8 +8,8 @@
 // the micro-kernel's register block (kPanelVectors vectors: 64 columns with AVX-512's 32 registers, 16 with
 // AVX2's 16, 8 with SSE/NEON), so every call streams whole panel rows. Panels 64 wide on AVX2, read in
 // 16-column strips, put a strip's rows 256 bytes apart: a quarter of L1's sets, so a strip did not stay in
-// L1 for the next row block; 16-wide panels were 13-33% faster at 2-64 rows on the 2-core Zen 3, equal at
-// 1 (docs/BENCHMARKS.md). Threads split the output columns evenly in whole vectors (kLanes columns), so a
+// L1 for the next row block, and 16-wide panels were faster (docs/BENCHMARKS.md, "Figures behind the
+// code"). Threads split the output columns evenly in whole vectors (kLanes columns), so a
 // thread's share is whole panels plus a part of one at either end. Within its part of a panel, rows of x go
 // kRows at a time through the micro-kernel, so a panel comes from memory once and from cache for the other
 // row blocks. Decode steps (1-64 rows) are bandwidth- or nearly bandwidth-bound, where sgemm on small M is
@@ -84,8 +84,7 @@ constexpr auto kMicroKernels = kernel_table(std::make_index_sequence<kRows>{});
 // y[:, first_col : min(N, first_col + vectors * kLanes)], first_col = p * kPanel + first_vector * kLanes.
 // The first row block reads the panel from memory, the others from L1/L2. next_panel (the thread's next
 // panel, or null): the calls after the first share out its prefetch into L2, so the memory stream of the
-// next panel overlaps this one's compute (2-8% at 16-64 rows on AVX-512; without it, 28% slower at 16 rows
-// on AVX2).
+// next panel overlaps this one's compute (measured: docs/BENCHMARKS.md, "Figures behind the code").
 //
 //   call         rows 0            rows kRows..      ...   last rows
 //   panel        from memory       from L1/L2              from L1/L2

@@ -12,8 +12,8 @@ P, the panel width (`panel_width()`), is the build's micro-kernel width: 16 colu
 AVX-512, 8 with SSE or NEON.
 
 The layer packs its weight once at load (`pack_weight`); each matmul then streams the panels front to
-back. On this project's 2-core CPU it beats MKL's sgemm 1.2-7x for 1-64 rows (sgemm on a few rows is
-far from the bandwidth and FMA limits) and 1.0-1.7x on prefill-sized steps.
+back. It beats MKL's sgemm on decode-sized steps, where sgemm on a few rows is far from the bandwidth and
+FMA limits, and matches or beats it on prefill-sized ones (docs/BENCHMARKS.md, "Figures behind the code").
 """
 
 from __future__ import annotations

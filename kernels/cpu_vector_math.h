@@ -10,7 +10,7 @@ namespace sluice {
 
 // Floats per vector: one register of the widest vector unit the build targets (-march=native). A wider
 // GCC vector than the target's registers is not split into them but lowered through the stack, element
-// by element (10-20x slower), so the width follows the target.
+// by element (an order of magnitude slower), so the width follows the target.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;  // one AVX-512 register
 #elif defined(__AVX__)

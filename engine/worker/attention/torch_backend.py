@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the reference backend, and the one used on CPU.
 
 Decode rows (query_len == 1) are attended together: one gather pulls every decode sequence's context,
-padded to the longest, and one masked batched attention call covers them all (measured 4x faster on
-CPU than gathering slots and attending with explicit matmuls). Rows with longer queries
-(prefill chunks) are attended one sequence at a time with a causal mask offset by the cached prefix.
+padded to the longest, and one masked batched attention call covers them all (faster on CPU than
+gathering slots and attending with explicit matmuls: docs/BENCHMARKS.md, "Figures behind the code").
+Rows with longer queries (prefill chunks) are attended one sequence at a time with a causal mask offset
+by the cached prefix.
 
 With a sliding window W, the query at position p sees positions p - W + 1 .. p; only the blocks that
 hold such positions are gathered, so block-table entries before the window are never read.
@@ -122,7 +123,7 @@ def _gather_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """block_tables [S, n] -> keys, values [S, num_kv_heads, n * block_size, head_dim] (strided views).
 
-    Whole blocks are gathered (one index op each): measured 2x faster on CPU than gathering slots.
+    Whole blocks are gathered (one index op each): faster on CPU than gathering slots (docs/BENCHMARKS.md).
     """
     num_seqs = block_tables.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

@@ -13,14 +13,14 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
 
     UnquantizedLinearMethod   F.linear. On CPU (column_major) the weight is stored column-major: `weight.t()`
                               is a contiguous [input_size, output_size] matrix, so `F.linear` hands MKL an
-                              untransposed operand (its sgemm on a transposed one is 2-4.6x slower at 4-32
-                              rows).
+                              untransposed operand (its sgemm on a transposed one is slower at a few
+                              rows: docs/BENCHMARKS.md, "Figures behind the code").
     CpuPackedLinearMethod     float32 on CPU: the weight in column panels for the C++ kernel in
                               `kernels/cpu_packed_linear.h` (`packed` [num_panels, input_size, panel width];
-                              each matmul streams them front to back, 1.2-7x faster than MKL's sgemm on
-                              decode-sized steps). The packed tensor replaces the weight's data, so memory
-                              stays flat, except for a weight tied to the embeddings, which keeps its rows for
-                              the lookups and gets a packed copy.
+                              each matmul streams them front to back; faster than MKL's sgemm on
+                              decode-sized steps, docs/BENCHMARKS.md). The packed tensor replaces the
+                              weight's data, so memory stays flat, except for a weight tied to the
+                              embeddings, which keeps its rows for the lookups and gets a packed copy.
     CpuQuantizedLinearMethod  `sluice.engine.worker.layers.quantization`: int4 / int8 on CPU
     Fp8LinearMethod           `sluice.engine.worker.layers.fp8_linear`: e4m3 weights, FP8 checkpoints
 """

@@ -37,9 +37,8 @@ if TYPE_CHECKING:
 CPU_QUANTIZATIONS = ("int4", "int8")
 INT4_GROUP_SIZE = 32
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
-# shapes on 2 cores. torch's int4 kernel gains more from AVX-512 than the packed kernel does: with it
-# (Zen 4) int4 1.1-1.3x at 16 rows, 0.3-0.8x at 32 on a busy machine, int8 0.8-1.0x from 8; with AVX2 only
-# (Zen 3) int4 1.6-2.2x up to 4 rows, 0.9-1.0x at 6-8, 0.7x at 12-16, int8 1.2-1.6x up to 4, 0.7-0.9x from 6.
+# shapes on 2 cores (docs/BENCHMARKS.md, "Figures behind the code"). torch's int4 kernel gains more from
+# AVX-512 than the packed kernel does, so its limit depends on the CPU.
 _AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 MAX_QUANTIZED_ROWS = {"int4": 16 if _AVX512 else 4, "int8": 4}
 _ACTIVATIONS = torch.bfloat16

@@ -3,7 +3,7 @@
 
 The stack runs the kernels the layers run one at a time, in the same order with the same roundings, so the
 hidden states equal the per-layer path's; it drops the Python and dispatch between ~300 kernel calls a step
-(SmolLM2-135M on the 2-core CPU, batch 1: 17.3-19.9 -> 15.3-17.4 ms per token). The runner decides, after
+(docs/BENCHMARKS.md, "Figures behind the code"). The runner decides, after
 loading (`build_cpu_stack`): the model keeps its per-layer path, and the reason is logged, unless it is a
 `LlamaForCausalLM` with exactly `LlamaDecoderLayer` layers and every layer runs the float32 CPU kernels:
 
