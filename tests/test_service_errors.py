@@ -12,6 +12,7 @@ from checkpoints import LONG_CONTEXT
 from service_harness import UNENDING, ServerThread, long_engine_config, wait_for
 
 from sluice import generate_request
+from sluice.service.status import DEADLINE_SLACK_S, cancelled_status
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,6 +151,23 @@ def test_deadline_aborts_the_request(stub, server: ServerThread) -> None:
     server.wait_idle()
     # Counted when the handler unwinds, which may come after the engine reports idle.
     wait_for(lambda: _rpc_count(server, "Generate", "DEADLINE_EXCEEDED") == before + 1, "the count")
+
+
+class _Context:
+    def __init__(self, remaining: float | None) -> None:
+        self._remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self._remaining
+
+
+def test_a_cancel_at_the_deadline_counts_as_deadline_exceeded() -> None:
+    """The caller's own deadline timer may fire first: its cancel then reaches the server with a little of
+    the server's deadline left (test_deadline_aborts_the_request met this on a busy machine)."""
+    assert cancelled_status(_Context(-0.1)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cancelled_status(_Context(DEADLINE_SLACK_S / 2)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cancelled_status(_Context(DEADLINE_SLACK_S + 5.0)) == grpc.StatusCode.CANCELLED
+    assert cancelled_status(_Context(None)) == grpc.StatusCode.CANCELLED  # no deadline
 
 
 def test_abort_rpc_ends_the_stream_with_abort(stub, server: ServerThread) -> None:
