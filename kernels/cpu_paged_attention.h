@@ -380,18 +380,24 @@ inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   });
 }
 
-// k_cache[slot / block_size, slot % block_size] = k[t] and the same for v, for each token t whose
-// slot = slot_mapping[t] is >= 0 (kernels/store_kv.py's contract): this step's keys and values into the
-// cache, one row copy per (token, KV head) and no thread hand-off, as decode writes a few rows per layer.
-inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor slot_mapping) {
-  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous");
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+// The first token whose slot (slot_mapping [num_tokens] int64, contiguous) is past the cache's num_slots
+// = num_blocks * block_size, or -1 when there is none. store_kv asks before it writes anything.
+inline int64_t first_slot_past_cache(const torch::Tensor& slot_mapping, int64_t num_slots) {
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " (token ", t, ") is past the cache's ",
-                num_slots, " slots");
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t)
+    if (slots[t] >= num_slots) return t;
+  return -1;
+}
+
+// k_cache[slot / block_size, slot % block_size] = k[t] and the same for v, for each token t whose
+// slot = slot_mapping[t] is >= 0 (kernels/store_kv.py's contract) and every slot already known to be in
+// the cache: this step's keys and values into the cache, one row copy per (token, KV head) and no thread
+// hand-off, as decode writes a few rows per layer.
+inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                          torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
     const size_t row_bytes = head_dim * sizeof(scalar_t);
     for (auto [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
@@ -406,6 +412,30 @@ inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, to
       }
     }
   });
+}
+
+// store_kv_rows after checking every slot, in the calling thread, before any write: a slot past the cache
+// raises (TORCH_CHECK) with nothing written. For callers in C++ (the decoder stack).
+inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping) {
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t bad = first_slot_past_cache(slot_mapping, num_slots);
+  TORCH_CHECK(bad < 0, "slot_mapping: slot ", slot_mapping.data_ptr<int64_t>()[bad], " (token ", bad,
+              ") is past the cache's ", num_slots, " slots");
+  store_kv_rows(k, v, k_cache, v_cache, slot_mapping);
+}
+
+// The Python binding's store_kv: the same check before any write, but a slot past the cache comes back as
+// the first bad token (-1: every row written) instead of a C++ exception, and the launcher raises it in
+// Python. A bad slot is then an error on every build, however the extension's exceptions cross into Python
+// (a JIT-built extension on one GPU machine died with SIGSEGV here instead of raising; issue 31).
+inline int64_t store_kv_or_first_bad_token(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                           torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  const torch::Tensor slots = slot_mapping.contiguous();  // no copy when it is (the launchers' contract)
+  const int64_t bad = first_slot_past_cache(slots, k_cache.size(0) * k_cache.size(1));
+  if (bad < 0) store_kv_rows(k, v, k_cache, v_cache, slots);
+  return bad;
 }
 
 }  // namespace sluice::attention

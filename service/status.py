@@ -93,10 +93,17 @@ def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
     return () if pushback is None else ((RETRY_PUSHBACK_KEY, str(pushback)),)
 
 
+# The caller's deadline timer runs from when it sent the call, ours from when it arrived: when the caller's
+# fires first, its cancel reaches us with up to that delay left on ours. Within this much of our deadline,
+# a cancel is the deadline's.
+DEADLINE_SLACK_S = 1.0
+
+
 def cancelled_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """Why a handler was cancelled: its deadline passed, or the caller went away."""
+    """Why a handler was cancelled: its deadline passed (here or, just before, at the caller), or the
+    caller went away."""
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED
 

@@ -21,6 +21,8 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)  # ids 0, 1, 2, 3
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(4)
 MISTRAL_WINDOW = 12
+# The long-context tiny Llama's context: a request may run this long, minutes of decoding on any machine.
+LONG_CONTEXT = 131_072
 GEMMA3_WINDOW = 8
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,8 +45,15 @@ _SHAPE = dict(
 )
 
 
-def build_llama_checkpoint(directory: str, *, max_shard_size: str | None = None, seed: int = 0) -> str:
-    """Llama 3.1-style: rope_scaling "llama3" (active at these positions) and tied embeddings."""
+def build_llama_checkpoint(
+    directory: str,
+    *,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    max_position_embeddings: int = _SHAPE["max_position_embeddings"],
+) -> str:
+    """Llama 3.1-style: rope_scaling "llama3" (active at these positions) and tied embeddings. The context
+    adds no weights: with `max_position_embeddings=LONG_CONTEXT` it is the same model, same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rope = {
@@ -55,7 +64,8 @@ def build_llama_checkpoint(directory: str, *, max_shard_size: str | None = None,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    config = LlamaConfig(**_SHAPE, rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    shape = {**_SHAPE, "max_position_embeddings": max_position_embeddings}
+    config = LlamaConfig(**shape, rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5)
     return _save(LlamaForCausalLM(config), directory, max_shard_size, seed)
 
 

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from checkpoints import (
+    LONG_CONTEXT,
     build_gemma3_checkpoint,
     build_llama_checkpoint,
     build_mistral_checkpoint,
@@ -24,6 +25,14 @@ from checkpoints import (
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Llama with rope_scaling llama3 and tied embeddings; one model.safetensors."""
     return build_llama_checkpoint(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def llama_long_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`llama_dir`'s model and weights with a 131,072-token context: room for requests that run until the
+    test ends them (service_harness.UNENDING)."""
+    directory = str(tmp_path_factory.mktemp("llama_long"))
+    return build_llama_checkpoint(directory, max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="session")
@@ -57,11 +66,12 @@ def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir: str):
-    """A real Sluice gRPC server on a loopback port, serving the tiny Llama (one per test module)."""
-    from service_harness import ServerThread, tiny_engine_config
+def server(llama_long_dir: str):
+    """A real Sluice gRPC server on a loopback port, serving the long-context tiny Llama (one per test
+    module), on which service_harness.UNENDING requests run until the test ends them."""
+    from service_harness import ServerThread, long_engine_config
 
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    thread = ServerThread(long_engine_config(llama_long_dir)).start()
     yield thread
     thread.stop()
 

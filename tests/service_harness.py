@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
 import uvloop
+from checkpoints import LONG_CONTEXT
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sluice.engine.frontend.async_engine import AsyncEngine
@@ -23,9 +24,29 @@ from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
-# A request that keeps the tiny model busy: 6 prompt tokens + 240 fit its 256-token context, and decoding
-# them takes about 0.3 s on a quiet machine (timeouts meant to fire mid-generation stay below that).
-LONG = {"temperature": 0.0, "max_tokens": 240, "ignore_eos": True}
+# A request that runs until the test ends it (cancel, Abort, a deadline, a drain), on a server of the
+# long-context tiny Llama (`llama_long_dir`, `long_engine_config`): 131,000 tokens are minutes of decoding on
+# any machine, so a test may rely on it still running, however fast the machine. (No request on the
+# 256-token `llama_dir` can be relied on to outlast anything: a fast machine decodes 240 tokens in 0.1 s.)
+UNENDING_TOKENS = LONG_CONTEXT - 72  # room for the prompts the tests send
+UNENDING = {"temperature": 0.0, "max_tokens": UNENDING_TOKENS, "ignore_eos": True}
+# KV blocks for every request to fit (the engine refuses one that could never fit), plus room for others.
+LONG_NUM_BLOCKS = LONG_CONTEXT // 16 + 128
+# How long a test waits for something that must happen: only a hang takes this long.
+PATIENCE_S = 60.0
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `timeout` (a hang, not a slow machine)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
+        time.sleep(0.01)
+
+
+def long_engine_config(model_dir: str, *, max_num_seqs: int = 64) -> EngineConfig:
+    """`tiny_engine_config` for the long-context tiny Llama, with KV blocks for UNENDING requests."""
+    return tiny_engine_config(model_dir, num_blocks=LONG_NUM_BLOCKS, max_num_seqs=max_num_seqs)
 
 
 def tiny_engine_config(model_dir: str, *, num_blocks: int = 128, max_num_seqs: int = 64) -> EngineConfig:
@@ -84,17 +105,17 @@ class ServerThread:
         assert self.engine is not None
         return self.engine.stats()
 
-    def wait_idle(self, timeout: float = 5.0) -> EngineStats:
-        """Waits until no request runs or waits and no KV block is held; returns the stats then."""
-        deadline = time.monotonic() + timeout
-        while True:
+    def wait_idle(self, timeout: float = PATIENCE_S) -> EngineStats:
+        """Waits until no request runs or waits and no KV block is held; returns the stats then. (With an
+        UNENDING request ended by the test, the timeout can only pass if the end never reached the engine.)"""
+
+        def idle() -> bool:
             stats = self.stats()
-            idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0
-            if idle and self.engine.num_live_requests == 0:
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine not idle after {timeout}s: {stats}")
-            time.sleep(0.01)
+            done = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0
+            return done and self.engine.num_live_requests == 0
+
+        wait_for(idle, f"engine idle ({self.stats()})", timeout)
+        return self.stats()
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.target)

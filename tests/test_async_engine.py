@@ -1,5 +1,8 @@
 """AsyncEngine: a frontend in this process, the engine core in its own; streaming, aborts, abandoned
-streams, merged outputs for slow readers, validation, and what happens when the core or a request fails."""
+streams, merged outputs for slow readers, validation, and what happens when the core or a request fails.
+
+The engine serves the long-context tiny Llama, so a request the test ends (abort, cancel, a killed core)
+is surely still running when it does, however fast the machine; nothing waits on a sleep."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
+from checkpoints import LONG_CONTEXT
+from service_harness import PATIENCE_S, UNENDING_TOKENS
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
@@ -22,7 +28,7 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.prompt import resolve_prompt
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+UNENDING = SamplingParams(temperature=0.0, max_tokens=UNENDING_TOKENS, ignore_eos=True)  # until ended
 
 
 def _config(model_dir: str) -> EngineConfig:
@@ -32,8 +38,10 @@ def _config(model_dir: str) -> EngineConfig:
 
 
 @pytest.fixture
-async def engine(llama_dir):
-    engine = AsyncEngine(_config(llama_dir))
+async def engine(llama_long_dir):
+    # Only the core's exit can tell the frontend it died (test_a_killed_core_...): its silence never
+    # counts as death within a test.
+    engine = AsyncEngine(_config(llama_long_dir), engine_timeout=3600.0)
     await engine.start()
     yield engine
     await engine.shutdown()
@@ -43,17 +51,26 @@ async def _collect(stream):
     return [out async for out in stream]
 
 
-async def _wait_for_free_blocks(engine: AsyncEngine) -> None:
-    for _ in range(300):
-        if engine.stats().num_kv_blocks_used == 0 and engine.stats().num_running == 0:
-            return
+async def _wait_until(condition, what: str) -> None:
+    """Polls `condition` on this loop; fails naming `what` only after PATIENCE_S (a hang)."""
+    deadline = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {PATIENCE_S:.0f} s"
         await asyncio.sleep(0.01)
-    raise AssertionError(f"blocks still held: {engine.stats()}")
 
 
-async def test_concurrent_streams_equal_the_offline_engine(engine, llama_dir):
+def _idle(engine: AsyncEngine) -> bool:
+    stats = engine.stats()
+    return stats.num_kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+async def _wait_for_free_blocks(engine: AsyncEngine) -> None:
+    await _wait_until(lambda: _idle(engine), f"blocks freed ({engine.stats()})")
+
+
+async def test_concurrent_streams_equal_the_offline_engine(engine, llama_long_dir):
     prompts = ["the quick brown fox", "Hello world! How are you today?", "Numbers: 1 2 3"]
-    offline = LLM(llama_dir).generate(prompts, PARAMS)
+    offline = LLM(llama_long_dir).generate(prompts, PARAMS)
     streams = [await engine.add_request(f"req-{i}", PARAMS, text=p) for i, p in enumerate(prompts)]
     results = await asyncio.gather(*(_collect(s) for s in streams))
     for outputs, expected in zip(results, offline, strict=True):
@@ -73,56 +90,60 @@ async def test_the_frontend_process_never_imports_torch(engine):
     assert engine.core_pid is not None and engine.core_pid != os.getpid()
 
 
-async def test_a_slow_reader_gets_merged_outputs_equal_to_the_offline_engine(engine, llama_dir):
+async def test_a_slow_reader_gets_merged_outputs_equal_to_the_offline_engine(engine, llama_long_dir):
+    """The slowest reader: after its first output it reads nothing until the engine has finished the
+    request, and then finds every later delta merged into one output."""
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    offline = LLM(llama_dir).generate(["the quick brown fox"], params)[0]
+    offline = LLM(llama_long_dir).generate(["the quick brown fox"], params)[0]
     stream = await engine.add_request("slow", params, text="the quick brown fox")
-    outputs = []
-    async for output in stream:
-        outputs.append(output)
-        await asyncio.sleep(0.2)  # far slower than the engine makes tokens
-    assert len(outputs) < 60, f"{len(outputs)} outputs: nothing was merged"
-    assert any(len(o.token_ids) > 1 for o in outputs)
+    outputs = [await anext(stream)]
+    await _wait_for_free_blocks(engine)  # finished in the core: its outputs are all in the collector
+    outputs += [output async for output in stream]
+    assert len(outputs) <= 2, f"{len(outputs)} outputs: nothing was merged"
+    assert max(len(o.token_ids) for o in outputs) >= 60
     assert [t for o in outputs for t in o.token_ids] == offline.token_ids
     assert "".join(o.text for o in outputs) == offline.text
     assert outputs[-1].finish_reason == "length" and outputs[-1].usage.completion_tokens == 120
 
 
-async def test_stream_interval_hands_over_fixed_size_chunks(engine, llama_dir):
-    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)
-    offline = LLM(llama_dir).generate(["Hello world"], params)[0]
+async def test_stream_interval_hands_over_fixed_size_chunks(engine, llama_long_dir):
+    """A request that runs until aborted: every output before the abort holds >= 5 tokens (exactly 5
+    unless this reader lagged behind the engine and found deltas merged)."""
+    params = SamplingParams(temperature=0.0, max_tokens=UNENDING_TOKENS, ignore_eos=True, logprobs=1)
     stream = await engine.add_request("chunky", params, text="Hello world", stream_interval=5)
-    outputs = await _collect(stream)
-    # Every output but the last holds >= 5 tokens (exactly 5 unless this reader lagged behind the engine
-    # and found deltas merged); the last holds the rest.
+    outputs = [await anext(stream) for _ in range(3)]
+    await engine.abort("chunky")
+    outputs += [output async for output in stream]
     sizes = [len(o.token_ids) for o in outputs]
-    assert len(outputs) >= 2 and min(sizes[:-1]) >= 5 and sum(sizes) == 23, sizes
-    assert [t for o in outputs for t in o.token_ids] == offline.token_ids
-    assert [lp.sampled.token_id for o in outputs for lp in o.logprobs] == offline.token_ids
+    assert min(sizes[:3]) >= 5 and not any(o.finished for o in outputs[:3]), sizes
+    assert outputs[-1].finish_reason == "abort"
+    token_ids = [t for o in outputs for t in o.token_ids]
+    greedy = SamplingParams(temperature=0.0, max_tokens=len(token_ids), ignore_eos=True)
+    assert token_ids == LLM(llama_long_dir).generate(["Hello world"], greedy)[0].token_ids
+    assert [lp.sampled.token_id for o in outputs for lp in o.logprobs] == token_ids
 
 
 async def test_abort_ends_the_stream_and_frees_blocks(engine):
-    stream = await engine.add_request("long", LONG, text="the quick brown fox")
+    stream = await engine.add_request("long", UNENDING, text="the quick brown fox")
     first = await anext(stream)
     assert first.token_ids
     await engine.abort("long")
     rest = [out async for out in stream]
     assert rest[-1].finish_reason == "abort"
-    assert sum(len(o.token_ids) for o in rest) < 199
+    assert sum(len(o.token_ids) for o in rest) < UNENDING_TOKENS - 1
     await _wait_for_free_blocks(engine)
     assert not engine.has_request("long")
 
 
 async def test_cancelling_the_consumer_aborts_the_request(engine):
-    stream = await engine.add_request("abandoned", LONG, text="the quick brown fox")
+    stream = await engine.add_request("abandoned", UNENDING, text="the quick brown fox")
 
     async def consume():
         async for _ in stream:
             pass
 
     task = asyncio.create_task(consume())
-    while engine.stats().num_running == 0:
-        await asyncio.sleep(0.005)
+    await _wait_until(lambda: engine.stats().num_running == 1, "the request running")
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -147,8 +168,9 @@ async def test_bad_requests_raise_before_queueing(engine):
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message.replace("(", r"\(").replace("[", r"\[")):
             await engine.add_request("bad", PARAMS, **kwargs)
-    too_long = SamplingParams(max_tokens=250)
-    with pytest.raises(ContextLengthError, match=r"max_tokens: prompt \(\d+ tokens\) \+ max_tokens \(250\)"):
+    too_long = SamplingParams(max_tokens=LONG_CONTEXT)
+    message = rf"max_tokens: prompt \(\d+ tokens\) \+ max_tokens \({LONG_CONTEXT}\)"
+    with pytest.raises(ContextLengthError, match=message):
         await engine.add_request("long", too_long, text="the quick brown fox jumps over the lazy dog")
     stream = await engine.add_request("dup", PARAMS, text="hi")
     with pytest.raises(InvalidRequestError, match="request_id: 'dup' is already in use"):
@@ -157,7 +179,7 @@ async def test_bad_requests_raise_before_queueing(engine):
     assert engine.num_live_requests == 0
 
 
-async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, llama_dir, monkeypatch):
+async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, llama_long_dir, monkeypatch):
     from sluice.engine.frontend import async_engine
 
     threads = []
@@ -169,7 +191,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, 
     monkeypatch.setattr(async_engine, "resolve_prompt", spy)
     monkeypatch.setattr(async_engine, "TOKENIZE_INLINE_MAX_CHARS", 40)
     short, long = "the quick brown fox", "the quick brown fox jumps over the lazy dog " * 2
-    expected = LLM(llama_dir).generate([short, long], PARAMS)
+    expected = LLM(llama_long_dir).generate([short, long], PARAMS)
     for i, text in enumerate((short, long)):
         outputs = await _collect(await engine.add_request(f"p{i}", PARAMS, text=text))
         assert [t for o in outputs for t in o.token_ids] == expected[i].token_ids
@@ -192,7 +214,7 @@ async def test_queue_bound_rejects_with_queue_full(llama_dir):
 
 
 async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
-    stream = await engine.add_request("never-read", LONG, text="the quick brown fox")
+    stream = await engine.add_request("never-read", UNENDING, text="the quick brown fox")
     assert engine.has_request("never-read")
     del stream
     gc.collect()
@@ -201,9 +223,9 @@ async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
     assert engine.stats().num_waiting == 0
 
 
-async def _started(llama_dir: str, monkeypatch: pytest.MonkeyPatch, fault: str) -> AsyncEngine:
+async def _started(model_dir: str, monkeypatch: pytest.MonkeyPatch, fault: str) -> AsyncEngine:
     monkeypatch.setenv(FAULT_VAR, fault)
-    engine = AsyncEngine(_config(llama_dir))
+    engine = AsyncEngine(_config(model_dir), engine_timeout=3600.0)
     await engine.start()
     return engine
 
@@ -211,27 +233,27 @@ async def _started(llama_dir: str, monkeypatch: pytest.MonkeyPatch, fault: str) 
 async def test_a_killed_core_fails_every_stream_and_refuses_new_requests(engine):
     dead = asyncio.Event()
     engine.on_dead(lambda reason: dead.set())
-    streams = [await engine.add_request(f"s{i}", LONG, text="the quick brown fox") for i in range(4)]
+    streams = [await engine.add_request(f"s{i}", UNENDING, text="the quick brown fox") for i in range(4)]
     await anext(streams[0])
     os.kill(engine.core_pid, signal.SIGKILL)
     for stream in streams:
         with pytest.raises(EngineDeadError, match=r"the engine core process exited \(killed by SIGKILL\)"):
-            await asyncio.wait_for(_collect(stream), 2.0)
+            await asyncio.wait_for(_collect(stream), PATIENCE_S)  # the exit, not the silence, tells it
     assert dead.is_set()
     with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
         await engine.add_request("after", PARAMS, text="hello")
 
 
-async def test_a_step_that_raises_kills_the_core_with_its_reason(llama_dir, monkeypatch):
-    engine = await _started(llama_dir, monkeypatch, "step:poison")
+async def test_a_step_that_raises_kills_the_core_with_its_reason(llama_long_dir, monkeypatch):
+    engine = await _started(llama_long_dir, monkeypatch, "step:poison")
     try:
-        healthy = await engine.add_request("healthy", LONG, text="the quick brown fox")
+        healthy = await engine.add_request("healthy", UNENDING, text="the quick brown fox")
         await anext(healthy)
         poisoned = await engine.add_request("poison-1", PARAMS, text="hello")
         for stream in (healthy, poisoned):
             with pytest.raises(EngineDeadError, match="engine failed: InjectedFault: injected step fault"):
-                await asyncio.wait_for(_collect(stream), 2.0)
-        await asyncio.wait_for(engine._client.process.wait(), 5)  # the failed core is gone
+                await asyncio.wait_for(_collect(stream), PATIENCE_S)
+        await asyncio.wait_for(engine._client.process.wait(), PATIENCE_S)  # the failed core is gone
     finally:
         await engine.shutdown()
 

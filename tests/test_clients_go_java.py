@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 import torch
-from service_harness import ServerThread
+from service_harness import UNENDING_TOKENS, ServerThread
 from tokenizers import Tokenizer
 from toolchains import REPO, require
 
@@ -20,7 +20,9 @@ from sluice.v1 import sluice_pb2 as pb
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
-LONG_TOKENS = 200  # the cancelled requests could run this long (max_model_len 256): they must not
+# The requests the examples abort or cancel after their first chunk could run this long: minutes on any
+# machine (the module's server has the long-context tiny Llama), so they always end aborted.
+LONG_TOKENS = UNENDING_TOKENS
 LINE = re.compile(
     r"^(?P<kind>generate|abort|bidi): request_id=(?P<request_id>\S+) finish=(?P<finish>\S+) "
     r"tokens=(?P<tokens>\d+) text_bytes=(?P<text_bytes>\d+) token_ids=\[(?P<token_ids>[\d,]*)\] text="
@@ -36,12 +38,12 @@ CLIENTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir: str) -> tuple[list[int], str]:
+def reference(llama_long_dir: str) -> tuple[list[int], str]:
     """Greedy continuation by a plain argmax loop over transformers' forward, and its decoded text."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = Tokenizer.from_file(os.path.join(llama_dir, "tokenizer.json"))
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(os.path.join(llama_long_dir, "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(llama_long_dir, dtype=torch.float32).eval()
     ids = tokenizer.encode(PROMPT).ids
     generated: list[int] = []
     with torch.no_grad():

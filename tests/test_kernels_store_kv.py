@@ -1,5 +1,5 @@
 """store_kv (Triton) and cpu_store_kv (C++, on CPU) write exactly the slots of slot_mapping, skip slot < 0
-and touch nothing else."""
+and touch nothing else; the C++ one raises for a slot past the cache before it writes anything."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from paged_batch import DEVICE, TEST_DTYPES, make_paged_batch, nan_like
 
-from sluice.kernels.cpu_paged_attention import cpu_store_kv
+from sluice.kernels.cpu_paged_attention import cpu_store_kv, cpu_store_kv_prechecked
 from sluice.kernels.store_kv import store_kv, store_kv_reference
 
 STORES = [store_kv, cpu_store_kv] if DEVICE.type == "cpu" else [store_kv]
@@ -28,6 +28,7 @@ def test_store_kv_writes_exactly_the_mapped_slots(store, dtype, num_kv_heads, he
     )
     slot_mapping = batch.metadata.slot_mapping.clone()
     slot_mapping[[2, 7]] = -1  # padding rows: must not be written anywhere
+    slot_mapping[11] = -7  # any negative slot is padding
     k_cache, v_cache = nan_like(batch.k_cache), nan_like(batch.v_cache)
     store(batch.k, batch.v, k_cache, v_cache, slot_mapping)
 
@@ -89,8 +90,21 @@ def test_store_kv_rejects_bad_arguments_naming_them(store, name, bad, message):
     assert str(err.value).startswith(message)
 
 
-def test_cpu_store_kv_rejects_a_slot_past_the_cache_naming_it():
+PAST_THE_CACHE = [([0, 1, 48, 2], 48, 2), ([5, -1, 9, 1000], 1000, 3)]  # (slots, first bad slot, its token)
+
+
+@pytest.mark.parametrize("store", [cpu_store_kv, cpu_store_kv_prechecked])
+@pytest.mark.parametrize(("slots", "bad_slot", "bad_token"), PAST_THE_CACHE)
+def test_cpu_store_kv_rejects_a_slot_past_the_cache_naming_it_and_writes_nothing(
+    store, slots, bad_slot, bad_token
+):
+    """Also through the prechecked entry point (the other layers of a step), and with nothing written for
+    the good slots before the bad one: the kernel checks every slot first, and the error is raised in
+    Python, not thrown from C++ (a JIT-built extension died with SIGSEGV there on a GPU machine)."""
     args = {name: tensor.cpu() for name, tensor in _args().items()}
-    args["slot_mapping"] = torch.tensor([0, 1, 48, 2])  # 3 blocks of 16: slots 0-47
-    with pytest.raises(RuntimeError, match=r"slot_mapping: slot 48 \(token 2\) is past the cache's 48 slots"):
-        cpu_store_kv(**args)
+    args["slot_mapping"] = torch.tensor(slots)  # 3 blocks of 16: slots 0-47
+    args["k_cache"], args["v_cache"] = nan_like(args["k_cache"]), nan_like(args["v_cache"])
+    message = rf"slot_mapping: slot {bad_slot} \(token {bad_token}\) is past the cache's 48 slots"
+    with pytest.raises(RuntimeError, match=message):
+        store(**args)
+    assert args["k_cache"].isnan().all() and args["v_cache"].isnan().all()

@@ -50,9 +50,9 @@ def test_stream_interval_waits_per_sample():
         collector.put(_out(0, 1))
         collector.put(_out(1, 2))
         collector.put(_out(1, 3))  # sample 1 holds 2 tokens: ready; sample 0 (1 token) is not
-        first = await asyncio.wait_for(collector.get(), 1.0)
+        first = await asyncio.wait_for(collector.get(), 60.0)
         collector.put(_out(0, 4))
-        second = await asyncio.wait_for(collector.get(), 1.0)
+        second = await asyncio.wait_for(collector.get(), 60.0)
         return [(first.index, first.token_ids), (second.index, second.token_ids)]
 
     assert asyncio.run(run()) == [(1, (2, 3)), (0, (1, 4))]

@@ -10,6 +10,7 @@ from collections import defaultdict
 import grpc
 import pytest
 import torch
+from service_harness import UNENDING_TOKENS
 
 from sluice.v1 import sluice_pb2 as pb
 
@@ -66,7 +67,10 @@ def test_seeded_n4_gives_four_different_reproducible_samples(stub, server):
 
 
 def test_abort_ends_every_sample_and_frees_every_block(stub, server):
-    call = stub.Generate(_request("long-n", n=4, temperature=0.0, max_tokens=200, ignore_eos=True))
+    # Runs until the Abort: every sample ends aborted, however fast the machine.
+    call = stub.Generate(
+        _request("long-n", n=4, temperature=0.0, max_tokens=UNENDING_TOKENS, ignore_eos=True)
+    )
     chunks = [next(call)]
     stub.Abort(pb.AbortRequest(request_id="long-n"))
     chunks += list(call)
@@ -79,7 +83,9 @@ def test_abort_ends_every_sample_and_frees_every_block(stub, server):
 
 
 def test_cancelling_an_n4_call_frees_every_block(stub, server):
-    call = stub.Generate(_request("cancelled-n", n=4, temperature=1.0, max_tokens=200, ignore_eos=True))
+    call = stub.Generate(
+        _request("cancelled-n", n=4, temperature=1.0, max_tokens=UNENDING_TOKENS, ignore_eos=True)
+    )
     next(call)
     call.cancel()
     with pytest.raises(grpc.RpcError) as info:
@@ -113,7 +119,7 @@ def test_stream_generate_names_each_sample(stub, server):
     server.wait_idle()
 
 
-def test_prompt_logprobs_equal_transformers(stub, server, llama_dir):
+def test_prompt_logprobs_equal_transformers(stub, server, llama_long_dir):
     from transformers import AutoModelForCausalLM
 
     chunks = list(stub.Generate(_request(temperature=0.0, max_tokens=2, prompt_logprobs=3)))
@@ -121,7 +127,7 @@ def test_prompt_logprobs_equal_transformers(stub, server, llama_dir):
     assert all(not c.prompt_logprobs for c in rest)
     got = first.prompt_logprobs
     assert [entry.sampled.token_id for entry in got] == PROMPT[1:]
-    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(llama_long_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)
     want = expected.gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1)).squeeze(1)

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from service_harness import LONG, ServerThread, tiny_engine_config
+from service_harness import (
+    PATIENCE_S,
+    UNENDING,
+    ServerThread,
+    long_engine_config,
+    tiny_engine_config,
+    wait_for,
+)
 
 from sluice import Client, SluiceError, generate_request
 from sluice.service.server import ServerConfig
 from sluice.v1 import sluice_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -64,25 +70,30 @@ def test_the_default_client_does_not_pick_a_loading_server(llama_dir: str) -> No
         thread.stop()
 
 
-def test_drain_lets_in_flight_requests_finish(llama_dir: str) -> None:
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+def test_drain_lets_in_flight_requests_finish(llama_long_dir: str) -> None:
+    """One sequence runs at a time: a 60-token request waits behind one that runs until the test cancels
+    it, so it is surely in flight when the drain begins; it then runs to its length."""
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1)).start()
     try:
-        with Client(thread.target, service_config=None) as client:
-            in_flight = client.generate(
-                generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
-            )
-            first = next(in_flight)
-            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=30.0), thread.loop)
+        with Client(thread.target, service_config=None) as client, thread.channel() as channel:
+            holder = client.generate(generate_request("Hold", **UNENDING))
+            next(holder)
+            # A stub's call starts at once (the client's generate() starts when first read).
+            request = generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
+            in_flight = thread.stub(channel).Generate(request)
+            wait_for(lambda: thread.stats().num_waiting == 1, "the request waiting behind the holder")
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=300.0), thread.loop)
             # GOAWAY at once and the listener closed: new calls fail to connect (UNAVAILABLE, which
             # the documented service config retries on another replica).
             _wait_for_unavailable(client)
             with pytest.raises(SluiceError) as info:
                 client.tokenize("new")
             assert info.value.code == UNAVAILABLE
-            chunks = [first, *in_flight]
+            holder.close()  # cancels the call
+            chunks = list(in_flight)
             assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert sum(len(c.token_ids) for c in chunks) == 60
-            drained.result(timeout=10)
+            drained.result(timeout=PATIENCE_S)  # well before the 300 s grace period
     finally:
         thread.stop()
 
@@ -94,45 +105,47 @@ def _wait_for_unavailable(client: Client) -> None:
     assert code == UNAVAILABLE
 
 
-def test_drain_sends_goaway_at_once(llama_dir: str) -> None:
+def test_drain_sends_goaway_at_once(llama_long_dir: str) -> None:
     """A connected client learns of the drain from health (NOT_SERVING first) and then from the GOAWAY,
-    well before the grace period ends: its channel leaves READY although a request still runs."""
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+    long before the grace period ends: its channel leaves READY although a request still runs (one that
+    runs until the test cancels it)."""
+    grace_period = 300.0
+    thread = ServerThread(long_engine_config(llama_long_dir)).start()
     try:
         with thread.channel() as channel:
             stub = thread.stub(channel)
-            in_flight = stub.Generate(generate_request("Hello", **LONG))
+            in_flight = stub.Generate(generate_request("Hello", **UNENDING))
             next(in_flight)
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
             assert next(watch).status == SERVING
             assert channel._channel.check_connectivity_state(False) == 2  # READY
-            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=30.0), thread.loop)
+            drained = asyncio.run_coroutine_threadsafe(
+                thread.server.drain(grace_period=grace_period), thread.loop
+            )
             assert next(watch).status == NOT_SERVING
             assert channel._channel.check_connectivity_state(False) == 2  # the notice before the GOAWAY
-            deadline = time.monotonic() + 5.0
-            while channel._channel.check_connectivity_state(False) == 2:
-                assert time.monotonic() < deadline, "no GOAWAY within 5 s of the drain"
-                time.sleep(0.02)
-            chunks = list(in_flight)
-            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-            # The open Watch stream does not hold the drain for its 30 s grace period.
-            drained.result(timeout=10)
+            wait_for(lambda: channel._channel.check_connectivity_state(False) != 2, "the GOAWAY")
+            assert thread.stats().num_running == 1  # the request still runs
+            in_flight.cancel()
+            # Neither the cancelled request nor the open Watch stream holds the drain for its grace period.
+            drained.result(timeout=PATIENCE_S)
     finally:
         thread.stop()
 
 
-def test_drain_aborts_what_outlives_the_grace_period(llama_dir: str) -> None:
-    thread = ServerThread(tiny_engine_config(llama_dir)).start()
+def test_drain_aborts_what_outlives_the_grace_period(llama_long_dir: str) -> None:
+    thread = ServerThread(long_engine_config(llama_long_dir)).start()
     try:
         with Client(thread.target) as client:
-            in_flight = client.generate(generate_request("Hello", **LONG))
+            in_flight = client.generate(generate_request("Hello", **UNENDING))
             next(in_flight)
-            # 240 tokens take ~0.2 s on the tiny model: a grace period a tenth of that leaves it running.
+            # The request runs until something ends it: here the end of the grace period.
             drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.02), thread.loop)
             last = list(in_flight)[-1]
-            assert last.finish_reason == pb.FINISH_REASON_ABORT and last.usage.completion_tokens < 240
-            drained.result(timeout=10)
-            thread.wait_idle(timeout=2.0)
+            assert last.finish_reason == pb.FINISH_REASON_ABORT
+            assert last.usage.completion_tokens < UNENDING["max_tokens"]
+            drained.result(timeout=PATIENCE_S)
+            thread.wait_idle()
     finally:
         thread.stop()
 

@@ -4,13 +4,11 @@ and get RESOURCE_EXHAUSTED with a `grpc-retry-pushback-ms` trailer over their li
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from service_harness import LONG, ServerThread, tiny_engine_config
+from service_harness import UNENDING, ServerThread, long_engine_config, wait_for
 
 from sluice import Client, SluiceError, generate_request
 from sluice.service.serve_command import configure, server_config
@@ -67,9 +65,10 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tenant_server(llama_dir: str, keys_file: Path):
+def tenant_server(llama_long_dir: str, keys_file: Path):
+    """One sequence runs at a time, so requests queue behind one that runs until the test ends it."""
     config = ServerConfig(host="127.0.0.1", port=0, tenants=TenantDirectory.load(keys_file))
-    thread = ServerThread(tiny_engine_config(llama_dir, max_num_seqs=1), config).start()
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1), config).start()
     yield thread
     thread.stop()
 
@@ -104,60 +103,62 @@ def test_tenants_share_no_cache_blocks_unless_given_the_same_scope(tenant_server
     tenant_server.wait_idle()
 
 
+def _start(server: ServerThread, key: str, request: pb.GenerateRequest):
+    """A Generate call that starts at once (a stub's; the client's generate() starts when first read)."""
+    channel = server.channel()
+    call = server.stub(channel).Generate(request, metadata=(("authorization", f"Bearer {key}"),))
+    return channel, call
+
+
 def test_priority_is_clamped_to_the_tenants_max_priority(tenant_server: ServerThread) -> None:
-    """One sequence runs at a time. batch asks for priority 0 but runs at 10, so alpha's priority 5
-    request, queued after it, runs first."""
-    for attempt in range(5):
-        order, occupier_finish = _queue_behind_an_occupier(tenant_server, f"occupier-{attempt}")
-        if occupier_finish == pb.FINISH_REASON_ABORT:  # both were queued while it ran: a valid run
-            break
-    assert occupier_finish == pb.FINISH_REASON_ABORT, "the occupier always finished too soon"
-    assert order == ["key-alpha", "key-batch"]
-    tenant_server.wait_idle()
-
-
-def _queue_behind_an_occupier(server: ServerThread, occupier_id: str) -> tuple[list[str], int]:
-    """Queues batch (priority 0) then alpha (priority 5) behind a running request, aborts that
-    request, and returns the order they finished in and how the running request ended. Batch asks for
-    32 tokens and alpha for 2, so whichever runs second finishes well after the first: the order the
-    threads record is the order they ran, not the order their client threads woke up in."""
-    order: list[str] = []
-
-    def run(key: str, priority: int, max_tokens: int) -> None:
-        with _client(server, key) as client:
-            request = generate_request("queued", priority=priority, temperature=0.0, max_tokens=max_tokens)
-            client.complete(request)
-            order.append(key)
-
+    """One sequence runs at a time. Behind a running request, batch asks for priority 0 but waits at 10,
+    so alpha's priority 5 request, queued after it, runs first: when alpha's first chunk comes, batch is
+    still waiting (had batch run first, its 32 tokens would have finished before alpha started)."""
+    server = tenant_server
     with _client(server, "key-alpha") as client:
-        running = client.generate(generate_request("Hello", request_id=occupier_id, **LONG))
-        next(running)
-        threads = [
-            threading.Thread(target=run, args=args) for args in (("key-batch", 0, 32), ("key-alpha", 5, 2))
-        ]
-        for waiting, thread in enumerate(threads, start=1):
-            thread.start()
-            _wait_for(lambda n=waiting: server.stats().num_waiting >= n or server.stats().num_running == 0)
-        client.abort(occupier_id)
-        finish = list(running)[-1].finish_reason
-        for thread in threads:
-            thread.join(30)
+        occupier = client.generate(generate_request("Hello", request_id="occupier", **UNENDING))
+        next(occupier)
+        batch_request = generate_request("queued", priority=0, temperature=0.0, max_tokens=32)
+        batch_channel, batch = _start(server, "key-batch", batch_request)
+        wait_for(lambda: server.stats().num_waiting == 1, "batch's request waiting")
+        alpha_request = generate_request("queued", request_id="alpha", priority=5, **UNENDING)
+        alpha_channel, alpha = _start(server, "key-alpha", alpha_request)
+        wait_for(lambda: server.stats().num_waiting == 2, "both requests waiting")
+        client.abort("occupier")
+        assert list(occupier)[-1].finish_reason == pb.FINISH_REASON_ABORT
+        assert next(alpha).token_ids  # alpha runs: the one sequence is its
+        stats = server.stats()
+        assert (stats.num_running, stats.num_waiting) == (1, 1)  # batch still waits
+        client.abort("alpha")
+        assert list(alpha)[-1].finish_reason == pb.FINISH_REASON_ABORT
+        batch_chunks = list(batch)
+        assert batch_chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in batch_chunks) == 32
+        batch_channel.close()
+        alpha_channel.close()
     server.wait_idle()
-    return order, finish
 
 
 def test_a_tenant_cannot_abort_another_tenants_request(tenant_server: ServerThread) -> None:
+    """alpha's job-1 waits behind a request that runs until the test aborts it, so it is surely live
+    when beta tries to abort it; afterwards it runs to its length."""
     with _client(tenant_server, "key-alpha") as alpha, _client(tenant_server, "key-beta") as beta:
-        alpha_chunks = alpha.generate(generate_request("Hello", request_id="job-1", **LONG))
-        next(alpha_chunks)
+        occupier = alpha.generate(generate_request("Hello", request_id="occupier", **UNENDING))
+        next(occupier)
+        job = generate_request("Hello", request_id="job-1", temperature=0.0, max_tokens=24, ignore_eos=True)
+        job_channel, job_chunks = _start(tenant_server, "key-alpha", job)
+        wait_for(lambda: tenant_server.stats().num_waiting == 1, "job-1 waiting")
         with pytest.raises(SluiceError) as info:
             beta.abort("job-1")
         assert (info.value.code, info.value.message) == (
             grpc.StatusCode.NOT_FOUND,
             "request_id: no request with id 'job-1'",
         )
-        rest = list(alpha_chunks)  # beta's Abort did not touch it: it runs to its length
-        assert (rest[-1].finish_reason, rest[-1].usage.completion_tokens) == (pb.FINISH_REASON_LENGTH, 240)
+        alpha.abort("occupier")
+        rest = list(job_chunks)  # beta's Abort did not touch it: it runs to its length
+        assert (rest[-1].finish_reason, rest[-1].usage.completion_tokens) == (pb.FINISH_REASON_LENGTH, 24)
+        job_channel.close()
+        assert list(occupier)[-1].finish_reason == pb.FINISH_REASON_ABORT
         # Ids are per tenant: gamma may use the same id. (Beta's own "job-1" is cancelled at once:
         # its Abort above is remembered, see test_service_abort.)
         with _client(tenant_server, "key-gamma") as gamma:
@@ -172,7 +173,7 @@ def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_s
     rejected = tenant_server.server.metrics.registry.get_sample_value
     before = rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) or 0.0
     with _client(tenant_server, "key-small") as client:
-        running = client.generate(generate_request("Hello", **LONG))
+        running = client.generate(generate_request("Hello", **UNENDING))
         next(running)
         error = _stub_call(tenant_server, "key-small", generate_request("more", max_tokens=2))
         assert (error.code(), error.details()) == (
@@ -180,10 +181,13 @@ def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_s
             "tenant 'small' has 1 requests running, its max_concurrent_requests; retry later",
         )
         assert dict(error.trailing_metadata())[PUSHBACK] == "500"
-        # Another tenant is not limited by small's requests.
-        with _client(tenant_server, "key-beta") as beta:
-            assert beta.complete(generate_request("x", max_tokens=1), timeout=0.1 + 60).usage is not None
+        # Another tenant is not limited by small's requests: beta's is admitted and waits for the one
+        # sequence, which small's request holds until the test closes it.
+        beta_channel, beta = _start(tenant_server, "key-beta", generate_request("x", max_tokens=1))
+        wait_for(lambda: tenant_server.stats().num_waiting == 1, "beta's request waiting")
         running.close()
+        assert list(beta)[-1].usage.completion_tokens == 1
+        beta_channel.close()
     tenant_server.wait_idle()
     assert rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) == before + 1
     with _client(tenant_server, "key-small") as client:  # the slot is free again
@@ -204,7 +208,7 @@ def test_over_the_rate_limit_is_resource_exhausted_with_pushback(tenant_server: 
 def test_stream_requests_count_against_the_tenant_too(tenant_server: ServerThread) -> None:
     with _client(tenant_server, "key-small") as client:
         requests = [
-            pb.StreamGenerateRequest(generate=generate_request("a", request_id="a", **LONG)),
+            pb.StreamGenerateRequest(generate=generate_request("a", request_id="a", **UNENDING)),
             pb.StreamGenerateRequest(generate=generate_request("b", request_id="b", max_tokens=1)),
             pb.StreamGenerateRequest(cancel=pb.StreamCancel(request_id="a")),
         ]
@@ -212,13 +216,6 @@ def test_stream_requests_count_against_the_tenant_too(tenant_server: ServerThrea
     errors = [(r.request_id, r.error.code) for r in responses if r.WhichOneof("event") == "error"]
     assert errors == [("b", grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
     tenant_server.wait_idle()
-
-
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 # The keys file and the limiter without a server.
