@@ -10,13 +10,17 @@ greedy, ignore_eos. For each concurrency c, alternating sides:
     grpc     a closed loop of c Generate calls in flight to a `sluice serve` process on loopback
 
 and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (offline: from the
-request's arrival in the engine; gRPC: as the client sees it, from sending the call).
+request's arrival in the engine; gRPC: as the client sees it, from sending the call). A second table
+gives the CPU time each process spent per output token (user + system, from getrusage and /proc):
+the offline process; the gRPC client (this process), the server's frontend and its engine core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +42,7 @@ class Side:
     output_tokens: int
     seconds: float
     ttft_p50_ms: float
+    cpu_seconds: dict[str, float]  # process -> CPU seconds it spent during the run
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,19 +53,23 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
     params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
     requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
     llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up
-    output_tokens, ttfts, start = 0, [], time.perf_counter()
+    output_tokens, ttfts, start, cpu = 0, [], time.perf_counter(), self_cpu_seconds()
     for first in range(0, num_requests, concurrency):
         for completion in llm.generate(requests[first : first + concurrency], params):
             output_tokens += len(completion.token_ids)
             ttfts.append(completion.timings.ttft_seconds)
     seconds = time.perf_counter() - start
     ttft_ms = 1000 * statistics.median(ttfts)
-    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms)
+    cpu_seconds = {"offline": self_cpu_seconds() - cpu}
+    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms, cpu_seconds)
 
 
 def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
     load = LoadConfig(num_requests=num_requests, concurrency=concurrency)
+    pids = {"frontend": server.process.pid, "core": server.core_pid}
+    before = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
     result = run_load_sync(lambda: GenerateTransport(AsyncClient(server.target)), workload, load)
+    after = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
     metrics = result.metrics
     if metrics.errors:
         raise RuntimeError(f"gRPC run failed requests: {metrics.errors}")
@@ -71,7 +80,20 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         metrics.output_tokens,
         metrics.duration_seconds,
         1000 * metrics.ttft.p50,
+        {name: after[name] - before[name] for name in before},
     )
+
+
+def self_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def pid_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def format_table(pairs: list[tuple[Side, Side]]) -> str:
@@ -85,6 +107,23 @@ def format_table(pairs: list[tuple[Side, Side]]) -> str:
             f"| {offline.concurrency} | {offline.tokens_per_second:.1f} | {grpc.tokens_per_second:.1f} | "
             f"{grpc.tokens_per_second / offline.tokens_per_second:.3f} | {offline.ttft_p50_ms:.0f} ms | "
             f"{grpc.ttft_p50_ms:.0f} ms | {grpc.ttft_p50_ms / offline.ttft_p50_ms:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def format_cpu_table(pairs: list[tuple[Side, Side]]) -> str:
+    """CPU milliseconds per output token, per process."""
+    lines = [
+        "| concurrency | offline | gRPC total | client | frontend | core |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for offline, grpc in pairs:
+        per_token = lambda side, name: 1000 * side.cpu_seconds[name] / side.output_tokens
+        parts = [per_token(grpc, name) for name in ("client", "frontend", "core")]
+        lines.append(
+            f"| {offline.concurrency} | {per_token(offline, 'offline'):.2f} | {sum(parts):.2f} | "
+            + " | ".join(f"{part:.2f}" for part in parts)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -115,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
             print(format_table(pairs[-1:]).splitlines()[-1], flush=True)
     print(f"\nmodel: {llm.engine.model_info.name}; {args.input_len}-token prompts, {args.output_len} out\n")
     print(format_table(pairs))
+    print("\nCPU ms per output token\n")
+    print(format_cpu_table(pairs))
     if args.json:
         rows = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for pair in pairs for s in pair]
         with open(args.json, "w") as f:
