@@ -101,9 +101,17 @@ class Sampler:
         return self.attach_logprobs(logits, rows, token_ids)
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """A copy of logits [num_rows, vocab] float32 with every logits processor applied."""
+        """logits [num_rows, vocab] float32 with every logits processor applied: a copy, or `logits`
+        itself when no processor concerns any row (the caller must not modify the result in place).
+
+        Copying is what a plain batch would pay for nothing: at 256 x 49152 float32 the copy is 50 MB,
+        mapped and faulted in afresh each step (over glibc's mmap threshold), ~20 ms on a 2-core CPU.
+        """
+        active = [p for p in self.processors if any(p.applies_to(row) for row in rows)]
+        if not active:
+            return logits
         processed = logits.float().clone()
-        for processor in self.processors:
+        for processor in active:
             processor.apply(processed, rows)
         return processed
 
