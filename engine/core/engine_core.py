@@ -76,6 +76,7 @@ class EngineCore:
         )
         self._grammar_room = GrammarWaitingRoom(self.grammars)
         self._prompt_logprobs = PromptLogprobsTracker()
+        self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
         spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
@@ -170,6 +171,8 @@ class EngineCore:
     def _free(self, request_ids: Iterable[str]) -> None:
         """Drop the sampler's, the prompt logprobs' and the proposer's state of finished requests."""
         request_ids = list(request_ids)
+        for request_id in request_ids:
+            self._sampling_rows.pop(request_id, None)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
@@ -249,14 +252,20 @@ class EngineCore:
             self.faults.check(place, request_ids)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        return SamplingRow(
-            request_id=request.request_id,
-            params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_ids=request.eos_token_ids,
-            grammar=request.grammar,
-        )
+        """The request's row, made once: it holds the request's own token lists, which only grow in
+        place (and its grammar, set before the request reached the scheduler)."""
+        row = self._sampling_rows.get(request.request_id)
+        if row is None:
+            row = SamplingRow(
+                request_id=request.request_id,
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids,
+                grammar=request.grammar,
+            )
+            self._sampling_rows[request.request_id] = row
+        return row
 
     def _output(
         self, request: Request, sampled: list[SampledToken] | None, error: str | None = None
