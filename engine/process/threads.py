@@ -11,9 +11,10 @@ cores, need it to stream the step's tokens, and on a busy machine a thread whose
 spins through its time slice. Measured on the 2-core Zen 5 with other work running (SmolLM2-135M, 32
 tokens per request, alternated servers against one offline run, two rounds): at concurrency 1 the
 server gave 2.6-6.1 output tok/s with the default, 32.2-33.5 with GOMP_SPINCOUNT=1000, 15.2-18.3 with
-3000, 30.2-50.0 with OMP_WAIT_POLICY=PASSIVE; at 16, 29.6-33.5 / 145-297 / 130-185 / 190-360. 1000 spins
-(about 35 us) still cover the gaps between the kernels of a step, so a quiet machine pays at most a
-wake-up or two per step; PASSIVE would pay one per parallel region.
+3000, 30.2-50.0 with OMP_WAIT_POLICY=PASSIVE; at 16, 29.6-33.5 / 145-297 / 130-185 / 190-360. A quiet
+machine was not to be had for the comparison: there a short spin still catches parallel regions that
+follow each other within ~35 us (the kernels of the C++ decoder stack), so it should cost at most a
+wake-up per longer gap (a few per step), where PASSIVE would pay one per parallel region.
 """
 
 from __future__ import annotations
