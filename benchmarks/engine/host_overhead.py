@@ -4,9 +4,10 @@
 
 Model: the embedded SmolLM2-135M's shape, tokenizer and 49152-token vocabulary with random weights and
 only `--num-layers` decoder layers (default 2), so the forward is short and the host's work (which does
-not depend on the depth) is most of the step. For each batch size B, B requests with seeded 64-token
-prompts are prefilled, then `--steps` pure decode steps of B requests are timed, phase by phase, the
-way a server runs them:
+not depend on the depth) is most of the step; the engine's default settings (prefix caching on, which
+random prompts never hit), max_num_seqs the largest batch, one torch thread (`--num-threads`). For each
+batch size B, B requests with seeded 64-token prompts are prefilled, then `--steps` pure decode steps
+of B requests are timed, phase by phase, the way a server runs them:
 
     core     schedule | inputs (SchedulerOutput -> tensors) | forward (model + lm_head) | sample |
              update (scheduler update, CoreOutput building) | the rest of EngineCore.step
@@ -212,7 +213,6 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(TOKEN_BUDGET, max_batch),
         num_blocks=num_blocks,
-        enable_prefix_caching=False,
     )
     retain_freed_memory()  # as the engine core process does, before and after loading
     engine = Engine(config, build_source(args.num_layers, args.seed))
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed)
         results[batch] = summarize(steps)
         raw[batch] = steps
-        print(format_table({batch: results[batch]}).splitlines()[-2:], flush=True)
+        print("\n".join(format_table({batch: results[batch]}).splitlines()[-2:]), flush=True)
     print(f"\nmodel: {engine.model_info.name}; microseconds per decode step, medians over {args.steps}\n")
     print(format_table(results))
     if args.json:
