@@ -171,6 +171,8 @@ class EngineCore:
     def _free(self, request_ids: Iterable[str]) -> None:
         """Drop the sampler's, the prompt logprobs' and the proposer's state of finished requests."""
         request_ids = list(request_ids)
+        if not request_ids:
+            return
         for request_id in request_ids:
             self._sampling_rows.pop(request_id, None)
         self.sampler.free(request_ids)
@@ -227,7 +229,8 @@ class EngineCore:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
         scheduler and proposes the next drafts: one output per request touched."""
         self._count(scheduler_output, sampled)
-        failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
+        # Before the update, which skips them.
+        failed = self.abort(list(sampling_errors), sampling_errors) if sampling_errors else []
         updated = self._append(scheduler_output, sampled)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
         return failed + [self._output(r, tokens) for r, tokens in updated]
