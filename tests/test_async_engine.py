@@ -24,6 +24,7 @@ from sluice.engine.errors import ContextLengthError, EngineDeadError, InvalidReq
 from sluice.engine.faults import ENV_VAR as FAULT_VAR
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.process.threads import core_process_environment
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.prompt import resolve_prompt
 
@@ -88,6 +89,15 @@ async def test_concurrent_streams_equal_the_offline_engine(engine, llama_long_di
 async def test_the_frontend_process_never_imports_torch(engine):
     assert "torch" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER") is None
     assert engine.core_pid is not None and engine.core_pid != os.getpid()
+
+
+async def test_the_core_process_is_started_with_the_core_environment(engine):
+    with open(f"/proc/{engine.core_pid}/environ", "rb") as f:
+        entries = [entry.decode().partition("=") for entry in f.read().split(b"\0") if entry]
+    core_environ = {name: value for name, _, value in entries}
+    expected = core_process_environment(os.environ)
+    assert core_environ.get("GOMP_SPINCOUNT") == expected.get("GOMP_SPINCOUNT")
+    assert core_environ.get("OMP_WAIT_POLICY") == expected.get("OMP_WAIT_POLICY")
 
 
 async def test_a_slow_reader_gets_merged_outputs_equal_to_the_offline_engine(engine, llama_long_dir):

@@ -108,6 +108,15 @@ def test_flush_after_partial_character_matches_decode(tokenizer: Tokenizer) -> N
     assert "\ufffd" not in "".join(deltas)
 
 
+def test_long_output_ending_mid_character_matches_decode(tokenizer: Tokenizer) -> None:
+    """Past the ids the detokenizer trims now and then, a flush still decodes its tail in context."""
+    ids = tokenizer.encode(" ".join(TEXTS * 4) + " ok \u9fff", add_special_tokens=False)[:-1]
+    assert len(ids) > 200 and tokenizer.decode(ids).endswith("\ufffd")
+    deltas, tail = stream(tokenizer, ids, SamplingParams())
+    assert "".join(deltas) + tail == tokenizer.decode(ids)
+    assert tail.endswith("\ufffd") and "\ufffd" not in "".join(deltas)
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_skip_special_tokens(tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
     eos = tokenizer.eos_token_ids[0]

@@ -230,3 +230,23 @@ def test_sample_does_not_modify_logits_and_checks_shape() -> None:
     assert torch.equal(logits, before)
     with pytest.raises(ValueError, match="does not match 2 rows"):
         Sampler().sample(logits, [row(SamplingParams()), row(SamplingParams())])
+
+
+def test_processors_copy_logits_only_for_rows_they_concern() -> None:
+    """A batch no processor concerns is sampled from the logits as they are (no [rows, vocab] copy);
+    one row with a processor gets a copy in which only that row changed."""
+    sampler = Sampler()
+    logits = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    before = logits.clone()
+    plain = [row(SamplingParams(temperature=0.0), "a"), row(SamplingParams(), "b", output=[1])]
+    assert sampler.apply_processors(logits, plain) is logits
+    biased = [row(SamplingParams(temperature=0.0), "a"), row(SamplingParams(logit_bias={2: 5.0}), "b")]
+    processed = sampler.apply_processors(logits, biased)
+    assert torch.equal(logits, before)
+    assert torch.equal(processed, torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 6.0]]))
+    mixed = [
+        row(SamplingParams(temperature=0.0), "a"),
+        row(SamplingParams(temperature=0.0, logit_bias={2: 5.0}), "b"),
+    ]
+    assert [t.token_id for t in sampler.sample(logits, mixed)] == [2, 2]
+    assert [t.token_id for t in sampler.sample(logits, plain[:1] * 2)] == [2, 0]

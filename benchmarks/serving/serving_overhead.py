@@ -14,13 +14,17 @@ request's arrival in the engine; gRPC: as the client sees it, from sending the c
 
 Each concurrency's runs draw prompts of their own (both sides the same ones: each side has its own
 prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
-"cached" column gives the prompt tokens each side's engine did serve from it (0 in an honest run).
+"cached" column gives the prompt tokens each side's engine did serve from it (0 in an honest run). A
+second table gives the CPU time each process spent per output token (user + system, from getrusage and
+/proc): the offline process; the gRPC client (this process), the server's frontend and its engine core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +47,7 @@ class Side:
     seconds: float
     ttft_p50_ms: float
     cached_tokens: int | None  # prompt tokens the engine served from its prefix cache (None: unreported)
+    cpu_seconds: dict[str, float]  # process -> CPU seconds it spent during the run
 
     @property
     def tokens_per_second(self) -> float:
@@ -54,7 +59,7 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
     requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
     warmup = list(workload.warmup_request(0).prompt_token_ids)
     llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    output_tokens, cached_tokens, ttfts, start = 0, 0, [], time.perf_counter()
+    output_tokens, cached_tokens, ttfts, start, cpu = 0, 0, [], time.perf_counter(), self_cpu_seconds()
     for first in range(0, num_requests, concurrency):
         for completion in llm.generate(requests[first : first + concurrency], params):
             output_tokens += len(completion.token_ids)
@@ -62,12 +67,18 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
             ttfts.append(completion.timings.ttft_seconds)
     seconds = time.perf_counter() - start
     ttft_ms = 1000 * statistics.median(ttfts)
-    return Side("offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms, cached_tokens)
+    cpu_seconds = {"offline": self_cpu_seconds() - cpu}
+    return Side(
+        "offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms, cached_tokens, cpu_seconds
+    )
 
 
 def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
     load = LoadConfig(num_requests=num_requests, concurrency=concurrency)
+    pids = {"frontend": server.process.pid, "core": server.core_pid}
+    before = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
     result = run_load_sync(lambda: GenerateTransport(AsyncClient(server.target)), workload, load)
+    after = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
     metrics = result.metrics
     if metrics.errors:
         raise RuntimeError(f"gRPC run failed requests: {metrics.errors}")
@@ -79,7 +90,20 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         metrics.duration_seconds,
         1000 * metrics.ttft.p50,
         metrics.cached_prompt_tokens,
+        {name: after[name] - before[name] for name in before},
     )
+
+
+def self_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def pid_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def format_table(pairs: list[tuple[Side, Side]]) -> str:
@@ -94,6 +118,23 @@ def format_table(pairs: list[tuple[Side, Side]]) -> str:
             f"{grpc.tokens_per_second / offline.tokens_per_second:.3f} | {offline.ttft_p50_ms:.0f} ms | "
             f"{grpc.ttft_p50_ms:.0f} ms | {grpc.ttft_p50_ms / offline.ttft_p50_ms:.2f}x | "
             f"{offline.cached_tokens} / {grpc.cached_tokens} |"
+        )
+    return "\n".join(lines)
+
+
+def format_cpu_table(pairs: list[tuple[Side, Side]]) -> str:
+    """CPU milliseconds per output token, per process."""
+    lines = [
+        "| concurrency | offline | gRPC total | client | frontend | core |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for offline, grpc in pairs:
+        per_token = lambda side, name: 1000 * side.cpu_seconds[name] / side.output_tokens
+        parts = [per_token(grpc, name) for name in ("client", "frontend", "core")]
+        lines.append(
+            f"| {offline.concurrency} | {per_token(offline, 'offline'):.2f} | {sum(parts):.2f} | "
+            + " | ".join(f"{part:.2f}" for part in parts)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -137,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(pairs))
     for warning in cache_warnings(pairs):
         print(warning)
+    print("\nCPU ms per output token\n")
+    print(format_cpu_table(pairs))
     if args.json:
         rows = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for pair in pairs for s in pair]
         with open(args.json, "w") as f:

@@ -76,6 +76,7 @@ class EngineCore:
         )
         self._grammar_room = GrammarWaitingRoom(self.grammars)
         self._prompt_logprobs = PromptLogprobsTracker()
+        self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
         spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
@@ -173,6 +174,10 @@ class EngineCore:
     def _free(self, request_ids: Iterable[str]) -> None:
         """Drop the sampler's, the prompt logprobs' and the proposer's state of finished requests."""
         request_ids = list(request_ids)
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self._sampling_rows.pop(request_id, None)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
@@ -227,7 +232,8 @@ class EngineCore:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
         scheduler and proposes the next drafts: one output per request touched."""
         self._count(scheduler_output, sampled)
-        failed = self.abort(list(sampling_errors), sampling_errors)  # before the update, which skips them
+        # Before the update, which skips them.
+        failed = self.abort(list(sampling_errors), sampling_errors) if sampling_errors else []
         updated = self._append(scheduler_output, sampled)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
         return failed + [self._output(r, tokens) for r, tokens in updated]
@@ -252,14 +258,20 @@ class EngineCore:
             self.faults.check(place, request_ids)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        return SamplingRow(
-            request_id=request.request_id,
-            params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            eos_token_ids=request.eos_token_ids,
-            grammar=request.grammar,
-        )
+        """The request's row, made once: it holds the request's own token lists, which only grow in
+        place (and its grammar, set before the request reached the scheduler)."""
+        row = self._sampling_rows.get(request.request_id)
+        if row is None:
+            row = SamplingRow(
+                request_id=request.request_id,
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids,
+                grammar=request.grammar,
+            )
+            self._sampling_rows[request.request_id] = row
+        return row
 
     def _output(
         self, request: Request, sampled: list[SampledToken] | None, error: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -35,6 +36,7 @@ from sluice.engine.messages import (
     decode_core_message,
     encode,
 )
+from sluice.engine.process.threads import core_process_environment
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class CoreClient:
             f"ipc://{self._directory}/commands",
             "--results",
             f"ipc://{self._directory}/results",
+            env=core_process_environment(os.environ),
         )
         self.send(CoreConfig(self.config, self.heartbeat_seconds))
         ready = await self._wait_ready()

@@ -27,6 +27,8 @@ class _Pending:
         self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
 
     def merged(self) -> RequestOutput:
+        if len(self.texts) == 1:  # one delta (a reader keeping up): nothing to merge
+            return self.latest
         return dataclasses.replace(
             self.latest,
             token_ids=tuple(self.token_ids),

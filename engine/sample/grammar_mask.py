@@ -35,6 +35,9 @@ class GrammarMask:
     def __init__(self) -> None:
         self._states: dict[str, _MatcherState] = {}
 
+    def applies_to(self, row: SamplingRow) -> bool:
+        return row.grammar is not None
+
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         picked = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not picked:

@@ -1,8 +1,9 @@
 """Logits processors: the steps between the model's logits and the draw, applied in list order.
 
-Each processor edits the logits of the rows it concerns, in place, and may keep per-request state across
-steps (dropped by `free`). State is synced from the row's `output_token_ids` (the accepted tokens), never
-from what the processor saw sampled, so a preempted or re-sampled request finds its state consistent.
+Each processor edits the logits of the rows it concerns (`applies_to`), in place, and may keep
+per-request state across steps (dropped by `free`). State is synced from the row's `output_token_ids`
+(the accepted tokens), never from what the processor saw sampled, so a preempted or re-sampled request
+finds its state consistent.
 
     MinTokens -> Penalties -> LogitBias -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
 """
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 
 class LogitsProcessor(Protocol):
+    def applies_to(self, row: SamplingRow) -> bool:
+        """Whether `apply` would change this row's logits (cheap: the sampler asks for every row, and
+        leaves the logits uncopied when no processor concerns any row)."""
+
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """logits: [num_rows, vocab] float32, row i belongs to rows[i]; edited in place."""
 
@@ -33,6 +38,9 @@ def default_processors() -> list[LogitsProcessor]:
 
 class MinTokens:
     """Bans eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs. Stateless."""
+
+    def applies_to(self, row: SamplingRow) -> bool:
+        return len(row.output_token_ids) < row.params.min_tokens
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         vocab = logits.shape[1]
@@ -68,6 +76,9 @@ class Penalties:
 
     def __init__(self) -> None:
         self._state: dict[str, _TokenCounts] = {}
+
+    def applies_to(self, row: SamplingRow) -> bool:
+        return _penalized(row)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         picked = [i for i, r in enumerate(rows) if _penalized(r)]
@@ -110,6 +121,9 @@ class Penalties:
 class LogitBias:
     """Adds `params.logit_bias` (token id -> bias); ids outside the logits are ignored. Stateless."""
 
+    def applies_to(self, row: SamplingRow) -> bool:
+        return bool(row.params.logit_bias)
+
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         vocab = logits.shape[1]
         row_idx, col_idx, values = [], [], []
@@ -131,6 +145,9 @@ class AllowedTokenIds:
 
     def __init__(self) -> None:
         self._masks: dict[str, torch.Tensor] = {}  # request id -> [vocab] bool, True = banned
+
+    def applies_to(self, row: SamplingRow) -> bool:
+        return row.params.allowed_token_ids is not None
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         picked = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]

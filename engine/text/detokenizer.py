@@ -18,6 +18,8 @@ from sluice.engine.text.tokenizer import Tokenizer
 
 # Ids kept before the undecoded tail, so `flush` decodes it in context (leading spaces, merges).
 _CONTEXT_IDS = 4
+# Ids held at most before the decoded ones beyond the last _CONTEXT_IDS are dropped.
+_MAX_IDS = 64
 
 
 class IncrementalDetokenizer:
@@ -43,15 +45,16 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: Iterable[int]) -> str:
         """Feed newly sampled ids; return the text that is safe to emit now."""
+        stops = self._stops
         pieces = []
         for token_id in token_ids:
-            if self._stops.matched is not None:
+            if stops.matched is not None:
                 break
             self.num_tokens += 1
             text = self._step(token_id)
             if text:
-                pieces.append(self._stops.push(text))
-        return "".join(pieces)
+                pieces.append(stops.push(text))
+        return pieces[0] if len(pieces) == 1 else "".join(pieces)
 
     def flush(self) -> str:
         """The request ended without a stop string: return everything still held back."""
@@ -61,7 +64,8 @@ class IncrementalDetokenizer:
         return self._stops.push(tail) + self._stops.flush()
 
     def _step(self, token_id: int) -> str | None:
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         try:
             text = self._stream.step(self._backend, token_id)
         except Exception as e:
@@ -75,7 +79,8 @@ class IncrementalDetokenizer:
             self._num_undecoded += 1
             return None
         self._num_undecoded = 0
-        del self._ids[:-_CONTEXT_IDS]
+        if len(ids) > _MAX_IDS:  # trimmed now and then, not at every token
+            del ids[:-_CONTEXT_IDS]
         return text
 
     def _decode_undecoded_tail(self) -> str:
@@ -83,8 +88,9 @@ class IncrementalDetokenizer:
             return ""
         # Decode the tail after a little context and keep what the context did not produce; an incomplete
         # character comes out as U+FFFD, exactly as a whole decode of the output shows it.
-        context = self._ids[: len(self._ids) - self._num_undecoded]
+        end = len(self._ids) - self._num_undecoded
+        context = self._ids[max(0, end - _CONTEXT_IDS) : end]
         decode = lambda ids: self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
-        prefix, full = decode(context), decode(self._ids)
+        prefix, full = decode(context), decode(context + self._ids[end:])
         self._num_undecoded = 0
-        return full[len(prefix) :] if full.startswith(prefix) else decode(self._ids[len(context) :])
+        return full[len(prefix) :] if full.startswith(prefix) else decode(self._ids[end:])

@@ -1,0 +1,236 @@
+"""The engine's host time per decode step, the forward excluded.
+
+    python -m sluice.benchmarks.engine.host_overhead [--batch 1 64 256] [--steps 40] [--json out.json]
+
+Model: the embedded SmolLM2-135M's shape, tokenizer and 49152-token vocabulary with random weights and
+only `--num-layers` decoder layers (default 2), so the forward is short and the host's work (which does
+not depend on the depth) is most of the step; the engine's default settings (prefix caching on, which
+random prompts never hit), max_num_seqs the largest batch, one torch thread (`--num-threads`). For each
+batch size B, B requests with seeded 64-token prompts are prefilled, then `--steps` pure decode steps
+of B requests are timed, phase by phase, the way a server runs them:
+
+    core     schedule | inputs (SchedulerOutput -> tensors) | forward (model + lm_head) | sample |
+             update (scheduler update, CoreOutput building) | the rest of EngineCore.step
+    ipc      CoreOutputs encoded (core) and decoded (frontend), msgpack as over ZeroMQ
+    frontend OutputProcessor.process (of which: detokenization)
+
+host = step - forward + ipc + frontend. The phases are timed by wrapping the engine's methods from
+outside (time.perf_counter_ns for wall time, time.thread_time_ns for this thread's CPU time, which a
+busy shared machine disturbs less); nothing in the engine is changed. Prints a table of medians (and
+host p90) and writes every step's figures with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.frontend.engine import Engine
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.loading.default_model import default_model_path
+from sluice.engine.loading.gguf_loader import load_gguf
+from sluice.engine.loading.model_loader import DummyWeights, ModelSource
+from sluice.engine.messages import CoreOutputs, decode_core_message, encode
+from sluice.engine.process.host_memory import freeze_gc_heap, retain_freed_memory
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.worker import model_runner as model_runner_module
+
+CORE_PHASES = ("schedule", "inputs", "forward", "sample", "update")
+NUM_WARMUP_STEPS = 3
+TOKEN_BUDGET = 2048
+PHASES = (*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "step", "host")
+
+
+class PhaseClock:
+    """Sums wall and thread-CPU nanoseconds per phase for the step in progress."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, int] = defaultdict(int)
+        self.cpu: dict[str, int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.wall[phase] += time.perf_counter_ns() - wall
+                self.cpu[phase] += time.thread_time_ns() - cpu
+
+        return wrapper
+
+    def wrap(self, owner: object, name: str, phase: str) -> None:
+        setattr(owner, name, self.timed(phase, getattr(owner, name)))
+
+
+def build_source(num_layers: int, seed: int) -> ModelSource:
+    """The embedded model's shape and tokenizer, `num_layers` layers, random weights."""
+    embedded = load_gguf(default_model_path())
+    arch = replace(embedded.arch, num_hidden_layers=num_layers)
+    name = f"{embedded.name} shape, {num_layers} layers, random weights"
+    return ModelSource(arch=arch, weights=DummyWeights(arch, seed), tokenizer=embedded.tokenizer, name=name)
+
+
+def instrument(engine: Engine, clock: PhaseClock) -> None:
+    """Wraps the phases of `engine`'s step (instance attributes, and the runner's input builder)."""
+    core = engine.core
+    clock.wrap(core.scheduler, "schedule", "schedule")
+    clock.wrap(core.model_runner.graph_runner, "run", "forward")
+    clock.wrap(core.model_runner.model, "compute_logits", "forward")
+    clock.wrap(core, "_sample", "sample")
+    clock.wrap(core, "_update", "update")
+    clock.wrap(core, "step", "step")
+    clock.wrap(engine.output_processor, "process", "frontend")
+    original_build = model_runner_module.build_model_inputs
+    model_runner_module.build_model_inputs = clock.timed("inputs", original_build)
+    # Detokenization: OutputProcessor._detokenize of every request (class attribute: states are per request).
+    OutputProcessor._detokenize = clock.timed("detokenize", OutputProcessor._detokenize)
+
+
+def server_step(engine: Engine, clock: PhaseClock) -> int:
+    """One step as a server runs it: core step, CoreOutputs over msgpack, frontend output processing.
+    Returns the number of outputs."""
+    core = engine.core
+    outputs = core.step()
+    wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+    message = decode_core_message(encode(CoreOutputs(outputs, core.stats())))
+    clock.wall["ipc"] += time.perf_counter_ns() - wall
+    clock.cpu["ipc"] += time.thread_time_ns() - cpu
+    processed = engine.output_processor.process(message.outputs)
+    core.abort(processed.to_abort)
+    return len(processed.outputs)
+
+
+def derived(figures: dict[str, int]) -> dict[str, int]:
+    """Adds core_other (step minus its timed phases) and host (step - forward + ipc + frontend)."""
+    figures = {phase: figures.get(phase, 0) for phase in PHASES}
+    figures["core_other"] = figures["step"] - sum(figures[p] for p in CORE_PHASES)
+    figures["host"] = figures["step"] - figures["forward"] + figures["ipc"] + figures["frontend"]
+    return figures
+
+
+def run_batch(
+    engine: Engine, clock: PhaseClock, batch: int, num_steps: int, prompt_len: int, seed: int
+) -> list[dict[str, dict[str, int]]]:
+    """Prefills `batch` requests, warms up, times `num_steps` decode steps of all of them."""
+    rng = random.Random(seed + batch)
+    vocab = engine.model_info.vocab_size
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_output_len(batch, num_steps, prompt_len), ignore_eos=True
+    )
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
+    scheduler = engine.core.scheduler
+    while scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens - 1 for r in map(scheduler.get_request, ids)
+    ):
+        server_step(engine, clock)  # prefill
+    for _ in range(NUM_WARMUP_STEPS):
+        server_step(engine, clock)
+    steps = []
+    for _ in range(num_steps):
+        clock.reset()
+        num_outputs = server_step(engine, clock)
+        if num_outputs != batch:
+            raise RuntimeError(f"a decode step of {batch} requests gave {num_outputs} outputs")
+        steps.append({"wall": derived(clock.wall), "cpu": derived(clock.cpu)})
+    engine.abort(ids)
+    return steps
+
+
+def max_output_len(batch: int, num_steps: int, prompt_len: int) -> int:
+    """Outputs the first request admitted may reach: one per prefill step, warm-up and timed step."""
+    num_prefill_steps = -(-batch * prompt_len // TOKEN_BUDGET) + 1
+    return num_prefill_steps + NUM_WARMUP_STEPS + num_steps + 1
+
+
+def quantile(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(steps: list[dict[str, dict[str, int]]]) -> dict[str, Any]:
+    """Medians per phase (microseconds), host p90, wall and thread CPU."""
+    summary: dict[str, Any] = {}
+    for clock in ("wall", "cpu"):
+        by_phase = {p: [s[clock][p] for s in steps] for p in PHASES}
+        summary[clock] = {p: statistics.median(v) / 1000 for p, v in by_phase.items()}
+        summary[clock]["host_p90"] = quantile(by_phase["host"], 0.9) / 1000
+    return summary
+
+
+def format_table(results: dict[int, dict[str, Any]]) -> str:
+    columns = [*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "step", "host"]
+    lines = [
+        "| batch | clock | " + " | ".join(columns) + " | host p90 | host / token |",
+        "| ---: | --- |" + " ---: |" * (len(columns) + 2),
+    ]
+    for batch, summary in results.items():
+        for clock in ("wall", "cpu"):
+            s = summary[clock]
+            cells = " | ".join(f"{s[c]:.0f}" for c in columns)
+            lines.append(f"| {batch} | {clock} | {cells} | {s['host_p90']:.0f} | {s['host'] / batch:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.benchmarks.engine.host_overhead", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=40, help="decode steps timed per batch size")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads (1: no OpenMP waits on a busy machine)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write every step's figures here")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.num_threads)
+    max_batch = max(args.batch)
+    max_len = args.prompt_len + max_output_len(max_batch, args.steps, args.prompt_len)
+    num_blocks = max_batch * (-(-max_len // 16) + 1) + 16
+    config = EngineConfig.from_kwargs(
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(TOKEN_BUDGET, max_batch),
+        num_blocks=num_blocks,
+    )
+    retain_freed_memory()  # as the engine core process does, before and after loading
+    engine = Engine(config, build_source(args.num_layers, args.seed))
+    freeze_gc_heap()
+    clock = PhaseClock()
+    instrument(engine, clock)
+    results, raw = {}, {}
+    for batch in args.batch:
+        steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed)
+        results[batch] = summarize(steps)
+        raw[batch] = steps
+        print("\n".join(format_table({batch: results[batch]}).splitlines()[-2:]), flush=True)
+    print(f"\nmodel: {engine.model_info.name}; microseconds per decode step, medians over {args.steps}\n")
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": engine.model_info.name, "summary": results, "steps": raw}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
