@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -199,6 +201,19 @@ def test_the_wheel_list_pins_one_version_of_each_and_stubs_fit_its_grpc_and_prot
     grpc_needed = grpc_stub.split("GRPC_GENERATED_VERSION = '")[1].split("'")[0]
     pb_needed = pb_stub.split("# Protobuf Python Version: ")[1].split()[0]
     assert Version(pins["grpcio"]) >= Version(grpc_needed) and Version(pins["protobuf"]) >= Version(pb_needed)
+
+
+def test_every_runtime_dependency_is_on_the_gpu_image_or_in_the_wheel_list() -> None:
+    """pyproject.toml's dependencies: each is one the GPU image has (docs/GPU.md, /work/shared/GPU_NOTES.md)
+    or one `make gpu-wheels` brings; a new dependency missing from both fails here, not on the GPU."""
+    lines = (REPO / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    pinned = {line.split("==")[0] for line in lines if line and not line.startswith(("#", "build: "))}
+    image = {"torch", "numpy", "safetensors", "tokenizers", "jinja2", "triton", "ninja", "uvloop"}
+    image |= {"prometheus-client"}
+    with open(REPO / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    names = {re.split(r"[<>=!~;\[ ]", dependency, maxsplit=1)[0].lower() for dependency in dependencies}
+    assert names - image - pinned == set()
 
 
 # ---- scripts/gpu_check.py -------------------------------------------------------------------------
