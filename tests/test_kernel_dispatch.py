@@ -5,6 +5,7 @@ per call; and no backend flag is threaded through the code any more."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ import torch
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.activation import SiluAndMul
+from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.engine.worker.layers.kernel_config import CPU_LAYER_KERNELS, KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
@@ -82,6 +85,30 @@ def test_the_triton_backend_takes_the_triton_kernels(llama_dir):
         SiluAndMul: {"triton"},
     }
     assert runner.cpu_stack is None
+
+
+def test_the_triton_backend_rotates_and_stores_in_one_kernel(llama_dir, monkeypatch):
+    """Each layer's rotary + K/V store is the fused kernel; with fuse_rotary_store=False they run as two,
+    with the same logits."""
+    runner = _runner(llama_dir, "float32", attention_backend="triton")
+    step = SchedulerOutput((ScheduledRequest("r", (5, 6, 7, 8, 9), 0, (0,), True),), 5)
+    fused_calls = []
+    original = TritonAttentionBackend.rotate_and_store
+    monkeypatch.setattr(
+        TritonAttentionBackend,
+        "rotate_and_store",
+        lambda self, *args: fused_calls.append(args[0].shape) or original(self, *args),
+    )
+    fused = runner.execute_model(step)
+    assert fused_calls == [(5,)] * runner.arch.num_hidden_layers
+    separate_kernels = dataclasses.replace(runner.kernels, fuse_rotary_store=False)
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+            module.select(separate_kernels)
+    fused_calls.clear()
+    separate = runner.execute_model(step)
+    assert fused_calls == []
+    torch.testing.assert_close(separate, fused)
 
 
 def test_gemma_keeps_its_norms_and_rotary_off_the_triton_kernels(gemma3_dir):

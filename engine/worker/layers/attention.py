@@ -1,4 +1,7 @@
-"""One layer's paged attention: writes this step's K/V into the layer's cache, then attends over it.
+"""One layer's paged attention: rotates q and k, writes this step's K/V into the layer's cache, then attends
+over it. Where the rotation is the Triton kernel's and the backend has `rotate_and_store` (the Triton
+backend: `sluice.kernels.rotary_store_kv`), rotation and store are one kernel, unless the `KernelConfig`
+says `fuse_rotary_store=False` (the GPU benchmark's comparison).
 
 With an FP8 KV cache the layer holds its cache's scales, `k_scale` and `v_scale` (float32 scalars, 1.0
 unless the checkpoint has them: `sluice.engine.worker.attention.fp8_kv_cache`)."""
@@ -12,6 +15,7 @@ from sluice.engine.distributed.partition import partition_heads
 from sluice.engine.worker.attention.backend import AttentionBackend
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.rotary import Rope, TritonRope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -47,11 +51,13 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend: AttentionBackend | None = None
         self.kv_scales: tuple[nn.Parameter, nn.Parameter] | None = None
+        self.fuse_rotary_store = False
 
     def select(self, kernels: KernelConfig) -> None:
         """Take the attention backend the runner chose (one object shared by every layer), and this rank's
         heads; with an FP8 KV cache, make the cache's scales (1.0 until a checkpoint fills them)."""
         self.backend = kernels.attention_backend
+        self.fuse_rotary_store = kernels.fuse_rotary_store and hasattr(self.backend, "rotate_and_store")
         group = kernels.tensor_parallel
         heads = partition_heads(self.total_num_heads, self.total_num_kv_heads, group.rank, group.size)
         self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
@@ -77,7 +83,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        rope: Rope,
     ) -> torch.Tensor:
+        """q, k before rotation (rotated in place or out of place, as `rope` does)."""
+        if self.fuse_rotary_store and isinstance(rope, TritonRope):
+            self.backend.rotate_and_store(
+                rope.positions, q, k, v, rope.cos_sin_cache, kv_cache[0], kv_cache[1], metadata
+            )
+            out = self.backend.attend(q, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        q, k = rope(q, k)
         out = self.backend.forward(
             q,
             k,

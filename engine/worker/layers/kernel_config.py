@@ -43,6 +43,8 @@ class KernelConfig:
     cuda_capability: the CUDA device's (major, minor) compute capability, None off CUDA.
     tensor_parallel: this rank's group; the parallel layers hold its part of the weights and call its
         collectives (`sluice.engine.worker.layers.parallel_linear`). One process: rank 0 of 1.
+    fuse_rotary_store: rotate q, k and store K/V in one kernel where the backend can (Triton); False runs
+        them as two (the GPU benchmark's before/after).
     """
 
     device: torch.device
@@ -54,6 +56,7 @@ class KernelConfig:
     kv_cache_dtype: torch.dtype | None = None
     cuda_capability: tuple[int, int] | None = None
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
+    fuse_rotary_store: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

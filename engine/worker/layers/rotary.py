@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
 
 import torch
@@ -75,6 +76,20 @@ def build_cos_sin_cache(
 Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class TritonRope:
+    """The Triton kernel's rotation for one step, a `Rope` like the others. It keeps what the kernel reads,
+    so that an attention backend that also stores K/V in that kernel (`rotate_and_store`) can take the
+    rotation over: `sluice.engine.worker.layers.attention.Attention.forward`."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel(self.positions, q, k, self.cos_sin_cache)
+
+
 class RotaryEmbedding(CustomOp):
     """Rotates q and k by their positions: `rope = rotary(positions)` once per step, then `q, k = rope(q, k)`
     in every layer. `select` builds the tables, on the model's device.
@@ -114,7 +129,7 @@ class RotaryEmbedding(CustomOp):
     # projection; the Triton and C++ kernels write into them).
 
     def forward_triton(self, positions: torch.Tensor) -> Rope:
-        return lambda q, k: self._triton_rotary(positions, q, k, self.cos_sin_cache)
+        return TritonRope(positions, self.cos_sin_cache, self._triton_rotary)
 
     def forward_cpu(self, positions: torch.Tensor) -> Rope:
         return lambda q, k: cpu_rotary_embedding_prechecked(positions, q, k, self.cos_sin_cache)

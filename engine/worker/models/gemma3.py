@@ -48,8 +48,7 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = self.q_norm(q.reshape(q.shape[0], -1, self.head_dim))
         k = self.k_norm(k.reshape(k.shape[0], -1, self.head_dim))
-        q, k = rope(q, k)
-        return self.o_proj(self.attn(q, k, v.reshape(k.shape), kv_cache, metadata))
+        return self.o_proj(self.attn(q, k, v.reshape(k.shape), kv_cache, metadata, rope))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -36,8 +36,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
-        q, k = rope(q, k)
-        return self.o_proj(self.attn(q, k, v.view(k.shape), kv_cache, metadata))
+        return self.o_proj(self.attn(q, k, v.view(k.shape), kv_cache, metadata, rope))
 
 
 class LlamaDecoderLayer(nn.Module):
