@@ -12,7 +12,10 @@
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
 #   tensor_parallel  TP=2 where there are 2 GPUs and --tensor-parallel-size exists; else skipped, saying why
-#   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows
+#   fp8              the preset with --quantization fp8, then with --kv-cache-dtype fp8 too: sluice bench at
+#                    concurrency 1 and 64, greedy outputs and KV blocks against serve_bench's (issue 34),
+#                    if the time budget allows
+#   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after fp8
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
@@ -21,7 +24,7 @@
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
 # skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
-# room in the budget for the large step.
+# room in the budget for the optional steps (fp8, then large).
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
 # preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
 # SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
@@ -40,7 +43,7 @@ case $DEVICE in
     *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
-STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel large)
+STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 large)
 SELECTED=${SLUICE_GPU_CHECK_STEPS:-${STEPS[*]}}
 SELECTED=${SELECTED//,/ }
 for name in $SELECTED; do
@@ -55,7 +58,7 @@ OUT=$(cd "$1" && pwd)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
 REPORT_RESERVE=30 # seconds kept for the report at the end (its own limit)
-OPTIONAL_STEP=large # run "if time allows"
+OPTIONAL_STEPS="fp8 large" # run "if time allows", in this order (docs/GPU.md says why)
 WHL=$REPO/.whl
 TOKENIZER=${SLUICE_GPU_CHECK_TOKENIZER:-$WHL/smollm2-tokenizer}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
@@ -87,9 +90,9 @@ run_step() {
     local left=$((BUDGET - (SECONDS - START) - REPORT_RESERVE))
     ((limit > left)) && limit=$left
     if ((limit < min)); then
-        # Only the optional step may be left out for time; any other left out fails the check.
+        # Only the optional steps may be left out for time; any other left out fails the check.
         LAST_STATUS=skipped
-        [[ $name == "$OPTIONAL_STEP" ]] || { LAST_STATUS="out of time"; FAILED=1; }
+        [[ " $OPTIONAL_STEPS " == *" $name "* ]] || { LAST_STATUS="out of time"; FAILED=1; }
         record "$name" "$LAST_STATUS" 0 "$((limit > 0 ? limit : 0))" "${left}s left of the ${BUDGET}s budget, needs ${min}s"
         return
     fi
@@ -161,6 +164,7 @@ if ((INSTALLED)); then
     run_step speculative 100 30 "${SERVE[@]}" speculative
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
     run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
+    run_step fp8 150 90 "${SERVE[@]}" fp8
     run_step large 180 110 "${SERVE[@]}" large
 else
     for name in "${STEPS[@]}"; do

@@ -1,5 +1,6 @@
 """OUT/report.md of `scripts/gpu_check.sh`: every step's status, the figures issues 33-35 ask for set
-against their limits, and what each server step saw; built from OUT/results.jsonl and the bench JSON.
+against their limits (issue 34's FP8 table too), and what each server step saw; built from
+OUT/results.jsonl and the bench JSON.
 
     python -m sluice.benchmarks.gpu.check_report OUT --mode gpu --wall-s 431 --budget-s 470
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sluice.benchmarks.gpu import check_figures
+from sluice.benchmarks.gpu import check_figures, fp8_figures
 from sluice.benchmarks.gpu.serve_checks import PLANS, RESULTS, read_results
 
 # The steps of scripts/gpu_check.sh, in order, and what each runs.
@@ -28,9 +30,11 @@ STEPS = {
     "speculative": "sluice serve --speculative ngram: greedy outputs equal serve_bench's",
     "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",
     "tensor_parallel": "sluice serve --tensor-parallel-size 2 (issue 35)",
+    "fp8": "--quantization fp8, then + --kv-cache-dtype fp8: sluice bench at 1 and 64, greedy, KV blocks",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
 }
 FAILING = ("failed", "timed out", "out of time")
+LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -41,7 +45,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 def step_records(records: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
     """(status written by the script, result written by the step itself), by step name: the last of each."""
     statuses = {r["step"]: r for r in records if "status" in r}
-    results = {r["step"]: r for r in records if "status" not in r and r.get("step") in STEPS}
+    results = {
+        r["step"]: r for r in records if "status" not in r and "variant" not in r and r.get("step") in STEPS
+    }
     return statuses, results
 
 
@@ -162,18 +168,61 @@ def checks_section(results: dict[str, dict]) -> str:
     if "comparison" in tensor_parallel:
         tp_line = "TP=2 vs TP=1 greedy: " + comparison_line(tensor_parallel["comparison"])
     parts.append(f"**Tensor parallelism (issue 35):** {tp_line}")
-    from sluice.engine.config import QUANTIZATIONS
-
-    fp8 = "fp8" in QUANTIZATIONS
-    parts.append(
-        "**FP8 (issue 34):** "
-        + ("this build has `--quantization fp8`; this check does not run it yet." if fp8 else
-           f"not measured: this build has no `--quantization fp8` (it has {', '.join(QUANTIZATIONS)}).")
-    )  # fmt: skip
     ready = {name: r["ready_s"] for name, r in results.items() if r.get("ready_s")}
     if ready:
         parts.append("**Server start to ready, s:** " + ", ".join(f"{k} {v}" for k, v in ready.items()))
     return "\n\n".join(parts)
+
+
+def fp8_section(
+    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
+) -> str:
+    """The fp8 step's servers against serve_bench's (bf16 on a GPU), issue 34's targets, what they
+    measure, and each server's greedy comparison and KV cache log line."""
+    variants = fp8_figures.variant_records(records)
+    if not variants:
+        status = statuses.get("fp8", {}).get("status", "not run")
+        why = results.get("fp8", {}).get("error") or statuses.get("fp8", {}).get("note") or ""
+        return f"Not measured: the fp8 step {status.upper()}" + (f" ({why})." if why else ".")
+    plan = PLANS[mode]
+    base = "bf16" if plan.dtype == "bfloat16" else plan.dtype
+    model_info = results.get("serve_bench", {}).get("model_info")
+    reference = fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info)
+    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.fp8_bench)
+    parts = [
+        f"The {plan.preset} preset ({plan.dtype}) on three servers, one after another: {base} is "
+        f"serve_bench's (its sweep), the fp8 ones ran `sluice bench` with {runs}, {plan.input_len} prompt "
+        f"and {plan.output_len} output tokens, prompts of their own. In brackets: the ratio to {base}'s.",
+        markdown_table(fp8_figures.TABLE_HEADERS, fp8_figures.table_rows(reference, variants, base)),
+        markdown_table(
+            fp8_figures.TARGET_HEADERS, fp8_figures.target_rows(reference, variants, plan.preset, base)
+        ),
+        fp8_shape_line(plan.preset),
+        fp8_figures.backend_note(variants, mode),
+    ]
+    for name, record in variants.items():
+        notes = [LOG_PREFIX.sub("", line) for line in record.get("server_notes", [])]
+        parts.append(
+            f"**{fp8_figures.VARIANTS[name]} vs {base}, greedy** (need not be equal: another rounding): "
+            + comparison_line(record["comparison"])
+            + "".join(f"\n- log: `{note}`" for note in notes)
+        )
+    return "\n\n".join(parts)
+
+
+def fp8_shape_line(preset: str) -> str:
+    """Which shape the run is on, and the floor of the batch-1 TPOT ratio on the 1b and 8b shapes."""
+    goal = fp8_figures.GOAL_SHAPE
+    ratios = ", ".join(f"{fp8_figures.step_bytes_ratio(p):.2f} on {p}" for p in ("llama-3.2-1b", goal))
+    shape = (
+        "."
+        if preset == goal
+        else f", not the {goal} one issue 34's batch-1 target is set on (`large` runs that one in bf16 only)."
+    )
+    return (
+        f"**Shape:** this run is on the {preset} shape{shape} The weight bytes a batch-1 step reads, fp8 "
+        f"over bf16 (lm_head stays bf16), the floor of that TPOT ratio: {ratios}."
+    )
 
 
 def environment(mode: str) -> tuple[str, str]:
@@ -207,6 +256,8 @@ def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[
         "## Steps\n\n" + steps_section(statuses, results),
         "## Figures against their limits and issue 33's goals\n\n" + figures_section(records, out, mode),
         "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
+        "## FP8 (issue 34): bf16 vs fp8 weights vs fp8 weights + fp8 KV\n\n"
+        + fp8_section(records, statuses, results, out, mode),
         "## Checks\n\n" + checks_section(results),
         "Logs: steps.log (every step's output), servers.log (every server's). Details of the kernel-level "
         "sections: gpu_check.md"

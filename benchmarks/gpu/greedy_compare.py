@@ -77,3 +77,21 @@ def summarize(verdicts: list[Verdict]) -> dict[str, Any]:
     counts = {kind: sum(v.kind == kind for v in verdicts) for kind in ("equal", "near tie", "mismatch")}
     details = [f"sample {i}: {v.kind}, {v.detail}" for i, v in enumerate(verdicts) if v.kind != "equal"]
     return {**counts, "details": details}
+
+
+def agreement(reference: list[Sample], candidate: list[Sample]) -> dict[str, int]:
+    """How far `candidate` follows `reference` where the two need not be equal (another quantization):
+    samples equal, and tokens before each sample's first difference (after it the sequences part)."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"candidate: {len(candidate)} samples, the reference has {len(reference)}")
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(r["tokens"], c["tokens"], strict=False)) if a != b),
+             min(len(r["tokens"]), len(c["tokens"])))
+        for r, c in zip(reference, candidate, strict=True)
+    ]  # fmt: skip
+    return {
+        "samples": len(reference),
+        "equal": sum(r["tokens"] == c["tokens"] for r, c in zip(reference, candidate, strict=True)),
+        "tokens_before_first_difference": sum(prefixes),
+        "tokens": sum(len(r["tokens"]) for r in reference),
+    }

@@ -1,4 +1,4 @@
-"""`sluice serve` on the GPU: the server steps of `scripts/gpu_check.sh` (c to g), one per command.
+"""`sluice serve` on the GPU: the server steps of `scripts/gpu_check.sh` (c to h), one per command.
 
     python -m sluice.benchmarks.gpu.serve_checks STEP --out OUT [--mode gpu|cpu] [--tokenizer-dir DIR]
 
@@ -10,7 +10,10 @@ structured       (e) a JSON-schema request: the preset with SmolLM2's tokenizer 
                  (sluice.benchmarks.gpu.borrowed_tokenizer), output parsed and checked against the schema
 tensor_parallel  (f) `--tensor-parallel-size 2` against (c)'s greedy outputs, where there are 2 GPUs and
                  the flag exists (issue 35); else skipped with the reason
-large            (g) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
+fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34):
+                 each server's greedy outputs set against (c)'s, its KV blocks, `sluice bench` at
+                 concurrency 1 and 64 (its runs kept in its record, one per server as it finishes)
+large            (h) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
                  (JSON kept as OUT/bench_large.json); in the CPU mode, the tiny preset
 
 Each step appends one JSON line to OUT/results.jsonl and exits 0 (passed), 1 (failed) or 3 (skipped).
@@ -59,6 +62,7 @@ class Plan:
     greedy_prompts: int
     greedy_tokens: int
     near_tie_nats: float  # see greedy_compare: bf16 rounds far more than float32
+    fp8_bench: tuple[tuple[int, int], ...]  # the fp8 step's `sluice bench` runs: (concurrency, requests)
     large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
     large_bench: tuple[str, ...]
 
@@ -73,14 +77,14 @@ PLANS = {
     "gpu": Plan(
         preset="llama-3.2-1b", dtype="bfloat16", extra_serve_args=(), sweep="1,16,64", num_requests=64,
         input_len=128, output_len=128, greedy_prompts=8, greedy_tokens=32, near_tie_nats=0.1,
-        large_preset="llama-3-8b",
+        fp8_bench=((1, 8), (64, 64)), large_preset="llama-3-8b",
         large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
                      "--output-len", "64"),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
         num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
-        large_preset="tiny",
+        fp8_bench=((1, 2), (64, 4)), large_preset="tiny",
         large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
     ),
 }  # fmt: skip
@@ -270,6 +274,61 @@ def step_tensor_parallel(ctx: StepContext) -> dict[str, Any]:
     return {**result, "ok": result["comparison"]["mismatch"] == 0, "gpus": gpus}
 
 
+FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve arguments beside the plan's
+    "fp8": ("--quantization", "fp8"),
+    "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
+}
+SERVER_NOTES = ("KV cache:", "attention backend")  # the server log lines an fp8 record keeps
+
+
+def step_fp8(ctx: StepContext) -> dict[str, Any]:
+    """Each FP8 variant on a server of its own; a record per server appended as it finishes, so a step
+    killed at its limit keeps the first. Greedy outputs need not equal bf16's: agreement is reported."""
+    reference = ctx.reference()
+    records = [fp8_server(ctx, reference, name, args) for name, args in FP8_VARIANTS.items()]
+    return {"ok": all(r["ok"] for r in records), "variants": list(FP8_VARIANTS)}
+
+
+def fp8_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Sequence[str]) -> dict:
+    plan = ctx.plan
+    serve_args = plan.serve_args(*extra)
+    log_path = ctx.out / SERVERS_LOG
+    log_start = log_path.stat().st_size if log_path.is_file() else 0
+    with ctx.server(serve_args) as server, Client(server.target) as client:
+        info = model_info(client)
+        samples = greedy_outputs(client, reference["prompts"], plan.greedy_tokens)
+        bench_rcs, runs = fp8_bench_runs(server.target, plan)
+    log = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()
+    verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, plan.near_tie_nats)
+    complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
+    record = {
+        "step": "fp8", "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
+        "model_info": info, "bench_rc": bench_rcs, "runs": runs,
+        "comparison": greedy_compare.summarize(verdicts),
+        "agreement": greedy_compare.agreement(reference["greedy"], samples),
+        "server_notes": [line for line in log if any(note in line for note in SERVER_NOTES)],
+        "greedy": samples,
+    }  # fmt: skip
+    with (ctx.out / RESULTS).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def fp8_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[str, Any]]]:
+    """`sluice bench` once per (concurrency, requests) of the plan, at serve_bench's lengths; each run its
+    own --seed, so its prompts are its own (none served from another run's cache). Exit statuses, and
+    the runs without their per-request timelines."""
+    lengths = ["--input-len", str(plan.input_len), "--output-len", str(plan.output_len)]
+    rcs, runs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, (concurrency, requests) in enumerate(plan.fp8_bench, start=1):
+            path = Path(tmp) / f"{concurrency}.json"
+            load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
+            rcs.append(run_bench(target, [*load, *lengths], path))
+            runs += json.loads(path.read_text())["runs"] if path.is_file() else []
+    return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
+
+
 def step_large(ctx: StepContext) -> dict[str, Any]:
     plan = ctx.plan
     args = [
@@ -294,6 +353,7 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
         "speculative": lambda: step_speculative(ctx),
         "structured": lambda: step_structured(ctx, tokenizer_dir),
         "tensor_parallel": lambda: step_tensor_parallel(ctx),
+        "fp8": lambda: step_fp8(ctx),
         "large": lambda: step_large(ctx),
     }
     try:
@@ -313,7 +373,7 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "step", choices=("serve_bench", "speculative", "structured", "tensor_parallel", "large")
+        "step", choices=("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "large")
     )
     parser.add_argument("--out", required=True, help="the GPU check's output folder")
     parser.add_argument("--mode", choices=tuple(PLANS), default="gpu")
