@@ -48,6 +48,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     bench_decode,
     bench_end_to_end,
     bench_prefill_attention,
+    bench_rotary_store_fusion,
     copy_bandwidth_bytes_per_s,
     floor_step_time_s,
     goal_rows,
@@ -241,6 +242,8 @@ class GpuCheck:
              self.tensor_parallel, True),
             ("ceilings", "Ceilings measured here", self.ceilings, True),
             ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
+            ("fusion", "Batch-1 graph step: rotary + K/V store fused or not (llama-3.2-1b shape)",
+             self.fusion, True),
             ("attention", "Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
              self.attention, True),
             ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
@@ -312,6 +315,18 @@ class GpuCheck:
                 f"CUDA graph replay departs from eager by more than {GRAPH_MAX_REL_DIFF}\n\n{text}"
             )
         return text
+
+    def fusion(self) -> str:
+        rows = bench_rotary_store_fusion(self.device)
+        self.figures["fusion"] = {"fused_step_s": rows[0][1] / 1e3, "separate_step_s": rows[1][1] / 1e3}
+        table = markdown_table(
+            ["kernels", "graph step ms", "vs fused", "logits vs fused (max rel diff)"], rows
+        )
+        if rows[1][3] > GRAPH_MAX_REL_DIFF:
+            raise CheckFailed(
+                f"fused and separate rotary + store depart by more than {GRAPH_MAX_REL_DIFF}\n\n{table}"
+            )
+        return table
 
     def attention(self) -> str:
         self.attention_rows = bench_attention(self.device, self.bandwidth)

@@ -34,6 +34,10 @@ from sluice.benchmarks.gpu import (
     serve_checks,
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
+from sluice.engine.loading.presets import preset_arch
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.layers.attention import Attention
+from sluice.engine.worker.layers.kernel_config import KernelConfig
 
 REPO = Path(__file__).parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -331,11 +335,22 @@ def test_report_keeps_every_section_and_records_failures(tmp_path):
     assert text.endswith("## after\n\nstill measured\n")
 
 
+def test_the_fusion_section_switches_every_attention_layer():
+    cpu = torch.device("cpu")
+    model = gpu_benchmarks.triton_model(preset_arch("tiny"), torch.float32, cpu)
+    kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert gpu_benchmarks.select_rotary_store_fusion(model, kernels, False) == len(layers) > 0
+    assert not any(layer.fuse_rotary_store for layer in layers)
+    gpu_benchmarks.select_rotary_store_fusion(model, kernels, True)
+    assert all(layer.fuse_rotary_store for layer in layers)
+
+
 def test_sections_are_in_report_order_and_cuda_only_ones_skip_on_cpu():
     check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
     sections = check.sections()
     assert [key for key, _, _ in sections] == [
-        "tests", "parity", "tensor_parallel", "ceilings", "decode", "attention", "prefill", "goals",
+        "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "attention", "prefill", "goals",
         "end_to_end",
     ]  # fmt: skip
     assert sections[0][2]().startswith("skipped")

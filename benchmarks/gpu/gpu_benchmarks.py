@@ -4,6 +4,7 @@ Sluice vs transformers.generate end to end. Timed with CUDA events; the pure hel
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
+from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 from sluice.kernels.paged_decode_attention import paged_decode_attention
@@ -136,6 +138,44 @@ def bench_decode(device: torch.device) -> tuple[list[list[object]], float, float
             rows.append([batch, eager_s * 1e3, graph_s * 1e3, eager_s / graph_s, difference])
     rows.append(["graph pool MiB", runner.memory_bytes / 2**20, "", "", ""])
     return rows, batch1_graph_s, _weight_bytes(model)
+
+
+def select_rotary_store_fusion(model: torch.nn.Module, kernels: KernelConfig, fused: bool) -> int:
+    """Re-select every attention layer of `model` with rotary + K/V store fused or not; returns the layers."""
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    for layer in layers:
+        layer.select(dataclasses.replace(kernels, fuse_rotary_store=fused))
+    return len(layers)
+
+
+def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
+    """The batch-1 CUDA-graph decode step of the llama-3.2-1b shape with rotary + K/V store as one kernel (the
+    default) and as two: rows (kernels, graph ms, vs fused, max rel diff of the logits vs fused)."""
+    arch = preset_arch("llama-3.2-1b")
+    model = _random_model(arch, torch.bfloat16, device)
+    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
+    blocks_per_seq = -(-BENCH_CONTEXT // BLOCK_SIZE)
+    kv_caches = random_kv_caches(arch, blocks_per_seq + 1, torch.bfloat16, device)
+    inputs = decode_step_inputs(1, BENCH_CONTEXT, BLOCK_SIZE, device)
+    step_s, logits = {}, {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            select_rotary_store_fusion(model, kernels, fused)
+            runner = CudaGraphRunner(model, kv_caches, 1, blocks_per_seq, BLOCK_SIZE, device)
+            runner.capture()
+            logits[fused] = _logits(model, runner.run(inputs), inputs).clone()
+            step_s[fused] = time_cuda_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
+            del runner
+        select_rotary_store_fusion(model, kernels, True)
+    return [
+        ["rotary + K/V store in one kernel", step_s[True] * 1e3, 1.0, 0.0],
+        [
+            "rotary, then K/V store",
+            step_s[False] * 1e3,
+            step_s[False] / step_s[True],
+            _relative_difference(logits[False], logits[True]),
+        ],
+    ]
 
 
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
