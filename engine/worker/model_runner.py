@@ -19,7 +19,7 @@ from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, Schedu
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.selector import get_attention_backend
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, KVCache, estimate_graph_memory_bytes
-from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs, fill_placeholders
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -149,17 +149,26 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, metadata)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute_model(
+        self, out: SchedulerOutput, sampled_before: SampledTokenIds | None = None
+    ) -> torch.Tensor:
         """Runs the step; returns logits [num_logits, vocab] float32: per slice with sample=True, in
-        scheduled order, one row for its last token then one per draft token (`spec_token_ids`)."""
-        return self.execute_model_with_prompt_logprobs(out, ())[0]
+        scheduled order, one row for its last token then one per draft token (`spec_token_ids`).
+        `sampled_before` (async scheduling): the previous step's token ids on the device, which fill the
+        step's placeholder tokens there; nothing here waits for the device."""
+        return self.execute_model_with_prompt_logprobs(out, (), sampled_before)[0]
 
     @torch.inference_mode()
     def execute_model_with_prompt_logprobs(
-        self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
+        self,
+        out: SchedulerOutput,
+        slices: Sequence[PromptLogprobsSlice],
+        sampled_before: SampledTokenIds | None = None,
     ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
         """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token)."""
         inputs = build_model_inputs(out, self.block_size, self.device)
+        if sampled_before is not None:
+            fill_placeholders(inputs.input_ids, out, sampled_before)
         hidden = self.graph_runner.run(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not slices:
