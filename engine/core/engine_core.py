@@ -13,7 +13,12 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
-from sluice.engine.core.launched_step import LaunchedStep, launch_sampling, needs_step_tokens
+from sluice.engine.core.launched_step import (
+    LaunchedStep,
+    launch_sampling,
+    may_need_step_tokens,
+    needs_step_tokens,
+)
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.executor.build import build_model_runner
@@ -84,6 +89,7 @@ class EngineCore:
         self._prompt_logprobs = PromptLogprobsTracker()
         self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step running on the device
+        self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
         spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
@@ -212,6 +218,7 @@ class EngineCore:
             return
         for request_id in request_ids:
             self._sampling_rows.pop(request_id, None)
+            self._maybe_synchronous.discard(request_id)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
@@ -241,16 +248,24 @@ class EngineCore:
         logits = self._execute(scheduler_output, None if in_flight is None else in_flight.sampled_token_ids())
         requests = [self.scheduler.get_request(s.request_id) for s in scheduler_output.scheduled if s.sample]
         if any(s.spec_token_ids for s in scheduler_output.scheduled):
-            return LaunchedStep.on_host(scheduler_output, requests, self._sample(logits, scheduler_output))
-        rows = [self._sampling_row(request) for request in requests]
-        return launch_sampling(self.sampler, logits, scheduler_output, requests, rows, self._inject_faults)
+            launched = LaunchedStep.on_host(
+                scheduler_output, requests, self._sample(logits, scheduler_output)
+            )
+        else:
+            rows = [self._sampling_row(request) for request in requests]
+            launched = launch_sampling(
+                self.sampler, logits, scheduler_output, requests, rows, self._inject_faults
+            )
+        launched.num_finished = self.scheduler.num_finished
+        return launched
 
     def _in_flight_needs_its_tokens(self) -> bool:
         """A request of the step in flight that is still live needs its tokens before its next step."""
-        if self._in_flight is None:
+        if self._in_flight is None or not self._maybe_synchronous:
             return False
         speculating = self.speculator.proposer is not None
-        live = (r for r in self._in_flight.requests if self.scheduler.get_request(r.request_id) is r)
+        candidates = (r for r in self._in_flight.requests if r.request_id in self._maybe_synchronous)
+        live = (r for r in candidates if self.scheduler.get_request(r.request_id) is r)
         return any(needs_step_tokens(r, speculating) for r in live)
 
     def _finish_in_flight(self) -> list[CoreOutput]:
@@ -258,7 +273,10 @@ class EngineCore:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return []
-        sampled, sampling_errors = launched.results(lambda r: self.scheduler.get_request(r.request_id) is r)
+        # Requests that finished after the launch (at the update before, or aborted) get nothing.
+        all_live = launched.num_finished == self.scheduler.num_finished
+        is_live = None if all_live else lambda r: self.scheduler.get_request(r.request_id) is r
+        sampled, sampling_errors = launched.results(is_live)
         return self._update(launched.scheduler_output, sampled, sampling_errors)
 
     def _sample(
@@ -340,6 +358,8 @@ class EngineCore:
                 grammar=request.grammar,
             )
             self._sampling_rows[request.request_id] = row
+            if may_need_step_tokens(request, self.speculator.proposer is not None):
+                self._maybe_synchronous.add(request.request_id)
         return row
 
     def _output(

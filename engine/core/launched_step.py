@@ -56,6 +56,11 @@ def needs_step_tokens(request: Request, speculating: bool) -> bool:
     )
 
 
+def may_need_step_tokens(request: Request, speculating: bool) -> bool:
+    """Whether `needs_step_tokens` can ever hold for the request, from its parameters alone."""
+    return request.sampling_params.min_tokens > 0 or needs_step_tokens(request, speculating)
+
+
 class HostCopy:
     """Device tensors on their way to the host. On CUDA: non-blocking copies into pinned memory on the
     current stream and an event recorded after them, so `wait()` waits for those copies only, not for
@@ -89,6 +94,7 @@ class LaunchedStep:
     requests: list[Request]
     rows: list[SamplingRow]
     errors: dict[str, str]  # request id -> why its sampling failed (found at launch)
+    num_finished: int = 0  # the scheduler's count of finished requests at launch
     token_ids: torch.Tensor | None = None  # [len(rows)] int64 on the device; None: sampled on the host
     copy: HostCopy | None = None  # token_ids, then the logprobs' tensors
     logprobs: DeviceLogprobs | None = None
@@ -109,8 +115,8 @@ class LaunchedStep:
             return None
         return SampledTokenIds(self.token_ids, {row.request_id: i for i, row in enumerate(self.rows)})
 
-    def results(self, is_live: Callable[[Request], bool]) -> StepResults:
-        """Waits for the tokens; the results of the requests `is_live` still accepts."""
+    def results(self, is_live: Callable[[Request], bool] | None) -> StepResults:
+        """Waits for the tokens; the results of the requests `is_live` still accepts (None: all of them)."""
         if self.sampled is None:
             host = self.copy.wait()
             token_ids = host[0].tolist()
@@ -119,9 +125,11 @@ class LaunchedStep:
             else:
                 tokens = self.logprobs.sampled_tokens(token_ids, host[1:])
             self.sampled = {row.request_id: [token] for row, token in zip(self.rows, tokens, strict=True)}
-        live = {r.request_id for r in self.requests if is_live(r)}
-        sampled = {r: t for r, t in self.sampled.items() if r in live and r not in self.errors}
-        return sampled, {r: e for r, e in self.errors.items() if r in live}
+        if is_live is None and not self.errors:
+            return self.sampled, {}
+        live = [r.request_id for r in self.requests if is_live is None or is_live(r)]
+        errors = {r: self.errors[r] for r in live if r in self.errors}
+        return {r: self.sampled[r] for r in live if r not in errors}, errors
 
 
 def launch_sampling(

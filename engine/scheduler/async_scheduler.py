@@ -41,16 +41,18 @@ class AsyncScheduler(Scheduler):
         # Steps scheduled and not yet updated, oldest first: each with the request objects it scheduled.
         self._steps_in_flight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
         self._owners: dict[str, Request] = {}  # of the step being updated
+        self.num_finished = 0  # requests finished (or aborted) so far: unchanged, every request is live
 
     def schedule(self) -> SchedulerOutput:
         out = super().schedule()
-        owners = {}
+        owners, requests, num_in_flight = {}, self._requests, self._num_in_flight
         for scheduled in out.scheduled:
-            request = self._requests[scheduled.request_id]
+            request_id = scheduled.request_id
+            request = requests[request_id]
             request.num_computed_tokens = scheduled.seq_len
             if scheduled.sample:
-                self._num_in_flight[scheduled.request_id] = self.num_in_flight(request) + 1
-            owners[scheduled.request_id] = request
+                num_in_flight[request_id] = num_in_flight.get(request_id, 0) + 1
+            owners[request_id] = request
         if out.scheduled:
             self._steps_in_flight.append((out, owners))
         return out
@@ -61,9 +63,6 @@ class AsyncScheduler(Scheduler):
         if not self._steps_in_flight or self._steps_in_flight[0][0] is not out:
             raise ValueError("out: async updates must come in the order the steps were scheduled")
         _, self._owners = self._steps_in_flight.popleft()
-        for scheduled in out.scheduled:
-            if scheduled.sample and self._slice_owner(scheduled) is not None:
-                self._num_in_flight[scheduled.request_id] -= 1
         return super().update_from_output(out, sampled_token_ids)
 
     def num_in_flight(self, request: Request) -> int:
@@ -78,6 +77,10 @@ class AsyncScheduler(Scheduler):
             return None  # finished or aborted since (maybe replaced by a new request with its id)
         return request
 
+    def _accept(self, request: Request, scheduled: ScheduledRequest, token_ids: Sequence[int]) -> None:
+        self._num_in_flight[request.request_id] -= 1  # before a stop finishes it
+        super()._accept(request, scheduled, token_ids)
+
     def _chunk_computed(self, request: Request, scheduled: ScheduledRequest) -> None:
         if request.status is RequestStatus.RUNNING:  # counted at schedule time; now its K/V exists
             self.kv.cache_computed_blocks(request)
@@ -89,11 +92,15 @@ class AsyncScheduler(Scheduler):
             request.num_computed_tokens += num_computed - scheduled.seq_len
 
     def _num_tokens(self, request: Request) -> int:
-        return request.num_tokens + self.num_in_flight(request)
+        return request.num_tokens + self._num_in_flight.get(request.request_id, 0)
 
     def _token_ids(self, request: Request, start: int, end: int) -> tuple[int, ...]:
-        known = min(end, request.num_tokens)
-        return super()._token_ids(request, start, known) + (PLACEHOLDER_TOKEN_ID,) * (end - known)
+        num_tokens = request.num_tokens
+        if end <= num_tokens:
+            return super()._token_ids(request, start, end)
+        if start >= num_tokens:  # a decode of the token in flight
+            return (PLACEHOLDER_TOKEN_ID,) * (end - start)
+        return super()._token_ids(request, start, num_tokens) + (PLACEHOLDER_TOKEN_ID,) * (end - num_tokens)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         if self._finishes_in_flight(request):
@@ -103,6 +110,7 @@ class AsyncScheduler(Scheduler):
     def _finish(self, request: Request, status: RequestStatus) -> None:
         super()._finish(request, status)
         self._num_in_flight.pop(request.request_id, None)
+        self.num_finished += 1
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """The steps in flight end the request whatever they sample: max_tokens or max_model_len."""
