@@ -143,8 +143,8 @@ struct BlockRows {
     len = std::min(block_size, task.end() - start);
   }
 
-  // Asks for row t (< len) of both into L2 (prefetcht2: 20-30% faster than prefetcht0 at batch-64 decode,
-  // and faster than asking two blocks ahead).
+  // Asks for row t (< len) of both into L2 (prefetcht2 beat prefetcht0 at batch-64 decode, and asking two
+  // blocks ahead: docs/BENCHMARKS.md, "Figures behind the code").
   template <int64_t kHeadDim>
   void prefetch(int64_t t, const Strides& st) const {
     for (int64_t byte = 0; byte < kHeadDim * int64_t(sizeof(scalar_t)); byte += 64) {
@@ -218,8 +218,8 @@ void attend(const Task& task, const scalar_t* q, const scalar_t* k_cache, const 
 //
 // While a block is computed, the block after it is asked for, one row per position the first query vector
 // scores (spread out, so the loads of this block are not queued behind a burst of requests); after the last
-// block, the first block of next_task, the task this thread runs next (or null). Together 13-24% faster
-// than a burst for the next block alone, at 64 sequences of 100-300 positions.
+// block, the first block of next_task, the task this thread runs next (or null). Together faster than a
+// burst for the next block alone (docs/BENCHMARKS.md, "Figures behind the code").
 template <typename scalar_t, int64_t kHeadDim>
 void attend_vectorized(const Task& task, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                        const int32_t* block_tables, scalar_t* out, const Strides& st, int64_t group, int64_t block_size,

@@ -81,9 +81,9 @@ def cpu_paged_attention_prechecked(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`cpu_paged_attention` without its checks (50-100 us of Python per call), for arguments of the same
-    shapes, dtypes, strides and devices as a call that passed them: the other layers of the same step.
-    query_start_loc and seq_lens must be contiguous."""
+    """`cpu_paged_attention` without its checks (tens of microseconds of Python per call), for arguments of
+    the same shapes, dtypes, strides and devices as a call that passed them: the other layers of the same
+    step. query_start_loc and seq_lens must be contiguous."""
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     load_cpu_extension(EXTENSION).paged_attention(
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0
@@ -117,7 +117,7 @@ def cpu_store_kv_prechecked(
     slot_mapping: torch.Tensor,
 ) -> None:
     """`cpu_store_kv` without its argument checks, for the other layers of a step whose first call passed
-    them (two index_copy_ took 10 us a layer at batch 1 on the 2-core CPU, this 1 us). A slot past the cache
+    them (faster than two index_copy_ a layer at batch 1: docs/BENCHMARKS.md). A slot past the cache
     is still an error: the kernel checks every slot before it writes anything and reports the first bad
     one, which is raised here, in Python (no C++ exception crosses the extension boundary)."""
     bad_token = load_cpu_extension(EXTENSION).store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -97,9 +97,15 @@ class ServerThread:
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        """Runs a coroutine on the server's loop and returns its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = PATIENCE_S) -> T:
+        """Runs a coroutine on the server's loop and returns its result; one that takes past `timeout` (a
+        hang) is cancelled, so that nothing it started (an engine core loading) outlives the test."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def stats(self) -> EngineStats:
         assert self.engine is not None

@@ -86,6 +86,24 @@ async def test_concurrent_streams_equal_the_offline_engine(engine, llama_long_di
     await _wait_for_free_blocks(engine)
 
 
+async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp_path):
+    """The core reads its model from a FIFO nobody writes: it loads until the test cancels the start. The
+    cancelled start must kill it (a frontend that gives up must not leave an engine core running)."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    engine = AsyncEngine(
+        EngineConfig(model=ModelConfig(model=str(fifo), load_format="gguf")), engine_timeout=3600.0
+    )
+    start = asyncio.create_task(engine.start())
+    await _wait_until(lambda: engine._client.process is not None, "the core process started")
+    process = engine._client.process
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert await asyncio.wait_for(process.wait(), PATIENCE_S) == -signal.SIGKILL
+    await engine.shutdown()
+
+
 async def test_the_frontend_process_never_imports_torch(engine):
     assert "torch" not in sys.modules or os.environ.get("PYTEST_XDIST_WORKER") is None
     assert engine.core_pid is not None and engine.core_pid != os.getpid()

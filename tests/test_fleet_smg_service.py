@@ -11,7 +11,8 @@ import zipfile
 
 import grpc
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from checkpoints import LONG_CONTEXT
+from service_harness import LONG_NUM_BLOCKS, UNENDING_TOKENS, ServerThread, tiny_engine_config
 from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -54,11 +55,14 @@ def test_token_ids_in_and_out_equal_sluices_own_answer(server: ServerThread, eng
     assert whole.complete.cached_tokens == 32
 
 
-def test_health_model_info_and_tokenizer_bundle(server: ServerThread, engine_stub, llama_dir: str) -> None:
+def test_health_model_info_and_tokenizer_bundle(
+    server: ServerThread, engine_stub, llama_long_dir: str
+) -> None:
+    """The module's server serves the long-context tiny Llama (`LONG_CONTEXT` positions)."""
     health = engine_stub.HealthCheck(smg.HealthCheckRequest(), timeout=10)
     assert health.healthy
     info = engine_stub.GetModelInfo(smg.GetModelInfoRequest(), timeout=10)
-    assert (info.max_context_length, info.vocab_size, info.model_type) == (256, 512, "llama")
+    assert (info.max_context_length, info.vocab_size, info.model_type) == (LONG_CONTEXT, 512, "llama")
     chunks = list(engine_stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
     archive = b"".join(c.data for c in chunks)
     assert [c.sha256 for c in chunks[:-1]] == [""] * (len(chunks) - 1)
@@ -70,32 +74,35 @@ def test_health_model_info_and_tokenizer_bundle(server: ServerThread, engine_stu
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    with open(f"{llama_dir}/tokenizer.json") as f:
+    with open(f"{llama_long_dir}/tokenizer.json") as f:
         original = json.load(f)
     assert json.loads(files.read("tokenizer.json"))["model"]["vocab"] == original["model"]["vocab"]
     loads = engine_stub.GetLoads(smg.GetLoadsRequest(), timeout=10)
-    assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == 128 * 16
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == LONG_NUM_BLOCKS * 16
 
 
 def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread, engine_stub) -> None:
     request = smg.GenerateRequest(
         request_id="to-abort",
         tokenized=smg.TokenizedInput(input_ids=[5, 6, 7]),
-        sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True),
+        sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=UNENDING_TOKENS, ignore_eos=True),
         stream=True,
     )
     responses = engine_stub.Generate(request, timeout=60)
     next(responses)
     engine_stub.Abort(smg.AbortRequest(request_ids=["to-abort", "never-seen"]), timeout=10)
     (complete,) = [r.complete for r in responses if r.WhichOneof("response") == "complete"]
-    assert complete.finish_reason == "abort" and complete.completion_tokens < 240
+    assert complete.finish_reason == "abort" and complete.completion_tokens < UNENDING_TOKENS
     server.wait_idle()
 
 
 @pytest.mark.parametrize(
     ("sampling", "message"),
     [
-        ({"max_tokens": 250}, "sampling_params.max_tokens: 250 tokens after a 40-token prompt"),
+        (
+            {"max_tokens": LONG_CONTEXT},
+            f"sampling_params.max_tokens: {LONG_CONTEXT} tokens after a 40-token prompt",
+        ),
         ({"structural_tag": "{}"}, "sampling_params.structural_tag: is not supported"),
         ({"top_p": 2.0}, "top_p: must be in (0, 1]"),
     ],

@@ -89,7 +89,11 @@ class CoreClient:
             env=core_process_environment(os.environ),
         )
         self.send(CoreConfig(self.config, self.heartbeat_seconds))
-        ready = await self._wait_ready()
+        try:
+            ready = await self._wait_ready()
+        except BaseException:  # failed, or cancelled while the model loads: no core outlives its start
+            self.kill()
+            raise
         self._on_dead = on_dead
         self._last_heard = time.monotonic()
         self._tasks = [

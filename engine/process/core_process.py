@@ -45,12 +45,14 @@ logger = logging.getLogger("sluice.engine_core")
 class CoreLoop:
     """Feeds commands to an `EngineCore` and sends back what each step produced."""
 
-    def __init__(self, core: EngineCore, commands: zmq.Socket, results: zmq.Socket, heartbeat: float) -> None:
+    def __init__(
+        self, core: EngineCore, commands: zmq.Socket, results: zmq.Socket, heartbeat: float, parent_pid: int
+    ) -> None:
         self.core = core
         self.commands = commands
         self.results = results
         self.heartbeat_ms = int(heartbeat * 1000)
-        self.parent_pid = os.getppid()
+        self.parent_pid = parent_pid  # the frontend, read when the process started (it may be gone by now)
 
     def run(self) -> int:
         """Returns the process exit code."""
@@ -92,6 +94,7 @@ class CoreLoop:
 
 
 def serve_core(commands_address: str, results_address: str) -> int:
+    parent_pid = os.getppid()  # before loading: the frontend may give up and exit while the model loads
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.bind(commands_address)
@@ -115,7 +118,7 @@ def serve_core(commands_address: str, results_address: str) -> int:
     tokenizer = None if core.tokenizer is None else core.tokenizer.spec()
     results.send(encode(CoreReady(core.model_info, tokenizer, os.getpid())))
     try:
-        return CoreLoop(core, commands, results, setup.heartbeat_seconds).run()
+        return CoreLoop(core, commands, results, setup.heartbeat_seconds, parent_pid).run()
     finally:
         results.close(linger=1000)  # let the last message (e.g. CoreFailed) go out
         commands.close(linger=0)

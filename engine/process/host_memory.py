@@ -2,8 +2,8 @@
 
 A CPU step allocates its activations afresh (a prefill chunk's gate/up output is 25 MB on SmolLM2-135M).
 By default glibc serves blocks that big with mmap and hands them back on free, so every step pays the
-kernel to fault in and zero its buffers again: on the 2-core CPU the SiLU-and-mul of a 2048-row chunk took
-6.5 ms in place of 1.5 ms. `retain_freed_memory` keeps such blocks in the heap for reuse (what vLLM's and
+kernel to fault in and zero its buffers again (docs/BENCHMARKS.md, "Figures behind the code").
+`retain_freed_memory` keeps such blocks in the heap for reuse (what vLLM's and
 IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of holding on to the peak of a step's
 temporaries. `freeze_gc_heap` takes what loading left alive out of the garbage collector's reach.
 """

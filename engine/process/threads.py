@@ -8,13 +8,10 @@ The pool's threads spin only briefly before they sleep (`core_process_environmen
 spins 300,000 times (about 10 ms on a Zen 5, 35 ns a pause) after every parallel region before a thread
 sleeps: after each step a thread then holds a core while the frontend and the gRPC clients, on the same
 cores, need it to stream the step's tokens, and on a busy machine a thread whose partner was preempted
-spins through its time slice. Measured on the 2-core Zen 5 with other work running (SmolLM2-135M, 32
-tokens per request, alternated servers against one offline run, two rounds): at concurrency 1 the
-server gave 2.6-6.1 output tok/s with the default, 32.2-33.5 with GOMP_SPINCOUNT=1000, 15.2-18.3 with
-3000, 30.2-50.0 with OMP_WAIT_POLICY=PASSIVE; at 16, 29.6-33.5 / 145-297 / 130-185 / 190-360. A quiet
-machine was not to be had for the comparison: there a short spin still catches parallel regions that
-follow each other within ~35 us (the kernels of the C++ decoder stack), so it should cost at most a
-wake-up per longer gap (a few per step), where PASSIVE would pay one per parallel region.
+spins through its time slice. A short spin still catches parallel regions that follow each other closely
+(the kernels of the C++ decoder stack), so it should cost at most a wake-up per longer gap, where
+OMP_WAIT_POLICY=PASSIVE would pay one per parallel region. Measured: docs/BENCHMARKS.md ("Figures behind
+the code"); the offline `LLM` runs in the caller's process and keeps libgomp's default.
 """
 
 from __future__ import annotations

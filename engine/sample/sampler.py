@@ -31,11 +31,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [rows, vocab]: the first maximum of each row, NaN counting as the maximum.
 
     In two passes over `_ARGMAX_CHUNK`-wide chunks: the first chunk holding the row's maximum (amax, which
-    vectorises), then the first maximum within it. torch's CPU argmax does not vectorise: at 64 x 49152
-    float32 it takes 2.7 ms against 0.2 ms for this, a few percent of a 64-sequence decode step. Below
+    vectorises), then the first maximum within it: torch's CPU argmax does not vectorise. Below
     `_ARGMAX_MIN_ROWS` rows (and off the CPU) one argmax wins: right after a forward every op's code is
-    cold, and the two passes' eight ops took 180 us of a batch-1 step against 85 us for one argmax
-    (49152-token vocabulary, 2-core Zen 5).
+    cold, and the two passes' eight ops cost more than one argmax (docs/BENCHMARKS.md, "Figures behind the
+    code").
     """
     rows, vocab = x.shape
     if rows < _ARGMAX_MIN_ROWS or x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not x.is_contiguous():
@@ -100,7 +99,7 @@ class Sampler:
         logits = logits.float()
         processed = self.apply_processors(logits, rows)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if not random:  # no row selection: indexing copies [rows, vocab] (1.4 ms at 64 x 49152 on CPU)
+        if not random:  # no row selection: indexing would copy [rows, vocab]
             return argmax_rows(processed)
         device = logits.device
         token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
@@ -119,7 +118,7 @@ class Sampler:
         itself when no processor concerns any row (the caller must not modify the result in place).
 
         Copying is what a plain batch would pay for nothing: at 256 x 49152 float32 the copy is 50 MB,
-        mapped and faulted in afresh each step (over glibc's mmap threshold), ~20 ms on a 2-core CPU.
+        mapped and faulted in afresh each step (over glibc's mmap threshold; docs/BENCHMARKS.md).
         """
         active = [p for p in self.processors if any(p.applies_to(row) for row in rows)]
         if not active:
