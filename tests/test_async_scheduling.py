@@ -499,6 +499,45 @@ def test_speculation_runs_its_steps_synchronously_with_identical_greedy_tokens(l
     assert set(counts) == {"plain0", "plain1"}
 
 
+def test_a_verify_step_in_flight_finishes_before_the_next_even_when_its_speculating_request_was_aborted(
+    llama_dir,
+):
+    # A verify step is sampled on the host: it has no device tokens for placeholders, so the request
+    # beside the aborted one must not be scheduled with a placeholder for it.
+    rng = random.Random(5)
+    phrase = [rng.randrange(4, 512) for _ in range(12)]
+    plain_prompt = [rng.randrange(4, 512) for _ in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = _llm(llama_dir, False).generate([plain_prompt], params)[0].token_ids
+    llm = _llm(llama_dir, True, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+    engine = llm.engine
+    scheduler = engine.core.scheduler
+    scheduled: list[SchedulerOutput] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        scheduled.append(schedule())
+        return scheduled[-1]
+
+    scheduler.schedule = recording_schedule
+    engine.add_request("spec", phrase * 3, params)
+    engine.add_request("plain", plain_prompt, params, use_speculation=False)
+    received: dict[str, list[int]] = {}
+    for _ in range(60):  # until the step left in flight verifies drafts of "spec"
+        for output in engine.step():
+            received.setdefault(output.request_id, []).extend(output.token_ids)
+        if any(s.request_id == "spec" and s.spec_token_ids for s in scheduled[-1].scheduled):
+            break
+    else:
+        raise AssertionError("no verify step of 'spec' was left in flight")
+    assert {s.request_id for s in scheduled[-1].scheduled} == {"spec", "plain"}
+    engine.abort(["spec"])
+    for request_id, token_ids in _drain(engine).items():
+        received.setdefault(request_id, []).extend(token_ids)
+    assert received["plain"] == expected
+    assert engine.stats().num_kv_blocks_used == 0
+
+
 def test_structured_penalised_and_min_tokens_requests_step_synchronously(llama_dir):
     prompts = _prompts(8, seed=23)
     constraint = Constraint(regex="[a-z]{3,8}")

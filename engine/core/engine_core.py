@@ -260,8 +260,14 @@ class EngineCore:
         return launched
 
     def _in_flight_needs_its_tokens(self) -> bool:
-        """A request of the step in flight that is still live needs its tokens before its next step."""
-        if self._in_flight is None or not self._maybe_synchronous:
+        """A request of the step in flight that is still live needs its tokens before its next step,
+        or the step was sampled on the host (it verified drafts): it has no device tokens to fill the
+        next step's placeholders, and finishing it costs no wait."""
+        if self._in_flight is None:
+            return False
+        if self._in_flight.sampled is not None:
+            return True
+        if not self._maybe_synchronous:
             return False
         speculating = self.speculator.proposer is not None
         candidates = (r for r in self._in_flight.requests if r.request_id in self._maybe_synchronous)
