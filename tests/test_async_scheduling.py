@@ -373,12 +373,20 @@ def test_prefix_hits_and_n_samples_compute_what_they_compute_synchronously(llama
 def test_logprobs_equal_the_synchronous_ones(llama_dir):
     prompts = _prompts(6, seed=13)
     params = [
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=i % 3 or None)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=i % 3 or None,
+            prompt_logprobs=1 if i % 2 else None,
+        )
         for i in range(6)
     ]
-    expected, got, counts = _both(llama_dir, prompts, params)
+    expected, got, counts = _both(llama_dir, prompts, params, max_num_batched_tokens=32, max_num_seqs=8)
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+    assert [c.prompt_logprobs for c in got] == [c.prompt_logprobs for c in expected]
     assert got[1].logprobs is not None and len(got[1].logprobs) == 6 and counts
+    assert len(got[1].prompt_logprobs) == len(prompts[1]) - 1
 
 
 def test_a_request_whose_sampling_fails_ends_alone_and_its_step_in_flight_is_dropped(llama_dir, monkeypatch):
