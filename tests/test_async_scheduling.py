@@ -17,12 +17,15 @@ import argparse
 import asyncio
 import dataclasses
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from checkpoints import EOS_ID
 from scheduler_driver import PagedFakeModel, check_invariants, make_request, reference_output, tokens
+from service_harness import UNENDING, ServerThread, long_engine_config
 
+from sluice import generate_request
 from sluice.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -40,6 +43,7 @@ from sluice.engine.scheduler.async_scheduler import AsyncScheduler
 from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from sluice.engine.structured.constraint import Constraint
 from sluice.service.engine_args import add_engine_arguments, engine_config_from_args
+from sluice.v1 import sluice_pb2 as pb
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -605,3 +609,37 @@ def test_the_engine_core_process_overlaps_with_the_same_greedy_tokens(llama_dir)
 
 async def _collect(stream) -> list:
     return [output async for output in stream]
+
+
+def test_a_grpc_server_with_async_scheduling_streams_the_offline_outputs_and_ends_aborts(llama_long_dir):
+    # The real server and its core process (where placeholders cannot be counted: the in-process tests
+    # above check that they are used), 8 concurrent requests beside one that runs until aborted.
+    prompts = [f"{word} number {i}" for i, word in enumerate(["Hello", "The quick", "Café", "def add"] * 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    offline = LLM(llama_long_dir, num_blocks=128, attention_backend="torch")
+    expected = [(c.text, c.token_ids) for c in offline.generate(prompts, params)]
+    server = ServerThread(
+        dataclasses.replace(long_engine_config(llama_long_dir), async_scheduling=True)
+    ).start()
+    try:
+        with server.channel() as channel:
+            stub = server.stub(channel)
+            unending = stub.Generate(generate_request("Hello", request_id="forever", **UNENDING))
+            first = next(unending)  # running: its next step is in flight from here on
+            assert first.token_ids
+
+            def generate(prompt: str) -> tuple[str, list[int]]:
+                request = generate_request(prompt, temperature=0.0, max_tokens=10, ignore_eos=True)
+                chunks = list(stub.Generate(request))
+                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+                return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(generate, prompts))
+            assert got == expected
+            assert stub.Abort(pb.AbortRequest(request_id="forever")) == pb.AbortResponse()
+            assert list(unending)[-1].finish_reason == pb.FINISH_REASON_ABORT
+        stats = server.wait_idle()
+        assert stats.num_kv_blocks_used == 0
+    finally:
+        server.stop()
