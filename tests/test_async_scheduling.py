@@ -7,8 +7,10 @@ the tiny checkpoints against the synchronous engine and `transformers`: chunked 
 decodes, EOS / stop tokens / stop strings / max_tokens / max_model_len finishing while the next step is
 in flight, aborts in flight (blocks back, no token after), preemption under KV pressure, prefix hits,
 n > 1, logprobs, a failing sampler, and the requests that make a step synchronous (speculation,
-structured output, penalties, min_tokens). Every engine test also checks that placeholders were used, so
-none can pass with the overlap idle. On CPU the "device" is synchronous: these are correctness tests.
+structured output, penalties, min_tokens). The in-process engine tests also check that placeholders were
+used (or, for what must step synchronously, that none was), so none can pass with the overlap idle; the
+last two run the engine core process and a real gRPC server. On CPU the "device" is synchronous: these
+are correctness tests.
 """
 
 from __future__ import annotations
