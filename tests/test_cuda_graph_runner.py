@@ -362,3 +362,35 @@ def test_graph_memory_estimate_covers_the_verify_graphs():
     )
     # At least the verify graphs' outputs (hidden states of every verify batch) on top.
     assert both - decode_only >= 2 * 2 * arch.hidden_size * sum(sizes) * 4
+
+
+def test_the_runner_replays_decode_and_verify_batches_as_the_eager_model_runs_them():
+    # On CUDA (the GPU check's kernel tests) the runner captures its decode and verify graphs here and
+    # replays them; elsewhere it runs the same batches eagerly. Either way: the eager rows and K/V.
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    gen = torch.Generator().manual_seed(3)
+    shape = (12, BLOCK_SIZE, 1, 16)
+    kv_caches = [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+    runner = CudaGraphRunner(
+        model, kv_caches, max_num_seqs=4, max_num_blocks_per_seq=6, block_size=BLOCK_SIZE, device=DEVICE,
+        verify_query_len=4, max_num_batched_tokens=16,
+    )  # fmt: skip
+    runner.capture()
+    on_cuda = DEVICE.type == "cuda"
+    mixed = [(20, 3, [3, 5]), (9, 1, [2]), (33, 0, [7, 1, 4]), (24, "chunk", 2, [6, 8])]
+    batches = [
+        (("decode", 4), _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])),
+        (("verify", 4), _verify_inputs(mixed)),
+        (("verify", 1), _verify_inputs([(40, 2, [9, 10, 11])])),
+    ]
+    for key, inputs in batches:
+        assert runner.graph_for(inputs) == key
+        assert runner.can_run(inputs) == on_cuda
+        eager_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
+        with torch.inference_mode():
+            expected = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
+            got = runner.run(inputs).clone()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        for (k, v), (eager_k, eager_v) in zip(kv_caches, eager_caches, strict=True):
+            torch.testing.assert_close(k, eager_k, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, eager_v, atol=1e-4, rtol=1e-4)
