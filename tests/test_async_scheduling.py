@@ -42,8 +42,9 @@ from sluice.engine.frontend.llm import LLM
 from sluice.engine.request import RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.async_scheduler import AsyncScheduler
-from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from sluice.engine.structured.constraint import Constraint
+from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs, fill_placeholders
 from sluice.service.engine_args import add_engine_arguments, engine_config_from_args
 from sluice.v1 import sluice_pb2 as pb
 
@@ -230,6 +231,37 @@ def test_overlapped_scheduling_under_kv_pressure_and_aborts_gives_the_reference(
         if request_id not in aborted:
             assert len(got) == max_tokens[request_id], request_id
     assert scheduler.num_blocks_used == 0
+
+
+# ---- the runner's placeholder fill ----------------------------------------------------------------
+
+
+def test_placeholders_are_filled_from_the_rows_of_the_step_before():
+    def scheduled(request_id, token_ids, start):
+        return ScheduledRequest(request_id, tuple(token_ids), start, (1, 2), sample=True)
+
+    sampled = SampledTokenIds(torch.tensor([71, 72, 73]), {"a": 0, "b": 1, "c": 2})
+    # Every row a placeholder, in the step before's order: one copy.
+    out = SchedulerOutput(tuple(scheduled(r, [PLACEHOLDER_TOKEN_ID], 9) for r in "abc"), 3)
+    input_ids = build_model_inputs(out, BLOCK, torch.device("cpu")).input_ids
+    fill_placeholders(input_ids, out, sampled)
+    assert input_ids.tolist() == [71, 72, 73]
+    # Reordered, a request that left, and a prefill chunk that ends in a placeholder beside a new prompt.
+    out = SchedulerOutput(
+        (
+            scheduled("c", [PLACEHOLDER_TOKEN_ID], 9),
+            scheduled("new", [5, 6, 7], 0),
+            scheduled("a", [8, PLACEHOLDER_TOKEN_ID], 4),
+        ),
+        6,
+    )
+    input_ids = build_model_inputs(out, BLOCK, torch.device("cpu")).input_ids
+    fill_placeholders(input_ids, out, sampled)
+    assert input_ids.tolist() == [73, 5, 6, 7, 8, 71]
+    out = SchedulerOutput((scheduled("d", [PLACEHOLDER_TOKEN_ID], 9),), 1)
+    input_ids = build_model_inputs(out, BLOCK, torch.device("cpu")).input_ids
+    with pytest.raises(ValueError, match="^sampled: no token for the placeholder of request 'd'$"):
+        fill_placeholders(input_ids, out, sampled)
 
 
 # ---- the engine: async against synchronous ---------------------------------------------------------

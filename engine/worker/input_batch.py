@@ -120,9 +120,13 @@ def fill_placeholders(input_ids: torch.Tensor, out: SchedulerOutput, sampled: Sa
             dst.append(row - 1)
             src.append(source)
         row += len(req.spec_token_ids)
-    if dst:
-        index = to_device(dst + src, torch.int64, input_ids.device)
-        input_ids[index[: len(dst)]] = sampled.token_ids[index[len(dst) :]]
+    if not dst:
+        return
+    if dst == src and len(dst) == len(input_ids) == len(sampled.token_ids) and dst[-1] == len(dst) - 1:
+        input_ids.copy_(sampled.token_ids)  # a decode batch in the same order as the step before's
+        return
+    index = to_device(dst + src, torch.int64, input_ids.device)
+    input_ids[index[: len(dst)]] = sampled.token_ids[index[len(dst) :]]
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
