@@ -222,6 +222,12 @@ class EngineConfig:
         "torch threads of the engine core process, of each rank under tensor parallelism "
         "(default: its physical cores, divided among the ranks)",
     )
+    # Off until a GPU run shows it pays: on CPU the forward uses every core, so there is little to overlap.
+    async_scheduling: bool = option(
+        False,
+        "schedule step N+1 while step N runs on the device (its sampled tokens feed N+1 there); steps with "
+        "structured output, penalties, min_tokens or speculation stay synchronous",
+    )
     # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None
 
@@ -237,6 +243,11 @@ class EngineConfig:
             f"must be > 0, got {self.max_seq_len_to_capture}",
         )
         _require(self.num_threads is None or self.num_threads > 0, "num_threads", "must be > 0")
+        _require(
+            not self.async_scheduling or self.parallel.tensor_parallel_size == 1,
+            "async_scheduling",
+            "needs tensor_parallel_size 1 (the workers would need the sampled tokens on their devices)",
+        )
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:

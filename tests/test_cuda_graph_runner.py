@@ -1,8 +1,8 @@
 """CUDA graph runner: capture sizes, padding, static buffers, and the padded batch's model output.
 
-Capture and replay need a GPU (scripts/gpu_check.py); here the pure parts run on CPU, and a padded
-decode batch runs through the real model with the Triton backend (interpreted) exactly as a graph
-would replay it, compared with the unpadded eager run.
+Capture and replay need a GPU (scripts/gpu_check.py); here the pure parts run on CPU, and padded decode
+and verify batches run through the real model with the Triton backend (interpreted) exactly as a graph
+would replay them, compared with the unpadded eager run.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.cuda_graph_runner import (
     CudaGraphRunner,
     GraphInputBuffers,
+    VerifyInputBuffers,
     capture_sizes,
     estimate_graph_memory_bytes,
     padded_size,
     replay_size,
+    verify_capture_sizes,
+    verify_replay_size,
 )
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -197,3 +200,197 @@ def test_graph_memory_estimate_grows_with_the_batch_and_covers_the_outputs():
     # At least the graph outputs (hidden states of every captured size) and the largest batch's residual.
     sizes = capture_sizes(128)
     assert large > 2 * arch.hidden_size * (sum(sizes) + 128)
+
+
+# ---- verify graphs (speculative decoding: queries of up to k + 1 tokens) -----------------------------
+
+
+def _verify_inputs(slices, device=DEVICE):
+    """A step built by the real input builder. slices: (seq_len, num_drafts, blocks) of a verify or decode
+    slice (its last token, then its drafts), or (seq_len, "chunk", num_tokens, blocks) of a prefill chunk."""
+    scheduled = []
+    for i, (seq_len, drafts, *rest) in enumerate(slices):
+        if drafts == "chunk":
+            num_tokens, blocks = rest
+            tokens = tuple(range(50 + i, 50 + i + num_tokens))
+            scheduled.append(
+                ScheduledRequest(f"c{i}", tokens, seq_len - num_tokens, tuple(blocks), sample=False)
+            )
+            continue
+        (blocks,) = rest
+        spec = tuple(200 + 10 * i + j for j in range(drafts))
+        start = seq_len - 1 - drafts
+        scheduled.append(
+            ScheduledRequest(f"v{i}", (100 + i,), start, tuple(blocks), sample=True, spec_token_ids=spec)
+        )
+    num_tokens = sum(s.num_tokens for s in scheduled)
+    return build_model_inputs(SchedulerOutput(tuple(scheduled), num_tokens), BLOCK_SIZE, device)
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "budget", "query_len", "expected"),
+    [
+        (128, 2048, 4, capture_sizes(128)),
+        (128, 64, 4, [1, 2, 4, 8, 16]),
+        (8, 2, 4, [1]),
+        (3, 100, 2, [1, 2, 4]),
+    ],
+)
+def test_verify_capture_sizes_hold_what_one_step_can(max_num_seqs, budget, query_len, expected):
+    assert verify_capture_sizes(max_num_seqs, budget, query_len) == expected
+
+
+def test_verify_capture_sizes_need_queries_of_two_tokens():
+    with pytest.raises(
+        ValueError, match="^query_len: a verify graph has queries of 2 or more tokens, got 1$"
+    ):
+        verify_capture_sizes(8, 64, 1)
+
+
+def test_verify_replay_size_pads_short_query_batches_and_refuses_the_rest():
+    sizes = verify_capture_sizes(8, 64, 4)  # [1, 2, 4, 8]
+    mixed = _verify_inputs([(20, 3, [3, 5]), (9, 1, [2]), (33, 0, [7, 1, 4]), (24, "chunk", 2, [6, 8])])
+    assert verify_replay_size(mixed.metadata, sizes, query_len=4, max_num_blocks_per_seq=4) == 4
+    uniform = _verify_inputs([(20, 3, [3, 5]), (9, 3, [2])])
+    assert verify_replay_size(uniform.metadata, sizes, query_len=4, max_num_blocks_per_seq=4) == 2
+    # Pure decode steps belong to the decode graphs.
+    decode = _verify_inputs([(20, 0, [3, 5]), (9, 0, [2])])
+    assert verify_replay_size(decode.metadata, sizes, query_len=4, max_num_blocks_per_seq=4) is None
+    # A longer query (a prefill chunk of 5, or 4 drafts) runs eagerly.
+    long_chunk = _verify_inputs([(20, 3, [3, 5]), (20, "chunk", 5, [6, 8])])
+    assert verify_replay_size(long_chunk.metadata, sizes, query_len=4, max_num_blocks_per_seq=4) is None
+    assert verify_replay_size(uniform.metadata, sizes, query_len=3, max_num_blocks_per_seq=4) is None
+    nine = _verify_inputs([(5, 1, [i]) for i in range(9)])
+    assert verify_replay_size(nine.metadata, sizes, query_len=4, max_num_blocks_per_seq=4) is None
+    # A context beyond the graphs' blocks runs eagerly: the table itself, or once padded to 4 rows
+    # (a context of 31 after 1 draft, its query of 2 padded to 4: 33 positions > 2 blocks of 16).
+    assert verify_replay_size(mixed.metadata, sizes, query_len=4, max_num_blocks_per_seq=2) is None
+    edge = _verify_inputs([(32, 3, [3, 5]), (31, 1, [2, 4])])
+    assert verify_replay_size(edge.metadata, sizes, query_len=4, max_num_blocks_per_seq=2) is None
+    fits = _verify_inputs([(32, 3, [3, 5]), (30, 3, [2, 4])])
+    assert verify_replay_size(fits.metadata, sizes, query_len=4, max_num_blocks_per_seq=2) == 2
+
+
+def test_verify_fill_pads_each_sequence_after_its_own_rows():
+    buffers = VerifyInputBuffers.allocate(4, 3, 4, BLOCK_SIZE, DEVICE)
+    buffers.block_tables.fill_(6)  # stale ids from an earlier, wider batch
+    inputs = _verify_inputs([(20, 2, [3, 5]), (9, 0, [2]), (18, "chunk", 2, [7, 1])])
+    rows = buffers.fill(inputs, 4)
+    assert rows.tolist() == [0, 1, 2, 3, 6, 7]
+    assert buffers.input_ids[:12].tolist() == [100, 200, 201, 101, 0, 0, 52, 53, 0, 0, 0, 0]
+    assert buffers.positions[:12].tolist() == [17, 18, 19, 8, 0, 0, 16, 17, 0, 0, 0, 0]
+    assert buffers.slot_mapping[:12].tolist() == [5 * 16 + 1, 5 * 16 + 2, 5 * 16 + 3, 2 * 16 + 8, -1, -1,
+                                                  1 * 16 + 0, 1 * 16 + 1, -1, -1, -1, -1]  # fmt: skip
+    # Padded to 3 rows each: seq_len + (3 - query_len); the padding sequence reads positions 0..2.
+    assert buffers.seq_lens.tolist() == [20, 11, 19, 3]
+    assert buffers.block_tables[:3, :2].tolist() == [[3, 5], [2, 0], [7, 1]]
+    assert buffers.block_tables[:, 2:].tolist() == [[6, 6]] * 4  # beyond the batch width: untouched
+    md = buffers.metadata(4, BLOCK_SIZE)
+    assert md.query_start_loc.tolist() == [0, 3, 6, 9, 12] and md.slot_mapping.shape == (12,)
+    assert (md.max_query_len, md.max_seq_len, md.is_pure_decode) == (3, 64, False)
+    with pytest.raises(ValueError, match="^inputs: a query of 4 tokens does not fit 3 rows$"):
+        buffers.fill(_verify_inputs([(20, 3, [3, 5])]), 1)
+    with pytest.raises(ValueError, match="^inputs: 2 sequences do not fit a verify graph of 1$"):
+        buffers.fill(_verify_inputs([(20, 1, [3, 5]), (9, 1, [2])]), 1)
+    with pytest.raises(
+        ValueError, match="^query_len: 40 positions exceed the 2 blocks of 16 a graph addresses"
+    ):
+        VerifyInputBuffers.allocate(4, 40, 2, BLOCK_SIZE, DEVICE)
+
+
+def test_padded_verify_inputs_give_the_eager_rows_and_write_no_padding_kv():
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    gen = torch.Generator().manual_seed(2)
+
+    def caches():
+        gen.manual_seed(2)
+        shape = (12, BLOCK_SIZE, 1, 16)
+        return [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+
+    # Drafts 3, 1 and 0 (a decode) and a 2-token prefill chunk, padded to 4 rows each and 8 sequences.
+    inputs = _verify_inputs([(20, 3, [3, 5]), (9, 1, [2]), (33, 0, [7, 1, 4]), (24, "chunk", 2, [6, 8])])
+    eager_caches, graph_caches = caches(), caches()
+    with torch.no_grad():
+        eager = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
+        buffers = VerifyInputBuffers.allocate(8, 4, 6, BLOCK_SIZE, DEVICE)
+        rows = buffers.fill(inputs, 8)
+        padded = model(
+            buffers.input_ids[:32], buffers.positions[:32], graph_caches, buffers.metadata(8, BLOCK_SIZE)
+        )
+    assert padded.shape[0] == 32
+    torch.testing.assert_close(padded[rows], eager, atol=1e-5, rtol=1e-5)
+    real_slots = inputs.metadata.slot_mapping.cpu()
+    untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
+    untouched[real_slots] = False
+    initial = [part.cpu() for layer in caches() for part in layer]
+    eager_parts = [part.cpu() for layer in eager_caches for part in layer]
+    graph_parts = [part.cpu() for layer in graph_caches for part in layer]
+    for before, eager_part, graph_part in zip(initial, eager_parts, graph_parts, strict=True):
+        eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
+        assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
+        torch.testing.assert_close(graph_flat[real_slots], eager_flat[real_slots], atol=1e-5, rtol=1e-5)
+
+
+def test_runner_picks_verify_graphs_but_off_cuda_runs_eagerly():
+    cpu = torch.device("cpu")
+    model = _tiny_model(TorchAttentionBackend(), cpu)
+    kv_caches = [(torch.randn(12, BLOCK_SIZE, 1, 16), torch.randn(12, BLOCK_SIZE, 1, 16)) for _ in range(2)]
+    runner = CudaGraphRunner(
+        model, kv_caches, max_num_seqs=5, max_num_blocks_per_seq=4, block_size=16, device=cpu,
+        verify_query_len=4, max_num_batched_tokens=16,
+    )  # fmt: skip
+    runner.capture()
+    verify = _verify_inputs([(20, 3, [3, 5]), (9, 1, [2])], device=cpu)
+    decode = _verify_inputs([(20, 0, [3, 5]), (9, 0, [2])], device=cpu)
+    assert runner.verify_sizes == [1, 2, 4] and runner.verify_buffers.query_len == 4
+    assert (runner.graph_for(verify), runner.graph_for(decode)) == (("verify", 2), ("decode", 2))
+    assert runner.enforce_eager and not runner.can_run(verify)
+    with torch.no_grad():
+        expected = model(verify.input_ids, verify.positions, [(k.clone(), v.clone()) for k, v in kv_caches],
+                         verify.metadata)  # fmt: skip
+        torch.testing.assert_close(runner.run(verify), expected, atol=0, rtol=0)
+    without = CudaGraphRunner(model, kv_caches, 5, 4, 16, cpu)
+    assert without.verify_buffers is None and without.graph_for(verify) is None
+
+
+def test_graph_memory_estimate_covers_the_verify_graphs():
+    arch = ModelArchConfig.from_hf_config(PRESETS["llama-3.2-1b"])
+    decode_only = estimate_graph_memory_bytes(arch, 128, 4096, torch.bfloat16)
+    sizes = verify_capture_sizes(128, 2048, 4)
+    both = estimate_graph_memory_bytes(
+        arch, 128, 4096, torch.bfloat16, verify_sizes=sizes, verify_query_len=4
+    )
+    # At least the verify graphs' outputs (hidden states of every verify batch) on top.
+    assert both - decode_only >= 2 * 2 * arch.hidden_size * sum(sizes) * 4
+
+
+def test_the_runner_replays_decode_and_verify_batches_as_the_eager_model_runs_them():
+    # On CUDA (the GPU check's kernel tests) the runner captures its decode and verify graphs here and
+    # replays them; elsewhere it runs the same batches eagerly. Either way: the eager rows and K/V.
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    gen = torch.Generator().manual_seed(3)
+    shape = (12, BLOCK_SIZE, 1, 16)
+    kv_caches = [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+    runner = CudaGraphRunner(
+        model, kv_caches, max_num_seqs=4, max_num_blocks_per_seq=6, block_size=BLOCK_SIZE, device=DEVICE,
+        verify_query_len=4, max_num_batched_tokens=16,
+    )  # fmt: skip
+    runner.capture()
+    on_cuda = DEVICE.type == "cuda"
+    mixed = [(20, 3, [3, 5]), (9, 1, [2]), (33, 0, [7, 1, 4]), (24, "chunk", 2, [6, 8])]
+    batches = [
+        (("decode", 4), _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])),
+        (("verify", 4), _verify_inputs(mixed)),
+        (("verify", 1), _verify_inputs([(40, 2, [9, 10, 11])])),
+    ]
+    for key, inputs in batches:
+        assert runner.graph_for(inputs) == key
+        assert runner.can_run(inputs) == on_cuda
+        eager_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
+        with torch.inference_mode():
+            expected = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
+            got = runner.run(inputs).clone()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        for (k, v), (eager_k, eager_v) in zip(kv_caches, eager_caches, strict=True):
+            torch.testing.assert_close(k, eager_k, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, eager_v, atol=1e-4, rtol=1e-4)

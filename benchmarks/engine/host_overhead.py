@@ -1,6 +1,7 @@
 """The engine's host time per decode step, the forward excluded.
 
     python -m sluice.benchmarks.engine.host_overhead [--batch 1 64 256] [--steps 40] [--json out.json]
+        [--async-scheduling off|on|both]
 
 Model: the embedded SmolLM2-135M's shape, tokenizer and 49152-token vocabulary with random weights and
 only `--num-layers` decoder layers (default 2), so the forward is short and the host's work (which does
@@ -18,6 +19,13 @@ host = step - forward + ipc + frontend. The phases are timed by wrapping the eng
 outside (time.perf_counter_ns for wall time, time.thread_time_ns for this thread's CPU time, which a
 busy shared machine disturbs less); nothing in the engine is changed. Prints a table of medians (and
 host p90) and writes every step's figures with --json.
+
+`--async-scheduling both` runs two engines in one process, synchronous and async (`--async-scheduling`),
+batch size by batch size, and prints both. With async scheduling a step launches the next step's forward
+and sampling, then updates with the step before (the "update" phase includes waiting for its tokens). On
+the CPU the forward runs where it is launched, using the thread the host work would need, so there is
+nothing to overlap: the comparison shows what async scheduling costs on the host, not what it hides on a
+GPU (there, host time overlapped with the device's work leaves the step's critical path).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.core import engine_core as engine_core_module
 from sluice.engine.frontend.engine import Engine
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.loading.default_model import default_model_path
@@ -88,17 +97,23 @@ def build_source(num_layers: int, seed: int) -> ModelSource:
 
 
 def instrument(engine: Engine, clock: PhaseClock) -> None:
-    """Wraps the phases of `engine`'s step (instance attributes, and the runner's input builder)."""
+    """Wraps the phases of `engine`'s step (instance attributes). Async scheduling: "update" is finishing
+    the step in flight (waiting for its tokens, then the update)."""
     core = engine.core
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.model_runner.graph_runner, "run", "forward")
     clock.wrap(core.model_runner.model, "compute_logits", "forward")
     clock.wrap(core, "_sample", "sample")
-    clock.wrap(core, "_update", "update")
+    clock.wrap(core, "_finish_in_flight" if core.config.async_scheduling else "_update", "update")
     clock.wrap(core, "step", "step")
     clock.wrap(engine.output_processor, "process", "frontend")
+
+
+def instrument_modules(clock: PhaseClock) -> None:
+    """Wraps what every engine shares, once: the input builder, async sampling, detokenization."""
     original_build = model_runner_module.build_model_inputs
     model_runner_module.build_model_inputs = clock.timed("inputs", original_build)
+    engine_core_module.launch_sampling = clock.timed("sample", engine_core_module.launch_sampling)
     # Detokenization: OutputProcessor._detokenize of every request (class attribute: states are per request).
     OutputProcessor._detokenize = clock.timed("detokenize", OutputProcessor._detokenize)
 
@@ -176,17 +191,19 @@ def summarize(steps: list[dict[str, dict[str, int]]]) -> dict[str, Any]:
     return summary
 
 
-def format_table(results: dict[int, dict[str, Any]]) -> str:
+def format_table(results: dict[int, dict[str, Any]], mode: str = "sync") -> str:
     columns = [*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "step", "host"]
     lines = [
-        "| batch | clock | " + " | ".join(columns) + " | host p90 | host / token |",
-        "| ---: | --- |" + " ---: |" * (len(columns) + 2),
+        "| batch | scheduling | clock | " + " | ".join(columns) + " | host p90 | host / token |",
+        "| ---: | --- | --- |" + " ---: |" * (len(columns) + 2),
     ]
     for batch, summary in results.items():
         for clock in ("wall", "cpu"):
             s = summary[clock]
             cells = " | ".join(f"{s[c]:.0f}" for c in columns)
-            lines.append(f"| {batch} | {clock} | {cells} | {s['host_p90']:.0f} | {s['host'] / batch:.1f} |")
+            lines.append(
+                f"| {batch} | {mode} | {clock} | {cells} | {s['host_p90']:.0f} | {s['host'] / batch:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -203,33 +220,48 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every step's figures here")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the engine's scheduling: synchronous (off), async (on), or both in one run",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.num_threads)
     max_batch = max(args.batch)
     max_len = args.prompt_len + max_output_len(max_batch, args.steps, args.prompt_len)
     num_blocks = max_batch * (-(-max_len // 16) + 1) + 16
-    config = EngineConfig.from_kwargs(
-        max_num_seqs=max_batch,
-        max_num_batched_tokens=max(TOKEN_BUDGET, max_batch),
-        num_blocks=num_blocks,
-    )
+    modes = {"off": ["sync"], "on": ["async"], "both": ["sync", "async"]}[args.async_scheduling]
     retain_freed_memory()  # as the engine core process does, before and after loading
-    engine = Engine(config, build_source(args.num_layers, args.seed))
-    freeze_gc_heap()
     clock = PhaseClock()
-    instrument(engine, clock)
-    results, raw = {}, {}
-    for batch in args.batch:
-        steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed)
-        results[batch] = summarize(steps)
-        raw[batch] = steps
-        print("\n".join(format_table({batch: results[batch]}).splitlines()[-2:]), flush=True)
-    print(f"\nmodel: {engine.model_info.name}; microseconds per decode step, medians over {args.steps}\n")
-    print(format_table(results))
+    instrument_modules(clock)
+    engines = {}
+    for mode in modes:
+        config = EngineConfig.from_kwargs(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(TOKEN_BUDGET, max_batch),
+            num_blocks=num_blocks,
+            async_scheduling=mode == "async",
+        )
+        engines[mode] = Engine(config, build_source(args.num_layers, args.seed))
+        instrument(engines[mode], clock)
+    freeze_gc_heap()
+    results: dict[str, dict[int, Any]] = {mode: {} for mode in modes}
+    raw: dict[str, dict[int, Any]] = {mode: {} for mode in modes}
+    for batch in args.batch:  # the modes alternate batch by batch, so a machine's drift touches both
+        for mode, engine in engines.items():
+            steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed)
+            results[mode][batch] = summarize(steps)
+            raw[mode][batch] = steps
+            print("\n".join(format_table({batch: results[mode][batch]}, mode).splitlines()[-2:]), flush=True)
+    name = next(iter(engines.values())).model_info.name
+    print(f"\nmodel: {name}; microseconds per decode step, medians over {args.steps}\n")
+    for mode in modes:
+        print(format_table(results[mode], mode))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": engine.model_info.name, "summary": results, "steps": raw}, f, indent=1)
+            json.dump({"model": name, "summary": results, "steps": raw}, f, indent=1)
 
 
 if __name__ == "__main__":

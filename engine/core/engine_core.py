@@ -13,6 +13,12 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
+from sluice.engine.core.launched_step import (
+    LaunchedStep,
+    launch_sampling,
+    may_need_step_tokens,
+    needs_step_tokens,
+)
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.executor.build import build_model_runner
@@ -25,12 +31,14 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.grammar_mask import GrammarMask
 from sluice.engine.sample.logits_processors import default_processors
 from sluice.engine.sample.sampler import SampledToken, Sampler, SamplingRow
+from sluice.engine.scheduler.async_scheduler import AsyncScheduler
 from sluice.engine.scheduler.scheduler import Scheduler
 from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.build import build_proposer
 from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
 from sluice.engine.spec_decode.speculator import Speculator
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
+from sluice.engine.worker.input_batch import SampledTokenIds
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,9 @@ class EngineCore:
     (`PromptLogprobsTracker`: around the model run, in each output), speculation (`Speculator`: drafts
     verified at sampling, proposed after the update) and fault injection (`FaultInjector`, tests only:
     before the model runs and before sampling).
+
+    With `async_scheduling` a step schedules and launches the next step before finishing the one in
+    flight (`_step_overlapped`; `sluice.engine.core.launched_step`).
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
@@ -54,7 +65,7 @@ class EngineCore:
         self.config = config
         self.tokenizer = source.tokenizer
         self.model_runner = build_model_runner(config, source)  # tensor-parallel: an executor over the ranks
-        self.scheduler = Scheduler(
+        self.scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
             config.scheduler,
             config.cache,
             self.model_runner.num_blocks,
@@ -77,6 +88,8 @@ class EngineCore:
         self._grammar_room = GrammarWaitingRoom(self.grammars)
         self._prompt_logprobs = PromptLogprobsTracker()
         self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the step running on the device
+        self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
         spec = config.speculative
         self.model_info = ModelInfo(
             name=source.name,
@@ -95,16 +108,31 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
-        self.model_runner.check_health()  # a tensor-parallel worker that is gone fails the engine here
-        refused = self._grammar_room.admit_ready(self.scheduler.add_request)  # grammars now compiled
+        if self.config.async_scheduling:
+            return self._step_overlapped()  # the same, with the update of the step before this one
+        refused = self._admit_ready()
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
-            self._grammar_room.wait(GRAMMAR_IDLE_WAIT_SECONDS)  # nothing to run: wait for a grammar, not spin
-            return refused
+            return refused + self._idle()
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)
         return refused + self._update(scheduler_output, sampled, sampling_errors)
+
+    def _step_overlapped(self) -> list[CoreOutput]:
+        """Async scheduling: schedules and launches step N+1 while step N (in flight) runs on the device,
+        then finishes N, whose tokens were copied back meanwhile: returns N's outputs."""
+        refused = self._admit_ready()
+        if self._in_flight_needs_its_tokens():
+            refused += self._finish_in_flight()  # this step runs after it: synchronously
+        scheduler_output = self.scheduler.schedule()
+        self._free(scheduler_output.finished_request_ids)
+        launched = None if scheduler_output.is_empty else self._launch(scheduler_output)
+        outputs = self._finish_in_flight()
+        self._in_flight = launched
+        if launched is None and not outputs:
+            return refused + self._idle()
+        return refused + outputs
 
     def add_request(self, add: AddRequest) -> None:
         """Queues one validated request (the frontend checked the prompt against `model_info`).
@@ -150,7 +178,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a worker failure for `step()` to raise."""
+        """Requests to run, or a worker failure for `step()` to raise. (A step in flight whose requests
+        all finished is left to the next `step()`: its results are discarded.)"""
         work = self.scheduler.has_unfinished_requests() or len(self._grammar_room) > 0
         return work or self.model_runner.failed
 
@@ -171,6 +200,17 @@ class EngineCore:
             **self.speculator.counters.stats_fields(),
         )
 
+    def _admit_ready(self) -> list[CoreOutput]:
+        """Checks the workers (one that is gone fails the engine here) and admits the requests whose
+        grammar compiled; returns those refused."""
+        self.model_runner.check_health()
+        return self._grammar_room.admit_ready(self.scheduler.add_request)
+
+    def _idle(self) -> list[CoreOutput]:
+        """Nothing to run: wait a little for a compiling grammar rather than spin."""
+        self._grammar_room.wait(GRAMMAR_IDLE_WAIT_SECONDS)
+        return []
+
     def _free(self, request_ids: Iterable[str]) -> None:
         """Drop the sampler's, the prompt logprobs' and the proposer's state of finished requests."""
         request_ids = list(request_ids)
@@ -178,19 +218,72 @@ class EngineCore:
             return
         for request_id in request_ids:
             self._sampling_rows.pop(request_id, None)
+            self._maybe_synchronous.discard(request_id)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`."""
+    def _execute(
+        self, scheduler_output: SchedulerOutput, sampled_before: SampledTokenIds | None = None
+    ) -> torch.Tensor:
+        """Logits of the sampled rows; prompt logprobs computed on the way are kept for `_output`.
+        `sampled_before`: the step in flight's tokens, for this step's placeholders (async scheduling)."""
         self._inject_faults("step", (s.request_id for s in scheduler_output.scheduled))
+        self._count_scheduled(scheduler_output)
+        # The executor of tensor-parallel ranks takes no sampled_before: async scheduling needs one rank.
+        before = () if sampled_before is None else (sampled_before,)
         slices = self._prompt_logprobs.slices(scheduler_output, self.scheduler.get_request)
         if not slices:
-            return self.model_runner.execute_model(scheduler_output)
-        logits, results = self.model_runner.execute_model_with_prompt_logprobs(scheduler_output, slices)
+            return self.model_runner.execute_model(scheduler_output, *before)
+        logits, results = self.model_runner.execute_model_with_prompt_logprobs(
+            scheduler_output, slices, *before
+        )
         self._prompt_logprobs.add(slices, results)
         return logits
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Async scheduling: runs the model and queues the sampling, waiting for neither; a step that
+        verifies drafts samples on the host at once."""
+        in_flight = self._in_flight
+        logits = self._execute(scheduler_output, None if in_flight is None else in_flight.sampled_token_ids())
+        requests = [self.scheduler.get_request(s.request_id) for s in scheduler_output.scheduled if s.sample]
+        if any(s.spec_token_ids for s in scheduler_output.scheduled):
+            launched = LaunchedStep.on_host(
+                scheduler_output, requests, self._sample(logits, scheduler_output)
+            )
+        else:
+            rows = [self._sampling_row(request) for request in requests]
+            launched = launch_sampling(
+                self.sampler, logits, scheduler_output, requests, rows, self._inject_faults
+            )
+        launched.num_finished = self.scheduler.num_finished
+        return launched
+
+    def _in_flight_needs_its_tokens(self) -> bool:
+        """A request of the step in flight that is still live needs its tokens before its next step,
+        or the step was sampled on the host (it verified drafts): it has no device tokens to fill the
+        next step's placeholders, and finishing it costs no wait."""
+        if self._in_flight is None:
+            return False
+        if self._in_flight.sampled is not None:
+            return True
+        if not self._maybe_synchronous:
+            return False
+        speculating = self.speculator.proposer is not None
+        candidates = (r for r in self._in_flight.requests if r.request_id in self._maybe_synchronous)
+        live = (r for r in candidates if self.scheduler.get_request(r.request_id) is r)
+        return any(needs_step_tokens(r, speculating) for r in live)
+
+    def _finish_in_flight(self) -> list[CoreOutput]:
+        """Waits for the step in flight's tokens and updates with them; [] when none is in flight."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            return []
+        # Requests that finished after the launch (at the update before, or aborted) get nothing.
+        all_live = launched.num_finished == self.scheduler.num_finished
+        is_live = None if all_live else lambda r: self.scheduler.get_request(r.request_id) is r
+        sampled, sampling_errors = launched.results(is_live)
+        return self._update(launched.scheduler_output, sampled, sampling_errors)
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
@@ -231,7 +324,7 @@ class EngineCore:
     ) -> list[CoreOutput]:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
         scheduler and proposes the next drafts: one output per request touched."""
-        self._count(scheduler_output, sampled)
+        self._count_sampled(scheduler_output, sampled)
         # Before the update, which skips them.
         failed = self.abort(list(sampling_errors), sampling_errors) if sampling_errors else []
         updated = self._append(scheduler_output, sampled)
@@ -271,6 +364,8 @@ class EngineCore:
                 grammar=request.grammar,
             )
             self._sampling_rows[request.request_id] = row
+            if may_need_step_tokens(request, self.speculator.proposer is not None):
+                self._maybe_synchronous.add(request.request_id)
         return row
 
     def _output(
@@ -298,11 +393,16 @@ class EngineCore:
             num_accepted_draft_tokens=request.num_accepted_draft_tokens,
         )
 
-    def _count(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> None:
-        """Prompt tokens computed (prefill work, after prefix-cache hits), tokens generated, drafts."""
+    def _count_sampled(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> None:
+        """Steps, tokens generated, drafts verified and accepted."""
         self._num_steps += 1
         self._num_generation_tokens += sum(len(tokens) for tokens in sampled.values())
         self.speculator.count(scheduler_output, {r: len(tokens) for r, tokens in sampled.items()})
+
+    def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Prompt tokens computed (prefill work, after prefix-cache hits)."""
         for scheduled in scheduler_output.scheduled:
             request = self.scheduler.get_request(scheduled.request_id)
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)

@@ -87,21 +87,31 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits: [num_rows, vocab] float32, row i belongs to rows[i]. Does not modify `logits`."""
+        logits = logits.float()
+        return self.attach_logprobs(logits, rows, self.sample_no_sync(logits, rows))
+
+    def sample_no_sync(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """`sample`'s token ids [num_rows] int64, left on the logits' device: on CUDA the work is queued
+        and nothing waits for it (greedy rows, and random rows' filters and draws; a logits processor
+        that builds tensors from host lists may still wait for the device)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
         processed = self.apply_processors(logits, rows)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random:  # no row selection: indexing would copy [rows, vocab]
-            return self.attach_logprobs(logits, rows, argmax_rows(processed))
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            return argmax_rows(processed)
+        device = logits.device
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
-            token_ids[greedy] = argmax_rows(processed[greedy])
+            index = device_tensor(greedy, torch.long, device)
+            token_ids[index] = argmax_rows(processed[index])
         sub_rows = [rows[i] for i in random]
-        probs = torch.softmax(apply_filters(processed[random], sub_rows), dim=-1)
-        token_ids[random] = self.draw(probs, sub_rows)
-        return self.attach_logprobs(logits, rows, token_ids)
+        index = device_tensor(random, torch.long, device)
+        probs = torch.softmax(apply_filters(processed[index], sub_rows), dim=-1)
+        token_ids[index] = self.draw(probs, sub_rows)
+        return token_ids
 
     def apply_processors(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """logits [num_rows, vocab] float32 with every logits processor applied: a copy, or `logits`
@@ -128,8 +138,11 @@ class Sampler:
         # probs: [m, vocab]; q: [m, vocab] ~ Exp(1). argmax(probs / q) is a draw from probs.
         q = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
-        if unseeded:
-            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self._shared(probs.device))
+        if len(unseeded) == len(rows):
+            q.exponential_(generator=self._shared(probs.device))
+        elif unseeded:
+            index = device_tensor(unseeded, torch.long, probs.device)
+            q[index] = torch.empty_like(probs[index]).exponential_(generator=self._shared(probs.device))
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 q[i].exponential_(generator=self._for_request(row, probs.device))
@@ -156,34 +169,73 @@ class Sampler:
     def attach_logprobs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
     ) -> list[SampledToken]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        pending = logprobs_no_sync(logits, rows, token_ids)
         ids = token_ids.tolist()
-        if not wanted:
+        if pending is None:
             return [SampledToken(token_id, None) for token_id in ids]
-        logprobs = torch.log_softmax(logits[wanted], dim=-1)
-        sampled = logprobs.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1).tolist()
-        top = logprobs.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        return pending.sampled_tokens(ids, pending.tensors)
+
+
+@dataclass(frozen=True)
+class DeviceLogprobs:
+    """The logprobs a batch asked for, still on the logits' device (`tensors`: the sampled tokens'
+    logprobs [w], the top values [w, n] and ids [w, n] of the w rows that asked, n the most any asked).
+    `sampled_tokens` reads them once they are on the host (or from the device, waiting for it)."""
+
+    wanted: tuple[int, ...]  # rows that asked for logprobs
+    num_top: tuple[int, ...]  # how many top tokens each of them asked for
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def sampled_tokens(self, token_ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SampledToken]:
+        """One `SampledToken` per row: token_ids[i] with its logprobs where row i asked for them;
+        `tensors`: `self.tensors` or host copies of them."""
+        sampled, top_values, top_ids = (t.tolist() for t in tensors)
         by_row: dict[int, Logprobs] = {}
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
+        for j, (i, n) in enumerate(zip(self.wanted, self.num_top, strict=True)):
             top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[j][:n], top_values[j][:n], strict=True))
-            by_row[i] = Logprobs(sampled=TokenLogprob(ids[i], sampled[j]), top=top)
-        return [SampledToken(token_id, by_row.get(i)) for i, token_id in enumerate(ids)]
+            by_row[i] = Logprobs(sampled=TokenLogprob(token_ids[i], sampled[j]), top=top)
+        return [SampledToken(token_id, by_row.get(i)) for i, token_id in enumerate(token_ids)]
+
+
+def logprobs_no_sync(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> DeviceLogprobs | None:
+    """The logprobs of the rows that ask for them (log_softmax of the raw logits), queued on the device
+    without waiting for it; None when no row asks."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return None
+    index = device_tensor(wanted, torch.long, logits.device)
+    logprobs = torch.log_softmax(logits[index], dim=-1)
+    sampled = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
+    num_top = tuple(rows[i].params.logprobs for i in wanted)
+    top = logprobs.topk(max(num_top), dim=-1)
+    return DeviceLogprobs(tuple(wanted), num_top, (sampled, top.values, top.indices))
+
+
+def device_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host values on `device`. On CUDA through pinned memory with a non-blocking copy:
+    `torch.tensor(values, device=cuda)` copies from pageable memory, which waits for the device's queue."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, then top_k, top_p, min_p; filtered-out entries become -inf. Returns a new tensor."""
     device = logits.device
     vocab = logits.shape[1]
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    temperature = device_tensor([r.params.temperature for r in rows], torch.float32, device).unsqueeze(1)
     logits = logits / temperature
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
-    if bool((min_p > 0).any()):
+        logits = _top_k_top_p(
+            logits, device_tensor(top_k, torch.long, device), device_tensor(top_p, torch.float32, device)
+        )
+    if any(r.params.min_p > 0 for r in rows):  # decided on the host: a device check would wait for it
+        min_p = device_tensor([r.params.min_p for r in rows], torch.float32, device).unsqueeze(1)
         probs = torch.softmax(logits, dim=-1)
         too_unlikely = probs < min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(too_unlikely, float("-inf"))

@@ -175,13 +175,12 @@ class Scheduler:
         """
         got_token = []
         for scheduled in out.scheduled:
-            request = self._running.get(scheduled.request_id)
-            if request is None or request.num_computed_tokens != scheduled.start_position:
+            request = self._slice_owner(scheduled)
+            if request is None:
                 continue
             request.spec_token_ids = []
             if not scheduled.sample:
-                request.num_computed_tokens += scheduled.num_tokens
-                self.kv.cache_computed_blocks(request)
+                self._chunk_computed(request, scheduled)
                 continue
             self._accept(request, scheduled, sampled_token_ids[scheduled.request_id])
             got_token.append(request)
@@ -200,8 +199,10 @@ class Scheduler:
         status = request.append_output_tokens(token_ids, self.max_model_len)
         num_appended = request.num_tokens - num_tokens_before
         # K/V is valid for the slice's own tokens and the accepted drafts; the last token has none yet.
-        request.num_computed_tokens = min(
-            scheduled.start_position + len(scheduled.token_ids) + num_accepted, request.num_tokens - 1
+        self._set_computed(
+            request,
+            scheduled,
+            min(scheduled.start_position + len(scheduled.token_ids) + num_accepted, request.num_tokens - 1),
         )
         request.num_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += min(num_accepted, num_appended)
@@ -212,6 +213,32 @@ class Scheduler:
             self._finish(request, status)
         elif num_drafts:
             self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
+
+    # ---- what a step's result applies to (async scheduling overrides these: async_scheduler.py) ----
+
+    def _slice_owner(self, scheduled: ScheduledRequest) -> Request | None:
+        """The request a slice's result applies to: still running from where the slice started."""
+        request = self._running.get(scheduled.request_id)
+        if request is None or request.num_computed_tokens != scheduled.start_position:
+            return None
+        return request
+
+    def _chunk_computed(self, request: Request, scheduled: ScheduledRequest) -> None:
+        """A prefill chunk that produced no token ran: its K/V is in the cache."""
+        request.num_computed_tokens += scheduled.num_tokens
+        self.kv.cache_computed_blocks(request)
+
+    def _set_computed(self, request: Request, scheduled: ScheduledRequest, num_computed: int) -> None:
+        """A sampling slice ran: `num_computed` tokens have K/V (the slice's, less rejected drafts)."""
+        request.num_computed_tokens = num_computed
+
+    def _num_tokens(self, request: Request) -> int:
+        """The tokens the request will have once every step already scheduled has run."""
+        return request.num_tokens
+
+    def _token_ids(self, request: Request, start: int, end: int) -> tuple[int, ...]:
+        """The request's tokens at positions start .. end - 1."""
+        return _token_slice(request, start, end)
 
     # ---- schedule() helpers --------------------------------------------------------------------
 
@@ -323,7 +350,7 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """How far the request can advance this step: its remaining tokens, capped by the budget
         (chunked prefill) and by max_model_len. 0 when it cannot advance."""
-        remaining = min(request.num_tokens, self.max_model_len) - num_computed
+        remaining = min(self._num_tokens(request), self.max_model_len) - num_computed
         if remaining <= budget:
             return max(remaining, 0)
         return budget if self.config.enable_chunked_prefill else 0
@@ -336,10 +363,10 @@ class Scheduler:
             scheduled.append(
                 ScheduledRequest(
                     request_id=request_id,
-                    token_ids=_token_slice(request, start, start + num_new),
+                    token_ids=self._token_ids(request, start, start + num_new),
                     start_position=start,
                     block_ids=plan.block_ids[request_id],
-                    sample=start + num_new == request.num_tokens,
+                    sample=start + num_new == self._num_tokens(request),
                     spec_token_ids=plan.spec_token_ids[request_id],
                 )
             )

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Async scheduling: the token a step still running on the device will sample for the request. The model
+# runner fills it in on the device from that step's sampled token ids; it never reaches the model as -1.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -11,6 +15,8 @@ class ScheduledRequest:
 
     The request computes `token_ids` at positions `start_position .. start_position + len(token_ids) - 1`.
     `block_ids` is its whole block table (logical block i -> physical block `block_ids[i]`).
+    Under async scheduling the last of `token_ids` may be `PLACEHOLDER_TOKEN_ID`: a token the step before
+    this one samples.
     `sample` is true when this slice reaches the request's last token, so a new token is produced.
     `spec_token_ids` (only with `sample`) are draft tokens computed after `token_ids`, at the next
     positions; the step then yields logits for the last token and every draft, and the request advances

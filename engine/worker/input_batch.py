@@ -13,16 +13,20 @@ table [7, 2, 9], block_size 4, 6 cached tokens and 3 new ones (positions 6, 7, 8
 
 A sampling slice with k draft tokens (speculative decoding) appends them after its own tokens and gets
 k + 1 logits rows, in position order: its last token's, then each draft's.
+
+Async scheduling: a slice's last token may be `PLACEHOLDER_TOKEN_ID`, the token the step before samples;
+`fill_placeholders` writes it into input_ids on the device from that step's `SampledTokenIds`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
@@ -71,8 +75,8 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
     # One tensor per dtype, each input a view of it: a torch.tensor call costs more than a batch-1
     # step's lists, and on CUDA each is one copy to the device, not seven.
     num_tokens, num_seqs = len(input_ids), len(out.scheduled)
-    int64 = _tensor(input_ids + positions + slot_mapping + logits_indices, torch.int64, device)
-    int32 = _tensor(query_start_loc + list(seq_lens) + block_tables, torch.int32, device)
+    int64 = to_device(input_ids + positions + slot_mapping + logits_indices, torch.int64, device)
+    int32 = to_device(query_start_loc + list(seq_lens) + block_tables, torch.int32, device)
     metadata = AttentionMetadata(
         slot_mapping=int64[2 * num_tokens : 3 * num_tokens],
         query_start_loc=int32[: num_seqs + 1],
@@ -92,7 +96,41 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
     )
 
 
-def _tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+@dataclass(frozen=True)
+class SampledTokenIds:
+    """A step's sampled token ids, still on the device: `token_ids[rows[request_id]]` is the token the
+    request sampled (async scheduling feeds them to the next step's placeholders)."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64
+    rows: Mapping[str, int]
+
+
+def fill_placeholders(input_ids: torch.Tensor, out: SchedulerOutput, sampled: SampledTokenIds) -> None:
+    """Writes into `input_ids` (built from `out`) the token of each placeholder, from `sampled`, on the
+    device: nothing waits for the step that samples them. A placeholder is the last token of its slice.
+    Raises ValueError for a placeholder whose request `sampled` holds no token of."""
+    dst, src = [], []
+    row = 0
+    for req in out.scheduled:
+        row += len(req.token_ids)
+        if req.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            source = sampled.rows.get(req.request_id)
+            if source is None:
+                raise ValueError(f"sampled: no token for the placeholder of request {req.request_id!r}")
+            dst.append(row - 1)
+            src.append(source)
+        row += len(req.spec_token_ids)
+    if not dst:
+        return
+    if dst == src and len(dst) == len(input_ids) == len(sampled.token_ids) and dst[-1] == len(dst) - 1:
+        input_ids.copy_(sampled.token_ids)  # a decode batch in the same order as the step before's
+        return
+    index = to_device(dst + src, torch.int64, input_ids.device)
+    input_ids[index[: len(dst)]] = sampled.token_ids[index[len(dst) :]]
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ints as a tensor on `device`; on CUDA the copy does not wait for the device's queue."""
     # Built on the host through numpy (right after a forward a torch.tensor call's code is cold: 78-110 us
     # for a batch-1 step's two, against 58-66 us this way), then copied once; pinned memory lets the
     # copy overlap on CUDA.

@@ -18,8 +18,13 @@ from sluice.engine.outputs import Logprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.selector import get_attention_backend
-from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner, KVCache, estimate_graph_memory_bytes
-from sluice.engine.worker.input_batch import build_model_inputs
+from sluice.engine.worker.cuda_graph_runner import (
+    CudaGraphRunner,
+    KVCache,
+    estimate_graph_memory_bytes,
+    verify_capture_sizes,
+)
+from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs, fill_placeholders
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -63,6 +68,9 @@ class ModelRunner:
         self.graph_max_blocks_per_seq = -(
             -min(self.max_model_len, config.max_seq_len_to_capture) // self.block_size
         )
+        # Verify graphs (speculative decoding): steps of queries up to k + 1 tokens.
+        spec = config.speculative
+        self.verify_query_len = 0 if spec is None else spec.num_speculative_tokens + 1
         fp8_cache = config.cache.kv_cache_dtype == "fp8"
         self.kv_cache_dtype = torch.float8_e4m3fn if fp8_cache else self.dtype
         self.attention_backend = get_attention_backend(
@@ -104,6 +112,8 @@ class ModelRunner:
             self.block_size,
             self.device,
             enforce_eager=not self.use_cuda_graphs,
+            verify_query_len=self.verify_query_len,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.graph_runner.capture()
 
@@ -149,17 +159,26 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, metadata)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute_model(
+        self, out: SchedulerOutput, sampled_before: SampledTokenIds | None = None
+    ) -> torch.Tensor:
         """Runs the step; returns logits [num_logits, vocab] float32: per slice with sample=True, in
-        scheduled order, one row for its last token then one per draft token (`spec_token_ids`)."""
-        return self.execute_model_with_prompt_logprobs(out, ())[0]
+        scheduled order, one row for its last token then one per draft token (`spec_token_ids`).
+        `sampled_before` (async scheduling): the previous step's token ids on the device, which fill the
+        step's placeholder tokens there; nothing here waits for the device."""
+        return self.execute_model_with_prompt_logprobs(out, (), sampled_before)[0]
 
     @torch.inference_mode()
     def execute_model_with_prompt_logprobs(
-        self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
+        self,
+        out: SchedulerOutput,
+        slices: Sequence[PromptLogprobsSlice],
+        sampled_before: SampledTokenIds | None = None,
     ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
         """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token)."""
         inputs = build_model_inputs(out, self.block_size, self.device)
+        if sampled_before is not None:
+            fill_placeholders(inputs.input_ids, out, sampled_before)
         hidden = self.graph_runner.run(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not slices:
@@ -225,11 +244,19 @@ class ModelRunner:
         torch.cuda.empty_cache()
         graphs = 0
         if self.use_cuda_graphs:
+            scheduler = self.config.scheduler
+            verify_sizes = []
+            if self.verify_query_len:
+                verify_sizes = verify_capture_sizes(
+                    scheduler.max_num_seqs, scheduler.max_num_batched_tokens, self.verify_query_len
+                )
             graphs = estimate_graph_memory_bytes(
                 self.arch,
-                self.config.scheduler.max_num_seqs,
+                scheduler.max_num_seqs,
                 self.graph_max_blocks_per_seq * self.block_size,
                 self.dtype,
+                verify_sizes=verify_sizes,
+                verify_query_len=self.verify_query_len,
             )
         return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 

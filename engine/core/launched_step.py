@@ -1,0 +1,181 @@
+"""Async scheduling's step in flight: launched on the device (model run, sampling queued), its sampled
+tokens on their way to the host while the core schedules and launches the next step.
+
+    EngineCore.step() with async scheduling (N in flight on entry):
+        admit ready grammars; if N holds a request that needs N's tokens first: finish N now (below)
+        schedule N+1 (placeholders for the tokens N samples: AsyncScheduler)
+        launch N+1: inputs (placeholders <- N's token ids, on the device), forward, sample_no_sync,
+                    token ids (+ logprobs) copied to pinned host memory, an event recorded
+        finish N: wait for N's event (not for N+1), append tokens, check stops, free what finished
+        -> N's outputs (a step later than a synchronous engine returns them)
+
+A request "needs its step's tokens first" (`needs_step_tokens`) when scheduling or sampling its next step
+reads them on the host: a grammar (the mask follows every accepted token), penalties and min_tokens
+(they count the outputs), and speculation (drafts are proposed from the tokens). With such a request in
+the step in flight the core finishes that step before scheduling: that step runs synchronously. A step
+that verifies drafts samples on the host at once (`LaunchedStep.on_host`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.request import Request
+from sluice.engine.sample.sampler import (
+    DeviceLogprobs,
+    SampledToken,
+    Sampler,
+    SamplingRow,
+    logprobs_no_sync,
+)
+from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.spec_decode.proposer import speculation_allowed
+from sluice.engine.worker.input_batch import SampledTokenIds
+
+logger = logging.getLogger(__name__)
+
+# results: request id -> its sampled tokens; request id -> why its sampling failed
+StepResults = tuple[dict[str, list[SampledToken]], dict[str, str]]
+
+
+def needs_step_tokens(request: Request, speculating: bool) -> bool:
+    """Whether the request's next step can only be scheduled and sampled once the tokens of its step in
+    flight are on the host (`speculating`: the engine has a proposer)."""
+    params = request.sampling_params
+    return (
+        params.constraint is not None
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or request.num_output_tokens < params.min_tokens
+        or (speculating and speculation_allowed(request))
+    )
+
+
+def may_need_step_tokens(request: Request, speculating: bool) -> bool:
+    """Whether `needs_step_tokens` can ever hold for the request, from its parameters alone."""
+    return request.sampling_params.min_tokens > 0 or needs_step_tokens(request, speculating)
+
+
+class HostCopy:
+    """Device tensors on their way to the host. On CUDA: non-blocking copies into pinned memory on the
+    current stream and an event recorded after them, so `wait()` waits for those copies only, not for
+    work queued later (the next step's forward). Elsewhere the tensors themselves: their work is done."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self._host = list(tensors)
+            return
+        self._host = []
+        for tensor in tensors:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.append(host.copy_(tensor, non_blocking=True))
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model run and sampling are queued. `requests[i]` is the request sampled in row i
+    (`rows[i]`), kept to recognise it when the results arrive (it may have finished, or its id been
+    reused, since)."""
+
+    scheduler_output: SchedulerOutput
+    requests: list[Request]
+    rows: list[SamplingRow]
+    errors: dict[str, str]  # request id -> why its sampling failed (found at launch)
+    num_finished: int = 0  # the scheduler's count of finished requests at launch
+    token_ids: torch.Tensor | None = None  # [len(rows)] int64 on the device; None: sampled on the host
+    copy: HostCopy | None = None  # token_ids, then the logprobs' tensors
+    logprobs: DeviceLogprobs | None = None
+    sampled: dict[str, list[SampledToken]] | None = None  # results already on the host
+
+    @classmethod
+    def on_host(
+        cls, scheduler_output: SchedulerOutput, requests: list[Request], results: StepResults
+    ) -> LaunchedStep:
+        """A step sampled on the host at once (it verified drafts)."""
+        sampled, errors = results
+        return cls(scheduler_output, requests, [], errors, sampled=sampled)
+
+    def sampled_token_ids(self) -> SampledTokenIds | None:
+        """The token ids the next step's placeholders read (None when sampled on the host: no request
+        of such a step is scheduled before it finishes)."""
+        if self.token_ids is None:
+            return None
+        return SampledTokenIds(self.token_ids, {row.request_id: i for i, row in enumerate(self.rows)})
+
+    def results(self, is_live: Callable[[Request], bool] | None) -> StepResults:
+        """Waits for the tokens; the results of the requests `is_live` still accepts (None: all of them)."""
+        if self.sampled is None:
+            host = self.copy.wait()
+            token_ids = host[0].tolist()
+            if self.logprobs is None:
+                tokens = [SampledToken(token_id, None) for token_id in token_ids]
+            else:
+                tokens = self.logprobs.sampled_tokens(token_ids, host[1:])
+            self.sampled = {row.request_id: [token] for row, token in zip(self.rows, tokens, strict=True)}
+        if is_live is None and not self.errors:
+            return self.sampled, {}
+        live = [r.request_id for r in self.requests if is_live is None or is_live(r)]
+        errors = {r: self.errors[r] for r in live if r in self.errors}
+        return {r: self.sampled[r] for r in live if r not in errors}, errors
+
+
+def launch_sampling(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    scheduler_output: SchedulerOutput,
+    requests: list[Request],
+    rows: list[SamplingRow],
+    inject_faults: Callable[[str, Iterable[str]], None],
+) -> LaunchedStep:
+    """Queues the sampling of `rows` (logits row i for rows[i]) and the copy of its tokens to the host.
+
+    A batch that fails is sampled again row by row, as the synchronous path does: a row that fails gets
+    token 0 (never used: its request ends with the error when the step finishes).
+    """
+    try:
+        inject_faults("sample", (row.request_id for row in rows))
+        token_ids, errors = sampler.sample_no_sync(logits, rows), {}
+    except Exception:
+        logger.exception("batched sampling failed; sampling each request alone")
+        token_ids, errors = _sample_rows_alone(sampler, logits, rows, inject_faults)
+    logprobs = logprobs_no_sync(logits, rows, token_ids)
+    tensors = [token_ids] if logprobs is None else [token_ids, *logprobs.tensors]
+    return LaunchedStep(
+        scheduler_output,
+        requests,
+        rows,
+        errors,
+        token_ids=token_ids,
+        copy=HostCopy(tensors),
+        logprobs=logprobs,
+    )
+
+
+def _sample_rows_alone(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    inject_faults: Callable[[str, Iterable[str]], None],
+) -> tuple[torch.Tensor, dict[str, str]]:
+    token_ids, errors = [], {}
+    for i, row in enumerate(rows):
+        try:
+            inject_faults("sample", [row.request_id])
+            token_ids.append(sampler.sample_no_sync(logits[i : i + 1], [row]))
+        except Exception as exc:
+            errors[row.request_id] = f"sampling failed: {exc}"
+            token_ids.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+    return torch.cat(token_ids), errors
