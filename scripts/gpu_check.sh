@@ -15,7 +15,9 @@
 #   fp8              the preset with --quantization fp8, then with --kv-cache-dtype fp8 too: sluice bench at
 #                    concurrency 1 and 64, greedy outputs and KV blocks against serve_bench's (issue 34),
 #                    if the time budget allows
-#   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after fp8
+#   async            the preset with --async-scheduling: greedy outputs equal serve_bench's, sluice bench at
+#                    concurrency 1 and 64 (issue 33), if the time budget allows after fp8
+#   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after async
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
@@ -24,7 +26,7 @@
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
 # skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
-# room in the budget for the optional steps (fp8, then large).
+# room in the budget for the optional steps (fp8, async, then large).
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
 # preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
 # SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
@@ -43,7 +45,7 @@ case $DEVICE in
     *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
-STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 large)
+STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large)
 SELECTED=${SLUICE_GPU_CHECK_STEPS:-${STEPS[*]}}
 SELECTED=${SELECTED//,/ }
 for name in $SELECTED; do
@@ -58,7 +60,7 @@ OUT=$(cd "$1" && pwd)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
 REPORT_RESERVE=30 # seconds kept for the report at the end (its own limit)
-OPTIONAL_STEPS="fp8 large" # run "if time allows", in this order (docs/GPU.md says why)
+OPTIONAL_STEPS="fp8 async large" # run "if time allows", in this order (docs/GPU.md says why)
 WHL=$REPO/.whl
 TOKENIZER=${SLUICE_GPU_CHECK_TOKENIZER:-$WHL/smollm2-tokenizer}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
@@ -165,6 +167,7 @@ if ((INSTALLED)); then
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
     run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
     run_step fp8 150 90 "${SERVE[@]}" fp8
+    run_step async 90 45 "${SERVE[@]}" async
     run_step large 180 110 "${SERVE[@]}" large
 else
     for name in "${STEPS[@]}"; do

@@ -71,9 +71,9 @@ def step_result(out: Path, step: str) -> dict:
     return next(r for r in records if r.get("step") == step and "status" not in r and "variant" not in r)
 
 
-def fp8_records(out: Path) -> dict[str, dict]:
+def variant_records(out: Path, step: str = "fp8") -> dict[str, dict]:
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return {r["variant"]: r for r in records if r.get("step") == "fp8" and "variant" in r}
+    return {r["variant"]: r for r in records if r.get("step") == step and "variant" in r}
 
 
 # ---- the whole script, CPU mode ---------------------------------------------------------------------
@@ -97,6 +97,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         "structured": "passed",
         "tensor_parallel": "skipped",
         "fp8": "passed",
+        "async": "passed",
         "large": "passed",  # on the tiny preset here
     }
     assert step_result(out, "tensor_parallel")["skipped"] == "needs 2 GPUs, this machine has 0"
@@ -116,7 +117,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
 
     # fp8: two more servers, each set against serve_bench's float32 one.
     assert step_result(out, "fp8")["variants"] == ["fp8", "fp8_kv"]
-    fp8 = fp8_records(out)
+    fp8 = variant_records(out)
     blocks = reference["model_info"]["num_kv_blocks"]
     assert fp8["fp8"]["model_info"]["num_kv_blocks"] == blocks  # the same 256 MiB of float32 cache
     assert fp8["fp8_kv"]["model_info"]["num_kv_blocks"] == 4 * blocks  # a byte a value, not 4
@@ -130,6 +131,13 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         comparison, agreement = record["comparison"], record["agreement"]
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
         assert agreement["equal"] == comparison["equal"] and agreement["tokens"] == 24
+
+    # async: --async-scheduling gives the synchronous server's greedy tokens, and completes its bench runs.
+    assert step_result(out, "async")["variants"] == ["async"]
+    asynchronous = variant_records(out, "async")["async"]
+    assert asynchronous["comparison"]["equal"] == 3 and asynchronous["bench_rc"] == [0, 0]
+    assert [run["metrics"]["num_completed"] for run in asynchronous["runs"]] == [2, 4]
+    assert "--async-scheduling" in asynchronous["serve_args"]
 
     structured = step_result(out, "structured")
     assert structured["vocab_size"] == 49152  # tiny's 32000 widened to SmolLM2's tokenizer
@@ -150,6 +158,8 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert f"| {4 * blocks} (4.00x) | 6/6 |" in report  # the fp8-KV server's KV blocks, 4x float32's
     assert "| fp8 KV: KV blocks / float32's | 4.00 | >= 2.0 | met |" in report
     assert "CPU mode: FP8 is emulated (a correctness path, not a speed path)" in report
+    assert "## Async scheduling (issue 33): --async-scheduling vs synchronous" in report
+    assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
 
@@ -196,7 +206,7 @@ def test_a_budget_too_small_fails_the_required_steps_and_skips_the_optional_one(
     steps = statuses(out)
     for name in ("kernel_tests", "gpu_check", "serve_bench", "speculative", "structured", "tensor_parallel"):
         assert steps[name]["status"] == "out of time", name
-    assert steps["fp8"]["status"] == steps["large"]["status"] == "skipped"
+    assert steps["fp8"]["status"] == steps["async"]["status"] == steps["large"]["status"] == "skipped"
     assert (out / "report.md").read_text().startswith("# Sluice GPU check: CPU: FAIL")
 
 
@@ -214,7 +224,7 @@ def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_s
     )
     assert proc.returncode == 2 and proc.stderr == (
         "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
-        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 large\n"
+        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large\n"
     )
     assert not (tmp_path / "out").exists()  # refused before anything is written
 

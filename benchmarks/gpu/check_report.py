@@ -31,6 +31,7 @@ STEPS = {
     "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",
     "tensor_parallel": "sluice serve --tensor-parallel-size 2 (issue 35)",
     "fp8": "--quantization fp8, then + --kv-cache-dtype fp8: sluice bench at 1 and 64, greedy, KV blocks",
+    "async": "--async-scheduling: greedy equal to serve_bench's, sluice bench at 1 and 64",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
 }
 FAILING = ("failed", "timed out", "out of time")
@@ -188,7 +189,7 @@ def fp8_section(
     base = "bf16" if plan.dtype == "bfloat16" else plan.dtype
     model_info = results.get("serve_bench", {}).get("model_info")
     reference = fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info)
-    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.fp8_bench)
+    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench)
     parts = [
         f"The {plan.preset} preset ({plan.dtype}) on three servers, one after another: {base} is "
         f"serve_bench's (its sweep), the fp8 ones ran `sluice bench` with {runs}, {plan.input_len} prompt "
@@ -206,6 +207,46 @@ def fp8_section(
             f"**{fp8_figures.VARIANTS[name]} vs {base}, greedy** (need not be equal: another rounding): "
             + comparison_line(record["comparison"])
             + "".join(f"\n- log: `{note}`" for note in notes)
+        )
+    return "\n\n".join(parts)
+
+
+ASYNC_LABELS = {"async": "--async-scheduling"}
+
+
+def async_section(
+    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
+) -> str:
+    """The async step's server against serve_bench's synchronous one: TPOT, throughput, greedy outputs, and
+    issue 33's TPOT-at-64 goal against the graph step."""
+    variants = fp8_figures.variant_records(records, "async")
+    if not variants:
+        status = statuses.get("async", {}).get("status", "not run")
+        why = results.get("async", {}).get("error") or statuses.get("async", {}).get("note") or ""
+        return f"Not measured: the async step {status.upper()}" + (f" ({why})." if why else ".")
+    plan = PLANS[mode]
+    base = "bf16" if plan.dtype == "bfloat16" else plan.dtype
+    model_info = results.get("serve_bench", {}).get("model_info")
+    reference = fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info)
+    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench)
+    record = variants["async"]
+    parts = [
+        f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
+        f"the `--async-scheduling` server ran `sluice bench` with {runs}, {plan.input_len} prompt and "
+        f"{plan.output_len} output tokens. In brackets: the ratio to {base}'s.",
+        markdown_table(
+            fp8_figures.TABLE_HEADERS,
+            fp8_figures.table_rows(reference, variants, base, labels=ASYNC_LABELS),
+        ),
+        "**Greedy, --async-scheduling vs synchronous** (must be equal, near ties aside): "
+        + comparison_line(record["comparison"]),
+    ]
+    goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
+    if goal_rows:  # the same rows as the synchronous server's in the figures section
+        parts.append(markdown_table(check_figures.HEADERS, goal_rows))
+    if mode == "cpu":
+        parts.append(
+            "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here."
         )
     return "\n\n".join(parts)
 
@@ -258,6 +299,8 @@ def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[
         "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
         "## FP8 (issue 34): bf16 vs fp8 weights vs fp8 weights + fp8 KV\n\n"
         + fp8_section(records, statuses, results, out, mode),
+        "## Async scheduling (issue 33): --async-scheduling vs synchronous\n\n"
+        + async_section(records, statuses, results, out, mode),
         "## Checks\n\n" + checks_section(results),
         "Logs: steps.log (every step's output), servers.log (every server's). Details of the kernel-level "
         "sections: gpu_check.md"

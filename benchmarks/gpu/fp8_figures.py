@@ -2,7 +2,7 @@
 
 Pure functions over what the steps recorded: serve_bench's record (the bf16 server's KV blocks and greedy
 reference) and its `sluice bench` runs (bench_serve.json), and the fp8 step's record of each server
-(`serve_checks.fp8_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1 and 64,
+(`serve_checks.variant_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1 and 64,
 and the lines of its log that name its KV cache and attention backend). All three servers run the same
 preset, one after another on the same device, at the same prompt and output lengths.
 
@@ -51,9 +51,9 @@ class ServerFigures:
         )
 
 
-def variant_records(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The fp8 step's record of each server it finished, by variant name (the last of each)."""
-    return {r["variant"]: r for r in records if r.get("step") == "fp8" and "variant" in r}
+def variant_records(records: list[dict[str, Any]], step: str = "fp8") -> dict[str, dict[str, Any]]:
+    """The record of each server `step` (fp8, async) finished, by variant name (the last of each)."""
+    return {r["variant"]: r for r in records if r.get("step") == step and "variant" in r}
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -77,10 +77,13 @@ def _agreement(record: dict[str, Any]) -> str:
 
 
 def table_rows(
-    bf16: ServerFigures, variants: dict[str, dict[str, Any]], base_name: str = "bf16"
+    bf16: ServerFigures,
+    variants: dict[str, dict[str, Any]],
+    base_name: str = "bf16",
+    labels: dict[str, str] = VARIANTS,
 ) -> list[list[object]]:
-    """A row per server: serve_bench's (`base_name`: bf16 on a GPU) first, then each fp8 variant (ratios
-    to the first in brackets)."""
+    """A row per server: serve_bench's (`base_name`: bf16 on a GPU) first, then each of `labels`' variants
+    (ratios to the first in brackets)."""
 
     def row(name: str, figures: ServerFigures, base: ServerFigures | None, greedy: str) -> list[object]:
         def cell(field: str, scale: float, digits: int) -> str:
@@ -91,7 +94,7 @@ def table_rows(
                 cell("kv_blocks", 1.0, 0), done, greedy]  # fmt: skip
 
     rows = [row(f"{base_name} (serve_bench)", bf16, None, "the reference")]
-    for name, label in VARIANTS.items():
+    for name, label in labels.items():
         record = variants.get(name)
         if record is None:
             rows.append([label, "-", "-", "-", "-", "-", "not run"])

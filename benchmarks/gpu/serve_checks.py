@@ -62,7 +62,9 @@ class Plan:
     greedy_prompts: int
     greedy_tokens: int
     near_tie_nats: float  # see greedy_compare: bf16 rounds far more than float32
-    fp8_bench: tuple[tuple[int, int], ...]  # the fp8 step's `sluice bench` runs: (concurrency, requests)
+    variant_bench: tuple[
+        tuple[int, int], ...
+    ]  # fp8/async servers' `sluice bench` runs: (concurrency, requests)
     large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
     large_bench: tuple[str, ...]
 
@@ -77,14 +79,14 @@ PLANS = {
     "gpu": Plan(
         preset="llama-3.2-1b", dtype="bfloat16", extra_serve_args=(), sweep="1,16,64", num_requests=64,
         input_len=128, output_len=128, greedy_prompts=8, greedy_tokens=32, near_tie_nats=0.1,
-        fp8_bench=((1, 8), (64, 64)), large_preset="llama-3-8b",
+        variant_bench=((1, 8), (64, 64)), large_preset="llama-3-8b",
         large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
                      "--output-len", "64"),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
         num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
-        fp8_bench=((1, 2), (64, 4)), large_preset="tiny",
+        variant_bench=((1, 2), (64, 4)), large_preset="tiny",
         large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
     ),
 }  # fmt: skip
@@ -285,11 +287,14 @@ def step_fp8(ctx: StepContext) -> dict[str, Any]:
     """Each FP8 variant on a server of its own; a record per server appended as it finishes, so a step
     killed at its limit keeps the first. Greedy outputs need not equal bf16's: agreement is reported."""
     reference = ctx.reference()
-    records = [fp8_server(ctx, reference, name, args) for name, args in FP8_VARIANTS.items()]
+    records = [variant_server(ctx, reference, name, args) for name, args in FP8_VARIANTS.items()]
     return {"ok": all(r["ok"] for r in records), "variants": list(FP8_VARIANTS)}
 
 
-def fp8_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Sequence[str]) -> dict:
+def variant_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Sequence[str]) -> dict:
+    """One server of the preset with `extra` arguments: its greedy outputs against serve_bench's, its KV
+    blocks, `sluice bench` at concurrency 1 and 64 (the plan's variant_bench runs); the record is appended to
+    results.jsonl at once, as variant `name` of this step."""
     plan = ctx.plan
     serve_args = plan.serve_args(*extra)
     log_path = ctx.out / SERVERS_LOG
@@ -297,12 +302,12 @@ def fp8_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Se
     with ctx.server(serve_args) as server, Client(server.target) as client:
         info = model_info(client)
         samples = greedy_outputs(client, reference["prompts"], plan.greedy_tokens)
-        bench_rcs, runs = fp8_bench_runs(server.target, plan)
+        bench_rcs, runs = variant_bench_runs(server.target, plan)
     log = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()
     verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, plan.near_tie_nats)
     complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
     record = {
-        "step": "fp8", "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
+        "step": ctx.step, "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
         "model_info": info, "bench_rc": bench_rcs, "runs": runs,
         "comparison": greedy_compare.summarize(verdicts),
         "agreement": greedy_compare.agreement(reference["greedy"], samples),
@@ -314,19 +319,27 @@ def fp8_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Se
     return record
 
 
-def fp8_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[str, Any]]]:
+def variant_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[str, Any]]]:
     """`sluice bench` once per (concurrency, requests) of the plan, at serve_bench's lengths; each run its
     own --seed, so its prompts are its own (none served from another run's cache). Exit statuses, and
     the runs without their per-request timelines."""
     lengths = ["--input-len", str(plan.input_len), "--output-len", str(plan.output_len)]
     rcs, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for seed, (concurrency, requests) in enumerate(plan.fp8_bench, start=1):
+        for seed, (concurrency, requests) in enumerate(plan.variant_bench, start=1):
             path = Path(tmp) / f"{concurrency}.json"
             load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
             rcs.append(run_bench(target, [*load, *lengths], path))
             runs += json.loads(path.read_text())["runs"] if path.is_file() else []
     return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
+
+
+def step_async(ctx: StepContext) -> dict[str, Any]:
+    """The preset with `--async-scheduling` (issue 33): the same greedy outputs as serve_bench's synchronous
+    server (near ties aside: both run the same kernels on the same batches), and `sluice bench` at 1 and 64
+    against serve_bench's sweep."""
+    record = variant_server(ctx, ctx.reference(), "async", ("--async-scheduling",))
+    return {"ok": record["ok"] and record["comparison"]["mismatch"] == 0, "variants": ["async"]}
 
 
 def step_large(ctx: StepContext) -> dict[str, Any]:
@@ -354,6 +367,7 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
         "structured": lambda: step_structured(ctx, tokenizer_dir),
         "tensor_parallel": lambda: step_tensor_parallel(ctx),
         "fp8": lambda: step_fp8(ctx),
+        "async": lambda: step_async(ctx),
         "large": lambda: step_large(ctx),
     }
     try:
@@ -373,7 +387,8 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "step", choices=("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "large")
+        "step",
+        choices=("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "async", "large"),
     )
     parser.add_argument("--out", required=True, help="the GPU check's output folder")
     parser.add_argument("--mode", choices=tuple(PLANS), default="gpu")
