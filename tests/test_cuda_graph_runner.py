@@ -143,17 +143,33 @@ def _tiny_model(backend, device=DEVICE):
     return model
 
 
+def _caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two layers' random K/V caches of 12 blocks, the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (12, BLOCK_SIZE, 1, 16)
+    return [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+
+
+def _assert_only_real_slots_written(initial, eager_caches, graph_caches, slot_mapping: torch.Tensor) -> None:
+    """The padded run wrote the real slots as the eager run did, and left every other slot as it was."""
+    real_slots = slot_mapping.cpu()
+    untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
+    untouched[real_slots] = False
+    initial_parts = [part.cpu() for layer in initial for part in layer]
+    eager_parts = [part.cpu() for layer in eager_caches for part in layer]
+    graph_parts = [part.cpu() for layer in graph_caches for part in layer]
+    for before, eager_part, graph_part in zip(initial_parts, eager_parts, graph_parts, strict=True):
+        eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
+        assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
+        torch.testing.assert_close(graph_flat[real_slots], eager_flat[real_slots], atol=1e-5, rtol=1e-5)
+
+
 def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
     model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
-    gen = torch.Generator().manual_seed(1)
-
-    def caches():
-        gen.manual_seed(1)
-        shape = (12, BLOCK_SIZE, 1, 16)
-        return [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+    seed = 1
 
     inputs = _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])
-    eager_caches, graph_caches = caches(), caches()
+    eager_caches, graph_caches = _caches(seed), _caches(seed)
     with torch.no_grad():
         eager = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
         buffers = GraphInputBuffers.allocate(8, 6, DEVICE)
@@ -164,16 +180,7 @@ def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()
     # Only the 3 real slots were written (matmuls over 8 rows round slightly differently from 3 rows).
-    real_slots = inputs.metadata.slot_mapping.cpu()
-    untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
-    untouched[real_slots] = False
-    initial = [part.cpu() for layer in caches() for part in layer]
-    eager_parts = [part.cpu() for layer in eager_caches for part in layer]
-    graph_parts = [part.cpu() for layer in graph_caches for part in layer]
-    for before, eager_part, graph_part in zip(initial, eager_parts, graph_parts, strict=True):
-        eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
-        assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
-        torch.testing.assert_close(graph_flat[real_slots], eager_flat[real_slots], atol=1e-5, rtol=1e-5)
+    _assert_only_real_slots_written(_caches(seed), eager_caches, graph_caches, inputs.metadata.slot_mapping)
 
 
 def test_runner_off_cuda_runs_eagerly():
@@ -300,16 +307,11 @@ def test_verify_fill_pads_each_sequence_after_its_own_rows():
 
 def test_padded_verify_inputs_give_the_eager_rows_and_write_no_padding_kv():
     model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
-    gen = torch.Generator().manual_seed(2)
-
-    def caches():
-        gen.manual_seed(2)
-        shape = (12, BLOCK_SIZE, 1, 16)
-        return [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]
+    seed = 2
 
     # Drafts 3, 1 and 0 (a decode) and a 2-token prefill chunk, padded to 4 rows each and 8 sequences.
     inputs = _verify_inputs([(20, 3, [3, 5]), (9, 1, [2]), (33, 0, [7, 1, 4]), (24, "chunk", 2, [6, 8])])
-    eager_caches, graph_caches = caches(), caches()
+    eager_caches, graph_caches = _caches(seed), _caches(seed)
     with torch.no_grad():
         eager = model(inputs.input_ids, inputs.positions, eager_caches, inputs.metadata)
         buffers = VerifyInputBuffers.allocate(8, 4, 6, BLOCK_SIZE, DEVICE)
@@ -319,16 +321,7 @@ def test_padded_verify_inputs_give_the_eager_rows_and_write_no_padding_kv():
         )
     assert padded.shape[0] == 32
     torch.testing.assert_close(padded[rows], eager, atol=1e-5, rtol=1e-5)
-    real_slots = inputs.metadata.slot_mapping.cpu()
-    untouched = torch.ones(12 * BLOCK_SIZE, dtype=torch.bool)
-    untouched[real_slots] = False
-    initial = [part.cpu() for layer in caches() for part in layer]
-    eager_parts = [part.cpu() for layer in eager_caches for part in layer]
-    graph_parts = [part.cpu() for layer in graph_caches for part in layer]
-    for before, eager_part, graph_part in zip(initial, eager_parts, graph_parts, strict=True):
-        eager_flat, graph_flat = eager_part.view(-1, 16), graph_part.view(-1, 16)
-        assert torch.equal(graph_flat[untouched], before.view(-1, 16)[untouched])
-        torch.testing.assert_close(graph_flat[real_slots], eager_flat[real_slots], atol=1e-5, rtol=1e-5)
+    _assert_only_real_slots_written(_caches(seed), eager_caches, graph_caches, inputs.metadata.slot_mapping)
 
 
 def test_runner_picks_verify_graphs_but_off_cuda_runs_eagerly():
