@@ -16,10 +16,10 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sluice.benchmarks.gpu import check_figures, fp8_figures
-from sluice.benchmarks.gpu.serve_checks import PLANS, RESULTS, read_results
+from sluice.benchmarks.gpu.serve_checks import PLANS, RESULTS, Plan, read_results
 
 # The steps of scripts/gpu_check.sh, in order, and what each runs.
 STEPS = {
@@ -175,6 +175,33 @@ def checks_section(results: dict[str, dict]) -> str:
     return "\n\n".join(parts)
 
 
+class Baseline(NamedTuple):
+    """What a step of variant servers (fp8, async) is set against: serve_bench's server in this mode."""
+
+    plan: Plan
+    base: str  # serve_bench's dtype as the report names it: bf16 on a GPU
+    reference: fp8_figures.ServerFigures  # from its sweep and its model info
+    runs: str  # the variant servers' `sluice bench` runs, in words
+
+    @classmethod
+    def of(cls, results: dict[str, dict], out: Path, mode: str) -> Baseline:
+        plan = PLANS[mode]
+        model_info = results.get("serve_bench", {}).get("model_info")
+        return cls(
+            plan,
+            "bf16" if plan.dtype == "bfloat16" else plan.dtype,
+            fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info),
+            ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench),
+        )
+
+
+def not_measured(step: str, statuses: dict[str, dict], results: dict[str, dict]) -> str:
+    """Why a step recorded no figures: its status, and its error or the script's note."""
+    status = statuses.get(step, {}).get("status", "not run")
+    why = results.get(step, {}).get("error") or statuses.get(step, {}).get("note") or ""
+    return f"Not measured: the {step} step {status.upper()}" + (f" ({why})." if why else ".")
+
+
 def fp8_section(
     records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
 ) -> str:
@@ -182,14 +209,8 @@ def fp8_section(
     measure, and each server's greedy comparison and KV cache log line."""
     variants = fp8_figures.variant_records(records)
     if not variants:
-        status = statuses.get("fp8", {}).get("status", "not run")
-        why = results.get("fp8", {}).get("error") or statuses.get("fp8", {}).get("note") or ""
-        return f"Not measured: the fp8 step {status.upper()}" + (f" ({why})." if why else ".")
-    plan = PLANS[mode]
-    base = "bf16" if plan.dtype == "bfloat16" else plan.dtype
-    model_info = results.get("serve_bench", {}).get("model_info")
-    reference = fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info)
-    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench)
+        return not_measured("fp8", statuses, results)
+    plan, base, reference, runs = Baseline.of(results, out, mode)
     parts = [
         f"The {plan.preset} preset ({plan.dtype}) on three servers, one after another: {base} is "
         f"serve_bench's (its sweep), the fp8 ones ran `sluice bench` with {runs}, {plan.input_len} prompt "
@@ -221,14 +242,8 @@ def async_section(
     issue 33's TPOT-at-64 goal against the graph step."""
     variants = fp8_figures.variant_records(records, "async")
     if not variants:
-        status = statuses.get("async", {}).get("status", "not run")
-        why = results.get("async", {}).get("error") or statuses.get("async", {}).get("note") or ""
-        return f"Not measured: the async step {status.upper()}" + (f" ({why})." if why else ".")
-    plan = PLANS[mode]
-    base = "bf16" if plan.dtype == "bfloat16" else plan.dtype
-    model_info = results.get("serve_bench", {}).get("model_info")
-    reference = fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info)
-    runs = ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench)
+        return not_measured("async", statuses, results)
+    plan, base, reference, runs = Baseline.of(results, out, mode)
     record = variants["async"]
     parts = [
         f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
