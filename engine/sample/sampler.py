@@ -22,27 +22,17 @@ import torch
 from sluice.engine.outputs import Logprobs, TokenLogprob
 from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
 from sluice.engine.sampling_params import SamplingParams
-
-_ARGMAX_CHUNK = 128
-_ARGMAX_MIN_ROWS = 4
+from sluice.kernels.cpu_argmax import EXTENSION as ARGMAX_EXTENSION
+from sluice.kernels.cpu_argmax import cpu_argmax_prechecked
+from sluice.kernels.cpu_extension import cpu_extension_available
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [rows, vocab]: the first maximum of each row, NaN counting as the maximum.
-
-    In two passes over `_ARGMAX_CHUNK`-wide chunks: the first chunk holding the row's maximum (amax, which
-    vectorises), then the first maximum within it: torch's CPU argmax does not vectorise. Below
-    `_ARGMAX_MIN_ROWS` rows (and off the CPU) one argmax wins: right after a forward every op's code is
-    cold, and the two passes' eight ops cost more than one argmax (docs/BENCHMARKS.md, "Figures behind the
-    code").
-    """
-    rows, vocab = x.shape
-    if rows < _ARGMAX_MIN_ROWS or x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not x.is_contiguous():
-        return x.argmax(dim=-1)
-    chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
-    best = chunks.amax(dim=-1).argmax(dim=-1)  # amax propagates NaN, and argmax takes the first NaN
-    within = chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
-    return best * _ARGMAX_CHUNK + within
+    Float32 on CPU: the C++ kernel (one vectorised pass, rows in parallel), where it is built."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_extension_available(ARGMAX_EXTENSION):
+        return cpu_argmax_prechecked(x)
+    return x.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
