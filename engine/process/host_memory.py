@@ -1,11 +1,12 @@
 """Host-memory settings of the engine core process.
 
-A CPU step allocates its activations afresh (a prefill chunk's gate/up output is 25 MB on SmolLM2-135M).
-By default glibc serves blocks that big with mmap and hands them back on free, so every step pays the
-kernel to fault in and zero its buffers again (docs/BENCHMARKS.md, "Figures behind the code").
-`retain_freed_memory` keeps such blocks in the heap for reuse (what vLLM's and
-IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of holding on to the peak of a step's
-temporaries. `freeze_gc_heap` takes what loading left alive out of the garbage collector's reach.
+A CPU step allocates its activations afresh (a prefill chunk's gate/up output is 25 MB on SmolLM2-135M,
+the logits of a 256-sequence decode 50 MB). By default glibc serves blocks that big with mmap and hands them
+back on free, so every step pays the kernel to fault in and zero its buffers again (docs/BENCHMARKS.md,
+"Figures behind the code"). `retain_freed_memory` serves every block from the heap and keeps freed heap
+memory for reuse (what vLLM's and IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of
+holding on to the peak of a step's temporaries. `freeze_gc_heap` takes what loading left alive out of the
+garbage collector's reach.
 """
 
 from __future__ import annotations
@@ -20,21 +21,24 @@ logger = logging.getLogger(__name__)
 
 # mallopt(3) parameters
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to 32 MiB come from the heap
+M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30  # free heap top kept up to 1 GiB
+# No block is mmap'd. A threshold cannot do it: glibc's largest is 32 MiB, and a bigger block was then
+# mapped afresh each step unless the heap happened to hold a free chunk that size (the 50 MB logits of a
+# 256-sequence decode: in one process out of two, 12,300 page faults a step).
+MMAP_MAX = 0
 
 
 def retain_freed_memory() -> bool:
-    """Tells glibc's malloc to serve blocks up to 32 MiB from the heap and keep freed heap memory; False
-    (and a debug log) where the C library is not glibc."""
+    """Tells glibc's malloc to serve every block from the heap and keep freed heap memory; False (and a
+    debug log) where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, TypeError, AttributeError):
         logger.debug("no mallopt in C library %s: freed host memory goes back to the OS", name)
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(mallopt(M_MMAP_MAX, MMAP_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def freeze_gc_heap() -> int:
