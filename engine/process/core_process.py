@@ -105,8 +105,9 @@ def serve_core(commands_address: str, results_address: str) -> int:
         setup = decode_frontend_message(commands.recv())
         assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
         num_threads = configure_torch_threads(setup.config.num_threads)
-        retain_freed_memory()
         core = EngineCore(setup.config)
+        # After loading, whose big temporaries (weights on their way to the device) go back to the OS.
+        retain_freed_memory()
         frozen = freeze_gc_heap()
     except Exception as exc:
         logger.exception("loading the engine core failed")
