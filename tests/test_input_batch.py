@@ -54,6 +54,7 @@ def test_attention_metadata_fields() -> None:
 def test_logits_indices_are_last_rows_of_sampled_slices() -> None:
     inputs = build_model_inputs(MIXED, BLOCK_SIZE, CPU)
     assert inputs.logits_indices.tolist() == [0, 29]  # the chunk (rows 1..10) does not sample
+    assert not inputs.samples_every_token
 
 
 def test_pure_decode_batch() -> None:
@@ -64,6 +65,7 @@ def test_pure_decode_batch() -> None:
     assert inputs.metadata.is_pure_decode
     assert inputs.metadata.slot_mapping.tolist() == [4 * 16 + 15, 7 * 16]
     assert inputs.logits_indices.tolist() == [0, 1]
+    assert inputs.samples_every_token  # the runner then takes the hidden states as they are
 
 
 def test_block_table_too_short_is_rejected() -> None:
@@ -90,3 +92,6 @@ def test_draft_tokens_follow_their_slice_and_get_a_logits_row_each() -> None:
     assert inputs.metadata.seq_lens.tolist() == [34, 19]
     assert inputs.metadata.query_lens_cpu == (4, 19)
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3, 22]
+    assert not inputs.samples_every_token
+    alone = build_model_inputs(SchedulerOutput((verify,), num_batched_tokens=4), BLOCK_SIZE, CPU)
+    assert alone.logits_indices.tolist() == [0, 1, 2, 3] and alone.samples_every_token

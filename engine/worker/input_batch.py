@@ -39,6 +39,8 @@ class ModelInputs:
     metadata: AttentionMetadata
     # [num_logits] int64: for each slice with sample=True, its last token's row and its drafts' rows
     logits_indices: torch.Tensor
+    # every token's row is sampled (a decode step): logits_indices is 0 .. num_tokens - 1
+    samples_every_token: bool = False
 
 
 def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -93,6 +95,7 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
         positions=int64[num_tokens : 2 * num_tokens],
         metadata=metadata,
         logits_indices=int64[3 * num_tokens :],
+        samples_every_token=len(logits_indices) == num_tokens,  # rows increase: all of them, in order
     )
 
 

@@ -166,7 +166,7 @@ class ModelRunner:
         scheduled order, one row for its last token then one per draft token (`spec_token_ids`).
         `sampled_before` (async scheduling): the previous step's token ids on the device, which fill the
         step's placeholder tokens there; nothing here waits for the device."""
-        return self.execute_model_with_prompt_logprobs(out, (), sampled_before)[0]
+        return self._execute(out, (), sampled_before)[0]
 
     @torch.inference_mode()
     def execute_model_with_prompt_logprobs(
@@ -176,11 +176,21 @@ class ModelRunner:
         sampled_before: SampledTokenIds | None = None,
     ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
         """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token)."""
+        return self._execute(out, slices, sampled_before)
+
+    def _execute(
+        self,
+        out: SchedulerOutput,
+        slices: Sequence[PromptLogprobsSlice],
+        sampled_before: SampledTokenIds | None,
+    ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
         inputs = build_model_inputs(out, self.block_size, self.device)
         if sampled_before is not None:
             fill_placeholders(inputs.input_ids, out, sampled_before)
         hidden = self.graph_runner.run(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(
+            hidden if inputs.samples_every_token else hidden[inputs.logits_indices]
+        )
         if not slices:
             return logits, {}
         query_lens = inputs.metadata.query_lens_cpu
