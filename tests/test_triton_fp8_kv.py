@@ -21,10 +21,15 @@ from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan
 from test_fp8_kv_cache import BLOCK, GREEDY, NUM_NEW, _prompts, greedy
 from test_kernels_sliding_window import WINDOW, _windowed_batch
 
+from sluice.benchmarks.gpu import fp8_figures
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.worker.attention import flash_attn_backend
 from sluice.engine.worker.attention.fp8_kv_cache import FP8, dequantize_kv, quantize_kv
-from sluice.engine.worker.attention.selector import FP8_KV_FLASH_ATTN, get_attention_backend
+from sluice.engine.worker.attention.selector import (
+    FP8_KV_FLASH_ATTN,
+    FP8_KV_TRITON_NOTE,
+    get_attention_backend,
+)
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache
@@ -39,18 +44,10 @@ from sluice.kernels.store_kv import store_kv, store_kv_reference
 
 SCALE = 0.25  # the softmax scale
 MAGNITUDE = 4.0  # K/V values ~ N(0, 4^2): past 448 * 0.02 = 8.96 sometimes, below 2^-6 * 3.0 sometimes
-SCALES = [
-    (0.02, 3.0),
-    (3.0, 0.02),
-]  # (k_scale, v_scale): each of K and V saturates in one, underflows in the other
-MIXED = [
-    (7, 7),
-    (5, 37),
-    (1, 20),
-    (1, 1),
-    (18, 50),
-    (40, 75),
-]  # (query_len, seq_len), as test_kernels_attention
+# (k_scale, v_scale): each of K and V saturates under one pair and falls into subnormals under the other.
+SCALES = [(0.02, 3.0), (3.0, 0.02)]
+# (query_len, seq_len), as test_kernels_attention: fresh prefills, chunks after a cached prefix, decode rows.
+MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (18, 50), (40, 75)]
 DECODES = [(1, 1), (1, 17), (1, 40), (1, 63), (1, 130)]
 LAYOUTS = [(2, 2, 16), (8, 2, 32)]  # (num_heads, num_kv_heads, block_size): GQA 1 and 4, blocks of 16 and 32
 SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -106,10 +103,8 @@ def test_store_kv_writes_torchs_e4m3_codes_bit_for_bit(dtype, k_scale):
     store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     stored = slot_mapping >= 0
-    flat_k, flat_v = (
-        _codes(k_cache).view(-1, num_kv_heads, head_dim),
-        _codes(v_cache).view(-1, num_kv_heads, head_dim),
-    )
+    flat_k = _codes(k_cache).view(-1, num_kv_heads, head_dim)
+    flat_v = _codes(v_cache).view(-1, num_kv_heads, head_dim)
     assert torch.equal(flat_k[slot_mapping[stored]], _codes(quantize_kv(k[stored], kv_scales[0])))
     assert torch.equal(flat_v[slot_mapping[stored]], _codes(quantize_kv(v[stored], kv_scales[1])))
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
@@ -315,25 +310,21 @@ def test_triton_backend_on_an_fp8_cache_equals_the_torch_backend(pairs, block_si
 def test_the_kernels_name_a_missing_or_unwanted_kv_scales():
     batch = _batch([(1, 5), (1, 9)], 4, 2, 16)
     md = batch.metadata
-    fp8_k, fp8_v = (
-        quantize_kv(batch.k_cache, torch.tensor(1.0)),
-        quantize_kv(batch.v_cache, torch.tensor(1.0)),
-    )
+    unit = _scales(1.0, 1.0)
+    fp8_k, fp8_v = quantize_kv(batch.k_cache, unit[0]), quantize_kv(batch.v_cache, unit[1])
     decode = (md.block_tables, md.seq_lens, SCALE, md.max_seq_len)
     with pytest.raises(ValueError, match=r"^kv_scales: an FP8 \(torch.float8_e4m3fn\) cache is read with"):
         paged_decode_attention(batch.q, fp8_k, fp8_v, *decode)
     with pytest.raises(ValueError, match=r"^kv_scales: given for a torch.float32 cache; only an FP8"):
-        paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, *decode, kv_scales=_scales(1.0, 1.0))
+        paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, *decode, kv_scales=unit)
     with pytest.raises(
         ValueError, match=r"^kv_scales: v_scale: dtype torch.float16 must match torch.float32$"
     ):
-        store_kv(
-            batch.k, batch.v, fp8_k, fp8_v, md.slot_mapping, (torch.tensor(1.0), torch.tensor(1.0).half())
-        )
+        store_kv(batch.k, batch.v, fp8_k, fp8_v, md.slot_mapping, (unit[0], unit[1].half()))
     with pytest.raises(ValueError, match=r"^kv_scales: k_scale must be a one-element tensor$"):
         prefill_attention(
             batch.q, fp8_k, fp8_v, md.query_start_loc, md.seq_lens, md.block_tables, 1, SCALE,
-            kv_scales=(torch.ones(2), torch.tensor(1.0)),
+            kv_scales=(torch.ones(2, device=DEVICE), unit[1]),
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: None or torch.float8_e4m3fn, got torch.float16$"):
         TritonAttentionBackend(kv_cache_dtype=torch.float16)
@@ -343,14 +334,19 @@ def test_the_kernels_name_a_missing_or_unwanted_kv_scales():
 CUDA = torch.device("cuda")
 
 
-def test_auto_on_cuda_reads_an_fp8_cache_with_triton_even_where_flash_attn_runs(monkeypatch):
+def test_auto_on_cuda_reads_an_fp8_cache_with_triton_even_where_flash_attn_runs(monkeypatch, caplog):
     for flash_attn_available in (False, True):
         if flash_attn_available:  # as on a GPU with flash_attn installed and a 256-token block
             monkeypatch.setattr(flash_attn_backend, "flash_attn_supports", lambda *args: None)
-        backend = get_attention_backend(
-            "auto", CUDA, block_size=256, dtype=torch.bfloat16, kv_cache_dtype=FP8
-        )
+        caplog.clear()
+        with caplog.at_level("INFO", logger="sluice.engine.worker.attention.selector"):
+            backend = get_attention_backend(
+                "auto", CUDA, block_size=256, dtype=torch.bfloat16, kv_cache_dtype=FP8
+            )
         assert isinstance(backend, TritonAttentionBackend) and backend.kv_cache_dtype == FP8
+        # The line the GPU check's report looks for in the fp8-KV server's log.
+        assert [r.getMessage() for r in caplog.records] == [FP8_KV_TRITON_NOTE]
+        assert fp8_figures.TRITON_FP8_KV in FP8_KV_TRITON_NOTE
     named = get_attention_backend("triton", CUDA, block_size=16, dtype=torch.bfloat16, kv_cache_dtype=FP8)
     assert isinstance(named, TritonAttentionBackend) and named.kv_cache_dtype == FP8
     assert get_attention_backend("triton", CUDA, block_size=16, dtype=torch.bfloat16).kv_cache_dtype is None

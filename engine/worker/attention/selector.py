@@ -20,6 +20,8 @@ FP8_KV_FLASH_ATTN = (
     "kv_cache_dtype: flash-attn 2 reads bf16/fp16 pages, not an fp8 (e4m3) cache; use attention_backend "
     "'triton' (what 'auto' picks)"
 )
+# Logged (INFO) when triton takes an FP8 cache: the GPU check's report looks for it in the server's log.
+FP8_KV_TRITON_NOTE = "kv_cache_dtype fp8: the triton attention backend reads the e4m3 cache in its kernels"
 
 
 def triton_can_run(device: torch.device) -> bool:
@@ -73,6 +75,8 @@ def get_attention_backend(
         )
     from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 
+    if kv_cache_dtype is not None:
+        logger.info(FP8_KV_TRITON_NOTE)
     return TritonAttentionBackend(kv_cache_dtype=kv_cache_dtype)
 
 
