@@ -14,6 +14,12 @@ MASKED = False is the fast path for tiles every row sees wholly (FlashAttention-
 tiles): no position mask on the loads and no `where` on the scores. MASKED = True takes
 [kv_lo, kv_hi) as the positions that may be loaded (never a freed block before a window, never past
 the context) and, with CAUSAL, each row's own causal and sliding-window limits.
+
+FP8_KV = True reads an FP8 cache (its uint8 view): each loaded tile of e4m3 codes is dequantized in
+registers to the model dtype, exactly `fp8_kv_cache.dequantize_kv`: (float32(code) * scale).to(KV_DTYPE),
+so the rest of the step runs on the same numbers as over a model-dtype cache holding those values
+(`dequantize_e4m3`; the scales are loaded once per program: `load_kv_scales`). FP8_KV = False is the
+model-dtype path, untouched: no scale is loaded or applied.
 """
 
 from __future__ import annotations
@@ -40,6 +46,34 @@ def dot_settings(dtype: torch.dtype) -> tuple[str, bool]:
 
 
 @triton.jit
+def load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
+    """(k_scale, v_scale) * 256 as `dequantize_e4m3` takes them, read once per program; (1.0, 1.0), unread
+    and unused, on the model-dtype path (the pointers are None there)."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr) * 256.0
+        v_scale = tl.load(v_scale_ptr) * 256.0
+    return k_scale, v_scale
+
+
+@triton.jit
+def dequantize_e4m3(codes, scale_x256, KV_DTYPE: tl.constexpr):
+    """e4m3 codes (uint8) -> (float32(code) * scale).to(KV_DTYPE); scale_x256 = scale * 256 (fp32).
+
+    The code's bits placed in an fp16 (sign to bit 15, exponent and mantissa shifted up by 7) are the
+    code's value / 2^8 exactly, subnormals included (fp16 has 2 more exponent bits and 7 more mantissa
+    bits), and (value / 2^8) * (scale * 2^8) rounds to the same fp32 as value * scale. 0x7F / 0xFF (NaN,
+    never stored from a finite K/V) stay NaN.
+    """
+    bits = codes.to(tl.uint16)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    values = half.to(tl.float32) * scale_x256
+    values = tl.where((bits & 0x7F) == 0x7F, float("nan"), values)
+    return values.to(KV_DTYPE)
+
+
+@triton.jit
 def load_kv_tile(
     k_head_ptr,  # k_cache + kv_head * stride_k_head
     v_head_ptr,  # v_cache + kv_head * stride_v_head
@@ -52,10 +86,14 @@ def load_kv_tile(
     stride_k_slot,
     stride_v_block,
     stride_v_slot,
+    k_scale,  # FP8_KV only: `load_kv_scales`
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     MASKED: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    KV_DTYPE: tl.constexpr,  # FP8_KV only: the model dtype the tile is dequantized to
 ):
     """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0."""
     if MASKED:
@@ -76,6 +114,9 @@ def load_kv_tile(
     else:
         kt = tl.load(k_rows[None, :] + dims[:, None])
         v = tl.load(v_rows[:, None] + dims[None, :])
+    if FP8_KV:
+        kt = dequantize_e4m3(kt, k_scale, KV_DTYPE)
+        v = dequantize_e4m3(v, v_scale, KV_DTYPE)
     return kt, v
 
 
@@ -100,6 +141,8 @@ def attend_paged_tile(
     stride_v_block,
     stride_v_slot,
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # FP8_KV only: `load_kv_scales`
+    v_scale,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -108,15 +151,18 @@ def attend_paged_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
 ):
     """Returns the updated (running_max, running_sum, acc)."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     pos_mask = (positions >= kv_lo) & (positions < kv_hi)
     kt, v = load_kv_tile(
         k_head_ptr, v_head_ptr, block_table_ptr, positions, pos_mask, dims, dim_mask,
-        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale,
+        BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE,
     )  # fmt: skip
-    v_dtype = v.dtype
+    v_dtype = v.dtype  # the model dtype (an FP8 tile is dequantized to it)
     if UPCAST_DOT:
         kt = kt.to(tl.float32)
         v = v.to(tl.float32)
@@ -133,7 +179,7 @@ def attend_paged_tile(
     probs = tl.math.exp2(scores - safe_max[:, None])
     alpha = tl.math.exp2(running_max - safe_max)
     running_sum = running_sum * alpha + tl.sum(probs, axis=1)
-    probs = probs.to(v_dtype)  # P in the cache's dtype, as FlashAttention feeds the second GEMM
+    probs = probs.to(v_dtype)  # P in V's dtype, as FlashAttention feeds the second GEMM
     if UPCAST_DOT:
         probs = probs.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)

@@ -24,6 +24,8 @@ correctly; the partials never exceed cdiv(max_seq_len, partition_size) slices pe
 the output itself and no reduce runs. A sequence with no context (seq_len 0, a padding row) gets 0.
 
 With a sliding window W only positions seq_len - W .. seq_len - 1 are read (earlier blocks may be freed).
+An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
+registers (`paged_attention_tile`); the scales are read on the device, so a captured graph stays valid.
 Tile sizes and num_warps / num_stages (`decode_config`) are NOT tuned yet: they await a GPU run.
 """
 
@@ -36,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings
+from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings, load_kv_scales
+from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
+    KVScales,
     check_block_tables,
     check_q_and_kv_cache,
     check_shape,
@@ -134,6 +138,8 @@ def _decode_partition_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]: written only when SINGLE_SPLIT
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base 2
+    k_scale_ptr,  # FP8_KV only: [] fp32
+    v_scale_ptr,
     qk_scale,
     sliding_window,
     num_splits,
@@ -160,6 +166,7 @@ def _decode_partition_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -193,6 +200,8 @@ def _decode_partition_kernel(
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+    kv_dtype = q_ptr.dtype.element_ty
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -203,22 +212,22 @@ def _decode_partition_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
             running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, TILE_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
             running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, hi, TILE_N):
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
             running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
 
     # Every slice holds at least one visible position, so running_sum > 0.
@@ -274,8 +283,10 @@ def _decode_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window) -> None:
-    check_q_and_kv_cache(q, k_cache, v_cache)
+def _check_decode_args(
+    q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window, kv_scales
+) -> None:
+    check_q_and_kv_cache(q, k_cache, v_cache, kv_scales)
     num_seqs = q.shape[0]
     check_block_tables(block_tables, num_seqs, q.device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
@@ -301,6 +312,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of q [num_seqs, num_heads, head_dim] (one new token per sequence) over each
     sequence's first seq_lens[s] cached positions. Returns [num_seqs, num_heads, head_dim] in q's dtype.
@@ -310,9 +322,10 @@ def paged_decode_attention(
     frozen at capture). `partition_size`: the shortest slice one program takes. `num_splits` overrides
     the pick (tests; capped at `MAX_SPLITS`), `config` the tile (`decode_config`). `out`, when given,
     receives the result (same shape and dtype as q). `sliding_window` W: attend to the last W
-    positions only (block-table entries before them are never read).
+    positions only (block-table entries before them are never read). An FP8 cache (float8_e4m3fn) takes
+    kv_scales (k_scale, v_scale), float32 one-element tensors: K = float32(code) * k_scale in q's dtype.
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window)
+    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window, kv_scales)
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_seqs, num_heads, head_dim = q.shape
@@ -334,9 +347,10 @@ def paged_decode_attention(
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     window = sliding_window or NO_WINDOW
     precision, upcast = dot_settings(q.dtype)
+    k_cache, v_cache, k_scale, v_scale = kernel_kv_cache(k_cache, v_cache, kv_scales)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2_E, window,
-        num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale,
+        scale * LOG2_E, window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -352,6 +366,7 @@ def paged_decode_attention(
         SINGLE_SPLIT=single,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
+        FP8_KV=k_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -376,18 +391,35 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch version of `paged_decode_attention`: gather each context, softmax in fp32."""
+    """Plain PyTorch version of `paged_decode_attention`: gather each context (an FP8 one dequantized to
+    q's dtype), softmax in fp32."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     for s, seq_len in enumerate(seq_lens.tolist()):
         positions = torch.arange(max(seq_len - (sliding_window or seq_len), 0), seq_len, device=q.device)
         blocks = block_tables[s, positions // block_size].long()
-        k = k_cache[blocks, positions % block_size].float()  # [num_positions, num_kv_heads, head_dim]
-        v = v_cache[blocks, positions % block_size].float()
+        k, v = gather_kv_reference(k_cache, v_cache, blocks, positions % block_size, kv_scales, q.dtype)
+        k, v = k.float(), v.float()  # [num_positions, num_kv_heads, head_dim]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,thd->ht", q[s].float(), k) * scale
         out[s] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def gather_kv_reference(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    kv_scales: KVScales | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' K, V at (blocks, offsets): as stored, or an FP8 cache's codes * scale in `dtype`."""
+    k, v = k_cache[blocks, offsets], v_cache[blocks, offsets]
+    if kv_scales is None:
+        return k, v
+    return (k.float() * kv_scales[0]).to(dtype), (v.float() * kv_scales[1]).to(dtype)

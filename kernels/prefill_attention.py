@@ -26,6 +26,9 @@ Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pi
     lo = the first row's window start (tiles wholly before it, possibly freed blocks, are never read),
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
+An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
+registers to q's dtype (`paged_attention_tile`); everything after the load is the same.
+
 Tile shapes and num_warps / num_stages come from `prefill_config`, a small table that is NOT tuned yet:
 its sm_90 entries follow the shapes of Triton's fused-attention tutorial and await a measured GPU run.
 """
@@ -38,9 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings
-from sluice.kernels.paged_decode_attention import NO_WINDOW
+from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings, load_kv_scales
+from sluice.kernels.paged_decode_attention import NO_WINDOW, gather_kv_reference
+from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
+    KVScales,
     check_block_tables,
     check_q_and_kv_cache,
     check_shape,
@@ -116,6 +121,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,  # FP8_KV only: [] fp32
+    v_scale_ptr,
     qk_scale,
     sliding_window,
     num_seqs,
@@ -141,6 +148,7 @@ def _prefill_attention_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     tile_id = num_q_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,6 +186,8 @@ def _prefill_attention_kernel(
     full_lo = tl.minimum(tl.cdiv(all_windows_start, BLOCK_N) * BLOCK_N, kv_end)
     full_hi = tl.maximum((first_position + 1) // BLOCK_N * BLOCK_N, full_lo)
 
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+    kv_dtype = q_ptr.dtype.element_ty
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -188,22 +198,22 @@ def _prefill_attention_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
             query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
             query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
         running_max, running_sum, acc = attend_paged_tile(
             q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
             query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
         )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
@@ -212,8 +222,8 @@ def _prefill_attention_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
-    check_q_and_kv_cache(q, k_cache, v_cache)
+def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales) -> None:
+    check_q_and_kv_cache(q, k_cache, v_cache, kv_scales)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
     num_seqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=q.device)
@@ -233,15 +243,17 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     config: PrefillConfig | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 
     query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, max_blocks]
     int32; `max_query_len` >= every query length (picks the tile shape). Returns [num_tokens, num_heads,
     head_dim] (written into `out` when given). `sliding_window` W: each query sees the last W positions up
-    to its own. `config` overrides the tile shape of `prefill_config` (tests use small tiles).
+    to its own. `config` overrides the tile shape of `prefill_config` (tests use small tiles). An FP8
+    cache (float8_e4m3fn) takes kv_scales (k_scale, v_scale), float32 one-element tensors.
     """
-    _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
     num_tokens, num_heads, head_dim = q.shape
@@ -259,8 +271,9 @@ def prefill_attention(
     block_q = config.block_m // queries_per_kv
     num_q_tiles = num_tokens // block_q + num_seqs
     precision, upcast = dot_settings(q.dtype)
+    k_cache, v_cache, k_scale, v_scale = kernel_kv_cache(k_cache, v_cache, kv_scales)
     _prefill_attention_kernel[(num_q_tiles, num_kv_heads)](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale * LOG2_E,
+        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale, scale * LOG2_E,
         sliding_window or NO_WINDOW, num_seqs, num_q_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -276,6 +289,7 @@ def prefill_attention(
         NUM_STAGES=config.num_stages,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
+        FP8_KV=k_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -291,8 +305,10 @@ def prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch version of `prefill_attention`: gather each context, mask, softmax in fp32."""
+    """Plain PyTorch version of `prefill_attention`: gather each context (an FP8 one dequantized to q's
+    dtype), mask, softmax in fp32."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -304,16 +320,9 @@ def prefill_attention_reference(
         first = 0 if sliding_window is None else max(seq_len - query_len - sliding_window + 1, 0)
         positions = torch.arange(first, seq_len, device=q.device)
         blocks = block_tables[s, positions // block_size].long()
-        k = (
-            k_cache[blocks, positions % block_size]
-            .float()
-            .repeat_interleave(num_heads // num_kv_heads, dim=1)
-        )
-        v = (
-            v_cache[blocks, positions % block_size]
-            .float()
-            .repeat_interleave(num_heads // num_kv_heads, dim=1)
-        )
+        k, v = gather_kv_reference(k_cache, v_cache, blocks, positions % block_size, kv_scales, q.dtype)
+        k = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.float().repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,thd->hqt", q[rows].float(), k) * scale
         query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)
         hidden = positions[None, None, :] > query_positions[None, :, None]

@@ -43,19 +43,49 @@ def check_same_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Non
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache's codes (`--kv-cache-dtype fp8`)
+KVScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale) of an FP8 cache
 
 
-def check_q_and_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_kv_cache_dtype(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, kv_scales: KVScales | None
+) -> None:
+    """Raise ValueError unless the caches hold `dtype` and kv_scales is None, or hold e4m3 codes
+    (FP8_KV_DTYPE) and kv_scales is (k_scale, v_scale): float32 one-element tensors on the caches' device."""
+    if kv_scales is None:
+        if k_cache.dtype == FP8_KV_DTYPE:
+            raise ValueError(f"kv_scales: an FP8 ({FP8_KV_DTYPE}) cache is read with (k_scale, v_scale)")
+        check_same_dtype("k_cache", k_cache, dtype)
+        check_same_dtype("v_cache", v_cache, dtype)
+        return
+    if k_cache.dtype != FP8_KV_DTYPE:
+        raise ValueError(
+            f"kv_scales: given for a {k_cache.dtype} cache; only an FP8 ({FP8_KV_DTYPE}) one has them"
+        )
+    check_same_dtype("v_cache", v_cache, FP8_KV_DTYPE)
+    if not isinstance(kv_scales, tuple) or len(kv_scales) != 2:
+        raise ValueError(f"kv_scales: expected (k_scale, v_scale), got {type(kv_scales).__name__}")
+    for name, scale in zip(("k_scale", "v_scale"), kv_scales, strict=True):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            raise ValueError(f"kv_scales: {name} must be a one-element tensor")
+        check_same_dtype(f"kv_scales: {name}", scale, torch.float32)
+        if scale.device != k_cache.device:
+            raise ValueError(f"kv_scales: {name} on {scale.device}, expected {k_cache.device}")
+
+
+def check_q_and_kv_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: KVScales | None = None
+) -> None:
     """Raise ValueError unless q [num_tokens, num_heads, head_dim] (float) and k_cache, v_cache
-    [num_blocks, block_size, num_kv_heads, head_dim] share device, dtype and head_dim, and
-    num_kv_heads divides num_heads (the attention kernels' GQA grouping)."""
+    [num_blocks, block_size, num_kv_heads, head_dim] share device and head_dim, the caches hold q's dtype
+    (or e4m3 codes with kv_scales: `check_kv_cache_dtype`), and num_kv_heads divides num_heads (the
+    attention kernels' GQA grouping)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_heads, head_dim = q.shape[1:]
     check_tensor("k_cache", k_cache, ndim=4, device=q.device)
-    check_same_dtype("k_cache", k_cache, q.dtype)
     check_tensor("v_cache", v_cache, ndim=4, device=q.device)
     check_shape("v_cache", v_cache, k_cache.shape)
-    check_same_dtype("v_cache", v_cache, q.dtype)
+    check_kv_cache_dtype(k_cache, v_cache, q.dtype, kv_scales)
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} does not match q's {head_dim}")
@@ -103,16 +133,16 @@ def check_rotary_args(positions, q, k, cos_sin_cache) -> None:
         )
 
 
-def check_store_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+def check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, kv_scales: KVScales | None = None) -> None:
     """The arguments of a K/V store (Triton `sluice.kernels.store_kv` and the C++ CPU one): k, v [num_tokens,
-    num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping int64."""
+    num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] in k's dtype (or e4m3
+    codes with kv_scales: `check_kv_cache_dtype`); slot_mapping int64."""
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_kv_heads, head_dim = k.shape
     check_tensor("v", v, ndim=3, device=k.device)
     check_shape("v", v, k.shape)
     check_same_dtype("v", v, k.dtype)
     check_tensor("k_cache", k_cache, ndim=4, device=k.device)
-    check_same_dtype("k_cache", k_cache, k.dtype)
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"k_cache: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
@@ -120,6 +150,6 @@ def check_store_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
         )
     check_tensor("v_cache", v_cache, ndim=4, device=k.device)
     check_shape("v_cache", v_cache, k_cache.shape)
-    check_same_dtype("v_cache", v_cache, k.dtype)
+    check_kv_cache_dtype(k_cache, v_cache, k.dtype, kv_scales)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=k.device)
     check_shape("slot_mapping", slot_mapping, (num_tokens,))

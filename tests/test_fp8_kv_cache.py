@@ -3,7 +3,7 @@
 The reference is transformers with every K/V it caches rounded to e4m3 the same way (`fp8_checkpoints.
 RoundingCache`): greedy tokens must equal it, through mixed batches with chunked prefill, prefix-cache
 hits, preemption, n > 1 and ngram speculation. The cache holds twice the blocks of a bf16 one in the same
-memory; the Triton and flash-attn backends refuse it by name.
+memory; the flash-attn backend refuses it by name. (The Triton backend's FP8 path: test_triton_fp8_kv.py.)
 """
 
 from __future__ import annotations
@@ -159,17 +159,12 @@ def test_the_kv_capacity_reported_at_start_grows_by_the_bytes_saved(llama_dir, d
 
 def test_backends_without_an_fp8_read_path_refuse_it():
     fp8 = torch.float8_e4m3fn
-    for name in ("triton", "flash-attn"):
-        with pytest.raises(
-            ValueError, match=rf"^kv_cache_dtype: fp8 is not read by the '{name}' backend's kernels"
-        ):
-            get_attention_backend(
-                name, torch.device("cuda"), block_size=256, dtype=torch.bfloat16, kv_cache_dtype=fp8
-            )
-    auto = get_attention_backend(
-        "auto", torch.device("cuda"), block_size=256, dtype=torch.bfloat16, kv_cache_dtype=fp8
-    )
-    assert isinstance(auto, TorchAttentionBackend) and auto.kv_cache_dtype == fp8
+    with pytest.raises(
+        ValueError, match=r"^attention_backend: 'flash-attn' cannot run: kv_cache_dtype: flash-attn 2 reads"
+    ):
+        get_attention_backend(
+            "flash-attn", torch.device("cuda"), block_size=256, dtype=torch.bfloat16, kv_cache_dtype=fp8
+        )
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: must be one of \('auto', 'fp8'\)$"):
         CacheConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: None or torch.float8_e4m3fn, got torch.float16$"):

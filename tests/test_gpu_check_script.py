@@ -35,6 +35,7 @@ from sluice.benchmarks.gpu import (
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
 from sluice.engine.loading.presets import preset_arch
+from sluice.engine.worker.attention.selector import FP8_KV_TRITON_NOTE
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -600,8 +601,7 @@ def _fp8_record(variant: str, blocks: int, tpot_1: float, tpot_64: float, throug
     prefix = "2026-11-26 05:21:17,010 {} sluice.engine.worker.{}: "
     notes = [prefix.format("INFO", "model_runner") + "KV cache: 9 blocks of 16 tokens, torch.float8_e4m3fn"]
     if variant == "fp8_kv":
-        notes.append(prefix.format("WARNING", "attention.selector") + "kv_cache_dtype fp8: using the torch "
-                     "attention backend (the Triton kernels read bf16/fp16)")  # fmt: skip
+        notes.append(prefix.format("INFO", "attention.selector") + FP8_KV_TRITON_NOTE)
     return {
         "step": "fp8", "variant": variant, "ok": True, "model_info": {"num_kv_blocks": blocks},
         "runs": [_bench_run(1, 8, tpot_1, 400.0), _bench_run(64, 64, tpot_64, throughput)],
@@ -639,11 +639,11 @@ def test_the_report_sets_the_fp8_servers_against_bf16_and_issue_34s_targets(tmp_
         "| fp8 KV: KV blocks / fp8 weights' (same weights) | 2.00 |  |  |",
         "**Shape:** this run is on the llama-3.2-1b shape, not the llama-3-8b one issue 34's batch-1 target",
         "0.61 on llama-3.2-1b, 0.53 on llama-3-8b.",
-        "**The fp8-KV server's speed is the torch attention backend's, run eagerly (no CUDA graphs):**",
-        "falls back to it with a warning (seen in its log)",
+        "**The fp8-KV server's speed is the Triton attention backend's, with CUDA graphs, as bf16's:**",
+        "(the selector's line saying so: seen in its log)",
         "**fp8 weights vs bf16, greedy** (need not be equal: another rounding): 5 equal, 2 parting at a near "
         "tie, 1 mismatched.\n- sample 3: mismatch, ...\n- log: `KV cache: 9 blocks of 16 tokens",
-        "- log: `kv_cache_dtype fp8: using the torch attention backend",
+        f"- log: `{FP8_KV_TRITON_NOTE}`",
     ):
         assert line in section, line
     assert (
@@ -669,7 +669,7 @@ def test_the_fp8_section_says_what_a_step_cut_short_left_unmeasured(tmp_path: Pa
         "(here llama-3.2-1b, the goal is set on llama-3-8b) | 0.65 | <= 0.6 | NOT met |",
         "| fp8 weights: out tok/s at 64 concurrent / bf16's | - | >= 1.3 | not measured |",
         "| fp8 KV: KV blocks / bf16's | - | >= 2.0 | not measured |",
-        "falls back to it with a warning (not found in its log)",
+        "(the selector's line saying so: not found in its log)",
     ):
         assert line in text, line
     assert "KV blocks / fp8 weights'" not in text

@@ -10,7 +10,10 @@ prompt computed in one step, in chunks, or read from the prefix cache attends th
 
 The torch backend dequantizes what it gathers; the C++ CPU kernel reads the model dtype, so its backend
 dequantizes the blocks a step's block tables name into a scratch cache first (`dequantize_blocks`): a
-correctness path. The Triton and flash-attn backends refuse an FP8 cache (the selector says so).
+correctness path. The Triton kernels do both in registers (`sluice.kernels.store_kv.quantize_e4m3`, bit for
+bit `quantize_kv`; `sluice.kernels.paged_attention_tile.dequantize_e4m3`, `dequantize_kv`'s values), reading
+the scales on the device, so CUDA graphs capture them. flash-attn 2 does not read e4m3: the selector refuses
+it with an FP8 cache, and "auto" takes triton.
 """
 
 from __future__ import annotations

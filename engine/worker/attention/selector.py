@@ -15,6 +15,13 @@ logger = logging.getLogger(__name__)
 
 # Built on Triton kernels (flash-attn writes the cache with store_kv): CUDA, or CPU under the interpreter.
 TRITON_BACKENDS = ("triton", "flash-attn")
+# Why flash-attn never reads an FP8 cache: "auto" takes triton instead, "flash-attn" is refused with it.
+FP8_KV_FLASH_ATTN = (
+    "kv_cache_dtype: flash-attn 2 reads bf16/fp16 pages, not an fp8 (e4m3) cache; use attention_backend "
+    "'triton' (what 'auto' picks)"
+)
+# Logged (INFO) when triton takes an FP8 cache: the GPU check's report looks for it in the server's log.
+FP8_KV_TRITON_NOTE = "kv_cache_dtype fp8: the triton attention backend reads the e4m3 cache in its kernels"
 
 
 def triton_can_run(device: torch.device) -> bool:
@@ -37,10 +44,11 @@ def get_attention_backend(
     interpreter; "triton" on CPU runs it when TRITON_INTERPRET=1.
 
     flash-attn is only chosen by "auto" when `block_size` and `dtype` are given and it supports both
-    (see `flash_attn_supports`). An FP8 cache (`kv_cache_dtype` torch.float8_e4m3fn) is read by the torch
-    and cpu backends only: "auto" on CUDA then picks torch, with a logged warning. Raises ValueError for an
-    unknown name, for a CUDA-only backend that cannot run here (off CUDA, package missing, unsupported
-    block_size or dtype, an FP8 cache), or for "cpu" off CPU or without its compiled kernel.
+    (see `flash_attn_supports`). An FP8 cache (`kv_cache_dtype` torch.float8_e4m3fn) is read by the torch,
+    cpu and triton backends, not by flash-attn (`FP8_KV_FLASH_ATTN`): "auto" on CUDA then picks triton.
+    Raises ValueError for an unknown name, for a CUDA-only backend that cannot run here (off CUDA, package
+    missing, unsupported block_size or dtype; flash-attn with an FP8 cache), or for "cpu" off CPU or
+    without its compiled kernel.
     """
     if name not in ("auto", "torch", "cpu", *TRITON_BACKENDS):
         raise ValueError(
@@ -48,20 +56,12 @@ def get_attention_backend(
         )
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         return _cpu_backend(name, device, kv_cache_dtype)
-    if kv_cache_dtype is not None and name in TRITON_BACKENDS:
-        raise ValueError(
-            f"kv_cache_dtype: fp8 is not read by the {name!r} backend's kernels yet; use attention_backend "
-            "'torch' (or 'cpu' on CPU)"
-        )
-    if kv_cache_dtype is not None and name == "auto" and device.type == "cuda":
-        logger.warning(
-            "kv_cache_dtype fp8: using the torch attention backend (the Triton kernels read bf16/fp16)"
-        )
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or kv_cache_dtype is not None)):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend(kv_cache_dtype)
     from sluice.engine.worker.attention.flash_attn_backend import FlashAttnBackend, flash_attn_supports
 
-    flash_reason = flash_attn_supports(device, block_size, dtype)
+    flash_reason = FP8_KV_FLASH_ATTN if kv_cache_dtype is not None else None
+    flash_reason = flash_reason or flash_attn_supports(device, block_size, dtype)
     if name == "auto" and block_size is not None and dtype is not None and flash_reason is None:
         name = "flash-attn"
     if name == "flash-attn":
@@ -75,7 +75,9 @@ def get_attention_backend(
         )
     from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    if kv_cache_dtype is not None:
+        logger.info(FP8_KV_TRITON_NOTE)
+    return TritonAttentionBackend(kv_cache_dtype=kv_cache_dtype)
 
 
 def _cpu_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None) -> AttentionBackend:

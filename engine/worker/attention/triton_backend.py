@@ -12,14 +12,20 @@ can be captured in a CUDA graph (the decode grid and partial buffers depend only
 max_seq_len and the device).
 
 `rotate_and_store` + `attend` is the fused alternative to rotary + `forward`: one kernel rotates q and k
-in place and writes k, v into the cache. It is ready but not called yet: the model layers must hand the
-backend q, k, v before their rotary step to use it.
+in place and writes k, v into the cache. Every layer takes it when its rotation is the Triton kernel's
+(`sluice.engine.worker.layers.attention.Attention`).
+
+With an FP8 cache (`kv_cache_dtype` float8_e4m3fn, `sluice.engine.worker.attention.fp8_kv_cache`) the
+store kernels write e4m3 codes of k / k_scale and v / v_scale, and the attention kernels dequantize each
+tile in registers to the model dtype; the layer's scales (float32 0-dim tensors) are read by the kernels
+on the device, so nothing is synced to the host and a captured graph replays them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
@@ -32,15 +38,20 @@ class TritonAttentionBackend:
 
     `decode_partition_size` is the shortest context slice one decode program takes; the decode kernel
     never makes more than cdiv(max_seq_len, decode_partition_size) slices per head, the bound
-    `cuda_graph_runner.estimate_graph_memory_bytes` is given.
+    `cuda_graph_runner.estimate_graph_memory_bytes` is given. kv_cache_dtype torch.float8_e4m3fn: the
+    caches are FP8 and every call takes the layer's kv_scales (None: the model dtype, no scales).
     """
 
     name = "triton"
     kv_cache_heads_first = False
-    kv_cache_dtype = None  # an FP8 cache is refused by the selector (its kernels read the model dtype)
 
-    def __init__(self, decode_partition_size: int = DEFAULT_PARTITION_SIZE) -> None:
+    def __init__(
+        self, decode_partition_size: int = DEFAULT_PARTITION_SIZE, kv_cache_dtype: torch.dtype | None = None
+    ) -> None:
+        if kv_cache_dtype not in (None, FP8):
+            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
         self.decode_partition_size = decode_partition_size
+        self.kv_cache_dtype = kv_cache_dtype
 
     def forward(
         self,
@@ -52,10 +63,10 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
-        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata, scale, sliding_window)
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
+        return self.attend(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
 
     def rotate_and_store(
         self,
@@ -67,10 +78,13 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place by `positions` and store k, v at metadata.slot_mapping (one kernel);
         follow with `attend`. Returns (q, k)."""
-        return rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping)
+        return rotary_store_kv(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping, kv_scales
+        )
 
     def attend(
         self,
@@ -80,6 +94,7 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """Attention of q over the cache, which already holds this step's K/V."""
         if metadata.is_pure_decode:
@@ -94,6 +109,7 @@ class TritonAttentionBackend:
                 max_seq_len=metadata.max_seq_len,
                 partition_size=self.decode_partition_size,
                 sliding_window=sliding_window,
+                kv_scales=kv_scales,
             )
         return prefill_attention(
             q,
@@ -105,4 +121,5 @@ class TritonAttentionBackend:
             metadata.max_query_len,
             scale,
             sliding_window=sliding_window,
+            kv_scales=kv_scales,
         )

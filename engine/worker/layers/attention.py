@@ -87,10 +87,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q, k before rotation (rotated in place or out of place, as `rope` does)."""
         if self.fuse_rotary_store and isinstance(rope, TritonRope):
+            k_cache, v_cache = kv_cache
+            scales = self.kv_scales
             self.backend.rotate_and_store(
-                rope.positions, q, k, v, rope.cos_sin_cache, kv_cache[0], kv_cache[1], metadata
+                rope.positions, q, k, v, rope.cos_sin_cache, k_cache, v_cache, metadata, scales
             )
-            out = self.backend.attend(q, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window)
+            out = self.backend.attend(q, k_cache, v_cache, metadata, self.scale, self.sliding_window, scales)
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         q, k = rope(q, k)
         out = self.backend.forward(

@@ -1,0 +1,404 @@
+"""The Triton backend on an FP8 (e4m3) KV cache: its store kernels write torch's codes, attention reads them.
+
+Kernels: `store_kv` and the fused `rotary_store_kv` must write exactly `fp8_kv_cache.quantize_kv`'s codes
+(saturation at +-448, subnormals, ties to even, NaN); the decode (with and without splits) and prefill
+kernels over an FP8 cache must equal their PyTorch references on the dequantized cache and, bit for bit,
+the model-dtype kernels run on that dequantized cache (the only change is the load). Scales 0.02 and 3.0
+on values ~4x a unit normal make K/V saturate and fall into e4m3's subnormals (checked, not assumed).
+Engine: a tiny Llama on the Triton backend with `--kv-cache-dtype fp8` gives the torch backend's greedy
+tokens (which test_fp8_kv_cache ties to transformers) through chunked prefill, prefix hits, preemption
+and a checkpoint's own scales. Selector: "auto" on CUDA reads an FP8 cache with triton, never flash-attn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
+from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
+from test_fp8_kv_cache import BLOCK, GREEDY, NUM_NEW, _prompts, greedy
+from test_kernels_sliding_window import WINDOW, _windowed_batch
+
+from sluice.benchmarks.gpu import fp8_figures
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.worker.attention import flash_attn_backend
+from sluice.engine.worker.attention.fp8_kv_cache import FP8, dequantize_kv, quantize_kv
+from sluice.engine.worker.attention.selector import (
+    FP8_KV_FLASH_ATTN,
+    FP8_KV_TRITON_NOTE,
+    get_attention_backend,
+)
+from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.layers.rotary import build_cos_sin_cache
+from sluice.kernels.paged_decode_attention import (
+    DecodeConfig,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from sluice.kernels.prefill_attention import PrefillConfig, prefill_attention, prefill_attention_reference
+from sluice.kernels.rotary_store_kv import rotary_store_kv
+from sluice.kernels.store_kv import store_kv, store_kv_reference
+
+SCALE = 0.25  # the softmax scale
+MAGNITUDE = 4.0  # K/V values ~ N(0, 4^2): past 448 * 0.02 = 8.96 sometimes, below 2^-6 * 3.0 sometimes
+# (k_scale, v_scale): each of K and V saturates under one pair and falls into subnormals under the other.
+SCALES = [(0.02, 3.0), (3.0, 0.02)]
+# (query_len, seq_len), as test_kernels_attention: fresh prefills, chunks after a cached prefix, decode rows.
+MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (18, 50), (40, 75)]
+DECODES = [(1, 1), (1, 17), (1, 40), (1, 63), (1, 130)]
+LAYOUTS = [(2, 2, 16), (8, 2, 32)]  # (num_heads, num_kv_heads, block_size): GQA 1 and 4, blocks of 16 and 32
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=2)
+NAN_CODE = 0x7F  # e4m3fn NaN: the poison of a cache the store must leave alone outside its slots
+
+
+def _scales(k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the layers hold them: float32 0-dim tensors on the device."""
+    return torch.tensor(k_scale, device=DEVICE), torch.tensor(v_scale, device=DEVICE)
+
+
+def _codes(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8)
+
+
+def _special_values() -> torch.Tensor:
+    """Every e4m3 value, the midpoints between neighbours (ties) and one ulp either side of them, values past
+    +-448, the subnormal range, zeros, infinities and NaN; both signs, then random values of two sizes."""
+    every_code = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = every_code[~every_code.isnan()].unique()
+    values = values[values >= 0]
+    mids = (values[1:] + values[:-1]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    extremes = torch.tensor([448.0, 449.0, 464.0, 500.0, 1e6, float("inf"), 2.0**-10, 2.0**-12, 1e-40, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    rand = torch.cat([torch.randn(1024, generator=gen) * 10, torch.randn(1024, generator=gen) * 0.01])
+    signed = torch.cat([values, near, extremes, rand])
+    return torch.cat([signed, -signed, torch.tensor([float("nan")])])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("k_scale", [1.0, 0.02, 3.0])
+def test_store_kv_writes_torchs_e4m3_codes_bit_for_bit(dtype, k_scale):
+    values = _special_values().to(dtype)
+    num_kv_heads, head_dim, block_size = 2, 64, 16
+    num_tokens = -(-values.numel() // (num_kv_heads * head_dim))
+    k = torch.zeros(num_tokens * num_kv_heads * head_dim, dtype=dtype)
+    k[: values.numel()] = values
+    k = k.view(num_tokens, num_kv_heads, head_dim).to(DEVICE)
+    v = k.flip(0)  # other values at each slot, and its own scale
+    kv_scales = _scales(k_scale, 2 * k_scale)
+    # Tokens go to shuffled slots; every fourth one is a padding row (slot -1), never written.
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = -(-num_tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1
+    slot_mapping = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, NAN_CODE, dtype=torch.uint8, device=DEVICE).view(FP8)
+    v_cache = k_cache.clone()
+
+    store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+
+    stored = slot_mapping >= 0
+    flat_k = _codes(k_cache).view(-1, num_kv_heads, head_dim)
+    flat_v = _codes(v_cache).view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slot_mapping[stored]], _codes(quantize_kv(k[stored], kv_scales[0])))
+    assert torch.equal(flat_v[slot_mapping[stored]], _codes(quantize_kv(v[stored], kv_scales[1])))
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slot_mapping[stored]] = False
+    assert (flat_k[untouched] == NAN_CODE).all() and (flat_v[untouched] == NAN_CODE).all()
+    # The kernel's reference writes the same codes.
+    ref_k, ref_v = torch.full_like(flat_k, NAN_CODE).view(FP8), torch.full_like(flat_v, NAN_CODE).view(FP8)
+    store_kv_reference(k, v, ref_k.view(shape), ref_v.view(shape), slot_mapping, kv_scales)
+    assert torch.equal(_codes(ref_k), flat_k) and torch.equal(_codes(ref_v), flat_v)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(4, 1, 32, 16), (6, 2, 16, 32)]
+)
+def test_rotary_store_kv_writes_the_codes_of_the_rotated_k(
+    dtype, num_heads, num_kv_heads, head_dim, block_size
+):
+    positions = torch.tensor([1, 2, 3, 70, 255, 9, 130], device=DEVICE)
+    num_tokens = len(positions)
+    cos_sin = build_cos_sin_cache(head_dim, 256, 500000.0, device=DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width, generator=gen) * MAGNITUDE).to(DEVICE, dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    float_q, float_k = q.clone(), k.clone()
+    shape = (5, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, NAN_CODE, dtype=torch.uint8, device=DEVICE).view(FP8)
+    v_cache = k_cache.clone()
+    slot_mapping = torch.tensor([3, 17, -1, 4 * block_size + 1, 0, -1, 2 * block_size], device=DEVICE)
+    kv_scales = _scales(0.02, 3.0)
+
+    rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, kv_scales)
+
+    # q and k are rotated as with a float cache; the cache holds the codes of k as rotated, and of v.
+    float_caches = [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    rotary_store_kv(positions, float_q, float_k, v, cos_sin, *float_caches, slot_mapping)
+    assert torch.equal(q, float_q) and torch.equal(k, float_k)
+    stored = slot_mapping >= 0
+    flat_k = _codes(k_cache).view(-1, num_kv_heads, head_dim)
+    flat_v = _codes(v_cache).view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slot_mapping[stored]], _codes(quantize_kv(k[stored], kv_scales[0])))
+    assert torch.equal(flat_v[slot_mapping[stored]], _codes(quantize_kv(v[stored], kv_scales[1])))
+    assert int((flat_k != NAN_CODE).all(dim=-1).all(dim=-1).sum()) == int(stored.sum())
+
+
+def _fp8(
+    batch: PagedBatch, k_scale: float, v_scale: float
+) -> tuple[PagedBatch, tuple[torch.Tensor, torch.Tensor]]:
+    """`batch` (its new K/V already in its caches) scaled by MAGNITUDE, with e4m3 caches: random codes
+    everywhere, this step's tokens among them. Checks that some values saturate and some are subnormal."""
+    kv_scales = _scales(k_scale, v_scale)
+    k_cache = quantize_kv(batch.k_cache * MAGNITUDE, kv_scales[0])
+    v_cache = quantize_kv(batch.v_cache * MAGNITUDE, kv_scales[1])
+    magnitudes = torch.cat([_codes(k_cache).flatten(), _codes(v_cache).flatten()]) & 0x7F
+    assert (magnitudes == 0x7E).any(), "no value saturates at 448"
+    assert ((magnitudes > 0) & (magnitudes < 0x08)).any(), "no value is subnormal"
+    fp8 = dataclasses.replace(
+        batch, k=batch.k * MAGNITUDE, v=batch.v * MAGNITUDE, k_cache=k_cache, v_cache=v_cache
+    )
+    return fp8, kv_scales
+
+
+def _batch(pairs, num_heads, num_kv_heads, block_size, dtype=torch.float32):
+    batch = make_paged_batch(
+        [q for q, _ in pairs], [s for _, s in pairs], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=16, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    store_kv_reference(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    return batch
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """paged_batch's tolerance for values MAGNITUDE times larger (bf16 rounds P and V to 8 bits)."""
+    bounds = tolerance(dtype)
+    return {"atol": bounds["atol"] * MAGNITUDE, "rtol": bounds["rtol"]}
+
+
+def _dequantized(batch: PagedBatch, kv_scales) -> list[torch.Tensor]:
+    """The caches as the kernels dequantize them, tile by tile: `dequantize_kv`'s values, except that
+    Triton's interpreter casts float32 to bfloat16 by truncation (numpy has no bfloat16; a GPU rounds to
+    nearest even, as torch does), so there bfloat16 caches are truncated alike."""
+    dtype, caches = batch.q.dtype, (batch.k_cache, batch.v_cache)
+    if dtype != torch.bfloat16 or DEVICE.type == "cuda":
+        return [dequantize_kv(cache, scale, dtype) for cache, scale in zip(caches, kv_scales, strict=True)]
+    values = [cache.float() * scale for cache, scale in zip(caches, kv_scales, strict=True)]
+    return [(v.view(torch.int32) & -65536).view(torch.float32).to(dtype) for v in values]
+
+
+def _check_decode(batch: PagedBatch, kv_scales, sliding_window=None, **kwargs) -> None:
+    """The FP8 decode against its reference and, bit for bit, the model-dtype kernel on the dequantized
+    cache."""
+    md = batch.metadata
+    args = (md.block_tables, md.seq_lens, SCALE, md.max_seq_len)
+    out = nan_like(batch.q)
+    paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, *args, out=out, sliding_window=sliding_window,
+        kv_scales=kv_scales, **kwargs,
+    )  # fmt: skip
+    expected = paged_decode_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, *args[:3], sliding_window, kv_scales
+    )
+    assert not expected.isnan().any()
+    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype))
+    model_dtype = paged_decode_attention(
+        batch.q, *_dequantized(batch, kv_scales), *args, out=nan_like(batch.q), sliding_window=sliding_window,
+        **kwargs,
+    )  # fmt: skip
+    assert torch.equal(out, model_dtype)
+
+
+def _check_prefill(batch: PagedBatch, kv_scales, sliding_window=None, **kwargs) -> None:
+    md = batch.metadata
+    args = (md.query_start_loc, md.seq_lens, md.block_tables)
+    out = nan_like(batch.q)
+    prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, *args, md.max_query_len, SCALE, out=out,
+        sliding_window=sliding_window, kv_scales=kv_scales, **kwargs,
+    )  # fmt: skip
+    expected = prefill_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, *args, SCALE, sliding_window, kv_scales
+    )
+    assert not expected.isnan().any()
+    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype))
+    model_dtype = prefill_attention(
+        batch.q, *_dequantized(batch, kv_scales), *args, md.max_query_len, SCALE, out=nan_like(batch.q),
+        sliding_window=sliding_window, **kwargs,
+    )  # fmt: skip
+    assert torch.equal(out, model_dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
+def test_fp8_decode_with_and_without_splits(num_splits, scales, num_heads, num_kv_heads, block_size):
+    batch, kv_scales = _fp8(_batch(DECODES, num_heads, num_kv_heads, block_size), *scales)
+    _check_decode(batch, kv_scales, partition_size=16, num_splits=num_splits, config=SMALL_DECODE)
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
+def test_fp8_prefill_over_chunks_prefixes_and_decode_rows(scales, num_heads, num_kv_heads, block_size):
+    batch, kv_scales = _fp8(_batch(MIXED, num_heads, num_kv_heads, block_size), *scales)
+    _check_prefill(batch, kv_scales, config=SMALL_PREFILL)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_fp8_decode_and_prefill_in_each_model_dtype_with_the_default_tiles(dtype):
+    """Codes are dequantized to the model dtype, as `dequantize_kv` does, before the dots."""
+    decode, kv_scales = _fp8(_batch(DECODES, 8, 2, 16, dtype), *SCALES[0])
+    _check_decode(decode, kv_scales)
+    prefill, kv_scales = _fp8(_batch(MIXED, 8, 2, 16, dtype), *SCALES[1])
+    _check_prefill(prefill, kv_scales)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fp8_sliding_window_skips_the_freed_blocks(block_size):
+    """Blocks before each window hold NaN codes (test_kernels_sliding_window's batches): reading one fails."""
+    decode, kv_scales = _fp8(
+        _windowed_batch([(1, 90), (1, 7), (1, 64), (1, 21)], block_size=block_size), *SCALES[0]
+    )
+    assert (_codes(decode.k_cache) == NAN_CODE).any()
+    _check_decode(decode, kv_scales, WINDOW, partition_size=16, num_splits=3, config=SMALL_DECODE)
+    prefill, kv_scales = _fp8(
+        _windowed_batch([(30, 30), (5, 70), (1, 90), (40, 75)], block_size=block_size), *SCALES[1]
+    )
+    _check_prefill(prefill, kv_scales, WINDOW, config=SMALL_PREFILL)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "block_size"),
+    [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32)],
+    ids=["mixed", "pure-decode"],
+)
+def test_triton_backend_on_an_fp8_cache_equals_the_torch_backend(pairs, block_size):
+    """Both backends store the same codes and attend the same dequantized values."""
+    batch = make_paged_batch(
+        [q for q, _ in pairs],
+        [s for _, s in pairs],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=block_size,
+    )
+    kv_scales = _scales(0.02, 3.0)
+    k, v = batch.k * MAGNITUDE, batch.v * MAGNITUDE
+    caches, outs = {}, {}
+    for backend in (TritonAttentionBackend(32, kv_cache_dtype=FP8), TorchAttentionBackend(FP8)):
+        k_cache, v_cache = quantize_kv(batch.k_cache, kv_scales[0]), quantize_kv(batch.v_cache, kv_scales[1])
+        outs[backend.name] = backend.forward(
+            batch.q, k, v, k_cache, v_cache, batch.metadata, SCALE, None, kv_scales
+        )
+        caches[backend.name] = (_codes(k_cache), _codes(v_cache))
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+
+def test_the_kernels_name_a_missing_or_unwanted_kv_scales():
+    batch = _batch([(1, 5), (1, 9)], 4, 2, 16)
+    md = batch.metadata
+    unit = _scales(1.0, 1.0)
+    fp8_k, fp8_v = quantize_kv(batch.k_cache, unit[0]), quantize_kv(batch.v_cache, unit[1])
+    decode = (md.block_tables, md.seq_lens, SCALE, md.max_seq_len)
+    with pytest.raises(ValueError, match=r"^kv_scales: an FP8 \(torch.float8_e4m3fn\) cache is read with"):
+        paged_decode_attention(batch.q, fp8_k, fp8_v, *decode)
+    with pytest.raises(ValueError, match=r"^kv_scales: given for a torch.float32 cache; only an FP8"):
+        paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, *decode, kv_scales=unit)
+    with pytest.raises(
+        ValueError, match=r"^kv_scales: v_scale: dtype torch.float16 must match torch.float32$"
+    ):
+        store_kv(batch.k, batch.v, fp8_k, fp8_v, md.slot_mapping, (unit[0], unit[1].half()))
+    with pytest.raises(ValueError, match=r"^kv_scales: k_scale must be a one-element tensor$"):
+        prefill_attention(
+            batch.q, fp8_k, fp8_v, md.query_start_loc, md.seq_lens, md.block_tables, 1, SCALE,
+            kv_scales=(torch.ones(2, device=DEVICE), unit[1]),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: None or torch.float8_e4m3fn, got torch.float16$"):
+        TritonAttentionBackend(kv_cache_dtype=torch.float16)
+
+
+# The selector: decided from names and the package, before any CUDA call, so it runs anywhere.
+CUDA = torch.device("cuda")
+
+
+def test_auto_on_cuda_reads_an_fp8_cache_with_triton_even_where_flash_attn_runs(monkeypatch, caplog):
+    for flash_attn_available in (False, True):
+        if flash_attn_available:  # as on a GPU with flash_attn installed and a 256-token block
+            monkeypatch.setattr(flash_attn_backend, "flash_attn_supports", lambda *args: None)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="sluice.engine.worker.attention.selector"):
+            backend = get_attention_backend(
+                "auto", CUDA, block_size=256, dtype=torch.bfloat16, kv_cache_dtype=FP8
+            )
+        assert isinstance(backend, TritonAttentionBackend) and backend.kv_cache_dtype == FP8
+        # The line the GPU check's report looks for in the fp8-KV server's log.
+        assert [r.getMessage() for r in caplog.records] == [FP8_KV_TRITON_NOTE]
+        assert fp8_figures.TRITON_FP8_KV in FP8_KV_TRITON_NOTE
+    named = get_attention_backend("triton", CUDA, block_size=16, dtype=torch.bfloat16, kv_cache_dtype=FP8)
+    assert isinstance(named, TritonAttentionBackend) and named.kv_cache_dtype == FP8
+    assert get_attention_backend("triton", CUDA, block_size=16, dtype=torch.bfloat16).kv_cache_dtype is None
+    with pytest.raises(ValueError) as refused:
+        get_attention_backend("flash-attn", CUDA, block_size=256, dtype=torch.bfloat16, kv_cache_dtype=FP8)
+    assert str(refused.value) == f"attention_backend: 'flash-attn' cannot run: {FP8_KV_FLASH_ATTN}"
+    assert FP8_KV_FLASH_ATTN.startswith("kv_cache_dtype: flash-attn 2 reads bf16/fp16 pages, not an fp8")
+
+
+@pytest.fixture(scope="module")
+def torch_fp8(llama_dir) -> list[list[int]]:
+    """The torch backend's greedy tokens with an FP8 cache (test_fp8_kv_cache ties them to transformers)."""
+    return greedy(
+        LLM(llama_dir, kv_cache_dtype="fp8", attention_backend="torch", block_size=BLOCK, num_blocks=64)
+    )
+
+
+def _triton_fp8(directory: str, **kwargs) -> LLM:
+    llm = LLM(directory, kv_cache_dtype="fp8", attention_backend="triton", block_size=BLOCK, **kwargs)
+    runner = llm.engine.model_runner
+    assert runner.attention_backend.name == "triton" and runner.attention_backend.kv_cache_dtype == FP8
+    assert all(k.dtype == v.dtype == FP8 for k, v in runner.kv_caches)
+    # Every layer stores through the fused rotary + store kernel.
+    assert all(layer.self_attn.attn.fuse_rotary_store for layer in runner.model.model.layers)
+    return llm
+
+
+def test_engine_greedy_equals_the_torch_backend_through_chunks_and_prefix_hits(llama_dir, torch_fp8):
+    llm = _triton_fp8(llama_dir, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
+    completions = llm.generate(_prompts(), GREEDY)
+    assert [c.token_ids for c in completions] == torch_fp8
+    assert [c.cached_tokens for c in completions] == [0, 0, 3 * BLOCK, 0, 3 * BLOCK, 0]
+
+
+def test_engine_greedy_through_preemption(llama_dir, torch_fp8):
+    # 6 blocks: the longest request alone takes 5 (77 tokens), so running requests preempt each other.
+    llm = _triton_fp8(
+        llama_dir, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False
+    )
+    completions = llm.generate(_prompts(), GREEDY)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [c.token_ids for c in completions] == torch_fp8
+
+
+def test_engine_greedy_with_the_checkpoints_kv_scales(llama_dir, tmp_path):
+    kv_scales = (0.05, 0.02)
+    directory = write_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"), kv_scales=kv_scales)
+    llm = _triton_fp8(directory, num_blocks=64)
+    attn = llm.engine.model_runner.model.model.layers[1].self_attn.attn
+    assert (attn.k_scale.item(), attn.v_scale.item()) == (pytest.approx(0.05), pytest.approx(0.02))
+    torch_fp8 = LLM(
+        directory, kv_cache_dtype="fp8", attention_backend="torch", block_size=BLOCK, num_blocks=64
+    )
+    expected = transformers_greedy(directory, _prompts(), NUM_NEW, kv_scales=kv_scales)
+    assert greedy(llm) == greedy(torch_fp8) == expected
