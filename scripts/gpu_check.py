@@ -66,6 +66,7 @@ KERNEL_TESTS = (
     "tests/test_kernels_store_kv.py",
     "tests/test_kernels_attention.py",
     "tests/test_kernels_norm_rope.py",
+    "tests/test_triton_fp8_kv.py",  # store, decode and prefill over an FP8 cache (engine tests: a file apart)
     "tests/test_cuda_graph_runner.py",
     "tests/test_model_parity.py",  # the whole model with every Triton kernel, fp32, against transformers
 )

@@ -5,9 +5,8 @@ Kernels: `store_kv` and the fused `rotary_store_kv` must write exactly `fp8_kv_c
 kernels over an FP8 cache must equal their PyTorch references on the dequantized cache and, bit for bit,
 the model-dtype kernels run on that dequantized cache (the only change is the load). Scales 0.02 and 3.0
 on values ~4x a unit normal make K/V saturate and fall into e4m3's subnormals (checked, not assumed).
-Engine: a tiny Llama on the Triton backend with `--kv-cache-dtype fp8` gives the torch backend's greedy
-tokens (which test_fp8_kv_cache ties to transformers) through chunked prefill, prefix hits, preemption
-and a checkpoint's own scales. Selector: "auto" on CUDA reads an FP8 cache with triton, never flash-attn.
+Selector: "auto" on CUDA reads an FP8 cache with triton, never flash-attn. The engine on these kernels:
+test_triton_fp8_kv_engine (this file is one of the GPU check's kernel test files).
 """
 
 from __future__ import annotations
@@ -16,13 +15,10 @@ import dataclasses
 
 import pytest
 import torch
-from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
 from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
-from test_fp8_kv_cache import BLOCK, GREEDY, NUM_NEW, _prompts, greedy
 from test_kernels_sliding_window import WINDOW, _windowed_batch
 
 from sluice.benchmarks.gpu import fp8_figures
-from sluice.engine.frontend.llm import LLM
 from sluice.engine.worker.attention import flash_attn_backend
 from sluice.engine.worker.attention.fp8_kv_cache import FP8, dequantize_kv, quantize_kv
 from sluice.engine.worker.attention.selector import (
@@ -354,51 +350,3 @@ def test_auto_on_cuda_reads_an_fp8_cache_with_triton_even_where_flash_attn_runs(
         get_attention_backend("flash-attn", CUDA, block_size=256, dtype=torch.bfloat16, kv_cache_dtype=FP8)
     assert str(refused.value) == f"attention_backend: 'flash-attn' cannot run: {FP8_KV_FLASH_ATTN}"
     assert FP8_KV_FLASH_ATTN.startswith("kv_cache_dtype: flash-attn 2 reads bf16/fp16 pages, not an fp8")
-
-
-@pytest.fixture(scope="module")
-def torch_fp8(llama_dir) -> list[list[int]]:
-    """The torch backend's greedy tokens with an FP8 cache (test_fp8_kv_cache ties them to transformers)."""
-    return greedy(
-        LLM(llama_dir, kv_cache_dtype="fp8", attention_backend="torch", block_size=BLOCK, num_blocks=64)
-    )
-
-
-def _triton_fp8(directory: str, **kwargs) -> LLM:
-    llm = LLM(directory, kv_cache_dtype="fp8", attention_backend="triton", block_size=BLOCK, **kwargs)
-    runner = llm.engine.model_runner
-    assert runner.attention_backend.name == "triton" and runner.attention_backend.kv_cache_dtype == FP8
-    assert all(k.dtype == v.dtype == FP8 for k, v in runner.kv_caches)
-    # Every layer stores through the fused rotary + store kernel.
-    assert all(layer.self_attn.attn.fuse_rotary_store for layer in runner.model.model.layers)
-    return llm
-
-
-def test_engine_greedy_equals_the_torch_backend_through_chunks_and_prefix_hits(llama_dir, torch_fp8):
-    llm = _triton_fp8(llama_dir, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
-    completions = llm.generate(_prompts(), GREEDY)
-    assert [c.token_ids for c in completions] == torch_fp8
-    assert [c.cached_tokens for c in completions] == [0, 0, 3 * BLOCK, 0, 3 * BLOCK, 0]
-
-
-def test_engine_greedy_through_preemption(llama_dir, torch_fp8):
-    # 6 blocks: the longest request alone takes 5 (77 tokens), so running requests preempt each other.
-    llm = _triton_fp8(
-        llama_dir, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False
-    )
-    completions = llm.generate(_prompts(), GREEDY)
-    assert llm.engine.stats().num_preemptions > 0
-    assert [c.token_ids for c in completions] == torch_fp8
-
-
-def test_engine_greedy_with_the_checkpoints_kv_scales(llama_dir, tmp_path):
-    kv_scales = (0.05, 0.02)
-    directory = write_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"), kv_scales=kv_scales)
-    llm = _triton_fp8(directory, num_blocks=64)
-    attn = llm.engine.model_runner.model.model.layers[1].self_attn.attn
-    assert (attn.k_scale.item(), attn.v_scale.item()) == (pytest.approx(0.05), pytest.approx(0.02))
-    torch_fp8 = LLM(
-        directory, kv_cache_dtype="fp8", attention_backend="torch", block_size=BLOCK, num_blocks=64
-    )
-    expected = transformers_greedy(directory, _prompts(), NUM_NEW, kv_scales=kv_scales)
-    assert greedy(llm) == greedy(torch_fp8) == expected
