@@ -1,17 +1,20 @@
 """Compile every Triton kernel for an NVIDIA GPU on a machine without one, and report its resources.
 
-    python scripts/compile_kernels.py                 # sm_90 (H100/H200), every model shape and dtype
+    python scripts/compile_kernels.py                 # sm_90 (H100/H200), every model shape and dtype,
+    #                                                   KV cache in the model dtype and in FP8
     python scripts/compile_kernels.py --arch 80 --json out.json
 
 Triton's interpreter (how `make test` runs the kernels on CPU) executes kernels with numpy and does not
 check what only the GPU compiler checks: `tl.dot` operand types, layouts, shared memory. Here each
 public launcher in `kernels/` runs on small CPU tensors shaped like a real model's, with its Triton
-kernel swapped for a recorder. Each recorded launch goes through Triton's own argument binder for the
-target (so arguments are specialized as the JIT would specialize them: 16-byte-divisible pointers and
-integers, constexprs) and is compiled ahead of time down to a cubin with Triton's bundled ptxas (no
-driver, no GPU). Reported per kernel: registers (cuobjdump), the shared memory the launch requests and
-local memory (register spills). Must run without TRITON_INTERPRET (it makes kernels uncompilable
-objects). Exit status 1 when a kernel fails to compile.
+kernel swapped for a recorder; the launchers that read or write the paged KV cache run twice, over a
+cache in the model dtype and over an FP8 (e4m3) one with its scales (the variants whose constexprs say
+FP8_KV=True; the model-dtype ones say FP8_KV=False). Each recorded launch goes through Triton's own
+argument binder for the target (so arguments are specialized as the JIT would specialize them:
+16-byte-divisible pointers and integers, constexprs) and is compiled ahead of time down to a cubin with
+Triton's bundled ptxas (no driver, no GPU). Reported per kernel: registers (cuobjdump), the shared
+memory the launch requests and local memory (register spills). Must run without TRITON_INTERPRET (it
+makes kernels uncompilable objects). Exit status 1 when a kernel fails to compile.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from sluice.engine.loading.model_arch import ModelArchConfig  # noqa: E402
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
 from sluice.kernels import (  # noqa: E402
@@ -51,6 +55,7 @@ from sluice.kernels import (  # noqa: E402
     silu_and_mul,
     store_kv,
 )
+from sluice.kernels.tensor_checks import FP8_KV_DTYPE, KVScales  # noqa: E402
 
 # Shapes that exercise the kernels' constexpr choices: head_dim 64 and 128, GQA 4 and 7, MHA, a head
 # count and hidden size that are not powers of two. The first one is also checked in every dtype.
@@ -153,7 +158,8 @@ class _Recorder:
 
 def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
     """Every kernel launch the engine issues for a model of `shape` in `dtype` (decode, prefill, store,
-    norm with and without residual, rotary), recorded from the real launchers on CPU tensors."""
+    fused rotary + store, each over a model-dtype and an FP8 KV cache; norm with and without residual,
+    rotary, silu_and_mul), recorded from the real launchers on CPU tensors."""
     sink: list[Launch] = []
     originals = [(module, name, getattr(module, name)) for module, name in _KERNELS]
     for module, name, kernel in originals:
@@ -168,17 +174,38 @@ def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
 
 def _run_launchers(shape: str, dtype: torch.dtype) -> None:
     arch = preset_arch(shape)
+    _run_cache_launchers(arch, dtype, kv_scales=None)
+    num_tokens = 3
+    q = torch.empty(num_tokens, arch.num_attention_heads, arch.head_dim, dtype=dtype)
+    k = torch.empty(num_tokens, arch.num_key_value_heads, arch.head_dim, dtype=dtype)
+    hidden = torch.empty(num_tokens, arch.hidden_size, dtype=dtype)
+    weight = torch.empty(arch.hidden_size, dtype=dtype)
+    rms_norm.rms_norm(hidden, weight, 1e-5)
+    rms_norm.rms_norm(hidden, weight, 1e-5, residual=hidden)
+    cos_sin = build_cos_sin_cache(arch.head_dim, 8, arch.rope_theta, arch.rope_scaling)
+    rotary.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin)
+    silu_and_mul.silu_and_mul(torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype))
+    # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
+    # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True.
+    _run_cache_launchers(arch, dtype, kv_scales=(torch.ones(()), torch.ones(())))
+
+
+def _run_cache_launchers(arch: ModelArchConfig, dtype: torch.dtype, kv_scales: KVScales | None) -> None:
+    """The launches that read or write the paged KV cache (store, fused rotary + store, decode, prefill),
+    over a cache in the model dtype (kv_scales None) or in FP8 (e4m3 codes read with kv_scales)."""
     heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     num_tokens, num_blocks = 3, 4
     q = torch.empty(num_tokens, heads, dim, dtype=dtype)
     k = torch.empty(num_tokens, kv_heads, dim, dtype=dtype)
-    cache = torch.empty(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype)
+    cache_dtype = dtype if kv_scales is None else FP8_KV_DTYPE
+    cache = torch.empty(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=cache_dtype)
     slots = torch.zeros(num_tokens, dtype=torch.int64)
-    store_kv.store_kv(k, k, cache, cache, slots)
+    store_kv.store_kv(k, k, cache, cache, slots, kv_scales)
     for batch, context in DECODE_LAUNCHES:
         paged_decode_attention.paged_decode_attention(
             torch.empty(batch, heads, dim, dtype=dtype), cache, cache,
             torch.zeros(batch, 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0, context,
+            kv_scales=kv_scales,
         )  # fmt: skip
     for num_seqs, max_query_len in PREFILL_LAUNCHES:
         tokens = num_seqs * max_query_len  # a real token count, so the tile count is not a constant 1
@@ -186,16 +213,11 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         prefill_attention.prefill_attention(
             torch.empty(tokens, heads, dim, dtype=dtype), cache, cache, query_start_loc,
             query_start_loc.diff(), torch.zeros(num_seqs, 1, dtype=torch.int32), max_query_len, 1.0,
+            kv_scales=kv_scales,
         )  # fmt: skip
-    hidden = torch.empty(num_tokens, arch.hidden_size, dtype=dtype)
-    weight = torch.empty(arch.hidden_size, dtype=dtype)
-    rms_norm.rms_norm(hidden, weight, 1e-5)
-    rms_norm.rms_norm(hidden, weight, 1e-5, residual=hidden)
     cos_sin = build_cos_sin_cache(dim, 8, arch.rope_theta, arch.rope_scaling)
     positions = torch.zeros(num_tokens, dtype=torch.int64)
-    rotary.rotary_embedding(positions, q, k, cos_sin)
-    rotary_store_kv.rotary_store_kv(positions, q, k, k, cos_sin, cache, cache, slots)
-    silu_and_mul.silu_and_mul(torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype))
+    rotary_store_kv.rotary_store_kv(positions, q, k, k, cos_sin, cache, cache, slots, kv_scales)
 
 
 def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:

@@ -24,27 +24,44 @@ KERNELS = {
     "_rotary_store_kv_kernel",
     "_silu_and_mul_kernel",
 }
+# The kernels that read or write the paged KV cache, launched again over an FP8 (e4m3) cache.
+CACHE_KERNELS = {
+    "_store_kv_kernel",
+    "_decode_partition_kernel",
+    "_prefill_attention_kernel",
+    "_rotary_store_kv_kernel",
+}
+MODEL_DTYPE_CACHE, FP8_CACHE = "FP8_KV=False", "FP8_KV=True"  # in a variant's constexprs
+# The script's configurations: four shapes in bf16, the first also in fp16 and fp32.
+CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-7b", "qwen2-0.5b")} | {
+    ("llama-3.2-1b", "fp16"),
+    ("llama-3.2-1b", "fp32"),
+}
 
-# ~70 variants at a few CPU seconds each (the attention kernels inline three tile loops): a 2-core machine
-# shared with other jobs has taken over 4 minutes.
+# ~106 variants (36 of them over an FP8 cache) at up to a few CPU seconds each (the attention kernels
+# inline three tile loops), compiled once for both tests: 70 s on a lightly loaded 2-core machine; a
+# machine shared with other jobs takes several times that.
 pytestmark = pytest.mark.timeout(1200)
 
 
-def _compile(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+@pytest.fixture(scope="module")
+def compile_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    tmp_path = tmp_path_factory.mktemp("compile_kernels")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     out = tmp_path / "kernels.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", str(out), *args],
+        [sys.executable, str(SCRIPT), "--json", str(out)],
         env=env, capture_output=True, text=True, check=False, timeout=1150,
     )  # fmt: skip
     return proc, json.loads(out.read_text()) if out.exists() else []
 
 
-def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(tmp_path):
-    proc, results = _compile(tmp_path)
+def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
+    proc, results = compile_run
     failed = [(r["kernel"], r["shape"], r["dtype"], r["error"]) for r in results if r["error"]]
     assert proc.returncode == 0 and not failed, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {(r["shape"], r["dtype"]) for r in results} == CONFIGS
     compiled = {(r["kernel"], r["shape"], r["dtype"]) for r in results}
     for shape in ("llama-3.2-1b", "llama-3-8b", "qwen2-0.5b"):
         assert {kernel for kernel, s, dtype in compiled if s == shape and dtype == "bf16"} >= KERNELS - {
@@ -63,6 +80,35 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(tmp_path):
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
+
+
+def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
+    """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
+    the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
+    constexprs on the model-dtype path, are real float32 pointers there)."""
+    proc, results = compile_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    model_dtype, fp8 = _cache_variants(results, MODEL_DTYPE_CACHE), _cache_variants(results, FP8_CACHE)
+    assert {kernel for kernel, *_ in fp8} == CACHE_KERNELS
+    assert {(shape, dtype) for _, shape, dtype, _ in fp8} == CONFIGS
+    assert fp8 == model_dtype
+    assert not [r for r in results if FP8_CACHE in r["constexprs"] and r["error"]]
+
+
+def _cache_variants(results: list[dict], flag: str) -> list[tuple[str, str, str, str]]:
+    """(kernel, shape, dtype, constexprs less the cache dtype) of the variants whose constexprs hold
+    `flag`, sorted."""
+    dropped = {MODEL_DTYPE_CACHE, FP8_CACHE, "k_scale_ptr=None", "v_scale_ptr=None"}
+    return sorted(
+        (
+            r["kernel"],
+            r["shape"],
+            r["dtype"],
+            ", ".join(c for c in r["constexprs"].split(", ") if c not in dropped),
+        )
+        for r in results
+        if flag in r["constexprs"].split(", ")
+    )
 
 
 def test_refuses_to_run_under_the_interpreter(tmp_path):
