@@ -50,13 +50,17 @@ inline int64_t argmax_row(const float* row, int64_t vocab) {
   return start;  // not reached: the chunk holds its maximum (an all -inf row: index 0, as torch's)
 }
 
-inline void argmax_rows(torch::Tensor& out, const torch::Tensor& x) {
+// A new [rows] int64 tensor (one call from Python: right after a forward each dispatched op is cold).
+inline torch::Tensor argmax_rows(const torch::Tensor& x_in) {
+  const torch::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
+  torch::Tensor out = torch::empty({rows}, x.options().dtype(torch::kInt64));
   const float* x_data = x.data_ptr<float>();
   int64_t* out_data = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) out_data[r] = argmax_row(x_data + r * vocab, vocab);
   });
+  return out;
 }
 
 }  // namespace sluice::sample

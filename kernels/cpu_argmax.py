@@ -26,7 +26,4 @@ def cpu_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def cpu_argmax_prechecked(x: torch.Tensor) -> torch.Tensor:
     """`cpu_argmax` without its checks, for the sampler's own logits (float32 CPU rows)."""
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.long)
-    load_cpu_extension(EXTENSION).argmax_rows(out, x)
-    return out
+    return load_cpu_extension(EXTENSION).argmax_rows(x)
