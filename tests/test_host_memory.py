@@ -27,8 +27,9 @@ def faults_of_a_fresh_block():
 
 assert retain_freed_memory() is True
 first = faults_of_a_fresh_block()
-faults_of_a_fresh_block()  # the heap's top may still hold pages never touched
-print(first, max(faults_of_a_fresh_block() for _ in range(3)))
+for _ in range(3):  # torch's blocks may alternate between two places in the heap: touch both first
+    faults_of_a_fresh_block()
+print(first, sum(faults_of_a_fresh_block() for _ in range(6)))
 """
 
 
@@ -36,9 +37,9 @@ def test_a_freed_block_of_any_size_is_reused_not_faulted_in_again():
     # in a child: the settings hold for the rest of the process
     result = subprocess.run([sys.executable, "-c", REUSE_CHECK], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    first, again = map(int, result.stdout.split())
+    first, six_more = map(int, result.stdout.split())
     # Mapped afresh, the 64 MiB block faults in 16,384 pages each time (32 with transparent huge pages).
-    assert max(again, 1) * 10 <= first, (first, again)
+    assert max(six_more, 1) * 10 <= first, (first, six_more)
 
 
 def test_a_c_library_without_mallopt_is_reported_not_raised(monkeypatch):
