@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales, dequantize_blocks, store_fp8_kv
+from sluice.engine.worker.attention.fp8_kv_cache import (
+    KVScales,
+    check_kv_cache_dtype,
+    dequantize_blocks,
+    store_fp8_kv,
+)
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.cpu_extension import cpu_extension_unavailable_reason
 from sluice.kernels.cpu_paged_attention import (
@@ -46,9 +51,7 @@ class CpuAttentionBackend:
 
     def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
         """kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 (None: the model dtype)."""
-        if kv_cache_dtype not in (None, FP8):
-            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self._checked: AttentionMetadata | None = None  # the step whose arguments passed the checks
 
     def forward(

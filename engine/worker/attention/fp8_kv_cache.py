@@ -25,6 +25,13 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 KVScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale), float32 scalars
 
 
+def check_kv_cache_dtype(kv_cache_dtype: torch.dtype | None) -> torch.dtype | None:
+    """A backend's `kv_cache_dtype`: None (the model dtype) or FP8; ValueError naming the field otherwise."""
+    if kv_cache_dtype not in (None, FP8):
+        raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
+    return kv_cache_dtype
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (any shape, float) -> e4m3 codes of x / scale, saturated at +-448."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -21,7 +21,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales, dequantize_blocks, store_fp8_kv
+from sluice.engine.worker.attention.fp8_kv_cache import (
+    KVScales,
+    check_kv_cache_dtype,
+    dequantize_blocks,
+    store_fp8_kv,
+)
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 
 
@@ -33,9 +38,7 @@ class TorchAttentionBackend:
     kv_cache_heads_first = False
 
     def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
-        if kv_cache_dtype not in (None, FP8):
-            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
 
     def forward(
         self,

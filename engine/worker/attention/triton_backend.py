@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.worker.attention.fp8_kv_cache import FP8, KVScales
+from sluice.engine.worker.attention.fp8_kv_cache import KVScales, check_kv_cache_dtype
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
@@ -48,10 +48,8 @@ class TritonAttentionBackend:
     def __init__(
         self, decode_partition_size: int = DEFAULT_PARTITION_SIZE, kv_cache_dtype: torch.dtype | None = None
     ) -> None:
-        if kv_cache_dtype not in (None, FP8):
-            raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
         self.decode_partition_size = decode_partition_size
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
 
     def forward(
         self,
