@@ -1,0 +1,77 @@
+"""FP8 under tensor parallelism (gloo on CPU, real worker processes): FP8 checkpoints (compressed-tensors) and
+the FP8 KV cache on 2 ranks, with the Llama whose 4 KV heads split over them.
+
+Where FP8's numbers do not depend on how the input is split (static activation scales from the checkpoint,
+weights-only FP8, the KV cache's per-layer scales), 2 ranks give the one-rank engine's greedy tokens, and
+transformers' (compressed-tensors, K/V rounded to e4m3), through test_tensor_parallel's mixed workload
+(chunks, prefix hits, preemption, n = 2, ngram drafts). Dynamic per-token activation scales are taken, on a
+row-parallel layer (o_proj, down_proj), over the rank's own slice of the input, as vLLM does: each rank
+quantizes its part, so the result moves by FP8 rounding. Its bound here: 2 ranks move the prompt logprobs
+less than FP8 itself moves them from the float model.
+"""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import build_llama_kv4_checkpoint
+from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
+from test_tensor_parallel import MIXED, NUM_NEW, _prompts
+
+from sluice.engine.frontend.llm import LLM, Completion
+from sluice.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(900)
+
+KV_SCALES = (0.05, 0.02)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+PROMPT_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_llama_kv4_checkpoint(str(tmp_path_factory.mktemp("llama_kv4")))
+
+
+def _fp8_dir(float_dir: str, tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> str:
+    return write_fp8_checkpoint(float_dir, str(tmp_path_factory.mktemp(name)), **kwargs)
+
+
+def _generate(directory: str, size: int, params: SamplingParams, **kwargs) -> list[Completion]:
+    llm = LLM(directory, tensor_parallel_size=size, **{**MIXED, **kwargs})
+    try:
+        return llm.generate(_prompts(), params)
+    finally:
+        if size > 1:
+            llm.engine.model_runner.shutdown()
+
+
+def _tokens(completions: list[Completion]) -> list[list[int]]:
+    return [c.token_ids for c in completions]
+
+
+def test_static_scales_and_an_fp8_kv_cache_on_two_ranks_give_one_ranks_and_transformers_tokens(
+    float_dir, tmp_path_factory
+):
+    directory = _fp8_dir(float_dir, tmp_path_factory, "static", activations="static", kv_scales=KV_SCALES)
+    one = _generate(directory, 1, GREEDY, kv_cache_dtype="fp8")
+    two = _generate(directory, 2, GREEDY, kv_cache_dtype="fp8")
+    assert _tokens(two) == _tokens(one) == transformers_greedy(directory, _prompts(), NUM_NEW, KV_SCALES)
+    assert [c.cached_tokens for c in two] == [c.cached_tokens for c in one]
+
+
+def test_fp8_weights_only_on_two_ranks_give_one_ranks_tokens(float_dir, tmp_path_factory):
+    directory = _fp8_dir(float_dir, tmp_path_factory, "weights_only", activations=None)
+    assert _tokens(_generate(directory, 2, GREEDY)) == _tokens(_generate(directory, 1, GREEDY))
+
+
+def test_dynamic_token_scales_per_rank_move_logprobs_less_than_fp8_itself(float_dir, tmp_path_factory):
+    directory = _fp8_dir(float_dir, tmp_path_factory, "dynamic")  # per-token activation scales
+
+    def logprobs(path: str, size: int) -> list[float]:
+        completions = _generate(path, size, PROMPT_LOGPROBS)
+        return [p.sampled.logprob for c in completions for p in c.prompt_logprobs]
+
+    one, two, unquantized = logprobs(directory, 1), logprobs(directory, 2), logprobs(float_dir, 1)
+    by_ranks = max(abs(a - b) for a, b in zip(two, one, strict=True))
+    by_fp8 = max(abs(a - b) for a, b in zip(one, unquantized, strict=True))
+    assert 0 < by_ranks < by_fp8  # 2 ranks do change them (each quantizes its slice), by less than FP8 does
