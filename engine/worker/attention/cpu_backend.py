@@ -18,7 +18,7 @@ import torch
 
 from sluice.engine.worker.attention.fp8_kv_cache import (
     KVScales,
-    check_kv_cache_dtype,
+    backend_kv_cache_dtype,
     dequantize_blocks,
     store_fp8_kv,
 )
@@ -51,7 +51,7 @@ class CpuAttentionBackend:
 
     def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
         """kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 (None: the model dtype)."""
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = backend_kv_cache_dtype(kv_cache_dtype)
         self._checked: AttentionMetadata | None = None  # the step whose arguments passed the checks
 
     def forward(

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
+from sluice.kernels.tensor_checks import FP8_KV_DTYPE as FP8
+from sluice.kernels.tensor_checks import KVScales  # (k_scale, v_scale), float32 scalars
+
 FP8_MAX = torch.finfo(FP8).max  # 448
-KVScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale), float32 scalars
 
 
-def check_kv_cache_dtype(kv_cache_dtype: torch.dtype | None) -> torch.dtype | None:
-    """A backend's `kv_cache_dtype`: None (the model dtype) or FP8; ValueError naming the field otherwise."""
+def backend_kv_cache_dtype(kv_cache_dtype: torch.dtype | None) -> torch.dtype | None:
+    """A backend's `kv_cache_dtype` argument, checked: None (the model dtype) or FP8; ValueError naming the
+    field otherwise. (The kernels' check of the caches themselves: `sluice.kernels.tensor_checks`.)"""
     if kv_cache_dtype not in (None, FP8):
         raise ValueError(f"kv_cache_dtype: None or {FP8}, got {kv_cache_dtype}")
     return kv_cache_dtype

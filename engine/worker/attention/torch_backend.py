@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from sluice.engine.worker.attention.fp8_kv_cache import (
     KVScales,
-    check_kv_cache_dtype,
+    backend_kv_cache_dtype,
     dequantize_blocks,
     store_fp8_kv,
 )
@@ -38,7 +38,7 @@ class TorchAttentionBackend:
     kv_cache_heads_first = False
 
     def __init__(self, kv_cache_dtype: torch.dtype | None = None) -> None:
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = backend_kv_cache_dtype(kv_cache_dtype)
 
     def forward(
         self,

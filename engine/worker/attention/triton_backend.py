@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.worker.attention.fp8_kv_cache import KVScales, check_kv_cache_dtype
+from sluice.engine.worker.attention.fp8_kv_cache import KVScales, backend_kv_cache_dtype
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
@@ -49,7 +49,7 @@ class TritonAttentionBackend:
         self, decode_partition_size: int = DEFAULT_PARTITION_SIZE, kv_cache_dtype: torch.dtype | None = None
     ) -> None:
         self.decode_partition_size = decode_partition_size
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = backend_kv_cache_dtype(kv_cache_dtype)
 
     def forward(
         self,
