@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.store_kv import load_store_scales
+
 LOG2_E = 1.4426950408889634
 
 
@@ -47,14 +49,10 @@ def dot_settings(dtype: torch.dtype) -> tuple[str, bool]:
 
 @triton.jit
 def load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
-    """(k_scale, v_scale) * 256 as `dequantize_e4m3` takes them, read once per program; (1.0, 1.0), unread
-    and unused, on the model-dtype path (the pointers are None there)."""
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8_KV:
-        k_scale = tl.load(k_scale_ptr) * 256.0
-        v_scale = tl.load(v_scale_ptr) * 256.0
-    return k_scale, v_scale
+    """(k_scale, v_scale) * 256 as `dequantize_e4m3` takes them, read once per program (`load_store_scales`);
+    unread and unused on the model-dtype path (the pointers are None there)."""
+    k_scale, v_scale = load_store_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+    return k_scale * 256.0, v_scale * 256.0
 
 
 @triton.jit
