@@ -288,11 +288,26 @@ def test_references_equal_dense_causal_sdpa():
     torch.testing.assert_close(decode, prefill[6:], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
+# (pairs, block_size) of the backend comparisons: a mixed batch, and a pure-decode one (the decode kernel).
+BACKEND_BATCHES = pytest.mark.parametrize(
     ("pairs", "block_size"),
     [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32)],
     ids=["mixed", "pure-decode"],
 )
+
+
+def run_triton_and_torch_backends(batch, triton_backend, torch_backend, caches, k, v, kv_scales=None):
+    """Each backend's `forward` of `batch` (with k, v as the step's new K/V) over its own caches, made by
+    `caches()`: {backend name: (out, k_cache, v_cache)}."""
+    results = {}
+    for backend in (triton_backend, torch_backend):
+        k_cache, v_cache = caches()
+        out = backend.forward(batch.q, k, v, k_cache, v_cache, batch.metadata, SCALE, None, kv_scales)
+        results[backend.name] = (out, k_cache, v_cache)
+    return results
+
+
+@BACKEND_BATCHES
 def test_triton_backend_equals_torch_backend(pairs, block_size):
     batch = make_paged_batch(
         [q for q, _ in pairs],
@@ -302,17 +317,18 @@ def test_triton_backend_equals_torch_backend(pairs, block_size):
         head_dim=16,
         block_size=block_size,
     )
-    caches = {}
-    outs = {}
-    for backend in (TritonAttentionBackend(decode_partition_size=32), TorchAttentionBackend()):
-        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        outs[backend.name] = backend.forward(
-            batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE
-        )
-        caches[backend.name] = (k_cache, v_cache)
-    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
-    assert torch.equal(caches["triton"][0], caches["torch"][0])
-    assert torch.equal(caches["triton"][1], caches["torch"][1])
+    results = run_triton_and_torch_backends(
+        batch,
+        TritonAttentionBackend(decode_partition_size=32),
+        TorchAttentionBackend(),
+        lambda: (batch.k_cache.clone(), batch.v_cache.clone()),
+        batch.k,
+        batch.v,
+    )
+    (triton_out, *triton_caches), (torch_out, *torch_caches) = results["triton"], results["torch"]
+    torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(triton_caches[0], torch_caches[0])
+    assert torch.equal(triton_caches[1], torch_caches[1])
 
 
 def _decode_args():

@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
+from test_kernels_attention import BACKEND_BATCHES, MIXED, SCALE, run_triton_and_torch_backends
 from test_kernels_sliding_window import WINDOW, _windowed_batch
 
 from sluice.benchmarks.gpu import fp8_figures
@@ -38,12 +39,9 @@ from sluice.kernels.prefill_attention import PrefillConfig, prefill_attention, p
 from sluice.kernels.rotary_store_kv import rotary_store_kv
 from sluice.kernels.store_kv import store_kv, store_kv_reference
 
-SCALE = 0.25  # the softmax scale
 MAGNITUDE = 4.0  # K/V values ~ N(0, 4^2): past 448 * 0.02 = 8.96 sometimes, below 2^-6 * 3.0 sometimes
 # (k_scale, v_scale): each of K and V saturates under one pair and falls into subnormals under the other.
 SCALES = [(0.02, 3.0), (3.0, 0.02)]
-# (query_len, seq_len), as test_kernels_attention: fresh prefills, chunks after a cached prefix, decode rows.
-MIXED = [(7, 7), (5, 37), (1, 20), (1, 1), (18, 50), (40, 75)]
 DECODES = [(1, 1), (1, 17), (1, 40), (1, 63), (1, 130)]
 LAYOUTS = [(2, 2, 16), (8, 2, 32)]  # (num_heads, num_kv_heads, block_size): GQA 1 and 4, blocks of 16 and 32
 SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -274,11 +272,7 @@ def test_fp8_sliding_window_skips_the_freed_blocks(block_size):
     _check_prefill(prefill, kv_scales, WINDOW, config=SMALL_PREFILL)
 
 
-@pytest.mark.parametrize(
-    ("pairs", "block_size"),
-    [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32)],
-    ids=["mixed", "pure-decode"],
-)
+@BACKEND_BATCHES
 def test_triton_backend_on_an_fp8_cache_equals_the_torch_backend(pairs, block_size):
     """Both backends store the same codes and attend the same dequantized values."""
     batch = make_paged_batch(
@@ -290,17 +284,19 @@ def test_triton_backend_on_an_fp8_cache_equals_the_torch_backend(pairs, block_si
         block_size=block_size,
     )
     kv_scales = _scales(0.02, 3.0)
-    k, v = batch.k * MAGNITUDE, batch.v * MAGNITUDE
-    caches, outs = {}, {}
-    for backend in (TritonAttentionBackend(32, kv_cache_dtype=FP8), TorchAttentionBackend(FP8)):
-        k_cache, v_cache = quantize_kv(batch.k_cache, kv_scales[0]), quantize_kv(batch.v_cache, kv_scales[1])
-        outs[backend.name] = backend.forward(
-            batch.q, k, v, k_cache, v_cache, batch.metadata, SCALE, None, kv_scales
-        )
-        caches[backend.name] = (_codes(k_cache), _codes(v_cache))
-    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
-    assert torch.equal(caches["triton"][0], caches["torch"][0])
-    assert torch.equal(caches["triton"][1], caches["torch"][1])
+    results = run_triton_and_torch_backends(
+        batch,
+        TritonAttentionBackend(32, kv_cache_dtype=FP8),
+        TorchAttentionBackend(FP8),
+        lambda: (quantize_kv(batch.k_cache, kv_scales[0]), quantize_kv(batch.v_cache, kv_scales[1])),
+        batch.k * MAGNITUDE,
+        batch.v * MAGNITUDE,
+        kv_scales,
+    )
+    (triton_out, *triton_caches), (torch_out, *torch_caches) = results["triton"], results["torch"]
+    torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_codes(triton_caches[0]), _codes(torch_caches[0]))
+    assert torch.equal(_codes(triton_caches[1]), _codes(torch_caches[1]))
 
 
 def test_the_kernels_name_a_missing_or_unwanted_kv_scales():
