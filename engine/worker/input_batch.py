@@ -39,8 +39,12 @@ class ModelInputs:
     metadata: AttentionMetadata
     # [num_logits] int64: for each slice with sample=True, its last token's row and its drafts' rows
     logits_indices: torch.Tensor
-    # every token's row is sampled (a decode step): logits_indices is 0 .. num_tokens - 1
-    samples_every_token: bool = False
+
+    @property
+    def samples_every_token(self) -> bool:
+        """Every token's row is sampled (a decode or verify step): logits_indices is 0 .. num_tokens - 1,
+        since its rows increase. Read from the shapes, on the host."""
+        return self.logits_indices.shape[0] == self.input_ids.shape[0]
 
 
 def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -95,7 +99,6 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
         positions=int64[num_tokens : 2 * num_tokens],
         metadata=metadata,
         logits_indices=int64[3 * num_tokens :],
-        samples_every_token=len(logits_indices) == num_tokens,  # rows increase: all of them, in order
     )
 
 
