@@ -128,7 +128,8 @@ def _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE: tl.con
     return window_start, ctx_lo, slice_len, slices
 
 
-@triton.jit
+# Not specialized (see prefill_attention): the split count and block-table width change from step to step.
+@triton.jit(do_not_specialize=["sliding_window", "num_splits", "stride_bt_seq"])
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -241,7 +242,7 @@ def _decode_partition_kernel(
         tl.store(part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], out, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def _decode_reduce_kernel(
     out_ptr,
     part_out_ptr,

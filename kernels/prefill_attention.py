@@ -112,7 +112,10 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr
     return left - 1
 
 
-@triton.jit
+# Integers that change from step to step are not specialized: Triton would otherwise compile a variant per
+# value class (== 1, divisible by 16) of the batch size, tile count and block-table width, and a serving
+# step would stall on the JIT whenever a batch hit a new class.
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_q_tiles", "stride_bt_seq"])
 def _prefill_attention_kernel(
     out_ptr,
     q_ptr,

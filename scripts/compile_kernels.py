@@ -67,7 +67,7 @@ BLOCK_SIZE = 16
 # sequence) and a single split (a large batch: the split kernel writes the output, no reduce).
 DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
 # Prefill launches (num_seqs, max_query_len): a batch of short queries shrinks the tile to the GQA group;
-# one long prompt takes the full tile (and num_seqs 1 is specialized as a constant by Triton).
+# one long prompt takes the full tile.
 PREFILL_LAUNCHES = ((3, 1), (1, 4096))
 _TYPE_NAMES = {
     torch.bfloat16: "bf16",
@@ -264,6 +264,63 @@ def compile_all(arch: int) -> Iterator[Compiled]:
                 yield Compiled(*names, None, None, None, error=f"{type(error).__name__}: {error}"[:2000])
 
 
+# A server's steps, as the attention kernels see them (bf16, SERVING_SHAPE, a model-dtype cache): prefill
+# batches of one to 64 prompts whose longest query fills the full tile, over block tables 1 to 256 blocks
+# wide; decode batches of 1 to 64 over contexts short and long.
+SERVING_SHAPE = "llama-3.2-1b"
+SERVING_PREFILL = ((1, 1), (1, 256), (2, 3), (3, 40), (15, 8), (16, 16), (17, 9), (32, 33), (64, 16))
+SERVING_PREFILL_QUERY_LEN = 64
+SERVING_DECODE = tuple((batch, context) for batch in (1, 2, 3, 16, 17, 64) for context in (200, 4096, 32768))
+
+
+def record_serving_launches() -> list[Launch]:
+    """The attention launches of SERVING_PREFILL and SERVING_DECODE, recorded from the real launchers."""
+    arch = preset_arch(SERVING_SHAPE)
+    heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    cache = torch.empty(4, BLOCK_SIZE, kv_heads, dim, dtype=torch.bfloat16)
+    sink: list[Launch] = []
+    kernels = (
+        (paged_decode_attention, "_decode_partition_kernel"),
+        (paged_decode_attention, "_decode_reduce_kernel"),
+        (prefill_attention, "_prefill_attention_kernel"),
+    )
+    originals = [(module, name, getattr(module, name)) for module, name in kernels]
+    for module, name, kernel in originals:
+        setattr(module, name, _Recorder(kernel, sink))
+    try:
+        query_len = SERVING_PREFILL_QUERY_LEN
+        for num_seqs, width in SERVING_PREFILL:
+            starts = torch.arange(0, num_seqs * query_len + 1, query_len, dtype=torch.int32)
+            prefill_attention.prefill_attention(
+                torch.empty(num_seqs * query_len, heads, dim, dtype=torch.bfloat16), cache, cache, starts,
+                starts.diff(), torch.zeros(num_seqs, width, dtype=torch.int32), query_len, 1.0,
+            )  # fmt: skip
+        for batch, context in SERVING_DECODE:
+            width = -(-context // BLOCK_SIZE)
+            paged_decode_attention.paged_decode_attention(
+                torch.empty(batch, heads, dim, dtype=torch.bfloat16), cache, cache,
+                torch.zeros(batch, width, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0,
+                context,
+            )  # fmt: skip
+    finally:
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
+    return sink
+
+
+def serving_variants(arch: int) -> dict[str, dict[str, int]]:
+    """Per attention kernel: the launches a serving workload issues and the distinct variants Triton's JIT
+    compiles for them on sm_`arch` (each a compile, ~1-3 s, the first time a step needs it)."""
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    keys: dict[str, set[str]] = {}
+    launches: dict[str, int] = {}
+    for launch in record_serving_launches():
+        name = launch.kernel.__name__
+        keys.setdefault(name, set()).add(specialize(launch, backend).key)
+        launches[name] = launches.get(name, 0) + 1
+    return {name: {"launches": launches[name], "variants": len(keys[name])} for name in keys}
+
+
 def markdown_report(results: list[Compiled], arch: int) -> str:
     lines = [
         f"| kernel | shape | dtype | registers / thread | shared bytes | local (spill) bytes | sm_{arch} "
@@ -284,7 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100), 80 (A100)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--markdown", help="write a markdown table of the results to this file")
+    parser.add_argument(
+        "--serving-variants",
+        action="store_true",
+        help="print, as JSON, how many variants the attention kernels compile for a serving workload",
+    )
     args = parser.parse_args(argv)
+    if args.serving_variants:
+        print(json.dumps(serving_variants(args.arch), indent=2))
+        return 0
     results = []
     print(f"{'kernel':<28}{'shape':<14}{'dtype':<6}{'regs':>6}{'shared':>8}{'local':>7}  status")
     for r in compile_all(args.arch):

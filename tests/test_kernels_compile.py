@@ -116,3 +116,22 @@ def test_refuses_to_run_under_the_interpreter(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 1
     assert "compile_kernels: unset TRITON_INTERPRET" in proc.stderr
+
+
+def test_a_serving_workload_compiles_one_prefill_variant_and_a_decode_variant_per_split_shape():
+    """Triton specializes integer arguments by value class (== 1, divisible by 16) unless told not to; the
+    batch size, tile count, split count and block-table width change every step, so without
+    do_not_specialize a server compiles (and stalls for seconds) whenever a batch hits a new class (5
+    prefill variants for the script's 9 batches before). Only the constexprs may tell launches apart: one
+    prefill tile, single split or not, and the reduce kernel's power-of-two split pad."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--serving-variants"],
+        env=env, capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = json.loads(proc.stdout)
+    assert variants["_prefill_attention_kernel"] == {"launches": 9, "variants": 1}
+    assert variants["_decode_partition_kernel"] == {"launches": 18, "variants": 2}
+    reduce = variants["_decode_reduce_kernel"]
+    assert reduce["launches"] >= 6 and reduce["variants"] <= 6  # SPLITS_PAD: 2, 4, ..., 64

@@ -116,6 +116,8 @@ class ModelRunner:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.graph_runner.capture()
+        if self.device.type == "cuda":
+            self._warm_up_prefill_tiles()
 
     def _kernel_config(self, packed_modules: dict[str, tuple[str, int]], fp8_cache: bool) -> KernelConfig:
         """The layers' kernels: the checkpoint's FP8 quantization_config or `quantization`, and the cache's
@@ -284,6 +286,23 @@ class ModelRunner:
         inputs = build_model_inputs(out, self.block_size, self.device)
         hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
         self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def _warm_up_prefill_tiles(self) -> None:
+        """Compile, before the first request, every prefill tile a step can pick: the Triton prefill
+        kernel's tile height follows the step's longest query (`prefill_config`), so the first step with
+        short queries (speculative verifies, small chunks) would otherwise stall on a JIT compile. One
+        prompt per length, through a throwaway cache."""
+        budget = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        for length in (n for n in WARM_UP_QUERY_LENS if n <= budget):
+            out = _profile_step(length, 1, length, self.block_size)
+            caches = self._allocate_kv_cache(len(out.scheduled[0].block_ids))
+            inputs = build_model_inputs(out, self.block_size, self.device)
+            hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
+            self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128)  # every prefill tile height, for any GQA group size
 
 
 def _profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> SchedulerOutput:
