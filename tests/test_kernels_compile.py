@@ -23,6 +23,7 @@ KERNELS = {
     "_rotary_kernel",
     "_rotary_store_kv_kernel",
     "_silu_and_mul_kernel",
+    "_fp8_quant_kernel",
 }
 # The kernels that read or write the paged KV cache, launched again over an FP8 (e4m3) cache.
 CACHE_KERNELS = {
