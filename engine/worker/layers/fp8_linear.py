@@ -14,11 +14,6 @@ and each step computes, for x [M, in] in the model dtype (`FP8_MATMULS` picks th
     y = (x_q @ weight^T) * x_scale * weight_scale   accumulated in fp32, rounded to the model dtype once;
                                                     then + bias
 
-On the `_scaled_mm` matmuls, token and static activations are quantized by one Triton launch
-(`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
-contiguous, the row-wise scale_a as it is) instead of ~10 ATen kernels. Dynamic tensor activations (one
-amax over the whole x) and the emulated path run `quantize_activations`.
-
     rowwise      torch._scaled_mm, row-wise scales, bf16 out: CUDA sm_89+ with a bfloat16 model
     tensorwise   torch._scaled_mm into fp32, the scales applied after: CUDA sm_89+, float16 / float32 models
     emulated     the same product with `torch.mm` in fp32; the e4m3 weights are widened to fp32 once, at
@@ -28,6 +23,11 @@ amax over the whole x) and the emulated path run `quantize_activations`.
 
 `_scaled_mm` reads its second operand column-major: `weight.t()` of the row-major [out, in] weight is.
 It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
+
+On rowwise and tensorwise, token and static activations are quantized by one Triton launch
+(`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
+contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
+amax over the whole x) and the emulated path run `quantize_activations`.
 """
 
 from __future__ import annotations
