@@ -47,6 +47,7 @@ from sluice.engine.loading.model_arch import ModelArchConfig  # noqa: E402
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
 from sluice.kernels import (  # noqa: E402
+    fp8_quant,
     paged_decode_attention,
     prefill_attention,
     rms_norm,
@@ -83,6 +84,7 @@ _KERNELS = (
     (rotary, "_rotary_kernel"),
     (rotary_store_kv, "_rotary_store_kv_kernel"),
     (silu_and_mul, "_silu_and_mul_kernel"),
+    (fp8_quant, "_fp8_quant_kernel"),
 )
 
 
@@ -159,7 +161,8 @@ class _Recorder:
 def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
     """Every kernel launch the engine issues for a model of `shape` in `dtype` (decode, prefill, store,
     fused rotary + store, each over a model-dtype and an FP8 KV cache; norm with and without residual,
-    rotary, silu_and_mul), recorded from the real launchers on CPU tensors."""
+    rotary, silu_and_mul; the FP8 linears' activation quantization), recorded from the real launchers on
+    CPU tensors."""
     sink: list[Launch] = []
     originals = [(module, name, getattr(module, name)) for module, name in _KERNELS]
     for module, name, kernel in originals:
@@ -185,6 +188,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
     cos_sin = build_cos_sin_cache(arch.head_dim, 8, arch.rope_theta, arch.rope_scaling)
     rotary.rotary_embedding(torch.zeros(num_tokens, dtype=torch.int64), q, k, cos_sin)
     silu_and_mul.silu_and_mul(torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype))
+    # `--quantization fp8` (and FP8 checkpoints): the linears' inputs, per token and static, one tile
+    # (hidden size) and two passes over wider rows (intermediate size: down_proj's input).
+    for width in (arch.hidden_size, arch.intermediate_size):
+        activations = torch.empty(num_tokens, width, dtype=dtype)
+        fp8_quant.quantize_fp8_per_token(activations)
+        fp8_quant.quantize_fp8_static(activations, torch.ones(()))
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
     # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True.
     _run_cache_launchers(arch, dtype, kv_scales=(torch.ones(()), torch.ones(())))

@@ -23,6 +23,7 @@ KERNELS = {
     "_rotary_kernel",
     "_rotary_store_kv_kernel",
     "_silu_and_mul_kernel",
+    "_fp8_quant_kernel",
 }
 # The kernels that read or write the paged KV cache, launched again over an FP8 (e4m3) cache.
 CACHE_KERNELS = {
@@ -38,9 +39,10 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~106 variants (36 of them over an FP8 cache) at up to a few CPU seconds each (the attention kernels
-# inline three tile loops), compiled once for both tests: 70 s on a lightly loaded 2-core machine; a
-# machine shared with other jobs takes several times that.
+# ~128 variants (36 of them over an FP8 cache, 22 of the FP8 activation quantization) at up to a few CPU
+# seconds each (the attention kernels inline three tile loops), compiled once for both tests: 70 s on a
+# lightly loaded 2-core machine (85 s with the quantization's); a machine shared with other jobs takes
+# several times that.
 pytestmark = pytest.mark.timeout(1200)
 
 

@@ -23,10 +23,16 @@ and each step computes, for x [M, in] in the model dtype (`FP8_MATMULS` picks th
 
 `_scaled_mm` reads its second operand column-major: `weight.t()` of the row-major [out, in] weight is.
 It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
+
+On rowwise and tensorwise, token and static activations are quantized by one Triton launch
+(`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
+contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
+amax over the whole x) and the emulated path run `quantize_activations`.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,7 +74,7 @@ def quantize_activations(
 
 
 def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-    scale_a = x_scale.expand(x_q.shape[0], 1).contiguous()  # [M, 1]
+    scale_a = x_scale.expand(x_q.shape[0], 1).contiguous()  # [M, 1]: no copy of the kernel's [M, 1] scales
     scale_b = layer.weight_scale.view(1, -1)  # [1, out]
     return torch._scaled_mm(x_q, layer.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
@@ -86,6 +92,8 @@ def _emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> to
 
 # (layer, x_q, x_scale) -> y [M, out] in the model dtype, before the bias
 FP8_MATMULS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "emulated": _emulated}
+SCALED_MM_MATMULS = ("rowwise", "tensorwise")
+KERNEL_QUANTIZED_ACTIVATIONS = ("token", "static")  # quantized by `sluice.kernels.fp8_quant` on those
 
 
 def fp8_matmul_for(scheme: Fp8Scheme, kernels: KernelConfig, input_size: int, output_size: int) -> str:
@@ -111,6 +119,11 @@ class Fp8LinearMethod(LinearMethod):
             raise ValueError(f"matmul: must be one of {(*FP8_MATMULS, 'dequantized')}, got {matmul!r}")
         self.scheme = scheme
         self.matmul = matmul
+        self.quantizes_in_kernel = (
+            matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
+        )
+        if self.quantizes_in_kernel:  # imported only when chosen: triton is not installed everywhere
+            self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
 
     def create_weights(
         self,
@@ -179,10 +192,18 @@ class Fp8LinearMethod(LinearMethod):
         if self.matmul == "dequantized":
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
-        input_scale = getattr(layer, "input_scale", None)
-        x_q, x_scale = quantize_activations(rows, self.scheme.activations, input_scale)
+        x_q, x_scale = self.quantize(rows, getattr(layer, "input_scale", None))
         y = FP8_MATMULS[self.matmul](layer, x_q, x_scale).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+    def quantize(
+        self, x: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, in] -> (x_q, x_scale) for the matmul: the Triton kernel on `_scaled_mm` (token, static),
+        else `quantize_activations`; the same bits either way."""
+        if self.quantizes_in_kernel:
+            return self._quantize_fp8(x, input_scale)
+        return quantize_activations(x, self.scheme.activations, input_scale)
 
     def _scale_shape(self, rows: int) -> tuple[int, ...]:
         return (rows, 1) if self.scheme.weight_strategy == "channel" else (1,)

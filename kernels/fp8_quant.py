@@ -1,0 +1,162 @@
+"""Quantize a linear layer's input to e4m3 in one launch: the FP8 linears' activations on `torch._scaled_mm`.
+
+    dynamic (per token):  scale[m] = max(max_k |x[m, k]| / 448, float32 tiny)     written [M, 1] float32
+    static:               scale[m] = input_scale                                  (read on the device)
+    x_q[m, k] = e4m3(clamp(x[m, k] / scale[m], -448, 448))                        written [M, K] e4m3
+
+Bit for bit `sluice.engine.worker.layers.fp8_linear.quantize_activations(x, "token")` (and `"static"`),
+its plain PyTorch version (the emulated CPU path's, kept there): amax in fp32 (exact), both divisions
+IEEE-exact (`div_rn`), the codes made by `store_kv.quantize_e4m3` (integer round to nearest even,
+saturated) into the e4m3 tensor viewed as uint8.
+A NaN in a row makes its scale and all its codes NaN, as torch's amax does. The scale is written [M, 1]
+contiguous, the row-wise `_scaled_mm`'s scale_a as it is; a static launch writes input_scale in each row.
+Nothing is read back to the host: a captured CUDA graph replays it. One fused launch replaces the ~10
+ATen kernels of the torch version.
+
+Grid (M,): one program per row. A row of up to MAX_TILE columns is one tile, loaded once and kept in
+registers; a wider one (an MLP's intermediate size) is read twice in MAX_TILE-wide tiles, amax then codes
+(its first tile stays in registers).
+num_warps grows with the tile (one warp per 256 columns, 1 to 16; untuned).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+
+FP8 = torch.float8_e4m3fn
+MAX_TILE = 4096  # columns a program holds at once
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _dynamic_scale(amax):
+    """amax / 448, IEEE-rounded, at least float32's tiny (an all-zero row gets zero codes, not NaN)."""
+    return _max_keep_nan(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+
+
+@triton.jit
+def _fp8_quant_kernel(
+    out_ptr,  # [M, K] uint8: the e4m3 codes
+    scale_ptr,  # [M, 1] float32: written
+    x_ptr,  # [M, K] bf16/fp16/fp32
+    input_scale_ptr,  # static only: [] or [1] float32, read
+    stride_x,
+    stride_out,
+    stride_scale,
+    K: tl.constexpr,
+    TILE: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    cols = tl.arange(0, TILE)
+    first = tl.load(x_row + cols, mask=cols < K, other=0.0)  # with K <= TILE the whole row, kept
+    if DYNAMIC:
+        running = tl.abs(first.to(tl.float32))
+        for start in range(TILE, K, TILE):  # rows wider than a tile: first pass, amax
+            x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
+            running = _max_keep_nan(running, tl.abs(x.to(tl.float32)))
+        scale = _dynamic_scale(tl.reduce(running, 0, _max_keep_nan))
+    else:
+        scale = tl.load(input_scale_ptr)
+    tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)
+    for start in range(TILE, K, TILE):  # second pass: the codes of the other tiles
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+        tl.store(out_row + start + cols, quantize_e4m3(x, scale), mask=mask)
+    tl.store(scale_ptr + row * stride_scale, scale)
+
+
+def quantize_fp8_per_token(
+    x: torch.Tensor, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32, unit last stride, any row stride) -> (x_q [M, K] float8_e4m3fn, scale [M, 1]
+    float32), x ~ x_q * scale with one scale per row (max |x[m]| / 448). Written into `out` / `scale_out` when
+    given. Raises ValueError naming a bad argument."""
+    return _launch(x, None, out, scale_out)
+
+
+def quantize_fp8_static(
+    x: torch.Tensor,
+    input_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] float8_e4m3fn of x / input_scale, saturated at +-448; scale [M, 1] float32,
+    input_scale in each row, as the row-wise `_scaled_mm` takes it). input_scale: [] or [1] float32 on x's
+    device, read by the kernel (no host sync). Raises ValueError naming a bad argument."""
+    if not isinstance(input_scale, torch.Tensor):
+        raise ValueError(f"input_scale: expected a torch.Tensor, got {type(input_scale).__name__}")
+    if input_scale.dim() > 1 or input_scale.numel() != 1:
+        raise ValueError(f"input_scale: expected shape () or (1,), got {tuple(input_scale.shape)}")
+    return _launch(x, input_scale, out, scale_out)
+
+
+def quantize_fp8(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_static(x, input_scale)` when a static input_scale is given, else
+    `quantize_fp8_per_token(x)`: the FP8 linears' one call."""
+    if input_scale is None:
+        return quantize_fp8_per_token(x)
+    return quantize_fp8_static(x, input_scale)
+
+
+def _launch(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_args(x, input_scale)
+    num_rows, width = x.shape
+    out = _output("out", out, (num_rows, width), FP8, x.device)
+    scale_out = _output("scale_out", scale_out, (num_rows, 1), torch.float32, x.device)
+    if num_rows == 0:
+        return out, scale_out
+    tile = min(triton.next_power_of_2(width), MAX_TILE)
+    _fp8_quant_kernel[(num_rows,)](
+        out.view(torch.uint8),
+        scale_out,
+        x,
+        input_scale,
+        x.stride(0),
+        out.stride(0),
+        scale_out.stride(0),
+        K=width,
+        TILE=tile,
+        DYNAMIC=input_scale is None,
+        num_warps=max(1, min(16, tile // 256)),
+    )
+    return out, scale_out
+
+
+def _check_args(x: torch.Tensor, input_scale: torch.Tensor | None) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] == 0:
+        raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
+    if input_scale is not None:
+        check_same_dtype("input_scale", input_scale, torch.float32)
+        if input_scale.device != x.device:
+            raise ValueError(f"input_scale: on {input_scale.device}, expected {x.device}")
+
+
+def _output(
+    name: str, tensor: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`tensor` checked to be `shape` and `dtype` on `device` (unit last stride), or a new empty one."""
+    if tensor is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, tensor, ndim=2, dtypes=(dtype,), device=device)
+    check_shape(name, tensor, shape)
+    return tensor
