@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sluice.benchmarks.gpu import attention_sweep as sweep
-from sluice.benchmarks.gpu import fp8_kv_kernels, gpu_benchmarks
+from sluice.benchmarks.gpu import check_report, fp8_kv_kernels, gpu_benchmarks
 from sluice.kernels.paged_decode_attention import (
     PROGRAMS_PER_SM,
     DecodeConfig,
@@ -235,3 +235,38 @@ def test_fp8_codes_never_saturate_at_the_check_scale():
     (codes, _), (dequantized, _), _ = fp8_kv_kernels.fp8_kv(k, k)
     assert float(codes.float().abs().max()) < 448  # N(0, 1) / 0.05: ~100 at most
     assert float((dequantized.float() - k.float()).abs().max()) < 0.05 * 2**-3 * 100
+
+
+def test_the_report_shows_the_fp8_rows_and_the_best_config_per_shape():
+    fp8_row = [
+        "paged decode",
+        "4k x 32",
+        0.1,
+        0.06,
+        1.67,
+        1500.0,
+        1250.0,
+        "GB/s read",
+        0.0,
+        "PASS (bit-identical)",
+    ]
+    rows = _fake_sweep(deadline_after=100)
+    records = [
+        {"step": "gpu_check", "section": "kv_fp8", "figures": fp8_kv_kernels.figures([fp8_row])},
+        {
+            "step": "gpu_check",
+            "section": "attention_sweep",
+            "figures": {"best_line": sweep.best_line("p 2k", rows)},
+        },
+        {"step": "gpu_check", "section": "attention_sweep", "figures": {"best_line": "decode 4k x 32: X"}},
+    ]
+    text = check_report.attention_kernels_section(records, "gpu")
+    row = "| paged decode | 4k x 32 | 0.1000 | 0.0600 | 1.67x | 1500 | 1250 | GB/s read | PASS (bit-identical) |"
+    assert row in text
+    best = "- p 2k: 'fast': 1.0000 ms, 2.00x the default's 2.0000 ms\n- decode 4k x 32: X"
+    assert text.endswith("best config per shape:\n\n" + best)
+    empty = check_report.attention_kernels_section([], "gpu")
+    assert "FP8 KV kernel rows: not measured" in empty and "Tile sweep: not measured" in empty
+    assert (
+        check_report.attention_kernels_section(records, "cpu") == "CUDA only: not measured in the CPU mode."
+    )
