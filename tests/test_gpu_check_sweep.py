@@ -261,7 +261,7 @@ def test_the_report_shows_the_fp8_rows_and_the_best_config_per_shape():
         {"step": "gpu_check", "section": "attention_sweep", "figures": {"best_line": "decode 4k x 32: X"}},
     ]
     text = check_report.attention_kernels_section(records, "gpu")
-    row = "| paged decode | 4k x 32 | 0.1000 | 0.0600 | 1.67x | 1500 | 1250 | GB/s read | PASS (bit-identical) |"
+    row = "| 4k x 32 | 0.1000 | 0.0600 | 1.67x | 1500 | 1250 | GB/s read | PASS (bit-identical) |"
     assert row in text
     best = "- p 2k: 'fast': 1.0000 ms, 2.00x the default's 2.0000 ms\n- decode 4k x 32: X"
     assert text.endswith("best config per shape:\n\n" + best)
