@@ -12,7 +12,10 @@ has torch (CUDA build), triton, transformers, pytest and Sluice's own dependenci
 4. a llama-3.2-1b-shaped random model in bf16: decode step time at batch 1/8/32/64/128, eager vs CUDA
    graphs; batch 1 against the floor (weight bytes / measured copy bandwidth); paged decode
    attention bandwidth at 4k x 32 and 32k x 8 against the copy bandwidth; the prefill attention
-   kernel against torch SDPA at 2k and 8k; issue 33's kernel goals, met or not;
+   kernel against torch SDPA at 2k and 8k; issue 33's kernel goals, met or not; the same attention
+   kernels over an FP8 (e4m3) KV cache against bf16 (`fp8_kv_kernels`); a tile-config sweep of both
+   attention kernels at those shapes (`attention_sweep`, capped at SWEEP_CAP_S seconds of wall clock,
+   SLUICE_GPU_CHECK_SWEEP_S overrides it, 0 skips it), one results line per shape as each ends;
 5. end to end on the same shape: the offline engine (`LLM`, CUDA graphs, Triton kernels) against
    `transformers.generate` one request at a time and in static batches of 8, same weights and prompts.
 After the parity step, with 2+ devices: tensor parallelism, the tiny Llama on 2 ranks (NCCL), eager and
@@ -30,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -40,6 +41,14 @@ from pathlib import Path
 
 import torch
 
+from sluice.benchmarks.gpu import fp8_kv_kernels
+from sluice.benchmarks.gpu.attention_sweep import (
+    SWEEP_CAP_S,
+    SWEEP_ENV,
+    sweep_attention,
+    sweep_cap_s,
+    sweep_section,
+)
 from sluice.benchmarks.gpu.gpu_benchmarks import (
     BENCH_CONTEXT,
     BLOCK_SIZE,
@@ -56,24 +65,19 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     random_kv_caches,
     triton_model,
 )
+from sluice.benchmarks.gpu.kernel_test_files import (
+    CPU_KERNEL_TESTS,
+    KERNEL_TESTS,
+    KernelTestFile,
+    run_kernel_tests,
+    select_kernel_tests,
+)
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 
-KERNEL_TESTS = (
-    "tests/test_kernels_store_kv.py",
-    "tests/test_kernels_attention.py",
-    "tests/test_kernels_norm_rope.py",
-    "tests/test_cuda_graph_runner.py",
-    "tests/test_model_parity.py",  # the whole model with every Triton kernel, fp32, against transformers
-    # Store, decode and prefill over an FP8 cache (engine tests: a file apart). Last: new on a GPU, and its
-    # compile time there unmeasured; the step's timeout then cuts this file, not the ones above.
-    "tests/test_triton_fp8_kv.py",
-)
-# The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
-CPU_KERNEL_TESTS = ("tests/test_kernels_store_kv.py",)
 CUDA_ONLY = "skipped: needs CUDA (this run is on the CPU)"
 PARITY_LOGIT_ATOL = 0.25  # bf16 logits of a 2-layer model: different kernels round differently
 
@@ -93,14 +97,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
             raise ValueError(f"rows: a row has {len(row)} cells, expected {len(headers)}")
         lines.append("| " + " | ".join(cell(value) for value in row) + " |")
     return "\n".join(lines)
-
-
-def run_kernel_tests() -> tuple[bool, str]:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", *KERNEL_TESTS]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return proc.returncode == 0, summary
 
 
 # ---- parity with transformers -------------------------------------------------------------------
@@ -232,9 +228,24 @@ class GpuCheck:
     """The report's sections, in order; later sections read what earlier ones measured. Each section
     may leave its figures in `self.figures[key]` for the machine-readable results."""
 
-    def __init__(self, device: torch.device, skip_tests: bool, skip_e2e: bool) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        skip_tests: bool,
+        skip_e2e: bool,
+        results: Path | None = None,
+        sweep_s: float = SWEEP_CAP_S,
+        kernel_tests: Sequence[KernelTestFile] = KERNEL_TESTS,
+    ) -> None:
         self.device, self.skip_tests, self.skip_e2e = device, skip_tests, skip_e2e
+        self.results, self.sweep_s, self.kernel_tests = results, sweep_s, kernel_tests
         self.figures: dict[str, dict[str, object]] = {}
+        self.bandwidth: float | None = None
+
+    def record(self, section: str, figures: dict[str, object]) -> None:
+        """Figures appended to the results file now (a section that records as it goes)."""
+        if self.results is not None:
+            append_result(self.results, {"step": "gpu_check", "section": section, "figures": figures})
 
     def sections(self) -> list[tuple[str, str, Callable[[], str]]]:
         """(key, title, body) of each section, in report order; on a CPU the CUDA-only ones say so."""
@@ -252,6 +263,9 @@ class GpuCheck:
             ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
              self.prefill, True),
             ("goals", "Goals (issue 33, kernel level)", self.goals, True),
+            ("kv_fp8", "FP8 KV cache at kernel level: attention over e4m3 codes vs bf16 (default configs)",
+             self.kv_fp8, True),
+            ("attention_sweep", "Attention tile configs (sweep)", self.attention_sweep, True),
             ("end_to_end", "End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)",
              self.end_to_end, True),
         ]  # fmt: skip
@@ -264,7 +278,7 @@ class GpuCheck:
     def tests(self) -> str:
         if self.skip_tests:
             return "skipped (scripts/gpu_check.sh runs them as its own step)"
-        passed, summary = run_kernel_tests()
+        passed, summary = run_kernel_tests(self.kernel_tests, REPO)
         if not passed:
             raise CheckFailed(summary)
         return f"PASS ({summary})"
@@ -351,6 +365,27 @@ class GpuCheck:
         rows = goal_rows(self.batch1_s, self.floor_s, speedup, self.attention_rows, self.prefill_rows)
         return markdown_table(["goal", "measured", "status"], rows)
 
+    def kv_fp8(self) -> str:
+        rows = fp8_kv_kernels.bench_fp8_kv_kernels(self.device)
+        self.figures["kv_fp8"] = fp8_kv_kernels.figures(rows)
+        table = markdown_table(fp8_kv_kernels.HEADERS, rows)
+        if not fp8_kv_kernels.passed(rows):
+            raise CheckFailed(f"an FP8 kernel departs from bf16 on the dequantized cache\n\n{table}")
+        return table
+
+    def attention_sweep(self) -> str:
+        if self.sweep_s <= 0:
+            return f"skipped ({SWEEP_ENV}=0)"
+        shapes = []
+        for shape in sweep_attention(self.device, self.bandwidth, self.sweep_s):
+            self.record("attention_sweep", shape.record)
+            print(shape.text(), flush=True)  # into steps.log at once, should the step be killed later
+            shapes.append(shape)
+        text, wrong_default = sweep_section(self.sweep_s, shapes)
+        if wrong_default:
+            raise CheckFailed(f"the default config is off torch SDPA at {', '.join(wrong_default)}\n\n{text}")
+        return text
+
     def end_to_end(self) -> str:
         if self.skip_e2e:
             return "skipped"
@@ -384,11 +419,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest step")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end comparison")
     parser.add_argument(
-        "--print-kernel-tests", action="store_true", help="print the kernel test files of --device and exit"
+        "--print-kernel-tests",
+        action="store_true",
+        help="print the kernel test files of --device, one a line with its pytest arguments tab-separated",
+    )
+    parser.add_argument(
+        "--kernel-tests", default="", help="only these kernel test files (whitespace-separated)"
     )
     args = parser.parse_args(argv)
+    try:
+        if args.kernel_tests.strip():
+            entries = select_kernel_tests(args.kernel_tests)
+        else:
+            entries = KERNEL_TESTS if args.device == "cuda" else CPU_KERNEL_TESTS
+        sweep_s = sweep_cap_s()
+    except ValueError as error:
+        print(f"gpu_check: {error}", file=sys.stderr)
+        return 2
     if args.print_kernel_tests:
-        print(" ".join(KERNEL_TESTS if args.device == "cuda" else CPU_KERNEL_TESTS))
+        print("\n".join(entry.line() for entry in entries))
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (--device cpu runs the CPU mode)", file=sys.stderr)
@@ -399,7 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
     report = Report(Path(args.out), f"# GPU check: {name} ({versions})")
-    check = GpuCheck(device, args.skip_tests, args.skip_e2e)
+    results = Path(args.results) if args.results else None
+    check = GpuCheck(device, args.skip_tests, args.skip_e2e, results, sweep_s, entries)
     for key, title, body in check.sections():
         report.section(title, body)
         if args.results and key in check.figures:

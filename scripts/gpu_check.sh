@@ -7,7 +7,8 @@
 # Installs the wheels and Sluice itself (pip --no-index --no-deps --target, that folder first on PYTHONPATH),
 # then runs each step under its own `timeout`, so one hang cannot eat the GPU time:
 #   kernel_tests     the kernel tests compiled for the GPU (scripts/gpu_check.py KERNEL_TESTS)
-#   gpu_check        scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, end to end
+#   gpu_check        scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, FP8-KV kernels, the
+#                    attention tile-config sweep, end to end
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
@@ -24,7 +25,10 @@
 # or was skipped; 1: a step failed or timed out.
 #
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
-# skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
+# skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_KERNEL_TESTS="test_triton_fp8_kv.py ..." runs only
+# those kernel test files (named with or without tests/; each keeps its -k expression, see
+# benchmarks/gpu/kernel_test_files.py); SLUICE_GPU_CHECK_SWEEP_S caps gpu_check.py's attention tile-config
+# sweep (default 75 s of wall clock; 0 skips it); SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
 # room in the budget for the optional steps (fp8, async, then large).
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
@@ -150,15 +154,19 @@ if ((INSTALLED)); then
         $PY -m sluice.benchmarks.gpu.borrowed_tokenizer export "$WORK/smollm2-tokenizer" >>"$LOG" 2>&1 &&
             TOKENIZER=$WORK/smollm2-tokenizer
     fi
-    KERNEL_TESTS=$(timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" 2>>"$LOG")
+    # One entry a line, its pytest arguments tab-separated (a file, and -k EXPR where only part of it runs).
+    KERNEL_TESTS=$WORK/kernel_tests.txt
+    timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" \
+        --kernel-tests "${SLUICE_GPU_CHECK_KERNEL_TESTS:-}" >"$KERNEL_TESTS" 2>"$WORK/kernel_tests.err"
     SERVE=($PY -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
-    if [[ -n $KERNEL_TESTS ]]; then
+    if [[ -s $KERNEL_TESTS ]]; then
         # One pytest per file: a crash in one (a segfault in a JIT-built extension was seen) loses no other.
-        run_step kernel_tests 180 30 bash -c "rc=0; for file in $KERNEL_TESTS; do
-            $PY -m pytest -q -p no:cacheprovider \$file; status=\$?; echo \"kernel tests: \$file exit \$status\"
-            ((status == 0)) || rc=1; done; exit \$rc"
+        run_step kernel_tests 180 30 bash -c "rc=0; mapfile -t entries <'$KERNEL_TESTS'; for entry in \"\${entries[@]}\"; do
+            IFS=\$'\\t' read -r -a args <<<\"\$entry\"
+            $PY -m pytest -q -p no:cacheprovider \"\${args[@]}\" </dev/null; status=\$?
+            echo \"kernel tests: \${args[*]} exit \$status\"; ((status == 0)) || rc=1; done; exit \$rc"
     else
-        run_step kernel_tests 180 30 bash -c "echo 'scripts/gpu_check.py --print-kernel-tests printed nothing'; exit 1"
+        run_step kernel_tests 180 30 bash -c "echo 'scripts/gpu_check.py --print-kernel-tests printed nothing:'; cat '$WORK/kernel_tests.err'; exit 1"
     fi
     E2E=$([[ ${SLUICE_GPU_CHECK_SKIP_E2E:-0} == 1 ]] && echo --skip-e2e)
     run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"

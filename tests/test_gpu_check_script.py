@@ -31,6 +31,7 @@ from sluice.benchmarks.gpu import (
     fp8_figures,
     gpu_benchmarks,
     greedy_compare,
+    kernel_test_files,
     serve_checks,
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
@@ -362,18 +363,76 @@ def test_sections_are_in_report_order_and_cuda_only_ones_skip_on_cpu():
     sections = check.sections()
     assert [key for key, _, _ in sections] == [
         "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "attention", "prefill", "goals",
-        "end_to_end",
+        "kv_fp8", "attention_sweep", "end_to_end",
     ]  # fmt: skip
     assert sections[0][2]().startswith("skipped")
     assert all(body() == gpu_check.CUDA_ONLY for key, _, body in sections[2:])
 
 
-def test_print_kernel_tests_names_existing_files(capsys):
+def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(capsys):
     assert gpu_check.main(["--print-kernel-tests"]) == 0
-    files = capsys.readouterr().out.split()
-    assert files == list(gpu_check.KERNEL_TESTS) and all((REPO / f).is_file() for f in files)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
+    assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
+    # The FP8-KV file runs before the model parity file, which runs its triton backend only.
+    assert lines[-2:] == ["tests/test_triton_fp8_kv.py", "tests/test_model_parity.py\t-k\ttriton"]
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.split() == list(gpu_check.CPU_KERNEL_TESTS)
+    assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
+
+
+def test_the_kernel_tests_knob_keeps_the_files_it_names_in_list_order(capsys):
+    only = "test_model_parity.py tests/test_kernels_store_kv.py"
+    for device in ("cuda", "cpu"):
+        assert gpu_check.main(["--print-kernel-tests", "--device", device, "--kernel-tests", only]) == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "tests/test_kernels_store_kv.py",
+            "tests/test_model_parity.py\t-k\ttriton",
+        ]
+    for bad in ("test_nope.py", "other/test_model_parity.py", " "):
+        with pytest.raises(ValueError, match="^SLUICE_GPU_CHECK_KERNEL_TESTS: "):
+            kernel_test_files.select_kernel_tests(bad)
+    assert gpu_check.main(["--print-kernel-tests", "--kernel-tests", "test_nope.py"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(
+        "gpu_check: SLUICE_GPU_CHECK_KERNEL_TESTS: 'test_nope.py' is not a kernel test file"
+    )
+    assert "test_triton_fp8_kv.py" in error
+
+
+def test_the_parity_files_keyword_selects_its_triton_backend_only():
+    # The torch, cpu and cpu-layers backends (and the runner tests) run on the CPU device with the C++ CPU
+    # kernels, a JIT build of minutes on the GPU machine: the GPU's kernel_tests step leaves them out.
+    (entry,) = [e for e in gpu_check.KERNEL_TESTS if e.path == "tests/test_model_parity.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *entry.pytest_args(),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/test_model_parity.py::")]
+    assert len(collected) == 3 * 6  # three tests over six checkpoints
+    assert all(line.endswith("-triton]") for line in collected)
+
+
+def test_the_kernel_tests_step_runs_the_files_the_knob_names(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    steps = {"SLUICE_GPU_CHECK_STEPS": "kernel_tests"}
+    proc = run_script(out, timeout=600, SLUICE_GPU_CHECK_KERNEL_TESTS="test_kernels_store_kv.py", **steps)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert statuses(out)["kernel_tests"]["status"] == "passed"
+    assert "kernel tests: tests/test_kernels_store_kv.py exit 0" in (out / "steps.log").read_text()
+    proc = run_script(out, timeout=600, SLUICE_GPU_CHECK_KERNEL_TESTS="test_nope.py", **steps)
+    assert proc.returncode == 1 and statuses(out)["kernel_tests"]["status"] == "failed"
+    assert (
+        "SLUICE_GPU_CHECK_KERNEL_TESTS: 'test_nope.py' is not a kernel test file"
+        in (out / "steps.log").read_text()
+    )
 
 
 def test_measured_sections_leave_figures_the_report_reads(monkeypatch):

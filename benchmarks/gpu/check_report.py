@@ -93,6 +93,43 @@ def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
     return "\n\n".join(lines)
 
 
+def attention_kernels_section(records: list[dict[str, Any]], mode: str) -> str:
+    """scripts/gpu_check.py's FP8-KV kernel rows and the best config per shape of its tile sweep."""
+    if mode == "cpu":
+        return "CUDA only: not measured in the CPU mode."
+    sections = [r for r in records if r.get("step") == "gpu_check"]
+    fp8 = [r["figures"] for r in sections if r.get("section") == "kv_fp8"]
+    sweep = [r["figures"] for r in sections if r.get("section") == "attention_sweep"]
+    lines = []
+    if fp8:
+        headers = [
+            "kernel",
+            "shape",
+            "bf16 ms",
+            "fp8 ms",
+            "fp8 speedup",
+            "bf16",
+            "fp8",
+            "unit",
+            "fp8 vs bf16",
+        ]
+        rows = [
+            [r["kernel"], r["shape"], f"{r['bf16_ms']:.4f}", f"{r['fp8_ms']:.4f}", f"{r['fp8_speedup']:.2f}x",
+             f"{r['bf16_rate']:.0f}", f"{r['fp8_rate']:.0f}", r["unit"], r["check"]]
+            for r in fp8[-1]["rows"]
+        ]  # fmt: skip
+        lines.append("FP8 (e4m3) KV cache, default configs:\n\n" + markdown_table(headers, rows))
+    else:
+        lines.append("FP8 KV kernel rows: not measured (the gpu_check step did not reach them).")
+    if sweep:
+        lines.append(
+            "Tile sweep, best config per shape:\n\n" + "\n".join(f"- {r['best_line']}" for r in sweep)
+        )
+    else:
+        lines.append("Tile sweep: not measured (the gpu_check step did not reach it, or it was skipped).")
+    return "\n\n".join(lines)
+
+
 def _ms(metrics: dict[str, Any], name: str, quantile: str) -> str:
     value = (metrics.get(name) or {}).get(quantile)
     return "-" if value is None else f"{value * 1e3:.2f}"
@@ -311,6 +348,8 @@ def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[
         f"{date}; mode {mode}; {versions}; {wall_s:.0f} s of a {budget_s:.0f} s budget.",
         "## Steps\n\n" + steps_section(statuses, results),
         "## Figures against their limits and issue 33's goals\n\n" + figures_section(records, out, mode),
+        "## Attention kernels: FP8 KV cache, tile sweep (tables in gpu_check.md)\n\n"
+        + attention_kernels_section(records, mode),
         "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
         "## FP8 (issue 34): bf16 vs fp8 weights vs fp8 weights + fp8 KV\n\n"
         + fp8_section(records, statuses, results, out, mode),

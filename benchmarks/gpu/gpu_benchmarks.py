@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
@@ -191,23 +194,62 @@ def _weight_bytes(model: torch.nn.Module) -> float:
     return float(sum(unique.values()))
 
 
+@dataclass(frozen=True)
+class DecodeProblem:
+    """One paged decode attention launch's inputs: `batch` sequences of `context` tokens on disjoint blocks
+    laid out in order (sequence s holds blocks s * blocks_per_seq, ...), llama-3.2-1b's heads."""
+
+    context: int
+    batch: int
+    q: torch.Tensor  # [batch, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+    def contiguous_kv(self, cache: torch.Tensor) -> torch.Tensor:
+        """`cache` as [batch, num_kv_heads, context, head_dim], the layout torch SDPA takes."""
+        per_seq = cache.view(self.batch, -1, cache.shape[2], cache.shape[3])[:, : self.context]
+        return per_seq.transpose(1, 2).contiguous()
+
+
+def decode_problem(context: int, batch: int, device: torch.device) -> DecodeProblem:
+    """Random bf16 q and K/V caches (unit normal) for `bench_attention`'s shapes."""
+    arch = preset_arch("llama-3.2-1b")
+    md = decode_step_inputs(batch, context, BLOCK_SIZE, device).metadata
+    shape = (batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, arch.num_attention_heads, arch.head_dim, dtype=torch.bfloat16, device=device)
+    return DecodeProblem(context, batch, q, k_cache, v_cache, md)
+
+
+def run_decode_attention(problem: DecodeProblem, **kwargs: Any) -> torch.Tensor:
+    """paged_decode_attention on `problem` (kwargs: config, num_splits, partition_size, kv_scales, out, and
+    k_cache / v_cache in place of the problem's)."""
+    md = problem.metadata
+    k_cache, v_cache = kwargs.pop("k_cache", problem.k_cache), kwargs.pop("v_cache", problem.v_cache)
+    return paged_decode_attention(
+        problem.q, k_cache, v_cache, md.block_tables, md.seq_lens, problem.scale, md.max_seq_len, **kwargs
+    )
+
+
+DECODE_ATTENTION_SHAPES = ((4096, 32), (32768, 8))  # (context, batch)
+
+
 def bench_attention(device: torch.device, bandwidth: float) -> list[list[object]]:
     """Paged decode attention alone at 4k and 32k context with llama-3.2-1b's heads, in bf16."""
-    arch = preset_arch("llama-3.2-1b")
     rows = []
-    for context, batch in ((4096, 32), (32768, 8)):
-        md = decode_step_inputs(batch, context, BLOCK_SIZE, device).metadata
-        shape = (batch * -(-context // BLOCK_SIZE), BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
-        k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(batch, arch.num_attention_heads, arch.head_dim, dtype=torch.bfloat16, device=device)
-        seconds = time_cuda_s(
-            lambda md=md, q=q, k=k_cache, v=v_cache: paged_decode_attention(
-                q, k, v, md.block_tables, md.seq_lens, arch.head_dim**-0.5, md.max_seq_len
-            )
-        )
-        moved = kv_read_bytes(batch, context, arch.num_key_value_heads, arch.head_dim, 2)
+    for context, batch in DECODE_ATTENTION_SHAPES:
+        problem = decode_problem(context, batch, device)
+        seconds = time_cuda_s(lambda p=problem: run_decode_attention(p))
+        kv_heads, head_dim = problem.k_cache.shape[2:]
+        moved = kv_read_bytes(batch, context, kv_heads, head_dim, 2)
         rows.append([context, batch, seconds * 1e6, moved / seconds / 1e9, moved / seconds / bandwidth])
+        del problem
     return rows
 
 
@@ -223,33 +265,69 @@ def causal_attention_flops(prompt_len: int, num_heads: int, head_dim: int) -> fl
     return 2 * 2 * num_heads * head_dim * prompt_len * (prompt_len + 1) / 2
 
 
+@dataclass(frozen=True)
+class PrefillProblem:
+    """One fresh causal prompt of `prompt_len` tokens in one step: q, k, v (llama-3.2-1b heads, bf16, unit
+    normal) and the paged cache holding k, v in order (blocks 0, 1, ... are views of k and v)."""
+
+    prompt_len: int
+    q: torch.Tensor  # [prompt_len, num_heads, head_dim]
+    k: torch.Tensor  # [prompt_len, num_kv_heads, head_dim]
+    v: torch.Tensor
+    metadata: AttentionMetadata
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+    def cache(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, BLOCK_SIZE, t.shape[1], t.shape[2])
+
+    def flops(self) -> float:
+        return causal_attention_flops(self.prompt_len, self.q.shape[1], self.q.shape[2])
+
+
+def prefill_problem(prompt_len: int, device: torch.device) -> PrefillProblem:
+    arch = preset_arch("llama-3.2-1b")
+    md = prefill_step_inputs(prompt_len, BLOCK_SIZE, device).metadata
+    q = torch.randn(prompt_len, arch.num_attention_heads, arch.head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(prompt_len, arch.num_key_value_heads, arch.head_dim, dtype=torch.bfloat16, device=device)
+    return PrefillProblem(prompt_len, q, k, torch.randn_like(k), md)
+
+
+def run_prefill_attention(problem: PrefillProblem, **kwargs: Any) -> torch.Tensor:
+    """prefill_attention on `problem` (kwargs: config, kv_scales, out, and k_cache / v_cache in place of
+    the problem's)."""
+    md = problem.metadata
+    k_cache = kwargs.pop("k_cache", problem.cache(problem.k))
+    v_cache = kwargs.pop("v_cache", problem.cache(problem.v))
+    return prefill_attention(
+        problem.q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
+        problem.scale, **kwargs,
+    )  # fmt: skip
+
+
+def sdpa_prefill(problem: PrefillProblem) -> Callable[[], torch.Tensor]:
+    """torch's scaled_dot_product_attention on the problem's q/k/v (made contiguous once), causal, GQA;
+    the call returns [1, num_heads, prompt_len, head_dim]."""
+    import torch.nn.functional as F
+
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (problem.q, problem.k, problem.v))
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+
+PREFILL_PROMPT_LENS = (2048, 8192)
+
+
 def bench_prefill_attention(device: torch.device) -> list[list[object]]:
     """Our paged varlen prefill kernel against torch's scaled_dot_product_attention (flash) on the same
     q/k/v, contiguous, causal, GQA: one prompt of 2k and of 8k tokens, llama-3.2-1b heads, bf16."""
-    import torch.nn.functional as F
-
-    arch = preset_arch("llama-3.2-1b")
-    heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     rows = []
-    for prompt_len in (2048, 8192):
-        md = prefill_step_inputs(prompt_len, BLOCK_SIZE, device).metadata
-        q = torch.randn(prompt_len, heads, dim, dtype=torch.bfloat16, device=device)
-        k = torch.randn(prompt_len, kv_heads, dim, dtype=torch.bfloat16, device=device)
-        v = torch.randn_like(k)
-        k_cache = k.view(-1, BLOCK_SIZE, kv_heads, dim)  # blocks 0, 1, ... hold positions in order
-        v_cache = v.view(-1, BLOCK_SIZE, kv_heads, dim)
-        ours = time_cuda_s(
-            lambda md=md, q=q, kc=k_cache, vc=v_cache: prefill_attention(
-                q, kc, vc, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len, dim**-0.5
-            )
-        )
-        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))  # [1, heads, T, dim]
-        sdpa = time_cuda_s(
-            lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, enable_gqa=True
-            )
-        )
-        tflop = causal_attention_flops(prompt_len, heads, dim) / 1e12
+    for prompt_len in PREFILL_PROMPT_LENS:
+        problem = prefill_problem(prompt_len, device)
+        ours = time_cuda_s(lambda p=problem: run_prefill_attention(p))
+        sdpa = time_cuda_s(sdpa_prefill(problem))
+        tflop = problem.flops() / 1e12
         rows.append([prompt_len, ours * 1e3, tflop / ours, sdpa * 1e3, tflop / sdpa, sdpa / ours])
     return rows
 

@@ -1,0 +1,76 @@
+"""The GPU check's kernel test files (`scripts/gpu_check.sh`'s kernel_tests step, one pytest per file).
+
+Each entry is a file and, where only part of it belongs on the GPU, a pytest `-k` expression carried with
+it: `scripts/gpu_check.py --print-kernel-tests` prints one entry a line, its pytest arguments separated by
+tabs, and `SLUICE_GPU_CHECK_KERNEL_TESTS="file ..."` (`--kernel-tests`) keeps only the files it names.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+KNOB = "SLUICE_GPU_CHECK_KERNEL_TESTS"
+
+
+@dataclass(frozen=True)
+class KernelTestFile:
+    path: str  # from the repository root
+    keyword: str | None = None  # pytest -k: the tests of the file that run on the GPU
+
+    def pytest_args(self) -> list[str]:
+        return [self.path] if self.keyword is None else [self.path, "-k", self.keyword]
+
+    def line(self) -> str:
+        return "\t".join(self.pytest_args())
+
+
+KERNEL_TESTS = (
+    KernelTestFile("tests/test_kernels_store_kv.py"),
+    KernelTestFile("tests/test_kernels_attention.py"),
+    KernelTestFile("tests/test_kernels_norm_rope.py"),
+    KernelTestFile("tests/test_cuda_graph_runner.py"),
+    # Store, decode and prefill over an FP8 cache: before the model parity file, whose fixtures build and
+    # load six checkpoints (on the first H100 run the step's timeout fell inside it and this file never ran).
+    KernelTestFile("tests/test_triton_fp8_kv.py"),
+    # The whole model with every Triton kernel, fp32, against transformers: the triton backend only. The
+    # torch, cpu and cpu-layers backends run on the CPU device with the C++ CPU kernels (a JIT build of
+    # minutes on the GPU machine, nothing GPU-related), as do the file's runner tests.
+    KernelTestFile("tests/test_model_parity.py", keyword="triton"),
+)
+# The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
+CPU_KERNEL_TESTS = (KernelTestFile("tests/test_kernels_store_kv.py"),)
+
+
+def select_kernel_tests(
+    names: str, entries: Sequence[KernelTestFile] = KERNEL_TESTS
+) -> tuple[KernelTestFile, ...]:
+    """The entries whose file `names` (whitespace-separated, with or without `tests/`) names, in the list's
+    order, each with its -k expression; ValueError naming the knob for a file not in the list."""
+    by_name = {PurePosixPath(entry.path).name: entry for entry in entries}
+    wanted = set()
+    for name in names.split():
+        base = PurePosixPath(name).name
+        if base not in by_name or name not in (base, by_name[base].path):
+            raise ValueError(f"{KNOB}: '{name}' is not a kernel test file; they are: {' '.join(by_name)}")
+        wanted.add(base)
+    if not wanted:
+        raise ValueError(f"{KNOB}: names no file; they are: {' '.join(by_name)}")
+    return tuple(entry for entry in entries if PurePosixPath(entry.path).name in wanted)
+
+
+def run_kernel_tests(entries: Sequence[KernelTestFile], repo: Path) -> tuple[bool, str]:
+    """One pytest per entry in `repo`, the kernels compiled for the GPU (TRITON_INTERPRET unset): (all
+    passed, each file's summary line)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    passed, summaries = True, []
+    for entry in entries:
+        cmd = [sys.executable, "-m", "pytest", "-q", *entry.pytest_args()]
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, check=False)
+        passed = passed and proc.returncode == 0
+        summaries.append(f"{entry.path}: {(proc.stdout.strip().splitlines() or ['(no output)'])[-1]}")
+    return passed, "; ".join(summaries)
