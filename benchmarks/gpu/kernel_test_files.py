@@ -34,6 +34,9 @@ KERNEL_TESTS = (
     KernelTestFile("tests/test_kernels_attention.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
     KernelTestFile("tests/test_cuda_graph_runner.py"),
+    # The FP8 linears' activation quantization: bit for bit quantize_activations; the _scaled_mm layers
+    # through it.
+    KernelTestFile("tests/test_kernels_fp8_quant.py"),
     # Store, decode and prefill over an FP8 cache: before the model parity file, whose fixtures build and
     # load six checkpoints (on the first H100 run the step's timeout fell inside it and this file never ran).
     KernelTestFile("tests/test_triton_fp8_kv.py"),
