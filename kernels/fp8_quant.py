@@ -7,7 +7,10 @@
 Bit for bit `sluice.engine.worker.layers.fp8_linear.quantize_activations(x, "token")` (and `"static"`),
 its plain PyTorch version (the emulated CPU path's, kept there): amax in fp32 (exact), both divisions
 IEEE-exact (`div_rn`), the codes made by `store_kv.quantize_e4m3` (integer round to nearest even,
-saturated) into the e4m3 tensor viewed as uint8.
+saturated) into the e4m3 tensor viewed as uint8. That is the function run on CPU: torch on CUDA divides
+amax by the Python scalar 448 as a product with its reciprocal, which can miss the quotient by an ulp. On an
+H100 (2026-11-26) the kernel's codes and scales equalled the CPU function's in every case of
+tests/test_kernels_fp8_quant.py.
 A NaN in a row makes its scale and all its codes NaN, as torch's amax does. The scale is written [M, 1]
 contiguous, the row-wise `_scaled_mm`'s scale_a as it is; a static launch writes input_scale in each row.
 Nothing is read back to the host: a captured CUDA graph replays it. One fused launch replaces the ~10
