@@ -16,6 +16,8 @@ References nobody here wrote:
     kv_cache_scheme (compressed-tensors looks for an attention `past_key_values` argument, which
     transformers 5 renamed `cache`), so that rounding, one torch cast, is the test's.
 Greedy decoding reruns the whole sequence each step, so every step sees the same rounding as a prefill.
+
+`fp8_layer` builds one FP8 linear layer for the unit tests of the FP8 matmuls.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from sluice.engine.loading.fp8_config import Fp8Scheme
+from sluice.engine.worker.layers import fp8_linear
+from sluice.engine.worker.layers.linear import ReplicatedLinear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -194,3 +200,32 @@ def _calibrate(source: str) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         model(torch.randint(4, model.config.vocab_size, (4, 24), generator=generator))
     return {name: value / FP8_MAX for name, value in amax.items()}
+
+
+def fp8_layer(
+    weight: torch.Tensor,
+    matmul: str,
+    dtype: torch.dtype,
+    activations: str,
+    bias: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> ReplicatedLinear:
+    """A ReplicatedLinear over `weight` [out, in] (and `bias`) running `Fp8LinearMethod(..., matmul)` in
+    `dtype`: quantized at load per channel for dynamic "token" activations; for "static" ones serialized as
+    a checkpoint holds it (e4m3 codes, per-row scales, input_scale 0.01)."""
+    out_features, in_features = weight.shape
+    scheme = Fp8Scheme("channel", activations, serialized=activations == "static")
+    with torch.device(device):
+        layer = ReplicatedLinear(in_features, out_features, bias=bias is not None)
+        layer.set_method(fp8_linear.Fp8LinearMethod(scheme, matmul), dtype)
+    if scheme.serialized:
+        codes, scale = fp8_linear.quantize_weight(weight)
+        layer.weight_loader(layer.weight, codes)
+        layer.weight_loader(layer.weight_scale, scale[:, None])
+        layer.weight_loader(layer.input_scale, torch.tensor([0.01]))
+    else:
+        layer.weight_loader(layer.weight, weight)
+    if bias is not None:
+        layer.weight_loader(layer.bias, bias.to(dtype))
+    layer.process_weights_after_loading()
+    return layer

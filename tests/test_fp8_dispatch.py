@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_checkpoints import fp8_layer
 
 from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD, Fp8Config, Fp8Group, Fp8Scheme
 from sluice.engine.worker.layers.fp8_linear import (
     FP8,
     Fp8LinearMethod,
     quantize_activations,
-    quantize_weight,
 )
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import MergedLinear, ReplicatedLinear
@@ -71,20 +71,8 @@ def _layer(
 ) -> tuple[ReplicatedLinear, torch.Tensor]:
     """A 48 -> 32 layer quantized at load (or with a static input scale) running `matmul`, and its float
     weight."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(32, 48, generator=generator)
-    layer = ReplicatedLinear(48, 32)
-    scheme = Fp8Scheme("channel", activations, serialized=activations != "token")
-    layer.set_method(Fp8LinearMethod(scheme, matmul), dtype)
-    if scheme.serialized:
-        codes, scale = quantize_weight(weight)
-        layer.weight_loader(layer.weight, codes)
-        layer.weight_loader(layer.weight_scale, scale[:, None])
-        layer.weight_loader(layer.input_scale, torch.tensor([0.01]))
-    else:
-        layer.weight_loader(layer.weight, weight)
-    layer.process_weights_after_loading()
-    return layer, weight
+    weight = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))
+    return fp8_layer(weight, matmul, dtype, activations), weight
 
 
 @pytest.mark.parametrize(("matmul", "dtype"), [("rowwise", torch.bfloat16), ("tensorwise", torch.float32)])

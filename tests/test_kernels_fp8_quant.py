@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE, KERNEL_DTYPES
 
 from sluice.engine.loading.fp8_config import Fp8Scheme
@@ -20,7 +21,6 @@ from sluice.engine.worker.layers.fp8_linear import (
     FP8_MATMULS,
     Fp8LinearMethod,
     quantize_activations,
-    quantize_weight,
 )
 from sluice.engine.worker.layers.linear import ReplicatedLinear
 from sluice.kernels.fp8_quant import MAX_TILE, quantize_fp8_per_token, quantize_fp8_static
@@ -190,20 +190,7 @@ def _layer(matmul: str, dtype: torch.dtype, activations: str) -> ReplicatedLinea
     """A 64 -> 32 FP8 layer with a bias (a static one: serialized, input_scale 0.01) running `matmul`."""
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
-    scheme = Fp8Scheme("channel", activations, serialized=activations == "static")
-    with torch.device(DEVICE):
-        layer = ReplicatedLinear(64, 32, bias=True)
-        layer.set_method(Fp8LinearMethod(scheme, matmul), dtype)
-    if scheme.serialized:
-        codes, scale = quantize_weight(weight)
-        layer.weight_loader(layer.weight, codes)
-        layer.weight_loader(layer.weight_scale, scale[:, None])
-        layer.weight_loader(layer.input_scale, torch.tensor([0.01]))
-    else:
-        layer.weight_loader(layer.weight, weight)
-    layer.weight_loader(layer.bias, bias.to(dtype))
-    layer.process_weights_after_loading()
-    return layer
+    return fp8_layer(weight, matmul, dtype, activations, bias=bias, device=DEVICE)
 
 
 @pytest.mark.parametrize(
