@@ -41,7 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings, load_kv_scales
+from sluice.kernels.paged_attention_tile import (
+    LOG2_E,
+    attend_paged_tile,
+    dot_settings,
+    e4m3_upcast,
+    load_kv_scales,
+)
 from sluice.kernels.paged_decode_attention import NO_WINDOW, gather_kv_reference
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
@@ -152,6 +158,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
+    E4M3_UPCAST: tl.constexpr,
 ):
     tile_id = num_q_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -203,6 +210,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
@@ -210,6 +218,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
         running_max, running_sum, acc = attend_paged_tile(
@@ -217,6 +226,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
@@ -293,6 +303,7 @@ def prefill_attention(
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
+        E4M3_UPCAST=e4m3_upcast(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
