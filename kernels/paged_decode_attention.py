@@ -25,7 +25,8 @@ the output itself and no reduce runs. A sequence with no context (seq_len 0, a p
 
 With a sliding window W only positions seq_len - W .. seq_len - 1 are read (earlier blocks may be freed).
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers (`paged_attention_tile`); the scales are read on the device, so a captured graph stays valid.
+registers (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); the scales are read on the device,
+so a captured graph stays valid.
 Tile sizes and num_warps / num_stages (`decode_config`) are NOT tuned yet: they await a GPU run.
 """
 

@@ -27,7 +27,8 @@ Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pi
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers to q's dtype (`paged_attention_tile`); everything after the load is the same.
+registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); everything after
+the load is the same.
 
 Tile shapes and num_warps / num_stages come from `prefill_config`, a small table that is NOT tuned yet:
 its sm_90 entries follow the shapes of Triton's fused-attention tutorial and await a measured GPU run.
