@@ -18,8 +18,11 @@ the context) and, with CAUSAL, each row's own causal and sliding-window limits.
 FP8_KV = True reads an FP8 cache (its uint8 view): each loaded tile of e4m3 codes is dequantized in
 registers to the model dtype, exactly `fp8_kv_cache.dequantize_kv`: (float32(code) * scale).to(KV_DTYPE),
 so the rest of the step runs on the same numbers as over a model-dtype cache holding those values
-(`dequantize_e4m3`; the scales are loaded once per program: `load_kv_scales`). FP8_KV = False is the
-model-dtype path, untouched: no scale is loaded or applied.
+(`dequantize_e4m3`; the scales are loaded once per program: `load_kv_scales`). The code -> float step
+(exact in any correct implementation: every e4m3 value is an fp16 value) is E4M3_UPCAST, picked by the
+launcher (`e4m3_upcast`): the GPU's own conversion where it has e4m3 (sm_89+: cvt.rn.f16x2.e4m3x2, two
+codes an instruction), integer bit moves elsewhere (sm_80). FP8_KV = False is the model-dtype path,
+untouched: no scale is loaded or applied.
 """
 
 from __future__ import annotations
@@ -47,27 +50,51 @@ def dot_settings(dtype: torch.dtype) -> tuple[str, bool]:
     return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
 
 
+# E4M3_UPCAST values: how `dequantize_e4m3` turns codes into floats.
+E4M3_CVT = "cvt"  # Triton's fp8e4nv -> fp32 (sm_89+ lowers it to cvt.rn.f16x2.e4m3x2)
+E4M3_BITS = "bits"  # integer bit moves into an fp16 (GPUs without e4m3: Triton refuses fp8e4nv there)
+# Triton's interpreter upcasts every code exactly but reads 0x7F / 0xFF (NaN) as +-480: E4M3_CVT plus a
+# `where` that puts the NaN back, so the interpreted tests run the conversion the GPU runs.
+E4M3_CVT_INTERPRETED = "cvt_interpreted"
+
+
+def e4m3_upcast(device: torch.device) -> str:
+    """E4M3_UPCAST for a launch on `device`: E4M3_CVT on a CUDA GPU with e4m3 (compute capability 8.9+)
+    and off a GPU (AOT compiles target sm_90; scripts/compile_kernels.py picks E4M3_BITS for older
+    targets); E4M3_CVT_INTERPRETED under TRITON_INTERPRET=1; E4M3_BITS on older GPUs."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return E4M3_CVT_INTERPRETED
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return E4M3_BITS
+    return E4M3_CVT
+
+
 @triton.jit
 def load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
-    """(k_scale, v_scale) * 256 as `dequantize_e4m3` takes them, read once per program (`load_store_scales`);
+    """(k_scale, v_scale) as `dequantize_e4m3` takes them, read once per program (`load_store_scales`);
     unread and unused on the model-dtype path (the pointers are None there)."""
-    k_scale, v_scale = load_store_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
-    return k_scale * 256.0, v_scale * 256.0
+    return load_store_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
 
 
 @triton.jit
-def dequantize_e4m3(codes, scale_x256, KV_DTYPE: tl.constexpr):
-    """e4m3 codes (uint8) -> (float32(code) * scale).to(KV_DTYPE); scale_x256 = scale * 256 (fp32).
+def dequantize_e4m3(codes, scale, KV_DTYPE: tl.constexpr, E4M3_UPCAST: tl.constexpr):
+    """e4m3 codes (uint8) -> (float32(code) * scale).to(KV_DTYPE); scale is fp32. 0x7F / 0xFF (NaN,
+    never stored from a finite K/V) give NaN.
 
-    The code's bits placed in an fp16 (sign to bit 15, exponent and mantissa shifted up by 7) are the
-    code's value / 2^8 exactly, subnormals included (fp16 has 2 more exponent bits and 7 more mantissa
-    bits), and (value / 2^8) * (scale * 2^8) rounds to the same fp32 as value * scale. 0x7F / 0xFF (NaN,
-    never stored from a finite K/V) stay NaN.
+    E4M3_CVT: the codes bitcast to fp8e4nv and converted (exact). E4M3_BITS: the code's bits placed in an
+    fp16 (sign to bit 15, exponent and mantissa shifted up by 7) are the code's value / 2^8 exactly,
+    subnormals included (fp16 has 2 more exponent bits and 7 more mantissa bits), and (value / 2^8) *
+    (scale * 2^8) rounds to the same fp32 as value * scale.
     """
-    bits = codes.to(tl.uint16)
-    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    values = half.to(tl.float32) * scale_x256
-    values = tl.where((bits & 0x7F) == 0x7F, float("nan"), values)
+    if E4M3_UPCAST == "bits":  # E4M3_BITS
+        bits = codes.to(tl.uint16)
+        half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        values = half.to(tl.float32) * (scale * 256.0)
+        values = tl.where((bits & 0x7F) == 0x7F, float("nan"), values)
+    else:
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        if E4M3_UPCAST == "cvt_interpreted":  # E4M3_CVT_INTERPRETED
+            values = tl.where((codes & 0x7F) == 0x7F, float("nan"), values)
     return values.to(KV_DTYPE)
 
 
@@ -92,6 +119,7 @@ def load_kv_tile(
     MASKED: tl.constexpr,
     FP8_KV: tl.constexpr,
     KV_DTYPE: tl.constexpr,  # FP8_KV only: the model dtype the tile is dequantized to
+    E4M3_UPCAST: tl.constexpr,  # FP8_KV only: `e4m3_upcast`
 ):
     """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0."""
     if MASKED:
@@ -113,8 +141,8 @@ def load_kv_tile(
         kt = tl.load(k_rows[None, :] + dims[:, None])
         v = tl.load(v_rows[:, None] + dims[None, :])
     if FP8_KV:
-        kt = dequantize_e4m3(kt, k_scale, KV_DTYPE)
-        v = dequantize_e4m3(v, v_scale, KV_DTYPE)
+        kt = dequantize_e4m3(kt, k_scale, KV_DTYPE, E4M3_UPCAST)
+        v = dequantize_e4m3(v, v_scale, KV_DTYPE, E4M3_UPCAST)
     return kt, v
 
 
@@ -151,6 +179,7 @@ def attend_paged_tile(
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
     KV_DTYPE: tl.constexpr,
+    E4M3_UPCAST: tl.constexpr,
 ):
     """Returns the updated (running_max, running_sum, acc)."""
     positions = tile_start + tl.arange(0, BLOCK_N)
@@ -158,7 +187,7 @@ def attend_paged_tile(
     kt, v = load_kv_tile(
         k_head_ptr, v_head_ptr, block_table_ptr, positions, pos_mask, dims, dim_mask,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale,
-        BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE,
+        BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE, E4M3_UPCAST,
     )  # fmt: skip
     v_dtype = v.dtype  # the model dtype (an FP8 tile is dequantized to it)
     if UPCAST_DOT:

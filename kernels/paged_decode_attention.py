@@ -25,7 +25,8 @@ the output itself and no reduce runs. A sequence with no context (seq_len 0, a p
 
 With a sliding window W only positions seq_len - W .. seq_len - 1 are read (earlier blocks may be freed).
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers (`paged_attention_tile`); the scales are read on the device, so a captured graph stays valid.
+registers (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); the scales are read on the device,
+so a captured graph stays valid.
 Tile sizes and num_warps / num_stages (`decode_config`) are NOT tuned yet: they await a GPU run.
 """
 
@@ -38,7 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings, load_kv_scales
+from sluice.kernels.paged_attention_tile import (
+    LOG2_E,
+    attend_paged_tile,
+    dot_settings,
+    e4m3_upcast,
+    load_kv_scales,
+)
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
@@ -168,6 +175,7 @@ def _decode_partition_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
+    E4M3_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -215,6 +223,7 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, TILE_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
@@ -222,6 +231,7 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, hi, TILE_N):
         running_max, running_sum, acc = attend_paged_tile(
@@ -229,6 +239,7 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
 
     # Every slice holds at least one visible position, so running_sum > 0.
@@ -368,6 +379,7 @@ def paged_decode_attention(
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
+        E4M3_UPCAST=e4m3_upcast(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

@@ -27,7 +27,8 @@ Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pi
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers to q's dtype (`paged_attention_tile`); everything after the load is the same.
+registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); everything after
+the load is the same.
 
 Tile shapes and num_warps / num_stages come from `prefill_config`, a small table that is NOT tuned yet:
 its sm_90 entries follow the shapes of Triton's fused-attention tutorial and await a measured GPU run.
@@ -41,7 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.paged_attention_tile import LOG2_E, attend_paged_tile, dot_settings, load_kv_scales
+from sluice.kernels.paged_attention_tile import (
+    LOG2_E,
+    attend_paged_tile,
+    dot_settings,
+    e4m3_upcast,
+    load_kv_scales,
+)
 from sluice.kernels.paged_decode_attention import NO_WINDOW, gather_kv_reference
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
@@ -152,6 +159,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
+    E4M3_UPCAST: tl.constexpr,
 ):
     tile_id = num_q_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -203,6 +211,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
@@ -210,6 +219,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
         running_max, running_sum, acc = attend_paged_tile(
@@ -217,6 +227,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+            E4M3_UPCAST,
         )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
@@ -293,6 +304,7 @@ def prefill_attention(
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
+        E4M3_UPCAST=e4m3_upcast(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
