@@ -27,6 +27,7 @@ untouched: no scale is loaded or applied.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -64,9 +65,15 @@ def e4m3_upcast(device: torch.device) -> str:
     targets); E4M3_CVT_INTERPRETED under TRITON_INTERPRET=1; E4M3_BITS on older GPUs."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return E4M3_CVT_INTERPRETED
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return E4M3_BITS
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_e4m3_upcast(index)
     return E4M3_CVT
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_e4m3_upcast(index: int) -> str:
+    return E4M3_BITS if torch.cuda.get_device_capability(index) < (8, 9) else E4M3_CVT
 
 
 @triton.jit
