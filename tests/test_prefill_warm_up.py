@@ -17,14 +17,15 @@ from sluice.engine.worker.model_runner import ModelRunner
 
 
 class _TileRecorder:
-    """Stands in for the Triton kernel: `kernel[grid](...)` records the launch's tile height."""
+    """Stands in for the Triton kernel: `kernel[grid](out, ...)` records the launch's tile height."""
 
     def __init__(self) -> None:
         self.block_m: list[int] = []
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs) -> None:
+        def launch(out, *args, **kwargs) -> None:
             self.block_m.append(kwargs["BLOCK_M"])
+            out.zero_()  # what the next layers read, instead of torch.empty's garbage
 
         return launch
 
