@@ -23,7 +23,7 @@
 #                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too:
 #                    sluice bench at concurrency 1 and 64 (the same prompts on each), greedy outputs and KV
 #                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
-#                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=360 (device timeout 380 s)
+#                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=390 (device timeout 410 s)
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
