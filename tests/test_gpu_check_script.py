@@ -174,7 +174,7 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     proc = run_script(out, timeout=540, SLUICE_GPU_CHECK_STEPS="fp8_large")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = statuses(out)
-    assert steps["fp8_large"]["status"] == "passed" and steps["fp8_large"]["limit_s"] == 330
+    assert steps["fp8_large"]["status"] == "passed" and steps["fp8_large"]["limit_s"] <= 330
     assert steps["large"] == {**steps["large"], "status": "skipped", "note": "not in SLUICE_GPU_CHECK_STEPS"}
     result = step_result(out, "fp8_large")
     assert result["variants"] == ["bf16", "fp8", "fp8_kv"] and result["preset"] == "tiny"
