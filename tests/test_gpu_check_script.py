@@ -101,7 +101,9 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         "fp8": "passed",
         "async": "passed",
         "large": "passed",  # on the tiny preset here
+        "fp8_large": "skipped",  # run only when named (test_the_fp8_large_step_...)
     }
+    assert steps["fp8_large"]["note"] == "not in SLUICE_GPU_CHECK_STEPS (runs only when named there)"
     assert step_result(out, "tensor_parallel")["skipped"] == "needs 2 GPUs, this machine has 0"
 
     (run,) = json.loads((out / "bench_large.json").read_text())["runs"]
@@ -165,6 +167,65 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
 
+@pytest.mark.timeout(600)
+def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: Path) -> None:
+    # Named alone: three servers of the large step's shape (tiny here), the first its own reference.
+    out = tmp_path / "out"
+    proc = run_script(out, timeout=540, SLUICE_GPU_CHECK_STEPS="fp8_large")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = statuses(out)
+    assert steps["fp8_large"]["status"] == "passed" and steps["fp8_large"]["limit_s"] <= 330
+    assert steps["large"] == {**steps["large"], "status": "skipped", "note": "not in SLUICE_GPU_CHECK_STEPS"}
+    result = step_result(out, "fp8_large")
+    assert result["variants"] == ["bf16", "fp8", "fp8_kv"] and result["preset"] == "tiny"
+    assert len(result["ready_s"]) == 3
+
+    servers = variant_records(out, "fp8_large")
+    assert list(servers) == ["bf16", "fp8", "fp8_kv"]  # written in order, as each finished
+    reference = servers["bf16"]
+    assert "comparison" not in reference and len(reference["prompts"]) == 3
+    assert reference["serve_args"][:4] == ["--preset", "tiny", "--dtype", "float32"]
+    assert servers["fp8"]["serve_args"][-2:] == ["--quantization", "fp8"]
+    assert servers["fp8_kv"]["serve_args"][-4:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    blocks = reference["model_info"]["num_kv_blocks"]
+    assert servers["fp8"]["model_info"]["num_kv_blocks"] == blocks  # the same 256 MiB of float32 cache
+    assert servers["fp8_kv"]["model_info"]["num_kv_blocks"] == 4 * blocks  # a byte a value, not 4
+    for record in servers.values():
+        assert record["ok"] and record["bench_rc"] == [0, 0]
+        # The same seeds on every server: the same prompts, so the three are compared on the same work.
+        assert [(r["config"]["concurrency"], r["config"]["seed"]) for r in record["runs"]] == [
+            (1, 1),
+            (64, 2),
+        ]
+        assert [run["metrics"]["num_completed"] for run in record["runs"]] == [2, 4]
+        assert [len(sample["tokens"]) for sample in record["greedy"]] == [8, 8, 8]
+    for name in ("fp8", "fp8_kv"):
+        comparison, agreement = servers[name]["comparison"], servers[name]["agreement"]
+        assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
+        assert agreement["equal"] == comparison["equal"] and agreement["tokens"] == 24
+
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Sluice GPU check: CPU: PASS")
+    section = report.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
+    assert section.startswith("The tiny preset (float32) on three servers of this step, one after another")
+    for line in (
+        "| server | TPOT p50 ms, c=1 | TPOT p50 ms, c=64 | out tok/s, c=64 | KV blocks | requests done "
+        "| greedy vs float32 |",
+        f"| {blocks} | 6/6 | the reference |",
+        f"| {4 * blocks} (4.00x) | 6/6 | ",
+        "| fp8 weights: batch-1 TPOT p50 / float32's (here tiny, the goal is set on llama-3-8b) | ",
+        "| fp8 KV: KV blocks / float32's | 4.00 | >= 2.0 | met |",
+        "| fp8 KV: KV blocks / fp8 weights' (same weights) | 4.00 |  |  |",
+        "(the CPU mode runs this step on the tiny preset). The weight bytes a batch-1 step reads, fp8 over "
+        "bf16 (lm_head stays bf16), the floor of that TPOT ratio: 0.61 on llama-3.2-1b, 0.53 on llama-3-8b.",
+        "CPU mode: FP8 is emulated (a correctness path, not a speed path)",
+        "**fp8 weights + fp8 KV vs float32, greedy** (need not be equal: another rounding): ",
+    ):
+        assert line in section, line
+    assert "| float32 (this step's) | " in section and "| fp8 weights + fp8 KV | " in section
+    assert "Not measured: the fp8 step SKIPPED (not in SLUICE_GPU_CHECK_STEPS)." in report
+
+
 def _running(pid: int) -> bool:
     """Whether process `pid` still runs: gone, or a zombie not yet reaped (its parent, the killed step's
     shell, died with it; what reaps orphans in a container differs from machine to machine), is not."""
@@ -209,6 +270,7 @@ def test_a_budget_too_small_fails_the_required_steps_and_skips_the_optional_one(
     for name in ("kernel_tests", "gpu_check", "serve_bench", "speculative", "structured", "tensor_parallel"):
         assert steps[name]["status"] == "out of time", name
     assert steps["fp8"]["status"] == steps["async"]["status"] == steps["large"]["status"] == "skipped"
+    assert steps["fp8_large"]["note"] == "not in SLUICE_GPU_CHECK_STEPS (runs only when named there)"
     assert (out / "report.md").read_text().startswith("# Sluice GPU check: CPU: FAIL")
 
 
@@ -226,7 +288,8 @@ def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_s
     )
     assert proc.returncode == 2 and proc.stderr == (
         "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
-        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large\n"
+        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large "
+        "fp8_large\n"
     )
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -660,13 +723,15 @@ def _bench_run(concurrency: int, requests: int, tpot: float, throughput: float) 
     return {"config": {"concurrency": concurrency}, "metrics": metrics}
 
 
-def _fp8_record(variant: str, blocks: int, tpot_1: float, tpot_64: float, throughput: float) -> dict:
+def _fp8_record(
+    variant: str, blocks: int, tpot_1: float, tpot_64: float, throughput: float, step: str = "fp8"
+) -> dict:
     prefix = "2026-11-26 05:21:17,010 {} sluice.engine.worker.{}: "
     notes = [prefix.format("INFO", "model_runner") + "KV cache: 9 blocks of 16 tokens, torch.float8_e4m3fn"]
     if variant == "fp8_kv":
         notes.append(prefix.format("INFO", "attention.selector") + FP8_KV_TRITON_NOTE)
     return {
-        "step": "fp8", "variant": variant, "ok": True, "model_info": {"num_kv_blocks": blocks},
+        "step": step, "variant": variant, "ok": True, "model_info": {"num_kv_blocks": blocks},
         "runs": [_bench_run(1, 8, tpot_1, 400.0), _bench_run(64, 64, tpot_64, throughput)],
         "comparison": {"equal": 5, "near tie": 2, "mismatch": 1, "details": ["sample 3: mismatch, ..."]},
         "agreement": {"samples": 8, "equal": 5, "tokens_before_first_difference": 200, "tokens": 256},
@@ -750,3 +815,57 @@ def test_the_fp8_section_says_what_a_step_cut_short_left_unmeasured(tmp_path: Pa
     )
     text, ok = check_report.build_report(tmp_path, "gpu", 400, 470)
     assert ok and "Not measured: the fp8 step SKIPPED (60s left of the 470s budget, needs 90s)." in text
+
+
+def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf16(tmp_path: Path):
+    # On the goal's shape; the bf16 server is the step's own (no serve_bench in this run at all).
+    bf16 = _fp8_record("bf16", 5000, 5.6e-3, 9.0e-3, 6000.0, step="fp8_large")
+    for key in ("comparison", "agreement"):
+        del bf16[key]
+    records = [
+        bf16,
+        _fp8_record("fp8", 6500, 3.2e-3, 6.3e-3, 8400.0, step="fp8_large"),
+        {
+            "step": "fp8_large",
+            "status": "timed out",
+            "seconds": 330,
+            "limit_s": 330,
+            "note": "exit status 124",
+        },
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text, ok = check_report.build_report(tmp_path, "gpu", 350, 340)
+    assert not ok
+    section = text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
+    assert section.startswith("The llama-3-8b preset (bfloat16) on three servers of this step")
+    for line in (
+        "| greedy vs bf16 |",
+        "| bf16 (this step's) | 5.60 | 9.00 | 6000 | 5000 | 72/72 | the reference |",
+        "| fp8 weights | 3.20 (0.57x) | 6.30 (0.70x) | 8400 (1.40x) | 6500 (1.30x) | 72/72 "
+        "| 5/8 equal; 200/256 tokens before the first difference |",
+        "| fp8 weights + fp8 KV | - | - | - | - | - | not run |",  # killed at the limit before it
+        "| fp8 weights: batch-1 TPOT p50 / bf16's (the goal's shape) | 0.57 | <= 0.6 | met |",
+        "| fp8 weights: out tok/s at 64 concurrent / bf16's | 1.40 | >= 1.3 | met |",
+        "| fp8 weights + fp8 KV: out tok/s at 64 concurrent / bf16's | - | >= 1.3 | not measured |",
+        "| fp8 KV: KV blocks / bf16's | - | >= 2.0 | not measured |",
+        "**Shape:** this run is on the llama-3-8b shape. The weight bytes a batch-1 step reads, fp8 over "
+        "bf16 (lm_head stays bf16), the floor of that TPOT ratio: 0.61 on llama-3.2-1b, 0.53 on llama-3-8b.",
+        "**fp8 weights vs bf16, greedy** (need not be equal: another rounding): 5 equal, 2 parting at a near "
+        "tie, 1 mismatched.",
+    ):
+        assert line in section, line
+    assert (
+        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV" in text and "| TIMED OUT | 330 |" in text
+    )
+    # The fp8 step's section, with no serve_bench or fp8 record, says why it has no figures.
+    assert "Not measured: the fp8 step NOT RUN." in text
+
+    (tmp_path / "results.jsonl").write_text(
+        json.dumps({"step": "fp8_large", "status": "skipped", "seconds": 0, "limit_s": 0,
+                    "note": "not in SLUICE_GPU_CHECK_STEPS (runs only when named there)"}) + "\n"
+    )  # fmt: skip
+    text, ok = check_report.build_report(tmp_path, "gpu", 400, 470)
+    assert ok and (
+        "## FP8 on the llama-3-8b shape (issue 34)\n\nNot measured: the fp8_large step SKIPPED "
+        "(not in SLUICE_GPU_CHECK_STEPS (runs only when named there))." in text
+    )

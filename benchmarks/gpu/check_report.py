@@ -33,6 +33,7 @@ STEPS = {
     "fp8": "--quantization fp8, then + --kv-cache-dtype fp8: sluice bench at 1 and 64, greedy, KV blocks",
     "async": "--async-scheduling: greedy equal to serve_bench's, sluice bench at 1 and 64",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
+    "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV: sluice bench at 1 and 64, greedy, KV blocks",
 }
 FAILING = ("failed", "timed out", "out of time")
 LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
@@ -248,15 +249,56 @@ def fp8_section(
     if not variants:
         return not_measured("fp8", statuses, results)
     plan, base, reference, runs = Baseline.of(results, out, mode)
-    parts = [
+    intro = (
         f"The {plan.preset} preset ({plan.dtype}) on three servers, one after another: {base} is "
         f"serve_bench's (its sweep), the fp8 ones ran `sluice bench` with {runs}, {plan.input_len} prompt "
-        f"and {plan.output_len} output tokens, prompts of their own. In brackets: the ratio to {base}'s.",
-        markdown_table(fp8_figures.TABLE_HEADERS, fp8_figures.table_rows(reference, variants, base)),
-        markdown_table(
-            fp8_figures.TARGET_HEADERS, fp8_figures.target_rows(reference, variants, plan.preset, base)
-        ),
-        fp8_shape_line(plan.preset),
+        f"and {plan.output_len} output tokens, prompts of their own. In brackets: the ratio to {base}'s."
+    )
+    table = markdown_table(fp8_figures.TABLE_HEADERS, fp8_figures.table_rows(reference, variants, base))
+    shape = fp8_figures.shape_line(plan.preset, "`large` runs that one in bf16 only, `fp8_large` in fp8 too")
+    return "\n\n".join(
+        [intro, table, *fp8_servers_parts(variants, reference, plan.preset, base, mode, shape)]
+    )
+
+
+def fp8_large_section(
+    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
+) -> str:
+    """The fp8_large step's servers on the llama-3-8b shape (tiny in the CPU mode): its own bf16 server,
+    the reference, then the fp8 ones; the same table, targets and notes as the fp8 section."""
+    variants = fp8_figures.variant_records(records, "fp8_large")
+    bf16 = variants.pop("bf16", None)
+    if bf16 is None:
+        return not_measured("fp8_large", statuses, results)
+    plan, base, _, runs = Baseline.of(results, out, mode)
+    reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
+    intro = (
+        f"The {plan.large_preset} preset ({plan.dtype}) on three servers of this step, one after another: "
+        f"{base}, fp8 weights, fp8 weights + fp8 KV; each ran `sluice bench` with {runs}, {plan.input_len} "
+        f"prompt and {plan.output_len} output tokens, the same prompts on each (the same seeds). In "
+        f"brackets: the ratio to {base}'s."
+    )
+    rows = fp8_figures.table_rows(reference, variants, base, base_source="this step's")
+    table = markdown_table(fp8_figures.table_headers(base), rows)
+    shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
+    parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
+    return "\n\n".join([intro, table, *parts])
+
+
+def fp8_servers_parts(
+    variants: dict[str, dict[str, Any]],
+    reference: fp8_figures.ServerFigures,
+    preset: str,
+    base: str,
+    mode: str,
+    shape_line: str,
+) -> list[str]:
+    """What an FP8 section says after its table: issue 34's targets against `reference` (`base`'s server),
+    the shape, what the fp8-KV server's speed measures, each fp8 server's greedy comparison and log lines."""
+    targets = fp8_figures.target_rows(reference, variants, preset, base)
+    parts = [
+        markdown_table(fp8_figures.TARGET_HEADERS, targets),
+        shape_line,
         fp8_figures.backend_note(variants, mode),
     ]
     for name, record in variants.items():
@@ -266,7 +308,7 @@ def fp8_section(
             + comparison_line(record["comparison"])
             + "".join(f"\n- log: `{note}`" for note in notes)
         )
-    return "\n\n".join(parts)
+    return parts
 
 
 ASYNC_LABELS = {"async": "--async-scheduling"}
@@ -301,21 +343,6 @@ def async_section(
             "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here."
         )
     return "\n\n".join(parts)
-
-
-def fp8_shape_line(preset: str) -> str:
-    """Which shape the run is on, and the floor of the batch-1 TPOT ratio on the 1b and 8b shapes."""
-    goal = fp8_figures.GOAL_SHAPE
-    ratios = ", ".join(f"{fp8_figures.step_bytes_ratio(p):.2f} on {p}" for p in ("llama-3.2-1b", goal))
-    shape = (
-        "."
-        if preset == goal
-        else f", not the {goal} one issue 34's batch-1 target is set on (`large` runs that one in bf16 only)."
-    )
-    return (
-        f"**Shape:** this run is on the {preset} shape{shape} The weight bytes a batch-1 step reads, fp8 "
-        f"over bf16 (lm_head stays bf16), the floor of that TPOT ratio: {ratios}."
-    )
 
 
 def environment(mode: str) -> tuple[str, str]:
@@ -353,6 +380,8 @@ def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[
         "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
         "## FP8 (issue 34): bf16 vs fp8 weights vs fp8 weights + fp8 KV\n\n"
         + fp8_section(records, statuses, results, out, mode),
+        "## FP8 on the llama-3-8b shape (issue 34)\n\n"
+        + fp8_large_section(records, statuses, results, out, mode),
         "## Async scheduling (issue 33): --async-scheduling vs synchronous\n\n"
         + async_section(records, statuses, results, out, mode),
         "## Checks\n\n" + checks_section(results),

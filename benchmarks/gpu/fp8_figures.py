@@ -1,10 +1,12 @@
-"""Issue 34's figures from the GPU check's fp8 step: bf16 vs fp8 weights vs fp8 weights + fp8 KV cache.
+"""Issue 34's figures from the GPU check's fp8 and fp8_large steps: bf16 vs fp8 weights vs fp8 weights + fp8
+KV cache.
 
 Pure functions over what the steps recorded: serve_bench's record (the bf16 server's KV blocks and greedy
 reference) and its `sluice bench` runs (bench_serve.json), and the fp8 step's record of each server
 (`serve_checks.variant_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1 and 64,
 and the lines of its log that name its KV cache and attention backend). All three servers run the same
-preset, one after another on the same device, at the same prompt and output lengths.
+preset, one after another on the same device, at the same prompt and output lengths. The fp8_large step's
+three servers (the llama-3-8b shape) are all its own records, the bf16 one the reference.
 
 The issue's targets: on an H100/H200, fp8 weights' batch-1 TPOT <= 0.6x bf16's on the llama-3-8b shape,
 output throughput at 64 concurrent >= 1.3x bf16's, and twice the KV blocks with an fp8 cache.
@@ -24,8 +26,15 @@ GOAL_SHAPE = "llama-3-8b"
 VARIANTS = {"fp8": "fp8 weights", "fp8_kv": "fp8 weights + fp8 KV"}  # the fp8 step's servers, in order
 # The selector's log line (INFO) when triton takes an fp8 cache, as `auto` on CUDA does: `FP8_KV_TRITON_NOTE`.
 TRITON_FP8_KV = "the triton attention backend reads the e4m3 cache"
-TABLE_HEADERS = ["server", "TPOT p50 ms, c=1", "TPOT p50 ms, c=64", "out tok/s, c=64", "KV blocks",
-                 "requests done", "greedy vs serve_bench"]  # fmt: skip
+
+
+def table_headers(reference: str) -> list[str]:
+    """The table's columns; the greedy outputs are set against `reference`'s."""
+    return ["server", "TPOT p50 ms, c=1", "TPOT p50 ms, c=64", "out tok/s, c=64", "KV blocks",
+            "requests done", f"greedy vs {reference}"]  # fmt: skip
+
+
+TABLE_HEADERS = table_headers("serve_bench")
 TARGET_HEADERS = ["target (issue 34)", "measured", "goal", "status"]
 
 
@@ -82,9 +91,10 @@ def table_rows(
     variants: dict[str, dict[str, Any]],
     base_name: str = "bf16",
     labels: dict[str, str] = VARIANTS,
+    base_source: str = "serve_bench",
 ) -> list[list[object]]:
-    """A row per server: serve_bench's (`base_name`: bf16 on a GPU) first, then each of `labels`' variants
-    (ratios to the first in brackets)."""
+    """A row per server: the reference's (`base_name`: bf16 on a GPU, `base_source`'s server) first, then
+    each of `labels`' variants (ratios to the first in brackets)."""
 
     def row(name: str, figures: ServerFigures, base: ServerFigures | None, greedy: str) -> list[object]:
         def cell(field: str, scale: float, digits: int) -> str:
@@ -94,7 +104,7 @@ def table_rows(
         return [name, cell("tpot_1", 1e3, 2), cell("tpot_64", 1e3, 2), cell("throughput_64", 1.0, 0),
                 cell("kv_blocks", 1.0, 0), done, greedy]  # fmt: skip
 
-    rows = [row(f"{base_name} (serve_bench)", bf16, None, "the reference")]
+    rows = [row(f"{base_name} ({base_source})", bf16, None, "the reference")]
     for name, label in labels.items():
         record = variants.get(name)
         if record is None:
@@ -177,4 +187,18 @@ def backend_note(variants: dict[str, dict[str, Any]], mode: str) -> str:
         + ("seen in its log" if seen else "not found in its log")
         + "). So its TPOT and throughput are FP8 KV's as served, beside the same weights' fp8 server: the "
         "difference between the two is the cache's dtype."
+    )
+
+
+def shape_line(preset: str, elsewhere: str) -> str:
+    """Which shape the run is on (`elsewhere`: where the goal's shape runs, if not here), and the floor of
+    the batch-1 TPOT ratio on the 1b and 8b shapes."""
+    goal = GOAL_SHAPE
+    ratios = ", ".join(f"{step_bytes_ratio(p):.2f} on {p}" for p in ("llama-3.2-1b", goal))
+    shape = (
+        "." if preset == goal else f", not the {goal} one issue 34's batch-1 target is set on ({elsewhere})."
+    )
+    return (
+        f"**Shape:** this run is on the {preset} shape{shape} The weight bytes a batch-1 step reads, fp8 "
+        f"over bf16 (lm_head stays bf16), the floor of that TPOT ratio: {ratios}."
     )

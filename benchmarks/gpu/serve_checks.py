@@ -15,6 +15,8 @@ fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache
                  concurrency 1 and 64 (its runs kept in its record, one per server as it finishes)
 large            (h) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
                  (JSON kept as OUT/bench_large.json); in the CPU mode, the tiny preset
+fp8_large        (i) the large step's shape served three times: bf16, then fp8's two servers, each as in (g)
+                 but set against the first (its own reference), the same `sluice bench` prompts on each
 
 Each step appends one JSON line to OUT/results.jsonl and exits 0 (passed), 1 (failed) or 3 (skipped).
 The CPU mode runs the same steps on the `tiny` preset in float32, so a CPU test covers this code.
@@ -40,6 +42,8 @@ from sluice.benchmarks.gpu.structured_request import SCHEMA, schema_errors
 from sluice.benchmarks.serving.server_process import ServerProcess
 from sluice.client import Client, Completion, generate_request
 
+STEP_NAMES = ("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "async", "large",
+              "fp8_large")  # fmt: skip
 RESULTS = "results.jsonl"
 SERVERS_LOG = "servers.log"
 EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
@@ -68,10 +72,11 @@ class Plan:
     large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
     large_bench: tuple[str, ...]
 
-    def serve_args(self, *extra: str) -> list[str]:
-        # Prefix caching stays on, as served: every run of `sluice bench` draws its own prompts, and the
-        # report shows each run's cached prompt tokens (0 unless something repeats a prompt).
-        base = ["--preset", self.preset, "--dtype", self.dtype, "--grace-period", "2"]
+    def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
+        # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
+        # draws its own prompts, and the report shows each run's cached prompt tokens (0 unless something
+        # repeats a prompt).
+        base = ["--preset", preset or self.preset, "--dtype", self.dtype, "--grace-period", "2"]
         return [*base, *self.extra_serve_args, *extra]
 
 
@@ -291,29 +296,44 @@ def step_fp8(ctx: StepContext) -> dict[str, Any]:
     return {"ok": all(r["ok"] for r in records), "variants": list(FP8_VARIANTS)}
 
 
-def variant_server(ctx: StepContext, reference: dict[str, Any], name: str, extra: Sequence[str]) -> dict:
-    """One server of the preset with `extra` arguments: its greedy outputs against serve_bench's, its KV
-    blocks, `sluice bench` at concurrency 1 and 64 (the plan's variant_bench runs); the record is appended to
-    results.jsonl at once, as variant `name` of this step."""
+def variant_server(
+    ctx: StepContext,
+    reference: dict[str, Any] | None,
+    name: str,
+    extra: Sequence[str],
+    preset: str | None = None,
+) -> dict:
+    """One server of the preset (or `preset`) with `extra` arguments: its greedy outputs against
+    `reference`'s (serve_bench's, or a record of this function's), its KV blocks, `sluice bench` at
+    concurrency 1 and 64 (the plan's variant_bench runs); the record is appended to results.jsonl at once,
+    as variant `name` of this step. With no `reference`, this server is one: it draws the greedy prompts and
+    keeps them in its record, and compares with nothing."""
     plan = ctx.plan
-    serve_args = plan.serve_args(*extra)
+    serve_args = plan.serve_args(*extra, preset=preset)
     log_path = ctx.out / SERVERS_LOG
     log_start = log_path.stat().st_size if log_path.is_file() else 0
     with ctx.server(serve_args) as server, Client(server.target) as client:
         info = model_info(client)
-        samples = greedy_outputs(client, reference["prompts"], plan.greedy_tokens)
+        if reference is None:  # this server is the reference: it draws the prompts
+            prompts = greedy_compare.greedy_prompts(plan.greedy_prompts, info["vocab_size"])
+        else:
+            prompts = reference["prompts"]
+        samples = greedy_outputs(client, prompts, plan.greedy_tokens)
         bench_rcs, runs = variant_bench_runs(server.target, plan)
     log = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()
-    verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, plan.near_tie_nats)
     complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
     record = {
         "step": ctx.step, "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
         "model_info": info, "bench_rc": bench_rcs, "runs": runs,
-        "comparison": greedy_compare.summarize(verdicts),
-        "agreement": greedy_compare.agreement(reference["greedy"], samples),
         "server_notes": [line for line in log if any(note in line for note in SERVER_NOTES)],
         "greedy": samples,
     }  # fmt: skip
+    if reference is None:
+        record["prompts"] = prompts
+    else:
+        verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, plan.near_tie_nats)
+        record["comparison"] = greedy_compare.summarize(verdicts)
+        record["agreement"] = greedy_compare.agreement(reference["greedy"], samples)
     with (ctx.out / RESULTS).open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     return record
@@ -332,6 +352,17 @@ def variant_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[st
             rcs.append(run_bench(target, [*load, *lengths], path))
             runs += json.loads(path.read_text())["runs"] if path.is_file() else []
     return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
+
+
+def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
+    """The fp8 step's servers on the large step's shape (issue 34's batch-1 target is set on llama-3-8b),
+    after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
+    so the same prompts, on each) against it. A record per server appended as it finishes."""
+    preset = ctx.plan.large_preset
+    reference = variant_server(ctx, None, "bf16", (), preset=preset)
+    records = [variant_server(ctx, reference, name, args, preset) for name, args in FP8_VARIANTS.items()]
+    ok = reference["ok"] and all(r["ok"] for r in records)
+    return {"ok": ok, "preset": preset, "variants": ["bf16", *FP8_VARIANTS]}
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:
@@ -369,6 +400,7 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
         "fp8": lambda: step_fp8(ctx),
         "async": lambda: step_async(ctx),
         "large": lambda: step_large(ctx),
+        "fp8_large": lambda: step_fp8_large(ctx),
     }
     try:
         result = steps[step]()
@@ -388,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "step",
-        choices=("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "async", "large"),
+        choices=STEP_NAMES,
     )
     parser.add_argument("--out", required=True, help="the GPU check's output folder")
     parser.add_argument("--mode", choices=tuple(PLANS), default="gpu")
