@@ -12,7 +12,7 @@ from checkpoints import EOS_ID, IM_END_ID, build_qwen2_checkpoint
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_arch import ModelArchConfig
-from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.loading.model_loader import DummyWeights, load_model_source
 from sluice.engine.loading.presets import PRESETS, preset_arch
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.text.tokenizer import Tokenizer
@@ -104,6 +104,24 @@ def test_tiny_dummy_model_runs_one_step() -> None:
     logits = runner.execute_model(out)
     assert logits.shape == (1, 32000)
     assert torch.isfinite(logits).all()
+
+
+def test_the_runner_draws_dummy_weights_on_its_own_device(monkeypatch) -> None:
+    """A GPU draws a preset's random weights itself (`DummyWeights.on`); on the CPU the values are the
+    default draw's, seed for seed."""
+    asked = []
+    draw_on = DummyWeights.on
+    monkeypatch.setattr(
+        DummyWeights, "on", lambda self, device: asked.append(device) or draw_on(self, device)
+    )
+    config = EngineConfig(
+        model=ModelConfig(load_format="dummy", preset="tiny", seed=3), cache=CacheConfig(num_blocks=4)
+    )
+    source = load_model_source(config.model)
+    runner = ModelRunner(config, source)
+    assert asked == [runner.device] == [torch.device("cpu")]
+    name = "model.embed_tokens.weight"
+    assert torch.equal(runner.model.get_parameter(name), dict(source.weights)[name])
 
 
 # Published parameter counts (Hugging Face model cards / safetensors metadata), biases included.

@@ -12,7 +12,7 @@ from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.distributed.partition import partition_heads
 from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
-from sluice.engine.loading.model_loader import ModelSource
+from sluice.engine.loading.model_loader import DummyWeights, ModelSource
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.outputs import Logprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
@@ -87,7 +87,10 @@ class ModelRunner:
         model_class = get_model_class(self.arch.architecture)
         self.kernels = self._kernel_config(model_class.packed_modules, fp8_cache)
         self.model = model_class(self.arch, self.kernels, max_positions=self.max_model_len)
-        self.model.load_weights(source.weights)
+        weights = source.weights
+        if isinstance(weights, DummyWeights):  # random weights are drawn where they will live
+            weights = weights.on(self.device)
+        self.model.load_weights(weights)
         self.model.eval()
         self.cpu_stack: LlamaCpuStack | None = build_cpu_stack(self.model)
         # Graphs replay decode steps; the torch backend cannot skip padded rows, so it stays eager.
