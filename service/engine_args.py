@@ -6,6 +6,8 @@ spells it for argparse.
     ModelConfig.dtype: str = option("auto", "...", choices=DTYPES)   ->  --dtype {auto,float32,...}
     CacheConfig.enable_prefix_caching: bool = option(True, ..., flag="no-prefix-caching")
                                                                      ->  --no-prefix-caching (store_false)
+    EngineConfig.async_scheduling: bool | None = option(None, ...)   ->  --async-scheduling and
+                                                                         --no-async-scheduling (unset: None)
     EngineConfig.speculative: SpeculativeConfig | None               ->  its section's flags; the section
                                                                          exists when its first flag is given
 """
@@ -67,6 +69,11 @@ def _add_flag(
             groups[meta["exclusive"]] = parser.add_mutually_exclusive_group()
         target = groups[meta["exclusive"]]
     name, dest = f"--{flag_name(f)}", _dest(section, f)
+    if kind is bool and default is None and f.default is None:  # unset: the engine decides
+        target.add_argument(
+            name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=meta["help"]
+        )
+        return
     if kind is bool:
         if default and not flag_name(f).startswith("no-"):
             raise TypeError(f"{f.name}: a field that defaults to True needs a flag='no-...' to switch it off")

@@ -272,7 +272,7 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 512) -> 
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def _llm(directory: str, async_scheduling: bool, **kwargs) -> LLM:
+def _llm(directory: str, async_scheduling: bool | None, **kwargs) -> LLM:
     kwargs = {"block_size": BLOCK, **kwargs}
     return LLM(directory, async_scheduling=async_scheduling, **kwargs)
 
@@ -613,12 +613,28 @@ def test_async_scheduling_refuses_tensor_parallelism_naming_the_field():
         EngineConfig(async_scheduling=True, parallel=ParallelConfig(tensor_parallel_size=2))
 
 
-def test_the_flag_reaches_the_config():
+def test_the_flags_reach_the_config():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--async-scheduling"])
     assert engine_config_from_args(args).async_scheduling is True
-    assert engine_config_from_args(parser.parse_args([])).async_scheduling is False
+    assert engine_config_from_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    assert engine_config_from_args(parser.parse_args([])).async_scheduling is None
+
+
+def test_by_default_steps_overlap_on_one_cuda_device_only():
+    """Unset, async scheduling is on where an H100 run measured it to pay (one CUDA device) and off on CPU
+    and across tensor-parallel ranks; given, it is what it says (True with ranks is refused above)."""
+    default = EngineConfig()
+    assert default.schedules_async("cuda") and not default.schedules_async("cpu")
+    assert not EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)).schedules_async("cuda")
+    assert EngineConfig(async_scheduling=True).schedules_async("cpu")
+    assert not EngineConfig(async_scheduling=False).schedules_async("cuda")
+
+
+def test_the_engine_core_on_cpu_schedules_synchronously_unless_asked(llama_dir):
+    assert _llm(llama_dir, None).engine.core.async_scheduling is False
+    assert _llm(llama_dir, True).engine.core.async_scheduling is True
 
 
 def test_the_engine_core_process_overlaps_with_the_same_greedy_tokens(llama_dir):

@@ -75,8 +75,11 @@ class Plan:
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
         # draws its own prompts, and the report shows each run's cached prompt tokens (0 unless something
-        # repeats a prompt).
+        # repeats a prompt). Scheduling is pinned synchronous, as every earlier run measured it (the default
+        # became async on CUDA on 2026-11-26): the comparisons stay like for like, and the async step adds
+        # --async-scheduling after these (the last flag wins).
         base = ["--preset", preset or self.preset, "--dtype", self.dtype, "--grace-period", "2"]
+        base.append("--no-async-scheduling")
         return [*base, *self.extra_serve_args, *extra]
 
 
@@ -374,6 +377,8 @@ def step_async(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_large(ctx: StepContext) -> dict[str, Any]:
+    """The 8b shape as served by default (on CUDA with async scheduling since 2026-11-26; the H100 run 1
+    figure, 7.25 ms batch-1 TPOT, was synchronous): batch-1 TPOT and TTFT of long prompts."""
     plan = ctx.plan
     args = [
         "--preset",

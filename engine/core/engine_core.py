@@ -56,8 +56,9 @@ class EngineCore:
     verified at sampling, proposed after the update) and fault injection (`FaultInjector`, tests only:
     before the model runs and before sampling).
 
-    With `async_scheduling` a step schedules and launches the next step before finishing the one in
-    flight (`_step_overlapped`; `sluice.engine.core.launched_step`).
+    With async scheduling (`EngineConfig.schedules_async`: by default on one CUDA device) a step schedules
+    and launches the next step before finishing the one in flight (`_step_overlapped`;
+    `sluice.engine.core.launched_step`).
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
@@ -65,7 +66,9 @@ class EngineCore:
         self.config = config
         self.tokenizer = source.tokenizer
         self.model_runner = build_model_runner(config, source)  # tensor-parallel: an executor over the ranks
-        self.scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
+        device_type = self.model_runner.device.type if config.parallel.tensor_parallel_size == 1 else "ranks"
+        self.async_scheduling = config.schedules_async(device_type)
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             config.scheduler,
             config.cache,
             self.model_runner.num_blocks,
@@ -108,7 +111,7 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
-        if self.config.async_scheduling:
+        if self.async_scheduling:
             return self._step_overlapped()  # the same, with the update of the step before this one
         refused = self._admit_ready()
         scheduler_output = self.scheduler.schedule()
