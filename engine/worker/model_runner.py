@@ -275,22 +275,11 @@ class ModelRunner:
             )
         return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 
-    @torch.inference_mode()
     def _profile_run(self) -> None:
         """One forward pass of max_num_batched_tokens prompt tokens through a throwaway cache."""
-        out = _profile_step(
-            self.config.scheduler.max_num_batched_tokens,
-            self.config.scheduler.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
-        )
-        num_blocks = sum(len(req.block_ids) for req in out.scheduled)
-        caches = self._allocate_kv_cache(num_blocks)
-        inputs = build_model_inputs(out, self.block_size, self.device)
-        hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        scheduler = self.config.scheduler
+        self._throwaway_step(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, self.max_model_len)
 
-    @torch.inference_mode()
     def _warm_up_prefill_tiles(self) -> None:
         """Compile, before the first request, every prefill tile a step can pick: the Triton prefill
         kernel's tile height follows the step's longest query (`prefill_config`), so the first step with
@@ -298,11 +287,17 @@ class ModelRunner:
         prompt per length, through a throwaway cache."""
         budget = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         for length in (n for n in WARM_UP_QUERY_LENS if n <= budget):
-            out = _profile_step(length, 1, length, self.block_size)
-            caches = self._allocate_kv_cache(len(out.scheduled[0].block_ids))
-            inputs = build_model_inputs(out, self.block_size, self.device)
-            hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
-            self.model.compute_logits(hidden[inputs.logits_indices])
+            self._throwaway_step(length, 1, length)
+
+    @torch.inference_mode()
+    def _throwaway_step(self, num_tokens: int, max_num_seqs: int, max_prompt_len: int) -> None:
+        """The forward and logits of `_profile_step`'s prompts through a cache of their own blocks: the
+        serving cache is never touched."""
+        out = _profile_step(num_tokens, max_num_seqs, max_prompt_len, self.block_size)
+        caches = self._allocate_kv_cache(sum(len(req.block_ids) for req in out.scheduled))
+        inputs = build_model_inputs(out, self.block_size, self.device)
+        hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
+        self.model.compute_logits(hidden[inputs.logits_indices])
 
 
 WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128)  # every prefill tile height, for any GQA group size
