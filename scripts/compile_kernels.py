@@ -20,6 +20,7 @@ makes kernels uncompilable objects). Exit status 1 when a kernel fails to compil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -164,16 +165,23 @@ def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
     fused rotary + store, each over a model-dtype and an FP8 KV cache; norm with and without residual,
     rotary, silu_and_mul; the FP8 linears' activation quantization), recorded from the real launchers on
     CPU tensors."""
+    with _recording() as sink:
+        _run_launchers(shape, dtype)
+    return sink
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list[Launch]]:
+    """Every kernel of `_KERNELS` swapped for a `_Recorder` into the list yielded, put back after."""
     sink: list[Launch] = []
     originals = [(module, name, getattr(module, name)) for module, name in _KERNELS]
     for module, name, kernel in originals:
         setattr(module, name, _Recorder(kernel, sink))
     try:
-        _run_launchers(shape, dtype)
+        yield sink
     finally:
         for module, name, kernel in originals:
             setattr(module, name, kernel)
-    return sink
 
 
 def _run_launchers(shape: str, dtype: torch.dtype) -> None:
@@ -290,16 +298,7 @@ def record_serving_launches() -> list[Launch]:
     arch = preset_arch(SERVING_SHAPE)
     heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     cache = torch.empty(4, BLOCK_SIZE, kv_heads, dim, dtype=torch.bfloat16)
-    sink: list[Launch] = []
-    kernels = (
-        (paged_decode_attention, "_decode_partition_kernel"),
-        (paged_decode_attention, "_decode_reduce_kernel"),
-        (prefill_attention, "_prefill_attention_kernel"),
-    )
-    originals = [(module, name, getattr(module, name)) for module, name in kernels]
-    for module, name, kernel in originals:
-        setattr(module, name, _Recorder(kernel, sink))
-    try:
+    with _recording() as sink:
         query_len = SERVING_PREFILL_QUERY_LEN
         for num_seqs, width in SERVING_PREFILL:
             starts = torch.arange(0, num_seqs * query_len + 1, query_len, dtype=torch.int32)
@@ -314,9 +313,6 @@ def record_serving_launches() -> list[Launch]:
                 torch.zeros(batch, width, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0,
                 context,
             )  # fmt: skip
-    finally:
-        for module, name, kernel in originals:
-            setattr(module, name, kernel)
     return sink
 
 
