@@ -97,17 +97,24 @@ def pick_num_splits(
     num_sms: int,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     max_splits: int = MAX_SPLITS,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
     """Slices per (sequence, KV head) for a decode launch: the fewest that give every SM
-    PROGRAMS_PER_SM programs, but no more than the longest context has `partition_size` slices
+    `programs_per_sm` programs, but no more than the longest context has `partition_size` slices
     (a short context is not worth splitting) and no more than `max_splits`. Always >= 1."""
-    for name, value in (("num_sms", num_sms), ("partition_size", partition_size), ("max_splits", max_splits)):
+    checked = (
+        ("num_sms", num_sms),
+        ("partition_size", partition_size),
+        ("max_splits", max_splits),
+        ("programs_per_sm", programs_per_sm),
+    )
+    for name, value in checked:
         if value <= 0:
             raise ValueError(f"{name}: must be > 0, got {value}")
     units = num_seqs * num_kv_heads
     if units <= 0 or max_context <= 0:
         return 1
-    wanted = -(-PROGRAMS_PER_SM * num_sms // units)
+    wanted = -(-programs_per_sm * num_sms // units)
     by_length = -(-max_context // partition_size)
     return max(1, min(wanted, by_length, max_splits))
 

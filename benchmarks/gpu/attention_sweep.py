@@ -42,11 +42,11 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
 )
 from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
-    MAX_SPLITS,
     PROGRAMS_PER_SM,
     DecodeConfig,
     decode_config,
     device_sm_count,
+    pick_num_splits,
 )
 from sluice.kernels.prefill_attention import PrefillConfig, prefill_config
 
@@ -80,7 +80,7 @@ PREFILL_CANDIDATES = (
 @dataclass(frozen=True)
 class DecodeCandidate:
     """A decode launch: the split kernel's tile, and how many slices a sequence's context is cut into
-    (`split_count`: `pick_num_splits` with PROGRAMS_PER_SM as a parameter)."""
+    (`split_count`: the kernel's `pick_num_splits` at these)."""
 
     config: DecodeConfig
     programs_per_sm: int = PROGRAMS_PER_SM
@@ -131,14 +131,15 @@ def default_decode_candidate(head_dim: int, dtype: torch.dtype) -> DecodeCandida
 def split_count(
     candidate: DecodeCandidate, num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int
 ) -> int:
-    """`pick_num_splits` of kernels/paged_decode_attention.py with `candidate.programs_per_sm` in place of
-    its module constant PROGRAMS_PER_SM (equal to it there: tests/test_gpu_check_script.py)."""
-    units = num_seqs * num_kv_heads
-    if units <= 0 or max_context <= 0:
-        return 1
-    wanted = -(-candidate.programs_per_sm * num_sms // units)
-    by_length = -(-max_context // candidate.partition_size)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    """The kernel's own `pick_num_splits` at the candidate's partition size and programs per SM."""
+    return pick_num_splits(
+        num_seqs,
+        num_kv_heads,
+        max_context,
+        num_sms,
+        partition_size=candidate.partition_size,
+        programs_per_sm=candidate.programs_per_sm,
+    )
 
 
 def sweep_cap_s(environ: Mapping[str, str] = os.environ) -> float:
