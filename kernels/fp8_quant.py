@@ -36,14 +36,14 @@ MAX_TILE = 4096  # columns a program holds at once
 
 
 @triton.jit
-def _max_keep_nan(a, b):
+def max_keep_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _dynamic_scale(amax):
+def dynamic_scale(amax):
     """amax / 448, IEEE-rounded, at least float32's tiny (an all-zero row gets zero codes, not NaN)."""
-    return _max_keep_nan(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    return max_keep_nan(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
 
 
 @triton.jit
@@ -68,8 +68,8 @@ def _fp8_quant_kernel(
         running = tl.abs(first.to(tl.float32))
         for start in range(TILE, K, TILE):  # rows wider than a tile: first pass, amax
             x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
-            running = _max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        scale = _dynamic_scale(tl.reduce(running, 0, _max_keep_nan))
+            running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
+        scale = dynamic_scale(tl.reduce(running, 0, max_keep_nan))
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)

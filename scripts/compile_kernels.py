@@ -48,6 +48,7 @@ from sluice.engine.loading.model_arch import ModelArchConfig  # noqa: E402
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
 from sluice.kernels import (  # noqa: E402
+    fp8_gemv,
     fp8_quant,
     paged_decode_attention,
     prefill_attention,
@@ -87,6 +88,7 @@ _KERNELS = (
     (rotary_store_kv, "_rotary_store_kv_kernel"),
     (silu_and_mul, "_silu_and_mul_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
+    (fp8_gemv, "_fp8_gemv_kernel"),
 )
 
 
@@ -203,6 +205,14 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(num_tokens, width, dtype=dtype)
         fp8_quant.quantize_fp8_per_token(activations)
         fp8_quant.quantize_fp8_static(activations, torch.ones(()))
+    # Their decode-sized steps (`fp8_gemv`: quantization and product in one launch), o_proj's and
+    # down_proj's shapes, per token and static.
+    for width in (arch.hidden_size, arch.intermediate_size):
+        codes = torch.empty(arch.hidden_size, width, dtype=torch.float8_e4m3fn)
+        scales = torch.ones(arch.hidden_size)
+        activations = torch.empty(num_tokens, width, dtype=dtype)
+        fp8_gemv.fp8_gemv(activations, codes, scales)
+        fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
     # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True.
     _run_cache_launchers(arch, dtype, kv_scales=(torch.ones(()), torch.ones(())))

@@ -9,6 +9,10 @@
 #   kernel_tests     the kernel tests compiled for the GPU (scripts/gpu_check.py KERNEL_TESTS)
 #   gpu_check        scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, FP8-KV kernels, the
 #                    attention tile-config sweep, end to end
+#   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
+#                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
+#                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s), to
+#                    kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
@@ -25,8 +29,8 @@
 #                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
 #                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=390 (device timeout 410 s)
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
-# is left, and a step with too little left is skipped. OUT_DIR gets at most 7 files: report.md, gpu_check.md,
-# results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json. Exit status 0: every step passed
+# is left, and a step with too little left is skipped. OUT_DIR gets at most 8 files: report.md, gpu_check.md,
+# results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json, kernel_bench.md. Exit status 0: every step passed
 # or was skipped; 1: a step failed or timed out.
 #
 # SLUICE_GPU_CHECK_STEPS="serve_bench speculative" runs only those steps (the others are recorded as
@@ -56,8 +60,8 @@ case $DEVICE in
     *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
-STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large fp8_large)
-ON_REQUEST_STEPS="fp8_large" # run only when SLUICE_GPU_CHECK_STEPS names them
+STEPS=(kernel_tests gpu_check kernel_bench serve_bench speculative structured tensor_parallel fp8 async large fp8_large)
+ON_REQUEST_STEPS="kernel_bench fp8_large" # run only when SLUICE_GPU_CHECK_STEPS names them
 DEFAULT_STEPS=
 for name in "${STEPS[@]}"; do
     [[ " $ON_REQUEST_STEPS " == *" $name "* ]] || DEFAULT_STEPS+="$name "
@@ -83,7 +87,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 RESULTS=$OUT/results.jsonl
 LOG=$OUT/steps.log
-rm -f "$OUT"/{report.md,gpu_check.md,results.jsonl,steps.log,servers.log,bench_serve.json,bench_large.json}
+rm -f "$OUT"/{report.md,gpu_check.md,results.jsonl,steps.log,servers.log,bench_serve.json,bench_large.json,kernel_bench.md}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 FAILED=0
@@ -184,6 +188,8 @@ if ((INSTALLED)); then
     fi
     E2E=$([[ ${SLUICE_GPU_CHECK_SKIP_E2E:-0} == 1 ]] && echo --skip-e2e)
     run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"
+    BENCH_CAP=${SLUICE_GPU_CHECK_KERNEL_BENCH_S:-120}
+    run_step kernel_bench $((BENCH_CAP + 90)) 60 $PY -m sluice.benchmarks.gpu.fp8_linear_bench "$OUT/kernel_bench.md" --device "$DEVICE" --cap-s "$BENCH_CAP"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
     run_step speculative 100 30 "${SERVE[@]}" speculative
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"

@@ -94,6 +94,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         "install": "skipped",
         "kernel_tests": "passed",
         "gpu_check": "passed",
+        "kernel_bench": "skipped",  # run only when named (test_the_kernel_bench_step_...)
         "serve_bench": "passed",
         "speculative": "passed",
         "structured": "passed",
@@ -165,6 +166,19 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "## Async scheduling (issue 33): --async-scheduling vs synchronous" in report
     assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
+
+
+def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_script(out, timeout=300, SLUICE_GPU_CHECK_STEPS="kernel_bench")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = statuses(out)
+    assert steps["kernel_bench"]["status"] == "passed" and steps["kernel_bench"]["limit_s"] == 120 + 90
+    bench = (out / "kernel_bench.md").read_text()
+    assert bench.startswith("# FP8 linears at decode batch sizes (cpu, Triton interpreter: no speed figures)")
+    assert "| tiny one | 32 x 64 | 1 |" in bench and "## Per layer (the four linears summed)" in bench
+    report = (out / "report.md").read_text()
+    assert "| kernel_bench | kernels one at a time: FP8 linears at decode batch sizes vs bf16" in report
 
 
 @pytest.mark.timeout(600)
@@ -288,8 +302,8 @@ def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_s
     )
     assert proc.returncode == 2 and proc.stderr == (
         "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
-        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large "
-        "fp8_large\n"
+        "steps: kernel_tests gpu_check kernel_bench serve_bench speculative structured tensor_parallel fp8 "
+        "async large fp8_large\n"
     )
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -438,8 +452,9 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
     # The FP8-KV file runs before the model parity file, which runs its triton backend only.
-    assert lines[-3:] == [
+    assert lines[-4:] == [
         "tests/test_kernels_fp8_quant.py",
+        "tests/test_kernels_fp8_gemv.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_model_parity.py\t-k\ttriton",
     ]

@@ -19,6 +19,7 @@ from sluice.engine.loading.fp8_config import Fp8Scheme
 from sluice.engine.worker.layers.fp8_linear import (
     FP8,
     FP8_MATMULS,
+    GEMV_MAX_ROWS,
     Fp8LinearMethod,
     quantize_activations,
 )
@@ -205,17 +206,19 @@ def test_scaled_mm_layers_quantize_with_the_kernel_and_get_the_same_y(matmul, dt
     calls = []
     kernel = method._quantize_fp8
     method._quantize_fp8 = lambda x, input_scale: calls.append(x.shape) or kernel(x, input_scale)
-    x = _random_rows(6, 64, dtype, seed=3).view(2, 3, 64)
+    rows = GEMV_MAX_ROWS + 2  # more than `fp8_gemv` takes: quantized here, then `_scaled_mm`
+    x = _random_rows(rows, 64, dtype, seed=3).view(2, rows // 2, 64)
     y = layer(x)
-    assert calls == [(6, 64)]
+    assert calls == [(rows, 64)]
     input_scale = getattr(layer, "input_scale", None)
     # The reference quantizes on CPU, as the other tests here: torch on CUDA divides by a Python scalar
     # (amax / 448) as a product with its reciprocal, which can miss the IEEE quotient by an ulp (on the
     # H100 the float32 layer's y then differed); the kernel and the CPU path divide exactly.
     x_q, x_scale = quantize_activations(
-        x.view(6, 64).cpu(), activations, None if input_scale is None else input_scale.cpu()
+        x.view(rows, 64).cpu(), activations, None if input_scale is None else input_scale.cpu()
     )
-    expected = FP8_MATMULS[matmul](layer, x_q.to(DEVICE), x_scale.to(DEVICE)).view(2, 3, 32) + layer.bias
+    expected = FP8_MATMULS[matmul](layer, x_q.to(DEVICE), x_scale.to(DEVICE)).view(x.shape[:-1] + (32,))
+    expected = expected + layer.bias
     assert y.dtype == dtype and torch.equal(y, expected)
 
 

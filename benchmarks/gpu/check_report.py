@@ -26,6 +26,7 @@ STEPS = {
     "install": "wheels from .whl/ and Sluice itself, pip --no-index --target",
     "kernel_tests": "kernel tests, compiled for the device (scripts/gpu_check.py --print-kernel-tests)",
     "gpu_check": "scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, end to end",
+    "kernel_bench": "kernels one at a time: FP8 linears at decode batch sizes vs bf16 (kernel_bench.md)",
     "serve_bench": "sluice serve + greedy reference + sluice bench --sweep 1,16,64",
     "speculative": "sluice serve --speculative ngram: greedy outputs equal serve_bench's",
     "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",

@@ -28,6 +28,10 @@ On rowwise and tensorwise, token and static activations are quantized by one Tri
 (`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
 amax over the whole x) and the emulated path run `quantize_activations`.
+
+Decode-sized steps there (M <= GEMV_MAX_ROWS) run `sluice.kernels.fp8_gemv.fp8_gemv` instead: the same
+quantization and product in one launch that reads the weight once, without `_scaled_mm`'s padding of a few
+rows to its tile height (the same codes and scales; the fp32 sums in another order).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
+GEMV_MAX_ROWS = 16  # steps of at most this many rows run `fp8_gemv` where it applies
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +129,7 @@ class Fp8LinearMethod(LinearMethod):
         )
         if self.quantizes_in_kernel:  # imported only when chosen: triton is not installed everywhere
             self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
+            self._fp8_gemv = import_module("sluice.kernels.fp8_gemv").fp8_gemv
 
     def create_weights(
         self,
@@ -192,8 +198,13 @@ class Fp8LinearMethod(LinearMethod):
         if self.matmul == "dequantized":
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = self.quantize(rows, getattr(layer, "input_scale", None))
-        y = FP8_MATMULS[self.matmul](layer, x_q, x_scale).view(*x.shape[:-1], -1)
+        input_scale = getattr(layer, "input_scale", None)
+        if self.quantizes_in_kernel and rows.shape[0] <= GEMV_MAX_ROWS:
+            y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
+        else:
+            x_q, x_scale = self.quantize(rows, input_scale)
+            y = FP8_MATMULS[self.matmul](layer, x_q, x_scale)
+        y = y.view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
     def quantize(

@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 def build_cpu_stack(model: nn.Module) -> LlamaCpuStack | None:
     """The stack over a loaded model's layers, or None with the reason logged (the model then runs layer
-    by layer)."""
+    by layer). Off the CPU nothing is logged: the stack is a CPU path."""
+    if model.kernels.device.type != "cpu":
+        return None
     reason = unavailable_reason(model)
     if reason is not None:
         logger.info("decoder layers run one call each: %s", reason)

@@ -1,0 +1,297 @@
+"""FP8 linears at decode batch sizes, one kernel at a time: what a decode step's linears cost on a GPU.
+
+    python -m sluice.benchmarks.gpu.fp8_linear_bench OUT.md [--cap-s 120] [--device cuda|cpu]
+
+For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down) and each row count M:
+    bf16        F.linear on the bf16 weight (the reference)
+    scaled_mm   fp8_quant + row-wise torch._scaled_mm: the FP8 linears' path above GEMV_MAX_ROWS
+    swapped     fp8_quant of x padded to 16 rows + _scaled_mm(weight, x^T), the result transposed back:
+                the operands swapped, as vLLM's CUTLASS path does for small M (not served; for comparison)
+    gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path up to GEMV_MAX_ROWS
+    gemv best   the fastest tile of a sweep (capped at --cap-s of wall clock), every output checked
+Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
+not fit in L2, so it is the time a captured decode step spends, launch gaps included. GB/s: the weight's
+bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight.
+
+--device cpu runs a tiny shape under the Triton interpreter, timed by wall clock
+(tests/test_fp8_linear_bench.py): its figures say nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from sluice.engine.loading.presets import preset_arch
+from sluice.engine.worker.layers.fp8_linear import GEMV_MAX_ROWS, quantize_weight
+from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
+from sluice.kernels.fp8_quant import quantize_fp8
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_ROWS = (1, 16)
+CALLS_PER_GRAPH = 20
+MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
+SWEEP = [
+    GemvConfig(*tile) for tile in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5))
+]  # (block_n, block_k, num_warps, num_stages)
+
+
+@dataclass(frozen=True)
+class Linear:
+    model: str
+    name: str
+    out_features: int
+    in_features: int
+
+
+def linears(model: str) -> list[Linear]:
+    arch = preset_arch(model)
+    head_dim, hidden = arch.head_dim, arch.hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * head_dim
+    return [
+        Linear(model, "qkv", qkv, hidden),
+        Linear(model, "o", hidden, arch.num_attention_heads * head_dim),
+        Linear(model, "gate_up", 2 * arch.intermediate_size, hidden),
+        Linear(model, "down", hidden, arch.intermediate_size),
+    ]
+
+
+class Weights:
+    """Copies of one random weight, bf16 and e4m3 + per-channel scales, cycled through so that the timed
+    calls read device memory, not L2."""
+
+    def __init__(self, linear: Linear, device: torch.device, copies: int) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        shape = (linear.out_features, linear.in_features)
+        self.bf16, self.fp8 = [], []
+        for _ in range(copies):
+            weight = torch.randn(shape, generator=gen, device=device) * 0.02
+            codes, scale = quantize_weight(weight)
+            self.fp8.append((codes, scale))
+            self.bf16.append((codes.float() * scale[:, None]).to(torch.bfloat16))  # the same values
+
+    @staticmethod
+    def copies_for(linear: Linear, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1
+        fp8_bytes = linear.out_features * linear.in_features
+        return max(1, math.ceil(MIN_BYTES_PER_GRAPH / fp8_bytes))
+
+
+def time_calls_s(calls: Sequence[Callable[[], object]], device: torch.device, repeats: int = 7) -> float:
+    """Seconds per call: on CUDA the median over `repeats` replays of one graph of every call in turn
+    (CALLS_PER_GRAPH in all); elsewhere the wall clock of one pass."""
+    count = CALLS_PER_GRAPH if device.type == "cuda" else len(calls)
+    sequence = [calls[i % len(calls)] for i in range(count)]
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for call in sequence:
+            call()
+        return (time.perf_counter() - start) / len(sequence)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in sequence[:3]:  # compile and warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in sequence:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(sequence))
+    return statistics.median(times)
+
+
+def _scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_q, x_scale = quantize_fp8(x)
+    return torch._scaled_mm(
+        x_q, codes.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
+    )
+
+
+def _swapped(x_padded: torch.Tensor, rows: int, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_q, x_scale = quantize_fp8(x_padded)
+    y = torch._scaled_mm(
+        codes, x_q.t(), scale_a=scale.view(-1, 1), scale_b=x_scale.view(1, -1), out_dtype=torch.bfloat16
+    )
+    return y.t()[:rows].contiguous()
+
+
+@dataclass
+class Row:
+    linear: Linear
+    rows: int
+    bf16_s: float
+    scaled_mm_s: float | None
+    swapped_s: float | None
+    gemv_s: float | None
+    best_s: float | None = None
+    best: GemvConfig | None = None
+    max_rel_diff: float = 0.0
+
+
+def _rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
+
+
+def bench_linear(
+    linear: Linear, rows_list: Sequence[int], device: torch.device, deadline: float
+) -> list[Row]:
+    weights = Weights(linear, device, Weights.copies_for(linear, device))
+    gen = torch.Generator(device=device).manual_seed(1)
+    cuda = device.type == "cuda"
+    results = []
+    for rows in rows_list:
+        x = torch.randn(rows, linear.in_features, generator=gen, device=device).to(torch.bfloat16)
+        x_padded = torch.zeros(max(16, rows), linear.in_features, dtype=torch.bfloat16, device=device)
+        x_padded[:rows] = x
+        want = F.linear(x, weights.bf16[0])
+        row = Row(linear, rows, time_calls_s([partial(F.linear, x, w) for w in weights.bf16], device),
+                  None, None, None)  # fmt: skip
+        if cuda:
+            checks = [_scaled_mm(x, *weights.fp8[0]), _swapped(x_padded, rows, *weights.fp8[0])]
+            row.max_rel_diff = max(_rel_diff(got, want) for got in checks)
+            row.scaled_mm_s = time_calls_s([partial(_scaled_mm, x, *w) for w in weights.fp8], device)
+            swapped = [partial(_swapped, x_padded, rows, *w) for w in weights.fp8]
+            row.swapped_s = time_calls_s(swapped, device)
+        if rows <= MAX_ROWS:
+            row.max_rel_diff = max(row.max_rel_diff, _rel_diff(fp8_gemv(x, *weights.fp8[0]), want))
+            row.gemv_s = time_calls_s([partial(fp8_gemv, x, *w) for w in weights.fp8], device)
+        if rows in SWEEP_ROWS:
+            _sweep(row, x, weights, want, device, deadline)
+        results.append(row)
+    return results
+
+
+def _sweep(row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device, deadline: float) -> None:
+    default = gemv_config(row.rows, row.linear.out_features, row.linear.in_features, _num_sms(device))
+    row.best, row.best_s = default, row.gemv_s
+    for config in SWEEP if device.type == "cuda" else SWEEP[:2]:
+        if time.monotonic() > deadline:
+            return
+        if config == default:
+            continue
+        try:
+            got = fp8_gemv(x, *weights.fp8[0], config=config)
+        except Exception as error:  # a tile the GPU cannot hold (shared memory): not a candidate
+            print(f"[fp8_linear_bench] {row.linear.name} M={row.rows} {config}: {error}", file=sys.stderr)
+            continue
+        if _rel_diff(got, want) > 0.1:
+            raise AssertionError(f"{row.linear} M={row.rows} {config}: output differs from bf16's")
+        seconds = time_calls_s([partial(fp8_gemv, x, *w, config=config) for w in weights.fp8], device)
+        if seconds < row.best_s:
+            row.best, row.best_s = config, seconds
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _us(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _tile(config: GemvConfig) -> str:
+    return f"{config.block_n}x{config.block_k}, {config.num_warps}w{config.num_stages}s"
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| linear | N x K | M | bf16 us | scaled_mm us | swapped us | gemv us | gemv best us (tile) "
+        "| best fp8 / bf16 | best fp8 GB/s | max rel diff vs bf16 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        fp8 = [s for s in (row.scaled_mm_s, row.swapped_s, row.gemv_s, row.best_s) if s is not None]
+        best = min(fp8) if fp8 else None
+        tile = "" if row.best is None else f"{_us(row.best_s)} ({_tile(row.best)})"
+        linear = row.linear
+        lines.append(
+            f"| {linear.model} {linear.name} | {linear.out_features} x {linear.in_features} | {row.rows} "
+            f"| {_us(row.bf16_s)} | {_us(row.scaled_mm_s)} | {_us(row.swapped_s)} | {_us(row.gemv_s)} "
+            f"| {tile} "
+            f"| {'' if best is None else f'{best / row.bf16_s:.2f}'} "
+            f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
+            f"| {row.max_rel_diff:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def layer_table(rows: Sequence[Row]) -> str:
+    """Per model and M: the four linears summed, as a decode step's layer runs them today and at best."""
+    lines = [
+        "| model | M | bf16 us | fp8 as served us (gemv up to GEMV_MAX_ROWS, else scaled_mm) | best fp8 us "
+        "| served / bf16 | best / bf16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (model, m), group in itertools.groupby(rows, key=lambda r: (r.linear.model, r.rows)):
+        group = list(group)
+        bf16 = sum(r.bf16_s for r in group)
+        served_parts = [r.gemv_s if m <= GEMV_MAX_ROWS else r.scaled_mm_s for r in group]
+        best_parts = [min(s for s in (r.scaled_mm_s, r.swapped_s, r.gemv_s, r.best_s) if s) for r in group]
+        served = None if None in served_parts else sum(served_parts)
+        best = sum(best_parts)
+        lines.append(
+            f"| {model} | {m} | {_us(bf16)} | {_us(served)} | {_us(best)} "
+            f"| {'' if served is None else f'{served / bf16:.2f}'} | {best / bf16:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(device: torch.device, cap_s: float) -> str:
+    deadline = time.monotonic() + cap_s
+    if device.type == "cuda":
+        shapes = linears("llama-3-8b") + linears("llama-3.2-1b")
+        rows_list = ROWS
+        where = torch.cuda.get_device_name(device)
+    else:
+        shapes = [Linear("tiny", "one", 32, 64)]
+        rows_list = (1, 16)
+        where = "cpu, Triton interpreter: no speed figures"
+    results = []
+    for linear in shapes:
+        results += bench_linear(linear, rows_list, device, deadline)
+        print(f"[fp8_linear_bench] {linear.model} {linear.name} done", file=sys.stderr, flush=True)
+    return (
+        f"# FP8 linears at decode batch sizes ({where})\n\n"
+        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}; tile sweep capped at {cap_s:.0f} s "
+        f"({'stopped early' if time.monotonic() > deadline else 'complete'}).\n\n"
+        f"{table(results)}\n\n## Per layer (the four linears summed)\n\n{layer_table(results)}\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="markdown file to write")
+    parser.add_argument("--cap-s", type=float, default=120.0, help="wall clock for the tile sweeps")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args(argv)
+    report = run(torch.device(args.device), args.cap_s)
+    with open(args.out, "w") as f:
+        f.write(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

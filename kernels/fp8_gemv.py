@@ -1,0 +1,206 @@
+"""An FP8 linear for a few rows in one launch: activation quantization and the product fused, the weight
+read once. The FP8 linears' decode-sized batches (M <= MAX_ROWS) run it instead of `fp8_quant` followed by
+`torch._scaled_mm`.
+
+    x_scale[m] = max(max_k |x[m, k]| / 448, tiny)   dynamic (per token), or the static input_scale
+    x_q[m, k]  = e4m3(clamp(x[m, k] / x_scale[m], -448, 448))
+    y[m, n]    = (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m] * w_scale[n]      rounded to x's dtype once
+
+The same numbers as the FP8 linears' other paths: x_q and x_scale are bit for bit `fp8_quant`'s (the same
+jit functions), and the e4m3 products are exact in the fp32 accumulator, so y differs from `_scaled_mm`'s
+(or the emulated CPU product's) only by the order of the fp32 sums.
+
+Why: at decode sizes a linear is a read of its weight. `_scaled_mm` pads a handful of rows to its tile
+height (64-128), and the separate quantization is one more launch per linear, four per layer. Here the
+weight is the left operand ("swap AB"): each program holds BLOCK_N output channels over all M rows,
+
+    acc [BLOCK_N, BLOCK_M] += w_tile [BLOCK_N, BLOCK_K] @ x_tile^T [BLOCK_K, BLOCK_M]     (M padded to >= 16)
+
+so the padding is at most 16 rows of the activations, and every weight byte is read once. Both tiles are
+converted from e4m3 to fp16 (exact) for `tl.dot`. A program first reads its rows of x once to find their
+amax (x is small next to the weight: M x K against BLOCK_N x K per program, read from L2).
+
+Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile (the measured table `GEMV_CONFIGS` for sm_90,
+else a rule sized by the SM count).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.fp8_quant import dynamic_scale, max_keep_nan
+from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+
+FP8 = torch.float8_e4m3fn
+MAX_ROWS = 64  # the most rows a launch takes; larger batches are `_scaled_mm`'s
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch's tile: BLOCK_N output channels per program, BLOCK_K input columns per step."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages: must be >= 1, got {self.num_stages}")
+
+
+# Measured on an H100 (docs/perf/): (N, K) of a linear and the most rows -> its tile. Shapes not listed take
+# `gemv_config`'s rule.
+GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def gemv_config(num_rows: int, out_features: int, in_features: int, num_sms: int) -> GemvConfig:
+    """The tile for x [num_rows, in_features] @ w [out_features, in_features]^T: the table's where it has the
+    shape, else the widest BLOCK_N (16-64) that still gives every SM two programs."""
+    for (n, k, rows), config in GEMV_CONFIGS.items():
+        if (n, k) == (out_features, in_features) and num_rows <= rows:
+            return config
+    block_n = 64
+    while block_n > 16 and triton.cdiv(out_features, block_n) < 2 * num_sms:
+        block_n //= 2
+    return GemvConfig(block_n=block_n)
+
+
+@triton.jit
+def _e4m3_to_fp16(codes):
+    """e4m3 codes (uint8) -> fp16, exact (every e4m3 value is an fp16 one)."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    y_ptr,  # [M, N] x's dtype: written
+    x_ptr,  # [M, K] bf16/fp16/fp32
+    input_scale_ptr,  # static only: [] or [1] float32
+    w_ptr,  # [N, K] uint8: the weight's e4m3 codes
+    w_scale_ptr,  # [N] float32
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    channel_mask = channels < N
+    row_mask = rows < M
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
+    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+
+    if DYNAMIC:  # each row's amax, as fp8_quant's kernel finds it
+        running = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & (start + cols < K)[None, :]
+            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0)
+            running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
+        x_scale = dynamic_scale(tl.reduce(running, 1, max_keep_nan))  # [BLOCK_M]
+    else:
+        x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for start in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        col_mask = (start + cols < K)[None, :]
+        w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
+        x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
+        x_q = quantize_e4m3(x, x_scale[:, None])
+        acc = tl.dot(_e4m3_to_fp16(w), tl.trans(_e4m3_to_fp16(x_q)), acc)  # [BLOCK_N, BLOCK_M]
+
+    w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=1.0)
+    y = acc * x_scale[None, :] * w_scale[:, None]  # the emulated path's order: (y * x_scale) * w_scale
+    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_y + channels[:, None]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=channel_mask[:, None] & row_mask[None, :])
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, M <= MAX_ROWS, unit last stride) @ weight [N, K] float8_e4m3fn (row-major)
+    with weight_scale [N] float32 -> y [M, N] in x's dtype, x quantized per token (input_scale None) or by
+    the static input_scale ([] or [1] float32), as module docstring. Nothing is read back to the host.
+    Raises ValueError naming a bad argument."""
+    _check_args(x, weight, weight_scale, input_scale)
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return y
+    if config is None:
+        config = gemv_config(num_rows, out_features, in_features, _num_sms(x.device))
+    _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
+        y,
+        x,
+        input_scale,
+        weight.view(torch.uint8),
+        weight_scale,
+        num_rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(num_rows)),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages,
+        DYNAMIC=input_scale is None,
+        num_warps=config.num_warps,
+    )
+    return y
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
+    return 4  # the interpreter: a few programs
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_args(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"x: at most {MAX_ROWS} rows, got shape {tuple(x.shape)}")
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x.device)
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight: expected {x.shape[1]} columns (x's), got shape {tuple(weight.shape)}")
+    check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x.device)
+    check_shape("weight_scale", weight_scale, (weight.shape[0],))
+    if input_scale is not None:
+        check_same_dtype("input_scale", input_scale, torch.float32)
+        if input_scale.numel() != 1 or input_scale.dim() > 1:
+            raise ValueError(f"input_scale: expected shape () or (1,), got {tuple(input_scale.shape)}")
+        if input_scale.device != x.device:
+            raise ValueError(f"input_scale: on {input_scale.device}, expected {x.device}")

@@ -1,0 +1,23 @@
+"""`sluice.benchmarks.gpu.fp8_linear_bench` in its CPU mode (the interpreter, a tiny shape): it runs end to
+end, checks the fp8 outputs against bf16's and writes its tables. Its GPU figures come from the GPU check."""
+
+from __future__ import annotations
+
+import re
+
+from sluice.benchmarks.gpu.fp8_linear_bench import linears, main
+
+
+def test_the_cpu_mode_writes_both_tables(tmp_path):
+    out = tmp_path / "fp8_linears.md"
+    assert main([str(out), "--device", "cpu", "--cap-s", "30"]) == 0
+    report = out.read_text()
+    rows = re.findall(r"^\| tiny one \| 32 x 64 \| (\d+) \|.*\| ([0-9.e-]+) \|$", report, re.M)
+    assert [m for m, _ in rows] == ["1", "16"]
+    assert all(float(diff) < 0.1 for _, diff in rows)  # fp8 rounding of the weight and x, nothing worse
+    assert re.search(r"^\| tiny \| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", report, re.M)
+
+
+def test_the_linears_of_a_preset_are_its_four_projections():
+    shapes = {(lin.name, lin.out_features, lin.in_features) for lin in linears("llama-3-8b")}
+    assert shapes == {("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)}

@@ -1,0 +1,164 @@
+"""`sluice.kernels.fp8_gemv`: the FP8 linear for decode-sized batches, against the emulated product of
+`fp8_linear.quantize_activations` (its plain PyTorch version) on the same e4m3 weight.
+
+The codes and scales are `fp8_quant`'s, bit for bit (tests/test_kernels_fp8_quant.py); what may differ
+here is the order of the fp32 sums, so a float32 y is compared at a few fp32 ulps and a bf16/fp16 y at one
+ulp of its dtype (the interpreter also rounds fp32 -> bf16 by truncation, a GPU to nearest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_checkpoints import fp8_layer
+from paged_batch import DEVICE, KERNEL_DTYPES
+
+from sluice.engine.worker.layers.fp8_linear import (
+    FP8_MATMULS,
+    GEMV_MAX_ROWS,
+    quantize_activations,
+    quantize_weight,
+)
+from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
+
+STATIC_SCALE = 0.02
+
+
+def _inputs(num_rows, out_features, in_features, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(num_rows, in_features, generator=gen) * 3).to(dtype)
+    weight, weight_scale = quantize_weight(torch.randn(out_features, in_features, generator=gen))
+    return x.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE)
+
+
+def _expected(x, weight, weight_scale, input_scale=None):
+    """The emulated path's y in float32 (quantized on CPU, where the division is IEEE-exact)."""
+    activations = "token" if input_scale is None else "static"
+    scale = None if input_scale is None else input_scale.cpu()
+    x_q, x_scale = quantize_activations(x.cpu(), activations, scale)
+    y = torch.mm(x_q.float(), weight.cpu().float().t())
+    return y * x_scale * weight_scale.cpu()
+
+
+def _assert_close(y, expected):
+    expected = expected.to(y.device)
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        return
+    ulp = torch.finfo(y.dtype).eps * expected.abs().clamp(min=torch.finfo(y.dtype).tiny)
+    assert bool(((y.float() - expected).abs() <= 2 * ulp + 1e-30).all()), (y.float() - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(
+    ("num_rows", "out_features", "in_features"),
+    [(1, 48, 64), (3, 100, 200), (16, 64, 96), (17, 40, 300), (MAX_ROWS, 32, 48)],
+)
+def test_per_token_y_is_the_emulated_product(dtype, num_rows, out_features, in_features):
+    x, weight, weight_scale = _inputs(num_rows, out_features, in_features, dtype)
+    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(block_n=16, block_k=32))
+    assert y.shape == (num_rows, out_features) and y.dtype == dtype
+    _assert_close(y, _expected(x, weight, weight_scale))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("input_scale_shape", [(), (1,)])
+def test_a_static_scale_quantizes_every_row_with_it(dtype, input_scale_shape):
+    x, weight, weight_scale = _inputs(5, 64, 80, dtype, seed=1)
+    x[2, 7] = 100.0  # saturates at 448 * STATIC_SCALE
+    input_scale = torch.full(input_scale_shape, STATIC_SCALE, device=DEVICE)
+    y = fp8_gemv(x, weight, weight_scale, input_scale, config=GemvConfig(block_n=32, block_k=16))
+    _assert_close(y, _expected(x, weight, weight_scale, input_scale))
+
+
+@pytest.mark.parametrize("config", [GemvConfig(16, 16, 1, 1), GemvConfig(32, 64, 2, 2), GemvConfig(64, 128)])
+def test_every_tile_gives_the_same_y(config):
+    """Tiles wider than the layer, K not a multiple of the tile, one stage or several."""
+    x, weight, weight_scale = _inputs(4, 72, 136, torch.float32, seed=2)
+    y = fp8_gemv(x, weight, weight_scale, config=config)
+    _assert_close(y, _expected(x, weight, weight_scale))
+
+
+def test_row_strided_x():
+    x, weight, weight_scale = _inputs(6, 32, 64, torch.float32, seed=3)
+    wide = torch.zeros(6, 100, device=DEVICE)
+    wide[:, 10:74] = x
+    y = fp8_gemv(wide[:, 10:74], weight, weight_scale, config=GemvConfig(16, 32))
+    _assert_close(y, _expected(x, weight, weight_scale))
+
+
+def test_a_nan_in_a_row_makes_that_row_nan_only():
+    x, weight, weight_scale = _inputs(3, 32, 64, torch.float32, seed=4)
+    x[1, 5] = float("nan")
+    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(16, 32))
+    assert bool(y[1].isnan().all()) and not bool(y[[0, 2]].isnan().any())
+    _assert_close(y[[0, 2]], _expected(x[[0, 2]], weight, weight_scale))
+
+
+def test_no_rows_launch_nothing():
+    x, weight, weight_scale = _inputs(0, 32, 64, torch.float32)
+    assert fp8_gemv(x, weight, weight_scale).shape == (0, 32)
+
+
+def test_the_default_tile_gives_every_sm_two_programs_where_it_can():
+    assert gemv_config(1, 4096, 4096, num_sms=132).block_n == 16
+    assert gemv_config(1, 28672, 4096, num_sms=132).block_n == 64
+    assert gemv_config(1, 6144, 4096, num_sms=132).block_n == 16
+    assert gemv_config(1, 6144, 4096, num_sms=24).block_n == 64
+
+
+def _bad_arguments():
+    x, weight, weight_scale = _inputs(2, 32, 64, torch.float32)
+    too_many_rows, two_scales = x.new_zeros(MAX_ROWS + 1, 64), torch.ones(2, device=DEVICE)
+    return [
+        (lambda: fp8_gemv(x.view(1, 2, 64), weight, weight_scale), "x: expected 2 dims"),
+        (lambda: fp8_gemv(x.to(torch.int32), weight, weight_scale), "x: dtype torch.int32 is not one of"),
+        (lambda: fp8_gemv(too_many_rows, weight, weight_scale), f"x: at most {MAX_ROWS} rows"),
+        (lambda: fp8_gemv(x, weight.float(), weight_scale), "weight: dtype torch.float32 is not one of"),
+        (lambda: fp8_gemv(x, weight[:, :32], weight_scale), r"weight: expected 64 columns \(x's\)"),
+        (lambda: fp8_gemv(x, weight, weight_scale[:16]), r"weight_scale: expected shape \(32,\)"),
+        (lambda: fp8_gemv(x, weight, weight_scale.double()), "weight_scale: dtype torch.float64"),
+        (lambda: fp8_gemv(x, weight, weight_scale, two_scales), "input_scale: expected shape"),
+        (lambda: fp8_gemv(x, weight, weight_scale, two_scales.double()[:1]), "input_scale: dtype"),
+        (lambda: GemvConfig(block_n=24), "block_n: must be a power of two >= 16, got 24"),
+        (lambda: GemvConfig(block_k=8), "block_k: must be a power of two >= 16, got 8"),
+        (lambda: GemvConfig(num_warps=3), "num_warps: must be 1, 2, 4, 8 or 16, got 3"),
+        (lambda: GemvConfig(num_stages=0), "num_stages: must be >= 1, got 0"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_arguments())))
+def test_bad_arguments_raise_naming_the_argument(index):
+    call, message = _bad_arguments()[index]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("matmul", "dtype"),
+    [("rowwise", torch.bfloat16), ("tensorwise", torch.float16), ("tensorwise", torch.float32)],
+)
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, activations):
+    """Up to GEMV_MAX_ROWS rows: one `fp8_gemv` launch (no separate quantization), the layer's `_scaled_mm`
+    product but for the sums' order, then the bias."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
+    layer = fp8_layer(weight, matmul, dtype, activations, bias=bias, device=DEVICE)
+    method = layer.method
+    gemv_calls, quantize_calls = [], []
+    gemv, quantize = method._fp8_gemv, method._quantize_fp8
+    method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
+    method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
+    x = (torch.randn(GEMV_MAX_ROWS, 64, generator=gen) * 2).to(dtype).to(DEVICE).view(2, -1, 64)
+    y = layer(x)
+    assert gemv_calls == [(GEMV_MAX_ROWS, 64)] and quantize_calls == []
+    input_scale = getattr(layer, "input_scale", None)
+    x_q, x_scale = quantize_activations(
+        x.reshape(-1, 64).cpu(), activations, None if input_scale is None else input_scale.cpu()
+    )
+    expected = FP8_MATMULS[matmul](layer, x_q.to(DEVICE), x_scale.to(DEVICE)).view(x.shape[:-1] + (32,))
+    # Two roundings to the model dtype (the product's, the bias add's) and the sums' order: an ulp or two of
+    # the product's largest value.
+    atol = 2 * torch.finfo(dtype).eps * expected.abs().max().item()
+    torch.testing.assert_close(y, expected + layer.bias, rtol=0, atol=atol)
