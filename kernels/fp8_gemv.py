@@ -10,15 +10,18 @@ The same numbers as the FP8 linears' other paths: x_q and x_scale are bit for bi
 jit functions), and the e4m3 products are exact in the fp32 accumulator, so y differs from `_scaled_mm`'s
 (or the emulated CPU product's) only by the order of the fp32 sums.
 
-Why: at decode sizes a linear is a read of its weight. `_scaled_mm` pads a handful of rows to its tile
-height (64-128), and the separate quantization is one more launch per linear, four per layer. Here the
-weight is the left operand ("swap AB"): each program holds BLOCK_N output channels over all M rows,
+Why: at decode sizes a linear is a read of its weight, and `_scaled_mm` reads it slowly there. On an H100
+(docs/perf/, kernel_bench) fp8_quant + `_scaled_mm` took 22 / 18 / 55 us at one row for the 8b shape's qkv /
+o / down projections, 1.1-1.2 TB/s and no faster than bf16's `F.linear` on twice the bytes: its 128-wide
+tiles give 32-48 programs for 132 SMs. Here each program reads BLOCK_N output channels (4-64, chosen so that
+every SM gets several programs) in steps of BLOCK_K columns:
 
-    acc [BLOCK_N, BLOCK_M] += w_tile [BLOCK_N, BLOCK_K] @ x_tile^T [BLOCK_K, BLOCK_M]     (M padded to >= 16)
+    partial [BLOCK_M, BLOCK_N, BLOCK_K] += w_tile [BLOCK_N, BLOCK_K] * x_q_tile [BLOCK_M, BLOCK_K]
+    y [BLOCK_M, BLOCK_N] = sum over the last axis, once, at the end
 
-so the padding is at most 16 rows of the activations, and every weight byte is read once. Both tiles are
-converted from e4m3 to fp16 (exact) for `tl.dot`. A program first reads its rows of x once to find their
-amax (x is small next to the weight: M x K against BLOCK_N x K per program, read from L2).
+on the CUDA cores in fp32 (the e4m3 codes widened exactly), M padded to a power of two. The work grows
+with M, so only a few rows are taken (MAX_ROWS). Each program also quantizes its rows of x: a first pass
+finds their amax, then every step quantizes its columns (x is small next to the weight, and read from L2).
 
 Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile (the measured table `GEMV_CONFIGS` for sm_90,
 else a rule sized by the SM count).
@@ -38,50 +41,53 @@ from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
 
 FP8 = torch.float8_e4m3fn
-MAX_ROWS = 64  # the most rows a launch takes; larger batches are `_scaled_mm`'s
+MAX_ROWS = 8  # the most rows a launch takes (its cost grows with them: no tensor cores)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch's tile: BLOCK_N output channels per program, BLOCK_K input columns per step."""
+    """One launch's tile: block_n output channels per program, block_k input columns per step at one row
+    (block_k // BLOCK_M at BLOCK_M rows, at least 16: the partial sums stay block_n x block_k floats)."""
 
-    block_n: int = 32
-    block_k: int = 256
+    block_n: int = 8
+    block_k: int = 1024
     num_warps: int = 4
-    num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
+        for name, least in (("block_n", 1), ("block_k", 16)):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages: must be >= 1, got {self.num_stages}")
+
+    def tile_k(self, block_m: int) -> int:
+        return max(16, self.block_k // block_m)
 
 
-# Measured on an H100 (docs/perf/): (N, K) of a linear and the most rows -> its tile. Shapes not listed take
-# `gemv_config`'s rule.
-GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# Measured on an H100 (docs/perf/): (N, K) of a linear -> its tile. Shapes not listed take `gemv_config`'s
+# rule.
+GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+TILE_BYTES = 8192  # the rule's weight bytes per program and step
 
 
-def gemv_config(num_rows: int, out_features: int, in_features: int, num_sms: int) -> GemvConfig:
-    """The tile for x [num_rows, in_features] @ w [out_features, in_features]^T: the table's where it has the
-    shape, else the widest BLOCK_N (16-64) that still gives every SM two programs."""
-    for (n, k, rows), config in GEMV_CONFIGS.items():
-        if (n, k) == (out_features, in_features) and num_rows <= rows:
-            return config
+def gemv_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
+    """The tile for a weight [out_features, in_features]: the table's where it has the shape, else the
+    widest block_n (4-64) that still gives every SM four programs, and block_k making the step's weight
+    tile TILE_BYTES."""
+    config = GEMV_CONFIGS.get((out_features, in_features))
+    if config is not None:
+        return config
     block_n = 64
-    while block_n > 16 and triton.cdiv(out_features, block_n) < 2 * num_sms:
+    while block_n > 4 and triton.cdiv(out_features, block_n) < 4 * num_sms:
         block_n //= 2
-    return GemvConfig(block_n=block_n)
+    return GemvConfig(block_n=block_n, block_k=min(2048, TILE_BYTES // block_n))
 
 
 @triton.jit
-def _e4m3_to_fp16(codes):
-    """e4m3 codes (uint8) -> fp16, exact (every e4m3 value is an fp16 one)."""
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+def _e4m3_to_float(codes):
+    """e4m3 codes (uint8) -> fp32, exact (every e4m3 value is an fp16 one; sm_89+: cvt.rn.f16x2.e4m3x2)."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -100,7 +106,6 @@ def _fp8_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
     DYNAMIC: tl.constexpr,
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,18 +126,20 @@ def _fp8_gemv_kernel(
     else:
         x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
 
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for start in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    # Partial sums per (row, channel, column of the tile), reduced over the tile's columns once at the end.
+    partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
         col_mask = (start + cols < K)[None, :]
         w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
         x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
-        x_q = quantize_e4m3(x, x_scale[:, None])
-        acc = tl.dot(_e4m3_to_fp16(w), tl.trans(_e4m3_to_fp16(x_q)), acc)  # [BLOCK_N, BLOCK_M]
+        x_q = _e4m3_to_float(quantize_e4m3(x, x_scale[:, None]))  # [BLOCK_M, BLOCK_K]
+        partial += _e4m3_to_float(w)[None, :, :] * x_q[:, None, :]
+    acc = tl.sum(partial, axis=2)  # [BLOCK_M, BLOCK_N]
 
     w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=1.0)
-    y = acc * x_scale[None, :] * w_scale[:, None]  # the emulated path's order: (y * x_scale) * w_scale
-    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_y + channels[:, None]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=channel_mask[:, None] & row_mask[None, :])
+    y = acc * x_scale[:, None] * w_scale[None, :]  # the emulated path's order: (y * x_scale) * w_scale
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + channels[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & channel_mask[None, :])
 
 
 def fp8_gemv(
@@ -153,7 +160,8 @@ def fp8_gemv(
     if num_rows == 0 or out_features == 0:
         return y
     if config is None:
-        config = gemv_config(num_rows, out_features, in_features, _num_sms(x.device))
+        config = gemv_config(out_features, in_features, _num_sms(x.device))
+    block_m = triton.next_power_of_2(num_rows)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
         y,
         x,
@@ -166,10 +174,9 @@ def fp8_gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(num_rows)),
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        NUM_STAGES=config.num_stages,
+        BLOCK_K=config.tile_k(block_m),
         DYNAMIC=input_scale is None,
         num_warps=config.num_warps,
     )

@@ -14,7 +14,6 @@ from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE, KERNEL_DTYPES
 
 from sluice.engine.worker.layers.fp8_linear import (
-    FP8_MATMULS,
     GEMV_MAX_ROWS,
     quantize_activations,
     quantize_weight,
@@ -52,11 +51,11 @@ def _assert_close(y, expected):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize(
     ("num_rows", "out_features", "in_features"),
-    [(1, 48, 64), (3, 100, 200), (16, 64, 96), (17, 40, 300), (MAX_ROWS, 32, 48)],
+    [(1, 48, 64), (2, 100, 200), (3, 40, 300), (MAX_ROWS, 32, 48)],
 )
 def test_per_token_y_is_the_emulated_product(dtype, num_rows, out_features, in_features):
     x, weight, weight_scale = _inputs(num_rows, out_features, in_features, dtype)
-    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(block_n=16, block_k=32))
+    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(block_n=16, block_k=64))
     assert y.shape == (num_rows, out_features) and y.dtype == dtype
     _assert_close(y, _expected(x, weight, weight_scale))
 
@@ -67,13 +66,15 @@ def test_a_static_scale_quantizes_every_row_with_it(dtype, input_scale_shape):
     x, weight, weight_scale = _inputs(5, 64, 80, dtype, seed=1)
     x[2, 7] = 100.0  # saturates at 448 * STATIC_SCALE
     input_scale = torch.full(input_scale_shape, STATIC_SCALE, device=DEVICE)
-    y = fp8_gemv(x, weight, weight_scale, input_scale, config=GemvConfig(block_n=32, block_k=16))
+    y = fp8_gemv(x, weight, weight_scale, input_scale, config=GemvConfig(block_n=32, block_k=64))
     _assert_close(y, _expected(x, weight, weight_scale, input_scale))
 
 
-@pytest.mark.parametrize("config", [GemvConfig(16, 16, 1, 1), GemvConfig(32, 64, 2, 2), GemvConfig(64, 128)])
+@pytest.mark.parametrize(
+    "config", [GemvConfig(1, 16, 1), GemvConfig(4, 64, 2), GemvConfig(64, 256), GemvConfig()]
+)
 def test_every_tile_gives_the_same_y(config):
-    """Tiles wider than the layer, K not a multiple of the tile, one stage or several."""
+    """Tiles narrower and wider than the layer, K not a multiple of the tile."""
     x, weight, weight_scale = _inputs(4, 72, 136, torch.float32, seed=2)
     y = fp8_gemv(x, weight, weight_scale, config=config)
     _assert_close(y, _expected(x, weight, weight_scale))
@@ -83,14 +84,14 @@ def test_row_strided_x():
     x, weight, weight_scale = _inputs(6, 32, 64, torch.float32, seed=3)
     wide = torch.zeros(6, 100, device=DEVICE)
     wide[:, 10:74] = x
-    y = fp8_gemv(wide[:, 10:74], weight, weight_scale, config=GemvConfig(16, 32))
+    y = fp8_gemv(wide[:, 10:74], weight, weight_scale, config=GemvConfig(16, 64))
     _assert_close(y, _expected(x, weight, weight_scale))
 
 
 def test_a_nan_in_a_row_makes_that_row_nan_only():
     x, weight, weight_scale = _inputs(3, 32, 64, torch.float32, seed=4)
     x[1, 5] = float("nan")
-    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(16, 32))
+    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(16, 64))
     assert bool(y[1].isnan().all()) and not bool(y[[0, 2]].isnan().any())
     _assert_close(y[[0, 2]], _expected(x[[0, 2]], weight, weight_scale))
 
@@ -100,11 +101,12 @@ def test_no_rows_launch_nothing():
     assert fp8_gemv(x, weight, weight_scale).shape == (0, 32)
 
 
-def test_the_default_tile_gives_every_sm_two_programs_where_it_can():
-    assert gemv_config(1, 4096, 4096, num_sms=132).block_n == 16
-    assert gemv_config(1, 28672, 4096, num_sms=132).block_n == 64
-    assert gemv_config(1, 6144, 4096, num_sms=132).block_n == 16
-    assert gemv_config(1, 6144, 4096, num_sms=24).block_n == 64
+def test_the_default_tile_gives_every_sm_four_programs_where_it_can():
+    assert gemv_config(4096, 4096, num_sms=132) == GemvConfig(block_n=4, block_k=2048)
+    assert gemv_config(6144, 4096, num_sms=132) == GemvConfig(block_n=8, block_k=1024)
+    assert gemv_config(28672, 4096, num_sms=132) == GemvConfig(block_n=32, block_k=256)
+    assert gemv_config(6144, 4096, num_sms=24) == GemvConfig(block_n=64, block_k=128)
+    assert GemvConfig(block_n=8, block_k=1024).tile_k(8) == 128 and GemvConfig(block_k=64).tile_k(8) == 16
 
 
 def _bad_arguments():
@@ -120,10 +122,9 @@ def _bad_arguments():
         (lambda: fp8_gemv(x, weight, weight_scale.double()), "weight_scale: dtype torch.float64"),
         (lambda: fp8_gemv(x, weight, weight_scale, two_scales), "input_scale: expected shape"),
         (lambda: fp8_gemv(x, weight, weight_scale, two_scales.double()[:1]), "input_scale: dtype"),
-        (lambda: GemvConfig(block_n=24), "block_n: must be a power of two >= 16, got 24"),
+        (lambda: GemvConfig(block_n=24), "block_n: must be a power of two >= 1, got 24"),
         (lambda: GemvConfig(block_k=8), "block_k: must be a power of two >= 16, got 8"),
         (lambda: GemvConfig(num_warps=3), "num_warps: must be 1, 2, 4, 8 or 16, got 3"),
-        (lambda: GemvConfig(num_stages=0), "num_stages: must be >= 1, got 0"),
     ]
 
 
@@ -140,8 +141,8 @@ def test_bad_arguments_raise_naming_the_argument(index):
 )
 @pytest.mark.parametrize("activations", ["token", "static"])
 def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, activations):
-    """Up to GEMV_MAX_ROWS rows: one `fp8_gemv` launch (no separate quantization), the layer's `_scaled_mm`
-    product but for the sums' order, then the bias."""
+    """Up to GEMV_MAX_ROWS rows: one `fp8_gemv` launch (no separate quantization), the emulated product but
+    for the sums' order, then the bias."""
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
     layer = fp8_layer(weight, matmul, dtype, activations, bias=bias, device=DEVICE)
@@ -157,8 +158,12 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     x_q, x_scale = quantize_activations(
         x.reshape(-1, 64).cpu(), activations, None if input_scale is None else input_scale.cpu()
     )
-    expected = FP8_MATMULS[matmul](layer, x_q.to(DEVICE), x_scale.to(DEVICE)).view(x.shape[:-1] + (32,))
-    # Two roundings to the model dtype (the product's, the bias add's) and the sums' order: an ulp or two of
-    # the product's largest value.
-    atol = 2 * torch.finfo(dtype).eps * expected.abs().max().item()
-    torch.testing.assert_close(y, expected + layer.bias, rtol=0, atol=atol)
+    expected = (x_q.float() @ layer.weight.cpu().float().t()) * x_scale * layer.weight_scale.cpu()
+    # The product rounded to the model dtype, then the bias added: an ulp or two of the largest value (and
+    # the sums' order in float32). On a GPU the layer's own `_scaled_mm` is no reference at float32: fp8
+    # tensor cores accumulate in less than fp32 (1% off on an H100).
+    atol = max(2 * torch.finfo(dtype).eps, 1e-5) * (
+        expected.abs().max().item() + layer.bias.abs().max().item()
+    )
+    expected = (expected.to(DEVICE) + layer.bias.float()).view(x.shape[:-1] + (32,))
+    torch.testing.assert_close(y.float(), expected, rtol=0, atol=atol)

@@ -54,7 +54,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
-GEMV_MAX_ROWS = 16  # steps of at most this many rows run `fp8_gemv` where it applies
+GEMV_MAX_ROWS = 4  # steps of at most this many rows run `fp8_gemv` where it applies
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
