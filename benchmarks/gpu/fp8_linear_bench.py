@@ -165,6 +165,7 @@ def bench_linear(
             candidates = SWEEP if rows == 1 else [results[0].best] if results and results[0].best else []
             _sweep(row, candidates, x, weights, want, device, deadline)
         results.append(row)
+        print(f"[fp8_linear_bench] {table([row]).splitlines()[-1]}", file=sys.stderr, flush=True)
     return results
 
 
