@@ -11,7 +11,8 @@
 #                    attention tile-config sweep, end to end
 #   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
 #                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
-#                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s), to
+#                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
+#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), to
 #                    kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
@@ -189,7 +190,8 @@ if ((INSTALLED)); then
     E2E=$([[ ${SLUICE_GPU_CHECK_SKIP_E2E:-0} == 1 ]] && echo --skip-e2e)
     run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"
     BENCH_CAP=${SLUICE_GPU_CHECK_KERNEL_BENCH_S:-120}
-    run_step kernel_bench $((BENCH_CAP + 90)) 60 $PY -m sluice.benchmarks.gpu.fp8_linear_bench "$OUT/kernel_bench.md" --device "$DEVICE" --cap-s "$BENCH_CAP"
+    BENCH_ROWS=${SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS:-1,2,4,8,16,32,64}
+    run_step kernel_bench $((BENCH_CAP + 90)) 60 $PY -m sluice.benchmarks.gpu.fp8_linear_bench "$OUT/kernel_bench.md" --device "$DEVICE" --cap-s "$BENCH_CAP" --rows "$BENCH_ROWS"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
     run_step speculative 100 30 "${SERVE[@]}" speculative
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"

@@ -1,6 +1,6 @@
 """FP8 linears at decode batch sizes, one kernel at a time: what a decode step's linears cost on a GPU.
 
-    python -m sluice.benchmarks.gpu.fp8_linear_bench OUT.md [--cap-s 120] [--device cuda|cpu]
+    python -m sluice.benchmarks.gpu.fp8_linear_bench OUT.md [--cap-s 120] [--rows 1,2,4] [--device cuda|cpu]
 
 For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down) and each row count M:
     bf16        F.linear on the bf16 weight (the reference)
@@ -259,11 +259,11 @@ def layer_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(device: torch.device, cap_s: float) -> str:
+def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
     deadline = time.monotonic() + cap_s
     if device.type == "cuda":
         shapes = linears("llama-3-8b") + linears("llama-3.2-1b")
-        rows_list = ROWS
+        rows_list = rows
         where = torch.cuda.get_device_name(device)
     else:
         shapes = [Linear("tiny", "one", 32, 64)]
@@ -286,8 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", help="markdown file to write")
     parser.add_argument("--cap-s", type=float, default=120.0, help="wall clock for the tile sweeps")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M on CUDA, e.g. 1,2,4")
     args = parser.parse_args(argv)
-    report = run(torch.device(args.device), args.cap_s)
+    rows = [int(m) for m in args.rows.split(",")]
+    report = run(torch.device(args.device), args.cap_s, rows)
     with open(args.out, "w") as f:
         f.write(report)
     print(report)
