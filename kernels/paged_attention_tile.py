@@ -15,14 +15,23 @@ tiles): no position mask on the loads and no `where` on the scores. MASKED = Tru
 [kv_lo, kv_hi) as the positions that may be loaded (never a freed block before a window, never past
 the context) and, with CAUSAL, each row's own causal and sliding-window limits.
 
-FP8_KV = True reads an FP8 cache (its uint8 view): each loaded tile of e4m3 codes is dequantized in
-registers to the model dtype, exactly `fp8_kv_cache.dequantize_kv`: (float32(code) * scale).to(KV_DTYPE),
-so the rest of the step runs on the same numbers as over a model-dtype cache holding those values
-(`dequantize_e4m3`; the scales are loaded once per program: `load_kv_scales`). The code -> float step
-(exact in any correct implementation: every e4m3 value is an fp16 value) is E4M3_UPCAST, picked by the
-launcher (`e4m3_upcast`): the GPU's own conversion where it has e4m3 (sm_89+: cvt.rn.f16x2.e4m3x2, two
-codes an instruction), integer bit moves elsewhere (sm_80). FP8_KV = False is the model-dtype path,
-untouched: no scale is loaded or applied.
+FP8_KV = True reads an FP8 cache (its uint8 view). The K/V scales are one float per layer, so the
+tile needs no per-value scaling (FOLD_KV_SCALES, as vLLM's and SGLang's Triton attention do it):
+    q . (k_code * k_scale) = k_scale * (q . k_code);   p . (v_code * v_scale) = v_scale * (p . v_code)
+FOLD_KV_SCALES = True converts each loaded tile of e4m3 codes straight to the dot's operand dtype
+(`upcast_e4m3`: exact, every e4m3 value is an fp16, bf16 and fp32 value), the kernel multiplies the
+scores' scale by k_scale once (`fold_k_scale`) and its accumulator by v_scale once, before normalizing
+(`unfold_v_scale`; softmax's sum does not involve V, so each split's output is scaled alike). With unit
+scales (`--kv-cache-dtype fp8` without checkpoint scales) this is bit for bit the other path; otherwise
+K and V are not rounded to the model dtype after scaling, so it differs from `dequantize_kv`'s values by
+that rounding (and cannot overflow fp16 where code * scale would). FOLD_KV_SCALES = False is the
+earlier path, exactly `fp8_kv_cache.dequantize_kv`: each tile is dequantized in registers,
+(float32(code) * scale).to(KV_DTYPE) (`dequantize_e4m3`), so the rest of the step runs on the same
+numbers as over a model-dtype cache holding those values. The scales are loaded once per program
+(`load_kv_scales`). The code -> float step (exact in any correct implementation) is E4M3_UPCAST, picked
+by the launcher (`e4m3_upcast`): the GPU's own conversion where it has e4m3 (sm_89+:
+cvt.rn.f16x2.e4m3x2, two codes an instruction), integer bit moves elsewhere (sm_80). FP8_KV = False is
+the model-dtype path, untouched: no scale is loaded or applied.
 """
 
 from __future__ import annotations
@@ -57,6 +66,17 @@ E4M3_BITS = "bits"  # integer bit moves into an fp16 (GPUs without e4m3: Triton 
 # Triton's interpreter upcasts every code exactly but reads 0x7F / 0xFF (NaN) as +-480: E4M3_CVT plus a
 # `where` that puts the NaN back, so the interpreted tests run the conversion the GPU runs.
 E4M3_CVT_INTERPRETED = "cvt_interpreted"
+# The launchers' FOLD_KV_SCALES when the caller does not pick (`fold_kv_scales=None`): both paths are
+# tested; the GPU check's FP8-KV kernel rows time each (benchmarks/gpu/fp8_kv_kernels.py).
+DEFAULT_FOLD_KV_SCALES = True
+
+
+def folds_kv_scales(fp8_kv: bool, fold_kv_scales: bool | None) -> bool:
+    """A launch's FOLD_KV_SCALES: the caller's choice (None: DEFAULT_FOLD_KV_SCALES) on an FP8 cache,
+    False on a model-dtype one (no scales; one compiled variant, whatever the caller asked)."""
+    if fold_kv_scales is None:
+        fold_kv_scales = DEFAULT_FOLD_KV_SCALES
+    return fp8_kv and fold_kv_scales
 
 
 def e4m3_upcast(device: torch.device) -> str:
@@ -81,6 +101,43 @@ def load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV: tl.constexpr):
     """(k_scale, v_scale) as `dequantize_e4m3` takes them, read once per program (`load_store_scales`);
     unread and unused on the model-dtype path (the pointers are None there)."""
     return load_store_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+
+
+@triton.jit
+def fold_k_scale(qk_scale, k_scale, FP8_KV: tl.constexpr, FOLD_KV_SCALES: tl.constexpr):
+    """The scores' scale as the tiles apply it: qk_scale * k_scale where the codes enter the dot unscaled."""
+    if FP8_KV and FOLD_KV_SCALES:
+        qk_scale = qk_scale * k_scale
+    return qk_scale
+
+
+@triton.jit
+def unfold_v_scale(acc, v_scale, FP8_KV: tl.constexpr, FOLD_KV_SCALES: tl.constexpr):
+    """The accumulator (sum of p . v_code) times v_scale where the codes entered the dot unscaled."""
+    if FP8_KV and FOLD_KV_SCALES:
+        acc = acc * v_scale
+    return acc
+
+
+@triton.jit
+def upcast_e4m3(codes, DTYPE: tl.constexpr, E4M3_UPCAST: tl.constexpr):
+    """e4m3 codes (uint8) -> their values in DTYPE (fp16, bf16 or fp32), exactly: bit for bit torch's
+    `codes.view(float8_e4m3fn).to(DTYPE)`. 0x7F / 0xFF (NaN, never stored from a finite K/V) give NaN.
+
+    E4M3_CVT: the codes bitcast to fp8e4nv and converted (sm_89+: one cvt per two codes to fp16).
+    E4M3_BITS: the code's bits placed in an fp16 are the code's value / 2^8 exactly (see
+    `dequantize_e4m3`); times 2^8 in fp16 is exact too (the largest, 448, is far below 65504).
+    """
+    if E4M3_UPCAST == "bits":  # E4M3_BITS
+        bits = codes.to(tl.uint16)
+        half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        values = (half * 256.0).to(DTYPE)
+        values = tl.where((bits & 0x7F) == 0x7F, float("nan"), values)
+    else:
+        values = codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        if E4M3_UPCAST == "cvt_interpreted":  # E4M3_CVT_INTERPRETED
+            values = tl.where((codes & 0x7F) == 0x7F, float("nan"), values)
+    return values
 
 
 @triton.jit
@@ -125,10 +182,12 @@ def load_kv_tile(
     DIM_PAD: tl.constexpr,
     MASKED: tl.constexpr,
     FP8_KV: tl.constexpr,
-    KV_DTYPE: tl.constexpr,  # FP8_KV only: the model dtype the tile is dequantized to
+    KV_DTYPE: tl.constexpr,  # FP8_KV only: the model dtype the tile is converted to
     E4M3_UPCAST: tl.constexpr,  # FP8_KV only: `e4m3_upcast`
+    FOLD_KV_SCALES: tl.constexpr,  # FP8_KV only: the codes' values (True) or dequantized (False)
 ):
-    """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0."""
+    """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0. An FP8
+    tile is in KV_DTYPE: the codes' values (FOLD_KV_SCALES) or code * scale rounded to KV_DTYPE."""
     if MASKED:
         blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0)
         kt_mask = dim_mask[:, None] & pos_mask[None, :]
@@ -147,7 +206,10 @@ def load_kv_tile(
     else:
         kt = tl.load(k_rows[None, :] + dims[:, None])
         v = tl.load(v_rows[:, None] + dims[None, :])
-    if FP8_KV:
+    if FP8_KV and FOLD_KV_SCALES:
+        kt = upcast_e4m3(kt, KV_DTYPE, E4M3_UPCAST)
+        v = upcast_e4m3(v, KV_DTYPE, E4M3_UPCAST)
+    elif FP8_KV:
         kt = dequantize_e4m3(kt, k_scale, KV_DTYPE, E4M3_UPCAST)
         v = dequantize_e4m3(v, v_scale, KV_DTYPE, E4M3_UPCAST)
     return kt, v
@@ -173,7 +235,7 @@ def attend_paged_tile(
     stride_k_slot,
     stride_v_block,
     stride_v_slot,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (`fold_k_scale`: times k_scale with FOLD_KV_SCALES)
     k_scale,  # FP8_KV only: `load_kv_scales`
     v_scale,
     BLOCK_N: tl.constexpr,
@@ -187,16 +249,18 @@ def attend_paged_tile(
     FP8_KV: tl.constexpr,
     KV_DTYPE: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
+    FOLD_KV_SCALES: tl.constexpr,
 ):
-    """Returns the updated (running_max, running_sum, acc)."""
+    """Returns the updated (running_max, running_sum, acc); with FP8_KV and FOLD_KV_SCALES, acc is
+    v_scale times too small (`unfold_v_scale`)."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     pos_mask = (positions >= kv_lo) & (positions < kv_hi)
     kt, v = load_kv_tile(
         k_head_ptr, v_head_ptr, block_table_ptr, positions, pos_mask, dims, dim_mask,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale,
-        BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE, E4M3_UPCAST,
+        BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
     )  # fmt: skip
-    v_dtype = v.dtype  # the model dtype (an FP8 tile is dequantized to it)
+    v_dtype = v.dtype  # the model dtype (an FP8 tile is converted to it)
     if UPCAST_DOT:
         kt = kt.to(tl.float32)
         v = v.to(tl.float32)

@@ -24,9 +24,10 @@ correctly; the partials never exceed cdiv(max_seq_len, partition_size) slices pe
 the output itself and no reduce runs. A sequence with no context (seq_len 0, a padding row) gets 0.
 
 With a sliding window W only positions seq_len - W .. seq_len - 1 are read (earlier blocks may be freed).
-An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); the scales are read on the device,
-so a captured graph stays valid.
+An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes, converted tile by tile in registers
+(`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), with the scales folded into the scores'
+scale and each slice's output (FOLD_KV_SCALES) or applied to every value; the scales are read on the
+device, so a captured graph stays valid.
 Tile sizes and num_warps / num_stages (`decode_config`) were swept once on an H100 (docs/perf/README.md):
 the default was best at 4k x 32; three other tiles ran 1.22-1.25x faster at 32k x 8 in one sample each, and
 slower at 4k x 32, so the table stays until repeated runs settle a context-dependent choice.
@@ -46,7 +47,10 @@ from sluice.kernels.paged_attention_tile import (
     attend_paged_tile,
     dot_settings,
     e4m3_upcast,
+    fold_k_scale,
+    folds_kv_scales,
     load_kv_scales,
+    unfold_v_scale,
 )
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
@@ -185,6 +189,7 @@ def _decode_partition_kernel(
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
+    FOLD_KV_SCALES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,6 +224,7 @@ def _decode_partition_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
     k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+    qk_scale = fold_k_scale(qk_scale, k_scale, FP8_KV, FOLD_KV_SCALES)
     kv_dtype = q_ptr.dtype.element_ty
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -232,7 +238,7 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, TILE_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
@@ -240,7 +246,7 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, hi, TILE_N):
         running_max, running_sum, acc = attend_paged_tile(
@@ -248,11 +254,11 @@ def _decode_partition_kernel(
             running_max, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
 
     # Every slice holds at least one visible position, so running_sum > 0.
-    out = acc / running_sum[:, None]
+    out = unfold_v_scale(acc, v_scale, FP8_KV, FOLD_KV_SCALES) / running_sum[:, None]
     if SINGLE_SPLIT:
         o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -334,6 +340,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     kv_scales: KVScales | None = None,
+    fold_kv_scales: bool | None = None,
 ) -> torch.Tensor:
     """Attention of q [num_seqs, num_heads, head_dim] (one new token per sequence) over each
     sequence's first seq_lens[s] cached positions. Returns [num_seqs, num_heads, head_dim] in q's dtype.
@@ -344,7 +351,9 @@ def paged_decode_attention(
     the pick (tests; capped at `MAX_SPLITS`), `config` the tile (`decode_config`). `out`, when given,
     receives the result (same shape and dtype as q). `sliding_window` W: attend to the last W
     positions only (block-table entries before them are never read). An FP8 cache (float8_e4m3fn) takes
-    kv_scales (k_scale, v_scale), float32 one-element tensors: K = float32(code) * k_scale in q's dtype.
+    kv_scales (k_scale, v_scale), float32 one-element tensors: K = float32(code) * k_scale. `fold_kv_scales`
+    (None: `DEFAULT_FOLD_KV_SCALES`) picks how (`paged_attention_tile`): True scales the scores and the
+    output, False rounds each K/V value to q's dtype, as `dequantize_kv` does; equal with unit scales.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window, kv_scales)
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -389,6 +398,7 @@ def paged_decode_attention(
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
         E4M3_UPCAST=e4m3_upcast(q.device),
+        FOLD_KV_SCALES=folds_kv_scales(k_scale is not None, fold_kv_scales),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

@@ -26,9 +26,10 @@ Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pi
     lo = the first row's window start (tiles wholly before it, possibly freed blocks, are never read),
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
-An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and dequantized tile by tile in
-registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+); everything after
-the load is the same.
+An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and converted tile by tile in
+registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), its scales folded
+into the scores' scale and the output (FOLD_KV_SCALES) or applied to every value; everything after the
+load is the same.
 
 Tile shapes and num_warps / num_stages come from `prefill_config`, a small table: its sm_90 entries follow
 the shapes of Triton's fused-attention tutorial, and a sweep on an H100 (docs/perf/README.md) found no
@@ -48,7 +49,10 @@ from sluice.kernels.paged_attention_tile import (
     attend_paged_tile,
     dot_settings,
     e4m3_upcast,
+    fold_k_scale,
+    folds_kv_scales,
     load_kv_scales,
+    unfold_v_scale,
 )
 from sluice.kernels.paged_decode_attention import NO_WINDOW, gather_kv_reference
 from sluice.kernels.store_kv import kernel_kv_cache
@@ -161,6 +165,7 @@ def _prefill_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
+    FOLD_KV_SCALES: tl.constexpr,
 ):
     tile_id = num_q_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -199,6 +204,7 @@ def _prefill_attention_kernel(
     full_hi = tl.maximum((first_position + 1) // BLOCK_N * BLOCK_N, full_lo)
 
     k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
+    qk_scale = fold_k_scale(qk_scale, k_scale, FP8_KV, FOLD_KV_SCALES)
     kv_dtype = q_ptr.dtype.element_ty
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -212,7 +218,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
         running_max, running_sum, acc = attend_paged_tile(
@@ -220,7 +226,7 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
         running_max, running_sum, acc = attend_paged_tile(
@@ -228,10 +234,11 @@ def _prefill_attention_kernel(
             query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST,
+            E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
+    acc = unfold_v_scale(acc, v_scale, FP8_KV, FOLD_KV_SCALES)
     out = acc / tl.where(running_sum > 0.0, running_sum, 1.0)[:, None]
     o_offsets = row_tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -259,6 +266,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     config: PrefillConfig | None = None,
     kv_scales: KVScales | None = None,
+    fold_kv_scales: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 
@@ -266,7 +274,8 @@ def prefill_attention(
     int32; `max_query_len` >= every query length (picks the tile shape). Returns [num_tokens, num_heads,
     head_dim] (written into `out` when given). `sliding_window` W: each query sees the last W positions up
     to its own. `config` overrides the tile shape of `prefill_config` (tests use small tiles). An FP8
-    cache (float8_e4m3fn) takes kv_scales (k_scale, v_scale), float32 one-element tensors.
+    cache (float8_e4m3fn) takes kv_scales (k_scale, v_scale), float32 one-element tensors;
+    `fold_kv_scales` picks how they are applied (`paged_decode_attention`).
     """
     _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales)
     if sliding_window is not None and sliding_window <= 0:
@@ -306,6 +315,7 @@ def prefill_attention(
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
         E4M3_UPCAST=e4m3_upcast(q.device),
+        FOLD_KV_SCALES=folds_kv_scales(k_scale is not None, fold_kv_scales),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

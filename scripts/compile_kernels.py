@@ -164,9 +164,9 @@ class _Recorder:
 
 def record_launches(shape: str, dtype: torch.dtype) -> list[Launch]:
     """Every kernel launch the engine issues for a model of `shape` in `dtype` (decode, prefill, store,
-    fused rotary + store, each over a model-dtype and an FP8 KV cache; norm with and without residual,
-    rotary, silu_and_mul; the FP8 linears' activation quantization), recorded from the real launchers on
-    CPU tensors."""
+    fused rotary + store, each over a model-dtype and an FP8 KV cache, decode and prefill over the FP8
+    one in both FOLD_KV_SCALES paths; norm with and without residual, rotary, silu_and_mul; the FP8
+    linears' activation quantization), recorded from the real launchers on CPU tensors."""
     with _recording() as sink:
         _run_launchers(shape, dtype)
     return sink
@@ -214,13 +214,18 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
-    # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True.
-    _run_cache_launchers(arch, dtype, kv_scales=(torch.ones(()), torch.ones(())))
+    # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True. The
+    # attention kernels read it in both ways of applying the scales (FOLD_KV_SCALES=True / False).
+    for fold_kv_scales in (True, False):
+        _run_cache_launchers(arch, dtype, (torch.ones(()), torch.ones(())), fold_kv_scales)
 
 
-def _run_cache_launchers(arch: ModelArchConfig, dtype: torch.dtype, kv_scales: KVScales | None) -> None:
+def _run_cache_launchers(
+    arch: ModelArchConfig, dtype: torch.dtype, kv_scales: KVScales | None, fold_kv_scales: bool | None = None
+) -> None:
     """The launches that read or write the paged KV cache (store, fused rotary + store, decode, prefill),
-    over a cache in the model dtype (kv_scales None) or in FP8 (e4m3 codes read with kv_scales)."""
+    over a cache in the model dtype (kv_scales None) or in FP8 (e4m3 codes read with kv_scales, the
+    attention kernels applying them as `fold_kv_scales` says)."""
     heads, kv_heads, dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     num_tokens, num_blocks = 3, 4
     q = torch.empty(num_tokens, heads, dim, dtype=dtype)
@@ -233,7 +238,7 @@ def _run_cache_launchers(arch: ModelArchConfig, dtype: torch.dtype, kv_scales: K
         paged_decode_attention.paged_decode_attention(
             torch.empty(batch, heads, dim, dtype=dtype), cache, cache,
             torch.zeros(batch, 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0, context,
-            kv_scales=kv_scales,
+            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales,
         )  # fmt: skip
     for num_seqs, max_query_len in PREFILL_LAUNCHES:
         tokens = num_seqs * max_query_len  # a real token count, so the tile count is not a constant 1
@@ -241,7 +246,7 @@ def _run_cache_launchers(arch: ModelArchConfig, dtype: torch.dtype, kv_scales: K
         prefill_attention.prefill_attention(
             torch.empty(tokens, heads, dim, dtype=dtype), cache, cache, query_start_loc,
             query_start_loc.diff(), torch.zeros(num_seqs, 1, dtype=torch.int32), max_query_len, 1.0,
-            kv_scales=kv_scales,
+            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales,
         )  # fmt: skip
     cos_sin = build_cos_sin_cache(dim, 8, arch.rope_theta, arch.rope_scaling)
     positions = torch.zeros(num_tokens, dtype=torch.int64)

@@ -200,8 +200,11 @@ def test_an_fp8_row_checks_the_fp8_kernel_against_bf16_on_the_dequantized_cache(
     def run(**kwargs):
         return gpu_benchmarks.run_decode_attention(problem, **kwargs)
 
+    def dequantizing(**kwargs):  # the FP8 path that rounds each value as the dequantized cache holds it
+        return run(**kwargs, fold_kv_scales=False) if "kv_scales" in kwargs else run(**kwargs)
+
     row = fp8_kv_kernels.fp8_row(
-        "paged decode", "64 x 2", run, caches, lambda a, b: (1 / a, 2 / b), "GB/s", _once
+        "paged decode", "64 x 2", dequantizing, caches, lambda a, b: (1 / a, 2 / b), "GB/s", _once
     )
     assert row == [
         "paged decode",
@@ -225,6 +228,9 @@ def test_an_fp8_row_checks_the_fp8_kernel_against_bf16_on_the_dequantized_cache(
         "paged decode", "64 x 2", misread, caches, lambda a, b: (1, 1), "GB/s", _once
     )
     assert bad[-1] == "FAIL" and bad[-2] > 0.01
+    # The default path folds the scales: K/V not rounded after scaling, fp32 rounding off the bf16 kernel.
+    folded = fp8_kv_kernels.fp8_row("paged decode", "64 x 2", run, caches, lambda a, b: (1, 1), "GB/s", _once)
+    assert folded[-1].startswith("PASS") and folded[-2] < 1e-5
     assert fp8_kv_kernels.passed([row]) and not fp8_kv_kernels.passed([row, bad])
     figures = fp8_kv_kernels.figures([row])
     assert figures["scale"] == fp8_kv_kernels.FP8_KV_SCALE and figures["rows"][0]["check"] == row[-1]

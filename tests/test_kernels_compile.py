@@ -34,6 +34,10 @@ CACHE_KERNELS = {
     "_rotary_store_kv_kernel",
 }
 MODEL_DTYPE_CACHE, FP8_CACHE = "FP8_KV=False", "FP8_KV=True"  # in a variant's constexprs
+# The attention kernels' two ways of reading an FP8 cache (`paged_attention_tile`); always False over a
+# model-dtype cache.
+FOLDED, DEQUANTIZED = "FOLD_KV_SCALES=True", "FOLD_KV_SCALES=False"
+ATTENTION_KERNELS = {"_decode_partition_kernel", "_prefill_attention_kernel"}
 # The script's configurations: four shapes in bf16, the first also in fp16 and fp32.
 CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-7b", "qwen2-0.5b")} | {
     ("llama-3.2-1b", "fp16"),
@@ -89,20 +93,25 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
     the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
-    constexprs on the model-dtype path, are real float32 pointers there)."""
+    constexprs on the model-dtype path, are real float32 pointers there); the attention kernels' twins
+    come in both ways of applying the scales (FOLD_KV_SCALES True and False; always False without FP8)."""
     proc, results = compile_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     model_dtype, fp8 = _cache_variants(results, MODEL_DTYPE_CACHE), _cache_variants(results, FP8_CACHE)
     assert {kernel for kernel, *_ in fp8} == CACHE_KERNELS
     assert {(shape, dtype) for _, shape, dtype, _ in fp8} == CONFIGS
-    assert fp8 == model_dtype
+    attention = [v for v in model_dtype if v[0] in ATTENTION_KERNELS]
+    assert [v for v in fp8 if v[0] not in ATTENTION_KERNELS] == [v for v in model_dtype if v not in attention]
+    assert _cache_variants(results, FP8_CACHE, FOLDED) == attention
+    assert _cache_variants(results, FP8_CACHE, DEQUANTIZED) == attention
+    assert not _cache_variants(results, MODEL_DTYPE_CACHE, FOLDED)
     assert not [r for r in results if FP8_CACHE in r["constexprs"] and r["error"]]
 
 
-def _cache_variants(results: list[dict], flag: str) -> list[tuple[str, str, str, str]]:
-    """(kernel, shape, dtype, constexprs less the cache dtype) of the variants whose constexprs hold
-    `flag`, sorted."""
-    dropped = {MODEL_DTYPE_CACHE, FP8_CACHE, "k_scale_ptr=None", "v_scale_ptr=None"}
+def _cache_variants(results: list[dict], *flags: str) -> list[tuple[str, str, str, str]]:
+    """(kernel, shape, dtype, constexprs less the cache dtype and the FP8 read's path) of the variants
+    whose constexprs hold every one of `flags`, sorted."""
+    dropped = {MODEL_DTYPE_CACHE, FP8_CACHE, FOLDED, DEQUANTIZED, "k_scale_ptr=None", "v_scale_ptr=None"}
     return sorted(
         (
             r["kernel"],
@@ -111,7 +120,7 @@ def _cache_variants(results: list[dict], flag: str) -> list[tuple[str, str, str,
             ", ".join(c for c in r["constexprs"].split(", ") if c not in dropped),
         )
         for r in results
-        if flag in r["constexprs"].split(", ")
+        if set(flags) <= set(r["constexprs"].split(", "))
     )
 
 

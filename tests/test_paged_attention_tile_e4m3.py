@@ -1,8 +1,10 @@
-"""`dequantize_e4m3`, the attention kernels' FP8-KV read, on every e4m3 code: bit for bit torch's
-`(code.view(float8_e4m3fn).float() * scale).to(dtype)` (`fp8_kv_cache.dequantize_kv`), in each way of
-turning codes into floats (`E4M3_UPCAST`): the GPU's conversion (as the interpreter runs it, with its
-NaN put back), the integer bit moves of GPUs without e4m3, and the bare conversion on the non-NaN codes
-(the interpreter reads the NaN codes 0x7F / 0xFF as +-480; a GPU's cvt gives NaN)."""
+"""The attention kernels' FP8-KV reads on every e4m3 code, in each way of turning codes into floats
+(`E4M3_UPCAST`: the GPU's conversion, as the interpreter runs it with its NaN put back; the integer bit
+moves of GPUs without e4m3; the bare conversion on the non-NaN codes: the interpreter reads the NaN
+codes 0x7F / 0xFF as +-480, a GPU's cvt gives NaN). `dequantize_e4m3` (FOLD_KV_SCALES = False): bit
+for bit torch's `(code.view(float8_e4m3fn).float() * scale).to(dtype)` (`fp8_kv_cache.dequantize_kv`).
+`upcast_e4m3` (FOLD_KV_SCALES = True): bit for bit `code.view(float8_e4m3fn).to(dtype)`, in every dtype
+(no rounding, so the interpreter's bfloat16 truncation does not matter)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from sluice.kernels.paged_attention_tile import (
     E4M3_CVT_INTERPRETED,
     dequantize_e4m3,
     e4m3_upcast,
+    upcast_e4m3,
 )
 
 # 1.0: the codes themselves; 0.02 and 3.0: the test_triton_fp8_kv scales; 300.0: past fp16's 65504 for the
@@ -35,6 +38,12 @@ def _dequantize_kernel(codes_ptr, scale_ptr, out_ptr, KV_DTYPE: tl.constexpr, E4
     offsets = tl.arange(0, 256)
     values = dequantize_e4m3(tl.load(codes_ptr + offsets), tl.load(scale_ptr), KV_DTYPE, E4M3_UPCAST)
     tl.store(out_ptr + offsets, values)
+
+
+@triton.jit
+def _upcast_kernel(codes_ptr, out_ptr, DTYPE: tl.constexpr, E4M3_UPCAST: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    tl.store(out_ptr + offsets, upcast_e4m3(tl.load(codes_ptr + offsets), DTYPE, E4M3_UPCAST))
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -79,6 +88,21 @@ def test_the_interpreters_conversion_is_exact_but_for_nan(dtype):
     numbers[NAN_CODES] = False
     _assert_same_bits(got[numbers], expected[numbers])
     assert not got[NAN_CODES].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(
+    "upcast", [E4M3_CVT_INTERPRETED, E4M3_BITS] if DEVICE.type == "cpu" else [E4M3_CVT, E4M3_BITS]
+)
+def test_every_code_upcasts_exactly_to_its_value(upcast, dtype):
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = nan_like(torch.empty(256, dtype=dtype, device=DEVICE))
+    _upcast_kernel[(1,)](codes, out, DTYPE=_TRITON_DTYPES[dtype], E4M3_UPCAST=upcast)
+    expected = codes.view(torch.float8_e4m3fn).to(dtype)
+    assert expected.isnan().sum() == 2 and expected[NAN_CODES].isnan().all()
+    assert expected.nan_to_num().abs().max() == 448  # the largest codes and the subnormals:
+    assert torch.equal(expected[1:8].cpu().float(), torch.arange(1, 8) / 512)
+    _assert_same_bits(out.cpu(), expected.cpu())
 
 
 def test_the_launchers_pick_the_conversion_the_tests_run():

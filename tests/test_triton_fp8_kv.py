@@ -2,9 +2,14 @@
 
 Kernels: `store_kv` and the fused `rotary_store_kv` must write exactly `fp8_kv_cache.quantize_kv`'s codes
 (saturation at +-448, subnormals, ties to even, NaN); the decode (with and without splits) and prefill
-kernels over an FP8 cache must equal their PyTorch references on the dequantized cache and, bit for bit,
-the model-dtype kernels run on that dequantized cache (the only change is the load). Scales 0.02 and 3.0
-on values ~4x a unit normal make K/V saturate and fall into e4m3's subnormals (checked, not assumed).
+kernels over an FP8 cache must equal their PyTorch references on the dequantized cache, in both ways of
+applying the scales (`paged_attention_tile`'s FOLD_KV_SCALES). Dequantizing each value (fold False) must
+equal, bit for bit, the model-dtype kernels run on that dequantized cache (the only change is the load);
+folding the scales into the scores and the output (fold True) skips the rounding of code * scale to the
+model dtype, so it is held to the reference's tolerance, and with unit scales (random codes, every value
+from the subnormals to +-448) must equal the other path and the model-dtype kernels bit for bit. Scales
+0.02 and 3.0 on values ~4x a unit normal make K/V saturate and fall into e4m3's subnormals (checked, not
+assumed).
 Selector: "auto" on CUDA reads an FP8 cache with triton, never flash-attn. The engine on these kernels:
 test_triton_fp8_kv_engine (this file is one of the GPU check's kernel test files).
 """
@@ -30,6 +35,7 @@ from sluice.engine.worker.attention.selector import (
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache
+from sluice.kernels.paged_attention_tile import DEFAULT_FOLD_KV_SCALES, folds_kv_scales
 from sluice.kernels.paged_decode_attention import (
     DecodeConfig,
     paged_decode_attention,
@@ -47,6 +53,11 @@ LAYOUTS = [(2, 2, 16), (8, 2, 32)]  # (num_heads, num_kv_heads, block_size): GQA
 SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=2)
 NAN_CODE = 0x7F  # e4m3fn NaN: the poison of a cache the store must leave alone outside its slots
+FOLDS = pytest.mark.parametrize("fold", [False, True], ids=["dequantize", "fold"])
+UNIT_LAYOUTS = LAYOUTS + [(8, 1, 16), (8, 1, 32)]  # and GQA 8
+UNIT_Q_SCALE = 1 / 64  # q shrunk (exactly) for unit-scale codes up to 448, so the softmax is not one-hot
+SPLIT_DECODE = {"partition_size": 16, "num_splits": 3, "config": SMALL_DECODE}
+UNIT_MAGNITUDE = 32.0  # the tolerance's scale for codes up to 448, ~28x the largest MAGNITUDE values (~16)
 
 
 def _scales(k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,10 +186,10 @@ def _batch(pairs, num_heads, num_kv_heads, block_size, dtype=torch.float32):
     return batch
 
 
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
-    """paged_batch's tolerance for values MAGNITUDE times larger (bf16 rounds P and V to 8 bits)."""
+def _tolerance(dtype: torch.dtype, magnitude: float = MAGNITUDE) -> dict[str, float]:
+    """paged_batch's tolerance for values `magnitude` times larger (bf16 rounds P and V to 8 bits)."""
     bounds = tolerance(dtype)
-    return {"atol": bounds["atol"] * MAGNITUDE, "rtol": bounds["rtol"]}
+    return {"atol": bounds["atol"] * magnitude, "rtol": bounds["rtol"]}
 
 
 def _dequantized(batch: PagedBatch, kv_scales) -> list[torch.Tensor]:
@@ -192,84 +203,165 @@ def _dequantized(batch: PagedBatch, kv_scales) -> list[torch.Tensor]:
     return [(v.view(torch.int32) & -65536).view(torch.float32).to(dtype) for v in values]
 
 
-def _check_decode(batch: PagedBatch, kv_scales, sliding_window=None, **kwargs) -> None:
-    """The FP8 decode against its reference and, bit for bit, the model-dtype kernel on the dequantized
-    cache."""
+def _unit_fp8(batch: PagedBatch) -> tuple[PagedBatch, tuple[torch.Tensor, torch.Tensor]]:
+    """`batch` with unit scales and e4m3 caches of random codes (any but NaN; NaN where the batch's cache
+    is NaN, a freed block), its q shrunk by UNIT_Q_SCALE. Checks that the codes reach +-448 and the
+    subnormals."""
+    gen = torch.Generator().manual_seed(5)
+    caches = []
+    for cache in (batch.k_cache, batch.v_cache):
+        codes = torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8).to(DEVICE)
+        codes = torch.where((codes & 0x7F) == NAN_CODE, codes - 1, codes)
+        caches.append(torch.where(cache.isnan(), NAN_CODE, codes).to(torch.uint8).view(FP8))
+    magnitudes = torch.cat([_codes(c).flatten() for c in caches]) & 0x7F
+    assert (magnitudes == 0x7E).any() and ((magnitudes > 0) & (magnitudes < 0x08)).any()
+    unit = dataclasses.replace(batch, q=batch.q * UNIT_Q_SCALE, k_cache=caches[0], v_cache=caches[1])
+    return unit, _scales(1.0, 1.0)
+
+
+def _check_decode(
+    batch: PagedBatch, kv_scales, fold, sliding_window=None, magnitude=MAGNITUDE, **kwargs
+) -> torch.Tensor:
+    """The FP8 decode against its reference and, dequantizing each value (not fold), bit for bit the
+    model-dtype kernel on the dequantized cache. Returns the output."""
     md = batch.metadata
     args = (md.block_tables, md.seq_lens, SCALE, md.max_seq_len)
     out = nan_like(batch.q)
     paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, *args, out=out, sliding_window=sliding_window,
-        kv_scales=kv_scales, **kwargs,
+        kv_scales=kv_scales, fold_kv_scales=fold, **kwargs,
     )  # fmt: skip
     expected = paged_decode_attention_reference(
         batch.q, batch.k_cache, batch.v_cache, *args[:3], sliding_window, kv_scales
     )
     assert not expected.isnan().any()
-    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype))
-    model_dtype = paged_decode_attention(
-        batch.q, *_dequantized(batch, kv_scales), *args, out=nan_like(batch.q), sliding_window=sliding_window,
-        **kwargs,
-    )  # fmt: skip
-    assert torch.equal(out, model_dtype)
+    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype, magnitude))
+    if not fold:
+        model_dtype = paged_decode_attention(
+            batch.q, *_dequantized(batch, kv_scales), *args, out=nan_like(batch.q),
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
+        assert torch.equal(out, model_dtype)
+    return out
 
 
-def _check_prefill(batch: PagedBatch, kv_scales, sliding_window=None, **kwargs) -> None:
+def _check_prefill(
+    batch: PagedBatch, kv_scales, fold, sliding_window=None, magnitude=MAGNITUDE, **kwargs
+) -> torch.Tensor:
     md = batch.metadata
     args = (md.query_start_loc, md.seq_lens, md.block_tables)
     out = nan_like(batch.q)
     prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, *args, md.max_query_len, SCALE, out=out,
-        sliding_window=sliding_window, kv_scales=kv_scales, **kwargs,
+        sliding_window=sliding_window, kv_scales=kv_scales, fold_kv_scales=fold, **kwargs,
     )  # fmt: skip
     expected = prefill_attention_reference(
         batch.q, batch.k_cache, batch.v_cache, *args, SCALE, sliding_window, kv_scales
     )
     assert not expected.isnan().any()
-    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype))
-    model_dtype = prefill_attention(
-        batch.q, *_dequantized(batch, kv_scales), *args, md.max_query_len, SCALE, out=nan_like(batch.q),
-        sliding_window=sliding_window, **kwargs,
-    )  # fmt: skip
-    assert torch.equal(out, model_dtype)
+    torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype, magnitude))
+    if not fold:
+        model_dtype = prefill_attention(
+            batch.q, *_dequantized(batch, kv_scales), *args, md.max_query_len, SCALE, out=nan_like(batch.q),
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
+        assert torch.equal(out, model_dtype)
+    return out
 
 
+@FOLDS
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("scales", SCALES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
-def test_fp8_decode_with_and_without_splits(num_splits, scales, num_heads, num_kv_heads, block_size):
+def test_fp8_decode_with_and_without_splits(num_splits, scales, num_heads, num_kv_heads, block_size, fold):
     batch, kv_scales = _fp8(_batch(DECODES, num_heads, num_kv_heads, block_size), *scales)
-    _check_decode(batch, kv_scales, partition_size=16, num_splits=num_splits, config=SMALL_DECODE)
+    _check_decode(batch, kv_scales, fold, partition_size=16, num_splits=num_splits, config=SMALL_DECODE)
 
 
+@FOLDS
 @pytest.mark.parametrize("scales", SCALES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
-def test_fp8_prefill_over_chunks_prefixes_and_decode_rows(scales, num_heads, num_kv_heads, block_size):
+def test_fp8_prefill_over_chunks_prefixes_and_decode_rows(scales, num_heads, num_kv_heads, block_size, fold):
     batch, kv_scales = _fp8(_batch(MIXED, num_heads, num_kv_heads, block_size), *scales)
-    _check_prefill(batch, kv_scales, config=SMALL_PREFILL)
+    _check_prefill(batch, kv_scales, fold, config=SMALL_PREFILL)
 
 
+@FOLDS
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_fp8_decode_and_prefill_in_each_model_dtype_with_the_default_tiles(dtype):
-    """Codes are dequantized to the model dtype, as `dequantize_kv` does, before the dots."""
+def test_fp8_decode_and_prefill_in_each_model_dtype_with_the_default_tiles(dtype, fold):
+    """Codes are dequantized to the model dtype, as `dequantize_kv` does, before the dots (not fold), or
+    enter them as they are, the scales applied to the scores and the output (fold)."""
     decode, kv_scales = _fp8(_batch(DECODES, 8, 2, 16, dtype), *SCALES[0])
-    _check_decode(decode, kv_scales)
+    _check_decode(decode, kv_scales, fold)
     prefill, kv_scales = _fp8(_batch(MIXED, 8, 2, 16, dtype), *SCALES[1])
-    _check_prefill(prefill, kv_scales)
+    _check_prefill(prefill, kv_scales, fold)
 
 
+@FOLDS
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_fp8_sliding_window_skips_the_freed_blocks(block_size):
+def test_fp8_sliding_window_skips_the_freed_blocks(block_size, fold):
     """Blocks before each window hold NaN codes (test_kernels_sliding_window's batches): reading one fails."""
     decode, kv_scales = _fp8(
         _windowed_batch([(1, 90), (1, 7), (1, 64), (1, 21)], block_size=block_size), *SCALES[0]
     )
     assert (_codes(decode.k_cache) == NAN_CODE).any()
-    _check_decode(decode, kv_scales, WINDOW, partition_size=16, num_splits=3, config=SMALL_DECODE)
+    _check_decode(decode, kv_scales, fold, WINDOW, partition_size=16, num_splits=3, config=SMALL_DECODE)
     prefill, kv_scales = _fp8(
         _windowed_batch([(30, 30), (5, 70), (1, 90), (40, 75)], block_size=block_size), *SCALES[1]
     )
-    _check_prefill(prefill, kv_scales, WINDOW, config=SMALL_PREFILL)
+    _check_prefill(prefill, kv_scales, fold, WINDOW, config=SMALL_PREFILL)
+
+
+def _check_unit_scales(
+    decode: PagedBatch, prefill: PagedBatch, decode_args: dict, prefill_args: dict, sliding_window=None
+) -> None:
+    """Both paths on unit-scale caches (`_unit_fp8`) of a decode and a prefill batch, each launcher with its
+    arguments: equal bit for bit (each also meets the reference; the dequantizing one, the model-dtype
+    kernel)."""
+    for batch, check, kwargs in (
+        (decode, _check_decode, decode_args),
+        (prefill, _check_prefill, prefill_args),
+    ):
+        unit, kv_scales = _unit_fp8(batch)
+        outs = [
+            check(unit, kv_scales, fold, sliding_window, UNIT_MAGNITUDE, **kwargs) for fold in (False, True)
+        ]
+        assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), UNIT_LAYOUTS)
+def test_unit_scales_fold_bit_for_bit_like_dequantizing(dtype, num_heads, num_kv_heads, block_size):
+    """With k_scale = v_scale = 1 (`--kv-cache-dtype fp8` without checkpoint scales) both paths attend the
+    codes' own values: the same outputs (decode with splits), in GQA 1, 4 and 8, blocks of 16 and 32."""
+    _check_unit_scales(
+        _batch(DECODES, num_heads, num_kv_heads, block_size, dtype),
+        _batch(MIXED, num_heads, num_kv_heads, block_size, dtype),
+        SPLIT_DECODE,
+        {"config": SMALL_PREFILL},
+    )
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_unit_scales_fold_bit_for_bit_like_dequantizing_with_the_default_tiles(dtype):
+    _check_unit_scales(_batch(DECODES, 8, 2, 16, dtype), _batch(MIXED, 8, 2, 16, dtype), {}, {})
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_unit_scales_fold_bit_for_bit_like_dequantizing_in_a_window(block_size):
+    _check_unit_scales(
+        _windowed_batch([(1, 90), (1, 7), (1, 64), (1, 21)], block_size=block_size),
+        _windowed_batch([(30, 30), (5, 70), (1, 90), (40, 75)], block_size=block_size),
+        SPLIT_DECODE,
+        {"config": SMALL_PREFILL},
+        WINDOW,
+    )
+
+
+def test_the_launchers_fold_by_default_and_only_over_an_fp8_cache():
+    assert DEFAULT_FOLD_KV_SCALES is True
+    assert folds_kv_scales(True, None) and folds_kv_scales(True, True) and not folds_kv_scales(True, False)
+    assert not folds_kv_scales(False, None) and not folds_kv_scales(False, True)
 
 
 @BACKEND_BATCHES

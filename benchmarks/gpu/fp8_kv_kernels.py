@@ -3,9 +3,12 @@ cache at kernel level": the first GPU figures of the FP8 paths (their tests ran 
 
 On the GPU check's shapes (decode 4k x 32 and 32k x 8, prefill 2k and 8k; default configs), K/V drawn in
 bf16 are quantized with scale FP8_KV_SCALE (`fp8_kv_cache.quantize_kv`, no value saturates) and dequantized
-back. The FP8 kernel reads the codes; the bf16 kernel reads the dequantized cache: the same values, so
-the outputs must agree (by construction bit for bit; FP8_MAX_REL_DIFF allows rounding). Each row: both
-times, decode bandwidth counting the bytes each actually reads (2 or 1 per K/V value), prefill TFLOP/s.
+back. The FP8 kernel reads the codes (in the launchers' default way of applying the scales,
+`paged_attention_tile.DEFAULT_FOLD_KV_SCALES`; `fp8_kv_paths` times both ways); the bf16 kernel reads the
+dequantized cache: the same values, so the outputs must agree (bit for bit when the FP8 kernel dequantizes
+each value; folding the scales skips rounding code * scale to bf16: FP8_MAX_REL_DIFF allows rounding).
+Each row: both times, decode bandwidth counting the bytes each actually reads (2 or 1 per K/V value),
+prefill TFLOP/s.
 """
 
 from __future__ import annotations

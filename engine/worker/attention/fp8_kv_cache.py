@@ -11,7 +11,8 @@ prompt computed in one step, in chunks, or read from the prefix cache attends th
 The torch backend dequantizes what it gathers; the C++ CPU kernel reads the model dtype, so its backend
 dequantizes the blocks a step's block tables name into a scratch cache first (`dequantize_blocks`): a
 correctness path. The Triton kernels do both in registers (`sluice.kernels.store_kv.quantize_e4m3`, bit for
-bit `quantize_kv`; `sluice.kernels.paged_attention_tile.dequantize_e4m3`, `dequantize_kv`'s values), reading
+bit `quantize_kv`; `sluice.kernels.paged_attention_tile`: by default the codes' own values in the dots with
+the scales folded into the scores and the output, else `dequantize_e4m3`, `dequantize_kv`'s values), reading
 the scales on the device, so CUDA graphs capture them. flash-attn 2 does not read e4m3: the selector refuses
 it with an FP8 cache, and "auto" takes triton.
 """
