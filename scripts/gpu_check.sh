@@ -12,8 +12,9 @@
 #   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
 #                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
 #                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
-#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), to
-#                    kernel_bench.md
+#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), then
+#                    the attention kernels over an FP8 KV cache in both ways of applying its scales
+#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), both to kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
@@ -191,7 +192,12 @@ if ((INSTALLED)); then
     run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"
     BENCH_CAP=${SLUICE_GPU_CHECK_KERNEL_BENCH_S:-120}
     BENCH_ROWS=${SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS:-1,2,4,8,16,32,64}
-    run_step kernel_bench $((BENCH_CAP + 90)) 60 $PY -m sluice.benchmarks.gpu.fp8_linear_bench "$OUT/kernel_bench.md" --device "$DEVICE" --cap-s "$BENCH_CAP" --rows "$BENCH_ROWS"
+    KV_PATHS_ARGS=$([[ $MODE == cpu ]] && echo "--device cpu --tiny")
+    run_step kernel_bench $((BENCH_CAP + 150)) 60 bash -c "
+        $PY -m sluice.benchmarks.gpu.fp8_linear_bench '$OUT/kernel_bench.md' --device '$DEVICE' --cap-s '$BENCH_CAP' --rows '$BENCH_ROWS'; rc=\$?
+        $PY -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
+        [[ -f '$WORK/fp8_kv_paths.md' ]] && { echo; cat '$WORK/fp8_kv_paths.md'; } >>'$OUT/kernel_bench.md'
+        exit \$rc"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
     run_step speculative 100 30 "${SERVE[@]}" speculative
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
