@@ -14,9 +14,11 @@ from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE, KERNEL_DTYPES
 
 from sluice.engine.worker.layers.fp8_linear import (
+    GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
     quantize_activations,
     quantize_weight,
+    runs_gemv,
 )
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 
@@ -151,7 +153,7 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     gemv, quantize = method._fp8_gemv, method._quantize_fp8
     method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
     method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
-    x = (torch.randn(GEMV_MAX_ROWS, 64, generator=gen) * 2).to(dtype).to(DEVICE).view(2, -1, 64)
+    x = (torch.randn(GEMV_MAX_ROWS, 64, generator=gen) * 2).to(dtype).to(DEVICE).view(GEMV_MAX_ROWS, 1, 64)
     y = layer(x)
     assert gemv_calls == [(GEMV_MAX_ROWS, 64)] and quantize_calls == []
     input_scale = getattr(layer, "input_scale", None)
@@ -167,3 +169,19 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     )
     expected = (expected.to(DEVICE) + layer.bias.float()).view(x.shape[:-1] + (32,))
     torch.testing.assert_close(y.float(), expected, rtol=0, atol=atol)
+
+
+def test_more_rows_or_a_wider_layer_run_scaled_mm():
+    assert runs_gemv(GEMV_MAX_ROWS, GEMV_MAX_OUT_FEATURES)
+    assert not runs_gemv(GEMV_MAX_ROWS + 1, 32)
+    assert not runs_gemv(1, GEMV_MAX_OUT_FEATURES + 1)
+    gen = torch.Generator().manual_seed(6)
+    layer = fp8_layer(torch.randn(GEMV_MAX_OUT_FEATURES + 16, 64, generator=gen), "rowwise", torch.bfloat16,
+                      "token", device=DEVICE)  # fmt: skip
+    method = layer.method
+    gemv_calls, quantize_calls = [], []
+    gemv, quantize = method._fp8_gemv, method._quantize_fp8
+    method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
+    method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
+    layer(torch.randn(1, 64, generator=gen).to(torch.bfloat16).to(DEVICE))
+    assert gemv_calls == [] and quantize_calls == [(1, 64)]

@@ -4,8 +4,8 @@
 
 For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down) and each row count M:
     bf16        F.linear on the bf16 weight (the reference)
-    scaled_mm   fp8_quant + row-wise torch._scaled_mm: the FP8 linears' path above GEMV_MAX_ROWS
-    gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path up to GEMV_MAX_ROWS
+    scaled_mm   fp8_quant + row-wise torch._scaled_mm: the FP8 linears' path but where `runs_gemv`
+    gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path where `runs_gemv`
     gemv best   at one row, the fastest tile of a sweep (capped at --cap-s of wall clock), every output
                 checked; at more rows, that tile again
 Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
@@ -32,7 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.loading.presets import preset_arch
-from sluice.engine.worker.layers.fp8_linear import GEMV_MAX_ROWS, quantize_weight
+from sluice.engine.worker.layers.fp8_linear import (
+    GEMV_MAX_OUT_FEATURES,
+    GEMV_MAX_ROWS,
+    quantize_weight,
+    runs_gemv,
+)
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
 
@@ -240,7 +245,7 @@ def table(rows: Sequence[Row]) -> str:
 def layer_table(rows: Sequence[Row]) -> str:
     """Per model and M: the four linears summed, as a decode step's layer runs them today and at best."""
     lines = [
-        "| model | M | bf16 us | fp8 as served us (gemv up to GEMV_MAX_ROWS, else scaled_mm) | best fp8 us "
+        "| model | M | bf16 us | fp8 as served us (gemv where `runs_gemv`, else scaled_mm) | best fp8 us "
         "| served / bf16 | best / bf16 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -248,7 +253,7 @@ def layer_table(rows: Sequence[Row]) -> str:
     for (model, m), group in itertools.groupby(by_model_and_m, key=lambda r: (r.linear.model, r.rows)):
         group = list(group)
         bf16 = sum(r.bf16_s for r in group)
-        served_parts = [r.gemv_s if m <= GEMV_MAX_ROWS else r.scaled_mm_s for r in group]
+        served_parts = [r.gemv_s if runs_gemv(m, r.linear.out_features) else r.scaled_mm_s for r in group]
         best_parts = [min((s for s in (r.scaled_mm_s, r.gemv_s, r.best_s) if s), default=None) for r in group]
         served = None if None in served_parts else sum(served_parts)
         best = None if None in best_parts else sum(best_parts)
@@ -275,7 +280,8 @@ def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
         print(f"[fp8_linear_bench] {linear.model} {linear.name} done", file=sys.stderr, flush=True)
     return (
         f"# FP8 linears at decode batch sizes ({where})\n\n"
-        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}; tile sweep capped at {cap_s:.0f} s "
+        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_OUT_FEATURES = {GEMV_MAX_OUT_FEATURES}; "
+        f"tile sweep capped at {cap_s:.0f} s "
         f"({'stopped early' if time.monotonic() > deadline else 'complete'}).\n\n"
         f"{table(results)}\n\n## Per layer (the four linears summed)\n\n{layer_table(results)}\n"
     )

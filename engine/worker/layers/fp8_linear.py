@@ -29,9 +29,13 @@ On rowwise and tensorwise, token and static activations are quantized by one Tri
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
 amax over the whole x) and the emulated path run `quantize_activations`.
 
-Decode-sized steps there (M <= GEMV_MAX_ROWS) run `sluice.kernels.fp8_gemv.fp8_gemv` instead: the same
-quantization and product in one launch that reads the weight once, without `_scaled_mm`'s padding of a few
-rows to its tile height (the same codes and scales; the fp32 sums in another order).
+Batch-1 steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
+GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
+codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*):
+at one row it took 0.79x / 0.88x / 0.75x `fp8_quant` + `_scaled_mm`'s time on llama-3-8b's qkv / o / down
+(and 0.62-0.77x on llama-3.2-1b's), whose 128-wide tiles leave most SMs idle there; at 16384 and 28672
+outputs (gate_up) `_scaled_mm` was 1.04-1.10x faster, and at 4 rows the gemv, on CUDA cores, took twice
+its time.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
-GEMV_MAX_ROWS = 4  # steps of at most this many rows run `fp8_gemv` where it applies
+GEMV_MAX_ROWS = 1  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
+GEMV_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +81,12 @@ def quantize_activations(
     else:  # static
         scale = input_scale.reshape(1, 1)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def runs_gemv(num_rows: int, out_features: int) -> bool:
+    """Whether a step of `num_rows` through a layer of `out_features` (its shard's) runs `fp8_gemv` rather
+    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
+    return num_rows <= GEMV_MAX_ROWS and out_features <= GEMV_MAX_OUT_FEATURES
 
 
 def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -199,7 +210,7 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        if self.quantizes_in_kernel and rows.shape[0] <= GEMV_MAX_ROWS:
+        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
