@@ -32,7 +32,8 @@ from sluice.benchmarks.gpu import (
     gpu_benchmarks,
     greedy_compare,
     kernel_test_files,
-    serve_checks,
+    step_context,
+    variant_servers,
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
 from sluice.engine.loading.presets import preset_arch
@@ -662,8 +663,32 @@ def test_a_borrowed_tokenizer_widens_a_small_vocabulary_only(tmp_path):
 def test_wait_gone_tells_an_exited_process_from_a_live_one():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert serve_checks.wait_gone(child.pid, timeout=5.0)
-    assert not serve_checks.wait_gone(os.getpid(), timeout=0.3)
+    assert step_context.wait_gone(child.pid, timeout=5.0)
+    assert not step_context.wait_gone(os.getpid(), timeout=0.3)
+
+
+def test_a_variant_server_keeps_only_its_own_kv_cache_and_backend_log_lines(tmp_path: Path):
+    log = tmp_path / "servers.log"
+    log.write_text("INFO model_runner: KV cache: 10 blocks of 16 tokens (the server before)\n")
+    start = log.stat().st_size
+    with log.open("a") as f:
+        f.write("\n==== fp8: sluice serve --quantization fp8\n"
+                "INFO model_runner: KV cache: 9 blocks of 16 tokens\n"
+                "INFO server: listening\nINFO selector: attention backend triton\n")  # fmt: skip
+    assert variant_servers.server_notes(log, start) == [
+        "INFO model_runner: KV cache: 9 blocks of 16 tokens",
+        "INFO selector: attention backend triton",
+    ]
+
+
+def test_a_reference_server_keeps_its_prompts_and_a_variant_its_comparison():
+    samples = [{"tokens": [1, 2, 3], "top": []}]
+    assert variant_servers.set_against(None, [[5, 6]], samples, 0.1) == {"prompts": [[5, 6]]}
+    reference = {"greedy": [{"tokens": [1, 2, 4], "top": []}]}
+    result = variant_servers.set_against(reference, [[5, 6]], samples, 0.1)
+    assert list(result) == ["comparison", "agreement"]
+    assert result["comparison"]["mismatch"] == 1
+    assert result["agreement"]["tokens_before_first_difference"] == 2
 
 
 def test_the_report_sets_a_gpu_run_against_issue_33s_table(tmp_path: Path):

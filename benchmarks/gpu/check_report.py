@@ -1,6 +1,8 @@
 """OUT/report.md of `scripts/gpu_check.sh`: every step's status, the figures issues 33-35 ask for set
 against their limits (issue 34's FP8 table too), and what each server step saw; built from
-OUT/results.jsonl and the bench JSON.
+OUT/results.jsonl and the bench JSON. This module is the report's frame and its sections on the steps
+around serve_bench's server; the sections on the variant servers (fp8, fp8_large, async) are in
+`sluice.benchmarks.gpu.variant_sections`.
 
     python -m sluice.benchmarks.gpu.check_report OUT --mode gpu --wall-s 431 --budget-s 470
 
@@ -11,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from sluice.benchmarks.gpu import check_figures, fp8_figures
-from sluice.benchmarks.gpu.serve_checks import PLANS, RESULTS, Plan, read_results
+from sluice.benchmarks.gpu import check_figures
+from sluice.benchmarks.gpu.greedy_compare import comparison_line
+from sluice.benchmarks.gpu.markdown_table import markdown_table
+from sluice.benchmarks.gpu.step_context import PLANS, RESULTS, read_results, read_runs
+from sluice.benchmarks.gpu.variant_sections import async_section, fp8_large_section, fp8_section
 
 # The steps of scripts/gpu_check.sh, in order, and what each runs.
 STEPS = {
@@ -37,12 +40,6 @@ STEPS = {
     "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV: sluice bench at 1 and 64, greedy, KV blocks",
 }
 FAILING = ("failed", "timed out", "out of time")
-LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def step_records(records: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict]]:
@@ -52,12 +49,6 @@ def step_records(records: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[s
         r["step"]: r for r in records if "status" not in r and "variant" not in r and r.get("step") in STEPS
     }
     return statuses, results
-
-
-def read_runs(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return json.loads(path.read_text(encoding="utf-8")).get("runs", [])
 
 
 def steps_section(statuses: dict[str, dict], results: dict[str, dict]) -> str:
@@ -162,15 +153,6 @@ def serving_section(out: Path) -> str:
     return markdown_table(headers, rows)
 
 
-def comparison_line(comparison: dict[str, Any], extra: str = "") -> str:
-    """greedy_compare.summarize's counts as a sentence (then `extra`), and a line per sample that differed."""
-    counts = (
-        f"{comparison['equal']} equal, {comparison['near tie']} parting at a near tie, "
-        f"{comparison['mismatch']} mismatched{extra}."
-    )
-    return counts + "".join(f"\n- {line}" for line in comparison["details"])
-
-
 def _request_name(seed: int | None) -> str:
     return "greedy" if seed is None else f"seed {seed}, temperature 1"
 
@@ -211,138 +193,6 @@ def checks_section(results: dict[str, dict]) -> str:
     ready = {name: r["ready_s"] for name, r in results.items() if r.get("ready_s")}
     if ready:
         parts.append("**Server start to ready, s:** " + ", ".join(f"{k} {v}" for k, v in ready.items()))
-    return "\n\n".join(parts)
-
-
-class Baseline(NamedTuple):
-    """What a step of variant servers (fp8, async) is set against: serve_bench's server in this mode."""
-
-    plan: Plan
-    base: str  # serve_bench's dtype as the report names it: bf16 on a GPU
-    reference: fp8_figures.ServerFigures  # from its sweep and its model info
-    runs: str  # the variant servers' `sluice bench` runs, in words
-
-    @classmethod
-    def of(cls, results: dict[str, dict], out: Path, mode: str) -> Baseline:
-        plan = PLANS[mode]
-        model_info = results.get("serve_bench", {}).get("model_info")
-        return cls(
-            plan,
-            "bf16" if plan.dtype == "bfloat16" else plan.dtype,
-            fp8_figures.ServerFigures.of(read_runs(out / "bench_serve.json"), model_info),
-            ", ".join(f"{requests} requests at concurrency {c}" for c, requests in plan.variant_bench),
-        )
-
-
-def not_measured(step: str, statuses: dict[str, dict], results: dict[str, dict]) -> str:
-    """Why a step recorded no figures: its status, and its error or the script's note."""
-    status = statuses.get(step, {}).get("status", "not run")
-    why = results.get(step, {}).get("error") or statuses.get(step, {}).get("note") or ""
-    return f"Not measured: the {step} step {status.upper()}" + (f" ({why})." if why else ".")
-
-
-def fp8_section(
-    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
-) -> str:
-    """The fp8 step's servers against serve_bench's (bf16 on a GPU), issue 34's targets, what they
-    measure, and each server's greedy comparison and KV cache log line."""
-    variants = fp8_figures.variant_records(records)
-    if not variants:
-        return not_measured("fp8", statuses, results)
-    plan, base, reference, runs = Baseline.of(results, out, mode)
-    intro = (
-        f"The {plan.preset} preset ({plan.dtype}) on three servers, one after another: {base} is "
-        f"serve_bench's (its sweep), the fp8 ones ran `sluice bench` with {runs}, {plan.input_len} prompt "
-        f"and {plan.output_len} output tokens, prompts of their own. In brackets: the ratio to {base}'s."
-    )
-    table = markdown_table(fp8_figures.TABLE_HEADERS, fp8_figures.table_rows(reference, variants, base))
-    shape = fp8_figures.shape_line(plan.preset, "`large` runs that one in bf16 only, `fp8_large` in fp8 too")
-    return "\n\n".join(
-        [intro, table, *fp8_servers_parts(variants, reference, plan.preset, base, mode, shape)]
-    )
-
-
-def fp8_large_section(
-    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
-) -> str:
-    """The fp8_large step's servers on the llama-3-8b shape (tiny in the CPU mode): its own bf16 server,
-    the reference, then the fp8 ones; the same table, targets and notes as the fp8 section."""
-    variants = fp8_figures.variant_records(records, "fp8_large")
-    bf16 = variants.pop("bf16", None)
-    if bf16 is None:
-        return not_measured("fp8_large", statuses, results)
-    plan, base, _, runs = Baseline.of(results, out, mode)
-    reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
-    intro = (
-        f"The {plan.large_preset} preset ({plan.dtype}) on three servers of this step, one after another: "
-        f"{base}, fp8 weights, fp8 weights + fp8 KV; each ran `sluice bench` with {runs}, {plan.input_len} "
-        f"prompt and {plan.output_len} output tokens, the same prompts on each (the same seeds). In "
-        f"brackets: the ratio to {base}'s."
-    )
-    rows = fp8_figures.table_rows(reference, variants, base, base_source="this step's")
-    table = markdown_table(fp8_figures.table_headers(base), rows)
-    shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
-    parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
-    return "\n\n".join([intro, table, *parts])
-
-
-def fp8_servers_parts(
-    variants: dict[str, dict[str, Any]],
-    reference: fp8_figures.ServerFigures,
-    preset: str,
-    base: str,
-    mode: str,
-    shape_line: str,
-) -> list[str]:
-    """What an FP8 section says after its table: issue 34's targets against `reference` (`base`'s server),
-    the shape, what the fp8-KV server's speed measures, each fp8 server's greedy comparison and log lines."""
-    targets = fp8_figures.target_rows(reference, variants, preset, base)
-    parts = [
-        markdown_table(fp8_figures.TARGET_HEADERS, targets),
-        shape_line,
-        fp8_figures.backend_note(variants, mode),
-    ]
-    for name, record in variants.items():
-        notes = [LOG_PREFIX.sub("", line) for line in record.get("server_notes", [])]
-        parts.append(
-            f"**{fp8_figures.VARIANTS[name]} vs {base}, greedy** (need not be equal: another rounding): "
-            + comparison_line(record["comparison"])
-            + "".join(f"\n- log: `{note}`" for note in notes)
-        )
-    return parts
-
-
-ASYNC_LABELS = {"async": "--async-scheduling"}
-
-
-def async_section(
-    records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
-) -> str:
-    """The async step's server against serve_bench's synchronous one: TPOT, throughput, greedy outputs, and
-    issue 33's TPOT-at-64 goal against the graph step."""
-    variants = fp8_figures.variant_records(records, "async")
-    if not variants:
-        return not_measured("async", statuses, results)
-    plan, base, reference, runs = Baseline.of(results, out, mode)
-    record = variants["async"]
-    parts = [
-        f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
-        f"the `--async-scheduling` server ran `sluice bench` with {runs}, {plan.input_len} prompt and "
-        f"{plan.output_len} output tokens. In brackets: the ratio to {base}'s.",
-        markdown_table(
-            fp8_figures.TABLE_HEADERS,
-            fp8_figures.table_rows(reference, variants, base, labels=ASYNC_LABELS),
-        ),
-        "**Greedy, --async-scheduling vs synchronous** (must be equal, near ties aside): "
-        + comparison_line(record["comparison"]),
-    ]
-    goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
-    if goal_rows:  # the same rows as the synchronous server's in the figures section
-        parts.append(markdown_table(check_figures.HEADERS, goal_rows))
-    if mode == "cpu":
-        parts.append(
-            "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here."
-        )
     return "\n\n".join(parts)
 
 

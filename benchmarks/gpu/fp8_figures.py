@@ -3,8 +3,8 @@ KV cache.
 
 Pure functions over what the steps recorded: serve_bench's record (the bf16 server's KV blocks and greedy
 reference) and its `sluice bench` runs (bench_serve.json), and the fp8 step's record of each server
-(`serve_checks.variant_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1 and 64,
-and the lines of its log that name its KV cache and attention backend). All three servers run the same
+(`variant_servers.variant_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1
+and 64, and the lines of its log that name its KV cache and attention backend). All three servers run the same
 preset, one after another on the same device, at the same prompt and output lengths. The fp8_large step's
 three servers (the llama-3-8b shape) are all its own records, the bf16 one the reference.
 

@@ -79,6 +79,15 @@ def summarize(verdicts: list[Verdict]) -> dict[str, Any]:
     return {**counts, "details": details}
 
 
+def comparison_line(comparison: dict[str, Any], extra: str = "") -> str:
+    """`summarize`'s counts as a sentence (then `extra`), and a line per sample that differed."""
+    counts = (
+        f"{comparison['equal']} equal, {comparison['near tie']} parting at a near tie, "
+        f"{comparison['mismatch']} mismatched{extra}."
+    )
+    return counts + "".join(f"\n- {line}" for line in comparison["details"])
+
+
 def agreement(reference: list[Sample], candidate: list[Sample]) -> dict[str, int]:
     """How far `candidate` follows `reference` where the two need not be equal (another quantization):
     samples equal, and tokens before each sample's first difference (after it the sequences part)."""

@@ -20,176 +20,40 @@ fp8_large        (i) the large step's shape served three times: bf16, then fp8's
 
 Each step appends one JSON line to OUT/results.jsonl and exits 0 (passed), 1 (failed) or 3 (skipped).
 The CPU mode runs the same steps on the `tiny` preset in float32, so a CPU test covers this code.
+
+This module is the step table and the steps around serve_bench's server (the reference); the steps of
+variant servers (fp8, async, fp8_large) are in `sluice.benchmarks.gpu.variant_servers`, and what every step
+runs with (the mode's plan, its servers, the client calls) in `sluice.benchmarks.gpu.step_context`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sluice.benchmarks.gpu import greedy_compare
 from sluice.benchmarks.gpu.borrowed_tokenizer import write_model_dir
+from sluice.benchmarks.gpu.step_context import (
+    PLANS,
+    RPC_TIMEOUT_S,
+    StepContext,
+    append_result,
+    greedy_outputs,
+    model_info,
+    run_bench,
+)
 from sluice.benchmarks.gpu.structured_request import SCHEMA, schema_errors
-from sluice.benchmarks.serving.server_process import ServerProcess
-from sluice.client import Client, Completion, generate_request
+from sluice.benchmarks.gpu.variant_servers import step_async, step_fp8, step_fp8_large
+from sluice.client import Client, generate_request
 
 STEP_NAMES = ("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "async", "large",
               "fp8_large")  # fmt: skip
-RESULTS = "results.jsonl"
-SERVERS_LOG = "servers.log"
 EXIT_PASSED, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
-TOP_LOGPROBS = 5
-RPC_TIMEOUT_S = 120.0
-CORE_EXIT_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the steps run in one mode."""
-
-    preset: str
-    dtype: str
-    extra_serve_args: tuple[str, ...]
-    sweep: str
-    num_requests: int
-    input_len: int
-    output_len: int
-    greedy_prompts: int
-    greedy_tokens: int
-    near_tie_nats: float  # see greedy_compare: bf16 rounds far more than float32
-    variant_bench: tuple[
-        tuple[int, int], ...
-    ]  # fp8/async servers' `sluice bench` runs: (concurrency, requests)
-    large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
-    large_bench: tuple[str, ...]
-
-    def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
-        # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
-        # draws its own prompts, and the report shows each run's cached prompt tokens (0 unless something
-        # repeats a prompt). Scheduling is pinned synchronous, as every earlier run measured it (the default
-        # became async on CUDA on 2026-11-26): the comparisons stay like for like, and the async step adds
-        # --async-scheduling after these (the last flag wins).
-        base = ["--preset", preset or self.preset, "--dtype", self.dtype, "--grace-period", "2"]
-        base.append("--no-async-scheduling")
-        return [*base, *self.extra_serve_args, *extra]
-
-
-PLANS = {
-    "gpu": Plan(
-        preset="llama-3.2-1b", dtype="bfloat16", extra_serve_args=(), sweep="1,16,64", num_requests=64,
-        input_len=128, output_len=128, greedy_prompts=8, greedy_tokens=32, near_tie_nats=0.1,
-        variant_bench=((1, 8), (64, 64)), large_preset="llama-3-8b",
-        large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
-                     "--output-len", "64"),
-    ),
-    "cpu": Plan(
-        preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
-        num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
-        variant_bench=((1, 2), (64, 4)), large_preset="tiny",
-        large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
-    ),
-}  # fmt: skip
-
-
-class StepContext:
-    """The output folder, the mode's plan, and the servers the step starts (their logs in servers.log)."""
-
-    def __init__(self, out: Path, plan: Plan, step: str) -> None:
-        self.out, self.plan, self.step = out, plan, step
-        self.ready_s: list[float] = []  # seconds from start to ready, of each server started
-
-    @contextlib.contextmanager
-    def server(self, serve_args: Sequence[str]) -> Iterator[ServerProcess]:
-        """A `sluice serve` on a loopback port; on leaving, stopped, and its engine core gone too, so the
-        next server finds the GPU's memory free."""
-        with (self.out / SERVERS_LOG).open("a", encoding="utf-8") as log:
-            log.write(f"\n==== {self.step}: sluice serve {' '.join(serve_args)}\n")
-            log.flush()
-            started = time.monotonic()
-            server = ServerProcess(serve_args, stderr=log)  # the server keeps its own descriptor
-        self.ready_s.append(round(time.monotonic() - started, 1))
-        try:
-            yield server
-        finally:
-            server.stop()
-            wait_gone(server.core_pid, CORE_EXIT_TIMEOUT_S)
-
-    def reference(self) -> dict[str, Any]:
-        """serve_bench's record: the greedy outputs the other servers must reproduce."""
-        for record in reversed(read_results(self.out)):
-            if record.get("step") == "serve_bench" and record.get("greedy"):
-                return record
-        raise RuntimeError("no greedy outputs recorded by the serve_bench step (it failed or did not run)")
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    """Waits until process `pid` no longer exists; False if it still does after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state == "Z":  # exited; its memory is freed, whoever reaps it
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def read_results(out: Path) -> list[dict[str, Any]]:
-    path = out / RESULTS
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def model_info(client: Client) -> dict[str, Any]:
-    info = client.model_info(timeout=RPC_TIMEOUT_S)
-    return {
-        "model_name": info.model_name,
-        "vocab_size": info.vocab_size,
-        "max_model_len": info.max_model_len,
-        "kv_capacity_tokens": info.kv_capacity_tokens,
-        "num_kv_blocks": info.num_kv_blocks,
-        "speculative_method": info.speculative_method,
-    }
-
-
-def sample_record(completion: Completion) -> dict[str, Any]:
-    usage = completion.usage
-    return {
-        "tokens": list(completion.token_ids),
-        "top": [[[t.token_id, t.logprob] for t in lp.top] for lp in completion.logprobs],
-        "finish_reason": completion.finish_reason_name,
-        "draft_tokens": usage.draft_tokens if usage else 0,
-        "accepted_draft_tokens": usage.accepted_draft_tokens if usage else 0,
-    }
-
-
-def greedy_outputs(client: Client, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
-    """One request at a time (batch 1 on both servers compared), temperature 0, EOS ignored."""
-    samples = []
-    for prompt in prompts:
-        request = generate_request(
-            token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS
-        )
-        samples.append(sample_record(client.complete(request, timeout=RPC_TIMEOUT_S)))
-    return samples
-
-
-def run_bench(target: str, args: Sequence[str], json_path: Path) -> int:
-    """`sluice bench` as a user runs it; its table goes to this step's log."""
-    command = [sys.executable, "-m", "sluice.service.cli", "bench", "--target", target, "--no-progress"]
-    return subprocess.run([*command, *args, "--json", str(json_path)], check=False).returncode
 
 
 def step_serve_bench(ctx: StepContext) -> dict[str, Any]:
@@ -284,98 +148,6 @@ def step_tensor_parallel(ctx: StepContext) -> dict[str, Any]:
     return {**result, "ok": result["comparison"]["mismatch"] == 0, "gpus": gpus}
 
 
-FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve arguments beside the plan's
-    "fp8": ("--quantization", "fp8"),
-    "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
-}
-SERVER_NOTES = ("KV cache:", "attention backend")  # the server log lines an fp8 record keeps
-
-
-def step_fp8(ctx: StepContext) -> dict[str, Any]:
-    """Each FP8 variant on a server of its own; a record per server appended as it finishes, so a step
-    killed at its limit keeps the first. Greedy outputs need not equal bf16's: agreement is reported."""
-    reference = ctx.reference()
-    records = [variant_server(ctx, reference, name, args) for name, args in FP8_VARIANTS.items()]
-    return {"ok": all(r["ok"] for r in records), "variants": list(FP8_VARIANTS)}
-
-
-def variant_server(
-    ctx: StepContext,
-    reference: dict[str, Any] | None,
-    name: str,
-    extra: Sequence[str],
-    preset: str | None = None,
-) -> dict:
-    """One server of the preset (or `preset`) with `extra` arguments: its greedy outputs against
-    `reference`'s (serve_bench's, or a record of this function's), its KV blocks, `sluice bench` at
-    concurrency 1 and 64 (the plan's variant_bench runs); the record is appended to results.jsonl at once,
-    as variant `name` of this step. With no `reference`, this server is one: it draws the greedy prompts and
-    keeps them in its record, and compares with nothing."""
-    plan = ctx.plan
-    serve_args = plan.serve_args(*extra, preset=preset)
-    log_path = ctx.out / SERVERS_LOG
-    log_start = log_path.stat().st_size if log_path.is_file() else 0
-    with ctx.server(serve_args) as server, Client(server.target) as client:
-        info = model_info(client)
-        if reference is None:  # this server is the reference: it draws the prompts
-            prompts = greedy_compare.greedy_prompts(plan.greedy_prompts, info["vocab_size"])
-        else:
-            prompts = reference["prompts"]
-        samples = greedy_outputs(client, prompts, plan.greedy_tokens)
-        bench_rcs, runs = variant_bench_runs(server.target, plan)
-    log = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()
-    complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
-    record = {
-        "step": ctx.step, "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
-        "model_info": info, "bench_rc": bench_rcs, "runs": runs,
-        "server_notes": [line for line in log if any(note in line for note in SERVER_NOTES)],
-        "greedy": samples,
-    }  # fmt: skip
-    if reference is None:
-        record["prompts"] = prompts
-    else:
-        verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, plan.near_tie_nats)
-        record["comparison"] = greedy_compare.summarize(verdicts)
-        record["agreement"] = greedy_compare.agreement(reference["greedy"], samples)
-    with (ctx.out / RESULTS).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    return record
-
-
-def variant_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[str, Any]]]:
-    """`sluice bench` once per (concurrency, requests) of the plan, at serve_bench's lengths; each run its
-    own --seed, so its prompts are its own (none served from another run's cache). Exit statuses, and
-    the runs without their per-request timelines."""
-    lengths = ["--input-len", str(plan.input_len), "--output-len", str(plan.output_len)]
-    rcs, runs = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed, (concurrency, requests) in enumerate(plan.variant_bench, start=1):
-            path = Path(tmp) / f"{concurrency}.json"
-            load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
-            rcs.append(run_bench(target, [*load, *lengths], path))
-            runs += json.loads(path.read_text())["runs"] if path.is_file() else []
-    return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
-
-
-def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
-    """The fp8 step's servers on the large step's shape (issue 34's batch-1 target is set on llama-3-8b),
-    after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
-    so the same prompts, on each) against it. A record per server appended as it finishes."""
-    preset = ctx.plan.large_preset
-    reference = variant_server(ctx, None, "bf16", (), preset=preset)
-    records = [variant_server(ctx, reference, name, args, preset) for name, args in FP8_VARIANTS.items()]
-    ok = reference["ok"] and all(r["ok"] for r in records)
-    return {"ok": ok, "preset": preset, "variants": ["bf16", *FP8_VARIANTS]}
-
-
-def step_async(ctx: StepContext) -> dict[str, Any]:
-    """The preset with `--async-scheduling` (issue 33): the same greedy outputs as serve_bench's synchronous
-    server (near ties aside: both run the same kernels on the same batches), and `sluice bench` at 1 and 64
-    against serve_bench's sweep."""
-    record = variant_server(ctx, ctx.reference(), "async", ("--async-scheduling",))
-    return {"ok": record["ok"] and record["comparison"]["mismatch"] == 0, "variants": ["async"]}
-
-
 def step_large(ctx: StepContext) -> dict[str, Any]:
     """The 8b shape as served by default (on CUDA with async scheduling since 2026-11-26; the H100 run 1
     figure, 7.25 ms batch-1 TPOT, was synchronous): batch-1 TPOT and TTFT of long prompts."""
@@ -412,8 +184,7 @@ def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int
     except Exception as error:  # noqa: BLE001 (recorded, and the step fails)
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
         print(f"{step}: {result['error']}", file=sys.stderr)
-    with (out / RESULTS).open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, "mode": mode, "ready_s": ctx.ready_s, **result}) + "\n")
+    append_result(out, {"step": step, "mode": mode, "ready_s": ctx.ready_s, **result})
     if "skipped" in result:
         print(f"{step}: skipped: {result['skipped']}")
         return EXIT_SKIPPED

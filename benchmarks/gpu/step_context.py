@@ -1,0 +1,179 @@
+"""What every server step of the GPU check (`serve_checks`, `variant_servers`) runs with: the mode's
+`Plan`, a `StepContext` that starts its servers (their logs in OUT/servers.log), OUT/results.jsonl and the
+`sluice bench` JSON the steps leave, and the calls a step makes to its server: its model info, greedy
+outputs of fixed prompts, and `sluice bench` run beside it as a user runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.benchmarks.serving.server_process import ServerProcess
+from sluice.client import Client, Completion, generate_request
+
+RESULTS = "results.jsonl"
+SERVERS_LOG = "servers.log"
+TOP_LOGPROBS = 5
+RPC_TIMEOUT_S = 120.0
+CORE_EXIT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the steps run in one mode."""
+
+    preset: str
+    dtype: str
+    extra_serve_args: tuple[str, ...]
+    sweep: str
+    num_requests: int
+    input_len: int
+    output_len: int
+    greedy_prompts: int
+    greedy_tokens: int
+    near_tie_nats: float  # see greedy_compare: bf16 rounds far more than float32
+    variant_bench: tuple[
+        tuple[int, int], ...
+    ]  # fp8/async servers' `sluice bench` runs: (concurrency, requests)
+    large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
+    large_bench: tuple[str, ...]
+
+    def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
+        # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
+        # draws its own prompts, and the report shows each run's cached prompt tokens (0 unless something
+        # repeats a prompt). Scheduling is pinned synchronous, as every earlier run measured it (the default
+        # became async on CUDA on 2026-11-26): the comparisons stay like for like, and the async step adds
+        # --async-scheduling after these (the last flag wins).
+        base = ["--preset", preset or self.preset, "--dtype", self.dtype, "--grace-period", "2"]
+        base.append("--no-async-scheduling")
+        return [*base, *self.extra_serve_args, *extra]
+
+
+PLANS = {
+    "gpu": Plan(
+        preset="llama-3.2-1b", dtype="bfloat16", extra_serve_args=(), sweep="1,16,64", num_requests=64,
+        input_len=128, output_len=128, greedy_prompts=8, greedy_tokens=32, near_tie_nats=0.1,
+        variant_bench=((1, 8), (64, 64)), large_preset="llama-3-8b",
+        large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
+                     "--output-len", "64"),
+    ),
+    "cpu": Plan(
+        preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
+        num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
+        variant_bench=((1, 2), (64, 4)), large_preset="tiny",
+        large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
+    ),
+}  # fmt: skip
+
+
+class StepContext:
+    """The output folder, the mode's plan, and the servers the step starts (their logs in servers.log)."""
+
+    def __init__(self, out: Path, plan: Plan, step: str) -> None:
+        self.out, self.plan, self.step = out, plan, step
+        self.ready_s: list[float] = []  # seconds from start to ready, of each server started
+
+    @contextlib.contextmanager
+    def server(self, serve_args: Sequence[str]) -> Iterator[ServerProcess]:
+        """A `sluice serve` on a loopback port; on leaving, stopped, and its engine core gone too, so the
+        next server finds the GPU's memory free."""
+        with (self.out / SERVERS_LOG).open("a", encoding="utf-8") as log:
+            log.write(f"\n==== {self.step}: sluice serve {' '.join(serve_args)}\n")
+            log.flush()
+            started = time.monotonic()
+            server = ServerProcess(serve_args, stderr=log)  # the server keeps its own descriptor
+        self.ready_s.append(round(time.monotonic() - started, 1))
+        try:
+            yield server
+        finally:
+            server.stop()
+            wait_gone(server.core_pid, CORE_EXIT_TIMEOUT_S)
+
+    def reference(self) -> dict[str, Any]:
+        """serve_bench's record: the greedy outputs the other servers must reproduce."""
+        for record in reversed(read_results(self.out)):
+            if record.get("step") == "serve_bench" and record.get("greedy"):
+                return record
+        raise RuntimeError("no greedy outputs recorded by the serve_bench step (it failed or did not run)")
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Waits until process `pid` no longer exists; False if it still does after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":  # exited; its memory is freed, whoever reaps it
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    path = out / RESULTS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def append_result(out: Path, record: dict[str, Any]) -> None:
+    """One JSON line appended to OUT/results.jsonl."""
+    with (out / RESULTS).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_runs(path: Path) -> list[dict[str, Any]]:
+    """The runs of a `sluice bench --json` file; none if the file is missing."""
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text(encoding="utf-8")).get("runs", [])
+
+
+def model_info(client: Client) -> dict[str, Any]:
+    info = client.model_info(timeout=RPC_TIMEOUT_S)
+    return {
+        "model_name": info.model_name,
+        "vocab_size": info.vocab_size,
+        "max_model_len": info.max_model_len,
+        "kv_capacity_tokens": info.kv_capacity_tokens,
+        "num_kv_blocks": info.num_kv_blocks,
+        "speculative_method": info.speculative_method,
+    }
+
+
+def sample_record(completion: Completion) -> dict[str, Any]:
+    usage = completion.usage
+    return {
+        "tokens": list(completion.token_ids),
+        "top": [[[t.token_id, t.logprob] for t in lp.top] for lp in completion.logprobs],
+        "finish_reason": completion.finish_reason_name,
+        "draft_tokens": usage.draft_tokens if usage else 0,
+        "accepted_draft_tokens": usage.accepted_draft_tokens if usage else 0,
+    }
+
+
+def greedy_outputs(client: Client, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """One request at a time (batch 1 on both servers compared), temperature 0, EOS ignored."""
+    samples = []
+    for prompt in prompts:
+        request = generate_request(
+            token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS
+        )
+        samples.append(sample_record(client.complete(request, timeout=RPC_TIMEOUT_S)))
+    return samples
+
+
+def run_bench(target: str, args: Sequence[str], json_path: Path) -> int:
+    """`sluice bench` as a user runs it; its table goes to this step's log."""
+    command = [sys.executable, "-m", "sluice.service.cli", "bench", "--target", target, "--no-progress"]
+    return subprocess.run([*command, *args, "--json", str(json_path)], check=False).returncode

@@ -1,0 +1,139 @@
+"""The GPU check's variant servers: the steps that serve the same preset several ways, one server after
+another on the same prompts, each set against a reference server (steps of `serve_checks`).
+
+fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34), set
+           against serve_bench's server
+async      the preset with `--async-scheduling` (issue 33), set against serve_bench's synchronous server
+fp8_large  (i) the large step's shape served three times: bf16 (the reference, drawing its own prompts),
+           then fp8's two servers
+
+Every variant server is `variant_server`: its greedy outputs of the reference's prompts compared with the
+reference's, its KV blocks, `sluice bench` at the plan's concurrencies (the same seeds, so the same prompts,
+on each server), and the lines of its log that name its KV cache and attention backend; its record is
+appended to results.jsonl as soon as it finishes (`"variant": name`), so a step killed at its limit keeps
+the servers it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sluice.benchmarks.gpu import greedy_compare
+from sluice.benchmarks.gpu.step_context import (
+    SERVERS_LOG,
+    Plan,
+    StepContext,
+    append_result,
+    greedy_outputs,
+    model_info,
+    run_bench,
+)
+from sluice.client import Client
+
+FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve arguments beside the plan's
+    "fp8": ("--quantization", "fp8"),
+    "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
+}
+SERVER_NOTES = ("KV cache:", "attention backend")  # the server log lines an fp8 record keeps
+
+
+def step_fp8(ctx: StepContext) -> dict[str, Any]:
+    """Each FP8 variant on a server of its own; a record per server appended as it finishes, so a step
+    killed at its limit keeps the first. Greedy outputs need not equal bf16's: agreement is reported."""
+    reference = ctx.reference()
+    records = [variant_server(ctx, reference, name, args) for name, args in FP8_VARIANTS.items()]
+    return {"ok": all(r["ok"] for r in records), "variants": list(FP8_VARIANTS)}
+
+
+def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
+    """The fp8 step's servers on the large step's shape (issue 34's batch-1 target is set on llama-3-8b),
+    after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
+    so the same prompts, on each) against it. A record per server appended as it finishes."""
+    preset = ctx.plan.large_preset
+    reference = variant_server(ctx, None, "bf16", (), preset=preset)
+    records = [variant_server(ctx, reference, name, args, preset) for name, args in FP8_VARIANTS.items()]
+    ok = reference["ok"] and all(r["ok"] for r in records)
+    return {"ok": ok, "preset": preset, "variants": ["bf16", *FP8_VARIANTS]}
+
+
+def step_async(ctx: StepContext) -> dict[str, Any]:
+    """The preset with `--async-scheduling` (issue 33): the same greedy outputs as serve_bench's synchronous
+    server (near ties aside: both run the same kernels on the same batches), and `sluice bench` at 1 and 64
+    against serve_bench's sweep."""
+    record = variant_server(ctx, ctx.reference(), "async", ("--async-scheduling",))
+    return {"ok": record["ok"] and record["comparison"]["mismatch"] == 0, "variants": ["async"]}
+
+
+def variant_server(
+    ctx: StepContext,
+    reference: dict[str, Any] | None,
+    name: str,
+    extra: Sequence[str],
+    preset: str | None = None,
+) -> dict:
+    """One server of the preset (or `preset`) with `extra` arguments: its greedy outputs against
+    `reference`'s (serve_bench's, or a record of this function's), its KV blocks, `sluice bench` at
+    concurrency 1 and 64 (the plan's variant_bench runs); the record is appended to results.jsonl at once,
+    as variant `name` of this step. With no `reference`, this server is one: it draws the greedy prompts and
+    keeps them in its record, and compares with nothing."""
+    plan = ctx.plan
+    serve_args = plan.serve_args(*extra, preset=preset)
+    log_path = ctx.out / SERVERS_LOG
+    log_start = log_path.stat().st_size if log_path.is_file() else 0
+    with ctx.server(serve_args) as server, Client(server.target) as client:
+        info = model_info(client)
+        if reference is None:  # this server is the reference: it draws the prompts
+            prompts = greedy_compare.greedy_prompts(plan.greedy_prompts, info["vocab_size"])
+        else:
+            prompts = reference["prompts"]
+        samples = greedy_outputs(client, prompts, plan.greedy_tokens)
+        bench_rcs, runs = variant_bench_runs(server.target, plan)
+    complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
+    record = {
+        "step": ctx.step, "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
+        "model_info": info, "bench_rc": bench_rcs, "runs": runs,
+        "server_notes": server_notes(log_path, log_start), "greedy": samples,
+    }  # fmt: skip
+    record.update(set_against(reference, prompts, samples, plan.near_tie_nats))
+    append_result(ctx.out, record)
+    return record
+
+
+def server_notes(log_path: Path, log_start: int) -> list[str]:
+    """The lines of servers.log after byte `log_start` (one server's) that name its KV cache or attention
+    backend."""
+    log = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()
+    return [line for line in log if any(note in line for note in SERVER_NOTES)]
+
+
+def set_against(
+    reference: dict[str, Any] | None, prompts: list[list[int]], samples: list[dict], near_tie_nats: float
+) -> dict[str, Any]:
+    """A reference server's prompts (with no `reference`, the server is one); otherwise how its greedy
+    outputs compare with the reference's."""
+    if reference is None:
+        return {"prompts": prompts}
+    verdicts = greedy_compare.compare_greedy(reference["greedy"], samples, near_tie_nats)
+    return {
+        "comparison": greedy_compare.summarize(verdicts),
+        "agreement": greedy_compare.agreement(reference["greedy"], samples),
+    }
+
+
+def variant_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[str, Any]]]:
+    """`sluice bench` once per (concurrency, requests) of the plan, at serve_bench's lengths; each run its
+    own --seed, so its prompts are its own (none served from another run's cache). Exit statuses, and
+    the runs without their per-request timelines."""
+    lengths = ["--input-len", str(plan.input_len), "--output-len", str(plan.output_len)]
+    rcs, runs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, (concurrency, requests) in enumerate(plan.variant_bench, start=1):
+            path = Path(tmp) / f"{concurrency}.json"
+            load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
+            rcs.append(run_bench(target, [*load, *lengths], path))
+            runs += json.loads(path.read_text())["runs"] if path.is_file() else []
+    return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
