@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from sluice.benchmarks.gpu.attention_sweep import differences
-from sluice.benchmarks.gpu.check_report import markdown_table
 from sluice.benchmarks.gpu.fp8_kv_kernels import FP8_KV_SCALE, FP8_MAX_REL_DIFF, fp8_kv
 from sluice.benchmarks.gpu.gpu_benchmarks import (
     BLOCK_SIZE,
@@ -42,6 +41,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     prefill_step_inputs,
     time_cuda_s,
 )
+from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from sluice.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 
