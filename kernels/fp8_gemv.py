@@ -1,6 +1,6 @@
 """An FP8 linear for a few rows in one launch: activation quantization and the product fused, the weight
-read once. The FP8 linears' decode-sized batches (M <= MAX_ROWS) run it instead of `fp8_quant` followed by
-`torch._scaled_mm`.
+read once. The FP8 linears' batch-1 steps run it on their narrower layers (`fp8_linear.runs_gemv`) instead
+of `fp8_quant` followed by `torch._scaled_mm`.
 
     x_scale[m] = max(max_k |x[m, k]| / 448, tiny)   dynamic (per token), or the static input_scale
     x_q[m, k]  = e4m3(clamp(x[m, k] / x_scale[m], -448, 448))
@@ -23,8 +23,8 @@ on the CUDA cores in fp32 (the e4m3 codes widened exactly), M padded to a power 
 with M, so only a few rows are taken (MAX_ROWS). Each program also quantizes its rows of x: a first pass
 finds their amax, then every step quantizes its columns (x is small next to the weight, and read from L2).
 
-Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile (the measured table `GEMV_CONFIGS` for sm_90,
-else a rule sized by the SM count).
+Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile by a rule sized by the SM count, not tuned yet:
+the GPU check's `kernel_bench` step sweeps tiles at one row (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -65,21 +65,15 @@ class GemvConfig:
         return max(16, self.block_k // block_m)
 
 
-# Measured on an H100 (docs/perf/): (N, K) of a linear -> its tile. Shapes not listed take `gemv_config`'s
-# rule.
-GEMV_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
 TILE_BYTES = 8192  # the rule's weight bytes per program and step
 
 
-def gemv_config(out_features: int, in_features: int, num_sms: int) -> GemvConfig:
-    """The tile for a weight [out_features, in_features]: the table's where it has the shape, else the
-    widest block_n (4-64) that still gives every SM four programs, and block_k making the step's weight
-    tile TILE_BYTES."""
-    config = GEMV_CONFIGS.get((out_features, in_features))
-    if config is not None:
-        return config
+def gemv_config(out_features: int, in_features: int, sm_count: int) -> GemvConfig:
+    """The tile for a weight [out_features, in_features]: the widest block_n (4-64) that still gives every
+    SM four programs, and block_k making the step's weight tile TILE_BYTES (at most 2048 columns).
+    in_features is not used yet: the rule has had one GPU run (docs/perf/fp8_linears_h100_2026-11-26.md)."""
     block_n = 64
-    while block_n > 4 and triton.cdiv(out_features, block_n) < 4 * num_sms:
+    while block_n > 4 and triton.cdiv(out_features, block_n) < 4 * sm_count:
         block_n //= 2
     return GemvConfig(block_n=block_n, block_k=min(2048, TILE_BYTES // block_n))
 
@@ -160,7 +154,7 @@ def fp8_gemv(
     if num_rows == 0 or out_features == 0:
         return y
     if config is None:
-        config = gemv_config(out_features, in_features, _num_sms(x.device))
+        config = gemv_config(out_features, in_features, num_sms(x.device))
     block_m = triton.next_power_of_2(num_rows)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
         y,
@@ -183,7 +177,8 @@ def fp8_gemv(
     return y
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The SM count `gemv_config` sizes the tile by: the CUDA device's, 4 elsewhere (the interpreter)."""
     if device.type == "cuda":
         return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
     return 4  # the interpreter: a few programs

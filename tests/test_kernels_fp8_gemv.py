@@ -104,10 +104,10 @@ def test_no_rows_launch_nothing():
 
 
 def test_the_default_tile_gives_every_sm_four_programs_where_it_can():
-    assert gemv_config(4096, 4096, num_sms=132) == GemvConfig(block_n=4, block_k=2048)
-    assert gemv_config(6144, 4096, num_sms=132) == GemvConfig(block_n=8, block_k=1024)
-    assert gemv_config(28672, 4096, num_sms=132) == GemvConfig(block_n=32, block_k=256)
-    assert gemv_config(6144, 4096, num_sms=24) == GemvConfig(block_n=64, block_k=128)
+    assert gemv_config(4096, 4096, sm_count=132) == GemvConfig(block_n=4, block_k=2048)
+    assert gemv_config(6144, 4096, sm_count=132) == GemvConfig(block_n=8, block_k=1024)
+    assert gemv_config(28672, 4096, sm_count=132) == GemvConfig(block_n=32, block_k=256)
+    assert gemv_config(6144, 4096, sm_count=24) == GemvConfig(block_n=64, block_k=128)
     assert GemvConfig(block_n=8, block_k=1024).tile_k(8) == 128 and GemvConfig(block_k=64).tile_k(8) == 16
 
 

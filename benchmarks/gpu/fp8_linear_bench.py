@@ -38,7 +38,7 @@ from sluice.engine.worker.layers.fp8_linear import (
     quantize_weight,
     runs_gemv,
 )
-from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
+from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config, num_sms
 from sluice.kernels.fp8_quant import quantize_fp8
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -183,7 +183,7 @@ def _sweep(
     device: torch.device,
     deadline: float,
 ) -> None:
-    default = gemv_config(row.linear.out_features, row.linear.in_features, _num_sms(device))
+    default = gemv_config(row.linear.out_features, row.linear.in_features, num_sms(device))
     row.best, row.best_s = default, row.gemv_s
     for config in candidates if device.type == "cuda" else candidates[:2]:
         if time.monotonic() > deadline:
@@ -200,12 +200,6 @@ def _sweep(
         seconds = time_calls_s([partial(fp8_gemv, x, *w, config=config) for w in weights.fp8], device)
         if seconds < row.best_s:
             row.best, row.best_s = config, seconds
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _us(seconds: float | None) -> str:

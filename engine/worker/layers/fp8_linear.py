@@ -34,7 +34,7 @@ GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product i
 codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*):
 at one row it took 0.79x / 0.88x / 0.75x `fp8_quant` + `_scaled_mm`'s time on llama-3-8b's qkv / o / down
 (and 0.62-0.77x on llama-3.2-1b's), whose 128-wide tiles leave most SMs idle there; at 16384 and 28672
-outputs (gate_up) `_scaled_mm` was 1.04-1.10x faster, and at 4 rows the gemv, on CUDA cores, took twice
+outputs (gate_up) `_scaled_mm` was 1.04-1.10x faster, and at 4 rows the gemv, on CUDA cores, took 1.6-2.4x
 its time.
 """
 
