@@ -38,7 +38,9 @@ FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve argument
     "fp8": ("--quantization", "fp8"),
     "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
 }
-SERVER_NOTES = ("KV cache:", "attention backend")  # the server log lines an fp8 record keeps
+# The server log lines a record keeps: its cache, its attention backend, and any Triton compile after start-up
+# (`engine/worker/jit_watch.py`: a step that waited on the JIT).
+SERVER_NOTES = ("KV cache:", "attention backend", "while serving (")
 
 
 def step_fp8(ctx: StepContext) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from sluice.engine.worker.cuda_graph_runner import (
     verify_capture_sizes,
 )
 from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs, fill_placeholders
+from sluice.engine.worker.jit_watch import JitCompileWatch
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
@@ -121,6 +122,7 @@ class ModelRunner:
         self.graph_runner.capture()
         if self.device.type == "cuda":
             self._warm_up_prefill_tiles()
+            JitCompileWatch().install()  # from here on, a Triton compile stalls a step: logged
 
     def _kernel_config(self, packed_modules: dict[str, tuple[str, int]], fp8_cache: bool) -> KernelConfig:
         """The layers' kernels: the checkpoint's FP8 quantization_config or `quantization`, and the cache's
