@@ -2,9 +2,10 @@
 compile (about a second), and so does every request in that step.
 
 The runner compiles what it can foresee at start-up (profile run, CUDA graph capture, every prefill tile
-height), so a compile while serving means a variant nobody warmed. On an H100 (2026-11-26) the first server
-of each kind (bf16, then fp8 KV) saw a TTFT p90 at concurrency 64 0.2-0.5 s above a server that found its
-kernels in Triton's cache; this log says which kernel, and how long the step waited.
+height), so a compile while serving means a variant nobody warmed. On an H100 (2026-11-26) a server over an
+FP8 KV cache, whose attention variants were new to Triton's cache, saw a TTFT p90 at concurrency 64 0.2-0.5 s
+above the same weights over a bf16 cache; this log says whether a compile is why, which kernel, and how long
+the step waited.
 
 `JitCompileWatch.install()` chains Triton's `knobs.runtime.jit_cache_hook` (called before a compile; it
 must return a falsy value, or Triton skips the compile) and `jit_post_compile_hook` (after), keeping any
