@@ -29,7 +29,6 @@ the GPU check's `kernel_bench` step sweeps tiles at one row (docs/GPU.md).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.fp8_quant import dynamic_scale, max_keep_nan
+from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
 
@@ -154,7 +154,7 @@ def fp8_gemv(
     if num_rows == 0 or out_features == 0:
         return y
     if config is None:
-        config = gemv_config(out_features, in_features, num_sms(x.device))
+        config = gemv_config(out_features, in_features, device_sm_count(x.device))
     block_m = triton.next_power_of_2(num_rows)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
         y,
@@ -175,18 +175,6 @@ def fp8_gemv(
         num_warps=config.num_warps,
     )
     return y
-
-
-def num_sms(device: torch.device) -> int:
-    """The SM count `gemv_config` sizes the tile by: the CUDA device's, 4 elsewhere (the interpreter)."""
-    if device.type == "cuda":
-        return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
-    return 4  # the interpreter: a few programs
-
-
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check_args(

@@ -205,12 +205,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(num_tokens, width, dtype=dtype)
         fp8_quant.quantize_fp8_per_token(activations)
         fp8_quant.quantize_fp8_static(activations, torch.ones(()))
-    # Their decode-sized steps (`fp8_gemv`: quantization and product in one launch), o_proj's and
-    # down_proj's shapes, per token and static.
+    # Their batch-1 steps (`fp8_gemv`: quantization and product in one launch, one row), o_proj's and
+    # down_proj's shapes, per token and static, with the tile an H100 gets (`device_sm_count` off a GPU).
     for width in (arch.hidden_size, arch.intermediate_size):
         codes = torch.empty(arch.hidden_size, width, dtype=torch.float8_e4m3fn)
         scales = torch.ones(arch.hidden_size)
-        activations = torch.empty(num_tokens, width, dtype=dtype)
+        activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,

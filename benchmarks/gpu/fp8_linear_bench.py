@@ -38,8 +38,9 @@ from sluice.engine.worker.layers.fp8_linear import (
     quantize_weight,
     runs_gemv,
 )
-from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config, num_sms
+from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
+from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CALLS_PER_GRAPH = 20
@@ -183,7 +184,7 @@ def _sweep(
     device: torch.device,
     deadline: float,
 ) -> None:
-    default = gemv_config(row.linear.out_features, row.linear.in_features, num_sms(device))
+    default = gemv_config(row.linear.out_features, row.linear.in_features, device_sm_count(device))
     row.best, row.best_s = default, row.gemv_s
     for config in candidates if device.type == "cuda" else candidates[:2]:
         if time.monotonic() > deadline:
