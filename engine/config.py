@@ -252,9 +252,9 @@ class EngineConfig:
             "needs tensor_parallel_size 1 (the workers would need the sampled tokens on their devices)",
         )
 
-    def schedules_async(self, device_type: str) -> bool:
-        """Whether the engine core on a `device_type` ("cuda", "cpu") device overlaps its steps: the
-        `async_scheduling` given, else on for CUDA with one rank, off otherwise."""
+    def schedules_async(self, device_type: str | None) -> bool:
+        """Whether the engine core on a `device_type` ("cuda", "cpu"; None for tensor-parallel ranks) device
+        overlaps its steps: the `async_scheduling` given, else on for CUDA with one rank, off otherwise."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device_type == "cuda" and self.parallel.tensor_parallel_size == 1

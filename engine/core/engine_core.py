@@ -66,8 +66,8 @@ class EngineCore:
         self.config = config
         self.tokenizer = source.tokenizer
         self.model_runner = build_model_runner(config, source)  # tensor-parallel: an executor over the ranks
-        device_type = self.model_runner.device.type if config.parallel.tensor_parallel_size == 1 else "ranks"
-        self.async_scheduling = config.schedules_async(device_type)
+        single_rank = config.parallel.tensor_parallel_size == 1  # the ranks' executor has no one device
+        self.async_scheduling = config.schedules_async(self.model_runner.device.type if single_rank else None)
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             config.scheduler,
             config.cache,
