@@ -13,8 +13,8 @@ jit functions), and the e4m3 products are exact in the fp32 accumulator, so y di
 Why: at decode sizes a linear is a read of its weight, and `_scaled_mm` reads it slowly there. On an H100
 (docs/perf/, kernel_bench) fp8_quant + `_scaled_mm` took 22 / 18 / 55 us at one row for the 8b shape's qkv /
 o / down projections, 1.1-1.2 TB/s and no faster than bf16's `F.linear` on twice the bytes: its 128-wide
-tiles give 32-48 programs for 132 SMs. Here each program reads BLOCK_N output channels (4-64, chosen so that
-every SM gets several programs) in steps of BLOCK_K columns:
+tiles give 32-48 programs for 132 SMs. Here each program reads BLOCK_N output channels (4-16, chosen so that
+every SM gets more than one program) in steps of BLOCK_K columns:
 
     partial [BLOCK_M, BLOCK_N, BLOCK_K] += w_tile [BLOCK_N, BLOCK_K] * x_q_tile [BLOCK_M, BLOCK_K]
     y [BLOCK_M, BLOCK_N] = sum over the last axis, once, at the end
@@ -23,8 +23,8 @@ on the CUDA cores in fp32 (the e4m3 codes widened exactly), M padded to a power 
 with M, so only a few rows are taken (MAX_ROWS). Each program also quantizes its rows of x: a first pass
 finds their amax, then every step quantizes its columns (x is small next to the weight, and read from L2).
 
-Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile by a rule sized by the SM count, not tuned yet:
-the GPU check's `kernel_bench` step sweeps tiles at one row (docs/GPU.md).
+Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile: the best of an H100 sweep for the shapes swept
+(the GPU check's `kernel_bench` step, docs/GPU.md), else a rule sized by the SM count.
 """
 
 from __future__ import annotations
@@ -66,14 +66,34 @@ class GemvConfig:
 
 
 TILE_BYTES = 8192  # the rule's weight bytes per program and step
+MAX_RULE_BLOCK_N = 16  # wider tiles never won a sweep on the layers the gemv serves (docs/perf/)
+MIN_PROGRAMS_PER_SM = 1.5  # the rule's narrowest grid: 192 programs on 132 SMs lost to 384, 256 won
+
+# The best tile of the H100 sweep at one row (kernel_bench, 2026-11-26 run 5:
+# docs/perf/fp8_linears_h100_2026-11-26_run5.md), by weight shape [out_features, in_features]. Used where
+# the device has as many SMs (an H100 SXM or an H200: 132); the rule elsewhere.
+SWEPT_SM_COUNT = 132
+SWEPT_TILES = {
+    (6144, 4096): GemvConfig(16, 512, 4),  # llama-3-8b qkv: 15.6 us (the rule's tile then, 8x1024: 17.3)
+    (4096, 4096): GemvConfig(16, 1024, 8),  # llama-3-8b o: 12.0 (4x2048: 15.9)
+    (4096, 14336): GemvConfig(16, 1024, 8),  # llama-3-8b down: 30.2 (4x2048: 43.0)
+    (3072, 2048): GemvConfig(8, 1024, 4),  # llama-3.2-1b qkv: 6.4 (4x2048: 8.4)
+    (2048, 2048): GemvConfig(8, 1024, 4),  # llama-3.2-1b o: 5.7 (4x2048: 6.6)
+    (2048, 8192): GemvConfig(8, 2048, 4),  # llama-3.2-1b down: 13.1 (4x2048: 15.5)
+}
 
 
 def gemv_config(out_features: int, in_features: int, sm_count: int) -> GemvConfig:
-    """The tile for a weight [out_features, in_features]: the widest block_n (4-64) that still gives every
-    SM four programs, and block_k making the step's weight tile TILE_BYTES (at most 2048 columns).
-    in_features is not used yet: the rule has had one GPU run (docs/perf/fp8_linears_h100_2026-11-26.md)."""
-    block_n = 64
-    while block_n > 4 and triton.cdiv(out_features, block_n) < 4 * sm_count:
+    """The tile for a weight [out_features, in_features]: the swept one where there is one for this shape
+    and SM count; else the widest block_n (4-16) that still gives every SM 1.5 programs, with block_k
+    making the step's weight tile TILE_BYTES (at most 2048 columns), 4 warps. The rule gives the sweep's
+    best tile on three of the six shapes above (both qkv, llama-3.2-1b's o); its timings on the other
+    three were not kept."""
+    swept = SWEPT_TILES.get((out_features, in_features)) if sm_count == SWEPT_SM_COUNT else None
+    if swept is not None:
+        return swept
+    block_n = MAX_RULE_BLOCK_N
+    while block_n > 4 and triton.cdiv(out_features, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
         block_n //= 2
     return GemvConfig(block_n=block_n, block_k=min(2048, TILE_BYTES // block_n))
 

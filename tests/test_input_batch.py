@@ -95,3 +95,22 @@ def test_draft_tokens_follow_their_slice_and_get_a_logits_row_each() -> None:
     assert not inputs.samples_every_token
     alone = build_model_inputs(SchedulerOutput((verify,), num_batched_tokens=4), BLOCK_SIZE, CPU)
     assert alone.logits_indices.tolist() == [0, 1, 2, 3] and alone.samples_every_token
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 5])
+def test_every_input_starts_on_a_16_byte_boundary(num_seqs: int) -> None:
+    """Triton specializes kernels on pointer alignment: an input view at an odd offset (positions after
+    an odd number of input ids) would compile another kernel variant while serving."""
+    scheduled = tuple(
+        ScheduledRequest(f"r{i}", tuple(range(2 * i + 1)), 0, (i,), sample=True) for i in range(num_seqs)
+    )
+    out = SchedulerOutput(scheduled, num_batched_tokens=num_seqs * num_seqs)
+    inputs = build_model_inputs(out, BLOCK_SIZE, CPU)
+    meta = inputs.metadata
+    views = (inputs.input_ids, inputs.positions, inputs.logits_indices, meta.slot_mapping)
+    views += (meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    assert [view.storage_offset() * view.element_size() % 16 for view in views] == [0] * len(views)
+    assert inputs.positions.tolist() == [pos for i in range(num_seqs) for pos in range(2 * i + 1)]
+    assert meta.seq_lens.tolist() == [2 * i + 1 for i in range(num_seqs)]
+    assert meta.block_tables.tolist() == [[i] for i in range(num_seqs)]
+    assert meta.query_start_loc.tolist() == [i * i for i in range(num_seqs + 1)]

@@ -103,11 +103,15 @@ def test_no_rows_launch_nothing():
     assert fp8_gemv(x, weight, weight_scale).shape == (0, 32)
 
 
-def test_the_default_tile_gives_every_sm_four_programs_where_it_can():
-    assert gemv_config(4096, 4096, sm_count=132) == GemvConfig(block_n=4, block_k=2048)
-    assert gemv_config(6144, 4096, sm_count=132) == GemvConfig(block_n=8, block_k=1024)
-    assert gemv_config(28672, 4096, sm_count=132) == GemvConfig(block_n=32, block_k=256)
-    assert gemv_config(6144, 4096, sm_count=24) == GemvConfig(block_n=64, block_k=128)
+def test_the_default_tile_is_the_sweeps_on_its_shapes_and_the_rule_elsewhere():
+    assert gemv_config(4096, 4096, sm_count=132) == GemvConfig(block_n=16, block_k=1024, num_warps=8)
+    assert gemv_config(4096, 4096, sm_count=114) == GemvConfig(block_n=16, block_k=512)  # another GPU: rule
+    # the rule: the widest block_n up to 16 with 1.5 programs per SM, 8 KB weight tiles
+    assert gemv_config(6144, 4096, sm_count=132) == gemv_config(6144, 4096, sm_count=131)
+    assert gemv_config(6144, 4096, sm_count=131) == GemvConfig(block_n=16, block_k=512)
+    assert gemv_config(3072, 2048, sm_count=131) == GemvConfig(block_n=8, block_k=1024)
+    assert gemv_config(28672, 4096, sm_count=132) == GemvConfig(block_n=16, block_k=512)
+    assert gemv_config(64, 64, sm_count=132) == GemvConfig(block_n=4, block_k=2048)
     assert GemvConfig(block_n=8, block_k=1024).tile_k(8) == 128 and GemvConfig(block_k=64).tile_k(8) == 16
 
 

@@ -79,15 +79,21 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
     query_lens = tuple(req.num_tokens for req in out.scheduled)
     seq_lens = tuple(req.seq_len for req in out.scheduled)
     # One tensor per dtype, each input a view of it: a torch.tensor call costs more than a batch-1
-    # step's lists, and on CUDA each is one copy to the device, not seven.
+    # step's lists, and on CUDA each is one copy to the device, not seven. Every view starts on a 16-byte
+    # boundary: Triton specializes its kernels on pointer alignment, so a view at an odd offset (positions
+    # after an odd number of input ids) compiled another kernel in the middle of serving.
     num_tokens, num_seqs = len(input_ids), len(out.scheduled)
-    int64 = to_device(input_ids + positions + slot_mapping + logits_indices, torch.int64, device)
-    int32 = to_device(query_start_loc + list(seq_lens) + block_tables, torch.int32, device)
+    int64, (ids_at, positions_at, slots_at, logits_at) = _packed(
+        (input_ids, positions, slot_mapping, logits_indices), torch.int64, device
+    )
+    int32, (starts_at, seq_lens_at, tables_at) = _packed(
+        (query_start_loc, list(seq_lens), block_tables), torch.int32, device
+    )
     metadata = AttentionMetadata(
-        slot_mapping=int64[2 * num_tokens : 3 * num_tokens],
-        query_start_loc=int32[: num_seqs + 1],
-        seq_lens=int32[num_seqs + 1 : 2 * num_seqs + 1],
-        block_tables=int32[2 * num_seqs + 1 :].view(num_seqs, max_num_blocks),
+        slot_mapping=int64[slots_at : slots_at + num_tokens],
+        query_start_loc=int32[starts_at : starts_at + num_seqs + 1],
+        seq_lens=int32[seq_lens_at : seq_lens_at + num_seqs],
+        block_tables=int32[tables_at : tables_at + len(block_tables)].view(num_seqs, max_num_blocks),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
@@ -95,11 +101,29 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
         block_size=block_size,
     )
     return ModelInputs(
-        input_ids=int64[:num_tokens],
-        positions=int64[num_tokens : 2 * num_tokens],
+        input_ids=int64[ids_at : ids_at + num_tokens],
+        positions=int64[positions_at : positions_at + num_tokens],
         metadata=metadata,
-        logits_indices=int64[3 * num_tokens :],
+        logits_indices=int64[logits_at : logits_at + len(logits_indices)],
     )
+
+
+ALIGN_BYTES = 16  # the alignment Triton specializes pointers on
+
+
+def _packed(
+    sections: tuple[list[int], ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """The sections one after another in one tensor on `device`, each padded to ALIGN_BYTES, and where
+    each starts (in elements)."""
+    align = ALIGN_BYTES // dtype.itemsize
+    values: list[int] = []
+    starts = []
+    for section in sections:
+        starts.append(len(values))
+        values.extend(section)
+        values.extend([0] * (-len(values) % align))
+    return to_device(values, dtype, device), starts
 
 
 @dataclass(frozen=True)

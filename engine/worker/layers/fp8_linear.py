@@ -29,13 +29,13 @@ On rowwise and tensorwise, token and static activations are quantized by one Tri
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
 amax over the whole x) and the emulated path run `quantize_activations`.
 
-Batch-1 steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
-GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
-codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*):
-at one row it took 0.79x / 0.88x / 0.75x `fp8_quant` + `_scaled_mm`'s time on llama-3-8b's qkv / o / down
-(and 0.62-0.77x on llama-3.2-1b's), whose 128-wide tiles leave most SMs idle there; at 16384 and 28672
-outputs (gate_up) `_scaled_mm` was 1.04-1.10x faster, and at 4 rows the gemv, on CUDA cores, took 1.6-2.4x
-its time.
+Steps of up to GEMV_MAX_ROWS rows there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at
+most GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
+codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*,
+run 5) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv / o
+/ down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there, and 0.67-0.98x at two
+rows; at 16384 and 28672 outputs (gate_up) `_scaled_mm` was as fast or faster, and at 4 rows the gemv, on
+CUDA cores, took 1.19-1.53x its time on llama-3-8b's.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
-GEMV_MAX_ROWS = 1  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
+GEMV_MAX_ROWS = 2  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
 GEMV_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
 
 
