@@ -24,7 +24,8 @@ def _compile(runtime, key="k1"):
     """What Triton's `_do_compile` does with the hooks, for one variant of a kernel `_store_kv_kernel`
     whose constexpr BLOCK_SIZE (argument 2) is 16."""
     fn = SimpleNamespace(module=None, name="_store_kv_kernel", jit_function=KERNEL)
-    kwargs = {"key": key, "repr": "r", "fn": fn, "compile": {"constants": {(2,): 16}},
+    text = "_store_kv_kernel[num_warps=4, num_ctas=1](x_ptr: *bf16D, n: i32, BLOCK_SIZE: constexpr)"
+    kwargs = {"key": key, "repr": text, "fn": fn, "compile": {"constants": {(2,): 16}},
               "is_manual_warmup": False, "already_compiled": False}  # fmt: skip
     skipped = runtime.jit_cache_hook(**kwargs) if runtime.jit_cache_hook else None
     if not skipped:
@@ -41,7 +42,9 @@ def test_a_compile_while_installed_is_logged_and_counted(caplog):
     assert watch.compiles == 1
     (record,) = caplog.records
     assert record.getMessage().startswith("Triton compiled _store_kv_kernel while serving (")
-    assert record.getMessage().endswith("ms: its step waited); constexprs BLOCK_SIZE=16")
+    assert record.getMessage().endswith(
+        "ms: its step waited); constexprs BLOCK_SIZE=16; arguments x_ptr: *bf16D, n: i32"
+    )
 
 
 def test_hooks_set_before_are_chained_and_put_back():

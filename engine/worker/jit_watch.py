@@ -5,7 +5,10 @@ The runner compiles what it can foresee at start-up (profile run, CUDA graph cap
 height), so a compile while serving means a variant nobody warmed. On an H100 (2026-11-26) a server over an
 FP8 KV cache, whose attention variants were new to Triton's cache, saw a TTFT p90 at concurrency 64 0.2-0.5 s
 above the same weights over a bf16 cache; this log says whether a compile is why, which kernel, and how long
-the step waited.
+the step waited, and how Triton specialized the other arguments (a variant also differs from a warmed one by a
+pointer's 16-byte alignment or an integer's divisibility by 16: the first H100 logs showed a kernel compiled
+again while serving with the same constexprs, which was a view at an odd offset; model inputs are aligned
+since).
 
 `JitCompileWatch.install()` chains Triton's `knobs.runtime.jit_cache_hook` (called before a compile; it
 must return a falsy value, or Triton skips the compile) and `jit_post_compile_hook` (after), keeping any
@@ -64,13 +67,24 @@ class JitCompileWatch:
         fn = kwargs["fn"]
         constants = kwargs.get("compile", {}).get("constants", {})
         logger.warning(
-            "Triton compiled %s while serving (%.0f ms: its step waited); constexprs %s",
+            "Triton compiled %s while serving (%.0f ms: its step waited); constexprs %s; arguments %s",
             fn.name,
             waited_ms,
             ", ".join(f"{_param_name(fn, path)}={value}" for path, value in constants.items()),
+            _argument_types(kwargs.get("repr", "")),
         )
         previous = self._previous[1] if self._previous else None
         return previous(**kwargs) if previous is not None else None
+
+
+def _argument_types(text: str) -> str:
+    """The other arguments' specializations from the hook's `repr`, `name[options](x_ptr: *bf16D, n: i32,
+    ...)`: a variant differs from a warmed one by these too (D: the value or pointer is divisible by 16)."""
+    start, end = text.find("]("), text.rfind(")")
+    if start < 0 or end < start:
+        return "unknown"
+    types = [arg for arg in text[start + 2 : end].split(", ") if arg and not arg.endswith("constexpr")]
+    return ", ".join(types)
 
 
 def _param_name(fn: Any, path: Any) -> str:
