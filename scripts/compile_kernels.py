@@ -50,6 +50,7 @@ from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
 from sluice.kernels import (  # noqa: E402
     fp8_gemv,
     fp8_quant,
+    fp8_skinny_mm,
     paged_decode_attention,
     prefill_attention,
     rms_norm,
@@ -89,6 +90,8 @@ _KERNELS = (
     (silu_and_mul, "_silu_and_mul_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
+    (fp8_skinny_mm, "_fp8_skinny_kernel"),
+    (fp8_skinny_mm, "_fp8_skinny_reduce_kernel"),
 )
 
 
@@ -213,6 +216,10 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
+        # Steps of 3-64 rows (`fp8_skinny_mm` on fp8_quant's codes): 16 and 64 rows, K split as on an H100.
+        for rows in (16, 64):
+            x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
+            fp8_skinny_mm.fp8_skinny_mm(x_q, torch.ones(rows, 1), codes, scales, dtype)
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
     # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True. The
     # attention kernels read it in both ways of applying the scales (FOLD_KV_SCALES=True / False).

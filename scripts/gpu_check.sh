@@ -205,7 +205,7 @@ if ((INSTALLED)); then
     run_step fp8 150 90 "${SERVE[@]}" fp8
     run_step async 90 45 "${SERVE[@]}" async
     run_step large 180 110 "${SERVE[@]}" large
-    run_step fp8_large 330 250 "${SERVE[@]}" fp8_large
+    run_step fp8_large 330 150 "${SERVE[@]}" fp8_large
 else
     for name in "${STEPS[@]}"; do
         record "$name" skipped 0 0 "the install step did not pass"

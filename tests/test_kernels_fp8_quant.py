@@ -19,7 +19,7 @@ from sluice.engine.loading.fp8_config import Fp8Scheme
 from sluice.engine.worker.layers.fp8_linear import (
     FP8,
     FP8_MATMULS,
-    GEMV_MAX_ROWS,
+    SKINNY_MAX_ROWS,
     Fp8LinearMethod,
     quantize_activations,
 )
@@ -206,7 +206,7 @@ def test_scaled_mm_layers_quantize_with_the_kernel_and_get_the_same_y(matmul, dt
     calls = []
     kernel = method._quantize_fp8
     method._quantize_fp8 = lambda x, input_scale: calls.append(x.shape) or kernel(x, input_scale)
-    rows = 2 * (GEMV_MAX_ROWS + 1)  # more than `fp8_gemv` takes: quantized here, then `_scaled_mm`
+    rows = 2 * (SKINNY_MAX_ROWS // 2 + 1)  # more than `fp8_skinny_mm` takes: quantized, then `_scaled_mm`
     x = _random_rows(rows, 64, dtype, seed=3).view(2, rows // 2, 64)
     y = layer(x)
     assert calls == [(rows, 64)]

@@ -8,6 +8,8 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
     gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path where `runs_gemv`
     gemv best   at one row, the fastest tile of a sweep (capped at --cap-s of wall clock), every output
                 checked; at more rows, that tile again
+    skinny      from 2 to 64 rows: fp8_quant + sluice.kernels.fp8_skinny_mm with its default config (the
+                FP8 linears' path where `runs_skinny`), and the fastest config of a sweep sharing the cap
 Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
 not fit in L2, so it is the time a captured decode step spends, launch gaps included. GB/s: the weight's
 bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight.
@@ -35,11 +37,15 @@ from sluice.engine.loading.presets import preset_arch
 from sluice.engine.worker.layers.fp8_linear import (
     GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
+    SKINNY_MAX_ROWS,
     quantize_weight,
     runs_gemv,
+    runs_skinny,
 )
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
+from sluice.kernels.fp8_skinny_mm import MAX_ROWS as SKINNY_ROWS
+from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_skinny_mm, skinny_config
 from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -49,6 +55,11 @@ SWEEP = [
     GemvConfig(block_n, block_k, warps)
     for block_n, block_k, warps in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
     if 2048 <= block_n * block_k <= 16384  # larger tiles take minutes to compile (seen on an H100)
+]
+
+SKINNY_SWEEP = [
+    SkinnyConfig(block_n, 128, split_k, num_warps=4, num_stages=stages)
+    for block_n, split_k, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 5))
 ]
 
 
@@ -133,6 +144,13 @@ def _scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     )
 
 
+def _skinny(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    x_q, x_scale = quantize_fp8(x)
+    return fp8_skinny_mm(x_q, x_scale, codes, scale, torch.bfloat16, config)
+
+
 @dataclass
 class Row:
     linear: Linear
@@ -143,6 +161,13 @@ class Row:
     best_s: float | None = None
     best: GemvConfig | None = None
     max_rel_diff: float = 0.0
+    skinny_s: float | None = None
+    skinny_best_s: float | None = None
+    skinny_best: SkinnyConfig | None = None
+
+    def fp8_times(self) -> list[float]:
+        times = (self.scaled_mm_s, self.gemv_s, self.best_s, self.skinny_s, self.skinny_best_s)
+        return [s for s in times if s is not None]
 
 
 def _rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -170,6 +195,10 @@ def bench_linear(
             row.gemv_s = time_calls_s([partial(fp8_gemv, x, *w) for w in weights.fp8], device)
             candidates = SWEEP if rows == 1 else [results[0].best] if results and results[0].best else []
             _sweep(row, candidates, x, weights, want, device, deadline)
+        if 1 < rows <= SKINNY_ROWS:
+            row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
+            row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
+            _sweep_skinny(row, x, weights, want, device, deadline)
         results.append(row)
         print(f"[fp8_linear_bench] {table([row]).splitlines()[-1]}", file=sys.stderr, flush=True)
     return results
@@ -203,6 +232,32 @@ def _sweep(
             row.best, row.best_s = config, seconds
 
 
+def _sweep_skinny(
+    row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
+) -> None:
+    default = skinny_config(row.linear.out_features, row.linear.in_features, device_sm_count(device))
+    row.skinny_best, row.skinny_best_s = default, row.skinny_s
+    for config in SKINNY_SWEEP if device.type == "cuda" else SKINNY_SWEEP[:2]:
+        if time.monotonic() > deadline:
+            return
+        if config == default:
+            continue
+        try:
+            got = _skinny(x, *weights.fp8[0], config)
+        except Exception as error:  # a config the GPU cannot hold (shared memory): not a candidate
+            print(f"[fp8_linear_bench] {row.linear.name} M={row.rows} {config}: {error}", file=sys.stderr)
+            continue
+        if _rel_diff(got, want) > 0.1:
+            raise AssertionError(f"{row.linear} M={row.rows} {config}: output differs from bf16's")
+        seconds = time_calls_s([partial(_skinny, x, *w, config) for w in weights.fp8], device)
+        if seconds < row.skinny_best_s:
+            row.skinny_best, row.skinny_best_s = config, seconds
+
+
+def _skinny_config(config: SkinnyConfig) -> str:
+    return f"n{config.block_n} k{config.block_k} split {config.split_k}, {config.num_stages} stages"
+
+
 def _us(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e6:.1f}"
 
@@ -217,19 +272,22 @@ def _tile(config: GemvConfig) -> str:
 
 def table(rows: Sequence[Row]) -> str:
     lines = [
-        "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) "
-        "| best fp8 / bf16 | best fp8 GB/s | max rel diff vs bf16 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) | skinny us "
+        "| skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | max rel diff vs bf16 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |",
     ]
     for row in rows:
-        fp8 = [s for s in (row.scaled_mm_s, row.gemv_s, row.best_s) if s is not None]
+        fp8 = row.fp8_times()
         best = min(fp8) if fp8 else None
         tile = "" if row.best is None else f"{_us(row.best_s)} ({_tile(row.best)})"
+        skinny = (
+            "" if row.skinny_best is None else f"{_us(row.skinny_best_s)} ({_skinny_config(row.skinny_best)})"
+        )
         linear = row.linear
         lines.append(
             f"| {linear.model} {linear.name} | {linear.out_features} x {linear.in_features} | {row.rows} "
             f"| {_us(row.bf16_s)} | {_us(row.scaled_mm_s)} | {_us(row.gemv_s)} "
-            f"| {tile} "
+            f"| {tile} | {_us(row.skinny_s)} | {skinny} "
             f"| {'' if best is None else f'{best / row.bf16_s:.2f}'} "
             f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
             f"| {row.max_rel_diff:.3g} |"
@@ -240,7 +298,8 @@ def table(rows: Sequence[Row]) -> str:
 def layer_table(rows: Sequence[Row]) -> str:
     """Per model and M: the four linears summed, as a decode step's layer runs them today and at best."""
     lines = [
-        "| model | M | bf16 us | fp8 as served us (gemv where `runs_gemv`, else scaled_mm) | best fp8 us "
+        "| model | M | bf16 us | fp8 as served us (gemv where `runs_gemv`, skinny where `runs_skinny`, "
+        "else scaled_mm) | best fp8 us "
         "| served / bf16 | best / bf16 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -248,8 +307,8 @@ def layer_table(rows: Sequence[Row]) -> str:
     for (model, m), group in itertools.groupby(by_model_and_m, key=lambda r: (r.linear.model, r.rows)):
         group = list(group)
         bf16 = sum(r.bf16_s for r in group)
-        served_parts = [r.gemv_s if runs_gemv(m, r.linear.out_features) else r.scaled_mm_s for r in group]
-        best_parts = [min((s for s in (r.scaled_mm_s, r.gemv_s, r.best_s) if s), default=None) for r in group]
+        served_parts = [_served_s(r) for r in group]
+        best_parts = [min(r.fp8_times(), default=None) for r in group]
         served = None if None in served_parts else sum(served_parts)
         best = None if None in best_parts else sum(best_parts)
         lines.append(
@@ -257,6 +316,14 @@ def layer_table(rows: Sequence[Row]) -> str:
             f"| {_ratio(served, bf16)} | {_ratio(best, bf16)} |"
         )
     return "\n".join(lines)
+
+
+def _served_s(row: Row) -> float | None:
+    if runs_gemv(row.rows, row.linear.out_features):
+        return row.gemv_s
+    if runs_skinny(row.rows, row.linear.out_features):
+        return row.skinny_s
+    return row.scaled_mm_s
 
 
 def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
@@ -275,8 +342,9 @@ def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
         print(f"[fp8_linear_bench] {linear.model} {linear.name} done", file=sys.stderr, flush=True)
     return (
         f"# FP8 linears at decode batch sizes ({where})\n\n"
-        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_OUT_FEATURES = {GEMV_MAX_OUT_FEATURES}; "
-        f"tile sweep capped at {cap_s:.0f} s "
+        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_OUT_FEATURES = {GEMV_MAX_OUT_FEATURES}, "
+        f"SKINNY_MAX_ROWS = {SKINNY_MAX_ROWS}; "
+        f"tile sweeps capped at {cap_s:.0f} s "
         f"({'stopped early' if time.monotonic() > deadline else 'complete'}).\n\n"
         f"{table(results)}\n\n## Per layer (the four linears summed)\n\n{layer_table(results)}\n"
     )

@@ -36,6 +36,11 @@ run 5) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scale
 / down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there, and 0.67-0.98x at two
 rows; at 16384 and 28672 outputs (gate_up) `_scaled_mm` was as fast or faster, and at 4 rows the gemv, on
 CUDA cores, took 1.19-1.53x its time on llama-3-8b's.
+
+Steps of more rows, up to SKINNY_MAX_ROWS, run `sluice.kernels.fp8_skinny_mm` on those layers
+(`runs_skinny`): `fp8_quant`'s codes times the weight on the tensor cores with the weight as the tall
+operand and K split over programs, where `_scaled_mm`'s 128-wide tiles read those weights at 1.0-1.3 TB/s
+(H100, 16-64 rows).
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
 GEMV_MAX_ROWS = 2  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
 GEMV_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
+SKINNY_MAX_ROWS = (
+    64  # steps of more rows than the gemv's, up to this many, run `fp8_skinny_mm` (`runs_skinny`)
+)
+SKINNY_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +96,12 @@ def runs_gemv(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` (its shard's) runs `fp8_gemv` rather
     than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
     return num_rows <= GEMV_MAX_ROWS and out_features <= GEMV_MAX_OUT_FEATURES
+
+
+def runs_skinny(num_rows: int, out_features: int) -> bool:
+    """Whether a step of `num_rows` through a layer of `out_features` runs `fp8_skinny_mm` on the codes of
+    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel, where not `runs_gemv`)."""
+    return GEMV_MAX_ROWS < num_rows <= SKINNY_MAX_ROWS and out_features <= SKINNY_MAX_OUT_FEATURES
 
 
 def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -141,6 +156,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.quantizes_in_kernel:  # imported only when chosen: triton is not installed everywhere
             self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
             self._fp8_gemv = import_module("sluice.kernels.fp8_gemv").fp8_gemv
+            self._fp8_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_skinny_mm
 
     def create_weights(
         self,
@@ -210,11 +226,15 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
+        num_rows, out_features = rows.shape[0], layer.weight.shape[0]
+        if self.quantizes_in_kernel and runs_gemv(num_rows, out_features):
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
-            y = FP8_MATMULS[self.matmul](layer, x_q, x_scale)
+            if self.quantizes_in_kernel and runs_skinny(num_rows, out_features):
+                y = self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, rows.dtype)
+            else:
+                y = FP8_MATMULS[self.matmul](layer, x_q, x_scale)
         y = y.view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 

@@ -1,0 +1,224 @@
+"""An FP8 linear for a few to 64 rows on the tensor cores: the weight as the product's tall operand
+("swap AB") and its columns split over several programs ("split-K"), so that a decode step's skinny product
+gives every SM work.
+
+    y[m, n] = (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m] * w_scale[n]      rounded to out_dtype once
+
+x_q and x_scale are `fp8_quant`'s (per token or static), w_q the layer's e4m3 weight with its per-channel
+scales: the same numbers as the FP8 linears' `_scaled_mm` path, the e4m3 products exact in the fp32
+accumulator, so y differs only by the order of the fp32 sums.
+
+Why: at 16-64 rows `_scaled_mm` reads the 8b shape's qkv / o / down weights at 1.0-1.3 TB/s (H100,
+docs/perf/fp8_linears_h100_2026-11-26_first.md; o at 64 rows was slower than bf16's `F.linear` on twice
+the bytes): with M that small its 128-wide output tiles give 32-64 programs for 132 SMs. Here a program
+computes BLOCK_N output channels for all rows (BLOCK_M, the rows padded to 16-64, is the MMA's narrow side)
+over a slice of K:
+
+    grid (cdiv(N, BLOCK_N), SPLIT_K)
+    acc [BLOCK_N, BLOCK_M] += dot(w_tile [BLOCK_N, BLOCK_K], x_q_tile^T [BLOCK_K, BLOCK_M])   (e4m3, fp32 acc)
+
+With SPLIT_K == 1 the program scales and stores y; otherwise it stores its fp32 partial sums in a workspace
+[SPLIT_K, M, N] and a second launch adds them in a fixed order and scales them (deterministic, unlike atomic
+adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count: at least 1.5 programs per SM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.tensor_checks import check_shape, check_tensor
+
+FP8 = torch.float8_e4m3fn
+MAX_ROWS = 64  # the most rows a launch takes: BLOCK_M, the MMA's narrow side, is at most 64
+MIN_PROGRAMS_PER_SM = 1.5
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name, least in (("block_n", 16), ("block_k", 32), ("split_k", 1)):
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
+
+
+def skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
+    """BLOCK_N 64, BLOCK_K 128, and the fewest K splits (powers of two, each at least BLOCK_K wide) giving
+    every SM 1.5 programs."""
+    config = SkinnyConfig()
+    programs = triton.cdiv(out_features, config.block_n)
+    split_k = 1
+    while (
+        programs * split_k < MIN_PROGRAMS_PER_SM * sm_count and in_features // (2 * split_k) >= config.block_k
+    ):
+        split_k *= 2
+    return SkinnyConfig(split_k=split_k)
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
+    x_ptr,  # [M, K] uint8: x's e4m3 codes
+    x_scale_ptr,  # [M] float32 (or [1]: X_SCALE_STRIDE 0)
+    w_ptr,  # [N, K] uint8: the weight's e4m3 codes
+    w_scale_ptr,  # [N] float32
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_x,
+    stride_w,
+    x_scale_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    channel_mask = channels < N
+    row_mask = rows < M
+    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for start in range(k_start, k_end, BLOCK_K):
+        k = start + cols
+        k_mask = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
+        x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
+        acc = tl.dot(w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True), acc)
+    out_mask = row_mask[None, :] & channel_mask[:, None]
+    if SPLIT_K == 1:
+        x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
+        w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=0.0)
+        y = acc * x_scale[None, :] * w_scale[:, None]
+        tl.store(
+            out_ptr + rows[None, :] * N + channels[:, None], y.to(out_ptr.dtype.element_ty), mask=out_mask
+        )
+    else:
+        partial = out_ptr + (split * M + rows[None, :]).to(tl.int64) * N + channels[:, None]
+        tl.store(partial, acc, mask=out_mask)
+
+
+@triton.jit
+def _fp8_skinny_reduce_kernel(
+    y_ptr,  # [M, N] out dtype
+    workspace_ptr,  # [SPLIT_K, M, N] float32
+    x_scale_ptr,
+    w_scale_ptr,
+    M,
+    N,
+    x_scale_stride,
+    BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = channels < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(workspace_ptr + (split * M + row).to(tl.int64) * N + channels, mask=mask, other=0.0)
+    x_scale = tl.load(x_scale_ptr + row * x_scale_stride)
+    w_scale = tl.load(w_scale_ptr + channels, mask=mask, other=0.0)
+    tl.store(y_ptr + row * N + channels, (total * x_scale * w_scale).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+REDUCE_BLOCK = 1024
+
+
+def fp8_skinny_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x_q [M, K] float8_e4m3fn (M <= MAX_ROWS, unit last stride) with x_scale [M, 1] or [1] float32 @ weight
+    [N, K] float8_e4m3fn (row-major) with weight_scale [N] float32 -> y [M, N] out_dtype, as the module
+    docstring. Raises ValueError naming a bad argument."""
+    _check_args(x_q, x_scale, weight, weight_scale)
+    num_rows, in_features = x_q.shape
+    out_features = weight.shape[0]
+    y = torch.empty((num_rows, out_features), dtype=out_dtype, device=x_q.device)
+    if num_rows == 0 or out_features == 0:
+        return y
+    if config is None:
+        config = skinny_config(out_features, in_features, device_sm_count(x_q.device))
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns
+    out = (
+        y
+        if split_k == 1
+        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
+    )
+    x_scale_stride = 1 if x_scale.numel() > 1 else 0
+    _fp8_skinny_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+        out,
+        x_q.view(torch.uint8),
+        x_scale,
+        weight.view(torch.uint8),
+        weight_scale,
+        num_rows,
+        out_features,
+        in_features,
+        k_per_split,
+        x_q.stride(0),
+        weight.stride(0),
+        x_scale_stride,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=split_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        grid = (num_rows, triton.cdiv(out_features, REDUCE_BLOCK))
+        _fp8_skinny_reduce_kernel[grid](
+            y,
+            out,
+            x_scale,
+            weight_scale,
+            num_rows,
+            out_features,
+            x_scale_stride,
+            BLOCK=REDUCE_BLOCK,
+            SPLIT_K=split_k,
+        )
+    return y
+
+
+def _check_args(
+    x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> None:
+    check_tensor("x_q", x_q, ndim=2, dtypes=(FP8,))
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x_q.device)
+    num_rows, in_features = x_q.shape
+    out_features = weight.shape[0]
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"x_q: at most {MAX_ROWS} rows, got {num_rows}")
+    check_shape("weight", weight, (out_features, in_features))
+    check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x_q.device)
+    check_shape("weight_scale", weight_scale, (out_features,))
+    check_tensor("x_scale", x_scale, ndim=x_scale.dim(), dtypes=(torch.float32,), device=x_q.device)
+    if x_scale.numel() not in (1, num_rows) or not x_scale.is_contiguous():
+        raise ValueError(
+            f"x_scale: must hold 1 or {num_rows} contiguous scales, got shape {tuple(x_scale.shape)}"
+        )
