@@ -5,8 +5,9 @@ gives every SM work.
     y[m, n] = (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m] * w_scale[n]      rounded to out_dtype once
 
 x_q and x_scale are `fp8_quant`'s (per token or static), w_q the layer's e4m3 weight with its per-channel
-scales: the same numbers as the FP8 linears' `_scaled_mm` path, the e4m3 products exact in the fp32
-accumulator, so y differs only by the order of the fp32 sums.
+scales: the same numbers as the FP8 linears' `_scaled_mm` path. The e4m3 products are exact; on a Hopper
+GPU the tensor cores add each K tile's in less than fp32 before it joins the fp32 accumulator
+(`max_num_imprecise_acc`), elsewhere (the interpreter) y differs only by the order of the fp32 sums.
 
 Why: at 16-64 rows `_scaled_mm` reads the 8b shape's qkv / o / down weights at 1.0-1.3 TB/s (H100,
 docs/perf/fp8_linears_h100_2026-11-26_first.md; o at 64 rows was slower than bf16's `F.linear` on twice
@@ -101,7 +102,11 @@ def _fp8_skinny_kernel(
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
         x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
-        acc = tl.dot(w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True), acc)
+        # max_num_imprecise_acc: Hopper's fp8 MMA adds in less than fp32 (outputs 1.2-1.5% off at fp32 on
+        # the H100); each K tile's products go into the fp32 accumulator as one sum, as in the block-scaled
+        # FP8 kernels of vLLM and SGLang
+        w_codes, x_codes = w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True)
+        acc = tl.dot(w_codes, x_codes, acc, max_num_imprecise_acc=BLOCK_K)
     out_mask = row_mask[None, :] & channel_mask[:, None]
     if SPLIT_K == 1:
         x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)

@@ -175,7 +175,7 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     torch.testing.assert_close(y.float(), expected, rtol=0, atol=atol)
 
 
-def test_more_rows_or_a_wider_layer_run_scaled_mm():
+def test_more_rows_or_a_wider_layer_quantize_first():
     assert runs_gemv(GEMV_MAX_ROWS, GEMV_MAX_OUT_FEATURES)
     assert not runs_gemv(GEMV_MAX_ROWS + 1, 32)
     assert not runs_gemv(1, GEMV_MAX_OUT_FEATURES + 1)
@@ -188,4 +188,4 @@ def test_more_rows_or_a_wider_layer_run_scaled_mm():
     method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
     method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
     layer(torch.randn(1, 64, generator=gen).to(torch.bfloat16).to(DEVICE))
-    assert gemv_calls == [] and quantize_calls == [(1, 64)]
+    assert gemv_calls == [] and quantize_calls == [(1, 64)]  # then `fp8_skinny_mm` (runs_skinny)

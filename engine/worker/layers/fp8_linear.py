@@ -29,18 +29,17 @@ On rowwise and tensorwise, token and static activations are quantized by one Tri
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
 amax over the whole x) and the emulated path run `quantize_activations`.
 
-Steps of up to GEMV_MAX_ROWS rows there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at
-most GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
+One-row steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
+GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
 codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*,
-run 5) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv / o
-/ down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there, and 0.67-0.98x at two
-rows; at 16384 and 28672 outputs (gate_up) `_scaled_mm` was as fast or faster, and at 4 rows the gemv, on
-CUDA cores, took 1.19-1.53x its time on llama-3-8b's.
+runs 5-7) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv /
+o / down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there.
 
-Steps of more rows, up to SKINNY_MAX_ROWS, run `sluice.kernels.fp8_skinny_mm` on those layers
-(`runs_skinny`): `fp8_quant`'s codes times the weight on the tensor cores with the weight as the tall
-operand and K split over programs, where `_scaled_mm`'s 128-wide tiles read those weights at 1.0-1.3 TB/s
-(H100, 16-64 rows).
+Every other step of up to SKINNY_MAX_ROWS rows runs `sluice.kernels.fp8_skinny_mm` on `fp8_quant`'s codes
+(`runs_skinny`): the weight as the MMA's tall operand, K split over programs. On llama-3-8b's qkv / o / down
+it took 0.76 / 0.72 / 0.65x `_scaled_mm`'s time at 16 rows and 1.02 / 0.85 / 0.78x at 64, and 0.93-0.99x on
+gate_up (run 7); at 4 rows 0.71-0.79x the gemv's time at 2 rows on those three (run 6), hence the gemv at
+one row only.
 """
 
 from __future__ import annotations
@@ -63,12 +62,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
-GEMV_MAX_ROWS = 2  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
+GEMV_MAX_ROWS = 1  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
 GEMV_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
-SKINNY_MAX_ROWS = (
-    64  # steps of more rows than the gemv's, up to this many, run `fp8_skinny_mm` (`runs_skinny`)
-)
-SKINNY_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
+SKINNY_MAX_ROWS = 64  # the other steps of at most this many rows run `fp8_skinny_mm` (`runs_skinny`)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +96,9 @@ def runs_gemv(num_rows: int, out_features: int) -> bool:
 
 def runs_skinny(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` runs `fp8_skinny_mm` on the codes of
-    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel, where not `runs_gemv`)."""
-    return GEMV_MAX_ROWS < num_rows <= SKINNY_MAX_ROWS and out_features <= SKINNY_MAX_OUT_FEATURES
+    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel): up to SKINNY_MAX_ROWS,
+    where not `runs_gemv`."""
+    return num_rows <= SKINNY_MAX_ROWS and not runs_gemv(num_rows, out_features)
 
 
 def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
