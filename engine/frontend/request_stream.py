@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
+
+import msgspec
 
 from sluice.engine.outputs import Logprobs, RequestOutput
 
@@ -29,7 +30,7 @@ class _Pending:
     def merged(self) -> RequestOutput:
         if len(self.texts) == 1:  # one delta (a reader keeping up): nothing to merge
             return self.latest
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             self.latest,
             token_ids=tuple(self.token_ids),
             text="".join(self.texts),
