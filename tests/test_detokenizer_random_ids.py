@@ -15,6 +15,7 @@ from sluice.engine.loading.default_model import default_model_path
 from sluice.engine.loading.gguf_loader import load_gguf
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
+from sluice.engine.text.stop_strings import StopStringMatcher
 from sluice.engine.text.tokenizer import Tokenizer
 
 MULTI_BYTE_TEXTS = [
@@ -103,3 +104,48 @@ def test_random_ids_concatenate_to_full_decode(
         num_special += any(tokenizer.backend.id_to_token(i) in tokenizer.special_tokens.values() for i in ids)
     # The draws really held split characters and special tokens.
     assert num_split > 0 and num_special > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_random_ids_stop_at_a_stop_string_of_their_text(tokenizer: Tokenizer, chunk: int) -> None:
+    """A stop string drawn from the whole decode (2-4 characters, often a character split across ids or
+    spanning several tokens) ends the text where it first occurs there, and no delta holds any of it."""
+    rng = random.Random(f"{tokenizer.name}:stop:{chunk}")
+    num_stopped = 0
+    for _ in range(NUM_SEQUENCES):
+        ids = random_ids(tokenizer, rng)
+        whole = tokenizer.decode(ids)
+        if len(whole) < 4:
+            continue
+        start = rng.randrange(len(whole) - 3)
+        stop = whole[start : start + rng.randrange(2, 5)]
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=(stop, "\x00never")))
+        deltas = [detok.add_tokens(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+        text = "".join(deltas) + detok.flush()
+        assert (text, detok.stop_string) == (whole[: whole.find(stop)], stop), (ids, stop)
+        assert 0 < detok.num_tokens <= len(ids)
+        num_stopped += 1
+    assert num_stopped > NUM_SEQUENCES // 2
+
+
+def test_stop_string_matcher_on_random_pieces() -> None:
+    """Over a 3-letter alphabet (many partial matches): the emitted text is the input up to the first stop
+    string (the first listed on a tie), and what is held back is exactly the longest suffix that is a proper
+    prefix of a stop string."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rng.choices("abc", k=rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        matcher = StopStringMatcher(stops)
+        text, emitted = "", ""
+        while matcher.matched is None and len(text) < 30:
+            piece = "".join(rng.choices("abc", k=rng.randrange(1, 4)))
+            text += piece
+            emitted += matcher.push(piece)
+            if matcher.matched is None:
+                held = text[len(emitted) :]
+                assert emitted + held == text
+                longest = max((k for s in stops for k in range(len(s)) if text.endswith(s[:k])), default=0)
+                assert len(held) == longest, (stops, text, emitted)
+        if matcher.matched is not None:
+            first = min(stops, key=lambda s: (text.find(s), stops.index(s)) if s in text else (len(text), 0))
+            assert (emitted, matcher.matched) == (text[: text.find(first)], first), (stops, text)

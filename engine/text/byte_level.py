@@ -64,15 +64,20 @@ class ByteLevelStream:
 
     def __init__(self, vocab: ByteLevelVocab, skip_special_tokens: bool) -> None:
         self._token_bytes = vocab.token_bytes_skipping_special if skip_special_tokens else vocab.token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = b""  # the bytes of an incomplete last character
 
     def step(self, token_id: int) -> str:
-        # Sampled ids are never negative; one past the tokenizer's vocabulary (a padded lm_head) is dropped.
+        # What codecs' incremental UTF-8 decoder does, without its Python frame. Sampled ids are never
+        # negative; one past the tokenizer's vocabulary (a padded lm_head) is dropped.
         try:
-            return self._utf8.decode(self._token_bytes[token_id])
+            data = self._held + self._token_bytes[token_id]
         except IndexError:
             return ""
+        text, num_consumed = codecs.utf_8_decode(data, "replace", False)
+        self._held = data[num_consumed:]
+        return text
 
     def flush(self) -> str:
         """The held-back bytes of an incomplete last character, as U+FFFD (as a whole decode shows them)."""
-        return self._utf8.decode(b"", final=True)
+        held, self._held = self._held, b""
+        return codecs.utf_8_decode(held, "replace", True)[0]

@@ -11,7 +11,7 @@ The concatenated deltas (and `flush`) equal `Tokenizer.decode(all_output_ids)`. 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
@@ -41,16 +41,19 @@ class IncrementalDetokenizer:
             if vocab is None
             else ByteLevelStream(vocab, params.skip_special_tokens)
         )
-        self._stops = StopStringMatcher(params.stop)
+        self._stops = StopStringMatcher(params.stop) if params.stop else None
         self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 
     @property
     def stop_string(self) -> str | None:
-        return self._stops.matched
+        return None if self._stops is None else self._stops.matched
 
-    def add_tokens(self, token_ids: Iterable[int]) -> str:
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Feed newly sampled ids; return the text that is safe to emit now."""
         stops, step = self._stops, self._stream.step
+        if stops is None:
+            self.num_tokens += len(token_ids)
+            return step(token_ids[0]) if len(token_ids) == 1 else "".join(map(step, token_ids))
         text = ""
         for token_id in token_ids:
             if stops.matched is not None:
@@ -63,9 +66,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The request ended without a stop string: return everything still held back."""
-        if self._stops.matched is not None:
+        stops = self._stops
+        if stops is None:
+            return self._stream.flush()
+        if stops.matched is not None:
             return ""
-        return self._stops.push(self._stream.flush()) + self._stops.flush()
+        return stops.push(self._stream.flush()) + stops.flush()
 
 
 class _WindowStream:
@@ -79,7 +85,7 @@ class _WindowStream:
         self._ids: list[int] = []
         self._num_undecoded = 0
 
-    def step(self, token_id: int) -> str | None:
+    def step(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
         try:
@@ -93,7 +99,7 @@ class _WindowStream:
             text = self._stream.step(self._backend, token_id)
         if text is None:
             self._num_undecoded += 1
-            return None
+            return ""
         self._num_undecoded = 0
         if len(ids) > _MAX_IDS:  # trimmed now and then, not at every token
             del ids[:-_CONTEXT_IDS]
