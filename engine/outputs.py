@@ -1,14 +1,16 @@
 """What the engine hands back to callers, one `RequestOutput` per step per request.
 
-`RequestOutput`, `Usage` and `Timings` are frozen msgspec structs, not frozen dataclasses: the frontend
-builds one of each per request per step, and a frozen dataclass's `__init__` sets each field through
-`object.__setattr__` (about 2.7 us for the three, against 0.3 us as structs; docs/BENCHMARKS.md). Copy one
-with changes with `msgspec.structs.replace`.
+`RequestOutput`, `Usage`, `Timings` and `EngineStats` are frozen msgspec structs, not frozen dataclasses:
+the frontend builds one of the first three per request per step, the core one `EngineStats` per step, and a
+frozen dataclass's `__init__` sets each field through `object.__setattr__` (about 2.7 us for the three,
+against 0.3 us as structs; docs/BENCHMARKS.md). `EngineStats` crosses to the frontend in every
+`CoreOutputs` message, as an array (no field names: 97 bytes for a one-request step's message instead of
+408). Copy one with changes with `msgspec.structs.replace`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -100,8 +102,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class EngineStats:
+class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -119,7 +120,7 @@ class EngineStats:
     num_accepted_draft_tokens: int = 0
     draft_tokens_per_position: tuple[int, ...] = ()
     accepted_draft_tokens_per_position: tuple[int, ...] = ()
-    extra: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
