@@ -61,6 +61,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, faults: FaultInjector | None = None) -> None:
         self._tokenizer = tokenizer
+        if tokenizer is not None:
+            _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
         self._states: dict[str, _RequestState] = {}  # engine request id -> state
         self._engine_ids: dict[str, list[str]] = {}  # caller's id -> engine ids of its live samples
