@@ -149,3 +149,22 @@ def test_stop_string_matcher_on_random_pieces() -> None:
         if matcher.matched is not None:
             first = min(stops, key=lambda s: (text.find(s), stops.index(s)) if s in text else (len(text), 0))
             assert (emitted, matcher.matched) == (text[: text.find(first)], first), (stops, text)
+
+
+def test_added_tokens_outside_the_byte_alphabet_decode_as_tokenizers_does(tmp_path) -> None:
+    """Added tokens are decoded through the byte-level alphabet when all their characters are in it
+    ("naïve": ï stands for a byte) and as their own UTF-8 otherwise ("<tool call>": the space is not)."""
+    tokenizer = Tokenizer.from_pretrained(build_byte_level_bpe(tmp_path / "bpe"))
+    tokenizer.backend.add_tokens(["<tool call>", "naïve", "😀x"])
+    tokenizer.backend.add_special_tokens(["<|special one|>"])
+    assert tokenizer.byte_level_vocab is not None
+    added = [tokenizer.token_to_id(t) for t in ("<tool call>", "naïve", "😀x", "<|special one|>")]
+    rng = random.Random(3)
+    words = tokenizer.encode("Café 😀 done", add_special_tokens=False)
+    for skip_special_tokens in (True, False):
+        for _ in range(50):
+            ids = [rng.choice(added + words) for _ in range(rng.randrange(1, 12))]
+            deltas, tail = stream(tokenizer, ids, SamplingParams(skip_special_tokens=skip_special_tokens), 1)
+            assert "".join(deltas) + tail == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), (
+                ids
+            )
