@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
+
+import msgspec
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.async_engine import AsyncEngine
@@ -148,8 +149,8 @@ class GenerationRunner:
             if final is None and cancelled:
                 final = _aborted(last, engine_request_id)
             if final is not None and final.usage is not None and params.n > 1:
-                usage = dataclasses.replace(final.usage, completion_tokens=num_completion_tokens)
-                final = dataclasses.replace(final, usage=usage)
+                usage = msgspec.structs.replace(final.usage, completion_tokens=num_completion_tokens)
+                final = msgspec.structs.replace(final, usage=usage)
             tracker.finish(final)
             self._tracer.finish(span, final, error)
 
@@ -175,4 +176,4 @@ def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
     """The final output of a request whose caller left: its latest usage, finish_reason "abort"."""
     if last is None:
         return RequestOutput(request_id=request_id, token_ids=(), text="", finish_reason="abort")
-    return dataclasses.replace(last, token_ids=(), text="", logprobs=(), finish_reason="abort")
+    return msgspec.structs.replace(last, token_ids=(), text="", logprobs=(), finish_reason="abort")

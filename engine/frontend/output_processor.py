@@ -61,6 +61,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, faults: FaultInjector | None = None) -> None:
         self._tokenizer = tokenizer
+        if tokenizer is not None:
+            _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
         self._states: dict[str, _RequestState] = {}  # engine request id -> state
         self._engine_ids: dict[str, list[str]] = {}  # caller's id -> engine ids of its live samples
@@ -104,19 +106,27 @@ class OutputProcessor:
         """One `RequestOutput` per core output of a request still tracked here (and, when sample 0 of an
         n-sample request ended without ever running, one for each of its unsent samples)."""
         processed = ProcessedOutputs()
+        states, samples = self._states, self._samples
         for core_output in core_outputs:
-            if core_output.request_id not in self._states:
+            state = states.get(core_output.request_id)
+            if state is None:
                 continue  # ended here already (stop string); the core's abort echo is dropped
-            to_add, ended_alike = self._samples.on_output(core_output)
-            processed.to_add += to_add
-            for one in (core_output, *ended_alike):
-                output = self._process_one(self._states[one.request_id], one)
-                if output.finished:
-                    self._forget(one.request_id)
-                    if not one.finished:
-                        processed.to_abort.append(one.request_id)
-                processed.outputs.append(output)
+            ended_alike: Sequence[CoreOutput] = ()
+            if samples.num_waiting:
+                to_add, ended_alike = samples.on_output(core_output)
+                processed.to_add += to_add
+            self._emit(processed, state, core_output)
+            for one in ended_alike:
+                self._emit(processed, states[one.request_id], one)
         return processed
+
+    def _emit(self, processed: ProcessedOutputs, state: _RequestState, core_output: CoreOutput) -> None:
+        output = self._process_one(state, core_output)
+        processed.outputs.append(output)
+        if output.finish_reason is not None:
+            self._forget(core_output.request_id)
+            if core_output.finish_reason is None:
+                processed.to_abort.append(core_output.request_id)
 
     def _forget(self, engine_id: str) -> None:
         state = self._states.pop(engine_id)
@@ -146,12 +156,15 @@ class OutputProcessor:
         finished_time = core_output.finished_time
         if finish_reason is not None and finished_time is None:
             finished_time = time.time()
-        tool_calls = self._tool_calls(state, text, finished=finish_reason is not None)
+        token_ids, logprobs = core_output.new_token_ids, core_output.new_logprobs
+        if num_taken < len(token_ids):
+            token_ids, logprobs = token_ids[:num_taken], logprobs[:num_taken]
+        prompt_logprobs = core_output.prompt_logprobs
         return RequestOutput(
             request_id=state.request_id,
-            token_ids=tuple(core_output.new_token_ids[:num_taken]),
+            token_ids=tuple(token_ids),
             text=text,
-            logprobs=tuple(core_output.new_logprobs[:num_taken]),
+            logprobs=tuple(logprobs) if logprobs else (),
             finish_reason=finish_reason,
             stop_reason=stop_reason if finish_reason is not None else None,
             error=error,
@@ -168,14 +181,14 @@ class OutputProcessor:
             ),
             num_preemptions=core_output.num_preemptions,
             invalid_field=core_output.invalid_field,
-            tool_calls=tool_calls,
+            tool_calls=()
+            if state.tool_use is None
+            else self._tool_calls(state, text, finish_reason is not None),
             index=state.index,
-            prompt_logprobs=tuple(core_output.prompt_logprobs or ()),
+            prompt_logprobs=() if prompt_logprobs is None else tuple(prompt_logprobs),
         )
 
     def _tool_calls(self, state: _RequestState, text: str, finished: bool) -> tuple[ToolCall, ...]:
-        if state.tool_use is None:
-            return ()
         state.text += text
         return state.tool_use.parse(state.text) if finished else ()
 
@@ -189,6 +202,6 @@ class OutputProcessor:
             return "", None, len(core_output.new_token_ids)
         num_before = detokenizer.num_tokens
         text = detokenizer.add_tokens(core_output.new_token_ids)
-        if detokenizer.stop_string is None and core_output.finished:
+        if core_output.finish_reason is not None and detokenizer.stop_string is None:
             text += detokenizer.flush()
         return text, detokenizer.stop_string, detokenizer.num_tokens - num_before

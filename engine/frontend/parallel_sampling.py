@@ -54,6 +54,11 @@ class ParallelSampling:
         self._waiting[first.request_id] = rest
         return first
 
+    @property
+    def num_waiting(self) -> int:
+        """n-sample requests whose sample 0 has not answered yet (`on_output` has nothing to do when 0)."""
+        return len(self._waiting)
+
     def on_output(self, output: CoreOutput) -> tuple[list[AddRequest], list[CoreOutput]]:
         """On sample 0's first output: the samples to send now, or, when sample 0 ended without a token
         having never run or been aborted, the last outputs of the others (its finish reason, error and

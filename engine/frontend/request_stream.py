@@ -3,38 +3,38 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 
-from sluice.engine.outputs import Logprobs, RequestOutput
+import msgspec
+
+from sluice.engine.outputs import RequestOutput
 
 
 class _Pending:
-    """One sample's deltas not yet read, merged."""
+    """One sample's deltas not yet read, merged when read (a reader keeping up reads them one by one)."""
 
     def __init__(self) -> None:
-        self.latest: RequestOutput | None = None
-        self.token_ids: list[int] = []
-        self.texts: list[str] = []
-        self.logprobs: list[Logprobs] = []
-        self.prompt_logprobs: tuple[Logprobs, ...] = ()
+        self.outputs: list[RequestOutput] = []
+        self.num_tokens = 0
+
+    @property
+    def latest(self) -> RequestOutput:
+        return self.outputs[-1]
 
     def add(self, output: RequestOutput) -> None:
-        self.latest = output
-        self.token_ids.extend(output.token_ids)
-        self.texts.append(output.text)
-        self.logprobs.extend(output.logprobs)
-        self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
+        self.outputs.append(output)
+        self.num_tokens += len(output.token_ids)
 
     def merged(self) -> RequestOutput:
-        if len(self.texts) == 1:  # one delta (a reader keeping up): nothing to merge
-            return self.latest
-        return dataclasses.replace(
-            self.latest,
-            token_ids=tuple(self.token_ids),
-            text="".join(self.texts),
-            logprobs=tuple(self.logprobs),
-            prompt_logprobs=self.prompt_logprobs,
+        outputs = self.outputs
+        if len(outputs) == 1:
+            return outputs[0]
+        return msgspec.structs.replace(
+            outputs[-1],
+            token_ids=tuple(t for o in outputs for t in o.token_ids),
+            text="".join(o.text for o in outputs),
+            logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+            prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
         )
 
 
@@ -55,7 +55,9 @@ class OutputCollector:
         self._error: BaseException | None = None
 
     def put(self, output: RequestOutput) -> None:
-        pending = self._pending.setdefault(output.index, _Pending())
+        pending = self._pending.get(output.index)
+        if pending is None:
+            pending = self._pending[output.index] = _Pending()
         pending.add(output)
         if self._is_ready(pending):
             self._ready.set()
@@ -79,9 +81,7 @@ class OutputCollector:
 
     def _is_ready(self, pending: _Pending) -> bool:
         return (
-            self._error is not None
-            or pending.latest.finished
-            or len(pending.token_ids) >= self._stream_interval
+            self._error is not None or pending.latest.finished or pending.num_tokens >= self._stream_interval
         )
 
 

@@ -1,18 +1,23 @@
 """Streaming token ids -> text deltas, with stop strings.
 
-Decoding uses `tokenizers.decoders.DecodeStream`, which re-decodes a short window of recent ids and emits
-only the new suffix once it does not end in a partial UTF-8 character (U+FFFD). That handles byte-level BPE,
-SentencePiece byte fallback and SentencePiece's leading-space rule alike, so the concatenated deltas equal
-`Tokenizer.decode(all_output_ids)`.
+The concatenated deltas (and `flush`) equal `Tokenizer.decode(all_output_ids)`. Two ways to get there:
+
+- byte-level BPE tokenizers (decoder `ByteLevel` alone): a table of each id's bytes and an incremental
+  UTF-8 decoder (`sluice.engine.text.byte_level`), the fast path;
+- any other (SentencePiece's byte fallback and leading-space rule, WordPiece, ...):
+  `tokenizers.decoders.DecodeStream`, which re-decodes a short window of recent ids and emits only the new
+  suffix once it does not end in a partial UTF-8 character (U+FFFD).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
+import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.byte_level import ByteLevelStream
 from sluice.engine.text.stop_strings import StopStringMatcher
 from sluice.engine.text.tokenizer import Tokenizer
 
@@ -30,40 +35,57 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self._backend = tokenizer.backend
-        self._skip_special_tokens = params.skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
-        self._stops = StopStringMatcher(params.stop)
-        # _ids: recent ids; the last _num_undecoded of them produced no text yet (partial character).
-        self._ids: list[int] = []
-        self._num_undecoded = 0
+        vocab = tokenizer.byte_level_vocab
+        self._stream: ByteLevelStream | _WindowStream = (
+            _WindowStream(tokenizer.backend, params.skip_special_tokens)
+            if vocab is None
+            else ByteLevelStream(vocab, params.skip_special_tokens)
+        )
+        self._stops = StopStringMatcher(params.stop) if params.stop else None
         self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 
     @property
     def stop_string(self) -> str | None:
-        return self._stops.matched
+        return None if self._stops is None else self._stops.matched
 
-    def add_tokens(self, token_ids: Iterable[int]) -> str:
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Feed newly sampled ids; return the text that is safe to emit now."""
-        stops = self._stops
-        pieces = []
+        stops, step = self._stops, self._stream.step
+        if stops is None:
+            self.num_tokens += len(token_ids)
+            return step(token_ids[0]) if len(token_ids) == 1 else "".join(map(step, token_ids))
+        text = ""
         for token_id in token_ids:
             if stops.matched is not None:
                 break
             self.num_tokens += 1
-            text = self._step(token_id)
-            if text:
-                pieces.append(stops.push(text))
-        return pieces[0] if len(pieces) == 1 else "".join(pieces)
+            piece = step(token_id)
+            if piece:
+                text += stops.push(piece)
+        return text
 
     def flush(self) -> str:
         """The request ended without a stop string: return everything still held back."""
-        if self._stops.matched is not None:
+        stops = self._stops
+        if stops is None:
+            return self._stream.flush()
+        if stops.matched is not None:
             return ""
-        tail = self._decode_undecoded_tail()
-        return self._stops.push(tail) + self._stops.flush()
+        return stops.push(self._stream.flush()) + stops.flush()
 
-    def _step(self, token_id: int) -> str | None:
+
+class _WindowStream:
+    """`DecodeStream`, plus the recent ids to decode a tail left incomplete at the end."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # _ids: recent ids; the last _num_undecoded of them produced no text yet (partial character).
+        self._ids: list[int] = []
+        self._num_undecoded = 0
+
+    def step(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
         try:
@@ -77,17 +99,17 @@ class IncrementalDetokenizer:
             text = self._stream.step(self._backend, token_id)
         if text is None:
             self._num_undecoded += 1
-            return None
+            return ""
         self._num_undecoded = 0
         if len(ids) > _MAX_IDS:  # trimmed now and then, not at every token
             del ids[:-_CONTEXT_IDS]
         return text
 
-    def _decode_undecoded_tail(self) -> str:
+    def flush(self) -> str:
+        """The undecoded tail, decoded after a little context (an incomplete character comes out as
+        U+FFFD, exactly as a whole decode of the output shows it)."""
         if self._num_undecoded == 0:
             return ""
-        # Decode the tail after a little context and keep what the context did not produce; an incomplete
-        # character comes out as U+FFFD, exactly as a whole decode of the output shows it.
         end = len(self._ids) - self._num_undecoded
         context = self._ids[max(0, end - _CONTEXT_IDS) : end]
         decode = lambda ids: self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)

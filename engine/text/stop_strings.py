@@ -49,10 +49,14 @@ class StopStringMatcher:
         return best_at, best
 
     def _partial_suffix_len(self, text: str) -> int:
+        # Only a suffix starting with a stop string's first character can be a prefix of it, so each stop
+        # string costs one `find` over the last (its length - 1) characters when that character is absent.
         longest = 0
         for stop in self.stop_strings:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
+            at = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+            while at != -1 and len(text) - at > longest:
+                if stop.startswith(text[at:]):
+                    longest = len(text) - at
                     break
+                at = text.find(stop[0], at + 1)
         return longest

@@ -8,6 +8,7 @@ transformers' `clean_up_tokenization_spaces`, so streamed text and whole decodes
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import tokenizers
 from tokenizers import processors
 
 from sluice.engine.errors import InvalidRequestError
+from sluice.engine.text.byte_level import ByteLevelVocab
 from sluice.engine.text.chat_template import ChatTemplate
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -130,6 +132,12 @@ class Tokenizer:
             name=spec.name,
             special_tokens=spec.special_tokens,
         )
+
+    @functools.cached_property
+    def byte_level_vocab(self) -> ByteLevelVocab | None:
+        """Each id's bytes, for streaming decode by table, when the tokenizer is byte-level BPE; else None.
+        Built on first use (tens of milliseconds for a 150k vocabulary)."""
+        return ByteLevelVocab.of(self.backend)
 
     @property
     def vocab_size(self) -> int:
