@@ -116,6 +116,7 @@ async def test_the_core_process_is_started_with_the_core_environment(engine):
     expected = core_process_environment(os.environ)
     assert core_environ.get("GOMP_SPINCOUNT") == expected.get("GOMP_SPINCOUNT")
     assert core_environ.get("OMP_WAIT_POLICY") == expected.get("OMP_WAIT_POLICY")
+    assert core_environ.get("GLIBC_TUNABLES") == expected["GLIBC_TUNABLES"]
 
 
 async def test_a_slow_reader_gets_merged_outputs_equal_to_the_offline_engine(engine, llama_long_dir):

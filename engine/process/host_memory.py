@@ -7,6 +7,15 @@ back on free, so every step pays the kernel to fault in and zero its buffers aga
 memory for reuse (what vLLM's and IPEX's CPU guides get by preloading tcmalloc or jemalloc), at the cost of
 holding on to the peak of a step's temporaries. `freeze_gc_heap` takes what loading left alive out of the
 garbage collector's reach.
+
+Serving from the heap needs glibc's per-thread cache (tcache) off in that process: torch allocates with
+posix_memalign, whose spare tail (a few dozen bytes) goes into the tcache, where it stays marked in use, so
+the freed block next to it is never merged back into the heap's top; a block of the same size asked for
+again then came from fresh memory, faulted in afresh (glibc 2.36-9+deb12u14: a 64 MiB block freed and asked
+for again 50 times left the heap 384 MiB larger). The tcache is set when a process starts, so the engine
+core process is started with `MALLOC_TUNABLES` in its environment (`with_malloc_tunables`, through
+`threads.core_process_environment`); a benchmark that calls `retain_freed_memory` in its own process should
+be started with it too. Small allocations without the tcache measured no slower here (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +37,18 @@ TRIM_THRESHOLD = 1 << 30  # free heap top kept up to 1 GiB
 # mapped afresh each step unless the heap happened to hold a free chunk that size (the 50 MB logits of a
 # 256-sequence decode: in one process out of two, 12,300 page faults a step).
 MMAP_MAX = 0
+
+
+MALLOC_TUNABLES = "glibc.malloc.tcache_count=0"
+
+
+def with_malloc_tunables(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with MALLOC_TUNABLES added to GLIBC_TUNABLES (kept where it sets tcache_count itself)."""
+    env = dict(environ)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.tcache_count=" not in tunables:
+        env["GLIBC_TUNABLES"] = f"{tunables}:{MALLOC_TUNABLES}" if tunables else MALLOC_TUNABLES
+    return env
 
 
 def retain_freed_memory() -> bool:

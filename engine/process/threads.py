@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from sluice.engine.process.host_memory import with_malloc_tunables
+
 # Spins of a waiting OpenMP thread before it sleeps, in the engine core process (libgomp's default: 300,000).
 CORE_GOMP_SPINCOUNT = "1000"
 
@@ -46,8 +48,9 @@ def configure_torch_threads(num_threads: int | None) -> int:
 
 def core_process_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment to start the engine core process with: `environ` plus GOMP_SPINCOUNT (a short
-    spin), unless `environ` sets OMP_WAIT_POLICY or GOMP_SPINCOUNT itself."""
-    env = dict(environ)
+    spin), unless `environ` sets OMP_WAIT_POLICY or GOMP_SPINCOUNT itself, and glibc's malloc tunables for
+    reusing freed memory (`host_memory.with_malloc_tunables`)."""
+    env = with_malloc_tunables(environ)
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = CORE_GOMP_SPINCOUNT
     return env
