@@ -82,6 +82,13 @@ class Scheduler:
         self._next_seq = itertools.count()
         self._finished_since_schedule: list[str] = []
         self._num_preemptions = 0
+        # Request id -> its block table as allocate_slots last returned it. A decode whose table has room
+        # reuses it: no KV-manager call, and the same tuple object each step (the runner's persistent
+        # batch sees at once that it is unchanged). Dropped wherever the table can change other than by
+        # growing: freed (finish, preemption), rejected drafts' blocks freed. Not kept with a window:
+        # the window frees blocks as the request advances.
+        self._tables: dict[str, tuple[int, ...]] = {}
+        self._keeps_tables = sliding_window is None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -213,6 +220,7 @@ class Scheduler:
             self._finish(request, status)
         elif num_drafts:
             self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
+            self._tables.pop(request.request_id, None)
 
     # ---- what a step's result applies to (async scheduling overrides these: async_scheduler.py) ----
 
@@ -254,7 +262,7 @@ class Scheduler:
                 continue
             spec = self._spec_tokens(request, num_new, plan.token_budget)
             # Drafts never preempt anyone: without free blocks for them the request just decodes.
-            block_ids = self.kv.allocate_slots(request, num_new + len(spec)) if spec else None
+            block_ids = self._allocate_slots(request, num_new + len(spec)) if spec else None
             if block_ids is None:
                 spec = ()
                 block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -278,13 +286,23 @@ class Scheduler:
         """Blocks for `num_new` more tokens, preempting the worst running requests until they fit.
         None if `request` itself was the one preempted."""
         while True:
-            block_ids = self.kv.allocate_slots(request, num_new)
+            block_ids = self._allocate_slots(request, num_new)
             if block_ids is not None:
                 return block_ids
             victim = self._worst_running()
             self._preempt(victim, plan)
             if victim is request:
                 return None
+
+    def _allocate_slots(self, request: Request, num_new: int) -> tuple[int, ...] | None:
+        """`kv.allocate_slots` for a running request, skipped when its table already has room."""
+        table = self._tables.get(request.request_id)
+        if table is not None and request.num_computed_tokens + num_new <= len(table) * self.block_size:
+            return table
+        table = self.kv.allocate_slots(request, num_new)
+        if table is not None and self._keeps_tables:
+            self._tables[request.request_id] = table
+        return table
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in queue order while budget, sequences and blocks allow.
@@ -321,6 +339,8 @@ class Scheduler:
         request.num_computed_tokens = hit.num_tokens
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
+        if self._keeps_tables:
+            self._tables[request.request_id] = block_ids
         plan.add(request.request_id, num_new, block_ids)
 
     def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
@@ -338,6 +358,7 @@ class Scheduler:
         request_id = request.request_id
         del self._running[request_id]
         self.kv.free(request_id)
+        self._tables.pop(request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -386,6 +407,7 @@ class Scheduler:
         if self._running.pop(request_id, None) is None:
             self._waiting.remove(request)
         self.kv.free(request_id)
+        self._tables.pop(request_id, None)
         request.status = status
         request.times.finished = time.time()
         del self._requests[request_id]
