@@ -102,9 +102,6 @@ def instrument(engine: Engine, clock: PhaseClock) -> None:
     core = engine.core
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.model_runner.graph_runner, "run", "forward")
-    input_batch = getattr(core.model_runner, "input_batch", None)
-    if input_batch is not None:  # the runner's persistent batch (before it: build_model_inputs, below)
-        clock.wrap(input_batch, "build", "inputs")
     clock.wrap(core.model_runner.model, "compute_logits", "forward")
     clock.wrap(core, "_sample", "sample")
     clock.wrap(core, "_finish_in_flight" if core.config.async_scheduling else "_update", "update")

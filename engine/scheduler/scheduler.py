@@ -78,6 +78,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting = RequestQueue()
         self._running: dict[str, Request] = {}
+        self._run_order: list[Request] | None = None  # _running sorted by _order_key; None: changed since
         self._seq: dict[str, int] = {}  # insertion sequence, the last tie-breaker
         self._next_seq = itertools.count()
         self._finished_since_schedule: list[str] = []
@@ -185,7 +186,8 @@ class Scheduler:
             request = self._slice_owner(scheduled)
             if request is None:
                 continue
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if not scheduled.sample:
                 self._chunk_computed(request, scheduled)
                 continue
@@ -252,7 +254,9 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes and continuing prefill chunks, best priority first; preempts when blocks run out."""
-        for request in sorted(self._running.values(), key=self._order_key):
+        if self._run_order is None:
+            self._run_order = sorted(self._running.values(), key=self._order_key)
+        for request in self._run_order:
             if plan.token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -339,6 +343,7 @@ class Scheduler:
         request.num_computed_tokens = hit.num_tokens
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
+        self._run_order = None
         if self._keeps_tables:
             self._tables[request.request_id] = block_ids
         plan.add(request.request_id, num_new, block_ids)
@@ -357,6 +362,7 @@ class Scheduler:
         """Recompute-style preemption: free the blocks, keep the outputs, requeue in the original place."""
         request_id = request.request_id
         del self._running[request_id]
+        self._run_order = None
         self.kv.free(request_id)
         self._tables.pop(request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -378,24 +384,26 @@ class Scheduler:
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = []
+        requests, block_ids, spec_token_ids = self._requests, plan.block_ids, plan.spec_token_ids
+        token_ids, num_tokens = self._token_ids, self._num_tokens
         for request_id, num_new in plan.num_new_tokens.items():
-            request = self._requests[request_id]
+            request = requests[request_id]
             start = request.num_computed_tokens
-            scheduled.append(
+            end = start + num_new
+            scheduled.append(  # positional: request_id, token_ids, start_position, block_ids, sample, spec
                 ScheduledRequest(
-                    request_id=request_id,
-                    token_ids=self._token_ids(request, start, start + num_new),
-                    start_position=start,
-                    block_ids=plan.block_ids[request_id],
-                    sample=start + num_new == self._num_tokens(request),
-                    spec_token_ids=plan.spec_token_ids[request_id],
+                    request_id,
+                    token_ids(request, start, end),
+                    start,
+                    block_ids[request_id],
+                    end == num_tokens(request),
+                    spec_token_ids[request_id],
                 )
             )
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_batched_tokens=sum(plan.num_new_tokens.values())
-            + sum(len(spec) for spec in plan.spec_token_ids.values()),
+            num_batched_tokens=self.config.max_num_batched_tokens - plan.token_budget,
             preempted_request_ids=tuple(plan.preempted),
             finished_request_ids=tuple(finished),
         )
@@ -406,6 +414,8 @@ class Scheduler:
         request_id = request.request_id
         if self._running.pop(request_id, None) is None:
             self._waiting.remove(request)
+        else:
+            self._run_order = None
         self.kv.free(request_id)
         self._tables.pop(request_id, None)
         request.status = status

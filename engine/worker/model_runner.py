@@ -28,7 +28,6 @@ from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs
 from sluice.engine.worker.jit_watch import JitCompileWatch
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
-from sluice.engine.worker.persistent_batch import PersistentInputBatch
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -121,7 +120,6 @@ class ModelRunner:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.graph_runner.capture()
-        self.input_batch = PersistentInputBatch(self.block_size, config.scheduler.max_num_seqs, self.device)
         if self.device.type == "cuda":
             self._warm_up_prefill_tiles()
             JitCompileWatch().install()  # from here on, a Triton compile stalls a step: logged
@@ -193,7 +191,7 @@ class ModelRunner:
         slices: Sequence[PromptLogprobsSlice],
         sampled_before: SampledTokenIds | None,
     ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
-        inputs = self.input_batch.build(out)
+        inputs = build_model_inputs(out, self.block_size, self.device)
         if sampled_before is not None:
             fill_placeholders(inputs.input_ids, out, sampled_before)
         hidden = self.graph_runner.run(inputs)
