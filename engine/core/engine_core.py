@@ -339,14 +339,18 @@ class EngineCore:
     ) -> list[tuple[Request, list[SampledToken]]]:
         """The scheduler takes the sampled tokens; returns each request that got tokens with those it
         kept (a token stop in the middle of a run drops the rest)."""
-        num_before = {}
-        for s in scheduler_output.scheduled:
-            request = self.scheduler.get_request(s.request_id)
+        num_before = {}  # of the requests that got several tokens: a stop may cut the run
+        token_ids = {}
+        for request_id, tokens in sampled.items():
+            token_ids[request_id] = [t.token_id for t in tokens]
+            request = self.scheduler.get_request(request_id) if len(tokens) > 1 else None
             if request is not None:
-                num_before[s.request_id] = request.num_output_tokens
-        token_ids = {request_id: [t.token_id for t in tokens] for request_id, tokens in sampled.items()}
-        updated = self.scheduler.update_from_output(scheduler_output, token_ids)
-        return [(r, sampled[r.request_id][: r.num_output_tokens - num_before[r.request_id]]) for r in updated]
+                num_before[request_id] = request.num_output_tokens
+        kept = []
+        for request in self.scheduler.update_from_output(scheduler_output, token_ids):
+            tokens, before = sampled[request.request_id], num_before.get(request.request_id)
+            kept.append((request, tokens if before is None else tokens[: request.num_output_tokens - before]))
+        return kept
 
     def _inject_faults(self, place: str, request_ids: Iterable[str]) -> None:
         """`SLUICE_INJECT_FAULT` (tests of failure handling): raises at `place` for marked requests."""
@@ -408,6 +412,8 @@ class EngineCore:
         """Prompt tokens computed (prefill work, after prefix-cache hits)."""
         for scheduled in scheduler_output.scheduled:
             request = self.scheduler.get_request(scheduled.request_id)
+            if scheduled.start_position >= request.num_prompt_tokens:
+                continue  # past the prompt (a decode): no prompt token
             prompt_end = min(scheduled.seq_len, request.num_prompt_tokens)
             num_prompt = max(0, prompt_end - scheduled.start_position)
             request.num_prompt_tokens_computed += num_prompt

@@ -78,10 +78,18 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting = RequestQueue()
         self._running: dict[str, Request] = {}
+        self._run_order: list[Request] | None = None  # _running sorted by _order_key; None: changed since
         self._seq: dict[str, int] = {}  # insertion sequence, the last tie-breaker
         self._next_seq = itertools.count()
         self._finished_since_schedule: list[str] = []
         self._num_preemptions = 0
+        # Request id -> its block table as allocate_slots last returned it. A decode whose table has room
+        # reuses it: no KV-manager call, and the same tuple object each step (the runner's persistent
+        # batch sees at once that it is unchanged). Dropped wherever the table can change other than by
+        # growing: freed (finish, preemption), rejected drafts' blocks freed. Not kept with a window:
+        # the window frees blocks as the request advances.
+        self._tables: dict[str, tuple[int, ...]] = {}
+        self._keeps_tables = sliding_window is None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -178,7 +186,8 @@ class Scheduler:
             request = self._slice_owner(scheduled)
             if request is None:
                 continue
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if not scheduled.sample:
                 self._chunk_computed(request, scheduled)
                 continue
@@ -213,6 +222,7 @@ class Scheduler:
             self._finish(request, status)
         elif num_drafts:
             self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
+            self._tables.pop(request.request_id, None)
 
     # ---- what a step's result applies to (async scheduling overrides these: async_scheduler.py) ----
 
@@ -244,7 +254,9 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes and continuing prefill chunks, best priority first; preempts when blocks run out."""
-        for request in sorted(self._running.values(), key=self._order_key):
+        if self._run_order is None:
+            self._run_order = sorted(self._running.values(), key=self._order_key)
+        for request in self._run_order:
             if plan.token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -254,7 +266,7 @@ class Scheduler:
                 continue
             spec = self._spec_tokens(request, num_new, plan.token_budget)
             # Drafts never preempt anyone: without free blocks for them the request just decodes.
-            block_ids = self.kv.allocate_slots(request, num_new + len(spec)) if spec else None
+            block_ids = self._allocate_slots(request, num_new + len(spec)) if spec else None
             if block_ids is None:
                 spec = ()
                 block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -278,13 +290,23 @@ class Scheduler:
         """Blocks for `num_new` more tokens, preempting the worst running requests until they fit.
         None if `request` itself was the one preempted."""
         while True:
-            block_ids = self.kv.allocate_slots(request, num_new)
+            block_ids = self._allocate_slots(request, num_new)
             if block_ids is not None:
                 return block_ids
             victim = self._worst_running()
             self._preempt(victim, plan)
             if victim is request:
                 return None
+
+    def _allocate_slots(self, request: Request, num_new: int) -> tuple[int, ...] | None:
+        """`kv.allocate_slots` for a running request, skipped when its table already has room."""
+        table = self._tables.get(request.request_id)
+        if table is not None and request.num_computed_tokens + num_new <= len(table) * self.block_size:
+            return table
+        table = self.kv.allocate_slots(request, num_new)
+        if table is not None and self._keeps_tables:
+            self._tables[request.request_id] = table
+        return table
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in queue order while budget, sequences and blocks allow.
@@ -321,6 +343,9 @@ class Scheduler:
         request.num_computed_tokens = hit.num_tokens
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
+        self._run_order = None
+        if self._keeps_tables:
+            self._tables[request.request_id] = block_ids
         plan.add(request.request_id, num_new, block_ids)
 
     def _preempt_for(self, request: Request, plan: _StepPlan) -> bool:
@@ -337,7 +362,9 @@ class Scheduler:
         """Recompute-style preemption: free the blocks, keep the outputs, requeue in the original place."""
         request_id = request.request_id
         del self._running[request_id]
+        self._run_order = None
         self.kv.free(request_id)
+        self._tables.pop(request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -357,24 +384,26 @@ class Scheduler:
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = []
+        requests, block_ids, spec_token_ids = self._requests, plan.block_ids, plan.spec_token_ids
+        token_ids, num_tokens = self._token_ids, self._num_tokens
         for request_id, num_new in plan.num_new_tokens.items():
-            request = self._requests[request_id]
+            request = requests[request_id]
             start = request.num_computed_tokens
-            scheduled.append(
+            end = start + num_new
+            scheduled.append(  # positional: request_id, token_ids, start_position, block_ids, sample, spec
                 ScheduledRequest(
-                    request_id=request_id,
-                    token_ids=self._token_ids(request, start, start + num_new),
-                    start_position=start,
-                    block_ids=plan.block_ids[request_id],
-                    sample=start + num_new == self._num_tokens(request),
-                    spec_token_ids=plan.spec_token_ids[request_id],
+                    request_id,
+                    token_ids(request, start, end),
+                    start,
+                    block_ids[request_id],
+                    end == num_tokens(request),
+                    spec_token_ids[request_id],
                 )
             )
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         return SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_batched_tokens=sum(plan.num_new_tokens.values())
-            + sum(len(spec) for spec in plan.spec_token_ids.values()),
+            num_batched_tokens=self.config.max_num_batched_tokens - plan.token_budget,
             preempted_request_ids=tuple(plan.preempted),
             finished_request_ids=tuple(finished),
         )
@@ -385,7 +414,10 @@ class Scheduler:
         request_id = request.request_id
         if self._running.pop(request_id, None) is None:
             self._waiting.remove(request)
+        else:
+            self._run_order = None
         self.kv.free(request_id)
+        self._tables.pop(request_id, None)
         request.status = status
         request.times.finished = time.time()
         del self._requests[request_id]

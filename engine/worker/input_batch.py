@@ -56,28 +56,33 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
     slot_mapping: list[int] = []
     query_start_loc = [0]
     logits_indices: list[int] = []
+    seq_lens_list: list[int] = []
     for req in out.scheduled:
-        if len(req.block_ids) * block_size < req.seq_len:
+        table, drafts = req.block_ids, req.spec_token_ids
+        seq_len = req.start_position + len(req.token_ids) + len(drafts)
+        if len(table) * block_size < seq_len:
             raise ValueError(
-                f"block_ids: request {req.request_id!r} has {len(req.block_ids)} blocks of {block_size}, "
-                f"too few for {req.seq_len} tokens"
+                f"block_ids: request {req.request_id!r} has {len(table)} blocks of {block_size}, "
+                f"too few for {seq_len} tokens"
             )
-        input_ids.extend(req.token_ids)
-        input_ids.extend(req.spec_token_ids)
-        for pos in range(req.start_position, req.seq_len):
+        input_ids += req.token_ids
+        if drafts:
+            input_ids += drafts
+        for pos in range(req.start_position, seq_len):
             positions.append(pos)
-            slot_mapping.append(req.block_ids[pos // block_size] * block_size + pos % block_size)
+            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         query_start_loc.append(len(input_ids))
+        seq_lens_list.append(seq_len)
         if req.sample:
-            num_rows = len(req.spec_token_ids) + 1
-            logits_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
+            logits_indices += range(len(input_ids) - len(drafts) - 1, len(input_ids))
     max_num_blocks = max(len(req.block_ids) for req in out.scheduled)
     block_tables: list[int] = []
     for req in out.scheduled:
-        block_tables.extend(req.block_ids)
-        block_tables.extend([0] * (max_num_blocks - len(req.block_ids)))
-    query_lens = tuple(req.num_tokens for req in out.scheduled)
-    seq_lens = tuple(req.seq_len for req in out.scheduled)
+        block_tables += req.block_ids
+        if len(req.block_ids) < max_num_blocks:
+            block_tables += [0] * (max_num_blocks - len(req.block_ids))
+    query_lens = tuple(b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:], strict=True))
+    seq_lens = tuple(seq_lens_list)
     # One tensor per dtype, each input a view of it: a torch.tensor call costs more than a batch-1
     # step's lists, and on CUDA each is one copy to the device, not seven. Every view starts on a 16-byte
     # boundary: Triton specializes its kernels on pointer alignment, so a view at an odd offset (positions
