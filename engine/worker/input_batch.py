@@ -92,7 +92,7 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
         (input_ids, positions, slot_mapping, logits_indices), torch.int64, device
     )
     int32, (starts_at, seq_lens_at, tables_at) = _packed(
-        (query_start_loc, list(seq_lens), block_tables), torch.int32, device
+        (query_start_loc, seq_lens_list, block_tables), torch.int32, device
     )
     metadata = AttentionMetadata(
         slot_mapping=int64[slots_at : slots_at + num_tokens],
