@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -204,6 +205,38 @@ def bench_linear(
     return results
 
 
+def _fastest(
+    row: Row,
+    kernel: Callable[..., torch.Tensor],
+    candidates: Sequence[Any],
+    default: Any,
+    default_s: float,
+    weights: Weights,
+    want: torch.Tensor,
+    device: torch.device,
+    deadline: float,
+) -> tuple[Any, float]:
+    """The fastest of `default` (timed: default_s) and `candidates` for `kernel(*weight, config=...)`
+    (on CPU only the first two), each candidate's output checked, until the deadline."""
+    best, best_s = default, default_s
+    for config in candidates if device.type == "cuda" else candidates[:2]:
+        if time.monotonic() > deadline:
+            break
+        if config == default:
+            continue
+        try:
+            got = kernel(*weights.fp8[0], config=config)
+        except Exception as error:  # a tile the GPU cannot hold (shared memory): not a candidate
+            print(f"[fp8_linear_bench] {row.linear.name} M={row.rows} {config}: {error}", file=sys.stderr)
+            continue
+        if _rel_diff(got, want) > 0.1:
+            raise AssertionError(f"{row.linear} M={row.rows} {config}: output differs from bf16's")
+        seconds = time_calls_s([partial(kernel, *w, config=config) for w in weights.fp8], device)
+        if seconds < best_s:
+            best, best_s = config, seconds
+    return best, best_s
+
+
 def _sweep(
     row: Row,
     candidates: Sequence[GemvConfig],
@@ -214,44 +247,19 @@ def _sweep(
     deadline: float,
 ) -> None:
     default = gemv_config(row.linear.out_features, row.linear.in_features, device_sm_count(device))
-    row.best, row.best_s = default, row.gemv_s
-    for config in candidates if device.type == "cuda" else candidates[:2]:
-        if time.monotonic() > deadline:
-            return
-        if config == default:
-            continue
-        try:
-            got = fp8_gemv(x, *weights.fp8[0], config=config)
-        except Exception as error:  # a tile the GPU cannot hold (shared memory): not a candidate
-            print(f"[fp8_linear_bench] {row.linear.name} M={row.rows} {config}: {error}", file=sys.stderr)
-            continue
-        if _rel_diff(got, want) > 0.1:
-            raise AssertionError(f"{row.linear} M={row.rows} {config}: output differs from bf16's")
-        seconds = time_calls_s([partial(fp8_gemv, x, *w, config=config) for w in weights.fp8], device)
-        if seconds < row.best_s:
-            row.best, row.best_s = config, seconds
+    kernel = partial(fp8_gemv, x)
+    row.best, row.best_s = _fastest(
+        row, kernel, candidates, default, row.gemv_s, weights, want, device, deadline
+    )
 
 
 def _sweep_skinny(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
 ) -> None:
     default = skinny_config(row.linear.out_features, row.linear.in_features, device_sm_count(device))
-    row.skinny_best, row.skinny_best_s = default, row.skinny_s
-    for config in SKINNY_SWEEP if device.type == "cuda" else SKINNY_SWEEP[:2]:
-        if time.monotonic() > deadline:
-            return
-        if config == default:
-            continue
-        try:
-            got = _skinny(x, *weights.fp8[0], config)
-        except Exception as error:  # a config the GPU cannot hold (shared memory): not a candidate
-            print(f"[fp8_linear_bench] {row.linear.name} M={row.rows} {config}: {error}", file=sys.stderr)
-            continue
-        if _rel_diff(got, want) > 0.1:
-            raise AssertionError(f"{row.linear} M={row.rows} {config}: output differs from bf16's")
-        seconds = time_calls_s([partial(_skinny, x, *w, config) for w in weights.fp8], device)
-        if seconds < row.skinny_best_s:
-            row.skinny_best, row.skinny_best_s = config, seconds
+    row.skinny_best, row.skinny_best_s = _fastest(
+        row, partial(_skinny, x), SKINNY_SWEEP, default, row.skinny_s, weights, want, device, deadline
+    )
 
 
 def _skinny_config(config: SkinnyConfig) -> str:
