@@ -38,7 +38,13 @@ import triton.language as tl
 from sluice.kernels.fp8_quant import dynamic_scale, max_keep_nan
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
-from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+from sluice.kernels.tensor_checks import (
+    FLOAT_DTYPES,
+    check_power_of_two,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 8  # the most rows a launch takes (its cost grows with them: no tensor cores)
@@ -54,10 +60,8 @@ class GemvConfig:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name, least in (("block_n", 1), ("block_k", 16)):
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
+        check_power_of_two("block_n", self.block_n, 1)
+        check_power_of_two("block_k", self.block_k, 16)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.tensor_checks import check_shape, check_tensor
+from sluice.kernels.tensor_checks import check_power_of_two, check_shape, check_tensor
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 64  # the most rows a launch takes: BLOCK_M, the MMA's narrow side, is at most 64
@@ -48,10 +48,9 @@ class SkinnyConfig:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name, least in (("block_n", 16), ("block_k", 32), ("split_k", 1)):
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
+        check_power_of_two("block_n", self.block_n, 16)
+        check_power_of_two("block_k", self.block_k, 32)
+        check_power_of_two("split_k", self.split_k, 1)
 
 
 def skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
@@ -71,7 +70,7 @@ def skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyC
 def _fp8_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
     x_ptr,  # [M, K] uint8: x's e4m3 codes
-    x_scale_ptr,  # [M] float32 (or [1]: X_SCALE_STRIDE 0)
+    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0)
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32
     M,

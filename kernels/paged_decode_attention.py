@@ -56,6 +56,7 @@ from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
     check_block_tables,
+    check_power_of_two,
     check_q_and_kv_cache,
     check_shape,
     check_tensor,
@@ -80,8 +81,7 @@ class DecodeConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
-            raise ValueError(f"config.tile_n: must be a power of two >= 16, got {self.tile_n}")
+        check_power_of_two("config.tile_n", self.tile_n, 16)
         if self.num_warps <= 0 or self.num_stages <= 0:
             raise ValueError(f"config: num_warps and num_stages must be > 0, got {self}")
 

@@ -59,6 +59,7 @@ from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
     check_block_tables,
+    check_power_of_two,
     check_q_and_kv_cache,
     check_shape,
     check_tensor,
@@ -76,10 +77,8 @@ class PrefillConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"config.{name}: must be a power of two >= 16, got {value}")
+        check_power_of_two("config.block_m", self.block_m, 16)
+        check_power_of_two("config.block_n", self.block_n, 16)
         if self.num_warps <= 0 or self.num_stages <= 0:
             raise ValueError(f"config: num_warps and num_stages must be > 0, got {self}")
 

@@ -36,6 +36,12 @@ def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> Non
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(tensor.shape)}")
 
 
+def check_power_of_two(name: str, value: int, least: int) -> None:
+    """Raise ValueError unless `value` is a power of two >= `least` (a kernel tile's size)."""
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
+
+
 def check_same_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise ValueError unless `tensor.dtype == dtype`."""
     if tensor.dtype != dtype:
