@@ -201,7 +201,8 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     reference = servers["bf16"]
     assert "comparison" not in reference and len(reference["prompts"]) == 3
     assert reference["serve_args"][:4] == ["--preset", "tiny", "--dtype", "float32"]
-    assert servers["fp8"]["serve_args"][-2:] == ["--quantization", "fp8"]
+    assert servers["fp8"]["serve_args"][-3:] == ["--async-scheduling", "--quantization", "fp8"]
+    assert reference["serve_args"][-1] == "--async-scheduling"  # as served on CUDA, on all three
     assert servers["fp8_kv"]["serve_args"][-4:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
     blocks = reference["model_info"]["num_kv_blocks"]
     assert servers["fp8"]["model_info"]["num_kv_blocks"] == blocks  # the same 256 MiB of float32 cache

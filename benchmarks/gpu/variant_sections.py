@@ -78,7 +78,8 @@ def fp8_large_section(
     plan, base, _, runs = Baseline.of(results, out, mode)
     reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
     intro = (
-        f"The {plan.large_preset} preset ({plan.dtype}) on three servers of this step, one after another: "
+        f"The {plan.large_preset} preset ({plan.dtype}) on three servers of this step, one after another, "
+        "each with `--async-scheduling` (as served on CUDA): "
         f"{base}, fp8 weights, fp8 weights + fp8 KV; each ran `sluice bench` with {runs}, {plan.input_len} "
         f"prompt and {plan.output_len} output tokens, the same prompts on each (the same seeds). In "
         f"brackets: the ratio to {base}'s."

@@ -4,8 +4,8 @@ another on the same prompts, each set against a reference server (steps of `serv
 fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34), set
            against serve_bench's server
 async      the preset with `--async-scheduling` (issue 33), set against serve_bench's synchronous server
-fp8_large  (i) the large step's shape served three times: bf16 (the reference, drawing its own prompts),
-           then fp8's two servers
+fp8_large  (i) the large step's shape served three times, with async scheduling: bf16 (the reference,
+           drawing its own prompts), then fp8's two servers
 
 Every variant server is `variant_server`: its greedy outputs of the reference's prompts compared with the
 reference's, its KV blocks, `sluice bench` at the plan's concurrencies (the same seeds, so the same prompts,
@@ -38,6 +38,9 @@ FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve argument
     "fp8": ("--quantization", "fp8"),
     "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
 }
+# The fp8_large servers schedule as served (async, the CUDA default since 2026-11-26 run 6), all three alike;
+# runs 3-8 pinned them synchronous, as the plan's other servers still are (`Plan.serve_args`).
+LARGE_SCHEDULING = ("--async-scheduling",)
 # The server log lines a record keeps: its cache, its attention backend, and any Triton compile after start-up
 # (`engine/worker/jit_watch.py`: a step that waited on the JIT).
 SERVER_NOTES = ("KV cache:", "attention backend", "while serving (")
@@ -56,8 +59,11 @@ def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
     after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
     so the same prompts, on each) against it. A record per server appended as it finishes."""
     preset = ctx.plan.large_preset
-    reference = variant_server(ctx, None, "bf16", (), preset=preset)
-    records = [variant_server(ctx, reference, name, args, preset) for name, args in FP8_VARIANTS.items()]
+    reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset)
+    records = [
+        variant_server(ctx, reference, name, (*LARGE_SCHEDULING, *args), preset)
+        for name, args in FP8_VARIANTS.items()
+    ]
     ok = reference["ok"] and all(r["ok"] for r in records)
     return {"ok": ok, "preset": preset, "variants": ["bf16", *FP8_VARIANTS]}
 
