@@ -20,7 +20,8 @@ over a slice of K:
 
 With SPLIT_K == 1 the program scales and stores y; otherwise it stores its fp32 partial sums in a workspace
 [SPLIT_K, M, N] and a second launch adds them in a fixed order and scales them (deterministic, unlike atomic
-adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count: at least 1.5 programs per SM.
+adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count (at least 1.5 programs per SM), or an H100
+sweep's config for the shapes where it did better.
 """
 
 from __future__ import annotations
@@ -53,9 +54,28 @@ class SkinnyConfig:
         check_power_of_two("split_k", self.split_k, 1)
 
 
-def skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
-    """BLOCK_N 64, BLOCK_K 128, and the fewest K splits (powers of two, each at least BLOCK_K wide) giving
-    every SM 1.5 programs."""
+SWEPT_SM_COUNT = 132  # the SM count of the GPU the table below was swept on (an H100 SXM)
+# (out_features, in_features) -> ((up to this many rows, config), ...): the H100 sweep's best where it beat
+# the rule's config by more than a few percent (the GPU check's kernel_bench, 2026-11-26 run 9, one sample
+# each: docs/perf/fp8_linears_h100_2026-11-26_run9.md); the rows between swept sizes take the next bucket's.
+SWEPT_CONFIGS = {
+    (28672, 4096): (  # llama-3-8b gate_up
+        (
+            16,
+            SkinnyConfig(block_n=32, num_stages=3),
+        ),  # 45.6 / 46.5 us at 2 / 16 rows (the rule's: 47.4 / 48.3)
+        (MAX_ROWS, SkinnyConfig(block_n=128, num_stages=3)),  # 52.6 us at 64 rows (the rule's: 66.8)
+    ),
+}
+
+
+def skinny_config(out_features: int, in_features: int, sm_count: int, num_rows: int) -> SkinnyConfig:
+    """The swept config where the table has this shape, SM count and row count; else BLOCK_N 64, BLOCK_K 128,
+    and the fewest K splits (powers of two, each at least BLOCK_K wide) giving every SM 1.5 programs."""
+    if sm_count == SWEPT_SM_COUNT:
+        for most_rows, swept in SWEPT_CONFIGS.get((out_features, in_features), ()):
+            if num_rows <= most_rows:
+                return swept
     config = SkinnyConfig()
     programs = triton.cdiv(out_features, config.block_n)
     split_k = 1
@@ -163,7 +183,7 @@ def fp8_skinny_mm(
     if num_rows == 0 or out_features == 0:
         return y
     if config is None:
-        config = skinny_config(out_features, in_features, device_sm_count(x_q.device))
+        config = skinny_config(out_features, in_features, device_sm_count(x_q.device), num_rows)
     block_m = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns

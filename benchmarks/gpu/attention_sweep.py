@@ -8,7 +8,8 @@ own arguments (`config=`, `num_splits=`, `partition_size=`; kernels/*.py are not
 - every candidate's output is checked against torch SDPA on the same q/k/v (a reference nobody here
   wrote, which checks the default config too): relative max abs difference <= SWEEP_MAX_REL_DIFF on an
   output poisoned with NaN, else the row is WRONG and never chosen;
-- candidates are timed like the other sections (`time_cuda_s`: CUDA events, warm-up, median);
+- candidates are timed like the other kernel sections (`time_kernel_s`: 20 calls in one CUDA graph, the
+  median of 7 replays, no host time);
 - the whole section runs under a wall-clock cap (a Triton attention variant compiles in ~1-3 s on the
   GPU box): a candidate not started before its deadline is "not run (time)", one that fails to compile
   or launch is recorded with its error and the sweep goes on.
@@ -38,7 +39,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     run_decode_attention,
     run_prefill_attention,
     sdpa_prefill,
-    time_cuda_s,
+    time_kernel_s,
 )
 from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
@@ -317,7 +318,7 @@ def sweep_prefill(
     device: torch.device,
     deadline: float,
     candidates: Sequence[PrefillConfig] = PREFILL_CANDIDATES,
-    time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+    time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
 ) -> ShapeSweep:
     """`candidates` (the default config first, added if missing) on bench_prefill_attention's inputs at
     `prompt_len`, against torch SDPA."""
@@ -348,7 +349,7 @@ def sweep_decode(
     bandwidth: float | None,
     deadline: float,
     candidates: Sequence[DecodeCandidate] = DECODE_CANDIDATES,
-    time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+    time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
 ) -> ShapeSweep:
     """`candidates` (the default first, added if missing) on bench_attention's inputs at (context, batch),
     against torch SDPA; each row's split count is the one the candidate's PROGRAMS_PER_SM and partition

@@ -27,7 +27,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     prefill_problem,
     run_decode_attention,
     run_prefill_attention,
-    time_cuda_s,
+    time_kernel_s,
 )
 from sluice.engine.worker.attention.fp8_kv_cache import dequantize_kv, quantize_kv
 
@@ -56,7 +56,7 @@ def fp8_row(
     caches: tuple[torch.Tensor, torch.Tensor],
     rates: Callable[[float, float], tuple[float, float]],
     unit: str,
-    time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+    time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
 ) -> list[object]:
     """One row of HEADERS: `run(k_cache=, v_cache=[, kv_scales=], out=)` on the bf16 caches' FP8 codes and
     on their dequantized copy; rates(bf16 s, fp8 s) gives the two figures in `unit`."""

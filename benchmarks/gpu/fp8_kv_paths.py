@@ -3,16 +3,17 @@
     python -m sluice.benchmarks.gpu.fp8_kv_paths OUT.md                  # CUDA, the shapes below, < 60 s
     python -m sluice.benchmarks.gpu.fp8_kv_paths OUT.md --device cpu --tiny   # TRITON_INTERPRET=1, seconds
 
-`paged_attention_tile` reads an FP8 cache two ways (FOLD_KV_SCALES): "fold" converts the codes straight to
-the dot's dtype and applies the per-layer scales to the scores and the output once; "dequantize" turns each
-value into (float32(code) * scale).to(bf16) before the dots (the earlier path). Each row times one kernel
-on one shape over a bf16 cache and over an FP8 cache read each way (CUDA events, the median of the
-repeats), the FP8 rows' time as a speedup over bf16 (bf16 ms / fp8 ms: above 1 is faster) and fold over
-dequantize. K/V are drawn in bf16 (unit normal) and quantized with FP8_KV_SCALE (no value saturates);
-the bf16 kernel reads the dequantized cache, so all three attend the same values. Checks: every output
-against the PyTorch reference on the dequantized cache (max |diff| / max |reference| <= FP8_MAX_REL_DIFF,
-INTERPRETED_MAX_REL_DIFF on CPU; an unwritten, NaN-poisoned element fails) and, with unit scales on the
-same codes, fold and dequantize bit for bit equal (they must be: nothing is rounded differently).
+`paged_attention_tile` reads an FP8 cache two ways (FOLD_KV_SCALES): "fold" converts the codes straight to the
+dot's dtype and applies the per-layer scales to the scores and the output once; "dequantize" turns each value
+into (float32(code) * scale).to(bf16) before the dots (the earlier path). Each row times one kernel on one
+shape over a bf16 cache and over an FP8 cache read each way (`time_kernel_s`: calls captured in one CUDA
+graph, no host time; the median of the replays), the FP8 rows' time as a speedup over bf16 (bf16 ms / fp8 ms:
+above 1 is faster) and fold over dequantize. K/V are drawn in bf16 (unit normal) and quantized with
+FP8_KV_SCALE (no value saturates); the bf16 kernel reads the dequantized cache, so all three attend the same
+values. Checks: every output against the PyTorch reference on the dequantized cache (max |diff| / max
+|reference| <= FP8_MAX_REL_DIFF, INTERPRETED_MAX_REL_DIFF on CPU; an unwritten, NaN-poisoned element fails)
+and, with unit scales on the same codes, fold and dequantize bit for bit equal (they must be: nothing is
+rounded differently).
 
 Shapes: decode at the GPU check's 4k x 32 and 32k x 8 (llama-3.2-1b heads: 32 query / 8 KV, head_dim 64)
 and at llama-3-8b's serving shape (64 sequences of 256 positions, 32 query / 8 KV heads, head_dim 128:
@@ -39,7 +40,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     BLOCK_SIZE,
     decode_step_inputs,
     prefill_step_inputs,
-    time_cuda_s,
+    time_kernel_s,
 )
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
@@ -173,7 +174,7 @@ def wall_time_s(fn: Callable[[], object], iters: int = 1) -> float:
 
 
 def bench(shapes: tuple[AttentionShape, ...], device: torch.device) -> list[list[object]]:
-    time_s, max_rel_diff = (time_cuda_s, FP8_MAX_REL_DIFF)
+    time_s, max_rel_diff = (time_kernel_s, FP8_MAX_REL_DIFF)
     if device.type != "cuda":
         time_s, max_rel_diff = wall_time_s, INTERPRETED_MAX_REL_DIFF
     rows = []

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sluice.benchmarks.gpu.gpu_benchmarks import CALLS_PER_GRAPH, time_graph_s
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.worker.layers.fp8_linear import (
     GEMV_MAX_OUT_FEATURES,
@@ -50,7 +50,6 @@ from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_skinny_mm, skinny_con
 from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-CALLS_PER_GRAPH = 20
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
 SWEEP = [
     GemvConfig(block_n, block_k, warps)
@@ -116,26 +115,7 @@ def time_calls_s(calls: Sequence[Callable[[], object]], device: torch.device, re
         for call in sequence:
             call()
         return (time.perf_counter() - start) / len(sequence)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in sequence[:3]:  # compile and warm up outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in sequence:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(sequence))
-    return statistics.median(times)
+    return time_graph_s(sequence, repeats)
 
 
 def _scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -256,7 +236,8 @@ def _sweep(
 def _sweep_skinny(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
 ) -> None:
-    default = skinny_config(row.linear.out_features, row.linear.in_features, device_sm_count(device))
+    linear = row.linear
+    default = skinny_config(linear.out_features, linear.in_features, device_sm_count(device), row.rows)
     row.skinny_best, row.skinny_best_s = _fastest(
         row, partial(_skinny, x), SKINNY_SWEEP, default, row.skinny_s, weights, want, device, deadline
     )

@@ -1,12 +1,17 @@
 """GPU benchmarks for `scripts/gpu_check.py`: decode steps eager vs CUDA graphs, attention kernels, and
 Sluice vs transformers.generate end to end. Timed with CUDA events; the pure helpers are unit-tested on CPU.
+
+Two clocks: `time_cuda_s` times one call on an idle GPU, so the host's launch time counts wherever it is
+longer than the GPU's work (right for whole steps, eager against graph replay); `time_kernel_s` times a
+kernel alone, many calls captured in one CUDA graph (how decode runs when served, and how a kernel runs
+between other launches), so that a Python wrapper's microseconds do not count as the kernel's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +34,7 @@ BLOCK_SIZE = 16
 BENCH_BATCHES = (1, 8, 32, 64, 128)  # 64: the serving check's top concurrency
 BENCH_CONTEXT = 512
 GRAPH_MAX_REL_DIFF = 1e-2  # graph replay vs eager on the same inputs: the same kernels, bf16
+CALLS_PER_GRAPH = 20  # the calls `time_kernel_s` captures in one graph
 
 
 def floor_step_time_s(weight_bytes: int, bandwidth_bytes_per_s: float) -> float:
@@ -62,7 +68,8 @@ def decode_step_inputs(
 
 
 def time_cuda_s(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, timed with CUDA events."""
+    """Median seconds per call, timed with CUDA events around each call on an otherwise idle GPU: the host's
+    time to launch it counts where it is longer than the GPU's (a step's, eager or replayed)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -74,6 +81,39 @@ def time_cuda_s(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> f
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def time_graph_s(sequence: Sequence[Callable[[], object]], repeats: int = 7) -> float:
+    """Seconds per call of `sequence` on the GPU alone: every call run once on a side stream (compiles,
+    warm-up), then all of them captured in one CUDA graph, and the median over `repeats` replays divided
+    by their number. No host time counts: what the calls cost inside a served graph, or queued behind
+    other work. The calls must be capturable (no host sync); their outputs come from the graph's pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in sequence[:3]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in sequence:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(sequence))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def time_kernel_s(fn: Callable[[], object], calls: int = CALLS_PER_GRAPH, repeats: int = 7) -> float:
+    """Seconds per call of `fn` with no host time: `calls` calls of it in one CUDA graph (`time_graph_s`)."""
+    return time_graph_s([fn] * calls, repeats)
 
 
 def copy_bandwidth_bytes_per_s(device: torch.device, num_bytes: int = 1 << 30) -> float:
@@ -245,7 +285,7 @@ def bench_attention(device: torch.device, bandwidth: float) -> list[list[object]
     rows = []
     for context, batch in DECODE_ATTENTION_SHAPES:
         problem = decode_problem(context, batch, device)
-        seconds = time_cuda_s(lambda p=problem: run_decode_attention(p))
+        seconds = time_kernel_s(lambda p=problem: run_decode_attention(p))
         kv_heads, head_dim = problem.k_cache.shape[2:]
         moved = kv_read_bytes(batch, context, kv_heads, head_dim, 2)
         rows.append([context, batch, seconds * 1e6, moved / seconds / 1e9, moved / seconds / bandwidth])
@@ -325,8 +365,8 @@ def bench_prefill_attention(device: torch.device) -> list[list[object]]:
     rows = []
     for prompt_len in PREFILL_PROMPT_LENS:
         problem = prefill_problem(prompt_len, device)
-        ours = time_cuda_s(lambda p=problem: run_prefill_attention(p))
-        sdpa = time_cuda_s(sdpa_prefill(problem))
+        ours = time_kernel_s(lambda p=problem: run_prefill_attention(p))
+        sdpa = time_kernel_s(sdpa_prefill(problem))
         tflop = problem.flops() / 1e12
         rows.append([prompt_len, ours * 1e3, tflop / ours, sdpa * 1e3, tflop / sdpa, sdpa / ours])
     return rows
