@@ -9,6 +9,8 @@
                       <----------------------  CoreOutputs(outputs, stats): every request's new tokens
                       <----------------------  CoreHeartbeat (when idle)
                       <----------------------  CoreFailed(error): the core is dead
+    StartProfile      ---------------------->  profiles the next steps into a directory
+    StopProfile       ---------------------->  ends that profile early
     Shutdown          ---------------------->  exits
 
 Pure data (msgspec structs over msgpack), no torch: the frontend imports this module too.
@@ -65,6 +67,21 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
+
+
+class StartProfile(msgspec.Struct, tag=True):
+    """Profile the next `num_steps` forward steps (0: until StopProfile) into `output_dir`
+    (`sluice.engine.core.step_profiler`)."""
+
+    output_dir: str
+    num_steps: int
+    activities: list[str] = msgspec.field(default_factory=list)  # "CPU", "GPU"; empty: the device's
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+class StopProfile(msgspec.Struct, tag=True):
+    """End the running profile now and write it."""
 
 
 class CoreOutput(msgspec.Struct, array_like=True):
@@ -124,7 +141,7 @@ class CoreOutputs(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
-FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown
+FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown | StartProfile | StopProfile
 CoreMessage = CoreReady | CoreFailed | CoreHeartbeat | CoreOutputs
 
 encode = msgspec.msgpack.Encoder().encode

@@ -60,6 +60,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds the calls of an aged connection may still run before it closes",
     )
     server.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    server.add_argument(
+        "--profile-dir",
+        default=os.environ.get("SLUICE_PROFILE_DIR"),
+        help="allow the StartProfile / StopProfile RPCs (VllmEngine service), writing torch.profiler "
+        "traces and summaries of the engine's steps under this directory (or SLUICE_PROFILE_DIR)",
+    )
     server.add_argument("--tls-cert", help="PEM server certificate")
     server.add_argument("--tls-key", help="PEM server private key")
     server.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate (mTLS)")
@@ -98,6 +104,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tenants=TenantDirectory.load(args.api_keys) if args.api_keys else None,
         grace_period=args.grace_period,
         metrics_port=args.metrics_port,
+        profile_dir=args.profile_dir or None,
         tls=tls,
         max_connection_age=args.max_connection_age or None,
         max_connection_age_grace=args.max_connection_age_grace,

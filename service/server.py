@@ -82,6 +82,7 @@ class ServerConfig:
     tenants: TenantDirectory | None = None
     grace_period: float = 30.0
     metrics_port: int | None = None  # None: no /metrics endpoint; 0 picks a free port
+    profile_dir: str | None = None  # None: StartProfile / StopProfile answer FAILED_PRECONDITION
     tls: TlsConfig | None = None
     max_message_bytes: int = 64 << 20
     keepalive_time_ms: int = 30_000
@@ -133,7 +134,7 @@ class SluiceServer:
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
         self.tenants = config.tenant_directory()
         self.servicer = InferenceServicer(self.metrics, tracer_provider, self.tenants)
-        self.smg_servicer = SmgEngineServicer(self.servicer, self.metrics)
+        self.smg_servicer = SmgEngineServicer(self.servicer, self.metrics, config.profile_dir)
         self.arrivals = CallArrivals()
         self.health = health.aio.HealthServicer()
         self.port: int | None = None

@@ -29,6 +29,8 @@ import zipfile
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from importlib.metadata import version
+from pathlib import Path
+from typing import Any
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -40,7 +42,7 @@ from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
 from sluice.service.request_ids import RequestIds
 from sluice.service.servicer import InferenceServicer
-from sluice.service.status import ServiceUnavailableError, rpc_errors
+from sluice.service.status import FailedPreconditionError, ServiceUnavailableError, rpc_errors
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # GetTokenizer's chunk size (SMG's client reassembles up to 200 MB).
@@ -50,11 +52,15 @@ _METHOD_PREFIX = "VllmEngine."
 
 class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Shares `inference`'s engine, admission (loading, draining, a failed engine) and tenants.
-    Embed, FlushCache, StartProfile, StopProfile and SubscribeKvEvents answer UNIMPLEMENTED: SMG then
-    polls GetLoads and keeps its own prefix tree for cache-aware routing."""
+    Embed, FlushCache and SubscribeKvEvents answer UNIMPLEMENTED: SMG then polls GetLoads and keeps its
+    own prefix tree for cache-aware routing. StartProfile / StopProfile need `profile_dir`
+    (`sluice serve --profile-dir`), else FAILED_PRECONDITION."""
 
-    def __init__(self, inference: InferenceServicer, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, inference: InferenceServicer, metrics: ServerMetrics, profile_dir: str | None = None
+    ) -> None:
         self._inference = inference
+        self._profile_dir = None if profile_dir is None else Path(profile_dir).resolve()
         self._metrics = metrics
         self._request_ids = RequestIds()
         self._num_generate_calls = 0
@@ -149,6 +155,39 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return smg_convert.loads_to_smg(engine.stats(), engine.model_info, timestamp, self._version)
 
     @rpc_errors
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        """torch.profiler over the engine core's next `num_steps` forward steps (until StopProfile if
+        unset), written under the server's --profile-dir (`sluice.engine.core.step_profiler`)."""
+        self._inference.caller(context)
+        root = self._profile_root()
+        engine = self._inference.accepting_runner().engine
+        profile = profile_request(request, root)
+        engine.start_profile(**profile)
+        steps = f"the next {profile['num_steps']}" if profile["num_steps"] else "the"
+        return common_pb2.ProfileResponse(
+            success=True, message=f"profiling {steps} forward steps into {profile['output_dir']}"
+        )
+
+    @rpc_errors
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        """Ends the running profile (if any) and has it written."""
+        self._inference.caller(context)
+        root = self._profile_root()
+        self._inference.accepting_runner().engine.stop_profile()
+        return common_pb2.ProfileResponse(success=True, message=f"a running profile is written under {root}")
+
+    def _profile_root(self) -> Path:
+        if self._profile_dir is None:
+            raise FailedPreconditionError(
+                "profiling is off: start the server with --profile-dir DIR (or SLUICE_PROFILE_DIR)"
+            )
+        return self._profile_dir
+
+    @rpc_errors
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
@@ -171,8 +210,37 @@ async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by Sluice")
 
 
-for _name in ("Embed", "FlushCache", "StartProfile", "StopProfile", "SubscribeKvEvents"):
+for _name in ("Embed", "FlushCache", "SubscribeKvEvents"):
     setattr(SmgEngineServicer, _name, _unimplemented)
+
+
+PROFILE_ACTIVITIES = {"CPU": "CPU", "GPU": "GPU", "CUDA": "GPU"}
+
+
+def profile_request(request: common_pb2.StartProfileRequest, root: Path) -> dict[str, Any]:
+    """StartProfile's fields checked, as `AsyncEngine.start_profile`'s arguments; InvalidRequestError names
+    the field. output_dir: relative to `root`, or absolute inside it (default: root itself)."""
+    if request.HasField("start_step") and request.start_step != 0:
+        raise InvalidRequestError("start_step", "not supported: a profile starts at the next step (give 0)")
+    if request.HasField("num_steps") and request.num_steps < 1:
+        raise InvalidRequestError("num_steps", f"must be >= 1, got {request.num_steps}")
+    if request.profile_by_stage:
+        raise InvalidRequestError("profile_by_stage", "not supported")
+    activities = []
+    for name in request.activities:
+        if name.upper() not in PROFILE_ACTIVITIES:
+            raise InvalidRequestError("activities", f"{name!r} is not one of CPU, GPU (or CUDA)")
+        activities.append(PROFILE_ACTIVITIES[name.upper()])
+    output_dir = (root / request.output_dir).resolve() if request.output_dir else root
+    if not output_dir.is_relative_to(root):
+        raise InvalidRequestError("output_dir", f"must be inside the server's --profile-dir {root}")
+    return {
+        "output_dir": str(output_dir),
+        "num_steps": request.num_steps if request.HasField("num_steps") else 0,
+        "activities": sorted(set(activities)),
+        "record_shapes": request.record_shapes,
+        "with_stack": request.with_stack,
+    }
 
 
 def _zip(files: dict[str, str]) -> bytes:

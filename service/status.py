@@ -55,6 +55,10 @@ class UnauthenticatedError(Exception):
     """The call carries no known API key."""
 
 
+class FailedPreconditionError(Exception):
+    """The server is not set up for this call (e.g. StartProfile without --profile-dir)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a caller sees for `exc`."""
     if isinstance(exc, QueueFullError | ContextLengthError | TenantOverLimitError):
@@ -67,6 +71,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, FailedPreconditionError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError is a ValueError
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ServiceUnavailableError):

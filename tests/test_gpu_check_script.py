@@ -207,7 +207,7 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     blocks = reference["model_info"]["num_kv_blocks"]
     assert servers["fp8"]["model_info"]["num_kv_blocks"] == blocks  # the same 256 MiB of float32 cache
     assert servers["fp8_kv"]["model_info"]["num_kv_blocks"] == 4 * blocks  # a byte a value, not 4
-    for record in servers.values():
+    for name, record in servers.items():
         assert record["ok"] and record["bench_rc"] == [0, 0]
         # The same seeds on every server: the same prompts, so the three are compared on the same work.
         assert [(r["config"]["concurrency"], r["config"]["seed"]) for r in record["runs"]] == [
@@ -216,6 +216,15 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
         ]
         assert [run["metrics"]["num_completed"] for run in record["runs"]] == [2, 4]
         assert [len(sample["tokens"]) for sample in record["greedy"]] == [8, 8, 8]
+        # Its step profiles at batch 1 and 4 (the CPU plan's): every profiled step had the whole batch,
+        # the requests cancelled once the profile was written; CPU times, since no device ran.
+        assert "--profile-dir" in record["serve_args"]
+        for batch in (1, 4):
+            profile = record["profiles"][f"b{batch}"]
+            assert profile["steps"] == 3 and profile["rows_per_step"] == [batch] * 3, profile
+            assert profile["measured"] == "cpu" and profile["top"][0]["self_cpu_us"] > 0
+            assert all(tokens >= 1 for tokens in profile["requests"]["tokens_at_cancel"])
+            assert len(list((out / "profiles" / f"fp8_large-{name}" / f"b{batch}").glob("profile-*"))) == 3
     for name in ("fp8", "fp8_kv"):
         comparison, agreement = servers[name]["comparison"], servers[name]["agreement"]
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
@@ -240,6 +249,14 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     ):
         assert line in section, line
     assert "| float32 (this step's) | " in section and "| fp8 weights + fp8 KV | " in section
+    assert (
+        "**Where a step's device time goes** (the engine core's torch.profiler over 3 decode steps" in section
+    )
+    for server in ("bf16", "fp8", "fp8_kv"):
+        for batch in (1, 4):
+            rows = "1 row" if batch == 1 else f"{batch} rows"
+            assert f"**{server}, {rows} a step**: 3 steps of [{batch}] rows, CPU only" in section
+    assert "| operator | us / step | share | calls / step |" in section
     assert "Not measured: the fp8 step SKIPPED (not in SLUICE_GPU_CHECK_STEPS)." in report
 
 

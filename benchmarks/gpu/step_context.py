@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.benchmarks.gpu.step_profiles import ProfilePlan
 from sluice.benchmarks.serving.server_process import ServerProcess
 from sluice.client import Client, Completion, generate_request
 
@@ -45,6 +46,7 @@ class Plan:
     variant_bench: tuple[tuple[int, int], ...]
     large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
     large_bench: tuple[str, ...]
+    profiles: ProfilePlan  # the fp8_large servers' step profiles (`step_profiles`)
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -64,12 +66,14 @@ PLANS = {
         variant_bench=((1, 8), (64, 256)), large_preset="llama-3-8b",
         large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
                      "--output-len", "64"),
+        profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=2048),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
         num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
         variant_bench=((1, 2), (64, 4)), large_preset="tiny",
         large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
+        profiles=ProfilePlan(batches=(1, 4), num_steps=3, prompt_len=16, max_tokens=2048),
     ),
 }  # fmt: skip
 

@@ -14,6 +14,7 @@ from sluice.benchmarks.gpu import check_figures, fp8_figures
 from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.benchmarks.gpu.step_context import PLANS, Plan, read_runs
+from sluice.benchmarks.gpu.step_profiles import profile_tables
 
 LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
 
@@ -88,6 +89,15 @@ def fp8_large_section(
     table = markdown_table(fp8_figures.table_headers(base), rows)
     shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
     parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
+    profiled = {name: r["profiles"] for name, r in {"bf16": bf16, **variants}.items() if "profiles" in r}
+    if profiled:
+        parts += [
+            f"**Where a step's device time goes** (the engine core's torch.profiler over "
+            f"{plan.profiles.num_steps} decode steps of each server once its benchmark runs were over, the "
+            "kernels of the CUDA graphs one by one; files in OUT/profiles/, "
+            "`sluice.benchmarks.gpu.step_profiles`):",
+            *profile_tables(profiled),
+        ]
     return "\n\n".join([intro, table, *parts])
 
 

@@ -9,7 +9,8 @@ fp8_large  (i) the large step's shape served three times, with async scheduling:
 
 Every variant server is `variant_server`: its greedy outputs of the reference's prompts compared with the
 reference's, its KV blocks, `sluice bench` at the plan's concurrencies (the same seeds, so the same prompts,
-on each server), and the lines of its log that name its KV cache and attention backend; its record is
+on each server), the lines of its log that name its KV cache and attention backend, and (fp8_large's
+servers) profiles of its decode steps at batch 1 and at the top concurrency (`step_profiles`); its record is
 appended to results.jsonl as soon as it finishes (`"variant": name`), so a step killed at its limit keeps
 the servers it finished.
 """
@@ -32,6 +33,7 @@ from sluice.benchmarks.gpu.step_context import (
     model_info,
     run_bench,
 )
+from sluice.benchmarks.gpu.step_profiles import PROFILES_DIR, profile_server
 from sluice.client import Client
 
 FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve arguments beside the plan's
@@ -59,9 +61,9 @@ def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
     after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
     so the same prompts, on each) against it. A record per server appended as it finishes."""
     preset = ctx.plan.large_preset
-    reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset)
+    reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset, profile=True)
     records = [
-        variant_server(ctx, reference, name, (*LARGE_SCHEDULING, *args), preset)
+        variant_server(ctx, reference, name, (*LARGE_SCHEDULING, *args), preset, profile=True)
         for name, args in FP8_VARIANTS.items()
     ]
     ok = reference["ok"] and all(r["ok"] for r in records)
@@ -82,6 +84,7 @@ def variant_server(
     name: str,
     extra: Sequence[str],
     preset: str | None = None,
+    profile: bool = False,
 ) -> dict:
     """One server of the preset (or `preset`) with `extra` arguments: its greedy outputs against
     `reference`'s (serve_bench's, or a record of this function's), its KV blocks, `sluice bench` at
@@ -89,7 +92,9 @@ def variant_server(
     as variant `name` of this step. With no `reference`, this server is one: it draws the greedy prompts and
     keeps them in its record, and compares with nothing."""
     plan = ctx.plan
-    serve_args = plan.serve_args(*extra, preset=preset)
+    profile_dir = (ctx.out / PROFILES_DIR).resolve()
+    profiling = ("--profile-dir", str(profile_dir)) if profile else ()
+    serve_args = plan.serve_args(*profiling, *extra, preset=preset)
     log_path = ctx.out / SERVERS_LOG
     log_start = log_path.stat().st_size if log_path.is_file() else 0
     with ctx.server(serve_args) as server, Client(server.target) as client:
@@ -100,12 +105,17 @@ def variant_server(
             prompts = reference["prompts"]
         samples = greedy_outputs(client, prompts, plan.greedy_tokens)
         bench_rcs, runs = variant_bench_runs(server.target, plan)
+        if profile:  # after the benchmark runs: the profiler's overhead is in none of them
+            label = f"{ctx.step}-{name}"
+            profiles = profile_server(server.target, profile_dir, label, plan.profiles, info)
     complete = all(len(sample["tokens"]) == plan.greedy_tokens for sample in samples)
     record = {
         "step": ctx.step, "variant": name, "ok": complete and not any(bench_rcs), "serve_args": serve_args,
         "model_info": info, "bench_rc": bench_rcs, "runs": runs,
         "server_notes": server_notes(log_path, log_start), "greedy": samples,
     }  # fmt: skip
+    if profile:
+        record["profiles"] = profiles
     record.update(set_against(reference, prompts, samples, plan.near_tie_nats))
     append_result(ctx.out, record)
     return record

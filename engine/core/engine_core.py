@@ -20,11 +20,12 @@ from sluice.engine.core.launched_step import (
     needs_step_tokens,
 )
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
+from sluice.engine.core.step_profiler import StepProfiler
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.executor.build import build_model_runner
 from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
-from sluice.engine.messages import AddRequest, CoreOutput
+from sluice.engine.messages import AddRequest, CoreOutput, StartProfile
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats
 from sluice.engine.request import Request, RequestStatus
@@ -79,6 +80,8 @@ class EngineCore:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.speculator = Speculator(build_proposer(config, source, self.model_runner))
         self.faults = FaultInjector.from_env()
+        # StartProfile / StopProfile: the core's own process (with tensor parallelism, not the ranks')
+        self.profiler = StepProfiler(self.model_runner.device if single_rank else torch.device("cpu"))
         eos = set(source.arch.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -111,8 +114,18 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
-        if self.async_scheduling:
-            return self._step_overlapped()  # the same, with the update of the step before this one
+        # async scheduling: the same, with the update of the step before this one
+        outputs = self._step_overlapped() if self.async_scheduling else self._step_synchronous()
+        self.profiler.step_ended()
+        return outputs
+
+    def start_profile(self, start: StartProfile) -> None:
+        self.profiler.start(start)
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
+
+    def _step_synchronous(self) -> list[CoreOutput]:
         refused = self._admit_ready()
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
@@ -233,6 +246,7 @@ class EngineCore:
         `sampled_before`: the step in flight's tokens, for this step's placeholders (async scheduling)."""
         self._inject_faults("step", (s.request_id for s in scheduler_output.scheduled))
         self._count_scheduled(scheduler_output)
+        self.profiler.forward_launched(scheduler_output.num_batched_tokens)
         # The executor of tensor-parallel ranks takes no sampled_before: async scheduling needs one rank.
         before = () if sampled_before is None else (sampled_before,)
         slices = self._prompt_logprobs.slices(scheduler_output, self.scheduler.get_request)

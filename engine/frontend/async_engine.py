@@ -21,7 +21,14 @@ from sluice.engine.frontend.core_client import CoreClient
 from sluice.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from sluice.engine.frontend.parallel_sampling import sample_request_ids
 from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
-from sluice.engine.messages import AbortRequests, AddRequest, CoreMessage, CoreOutputs
+from sluice.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    CoreOutputs,
+    StartProfile,
+    StopProfile,
+)
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -131,6 +138,16 @@ class AsyncEngine:
         add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
         self._client.send(self._output_processor.add_request(add, tool_use))  # sample 0 when n > 1
         return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
+
+    def start_profile(
+        self, output_dir: str, num_steps: int, activities: list[str], record_shapes: bool, with_stack: bool
+    ) -> None:
+        """The core profiles its next `num_steps` forward steps (0: until `stop_profile`) into `output_dir`
+        (the caller checked the arguments); nothing is awaited: the files appear when the steps have run."""
+        self._client.send(StartProfile(output_dir, num_steps, activities, record_shapes, with_stack))
+
+    def stop_profile(self) -> None:
+        self._client.send(StopProfile())
 
     async def abort(self, request_id: str) -> None:
         """Aborts a live request (every sample of it); its stream ends with finish_reason "abort".

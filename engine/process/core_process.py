@@ -33,6 +33,8 @@ from sluice.engine.messages import (
     CoreOutputs,
     CoreReady,
     Shutdown,
+    StartProfile,
+    StopProfile,
     decode_frontend_message,
     encode,
 )
@@ -86,6 +88,10 @@ class CoreLoop:
             if isinstance(message, AbortRequests):
                 errors = dict.fromkeys(message.request_ids, message.error) if message.error else None
                 outputs += self.core.abort(message.request_ids, errors)
+            elif isinstance(message, StartProfile):
+                self.core.start_profile(message)
+            elif isinstance(message, StopProfile):
+                self.core.stop_profile()
             elif isinstance(message, AddRequest):
                 try:
                     self.core.add_request(message)

@@ -1,0 +1,159 @@
+"""Where a served step's device time goes: the engine core's torch.profiler (SMG's StartProfile, `sluice serve
+--profile-dir`) over a few decode steps at batch 1 and at the plan's top concurrency, on a variant server
+(the fp8_large step's three), once its benchmark runs are over.
+
+For each batch size b: b streaming requests of the plan's prompt length (random ids, so no prefix-cache
+hits), greedy, EOS ignored, with room for many more tokens than the profile needs; once every one has its
+first token (all prefilled: the steps that follow are pure decodes of b rows), StartProfile(num_steps) into
+OUT/profiles/<step>-<server>/b<b>; once the core has written the profile the requests are cancelled. So
+every profiled step has all b rows whatever the machine's speed (a request that ends first fails the
+profile, saying so). The summary JSON (`sluice.engine.core.step_profiler`) goes into the server's record;
+the report tabulates its kernels per step (`profile_tables`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from sluice.benchmarks.gpu.markdown_table import markdown_table
+from sluice.client import Client, generate_request
+
+PROFILES_DIR = "profiles"
+WAIT_S = 300.0  # for every request's first token, then for the profile to be written
+POLL_S = 0.05
+TOP_KERNELS = 10  # rows of a profile's table
+NAME_WIDTH = 72  # kernel names are cut to this many characters in the report
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    batches: tuple[int, ...]  # the batch sizes profiled, one after another
+    num_steps: int  # forward steps in each profile
+    prompt_len: int
+    max_tokens: int  # per request, at most (cut to the context): the requests are cancelled once profiled
+
+
+def profile_server(
+    target: str, profile_dir: Path, label: str, plan: ProfilePlan, info: dict[str, Any]
+) -> dict:
+    """The profiles of one server (started with --profile-dir `profile_dir`; `info`: its model info):
+    {"b<b>": summary or {"error": ...}} per batch size, written under profile_dir / label / b<b>."""
+    profiles: dict[str, Any] = {}
+    max_tokens = min(plan.max_tokens, info["max_model_len"] - plan.prompt_len)
+    for batch in plan.batches:
+        relative = f"{label}/b{batch}"
+        try:
+            summary = _profile_batch(target, profile_dir / relative, relative, plan, batch, info, max_tokens)
+        except (grpc.RpcError, OSError, RuntimeError, ValueError) as exc:
+            summary = {"error": f"{type(exc).__name__}: {exc}"}
+        profiles[f"b{batch}"] = summary
+    return profiles
+
+
+def _profile_batch(
+    target: str, directory: Path, relative: str, plan: ProfilePlan, batch: int, info: dict, max_tokens: int
+) -> dict[str, Any]:
+    rng = random.Random(f"profile-{relative}")
+    prompts = [[rng.randrange(1, info["vocab_size"]) for _ in range(plan.prompt_len)] for _ in range(batch)]
+    prefilled, done = threading.Semaphore(0), threading.Event()
+    with Client(target) as client, ThreadPoolExecutor(max_workers=batch) as pool:
+        runs = [pool.submit(_run_request, client, prompt, max_tokens, prefilled, done) for prompt in prompts]
+        try:
+            for _ in range(batch):
+                if not prefilled.acquire(timeout=WAIT_S):
+                    raise RuntimeError(f"no first token from every request within {WAIT_S:.0f} s")
+            with grpc.insecure_channel(target) as channel:
+                request = common_pb2.StartProfileRequest(output_dir=relative, num_steps=plan.num_steps)
+                smg_grpc.VllmEngineStub(channel).StartProfile(request, timeout=30)
+            summary_path = _wait_for_summary(directory, runs)
+        finally:
+            done.set()  # the requests end here (cancelled), so every profiled step had all `batch` rows
+        tokens = [run.result() for run in runs]
+    summary = json.loads(summary_path.read_text())
+    summary["requests"] = {"batch": batch, "max_tokens": max_tokens, "tokens_at_cancel": tokens}
+    return summary
+
+
+def _wait_for_summary(directory: Path, runs: list) -> Path:
+    """The profile's summary once the core has written it; RuntimeError if a request ended first (a
+    finished request would change the batch) or after WAIT_S seconds."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        written = sorted(directory.glob("profile-*.json"))
+        if written:
+            return written[-1]
+        if any(run.done() for run in runs):
+            raise RuntimeError("a request ended before the profile was written (max_tokens too small)")
+        time.sleep(POLL_S)
+    raise RuntimeError(f"no profile written under {directory} within {WAIT_S:.0f} s")
+
+
+def _run_request(
+    client: Client, prompt: list[int], max_tokens: int, prefilled: threading.Semaphore, done: threading.Event
+) -> int:
+    """Streams until `done` (then cancels) or the end; releases `prefilled` once, at its first token (or on
+    failing before it). Returns the tokens it got."""
+    request = generate_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens, signalled = 0, False
+    try:
+        for chunk in client.generate(request, timeout=WAIT_S * 2):
+            tokens += len(chunk.token_ids)
+            if tokens and not signalled:
+                prefilled.release()
+                signalled = True
+            if done.is_set():
+                break  # leaving the stream cancels the call: the server aborts the request
+    finally:
+        if not signalled:
+            prefilled.release()
+    return tokens
+
+
+def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown for the profiles of each server: per batch size, device time per step and the kernels
+    taking most of it (microseconds per step, share, launches per step)."""
+    parts = []
+    for server, profiles in servers.items():
+        for batch, summary in profiles.items():
+            rows = int(batch.removeprefix("b"))
+            title = f"**{server}, {rows} row{'' if rows == 1 else 's'} a step**"
+            if "error" in summary:
+                parts.append(f"{title}: not profiled ({summary['error']})")
+                continue
+            parts.append(_profile_table(title, summary))
+    return parts
+
+
+def _profile_table(title: str, summary: dict[str, Any]) -> str:
+    steps = max(1, summary["steps"])
+    rows_seen = sorted(set(summary["rows_per_step"]))
+    if summary["measured"] != "device":
+        entries = summary["top"][:TOP_KERNELS]
+        rows = [_row(entry, entry["self_cpu_us"], summary["cpu_us_total"], steps) for entry in entries]
+        head = f"{title}: {summary['steps']} steps of {rows_seen} rows, CPU only (no device): CPU us per step"
+        return head + "\n\n" + markdown_table(["operator", "us / step", "share", "calls / step"], rows)
+    kernels = [entry for entry in summary["top"] if entry["on_device"]][:TOP_KERNELS]
+    total = summary["device_us_total"] / steps
+    rows = [_row(entry, entry["self_device_us"], summary["device_us_total"], steps) for entry in kernels]
+    head = (
+        f"{title}: {summary['steps']} steps of {rows_seen} rows; device time {total:.0f} us a step, "
+        f"wall {summary['wall_s'] / steps * 1e3:.2f} ms a step while profiled"
+    )
+    return head + "\n\n" + markdown_table(["kernel", "us / step", "share", "launches / step"], rows)
+
+
+def _row(entry: dict[str, Any], us: float, total_us: float, steps: int) -> list[object]:
+    name = entry["name"] if len(entry["name"]) <= NAME_WIDTH else entry["name"][: NAME_WIDTH - 3] + "..."
+    share = f"{100 * us / total_us:.1f}%" if total_us > 0 else "-"
+    return [f"`{name}`", f"{us / steps:.1f}", share, f"{entry['count'] / steps:g}"]

@@ -1,0 +1,152 @@
+"""torch.profiler over a number of the engine core's forward steps, on the frontend's word (SMG's
+StartProfile / StopProfile RPCs; `sluice serve --profile-dir`).
+
+    StartProfile(output_dir, num_steps)   the profiler starts before the next step
+    each forward launched                 counted, with its rows (tokens); at the end of the step that
+                                          launched the num_steps-th, the profile ends
+    StopProfile                           ends it early (or does nothing when none runs)
+
+An ended profile is written to output_dir as three files named `profile-<UTC time>-<pid>`:
+    .json           the summary the GPU check reads: steps, rows per step, wall seconds, and the top
+                    operators and kernels by their own device time (CPU time where nothing ran on a device)
+    .txt            torch's key_averages table, sorted the same way
+    .trace.json.gz  the Chrome / Perfetto trace
+With async scheduling the device may still be running the last counted step when the count is reached: the
+profiler is stopped after the device has finished (a synchronize), so every counted step's kernels are in.
+Kernels replayed from CUDA graphs show up one by one where CUPTI reports them (CUDA 12+).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.engine.messages import StartProfile
+
+logger = logging.getLogger("sluice.engine_core")
+
+SUMMARY_TOP = 60  # operators and kernels kept in the summary
+TABLE_ROWS = 80  # rows of the key_averages table
+ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.ProfilerActivity.CUDA}
+
+
+@dataclass
+class _Run:
+    output_dir: Path
+    num_steps: int
+    profiler: torch.profiler.profile
+    started: float
+    rows: list[int] = field(default_factory=list)
+
+
+class StepProfiler:
+    """At most one profile at a time: the engine core calls `forward_launched` for each forward and
+    `step_ended` after each step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._run: _Run | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._run is not None
+
+    def start(self, request: StartProfile) -> None:
+        """Starts a profile of the next `request.num_steps` forwards (0: until `stop`); a running one is
+        ended and written first. Activities "CPU" and/or "GPU" (none: both where a GPU is used, else CPU)."""
+        if self._run is not None:
+            self.stop()
+        wanted = request.activities or (["CPU", "GPU"] if self.device.type == "cuda" else ["CPU"])
+        profiler = torch.profiler.profile(
+            activities=[ACTIVITIES[name] for name in wanted],
+            record_shapes=request.record_shapes,
+            with_stack=request.with_stack,
+        )
+        try:
+            profiler.start()
+        except Exception:  # e.g. CUPTI missing: profiling never takes the engine down
+            logger.exception("the profiler could not start")
+            return
+        self._run = _Run(Path(request.output_dir), request.num_steps, profiler, time.perf_counter())
+        steps = f"the next {request.num_steps}" if request.num_steps else "the"
+        logger.info("profiling %s forward steps into %s", steps, request.output_dir)
+
+    def forward_launched(self, num_tokens: int) -> None:
+        """A forward of `num_tokens` rows was launched in this step."""
+        if self._run is not None:
+            self._run.rows.append(num_tokens)
+
+    def step_ended(self) -> None:
+        """The engine step is over: the profile ends once it has num_steps forwards."""
+        run = self._run
+        if run is not None and run.num_steps and len(run.rows) >= run.num_steps:
+            self.stop()
+
+    def stop(self) -> Path | None:
+        """Ends the running profile and writes it; the summary's path, or None when none ran."""
+        run, self._run = self._run, None
+        if run is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last steps' kernels, still in flight, belong to it
+        run.profiler.stop()
+        wall_s = time.perf_counter() - run.started
+        try:
+            return self._write(run, wall_s)
+        except OSError:  # a full disk or a directory gone: logged, never the engine's failure
+            logger.exception("the profile could not be written to %s", run.output_dir)
+            return None
+
+    @staticmethod
+    def _write(run: _Run, wall_s: float) -> Path:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        stem = run.output_dir / f"profile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+        averages = run.profiler.key_averages()
+        on_device = any(_device_us(event) > 0 for event in averages)
+        sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
+        stem.with_suffix(".txt").write_text(averages.table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
+        run.profiler.export_chrome_trace(str(stem.with_suffix(".trace.json.gz")))
+        summary = summarize(averages, run.rows, wall_s, on_device)
+        path = stem.with_suffix(".json")
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        logger.info("profile of %d forward steps written: %s", len(run.rows), path)
+        return path
+
+
+def _device_us(event: Any) -> float:
+    return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
+
+
+def summarize(averages: Any, rows: list[int], wall_s: float, on_device: bool) -> dict[str, Any]:
+    """The summary of a profile: per entry of `averages` (torch's FunctionEventAvg list) its name, calls,
+    own device time and own CPU time (microseconds), the SUMMARY_TOP largest by the time that was measured;
+    device totals count kernels (device-side events) only, so nothing is counted twice."""
+    entries = [
+        {
+            "name": event.key,
+            "count": int(event.count),
+            "self_device_us": round(_device_us(event), 1),
+            "self_cpu_us": round(float(event.self_cpu_time_total), 1),
+            "on_device": str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1")),
+        }
+        for event in averages
+    ]
+    key = "self_device_us" if on_device else "self_cpu_us"
+    entries.sort(key=lambda entry: entry[key], reverse=True)
+    kernels = [entry for entry in entries if entry["on_device"]]
+    return {
+        "steps": len(rows),
+        "rows_per_step": rows,
+        "wall_s": round(wall_s, 4),
+        "measured": "device" if on_device else "cpu",
+        "device_us_total": round(sum(entry["self_device_us"] for entry in kernels), 1),
+        "cpu_us_total": round(sum(entry["self_cpu_us"] for entry in entries), 1),
+        "top": entries[:SUMMARY_TOP],
+    }

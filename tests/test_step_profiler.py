@@ -1,0 +1,131 @@
+"""SMG's StartProfile / StopProfile on a real Sluice server started with a profile directory: the engine
+core's torch.profiler over a number of forward steps (`sluice.engine.core.step_profiler`), the files it
+writes, and the errors of a call it cannot take."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+from service_harness import ServerThread, tiny_engine_config
+from smg_grpc_proto import vllm_engine_pb2 as smg
+from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from sluice.service.server import ServerConfig
+from sluice.service.smg_servicer import profile_request
+
+pytestmark = pytest.mark.timeout(300)
+# 40 tokens: one prefill forward of 40 rows, then one row per decode; each test its own (no prefix-cache hits)
+PROMPTS = {"three": list(range(20, 60)), "until-stop": list(range(100, 140)), "after": list(range(200, 240))}
+
+
+@pytest.fixture(scope="module")
+def profile_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles").resolve()
+
+
+@pytest.fixture(scope="module")
+def profiled(llama_dir: str, profile_root: Path):
+    config = ServerConfig(host="127.0.0.1", port=0, profile_dir=str(profile_root))
+    thread = ServerThread(tiny_engine_config(llama_dir), config).start()
+    with thread.channel() as channel:
+        yield smg_grpc.VllmEngineStub(channel)
+    thread.stop()
+
+
+def _generate(stub, prompt: str, max_tokens: int) -> list[int]:
+    request = smg.GenerateRequest(
+        request_id=f"profiled-{prompt}",
+        tokenized=smg.TokenizedInput(input_ids=PROMPTS[prompt]),
+        sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        stream=False,
+    )
+    (response,) = stub.Generate(request, timeout=60)
+    return list(response.complete.output_ids)
+
+
+def _summaries(directory: Path) -> list[Path]:
+    return sorted(directory.glob("profile-*.json"))
+
+
+def test_a_profile_of_three_steps_is_written_while_the_request_runs_on(profiled, profile_root: Path) -> None:
+    response = profiled.StartProfile(
+        common_pb2.StartProfileRequest(output_dir="three", num_steps=3), timeout=10
+    )
+    assert (
+        response.success
+        and response.message == f"profiling the next 3 forward steps into {profile_root}/three"
+    )
+    # Six forwards (the prompt, then five decodes): the profile ends with the third, before the answer.
+    assert len(_generate(profiled, "three", 6)) == 6
+    (summary_path,) = _summaries(profile_root / "three")
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 3 and summary["rows_per_step"] == [40, 1, 1]
+    assert summary["measured"] == "cpu" and summary["device_us_total"] == 0  # the CPU engine: no device
+    names = [entry["name"] for entry in summary["top"]]
+    assert any(name.startswith("aten::") for name in names), names
+    assert summary["top"][0]["self_cpu_us"] >= summary["top"][-1]["self_cpu_us"]  # largest first
+    stem = summary_path.name.removesuffix(".json")
+    assert "Self CPU" in (summary_path.parent / f"{stem}.txt").read_text()
+    trace = json.loads(gzip.decompress((summary_path.parent / f"{stem}.trace.json.gz").read_bytes()))
+    assert trace["traceEvents"]
+
+
+def test_without_num_steps_it_runs_until_stop_profile(profiled, profile_root: Path) -> None:
+    profiled.StartProfile(common_pb2.StartProfileRequest(output_dir="until-stop"), timeout=10)
+    assert len(_generate(profiled, "until-stop", 4)) == 4  # four forwards
+    stopped = profiled.StopProfile(common_pb2.StopProfileRequest(), timeout=10)
+    assert stopped.success
+    # The core takes commands in order: the stop is applied before this request is added.
+    assert len(_generate(profiled, "after", 2)) == 2
+    (summary_path,) = _summaries(profile_root / "until-stop")
+    assert json.loads(summary_path.read_text())["rows_per_step"] == [40, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_steps": 0}, "num_steps: must be >= 1, got 0"),
+        ({"start_step": 5}, "start_step: not supported"),
+        ({"activities": ["CPU", "MEM"]}, "activities: 'MEM' is not one of CPU, GPU (or CUDA)"),
+        ({"output_dir": "../elsewhere"}, "output_dir: must be inside the server's --profile-dir"),
+        ({"profile_by_stage": True}, "profile_by_stage: not supported"),
+    ],
+)
+def test_what_it_cannot_do_is_invalid_argument(profiled, fields: dict, message: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        profiled.StartProfile(common_pb2.StartProfileRequest(**fields), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(message)
+
+
+def test_a_server_without_a_profile_dir_refuses_both_calls(server: ServerThread) -> None:
+    with server.channel() as channel:
+        stub = smg_grpc.VllmEngineStub(channel)
+        for call, request in (
+            (stub.StartProfile, common_pb2.StartProfileRequest(num_steps=2)),
+            (stub.StopProfile, common_pb2.StopProfileRequest()),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "start the server with --profile-dir" in info.value.details()
+
+
+def test_the_request_becomes_the_engines_arguments(tmp_path: Path) -> None:
+    root = tmp_path.resolve()
+    request = common_pb2.StartProfileRequest(
+        output_dir=str(root / "a" / "b"), num_steps=7, activities=["cuda", "CPU", "GPU"], record_shapes=True
+    )
+    assert profile_request(request, root) == {
+        "output_dir": str(root / "a" / "b"),
+        "num_steps": 7,
+        "activities": ["CPU", "GPU"],
+        "record_shapes": True,
+        "with_stack": False,
+    }
+    assert profile_request(common_pb2.StartProfileRequest(), root)["output_dir"] == str(root)
