@@ -32,7 +32,7 @@ from sluice.engine.messages import StartProfile
 
 logger = logging.getLogger("sluice.engine_core")
 
-SUMMARY_TOP = 60  # operators and kernels kept in the summary
+SUMMARY_TOP = 100  # operators and kernels kept in the summary
 TABLE_ROWS = 80  # rows of the key_averages table
 ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler.ProfilerActivity.CUDA}
 
