@@ -66,7 +66,7 @@ PLANS = {
         variant_bench=((1, 8), (64, 256)), large_preset="llama-3-8b",
         large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
                      "--output-len", "64"),
-        profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=2048),
+        profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=1024),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
