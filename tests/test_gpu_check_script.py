@@ -225,6 +225,10 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
             assert profile["measured"] == "cpu" and profile["top"][0]["self_cpu_us"] > 0
             assert all(tokens >= 1 for tokens in profile["requests"]["tokens_at_cancel"])
             assert len(list((out / "profiles" / f"fp8_large-{name}" / f"b{batch}").glob("profile-*"))) == 3
+        # A burst of 4 prompts of 16 tokens, profiled from before they were sent: the first forward is
+        # whole prompts only (however many had arrived), none decoded yet.
+        burst = record["profiles"]["prefill4"]
+        assert burst["steps"] == 3 and burst["rows_per_step"][0] in (16, 32, 48, 64), burst
     for name in ("fp8", "fp8_kv"):
         comparison, agreement = servers[name]["comparison"], servers[name]["agreement"]
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
@@ -255,8 +259,9 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     for server in ("bf16", "fp8", "fp8_kv"):
         for batch in (1, 4):
             rows = "1 row" if batch == 1 else f"{batch} rows"
-            assert f"**{server}, {rows} a step**: 3 steps of [{batch}] rows, CPU only" in section
+            assert f"**{server}, {rows} a step**: 3 steps of {batch} rows, CPU only" in section
     assert "| operator | us / step | share | calls / step |" in section
+    assert "**fp8_kv, a burst of 4 prompts from its first step**: tokens a step [" in section
     assert "Not measured: the fp8 step SKIPPED (not in SLUICE_GPU_CHECK_STEPS)." in report
 
 

@@ -66,14 +66,16 @@ PLANS = {
         variant_bench=((1, 8), (64, 256)), large_preset="llama-3-8b",
         large_bench=("--concurrency", "1", "--num-requests", "6", "--input-len", "4096",
                      "--output-len", "64"),
-        profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=1024),
+        profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=1024, prefill_batch=64,
+                             prefill_steps=8),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
         num_requests=4, input_len=16, output_len=4, greedy_prompts=3, greedy_tokens=8, near_tie_nats=1e-3,
         variant_bench=((1, 2), (64, 4)), large_preset="tiny",
         large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
-        profiles=ProfilePlan(batches=(1, 4), num_steps=3, prompt_len=16, max_tokens=2048),
+        profiles=ProfilePlan(batches=(1, 4), num_steps=3, prompt_len=16, max_tokens=2048, prefill_batch=4,
+                             prefill_steps=3),
     ),
 }  # fmt: skip
 

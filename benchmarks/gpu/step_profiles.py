@@ -9,6 +9,9 @@ OUT/profiles/<step>-<server>/b<b>; once the core has written the profile the req
 every profiled step has all b rows whatever the machine's speed (a request that ends first fails the
 profile, saying so). The summary JSON (`sluice.engine.core.step_profiler`) goes into the server's record;
 the report tabulates its kernels per step (`profile_tables`).
+
+Then a burst: prefill_batch such requests sent at once, with StartProfile before them, over prefill_steps
+forward steps (the prompts' chunks first, then the first decodes): where a prompt step's time goes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class ProfilePlan:
     num_steps: int  # forward steps in each profile
     prompt_len: int
     max_tokens: int  # per request, at most (cut to the context): the requests are cancelled once profiled
+    prefill_batch: int  # then a burst of this many prompts, profiled from its first step
+    prefill_steps: int  # ... over this many forward steps (the prompts' chunks, then the first decodes)
 
 
 def profile_server(
@@ -52,38 +57,64 @@ def profile_server(
     {"b<b>": summary or {"error": ...}} per batch size, written under profile_dir / label / b<b>."""
     profiles: dict[str, Any] = {}
     max_tokens = min(plan.max_tokens, info["max_model_len"] - plan.prompt_len)
-    for batch in plan.batches:
-        relative = f"{label}/b{batch}"
+    runs = [(f"b{batch}", batch, plan.num_steps, False) for batch in plan.batches]
+    runs.append((f"prefill{plan.prefill_batch}", plan.prefill_batch, plan.prefill_steps, True))
+    for name, batch, num_steps, burst in runs:
+        relative = f"{label}/{name}"
         try:
-            summary = _profile_batch(target, profile_dir / relative, relative, plan, batch, info, max_tokens)
+            summary = _profile_batch(
+                target,
+                profile_dir / relative,
+                relative,
+                (batch, num_steps, burst),
+                plan.prompt_len,
+                info,
+                max_tokens,
+            )
         except (grpc.RpcError, OSError, RuntimeError, ValueError) as exc:
             summary = {"error": f"{type(exc).__name__}: {exc}"}
-        profiles[f"b{batch}"] = summary
+        profiles[name] = summary
     return profiles
 
 
 def _profile_batch(
-    target: str, directory: Path, relative: str, plan: ProfilePlan, batch: int, info: dict, max_tokens: int
+    target: str,
+    directory: Path,
+    relative: str,
+    run: tuple[int, int, bool],
+    prompt_len: int,
+    info: dict,
+    max_tokens: int,
 ) -> dict[str, Any]:
+    """run: (batch, num_steps, burst). burst False: StartProfile once all `batch` requests have their first
+    token (pure decodes); True: before they are sent (their prompt steps first)."""
+    batch, num_steps, burst = run
     rng = random.Random(f"profile-{relative}")
-    prompts = [[rng.randrange(1, info["vocab_size"]) for _ in range(plan.prompt_len)] for _ in range(batch)]
+    prompts = [[rng.randrange(1, info["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
     prefilled, done = threading.Semaphore(0), threading.Event()
+    start = common_pb2.StartProfileRequest(output_dir=relative, num_steps=num_steps)
     with Client(target) as client, ThreadPoolExecutor(max_workers=batch) as pool:
+        if burst:
+            _start_profile(target, start)
         runs = [pool.submit(_run_request, client, prompt, max_tokens, prefilled, done) for prompt in prompts]
         try:
             for _ in range(batch):
                 if not prefilled.acquire(timeout=WAIT_S):
                     raise RuntimeError(f"no first token from every request within {WAIT_S:.0f} s")
-            with grpc.insecure_channel(target) as channel:
-                request = common_pb2.StartProfileRequest(output_dir=relative, num_steps=plan.num_steps)
-                smg_grpc.VllmEngineStub(channel).StartProfile(request, timeout=30)
+            if not burst:
+                _start_profile(target, start)
             summary_path = _wait_for_summary(directory, runs)
         finally:
-            done.set()  # the requests end here (cancelled), so every profiled step had all `batch` rows
+            done.set()  # the requests end here (cancelled): no request finished inside the profile
         tokens = [run.result() for run in runs]
     summary = json.loads(summary_path.read_text())
     summary["requests"] = {"batch": batch, "max_tokens": max_tokens, "tokens_at_cancel": tokens}
     return summary
+
+
+def _start_profile(target: str, request: common_pb2.StartProfileRequest) -> None:
+    with grpc.insecure_channel(target) as channel:
+        smg_grpc.VllmEngineStub(channel).StartProfile(request, timeout=30)
 
 
 def _wait_for_summary(directory: Path, runs: list) -> Path:
@@ -127,8 +158,13 @@ def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
     parts = []
     for server, profiles in servers.items():
         for batch, summary in profiles.items():
-            rows = int(batch.removeprefix("b"))
-            title = f"**{server}, {rows} row{'' if rows == 1 else 's'} a step**"
+            if batch.startswith("prefill"):
+                title = (
+                    f"**{server}, a burst of {batch.removeprefix('prefill')} prompts from its first step**"
+                )
+            else:
+                rows = int(batch.removeprefix("b"))
+                title = f"**{server}, {rows} row{'' if rows == 1 else 's'} a step**"
             if "error" in summary:
                 parts.append(f"{title}: not profiled ({summary['error']})")
                 continue
@@ -138,17 +174,22 @@ def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
 
 def _profile_table(title: str, summary: dict[str, Any]) -> str:
     steps = max(1, summary["steps"])
-    rows_seen = sorted(set(summary["rows_per_step"]))
+    tokens = summary["rows_per_step"]
+    shape = (
+        f"{summary['steps']} steps of {tokens[0]} rows"
+        if len(set(tokens)) == 1
+        else f"tokens a step {tokens}"
+    )
     if summary["measured"] != "device":
         entries = summary["top"][:TOP_KERNELS]
         rows = [_row(entry, entry["self_cpu_us"], summary["cpu_us_total"], steps) for entry in entries]
-        head = f"{title}: {summary['steps']} steps of {rows_seen} rows, CPU only (no device): CPU us per step"
+        head = f"{title}: {shape}, CPU only (no device): CPU us per step"
         return head + "\n\n" + markdown_table(["operator", "us / step", "share", "calls / step"], rows)
     kernels = [entry for entry in summary["top"] if entry["on_device"]][:TOP_KERNELS]
     total = summary["device_us_total"] / steps
     rows = [_row(entry, entry["self_device_us"], summary["device_us_total"], steps) for entry in kernels]
     head = (
-        f"{title}: {summary['steps']} steps of {rows_seen} rows; device time {total:.0f} us a step, "
+        f"{title}: {shape}; device time {total:.0f} us a step, "
         f"wall {summary['wall_s'] / steps * 1e3:.2f} ms a step while profiled"
     )
     return head + "\n\n" + markdown_table(["kernel", "us / step", "share", "launches / step"], rows)
