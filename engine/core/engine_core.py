@@ -114,18 +114,8 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, sample, update: one output per request that got tokens or failed."""
-        # async scheduling: the same, with the update of the step before this one
-        outputs = self._step_overlapped() if self.async_scheduling else self._step_synchronous()
-        self.profiler.step_ended()
-        return outputs
-
-    def start_profile(self, start: StartProfile) -> None:
-        self.profiler.start(start)
-
-    def stop_profile(self) -> None:
-        self.profiler.stop()
-
-    def _step_synchronous(self) -> list[CoreOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()  # the same, with the update of the step before this one
         refused = self._admit_ready()
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
@@ -134,6 +124,12 @@ class EngineCore:
         logits = self._execute(scheduler_output)
         sampled, sampling_errors = self._sample(logits, scheduler_output)
         return refused + self._update(scheduler_output, sampled, sampling_errors)
+
+    def start_profile(self, start: StartProfile) -> None:
+        self.profiler.start(start)
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
 
     def _step_overlapped(self) -> list[CoreOutput]:
         """Async scheduling: schedules and launches step N+1 while step N (in flight) runs on the device,
@@ -342,6 +338,7 @@ class EngineCore:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
         scheduler and proposes the next drafts: one output per request touched."""
         self._count_sampled(scheduler_output, sampled)
+        self.profiler.step_ended()  # a profile of N forwards ends with the step that updates the N-th
         # Before the update, which skips them.
         failed = self.abort(list(sampling_errors), sampling_errors) if sampling_errors else []
         updated = self._append(scheduler_output, sampled)
