@@ -472,10 +472,11 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
     # The FP8-KV file runs before the model parity file, which runs its triton backend only.
-    assert lines[-5:] == [
+    assert lines[-6:] == [
         "tests/test_kernels_fp8_quant.py",
         "tests/test_kernels_fp8_gemv.py",
         "tests/test_kernels_fp8_skinny_mm.py",
+        "tests/test_kernels_fused_fp8_quant.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_model_parity.py\t-k\ttriton",
     ]
