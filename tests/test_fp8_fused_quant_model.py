@@ -5,7 +5,8 @@ sm_89+ GPU takes, chosen here by replacing the device check (`scaled_mm_on_cpu`)
 decoder layer launches `fp8_quant` once (o_proj) instead of four times; the final hidden states are bit for
 bit those with it off (`KernelConfig.fuse_fp8_quant=False`) at 28 rows (`fp8_skinny_mm`) and 71 rows
 (`_scaled_mm`); one-row steps (`fp8_gemv`) launch none either way; and greedy tokens equal transformers' on
-the checkpoint (the reference test_fp8_checkpoint ties the emulated path to).
+the checkpoint (the reference test_fp8_checkpoint ties the emulated path to). Under tensor parallelism the
+row-parallel down_proj's fused input is its own launch's on the rank's slice (per-token amax over the slice).
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ import torch
 from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
 from test_fp8_checkpoint import MAX_TOKENS, greedy, prompts
 
+from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers import quantization
 from sluice.engine.worker.layers.activation import SiluAndMul
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
+from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.kernels import fp8_quant
 
@@ -130,3 +137,63 @@ def test_fused_greedy_tokens_equal_transformers(llama_dir, tmp_path, scaled_mm_o
     q_size = llm.engine.model_runner.model.model.layers[0].self_attn.o_proj.input_size
     assert quant_launches and all(shape[1] == q_size for shape in quant_launches)  # o_proj's only
     assert tokens == transformers_greedy(directory, prompts(), MAX_TOKENS)
+
+
+class _PartialSums(TensorParallelGroup):
+    """Rank `rank` of 2 whose all-reduce returns the rank's own partial product (no other process)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank, 2, torch.device("cpu"), process_group=object())
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _rank_mlp(rank: int, weights: dict[str, torch.Tensor]) -> tuple[GatedMLP, KernelConfig]:
+    """Rank `rank`'s part of a 64 -> 2 x 96 -> 64 MLP quantized at load (per-token activations), bfloat16,
+    on the Triton ops and `_scaled_mm`."""
+    kernels = KernelConfig(
+        torch.device("cpu"),
+        torch.bfloat16,
+        TritonAttentionBackend(),
+        quantization="fp8",
+        fp8=QUANTIZE_AT_LOAD,
+        tensor_parallel=_PartialSums(rank),
+    )
+    mlp = GatedMLP(HIDDEN, 96, "silu").to(torch.bfloat16)
+    mlp.gate_up_proj.select(kernels, "model.layers.0.mlp.gate_up_proj")
+    mlp.down_proj.select(kernels, "model.layers.0.mlp.down_proj")
+    mlp.act.select(kernels)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, weights["gate"], 0)
+    mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, weights["up"], 1)
+    mlp.down_proj.weight_loader(mlp.down_proj.weight, weights["down"])
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.process_weights_after_loading()
+        assert linear.method.matmul == "rowwise"
+    assert mlp.down_proj.input_size == 48 and mlp.act.fuses_fp8_quant
+    return mlp, kernels
+
+
+def test_row_parallel_down_proj_gets_the_codes_of_its_own_slice(scaled_mm_on_cpu, quant_launches):
+    """On each of 2 ranks the fused SiLU-and-mul quantizes the rank's 48 intermediate columns per token, as
+    down_proj's own launch does on that slice: the rank's partial sums are bit for bit the same."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = {"gate": (96, HIDDEN), "up": (96, HIDDEN), "down": (HIDDEN, 96)}
+    weights = {
+        name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()
+    }
+    x = torch.randn(9, HIDDEN, generator=generator).to(torch.bfloat16)
+    for rank in (0, 1):
+        mlp, kernels = _rank_mlp(rank, weights)
+        gate_up = mlp.gate_up_proj(x)
+        assert gate_up.shape == (9, 96)  # [this rank's 48 gate columns | its 48 up columns]
+        codes = mlp.act.activate_for(mlp.down_proj, gate_up)
+        assert isinstance(codes, Fp8Activations) and codes.x_q.shape == (9, 48)
+        quant_launches.clear()
+        fused = mlp(x)
+        assert quant_launches == [(9, HIDDEN)]  # gate_up's own; down_proj's input came quantized
+        mlp.act.select(dataclasses.replace(kernels, fuse_fp8_quant=False))
+        quant_launches.clear()
+        unfused = mlp(x)
+        assert quant_launches == [(9, HIDDEN), (9, 48)]  # down_proj quantizes its slice itself
+        assert fused.shape == (9, HIDDEN) and fused.isfinite().all() and torch.equal(fused, unfused)
