@@ -179,6 +179,7 @@ def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> N
     assert bench.startswith("# FP8 linears at decode batch sizes (cpu, Triton interpreter: no speed figures)")
     assert "| tiny one | 32 x 64 | 1 |" in bench and "## Per layer (the four linears summed)" in bench
     assert "fold" in bench.split("## Per layer")[1]  # fp8_kv_paths' table, appended
+    assert "## Per decoder layer (two norms and one silu)" in bench  # fused_quant_bench's, appended
     report = (out / "report.md").read_text()
     assert "| kernel_bench | kernels one at a time: FP8 linears at decode batch sizes vs bf16" in report
 
