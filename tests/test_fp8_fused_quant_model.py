@@ -99,8 +99,16 @@ def _final_hidden(llm: LLM, lengths: tuple[int, ...]) -> torch.Tensor:
     return captured[0]
 
 
-@pytest.mark.parametrize("activations", ["token", "static"])
-@pytest.mark.parametrize("source", ["llama_dir", "qwen3_dir"])
+@pytest.mark.parametrize(
+    ("source", "activations"),
+    [
+        ("llama_dir", "token"),
+        ("llama_dir", "static"),
+        ("qwen3_dir", "token"),  # its own attention module (q/k norms)
+        ("qwen3_dir", "static"),
+        ("qwen2_dir", "token"),  # qkv_proj with a bias, added after the product from the fused codes
+    ],
+)
 def test_fused_quantization_gives_the_same_hidden_states_with_fewer_launches(
     source, activations, request, tmp_path, scaled_mm_on_cpu, quant_launches
 ):
