@@ -98,11 +98,30 @@ def quantize_fp8_static(
     """x [M, K] -> (x_q [M, K] float8_e4m3fn of x / input_scale, saturated at +-448; scale [M, 1] float32,
     input_scale in each row, as the row-wise `_scaled_mm` takes it). input_scale: [] or [1] float32 on x's
     device, read by the kernel (no host sync). Raises ValueError naming a bad argument."""
+    if input_scale is None:
+        raise ValueError("input_scale: expected a torch.Tensor, got NoneType")
+    return _launch(x, input_scale, out, scale_out)
+
+
+def check_input_scale(input_scale: torch.Tensor, device: torch.device) -> None:
+    """Raise ValueError unless `input_scale` is a [] or [1] float32 tensor on `device`."""
     if not isinstance(input_scale, torch.Tensor):
         raise ValueError(f"input_scale: expected a torch.Tensor, got {type(input_scale).__name__}")
     if input_scale.dim() > 1 or input_scale.numel() != 1:
         raise ValueError(f"input_scale: expected shape () or (1,), got {tuple(input_scale.shape)}")
-    return _launch(x, input_scale, out, scale_out)
+    check_same_dtype("input_scale", input_scale, torch.float32)
+    if input_scale.device != device:
+        raise ValueError(f"input_scale: on {input_scale.device}, expected {device}")
+
+
+def quantized_outputs(
+    out: torch.Tensor | None, scale_out: torch.Tensor | None, num_rows: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [num_rows, width] e4m3, scale [num_rows, 1] float32): `out` / `scale_out` checked, or new."""
+    return (
+        _output("out", out, (num_rows, width), FP8, device),
+        _output("scale_out", scale_out, (num_rows, 1), torch.float32, device),
+    )
 
 
 def quantize_fp8(
@@ -123,8 +142,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args(x, input_scale)
     num_rows, width = x.shape
-    out = _output("out", out, (num_rows, width), FP8, x.device)
-    scale_out = _output("scale_out", scale_out, (num_rows, 1), torch.float32, x.device)
+    out, scale_out = quantized_outputs(out, scale_out, num_rows, width, x.device)
     if num_rows == 0:
         return out, scale_out
     tile = min(triton.next_power_of_2(width), MAX_TILE)
@@ -149,9 +167,7 @@ def _check_args(x: torch.Tensor, input_scale: torch.Tensor | None) -> None:
     if x.shape[1] == 0:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
     if input_scale is not None:
-        check_same_dtype("input_scale", input_scale, torch.float32)
-        if input_scale.device != x.device:
-            raise ValueError(f"input_scale: on {input_scale.device}, expected {x.device}")
+        check_input_scale(input_scale, x.device)
 
 
 def _output(

@@ -3,6 +3,11 @@
 with residual:  residual_out = (x + residual) in x's dtype;  out = norm(residual_out)
 without:        residual_out = x;                            out = norm(x)
 norm(h) = weight * (h_fp32 * rsqrt(mean(h_fp32^2) + eps)).to(dtype)
+
+`rms_norm_fp8_quant` runs the same kernel but writes, instead of `out`, its e4m3 codes and per-row fp32
+scale for an FP8 linear (dynamic per token, or a static input_scale): bit for bit `rms_norm` then
+`sluice.kernels.fp8_quant.quantize_fp8` (`out` rounded to x's dtype first, then quantized by the same jit
+helpers). The row is already in registers, so the amax is a reduction there: one launch instead of two.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.fp8_quant import check_input_scale, dynamic_scale, max_keep_nan, quantized_outputs
+from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_same_dtype,
@@ -22,19 +29,24 @@ from sluice.kernels.tensor_checks import (
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr,
+    out_ptr,  # [T, hidden] x's dtype; QUANTIZE: the e4m3 codes, [T, hidden] uint8
     residual_out_ptr,
     x_ptr,
     residual_ptr,
     weight_ptr,
+    scale_ptr,  # QUANTIZE only: [T, 1] float32, written
+    input_scale_ptr,  # QUANTIZE and not DYNAMIC only: [] or [1] float32, read
     eps,
     stride_x,
     stride_residual,
     stride_out,
     stride_residual_out,
+    stride_scale,
     HIDDEN: tl.constexpr,
     HIDDEN_PAD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    DYNAMIC: tl.constexpr = True,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, HIDDEN_PAD)
@@ -49,8 +61,17 @@ def _rms_norm_kernel(
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
+        if DYNAMIC:
+            amax = tl.reduce(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0, max_keep_nan)
+            scale = dynamic_scale(amax)
+        else:
+            scale = tl.load(input_scale_ptr)
+        tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(out, scale), mask=mask)
+        tl.store(scale_ptr + row * stride_scale, scale)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 def _check_rms_norm_args(x, weight, residual) -> None:
@@ -90,16 +111,66 @@ def rms_norm(
         x,
         residual if residual is not None else x,
         weight,
+        None,
+        None,
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         residual_out.stride(0),
+        0,
         HIDDEN=hidden,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
         HAS_RESIDUAL=residual is not None,
     )
     return out, residual_out
+
+
+def rms_norm_fp8_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rms_norm` whose normed output goes straight to an FP8 linear: returns (x_q [T, hidden]
+    float8_e4m3fn, x_scale [T, 1] float32, residual_out), what `quantize_fp8(rms_norm(...)[0],
+    input_scale)` returns, bit for bit, and the same residual_out; the normed tensor itself is not
+    written. Dynamic per-token scales without `input_scale`, else that static scale ([] or [1] float32
+    on x's device, read by the kernel). Outputs are written into `out` / `scale_out` / `residual_out`
+    when given. Raises ValueError naming a bad argument."""
+    _check_rms_norm_args(x, weight, residual)
+    if input_scale is not None:
+        check_input_scale(input_scale, x.device)
+    num_tokens, hidden = x.shape
+    out, scale_out = quantized_outputs(out, scale_out, num_tokens, hidden, x.device)
+    residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
+    if num_tokens == 0:
+        return out, scale_out, residual_out
+    _rms_norm_kernel[(num_tokens,)](
+        out.view(torch.uint8),
+        residual_out,
+        x,
+        residual if residual is not None else x,
+        weight,
+        scale_out,
+        input_scale,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        residual_out.stride(0),
+        scale_out.stride(0),
+        HIDDEN=hidden,
+        HIDDEN_PAD=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None,
+        QUANTIZE=True,
+        DYNAMIC=input_scale is None,
+    )
+    return out, scale_out, residual_out
 
 
 def rms_norm_reference(

@@ -8,6 +8,13 @@ instead of ATen's silu (read gate, write) and mul (read both, write). The CPU pa
 kernel (`sluice.kernels.cpu_silu_and_mul`).
 
 Grid (num_tokens, cdiv(d, BLOCK)): BLOCK = 1024 columns per program (untuned; 4 warps).
+
+`silu_and_mul_fp8_quant` writes, instead of out, its e4m3 codes and per-row fp32 scale for an FP8 linear
+(dynamic per token, or a static input_scale): bit for bit `silu_and_mul` then
+`sluice.kernels.fp8_quant.quantize_fp8` (the product rounded to x's dtype by the same jit helper, then
+quantized by fp8_quant's). Grid (num_tokens,): one program per row, as fp8_quant's: a row of d up to
+MAX_TILE is one tile kept in registers; a wider one is computed twice in MAX_TILE-wide tiles (amax, then
+codes; the first tile kept), rereading x instead of writing and rereading out.
 """
 
 from __future__ import annotations
@@ -17,31 +24,85 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.kernels.fp8_quant import (
+    MAX_TILE,
+    check_input_scale,
+    dynamic_scale,
+    max_keep_nan,
+    quantized_outputs,
+)
+from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_tensor, output_like
 
 _BLOCK = 1024
 
 
 @triton.jit
+def silu_and_mul_tile(x_row, cols, D: tl.constexpr):
+    """silu(gate) * up at columns `cols` of the row at `x_row` ([gate | up], 2 * D wide), rounded to x's
+    dtype as transformers rounds it; 0 where cols >= D."""
+    mask = cols < D
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_row.dtype.element_ty
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (activated * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_out, D: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < D
-    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + token * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, (activated * up).to(dtype), mask=mask)
+    out = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)
+    tl.store(out_ptr + token * stride_out + cols, out, mask=cols < D)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    out_ptr,  # [T, D] uint8: the e4m3 codes
+    scale_ptr,  # [T, 1] float32: written
+    x_ptr,  # [T, 2 * D]
+    input_scale_ptr,  # static only: [] or [1] float32, read
+    stride_x,
+    stride_out,
+    stride_scale,
+    D: tl.constexpr,
+    TILE: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + token * stride_x
+    out_row = out_ptr + token * stride_out
+    cols = tl.arange(0, TILE)
+    first = silu_and_mul_tile(x_row, cols, D)  # with D <= TILE the whole row, kept
+    if DYNAMIC:
+        running = tl.abs(first.to(tl.float32))
+        for start in range(TILE, D, TILE):  # rows wider than a tile: first pass, amax
+            tile = silu_and_mul_tile(x_row, start + cols, D)
+            running = max_keep_nan(running, tl.abs(tile.to(tl.float32)))
+        scale = dynamic_scale(tl.reduce(running, 0, max_keep_nan))
+    else:
+        scale = tl.load(input_scale_ptr)
+    tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < D)
+    for start in range(TILE, D, TILE):  # second pass: the codes of the other tiles
+        tile = silu_and_mul_tile(x_row, start + cols, D)
+        tl.store(out_row + start + cols, quantize_e4m3(tile, scale), mask=start + cols < D)
+    tl.store(scale_ptr + token * stride_scale, scale)
+
+
+def _check_x(x: torch.Tensor) -> int:
+    """d, half of x's last dim; ValueError unless x is [num_tokens, 2 * d] float, unit last stride."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] % 2:
+        raise ValueError(f"x: last dim must be even ([gate | up]), got {x.shape[1]}")
+    return x.shape[1] // 2
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, 2 * d] (float, unit last stride) -> [num_tokens, d] = silu(x[:, :d]) * x[:, d:],
     written into `out` when given. Raises ValueError naming a bad argument."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    num_tokens, width = x.shape
-    if width % 2:
-        raise ValueError(f"x: last dim must be even ([gate | up]), got {width}")
-    d = width // 2
+    d = _check_x(x)
+    num_tokens = x.shape[0]
     if out is None:
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
     else:
@@ -53,6 +114,43 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out, x, x.stride(0), out.stride(0), D=d, BLOCK=block
     )
     return out
+
+
+def silu_and_mul_fp8_quant(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_and_mul(x)` going straight to an FP8 linear: (x_q [num_tokens, d] float8_e4m3fn, x_scale
+    [num_tokens, 1] float32), bit for bit `quantize_fp8(silu_and_mul(x), input_scale)`; the activated
+    tensor itself is not written. Dynamic per-token scales without `input_scale`, else that static scale
+    ([] or [1] float32 on x's device, read by the kernel). Written into `out` / `scale_out` when given.
+    Raises ValueError naming a bad argument."""
+    d = _check_x(x)
+    if d == 0:
+        raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
+    if input_scale is not None:
+        check_input_scale(input_scale, x.device)
+    num_tokens = x.shape[0]
+    out, scale_out = quantized_outputs(out, scale_out, num_tokens, d, x.device)
+    if num_tokens == 0:
+        return out, scale_out
+    tile = min(triton.next_power_of_2(d), MAX_TILE)
+    _silu_and_mul_fp8_kernel[(num_tokens,)](
+        out.view(torch.uint8),
+        scale_out,
+        x,
+        input_scale,
+        x.stride(0),
+        out.stride(0),
+        scale_out.stride(0),
+        D=d,
+        TILE=tile,
+        DYNAMIC=input_scale is None,
+        num_warps=max(1, min(16, tile // 256)),
+    )
+    return out, scale_out
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@
 #                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
 #                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), then
 #                    the attention kernels over an FP8 KV cache in both ways of applying its scales
-#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), both to kernel_bench.md
+#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), then RMSNorm / SiLU-and-mul with the FP8
+#                    quantization fused in against the two launches they replace
+#                    (sluice/benchmarks/gpu/fused_quant_bench.py), all to kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       a JSON-schema request, SmolLM2's tokenizer borrowed by the preset
@@ -197,6 +199,8 @@ if ((INSTALLED)); then
         $PY -m sluice.benchmarks.gpu.fp8_linear_bench '$OUT/kernel_bench.md' --device '$DEVICE' --cap-s '$BENCH_CAP' --rows '$BENCH_ROWS'; rc=\$?
         $PY -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
         [[ -f '$WORK/fp8_kv_paths.md' ]] && { echo; cat '$WORK/fp8_kv_paths.md'; } >>'$OUT/kernel_bench.md'
+        $PY -m sluice.benchmarks.gpu.fused_quant_bench '$WORK/fused_quant.md' --device '$DEVICE' || rc=1
+        [[ -f '$WORK/fused_quant.md' ]] && { echo; cat '$WORK/fused_quant.md'; } >>'$OUT/kernel_bench.md'
         exit \$rc"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
     run_step speculative 100 30 "${SERVE[@]}" speculative

@@ -179,6 +179,7 @@ def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> N
     assert bench.startswith("# FP8 linears at decode batch sizes (cpu, Triton interpreter: no speed figures)")
     assert "| tiny one | 32 x 64 | 1 |" in bench and "## Per layer (the four linears summed)" in bench
     assert "fold" in bench.split("## Per layer")[1]  # fp8_kv_paths' table, appended
+    assert "## Per decoder layer (two norms and one silu)" in bench  # fused_quant_bench's, appended
     report = (out / "report.md").read_text()
     assert "| kernel_bench | kernels one at a time: FP8 linears at decode batch sizes vs bf16" in report
 
@@ -477,10 +478,11 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
     # The FP8-KV file runs before the model parity file, which runs its triton backend only.
-    assert lines[-5:] == [
+    assert lines[-6:] == [
         "tests/test_kernels_fp8_quant.py",
         "tests/test_kernels_fp8_gemv.py",
         "tests/test_kernels_fp8_skinny_mm.py",
+        "tests/test_kernels_fused_fp8_quant.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_model_parity.py\t-k\ttriton",
     ]

@@ -40,6 +40,8 @@ KERNEL_TESTS = (
     # Their decode-sized steps: quantization and product in one launch, against the emulated product.
     KernelTestFile("tests/test_kernels_fp8_gemv.py"),
     KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
+    # RMSNorm and SiLU-and-mul with that quantization fused in: bit for bit the two launches they replace.
+    KernelTestFile("tests/test_kernels_fused_fp8_quant.py"),
     # Store, decode and prefill over an FP8 cache: before the model parity file, whose fixtures build and
     # load six checkpoints (on the first H100 run the step's timeout fell inside it and this file never ran).
     KernelTestFile("tests/test_triton_fp8_kv.py"),

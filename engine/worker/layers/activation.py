@@ -3,28 +3,60 @@
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from sluice.engine.worker.layers.custom_op import CustomOp
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
 from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul_prechecked
 
+if TYPE_CHECKING:
+    from sluice.engine.worker.layers.linear import LinearBase
 
-class SiluAndMul(CustomOp):
+
+class GatedActivation(CustomOp):
+    """act(gate) * up over gate_up [T, 2 * d]; `activate_for(linear, gate_up)` is the same as the input of
+    `linear`, its one consumer (an activation that fuses FP8 quantization overrides it)."""
+
+    def activate_for(self, linear: LinearBase, gate_up: torch.Tensor) -> torch.Tensor | Fp8Activations:
+        return self(gate_up)
+
+
+class SiluAndMul(GatedActivation):
     """silu(gate) * up (Llama, Mistral, Qwen), rounded as transformers' MLP rounds it; triton: one pass of
     `sluice.kernels.silu_and_mul` (the gate_up output read once); cpu: one pass of the C++ kernel
-    `sluice.kernels.cpu_silu_and_mul`."""
+    `sluice.kernels.cpu_silu_and_mul`. On triton, where the consumer linear takes its input quantized to FP8
+    this step, `activate_for` writes the codes and scales instead (`silu_and_mul_fp8_quant`)."""
 
     implementations = ("triton", "cpu", "native")
     cpu_kernel = CPU_SILU_AND_MUL
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fuses_fp8_quant = False
+
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
+        self.fuses_fp8_quant = self.implementation == "triton" and kernels.fuse_fp8_quant
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
-            self._triton_silu_and_mul = import_module("sluice.kernels.silu_and_mul").silu_and_mul
+            module = import_module("sluice.kernels.silu_and_mul")
+            self._triton_silu_and_mul = module.silu_and_mul
+            self._triton_silu_and_mul_fp8_quant = module.silu_and_mul_fp8_quant
+
+    def activate_for(self, linear: LinearBase, gate_up: torch.Tensor) -> torch.Tensor | Fp8Activations:
+        """silu(gate) * up as `linear`'s input: its FP8 codes and scales where `linear.quantized_input`
+        asks for them for these rows (and this op runs the Triton kernel), else the activated tensor. Under
+        tensor parallelism gate_up is this rank's columns and `linear` the row-parallel down_proj holding the
+        matching input columns: each row's amax is over this rank's part, as the linear's own launch takes."""
+        scheme = linear.quantized_input(gate_up.shape[0]) if self.fuses_fp8_quant else None
+        if scheme is None:
+            return self(gate_up)
+        x_q, x_scale = self._triton_silu_and_mul_fp8_quant(gate_up, scheme.input_scale)
+        return Fp8Activations(x_q, x_scale, gate_up.dtype)
 
     def forward_triton(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._triton_silu_and_mul(gate_up)
@@ -37,7 +69,7 @@ class SiluAndMul(CustomOp):
         return F.silu(gate) * up
 
 
-class GeluTanhAndMul(CustomOp):
+class GeluTanhAndMul(GatedActivation):
     """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)."""
 
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -45,10 +77,10 @@ class GeluTanhAndMul(CustomOp):
         return F.gelu(gate, approximate="tanh") * up
 
 
-_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+_ACTIVATIONS: dict[str, type[GatedActivation]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
-def get_act_and_mul(name: str) -> CustomOp:
+def get_act_and_mul(name: str) -> GatedActivation:
     """The gated activation for config.json's `hidden_act` / `hidden_activation`."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")

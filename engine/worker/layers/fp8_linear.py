@@ -35,6 +35,10 @@ codes and scales; the fp32 sums in another order). Measured on an H100 (docs/per
 runs 5-7) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv /
 o / down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there.
 
+Where `fp8_quant` would run, the kernel that made x may quantize it instead (`quantized_input`, the seam of
+`sluice.engine.worker.layers.fp8_activations`): the decoders' RMSNorm before qkv_proj / gate_up_proj and
+SiLU-and-mul before down_proj then hand `apply` an `Fp8Activations`, the same codes and scales.
+
 Every other step of up to SKINNY_MAX_ROWS rows runs `sluice.kernels.fp8_skinny_mm` on `fp8_quant`'s codes
 (`runs_skinny`): the weight as the MMA's tall operand, K split over programs. On llama-3-8b's qkv / o / down
 it took 0.76 / 0.72 / 0.65x `_scaled_mm`'s time at 16 rows and 1.02 / 0.85 / 0.78x at 64, and 0.93-0.99x on
@@ -52,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.loading.fp8_config import Fp8Scheme
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import LinearMethod
 
@@ -217,23 +222,42 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight.data = dequantized.to(layer.activation_dtype)
         elif self.matmul == "tensorwise":
             layer.unit_scale = torch.ones((), dtype=torch.float32, device=layer.weight.device)
+        if self.quantizes_in_kernel:
+            layer.input_scheme = Fp8InputScheme(getattr(layer, "input_scale", None))
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_input(self, layer: LinearBase, num_rows: int) -> Fp8InputScheme | None:
+        """The scheme in which a step of `num_rows` may hand this layer its input already quantized (an
+        `Fp8Activations`): where `apply` would run `fp8_quant` on x, i.e. on `_scaled_mm` with token or
+        static activations, off `fp8_gemv`'s steps. Else None."""
+        if not self.quantizes_in_kernel or runs_gemv(num_rows, layer.weight.shape[0]):
+            return None
+        return layer.input_scheme
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if isinstance(x, Fp8Activations):  # quantized by the kernel that made it ([M, in] only)
+            y = self._matmul(layer, x.x_q, x.x_scale, x.dtype)
+            return y if bias is None else y + bias
         if self.matmul == "dequantized":
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        num_rows, out_features = rows.shape[0], layer.weight.shape[0]
-        if self.quantizes_in_kernel and runs_gemv(num_rows, out_features):
+        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
-            if self.quantizes_in_kernel and runs_skinny(num_rows, out_features):
-                y = self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, rows.dtype)
-            else:
-                y = FP8_MATMULS[self.matmul](layer, x_q, x_scale)
+            y = self._matmul(layer, x_q, x_scale, rows.dtype)
         y = y.view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+    def _matmul(
+        self, layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """y [M, out] in `dtype`, before the bias, from x's codes [M, in] and scales."""
+        if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], layer.weight.shape[0]):
+            return self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, dtype)
+        return FP8_MATMULS[self.matmul](layer, x_q, x_scale)
 
     def quantize(
         self, x: torch.Tensor, input_scale: torch.Tensor | None

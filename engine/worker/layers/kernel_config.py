@@ -45,6 +45,9 @@ class KernelConfig:
         collectives (`sluice.engine.worker.layers.parallel_linear`). One process: rank 0 of 1.
     fuse_rotary_store: rotate q, k and store K/V in one kernel where the backend can (Triton); False runs
         them as two (the GPU benchmark's before/after).
+    fuse_fp8_quant: where an FP8 linear would quantize its input with its own launch, the Triton RMSNorm or
+        SiLU-and-mul before it writes the codes instead (`sluice.engine.worker.layers.fp8_activations`);
+        False leaves the launch to the linear (the GPU benchmark's before/after).
     """
 
     device: torch.device
@@ -57,6 +60,7 @@ class KernelConfig:
     cuda_capability: tuple[int, int] | None = None
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
     fuse_rotary_store: bool = True
+    fuse_fp8_quant: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

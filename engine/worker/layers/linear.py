@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from sluice.engine.distributed.group import TensorParallelGroup
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from sluice.engine.worker.layers.quantization import linear_method_for
@@ -97,8 +98,13 @@ class LinearBase(nn.Module):
         """Run once after loading (`sluice.engine.loading.weight_loader`): the method's layout."""
         self.method.process_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size] -> [..., output_size]."""
+    def quantized_input(self, num_rows: int) -> Fp8InputScheme | None:
+        """Whether (and how) a step of `num_rows` may hand `forward` its input already quantized to FP8, as
+        an `Fp8Activations` (the method's `quantized_input`); None: pass the float x."""
+        return self.method.quantized_input(self, num_rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """x [..., input_size] (or its FP8 codes where `quantized_input` said so) -> [..., output_size]."""
         return self.method.apply(self, x, self.bias)
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from sluice.kernels.cpu_packed_linear import pack_weight, packed_linear_prechecked
 
 if TYPE_CHECKING:
+    from sluice.engine.worker.layers.fp8_activations import Fp8InputScheme
     from sluice.engine.worker.layers.linear import LinearBase
 
 
@@ -72,6 +73,12 @@ class LinearMethod:
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Run once after every checkpoint tensor is in: make the layout `apply` reads."""
+
+    def quantized_input(self, layer: LinearBase, num_rows: int) -> Fp8InputScheme | None:
+        """How the kernel before this layer may quantize its input for a step of `num_rows` rows, handing
+        `apply` an `Fp8Activations` (`sluice.engine.worker.layers.fp8_activations`); None (every method
+        but FP8's): `apply` takes the float x."""
+        return None
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError

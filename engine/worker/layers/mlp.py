@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from sluice.engine.worker.layers.activation import get_act_and_mul
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -20,5 +21,6 @@ class GatedMLP(nn.Module):
         self.act = get_act_and_mul(activation)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+        """x: the hidden states, or their FP8 codes where gate_up_proj asked for them (`RMSNorm.norm_for`)."""
+        return self.down_proj(self.act.activate_for(self.down_proj, self.gate_up_proj(x)))

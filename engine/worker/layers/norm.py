@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.worker.layers.custom_op import CustomOp
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
 from sluice.kernels.cpu_rms_norm import cpu_rms_norm_prechecked
+
+if TYPE_CHECKING:
+    from sluice.engine.worker.layers.linear import LinearBase
 
 
 class RMSNorm(CustomOp):
@@ -23,6 +28,9 @@ class RMSNorm(CustomOp):
         triton  `sluice.kernels.rms_norm.rms_norm`, one pass over each row
         cpu     the C++ kernel `sluice.kernels.cpu_rms_norm` (one call instead of ~12 ATen ops)
         native  `F.rms_norm` in float32 (the same roundings, fewer passes), plain PyTorch in other dtypes
+
+    `norm_for(linear, x, residual)` is the same for the norm's one consumer `linear`: on triton, where that
+    linear takes its input quantized to FP8 this step, the kernel writes the codes instead of the normed x.
     """
 
     implementations = ("triton", "cpu", "native")
@@ -32,11 +40,32 @@ class RMSNorm(CustomOp):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fuses_fp8_quant = False
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
+        self.fuses_fp8_quant = self.implementation == "triton" and kernels.fuse_fp8_quant
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
-            self._triton_rms_norm = import_module("sluice.kernels.rms_norm").rms_norm
+            module = import_module("sluice.kernels.rms_norm")
+            self._triton_rms_norm, self._triton_rms_norm_fp8_quant = (
+                module.rms_norm,
+                module.rms_norm_fp8_quant,
+            )
+
+    def norm_for(
+        self, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+        """`self(x, residual)` as the input of `linear`, the normed x's only consumer: where this norm runs
+        the Triton kernel and `linear` takes its input quantized for x's rows (`quantized_input`: an FP8
+        linear off its one-row gemv), that kernel writes the codes and scales `linear` would compute
+        (`rms_norm_fp8_quant`) and returns them in place of the normed x; the residual_out is the same."""
+        scheme = linear.quantized_input(x.shape[0]) if self.fuses_fp8_quant else None
+        if scheme is None:
+            return self(x, residual)
+        x_q, x_scale, residual_out = self._triton_rms_norm_fp8_quant(
+            x, self.weight, self.eps, residual, scheme.input_scale
+        )
+        return Fp8Activations(x_q, x_scale, x.dtype), residual_out
 
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

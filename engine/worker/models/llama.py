@@ -14,6 +14,7 @@ from sluice.engine.loading.gguf_spec import GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import RMSNorm
@@ -31,7 +32,11 @@ class LlamaAttention(nn.Module):
         self.attn = CausalLM.attention(arch, layer, scale=arch.head_dim**-0.5)
 
     def forward(
-        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
+        self,
+        hidden: torch.Tensor | Fp8Activations,
+        rope: Rope,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = q.view(q.shape[0], -1, self.head_dim)
@@ -60,9 +65,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
+        # Each norm feeds one linear: an FP8 one may take the norm's output already quantized (norm_for).
+        hidden, residual = self.input_layernorm.norm_for(self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(hidden, rope, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm.norm_for(self.mlp.gate_up_proj, hidden, residual)
         return self.mlp(hidden), residual
 
 

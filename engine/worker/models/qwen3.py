@@ -9,6 +9,7 @@ from sluice.engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.attention import KVCache
+from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.engine.worker.layers.rotary import Rope
 from sluice.engine.worker.models.causal_lm import CausalLM
@@ -26,7 +27,11 @@ class Qwen3Attention(nn.Module):
         self.attn = CausalLM.attention(arch, layer, scale=arch.head_dim**-0.5)
 
     def forward(
-        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, metadata: AttentionMetadata
+        self,
+        hidden: torch.Tensor | Fp8Activations,
+        rope: Rope,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # this rank's heads
         q = self.q_norm.norm(q.reshape(q.shape[0], -1, self.head_dim))

@@ -1,0 +1,156 @@
+"""RMSNorm and SiLU-and-mul with the FP8 activation quantization fused in, against the two launches they
+replace: what the fusion saves per decoder layer of an FP8 model on a GPU.
+
+    python -m sluice.benchmarks.gpu.fused_quant_bench OUT.md [--device cuda|cpu] [--rows 1,16,64,256]
+
+For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
+    norm   rms_norm (with the residual add) then fp8_quant   vs  rms_norm_fp8_quant      [M, hidden]
+    silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
+both per token (the FP8 linears' dynamic activations); "per layer" adds two norms and one silu, what a
+decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
+CUDA-graph replays of 20 calls in a row (`time_graph_s`: no host time, launch gaps included). Every row first
+checks that both ways write the same codes and scales, bit for bit (the tests' claim, on this device).
+
+--device cpu runs a tiny shape under the Triton interpreter, timed by wall clock: no speed figures
+(tests/test_fused_quant_bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.benchmarks.gpu.gpu_benchmarks import CALLS_PER_GRAPH, time_graph_s
+from sluice.benchmarks.gpu.markdown_table import markdown_table
+from sluice.engine.loading.presets import preset_arch
+from sluice.kernels.fp8_quant import quantize_fp8
+from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
+from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
+
+ROWS = (1, 16, 64, 256)
+MODELS = ("llama-3-8b", "llama-3.2-1b")
+EPS = 1e-5
+
+Outputs = tuple[torch.Tensor, torch.Tensor]  # (codes, scales)
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    op: str  # "norm" or "silu"
+    rows: int
+    unfused_s: float
+    fused_s: float
+    same_bits: bool
+
+
+def _same_bits(a: Outputs, b: Outputs) -> bool:
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(
+        a[1].view(torch.int32), b[1].view(torch.int32)
+    )
+
+
+def _time_s(call: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        return time_graph_s([call] * CALLS_PER_GRAPH)
+    call()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _calls(op: str, rows: int, hidden: int, intermediate: int, device: torch.device):
+    """(unfused, fused) for `op` at `rows` rows on fresh random bf16 inputs: each returns (codes, scales)."""
+    gen = torch.Generator().manual_seed(rows)
+    if op == "norm":
+        x, residual = (torch.randn(rows, hidden, generator=gen).bfloat16().to(device) for _ in range(2))
+        weight = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16().to(device)
+        return (
+            lambda: quantize_fp8(rms_norm(x, weight, EPS, residual)[0]),
+            lambda: rms_norm_fp8_quant(x, weight, EPS, residual)[:2],
+        )
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
+    return lambda: quantize_fp8(silu_and_mul(gate_up)), lambda: silu_and_mul_fp8_quant(gate_up)
+
+
+def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
+    shapes = (
+        [(name, preset_arch(name).hidden_size, preset_arch(name).intermediate_size) for name in MODELS]
+        if device.type == "cuda"
+        else [("tiny", 96, 160)]
+    )
+    results = []
+    for model, hidden, intermediate in shapes:
+        for op in ("norm", "silu"):
+            for rows in rows_list:
+                unfused, fused = _calls(op, rows, hidden, intermediate, device)
+                same = _same_bits(unfused(), fused())
+                results.append(Row(model, op, rows, _time_s(unfused, device), _time_s(fused, device), same))
+        print(f"[fused_quant_bench] {model} done", file=sys.stderr, flush=True)
+    return results
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f}"
+
+
+def report(results: Sequence[Row], where: str) -> str:
+    rows = [
+        [
+            r.model,
+            r.op,
+            r.rows,
+            _us(r.unfused_s),
+            _us(r.fused_s),
+            f"{r.fused_s / r.unfused_s:.2f}",
+            r.same_bits,
+        ]
+        for r in results
+    ]
+    by_key = {(r.model, r.op, r.rows): r for r in results}
+    layer_rows = []
+    for model, _, m in sorted({(r.model, 0, r.rows) for r in results}, key=lambda k: (k[0], k[2])):
+        norm, silu = by_key[(model, "norm", m)], by_key[(model, "silu", m)]
+        unfused = 2 * norm.unfused_s + silu.unfused_s
+        fused = 2 * norm.fused_s + silu.fused_s
+        layer_rows.append(
+            [model, m, _us(unfused), _us(fused), _us(unfused - fused), f"{fused / unfused:.2f}"]
+        )
+    headers = ["model", "op", "rows", "unfused us", "fused us", "fused / unfused", "same bits"]
+    layer_headers = ["model", "rows", "unfused us", "fused us", "saved us", "fused / unfused"]
+    return (
+        f"# FP8 activation quantization fused into RMSNorm / SiLU-and-mul ({where})\n\n"
+        f"{markdown_table(headers, rows)}\n\n"
+        f"## Per decoder layer (two norms and one silu)\n\n{markdown_table(layer_headers, layer_rows)}\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Writes the report to OUT; 0 when both ways wrote the same bits in every row, 1 otherwise."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="markdown file to write")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M on CUDA")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("device: cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if device.type == "cuda":
+        results, where = bench(device, [int(m) for m in args.rows.split(",")]), torch.cuda.get_device_name()
+    else:
+        results, where = bench(device, (1, 4)), "cpu, Triton interpreter: no speed figures"
+    text = report(results, where)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(r.same_bits for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""`sluice.benchmarks.gpu.fused_quant_bench` in its CPU mode (the interpreter, a tiny shape): it runs end to
+end, both ways write the same bits, and it writes both tables. Its GPU figures come from the GPU check's
+kernel_bench step."""
+
+from __future__ import annotations
+
+import re
+
+from sluice.benchmarks.gpu.fused_quant_bench import main
+
+
+def test_the_cpu_mode_writes_both_tables(tmp_path):
+    out = tmp_path / "fused_quant.md"
+    assert main([str(out), "--device", "cpu"]) == 0
+    report = out.read_text()
+    assert report.startswith("# FP8 activation quantization fused into RMSNorm / SiLU-and-mul (cpu,")
+    rows = re.findall(
+        r"^\| tiny \| (norm|silu) \| (\d+) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| (\w+) \|$", report, re.M
+    )
+    assert rows == [
+        ("norm", "1", "True"),
+        ("norm", "4", "True"),
+        ("silu", "1", "True"),
+        ("silu", "4", "True"),
+    ]
+    per_layer = report.split("## Per decoder layer")[1]
+    assert re.findall(r"^\| tiny \| (\d+) \|", per_layer, re.M) == ["1", "4"]

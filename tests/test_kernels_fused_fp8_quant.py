@@ -1,0 +1,189 @@
+"""RMSNorm and SiLU-and-mul with the FP8 activation quantization fused in (`rms_norm_fp8_quant`,
+`silu_and_mul_fp8_quant`) write, bit for bit, the codes and scales of the two launches they replace:
+`rms_norm` (or `silu_and_mul`) then `fp8_quant.quantize_fp8`, and the same residual_out. Per token and
+static, bf16 / fp16 / fp32, with and without a residual, rows 1 to 67, widths not powers of two, rows wider
+than fp8_quant's tile (SiLU-and-mul's two passes), all-zero rows, saturation, NaN and inf. Outputs are
+poisoned first, so an element the kernel does not write fails. Under TRITON_INTERPRET=1 on CPU; on a GPU,
+on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import DEVICE, KERNEL_DTYPES
+
+from sluice.kernels.fp8_quant import MAX_TILE, quantize_fp8
+from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
+from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
+
+FP8 = torch.float8_e4m3fn
+CODE_POISON = 0x7F  # e4m3fn NaN: a finite input never quantizes to it
+SCALE_POISON = -1.0  # never a scale
+MAX_CODE = 0x7E  # 448
+STATIC_SCALE = 0.005
+EPS = 1e-5
+
+
+def _rows(num_rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Unit normals times a per-row magnitude from 1e-2 to 10; row 1 (when there is one) all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** torch.linspace(-2, 1, num_rows)[:, None]
+    x = torch.randn(num_rows, width, generator=gen) * magnitudes
+    if num_rows > 1:
+        x[1] = 0.0
+    return x.to(dtype).to(DEVICE)
+
+
+def _poisoned(num_rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.full((num_rows, width), CODE_POISON, dtype=torch.uint8, device=DEVICE).view(FP8)
+    return codes, torch.full((num_rows, 1), SCALE_POISON, device=DEVICE)
+
+
+def _input_scale(static: bool) -> torch.Tensor | None:
+    return torch.tensor(STATIC_SCALE, device=DEVICE) if static else None
+
+
+def _assert_same_bits(fused: tuple[torch.Tensor, torch.Tensor], unfused: tuple[torch.Tensor, torch.Tensor]):
+    (codes, scale), (expected_codes, expected_scale) = fused, unfused
+    assert codes.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (codes.shape[0], 1)
+    assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
+    codes, expected_codes = codes.view(torch.uint8), expected_codes.view(torch.uint8)
+    mismatch = (codes != expected_codes).nonzero()
+    assert mismatch.numel() == 0, f"{len(mismatch)} codes differ, first at {mismatch[0].tolist()}"
+
+
+def _rms_norm_both(x, weight, residual, input_scale):
+    """(fused codes, scale, residual_out) into poisoned outputs, and the unfused ones."""
+    codes, scale = _poisoned(*x.shape)
+    residual_out = None if residual is None else torch.full_like(x, float("nan"))
+    fused = rms_norm_fp8_quant(
+        x, weight, EPS, residual, input_scale, out=codes, scale_out=scale, residual_out=residual_out
+    )
+    assert fused[0] is codes and fused[1] is scale
+    normed, expected_residual = rms_norm(x, weight, EPS, residual)
+    return fused, (*quantize_fp8(normed, input_scale), expected_residual)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize(("num_rows", "hidden"), [(1, 300), (5, 1000), (67, 96)])
+def test_rms_norm_fp8_quant_is_rms_norm_then_quantize_bit_for_bit(
+    dtype, has_residual, static, num_rows, hidden
+):
+    x = _rows(num_rows, hidden, dtype, seed=0)
+    residual = _rows(num_rows, hidden, dtype, seed=1) if has_residual else None
+    weight = (1.0 + torch.randn(hidden, generator=torch.Generator().manual_seed(2))).to(dtype).to(DEVICE)
+    fused, unfused = _rms_norm_both(x, weight, residual, _input_scale(static))
+    _assert_same_bits(fused[:2], unfused[:2])
+    assert torch.equal(fused[2], unfused[2])
+    assert fused[2] is x if residual is None else fused[2].data_ptr() != x.data_ptr()
+    codes = fused[0].view(torch.uint8)
+    if static:  # 0.005: the largest |normed| (~4) saturate
+        assert (fused[1] == STATIC_SCALE).all() and ((codes & 0x7F) == MAX_CODE).any()
+    else:  # each row's largest |normed| is +-448, but an all-zero one (no residual): scale tiny, codes 0
+        nonzero = fused[0].float().abs().amax(dim=1) > 0
+        assert ((codes & 0x7F) == MAX_CODE).any(dim=1).tolist() == nonzero.tolist()
+        if num_rows > 1 and not has_residual:
+            assert not nonzero[1] and fused[1][1].item() == torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_rms_norm_fp8_quant_nan_and_inf_rows_as_the_unfused_path(dtype, static):
+    x = _rows(4, 200, dtype, seed=3)
+    x[0, 7] = float("nan")
+    x[2, 11] = float("inf")  # sum of squares inf: rsqrt 0, the row 0 but inf * 0 = NaN at column 11
+    weight = torch.ones(200, dtype=dtype, device=DEVICE)
+    fused, unfused = _rms_norm_both(x, weight, None, _input_scale(static))
+    codes, expected_codes = fused[0].view(torch.uint8), unfused[0].view(torch.uint8)
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(fused[1].isnan(), unfused[1].isnan())
+    finite = ~unfused[1].isnan()
+    assert torch.equal(fused[1][finite], unfused[1][finite])
+    assert ((codes[0] & 0x7F) == 0x7F).all() and (codes[2, 11] & 0x7F) == 0x7F  # NaN in: NaN codes
+    if static:
+        assert ((codes[2, :11] & 0x7F) == 0).all() and (fused[1] == STATIC_SCALE).all()
+    else:  # a NaN amax: the row's scale and all its codes NaN
+        assert fused[1][[0, 2]].isnan().all() and not fused[1][[1, 3]].isnan().any()
+        assert ((codes[2] & 0x7F) == 0x7F).all()
+
+
+def _silu_both(x, input_scale):
+    codes, scale = _poisoned(x.shape[0], x.shape[1] // 2)
+    fused = silu_and_mul_fp8_quant(x, input_scale, out=codes, scale_out=scale)
+    assert fused[0] is codes and fused[1] is scale
+    return fused, quantize_fp8(silu_and_mul(x), input_scale)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize(("num_rows", "d"), [(1, 300), (67, 88), (3, 2 * MAX_TILE + 300)])
+def test_silu_and_mul_fp8_quant_is_silu_and_mul_then_quantize_bit_for_bit(dtype, static, num_rows, d):
+    x = _rows(num_rows, 2 * d, dtype, seed=4)
+    # the largest |product| of the last row in its last tile: the two-pass amax must see it
+    x[-1, d - 1], x[-1, 2 * d - 1] = 50.0, 50.0
+    fused, unfused = _silu_both(x, _input_scale(static))
+    _assert_same_bits(fused, unfused)
+    codes = fused[0].view(torch.uint8)
+    if static:
+        assert (fused[1] == STATIC_SCALE).all() and ((codes & 0x7F) == MAX_CODE).any()
+    else:
+        nonzero = silu_and_mul(x).float().abs().amax(dim=1) > 0
+        assert ((codes & 0x7F) == MAX_CODE).any(dim=1).tolist() == nonzero.tolist()
+        assert codes[-1, d - 1] == MAX_CODE
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_silu_and_mul_fp8_quant_nan_and_inf_as_the_unfused_path(dtype, static):
+    d = 150
+    x = _rows(4, 2 * d, dtype, seed=5)
+    x[0, 3] = float("nan")  # gate NaN
+    x[2, d + 5] = float("inf")  # up inf: the product inf (dynamic: scale inf, other codes 0 or NaN)
+    x[3, 9] = float("-inf")  # silu(-inf) = -inf / inf: NaN
+    fused, unfused = _silu_both(x, _input_scale(static))
+    assert torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
+    assert torch.equal(fused[1].isnan(), unfused[1].isnan())
+    finite = ~unfused[1].isnan()
+    assert torch.equal(fused[1][finite], unfused[1][finite])
+    assert ((fused[0].view(torch.uint8)[0] & 0x7F) == 0x7F).any()
+
+
+def test_strided_rows_and_no_rows():
+    x = _rows(4, 2 * 200 + 24, torch.float16, seed=6)[:, :400]
+    weight = torch.ones(400, dtype=torch.float16, device=DEVICE)
+    _assert_same_bits(_silu_both(x, None)[0], quantize_fp8(silu_and_mul(x)))
+    fused, unfused = _rms_norm_both(x, weight, None, None)
+    _assert_same_bits(fused[:2], unfused[:2])
+    empty = torch.empty(0, 64, device=DEVICE)
+    codes, scale, residual_out = rms_norm_fp8_quant(empty, torch.ones(64, device=DEVICE), EPS)
+    assert codes.shape == (0, 64) and scale.shape == (0, 1) and residual_out is empty
+    codes, scale = silu_and_mul_fp8_quant(empty)
+    assert codes.shape == (0, 32) and codes.dtype == FP8 and scale.shape == (0, 1)
+
+
+def _bad_arguments():
+    x = torch.randn(4, 64, device=DEVICE)
+    weight = torch.ones(64, device=DEVICE)
+    one = torch.tensor(1.0, device=DEVICE)
+    return [
+        (
+            lambda: rms_norm_fp8_quant(x, weight, EPS, input_scale=0.5),
+            r"^input_scale: expected a torch.Tensor",
+        ),
+        (lambda: rms_norm_fp8_quant(x, weight, EPS, input_scale=one.half()), r"^input_scale: dtype"),
+        (lambda: rms_norm_fp8_quant(x, weight[:32], EPS), r"^weight: expected shape \(64,\)"),
+        (lambda: rms_norm_fp8_quant(x, weight, EPS, scale_out=one.expand(4)), r"^scale_out: expected 2 dims"),
+        (lambda: silu_and_mul_fp8_quant(x[:, :63]), r"^x: last dim must be even"),
+        (lambda: silu_and_mul_fp8_quant(x, one.expand(2)), r"^input_scale: expected shape \(\) or \(1,\)"),
+        (lambda: silu_and_mul_fp8_quant(x, out=x), r"^out: dtype torch.float32 is not one of"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_arguments())))
+def test_bad_arguments_raise_naming_the_argument(index):
+    call, message = _bad_arguments()[index]
+    with pytest.raises(ValueError, match=message):
+        call()
