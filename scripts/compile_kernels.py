@@ -88,6 +88,7 @@ _KERNELS = (
     (rotary, "_rotary_kernel"),
     (rotary_store_kv, "_rotary_store_kv_kernel"),
     (silu_and_mul, "_silu_and_mul_kernel"),
+    (silu_and_mul, "_silu_and_mul_fp8_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_kernel"),
@@ -208,6 +209,13 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(num_tokens, width, dtype=dtype)
         fp8_quant.quantize_fp8_per_token(activations)
         fp8_quant.quantize_fp8_static(activations, torch.ones(()))
+    # ... or the kernels before them write the codes (the norms before qkv / gate_up, SiLU-and-mul before
+    # down: `KernelConfig.fuse_fp8_quant`), per token and static, with and without the residual add.
+    for input_scale in (None, torch.ones(())):
+        rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, input_scale=input_scale)
+        rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, input_scale=input_scale)
+        gate_up = torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype)
+        silu_and_mul.silu_and_mul_fp8_quant(gate_up, input_scale)
     # Their batch-1 steps (`fp8_gemv`: quantization and product in one launch, one row), o_proj's and
     # down_proj's shapes, per token and static, with the tile an H100 gets (`device_sm_count` off a GPU).
     for width in (arch.hidden_size, arch.intermediate_size):

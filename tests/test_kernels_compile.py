@@ -23,6 +23,7 @@ KERNELS = {
     "_rotary_kernel",
     "_rotary_store_kv_kernel",
     "_silu_and_mul_kernel",
+    "_silu_and_mul_fp8_kernel",
     "_fp8_quant_kernel",
     "_fp8_gemv_kernel",
     "_fp8_skinny_kernel",
