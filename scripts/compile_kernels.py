@@ -210,7 +210,8 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         fp8_quant.quantize_fp8_per_token(activations)
         fp8_quant.quantize_fp8_static(activations, torch.ones(()))
     # ... or the kernels before them write the codes (the norms before qkv / gate_up, SiLU-and-mul before
-    # down: `KernelConfig.fuse_fp8_quant`), per token and static, with and without the residual add.
+    # down: `KernelConfig.fuse_fp8_quant_norm` / `_silu`), per token and static, with and without the
+    # residual add.
     for input_scale in (None, torch.ones(())):
         rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, input_scale=input_scale)
         rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, input_scale=input_scale)

@@ -3,11 +3,11 @@ models: FP8 checkpoints (compressed-tensors, per-token and static activations) o
 (interpreted on CPU) with the FP8 layers on `torch._scaled_mm`, which torch runs on CPU too: the matmul an
 sm_89+ GPU takes, chosen here by replacing the device check (`scaled_mm_on_cpu`). With the fusion on, each
 decoder layer launches `fp8_quant` once (o_proj) instead of four times; the final hidden states are bit for
-bit those with it off (`KernelConfig.fuse_fp8_quant=False`) at 28 rows (`fp8_skinny_mm`) and 71 rows
-(`_scaled_mm`); one-row steps (`fp8_gemv`) launch none either way; and greedy tokens equal transformers' on
-the checkpoint (the reference test_fp8_checkpoint ties the emulated path to). Under tensor parallelism the
-row-parallel down_proj's fused input is its own launch's on the rank's slice (per-token amax over the slice).
-"""
+bit those with it off (`KernelConfig.fuse_fp8_quant_norm` / `_silu` False) at 28 rows (`fp8_skinny_mm`) and
+71 rows (`_scaled_mm`); one-row steps (`fp8_gemv`) launch none either way; and greedy tokens equal
+transformers' on the checkpoint (the reference test_fp8_checkpoint ties the emulated path to). Under tensor
+parallelism the row-parallel down_proj's fused input is its own launch's on the rank's slice (per-token
+amax over the slice)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def quant_launches(monkeypatch) -> list[tuple[int, int]]:
 def _llm(directory: str, dtype: str) -> LLM:
     llm = LLM(directory, dtype=dtype, attention_backend="triton", block_size=BLOCK, num_blocks=32)
     model = llm.engine.model_runner.model
+    assert model.model.layers[0].input_layernorm.fuses_fp8_quant  # on by default
+    assert not model.model.layers[0].mlp.act.fuses_fp8_quant  # off by default (slower on the GPU)
+    _select_fusion(llm, True)
     for layer in model.model.layers:
         assert layer.self_attn.qkv_proj.method.matmul in ("rowwise", "tensorwise")
         assert layer.input_layernorm.fuses_fp8_quant and layer.mlp.act.fuses_fp8_quant
@@ -72,7 +75,7 @@ def _llm(directory: str, dtype: str) -> LLM:
 
 def _select_fusion(llm: LLM, fused: bool) -> None:
     runner = llm.engine.model_runner
-    kernels = dataclasses.replace(runner.kernels, fuse_fp8_quant=fused)
+    kernels = dataclasses.replace(runner.kernels, fuse_fp8_quant_norm=fused, fuse_fp8_quant_silu=fused)
     for module in runner.model.modules():
         if isinstance(module, (RMSNorm, SiluAndMul)):
             module.select(kernels)
@@ -167,6 +170,7 @@ def _rank_mlp(rank: int, weights: dict[str, torch.Tensor]) -> tuple[GatedMLP, Ke
         quantization="fp8",
         fp8=QUANTIZE_AT_LOAD,
         tensor_parallel=_PartialSums(rank),
+        fuse_fp8_quant_silu=True,
     )
     mlp = GatedMLP(HIDDEN, 96, "silu").to(torch.bfloat16)
     mlp.gate_up_proj.select(kernels, "model.layers.0.mlp.gate_up_proj")
@@ -200,7 +204,7 @@ def test_row_parallel_down_proj_gets_the_codes_of_its_own_slice(scaled_mm_on_cpu
         quant_launches.clear()
         fused = mlp(x)
         assert quant_launches == [(9, HIDDEN)]  # gate_up's own; down_proj's input came quantized
-        mlp.act.select(dataclasses.replace(kernels, fuse_fp8_quant=False))
+        mlp.act.select(dataclasses.replace(kernels, fuse_fp8_quant_silu=False))
         quant_launches.clear()
         unfused = mlp(x)
         assert quant_launches == [(9, HIDDEN), (9, 48)]  # down_proj quantizes its slice itself

@@ -45,9 +45,12 @@ class KernelConfig:
         collectives (`sluice.engine.worker.layers.parallel_linear`). One process: rank 0 of 1.
     fuse_rotary_store: rotate q, k and store K/V in one kernel where the backend can (Triton); False runs
         them as two (the GPU benchmark's before/after).
-    fuse_fp8_quant: where an FP8 linear would quantize its input with its own launch, the Triton RMSNorm or
-        SiLU-and-mul before it writes the codes instead (`sluice.engine.worker.layers.fp8_activations`);
-        False leaves the launch to the linear (the GPU benchmark's before/after).
+    fuse_fp8_quant_norm, fuse_fp8_quant_silu: where an FP8 linear would quantize its input with its own
+        launch, the Triton RMSNorm (before qkv_proj, gate_up_proj) or SiLU-and-mul (before down_proj) writes
+        the codes instead (`sluice.engine.worker.layers.fp8_activations`); False leaves the launch to the
+        linear. The SiLU-and-mul one is off: on an H200 (docs/perf/README.md, run 11) it took 8.9 us a
+        launch at 64 rows of llama-3-8b (it walks a 14336-wide row in 4096-column tiles twice, amax then
+        codes) against ~4.3 us for `silu_and_mul` and `fp8_quant`; the norm's took 4.2 us against ~4.5.
     """
 
     device: torch.device
@@ -60,7 +63,8 @@ class KernelConfig:
     cuda_capability: tuple[int, int] | None = None
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
     fuse_rotary_store: bool = True
-    fuse_fp8_quant: bool = True
+    fuse_fp8_quant_norm: bool = True
+    fuse_fp8_quant_silu: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
