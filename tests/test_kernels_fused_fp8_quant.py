@@ -13,9 +13,9 @@ import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES
 
-from sluice.kernels.fp8_quant import MAX_TILE, quantize_fp8
+from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
-from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
+from sluice.kernels.silu_and_mul import FP8_MAX_TILE, silu_and_mul, silu_and_mul_fp8_quant
 
 FP8 = torch.float8_e4m3fn
 CODE_POISON = 0x7F  # e4m3fn NaN: a finite input never quantizes to it
@@ -119,7 +119,8 @@ def _silu_both(x, input_scale):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize(("num_rows", "d"), [(1, 300), (67, 88), (3, 2 * MAX_TILE + 300)])
+# llama-3-8b's 14,336 columns in one tile; past FP8_MAX_TILE, two passes over two tiles
+@pytest.mark.parametrize(("num_rows", "d"), [(1, 300), (67, 88), (3, 14336), (2, FP8_MAX_TILE + 300)])
 def test_silu_and_mul_fp8_quant_is_silu_and_mul_then_quantize_bit_for_bit(dtype, static, num_rows, d):
     x = _rows(num_rows, 2 * d, dtype, seed=4)
     # the largest |product| of the last row in its last tile: the two-pass amax must see it
