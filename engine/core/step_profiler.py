@@ -2,8 +2,8 @@
 StartProfile / StopProfile RPCs; `sluice serve --profile-dir`).
 
     StartProfile(output_dir, num_steps)   the profiler starts before the next step
-    each forward launched                 counted, with its rows (tokens); at the end of the step that
-                                          launched the num_steps-th, the profile ends
+    each forward launched                 counted, with its rows (tokens); the profile ends when the
+                                          step that launched the num_steps-th takes in sampled tokens
     StopProfile                           ends it early (or does nothing when none runs)
 
 An ended profile is written to output_dir as three files named `profile-<UTC time>-<pid>`:
@@ -48,15 +48,11 @@ class _Run:
 
 class StepProfiler:
     """At most one profile at a time: the engine core calls `forward_launched` for each forward and
-    `step_ended` after each step."""
+    `step_ended` when a step's sampled tokens are taken in (`EngineCore._update`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._run: _Run | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._run is not None
 
     def start(self, request: StartProfile) -> None:
         """Starts a profile of the next `request.num_steps` forwards (0: until `stop`); a running one is
@@ -84,7 +80,7 @@ class StepProfiler:
             self._run.rows.append(num_tokens)
 
     def step_ended(self) -> None:
-        """The engine step is over: the profile ends once it has num_steps forwards."""
+        """A step's sampled tokens were taken in: the profile ends once it has num_steps forwards."""
         run = self._run
         if run is not None and run.num_steps and len(run.rows) >= run.num_steps:
             self.stop()
