@@ -15,6 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from sluice.benchmarks.gpu.step_profiles import profile_tables
 from sluice.service.server import ServerConfig
 from sluice.service.smg_servicer import profile_request
 
@@ -129,3 +130,39 @@ def test_the_request_becomes_the_engines_arguments(tmp_path: Path) -> None:
         "with_stack": False,
     }
     assert profile_request(common_pb2.StartProfileRequest(), root)["output_dir"] == str(root)
+
+
+def test_a_device_profile_is_tabulated_as_kernels_per_step() -> None:
+    # The GPU check's report (benchmarks/gpu/step_profiles.py) of a summary as a CUDA server writes it:
+    # CPU operators carry their kernels' time too, so only the device-side entries are listed.
+    long_name = "void cutlass::Kernel<" + "x" * 80 + ">"
+    summary = {
+        "steps": 2,
+        "rows_per_step": [64, 64],
+        "wall_s": 0.02,
+        "measured": "device",
+        "device_us_total": 1000.0,
+        "cpu_us_total": 50.0,
+        "top": [
+            {
+                "name": "aten::mm",
+                "count": 2,
+                "self_device_us": 600.0,
+                "self_cpu_us": 20.0,
+                "on_device": False,
+            },
+            {"name": "gemm", "count": 64, "self_device_us": 600.0, "self_cpu_us": 0.0, "on_device": True},
+            {"name": long_name, "count": 2, "self_device_us": 400.0, "self_cpu_us": 0.0, "on_device": True},
+        ],
+    }
+    table, failed = profile_tables({"fp8": {"b64": summary, "b1": {"error": "RuntimeError: no profile"}}})
+    head, rows = table.split("\n\n")
+    assert head == (
+        "**fp8, 64 rows a step**: 2 steps of 64 rows; device time 500 us a step, "
+        "wall 10.00 ms a step while profiled"
+    )
+    assert rows.splitlines()[2:] == [
+        "| `gemm` | 300.0 | 60.0% | 32 |",
+        f"| `{long_name[:69]}...` | 200.0 | 40.0% | 1 |",
+    ]
+    assert failed == "**fp8, 1 row a step**: not profiled (RuntimeError: no profile)"
