@@ -100,29 +100,9 @@ def rms_norm(
     `out` / `residual_out` may be given to write into (residual_out may alias residual: in-place add).
     """
     _check_rms_norm_args(x, weight, residual)
-    num_tokens, hidden = x.shape
     out = output_like("out", out, x)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
-    if num_tokens == 0:
-        return out, residual_out
-    _rms_norm_kernel[(num_tokens,)](
-        out,
-        residual_out,
-        x,
-        residual if residual is not None else x,
-        weight,
-        None,
-        None,
-        eps,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        residual_out.stride(0),
-        0,
-        HIDDEN=hidden,
-        HIDDEN_PAD=triton.next_power_of_2(hidden),
-        HAS_RESIDUAL=residual is not None,
-    )
+    _launch(x, weight, eps, residual, out, residual_out)
     return out, residual_out
 
 
@@ -145,13 +125,29 @@ def rms_norm_fp8_quant(
     _check_rms_norm_args(x, weight, residual)
     if input_scale is not None:
         check_input_scale(input_scale, x.device)
-    num_tokens, hidden = x.shape
-    out, scale_out = quantized_outputs(out, scale_out, num_tokens, hidden, x.device)
+    out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
+    _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, (scale_out, input_scale))
+    return out, scale_out, residual_out
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    quantize: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> None:
+    """One program per row; `quantize`: (scale_out, input_scale or None for dynamic scales), with `out` the
+    codes' uint8 view."""
+    num_tokens, hidden = x.shape
     if num_tokens == 0:
-        return out, scale_out, residual_out
+        return
+    scale_out, input_scale = quantize if quantize is not None else (None, None)
     _rms_norm_kernel[(num_tokens,)](
-        out.view(torch.uint8),
+        out,
         residual_out,
         x,
         residual if residual is not None else x,
@@ -163,14 +159,13 @@ def rms_norm_fp8_quant(
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         residual_out.stride(0),
-        scale_out.stride(0),
+        scale_out.stride(0) if scale_out is not None else 0,
         HIDDEN=hidden,
         HIDDEN_PAD=triton.next_power_of_2(hidden),
         HAS_RESIDUAL=residual is not None,
-        QUANTIZE=True,
+        QUANTIZE=quantize is not None,
         DYNAMIC=input_scale is None,
     )
-    return out, scale_out, residual_out
 
 
 def rms_norm_reference(

@@ -8,7 +8,7 @@ For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
 both per token (the FP8 linears' dynamic activations); "per layer" adds two norms and one silu, what a
 decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
-CUDA-graph replays of 20 calls in a row (`time_graph_s`: no host time, launch gaps included). Every row first
+CUDA-graph replays of 20 calls in a row (`time_kernel_s`: no host time, launch gaps included). Every row first
 checks that both ways write the same codes and scales, bit for bit (the tests' claim, on this device).
 
 --device cpu runs a tiny shape under the Triton interpreter, timed by wall clock: no speed figures
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.benchmarks.gpu.gpu_benchmarks import CALLS_PER_GRAPH, time_graph_s
+from sluice.benchmarks.gpu.gpu_benchmarks import time_kernel_s
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.engine.loading.presets import preset_arch
 from sluice.kernels.fp8_quant import quantize_fp8
@@ -58,7 +58,7 @@ def _same_bits(a: Outputs, b: Outputs) -> bool:
 
 def _time_s(call: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
-        return time_graph_s([call] * CALLS_PER_GRAPH)
+        return time_kernel_s(call)
     call()
     start = time.perf_counter()
     call()
