@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
@@ -50,65 +50,63 @@ class ProfilePlan:
     prefill_steps: int  # ... over this many forward steps (the prompts' chunks, then the first decodes)
 
 
+class _Run(NamedTuple):
+    name: str  # "b<batch>" (pure decodes) or "prefill<batch>" (a burst of prompts)
+    batch: int
+    num_steps: int
+    burst: bool  # StartProfile before the requests are sent, not once all have their first token
+
+
 def profile_server(
     target: str, profile_dir: Path, label: str, plan: ProfilePlan, info: dict[str, Any]
 ) -> dict:
     """The profiles of one server (started with --profile-dir `profile_dir`; `info`: its model info):
-    {"b<b>": summary or {"error": ...}} per batch size, written under profile_dir / label / b<b>."""
-    profiles: dict[str, Any] = {}
+    {"b<b>" per batch size, then "prefill<b>": summary or {"error": ...}}, written under
+    profile_dir / label / that name."""
     max_tokens = min(plan.max_tokens, info["max_model_len"] - plan.prompt_len)
-    runs = [(f"b{batch}", batch, plan.num_steps, False) for batch in plan.batches]
-    runs.append((f"prefill{plan.prefill_batch}", plan.prefill_batch, plan.prefill_steps, True))
-    for name, batch, num_steps, burst in runs:
-        relative = f"{label}/{name}"
+    runs = [_Run(f"b{batch}", batch, plan.num_steps, False) for batch in plan.batches]
+    runs.append(_Run(f"prefill{plan.prefill_batch}", plan.prefill_batch, plan.prefill_steps, True))
+    profiles: dict[str, Any] = {}
+    for run in runs:
+        prompts = _prompts(f"profile-{label}/{run.name}", run.batch, plan.prompt_len, info["vocab_size"])
         try:
-            summary = _profile_batch(
-                target,
-                profile_dir / relative,
-                relative,
-                (batch, num_steps, burst),
-                plan.prompt_len,
-                info,
-                max_tokens,
-            )
+            summary = _profile(target, profile_dir, f"{label}/{run.name}", run, prompts, max_tokens)
         except (grpc.RpcError, OSError, RuntimeError, ValueError) as exc:
             summary = {"error": f"{type(exc).__name__}: {exc}"}
-        profiles[name] = summary
+        profiles[run.name] = summary
     return profiles
 
 
-def _profile_batch(
-    target: str,
-    directory: Path,
-    relative: str,
-    run: tuple[int, int, bool],
-    prompt_len: int,
-    info: dict,
-    max_tokens: int,
+def _prompts(seed: str, count: int, length: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def _profile(
+    target: str, profile_dir: Path, relative: str, run: _Run, prompts: list[list[int]], max_tokens: int
 ) -> dict[str, Any]:
-    """run: (batch, num_steps, burst). burst False: StartProfile once all `batch` requests have their first
-    token (pure decodes); True: before they are sent (their prompt steps first)."""
-    batch, num_steps, burst = run
-    rng = random.Random(f"profile-{relative}")
-    prompts = [[rng.randrange(1, info["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
+    """One profile into profile_dir / relative, of `run.num_steps` steps while `prompts` are served: from
+    before they are sent (a burst), or once every one has its first token (pure decodes)."""
     prefilled, done = threading.Semaphore(0), threading.Event()
-    start = common_pb2.StartProfileRequest(output_dir=relative, num_steps=num_steps)
-    with Client(target) as client, ThreadPoolExecutor(max_workers=batch) as pool:
-        if burst:
+    start = common_pb2.StartProfileRequest(output_dir=relative, num_steps=run.num_steps)
+    with Client(target) as client, ThreadPoolExecutor(max_workers=run.batch) as pool:
+        if run.burst:
             _start_profile(target, start)
-        runs = [pool.submit(_run_request, client, prompt, max_tokens, prefilled, done) for prompt in prompts]
+        requests = [
+            pool.submit(_run_request, client, prompt, max_tokens, prefilled, done) for prompt in prompts
+        ]
         try:
-            for _ in range(batch):
+            for _ in range(run.batch):
                 if not prefilled.acquire(timeout=WAIT_S):
                     raise RuntimeError(f"no first token from every request within {WAIT_S:.0f} s")
-            if not burst:
+            if not run.burst:
                 _start_profile(target, start)
-            summary_path = _wait_for_summary(directory, runs)
+            summary_path = _wait_for_summary(profile_dir / relative, requests)
         finally:
             done.set()  # the requests end here (cancelled): no request finished inside the profile
-        tokens = [run.result() for run in runs]
+        tokens = [request.result() for request in requests]
     summary = json.loads(summary_path.read_text())
-    summary["requests"] = {"batch": batch, "max_tokens": max_tokens, "tokens_at_cancel": tokens}
+    summary["requests"] = {"batch": run.batch, "max_tokens": max_tokens, "tokens_at_cancel": tokens}
     return summary
 
 
