@@ -41,7 +41,9 @@ class SiluAndMul(GatedActivation):
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
-        self.fuses_fp8_quant = self.implementation == "triton" and kernels.fuse_fp8_quant_silu
+        # only an FP8 model asks its linears (`quantized_input`): others keep the plain call per step
+        fp8 = kernels.quantization == "fp8"
+        self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_silu
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.silu_and_mul")
             self._triton_silu_and_mul = module.silu_and_mul

@@ -44,7 +44,9 @@ class RMSNorm(CustomOp):
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
-        self.fuses_fp8_quant = self.implementation == "triton" and kernels.fuse_fp8_quant_norm
+        # only an FP8 model asks its linears (`quantized_input`): others keep the plain call per step
+        fp8 = kernels.quantization == "fp8"
+        self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_norm
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.rms_norm")
             self._triton_rms_norm, self._triton_rms_norm_fp8_quant = (
