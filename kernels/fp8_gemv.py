@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import dynamic_scale, max_keep_nan
+from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale, max_keep_nan
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
@@ -140,7 +140,7 @@ def _fp8_gemv_kernel(
             mask = row_mask[:, None] & (start + cols < K)[None, :]
             x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        x_scale = dynamic_scale(tl.reduce(running, 1, max_keep_nan))  # [BLOCK_M]
+        x_scale = dynamic_scale(amax_keep_nan(running, 1))  # [BLOCK_M]
     else:
         x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
 

@@ -41,6 +41,17 @@ def max_keep_nan(a, b):
 
 
 @triton.jit
+def amax_keep_nan(magnitudes, axis: tl.constexpr):
+    """The max of |x| values (nonnegative or NaN) over `axis`, NaN where any is NaN, as a reduction with
+    `max_keep_nan` gives it. Two builtin reductions instead: `tl.max` alone skips NaN on a GPU, and
+    `tl.reduce` with a jit combine runs element by element in Python under the interpreter (seconds for a
+    few wide rows). The magnitudes' sum is NaN exactly where one of them is (none is -inf)."""
+    largest = tl.max(magnitudes, axis)
+    total = tl.sum(magnitudes, axis)
+    return tl.where(total != total, total, largest)
+
+
+@triton.jit
 def dynamic_scale(amax):
     """amax / 448, IEEE-rounded, at least float32's tiny (an all-zero row gets zero codes, not NaN)."""
     return max_keep_nan(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
@@ -69,7 +80,7 @@ def _fp8_quant_kernel(
         for start in range(TILE, K, TILE):  # rows wider than a tile: first pass, amax
             x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        scale = dynamic_scale(tl.reduce(running, 0, max_keep_nan))
+        scale = dynamic_scale(amax_keep_nan(running, 0))
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import check_input_scale, dynamic_scale, max_keep_nan, quantized_outputs
+from sluice.kernels.fp8_quant import amax_keep_nan, check_input_scale, dynamic_scale, quantized_outputs
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -64,8 +64,7 @@ def _rms_norm_kernel(
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
         if DYNAMIC:
-            amax = tl.reduce(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0, max_keep_nan)
-            scale = dynamic_scale(amax)
+            scale = dynamic_scale(amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0))
         else:
             scale = tl.load(input_scale_ptr)
         tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(out, scale), mask=mask)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.fp8_quant import (
+    amax_keep_nan,
     check_input_scale,
     dynamic_scale,
     max_keep_nan,
@@ -84,7 +85,7 @@ def _silu_and_mul_fp8_kernel(
         for start in range(TILE, D, TILE):  # rows wider than a tile: first pass, amax
             tile = silu_and_mul_tile(x_row, start + cols, D)
             running = max_keep_nan(running, tl.abs(tile.to(tl.float32)))
-        scale = dynamic_scale(tl.reduce(running, 0, max_keep_nan))
+        scale = dynamic_scale(amax_keep_nan(running, 0))
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < D)

@@ -15,6 +15,7 @@ import torch
 from sluice.benchmarks.gpu import attention_sweep as sweep
 from sluice.benchmarks.gpu import check_report, fp8_kv_kernels, gpu_benchmarks
 from sluice.kernels.paged_decode_attention import (
+    DEFAULT_PARTITION_SIZE,
     PROGRAMS_PER_SM,
     DecodeConfig,
     decode_config,
@@ -183,6 +184,23 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
     assert (
         "DecodeConfig(tile_n=64, num_warps=4, num_stages=3), PROGRAMS_PER_SM = 2" in shape.record["best_line"]
     )
+
+
+def test_a_graph_sized_decode_row_splits_for_the_graphs_context_and_cuts_a_short_one_by_its_partition():
+    # A 64-position context at batch 2 in a graph for 1024: at partition 16 the grid has
+    # min(2 * 132 / 16 units, 1024 / 16) = 17 splits, of which the context uses 4; at the default 512, 2
+    # splits (1024 / 512), of which it uses 1. Both must equal SDPA's output.
+    short = sweep.DecodeCandidate(DecodeConfig(16, 4, 2), partition_size=16)
+    shape = sweep.sweep_decode(
+        64, 2, CPU, 1e12, math.inf, candidates=(short,), time_s=_once, graph_context=1024
+    )
+    default, split = shape.rows
+    assert (default.status, default.num_splits) == ("ok", 2)
+    assert (split.status, split.num_splits) == ("ok", 17)
+    assert 0 < split.rel_diff <= sweep.SWEEP_MAX_REL_DIFF
+    assert (shape.record["shape"], shape.record["graph_context"]) == ("64 x 2, graph for 1k", 1024)
+    assert sweep.GRAPH_DECODE_SHAPE[2] > sweep.GRAPH_DECODE_SHAPE[0]
+    assert all(c.partition_size < DEFAULT_PARTITION_SIZE for c in sweep.GRAPH_DECODE_CANDIDATES)
 
 
 def _float32(problem: gpu_benchmarks.DecodeProblem) -> gpu_benchmarks.DecodeProblem:

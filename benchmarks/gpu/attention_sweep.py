@@ -3,7 +3,10 @@
 The kernels' tile tables (`prefill_config`, `decode_config`) and the decode split count (`PROGRAMS_PER_SM`,
 `DEFAULT_PARTITION_SIZE`) are untuned guesses. On the GPU check's shapes (prefill 2k and 8k, decode 4k x 32
 and 32k x 8, llama-3.2-1b heads, bf16) this times a fixed list of candidates through the launchers'
-own arguments (`config=`, `num_splits=`, `partition_size=`; kernels/*.py are not patched):
+own arguments (`config=`, `num_splits=`, `partition_size=`; kernels/*.py are not patched). One more decode
+shape is a batch-1 step with a short context as a CUDA graph runs it (GRAPH_DECODE_SHAPE): the split count is
+sized for the graph's longest context, and the partition size decides how many of those splits a short
+context uses (at 512, a 256-position context is one program per KV head walking it alone):
 
 - every candidate's output is checked against torch SDPA on the same q/k/v (a reference nobody here
   wrote, which checks the default config too): relative max abs difference <= SWEEP_MAX_REL_DIFF on an
@@ -122,6 +125,19 @@ DECODE_CANDIDATES = (
     _decode(64, 4, 3, per_sm=4),
     _decode(64, 4, 3, per_sm=8),
     _decode(128, 4, 3, per_sm=4),
+)
+
+
+# Batch 1, a 256-position context, in a graph captured for 8k: the partition size sets how many slices the
+# short context is cut into (512: one; 64: four), at the default tile and at a narrower one.
+GRAPH_DECODE_SHAPE = (256, 1, 8192)  # (context, batch, the graph's max context)
+GRAPH_DECODE_CANDIDATES = (
+    DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=64),
+    DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=128),
+    DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=256),
+    DecodeCandidate(DecodeConfig(32, 4, 2), partition_size=32),
+    DecodeCandidate(DecodeConfig(32, 4, 2), partition_size=64),
+    DecodeCandidate(DecodeConfig(64, 4, 3), programs_per_sm=4, partition_size=64),
 )
 
 
@@ -350,10 +366,11 @@ def sweep_decode(
     deadline: float,
     candidates: Sequence[DecodeCandidate] = DECODE_CANDIDATES,
     time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
+    graph_context: int | None = None,
 ) -> ShapeSweep:
     """`candidates` (the default first, added if missing) on bench_attention's inputs at (context, batch),
     against torch SDPA; each row's split count is the one the candidate's PROGRAMS_PER_SM and partition
-    size give on this device."""
+    size give on this device for `graph_context` (a CUDA graph's longest context), else for `context`."""
     problem = decode_problem(context, batch, device)
     kt, vt = problem.contiguous_kv(problem.k_cache), problem.contiguous_kv(problem.v_cache)
     reference = F.scaled_dot_product_attention(problem.q.unsqueeze(2), kt, vt, enable_gqa=True)[
@@ -364,7 +381,8 @@ def sweep_decode(
     moved = kv_read_bytes(batch, context, num_kv_heads, head_dim, problem.k_cache.element_size())
     num_sms = device_sm_count(device)
     candidates = with_default_first(default_decode_candidate(head_dim, problem.q.dtype), candidates)
-    splits = {c: split_count(c, batch, num_kv_heads, context, num_sms) for c in candidates}
+    sized_for = graph_context or context
+    splits = {c: split_count(c, batch, num_kv_heads, sized_for, num_sms) for c in candidates}
     rows = run_candidates(
         candidates,
         lambda c, out: run_decode_attention(
@@ -378,15 +396,23 @@ def sweep_decode(
     )
     for row, candidate in zip(rows, candidates, strict=True):
         row.num_splits = splits[candidate]
-    shape = f"{context // 1024}k x {batch}"
-    record = _shape_record("decode", shape, rows, context=context, batch=batch, num_sms=num_sms)
+    shape = f"{_positions(context)} x {batch}"
+    if graph_context is not None:
+        shape += f", graph for {_positions(graph_context)}"
+    record = _shape_record(
+        "decode", shape, rows, context=context, batch=batch, num_sms=num_sms, graph_context=graph_context
+    )
     return ShapeSweep(f"decode {shape} ({num_sms} SMs)", rows, record, "GB/s", "of copy bw")
 
 
+def _positions(count: int) -> str:
+    return f"{count // 1024}k" if count % 1024 == 0 else str(count)
+
+
 def sweep_attention(device: torch.device, bandwidth: float | None, cap_s: float) -> Iterator[ShapeSweep]:
-    """Prefill at 2k and 8k, then decode at 4k x 32 and 32k x 8, one shape at a time (yielded as each
-    ends, so the caller records it): prefill candidates start within the first PREFILL_SHARE of `cap_s`,
-    decode ones within the whole."""
+    """Prefill at 2k and 8k, then decode at 4k x 32, 32k x 8 and GRAPH_DECODE_SHAPE, one shape at a time
+    (yielded as each ends, so the caller records it): prefill candidates start within the first
+    PREFILL_SHARE of `cap_s`, decode ones within the whole."""
     start = time.monotonic()
     for prompt_len in PREFILL_PROMPT_LENS:
         yield sweep_prefill(prompt_len, device, start + PREFILL_SHARE * cap_s)
@@ -394,6 +420,10 @@ def sweep_attention(device: torch.device, bandwidth: float | None, cap_s: float)
     for context, batch in DECODE_ATTENTION_SHAPES:
         yield sweep_decode(context, batch, device, bandwidth, start + cap_s)
         torch.cuda.empty_cache()
+    context, batch, graph_context = GRAPH_DECODE_SHAPE
+    yield sweep_decode(
+        context, batch, device, bandwidth, start + cap_s, GRAPH_DECODE_CANDIDATES, graph_context=graph_context
+    )
 
 
 def sweep_section(cap_s: float, shapes: Sequence[ShapeSweep]) -> tuple[str, list[str]]:
