@@ -23,8 +23,19 @@ on the CUDA cores in fp32 (the e4m3 codes widened exactly), M padded to a power 
 with M, so only a few rows are taken (MAX_ROWS). Each program also quantizes its rows of x: a first pass
 finds their amax, then every step quantizes its columns (x is small next to the weight, and read from L2).
 
-Grid: (cdiv(N, BLOCK_N),). `gemv_config` picks the tile: the best of an H100 sweep for the shapes swept
-(the GPU check's `kernel_bench` step, docs/GPU.md), else a rule sized by the SM count.
+Grid: (cdiv(N, BLOCK_N), split_k). `gemv_config` picks the tile: the best of an H100 sweep for the shapes
+swept (the GPU check's `kernel_bench` step, docs/GPU.md), else a rule sized by the SM count.
+
+Profiles on an H100 and an H200 found the kernel latency-bound on the 8b shape's qkv / o / down (1.4-1.9
+TB/s, no faster on the H200's faster memory): a program waits for each step's weight tile before asking for
+the next, and for the amax pass before the first. Two options, off by default until a GPU sweep (the
+kernel_bench step's one-row candidates) says where they pay:
+
+    prefetch   the first tile is asked for before the amax pass, and each step asks for the next tile before
+               multiplying this one (two tiles in flight); the same sums in the same order, bit for bit
+    split_k    s programs per block_n channels, each over a contiguous 1/s of the columns (whole tiles);
+               each writes its scaled partial y [M, N] in fp32 and a second kernel sums the s of them in
+               order: more programs in flight, shorter walks; y differs by the order of the fp32 sums
 """
 
 from __future__ import annotations
@@ -58,12 +69,16 @@ class GemvConfig:
     block_n: int = 8
     block_k: int = 1024
     num_warps: int = 4
+    prefetch: bool = False  # each weight tile's load issued a step ahead (the first before the amax pass)
+    split_k: int = 1  # programs per block_n channels, each over a contiguous 1 / split_k of the columns
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 1)
         check_power_of_two("block_k", self.block_k, 16)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.split_k not in (1, 2, 4, 8, 16):
+            raise ValueError(f"split_k: must be 1, 2, 4, 8 or 16, got {self.split_k}")
 
     def tile_k(self, block_m: int) -> int:
         return max(16, self.block_k // block_m)
@@ -110,7 +125,7 @@ def _e4m3_to_float(codes):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    y_ptr,  # [M, N] x's dtype: written
+    y_ptr,  # [M, N] x's dtype (SPLIT_K 1), or [SPLIT_K, M, N] float32 partial products: written
     x_ptr,  # [M, K] bf16/fp16/fp32
     input_scale_ptr,  # static only: [] or [1] float32
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
@@ -125,6 +140,8 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DYNAMIC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -133,8 +150,16 @@ def _fp8_gemv_kernel(
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    # This program's columns: whole tiles [k_lo, k_hi) (all of them when SPLIT_K is 1).
+    split_len = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = tl.program_id(1) * split_len
+    k_hi = tl.minimum(K, k_lo + split_len)
+    if PREFETCH:  # the first tile's DRAM latency hides behind the amax pass's L2 reads
+        w_next = tl.load(
+            w_rows + k_lo + cols[None, :], mask=channel_mask[:, None] & (k_lo + cols < k_hi)[None, :], other=0
+        )
 
-    if DYNAMIC:  # each row's amax, as fp8_quant's kernel finds it
+    if DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
         running = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (start + cols < K)[None, :]
@@ -146,9 +171,18 @@ def _fp8_gemv_kernel(
 
     # Partial sums per (row, channel, column of the tile), reduced over the tile's columns once at the end.
     partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        col_mask = (start + cols < K)[None, :]
-        w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
+    for start in range(k_lo, k_hi, BLOCK_K):
+        col_mask = (start + cols < k_hi)[None, :]
+        if PREFETCH:  # take the tile loaded a step ago, ask for the next (all masked past k_hi)
+            w = w_next
+            ahead = start + BLOCK_K
+            w_next = tl.load(
+                w_rows + ahead + cols[None, :],
+                mask=channel_mask[:, None] & (ahead + cols < k_hi)[None, :],
+                other=0,
+            )
+        else:
+            w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
         x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
         x_q = _e4m3_to_float(quantize_e4m3(x, x_scale[:, None]))  # [BLOCK_M, BLOCK_K]
         partial += _e4m3_to_float(w)[None, :, :] * x_q[:, None, :]
@@ -156,8 +190,35 @@ def _fp8_gemv_kernel(
 
     w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=1.0)
     y = acc * x_scale[:, None] * w_scale[None, :]  # the emulated path's order: (y * x_scale) * w_scale
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + channels[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & channel_mask[None, :])
+    out_mask = row_mask[:, None] & channel_mask[None, :]
+    if SPLIT_K == 1:
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + channels[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:  # this split's scaled partial product, summed by _fp8_gemv_reduce_kernel
+        part = y_ptr + (tl.program_id(1) * M + rows[:, None]).to(tl.int64) * N + channels[None, :]
+        tl.store(part, y, mask=out_mask)
+
+
+@triton.jit
+def _fp8_gemv_reduce_kernel(
+    y_ptr,  # [M, N] x's dtype: written
+    part_ptr,  # [SPLIT_K, M, N] float32
+    M,
+    N,
+    stride_y,
+    BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = channels < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLIT_K):  # in split order
+        total += tl.load(part_ptr + (split * M + row) * N + channels, mask=mask, other=0.0)
+    tl.store(y_ptr + row * stride_y + channels, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_REDUCE_BLOCK = 1024
 
 
 def fp8_gemv(
@@ -180,8 +241,14 @@ def fp8_gemv(
     if config is None:
         config = gemv_config(out_features, in_features, device_sm_count(x.device))
     block_m = triton.next_power_of_2(num_rows)
-    _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
-        y,
+    split_k = config.split_k
+    out = (
+        y
+        if split_k == 1
+        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
+    )
+    _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+        out,
         x,
         input_scale,
         weight.view(torch.uint8),
@@ -196,8 +263,15 @@ def fp8_gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.tile_k(block_m),
         DYNAMIC=input_scale is None,
+        PREFETCH=config.prefetch,
+        SPLIT_K=split_k,
         num_warps=config.num_warps,
     )
+    if split_k > 1:
+        grid = (num_rows, triton.cdiv(out_features, _REDUCE_BLOCK))
+        _fp8_gemv_reduce_kernel[grid](
+            y, out, num_rows, out_features, y.stride(0), BLOCK=_REDUCE_BLOCK, SPLIT_K=split_k
+        )
     return y
 
 

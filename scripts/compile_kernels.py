@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +91,7 @@ _KERNELS = (
     (silu_and_mul, "_silu_and_mul_fp8_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
+    (fp8_gemv, "_fp8_gemv_reduce_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_reduce_kernel"),
 )
@@ -225,6 +226,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
+        # The kernel_bench sweep's latency options on that tile (prefetched tiles, and K split in 4), in
+        # the sweep's shapes and dtype only.
+        if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:
+            tile = fp8_gemv.gemv_config(arch.hidden_size, width, fp8_gemv.device_sm_count(activations.device))
+            for options in ({"prefetch": True}, {"prefetch": True, "split_k": 4}):
+                fp8_gemv.fp8_gemv(activations, codes, scales, config=replace(tile, **options))
         # Steps of 3-64 rows (`fp8_skinny_mm` on fp8_quant's codes): 16 and 64 rows, K split as on an H100.
         for rows in (16, 64):
             x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from sluice.benchmarks.gpu.fp8_linear_bench import linears, main
+from sluice.benchmarks.gpu.fp8_linear_bench import LATENCY_SWEEP, SWEEP, _tile, linears, main
 
 
 def test_the_cpu_mode_writes_both_tables(tmp_path):
@@ -21,3 +21,11 @@ def test_the_cpu_mode_writes_both_tables(tmp_path):
 def test_the_linears_of_a_preset_are_its_four_projections():
     shapes = {(lin.name, lin.out_features, lin.in_features) for lin in linears("llama-3-8b")}
     assert shapes == {("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)}
+
+
+def test_the_one_row_sweep_tries_the_latency_options_first_and_names_them():
+    assert SWEEP[: len(LATENCY_SWEEP)] == LATENCY_SWEEP and len(set(SWEEP)) == len(SWEEP)
+    assert any(c.prefetch for c in LATENCY_SWEEP) and any(c.split_k > 1 for c in LATENCY_SWEEP)
+    assert not any(c.prefetch or c.split_k > 1 for c in SWEEP[len(LATENCY_SWEEP) :])
+    labels = [_tile(c) for c in LATENCY_SWEEP]
+    assert "16x512, 4 warps, prefetch, split 4" in labels and "16x1024, 8 warps, prefetch" in labels

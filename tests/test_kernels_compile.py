@@ -26,6 +26,7 @@ KERNELS = {
     "_silu_and_mul_fp8_kernel",
     "_fp8_quant_kernel",
     "_fp8_gemv_kernel",
+    "_fp8_gemv_reduce_kernel",
     "_fp8_skinny_kernel",
     "_fp8_skinny_reduce_kernel",
 }
@@ -47,8 +48,8 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~155 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, 6 of the batch-1 FP8
-# gemv) at up to a few CPU seconds each (the attention kernels inline three tile loops), compiled once for
+# ~215 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~30 of the batch-1
+# FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile loops), compiled once for
 # both tests: about 90 s on a lightly loaded 2-core machine; a machine shared with other jobs takes several
 # times that.
 pytestmark = pytest.mark.timeout(1200)
@@ -77,12 +78,13 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
         assert {kernel for kernel, s, dtype in compiled if s == shape and dtype == "bf16"} >= KERNELS - {
             "_decode_reduce_kernel",  # shares its constexprs across shapes with equal head_dim
             "_fp8_gemv_kernel",  # its constexprs are the tile's and the dtype's only: across all shapes
+            "_fp8_gemv_reduce_kernel",
             "_fp8_skinny_kernel",  # the same (and its split-K launches write float32 whatever the dtype)
             "_fp8_skinny_reduce_kernel",
         }
     for dtype in ("bf16", "fp16", "fp32"):
         kernels = {kernel for kernel, s, d in compiled if s == "llama-3.2-1b" and d == dtype}
-        assert kernels >= KERNELS - {"_fp8_skinny_kernel"} and kernels <= KERNELS
+        assert kernels >= KERNELS - {"_fp8_skinny_kernel", "_fp8_gemv_reduce_kernel"} and kernels <= KERNELS
     # The decode launches' split counts (11 and 33 slices at 8 KV heads) give distinct reduce kernels,
     # and a large batch the single-split kernel that writes the output itself.
     one_b = [r for r in results if r["shape"] == "llama-3.2-1b" and r["dtype"] == "bf16"]
@@ -93,6 +95,11 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     prefill = [r["constexprs"] for r in one_b if r["kernel"] == "_prefill_attention_kernel"]
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
+    # The one-row FP8 sweep's latency options, prefetched tiles and split K with its reduce, in bf16.
+    gemv = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_gemv_kernel"]
+    for split_k in (1, 4):
+        assert any(f"PREFETCH=True, SPLIT_K={split_k}" in c for c in gemv)
+    assert any(r["kernel"] == "_fp8_gemv_reduce_kernel" for r in one_b)
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE, KERNEL_DTYPES
 
@@ -82,6 +83,42 @@ def test_every_tile_gives_the_same_y(config):
     _assert_close(y, _expected(x, weight, weight_scale))
 
 
+@pytest.mark.parametrize("input_scale", [None, STATIC_SCALE])
+@pytest.mark.parametrize(("num_rows", "block_k"), [(1, 32), (3, 64), (MAX_ROWS, 128)])
+def test_prefetched_tiles_give_the_same_y_bit_for_bit(input_scale, num_rows, block_k):
+    """K = 200: 4-7 tiles, the last partial; the tile asked for past the end is all masked."""
+    x, weight, weight_scale = _inputs(num_rows, 40, 200, torch.bfloat16, seed=5)
+    scale = None if input_scale is None else torch.tensor(input_scale, device=DEVICE)
+    plain = fp8_gemv(x, weight, weight_scale, scale, config=GemvConfig(16, block_k))
+    prefetched = fp8_gemv(x, weight, weight_scale, scale, config=GemvConfig(16, block_k, prefetch=True))
+    assert torch.equal(prefetched, plain)
+    _assert_close(prefetched, _expected(x, weight, weight_scale, scale))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize(
+    ("split_k", "num_rows", "input_scale"),
+    [(2, 1, None), (4, 3, STATIC_SCALE), (8, 2, None), (16, MAX_ROWS, None)],
+)
+def test_split_k_sums_the_splits_to_the_emulated_product(split_k, num_rows, input_scale, prefetch):
+    """K = 300 in 64-column tiles (one row): 5 tiles over 2-16 splits, so some splits get 1 tile, the last
+    a partial one, and at 8 and 16 some get none; N = 72 is not a multiple of block_n."""
+    x, weight, weight_scale = _inputs(num_rows, 72, 300, torch.float32, seed=6)
+    scale = None if input_scale is None else torch.tensor(input_scale, device=DEVICE)
+    config = GemvConfig(16, 64 * triton.next_power_of_2(num_rows), split_k=split_k, prefetch=prefetch)
+    y = fp8_gemv(x, weight, weight_scale, scale, config=config)
+    assert y.shape == (num_rows, 72) and y.dtype == torch.float32
+    _assert_close(y, _expected(x, weight, weight_scale, scale))
+
+
+def test_split_k_keeps_a_nan_row_to_itself_and_writes_bf16():
+    x, weight, weight_scale = _inputs(3, 48, 256, torch.bfloat16, seed=7)
+    x[2, 200] = float("nan")  # in the last split's columns: every split's amax sees it
+    y = fp8_gemv(x, weight, weight_scale, config=GemvConfig(16, 32, split_k=4))
+    assert y.dtype == torch.bfloat16 and bool(y[2].isnan().all()) and not bool(y[:2].isnan().any())
+    _assert_close(y[:2], _expected(x[:2], weight, weight_scale))
+
+
 def test_row_strided_x():
     x, weight, weight_scale = _inputs(6, 32, 64, torch.float32, seed=3)
     wide = torch.zeros(6, 100, device=DEVICE)
@@ -131,6 +168,7 @@ def _bad_arguments():
         (lambda: GemvConfig(block_n=24), "block_n: must be a power of two >= 1, got 24"),
         (lambda: GemvConfig(block_k=8), "block_k: must be a power of two >= 16, got 8"),
         (lambda: GemvConfig(num_warps=3), "num_warps: must be 1, 2, 4, 8 or 16, got 3"),
+        (lambda: GemvConfig(split_k=3), "split_k: must be 1, 2, 4, 8 or 16, got 3"),
     ]
 
 

@@ -51,7 +51,21 @@ from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
-SWEEP = [
+# First the latency options (prefetched tiles, split K) on and around the tiles that won on the 8b and 1b
+# shapes (fp8_gemv.SWEPT_TILES), then the plain tile grid; the sweep's wall-clock cap may cut the tail.
+LATENCY_SWEEP = [
+    GemvConfig(16, 1024, 8, prefetch=True),
+    GemvConfig(16, 512, 8, prefetch=True),
+    GemvConfig(16, 512, 4, prefetch=True),
+    GemvConfig(16, 1024, 8, split_k=2),
+    GemvConfig(16, 1024, 8, split_k=4),
+    GemvConfig(16, 512, 4, split_k=4),
+    GemvConfig(16, 512, 4, prefetch=True, split_k=4),
+    GemvConfig(8, 1024, 4, prefetch=True),
+    GemvConfig(8, 1024, 4, split_k=4),
+    GemvConfig(8, 512, 4, prefetch=True, split_k=2),
+]
+SWEEP = LATENCY_SWEEP + [
     GemvConfig(block_n, block_k, warps)
     for block_n, block_k, warps in itertools.product((4, 8, 16, 32, 64), (128, 256, 512, 1024, 2048), (4, 8))
     if 2048 <= block_n * block_k <= 16384  # larger tiles take minutes to compile (seen on an H100)
@@ -256,7 +270,10 @@ def _ratio(seconds: float | None, baseline: float) -> str:
 
 
 def _tile(config: GemvConfig) -> str:
-    return f"{config.block_n}x{config.block_k}, {config.num_warps} warps"
+    options = (", prefetch" if config.prefetch else "") + (
+        f", split {config.split_k}" if config.split_k > 1 else ""
+    )
+    return f"{config.block_n}x{config.block_k}, {config.num_warps} warps{options}"
 
 
 def table(rows: Sequence[Row]) -> str:
