@@ -169,6 +169,7 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
         sweep.DecodeCandidate(DecodeConfig(16, 4, 2), programs_per_sm=8, partition_size=16),
         sweep.DecodeCandidate(DecodeConfig(16, 4, 2), partition_size=24),  # not a multiple of 16
     )
+    torch.manual_seed(0)  # as the graph-sized test below
     shape = sweep.sweep_decode(64, 2, CPU, 1e12, math.inf, candidates=candidates, time_s=_once)
     default, split, bad = shape.rows
     assert default.is_default and (default.status, default.num_splits) == ("ok", 1)
@@ -189,7 +190,9 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
 def test_a_graph_sized_decode_row_splits_for_the_graphs_context_and_cuts_a_short_one_by_its_partition():
     # A 64-position context at batch 2 in a graph for 1024: at partition 16 the grid has
     # min(2 * 132 / 16 units, 1024 / 16) = 17 splits, of which the context uses 4; at the default 512, 2
-    # splits (1024 / 512), of which it uses 1. Both must equal SDPA's output.
+    # splits (1024 / 512), of which it uses 1. Both must equal SDPA's output. (Seeded: bf16 outputs, which
+    # the interpreter rounds by truncation, land 0.3-0.9% off SDPA's with the seeds tried, under the 1%.)
+    torch.manual_seed(0)
     short = sweep.DecodeCandidate(DecodeConfig(16, 4, 2), partition_size=16)
     shape = sweep.sweep_decode(
         64, 2, CPU, 1e12, math.inf, candidates=(short,), time_s=_once, graph_context=1024
