@@ -59,6 +59,7 @@ from sluice.kernels.tensor_checks import (
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 8  # the most rows a launch takes (its cost grows with them: no tensor cores)
+_REDUCE_BLOCK = 1024  # output channels per program of the split-K reduce
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,6 @@ def _fp8_gemv_reduce_kernel(
     for split in range(SPLIT_K):  # in split order
         total += tl.load(part_ptr + (split * M + row) * N + channels, mask=mask, other=0.0)
     tl.store(y_ptr + row * stride_y + channels, total.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-_REDUCE_BLOCK = 1024
 
 
 def fp8_gemv(
