@@ -28,14 +28,23 @@ swept (the GPU check's `kernel_bench` step, docs/GPU.md), else a rule sized by t
 
 Profiles on an H100 and an H200 found the kernel latency-bound on the 8b shape's qkv / o / down (1.4-1.9
 TB/s, no faster on the H200's faster memory): a program waits for each step's weight tile before asking for
-the next, and for the amax pass before the first. Two options, off by default until a GPU sweep (the
-kernel_bench step's one-row candidates) says where they pay:
+the next, and for the amax pass (K / block_k loads from L2, one after the other) before the first. Three
+options, off by default until a GPU sweep (the kernel_bench step's one-row candidates) says where they pay:
 
     prefetch   the first tile is asked for before the amax pass, and each step asks for the next tile before
                multiplying this one (two tiles in flight); the same sums in the same order, bit for bit
     split_k    s programs per block_n channels, each over a contiguous 1/s of the columns (whole tiles);
                each writes its scaled partial y [M, N] in fp32 and a second kernel sums the s of them in
                order: more programs in flight, shorter walks; y differs by the order of the fp32 sums
+    amax_k     the amax pass in steps of amax_k columns instead of block_k (4096: one or four loads a row
+               on the 8b shape instead of 4-28); a max in any order is the same max, so y is bit for bit
+
+Split K sums its partials in a second launch (as fp8_skinny_mm does), not in the last program of each
+channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
+times it, as its graph replays include it), but keeps no state between launches (a counter buffer that
+must be zero before every replay, on every device, allocated before any graph is captured) and needs no
+memory ordering, which the interpreter cannot check. If the GPU sweep finds split K winning by less than
+the reduce's launch, the counter is the next thing to try.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class GemvConfig:
     num_warps: int = 4
     prefetch: bool = False  # each weight tile's load issued a step ahead (the first before the amax pass)
     split_k: int = 1  # programs per block_n channels, each over a contiguous 1 / split_k of the columns
+    amax_k: int = 0  # columns per step of the dynamic amax pass at one row (0: block_k's, as the product's)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 1)
@@ -80,9 +90,14 @@ class GemvConfig:
             raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.split_k not in (1, 2, 4, 8, 16):
             raise ValueError(f"split_k: must be 1, 2, 4, 8 or 16, got {self.split_k}")
+        if self.amax_k:
+            check_power_of_two("amax_k", self.amax_k, 16)
 
     def tile_k(self, block_m: int) -> int:
         return max(16, self.block_k // block_m)
+
+    def amax_tile_k(self, block_m: int) -> int:
+        return max(16, self.amax_k // block_m) if self.amax_k else self.tile_k(block_m)
 
 
 TILE_BYTES = 8192  # the rule's weight bytes per program and step
@@ -140,6 +155,7 @@ def _fp8_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    AMAX_K: tl.constexpr,  # the amax pass's columns per step (its loads in flight: any width, same amax)
     DYNAMIC: tl.constexpr,
     PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -161,10 +177,11 @@ def _fp8_gemv_kernel(
         )
 
     if DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
-        running = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            mask = row_mask[:, None] & (start + cols < K)[None, :]
-            x = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0)
+        amax_cols = tl.arange(0, AMAX_K)
+        running = tl.zeros([BLOCK_M, AMAX_K], dtype=tl.float32)
+        for start in range(0, K, AMAX_K):
+            mask = row_mask[:, None] & (start + amax_cols < K)[None, :]
+            x = tl.load(x_rows + start + amax_cols[None, :], mask=mask, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
         x_scale = dynamic_scale(amax_keep_nan(running, 1))  # [BLOCK_M]
     else:
@@ -260,6 +277,7 @@ def fp8_gemv(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.tile_k(block_m),
+        AMAX_K=config.amax_tile_k(block_m),
         DYNAMIC=input_scale is None,
         PREFETCH=config.prefetch,
         SPLIT_K=split_k,

@@ -8,6 +8,8 @@ ulp of its dtype (the interpreter also rounds fp32 -> bf16 by truncation, a GPU 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -95,20 +97,54 @@ def test_prefetched_tiles_give_the_same_y_bit_for_bit(input_scale, num_rows, blo
     _assert_close(prefetched, _expected(x, weight, weight_scale, scale))
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize(("num_rows", "amax_k"), [(1, 16), (1, 512), (3, 256), (MAX_ROWS, 64)])
+def test_a_wider_or_narrower_amax_pass_gives_the_same_y_bit_for_bit(num_rows, amax_k):
+    """K = 200 in 32-column product tiles; the amax pass in steps of 16 (narrower) to 512 columns (one
+    step past K) a row. The largest |x| of the first row in its last column, a NaN in the second row's."""
+    x, weight, weight_scale = _inputs(num_rows, 24, 200, torch.bfloat16, seed=9)
+    x[0, 199] = -40.0
+    if num_rows > 1:
+        x[1, 198] = float("nan")
+    block_m = triton.next_power_of_2(num_rows)
+    tile = GemvConfig(8, 32 * block_m)
+    plain = fp8_gemv(x, weight, weight_scale, config=tile)
+    for prefetch in (False, True):
+        config = replace(tile, amax_k=amax_k * block_m, prefetch=prefetch)
+        y = fp8_gemv(x, weight, weight_scale, config=config)
+        torch.testing.assert_close(y, plain, rtol=0, atol=0, equal_nan=True)
+    assert num_rows == 1 or bool(y[1].isnan().all())
+    rows = [row for row in range(num_rows) if row != 1]
+    _assert_close(y[rows], _expected(x[rows], weight, weight_scale))
+
+
 @pytest.mark.parametrize(
     ("split_k", "num_rows", "input_scale"),
-    [(2, 1, None), (4, 3, STATIC_SCALE), (8, 2, None), (16, MAX_ROWS, None)],
+    [(2, 1, None), (4, 3, STATIC_SCALE), (8, 2, None), (8, MAX_ROWS, STATIC_SCALE), (16, MAX_ROWS, None)],
 )
-def test_split_k_sums_the_splits_to_the_emulated_product(split_k, num_rows, input_scale, prefetch):
+def test_split_k_sums_the_splits_to_the_emulated_product(split_k, num_rows, input_scale):
     """K = 300 in 64-column tiles (one row): 5 tiles over 2-16 splits, so some splits get 1 tile, the last
-    a partial one, and at 8 and 16 some get none; N = 72 is not a multiple of block_n."""
+    a partial one, and at 8 and 16 some get none; N = 72 is not a multiple of block_n. Prefetched tiles
+    change nothing there either, bit for bit."""
     x, weight, weight_scale = _inputs(num_rows, 72, 300, torch.float32, seed=6)
     scale = None if input_scale is None else torch.tensor(input_scale, device=DEVICE)
-    config = GemvConfig(16, 64 * triton.next_power_of_2(num_rows), split_k=split_k, prefetch=prefetch)
+    config = GemvConfig(16, 64 * triton.next_power_of_2(num_rows), split_k=split_k)
     y = fp8_gemv(x, weight, weight_scale, scale, config=config)
     assert y.shape == (num_rows, 72) and y.dtype == torch.float32
     _assert_close(y, _expected(x, weight, weight_scale, scale))
+    assert torch.equal(fp8_gemv(x, weight, weight_scale, scale, config=replace(config, prefetch=True)), y)
+
+
+def test_split_k_and_prefetch_read_a_row_strided_x():
+    """x a column window of a wider buffer (row stride 100, K = 70 in 16-column tiles, 5 tiles over 4
+    splits); N = 20 is not a multiple of block_n."""
+    x, weight, weight_scale = _inputs(2, 20, 70, torch.bfloat16, seed=8)
+    wide = torch.full((2, 100), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 20:90] = x
+    config = GemvConfig(8, 32, split_k=4)
+    y = fp8_gemv(wide[:, 20:90], weight, weight_scale, config=config)
+    _assert_close(y, _expected(x, weight, weight_scale))
+    prefetched = replace(config, prefetch=True)
+    assert torch.equal(fp8_gemv(wide[:, 20:90], weight, weight_scale, config=prefetched), y)
 
 
 def test_split_k_keeps_a_nan_row_to_itself_and_writes_bf16():
@@ -169,6 +205,9 @@ def _bad_arguments():
         (lambda: GemvConfig(block_k=8), "block_k: must be a power of two >= 16, got 8"),
         (lambda: GemvConfig(num_warps=3), "num_warps: must be 1, 2, 4, 8 or 16, got 3"),
         (lambda: GemvConfig(split_k=3), "split_k: must be 1, 2, 4, 8 or 16, got 3"),
+        (lambda: GemvConfig(split_k=0), "split_k: must be 1, 2, 4, 8 or 16, got 0"),
+        (lambda: GemvConfig(amax_k=8), "amax_k: must be a power of two >= 16, got 8"),
+        (lambda: GemvConfig(amax_k=3000), "amax_k: must be a power of two >= 16, got 3000"),
     ]
 
 
