@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from sluice.benchmarks.gpu.fp8_linear_bench import LATENCY_SWEEP  # noqa: E402
 from sluice.engine.loading.model_arch import ModelArchConfig  # noqa: E402
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
@@ -123,6 +124,7 @@ class Specialized:
             self.signature,
             sorted(self.constexprs.items()),
             sorted(self.attrs.items()),
+            [self.options.get("num_warps"), self.options.get("num_stages")],  # compiled apart, too
         ]
         return json.dumps(parts, default=str)
 
@@ -226,12 +228,11 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
-        # The kernel_bench sweep's latency options on that tile (prefetched tiles, and K split in 4), in
-        # the sweep's shapes and dtype only.
+        # The kernel_bench sweep's latency candidates (prefetched tiles, split K, a wider amax pass) as
+        # it launches them (one row, per token), in its shapes and dtype only.
         if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:
-            tile = fp8_gemv.gemv_config(arch.hidden_size, width, fp8_gemv.device_sm_count(activations.device))
-            for options in ({"prefetch": True}, {"prefetch": True, "split_k": 4}):
-                fp8_gemv.fp8_gemv(activations, codes, scales, config=replace(tile, **options))
+            for config in LATENCY_SWEEP:
+                fp8_gemv.fp8_gemv(activations, codes, scales, config=config)
         # Steps of 3-64 rows (`fp8_skinny_mm` on fp8_quant's codes): 16 and 64 rows, K split as on an H100.
         for rows in (16, 64):
             x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
@@ -277,7 +278,7 @@ def _run_cache_launchers(
 
 
 def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:
-    """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes)."""
+    """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes: spills)."""
     source = ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs)
     compiled = triton.compile(source, target=target, options=launch.options)
     with tempfile.TemporaryDirectory() as directory:
@@ -293,11 +294,13 @@ def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> t
 
 
 def parse_resource_usage(text: str) -> tuple[int, int, int]:
-    """REG, SHARED and LOCAL of the one function in `cuobjdump --dump-resource-usage` output."""
-    fields = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", text))
-    if set(fields) != {"REG", "SHARED", "LOCAL"}:
-        raise ValueError(f"cuobjdump output without REG/SHARED/LOCAL: {text!r}")
-    return int(fields["REG"]), int(fields["SHARED"]), int(fields["LOCAL"])
+    """REG, SHARED and LOCAL + STACK (local memory: spills) of the one function in `cuobjdump
+    --dump-resource-usage` output. ptxas may spill into the stack frame with LOCAL:0: a one-row fp8_gemv
+    tile of 128 weight bytes a thread, prefetched, gave "REG:32 STACK:2448 LOCAL:0"."""
+    fields = dict(re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", text))
+    if set(fields) != {"REG", "SHARED", "LOCAL", "STACK"}:
+        raise ValueError(f"cuobjdump output without REG/SHARED/LOCAL/STACK: {text!r}")
+    return int(fields["REG"]), int(fields["SHARED"]), int(fields["LOCAL"]) + int(fields["STACK"])
 
 
 def compile_all(arch: int) -> Iterator[Compiled]:

@@ -25,7 +25,9 @@ def test_the_linears_of_a_preset_are_its_four_projections():
 
 def test_the_one_row_sweep_tries_the_latency_options_first_and_names_them():
     assert SWEEP[: len(LATENCY_SWEEP)] == LATENCY_SWEEP and len(set(SWEEP)) == len(SWEEP)
-    assert any(c.prefetch for c in LATENCY_SWEEP) and any(c.split_k > 1 for c in LATENCY_SWEEP)
-    assert not any(c.prefetch or c.split_k > 1 for c in SWEEP[len(LATENCY_SWEEP) :])
+    assert {c.split_k for c in LATENCY_SWEEP} == {1, 2, 4, 8}
+    assert any(c.prefetch for c in LATENCY_SWEEP) and any(c.amax_k for c in LATENCY_SWEEP)
+    assert not any(c.prefetch or c.split_k > 1 or c.amax_k for c in SWEEP[len(LATENCY_SWEEP) :])
     labels = [_tile(c) for c in LATENCY_SWEEP]
-    assert "16x512, 4 warps, prefetch, split 4" in labels and "16x1024, 8 warps, prefetch" in labels
+    assert "16x512, 4 warps, prefetch, split 4, amax 4096" in labels
+    assert "16x1024, 8 warps, prefetch" in labels

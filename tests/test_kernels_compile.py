@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sluice.benchmarks.gpu.fp8_linear_bench import LATENCY_SWEEP
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "compile_kernels.py"
 KERNELS = {
     "_store_kv_kernel",
@@ -48,7 +50,7 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~215 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~30 of the batch-1
+# ~225 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~40 of the batch-1
 # FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile loops), compiled once for
 # both tests: about 90 s on a lightly loaded 2-core machine; a machine shared with other jobs takes several
 # times that.
@@ -95,10 +97,16 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     prefill = [r["constexprs"] for r in one_b if r["kernel"] == "_prefill_attention_kernel"]
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
-    # The one-row FP8 sweep's latency options, prefetched tiles and split K with its reduce, in bf16.
-    gemv = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_gemv_kernel"]
-    for split_k in (1, 4):
-        assert any(f"PREFETCH=True, SPLIT_K={split_k}" in c for c in gemv)
+    # The one-row FP8 sweep's latency candidates (prefetched tiles, split K with its reduce, a wider amax
+    # pass), each compiled in bf16 without spilling registers: one that spills is no candidate.
+    gemv = [r for r in results if r["kernel"] == "_fp8_gemv_kernel" and r["dtype"] == "bf16"]
+    for config in LATENCY_SWEEP:
+        tile = (
+            f"BLOCK_M=1, BLOCK_N={config.block_n}, BLOCK_K={config.block_k}, AMAX_K={config.amax_tile_k(1)}, "
+            f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}"
+        )
+        variants = [r for r in gemv if r["constexprs"].endswith(tile)]
+        assert variants and all(r["local_bytes"] == 0 for r in variants), (config, variants)
     assert any(r["kernel"] == "_fp8_gemv_reduce_kernel" for r in one_b)
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
