@@ -28,7 +28,7 @@ swept (the GPU check's `kernel_bench` step, docs/GPU.md), else a rule sized by t
 
 Profiles on an H100 and an H200 found the kernel latency-bound on the 8b shape's qkv / o / down (1.4-1.9
 TB/s, no faster on the H200's faster memory): a program waits for each step's weight tile before asking for
-the next, and for the amax pass (K / block_k loads from L2, one after the other) before the first. Three
+the next, and for the amax pass (K / block_k loads from L2, one after the other) before the first. Four
 options, off by default until a GPU sweep (the kernel_bench step's one-row candidates) says where they pay:
 
     prefetch   the first tile is asked for before the amax pass, and each step asks for the next tile before
@@ -36,6 +36,10 @@ options, off by default until a GPU sweep (the kernel_bench step's one-row candi
     split_k    s programs per block_n channels, each over a contiguous 1/s of the columns (whole tiles);
                each writes its scaled partial y [M, N] in fp32 and a second kernel sums the s of them in
                order: more programs in flight, shorter walks; y differs by the order of the fp32 sums
+    stages     the product's loop pipelined by Triton (tl.range num_stages): each tile's weight and x are
+               copied to shared memory asynchronously, stages - 1 steps ahead; the same sums, bit for bit,
+               and fewer registers than prefetch (167 against 247 at 16x512, 4 warps: 3 programs on an
+               SM, not 2), shared memory instead ((stages - 1) x 9 KB at that tile)
     amax_k     the amax pass in steps of amax_k columns instead of block_k (4096: one or four loads a row
                on the 8b shape instead of 4-28); a max in any order is the same max, so y is bit for bit
 
@@ -82,6 +86,7 @@ class GemvConfig:
     prefetch: bool = False  # each weight tile's load issued a step ahead (the first before the amax pass)
     split_k: int = 1  # programs per block_n channels, each over a contiguous 1 / split_k of the columns
     amax_k: int = 0  # columns per step of the dynamic amax pass at one row (0: block_k's, as the product's)
+    stages: int = 1  # > 1: the product's loop pipelined by Triton (tiles stages - 1 steps ahead, in smem)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 1)
@@ -92,6 +97,8 @@ class GemvConfig:
             raise ValueError(f"split_k: must be 1, 2, 4, 8 or 16, got {self.split_k}")
         if self.amax_k:
             check_power_of_two("amax_k", self.amax_k, 16)
+        if self.stages not in (1, 2, 3, 4):
+            raise ValueError(f"stages: must be 1, 2, 3 or 4, got {self.stages}")
 
     def tile_k(self, block_m: int) -> int:
         return max(16, self.block_k // block_m)
@@ -159,6 +166,7 @@ def _fp8_gemv_kernel(
     DYNAMIC: tl.constexpr,
     PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -189,7 +197,7 @@ def _fp8_gemv_kernel(
 
     # Partial sums per (row, channel, column of the tile), reduced over the tile's columns once at the end.
     partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_K):
+    for start in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         col_mask = (start + cols < k_hi)[None, :]
         if PREFETCH:  # take the tile loaded a step ago, ask for the next (all masked past k_hi)
             w = w_next
@@ -281,6 +289,7 @@ def fp8_gemv(
         DYNAMIC=input_scale is None,
         PREFETCH=config.prefetch,
         SPLIT_K=split_k,
+        STAGES=config.stages,
         num_warps=config.num_warps,
     )
     if split_k > 1:

@@ -27,7 +27,10 @@ def test_the_one_row_sweep_tries_the_latency_options_first_and_names_them():
     assert SWEEP[: len(LATENCY_SWEEP)] == LATENCY_SWEEP and len(set(SWEEP)) == len(SWEEP)
     assert {c.split_k for c in LATENCY_SWEEP} == {1, 2, 4, 8}
     assert any(c.prefetch for c in LATENCY_SWEEP) and any(c.amax_k for c in LATENCY_SWEEP)
-    assert not any(c.prefetch or c.split_k > 1 or c.amax_k for c in SWEEP[len(LATENCY_SWEEP) :])
+    assert any(c.stages > 1 for c in LATENCY_SWEEP)
+    plain = {(c.prefetch, c.split_k, c.amax_k, c.stages) for c in SWEEP[len(LATENCY_SWEEP) :]}
+    assert plain == {(False, 1, 0, 1)}
     labels = [_tile(c) for c in LATENCY_SWEEP]
+    assert "16x512, 4 warps, amax 4096, stages 3" in labels
     assert "16x512, 4 warps, prefetch, split 4, amax 4096" in labels
     assert "16x1024, 8 warps, prefetch" in labels

@@ -97,13 +97,13 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     prefill = [r["constexprs"] for r in one_b if r["kernel"] == "_prefill_attention_kernel"]
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
-    # The one-row FP8 sweep's latency candidates (prefetched tiles, split K with its reduce, a wider amax
-    # pass), each compiled in bf16 without spilling registers: one that spills is no candidate.
+    # The one-row FP8 sweep's latency candidates (pipelined or prefetched tiles, split K with its reduce, a
+    # wider amax pass), each compiled in bf16 without spilling registers: one that spills is no candidate.
     gemv = [r for r in results if r["kernel"] == "_fp8_gemv_kernel" and r["dtype"] == "bf16"]
     for config in LATENCY_SWEEP:
         tile = (
             f"BLOCK_M=1, BLOCK_N={config.block_n}, BLOCK_K={config.block_k}, AMAX_K={config.amax_tile_k(1)}, "
-            f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}"
+            f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}, STAGES={config.stages}"
         )
         variants = [r for r in gemv if r["constexprs"].endswith(tile)]
         assert variants and all(r["local_bytes"] == 0 for r in variants), (config, variants)

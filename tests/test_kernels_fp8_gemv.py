@@ -87,13 +87,15 @@ def test_every_tile_gives_the_same_y(config):
 
 @pytest.mark.parametrize("input_scale", [None, STATIC_SCALE])
 @pytest.mark.parametrize(("num_rows", "block_k"), [(1, 32), (3, 64), (MAX_ROWS, 128)])
-def test_prefetched_tiles_give_the_same_y_bit_for_bit(input_scale, num_rows, block_k):
+def test_prefetched_or_pipelined_tiles_give_the_same_y_bit_for_bit(input_scale, num_rows, block_k):
     """K = 200: 4-7 tiles, the last partial; the tile asked for past the end is all masked."""
     x, weight, weight_scale = _inputs(num_rows, 40, 200, torch.bfloat16, seed=5)
     scale = None if input_scale is None else torch.tensor(input_scale, device=DEVICE)
     plain = fp8_gemv(x, weight, weight_scale, scale, config=GemvConfig(16, block_k))
     prefetched = fp8_gemv(x, weight, weight_scale, scale, config=GemvConfig(16, block_k, prefetch=True))
     assert torch.equal(prefetched, plain)
+    pipelined = fp8_gemv(x, weight, weight_scale, scale, config=GemvConfig(16, block_k, stages=3))
+    assert torch.equal(pipelined, plain)
     _assert_close(prefetched, _expected(x, weight, weight_scale, scale))
 
 
@@ -208,6 +210,7 @@ def _bad_arguments():
         (lambda: GemvConfig(split_k=0), "split_k: must be 1, 2, 4, 8 or 16, got 0"),
         (lambda: GemvConfig(amax_k=8), "amax_k: must be a power of two >= 16, got 8"),
         (lambda: GemvConfig(amax_k=3000), "amax_k: must be a power of two >= 16, got 3000"),
+        (lambda: GemvConfig(stages=0), "stages: must be 1, 2, 3 or 4, got 0"),
     ]
 
 

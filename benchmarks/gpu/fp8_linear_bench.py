@@ -51,25 +51,30 @@ from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
-# First the latency options (fp8_gemv's docstring: prefetched tiles, split K, a wider amax pass) on and
-# around the tiles that won on the 8b and 1b shapes (fp8_gemv.SWEPT_TILES), then the plain tile grid; the
-# sweep's wall-clock cap may cut the tail. Every one compiles for sm_90 without spilling registers
-# (tests/test_kernels_compile.py); at 64 weight bytes a thread, prefetching takes ~250 registers of 255.
+# First the latency options (fp8_gemv's docstring: pipelined or prefetched tiles, split K, a wider amax
+# pass) on and around the tiles that won on the 8b and 1b shapes (fp8_gemv.SWEPT_TILES), then the plain
+# tile grid; the sweep's wall-clock cap may cut the tail. Every one compiles for sm_90 without spilling
+# (tests/test_kernels_compile.py; registers per candidate: docs/perf/kernels_sm90.md). The pipelined ones
+# first: they keep 3 programs of 4 warps on an SM with 2-3 tiles each in flight, where prefetching into
+# registers (~250 of 255 at 64 weight bytes a thread) keeps 2 with 2.
 LATENCY_SWEEP = [
+    GemvConfig(16, 512, 4, amax_k=4096, stages=3),
+    GemvConfig(16, 1024, 8, amax_k=4096, stages=3),
+    GemvConfig(16, 512, 4, amax_k=4096, stages=4),
+    GemvConfig(8, 512, 4, amax_k=4096, stages=4),
     GemvConfig(16, 1024, 8, prefetch=True, amax_k=4096),
     GemvConfig(16, 512, 4, prefetch=True, amax_k=4096),
     GemvConfig(16, 1024, 8, amax_k=4096),
     GemvConfig(16, 512, 4, amax_k=4096),
+    GemvConfig(16, 512, 4, split_k=4, amax_k=4096, stages=3),
     GemvConfig(16, 1024, 8, prefetch=True),
     GemvConfig(16, 512, 4, prefetch=True),
     GemvConfig(16, 1024, 8, split_k=2, amax_k=4096),
     GemvConfig(16, 512, 4, split_k=4, amax_k=4096),
     GemvConfig(16, 512, 4, prefetch=True, split_k=4, amax_k=4096),
-    GemvConfig(8, 1024, 4, prefetch=True, amax_k=4096),
+    GemvConfig(8, 1024, 4, amax_k=4096, stages=3),
     GemvConfig(16, 512, 4, split_k=8, amax_k=4096),
     GemvConfig(8, 512, 4, prefetch=True, split_k=2, amax_k=4096),
-    GemvConfig(16, 1024, 8, split_k=4),
-    GemvConfig(8, 1024, 4, split_k=4),
 ]
 SWEEP = LATENCY_SWEEP + [
     GemvConfig(block_n, block_k, warps)
@@ -280,6 +285,7 @@ def _tile(config: GemvConfig) -> str:
         (", prefetch" if config.prefetch else "")
         + (f", split {config.split_k}" if config.split_k > 1 else "")
         + (f", amax {config.amax_k}" if config.amax_k else "")
+        + (f", stages {config.stages}" if config.stages > 1 else "")
     )
     return f"{config.block_n}x{config.block_k}, {config.num_warps} warps{options}"
 
