@@ -228,8 +228,8 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
-        # The kernel_bench sweep's latency candidates (prefetched tiles, split K, a wider amax pass) as
-        # it launches them (one row, per token), in its shapes and dtype only.
+        # The kernel_bench sweep's latency candidates (pipelined or prefetched tiles, split K, a wider amax
+        # pass) as it launches them (one row, per token), in its shapes and dtype only.
         if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:
             for config in LATENCY_SWEEP:
                 fp8_gemv.fp8_gemv(activations, codes, scales, config=config)
