@@ -34,8 +34,9 @@ options, off by default until a GPU sweep (the kernel_bench step's one-row candi
     prefetch   the first tile is asked for before the amax pass, and each step asks for the next tile before
                multiplying this one (two tiles in flight); the same sums in the same order, bit for bit
     split_k    s programs per block_n channels, each over a contiguous 1/s of the columns (whole tiles);
-               each writes its scaled partial y [M, N] in fp32 and a second kernel sums the s of them in
-               order: more programs in flight, shorter walks; y differs by the order of the fp32 sums
+               each writes its fp32 partial sums [M, N], and fp8_skinny_mm's split-K reduce adds the s of
+               them in order and scales once: more programs in flight, shorter walks; y differs by the
+               order of the fp32 sums
     stages     the product's loop pipelined by Triton (tl.range num_stages): each tile's weight and x are
                copied to shared memory asynchronously, stages - 1 steps ahead; the same sums, bit for bit,
                and fewer registers than prefetch (167 against 247 at 16x512, 4 warps: 3 programs on an
@@ -43,7 +44,7 @@ options, off by default until a GPU sweep (the kernel_bench step's one-row candi
     amax_k     the amax pass in steps of amax_k columns instead of block_k (4096: one or four loads a row
                on the 8b shape instead of 4-28); a max in any order is the same max, so y is bit for bit
 
-Split K sums its partials in a second launch (as fp8_skinny_mm does), not in the last program of each
+Split K sums its partials in a second launch (fp8_skinny_mm's reduce), not in the last program of each
 channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
 times it, as its graph replays include it), but keeps no state between launches (a counter buffer that
 must be zero before every replay, on every device, allocated before any graph is captured) and needs no
@@ -60,6 +61,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale, max_keep_nan
+from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
@@ -72,7 +74,6 @@ from sluice.kernels.tensor_checks import (
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 8  # the most rows a launch takes (its cost grows with them: no tensor cores)
-_REDUCE_BLOCK = 1024  # output channels per program of the split-K reduce
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,12 @@ def _e4m3_to_float(codes):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    y_ptr,  # [M, N] x's dtype (SPLIT_K 1), or [SPLIT_K, M, N] float32 partial products: written
+    y_ptr,  # [M, N] x's dtype (SPLIT_K 1), or [SPLIT_K, M, N] float32 partial sums: written
     x_ptr,  # [M, K] bf16/fp16/fp32
     input_scale_ptr,  # static only: [] or [1] float32
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32
+    x_scale_out_ptr,  # SPLIT_K > 1: [M] float32, the rows' scales for the reduce (written once)
     M,
     N,
     K,
@@ -214,34 +216,17 @@ def _fp8_gemv_kernel(
         partial += _e4m3_to_float(w)[None, :, :] * x_q[:, None, :]
     acc = tl.sum(partial, axis=2)  # [BLOCK_M, BLOCK_N]
 
-    w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=1.0)
-    y = acc * x_scale[:, None] * w_scale[None, :]  # the emulated path's order: (y * x_scale) * w_scale
     out_mask = row_mask[:, None] & channel_mask[None, :]
     if SPLIT_K == 1:
+        w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=1.0)
+        y = acc * x_scale[:, None] * w_scale[None, :]  # the emulated path's order: (y * x_scale) * w_scale
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + channels[None, :]
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:  # this split's scaled partial product, summed by _fp8_gemv_reduce_kernel
+    else:  # this split's partial sums, which `fp8_skinny_mm.reduce_split_k` adds up and scales
         part = y_ptr + (tl.program_id(1) * M + rows[:, None]).to(tl.int64) * N + channels[None, :]
-        tl.store(part, y, mask=out_mask)
-
-
-@triton.jit
-def _fp8_gemv_reduce_kernel(
-    y_ptr,  # [M, N] x's dtype: written
-    part_ptr,  # [SPLIT_K, M, N] float32
-    M,
-    N,
-    stride_y,
-    BLOCK: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = channels < N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in range(SPLIT_K):  # in split order
-        total += tl.load(part_ptr + (split * M + row) * N + channels, mask=mask, other=0.0)
-    tl.store(y_ptr + row * stride_y + channels, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(part, acc, mask=out_mask)
+        if tl.program_id(0) + tl.program_id(1) == 0:  # every program has the same scales: one writes them
+            tl.store(x_scale_out_ptr + rows, x_scale, mask=row_mask)
 
 
 def fp8_gemv(
@@ -265,17 +250,17 @@ def fp8_gemv(
         config = gemv_config(out_features, in_features, device_sm_count(x.device))
     block_m = triton.next_power_of_2(num_rows)
     split_k = config.split_k
-    out = (
-        y
-        if split_k == 1
-        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
-    )
+    out, x_scale = y, None
+    if split_k > 1:
+        out = torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
+        x_scale = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
         out,
         x,
         input_scale,
         weight.view(torch.uint8),
         weight_scale,
+        x_scale,
         num_rows,
         out_features,
         in_features,
@@ -293,10 +278,7 @@ def fp8_gemv(
         num_warps=config.num_warps,
     )
     if split_k > 1:
-        grid = (num_rows, triton.cdiv(out_features, _REDUCE_BLOCK))
-        _fp8_gemv_reduce_kernel[grid](
-            y, out, num_rows, out_features, y.stride(0), BLOCK=_REDUCE_BLOCK, SPLIT_K=split_k
-        )
+        reduce_split_k(y, out, x_scale, weight_scale)
     return y
 
 

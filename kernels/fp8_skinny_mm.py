@@ -214,19 +214,29 @@ def fp8_skinny_mm(
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        grid = (num_rows, triton.cdiv(out_features, REDUCE_BLOCK))
-        _fp8_skinny_reduce_kernel[grid](
-            y,
-            out,
-            x_scale,
-            weight_scale,
-            num_rows,
-            out_features,
-            x_scale_stride,
-            BLOCK=REDUCE_BLOCK,
-            SPLIT_K=split_k,
-        )
+        reduce_split_k(y, out, x_scale, weight_scale)
     return y
+
+
+def reduce_split_k(
+    y: torch.Tensor, workspace: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor
+) -> None:
+    """y [M, N] (contiguous) = the split-K partial sums workspace [split_k, M, N] float32 added in split
+    order, times x_scale (M or 1 values, contiguous, float32) and weight_scale [N] float32: the emulated
+    path's order. Shared by the FP8 kernels that split K (this one, `fp8_gemv`)."""
+    split_k, num_rows, out_features = workspace.shape
+    grid = (num_rows, triton.cdiv(out_features, REDUCE_BLOCK))
+    _fp8_skinny_reduce_kernel[grid](
+        y,
+        workspace,
+        x_scale,
+        weight_scale,
+        num_rows,
+        out_features,
+        1 if x_scale.numel() > 1 else 0,
+        BLOCK=REDUCE_BLOCK,
+        SPLIT_K=split_k,
+    )
 
 
 def _check_args(

@@ -92,7 +92,6 @@ _KERNELS = (
     (silu_and_mul, "_silu_and_mul_fp8_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
-    (fp8_gemv, "_fp8_gemv_reduce_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_reduce_kernel"),
 )
