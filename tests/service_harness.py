@@ -7,6 +7,7 @@ its own event loop), exactly as a remote client would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -83,9 +84,16 @@ class ServerThread:
         return SluiceServer(config, tracer_provider=tracer_provider)
 
     def start(self, *, attach: bool = True) -> ServerThread:
-        self.call(self.server.start())
-        if attach:
-            self.attach()
+        """Starts the server (and the engine); if that fails, stops what did start before raising, so a
+        failed start leaves no server, engine core or loop behind for later tests."""
+        try:
+            self.call(self.server.start())
+            if attach:
+                self.attach()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
         return self
 
     def attach(self) -> None:

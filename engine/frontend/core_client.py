@@ -36,6 +36,7 @@ from sluice.engine.messages import (
     decode_core_message,
     encode,
 )
+from sluice.engine.process.child_process import ChildProcess
 from sluice.engine.process.threads import core_process_environment
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class CoreClient:
         self.config = config
         self.heartbeat_seconds = heartbeat_seconds
         self.timeout_seconds = timeout_seconds
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: ChildProcess | None = None
         self._directory = tempfile.mkdtemp(prefix="sluice-core-")
         # Commands go out on a plain socket (a send never waits: no high-water mark); results are
         # awaited on an asyncio one.
@@ -78,14 +79,17 @@ class CoreClient:
         # The core binds the commands address; connecting first queues the config until it does.
         self._commands.connect(f"ipc://{self._directory}/commands")
         self._results.bind(f"ipc://{self._directory}/results")
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "sluice.engine.process.core_process",
-            "--commands",
-            f"ipc://{self._directory}/commands",
-            "--results",
-            f"ipc://{self._directory}/results",
+        # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
+        self.process = ChildProcess(
+            [
+                sys.executable,
+                "-m",
+                "sluice.engine.process.core_process",
+                "--commands",
+                f"ipc://{self._directory}/commands",
+                "--results",
+                f"ipc://{self._directory}/results",
+            ],
             env=core_process_environment(os.environ),
         )
         self.send(CoreConfig(self.config, self.heartbeat_seconds))
@@ -128,9 +132,8 @@ class CoreClient:
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def kill(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+        if self.process is not None:
+            self.process.kill()
 
     async def _wait_ready(self) -> CoreReady:
         receive = asyncio.ensure_future(self._results.recv())

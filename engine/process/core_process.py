@@ -14,6 +14,7 @@ failed (`CoreFailed`) when loading or a step raises. Only this process imports t
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -139,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--commands", required=True, help="ZeroMQ address to pull commands from")
     parser.add_argument("--results", required=True, help="ZeroMQ address to push results to")
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a crash in native code (torch, a C++ kernel) prints every thread's Python stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve_core(args.commands, args.results)
 
