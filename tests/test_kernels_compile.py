@@ -49,10 +49,10 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~225 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~40 of the batch-1
+# ~230 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~40 of the batch-1
 # FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile loops), compiled once for
-# both tests: about 90 s on a lightly loaded 2-core machine; a machine shared with other jobs takes several
-# times that.
+# both tests, one per core at a time: about 60 s on a lightly loaded 2-core machine (118 s one at a time); a
+# machine shared with other jobs takes several times that.
 pytestmark = pytest.mark.timeout(1200)
 
 
