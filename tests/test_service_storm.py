@@ -18,6 +18,9 @@ from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(600)
+# The storm takes seconds; a hang fails it after this, naming the calls still open, well before a call could
+# outlive the server's max_connection_age (300 s +-10%) + grace (120 s) and fail as UNAVAILABLE instead.
+STORM_PATIENCE_S = 240.0
 
 NUM_REQUESTS = 1000
 CONCURRENCY = 32
@@ -67,8 +70,11 @@ async def _drain(call) -> CODE:
     return CODE.OK
 
 
-async def _one(stub: pb_grpc.InferenceServiceStub, index: int, rng: random.Random) -> tuple[str, set[CODE]]:
+async def _one(
+    stub: pb_grpc.InferenceServiceStub, index: int, rng: random.Random, open_calls: dict[int, str]
+) -> tuple[str, set[CODE]]:
     kind = rng.choice(list(ALLOWED))
+    open_calls[index] = kind
     codes: set[CODE] = set()
     if kind == "deadline":
         codes.add(await _drain(stub.Generate(_request(rng), timeout=rng.uniform(0.01, 1.0))))
@@ -114,26 +120,36 @@ async def _stream(stub: pb_grpc.InferenceServiceStub, rng: random.Random) -> set
     return codes
 
 
-async def _storm(target: str) -> dict[str, set[CODE]]:
+async def _storm(server: ServerThread) -> dict[str, set[CODE]]:
     rng = random.Random(20261123)
     seen: dict[str, set[CODE]] = {kind: set() for kind in ALLOWED}
     semaphore = asyncio.Semaphore(CONCURRENCY)
-    async with grpc.aio.insecure_channel(target) as channel:
+    open_calls: dict[int, str] = {}
+    async with grpc.aio.insecure_channel(server.target) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
 
         async def bounded(index: int) -> None:
             async with semaphore:
-                kind, codes = await _one(stub, index, random.Random(rng.random()))
+                open_calls[index] = "started"
+                kind, codes = await _one(stub, index, random.Random(rng.random()), open_calls)
                 seen[kind] |= codes
+                del open_calls[index]
 
-        await asyncio.gather(*(bounded(i) for i in range(NUM_REQUESTS)))
+        try:
+            calls = asyncio.gather(*(bounded(i) for i in range(NUM_REQUESTS)))
+            await asyncio.wait_for(calls, STORM_PATIENCE_S)
+        except TimeoutError:
+            raise AssertionError(
+                f"the storm did not end in {STORM_PATIENCE_S:.0f} s: calls still open {open_calls}; "
+                f"engine {server.stats()}, live requests {server.engine.live_request_ids()}"
+            ) from None
     return seen
 
 
 def test_storm_leaves_nothing_behind_and_never_fails_internally(llama_dir: str) -> None:
     server = ServerThread(tiny_engine_config(llama_dir)).start()
     try:
-        seen = asyncio.run(_storm(server.target))
+        seen = asyncio.run(_storm(server))
         for kind, codes in seen.items():
             assert codes <= ALLOWED[kind], f"{kind}: unexpected {codes - ALLOWED[kind]}"
         assert seen["malformed"] == {CODE.INVALID_ARGUMENT}
