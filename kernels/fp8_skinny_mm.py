@@ -192,7 +192,6 @@ def fp8_skinny_mm(
         if split_k == 1
         else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
     )
-    x_scale_stride = 1 if x_scale.numel() > 1 else 0
     _fp8_skinny_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
         out,
         x_q.view(torch.uint8),
@@ -205,7 +204,7 @@ def fp8_skinny_mm(
         k_per_split,
         x_q.stride(0),
         weight.stride(0),
-        x_scale_stride,
+        _x_scale_stride(x_scale),
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -233,10 +232,15 @@ def reduce_split_k(
         weight_scale,
         num_rows,
         out_features,
-        1 if x_scale.numel() > 1 else 0,
+        _x_scale_stride(x_scale),
         BLOCK=REDUCE_BLOCK,
         SPLIT_K=split_k,
     )
+
+
+def _x_scale_stride(x_scale: torch.Tensor) -> int:
+    """1 for a scale per row, 0 for one scale (per tensor) that every row reads."""
+    return 1 if x_scale.numel() > 1 else 0
 
 
 def _check_args(
