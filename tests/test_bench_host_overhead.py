@@ -1,0 +1,58 @@
+"""`python -m sluice.benchmarks.engine.host_overhead`: every timed step is a decode step of the whole
+batch, and `--forward replay` runs the model once per batch size after the prefill (the rest of the
+decode steps get its hidden states and logits), so the host phases run without a forward in between."""
+
+from __future__ import annotations
+
+import json
+
+from sluice.benchmarks.engine import host_overhead as bench
+from sluice.engine.config import EngineConfig
+from sluice.engine.frontend.engine import Engine
+
+NUM_STEPS = 3
+
+
+def forward_calls(replay: bench.ForwardReplay | None) -> tuple[int, int, list[str]]:
+    """(model runs, logits computed, the phases timed) over one batch of 2 on a 1-layer engine."""
+    config = EngineConfig.from_kwargs(
+        max_num_seqs=2, max_num_batched_tokens=bench.TOKEN_BUDGET, num_blocks=64
+    )
+    engine = Engine(config, bench.build_source(num_layers=1, seed=0))
+    runner = engine.core.model_runner
+    calls = {"hidden": 0, "logits": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    runner.graph_runner.run = counted("hidden", runner.graph_runner.run)
+    runner.model.compute_logits = counted("logits", runner.model.compute_logits)
+    bench.instrument(engine, bench.PhaseClock(), replay)
+    steps = bench.run_batch(engine, bench.PhaseClock(), 2, NUM_STEPS, prompt_len=40, seed=0, replay=replay)
+    assert len(steps) == NUM_STEPS
+    return calls["hidden"], calls["logits"], sorted(steps[0]["cpu"])
+
+
+def test_replay_runs_the_model_once_after_the_prefill():
+    ran, logits_ran, phases = forward_calls(None)
+    replay = bench.ForwardReplay()
+    replayed, logits_replayed, replay_phases = forward_calls(replay)
+    decode_steps = bench.NUM_WARMUP_STEPS + NUM_STEPS
+    assert ran - replayed == logits_ran - logits_replayed == decode_steps - 1
+    assert phases == replay_phases == sorted(bench.PHASES)
+    assert not replay.armed and not replay.results  # disarmed for the next batch size
+
+
+def test_main_prints_and_writes_every_batch(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    bench.main(
+        ["--batch", "1", "2", "--steps", "2", "--num-layers", "1", "--forward", "replay", "--json", str(out)]
+    )
+    results = json.loads(out.read_text())
+    assert sorted(results["summary"]["sync"]) == ["1", "2"]
+    assert all(len(steps) == 2 for steps in results["steps"]["sync"].values())
+    assert "forward replayed (no forward)" in capsys.readouterr().out
