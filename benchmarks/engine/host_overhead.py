@@ -110,7 +110,10 @@ class ForwardReplay:
         self.armed = False
         self.results.clear()
 
-    def replaying(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, owner: object, name: str) -> None:
+        """`owner.name` replayed once armed (an instance attribute, as `PhaseClock.wrap` sets)."""
+        fn = getattr(owner, name)
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.armed:
@@ -119,7 +122,7 @@ class ForwardReplay:
                 self.results[name] = fn(*args, **kwargs)
             return self.results[name]
 
-        return wrapper
+        setattr(owner, name, wrapper)
 
 
 def build_source(num_layers: int, seed: int) -> ModelSource:
@@ -135,10 +138,9 @@ def instrument(engine: Engine, clock: PhaseClock, replay: ForwardReplay | None =
     the step in flight (waiting for its tokens, then the update). `replay`: the forward's two calls
     replayed once it is armed."""
     core = engine.core
-    if replay is not None:
-        runner = core.model_runner
-        runner.graph_runner.run = replay.replaying("hidden", runner.graph_runner.run)
-        runner.model.compute_logits = replay.replaying("logits", runner.model.compute_logits)
+    if replay is not None:  # inside the clock's wrappers, so "forward" times the replay
+        replay.wrap(core.model_runner.graph_runner, "run")
+        replay.wrap(core.model_runner.model, "compute_logits")
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.model_runner.graph_runner, "run", "forward")
     clock.wrap(core.model_runner.model, "compute_logits", "forward")
