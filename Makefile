@@ -31,11 +31,12 @@ kernels: venv
 
 # Two pytest workers, one test file each at a time (module fixtures build once): run alone, the suite keeps
 # a 2-core machine about half busy (load average ~1: interpreted Triton kernels, server start-ups,
-# subprocesses), so two finish it in ~0.6x the time. TEST_WORKERS=0 runs it in this process.
+# subprocesses), so two finish it in ~0.6x the time; the longest files go first (tests/conftest.py).
+# TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
 test: venv toolchains lint kernels
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Go, Java, protoc plugins (apt) and buf (npm, into .tools/) for the client examples and proto checks.
 toolchains:

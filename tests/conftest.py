@@ -20,6 +20,26 @@ from checkpoints import (
     build_qwen3_checkpoint,
 )
 
+# The longest files (one to three minutes each on a 2-core machine) are collected first, so that under
+# `make test`'s workers (pytest-xdist, one file at a time, in collection order: --no-loadscope-reorder)
+# they start at once instead of leaving one worker to finish them alone.
+LONGEST_FILES = (
+    "test_gpu_check_script.py",
+    "test_kernels_compile.py",
+    "test_fp8_fused_quant_model.py",
+    "test_triton_fp8_kv.py",
+    "test_gemma3_270m.py",
+    "test_async_engine.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
