@@ -31,7 +31,7 @@ kernels: venv
 
 # Two pytest workers, one test file each at a time (module fixtures build once): run alone, the suite keeps
 # a 2-core machine about half busy (load average ~1: interpreted Triton kernels, server start-ups,
-# subprocesses), so two finish it in ~0.6x the time; the longest files go first (tests/conftest.py).
+# subprocesses), so two finish it in ~0.55x the time; the longest files go first (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 

@@ -134,7 +134,7 @@ def test_the_frontend_process_never_imports_torch(llama_dir):
         [sys.executable, "-c", _FRONTEND_ONLY, llama_dir], capture_output=True, text=True, timeout=PATIENCE_S
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[-2] == "4 True []", result.stdout
+    assert result.stdout.splitlines()[-1] == "4 True []", result.stdout
 
 
 async def test_the_core_process_is_started_with_the_core_environment(engine):
