@@ -108,9 +108,14 @@ class Request:
     def check_token_stop(self) -> RequestStatus | None:
         """Stop conditions decided by token ids alone (stop strings are the detokenizer's job)."""
         params = self.sampling_params
+        last = self.output_token_ids[-1]
+        # A constrained output ends where its constraint is complete, whatever ignore_eos and min_tokens
+        # say: the grammar mask lets eos through only there, and nothing else after it.
+        if params.constraint is not None and last in self.eos_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens < params.min_tokens:
             return None
-        last = self.output_token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED

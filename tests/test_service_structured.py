@@ -103,6 +103,44 @@ def test_a_constraint_that_does_not_compile_is_reported_in_band_on_stream_genera
     assert good_chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_a_constraint_ends_the_output_even_with_ignore_eos_and_min_tokens(stub) -> None:
+    choice = pb.Choice(choices=["red", "green", "blue"])
+    chunks = generate(stub, choice=choice, ignore_eos=True, min_tokens=50, max_tokens=60, seed=7)
+    assert text_of(chunks) in {"red", "green", "blue"}
+
+
+def test_allowed_token_ids_that_leave_the_constraint_nothing_end_the_call_invalid_argument(stub) -> None:
+    """The first token streams; at the second the constraint needs a token allowed_token_ids excludes."""
+    red = [
+        t
+        for chunk in generate(stub, choice=pb.Choice(choices=["red"]), temperature=0.0)
+        for t in chunk.token_ids
+    ]
+    request = pb.GenerateRequest(
+        request_id="dead-end",
+        text="hello there",
+        sampling_params=pb.SamplingParams(choice=pb.Choice(choices=["red"]), allowed_token_ids=red[:1]),
+    )
+    chunks = []
+    with pytest.raises(grpc.RpcError) as info:
+        chunks.extend(stub.Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        info.value.details() == "allowed_token_ids: none is a token the constraint accepts at output token 1"
+    )
+    assert [t for chunk in chunks for t in chunk.token_ids] == red[:1]
+    # In band on StreamGenerate: the request ends with the same error, the stream and its others go on.
+    greedy = pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    good = pb.GenerateRequest(request_id="good", text="x", sampling_params=greedy)
+    requests = [pb.StreamGenerateRequest(generate=request), pb.StreamGenerateRequest(generate=good)]
+    responses = list(stub.StreamGenerate(iter(requests), timeout=60))
+    errors = [
+        (r.request_id, r.error.code, r.error.message) for r in responses if r.WhichOneof("event") == "error"
+    ]
+    assert errors == [("dead-end", grpc.StatusCode.INVALID_ARGUMENT.value[0], info.value.details())]
+    assert [r.chunk for r in responses if r.request_id == "good"][-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def chat(stub, tool_choice: pb.ToolChoice | None, **params) -> list[pb.GenerateResponse]:
     messages = pb.ChatMessages(
         messages=[pb.ChatMessage(role="user", content="What is the weather in Paris?")],

@@ -151,6 +151,46 @@ def test_choice_returns_exactly_one_of_the_choices(llm: LLM) -> None:
     assert all(text in choices for text in texts), texts
 
 
+@pytest.mark.parametrize(
+    "extra", [{"ignore_eos": True}, {"min_tokens": 30}, {"ignore_eos": True, "min_tokens": 30}]
+)
+def test_a_constraint_ends_the_output_whatever_ignore_eos_and_min_tokens_say(llm: LLM, extra) -> None:
+    """Once a choice is complete only eos matches it: the request stops there (it used to go on and fail)."""
+    choices = ("yes", "no", "maybe so")
+    params = [dataclasses.replace(sampled(Constraint(choice=choices), i, 40), **extra) for i in range(4)]
+    completions = llm.generate(PROMPTS[:4], params)
+    assert [c.finish_reason for c in completions] == ["stop"] * 4
+    assert all(c.text in choices for c in completions), [c.text for c in completions]
+    assert all(c.token_ids[-1] in llm.engine.core.eos_token_ids for c in completions)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_parameters_that_leave_the_constraint_no_token_name_their_field(llm: LLM) -> None:
+    """The mask runs after allowed_token_ids and min_tokens: where they leave none of the tokens the
+    constraint accepts, the request is refused naming the field instead of drawing a token that breaks the
+    constraint, and the other requests are not touched."""
+    [red] = llm.generate(["hello"], SamplingParams(temperature=0.0, constraint=Constraint(choice=("red",))))
+    outside = [t for t in range(1, 50) if t not in red.token_ids][:3]
+    dead_end = SamplingParams(constraint=Constraint(choice=("red",)), allowed_token_ids=outside)
+    with pytest.raises(
+        InvalidRequestError, match=r"^allowed_token_ids: none is a token the constraint accepts at "
+    ):
+        llm.generate(["hello", "world"], [dead_end, SamplingParams(max_tokens=4)])
+    assert not llm.engine.has_unfinished_requests()
+    # All but eos are stop tokens min_tokens holds back: only eos is left, and "red" cannot start with it.
+    stops = [t for t in range(llm.engine.model_info.vocab_size) if t not in llm.engine.core.eos_token_ids]
+    held_back = SamplingParams(constraint=Constraint(choice=("red",)), min_tokens=4, stop_token_ids=stops)
+    with pytest.raises(
+        InvalidRequestError, match=r"^min_tokens: holds back stop_token_ids, the only tokens .* 0$"
+    ):
+        llm.generate(["hello"], held_back)
+    # Tokens the constraint can use are allowed: the same request completes.
+    allowed = SamplingParams(
+        temperature=0.0, constraint=Constraint(choice=("red",)), allowed_token_ids=red.token_ids
+    )
+    assert llm.generate(["hello"], allowed)[0].text == "red"
+
+
 def test_constrained_requests_leave_unconstrained_greedy_outputs_unchanged(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     alone = [c.token_ids for c in llm.generate(PROMPTS, greedy)]

@@ -7,7 +7,7 @@ offline `LLM` (`sluice.engine.frontend.engine.Engine`); both drive this same cla
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -15,6 +15,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
 from sluice.engine.core.launched_step import (
     LaunchedStep,
+    SamplingFailure,
     launch_sampling,
     may_need_step_tokens,
     needs_step_tokens,
@@ -173,10 +174,17 @@ class EngineCore:
         else:
             self._grammar_room.add(request)
 
-    def abort(self, request_ids: Iterable[str], errors: dict[str, str] | None = None) -> list[CoreOutput]:
+    def abort(
+        self,
+        request_ids: Iterable[str],
+        errors: Mapping[str, str] | None = None,
+        invalid_fields: Mapping[str, str] | None = None,
+    ) -> list[CoreOutput]:
         """Frees the requests' blocks now; their final outputs say "abort", or "error" with the message
-        in `errors`. Unknown or finished ids are skipped."""
+        in `errors` (and the request field to blame in `invalid_fields`, if any). Unknown or finished ids
+        are skipped."""
         errors = errors or {}
+        invalid_fields = invalid_fields or {}
         outputs = []
         for request_id in request_ids:
             error = errors.get(request_id)
@@ -185,7 +193,7 @@ class EngineCore:
                 request_id, status
             )
             if request is not None:
-                outputs.append(self._output(request, None, error))
+                outputs.append(self._output(request, None, error, invalid_fields.get(request_id)))
         self.speculator.free([o.request_id for o in outputs])  # the draft's KV blocks, now
         return outputs
 
@@ -300,7 +308,7 @@ class EngineCore:
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
-    ) -> tuple[dict[str, list[SampledToken]], dict[str, str]]:
+    ) -> tuple[dict[str, list[SampledToken]], dict[str, SamplingFailure]]:
         """Per slice that reached its request's last token, in scheduled order: its accepted drafts
         (if it verified any) then one token.
 
@@ -325,7 +333,7 @@ class EngineCore:
                 self._inject_faults("sample", [row.request_id])
                 good[row.request_id] = self.rejection_sampler.sample(logits[start:end], [row], [proposal])[0]
             except Exception as exc:
-                failed[row.request_id] = f"sampling failed: {exc}"
+                failed[row.request_id] = SamplingFailure.of(exc)
             start = end
         return good, failed
 
@@ -333,14 +341,18 @@ class EngineCore:
         self,
         scheduler_output: SchedulerOutput,
         sampled: dict[str, list[SampledToken]],
-        sampling_errors: dict[str, str],
+        sampling_errors: dict[str, SamplingFailure],
     ) -> list[CoreOutput]:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
         scheduler and proposes the next drafts: one output per request touched."""
         self._count_sampled(scheduler_output, sampled)
         self.profiler.step_ended()  # a profile of N forwards ends with the step that updates the N-th
         # Before the update, which skips them.
-        failed = self.abort(list(sampling_errors), sampling_errors) if sampling_errors else []
+        failed = []
+        if sampling_errors:
+            messages = {r: failure.message for r, failure in sampling_errors.items()}
+            fields = {r: f.invalid_field for r, f in sampling_errors.items() if f.invalid_field is not None}
+            failed = self.abort(list(sampling_errors), messages, fields)
         updated = self._append(scheduler_output, sampled)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
         return failed + [self._output(r, tokens) for r, tokens in updated]
@@ -387,7 +399,11 @@ class EngineCore:
         return row
 
     def _output(
-        self, request: Request, sampled: list[SampledToken] | None, error: str | None = None
+        self,
+        request: Request,
+        sampled: list[SampledToken] | None,
+        error: str | None = None,
+        invalid_field: str | None = None,
     ) -> CoreOutput:
         finished = request.is_finished
         times = request.times
@@ -405,6 +421,7 @@ class EngineCore:
             stop_reason=request.stop_reason if finished else None,
             error=error,
             finished_time=times.finished if finished else None,
+            invalid_field=invalid_field,
             prompt_logprobs=prompt_logprobs,
             num_prompt_tokens_computed=request.num_prompt_tokens_computed,
             num_draft_tokens=request.num_draft_tokens,

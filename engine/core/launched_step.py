@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.engine.errors import InvalidRequestError
 from sluice.engine.request import Request
 from sluice.engine.sample.sampler import (
     DeviceLogprobs,
@@ -38,8 +39,24 @@ from sluice.engine.worker.input_batch import SampledTokenIds
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class SamplingFailure:
+    """Why a request's sampling failed. `invalid_field` names the request field to blame when its own
+    parameters leave nothing to sample (INVALID_ARGUMENT at the edge); None for any other failure."""
+
+    message: str
+    invalid_field: str | None = None
+
+    @classmethod
+    def of(cls, exc: Exception) -> SamplingFailure:
+        if isinstance(exc, InvalidRequestError):
+            return cls(str(exc), exc.field)
+        return cls(f"sampling failed: {exc}")
+
+
 # results: request id -> its sampled tokens; request id -> why its sampling failed
-StepResults = tuple[dict[str, list[SampledToken]], dict[str, str]]
+StepResults = tuple[dict[str, list[SampledToken]], dict[str, SamplingFailure]]
 
 
 def needs_step_tokens(request: Request, speculating: bool) -> bool:
@@ -93,7 +110,7 @@ class LaunchedStep:
     scheduler_output: SchedulerOutput
     requests: list[Request]
     rows: list[SamplingRow]
-    errors: dict[str, str]  # request id -> why its sampling failed (found at launch)
+    errors: dict[str, SamplingFailure]  # request id -> why its sampling failed (found at launch)
     num_finished: int = 0  # the scheduler's count of finished requests at launch
     token_ids: torch.Tensor | None = None  # [len(rows)] int64 on the device; None: sampled on the host
     copy: HostCopy | None = None  # token_ids, then the logprobs' tensors
@@ -169,13 +186,13 @@ def _sample_rows_alone(
     logits: torch.Tensor,
     rows: list[SamplingRow],
     inject_faults: Callable[[str, Iterable[str]], None],
-) -> tuple[torch.Tensor, dict[str, str]]:
+) -> tuple[torch.Tensor, dict[str, SamplingFailure]]:
     token_ids, errors = [], {}
     for i, row in enumerate(rows):
         try:
             inject_faults("sample", [row.request_id])
             token_ids.append(sampler.sample_no_sync(logits[i : i + 1], [row]))
         except Exception as exc:
-            errors[row.request_id] = f"sampling failed: {exc}"
+            errors[row.request_id] = SamplingFailure.of(exc)
             token_ids.append(torch.zeros(1, dtype=torch.long, device=logits.device))
     return torch.cat(token_ids), errors

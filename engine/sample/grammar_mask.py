@@ -4,6 +4,11 @@ Each constrained request has an xgrammar matcher, synced before every step with 
 output tokens: new ones are accepted, and a matcher that has seen more tokens than the request holds is
 rebuilt from the request's tokens. After a preemption by recompute the outputs are kept, so the matcher
 stays valid; anything that shortens them (none today, speculative rejection later) rebuilds it.
+
+The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
+that share none with what the constraint accepts next, or stop_token_ids that min_tokens holds back where
+the constraint needs one. Such a row raises `NoTokenLeftError` (an InvalidRequestError naming the field)
+rather than drawing a token from nothing, which would break the constraint.
 """
 
 from __future__ import annotations
@@ -15,12 +20,31 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
+from sluice.engine.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from sluice.engine.sample.sampler import SamplingRow
 
 
 class GrammarViolationError(ValueError):
     """A request holds a token its grammar does not accept (it can only come from outside the mask)."""
+
+
+class NoTokenLeftError(InvalidRequestError):
+    """The request's other sampling parameters leave none of the tokens its constraint accepts next."""
+
+    def __init__(self, row: SamplingRow) -> None:
+        params = row.params
+        position = len(row.output_token_ids)
+        where = f"at output token {position}"
+        if params.allowed_token_ids is not None:
+            field, message = "allowed_token_ids", f"none is a token the constraint accepts {where}"
+        elif position < params.min_tokens and params.stop_token_ids:
+            field = "min_tokens"
+            message = f"holds back stop_token_ids, the only tokens the constraint accepts {where}"
+        else:
+            field, message = params.constraint.kind, f"accepts no token {where}"
+        super().__init__(field, message)
 
 
 @dataclass
@@ -47,6 +71,12 @@ class GrammarMask:
         for i in picked:
             self._sync(rows[i]).matcher.fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=picked)
+        # Reading the flags waits for the device, as the blocking copy of the bitmask above already did.
+        index = torch.tensor(picked, device=logits.device)
+        empty = torch.isneginf(logits.index_select(0, index)).all(dim=1).tolist()
+        for i, is_empty in zip(picked, empty, strict=True):
+            if is_empty:
+                raise NoTokenLeftError(rows[i])
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

@@ -37,7 +37,10 @@ def default_processors() -> list[LogitsProcessor]:
 
 
 class MinTokens:
-    """Bans eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs. Stateless."""
+    """Bans eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs. Stateless.
+
+    A row with a constraint keeps eos: its grammar mask lets eos through only where the constraint is
+    complete, which ends the output there (banning it where nothing else matches would leave no token)."""
 
     def applies_to(self, row: SamplingRow) -> bool:
         return len(row.output_token_ids) < row.params.min_tokens
@@ -49,7 +52,7 @@ class MinTokens:
             if len(row.output_token_ids) >= row.params.min_tokens:
                 continue
             banned = set(row.params.stop_token_ids)
-            if not row.params.ignore_eos:
+            if not row.params.ignore_eos and row.grammar is None:
                 banned |= row.eos_token_ids
             cols = [t for t in banned if t < vocab]
             row_idx += [i] * len(cols)

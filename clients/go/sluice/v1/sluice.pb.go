@@ -631,13 +631,14 @@ type SamplingParams struct {
 	Seed *int64 `protobuf:"varint,8,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	// >= 1; default 16.
 	MaxTokens *int32 `protobuf:"varint,9,opt,name=max_tokens,json=maxTokens,proto3,oneof" json:"max_tokens,omitempty"`
-	// In [0, max_tokens]; EOS and stop tokens are ignored until this many were produced.
+	// In [0, max_tokens]; EOS and stop tokens are ignored until this many were produced. With a
+	// constraint, EOS ends the output wherever the constraint is complete.
 	MinTokens *int32 `protobuf:"varint,10,opt,name=min_tokens,json=minTokens,proto3,oneof" json:"min_tokens,omitempty"`
 	// Generation stops before any of these strings; the stop string is not returned.
 	Stop []string `protobuf:"bytes,11,rep,name=stop,proto3" json:"stop,omitempty"`
 	// Generation stops after any of these token ids.
 	StopTokenIds []int32 `protobuf:"varint,12,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
-	// Keep generating past EOS tokens.
+	// Keep generating past EOS tokens (not past a complete constraint: EOS ends a constrained output).
 	IgnoreEos *bool `protobuf:"varint,13,opt,name=ignore_eos,json=ignoreEos,proto3,oneof" json:"ignore_eos,omitempty"`
 	// In [0, 20]: return the sampled token's logprob and the N most likely tokens'.
 	Logprobs *int32 `protobuf:"varint,14,opt,name=logprobs,proto3,oneof" json:"logprobs,omitempty"`
@@ -649,7 +650,9 @@ type SamplingParams struct {
 	AllowedTokenIds []int32 `protobuf:"varint,17,rep,packed,name=allowed_token_ids,json=allowedTokenIds,proto3" json:"allowed_token_ids,omitempty"`
 	// The output is guaranteed to match the constraint (a token mask at every step). One that does
 	// not compile fails the request with INVALID_ARGUMENT naming the field, e.g. "regex: does not
-	// compile: ...". logprobs stay those of the unconstrained model.
+	// compile: ...", as does a step where allowed_token_ids (or stop_token_ids held back by
+	// min_tokens) leave none of the tokens the constraint accepts. logprobs stay those of the
+	// unconstrained model.
 	//
 	// Types that are assignable to Constraint:
 	//
