@@ -78,6 +78,10 @@ def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
         ({"choice": pb.Choice()}, "choice: must hold at least one non-empty string"),
         ({"logit_bias": {600: 1.0}}, "logit_bias: token id 600 is outside the vocabulary [0, 512)"),
         ({"allowed_token_ids": [512]}, "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"),
+        (
+            {"allowed_token_ids": [40, 41], "stop_token_ids": [40, 41], "min_tokens": 2},
+            "min_tokens: holds back every allowed_token_ids entry (each is a stop token or eos)",
+        ),
     ],
 )
 def test_a_bad_constraint_is_invalid_argument_naming_the_field(stub, params, details) -> None:

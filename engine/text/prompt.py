@@ -67,10 +67,26 @@ def check_prompt(
         raise InvalidRequestError(
             "allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
+    _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ContextLengthError(
             "max_tokens",
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the model's context of {max_model_len} tokens",
+        )
+
+
+def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """min_tokens holds back stop_token_ids (and eos, unless ignore_eos or a constraint ends the output):
+    where those are all the allowed_token_ids, nothing is left to sample (`MinTokens`)."""
+    if params.min_tokens == 0 or params.allowed_token_ids is None:
+        return
+    held_back = set(params.stop_token_ids)
+    if not params.ignore_eos and params.constraint is None:
+        held_back |= set(eos_token_ids)
+    if held_back.issuperset(params.allowed_token_ids):
+        raise InvalidRequestError(
+            "min_tokens",
+            "holds back every allowed_token_ids entry (each is a stop token or eos): no token is left",
         )
