@@ -76,6 +76,8 @@ def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
             'grammar: does not compile: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
         ),
         ({"choice": pb.Choice()}, "choice: must hold at least one non-empty string"),
+        # Compiles, but no string matches it: the first mask is empty.
+        ({"grammar": "root ::= root"}, "grammar: accepts no token at output token 0"),
         ({"logit_bias": {600: 1.0}}, "logit_bias: token id 600 is outside the vocabulary [0, 512)"),
         ({"allowed_token_ids": [512]}, "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"),
         (

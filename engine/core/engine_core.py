@@ -323,8 +323,9 @@ class EngineCore:
             self._inject_faults("sample", (row.request_id for row in rows))
             sampled = self.rejection_sampler.sample(logits, rows, proposals)
             return {row.request_id: s for row, s in zip(rows, sampled, strict=True)}, {}
-        except Exception:
-            logger.exception("batched sampling failed; sampling each request alone")
+        except Exception as exc:
+            if not isinstance(exc, InvalidRequestError):  # not a request's own parameters (NoTokenLeftError)
+                logger.exception("batched sampling failed; sampling each request alone")
         good, failed = {}, {}
         start = 0
         for row, proposal in zip(rows, proposals, strict=True):

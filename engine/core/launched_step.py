@@ -165,8 +165,9 @@ def launch_sampling(
     try:
         inject_faults("sample", (row.request_id for row in rows))
         token_ids, errors = sampler.sample_no_sync(logits, rows), {}
-    except Exception:
-        logger.exception("batched sampling failed; sampling each request alone")
+    except Exception as exc:
+        if not isinstance(exc, InvalidRequestError):  # not a request's own parameters (NoTokenLeftError)
+            logger.exception("batched sampling failed; sampling each request alone")
         token_ids, errors = _sample_rows_alone(sampler, logits, rows, inject_faults)
     logprobs = logprobs_no_sync(logits, rows, token_ids)
     tensors = [token_ids] if logprobs is None else [token_ids, *logprobs.tensors]
