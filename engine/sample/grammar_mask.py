@@ -6,9 +6,10 @@ rebuilt from the request's tokens. After a preemption by recompute the outputs a
 stays valid; anything that shortens them (none today, speculative rejection later) rebuilds it.
 
 The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
-that share none with what the constraint accepts next, or stop_token_ids that min_tokens holds back where
-the constraint needs one. Such a row raises `NoTokenLeftError` (an InvalidRequestError naming the field)
-rather than drawing a token from nothing, which would break the constraint.
+that share none with what the constraint accepts next, stop_token_ids that min_tokens holds back where the
+constraint needs one, or a grammar that compiles but matches no string (`root ::= root`). Such a row
+raises `NoTokenLeftError` (an InvalidRequestError naming the field) rather than drawing a token from
+nothing, which would break the constraint.
 """
 
 from __future__ import annotations
