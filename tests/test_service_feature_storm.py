@@ -26,7 +26,8 @@ from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(600)
-STORM_PATIENCE_S = 300.0
+# Under the server's max_connection_age (300 s +-10%), as in test_service_storm: a hang fails as a hang.
+STORM_PATIENCE_S = 240.0
 
 NUM_REQUESTS = 300
 CONCURRENCY = 24
