@@ -17,6 +17,7 @@ import re
 from collections import defaultdict
 
 import grpc
+import jsonschema
 import pytest
 from service_harness import ServerThread
 
@@ -42,6 +43,12 @@ ALLOWED = {
 PREFIXES = [" ".join(f"w{i}x{j}" for j in range(k)) for i, k in enumerate([3, 12, 25, 36])]
 CHOICES = ("red", "green", "blue")
 REGEX = "[a-c]{2}[0-9]"
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["id", "ok"],
+    "additionalProperties": False,
+}
 
 
 def _engine_config(model_dir: str) -> EngineConfig:
@@ -92,8 +99,10 @@ def _request(
         cache_salt=rng.choice(["", "", "salt"]),
         **params,
     )
-    constraint = rng.choice(["", "", "", "", "json_object", "choice", "regex"])
-    if constraint == "json_object":
+    constraint = rng.choice(["", "", "", "", "", "json_object", "json_schema", "choice", "regex"])
+    if constraint == "json_schema":
+        request.sampling_params.json_schema = json.dumps(SCHEMA)
+    elif constraint == "json_object":
         request.sampling_params.json_object.SetInParent()
     elif constraint == "choice":
         request.sampling_params.choice.choices.extend(CHOICES)
@@ -110,9 +119,12 @@ def _matches(constraint: str, text: str) -> bool:
     if constraint == "regex":
         return re.fullmatch(REGEX, text) is not None
     try:
-        return isinstance(json.loads(text), dict)
+        value = json.loads(text)
     except ValueError:
         return False
+    if constraint == "json_schema":
+        return jsonschema.Draft202012Validator(SCHEMA).is_valid(value)
+    return isinstance(value, dict)
 
 
 def _check_complete(chunks: list[pb.GenerateResponse], params: dict, constraint: str) -> list[str]:
