@@ -1,7 +1,7 @@
 """Feature storm: 300 requests that each draw a random mix of sampling features (n samples, constraints,
 stop strings, logprobs, prompt logprobs, penalties, min_tokens, seeds, priorities, salts, stream intervals)
-against one real server that speculates (n-gram) with a KV cache small enough to preempt, while a third of
-them are cancelled, time out or share a stream with an in-band cancel.
+against one real server that speculates (n-gram) with a KV cache small enough to preempt, while three in
+seven of the calls are cancelled, time out or share a stream with an in-band cancel.
 
 `test_service_storm` checks the lifecycle of plain requests; this one checks that features combine: every
 call that ends OK is complete and consistent (one final chunk per sample, usage equal to the tokens sent,
