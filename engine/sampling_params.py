@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sluice.engine.structured.constraint import Constraint
@@ -115,6 +116,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def held_back_by_min_tokens(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """The token ids banned until min_tokens outputs exist: stop_token_ids, and eos unless ignore_eos
+        or a constraint (its grammar mask lets eos through only where the constraint is complete, which
+        ends the output there; banning it where nothing else matches would leave no token)."""
+        held_back = set(self.stop_token_ids)
+        if not self.ignore_eos and self.constraint is None:
+            held_back |= set(eos_token_ids)
+        return held_back
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n-sample request: n=1, seed + index when seeded, and

@@ -37,10 +37,8 @@ def default_processors() -> list[LogitsProcessor]:
 
 
 class MinTokens:
-    """Bans eos (unless ignore_eos) and stop_token_ids in rows with < min_tokens outputs. Stateless.
-
-    A row with a constraint keeps eos: its grammar mask lets eos through only where the constraint is
-    complete, which ends the output there (banning it where nothing else matches would leave no token)."""
+    """Bans `SamplingParams.held_back_by_min_tokens` (stop_token_ids; eos unless ignore_eos or a
+    constraint) in rows with < min_tokens outputs. Stateless."""
 
     def applies_to(self, row: SamplingRow) -> bool:
         return len(row.output_token_ids) < row.params.min_tokens
@@ -51,9 +49,7 @@ class MinTokens:
         for i, row in enumerate(rows):
             if len(row.output_token_ids) >= row.params.min_tokens:
                 continue
-            banned = set(row.params.stop_token_ids)
-            if not row.params.ignore_eos and row.grammar is None:
-                banned |= row.eos_token_ids
+            banned = row.params.held_back_by_min_tokens(row.eos_token_ids)
             cols = [t for t in banned if t < vocab]
             row_idx += [i] * len(cols)
             col_idx += cols

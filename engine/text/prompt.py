@@ -78,14 +78,10 @@ def check_prompt(
 
 
 def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
-    """min_tokens holds back stop_token_ids (and eos, unless ignore_eos or a constraint ends the output):
-    where those are all the allowed_token_ids, nothing is left to sample (`MinTokens`)."""
+    """Where the tokens min_tokens holds back are all the allowed_token_ids, nothing is left to sample."""
     if params.min_tokens == 0 or params.allowed_token_ids is None:
         return
-    held_back = set(params.stop_token_ids)
-    if not params.ignore_eos and params.constraint is None:
-        held_back |= set(eos_token_ids)
-    if held_back.issuperset(params.allowed_token_ids):
+    if params.held_back_by_min_tokens(eos_token_ids).issuperset(params.allowed_token_ids):
         raise InvalidRequestError(
             "min_tokens",
             "holds back every allowed_token_ids entry (each is a stop token or eos): no token is left",
