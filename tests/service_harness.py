@@ -37,6 +37,25 @@ LONG_NUM_BLOCKS = LONG_CONTEXT // 16 + 128
 PATIENCE_S = 60.0
 
 
+async def drain(call: grpc.aio.UnaryStreamCall, chunks: list[Any] | None = None) -> grpc.StatusCode:
+    """Reads a grpc.aio streaming call to its end (its messages into `chunks`, when given); returns its
+    status code, CANCELLED for a call this client cancelled."""
+    try:
+        async for chunk in call:
+            if chunks is not None:
+                chunks.append(chunk)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    except asyncio.CancelledError:  # grpc.aio: reading a call this client cancelled
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The StatusCode of an in-band RequestError's numeric `code`."""
+    return next(code for code in grpc.StatusCode if code.value[0] == value)
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:
     """Polls `condition` until it holds; fails naming `what` after `timeout` (a hang, not a slow machine)."""
     deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ from collections import defaultdict
 import grpc
 import jsonschema
 import pytest
-from service_harness import ServerThread
+from service_harness import ServerThread, drain, status_code
 
 from sluice import generate_request
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -161,33 +161,22 @@ def _check_complete(chunks: list[pb.GenerateResponse], params: dict, constraint:
     return problems
 
 
-async def _drain(call, chunks: list[pb.GenerateResponse]) -> CODE:
-    try:
-        async for chunk in call:
-            chunks.append(chunk)
-    except grpc.aio.AioRpcError as error:
-        return error.code()
-    except asyncio.CancelledError:  # grpc.aio: reading a call this client cancelled
-        return CODE.CANCELLED
-    return CODE.OK
-
-
 async def _one(stub: pb_grpc.InferenceServiceStub, rng: random.Random) -> tuple[str, set[CODE], list[str]]:
     """One call of a random kind: its kind, the codes it ended with, and what was wrong with its output."""
     kind = rng.choice(["plain", "plain", "plain", "plain", "cancel", "timeout", "stream"])
-    chunks: list[pb.GenerateResponse] = []
     if kind == "plain":
         request, params, constraint = _request(rng)
-        code = await _drain(stub.Generate(request), chunks)
+        chunks: list[pb.GenerateResponse] = []
+        code = await drain(stub.Generate(request), chunks)
         return kind, {code}, _check_complete(chunks, params, constraint) if code == CODE.OK else []
     if kind == "cancel":
         call = stub.Generate(_request(rng)[0])
         await asyncio.sleep(rng.uniform(0, 0.3))
         call.cancel()
-        return kind, {await _drain(call, chunks)}, []
+        return kind, {await drain(call)}, []
     if kind == "timeout":
         request = _request(rng, timeout_seconds=rng.uniform(0.001, 0.5))[0]
-        return kind, {await _drain(stub.Generate(request), chunks)}, []
+        return kind, {await drain(stub.Generate(request))}, []
     actions = [
         pb.StreamGenerateRequest(generate=_request(rng, name, timeout_seconds=0.2 * i)[0])
         for i, name in enumerate("abcd")
@@ -196,7 +185,7 @@ async def _one(stub: pb_grpc.InferenceServiceStub, rng: random.Random) -> tuple[
     codes = {CODE.OK}
     async for response in stub.StreamGenerate(iter(actions)):
         if response.WhichOneof("event") == "error":
-            codes.add(next(c for c in CODE if c.value[0] == response.error.code))
+            codes.add(status_code(response.error.code))
     return kind, codes, []
 
 

@@ -11,7 +11,7 @@ import random
 
 import grpc
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import ServerThread, drain, status_code, tiny_engine_config
 
 from sluice import generate_request
 from sluice.v1 import sluice_pb2 as pb
@@ -59,17 +59,6 @@ def _request(rng: random.Random, request_id: str = "", **extra: object) -> pb.Ge
     )
 
 
-async def _drain(call) -> CODE:
-    try:
-        async for _ in call:
-            pass
-    except grpc.aio.AioRpcError as error:
-        return error.code()
-    except asyncio.CancelledError:  # grpc.aio: reading a call this client cancelled
-        return CODE.CANCELLED
-    return CODE.OK
-
-
 async def _one(
     stub: pb_grpc.InferenceServiceStub, index: int, rng: random.Random, open_calls: dict[int, str]
 ) -> tuple[str, set[CODE]]:
@@ -77,14 +66,14 @@ async def _one(
     open_calls[index] = kind
     codes: set[CODE] = set()
     if kind == "deadline":
-        codes.add(await _drain(stub.Generate(_request(rng), timeout=rng.uniform(0.01, 1.0))))
+        codes.add(await drain(stub.Generate(_request(rng), timeout=rng.uniform(0.01, 1.0))))
     elif kind == "cancel":
         call = stub.Generate(_request(rng))
         await asyncio.sleep(rng.uniform(0, 0.05))
         call.cancel()
-        codes.add(await _drain(call))
+        codes.add(await drain(call))
     elif kind == "timeout":
-        codes.add(await _drain(stub.Generate(_request(rng, timeout_seconds=rng.uniform(0.001, 0.3)))))
+        codes.add(await drain(stub.Generate(_request(rng, timeout_seconds=rng.uniform(0.001, 0.3)))))
     elif kind == "abort":
         request_id = f"abort-{index}"
         call = stub.Generate(_request(rng, request_id))
@@ -93,13 +82,13 @@ async def _one(
             await stub.Abort(pb.AbortRequest(request_id=request_id))
         except grpc.aio.AioRpcError as error:
             codes.add(error.code())  # NOT_FOUND: the Abort came first; it is remembered
-        codes.add(await _drain(call))
+        codes.add(await drain(call))
     elif kind == "duplicate":
         request_id = f"dup-{index}"
         calls = [stub.Generate(_request(rng, request_id)) for _ in range(2)]
-        codes.update(await asyncio.gather(*(_drain(c) for c in calls)))
+        codes.update(await asyncio.gather(*(drain(c) for c in calls)))
     elif kind == "malformed":
-        codes.add(await _drain(stub.Generate(rng.choice(MALFORMED))))
+        codes.add(await drain(stub.Generate(rng.choice(MALFORMED))))
     else:
         codes.update(await _stream(stub, rng))
     return kind, codes
@@ -116,7 +105,7 @@ async def _stream(stub: pb_grpc.InferenceServiceStub, rng: random.Random) -> set
     codes = {CODE.OK}
     async for response in stub.StreamGenerate(iter(requests)):
         if response.WhichOneof("event") == "error":
-            codes.add(CODE(next(c for c in CODE if c.value[0] == response.error.code)))
+            codes.add(status_code(response.error.code))
     return codes
 
 
