@@ -10,7 +10,10 @@ greedy, ignore_eos. For each concurrency c, alternating sides:
     grpc     a closed loop of c Generate calls in flight to a `sluice serve` process on loopback
 
 and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (offline: from the
-request's arrival in the engine; gRPC: as the client sees it, from sending the call).
+request's arrival in the engine; gRPC: as the client sees it, from sending the call). With `--repeats N`
+each concurrency runs N such pairs, the order of the two sides swapped every other pair (so a machine
+that drifts favours neither), and a last table gives each concurrency's median ratio: at concurrency 1 a
+single pair moves by +-10% on a quiet 2-core machine.
 
 Each concurrency's runs draw prompts of their own (both sides the same ones: each side has its own
 prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
@@ -139,6 +142,24 @@ def format_cpu_table(pairs: list[tuple[Side, Side]]) -> str:
     return "\n".join(lines)
 
 
+def format_median_table(pairs: list[tuple[Side, Side]]) -> str:
+    """Per concurrency: the median of each side's tok/s and of the pairs' ratios, and the ratios' range."""
+    lines = [
+        "| concurrency | pairs | offline tok/s | gRPC tok/s | gRPC / offline (median) | min | max |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for concurrency in dict.fromkeys(offline.concurrency for offline, _ in pairs):
+        runs = [(offline, grpc) for offline, grpc in pairs if offline.concurrency == concurrency]
+        ratios = [grpc.tokens_per_second / offline.tokens_per_second for offline, grpc in runs]
+        offline_median = statistics.median(offline.tokens_per_second for offline, _ in runs)
+        grpc_median = statistics.median(grpc.tokens_per_second for _, grpc in runs)
+        lines.append(
+            f"| {concurrency} | {len(runs)} | {offline_median:.1f} | {grpc_median:.1f} | "
+            f"{statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def cache_warnings(pairs: list[tuple[Side, Side]]) -> list[str]:
     """A line for each side whose engine served prompt tokens from its prefix cache: none is repeated."""
     return [
@@ -159,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= 8)")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="offline / gRPC pairs per concurrency")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     llm = LLM(args.model)
     vocab_size = llm.engine.model_info.vocab_size
@@ -168,18 +192,27 @@ def main(argv: list[str] | None = None) -> None:
     serve_args = [] if args.model is None else ["--model", args.model]
     pairs = []
     with ServerProcess(serve_args) as server:
-        for run_index, concurrency in enumerate(args.concurrency):
+        for concurrency in args.concurrency:
             num_requests = max(8, args.rounds * concurrency)
-            offline = offline_run(llm, workload.for_run(run_index), concurrency, num_requests)
-            grpc = grpc_run(server, workload.for_run(run_index), concurrency, num_requests)
-            pairs.append((offline, grpc))
-            print(format_table(pairs[-1:]).splitlines()[-1], flush=True)
+            for repeat in range(args.repeats):
+                run = workload.for_run(len(pairs))
+                if repeat % 2 == 0:
+                    offline = offline_run(llm, run, concurrency, num_requests)
+                    grpc = grpc_run(server, run, concurrency, num_requests)
+                else:
+                    grpc = grpc_run(server, run, concurrency, num_requests)
+                    offline = offline_run(llm, run, concurrency, num_requests)
+                pairs.append((offline, grpc))
+                print(format_table(pairs[-1:]).splitlines()[-1], flush=True)
     print(f"\nmodel: {llm.engine.model_info.name}; {args.input_len}-token prompts, {args.output_len} out\n")
     print(format_table(pairs))
     for warning in cache_warnings(pairs):
         print(warning)
     print("\nCPU ms per output token\n")
     print(format_cpu_table(pairs))
+    if args.repeats > 1:
+        print(f"\nMedians over {args.repeats} alternated pairs\n")
+        print(format_median_table(pairs))
     if args.json:
         rows = [asdict(s) | {"tokens_per_second": s.tokens_per_second} for pair in pairs for s in pair]
         with open(args.json, "w") as f:
