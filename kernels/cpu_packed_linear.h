@@ -24,6 +24,7 @@
 #include <cstring>
 #include <utility>
 
+#include "cpu_team.h"
 #include "cpu_vector_math.h"
 
 namespace sluice::linear {
@@ -117,15 +118,17 @@ inline void panel_times_rows(const float* x, int64_t m_size, int64_t k_size, con
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]), W packed as [num_panels, K, kPanel]. All float32, contiguous.
-inline void packed_linear(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& packed,
-                          const c10::optional<torch::Tensor>& bias) {
+// parallel_for: how the columns are shared among threads (cpu_team.h).
+template <class ParallelFor>
+inline void packed_linear(const ParallelFor& parallel_for, torch::Tensor& y, const torch::Tensor& x,
+                          const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = y.size(1);
   const int64_t num_vectors = (n_size + kLanes - 1) / kLanes;  // the padding past the last one is skipped
   const float* x_data = x.data_ptr<float>();
   const float* w_data = packed.data_ptr<float>();
   const float* b_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y_data = y.data_ptr<float>();
-  at::parallel_for(0, num_vectors, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_vectors, 1, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end;) {  // one panel, or the part of it in [begin, end), per pass
       const int64_t p = v / kPanelVectors, first_vector = v % kPanelVectors;
       const int64_t vectors = std::min(kPanelVectors - first_vector, end - v);
@@ -135,6 +138,11 @@ inline void packed_linear(torch::Tensor& y, const torch::Tensor& x, const torch:
       v += vectors;
     }
   });
+}
+
+inline void packed_linear(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias) {
+  packed_linear(AtenParallelFor{}, y, x, packed, bias);
 }
 
 }  // namespace sluice::linear

@@ -4,7 +4,8 @@
 //
 // One task = (sequence, KV head, tile of up to kQueryTile query tokens) and covers every query head of that
 // KV head's GQA group, so each key/value row is loaded once for all of them. Tasks are handed out
-// dynamically (an atomic counter) to the threads of at::parallel_for, largest first.
+// dynamically (an atomic counter) to the threads of at::parallel_for (or of a team, cpu_team.h), largest
+// first.
 //
 //   query row r of sequence s sits at context position  seq_len - query_len + (r - query_start)
 //   and sees positions <= its own; position p lives at   k_cache[block_tables[s][p / block_size],
@@ -30,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_team.h"
 #include "cpu_vector_math.h"
 
 namespace sluice::attention {
@@ -329,19 +331,15 @@ inline std::vector<Task> make_tasks(const torch::Tensor& query_start_loc, const 
   return tasks;
 }
 
-// out, q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
-// head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
-// seq_lens: [num_seqs] int32; sliding_window: 0 for none. The Python launcher checks shapes, dtypes and
-// devices.
-inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                            double scale, int64_t sliding_window) {
-  TORCH_CHECK(sliding_window >= 0, "sliding_window: must be >= 0 (0 for none), got ", sliding_window);
+// The tasks of make_tasks on every thread parallel_for names (cpu_team.h), each claiming the next from
+// `next` (0 before the first thread starts; shared by the threads). Arguments as paged_attention's.
+template <class ParallelFor>
+inline void run_tasks(const ParallelFor& parallel_for, std::atomic<int64_t>& next, const std::vector<Task>& tasks,
+                      torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, double scale) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const std::vector<Task> tasks =
-      make_tasks(query_start_loc, seq_lens, block_tables.size(1), block_size, num_kv_heads, sliding_window);
   const Strides st{q.stride(0),       q.stride(1),       out.stride(0),         out.stride(1),
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),     v_cache.stride(0),
                    v_cache.stride(1), v_cache.stride(2), block_tables.stride(0)};
@@ -354,8 +352,7 @@ inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     auto run = [&](auto fixed_head_dim) {
       constexpr int64_t kHeadDim = decltype(fixed_head_dim)::value;
-      std::atomic<int64_t> next{0};
-      at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+      parallel_for(0, std::min<int64_t>(parallel_for.threads(), num_tasks), 1, [&](int64_t, int64_t) {
         // Each thread claims its next task before it runs this one, so the last block can ask for the next's first.
         for (int64_t i = next++, after = 0; i < num_tasks; i = after) {
           after = next++;
@@ -380,6 +377,20 @@ inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   });
 }
 
+// out, q: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+// head_dim]; block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
+// seq_lens: [num_seqs] int32; sliding_window: 0 for none. The Python launcher checks shapes, dtypes and
+// devices.
+inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                            double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window: must be >= 0 (0 for none), got ", sliding_window);
+  const std::vector<Task> tasks = make_tasks(query_start_loc, seq_lens, block_tables.size(1), k_cache.size(1),
+                                             k_cache.size(2), sliding_window);
+  std::atomic<int64_t> next{0};
+  run_tasks(AtenParallelFor{}, next, tasks, out, q, k_cache, v_cache, block_tables, scale);
+}
+
 // The first token whose slot (slot_mapping [num_tokens] int64, contiguous) is past the cache's num_slots
 // = num_blocks * block_size, or -1 when there is none. store_kv asks before it writes anything.
 inline int64_t first_slot_past_cache(const torch::Tensor& slot_mapping, int64_t num_slots) {
@@ -389,13 +400,15 @@ inline int64_t first_slot_past_cache(const torch::Tensor& slot_mapping, int64_t 
   return -1;
 }
 
-// k_cache[slot / block_size, slot % block_size] = k[t] and the same for v, for each token t whose
-// slot = slot_mapping[t] is >= 0 (kernels/store_kv.py's contract) and every slot already known to be in
-// the cache: this step's keys and values into the cache, one row copy per (token, KV head) and no thread
-// hand-off, as decode writes a few rows per layer.
-inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-                          torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+// k_cache[slot / block_size, slot % block_size] = k[t] and the same for v, for each token t in [begin, end)
+// (default: all) whose slot = slot_mapping[t] is >= 0 (kernels/store_kv.py's contract) and every slot
+// already known to be in the cache: this step's keys and values into the cache, one row copy per (token, KV
+// head) and no thread hand-off, as decode writes a few rows per layer.
+inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t begin = 0,
+                          int64_t end = -1) {
+  const int64_t num_kv_heads = k.size(1), head_dim = k.size(2);
+  if (end < 0) end = k.size(0);
   const int64_t block_size = k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
@@ -403,7 +416,7 @@ inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch:
     for (auto [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
       const scalar_t* src_data = src->data_ptr<scalar_t>();
       scalar_t* cache_data = cache->data_ptr<scalar_t>();
-      for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;
         scalar_t* dst =
             cache_data + (slots[t] / block_size) * cache->stride(0) + (slots[t] % block_size) * cache->stride(1);
@@ -414,15 +427,20 @@ inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, torch:
   });
 }
 
-// store_kv_rows after checking every slot, in the calling thread, before any write: a slot past the cache
-// raises (TORCH_CHECK) with nothing written. For callers in C++ (the decoder stack).
-inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor slot_mapping) {
+// Raises (TORCH_CHECK) unless every slot of slot_mapping is in k_cache: what store_kv_rows needs.
+inline void check_slots(const torch::Tensor& slot_mapping, const torch::Tensor& k_cache) {
   TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t bad = first_slot_past_cache(slot_mapping, num_slots);
   TORCH_CHECK(bad < 0, "slot_mapping: slot ", slot_mapping.data_ptr<int64_t>()[bad], " (token ", bad,
               ") is past the cache's ", num_slots, " slots");
+}
+
+// store_kv_rows after checking every slot, in the calling thread, before any write: a slot past the cache
+// raises (TORCH_CHECK) with nothing written. For callers in C++ (the decoder stack).
+inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping) {
+  check_slots(slot_mapping, k_cache);
   store_kv_rows(k, v, k_cache, v_cache, slot_mapping);
 }
 

@@ -13,6 +13,8 @@
 
 #include <cmath>
 
+#include "cpu_team.h"
+
 namespace sluice::norm {
 
 constexpr int64_t kRowGrain = 16;  // rows per task: a small step runs on the calling thread
@@ -37,21 +39,29 @@ inline void rms_norm_row(const float* x, const float* residual, const float* wei
   for (int64_t i = 0; i < hidden; ++i) out[i] = x[i] * inv_rms * weight[i];
 }
 
-// out, x, residual, residual_out: [T, hidden] contiguous float32; weight: [hidden].
-inline void rms_norm(torch::Tensor& out, torch::Tensor& residual_out, const torch::Tensor& x,
-                     const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight, double eps) {
+// out, x, residual, residual_out: [T, hidden] contiguous float32; weight: [hidden]. parallel_for: how the
+// rows are shared among threads (cpu_team.h).
+template <class ParallelFor>
+inline void rms_norm(const ParallelFor& parallel_for, torch::Tensor& out, torch::Tensor& residual_out,
+                     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                     double eps) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const float* x_data = x.data_ptr<float>();
   const float* r_data = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* ro_data = residual.has_value() ? residual_out.data_ptr<float>() : nullptr;
   const float* w_data = weight.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       rms_norm_row(x_data + r * hidden, r_data == nullptr ? nullptr : r_data + r * hidden, w_data,
                    static_cast<float>(eps), hidden, out_data + r * hidden,
                    ro_data == nullptr ? nullptr : ro_data + r * hidden);
   });
+}
+
+inline void rms_norm(torch::Tensor& out, torch::Tensor& residual_out, const torch::Tensor& x,
+                     const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight, double eps) {
+  rms_norm(AtenParallelFor{}, out, residual_out, x, residual, weight, eps);
 }
 
 }  // namespace sluice::norm

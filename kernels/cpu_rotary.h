@@ -28,21 +28,27 @@ inline void rotate_heads(float* x, int64_t num_heads, int64_t head_stride, const
   }
 }
 
-inline void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
-                             const torch::Tensor& cos_sin_cache) {
-  const int64_t num_tokens = q.size(0), half = q.size(2) / 2;
+// Tokens [begin, end) of q and k.
+inline void rotate_tokens(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
+                          const torch::Tensor& cos_sin_cache, int64_t begin, int64_t end) {
+  const int64_t half = q.size(2) / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* table = cos_sin_cache.data_ptr<float>();
   const int64_t table_stride = cos_sin_cache.stride(0);
   float* q_data = q.data_ptr<float>();
   float* k_data = k.data_ptr<float>();
-  at::parallel_for(0, num_tokens, kTokenGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cos = table + pos[t] * table_stride;
-      const float* sin = cos + half;
-      rotate_heads(q_data + t * q.stride(0), q.size(1), q.stride(1), cos, sin, half);
-      rotate_heads(k_data + t * k.stride(0), k.size(1), k.stride(1), cos, sin, half);
-    }
+  for (int64_t t = begin; t < end; ++t) {
+    const float* cos = table + pos[t] * table_stride;
+    const float* sin = cos + half;
+    rotate_heads(q_data + t * q.stride(0), q.size(1), q.stride(1), cos, sin, half);
+    rotate_heads(k_data + t * k.stride(0), k.size(1), k.stride(1), cos, sin, half);
+  }
+}
+
+inline void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
+                             const torch::Tensor& cos_sin_cache) {
+  at::parallel_for(0, q.size(0), kTokenGrain, [&](int64_t begin, int64_t end) {
+    rotate_tokens(q, k, positions, cos_sin_cache, begin, end);
   });
 }
 

@@ -12,17 +12,19 @@
 
 #include <cmath>
 
+#include "cpu_team.h"
 #include "cpu_vector_math.h"
 
 namespace sluice::activation {
 
 constexpr int64_t kRowGrain = 4;  // rows per task
 
-inline void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) {
+template <class ParallelFor>
+inline void silu_and_mul(const ParallelFor& parallel_for, torch::Tensor& out, const torch::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
   const float* x_data = x.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = x_data + r * 2 * width;
       const float* up = gate + width;
@@ -37,5 +39,7 @@ inline void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) {
     }
   });
 }
+
+inline void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) { silu_and_mul(AtenParallelFor{}, out, x); }
 
 }  // namespace sluice::activation

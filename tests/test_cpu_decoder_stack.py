@@ -2,7 +2,9 @@
 same kernels: equal hidden states on a mixed step (a fresh prefill, a chunk after a cached prefix, decodes),
 for tiny Llama (GQA, llama3 RoPE, tied embeddings), Mistral with a sliding window shorter than the contexts,
 and Qwen2 (qkv biases). Its parity with transformers is in
-test_model_parity.py. Also: when the model keeps its per-layer path, and the checks the C++ side makes.
+test_model_parity.py. Also: the same results whether a step runs as one team of threads (kernels/cpu_team.h)
+or a parallel region per kernel, for any number of threads; the team's barrier; when the model keeps its
+per-layer path; and the checks the C++ side makes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod
 from sluice.engine.worker.model_runner import ModelRunner
+from sluice.kernels.cpu_extension import require_cpu_extension
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 24
@@ -102,6 +105,54 @@ def test_stack_equals_the_per_layer_path_on_a_mixed_step(checkpoint, options, re
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.fixture
+def torch_threads():
+    """Sets torch's intra-op threads for one test (the stack's team has as many), then restores them."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("checkpoint", ["llama_dir", "mistral_windowed_dir", "qwen2_dir"])
+def test_a_team_of_any_size_computes_what_a_region_per_kernel_does(
+    checkpoint, threads, request, torch_threads
+):
+    torch_threads(threads)
+    runner = _runner(request.getfixturevalue(checkpoint))
+    assert runner.cpu_stack.team  # the default without quantized projections
+    teamed = _hidden_states(runner, True)
+    runner.cpu_stack.team = False
+    per_kernel, layered = _hidden_states(runner, True), _hidden_states(runner, False)
+    for team, regions, layers in zip(teamed, per_kernel, layered, strict=True):
+        assert torch.isfinite(layers).all()
+        torch.testing.assert_close(team, regions, rtol=0, atol=0)
+        torch.testing.assert_close(team, layers, rtol=0, atol=0)
+
+
+def test_a_quantized_stack_runs_a_region_per_kernel(llama_dir):
+    runner = _runner(llama_dir, quantization="int8")
+    assert not runner.cpu_stack.team
+    with pytest.raises(RuntimeError, match="team: a stack with quantized projections runs a parallel region"):
+        runner.cpu_stack.team = True
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_team_barrier_lets_no_thread_run_ahead(threads, torch_threads):
+    torch_threads(threads)
+    check = require_cpu_extension("cpu_decoder_stack").team_barrier_check
+    assert check(500, -1) == 0
+
+
+@pytest.mark.parametrize("failing_thread", [0, 1])
+def test_an_error_in_one_thread_of_a_team_ends_it_and_is_raised(failing_thread, torch_threads):
+    torch_threads(2)
+    check = require_cpu_extension("cpu_decoder_stack").team_barrier_check
+    with pytest.raises(RuntimeError, match=f"thread {failing_thread} failed in round 250"):
+        check(500, failing_thread)
+    assert check(10, -1) == 0  # the pool is usable afterwards
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "options", "reason"),
     [
@@ -154,6 +205,18 @@ def test_a_cache_per_layer_is_required(llama_runner):
     embeddings, positions, caches, metadata = _forward_args(llama_runner)
     with pytest.raises(RuntimeError, match=r"kv_caches: \d+ for \d+ layers"):
         llama_runner.cpu_stack.run(embeddings, positions, caches[:-1], metadata)
+
+
+def test_a_slot_past_the_cache_is_refused_before_any_layer_runs(llama_runner):
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    num_slots = caches[0][0].shape[0] * caches[0][0].shape[1]
+    metadata.slot_mapping[5] = num_slots
+    before = [k.clone() for k, _ in caches]
+    with pytest.raises(
+        RuntimeError, match=rf"slot_mapping: slot {num_slots} \(token 5\) is past the cache's"
+    ):
+        llama_runner.cpu_stack.run(embeddings, positions, caches, metadata)
+    assert all(torch.equal(k, b) for (k, _), b in zip(caches, before, strict=True))
 
 
 def test_query_rows_must_cover_the_step(llama_runner):

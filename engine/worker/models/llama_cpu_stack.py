@@ -99,6 +99,17 @@ class LlamaCpuStack:
             metadata.seq_lens,
         )
 
+    @property
+    def team(self) -> bool:
+        """Whether a step runs as one team of threads (kernels/cpu_team.h: the default, unless a projection
+        is quantized) or as one parallel region per kernel (the team's baseline in
+        `sluice.benchmarks.engine.cpu_team`). Setting True on a quantized stack raises RuntimeError."""
+        return self._stack.team
+
+    @team.setter
+    def team(self, team: bool) -> None:
+        self._stack.team = team
+
 
 def unavailable_reason(model: nn.Module) -> str | None:
     """None when the model is Llama-layout and every layer runs the float32 CPU kernels the stack calls, else

@@ -1,0 +1,173 @@
+// How the C++ CPU kernels share their work among threads: a policy with the call of at::parallel_for,
+//
+//   parallel_for(begin, end, grain, f)    f(b, e) on the calling thread's share(s) of [begin, end)
+//   parallel_for.threads()                 the threads that split it
+//
+// AtenParallelFor is at::parallel_for itself: one OpenMP parallel region per call, for kernels called one
+// at a time from Python. A Team is one thread of a parallel region that runs a whole sequence of kernels
+// (the decoder stack's step, `run_team`): each call takes this thread's share, split as at::parallel_for
+// splits it, then waits at a barrier for the rest of the team, so the next kernel sees every result.
+//
+// Why the decoder stack needs it: its ~150 parallel regions a decode step follow each other within
+// microseconds, but libgomp's wait between regions is spin-then-sleep, and the engine core spins only
+// briefly (GOMP_SPINCOUNT=1000, ~20 us: engine/process/threads.py) so that its threads do not hold the cores
+// between steps. A region that ends a little unevenly then puts one thread to sleep, its wake-up makes it
+// late for the next region, where the other thread sleeps in turn: a ping-pong of futex sleeps through the
+// step (~40 a token measured on a 2-core VM, docs/BENCHMARKS.md). The team's barrier spins longer
+// (kSpin) and only inside the step; between steps the pool sleeps as before.
+#pragma once
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+
+namespace sluice {
+
+struct AtenParallelFor {
+  int64_t threads() const { return at::get_num_threads(); }
+
+  template <class F>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const F& f) const {
+    at::parallel_for(begin, end, grain, f);
+  }
+};
+
+namespace team {
+
+// How long a thread at the barrier spins before it sleeps. Longer than a kernel's uneven end or a wake-up
+// (tens of microseconds), short against a preempted partner's time slice (milliseconds on a busy machine).
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+// Thrown out of Barrier::wait in the other threads once one thread's kernel threw: they leave the team.
+struct Aborted {};
+
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A central barrier for the threads of one parallel region: spin up to kSpin, then sleep on a futex.
+class Barrier {
+ public:
+  // Every thread of the region calls this, with the region's size, before its first wait.
+  void join(int threads) { threads_.store(threads, std::memory_order_relaxed); }
+
+  void wait() {
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (aborted_.load(std::memory_order_acquire)) throw Aborted{};
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_.load(std::memory_order_relaxed)) {
+      arrived_.store(0, std::memory_order_relaxed);  // seen before the next generation by every waiter
+      release_all();
+      return;
+    }
+    wait_for_next(generation);
+    if (aborted_.load(std::memory_order_acquire)) throw Aborted{};
+  }
+
+  // Releases every waiter (now and to come) with Aborted.
+  void abort() {
+    aborted_.store(true, std::memory_order_release);
+    release_all();
+  }
+
+ private:
+  void release_all() {
+    generation_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+  }
+
+  void wait_for_next(uint32_t generation) {
+    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    for (int spins = 1; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      pause();
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
+    }
+    // A sleeper counts itself before it checks the generation, the releaser bumps the generation before it
+    // reads the count (both sequentially consistent): one of them sees the other, so no wake-up is lost.
+    while (generation_.load(std::memory_order_acquire) == generation) {
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      if (generation_.load(std::memory_order_seq_cst) == generation)
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAIT_PRIVATE, generation, nullptr,
+                nullptr, 0);
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<int> arrived_{0};
+  std::atomic<int> threads_{1};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> aborted_{false};
+};
+
+// This thread's part of a team: the AtenParallelFor policy inside one parallel region.
+class Team {
+ public:
+  Team(Barrier& barrier, int thread, int threads) : barrier_(barrier), thread_(thread), threads_(threads) {}
+
+  int64_t thread() const { return thread_; }
+  int64_t threads() const { return threads_; }
+
+  // f on this thread's chunk of [begin, end), the chunks as at::parallel_for's (at most one per thread,
+  // ceil(n / threads) long, no more threads than ceil(n / grain)); then waits for the team.
+  template <class F>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const F& f) const {
+    const int64_t n = end - begin;
+    if (n > 0) {
+      const int64_t used = std::min<int64_t>(threads_, (n + grain - 1) / std::max<int64_t>(grain, 1));
+      const int64_t chunk = (n + used - 1) / used;
+      const int64_t first = begin + thread_ * chunk;
+      if (thread_ < used && first < end) f(first, std::min(end, first + chunk));
+    }
+    sync();
+  }
+
+  // Waits until every thread of the team has called it.
+  void sync() const { barrier_.wait(); }
+
+ private:
+  Barrier& barrier_;
+  int64_t thread_, threads_;
+};
+
+// body(team) on every thread of one OpenMP parallel region of at::get_num_threads() threads. The first
+// exception a thread throws releases the others from their barriers and is rethrown here, after the region.
+template <class Body>
+void run_team(const Body& body) {
+  Barrier barrier;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    barrier.join(omp_get_num_threads());
+    try {
+      body(Team(barrier, omp_get_thread_num(), omp_get_num_threads()));
+    } catch (const Aborted&) {
+    } catch (...) {
+      {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+      barrier.abort();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace team
+}  // namespace sluice
