@@ -86,14 +86,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+
+    import torch
 
     from sluice.bench.workloads import Workload
     from sluice.engine.frontend.llm import LLM
     from sluice.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     stack = llm.engine.model_runner.cpu_stack
     if stack is None:
         raise SystemExit("this model does not run on the C++ decoder stack (see the log for why)")
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     stack.team = True
     print(
         f"\nmodel: {llm.engine.model_info.name}; {args.input_len}-token prompts, {args.output_len} out; "
-        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}\n"
+        f"{torch.get_num_threads()} threads; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}\n"
     )
     print(format_table(results))
     if args.json:
