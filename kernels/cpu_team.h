@@ -13,8 +13,8 @@
 // briefly (GOMP_SPINCOUNT=1000, ~20 us: engine/process/threads.py) so that its threads do not hold the cores
 // between steps. A region that ends a little unevenly then puts one thread to sleep, its wake-up makes it
 // late for the next region, where the other thread sleeps in turn: a ping-pong of futex sleeps through the
-// step (~40 a token measured on a 2-core VM, docs/BENCHMARKS.md). The team's barrier spins longer
-// (kSpin) and only inside the step; between steps the pool sleeps as before.
+// step (18 sleeps a batch-1 token on a 2-core VM; 3 with the team: docs/BENCHMARKS.md). The team's barrier
+// spins longer (kSpin) and only inside the step; between steps the pool sleeps as before.
 #pragma once
 #include <torch/extension.h>
 
