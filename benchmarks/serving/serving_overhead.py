@@ -12,8 +12,8 @@ greedy, ignore_eos. For each concurrency c, alternating sides:
 and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (offline: from the
 request's arrival in the engine; gRPC: as the client sees it, from sending the call). With `--repeats N`
 each concurrency runs N such pairs, the order of the two sides swapped every other pair (so a machine
-that drifts favours neither), and a last table gives each concurrency's median ratio: at concurrency 1 a
-single pair moves by +-10% on a quiet 2-core machine.
+that drifts favours neither), and a last table gives each concurrency's median ratio: at concurrency 1 one
+pair's ratio moved by 10-20% from run to run on a quiet 2-core VM (docs/BENCHMARKS.md).
 
 Each concurrency's runs draw prompts of their own (both sides the same ones: each side has its own
 prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
