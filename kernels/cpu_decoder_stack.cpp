@@ -134,7 +134,7 @@ class DecoderStack {
                 "embeddings: must be a contiguous float32 [num_tokens, ", hidden, "] tensor");
     const int64_t num_tokens = residual.size(0);
     check_step(num_tokens, positions, cos_sin, k_caches, v_caches, block_tables, query_start_loc, seq_lens);
-    for (const torch::Tensor& cache : k_caches) sluice::attention::check_slots(slot_mapping, cache);
+    sluice::attention::check_slots(slot_mapping, k_caches[0]);  // every cache has layer 0's shape (check_step)
     const Tasks tasks = attention_tasks(query_start_loc, seq_lens, block_tables.size(1), k_caches[0].size(1));
     const Step step{residual, positions, cos_sin, k_caches, v_caches, slot_mapping, block_tables, tasks};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;

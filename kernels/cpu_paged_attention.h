@@ -427,7 +427,8 @@ inline void store_kv_rows(const torch::Tensor& k, const torch::Tensor& v, const 
   });
 }
 
-// Raises (TORCH_CHECK) unless every slot of slot_mapping is in k_cache: what store_kv_rows needs.
+// Raises (TORCH_CHECK) unless every slot of slot_mapping is in k_cache: what store_kv_rows needs. The
+// decoder stack asks once a step, before any layer writes.
 inline void check_slots(const torch::Tensor& slot_mapping, const torch::Tensor& k_cache) {
   TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: must be contiguous");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
@@ -436,16 +437,8 @@ inline void check_slots(const torch::Tensor& slot_mapping, const torch::Tensor& 
               ") is past the cache's ", num_slots, " slots");
 }
 
-// store_kv_rows after checking every slot, in the calling thread, before any write: a slot past the cache
-// raises (TORCH_CHECK) with nothing written. For callers in C++ (the decoder stack).
-inline void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor slot_mapping) {
-  check_slots(slot_mapping, k_cache);
-  store_kv_rows(k, v, k_cache, v_cache, slot_mapping);
-}
-
-// The Python binding's store_kv: the same check before any write, but a slot past the cache comes back as
-// the first bad token (-1: every row written) instead of a C++ exception, and the launcher raises it in
+// The Python binding's store_kv: check_slots' check before any write, but a slot past the cache comes back
+// as the first bad token (-1: every row written) instead of a C++ exception, and the launcher raises it in
 // Python. A bad slot is then an error on every build, however the extension's exceptions cross into Python
 // (a JIT-built extension on one GPU machine died with SIGSEGV here instead of raising; issue 31).
 inline int64_t store_kv_or_first_bad_token(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
