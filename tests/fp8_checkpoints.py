@@ -48,9 +48,13 @@ def write_fp8_checkpoint(
     activations: str | None = "token",
     kv_scales: tuple[float, float] | None = None,
     ignore: tuple[str, ...] = ("lm_head",),
+    block: tuple[int, int] | None = None,
+    quant_method: str = "compressed-tensors",
 ) -> str:
     """`source` (a float checkpoint directory) quantized into `directory`; `activations` is "token"
-    (dynamic), "tensor" (dynamic per tensor), "static" or None (weights only)."""
+    (dynamic), "tensor" (dynamic per tensor), "static", "group" (dynamic, `block[1]` columns a group; with
+    weights "block") or None (weights only). quant_method "fp8": the same tensors in that format
+    (`fp8_method_config`), the block scales named weight_scale_inv."""
     tensors = _read_tensors(source)
     input_scales = _calibrate(source) if activations == "static" else {}
     out = {}
@@ -59,7 +63,8 @@ def write_fp8_checkpoint(
         if module.rpartition(".")[2] not in PROJECTIONS or module in ignore or not name.endswith(".weight"):
             out[name] = tensor
             continue
-        out[name], out[f"{module}.weight_scale"] = quantize_weight(tensor, weights)
+        scale_name = "weight_scale_inv" if quant_method == "fp8" and block else "weight_scale"
+        out[name], out[f"{module}.{scale_name}"] = quantize_weight(tensor, weights, block)
         if activations == "static":
             out[f"{module}.input_scale"] = input_scales[module].reshape(1)
     for layer in range(_layers(source)):
@@ -73,23 +78,37 @@ def write_fp8_checkpoint(
             shutil.copy(os.path.join(source, name), directory)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config(weights, activations, kv_scales is not None, ignore)
+    if quant_method == "fp8":
+        config["quantization_config"] = fp8_method_config(block, activations, ignore)
+    else:
+        config["quantization_config"] = quantization_config(
+            weights, activations, kv_scales is not None, ignore, block
+        )
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return directory
 
 
 def quantization_config(
-    weights: str, activations: str | None, kv_cache: bool, ignore: tuple[str, ...]
+    weights: str,
+    activations: str | None,
+    kv_cache: bool,
+    ignore: tuple[str, ...],
+    block: tuple[int, int] | None = None,
 ) -> dict:
     """The compressed-tensors `quantization_config` of such a checkpoint."""
     inputs = None
-    if activations is not None:
+    if activations == "group":
+        inputs = {**_ARGS, "strategy": "group", "dynamic": True, "group_size": block[1]}
+    elif activations is not None:
         strategy = "token" if activations == "token" else "tensor"
         inputs = {**_ARGS, "strategy": strategy, "dynamic": activations != "static"}
+    weight_args = {**_ARGS, "strategy": weights, "dynamic": False}
+    if block is not None:
+        weight_args["block_structure"] = list(block)
     group = {
         "targets": ["Linear"],
-        "weights": {**_ARGS, "strategy": weights, "dynamic": False},
+        "weights": weight_args,
         "input_activations": inputs,
         "output_activations": None,
     }
@@ -104,12 +123,49 @@ def quantization_config(
     }
 
 
-def quantize_weight(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, weight_scale [rows, 1] or [1]) with max |w| -> 448 per row or per tensor."""
+def fp8_method_config(
+    block: tuple[int, int] | None, activations: str | None, ignore: tuple[str, ...]
+) -> dict:
+    """The `quant_method: "fp8"` quantization_config transformers' FineGrainedFP8Config writes (block
+    weights, dynamic groups), or AutoFP8's (tensor weights, "tensor" dynamic or "static" activations)."""
+    from transformers import FineGrainedFP8Config
+
+    scheme = "static" if activations == "static" else "dynamic"
+    config = FineGrainedFP8Config(
+        activation_scheme=scheme, weight_block_size=block, modules_to_not_convert=list(ignore) or None
+    )
+    return json.loads(config.to_json_string())
+
+
+def quantize_weight(
+    weight: torch.Tensor, strategy: str, block: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, weight_scale [rows, 1] or [1], or [cdiv(rows, bn), cdiv(columns, bk)] for "block")
+    with max |w| -> 448 per row, per tensor or per block."""
+    if strategy == "block":
+        return quantize_weight_blocks(weight, block)
     w = weight.float()
     amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
     scale = amax / FP8_MAX
     codes = (w / (scale if strategy == "channel" else scale[0])).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scale
+
+
+def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale [cdiv(rows, bn), cdiv(columns, bk)]) with max |w| -> 448 per block (edge blocks
+    partial), written out element by element: w[n, k] ~ codes[n, k] * scale[n // bn, k // bk]."""
+    w = weight.float()
+    rows, columns = w.shape
+    block_n, block_k = block
+    scale = torch.empty(-(-rows // block_n), -(-columns // block_k))
+    codes = torch.empty(rows, columns, dtype=FP8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = w[i * block_n : (i + 1) * block_n, j * block_k : (j + 1) * block_k]
+            scale[i, j] = part.abs().amax() / FP8_MAX
+            codes[i * block_n : (i + 1) * block_n, j * block_k : (j + 1) * block_k] = (
+                (part / scale[i, j]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            )
     return codes, scale
 
 

@@ -43,6 +43,7 @@ def written_by_compressed_tensors(preset: str) -> dict:
     [
         ("FP8_DYNAMIC", Fp8Scheme("channel", "token", serialized=True)),
         ("FP8", Fp8Scheme("tensor", "static", serialized=True)),
+        ("FP8_BLOCK", Fp8Scheme("block", "group", serialized=True, block=(128, 128))),
     ],
 )
 def test_what_compressed_tensors_writes_parses_to_its_scheme(preset, scheme):
@@ -111,8 +112,7 @@ G = "config_groups.group_0"
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("quant_method", "fp8", "'fp8' is not supported, only compressed-tensors"),
-        ("quant_method", "gptq", "'gptq' is not supported, only compressed-tensors"),
+        ("quant_method", "gptq", "'gptq' is not supported, only compressed-tensors or fp8"),
         ("format", "pack-quantized", "'pack-quantized' is not supported; supported: float-quantized"),
         (f"{G}.format", "int-quantized", "'int-quantized' is not supported; supported: float-quantized"),
         ("quantization_status", "frozen", "'frozen' is not supported; supported: 'compressed'"),
@@ -122,15 +122,19 @@ G = "config_groups.group_0"
         (f"{G}.weights.num_bits", 4, "4 is not supported (FP8 takes 8)"),
         (f"{G}.weights.type", "int", "'int' is not supported (FP8 takes 'float')"),
         (f"{G}.weights.symmetric", False, "False is not supported (FP8 scales are symmetric)"),
-        (f"{G}.weights.strategy", "block", "'block' is not supported; supported: channel or tensor"),
-        (f"{G}.weights.block_structure", [128, 128], "[128, 128] is not supported"),
-        (f"{G}.weights.group_size", 128, "128 is not supported (scales per channel or tensor, not group)"),
+        (f"{G}.weights.strategy", "group", "'group' is not supported; supported: channel, tensor, block"),
+        (
+            f"{G}.weights.block_structure",
+            [128, 128],
+            "[128, 128] is not supported (only with strategy 'block')",
+        ),
+        (f"{G}.weights.group_size", 128, "128 is not supported (only with strategy 'group')"),
         (f"{G}.weights.dynamic", True, "True is not supported (FP8 weights have stored scales)"),
         (f"{G}.weights.actorder", "weight", "'weight' is not supported (no activation ordering)"),
         (f"{G}.weights.zero_points", True, "unknown field"),
         (f"{G}.weights", ..., "missing; Sluice runs FP8 weights"),
         (f"{G}.input_activations.dynamic", False, "'token' (dynamic False) is not supported"),
-        (f"{G}.input_activations.strategy", "group", "'group' (dynamic True) is not supported"),
+        (f"{G}.input_activations.strategy", "group", "'group' (dynamic True) is not supported; supported: "),
         (f"{G}.input_activations.num_bits", 4, "4 is not supported (FP8 takes 8)"),
         (f"{G}.output_activations", {"num_bits": 8}, "output quantization is not supported"),
         (f"{G}.targets", [], "must be a non-empty list of names"),
@@ -150,10 +154,40 @@ def test_an_unsupported_config_is_refused_naming_the_field(path, value, message)
     assert str(refused.value).startswith(f"quantization_config.{field}: {message}")
 
 
-def test_the_block_fp8_preset_is_refused():
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"weights.block_structure": [128, 100]},
+            r"weights.block_structure: \[128, 100\] is not supported \(two",
+        ),
+        ({"weights.block_structure": [8, 8]}, r"weights.block_structure: \[8, 8\] is not supported"),
+        ({"weights.block_structure": None}, r"weights.block_structure: None is not supported"),
+        (
+            {"input_activations.group_size": 64},
+            r"input_activations.group_size: 64 is not supported; block weights",
+        ),
+        (
+            {"input_activations.strategy": "token", "input_activations.group_size": None},
+            r"input_activations.strategy: 'token' \(dynamic True\) is not su",
+        ),
+        (
+            {"input_activations.dynamic": False},
+            r"input_activations.strategy: 'group' \(dynamic False\) is not",
+        ),
+    ],
+)
+def test_block_weights_take_power_of_two_blocks_and_groups_as_wide(change, message):
     raw = written_by_compressed_tensors("FP8_BLOCK")
-    with pytest.raises(ValueError, match=rf"^quantization_config.{G}.weights.block_structure: \[128, 128\]"):
+    for path, value in change.items():
+        part, field = path.split(".")
+        raw["config_groups"]["group_0"][part][field] = value
+    with pytest.raises(ValueError, match=rf"^quantization_config.{G}.{message}"):
         parse_compressed_tensors(raw)
+    weights_only = written_by_compressed_tensors("FP8_BLOCK")
+    weights_only["config_groups"]["group_0"]["input_activations"] = None
+    scheme = parse_compressed_tensors(weights_only).groups[0].scheme
+    assert scheme == Fp8Scheme("block", "none", serialized=True, block=(128, 128))
 
 
 def test_a_config_that_does_not_go_with_the_model_is_refused():

@@ -17,6 +17,7 @@ from checkpoints import build_llama_kv4_checkpoint
 from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
 from test_tensor_parallel import MIXED, NUM_NEW, _prompts
 
+from sluice.engine.executor.worker_monitor import WorkerDiedError
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
 
@@ -75,3 +76,28 @@ def test_dynamic_token_scales_per_rank_move_logprobs_less_than_fp8_itself(float_
     by_ranks = max(abs(a - b) for a, b in zip(two, one, strict=True))
     by_fp8 = max(abs(a - b) for a, b in zip(one, unquantized, strict=True))
     assert 0 < by_ranks < by_fp8  # 2 ranks do change them (each quantizes its slice), by less than FP8 does
+
+
+def test_block_scales_on_two_ranks_give_one_ranks_and_transformers_tokens(float_dir, tmp_path_factory):
+    """32 x 32 blocks: each rank holds whole blocks, and a row-parallel rank's input columns are whole
+    activation groups, so its groups (and their scales) are the one-rank engine's: the same tokens."""
+    block = (32, 32)
+    directory = _fp8_dir(
+        float_dir, tmp_path_factory, "block", weights="block", activations="group", block=block
+    )
+    two = _generate(directory, 2, GREEDY)
+    assert _tokens(two) == _tokens(_generate(directory, 1, GREEDY))
+    assert _tokens(two) == transformers_greedy(directory, _prompts(), NUM_NEW)
+
+
+def test_blocks_a_rank_would_cut_are_refused(float_dir, tmp_path_factory):
+    """128-column blocks: o_proj's 128 input columns are 64 a rank, half a block. Every rank refuses it
+    while loading; whichever is first reports (rank 0 here, or rank 1's process: WorkerDiedError)."""
+    directory = _fp8_dir(
+        float_dir, tmp_path_factory, "wide", weights="block", activations="group", block=(32, 128)
+    )
+    with pytest.raises(
+        (ValueError, WorkerDiedError),
+        match=r"tensor_parallel_size 2: a rank's 64 input columns of a row-parallel",
+    ):
+        _generate(directory, 2, GREEDY)

@@ -34,6 +34,7 @@ KERNEL_TESTS = (
     KernelTestFile("tests/test_kernels_attention.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
     KernelTestFile("tests/test_cuda_graph_runner.py"),
+    KernelTestFile("tests/test_kernels_fp8_block_mm.py"),
     # The FP8 linears' activation quantization: bit for bit quantize_activations; the _scaled_mm layers
     # through it.
     KernelTestFile("tests/test_kernels_fp8_quant.py"),

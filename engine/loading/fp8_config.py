@@ -8,9 +8,10 @@ A compressed-tensors FP8 checkpoint says, in config.json:
       "config_groups": {"group_0": {
           "targets": ["Linear"],
           "weights": {"num_bits": 8, "type": "float", "symmetric": true, "dynamic": false,
-                      "strategy": "channel" | "tensor"},
+                      "strategy": "channel" | "tensor" | "block", "block_structure": [128, 128] (block)},
           "input_activations": {"num_bits": 8, "type": "float", "symmetric": true,
-                                "strategy": "token" (dynamic) | "tensor" (dynamic or static)} | null}},
+                                "strategy": "token" (dynamic) | "tensor" (dynamic or static)
+                                            | "group" (dynamic, "group_size": the block's columns)} | null}},
       "ignore": ["lm_head"],                                  # names, or "re:<regex>" (re.match)
       "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false} | null}
 
@@ -18,11 +19,16 @@ and holds, for each quantized linear (checkpoint names, before q/k/v or gate/up 
 
     weight         [out, in] float8_e4m3fn
     weight_scale   [out, 1] (channel) or [1] (tensor), float:  w = weight * weight_scale
+                   [cdiv(out, bn), cdiv(in, bk)] (block [bn, bk]):
+                                                  w[n, k] = weight[n, k] * weight_scale[n // bn, k // bk]
     input_scale    [1], static activations only:               x_q = round(x / input_scale)
 
 and, with a kv_cache_scheme, each attention layer's `self_attn.k_scale` and `self_attn.v_scale`.
 
-Anything else is refused with the field named (another quant_method, int weights, group or block strategies,
+The other FP8 format, `quant_method: "fp8"` (transformers' FineGrainedFP8, DeepSeek-V3, Qwen3-*-FP8,
+AutoFP8), is read by `sluice.engine.loading.fp8_method_config` into the same `Fp8Config`.
+
+Anything else is refused with the field named (another quant_method, int weights, group weight strategies,
 output activations, a field this reader does not know): a quantized checkpoint never runs as if it were not.
 """
 
@@ -33,10 +39,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-WEIGHT_STRATEGIES = ("channel", "tensor")
+WEIGHT_STRATEGIES = ("channel", "tensor", "block")
 # token: dynamic, a scale per row of x; tensor: dynamic, one scale per step; static: the checkpoint's
-# input_scale; none: weights only (x stays in the model dtype).
-ACTIVATION_MODES = ("token", "tensor", "static", "none")
+# input_scale; group: dynamic, a scale per row of x and group of block[1] columns (block weights only);
+# none: weights only (x stays in the model dtype).
+ACTIVATION_MODES = ("token", "tensor", "static", "group", "none")
 COMPRESSED_TENSORS = "compressed-tensors"
 FLOAT_QUANTIZED = "float-quantized"
 _ARGS_FIELDS = {
@@ -53,13 +60,17 @@ _GROUP_FIELDS = {"targets", "weights", "input_activations", "output_activations"
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How one linear runs FP8: `weight_strategy` ("channel": a scale per output row; "tensor": one per
-    checkpoint tensor, so a packed layer's shards each keep theirs), `activations` (one of
-    ACTIVATION_MODES) and `serialized` (the checkpoint holds the e4m3 weights and their scales; False:
-    float weights, quantized per channel at load)."""
+    checkpoint tensor, so a packed layer's shards each keep theirs; "block": one per `block` = (rows,
+    columns) of the weight), `activations` (one of ACTIVATION_MODES; "group" goes with block weights, its
+    groups `block[1]` columns wide), `serialized` (the checkpoint holds the e4m3 weights and their scales;
+    False: float weights, quantized per channel at load) and `scale_name` (the checkpoint's name for the
+    weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format)."""
 
     weight_strategy: str = "channel"
     activations: str = "token"
     serialized: bool = False
+    block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
 
     def __post_init__(self) -> None:
         if self.weight_strategy not in WEIGHT_STRATEGIES:
@@ -68,6 +79,16 @@ class Fp8Scheme:
             raise ValueError(f"activations: must be one of {ACTIVATION_MODES}, got {self.activations!r}")
         if not self.serialized and (self.weight_strategy, self.activations) != ("channel", "token"):
             raise ValueError("serialized: weights quantized at load take channel scales, token activations")
+        blocked = self.weight_strategy == "block"
+        if blocked != (self.block is not None) or (self.block is not None and not _is_block(self.block)):
+            raise ValueError(f"block: two powers of two >= 16 with weight_strategy 'block', got {self.block}")
+        if (self.activations not in ("group", "none")) if blocked else self.activations == "group":
+            raise ValueError(
+                f"activations: block weights take 'group' (or 'none') activations, got {self.activations!r} "
+                f"with weight_strategy {self.weight_strategy!r}"
+            )
+        if self.scale_name not in ("weight_scale", "weight_scale_inv"):
+            raise ValueError(f"scale_name: 'weight_scale' or 'weight_scale_inv', got {self.scale_name!r}")
 
 
 @dataclass(frozen=True)
@@ -128,16 +149,16 @@ def resolve_fp8_config(
     random_weights: bool = False,
 ) -> Fp8Config | None:
     """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
-    compressed-tensors), else `--quantization fp8`'s, else None. A checkpoint that quantizes only its KV
-    cache has float weights: `--quantization fp8` quantizes them at load. `random_weights` (load_format
-    dummy): the weights are random floats, so a checkpoint's FP8 scheme is made at load. Raises ValueError
-    naming the field when the checkpoint's config is not one Sluice runs, does not go with `quantization`,
-    or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
+    compressed-tensors or quant_method fp8), else `--quantization fp8`'s, else None. A checkpoint that
+    quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at load.
+    `random_weights` (load_format dummy): the weights are random floats, so a checkpoint's FP8 scheme is
+    made at load. Raises ValueError naming the field when the checkpoint's config is not one Sluice runs,
+    does not go with `quantization`, or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
     raw = hf_config.get("quantization_config")
     if raw is None:
         config = QUANTIZE_AT_LOAD if quantization == "fp8" else None
     else:
-        config = parse_compressed_tensors(raw)
+        config = _parse(raw)
         if quantization not in (None, "fp8"):
             raise ValueError(
                 f"quantization: {quantization} does not go with the checkpoint's FP8 quantization_config "
@@ -157,6 +178,15 @@ def resolve_fp8_config(
     return replace(config, packed_modules=_packed_parts(packed_modules))
 
 
+def _parse(raw: Any) -> Fp8Config:
+    """A quantization_config in either FP8 format: quant_method fp8, else compressed-tensors."""
+    from sluice.engine.loading.fp8_method_config import FP8_METHOD, parse_fp8_method  # imports this module
+
+    if isinstance(raw, Mapping) and raw.get("quant_method") == FP8_METHOD:
+        return parse_fp8_method(raw)
+    return parse_compressed_tensors(raw)
+
+
 def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     """A checkpoint's `quantization_config` dict -> Fp8Config (serialized schemes). Raises ValueError naming
     the first field (dotted from `quantization_config`) that is not FP8 compressed-tensors as above."""
@@ -166,7 +196,9 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     _refuse_unknown(raw, _CONFIG_FIELDS, where)
     method = raw.get("quant_method")
     if method != COMPRESSED_TENSORS:
-        raise ValueError(f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}")
+        raise ValueError(
+            f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS} or fp8"
+        )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
         raise ValueError(f"{where}.quantization_status: {status!r} is not supported; supported: 'compressed'")
@@ -219,28 +251,50 @@ def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8G
     if weight_args["strategy"] not in WEIGHT_STRATEGIES:
         raise ValueError(
             f"{where}.weights.strategy: {weight_args['strategy']!r} is not supported; supported: "
-            f"{' or '.join(WEIGHT_STRATEGIES)}"
+            f"{', '.join(WEIGHT_STRATEGIES)}"
         )
-    return Fp8Group(
-        name,
-        tuple(targets),
-        Fp8Scheme(weight_args["strategy"], _activation_mode(group, where), serialized=True),
-    )
+    block = None
+    if weight_args["strategy"] == "block":
+        block = parse_block(weight_args["block_structure"], f"{where}.weights.block_structure")
+    activations = _activation_mode(group, where, block)
+    return Fp8Group(name, tuple(targets), Fp8Scheme(weight_args["strategy"], activations, True, block))
 
 
-def _activation_mode(group: Mapping[str, Any], where: str) -> str:
+def parse_block(raw: Any, where: str) -> tuple[int, int]:
+    """A weight block's [rows, columns] (two powers of two >= 16, as Sluice's kernels tile them)."""
+    block = tuple(raw) if isinstance(raw, list) else raw
+    if not _is_block(block):
+        raise ValueError(f"{where}: {raw!r} is not supported (two powers of two >= 16, e.g. [128, 128])")
+    return block
+
+
+def _activation_mode(group: Mapping[str, Any], where: str, block: tuple[int, int] | None) -> str:
+    """The group's activation mode; block weights take dynamic groups as wide as the block (or none)."""
     inputs = group.get("input_activations")
     if inputs is None:
         return "none"
-    args = _parse_args(inputs, f"{where}.input_activations")
+    where = f"{where}.input_activations"
+    args = _parse_args(inputs, where)
     strategy, dynamic = args["strategy"], args["dynamic"]
+    if block is not None:
+        if strategy != "group" or not dynamic:
+            raise ValueError(
+                f"{where}.strategy: {strategy!r} (dynamic {dynamic}) is not supported with block weights; "
+                "supported: dynamic 'group'"
+            )
+        if args["group_size"] != block[1]:
+            raise ValueError(
+                f"{where}.group_size: {args['group_size']!r} is not supported; block weights take groups "
+                f"as wide as their blocks ({block[1]})"
+            )
+        return "group"
     if strategy == "token" and dynamic:
         return "token"
     if strategy == "tensor":
         return "tensor" if dynamic else "static"
     raise ValueError(
-        f"{where}.input_activations.strategy: {strategy!r} (dynamic {dynamic}) is not supported; supported: "
-        "dynamic 'token', dynamic or static 'tensor'"
+        f"{where}.strategy: {strategy!r} (dynamic {dynamic}) is not supported; supported: "
+        "dynamic 'token', dynamic or static 'tensor' (dynamic 'group' with block weights)"
     )
 
 
@@ -253,8 +307,10 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
         ("num_bits", args.get("num_bits", 8) == 8, "FP8 takes 8"),
         ("type", str(args.get("type", "int")).lower() == "float", "FP8 takes 'float'"),
         ("symmetric", args.get("symmetric", True) is True, "FP8 scales are symmetric"),
-        ("group_size", args.get("group_size") in (None, -1), "scales per channel or tensor, not group"),
-        ("block_structure", args.get("block_structure") is None, "scales per channel or tensor, not block"),
+        ("group_size", args.get("group_size") in (None, -1) or args.get("strategy") == "group",
+         "only with strategy 'group'"),
+        ("block_structure", args.get("block_structure") is None or args.get("strategy") == "block",
+         "only with strategy 'block'"),
         ("actorder", args.get("actorder") in (None, False), "no activation ordering"),
         ("dynamic", args.get("dynamic", False) in (True, False), "true or false"),
     )  # fmt: skip
@@ -264,7 +320,12 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
     strategy = args.get("strategy")
     if not isinstance(strategy, str):
         raise ValueError(f"{where}.strategy: missing")
-    return {"strategy": strategy, "dynamic": args.get("dynamic", False)}
+    return {
+        "strategy": strategy,
+        "dynamic": args.get("dynamic", False),
+        "group_size": args.get("group_size"),
+        "block_structure": args.get("block_structure"),
+    }
 
 
 def _refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
@@ -279,6 +340,14 @@ def _packed_parts(packed_modules: Mapping[str, tuple[str, int]]) -> tuple[tuple[
     for checkpoint_part, (ours, shard) in packed_modules.items():
         parts.setdefault(ours, []).append((shard, checkpoint_part))
     return tuple((ours, tuple(part for _, part in sorted(shards))) for ours, shards in parts.items())
+
+
+def _is_block(block: object) -> bool:
+    return (
+        isinstance(block, tuple)
+        and len(block) == 2
+        and all(isinstance(n, int) and n >= 16 and n & (n - 1) == 0 for n in block)
+    )
 
 
 def _matches(target: str, name: str) -> bool:

@@ -24,6 +24,11 @@ and each step computes, for x [M, in] in the model dtype (`FP8_MATMULS` picks th
 `_scaled_mm` reads its second operand column-major: `weight.t()` of the row-major [out, in] weight is.
 It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
 
+Block schemes (`sluice.engine.worker.layers.fp8_blocks`: a scale per [bn, bk] weight block, x quantized per
+row and group of bk columns) keep the codes and block scales on CUDA sm_89+ and run `block_triton`
+(`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`); elsewhere `block_emulated`
+multiplies the blocks out to float32 at load (exact) and the groups' codes by their scales each step.
+
 On rowwise and tensorwise, token and static activations are quantized by one Triton launch
 (`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
@@ -57,6 +62,11 @@ from torch import nn
 
 from sluice.engine.loading.fp8_config import Fp8Scheme
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
+from sluice.engine.worker.layers.fp8_blocks import (
+    dequantize_blocks,
+    quantize_activation_groups,
+    rank_block_scales,
+)
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import LinearMethod
 
@@ -123,20 +133,35 @@ def _emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> to
     return (y * x_scale * layer.weight_scale).to(layer.activation_dtype)
 
 
-# (layer, x_q, x_scale) -> y [M, out] in the model dtype, before the bias
-FP8_MATMULS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "emulated": _emulated}
+def _block_emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    group = layer.method.scheme.block[1]
+    x = x_q.float() * x_scale.repeat_interleave(group, dim=1)[:, : x_q.shape[1]]
+    return torch.mm(x, layer.weight.t()).to(layer.activation_dtype)  # layer.weight: dequantized, float32
+
+
+# (layer, x_q, x_scale) -> y [M, out] in the model dtype, before the bias; block_* for block schemes
+FP8_MATMULS = {
+    "rowwise": _rowwise,
+    "tensorwise": _tensorwise,
+    "emulated": _emulated,
+    "block_emulated": _block_emulated,
+}
 SCALED_MM_MATMULS = ("rowwise", "tensorwise")
+MATMULS = (*FP8_MATMULS, "block_triton", "dequantized")
 KERNEL_QUANTIZED_ACTIVATIONS = ("token", "static")  # quantized by `sluice.kernels.fp8_quant` on those
 
 
 def fp8_matmul_for(scheme: Fp8Scheme, kernels: KernelConfig, input_size: int, output_size: int) -> str:
     """The matmul a layer [output_size, input_size] of `scheme` runs under `kernels`: "dequantized" for
     weights only, `torch._scaled_mm` on CUDA sm_89+ ("rowwise" for bfloat16 models, else "tensorwise")
-    when both sizes are multiples of 16, else "emulated"."""
+    when both sizes are multiples of 16, else "emulated"; block schemes "block_triton"
+    (`sluice.kernels.fp8_block_mm`) on CUDA sm_89+, else "block_emulated"."""
     if scheme.activations == "none":
         return "dequantized"
     capability = kernels.cuda_capability or (0, 0)
     fp8_cores = kernels.device.type == "cuda" and capability >= FP8_MIN_CUDA_CAPABILITY
+    if scheme.weight_strategy == "block":
+        return "block_triton" if fp8_cores else "block_emulated"
     if fp8_cores and input_size % 16 == 0 and output_size % 16 == 0:
         return "rowwise" if kernels.dtype == torch.bfloat16 else "tensorwise"
     return "emulated"
@@ -148,8 +173,10 @@ class Fp8LinearMethod(LinearMethod):
     else the float weight is quantized per channel after loading."""
 
     def __init__(self, scheme: Fp8Scheme, matmul: str) -> None:
-        if matmul not in (*FP8_MATMULS, "dequantized"):
-            raise ValueError(f"matmul: must be one of {(*FP8_MATMULS, 'dequantized')}, got {matmul!r}")
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul: must be one of {MATMULS}, got {matmul!r}")
+        if matmul != "dequantized" and matmul.startswith("block_") != (scheme.weight_strategy == "block"):
+            raise ValueError(f"matmul: {matmul!r} does not run weight_strategy {scheme.weight_strategy!r}")
         self.scheme = scheme
         self.matmul = matmul
         self.quantizes_in_kernel = (
@@ -159,6 +186,8 @@ class Fp8LinearMethod(LinearMethod):
             self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
             self._fp8_gemv = import_module("sluice.kernels.fp8_gemv").fp8_gemv
             self._fp8_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_skinny_mm
+        if matmul == "block_triton":
+            self._fp8_block_mm = import_module("sluice.kernels.fp8_block_mm")
 
     def create_weights(
         self,
@@ -174,7 +203,8 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = _parameter(torch.empty(output_size, input_size, dtype=weight_dtype))
         layer.bias = _parameter(torch.empty(output_size, dtype=dtype)) if bias else None
         if self.scheme.serialized:
-            layer.weight_scale = _parameter(torch.empty(output_size, dtype=torch.float32))
+            scale_shape = (output_size,) if self.scheme.block is None else self._block_scale_shape(layer)
+            setattr(layer, self.scheme.scale_name, _parameter(torch.empty(scale_shape, dtype=torch.float32)))
         if self.scheme.activations == "static":
             layer.input_scale = _parameter(torch.empty(len(output_sizes), dtype=torch.float32))
 
@@ -183,7 +213,9 @@ class Fp8LinearMethod(LinearMethod):
     ) -> None:
         if param is layer.weight and self.scheme.serialized and loaded.dtype != FP8:
             raise ValueError(f"has dtype {loaded.dtype}, expected {FP8} (quantization_config: FP8 weights)")
-        if param is getattr(layer, "weight_scale", None):
+        if self.scheme.block is not None and param is getattr(layer, self.scheme.scale_name, None):
+            self._load_block_scale(layer, param, loaded, shard)
+        elif param is getattr(layer, "weight_scale", None):
             rows = param.data if shard is None else param.data[layer.shard_slice(shard)]
             expected = self._scale_shape(rows.shape[0])
             if loaded.numel() != _numel(expected):
@@ -201,6 +233,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def checkpoint_shape(self, layer: LinearBase, name: str, shard: int | None) -> tuple[int, ...]:
         rows = layer.output_size if shard is None else layer.output_sizes[shard]
+        if name == self.scheme.scale_name and self.scheme.block is not None:
+            return (-(-rows // self.scheme.block[0]), -(-layer.input_size // self.scheme.block[1]))
         if name == "weight_scale":
             return self._scale_shape(rows)
         if name == "input_scale":
@@ -211,7 +245,13 @@ class Fp8LinearMethod(LinearMethod):
         if not self.scheme.serialized:
             codes, scale = quantize_weight(layer.weight.data)
             layer.weight, layer.weight_scale = _parameter(codes), _parameter(scale)
+        if self.scheme.scale_name != "weight_scale":  # weight_scale_inv: the same product, by its name
+            layer.weight_scale = getattr(layer, self.scheme.scale_name)
+            delattr(layer, self.scheme.scale_name)
         _check_scales("weight_scale", layer.weight_scale.data)
+        if self.scheme.block is not None:
+            self._block_layout(layer)
+            return
         if self.scheme.activations == "static":
             _check_scales("input_scale", layer.input_scale.data)
             layer.input_scale = _parameter(layer.input_scale.data.amax())
@@ -257,16 +297,60 @@ class Fp8LinearMethod(LinearMethod):
         """y [M, out] in `dtype`, before the bias, from x's codes [M, in] and scales."""
         if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], layer.weight.shape[0]):
             return self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, dtype)
+        if self.matmul == "block_triton":
+            block_mm = self._fp8_block_mm.fp8_block_mm
+            return block_mm(x_q, x_scale, layer.weight, layer.weight_scale, self.scheme.block, dtype)
         return FP8_MATMULS[self.matmul](layer, x_q, x_scale)
 
     def quantize(
         self, x: torch.Tensor, input_scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, in] -> (x_q, x_scale) for the matmul: the Triton kernel on `_scaled_mm` (token, static),
-        else `quantize_activations`; the same bits either way."""
+        """x [M, in] -> (x_q, x_scale) for the matmul: the Triton kernel on `_scaled_mm` (token, static)
+        or on "block_triton" (group), else `quantize_activations` / `quantize_activation_groups`; the
+        same bits either way."""
         if self.quantizes_in_kernel:
             return self._quantize_fp8(x, input_scale)
+        if self.matmul == "block_triton":
+            return self._fp8_block_mm.quantize_fp8_groups(x, self.scheme.block[1])
+        if self.scheme.activations == "group":
+            return quantize_activation_groups(x, self.scheme.block[1])
         return quantize_activations(x, self.scheme.activations, input_scale)
+
+    def _block_scale_shape(self, layer: LinearBase) -> tuple[int, int]:
+        """A block scheme's weight_scale [cdiv(out, bn), cdiv(in, bk)]. A packed layer's shards stack their
+        block rows, so every shard but the last must fill whole blocks."""
+        block_n, block_k = self.scheme.block
+        if any(rows % block_n for rows in layer.output_sizes[:-1]):
+            raise ValueError(
+                f"quantization_config: weight blocks of {block_n} rows do not tile the packed shards of "
+                f"{layer.output_sizes} rows (each shard but the last must be a multiple of {block_n})"
+            )
+        return (-(-layer.output_size // block_n), -(-layer.input_size // block_k))
+
+    def _load_block_scale(
+        self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None
+    ) -> None:
+        """Checkpoint block scales (this rank's part of them) into the rows of `shard`'s blocks."""
+        block_n, block_k = self.scheme.block
+        loaded = rank_block_scales(layer, loaded, shard, self.scheme.block)
+        rows = layer.output_size if shard is None else layer.output_sizes[shard]
+        first = 0 if shard is None else sum(layer.output_sizes[:shard]) // block_n
+        expected = (-(-rows // block_n), -(-layer.input_size // block_k))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {expected} (weight blocks {block_n} x {block_k})"
+            )
+        param.data[first : first + expected[0]].copy_(loaded.float())
+
+    def _block_layout(self, layer: LinearBase) -> None:
+        """After loading a block scheme: block_triton keeps the e4m3 codes and their block scales; the others
+        multiply them out, to float32 (block_emulated, exact) or the model dtype (dequantized)."""
+        if self.matmul == "block_triton":
+            return
+        dequantized = dequantize_blocks(layer.weight.data, layer.weight_scale.data, self.scheme.block)
+        if self.matmul == "dequantized":
+            dequantized = dequantized.to(layer.activation_dtype)
+        layer.weight.data = dequantized
 
     def _scale_shape(self, rows: int) -> tuple[int, ...]:
         return (rows, 1) if self.scheme.weight_strategy == "channel" else (1,)

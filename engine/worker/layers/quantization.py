@@ -12,7 +12,8 @@ up to MAX_QUANTIZED_ROWS[method] rows; larger steps use the float32 weight, pack
 (`CpuQuantizedLinearMethod`).
 
 `linear_method_for` is where a layer's `LinearMethod` is chosen, from the `KernelConfig`: FP8 (a checkpoint's
-compressed-tensors config or `--quantization fp8`) takes `sluice.engine.worker.layers.fp8_linear`.
+compressed-tensors or quant_method fp8 config, or `--quantization fp8`) takes
+`sluice.engine.worker.layers.fp8_linear`.
 """
 
 from __future__ import annotations

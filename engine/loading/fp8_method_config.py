@@ -1,0 +1,82 @@
+"""The `quant_method: "fp8"` checkpoint format -> an `Fp8Config` (`sluice.engine.loading.fp8_config`).
+
+transformers' FineGrainedFP8 writes it, and so are DeepSeek-V3's and Qwen3-*-FP8's checkpoints (block-wise
+scales) and AutoFP8's (one scale a tensor). config.json says
+
+    "quantization_config": {
+      "quant_method": "fp8", "fmt": "e4m3",
+      "weight_block_size": [128, 128] | null,
+      "activation_scheme": "dynamic" | "static",
+      "modules_to_not_convert": ["lm_head", ...] | null      (vLLM's checkpoints: "ignored_layers")
+    }
+
+and each quantized linear holds
+
+    weight_block_size [bn, bk]: weight [out, in] e4m3, weight_scale_inv [cdiv(out, bn), cdiv(in, bk)] float32
+                                w[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]  (a product,
+                                whatever the name says); x quantized per token and group of bk columns
+    weight_block_size null:     weight [out, in] e4m3, weight_scale [] float32 (one a tensor); x quantized
+                                with one dynamic scale a step, or with the checkpoint's input_scale (static)
+
+as vLLM's `Fp8Config` reads them. lm_head is never quantized in this format (transformers keeps a model's
+output layer out, and vLLM does); a module is left out when a `modules_to_not_convert` entry matches it as
+transformers matches (from the start up to a module boundary, as a regex with that boundary, or as a suffix).
+Anything else is refused with the field named.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from sluice.engine.loading.fp8_config import Fp8Config, Fp8Group, Fp8Scheme, parse_block
+
+FP8_METHOD = "fp8"
+_FIELDS = {
+    "quant_method", "fmt", "weight_block_size", "activation_scheme", "modules_to_not_convert",
+    "ignored_layers", "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype",
+}  # fmt: skip
+# field -> the values Sluice runs (the defaults transformers writes)
+_ACCEPTED = {
+    "fmt": ("e4m3",), "scale_fmt": ("float",), "expert_dtype": ("fp8",), "modules_to_convert": (None,),
+}  # fmt: skip
+
+
+def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
+    """A `quant_method: "fp8"` quantization_config -> Fp8Config (serialized schemes, every linear but
+    lm_head and the modules left out). Raises ValueError naming the first field Sluice does not run."""
+    where = "quantization_config"
+    unknown = sorted(set(raw) - _FIELDS)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown field; Sluice does not know what it changes")
+    for field, accepted in _ACCEPTED.items():
+        if raw.get(field, accepted[0]) not in accepted:
+            raise ValueError(f"{where}.{field}: {raw[field]!r} is not supported; supported: {accepted[0]!r}")
+    activations = raw.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise ValueError(
+            f"{where}.activation_scheme: {activations!r} is not supported; supported: 'dynamic', 'static'"
+        )
+    if raw.get("weight_block_size") is None:
+        mode = "tensor" if activations == "dynamic" else "static"
+        scheme = Fp8Scheme("tensor", mode, serialized=True)
+    else:
+        if activations != "dynamic":
+            raise ValueError(f"{where}.activation_scheme: block weights take 'dynamic' activations")
+        block = parse_block(raw["weight_block_size"], f"{where}.weight_block_size")
+        scheme = Fp8Scheme("block", "group", serialized=True, block=block, scale_name="weight_scale_inv")
+    left_out = []
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        names = raw.get(field) or []
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"{where}.{field}: must be a list of module names")
+        left_out += [_as_target(name) for name in names]
+    return Fp8Config((Fp8Group(FP8_METHOD, ("Linear",), scheme),), ("lm_head", *left_out))
+
+
+def _as_target(pattern: str) -> str:
+    """A modules_to_not_convert entry as an `Fp8Config.ignore` regex target, matching as transformers'
+    `should_convert_module` does: re.match up to a module boundary, or the name ending with it."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return f"re:(?:(?:{pattern}){boundary}|.*{re.escape(pattern)}$)"
