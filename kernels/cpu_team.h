@@ -137,8 +137,8 @@ class Team {
   void operator()(int64_t begin, int64_t end, int64_t grain, const F& f) const {
     const int64_t n = end - begin;
     if (n > 0) {
-      const int64_t used = std::min<int64_t>(threads_, (n + grain - 1) / std::max<int64_t>(grain, 1));
-      const int64_t chunk = (n + used - 1) / used;
+      const int64_t used = std::min<int64_t>(threads_, at::divup(n, std::max<int64_t>(grain, 1)));
+      const int64_t chunk = at::divup(n, used);
       const int64_t first = begin + thread_ * chunk;
       if (thread_ < used && first < end) f(first, std::min(end, first + chunk));
     }
