@@ -92,6 +92,24 @@ def test_the_fp8_method_format_runs_as_the_same_tensors_in_compressed_tensors(ll
     assert greedy(llms["fp8"]) == transformers_greedy(written["compressed-tensors"], prompts(), MAX_TOKENS)
 
 
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_the_fp8_method_format_without_blocks_runs_as_per_tensor_compressed_tensors(
+    activations, llama_dir, tmp_path
+):
+    """AutoFP8's layout: one weight_scale a tensor; dynamic activations per token (as transformers
+    quantizes them), or the checkpoint's input_scale."""
+    written = {
+        method: write_fp8_checkpoint(
+            llama_dir, str(tmp_path / method), weights="tensor", activations=activations, quant_method=method
+        )
+        for method in ("fp8", "compressed-tensors")
+    }
+    llms = {method: LLM(directory, num_blocks=32) for method, directory in written.items()}
+    assert linears(llms["fp8"])[DOWN].method.scheme == Fp8Scheme("tensor", activations, serialized=True)
+    assert greedy(llms["fp8"]) == greedy(llms["compressed-tensors"])
+    assert greedy(llms["fp8"]) == transformers_greedy(written["compressed-tensors"], prompts(), MAX_TOKENS)
+
+
 def test_a_layer_whose_edges_cut_blocks_computes_each_group_and_block(tmp_path):
     """72 x 200 with 32 x 128 blocks: a partial last block row and column, a partial last group; y against
     the definition written out group by group."""
@@ -153,7 +171,7 @@ def test_what_transformers_writes_for_the_fp8_method_parses_to_its_scheme():
     with pytest.raises(ValueError, match=r"q_proj, .*k_proj, .*v_proj are quantized differently"):
         config.scheme_for("model.layers.0.self_attn.qkv_proj")  # k_proj left out by its suffix alone
     per_tensor = _resolve(fp8_method_config(None, "tensor", ()))
-    assert per_tensor.scheme_for(DOWN) == Fp8Scheme("tensor", "tensor", serialized=True)
+    assert per_tensor.scheme_for(DOWN) == Fp8Scheme("tensor", "token", serialized=True)
     static = _resolve(fp8_method_config(None, "static", ()))
     assert static.scheme_for(DOWN) == Fp8Scheme("tensor", "static", serialized=True)
     deepseek = {
@@ -175,6 +193,7 @@ def test_what_transformers_writes_for_the_fp8_method_parses_to_its_scheme():
         ("activation_scheme", "per_token", "'per_token' is not supported; supported: 'dynamic', 'static'"),
         ("weight_block_size", [128, 96], r"\[128, 96\] is not supported \(two powers of two >= 16"),
         ("modules_to_not_convert", "lm_head", "must be a list of module names"),
+        ("modules_to_not_convert", ["layers.(1"], r"'layers.\(1' is not a regular expression"),
         ("modules_to_convert", ["q_proj"], r"\['q_proj'\] is not supported; supported: None"),
         ("bits", 8, "unknown field; Sluice does not know what it changes"),
     ],
@@ -231,3 +250,18 @@ def test_block_schemes_take_the_triton_kernel_on_sm89_and_up():
     assert matmul((9, 0), activations="none") == "dequantized"
     with pytest.raises(ValueError, match=r"^matmul: 'rowwise' does not run weight_strategy 'block'"):
         Fp8LinearMethod(Fp8Scheme("block", "group", True, (128, 128)), "rowwise")
+
+
+def test_the_engines_block_quantizer_makes_the_blocks_written_here():
+    """`quantize_weight_blocks` (what the benchmarks quantize with) gives the codes and scales of this
+    suite's block-by-block writer, partial edge blocks included."""
+    from fp8_checkpoints import quantize_weight_blocks as written_here
+
+    from sluice.engine.worker.layers.fp8_blocks import quantize_weight_blocks
+
+    weight = torch.randn(72, 200, generator=torch.Generator().manual_seed(8))
+    codes, scale = quantize_weight_blocks(weight, (32, 128))
+    want_codes, want_scale = written_here(weight, (32, 128))
+    assert scale.shape == (3, 2)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))

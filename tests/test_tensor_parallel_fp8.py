@@ -17,7 +17,6 @@ from checkpoints import build_llama_kv4_checkpoint
 from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
 from test_tensor_parallel import MIXED, NUM_NEW, _prompts
 
-from sluice.engine.executor.worker_monitor import WorkerDiedError
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
 
@@ -90,14 +89,20 @@ def test_block_scales_on_two_ranks_give_one_ranks_and_transformers_tokens(float_
     assert _tokens(two) == transformers_greedy(directory, _prompts(), NUM_NEW)
 
 
-def test_blocks_a_rank_would_cut_are_refused(float_dir, tmp_path_factory):
-    """128-column blocks: o_proj's 128 input columns are 64 a rank, half a block. Every rank refuses it
-    while loading; whichever is first reports (rank 0 here, or rank 1's process: WorkerDiedError)."""
+@pytest.mark.parametrize(
+    ("block", "cut"),
+    [
+        ((32, 128), r"self_attn.o_proj \(64 input columns a rank, blocks of 128\)"),  # o_proj's 128 columns
+        ((64, 32), r"self_attn.qkv_proj \(32 rows a rank, blocks of 64\)"),  # 2 KV heads of 16 a rank
+    ],
+)
+def test_blocks_a_rank_would_cut_are_refused_before_any_rank_starts(block, cut, float_dir, tmp_path_factory):
     directory = _fp8_dir(
-        float_dir, tmp_path_factory, "wide", weights="block", activations="group", block=(32, 128)
+        float_dir, tmp_path_factory, "cut", weights="block", activations="group", block=block
     )
     with pytest.raises(
-        (ValueError, WorkerDiedError),
-        match=r"tensor_parallel_size 2: a rank's 64 input columns of a row-parallel",
+        ValueError, match=rf"^tensor_parallel_size: 2 ranks would cut the FP8 weight blocks of {cut}"
     ):
         _generate(directory, 2, GREEDY)
+    one = LLM(directory, num_blocks=32)  # one rank cuts nothing
+    assert len(one.generate(_prompts()[:1], GREEDY)[0].token_ids) == NUM_NEW

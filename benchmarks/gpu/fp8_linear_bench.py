@@ -10,9 +10,12 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
                 checked; at more rows, that tile again
     skinny      from 2 to 64 rows: fp8_quant + sluice.kernels.fp8_skinny_mm with its default config (the
                 FP8 linears' path where `runs_skinny`), and the fastest config of a sweep sharing the cap
+    block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
+                + fp8_block_mm (sluice.kernels.fp8_block_mm), the block linears' path; not in "best fp8"
 Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
 not fit in L2, so it is the time a captured decode step spends, launch gaps included. GB/s: the weight's
-bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight.
+bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight (block
+128: of its own blocks' values).
 
 --device cpu runs a tiny shape under the Triton interpreter, timed by wall clock
 (tests/test_fp8_linear_bench.py): its figures say nothing about speed.
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 
 from sluice.benchmarks.gpu.gpu_benchmarks import CALLS_PER_GRAPH, time_graph_s
 from sluice.engine.loading.presets import preset_arch
+from sluice.engine.worker.layers.fp8_blocks import dequantize_blocks, quantize_weight_blocks
 from sluice.engine.worker.layers.fp8_linear import (
     GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
@@ -43,6 +47,7 @@ from sluice.engine.worker.layers.fp8_linear import (
     runs_gemv,
     runs_skinny,
 )
+from sluice.kernels.fp8_block_mm import fp8_block_mm, quantize_fp8_groups
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.fp8_skinny_mm import MAX_ROWS as SKINNY_ROWS
@@ -51,6 +56,7 @@ from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
+BLOCK = (128, 128)  # the block-wise checkpoints' weight blocks and activation groups
 # First the latency options (fp8_gemv's docstring: pipelined or prefetched tiles, split K, a wider amax
 # pass) on and around the tiles that won on the 8b and 1b shapes (fp8_gemv.SWEPT_TILES), then the plain
 # tile grid; the sweep's wall-clock cap may cut the tail. Every one compiles for sm_90 without spilling
@@ -109,18 +115,20 @@ def linears(model: str) -> list[Linear]:
 
 
 class Weights:
-    """Copies of one random weight, bf16 and e4m3 + per-channel scales, cycled through so that the timed
-    calls read device memory, not L2."""
+    """Copies of one random weight, bf16 and e4m3 + per-channel scales (and e4m3 + BLOCK scales), cycled
+    through so that the timed calls read device memory, not L2. `block_bf16`: copy 0's block values."""
 
     def __init__(self, linear: Linear, device: torch.device, copies: int) -> None:
         gen = torch.Generator(device=device).manual_seed(0)
         shape = (linear.out_features, linear.in_features)
-        self.bf16, self.fp8 = [], []
+        self.bf16, self.fp8, self.block = [], [], []
         for _ in range(copies):
             weight = torch.randn(shape, generator=gen, device=device) * 0.02
             codes, scale = quantize_weight(weight)
             self.fp8.append((codes, scale))
             self.bf16.append((codes.float() * scale[:, None]).to(torch.bfloat16))  # the same values
+            self.block.append(quantize_weight_blocks(weight, BLOCK))
+        self.block_bf16 = dequantize_blocks(*self.block[0], BLOCK).to(torch.bfloat16)
 
     @staticmethod
     def copies_for(linear: Linear, device: torch.device) -> int:
@@ -150,6 +158,11 @@ def _scaled_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     )
 
 
+def _block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_q, x_scale = quantize_fp8_groups(x, BLOCK[1])
+    return fp8_block_mm(x_q, x_scale, codes, scale, BLOCK, torch.bfloat16)
+
+
 def _skinny(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
@@ -170,6 +183,7 @@ class Row:
     skinny_s: float | None = None
     skinny_best_s: float | None = None
     skinny_best: SkinnyConfig | None = None
+    block_s: float | None = None
 
     def fp8_times(self) -> list[float]:
         times = (self.scaled_mm_s, self.gemv_s, self.best_s, self.skinny_s, self.skinny_best_s)
@@ -201,6 +215,10 @@ def bench_linear(
             row.gemv_s = time_calls_s([partial(fp8_gemv, x, *w) for w in weights.fp8], device)
             candidates = SWEEP if rows == 1 else [results[0].best] if results and results[0].best else []
             _sweep(row, candidates, x, weights, want, device, deadline)
+        row.max_rel_diff = max(
+            row.max_rel_diff, _rel_diff(_block(x, *weights.block[0]), F.linear(x, weights.block_bf16))
+        )
+        row.block_s = time_calls_s([partial(_block, x, *w) for w in weights.block], device)
         if 1 < rows <= SKINNY_ROWS:
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
@@ -293,8 +311,9 @@ def _tile(config: GemvConfig) -> str:
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) | skinny us "
-        "| skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | max rel diff vs bf16 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |",
+        "| skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | block 128 us | block / bf16 "
+        "| max rel diff vs bf16 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         fp8 = row.fp8_times()
@@ -310,7 +329,7 @@ def table(rows: Sequence[Row]) -> str:
             f"| {tile} | {_us(row.skinny_s)} | {skinny} "
             f"| {'' if best is None else f'{best / row.bf16_s:.2f}'} "
             f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
-            f"| {row.max_rel_diff:.3g} |"
+            f"| {_us(row.block_s)} | {_ratio(row.block_s, row.bf16_s)} | {row.max_rel_diff:.3g} |"
         )
     return "\n".join(lines)
 

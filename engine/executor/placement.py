@@ -17,6 +17,7 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.partition import divide, partition_heads
+from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.worker.model_runner import pick_device
@@ -60,9 +61,33 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
 
 def check_model_splits(arch: ModelArchConfig, size: int) -> None:
     """ValueError naming `tensor_parallel_size` unless the model class supports tensor parallelism and its
-    query heads, KV heads and MLP columns split over `size` ranks."""
+    query heads, KV heads and MLP columns split over `size` ranks (and, block-wise FP8, its weight blocks)."""
     model_class = get_model_class(arch.architecture)
     if not getattr(model_class, "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size: {arch.architecture} has no tensor-parallel support; use 1")
-    partition_heads(arch.num_attention_heads, arch.num_key_value_heads, 0, size)
-    divide(arch.intermediate_size, size, "intermediate_size columns of the MLP")
+    heads = partition_heads(arch.num_attention_heads, arch.num_key_value_heads, 0, size)
+    mlp_columns = divide(arch.intermediate_size, size, "intermediate_size columns of the MLP")
+    if size == 1 or "quantization_config" not in arch.extra:
+        return
+    fp8 = resolve_fp8_config(None, arch.extra, model_class.packed_modules)
+    # projection -> (a rank's rows, a rank's input columns); 0: not split that way
+    parts = {
+        "self_attn.qkv_proj": (heads.num_kv_heads * arch.head_dim, 0),  # q rows: a multiple of these
+        "self_attn.o_proj": (0, heads.num_heads * arch.head_dim),
+        "mlp.gate_up_proj": (mlp_columns, 0),
+        "mlp.down_proj": (0, mlp_columns),
+    }
+    for layer in range(arch.num_hidden_layers):
+        for projection, (rows, columns) in parts.items():
+            scheme = fp8.scheme_for(f"model.layers.{layer}.{projection}")
+            if scheme is None or scheme.block is None:
+                continue
+            for what, count, block in (
+                ("rows", rows, scheme.block[0]),
+                ("input columns", columns, scheme.block[1]),
+            ):
+                if count % block:
+                    raise ValueError(
+                        f"tensor_parallel_size: {size} ranks would cut the FP8 weight blocks of {projection} "
+                        f"({count} {what} a rank, blocks of {block})"
+                    )

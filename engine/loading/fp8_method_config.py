@@ -15,10 +15,13 @@ and each quantized linear holds
     weight_block_size [bn, bk]: weight [out, in] e4m3, weight_scale_inv [cdiv(out, bn), cdiv(in, bk)] float32
                                 w[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]  (a product,
                                 whatever the name says); x quantized per token and group of bk columns
-    weight_block_size null:     weight [out, in] e4m3, weight_scale [] float32 (one a tensor); x quantized
-                                with one dynamic scale a step, or with the checkpoint's input_scale (static)
+    weight_block_size null:     weight [out, in] e4m3, weight_scale [] float32 (one a tensor, AutoFP8's and
+                                vLLM's name); x quantized per token (dynamic: as transformers does, so a
+                                request's numbers do not depend on its batch), or with the checkpoint's
+                                input_scale (static)
 
-as vLLM's `Fp8Config` reads them. lm_head is never quantized in this format (transformers keeps a model's
+as vLLM's `Fp8Config` reads them (the per-tensor scale under transformers' name, weight_scale_inv, is
+refused as an unexpected tensor). lm_head is never quantized in this format (transformers keeps a model's
 output layer out, and vLLM does); a module is left out when a `modules_to_not_convert` entry matches it as
 transformers matches (from the start up to a module boundary, as a regex with that boundary, or as a suffix).
 Anything else is refused with the field named.
@@ -59,7 +62,7 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
             f"{where}.activation_scheme: {activations!r} is not supported; supported: 'dynamic', 'static'"
         )
     if raw.get("weight_block_size") is None:
-        mode = "tensor" if activations == "dynamic" else "static"
+        mode = "token" if activations == "dynamic" else "static"
         scheme = Fp8Scheme("tensor", mode, serialized=True)
     else:
         if activations != "dynamic":
@@ -71,7 +74,12 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
         names = raw.get(field) or []
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise ValueError(f"{where}.{field}: must be a list of module names")
-        left_out += [_as_target(name) for name in names]
+        for name in names:
+            try:
+                re.compile(name)  # an entry is a regex, as transformers reads it
+            except re.error as error:
+                raise ValueError(f"{where}.{field}: {name!r} is not a regular expression ({error})") from None
+            left_out.append(_as_target(name))
     return Fp8Config((Fp8Group(FP8_METHOD, ("Linear",), scheme),), ("lm_head", *left_out))
 
 

@@ -37,6 +37,19 @@ def quantize_activation_groups(x: torch.Tensor, group_size: int) -> tuple[torch.
     return (x / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes [N, K] e4m3, scale [cdiv(N, bn), cdiv(K, bk)] float32): max |w| -> 448 per
+    block (edge blocks partial), as llm-compressor's FP8_BLOCK and DeepSeek's blocks are made."""
+    w = weight.float()
+    (rows, columns), (block_n, block_k) = w.shape, block
+    num_n, num_k = -(-rows // block_n), -(-columns // block_k)
+    padded = F.pad(w, (0, num_k * block_k - columns, 0, num_n * block_n - rows))
+    amax = padded.view(num_n, block_n, num_k, block_k).abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    per_element = scale.repeat_interleave(block_n, dim=0).repeat_interleave(block_k, dim=1)[:rows, :columns]
+    return (w / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """codes [N, K] e4m3 with scale [cdiv(N, block[0]), cdiv(K, block[1])] -> w [N, K] float32,
     w[n, k] = codes[n, k] * scale[n // block[0], k // block[1]]."""
