@@ -27,7 +27,8 @@ It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
 Block schemes (`sluice.engine.worker.layers.fp8_blocks`: a scale per [bn, bk] weight block, x quantized per
 row and group of bk columns) keep the codes and block scales on CUDA sm_89+ and run `block_triton`
 (`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`); elsewhere `block_emulated`
-multiplies the blocks out to float32 at load (exact) and the groups' codes by their scales each step.
+multiplies the blocks out to float32 at load and the groups' codes by their scales each step (a float32
+rounding each, as compressed-tensors' decompression and fake quantization round them; the reference).
 
 On rowwise and tensorwise, token and static activations are quantized by one Triton launch
 (`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
@@ -344,7 +345,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def _block_layout(self, layer: LinearBase) -> None:
         """After loading a block scheme: block_triton keeps the e4m3 codes and their block scales; the others
-        multiply them out, to float32 (block_emulated, exact) or the model dtype (dequantized)."""
+        multiply them out, to float32 (block_emulated: codes * scale, one float32 rounding a weight) or the
+        model dtype (dequantized)."""
         if self.matmul == "block_triton":
             return
         dequantized = dequantize_blocks(layer.weight.data, layer.weight_scale.data, self.scheme.block)
