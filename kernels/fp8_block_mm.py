@@ -32,7 +32,13 @@ import triton.language as tl
 
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.store_kv import quantize_e4m3
-from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_shape, check_tensor
+from sluice.kernels.tensor_checks import (
+    FLOAT_DTYPES,
+    check_power_of_two,
+    check_shape,
+    check_tensor,
+    checked_output,
+)
 
 FP8 = torch.float8_e4m3fn
 QUANT_TILE = 2048  # columns a quantization program holds at most (GROUPS * group_size)
@@ -125,8 +131,8 @@ def quantize_fp8_groups(
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
     check_power_of_two("group_size", group_size, 16)
     num_groups = triton.cdiv(width, group_size)
-    out = _checked_output("out", out, (num_rows, width), FP8, x.device)
-    scale_out = _checked_output("scale_out", scale_out, (num_rows, num_groups), torch.float32, x.device)
+    out = checked_output("out", out, (num_rows, width), FP8, x.device)
+    scale_out = checked_output("scale_out", scale_out, (num_rows, num_groups), torch.float32, x.device)
     if num_rows == 0:
         return out, scale_out
     groups = min(triton.next_power_of_2(num_groups), max(1, QUANT_TILE // group_size))
@@ -169,7 +175,7 @@ def fp8_block_mm(
     _check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
     num_rows, in_features = x_q.shape
     out_features = w_q.shape[0]
-    y = _checked_output("out", out, (num_rows, out_features), out_dtype, x_q.device)
+    y = checked_output("out", out, (num_rows, out_features), out_dtype, x_q.device)
     if num_rows == 0 or out_features == 0:
         return y
     block_m, block_n = block_mm_tiles(num_rows, out_features)
@@ -246,14 +252,3 @@ def _check_mm_args(
     check_shape("w_scale", w_scale, (triton.cdiv(out_features, block_n), num_k_blocks))
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: {out_dtype} is not one of {FLOAT_DTYPES}")
-
-
-def _checked_output(
-    name: str, tensor: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`tensor` checked to be `shape` and `dtype` on `device` (unit last stride), or a new empty one."""
-    if tensor is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(name, tensor, ndim=2, dtypes=(dtype,), device=device)
-    check_shape(name, tensor, shape)
-    return tensor

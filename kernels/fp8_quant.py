@@ -29,7 +29,12 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.store_kv import quantize_e4m3
-from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_same_dtype, check_shape, check_tensor
+from sluice.kernels.tensor_checks import (
+    FLOAT_DTYPES,
+    check_same_dtype,
+    check_tensor,
+    checked_output,
+)
 
 FP8 = torch.float8_e4m3fn
 MAX_TILE = 4096  # columns a program holds at once
@@ -130,8 +135,8 @@ def quantized_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [num_rows, width] e4m3, scale [num_rows, 1] float32): `out` / `scale_out` checked, or new."""
     return (
-        _output("out", out, (num_rows, width), FP8, device),
-        _output("scale_out", scale_out, (num_rows, 1), torch.float32, device),
+        checked_output("out", out, (num_rows, width), FP8, device),
+        checked_output("scale_out", scale_out, (num_rows, 1), torch.float32, device),
     )
 
 
@@ -179,14 +184,3 @@ def _check_args(x: torch.Tensor, input_scale: torch.Tensor | None) -> None:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
     if input_scale is not None:
         check_input_scale(input_scale, x.device)
-
-
-def _output(
-    name: str, tensor: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`tensor` checked to be `shape` and `dtype` on `device` (unit last stride), or a new empty one."""
-    if tensor is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(name, tensor, ndim=2, dtypes=(dtype,), device=device)
-    check_shape(name, tensor, shape)
-    return tensor

@@ -118,6 +118,17 @@ def output_like(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torc
     return out
 
 
+def checked_output(
+    name: str, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`out` checked to be 2-D `shape` and `dtype` on `device` (unit last stride), or a new empty tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, out, ndim=2, dtypes=(dtype,), device=device)
+    check_shape(name, out, shape)
+    return out
+
+
 def check_rotary_args(positions, q, k, cos_sin_cache) -> None:
     """Raise ValueError unless q [T, num_heads, head_dim] (float, even head_dim), k [T, num_kv_heads,
     head_dim] like q, positions [T] int32/int64 and cos_sin_cache [max_position, head_dim] float32 share q's
