@@ -5,7 +5,9 @@ random float checkpoints of `checkpoints.py`, and the transformers references th
 weights per output row ("channel") or per tensor ("tensor"), scale = max |w| / 448; static activation
 scales ("static") from the float model's largest input to each projection over a calibration batch (q, k
 and v see the same input, so they share it; so do gate and up); and, given `kv_scales`, every attention
-layer's `self_attn.k_scale` / `v_scale`. config.json gets the matching `quantization_config`.
+layer's `self_attn.k_scale` / `v_scale`. config.json gets the matching `quantization_config`. With
+weights "block", a scale per weight block and activations quantized per group (llm-compressor's FP8_BLOCK);
+quant_method "fp8" writes the same tensors in that format (transformers' FineGrainedFP8Config's config).
 
 References nobody here wrote:
   * `transformers_greedy` on an FP8 checkpoint: transformers with compressed-tensors loading it the usual
@@ -153,7 +155,7 @@ def quantize_weight(
 
 def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, scale [cdiv(rows, bn), cdiv(columns, bk)]) with max |w| -> 448 per block (edge blocks
-    partial), written out element by element: w[n, k] ~ codes[n, k] * scale[n // bn, k // bk]."""
+    partial), written out block by block: w[n, k] ~ codes[n, k] * scale[n // bn, k // bk]."""
     w = weight.float()
     rows, columns = w.shape
     block_n, block_k = block
