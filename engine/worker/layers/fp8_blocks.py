@@ -24,6 +24,14 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero group quantizes to zeros, not NaN
 
 
+def per_element_scales(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """scale [cdiv(rows, block[0]), cdiv(columns, block[1])] -> [rows, columns] = shape: each element's
+    scale, scale[r // block[0], c // block[1]] (edge blocks cut to the shape). Activation groups are
+    blocks of (1, group_size)."""
+    expanded = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return expanded[: shape[0], : shape[1]]
+
+
 def quantize_activation_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_q [M, K] e4m3, x_scale [M, cdiv(K, group_size)] float32): a scale per row and group of
     `group_size` consecutive columns (the last group may be narrower), max |x| -> 448, as
@@ -33,8 +41,7 @@ def quantize_activation_groups(x: torch.Tensor, group_size: int) -> tuple[torch.
     padded = F.pad(x, (0, num_groups * group_size - x.shape[1]))  # zero columns: the amax stays
     amax = padded.view(x.shape[0], num_groups, group_size).abs().amax(dim=2)
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    per_column = scale.repeat_interleave(group_size, dim=1)[:, : x.shape[1]]
-    return (x / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (x / per_element_scales(scale, (1, group_size), x.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,16 +53,13 @@ def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tupl
     padded = F.pad(w, (0, num_k * block_k - columns, 0, num_n * block_n - rows))
     amax = padded.view(num_n, block_n, num_k, block_k).abs().amax(dim=(1, 3))
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    per_element = scale.repeat_interleave(block_n, dim=0).repeat_interleave(block_k, dim=1)[:rows, :columns]
-    return (w / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (w / per_element_scales(scale, block, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """codes [N, K] e4m3 with scale [cdiv(N, block[0]), cdiv(K, block[1])] -> w [N, K] float32,
     w[n, k] = codes[n, k] * scale[n // block[0], k // block[1]]."""
-    rows, columns = codes.shape
-    per_element = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return codes.float() * per_element[:rows, :columns]
+    return codes.float() * per_element_scales(scale, block, codes.shape)
 
 
 def rank_block_scales(

@@ -65,6 +65,7 @@ from sluice.engine.loading.fp8_config import Fp8Scheme
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
 from sluice.engine.worker.layers.fp8_blocks import (
     dequantize_blocks,
+    per_element_scales,
     quantize_activation_groups,
     rank_block_scales,
 )
@@ -136,7 +137,7 @@ def _emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> to
 
 def _block_emulated(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
     group = layer.method.scheme.block[1]
-    x = x_q.float() * x_scale.repeat_interleave(group, dim=1)[:, : x_q.shape[1]]
+    x = x_q.float() * per_element_scales(x_scale, (1, group), x_q.shape)
     return torch.mm(x, layer.weight.t()).to(layer.activation_dtype)  # layer.weight: dequantized, float32
 
 
@@ -320,13 +321,13 @@ class Fp8LinearMethod(LinearMethod):
     def _block_scale_shape(self, layer: LinearBase) -> tuple[int, int]:
         """A block scheme's weight_scale [cdiv(out, bn), cdiv(in, bk)]. A packed layer's shards stack their
         block rows, so every shard but the last must fill whole blocks."""
-        block_n, block_k = self.scheme.block
+        block_n = self.scheme.block[0]
         if any(rows % block_n for rows in layer.output_sizes[:-1]):
             raise ValueError(
                 f"quantization_config: weight blocks of {block_n} rows do not tile the packed shards of "
                 f"{layer.output_sizes} rows (each shard but the last must be a multiple of {block_n})"
             )
-        return (-(-layer.output_size // block_n), -(-layer.input_size // block_k))
+        return self.checkpoint_shape(layer, self.scheme.scale_name, None)
 
     def _load_block_scale(
         self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None
@@ -334,9 +335,8 @@ class Fp8LinearMethod(LinearMethod):
         """Checkpoint block scales (this rank's part of them) into the rows of `shard`'s blocks."""
         block_n, block_k = self.scheme.block
         loaded = rank_block_scales(layer, loaded, shard, self.scheme.block)
-        rows = layer.output_size if shard is None else layer.output_sizes[shard]
         first = 0 if shard is None else sum(layer.output_sizes[:shard]) // block_n
-        expected = (-(-rows // block_n), -(-layer.input_size // block_k))
+        expected = self.checkpoint_shape(layer, self.scheme.scale_name, shard)
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"has shape {tuple(loaded.shape)}, expected {expected} (weight blocks {block_n} x {block_k})"
