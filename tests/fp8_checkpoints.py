@@ -52,11 +52,14 @@ def write_fp8_checkpoint(
     ignore: tuple[str, ...] = ("lm_head",),
     block: tuple[int, int] | None = None,
     quant_method: str = "compressed-tensors",
+    names: str = "vllm",
 ) -> str:
     """`source` (a float checkpoint directory) quantized into `directory`; `activations` is "token"
     (dynamic), "tensor" (dynamic per tensor), "static", "group" (dynamic, `block[1]` columns a group; with
     weights "block") or None (weights only). quant_method "fp8": the same tensors in that format
-    (`fp8_method_config`), the block scales named weight_scale_inv."""
+    (`fp8_method_config`), the block scales named weight_scale_inv; its per-tensor scales named as vLLM and
+    AutoFP8 name them (`names` "vllm": weight_scale, input_scale) or as transformers' FineGrainedFP8Linear
+    does ("transformers": weight_scale_inv, activation_scale, both 0-d)."""
     tensors = _read_tensors(source)
     input_scales = _calibrate(source) if activations == "static" else {}
     out = {}
@@ -65,10 +68,17 @@ def write_fp8_checkpoint(
         if module.rpartition(".")[2] not in PROJECTIONS or module in ignore or not name.endswith(".weight"):
             out[name] = tensor
             continue
-        scale_name = "weight_scale_inv" if quant_method == "fp8" and block else "weight_scale"
-        out[name], out[f"{module}.{scale_name}"] = quantize_weight(tensor, weights, block)
+        transformers = quant_method == "fp8" and names == "transformers"
+        scale_name = (
+            "weight_scale_inv" if quant_method == "fp8" and (block or transformers) else "weight_scale"
+        )
+        out[name], scale = quantize_weight(tensor, weights, block)
+        out[f"{module}.{scale_name}"] = scale.reshape(()) if transformers else scale
         if activations == "static":
-            out[f"{module}.input_scale"] = input_scales[module].reshape(1)
+            input_scale = input_scales[module]
+            out[f"{module}.activation_scale" if transformers else f"{module}.input_scale"] = (
+                input_scale.reshape(()) if transformers else input_scale.reshape(1)
+            )
     for layer in range(_layers(source)):
         if kv_scales is not None:
             out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(kv_scales[0])

@@ -6,7 +6,8 @@ its scale).
 References nobody here wrote: transformers + compressed-tensors on an FP8_BLOCK checkpoint (it decompresses
 the blocks and quantizes each projection's input per group itself) give the greedy tokens; transformers'
 FineGrainedFP8Config writes the quant_method fp8 config, whose checkpoint holds the same tensors under
-other names (weight_scale_inv), so it must run exactly as the compressed-tensors one. Blocks are 16 or 32
+other names (weight_scale_inv; per tensor, vLLM's and AutoFP8's names or transformers' own), so it must run
+exactly as the compressed-tensors one. Blocks are 16 or 32
 wide here (the tiny models are 64-256 wide); a layer whose edges cut blocks is checked element by element.
 """
 
@@ -92,22 +93,63 @@ def test_the_fp8_method_format_runs_as_the_same_tensors_in_compressed_tensors(ll
     assert greedy(llms["fp8"]) == transformers_greedy(written["compressed-tensors"], prompts(), MAX_TOKENS)
 
 
+@pytest.mark.parametrize("names", ["vllm", "transformers"])
 @pytest.mark.parametrize("activations", ["token", "static"])
 def test_the_fp8_method_format_without_blocks_runs_as_per_tensor_compressed_tensors(
-    activations, llama_dir, tmp_path
+    activations, names, llama_dir, tmp_path
 ):
     """AutoFP8's layout: one weight_scale a tensor; dynamic activations per token (as transformers
-    quantizes them), or the checkpoint's input_scale."""
+    quantizes them), or the checkpoint's input_scale. transformers' FineGrainedFP8Linear names those
+    weight_scale_inv and activation_scale (0-d): the same numbers, read as the same."""
     written = {
         method: write_fp8_checkpoint(
-            llama_dir, str(tmp_path / method), weights="tensor", activations=activations, quant_method=method
+            llama_dir,
+            str(tmp_path / method),
+            weights="tensor",
+            activations=activations,
+            quant_method=method,
+            names=names,
         )
         for method in ("fp8", "compressed-tensors")
     }
+    saved = load_file(f"{written['fp8']}/model.safetensors")
+    scale_names = {
+        "vllm": ("weight_scale", "input_scale"),
+        "transformers": ("weight_scale_inv", "activation_scale"),
+    }
+    weight_scale, input_scale = (f"{DOWN}.{name}" for name in scale_names[names])
+    assert weight_scale in saved and (input_scale in saved) == (activations == "static")
     llms = {method: LLM(directory, num_blocks=32) for method, directory in written.items()}
-    assert linears(llms["fp8"])[DOWN].method.scheme == Fp8Scheme("tensor", activations, serialized=True)
+    ours, theirs = linears(llms["fp8"]), linears(llms["compressed-tensors"])
+    assert ours[DOWN].method.scheme.weight_strategy == "tensor"
+    assert ours[DOWN].method.scheme.activations == activations
+    for name in (name for name, linear in ours.items() if hasattr(linear, "weight_scale")):
+        torch.testing.assert_close(ours[name].weight_scale, theirs[name].weight_scale, rtol=0, atol=0)
+        if activations == "static":
+            torch.testing.assert_close(ours[name].input_scale, theirs[name].input_scale, rtol=0, atol=0)
     assert greedy(llms["fp8"]) == greedy(llms["compressed-tensors"])
     assert greedy(llms["fp8"]) == transformers_greedy(written["compressed-tensors"], prompts(), MAX_TOKENS)
+
+
+def test_a_scale_under_both_of_its_names_is_refused(llama_dir, tmp_path):
+    directory = write_fp8_checkpoint(
+        llama_dir, str(tmp_path / "fp8"), weights="tensor", activations="token", quant_method="fp8"
+    )
+    path = f"{directory}/model.safetensors"
+    saved = load_file(path)
+    save_file({**saved, f"{DOWN}.weight_scale_inv": saved[f"{DOWN}.weight_scale"].reshape(()).clone()}, path)
+    with pytest.raises(
+        ValueError, match=rf"^weights: '{DOWN}\.weight_scale(_inv)?' fills '{DOWN}\.weight_scale', which"
+    ):
+        LLM(directory, num_blocks=32)
+    # a compressed-tensors checkpoint takes no other names
+    ct = write_fp8_checkpoint(llama_dir, str(tmp_path / "ct"), weights="tensor", activations="token")
+    path = f"{ct}/model.safetensors"
+    saved = load_file(path)
+    scale = saved.pop(f"{DOWN}.weight_scale")
+    save_file({**saved, f"{DOWN}.weight_scale_inv": scale}, path)
+    with pytest.raises(ValueError, match=rf"^weights: unexpected tensor '{DOWN}\.weight_scale_inv'"):
+        LLM(ct, num_blocks=32)
 
 
 def test_a_layer_whose_edges_cut_blocks_computes_each_group_and_block(tmp_path):
@@ -171,9 +213,11 @@ def test_what_transformers_writes_for_the_fp8_method_parses_to_its_scheme():
     with pytest.raises(ValueError, match=r"q_proj, .*k_proj, .*v_proj are quantized differently"):
         config.scheme_for("model.layers.0.self_attn.qkv_proj")  # k_proj left out by its suffix alone
     per_tensor = _resolve(fp8_method_config(None, "tensor", ()))
-    assert per_tensor.scheme_for(DOWN) == Fp8Scheme("tensor", "token", serialized=True)
+    inverse = ("weight_scale_inv", "weight_scale")  # transformers' name for the per-tensor scale
+    assert per_tensor.scheme_for(DOWN) == Fp8Scheme("tensor", "token", serialized=True, aliases=(inverse,))
     static = _resolve(fp8_method_config(None, "static", ()))
-    assert static.scheme_for(DOWN) == Fp8Scheme("tensor", "static", serialized=True)
+    aliases = (inverse, ("activation_scale", "input_scale"))
+    assert static.scheme_for(DOWN) == Fp8Scheme("tensor", "static", serialized=True, aliases=aliases)
     deepseek = {
         "quant_method": "fp8",
         "fmt": "e4m3",

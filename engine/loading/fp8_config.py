@@ -63,14 +63,17 @@ class Fp8Scheme:
     checkpoint tensor, so a packed layer's shards each keep theirs; "block": one per `block` = (rows,
     columns) of the weight), `activations` (one of ACTIVATION_MODES; "group" goes with block weights, its
     groups `block[1]` columns wide), `serialized` (the checkpoint holds the e4m3 weights and their scales;
-    False: float weights, quantized per channel at load) and `scale_name` (the checkpoint's name for the
-    weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format)."""
+    False: float weights, quantized per channel at load), `scale_name` (the checkpoint's name for the
+    weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format) and `aliases`
+    ((checkpoint name, parameter) pairs: other names a checkpoint may give a parameter, e.g. transformers'
+    weight_scale_inv for a per-tensor scale that vLLM and AutoFP8 call weight_scale)."""
 
     weight_strategy: str = "channel"
     activations: str = "token"
     serialized: bool = False
     block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.weight_strategy not in WEIGHT_STRATEGIES:

@@ -16,14 +16,16 @@ and each quantized linear holds
                                 w[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]  (a product,
                                 whatever the name says); x quantized per token and group of bk columns
     weight_block_size null:     weight [out, in] e4m3, weight_scale [] float32 (one a tensor, AutoFP8's and
-                                vLLM's name); x quantized per token (dynamic: as transformers does, so a
-                                request's numbers do not depend on its batch), or with the checkpoint's
-                                input_scale (static)
+                                vLLM's name; transformers writes it as weight_scale_inv); x quantized per
+                                token (dynamic: as transformers does, so a request's numbers do not depend
+                                on its batch), or with the checkpoint's input_scale (static; transformers:
+                                activation_scale)
 
-as vLLM's `Fp8Config` reads them (the per-tensor scale under transformers' name, weight_scale_inv, is
-refused as an unexpected tensor). lm_head is never quantized in this format (transformers keeps a model's
-output layer out, and vLLM does); a module is left out when a `modules_to_not_convert` entry matches it as
-transformers matches (from the start up to a module boundary, as a regex with that boundary, or as a suffix).
+as vLLM's `Fp8Config` reads them, and under transformers' names for the per-tensor scales too
+(`Fp8Scheme.aliases`; a checkpoint that holds both names of one scale is refused). lm_head is never quantized
+in this format (transformers keeps a model's output layer out, and vLLM does); a module is left out when a
+`modules_to_not_convert` entry matches it as transformers matches (from the start up to a module boundary, as
+a regex with that boundary, or as a suffix).
 Anything else is refused with the field named.
 """
 
@@ -44,6 +46,11 @@ _FIELDS = {
 _ACCEPTED = {
     "fmt": ("e4m3",), "scale_fmt": ("float",), "expert_dtype": ("fp8",), "modules_to_convert": (None,),
 }  # fmt: skip
+# activations -> transformers' names for the per-tensor scales (FineGrainedFP8 without weight_block_size)
+_TRANSFORMERS_NAMES = {
+    "token": (("weight_scale_inv", "weight_scale"),),
+    "static": (("weight_scale_inv", "weight_scale"), ("activation_scale", "input_scale")),
+}
 
 
 def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
@@ -63,7 +70,7 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
         )
     if raw.get("weight_block_size") is None:
         mode = "token" if activations == "dynamic" else "static"
-        scheme = Fp8Scheme("tensor", mode, serialized=True)
+        scheme = Fp8Scheme("tensor", mode, serialized=True, aliases=_TRANSFORMERS_NAMES[mode])
     else:
         if activations != "dynamic":
             raise ValueError(f"{where}.activation_scheme: block weights take 'dynamic' activations")

@@ -9,7 +9,9 @@ plain shape-checked copy. After everything is in, every layer's `process_weights
 An FP8 KV cache's per-layer scales arrive as `self_attn.k_scale` / `v_scale` (compressed-tensors; older
 checkpoints: `self_attn.k_proj.output_scale` / `v_proj.output_scale`) and fill the attention layer's
 `attn.k_scale` / `attn.v_scale`; a model whose cache is not FP8 has no such parameter and skips them. A
-module's `optional_parameters` (those scales) may be missing from a checkpoint: their defaults stand.
+module's `optional_parameters` (those scales) may be missing from a checkpoint: their defaults stand. A
+module's `checkpoint_aliases` (name -> parameter) are other names a checkpoint may give a parameter
+(transformers' weight_scale_inv for a per-tensor FP8 scale); one parameter filled twice is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue
         param_name, shard = locate(kv_scale_name(name), packed)
         if param_name not in params:
+            param_name = _unaliased(model, param_name)
+        if param_name not in params:
             if kv_scale_name(name) != name:  # a KV-cache scale, and the cache is not FP8: nothing to scale
                 continue
             raise ValueError(f"weights: unexpected tensor {name!r}")
@@ -51,6 +55,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             getattr(owner, "weight_loader", _copy)(params[param_name], tensor, shard)
         except ValueError as error:
             raise ValueError(f"weights: {name!r} {error}") from None
+        if (param_name, shard) in loaded:  # e.g. a scale under both of its names
+            raise ValueError(f"weights: {name!r} fills {param_name!r}, which another tensor filled already")
         loaded.add((param_name, shard))
     missing = [key for key in expected_keys(model) if key not in loaded]
     if ("lm_head.weight", None) in missing:
@@ -61,6 +67,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+
+
+def _unaliased(model: nn.Module, param_name: str) -> str:
+    """A parameter under another of its checkpoint names (its module's `checkpoint_aliases`) -> its own
+    name; any other name unchanged."""
+    owner_name, _, leaf = param_name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return param_name
+    target = getattr(owner, "checkpoint_aliases", {}).get(leaf)
+    return f"{owner_name}.{target}" if target else param_name
 
 
 def kv_scale_name(name: str) -> str:

@@ -181,6 +181,7 @@ class Fp8LinearMethod(LinearMethod):
             raise ValueError(f"matmul: {matmul!r} does not run weight_strategy {scheme.weight_strategy!r}")
         self.scheme = scheme
         self.matmul = matmul
+        self.checkpoint_aliases = dict(scheme.aliases)
         self.quantizes_in_kernel = (
             matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
         )

@@ -19,7 +19,7 @@ weights, and its `weight_loader` takes its rows (or columns) of each checkpoint 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -84,6 +84,11 @@ class LinearBase(nn.Module):
         """Copy checkpoint tensor `loaded` into `param` (all of it, or shard `shard`'s rows, as the method
         lays them out), casting to the parameter's dtype. Raises ValueError on a shape mismatch."""
         self.method.load_weight(self, param, loaded, shard)
+
+    @property
+    def checkpoint_aliases(self) -> Mapping[str, str]:
+        """Other names a checkpoint may give this layer's parameters (name -> parameter): the method's."""
+        return self.method.checkpoint_aliases
 
     def checkpoint_shape(self, name: str, shard: int | None) -> tuple[int, ...]:
         """The shape of the checkpoint tensor that fills parameter `name` (shard `shard` of it)."""

@@ -27,6 +27,8 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +44,10 @@ if TYPE_CHECKING:
 
 class LinearMethod:
     """The interface (see the module docstring). Sizes are the layer's own: a tensor-parallel layer passes
-    its rank's part."""
+    its rank's part. `checkpoint_aliases`: other names a checkpoint may give a parameter (name -> parameter;
+    the loader reads either, never both)."""
+
+    checkpoint_aliases: Mapping[str, str] = MappingProxyType({})
 
     def create_weights(
         self,
