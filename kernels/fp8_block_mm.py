@@ -237,18 +237,26 @@ def _check_mm_args(
     num_rows, in_features = x_q.shape
     if in_features == 0:
         raise ValueError(f"x_q: rows must not be empty, got shape {tuple(x_q.shape)}")
+    check_block_weight(w_q, w_scale, block, in_features, x_q.device)
+    check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=x_q.device)
+    check_shape("x_scale", x_scale, (num_rows, triton.cdiv(in_features, block[1])))
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: {out_dtype} is not one of {FLOAT_DTYPES}")
+
+
+def check_block_weight(
+    w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], in_features: int, device: torch.device
+) -> None:
+    """Raise ValueError naming the argument unless `block` is (block_n, block_k), powers of two >= 16, and
+    w_q [N, in_features] float8_e4m3fn with w_scale [cdiv(N, block_n), cdiv(in_features, block_k)] float32
+    are on `device` (unit last strides)."""
     if not isinstance(block, tuple) or len(block) != 2:
         raise ValueError(f"block: expected (block_n, block_k), got {block!r}")
     for size in block:
         check_power_of_two("block", size, 16)
     block_n, block_k = block
-    check_tensor("w_q", w_q, ndim=2, dtypes=(FP8,), device=x_q.device)
+    check_tensor("w_q", w_q, ndim=2, dtypes=(FP8,), device=device)
     out_features = w_q.shape[0]
     check_shape("w_q", w_q, (out_features, in_features))
-    num_k_blocks = triton.cdiv(in_features, block_k)
-    check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=x_q.device)
-    check_shape("x_scale", x_scale, (num_rows, num_k_blocks))
-    check_tensor("w_scale", w_scale, ndim=2, dtypes=(torch.float32,), device=x_q.device)
-    check_shape("w_scale", w_scale, (triton.cdiv(out_features, block_n), num_k_blocks))
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype: {out_dtype} is not one of {FLOAT_DTYPES}")
+    check_tensor("w_scale", w_scale, ndim=2, dtypes=(torch.float32,), device=device)
+    check_shape("w_scale", w_scale, (triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)))

@@ -50,6 +50,7 @@ from sluice.engine.loading.model_arch import ModelArchConfig  # noqa: E402
 from sluice.engine.loading.presets import preset_arch  # noqa: E402
 from sluice.engine.worker.layers.rotary import build_cos_sin_cache  # noqa: E402
 from sluice.kernels import (  # noqa: E402
+    fp8_block_gemv,
     fp8_block_mm,
     fp8_gemv,
     fp8_quant,
@@ -98,6 +99,7 @@ _KERNELS = (
     (fp8_skinny_mm, "_fp8_skinny_reduce_kernel"),
     (fp8_block_mm, "_quantize_groups_kernel"),
     (fp8_block_mm, "_fp8_block_mm_kernel"),
+    (fp8_block_gemv, "_fp8_block_gemv_kernel"),
 )
 
 
@@ -241,7 +243,8 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
             x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
             fp8_skinny_mm.fp8_skinny_mm(x_q, torch.ones(rows, 1), codes, scales, dtype)
         # Block-wise FP8 checkpoints (128 x 128 weight blocks, activation groups of 128 columns): the group
-        # quantization and the block-scaled product at one row and at 64 (both of its tiles).
+        # quantization and the block-scaled product at one row and at 64 (both of its tiles), and the
+        # one-launch gemv of their one-row steps.
         block = (128, 128)
         fp8_block_mm.quantize_fp8_groups(torch.empty(num_tokens, width, dtype=dtype), block[1])
         block_scales = torch.ones(-(-arch.hidden_size // 128), -(-width // 128))
@@ -250,6 +253,7 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
             fp8_block_mm.fp8_block_mm(
                 x_q, torch.ones(rows, block_scales.shape[1]), codes, block_scales, block, dtype
             )
+        fp8_block_gemv.fp8_block_gemv(activations, codes, block_scales, block)
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
     # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True. The
     # attention kernels read it in both ways of applying the scales (FOLD_KV_SCALES=True / False).

@@ -32,6 +32,7 @@ KERNELS = {
     "_fp8_skinny_reduce_kernel",
     "_quantize_groups_kernel",
     "_fp8_block_mm_kernel",
+    "_fp8_block_gemv_kernel",
 }
 # The kernels that read or write the paged KV cache, launched again over an FP8 (e4m3) cache.
 CACHE_KERNELS = {
@@ -84,6 +85,7 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
             "_fp8_skinny_kernel",  # the same (and its split-K launches write float32 whatever the dtype)
             "_fp8_skinny_reduce_kernel",
             "_fp8_block_mm_kernel",  # the same: its tiles' and the output dtype's
+            "_fp8_block_gemv_kernel",  # the same: its tile's, the blocks' and the dtype's
             "_quantize_groups_kernel",  # the same: the group width and the groups a program holds
         }
     for dtype in ("bf16", "fp16", "fp32"):

@@ -26,7 +26,9 @@ It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
 
 Block schemes (`sluice.engine.worker.layers.fp8_blocks`: a scale per [bn, bk] weight block, x quantized per
 row and group of bk columns) keep the codes and block scales on CUDA sm_89+ and run `block_triton`
-(`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`); elsewhere `block_emulated`
+(`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`; one-row steps where
+`runs_gemv`: `sluice.kernels.fp8_block_gemv`, the two in one launch, the same codes and scales, the fp32 sums
+in another order; unmeasured on a GPU, as both kernels are); elsewhere `block_emulated`
 multiplies the blocks out to float32 at load and the groups' codes by their scales each step (a float32
 rounding each, as compressed-tensors' decompression and fake quantization round them; the reference).
 
@@ -107,7 +109,8 @@ def quantize_activations(
 
 def runs_gemv(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` (its shard's) runs `fp8_gemv` rather
-    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
+    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel), or `fp8_block_gemv` rather
+    than `quantize_fp8_groups` + `fp8_block_mm` (block_triton)."""
     return num_rows <= GEMV_MAX_ROWS and out_features <= GEMV_MAX_OUT_FEATURES
 
 
@@ -191,6 +194,7 @@ class Fp8LinearMethod(LinearMethod):
             self._fp8_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_skinny_mm
         if matmul == "block_triton":
             self._fp8_block_mm = import_module("sluice.kernels.fp8_block_mm")
+            self._fp8_block_gemv = import_module("sluice.kernels.fp8_block_gemv").fp8_block_gemv
 
     def create_weights(
         self,
@@ -286,8 +290,11 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
+        gemv = runs_gemv(rows.shape[0], layer.weight.shape[0])
+        if self.quantizes_in_kernel and gemv:
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
+        elif self.matmul == "block_triton" and gemv:
+            y = self._fp8_block_gemv(rows, layer.weight, layer.weight_scale, self.scheme.block)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
             y = self._matmul(layer, x_q, x_scale, rows.dtype)
