@@ -13,7 +13,8 @@ and prints output tokens/s of each, their ratio (gRPC / offline), and TTFT p50 (
 request's arrival in the engine; gRPC: as the client sees it, from sending the call). With `--repeats N`
 each concurrency runs N such pairs, the order of the two sides swapped every other pair (so a machine
 that drifts favours neither), and a last table gives each concurrency's median ratio: at concurrency 1 one
-pair's ratio moved by 10-20% from run to run on a quiet 2-core VM (docs/BENCHMARKS.md).
+pair's ratio moved by 10-20% from run to run on a quiet 2-core VM (docs/BENCHMARKS.md). `--min-requests`
+(default 8) shortens the pairs, for many of them in the same time.
 
 Each concurrency's runs draw prompts of their own (both sides the same ones: each side has its own
 prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
@@ -177,7 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= 8)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="requests per concurrency = rounds x c (>= --min-requests)"
+    )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=8,
+        help="the fewest requests a side runs (default 8); fewer make shorter pairs, more of them per minute",
+    )
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="offline / gRPC pairs per concurrency")
@@ -185,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.min_requests < 1:
+        parser.error("--min-requests must be at least 1")
 
     llm = LLM(args.model)
     vocab_size = llm.engine.model_info.vocab_size
@@ -193,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = []
     with ServerProcess(serve_args) as server:
         for concurrency in args.concurrency:
-            num_requests = max(8, args.rounds * concurrency)
+            num_requests = max(args.min_requests, args.rounds * concurrency)
             for repeat in range(args.repeats):
                 run = workload.for_run(len(pairs))
                 if repeat % 2 == 0:
