@@ -15,7 +15,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 QUANTIZATIONS = ("int4", "int8", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's other name for fp8, stored as "fp8"
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -112,7 +112,7 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto",
         "KV cache storage: auto (the model dtype) or fp8 (e4m3, a byte per value: twice the tokens of bf16; "
-        "scaled by the checkpoint's k_scale / v_scale, else 1.0)",
+        "scaled by the checkpoint's k_scale / v_scale, else 1.0; fp8_e4m3 is the same)",
         choices=KV_CACHE_DTYPES,
     )
 
@@ -120,6 +120,8 @@ class CacheConfig:
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}"
         )
+        if self.kv_cache_dtype == "fp8_e4m3":
+            object.__setattr__(self, "kv_cache_dtype", "fp8")
         _require(self.block_size > 0 and self.block_size % 8 == 0, "block_size", "must be a multiple of 8")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")

@@ -165,8 +165,10 @@ def test_backends_without_an_fp8_read_path_refuse_it():
         get_attention_backend(
             "flash-attn", torch.device("cuda"), block_size=256, dtype=torch.bfloat16, kv_cache_dtype=fp8
         )
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype: must be one of \('auto', 'fp8'\)$"):
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: must be one of \('auto', 'fp8', 'fp8_e4m3'\)$"):
         CacheConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: must be one of"):
+        CacheConfig(kv_cache_dtype="fp8_e5m2")  # vLLM's e5m2 cache: not a format Sluice stores
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: None or torch.float8_e4m3fn, got torch.float16$"):
         TorchAttentionBackend(torch.float16)
 
@@ -178,3 +180,6 @@ def test_the_flag_and_the_keyword():
     config = engine_config_from_args(args)
     assert (config.cache.kv_cache_dtype, config.model.quantization) == ("fp8", "fp8")
     assert EngineConfig.from_kwargs(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8"
+    # vLLM's name for the same cache
+    args = build_parser(load_commands(["serve"])).parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"])
+    assert engine_config_from_args(args).cache.kv_cache_dtype == "fp8"
