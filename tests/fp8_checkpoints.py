@@ -53,13 +53,17 @@ def write_fp8_checkpoint(
     block: tuple[int, int] | None = None,
     quant_method: str = "compressed-tensors",
     names: str = "vllm",
+    hf_quant_config: bool = False,
 ) -> str:
     """`source` (a float checkpoint directory) quantized into `directory`; `activations` is "token"
     (dynamic), "tensor" (dynamic per tensor), "static", "group" (dynamic, `block[1]` columns a group; with
     weights "block") or None (weights only). quant_method "fp8": the same tensors in that format
     (`fp8_method_config`), the block scales named weight_scale_inv; its per-tensor scales named as vLLM and
     AutoFP8 name them (`names` "vllm": weight_scale, input_scale) or as transformers' FineGrainedFP8Linear
-    does ("transformers": weight_scale_inv, activation_scale, both 0-d)."""
+    does ("transformers": weight_scale_inv, activation_scale, both 0-d). quant_method "modelopt": NVIDIA
+    ModelOpt's (`modelopt_config`: tensor weights with static activations, or channel weights with token
+    ones; per-tensor scales 0-d, per-channel ones [out]; KV scales as k_proj.k_scale / v_proj.v_scale), its
+    config in config.json or, `hf_quant_config`, in hf_quant_config.json."""
     tensors = _read_tensors(source)
     input_scales = _calibrate(source) if activations == "static" else {}
     out = {}
@@ -72,17 +76,21 @@ def write_fp8_checkpoint(
         scale_name = (
             "weight_scale_inv" if quant_method == "fp8" and (block or transformers) else "weight_scale"
         )
+        scalars = transformers or quant_method == "modelopt"  # 0-d per-tensor scales, [out] per channel
         out[name], scale = quantize_weight(tensor, weights, block)
-        out[f"{module}.{scale_name}"] = scale.reshape(()) if transformers else scale
+        out[f"{module}.{scale_name}"] = scale.reshape(() if weights == "tensor" else -1) if scalars else scale
         if activations == "static":
             input_scale = input_scales[module]
             out[f"{module}.activation_scale" if transformers else f"{module}.input_scale"] = (
-                input_scale.reshape(()) if transformers else input_scale.reshape(1)
+                input_scale.reshape(()) if scalars else input_scale.reshape(1)
             )
     for layer in range(_layers(source)):
         if kv_scales is not None:
-            out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(kv_scales[0])
-            out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(kv_scales[1])
+            k, v = (
+                ("k_proj.k_scale", "v_proj.v_scale") if quant_method == "modelopt" else ("k_scale", "v_scale")
+            )
+            out[f"model.layers.{layer}.self_attn.{k}"] = torch.tensor(kv_scales[0])
+            out[f"model.layers.{layer}.self_attn.{v}"] = torch.tensor(kv_scales[1])
     os.makedirs(directory, exist_ok=True)
     save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     for name in os.listdir(source):
@@ -92,6 +100,29 @@ def write_fp8_checkpoint(
         config = json.load(f)
     if quant_method == "fp8":
         config["quantization_config"] = fp8_method_config(block, activations, ignore)
+    elif quant_method == "modelopt":
+        algo = {("tensor", "static"): "FP8", ("channel", "token"): "FP8_PER_CHANNEL_PER_TOKEN"}[
+            weights, activations
+        ]
+        kv_cache = "FP8" if kv_scales is not None else None
+        if hf_quant_config:
+            quantization = {
+                "quant_algo": algo,
+                "kv_cache_quant_algo": kv_cache,
+                "exclude_modules": list(ignore),
+            }
+            with open(os.path.join(directory, "hf_quant_config.json"), "w") as f:
+                json.dump(
+                    {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quantization}, f
+                )
+        else:
+            kv_scheme = {"type": "float", "num_bits": 8, "dynamic": False} if kv_cache else None
+            config["quantization_config"] = {
+                "quant_method": "modelopt",
+                "quant_algo": algo,
+                "kv_cache_scheme": kv_scheme,
+                "ignore": list(ignore),
+            }
     else:
         config["quantization_config"] = quantization_config(
             weights, activations, kv_scales is not None, ignore, block

@@ -112,7 +112,7 @@ G = "config_groups.group_0"
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("quant_method", "gptq", "'gptq' is not supported, only compressed-tensors or fp8"),
+        ("quant_method", "gptq", "'gptq' is not supported, only compressed-tensors, fp8 or modelopt"),
         ("format", "pack-quantized", "'pack-quantized' is not supported; supported: float-quantized"),
         (f"{G}.format", "int-quantized", "'int-quantized' is not supported; supported: float-quantized"),
         ("quantization_status", "frozen", "'frozen' is not supported; supported: 'compressed'"),

@@ -152,8 +152,8 @@ def resolve_fp8_config(
     random_weights: bool = False,
 ) -> Fp8Config | None:
     """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
-    compressed-tensors or quant_method fp8), else `--quantization fp8`'s, else None. A checkpoint that
-    quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at load.
+    compressed-tensors, quant_method fp8 or modelopt), else `--quantization fp8`'s, else None. A checkpoint
+    that quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at load.
     `random_weights` (load_format dummy): the weights are random floats, so a checkpoint's FP8 scheme is
     made at load. Raises ValueError naming the field when the checkpoint's config is not one Sluice runs,
     does not go with `quantization`, or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
@@ -182,11 +182,15 @@ def resolve_fp8_config(
 
 
 def _parse(raw: Any) -> Fp8Config:
-    """A quantization_config in either FP8 format: quant_method fp8, else compressed-tensors."""
-    from sluice.engine.loading.fp8_method_config import FP8_METHOD, parse_fp8_method  # imports this module
+    """A quantization_config in an FP8 format: quant_method fp8, modelopt, else compressed-tensors."""
+    # both import this module
+    from sluice.engine.loading.fp8_method_config import FP8_METHOD, parse_fp8_method
+    from sluice.engine.loading.modelopt_config import MODELOPT, parse_modelopt
 
     if isinstance(raw, Mapping) and raw.get("quant_method") == FP8_METHOD:
         return parse_fp8_method(raw)
+    if isinstance(raw, Mapping) and raw.get("quant_method") == MODELOPT:
+        return parse_modelopt(raw)
     return parse_compressed_tensors(raw)
 
 
@@ -196,11 +200,11 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     where = "quantization_config"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: must be a JSON object, got {type(raw).__name__}")
-    _refuse_unknown(raw, _CONFIG_FIELDS, where)
+    refuse_unknown(raw, _CONFIG_FIELDS, where)
     method = raw.get("quant_method")
     if method != COMPRESSED_TENSORS:
         raise ValueError(
-            f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS} or fp8"
+            f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}, fp8 or modelopt"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
@@ -233,7 +237,7 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
 def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8Group:
     if not isinstance(group, Mapping):
         raise ValueError(f"{where}: must be a scheme object with targets and weights, got {group!r}")
-    _refuse_unknown(group, _GROUP_FIELDS, where)
+    refuse_unknown(group, _GROUP_FIELDS, where)
     group_format, field = (
         (group["format"], f"{where}.format") if group.get("format") else (default_format, "")
     )
@@ -305,7 +309,7 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
     """A compressed-tensors QuantizationArgs object that is symmetric 8-bit float; returns it."""
     if not isinstance(args, Mapping):
         raise ValueError(f"{where}: must be an object, got {args!r}")
-    _refuse_unknown(args, _ARGS_FIELDS, where)
+    refuse_unknown(args, _ARGS_FIELDS, where)
     checks = (
         ("num_bits", args.get("num_bits", 8) == 8, "FP8 takes 8"),
         ("type", str(args.get("type", "int")).lower() == "float", "FP8 takes 'float'"),
@@ -331,7 +335,8 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
     }
 
 
-def _refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
+def refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
+    """Raise ValueError naming the first field of `raw` (at `where`) that is not in `known`."""
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{where}.{unknown[0]}: unknown field; Sluice does not know what it changes")

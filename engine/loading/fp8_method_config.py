@@ -35,7 +35,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from sluice.engine.loading.fp8_config import Fp8Config, Fp8Group, Fp8Scheme, parse_block
+from sluice.engine.loading.fp8_config import Fp8Config, Fp8Group, Fp8Scheme, parse_block, refuse_unknown
 
 FP8_METHOD = "fp8"
 _FIELDS = {
@@ -57,9 +57,7 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
     """A `quant_method: "fp8"` quantization_config -> Fp8Config (serialized schemes, every linear but
     lm_head and the modules left out). Raises ValueError naming the first field Sluice does not run."""
     where = "quantization_config"
-    unknown = sorted(set(raw) - _FIELDS)
-    if unknown:
-        raise ValueError(f"{where}.{unknown[0]}: unknown field; Sluice does not know what it changes")
+    refuse_unknown(raw, _FIELDS, where)
     for field, accepted in _ACCEPTED.items():
         if raw.get(field, accepted[0]) not in accepted:
             raise ValueError(f"{where}.{field}: {raw[field]!r} is not supported; supported: {accepted[0]!r}")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from sluice.engine.config import ModelConfig
 from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.modelopt_config import HF_QUANT_CONFIG, MODELOPT
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.text.tokenizer import token_ids
 
@@ -70,13 +71,18 @@ def _hf_directory_source(directory: str) -> ModelSource:
 
 
 def read_arch(directory: str) -> ModelArchConfig:
-    """config.json -> ModelArchConfig, with generation_config.json's eos ids merged in."""
+    """config.json -> ModelArchConfig, with generation_config.json's eos ids merged in (and ModelOpt's
+    hf_quant_config.json as the quantization_config, where config.json has none)."""
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model: {directory!r} has no config.json")
     with open(config_path) as f:
-        name = os.path.basename(os.path.normpath(directory))
-        arch = ModelArchConfig.from_hf_config(json.load(f), name=name)
+        config = json.load(f)
+    quant_path = os.path.join(directory, HF_QUANT_CONFIG)
+    if "quantization_config" not in config and os.path.isfile(quant_path):
+        with open(quant_path) as f:  # ModelOpt's older exports describe their FP8 there
+            config["quantization_config"] = {"quant_method": MODELOPT, **json.load(f)}
+    arch = ModelArchConfig.from_hf_config(config, name=os.path.basename(os.path.normpath(directory)))
     generation_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation_path):
         with open(generation_path) as f:

@@ -7,7 +7,8 @@ The owning layer's `weight_loader(param, tensor, shard)` lays the tensor out; la
 plain shape-checked copy. After everything is in, every layer's `process_weights_after_loading()` runs.
 
 An FP8 KV cache's per-layer scales arrive as `self_attn.k_scale` / `v_scale` (compressed-tensors; older
-checkpoints: `self_attn.k_proj.output_scale` / `v_proj.output_scale`) and fill the attention layer's
+checkpoints: `self_attn.k_proj.output_scale` / `v_proj.output_scale`; ModelOpt: `k_proj.k_scale` /
+`v_proj.v_scale`) and fill the attention layer's
 `attn.k_scale` / `attn.v_scale`; a model whose cache is not FP8 has no such parameter and skips them. A
 module's `optional_parameters` (those scales) may be missing from a checkpoint: their defaults stand. A
 module's `checkpoint_aliases` (name -> parameter) are other names a checkpoint may give a parameter
@@ -29,6 +30,8 @@ KV_SCALE_NAMES = {
     ".self_attn.v_scale": ".self_attn.attn.v_scale",
     ".self_attn.k_proj.output_scale": ".self_attn.attn.k_scale",
     ".self_attn.v_proj.output_scale": ".self_attn.attn.v_scale",
+    ".self_attn.k_proj.k_scale": ".self_attn.attn.k_scale",  # ModelOpt's
+    ".self_attn.v_proj.v_scale": ".self_attn.attn.v_scale",
 }
 Packed = Mapping[str, tuple[str, int]]
 
