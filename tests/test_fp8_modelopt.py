@@ -100,12 +100,20 @@ def test_exclude_modules_are_wildcards_or_module_names(llama_dir, tmp_path):
     assert (
         config.scheme_for(DOWN) is None and config.scheme_for("model.layers.11.mlp.gate_up_proj") is not None
     )
-    assert (
-        _resolve({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["model.layers.1"]}).scheme_for(
-            "model.layers.11.mlp.down_proj"
-        )
-        is not None
-    )  # a module name excludes what is below it, not its name's prefixes
+    # a module name excludes what is below it, not the modules whose names it begins
+    prefix = _resolve({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["model.layers.1"]})
+    assert prefix.scheme_for("model.layers.11.mlp.down_proj") is not None and prefix.scheme_for(DOWN) is None
+
+
+def test_the_kv_cache_algorithm_in_either_form():
+    for raw in (
+        {"quant_algo": "FP8", "kv_cache_quant_algo": "fp8"},
+        {"quant_algo": "FP8", "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}},
+        {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}},
+    ):
+        assert _resolve({"quant_method": "modelopt", **raw}).kv_cache_scales, raw
+    for raw in ({"quant_algo": "FP8"}, {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}}):
+        assert not _resolve({"quant_method": "modelopt", **raw}).kv_cache_scales, raw
 
 
 @pytest.mark.parametrize(
@@ -125,6 +133,10 @@ def test_exclude_modules_are_wildcards_or_module_names(llama_dir, tmp_path):
         (
             {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
             r"quantization.kv_cache_quant_algo: 'NVFP4' is not supported; supported: 'FP8', null",
+        ),
+        (
+            {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
+            r"kv_cache_quant_algo: 'NVFP4' is not supported; supported: 'FP8', null",
         ),
         (
             {"quantization": {"quant_algo": "W4A8_AWQ"}},

@@ -8,7 +8,7 @@ places, both read here:
                              (the model loader puts it under quantization_config, quant_method modelopt)
     config.json              "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                               "kv_cache_scheme": {"type": "float", "num_bits": 8, ...} | null,
-                              "ignore": ["lm_head", ...]}
+                              "ignore": ["lm_head", ...]}   (or kv_cache_quant_algo, as in the file)
 
 and each quantized linear holds
 
@@ -60,7 +60,8 @@ def parse_modelopt(raw: Mapping[str, Any]) -> Fp8Config:
         kv_algo, excluded = raw.get("kv_cache_quant_algo"), ("exclude_modules", raw.get("exclude_modules"))
     else:
         refuse_unknown(raw, _FIELDS, where)
-        kv_algo, excluded = _kv_algo(raw.get("kv_cache_scheme"), where), ("ignore", raw.get("ignore"))
+        kv_algo = _kv_algo(raw.get("kv_cache_scheme"), where) or raw.get("kv_cache_quant_algo")
+        excluded = ("ignore", raw.get("ignore"))
     algo = str(raw.get("quant_algo", "")).upper()  # ModelOpt may write it in lower case
     if algo not in SCHEMES:
         raise ValueError(
