@@ -105,6 +105,24 @@ def test_exclude_modules_are_wildcards_or_module_names(llama_dir, tmp_path):
     assert prefix.scheme_for("model.layers.11.mlp.down_proj") is not None and prefix.scheme_for(DOWN) is None
 
 
+def test_config_groups_as_newer_exports_write_them():
+    """ModelOpt's newer config.json has compressed-tensors-like groups beside quant_algo, which decides."""
+    float8 = {"num_bits": 8, "type": "float", "dynamic": False}
+    raw = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": float8, "input_activations": float8}},
+        "kv_cache_scheme": float8,
+        "ignore": ["lm_head"],
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "group_size": None,
+    }
+    config = _resolve(raw)
+    assert (
+        config.scheme_for(DOWN) == Fp8Scheme("tensor", "static", serialized=True) and config.kv_cache_scales
+    )
+
+
 def test_the_kv_cache_algorithm_in_either_form():
     for raw in (
         {"quant_algo": "FP8", "kv_cache_quant_algo": "fp8"},
@@ -129,7 +147,20 @@ def test_the_kv_cache_algorithm_in_either_form():
             r"kv_cache_scheme: only an 8-bit",
         ),
         ({"quant_algo": "FP8", "ignore": "lm_head"}, r"ignore: must be a list of module names"),
-        ({"quant_algo": "FP8", "config_groups": {}}, r"config_groups: unknown field"),
+        ({"quant_algo": "FP8", "quantized_layers": {}}, r"quantized_layers: unknown field"),
+        ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}, r"quant_algo: 'MIXED_PRECISION' is not"),
+        (
+            {
+                "quant_algo": "FP8",
+                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float"}}},
+            },
+            r"config_groups.group_0.weights: FP8 is 8-bit float \(num_bits 8, type float\), got",
+        ),
+        (
+            {"quant_algo": "FP8", "input_activations": {"type": "int"}},
+            r"input_activations: FP8 is 8-bit float",
+        ),
+        ({"quant_algo": "FP8", "group_size": 16}, r"group_size: 16 is not supported"),
         (
             {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
             r"quantization.kv_cache_quant_algo: 'NVFP4' is not supported; supported: 'FP8', null",

@@ -8,7 +8,9 @@ places, both read here:
                              (the model loader puts it under quantization_config, quant_method modelopt)
     config.json              "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                               "kv_cache_scheme": {"type": "float", "num_bits": 8, ...} | null,
-                              "ignore": ["lm_head", ...]}   (or kv_cache_quant_algo, as in the file)
+                              "ignore": ["lm_head", ...]}   (or kv_cache_quant_algo, as in the file;
+                              newer exports add compressed-tensors-like config_groups, checked to be
+                              8-bit floats, the scheme taken from quant_algo as vLLM takes it)
 
 and each quantized linear holds
 
@@ -39,44 +41,64 @@ SCHEMES = {
     "FP8": Fp8Scheme("tensor", "static", serialized=True),
     "FP8_PER_CHANNEL_PER_TOKEN": Fp8Scheme("channel", "token", serialized=True),
 }
-_FIELDS = {"quant_method", "quant_algo", "kv_cache_scheme", "kv_cache_quant_algo", "ignore", "producer"}
+# The fields of each form. config_groups / weights / input_activations describe in compressed-tensors' words
+# what quant_algo says (vLLM reads quant_algo alone): checked to be 8-bit floats, otherwise not read.
+_FIELDS = {
+    "quant_method", "quant_algo", "kv_cache_scheme", "kv_cache_quant_algo", "ignore", "producer",
+    "group_size", "config_groups", "weights", "input_activations",
+}  # fmt: skip
 _FILE_FIELDS = {"quant_algo", "kv_cache_quant_algo", "exclude_modules", "group_size"}
 
 
 def parse_modelopt(raw: Mapping[str, Any]) -> Fp8Config:
     """A ModelOpt quantization_config (either form above) -> Fp8Config (serialized schemes). Raises
-    ValueError naming the first field Sluice does not run."""
-    where = "quantization_config"
+    ValueError naming the first field Sluice does not run (quant_algo first)."""
+    where, fields, exclude_field = "quantization_config", _FIELDS, "ignore"
     if "quantization" in raw:  # hf_quant_config.json's form
         refuse_unknown(raw, {"quant_method", "producer", "quantization"}, where)
         where, raw = f"{where}.quantization", raw["quantization"]
+        fields, exclude_field = _FILE_FIELDS, "exclude_modules"
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where}: must be a JSON object, got {type(raw).__name__}")
-        refuse_unknown(raw, _FILE_FIELDS, where)
-        if raw.get("group_size") is not None:
-            raise ValueError(
-                f"{where}.group_size: {raw['group_size']!r} is not supported (FP8 has no groups)"
-            )
-        kv_algo, excluded = raw.get("kv_cache_quant_algo"), ("exclude_modules", raw.get("exclude_modules"))
-    else:
-        refuse_unknown(raw, _FIELDS, where)
-        kv_algo = _kv_algo(raw.get("kv_cache_scheme"), where) or raw.get("kv_cache_quant_algo")
-        excluded = ("ignore", raw.get("ignore"))
     algo = str(raw.get("quant_algo", "")).upper()  # ModelOpt may write it in lower case
     if algo not in SCHEMES:
         raise ValueError(
             f"{where}.quant_algo: {raw.get('quant_algo')!r} is not supported; supported: {', '.join(SCHEMES)}"
         )
+    refuse_unknown(raw, fields, where)
+    if raw.get("group_size") is not None:
+        raise ValueError(f"{where}.group_size: {raw['group_size']!r} is not supported (FP8 has no groups)")
+    _check_descriptions(raw, where)
+    kv_algo = _kv_algo(raw.get("kv_cache_scheme"), where) or raw.get("kv_cache_quant_algo")
     if kv_algo is not None and str(kv_algo).upper() != "FP8":
         raise ValueError(f"{where}.kv_cache_quant_algo: {kv_algo!r} is not supported; supported: 'FP8', null")
-    field, names = excluded
-    names = names or []
+    names = raw.get(exclude_field) or []
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise ValueError(f"{where}.{field}: must be a list of module names")
+        raise ValueError(f"{where}.{exclude_field}: must be a list of module names")
     ignore = tuple(target for name in names for target in _as_targets(name))
     return Fp8Config(
         (Fp8Group(MODELOPT, ("Linear",), SCHEMES[algo]),), ignore, kv_cache_scales=kv_algo is not None
     )
+
+
+def _check_descriptions(raw: Mapping[str, Any], where: str) -> None:
+    """The weights / input_activations that config.json may describe (at the top or per config group) are
+    8-bit floats, as quant_algo FP8 says; ValueError naming the first that is not."""
+    groups = raw.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"{where}.config_groups: must be a JSON object, got {type(groups).__name__}")
+    described = [(where, raw), *((f"{where}.config_groups.{name}", group) for name, group in groups.items())]
+    for path, holder in described:
+        for field in ("weights", "input_activations"):
+            args = holder.get(field) if isinstance(holder, Mapping) else None
+            if args is None:
+                continue
+            if (
+                not isinstance(args, Mapping)
+                or args.get("num_bits", 8) != 8
+                or args.get("type", "float") != "float"
+            ):
+                raise ValueError(f"{path}.{field}: FP8 is 8-bit float (num_bits 8, type float), got {args!r}")
 
 
 def _kv_algo(scheme: Any, where: str) -> str | None:
