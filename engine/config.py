@@ -72,6 +72,12 @@ class ModelConfig:
         "activations) quantizes a float checkpoint at load (default: off; an FP8 checkpoint is FP8 anyway)",
         choices=QUANTIZATIONS,
     )
+    fp8_weight_block: int | None = option(
+        None,
+        "with --quantization fp8: quantize at load in N x N weight blocks, activations in dynamic groups "
+        "of N columns (the layout of DeepSeek-V3 / Qwen3-FP8 checkpoints; N a power of two >= 16) instead "
+        "of per channel and token",
+    )
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.load_format == "auto":
@@ -92,6 +98,15 @@ class ModelConfig:
             "load_format='dummy' needs a preset name or a model directory with a config.json",
         )
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        block = self.fp8_weight_block
+        _require(
+            block is None or self.quantization == "fp8", "fp8_weight_block", "goes with quantization fp8"
+        )
+        _require(
+            block is None or (block >= 16 and block & (block - 1) == 0),
+            "fp8_weight_block",
+            f"must be a power of two >= 16, got {block}",
+        )
 
 
 @dataclass(frozen=True)

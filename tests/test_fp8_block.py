@@ -315,3 +315,46 @@ def test_the_engines_block_quantizer_makes_the_blocks_written_here():
     assert scale.shape == (3, 2)
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+def test_quantized_at_load_in_blocks_runs_as_the_block_checkpoint(llama_dir, tmp_path):
+    """`--quantization fp8 --fp8-weight-block 32` on a float checkpoint makes the blocks that the FP8_BLOCK
+    checkpoint of the same weights holds (the engine's block quantizer is this suite's writer's), so the
+    layers hold the same numbers and give the same greedy tokens, which are transformers +
+    compressed-tensors' on that checkpoint."""
+    block = (32, 32)
+    written = write_fp8_checkpoint(
+        llama_dir, str(tmp_path / "fp8"), weights="block", activations="group", block=block
+    )
+    at_load = LLM(llama_dir, quantization="fp8", fp8_weight_block=32, num_blocks=32)
+    from_checkpoint = LLM(written, num_blocks=32)
+    ours, theirs = linears(at_load), linears(from_checkpoint)
+    assert ours[DOWN].method.scheme == Fp8Scheme("block", "group", serialized=False, block=block)
+    for name in ours:
+        torch.testing.assert_close(ours[name].weight, theirs[name].weight, rtol=0, atol=0)
+    assert greedy(at_load) == greedy(from_checkpoint) == transformers_greedy(written, prompts(), MAX_TOKENS)
+
+
+def test_a_preset_quantized_at_load_in_128_blocks():
+    llm = LLM(preset="tiny", quantization="fp8", fp8_weight_block=128, num_blocks=16)
+    layer = linears(llm)["model.layers.0.self_attn.qkv_proj"]
+    assert layer.method.scheme.block == (128, 128) and layer.method.matmul == "block_emulated"
+    assert layer.weight_scale.shape == (5, 3)  # q 384, k 128, v 128 rows; 384 columns
+
+
+def test_weight_blocks_at_load_are_refused_where_they_cannot_run(llama_dir, tmp_path):
+    from sluice.engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"^fp8_weight_block: goes with quantization fp8$"):
+        ModelConfig(fp8_weight_block=128)
+    with pytest.raises(ValueError, match=r"^fp8_weight_block: must be a power of two >= 16, got 48$"):
+        ModelConfig(quantization="fp8", fp8_weight_block=48)
+    # q 64, k 32, v 32 rows: 64-row blocks would straddle k and v
+    with pytest.raises(
+        ValueError,
+        match=r"fp8_weight_block: weight blocks of 64 rows do not tile the packed shards of \(64, 32, 32\)",
+    ):
+        LLM(llama_dir, quantization="fp8", fp8_weight_block=64, num_blocks=32)
+    written = write_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"))
+    with pytest.raises(ValueError, match=r"fp8_weight_block: the checkpoint's weights are FP8 already"):
+        LLM(written, quantization="fp8", fp8_weight_block=32, num_blocks=32)

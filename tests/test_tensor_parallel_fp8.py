@@ -106,3 +106,16 @@ def test_blocks_a_rank_would_cut_are_refused_before_any_rank_starts(block, cut, 
         _generate(directory, 2, GREEDY)
     one = LLM(directory, num_blocks=32)  # one rank cuts nothing
     assert len(one.generate(_prompts()[:1], GREEDY)[0].token_ids) == NUM_NEW
+
+
+def test_blocks_made_at_load_that_a_rank_would_cut_are_refused_before_any_rank_starts(float_dir):
+    """`--fp8-weight-block 64` on two ranks: a rank's k rows (2 KV heads of 16) are not whole blocks; one
+    rank's (4 heads) are."""
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor_parallel_size: 2 ranks would cut the FP8 weight blocks of self_attn.qkv_proj "
+        r"\(32 rows a rank, blocks of 64\)",
+    ):
+        _generate(float_dir, 2, GREEDY, quantization="fp8", fp8_weight_block=64)
+    one = LLM(float_dir, quantization="fp8", fp8_weight_block=64, num_blocks=32)
+    assert len(one.generate(_prompts()[:1], GREEDY)[0].token_ids) == NUM_NEW

@@ -37,7 +37,7 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
     """The ranks' devices and threads; ValueError naming the flag when the model or the machine does not
     fit `config.parallel.tensor_parallel_size`."""
     size = config.parallel.tensor_parallel_size
-    check_model_splits(arch, size)
+    check_model_splits(arch, size, config.model.fp8_weight_block)
     device = pick_device(config.model.device)
     if device.type == "cuda":
         if device.index is not None:
@@ -59,17 +59,19 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
     return Placement((device,) * size, config.num_threads or max(1, torch.get_num_threads() // size))
 
 
-def check_model_splits(arch: ModelArchConfig, size: int) -> None:
+def check_model_splits(arch: ModelArchConfig, size: int, weight_block: int | None = None) -> None:
     """ValueError naming `tensor_parallel_size` unless the model class supports tensor parallelism and its
-    query heads, KV heads and MLP columns split over `size` ranks (and, block-wise FP8, its weight blocks)."""
+    query heads, KV heads and MLP columns split over `size` ranks (and, block-wise FP8 from the checkpoint or
+    made at load in `weight_block`s, its weight blocks)."""
     model_class = get_model_class(arch.architecture)
     if not getattr(model_class, "supports_tensor_parallel", False):
         raise ValueError(f"tensor_parallel_size: {arch.architecture} has no tensor-parallel support; use 1")
     heads = partition_heads(arch.num_attention_heads, arch.num_key_value_heads, 0, size)
     mlp_columns = divide(arch.intermediate_size, size, "intermediate_size columns of the MLP")
-    if size == 1 or "quantization_config" not in arch.extra:
+    if size == 1 or ("quantization_config" not in arch.extra and weight_block is None):
         return
-    fp8 = resolve_fp8_config(None, arch.extra, model_class.packed_modules)
+    quantization = None if weight_block is None else "fp8"
+    fp8 = resolve_fp8_config(quantization, arch.extra, model_class.packed_modules, weight_block=weight_block)
     # projection -> (a rank's rows, a rank's input columns); 0: not split that way
     parts = {
         "self_attn.qkv_proj": (heads.num_kv_heads * arch.head_dim, 0),  # q rows: a multiple of these

@@ -63,8 +63,8 @@ class Fp8Scheme:
     checkpoint tensor, so a packed layer's shards each keep theirs; "block": one per `block` = (rows,
     columns) of the weight), `activations` (one of ACTIVATION_MODES; "group" goes with block weights, its
     groups `block[1]` columns wide), `serialized` (the checkpoint holds the e4m3 weights and their scales;
-    False: float weights, quantized per channel at load), `scale_name` (the checkpoint's name for the
-    weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format) and `aliases`
+    False: float weights, quantized at load per channel or per block), `scale_name` (the checkpoint's name
+    for the weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format) and `aliases`
     ((checkpoint name, parameter) pairs: other names a checkpoint may give a parameter, e.g. transformers'
     weight_scale_inv for a per-tensor scale that vLLM and AutoFP8 call weight_scale)."""
 
@@ -80,8 +80,14 @@ class Fp8Scheme:
             raise ValueError(f"weight_strategy: one of {WEIGHT_STRATEGIES}, got {self.weight_strategy!r}")
         if self.activations not in ACTIVATION_MODES:
             raise ValueError(f"activations: must be one of {ACTIVATION_MODES}, got {self.activations!r}")
-        if not self.serialized and (self.weight_strategy, self.activations) != ("channel", "token"):
-            raise ValueError("serialized: weights quantized at load take channel scales, token activations")
+        if not self.serialized and (self.weight_strategy, self.activations) not in (
+            ("channel", "token"),
+            ("block", "group"),
+        ):
+            raise ValueError(
+                "serialized: weights quantized at load take channel scales with token activations, or "
+                "block scales with group activations"
+            )
         blocked = self.weight_strategy == "block"
         if blocked != (self.block is not None) or (self.block is not None and not _is_block(self.block)):
             raise ValueError(f"block: two powers of two >= 16 with weight_strategy 'block', got {self.block}")
@@ -143,6 +149,15 @@ class Fp8Config:
 QUANTIZE_AT_LOAD = Fp8Config(groups=(Fp8Group("fp8", ("Linear",), Fp8Scheme()),), ignore=("lm_head",))
 
 
+def quantize_at_load(weight_block: int | None) -> Fp8Config:
+    """`--quantization fp8`'s config: QUANTIZE_AT_LOAD, or with `--fp8-weight-block N` the same linears in
+    N x N weight blocks with dynamic activation groups of N columns (DeepSeek-V3 / Qwen3-FP8's layout)."""
+    if weight_block is None:
+        return QUANTIZE_AT_LOAD
+    scheme = Fp8Scheme("block", "group", block=(weight_block, weight_block))
+    return replace(QUANTIZE_AT_LOAD, groups=(Fp8Group("fp8", ("Linear",), scheme),))
+
+
 def resolve_fp8_config(
     quantization: str | None,
     hf_config: Mapping[str, Any],
@@ -150,16 +165,20 @@ def resolve_fp8_config(
     *,
     tied_lm_head: bool = False,
     random_weights: bool = False,
+    weight_block: int | None = None,
 ) -> Fp8Config | None:
     """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
     compressed-tensors, quant_method fp8 or modelopt), else `--quantization fp8`'s, else None. A checkpoint
     that quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at load.
     `random_weights` (load_format dummy): the weights are random floats, so a checkpoint's FP8 scheme is
-    made at load. Raises ValueError naming the field when the checkpoint's config is not one Sluice runs,
-    does not go with `quantization`, or quantizes an lm_head tied to the embeddings (`tied_lm_head`)."""
+    made at load. `weight_block` (`--fp8-weight-block`): what is quantized at load is in blocks
+    (`quantize_at_load`). Raises ValueError naming the field when the checkpoint's config is not one Sluice
+    runs, does not go with `quantization` or `weight_block` (its weights are FP8 already), or quantizes an
+    lm_head tied to the embeddings (`tied_lm_head`)."""
     raw = hf_config.get("quantization_config")
+    at_load = quantize_at_load(weight_block)
     if raw is None:
-        config = QUANTIZE_AT_LOAD if quantization == "fp8" else None
+        config = at_load if quantization == "fp8" else None
     else:
         config = _parse(raw)
         if quantization not in (None, "fp8"):
@@ -168,9 +187,14 @@ def resolve_fp8_config(
                 "(leave it unset, or fp8)"
             )
         if random_weights:
-            config = QUANTIZE_AT_LOAD if config.groups else None
+            config = at_load if config.groups else None
+        elif weight_block is not None and config.groups:
+            raise ValueError(
+                "fp8_weight_block: the checkpoint's weights are FP8 already (quantization_config); "
+                "leave it unset"
+            )
         elif quantization == "fp8" and not config.groups:
-            config = replace(QUANTIZE_AT_LOAD, kv_cache_scales=config.kv_cache_scales)
+            config = replace(at_load, kv_cache_scales=config.kv_cache_scales)
     if config is None:
         return None
     if tied_lm_head and config.scheme_for("lm_head") is not None:

@@ -136,6 +136,7 @@ class ModelRunner:
             packed_modules,
             tied_lm_head=self.arch.tie_word_embeddings,
             random_weights=model.load_format == "dummy",
+            weight_block=model.fp8_weight_block,
         )
         if fp8 is not None and fp8.kv_cache_scales and not fp8_cache:
             logger.info(

@@ -69,6 +69,7 @@ from sluice.engine.worker.layers.fp8_blocks import (
     dequantize_blocks,
     per_element_scales,
     quantize_activation_groups,
+    quantize_weight_blocks,
     rank_block_scales,
 )
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -175,7 +176,7 @@ def fp8_matmul_for(scheme: Fp8Scheme, kernels: KernelConfig, input_size: int, ou
 class Fp8LinearMethod(LinearMethod):
     """`scheme` (from `sluice.engine.loading.fp8_config`) with the matmul `matmul` (a `FP8_MATMULS` key or
     "dequantized"). Serialized: the checkpoint fills weight (e4m3), weight_scale and, static, input_scale;
-    else the float weight is quantized per channel after loading."""
+    else the float weight is quantized after loading, per channel or in the scheme's blocks."""
 
     def __init__(self, scheme: Fp8Scheme, matmul: str) -> None:
         if matmul not in MATMULS:
@@ -209,8 +210,10 @@ class Fp8LinearMethod(LinearMethod):
         layer.activation_dtype = dtype
         layer.weight = _parameter(torch.empty(output_size, input_size, dtype=weight_dtype))
         layer.bias = _parameter(torch.empty(output_size, dtype=dtype)) if bias else None
+        if self.scheme.block is not None:
+            block_scale_shape = self._block_scale_shape(layer)  # refuses shards that blocks cannot tile
         if self.scheme.serialized:
-            scale_shape = (output_size,) if self.scheme.block is None else self._block_scale_shape(layer)
+            scale_shape = (output_size,) if self.scheme.block is None else block_scale_shape
             setattr(layer, self.scheme.scale_name, _parameter(torch.empty(scale_shape, dtype=torch.float32)))
         if self.scheme.activations == "static":
             layer.input_scale = _parameter(torch.empty(len(output_sizes), dtype=torch.float32))
@@ -249,8 +252,10 @@ class Fp8LinearMethod(LinearMethod):
         return super().checkpoint_shape(layer, name, shard)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        if not self.scheme.serialized:
-            codes, scale = quantize_weight(layer.weight.data)
+        if not self.scheme.serialized:  # per channel, or in blocks (`--fp8-weight-block`)
+            block = self.scheme.block
+            weight = layer.weight.data
+            codes, scale = quantize_weight(weight) if block is None else quantize_weight_blocks(weight, block)
             layer.weight, layer.weight_scale = _parameter(codes), _parameter(scale)
         if self.scheme.scale_name != "weight_scale":  # weight_scale_inv: the same product, by its name
             layer.weight_scale = getattr(layer, self.scheme.scale_name)
@@ -331,8 +336,9 @@ class Fp8LinearMethod(LinearMethod):
         block rows, so every shard but the last must fill whole blocks."""
         block_n = self.scheme.block[0]
         if any(rows % block_n for rows in layer.output_sizes[:-1]):
+            where = "quantization_config" if self.scheme.serialized else "fp8_weight_block"
             raise ValueError(
-                f"quantization_config: weight blocks of {block_n} rows do not tile the packed shards of "
+                f"{where}: weight blocks of {block_n} rows do not tile the packed shards of "
                 f"{layer.output_sizes} rows (each shard but the last must be a multiple of {block_n})"
             )
         return self.checkpoint_shape(layer, self.scheme.scale_name, None)
