@@ -1,5 +1,6 @@
-"""Accuracy of FP8 weights (`--quantization fp8`), an FP8 KV cache (`--kv-cache-dtype fp8`) and both, against
-the unquantized model, on the embedded SmolLM2-135M (real weights), on CPU.
+"""Accuracy of FP8 weights (`--quantization fp8`, per channel or in blocks), an FP8 KV cache
+(`--kv-cache-dtype fp8`) and both, against the unquantized model, on the embedded SmolLM2-135M (real
+weights), on CPU.
 
     python -m sluice.benchmarks.engine.fp8_accuracy [--json out.json]
 
@@ -36,6 +37,9 @@ CONFIGS = {
     "fp8 weights": {"quantization": "fp8"},
     "fp8 KV": {"kv_cache_dtype": "fp8"},
     "fp8 weights + KV": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    # the block-wise layout (`--fp8-weight-block`): SmolLM2's 576-row q is whole blocks of 64, not of 128
+    "fp8 weights, 64-blocks": {"quantization": "fp8", "fp8_weight_block": 64},
+    "fp8 weights, 16-blocks": {"quantization": "fp8", "fp8_weight_block": 16},
 }
 
 
