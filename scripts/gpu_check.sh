@@ -27,8 +27,9 @@
 #   async            the preset with --async-scheduling: greedy outputs equal serve_bench's, sluice bench at
 #                    concurrency 1 and 64 (issue 33), if the time budget allows after fp8
 #   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after async
-#   fp8_large        NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS (~4-5 min: three 8b servers):
-#                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too:
+#   fp8_large        NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS (~4-5 min: four 8b servers):
+#                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too,
+#                    then fp8 in 128 x 128 blocks made at load (--fp8-weight-block 128, last):
 #                    sluice bench at concurrency 1 and 64 (the same prompts on each), greedy outputs and KV
 #                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
 #                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=390 (device timeout 410 s)

@@ -185,7 +185,7 @@ def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(600)
-def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: Path) -> None:
+def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path) -> None:
     # Named alone: three servers of the large step's shape (tiny here), the first its own reference.
     out = tmp_path / "out"
     proc = run_script(out, timeout=540, SLUICE_GPU_CHECK_STEPS="fp8_large")
@@ -194,17 +194,18 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     assert steps["fp8_large"]["status"] == "passed" and steps["fp8_large"]["limit_s"] <= 330
     assert steps["large"] == {**steps["large"], "status": "skipped", "note": "not in SLUICE_GPU_CHECK_STEPS"}
     result = step_result(out, "fp8_large")
-    assert result["variants"] == ["bf16", "fp8", "fp8_kv"] and result["preset"] == "tiny"
-    assert len(result["ready_s"]) == 3
+    assert result["variants"] == ["bf16", "fp8", "fp8_kv", "fp8_block"] and result["preset"] == "tiny"
+    assert len(result["ready_s"]) == 4
 
     servers = variant_records(out, "fp8_large")
-    assert list(servers) == ["bf16", "fp8", "fp8_kv"]  # written in order, as each finished
+    assert list(servers) == ["bf16", "fp8", "fp8_kv", "fp8_block"]  # written in order, as each finished
     reference = servers["bf16"]
     assert "comparison" not in reference and len(reference["prompts"]) == 3
     assert reference["serve_args"][:4] == ["--preset", "tiny", "--dtype", "float32"]
     assert servers["fp8"]["serve_args"][-3:] == ["--async-scheduling", "--quantization", "fp8"]
     assert reference["serve_args"][-1] == "--async-scheduling"  # as served on CUDA, on all three
     assert servers["fp8_kv"]["serve_args"][-4:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    assert servers["fp8_block"]["serve_args"][-4:] == ["--quantization", "fp8", "--fp8-weight-block", "128"]
     blocks = reference["model_info"]["num_kv_blocks"]
     assert servers["fp8"]["model_info"]["num_kv_blocks"] == blocks  # the same 256 MiB of float32 cache
     assert servers["fp8_kv"]["model_info"]["num_kv_blocks"] == 4 * blocks  # a byte a value, not 4
@@ -230,7 +231,7 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
         # whole prompts only (however many had arrived), none decoded yet.
         burst = record["profiles"]["prefill4"]
         assert burst["steps"] == 3 and burst["rows_per_step"][0] in (16, 32, 48, 64), burst
-    for name in ("fp8", "fp8_kv"):
+    for name in ("fp8", "fp8_kv", "fp8_block"):
         comparison, agreement = servers[name]["comparison"], servers[name]["agreement"]
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
         assert agreement["equal"] == comparison["equal"] and agreement["tokens"] == 24
@@ -238,7 +239,7 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     report = (out / "report.md").read_text()
     assert report.startswith("# Sluice GPU check: CPU: PASS")
     section = report.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The tiny preset (float32) on three servers of this step, one after another")
+    assert section.startswith("The tiny preset (float32) on four servers of this step, one after another")
     for line in (
         "| server | TPOT p50 ms, c=1 | TPOT p50 ms, c=64 | out tok/s, c=64 | KV blocks | requests done "
         "| greedy vs float32 |",
@@ -254,10 +255,12 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_two_servers_on_cpu(tmp_path: P
     ):
         assert line in section, line
     assert "| float32 (this step's) | " in section and "| fp8 weights + fp8 KV | " in section
+    assert "| fp8 weights, 128 x 128 blocks | " in section
+    assert "**fp8 weights, 128 x 128 blocks vs float32, greedy** (need not be equal" in section
     assert (
         "**Where a step's device time goes** (the engine core's torch.profiler over 3 decode steps" in section
     )
-    for server in ("bf16", "fp8", "fp8_kv"):
+    for server in ("bf16", "fp8", "fp8_kv", "fp8_block"):
         for batch in (1, 4):
             rows = "1 row" if batch == 1 else f"{batch} rows"
             assert f"**{server}, {rows} a step**: 3 steps of {batch} rows, CPU only" in section

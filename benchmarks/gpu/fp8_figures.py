@@ -6,7 +6,8 @@ reference) and its `sluice bench` runs (bench_serve.json), and the fp8 step's re
 (`variant_servers.variant_server`: its model info, greedy agreement, `sluice bench` runs at concurrency 1
 and 64, and the lines of its log that name its KV cache and attention backend). All three servers run the same
 preset, one after another on the same device, at the same prompt and output lengths. The fp8_large step's
-three servers (the llama-3-8b shape) are all its own records, the bf16 one the reference.
+servers (the llama-3-8b shape: those three, then fp8 weights in 128 x 128 blocks) are all its own records,
+the bf16 one the reference.
 
 The issue's targets: on an H100/H200, fp8 weights' batch-1 TPOT <= 0.6x bf16's on the llama-3-8b shape,
 output throughput at 64 concurrent >= 1.3x bf16's, and twice the KV blocks with an fp8 cache.
@@ -24,6 +25,8 @@ THROUGHPUT_RATIO_GOAL = 1.3  # output tokens/s at 64 concurrent / bf16's
 KV_BLOCKS_RATIO_GOAL = 2.0  # KV blocks with an fp8 cache / bf16's
 GOAL_SHAPE = "llama-3-8b"
 VARIANTS = {"fp8": "fp8 weights", "fp8_kv": "fp8 weights + fp8 KV"}  # the fp8 step's servers, in order
+# fp8_large's: those, then the block-wise path (`variant_servers.LARGE_VARIANTS`)
+LARGE_LABELS = {**VARIANTS, "fp8_block": "fp8 weights, 128 x 128 blocks"}
 # The selector's log line (INFO) when triton takes an fp8 cache, as `auto` on CUDA does: `FP8_KV_TRITON_NOTE`.
 TRITON_FP8_KV = "the triton attention backend reads the e4m3 cache"
 

@@ -15,7 +15,8 @@ fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache
                  concurrency 1 and 64 (its runs kept in its record, one per server as it finishes)
 large            (h) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
                  (JSON kept as OUT/bench_large.json); in the CPU mode, the tiny preset
-fp8_large        (i) the large step's shape served three times: bf16, then fp8's two servers, each as in (g)
+fp8_large        (i) the large step's shape served four times: bf16, fp8's two servers, then fp8 in 128 x 128
+                 blocks made at load, each as in (g)
                  but set against the first (its own reference), the same `sluice bench` prompts on each
 
 Each step appends one JSON line to OUT/results.jsonl and exits 0 (passed), 1 (failed) or 3 (skipped).

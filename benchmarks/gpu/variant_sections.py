@@ -79,13 +79,17 @@ def fp8_large_section(
     plan, base, _, runs = Baseline.of(results, out, mode)
     reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
     intro = (
-        f"The {plan.large_preset} preset ({plan.dtype}) on three servers of this step, one after another, "
+        f"The {plan.large_preset} preset ({plan.dtype}) on four servers of this step, one after another, "
         "each with `--async-scheduling` (as served on CUDA): "
-        f"{base}, fp8 weights, fp8 weights + fp8 KV; each ran `sluice bench` with {runs}, {plan.input_len} "
-        f"prompt and {plan.output_len} output tokens, the same prompts on each (the same seeds). In "
+        f"{base}, fp8 weights, fp8 weights + fp8 KV, fp8 weights in 128 x 128 blocks made at load "
+        "(`--fp8-weight-block 128`, the layout of Qwen3-FP8 checkpoints); each ran `sluice bench` with "
+        f"{runs}, {plan.input_len} prompt and {plan.output_len} output tokens, the same prompts on each (the "
+        "same seeds). In "
         f"brackets: the ratio to {base}'s."
     )
-    rows = fp8_figures.table_rows(reference, variants, base, base_source="this step's")
+    rows = fp8_figures.table_rows(
+        reference, variants, base, labels=fp8_figures.LARGE_LABELS, base_source="this step's"
+    )
     table = markdown_table(fp8_figures.table_headers(base), rows)
     shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
     parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
@@ -120,7 +124,7 @@ def fp8_servers_parts(
     for name, record in variants.items():
         notes = [LOG_PREFIX.sub("", line) for line in record.get("server_notes", [])]
         parts.append(
-            f"**{fp8_figures.VARIANTS[name]} vs {base}, greedy** (need not be equal: another rounding): "
+            f"**{fp8_figures.LARGE_LABELS[name]} vs {base}, greedy** (need not be equal: another rounding): "
             + comparison_line(record["comparison"])
             + "".join(f"\n- log: `{note}`" for note in notes)
         )

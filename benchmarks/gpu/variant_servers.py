@@ -4,8 +4,10 @@ another on the same prompts, each set against a reference server (steps of `serv
 fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34), set
            against serve_bench's server
 async      the preset with `--async-scheduling` (issue 33), set against serve_bench's synchronous server
-fp8_large  (i) the large step's shape served three times, with async scheduling: bf16 (the reference,
-           drawing its own prompts), then fp8's two servers
+fp8_large  (i) the large step's shape served four times, with async scheduling: bf16 (the reference,
+           drawing its own prompts), fp8's two servers, then fp8 weights in 128 x 128 blocks made at load
+           (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
+           step cut short keeps issue 34's three
 
 Every variant server is `variant_server`: its greedy outputs of the reference's prompts compared with the
 reference's, its KV blocks, `sluice bench` at the plan's concurrencies (the same seeds, so the same prompts,
@@ -40,6 +42,8 @@ FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve argument
     "fp8": ("--quantization", "fp8"),
     "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
 }
+# fp8_large's servers after its bf16 one: fp8's, then the block-wise path (no target of its own)
+LARGE_VARIANTS = {**FP8_VARIANTS, "fp8_block": ("--quantization", "fp8", "--fp8-weight-block", "128")}
 # The fp8_large servers schedule as served (async, the CUDA default since 2026-11-26 run 6), all three alike;
 # runs 3-8 pinned them synchronous, as the plan's other servers still are (`Plan.serve_args`).
 LARGE_SCHEDULING = ("--async-scheduling",)
@@ -57,17 +61,18 @@ def step_fp8(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
-    """The fp8 step's servers on the large step's shape (issue 34's batch-1 target is set on llama-3-8b),
-    after a bf16 server of that shape, their reference: greedy outputs and `sluice bench` (the same seeds,
-    so the same prompts, on each) against it. A record per server appended as it finishes."""
+    """The fp8 step's servers and the block-wise one on the large step's shape (issue 34's batch-1 target
+    is set on llama-3-8b), after a bf16 server of that shape, their reference: greedy outputs and `sluice
+    bench` (the same seeds, so the same prompts, on each) against it. A record per server appended as it
+    finishes."""
     preset = ctx.plan.large_preset
     reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset, profile=True)
     records = [
         variant_server(ctx, reference, name, (*LARGE_SCHEDULING, *args), preset, profile=True)
-        for name, args in FP8_VARIANTS.items()
+        for name, args in LARGE_VARIANTS.items()
     ]
     ok = reference["ok"] and all(r["ok"] for r in records)
-    return {"ok": ok, "preset": preset, "variants": ["bf16", *FP8_VARIANTS]}
+    return {"ok": ok, "preset": preset, "variants": ["bf16", *LARGE_VARIANTS]}
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:
