@@ -44,7 +44,7 @@ FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve argument
 }
 # fp8_large's servers after its bf16 one: fp8's, then the block-wise path (no target of its own)
 LARGE_VARIANTS = {**FP8_VARIANTS, "fp8_block": ("--quantization", "fp8", "--fp8-weight-block", "128")}
-# The fp8_large servers schedule as served (async, the CUDA default since 2026-11-26 run 6), all three alike;
+# The fp8_large servers schedule as served (async, the CUDA default since 2026-11-26 run 6), all alike;
 # runs 3-8 pinned them synchronous, as the plan's other servers still are (`Plan.serve_args`).
 LARGE_SCHEDULING = ("--async-scheduling",)
 # The server log lines a record keeps: its cache, its attention backend, and any Triton compile after start-up
