@@ -907,13 +907,14 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     text, ok = check_report.build_report(tmp_path, "gpu", 350, 340)
     assert not ok
     section = text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The llama-3-8b preset (bfloat16) on three servers of this step")
+    assert section.startswith("The llama-3-8b preset (bfloat16) on four servers of this step")
     for line in (
         "| greedy vs bf16 |",
         "| bf16 (this step's) | 5.60 | 9.00 | 6000 | 5000 | 72/72 | the reference |",
         "| fp8 weights | 3.20 (0.57x) | 6.30 (0.70x) | 8400 (1.40x) | 6500 (1.30x) | 72/72 "
         "| 5/8 equal; 200/256 tokens before the first difference |",
         "| fp8 weights + fp8 KV | - | - | - | - | - | not run |",  # killed at the limit before it
+        "| fp8 weights, 128 x 128 blocks | - | - | - | - | - | not run |",
         "| fp8 weights: batch-1 TPOT p50 / bf16's (the goal's shape) | 0.57 | <= 0.6 | met |",
         "| fp8 weights: out tok/s at 64 concurrent / bf16's | 1.40 | >= 1.3 | met |",
         "| fp8 weights + fp8 KV: out tok/s at 64 concurrent / bf16's | - | >= 1.3 | not measured |",
@@ -925,7 +926,8 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     ):
         assert line in section, line
     assert (
-        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV" in text and "| TIMED OUT | 330 |" in text
+        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks" in text
+        and "| TIMED OUT | 330 |" in text
     )
     # The fp8 step's section, with no serve_bench or fp8 record, says why it has no figures.
     assert "Not measured: the fp8 step NOT RUN." in text
