@@ -186,7 +186,7 @@ def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> N
 
 @pytest.mark.timeout(600)
 def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path) -> None:
-    # Named alone: three servers of the large step's shape (tiny here), the first its own reference.
+    # Named alone: four servers of the large step's shape (tiny here), the first its own reference.
     out = tmp_path / "out"
     proc = run_script(out, timeout=540, SLUICE_GPU_CHECK_STEPS="fp8_large")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
