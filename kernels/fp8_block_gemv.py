@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.fp8_block_mm import check_block_weight
-from sluice.kernels.fp8_gemv import MAX_ROWS, MAX_RULE_BLOCK_N, MIN_PROGRAMS_PER_SM, TILE_BYTES
+from sluice.kernels.fp8_gemv import MAX_ROWS, TILE_BYTES, rule_block_n
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
@@ -73,9 +73,7 @@ def block_gemv_config(out_features: int, in_features: int, group_size: int, sm_c
     """fp8_gemv's rule for a weight [out_features, in_features] in groups of `group_size` columns: the widest
     block_n (4-16) that still gives every SM 1.5 programs, and as many groups a step as make the step's
     weight tile TILE_BYTES (no more than the row has), 4 warps. Unswept."""
-    block_n = MAX_RULE_BLOCK_N
-    while block_n > 4 and triton.cdiv(out_features, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
-        block_n //= 2
+    block_n = rule_block_n(out_features, sm_count)
     groups = max(1, TILE_BYTES // (block_n * group_size))
     return BlockGemvConfig(block_n, min(groups, triton.next_power_of_2(triton.cdiv(in_features, group_size))))
 

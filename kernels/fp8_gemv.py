@@ -135,10 +135,17 @@ def gemv_config(out_features: int, in_features: int, sm_count: int) -> GemvConfi
     swept = SWEPT_TILES.get((out_features, in_features)) if sm_count == SWEPT_SM_COUNT else None
     if swept is not None:
         return swept
+    block_n = rule_block_n(out_features, sm_count)
+    return GemvConfig(block_n=block_n, block_k=min(2048, TILE_BYTES // block_n))
+
+
+def rule_block_n(out_features: int, sm_count: int) -> int:
+    """The rule's output channels a program: the widest of 16, 8, 4 that still gives every one of
+    `sm_count` SMs MIN_PROGRAMS_PER_SM programs (4 where none does)."""
     block_n = MAX_RULE_BLOCK_N
     while block_n > 4 and triton.cdiv(out_features, block_n) < MIN_PROGRAMS_PER_SM * sm_count:
         block_n //= 2
-    return GemvConfig(block_n=block_n, block_k=min(2048, TILE_BYTES // block_n))
+    return block_n
 
 
 @triton.jit

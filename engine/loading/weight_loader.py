@@ -53,13 +53,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             if kv_scale_name(name) != name:  # a KV-cache scale, and the cache is not FP8: nothing to scale
                 continue
             raise ValueError(f"weights: unexpected tensor {name!r}")
+        if (param_name, shard) in loaded:  # e.g. a scale under both of its names
+            raise ValueError(f"weights: {name!r} fills {param_name!r}, which another tensor filled already")
         owner = model.get_submodule(param_name.rpartition(".")[0])
         try:
             getattr(owner, "weight_loader", _copy)(params[param_name], tensor, shard)
         except ValueError as error:
             raise ValueError(f"weights: {name!r} {error}") from None
-        if (param_name, shard) in loaded:  # e.g. a scale under both of its names
-            raise ValueError(f"weights: {name!r} fills {param_name!r}, which another tensor filled already")
         loaded.add((param_name, shard))
     missing = [key for key in expected_keys(model) if key not in loaded]
     if ("lm_head.weight", None) in missing:
