@@ -45,7 +45,13 @@ from sluice.kernels.fp8_gemv import MAX_ROWS, TILE_BYTES, rule_block_n
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
-from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_tensor, checked_output
+from sluice.kernels.tensor_checks import (
+    FLOAT_DTYPES,
+    check_num_warps,
+    check_power_of_two,
+    check_tensor,
+    checked_output,
+)
 
 __all__ = ["MAX_ROWS", "BlockGemvConfig", "block_gemv_config", "fp8_block_gemv"]
 
@@ -62,8 +68,7 @@ class BlockGemvConfig:
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 1)
         check_power_of_two("groups", self.groups, 1)
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        check_num_warps(self.num_warps)
 
     def step_groups(self, block_m: int) -> int:
         return max(1, self.groups // block_m)

@@ -66,6 +66,7 @@ from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
+    check_num_warps,
     check_power_of_two,
     check_same_dtype,
     check_shape,
@@ -92,8 +93,7 @@ class GemvConfig:
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 1)
         check_power_of_two("block_k", self.block_k, 16)
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        check_num_warps(self.num_warps)
         if self.split_k not in (1, 2, 4, 8, 16):
             raise ValueError(f"split_k: must be 1, 2, 4, 8 or 16, got {self.split_k}")
         if self.amax_k:

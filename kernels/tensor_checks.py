@@ -42,6 +42,12 @@ def check_power_of_two(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
 
 
+def check_num_warps(num_warps: int) -> None:
+    """Raise ValueError unless `num_warps` is one a Triton launch takes here: 1, 2, 4, 8 or 16."""
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps: must be 1, 2, 4, 8 or 16, got {num_warps}")
+
+
 def check_same_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Raise ValueError unless `tensor.dtype == dtype`."""
     if tensor.dtype != dtype:
