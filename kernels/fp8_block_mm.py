@@ -172,7 +172,7 @@ def fp8_block_mm(
     w_scale [cdiv(N, block_n), cdiv(K, block_k)] float32, block = (block_n, block_k) powers of two >= 16
     -> y [M, N] out_dtype (bf16/fp16/fp32), as the module docstring; written into `out` when given. Every
     tensor has a unit last stride (any row stride). Raises ValueError naming a bad argument."""
-    _check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
+    check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
     num_rows, in_features = x_q.shape
     out_features = w_q.shape[0]
     y = checked_output("out", out, (num_rows, out_features), out_dtype, x_q.device)
@@ -213,7 +213,7 @@ def fp8_block_mm_reference(
 ) -> torch.Tensor:
     """`fp8_block_mm` in PyTorch: each K block's product of the codes in fp32, times its scales, added in
     block order; rounded to out_dtype once. The same arguments and checks."""
-    _check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
+    check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
     block_n, block_k = block
     out_features, in_features = w_q.shape
     w_scale_rows = w_scale.repeat_interleave(block_n, dim=0)[:out_features]  # [N, num_k_blocks]
@@ -225,7 +225,7 @@ def fp8_block_mm_reference(
     return y.to(out_dtype)
 
 
-def _check_mm_args(
+def check_mm_args(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
     w_q: torch.Tensor,
@@ -233,6 +233,8 @@ def _check_mm_args(
     block: tuple[int, int],
     out_dtype: torch.dtype,
 ) -> None:
+    """Raise ValueError naming the argument unless these are a block-scaled product's operands (as
+    `fp8_block_mm` takes them; `fp8_skinny_mm.fp8_block_skinny_mm` shares them)."""
     check_tensor("x_q", x_q, ndim=2, dtypes=(FP8,))
     num_rows, in_features = x_q.shape
     if in_features == 0:

@@ -285,7 +285,7 @@ def fp8_gemv(
         num_warps=config.num_warps,
     )
     if split_k > 1:
-        reduce_split_k(y, out, x_scale, weight_scale)
+        reduce_split_k(y, out, (x_scale, weight_scale))
     return y
 
 

@@ -1,6 +1,7 @@
 """Quantize a linear layer's input to e4m3 in one launch: the FP8 linears' activations on `torch._scaled_mm`.
 
     dynamic (per token):  scale[m] = max(max_k |x[m, k]| / 448, float32 tiny)     written [M, 1] float32
+                          with a cap (`scale_ub`, FBGEMM's): min(max_k |x[m, k]|, scale_ub) / 448
     static:               scale[m] = input_scale                                  (read on the device)
     x_q[m, k] = e4m3(clamp(x[m, k] / scale[m], -448, 448))                        written [M, K] e4m3
 
@@ -31,6 +32,7 @@ import triton.language as tl
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
+    check_power_of_two,
     check_same_dtype,
     check_tensor,
     checked_output,
@@ -68,12 +70,14 @@ def _fp8_quant_kernel(
     scale_ptr,  # [M, 1] float32: written
     x_ptr,  # [M, K] bf16/fp16/fp32
     input_scale_ptr,  # static only: [] or [1] float32, read
+    scale_ub,  # CAPPED only: the cap on each row's amax (float32)
     stride_x,
     stride_out,
     stride_scale,
     K: tl.constexpr,
     TILE: tl.constexpr,
     DYNAMIC: tl.constexpr,
+    CAPPED: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -85,7 +89,10 @@ def _fp8_quant_kernel(
         for start in range(TILE, K, TILE):  # rows wider than a tile: first pass, amax
             x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        scale = dynamic_scale(amax_keep_nan(running, 0))
+        amax = amax_keep_nan(running, 0)
+        if CAPPED:  # values past the cap saturate at +-448
+            amax = tl.minimum(amax, scale_ub, propagate_nan=tl.PropagateNan.ALL)
+        scale = dynamic_scale(amax)
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)
@@ -97,12 +104,16 @@ def _fp8_quant_kernel(
 
 
 def quantize_fp8_per_token(
-    x: torch.Tensor, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32, unit last stride, any row stride) -> (x_q [M, K] float8_e4m3fn, scale [M, 1]
-    float32), x ~ x_q * scale with one scale per row (max |x[m]| / 448). Written into `out` / `scale_out` when
-    given. Raises ValueError naming a bad argument."""
-    return _launch(x, None, out, scale_out)
+    float32), x ~ x_q * scale with one scale per row (max |x[m]| / 448; with `scale_ub`, a positive finite
+    cap, min(max |x[m]|, scale_ub) / 448). Written into `out` / `scale_out` when given. Raises ValueError
+    naming a bad argument."""
+    return _launch(x, None, out, scale_out, scale_ub)
 
 
 def quantize_fp8_static(
@@ -130,23 +141,48 @@ def check_input_scale(input_scale: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"input_scale: on {input_scale.device}, expected {device}")
 
 
+def check_quantization(
+    input_scale: torch.Tensor | None, group_size: int | None, device: torch.device
+) -> None:
+    """Raise ValueError unless the fused kernels' quantization is one they make: per token (neither), a
+    static `input_scale` (`check_input_scale`), or dynamic per group of `group_size` columns (a power of
+    two >= 16, as `quantize_fp8_groups` takes), not both."""
+    if group_size is not None:
+        if input_scale is not None:
+            raise ValueError(
+                "input_scale: group scales are dynamic, got a static input_scale with group_size"
+            )
+        check_power_of_two("group_size", group_size, 16)
+    elif input_scale is not None:
+        check_input_scale(input_scale, device)
+
+
 def quantized_outputs(
-    out: torch.Tensor | None, scale_out: torch.Tensor | None, num_rows: int, width: int, device: torch.device
+    out: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+    num_rows: int,
+    width: int,
+    device: torch.device,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [num_rows, width] e4m3, scale [num_rows, 1] float32): `out` / `scale_out` checked, or new."""
+    """(codes [num_rows, width] e4m3, scale [num_rows, 1] float32, or [num_rows, cdiv(width, group_size)]
+    with a group_size): `out` / `scale_out` checked, or new."""
+    scales = 1 if group_size is None else -(-width // group_size)
     return (
         checked_output("out", out, (num_rows, width), FP8, device),
-        checked_output("scale_out", scale_out, (num_rows, 1), torch.float32, device),
+        checked_output("scale_out", scale_out, (num_rows, scales), torch.float32, device),
     )
 
 
 def quantize_fp8(
-    x: torch.Tensor, input_scale: torch.Tensor | None = None
+    x: torch.Tensor, input_scale: torch.Tensor | None = None, scale_ub: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_fp8_static(x, input_scale)` when a static input_scale is given, else
-    `quantize_fp8_per_token(x)`: the FP8 linears' one call."""
+    `quantize_fp8_per_token(x, scale_ub=scale_ub)`: the FP8 linears' one call."""
     if input_scale is None:
-        return quantize_fp8_per_token(x)
+        return quantize_fp8_per_token(x, scale_ub=scale_ub)
+    if scale_ub is not None:
+        raise ValueError("scale_ub: caps dynamic scales, got a static input_scale too")
     return quantize_fp8_static(x, input_scale)
 
 
@@ -155,8 +191,11 @@ def _launch(
     input_scale: torch.Tensor | None,
     out: torch.Tensor | None,
     scale_out: torch.Tensor | None,
+    scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args(x, input_scale)
+    if scale_ub is not None and not (isinstance(scale_ub, float) and 0 < scale_ub < float("inf")):
+        raise ValueError(f"scale_ub: must be a positive finite float, got {scale_ub!r}")
     num_rows, width = x.shape
     out, scale_out = quantized_outputs(out, scale_out, num_rows, width, x.device)
     if num_rows == 0:
@@ -167,12 +206,14 @@ def _launch(
         scale_out,
         x,
         input_scale,
+        scale_ub or 1.0,
         x.stride(0),
         out.stride(0),
         scale_out.stride(0),
         K=width,
         TILE=tile,
         DYNAMIC=input_scale is None,
+        CAPPED=scale_ub is not None,
         num_warps=max(1, min(16, tile // 256)),
     )
     return out, scale_out

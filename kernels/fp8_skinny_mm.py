@@ -22,16 +22,24 @@ With SPLIT_K == 1 the program scales and stores y; otherwise it stores its fp32 
 [SPLIT_K, M, N] and a second launch adds them in a fixed order and scales them (deterministic, unlike atomic
 adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count (at least 1.5 programs per SM), or an H100
 sweep's config for the shapes where it did better.
+
+`fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
+operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
+so each K step is one scale block, whose dot is scaled by its [BLOCK_M] activation and [BLOCK_N] weight
+scales as it joins the accumulator (`fp8_block_mm`'s formula); the splits hold whole K blocks and their
+already scaled partial sums are added by the same reduce, unscaled. `block_skinny_config`: the same rule with
+BLOCK_K = block_k. Interpreter-tested only: no GPU has run it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.fp8_block_mm import check_mm_args
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.tensor_checks import check_power_of_two, check_shape, check_tensor
 
@@ -50,7 +58,7 @@ class SkinnyConfig:
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 16)
-        check_power_of_two("block_k", self.block_k, 32)
+        check_power_of_two("block_k", self.block_k, 16)  # 16: block scales of 16 columns (fp16 dot)
         check_power_of_two("split_k", self.split_k, 1)
 
 
@@ -76,34 +84,47 @@ def skinny_config(out_features: int, in_features: int, sm_count: int, num_rows: 
         for most_rows, swept in SWEPT_CONFIGS.get((out_features, in_features), ()):
             if num_rows <= most_rows:
                 return swept
-    config = SkinnyConfig()
+    return _split_rule(SkinnyConfig(), out_features, in_features, sm_count)
+
+
+def block_skinny_config(out_features: int, in_features: int, sm_count: int, block_k: int) -> SkinnyConfig:
+    """`skinny_config`'s rule for block scales: BLOCK_N 64, BLOCK_K = block_k (one K step is one scale
+    block), the fewest K splits giving every SM 1.5 programs. Untuned: no sweep has run it."""
+    return _split_rule(SkinnyConfig(block_k=max(block_k, 16)), out_features, in_features, sm_count)
+
+
+def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
+    """`config` with the fewest K splits (powers of two, each at least BLOCK_K wide) that give every SM
+    MIN_PROGRAMS_PER_SM programs of BLOCK_N output channels."""
     programs = triton.cdiv(out_features, config.block_n)
     split_k = 1
     while (
         programs * split_k < MIN_PROGRAMS_PER_SM * sm_count and in_features // (2 * split_k) >= config.block_k
     ):
         split_k *= 2
-    return SkinnyConfig(split_k=split_k)
+    return replace(config, split_k=split_k)
 
 
 @triton.jit
 def _fp8_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
     x_ptr,  # [M, K] uint8: x's e4m3 codes
-    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0)
+    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
-    w_scale_ptr,  # [N] float32
+    w_scale_ptr,  # [N] float32; blocks: [cdiv(N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)]
     M,
     N,
     K,
     k_per_split,
     stride_x,
     stride_w,
-    x_scale_stride,
+    x_scale_stride,  # between rows' scales
+    w_scale_stride,  # blocks only: between block rows' scales
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr = 0,  # block_n of block scales (BLOCK_K is then block_k); 0: per channel
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -116,18 +137,32 @@ def _fp8_skinny_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if SCALE_BLOCK_N > 0:
+        x_scales = x_scale_ptr + rows.to(tl.int64) * x_scale_stride  # [BLOCK_M]
+        w_scales = w_scale_ptr + (channels // SCALE_BLOCK_N).to(tl.int64) * w_scale_stride  # [BLOCK_N]
     for start in range(k_start, k_end, BLOCK_K):
         k = start + cols
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
         x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
-        # max_num_imprecise_acc: Hopper's fp8 MMA adds in less than fp32 (outputs 1.2-1.5% off at fp32 on
-        # the H100); each K tile's products go into the fp32 accumulator as one sum, as in the block-scaled
-        # FP8 kernels of vLLM and SGLang
         w_codes, x_codes = w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True)
-        acc = tl.dot(w_codes, x_codes, acc, max_num_imprecise_acc=BLOCK_K)
+        if SCALE_BLOCK_N > 0:  # one K block: its sums scaled by its scales (fp8_block_mm's formula)
+            if BLOCK_K < 32:  # an 8-bit dot's smallest K: widen the codes (every e4m3 value is an fp16 one)
+                w_codes, x_codes = w_codes.to(tl.float16), x_codes.to(tl.float16)
+            kb = start // BLOCK_K
+            x_scale = tl.load(x_scales + kb, mask=row_mask, other=0.0)
+            w_scale = tl.load(w_scales + kb, mask=channel_mask, other=0.0)
+            acc += tl.dot(w_codes, x_codes) * x_scale[None, :] * w_scale[:, None]
+        else:
+            # max_num_imprecise_acc: Hopper's fp8 MMA adds in less than fp32 (outputs 1.2-1.5% off at fp32
+            # on the H100); each K tile's products go into the fp32 accumulator as one sum, as in the
+            # block-scaled FP8 kernels of vLLM and SGLang
+            acc = tl.dot(w_codes, x_codes, acc, max_num_imprecise_acc=BLOCK_K)
     out_mask = row_mask[None, :] & channel_mask[:, None]
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 and SCALE_BLOCK_N > 0:  # already scaled
+        y = out_ptr + rows[None, :] * N + channels[:, None]
+        tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif SPLIT_K == 1:
         x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=0.0)
         y = acc * x_scale[None, :] * w_scale[:, None]
@@ -150,6 +185,7 @@ def _fp8_skinny_reduce_kernel(
     x_scale_stride,
     BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALED: tl.constexpr = True,  # False: the partial sums are scaled already (block scales)
 ):
     row = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -157,9 +193,11 @@ def _fp8_skinny_reduce_kernel(
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         total += tl.load(workspace_ptr + (split * M + row).to(tl.int64) * N + channels, mask=mask, other=0.0)
-    x_scale = tl.load(x_scale_ptr + row * x_scale_stride)
-    w_scale = tl.load(w_scale_ptr + channels, mask=mask, other=0.0)
-    tl.store(y_ptr + row * N + channels, (total * x_scale * w_scale).to(y_ptr.dtype.element_ty), mask=mask)
+    if SCALED:
+        x_scale = tl.load(x_scale_ptr + row * x_scale_stride)
+        w_scale = tl.load(w_scale_ptr + channels, mask=mask, other=0.0)
+        total = total * x_scale * w_scale
+    tl.store(y_ptr + row * N + channels, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 REDUCE_BLOCK = 1024
@@ -178,12 +216,51 @@ def fp8_skinny_mm(
     docstring. Raises ValueError naming a bad argument."""
     _check_args(x_q, x_scale, weight, weight_scale)
     num_rows, in_features = x_q.shape
+    if config is None:
+        config = skinny_config(weight.shape[0], in_features, device_sm_count(x_q.device), num_rows)
+    elif config.block_k < 32:  # block scales' 16 widen their codes; per channel the dot takes e4m3
+        raise ValueError(f"config: block_k must be at least 32 (an 8-bit dot's K), got {config.block_k}")
+    return _launch(x_q, x_scale, weight, weight_scale, out_dtype, config, None)
+
+
+def fp8_block_skinny_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`sluice.kernels.fp8_block_mm.fp8_block_mm`'s product (the same arguments and checks; M <= MAX_ROWS)
+    on this module's swapped, split-K launch: y [M, N] out_dtype. `config.block_k` must be block_k.
+    Raises ValueError naming a bad argument."""
+    check_mm_args(x_q, x_scale, w_q, w_scale, block, out_dtype)
+    num_rows, in_features = x_q.shape
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"x_q: at most {MAX_ROWS} rows, got {num_rows}")
+    if config is None:
+        config = block_skinny_config(w_q.shape[0], in_features, device_sm_count(x_q.device), block[1])
+    elif config.block_k != block[1]:
+        raise ValueError(f"config: block_k {config.block_k} must be the blocks' {block[1]}")
+    return _launch(x_q, x_scale, w_q, w_scale, out_dtype, config, block[0])
+
+
+def _launch(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: SkinnyConfig,
+    scale_block_n: int | None,
+) -> torch.Tensor:
+    """The checked launch: per-channel scales (`scale_block_n` None) or block scales with block_n rows."""
+    num_rows, in_features = x_q.shape
     out_features = weight.shape[0]
     y = torch.empty((num_rows, out_features), dtype=out_dtype, device=x_q.device)
     if num_rows == 0 or out_features == 0:
         return y
-    if config is None:
-        config = skinny_config(out_features, in_features, device_sm_count(x_q.device), num_rows)
     block_m = max(16, triton.next_power_of_2(num_rows))
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns
@@ -192,6 +269,7 @@ def fp8_skinny_mm(
         if split_k == 1
         else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
     )
+    blocks = scale_block_n is not None
     _fp8_skinny_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
         out,
         x_q.view(torch.uint8),
@@ -204,26 +282,30 @@ def fp8_skinny_mm(
         k_per_split,
         x_q.stride(0),
         weight.stride(0),
-        _x_scale_stride(x_scale),
+        x_scale.stride(0) if blocks else _x_scale_stride(x_scale),
+        weight_scale.stride(0) if blocks else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
+        SCALE_BLOCK_N=scale_block_n or 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        reduce_split_k(y, out, x_scale, weight_scale)
+        reduce_split_k(y, out, None if blocks else (x_scale, weight_scale))
     return y
 
 
 def reduce_split_k(
-    y: torch.Tensor, workspace: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor
+    y: torch.Tensor, workspace: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
 ) -> None:
     """y [M, N] (contiguous) = the split-K partial sums workspace [split_k, M, N] float32 added in split
-    order, times x_scale (M or 1 values, contiguous, float32) and weight_scale [N] float32: the emulated
-    path's order. Shared by the FP8 kernels that split K (this one, `fp8_gemv`)."""
+    order, times `scales` = (x_scale: M or 1 values, contiguous, float32; weight_scale [N] float32): the
+    emulated path's order; None: the partial sums are scaled already (block scales). Shared by the FP8
+    kernels that split K (this one's two, `fp8_gemv`)."""
     split_k, num_rows, out_features = workspace.shape
+    x_scale, weight_scale = scales if scales is not None else (workspace, workspace)  # unread when unscaled
     grid = (num_rows, triton.cdiv(out_features, REDUCE_BLOCK))
     _fp8_skinny_reduce_kernel[grid](
         y,
@@ -232,9 +314,10 @@ def reduce_split_k(
         weight_scale,
         num_rows,
         out_features,
-        _x_scale_stride(x_scale),
+        _x_scale_stride(x_scale) if scales is not None else 0,
         BLOCK=REDUCE_BLOCK,
         SPLIT_K=split_k,
+        SCALED=scales is not None,
     )
 
 

@@ -8,6 +8,9 @@ norm(h) = weight * (h_fp32 * rsqrt(mean(h_fp32^2) + eps)).to(dtype)
 scale for an FP8 linear (dynamic per token, or a static input_scale): bit for bit `rms_norm` then
 `sluice.kernels.fp8_quant.quantize_fp8` (`out` rounded to x's dtype first, then quantized by the same jit
 helpers). The row is already in registers, so the amax is a reduction there: one launch instead of two.
+With `group_size` (a block-FP8 linear's input: a dynamic scale per row and group of group_size columns)
+it is bit for bit `rms_norm` then `sluice.kernels.fp8_block_mm.quantize_fp8_groups`: the row viewed as
+[groups, group_size], one amax per group.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import amax_keep_nan, check_input_scale, dynamic_scale, quantized_outputs
+from sluice.kernels.fp8_quant import amax_keep_nan, check_quantization, dynamic_scale, quantized_outputs
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -34,7 +37,7 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
-    scale_ptr,  # QUANTIZE only: [T, 1] float32, written
+    scale_ptr,  # QUANTIZE only: [T, 1] float32 (GROUP_SIZE: [T, cdiv(HIDDEN, GROUP_SIZE)]), written
     input_scale_ptr,  # QUANTIZE and not DYNAMIC only: [] or [1] float32, read
     eps,
     stride_x,
@@ -43,10 +46,11 @@ def _rms_norm_kernel(
     stride_residual_out,
     stride_scale,
     HIDDEN: tl.constexpr,
-    HIDDEN_PAD: tl.constexpr,
+    HIDDEN_PAD: tl.constexpr,  # a power of two >= HIDDEN (and >= GROUP_SIZE)
     HAS_RESIDUAL: tl.constexpr,
     QUANTIZE: tl.constexpr = False,
     DYNAMIC: tl.constexpr = True,
+    GROUP_SIZE: tl.constexpr = 0,  # QUANTIZE: 0 for a scale per row, else per row and group (dynamic)
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, HIDDEN_PAD)
@@ -62,7 +66,17 @@ def _rms_norm_kernel(
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    if QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
+    if QUANTIZE and GROUP_SIZE > 0:  # quantize_fp8_groups' recipe, a [groups, GROUP_SIZE] view of the row
+        shape: tl.constexpr = (HIDDEN_PAD // GROUP_SIZE, GROUP_SIZE)
+        group_cols = tl.reshape(cols, shape)
+        group_mask = group_cols < HIDDEN
+        magnitudes = tl.reshape(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), shape)
+        scale = dynamic_scale(amax_keep_nan(magnitudes, 1))  # [groups]
+        codes = quantize_e4m3(tl.reshape(out, shape), scale[:, None])
+        tl.store(out_ptr + row * stride_out + group_cols, codes, mask=group_mask)
+        groups = tl.arange(0, HIDDEN_PAD // GROUP_SIZE)
+        tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * GROUP_SIZE < HIDDEN)
+    elif QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
         if DYNAMIC:
             scale = dynamic_scale(amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0))
         else:
@@ -114,19 +128,22 @@ def rms_norm_fp8_quant(
     out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rms_norm` whose normed output goes straight to an FP8 linear: returns (x_q [T, hidden]
     float8_e4m3fn, x_scale [T, 1] float32, residual_out), what `quantize_fp8(rms_norm(...)[0],
     input_scale)` returns, bit for bit, and the same residual_out; the normed tensor itself is not
     written. Dynamic per-token scales without `input_scale`, else that static scale ([] or [1] float32
-    on x's device, read by the kernel). Outputs are written into `out` / `scale_out` / `residual_out`
-    when given. Raises ValueError naming a bad argument."""
+    on x's device, read by the kernel). With `group_size` (a power of two >= 16; no input_scale): x_scale
+    [T, cdiv(hidden, group_size)], dynamic per row and group, what `quantize_fp8_groups(rms_norm(...)[0],
+    group_size)` returns. Outputs are written into `out` / `scale_out` / `residual_out` when given.
+    Raises ValueError naming a bad argument."""
     _check_rms_norm_args(x, weight, residual)
-    if input_scale is not None:
-        check_input_scale(input_scale, x.device)
-    out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device)
+    check_quantization(input_scale, group_size, x.device)
+    out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device, group_size)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
-    _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, (scale_out, input_scale))
+    quantize = (scale_out, input_scale, group_size or 0)
+    _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, quantize)
     return out, scale_out, residual_out
 
 
@@ -137,14 +154,14 @@ def _launch(
     residual: torch.Tensor | None,
     out: torch.Tensor,
     residual_out: torch.Tensor,
-    quantize: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    quantize: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> None:
-    """One program per row; `quantize`: (scale_out, input_scale or None for dynamic scales), with `out` the
-    codes' uint8 view."""
+    """One program per row; `quantize`: (scale_out, input_scale or None for dynamic scales, group size or 0
+    for a scale per row), with `out` the codes' uint8 view."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
-    scale_out, input_scale = quantize if quantize is not None else (None, None)
+    scale_out, input_scale, group_size = quantize if quantize is not None else (None, None, 0)
     _rms_norm_kernel[(num_tokens,)](
         out,
         residual_out,
@@ -160,10 +177,11 @@ def _launch(
         residual_out.stride(0),
         scale_out.stride(0) if scale_out is not None else 0,
         HIDDEN=hidden,
-        HIDDEN_PAD=triton.next_power_of_2(hidden),
+        HIDDEN_PAD=max(triton.next_power_of_2(hidden), group_size),
         HAS_RESIDUAL=residual is not None,
         QUANTIZE=quantize is not None,
         DYNAMIC=input_scale is None,
+        GROUP_SIZE=group_size,
     )
 
 

@@ -14,7 +14,11 @@ Grid (num_tokens, cdiv(d, BLOCK)): BLOCK = 1024 columns per program (untuned; 4 
 `sluice.kernels.fp8_quant.quantize_fp8` (the product rounded to x's dtype by the same jit helper, then
 quantized by fp8_quant's). Grid (num_tokens,): one program per row, as fp8_quant's: a row of d up to
 FP8_MAX_TILE is one tile kept in registers; a wider one is computed twice in FP8_MAX_TILE-wide tiles (amax,
-then codes; the first tile kept), rereading x instead of writing and rereading out.
+then codes; the first tile kept), rereading x instead of writing and rereading out. With `group_size` (a
+block-FP8 linear's input: a dynamic scale per row and group of group_size columns) it is bit for bit
+`silu_and_mul` then `sluice.kernels.fp8_block_mm.quantize_fp8_groups`, and one pass: grid (num_tokens,
+cdiv(groups, GROUPS)), a program activates and quantizes GROUPS whole groups of a row, a [GROUPS,
+group_size] tile of up to GROUP_TILE columns, as `quantize_fp8_groups` tiles its input.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import triton.language as tl
 
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
-    check_input_scale,
+    check_quantization,
     dynamic_scale,
     max_keep_nan,
     quantized_outputs,
@@ -40,6 +44,7 @@ _BLOCK = 1024
 # in four tiles (amax, then codes): 8.9 us a launch at 64 rows on an H200 (run 11) against ~4.3 for the two
 # unfused launches.
 FP8_MAX_TILE = 16384
+GROUP_TILE = 2048  # columns a program of the group-quantizing kernel holds at most (quantize_fp8_groups')
 
 
 @triton.jit
@@ -95,6 +100,28 @@ def _silu_and_mul_fp8_kernel(
     tl.store(scale_ptr + token * stride_scale, scale)
 
 
+@triton.jit
+def _silu_and_mul_fp8_groups_kernel(
+    out_ptr,  # [T, D] uint8: the e4m3 codes
+    scale_ptr,  # [T, cdiv(D, GROUP_SIZE)] float32: written
+    x_ptr,  # [T, 2 * D]
+    num_groups,
+    stride_x,
+    stride_out,
+    stride_scale,
+    D: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
+    activated = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)  # 0 past D: never in the amax
+    scale = dynamic_scale(amax_keep_nan(tl.abs(activated.to(tl.float32)), 1))  # [GROUPS]
+    tl.store(out_ptr + token * stride_out + cols, quantize_e4m3(activated, scale[:, None]), mask=cols < D)
+    tl.store(scale_ptr + token * stride_scale + groups, scale, mask=groups < num_groups)
+
+
 def _check_x(x: torch.Tensor) -> int:
     """d, half of x's last dim; ValueError unless x is [num_tokens, 2 * d] float, unit last stride."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -126,20 +153,39 @@ def silu_and_mul_fp8_quant(
     input_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul(x)` going straight to an FP8 linear: (x_q [num_tokens, d] float8_e4m3fn, x_scale
     [num_tokens, 1] float32), bit for bit `quantize_fp8(silu_and_mul(x), input_scale)`; the activated
     tensor itself is not written. Dynamic per-token scales without `input_scale`, else that static scale
-    ([] or [1] float32 on x's device, read by the kernel). Written into `out` / `scale_out` when given.
-    Raises ValueError naming a bad argument."""
+    ([] or [1] float32 on x's device, read by the kernel). With `group_size` (a power of two >= 16; no
+    input_scale): x_scale [num_tokens, cdiv(d, group_size)], dynamic per row and group, what
+    `quantize_fp8_groups(silu_and_mul(x), group_size)` returns. Written into `out` / `scale_out` when
+    given. Raises ValueError naming a bad argument."""
     d = _check_x(x)
     if d == 0:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
-    if input_scale is not None:
-        check_input_scale(input_scale, x.device)
+    check_quantization(input_scale, group_size, x.device)
     num_tokens = x.shape[0]
-    out, scale_out = quantized_outputs(out, scale_out, num_tokens, d, x.device)
+    out, scale_out = quantized_outputs(out, scale_out, num_tokens, d, x.device, group_size)
     if num_tokens == 0:
+        return out, scale_out
+    if group_size is not None:
+        num_groups = triton.cdiv(d, group_size)
+        groups = min(triton.next_power_of_2(num_groups), max(1, GROUP_TILE // group_size))
+        _silu_and_mul_fp8_groups_kernel[(num_tokens, triton.cdiv(num_groups, groups))](
+            out.view(torch.uint8),
+            scale_out,
+            x,
+            num_groups,
+            x.stride(0),
+            out.stride(0),
+            scale_out.stride(0),
+            D=d,
+            GROUP_SIZE=group_size,
+            GROUPS=groups,
+            num_warps=max(1, min(8, groups * group_size // 256)),  # quantize_fp8_groups' (untuned)
+        )
         return out, scale_out
     tile = min(triton.next_power_of_2(d), FP8_MAX_TILE)
     _silu_and_mul_fp8_kernel[(num_tokens,)](

@@ -93,6 +93,7 @@ _KERNELS = (
     (rotary_store_kv, "_rotary_store_kv_kernel"),
     (silu_and_mul, "_silu_and_mul_kernel"),
     (silu_and_mul, "_silu_and_mul_fp8_kernel"),
+    (silu_and_mul, "_silu_and_mul_fp8_groups_kernel"),
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_kernel"),
@@ -217,6 +218,7 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(num_tokens, width, dtype=dtype)
         fp8_quant.quantize_fp8_per_token(activations)
         fp8_quant.quantize_fp8_static(activations, torch.ones(()))
+        fp8_quant.quantize_fp8_per_token(activations, scale_ub=1200.0)  # fbgemm_fp8's capped amax
     # ... or the kernels before them write the codes (the norms before qkv / gate_up, SiLU-and-mul before
     # down: `KernelConfig.fuse_fp8_quant_norm` / `_silu`), per token and static, with and without the
     # residual add.
@@ -225,6 +227,9 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, input_scale=input_scale)
         gate_up = torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype)
         silu_and_mul.silu_and_mul_fp8_quant(gate_up, input_scale)
+    # ... and in activation groups of 128 columns, block FP8's (below): dynamic only.
+    rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, group_size=128)
+    silu_and_mul.silu_and_mul_fp8_quant(gate_up, group_size=128)
     # Their batch-1 steps (`fp8_gemv`: quantization and product in one launch, one row), o_proj's and
     # down_proj's shapes, per token and static, with the tile an H100 gets (`device_sm_count` off a GPU).
     for width in (arch.hidden_size, arch.intermediate_size):
@@ -254,6 +259,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
                 x_q, torch.ones(rows, block_scales.shape[1]), codes, block_scales, block, dtype
             )
         fp8_block_gemv.fp8_block_gemv(activations, codes, block_scales, block)
+        # Their steps of 2-64 rows (`fp8_block_skinny_mm`): 16 and 64 rows, K split as on an H100 (the
+        # reduce then adds partial sums scaled already).
+        for rows in (16, 64):
+            x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
+            x_scale = torch.ones(rows, block_scales.shape[1])
+            fp8_skinny_mm.fp8_block_skinny_mm(x_q, x_scale, codes, block_scales, block, dtype)
     # The same cache launches over an FP8 cache (`--kv-cache-dtype fp8`): e4m3 codes with their scales,
     # float32 scalars as the attention layers hold them; the variants are the ones with FP8_KV=True. The
     # attention kernels read it in both ways of applying the scales (FOLD_KV_SCALES=True / False).

@@ -102,3 +102,34 @@ def stub(server):
     channel = server.channel()
     yield server.stub(channel)
     channel.close()
+
+
+# FP8 layers on their CUDA kernel path, on CPU (tests/test_fp8_fused_quant_model.py, test_fp8_fbgemm.py).
+@pytest.fixture
+def scaled_mm_on_cpu(monkeypatch):
+    """FP8 layers whose sizes allow it run `_scaled_mm` on CPU ("rowwise" in bfloat16, else "tensorwise")
+    instead of the emulation: the matmul on which the linears quantize with the `fp8_quant` kernel."""
+    from sluice.engine.worker.layers import quantization
+
+    chosen = quantization.fp8_matmul_for
+
+    def on_cpu(scheme, kernels, input_size, output_size):
+        matmul = chosen(scheme, kernels, input_size, output_size)
+        if matmul == "emulated" and input_size % 16 == 0 and output_size % 16 == 0:
+            return "rowwise" if kernels.dtype == torch.bfloat16 else "tensorwise"
+        return matmul
+
+    monkeypatch.setattr(quantization, "fp8_matmul_for", on_cpu)
+
+
+@pytest.fixture
+def quant_launches(monkeypatch) -> list[tuple[int, int]]:
+    """The shape of x of every `fp8_quant` launch, in order."""
+    from sluice.kernels import fp8_quant
+
+    calls: list[tuple[int, int]] = []
+    launch = fp8_quant._launch
+    monkeypatch.setattr(
+        fp8_quant, "_launch", lambda x, *args: calls.append(tuple(x.shape)) or launch(x, *args)
+    )
+    return calls

@@ -112,7 +112,11 @@ G = "config_groups.group_0"
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("quant_method", "gptq", "'gptq' is not supported, only compressed-tensors, fp8 or modelopt"),
+        (
+            "quant_method",
+            "gptq",
+            "'gptq' is not supported, only compressed-tensors, fp8, modelopt or fbgemm_fp8",
+        ),
         ("format", "pack-quantized", "'pack-quantized' is not supported; supported: float-quantized"),
         (f"{G}.format", "int-quantized", "'int-quantized' is not supported; supported: float-quantized"),
         ("quantization_status", "frozen", "'frozen' is not supported; supported: 'compressed'"),

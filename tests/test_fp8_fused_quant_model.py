@@ -7,7 +7,9 @@ bit those with it off (`KernelConfig.fuse_fp8_quant_norm` / `_silu` False) at 28
 71 rows (`_scaled_mm`); one-row steps (`fp8_gemv`) launch none either way; and greedy tokens equal
 transformers' on the checkpoint (the reference test_fp8_checkpoint ties the emulated path to). Under tensor
 parallelism the row-parallel down_proj's fused input is its own launch's on the rank's slice (per-token
-amax over the slice)."""
+amax over the slice). Block FP8 (a scale per weight block, activations per group of block_k columns) on
+`block_triton` (interpreted here): the norm and SiLU-and-mul write `quantize_fp8_groups`' codes and group
+scales, with the same bit-for-bit checks."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from test_fp8_checkpoint import MAX_TOKENS, greedy, prompts
 
 from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.frontend.llm import LLM
-from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD
+from sluice.engine.loading.fp8_config import quantize_at_load
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers import quantization
@@ -29,34 +31,36 @@ from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import RMSNorm
-from sluice.kernels import fp8_quant
+from sluice.kernels import fp8_block_mm
 
 BLOCK = 16
 NUM_LAYERS, HIDDEN, INTERMEDIATE = 2, 64, 128  # checkpoints.py's tiny models
 
 
 @pytest.fixture
-def scaled_mm_on_cpu(monkeypatch):
-    """FP8 layers whose sizes allow it run `_scaled_mm` on CPU ("rowwise" in bfloat16, else "tensorwise")
-    instead of the emulation: the matmul on which the linears quantize with the `fp8_quant` kernel."""
+def block_triton_on_cpu(monkeypatch):
+    """Block-FP8 layers run `block_triton` (`quantize_fp8_groups` + `fp8_block_mm`, or `fp8_block_gemv`
+    at one row), the CUDA sm_89+ path, on CPU under the Triton interpreter instead of the emulation."""
     chosen = quantization.fp8_matmul_for
 
     def on_cpu(scheme, kernels, input_size, output_size):
         matmul = chosen(scheme, kernels, input_size, output_size)
-        if matmul == "emulated" and input_size % 16 == 0 and output_size % 16 == 0:
-            return "rowwise" if kernels.dtype == torch.bfloat16 else "tensorwise"
-        return matmul
+        return "block_triton" if matmul == "block_emulated" else matmul
 
     monkeypatch.setattr(quantization, "fp8_matmul_for", on_cpu)
 
 
 @pytest.fixture
-def quant_launches(monkeypatch) -> list[tuple[int, int]]:
-    """The shape of x of every `fp8_quant` launch, in order."""
-    calls: list[tuple[int, int]] = []
-    launch = fp8_quant._launch
+def group_launches(monkeypatch) -> list[tuple[tuple[int, int], int]]:
+    """(x's shape, group_size) of every `quantize_fp8_groups` launch, in order."""
+    calls: list[tuple[tuple[int, int], int]] = []
+    launch = fp8_block_mm.quantize_fp8_groups
     monkeypatch.setattr(
-        fp8_quant, "_launch", lambda x, *args: calls.append(tuple(x.shape)) or launch(x, *args)
+        fp8_block_mm,
+        "quantize_fp8_groups",
+        lambda x, group_size, *args: (
+            calls.append((tuple(x.shape), group_size)) or launch(x, group_size, *args)
+        ),
     )
     return calls
 
@@ -150,6 +154,62 @@ def test_fused_greedy_tokens_equal_transformers(llama_dir, tmp_path, scaled_mm_o
     assert tokens == transformers_greedy(directory, prompts(), MAX_TOKENS)
 
 
+@pytest.mark.parametrize(("source", "block"), [("llama_dir", (32, 32)), ("qwen3_dir", (16, 16))])
+def test_fused_group_quantization_for_block_fp8_gives_the_same_hidden_states(
+    source, block, request, tmp_path, block_triton_on_cpu, group_launches
+):
+    """A block checkpoint (llm-compressor's FP8_BLOCK) on block_triton: with the fusion on, each decoder
+    layer launches `quantize_fp8_groups` once (o_proj) instead of four times, and the final hidden states
+    are bit for bit those with it off; one-row steps (`fp8_block_gemv`) launch none either way."""
+    directory = write_fp8_checkpoint(
+        request.getfixturevalue(source),
+        str(tmp_path / "fp8"),
+        weights="block",
+        activations="group",
+        block=block,
+    )
+    llm = LLM(directory, dtype="bfloat16", attention_backend="triton", block_size=BLOCK, num_blocks=32)
+    _select_fusion(llm, True)
+    layers = llm.engine.model_runner.model.model.layers
+    assert all(layer.mlp.down_proj.method.matmul == "block_triton" for layer in layers)
+    q_size = layers[0].self_attn.o_proj.input_size
+    group = block[1]
+    rows = 28
+    fused = _final_hidden(llm, (4, 9, 15))
+    assert group_launches == [((rows, q_size), group)] * NUM_LAYERS  # o_proj's only
+    _select_fusion(llm, False)
+    group_launches.clear()
+    unfused = _final_hidden(llm, (4, 9, 15))
+    per_layer = [
+        (rows, HIDDEN),
+        (rows, q_size),
+        (rows, HIDDEN),
+        (rows, INTERMEDIATE),
+    ]  # qkv, o, gate_up, down
+    assert group_launches == [(shape, group) for shape in per_layer] * NUM_LAYERS
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, HIDDEN) and fused.isfinite().all()
+    assert torch.equal(fused, unfused)
+    _select_fusion(llm, True)
+    group_launches.clear()
+    one_row = _final_hidden(llm, (1,))
+    assert group_launches == [] and one_row.isfinite().all()
+
+
+def test_fused_group_quantization_greedy_tokens_equal_transformers(
+    llama_dir, tmp_path, block_triton_on_cpu, group_launches
+):
+    """float32 on block_triton with the fusion on (3-row decode steps and 28-row prefills fused)."""
+    directory = write_fp8_checkpoint(
+        llama_dir, str(tmp_path / "fp8"), weights="block", activations="group", block=(16, 16)
+    )
+    llm = LLM(directory, dtype="float32", attention_backend="triton", block_size=BLOCK, num_blocks=32)
+    _select_fusion(llm, True)
+    tokens = greedy(llm)
+    q_size = llm.engine.model_runner.model.model.layers[0].self_attn.o_proj.input_size
+    assert group_launches and all(shape[1] == q_size for shape, _ in group_launches)  # o_proj's only
+    assert tokens == transformers_greedy(directory, prompts(), MAX_TOKENS)
+
+
 class _PartialSums(TensorParallelGroup):
     """Rank `rank` of 2 whose all-reduce returns the rank's own partial product (no other process)."""
 
@@ -160,15 +220,17 @@ class _PartialSums(TensorParallelGroup):
         return x
 
 
-def _rank_mlp(rank: int, weights: dict[str, torch.Tensor]) -> tuple[GatedMLP, KernelConfig]:
-    """Rank `rank`'s part of a 64 -> 2 x 96 -> 64 MLP quantized at load (per-token activations), bfloat16,
-    on the Triton ops and `_scaled_mm`."""
+def _rank_mlp(
+    rank: int, weights: dict[str, torch.Tensor], weight_block: int | None
+) -> tuple[GatedMLP, KernelConfig]:
+    """Rank `rank`'s part of a 64 -> 2 x 96 -> 64 MLP quantized at load (per-token activations on
+    `_scaled_mm`, or in weight blocks with activation groups on block_triton), bfloat16, on the Triton ops."""
     kernels = KernelConfig(
         torch.device("cpu"),
         torch.bfloat16,
         TritonAttentionBackend(),
         quantization="fp8",
-        fp8=QUANTIZE_AT_LOAD,
+        fp8=quantize_at_load(weight_block),
         tensor_parallel=_PartialSums(rank),
         fuse_fp8_quant_silu=True,
     )
@@ -181,31 +243,41 @@ def _rank_mlp(rank: int, weights: dict[str, torch.Tensor]) -> tuple[GatedMLP, Ke
     mlp.down_proj.weight_loader(mlp.down_proj.weight, weights["down"])
     for linear in (mlp.gate_up_proj, mlp.down_proj):
         linear.process_weights_after_loading()
-        assert linear.method.matmul == "rowwise"
+        assert linear.method.matmul == ("rowwise" if weight_block is None else "block_triton")
     assert mlp.down_proj.input_size == 48 and mlp.act.fuses_fp8_quant
     return mlp, kernels
 
 
-def test_row_parallel_down_proj_gets_the_codes_of_its_own_slice(scaled_mm_on_cpu, quant_launches):
-    """On each of 2 ranks the fused SiLU-and-mul quantizes the rank's 48 intermediate columns per token, as
-    down_proj's own launch does on that slice: the rank's partial sums are bit for bit the same."""
+@pytest.mark.parametrize("weight_block", [None, 16])
+def test_row_parallel_down_proj_gets_the_codes_of_its_own_slice(
+    weight_block, scaled_mm_on_cpu, block_triton_on_cpu, quant_launches, group_launches
+):
+    """On each of 2 ranks the fused SiLU-and-mul quantizes the rank's 48 intermediate columns per token (or
+    per group of 16 of them), as down_proj's own launch does on that slice: the rank's partial sums are bit
+    for bit the same."""
+    launches = quant_launches if weight_block is None else group_launches
     generator = torch.Generator().manual_seed(3)
     shapes = {"gate": (96, HIDDEN), "up": (96, HIDDEN), "down": (HIDDEN, 96)}
     weights = {
         name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()
     }
     x = torch.randn(9, HIDDEN, generator=generator).to(torch.bfloat16)
+
+    def launched(*shapes: tuple[int, int]) -> list:
+        return list(shapes) if weight_block is None else [(shape, weight_block) for shape in shapes]
+
     for rank in (0, 1):
-        mlp, kernels = _rank_mlp(rank, weights)
+        mlp, kernels = _rank_mlp(rank, weights, weight_block)
         gate_up = mlp.gate_up_proj(x)
         assert gate_up.shape == (9, 96)  # [this rank's 48 gate columns | its 48 up columns]
         codes = mlp.act.activate_for(mlp.down_proj, gate_up)
         assert isinstance(codes, Fp8Activations) and codes.x_q.shape == (9, 48)
-        quant_launches.clear()
+        assert codes.x_scale.shape == (9, 1 if weight_block is None else 3)
+        launches.clear()
         fused = mlp(x)
-        assert quant_launches == [(9, HIDDEN)]  # gate_up's own; down_proj's input came quantized
+        assert launches == launched((9, HIDDEN))  # gate_up's own; down_proj's input came quantized
         mlp.act.select(dataclasses.replace(kernels, fuse_fp8_quant_silu=False))
-        quant_launches.clear()
+        launches.clear()
         unfused = mlp(x)
-        assert quant_launches == [(9, HIDDEN), (9, 48)]  # down_proj quantizes its slice itself
+        assert launches == launched((9, HIDDEN), (9, 48))  # down_proj quantizes its slice itself
         assert fused.shape == (9, HIDDEN) and fused.isfinite().all() and torch.equal(fused, unfused)

@@ -15,13 +15,16 @@ def test_the_cpu_mode_writes_both_tables(tmp_path):
     report = out.read_text()
     assert report.startswith("# FP8 activation quantization fused into RMSNorm / SiLU-and-mul (cpu,")
     rows = re.findall(
-        r"^\| tiny \| (norm|silu) \| (\d+) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| (\w+) \|$", report, re.M
+        r"^\| tiny \| (norm|silu) \| (token|group 32) \| (\d+) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| (\w+) \|$",
+        report,
+        re.M,
     )
     assert rows == [
-        ("norm", "1", "True"),
-        ("norm", "4", "True"),
-        ("silu", "1", "True"),
-        ("silu", "4", "True"),
+        (op, scales, rows, "True")
+        for scales in ("token", "group 32")
+        for op in ("norm", "silu")
+        for rows in "14"
     ]
     per_layer = report.split("## Per decoder layer")[1]
-    assert re.findall(r"^\| tiny \| (\d+) \|", per_layer, re.M) == ["1", "4"]
+    layers = re.findall(r"^\| tiny \| (token|group 32) \| (\d+) \|", per_layer, re.M)
+    assert layers == [("token", "1"), ("token", "4"), ("group 32", "1"), ("group 32", "4")]

@@ -26,6 +26,7 @@ KERNELS = {
     "_rotary_store_kv_kernel",
     "_silu_and_mul_kernel",
     "_silu_and_mul_fp8_kernel",
+    "_silu_and_mul_fp8_groups_kernel",
     "_fp8_quant_kernel",
     "_fp8_gemv_kernel",
     "_fp8_skinny_kernel",
@@ -100,6 +101,12 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     # Prefill: the full 128-row tile of a long prompt and the group-sized tile of short queries.
     prefill = [r["constexprs"] for r in one_b if r["kernel"] == "_prefill_attention_kernel"]
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
+    # fbgemm_fp8's capped per-token quantization, and the norm quantizing for block FP8 (activation groups
+    # of 128 columns), beside their plain variants.
+    quants = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_quant_kernel"]
+    assert any("CAPPED=True" in c for c in quants) and any("CAPPED=False" in c for c in quants)
+    norms = [r["constexprs"] for r in one_b if r["kernel"] == "_rms_norm_kernel"]
+    assert any("GROUP_SIZE=128" in c for c in norms) and any("GROUP_SIZE=0" in c for c in norms)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
     # The one-row FP8 sweep's latency candidates (pipelined or prefetched tiles, split K with its reduce, a
     # wider amax pass), each compiled in bf16 without spilling registers: one that spills is no candidate.
@@ -113,6 +120,12 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
         assert variants and all(r["local_bytes"] == 0 for r in variants), (config, variants)
     # Its split-K launches sum their partials in the skinny kernel's reduce, at one row.
     assert any(r["kernel"] == "_fp8_skinny_reduce_kernel" and "M=1," in r["constexprs"] for r in one_b)
+    # The block-scaled skinny launches (128 x 128 blocks), split K, and their reduce of scaled partials.
+    skinny = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_skinny_kernel"]
+    assert any("SCALE_BLOCK_N=128" in c and "SPLIT_K=1" not in c for c in skinny)
+    assert any("SCALE_BLOCK_N=0" in c for c in skinny)
+    reduces = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_skinny_reduce_kernel"]
+    assert any("SCALED=False" in c for c in reduces) and any("SCALED=True" in c for c in reduces)
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

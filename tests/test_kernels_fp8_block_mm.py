@@ -1,7 +1,8 @@
 """The block-wise FP8 kernels (`sluice.kernels.fp8_block_mm`): `quantize_fp8_groups` writes, bit for bit,
 the codes and scales of `fp8_blocks.quantize_activation_groups` (run on CPU), a partial last group, all-zero
 groups, ties, subnormals, saturation and NaN included; `fp8_block_mm` equals `fp8_block_mm_reference` but for
-the order of its fp32 sums, and that reference equals the dequantized product of `dequantize_blocks`.
+the order of its fp32 sums, and that reference equals the dequantized product of `dequantize_blocks`;
+`fp8_skinny_mm.fp8_block_skinny_mm` (the same product swapped and split over K, for up to 64 rows) too.
 Outputs are poisoned first, so an element the kernel does not write fails. Under TRITON_INTERPRET=1 on CPU;
 on a GPU, on CUDA."""
 
@@ -19,6 +20,7 @@ from sluice.kernels.fp8_block_mm import (
     fp8_block_mm_reference,
     quantize_fp8_groups,
 )
+from sluice.kernels.fp8_skinny_mm import SkinnyConfig, block_skinny_config, fp8_block_skinny_mm
 
 NAN_CODE = 0x7F  # e4m3fn NaN: the codes' poison (a finite input never quantizes to it)
 MAX_CODE = 0x7E  # 448
@@ -237,6 +239,46 @@ def test_no_rows_or_outputs_launch_nothing():
     assert fp8_block_mm(x_q, x_scale, w_q, w_scale, (16, 16), torch.float32).shape == (3, 0)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("num_rows", [1, 33, 64])
+@pytest.mark.parametrize(("block", "shape"), BLOCK_SHAPES)
+def test_block_skinny_mm_matches_the_reference(block, shape, num_rows, split_k, out_dtype):
+    """Split K in whole K blocks (K 72 / 56 / 100 in 4 splits: 3 / 4 / 2 splits of 32 / 16 / 64 columns, the
+    last partial), each split's sums already scaled, added by the reduce unscaled."""
+    inputs = _mm_inputs(num_rows, *shape, block, seed=20 + num_rows)
+    config = SkinnyConfig(block_n=32, block_k=block[1], split_k=split_k)
+    got = fp8_block_skinny_mm(*inputs, block, out_dtype, config)
+    assert got.shape == (num_rows, shape[0])
+    _assert_matches_reference(got.cpu(), inputs, block, out_dtype)
+
+
+@pytest.mark.parametrize("num_rows", [2, 16])
+def test_block_skinny_mm_of_128_by_128_blocks_with_its_default_config(num_rows):
+    block = (128, 128)
+    inputs = _mm_inputs(num_rows, 200, 300, block, seed=30 + num_rows)
+    got = fp8_block_skinny_mm(*inputs, block)
+    _assert_matches_reference(got.cpu(), inputs, block, torch.bfloat16)
+    quantized = quantize_fp8_groups(_random_rows(num_rows, 300, torch.bfloat16, seed=num_rows), 128)
+    both = (*quantized, *inputs[2:])
+    _assert_matches_reference(fp8_block_skinny_mm(*both, block).cpu(), both, block, torch.bfloat16)
+
+
+def test_the_block_config_splits_whole_blocks_until_every_sm_has_work():
+    assert block_skinny_config(4096, 4096, 132, 128) == SkinnyConfig(split_k=4)  # 64 tiles x 4 >= 198
+    assert block_skinny_config(28672, 4096, 132, 128) == SkinnyConfig(split_k=1)  # 448 tiles
+    assert block_skinny_config(4096, 512, 132, 128) == SkinnyConfig(split_k=4)  # 4 splits of one block
+    assert block_skinny_config(4096, 256, 132, 64) == SkinnyConfig(block_k=64, split_k=4)
+    assert block_skinny_config(64, 64, 132, 16) == SkinnyConfig(block_k=16, split_k=4)
+
+
+def test_block_skinny_mm_no_rows_or_outputs_launch_nothing():
+    x_q, x_scale, w_q, w_scale = _mm_inputs(0, 32, 64, (16, 16))
+    assert fp8_block_skinny_mm(x_q, x_scale, w_q, w_scale, (16, 16)).shape == (0, 32)
+    x_q, x_scale, w_q, w_scale = _mm_inputs(3, 0, 64, (16, 16))
+    assert fp8_block_skinny_mm(x_q, x_scale, w_q, w_scale, (16, 16), torch.float32).shape == (3, 0)
+
+
 def _bad_arguments():
     x = torch.randn(4, 64, device=DEVICE)
     fp8 = torch.empty(4, 64, dtype=FP8, device=DEVICE)
@@ -247,6 +289,11 @@ def _bad_arguments():
 
     def call(**change):
         return lambda: fp8_block_mm(**{**mm, **change})
+
+    def skinny(**change):
+        return lambda: fp8_block_skinny_mm(**{**mm, **change})
+
+    many_rows = _mm_inputs(65, 48, 64, (32, 16))
 
     return [
         (lambda: quantize_fp8_groups(x[None], 16), r"^x: expected 2 dims, got shape \(1, 4, 64\)$"),
@@ -276,6 +323,10 @@ def _bad_arguments():
         (call(out_dtype=torch.int32), r"^out_dtype: torch.int32 is not one of"),
         (call(out=torch.empty(4, 48, device=DEVICE)), r"^out: dtype torch.float32 is not one of"),
         (call(out=narrow_out), r"^out: expected shape \(4, 48\), got \(4, 40\)$"),
+        (skinny(x_scale=x_scale[:, :3]), r"^x_scale: expected shape \(4, 4\), got \(4, 3\)$"),
+        (skinny(block=(32, 24)), r"^block: must be a power of two >= 16, got 24$"),
+        (skinny(x_q=many_rows[0], x_scale=many_rows[1]), r"^x_q: at most 64 rows, got 65$"),
+        (skinny(config=SkinnyConfig(block_k=32)), r"^config: block_k 32 must be the blocks' 16$"),
     ]
 
 

@@ -205,7 +205,7 @@ def test_scaled_mm_layers_quantize_with_the_kernel_and_get_the_same_y(matmul, dt
     assert method.quantizes_in_kernel
     calls = []
     kernel = method._quantize_fp8
-    method._quantize_fp8 = lambda x, input_scale: calls.append(x.shape) or kernel(x, input_scale)
+    method._quantize_fp8 = lambda x, *args: calls.append(x.shape) or kernel(x, *args)
     rows = 2 * (SKINNY_MAX_ROWS // 2 + 1)  # more than `fp8_skinny_mm` takes: quantized, then `_scaled_mm`
     x = _random_rows(rows, 64, dtype, seed=3).view(2, rows // 2, 64)
     y = layer(x)

@@ -115,6 +115,7 @@ def test_a_swept_shape_takes_the_sweeps_config_for_its_rows_on_the_swept_sm_coun
         (lambda a: {**a, "weight": a["weight"][:, :32]}, "weight: "),
         (lambda a: {**a, "weight_scale": a["weight_scale"][:8]}, "weight_scale: expected shape"),
         (lambda a: {**a, "x_scale": torch.ones(3, 1)}, "x_scale: must hold 1 or 2"),
+        (lambda a: {**a, "config": SkinnyConfig(block_k=16)}, "config: block_k must be at least 32"),
     ],
 )
 def test_bad_arguments_name_the_argument(change, message):

@@ -2,9 +2,10 @@
 `silu_and_mul_fp8_quant`) write, bit for bit, the codes and scales of the two launches they replace:
 `rms_norm` (or `silu_and_mul`) then `fp8_quant.quantize_fp8`, and the same residual_out. Per token and
 static, bf16 / fp16 / fp32, with and without a residual, rows 1 to 67, widths not powers of two, rows wider
-than fp8_quant's tile (SiLU-and-mul's two passes), all-zero rows, saturation, NaN and inf. Outputs are
-poisoned first, so an element the kernel does not write fails. Under TRITON_INTERPRET=1 on CPU; on a GPU,
-on CUDA.
+than fp8_quant's tile (SiLU-and-mul's two passes), all-zero rows, saturation, NaN and inf. With a
+group_size (block FP8's activations), the codes and group scales of `fp8_block_mm.quantize_fp8_groups`
+instead: partial last groups, a group wider than the row, rows of several programs. Outputs are poisoned
+first, so an element the kernel does not write fails. Under TRITON_INTERPRET=1 on CPU; on a GPU, on CUDA.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES
 
+from sluice.kernels.fp8_block_mm import quantize_fp8_groups
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
 from sluice.kernels.silu_and_mul import FP8_MAX_TILE, silu_and_mul, silu_and_mul_fp8_quant
@@ -35,9 +37,10 @@ def _rows(num_rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Ten
     return x.to(dtype).to(DEVICE)
 
 
-def _poisoned(num_rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _poisoned(num_rows: int, width: int, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.full((num_rows, width), CODE_POISON, dtype=torch.uint8, device=DEVICE).view(FP8)
-    return codes, torch.full((num_rows, 1), SCALE_POISON, device=DEVICE)
+    scales = 1 if group_size is None else -(-width // group_size)
+    return codes, torch.full((num_rows, scales), SCALE_POISON, device=DEVICE)
 
 
 def _input_scale(static: bool) -> torch.Tensor | None:
@@ -46,7 +49,7 @@ def _input_scale(static: bool) -> torch.Tensor | None:
 
 def _assert_same_bits(fused: tuple[torch.Tensor, torch.Tensor], unfused: tuple[torch.Tensor, torch.Tensor]):
     (codes, scale), (expected_codes, expected_scale) = fused, unfused
-    assert codes.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (codes.shape[0], 1)
+    assert codes.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == expected_scale.shape
     assert torch.equal(scale.view(torch.int32), expected_scale.view(torch.int32))
     codes, expected_codes = codes.view(torch.uint8), expected_codes.view(torch.uint8)
     mismatch = (codes != expected_codes).nonzero()
@@ -110,6 +113,54 @@ def test_rms_norm_fp8_quant_nan_and_inf_rows_as_the_unfused_path(dtype, static):
         assert ((codes[2] & 0x7F) == 0x7F).all()
 
 
+def _group_maxima(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[rows, groups] bool: whether each group holds a code of magnitude 448 (its amax)."""
+    at_max = (codes.view(torch.uint8) & 0x7F) == MAX_CODE
+    padded = torch.nn.functional.pad(at_max, (0, -at_max.shape[1] % group_size))
+    return padded.view(at_max.shape[0], -1, group_size).any(dim=2)
+
+
+def _rms_norm_groups_both(x, weight, residual, group_size):
+    codes, scale = _poisoned(*x.shape, group_size)
+    fused = rms_norm_fp8_quant(x, weight, EPS, residual, out=codes, scale_out=scale, group_size=group_size)
+    assert fused[0] is codes and fused[1] is scale
+    normed, expected_residual = rms_norm(x, weight, EPS, residual)
+    return fused, (*quantize_fp8_groups(normed, group_size), expected_residual)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("has_residual", [False, True])
+# partial last group; groups of 16; a group wider than the row's power of two (one partial group)
+@pytest.mark.parametrize(("num_rows", "hidden", "group_size"), [(1, 300, 128), (5, 1000, 16), (67, 40, 128)])
+def test_rms_norm_fp8_quant_in_groups_is_rms_norm_then_quantize_fp8_groups_bit_for_bit(
+    dtype, has_residual, num_rows, hidden, group_size
+):
+    x = _rows(num_rows, hidden, dtype, seed=0)
+    residual = _rows(num_rows, hidden, dtype, seed=1) if has_residual else None
+    weight = (1.0 + torch.randn(hidden, generator=torch.Generator().manual_seed(2))).to(dtype).to(DEVICE)
+    fused, unfused = _rms_norm_groups_both(x, weight, residual, group_size)
+    assert fused[1].shape == (num_rows, -(-hidden // group_size))
+    _assert_same_bits(fused[:2], unfused[:2])
+    assert torch.equal(fused[2], unfused[2])
+    nonzero = fused[0].float().abs().view(num_rows, -1)  # each nonzero group's largest |code| is 448
+    nonzero = torch.nn.functional.pad(nonzero, (0, -hidden % group_size)).view(num_rows, -1, group_size)
+    assert torch.equal(_group_maxima(fused[0], group_size), nonzero.amax(dim=2) > 0)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_rms_norm_fp8_quant_in_groups_nan_stays_in_its_group(dtype):
+    x = _rows(3, 200, dtype, seed=3)
+    x[0, 70] = float("nan")  # group 2 of 64; the norm spreads it over row 0's groups: all NaN
+    weight = torch.ones(200, dtype=dtype, device=DEVICE)
+    weight[130] = float("nan")  # column 130 (group 2) of every row NaN after the norm
+    fused, unfused = _rms_norm_groups_both(x, weight, None, 64)
+    assert torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
+    assert torch.equal(fused[1].isnan(), unfused[1].isnan())
+    assert fused[1][0].isnan().all()
+    assert fused[1][1:, 2].isnan().all() and not fused[1][1:, [0, 1, 3]].isnan().any()
+    assert torch.equal(fused[1][1:, [0, 1, 3]], unfused[1][1:, [0, 1, 3]])
+
+
 def _silu_both(x, input_scale):
     codes, scale = _poisoned(x.shape[0], x.shape[1] // 2)
     fused = silu_and_mul_fp8_quant(x, input_scale, out=codes, scale_out=scale)
@@ -152,6 +203,30 @@ def test_silu_and_mul_fp8_quant_nan_and_inf_as_the_unfused_path(dtype, static):
     assert ((fused[0].view(torch.uint8)[0] & 0x7F) == 0x7F).any()
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+# partial last group; groups of 16 in rows of 2 programs; llama-3-8b's 14,336 in 7; one 4096-wide group
+@pytest.mark.parametrize(
+    ("num_rows", "d", "group_size"), [(1, 300, 128), (67, 2100, 16), (3, 14336, 128), (2, 5000, 4096)]
+)
+def test_silu_and_mul_fp8_quant_in_groups_is_silu_and_mul_then_quantize_fp8_groups(
+    dtype, num_rows, d, group_size
+):
+    x = _rows(num_rows, 2 * d, dtype, seed=4)
+    x[-1, d - 1], x[-1, 2 * d - 1] = 50.0, 50.0  # the last group's amax at its last column
+    x[-1, :d].masked_fill_(x[-1, :d].abs() < 2, float("nan"))[0] = 1.0  # ~95% NaN gates: NaN groups too
+    codes, scale = _poisoned(num_rows, d, group_size)
+    fused = silu_and_mul_fp8_quant(x, out=codes, scale_out=scale, group_size=group_size)
+    assert fused[0] is codes and fused[1] is scale
+    unfused = quantize_fp8_groups(silu_and_mul(x), group_size)
+    assert torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
+    assert torch.equal(fused[1].isnan(), unfused[1].isnan())
+    finite = ~unfused[1].isnan()
+    assert torch.equal(fused[1][finite], unfused[1][finite]) and finite[:-1].all()
+    maxima = _group_maxima(fused[0], group_size)  # every group of the rows before the last holds a 448,
+    assert maxima[[row for row in range(num_rows - 1) if row != 1]].all()
+    assert num_rows < 3 or not maxima[1].any()  # but row 1's, all zeros
+
+
 def test_strided_rows_and_no_rows():
     x = _rows(4, 2 * 200 + 24, torch.float16, seed=6)[:, :400]
     weight = torch.ones(400, dtype=torch.float16, device=DEVICE)
@@ -180,6 +255,21 @@ def _bad_arguments():
         (lambda: silu_and_mul_fp8_quant(x[:, :63]), r"^x: last dim must be even"),
         (lambda: silu_and_mul_fp8_quant(x, one.expand(2)), r"^input_scale: expected shape \(\) or \(1,\)"),
         (lambda: silu_and_mul_fp8_quant(x, out=x), r"^out: dtype torch.float32 is not one of"),
+        (
+            lambda: rms_norm_fp8_quant(x, weight, EPS, input_scale=one, group_size=32),
+            r"^input_scale: group scales are dynamic",
+        ),
+        (lambda: silu_and_mul_fp8_quant(x, group_size=24), r"^group_size: must be a power of two >= 16"),
+        (
+            lambda: rms_norm_fp8_quant(x, weight, EPS, group_size=8),
+            r"^group_size: must be a power of two >= 16",
+        ),
+        (
+            lambda: rms_norm_fp8_quant(
+                x, weight, EPS, scale_out=torch.empty(4, 1, device=DEVICE), group_size=32
+            ),
+            r"^scale_out: expected shape \(4, 2\)",
+        ),
     ]
 
 

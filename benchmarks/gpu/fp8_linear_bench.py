@@ -12,8 +12,9 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
                 FP8 linears' path where `runs_skinny`), and the fastest config of a sweep sharing the cap
     block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
                 + fp8_block_mm (sluice.kernels.fp8_block_mm); up to 8 rows also fp8_block_gemv (one launch),
-                which the block linears run where `runs_gemv` ("block / bf16": the path they serve); not in
-                "best fp8"
+                which the block linears run where `runs_gemv`, and from 2 to 64 rows quantize_fp8_groups +
+                fp8_block_skinny_mm (sluice.kernels.fp8_skinny_mm, its default config), which they run where
+                `runs_skinny` ("block / bf16": the path they serve); not in "best fp8"
 Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
 not fit in L2, so it is the time a captured decode step spends, launch gaps included. GB/s: the weight's
 bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight (block
@@ -55,7 +56,7 @@ from sluice.kernels.fp8_block_mm import fp8_block_mm, quantize_fp8_groups
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.fp8_skinny_mm import MAX_ROWS as SKINNY_ROWS
-from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_skinny_mm, skinny_config
+from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
 from sluice.kernels.paged_decode_attention import device_sm_count
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -171,6 +172,11 @@ def _block_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     return fp8_block_gemv(x, codes, scale, BLOCK)
 
 
+def _block_skinny(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_q, x_scale = quantize_fp8_groups(x, BLOCK[1])
+    return fp8_block_skinny_mm(x_q, x_scale, codes, scale, BLOCK, torch.bfloat16)
+
+
 def _skinny(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
@@ -193,10 +199,16 @@ class Row:
     skinny_best: SkinnyConfig | None = None
     block_s: float | None = None
     block_gemv_s: float | None = None
+    block_skinny_s: float | None = None
 
     def block_served_s(self) -> float | None:
-        """The block linears' time as they run this step: the gemv where `runs_gemv`, else the matmul."""
-        return self.block_gemv_s if runs_gemv(self.rows, self.linear.out_features) else self.block_s
+        """The block linears' time as they run this step: the gemv where `runs_gemv`, the skinny matmul
+        where `runs_skinny`, else the block matmul."""
+        if runs_gemv(self.rows, self.linear.out_features):
+            return self.block_gemv_s
+        if runs_skinny(self.rows, self.linear.out_features) and self.block_skinny_s is not None:
+            return self.block_skinny_s
+        return self.block_s
 
     def fp8_times(self) -> list[float]:
         times = (self.scaled_mm_s, self.gemv_s, self.best_s, self.skinny_s, self.skinny_best_s)
@@ -234,6 +246,10 @@ def bench_linear(
         if rows <= BLOCK_GEMV_ROWS:
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_block_gemv(x, *weights.block[0]), block_want))
             row.block_gemv_s = time_calls_s([partial(_block_gemv, x, *w) for w in weights.block], device)
+        if 1 < rows <= SKINNY_ROWS:
+            got = _block_skinny(x, *weights.block[0])
+            row.max_rel_diff = max(row.max_rel_diff, _rel_diff(got, block_want))
+            row.block_skinny_s = time_calls_s([partial(_block_skinny, x, *w) for w in weights.block], device)
         if 1 < rows <= SKINNY_ROWS:
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
@@ -327,9 +343,9 @@ def table(rows: Sequence[Row]) -> str:
     lines = [
         "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) | skinny us "
         "| skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | block 128 us | block gemv us "
-        "| block / bf16 | max rel diff vs bf16 |",
+        "| block skinny us | block / bf16 | max rel diff vs bf16 |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- "
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         fp8 = row.fp8_times()
@@ -345,7 +361,8 @@ def table(rows: Sequence[Row]) -> str:
             f"| {tile} | {_us(row.skinny_s)} | {skinny} "
             f"| {'' if best is None else f'{best / row.bf16_s:.2f}'} "
             f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
-            f"| {_us(row.block_s)} | {_us(row.block_gemv_s)} | {_ratio(row.block_served_s(), row.bf16_s)} "
+            f"| {_us(row.block_s)} | {_us(row.block_gemv_s)} | {_us(row.block_skinny_s)} "
+            f"| {_ratio(row.block_served_s(), row.bf16_s)} "
             f"| {row.max_rel_diff:.3g} |"
         )
     return "\n".join(lines)

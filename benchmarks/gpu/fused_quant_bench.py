@@ -6,8 +6,9 @@ replace: what the fusion saves per decoder layer of an FP8 model on a GPU.
 For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     norm   rms_norm (with the residual add) then fp8_quant   vs  rms_norm_fp8_quant      [M, hidden]
     silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
-both per token (the FP8 linears' dynamic activations); "per layer" adds two norms and one silu, what a
-decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
+per token (the per-channel FP8 linears' dynamic activations), and per group of 128 columns (block FP8's:
+`quantize_fp8_groups` unfused, the kernels' `group_size` fused); "per layer" adds two norms and one silu,
+what a decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
 CUDA-graph replays of 20 calls in a row (`time_kernel_s`: no host time, launch gaps included). Every row first
 checks that both ways write the same codes and scales, bit for bit (the tests' claim, on this device).
 
@@ -29,6 +30,7 @@ import torch
 from sluice.benchmarks.gpu.gpu_benchmarks import time_kernel_s
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.engine.loading.presets import preset_arch
+from sluice.kernels.fp8_block_mm import quantize_fp8_groups
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
 from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
@@ -36,6 +38,7 @@ from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
 ROWS = (1, 16, 64, 256)
 MODELS = ("llama-3-8b", "llama-3.2-1b")
 EPS = 1e-5
+GROUP_SIZE = 128  # DeepSeek-V3 / Qwen3-FP8's activation groups (32 on the CPU mode's tiny shape)
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (codes, scales)
 
@@ -44,6 +47,7 @@ Outputs = tuple[torch.Tensor, torch.Tensor]  # (codes, scales)
 class Row:
     model: str
     op: str  # "norm" or "silu"
+    scales: str  # "token" or "group N"
     rows: int
     unfused_s: float
     fused_s: float
@@ -65,18 +69,23 @@ def _time_s(call: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _calls(op: str, rows: int, hidden: int, intermediate: int, device: torch.device):
-    """(unfused, fused) for `op` at `rows` rows on fresh random bf16 inputs: each returns (codes, scales)."""
+def _calls(op: str, group: int | None, rows: int, hidden: int, intermediate: int, device: torch.device):
+    """(unfused, fused) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group` None) or
+    per group of `group` columns: each returns (codes, scales)."""
     gen = torch.Generator().manual_seed(rows)
+
+    def quantize(x: torch.Tensor) -> Outputs:
+        return quantize_fp8(x) if group is None else quantize_fp8_groups(x, group)
+
     if op == "norm":
         x, residual = (torch.randn(rows, hidden, generator=gen).bfloat16().to(device) for _ in range(2))
         weight = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16().to(device)
         return (
-            lambda: quantize_fp8(rms_norm(x, weight, EPS, residual)[0]),
-            lambda: rms_norm_fp8_quant(x, weight, EPS, residual)[:2],
+            lambda: quantize(rms_norm(x, weight, EPS, residual)[0]),
+            lambda: rms_norm_fp8_quant(x, weight, EPS, residual, group_size=group)[:2],
         )
     gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
-    return lambda: quantize_fp8(silu_and_mul(gate_up)), lambda: silu_and_mul_fp8_quant(gate_up)
+    return lambda: quantize(silu_and_mul(gate_up)), lambda: silu_and_mul_fp8_quant(gate_up, group_size=group)
 
 
 def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
@@ -85,13 +94,17 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
         if device.type == "cuda"
         else [("tiny", 96, 160)]
     )
+    groups = (None, GROUP_SIZE if device.type == "cuda" else 32)
     results = []
     for model, hidden, intermediate in shapes:
-        for op in ("norm", "silu"):
-            for rows in rows_list:
-                unfused, fused = _calls(op, rows, hidden, intermediate, device)
-                same = _same_bits(unfused(), fused())
-                results.append(Row(model, op, rows, _time_s(unfused, device), _time_s(fused, device), same))
+        for group in groups:
+            scales = "token" if group is None else f"group {group}"
+            for op in ("norm", "silu"):
+                for rows in rows_list:
+                    unfused, fused = _calls(op, group, rows, hidden, intermediate, device)
+                    same = _same_bits(unfused(), fused())
+                    timed = _time_s(unfused, device), _time_s(fused, device)
+                    results.append(Row(model, op, scales, rows, *timed, same))
         print(f"[fused_quant_bench] {model} done", file=sys.stderr, flush=True)
     return results
 
@@ -105,6 +118,7 @@ def report(results: Sequence[Row], where: str) -> str:
         [
             r.model,
             r.op,
+            r.scales,
             r.rows,
             _us(r.unfused_s),
             _us(r.fused_s),
@@ -113,17 +127,17 @@ def report(results: Sequence[Row], where: str) -> str:
         ]
         for r in results
     ]
-    by_key = {(r.model, r.op, r.rows): r for r in results}
+    by_key = {(r.model, r.op, r.scales, r.rows): r for r in results}
     layer_rows = []
-    for model, _, m in sorted({(r.model, 0, r.rows) for r in results}, key=lambda k: (k[0], k[2])):
-        norm, silu = by_key[(model, "norm", m)], by_key[(model, "silu", m)]
+    for model, scales, m in dict.fromkeys((r.model, r.scales, r.rows) for r in results):
+        norm, silu = by_key[(model, "norm", scales, m)], by_key[(model, "silu", scales, m)]
         unfused = 2 * norm.unfused_s + silu.unfused_s
         fused = 2 * norm.fused_s + silu.fused_s
         layer_rows.append(
-            [model, m, _us(unfused), _us(fused), _us(unfused - fused), f"{fused / unfused:.2f}"]
+            [model, scales, m, _us(unfused), _us(fused), _us(unfused - fused), f"{fused / unfused:.2f}"]
         )
-    headers = ["model", "op", "rows", "unfused us", "fused us", "fused / unfused", "same bits"]
-    layer_headers = ["model", "rows", "unfused us", "fused us", "saved us", "fused / unfused"]
+    headers = ["model", "op", "scales", "rows", "unfused us", "fused us", "fused / unfused", "same bits"]
+    layer_headers = ["model", "scales", "rows", "unfused us", "fused us", "saved us", "fused / unfused"]
     return (
         f"# FP8 activation quantization fused into RMSNorm / SiLU-and-mul ({where})\n\n"
         f"{markdown_table(headers, rows)}\n\n"

@@ -25,8 +25,9 @@ and holds, for each quantized linear (checkpoint names, before q/k/v or gate/up 
 
 and, with a kv_cache_scheme, each attention layer's `self_attn.k_scale` and `self_attn.v_scale`.
 
-The other FP8 format, `quant_method: "fp8"` (transformers' FineGrainedFP8, DeepSeek-V3, Qwen3-*-FP8,
-AutoFP8), is read by `sluice.engine.loading.fp8_method_config` into the same `Fp8Config`.
+The other FP8 formats are read into the same `Fp8Config`: `quant_method: "fp8"` (transformers'
+FineGrainedFP8, DeepSeek-V3, Qwen3-*-FP8, AutoFP8) by `sluice.engine.loading.fp8_method_config`, NVIDIA
+ModelOpt's by `modelopt_config`, FBGEMM's (`fbgemm_fp8`, Meta's Llama-3.1-405B-FP8) by `fbgemm_config`.
 
 Anything else is refused with the field named (another quant_method, int weights, group weight strategies,
 output activations, a field this reader does not know): a quantized checkpoint never runs as if it were not.
@@ -66,7 +67,9 @@ class Fp8Scheme:
     False: float weights, quantized at load per channel or per block), `scale_name` (the checkpoint's name
     for the weight scales: "weight_scale", or "weight_scale_inv" in the quant_method fp8 format) and `aliases`
     ((checkpoint name, parameter) pairs: other names a checkpoint may give a parameter, e.g. transformers'
-    weight_scale_inv for a per-tensor scale that vLLM and AutoFP8 call weight_scale)."""
+    weight_scale_inv for a per-tensor scale that vLLM and AutoFP8 call weight_scale).
+    `activation_scale_ub` (token activations only): a row's amax is capped there before its scale is
+    taken (FBGEMM's `quantize_fp8_per_row`), None: no cap."""
 
     weight_strategy: str = "channel"
     activations: str = "token"
@@ -74,6 +77,7 @@ class Fp8Scheme:
     block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"
     aliases: tuple[tuple[str, str], ...] = ()
+    activation_scale_ub: float | None = None
 
     def __post_init__(self) -> None:
         if self.weight_strategy not in WEIGHT_STRATEGIES:
@@ -98,6 +102,12 @@ class Fp8Scheme:
             )
         if self.scale_name not in ("weight_scale", "weight_scale_inv"):
             raise ValueError(f"scale_name: 'weight_scale' or 'weight_scale_inv', got {self.scale_name!r}")
+        cap = self.activation_scale_ub
+        if cap is not None and not (self.activations == "token" and 0 < cap < float("inf")):
+            raise ValueError(
+                f"activation_scale_ub: a positive finite cap on token activations, got {cap!r} with "
+                f"activations {self.activations!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -168,8 +178,9 @@ def resolve_fp8_config(
     weight_block: int | None = None,
 ) -> Fp8Config | None:
     """The FP8 config a model runs under: its checkpoint's `quantization_config` (which must be FP8
-    compressed-tensors, quant_method fp8 or modelopt), else `--quantization fp8`'s, else None. A checkpoint
-    that quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at load.
+    compressed-tensors, quant_method fp8, modelopt or fbgemm_fp8), else `--quantization fp8`'s, else None.
+    A checkpoint that quantizes only its KV cache has float weights: `--quantization fp8` quantizes them at
+    load.
     `random_weights` (load_format dummy): the weights are random floats, so a checkpoint's FP8 scheme is
     made at load. `weight_block` (`--fp8-weight-block`): what is quantized at load is in blocks
     (`quantize_at_load`). Raises ValueError naming the field when the checkpoint's config is not one Sluice
@@ -206,15 +217,16 @@ def resolve_fp8_config(
 
 
 def _parse(raw: Any) -> Fp8Config:
-    """A quantization_config in an FP8 format: quant_method fp8, modelopt, else compressed-tensors."""
+    """A quantization_config in an FP8 format: quant_method fp8, modelopt, fbgemm_fp8, else
+    compressed-tensors."""
     # both import this module
+    from sluice.engine.loading.fbgemm_config import FBGEMM_FP8, parse_fbgemm_fp8
     from sluice.engine.loading.fp8_method_config import FP8_METHOD, parse_fp8_method
     from sluice.engine.loading.modelopt_config import MODELOPT, parse_modelopt
 
-    if isinstance(raw, Mapping) and raw.get("quant_method") == FP8_METHOD:
-        return parse_fp8_method(raw)
-    if isinstance(raw, Mapping) and raw.get("quant_method") == MODELOPT:
-        return parse_modelopt(raw)
+    parsers = {FP8_METHOD: parse_fp8_method, MODELOPT: parse_modelopt, FBGEMM_FP8: parse_fbgemm_fp8}
+    if isinstance(raw, Mapping) and raw.get("quant_method") in parsers:
+        return parsers[raw["quant_method"]](raw)
     return parse_compressed_tensors(raw)
 
 
@@ -228,7 +240,8 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     method = raw.get("quant_method")
     if method != COMPRESSED_TENSORS:
         raise ValueError(
-            f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}, fp8 or modelopt"
+            f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}, fp8, modelopt or "
+            "fbgemm_fp8"
         )
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":

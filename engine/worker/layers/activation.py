@@ -57,7 +57,9 @@ class SiluAndMul(GatedActivation):
         scheme = linear.quantized_input(gate_up.shape[0]) if self.fuses_fp8_quant else None
         if scheme is None:
             return self(gate_up)
-        x_q, x_scale = self._triton_silu_and_mul_fp8_quant(gate_up, scheme.input_scale)
+        x_q, x_scale = self._triton_silu_and_mul_fp8_quant(
+            gate_up, scheme.input_scale, group_size=scheme.group_size
+        )
         return Fp8Activations(x_q, x_scale, gate_up.dtype)
 
     def forward_triton(self, gate_up: torch.Tensor) -> torch.Tensor:

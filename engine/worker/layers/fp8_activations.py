@@ -5,10 +5,12 @@ linear's own `fp8_quant` launch: one launch fewer per such linear and step.
     x_q, x_scale, residual = rms_norm_fp8_quant(x, weight, eps, residual, scheme.input_scale)
     y = linear(Fp8Activations(x_q, x_scale, x.dtype))
 
-A linear answers a scheme only where it would run `fp8_quant` on x itself (`Fp8LinearMethod.quantized_input`):
-an FP8 layer on `torch._scaled_mm` with per-token or static activations, in a step it does not run on
-`fp8_gemv` (which quantizes inside the product). Every other linear (bf16, int8/int4, the emulated FP8
-path, the C++ CPU kernels) answers None and is handed the float tensor as before.
+A linear answers a scheme only where it would run a quantization launch on x itself
+(`Fp8LinearMethod.quantized_input`): an FP8 layer on `torch._scaled_mm` with per-token or static activations
+(`fp8_quant`), or a block-FP8 layer on `block_triton` (`quantize_fp8_groups`: the scheme's `group_size`), in
+a step it does not run on `fp8_gemv` / `fp8_block_gemv` (which quantize inside the product). Every other
+linear (bf16, int8/int4, the emulated FP8 paths, the C++ CPU kernels) answers None and is handed the float
+tensor as before.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch
 @dataclass(frozen=True)
 class Fp8InputScheme:
     """How an FP8 linear quantizes its input: e4m3 with one dynamic scale per token (input_scale None), or
-    with its static input_scale ([] float32 on the model's device, read by the kernel)."""
+    with its static input_scale ([] float32 on the model's device, read by the kernel), or with a dynamic
+    scale per token and group of `group_size` columns (block FP8; input_scale None)."""
 
     input_scale: torch.Tensor | None = None
+    group_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -32,5 +36,5 @@ class Fp8Activations:
     `fp8_quant` launch would write. Built on the hot path by the fused kernels' callers: not re-checked."""
 
     x_q: torch.Tensor  # [M, in] float8_e4m3fn
-    x_scale: torch.Tensor  # [M, 1] float32
+    x_scale: torch.Tensor  # [M, 1] float32; [M, cdiv(in, group_size)] for a group scheme
     dtype: torch.dtype  # x's dtype (the model's): the linear's output dtype

@@ -28,14 +28,18 @@ Block schemes (`sluice.engine.worker.layers.fp8_blocks`: a scale per [bn, bk] we
 row and group of bk columns) keep the codes and block scales on CUDA sm_89+ and run `block_triton`
 (`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`; one-row steps where
 `runs_gemv`: `sluice.kernels.fp8_block_gemv`, the two in one launch, the same codes and scales, the fp32 sums
-in another order; unmeasured on a GPU, as both kernels are); elsewhere `block_emulated`
+in another order; the other steps of up to SKINNY_MAX_ROWS rows (`runs_skinny`):
+`sluice.kernels.fp8_skinny_mm.fp8_block_skinny_mm`, the same product swapped and split over K as
+`fp8_skinny_mm`; unmeasured on a GPU, as all three kernels are); elsewhere `block_emulated`
 multiplies the blocks out to float32 at load and the groups' codes by their scales each step (a float32
 rounding each, as compressed-tensors' decompression and fake quantization round them; the reference).
 
 On rowwise and tensorwise, token and static activations are quantized by one Triton launch
 (`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
-contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. Dynamic tensor activations (one
-amax over the whole x) and the emulated path run `quantize_activations`.
+contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. A scheme with an
+`activation_scale_ub` (fbgemm_fp8) caps each row's amax there, in that launch and in the emulation; its
+layers take neither `fp8_gemv` nor the fused quantization below, which have no cap. Dynamic tensor
+activations (one amax over the whole x) and the emulated path run `quantize_activations`.
 
 One-row steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
 GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
@@ -43,9 +47,10 @@ codes and scales; the fp32 sums in another order). Measured on an H100 (docs/per
 runs 5-7) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv /
 o / down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there.
 
-Where `fp8_quant` would run, the kernel that made x may quantize it instead (`quantized_input`, the seam of
-`sluice.engine.worker.layers.fp8_activations`): the decoders' RMSNorm before qkv_proj / gate_up_proj and
-SiLU-and-mul before down_proj then hand `apply` an `Fp8Activations`, the same codes and scales.
+Where `fp8_quant` or `quantize_fp8_groups` would run, the kernel that made x may quantize it instead
+(`quantized_input`, the seam of `sluice.engine.worker.layers.fp8_activations`): the decoders' RMSNorm before
+qkv_proj / gate_up_proj and SiLU-and-mul before down_proj then hand `apply` an `Fp8Activations`, the same
+codes and scales (per token, static, or per group of a block scheme's block_k columns).
 
 Every other step of up to SKINNY_MAX_ROWS rows runs `sluice.kernels.fp8_skinny_mm` on `fp8_quant`'s codes
 (`runs_skinny`): the weight as the MMA's tall operand, K split over programs. On llama-3-8b's qkv / o / down
@@ -95,12 +100,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activations(
-    x: torch.Tensor, activations: str, input_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None = None,
+    scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, in] -> (x_q [M, in] e4m3, x_scale float32 [M, 1] (token) or [1, 1]), x ~ x_q * x_scale."""
+    """x [M, in] -> (x_q [M, in] e4m3, x_scale float32 [M, 1] (token) or [1, 1]), x ~ x_q * x_scale.
+    `scale_ub` (token): each row's amax capped there first (FBGEMM's), the values past it saturating."""
     x = x.float()
     if activations == "token":
-        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        amax = x.abs().amax(dim=1, keepdim=True)
+        if scale_ub is not None:
+            amax = amax.clamp(max=scale_ub)  # NaN stays NaN
+        scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
     elif activations == "tensor":
         scale = (x.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1, 1)
     else:  # static
@@ -117,8 +129,8 @@ def runs_gemv(num_rows: int, out_features: int) -> bool:
 
 def runs_skinny(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` runs `fp8_skinny_mm` on the codes of
-    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel): up to SKINNY_MAX_ROWS,
-    where not `runs_gemv`."""
+    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel), or `fp8_block_skinny_mm`
+    rather than `fp8_block_mm` (block_triton): up to SKINNY_MAX_ROWS, where not `runs_gemv`."""
     return num_rows <= SKINNY_MAX_ROWS and not runs_gemv(num_rows, out_features)
 
 
@@ -186,6 +198,9 @@ class Fp8LinearMethod(LinearMethod):
         self.scheme = scheme
         self.matmul = matmul
         self.checkpoint_aliases = dict(scheme.aliases)
+        # A capped scheme (fbgemm_fp8) quantizes only in `fp8_quant`: not in fp8_gemv, nor in the kernels
+        # before the linear (they take no cap).
+        self.scale_ub = scheme.activation_scale_ub
         self.quantizes_in_kernel = (
             matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
         )
@@ -196,6 +211,7 @@ class Fp8LinearMethod(LinearMethod):
         if matmul == "block_triton":
             self._fp8_block_mm = import_module("sluice.kernels.fp8_block_mm")
             self._fp8_block_gemv = import_module("sluice.kernels.fp8_block_gemv").fp8_block_gemv
+            self._fp8_block_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_block_skinny_mm
 
     def create_weights(
         self,
@@ -263,6 +279,8 @@ class Fp8LinearMethod(LinearMethod):
         _check_scales("weight_scale", layer.weight_scale.data)
         if self.scheme.block is not None:
             self._block_layout(layer)
+            if self.matmul == "block_triton":
+                layer.input_scheme = Fp8InputScheme(group_size=self.scheme.block[1])
             return
         if self.scheme.activations == "static":
             _check_scales("input_scale", layer.input_scale.data)
@@ -279,9 +297,11 @@ class Fp8LinearMethod(LinearMethod):
 
     def quantized_input(self, layer: LinearBase, num_rows: int) -> Fp8InputScheme | None:
         """The scheme in which a step of `num_rows` may hand this layer its input already quantized (an
-        `Fp8Activations`): where `apply` would run `fp8_quant` on x, i.e. on `_scaled_mm` with token or
-        static activations, off `fp8_gemv`'s steps. Else None."""
-        if not self.quantizes_in_kernel or runs_gemv(num_rows, layer.weight.shape[0]):
+        `Fp8Activations`): where `apply` would run a quantization launch on x, i.e. `fp8_quant` on
+        `_scaled_mm` with token or static activations, or `quantize_fp8_groups` on block_triton (the
+        scheme's group_size), off the steps of `fp8_gemv` / `fp8_block_gemv`. Else None."""
+        kernel_quantized = self.quantizes_in_kernel or self.matmul == "block_triton"
+        if not kernel_quantized or self.scale_ub is not None or runs_gemv(num_rows, layer.weight.shape[0]):
             return None
         return layer.input_scheme
 
@@ -296,7 +316,7 @@ class Fp8LinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
         gemv = runs_gemv(rows.shape[0], layer.weight.shape[0])
-        if self.quantizes_in_kernel and gemv:
+        if self.quantizes_in_kernel and gemv and self.scale_ub is None:
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
         elif self.matmul == "block_triton" and gemv:
             y = self._fp8_block_gemv(rows, layer.weight, layer.weight_scale, self.scheme.block)
@@ -313,7 +333,8 @@ class Fp8LinearMethod(LinearMethod):
         if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], layer.weight.shape[0]):
             return self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, dtype)
         if self.matmul == "block_triton":
-            block_mm = self._fp8_block_mm.fp8_block_mm
+            skinny = runs_skinny(x_q.shape[0], layer.weight.shape[0])
+            block_mm = self._fp8_block_skinny_mm if skinny else self._fp8_block_mm.fp8_block_mm
             return block_mm(x_q, x_scale, layer.weight, layer.weight_scale, self.scheme.block, dtype)
         return FP8_MATMULS[self.matmul](layer, x_q, x_scale)
 
@@ -324,12 +345,12 @@ class Fp8LinearMethod(LinearMethod):
         or on "block_triton" (group), else `quantize_activations` / `quantize_activation_groups`; the
         same bits either way."""
         if self.quantizes_in_kernel:
-            return self._quantize_fp8(x, input_scale)
+            return self._quantize_fp8(x, input_scale, self.scale_ub)
         if self.matmul == "block_triton":
             return self._fp8_block_mm.quantize_fp8_groups(x, self.scheme.block[1])
         if self.scheme.activations == "group":
             return quantize_activation_groups(x, self.scheme.block[1])
-        return quantize_activations(x, self.scheme.activations, input_scale)
+        return quantize_activations(x, self.scheme.activations, input_scale, self.scale_ub)
 
     def _block_scale_shape(self, layer: LinearBase) -> tuple[int, int]:
         """A block scheme's weight_scale [cdiv(out, bn), cdiv(in, bk)]. A packed layer's shards stack their

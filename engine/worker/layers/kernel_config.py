@@ -48,10 +48,11 @@ class KernelConfig:
     fuse_fp8_quant_norm, fuse_fp8_quant_silu: where an FP8 linear would quantize its input with its own
         launch, the Triton RMSNorm (before qkv_proj, gate_up_proj) or SiLU-and-mul (before down_proj) writes
         the codes instead (`sluice.engine.worker.layers.fp8_activations`); False leaves the launch to the
-        linear. The SiLU-and-mul one is off: on an H200 (docs/perf/README.md, run 11) it took 8.9 us a
-        launch at 64 rows of llama-3-8b (it walked a 14336-wide row in 4096-column tiles twice, amax then
-        codes) against ~4.3 us for `silu_and_mul` and `fp8_quant`; the norm's took 4.2 us against ~4.5.
-        It now holds such a row in one tile (one pass), not yet measured on a GPU.
+        linear (per token or static on `_scaled_mm`, per group of block_k columns on block FP8's
+        `block_triton`). The SiLU-and-mul one is off: on an H200 (docs/perf/README.md, run 11) it took
+        8.9 us a launch at 64 rows of llama-3-8b (it walked a 14336-wide row in 4096-column tiles twice,
+        amax then codes) against ~4.3 us for `silu_and_mul` and `fp8_quant`; the norm's took 4.2 us against
+        ~4.5. It now holds such a row in one tile (one pass), not yet measured on a GPU.
     """
 
     device: torch.device
