@@ -90,7 +90,7 @@ def skinny_config(out_features: int, in_features: int, sm_count: int, num_rows: 
 def block_skinny_config(out_features: int, in_features: int, sm_count: int, block_k: int) -> SkinnyConfig:
     """`skinny_config`'s rule for block scales: BLOCK_N 64, BLOCK_K = block_k (one K step is one scale
     block), the fewest K splits giving every SM 1.5 programs. Untuned: no sweep has run it."""
-    return _split_rule(SkinnyConfig(block_k=max(block_k, 16)), out_features, in_features, sm_count)
+    return _split_rule(SkinnyConfig(block_k=block_k), out_features, in_features, sm_count)
 
 
 def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:

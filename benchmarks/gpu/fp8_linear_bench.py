@@ -373,8 +373,8 @@ def layer_table(rows: Sequence[Row]) -> str:
     lines = [
         "| model | M | bf16 us | fp8 as served us (gemv where `runs_gemv`, skinny where `runs_skinny`, "
         "else scaled_mm) | best fp8 us "
-        "| served / bf16 | best / bf16 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| served / bf16 | best / bf16 | block 128 as served us | block / bf16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_model_and_m = sorted(rows, key=lambda r: (r.linear.model, r.rows))  # stable: the linears in order
     for (model, m), group in itertools.groupby(by_model_and_m, key=lambda r: (r.linear.model, r.rows)):
@@ -382,11 +382,13 @@ def layer_table(rows: Sequence[Row]) -> str:
         bf16 = sum(r.bf16_s for r in group)
         served_parts = [_served_s(r) for r in group]
         best_parts = [min(r.fp8_times(), default=None) for r in group]
+        block_parts = [r.block_served_s() for r in group]
         served = None if None in served_parts else sum(served_parts)
         best = None if None in best_parts else sum(best_parts)
+        block = None if None in block_parts else sum(block_parts)
         lines.append(
             f"| {model} | {m} | {_us(bf16)} | {_us(served)} | {_us(best)} "
-            f"| {_ratio(served, bf16)} | {_ratio(best, bf16)} |"
+            f"| {_ratio(served, bf16)} | {_ratio(best, bf16)} | {_us(block)} | {_ratio(block, bf16)} |"
         )
     return "\n".join(lines)
 
