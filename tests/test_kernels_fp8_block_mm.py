@@ -241,7 +241,7 @@ def test_no_rows_or_outputs_launch_nothing():
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("num_rows", [1, 33, 64])
+@pytest.mark.parametrize("num_rows", [2, 64])  # the MMA's narrow side padded to 16, and its widest, 64
 @pytest.mark.parametrize(("block", "shape"), BLOCK_SHAPES)
 def test_block_skinny_mm_matches_the_reference(block, shape, num_rows, split_k, out_dtype):
     """Split K in whole K blocks (K 72 / 56 / 100 in 4 splits: 3 / 4 / 2 splits of 32 / 16 / 64 columns, the
