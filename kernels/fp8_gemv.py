@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale, max_keep_nan
+from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_scale_ub, dynamic_scale, max_keep_nan
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
@@ -159,6 +159,7 @@ def _fp8_gemv_kernel(
     y_ptr,  # [M, N] x's dtype (SPLIT_K 1), or [SPLIT_K, M, N] float32 partial sums: written
     x_ptr,  # [M, K] bf16/fp16/fp32
     input_scale_ptr,  # static only: [] or [1] float32
+    scale_ub,  # CAPPED only: the cap on each row's amax (float32)
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32
     x_scale_out_ptr,  # SPLIT_K > 1: [M] float32, the rows' scales for the reduce (written once)
@@ -176,6 +177,7 @@ def _fp8_gemv_kernel(
     PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
+    CAPPED: tl.constexpr = False,  # DYNAMIC: each row's amax capped at scale_ub (fbgemm_fp8)
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -200,7 +202,7 @@ def _fp8_gemv_kernel(
             mask = row_mask[:, None] & (start + amax_cols < K)[None, :]
             x = tl.load(x_rows + start + amax_cols[None, :], mask=mask, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        x_scale = dynamic_scale(amax_keep_nan(running, 1))  # [BLOCK_M]
+        x_scale = dynamic_scale(capped(amax_keep_nan(running, 1), scale_ub, CAPPED))  # [BLOCK_M]
     else:
         x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
 
@@ -242,12 +244,17 @@ def fp8_gemv(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    scale_ub: float | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, M <= MAX_ROWS, unit last stride) @ weight [N, K] float8_e4m3fn (row-major)
     with weight_scale [N] float32 -> y [M, N] in x's dtype, x quantized per token (input_scale None) or by
-    the static input_scale ([] or [1] float32), as module docstring. Nothing is read back to the host.
-    Raises ValueError naming a bad argument."""
+    the static input_scale ([] or [1] float32), as module docstring; `scale_ub` (per token only) caps each
+    row's amax, as `fp8_quant`'s. Nothing is read back to the host. Raises ValueError naming a bad
+    argument."""
     _check_args(x, weight, weight_scale, input_scale)
+    check_scale_ub(scale_ub)
+    if scale_ub is not None and input_scale is not None:
+        raise ValueError("scale_ub: caps dynamic scales, got a static input_scale too")
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
@@ -265,6 +272,7 @@ def fp8_gemv(
         out,
         x,
         input_scale,
+        scale_ub or 1.0,
         weight.view(torch.uint8),
         weight_scale,
         x_scale,
@@ -282,6 +290,7 @@ def fp8_gemv(
         PREFETCH=config.prefetch,
         SPLIT_K=split_k,
         STAGES=config.stages,
+        CAPPED=scale_ub is not None,
         num_warps=config.num_warps,
     )
     if split_k > 1:

@@ -59,6 +59,15 @@ def amax_keep_nan(magnitudes, axis: tl.constexpr):
 
 
 @triton.jit
+def capped(amax, scale_ub, CAPPED: tl.constexpr):
+    """amax, or with CAPPED min(amax, scale_ub) (fbgemm_fp8's cap on a row's amax; NaN kept): the values
+    past the cap then saturate at +-448."""
+    if CAPPED:
+        amax = tl.minimum(amax, scale_ub, propagate_nan=tl.PropagateNan.ALL)
+    return amax
+
+
+@triton.jit
 def dynamic_scale(amax):
     """amax / 448, IEEE-rounded, at least float32's tiny (an all-zero row gets zero codes, not NaN)."""
     return max_keep_nan(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
@@ -89,10 +98,7 @@ def _fp8_quant_kernel(
         for start in range(TILE, K, TILE):  # rows wider than a tile: first pass, amax
             x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
-        amax = amax_keep_nan(running, 0)
-        if CAPPED:  # values past the cap saturate at +-448
-            amax = tl.minimum(amax, scale_ub, propagate_nan=tl.PropagateNan.ALL)
-        scale = dynamic_scale(amax)
+        scale = dynamic_scale(capped(amax_keep_nan(running, 0), scale_ub, CAPPED))
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)
@@ -141,12 +147,24 @@ def check_input_scale(input_scale: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"input_scale: on {input_scale.device}, expected {device}")
 
 
+def check_scale_ub(scale_ub: float | None) -> None:
+    """Raise ValueError unless `scale_ub` (a cap on each row's amax) is None or a positive finite float."""
+    if scale_ub is not None and not (isinstance(scale_ub, float) and 0 < scale_ub < float("inf")):
+        raise ValueError(f"scale_ub: must be a positive finite float, got {scale_ub!r}")
+
+
 def check_quantization(
-    input_scale: torch.Tensor | None, group_size: int | None, device: torch.device
+    input_scale: torch.Tensor | None,
+    group_size: int | None,
+    device: torch.device,
+    scale_ub: float | None = None,
 ) -> None:
-    """Raise ValueError unless the fused kernels' quantization is one they make: per token (neither), a
-    static `input_scale` (`check_input_scale`), or dynamic per group of `group_size` columns (a power of
-    two >= 16, as `quantize_fp8_groups` takes), not both."""
+    """Raise ValueError unless the fused kernels' quantization is one they make: per token (neither; with
+    a `scale_ub` cap or not), a static `input_scale` (`check_input_scale`), or dynamic per group of
+    `group_size` columns (a power of two >= 16, as `quantize_fp8_groups` takes), one at a time."""
+    check_scale_ub(scale_ub)
+    if scale_ub is not None and (input_scale is not None or group_size is not None):
+        raise ValueError("scale_ub: caps per-token scales, not with an input_scale or a group_size")
     if group_size is not None:
         if input_scale is not None:
             raise ValueError(
@@ -194,8 +212,7 @@ def _launch(
     scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args(x, input_scale)
-    if scale_ub is not None and not (isinstance(scale_ub, float) and 0 < scale_ub < float("inf")):
-        raise ValueError(f"scale_ub: must be a positive finite float, got {scale_ub!r}")
+    check_scale_ub(scale_ub)
     num_rows, width = x.shape
     out, scale_out = quantized_outputs(out, scale_out, num_rows, width, x.device)
     if num_rows == 0:

@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import amax_keep_nan, check_quantization, dynamic_scale, quantized_outputs
+from sluice.kernels.fp8_quant import (
+    amax_keep_nan,
+    capped,
+    check_quantization,
+    dynamic_scale,
+    quantized_outputs,
+)
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -39,6 +45,7 @@ def _rms_norm_kernel(
     weight_ptr,
     scale_ptr,  # QUANTIZE only: [T, 1] float32 (GROUP_SIZE: [T, cdiv(HIDDEN, GROUP_SIZE)]), written
     input_scale_ptr,  # QUANTIZE and not DYNAMIC only: [] or [1] float32, read
+    scale_ub,  # CAPPED only: the cap on the row's amax (float32)
     eps,
     stride_x,
     stride_residual,
@@ -51,6 +58,7 @@ def _rms_norm_kernel(
     QUANTIZE: tl.constexpr = False,
     DYNAMIC: tl.constexpr = True,
     GROUP_SIZE: tl.constexpr = 0,  # QUANTIZE: 0 for a scale per row, else per row and group (dynamic)
+    CAPPED: tl.constexpr = False,  # QUANTIZE, DYNAMIC, a scale per row: the amax capped at scale_ub
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, HIDDEN_PAD)
@@ -78,7 +86,8 @@ def _rms_norm_kernel(
         tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * GROUP_SIZE < HIDDEN)
     elif QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
         if DYNAMIC:
-            scale = dynamic_scale(amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0))
+            amax = amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0)
+            scale = dynamic_scale(capped(amax, scale_ub, CAPPED))
         else:
             scale = tl.load(input_scale_ptr)
         tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(out, scale), mask=mask)
@@ -129,6 +138,7 @@ def rms_norm_fp8_quant(
     scale_out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     group_size: int | None = None,
+    scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rms_norm` whose normed output goes straight to an FP8 linear: returns (x_q [T, hidden]
     float8_e4m3fn, x_scale [T, 1] float32, residual_out), what `quantize_fp8(rms_norm(...)[0],
@@ -136,13 +146,14 @@ def rms_norm_fp8_quant(
     written. Dynamic per-token scales without `input_scale`, else that static scale ([] or [1] float32
     on x's device, read by the kernel). With `group_size` (a power of two >= 16; no input_scale): x_scale
     [T, cdiv(hidden, group_size)], dynamic per row and group, what `quantize_fp8_groups(rms_norm(...)[0],
-    group_size)` returns. Outputs are written into `out` / `scale_out` / `residual_out` when given.
-    Raises ValueError naming a bad argument."""
+    group_size)` returns. With `scale_ub` (per token only), each row's amax is capped there first, as
+    `quantize_fp8(..., scale_ub=)` caps it. Outputs are written into `out` / `scale_out` / `residual_out`
+    when given. Raises ValueError naming a bad argument."""
     _check_rms_norm_args(x, weight, residual)
-    check_quantization(input_scale, group_size, x.device)
+    check_quantization(input_scale, group_size, x.device, scale_ub)
     out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device, group_size)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
-    quantize = (scale_out, input_scale, group_size or 0)
+    quantize = (scale_out, input_scale, group_size or 0, scale_ub)
     _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, quantize)
     return out, scale_out, residual_out
 
@@ -154,14 +165,14 @@ def _launch(
     residual: torch.Tensor | None,
     out: torch.Tensor,
     residual_out: torch.Tensor,
-    quantize: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    quantize: tuple[torch.Tensor, torch.Tensor | None, int, float | None] | None = None,
 ) -> None:
     """One program per row; `quantize`: (scale_out, input_scale or None for dynamic scales, group size or 0
-    for a scale per row), with `out` the codes' uint8 view."""
+    for a scale per row, the cap on a row's amax or None), with `out` the codes' uint8 view."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
-    scale_out, input_scale, group_size = quantize if quantize is not None else (None, None, 0)
+    scale_out, input_scale, group_size, scale_ub = quantize if quantize is not None else (None, None, 0, None)
     _rms_norm_kernel[(num_tokens,)](
         out,
         residual_out,
@@ -170,6 +181,7 @@ def _launch(
         weight,
         scale_out,
         input_scale,
+        scale_ub or 1.0,
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
@@ -182,6 +194,7 @@ def _launch(
         QUANTIZE=quantize is not None,
         DYNAMIC=input_scale is None,
         GROUP_SIZE=group_size,
+        CAPPED=scale_ub is not None,
     )
 
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
+    capped,
     check_quantization,
     dynamic_scale,
     max_keep_nan,
@@ -73,12 +74,14 @@ def _silu_and_mul_fp8_kernel(
     scale_ptr,  # [T, 1] float32: written
     x_ptr,  # [T, 2 * D]
     input_scale_ptr,  # static only: [] or [1] float32, read
+    scale_ub,  # CAPPED only: the cap on the row's amax (float32)
     stride_x,
     stride_out,
     stride_scale,
     D: tl.constexpr,
     TILE: tl.constexpr,
     DYNAMIC: tl.constexpr,
+    CAPPED: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + token * stride_x
@@ -90,7 +93,7 @@ def _silu_and_mul_fp8_kernel(
         for start in range(TILE, D, TILE):  # rows wider than a tile: first pass, amax
             tile = silu_and_mul_tile(x_row, start + cols, D)
             running = max_keep_nan(running, tl.abs(tile.to(tl.float32)))
-        scale = dynamic_scale(amax_keep_nan(running, 0))
+        scale = dynamic_scale(capped(amax_keep_nan(running, 0), scale_ub, CAPPED))
     else:
         scale = tl.load(input_scale_ptr)
     tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < D)
@@ -154,18 +157,20 @@ def silu_and_mul_fp8_quant(
     out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
     group_size: int | None = None,
+    scale_ub: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul(x)` going straight to an FP8 linear: (x_q [num_tokens, d] float8_e4m3fn, x_scale
     [num_tokens, 1] float32), bit for bit `quantize_fp8(silu_and_mul(x), input_scale)`; the activated
     tensor itself is not written. Dynamic per-token scales without `input_scale`, else that static scale
     ([] or [1] float32 on x's device, read by the kernel). With `group_size` (a power of two >= 16; no
     input_scale): x_scale [num_tokens, cdiv(d, group_size)], dynamic per row and group, what
-    `quantize_fp8_groups(silu_and_mul(x), group_size)` returns. Written into `out` / `scale_out` when
-    given. Raises ValueError naming a bad argument."""
+    `quantize_fp8_groups(silu_and_mul(x), group_size)` returns. With `scale_ub` (per token only), each
+    row's amax is capped there first, as `quantize_fp8(..., scale_ub=)` caps it. Written into `out` /
+    `scale_out` when given. Raises ValueError naming a bad argument."""
     d = _check_x(x)
     if d == 0:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
-    check_quantization(input_scale, group_size, x.device)
+    check_quantization(input_scale, group_size, x.device, scale_ub)
     num_tokens = x.shape[0]
     out, scale_out = quantized_outputs(out, scale_out, num_tokens, d, x.device, group_size)
     if num_tokens == 0:
@@ -193,12 +198,14 @@ def silu_and_mul_fp8_quant(
         scale_out,
         x,
         input_scale,
+        scale_ub or 1.0,
         x.stride(0),
         out.stride(0),
         scale_out.stride(0),
         D=d,
         TILE=tile,
         DYNAMIC=input_scale is None,
+        CAPPED=scale_ub is not None,
         num_warps=max(1, min(32, tile // 256)),
     )
     return out, scale_out

@@ -227,9 +227,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, input_scale=input_scale)
         gate_up = torch.empty(num_tokens, 2 * arch.intermediate_size, dtype=dtype)
         silu_and_mul.silu_and_mul_fp8_quant(gate_up, input_scale)
-    # ... and in activation groups of 128 columns, block FP8's (below): dynamic only.
+    # ... and in activation groups of 128 columns, block FP8's (below), and with fbgemm_fp8's cap on the
+    # per-token amax: dynamic only.
     rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, group_size=128)
     silu_and_mul.silu_and_mul_fp8_quant(gate_up, group_size=128)
+    rms_norm.rms_norm_fp8_quant(hidden, weight, 1e-5, residual=hidden, scale_ub=1200.0)
+    silu_and_mul.silu_and_mul_fp8_quant(gate_up, scale_ub=1200.0)
     # Their batch-1 steps (`fp8_gemv`: quantization and product in one launch, one row), o_proj's and
     # down_proj's shapes, per token and static, with the tile an H100 gets (`device_sm_count` off a GPU).
     for width in (arch.hidden_size, arch.intermediate_size):
@@ -238,6 +241,7 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         activations = torch.empty(1, width, dtype=dtype)
         fp8_gemv.fp8_gemv(activations, codes, scales)
         fp8_gemv.fp8_gemv(activations, codes, scales, torch.ones(()))
+        fp8_gemv.fp8_gemv(activations, codes, scales, scale_ub=1200.0)  # fbgemm_fp8's cap
         # The kernel_bench sweep's latency candidates (pipelined or prefetched tiles, split K, a wider amax
         # pass) as it launches them (one row, per token), in its shapes and dtype only.
         if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:

@@ -148,40 +148,44 @@ def test_the_kernel_caps_each_rows_amax_as_quantize_activations_does():
         fp8_quant.quantize_fp8(x, torch.tensor(1.0), scale_ub=2.5)
 
 
-def test_on_the_kernel_path_the_cap_is_applied_and_nothing_quantizes_without_it(
+def test_on_the_kernel_path_every_quantization_applies_the_cap(
     llama_dir, tmp_path, scaled_mm_on_cpu, quant_launches
 ):
-    """On `_scaled_mm` (the CUDA path, here on CPU) a capped layer quantizes with `fp8_quant` and its cap
-    at every row count: the norms and SiLU-and-mul hand it the float x, and one-row steps do not take
-    `fp8_gemv` (neither takes a cap). With the default cap the hidden states are bit for bit the
-    compressed-tensors checkpoint's with the fusion off; with a cap the activations reach, they differ."""
+    """On `_scaled_mm` (the CUDA path, here on CPU) the cap reaches every kernel that quantizes a capped
+    layer's input: with the fusion on, the norms and SiLU-and-mul (one `fp8_quant` launch a layer left,
+    o_proj's) give bit for bit the hidden states of the unfused launches, with a cap the activations reach
+    (0.05) as with the default one; one-row steps take `fp8_gemv`, which caps too. With the default cap the
+    hidden states are the compressed-tensors checkpoint's, bit for bit; with 0.05 they differ."""
+
+    def llm(directory: str) -> LLM:
+        return LLM(directory, dtype="bfloat16", attention_backend="triton", block_size=16, num_blocks=32)
+
     llms = {
-        cap: LLM(
-            _fbgemm_checkpoint(llama_dir, str(tmp_path / f"cap{cap}"), cap=cap),
-            dtype="bfloat16",
-            attention_backend="triton",
-            block_size=16,
-            num_blocks=32,
-        )
-        for cap in (CAP, 0.05)
+        cap: llm(_fbgemm_checkpoint(llama_dir, str(tmp_path / f"cap{cap}"), cap=cap)) for cap in (CAP, 0.05)
     }
-    reference = LLM(
-        write_fp8_checkpoint(llama_dir, str(tmp_path / "ct"), weights="channel", activations="token"),
-        dtype="bfloat16",
-        attention_backend="triton",
-        block_size=16,
-        num_blocks=32,
+    reference = llm(
+        write_fp8_checkpoint(llama_dir, str(tmp_path / "ct"), weights="channel", activations="token")
     )
-    _select_fusion(reference, False)
-    for llm in llms.values():
-        _select_fusion(llm, True)  # asked for, but a capped linear answers no scheme
-    for lengths in [(4, 9, 15), (1,)]:  # 28 rows (fp8_skinny_mm), 1 (fp8_gemv where uncapped)
+    q_size = reference.engine.model_runner.model.model.layers[0].self_attn.o_proj.input_size
+    for model in (*llms.values(), reference):
+        _select_fusion(model, True)
+    hidden = {}
+    for cap, model in llms.items():
         quant_launches.clear()
-        hidden = _final_hidden(llms[CAP], lengths)
-        assert len(quant_launches) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
-        assert not torch.equal(hidden, _final_hidden(llms[0.05], lengths))
-        if lengths != (1,):  # the reference's one-row steps take fp8_gemv: its sums in another order
-            assert torch.equal(hidden, _final_hidden(reference, lengths))
+        hidden[cap] = _final_hidden(model, (4, 9, 15))
+        assert quant_launches == [(28, q_size)] * 2  # o_proj's in each layer
+        _select_fusion(model, False)
+        quant_launches.clear()
+        assert torch.equal(_final_hidden(model, (4, 9, 15)), hidden[cap])
+        assert len(quant_launches) == 4 * 2
+        _select_fusion(model, True)
+    assert torch.equal(hidden[CAP], _final_hidden(reference, (4, 9, 15)))
+    assert not torch.equal(hidden[CAP], hidden[0.05])
+    quant_launches.clear()
+    one_row = {cap: _final_hidden(model, (1,)) for cap, model in llms.items()}
+    assert quant_launches == []  # fp8_gemv quantizes in its own launch
+    assert torch.equal(one_row[CAP], _final_hidden(reference, (1,)))
+    assert not torch.equal(one_row[CAP], one_row[0.05])
 
 
 def test_a_quantized_lm_head_is_refused_not_loaded_as_float(llama_dir, tmp_path):

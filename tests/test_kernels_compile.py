@@ -103,8 +103,10 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     assert any("BLOCK_M=128" in c for c in prefill) and any("BLOCK_M=16," in c for c in prefill)
     # fbgemm_fp8's capped per-token quantization, and the norm quantizing for block FP8 (activation groups
     # of 128 columns), beside their plain variants.
-    quants = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_quant_kernel"]
-    assert any("CAPPED=True" in c for c in quants) and any("CAPPED=False" in c for c in quants)
+    for kernel in ("_fp8_quant_kernel", "_rms_norm_kernel", "_silu_and_mul_fp8_kernel"):
+        variants = [r["constexprs"] for r in one_b if r["kernel"] == kernel]
+        assert any("CAPPED=True" in c for c in variants) and any("CAPPED=False" in c for c in variants)
+    assert any("CAPPED=True" in r["constexprs"] for r in results if r["kernel"] == "_fp8_gemv_kernel")
     norms = [r["constexprs"] for r in one_b if r["kernel"] == "_rms_norm_kernel"]
     assert any("GROUP_SIZE=128" in c for c in norms) and any("GROUP_SIZE=0" in c for c in norms)
     assert all(r["registers"] > 0 and r["registers"] <= 255 for r in results)
@@ -114,7 +116,8 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     for config in LATENCY_SWEEP:
         tile = (
             f"BLOCK_M=1, BLOCK_N={config.block_n}, BLOCK_K={config.block_k}, AMAX_K={config.amax_tile_k(1)}, "
-            f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}, STAGES={config.stages}"
+            f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}, STAGES={config.stages}, "
+            "CAPPED=False"
         )
         variants = [r for r in gemv if r["constexprs"].endswith(tile)]
         assert variants and all(r["local_bytes"] == 0 for r in variants), (config, variants)

@@ -75,6 +75,27 @@ def test_a_static_scale_quantizes_every_row_with_it(dtype, input_scale_shape):
     _assert_close(y, _expected(x, weight, weight_scale, input_scale))
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_a_capped_amax_quantizes_as_quantize_activations_caps_it(dtype, split_k):
+    """fbgemm_fp8's scale_ub: rows whose amax passes the cap take cap / 448 as their scale and saturate."""
+    x, weight, weight_scale = _inputs(3, 64, 96, dtype, seed=2)
+    x[0] *= 10.0  # ~30: past the cap of 5; rows 1 and 2 (~9) are capped too unless scaled down
+    x[2] *= 0.1  # ~0.9: below it
+    config = GemvConfig(block_n=32, block_k=32, split_k=split_k)
+    y = fp8_gemv(x, weight, weight_scale, config=config, scale_ub=5.0)
+    x_q, x_scale = quantize_activations(x.cpu(), "token", scale_ub=5.0)
+    cap_scale = torch.tensor([5.0]) / 448
+    assert torch.equal(x_scale[0], cap_scale) and x_scale[2].item() < cap_scale.item()
+    expected = torch.mm(x_q.float(), weight.cpu().float().t()) * x_scale * weight_scale.cpu()
+    _assert_close(y, expected)
+    assert not torch.allclose(y.float().cpu(), _expected(x, weight, weight_scale).float(), rtol=0.05)
+    with pytest.raises(ValueError, match="^scale_ub: caps dynamic scales, got a static input_scale too"):
+        fp8_gemv(x, weight, weight_scale, torch.tensor(0.1, device=DEVICE), scale_ub=5.0)
+    with pytest.raises(ValueError, match="^scale_ub: must be a positive finite float, got -1.0"):
+        fp8_gemv(x, weight, weight_scale, scale_ub=-1.0)
+
+
 @pytest.mark.parametrize(
     "config", [GemvConfig(1, 16, 1), GemvConfig(4, 64, 2), GemvConfig(64, 256), GemvConfig()]
 )
@@ -235,7 +256,7 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     method = layer.method
     gemv_calls, quantize_calls = [], []
     gemv, quantize = method._fp8_gemv, method._quantize_fp8
-    method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
+    method._fp8_gemv = lambda x, *args, **kw: gemv_calls.append(x.shape) or gemv(x, *args, **kw)
     method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
     x = (torch.randn(GEMV_MAX_ROWS, 64, generator=gen) * 2).to(dtype).to(DEVICE).view(GEMV_MAX_ROWS, 1, 64)
     y = layer(x)
@@ -265,7 +286,7 @@ def test_more_rows_or_a_wider_layer_quantize_first():
     method = layer.method
     gemv_calls, quantize_calls = [], []
     gemv, quantize = method._fp8_gemv, method._quantize_fp8
-    method._fp8_gemv = lambda x, *args: gemv_calls.append(x.shape) or gemv(x, *args)
+    method._fp8_gemv = lambda x, *args, **kw: gemv_calls.append(x.shape) or gemv(x, *args, **kw)
     method._quantize_fp8 = lambda x, *args: quantize_calls.append(x.shape) or quantize(x, *args)
     layer(torch.randn(1, 64, generator=gen).to(torch.bfloat16).to(DEVICE))
     assert gemv_calls == [] and quantize_calls == [(1, 64)]  # then `fp8_skinny_mm` (runs_skinny)

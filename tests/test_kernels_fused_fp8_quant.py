@@ -227,6 +227,37 @@ def test_silu_and_mul_fp8_quant_in_groups_is_silu_and_mul_then_quantize_fp8_grou
     assert num_rows < 3 or not maxima[1].any()  # but row 1's, all zeros
 
 
+# fbgemm_fp8's cap on a row's amax: 1.0 bites on most rows of `_rows` (magnitudes 1e-2 to 10), not the first
+CAP = 1.0
+
+
+def test_rms_norm_fp8_quant_with_a_cap_is_rms_norm_then_capped_quantize_bit_for_bit():
+    x, residual = _rows(9, 300, torch.bfloat16, seed=0), _rows(9, 300, torch.bfloat16, seed=1)
+    weight = (1.0 + torch.randn(300, generator=torch.Generator().manual_seed(2))).bfloat16().to(DEVICE)
+    codes, scale = _poisoned(9, 300)
+    fused = rms_norm_fp8_quant(x, weight, EPS, residual, out=codes, scale_out=scale, scale_ub=CAP)
+    normed = rms_norm(x, weight, EPS, residual)[0]
+    _assert_same_bits(fused[:2], quantize_fp8(normed, scale_ub=CAP))
+    capped = fused[1] == torch.tensor(CAP) / 448
+    assert capped.any() and not capped.all()  # the norm's rows reach ~4: capped, unless tiny
+    assert not torch.equal(fused[1], quantize_fp8(normed)[1])
+
+
+@pytest.mark.parametrize("d", [300, FP8_MAX_TILE + 300])  # one tile; two passes over two
+def test_silu_and_mul_fp8_quant_with_a_cap_is_silu_and_mul_then_capped_quantize_bit_for_bit(d):
+    x = _rows(5, 2 * d, torch.bfloat16, seed=4)
+    x[3, 0] = float("nan")
+    codes, scale = _poisoned(5, d)
+    fused = silu_and_mul_fp8_quant(x, out=codes, scale_out=scale, scale_ub=CAP)
+    unfused = quantize_fp8(silu_and_mul(x), scale_ub=CAP)
+    assert torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
+    finite = ~unfused[1].isnan()
+    assert torch.equal(fused[1].isnan(), ~finite) and not finite[3] and finite.sum() == 4
+    assert torch.equal(fused[1][finite], unfused[1][finite])
+    cap_scale = torch.tensor(CAP) / 448
+    assert fused[1][4] == cap_scale and fused[1][2] < cap_scale  # magnitudes 10 (capped) and 0.32
+
+
 def test_strided_rows_and_no_rows():
     x = _rows(4, 2 * 200 + 24, torch.float16, seed=6)[:, :400]
     weight = torch.ones(400, dtype=torch.float16, device=DEVICE)
@@ -260,6 +291,12 @@ def _bad_arguments():
             r"^input_scale: group scales are dynamic",
         ),
         (lambda: silu_and_mul_fp8_quant(x, group_size=24), r"^group_size: must be a power of two >= 16"),
+        (lambda: silu_and_mul_fp8_quant(x, one, scale_ub=1.0), r"^scale_ub: caps per-token scales, not with"),
+        (
+            lambda: rms_norm_fp8_quant(x, weight, EPS, group_size=32, scale_ub=1.0),
+            r"^scale_ub: caps per-token",
+        ),
+        (lambda: rms_norm_fp8_quant(x, weight, EPS, scale_ub=0.0), r"^scale_ub: must be a positive finite"),
         (
             lambda: rms_norm_fp8_quant(x, weight, EPS, group_size=8),
             r"^group_size: must be a power of two >= 16",

@@ -58,7 +58,7 @@ class SiluAndMul(GatedActivation):
         if scheme is None:
             return self(gate_up)
         x_q, x_scale = self._triton_silu_and_mul_fp8_quant(
-            gate_up, scheme.input_scale, group_size=scheme.group_size
+            gate_up, scheme.input_scale, group_size=scheme.group_size, scale_ub=scheme.scale_ub
         )
         return Fp8Activations(x_q, x_scale, gate_up.dtype)
 

@@ -24,10 +24,12 @@ import torch
 class Fp8InputScheme:
     """How an FP8 linear quantizes its input: e4m3 with one dynamic scale per token (input_scale None), or
     with its static input_scale ([] float32 on the model's device, read by the kernel), or with a dynamic
-    scale per token and group of `group_size` columns (block FP8; input_scale None)."""
+    scale per token and group of `group_size` columns (block FP8; input_scale None). `scale_ub`: the
+    per-token amax capped there first (fbgemm_fp8), else None."""
 
     input_scale: torch.Tensor | None = None
     group_size: int | None = None
+    scale_ub: float | None = None
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ rounding each, as compressed-tensors' decompression and fake quantization round 
 On rowwise and tensorwise, token and static activations are quantized by one Triton launch
 (`sluice.kernels.fp8_quant.quantize_fp8`, bit for bit `quantize_activations`; x_scale [M, 1] either way,
 contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. A scheme with an
-`activation_scale_ub` (fbgemm_fp8) caps each row's amax there, in that launch and in the emulation; its
-layers take neither `fp8_gemv` nor the fused quantization below, which have no cap. Dynamic tensor
-activations (one amax over the whole x) and the emulated path run `quantize_activations`.
+`activation_scale_ub` (fbgemm_fp8) caps each row's amax there: in that launch, in `fp8_gemv`, in the fused
+quantization below (`scale_ub`) and in the emulation. Dynamic tensor activations (one amax over the whole
+x) and the emulated path run `quantize_activations`.
 
 One-row steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
 GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
@@ -198,9 +198,7 @@ class Fp8LinearMethod(LinearMethod):
         self.scheme = scheme
         self.matmul = matmul
         self.checkpoint_aliases = dict(scheme.aliases)
-        # A capped scheme (fbgemm_fp8) quantizes only in `fp8_quant`: not in fp8_gemv, nor in the kernels
-        # before the linear (they take no cap).
-        self.scale_ub = scheme.activation_scale_ub
+        self.scale_ub = scheme.activation_scale_ub  # fbgemm_fp8's cap on each row's amax, or None
         self.quantizes_in_kernel = (
             matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
         )
@@ -293,7 +291,7 @@ class Fp8LinearMethod(LinearMethod):
         elif self.matmul == "tensorwise":
             layer.unit_scale = torch.ones((), dtype=torch.float32, device=layer.weight.device)
         if self.quantizes_in_kernel:
-            layer.input_scheme = Fp8InputScheme(getattr(layer, "input_scale", None))
+            layer.input_scheme = Fp8InputScheme(getattr(layer, "input_scale", None), scale_ub=self.scale_ub)
 
     def quantized_input(self, layer: LinearBase, num_rows: int) -> Fp8InputScheme | None:
         """The scheme in which a step of `num_rows` may hand this layer its input already quantized (an
@@ -301,7 +299,7 @@ class Fp8LinearMethod(LinearMethod):
         `_scaled_mm` with token or static activations, or `quantize_fp8_groups` on block_triton (the
         scheme's group_size), off the steps of `fp8_gemv` / `fp8_block_gemv`. Else None."""
         kernel_quantized = self.quantizes_in_kernel or self.matmul == "block_triton"
-        if not kernel_quantized or self.scale_ub is not None or runs_gemv(num_rows, layer.weight.shape[0]):
+        if not kernel_quantized or runs_gemv(num_rows, layer.weight.shape[0]):
             return None
         return layer.input_scheme
 
@@ -316,8 +314,8 @@ class Fp8LinearMethod(LinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
         gemv = runs_gemv(rows.shape[0], layer.weight.shape[0])
-        if self.quantizes_in_kernel and gemv and self.scale_ub is None:
-            y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale)
+        if self.quantizes_in_kernel and gemv:
+            y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale, scale_ub=self.scale_ub)
         elif self.matmul == "block_triton" and gemv:
             y = self._fp8_block_gemv(rows, layer.weight, layer.weight_scale, self.scheme.block)
         else:

@@ -65,7 +65,13 @@ class RMSNorm(CustomOp):
         if scheme is None:
             return self(x, residual)
         x_q, x_scale, residual_out = self._triton_rms_norm_fp8_quant(
-            x, self.weight, self.eps, residual, scheme.input_scale, group_size=scheme.group_size
+            x,
+            self.weight,
+            self.eps,
+            residual,
+            scheme.input_scale,
+            group_size=scheme.group_size,
+            scale_ub=scheme.scale_ub,
         )
         return Fp8Activations(x_q, x_scale, x.dtype), residual_out
 
