@@ -45,6 +45,17 @@ QUANT_TILE = 2048  # columns a quantization program holds at most (GROUPS * grou
 
 
 @triton.jit
+def store_quantized_groups(codes_ptr, scales_ptr, x, cols, groups, K, num_groups):
+    """x [GROUPS, GROUP_SIZE], a row's columns `cols` (zeros past K: never in an amax), quantized per group
+    as `quantize_fp8_groups` quantizes it: the codes stored at codes_ptr + cols, the groups' scales at
+    scales_ptr + groups. Shared by the kernels that write a block linear's input (`rms_norm_fp8_quant`,
+    `silu_and_mul_fp8_quant` with a group_size), so that their codes are these, bit for bit."""
+    scale = dynamic_scale(amax_keep_nan(tl.abs(x.to(tl.float32)), 1))  # [GROUPS]
+    tl.store(codes_ptr + cols, quantize_e4m3(x, scale[:, None]), mask=cols < K)
+    tl.store(scales_ptr + groups, scale, mask=groups < num_groups)
+
+
+@triton.jit
 def _quantize_groups_kernel(
     out_ptr,  # [M, K] uint8: the e4m3 codes
     scale_ptr,  # [M, num_groups] float32: written
@@ -60,11 +71,11 @@ def _quantize_groups_kernel(
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
-    mask = cols < K  # the last group's missing columns load as zeros: its amax stays
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    scale = dynamic_scale(amax_keep_nan(tl.abs(x.to(tl.float32)), 1))  # [GROUPS]
-    tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(x, scale[:, None]), mask=mask)
-    tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups < num_groups)
+    # the last group's missing columns load as zeros: its amax stays
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
+    store_quantized_groups(
+        out_ptr + row * stride_out, scale_ptr + row * stride_scale, x, cols, groups, K, num_groups
+    )
 
 
 @triton.jit

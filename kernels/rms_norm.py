@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
     capped,
@@ -76,14 +77,11 @@ def _rms_norm_kernel(
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if QUANTIZE and GROUP_SIZE > 0:  # quantize_fp8_groups' recipe, a [groups, GROUP_SIZE] view of the row
         shape: tl.constexpr = (HIDDEN_PAD // GROUP_SIZE, GROUP_SIZE)
-        group_cols = tl.reshape(cols, shape)
-        group_mask = group_cols < HIDDEN
-        magnitudes = tl.reshape(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), shape)
-        scale = dynamic_scale(amax_keep_nan(magnitudes, 1))  # [groups]
-        codes = quantize_e4m3(tl.reshape(out, shape), scale[:, None])
-        tl.store(out_ptr + row * stride_out + group_cols, codes, mask=group_mask)
         groups = tl.arange(0, HIDDEN_PAD // GROUP_SIZE)
-        tl.store(scale_ptr + row * stride_scale + groups, scale, mask=groups * GROUP_SIZE < HIDDEN)
+        padded = tl.reshape(tl.where(mask, out, 0.0), shape)  # padding lanes zeroed: never in an amax
+        codes, scales = out_ptr + row * stride_out, scale_ptr + row * stride_scale
+        num_groups = (HIDDEN + GROUP_SIZE - 1) // GROUP_SIZE
+        store_quantized_groups(codes, scales, padded, tl.reshape(cols, shape), groups, HIDDEN, num_groups)
     elif QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
         if DYNAMIC:
             amax = amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
     capped,
@@ -120,9 +121,8 @@ def _silu_and_mul_fp8_groups_kernel(
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
     activated = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)  # 0 past D: never in the amax
-    scale = dynamic_scale(amax_keep_nan(tl.abs(activated.to(tl.float32)), 1))  # [GROUPS]
-    tl.store(out_ptr + token * stride_out + cols, quantize_e4m3(activated, scale[:, None]), mask=cols < D)
-    tl.store(scale_ptr + token * stride_scale + groups, scale, mask=groups < num_groups)
+    codes, scales = out_ptr + token * stride_out, scale_ptr + token * stride_scale
+    store_quantized_groups(codes, scales, activated, cols, groups, D, num_groups)
 
 
 def _check_x(x: torch.Tensor) -> int:
