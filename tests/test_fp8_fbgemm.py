@@ -106,7 +106,12 @@ def test_modules_to_not_convert_match_as_transformers_matches_them():
         ("activation_scale_ub", "1200", "activation_scale_ub: must be a positive finite number, got '1200'"),
         ("activation_scale_ub", True, "activation_scale_ub: must be a positive finite number, got True"),
         ("modules_to_not_convert", "lm_head", "modules_to_not_convert: must be a list of module names"),
-        ("modules_to_not_convert", ["layers.(1"], "modules_to_not_convert: 'layers.(1' is not a regex"),
+        ("modules_to_not_convert", [""], "modules_to_not_convert: must be a list of module names"),
+        (
+            "modules_to_not_convert",
+            ["layers.(1"],
+            "modules_to_not_convert: 'layers.(1' is not a regular expression",
+        ),
         ("input_scale_ub", 1.0, "input_scale_ub"),
     ],
 )

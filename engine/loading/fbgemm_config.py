@@ -22,16 +22,20 @@ positive finite number, unknown fields.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from sluice.engine.loading.fp8_config import Fp8Config, Fp8Group, Fp8Scheme, refuse_unknown
+from sluice.engine.loading.fp8_config import (
+    Fp8Config,
+    Fp8Group,
+    Fp8Scheme,
+    refuse_unknown,
+    transformers_left_out,
+)
 
 FBGEMM_FP8 = "fbgemm_fp8"
 DEFAULT_SCALE_UB = 1200.0  # transformers' FbgemmFp8Config default
 _FIELDS = {"quant_method", "activation_scale_ub", "modules_to_not_convert"}
-_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"  # transformers' module boundary after a matched prefix
 
 
 def parse_fbgemm_fp8(raw: Mapping[str, Any]) -> Fp8Config:
@@ -42,22 +46,9 @@ def parse_fbgemm_fp8(raw: Mapping[str, Any]) -> Fp8Config:
     cap = raw.get("activation_scale_ub", DEFAULT_SCALE_UB)
     if isinstance(cap, bool) or not isinstance(cap, int | float) or not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"{where}.activation_scale_ub: must be a positive finite number, got {cap!r}")
-    names = raw.get("modules_to_not_convert") or []
-    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
-        raise ValueError(f"{where}.modules_to_not_convert: must be a list of module names")
-    ignore = ("lm_head", *(target for name in names for target in _as_targets(name)))
+    left_out = transformers_left_out(
+        raw.get("modules_to_not_convert") or [], f"{where}.modules_to_not_convert"
+    )
+    ignore = ("lm_head", *left_out)
     scheme = Fp8Scheme("channel", "token", serialized=True, activation_scale_ub=float(cap))
     return Fp8Config((Fp8Group(FBGEMM_FP8, ("Linear",), scheme),), ignore)
-
-
-def _as_targets(name: str) -> tuple[str, str]:
-    """A modules_to_not_convert entry as `Fp8Config.ignore` regex targets (re.match): transformers' prefix
-    regex ending at a module boundary, and the name as a plain suffix."""
-    prefix = f"(?:{name}){_BOUNDARY}"
-    try:
-        re.compile(prefix)
-    except re.error as error:
-        raise ValueError(
-            f"quantization_config.modules_to_not_convert: {name!r} is not a regex ({error})"
-        ) from None
-    return f"re:{prefix}", f"re:.*{re.escape(name)}$"

@@ -379,6 +379,24 @@ def refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
         raise ValueError(f"{where}.{unknown[0]}: unknown field; Sluice does not know what it changes")
 
 
+def transformers_left_out(names: Any, where: str) -> tuple[str, ...]:
+    """A `modules_to_not_convert` list (at `where`) as `Fp8Config.ignore` regex targets, each matching as
+    transformers' `should_convert_module` does: the entry as a regex, re.match up to a module boundary, or the
+    name ending with the entry. ValueError naming `where` unless it is a list of non-empty regexes (an empty
+    entry would end every name)."""
+    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"{where}: must be a list of module names")
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    targets = []
+    for name in names:
+        try:
+            re.compile(name)
+        except re.error as error:
+            raise ValueError(f"{where}: {name!r} is not a regular expression ({error})") from None
+        targets.append(f"re:(?:(?:{name}){boundary}|.*{re.escape(name)}$)")
+    return tuple(targets)
+
+
 def _packed_parts(packed_modules: Mapping[str, tuple[str, int]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """{"q_proj": ("qkv_proj", 0), ...} -> (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ...)."""
     parts: dict[str, list[tuple[int, str]]] = {}

@@ -31,11 +31,17 @@ Anything else is refused with the field named.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from sluice.engine.loading.fp8_config import Fp8Config, Fp8Group, Fp8Scheme, parse_block, refuse_unknown
+from sluice.engine.loading.fp8_config import (
+    Fp8Config,
+    Fp8Group,
+    Fp8Scheme,
+    parse_block,
+    refuse_unknown,
+    transformers_left_out,
+)
 
 FP8_METHOD = "fp8"
 _FIELDS = {
@@ -74,22 +80,9 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
             raise ValueError(f"{where}.activation_scheme: block weights take 'dynamic' activations")
         block = parse_block(raw["weight_block_size"], f"{where}.weight_block_size")
         scheme = Fp8Scheme("block", "group", serialized=True, block=block, scale_name="weight_scale_inv")
-    left_out = []
-    for field in ("modules_to_not_convert", "ignored_layers"):
-        names = raw.get(field) or []
-        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-            raise ValueError(f"{where}.{field}: must be a list of module names")
-        for name in names:
-            try:
-                re.compile(name)  # an entry is a regex, as transformers reads it
-            except re.error as error:
-                raise ValueError(f"{where}.{field}: {name!r} is not a regular expression ({error})") from None
-            left_out.append(_as_target(name))
+    left_out = [
+        target
+        for field in ("modules_to_not_convert", "ignored_layers")
+        for target in transformers_left_out(raw.get(field) or [], f"{where}.{field}")
+    ]
     return Fp8Config((Fp8Group(FP8_METHOD, ("Linear",), scheme),), ("lm_head", *left_out))
-
-
-def _as_target(pattern: str) -> str:
-    """A modules_to_not_convert entry as an `Fp8Config.ignore` regex target, matching as transformers'
-    `should_convert_module` does: re.match up to a module boundary, or the name ending with it."""
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    return f"re:(?:(?:{pattern}){boundary}|.*{re.escape(pattern)}$)"
