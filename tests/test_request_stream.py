@@ -72,3 +72,20 @@ def test_a_failure_is_raised_after_every_pending_sample_was_taken():
         return indices, ""
 
     assert asyncio.run(run()) == ([0, 1], "core died")
+
+
+def test_a_refusal_is_not_merged_into_the_tokens_before_it():
+    """A request refused after it streamed (invalid_field: the caller gets a status, no chunk from that
+    output) keeps the tokens it streamed before, however slow its reader: they come first, then the
+    refusal on its own."""
+
+    async def run() -> list[tuple[tuple[int, ...], str | None, str | None]]:
+        collector = OutputCollector()
+        collector.put(_out(0, 1))
+        collector.put(_out(0, 2))
+        refusal = RequestOutput("r", (), "", finish_reason="error", error="x: y", invalid_field="x")
+        collector.put(refusal)  # all three put before the reader reads
+        stream = RequestStream("r", collector, lambda rid, done: None)
+        return [(o.token_ids, o.finish_reason, o.invalid_field) async for o in stream]
+
+    assert asyncio.run(run()) == [((1, 2), None, None), ((), "error", "x")]

@@ -25,17 +25,29 @@ class _Pending:
         self.outputs.append(output)
         self.num_tokens += len(output.token_ids)
 
-    def merged(self) -> RequestOutput:
+    def take(self) -> RequestOutput:
+        """The deltas merged, and taken. A refusal (`invalid_field`: its reader gets a status, no chunk)
+        is never merged into the tokens before it: those are taken first, and the refusal stays."""
         outputs = self.outputs
-        if len(outputs) == 1:
-            return outputs[0]
-        return msgspec.structs.replace(
-            outputs[-1],
-            token_ids=tuple(t for o in outputs for t in o.token_ids),
-            text="".join(o.text for o in outputs),
-            logprobs=tuple(lp for o in outputs for lp in o.logprobs),
-            prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
-        )
+        if len(outputs) > 1 and outputs[-1].invalid_field is not None:
+            self.outputs, self.num_tokens = outputs[-1:], len(outputs[-1].token_ids)
+            return _merged(outputs[:-1])
+        self.outputs, self.num_tokens = [], 0
+        return _merged(outputs)
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """Deltas of one sample, oldest first, as one: tokens, text and logprobs concatenated; the rest the
+    newest's."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return msgspec.structs.replace(
+        outputs[-1],
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        text="".join(o.text for o in outputs),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
+    )
 
 
 class OutputCollector:
@@ -45,7 +57,8 @@ class OutputCollector:
     (token ids, text and logprobs concatenated in order; usage, timings and finish of the newest), so a
     request holds at most one pending output per sample however slow its reader. With `stream_interval`
     n > 1 an output is handed over once it holds n tokens, or its sample finished. The samples of an
-    n-sample request (`RequestOutput.index`) are merged separately and handed over oldest first.
+    n-sample request (`RequestOutput.index`) are merged separately and handed over oldest first. A
+    refusal (an output with `invalid_field`) is handed over on its own, after the tokens before it.
     """
 
     def __init__(self, stream_interval: int = 1) -> None:
@@ -74,7 +87,10 @@ class OutputCollector:
         if index is None:
             self._ready.set()
             raise self._error
-        output = self._pending.pop(index).merged()
+        pending = self._pending[index]
+        output = pending.take()
+        if not pending.outputs:
+            del self._pending[index]
         if self._error is not None or any(self._is_ready(p) for p in self._pending.values()):
             self._ready.set()
         return output
