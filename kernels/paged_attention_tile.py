@@ -266,17 +266,24 @@ def attend_paged_tile(
     if UPCAST_DOT:
         kt = kt.to(tl.float32)
         v = v.to(tl.float32)
-    scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    scores = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [M, N], not yet scaled
     if MASKED:
         visible = pos_mask[None, :]
         if CAUSAL:
             visible = visible & (positions[None, :] <= query_positions[:, None])
             visible = visible & (positions[None, :] > query_positions[:, None] - sliding_window)
-        scores = tl.where(visible, scores, float("-inf"))
-
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    probs = tl.math.exp2(scores - safe_max[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # A row that has seen no position yet keeps -inf: exp2(-inf - 0) = 0 rather than NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.math.exp2(scores - safe_max[:, None])
+    else:
+        # Every score is finite here, so is the new maximum. The scale (> 0) is taken to the rows' maxima
+        # and joins each score's subtraction as one FFMA (Triton's fused-attention tutorial's form): the
+        # same values as scaling first, one float multiply a score fewer.
+        safe_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
+        new_max = safe_max
+        probs = tl.math.exp2(scores * qk_scale - safe_max[:, None])
     alpha = tl.math.exp2(running_max - safe_max)
     running_sum = running_sum * alpha + tl.sum(probs, axis=1)
     probs = probs.to(v_dtype)  # P in V's dtype, as FlashAttention feeds the second GEMM

@@ -58,6 +58,7 @@ from sluice.kernels.tensor_checks import (
     check_block_tables,
     check_power_of_two,
     check_q_and_kv_cache,
+    check_scale_and_window,
     check_shape,
     check_tensor,
     output_like,
@@ -311,7 +312,7 @@ def _decode_reduce_kernel(
 
 
 def _check_decode_args(
-    q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window, kv_scales
+    q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size, sliding_window, kv_scales
 ) -> None:
     check_q_and_kv_cache(q, k_cache, v_cache, kv_scales)
     num_seqs = q.shape[0]
@@ -322,8 +323,7 @@ def _check_decode_args(
         raise ValueError(
             f"partition_size: {partition_size} must be a positive multiple of {_PARTITION_MULTIPLE}"
         )
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
+    check_scale_and_window(scale, sliding_window)
 
 
 def paged_decode_attention(
@@ -355,7 +355,9 @@ def paged_decode_attention(
     (None: `DEFAULT_FOLD_KV_SCALES`) picks how (`paged_attention_tile`): True scales the scores and the
     output, False rounds each K/V value to q's dtype, as `dequantize_kv` does; equal with unit scales.
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, partition_size, sliding_window, kv_scales)
+    _check_decode_args(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size, sliding_window, kv_scales
+    )
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_seqs, num_heads, head_dim = q.shape

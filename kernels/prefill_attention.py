@@ -61,6 +61,7 @@ from sluice.kernels.tensor_checks import (
     check_block_tables,
     check_power_of_two,
     check_q_and_kv_cache,
+    check_scale_and_window,
     check_shape,
     check_tensor,
     output_like,
@@ -277,8 +278,7 @@ def prefill_attention(
     `fold_kv_scales` picks how they are applied (`paged_decode_attention`).
     """
     _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales)
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
+    check_scale_and_window(scale, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,16 @@ def check_power_of_two(name: str, value: int, least: int) -> None:
     """Raise ValueError unless `value` is a power of two >= `least` (a kernel tile's size)."""
     if value < least or value & (value - 1):
         raise ValueError(f"{name}: must be a power of two >= {least}, got {value}")
+
+
+def check_scale_and_window(scale: float, sliding_window: int | None) -> None:
+    """Raise ValueError unless the softmax `scale` is a finite number > 0 (the attention kernels take it to
+    each row's maximum score, which only a positive scale keeps the maximum) and `sliding_window` is None
+    or > 0."""
+    if not (0.0 < scale < math.inf):
+        raise ValueError(f"scale: must be a finite number > 0, got {scale}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: must be > 0, got {sliding_window}")
 
 
 def check_num_warps(num_warps: int) -> None:

@@ -359,6 +359,8 @@ def _decode_args():
         ("num_splits", lambda a: 0, f"num_splits: must be in 1..{MAX_SPLITS}, got 0"),
         ("num_splits", lambda a: MAX_SPLITS + 1, f"num_splits: must be in 1..{MAX_SPLITS}"),
         ("sliding_window", lambda a: 0, "sliding_window: must be > 0"),
+        ("scale", lambda a: -SCALE, "scale: must be a finite number > 0"),
+        ("scale", lambda a: float("nan"), "scale: must be a finite number > 0"),
     ],
 )
 def test_paged_decode_rejects_bad_arguments_naming_them(name, bad, message):
@@ -383,6 +385,17 @@ def test_prefill_rejects_bad_query_start_loc():
             md.block_tables,
             3,
             SCALE,
+        )
+
+
+@pytest.mark.parametrize("scale", [0.0, -SCALE, float("inf")])
+def test_prefill_rejects_a_scale_that_is_not_positive_and_finite(scale):
+    # The kernels take the scale to each row's maximum score, which only a positive scale keeps.
+    batch = _batch([(3, 3)], 4, 2, 16)
+    md = batch.metadata
+    with pytest.raises(ValueError, match=r"^scale: must be a finite number > 0"):
+        prefill_attention(
+            batch.q, batch.k_cache, batch.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, 3, scale
         )
 
 
