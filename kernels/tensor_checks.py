@@ -44,9 +44,9 @@ def check_power_of_two(name: str, value: int, least: int) -> None:
 
 
 def check_scale_and_window(scale: float, sliding_window: int | None) -> None:
-    """Raise ValueError unless the softmax `scale` is a finite number > 0 (the attention kernels take it to
-    each row's maximum score, which only a positive scale keeps the maximum) and `sliding_window` is None
-    or > 0."""
+    """Raise ValueError unless the softmax `scale` is a finite number > 0 (the attention kernels scale each
+    row's maximum score rather than every score: the maximum of the scaled scores only for a positive
+    scale) and `sliding_window` is None or > 0."""
     if not (0.0 < scale < math.inf):
         raise ValueError(f"scale: must be a finite number > 0, got {scale}")
     if sliding_window is not None and sliding_window <= 0:
