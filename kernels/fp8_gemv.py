@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_scale_ub, dynamic_scale, max_keep_nan
+from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import quantize_e4m3
@@ -68,7 +68,6 @@ from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_num_warps,
     check_power_of_two,
-    check_same_dtype,
     check_shape,
     check_tensor,
 )
@@ -251,10 +250,8 @@ def fp8_gemv(
     the static input_scale ([] or [1] float32), as module docstring; `scale_ub` (per token only) caps each
     row's amax, as `fp8_quant`'s. Nothing is read back to the host. Raises ValueError naming a bad
     argument."""
-    _check_args(x, weight, weight_scale, input_scale)
-    check_scale_ub(scale_ub)
-    if scale_ub is not None and input_scale is not None:
-        raise ValueError("scale_ub: caps dynamic scales, got a static input_scale too")
+    _check_args(x, weight, weight_scale)
+    check_quantization(input_scale, None, x.device, scale_ub)
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
@@ -298,9 +295,7 @@ def fp8_gemv(
     return y
 
 
-def _check_args(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
-) -> None:
+def _check_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"x: at most {MAX_ROWS} rows, got shape {tuple(x.shape)}")
@@ -309,9 +304,3 @@ def _check_args(
         raise ValueError(f"weight: expected {x.shape[1]} columns (x's), got shape {tuple(weight.shape)}")
     check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x.device)
     check_shape("weight_scale", weight_scale, (weight.shape[0],))
-    if input_scale is not None:
-        check_same_dtype("input_scale", input_scale, torch.float32)
-        if input_scale.numel() != 1 or input_scale.dim() > 1:
-            raise ValueError(f"input_scale: expected shape () or (1,), got {tuple(input_scale.shape)}")
-        if input_scale.device != x.device:
-            raise ValueError(f"input_scale: on {input_scale.device}, expected {x.device}")
