@@ -187,12 +187,14 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
     )
 
 
-def test_a_graph_sized_decode_row_splits_for_the_graphs_context_and_cuts_a_short_one_by_its_partition():
+@pytest.mark.parametrize("seed", [0, 8])
+def test_a_graph_sized_decode_row_splits_for_the_graphs_context_and_cuts_a_short_one_by_its_partition(seed):
     # A 64-position context at batch 2 in a graph for 1024: at partition 16 the grid has
     # min(2 * 132 / 16 units, 1024 / 16) = 17 splits, of which the context uses 4; at the default 512, 2
     # splits (1024 / 512), of which it uses 1. Both must equal SDPA's output. (Seeded: bf16 outputs, which
-    # the interpreter rounds by truncation, land 0.3-0.9% off SDPA's with the seeds tried, under the 1%.)
-    torch.manual_seed(0)
+    # the interpreter rounds by truncation, land at most 0.85% off float32 SDPA's over seeds 0-29, under the
+    # 1%. Against bf16 SDPA, the reference before, seed 8's default row was 1.04% off: WRONG.)
+    torch.manual_seed(seed)
     short = sweep.DecodeCandidate(DecodeConfig(16, 4, 2), partition_size=16)
     shape = sweep.sweep_decode(
         64, 2, CPU, 1e12, math.inf, candidates=(short,), time_s=_once, graph_context=1024

@@ -9,8 +9,9 @@ sized for the graph's longest context, and the partition size decides how many o
 context uses (at 512, a 256-position context is one program per KV head walking it alone):
 
 - every candidate's output is checked against torch SDPA on the same q/k/v (a reference nobody here
-  wrote, which checks the default config too): relative max abs difference <= SWEEP_MAX_REL_DIFF on an
-  output poisoned with NaN, else the row is WRONG and never chosen;
+  wrote, which checks the default config too; in float32 for decode, on the bf16 inputs): relative max
+  abs difference <= SWEEP_MAX_REL_DIFF on an output poisoned with NaN, else the row is WRONG and never
+  chosen;
 - candidates are timed like the other kernel sections (`time_kernel_s`: 20 calls in one CUDA graph, the
   median of 7 replays, no host time);
 - the whole section runs under a wall-clock cap (a Triton attention variant compiles in ~1-3 s on the
@@ -217,12 +218,14 @@ def run_candidates(
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
     code: Callable[[Any], str] = repr,
+    out_dtype: torch.dtype | None = None,
 ) -> list[SweepRow]:
     """Each candidate (the first is the default) checked against `reference`, then timed: `launch(c, out)`
-    writes the output into `out` (poisoned with NaN before the checked call), `time_s(fn)` gives seconds
+    writes the output into `out` (`reference`'s shape, in `out_dtype` if given, else `reference`'s
+    dtype; poisoned with NaN before the checked call), `time_s(fn)` gives seconds
     per call, `rate(s)` (figure, vs) for s seconds. A candidate not started before `deadline` (by `clock`)
     is NOT_RUN; one that raises is an "error" row and the next one runs."""
-    out = torch.empty_like(reference)
+    out = torch.empty_like(reference, dtype=out_dtype)
     rows = []
     for index, candidate in enumerate(candidates):
         row = SweepRow(str(candidate), code(candidate), is_default=index == 0)
@@ -372,8 +375,10 @@ def sweep_decode(
     against torch SDPA; each row's split count is the one the candidate's PROGRAMS_PER_SM and partition
     size give on this device for `graph_context` (a CUDA graph's longest context), else for `context`."""
     problem = decode_problem(context, batch, device)
-    kt, vt = problem.contiguous_kv(problem.k_cache), problem.contiguous_kv(problem.v_cache)
-    reference = F.scaled_dot_product_attention(problem.q.unsqueeze(2), kt, vt, enable_gqa=True)[
+    # In float32: a candidate's bf16 output is then off by the kernel's own roundings alone (the output's:
+    # <= 0.4% of it on a GPU, 0.8% in the interpreter, which truncates), not by those plus SDPA's.
+    kt, vt = (problem.contiguous_kv(cache).float() for cache in (problem.k_cache, problem.v_cache))
+    reference = F.scaled_dot_product_attention(problem.q.unsqueeze(2).float(), kt, vt, enable_gqa=True)[
         :, :, 0
     ].contiguous()
     del kt, vt
@@ -393,6 +398,7 @@ def sweep_decode(
         lambda s: (moved / s / 1e9, moved / s / bandwidth if bandwidth else None),
         deadline,
         code=DecodeCandidate.code,
+        out_dtype=problem.q.dtype,
     )
     for row, candidate in zip(rows, candidates, strict=True):
         row.num_splits = splits[candidate]
