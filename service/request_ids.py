@@ -1,6 +1,7 @@
 """Generate request ids, per tenant: which are live, which ended lately, and Aborts that came early.
 
-    claim(tenant, id)  live already ─────────────> RequestIdInUseError (ALREADY_EXISTS)
+    claim(tenant, id)  over MAX_REQUEST_ID_BYTES ─> InvalidRequestError (INVALID_ARGUMENT), as abort
+                       live already ─────────────> RequestIdInUseError (ALREADY_EXISTS)
                        an early Abort remembered ─> a RequestCancel already cancelled (never runs)
                        else ──────────────────────> a fresh RequestCancel, live until release()
     abort(tenant, id)  live ──────> its RequestCancel (the caller cancels it)
@@ -9,7 +10,8 @@
 
 Ids are keys per tenant: two tenants may use the same id, and one tenant's Abort never finds another's
 request (it is "never seen" from there). Ended ids and early Aborts are kept for `remember_s` seconds
-and at most `max_remembered` of each (oldest dropped first), so memory stays bounded whatever callers do.
+and at most `max_remembered` of each (oldest dropped first), and an id is at most MAX_REQUEST_ID_BYTES
+long (`check_request_id`), so memory stays bounded whatever callers do.
 """
 
 from __future__ import annotations
@@ -18,13 +20,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from sluice.engine.errors import SluiceError, UnknownRequestError
+from sluice.engine.errors import InvalidRequestError, SluiceError, UnknownRequestError
 from sluice.service.request_cancel import ABORT, RequestCancel
 
 REMEMBER_S = 30.0
 MAX_REMEMBERED = 10_000
+# Room for any id scheme (a UUID is 36 characters, a tenant or trace prefix more). Ids are remembered,
+# logged and quoted in statuses: a 100 kB one made an Abort's NOT_FOUND too large for the client's metadata
+# limit, which turned it into RESOURCE_EXHAUSTED.
+MAX_REQUEST_ID_BYTES = 512
 
 _Key = tuple[str, str]  # (tenant name, request id)
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> None:
+    """InvalidRequestError naming `field` when `request_id` is over MAX_REQUEST_ID_BYTES in UTF-8."""
+    size = len(request_id.encode())
+    if size > MAX_REQUEST_ID_BYTES:
+        raise InvalidRequestError(field, f"must be at most {MAX_REQUEST_ID_BYTES} bytes (UTF-8), got {size}")
 
 
 class RequestIdInUseError(SluiceError):
@@ -80,6 +93,7 @@ class RequestIds:
         self._early_aborts = _ExpiringSet(remember_s, max_remembered, clock)
 
     def claim(self, tenant: str, request_id: str) -> RequestCancel:
+        check_request_id(request_id)
         key = (tenant, request_id)
         if key in self._live:
             raise RequestIdInUseError(request_id)
@@ -98,6 +112,7 @@ class RequestIds:
 
     def abort(self, tenant: str, request_id: str) -> RequestCancel | None:
         """The live request's RequestCancel; None if it ended lately; raises UnknownRequestError."""
+        check_request_id(request_id)
         key = (tenant, request_id)
         if key in self._live:
             return self._live[key]

@@ -40,7 +40,7 @@ from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.service import smg_convert
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
-from sluice.service.request_ids import RequestIds
+from sluice.service.request_ids import RequestIds, check_request_id
 from sluice.service.servicer import InferenceServicer
 from sluice.service.status import FailedPreconditionError, ServiceUnavailableError, rpc_errors
 
@@ -110,6 +110,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for request_id in request.request_ids:
             if not request_id:
                 raise InvalidRequestError("request_ids", "must not contain empty ids")
+            check_request_id(request_id, "request_ids")
             with contextlib.suppress(UnknownRequestError):
                 cancel = self._request_ids.abort(tenant, request_id)
                 if cancel is not None:

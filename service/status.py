@@ -11,6 +11,8 @@ ServiceUnavailableError, EngineDeadError -> UNAVAILABLE       (loading, draining
                                                                a retry goes to another replica)
 RequestFailedError                      -> INTERNAL
 asyncio.CancelledError                  -> DEADLINE_EXCEEDED when the deadline passed, else CANCELLED
+
+A message is cut to MAX_MESSAGE_BYTES (`bounded_message`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,29 @@ class FailedPreconditionError(Exception):
     """The server is not set up for this call (e.g. StartProfile without --profile-dir)."""
 
 
+# A status's message travels in the grpc-message trailer, percent-encoded (a non-ASCII byte takes three).
+# A gRPC client refuses trailers over its metadata limit with RESOURCE_EXHAUSTED in place of the status
+# sent (by default some calls above 8 KiB, every call above 16 KiB). Messages quote what the caller sent
+# (an id, a stop string, a tool name): they are cut to this.
+MAX_MESSAGE_BYTES = 1024
+
+
+def bounded_message(message: str) -> str:
+    """`message`, or its first MAX_MESSAGE_BYTES bytes of UTF-8 (whole characters) and how many more."""
+    data = message.encode()
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    kept = data[:MAX_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(data) - len(kept.encode())} more bytes)"
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a caller sees for `exc`."""
+    code, message = _status_for(exc)
+    return code, bounded_message(message)
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, QueueFullError | ContextLengthError | TenantOverLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnknownRequestError):

@@ -24,7 +24,7 @@ import grpc
 
 from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
-from sluice.service.request_ids import RequestIdInUseError
+from sluice.service.request_ids import RequestIdInUseError, check_request_id
 from sluice.service.status import ServiceUnavailableError, StatusRecorder, failure_status
 from sluice.v1 import sluice_pb2 as pb
 
@@ -100,6 +100,7 @@ class StreamSession:
             self._check_accepting()
             if not request_id:
                 raise ValueError("request_id: must not be empty on StreamGenerate")
+            check_request_id(request_id)
             if request_id in self._pumps:
                 raise RequestIdInUseError(request_id)
         except (ValueError, ServiceUnavailableError, RequestIdInUseError) as exc:

@@ -28,7 +28,13 @@ from sluice.service.cli import build_parser, load_commands
 from sluice.service.engine_args import parse_size
 from sluice.service.metrics import ServerMetrics
 from sluice.service.serve_command import engine_config
-from sluice.service.status import RequestFailedError, ServiceUnavailableError, failure_status, status_for
+from sluice.service.status import (
+    MAX_MESSAGE_BYTES,
+    RequestFailedError,
+    ServiceUnavailableError,
+    failure_status,
+    status_for,
+)
 from sluice.service.tracing import RequestTracer, tracer_provider_from_env
 from sluice.v1 import sluice_pb2 as pb
 
@@ -270,6 +276,14 @@ def test_model_info() -> None:
 )
 def test_exceptions_map_to_status(exc: Exception, code: grpc.StatusCode, message: str) -> None:
     assert status_for(exc) == (code, message)
+
+
+def test_a_long_message_is_cut_to_whole_characters_within_the_bound() -> None:
+    """A message quoting 1,000 two-byte characters: its first 1,024 bytes stop inside one, which goes."""
+    code, message = status_for(InvalidRequestError("stops", "é" * 1000))  # 7 + 2,000 bytes
+    assert MAX_MESSAGE_BYTES == 1024
+    assert (code, message) == (grpc.StatusCode.INVALID_ARGUMENT, f"stops: {'é' * 508}... (984 more bytes)")
+    assert status_for(InvalidRequestError("stop", "é" * 509))[1] == f"stop: {'é' * 509}"  # 1,024: kept
 
 
 def test_only_the_servers_own_failures_are_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -58,6 +58,12 @@ MALFORMED = [
     ("logprobs 21", generate_request("hi", logprobs=21), INVALID, "logprobs: must be in [0, 20]"),
     ("temperature -1", generate_request("hi", temperature=-1.0), INVALID, "temperature: must be >= 0"),
     (
+        "request_id over 512 bytes",
+        generate_request("hi", request_id="é" * 257),
+        INVALID,
+        "request_id: must be at most 512 bytes (UTF-8), got 514",
+    ),
+    (
         "temperature inf",
         generate_request("hi", temperature=float("inf")),
         INVALID,
@@ -120,6 +126,19 @@ def test_malformed_unary_requests(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Abort(pb.AbortRequest())
     assert (info.value.code(), info.value.details()) == (INVALID, "request_id: must not be empty")
+    # Quoted in NOT_FOUND, a 100 kB id made trailers the client refused (RESOURCE_EXHAUSTED); 512 bytes pass.
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Abort(pb.AbortRequest(request_id="x" * 100_000))
+    assert (info.value.code(), info.value.details()) == (
+        INVALID,
+        "request_id: must be at most 512 bytes (UTF-8), got 100000",
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Abort(pb.AbortRequest(request_id="é" * 256))
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"request_id: no request with id '{'é' * 256}'",
+    )
     with pytest.raises(grpc.RpcError) as info:
         stub.Tokenize(pb.TokenizeRequest(text=""))
     assert (info.value.code(), info.value.details()) == (INVALID, "prompt: is empty: give text or messages")
@@ -210,6 +229,23 @@ def test_in_band_cancel_and_errors_keep_the_stream_open(stub, server: ServerThre
     server.wait_idle()
     outbox.half_close()
     assert list(responses) == []
+
+
+def test_a_stream_refuses_a_request_id_over_512_bytes_in_band(stub, server: ServerThread) -> None:
+    outbox = Outbox()
+    responses = stub.StreamGenerate(iter(outbox))
+    outbox.generate(generate_request("hi", request_id="x" * 513, max_tokens=2, ignore_eos=True))
+    refused = next(responses)
+    message = "request_id: must be at most 512 bytes (UTF-8), got 513"
+    assert (refused.request_id, refused.error) == (
+        "x" * 513,
+        pb.RequestError(code=INVALID.value[0], message=message),
+    )
+    outbox.generate(generate_request("hi", request_id="x" * 512, max_tokens=2, ignore_eos=True))
+    outbox.half_close()
+    finished = [r for r in responses if r.chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert [(r.request_id, r.chunk.finish_reason) for r in finished] == [("x" * 512, pb.FINISH_REASON_LENGTH)]
+    server.wait_idle()
 
 
 def _drain_until_errors(

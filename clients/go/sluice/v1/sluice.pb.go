@@ -927,7 +927,8 @@ type GenerateRequest struct {
 
 	// Names the request for Abort and in every chunk. On Generate, unique among the live requests of
 	// the caller's tenant (else ALREADY_EXISTS); a fresh id is assigned when empty. On StreamGenerate,
-	// required and unique among the stream's live requests (else ALREADY_EXISTS in-band).
+	// required and unique among the stream's live requests (else ALREADY_EXISTS in-band). At most 512
+	// bytes of UTF-8 (else INVALID_ARGUMENT).
 	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// The prompt: exactly one form.
 	//
