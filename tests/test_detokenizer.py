@@ -84,6 +84,15 @@ def test_earliest_stop_string_wins_and_multibyte_stop(tokenizer: Tokenizer) -> N
     assert "".join(deltas) + tail == "Emoji 😀🚀 then 你好，"
 
 
+def test_the_32nd_stop_string_still_stops(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello world, stop here please", add_special_tokens=False)
+    stops = (*(f"absent {i}" for i in range(31)), "stop here")  # MAX_STOP; one more is refused
+    deltas, tail = stream(tokenizer, ids, SamplingParams(stop=stops))
+    assert "".join(deltas) + tail == "Hello world, "
+    with pytest.raises(ValueError, match=r"^stop: at most 32 strings, got 33$"):
+        SamplingParams(stop=(*stops, "one more"))
+
+
 def test_hold_back_is_bounded_and_flush_releases(tokenizer: Tokenizer) -> None:
     text = "abc abd abe the end ab"
     ids = tokenizer.encode(text, add_special_tokens=False)

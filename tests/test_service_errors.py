@@ -83,6 +83,12 @@ MALFORMED = [
     ),
     ("empty stop string", generate_request("hi", stop=[""]), INVALID, "stop: must not contain empty strings"),
     (
+        "33 stop strings",
+        generate_request("hi", stop=[f"s{i}" for i in range(33)]),
+        INVALID,
+        "stop: at most 32 strings, got 33",
+    ),
+    (
         "token id >= vocab",
         generate_request(token_ids=[5, 512]),
         INVALID,

@@ -634,7 +634,7 @@ type SamplingParams struct {
 	// In [0, max_tokens]; EOS and stop tokens are ignored until this many were produced. With a
 	// constraint, EOS ends the output wherever the constraint is complete.
 	MinTokens *int32 `protobuf:"varint,10,opt,name=min_tokens,json=minTokens,proto3,oneof" json:"min_tokens,omitempty"`
-	// Generation stops before any of these strings; the stop string is not returned.
+	// Generation stops before any of these strings (at most 32); the stop string is not returned.
 	Stop []string `protobuf:"bytes,11,rep,name=stop,proto3" json:"stop,omitempty"`
 	// Generation stops after any of these token ids.
 	StopTokenIds []int32 `protobuf:"varint,12,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
