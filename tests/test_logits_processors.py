@@ -24,6 +24,18 @@ def test_logit_bias_adds_to_the_named_ids_and_skips_ids_past_the_logits() -> Non
     assert logits.tolist() == [[0.0, 2.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]]
 
 
+def test_logit_bias_keeps_each_requests_tensors_until_freed() -> None:
+    bias = LogitBias()
+    params = SamplingParams(logit_bias=[(1, 2.0), (3, -1.0), (1, 2.0)])  # an id listed twice counts once
+    for _ in range(2):  # the second step adds the kept tensors; "a" twice, as a verify step's positions
+        logits = torch.zeros(3, 4)
+        bias.apply(logits, [row(params, "a"), row(SamplingParams(), "b"), row(params, "a")])
+        assert logits.tolist() == [[0.0, 2.0, 0.0, -1.0], [0.0] * 4, [0.0, 2.0, 0.0, -1.0]]
+    assert list(bias._biases) == ["a"]
+    bias.free(["a", "b"])
+    assert bias._biases == {}
+
+
 def test_allowed_token_ids_ban_everything_else() -> None:
     logits = torch.arange(8.0).reshape(2, 4)
     AllowedTokenIds().apply(
