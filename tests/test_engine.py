@@ -94,9 +94,9 @@ def test_eos_stops_unless_ignored(llama_dir):
     prompt = _prompts(1, seed=5)[0]
     banned_eos = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[]))[0]
     assert banned_eos.token_ids  # generation happened
-    eos_first = llm.generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[banned_eos.token_ids[0]])
-    )[0]
+    stop_ids = [*range(10**6, 10**6 + 1023), banned_eos.token_ids[0]]  # MAX_STOP_TOKEN_IDS, the last one hit
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=stop_ids)
+    eos_first = llm.generate(prompt, params)[0]
     assert eos_first.token_ids == banned_eos.token_ids[:1]
     assert eos_first.finish_reason == "stop"
     assert eos_first.stop_reason == banned_eos.token_ids[0]

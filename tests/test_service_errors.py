@@ -89,6 +89,12 @@ MALFORMED = [
         "stop: at most 32 strings, got 33",
     ),
     (
+        "1025 stop token ids",
+        generate_request("hi", stop_token_ids=range(1025)),
+        INVALID,
+        "stop_token_ids: at most 1024 ids, got 1025",
+    ),
+    (
         "token id >= vocab",
         generate_request(token_ids=[5, 512]),
         INVALID,

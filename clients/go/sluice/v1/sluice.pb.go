@@ -636,7 +636,7 @@ type SamplingParams struct {
 	MinTokens *int32 `protobuf:"varint,10,opt,name=min_tokens,json=minTokens,proto3,oneof" json:"min_tokens,omitempty"`
 	// Generation stops before any of these strings (at most 32); the stop string is not returned.
 	Stop []string `protobuf:"bytes,11,rep,name=stop,proto3" json:"stop,omitempty"`
-	// Generation stops after any of these token ids.
+	// Generation stops after any of these token ids (at most 1,024).
 	StopTokenIds []int32 `protobuf:"varint,12,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
 	// Keep generating past EOS tokens (not past a complete constraint: EOS ends a constrained output).
 	IgnoreEos *bool `protobuf:"varint,13,opt,name=ignore_eos,json=ignoreEos,proto3,oneof" json:"ignore_eos,omitempty"`
