@@ -16,7 +16,7 @@ MAX_LOGIT_BIAS = 100.0
 # requests: 100,000 stop strings cost ~30 ms a token there (the 2-core Zen 4 VM). TGI's default is 4.
 MAX_STOP = 32
 # Each output token is looked up in them, and min_tokens bans them every step: 1,000,000 ids cost ~12 ms a
-# token and ~110 ms a step in the engine core. 1,024 holds every special token of a tokenizer (Llama 3: 256).
+# token and ~110 ms a step in the engine core. 1,024 is four times Llama 3's 256 special tokens.
 MAX_STOP_TOKEN_IDS = 1024
 # Float fields checked finite before any range check (inf passes `>= 0`, and NaN fails every range
 # with a message that does not say why).
