@@ -10,7 +10,7 @@ import grpc
 from opentelemetry import trace
 
 from sluice.engine.errors import InvalidRequestError
-from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.frontend.async_engine import AsyncEngine, prompt_chars, tokenize_when_long
 from sluice.service import convert
 from sluice.service.auth import authenticate
 from sluice.service.caller import Caller
@@ -155,10 +155,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if tokenizer is None:
             raise InvalidRequestError(kind or "prompt", "this model has no tokenizer")
         if kind == "messages":
-            token_ids = tokenizer.encode_chat(list(convert.messages_from_proto(request.messages)))
+            messages = list(convert.messages_from_proto(request.messages))
+            size = prompt_chars(messages=messages)
+            token_ids = await tokenize_when_long(size, tokenizer.encode_chat, messages)
         elif request.text:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            token_ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+            token_ids = await tokenize_when_long(
+                len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
+            )
         else:
             raise InvalidRequestError("prompt", "is empty: give text or messages")
         return pb.TokenizeResponse(token_ids=token_ids)

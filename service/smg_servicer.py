@@ -37,6 +37,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from sluice.engine.errors import InvalidRequestError, UnknownRequestError
+from sluice.engine.frontend.async_engine import tokenize_when_long
 from sluice.service import smg_convert
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
@@ -83,7 +84,10 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         caller = self._inference.caller(context)
         self._last_receive = time.time()
         engine = runner.engine
-        spec = smg_convert.generation_spec_from_smg(request, engine.model_info, engine.tokenizer)
+        to_spec = smg_convert.generation_spec_from_smg
+        spec = await tokenize_when_long(
+            len(request.text), to_spec, request, engine.model_info, engine.tokenizer
+        )
         tenant = caller.tenant.name
         request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
         cancel = self._request_ids.claim(tenant, request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import threading
 import zipfile
 
 import grpc
@@ -53,6 +54,31 @@ def test_token_ids_in_and_out_equal_sluices_own_answer(server: ServerThread, eng
     assert list(whole.complete.output_ids) == list(expected.token_ids)
     # The same prompt again: its full blocks come from the prefix cache.
     assert whole.complete.cached_tokens == 32
+
+
+def test_text_is_tokenized_as_sluice_does_and_long_text_off_the_event_loop(
+    server: ServerThread, engine_stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer, threads = server.engine.tokenizer, []
+    encode = tokenizer.encode
+
+    def spy(*args: object, **kwargs: object) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    for text in ("Hello world", "Hello world " * 400):  # 4,800 characters: over TOKENIZE_INLINE_MAX_CHARS
+        request = smg.GenerateRequest(
+            text=text, sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=1), stream=False
+        )
+        (whole,) = engine_stub.Generate(request, timeout=60)
+        assert whole.complete.prompt_tokens == len(encode(text))
+    loop_thread = server.call(_current_thread())
+    assert [t is loop_thread for t in threads] == [True, False]
+
+
+async def _current_thread() -> threading.Thread:
+    return threading.current_thread()
 
 
 def test_health_model_info_and_tokenizer_bundle(

@@ -188,3 +188,39 @@ def test_fifty_requests_interleaved_on_one_bidi_stream(stub, server: ServerThrea
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in hold[:-1])
     assert 0 < hold[-1].usage.completion_tokens < UNENDING["max_tokens"]
     server.wait_idle()
+
+
+def test_tokenize_answers_as_the_tokenizer_and_takes_long_prompts_off_the_event_loop(
+    stub, server: ServerThread, llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text or messages over TOKENIZE_INLINE_MAX_CHARS (4096) are tokenized in a worker thread, where the
+    tokenizer releases the GIL; shorter ones on the server's event loop."""
+    tokenizer, threads = server.engine.tokenizer, []
+    encode = tokenizer.encode
+
+    def spy(*args: object, **kwargs: object) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    short, long = "Hello world", "Hello world " * 400
+    conversation = [{"role": "user", "content": long}]
+    expected = [
+        llm.tokenizer.encode(short),
+        llm.tokenizer.encode(long),
+        llm.tokenizer.encode_chat(conversation),
+    ]
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    answers = [
+        stub.Tokenize(pb.TokenizeRequest(text=short)),
+        stub.Tokenize(pb.TokenizeRequest(text=long)),
+        stub.Tokenize(
+            pb.TokenizeRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**conversation[0])]))
+        ),
+    ]
+    assert [list(a.token_ids) for a in answers] == expected
+    loop_thread = server.call(_current_thread())
+    assert [t is loop_thread for t in threads] == [True, False, False]
+
+
+async def _current_thread() -> threading.Thread:
+    return threading.current_thread()

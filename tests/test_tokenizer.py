@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,30 @@ def test_add_bos_token_installs_post_processor(tokenizer_dirs: dict[str, Path]) 
         assert ours.encode(text) == hf.encode(text), text
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
     assert ours.eos_token_ids == (ours.token_to_id("<|eos|>"),)
+
+
+def test_encode_lets_other_threads_run_while_it_tokenizes(pair) -> None:
+    """The frontend tokenizes a long prompt in a worker thread: were the GIL held throughout, its event loop
+    (every stream) would still stop until the prompt was done. The main thread notes the time every
+    millisecond or so while a worker encodes; some notes must fall in the middle half of the encode (with
+    the GIL held, the main thread runs only before the call and once it returns)."""
+    tokenizer, _ = pair
+    text = "Café naïve résumé, the quick brown fox. " * 25_000  # 1,000,000 characters
+    span: list[float] = []
+
+    def work() -> None:
+        span.append(time.perf_counter())
+        tokenizer.encode(text)
+        span.append(time.perf_counter())
+
+    notes = [time.perf_counter()]
+    worker = threading.Thread(target=work)
+    worker.start()
+    while worker.is_alive():
+        now = time.perf_counter()
+        if now - notes[-1] > 0.001:
+            notes.append(now)
+    worker.join()
+    start, end = span
+    quarter = (end - start) / 4
+    assert any(start + quarter < t < end - quarter for t in notes)

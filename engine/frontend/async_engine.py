@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -38,6 +39,22 @@ from sluice.engine.text.tokenizer import Tokenizer
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 4096
+
+_T = TypeVar("_T")
+
+
+def prompt_chars(text: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None) -> int:
+    """The characters a prompt gives the tokenizer (messages' contents, the template's text aside)."""
+    return len(text or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
+
+
+async def tokenize_when_long(num_chars: int, tokenize: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`tokenize(*args, **kwargs)`, in a worker thread when it reads more than TOKENIZE_INLINE_MAX_CHARS
+    characters (the tokenizer releases the GIL, so the event loop streams on meanwhile), else inline, where
+    a short prompt costs less than the hop."""
+    if num_chars <= TOKENIZE_INLINE_MAX_CHARS:
+        return tokenize(*args, **kwargs)
+    return await asyncio.to_thread(tokenize, *args, **kwargs)
 
 
 class AsyncEngine:
@@ -172,12 +189,9 @@ class AsyncEngine:
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
 
-    async def _tokenize(self, **prompt: object) -> list[int]:
-        text, messages = prompt["text"], prompt["messages"]
-        size = len(text or "") + sum(len(str(m.get("content", ""))) for m in messages or ())
-        if size <= TOKENIZE_INLINE_MAX_CHARS:
-            return resolve_prompt(self.tokenizer, **prompt)
-        return await asyncio.to_thread(resolve_prompt, self.tokenizer, **prompt)
+    async def _tokenize(self, **prompt: Any) -> list[int]:
+        size = prompt_chars(prompt["text"], prompt["messages"])
+        return await tokenize_when_long(size, resolve_prompt, self.tokenizer, **prompt)
 
     def _abandon(self, request_id: str, finished: bool) -> None:
         """A stream ended: forget it, and abort its request unless it had finished."""
