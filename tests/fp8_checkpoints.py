@@ -220,10 +220,10 @@ def transformers_greedy(
 ) -> list[list[int]]:
     """Greedy tokens of transformers on `directory` (float, or FP8 through compressed-tensors); with
     `kv_scales`, every cached K/V rounded to e4m3 as k / k_scale (v / v_scale), then scaled back."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return _greedy(model, prompts, max_tokens, kv_scales)
+    return [
+        [int(step.argmax()) for step in steps]
+        for steps in greedy_steps(directory, prompts, max_tokens, kv_scales)
+    ]
 
 
 def transformers_logits(directory: str, prompt: list[int]) -> torch.Tensor:
@@ -239,18 +239,26 @@ def round_to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
 
 
-def _greedy(model, prompts: list[list[int]], max_tokens: int, kv_scales) -> list[list[int]]:
+def greedy_steps(
+    directory: str, prompts: list[list[int]], max_tokens: int, kv_scales: tuple[float, float] | None = None
+) -> list[list[torch.Tensor]]:
+    """`transformers_greedy`'s run: each step's last-position logits [vocab], whose argmax is its token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     # transformers 5 names the cache argument `cache`, earlier versions `past_key_values`
     cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = list(prompt)
+            ids, steps = list(prompt), []
             for _ in range(max_tokens):
                 kwargs = {} if kv_scales is None else {cache_argument: _rounding_cache(model, kv_scales)}
-                logits = model(torch.tensor([ids]), use_cache=kv_scales is not None, **kwargs).logits
-                ids.append(int(logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
+                steps.append(
+                    model(torch.tensor([ids]), use_cache=kv_scales is not None, **kwargs).logits[0, -1]
+                )
+                ids.append(int(steps[-1].argmax()))
+            outputs.append(steps)
     return outputs
 
 

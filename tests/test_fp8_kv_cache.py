@@ -1,9 +1,10 @@
 """`--kv-cache-dtype fp8`: K/V stored as e4m3 (k / k_scale), read back by the torch and the C++ CPU backends.
 
 The reference is transformers with every K/V it caches rounded to e4m3 the same way (`fp8_checkpoints.
-RoundingCache`): greedy tokens must equal it, through mixed batches with chunked prefill, prefix-cache
-hits, preemption, n > 1 and ngram speculation. The cache holds twice the blocks of a bf16 one in the same
-memory; the flash-attn backend refuses it by name. (The Triton backend's FP8 path: test_triton_fp8_kv.py.)
+RoundingCache`): greedy tokens must agree with it (equal, or parting at a near tie: `fp8_greedy`), through
+mixed batches with chunked prefill, prefix-cache hits, preemption, n > 1 and ngram speculation. The cache
+holds twice the blocks of a bf16 one in the same memory; the flash-attn backend refuses it by name. (The
+Triton backend's FP8 path: test_triton_fp8_kv.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import random
 import pytest
 import torch
 from fp8_checkpoints import transformers_greedy, write_fp8_checkpoint
+from fp8_greedy import NUM_TOP, assert_agrees, greedy_params, samples, transformers_samples
 
+from sluice.benchmarks.gpu.greedy_compare import Sample
 from sluice.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
@@ -24,7 +27,7 @@ from sluice.service.engine_args import engine_config_from_args
 
 BLOCK = 16
 NUM_NEW = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+GREEDY = greedy_params(NUM_NEW)
 UNIT_SCALES = (1.0, 1.0)
 
 
@@ -45,12 +48,12 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir) -> list[list[int]]:
-    return transformers_greedy(llama_dir, _prompts(), NUM_NEW, kv_scales=UNIT_SCALES)
+def reference(llama_dir) -> list[Sample]:
+    return transformers_samples(llama_dir, _prompts(), NUM_NEW, kv_scales=UNIT_SCALES)
 
 
-def greedy(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [c.token_ids for c in llm.generate(_prompts(), params)]
+def greedy(llm: LLM) -> list[Sample]:
+    return samples(llm.generate(_prompts(), GREEDY))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -67,14 +70,14 @@ def test_fp8_kv_greedy_equals_transformers_with_rounded_kv(source, backend, requ
     )
     assert all(k.dtype == v.dtype == torch.float8_e4m3fn for k, v in runner.kv_caches)
     assert runner.cpu_stack is None  # the whole-stack C++ path reads a float cache
-    assert greedy(llm) == transformers_greedy(directory, _prompts(), NUM_NEW, kv_scales=UNIT_SCALES)
+    assert_agrees(greedy(llm), transformers_samples(directory, _prompts(), NUM_NEW, kv_scales=UNIT_SCALES))
 
 
 def test_the_rounding_shows(llama_dir, reference):
     """Not a vacuous check: with these prompts the e4m3 cache changes tokens against a float one."""
     float_cache = transformers_greedy(llama_dir, _prompts(), NUM_NEW)
-    assert float_cache != reference
-    assert greedy(LLM(llama_dir, block_size=BLOCK, num_blocks=64)) == float_cache
+    assert float_cache != [s["tokens"] for s in reference]
+    assert [s["tokens"] for s in greedy(LLM(llama_dir, block_size=BLOCK, num_blocks=64))] == float_cache
 
 
 def test_mixed_batches_chunked_prefill_and_prefix_hits(llama_dir, reference):
@@ -87,7 +90,7 @@ def test_mixed_batches_chunked_prefill_and_prefix_hits(llama_dir, reference):
         max_num_seqs=8,
     )
     completions = llm.generate(_prompts(), GREEDY)
-    assert [c.token_ids for c in completions] == reference
+    assert_agrees(samples(completions), reference)
     assert [c.cached_tokens for c in completions] == [0, 0, 3 * BLOCK, 0, 3 * BLOCK, 0]
     assert llm.engine.stats().num_kv_blocks_used == 0
 
@@ -105,23 +108,24 @@ def test_preemption(llama_dir, reference):
     )
     completions = llm.generate(_prompts(), GREEDY)
     assert llm.engine.stats().num_preemptions > 0
-    assert [c.token_ids for c in completions] == reference
+    assert_agrees(samples(completions), reference)
 
 
 def test_n_samples_share_the_prompt_blocks(llama_dir, reference):
     llm = LLM(llama_dir, kv_cache_dtype="fp8", block_size=BLOCK, num_blocks=64, enable_prefix_caching=True)
     prompt = _prompts()[3]  # 37 tokens: samples 1 and 2 read its 2 full blocks from the cache
     completions = llm.generate(
-        prompt, SamplingParams(n=3, temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+        prompt, SamplingParams(n=3, temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=NUM_TOP)
     )
-    assert [c.token_ids for c in completions] == [reference[3]] * 3
+    assert [c.token_ids for c in completions] == [completions[0].token_ids] * 3
+    assert_agrees(samples(completions[:1]), reference[3:4])
     assert [c.cached_tokens for c in completions] == [0, 2 * BLOCK, 2 * BLOCK]
 
 
 def test_ngram_speculation(llama_dir, reference):
     spec = SpeculativeConfig("ngram", num_speculative_tokens=3)
     llm = LLM(llama_dir, kv_cache_dtype="fp8", speculative=spec, block_size=BLOCK, num_blocks=64)
-    assert greedy(llm) == reference
+    assert_agrees(greedy(llm), reference)
     stats = llm.engine.stats()
     assert stats.num_accepted_draft_tokens > 0
 
@@ -132,10 +136,11 @@ def test_fp8_weights_with_the_checkpoints_kv_scales(llama_dir, tmp_path):
     llm = LLM(directory, kv_cache_dtype="fp8", block_size=BLOCK, num_blocks=64)
     attn = llm.engine.model_runner.model.model.layers[1].self_attn.attn
     assert (attn.k_scale.item(), attn.v_scale.item()) == (pytest.approx(0.05), pytest.approx(0.02))
-    assert greedy(llm) == transformers_greedy(directory, _prompts(), NUM_NEW, kv_scales=kv_scales)
+    assert_agrees(greedy(llm), transformers_samples(directory, _prompts(), NUM_NEW, kv_scales=kv_scales))
     # a float cache skips the scales
-    assert greedy(LLM(directory, block_size=BLOCK, num_blocks=64)) == transformers_greedy(
-        directory, _prompts(), NUM_NEW
+    assert_agrees(
+        greedy(LLM(directory, block_size=BLOCK, num_blocks=64)),
+        transformers_samples(directory, _prompts(), NUM_NEW),
     )
 
 
