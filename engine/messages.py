@@ -22,7 +22,7 @@ import msgspec
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import EngineStats, Logprobs
+from sluice.engine.outputs import EngineStats, Logprobs, PromptLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.tokenizer import TokenizerSpec
 
@@ -101,9 +101,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # The request was refused before it ran, because of this field (e.g. a json_schema that does not
     # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
     invalid_field: str | None = None
-    # On the output carrying the first token of a request with prompt_logprobs: one per prompt token
-    # after the first.
-    prompt_logprobs: list[Logprobs] | None = None
+    # On the output carrying the first token of a request with prompt_logprobs: one entry per prompt
+    # token after the first.
+    prompt_logprobs: PromptLogprobs | None = None
     # Prompt tokens this request ran through the model so far (after its prefix-cache hit).
     num_prompt_tokens_computed: int = 0
     # Speculative decoding, the request's totals so far: draft tokens verified, and accepted.

@@ -55,7 +55,7 @@ class GenerationRunner:
         outputs = self.outputs(spec, engine_request_id, caller, cancel)
         async with contextlib.aclosing(outputs):
             async for output in outputs:
-                yield convert.generate_response_from_output(output, reply_id)
+                yield await convert.generate_response(output, reply_id)
 
     async def outputs(
         self,

@@ -11,18 +11,20 @@ all its token ids.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from smg_grpc_proto import vllm_engine_pb2 as smg
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import EngineStats, Logprobs, RequestOutput
+from sluice.engine.outputs import NO_PROMPT_LOGPROBS, EngineStats, Logprobs, PromptLogprobs, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.text.tokenizer import Tokenizer
+from sluice.service.convert import in_slices
 from sluice.service.generation_spec import GenerationSpec, Prompt
 
 # What GetServerInfo calls this server; SMG files it away as a label.
@@ -121,17 +123,25 @@ def output_logprobs_to_smg(values: Sequence[Logprobs], num_top: int | None) -> s
     return message
 
 
-def input_logprobs_to_smg(
-    values: Sequence[Logprobs], prompt_token_ids: Sequence[int], num_top: int | None
-) -> smg.InputLogProbs:
-    """The prompt's logprobs: none for its first token (no value set), then one per later token."""
-    message = smg.InputLogProbs(token_ids=prompt_token_ids[: len(values) + 1])
-    message.token_logprobs.append(smg.InputTokenLogProb())
-    message.token_logprobs.extend(smg.InputTokenLogProb(value=v.sampled.logprob) for v in values)
-    if num_top:
-        message.top_logprobs.append(smg.TopLogProbs())
-        message.top_logprobs.extend(_top_logprobs(v) for v in values)
-    return message
+def add_input_logprobs(message: smg.InputLogProbs, values: PromptLogprobs, start: int, end: int) -> None:
+    """Appends entries [start, end) of the prompt's logprobs to `message`, after `input_logprobs_head`."""
+    add_value, add_top = message.token_logprobs.add, message.top_logprobs.add
+    num_top = values.num_top
+    for position in range(start, end):
+        add_value(value=values.logprobs[position])
+        if num_top:
+            top = slice(position * num_top, (position + 1) * num_top)
+            add_top(values=values.top_logprobs[top], token_ids=values.top_token_ids[top])
+
+
+def input_logprobs_head(
+    message: smg.InputLogProbs, values: PromptLogprobs, prompt_token_ids: Sequence[int]
+) -> None:
+    """The prompt's tokens that have logprobs, and the first token's entries: no value set (it has none)."""
+    message.token_ids.extend(prompt_token_ids[: len(values) + 1])
+    message.token_logprobs.add()
+    if values.num_top:
+        message.top_logprobs.add()
 
 
 def _top_logprobs(value: Logprobs) -> smg.TopLogProbs:
@@ -146,24 +156,32 @@ class _Sample:
 
 
 class SmgResponses:
-    """Turns one request's engine outputs (all its samples, interleaved) into GenerateResponses."""
+    """Turns one request's engine outputs (all its samples, interleaved) into GenerateResponses; the
+    prompt's logprobs go in slices, the event loop served in between (`in_slices`)."""
 
     def __init__(self, spec: GenerationSpec, stream: bool) -> None:
         self._params = spec.params
         self._prompt_token_ids = spec.prompt.token_ids or ()
         self._stream = stream
         self._samples: dict[int, _Sample] = {}
-        self._prompt_logprobs: tuple[Logprobs, ...] = ()
+        self._prompt_logprobs = NO_PROMPT_LOGPROBS
 
-    def responses(self, output: RequestOutput) -> Iterator[smg.GenerateResponse]:
+    async def responses(self, output: RequestOutput) -> AsyncIterator[smg.GenerateResponse]:
         sample = self._samples.setdefault(output.index, _Sample())
         sample.token_ids += output.token_ids
         sample.logprobs += output.logprobs
         self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
         if self._stream and (output.token_ids or not sample.sent_first_chunk):
-            yield smg.GenerateResponse(chunk=self._chunk(output, sample))
+            response = smg.GenerateResponse(chunk=self._chunk(output, sample))
+            if not sample.sent_first_chunk and output.prompt_logprobs:
+                await self._add_input_logprobs(response.chunk.input_logprobs)
+            sample.sent_first_chunk = True
+            yield response
         if output.finished:
-            yield smg.GenerateResponse(complete=self._complete(output, sample))
+            response = smg.GenerateResponse(complete=self._complete(output, sample))
+            if self._prompt_logprobs and not self._stream:
+                await self._add_input_logprobs(response.complete.input_logprobs)
+            yield response
 
     def _chunk(self, output: RequestOutput, sample: _Sample) -> smg.GenerateStreamChunk:
         chunk = smg.GenerateStreamChunk(
@@ -175,9 +193,6 @@ class SmgResponses:
         )
         if self._params.logprobs is not None and output.logprobs:
             chunk.output_logprobs.CopyFrom(output_logprobs_to_smg(output.logprobs, self._params.logprobs))
-        if not sample.sent_first_chunk and output.prompt_logprobs:
-            chunk.input_logprobs.CopyFrom(self._input_logprobs())
-        sample.sent_first_chunk = True
         return chunk
 
     def _complete(self, output: RequestOutput, sample: _Sample) -> smg.GenerateComplete:
@@ -204,18 +219,16 @@ class SmgResponses:
         )
         if self._params.logprobs is not None and logprobs:
             complete.output_logprobs.CopyFrom(output_logprobs_to_smg(logprobs, self._params.logprobs))
-        if self._prompt_logprobs and not self._stream:
-            complete.input_logprobs.CopyFrom(self._input_logprobs())
         if isinstance(output.stop_reason, str):
             complete.matched_stop_str = output.stop_reason
         elif isinstance(output.stop_reason, int):
             complete.matched_token_id = output.stop_reason
         return complete
 
-    def _input_logprobs(self) -> smg.InputLogProbs:
-        return input_logprobs_to_smg(
-            self._prompt_logprobs, self._prompt_token_ids, self._params.prompt_logprobs
-        )
+    async def _add_input_logprobs(self, message: smg.InputLogProbs) -> None:
+        values = self._prompt_logprobs
+        input_logprobs_head(message, values, self._prompt_token_ids)
+        await in_slices(len(values), functools.partial(add_input_logprobs, message, values))
 
 
 def model_info_to_smg(info: ModelInfo, tokenizer: Tokenizer | None) -> smg.GetModelInfoResponse:

@@ -98,7 +98,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             responses = smg_convert.SmgResponses(spec, request.stream)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
-                    for response in responses.responses(output):
+                    async for response in responses.responses(output):
                         yield response
         finally:
             self._num_generate_calls -= 1

@@ -4,6 +4,8 @@ and for the embedded SmolLM2 GGUF, whose vocabulary the bundle exports as tokeni
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,11 +17,19 @@ from sluice.engine.loading.default_model import default_model_path
 from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import Logprobs, RequestOutput, TokenLogprob, Usage
+from sluice.engine.outputs import (
+    NO_PROMPT_LOGPROBS,
+    Logprobs,
+    PromptLogprobs,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.text.tokenizer import Tokenizer
 from sluice.service import smg_convert
+from sluice.service.convert import PROMPT_LOGPROBS_PER_SLICE
 
 INFO = ModelInfo(
     name="tiny",
@@ -133,7 +143,9 @@ def test_a_bad_value_is_refused_naming_the_field() -> None:
         smg_convert.generation_spec_from_smg(_request(top_p=1.5), INFO, None)
 
 
-def _output(tokens, index=0, finish=None, logprobs=(), prompt_logprobs=(), stop_reason=None) -> RequestOutput:
+def _output(
+    tokens, index=0, finish=None, logprobs=(), prompt_logprobs=NO_PROMPT_LOGPROBS, stop_reason=None
+) -> RequestOutput:
     return RequestOutput(
         request_id="r",
         token_ids=tuple(tokens),
@@ -143,8 +155,15 @@ def _output(tokens, index=0, finish=None, logprobs=(), prompt_logprobs=(), stop_
         stop_reason=stop_reason,
         usage=Usage(prompt_tokens=4, completion_tokens=0, cached_tokens=2),
         index=index,
-        prompt_logprobs=tuple(prompt_logprobs),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _sent(responses: smg_convert.SmgResponses, *outputs: RequestOutput) -> list[smg.GenerateResponse]:
+    async def collect() -> list[smg.GenerateResponse]:
+        return [response for output in outputs async for response in responses.responses(output)]
+
+    return asyncio.run(collect())
 
 
 def _lp(token_id: int, logprob: float, *top: tuple[int, float]) -> Logprobs:
@@ -154,12 +173,13 @@ def _lp(token_id: int, logprob: float, *top: tuple[int, float]) -> Logprobs:
 def test_streaming_sends_token_deltas_then_one_complete_per_sample() -> None:
     spec = smg_convert.generation_spec_from_smg(_request(n=2, max_tokens=3), INFO, None)
     responses = smg_convert.SmgResponses(spec, stream=True)
-    sent = [
-        *responses.responses(_output([10])),
-        *responses.responses(_output([20], index=1)),
-        *responses.responses(_output([11, 12], finish="length")),
-        *responses.responses(_output([], index=1, finish="stop", stop_reason=1)),
-    ]
+    sent = _sent(
+        responses,
+        _output([10]),
+        _output([20], index=1),
+        _output([11, 12], finish="length"),
+        _output([], index=1, finish="stop", stop_reason=1),
+    )
     kinds = [r.WhichOneof("response") for r in sent]
     assert kinds == ["chunk", "chunk", "chunk", "complete", "complete"]
     assert [list(r.chunk.token_ids) for r in sent[:3]] == [[10], [20], [11, 12]]
@@ -177,13 +197,12 @@ def test_not_streaming_sends_one_complete_with_every_token_and_logprob() -> None
         _request(max_tokens=2, logprobs=1, prompt_logprobs=1), INFO, None
     )
     responses = smg_convert.SmgResponses(spec, stream=False)
-    prompt_lps = [_lp(6, -1.0, (6, -1.0)), _lp(7, -2.0, (9, -0.5)), _lp(8, -3.0, (8, -3.0))]
-    sent = [
-        *responses.responses(_output([10], logprobs=[_lp(10, -0.1, (10, -0.1))], prompt_logprobs=prompt_lps)),
-        *responses.responses(
-            _output([11], finish="stop", logprobs=[_lp(11, -0.2, (11, -0.2))], stop_reason="\n")
-        ),
-    ]
+    prompt_lps = PromptLogprobs([6, 7, 8], [-1.0, -2.0, -3.0], 1, [6, 9, 8], [-1.0, -0.5, -3.0])
+    sent = _sent(
+        responses,
+        _output([10], logprobs=[_lp(10, -0.1, (10, -0.1))], prompt_logprobs=prompt_lps),
+        _output([11], finish="stop", logprobs=[_lp(11, -0.2, (11, -0.2))], stop_reason="\n"),
+    )
     (response,) = sent
     complete = response.complete
     assert list(complete.output_ids) == [10, 11] and complete.completion_tokens == 2
@@ -196,6 +215,35 @@ def test_not_streaming_sends_one_complete_with_every_token_and_logprob() -> None
     assert [v.HasField("value") for v in prompt.token_logprobs] == [False, True, True, True]
     assert [v.value for v in prompt.token_logprobs[1:]] == pytest.approx([-1.0, -2.0, -3.0])
     assert [list(t.token_ids) for t in prompt.top_logprobs] == [[], [6], [9], [8]]
+
+
+def test_streaming_sends_a_long_prompts_logprobs_whole_in_the_first_chunk_in_slices(monkeypatch) -> None:
+    n = 2 * PROMPT_LOGPROBS_PER_SLICE + 3
+    request = _request(max_tokens=2, prompt_logprobs=2)
+    request.tokenized.input_ids[:] = range(n + 1)
+    spec = smg_convert.generation_spec_from_smg(request, dataclasses.replace(INFO, max_model_len=n + 8), None)
+    responses = smg_convert.SmgResponses(spec, stream=True)
+    values = PromptLogprobs(
+        [*range(1, n + 1)], [-(i % 64) / 8 for i in range(n)], 2, [*range(2 * n)], [-0.5] * (2 * n)
+    )
+    slices: list[tuple[int, int]] = []
+    add_slice = smg_convert.add_input_logprobs
+
+    def recorded(message: smg.InputLogProbs, values: PromptLogprobs, start: int, end: int) -> None:
+        slices.append((start, end))
+        add_slice(message, values, start, end)
+
+    monkeypatch.setattr(smg_convert, "add_input_logprobs", recorded)
+    first, second = _sent(responses, _output([10], prompt_logprobs=values), _output([11], finish="length"))[
+        :2
+    ]
+    prompt = first.chunk.input_logprobs
+    step = PROMPT_LOGPROBS_PER_SLICE
+    assert slices == [(0, step), (step, 2 * step), (2 * step, n)]
+    assert list(prompt.token_ids) == [*range(n + 1)]
+    assert [v.value for v in prompt.token_logprobs[1:]] == values.logprobs
+    assert [list(t.token_ids) for t in prompt.top_logprobs[1:]] == [[2 * i, 2 * i + 1] for i in range(n)]
+    assert not second.chunk.HasField("input_logprobs")
 
 
 def test_loads_and_model_info() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import grpc
@@ -20,7 +21,7 @@ from sluice.engine.errors import (
     UnknownRequestError,
 )
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import Logprobs, RequestOutput, Timings, TokenLogprob, Usage
+from sluice.engine.outputs import Logprobs, PromptLogprobs, RequestOutput, Timings, TokenLogprob, Usage
 from sluice.engine.sampling_params import SamplingParams
 from sluice.service import convert
 from sluice.service.auth import check_api_key
@@ -192,10 +193,10 @@ def test_final_output_becomes_last_chunk() -> None:
 
 
 def test_sample_index_prompt_logprobs_and_computed_prompt_tokens_go_out() -> None:
-    prompt_logprobs = (Logprobs(TokenLogprob(5, -2.5), (TokenLogprob(6, -0.25),)),)
+    prompt_logprobs = PromptLogprobs([5], [-2.5], 1, [6], [-0.25])
     usage = Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=0, prompt_tokens_computed=5)
     output = _final_output(index=3, prompt_logprobs=prompt_logprobs, usage=usage)
-    response = convert.generate_response_from_output(output, "c")
+    response = asyncio.run(convert.generate_response(output, "c"))
     assert response.index == 3
     assert list(response.prompt_logprobs) == [
         pb.Logprobs(
@@ -204,6 +205,57 @@ def test_sample_index_prompt_logprobs_and_computed_prompt_tokens_go_out() -> Non
         )
     ]
     assert response.usage == pb.Usage(prompt_tokens=5, completion_tokens=4, prompt_tokens_computed=5)
+
+
+def _long_prompt_logprobs(num_top: int) -> PromptLogprobs:
+    """Entries for two slices and a bit, with values a float32 holds exactly."""
+    n = 2 * convert.PROMPT_LOGPROBS_PER_SLICE + 3
+    tops = range(n * num_top)
+    return PromptLogprobs(
+        [i % 1000 for i in range(n)],
+        [-(i % 64) / 8 for i in range(n)],
+        num_top,
+        [*tops],
+        [-(j % 32) / 4 for j in tops],
+    )
+
+
+def test_long_prompt_logprobs_go_out_whole_and_in_order_with_the_loop_served_between_slices(
+    monkeypatch,
+) -> None:
+    values = _long_prompt_logprobs(num_top=2)
+    events: list[str] = []
+    add_slice = convert.add_prompt_logprobs
+
+    def recorded(*args: object) -> None:
+        events.append("slice")
+        add_slice(*args)
+
+    monkeypatch.setattr(convert, "add_prompt_logprobs", recorded)
+
+    async def convert_with_another_task() -> pb.GenerateResponse:
+        async def another() -> None:
+            while True:
+                events.append("other")
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(another())
+        await asyncio.sleep(0)
+        events.clear()
+        response = await convert.generate_response(_final_output(prompt_logprobs=values), "c")
+        task.cancel()
+        return response
+
+    response = asyncio.run(convert_with_another_task())
+    got = [
+        (e.sampled.token_id, e.sampled.logprob, [(t.token_id, t.logprob) for t in e.top])
+        for e in response.prompt_logprobs
+    ]
+    expected = [
+        (e.sampled.token_id, e.sampled.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in values
+    ]
+    assert got == expected and len(got) == len(values)
+    assert events == ["slice", "other", "slice", "other", "slice"]
 
 
 def test_delta_chunk_has_no_final_fields() -> None:

@@ -119,20 +119,29 @@ def test_stream_generate_names_each_sample(stub, server):
     server.wait_idle()
 
 
-def test_prompt_logprobs_equal_transformers(stub, server, llama_long_dir):
+# Past two of the frontend's slices (service.convert.PROMPT_LOGPROBS_PER_SLICE) and two prefill chunks
+LONG_PROMPT = [(7 * i + 3) % 500 + 4 for i in range(557)]
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["41 tokens", "557 tokens"])
+def test_prompt_logprobs_equal_transformers(stub, server, llama_long_dir, prompt):
     from transformers import AutoModelForCausalLM
 
-    chunks = list(stub.Generate(_request(temperature=0.0, max_tokens=2, prompt_logprobs=3)))
+    chunks = list(stub.Generate(_request(prompt=prompt, temperature=0.0, max_tokens=2, prompt_logprobs=3)))
     first, *rest = chunks
     assert all(not c.prompt_logprobs for c in rest)
     got = first.prompt_logprobs
-    assert [entry.sampled.token_id for entry in got] == PROMPT[1:]
+    assert [entry.sampled.token_id for entry in got] == prompt[1:]
     model = AutoModelForCausalLM.from_pretrained(llama_long_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        expected = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)
-    want = expected.gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1)).squeeze(1)
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    want = expected.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(torch.tensor([e.sampled.logprob for e in got]), want, atol=1e-4, rtol=0)
-    assert [[t.token_id for t in e.top] for e in got] == expected.topk(3, dim=-1).indices.tolist()
+    top = expected.topk(3, dim=-1)
+    assert [[t.token_id for t in e.top] for e in got] == top.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([[t.logprob for t in e.top] for e in got]), top.values, atol=1e-4, rtol=0
+    )
     server.wait_idle()
 
 
@@ -171,3 +180,16 @@ def test_python_client_collects_each_sample_and_refuses_n_in_complete(server):
     assert [len(s.prompt_logprobs) for s in samples] == [len(PROMPT) - 1, 0, 0]
     assert all(len(lp.top) == 2 for lp in samples[0].prompt_logprobs)
     assert [s.token_ids for s in asyncio.run(collect_async())] == [s.token_ids for s in samples]
+
+
+def test_the_python_client_takes_prompt_logprobs_past_grpcs_default_4_mb(server):
+    from sluice import Client, generate_request
+
+    prompt = [(11 * i + 5) % 500 + 4 for i in range(22_000)]  # about 4.4 MB of prompt logprobs at 20 top
+    request = generate_request(token_ids=prompt, max_tokens=1, ignore_eos=True, prompt_logprobs=20)
+    with Client(server.target) as client:  # AsyncClient opens its channel the same way
+        (chunk,) = client.generate(request)
+    assert chunk.ByteSize() > 4 * 1024 * 1024 and len(chunk.prompt_logprobs) == len(prompt) - 1
+    assert [e.sampled.token_id for e in chunk.prompt_logprobs] == prompt[1:]
+    assert all(len(e.top) == 20 for e in chunk.prompt_logprobs)
+    server.wait_idle()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from sluice.engine.outputs import Logprobs
+from sluice.engine.outputs import PromptLogprobs
 from sluice.engine.request import Request
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, SchedulerOutput
 
@@ -21,7 +21,7 @@ class PromptLogprobsTracker:
     """Collects each request's prompt logprobs until its first output token carries them."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, list[Logprobs]] = {}
+        self._entries: dict[str, PromptLogprobs] = {}
         self._delivered: set[str] = set()
 
     def slices(
@@ -47,19 +47,26 @@ class PromptLogprobsTracker:
             )
         return slices
 
-    def add(self, slices: Iterable[PromptLogprobsSlice], results: dict[str, list[Logprobs]]) -> None:
-        """Record a step's results (request id -> one Logprobs per target, in order)."""
+    def add(self, slices: Iterable[PromptLogprobsSlice], results: dict[str, PromptLogprobs]) -> None:
+        """Record a step's results (request id -> the logprobs of its slice's targets, in order)."""
         for piece in slices:
-            entries = self._entries.setdefault(piece.request_id, [])
-            del entries[piece.start_position :]  # a recompute after preemption overwrites
-            entries.extend(results[piece.request_id])
+            result = results[piece.request_id]
+            entries = self._entries.setdefault(piece.request_id, PromptLogprobs([], [], result.num_top))
+            start, top_start = piece.start_position, piece.start_position * result.num_top
+            del entries.token_ids[start:], entries.logprobs[start:]  # a recompute after preemption overwrites
+            del entries.top_token_ids[top_start:], entries.top_logprobs[top_start:]
+            entries.token_ids.extend(result.token_ids)
+            entries.logprobs.extend(result.logprobs)
+            entries.top_token_ids.extend(result.top_token_ids)
+            entries.top_logprobs.extend(result.top_logprobs)
 
-    def take(self, request: Request) -> list[Logprobs] | None:
+    def take(self, request: Request) -> PromptLogprobs | None:
         """The request's prompt logprobs, once, on its first output; None for requests not wanting them."""
-        if request.sampling_params.prompt_logprobs is None or request.request_id in self._delivered:
+        num_top = request.sampling_params.prompt_logprobs
+        if num_top is None or request.request_id in self._delivered:
             return None
         self._delivered.add(request.request_id)
-        return self._entries.pop(request.request_id, [])
+        return self._entries.pop(request.request_id, None) or PromptLogprobs([], [], num_top)
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

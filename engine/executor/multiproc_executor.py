@@ -44,7 +44,7 @@ from sluice.engine.executor.placement import place_ranks
 from sluice.engine.executor.worker_monitor import WorkerDiedError
 from sluice.engine.executor.worker_processes import WorkerProcesses
 from sluice.engine.loading.model_loader import ModelSource
-from sluice.engine.outputs import Logprobs
+from sluice.engine.outputs import PromptLogprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, SchedulerOutput
 from sluice.engine.worker.model_runner import ModelRunner
 
@@ -115,7 +115,7 @@ class MultiprocExecutor:
 
     def execute_model_with_prompt_logprobs(
         self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
-    ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
+    ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         """`ModelRunner.execute_model_with_prompt_logprobs` on every rank; rank 0's result."""
         self.workers.check()
         self.workers.broadcast(encode(ExecuteModel(out, tuple(slices))))

@@ -22,7 +22,7 @@ from sluice.engine.errors import InvalidRequestError
 from sluice.engine.faults import FaultInjector
 from sluice.engine.frontend.parallel_sampling import ParallelSampling, sample_request_ids
 from sluice.engine.messages import AddRequest, CoreOutput
-from sluice.engine.outputs import RequestOutput, Timings, ToolCall, Usage
+from sluice.engine.outputs import NO_PROMPT_LOGPROBS, RequestOutput, Timings, ToolCall, Usage
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
 
@@ -185,7 +185,7 @@ class OutputProcessor:
             if state.tool_use is None
             else self._tool_calls(state, text, finish_reason is not None),
             index=state.index,
-            prompt_logprobs=() if prompt_logprobs is None else tuple(prompt_logprobs),
+            prompt_logprobs=NO_PROMPT_LOGPROBS if prompt_logprobs is None else prompt_logprobs,
         )
 
     def _tool_calls(self, state: _RequestState, text: str, finished: bool) -> tuple[ToolCall, ...]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import NO_PROMPT_LOGPROBS, RequestOutput
 
 
 class _Pending:
@@ -46,7 +46,7 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
         logprobs=tuple(lp for o in outputs for lp in o.logprobs),
-        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ()),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), NO_PROMPT_LOGPROBS),
     )
 
 

@@ -14,7 +14,7 @@ from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.model_loader import DummyWeights, ModelSource
 from sluice.engine.model_registry import get_model_class
-from sluice.engine.outputs import Logprobs
+from sluice.engine.outputs import PromptLogprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.selector import get_attention_backend
@@ -182,8 +182,8 @@ class ModelRunner:
         out: SchedulerOutput,
         slices: Sequence[PromptLogprobsSlice],
         sampled_before: SampledTokenIds | None = None,
-    ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
-        """`execute_model`, plus the prompt logprobs of `slices` (request id -> one per target token)."""
+    ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+        """`execute_model`, plus the prompt logprobs of `slices` (request id -> those of its slice)."""
         return self._execute(out, slices, sampled_before)
 
     def _execute(
@@ -191,7 +191,7 @@ class ModelRunner:
         out: SchedulerOutput,
         slices: Sequence[PromptLogprobsSlice],
         sampled_before: SampledTokenIds | None,
-    ) -> tuple[torch.Tensor, dict[str, list[Logprobs]]]:
+    ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         inputs = build_model_inputs(out, self.block_size, self.device)
         if sampled_before is not None:
             fill_placeholders(inputs.input_ids, out, sampled_before)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.outputs import PromptLogprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice
 
 ROWS_PER_CHUNK = 256
@@ -24,38 +24,31 @@ def compute_prompt_logprobs(
     query_lens: Sequence[int],
     slices: Sequence[PromptLogprobsSlice],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> dict[str, list[Logprobs]]:
+) -> dict[str, PromptLogprobs]:
     """hidden: [num_tokens, hidden_size], the step's rows in scheduled order (query_lens per slice).
-    Returns request id -> one Logprobs per target token, in position order."""
+    Returns request id -> the logprobs of its slice's target tokens, in position order."""
     starts = [0]
     for length in query_lens:
         starts.append(starts[-1] + length)
-    results: dict[str, list[Logprobs]] = {}
+    results: dict[str, PromptLogprobs] = {}
     for piece in slices:
         first = starts[piece.scheduled_index]
-        entries: list[Logprobs] = []
+        columns = PromptLogprobs([], [], piece.num_top)
         for begin in range(0, len(piece.target_token_ids), ROWS_PER_CHUNK):
             targets = piece.target_token_ids[begin : begin + ROWS_PER_CHUNK]
             rows = hidden[first + begin : first + begin + len(targets)]
-            entries.extend(_logprobs(compute_logits(rows), targets, piece.num_top))
-        results[piece.request_id] = entries
+            _add_logprobs(columns, compute_logits(rows), targets)
+        results[piece.request_id] = columns
     return results
 
 
-def _logprobs(logits: torch.Tensor, targets: Sequence[int], num_top: int) -> list[Logprobs]:
-    # logits: [rows, vocab] float32; targets: one token id per row.
+def _add_logprobs(columns: PromptLogprobs, logits: torch.Tensor, targets: Sequence[int]) -> None:
+    """Appends one entry per row to `columns`. logits: [rows, vocab]; targets: one token id per row."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
-    sampled = logprobs.gather(1, index).squeeze(1).tolist()
-    top_values: list[list[float]] = [[] for _ in targets]
-    top_ids: list[list[int]] = [[] for _ in targets]
-    if num_top > 0:
-        top = logprobs.topk(num_top, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    return [
-        Logprobs(
-            sampled=TokenLogprob(token_id, value),
-            top=tuple(TokenLogprob(t, v) for t, v in zip(ids, values, strict=True)),
-        )
-        for token_id, value, ids, values in zip(targets, sampled, top_ids, top_values, strict=True)
-    ]
+    columns.token_ids.extend(targets)
+    columns.logprobs.extend(logprobs.gather(1, index).squeeze(1).tolist())
+    if columns.num_top > 0:
+        top = logprobs.topk(columns.num_top, dim=-1)
+        columns.top_token_ids.extend(top.indices.flatten().tolist())
+        columns.top_logprobs.extend(top.values.flatten().tolist())

@@ -28,6 +28,10 @@ from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 Metadata = Sequence[tuple[str, str]]
 
+# gRPC's default of 4 MB would refuse the first chunk of a long prompt asked for `prompt_logprobs` (about
+# 200 bytes a prompt token at 20 top): this client takes messages of any size unless told otherwise.
+MAX_RECEIVE_OPTION = "grpc.max_receive_message_length"
+
 
 class SluiceError(Exception):
     """An RPC ended with a non-OK status; `code` is the grpc.StatusCode, `message` its details."""
@@ -185,12 +189,16 @@ def _open_channel(
     session_affinity: bool = False,
 ) -> grpc.Channel | grpc.aio.Channel:
     """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given.
-    `session_affinity` swaps the default service config for the ring-hash one."""
+    `session_affinity` swaps the default service config for the ring-hash one. Messages of any size are
+    received unless `options` set MAX_RECEIVE_OPTION."""
     if session_affinity:
         enable_request_hash_header()
         if service_config is SERVICE_CONFIG:
             service_config = SESSION_AFFINITY_SERVICE_CONFIG
-    options = channel_options(None if service_config is None else dict(service_config), list(options))
+    options = list(options)
+    if not any(name == MAX_RECEIVE_OPTION for name, _ in options):
+        options.append((MAX_RECEIVE_OPTION, -1))
+    options = channel_options(None if service_config is None else dict(service_config), options)
     if credentials is None:
         return api.insecure_channel(target, options=options)
     return api.secure_channel(target, credentials, options=options)
