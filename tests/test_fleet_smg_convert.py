@@ -234,9 +234,8 @@ def test_streaming_sends_a_long_prompts_logprobs_whole_in_the_first_chunk_in_sli
         add_slice(message, values, start, end)
 
     monkeypatch.setattr(smg_convert, "add_input_logprobs", recorded)
-    first, second = _sent(responses, _output([10], prompt_logprobs=values), _output([11], finish="length"))[
-        :2
-    ]
+    sent = _sent(responses, _output([10], prompt_logprobs=values), _output([11], finish="length"))
+    first, second = sent[:2]  # the two chunks; then the complete
     prompt = first.chunk.input_logprobs
     step = PROMPT_LOGPROBS_PER_SLICE
     assert slices == [(0, step), (step, 2 * step), (2 * step, n)]
