@@ -172,7 +172,8 @@ async def generate_response(output: RequestOutput, request_id: str) -> pb.Genera
     """`generate_response_from_output` with the output's prompt logprobs, added in slices."""
     response = generate_response_from_output(output, request_id)
     values = output.prompt_logprobs
-    await in_slices(len(values), functools.partial(add_prompt_logprobs, response.prompt_logprobs, values))
+    if values:  # once per request at most: every other chunk of the stream skips the slicing
+        await in_slices(len(values), functools.partial(add_prompt_logprobs, response.prompt_logprobs, values))
     return response
 
 
