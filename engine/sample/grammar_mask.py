@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from sluice.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from sluice.engine.sample.sampler import SamplingRow
 
 
@@ -67,6 +68,10 @@ class GrammarMask:
         picked = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not picked:
             return
+        # A row's grammar was compiled by xgrammar, so it is imported by now (by the grammar compiler,
+        # on the first constraint: an engine that never sees one never imports it).
+        import xgrammar as xgr
+
         # bitmask: [num_rows, ceil(vocab / 32)] int32, bit j of row i set = token j allowed.
         bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
         for i in picked:
@@ -87,6 +92,8 @@ class GrammarMask:
         state = self._states.get(row.request_id)
         outputs = row.output_token_ids
         if state is None or state.num_accepted > len(outputs):
+            import xgrammar as xgr  # imported by now: `apply`
+
             state = _MatcherState(xgr.GrammarMatcher(row.grammar))
             self._states[row.request_id] = state
         for token_id in outputs[state.num_accepted :]:

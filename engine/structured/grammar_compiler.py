@@ -3,7 +3,9 @@
 One background thread compiles; `submit` returns at once with a future. Futures are cached by
 `Constraint.key` (least recently used dropped past `cache_size`), so a request whose constraint was seen
 before gets a finished future and waits for nothing. The xgrammar vocabulary is built in that thread on
-the first submit, so a server that never sees a constraint never pays for it.
+the first submit, so a server that never sees a constraint never pays for it; xgrammar itself is
+imported there too (it imports transformers: ~2 s of every engine start, where no request asks for a
+constraint, saved).
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import xgrammar as xgr
-
 from sluice.engine.structured.constraint import Constraint
-from sluice.engine.structured.tokenizer_info import build_tokenizer_info
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from sluice.engine.text.tokenizer import Tokenizer
 
 # xgrammar prefixes its messages with "[12:09:21] /project/cpp/regex_converter.cc:83: ".
@@ -82,6 +83,8 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
+        import xgrammar as xgr  # on the first submit, in the worker thread: module docstring
+
         compiler = self._get_compiler()
         kind, source = key
         start = time.perf_counter()
@@ -102,6 +105,10 @@ class GrammarCompiler:
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import xgrammar as xgr
+
+            from sluice.engine.structured.tokenizer_info import build_tokenizer_info
+
             info = build_tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
             # xgrammar's own cache stays off: ours holds the futures, so in-flight compiles are shared too.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

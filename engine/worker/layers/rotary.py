@@ -114,6 +114,10 @@ class RotaryEmbedding(CustomOp):
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
+        if kernels.device.type == "meta":
+            # A model built only for its parameters' shapes rotates nothing; tables on meta would run
+            # torch's Python decompositions, whose first call imports torch._dynamo (~2 s a process).
+            return
         self.cos_sin_cache = build_cos_sin_cache(
             self.head_dim, self.max_positions, self.theta, self.scaling, kernels.device
         )

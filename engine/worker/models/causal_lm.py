@@ -71,7 +71,11 @@ class CausalLM(nn.Module):
             for prefix, module in self.named_modules():
                 if isinstance(module, LinearBase | VocabParallelEmbedding):
                     module.select(kernels, prefix)
-        self.to_empty(device=kernels.device)
+        if kernels.device.type != "meta":
+            # `to_empty` less its empty_like, whose meta-to-device path is torch's Python reference (its first
+            # call imports sympy: ~0.5 s of every engine start).
+            device = kernels.device
+            self._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
         for module in self.modules():
             if isinstance(module, CustomOp | Attention):
                 module.select(kernels)
