@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from hf_gguf import hf_gguf
 
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.default_model import (
@@ -36,12 +37,7 @@ CHAT = [{"role": "user", "content": "What is the boiling point of water in Celsi
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = os.path.split(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return hf_gguf(default_model_path())
 
 
 @pytest.fixture(scope="module")

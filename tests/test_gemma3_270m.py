@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from hf_gguf import hf_gguf
 
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading import packaged_models
@@ -27,12 +28,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", LONG + " Item 50:"
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = os.path.split(packaged_model_path("gemma3-270m"))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return hf_gguf(packaged_model_path("gemma3-270m"))
 
 
 @pytest.fixture(scope="module")
