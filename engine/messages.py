@@ -22,7 +22,7 @@ import msgspec
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import EngineStats, Logprobs, PromptLogprobs
+from sluice.engine.outputs import EngineStats, OutputLogprobs, PromptLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.tokenizer import TokenizerSpec
 
@@ -89,7 +89,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[Logprobs]
+    new_logprobs: OutputLogprobs | None  # those of new_token_ids, one entry each, when the request asks
     num_cached_tokens: int
     num_preemptions: int
     first_scheduled: float | None
@@ -120,7 +120,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
         return cls(
             request_id,
             [],
-            [],
+            None,
             0,
             0,
             None,
@@ -133,7 +133,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     @classmethod
     def aborted(cls, request_id: str) -> CoreOutput:
         """The last output of a request aborted before the core ran it."""
-        return cls(request_id, [], [], 0, 0, None, None, finish_reason="abort")
+        return cls(request_id, [], None, 0, 0, None, None, finish_reason="abort")
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

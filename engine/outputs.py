@@ -10,7 +10,7 @@ against 0.3 us as structs; docs/BENCHMARKS.md). `EngineStats` crosses to the fro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -30,15 +30,14 @@ class Logprobs:
     top: tuple[TokenLogprob, ...] = ()
 
 
-class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """The logprobs of a prompt's tokens after the first, as columns; read it as a sequence of `Logprobs`.
+class LogprobColumns(msgspec.Struct, frozen=True, array_like=True):
+    """The logprobs of a run of tokens, as columns; read it as a sequence of `Logprobs`.
 
         entry i = Logprobs(TokenLogprob(token_ids[i], logprobs[i]), top)
         top     = the TokenLogprobs of top_token_ids / top_logprobs [i * num_top : (i + 1) * num_top]
 
-    Columns because a prompt's entries cross from the engine core to the frontend in one message: a
-    5,800-token prompt at 20 top is 122,000 `TokenLogprob`s, which as objects cost the frontend's event
-    loop (that serves every stream) about 0.3 s to decode; as lists of numbers, a few milliseconds.
+    Columns, not an object per value, because they cross from the engine core to the frontend, whose one
+    event loop serves every stream: msgpack decodes lists of numbers many times faster than objects.
     """
 
     token_ids: list[int]
@@ -63,7 +62,47 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
         return (self[position] for position in range(len(self.token_ids)))
 
 
+class PromptLogprobs(LogprobColumns):
+    """The logprobs of a prompt's tokens after the first. They cross in one message: a 5,800-token prompt
+    at 20 top is 122,000 `TokenLogprob`s, which as objects cost the frontend's event loop about 0.3 s to
+    decode; as lists of numbers, a few milliseconds."""
+
+
+class OutputLogprobs(LogprobColumns):
+    """The logprobs of a request's sampled tokens: one step's (several when the step accepted draft
+    tokens), or several steps' `joined`. `num_top` is the request's `SamplingParams.logprobs`, the same
+    in every part of one request. As objects (a `Logprobs` and 21 `TokenLogprob`s a token), a batch-64
+    step at 20 top took the core ~1.8 ms to build and the frontend ~0.8 ms to decode; as columns, 0.25
+    and 0.14 ms (docs/BENCHMARKS.md)."""
+
+    @classmethod
+    def joined(cls, parts: Sequence[OutputLogprobs]) -> OutputLogprobs:
+        """The entries of `parts` in order, as one; the part itself when only one has entries."""
+        filled = [part for part in parts if part.token_ids]
+        if len(filled) <= 1:
+            return filled[0] if filled else NO_OUTPUT_LOGPROBS
+        token_ids, logprobs, top_token_ids, top_logprobs = [], [], [], []
+        for part in filled:
+            token_ids += part.token_ids
+            logprobs += part.logprobs
+            top_token_ids += part.top_token_ids
+            top_logprobs += part.top_logprobs
+        return cls(token_ids, logprobs, filled[0].num_top, top_token_ids, top_logprobs)
+
+    def first(self, num_entries: int) -> OutputLogprobs:
+        """The first `num_entries` entries (a stop string ended the request inside a step's tokens)."""
+        num_top_values = num_entries * self.num_top
+        return OutputLogprobs(
+            self.token_ids[:num_entries],
+            self.logprobs[:num_entries],
+            self.num_top,
+            self.top_token_ids[:num_top_values],
+            self.top_logprobs[:num_top_values],
+        )
+
+
 NO_PROMPT_LOGPROBS = PromptLogprobs([], [])
+NO_OUTPUT_LOGPROBS = OutputLogprobs([], [])
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -120,7 +159,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     request_id: str
     token_ids: tuple[int, ...]
     text: str
-    logprobs: tuple[Logprobs, ...] = ()
+    logprobs: OutputLogprobs = NO_OUTPUT_LOGPROBS
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import Logprobs, PromptLogprobs, RequestOutput, Timings, TokenLogprob, Usage
+from sluice.engine.outputs import LogprobColumns, RequestOutput, Timings, Usage
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.tool_calls import Tool, ToolUse
@@ -137,17 +137,6 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
     return Prompt(text=request.text)
 
 
-def _token_logprob_to_proto(value: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=value.token_id, logprob=value.logprob)
-
-
-def logprobs_to_proto(value: Logprobs) -> pb.Logprobs:
-    return pb.Logprobs(
-        sampled=_token_logprob_to_proto(value.sampled),
-        top=[_token_logprob_to_proto(t) for t in value.top],
-    )
-
-
 def usage_to_proto(usage: Usage) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=usage.prompt_tokens,
@@ -173,7 +162,7 @@ async def generate_response(output: RequestOutput, request_id: str) -> pb.Genera
     response = generate_response_from_output(output, request_id)
     values = output.prompt_logprobs
     if values:  # once per request at most: every other chunk of the stream skips the slicing
-        await in_slices(len(values), functools.partial(add_prompt_logprobs, response.prompt_logprobs, values))
+        await in_slices(len(values), functools.partial(add_logprobs, response.prompt_logprobs, values))
     return response
 
 
@@ -186,11 +175,11 @@ async def in_slices(num_positions: int, add: Callable[[int, int], None]) -> None
         add(start, min(start + PROMPT_LOGPROBS_PER_SLICE, num_positions))
 
 
-def add_prompt_logprobs(
-    entries: RepeatedCompositeFieldContainer[pb.Logprobs], values: PromptLogprobs, start: int, end: int
+def add_logprobs(
+    entries: RepeatedCompositeFieldContainer[pb.Logprobs], values: LogprobColumns, start: int, end: int
 ) -> None:
-    """Appends entries [start, end) of `values` to a repeated `Logprobs` field, each built in place (half
-    the time of building the messages and copying them in)."""
+    """Appends entries [start, end) of `values` to a repeated `Logprobs` field, each built in place from
+    the columns (half the time of building the messages and copying them in)."""
     num_top = values.num_top
     add = entries.add
     for position in range(start, end):
@@ -209,9 +198,10 @@ def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.
         request_id=request_id,
         text=output.text,
         token_ids=output.token_ids,
-        logprobs=[logprobs_to_proto(lp) for lp in output.logprobs],
         index=output.index,
     )
+    if output.logprobs:
+        add_logprobs(response.logprobs, output.logprobs, 0, len(output.logprobs))
     if output.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[output.finish_reason]
     if isinstance(output.stop_reason, str):

@@ -10,7 +10,7 @@ import msgspec
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.async_engine import AsyncEngine
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import NO_OUTPUT_LOGPROBS, RequestOutput
 from sluice.service import convert
 from sluice.service.caller import Caller
 from sluice.service.generation_spec import GenerationSpec
@@ -176,4 +176,6 @@ def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
     """The final output of a request whose caller left: its latest usage, finish_reason "abort"."""
     if last is None:
         return RequestOutput(request_id=request_id, token_ids=(), text="", finish_reason="abort")
-    return msgspec.structs.replace(last, token_ids=(), text="", logprobs=(), finish_reason="abort")
+    return msgspec.structs.replace(
+        last, token_ids=(), text="", logprobs=NO_OUTPUT_LOGPROBS, finish_reason="abort"
+    )

@@ -20,7 +20,13 @@ from smg_grpc_proto import vllm_engine_pb2 as smg
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import NO_PROMPT_LOGPROBS, EngineStats, Logprobs, PromptLogprobs, RequestOutput
+from sluice.engine.outputs import (
+    NO_PROMPT_LOGPROBS,
+    EngineStats,
+    OutputLogprobs,
+    PromptLogprobs,
+    RequestOutput,
+)
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.text.tokenizer import Tokenizer
@@ -113,14 +119,17 @@ def constraint_from_smg(message: smg.SamplingParams) -> Constraint | None:
     return Constraint(**{kind: getattr(message, kind)})
 
 
-def output_logprobs_to_smg(values: Sequence[Logprobs], num_top: int | None) -> smg.OutputLogProbs:
-    """The sampled tokens' logprobs, and the top `num_top` at each position when asked for."""
-    message = smg.OutputLogProbs(
-        token_logprobs=[v.sampled.logprob for v in values], token_ids=[v.sampled.token_id for v in values]
-    )
+def add_output_logprobs(message: smg.OutputLogProbs, values: OutputLogprobs) -> None:
+    """Appends the sampled tokens' logprobs to `message`, and the top `values.num_top` at each position
+    when the request asked for any (its `logprobs`), straight from the columns."""
+    message.token_logprobs.extend(values.logprobs)
+    message.token_ids.extend(values.token_ids)
+    num_top = values.num_top
     if num_top:
-        message.top_logprobs.extend(_top_logprobs(v) for v in values)
-    return message
+        add_top = message.top_logprobs.add
+        for start in range(0, len(values.top_token_ids), num_top):
+            top = slice(start, start + num_top)
+            add_top(values=values.top_logprobs[top], token_ids=values.top_token_ids[top])
 
 
 def add_input_logprobs(message: smg.InputLogProbs, values: PromptLogprobs, start: int, end: int) -> None:
@@ -144,14 +153,10 @@ def input_logprobs_head(
         message.top_logprobs.add()
 
 
-def _top_logprobs(value: Logprobs) -> smg.TopLogProbs:
-    return smg.TopLogProbs(values=[t.logprob for t in value.top], token_ids=[t.token_id for t in value.top])
-
-
 @dataclass
 class _Sample:
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs] = field(default_factory=list)
+    logprobs: list[OutputLogprobs] = field(default_factory=list)  # joined once, for the complete
     sent_first_chunk: bool = False
 
 
@@ -169,7 +174,8 @@ class SmgResponses:
     async def responses(self, output: RequestOutput) -> AsyncIterator[smg.GenerateResponse]:
         sample = self._samples.setdefault(output.index, _Sample())
         sample.token_ids += output.token_ids
-        sample.logprobs += output.logprobs
+        if output.logprobs and not self._stream:
+            sample.logprobs.append(output.logprobs)
         self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
         if self._stream and (output.token_ids or not sample.sent_first_chunk):
             response = smg.GenerateResponse(chunk=self._chunk(output, sample))
@@ -192,7 +198,7 @@ class SmgResponses:
             index=output.index,
         )
         if self._params.logprobs is not None and output.logprobs:
-            chunk.output_logprobs.CopyFrom(output_logprobs_to_smg(output.logprobs, self._params.logprobs))
+            add_output_logprobs(chunk.output_logprobs, output.logprobs)
         return chunk
 
     def _complete(self, output: RequestOutput, sample: _Sample) -> smg.GenerateComplete:
@@ -201,10 +207,7 @@ class SmgResponses:
         token_ids, logprobs = (
             (output.token_ids, output.logprobs)
             if self._stream
-            else (
-                sample.token_ids,
-                sample.logprobs,
-            )
+            else (sample.token_ids, OutputLogprobs.joined(sample.logprobs))
         )
         usage = output.usage
         complete = smg.GenerateComplete(
@@ -218,7 +221,7 @@ class SmgResponses:
             spec_draft_tokens=usage.draft_tokens if usage else 0,
         )
         if self._params.logprobs is not None and logprobs:
-            complete.output_logprobs.CopyFrom(output_logprobs_to_smg(logprobs, self._params.logprobs))
+            add_output_logprobs(complete.output_logprobs, logprobs)
         if isinstance(output.stop_reason, str):
             complete.matched_stop_str = output.stop_reason
         elif isinstance(output.stop_reason, int):

@@ -18,11 +18,11 @@ from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import (
+    NO_OUTPUT_LOGPROBS,
     NO_PROMPT_LOGPROBS,
-    Logprobs,
+    OutputLogprobs,
     PromptLogprobs,
     RequestOutput,
-    TokenLogprob,
     Usage,
 )
 from sluice.engine.sampling_params import SamplingParams
@@ -144,13 +144,18 @@ def test_a_bad_value_is_refused_naming_the_field() -> None:
 
 
 def _output(
-    tokens, index=0, finish=None, logprobs=(), prompt_logprobs=NO_PROMPT_LOGPROBS, stop_reason=None
+    tokens,
+    index=0,
+    finish=None,
+    logprobs=NO_OUTPUT_LOGPROBS,
+    prompt_logprobs=NO_PROMPT_LOGPROBS,
+    stop_reason=None,
 ) -> RequestOutput:
     return RequestOutput(
         request_id="r",
         token_ids=tuple(tokens),
         text="",
-        logprobs=tuple(logprobs),
+        logprobs=logprobs,
         finish_reason=finish,
         stop_reason=stop_reason,
         usage=Usage(prompt_tokens=4, completion_tokens=0, cached_tokens=2),
@@ -166,8 +171,9 @@ def _sent(responses: smg_convert.SmgResponses, *outputs: RequestOutput) -> list[
     return asyncio.run(collect())
 
 
-def _lp(token_id: int, logprob: float, *top: tuple[int, float]) -> Logprobs:
-    return Logprobs(TokenLogprob(token_id, logprob), tuple(TokenLogprob(t, v) for t, v in top))
+def _lp(token_id: int, logprob: float, *top: tuple[int, float]) -> OutputLogprobs:
+    """One sampled token's logprobs, with its top."""
+    return OutputLogprobs([token_id], [logprob], len(top), [t for t, _ in top], [v for _, v in top])
 
 
 def test_streaming_sends_token_deltas_then_one_complete_per_sample() -> None:
@@ -200,8 +206,8 @@ def test_not_streaming_sends_one_complete_with_every_token_and_logprob() -> None
     prompt_lps = PromptLogprobs([6, 7, 8], [-1.0, -2.0, -3.0], 1, [6, 9, 8], [-1.0, -0.5, -3.0])
     sent = _sent(
         responses,
-        _output([10], logprobs=[_lp(10, -0.1, (10, -0.1))], prompt_logprobs=prompt_lps),
-        _output([11], finish="stop", logprobs=[_lp(11, -0.2, (11, -0.2))], stop_reason="\n"),
+        _output([10], logprobs=_lp(10, -0.1, (10, -0.1)), prompt_logprobs=prompt_lps),
+        _output([11], finish="stop", logprobs=_lp(11, -0.2, (11, -0.2)), stop_reason="\n"),
     )
     (response,) = sent
     complete = response.complete

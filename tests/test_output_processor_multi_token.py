@@ -8,7 +8,7 @@ from tokenizer_fixtures import build_byte_level_bpe
 
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.messages import AddRequest, CoreOutput
-from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.outputs import Logprobs, OutputLogprobs, TokenLogprob
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.tokenizer import Tokenizer
 
@@ -21,7 +21,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def _core_output(ids: list[int], finish_reason: str | None = None) -> CoreOutput:
-    logprobs = [Logprobs(TokenLogprob(i, -1.0)) for i in ids]
+    logprobs = OutputLogprobs(ids, [-1.0] * len(ids), 1, [i + 1 for i in ids], [-2.0] * len(ids))
     return CoreOutput(
         "r",
         ids,
@@ -47,7 +47,9 @@ def test_a_stop_string_inside_a_multi_token_advance_truncates_it(tokenizer: Toke
     processed = processor.process([_core_output(ids[2:])])
     (out,) = processed.outputs
     assert out.token_ids == tuple(ids[2 : completes_stop + 1])
-    assert len(out.logprobs) == len(out.token_ids)
+    assert list(out.logprobs) == [
+        Logprobs(TokenLogprob(i, -1.0), (TokenLogprob(i + 1, -2.0),)) for i in out.token_ids
+    ]
     assert first.text + out.text == "Hello world, "
     assert out.finish_reason == "stop" and out.stop_reason == "stop here"
     assert out.usage.completion_tokens == completes_stop + 1

@@ -33,7 +33,7 @@ def test_columns_read_as_one_logprobs_per_prompt_token() -> None:
 
 
 def test_columns_cross_in_the_cores_message() -> None:
-    output = CoreOutput("r", [4], [], 0, 0, None, None, prompt_logprobs=TWO_TOP)
+    output = CoreOutput("r", [4], None, 0, 0, None, None, prompt_logprobs=TWO_TOP)
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(output), type=CoreOutput)
     assert decoded.prompt_logprobs == TWO_TOP and list(decoded.prompt_logprobs) == list(TWO_TOP)
 

@@ -189,9 +189,10 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     for i, sampled in enumerate(out):
         values = logits[i].tolist()
         log_z = math.log(sum(math.exp(v) for v in values))
-        assert sampled.logprobs.sampled.token_id == sampled.token_id
-        assert sampled.logprobs.sampled.logprob == pytest.approx(values[sampled.token_id] - log_z, abs=1e-5)
-    top = out[0].logprobs.top
+        (entry,) = sampled.logprobs
+        assert entry.sampled.token_id == sampled.token_id
+        assert entry.sampled.logprob == pytest.approx(values[sampled.token_id] - log_z, abs=1e-5)
+    top = out[0].logprobs[0].top
     assert [t.token_id for t in top] == [1, 2]
     assert [t.logprob for t in top] == pytest.approx(
         [
@@ -199,7 +200,7 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
             2.0 - math.log(sum(math.exp(v) for v in [1, 3, 2, 0])),
         ]
     )
-    assert out[1].logprobs.top == ()
+    assert out[1].logprobs[0].top == ()
 
 
 def test_no_logprobs_unless_asked() -> None:

@@ -21,7 +21,14 @@ from sluice.engine.errors import (
     UnknownRequestError,
 )
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import Logprobs, PromptLogprobs, RequestOutput, Timings, TokenLogprob, Usage
+from sluice.engine.outputs import (
+    NO_OUTPUT_LOGPROBS,
+    OutputLogprobs,
+    PromptLogprobs,
+    RequestOutput,
+    Timings,
+    Usage,
+)
 from sluice.engine.sampling_params import SamplingParams
 from sluice.service import convert
 from sluice.service.auth import check_api_key
@@ -48,10 +55,7 @@ def _final_output(**overrides: object) -> RequestOutput:
         "request_id": "engine-1",
         "token_ids": (7, 9),
         "text": "hi",
-        "logprobs": (
-            Logprobs(TokenLogprob(7, -0.5), (TokenLogprob(7, -0.5), TokenLogprob(3, -1.25))),
-            Logprobs(TokenLogprob(9, -0.75), ()),
-        ),
+        "logprobs": OutputLogprobs([7, 9], [-0.5, -0.75], 2, [7, 3, 9, 4], [-0.5, -1.25, -0.75, -2.0]),
         "finish_reason": "stop",
         "stop_reason": "###",
         "usage": Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2),
@@ -182,7 +186,10 @@ def test_final_output_becomes_last_chunk() -> None:
                 sampled=pb.TokenLogprob(token_id=7, logprob=-0.5),
                 top=[pb.TokenLogprob(token_id=7, logprob=-0.5), pb.TokenLogprob(token_id=3, logprob=-1.25)],
             ),
-            pb.Logprobs(sampled=pb.TokenLogprob(token_id=9, logprob=-0.75)),
+            pb.Logprobs(
+                sampled=pb.TokenLogprob(token_id=9, logprob=-0.75),
+                top=[pb.TokenLogprob(token_id=9, logprob=-0.75), pb.TokenLogprob(token_id=4, logprob=-2.0)],
+            ),
         ],
         finish_reason=pb.FINISH_REASON_STOP,
         stop_string="###",
@@ -225,13 +232,14 @@ def test_long_prompt_logprobs_go_out_whole_and_in_order_with_the_loop_served_bet
 ) -> None:
     values = _long_prompt_logprobs(num_top=2)
     events: list[str] = []
-    add_slice = convert.add_prompt_logprobs
+    add_slice = convert.add_logprobs
 
-    def recorded(*args: object) -> None:
-        events.append("slice")
-        add_slice(*args)
+    def recorded(entries: object, columns: object, start: int, end: int) -> None:
+        if columns is values:  # not the sampled tokens' logprobs, which go in at once
+            events.append("slice")
+        add_slice(entries, columns, start, end)
 
-    monkeypatch.setattr(convert, "add_prompt_logprobs", recorded)
+    monkeypatch.setattr(convert, "add_logprobs", recorded)
 
     async def convert_with_another_task() -> pb.GenerateResponse:
         async def another() -> None:
@@ -259,7 +267,9 @@ def test_long_prompt_logprobs_go_out_whole_and_in_order_with_the_loop_served_bet
 
 
 def test_delta_chunk_has_no_final_fields() -> None:
-    delta = _final_output(token_ids=(4,), text="a", logprobs=(), finish_reason=None, stop_reason=None)
+    delta = _final_output(
+        token_ids=(4,), text="a", logprobs=NO_OUTPUT_LOGPROBS, finish_reason=None, stop_reason=None
+    )
     response = convert.generate_response_from_output(delta, "c")
     assert response == pb.GenerateResponse(request_id="c", text="a", token_ids=[4])
     assert not response.HasField("usage") and response.WhichOneof("stop_reason") is None

@@ -28,7 +28,7 @@ from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
 from sluice.engine.messages import AddRequest, CoreOutput, StartProfile
 from sluice.engine.model_info import ModelInfo
-from sluice.engine.outputs import EngineStats
+from sluice.engine.outputs import EngineStats, OutputLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.grammar_mask import GrammarMask
 from sluice.engine.sample.logits_processors import default_processors
@@ -410,10 +410,12 @@ class EngineCore:
         times = request.times
         sampled = sampled or []
         prompt_logprobs = self._prompt_logprobs.take(request) if sampled else None
+        # One entry per sampled token: a step that accepted drafts has several, joined into one struct.
+        logprobs = [s.logprobs for s in sampled if s.logprobs is not None]
         return CoreOutput(
             request_id=request.request_id,
             new_token_ids=[s.token_id for s in sampled],
-            new_logprobs=[s.logprobs for s in sampled if s.logprobs is not None],
+            new_logprobs=OutputLogprobs.joined(logprobs) if logprobs else None,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             first_scheduled=times.first_scheduled,

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.engine import Engine
-from sluice.engine.outputs import Logprobs, RequestOutput, Timings, ToolCall
+from sluice.engine.outputs import (
+    NO_OUTPUT_LOGPROBS,
+    Logprobs,
+    OutputLogprobs,
+    RequestOutput,
+    Timings,
+    ToolCall,
+)
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.prompt import resolve_prompt
@@ -20,6 +27,8 @@ Prompt = str | Sequence[int]
 class Completion:
     """Everything one request (one sample of it, when n > 1) produced, accumulated over its outputs.
 
+    `logprobs` (when asked for): one per token, read as `Logprobs`, set when the sample finishes (its
+    outputs' columns joined once, not copied at every output).
     `prompt_logprobs` (when asked for): one per prompt token after the first, on sample 0.
     `prompt_tokens_computed`: prompt tokens this sample ran through the model, those not found in the
     prefix cache (samples 1.. of an n-sample request find sample 0's full prompt blocks there).
@@ -30,7 +39,7 @@ class Completion:
     index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[Logprobs] = field(default_factory=list)
+    logprobs: OutputLogprobs = NO_OUTPUT_LOGPROBS
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0
@@ -41,13 +50,16 @@ class Completion:
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
     prompt_tokens_computed: int = 0
+    _logprobs_parts: list[OutputLogprobs] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def add(self, output: RequestOutput) -> None:
         self.token_ids.extend(output.token_ids)
         self.text += output.text
-        self.logprobs.extend(output.logprobs)
+        if output.logprobs:
+            self._logprobs_parts.append(output.logprobs)
         self.prompt_logprobs.extend(output.prompt_logprobs)
         if output.finished:
+            self.logprobs = OutputLogprobs.joined(self._logprobs_parts)
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.cached_tokens = output.usage.cached_tokens if output.usage else 0

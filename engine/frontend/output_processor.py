@@ -22,7 +22,14 @@ from sluice.engine.errors import InvalidRequestError
 from sluice.engine.faults import FaultInjector
 from sluice.engine.frontend.parallel_sampling import ParallelSampling, sample_request_ids
 from sluice.engine.messages import AddRequest, CoreOutput
-from sluice.engine.outputs import NO_PROMPT_LOGPROBS, RequestOutput, Timings, ToolCall, Usage
+from sluice.engine.outputs import (
+    NO_OUTPUT_LOGPROBS,
+    NO_PROMPT_LOGPROBS,
+    RequestOutput,
+    Timings,
+    ToolCall,
+    Usage,
+)
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
 
@@ -156,15 +163,15 @@ class OutputProcessor:
         finished_time = core_output.finished_time
         if finish_reason is not None and finished_time is None:
             finished_time = time.time()
-        token_ids, logprobs = core_output.new_token_ids, core_output.new_logprobs
+        token_ids, logprobs = core_output.new_token_ids, core_output.new_logprobs or NO_OUTPUT_LOGPROBS
         if num_taken < len(token_ids):
-            token_ids, logprobs = token_ids[:num_taken], logprobs[:num_taken]
+            token_ids, logprobs = token_ids[:num_taken], logprobs.first(num_taken)
         prompt_logprobs = core_output.prompt_logprobs
         return RequestOutput(
             request_id=state.request_id,
             token_ids=tuple(token_ids),
             text=text,
-            logprobs=tuple(logprobs) if logprobs else (),
+            logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason if finish_reason is not None else None,
             error=error,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from sluice.engine.outputs import NO_PROMPT_LOGPROBS, RequestOutput
+from sluice.engine.outputs import NO_PROMPT_LOGPROBS, OutputLogprobs, RequestOutput
 
 
 class _Pending:
@@ -45,7 +45,7 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
         outputs[-1],
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
-        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+        logprobs=OutputLogprobs.joined([o.logprobs for o in outputs]),
         prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), NO_PROMPT_LOGPROBS),
     )
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice.engine.outputs import Logprobs, TokenLogprob
+from sluice.engine.outputs import OutputLogprobs
 from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
 from sluice.engine.sampling_params import SamplingParams
 from sluice.kernels.cpu_argmax import EXTENSION as ARGMAX_EXTENSION
@@ -54,7 +54,7 @@ class SamplingRow:
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprobs: Logprobs | None
+    logprobs: OutputLogprobs | None  # one entry, this token's, when its request asks for logprobs
 
 
 class Sampler:
@@ -178,12 +178,11 @@ class DeviceLogprobs:
 
     def sampled_tokens(self, token_ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SampledToken]:
         """One `SampledToken` per row: token_ids[i] with its logprobs where row i asked for them;
-        `tensors`: `self.tensors` or host copies of them."""
+        `tensors`: `self.tensors` or host copies of them. Columns from `tolist()`, no object per value."""
         sampled, top_values, top_ids = (t.tolist() for t in tensors)
-        by_row: dict[int, Logprobs] = {}
+        by_row: dict[int, OutputLogprobs] = {}
         for j, (i, n) in enumerate(zip(self.wanted, self.num_top, strict=True)):
-            top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[j][:n], top_values[j][:n], strict=True))
-            by_row[i] = Logprobs(sampled=TokenLogprob(token_ids[i], sampled[j]), top=top)
+            by_row[i] = OutputLogprobs([token_ids[i]], [sampled[j]], n, top_ids[j][:n], top_values[j][:n])
         return [SampledToken(token_id, by_row.get(i)) for i, token_id in enumerate(token_ids)]
 
 
