@@ -21,13 +21,14 @@ from sluice.engine.structured.constraint import Constraint
 def loaded():
     return [name for name in sys.argv[2:] if name in sys.modules]
 
-engines = [LLM(sys.argv[1], block_size=16, num_blocks=64), LLM(load_format="dummy", preset="tiny", num_blocks=64)]
+checkpoint = LLM(sys.argv[1], block_size=16, num_blocks=64)
+engines = [checkpoint, LLM(load_format="dummy", preset="tiny", num_blocks=64)]
 plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 tokens = [len(engine.generate([[1, 2, 3, 4, 5]], plain)[0].token_ids) for engine in engines]
 print(tokens, loaded())
 schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 constrained = SamplingParams(temperature=0.0, max_tokens=40, constraint=Constraint(json_schema=schema))
-text = engines[0].generate(["hello"], constrained)[0].text
+text = checkpoint.generate(["hello"], constrained)[0].text
 print(json.loads(text)["a"] == int(json.loads(text)["a"]), loaded())
 """
 
