@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import msgspec
 
@@ -49,7 +50,14 @@ class LogprobColumns(msgspec.Struct, frozen=True, array_like=True):
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def __getitem__(self, index: int) -> Logprobs:
+    @overload
+    def __getitem__(self, index: int) -> Logprobs: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Logprobs, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Logprobs | tuple[Logprobs, ...]:
+        if isinstance(index, slice):  # as a tuple of Logprobs is sliced (what these columns replaced)
+            return tuple(self[position] for position in range(len(self.token_ids))[index])
         position = range(len(self.token_ids))[index]  # IndexError past the end; negative from the end
         start, end = position * self.num_top, (position + 1) * self.num_top
         top = zip(self.top_token_ids[start:end], self.top_logprobs[start:end], strict=True)

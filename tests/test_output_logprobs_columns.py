@@ -54,6 +54,9 @@ def test_columns_read_as_one_logprobs_per_token() -> None:
         Logprobs(TokenLogprob(6, -0.25), ()),
     ]
     assert not NO_OUTPUT_LOGPROBS and list(NO_OUTPUT_LOGPROBS) == []
+    # Sliced as the tuple of Logprobs it replaced is.
+    assert THREE_TOKENS[1:] == tuple(THREE_ENTRIES[1:]) and THREE_TOKENS[::-2] == tuple(THREE_ENTRIES[::-2])
+    assert THREE_TOKENS[5:] == () and NO_OUTPUT_LOGPROBS[:1] == ()
 
 
 def test_a_multi_token_step_crosses_the_cores_message_intact() -> None:
