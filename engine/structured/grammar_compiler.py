@@ -83,7 +83,7 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
-        import xgrammar as xgr  # on the first submit, in the worker thread: module docstring
+        import xgrammar as xgr  # here, in the worker thread, not at start: module docstring
 
         compiler = self._get_compiler()
         kind, source = key
