@@ -4,7 +4,10 @@ The build lands in `<repo>/.build/cpu_extensions/<tag>/` (ignored by git; `$SLUI
 when that is set), where the tag names the torch version and this CPU's instruction-set flags (the code
 is compiled with -march=native), so `make test` or `make serve` builds on first use and every later
 process, and every later run, reuses the library (torch's loader rebuilds only when the source or flags
-change). Concurrent first builds are serialised by torch's lock file in that directory.
+change). Concurrent builds and loads of one kernel are serialised by an flock on `sluice_build.lock` in
+its directory. torch's loader has its own lock, a file (`lock`) that a process killed while building
+leaves behind, after which every load waits on it forever; the OS drops an flock with its process, so a
+`lock` file found by the holder of the flock is stale, and is removed (with a warning).
 
 `load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
 build directory that cannot be made, a failed build); `cpu_extension_available(name)` says whether it loaded;
@@ -22,6 +25,8 @@ instruction, so name one every host has.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -29,6 +34,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -105,18 +111,32 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
     from torch.utils.cpp_extension import load
 
     try:
-        module = load(
-            name=f"sluice_{name}",
-            sources=[str(KERNELS_DIR / f"{name}.cpp")],
-            extra_cflags=[*CFLAGS, f"-march={_march()}", f"-DSLUICE_HEADERS={_headers_digest()}"],
-            extra_include_paths=[str(KERNELS_DIR)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _only_builder(build_dir):
+            module = load(
+                name=f"sluice_{name}",
+                sources=[str(KERNELS_DIR / f"{name}.cpp")],
+                extra_cflags=[*CFLAGS, f"-march={_march()}", f"-DSLUICE_HEADERS={_headers_digest()}"],
+                extra_include_paths=[str(KERNELS_DIR)],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as error:  # a compiler error, a missing header: the caller falls back
         return None, f"building kernels/{name}.cpp failed: {error}"
     return module, None
+
+
+@contextlib.contextmanager
+def _only_builder(build_dir: Path) -> Iterator[None]:
+    """Holds the directory's flock (module docstring) and removes torch's `lock` file if a dead builder
+    left it."""
+    with open(build_dir / "sluice_build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes or the process dies
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s: torch's build lock, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def load_cpu_extension(name: str) -> ModuleType | None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +102,29 @@ def test_a_named_target_builds_apart_and_its_4_lane_vectors_compute_the_same(mon
     assert built.parent.parent.name == cpu_extension._machine_tag()
     monkeypatch.delenv(cpu_extension.MARCH_ENV)
     assert cpu_extension._machine_tag() != built.parent.parent.name  # the native build lives elsewhere
+
+
+LOAD_IN_A_FRESH_PROCESS = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from sluice.kernels.cpu_extension import load_cpu_extension
+print(load_cpu_extension(sys.argv[1]) is not None)
+"""
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path):
+    """torch's loader waits as long as its `lock` file exists in the build directory, and a process killed
+    while building leaves it there: every later engine would hang at start. The holder of Sluice's flock
+    removes it. A built kernel copied with such a file loads (nothing to rebuild) and the file is gone."""
+    name, tag = "cpu_rms_norm", cpu_extension._machine_tag()
+    build = tmp_path / tag / name
+    shutil.copytree(cpu_extension.BUILD_ROOT / tag / name, build)  # built before the tests (`make kernels`)
+    (build / "lock").write_text("")
+    environment = {**os.environ, "SLUICE_CPU_BUILD_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, name],
+        env=environment, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout == "True\n", result.stderr[-3000:]
+    assert f"removing {build / 'lock'}: torch's build lock, left by a build that was killed" in result.stderr
+    assert not (build / "lock").exists()
