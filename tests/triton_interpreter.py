@@ -31,27 +31,8 @@ class _Unpatched:
         pass
 
 
-class _Reapplied:
-    """A patch made again from the (object, attribute, value) triples of the first one, restorable as
-    Triton's own scope is: last set, first restored."""
-
-    def __init__(self, patched: list[tuple[object, str, object]]) -> None:
-        self._originals: list[tuple[object, str, object]] = []
-        for obj, name, value in patched:
-            self._originals.append((obj, name, getattr(obj, name, _MISSING)))
-            setattr(obj, name, value)
-
-    def restore(self) -> None:
-        while self._originals:
-            obj, name, original = self._originals.pop()
-            if original is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, original)
-
-
-_MISSING = object()
-_patched: dict[frozenset[int], list[tuple[object, str, object]]] = {}  # language modules -> what a patch set
+# language modules -> Triton's scope class and the (object, attribute, value) its first patch set, in order
+_patched: dict[frozenset[int], tuple[type, list[tuple[object, str, object]]]] = {}
 
 
 @functools.cache
@@ -86,12 +67,16 @@ def skip_repeated_language_patches() -> bool:
                 return _Unpatched()  # inside a launch that patched what the helper sees
             return patch_once_per_launch.patch(fn)
         stack[-1] = modules = _language_modules(fn)  # the launch's own patch, before its first program
-        if modules in _patched:
-            return _Reapplied(_patched[modules])
+        if modules in _patched:  # set the same values again, in a scope of Triton's that restores them
+            scope_type, patched = _patched[modules]
+            scope = scope_type()
+            for obj, name, value in patched:
+                scope.set_attr(obj, name, value)
+            return scope
         scope = patch_once_per_launch.patch(fn)
         changes = getattr(scope, "_changes", None)  # Triton's [(object, attribute, original)], in order
-        if isinstance(changes, list):
-            _patched[modules] = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+        if isinstance(changes, list) and hasattr(scope, "set_attr"):
+            _patched[modules] = (type(scope), [(obj, name, getattr(obj, name)) for obj, name, _ in changes])
         return scope
 
     patch_once_per_launch.skips_repeats = True
