@@ -1,4 +1,5 @@
-"""One step of attention over a paged KV cache, shared by the decode and prefill kernels.
+"""Attention over a paged KV cache tile by tile, shared by the decode and prefill kernels: one tile
+(`attend_paged_tile`) and the walk over a span of tiles (`attend_paged_span`).
 
 A tile is N context positions of one sequence and one KV head. Position p lives at
     cache[block_table[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head, :]
@@ -291,3 +292,77 @@ def attend_paged_tile(
         probs = probs.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
+
+
+@triton.jit
+def attend_paged_span(
+    q,
+    running_max,
+    running_sum,
+    acc,
+    k_head_ptr,
+    v_head_ptr,
+    block_table_ptr,
+    lo,  # first tile's start (a multiple of BLOCK_N at or below kv_lo)
+    full_lo,  # [full_lo, full_hi): whole tiles every row sees wholly (multiples of BLOCK_N)
+    full_hi,
+    kv_lo,  # positions in [kv_lo, kv_hi) may be loaded; the span ends at kv_hi
+    kv_hi,
+    query_positions,
+    sliding_window,
+    dims,
+    dim_mask,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    qk_scale,
+    k_scale,
+    v_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
+    E4M3_UPCAST: tl.constexpr,
+    FOLD_KV_SCALES: tl.constexpr,
+):
+    """`attend_paged_tile` over every tile of [lo, kv_hi), in three loops: the masked tiles before
+    full_lo (a window's first), the unmasked ones of [full_lo, full_hi), software-pipelined over
+    NUM_STAGES, and the masked ones from full_hi (the diagonal, the context's partial last tile).
+
+        lo      kv_lo   full_lo                 full_hi      kv_hi
+        |-------+-------|=======================|------------+--|
+         masked (lo..)    unmasked, NUM_STAGES    masked (..kv_hi)
+
+    Returns the updated (running_max, running_sum, acc), as `attend_paged_tile` does."""
+    for tile_start in tl.range(lo, full_lo, BLOCK_N):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            kv_hi, query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,
+            KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
+        )  # fmt: skip
+    for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            kv_hi, query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,
+            KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
+        )  # fmt: skip
+    for tile_start in tl.range(full_hi, kv_hi, BLOCK_N):
+        running_max, running_sum, acc = attend_paged_tile(
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            kv_hi, query_positions, sliding_window, dims, dim_mask,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,
+            KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
+        )  # fmt: skip
+    return running_max, running_sum, acc

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
-    attend_paged_tile,
+    attend_paged_span,
     dot_settings,
     e4m3_upcast,
     fold_k_scale,
@@ -233,30 +233,13 @@ def _decode_partition_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_k_head
     v_head_ptr = v_cache_ptr + kv_head * stride_v_head
     table_ptr = block_tables_ptr + seq * stride_bt_seq
-    for tile_start in tl.range(lo, full_lo, TILE_N):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
-            running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
-    for tile_start in tl.range(full_lo, full_hi, TILE_N, num_stages=NUM_STAGES):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
-            running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
-    for tile_start in tl.range(full_hi, hi, TILE_N):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, window_start, hi,
-            running_max, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, False, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
+    running_max, running_sum, acc = attend_paged_span(
+        q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, lo, full_lo, full_hi,
+        window_start, hi, running_max, sliding_window, dims, dim_mask,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+        TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, NUM_STAGES, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+        E4M3_UPCAST, FOLD_KV_SCALES,
+    )  # fmt: skip
 
     # Every slice holds at least one visible position, so running_sum > 0.
     out = unfold_v_scale(acc, v_scale, FP8_KV, FOLD_KV_SCALES) / running_sum[:, None]

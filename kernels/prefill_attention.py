@@ -18,7 +18,8 @@ FlashAttention-2 over a paged cache, with the GQA group packed into the tile's r
     num_q_tiles = num_tokens // BLOCK_Q + num_seqs covers any ragged batch; programs run the
     numbering backwards so the longest causal tiles start first.
 
-Each program walks its context in BLOCK_N-position tiles (`tl.range` software-pipelined) in three runs:
+Each program walks its context in BLOCK_N-position tiles in three runs (`attend_paged_span`, shared with
+the decode kernel; the unmasked run software-pipelined by `tl.range`):
 
     [lo, full_lo)        masked: the window's lower edge (positions some rows may not see)
     [full_lo, full_hi)   unmasked: every row sees every position (no masks, the bulk of the work)
@@ -46,7 +47,7 @@ import triton.language as tl
 
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
-    attend_paged_tile,
+    attend_paged_span,
     dot_settings,
     e4m3_upcast,
     fold_k_scale,
@@ -212,30 +213,13 @@ def _prefill_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_k_head
     v_head_ptr = v_cache_ptr + kv_head * stride_v_head
     table_ptr = block_tables_ptr + seq * stride_bt_seq
-    for tile_start in tl.range(lo, full_lo, BLOCK_N):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
-            query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
-    for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
-            query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
-    for tile_start in tl.range(full_hi, kv_end, BLOCK_N):
-        running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, tile_start, kv_start, kv_end,
-            query_positions, sliding_window, dims, dim_mask,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, True, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-            E4M3_UPCAST, FOLD_KV_SCALES,
-        )  # fmt: skip
+    running_max, running_sum, acc = attend_paged_span(
+        q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, lo, full_lo, full_hi,
+        kv_start, kv_end, query_positions, sliding_window, dims, dim_mask,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
+        BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, NUM_STAGES, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
+        E4M3_UPCAST, FOLD_KV_SCALES,
+    )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
     acc = unfold_v_scale(acc, v_scale, FP8_KV, FOLD_KV_SCALES)
