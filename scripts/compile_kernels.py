@@ -13,8 +13,9 @@ FP8_KV=True; the model-dtype ones say FP8_KV=False). Each recorded launch goes t
 argument binder for the target (so arguments are specialized as the JIT would specialize them:
 16-byte-divisible pointers and integers, constexprs) and is compiled ahead of time down to a cubin with
 Triton's bundled ptxas (no driver, no GPU). Reported per kernel: registers (cuobjdump), the shared
-memory the launch requests and local memory (register spills). Must run without TRITON_INTERPRET (it
-makes kernels uncompilable objects). Exit status 1 when a kernel fails to compile.
+memory the launch requests, local memory (register spills) and the tensor-core instructions of its PTX
+(wgmma, mma.sync). Must run without TRITON_INTERPRET (it makes kernels uncompilable objects). Exit
+status 1 when a kernel fails to compile.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ class Compiled:
     registers: int | None
     shared_bytes: int | None
     local_bytes: int | None
+    wgmma: int | None = None  # tensor-core instructions in the PTX: Hopper's warpgroup MMA
+    mma_sync: int | None = None  # ... and the warp-level MMA of sm_80+
     error: str | None = None
 
 
@@ -309,8 +312,9 @@ def _run_cache_launchers(
     rotary_store_kv.rotary_store_kv(positions, q, k, k, cos_sin, cache, cache, slots, kv_scales)
 
 
-def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, int, int]:
-    """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes: spills)."""
+def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, ...]:
+    """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes: spills,
+    then `tensor_core_instructions` of its PTX)."""
     source = ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs)
     compiled = triton.compile(source, target=target, options=launch.options)
     with tempfile.TemporaryDirectory() as directory:
@@ -322,7 +326,16 @@ def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> t
     registers, _, local = parse_resource_usage(usage)
     # Triton's shared memory is dynamic: the launch requests metadata.shared bytes, which cuobjdump's
     # static SHARED figure does not include.
-    return registers, compiled.metadata.shared, local
+    return registers, compiled.metadata.shared, local, *tensor_core_instructions(compiled.asm["ptx"])
+
+
+def tensor_core_instructions(ptx: str) -> tuple[int, int]:
+    """(wgmma, mma.sync): how many of each tensor-core instruction the PTX holds (in its code, not how
+    often they run). A `tl.dot` Triton lowers to wgmma on sm_90 when the tile allows (64-row warpgroups),
+    to mma.sync otherwise; an fp32 "ieee" dot to neither (FMAs)."""
+    wgmma = len(re.findall(r"^\s*(?:@%p\d+\s+)?wgmma\.mma_async", ptx, re.MULTILINE))
+    mma_sync = len(re.findall(r"^\s*(?:@%p\d+\s+)?mma\.sync", ptx, re.MULTILINE))
+    return wgmma, mma_sync
 
 
 def parse_resource_usage(text: str) -> tuple[int, int, int]:
@@ -418,15 +431,15 @@ def serving_variants(arch: int) -> dict[str, dict[str, int]]:
 
 def markdown_report(results: list[Compiled], arch: int) -> str:
     lines = [
-        f"| kernel | shape | dtype | registers / thread | shared bytes | local (spill) bytes | sm_{arch} "
-        "| constexprs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| kernel | shape | dtype | registers / thread | shared bytes | local (spill) bytes "
+        f"| wgmma / mma.sync | sm_{arch} | constexprs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         status = "ok" if r.error is None else "FAILED"
         lines.append(
             f"| `{r.kernel}` | {r.shape} | {r.dtype} | {r.registers} | {r.shared_bytes} | {r.local_bytes} "
-            f"| {status} | {r.constexprs} |"
+            f"| {r.wgmma} / {r.mma_sync} | {status} | {r.constexprs} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -132,6 +132,38 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 
+def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
+    """The tensor-core instructions in each variant's PTX: every bf16 / fp16 attention variant's `tl.dot`
+    lowers to them; the prefill's 128-row tile (long prompts, the bulk of prefill FLOPs) and the FP8 GEMMs'
+    64-row tiles to Hopper's warpgroup wgmma, the decode kernel's GQA group (<= 16 rows) and the 16-row
+    tiles to mma.sync; fp32 attention ("ieee" products) and the kernels without a dot to neither."""
+    proc, results = compile_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def ops(kernel: str, dtypes: tuple[str, ...], constexpr: str = "") -> set[tuple[int, int]]:
+        """{(wgmma, mma.sync)} over the kernel's variants in `dtypes` whose constexprs hold `constexpr`."""
+        return {
+            (r["wgmma"], r["mma_sync"])
+            for r in results
+            if r["kernel"] == kernel and r["dtype"] in dtypes and constexpr in r["constexprs"]
+        }
+
+    half = ("bf16", "fp16")
+    long_prefill = ops("_prefill_attention_kernel", half, "BLOCK_M=128,")
+    assert long_prefill and all(wgmma > 0 and mma == 0 for wgmma, mma in long_prefill)
+    for small in (
+        ops("_prefill_attention_kernel", half, "BLOCK_M=16,"),
+        ops("_decode_partition_kernel", half),
+    ):
+        assert small and all(wgmma == 0 and mma > 0 for wgmma, mma in small)
+    for gemm in (ops("_fp8_block_mm_kernel", half, "BLOCK_M=64,"), ops("_fp8_skinny_kernel", half)):
+        assert gemm and all(wgmma > 0 for wgmma, _ in gemm)
+    for kernel in ATTENTION_KERNELS:
+        assert ops(kernel, ("fp32",)) == {(0, 0)}
+    for kernel in KERNELS - ATTENTION_KERNELS - {"_fp8_block_mm_kernel", "_fp8_skinny_kernel"}:
+        assert ops(kernel, ("bf16", "fp16", "fp32")) == {(0, 0)}, kernel
+
+
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
     the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
