@@ -128,6 +128,22 @@ def test_fifty_concurrent_generate_streams(server: ServerThread, alone) -> None:
     server.wait_idle()
 
 
+def test_leaving_an_async_stream_early_cancels_its_call(server: ServerThread) -> None:
+    """As with the blocking client: closing AsyncClient.generate's iterator after its first chunk cancels
+    the call, and the server aborts the request (an UNENDING one: only that ends it) and frees its blocks
+    while the client's channel stays open."""
+
+    async def first_chunk_then_idle() -> pb.GenerateResponse:
+        async with AsyncClient(server.target) as client:
+            chunks = client.generate(generate_request("Hello world", **UNENDING))
+            first = await anext(chunks)
+            await chunks.aclose()
+            await asyncio.to_thread(server.wait_idle)
+            return first
+
+    assert asyncio.run(first_chunk_then_idle()).token_ids
+
+
 def test_fifty_requests_interleaved_on_one_bidi_stream(stub, server: ServerThread, alone) -> None:
     """A request that runs the whole time ("hold") shares the stream with 50 short ones and a bad one: its
     first chunk comes before theirs and its last (aborted in-band once all 50 finished) after them."""

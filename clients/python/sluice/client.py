@@ -248,15 +248,7 @@ class Client:
         session: str | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """Streams chunks; leaving the loop early cancels the call (the server then aborts the request)."""
-        call = self._stub.Generate(
-            request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
-        )
-        try:
-            yield from call
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+        return self._streamed(self._stub.Generate, request, timeout, metadata, session)
 
     def complete(
         self,
@@ -293,15 +285,7 @@ class Client:
         session: str | None = None,
     ) -> Iterator[pb.StreamGenerateResponse]:
         """Many requests on one bidirectional stream; responses are tagged with their request_id."""
-        call = self._stub.StreamGenerate(
-            iter(requests), timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
-        )
-        try:
-            yield from call
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+        return self._streamed(self._stub.StreamGenerate, iter(requests), timeout, metadata, session)
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> None:
         self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
@@ -325,6 +309,19 @@ class Client:
             return method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
+
+    def _streamed(
+        self, method: grpc.UnaryStreamMultiCallable | grpc.StreamStreamMultiCallable, request: object,
+        timeout: float | None, metadata: Metadata, session: str | None,
+    ) -> Iterator[object]:  # fmt: skip
+        """The call's responses; its errors as SluiceError; cancelled when the caller stops early."""
+        call = method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
 
 def _tokenize_request(
@@ -369,7 +366,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(
+    def generate(
         self,
         request: pb.GenerateRequest,
         *,
@@ -377,16 +374,7 @@ class AsyncClient:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(
-            request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
-        )
-        try:
-            async for chunk in call:
-                yield chunk
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+        return self._streamed(self._stub.Generate, request, timeout, metadata, session)
 
     async def complete(
         self,
@@ -414,7 +402,7 @@ class AsyncClient:
             [c async for c in self.generate(request, timeout=timeout, metadata=metadata, session=session)]
         )
 
-    async def stream_generate(
+    def stream_generate(
         self,
         requests: AsyncIterable[pb.StreamGenerateRequest] | Iterable[pb.StreamGenerateRequest],
         *,
@@ -422,16 +410,7 @@ class AsyncClient:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        call = self._stub.StreamGenerate(
-            requests, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
-        )
-        try:
-            async for response in call:
-                yield response
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+        return self._streamed(self._stub.StreamGenerate, requests, timeout, metadata, session)
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
         await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
@@ -457,3 +436,17 @@ class AsyncClient:
             return await method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
+
+    async def _streamed(
+        self, method: grpc.aio.UnaryStreamMultiCallable | grpc.aio.StreamStreamMultiCallable, request: object,
+        timeout: float | None, metadata: Metadata, session: str | None,
+    ) -> AsyncIterator[object]:  # fmt: skip
+        """The call's responses; its errors as SluiceError; cancelled when the caller stops early."""
+        call = method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
