@@ -7,7 +7,7 @@
 // max) and NaN flag; the first chunk holding the row's maximum (or its first NaN) is then searched again,
 // from cache, for the index. torch's CPU argmax does not vectorise (49,152 floats a row took 60 us).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

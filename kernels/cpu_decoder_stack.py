@@ -1,4 +1,4 @@
-"""A Llama-style decoder stack as one C++ call per step, float32 on CPU (`cpu_decoder_stack.cpp`).
+"""A Llama-style decoder stack as one C++ call per step, float32 on CPU (`cpu_decoder_stack.h`).
 
     stack = make_decoder_stack(layers, final_norm, shape)           once, after loading
     hidden = stack.forward(embeddings, positions, cos_sin, ...)      every step

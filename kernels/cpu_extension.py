@@ -1,20 +1,24 @@
 """Builds and loads the C++ CPU kernels in `kernels/` with torch's JIT extension loader, once per machine.
 
-The build lands in `<repo>/.build/cpu_extensions/<tag>/` (ignored by git; `$SLUICE_CPU_BUILD_DIR/<tag>/`
-when that is set), where the tag names the torch version and this CPU's instruction-set flags (the code
-is compiled with -march=native), so `make test` or `make serve` builds on first use and every later
-process, and every later run, reuses the library (torch's loader rebuilds only when the source or flags
-change). Concurrent builds and loads of one kernel are serialised by an flock on `sluice_build.lock` in
-its directory. torch's loader has its own lock, a file (`lock`) that a process killed while building
-leaves behind, after which every load waits on it forever; the OS drops an flock with its process, so a
-`lock` file found by the holder of the flock is stale, and is removed (with a warning).
+The kernels (`kernels/cpu_<name>.h`, the names in KERNELS) are one extension module, built from one
+translation unit, `kernels/cpu_kernels.cpp`: torch's and pybind11's headers take most of a kernel's
+compile time, and one unit parses them once (seven units took ~2.6 minutes on 2 cores, one ~40 s). Each
+kernel's functions are the submodule named after it, which `load_cpu_extension(name)` returns.
 
-`load_cpu_extension(name)` returns the module, or None after logging why (no C++ compiler, no ninja, a
-build directory that cannot be made, a failed build); `cpu_extension_available(name)` says whether it loaded;
-`cpu_extension_unavailable_reason(name)` says why not without raising. `python -m
-sluice.kernels.cpu_extension` builds every one up front, as many at once as there are cores (`make test` and
-`make serve` run it), so no engine process compiles on its first step (minutes on 2 busy cores, past the
-frontend's liveness timeout).
+The build lands in `<repo>/.build/cpu_extensions/<tag>/cpu_kernels/` (ignored by git;
+`$SLUICE_CPU_BUILD_DIR/<tag>/...` when that is set), where the tag names the torch version and this CPU's
+instruction-set flags (the code is compiled with -march=native), so `make test` or `make serve` builds on
+first use and every later process, and every later run, reuses the library (torch's loader rebuilds only
+when the source or flags change). Concurrent builds and loads are serialised by an flock on
+`sluice_build.lock` in its directory. torch's loader has its own lock, a file (`lock`) that a process
+killed while building leaves behind, after which every load waits on it forever; the OS drops an flock with
+its process, so a `lock` file found by the holder of the flock is stale, and is removed (with a warning).
+
+`load_cpu_extension(name)` returns the kernel's module, or None after logging why (no C++ compiler, no
+ninja, a build directory that cannot be made, a failed build); `cpu_extension_available(name)` says whether
+it loaded; `cpu_extension_unavailable_reason(name)` says why not without raising. `python -m
+sluice.kernels.cpu_extension` builds them up front (`make test` and `make serve` run it), so no engine
+process compiles on its first step (up to minutes on 2 busy cores, past the frontend's liveness timeout).
 
 `SLUICE_CPU_MARCH` compiles for a named target instead of this CPU (GCC's -march: `x86-64-v3` for any
 AVX2 host, `x86-64-v4` for AVX-512, `armv8.2-a` ...), and the tag names that target in place of the CPU's
@@ -35,7 +39,6 @@ import platform
 import shutil
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -53,6 +56,17 @@ BUILD_ROOT = Path(os.environ.get("SLUICE_CPU_BUILD_DIR") or KERNELS_DIR.parent /
 # scalar; no kernel reads the floating-point exception flags.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 MARCH_ENV = "SLUICE_CPU_MARCH"
+# The kernels, each `kernels/<name>.h` and a submodule of the one extension module (kernels/cpu_kernels.cpp).
+KERNELS = (
+    "cpu_argmax",
+    "cpu_decoder_stack",
+    "cpu_packed_linear",
+    "cpu_paged_attention",
+    "cpu_rms_norm",
+    "cpu_rotary",
+    "cpu_silu_and_mul",
+)
+MODULE = "cpu_kernels"  # kernels/cpu_kernels.cpp
 
 
 def _march() -> str:
@@ -97,13 +111,14 @@ def _ninja_on_path() -> bool:
 
 
 @functools.cache
-def _build(name: str) -> tuple[ModuleType | None, str | None]:
+def _build() -> tuple[ModuleType | None, str | None]:
+    """The extension module (every kernel), or None and why not."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler!r} not found on PATH)"
     if not _ninja_on_path():
         return None, "ninja not found (pip install ninja)"
-    build_dir = BUILD_ROOT / _machine_tag() / name
+    build_dir = BUILD_ROOT / _machine_tag() / MODULE
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -113,8 +128,8 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
     try:
         with _only_builder(build_dir):
             module = load(
-                name=f"sluice_{name}",
-                sources=[str(KERNELS_DIR / f"{name}.cpp")],
+                name=f"sluice_{MODULE}",
+                sources=[str(KERNELS_DIR / f"{MODULE}.cpp")],
                 extra_cflags=[*CFLAGS, f"-march={_march()}", f"-DSLUICE_HEADERS={_headers_digest()}"],
                 extra_include_paths=[str(KERNELS_DIR)],
                 extra_ldflags=["-fopenmp"],
@@ -122,7 +137,7 @@ def _build(name: str) -> tuple[ModuleType | None, str | None]:
                 verbose=False,
             )
     except Exception as error:  # a compiler error, a missing header: the caller falls back
-        return None, f"building kernels/{name}.cpp failed: {error}"
+        return None, f"building kernels/{MODULE}.cpp failed: {error}"
     return module, None
 
 
@@ -140,31 +155,39 @@ def _only_builder(build_dir: Path) -> Iterator[None]:
 
 
 def load_cpu_extension(name: str) -> ModuleType | None:
-    """The compiled `kernels/<name>.cpp` module, or None (logged once as a warning, with the reason)."""
-    module, reason = _build(name)
+    """The compiled kernel `name` (one of KERNELS: its submodule of the extension), or None (logged once as
+    a warning, with the reason)."""
+    module, reason = _kernel(name)
     if module is None:
         _warn_once(name, reason)
     return module
 
 
+def _kernel(name: str) -> tuple[ModuleType | None, str | None]:
+    if name not in KERNELS:
+        raise ValueError(f"name: not a C++ CPU kernel: {name!r} (kernels: {', '.join(KERNELS)})")
+    module, reason = _build()
+    return (None, reason) if module is None else (getattr(module, name), None)
+
+
 def require_cpu_extension(name: str) -> ModuleType:
-    """The compiled `kernels/<name>.cpp` module; RuntimeError pointing at the log where it is not built
-    (the launchers' check)."""
+    """The compiled kernel `name`; RuntimeError pointing at the log where it is not built (the launchers'
+    check)."""
     module = load_cpu_extension(name)
     if module is None:
-        raise RuntimeError(f"the C++ kernel kernels/{name}.cpp is not available (see the log)")
+        raise RuntimeError(f"the C++ kernel {name} (kernels/{name}.h) is not available (see the log)")
     return module
 
 
 def cpu_extension_available(name: str) -> bool:
-    """Whether `kernels/<name>.cpp` is built and loaded (building it on first call; if it cannot be, the
+    """Whether the kernel `name` is built and loaded (building it on first call; if it cannot be, the
     reason is logged once): the layers' test before taking a kernel's prechecked path."""
     return load_cpu_extension(name) is not None
 
 
 def cpu_extension_unavailable_reason(name: str) -> str | None:
-    """None when `kernels/<name>.cpp` is built and loaded (building it if needed), else why not."""
-    return _build(name)[1]
+    """None when the kernel `name` is built and loaded (building it if needed), else why not."""
+    return _kernel(name)[1]
 
 
 @functools.cache
@@ -172,20 +195,12 @@ def _warn_once(name: str, reason: str | None) -> None:
     logger.warning("C++ CPU kernel %s unavailable: %s", name, reason)
 
 
-def extension_names() -> list[str]:
-    """Every C++ kernel in `kernels/` (one `<name>.cpp` each)."""
-    return sorted(path.stem for path in KERNELS_DIR.glob("*.cpp"))
-
-
 def main() -> None:
-    """Build (or find built) every C++ kernel, one per core at a time (each is one compiler process; on 2
-    cores the six took 9 minutes one after another); one line each, in name order. A kernel that cannot
-    build is reported, not fatal: its callers fall back as the module docstring says."""
-    names = extension_names()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the threads wait on ninja
-        reasons = list(pool.map(cpu_extension_unavailable_reason, names))
-    for name, reason in zip(names, reasons, strict=True):
-        print(f"kernels/{name}.cpp: {'ready' if reason is None else reason}")
+    """Build (or find built) the kernels; one line each, in name order. Kernels that cannot build are
+    reported, not fatal: their callers fall back as the module docstring says."""
+    for name in KERNELS:
+        reason = cpu_extension_unavailable_reason(name)
+        print(f"kernels/{name}.h: {'ready' if reason is None else reason}")
 
 
 if __name__ == "__main__":

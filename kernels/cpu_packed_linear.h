@@ -15,7 +15,7 @@
 // row blocks. Decode steps (1-64 rows) are bandwidth- or nearly bandwidth-bound, where sgemm on small M is
 // far from the machine's limits; bigger steps use the same kernel.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

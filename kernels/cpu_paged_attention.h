@@ -18,7 +18,7 @@
 // head_dim 64 and 128 take attend_vectorized: whole-vector rows, the scores of up to kLanes positions summed by
 // one butterfly, and the next block's rows prefetched.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

@@ -7,7 +7,7 @@
 // ~12 small ATen ops of the composite (add, pow, mean, add, rsqrt, mul, mul, ...), whose per-op cost is
 // most of a norm's time at decode batch sizes. Rows are split across threads in chunks of kRowGrain.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

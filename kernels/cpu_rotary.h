@@ -6,7 +6,7 @@
 // q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] may be strided views of the fused qkv
 // projection (row stride, head stride; the last dim contiguous). One task per chunk of tokens.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

@@ -6,7 +6,7 @@
 // sigmoid uses exp of a non-positive argument only: e = exp(-|g|), sigmoid(g) = 1 / (1 + e) for g >= 0
 // and e / (1 + e) below, so it never overflows and the loop vectorises.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 

@@ -16,7 +16,7 @@
 // step (18 sleeps a batch-1 token on a 2-core VM; 3 with the team: docs/BENCHMARKS.md). The team's barrier
 // spins longer (kSpin) and only inside the step; between steps the pool sleeps as before.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 #include <linux/futex.h>

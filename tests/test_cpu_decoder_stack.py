@@ -1,4 +1,4 @@
-"""The one-call C++ decoder stack (kernels/cpu_decoder_stack.cpp) against the model's per-layer path on the
+"""The one-call C++ decoder stack (kernels/cpu_decoder_stack.h) against the model's per-layer path on the
 same kernels: equal hidden states on a mixed step (a fresh prefill, a chunk after a cached prefix, decodes),
 for tiny Llama (GQA, llama3 RoPE, tied embeddings), Mistral with a sliding window shorter than the contexts,
 and Qwen2 (qkv biases). Its parity with transformers is in

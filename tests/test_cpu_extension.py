@@ -1,5 +1,6 @@
 """`python -m sluice.kernels.cpu_extension` (what `make test` and `make serve` run first): every C++ kernel in
-`kernels/` built up front, one line each, and a reason instead of a failure where none can be built."""
+`kernels/` built up front (one extension module, a submodule per kernel), one line each, and a reason
+instead of a failure where none can be built."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -18,9 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_kernel_is_listed_and_ready():
-    names = cpu_extension.extension_names()
-    assert names == sorted(p.stem for p in (REPO / "kernels").glob("*.cpp"))
-    assert {"cpu_decoder_stack", "cpu_packed_linear", "cpu_paged_attention"} <= set(names)
+    """One source, kernels/cpu_kernels.cpp, binds every kernel header but the shared ones as a submodule."""
+    names = list(cpu_extension.KERNELS)
+    shared = {"cpu_team", "cpu_vector_math"}  # included by the kernels, nothing of their own to call
+    assert names == sorted({p.stem for p in (REPO / "kernels").glob("cpu_*.h")} - shared)
+    assert [p.name for p in (REPO / "kernels").glob("*.cpp")] == ["cpu_kernels.cpp"]
     result = subprocess.run(
         [sys.executable, "-m", "sluice.kernels.cpu_extension"],
         cwd=REPO,
@@ -28,7 +32,16 @@ def test_every_kernel_is_listed_and_ready():
         text=True,
         check=True,
     )
-    assert result.stdout.splitlines() == [f"kernels/{name}.cpp: ready" for name in names]
+    assert result.stdout.splitlines() == [f"kernels/{name}.h: ready" for name in names]
+    module = cpu_extension._build()[0]
+    submodules = {name for name in dir(module) if isinstance(getattr(module, name), ModuleType)}
+    assert submodules == set(names)
+    assert cpu_extension.load_cpu_extension("cpu_rms_norm") is module.cpu_rms_norm
+    assert callable(module.cpu_rms_norm.rms_norm) and module.cpu_packed_linear.PANEL > 0
+    with pytest.raises(
+        ValueError, match=r"^name: not a C\+\+ CPU kernel: 'cpu_rmsnorm' \(kernels: cpu_argmax, "
+    ):
+        cpu_extension.load_cpu_extension("cpu_rmsnorm")
 
 
 @pytest.fixture
@@ -48,7 +61,7 @@ def no_compiler(fresh_builds):
 def test_without_a_compiler_each_kernel_reports_why(no_compiler, capsys):
     cpu_extension.main()
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(cpu_extension.extension_names())
+    assert len(lines) == len(cpu_extension.KERNELS)
     assert all(
         line.endswith("no C++ compiler ('sluice-no-such-compiler' not found on PATH)") for line in lines
     )
@@ -62,7 +75,9 @@ def test_an_unwritable_build_directory_is_a_reason_not_a_crash(fresh_builds, tmp
     assert reason is not None and reason.startswith(f"cannot create {not_a_dir / 'cpu_extensions'}")
     assert reason.endswith("set SLUICE_CPU_BUILD_DIR to a writable directory")
     assert cpu_extension.load_cpu_extension("cpu_rms_norm") is None
-    with pytest.raises(RuntimeError, match=r"^the C\+\+ kernel kernels/cpu_rms_norm.cpp is not available"):
+    with pytest.raises(
+        RuntimeError, match=r"^the C\+\+ kernel cpu_rms_norm \(kernels/cpu_rms_norm.h\) is not avail"
+    ):
         cpu_extension.require_cpu_extension("cpu_rms_norm")  # what the launchers raise
 
 
@@ -75,7 +90,9 @@ import torch.nn.functional as F
 from sluice.kernels.cpu_extension import load_cpu_extension
 from sluice.kernels.cpu_packed_linear import pack_weight, packed_linear, panel_width
 
-print(load_cpu_extension("cpu_packed_linear").__file__)
+from sluice.kernels import cpu_extension
+assert load_cpu_extension("cpu_packed_linear") is not None
+print(cpu_extension._build()[0].__file__)  # the extension module (the kernel is its submodule)
 assert panel_width() == 8, panel_width()  # two 4-float vectors
 torch.manual_seed(0)
 for rows, k, n in [(1, 576, 960), (3, 33, 70), (7, 200, 130), (64, 96, 200)]:
@@ -117,8 +134,8 @@ def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path):
     while building leaves it there: every later engine would hang at start. The holder of Sluice's flock
     removes it. A built kernel copied with such a file loads (nothing to rebuild) and the file is gone."""
     name, tag = "cpu_rms_norm", cpu_extension._machine_tag()
-    build = tmp_path / tag / name
-    shutil.copytree(cpu_extension.BUILD_ROOT / tag / name, build)  # built before the tests (`make kernels`)
+    build = tmp_path / tag / cpu_extension.MODULE
+    shutil.copytree(cpu_extension.BUILD_ROOT / tag / cpu_extension.MODULE, build)  # built by `make kernels`
     (build / "lock").write_text("")
     environment = {**os.environ, "SLUICE_CPU_BUILD_DIR": str(tmp_path)}
     result = subprocess.run(

@@ -1,7 +1,7 @@
 """ModelRunner vs transformers: tiny Llama (llama3 RoPE, tied), Mistral, Qwen2 (biases, sharded),
 with the torch backend, the C++ CPU one (kernels/cpu_paged_attention.h), and the Triton one (attention,
 fused RMSNorm + residual and rotary kernels, run by Triton's interpreter on CPU). On "cpu", Llama, Mistral
-(windowed too) and Qwen2 run their layers as one C++ call per step (kernels/cpu_decoder_stack.cpp);
+(windowed too) and Qwen2 run their layers as one C++ call per step (kernels/cpu_decoder_stack.h);
 "cpu-layers" runs the same kernels one layer call at a time.
 
 Three prompts are chunked across steps under a small token budget, so steps mix decodes, prefill chunks

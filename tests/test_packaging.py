@@ -83,7 +83,7 @@ def test_the_wheel_in_a_fresh_venv_installs_only_sluice(tmp_path: Path) -> None:
         "import sluice, sluice.engine, sluice.service.cli, sluice.kernels.cpu_extension\n"
         f"assert sluice.__file__.startswith({site!r}), sluice.__file__\n"
         "kernels = os.path.dirname(sluice.kernels.cpu_extension.__file__)\n"
-        "assert {'cpu_packed_linear.cpp', 'cpu_packed_linear.h'} <= set(os.listdir(kernels))\n"
+        "assert {'cpu_kernels.cpp', 'cpu_packed_linear.h'} <= set(os.listdir(kernels))\n"
         "for name in ('engine', 'service', 'kernels'):\n"
         "    try:\n"
         "        importlib.import_module(name)\n"

@@ -1,5 +1,5 @@
 """A loaded Llama-family model's decoder layers and final norm as one C++ call per step on CPU
-(`kernels/cpu_decoder_stack.cpp`).
+(`kernels/cpu_decoder_stack.h`).
 
 The stack runs the kernels the layers run one at a time, in the same order with the same roundings, so the
 hidden states equal the per-layer path's; it drops the Python and dispatch between ~300 kernel calls a step

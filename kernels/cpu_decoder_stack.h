@@ -22,7 +22,8 @@
 // barrier before the next, instead of a parallel region per kernel whose threads sleep and wake between
 // them. torch's quantized kernels open regions of their own, so a stack with them keeps one per kernel. The
 // shares differ, the results do not: every output element is computed the same way by whichever thread.
-#include <torch/extension.h>
+#pragma once
+#include <torch/types.h>
 
 #include <atomic>
 #include <map>
@@ -39,7 +40,7 @@
 #include "cpu_silu_and_mul.h"
 #include "cpu_team.h"
 
-namespace {
+namespace sluice::stack {
 
 // A projection's weight-only quantized form: (weight, scales, group_size, max_rows). int4 (group_size > 0):
 // the weight packed for _weight_int4pack_mm_for_cpu and its scales_and_zeros; int8 (group_size 0): the
@@ -265,7 +266,7 @@ class DecoderStack {
 // 1 to a shared count and then, past a barrier, checking it holds every thread's addition (none ran ahead).
 // Returns how many of those checks failed (0); with failing_thread >= 0, that thread throws in round
 // rounds / 2, which must end the region and come back as the error.
-int64_t team_barrier_check(int64_t rounds, int64_t failing_thread) {
+inline int64_t team_barrier_check(int64_t rounds, int64_t failing_thread) {
   std::atomic<int64_t> count{0}, failed{0};
   sluice::team::run_team([&](const sluice::team::Team& team) {
     for (int64_t round = 0; round < rounds; ++round) {
@@ -280,21 +281,4 @@ int64_t team_barrier_check(int64_t rounds, int64_t failing_thread) {
   return failed.load();
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          const std::vector<std::optional<torch::Tensor>>&, const std::vector<torch::Tensor>&,
-                          const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          const std::vector<torch::Tensor>&, const std::vector<int64_t>&,
-                          const std::vector<std::vector<std::optional<Quantized>>>&, torch::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, double, double>())
-      // Tensors only from here on: other Python threads run while a step (up to seconds on a prefill) does.
-      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "One step through every layer and the final norm")
-      .def_property("team", &DecoderStack::team, &DecoderStack::set_team,
-                    "Whether a step runs as one team of threads (kernels/cpu_team.h) or a parallel region per kernel");
-  m.def("team_barrier_check", &team_barrier_check, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "The team barrier's self-check (tests): rounds whose count was wrong; failing_thread >= 0 throws");
-}
+}  // namespace sluice::stack
