@@ -87,11 +87,10 @@ FOUR_LANE_TARGETS = {"x86_64": "x86-64-v2", "aarch64": "armv8-a"}
 FOUR_LANE_CHECK = """
 import torch
 import torch.nn.functional as F
-from sluice.kernels.cpu_extension import load_cpu_extension
+from sluice.kernels import cpu_extension
 from sluice.kernels.cpu_packed_linear import pack_weight, packed_linear, panel_width
 
-from sluice.kernels import cpu_extension
-assert load_cpu_extension("cpu_packed_linear") is not None
+assert cpu_extension.load_cpu_extension("cpu_packed_linear") is not None
 print(cpu_extension._build()[0].__file__)  # the extension module (the kernel is its submodule)
 assert panel_width() == 8, panel_width()  # two 4-float vectors
 torch.manual_seed(0)
