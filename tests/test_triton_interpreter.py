@@ -35,6 +35,16 @@ def _helper_loop_kernel(x_ptr, out_ptr, NUM_CALLS: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + offsets, x)
 
 
+@triton.jit
+def _row_sums_kernel(x_ptr, out_ptr, NUM_CALLS: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets)
+    total = tl.sum(x, axis=0) * 0.0
+    for _ in tl.static_range(NUM_CALLS):
+        total += tl.sum(x, axis=0)  # a helper of triton.language.standard, which sees tl.core, not tl
+    tl.store(out_ptr + tl.program_id(0), total)
+
+
 @pytest.fixture
 def patch_calls(monkeypatch) -> list[str]:
     """The function's name at every call of Triton's own `_patch_lang`, with nothing patched yet to
@@ -58,6 +68,17 @@ def test_launches_patch_the_language_once_for_all_their_programs_helper_calls(pa
         _helper_loop_kernel[(NUM_PROGRAMS,)](x, out, NUM_CALLS, BLOCK)
         torch.testing.assert_close(out, expected)
     assert patch_calls == ["_helper_loop_kernel"]  # Triton alone: 2 * (1 + NUM_PROGRAMS * NUM_CALLS)
+
+
+def test_a_helper_seeing_another_language_module_patches_it_once_per_launch(patch_calls):
+    x = torch.randn(NUM_PROGRAMS * BLOCK, generator=torch.Generator().manual_seed(2))
+    expected = x.view(NUM_PROGRAMS, BLOCK).sum(dim=1) * NUM_CALLS
+    for _ in range(2):
+        out = torch.full((NUM_PROGRAMS,), float("nan"))
+        _row_sums_kernel[(NUM_PROGRAMS,)](x, out, NUM_CALLS, BLOCK)
+        torch.testing.assert_close(out, expected)
+    # Triton alone: 2 * (1 + NUM_PROGRAMS * (1 + NUM_CALLS))
+    assert patch_calls == ["_row_sums_kernel", "sum", "sum"]
 
 
 def test_each_launch_leaves_the_language_as_it_found_it(patch_calls):
