@@ -112,16 +112,18 @@ MAX_RULE_BLOCK_N = 16  # wider tiles never won a sweep on the layers the gemv se
 MIN_PROGRAMS_PER_SM = 1.5  # the rule's narrowest grid: 192 programs on 132 SMs lost to 384, 256 won
 
 # The best tile of the H100 sweep at one row (kernel_bench, 2026-11-26 run 5:
-# docs/perf/fp8_linears_h100_2026-11-26_run5.md), by weight shape [out_features, in_features]. Used where
-# the device has as many SMs (an H100 SXM or an H200: 132); the rule elsewhere.
+# docs/perf/fp8_linears_h100_2026-11-26_run5.md), by weight shape [out_features, in_features]; both down
+# tiles from the H200's latency sweep (run 12: docs/perf/kernel_bench_h200_2026-11-29_run12.md), where a
+# 4096-column amax pass and a 3-stage pipelined product beat run 5's tiles on both. Used where the device
+# has as many SMs (an H100 SXM or an H200: 132); the rule elsewhere.
 SWEPT_SM_COUNT = 132
 SWEPT_TILES = {
     (6144, 4096): GemvConfig(16, 512, 4),  # llama-3-8b qkv: 15.6 us (the rule's tile then, 8x1024: 17.3)
     (4096, 4096): GemvConfig(16, 1024, 8),  # llama-3-8b o: 12.0 (4x2048: 15.9)
-    (4096, 14336): GemvConfig(16, 1024, 8),  # llama-3-8b down: 30.2 (4x2048: 43.0)
+    (4096, 14336): GemvConfig(16, 512, 4, amax_k=4096, stages=3),  # llama-3-8b down: 29.1 (run 5's: 31.0)
     (3072, 2048): GemvConfig(8, 1024, 4),  # llama-3.2-1b qkv: 6.4 (4x2048: 8.4)
     (2048, 2048): GemvConfig(8, 1024, 4),  # llama-3.2-1b o: 5.7 (4x2048: 6.6)
-    (2048, 8192): GemvConfig(8, 2048, 4),  # llama-3.2-1b down: 13.1 (4x2048: 15.5)
+    (2048, 8192): GemvConfig(8, 1024, 4, amax_k=4096, stages=3),  # llama-3.2-1b down: 11.2 (run 5's: 12.4)
 }
 
 

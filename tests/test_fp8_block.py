@@ -264,8 +264,8 @@ def _block_layer(matmul: str, codes: torch.Tensor, scales: torch.Tensor, block, 
 def test_the_triton_block_path_computes_what_the_emulation_does(dtype, num_rows):
     """`block_triton` (the CUDA path, here under the Triton interpreter): it keeps the e4m3 codes and block
     scales, quantizes x with `quantize_fp8_groups` (the same codes and scales) and multiplies them with
-    `fp8_block_skinny_mm` up to SKINNY_MAX_ROWS rows, `fp8_block_mm` above, or at one row does both in
-    `fp8_block_gemv`; y equals the emulation's up to the order of the fp32 sums."""
+    `fp8_block_skinny_mm` up to SKINNY_MAX_ROWS rows (one row included), `fp8_block_mm` above; y equals the
+    emulation's up to the order of the fp32 sums."""
     generator = torch.Generator().manual_seed(5)
     block = (32, 32)
     codes = (torch.randn(80, 96, generator=generator) * 40).to(FP8)
@@ -276,12 +276,11 @@ def test_the_triton_block_path_computes_what_the_emulation_does(dtype, num_rows)
     assert fast.weight.dtype == FP8 and fast.weight_scale.shape == (3, 3)
     assert emulated.weight.dtype == torch.float32
     calls = []
-    gemv, skinny = fast.method._fp8_block_gemv, fast.method._fp8_block_skinny_mm
-    fast.method._fp8_block_gemv = lambda *args: calls.append(("gemv", args[0].shape)) or gemv(*args)
+    skinny = fast.method._fp8_block_skinny_mm
     fast.method._fp8_block_skinny_mm = lambda *args: calls.append(("skinny", args[0].shape)) or skinny(*args)
     x = torch.randn(num_rows, 96, generator=generator).to(dtype)
     y, expected = fast(x), emulated(x)
-    taken = {1: [("gemv", (1, 96))], 7: [("skinny", (7, 96))], 65: []}  # 65 rows: fp8_block_mm
+    taken = {1: [("skinny", (1, 96))], 7: [("skinny", (7, 96))], 65: []}  # 65 rows: fp8_block_mm
     assert calls == taken[num_rows]
     assert y.dtype == expected.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3

@@ -40,8 +40,8 @@ NUM_LAYERS, HIDDEN, INTERMEDIATE = 2, 64, 128  # checkpoints.py's tiny models
 
 @pytest.fixture
 def block_triton_on_cpu(monkeypatch):
-    """Block-FP8 layers run `block_triton` (`quantize_fp8_groups` + `fp8_block_mm`, or `fp8_block_gemv`
-    at one row), the CUDA sm_89+ path, on CPU under the Triton interpreter instead of the emulation."""
+    """Block-FP8 layers run `block_triton` (`quantize_fp8_groups` + `fp8_block_mm`, or `fp8_block_skinny_mm`
+    up to 64 rows), the CUDA sm_89+ path, on CPU under the Triton interpreter instead of the emulation."""
     chosen = quantization.fp8_matmul_for
 
     def on_cpu(scheme, kernels, input_size, output_size):
@@ -69,10 +69,7 @@ def group_launches(monkeypatch) -> list[tuple[tuple[int, int], int]]:
 def _llm(directory: str, dtype: str) -> LLM:
     llm = LLM(directory, dtype=dtype, attention_backend="triton", block_size=BLOCK, num_blocks=32)
     model = llm.engine.model_runner.model
-    assert model.model.layers[0].input_layernorm.fuses_fp8_quant  # on by default
-    assert not model.model.layers[0].mlp.act.fuses_fp8_quant  # off by default (slower on the GPU)
-    _select_fusion(llm, True)
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # on by default
         assert layer.self_attn.qkv_proj.method.matmul in ("rowwise", "tensorwise")
         assert layer.input_layernorm.fuses_fp8_quant and layer.mlp.act.fuses_fp8_quant
     return llm
@@ -80,7 +77,12 @@ def _llm(directory: str, dtype: str) -> LLM:
 
 def _select_fusion(llm: LLM, fused: bool) -> None:
     runner = llm.engine.model_runner
-    kernels = dataclasses.replace(runner.kernels, fuse_fp8_quant_norm=fused, fuse_fp8_quant_silu=fused)
+    kernels = dataclasses.replace(
+        runner.kernels,
+        fuse_fp8_quant_norm=fused,
+        fuse_fp8_quant_norm_groups=fused,
+        fuse_fp8_quant_silu=fused,
+    )
     for module in runner.model.modules():
         if isinstance(module, (RMSNorm, SiluAndMul)):
             module.select(kernels)
@@ -160,7 +162,8 @@ def test_fused_group_quantization_for_block_fp8_gives_the_same_hidden_states(
 ):
     """A block checkpoint (llm-compressor's FP8_BLOCK) on block_triton: with the fusion on, each decoder
     layer launches `quantize_fp8_groups` once (o_proj) instead of four times, and the final hidden states
-    are bit for bit those with it off; one-row steps (`fp8_block_gemv`) launch none either way."""
+    are bit for bit those with it off. By default the norm leaves the groups to the linears (slower fused on
+    an H200, run 12) and SiLU-and-mul writes them: a one-row step launches it for qkv, o and gate_up."""
     directory = write_fp8_checkpoint(
         request.getfixturevalue(source),
         str(tmp_path / "fp8"),
@@ -169,11 +172,16 @@ def test_fused_group_quantization_for_block_fp8_gives_the_same_hidden_states(
         block=block,
     )
     llm = LLM(directory, dtype="bfloat16", attention_backend="triton", block_size=BLOCK, num_blocks=32)
-    _select_fusion(llm, True)
     layers = llm.engine.model_runner.model.model.layers
     assert all(layer.mlp.down_proj.method.matmul == "block_triton" for layer in layers)
     q_size = layers[0].self_attn.o_proj.input_size
     group = block[1]
+    one_row = _final_hidden(llm, (1,))  # the defaults
+    per_layer = [(1, HIDDEN), (1, q_size), (1, HIDDEN)]  # qkv, o, gate_up; down's came from SiLU-and-mul
+    assert group_launches == [(shape, group) for shape in per_layer] * NUM_LAYERS
+    assert one_row.isfinite().all()
+    _select_fusion(llm, True)
+    group_launches.clear()
     rows = 28
     fused = _final_hidden(llm, (4, 9, 15))
     assert group_launches == [((rows, q_size), group)] * NUM_LAYERS  # o_proj's only
@@ -189,10 +197,6 @@ def test_fused_group_quantization_for_block_fp8_gives_the_same_hidden_states(
     assert group_launches == [(shape, group) for shape in per_layer] * NUM_LAYERS
     assert fused.dtype == torch.bfloat16 and fused.shape == (rows, HIDDEN) and fused.isfinite().all()
     assert torch.equal(fused, unfused)
-    _select_fusion(llm, True)
-    group_launches.clear()
-    one_row = _final_hidden(llm, (1,))
-    assert group_launches == [] and one_row.isfinite().all()
 
 
 def test_fused_group_quantization_greedy_tokens_equal_transformers(

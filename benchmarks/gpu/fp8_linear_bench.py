@@ -8,13 +8,14 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
     gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path where `runs_gemv`
     gemv best   at one row, the fastest tile of a sweep (--cap-s of wall clock, shared out), every output
                 checked; at more rows, that tile again
-    skinny      from 2 to 64 rows: fp8_quant + sluice.kernels.fp8_skinny_mm with its default config (the
-                FP8 linears' path where `runs_skinny`), and the fastest config of a sweep sharing the cap
+    skinny      where `runs_skinny` (2 to 64 rows, and one row on a layer too wide for the gemv): fp8_quant
+                + sluice.kernels.fp8_skinny_mm with its default config (the FP8 linears' path there), and
+                the fastest config of a sweep sharing the cap
     block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
-                + fp8_block_mm (sluice.kernels.fp8_block_mm); up to 8 rows also fp8_block_gemv (one launch),
-                which the block linears run where `runs_gemv`, and from 2 to 64 rows quantize_fp8_groups +
+                + fp8_block_mm (sluice.kernels.fp8_block_mm); up to 8 rows also fp8_block_gemv (one launch,
+                which no block linear runs since run 12), and up to 64 rows quantize_fp8_groups +
                 fp8_block_skinny_mm (sluice.kernels.fp8_skinny_mm, its default config), which they run where
-                `runs_skinny` ("block / bf16": the path they serve); not in "best fp8"
+                `block_runs_skinny` ("block / bf16": the path they serve); not in "best fp8"
 Each figure is the median of CUDA-graph replays of 20 calls in a row over enough weight copies that they do
 not fit in L2, so it is the time a captured decode step spends, launch gaps included. GB/s: the weight's
 bytes over that time. The fp8 outputs are compared with the bf16 product of the same e4m3 weight (block
@@ -46,6 +47,7 @@ from sluice.engine.worker.layers.fp8_linear import (
     GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
     SKINNY_MAX_ROWS,
+    block_runs_skinny,
     quantize_weight,
     runs_gemv,
     runs_skinny,
@@ -55,7 +57,6 @@ from sluice.kernels.fp8_block_gemv import fp8_block_gemv
 from sluice.kernels.fp8_block_mm import fp8_block_mm, quantize_fp8_groups
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
-from sluice.kernels.fp8_skinny_mm import MAX_ROWS as SKINNY_ROWS
 from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
 from sluice.kernels.paged_decode_attention import device_sm_count
 
@@ -202,11 +203,9 @@ class Row:
     block_skinny_s: float | None = None
 
     def block_served_s(self) -> float | None:
-        """The block linears' time as they run this step: the gemv where `runs_gemv`, the skinny matmul
-        where `runs_skinny`, else the block matmul."""
-        if runs_gemv(self.rows, self.linear.out_features):
-            return self.block_gemv_s
-        if runs_skinny(self.rows, self.linear.out_features) and self.block_skinny_s is not None:
+        """The block linears' time as they run this step: the skinny matmul where `block_runs_skinny`, else
+        the block matmul."""
+        if block_runs_skinny(self.rows) and self.block_skinny_s is not None:
             return self.block_skinny_s
         return self.block_s
 
@@ -246,11 +245,11 @@ def bench_linear(
         if rows <= BLOCK_GEMV_ROWS:
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_block_gemv(x, *weights.block[0]), block_want))
             row.block_gemv_s = time_calls_s([partial(_block_gemv, x, *w) for w in weights.block], device)
-        if 1 < rows <= SKINNY_ROWS:
+        if block_runs_skinny(rows):
             got = _block_skinny(x, *weights.block[0])
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(got, block_want))
             row.block_skinny_s = time_calls_s([partial(_block_skinny, x, *w) for w in weights.block], device)
-        if 1 < rows <= SKINNY_ROWS:
+        if runs_skinny(rows, linear.out_features):  # one row too where the layer is too wide for the gemv
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
             _sweep_skinny(row, x, weights, want, device, deadline)

@@ -7,8 +7,8 @@ linear's own `fp8_quant` launch: one launch fewer per such linear and step.
 
 A linear answers a scheme only where it would run a quantization launch on x itself
 (`Fp8LinearMethod.quantized_input`): an FP8 layer on `torch._scaled_mm` with per-token or static activations
-(`fp8_quant`), or a block-FP8 layer on `block_triton` (`quantize_fp8_groups`: the scheme's `group_size`), in
-a step it does not run on `fp8_gemv` / `fp8_block_gemv` (which quantize inside the product). Every other
+(`fp8_quant`) in a step it does not run on `fp8_gemv` (which quantizes inside the product), or a block-FP8
+layer on `block_triton` (`quantize_fp8_groups`: the scheme's `group_size`) in every step. Every other
 linear (bf16, int8/int4, the emulated FP8 paths, the C++ CPU kernels) answers None and is handed the float
 tensor as before.
 """

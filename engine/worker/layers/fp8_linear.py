@@ -26,11 +26,14 @@ It needs `in` and `out` divisible by 16; a layer that is not runs emulated.
 
 Block schemes (`sluice.engine.worker.layers.fp8_blocks`: a scale per [bn, bk] weight block, x quantized per
 row and group of bk columns) keep the codes and block scales on CUDA sm_89+ and run `block_triton`
-(`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`; one-row steps where
-`runs_gemv`: `sluice.kernels.fp8_block_gemv`, the two in one launch, the same codes and scales, the fp32 sums
-in another order; the other steps of up to SKINNY_MAX_ROWS rows (`runs_skinny`):
+(`sluice.kernels.fp8_block_mm`: `quantize_fp8_groups`, then `fp8_block_mm`; steps of up to
+SKINNY_MAX_ROWS rows, one row included (`block_runs_skinny`):
 `sluice.kernels.fp8_skinny_mm.fp8_block_skinny_mm`, the same product swapped and split over K as
-`fp8_skinny_mm`; unmeasured on a GPU, as all three kernels are); elsewhere `block_emulated`
+`fp8_skinny_mm`. Measured on an H200 (docs/perf/, run 12) with 128 x 128 blocks: at 2 rows the skinny launch
+took 0.32-0.94x `fp8_block_mm`'s time on the qkv / o / gate_up / down of llama-3-8b and llama-3.2-1b;
+`sluice.kernels.fp8_block_gemv` (quantization and product in one launch) took 0.85-4.4x `fp8_block_mm`'s
+time at one row and longer than the skinny launch at two on every one of them, so no step takes the gemv);
+elsewhere `block_emulated`
 multiplies the blocks out to float32 at load and the groups' codes by their scales each step (a float32
 rounding each, as compressed-tensors' decompression and fake quantization round them; the reference).
 
@@ -122,16 +125,21 @@ def quantize_activations(
 
 def runs_gemv(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` (its shard's) runs `fp8_gemv` rather
-    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel), or `fp8_block_gemv` rather
-    than `quantize_fp8_groups` + `fp8_block_mm` (block_triton)."""
+    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
     return num_rows <= GEMV_MAX_ROWS and out_features <= GEMV_MAX_OUT_FEATURES
 
 
 def runs_skinny(num_rows: int, out_features: int) -> bool:
     """Whether a step of `num_rows` through a layer of `out_features` runs `fp8_skinny_mm` on the codes of
-    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel), or `fp8_block_skinny_mm`
-    rather than `fp8_block_mm` (block_triton): up to SKINNY_MAX_ROWS, where not `runs_gemv`."""
+    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel): up to SKINNY_MAX_ROWS,
+    where not `runs_gemv`."""
     return num_rows <= SKINNY_MAX_ROWS and not runs_gemv(num_rows, out_features)
+
+
+def block_runs_skinny(num_rows: int) -> bool:
+    """Whether a step of `num_rows` through a block_triton layer runs `fp8_block_skinny_mm` rather than
+    `fp8_block_mm`: up to SKINNY_MAX_ROWS, one row included."""
+    return num_rows <= SKINNY_MAX_ROWS
 
 
 def _rowwise(layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -208,7 +216,6 @@ class Fp8LinearMethod(LinearMethod):
             self._fp8_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_skinny_mm
         if matmul == "block_triton":
             self._fp8_block_mm = import_module("sluice.kernels.fp8_block_mm")
-            self._fp8_block_gemv = import_module("sluice.kernels.fp8_block_gemv").fp8_block_gemv
             self._fp8_block_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_block_skinny_mm
 
     def create_weights(
@@ -296,10 +303,11 @@ class Fp8LinearMethod(LinearMethod):
     def quantized_input(self, layer: LinearBase, num_rows: int) -> Fp8InputScheme | None:
         """The scheme in which a step of `num_rows` may hand this layer its input already quantized (an
         `Fp8Activations`): where `apply` would run a quantization launch on x, i.e. `fp8_quant` on
-        `_scaled_mm` with token or static activations, or `quantize_fp8_groups` on block_triton (the
-        scheme's group_size), off the steps of `fp8_gemv` / `fp8_block_gemv`. Else None."""
-        kernel_quantized = self.quantizes_in_kernel or self.matmul == "block_triton"
-        if not kernel_quantized or runs_gemv(num_rows, layer.weight.shape[0]):
+        `_scaled_mm` with token or static activations off the steps of `fp8_gemv`, or
+        `quantize_fp8_groups` on block_triton (the scheme's group_size), every step. Else None."""
+        if self.matmul == "block_triton":
+            return layer.input_scheme
+        if not self.quantizes_in_kernel or runs_gemv(num_rows, layer.weight.shape[0]):
             return None
         return layer.input_scheme
 
@@ -313,11 +321,8 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        gemv = runs_gemv(rows.shape[0], layer.weight.shape[0])
-        if self.quantizes_in_kernel and gemv:
+        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale, scale_ub=self.scale_ub)
-        elif self.matmul == "block_triton" and gemv:
-            y = self._fp8_block_gemv(rows, layer.weight, layer.weight_scale, self.scheme.block)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
             y = self._matmul(layer, x_q, x_scale, rows.dtype)
@@ -331,7 +336,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], layer.weight.shape[0]):
             return self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, dtype)
         if self.matmul == "block_triton":
-            skinny = runs_skinny(x_q.shape[0], layer.weight.shape[0])
+            skinny = block_runs_skinny(x_q.shape[0])
             block_mm = self._fp8_block_skinny_mm if skinny else self._fp8_block_mm.fp8_block_mm
             return block_mm(x_q, x_scale, layer.weight, layer.weight_scale, self.scheme.block, dtype)
         return FP8_MATMULS[self.matmul](layer, x_q, x_scale)

@@ -49,10 +49,11 @@ class KernelConfig:
         launch, the Triton RMSNorm (before qkv_proj, gate_up_proj) or SiLU-and-mul (before down_proj) writes
         the codes instead (`sluice.engine.worker.layers.fp8_activations`); False leaves the launch to the
         linear (per token or static on `_scaled_mm`, per group of block_k columns on block FP8's
-        `block_triton`). The SiLU-and-mul one is off: on an H200 (docs/perf/README.md, run 11) it took
-        8.9 us a launch at 64 rows of llama-3-8b (it walked a 14336-wide row in 4096-column tiles twice,
-        amax then codes) against ~4.3 us for `silu_and_mul` and `fp8_quant`; the norm's took 4.2 us against
-        ~4.5. It now holds such a row in one tile (one pass), not yet measured on a GPU.
+        `block_triton`). fuse_fp8_quant_norm_groups: the norm's fusion for block FP8's groups too (off).
+        On an H200 (docs/perf/README.md, run 12; fused / unfused launch times at 1-256 rows): the norm per
+        token 0.85-0.98 on llama-3-8b, 0.76-0.83 on llama-3.2-1b; per group of 128, 2.1-4.2 and 1.1-2.0
+        (hence off); the one-pass SiLU-and-mul per token 0.91-1.09 and 0.82-0.89, per group 0.64-0.85 and
+        0.62-0.76 (run 11's two-pass kernel took 2x the unfused launches; off until run 12).
     """
 
     device: torch.device
@@ -66,7 +67,8 @@ class KernelConfig:
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup.single)
     fuse_rotary_store: bool = True
     fuse_fp8_quant_norm: bool = True
-    fuse_fp8_quant_silu: bool = False
+    fuse_fp8_quant_norm_groups: bool = False
+    fuse_fp8_quant_silu: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

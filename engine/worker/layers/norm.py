@@ -41,12 +41,14 @@ class RMSNorm(CustomOp):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.fuses_fp8_quant = False
+        self.fuses_fp8_quant_groups = False
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
         # only an FP8 model asks its linears (`quantized_input`): others keep the plain call per step
         fp8 = kernels.quantization == "fp8"
         self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_norm
+        self.fuses_fp8_quant_groups = self.fuses_fp8_quant and kernels.fuse_fp8_quant_norm_groups
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.rms_norm")
             self._triton_rms_norm, self._triton_rms_norm_fp8_quant = (
@@ -59,10 +61,11 @@ class RMSNorm(CustomOp):
     ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
         """`self(x, residual)` as the input of `linear`, the normed x's only consumer: where this norm runs
         the Triton kernel and `linear` takes its input quantized for x's rows (`quantized_input`: an FP8
-        linear off its one-row gemv), that kernel writes the codes and scales `linear` would compute
-        (`rms_norm_fp8_quant`) and returns them in place of the normed x; the residual_out is the same."""
+        linear off its one-row gemv; per group of columns only with `fuses_fp8_quant_groups`), that kernel
+        writes the codes and scales `linear` would compute (`rms_norm_fp8_quant`) and returns them in place
+        of the normed x; the residual_out is the same."""
         scheme = linear.quantized_input(x.shape[0]) if self.fuses_fp8_quant else None
-        if scheme is None:
+        if scheme is None or (scheme.group_size is not None and not self.fuses_fp8_quant_groups):
             return self(x, residual)
         x_q, x_scale, residual_out = self._triton_rms_norm_fp8_quant(
             x,
