@@ -1,7 +1,10 @@
 """A block-wise FP8 linear for a few rows in one launch: the activations' group quantization and the
-block-scaled product fused, the weight read once. The block linears' one-row steps run it (`fp8_linear`,
-`runs_gemv`) instead of `quantize_fp8_groups` followed by `fp8_block_mm`, as the per-channel linears run
-`fp8_gemv` instead of `fp8_quant` + `_scaled_mm`.
+block-scaled product fused, the weight read once. No layer runs it since the H200's run 12
+(docs/perf/fp8_linears_h200_2026-11-29_run12.md): at one row it took 0.85-4.4x the time of
+`quantize_fp8_groups` + `fp8_block_mm` on the llama-3-8b / llama-3.2-1b linears, and longer than
+`fp8_skinny_mm.fp8_block_skinny_mm` at two rows on all of them, so the block linears' one-row steps take
+that (`fp8_linear.block_runs_skinny`). Kept, with its tests and `fp8_linear_bench`'s "block gemv" column, as
+the one-launch design a retuned tile would be measured against.
 
     weight     w_q [N, K] e4m3, w_scale [cdiv(N, block_n), cdiv(K, block_k)] float32 (one per weight block)
     quantize   x_scale[m, g] = max(max_{k in group g} |x[m, k]| / 448, float32 tiny)   groups of block_k
@@ -29,7 +32,8 @@ needs the whole row first) there is no amax pass before the first weight load. M
 two and GROUPS shrinks with it (the products stay BLOCK_M x BLOCK_N x GROUPS x block_k floats); only a few
 rows are taken (MAX_ROWS).
 
-The tile (`block_gemv_config`: fp8_gemv's rule, no sweep yet) is untuned: no GPU has run this kernel.
+The tile (`block_gemv_config`: fp8_gemv's rule, no sweep yet) is untuned; its GPU tests passed on an H200
+(run 13).
 """
 
 from __future__ import annotations

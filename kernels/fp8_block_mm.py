@@ -20,8 +20,10 @@ w_scale[n // block_n, kb], so BLOCK_N need not match block_n) and added to the f
 `tl.dot` needs K >= 32 on NVIDIA GPUs: a block_k of 16 multiplies the codes widened to fp16 (exact).
 `fp8_block_mm_reference` is the same formula in PyTorch, a loop over K blocks.
 
-The tiles (`block_mm_tiles`; num_warps 4, num_stages 3) and the quantization's GROUPS are untuned: no GPU
-speed has been measured.
+The tiles (`block_mm_tiles`; num_warps 4, num_stages 3) and the quantization's GROUPS are untuned. On an
+H200 (runs 12-14) its tests passed, and over a burst of 64 prompts on the llama-3-8b shape (steps of up
+to 2,048 tokens) a step spent 31.6 ms in it on average, against 10.7 ms in cuBLAS's per-channel FP8
+product (docs/QUANTIZATION.md): prompts are where tuning would pay.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An FP8 linear for a few rows in one launch: activation quantization and the product fused, the weight
-read once. The FP8 linears' batch-1 steps run it on their narrower layers (`fp8_linear.runs_gemv`) instead
-of `fp8_quant` followed by `torch._scaled_mm`.
+read once. The FP8 linears' batch-1 steps run it on their smaller weights (`fp8_linear.runs_gemv`: at most
+2^24 elements) instead of `fp8_quant` followed by `torch._scaled_mm`.
 
     x_scale[m] = max(max_k |x[m, k]| / 448, tiny)   dynamic (per token), or the static input_scale
     x_q[m, k]  = e4m3(clamp(x[m, k] / x_scale[m], -448, 448))
@@ -113,7 +113,7 @@ MIN_PROGRAMS_PER_SM = 1.5  # the rule's narrowest grid: 192 programs on 132 SMs 
 
 # The best tile of the H100 sweep at one row (kernel_bench, 2026-11-26 run 5:
 # docs/perf/fp8_linears_h100_2026-11-26_run5.md), by weight shape [out_features, in_features]; both down
-# tiles from the H200's latency sweep (run 12: docs/perf/kernel_bench_h200_2026-11-29_run12.md), where a
+# tiles from the H200's latency sweep (run 12: docs/perf/fp8_linears_h200_2026-11-29_run12.md), where a
 # 4096-column amax pass and a 3-stage pipelined product beat run 5's tiles on both. Used where the device
 # has as many SMs (an H100 SXM or an H200: 132); the rule elsewhere.
 SWEPT_SM_COUNT = 132

@@ -16,8 +16,8 @@ import triton
 from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE, KERNEL_DTYPES
 
+from sluice.engine.worker.layers import fp8_linear
 from sluice.engine.worker.layers.fp8_linear import (
-    GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
     quantize_activations,
     quantize_weight,
@@ -276,13 +276,15 @@ def test_decode_sized_steps_of_scaled_mm_layers_run_the_gemv(matmul, dtype, acti
     torch.testing.assert_close(y.float(), expected, rtol=0, atol=atol)
 
 
-def test_more_rows_or_a_wider_layer_quantize_first():
-    assert runs_gemv(GEMV_MAX_ROWS, GEMV_MAX_OUT_FEATURES)
-    assert not runs_gemv(GEMV_MAX_ROWS + 1, 32)
-    assert not runs_gemv(1, GEMV_MAX_OUT_FEATURES + 1)
+def test_more_rows_or_a_larger_weight_quantize_first(monkeypatch):
+    # the H200's choice (run 12): llama-3-8b's o and llama-3.2-1b's down on the gemv, 8b's qkv and down not
+    assert runs_gemv(GEMV_MAX_ROWS, 4096, 4096) and runs_gemv(1, 2048, 8192)
+    assert not runs_gemv(1, 6144, 4096) and not runs_gemv(1, 4096, 14336)
+    assert not runs_gemv(GEMV_MAX_ROWS + 1, 32, 64)
+    monkeypatch.setattr(fp8_linear, "GEMV_MAX_WEIGHT", 32 * 64)  # a weight of 48 x 64 is past it
+    assert runs_gemv(1, 32, 64) and not runs_gemv(1, 48, 64)
     gen = torch.Generator().manual_seed(6)
-    layer = fp8_layer(torch.randn(GEMV_MAX_OUT_FEATURES + 16, 64, generator=gen), "rowwise", torch.bfloat16,
-                      "token", device=DEVICE)  # fmt: skip
+    layer = fp8_layer(torch.randn(48, 64, generator=gen), "rowwise", torch.bfloat16, "token", device=DEVICE)
     method = layer.method
     gemv_calls, quantize_calls = [], []
     gemv, quantize = method._fp8_gemv, method._quantize_fp8

@@ -9,8 +9,8 @@ from fp8_checkpoints import fp8_layer
 from paged_batch import DEVICE
 
 from sluice.engine.worker.layers.fp8_linear import (
-    GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
+    GEMV_MAX_WEIGHT,
     SKINNY_MAX_ROWS,
     quantize_activations,
     quantize_weight,
@@ -138,9 +138,9 @@ def test_bad_arguments_name_the_argument(change, message):
 def test_layers_run_it_up_to_skinny_max_rows_where_the_gemv_does_not(matmul, dtype, activations):
     """Rows past GEMV_MAX_ROWS up to SKINNY_MAX_ROWS: `fp8_quant`'s codes, then `fp8_skinny_mm`; the
     emulated product of the same codes but for the sums' order, in the model's dtype, then the bias."""
-    assert not runs_skinny(GEMV_MAX_ROWS, 32) and runs_skinny(GEMV_MAX_ROWS + 1, 32)
-    assert runs_skinny(GEMV_MAX_ROWS, GEMV_MAX_OUT_FEATURES + 1)  # where the gemv does not run
-    assert runs_skinny(SKINNY_MAX_ROWS, 1 << 20) and not runs_skinny(SKINNY_MAX_ROWS + 1, 32)
+    assert not runs_skinny(GEMV_MAX_ROWS, 32, 64) and runs_skinny(GEMV_MAX_ROWS + 1, 32, 64)
+    assert runs_skinny(GEMV_MAX_ROWS, GEMV_MAX_WEIGHT // 64 + 1, 64)  # where the gemv does not run
+    assert runs_skinny(SKINNY_MAX_ROWS, 1 << 20, 64) and not runs_skinny(SKINNY_MAX_ROWS + 1, 32, 64)
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
     layer = fp8_layer(weight, matmul, dtype, activations, bias=bias, device=DEVICE)

@@ -8,7 +8,7 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
     gemv        sluice.kernels.fp8_gemv with its default tile: the FP8 linears' path where `runs_gemv`
     gemv best   at one row, the fastest tile of a sweep (--cap-s of wall clock, shared out), every output
                 checked; at more rows, that tile again
-    skinny      where `runs_skinny` (2 to 64 rows, and one row on a layer too wide for the gemv): fp8_quant
+    skinny      where `runs_skinny` (2 to 64 rows, and one row past GEMV_MAX_WEIGHT): fp8_quant
                 + sluice.kernels.fp8_skinny_mm with its default config (the FP8 linears' path there), and
                 the fastest config of a sweep sharing the cap
     block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
@@ -44,8 +44,8 @@ from sluice.benchmarks.gpu.gpu_benchmarks import CALLS_PER_GRAPH, time_graph_s
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.worker.layers.fp8_blocks import dequantize_blocks, quantize_weight_blocks
 from sluice.engine.worker.layers.fp8_linear import (
-    GEMV_MAX_OUT_FEATURES,
     GEMV_MAX_ROWS,
+    GEMV_MAX_WEIGHT,
     SKINNY_MAX_ROWS,
     block_runs_skinny,
     quantize_weight,
@@ -249,7 +249,7 @@ def bench_linear(
             got = _block_skinny(x, *weights.block[0])
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(got, block_want))
             row.block_skinny_s = time_calls_s([partial(_block_skinny, x, *w) for w in weights.block], device)
-        if runs_skinny(rows, linear.out_features):  # one row too where the layer is too wide for the gemv
+        if runs_skinny(rows, linear.out_features, linear.in_features):  # one row too past GEMV_MAX_WEIGHT
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
             _sweep_skinny(row, x, weights, want, device, deadline)
@@ -393,9 +393,9 @@ def layer_table(rows: Sequence[Row]) -> str:
 
 
 def _served_s(row: Row) -> float | None:
-    if runs_gemv(row.rows, row.linear.out_features):
+    if runs_gemv(row.rows, row.linear.out_features, row.linear.in_features):
         return row.gemv_s
-    if runs_skinny(row.rows, row.linear.out_features):
+    if runs_skinny(row.rows, row.linear.out_features, row.linear.in_features):
         return row.skinny_s
     return row.scaled_mm_s
 
@@ -420,7 +420,7 @@ def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
         print(f"[fp8_linear_bench] {linear.model} {linear.name} done", file=sys.stderr, flush=True)
     return (
         f"# FP8 linears at decode batch sizes ({where})\n\n"
-        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_OUT_FEATURES = {GEMV_MAX_OUT_FEATURES}, "
+        f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_WEIGHT = {GEMV_MAX_WEIGHT}, "
         f"SKINNY_MAX_ROWS = {SKINNY_MAX_ROWS}; "
         f"tile sweeps capped at {cap_s:.0f} s "
         f"({'stopped early' if time.monotonic() > deadline else 'complete'}).\n\n"

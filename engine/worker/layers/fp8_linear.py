@@ -44,11 +44,15 @@ contiguous: the row-wise scale_a as it is) instead of up to nine ATen kernels. A
 quantization below (`scale_ub`) and in the emulation. Dynamic tensor activations (one amax over the whole
 x) and the emulated path run `quantize_activations`.
 
-One-row steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on layers of at most
-GEMV_MAX_OUT_FEATURES outputs (`runs_gemv`): the same quantization and product in one launch (the same
-codes and scales; the fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*,
-runs 5-7) with the swept tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv /
-o / down of llama-3-8b and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there.
+One-row steps there run `sluice.kernels.fp8_gemv.fp8_gemv` instead on weights of at most GEMV_MAX_WEIGHT
+elements (`runs_gemv`): the same quantization and product in one launch (the same codes and scales; the
+fp32 sums in another order). Measured on an H100 (docs/perf/, fp8_linears_h100_*, runs 5-7) with the swept
+tiles: at one row it took 0.52-0.71x `fp8_quant` + `_scaled_mm`'s time on the qkv / o / down of llama-3-8b
+and llama-3.2-1b, whose 128-wide tiles leave most SMs idle there. On an H200 (run 12) `fp8_skinny_mm` at two
+rows beat the gemv at one on every larger weight (llama-3-8b's qkv 12.8 us against 15.0, down 24.7 against
+29.1, gate_up 34.6 against 51.1; llama-3.2-1b's gate_up 13.4 against 17.4) and lost on the smaller ones
+(llama-3.2-1b's qkv 8.8 against 6.3, o 8.1 against 5.7), tying at 2^24 elements (llama-3-8b's o,
+llama-3.2-1b's down): those larger weights take the skinny launch at one row too.
 
 Where `fp8_quant` or `quantize_fp8_groups` would run, the kernel that made x may quantize it instead
 (`quantized_input`, the seam of `sluice.engine.worker.layers.fp8_activations`): the decoders' RMSNorm before
@@ -91,7 +95,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row quantizes to zeros, not NaN
 GEMV_MAX_ROWS = 1  # steps of at most this many rows run `fp8_gemv` (`runs_gemv`)
-GEMV_MAX_OUT_FEATURES = 12288  # ... on layers of at most this many outputs
+GEMV_MAX_WEIGHT = 1 << 24  # ... on weights of at most this many elements (the shard's)
 SKINNY_MAX_ROWS = 64  # the other steps of at most this many rows run `fp8_skinny_mm` (`runs_skinny`)
 
 
@@ -123,17 +127,17 @@ def quantize_activations(
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def runs_gemv(num_rows: int, out_features: int) -> bool:
-    """Whether a step of `num_rows` through a layer of `out_features` (its shard's) runs `fp8_gemv` rather
-    than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
-    return num_rows <= GEMV_MAX_ROWS and out_features <= GEMV_MAX_OUT_FEATURES
+def runs_gemv(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a step of `num_rows` through a weight [out_features, in_features] (its shard's) runs
+    `fp8_gemv` rather than `fp8_quant` + `_scaled_mm` (on the layers that quantize in a kernel)."""
+    return num_rows <= GEMV_MAX_ROWS and out_features * in_features <= GEMV_MAX_WEIGHT
 
 
-def runs_skinny(num_rows: int, out_features: int) -> bool:
-    """Whether a step of `num_rows` through a layer of `out_features` runs `fp8_skinny_mm` on the codes of
-    `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel): up to SKINNY_MAX_ROWS,
-    where not `runs_gemv`."""
-    return num_rows <= SKINNY_MAX_ROWS and not runs_gemv(num_rows, out_features)
+def runs_skinny(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a step of `num_rows` through a weight [out_features, in_features] runs `fp8_skinny_mm` on the
+    codes of `fp8_quant` rather than `_scaled_mm` (on the layers that quantize in a kernel): up to
+    SKINNY_MAX_ROWS, where not `runs_gemv`."""
+    return num_rows <= SKINNY_MAX_ROWS and not runs_gemv(num_rows, out_features, in_features)
 
 
 def block_runs_skinny(num_rows: int) -> bool:
@@ -307,7 +311,7 @@ class Fp8LinearMethod(LinearMethod):
         `quantize_fp8_groups` on block_triton (the scheme's group_size), every step. Else None."""
         if self.matmul == "block_triton":
             return layer.input_scheme
-        if not self.quantizes_in_kernel or runs_gemv(num_rows, layer.weight.shape[0]):
+        if not self.quantizes_in_kernel or runs_gemv(num_rows, *layer.weight.shape):
             return None
         return layer.input_scheme
 
@@ -321,7 +325,7 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         input_scale = getattr(layer, "input_scale", None)
-        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], layer.weight.shape[0]):
+        if self.quantizes_in_kernel and runs_gemv(rows.shape[0], *layer.weight.shape):
             y = self._fp8_gemv(rows, layer.weight, layer.weight_scale, input_scale, scale_ub=self.scale_ub)
         else:
             x_q, x_scale = self.quantize(rows, input_scale)
@@ -333,7 +337,7 @@ class Fp8LinearMethod(LinearMethod):
         self, layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """y [M, out] in `dtype`, before the bias, from x's codes [M, in] and scales."""
-        if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], layer.weight.shape[0]):
+        if self.quantizes_in_kernel and runs_skinny(x_q.shape[0], *layer.weight.shape):
             return self._fp8_skinny_mm(x_q, x_scale, layer.weight, layer.weight_scale, dtype)
         if self.matmul == "block_triton":
             skinny = block_runs_skinny(x_q.shape[0])
