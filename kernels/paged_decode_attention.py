@@ -28,9 +28,9 @@ An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes, converted til
 (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), with the scales folded into the scores'
 scale and each slice's output (FOLD_KV_SCALES) or applied to every value; the scales are read on the
 device, so a captured graph stays valid.
-Tile sizes and num_warps / num_stages (`decode_config`) were swept once on an H100 (docs/perf/README.md):
-the default was best at 4k x 32; three other tiles ran 1.22-1.25x faster at 32k x 8 in one sample each, and
-slower at 4k x 32, so the table stays until repeated runs settle a context-dependent choice.
+Tile sizes and num_warps / num_stages (`decode_config`) were swept on an H100 (run 2: 64 positions best at
+4k x 32, 128 faster at 32k x 8) and, on the kernel as it is now, on an H200 (run 12: 128 positions faster
+at both, 1.14x and 1.40x; docs/perf/README.md), whose choice the bf16 / fp16 cache takes.
 """
 
 from __future__ import annotations
@@ -88,11 +88,16 @@ class DecodeConfig:
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Untuned table: 64-position tiles (16 KiB of K per step at head_dim 128 in bf16), 4 warps, 3 stages;
-    32 positions and 2 stages when an element is 4 bytes or head_dim > 128."""
+    """128-position tiles (32 KiB of K per step at head_dim 128 in bf16), 4 warps, 3 stages; 32 positions
+    and 2 stages when an element of q is 4 bytes or head_dim > 128. The H200's sweep (run 12,
+    docs/perf/gpu_check_h200_2026-11-29_run12.md; head_dim 128, a bf16 cache) timed 128 positions 1.14x and
+    1.40x faster than 64 at 4k x 32 and 32k x 8 (0.90 and 0.89 of the copy bandwidth); on an H100 with the
+    kernel of run 2 they were slower at 4k x 32 (0.74x) and faster at 32k x 8 (1.06-1.25x). An FP8 cache
+    takes the same tile (so that dequantizing it stays bit for bit the model-dtype kernel on the dequantized
+    cache); no sweep has timed it there."""
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
-    return DecodeConfig(tile_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(tile_n=128, num_warps=4, num_stages=3)
 
 
 def pick_num_splits(

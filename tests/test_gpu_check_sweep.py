@@ -41,7 +41,7 @@ def test_split_count_is_the_kernels_pick_at_its_constant_and_follows_programs_pe
             seqs, kv_heads, context, sms, partition
         )
     assert PROGRAMS_PER_SM == 2
-    per_sm = {c.programs_per_sm: c for c in sweep.DECODE_CANDIDATES if c.config == DecodeConfig(64, 4, 3)}
+    per_sm = {c.programs_per_sm: c for c in sweep.DECODE_CANDIDATES if c.config == DecodeConfig(128, 4, 3)}
     # 32k x 8 on 132 SMs: 64 (sequence, KV head) pairs; 4k x 32: 256, and 8 partitions of 512.
     assert [sweep.split_count(per_sm[n], 8, 8, 32768, 132) for n in (1, 2, 4, 8)] == [3, 5, 9, 17]
     assert [sweep.split_count(per_sm[n], 32, 8, 4096, 132) for n in (1, 2, 4, 8)] == [1, 2, 3, 5]
@@ -182,9 +182,8 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
     )
     text, wrong = sweep.sweep_section(30, [shape])
     assert wrong == [] and "Wall-clock cap 30 s" in text and f"- {shape.record['best_line']}" in text
-    assert (
-        "DecodeConfig(tile_n=64, num_warps=4, num_stages=3), PROGRAMS_PER_SM = 2" in shape.record["best_line"]
-    )
+    best = shape.record["best_line"]
+    assert "DecodeConfig(tile_n=128, num_warps=4, num_stages=3), PROGRAMS_PER_SM = 2" in best
 
 
 @pytest.mark.parametrize("seed", [0, 8])

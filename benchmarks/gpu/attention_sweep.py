@@ -114,23 +114,22 @@ def _decode(tile_n: int, warps: int, stages: int, per_sm: int = PROGRAMS_PER_SM)
 # binds at these two shapes (a 4k context has 8 partitions of 512, more than any split count below asks
 # for at batch 32), so it stays at its default here; `split_count` shows the slices each row ran.
 DECODE_CANDIDATES = (
-    _decode(64, 4, 3),
+    _decode(128, 4, 3),
+    _decode(64, 4, 3),  # the default until run 12
     _decode(64, 4, 2),
     _decode(64, 4, 4),
-    _decode(128, 4, 3),
     _decode(32, 4, 3),
-    _decode(64, 8, 3),
     _decode(128, 8, 3),
     _decode(128, 4, 4),
-    _decode(64, 4, 3, per_sm=1),
-    _decode(64, 4, 3, per_sm=4),
-    _decode(64, 4, 3, per_sm=8),
+    _decode(128, 4, 3, per_sm=1),
     _decode(128, 4, 3, per_sm=4),
+    _decode(128, 4, 3, per_sm=8),
+    _decode(64, 4, 3, per_sm=4),
 )
 
 
 # Batch 1, a 256-position context, in a graph captured for 8k: the partition size sets how many slices the
-# short context is cut into (512: one; 64: four), at the default tile and at a narrower one.
+# short context is cut into (512: one; 64: four), at 64 positions (the default tile until run 12) and 32.
 GRAPH_DECODE_SHAPE = (256, 1, 8192)  # (context, batch, the graph's max context)
 GRAPH_DECODE_CANDIDATES = (
     DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=64),
