@@ -50,7 +50,8 @@ ABORT_MARGIN_S = 1.0
 # under load they queue) and every call that reaches a connection before its client has read the
 # GOAWAY. Until then the servicers refuse calls with UNAVAILABLE (retried elsewhere), so the GOAWAY
 # waits until calls have stopped coming: at least HEALTH_NOTICE_S (clients watching health move away)
-# and then until no call has arrived for QUIET_S (nothing queued, nothing on the way).
+# and then until no call has arrived for QUIET_S (nothing queued, nothing on the way), counted only over
+# time the event loop kept its schedule (a loop that wakes late may have calls queued it has not seen).
 HEALTH_NOTICE_S = 0.5
 QUIET_S = 0.25
 
@@ -212,15 +213,13 @@ class SluiceServer:
         return self.servicer.num_active_requests + self.smg_servicer.num_active_requests
 
     async def _wait_for_quiet(self, earliest: float, latest: float) -> None:
-        """Returns once `earliest` has passed and no call has arrived for QUIET_S, or at `latest`."""
-        await asyncio.sleep(max(0.0, earliest - time.monotonic()))
-        while (now := time.monotonic()) < latest:
-            quiet_for = now - self.arrivals.last_arrival
-            if quiet_for >= QUIET_S:
-                return
-            await asyncio.sleep(min(QUIET_S - quiet_for, latest - now))
-        if self.arrivals.last_arrival > latest - QUIET_S:
-            logger.warning("calls still arriving at the end of the grace period; sending GOAWAY anyway")
+        """Returns once `earliest` has passed and no call has arrived for QUIET_S (of time the event loop
+        kept its schedule: `CallArrivals.wait_for_quiet`), or at `latest`."""
+        if not await self.arrivals.wait_for_quiet(QUIET_S, earliest, latest):
+            logger.warning(
+                "calls still arriving (or the event loop too busy to tell) at the end of the grace period; "
+                "sending GOAWAY anyway"
+            )
 
     async def _wait_for_requests(self, deadline: float) -> None:
         while self.num_active_requests and time.monotonic() < deadline:
