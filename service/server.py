@@ -193,7 +193,14 @@ class SluiceServer:
         grace = self.config.grace_period if grace_period is None else grace_period
         start = time.monotonic()
         await self.begin_drain()
-        await self._wait_for_quiet(start + min(HEALTH_NOTICE_S, grace), start + grace)
+        if await self.arrivals.wait_for_quiet(QUIET_S, start + min(HEALTH_NOTICE_S, grace), start + grace):
+            elapsed = time.monotonic() - start
+            logger.info("draining: no new call for %.2f s, %.2f s into the drain: GOAWAY", QUIET_S, elapsed)
+        else:
+            logger.warning(
+                "calls still arriving (or the event loop too busy to tell) at the end of the grace period; "
+                "sending GOAWAY anyway"
+            )
         server, self._server = self._server, None
         remaining = max(0.0, start + grace - time.monotonic())
         stopping = None if server is None else asyncio.ensure_future(server.stop(remaining + ABORT_MARGIN_S))
@@ -211,15 +218,6 @@ class SluiceServer:
     def num_active_requests(self) -> int:
         """Generation requests of every API not yet ended."""
         return self.servicer.num_active_requests + self.smg_servicer.num_active_requests
-
-    async def _wait_for_quiet(self, earliest: float, latest: float) -> None:
-        """Returns once `earliest` has passed and no call has arrived for QUIET_S (of time the event loop
-        kept its schedule: `CallArrivals.wait_for_quiet`), or at `latest`."""
-        if not await self.arrivals.wait_for_quiet(QUIET_S, earliest, latest):
-            logger.warning(
-                "calls still arriving (or the event loop too busy to tell) at the end of the grace period; "
-                "sending GOAWAY anyway"
-            )
 
     async def _wait_for_requests(self, deadline: float) -> None:
         while self.num_active_requests and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 from pathlib import Path
 
@@ -66,23 +67,28 @@ class DocumentedClientLoop:
 
 async def _plain_call(
     stub: pb_grpc.InferenceServiceStub, index: int, answered: asyncio.Event, max_tokens: int = 2
-) -> grpc.StatusCode:
-    """The call's status; sets `answered` at its first response (a handler is serving it)."""
+) -> tuple[grpc.StatusCode, float]:
+    """The call's status and when it was fired (the event loop's clock); sets `answered` at its first
+    response (a handler is serving it)."""
+    fired = asyncio.get_running_loop().time()
     request = generate_request(f"storm {index}", temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     call = stub.Generate(request, timeout=60)
     try:
         async for _ in call:
             answered.set()
     except grpc.aio.AioRpcError as error:
-        return error.code()
-    return grpc.StatusCode.OK
+        return error.code(), fired
+    return grpc.StatusCode.OK, fired
 
 
-async def _storm(draining: SluiceProcess) -> collections.Counter[grpc.StatusCode]:
+async def _storm(draining: SluiceProcess) -> tuple[collections.Counter[grpc.StatusCode], str]:
     """Plain calls at the draining server: LOAD long ones just before SIGTERM, a trickle from before
     SIGTERM to well after NOT_SERVING, and WAVES waves of calls over the drain's first second. SIGTERM
     comes once the server has answered one of them: a call in a handler before the drain, which must end
-    OK (on a busy machine 0.5 s was not always enough for any call to get that far)."""
+    OK (on a busy machine 0.5 s was not always enough for any call to get that far). Returns the calls'
+    statuses and, for a failure's message, when the CANCELLED ones were fired and the trickle's longest
+    pause (a client stalled longer than the server's quiet window gives it a quiet it cannot tell from
+    calls having stopped)."""
     options = [("grpc.enable_retries", 0)]  # plain: no retry of any kind
     async with (
         grpc.aio.insecure_channel(draining.target, options=options) as channel,
@@ -100,6 +106,7 @@ async def _storm(draining: SluiceProcess) -> collections.Counter[grpc.StatusCode
             loop = asyncio.get_running_loop()
             while not drain_seen.is_set() or loop.time() < drain_seen_at + TRICKLE_AFTER_DRAIN_S:
                 calls.append(fire(len(calls)))
+                trickle_times.append(loop.time())
                 await asyncio.sleep(TRICKLE_INTERVAL_S)
 
         async def serving() -> bool:
@@ -108,6 +115,7 @@ async def _storm(draining: SluiceProcess) -> collections.Counter[grpc.StatusCode
             return response.status == health_pb2.HealthCheckResponse.SERVING
 
         drain_seen_at = 0.0
+        trickle_times: list[float] = []
         trickling = asyncio.create_task(trickle())
         calls += [fire(-i, max_tokens=40) for i in range(LOAD)]
         await asyncio.sleep(0.5)
@@ -121,7 +129,14 @@ async def _storm(draining: SluiceProcess) -> collections.Counter[grpc.StatusCode
             calls += [fire(len(calls) + i) for i in range(WAVE_SIZE)]
             await asyncio.sleep(WAVE_INTERVAL_S)
         await trickling
-        return collections.Counter(await asyncio.gather(*calls))
+        results = await asyncio.gather(*calls)
+    pause, after = max((b - a, a) for a, b in itertools.pairwise(trickle_times))
+    cancelled = [f"{at - drain_seen_at:+.3f}" for code, at in results if code == grpc.StatusCode.CANCELLED]
+    seen = (
+        f"CANCELLED calls fired at {cancelled} s from NOT_SERVING seen; the trickle's longest pause "
+        f"{pause:.3f} s, from {after - drain_seen_at:+.3f} s"
+    )
+    return collections.Counter(code for code, _ in results), seen
 
 
 def test_calls_fired_across_a_drain_end_ok_or_unavailable_never_cancelled(
@@ -133,13 +148,13 @@ def test_calls_fired_across_a_drain_end_ok_or_unavailable_never_cancelled(
         documented = DocumentedClientLoop(f"ipv4:{draining.target},{staying.target}", num_threads=3)
         try:
             wait_for(lambda: draining.finished() >= 2 and staying.finished() >= 2, 120, "calls on both")
-            codes = asyncio.run(_storm(draining))
+            codes, seen = asyncio.run(_storm(draining))
             assert draining.process.wait(timeout=GRACE_PERIOD + 30) == 0
             ok_before_stop = documented.num_ok
             wait_for(lambda: documented.num_ok >= ok_before_stop + 5, 120, "calls on the staying server")
         finally:
             documented.stop()
-        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, (codes, seen)
         assert codes[grpc.StatusCode.UNAVAILABLE] >= WAVES * WAVE_SIZE, codes  # the waves met the drain
         assert codes[grpc.StatusCode.OK] >= 1, codes  # the answered call, at least, came before it
         assert documented.failures == []
