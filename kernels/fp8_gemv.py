@@ -48,8 +48,9 @@ Split K sums its partials in a second launch (fp8_skinny_mm's reduce), not in th
 channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
 times it, as its graph replays include it), but keeps no state between launches (a counter buffer that
 must be zero before every replay, on every device, allocated before any graph is captured) and needs no
-memory ordering, which the interpreter cannot check. If the GPU sweep finds split K winning by less than
-the reduce's launch, the counter is the next thing to try.
+memory ordering, which the interpreter cannot check. `fp8_skinny_mm`'s `fused_reduce` option is that
+counter (off by default until a GPU run times it); if the GPU sweep finds this kernel's split K winning by
+less than the reduce's launch, it is the next thing to bring here.
 """
 
 from __future__ import annotations

@@ -23,6 +23,16 @@ With SPLIT_K == 1 the program scales and stores y; otherwise it stores its fp32 
 adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count (at least 1.5 programs per SM), or an H100
 sweep's config for the shapes where it did better.
 
+`SkinnyConfig.fused_reduce` adds the partial sums in the same launch instead: each program stores its
+partial sums, then counts itself in on its channel block's counter (an int32, atomic, acq_rel); the last of
+the SPLIT_K to arrive reads the others' partial sums back (after its acquire, past L1) and adds them in split
+order, as the reduce launch does, so y is bit for bit the same. It then puts the counter back to 0, so the
+counters (`split_counters`, one zeroed buffer per device, allocated before any CUDA graph captures a launch
+and never freed) are zero before every launch and every graph replay. Why: the reduce launches were 2.6% of
+an 8b FP8 one-row step's device time and 4% of a 64-row step's on an H200 (run 14: 64 and 96 launches of
+1.4-2.1 us), each also a gap in the graph. Off by default until a GPU run times it and runs its tests: the
+interpreter runs programs one at a time and cannot check the memory ordering.
+
 `fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
 operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
 so each K step is one scale block, whose dot is scaled by its [BLOCK_M] activation and [BLOCK_N] weight
@@ -56,6 +66,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fused_reduce: bool = False  # split K's partial sums added by each channel block's last split (above)
 
     def __post_init__(self) -> None:
         check_power_of_two("block_n", self.block_n, 16)
@@ -107,8 +118,46 @@ def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_co
 
 
 @triton.jit
+def _add_splits_if_last(
+    y_ptr,
+    workspace_ptr,
+    counter_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
+    acc,  # this program's partial sums, stored already: only its shape and dtype are used
+    rows,
+    channels,
+    out_mask,
+    M,
+    N,
+    x_scale_stride,
+    SPLIT_K: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """FUSED_REDUCE: counts this split in on its channel block's counter; the last of the SPLIT_K adds
+    every split's partial sums in split order (`_fp8_skinny_reduce_kernel`'s sums), scales them unless they
+    are scaled already, stores y and puts the counter back to 0 for the next launch."""
+    tl.debug_barrier()  # every thread's partial sums are stored before the count releases them
+    counter = counter_ptr + tl.program_id(0)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+        total = tl.zeros_like(acc)
+        for split in tl.static_range(SPLIT_K):
+            partial = workspace_ptr + (split * M + rows[None, :]).to(tl.int64) * N + channels[:, None]
+            total += tl.load(partial, mask=out_mask, other=0.0, cache_modifier=".cg")  # past L1
+        if SCALED:
+            x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=rows < M, other=0.0)
+            w_scale = tl.load(w_scale_ptr + channels, mask=channels < N, other=0.0)
+            total = total * x_scale[None, :] * w_scale[:, None]
+        y = y_ptr + rows[None, :] * N + channels[:, None]
+        tl.store(y, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(counter, 0)
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
+    y_ptr,  # FUSED_REDUCE only: y [M, N] out dtype
+    counter_ptr,  # FUSED_REDUCE only: [>= cdiv(N, BLOCK_N)] int32, zero before the launch (and after it)
     x_ptr,  # [M, K] uint8: x's e4m3 codes
     x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
@@ -126,6 +175,7 @@ def _fp8_skinny_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr = 0,  # block_n of block scales (BLOCK_K is then block_k); 0: per channel
+    FUSED_REDUCE: tl.constexpr = False,  # SPLIT_K > 1 only: the last split of a channel block adds them up
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -173,6 +223,11 @@ def _fp8_skinny_kernel(
     else:
         partial = out_ptr + (split * M + rows[None, :]).to(tl.int64) * N + channels[:, None]
         tl.store(partial, acc, mask=out_mask)
+        if FUSED_REDUCE:
+            _add_splits_if_last(
+                y_ptr, out_ptr, counter_ptr, x_scale_ptr, w_scale_ptr, acc, rows, channels, out_mask, M, N,
+                x_scale_stride, SPLIT_K, SCALE_BLOCK_N == 0,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -271,8 +326,12 @@ def _launch(
         else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
     )
     blocks = scale_block_n is not None
-    _fp8_skinny_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+    channel_blocks = triton.cdiv(out_features, config.block_n)
+    counters = split_counters(y.device, channel_blocks) if config.fused_reduce and split_k > 1 else None
+    _fp8_skinny_kernel[(channel_blocks, split_k)](
         out,
+        y if counters is not None else None,
+        counters,
         x_q.view(torch.uint8),
         x_scale,
         weight.view(torch.uint8),
@@ -290,12 +349,32 @@ def _launch(
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
         SCALE_BLOCK_N=scale_block_n or 0,
+        FUSED_REDUCE=counters is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split_k > 1:
+    if split_k > 1 and counters is None:
         reduce_split_k(y, out, None if blocks else (x_scale, weight_scale))
     return y
+
+
+SPLIT_COUNTERS = 1 << 16  # channel blocks a fused-reduce launch may have (llama-3-8b's most: 448)
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, channel_blocks: int) -> torch.Tensor | None:
+    """The FUSED_REDUCE launches' counters on `device`: SPLIT_COUNTERS int32 zeros, allocated at the first
+    call and kept (a captured CUDA graph holds their address); the launches leave them zero. None where a
+    launch has more channel blocks, or while a CUDA graph is being captured before any launch allocated
+    them: that launch adds its splits in the reduce launch instead."""
+    if channel_blocks > SPLIT_COUNTERS:
+        return None
+    counters = _split_counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _split_counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def reduce_split_k(

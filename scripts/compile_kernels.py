@@ -30,7 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -250,10 +250,16 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:
             for config in LATENCY_SWEEP:
                 fp8_gemv.fp8_gemv(activations, codes, scales, config=config)
-        # Steps of 3-64 rows (`fp8_skinny_mm` on fp8_quant's codes): 16 and 64 rows, K split as on an H100.
+        # Steps of 3-64 rows (`fp8_skinny_mm` on fp8_quant's codes): 16 and 64 rows, K split as on an H100;
+        # in the kernel_bench's shapes also with the split K added up in the same launch (`fused_reduce`).
         for rows in (16, 64):
             x_q = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
             fp8_skinny_mm.fp8_skinny_mm(x_q, torch.ones(rows, 1), codes, scales, dtype)
+            if shape in ("llama-3-8b", "llama-3.2-1b") and dtype == torch.bfloat16:
+                sm_count = fp8_skinny_mm.SWEPT_SM_COUNT  # an H100's
+                config = fp8_skinny_mm.skinny_config(arch.hidden_size, width, sm_count, rows)
+                fused = replace(config, fused_reduce=True)
+                fp8_skinny_mm.fp8_skinny_mm(x_q, torch.ones(rows, 1), codes, scales, dtype, fused)
         # Block-wise FP8 checkpoints (128 x 128 weight blocks, activation groups of 128 columns): the group
         # quantization and the block-scaled product at one row and at 64 (both of its tiles), and the
         # one-launch gemv of their one-row steps.

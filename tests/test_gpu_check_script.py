@@ -177,7 +177,7 @@ def test_the_kernel_bench_step_writes_its_tables_when_named(tmp_path: Path) -> N
     assert steps["kernel_bench"]["status"] == "passed" and steps["kernel_bench"]["limit_s"] == 120 + 150
     bench = (out / "kernel_bench.md").read_text()
     assert bench.startswith("# FP8 linears at decode batch sizes (cpu, Triton interpreter: no speed figures)")
-    assert "| tiny one | 32 x 64 | 1 |" in bench and "## Per layer (the four linears summed)" in bench
+    assert "| tiny one | 32 x 256 | 1 |" in bench and "## Per layer (the four linears summed)" in bench
     assert "fold" in bench.split("## Per layer")[1]  # fp8_kv_paths' table, appended
     assert "## Per decoder layer (two norms and one silu)" in bench  # fused_quant_bench's, appended
     report = (out / "report.md").read_text()

@@ -129,6 +129,10 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     assert any("SCALE_BLOCK_N=0" in c for c in skinny)
     reduces = [r["constexprs"] for r in one_b if r["kernel"] == "_fp8_skinny_reduce_kernel"]
     assert any("SCALED=False" in c for c in reduces) and any("SCALED=True" in c for c in reduces)
+    # The kernel_bench's fused-reduce candidate (split K added up by each channel block's last split, an
+    # acq_rel counter), compiled without spilling beside the two-launch variants.
+    fused = [r for r in one_b if "FUSED_REDUCE=True" in r["constexprs"]]
+    assert fused and all("SPLIT_K=1," not in r["constexprs"] and r["local_bytes"] == 0 for r in fused), fused
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

@@ -20,7 +20,12 @@ from sluice.kernels.fp8_block_mm import (
     fp8_block_mm_reference,
     quantize_fp8_groups,
 )
-from sluice.kernels.fp8_skinny_mm import SkinnyConfig, block_skinny_config, fp8_block_skinny_mm
+from sluice.kernels.fp8_skinny_mm import (
+    SkinnyConfig,
+    block_skinny_config,
+    fp8_block_skinny_mm,
+    split_counters,
+)
 
 NAN_CODE = 0x7F  # e4m3fn NaN: the codes' poison (a finite input never quantizes to it)
 MAX_CODE = 0x7E  # 448
@@ -251,6 +256,17 @@ def test_block_skinny_mm_matches_the_reference(block, shape, num_rows, split_k, 
     got = fp8_block_skinny_mm(*inputs, block, out_dtype, config)
     assert got.shape == (num_rows, shape[0])
     _assert_matches_reference(got.cpu(), inputs, block, out_dtype)
+
+
+@pytest.mark.parametrize(("block", "shape"), BLOCK_SHAPES)
+def test_block_skinny_mm_fused_reduce_is_bit_for_bit_the_reduce_launch(block, shape):
+    """The splits' sums, scaled already, added by each channel block's last split (`fused_reduce`) as the
+    reduce launch adds them: the same bits, and the counters back at zero."""
+    inputs = _mm_inputs(3, *shape, block, seed=40)
+    want = fp8_block_skinny_mm(*inputs, block, config=SkinnyConfig(block_n=32, block_k=block[1], split_k=4))
+    fused = SkinnyConfig(block_n=32, block_k=block[1], split_k=4, fused_reduce=True)
+    assert torch.equal(fp8_block_skinny_mm(*inputs, block, config=fused), want)
+    assert not split_counters(want.device, 1).any()
 
 
 @pytest.mark.parametrize("num_rows", [2, 16])

@@ -19,11 +19,13 @@ from sluice.engine.worker.layers.fp8_linear import (
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.fp8_skinny_mm import (
     MAX_ROWS,
+    SPLIT_COUNTERS,
     SWEPT_CONFIGS,
     SWEPT_SM_COUNT,
     SkinnyConfig,
     fp8_skinny_mm,
     skinny_config,
+    split_counters,
 )
 
 
@@ -69,6 +71,36 @@ def test_split_k_sums_every_column_once():
     for split_k in (1, 2, 4, 8):
         got = fp8_skinny_mm(x_q, x_scale, weight, weight_scale, torch.float32, SkinnyConfig(split_k=split_k))
         torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * want.abs().max().item())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "split_k"), [(1, 4), (5, 2), (64, 4)])
+def test_the_fused_reduce_is_bit_for_bit_the_reduce_launch_and_leaves_its_counters_zero(
+    rows, split_k, out_dtype, monkeypatch
+):
+    """K of 320: split_k 4 runs 3 splits of 128 columns (the last of 64), 2 runs 256 and 64; N of 200 in
+    four channel blocks of 64, the last partial. The same launch twice (a graph replay's counters). New
+    float tensors (the workspace, y) start as NaN, so that a sum read before its split stored it shows."""
+    empty = torch.empty
+    monkeypatch.setattr(
+        torch,
+        "empty",
+        lambda *a, **k: t.fill_(float("nan")) if (t := empty(*a, **k)).is_floating_point() else t,
+    )
+    x_q, x_scale, weight, weight_scale = _inputs(rows, 200, 320, seed=rows)
+    config = SkinnyConfig(split_k=split_k)
+    want = fp8_skinny_mm(x_q, x_scale, weight, weight_scale, out_dtype, config)
+    fused = SkinnyConfig(split_k=split_k, fused_reduce=True)
+    for _ in range(2):
+        got = fp8_skinny_mm(x_q, x_scale, weight, weight_scale, out_dtype, fused)
+        assert torch.equal(got, want)
+        counters = split_counters(got.device, 4)
+        assert counters.shape == (SPLIT_COUNTERS,) and not counters.any()
+    per_tensor = x_scale[:1].clone()  # one static scale that every row reads
+    assert torch.equal(
+        fp8_skinny_mm(x_q, per_tensor, weight, weight_scale, out_dtype, fused),
+        fp8_skinny_mm(x_q, per_tensor, weight, weight_scale, out_dtype, config),
+    )
 
 
 def test_a_static_scale_of_one_element():

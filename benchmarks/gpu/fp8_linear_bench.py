@@ -11,6 +11,8 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
     skinny      where `runs_skinny` (2 to 64 rows, and one row past GEMV_MAX_WEIGHT): fp8_quant
                 + sluice.kernels.fp8_skinny_mm with its default config (the FP8 linears' path there), and
                 the fastest config of a sweep sharing the cap
+    fused       where that default config splits K: the same with `fused_reduce` (each channel block's
+                last split adds the partial sums up in the same launch, instead of a reduce launch)
     block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
                 + fp8_block_mm (sluice.kernels.fp8_block_mm); up to 8 rows also fp8_block_gemv (one launch,
                 which no block linear runs since run 12), and up to 64 rows quantize_fp8_groups +
@@ -33,7 +35,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -196,6 +198,7 @@ class Row:
     best: GemvConfig | None = None
     max_rel_diff: float = 0.0
     skinny_s: float | None = None
+    skinny_fused_s: float | None = None
     skinny_best_s: float | None = None
     skinny_best: SkinnyConfig | None = None
     block_s: float | None = None
@@ -210,7 +213,14 @@ class Row:
         return self.block_s
 
     def fp8_times(self) -> list[float]:
-        times = (self.scaled_mm_s, self.gemv_s, self.best_s, self.skinny_s, self.skinny_best_s)
+        times = (
+            self.scaled_mm_s,
+            self.gemv_s,
+            self.best_s,
+            self.skinny_s,
+            self.skinny_fused_s,
+            self.skinny_best_s,
+        )
         return [s for s in times if s is not None]
 
 
@@ -252,6 +262,7 @@ def bench_linear(
         if runs_skinny(rows, linear.out_features, linear.in_features):  # one row too past GEMV_MAX_WEIGHT
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
+            _time_fused_reduce(row, x, weights, want, device)
             _sweep_skinny(row, x, weights, want, device, deadline)
         results.append(row)
         print(f"[fp8_linear_bench] {table([row]).splitlines()[-1]}", file=sys.stderr, flush=True)
@@ -306,6 +317,19 @@ def _sweep(
     )
 
 
+def _time_fused_reduce(
+    row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device
+) -> None:
+    """The default skinny config with `fused_reduce`, where it splits K (else there is nothing to add up)."""
+    linear = row.linear
+    default = skinny_config(linear.out_features, linear.in_features, device_sm_count(device), row.rows)
+    if default.split_k == 1:
+        return
+    fused = replace(default, fused_reduce=True)
+    row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0], fused), want))
+    row.skinny_fused_s = time_calls_s([partial(_skinny, x, *w, fused) for w in weights.fp8], device)
+
+
 def _sweep_skinny(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
 ) -> None:
@@ -341,9 +365,9 @@ def _tile(config: GemvConfig) -> str:
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) | skinny us "
-        "| skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | block 128 us | block gemv us "
-        "| block skinny us | block / bf16 | max rel diff vs bf16 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- "
+        "| skinny fused reduce us | skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | block 128 us "
+        "| block gemv us | block skinny us | block / bf16 | max rel diff vs bf16 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- "
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
@@ -357,7 +381,7 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {linear.model} {linear.name} | {linear.out_features} x {linear.in_features} | {row.rows} "
             f"| {_us(row.bf16_s)} | {_us(row.scaled_mm_s)} | {_us(row.gemv_s)} "
-            f"| {tile} | {_us(row.skinny_s)} | {skinny} "
+            f"| {tile} | {_us(row.skinny_s)} | {_us(row.skinny_fused_s)} | {skinny} "
             f"| {'' if best is None else f'{best / row.bf16_s:.2f}'} "
             f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
             f"| {_us(row.block_s)} | {_us(row.block_gemv_s)} | {_us(row.block_skinny_s)} "
@@ -407,7 +431,7 @@ def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
         rows_list = rows
         where = torch.cuda.get_device_name(device)
     else:
-        shapes = [Linear("tiny", "one", 32, 64)]
+        shapes = [Linear("tiny", "one", 32, 256)]  # K split in two at 4 rows: the fused reduce runs
         rows_list = (1, 4)
         where = "cpu, Triton interpreter: no speed figures"
     results = []
