@@ -28,7 +28,8 @@ partial sums, then counts itself in on its channel block's counter (an int32, at
 the SPLIT_K to arrive reads the others' partial sums back (after its acquire, past L1) and adds them in split
 order, as the reduce launch does, so y is bit for bit the same. It then puts the counter back to 0, so the
 counters (`split_counters`, one zeroed buffer per device, allocated before any CUDA graph captures a launch
-and never freed) are zero before every launch and every graph replay. Why: the reduce launches were 2.6% of
+and never freed) are zero before every launch and every graph replay. Launches on two streams at once would
+share them: the engine runs one stream. Why: the reduce launches were 2.6% of
 an 8b FP8 one-row step's device time and 4% of a 64-row step's on an H200 (run 14: 64 and 96 launches of
 1.4-2.1 us), each also a gap in the graph. Off by default until a GPU run times it and runs its tests: the
 interpreter runs programs one at a time and cannot check the memory ordering.

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
@@ -53,16 +52,16 @@ class CoreClient:
         self.timeout_seconds = timeout_seconds
         self.process: ChildProcess | None = None
         self._directory = tempfile.mkdtemp(prefix="sluice-core-")
-        # Commands go out on a plain socket (a send never waits: no high-water mark); results are
-        # awaited on an asyncio one.
+        # Commands go out without waiting (no high-water mark). Results are read from the event loop
+        # through the socket's file descriptor (`_next_result`), not through zmq.asyncio and its future and
+        # event poll per message (92 against 62 us of CPU a message on a 2-core EPYC: docs/BENCHMARKS.md).
         self._context = zmq.Context()
-        self._async_context = zmq.asyncio.Context()
         # Linger 0 on every socket: a client dropped without `shutdown` (a failed start, a test's failed
         # teardown) must not block its context's garbage collection waiting to deliver to a dead core.
-        for context in (self._context, self._async_context):
-            context.setsockopt(zmq.LINGER, 0)
+        self._context.setsockopt(zmq.LINGER, 0)
         self._commands = self._context.socket(zmq.PUSH)
-        self._results = self._async_context.socket(zmq.PULL)
+        self._results = self._context.socket(zmq.PULL)
+        self._results_readable: asyncio.Event | None = None  # set when the results fd is readable
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
         self._on_dead: Callable[[str], None] | None = None
@@ -79,6 +78,8 @@ class CoreClient:
         # The core binds the commands address; connecting first queues the config until it does.
         self._commands.connect(f"ipc://{self._directory}/commands")
         self._results.bind(f"ipc://{self._directory}/results")
+        self._results_readable = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self._results.FD, self._results_readable.set)
         # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
         self.process = ChildProcess(
             [
@@ -97,6 +98,7 @@ class CoreClient:
             ready = await self._wait_ready()
         except BaseException:  # failed, or cancelled while the model loads: no core outlives its start
             self.kill()
+            self._stop_reading()
             raise
         self._on_dead = on_dead
         self._last_heard = time.monotonic()
@@ -125,10 +127,10 @@ class CoreClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stop_reading()
         self._commands.close(linger=0)
         self._results.close(linger=0)
         self._context.term()
-        self._async_context.term()
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def kill(self) -> None:
@@ -136,7 +138,7 @@ class CoreClient:
             self.process.kill()
 
     async def _wait_ready(self) -> CoreReady:
-        receive = asyncio.ensure_future(self._results.recv())
+        receive = asyncio.ensure_future(self._next_result())
         exited = asyncio.ensure_future(self.process.wait())
         await asyncio.wait((receive, exited), return_when=asyncio.FIRST_COMPLETED)
         if not receive.done():
@@ -150,9 +152,28 @@ class CoreClient:
         error = message.error if isinstance(message, CoreFailed) else f"unexpected {message!r}"
         raise EngineDeadError(error)
 
+    async def _next_result(self) -> bytes:
+        """The core's next message. zmq's fd says that the socket's state may have changed, not that a
+        message waits, and it may not signal again for messages already queued: so the socket is read
+        until it has none (and its events rechecked) before the fd is awaited again."""
+        assert self._results_readable is not None, "start() first"
+        while True:
+            try:
+                return self._results.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            self._results_readable.clear()
+            if not self._results.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                await self._results_readable.wait()
+
+    def _stop_reading(self) -> None:
+        if self._results_readable is not None:
+            asyncio.get_running_loop().remove_reader(self._results.FD)
+            self._results_readable = None
+
     async def _receive(self, on_message: Callable[[CoreMessage], None]) -> None:
         while True:
-            message = decode_core_message(await self._results.recv())
+            message = decode_core_message(await self._next_result())
             self._last_heard = time.monotonic()
             if isinstance(message, CoreFailed):
                 self._dead(message.error)
