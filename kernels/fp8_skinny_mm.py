@@ -23,16 +23,16 @@ With SPLIT_K == 1 the program scales and stores y; otherwise it stores its fp32 
 adds). `skinny_config` picks BLOCK_N and SPLIT_K from the SM count (at least 1.5 programs per SM), or an H100
 sweep's config for the shapes where it did better.
 
-`SkinnyConfig.fused_reduce` adds the partial sums in the same launch instead: each program stores its
-partial sums, then counts itself in on its channel block's counter (an int32, atomic, acq_rel); the last of
-the SPLIT_K to arrive reads the others' partial sums back (after its acquire, past L1) and adds them in split
+`SkinnyConfig.fused_reduce` adds the partial sums in the same launch instead: each program stores its partial
+sums, then counts itself in on its channel block's counter (an int32, atomic, acq_rel); the last of the
+SPLIT_K to arrive reads the others' partial sums back (after its acquire, past L1) and adds them in split
 order, as the reduce launch does, so y is bit for bit the same. It then puts the counter back to 0, so the
 counters (`split_counters`, one zeroed buffer per device, allocated before any CUDA graph captures a launch
 and never freed) are zero before every launch and every graph replay. Launches on two streams at once would
-share them: the engine runs one stream. Why: the reduce launches were 2.6% of
-an 8b FP8 one-row step's device time and 4% of a 64-row step's on an H200 (run 14: 64 and 96 launches of
-1.4-2.1 us), each also a gap in the graph. Off by default until a GPU run times it and runs its tests: the
-interpreter runs programs one at a time and cannot check the memory ordering.
+share them: the engine runs one stream. Why: the reduce launches were 2.6% of an 8b FP8 one-row step's device
+time and 4% of a 64-row step's on an H200 (run 14: 64 and 96 launches of 1.4-2.1 us), each also a gap in the
+graph. Off by default until a GPU run times it and runs its tests: the interpreter runs programs one at a time
+and cannot check the memory ordering.
 
 `fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
 operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
