@@ -119,13 +119,32 @@ def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_co
 
 
 @triton.jit
+def _workspace_offsets(split, rows, channels, M, N):
+    """Where split `split`'s partial sums of (rows, channels) sit in the workspace [SPLIT_K, M, N]."""
+    return (split * M + rows).to(tl.int64) * N + channels
+
+
+@triton.jit
+def _sum_splits(workspace_ptr, rows, channels, mask, M, N, SPLIT_K: tl.constexpr, PAST_L1: tl.constexpr):
+    """The SPLIT_K partial sums of (rows, channels) added in split order, in fp32: the one order of both
+    reduce paths (the reduce launch, `_add_splits_if_last`), so that they agree bit for bit."""
+    total = tl.zeros(mask.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        partial = workspace_ptr + _workspace_offsets(split, rows, channels, M, N)
+        if PAST_L1:  # written by other programs of this launch: read from L2, never a stale L1 line
+            total += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            total += tl.load(partial, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
 def _add_splits_if_last(
     y_ptr,
     workspace_ptr,
     counter_ptr,
     x_scale_ptr,
     w_scale_ptr,
-    acc,  # this program's partial sums, stored already: only its shape and dtype are used
     rows,
     channels,
     out_mask,
@@ -136,15 +155,12 @@ def _add_splits_if_last(
     SCALED: tl.constexpr,
 ):
     """FUSED_REDUCE: counts this split in on its channel block's counter; the last of the SPLIT_K adds
-    every split's partial sums in split order (`_fp8_skinny_reduce_kernel`'s sums), scales them unless they
-    are scaled already, stores y and puts the counter back to 0 for the next launch."""
+    every split's partial sums (`_sum_splits`, as the reduce launch), scales them unless they are scaled
+    already, stores y and puts the counter back to 0 for the next launch."""
     tl.debug_barrier()  # every thread's partial sums are stored before the count releases them
     counter = counter_ptr + tl.program_id(0)
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-        total = tl.zeros_like(acc)
-        for split in tl.static_range(SPLIT_K):
-            partial = workspace_ptr + (split * M + rows[None, :]).to(tl.int64) * N + channels[:, None]
-            total += tl.load(partial, mask=out_mask, other=0.0, cache_modifier=".cg")  # past L1
+        total = _sum_splits(workspace_ptr, rows[None, :], channels[:, None], out_mask, M, N, SPLIT_K, True)
         if SCALED:
             x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=rows < M, other=0.0)
             w_scale = tl.load(w_scale_ptr + channels, mask=channels < N, other=0.0)
@@ -222,11 +238,11 @@ def _fp8_skinny_kernel(
             out_ptr + rows[None, :] * N + channels[:, None], y.to(out_ptr.dtype.element_ty), mask=out_mask
         )
     else:
-        partial = out_ptr + (split * M + rows[None, :]).to(tl.int64) * N + channels[:, None]
+        partial = out_ptr + _workspace_offsets(split, rows[None, :], channels[:, None], M, N)
         tl.store(partial, acc, mask=out_mask)
         if FUSED_REDUCE:
             _add_splits_if_last(
-                y_ptr, out_ptr, counter_ptr, x_scale_ptr, w_scale_ptr, acc, rows, channels, out_mask, M, N,
+                y_ptr, out_ptr, counter_ptr, x_scale_ptr, w_scale_ptr, rows, channels, out_mask, M, N,
                 x_scale_stride, SPLIT_K, SCALE_BLOCK_N == 0,
             )  # fmt: skip
 
@@ -247,9 +263,7 @@ def _fp8_skinny_reduce_kernel(
     row = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = channels < N
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        total += tl.load(workspace_ptr + (split * M + row).to(tl.int64) * N + channels, mask=mask, other=0.0)
+    total = _sum_splits(workspace_ptr, row, channels, mask, M, N, SPLIT_K, False)
     if SCALED:
         x_scale = tl.load(x_scale_ptr + row * x_scale_stride)
         w_scale = tl.load(w_scale_ptr + channels, mask=mask, other=0.0)

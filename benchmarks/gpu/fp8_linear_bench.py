@@ -321,8 +321,7 @@ def _time_fused_reduce(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device
 ) -> None:
     """The default skinny config with `fused_reduce`, where it splits K (else there is nothing to add up)."""
-    linear = row.linear
-    default = skinny_config(linear.out_features, linear.in_features, device_sm_count(device), row.rows)
+    default = _default_skinny_config(row, device)
     if default.split_k == 1:
         return
     fused = replace(default, fused_reduce=True)
@@ -333,11 +332,16 @@ def _time_fused_reduce(
 def _sweep_skinny(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
 ) -> None:
-    linear = row.linear
-    default = skinny_config(linear.out_features, linear.in_features, device_sm_count(device), row.rows)
+    default = _default_skinny_config(row, device)
     row.skinny_best, row.skinny_best_s = _fastest(
         row, partial(_skinny, x), SKINNY_SWEEP, default, row.skinny_s, weights, want, device, deadline
     )
+
+
+def _default_skinny_config(row: Row, device: torch.device) -> SkinnyConfig:
+    """The config `fp8_skinny_mm` picks itself for the row's linear and row count on `device`."""
+    linear = row.linear
+    return skinny_config(linear.out_features, linear.in_features, device_sm_count(device), row.rows)
 
 
 def _skinny_config(config: SkinnyConfig) -> str:
