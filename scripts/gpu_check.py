@@ -56,6 +56,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     bench_attention,
     bench_decode,
     bench_end_to_end,
+    bench_graph_step_partitions,
     bench_prefill_attention,
     bench_rotary_store_fusion,
     copy_bandwidth_bytes_per_s,
@@ -258,6 +259,8 @@ class GpuCheck:
             ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
             ("fusion", "Batch-1 graph step: rotary + K/V store fused or not (llama-3.2-1b shape)",
              self.fusion, True),
+            ("partitions", f"Batch-1 graph step: decode attention's splits and tile (llama-3.2-1b shape, "
+             f"context {BENCH_CONTEXT})", self.partitions, True),
             ("attention", "Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
              self.attention, True),
             ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
@@ -343,6 +346,17 @@ class GpuCheck:
             raise CheckFailed(
                 f"fused and separate rotary + store depart by more than {GRAPH_MAX_REL_DIFF}\n\n{table}"
             )
+        return table
+
+    def partitions(self) -> str:
+        rows = bench_graph_step_partitions(self.device)
+        keys = ("graph_context", "tile", "partition", "splits", "step_ms", "speed_vs_default", "rel_diff")
+        self.figures["partitions"] = {"rows": [dict(zip(keys, row, strict=True)) for row in rows]}
+        headers = ["graph for (positions)", "decode tile", "partition", "splits", "graph step ms",
+                   "speed vs the graph's default", "logits vs the first row (max rel diff)"]  # fmt: skip
+        table = markdown_table(headers, rows)
+        if any(row[6] > GRAPH_MAX_REL_DIFF for row in rows):
+            raise CheckFailed(f"decode splits or tiles depart by more than {GRAPH_MAX_REL_DIFF}\n\n{table}")
         return table
 
     def attention(self) -> str:

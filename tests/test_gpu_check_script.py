@@ -37,10 +37,12 @@ from sluice.benchmarks.gpu import (
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
 from sluice.engine.loading.presets import preset_arch
+from sluice.engine.worker.attention import triton_backend
 from sluice.engine.worker.attention.selector import FP8_KV_TRITON_NOTE
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, DecodeConfig
 
 REPO = Path(__file__).parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -464,12 +466,54 @@ def test_the_fusion_section_switches_every_attention_layer():
     assert all(layer.fuse_rotary_store for layer in layers)
 
 
+def test_the_partitions_section_gives_each_rows_tile_and_partition_to_every_decode_launch(monkeypatch):
+    """bench_graph_step_partitions on the tiny preset (a short context, so interpreted kernels stay quick):
+    each row's backend hands its partition size and tile to every layer's decode launch (the graph's split
+    count shows only on CUDA: the runner runs eagerly on the CPU); the logits stay the first row's within
+    the section's bound, and the default backend is put back."""
+    launches = []
+    launch = triton_backend.paged_decode_attention
+
+    def spy(*args, **kwargs):
+        launches.append((kwargs["partition_size"], kwargs["config"]))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    selected = []
+    select = gpu_benchmarks.select_attention
+    monkeypatch.setattr(
+        gpu_benchmarks,
+        "select_attention",
+        lambda model, kernels: selected.append(kernels.attention_backend) or select(model, kernels),
+    )
+    short = DecodeConfig(16, 4, 2)
+    partitions = ((64, None, DEFAULT_PARTITION_SIZE), (256, None, DEFAULT_PARTITION_SIZE), (256, short, 16))
+    times = iter([0.004, 0.004, 0.002])
+    cpu = torch.device("cpu")
+    rows = gpu_benchmarks.bench_graph_step_partitions(
+        cpu, preset="tiny", context=48, partitions=partitions, time_s=lambda fn: (fn(), next(times))[1]
+    )
+    layers = preset_arch("tiny").num_hidden_layers
+    # A checked run and a timed one per row, each through every layer.
+    assert launches == [(512, None)] * 4 * layers + [(16, short)] * 2 * layers
+    assert [row[:4] for row in rows] == [
+        [64, "128 (default)", "512 (default)", 1],
+        [256, "128 (default)", "512 (default)", 1],
+        [256, "16", "16", 16],  # pick_num_splits: 256 positions in partitions of 16 (2 KV heads, 132 SMs)
+    ]
+    assert [row[4:6] for row in rows] == [[4.0, 1.0], [4.0, 1.0], [2.0, 2.0]]  # vs its graph's first row
+    assert rows[0][6] == rows[1][6] == 0 and rows[2][6] <= gpu_benchmarks.GRAPH_MAX_REL_DIFF
+    last = selected[-1]  # the model's layers are left on the default backend
+    assert (last.decode_partition_size, last.decode_config) == (DEFAULT_PARTITION_SIZE, None)
+    assert len(selected) == len(partitions) + 1
+
+
 def test_sections_are_in_report_order_and_cuda_only_ones_skip_on_cpu():
     check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
     sections = check.sections()
     assert [key for key, _, _ in sections] == [
-        "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "attention", "prefill", "goals",
-        "kv_fp8", "attention_sweep", "end_to_end",
+        "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "partitions", "attention",
+        "prefill", "goals", "kv_fp8", "attention_sweep", "end_to_end",
     ]  # fmt: skip
     assert sections[0][2]().startswith("skipped")
     assert all(body() == gpu_check.CUDA_ONLY for key, _, body in sections[2:])

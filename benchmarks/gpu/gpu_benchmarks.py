@@ -27,7 +27,14 @@ from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
-from sluice.kernels.paged_decode_attention import paged_decode_attention
+from sluice.kernels.paged_decode_attention import (
+    DEFAULT_PARTITION_SIZE,
+    DecodeConfig,
+    decode_config,
+    device_sm_count,
+    paged_decode_attention,
+    pick_num_splits,
+)
 from sluice.kernels.prefill_attention import prefill_attention
 
 BLOCK_SIZE = 16
@@ -185,9 +192,15 @@ def bench_decode(device: torch.device) -> tuple[list[list[object]], float, float
 
 def select_rotary_store_fusion(model: torch.nn.Module, kernels: KernelConfig, fused: bool) -> int:
     """Re-select every attention layer of `model` with rotary + K/V store fused or not; returns the layers."""
+    return select_attention(model, dataclasses.replace(kernels, fuse_rotary_store=fused))
+
+
+def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
+    """Re-select every attention layer of `model` with `kernels` (its backend, the fusion); returns the
+    layers."""
     layers = [module for module in model.modules() if isinstance(module, Attention)]
     for layer in layers:
-        layer.select(dataclasses.replace(kernels, fuse_rotary_store=fused))
+        layer.select(kernels)
     return len(layers)
 
 
@@ -219,6 +232,75 @@ def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
             _relative_difference(logits[False], logits[True]),
         ],
     ]
+
+
+# The batch-1 graph step's decode attention, end to end: (the graph's longest context, the split kernel's
+# tile (None: `decode_config`'s), partition size). A graph's split count is sized for its longest context;
+# the partition size sets how many of those splits a shorter one uses (at 512 and 128-position tiles, a
+# 512-token context is one program per KV head walking 4 tiles). The first row is `bench_decode`'s graph,
+# sized for BENCH_CONTEXT (one split); the 8192 rows are a served graph's (`max_seq_len_to_capture`), where
+# run 12's kernel sweep timed 32-position partitions 1.69x faster at a 256-token context.
+SERVED_GRAPH_CONTEXT = 8192
+GRAPH_STEP_PARTITIONS: tuple[tuple[int, DecodeConfig | None, int], ...] = (
+    (BENCH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
+    (BENCH_CONTEXT, None, 128),
+    (SERVED_GRAPH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
+    (SERVED_GRAPH_CONTEXT, None, 128),
+    (SERVED_GRAPH_CONTEXT, DecodeConfig(64, 4, 3), 64),
+    (SERVED_GRAPH_CONTEXT, DecodeConfig(32, 4, 2), 32),
+)
+
+
+def graph_step_partition_rows(
+    partitions: Sequence[tuple[int, DecodeConfig | None, int]],
+    timings: Sequence[tuple[float, float]],
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+) -> list[list[object]]:
+    """Rows (graph for, tile, partition, splits, graph step ms, speed vs the first row of the same graph
+    size, logits' max rel diff vs the first row) from (seconds, difference) per `partitions` row."""
+    rows, baseline = [], {}
+    for (graph_context, config, partition), (seconds, difference) in zip(partitions, timings, strict=True):
+        baseline.setdefault(graph_context, seconds)
+        tile = (config or decode_config(head_dim, torch.bfloat16)).tile_n
+        splits = pick_num_splits(1, num_kv_heads, graph_context, num_sms, partition)
+        tile_text = f"{tile}" if config else f"{tile} (default)"
+        partition_text = f"{partition}" if partition != DEFAULT_PARTITION_SIZE else f"{partition} (default)"
+        speed = baseline[graph_context] / seconds
+        rows.append([graph_context, tile_text, partition_text, splits, seconds * 1e3, speed, difference])
+    return rows
+
+
+def bench_graph_step_partitions(
+    device: torch.device,
+    preset: str = "llama-3.2-1b",
+    context: int = BENCH_CONTEXT,
+    partitions: Sequence[tuple[int, DecodeConfig | None, int]] = GRAPH_STEP_PARTITIONS,
+    time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+) -> list[list[object]]:
+    """The batch-1 CUDA-graph decode step of `preset` (bf16) at a `context`-token context with each of
+    `partitions`' decode attention, one graph each (`graph_step_partition_rows`)."""
+    arch = preset_arch(preset)
+    model = _random_model(arch, torch.bfloat16, device)
+    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
+    kv_caches = random_kv_caches(arch, -(-context // BLOCK_SIZE) + 1, torch.bfloat16, device)
+    inputs = decode_step_inputs(1, context, BLOCK_SIZE, device)
+    timings, first = [], None
+    with torch.inference_mode():
+        for graph_context, config, partition in partitions:
+            backend = TritonAttentionBackend(partition, decode_config=config)
+            select_attention(model, dataclasses.replace(kernels, attention_backend=backend))
+            runner = CudaGraphRunner(model, kv_caches, 1, graph_context // BLOCK_SIZE, BLOCK_SIZE, device)
+            runner.capture()
+            logits = _logits(model, runner.run(inputs), inputs).clone()
+            first = logits if first is None else first
+            seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
+            timings.append((seconds, _relative_difference(logits, first)))
+            del runner
+        select_attention(model, kernels)
+    num_sms = device_sm_count(device)
+    return graph_step_partition_rows(partitions, timings, arch.num_key_value_heads, arch.head_dim, num_sms)
 
 
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:

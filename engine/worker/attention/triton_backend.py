@@ -27,7 +27,7 @@ import torch
 
 from sluice.engine.worker.attention.fp8_kv_cache import KVScales, backend_kv_cache_dtype
 from sluice.engine.worker.attention.metadata import AttentionMetadata
-from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, paged_decode_attention
+from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, DecodeConfig, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
 from sluice.kernels.rotary_store_kv import rotary_store_kv
 from sluice.kernels.store_kv import store_kv
@@ -38,17 +38,22 @@ class TritonAttentionBackend:
 
     `decode_partition_size` is the shortest context slice one decode program takes; the decode kernel
     never makes more than cdiv(max_seq_len, decode_partition_size) slices per head, the bound
-    `cuda_graph_runner.estimate_graph_memory_bytes` is given. kv_cache_dtype torch.float8_e4m3fn: the
-    caches are FP8 and every call takes the layer's kv_scales (None: the model dtype, no scales).
+    `cuda_graph_runner.estimate_graph_memory_bytes` is given; `decode_config` is the decode kernel's tile
+    (None: `decode_config`'s table). kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 and every call
+    takes the layer's kv_scales (None: the model dtype, no scales).
     """
 
     name = "triton"
     kv_cache_heads_first = False
 
     def __init__(
-        self, decode_partition_size: int = DEFAULT_PARTITION_SIZE, kv_cache_dtype: torch.dtype | None = None
+        self,
+        decode_partition_size: int = DEFAULT_PARTITION_SIZE,
+        kv_cache_dtype: torch.dtype | None = None,
+        decode_config: DecodeConfig | None = None,
     ) -> None:
         self.decode_partition_size = decode_partition_size
+        self.decode_config = decode_config
         self.kv_cache_dtype = backend_kv_cache_dtype(kv_cache_dtype)
 
     def forward(
@@ -107,6 +112,7 @@ class TritonAttentionBackend:
                 max_seq_len=metadata.max_seq_len,
                 partition_size=self.decode_partition_size,
                 sliding_window=sliding_window,
+                config=self.decode_config,
                 kv_scales=kv_scales,
             )
         return prefill_attention(
