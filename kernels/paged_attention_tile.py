@@ -169,7 +169,7 @@ def dequantize_e4m3(codes, scale, KV_DTYPE: tl.constexpr, E4M3_UPCAST: tl.conste
 def load_kv_tile(
     k_head_ptr,  # k_cache + kv_head * stride_k_head
     v_head_ptr,  # v_cache + kv_head * stride_v_head
-    block_table_ptr,  # this sequence's row of the block table
+    blocks,  # [N] int32: the block of each position (`tile_blocks`)
     positions,  # [N] context positions of the tile
     pos_mask,  # [N] which may be loaded (ignored unless MASKED)
     dims,  # [DIM_PAD]
@@ -192,11 +192,9 @@ def load_kv_tile(
     """(K^T [DIM_PAD, N], V [N, DIM_PAD]) of the tile; masked-out positions and padded dims are 0. An FP8
     tile is in KV_DTYPE: the codes' values (FOLD_KV_SCALES) or code * scale rounded to KV_DTYPE."""
     if MASKED:
-        blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=pos_mask, other=0)
         kt_mask = dim_mask[:, None] & pos_mask[None, :]
         v_mask = pos_mask[:, None] & dim_mask[None, :]
     else:
-        blocks = tl.load(block_table_ptr + positions // BLOCK_SIZE)
         kt_mask = dim_mask[:, None]
         v_mask = dim_mask[None, :]
     blocks = blocks.to(tl.int64)  # block * stride_k_block can pass 2**31 in a large cache
@@ -219,6 +217,19 @@ def load_kv_tile(
 
 
 @triton.jit
+def tile_blocks(
+    block_table_ptr, tile_start, lo, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr
+):
+    """The block of each position of the tile at tile_start ([BLOCK_N] int32); with MASKED, 0 for the
+    positions outside [lo, hi), whose block-table entries are not read."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    entries = block_table_ptr + positions // BLOCK_SIZE
+    if MASKED:
+        return tl.load(entries, mask=(positions >= lo) & (positions < hi), other=0)
+    return tl.load(entries)
+
+
+@triton.jit
 def attend_paged_tile(
     q,  # [M, DIM_PAD] query rows (padded rows are 0), already in the dot's operand dtype
     running_max,  # [M] fp32, base 2
@@ -226,7 +237,7 @@ def attend_paged_tile(
     acc,  # [M, DIM_PAD] fp32
     k_head_ptr,
     v_head_ptr,
-    block_table_ptr,
+    blocks,  # [BLOCK_N] int32: each position's block (`tile_blocks`)
     tile_start,  # first context position of the tile
     kv_lo,  # positions in [kv_lo, kv_hi) may be loaded (MASKED only)
     kv_hi,
@@ -259,7 +270,7 @@ def attend_paged_tile(
     positions = tile_start + tl.arange(0, BLOCK_N)
     pos_mask = (positions >= kv_lo) & (positions < kv_hi)
     kt, v = load_kv_tile(
-        k_head_ptr, v_head_ptr, block_table_ptr, positions, pos_mask, dims, dim_mask,
+        k_head_ptr, v_head_ptr, blocks, positions, pos_mask, dims, dim_mask,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, k_scale, v_scale,
         BLOCK_SIZE, HEAD_DIM, DIM_PAD, MASKED, FP8_KV, KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
     )  # fmt: skip
@@ -325,6 +336,7 @@ def attend_paged_span(
     DIM_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_BLOCKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
@@ -342,24 +354,40 @@ def attend_paged_span(
 
     Returns the updated (running_max, running_sum, acc), as `attend_paged_tile` does."""
     for tile_start in tl.range(lo, full_lo, BLOCK_N):
+        blocks = tile_blocks(block_table_ptr, tile_start, kv_lo, kv_hi, BLOCK_N, BLOCK_SIZE, True)
         running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, blocks, tile_start, kv_lo,
             kv_hi, query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,
             KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
+    # PREFETCH_BLOCKS: each tile's block-table entries are loaded one tile ahead and carried into the next
+    # iteration, so the addresses of the K/V copies the software pipeline issues need no load of that
+    # iteration: Triton then keeps the next tile's copies in flight through this tile's compute. With the
+    # entries loaded in the tile, it waits for every copy it issued, the next tile's included, at the top
+    # of each iteration (the sm_90 TTGIR: `ttg.async_wait {num = 0}` against `{num = 2}`).
+    if PREFETCH_BLOCKS:
+        next_blocks = tile_blocks(block_table_ptr, full_lo, full_lo, full_hi, BLOCK_N, BLOCK_SIZE, True)
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        if PREFETCH_BLOCKS:
+            blocks = next_blocks
+            next_blocks = tile_blocks(
+                block_table_ptr, tile_start + BLOCK_N, full_lo, full_hi, BLOCK_N, BLOCK_SIZE, True
+            )
+        else:
+            blocks = tile_blocks(block_table_ptr, tile_start, full_lo, full_hi, BLOCK_N, BLOCK_SIZE, False)
         running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, blocks, tile_start, kv_lo,
             kv_hi, query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,
             KV_DTYPE, E4M3_UPCAST, FOLD_KV_SCALES,
         )  # fmt: skip
     for tile_start in tl.range(full_hi, kv_hi, BLOCK_N):
+        blocks = tile_blocks(block_table_ptr, tile_start, kv_lo, kv_hi, BLOCK_N, BLOCK_SIZE, True)
         running_max, running_sum, acc = attend_paged_tile(
-            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, block_table_ptr, tile_start, kv_lo,
+            q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, blocks, tile_start, kv_lo,
             kv_hi, query_positions, sliding_window, dims, dim_mask,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, CAUSAL, DOT_PRECISION, UPCAST_DOT, FP8_KV,

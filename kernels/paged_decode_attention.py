@@ -80,6 +80,8 @@ class DecodeConfig:
     tile_n: int
     num_warps: int
     num_stages: int
+    # Load each KV tile's block-table entries one tile ahead (`attend_paged_span`'s PREFETCH_BLOCKS).
+    prefetch_blocks: bool = False
 
     def __post_init__(self) -> None:
         check_power_of_two("config.tile_n", self.tile_n, 16)
@@ -190,6 +192,7 @@ def _decode_partition_kernel(
     TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_BLOCKS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -242,8 +245,8 @@ def _decode_partition_kernel(
         q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, lo, full_lo, full_hi,
         window_start, hi, running_max, sliding_window, dims, dim_mask,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-        TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, NUM_STAGES, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-        E4M3_UPCAST, FOLD_KV_SCALES,
+        TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, NUM_STAGES, PREFETCH_BLOCKS, DOT_PRECISION, UPCAST_DOT,
+        FP8_KV, kv_dtype, E4M3_UPCAST, FOLD_KV_SCALES,
     )  # fmt: skip
 
     # Every slice holds at least one visible position, so running_sum > 0.
@@ -383,6 +386,7 @@ def paged_decode_attention(
         TILE_N=config.tile_n,
         PARTITION_SIZE=partition_size,
         NUM_STAGES=config.num_stages,
+        PREFETCH_BLOCKS=config.prefetch_blocks,
         SINGLE_SPLIT=single,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,

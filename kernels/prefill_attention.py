@@ -19,7 +19,9 @@ FlashAttention-2 over a paged cache, with the GQA group packed into the tile's r
     numbering backwards so the longest causal tiles start first.
 
 Each program walks its context in BLOCK_N-position tiles in three runs (`attend_paged_span`, shared with
-the decode kernel; the unmasked run software-pipelined by `tl.range`):
+the decode kernel; the unmasked run software-pipelined by `tl.range`, each tile's block-table entries
+loaded one tile ahead (`PrefillConfig.prefetch_blocks`) so that the pipeline keeps the next tile's K/V
+copies in flight while this tile computes):
 
     [lo, full_lo)        masked: the window's lower edge (positions some rows may not see)
     [full_lo, full_hi)   unmasked: every row sees every position (no masks, the bulk of the work)
@@ -39,7 +41,7 @@ candidate more than 4% faster at 2k or 8k (noise), so they stay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -77,6 +79,8 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Load each KV tile's block-table entries one tile ahead (`attend_paged_span`'s PREFETCH_BLOCKS).
+    prefetch_blocks: bool = True
 
     def __post_init__(self) -> None:
         check_power_of_two("config.block_m", self.block_m, 16)
@@ -91,22 +95,24 @@ def prefill_config(
     """The tile shape for a launch (untuned table; sm_90 numbers await a GPU run).
 
     bf16/fp16 with head_dim <= 128: 128 x 64 tiles, 8 warps (two warpgroups of 64 rows; with 4 warps the
-    head_dim 64 tile needs ~254 registers a thread), 3 stages; head_dim > 128: 64 x 32, 4 warps, 2
-    stages; fp32 (twice the bytes, FMA dots): 64 x 32, 8 warps, 2 stages. A batch of short queries
-    (decode rows, small chunks) shrinks block_m to what one sequence's group fills, and block_m never
-    drops below the group size (one token's heads share a tile).
+    head_dim 64 tile needs ~254 registers a thread), 3 stages, the block-table entries one tile ahead
+    (`prefetch_blocks`); head_dim > 128: 64 x 32, 4 warps, 2 stages; fp32 (twice the bytes, FMA dots):
+    64 x 32, 8 warps, 2 stages (both without `prefetch_blocks`: with it, the fp32 variants compiled for
+    sm_90 took 246-255 registers a thread instead of 110-214). A batch of short queries (decode rows, small
+    chunks) shrinks block_m to what one sequence's group fills, and block_m never drops below the group
+    size (one token's heads share a tile).
     """
     if dtype == torch.float32:  # exact fp32 dots run on FMA units and need many registers: 8 warps
-        config = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        config = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, prefetch_blocks=False)
     elif head_dim > 128:
-        config = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        config = PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, prefetch_blocks=False)
     else:
         config = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     rows_needed = max(16, triton.next_power_of_2(max(1, max_query_len) * queries_per_kv))
     group_rows = max(16, triton.next_power_of_2(queries_per_kv))
     block_m = max(group_rows, min(config.block_m, rows_needed))
     if block_m != config.block_m:
-        config = PrefillConfig(block_m, config.block_n, min(config.num_warps, 4), config.num_stages)
+        config = replace(config, block_m=block_m, num_warps=min(config.num_warps, 4))
     return config
 
 
@@ -162,6 +168,7 @@ def _prefill_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_BLOCKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
@@ -217,8 +224,8 @@ def _prefill_attention_kernel(
         q, running_max, running_sum, acc, k_head_ptr, v_head_ptr, table_ptr, lo, full_lo, full_hi,
         kv_start, kv_end, query_positions, sliding_window, dims, dim_mask,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, k_scale, v_scale,
-        BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, NUM_STAGES, DOT_PRECISION, UPCAST_DOT, FP8_KV, kv_dtype,
-        E4M3_UPCAST, FOLD_KV_SCALES,
+        BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, True, NUM_STAGES, PREFETCH_BLOCKS, DOT_PRECISION, UPCAST_DOT,
+        FP8_KV, kv_dtype, E4M3_UPCAST, FOLD_KV_SCALES,
     )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
@@ -294,6 +301,7 @@ def prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages,
+        PREFETCH_BLOCKS=config.prefetch_blocks,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,

@@ -52,7 +52,14 @@ def test_candidate_lists_start_with_the_defaults_and_stay_in_the_brief():
         assert sweep.PREFILL_CANDIDATES[0] == prefill_config(64, torch.bfloat16, 4, prompt_len)
     assert sweep.DECODE_CANDIDATES[0] == sweep.default_decode_candidate(64, torch.bfloat16)
     assert 12 <= len(set(sweep.PREFILL_CANDIDATES)) == len(sweep.PREFILL_CANDIDATES) <= 16
-    assert 8 <= len(set(sweep.DECODE_CANDIDATES)) == len(sweep.DECODE_CANDIDATES) <= 12
+    assert 8 <= len(set(sweep.DECODE_CANDIDATES)) == len(sweep.DECODE_CANDIDATES) <= 14
+    # The block-table entries one tile ahead against in the tile, at the default tiles.
+    assert sweep.PREFILL_CANDIDATES[1] == dataclasses.replace(
+        sweep.PREFILL_CANDIDATES[0], prefetch_blocks=False
+    )
+    ahead = [c for c in sweep.DECODE_CANDIDATES if c.config.prefetch_blocks]
+    assert ahead and all("block entries ahead" in str(c) for c in ahead)
+    assert not sweep.DECODE_CANDIDATES[0].config.prefetch_blocks
     for c in sweep.PREFILL_CANDIDATES:
         assert c.block_m in (64, 128) and c.block_n in (32, 64, 128)
         assert c.num_warps in (4, 8) and c.num_stages in (2, 3, 4)
@@ -183,7 +190,10 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
     text, wrong = sweep.sweep_section(30, [shape])
     assert wrong == [] and "Wall-clock cap 30 s" in text and f"- {shape.record['best_line']}" in text
     best = shape.record["best_line"]
-    assert "DecodeConfig(tile_n=128, num_warps=4, num_stages=3), PROGRAMS_PER_SM = 2" in best
+    assert (
+        "DecodeConfig(tile_n=128, num_warps=4, num_stages=3, prefetch_blocks=False), PROGRAMS_PER_SM = 2"
+        in best
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 8])

@@ -9,6 +9,8 @@ tiles run too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,11 +257,42 @@ def test_prefill_with_a_group_that_does_not_divide_the_tile(config):
     torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
+def test_block_table_entries_one_tile_ahead_give_the_same_bits(
+    num_heads, num_kv_heads, block_size, sliding_window
+):
+    """`prefetch_blocks` moves only where each tile's block-table entries are loaded (one tile ahead,
+    carried into the next iteration), never what is computed: prefill and decode outputs equal the other
+    form's bit for bit, over chunks after cached prefixes, windows and contexts of many tiles, a decode
+    split in slices included; and both match the reference."""
+    batch = _batch(MIXED + [(33, 130)], num_heads, num_kv_heads, block_size)
+    outs = {
+        ahead: _prefill(batch, config=dataclasses.replace(SMALL_PREFILL, prefetch_blocks=ahead),
+                        sliding_window=sliding_window)
+        for ahead in (True, False)
+    }  # fmt: skip
+    assert torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(
+        outs[True], _prefill_reference(batch, sliding_window), **tolerance(torch.float32)
+    )
+    decodes = _batch(DECODES, num_heads, num_kv_heads, block_size)
+    outs = {
+        ahead: _decode(decodes, config=dataclasses.replace(SMALL_DECODE, prefetch_blocks=ahead), num_splits=3,
+                       sliding_window=sliding_window)
+        for ahead in (True, False)
+    }  # fmt: skip
+    assert torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(
+        outs[True], _decode_reference(decodes, sliding_window), **tolerance(torch.float32)
+    )
+
+
 def test_prefill_config_table():
     assert prefill_config(128, torch.bfloat16, 4, 4096) == PrefillConfig(128, 64, 8, 3)
     assert prefill_config(64, torch.float16, 1, 2048) == PrefillConfig(128, 64, 8, 3)
-    assert prefill_config(128, torch.float32, 4, 4096) == PrefillConfig(64, 32, 8, 2)
-    assert prefill_config(256, torch.bfloat16, 2, 4096) == PrefillConfig(64, 32, 4, 2)
+    assert prefill_config(128, torch.float32, 4, 4096) == PrefillConfig(64, 32, 8, 2, prefetch_blocks=False)
+    assert prefill_config(256, torch.bfloat16, 2, 4096) == PrefillConfig(64, 32, 4, 2, prefetch_blocks=False)
     # Short queries: the tile shrinks to one sequence's rows, never below the group or 16.
     assert prefill_config(128, torch.bfloat16, 4, 1).block_m == 16
     assert prefill_config(128, torch.bfloat16, 4, 6).block_m == 32

@@ -62,10 +62,12 @@ SWEEP_MAX_REL_DIFF = 1e-2  # max |ours - SDPA| / max |SDPA|: bf16 outputs, fp32 
 NOT_RUN = "not run (time)"
 
 # block_m in {64, 128}, block_n in {32, 64, 128}, 4 or 8 warps, 2-4 stages: the default (128 x 64, 8 warps,
-# 3 stages) first, then its neighbours one knob at a time, then a few 64-row tiles; most likely first,
-# since the cap may cut the tail.
+# 3 stages, block-table entries one tile ahead) first, then the same tile with the entries loaded in the
+# tile (the kernel until 2026-11-30: its copies waited on at once), then the default's neighbours one knob
+# at a time, then a few 64-row tiles; most likely first, since the cap may cut the tail.
 PREFILL_CANDIDATES = (
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, prefetch_blocks=False),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=4),
     PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
@@ -93,9 +95,10 @@ class DecodeCandidate:
 
     def __str__(self) -> str:
         c = self.config
+        ahead = ", block entries ahead" if c.prefetch_blocks else ""
         return (
-            f"tile_n {c.tile_n}, {c.num_warps} warps, {c.num_stages} stages, {self.programs_per_sm}/SM, "
-            f"partition {self.partition_size}"
+            f"tile_n {c.tile_n}, {c.num_warps} warps, {c.num_stages} stages{ahead}, "
+            f"{self.programs_per_sm}/SM, partition {self.partition_size}"
         )
 
     def code(self) -> str:
@@ -112,9 +115,13 @@ def _decode(tile_n: int, warps: int, stages: int, per_sm: int = PROGRAMS_PER_SM)
 
 # The tile at the default split count, then the split count at the default tile. partition_size never
 # binds at these two shapes (a 4k context has 8 partitions of 512, more than any split count below asks
-# for at batch 32), so it stays at its default here; `split_count` shows the slices each row ran.
+# for at batch 32), so it stays at its default here; `split_count` shows the slices each row ran. Two rows
+# load the block-table entries one tile ahead (`prefetch_blocks`, the prefill's default): a third K/V
+# buffer at 3 stages (139 KB of shared memory at head_dim 128: one program an SM), as many as now at 2.
 DECODE_CANDIDATES = (
     _decode(128, 4, 3),
+    DecodeCandidate(DecodeConfig(128, 4, 3, prefetch_blocks=True)),
+    DecodeCandidate(DecodeConfig(128, 4, 2, prefetch_blocks=True)),
     _decode(64, 4, 3),  # the default until run 12
     _decode(64, 4, 2),
     _decode(64, 4, 4),
