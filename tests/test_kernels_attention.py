@@ -266,26 +266,16 @@ def test_block_table_entries_one_tile_ahead_give_the_same_bits(
     carried into the next iteration), never what is computed: prefill and decode outputs equal the other
     form's bit for bit, over chunks after cached prefixes, windows and contexts of many tiles, a decode
     split in slices included; and both match the reference."""
-    batch = _batch(MIXED + [(33, 130)], num_heads, num_kv_heads, block_size)
-    outs = {
-        ahead: _prefill(batch, config=dataclasses.replace(SMALL_PREFILL, prefetch_blocks=ahead),
-                        sliding_window=sliding_window)
-        for ahead in (True, False)
-    }  # fmt: skip
-    assert torch.equal(outs[True], outs[False])
-    torch.testing.assert_close(
-        outs[True], _prefill_reference(batch, sliding_window), **tolerance(torch.float32)
-    )
+    prefills = _batch(MIXED + [(33, 130)], num_heads, num_kv_heads, block_size)
     decodes = _batch(DECODES, num_heads, num_kv_heads, block_size)
-    outs = {
-        ahead: _decode(decodes, config=dataclasses.replace(SMALL_DECODE, prefetch_blocks=ahead), num_splits=3,
-                       sliding_window=sliding_window)
-        for ahead in (True, False)
-    }  # fmt: skip
-    assert torch.equal(outs[True], outs[False])
-    torch.testing.assert_close(
-        outs[True], _decode_reference(decodes, sliding_window), **tolerance(torch.float32)
-    )
+    for run, batch, config, reference, kwargs in (
+        (_prefill, prefills, SMALL_PREFILL, _prefill_reference, {}),
+        (_decode, decodes, SMALL_DECODE, _decode_reference, {"num_splits": 3}),
+    ):
+        configs = (dataclasses.replace(config, prefetch_blocks=flag) for flag in (True, False))
+        ahead, in_tile = (run(batch, config=c, sliding_window=sliding_window, **kwargs) for c in configs)
+        assert torch.equal(ahead, in_tile)
+        torch.testing.assert_close(ahead, reference(batch, sliding_window), **tolerance(torch.float32))
 
 
 def test_prefill_config_table():
