@@ -54,6 +54,12 @@ ABORT_MARGIN_S = 1.0
 # time the event loop kept its schedule (a loop that wakes late may have calls queued it has not seen).
 HEALTH_NOTICE_S = 0.5
 QUIET_S = 0.25
+# After the GOAWAY, before the calls still open are cancelled (health watches, idle streams; grpc's
+# stop(0)): at least this long, so that what is already under way ends as it would have (a refusal's
+# UNAVAILABLE still being written, a call sent before its client read the GOAWAY, the two-step GOAWAY's
+# ping round trip) instead of as CANCELLED. Without it the cancel came 5 ms after the GOAWAY when no
+# request was left, and a CI run (2026-11-30) saw 2 of 1,340 storm calls end CANCELLED.
+GOAWAY_SETTLE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -188,8 +194,9 @@ class SluiceServer:
     async def drain(self, grace_period: float | None = None) -> None:
         """Health NOT_SERVING and new calls UNAVAILABLE; once calls have stopped coming (see QUIET_S)
         grpc's stop(grace): GOAWAY, no new connections; in-flight requests get the grace period, then
-        the rest are aborted and their streams end. Then the calls that never end by themselves
-        (health Watch streams, idle StreamGenerate calls) are cancelled and the server stops."""
+        the rest are aborted and their streams end. Then, at least GOAWAY_SETTLE_S after the GOAWAY, the
+        calls that never end by themselves (health Watch streams, idle StreamGenerate calls) are
+        cancelled and the server stops."""
         grace = self.config.grace_period if grace_period is None else grace_period
         start = time.monotonic()
         await self.begin_drain()
@@ -202,7 +209,8 @@ class SluiceServer:
                 "sending GOAWAY anyway"
             )
         server, self._server = self._server, None
-        remaining = max(0.0, start + grace - time.monotonic())
+        goaway_at = time.monotonic()
+        remaining = max(0.0, start + grace - goaway_at)
         stopping = None if server is None else asyncio.ensure_future(server.stop(remaining + ABORT_MARGIN_S))
         await self._wait_for_requests(start + grace)
         runner = self.servicer.runner
@@ -210,6 +218,9 @@ class SluiceServer:
             logger.warning("grace period over: aborted %d in-flight requests", num_aborted)
             await self._wait_for_requests(time.monotonic() + ABORT_MARGIN_S)
         if server is not None:
+            settled = goaway_at + GOAWAY_SETTLE_S - time.monotonic()
+            if settled > 0:
+                await asyncio.wait({stopping}, timeout=settled)  # ends early once no call is left open
             await server.stop(0)
             await stopping
         await self.stop()

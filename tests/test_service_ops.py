@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -19,7 +20,8 @@ from service_harness import (
 )
 
 from sluice import Client, SluiceError, generate_request
-from sluice.service.server import ServerConfig
+from sluice.service import server as server_module
+from sluice.service.server import GOAWAY_SETTLE_S, ServerConfig, SluiceServer
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,6 +150,52 @@ def test_drain_aborts_what_outlives_the_grace_period(llama_long_dir: str) -> Non
             thread.wait_idle()
     finally:
         thread.stop()
+
+
+class _GrpcServerWithAWatch:
+    """grpc.aio.Server's stop() as a server with one call that never ends (a health Watch) answers it: a
+    graceful stop returns once stop(0) cancels that call, or at once when `open_call` is False."""
+
+    def __init__(self, open_call: bool) -> None:
+        self.stops: list[tuple[float | None, float]] = []  # (grace, time.monotonic() at the call)
+        self.cancelled = asyncio.Event()
+        if not open_call:
+            self.cancelled.set()
+
+    async def stop(self, grace: float | None) -> None:
+        self.stops.append((grace, time.monotonic()))
+        if grace == 0:
+            self.cancelled.set()
+        await self.cancelled.wait()
+
+
+def _drain(grpc_server: _GrpcServerWithAWatch) -> None:
+    async def drain() -> None:
+        server = SluiceServer(ServerConfig(host="127.0.0.1", port=0))
+        server._server = grpc_server
+        await asyncio.wait_for(server.drain(grace_period=5.0), timeout=60)
+
+    asyncio.run(drain())
+
+
+def test_the_drain_cancels_the_calls_left_open_a_settle_after_the_goaway() -> None:
+    """No request is left when the GOAWAY goes out, but a Watch stream is: grpc's stop(0) cancels it
+    GOAWAY_SETTLE_S later, not at once, so that calls already under way end as they would have."""
+    grpc_server = _GrpcServerWithAWatch(open_call=True)
+    _drain(grpc_server)
+    (grace, goaway_at), (zero, cancelled_at) = grpc_server.stops
+    assert grace > 0 and zero == 0
+    assert cancelled_at - goaway_at >= GOAWAY_SETTLE_S - 0.01  # asyncio may wake a little early
+
+
+def test_the_drain_does_not_wait_out_the_settle_once_no_call_is_open(monkeypatch) -> None:
+    """With nothing left open the graceful stop (the GOAWAY, first) ends by itself and the drain goes on
+    (a settle of 10 minutes would fail the test's 60 s bound)."""
+    monkeypatch.setattr(server_module, "GOAWAY_SETTLE_S", 600.0)
+    grpc_server = _GrpcServerWithAWatch(open_call=False)
+    _drain(grpc_server)
+    graces = [grace for grace, _ in grpc_server.stops]
+    assert graces[0] > 0 and graces[1:] == [0]
 
 
 @pytest.fixture(scope="module")
