@@ -57,8 +57,9 @@ QUIET_S = 0.25
 # After the GOAWAY, before the calls still open are cancelled (health watches, idle streams; grpc's
 # stop(0)): at least this long, so that what is already under way ends as it would have (a refusal's
 # UNAVAILABLE still being written, a call sent before its client read the GOAWAY, the two-step GOAWAY's
-# ping round trip) instead of as CANCELLED. Without it the cancel came 5 ms after the GOAWAY when no
-# request was left, and a CI run (2026-11-30) saw 2 of 1,340 storm calls end CANCELLED.
+# ping round trip) instead of as CANCELLED. Without it, when no request was left, stop(0) ran before the
+# graceful stop had even started (nothing awaited between them), and a CI run (2026-11-30) saw 2 of 1,340
+# storm calls end CANCELLED, the cancel 5 ms after the GOAWAY's log line (docs/FLEET.md, "Drain").
 GOAWAY_SETTLE_S = 0.25
 
 
