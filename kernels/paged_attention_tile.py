@@ -365,8 +365,9 @@ def attend_paged_span(
     # PREFETCH_BLOCKS: each tile's block-table entries are loaded one tile ahead and carried into the next
     # iteration, so the addresses of the K/V copies the software pipeline issues need no load of that
     # iteration: Triton then keeps the next tile's copies in flight through this tile's compute. With the
-    # entries loaded in the tile, it waits for every copy it issued, the next tile's included, at the top
-    # of each iteration (the sm_90 TTGIR: `ttg.async_wait {num = 0}` against `{num = 2}`).
+    # entries loaded in the tile, a tile's copies are issued at the end of the iteration before and waited
+    # for, with the next tile's entries, at the top of its own: they overlap only the previous tile's P.V
+    # product (the sm_90 TTGIR: `ttg.async_wait {num = 0}` against `{num = 2}`).
     if PREFETCH_BLOCKS:
         next_blocks = tile_blocks(block_table_ptr, full_lo, full_lo, full_hi, BLOCK_N, BLOCK_SIZE, True)
     for tile_start in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):

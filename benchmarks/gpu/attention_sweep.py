@@ -63,7 +63,7 @@ NOT_RUN = "not run (time)"
 
 # block_m in {64, 128}, block_n in {32, 64, 128}, 4 or 8 warps, 2-4 stages: the default (128 x 64, 8 warps,
 # 3 stages, block-table entries one tile ahead) first, then the same tile with the entries loaded in the
-# tile (the kernel until 2026-11-30: its copies waited on at once), then the default's neighbours one knob
+# tile (the kernel until 2026-11-30: its copies waited for at once), then the default's neighbours one knob
 # at a time, then a few 64-row tiles; most likely first, since the cap may cut the tail.
 PREFILL_CANDIDATES = (
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
