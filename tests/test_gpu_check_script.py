@@ -8,6 +8,7 @@ at this interpreter, whose environment already has Sluice and its dependencies.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -460,9 +461,10 @@ def test_the_fusion_section_switches_every_attention_layer():
     model = gpu_benchmarks.triton_model(preset_arch("tiny"), torch.float32, cpu)
     kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    assert gpu_benchmarks.select_rotary_store_fusion(model, kernels, False) == len(layers) > 0
+    separate = dataclasses.replace(kernels, fuse_rotary_store=False)
+    assert gpu_benchmarks.select_attention(model, separate) == len(layers) > 0
     assert not any(layer.fuse_rotary_store for layer in layers)
-    gpu_benchmarks.select_rotary_store_fusion(model, kernels, True)
+    gpu_benchmarks.select_attention(model, kernels)
     assert all(layer.fuse_rotary_store for layer in layers)
 
 

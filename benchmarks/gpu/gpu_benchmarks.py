@@ -190,11 +190,6 @@ def bench_decode(device: torch.device) -> tuple[list[list[object]], float, float
     return rows, batch1_graph_s, _weight_bytes(model)
 
 
-def select_rotary_store_fusion(model: torch.nn.Module, kernels: KernelConfig, fused: bool) -> int:
-    """Re-select every attention layer of `model` with rotary + K/V store fused or not; returns the layers."""
-    return select_attention(model, dataclasses.replace(kernels, fuse_rotary_store=fused))
-
-
 def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
     """Re-select every attention layer of `model` with `kernels` (its backend, the fusion); returns the
     layers."""
@@ -204,33 +199,50 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
     return len(layers)
 
 
+def time_batch1_graph_steps(
+    device: torch.device,
+    preset: str,
+    context: int,
+    variants: Sequence[tuple[Callable[[KernelConfig], KernelConfig], int]],
+    time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+) -> tuple[ModelArchConfig, list[tuple[float, float]]]:
+    """The batch-1 CUDA-graph decode step of `preset` (random bf16 weights) at a `context`-token context,
+    once per variant: (the variant's kernels from the default KernelConfig, the longest context its graph
+    is captured for). Returns the preset's shape and, per variant, (seconds a step, the logits' max
+    relative difference from the first variant's); the layers get the default kernels back."""
+    arch = preset_arch(preset)
+    model = _random_model(arch, torch.bfloat16, device)
+    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
+    kv_caches = random_kv_caches(arch, -(-context // BLOCK_SIZE) + 1, torch.bfloat16, device)
+    inputs = decode_step_inputs(1, context, BLOCK_SIZE, device)
+    timings, first = [], None
+    with torch.inference_mode():
+        for variant, graph_context in variants:
+            select_attention(model, variant(kernels))
+            runner = CudaGraphRunner(model, kv_caches, 1, -(-graph_context // BLOCK_SIZE), BLOCK_SIZE, device)
+            runner.capture()
+            logits = _logits(model, runner.run(inputs), inputs).clone()
+            first = logits if first is None else first
+            seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
+            timings.append((seconds, _relative_difference(logits, first)))
+            del runner
+        select_attention(model, kernels)
+    return arch, timings
+
+
 def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
     """The batch-1 CUDA-graph decode step of the llama-3.2-1b shape with rotary + K/V store as one kernel (the
     default) and as two: rows (kernels, graph ms, vs fused, max rel diff of the logits vs fused)."""
-    arch = preset_arch("llama-3.2-1b")
-    model = _random_model(arch, torch.bfloat16, device)
-    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
-    blocks_per_seq = -(-BENCH_CONTEXT // BLOCK_SIZE)
-    kv_caches = random_kv_caches(arch, blocks_per_seq + 1, torch.bfloat16, device)
-    inputs = decode_step_inputs(1, BENCH_CONTEXT, BLOCK_SIZE, device)
-    step_s, logits = {}, {}
-    with torch.inference_mode():
-        for fused in (True, False):
-            select_rotary_store_fusion(model, kernels, fused)
-            runner = CudaGraphRunner(model, kv_caches, 1, blocks_per_seq, BLOCK_SIZE, device)
-            runner.capture()
-            logits[fused] = _logits(model, runner.run(inputs), inputs).clone()
-            step_s[fused] = time_cuda_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
-            del runner
-        select_rotary_store_fusion(model, kernels, True)
+    variants = [
+        (lambda kernels, fused=fused: dataclasses.replace(kernels, fuse_rotary_store=fused), BENCH_CONTEXT)
+        for fused in (True, False)
+    ]
+    _, ((fused_s, _), (separate_s, difference)) = time_batch1_graph_steps(
+        device, "llama-3.2-1b", BENCH_CONTEXT, variants
+    )
     return [
-        ["rotary + K/V store in one kernel", step_s[True] * 1e3, 1.0, 0.0],
-        [
-            "rotary, then K/V store",
-            step_s[False] * 1e3,
-            step_s[False] / step_s[True],
-            _relative_difference(logits[False], logits[True]),
-        ],
+        ["rotary + K/V store in one kernel", fused_s * 1e3, 1.0, 0.0],
+        ["rotary, then K/V store", separate_s * 1e3, separate_s / fused_s, difference],
     ]
 
 
@@ -281,24 +293,15 @@ def bench_graph_step_partitions(
 ) -> list[list[object]]:
     """The batch-1 CUDA-graph decode step of `preset` (bf16) at a `context`-token context with each of
     `partitions`' decode attention, one graph each (`graph_step_partition_rows`)."""
-    arch = preset_arch(preset)
-    model = _random_model(arch, torch.bfloat16, device)
-    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
-    kv_caches = random_kv_caches(arch, -(-context // BLOCK_SIZE) + 1, torch.bfloat16, device)
-    inputs = decode_step_inputs(1, context, BLOCK_SIZE, device)
-    timings, first = [], None
-    with torch.inference_mode():
-        for graph_context, config, partition in partitions:
-            backend = TritonAttentionBackend(partition, decode_config=config)
-            select_attention(model, dataclasses.replace(kernels, attention_backend=backend))
-            runner = CudaGraphRunner(model, kv_caches, 1, graph_context // BLOCK_SIZE, BLOCK_SIZE, device)
-            runner.capture()
-            logits = _logits(model, runner.run(inputs), inputs).clone()
-            first = logits if first is None else first
-            seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
-            timings.append((seconds, _relative_difference(logits, first)))
-            del runner
-        select_attention(model, kernels)
+
+    def with_backend(config: DecodeConfig | None, partition: int) -> Callable[[KernelConfig], KernelConfig]:
+        backend = TritonAttentionBackend(partition, decode_config=config)
+        return lambda kernels: dataclasses.replace(kernels, attention_backend=backend)
+
+    variants = [
+        (with_backend(config, partition), graph_context) for graph_context, config, partition in partitions
+    ]
+    arch, timings = time_batch1_graph_steps(device, preset, context, variants, time_s)
     num_sms = device_sm_count(device)
     return graph_step_partition_rows(partitions, timings, arch.num_key_value_heads, arch.head_dim, num_sms)
 
