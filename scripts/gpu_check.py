@@ -66,6 +66,11 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     random_kv_caches,
     triton_model,
 )
+from sluice.benchmarks.gpu.graph_step_kernels import (
+    profile_graph_steps,
+    step_kernels_figures,
+    step_kernels_text,
+)
 from sluice.benchmarks.gpu.kernel_test_files import (
     CPU_KERNEL_TESTS,
     KERNEL_TESTS,
@@ -261,6 +266,8 @@ class GpuCheck:
              self.fusion, True),
             ("partitions", f"Batch-1 graph step: decode attention's splits and tile (llama-3.2-1b shape, "
              f"context {BENCH_CONTEXT})", self.partitions, True),
+            ("step_kernels", f"Batch-1 graph step, kernel by kernel (llama-3.2-1b shape, context "
+             f"{BENCH_CONTEXT})", self.step_kernels, True),
             ("attention", "Paged decode attention (bf16, 32 query / 8 KV heads, head_dim 64)",
              self.attention, True),
             ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
@@ -358,6 +365,11 @@ class GpuCheck:
         if any(row[6] > GRAPH_MAX_REL_DIFF for row in rows):
             raise CheckFailed(f"decode splits or tiles depart by more than {GRAPH_MAX_REL_DIFF}\n\n{table}")
         return table
+
+    def step_kernels(self) -> str:
+        profiles = profile_graph_steps(self.device)
+        self.figures["step_kernels"] = step_kernels_figures(profiles)
+        return step_kernels_text(profiles, getattr(self, "floor_s", None))
 
     def attention(self) -> str:
         self.attention_rows = bench_attention(self.device, self.bandwidth)

@@ -53,9 +53,13 @@ def test_candidate_lists_start_with_the_defaults_and_stay_in_the_brief():
     assert sweep.DECODE_CANDIDATES[0] == sweep.default_decode_candidate(64, torch.bfloat16)
     assert 12 <= len(set(sweep.PREFILL_CANDIDATES)) == len(sweep.PREFILL_CANDIDATES) <= 16
     assert 8 <= len(set(sweep.DECODE_CANDIDATES)) == len(sweep.DECODE_CANDIDATES) <= 14
-    # The block-table entries one tile ahead against in the tile, at the default tiles.
-    assert sweep.PREFILL_CANDIDATES[1] == dataclasses.replace(
-        sweep.PREFILL_CANDIDATES[0], prefetch_blocks=False
+    # The block-table entries one tile ahead against in the tile, and the KV heads interleaved in the
+    # launch against a head's tiles all first, at the default tiles.
+    first = sweep.PREFILL_CANDIDATES[0]
+    assert first.prefetch_blocks and first.interleave_heads
+    assert sweep.PREFILL_CANDIDATES[1:3] == (
+        dataclasses.replace(first, prefetch_blocks=False),
+        dataclasses.replace(first, interleave_heads=False),
     )
     ahead = [c for c in sweep.DECODE_CANDIDATES if c.config.prefetch_blocks]
     assert ahead and all("block entries ahead" in str(c) for c in ahead)

@@ -278,6 +278,18 @@ def test_block_table_entries_one_tile_ahead_give_the_same_bits(
         torch.testing.assert_close(ahead, reference(batch, sliding_window), **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(2, 2, 16), (8, 2, 32), (6, 3, 16)])
+def test_kv_heads_interleaved_in_the_launch_give_the_same_bits(num_heads, num_kv_heads, block_size):
+    """`interleave_heads` changes only which program takes which (q tile, KV head): with it and without,
+    every tile of every head is computed (the output starts as NaN) bit for bit the same, over a ragged
+    batch of chunks after cached prefixes, and both match the reference."""
+    batch = _batch(MIXED + [(33, 130)], num_heads, num_kv_heads, block_size)
+    configs = (dataclasses.replace(SMALL_PREFILL, interleave_heads=flag) for flag in (True, False))
+    interleaved, by_head = (_prefill(batch, config=config) for config in configs)
+    assert torch.equal(interleaved, by_head)
+    torch.testing.assert_close(interleaved, _prefill_reference(batch, None), **tolerance(torch.float32))
+
+
 def test_prefill_config_table():
     assert prefill_config(128, torch.bfloat16, 4, 4096) == PrefillConfig(128, 64, 8, 3)
     assert prefill_config(64, torch.float16, 1, 2048) == PrefillConfig(128, 64, 8, 3)

@@ -62,12 +62,14 @@ SWEEP_MAX_REL_DIFF = 1e-2  # max |ours - SDPA| / max |SDPA|: bf16 outputs, fp32 
 NOT_RUN = "not run (time)"
 
 # block_m in {64, 128}, block_n in {32, 64, 128}, 4 or 8 warps, 2-4 stages: the default (128 x 64, 8 warps,
-# 3 stages, block-table entries one tile ahead) first, then the same tile with the entries loaded in the
-# tile (the kernel until 2026-11-30: its copies waited for at once), then the default's neighbours one knob
-# at a time, then a few 64-row tiles; most likely first, since the cap may cut the tail.
+# 3 stages, block-table entries one tile ahead, KV heads interleaved in the launch) first, then the same
+# tile with the entries loaded in the tile (the kernel until 2026-11-30: its copies waited for at once),
+# then with a head's tiles all launched before the next head's (until 2026-11-30 too), then the default's
+# neighbours one knob at a time, then a few 64-row tiles; most likely first, since the cap may cut the tail.
 PREFILL_CANDIDATES = (
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, prefetch_blocks=False),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, interleave_heads=False),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=4),
     PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -166,11 +166,13 @@ def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
             if "error" in summary:
                 parts.append(f"{title}: not profiled ({summary['error']})")
                 continue
-            parts.append(_profile_table(title, summary))
+            parts.append(profile_table(title, summary))
     return parts
 
 
-def _profile_table(title: str, summary: dict[str, Any]) -> str:
+def profile_table(title: str, summary: dict[str, Any], top: int = TOP_KERNELS) -> str:
+    """A profile's markdown: its title and totals, then the `top` kernels by device time (operators by
+    CPU time where nothing ran on a device)."""
     steps = max(1, summary["steps"])
     tokens = summary["rows_per_step"]
     shape = (
@@ -179,11 +181,11 @@ def _profile_table(title: str, summary: dict[str, Any]) -> str:
         else f"tokens a step {tokens}"
     )
     if summary["measured"] != "device":
-        entries = summary["top"][:TOP_KERNELS]
+        entries = summary["top"][:top]
         rows = [_row(entry, entry["self_cpu_us"], summary["cpu_us_total"], steps) for entry in entries]
         head = f"{title}: {shape}, CPU only (no device): CPU us per step"
         return head + "\n\n" + markdown_table(["operator", "us / step", "share", "calls / step"], rows)
-    kernels = [entry for entry in summary["top"] if entry["on_device"]][:TOP_KERNELS]
+    kernels = [entry for entry in summary["top"] if entry["on_device"]][:top]
     total = summary["device_us_total"] / steps
     rows = [_row(entry, entry["self_device_us"], summary["device_us_total"], steps) for entry in kernels]
     head = (

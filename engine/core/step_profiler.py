@@ -105,7 +105,7 @@ class StepProfiler:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         stem = run.output_dir / f"profile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
         averages = run.profiler.key_averages()
-        on_device = any(_device_us(event) > 0 for event in averages)
+        on_device = any(device_us(event) > 0 for event in averages)
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
         stem.with_suffix(".txt").write_text(averages.table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
         run.profiler.export_chrome_trace(str(stem.with_suffix(".trace.json.gz")))
@@ -116,7 +116,8 @@ class StepProfiler:
         return path
 
 
-def _device_us(event: Any) -> float:
+def device_us(event: Any) -> float:
+    """An event's own device time, microseconds (0 for one that ran on no device)."""
     return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
 
 
@@ -128,7 +129,7 @@ def summarize(averages: Any, rows: list[int], wall_s: float, on_device: bool) ->
         {
             "name": event.key,
             "count": int(event.count),
-            "self_device_us": round(_device_us(event), 1),
+            "self_device_us": round(device_us(event), 1),
             "self_cpu_us": round(float(event.self_cpu_time_total), 1),
             "on_device": str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1")),
         }
