@@ -1,8 +1,9 @@
 """Where the batch-1 CUDA-graph decode step's time goes, kernel by kernel (gpu_check's `step_kernels`
 section): the step is timed (CUDA events, `time_cuda_s`), then replayed under torch.profiler, whose
 kernels CUPTI reports one by one from the graph. Per graph: the step's time, the kernels' device time a
-step (their sum: one stream, no overlap), the rest (the device idle between kernels inside the graph, plus
-the replay's own launch) and the table of kernels. Issue 33's 1b batch-1 graph step is 2.24x its
+step (their sum: one stream, no overlap), the rest (the device idle between kernels: inside the graph,
+and around the replay's launch and the logits' launches after it, which run eagerly) and the table of
+kernels. Issue 33's 1b batch-1 graph step is 2.24x its
 weight-bytes floor (run 12); this says whether what is left is in the linears, in the small kernels or
 between kernels.
 """
@@ -43,6 +44,7 @@ class GraphStepProfile:
 
     @property
     def launches(self) -> float:
+        """Kernels launched a step (by the graph and after it)."""
         kernels = [entry for entry in self.summary["top"] if entry["on_device"]]
         return sum(entry["count"] for entry in kernels) / max(1, self.summary["steps"])
 
