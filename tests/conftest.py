@@ -25,16 +25,21 @@ from checkpoints import (
     build_qwen3_checkpoint,
 )
 
-# The longest files (one to three minutes each on a 2-core machine) are collected first, so that under
-# `make test`'s workers (pytest-xdist, one file at a time, in collection order: --no-loadscope-reorder)
-# they start at once instead of leaving one worker to finish them alone.
+# The longest files (about one to five minutes each on a 2-core machine) are collected first, so that
+# under `make test`'s workers (pytest-xdist, one file at a time, in collection order:
+# --no-loadscope-reorder) they start at once instead of leaving one worker to finish them alone (by name
+# alone, the fp8-KV engine and tensor-parallel files would start among the last).
 LONGEST_FILES = (
     "test_gpu_check_script.py",
     "test_kernels_compile.py",
     "test_fp8_fused_quant_model.py",
     "test_triton_fp8_kv.py",
-    "test_gemma3_270m.py",
+    "test_triton_fp8_kv_engine.py",
     "test_async_engine.py",
+    "test_tensor_parallel_service.py",
+    "test_gemma3_270m.py",
+    "test_async_scheduling.py",
+    "test_tensor_parallel.py",
 )
 
 
