@@ -78,6 +78,7 @@ from sluice.benchmarks.gpu.kernel_test_files import (
     run_kernel_tests,
     select_kernel_tests,
 )
+from sluice.benchmarks.gpu.mixed_step_attention import MIXED_MAX_REL_DIFF, mixed_step_rows
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.models.llama import LlamaForCausalLM
@@ -272,6 +273,8 @@ class GpuCheck:
              self.attention, True),
             ("prefill", "Prefill attention: our paged kernel vs torch SDPA (bf16, causal, 32/8 heads)",
              self.prefill, True),
+            ("mixed", "Mixed step attention: long decode rows, then a prompt chunk (bf16, 32 query / 8 KV "
+             "heads, head_dim 64)", self.mixed, True),
             ("goals", "Goals (issue 33, kernel level)", self.goals, True),
             ("kv_fp8", "FP8 KV cache at kernel level: attention over e4m3 codes vs bf16 (default configs)",
              self.kv_fp8, True),
@@ -385,6 +388,17 @@ class GpuCheck:
         self.figures["prefill"] = {"rows": [dict(zip(keys, row, strict=True)) for row in self.prefill_rows]}
         headers = ["prompt", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA speed"]
         return markdown_table(headers, self.prefill_rows)
+
+    def mixed(self) -> str:
+        rows = mixed_step_rows(self.device)
+        keys = ("decode_rows", "context", "prompt", "one_launch_ms", "served_ms", "speedup", "rel_diff")
+        self.figures["mixed"] = {"rows": [dict(zip(keys, row, strict=True)) for row in rows]}
+        headers = ["decode rows", "their context", "prompt tokens", "one prefill launch ms",
+                   "as served ms (decode + prefill)", "speedup", "outputs (max rel diff)"]  # fmt: skip
+        table = markdown_table(headers, rows)
+        if any(row[6] > MIXED_MAX_REL_DIFF for row in rows):
+            raise CheckFailed(f"the two paths depart by more than {MIXED_MAX_REL_DIFF}\n\n{table}")
+        return table
 
     def goals(self) -> str:
         speedup = self.decode_rows[0][3]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from paged_batch import DEVICE, KERNEL_DTYPES, make_paged_batch, nan_like, tolerance
 
+from sluice.engine.worker.attention import triton_backend as triton_backend_module
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.kernels.paged_decode_attention import (
@@ -323,11 +324,14 @@ def test_references_equal_dense_causal_sdpa():
     torch.testing.assert_close(decode, prefill[6:], atol=1e-5, rtol=1e-5)
 
 
+# Decode rows first (the scheduler's running requests), one with more context than the backends' decode
+# partition below (32), then prompt chunks: the decode rows go through the decode kernel.
+DECODES_FIRST = [(1, 40), (1, 130), (1, 17), (7, 7), (18, 50)]
 # (pairs, block_size) of the backend comparisons: a mixed batch, and a pure-decode one (the decode kernel).
 BACKEND_BATCHES = pytest.mark.parametrize(
     ("pairs", "block_size"),
-    [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32)],
-    ids=["mixed", "pure-decode"],
+    [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32), (DECODES_FIRST, 16)],
+    ids=["mixed", "pure-decode", "decodes-first"],
 )
 
 
@@ -364,6 +368,48 @@ def test_triton_backend_equals_torch_backend(pairs, block_size):
     torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
     assert torch.equal(triton_caches[0], torch_caches[0])
     assert torch.equal(triton_caches[1], torch_caches[1])
+
+
+def test_leading_decode_rows_are_cut_from_the_rest_of_the_batch():
+    md = _batch(DECODES_FIRST, 4, 2, 16).metadata
+    decodes, rest = md.leading_decodes
+    assert (decodes.query_lens_cpu, decodes.seq_lens_cpu, decodes.max_seq_len) == (
+        (1, 1, 1),
+        (40, 130, 17),
+        130,
+    )
+    assert decodes.query_start_loc.tolist() == [0, 1, 2, 3] and decodes.is_pure_decode
+    assert torch.equal(decodes.block_tables, md.block_tables[:3])
+    assert (rest.query_lens_cpu, rest.seq_lens_cpu, rest.max_query_len) == ((7, 18), (7, 50), 18)
+    assert rest.query_start_loc.tolist() == [0, 7, 25] and rest.seq_lens.tolist() == [7, 50]
+    assert torch.equal(rest.block_tables, md.block_tables[3:])
+    assert torch.equal(rest.slot_mapping, md.slot_mapping[3:])
+    # A longer query first, or decode rows only: nothing to cut.
+    assert _batch(MIXED, 4, 2, 16).metadata.leading_decodes is None
+    assert _batch(DECODES, 4, 2, 16).metadata.leading_decodes is None
+
+
+@pytest.mark.parametrize(("partition", "split"), [(32, True), (256, False)])
+def test_leading_decode_rows_over_a_partition_take_the_decode_kernel(monkeypatch, partition, split):
+    """Where a leading decode row has more context than a decode partition, those rows go to the decode
+    kernel (which splits long contexts over programs) and the rest to the prefill kernel, each writing
+    its rows of one output; otherwise the whole batch is one prefill launch. Both match the reference."""
+    calls = []
+
+    def spy(name):
+        kernel = getattr(triton_backend_module, name)
+        return lambda q, *args, **kwargs: calls.append((name, q.shape[0])) or kernel(q, *args, **kwargs)
+
+    for name in ("paged_decode_attention", "prefill_attention"):
+        monkeypatch.setattr(triton_backend_module, name, spy(name))
+    batch = _batch(DECODES_FIRST, 8, 2, 16)
+    out = TritonAttentionBackend(decode_partition_size=partition).attend(
+        batch.q, batch.k_cache, batch.v_cache, batch.metadata, SCALE
+    )
+    num_tokens = batch.q.shape[0]
+    two_launches = [("paged_decode_attention", 3), ("prefill_attention", num_tokens - 3)]
+    assert calls == (two_launches if split else [("prefill_attention", num_tokens)])
+    torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(torch.float32))
 
 
 def _decode_args():

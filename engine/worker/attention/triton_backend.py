@@ -7,6 +7,8 @@ Each step: `store_kv` writes the new K/V through slot_mapping, then `attend`:
     any batch with a longer query              -> `prefill_attention` (FlashAttention-2 style varlen,
                                                   causal, GQA heads packed per tile, over the paged
                                                   cache; its decode rows are query_len == 1 sequences)
+    ... that starts with decode rows, one of   -> those rows through `paged_decode_attention`, the rest
+        them over more than a decode partition    through `prefill_attention`, into one output
 Only tensors and `max_query_len` / `max_seq_len` are read, never the `*_cpu` tuples, so a decode step
 can be captured in a CUDA graph (the decode grid and partial buffers depend only on the batch size,
 max_seq_len and the device).
@@ -101,20 +103,60 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         """Attention of q over the cache, which already holds this step's K/V."""
         if metadata.is_pure_decode:
-            # One query row per sequence, so q's rows are the sequences in order.
-            return paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                scale,
-                max_seq_len=metadata.max_seq_len,
-                partition_size=self.decode_partition_size,
-                sliding_window=sliding_window,
-                config=self.decode_config,
-                kv_scales=kv_scales,
-            )
+            return self._decode(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
+        split = metadata.leading_decodes
+        if split is None or split[0].max_seq_len <= self.decode_partition_size:
+            return self._prefill(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
+        # Decode rows with more context than a partition, then longer queries: the decode kernel splits
+        # those contexts over programs, where the prefill kernel would walk each (sequence, KV head)'s
+        # whole context in one program while the rest of the GPU waits.
+        decodes, rest = split
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = decodes.num_seqs
+        self._decode(q[:num_decodes], k_cache, v_cache, decodes, scale, sliding_window, kv_scales,
+                     out[:num_decodes])  # fmt: skip
+        self._prefill(q[num_decodes:], k_cache, v_cache, rest, scale, sliding_window, kv_scales,
+                      out[num_decodes:])  # fmt: skip
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KVScales | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # One query row per sequence, so q's rows are the sequences in order.
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            scale,
+            max_seq_len=metadata.max_seq_len,
+            partition_size=self.decode_partition_size,
+            out=out,
+            sliding_window=sliding_window,
+            config=self.decode_config,
+            kv_scales=kv_scales,
+        )
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KVScales | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return prefill_attention(
             q,
             k_cache,
@@ -124,6 +166,7 @@ class TritonAttentionBackend:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            out=out,
             sliding_window=sliding_window,
             kv_scales=kv_scales,
         )
