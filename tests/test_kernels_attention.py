@@ -327,7 +327,8 @@ def test_references_equal_dense_causal_sdpa():
 # Decode rows first (the scheduler's running requests), one with more context than the backends' decode
 # partition below (32), then prompt chunks: the decode rows go through the decode kernel.
 DECODES_FIRST = [(1, 40), (1, 130), (1, 17), (7, 7), (18, 50)]
-# (pairs, block_size) of the backend comparisons: a mixed batch, and a pure-decode one (the decode kernel).
+# (pairs, block_size) of the backend comparisons: a mixed batch, a pure-decode one (the decode kernel), and
+# decode rows first (both kernels).
 BACKEND_BATCHES = pytest.mark.parametrize(
     ("pairs", "block_size"),
     [(MIXED, 16), ([(1, 5), (1, 37), (1, 64), (1, 16)], 32), (DECODES_FIRST, 16)],

@@ -9,9 +9,11 @@ Each step: `store_kv` writes the new K/V through slot_mapping, then `attend`:
                                                   cache; its decode rows are query_len == 1 sequences)
     ... that starts with decode rows, one of   -> those rows through `paged_decode_attention`, the rest
         them over more than a decode partition    through `prefill_attention`, into one output
-Only tensors and `max_query_len` / `max_seq_len` are read, never the `*_cpu` tuples, so a decode step
-can be captured in a CUDA graph (the decode grid and partial buffers depend only on the batch size,
-max_seq_len and the device).
+A pure-decode batch reads only tensors and `max_query_len` / `max_seq_len`, never the `*_cpu` tuples, so
+its step can be captured in a CUDA graph (the decode grid and partial buffers depend only on the batch
+size, max_seq_len and the device). A batch with a longer query reads `query_lens_cpu` and `seq_lens_cpu`
+to find leading decode rows (`AttentionMetadata.leading_decodes`); the captured ones of that kind,
+speculative verify rows of one length, have none, so their launches never depend on them.
 
 `rotate_and_store` + `attend` is the fused alternative to rotary + `forward`: one kernel rotates q and k
 in place and writes k, v into the cache. Every layer takes it when its rotation is the Triton kernel's
