@@ -104,71 +104,32 @@ class TritonAttentionBackend:
         kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """Attention of q over the cache, which already holds this step's K/V."""
+
+        def decode(q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+            # One query row per sequence, so q's rows are the sequences in order.
+            return paged_decode_attention(
+                q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
+                partition_size=self.decode_partition_size, out=out, sliding_window=sliding_window,
+                config=self.decode_config, kv_scales=kv_scales,
+            )  # fmt: skip
+
+        def prefill(q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+            return prefill_attention(
+                q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
+                scale, out=out, sliding_window=sliding_window, kv_scales=kv_scales,
+            )  # fmt: skip
+
         if metadata.is_pure_decode:
-            return self._decode(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
+            return decode(q, metadata)
         split = metadata.leading_decodes
         if split is None or split[0].max_seq_len <= self.decode_partition_size:
-            return self._prefill(q, k_cache, v_cache, metadata, scale, sliding_window, kv_scales)
+            return prefill(q, metadata)
         # Decode rows with more context than a partition, then longer queries: the decode kernel splits
         # those contexts over programs, where the prefill kernel would walk each (sequence, KV head)'s
         # whole context in one program while the rest of the GPU waits.
         decodes, rest = split
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = decodes.num_seqs
-        self._decode(q[:num_decodes], k_cache, v_cache, decodes, scale, sliding_window, kv_scales,
-                     out[:num_decodes])  # fmt: skip
-        self._prefill(q[num_decodes:], k_cache, v_cache, rest, scale, sliding_window, kv_scales,
-                      out[num_decodes:])  # fmt: skip
+        decode(q[:num_decodes], decodes, out[:num_decodes])
+        prefill(q[num_decodes:], rest, out[num_decodes:])
         return out
-
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        kv_scales: KVScales | None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # One query row per sequence, so q's rows are the sequences in order.
-        return paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            metadata.block_tables,
-            metadata.seq_lens,
-            scale,
-            max_seq_len=metadata.max_seq_len,
-            partition_size=self.decode_partition_size,
-            out=out,
-            sliding_window=sliding_window,
-            config=self.decode_config,
-            kv_scales=kv_scales,
-        )
-
-    def _prefill(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        kv_scales: KVScales | None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            metadata.block_tables,
-            metadata.max_query_len,
-            scale,
-            out=out,
-            sliding_window=sliding_window,
-            kv_scales=kv_scales,
-        )
