@@ -56,12 +56,12 @@ def kv_read_bytes(num_seqs: int, context_len: int, num_kv_heads: int, head_dim: 
     return 2 * num_seqs * context_len * num_kv_heads * head_dim * item_size
 
 
-def decode_step_inputs(
-    batch: int, context_len: int, block_size: int, device: torch.device, first_block: int = 0
-) -> ModelInputs:
-    """A pure-decode step for `batch` sequences of `context_len` tokens with disjoint block tables."""
+def decode_requests(
+    batch: int, context_len: int, block_size: int, first_block: int = 0
+) -> tuple[ScheduledRequest, ...]:
+    """`batch` decode rows of `context_len` tokens on disjoint block tables, from `first_block` on."""
     blocks_per_seq = -(-context_len // block_size)
-    scheduled = tuple(
+    return tuple(
         ScheduledRequest(
             request_id=f"b{i}",
             token_ids=(1 + i,),
@@ -71,6 +71,13 @@ def decode_step_inputs(
         )
         for i in range(batch)
     )
+
+
+def decode_step_inputs(
+    batch: int, context_len: int, block_size: int, device: torch.device, first_block: int = 0
+) -> ModelInputs:
+    """A pure-decode step for `batch` sequences of `context_len` tokens with disjoint block tables."""
+    scheduled = decode_requests(batch, context_len, block_size, first_block)
     return build_model_inputs(SchedulerOutput(scheduled, batch), block_size, device)
 
 
@@ -181,7 +188,7 @@ def bench_decode(device: torch.device) -> tuple[list[list[object]], float, float
         runner.capture()
         for batch in BENCH_BATCHES:
             inputs = decode_step_inputs(batch, BENCH_CONTEXT, BLOCK_SIZE, device)
-            difference = _relative_difference(runner.run(inputs).clone(), eager(inputs))
+            difference = relative_difference(runner.run(inputs).clone(), eager(inputs))
             eager_s = time_cuda_s(lambda i=inputs: _logits(model, eager(i), i))
             graph_s = time_cuda_s(lambda i=inputs: _logits(model, runner.run(i), i))
             batch1_graph_s = graph_s if batch == 1 else batch1_graph_s
@@ -224,7 +231,7 @@ def time_batch1_graph_steps(
             logits = _logits(model, runner.run(inputs), inputs).clone()
             first = logits if first is None else first
             seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
-            timings.append((seconds, _relative_difference(logits, first)))
+            timings.append((seconds, relative_difference(logits, first)))
             del runner
         select_attention(model, kernels)
     return arch, timings
@@ -306,7 +313,8 @@ def bench_graph_step_partitions(
     return graph_step_partition_rows(partitions, timings, arch.num_key_value_heads, arch.head_dim, num_sms)
 
 
-def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in float32."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
 
 

@@ -43,10 +43,14 @@ class GraphStepProfile:
         return self.summary["device_us_total"] / 1e6 / max(1, self.summary["steps"])
 
     @property
+    def kernels(self) -> list[dict[str, Any]]:
+        """The summary's device entries (kernels), longest first."""
+        return [entry for entry in self.summary["top"] if entry["on_device"]]
+
+    @property
     def launches(self) -> float:
         """Kernels launched a step (by the graph and after it)."""
-        kernels = [entry for entry in self.summary["top"] if entry["on_device"]]
-        return sum(entry["count"] for entry in kernels) / max(1, self.summary["steps"])
+        return sum(entry["count"] for entry in self.kernels) / max(1, self.summary["steps"])
 
     def totals_row(self, floor_s: float | None) -> list[object]:
         """(graph for, step ms, kernels ms, the rest ms, launches, step / floor) for the totals table; "-"
@@ -124,8 +128,7 @@ def step_kernels_figures(profiles: Sequence[GraphStepProfile]) -> dict[str, obje
         steps = max(1, p.summary["steps"])
         kernels = [
             {"name": e["name"], "launches": e["count"] / steps, "us": e["self_device_us"] / steps}
-            for e in p.summary["top"]
-            if e["on_device"]
+            for e in p.kernels
         ]
         graphs.append({"graph_context": p.graph_context, "step_s": p.step_s, "device_s": p.device_s,
                        "launches": p.launches, "kernels": kernels})  # fmt: skip

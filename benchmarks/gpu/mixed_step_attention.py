@@ -13,7 +13,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sluice.benchmarks.gpu.gpu_benchmarks import BLOCK_SIZE, time_kernel_s
+from sluice.benchmarks.gpu.gpu_benchmarks import (
+    BLOCK_SIZE,
+    decode_requests,
+    relative_difference,
+    time_kernel_s,
+)
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
@@ -70,8 +75,8 @@ def _time_both_paths(
         lambda backend=backend: backend.attend(q, k_cache, v_cache, metadata, scale)
         for backend in (TritonAttentionBackend(ONE_LAUNCH_PARTITION), TritonAttentionBackend(partition_size))
     )
-    single, split = one_launch().float(), served().float()
-    difference = float((split - single).abs().max() / single.abs().max())
+    single = one_launch()
+    difference = relative_difference(served(), single)
     return time_s(one_launch), time_s(served), difference
 
 
@@ -80,12 +85,8 @@ def _mixed_metadata(
 ) -> AttentionMetadata:
     """The step's metadata: `num_decodes` decode rows of `context` tokens on disjoint blocks, then one fresh
     prompt of `prompt_len` tokens on the blocks after theirs."""
-    per_seq = -(-context // BLOCK_SIZE)
-    decodes = [
-        ScheduledRequest(f"d{i}", (1,), context - 1, tuple(range(i * per_seq, (i + 1) * per_seq)), True)
-        for i in range(num_decodes)
-    ]
-    first = num_decodes * per_seq
+    decodes = decode_requests(num_decodes, context, BLOCK_SIZE)
+    first = num_decodes * -(-context // BLOCK_SIZE)
     prompt_blocks = tuple(range(first, first + -(-prompt_len // BLOCK_SIZE)))
     prompt = ScheduledRequest("prompt", (1,) * prompt_len, 0, prompt_blocks, sample=True)
     output = SchedulerOutput((*decodes, prompt), num_decodes + prompt_len)
