@@ -1,5 +1,6 @@
 """Attention over a paged KV cache tile by tile, shared by the decode and prefill kernels: one tile
-(`attend_paged_tile`) and the walk over a span of tiles (`attend_paged_span`).
+(`attend_paged_tile`), the walk over a span of tiles (`attend_paged_span`), and the cut of a context into
+split-KV slices (`split_context`).
 
 A tile is N context positions of one sequence and one KV head. Position p lives at
     cache[block_table[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head, :]
@@ -303,6 +304,17 @@ def attend_paged_tile(
         probs = probs.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
+
+
+@triton.jit
+def split_context(context_len, num_splits, PARTITION_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """(slice_len, slices): context_len positions cut into at most num_splits slices of whole TILE_N
+    tiles, none shorter than PARTITION_SIZE unless the whole context is; slice i starts i * slice_len
+    after the context's start. A context of 0 positions has 0 slices."""
+    wanted = tl.minimum(tl.cdiv(context_len, PARTITION_SIZE), num_splits)
+    # At least one tile, so that an empty context gets 0 slices, not 0 / 0.
+    slice_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, tl.maximum(wanted, 1)), TILE_N), 1) * TILE_N
+    return slice_len, tl.cdiv(context_len, slice_len)
 
 
 @triton.jit

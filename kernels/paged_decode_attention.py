@@ -50,6 +50,7 @@ from sluice.kernels.paged_attention_tile import (
     fold_k_scale,
     folds_kv_scales,
     load_kv_scales,
+    split_context,
     unfold_v_scale,
 )
 from sluice.kernels.store_kv import kernel_kv_cache
@@ -111,7 +112,8 @@ def pick_num_splits(
     max_splits: int = MAX_SPLITS,
     programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
-    """Slices per (sequence, KV head) for a decode launch: the fewest that give every SM
+    """Slices per (sequence, KV head) for a decode launch (per (q tile, KV head) for a prefill one:
+    `num_seqs` counts the launch's units of work per KV head): the fewest that give every SM
     `programs_per_sm` programs, but no more than the longest context has `partition_size` slices
     (a short context is not worth splitting) and no more than `max_splits`. Always >= 1."""
     checked = (
@@ -148,11 +150,7 @@ def _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE: tl.con
     """(window_start, ctx_lo, slice_len, slices) of one sequence; both kernels derive them alike."""
     window_start = tl.maximum(seq_len - sliding_window, 0)
     ctx_lo = window_start // TILE_N * TILE_N
-    ctx_len = seq_len - ctx_lo
-    wanted = tl.minimum(tl.cdiv(ctx_len, PARTITION_SIZE), num_splits)
-    # At least one tile, so that a sequence without context (seq_len 0) gets 0 slices, not 0 / 0.
-    slice_len = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, tl.maximum(wanted, 1)), TILE_N), 1) * TILE_N
-    slices = tl.cdiv(ctx_len, slice_len)
+    slice_len, slices = split_context(seq_len - ctx_lo, num_splits, PARTITION_SIZE, TILE_N)
     return window_start, ctx_lo, slice_len, slices
 
 

@@ -39,6 +39,17 @@ copies in flight while this tile computes):
     lo = the first row's window start (tiles wholly before it, possibly freed blocks, are never read),
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
+Split-KV (flash-decoding's split, for prefill tiles): a query of a few tiles after a long cached prefix
+(a prefix-cache hit on a long document, a speculative verify, a decode row beside a longer query) is few
+programs, each walking the whole prefix while most SMs idle. Given the context bound `max_seq_len`, the
+launcher picks num_splits as the decode kernel does (`pick_num_splits`: enough programs for every SM when
+q tiles x KV heads are too few; slices of >= `partition_size` positions) and the grid gets a dimension
+of splits: each program takes one slice of its tile's context [lo, kv_end) (`split_context`, whole
+BLOCK_N tiles), its three runs clipped to the slice, and writes the slice's normalized output and
+log-sum-exp per row; `merge_attention_partials` combines them. A tile with fewer slices than the grid
+(a shorter context) marks its extra programs' rows empty (lse -inf). num_splits 1 is the kernel as
+before, writing the output itself.
+
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and converted tile by tile in
 registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), its scales folded
 into the scores' scale and the output (FOLD_KV_SCALES) or applied to every value; everything after the
@@ -57,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.merge_attention_partials import merge_attention_partials
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
     attend_paged_span,
@@ -65,9 +77,19 @@ from sluice.kernels.paged_attention_tile import (
     fold_k_scale,
     folds_kv_scales,
     load_kv_scales,
+    split_context,
     unfold_v_scale,
 )
-from sluice.kernels.paged_decode_attention import NO_WINDOW, gather_kv_reference
+from sluice.kernels.paged_decode_attention import (
+    DEFAULT_NUM_SMS,
+    DEFAULT_PARTITION_SIZE,
+    MAX_SPLITS,
+    NO_WINDOW,
+    PROGRAMS_PER_SM,
+    device_sm_count,
+    gather_kv_reference,
+    pick_num_splits,
+)
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
@@ -146,9 +168,11 @@ def _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr
 # Integers that change from step to step are not specialized: Triton would otherwise compile a variant per
 # value class (== 1, divisible by 16) of the batch size, tile count and block-table width, and a serving
 # step would stall on the JIT whenever a batch hit a new class.
-@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_q_tiles", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["sliding_window", "num_seqs", "num_q_tiles", "num_splits", "stride_bt_seq"])
 def _prefill_attention_kernel(
-    out_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]: written only when SINGLE_SPLIT
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32 (`merge_attention_partials`)
+    part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32, base 2
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -161,6 +185,7 @@ def _prefill_attention_kernel(
     sliding_window,
     num_seqs,
     num_q_tiles,
+    num_splits,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -180,21 +205,25 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PREFETCH_BLOCKS: tl.constexpr,
     INTERLEAVE_HEADS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
     FOLD_KV_SCALES: tl.constexpr,
 ):
-    if INTERLEAVE_HEADS:  # grid (num_q_tiles * num_kv_heads,)
+    if INTERLEAVE_HEADS:  # grid (num_q_tiles * num_kv_heads, num_splits)
         tile_id = num_q_tiles - 1 - tl.program_id(0) // NUM_KV_HEADS
         kv_head = tl.program_id(0) % NUM_KV_HEADS
-    else:  # grid (num_q_tiles, num_kv_heads)
+        split = tl.program_id(1)
+    else:  # grid (num_q_tiles, num_kv_heads, num_splits)
         tile_id = num_q_tiles - 1 - tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
@@ -228,6 +257,18 @@ def _prefill_attention_kernel(
     all_windows_start = tl.maximum(last_position - sliding_window + 1, 0)
     full_lo = tl.minimum(tl.cdiv(all_windows_start, BLOCK_N) * BLOCK_N, kv_end)
     full_hi = tl.maximum((first_position + 1) // BLOCK_N * BLOCK_N, full_lo)
+    if not SINGLE_SPLIT:
+        # This program's slice of the tile's context [lo, kv_end); the three runs clipped to it.
+        slice_len, slices = split_context(kv_end - lo, num_splits, PARTITION_SIZE, BLOCK_N)
+        lo = lo + split * slice_len
+        kv_end = tl.minimum(lo + slice_len, kv_end)
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), kv_end)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), kv_end)
+        stat_offsets = (row_tokens * (NUM_KV_HEADS * QUERIES_PER_KV) + heads) * num_splits + split
+        if split >= slices:  # the tile's context has fewer slices than the grid: this one is empty
+            nothing = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            tl.store(part_lse_ptr + stat_offsets, nothing, mask=row_mask)
+            return
 
     k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, FP8_KV)
     qk_scale = fold_k_scale(qk_scale, k_scale, FP8_KV, FOLD_KV_SCALES)
@@ -247,10 +288,18 @@ def _prefill_attention_kernel(
     )  # fmt: skip
 
     # Every real row sees at least its own position, so running_sum > 0 there; padded rows are not stored.
+    # In a slice a row may see nothing (its causal limit is before the slice, its window after): its
+    # lse is -inf and its output 0, which the merge weighs 0.
     acc = unfold_v_scale(acc, v_scale, FP8_KV, FOLD_KV_SCALES)
     out = acc / tl.where(running_sum > 0.0, running_sum, 1.0)[:, None]
-    o_offsets = row_tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if SINGLE_SPLIT:
+        o_offsets = row_tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # running_max is -inf where running_sum is 0: lse -inf without taking log2(0).
+        lse = running_max + tl.math.log2(tl.where(running_sum > 0.0, running_sum, 1.0))
+        tl.store(part_lse_ptr + stat_offsets, lse, mask=row_mask)
+        tl.store(part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], out, mask=io_mask)
 
 
 def _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales) -> None:
@@ -276,6 +325,9 @@ def prefill_attention(
     config: PrefillConfig | None = None,
     kv_scales: KVScales | None = None,
     fold_kv_scales: bool | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 
@@ -285,6 +337,12 @@ def prefill_attention(
     to its own. `config` overrides the tile shape of `prefill_config` (tests use small tiles). An FP8
     cache (float8_e4m3fn) takes kv_scales (k_scale, v_scale), float32 one-element tensors;
     `fold_kv_scales` picks how they are applied (`paged_decode_attention`).
+
+    Split-KV: given `max_seq_len` (>= every seq_lens entry), a launch with too few q tiles x KV heads for
+    the GPU splits each tile's context into slices of >= `partition_size` positions (`pick_num_splits`,
+    as the decode kernel does) and merges them after (`merge_attention_partials`); `num_splits` overrides
+    the pick (1..MAX_SPLITS). Like the decode kernel's, the grid and partials depend only on the batch's
+    shape and max_seq_len, so a CUDA graph captured with the largest context replays shorter ones.
     """
     _check_prefill_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, kv_scales)
     check_scale_and_window(scale, sliding_window)
@@ -300,14 +358,28 @@ def prefill_attention(
         raise ValueError(
             f"config.block_m: {config.block_m} rows cannot hold the {queries_per_kv} heads of a group"
         )
+    if partition_size <= 0:
+        raise ValueError(f"partition_size: must be > 0, got {partition_size}")
     block_q = config.block_m // queries_per_kv
     num_q_tiles = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = pick_prefill_splits(
+            num_q_tiles, num_kv_heads, block_q, config.block_n, max_seq_len, sliding_window, partition_size,
+            q.device,
+        )  # fmt: skip
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
+    single = num_splits == 1
+    part_out, part_lse = _split_partials((num_tokens, num_heads, num_splits) if not single else (1, 1, 1), q)
     precision, upcast = dot_settings(q.dtype)
     k_cache, v_cache, k_scale, v_scale = kernel_kv_cache(k_cache, v_cache, kv_scales)
-    grid = (num_q_tiles * num_kv_heads,) if config.interleave_heads else (num_q_tiles, num_kv_heads)
+    if config.interleave_heads:
+        grid = (num_q_tiles * num_kv_heads, num_splits)
+    else:
+        grid = (num_q_tiles, num_kv_heads, num_splits)
     _prefill_attention_kernel[grid](
-        out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale, scale * LOG2_E,
-        sliding_window or NO_WINDOW, num_seqs, num_q_tiles,
+        out, part_out, part_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, k_scale,
+        v_scale, scale * LOG2_E, sliding_window or NO_WINDOW, num_seqs, num_q_tiles, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -320,9 +392,11 @@ def prefill_attention(
         BLOCK_M=config.block_m,
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
+        PARTITION_SIZE=0 if single else partition_size,  # 0 when unused: one variant for any partition
         NUM_STAGES=config.num_stages,
         PREFETCH_BLOCKS=config.prefetch_blocks,
         INTERLEAVE_HEADS=config.interleave_heads,
+        SINGLE_SPLIT=single,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         FP8_KV=k_scale is not None,
@@ -331,7 +405,42 @@ def prefill_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if not single:
+        merge_attention_partials(part_out, part_lse, out)
     return out
+
+
+def _split_partials(shape: tuple[int, int, int], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized part_out [*shape, head_dim] and part_lse [*shape], fp32 on q's device (the kernel
+    writes every entry the merge reads)."""
+    part_out = torch.empty(*shape, q.shape[-1], dtype=torch.float32, device=q.device)
+    return part_out, torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+def split_partials_bound_bytes(head_dim: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """The most bytes of partials a launch with a picked split count allocates, whatever its batch: it
+    splits only while q tiles x KV heads < PROGRAMS_PER_SM x num_sms, and then splits x q tiles x KV heads
+    < 2 x PROGRAMS_PER_SM x num_sms, each (split, tile, KV head) holding at most 128 (token, head) rows
+    (`prefill_config`'s tallest tile) of head_dim + 1 floats."""
+    return 4 * 2 * PROGRAMS_PER_SM * num_sms * 128 * (head_dim + 1)
+
+
+def pick_prefill_splits(
+    num_q_tiles: int,
+    num_kv_heads: int,
+    block_q: int,
+    block_n: int,
+    max_seq_len: int | None,
+    sliding_window: int | None,
+    partition_size: int,
+    device: torch.device,
+) -> int:
+    """Slices per tile: `pick_num_splits` with the q tiles as the units of work and, as context, the most
+    positions one tile attends to (a window's W plus the tile's own rows); 1 without `max_seq_len`."""
+    if max_seq_len is None:
+        return 1
+    context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_q + block_n)
+    return pick_num_splits(num_q_tiles, num_kv_heads, context, device_sm_count(device), partition_size)
 
 
 def prefill_attention_reference(

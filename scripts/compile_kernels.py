@@ -56,6 +56,7 @@ from sluice.kernels import (  # noqa: E402
     fp8_gemv,
     fp8_quant,
     fp8_skinny_mm,
+    merge_attention_partials,
     paged_decode_attention,
     prefill_attention,
     rms_norm,
@@ -76,9 +77,10 @@ BLOCK_SIZE = 16
 # a GPU) and the context, so these give a few slices (graph capture limit), the most slices (one 128k
 # sequence) and a single split (a large batch: the split kernel writes the output, no reduce).
 DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
-# Prefill launches (num_seqs, max_query_len): a batch of short queries shrinks the tile to the GQA group;
-# one long prompt takes the full tile.
-PREFILL_LAUNCHES = ((3, 1), (1, 4096))
+# Prefill launches (num_seqs, max_query_len, max_seq_len): a batch of short queries shrinks the tile to the
+# GQA group; one long prompt takes the full tile; two verify-sized queries after 32k positions and a
+# 256-token chunk after 32k (the full tile) split their contexts (split-KV, then the partials' merge).
+PREFILL_LAUNCHES = ((3, 1, None), (1, 4096, None), (2, 4, 32768), (1, 256, 32768))
 _TYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -89,6 +91,7 @@ _KERNELS = (
     (paged_decode_attention, "_decode_partition_kernel"),
     (paged_decode_attention, "_decode_reduce_kernel"),
     (prefill_attention, "_prefill_attention_kernel"),
+    (merge_attention_partials, "_merge_attention_partials_kernel"),
     (rms_norm, "_rms_norm_kernel"),
     (rotary, "_rotary_kernel"),
     (rotary_store_kv, "_rotary_store_kv_kernel"),
@@ -305,13 +308,13 @@ def _run_cache_launchers(
             torch.zeros(batch, 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0, context,
             kv_scales=kv_scales, fold_kv_scales=fold_kv_scales,
         )  # fmt: skip
-    for num_seqs, max_query_len in PREFILL_LAUNCHES:
+    for num_seqs, max_query_len, max_seq_len in PREFILL_LAUNCHES:
         tokens = num_seqs * max_query_len  # a real token count, so the tile count is not a constant 1
         query_start_loc = torch.arange(0, tokens + 1, max_query_len, dtype=torch.int32)
         prefill_attention.prefill_attention(
             torch.empty(tokens, heads, dim, dtype=dtype), cache, cache, query_start_loc,
             query_start_loc.diff(), torch.zeros(num_seqs, 1, dtype=torch.int32), max_query_len, 1.0,
-            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales,
+            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales, max_seq_len=max_seq_len,
         )  # fmt: skip
     cos_sin = build_cos_sin_cache(dim, 8, arch.rope_theta, arch.rope_scaling)
     positions = torch.zeros(num_tokens, dtype=torch.int64)
@@ -392,7 +395,8 @@ def _compile(
 
 # A server's steps, as the attention kernels see them (bf16, SERVING_SHAPE, a model-dtype cache): prefill
 # batches of one to 64 prompts whose longest query fills the full tile, over block tables 1 to 256 blocks
-# wide; decode batches of 1 to 64 over contexts short and long.
+# wide (max_seq_len as wide: the few-sequence ones over more than a partition split their contexts);
+# decode batches of 1 to 64 over contexts short and long.
 SERVING_SHAPE = "llama-3.2-1b"
 SERVING_PREFILL = ((1, 1), (1, 256), (2, 3), (3, 40), (15, 8), (16, 16), (17, 9), (32, 33), (64, 16))
 SERVING_PREFILL_QUERY_LEN = 64
@@ -411,6 +415,7 @@ def record_serving_launches() -> list[Launch]:
             prefill_attention.prefill_attention(
                 torch.empty(num_seqs * query_len, heads, dim, dtype=torch.bfloat16), cache, cache, starts,
                 starts.diff(), torch.zeros(num_seqs, width, dtype=torch.int32), query_len, 1.0,
+                max_seq_len=width * BLOCK_SIZE,
             )  # fmt: skip
         for batch, context in SERVING_DECODE:
             width = -(-context // BLOCK_SIZE)

@@ -79,6 +79,7 @@ from sluice.benchmarks.gpu.kernel_test_files import (
     select_kernel_tests,
 )
 from sluice.benchmarks.gpu.mixed_step_attention import MIXED_MAX_REL_DIFF, mixed_step_rows
+from sluice.benchmarks.gpu.split_prefill_attention import SPLIT_MAX_REL_DIFF, split_prefill_rows
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.models.llama import LlamaForCausalLM
@@ -275,6 +276,8 @@ class GpuCheck:
              self.prefill, True),
             ("mixed", "Mixed step attention: long decode rows, then a prompt chunk (bf16, 32 query / 8 KV "
              "heads, head_dim 64)", self.mixed, True),
+            ("split_prefill", "Split-KV prefill attention: short queries after long contexts (bf16, 32 query "
+             "/ 8 KV heads, head_dim 64)", self.split_prefill, True),
             ("goals", "Goals (issue 33, kernel level)", self.goals, True),
             ("kv_fp8", "FP8 KV cache at kernel level: attention over e4m3 codes vs bf16 (default configs)",
              self.kv_fp8, True),
@@ -398,6 +401,19 @@ class GpuCheck:
         table = markdown_table(headers, rows)
         if any(row[6] > MIXED_MAX_REL_DIFF for row in rows):
             raise CheckFailed(f"the two paths depart by more than {MIXED_MAX_REL_DIFF}\n\n{table}")
+        return table
+
+    def split_prefill(self) -> str:
+        rows = split_prefill_rows(self.device)
+        keys = ("seqs", "query", "context", "splits", "one_split_ms", "split_ms", "speedup", "rel_diff")
+        self.figures["split_prefill"] = {"rows": [dict(zip(keys, row, strict=True)) for row in rows]}
+        headers = ["sequences", "query tokens", "context", "splits picked", "one split ms", "split ms",
+                   "speedup", "outputs (max rel diff)"]  # fmt: skip
+        table = markdown_table(headers, rows)
+        if any(row[7] > SPLIT_MAX_REL_DIFF for row in rows):
+            raise CheckFailed(
+                f"split and one-split outputs depart by more than {SPLIT_MAX_REL_DIFF}\n\n{table}"
+            )
         return table
 
     def goals(self) -> str:

@@ -21,6 +21,7 @@ KERNELS = {
     "_decode_partition_kernel",
     "_decode_reduce_kernel",
     "_prefill_attention_kernel",
+    "_merge_attention_partials_kernel",
     "_rms_norm_kernel",
     "_rotary_kernel",
     "_rotary_store_kv_kernel",
@@ -53,10 +54,10 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~230 variants (58 of them over an FP8 cache, 22 of the FP8 activation quantization, ~40 of the batch-1
-# FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile loops), compiled once for
-# both tests, one per core at a time: about 60 s on a lightly loaded 2-core machine (118 s one at a time); a
-# machine shared with other jobs takes several times that.
+# ~350 variants (82 of them over an FP8 cache, 36 split-KV prefill, 22 of the FP8 activation quantization,
+# ~40 of the batch-1 FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile
+# loops), compiled once for both tests, one per core at a time: about 90 s on a lightly loaded 2-core
+# machine; a machine shared with other jobs takes several times that.
 pytestmark = pytest.mark.timeout(1200)
 
 
@@ -214,7 +215,8 @@ def test_a_serving_workload_compiles_one_prefill_variant_and_a_decode_variant_pe
     batch size, tile count, split count and block-table width change every step, so without
     do_not_specialize a server compiles (and stalls for seconds) whenever a batch hits a new class (5
     prefill variants for the script's 9 batches before). Only the constexprs may tell launches apart: one
-    prefill tile, single split or not, and the reduce kernel's power-of-two split pad."""
+    prefill tile, single split or not (prefill and decode), and the decode reduce kernel's power-of-two
+    split pad; the prefill partials' merge takes any split count in one variant."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--serving-variants"],
@@ -222,7 +224,9 @@ def test_a_serving_workload_compiles_one_prefill_variant_and_a_decode_variant_pe
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     variants = json.loads(proc.stdout)
-    assert variants["_prefill_attention_kernel"] == {"launches": 9, "variants": 1}
+    # Two of the nine prefill batches (1 x 256 and 3 x 40 blocks) are few tiles over long contexts: split.
+    assert variants["_prefill_attention_kernel"] == {"launches": 9, "variants": 2}
+    assert variants["_merge_attention_partials_kernel"] == {"launches": 2, "variants": 1}
     assert variants["_decode_partition_kernel"] == {"launches": 18, "variants": 2}
     reduce = variants["_decode_reduce_kernel"]
     assert reduce["launches"] >= 6 and reduce["variants"] <= 6  # SPLITS_PAD: 2, 4, ..., 64

@@ -279,11 +279,15 @@ def test_fp8_decode_with_and_without_splits(num_splits, scales, num_heads, num_k
 
 
 @FOLDS
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("scales", SCALES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), LAYOUTS)
-def test_fp8_prefill_over_chunks_prefixes_and_decode_rows(scales, num_heads, num_kv_heads, block_size, fold):
+def test_fp8_prefill_over_chunks_prefixes_and_decode_rows(
+    num_splits, scales, num_heads, num_kv_heads, block_size, fold
+):
+    """With and without split-KV (each tile's context in up to 3 slices of >= 16 positions, merged)."""
     batch, kv_scales = _fp8(_batch(MIXED, num_heads, num_kv_heads, block_size), *scales)
-    _check_prefill(batch, kv_scales, fold, config=SMALL_PREFILL)
+    _check_prefill(batch, kv_scales, fold, config=SMALL_PREFILL, num_splits=num_splits, partition_size=16)
 
 
 @FOLDS

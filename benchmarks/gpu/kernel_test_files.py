@@ -32,6 +32,7 @@ class KernelTestFile:
 KERNEL_TESTS = (
     KernelTestFile("tests/test_kernels_store_kv.py"),
     KernelTestFile("tests/test_kernels_attention.py"),
+    KernelTestFile("tests/test_prefill_split_kv.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
     KernelTestFile("tests/test_cuda_graph_runner.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),

@@ -276,7 +276,8 @@ def estimate_graph_memory_bytes(
     The shared pool holds the peak activations of the largest graph (one layer's intermediates live at
     a time, plus the residual stream), the flash-decoding partials, and one output per graph; each graph
     also keeps a few hundred bytes per kernel node. A factor 2 covers allocator rounding. Verify graphs
-    (`verify_sizes` batches of `verify_query_len` tokens) share the pool.
+    (`verify_sizes` batches of `verify_query_len` tokens) share the pool; their prefill attention may
+    split its contexts (`prefill_attention`'s split-KV), whose partials are bounded whatever the batch.
     """
     sizes = capture_sizes(max_num_seqs)
     batch = sizes[-1]
@@ -287,7 +288,12 @@ def estimate_graph_memory_bytes(
     partitions = -(-max_seq_len // decode_partition_size)
     partials = 4 * arch.num_attention_heads * partitions * (arch.head_dim + 2)
     verify_tokens = max(verify_sizes, default=0) * verify_query_len
-    peak = max(batch * (per_token + partials), verify_tokens * per_token)
+    verify_partials = 0
+    if verify_sizes:  # imported only when needed: triton is not installed everywhere
+        from sluice.kernels.prefill_attention import split_partials_bound_bytes
+
+        verify_partials = split_partials_bound_bytes(arch.head_dim)
+    peak = max(batch * (per_token + partials), verify_tokens * per_token + verify_partials)
     outputs = item * arch.hidden_size * (sum(sizes) + sum(verify_sizes) * verify_query_len)
     nodes = (len(sizes) + len(verify_sizes)) * arch.num_hidden_layers * 16 * 512
     return 2 * (peak + outputs + nodes)

@@ -281,22 +281,28 @@ class ModelRunner:
     def _profile_run(self) -> None:
         """One forward pass of max_num_batched_tokens prompt tokens through a throwaway cache."""
         scheduler = self.config.scheduler
-        self._throwaway_step(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, self.max_model_len)
+        tokens, seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+        self._throwaway_step(_profile_step(tokens, seqs, self.max_model_len, self.block_size))
 
     def _warm_up_prefill_tiles(self) -> None:
         """Compile, before the first request, every prefill tile a step can pick: the Triton prefill
         kernel's tile height follows the step's longest query (`prefill_config`), so the first step with
         short queries (speculative verifies, small chunks) would otherwise stall on a JIT compile. One
-        prompt per length, through a throwaway cache."""
+        prompt per length, and the same query after a context of two decode partitions, which the kernel
+        splits over programs (its split-KV variant and the partials' merge), through throwaway caches."""
+        from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE  # CUDA only: needs triton
+
         budget = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         for length in (n for n in WARM_UP_QUERY_LENS if n <= budget):
-            self._throwaway_step(length, 1, length)
+            self._throwaway_step(_profile_step(length, 1, length, self.block_size))
+            num_cached = min(2 * DEFAULT_PARTITION_SIZE, self.max_model_len - length)
+            if num_cached + length > DEFAULT_PARTITION_SIZE:  # a shorter model is never split
+                self._throwaway_step(_cached_prefix_step(length, num_cached, self.block_size))
 
     @torch.inference_mode()
-    def _throwaway_step(self, num_tokens: int, max_num_seqs: int, max_prompt_len: int) -> None:
-        """The forward and logits of `_profile_step`'s prompts through a cache of their own blocks: the
-        serving cache is never touched."""
-        out = _profile_step(num_tokens, max_num_seqs, max_prompt_len, self.block_size)
+    def _throwaway_step(self, out: SchedulerOutput) -> None:
+        """The forward and logits of the step `out` through a cache of its own blocks (numbered from 0):
+        the serving cache is never touched."""
         caches = self._allocate_kv_cache(sum(len(req.block_ids) for req in out.scheduled))
         inputs = build_model_inputs(out, self.block_size, self.device)
         hidden = self.forward(inputs.input_ids, inputs.positions, caches, inputs.metadata)
@@ -319,6 +325,13 @@ def _profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_
         next_block += num_blocks
         remaining -= length
     return SchedulerOutput(scheduled=tuple(scheduled), num_batched_tokens=num_tokens - remaining)
+
+
+def _cached_prefix_step(query_len: int, num_cached: int, block_size: int) -> SchedulerOutput:
+    """One request computing query_len tokens after num_cached positions (zeros in a fresh cache)."""
+    num_blocks = -(-(num_cached + query_len) // block_size)
+    request = ScheduledRequest("warm-up", (0,) * query_len, num_cached, tuple(range(num_blocks)), True)
+    return SchedulerOutput(scheduled=(request,), num_batched_tokens=query_len)
 
 
 def pick_device(name: str) -> torch.device:

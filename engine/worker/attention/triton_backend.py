@@ -6,7 +6,8 @@ Each step: `store_kv` writes the new K/V through slot_mapping, then `attend`:
                                                   from batch x KV heads vs the SM count)
     any batch with a longer query              -> `prefill_attention` (FlashAttention-2 style varlen,
                                                   causal, GQA heads packed per tile, over the paged
-                                                  cache; its decode rows are query_len == 1 sequences)
+                                                  cache; its decode rows are query_len == 1 sequences;
+                                                  split-KV when its q tiles are too few for the GPU)
     ... that starts with decode rows, one of   -> those rows through `paged_decode_attention`, the rest
         them over more than a decode partition    through `prefill_attention`, into one output
 A pure-decode batch reads only tensors and `max_query_len` / `max_seq_len`, never the `*_cpu` tuples, so
@@ -40,8 +41,9 @@ from sluice.kernels.store_kv import store_kv
 class TritonAttentionBackend:
     """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with Triton kernels.
 
-    `decode_partition_size` is the shortest context slice one decode program takes; the decode kernel
-    never makes more than cdiv(max_seq_len, decode_partition_size) slices per head, the bound
+    `decode_partition_size` is the shortest context slice one decode program takes (and one prefill
+    program, where the prefill kernel splits); the decode kernel never makes more than
+    cdiv(max_seq_len, decode_partition_size) slices per head, the bound
     `cuda_graph_runner.estimate_graph_memory_bytes` is given; `decode_config` is the decode kernel's tile
     (None: `decode_config`'s table). kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 and every call
     takes the layer's kv_scales (None: the model dtype, no scales).
@@ -117,6 +119,7 @@ class TritonAttentionBackend:
             return prefill_attention(
                 q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
                 scale, out=out, sliding_window=sliding_window, kv_scales=kv_scales,
+                max_seq_len=md.max_seq_len, partition_size=self.decode_partition_size,
             )  # fmt: skip
 
         if metadata.is_pure_decode:
