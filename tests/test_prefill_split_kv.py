@@ -4,19 +4,26 @@ merge the slices (`merge_attention_partials`).
 The outputs are compared with the plain PyTorch reference (output poisoned with NaN first, and the
 partial buffers poisoned too, so that every partial the merge reads must have been written); the launch
 is spied on to check when the launcher splits and that a CUDA graph's frozen grid and buffers depend on
-max_seq_len only; the merge kernel is compared with its reference on partials with empty slices.
+max_seq_len only; the merge kernel is compared with its reference on partials with empty slices; and the
+real runner, splitting a prompt's chunk after a long prefix, is compared with transformers.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import VOCAB_SIZE
 from paged_batch import DEVICE, KERNEL_DTYPES, make_paged_batch, nan_like, tolerance
 from test_kernels_attention import LAYOUTS, SCALE, SMALL_PREFILL, _batch, _prefill, _prefill_reference
+from transformers import AutoModelForCausalLM
 
 import sluice.kernels.prefill_attention as prefill_module
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.model_runner import ModelRunner
 from sluice.kernels.merge_attention_partials import (
     merge_attention_partials,
     merge_attention_partials_reference,
@@ -184,3 +191,44 @@ def test_merge_matches_reference_and_ignores_empty_slices(num_splits, dtype):
     expected = merge_attention_partials_reference(part_out, part_lse)
     assert not expected.isnan().any()
     torch.testing.assert_close(out, expected.to(dtype), **tolerance(dtype))
+
+
+def test_the_runner_splits_a_chunk_after_a_long_prefix_and_matches_transformers(llama_long_dir, monkeypatch):
+    """The real runner with the Triton backend (kernels interpreted off a GPU): a 600-token prompt in two
+    chunks, the second 16 tokens after 584 cached positions (more than a 512-position partition, few q
+    tiles: its launches split), then decode steps. The logits at the prompt's end match transformers'
+    forward and the greedy tokens its generate."""
+    launches = _Launches(prefill_module._prefill_attention_kernel)
+    monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
+    config = EngineConfig(
+        model=ModelConfig(model=llama_long_dir, dtype="float32", device=DEVICE.type),
+        cache=CacheConfig(block_size=16, num_blocks=40),
+        attention_backend="triton",
+    )
+    runner = ModelRunner(config, load_model_source(config.model))
+    prompt = torch.randint(4, VOCAB_SIZE, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    blocks = tuple(range(40))
+    steps = [ScheduledRequest("0", tuple(prompt[:584]), 0, blocks, False)]
+    steps.append(ScheduledRequest("0", tuple(prompt[584:]), 584, blocks, True))
+    tokens, prompt_logits = list(prompt), None
+    while len(tokens) < len(prompt) + 3:
+        request = (
+            steps.pop(0) if steps else ScheduledRequest("0", (tokens[-1],), len(tokens) - 1, blocks, True)
+        )
+        launches.single.clear()
+        logits = runner.execute_model(SchedulerOutput((request,), request.num_tokens))
+        if request.start_position == 584:
+            assert launches.single and not any(launches.single)  # every layer's launch split
+            prompt_logits = logits[0].cpu()
+        if request.sample:
+            tokens.append(int(logits[0].argmax()))
+    model = AutoModelForCausalLM.from_pretrained(llama_long_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare a fixed number of greedy tokens
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = model(ids).logits[0, -1]
+        generated = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0
+        )
+    torch.testing.assert_close(prompt_logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert tokens[len(prompt) :] == generated[0, len(prompt) :].tolist()
