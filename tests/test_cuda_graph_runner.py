@@ -30,6 +30,7 @@ from sluice.engine.worker.cuda_graph_runner import (
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
+from sluice.kernels.prefill_attention import split_partials_bound_bytes
 
 BLOCK_SIZE = 16
 
@@ -355,6 +356,16 @@ def test_graph_memory_estimate_covers_the_verify_graphs():
     )
     # At least the verify graphs' outputs (hidden states of every verify batch) on top.
     assert both - decode_only >= 2 * 2 * arch.hidden_size * sum(sizes) * 4
+
+
+def test_graph_memory_estimate_reserves_the_split_prefill_partials_of_verify_graphs():
+    """A verify graph's prefill attention may split its contexts (split-KV): beside a batch-1 verify graph's
+    few activations the estimate holds the partials' bound, whatever the batch."""
+    arch = ModelArchConfig.from_hf_config(PRESETS["llama-3.2-1b"])
+    decode_only = estimate_graph_memory_bytes(arch, 1, 4096, torch.bfloat16)
+    one = estimate_graph_memory_bytes(arch, 1, 4096, torch.bfloat16, verify_sizes=[1], verify_query_len=4)
+    bound = split_partials_bound_bytes(arch.head_dim)
+    assert decode_only < bound and one >= 2 * bound
 
 
 def test_the_runner_replays_decode_and_verify_batches_as_the_eager_model_runs_them():
