@@ -42,13 +42,13 @@ copies in flight while this tile computes):
 Split-KV (flash-decoding's split, for prefill tiles): a query of a few tiles after a long cached prefix
 (a prefix-cache hit on a long document, a speculative verify, a decode row beside a longer query) is few
 programs, each walking the whole prefix while most SMs idle. Given the context bound `max_seq_len`, the
-launcher picks num_splits as the decode kernel does (`pick_num_splits`: enough programs for every SM when
-q tiles x KV heads are too few; slices of >= `partition_size` positions) and the grid gets a dimension
-of splits: each program takes one slice of its tile's context [lo, kv_end) (`split_context`, whole
-BLOCK_N tiles), its three runs clipped to the slice, and writes the slice's normalized output and
-log-sum-exp per row; `merge_attention_partials` combines them. A tile with fewer slices than the grid
-(a shorter context) marks its extra programs' rows empty (lse -inf). num_splits 1 is the kernel as
-before, writing the output itself.
+launcher picks num_splits (`pick_prefill_splits`: enough programs to fill every SM once when the q tiles x
+KV heads are too few; slices of >= `partition_size` positions) and the grid gets a dimension of splits:
+each program takes one slice of its tile's context [lo, kv_end) (`split_context`, whole BLOCK_N tiles),
+its three runs clipped to the slice, and writes the slice's normalized output and log-sum-exp per row;
+`merge_attention_partials` combines them. A tile with fewer slices than the grid (a shorter context)
+marks its extra programs' rows empty (lse -inf). num_splits 1 is the kernel as before, writing the output
+itself.
 
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and converted tile by tile in
 registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), its scales folded
@@ -85,7 +85,6 @@ from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
     MAX_SPLITS,
     NO_WINDOW,
-    PROGRAMS_PER_SM,
     device_sm_count,
     gather_kv_reference,
     pick_num_splits,
@@ -101,6 +100,11 @@ from sluice.kernels.tensor_checks import (
     check_tensor,
     output_like,
 )
+
+# Split a launch's contexts until its q tiles x KV heads fill every SM once: FlashAttention-2's bar (its
+# num_splits heuristic splits only a grid under one wave); a 128-row tile holds one or two programs an SM.
+# Untimed: the GPU check's `split_prefill` section times the pick against twice as many splits.
+PREFILL_PROGRAMS_PER_SM = 1
 
 
 @dataclass(frozen=True)
@@ -339,8 +343,8 @@ def prefill_attention(
     `fold_kv_scales` picks how they are applied (`paged_decode_attention`).
 
     Split-KV: given `max_seq_len` (>= every seq_lens entry), a launch with too few q tiles x KV heads for
-    the GPU splits each tile's context into slices of >= `partition_size` positions (`pick_num_splits`,
-    as the decode kernel does) and merges them after (`merge_attention_partials`); `num_splits` overrides
+    the GPU splits each tile's context into slices of >= `partition_size` positions
+    (`pick_prefill_splits`) and merges them after (`merge_attention_partials`); `num_splits` overrides
     the pick (1..MAX_SPLITS). Like the decode kernel's, the grid and partials depend only on the batch's
     shape and max_seq_len, so a CUDA graph captured with the largest context replays shorter ones.
     """
@@ -364,8 +368,8 @@ def prefill_attention(
     num_q_tiles = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = pick_prefill_splits(
-            num_q_tiles, num_kv_heads, block_q, config.block_n, max_seq_len, sliding_window, partition_size,
-            q.device,
+            num_tokens, num_seqs, max_query_len, num_kv_heads, block_q, config.block_n, max_seq_len,
+            sliding_window, partition_size, q.device,
         )  # fmt: skip
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
@@ -419,14 +423,16 @@ def _split_partials(shape: tuple[int, int, int], q: torch.Tensor) -> tuple[torch
 
 def split_partials_bound_bytes(head_dim: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """The most bytes of partials a launch with a picked split count allocates, whatever its batch: it
-    splits only while q tiles x KV heads < PROGRAMS_PER_SM x num_sms, and then splits x q tiles x KV heads
-    < 2 x PROGRAMS_PER_SM x num_sms, each (split, tile, KV head) holding at most 128 (token, head) rows
-    (`prefill_config`'s tallest tile) of head_dim + 1 floats."""
-    return 4 * 2 * PROGRAMS_PER_SM * num_sms * 128 * (head_dim + 1)
+    splits only while its q tiles with rows x KV heads < PREFILL_PROGRAMS_PER_SM x num_sms, and then splits
+    x those < 2 x PREFILL_PROGRAMS_PER_SM x num_sms, each (split, tile, KV head) holding at most 128
+    (token, head) rows (`prefill_config`'s tallest tile) of head_dim + 1 floats."""
+    return 4 * 2 * PREFILL_PROGRAMS_PER_SM * num_sms * 128 * (head_dim + 1)
 
 
 def pick_prefill_splits(
-    num_q_tiles: int,
+    num_tokens: int,
+    num_seqs: int,
+    max_query_len: int,
     num_kv_heads: int,
     block_q: int,
     block_n: int,
@@ -435,12 +441,18 @@ def pick_prefill_splits(
     partition_size: int,
     device: torch.device,
 ) -> int:
-    """Slices per tile: `pick_num_splits` with the q tiles as the units of work and, as context, the most
-    positions one tile attends to (a window's W plus the tile's own rows); 1 without `max_seq_len`."""
+    """Slices per tile (1 without `max_seq_len`): `pick_num_splits` with PREFILL_PROGRAMS_PER_SM, the q tiles
+    that can hold rows as the units of work (at most cdiv(max_query_len, block_q) a sequence: a verify's
+    one, not the grid's two) and, as context, the most positions one tile attends to (a window's W plus the
+    tile's own rows)."""
     if max_seq_len is None:
         return 1
+    num_q_tiles = min(num_tokens // block_q + num_seqs, num_seqs * -(-max_query_len // block_q))
     context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_q + block_n)
-    return pick_num_splits(num_q_tiles, num_kv_heads, context, device_sm_count(device), partition_size)
+    return pick_num_splits(
+        num_q_tiles, num_kv_heads, context, device_sm_count(device), partition_size,
+        programs_per_sm=PREFILL_PROGRAMS_PER_SM,
+    )  # fmt: skip
 
 
 def prefill_attention_reference(

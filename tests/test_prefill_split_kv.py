@@ -30,7 +30,6 @@ from sluice.kernels.merge_attention_partials import (
 )
 from sluice.kernels.paged_decode_attention import (
     MAX_SPLITS,
-    PROGRAMS_PER_SM,
     device_sm_count,
     pick_num_splits,
 )
@@ -40,6 +39,7 @@ from sluice.kernels.store_kv import store_kv_reference
 # decode row over 97), a 20-token chunk after 130, a fresh prompt, a chunk ending mid-block, a first token.
 SHORT_AFTER_LONG = [(3, 130), (1, 97), (20, 150), (7, 7), (40, 75), (1, 1)]
 SMS = device_sm_count(DEVICE)  # what the launcher sizes its splits by (132 off a GPU)
+PER_SM = prefill_module.PREFILL_PROGRAMS_PER_SM
 
 
 class _Launches:
@@ -97,8 +97,9 @@ def test_split_prefill_with_the_default_tiles_in_each_dtype(dtype, partials):
 
 
 def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
-    """Given max_seq_len, the split count is `pick_num_splits` over q tiles x KV heads; without it, or
-    with tiles enough for every SM, or contexts within one partition, one launch writes the output."""
+    """Given max_seq_len, the split count is `pick_num_splits` over the q tiles that can hold rows x KV
+    heads, to fill every SM once (PREFILL_PROGRAMS_PER_SM); without it, or with tiles enough for every SM,
+    or contexts within one partition, one launch writes the output."""
     launches = _Launches(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     batch = _batch(SHORT_AFTER_LONG, 8, 2, 16)
@@ -107,18 +108,21 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
         out = _prefill(batch, config=SMALL_PREFILL, partition_size=16, max_seq_len=max_seq_len)
         torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(torch.float32))
     block_q = SMALL_PREFILL.block_m // 4  # 4 query heads a KV head
-    num_q_tiles = batch.q.shape[0] // block_q + md.num_seqs
-    picked = pick_num_splits(num_q_tiles, 2, md.max_seq_len, SMS, 16)
+    num_q_tiles = batch.q.shape[0] // block_q + md.num_seqs  # the grid's, fewer than 6 x cdiv(40, 4)
+    picked = pick_num_splits(num_q_tiles, 2, md.max_seq_len, SMS, 16, programs_per_sm=PER_SM)
     assert picked > 1
     assert launches.grids == [(num_q_tiles * 2, 1), (num_q_tiles * 2, picked)]
     assert launches.single == [True, False]
+    # A 4-token verify at batch 1: the grid has two tiles a KV head, one of them with rows; it counts one.
+    verify = prefill_module.pick_prefill_splits(4, 1, 4, 8, 4, 64, 32768, None, 512, DEVICE)
+    assert verify == pick_num_splits(1, 8, 32768, SMS, 512, programs_per_sm=PER_SM) > 1
     # Within one partition (150 <= 512) or with a tile for every SM: no split.
-    assert prefill_module.pick_prefill_splits(num_q_tiles, 2, block_q, 16, 150, None, 512, DEVICE) == 1
-    many_tiles = PROGRAMS_PER_SM * SMS
-    assert prefill_module.pick_prefill_splits(many_tiles, 1, block_q, 16, 8192, None, 16, DEVICE) == 1
+    assert prefill_module.pick_prefill_splits(72, 6, 40, 2, block_q, 16, 150, None, 512, DEVICE) == 1
+    rows = PER_SM * SMS * block_q  # one sequence of as many tiles as the SMs hold
+    assert prefill_module.pick_prefill_splits(rows, 1, rows, 1, block_q, 16, 8192, None, 16, DEVICE) == 1
     # A window bounds what a tile reads: W + its rows + a tile, however long the sequence.
-    windowed = prefill_module.pick_prefill_splits(1, 1, 16, 16, 1 << 20, 96, 16, DEVICE)
-    assert windowed == pick_num_splits(1, 1, 96 + 16 + 16, SMS, 16) == 8
+    windowed = prefill_module.pick_prefill_splits(16, 1, 16, 1, 16, 16, 1 << 20, 96, 16, DEVICE)
+    assert windowed == pick_num_splits(1, 1, 96 + 16 + 16, SMS, 16, programs_per_sm=PER_SM) == 8
 
 
 def test_split_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monkeypatch, partials):
@@ -150,9 +154,8 @@ def test_split_partials_stay_within_the_graph_memory_bound():
             for num_seqs in (1, 2, 5, 16, 64):
                 for query_len in (2, 4, 8):
                     num_tokens = num_seqs * query_len
-                    num_q_tiles = num_tokens // block_q + num_seqs
                     splits = prefill_module.pick_prefill_splits(
-                        num_q_tiles, num_kv_heads, block_q, 64, 131072, None, 512, DEVICE
+                        num_tokens, num_seqs, query_len, num_kv_heads, block_q, 64, 131072, None, 512, DEVICE
                     )
                     heads = num_kv_heads * queries_per_kv
                     allocated = 4 * num_tokens * heads * splits * (head_dim + 1) if splits > 1 else 0

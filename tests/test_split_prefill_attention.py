@@ -11,9 +11,10 @@ import sluice.kernels.prefill_attention as prefill_module
 from sluice.benchmarks.gpu import split_prefill_attention
 
 
-def test_both_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
-    """Per shape the kernel runs in one split, then in the picked count (> 1 here: the row says which), the
-    outputs agree, and the rows carry the times the clock gave, one split first."""
+def test_the_three_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
+    """Per shape the kernel runs in the picked split count (> 1 here: the row says which) and in one split,
+    their outputs agree, and the rows carry the times the clock gave: one split, the picked count, twice
+    the picked count."""
     grids = []
     kernel = prefill_module._prefill_attention_kernel
 
@@ -23,7 +24,7 @@ def test_both_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
             return kernel[grid]
 
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", Spy())
-    times = iter([0.006, 0.002, 0.003, 0.003])
+    times = iter([0.006, 0.002, 0.003, 0.003, 0.003, 0.001])
     rows = split_prefill_attention.split_prefill_rows(
         torch.device("cpu"),
         shapes=((1, 4, 80), (2, 3, 40)),
@@ -34,7 +35,13 @@ def test_both_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
     )
     splits = [row[3] for row in rows]
     assert all(count > 1 for count in splits)
-    # Checked once each way (split first), then timed once each way (one split first).
-    assert grids == [splits[0], 1, 1, splits[0], splits[1], 1, 1, splits[1]]
-    assert [row[:3] + row[4:7] for row in rows] == [[1, 4, 80, 6.0, 2.0, 3.0], [2, 3, 40, 3.0, 3.0, 1.0]]
-    assert all(row[7] <= 1e-5 for row in rows)  # float32; the slices are summed in another order
+    # Checked once (split, then one split), then timed once each way (one split, picked, twice).
+    assert grids == [
+        *(splits[0], 1, 1, splits[0], 2 * splits[0]),
+        *(splits[1], 1, 1, splits[1], 2 * splits[1]),
+    ]
+    assert [row[:3] + row[4:9] for row in rows] == [
+        [1, 4, 80, 6.0, 2.0, 3.0, 3.0, 2.0],
+        [2, 3, 40, 3.0, 3.0, 1.0, 1.0, 3.0],
+    ]
+    assert all(row[9] <= 1e-5 for row in rows)  # float32; the slices are summed in another order

@@ -1,9 +1,10 @@
 """Split-KV prefill attention (gpu_check's `split_prefill` section): short queries after long contexts, the
 shapes where the prefill kernel has few q tiles x KV heads for the GPU's SMs: speculative verify rows at
 batch 1 and 4, a short turn after a long cached conversation (a prefix-cache hit), a chunk after a long
-prefix. Timed two ways on the same inputs: one program per (q tile, KV head) walking the whole context
-(num_splits 1, the kernel before split-KV) and as served (`pick_prefill_splits`' count, then the partials'
-merge). Rows: the split count, both times, the speedup and the outputs' max relative difference (more than
+prefix. Timed three ways on the same inputs: one program per (q tile, KV head) walking the whole context
+(num_splits 1, the kernel before split-KV), as served (`pick_prefill_splits`' count, then the partials'
+merge) and with twice that count (whether the pick's bar, one program an SM, is too low). Rows: the
+picked count, the times, the speedups over one split and the outputs' max relative difference (more than
 `SPLIT_MAX_REL_DIFF` apart fails the section).
 """
 
@@ -19,7 +20,7 @@ from sluice.engine.loading.presets import preset_arch
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.input_batch import build_model_inputs
-from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE
+from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, MAX_SPLITS
 from sluice.kernels.prefill_attention import pick_prefill_splits, prefill_attention, prefill_config
 
 # (sequences, query tokens each, context each, query tokens included): verify rows of 3 drafts + 1 at
@@ -36,8 +37,9 @@ def split_prefill_rows(
     time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
     partition_size: int = DEFAULT_PARTITION_SIZE,
 ) -> list[list[object]]:
-    """Per shape: (sequences, query tokens, context, splits, one program per tile ms, split ms, speedup, max
-    rel diff of the outputs), `preset`'s heads, random unit-normal q and K/V."""
+    """Per shape: (sequences, query tokens, context, picked splits, one split ms, picked ms, its speedup,
+    twice the splits ms, its speedup, max rel diff of the picked's outputs), `preset`'s heads, random
+    unit-normal q and K/V."""
     arch = preset_arch(preset)
     heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     rows = []
@@ -48,15 +50,19 @@ def split_prefill_rows(
         q = torch.randn(num_seqs * query_len, heads, head_dim, dtype=dtype, device=device)
         args = (q, k_cache, torch.randn_like(k_cache), md.query_start_loc, md.seq_lens, md.block_tables,
                 md.max_query_len, head_dim**-0.5)  # fmt: skip
-        whole, split = (
+        num_splits = _picked_splits(num_seqs, query_len, context, arch, dtype, partition_size, device)
+        whole, split, double = (
             lambda args=args, kwargs=kwargs: prefill_attention(*args, partition_size=partition_size, **kwargs)
-            for kwargs in ({"num_splits": 1}, {"max_seq_len": md.max_seq_len})
+            for kwargs in (
+                {"num_splits": 1},
+                {"max_seq_len": md.max_seq_len},
+                {"num_splits": min(2 * num_splits, MAX_SPLITS)},
+            )
         )
         difference = relative_difference(split(), whole())
-        whole_s, split_s = time_s(whole), time_s(split)
-        num_splits = _picked_splits(num_seqs, query_len, context, arch, dtype, partition_size, device)
+        whole_s, split_s, double_s = time_s(whole), time_s(split), time_s(double)
         rows.append([num_seqs, query_len, context, num_splits, whole_s * 1e3, split_s * 1e3,
-                     whole_s / split_s, difference])  # fmt: skip
+                     whole_s / split_s, double_s * 1e3, whole_s / double_s, difference])  # fmt: skip
     return rows
 
 
@@ -72,11 +78,10 @@ def _picked_splits(
     """The split count the launcher picks for the shape (`pick_prefill_splits` over its q tiles)."""
     queries_per_kv = arch.num_attention_heads // arch.num_key_value_heads
     config = prefill_config(arch.head_dim, dtype, queries_per_kv, query_len)
-    block_q = config.block_m // queries_per_kv
-    num_q_tiles = num_seqs * query_len // block_q + num_seqs  # as the launcher counts them
     return pick_prefill_splits(
-        num_q_tiles, arch.num_key_value_heads, block_q, config.block_n, context, None, partition_size, device
-    )
+        num_seqs * query_len, num_seqs, query_len, arch.num_key_value_heads, config.block_m // queries_per_kv,
+        config.block_n, context, None, partition_size, device,
+    )  # fmt: skip
 
 
 def _metadata(num_seqs: int, query_len: int, context: int, device: torch.device) -> AttentionMetadata:
