@@ -18,6 +18,7 @@ from test_kernels_attention import LAYOUTS, SCALE, SMALL_PREFILL, _batch, _prefi
 from transformers import AutoModelForCausalLM
 
 import sluice.kernels.prefill_attention as prefill_module
+import sluice.kernels.prefill_splits as prefill_splits
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -39,7 +40,7 @@ from sluice.kernels.store_kv import store_kv_reference
 # decode row over 97), a 20-token chunk after 130, a fresh prompt, a chunk ending mid-block, a first token.
 SHORT_AFTER_LONG = [(3, 130), (1, 97), (20, 150), (7, 7), (40, 75), (1, 1)]
 SMS = device_sm_count(DEVICE)  # what the launcher sizes its splits by (132 off a GPU)
-PER_SM = prefill_module.PREFILL_PROGRAMS_PER_SM
+PER_SM = prefill_splits.PREFILL_PROGRAMS_PER_SM
 
 
 class _Launches:
@@ -114,14 +115,14 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
     assert launches.grids == [(num_q_tiles * 2, 1), (num_q_tiles * 2, picked)]
     assert launches.single == [True, False]
     # A 4-token verify at batch 1: the grid has two tiles a KV head, one of them with rows; it counts one.
-    verify = prefill_module.pick_prefill_splits(4, 1, 4, 8, 4, 64, 32768, None, 512, DEVICE)
+    verify = prefill_splits.pick_prefill_splits(4, 1, 4, 8, 4, 64, 32768, None, 512, DEVICE)
     assert verify == pick_num_splits(1, 8, 32768, SMS, 512, programs_per_sm=PER_SM) > 1
     # Within one partition (150 <= 512) or with a tile for every SM: no split.
-    assert prefill_module.pick_prefill_splits(72, 6, 40, 2, block_q, 16, 150, None, 512, DEVICE) == 1
+    assert prefill_splits.pick_prefill_splits(72, 6, 40, 2, block_q, 16, 150, None, 512, DEVICE) == 1
     rows = PER_SM * SMS * block_q  # one sequence of as many tiles as the SMs hold
-    assert prefill_module.pick_prefill_splits(rows, 1, rows, 1, block_q, 16, 8192, None, 16, DEVICE) == 1
+    assert prefill_splits.pick_prefill_splits(rows, 1, rows, 1, block_q, 16, 8192, None, 16, DEVICE) == 1
     # A window bounds what a tile reads: W + its rows + a tile, however long the sequence.
-    windowed = prefill_module.pick_prefill_splits(16, 1, 16, 1, 16, 16, 1 << 20, 96, 16, DEVICE)
+    windowed = prefill_splits.pick_prefill_splits(16, 1, 16, 1, 16, 16, 1 << 20, 96, 16, DEVICE)
     assert windowed == pick_num_splits(1, 1, 96 + 16 + 16, SMS, 16, programs_per_sm=PER_SM) == 8
 
 
@@ -147,14 +148,14 @@ def test_split_partials_stay_within_the_graph_memory_bound():
     """`split_partials_bound_bytes` (what cuda_graph_runner reserves for verify graphs) holds for every
     batch shape a picked split can take."""
     for head_dim in (64, 128, 256):
-        bound = prefill_module.split_partials_bound_bytes(head_dim, SMS)
+        bound = prefill_splits.split_partials_bound_bytes(head_dim, SMS)
         for num_kv_heads, queries_per_kv in ((1, 1), (2, 7), (8, 4), (32, 1)):
             block_m = prefill_module.prefill_config(head_dim, torch.bfloat16, queries_per_kv, 4).block_m
             block_q = block_m // queries_per_kv
             for num_seqs in (1, 2, 5, 16, 64):
                 for query_len in (2, 4, 8):
                     num_tokens = num_seqs * query_len
-                    splits = prefill_module.pick_prefill_splits(
+                    splits = prefill_splits.pick_prefill_splits(
                         num_tokens, num_seqs, query_len, num_kv_heads, block_q, 64, 131072, None, 512, DEVICE
                     )
                     heads = num_kv_heads * queries_per_kv

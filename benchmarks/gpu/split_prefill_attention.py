@@ -21,7 +21,8 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, MAX_SPLITS
-from sluice.kernels.prefill_attention import pick_prefill_splits, prefill_attention, prefill_config
+from sluice.kernels.prefill_attention import prefill_attention, prefill_config
+from sluice.kernels.prefill_splits import pick_prefill_splits
 
 # (sequences, query tokens each, context each, query tokens included): verify rows of 3 drafts + 1 at
 # batch 1 over 32k and at batch 4 over 8k, a 128-token turn after 16k cached, a 512-token chunk after 32k.

@@ -290,7 +290,7 @@ def estimate_graph_memory_bytes(
     verify_tokens = max(verify_sizes, default=0) * verify_query_len
     verify_partials = 0
     if verify_sizes:  # imported only when needed: triton is not installed everywhere
-        from sluice.kernels.prefill_attention import split_partials_bound_bytes
+        from sluice.kernels.prefill_splits import split_partials_bound_bytes
 
         verify_partials = split_partials_bound_bytes(arch.head_dim)
     peak = max(batch * (per_token + partials), verify_tokens * per_token + verify_partials)
