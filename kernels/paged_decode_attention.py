@@ -361,9 +361,10 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, context, device_sm_count(q.device), partition_size
         )
     single = num_splits == 1
-    part_shape = (num_seqs, num_heads, num_splits) if not single else (1, 1, 1)
-    part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_out = part_lse = None  # one split writes `out` itself: no partials, nothing allocated
+    if not single:
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out = part_lse.new_empty(*part_lse.shape, head_dim)
     queries_per_kv = num_heads // num_kv_heads
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     window = sliding_window or NO_WINDOW

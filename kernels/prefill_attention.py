@@ -367,7 +367,8 @@ def prefill_attention(
     elif not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_SPLITS}, got {num_splits}")
     single = num_splits == 1
-    part_out, part_lse = _split_partials((num_tokens, num_heads, num_splits) if not single else (1, 1, 1), q)
+    # One split writes `out` itself: no partials (None, as the unused FP8 scales), nothing allocated.
+    part_out, part_lse = (None, None) if single else _split_partials((num_tokens, num_heads, num_splits), q)
     precision, upcast = dot_settings(q.dtype)
     k_cache, v_cache, k_scale, v_scale = kernel_kv_cache(k_cache, v_cache, kv_scales)
     if config.interleave_heads:
