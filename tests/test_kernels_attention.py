@@ -148,16 +148,22 @@ def test_paged_decode_with_a_graph_sized_grid_and_padding_rows(num_splits):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
-class _GridRecorder:
-    """Wraps a Triton kernel: records each launch's grid and the shapes of its tensor arguments."""
+class GridRecorder:
+    """Wraps a Triton kernel: records each launch's grid and the shapes of its tensor arguments
+    (`launches`), and its keyword arguments, the constexprs (`constexprs`), then runs it."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+        self.kernel, self.launches, self.constexprs = kernel, [], []
+
+    @property
+    def grids(self) -> list[tuple[int, ...]]:
+        return [grid for grid, _ in self.launches]
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
             self.launches.append((grid, shapes))
+            self.constexprs.append(kwargs)
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -169,8 +175,8 @@ def test_decode_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monk
     (cuda_graph_runner.estimate_graph_memory_bytes' bound)."""
     from sluice.kernels import paged_decode_attention as module
 
-    split = _GridRecorder(module._decode_partition_kernel)
-    reduce = _GridRecorder(module._decode_reduce_kernel)
+    split = GridRecorder(module._decode_partition_kernel)
+    reduce = GridRecorder(module._decode_reduce_kernel)
     monkeypatch.setattr(module, "_decode_partition_kernel", split)
     monkeypatch.setattr(module, "_decode_reduce_kernel", reduce)
     batch = _batch([(1, 90), (1, 30), (1, 64)], 4, 2, 16)

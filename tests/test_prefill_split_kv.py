@@ -14,7 +14,15 @@ import pytest
 import torch
 from checkpoints import VOCAB_SIZE
 from paged_batch import DEVICE, KERNEL_DTYPES, make_paged_batch, nan_like, tolerance
-from test_kernels_attention import LAYOUTS, SCALE, SMALL_PREFILL, _batch, _prefill, _prefill_reference
+from test_kernels_attention import (
+    LAYOUTS,
+    SCALE,
+    SMALL_PREFILL,
+    GridRecorder,
+    _batch,
+    _prefill,
+    _prefill_reference,
+)
 from transformers import AutoModelForCausalLM
 
 import sluice.kernels.prefill_attention as prefill_module
@@ -43,19 +51,9 @@ SMS = device_sm_count(DEVICE)  # what the launcher sizes its splits by (132 off 
 PER_SM = prefill_splits.PREFILL_PROGRAMS_PER_SM
 
 
-class _Launches:
-    """Wraps the prefill kernel: records each launch's grid and SINGLE_SPLIT, then runs it."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.grids, self.single = kernel, [], []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.grids.append(grid)
-            self.single.append(kwargs["SINGLE_SPLIT"])
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
+def _single_split(recorder: GridRecorder) -> list[bool]:
+    """Whether each recorded prefill launch wrote its output in one split (SINGLE_SPLIT)."""
+    return [constexprs["SINGLE_SPLIT"] for constexprs in recorder.constexprs]
 
 
 @pytest.fixture
@@ -101,7 +99,7 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
     """Given max_seq_len, the split count is `pick_num_splits` over the q tiles that can hold rows x KV
     heads, to fill every SM once (PREFILL_PROGRAMS_PER_SM); without it, or with tiles enough for every SM,
     or contexts within one partition, one launch writes the output."""
-    launches = _Launches(prefill_module._prefill_attention_kernel)
+    launches = GridRecorder(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     batch = _batch(SHORT_AFTER_LONG, 8, 2, 16)
     md = batch.metadata
@@ -113,7 +111,7 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
     picked = pick_num_splits(num_q_tiles, 2, md.max_seq_len, SMS, 16, programs_per_sm=PER_SM)
     assert picked > 1
     assert launches.grids == [(num_q_tiles * 2, 1), (num_q_tiles * 2, picked)]
-    assert launches.single == [True, False]
+    assert _single_split(launches) == [True, False]
     # A 4-token verify at batch 1: the grid has two tiles a KV head, one of them with rows; it counts one.
     verify = prefill_splits.pick_prefill_splits(4, 1, 4, 8, 4, 64, 32768, None, 512, DEVICE)
     assert verify == pick_num_splits(1, 8, 32768, SMS, 512, programs_per_sm=PER_SM) > 1
@@ -129,7 +127,7 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
 def test_split_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monkeypatch, partials):
     """What a CUDA graph freezes (grid, partial buffers) is the same for any seq_lens under one
     max_seq_len: verify graphs, captured with the largest context, replay shorter ones."""
-    launches = _Launches(prefill_module._prefill_attention_kernel)
+    launches = GridRecorder(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     for seed, seq_lens in enumerate(([120, 60, 4], [9, 70, 100])):
         batch = make_paged_batch(
@@ -138,7 +136,7 @@ def test_split_grid_and_partials_depend_on_max_seq_len_not_on_the_contexts(monke
         store_kv_reference(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
         out = _prefill(batch, config=SMALL_PREFILL, partition_size=16, max_seq_len=128)
         torch.testing.assert_close(out, _prefill_reference(batch), **tolerance(torch.float32))
-    assert launches.grids[0] == launches.grids[1] and launches.single == [False, False]
+    assert launches.grids[0] == launches.grids[1] and _single_split(launches) == [False, False]
     num_splits = launches.grids[0][1]
     assert 1 < num_splits <= 128 // 16
     assert partials[0] == partials[1] == ((12, 4, num_splits, 16), (12, 4, num_splits))
@@ -166,7 +164,7 @@ def test_split_partials_stay_within_the_graph_memory_bound():
 def test_triton_backend_splits_a_short_query_after_a_long_prefix_like_the_torch_backend(monkeypatch):
     """A prefix-cache hit: 5 new tokens after 600 cached positions (more than a 512-position partition),
     beside a decode row; the backend passes max_seq_len, so the launch splits."""
-    launches = _Launches(prefill_module._prefill_attention_kernel)
+    launches = GridRecorder(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     batch = make_paged_batch([5, 1], [605, 300], num_heads=4, num_kv_heads=1, head_dim=16, block_size=16)
     outs = []
@@ -174,7 +172,7 @@ def test_triton_backend_splits_a_short_query_after_a_long_prefix_like_the_torch_
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
         outs.append(backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    assert launches.single == [False] and launches.grids[0][1] > 1
+    assert _single_split(launches) == [False] and launches.grids[0][1] > 1
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -202,7 +200,7 @@ def test_the_runner_splits_a_chunk_after_a_long_prefix_and_matches_transformers(
     chunks, the second 16 tokens after 584 cached positions (more than a 512-position partition, few q
     tiles: its launches split), then decode steps. The logits at the prompt's end match transformers'
     forward and the greedy tokens its generate."""
-    launches = _Launches(prefill_module._prefill_attention_kernel)
+    launches = GridRecorder(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     config = EngineConfig(
         model=ModelConfig(model=llama_long_dir, dtype="float32", device=DEVICE.type),
@@ -219,10 +217,10 @@ def test_the_runner_splits_a_chunk_after_a_long_prefix_and_matches_transformers(
         request = (
             steps.pop(0) if steps else ScheduledRequest("0", (tokens[-1],), len(tokens) - 1, blocks, True)
         )
-        launches.single.clear()
+        launches.constexprs.clear()
         logits = runner.execute_model(SchedulerOutput((request,), request.num_tokens))
         if request.start_position == 584:
-            assert launches.single and not any(launches.single)  # every layer's launch split
+            assert _single_split(launches) and not any(_single_split(launches))  # every layer's launch split
             prompt_logits = logits[0].cpu()
         if request.sample:
             tokens.append(int(logits[0].argmax()))

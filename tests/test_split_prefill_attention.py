@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
 import torch
+from test_kernels_attention import GridRecorder
 
 import sluice.kernels.prefill_attention as prefill_module
 from sluice.benchmarks.gpu import split_prefill_attention
@@ -15,15 +16,8 @@ def test_the_three_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
     """Per shape the kernel runs in the picked split count (> 1 here: the row says which) and in one split,
     their outputs agree, and the rows carry the times the clock gave: one split, the picked count, twice
     the picked count."""
-    grids = []
-    kernel = prefill_module._prefill_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid[1])
-            return kernel[grid]
-
-    monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", Spy())
+    recorder = GridRecorder(prefill_module._prefill_attention_kernel)
+    monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", recorder)
     times = iter([0.006, 0.002, 0.003, 0.003, 0.003, 0.001])
     rows = split_prefill_attention.split_prefill_rows(
         torch.device("cpu"),
@@ -36,7 +30,7 @@ def test_the_three_ways_are_timed_on_the_same_inputs_and_agree(monkeypatch):
     splits = [row[3] for row in rows]
     assert all(count > 1 for count in splits)
     # Checked once (split, then one split), then timed once each way (one split, picked, twice).
-    assert grids == [
+    assert [grid[1] for grid in recorder.grids] == [
         *(splits[0], 1, 1, splits[0], 2 * splits[0]),
         *(splits[1], 1, 1, splits[1], 2 * splits[1]),
     ]
