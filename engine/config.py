@@ -7,7 +7,7 @@ spelling live here, once, and `sluice serve` builds its engine flags from these 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import UnionType
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -143,22 +143,55 @@ class CacheConfig:
         _require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", "must be > 0")
 
 
+# The step budget when none is given (`SchedulerConfig.max_num_batched_tokens`), as vLLM's server picks it:
+# 8192 tokens on GPUs of 70 GiB or more other than the A100 (H100, H200, MI300X: a 4096-token prompt in one
+# step; vLLM found large budgets slower on the A100), 2048 elsewhere, CPUs included.
+DEFAULT_STEP_BUDGET = 2048
+LARGE_GPU_STEP_BUDGET = 8192
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_step_budget(device_type: str, total_memory: int = 0, device_name: str = "") -> int:
+    """The step budget for a device of `device_type` ("cuda", "cpu", ...), with `total_memory` bytes named
+    `device_name` (a GPU's; unused elsewhere)."""
+    large = total_memory >= LARGE_GPU_BYTES and "a100" not in device_name.lower()
+    return LARGE_GPU_STEP_BUDGET if device_type == "cuda" and large else DEFAULT_STEP_BUDGET
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """One token budget per step shared by decodes and prefill chunks."""
+    """One token budget per step shared by decodes and prefill chunks.
 
-    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes + prefill chunks)")
+    `max_num_batched_tokens` None: the model runner sets it for its device (`with_step_budget`), before the
+    scheduler is built."""
+
+    max_num_batched_tokens: int | None = option(
+        None,
+        "token budget of one step (decodes + prefill chunks; default: 8192 on a GPU of 70 GiB or more "
+        "other than an A100, 2048 elsewhere, and at least --max-num-seqs)",
+    )
     max_num_seqs: int = option(128, "requests running at once")
     enable_chunked_prefill: bool = option(True, "prefill a prompt in one step", flag="no-chunked-prefill")
 
     def __post_init__(self) -> None:
-        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        budget = self.max_num_batched_tokens
+        _require(budget is None or budget > 0, "max_num_batched_tokens", "must be > 0")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         _require(
-            self.max_num_batched_tokens >= self.max_num_seqs,
+            budget is None or budget >= self.max_num_seqs,
             "max_num_batched_tokens",
             "must be >= max_num_seqs so every running request can decode in one step",
         )
+
+    def with_step_budget(
+        self, device_type: str, total_memory: int = 0, device_name: str = ""
+    ) -> SchedulerConfig:
+        """This config with `max_num_batched_tokens` set: as given, else the device's default
+        (`default_step_budget`), raised to max_num_seqs so that every running request can decode."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = max(default_step_budget(device_type, total_memory, device_name), self.max_num_seqs)
+        return replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True)

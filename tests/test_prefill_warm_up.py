@@ -61,7 +61,7 @@ def test_warm_up_launches_every_prefill_tile_height_and_leaves_the_cache_alone(
     queries_per_kv = runner.arch.num_attention_heads // runner.arch.num_key_value_heads
     heights = {
         prefill_module.prefill_config(runner.arch.head_dim, torch.float32, queries_per_kv, n).block_m
-        for n in range(2, config.scheduler.max_num_batched_tokens + 1)
+        for n in range(2, runner.config.scheduler.max_num_batched_tokens + 1)
     }
     variants = {(height, single) for height in heights for single in ((True, False) if splits else (True,))}
     assert len(heights) > 1 and set(recorder.launches) == variants

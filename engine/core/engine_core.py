@@ -65,9 +65,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         source = source if source is not None else load_model_source(config.model)
-        self.config = config
         self.tokenizer = source.tokenizer
         self.model_runner = build_model_runner(config, source)  # tensor-parallel: an executor over the ranks
+        # as the runner completed it for its device: the step budget (`with_step_budget`)
+        self.config = config = self.model_runner.config
         single_rank = config.parallel.tensor_parallel_size == 1  # the ranks' executor has no one device
         self.async_scheduling = config.schedules_async(self.model_runner.device.type if single_rank else None)
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(

@@ -56,9 +56,9 @@ FAILURE_NAMING_SECONDS = 2.0
 
 
 class MultiprocExecutor:
-    """Rank 0's `ModelRunner` (`runner`) plus the workers. `execute_model*`, `num_blocks`, `max_model_len` as
-    `ModelRunner`'s; `check_health()` raises `WorkerDiedError` once a worker is gone. `shutdown()` (also run
-    when the executor is collected, or at exit) stops the workers."""
+    """Rank 0's `ModelRunner` (`runner`) plus the workers. `execute_model*`, `config`, `num_blocks`,
+    `max_model_len` as `ModelRunner`'s; `check_health()` raises `WorkerDiedError` once a worker is gone.
+    `shutdown()` (also run when the executor is collected, or at exit) stops the workers."""
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         placement = place_ranks(config, source.arch)
@@ -93,6 +93,10 @@ class MultiprocExecutor:
             placement.num_threads,
             ", ".join(f"{b / 2**20:.1f}" for b in self.parameter_bytes),
         )
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.runner.config
 
     @property
     def num_blocks(self) -> int:

@@ -67,7 +67,11 @@ class Scheduler:
         sliding_window: int | None = None,
     ) -> None:
         """sliding_window: the model's window when every layer has it (ModelArchConfig.
-        uniform_sliding_window); a request then holds only the blocks its window reaches."""
+        uniform_sliding_window); a request then holds only the blocks its window reaches.
+        scheduler_config's step budget is set (the model runner sets a default one for its device:
+        `with_step_budget`)."""
+        if scheduler_config.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens: unset; the model runner sets it for its device")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks

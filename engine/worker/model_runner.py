@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -57,11 +58,11 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, source: ModelSource, tensor_parallel: TensorParallelGroup | None = None
     ) -> None:
-        self.config = config
         self.arch = source.arch
         self.tensor_parallel = tensor_parallel or TensorParallelGroup.single()
         tp = self.tensor_parallel
         self.device = tp.device if tp.size > 1 else pick_device(config.model.device)
+        self.config = config = with_step_budget(config, self.device)
         self.dtype = pick_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = pick_max_model_len(config.model, self.arch)
@@ -339,6 +340,20 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def with_step_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with the step budget its scheduler section leaves to the device set for `device`
+    (`SchedulerConfig.with_step_budget`: 8192 tokens on GPUs of 70 GiB or more but the A100, else 2048)."""
+    if config.scheduler.max_num_batched_tokens is not None:
+        return config
+    total_memory, name = 0, ""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        total_memory, name = properties.total_memory, properties.name
+    scheduler = config.scheduler.with_step_budget(device.type, total_memory, name)
+    logger.info("step budget: %d tokens (%s)", scheduler.max_num_batched_tokens, name or device.type)
+    return dataclasses.replace(config, scheduler=scheduler)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
