@@ -14,6 +14,7 @@ and the `sluice bench` JSON files; the limits are computed from ceilings measure
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from sluice.benchmarks.gpu.gpu_benchmarks import (
@@ -22,6 +23,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     PREFILL_VS_SDPA_GOAL,
     causal_attention_flops,
 )
+from sluice.engine.config import DEFAULT_STEP_BUDGET
 
 TPOT_OVER_GRAPH_STEP_GOAL = 1.2  # 1b TPOT over gRPC at 64 concurrent vs the graph step at batch 64
 LARGE_FLOOR_OVER_TPOT_GOAL = 0.8  # 8b batch-1 TPOT over gRPC: at least 80% of the floor's speed
@@ -147,9 +149,14 @@ def serving_rows(figures: dict[str, dict[str, Any]], serve_runs: list[dict[str, 
 
 
 def large_rows(
-    figures: dict[str, dict[str, Any]], large_runs: list[dict[str, Any]], numbers: dict[str, float]
+    figures: dict[str, dict[str, Any]],
+    large_runs: list[dict[str, Any]],
+    numbers: dict[str, float],
+    baseline_runs: Sequence[dict[str, Any]] = (),
 ) -> list[list[object]]:
-    """8b shape: batch-1 TPOT against the weight-bytes floor, TTFT against the FLOP floor."""
+    """8b shape: batch-1 TPOT against the weight-bytes floor, TTFT against the FLOP floor; with
+    `baseline_runs` (the same bench on a server with the 2048-token step budget), its TTFT against the
+    default budget's."""
     ceilings = figures.get("ceilings", {})
     rows: list[list[object]] = []
     tpot = run_metric(large_runs, None, ("tpot", "p50"))
@@ -183,4 +190,14 @@ def large_rows(
                 _status(ratio, TTFT_OVER_FLOOR_GOAL, at_most=True),
             )
         )
+        baseline = run_metric(list(baseline_runs), None, ("ttft", "p50"))
+        if baseline is not None:
+            rows.append(
+                _row(
+                    f"8b TTFT p50, {prompt_len}-token prompt, step budget {DEFAULT_STEP_BUDGET}, ms",
+                    f"{baseline * 1e3:.1f}",
+                    f"the default budget's {ttft * 1e3:.1f}",
+                    baseline / ttft,
+                )
+            )
     return rows

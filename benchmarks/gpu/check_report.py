@@ -69,7 +69,10 @@ def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
     large_preset = PLANS[mode].large_preset
     rows = check_figures.kernel_rows(figures) + check_figures.serving_rows(figures, serve_runs)
     if large_runs:
-        rows += check_figures.large_rows(figures, large_runs, check_figures.model_numbers(large_preset))
+        numbers = check_figures.model_numbers(large_preset)
+        large = [r for r in records if r.get("step") == "large" and "baseline_runs" in r]
+        baseline_runs = large[-1]["baseline_runs"] if large else []
+        rows += check_figures.large_rows(figures, large_runs, numbers, baseline_runs)
     ceilings = figures.get("ceilings")
     lines = []
     if ceilings:

@@ -14,7 +14,9 @@ fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache
                  each server's greedy outputs set against (c)'s, its KV blocks, `sluice bench` at
                  concurrency 1 and 64 (its runs kept in its record, one per server as it finishes)
 large            (h) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
-                 (JSON kept as OUT/bench_large.json); in the CPU mode, the tiny preset
+                 (JSON kept as OUT/bench_large.json), then the same on a server with the 2048-token step
+                 budget GPUs had before 2026-11-30 (its runs in the step's record: each prompt in two
+                 steps, against one at the default 8192); in the CPU mode, the tiny preset
 fp8_large        (i) the large step's shape served four times: bf16, fp8's two servers, then fp8 in 128 x 128
                  blocks made at load, each as in (g)
                  but set against the first (its own reference), the same `sluice bench` prompts on each
@@ -44,6 +46,7 @@ from sluice.benchmarks.gpu.step_context import (
     RPC_TIMEOUT_S,
     StepContext,
     append_result,
+    bench_runs,
     greedy_outputs,
     model_info,
     run_bench,
@@ -51,6 +54,7 @@ from sluice.benchmarks.gpu.step_context import (
 from sluice.benchmarks.gpu.structured_request import SCHEMA, schema_errors
 from sluice.benchmarks.gpu.variant_servers import step_async, step_fp8, step_fp8_large
 from sluice.client import Client, generate_request
+from sluice.engine.config import DEFAULT_STEP_BUDGET
 
 STEP_NAMES = ("serve_bench", "speculative", "structured", "tensor_parallel", "fp8", "async", "large",
               "fp8_large")  # fmt: skip
@@ -151,7 +155,10 @@ def step_tensor_parallel(ctx: StepContext) -> dict[str, Any]:
 
 def step_large(ctx: StepContext) -> dict[str, Any]:
     """The 8b shape as served by default (on CUDA with async scheduling since 2026-11-26; the H100 run 1
-    figure, 7.25 ms batch-1 TPOT, was synchronous): batch-1 TPOT and TTFT of long prompts."""
+    figure, 7.25 ms batch-1 TPOT, was synchronous): batch-1 TPOT and TTFT of long prompts. Then the same
+    bench on a server with the step budget of every GPU before 2026-11-30 (`DEFAULT_STEP_BUDGET`, 2048
+    tokens; the default on GPUs of 70 GiB or more is 8192 since): the TTFT of a prompt in two steps
+    against one, in the same run."""
     plan = ctx.plan
     args = [
         "--preset",
@@ -164,8 +171,12 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
     with ctx.server(args) as server, Client(server.target) as client:
         info = model_info(client)
         bench_rc = run_bench(server.target, plan.large_bench, ctx.out / "bench_large.json")
-    return {"ok": bench_rc == 0, "preset": plan.large_preset, "model_info": info,
-            "bench_json": "bench_large.json", "bench_rc": bench_rc}  # fmt: skip
+    # its runs go in this step's record: OUT holds at most 8 files that come back from a device call
+    with ctx.server([*args, "--max-num-batched-tokens", str(DEFAULT_STEP_BUDGET)]) as server:
+        baseline_rc, baseline_runs = bench_runs(server.target, plan.large_bench)
+    return {"ok": bench_rc == 0 and baseline_rc == 0, "preset": plan.large_preset, "model_info": info,
+            "bench_json": "bench_large.json", "bench_rc": bench_rc, "baseline_budget": DEFAULT_STEP_BUDGET,
+            "baseline_bench_rc": baseline_rc, "baseline_runs": baseline_runs}  # fmt: skip
 
 
 def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int:

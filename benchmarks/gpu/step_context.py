@@ -10,6 +10,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -183,3 +184,13 @@ def run_bench(target: str, args: Sequence[str], json_path: Path) -> int:
     """`sluice bench` as a user runs it; its table goes to this step's log."""
     command = [sys.executable, "-m", "sluice.service.cli", "bench", "--target", target, "--no-progress"]
     return subprocess.run([*command, *args, "--json", str(json_path)], check=False).returncode
+
+
+def bench_runs(target: str, args: Sequence[str]) -> tuple[int, list[dict[str, Any]]]:
+    """`run_bench` into a file of its own: its exit status and its runs without their per-request
+    timelines, for a step's record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.json"
+        rc = run_bench(target, args, path)
+        runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+    return rc, [{key: value for key, value in run.items() if key != "requests"} for run in runs]

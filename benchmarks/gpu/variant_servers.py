@@ -19,8 +19,6 @@ the servers it finished.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,9 +29,9 @@ from sluice.benchmarks.gpu.step_context import (
     Plan,
     StepContext,
     append_result,
+    bench_runs,
     greedy_outputs,
     model_info,
-    run_bench,
 )
 from sluice.benchmarks.gpu.step_profiles import PROFILES_DIR, profile_server
 from sluice.client import Client
@@ -153,10 +151,9 @@ def variant_bench_runs(target: str, plan: Plan) -> tuple[list[int], list[dict[st
     the runs without their per-request timelines."""
     lengths = ["--input-len", str(plan.input_len), "--output-len", str(plan.output_len)]
     rcs, runs = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed, (concurrency, requests) in enumerate(plan.variant_bench, start=1):
-            path = Path(tmp) / f"{concurrency}.json"
-            load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
-            rcs.append(run_bench(target, [*load, *lengths], path))
-            runs += json.loads(path.read_text())["runs"] if path.is_file() else []
-    return rcs, [{key: value for key, value in run.items() if key != "requests"} for run in runs]
+    for seed, (concurrency, requests) in enumerate(plan.variant_bench, start=1):
+        load = ["--concurrency", str(concurrency), "--num-requests", str(requests), "--seed", str(seed)]
+        rc, seed_runs = bench_runs(target, [*load, *lengths])
+        rcs.append(rc)
+        runs += seed_runs
+    return rcs, runs
