@@ -16,6 +16,8 @@ class ModelInfo:
     num_kv_blocks: int
     speculative_method: str = ""  # "" when speculative decoding is off
     num_speculative_tokens: int = 0
+    max_num_batched_tokens: int = 0  # the scheduler's step budget, as the model runner set it (0: unknown)
+    max_num_seqs: int = 0  # requests running at once (0: unknown)
 
     @property
     def kv_capacity_tokens(self) -> int:

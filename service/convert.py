@@ -230,4 +230,6 @@ def model_info_to_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         kv_capacity_tokens=info.kv_capacity_tokens,
         speculative_method=info.speculative_method,
         num_speculative_tokens=info.num_speculative_tokens,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        max_num_seqs=info.max_num_seqs,
     )

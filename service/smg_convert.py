@@ -276,6 +276,7 @@ def server_info_to_smg(
         data_parallel_size=1,
         block_size=info.block_size,
         attention_backend="",
+        max_num_seqs=info.max_num_seqs,
     )
 
 

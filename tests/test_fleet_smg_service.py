@@ -105,6 +105,8 @@ def test_health_model_info_and_tokenizer_bundle(
     assert json.loads(files.read("tokenizer.json"))["model"]["vocab"] == original["model"]["vocab"]
     loads = engine_stub.GetLoads(smg.GetLoadsRequest(), timeout=10)
     assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == LONG_NUM_BLOCKS * 16
+    server_info = engine_stub.GetServerInfo(smg.GetServerInfoRequest(), timeout=10)
+    assert (server_info.block_size, server_info.max_num_seqs) == (16, 64)
 
 
 def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread, engine_stub) -> None:

@@ -115,8 +115,9 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert run["config"]["workload"]["input_len"] == 24 and run["metrics"]["num_completed"] == 2
     large = step_result(out, "large")
     assert large["model_info"]["model_name"] == "dummy-tiny"
+    assert large["model_info"]["max_num_batched_tokens"] == 2048  # a CPU's default, the baseline's too
     (baseline,) = large["baseline_runs"]  # the same bench at the 2048-token step budget, in the record
-    assert large["baseline_budget"] == 2048 and large["baseline_bench_rc"] == 0
+    assert large["baseline_model_info"]["max_num_batched_tokens"] == 2048 and large["baseline_bench_rc"] == 0
     assert baseline["config"]["workload"] == run["config"]["workload"] and "requests" not in baseline
     assert baseline["metrics"]["num_completed"] == 2
     assert "--max-num-batched-tokens 2048" in (out / "servers.log").read_text()
@@ -785,10 +786,11 @@ def test_the_report_sets_a_gpu_run_against_issue_33s_table(tmp_path: Path):
         "attention": {"rows": [{"context": 32768, "batch": 8, "gb_per_s": 1785.0, "of_copy_bw": 0.425}]},
     }
     records = [{"step": "gpu_check", "section": key, "figures": value} for key, value in figures.items()]
+    baseline = run(1, 5.7e-3, 0.2124)  # the large step's second server, at the 2048-token step budget
     records += [
         {"step": "gpu_check", "status": "passed", "seconds": 130, "limit_s": 240, "note": "exit status 0"},
         {"step": "large", "status": "timed out", "seconds": 180, "limit_s": 180, "note": "exit status 124"},
-        {"step": "large", "ok": True, "baseline_budget": 2048, "baseline_runs": [run(1, 5.7e-3, 0.2124)]},
+        {"step": "large", "model_info": {"max_num_batched_tokens": 8192}, "baseline_runs": [baseline]},
     ]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "bench_serve.json").write_text(
@@ -807,7 +809,8 @@ def test_the_report_sets_a_gpu_run_against_issue_33s_table(tmp_path: Path):
         "| 1b TPOT p50 over gRPC, concurrency 64, ms | 3.60 | graph step at batch 64: 2.20 | 1.64 | <= 1.2 |",
         "| 8b batch-1 TPOT p50 over gRPC, ms | 5.60 | floor 3.82 | 0.68 | floor/TPOT >= 0.8 | NOT met |",
         "| 8b TTFT p50, 4096-token prompt, ms | 177.0 | FLOP floor 77.9 | 2.27 | <= 1.3 | NOT met |",
-        "| 8b TTFT p50, 4096-token prompt, step budget 2048, ms | 212.4 | the default budget's 177.0 | 1.20",
+        "| 8b TTFT p50, 4096-token prompt, step budget 2048, ms | 212.4 "
+        "| the default budget's (8192) 177.0 | 1.20 |",
         "| large | llama-3-8b shape: batch-1 TPOT, 4096-token TTFT | TIMED OUT | 180 | 180 |",
         "| serve_bench | sluice serve + greedy reference + sluice bench --sweep 1,16,64 | NOT RUN |  |  |  |",
     ):

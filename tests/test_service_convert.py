@@ -297,7 +297,9 @@ def test_timings_of_request_aborted_in_queue_read_zero() -> None:
 
 
 def test_model_info() -> None:
-    info = ModelInfo("tiny", "LlamaForCausalLM", 256, 512, (2, 3), 16, 40)
+    info = ModelInfo(
+        "tiny", "LlamaForCausalLM", 256, 512, (2, 3), 16, 40, max_num_batched_tokens=8192, max_num_seqs=128
+    )
     assert convert.model_info_to_proto(info) == pb.GetModelInfoResponse(
         model_name="tiny",
         architecture="LlamaForCausalLM",
@@ -307,6 +309,8 @@ def test_model_info() -> None:
         block_size=16,
         num_kv_blocks=40,
         kv_capacity_tokens=640,
+        max_num_batched_tokens=8192,
+        max_num_seqs=128,
     )
 
 

@@ -112,6 +112,7 @@ def test_tokenize_and_model_info(server: ServerThread, llm: LLM) -> None:
     assert sorted(info.eos_token_ids) == sorted({EOS_ID, IM_END_ID})
     assert (info.block_size, info.num_kv_blocks) == (16, LONG_NUM_BLOCKS)
     assert info.kv_capacity_tokens == 16 * LONG_NUM_BLOCKS
+    assert (info.max_num_batched_tokens, info.max_num_seqs) == (512, 64)  # the scheduler's, as configured
 
 
 def test_fifty_concurrent_generate_streams(server: ServerThread, alone) -> None:

@@ -153,10 +153,11 @@ def large_rows(
     large_runs: list[dict[str, Any]],
     numbers: dict[str, float],
     baseline_runs: Sequence[dict[str, Any]] = (),
+    default_budget: int | None = None,
 ) -> list[list[object]]:
     """8b shape: batch-1 TPOT against the weight-bytes floor, TTFT against the FLOP floor; with
     `baseline_runs` (the same bench on a server with the 2048-token step budget), its TTFT against the
-    default budget's."""
+    default budget's (`default_budget` tokens, as the default server reported it, where known)."""
     ceilings = figures.get("ceilings", {})
     rows: list[list[object]] = []
     tpot = run_metric(large_runs, None, ("tpot", "p50"))
@@ -196,7 +197,7 @@ def large_rows(
                 _row(
                     f"8b TTFT p50, {prompt_len}-token prompt, step budget {DEFAULT_STEP_BUDGET}, ms",
                     f"{baseline * 1e3:.1f}",
-                    f"the default budget's {ttft * 1e3:.1f}",
+                    f"the default budget's ({default_budget or '?'}) {ttft * 1e3:.1f}",
                     baseline / ttft,
                 )
             )

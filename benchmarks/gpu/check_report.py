@@ -72,7 +72,8 @@ def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
         numbers = check_figures.model_numbers(large_preset)
         large = [r for r in records if r.get("step") == "large" and "baseline_runs" in r]
         baseline_runs = large[-1]["baseline_runs"] if large else []
-        rows += check_figures.large_rows(figures, large_runs, numbers, baseline_runs)
+        budget = large[-1]["model_info"].get("max_num_batched_tokens") if large else None
+        rows += check_figures.large_rows(figures, large_runs, numbers, baseline_runs, budget)
     ceilings = figures.get("ceilings")
     lines = []
     if ceilings:

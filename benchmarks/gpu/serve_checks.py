@@ -172,10 +172,12 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
         info = model_info(client)
         bench_rc = run_bench(server.target, plan.large_bench, ctx.out / "bench_large.json")
     # its runs go in this step's record: OUT holds at most 8 files that come back from a device call
-    with ctx.server([*args, "--max-num-batched-tokens", str(DEFAULT_STEP_BUDGET)]) as server:
+    baseline_args = [*args, "--max-num-batched-tokens", str(DEFAULT_STEP_BUDGET)]
+    with ctx.server(baseline_args) as server, Client(server.target) as client:
+        baseline_info = model_info(client)
         baseline_rc, baseline_runs = bench_runs(server.target, plan.large_bench)
     return {"ok": bench_rc == 0 and baseline_rc == 0, "preset": plan.large_preset, "model_info": info,
-            "bench_json": "bench_large.json", "bench_rc": bench_rc, "baseline_budget": DEFAULT_STEP_BUDGET,
+            "bench_json": "bench_large.json", "bench_rc": bench_rc, "baseline_model_info": baseline_info,
             "baseline_bench_rc": baseline_rc, "baseline_runs": baseline_runs}  # fmt: skip
 
 

@@ -155,6 +155,7 @@ def model_info(client: Client) -> dict[str, Any]:
         "kv_capacity_tokens": info.kv_capacity_tokens,
         "num_kv_blocks": info.num_kv_blocks,
         "speculative_method": info.speculative_method,
+        "max_num_batched_tokens": info.max_num_batched_tokens,
     }
 
 

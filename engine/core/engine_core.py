@@ -109,6 +109,8 @@ class EngineCore:
             num_kv_blocks=self.model_runner.num_blocks,
             speculative_method=spec.method if spec is not None else "",
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
         )
         self._num_steps = 0
         self._num_prompt_tokens_computed = 0
