@@ -41,7 +41,8 @@ class ModelRunner:
 
     The kernels are chosen once, here: the attention backend, then a `KernelConfig` the model's layers choose
     from as they are built; after loading, the whole-stack C++ path (`cpu_stack`) where every layer runs
-    the C++ kernels.
+    the C++ kernels. `config` is the one given with what it leaves to the device set (`with_step_budget`:
+    the scheduler's step budget), and the engine core builds its scheduler from it.
 
     kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (laid out
     heads first where the attention backend asks for it: `AttentionBackend.kv_cache_heads_first`), in
