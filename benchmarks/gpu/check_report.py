@@ -63,17 +63,16 @@ def steps_section(statuses: dict[str, dict], results: dict[str, dict]) -> str:
     return markdown_table(["step", "what", "status", "seconds", "limit s", "note"], rows)
 
 
-def figures_section(records: list[dict[str, Any]], out: Path, mode: str) -> str:
+def figures_section(records: list[dict[str, Any]], results: dict[str, dict], out: Path, mode: str) -> str:
     figures = check_figures.gpu_check_figures(records)
     serve_runs, large_runs = read_runs(out / "bench_serve.json"), read_runs(out / "bench_large.json")
     large_preset = PLANS[mode].large_preset
     rows = check_figures.kernel_rows(figures) + check_figures.serving_rows(figures, serve_runs)
     if large_runs:
         numbers = check_figures.model_numbers(large_preset)
-        large = [r for r in records if r.get("step") == "large" and "baseline_runs" in r]
-        baseline_runs = large[-1]["baseline_runs"] if large else []
-        budget = large[-1]["model_info"].get("max_num_batched_tokens") if large else None
-        rows += check_figures.large_rows(figures, large_runs, numbers, baseline_runs, budget)
+        large = results.get("large", {})
+        budget = large.get("model_info", {}).get("max_num_batched_tokens")
+        rows += check_figures.large_rows(figures, large_runs, numbers, large.get("baseline_runs", []), budget)
     ceilings = figures.get("ceilings")
     lines = []
     if ceilings:
@@ -230,7 +229,8 @@ def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[
         f"# Sluice GPU check: {device}: {'PASS' if ok else 'FAIL'}",
         f"{date}; mode {mode}; {versions}; {wall_s:.0f} s of a {budget_s:.0f} s budget.",
         "## Steps\n\n" + steps_section(statuses, results),
-        "## Figures against their limits and issue 33's goals\n\n" + figures_section(records, out, mode),
+        "## Figures against their limits and issue 33's goals\n\n"
+        + figures_section(records, results, out, mode),
         "## Attention kernels: FP8 KV cache, tile sweep (tables in gpu_check.md)\n\n"
         + attention_kernels_section(records, mode),
         "## Serving over gRPC (`sluice bench`, bench_serve.json)\n\n" + serving_section(out),
