@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sched.h>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -279,6 +280,29 @@ inline int64_t team_barrier_check(int64_t rounds, int64_t failing_thread) {
     }
   });
   return failed.load();
+}
+
+// The team's barrier with every thread on one CPU (for the tests): each thread pins itself to the first CPU
+// this process may run on, goes through `rounds` barriers, and is given back its CPUs. Returns how many of
+// the waits spun (a waiter that spins holds the CPU its partner needs to arrive): at most the first round's,
+// before any thread has been seen on that CPU.
+inline int64_t team_spun_waits_on_one_cpu(int64_t rounds) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  TORCH_CHECK(sched_getaffinity(0, sizeof(allowed), &allowed) == 0, "sched_getaffinity failed");
+  int first = 0;
+  while (!CPU_ISSET(first, &allowed)) ++first;
+  std::atomic<int64_t> spun{0};
+  sluice::team::run_team([&](const sluice::team::Team& team) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    TORCH_CHECK(sched_setaffinity(0, sizeof(one), &one) == 0, "sched_setaffinity failed");
+    for (int64_t round = 0; round < rounds; ++round) team.sync();
+    spun.fetch_add(team.spun_waits());
+    TORCH_CHECK(sched_setaffinity(0, sizeof(allowed), &allowed) == 0, "sched_setaffinity failed");
+  });
+  return spun.load();
 }
 
 }  // namespace sluice::stack

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
 #include <omp.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 #include <climits>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 
 namespace sluice {
@@ -63,24 +65,36 @@ inline void pause() {
 #endif
 }
 
-// A central barrier for the threads of one parallel region: spin up to kSpin, then sleep on a futex.
+// A central barrier for the threads of one parallel region: spin up to kSpin, then sleep on a futex; but
+// never spin for a thread that was last seen on the waiter's own CPU. Two threads of a team can end up on
+// one CPU (the scheduler places a woken thread beside its waker when the other CPU is busy, say with the
+// server's frontend, and is slow to move either back while both look busy): a spinning waiter then holds
+// the CPU its partner needs, each wait costs the whole spin, and the pair crawl through the step's kernels
+// taking turns while the other CPU may sit idle (perf sched on a 2-core server at 16 concurrent streams:
+// 5% of the core's CPU time so spent). Sleeping at once gives the partner the CPU, and a thread woken from
+// a sleep goes to an idle CPU if there is one (docs/BENCHMARKS.md, "Team threads on one CPU").
 class Barrier {
  public:
+  explicit Barrier(int threads) : seats_(std::make_unique<Seat[]>(threads)), seats_size_(threads) {}
+
   // Every thread of the region calls this, with the region's size, before its first wait.
   void join(int threads) {
     threads_.store(threads, std::memory_order_relaxed);
     spin_.store(threads <= omp_get_num_procs(), std::memory_order_relaxed);
   }
 
-  void wait() {
+  // For thread `thread` of the region.
+  void wait(int thread) {
     const uint32_t generation = generation_.load(std::memory_order_acquire);
     if (aborted_.load(std::memory_order_acquire)) throw Aborted{};
+    const int cpu = sched_getcpu();  // -1 if unknown
+    seats_[thread].cpu.store(cpu, std::memory_order_relaxed);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_.load(std::memory_order_relaxed)) {
       arrived_.store(0, std::memory_order_relaxed);  // seen before the next generation by every waiter
       release_all();
       return;
     }
-    wait_for_next(generation);
+    wait_for_next(generation, thread, cpu);
     if (aborted_.load(std::memory_order_acquire)) throw Aborted{};
   }
 
@@ -90,19 +104,38 @@ class Barrier {
     release_all();
   }
 
+  // How many of thread `thread`'s waits spun (for the tests).
+  int64_t spun_waits(int thread) const { return seats_[thread].spun_waits; }
+
  private:
+  // A thread's own line: the CPU it was on when it last arrived (read by the others), its spun waits.
+  struct alignas(64) Seat {
+    std::atomic<int> cpu{-1};
+    int64_t spun_waits = 0;
+  };
+
   void release_all() {
     generation_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0)
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
   }
 
-  void wait_for_next(uint32_t generation) {
-    const auto deadline = std::chrono::steady_clock::now() + kSpin;
-    const bool spin = spin_.load(std::memory_order_relaxed);
-    for (int spins = 1; spin && generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      pause();
-      if (spins % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
+  // Whether another thread of the team arrived last on `cpu` (as of its last arrival: it may have moved).
+  bool shares_cpu(int thread, int cpu) const {
+    if (cpu < 0) return false;
+    for (int other = 0; other < seats_size_; ++other)
+      if (other != thread && seats_[other].cpu.load(std::memory_order_relaxed) == cpu) return true;
+    return false;
+  }
+
+  void wait_for_next(uint32_t generation, int thread, int cpu) {
+    if (spin_.load(std::memory_order_relaxed) && !shares_cpu(thread, cpu)) {
+      ++seats_[thread].spun_waits;
+      const auto deadline = std::chrono::steady_clock::now() + kSpin;
+      for (int spins = 1; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+        pause();
+        if (spins % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
+      }
     }
     // A sleeper counts itself before it checks the generation, the releaser bumps the generation before it
     // reads the count (both sequentially consistent): one of them sees the other, so no wake-up is lost.
@@ -121,6 +154,8 @@ class Barrier {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> spin_{true};  // false: a team larger than the processors (kSpin)
+  std::unique_ptr<Seat[]> seats_;
+  int seats_size_;
 };
 
 // This thread's part of a team: the AtenParallelFor policy inside one parallel region.
@@ -146,7 +181,10 @@ class Team {
   }
 
   // Waits until every thread of the team has called it.
-  void sync() const { barrier_.wait(); }
+  void sync() const { barrier_.wait(static_cast<int>(thread_)); }
+
+  // How many of this thread's waits spun before they slept (for the tests).
+  int64_t spun_waits() const { return barrier_.spun_waits(static_cast<int>(thread_)); }
 
  private:
   Barrier& barrier_;
@@ -157,7 +195,7 @@ class Team {
 // exception a thread throws releases the others from their barriers and is rethrown here, after the region.
 template <class Body>
 void run_team(const Body& body) {
-  Barrier barrier;
+  Barrier barrier(at::get_num_threads());
   std::exception_ptr error;
   std::mutex error_mutex;
 #pragma omp parallel num_threads(at::get_num_threads())

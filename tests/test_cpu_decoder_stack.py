@@ -146,6 +146,14 @@ def test_the_team_barrier_lets_no_thread_run_ahead(threads, torch_threads):
     assert check(500, -1) == 0
 
 
+def test_the_team_barrier_does_not_spin_for_a_thread_on_the_waiters_own_cpu(torch_threads):
+    # Both threads pinned to one CPU: a spinning waiter would hold the CPU its partner needs for the whole
+    # spin (cpu_team.h). Once each thread has been seen on that CPU, no wait spins (300 rounds: 300 spun
+    # waits without the check).
+    torch_threads(2)
+    assert require_cpu_extension("cpu_decoder_stack").team_spun_waits_on_one_cpu(300) <= 2
+
+
 @pytest.mark.parametrize("failing_thread", [0, 1])
 def test_an_error_in_one_thread_of_a_team_ends_it_and_is_raised(failing_thread, torch_threads):
     torch_threads(2)
