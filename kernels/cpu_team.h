@@ -195,10 +195,11 @@ class Team {
 // exception a thread throws releases the others from their barriers and is rethrown here, after the region.
 template <class Body>
 void run_team(const Body& body) {
-  Barrier barrier(at::get_num_threads());
+  const int threads = at::get_num_threads();  // read once: the barrier has a seat for each
+  Barrier barrier(threads);
   std::exception_ptr error;
   std::mutex error_mutex;
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
   {
     barrier.join(omp_get_num_threads());
     try {
