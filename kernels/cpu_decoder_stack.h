@@ -282,21 +282,25 @@ inline int64_t team_barrier_check(int64_t rounds, int64_t failing_thread) {
   return failed.load();
 }
 
-// The team's barrier with every thread on one CPU (for the tests): each thread pins itself to the first CPU
-// this process may run on, goes through `rounds` barriers, and is given back its CPUs. Returns how many of
-// the waits spun (a waiter that spins holds the CPU its partner needs to arrive): at most the first round's,
-// before any thread has been seen on that CPU.
-inline int64_t team_spun_waits_on_one_cpu(int64_t rounds) {
+// The team's barrier with its threads pinned (for the tests): each thread pins itself to a CPU this process
+// may run on (the first one for every thread if one_cpu, else one of its own), goes through `rounds`
+// barriers, and is given back its CPUs. Returns how many of the waits spun. With one CPU, at most the
+// first round's, before any thread has been seen on it (a waiter that spins would hold the CPU its partner
+// needs to arrive); with a CPU each, every wait but the last arriver's.
+inline int64_t team_spun_waits(int64_t rounds, bool one_cpu) {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   TORCH_CHECK(sched_getaffinity(0, sizeof(allowed), &allowed) == 0, "sched_getaffinity failed");
-  int first = 0;
-  while (!CPU_ISSET(first, &allowed)) ++first;
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  TORCH_CHECK(one_cpu || static_cast<int64_t>(cpus.size()) >= at::get_num_threads(), "team_spun_waits: ",
+              at::get_num_threads(), " threads, ", cpus.size(), " CPUs to pin them to");
   std::atomic<int64_t> spun{0};
   sluice::team::run_team([&](const sluice::team::Team& team) {
     cpu_set_t one;
     CPU_ZERO(&one);
-    CPU_SET(first, &one);
+    CPU_SET(cpus[one_cpu ? 0 : team.thread()], &one);
     TORCH_CHECK(sched_setaffinity(0, sizeof(one), &one) == 0, "sched_setaffinity failed");
     for (int64_t round = 0; round < rounds; ++round) team.sync();
     spun.fetch_add(team.spun_waits());

@@ -34,9 +34,8 @@ void bind_decoder_stack(pybind11::module_ m) {
                     "Whether a step runs as one team of threads (kernels/cpu_team.h) or a parallel region per kernel");
   m.def("team_barrier_check", &sluice::stack::team_barrier_check, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "The team barrier's self-check (tests): rounds whose count was wrong; failing_thread >= 0 throws");
-  m.def("team_spun_waits_on_one_cpu", &sluice::stack::team_spun_waits_on_one_cpu,
-        pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "The team's barrier with every thread pinned to one CPU (tests): how many waits spun");
+  m.def("team_spun_waits", &sluice::stack::team_spun_waits, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The team's barrier with its threads pinned, to one CPU or one each (tests): how many waits spun");
 }
 
 void bind_packed_linear(pybind11::module_ m) {
