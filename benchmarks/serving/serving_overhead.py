@@ -20,7 +20,10 @@ Each concurrency's runs draw prompts of their own (both sides the same ones: eac
 prefix cache), and each warm-up its own, so no prompt is served from a prefix cache; the table's
 "cached" column gives the prompt tokens each side's engine did serve from it (0 in an honest run). A
 second table gives the CPU time each process spent per output token (user + system, from getrusage and
-/proc): the offline process; the gRPC client (this process), the server's frontend and its engine core.
+/proc): the offline process; the gRPC client (this process), the server's frontend and its engine core. A
+third gives where the machine's CPUs went during each run, in cores (CPU seconds over the run's wall
+seconds): each of those processes, and the CPUs left idle (`/proc/stat`'s idle + iowait of all CPUs), so
+that a gap between the sides reads as CPU the serving path spent or time the core's threads waited.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Side:
     ttft_p50_ms: float
     cached_tokens: int | None  # prompt tokens the engine served from its prefix cache (None: unreported)
     cpu_seconds: dict[str, float]  # process -> CPU seconds it spent during the run
+    window_seconds: float  # wall seconds between the CPU readings
+    idle_cpu_seconds: float | None  # the machine's idle CPU seconds meanwhile (None without /proc/stat)
 
     @property
     def tokens_per_second(self) -> float:
@@ -63,6 +68,7 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
     requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
     warmup = list(workload.warmup_request(0).prompt_token_ids)
     llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    before = machine_sample()
     output_tokens, cached_tokens, ttfts, start, cpu = 0, 0, [], time.perf_counter(), self_cpu_seconds()
     for first in range(0, num_requests, concurrency):
         for completion in llm.generate(requests[first : first + concurrency], params):
@@ -72,17 +78,29 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
     seconds = time.perf_counter() - start
     ttft_ms = 1000 * statistics.median(ttfts)
     cpu_seconds = {"offline": self_cpu_seconds() - cpu}
+    window, idle = machine_sample().since(before)
     return Side(
-        "offline LLM", concurrency, num_requests, output_tokens, seconds, ttft_ms, cached_tokens, cpu_seconds
+        "offline LLM",
+        concurrency,
+        num_requests,
+        output_tokens,
+        seconds,
+        ttft_ms,
+        cached_tokens,
+        cpu_seconds,
+        window,
+        idle,
     )
 
 
 def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
     load = LoadConfig(num_requests=num_requests, concurrency=concurrency)
     pids = {"frontend": server.process.pid, "core": server.core_pid}
+    machine = machine_sample()
     before = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
     result = run_load_sync(lambda: GenerateTransport(AsyncClient(server.target)), workload, load)
     after = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
+    window, idle = machine_sample().since(machine)
     metrics = result.metrics
     if metrics.errors:
         raise RuntimeError(f"gRPC run failed requests: {metrics.errors}")
@@ -95,7 +113,38 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         1000 * metrics.ttft.p50,
         metrics.cached_prompt_tokens,
         {name: after[name] - before[name] for name in before},
+        window,
+        idle,
     )
+
+
+@dataclass(frozen=True)
+class MachineSample:
+    wall: float  # time.perf_counter()
+    idle: float | None  # idle CPU seconds of all CPUs together since boot; None without /proc/stat
+
+    def since(self, earlier: MachineSample) -> tuple[float, float | None]:
+        """(wall seconds, idle CPU seconds) from `earlier` to this sample."""
+        idle = None if self.idle is None or earlier.idle is None else self.idle - earlier.idle
+        return self.wall - earlier.wall, idle
+
+
+def machine_sample() -> MachineSample:
+    try:
+        with open("/proc/stat") as f:
+            idle = idle_cpu_seconds(f.readline())
+    except OSError:
+        idle = None
+    return MachineSample(time.perf_counter(), idle)
+
+
+def idle_cpu_seconds(cpu_line: str) -> float:
+    """Idle + iowait seconds of all CPUs from /proc/stat's first line ("cpu user nice system idle iowait
+    ..." in clock ticks)."""
+    fields = cpu_line.split()
+    if fields[0] != "cpu":
+        raise ValueError(f"not /proc/stat's total line: {cpu_line!r}")
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
 def self_cpu_seconds() -> float:
@@ -140,6 +189,24 @@ def format_cpu_table(pairs: list[tuple[Side, Side]]) -> str:
             + " | ".join(f"{part:.2f}" for part in parts)
             + " |"
         )
+    return "\n".join(lines)
+
+
+def format_cores_table(pairs: list[tuple[Side, Side]]) -> str:
+    """Cores busy per process during each run (its CPU seconds over the run's wall seconds), and idle."""
+    lines = [
+        "| concurrency | offline | idle (offline) | gRPC core | frontend | client | idle (gRPC) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def cores(seconds: float | None, side: Side) -> str:
+        return "-" if seconds is None else f"{seconds / side.window_seconds:.2f}"
+
+    for offline, grpc in pairs:
+        cells = [cores(offline.cpu_seconds["offline"], offline), cores(offline.idle_cpu_seconds, offline)]
+        cells += [cores(grpc.cpu_seconds[name], grpc) for name in ("core", "frontend", "client")]
+        cells.append(cores(grpc.idle_cpu_seconds, grpc))
+        lines.append(f"| {offline.concurrency} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -221,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         print(warning)
     print("\nCPU ms per output token\n")
     print(format_cpu_table(pairs))
+    print("\nCores busy during each run, per process, and the machine's idle cores\n")
+    print(format_cores_table(pairs))
     if args.repeats > 1:
         print(f"\nMedians over {args.repeats} alternated pairs\n")
         print(format_median_table(pairs))
