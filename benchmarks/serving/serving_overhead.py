@@ -23,7 +23,7 @@ second table gives the CPU time each process spent per output token (user + syst
 /proc): the offline process; the gRPC client (this process), the server's frontend and its engine core. A
 third gives where the machine's CPUs went during each run, in cores (CPU seconds over the run's wall
 seconds): each of those processes, and the CPUs left idle (`/proc/stat`'s idle + iowait of all CPUs), so
-that a gap between the sides reads as CPU the serving path spent or time the core's threads waited.
+that a gap between the sides reads as CPU the serving path spent or time no thread ran.
 """
 
 from __future__ import annotations
