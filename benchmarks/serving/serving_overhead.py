@@ -68,17 +68,15 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
     requests = [list(r.prompt_token_ids) for r in workload.requests(num_requests)]
     warmup = list(workload.warmup_request(0).prompt_token_ids)
     llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    before = machine_sample()
-    output_tokens, cached_tokens, ttfts, start, cpu = 0, 0, [], time.perf_counter(), self_cpu_seconds()
+    output_tokens, cached_tokens, ttfts, machine, cpu = 0, 0, [], machine_sample(), self_cpu_seconds()
     for first in range(0, num_requests, concurrency):
         for completion in llm.generate(requests[first : first + concurrency], params):
             output_tokens += len(completion.token_ids)
             cached_tokens += completion.cached_tokens
             ttfts.append(completion.timings.ttft_seconds)
-    seconds = time.perf_counter() - start
-    ttft_ms = 1000 * statistics.median(ttfts)
     cpu_seconds = {"offline": self_cpu_seconds() - cpu}
-    window, idle = machine_sample().since(before)
+    seconds, idle = machine_sample().since(machine)  # the run's wall seconds are its window's
+    ttft_ms = 1000 * statistics.median(ttfts)
     return Side(
         "offline LLM",
         concurrency,
@@ -88,7 +86,7 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
         ttft_ms,
         cached_tokens,
         cpu_seconds,
-        window,
+        seconds,
         idle,
     )
 
