@@ -51,7 +51,8 @@ namespace team {
 // (tens of microseconds) and than the frontend's or a client's burst that displaces a partner on a server
 // (a spin of 200 us ran out after ~0.7 ms of such a wait: the waiter's CPU then sat idle until its partner
 // came back; 1 ms served 2-4% more tokens at 16 streams on 2 cores, offline steps the same:
-// docs/BENCHMARKS.md), short against a preempted partner's time slice (milliseconds on a busy machine).
+// docs/BENCHMARKS.md; ~1.5% fewer beside another process that keeps one of the two CPUs busy), short
+// against a preempted partner's time slice (milliseconds on a busy machine).
 // A team larger than the processors it may run on does not spin at all (as libgomp throttles its own spin
 // then): the thread it waits for may be waiting for its core (4 threads on 2 cores ran 2.4x slower with
 // the spin than a region per kernel).
