@@ -86,8 +86,8 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
         ttft_ms,
         cached_tokens,
         cpu_seconds,
-        seconds,
-        idle,
+        window_seconds=seconds,
+        idle_cpu_seconds=idle,
     )
 
 
@@ -111,8 +111,8 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         1000 * metrics.ttft.p50,
         metrics.cached_prompt_tokens,
         {name: after[name] - before[name] for name in before},
-        window,
-        idle,
+        window_seconds=window,
+        idle_cpu_seconds=idle,
     )
 
 
