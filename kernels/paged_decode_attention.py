@@ -30,7 +30,8 @@ scale and each slice's output (FOLD_KV_SCALES) or applied to every value; the sc
 device, so a captured graph stays valid.
 Tile sizes and num_warps / num_stages (`decode_config`) were swept on an H100 (run 2: 64 positions best at
 4k x 32, 128 faster at 32k x 8) and, on the kernel as it is now, on an H200 (run 12: 128 positions faster
-at both, 1.14x and 1.40x; docs/perf/README.md), whose choice the bf16 / fp16 cache takes.
+at both, 1.14x and 1.40x; docs/perf/README.md), whose choice the bf16 / fp16 cache takes. An FP8 cache
+keeps 64 (run 15: served, 128 made its launches 1.8x slower).
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ from sluice.kernels.tensor_checks import (
     output_like,
 )
 
-DEFAULT_PARTITION_SIZE = 512  # the shortest slice a program takes (unless the whole context is shorter)
+# The shortest slice a program takes (unless the whole context is shorter). It sets how many of a graph's
+# splits (sized for its longest context) a short context uses: run 15 (H200) timed the llama-3.2-1b batch-1
+# graph step for 8192 positions 1.07x faster at 128 than at 512, the one for 512 positions the same.
+DEFAULT_PARTITION_SIZE = 128
 MAX_SPLITS = 64  # the most slices per (sequence, KV head); bounds the reduce kernel's tile
 PROGRAMS_PER_SM = 2  # split until batch x KV heads x splits fills every SM this many times (untuned)
 DEFAULT_NUM_SMS = 132  # an H100 SXM's SM count: used to size splits when not on a CUDA device
@@ -90,16 +94,22 @@ class DecodeConfig:
             raise ValueError(f"config: num_warps and num_stages must be > 0, got {self}")
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, fp8_kv: bool = False) -> DecodeConfig:
     """128-position tiles (32 KiB of K per step at head_dim 128 in bf16), 4 warps, 3 stages; 32 positions
     and 2 stages when an element of q is 4 bytes or head_dim > 128. The H200's sweep (run 12,
     docs/perf/gpu_check_h200_2026-11-29_run12.md; head_dim 128, a bf16 cache) timed 128 positions 1.14x and
     1.40x faster than 64 at 4k x 32 and 32k x 8 (0.90 and 0.89 of the copy bandwidth); on an H100 with the
-    kernel of run 2 they were slower at 4k x 32 (0.74x) and faster at 32k x 8 (1.06-1.25x). An FP8 cache
-    takes the same tile (so that dequantizing it stays bit for bit the model-dtype kernel on the dequantized
-    cache); no sweep has timed it there."""
+    kernel of run 2 they were slower at 4k x 32 (0.74x) and faster at 32k x 8 (1.06-1.25x).
+
+    An FP8 cache (`fp8_kv`) keeps 64 positions. Served on llama-3-8b's shape (contexts of 128-256), its
+    decode launches took 27 / 48 us at 1 / 64 rows with 128-position tiles (run 15) against 15 / 27-29 us
+    with 64 (runs 13-14; another H200 each), where the bf16 cache's moved by +22% / +4%: a tile's V codes
+    are read from shared memory a byte at a time (`LDS.U8`, docs/perf/kernels_sm90.md), twice as many a
+    thread at 128. Its long-context kernel rows were 11-18% faster at 128 (run 15 against run 12)."""
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
+    if fp8_kv:
+        return DecodeConfig(tile_n=64, num_warps=4, num_stages=3)
     return DecodeConfig(tile_n=128, num_warps=4, num_stages=3)
 
 
@@ -335,14 +345,14 @@ def paged_decode_attention(
     sequence's first seq_lens[s] cached positions. Returns [num_seqs, num_heads, head_dim] in q's dtype.
 
     `max_seq_len` bounds every seq_lens entry and, with the batch and the SM count, sets the split count
-    (`pick_num_splits`); under CUDA graphs pass the largest context the graph may see (the grid is
-    frozen at capture). `partition_size`: the shortest slice one program takes. `num_splits` overrides
-    the pick (tests; capped at `MAX_SPLITS`), `config` the tile (`decode_config`). `out`, when given,
-    receives the result (same shape and dtype as q). `sliding_window` W: attend to the last W
-    positions only (block-table entries before them are never read). An FP8 cache (float8_e4m3fn) takes
-    kv_scales (k_scale, v_scale), float32 one-element tensors: K = float32(code) * k_scale. `fold_kv_scales`
-    (None: `DEFAULT_FOLD_KV_SCALES`) picks how (`paged_attention_tile`): True scales the scores and the
-    output, False rounds each K/V value to q's dtype, as `dequantize_kv` does; equal with unit scales.
+    (`pick_num_splits`); under CUDA graphs pass the largest context the graph may see (the grid is frozen at
+    capture). `partition_size`: the shortest slice one program takes. `num_splits` overrides the pick (tests;
+    capped at `MAX_SPLITS`), `config` the tile (`decode_config`, by q's dtype and the cache's). `out`, when
+    given, receives the result (same shape and dtype as q). `sliding_window` W: attend to the last W positions
+    only (block-table entries before them are never read). An FP8 cache (float8_e4m3fn) takes kv_scales
+    (k_scale, v_scale), float32 one-element tensors: K = float32(code) * k_scale. `fold_kv_scales` (None:
+    `DEFAULT_FOLD_KV_SCALES`) picks how (`paged_attention_tile`): True scales the scores and the output, False
+    rounds each K/V value to q's dtype, as `dequantize_kv` does; equal with unit scales.
     """
     _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size, sliding_window, kv_scales
@@ -354,7 +364,7 @@ def paged_decode_attention(
     out = output_like("out", out, q)
     if num_seqs == 0:
         return out
-    config = config or decode_config(head_dim, q.dtype)
+    config = config or decode_config(head_dim, q.dtype, fp8_kv=kv_scales is not None)
     if num_splits is None:
         context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + config.tile_n)
         num_splits = pick_num_splits(

@@ -39,16 +39,15 @@ copies in flight while this tile computes):
     lo = the first row's window start (tiles wholly before it, possibly freed blocks, are never read),
     kv_end = the last row's position + 1 (tiles past the diagonal are skipped).
 
-Split-KV (flash-decoding's split, for prefill tiles): a query of a few tiles after a long cached prefix
-(a prefix-cache hit on a long document, a speculative verify, a decode row beside a longer query) is few
+Split-KV (flash-decoding's split, for prefill tiles): a query of a few tiles after a long cached prefix (a
+prefix-cache hit on a long document, a speculative verify, a decode row beside a longer query) is few
 programs, each walking the whole prefix while most SMs idle. Given the context bound `max_seq_len`, the
-launcher picks num_splits (`pick_prefill_splits`: enough programs to fill every SM once when the q tiles x
-KV heads are too few; slices of >= `partition_size` positions) and the grid gets a dimension of splits:
-each program takes one slice of its tile's context [lo, kv_end) (`split_context`, whole BLOCK_N tiles),
-its three runs clipped to the slice, and writes the slice's normalized output and log-sum-exp per row;
-`merge_attention_partials` combines them. A tile with fewer slices than the grid (a shorter context)
-marks its extra programs' rows empty (lse -inf). num_splits 1 is the kernel as before, writing the output
-itself.
+launcher picks num_splits (`pick_prefill_splits`: enough programs to fill every SM twice when the q tiles x KV
+heads are too few for 0.8 of the SMs; slices of >= `partition_size` positions) and the grid gets a dimension
+of splits: each program takes one slice of its tile's context [lo, kv_end) (`split_context`, whole BLOCK_N
+tiles), its three runs clipped to the slice, and writes the slice's normalized output and log-sum-exp per row;
+`merge_attention_partials` combines them. A tile with fewer slices than the grid (a shorter context) marks its
+extra programs' rows empty (lse -inf). num_splits 1 is the kernel as before, writing the output itself.
 
 An FP8 cache (float8_e4m3fn, with kv_scales) is read as its codes and converted tile by tile in
 registers to q's dtype (`paged_attention_tile`: the GPU's e4m3 conversion on sm_89+), its scales folded
@@ -81,12 +80,11 @@ from sluice.kernels.paged_attention_tile import (
     unfold_v_scale,
 )
 from sluice.kernels.paged_decode_attention import (
-    DEFAULT_PARTITION_SIZE,
     MAX_SPLITS,
     NO_WINDOW,
     gather_kv_reference,
 )
-from sluice.kernels.prefill_splits import pick_prefill_splits
+from sluice.kernels.prefill_splits import PREFILL_PARTITION_SIZE, pick_prefill_splits
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
@@ -324,7 +322,7 @@ def prefill_attention(
     fold_kv_scales: bool | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int = PREFILL_PARTITION_SIZE,
 ) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache.
 

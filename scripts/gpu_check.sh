@@ -182,12 +182,27 @@ if ((INSTALLED)); then
     timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" \
         --kernel-tests "${SLUICE_GPU_CHECK_KERNEL_TESTS:-}" >"$KERNEL_TESTS" 2>"$WORK/kernel_tests.err"
     SERVE=($PY -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
+    # Kernel test files run at once: 4 on a GPU machine (run 15's took ~290 s one after another on an
+    # H200's 16 CPUs, over the step's 180), one in CPU mode (the interpreter is the work there).
+    KERNEL_TEST_JOBS=${SLUICE_GPU_CHECK_KERNEL_TEST_JOBS:-$([[ $MODE == gpu ]] && echo 4 || echo 1)}
     if [[ -s $KERNEL_TESTS ]]; then
         # One pytest per file: a crash in one (a segfault in a JIT-built extension was seen) loses no other.
-        run_step kernel_tests 180 30 bash -c "rc=0; mapfile -t entries <'$KERNEL_TESTS'; for entry in \"\${entries[@]}\"; do
-            IFS=\$'\\t' read -r -a args <<<\"\$entry\"
-            $PY -m pytest -q -p no:cacheprovider \"\${args[@]}\" </dev/null; status=\$?
-            echo \"kernel tests: \${args[*]} exit \$status\"; ((status == 0)) || rc=1; done; exit \$rc"
+        # KERNEL_TEST_JOBS of them at a time (most of their time is Triton compiling, on the CPUs); each
+        # file's output goes to the log whole when it ends, so the files that ended are there after a
+        # timeout too.
+        run_step kernel_tests 180 30 bash -c "rc=0; n=0; i=0; mapfile -t entries <'$KERNEL_TESTS'
+            run() {
+                IFS=\$'\\t' read -r -a args <<<\"\$2\"
+                $PY -m pytest -q -p no:cacheprovider \"\${args[@]}\" </dev/null >\"$WORK/kt.\$1\" 2>&1
+                local status=\$?
+                { flock 9; cat \"$WORK/kt.\$1\"; echo \"kernel tests: \${args[*]} exit \$status\"; } 9>'$WORK/kt.lock'
+                return \$status
+            }
+            for entry in \"\${entries[@]}\"; do
+                if ((n >= $KERNEL_TEST_JOBS)); then wait -n || rc=1; n=\$((n - 1)); fi
+                i=\$((i + 1)); run \$i \"\$entry\" & n=\$((n + 1))
+            done
+            while ((n > 0)); do wait -n || rc=1; n=\$((n - 1)); done; exit \$rc"
     else
         run_step kernel_tests 180 30 bash -c "echo 'scripts/gpu_check.py --print-kernel-tests printed nothing:'; cat '$WORK/kernel_tests.err'; exit 1"
     fi

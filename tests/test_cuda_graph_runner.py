@@ -30,6 +30,7 @@ from sluice.engine.worker.cuda_graph_runner import (
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
+from sluice.kernels.paged_decode_attention import DEFAULT_NUM_SMS, pick_num_splits
 from sluice.kernels.prefill_splits import split_partials_bound_bytes
 
 BLOCK_SIZE = 16
@@ -166,7 +167,7 @@ def _assert_only_real_slots_written(initial, eager_caches, graph_caches, slot_ma
 
 
 def test_padded_replay_inputs_give_the_eager_rows_and_write_no_padding_kv():
-    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32, prefill_partition_size=32))
     seed = 1
 
     inputs = _decode_inputs([(17, [3, 5]), (9, [2]), (33, [7, 1, 4])])
@@ -208,6 +209,20 @@ def test_graph_memory_estimate_grows_with_the_batch_and_covers_the_outputs():
     # At least the graph outputs (hidden states of every captured size) and the largest batch's residual.
     sizes = capture_sizes(128)
     assert large > 2 * arch.hidden_size * (sum(sizes) + 128)
+
+
+def test_graph_memory_estimate_holds_the_splits_the_decode_kernel_picks_for_each_graph():
+    """Shorter decode partitions give a batch-1 graph more splits (partials) to hold; from a few dozen
+    sequences up a graph has one split whatever the partition, so the largest graph's bound is the same."""
+    arch = ModelArchConfig.from_hf_config(PRESETS["llama-3.2-1b"])
+    one = [estimate_graph_memory_bytes(arch, 1, 4096, torch.bfloat16, partition) for partition in (16, 4096)]
+    many = [
+        estimate_graph_memory_bytes(arch, 128, 4096, torch.bfloat16, partition) for partition in (16, 4096)
+    ]
+    splits = pick_num_splits(1, arch.num_key_value_heads, 4096, DEFAULT_NUM_SMS, 16)
+    assert one[0] - one[1] == 2 * 4 * arch.num_attention_heads * (splits - 1) * (arch.head_dim + 2)
+    assert pick_num_splits(128, arch.num_key_value_heads, 4096, DEFAULT_NUM_SMS, 16) == 1
+    assert many[0] == many[1]
 
 
 # ---- verify graphs (speculative decoding: queries of up to k + 1 tokens) -----------------------------
@@ -307,7 +322,7 @@ def test_verify_fill_pads_each_sequence_after_its_own_rows():
 
 
 def test_padded_verify_inputs_give_the_eager_rows_and_write_no_padding_kv():
-    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32, prefill_partition_size=32))
     seed = 2
 
     # Drafts 3, 1 and 0 (a decode) and a 2-token prefill chunk, padded to 4 rows each and 8 sequences.
@@ -371,7 +386,7 @@ def test_graph_memory_estimate_reserves_the_split_prefill_partials_of_verify_gra
 def test_the_runner_replays_decode_and_verify_batches_as_the_eager_model_runs_them():
     # On CUDA (the GPU check's kernel tests) the runner captures its decode and verify graphs here and
     # replays them; elsewhere it runs the same batches eagerly. Either way: the eager rows and K/V.
-    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32))
+    model = _tiny_model(TritonAttentionBackend(decode_partition_size=32, prefill_partition_size=32))
     gen = torch.Generator().manual_seed(3)
     shape = (12, BLOCK_SIZE, 1, 16)
     kv_caches = [tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)) for _ in range(2)]

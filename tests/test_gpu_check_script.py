@@ -504,10 +504,12 @@ def test_the_partitions_section_gives_each_rows_tile_and_partition_to_every_deco
     )
     layers = preset_arch("tiny").num_hidden_layers
     # A checked run and a timed one per row, each through every layer.
-    assert launches == [(512, None)] * 4 * layers + [(16, short)] * 2 * layers
+    assert launches == [(DEFAULT_PARTITION_SIZE, None)] * 4 * layers + [(16, short)] * 2 * layers
+    default = f"{DEFAULT_PARTITION_SIZE} (default)"
+    assert DEFAULT_PARTITION_SIZE >= 64  # so the 64 graph is one split: cdiv(64, the partition)
     assert [row[:4] for row in rows] == [
-        [64, "128 (default)", "512 (default)", 1],
-        [256, "128 (default)", "512 (default)", 1],
+        [64, "128 (default)", default, 1],
+        [256, "128 (default)", default, -(-256 // DEFAULT_PARTITION_SIZE)],
         [256, "16", "16", 16],  # pick_num_splits: 256 positions in partitions of 16 (2 KV heads, 132 SMs)
     ]
     assert [row[4:6] for row in rows] == [[4.0, 1.0], [4.0, 1.0], [2.0, 2.0]]  # vs its graph's first row
@@ -593,6 +595,16 @@ def test_the_kernel_tests_step_runs_the_files_the_knob_names(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert statuses(out)["kernel_tests"]["status"] == "passed"
     assert "kernel tests: tests/test_kernels_store_kv.py exit 0" in (out / "steps.log").read_text()
+    # Two files at once (as on a GPU machine): each file's output whole, then its line.
+    files = "test_kernels_store_kv.py test_kernels_fp8_quant.py"
+    proc = run_script(
+        out, timeout=600, SLUICE_GPU_CHECK_KERNEL_TESTS=files, SLUICE_GPU_CHECK_KERNEL_TEST_JOBS="2", **steps
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "steps.log").read_text()
+    for name in files.split():
+        summary = re.search(rf"\n(\d+) passed[^\n]*\nkernel tests: tests/{name} exit 0\n", log)
+        assert summary and int(summary.group(1)) > 0, log[-3000:]
     proc = run_script(out, timeout=600, SLUICE_GPU_CHECK_KERNEL_TESTS="test_nope.py", **steps)
     assert proc.returncode == 1 and statuses(out)["kernel_tests"]["status"] == "failed"
     assert (

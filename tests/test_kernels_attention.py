@@ -20,6 +20,7 @@ from sluice.engine.worker.attention import triton_backend as triton_backend_modu
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.kernels.paged_decode_attention import (
+    DEFAULT_PARTITION_SIZE,
     MAX_SPLITS,
     PROGRAMS_PER_SM,
     DecodeConfig,
@@ -212,8 +213,8 @@ def test_pick_num_splits_fills_the_sms_only_when_the_batch_does_not():
     assert pick_num_splits(8, 8, 32768, sms) == 5
     # Never more slices than the longest context has partition_size pieces (short contexts are not
     # worth splitting; cuda_graph_runner sizes the partials by this bound), never more than MAX_SPLITS.
-    assert pick_num_splits(1, 8, 1000, sms) == 2
-    assert pick_num_splits(1, 8, 1000, sms, partition_size=128) == 8
+    assert pick_num_splits(1, 8, 1000, sms, partition_size=512) == 2
+    assert pick_num_splits(1, 8, 1000, sms, partition_size=128) == 8 == pick_num_splits(1, 8, 1000, sms)
     assert pick_num_splits(1, 1, 1 << 20, sms) == MAX_SPLITS
     assert pick_num_splits(1, 1, 1 << 20, sms, max_splits=7) == 7
     assert pick_num_splits(4, 8, 1, sms) == 1
@@ -226,7 +227,7 @@ def test_pick_num_splits_fills_the_sms_only_when_the_batch_does_not():
 @pytest.mark.parametrize("batch", [1, 3, 8, 64, 256])
 def test_pick_num_splits_respects_the_graph_memory_bound(max_context, batch):
     splits = pick_num_splits(batch, 8, max_context, 132)
-    assert 1 <= splits <= min(MAX_SPLITS, -(-max_context // 512))
+    assert 1 <= splits <= min(MAX_SPLITS, -(-max_context // DEFAULT_PARTITION_SIZE))
 
 
 @pytest.mark.parametrize(
@@ -365,7 +366,7 @@ def test_triton_backend_equals_torch_backend(pairs, block_size):
     )
     results = run_triton_and_torch_backends(
         batch,
-        TritonAttentionBackend(decode_partition_size=32),
+        TritonAttentionBackend(decode_partition_size=32, prefill_partition_size=32),
         TorchAttentionBackend(),
         lambda: (batch.k_cache.clone(), batch.v_cache.clone()),
         batch.k,
@@ -398,7 +399,7 @@ def test_leading_decode_rows_are_cut_from_the_rest_of_the_batch():
 
 @pytest.mark.parametrize(("partition", "split"), [(32, True), (256, False)])
 def test_leading_decode_rows_over_a_partition_take_the_decode_kernel(monkeypatch, partition, split):
-    """Where a leading decode row has more context than a decode partition, those rows go to the decode
+    """Where a leading decode row has more context than a prefill partition, those rows go to the decode
     kernel (which splits long contexts over programs) and the rest to the prefill kernel, each writing
     its rows of one output; otherwise the whole batch is one prefill launch. Both match the reference."""
     calls = []
@@ -410,7 +411,7 @@ def test_leading_decode_rows_over_a_partition_take_the_decode_kernel(monkeypatch
     for name in ("paged_decode_attention", "prefill_attention"):
         monkeypatch.setattr(triton_backend_module, name, spy(name))
     batch = _batch(DECODES_FIRST, 8, 2, 16)
-    out = TritonAttentionBackend(decode_partition_size=partition).attend(
+    out = TritonAttentionBackend(prefill_partition_size=partition).attend(
         batch.q, batch.k_cache, batch.v_cache, batch.metadata, SCALE
     )
     num_tokens = batch.q.shape[0]

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sluice.benchmarks.gpu.fp8_linear_bench import LATENCY_SWEEP
+from sluice.kernels.paged_decode_attention import decode_config
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "compile_kernels.py"
 KERNELS = {
@@ -172,8 +174,9 @@ def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
     the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
-    constexprs on the model-dtype path, are real float32 pointers there); the attention kernels' twins
-    come in both ways of applying the scales (FOLD_KV_SCALES True and False; always False without FP8)."""
+    constexprs on the model-dtype path, are real float32 pointers there) and the decode kernel's tile
+    `decode_config`'s for an FP8 cache; the attention kernels' twins come in both ways of applying the
+    scales (FOLD_KV_SCALES True and False; always False without FP8)."""
     proc, results = compile_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     model_dtype, fp8 = _cache_variants(results, MODEL_DTYPE_CACHE), _cache_variants(results, FP8_CACHE)
@@ -181,10 +184,24 @@ def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     assert {(shape, dtype) for _, shape, dtype, _ in fp8} == CONFIGS
     attention = [v for v in model_dtype if v[0] in ATTENTION_KERNELS]
     assert [v for v in fp8 if v[0] not in ATTENTION_KERNELS] == [v for v in model_dtype if v not in attention]
-    assert _cache_variants(results, FP8_CACHE, FOLDED) == attention
-    assert _cache_variants(results, FP8_CACHE, DEQUANTIZED) == attention
+    twins = sorted(_fp8_twin(v) for v in attention)
+    assert twins != attention  # the 2-byte dtypes' decode tiles differ
+    assert _cache_variants(results, FP8_CACHE, FOLDED) == twins
+    assert _cache_variants(results, FP8_CACHE, DEQUANTIZED) == twins
     assert not _cache_variants(results, MODEL_DTYPE_CACHE, FOLDED)
     assert not [r for r in results if FP8_CACHE in r["constexprs"] and r["error"]]
+
+
+def _fp8_twin(variant: tuple[str, str, str, str]) -> tuple[str, str, str, str]:
+    """A model-dtype cache variant as its FP8-cache twin is recorded: the decode kernel at
+    `decode_config`'s tile for an FP8 cache."""
+    kernel, shape, dtype, constexprs = variant
+    if kernel != "_decode_partition_kernel":
+        return variant
+    values = dict(c.split("=", 1) for c in constexprs.split(", "))
+    model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    tile = decode_config(int(values["HEAD_DIM"]), model_dtype, fp8_kv=True).tile_n
+    return kernel, shape, dtype, constexprs.replace(f"TILE_N={values['TILE_N']}", f"TILE_N={tile}")
 
 
 def _cache_variants(results: list[dict], *flags: str) -> list[tuple[str, str, str, str]]:

@@ -144,7 +144,10 @@ def test_windowed_references_equal_dense_sdpa_with_the_sliding_mask():
 def test_windowed_triton_backend_equals_torch_backend(pairs):
     batch = _windowed_batch(pairs, num_heads=4, num_kv_heads=1)
     outs = {}
-    for backend in (TritonAttentionBackend(decode_partition_size=32), TorchAttentionBackend()):
+    for backend in (
+        TritonAttentionBackend(decode_partition_size=32, prefill_partition_size=32),
+        TorchAttentionBackend(),
+    ):
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
         outs[backend.name] = backend.forward(
             batch.q, batch.k, batch.v, k_cache, v_cache, batch.metadata, SCALE, sliding_window=WINDOW

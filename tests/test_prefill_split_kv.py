@@ -10,6 +10,8 @@ real runner, splitting a prompt's chunk after a long prefix, is compared with tr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from checkpoints import VOCAB_SIZE
@@ -97,8 +99,8 @@ def test_split_prefill_with_the_default_tiles_in_each_dtype(dtype, partials):
 
 def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
     """Given max_seq_len, the split count is `pick_num_splits` over the q tiles that can hold rows x KV
-    heads, to fill every SM once (PREFILL_PROGRAMS_PER_SM); without it, or with tiles enough for every SM,
-    or contexts within one partition, one launch writes the output."""
+    heads, to fill every SM PREFILL_PROGRAMS_PER_SM times; without it, with those units enough for
+    NO_SPLIT_WAVE_SHARE of the SMs, or contexts within one partition, one launch writes the output."""
     launches = GridRecorder(prefill_module._prefill_attention_kernel)
     monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", launches)
     batch = _batch(SHORT_AFTER_LONG, 8, 2, 16)
@@ -119,6 +121,14 @@ def test_the_launcher_splits_only_few_tiles_over_long_contexts(monkeypatch):
     assert prefill_splits.pick_prefill_splits(72, 6, 40, 2, block_q, 16, 150, None, 512, DEVICE) == 1
     rows = PER_SM * SMS * block_q  # one sequence of as many tiles as the SMs hold
     assert prefill_splits.pick_prefill_splits(rows, 1, rows, 1, block_q, 16, 8192, None, 16, DEVICE) == 1
+    # FlashAttention-2's bar: a launch of 0.8 of a wave's units is not split; one unit fewer is.
+    wave = math.ceil(prefill_splits.NO_SPLIT_WAVE_SHARE * SMS)
+    under = pick_num_splits(wave - 1, 1, 8192, SMS, 16, programs_per_sm=PER_SM)
+    for tiles, splits in ((wave, 1), (wave - 1, under)):
+        rows = tiles * block_q
+        picked = prefill_splits.pick_prefill_splits(rows, 1, rows, 1, block_q, 16, 8192, None, 16, DEVICE)
+        assert picked == splits
+    assert under > 1
     # A window bounds what a tile reads: W + its rows + a tile, however long the sequence.
     windowed = prefill_splits.pick_prefill_splits(16, 1, 16, 1, 16, 16, 1 << 20, 96, 16, DEVICE)
     assert windowed == pick_num_splits(1, 1, 96 + 16 + 16, SMS, 16, programs_per_sm=PER_SM) == 8

@@ -21,9 +21,10 @@ import dataclasses
 import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES, PagedBatch, make_paged_batch, nan_like, tolerance
-from test_kernels_attention import BACKEND_BATCHES, MIXED, SCALE, run_triton_and_torch_backends
+from test_kernels_attention import BACKEND_BATCHES, MIXED, SCALE, GridRecorder, run_triton_and_torch_backends
 from test_kernels_sliding_window import WINDOW, _windowed_batch
 
+import sluice.kernels.paged_decode_attention as decode_module
 from sluice.benchmarks.gpu import fp8_figures
 from sluice.engine.worker.attention import flash_attn_backend
 from sluice.engine.worker.attention.fp8_kv_cache import FP8, dequantize_kv, quantize_kv
@@ -38,6 +39,7 @@ from sluice.engine.worker.layers.rotary import build_cos_sin_cache
 from sluice.kernels.paged_attention_tile import DEFAULT_FOLD_KV_SCALES, folds_kv_scales
 from sluice.kernels.paged_decode_attention import (
     DecodeConfig,
+    decode_config,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -223,7 +225,8 @@ def _check_decode(
     batch: PagedBatch, kv_scales, fold, sliding_window=None, magnitude=MAGNITUDE, **kwargs
 ) -> torch.Tensor:
     """The FP8 decode against its reference and, dequantizing each value (not fold), bit for bit the
-    model-dtype kernel on the dequantized cache. Returns the output."""
+    model-dtype kernel on the dequantized cache at the FP8 cache's tile (`decode_config` gives the two
+    caches different tiles). Returns the output."""
     md = batch.metadata
     args = (md.block_tables, md.seq_lens, SCALE, md.max_seq_len)
     out = nan_like(batch.q)
@@ -237,6 +240,8 @@ def _check_decode(
     assert not expected.isnan().any()
     torch.testing.assert_close(out, expected, **_tolerance(batch.q.dtype, magnitude))
     if not fold:
+        head_dim = batch.q.shape[-1]
+        kwargs.setdefault("config", decode_config(head_dim, batch.q.dtype, fp8_kv=True))
         model_dtype = paged_decode_attention(
             batch.q, *_dequantized(batch, kv_scales), *args, out=nan_like(batch.q),
             sliding_window=sliding_window, **kwargs,
@@ -299,6 +304,22 @@ def test_fp8_decode_and_prefill_in_each_model_dtype_with_the_default_tiles(dtype
     _check_decode(decode, kv_scales, fold)
     prefill, kv_scales = _fp8(_batch(MIXED, 8, 2, 16, dtype), *SCALES[1])
     _check_prefill(prefill, kv_scales, fold)
+
+
+def test_an_fp8_cache_takes_its_own_decode_tile(monkeypatch):
+    """`decode_config`: 64-position tiles over an FP8 cache, 128 over a bf16 one (run 15,
+    docs/perf/README.md); the launcher picks the tile by the cache it is given."""
+    launches = GridRecorder(decode_module._decode_partition_kernel)
+    monkeypatch.setattr(decode_module, "_decode_partition_kernel", launches)
+    batch = _batch(DECODES, 8, 2, 16, torch.bfloat16)
+    fp8, kv_scales = _fp8(batch, *SCALES[0])
+    md = batch.metadata
+    for b, scales in ((batch, None), (fp8, kv_scales)):
+        paged_decode_attention(
+            b.q, b.k_cache, b.v_cache, md.block_tables, md.seq_lens, SCALE, md.max_seq_len, kv_scales=scales
+        )
+    assert [kwargs["TILE_N"] for kwargs in launches.constexprs] == [128, 64]
+    assert decode_config(16, torch.bfloat16, fp8_kv=True) == DecodeConfig(64, 4, 3)
 
 
 @FOLDS
@@ -382,7 +403,7 @@ def test_triton_backend_on_an_fp8_cache_equals_the_torch_backend(pairs, block_si
     kv_scales = _scales(0.02, 3.0)
     results = run_triton_and_torch_backends(
         batch,
-        TritonAttentionBackend(32, kv_cache_dtype=FP8),
+        TritonAttentionBackend(32, kv_cache_dtype=FP8, prefill_partition_size=32),
         TorchAttentionBackend(FP8),
         lambda: (quantize_kv(batch.k_cache, kv_scales[0]), quantize_kv(batch.v_cache, kv_scales[1])),
         batch.k * MAGNITUDE,

@@ -138,12 +138,13 @@ DECODE_CANDIDATES = (
 
 
 # Batch 1, a 256-position context, in a graph captured for 8k: the partition size sets how many slices the
-# short context is cut into (512: one; 64: four), at 128 positions (the default tile since run 12), 64 and
-# 32. Run 12 (tiles of 64 by default then) timed 32-position tiles and partitions 1.69x the default.
+# short context is cut into (512: one; 128, the default since run 15: two; 64: four), at 128 positions (the
+# default tile since run 12), 64 and 32. Run 12 (tiles of 64 by default then) timed 32-position tiles and
+# partitions 1.69x the default; run 15 1.39x (default partition 512 then).
 GRAPH_DECODE_SHAPE = (256, 1, 8192)  # (context, batch, the graph's max context)
 GRAPH_DECODE_CANDIDATES = (
-    DecodeCandidate(DecodeConfig(128, 4, 3), partition_size=128),
     DecodeCandidate(DecodeConfig(128, 4, 3), partition_size=256),
+    DecodeCandidate(DecodeConfig(128, 4, 3), partition_size=512),
     DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=64),
     DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=128),
     DecodeCandidate(DecodeConfig(64, 4, 3), partition_size=256),

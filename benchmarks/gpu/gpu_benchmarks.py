@@ -256,15 +256,16 @@ def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
 # The batch-1 graph step's decode attention, end to end: (the graph's longest context, the split kernel's
 # tile (None: `decode_config`'s), partition size). A graph's split count is sized for its longest context;
 # the partition size sets how many of those splits a shorter one uses (at 512 and 128-position tiles, a
-# 512-token context is one program per KV head walking 4 tiles). The first row is `bench_decode`'s graph,
-# sized for BENCH_CONTEXT (one split); the 8192 rows are a served graph's (`max_seq_len_to_capture`), where
-# run 12's kernel sweep timed 32-position partitions 1.69x faster at a 256-token context.
+# 512-token context is one program per KV head walking 4 tiles; at 128, four). The first row is
+# `bench_decode`'s graph, sized for BENCH_CONTEXT; the 8192 rows are a served graph's
+# (`max_seq_len_to_capture`), where run 12's kernel sweep timed 32-position partitions 1.69x faster at a
+# 256-token context. The 512 rows are the partition before run 15, which timed 128 1.07x faster for 8192.
 SERVED_GRAPH_CONTEXT = 8192
 GRAPH_STEP_PARTITIONS: tuple[tuple[int, DecodeConfig | None, int], ...] = (
     (BENCH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
-    (BENCH_CONTEXT, None, 128),
+    (BENCH_CONTEXT, None, 512),
     (SERVED_GRAPH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
-    (SERVED_GRAPH_CONTEXT, None, 128),
+    (SERVED_GRAPH_CONTEXT, None, 512),
     (SERVED_GRAPH_CONTEXT, DecodeConfig(64, 4, 3), 64),
     (SERVED_GRAPH_CONTEXT, DecodeConfig(32, 4, 2), 32),
 )

@@ -2,7 +2,7 @@
 scheduler orders running requests, then a fresh prompt chunk, through `TritonAttentionBackend.attend`.
 Timed two ways on the same inputs: as served (the decode rows through the decode kernel, which splits
 their contexts over programs, the chunk through the prefill kernel: two launches) and as one prefill
-launch for the whole batch (the backend's path for decode rows within a partition), where each decode
+launch for the whole batch (the backend's path for decode rows within a prefill partition), where each decode
 row's (sequence, KV head) walks its whole context in one program. Rows: both times, the speedup and the
 outputs' max relative difference (more than `MIXED_MAX_REL_DIFF` apart fails the section).
 """
@@ -24,13 +24,13 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.input_batch import build_model_inputs
-from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE
+from sluice.kernels.prefill_splits import PREFILL_PARTITION_SIZE
 
 # (decode rows, each one's context, the prompt chunk's tokens): a few long agent contexts decoding while
 # a new request's prompt arrives, and one such row beside a bigger chunk.
 MIXED_SHAPES = ((4, 32768, 512), (1, 8192, 2048))
 MIXED_MAX_REL_DIFF = 1e-2  # bf16 outputs of two kernels that sum in different orders
-ONE_LAUNCH_PARTITION = 1 << 20  # a decode partition no context reaches: the backend's one prefill launch
+ONE_LAUNCH_PARTITION = 1 << 20  # a prefill partition no context reaches: the backend's one prefill launch
 
 
 def mixed_step_rows(
@@ -39,10 +39,10 @@ def mixed_step_rows(
     preset: str = "llama-3.2-1b",
     dtype: torch.dtype = torch.bfloat16,
     time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int = PREFILL_PARTITION_SIZE,
 ) -> list[list[object]]:
     """Per shape: (decode rows, context, prompt tokens, one launch ms, as served ms, speedup, max rel diff
-    of the outputs), `preset`'s heads, random unit-normal q and K/V; served with decode partitions of
+    of the outputs), `preset`'s heads, random unit-normal q and K/V; served with prefill partitions of
     `partition_size` (contexts must be longer, or both paths are the one launch)."""
     arch = preset_arch(preset)
     rows = []
@@ -73,7 +73,10 @@ def _time_both_paths(
     scale = q.shape[-1] ** -0.5
     one_launch, served = (
         lambda backend=backend: backend.attend(q, k_cache, v_cache, metadata, scale)
-        for backend in (TritonAttentionBackend(ONE_LAUNCH_PARTITION), TritonAttentionBackend(partition_size))
+        for backend in (
+            TritonAttentionBackend(prefill_partition_size=ONE_LAUNCH_PARTITION),
+            TritonAttentionBackend(prefill_partition_size=partition_size),
+        )
     )
     single = one_launch()
     difference = relative_difference(served(), single)

@@ -3,9 +3,9 @@ shapes where the prefill kernel has few q tiles x KV heads for the GPU's SMs: sp
 batch 1 and 4, a short turn after a long cached conversation (a prefix-cache hit), a chunk after a long
 prefix. Timed three ways on the same inputs: one program per (q tile, KV head) walking the whole context
 (num_splits 1, the kernel before split-KV), as served (`pick_prefill_splits`' count, then the partials'
-merge) and with twice that count (whether the pick's bar, one program an SM, is too low). Rows: the
-picked count, the times, the speedups over one split and the outputs' max relative difference (more than
-`SPLIT_MAX_REL_DIFF` apart fails the section).
+merge) and with twice that count (whether the pick's bar, PREFILL_PROGRAMS_PER_SM programs an SM, is
+too low; run 15 raised it from one to two). Rows: the picked count, the times, the speedups over one
+split and the outputs' max relative difference (more than `SPLIT_MAX_REL_DIFF` apart fails the section).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from sluice.engine.loading.presets import preset_arch
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.input_batch import build_model_inputs
-from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, MAX_SPLITS
+from sluice.kernels.paged_decode_attention import MAX_SPLITS
 from sluice.kernels.prefill_attention import prefill_attention, prefill_config
-from sluice.kernels.prefill_splits import pick_prefill_splits
+from sluice.kernels.prefill_splits import PREFILL_PARTITION_SIZE, pick_prefill_splits
 
 # (sequences, query tokens each, context each, query tokens included): verify rows of 3 drafts + 1 at
 # batch 1 over 32k and at batch 4 over 8k, a 128-token turn after 16k cached, a 512-token chunk after 32k.
@@ -36,7 +36,7 @@ def split_prefill_rows(
     preset: str = "llama-3.2-1b",
     dtype: torch.dtype = torch.bfloat16,
     time_s: Callable[[Callable[[], object]], float] = time_kernel_s,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int = PREFILL_PARTITION_SIZE,
 ) -> list[list[object]]:
     """Per shape: (sequences, query tokens, context, picked splits, one split ms, picked ms, its speedup,
     twice the splits ms, its speedup, max rel diff of the picked's outputs), `preset`'s heads, random

@@ -267,33 +267,44 @@ def estimate_graph_memory_bytes(
     max_num_seqs: int,
     max_seq_len: int,
     dtype: torch.dtype,
-    decode_partition_size: int = 512,
+    decode_partition_size: int | None = None,
     verify_sizes: Sequence[int] = (),
     verify_query_len: int = 0,
+    num_sms: int | None = None,
 ) -> int:
     """Upper estimate of the device memory the captured graphs keep, to subtract before sizing the cache.
 
     The shared pool holds the peak activations of the largest graph (one layer's intermediates live at
     a time, plus the residual stream), the flash-decoding partials, and one output per graph; each graph
-    also keeps a few hundred bytes per kernel node. A factor 2 covers allocator rounding. Verify graphs
-    (`verify_sizes` batches of `verify_query_len` tokens) share the pool; their prefill attention may
-    split its contexts (`prefill_attention`'s split-KV), whose partials are bounded whatever the batch.
+    also keeps a few hundred bytes per kernel node. A factor 2 covers allocator rounding. A decode graph
+    of b sequences has the split count the decode kernel picks for it (`pick_num_splits` with
+    `decode_partition_size`, default the kernel's, and `num_sms`, default an H100's): many splits at
+    batch 1, one from a few dozen sequences up. Verify graphs (`verify_sizes` batches of
+    `verify_query_len` tokens) share the pool; their prefill attention may split its contexts
+    (`prefill_attention`'s split-KV), whose partials are bounded whatever the batch.
     """
+    # Imported here: triton is not installed everywhere, and only CUDA graphs need the estimate.
+    from sluice.kernels.paged_decode_attention import DEFAULT_NUM_SMS, DEFAULT_PARTITION_SIZE, pick_num_splits
+
+    partition = decode_partition_size or DEFAULT_PARTITION_SIZE
+    sms = num_sms or DEFAULT_NUM_SMS
     sizes = capture_sizes(max_num_seqs)
-    batch = sizes[-1]
     item = dtype.itemsize
     per_token = item * (
         4 * arch.hidden_size + 2 * (arch.q_size + 2 * arch.kv_size) + 3 * arch.intermediate_size
     )
-    partitions = -(-max_seq_len // decode_partition_size)
-    partials = 4 * arch.num_attention_heads * partitions * (arch.head_dim + 2)
+
+    def decode_graph(batch: int) -> int:
+        splits = pick_num_splits(batch, arch.num_key_value_heads, max_seq_len, sms, partition)
+        return batch * (per_token + 4 * arch.num_attention_heads * splits * (arch.head_dim + 2))
+
     verify_tokens = max(verify_sizes, default=0) * verify_query_len
     verify_partials = 0
-    if verify_sizes:  # imported only when needed: triton is not installed everywhere
+    if verify_sizes:
         from sluice.kernels.prefill_splits import split_partials_bound_bytes
 
-        verify_partials = split_partials_bound_bytes(arch.head_dim)
-    peak = max(batch * (per_token + partials), verify_tokens * per_token + verify_partials)
+        verify_partials = split_partials_bound_bytes(arch.head_dim, sms)
+    peak = max(max(decode_graph(batch) for batch in sizes), verify_tokens * per_token + verify_partials)
     outputs = item * arch.hidden_size * (sum(sizes) + sum(verify_sizes) * verify_query_len)
     nodes = (len(sizes) + len(verify_sizes)) * arch.num_hidden_layers * 16 * 512
     return 2 * (peak + outputs + nodes)

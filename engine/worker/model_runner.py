@@ -270,6 +270,8 @@ class ModelRunner:
                 verify_sizes = verify_capture_sizes(
                     scheduler.max_num_seqs, scheduler.max_num_batched_tokens, self.verify_query_len
                 )
+            from sluice.kernels.paged_decode_attention import device_sm_count  # CUDA only: needs triton
+
             graphs = estimate_graph_memory_bytes(
                 self.arch,
                 scheduler.max_num_seqs,
@@ -277,6 +279,7 @@ class ModelRunner:
                 self.dtype,
                 verify_sizes=verify_sizes,
                 verify_query_len=self.verify_query_len,
+                num_sms=device_sm_count(self.device),
             )
         return self.config.cache.gpu_memory_utilization * total - peak - non_torch - graphs
 
@@ -290,15 +293,15 @@ class ModelRunner:
         """Compile, before the first request, every prefill tile a step can pick: the Triton prefill
         kernel's tile height follows the step's longest query (`prefill_config`), so the first step with
         short queries (speculative verifies, small chunks) would otherwise stall on a JIT compile. One
-        prompt per length, and the same query after a context of two decode partitions, which the kernel
+        prompt per length, and the same query after a context of two prefill partitions, which the kernel
         splits over programs (its split-KV variant and the partials' merge), through throwaway caches."""
-        from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE  # CUDA only: needs triton
+        from sluice.kernels.prefill_splits import PREFILL_PARTITION_SIZE  # CUDA only: needs triton
 
         budget = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         for length in (n for n in WARM_UP_QUERY_LENS if n <= budget):
             self._throwaway_step(_profile_step(length, 1, length, self.block_size))
-            num_cached = min(2 * DEFAULT_PARTITION_SIZE, self.max_model_len - length)
-            if num_cached + length > DEFAULT_PARTITION_SIZE:  # a shorter model is never split
+            num_cached = min(2 * PREFILL_PARTITION_SIZE, self.max_model_len - length)
+            if num_cached + length > PREFILL_PARTITION_SIZE:  # a shorter model is never split
                 self._throwaway_step(_cached_prefix_step(length, num_cached, self.block_size))
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ Each step: `store_kv` writes the new K/V through slot_mapping, then `attend`:
                                                   cache; its decode rows are query_len == 1 sequences;
                                                   split-KV when its q tiles are too few for the GPU)
     ... that starts with decode rows, one of   -> those rows through `paged_decode_attention`, the rest
-        them over more than a decode partition    through `prefill_attention`, into one output
+        them over a prefill partition (512)       through `prefill_attention`, into one output
 A pure-decode batch reads only tensors and `max_query_len` / `max_seq_len`, never the `*_cpu` tuples, so
 its step can be captured in a CUDA graph (the decode grid and partial buffers depend only on the batch
 size, max_seq_len and the device). A batch with a longer query reads `query_lens_cpu` and `seq_lens_cpu`
@@ -34,6 +34,7 @@ from sluice.engine.worker.attention.fp8_kv_cache import KVScales, backend_kv_cac
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, DecodeConfig, paged_decode_attention
 from sluice.kernels.prefill_attention import prefill_attention
+from sluice.kernels.prefill_splits import PREFILL_PARTITION_SIZE
 from sluice.kernels.rotary_store_kv import rotary_store_kv
 from sluice.kernels.store_kv import store_kv
 
@@ -41,12 +42,14 @@ from sluice.kernels.store_kv import store_kv
 class TritonAttentionBackend:
     """Implements `sluice.engine.worker.attention.backend.AttentionBackend` with Triton kernels.
 
-    `decode_partition_size` is the shortest context slice one decode program takes (and one prefill
-    program, where the prefill kernel splits); the decode kernel never makes more than
-    cdiv(max_seq_len, decode_partition_size) slices per head, the bound
-    `cuda_graph_runner.estimate_graph_memory_bytes` is given; `decode_config` is the decode kernel's tile
-    (None: `decode_config`'s table). kv_cache_dtype torch.float8_e4m3fn: the caches are FP8 and every call
-    takes the layer's kv_scales (None: the model dtype, no scales).
+    `decode_partition_size` is the shortest context slice one decode program takes; the decode kernel never
+    makes more than cdiv(max_seq_len, decode_partition_size) slices per head, as
+    `cuda_graph_runner.estimate_graph_memory_bytes` counts them. `prefill_partition_size` is the shortest
+    slice one prefill program takes where the prefill kernel splits, and the context a mixed step's leading
+    decode rows must exceed (one of them) to take the decode kernel rather than the prefill launch.
+    `decode_config` is the decode kernel's tile (None: `decode_config`'s table). kv_cache_dtype
+    torch.float8_e4m3fn: the caches are FP8 and every call takes the layer's kv_scales (None: the model dtype,
+    no scales).
     """
 
     name = "triton"
@@ -57,8 +60,10 @@ class TritonAttentionBackend:
         decode_partition_size: int = DEFAULT_PARTITION_SIZE,
         kv_cache_dtype: torch.dtype | None = None,
         decode_config: DecodeConfig | None = None,
+        prefill_partition_size: int = PREFILL_PARTITION_SIZE,
     ) -> None:
         self.decode_partition_size = decode_partition_size
+        self.prefill_partition_size = prefill_partition_size
         self.decode_config = decode_config
         self.kv_cache_dtype = backend_kv_cache_dtype(kv_cache_dtype)
 
@@ -119,16 +124,16 @@ class TritonAttentionBackend:
             return prefill_attention(
                 q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len,
                 scale, out=out, sliding_window=sliding_window, kv_scales=kv_scales,
-                max_seq_len=md.max_seq_len, partition_size=self.decode_partition_size,
+                max_seq_len=md.max_seq_len, partition_size=self.prefill_partition_size,
             )  # fmt: skip
 
         if metadata.is_pure_decode:
             return decode(q, metadata)
         split = metadata.leading_decodes
-        if split is None or split[0].max_seq_len <= self.decode_partition_size:
+        if split is None or split[0].max_seq_len <= self.prefill_partition_size:
             return prefill(q, metadata)
-        # Decode rows with more context than a partition, then longer queries: the decode kernel splits
-        # those contexts over programs, where the prefill kernel would walk each (sequence, KV head)'s
+        # Decode rows with more context than a prefill partition, then longer queries: the decode kernel
+        # splits those contexts over programs, where the prefill kernel would walk each (sequence, KV head)'s
         # whole context in one program while the rest of the GPU waits.
         decodes, rest = split
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
