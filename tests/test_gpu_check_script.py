@@ -90,8 +90,9 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = run_script(out, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    files = {p.name for p in out.iterdir()}
+    files = {p.name for p in out.iterdir() if p.is_file()}
     assert files == OUT_FILES and len(files) <= 8
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"profiles"}  # the large step's prompt profile
 
     steps = statuses(out)
     assert {name: steps[name]["status"] for name in steps} == {
@@ -121,6 +122,10 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert baseline["config"]["workload"] == run["config"]["workload"] and "requests" not in baseline
     assert baseline["metrics"]["num_completed"] == 2
     assert "--max-num-batched-tokens 2048" in (out / "servers.log").read_text()
+    # One more prompt of the bench's length, its first step profiled: the whole prompt in that step.
+    profile = large["prompt_profile"]
+    assert profile["steps"] == 1 and profile["rows_per_step"] == [24], profile.get("error")
+    assert profile["requests"]["batch"] == 1 and profile["requests"]["tokens_at_cancel"][0] >= 1
     runs = json.loads((out / "bench_serve.json").read_text())["runs"]
     assert [run["config"]["concurrency"] for run in runs] == [1, 16, 64]
     assert all(run["metrics"]["num_completed"] == run["metrics"]["num_requests"] == 4 for run in runs)
@@ -175,6 +180,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "| fp8 KV: KV blocks / float32's | 4.00 | >= 2.0 | met |" in report
     assert "CPU mode: FP8 is emulated (a correctness path, not a speed path)" in report
     assert "## Async scheduling (issue 33): --async-scheduling vs synchronous" in report
+    assert "**Where the tiny TTFT goes: one 24-token prompt's first step** (the engine core's" in report
     assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 

@@ -21,7 +21,8 @@ from typing import Any
 from sluice.benchmarks.gpu import check_figures
 from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
-from sluice.benchmarks.gpu.step_context import PLANS, RESULTS, read_results, read_runs
+from sluice.benchmarks.gpu.step_context import PLANS, RESULTS, Plan, read_results, read_runs
+from sluice.benchmarks.gpu.step_profiles import profile_table
 from sluice.benchmarks.gpu.variant_sections import async_section, fp8_large_section, fp8_section
 
 # The steps of scripts/gpu_check.sh, in order, and what each runs.
@@ -87,7 +88,21 @@ def figures_section(records: list[dict[str, Any]], results: dict[str, dict], out
         "The 1b graph step is timed at a 512-token context (scripts/gpu_check.py); the sweep's requests "
         "run at 128-256. Floors and FLOP counts: sluice/benchmarks/gpu/check_figures.py."
     )
+    prompt_profile = results.get("large", {}).get("prompt_profile")
+    if prompt_profile is not None:
+        lines.append(large_prompt_profile_text(prompt_profile, PLANS[mode]))
     return "\n\n".join(lines)
+
+
+def large_prompt_profile_text(summary: dict[str, Any], plan: Plan) -> str:
+    """The large step's profile of one prompt's first forward step: the kernels a TTFT is made of."""
+    title = (
+        f"**Where the {plan.large_preset} TTFT goes: one {plan.large_profile.prompt_len}-token prompt's "
+        f"first step** (the engine core's torch.profiler, OUT/profiles/large/)"
+    )
+    if "error" in summary:
+        return f"{title}: not profiled ({summary['error']})"
+    return profile_table(title, summary)
 
 
 def attention_kernels_section(records: list[dict[str, Any]], mode: str) -> str:

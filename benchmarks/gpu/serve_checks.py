@@ -51,6 +51,7 @@ from sluice.benchmarks.gpu.step_context import (
     model_info,
     run_bench,
 )
+from sluice.benchmarks.gpu.step_profiles import PROFILES_DIR, profile_server
 from sluice.benchmarks.gpu.structured_request import SCHEMA, schema_errors
 from sluice.benchmarks.gpu.variant_servers import step_async, step_fp8, step_fp8_large
 from sluice.client import Client, generate_request
@@ -158,7 +159,8 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
     figure, 7.25 ms batch-1 TPOT, was synchronous): batch-1 TPOT and TTFT of long prompts. Then the same
     bench on a server with the step budget of every GPU before 2026-11-30 (`DEFAULT_STEP_BUDGET`, 2048
     tokens; the default on GPUs of 70 GiB or more is 8192 since): the TTFT of a prompt in two steps
-    against one, in the same run."""
+    against one, in the same run. After the first server's bench, one more prompt of the bench's length is
+    profiled over its first forward step (`plan.large_profile`): where the TTFT's device time goes."""
     plan = ctx.plan
     args = [
         "--preset",
@@ -168,9 +170,11 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
         "--grace-period",
         "2",
     ]
-    with ctx.server(args) as server, Client(server.target) as client:
+    profile_dir = (ctx.out / PROFILES_DIR).resolve()
+    with ctx.server([*args, "--profile-dir", str(profile_dir)]) as server, Client(server.target) as client:
         info = model_info(client)
         bench_rc = run_bench(server.target, plan.large_bench, ctx.out / "bench_large.json")
+        profiles = profile_server(server.target, profile_dir, ctx.step, plan.large_profile, info)
     # its runs go in this step's record: OUT holds at most 8 files that come back from a device call
     baseline_args = [*args, "--max-num-batched-tokens", str(DEFAULT_STEP_BUDGET)]
     with ctx.server(baseline_args) as server, Client(server.target) as client:
@@ -178,7 +182,8 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
         baseline_rc, baseline_runs = bench_runs(server.target, plan.large_bench)
     return {"ok": bench_rc == 0 and baseline_rc == 0, "preset": plan.large_preset, "model_info": info,
             "bench_json": "bench_large.json", "bench_rc": bench_rc, "baseline_model_info": baseline_info,
-            "baseline_bench_rc": baseline_rc, "baseline_runs": baseline_runs}  # fmt: skip
+            "baseline_bench_rc": baseline_rc, "baseline_runs": baseline_runs,
+            "prompt_profile": profiles[f"prefill{plan.large_profile.prefill_batch}"]}  # fmt: skip
 
 
 def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int:

@@ -48,6 +48,9 @@ class Plan:
     large_preset: str  # the large step's shape (the CPU mode runs it on tiny)
     large_bench: tuple[str, ...]
     profiles: ProfilePlan  # the fp8_large servers' step profiles (`step_profiles`)
+    # The large step's: one prompt of its bench's length, its first forward step (the whole prompt at the
+    # GPU's 8192-token budget); max_tokens keeps it streaming until the profile is written.
+    large_profile: ProfilePlan
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -69,6 +72,8 @@ PLANS = {
                      "--output-len", "64"),
         profiles=ProfilePlan(batches=(1, 64), num_steps=12, prompt_len=128, max_tokens=1024, prefill_batch=64,
                              prefill_steps=8),
+        large_profile=ProfilePlan(batches=(), num_steps=0, prompt_len=4096, max_tokens=4096, prefill_batch=1,
+                                  prefill_steps=1),
     ),
     "cpu": Plan(
         preset="tiny", dtype="float32", extra_serve_args=("--kv-cache-memory", "256MiB"), sweep="1,16,64",
@@ -77,6 +82,8 @@ PLANS = {
         large_bench=("--concurrency", "1", "--num-requests", "2", "--input-len", "24", "--output-len", "3"),
         profiles=ProfilePlan(batches=(1, 4), num_steps=3, prompt_len=16, max_tokens=2048, prefill_batch=4,
                              prefill_steps=3),
+        large_profile=ProfilePlan(batches=(), num_steps=0, prompt_len=24, max_tokens=2048, prefill_batch=1,
+                                  prefill_steps=1),
     ),
 }  # fmt: skip
 
