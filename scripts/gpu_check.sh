@@ -189,11 +189,11 @@ if ((INSTALLED)); then
         # One pytest per file: a crash in one (a segfault in a JIT-built extension was seen) loses no other.
         # KERNEL_TEST_JOBS of them at a time (most of their time is Triton compiling, on the CPUs); each
         # file's output goes to the log whole when it ends, so the files that ended are there after a
-        # timeout too.
+        # timeout too; each has its own pytest temporary folder.
         run_step kernel_tests 180 30 bash -c "rc=0; n=0; i=0; mapfile -t entries <'$KERNEL_TESTS'
             run() {
                 IFS=\$'\\t' read -r -a args <<<\"\$2\"
-                $PY -m pytest -q -p no:cacheprovider \"\${args[@]}\" </dev/null >\"$WORK/kt.\$1\" 2>&1
+                $PY -m pytest -q -p no:cacheprovider --basetemp=\"$WORK/kt-tmp.\$1\" \"\${args[@]}\" </dev/null >\"$WORK/kt.\$1\" 2>&1
                 local status=\$?
                 { flock 9; cat \"$WORK/kt.\$1\"; echo \"kernel tests: \${args[*]} exit \$status\"; } 9>'$WORK/kt.lock'
                 return \$status
