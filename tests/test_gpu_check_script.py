@@ -541,15 +541,15 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     lines = capsys.readouterr().out.splitlines()
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
-    # The FP8-KV file runs before the model parity file, which runs its triton backend only.
-    assert lines[-6:] == [
-        "tests/test_kernels_fp8_quant.py",
-        "tests/test_kernels_fp8_gemv.py",
-        "tests/test_kernels_fp8_skinny_mm.py",
-        "tests/test_kernels_fused_fp8_quant.py",
+    # The longest files first, started together (four at once), the model parity file with its triton
+    # backend only; each file once.
+    assert lines[:4] == [
+        "tests/test_kernels_attention.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_model_parity.py\t-k\ttriton",
+        "tests/test_kernels_fused_fp8_quant.py",
     ]
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 13
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 
@@ -559,8 +559,8 @@ def test_the_kernel_tests_knob_keeps_the_files_it_names_in_list_order(capsys):
     for device in ("cuda", "cpu"):
         assert gpu_check.main(["--print-kernel-tests", "--device", device, "--kernel-tests", only]) == 0
         assert capsys.readouterr().out.splitlines() == [
-            "tests/test_kernels_store_kv.py",
             "tests/test_model_parity.py\t-k\ttriton",
+            "tests/test_kernels_store_kv.py",
         ]
     for bad in ("test_nope.py", "other/test_model_parity.py", " "):
         with pytest.raises(ValueError, match="^SLUICE_GPU_CHECK_KERNEL_TESTS: "):

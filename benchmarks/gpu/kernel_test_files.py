@@ -29,12 +29,27 @@ class KernelTestFile:
         return "\t".join(self.pytest_args())
 
 
+# The longest first: the step runs four files at once (scripts/gpu_check.sh, KERNEL_TEST_JOBS), so these
+# start together and the short ones fill in behind them (run 15, one after another on an H200: attention
+# 61 s, the fused FP8 quantization 42, split-KV prefill 31, store 30, fp8_gemv 26, the rest 4-12; the FP8
+# cache and model parity files were cut off there, both compile and load much).
 KERNEL_TESTS = (
-    KernelTestFile("tests/test_kernels_store_kv.py"),
     KernelTestFile("tests/test_kernels_attention.py"),
+    # Store, decode and prefill over an FP8 cache.
+    KernelTestFile("tests/test_triton_fp8_kv.py"),
+    # The whole model with every Triton kernel, fp32, against transformers: the triton backend only. The
+    # torch, cpu and cpu-layers backends run on the CPU device with the C++ CPU kernels (a JIT build of
+    # minutes on the GPU machine, nothing GPU-related), as do the file's runner tests.
+    KernelTestFile("tests/test_model_parity.py", keyword="triton"),
+    # RMSNorm and SiLU-and-mul with the FP8 quantization fused in: bit for bit the two launches they replace.
+    KernelTestFile("tests/test_kernels_fused_fp8_quant.py"),
     KernelTestFile("tests/test_prefill_split_kv.py"),
+    KernelTestFile("tests/test_kernels_store_kv.py"),
+    # The FP8 linears' decode-sized steps: quantization and product in one launch, against the emulated
+    # product.
+    KernelTestFile("tests/test_kernels_fp8_gemv.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
-    KernelTestFile("tests/test_cuda_graph_runner.py"),
+    KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),
     # The block linears' one-row gemv: every check but its tile sweep against the reference, which runs
     # its rule's tile in bf16 there (each tile, dtype and row count is a compile of its own).
@@ -44,18 +59,7 @@ KERNEL_TESTS = (
     # The FP8 linears' activation quantization: bit for bit quantize_activations; the _scaled_mm layers
     # through it.
     KernelTestFile("tests/test_kernels_fp8_quant.py"),
-    # Their decode-sized steps: quantization and product in one launch, against the emulated product.
-    KernelTestFile("tests/test_kernels_fp8_gemv.py"),
-    KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
-    # RMSNorm and SiLU-and-mul with that quantization fused in: bit for bit the two launches they replace.
-    KernelTestFile("tests/test_kernels_fused_fp8_quant.py"),
-    # Store, decode and prefill over an FP8 cache: before the model parity file, whose fixtures build and
-    # load six checkpoints (on the first H100 run the step's timeout fell inside it and this file never ran).
-    KernelTestFile("tests/test_triton_fp8_kv.py"),
-    # The whole model with every Triton kernel, fp32, against transformers: the triton backend only. The
-    # torch, cpu and cpu-layers backends run on the CPU device with the C++ CPU kernels (a JIT build of
-    # minutes on the GPU machine, nothing GPU-related), as do the file's runner tests.
-    KernelTestFile("tests/test_model_parity.py", keyword="triton"),
+    KernelTestFile("tests/test_cuda_graph_runner.py"),
 )
 # The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
 CPU_KERNEL_TESTS = (KernelTestFile("tests/test_kernels_store_kv.py"),)
