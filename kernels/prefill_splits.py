@@ -30,8 +30,8 @@ def split_partials_bound_bytes(head_dim: int, num_sms: int = DEFAULT_NUM_SMS) ->
     """The most bytes of partials a launch with a picked split count allocates, whatever its batch: it
     splits only while its q tiles with rows x KV heads < NO_SPLIT_WAVE_SHARE x num_sms (< the programs
     wanted, PREFILL_PROGRAMS_PER_SM x num_sms), and then splits x those < 2 x PREFILL_PROGRAMS_PER_SM x
-    num_sms, each (split, tile, KV head) holding at most 128
-    (token, head) rows (`prefill_config`'s tallest tile) of head_dim + 1 floats."""
+    num_sms, each (split, tile, KV head) holding at most 128 (token, head) rows (`prefill_config`'s
+    tallest tile) of head_dim + 1 floats."""
     return 4 * 2 * PREFILL_PROGRAMS_PER_SM * num_sms * 128 * (head_dim + 1)
 
 
