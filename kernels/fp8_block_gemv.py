@@ -48,7 +48,7 @@ from sluice.kernels.fp8_block_mm import check_block_weight
 from sluice.kernels.fp8_gemv import MAX_ROWS, TILE_BYTES, rule_block_n
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_num_warps,
@@ -105,6 +105,7 @@ def _fp8_block_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,  # groups a step
+    HW_E4M3: tl.constexpr,  # the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -121,7 +122,7 @@ def _fp8_block_gemv_kernel(
         col_mask = (cols < K)[None, :, :]  # the last group's missing columns load as zeros: its amax stays
         x = tl.load(x_rows + cols[None, :, :], mask=row_mask[:, None, None] & col_mask, other=0.0)
         x_scale = dynamic_scale(amax_keep_nan(tl.abs(x.to(tl.float32)), 2))  # [BLOCK_M, GROUPS]
-        x_q = quantize_e4m3(x, x_scale[:, :, None]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x_q = quantize_e4m3(x, x_scale[:, :, None], HW_E4M3).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         w = tl.load(w_rows + cols[None, :, :], mask=channel_mask[:, None, None] & col_mask, other=0)
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, GROUPS, GROUP_SIZE], exact
         partial = tl.sum(x_q[:, None, :, :] * w[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, GROUPS]
@@ -180,6 +181,7 @@ def fp8_block_gemv(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         GROUPS=config.step_groups(block_m),
+        HW_E4M3=gpu_e4m3(x.device),
         num_warps=config.num_warps,
     )
     return y

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
-from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_power_of_two,
@@ -47,13 +47,13 @@ QUANT_TILE = 2048  # columns a quantization program holds at most (GROUPS * grou
 
 
 @triton.jit
-def store_quantized_groups(codes_ptr, scales_ptr, x, cols, groups, K, num_groups):
+def store_quantized_groups(codes_ptr, scales_ptr, x, cols, groups, K, num_groups, HW_E4M3: tl.constexpr):
     """x [GROUPS, GROUP_SIZE], a row's columns `cols` (zeros past K: never in an amax), quantized per group
     as `quantize_fp8_groups` quantizes it: the codes stored at codes_ptr + cols, the groups' scales at
     scales_ptr + groups. Shared by the kernels that write a block linear's input (`rms_norm_fp8_quant`,
     `silu_and_mul_fp8_quant` with a group_size), so that their codes are these, bit for bit."""
     scale = dynamic_scale(amax_keep_nan(tl.abs(x.to(tl.float32)), 1))  # [GROUPS]
-    tl.store(codes_ptr + cols, quantize_e4m3(x, scale[:, None]), mask=cols < K)
+    tl.store(codes_ptr + cols, quantize_e4m3(x, scale[:, None], HW_E4M3), mask=cols < K)
     tl.store(scales_ptr + groups, scale, mask=groups < num_groups)
 
 
@@ -69,6 +69,7 @@ def _quantize_groups_kernel(
     stride_scale,
     GROUP_SIZE: tl.constexpr,
     GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -76,7 +77,7 @@ def _quantize_groups_kernel(
     # the last group's missing columns load as zeros: its amax stays
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
     store_quantized_groups(
-        out_ptr + row * stride_out, scale_ptr + row * stride_scale, x, cols, groups, K, num_groups
+        out_ptr + row * stride_out, scale_ptr + row * stride_scale, x, cols, groups, K, num_groups, HW_E4M3
     )
 
 
@@ -160,6 +161,7 @@ def quantize_fp8_groups(
         scale_out.stride(0),
         GROUP_SIZE=group_size,
         GROUPS=groups,
+        HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(8, groups * group_size // 256)),
     )
     return out, scale_out

@@ -6,9 +6,10 @@
     x_q[m, k] = e4m3(clamp(x[m, k] / scale[m], -448, 448))                        written [M, K] e4m3
 
 Bit for bit `sluice.engine.worker.layers.fp8_linear.quantize_activations(x, "token")` (and `"static"`),
-its plain PyTorch version (the emulated CPU path's, kept there): amax in fp32 (exact), both divisions
-IEEE-exact (`div_rn`), the codes made by `store_kv.quantize_e4m3` (integer round to nearest even,
-saturated) into the e4m3 tensor viewed as uint8. That is the function run on CPU: torch on CUDA divides
+its plain PyTorch version (the emulated CPU path's, kept there): amax in fp32 (exact; `amax_keep_nan`), both
+divisions IEEE-exact (`div_rn`), the codes made by `store_kv.quantize_e4m3` (round to nearest even,
+saturated: the GPU's conversion on sm_89+, integer arithmetic in the interpreter) into the e4m3 tensor
+viewed as uint8. That is the function run on CPU: torch on CUDA divides
 amax by the Python scalar 448 as a product with its reciprocal, which can miss the quotient by an ulp. On an
 H100 (2026-11-26) the kernel's codes and scales equalled the CPU function's in every case of
 tests/test_kernels_fp8_quant.py.
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_power_of_two,
@@ -49,13 +50,14 @@ def max_keep_nan(a, b):
 
 @triton.jit
 def amax_keep_nan(magnitudes, axis: tl.constexpr):
-    """The max of |x| values (nonnegative or NaN) over `axis`, NaN where any is NaN, as a reduction with
-    `max_keep_nan` gives it. Two builtin reductions instead: `tl.max` alone skips NaN on a GPU, and
-    `tl.reduce` with a jit combine runs element by element in Python under the interpreter (seconds for a
-    few wide rows). The magnitudes' sum is NaN exactly where one of them is (none is -inf)."""
-    largest = tl.max(magnitudes, axis)
-    total = tl.sum(magnitudes, axis)
-    return tl.where(total != total, total, largest)
+    """The max of |x| values (fp32, nonnegative or NaN) over `axis`, NaN where any is NaN, as a reduction
+    with `max_keep_nan` gives it, in one builtin integer reduction: with the sign bit cleared, fp32 bit
+    patterns order as their magnitudes do, every NaN's above +inf's. `tl.max` on the floats skips NaN on a
+    GPU, `tl.reduce` with a jit combine runs element by element in Python under the interpreter (seconds
+    for a few wide rows), and the float max and sum this took before were two reductions where one integer
+    max is a warp instruction on sm_80+ (`redux.sync`)."""
+    bits = magnitudes.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(bits, axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -86,7 +88,8 @@ def _fp8_quant_kernel(
     K: tl.constexpr,
     TILE: tl.constexpr,
     DYNAMIC: tl.constexpr,
-    CAPPED: tl.constexpr = False,
+    CAPPED: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -101,11 +104,11 @@ def _fp8_quant_kernel(
         scale = dynamic_scale(capped(amax_keep_nan(running, 0), scale_ub, CAPPED))
     else:
         scale = tl.load(input_scale_ptr)
-    tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < K)
+    tl.store(out_row + cols, quantize_e4m3(first, scale, HW_E4M3), mask=cols < K)
     for start in range(TILE, K, TILE):  # second pass: the codes of the other tiles
         mask = start + cols < K
         x = tl.load(x_row + start + cols, mask=mask, other=0.0)
-        tl.store(out_row + start + cols, quantize_e4m3(x, scale), mask=mask)
+        tl.store(out_row + start + cols, quantize_e4m3(x, scale, HW_E4M3), mask=mask)
     tl.store(scale_ptr + row * stride_scale, scale)
 
 
@@ -231,6 +234,7 @@ def _launch(
         TILE=tile,
         DYNAMIC=input_scale is None,
         CAPPED=scale_ub is not None,
+        HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(16, tile // 256)),
     )
     return out, scale_out

@@ -38,14 +38,13 @@ the model-dtype path, untouched: no scale is loaded or applied.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels.store_kv import load_store_scales
+from sluice.kernels.store_kv import gpu_e4m3, load_store_scales
 
 LOG2_E = 1.4426950408889634
 
@@ -86,18 +85,10 @@ def folds_kv_scales(fp8_kv: bool, fold_kv_scales: bool | None) -> bool:
 def e4m3_upcast(device: torch.device) -> str:
     """E4M3_UPCAST for a launch on `device`: E4M3_CVT on a CUDA GPU with e4m3 (compute capability 8.9+)
     and off a GPU (AOT compiles target sm_90; scripts/compile_kernels.py picks E4M3_BITS for older
-    targets); E4M3_CVT_INTERPRETED under TRITON_INTERPRET=1; E4M3_BITS on older GPUs."""
+    targets); E4M3_CVT_INTERPRETED under TRITON_INTERPRET=1; E4M3_BITS on older GPUs (`gpu_e4m3`)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return E4M3_CVT_INTERPRETED
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_e4m3_upcast(index)
-    return E4M3_CVT
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_e4m3_upcast(index: int) -> str:
-    return E4M3_BITS if torch.cuda.get_device_capability(index) < (8, 9) else E4M3_CVT
+    return E4M3_CVT if gpu_e4m3(device) else E4M3_BITS
 
 
 @triton.jit

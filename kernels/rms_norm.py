@@ -27,7 +27,7 @@ from sluice.kernels.fp8_quant import (
     dynamic_scale,
     quantized_outputs,
 )
-from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
     check_same_dtype,
@@ -60,6 +60,7 @@ def _rms_norm_kernel(
     DYNAMIC: tl.constexpr = True,
     GROUP_SIZE: tl.constexpr = 0,  # QUANTIZE: 0 for a scale per row, else per row and group (dynamic)
     CAPPED: tl.constexpr = False,  # QUANTIZE, DYNAMIC, a scale per row: the amax capped at scale_ub
+    HW_E4M3: tl.constexpr = False,  # QUANTIZE: the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, HIDDEN_PAD)
@@ -81,14 +82,15 @@ def _rms_norm_kernel(
         padded = tl.reshape(tl.where(mask, out, 0.0), shape)  # padding lanes zeroed: never in an amax
         codes, scales = out_ptr + row * stride_out, scale_ptr + row * stride_scale
         num_groups = (HIDDEN + GROUP_SIZE - 1) // GROUP_SIZE
-        store_quantized_groups(codes, scales, padded, tl.reshape(cols, shape), groups, HIDDEN, num_groups)
+        padded_cols = tl.reshape(cols, shape)
+        store_quantized_groups(codes, scales, padded, padded_cols, groups, HIDDEN, num_groups, HW_E4M3)
     elif QUANTIZE:  # fp8_quant's recipe on the rounded row (padding lanes zeroed: never in the amax)
         if DYNAMIC:
             amax = amax_keep_nan(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), 0)
             scale = dynamic_scale(capped(amax, scale_ub, CAPPED))
         else:
             scale = tl.load(input_scale_ptr)
-        tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(out, scale), mask=mask)
+        tl.store(out_ptr + row * stride_out + cols, quantize_e4m3(out, scale, HW_E4M3), mask=mask)
         tl.store(scale_ptr + row * stride_scale, scale)
     else:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
@@ -193,6 +195,7 @@ def _launch(
         DYNAMIC=input_scale is None,
         GROUP_SIZE=group_size,
         CAPPED=scale_ub is not None,
+        HW_E4M3=quantize is not None and gpu_e4m3(x.device),
     )
 
 

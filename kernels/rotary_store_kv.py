@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.rotary import _rotate_heads, rotary_embedding_reference
-from sluice.kernels.store_kv import kernel_kv_cache, load_store_scales, store_kv_reference, to_cache
+from sluice.kernels.store_kv import (
+    gpu_e4m3,
+    kernel_kv_cache,
+    load_store_scales,
+    store_kv_reference,
+    to_cache,
+)
 from sluice.kernels.tensor_checks import KVScales, check_rotary_args, check_store_kv_args
 
 
@@ -31,6 +37,7 @@ def _rotary_store_kv_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_KV: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
@@ -58,13 +65,14 @@ def _rotary_store_kv_kernel(
         offset = slot % BLOCK_SIZE
         k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
         k_dst += heads[:, None] * stride_kc_head + cols[None, :]
-        tl.store(k_dst, to_cache(rotated1, k_scale, FP8_KV), mask=mask)
-        tl.store(k_dst + HALF, to_cache(rotated2, k_scale, FP8_KV), mask=mask)
+        tl.store(k_dst, to_cache(rotated1, k_scale, FP8_KV, HW_E4M3), mask=mask)
+        tl.store(k_dst + HALF, to_cache(rotated2, k_scale, FP8_KV, HW_E4M3), mask=mask)
         v_src = v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + cols[None, :]
         v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
         v_dst += heads[:, None] * stride_vc_head + cols[None, :]
-        tl.store(v_dst, to_cache(tl.load(v_src, mask=mask), v_scale, FP8_KV), mask=mask)
-        tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=mask), v_scale, FP8_KV), mask=mask)
+        v1, v2 = tl.load(v_src, mask=mask), tl.load(v_src + HALF, mask=mask)
+        tl.store(v_dst, to_cache(v1, v_scale, FP8_KV, HW_E4M3), mask=mask)
+        tl.store(v_dst + HALF, to_cache(v2, v_scale, FP8_KV, HW_E4M3), mask=mask)
 
 
 def rotary_store_kv(
@@ -106,6 +114,7 @@ def rotary_store_kv(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         BLOCK_SIZE=k_cache.shape[1],
         FP8_KV=k_scale is not None,
+        HW_E4M3=k_scale is not None and gpu_e4m3(q.device),
     )  # fmt: skip
     return q, k
 

@@ -37,7 +37,7 @@ from sluice.kernels.fp8_quant import (
     max_keep_nan,
     quantized_outputs,
 )
-from sluice.kernels.store_kv import quantize_e4m3
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_tensor, output_like
 
 _BLOCK = 1024
@@ -82,7 +82,8 @@ def _silu_and_mul_fp8_kernel(
     D: tl.constexpr,
     TILE: tl.constexpr,
     DYNAMIC: tl.constexpr,
-    CAPPED: tl.constexpr = False,
+    CAPPED: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + token * stride_x
@@ -97,10 +98,10 @@ def _silu_and_mul_fp8_kernel(
         scale = dynamic_scale(capped(amax_keep_nan(running, 0), scale_ub, CAPPED))
     else:
         scale = tl.load(input_scale_ptr)
-    tl.store(out_row + cols, quantize_e4m3(first, scale), mask=cols < D)
+    tl.store(out_row + cols, quantize_e4m3(first, scale, HW_E4M3), mask=cols < D)
     for start in range(TILE, D, TILE):  # second pass: the codes of the other tiles
         tile = silu_and_mul_tile(x_row, start + cols, D)
-        tl.store(out_row + start + cols, quantize_e4m3(tile, scale), mask=start + cols < D)
+        tl.store(out_row + start + cols, quantize_e4m3(tile, scale, HW_E4M3), mask=start + cols < D)
     tl.store(scale_ptr + token * stride_scale, scale)
 
 
@@ -116,13 +117,14 @@ def _silu_and_mul_fp8_groups_kernel(
     D: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
     activated = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)  # 0 past D: never in the amax
     codes, scales = out_ptr + token * stride_out, scale_ptr + token * stride_scale
-    store_quantized_groups(codes, scales, activated, cols, groups, D, num_groups)
+    store_quantized_groups(codes, scales, activated, cols, groups, D, num_groups, HW_E4M3)
 
 
 def _check_x(x: torch.Tensor) -> int:
@@ -189,6 +191,7 @@ def silu_and_mul_fp8_quant(
             D=d,
             GROUP_SIZE=group_size,
             GROUPS=groups,
+            HW_E4M3=gpu_e4m3(x.device),
             num_warps=max(1, min(8, groups * group_size // 256)),  # quantize_fp8_groups' (untuned)
         )
         return out, scale_out
@@ -206,6 +209,7 @@ def silu_and_mul_fp8_quant(
         TILE=tile,
         DYNAMIC=input_scale is None,
         CAPPED=scale_ub is not None,
+        HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(32, tile // 256)),
     )
     return out, scale_out

@@ -81,6 +81,8 @@ DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
 # GQA group; one long prompt takes the full tile; two verify-sized queries after 32k positions and a
 # 256-token chunk after 32k (the full tile) split their contexts (split-KV, then the partials' merge).
 PREFILL_LAUNCHES = ((3, 1, None), (1, 4096, None), (2, 4, 32768), (1, 256, 32768))
+# What a launcher picks on a GPU without e4m3 (compute capability below 8.9), for targets below sm_89.
+OLDER_GPU_E4M3 = {"E4M3_UPCAST": E4M3_BITS, "HW_E4M3": False}
 _TYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -374,8 +376,9 @@ def _distinct_launches(target: GPUTarget) -> Iterator[tuple[tuple[str, str, str,
     seen: set[str] = set()
     for shape, dtype in configs:
         for launch in record_launches(shape, dtype):
-            if target.arch < 89 and "E4M3_UPCAST" in launch.kwargs:  # no e4m3: what such a GPU picks
-                launch = Launch(launch.kernel, launch.args, {**launch.kwargs, "E4M3_UPCAST": E4M3_BITS})
+            if target.arch < 89:  # no e4m3: what such a GPU picks (`store_kv.gpu_e4m3`)
+                older = {key: value for key, value in OLDER_GPU_E4M3.items() if key in launch.kwargs}
+                launch = Launch(launch.kernel, launch.args, {**launch.kwargs, **older})
             specialized = specialize(launch, backend)
             if specialized.key in seen:
                 continue

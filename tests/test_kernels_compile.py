@@ -49,6 +49,8 @@ MODEL_DTYPE_CACHE, FP8_CACHE = "FP8_KV=False", "FP8_KV=True"  # in a variant's c
 # The attention kernels' two ways of reading an FP8 cache (`paged_attention_tile`); always False over a
 # model-dtype cache.
 FOLDED, DEQUANTIZED = "FOLD_KV_SCALES=True", "FOLD_KV_SCALES=False"
+# The stores' quantization: the GPU's e4m3 conversion on sm_90 over an FP8 cache, unused (False) otherwise.
+HW_E4M3, NO_HW_E4M3 = "HW_E4M3=True", "HW_E4M3=False"
 ATTENTION_KERNELS = {"_decode_partition_kernel", "_prefill_attention_kernel"}
 # The script's configurations: four shapes in bf16, the first also in fp16 and fp32.
 CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-7b", "qwen2-0.5b")} | {
@@ -174,8 +176,9 @@ def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
     the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
-    constexprs on the model-dtype path, are real float32 pointers there) and the decode kernel's tile
-    `decode_config`'s for an FP8 cache; the attention kernels' twins come in both ways of applying the
+    constexprs on the model-dtype path, are real float32 pointers there), the stores' HW_E4M3=True (the
+    GPU's conversion; False over a model-dtype cache, where nothing is quantized) and the decode kernel's
+    tile `decode_config`'s for an FP8 cache; the attention kernels' twins come in both ways of applying the
     scales (FOLD_KV_SCALES True and False; always False without FP8)."""
     proc, results = compile_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -189,6 +192,9 @@ def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     assert _cache_variants(results, FP8_CACHE, FOLDED) == twins
     assert _cache_variants(results, FP8_CACHE, DEQUANTIZED) == twins
     assert not _cache_variants(results, MODEL_DTYPE_CACHE, FOLDED)
+    stores = [v for v in fp8 if v[0] not in ATTENTION_KERNELS]
+    assert stores == _cache_variants(results, FP8_CACHE, HW_E4M3)
+    assert stores == [v for v in model_dtype if v in _cache_variants(results, MODEL_DTYPE_CACHE, NO_HW_E4M3)]
     assert not [r for r in results if FP8_CACHE in r["constexprs"] and r["error"]]
 
 
@@ -207,7 +213,8 @@ def _fp8_twin(variant: tuple[str, str, str, str]) -> tuple[str, str, str, str]:
 def _cache_variants(results: list[dict], *flags: str) -> list[tuple[str, str, str, str]]:
     """(kernel, shape, dtype, constexprs less the cache dtype and the FP8 read's path) of the variants
     whose constexprs hold every one of `flags`, sorted."""
-    dropped = {MODEL_DTYPE_CACHE, FP8_CACHE, FOLDED, DEQUANTIZED, "k_scale_ptr=None", "v_scale_ptr=None"}
+    dropped = {MODEL_DTYPE_CACHE, FP8_CACHE, FOLDED, DEQUANTIZED, HW_E4M3, NO_HW_E4M3}
+    dropped |= {"k_scale_ptr=None", "v_scale_ptr=None"}
     return sorted(
         (
             r["kernel"],

@@ -23,6 +23,7 @@ from sluice.kernels.paged_attention_tile import (
     e4m3_upcast,
     upcast_e4m3,
 )
+from sluice.kernels.store_kv import gpu_e4m3
 
 # 1.0: the codes themselves; 0.02 and 3.0: the test_triton_fp8_kv scales; 300.0: past fp16's 65504 for the
 # largest codes (inf there, one rounding); 1e-5: fp16 and bf16 subnormals and zeros from the small codes.
@@ -107,3 +108,11 @@ def test_every_code_upcasts_exactly_to_its_value(upcast, dtype):
 
 def test_the_launchers_pick_the_conversion_the_tests_run():
     assert e4m3_upcast(DEVICE) == (E4M3_CVT_INTERPRETED if DEVICE.type == "cpu" else E4M3_CVT)
+    # Quantizing: the integer code in the interpreter (its fp8 casts do not round to nearest even), the
+    # GPU's conversion on one with e4m3, which the kernel tests then check against torch's codes.
+    assert gpu_e4m3(DEVICE) == (DEVICE.type == "cuda")
+
+
+def test_ahead_of_time_compiles_off_a_gpu_take_the_gpus_conversions(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert gpu_e4m3(torch.device("cpu")) and e4m3_upcast(torch.device("cpu")) == E4M3_CVT
