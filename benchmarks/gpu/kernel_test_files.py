@@ -59,6 +59,9 @@ KERNEL_TESTS = (
     # The FP8 linears' activation quantization: bit for bit quantize_activations; the _scaled_mm layers
     # through it.
     KernelTestFile("tests/test_kernels_fp8_quant.py"),
+    # Every e4m3 code read back in each way the attention kernels convert it (bf16 only checked here:
+    # the interpreter truncates to bf16), against torch's.
+    KernelTestFile("tests/test_paged_attention_tile_e4m3.py"),
     KernelTestFile("tests/test_cuda_graph_runner.py"),
 )
 # The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
