@@ -549,7 +549,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
         "tests/test_model_parity.py\t-k\ttriton",
         "tests/test_kernels_fused_fp8_quant.py",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 13
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 14
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 
