@@ -167,6 +167,7 @@ class Compiled:
     local_bytes: int | None
     wgmma: int | None = None  # tensor-core instructions in the PTX: Hopper's warpgroup MMA
     mma_sync: int | None = None  # ... and the warp-level MMA of sm_80+
+    conversions: tuple[str, ...] | None = None  # the PTX's kinds of `cvt` (`ptx_conversions`)
     error: str | None = None
 
 
@@ -323,9 +324,9 @@ def _run_cache_launchers(
     rotary_store_kv.rotary_store_kv(positions, q, k, k, cos_sin, cache, cache, slots, kv_scales)
 
 
-def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[int, ...]:
+def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[object, ...]:
     """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes: spills,
-    then `tensor_core_instructions` of its PTX)."""
+    then `tensor_core_instructions` and `ptx_conversions` of its PTX)."""
     source = ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs)
     compiled = triton.compile(source, target=target, options=launch.options)
     with tempfile.TemporaryDirectory() as directory:
@@ -337,7 +338,15 @@ def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> t
     registers, _, local = parse_resource_usage(usage)
     # Triton's shared memory is dynamic: the launch requests metadata.shared bytes, which cuobjdump's
     # static SHARED figure does not include.
-    return registers, compiled.metadata.shared, local, *tensor_core_instructions(compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    return registers, compiled.metadata.shared, local, *tensor_core_instructions(ptx), ptx_conversions(ptx)
+
+
+def ptx_conversions(ptx: str) -> tuple[str, ...]:
+    """The distinct conversion instructions of a PTX, sorted (`cvt.rn.satfinite.e4m3x2.f32`: the GPU's
+    e4m3 quantization; `cvt.bf16.f16`: fp16 to bf16, one value an instruction): what the interpreter's
+    runs cannot show of how a kernel converts."""
+    return tuple(sorted(set(re.findall(r"\bcvt(?:\.[a-z0-9]+)+", ptx))))
 
 
 def tensor_core_instructions(ptx: str) -> tuple[int, int]:

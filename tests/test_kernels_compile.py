@@ -173,6 +173,30 @@ def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
         assert ops(kernel, ("bf16", "fp16", "fp32")) == {(0, 0)}, kernel
 
 
+def test_e4m3_values_are_made_and_read_with_the_gpus_own_conversions(compile_run):
+    """What the interpreted kernel tests cannot show: on sm_90 every kernel that quantizes to e4m3 makes
+    the codes with the GPU's conversion (HW_E4M3: `cvt.rn.satfinite.e4m3x2.f32`, two values an
+    instruction), and the attention kernels read an FP8 cache with the GPU's e4m3 upcast and never convert
+    fp16 to bf16 one value at a time (`cvt.bf16.f16`: the codes reach bf16 through fp32)."""
+    proc, results = compile_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    quantizing = [r for r in results if HW_E4M3 in r["constexprs"].split(", ")]
+    assert {r["kernel"] for r in quantizing} == {
+        "_store_kv_kernel",
+        "_rotary_store_kv_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_fp8_kernel",
+        "_silu_and_mul_fp8_groups_kernel",
+        "_fp8_quant_kernel",
+        "_quantize_groups_kernel",
+        "_fp8_block_gemv_kernel",
+    }
+    assert all("cvt.rn.satfinite.e4m3x2.f32" in r["conversions"] for r in quantizing)
+    fp8_reads = [r for r in results if r["kernel"] in ATTENTION_KERNELS and FP8_CACHE in r["constexprs"]]
+    assert fp8_reads and all("cvt.rn.f16x2.e4m3x2" in r["conversions"] for r in fp8_reads)
+    assert not [r for r in fp8_reads if "cvt.bf16.f16" in r["conversions"]]
+
+
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     """Each variant of a cache kernel over a model-dtype cache has its twin over an FP8 (e4m3) cache in
     the same shape and model dtype: the same constexprs but FP8_KV=True (the scale pointers, None
