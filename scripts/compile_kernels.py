@@ -14,8 +14,8 @@ argument binder for the target (so arguments are specialized as the JIT would sp
 16-byte-divisible pointers and integers, constexprs) and is compiled ahead of time down to a cubin with
 Triton's bundled ptxas (no driver, no GPU). Reported per kernel: registers (cuobjdump), the shared
 memory the launch requests, local memory (register spills) and the tensor-core instructions of its PTX
-(wgmma, mma.sync). Must run without TRITON_INTERPRET (it makes kernels uncompilable objects). Exit
-status 1 when a kernel fails to compile.
+(wgmma, mma.sync); in the JSON also the PTX's kinds of conversion (`ptx_conversions`). Must run without
+TRITON_INTERPRET (it makes kernels uncompilable objects). Exit status 1 when a kernel fails to compile.
 """
 
 from __future__ import annotations
