@@ -218,7 +218,7 @@ def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):
     assert not _cache_variants(results, MODEL_DTYPE_CACHE, FOLDED)
     stores = [v for v in fp8 if v[0] not in ATTENTION_KERNELS]
     assert stores == _cache_variants(results, FP8_CACHE, HW_E4M3)
-    assert stores == [v for v in model_dtype if v in _cache_variants(results, MODEL_DTYPE_CACHE, NO_HW_E4M3)]
+    assert stores == _cache_variants(results, MODEL_DTYPE_CACHE, NO_HW_E4M3)  # the attention ones have none
     assert not [r for r in results if FP8_CACHE in r["constexprs"] and r["error"]]
 
 
