@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import check_block_weight
 from sluice.kernels.fp8_gemv import MAX_ROWS, TILE_BYTES, rule_block_n
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
@@ -106,9 +107,11 @@ def _fp8_block_gemv_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,  # groups a step
     HW_E4M3: tl.constexpr,  # the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
+    PDL: tl.constexpr = False,
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
+    wait_prior_kernel(PDL)
     step_groups = tl.arange(0, GROUPS)
     group_cols = step_groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
     channel_mask = channels < N
@@ -183,5 +186,6 @@ def fp8_block_gemv(
         GROUPS=config.step_groups(block_m),
         HW_E4M3=gpu_e4m3(x.device),
         num_warps=config.num_warps,
+        **pdl_launch_options(x.device),
     )
     return y

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
@@ -70,10 +71,12 @@ def _quantize_groups_kernel(
     GROUP_SIZE: tl.constexpr,
     GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
+    wait_prior_kernel(PDL)
     # the last group's missing columns load as zeros: its amax stays
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0)
     store_quantized_groups(
@@ -100,9 +103,11 @@ def _fp8_block_mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # block_k: one K step is one scale block
+    PDL: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_prior_kernel(PDL)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
@@ -163,6 +168,7 @@ def quantize_fp8_groups(
         GROUPS=groups,
         HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(8, groups * group_size // 256)),
+        **pdl_launch_options(x.device),
     )
     return out, scale_out
 
@@ -214,6 +220,7 @@ def fp8_block_mm(
         BLOCK_K=block[1],
         num_warps=4,
         num_stages=3,
+        **pdl_launch_options(x_q.device),
     )
     return y
 

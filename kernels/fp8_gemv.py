@@ -61,6 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import (
+    pdl_launch_options,
+    prefetch_weight_rows,
+    wait_prior_kernel,
+    weight_prefetch_bytes,
+)
 from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
@@ -180,6 +186,8 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAPPED: tl.constexpr = False,  # DYNAMIC: each row's amax capped at scale_ub (fbgemm_fp8)
+    PDL: tl.constexpr = False,  # `dependent_launch`: PREFETCH's first weight tile is loaded before the wait
+    PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -196,6 +204,10 @@ def _fp8_gemv_kernel(
         w_next = tl.load(
             w_rows + k_lo + cols[None, :], mask=channel_mask[:, None] & (k_lo + cols < k_hi)[None, :], other=0
         )
+    prefetch_weight_rows(
+        w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w, k_lo, k_hi, PREFETCH_BYTES
+    )
+    wait_prior_kernel(PDL)
 
     if DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
         amax_cols = tl.arange(0, AMAX_K)
@@ -270,7 +282,12 @@ def fp8_gemv(
     if split_k > 1:
         out = torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
         x_scale = torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(out_features, config.block_n), split_k)](
+    programs = triton.cdiv(out_features, config.block_n)
+    tile_k = config.tile_k(block_m)
+    split_len = (
+        triton.cdiv(triton.cdiv(in_features, tile_k), split_k) * tile_k
+    )  # the kernel's columns a split
+    _fp8_gemv_kernel[(programs, split_k)](
         out,
         x,
         input_scale,
@@ -286,14 +303,16 @@ def fp8_gemv(
         y.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.tile_k(block_m),
+        BLOCK_K=tile_k,
         AMAX_K=config.amax_tile_k(block_m),
         DYNAMIC=input_scale is None,
         PREFETCH=config.prefetch,
         SPLIT_K=split_k,
         STAGES=config.stages,
         CAPPED=scale_ub is not None,
+        PREFETCH_BYTES=weight_prefetch_bytes(x.device, programs * split_k, config.block_n, split_len),
         num_warps=config.num_warps,
+        **pdl_launch_options(x.device),
     )
     if split_k > 1:
         reduce_split_k(y, out, (x_scale, weight_scale))

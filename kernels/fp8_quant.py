@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -90,8 +91,10 @@ def _fp8_quant_kernel(
     DYNAMIC: tl.constexpr,
     CAPPED: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
+    wait_prior_kernel(PDL)
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_out
     cols = tl.arange(0, TILE)
@@ -236,6 +239,7 @@ def _launch(
         CAPPED=scale_ub is not None,
         HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(16, tile // 256)),
+        **pdl_launch_options(x.device),
     )
     return out, scale_out
 

@@ -51,6 +51,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import (
+    pdl_launch_options,
+    prefetch_weight_rows,
+    wait_prior_kernel,
+    weight_prefetch_bytes,
+)
 from sluice.kernels.fp8_block_mm import check_mm_args
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.tensor_checks import check_power_of_two, check_shape, check_tensor
@@ -193,18 +199,24 @@ def _fp8_skinny_kernel(
     SPLIT_K: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr = 0,  # block_n of block scales (BLOCK_K is then block_k); 0: per channel
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT_K > 1 only: the last split of a channel block adds them up
+    PDL: tl.constexpr = False,
+    PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    prefetch_weight_rows(
+        w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w, k_start, k_end, PREFETCH_BYTES
+    )
+    wait_prior_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     channel_mask = channels < N
     row_mask = rows < M
-    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     if SCALE_BLOCK_N > 0:
         x_scales = x_scale_ptr + rows.to(tl.int64) * x_scale_stride  # [BLOCK_M]
         w_scales = w_scale_ptr + (channels // SCALE_BLOCK_N).to(tl.int64) * w_scale_stride  # [BLOCK_N]
@@ -259,9 +271,11 @@ def _fp8_skinny_reduce_kernel(
     BLOCK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALED: tl.constexpr = True,  # False: the partial sums are scaled already (block scales)
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    wait_prior_kernel(PDL)
     mask = channels < N
     total = _sum_splits(workspace_ptr, row, channels, mask, M, N, SPLIT_K, False)
     if SCALED:
@@ -365,8 +379,10 @@ def _launch(
         SPLIT_K=split_k,
         SCALE_BLOCK_N=scale_block_n or 0,
         FUSED_REDUCE=counters is not None,
+        PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, k_per_split),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(y.device),
     )
     if split_k > 1 and counters is None:
         reduce_split_k(y, out, None if blocks else (x_scale, weight_scale))
@@ -413,6 +429,7 @@ def reduce_split_k(
         BLOCK=REDUCE_BLOCK,
         SPLIT_K=split_k,
         SCALED=scales is not None,
+        **pdl_launch_options(y.device),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_shape, check_tensor
 
 SPLIT_CHUNK = 16  # slices loaded at once
@@ -40,9 +41,11 @@ def _merge_attention_partials_kernel(
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    wait_prior_kernel(PDL)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     row = (token * num_heads + head) * num_splits
@@ -92,6 +95,7 @@ def merge_attention_partials(
         HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         SPLIT_CHUNK=SPLIT_CHUNK,
+        **pdl_launch_options(out.device),
     )  # fmt: skip
     return out
 

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
     attend_paged_span,
@@ -207,10 +208,12 @@ def _decode_partition_kernel(
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
     FOLD_KV_SCALES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    wait_prior_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     window_start, ctx_lo, slice_len, slices = _sequence_slices(
         seq_len, sliding_window, num_splits, PARTITION_SIZE, TILE_N
@@ -284,9 +287,11 @@ def _decode_reduce_kernel(
     TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_prior_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     _, _, _, slices = _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE, TILE_N)
     splits = tl.arange(0, SPLITS_PAD)
@@ -404,6 +409,7 @@ def paged_decode_attention(
         FOLD_KV_SCALES=folds_kv_scales(k_scale is not None, fold_kv_scales),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(q.device),
     )  # fmt: skip
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -414,6 +420,7 @@ def paged_decode_attention(
             TILE_N=config.tile_n,
             PARTITION_SIZE=partition_size,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            **pdl_launch_options(q.device),
         )  # fmt: skip
     return out
 

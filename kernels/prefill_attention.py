@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.merge_attention_partials import merge_attention_partials
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
@@ -210,6 +211,7 @@ def _prefill_attention_kernel(
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
     FOLD_KV_SCALES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     if INTERLEAVE_HEADS:  # grid (num_q_tiles * num_kv_heads, num_splits)
         tile_id = num_q_tiles - 1 - tl.program_id(0) // NUM_KV_HEADS
@@ -219,6 +221,7 @@ def _prefill_attention_kernel(
         tile_id = num_q_tiles - 1 - tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+    wait_prior_kernel(PDL)
     seq = _find_sequence(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
@@ -400,6 +403,7 @@ def prefill_attention(
         FOLD_KV_SCALES=folds_kv_scales(k_scale is not None, fold_kv_scales),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(q.device),
     )  # fmt: skip
     if not single:
         merge_attention_partials(part_out, part_lse, out)

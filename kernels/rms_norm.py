@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
@@ -67,10 +68,13 @@ def _rms_norm_kernel(
     GROUP_SIZE: tl.constexpr = 0,  # QUANTIZE: 0 for a scale per row, else per row and group (dynamic)
     CAPPED: tl.constexpr = False,  # QUANTIZE, DYNAMIC, a scale per row: the amax capped at scale_ub
     HW_E4M3: tl.constexpr = False,  # QUANTIZE: the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
+    PDL: tl.constexpr = False,  # `dependent_launch`: the weight is loaded before the wait
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, HIDDEN_PAD)
     mask = cols < HIDDEN
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_prior_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
@@ -80,7 +84,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if QUANTIZE and GROUP_SIZE > 0:  # quantize_fp8_groups' recipe, a [groups, GROUP_SIZE] view of the row
         shape: tl.constexpr = (HIDDEN_PAD // GROUP_SIZE, GROUP_SIZE)
@@ -204,6 +207,7 @@ def _launch(
         CAPPED=scale_ub is not None,
         HW_E4M3=quantize is not None and gpu_e4m3(x.device),
         num_warps=norm_warps(hidden_pad),
+        **pdl_launch_options(x.device),
     )
 
 

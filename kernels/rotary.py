@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.tensor_checks import check_rotary_args, output_like
 
 
@@ -39,10 +40,11 @@ def _rotary_kernel(
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,
     stride_qo_token, stride_qo_head, stride_ko_token, stride_ko_head, stride_cache,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # One program per token: all its q heads and k heads share one cos/sin row.
     token = tl.program_id(0)
+    wait_prior_kernel(PDL)
     position = tl.load(positions_ptr + token)
     cols = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_sin_ptr + position * stride_cache + cols, mask=cols < HALF, other=0.0)
@@ -87,6 +89,7 @@ def rotary_embedding(
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        **pdl_launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.rotary import _rotate_heads, rotary_embedding_reference
 from sluice.kernels.store_kv import (
     gpu_e4m3,
@@ -37,9 +38,10 @@ def _rotary_store_kv_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_KV: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     token = tl.program_id(0)
+    wait_prior_kernel(PDL)
     position = tl.load(positions_ptr + token)
     cols = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_sin_ptr + position * stride_cache + cols, mask=cols < HALF, other=0.0)
@@ -115,6 +117,7 @@ def rotary_store_kv(
         BLOCK_SIZE=k_cache.shape[1],
         FP8_KV=k_scale is not None,
         HW_E4M3=k_scale is not None and gpu_e4m3(q.device),
+        **pdl_launch_options(q.device),
     )  # fmt: skip
     return q, k
 

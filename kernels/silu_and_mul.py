@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
     amax_keep_nan,
@@ -62,9 +63,12 @@ def silu_and_mul_tile(x_row, cols, D: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_out, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    out_ptr, x_ptr, stride_x, stride_out, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    wait_prior_kernel(PDL)
     out = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)
     tl.store(out_ptr + token * stride_out + cols, out, mask=cols < D)
 
@@ -84,8 +88,10 @@ def _silu_and_mul_fp8_kernel(
     DYNAMIC: tl.constexpr,
     CAPPED: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
+    wait_prior_kernel(PDL)
     x_row = x_ptr + token * stride_x
     out_row = out_ptr + token * stride_out
     cols = tl.arange(0, TILE)
@@ -118,8 +124,10 @@ def _silu_and_mul_fp8_groups_kernel(
     GROUP_SIZE: tl.constexpr,
     GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
+    wait_prior_kernel(PDL)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP_SIZE]
     activated = silu_and_mul_tile(x_ptr + token * stride_x, cols, D)  # 0 past D: never in the amax
@@ -148,7 +156,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(_BLOCK, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        out, x, x.stride(0), out.stride(0), D=d, BLOCK=block
+        out, x, x.stride(0), out.stride(0), D=d, BLOCK=block, **pdl_launch_options(x.device)
     )
     return out
 
@@ -193,6 +201,7 @@ def silu_and_mul_fp8_quant(
             GROUPS=groups,
             HW_E4M3=gpu_e4m3(x.device),
             num_warps=max(1, min(8, groups * group_size // 256)),  # quantize_fp8_groups' (untuned)
+            **pdl_launch_options(x.device),
         )
         return out, scale_out
     tile = min(triton.next_power_of_2(d), FP8_MAX_TILE)
@@ -211,6 +220,7 @@ def silu_and_mul_fp8_quant(
         CAPPED=scale_ub is not None,
         HW_E4M3=gpu_e4m3(x.device),
         num_warps=max(1, min(32, tile // 256)),
+        **pdl_launch_options(x.device),
     )
     return out, scale_out
 

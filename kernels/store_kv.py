@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.tensor_checks import FP8_KV_DTYPE, KVScales, check_store_kv_args
 
 E4M3_MAX = 448.0
@@ -113,9 +114,11 @@ def _store_kv_kernel(
     DIM_PAD: tl.constexpr,
     FP8_KV: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One program per token; it moves all [num_kv_heads, head_dim] values of that token.
     token = tl.program_id(0)
+    wait_prior_kernel(PDL)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return
@@ -186,6 +189,7 @@ def store_kv(
         DIM_PAD=triton.next_power_of_2(head_dim),
         FP8_KV=k_scale is not None,
         HW_E4M3=k_scale is not None and gpu_e4m3(k.device),
+        **pdl_launch_options(k.device),
     )
 
 

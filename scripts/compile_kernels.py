@@ -81,8 +81,10 @@ DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
 # GQA group; one long prompt takes the full tile; two verify-sized queries after 32k positions and a
 # 256-token chunk after 32k (the full tile) split their contexts (split-KV, then the partials' merge).
 PREFILL_LAUNCHES = ((3, 1, None), (1, 4096, None), (2, 4, 32768), (1, 256, 32768))
-# What a launcher picks on a GPU without e4m3 (compute capability below 8.9), for targets below sm_89.
+# What a launcher picks on a GPU without e4m3 (compute capability below 8.9), for targets below sm_89,
+# and without programmatic dependent launch (below 9.0: `dependent_launch`), for targets below sm_90.
 OLDER_GPU_E4M3 = {"E4M3_UPCAST": E4M3_BITS, "HW_E4M3": False}
+OLDER_GPU_PDL = {"PDL": False, "launch_pdl": False}
 _TYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -168,6 +170,8 @@ class Compiled:
     wgmma: int | None = None  # tensor-core instructions in the PTX: Hopper's warpgroup MMA
     mma_sync: int | None = None  # ... and the warp-level MMA of sm_80+
     conversions: tuple[str, ...] | None = None  # the PTX's kinds of `cvt` (`ptx_conversions`)
+    pdl: bool | None = None  # launched with programmatic dependent launch (Triton's `launch_pdl`)
+    before_wait: tuple[int, int, int] | None = None  # `memory_before_wait` of its PTX
     error: str | None = None
 
 
@@ -326,7 +330,8 @@ def _run_cache_launchers(
 
 def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> tuple[object, ...]:
     """Compiles to a cubin; returns (registers per thread, shared bytes per program, local bytes: spills,
-    then `tensor_core_instructions` and `ptx_conversions` of its PTX)."""
+    then `tensor_core_instructions`, `ptx_conversions`, whether it launches with PDL and
+    `memory_before_wait` of its PTX)."""
     source = ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs)
     compiled = triton.compile(source, target=target, options=launch.options)
     with tempfile.TemporaryDirectory() as directory:
@@ -339,7 +344,25 @@ def compile_launch(launch: Specialized, target: GPUTarget, cuobjdump: Path) -> t
     # Triton's shared memory is dynamic: the launch requests metadata.shared bytes, which cuobjdump's
     # static SHARED figure does not include.
     ptx = compiled.asm["ptx"]
-    return registers, compiled.metadata.shared, local, *tensor_core_instructions(ptx), ptx_conversions(ptx)
+    return (
+        registers, compiled.metadata.shared, local, *tensor_core_instructions(ptx), ptx_conversions(ptx),
+        bool(launch.options.get("launch_pdl")), memory_before_wait(ptx),
+    )  # fmt: skip
+
+
+def memory_before_wait(ptx: str) -> tuple[int, int, int] | None:
+    """(global loads, global stores and atomics, L2 prefetches) of a PTX before its first
+    `griddepcontrol.wait`, in program text (the kernels wait in their first block); None without one. A
+    kernel launched with PDL may run while the kernel before it still writes: before the wait it may load
+    only what never changes in a step (weights) and store nothing (`sluice.kernels.dependent_launch`)."""
+    head, wait, _ = ptx.partition("griddepcontrol.wait")
+    if not wait:
+        return None
+
+    def count(pattern: str) -> int:
+        return len(re.findall(rf"^\s*(?:@!?%p\d+\s+)?(?:{pattern})", head, re.MULTILINE))
+
+    return count(r"ld\.global|cp\.async"), count(r"st\.global|atom\.|red\."), count(r"prefetch\.global\.L2")
 
 
 def ptx_conversions(ptx: str) -> tuple[str, ...]:
@@ -385,15 +408,21 @@ def _distinct_launches(target: GPUTarget) -> Iterator[tuple[tuple[str, str, str,
     seen: set[str] = set()
     for shape, dtype in configs:
         for launch in record_launches(shape, dtype):
-            if target.arch < 89:  # no e4m3: what such a GPU picks (`store_kv.gpu_e4m3`)
-                older = {key: value for key, value in OLDER_GPU_E4M3.items() if key in launch.kwargs}
-                launch = Launch(launch.kernel, launch.args, {**launch.kwargs, **older})
+            launch = _as_older_gpu(launch, target.arch)
             specialized = specialize(launch, backend)
             if specialized.key in seen:
                 continue
             seen.add(specialized.key)
             names = (launch.kernel.__name__, shape, _TYPE_NAMES[dtype], specialized.describe_constexprs())
             yield names, specialized
+
+
+def _as_older_gpu(launch: Launch, arch: int) -> Launch:
+    """`launch` as a launcher picks it on a GPU of compute capability arch / 10: without e4m3 conversions
+    below sm_89 (`store_kv.gpu_e4m3`), without PDL below sm_90 (`dependent_launch`)."""
+    older = {**(OLDER_GPU_E4M3 if arch < 89 else {}), **(OLDER_GPU_PDL if arch < 90 else {})}
+    picked = {key: value for key, value in older.items() if key in launch.kwargs}
+    return Launch(launch.kernel, launch.args, {**launch.kwargs, **picked}) if picked else launch
 
 
 def _compile(

@@ -49,6 +49,7 @@ from sluice.benchmarks.gpu.attention_sweep import (
     sweep_cap_s,
     sweep_section,
 )
+from sluice.benchmarks.gpu.dependent_launch_step import bench_dependent_launch
 from sluice.benchmarks.gpu.gpu_benchmarks import (
     BENCH_CONTEXT,
     BLOCK_SIZE,
@@ -266,6 +267,8 @@ class GpuCheck:
             ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
             ("fusion", "Batch-1 graph step: rotary + K/V store fused or not (llama-3.2-1b shape)",
              self.fusion, True),
+            ("pdl", "Batch-1 graph step: programmatic dependent launch on or off (llama-3.2-1b shape)",
+             self.pdl, True),
             ("partitions", f"Batch-1 graph step: decode attention's splits and tile (llama-3.2-1b shape, "
              f"context {BENCH_CONTEXT})", self.partitions, True),
             ("step_kernels", f"Batch-1 graph step, kernel by kernel (llama-3.2-1b shape, context "
@@ -358,6 +361,18 @@ class GpuCheck:
         if rows[1][3] > GRAPH_MAX_REL_DIFF:
             raise CheckFailed(
                 f"fused and separate rotary + store depart by more than {GRAPH_MAX_REL_DIFF}\n\n{table}"
+            )
+        return table
+
+    def pdl(self) -> str:
+        rows = bench_dependent_launch(self.device)
+        self.figures["pdl"] = {"with_pdl_step_s": rows[0][1] / 1e3, "without_pdl_step_s": rows[1][1] / 1e3}
+        table = markdown_table(
+            ["launches", "graph step ms", "vs with PDL", "logits vs with PDL (max rel diff)"], rows
+        )
+        if rows[1][3] != 0.0:  # the same kernels, started earlier: the same bits, or a kernel reads too early
+            raise CheckFailed(
+                f"the logits with and without PDL differ: a kernel reads before its wait\n\n{table}"
             )
         return table
 

@@ -529,8 +529,9 @@ def test_sections_are_in_report_order_and_cuda_only_ones_skip_on_cpu():
     check = gpu_check.GpuCheck(torch.device("cpu"), skip_tests=True, skip_e2e=True)
     sections = check.sections()
     assert [key for key, _, _ in sections] == [
-        "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "partitions", "step_kernels",
-        "attention", "prefill", "mixed", "split_prefill", "goals", "kv_fp8", "attention_sweep", "end_to_end",
+        "tests", "parity", "tensor_parallel", "ceilings", "decode", "fusion", "pdl", "partitions",
+        "step_kernels", "attention", "prefill", "mixed", "split_prefill", "goals", "kv_fp8",
+        "attention_sweep", "end_to_end",
     ]  # fmt: skip
     assert sections[0][2]().startswith("skipped")
     assert all(body() == gpu_check.CUDA_ONLY for key, _, body in sections[2:])

@@ -122,9 +122,9 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
         tile = (
             f"BLOCK_M=1, BLOCK_N={config.block_n}, BLOCK_K={config.block_k}, AMAX_K={config.amax_tile_k(1)}, "
             f"DYNAMIC=True, PREFETCH={config.prefetch}, SPLIT_K={config.split_k}, STAGES={config.stages}, "
-            "CAPPED=False"
+            "CAPPED=False, PDL=True, PREFETCH_BYTES="
         )
-        variants = [r for r in gemv if r["constexprs"].endswith(tile)]
+        variants = [r for r in gemv if tile in r["constexprs"]]
         assert variants and all(r["local_bytes"] == 0 for r in variants), (config, variants)
     # Its split-K launches sum their partials in the skinny kernel's reduce, at one row.
     assert any(r["kernel"] == "_fp8_skinny_reduce_kernel" and "M=1," in r["constexprs"] for r in one_b)
@@ -195,6 +195,34 @@ def test_e4m3_values_are_made_and_read_with_the_gpus_own_conversions(compile_run
     fp8_reads = [r for r in results if r["kernel"] in ATTENTION_KERNELS and FP8_CACHE in r["constexprs"]]
     assert fp8_reads and all("cvt.rn.f16x2.e4m3x2" in r["conversions"] for r in fp8_reads)
     assert not [r for r in fp8_reads if "cvt.bf16.f16" in r["conversions"]]
+
+
+# What a kernel launched with PDL may load before its wait, never written in a step: the norm's weight, and
+# the one-row FP8 gemv's first weight tile when its config prefetches it (PREFETCH=True).
+LOADS_BEFORE_WAIT = {"_rms_norm_kernel": "", "_fp8_gemv_kernel": "PREFETCH=True"}
+PREFETCHING = {"_fp8_skinny_kernel", "_fp8_gemv_kernel"}  # ask L2 for their weights' first lines first
+
+
+def test_every_kernel_waits_for_the_kernel_before_it_before_it_touches_activations(compile_run):
+    """Programmatic dependent launch on sm_90 (`sluice.kernels.dependent_launch`), what the interpreter
+    never runs: every variant launches with it (`launch_pdl`, the PDL constexpr) and waits for the kernel
+    before it (`griddepcontrol.wait`) before any store or atomic and before any load but the weights of
+    LOADS_BEFORE_WAIT; the FP8 linears ask L2 for their weight rows before it (`prefetch.global.L2`), the
+    others ask for nothing. A load of activations above the wait would read the previous kernel's output
+    while it is being written."""
+    proc, results = compile_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(r["pdl"] and "PDL=True" in r["constexprs"].split(", ") for r in results)
+    for r in results:
+        loads, writes, prefetches = r["before_wait"]
+        allowed = LOADS_BEFORE_WAIT.get(r["kernel"])
+        assert writes == 0, r
+        assert loads == 0 or (allowed is not None and allowed in r["constexprs"]), r
+        prefetching = r["kernel"] in PREFETCHING and "PREFETCH_BYTES=0" not in r["constexprs"]
+        assert (prefetches > 0) == prefetching, r
+    assert [r for r in results if r["kernel"] == "_fp8_gemv_kernel" and r["before_wait"][0] > 0]
+    eight_b = [r for r in results if r["shape"] == "llama-3-8b" and r["kernel"] in PREFETCHING]
+    assert eight_b and all(r["before_wait"][2] > 0 for r in eight_b)
 
 
 def test_every_kv_cache_launch_compiles_over_an_fp8_cache_too(compile_run):

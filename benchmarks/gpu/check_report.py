@@ -216,7 +216,7 @@ def checks_section(results: dict[str, dict]) -> str:
 
 
 def environment(mode: str) -> tuple[str, str]:
-    """The device's name, and the versions that matter."""
+    """The device's name, and the versions that matter (on a GPU, also whether the kernels use PDL)."""
     import torch
 
     device = torch.cuda.get_device_name() if mode == "gpu" and torch.cuda.is_available() else "CPU"
@@ -227,10 +227,16 @@ def environment(mode: str) -> tuple[str, str]:
     except ImportError:
         triton_version = "none"
     cuda = torch.version.cuda or "none"
-    return (
-        device,
-        f"torch {torch.__version__}, CUDA {cuda}, triton {triton_version}, Python {sys.version.split()[0]}",
+    versions = (
+        f"torch {torch.__version__}, CUDA {cuda}, triton {triton_version}, Python {sys.version.split()[0]}"
     )
+    if device != "CPU":
+        from sluice.kernels.dependent_launch import dependent_launch
+
+        versions += (
+            f", programmatic dependent launch {'on' if dependent_launch(torch.device('cuda')) else 'off'}"
+        )
+    return device, versions
 
 
 def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[str, bool]:

@@ -10,10 +10,12 @@ between other launches), so that a Python wrapper's microseconds do not count as
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -206,17 +208,24 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
     return len(layers)
 
 
+# A graph step variant: (its kernels from the default KernelConfig, the longest context its graph is captured
+# for[, environment variables set while it is captured and timed, e.g. `dependent_launch.PDL_ENV`]).
+GraphVariant = (
+    tuple[Callable[[KernelConfig], KernelConfig], int]
+    | tuple[Callable[[KernelConfig], KernelConfig], int, dict[str, str]]
+)
+
+
 def time_batch1_graph_steps(
     device: torch.device,
     preset: str,
     context: int,
-    variants: Sequence[tuple[Callable[[KernelConfig], KernelConfig], int]],
+    variants: Sequence[GraphVariant],
     time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
 ) -> tuple[ModelArchConfig, list[tuple[float, float]]]:
     """The batch-1 CUDA-graph decode step of `preset` (random bf16 weights) at a `context`-token context,
-    once per variant: (the variant's kernels from the default KernelConfig, the longest context its graph
-    is captured for). Returns the preset's shape and, per variant, (seconds a step, the logits' max
-    relative difference from the first variant's); the layers get the default kernels back."""
+    once per variant (`GraphVariant`). Returns the preset's shape and, per variant, (seconds a step, the
+    logits' max relative difference from the first variant's); the layers get the default kernels back."""
     arch = preset_arch(preset)
     model = _random_model(arch, torch.bfloat16, device)
     kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
@@ -224,13 +233,16 @@ def time_batch1_graph_steps(
     inputs = decode_step_inputs(1, context, BLOCK_SIZE, device)
     timings, first = [], None
     with torch.inference_mode():
-        for variant, graph_context in variants:
+        for variant, graph_context, *environ in variants:
             select_attention(model, variant(kernels))
-            runner = CudaGraphRunner(model, kv_caches, 1, -(-graph_context // BLOCK_SIZE), BLOCK_SIZE, device)
-            runner.capture()
-            logits = _logits(model, runner.run(inputs), inputs).clone()
-            first = logits if first is None else first
-            seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
+            with mock.patch.dict(os.environ, environ[0] if environ else {}):
+                runner = CudaGraphRunner(
+                    model, kv_caches, 1, -(-graph_context // BLOCK_SIZE), BLOCK_SIZE, device
+                )
+                runner.capture()
+                logits = _logits(model, runner.run(inputs), inputs).clone()
+                first = logits if first is None else first
+                seconds = time_s(lambda r=runner: _logits(model, r.run(inputs), inputs))
             timings.append((seconds, relative_difference(logits, first)))
             del runner
         select_attention(model, kernels)

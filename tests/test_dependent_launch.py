@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (`sluice.kernels.dependent_launch`): when the launchers use it, and how much
+of their weights the FP8 linears ask L2 for before their wait. What the GPU compiles of it (every kernel
+waits before touching activations) is checked in test_kernels_compile.py, what it computes on a GPU by the
+GPU check's `pdl` section (the graph step's logits equal with and without it)."""
+
+from __future__ import annotations
+
+import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
+import pytest
+import torch
+
+from sluice.benchmarks.gpu import dependent_launch_step
+from sluice.kernels import dependent_launch
+from sluice.kernels.dependent_launch import (
+    L2_PREFETCH_BUDGET,
+    MAX_PREFETCH_ROW_BYTES,
+    PDL_ENV,
+    pdl_launch_options,
+    weight_prefetch_bytes,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_off_in_the_interpreter_and_with_the_switch_on_for_ahead_of_time_compiles(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dependent_launch.dependent_launch(CPU)
+    assert pdl_launch_options(CPU) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert dependent_launch.dependent_launch(
+        CPU
+    )  # scripts/compile_kernels.py's sm_90 compiles: as an H100/H200 launches
+    assert pdl_launch_options(CPU) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert not dependent_launch.dependent_launch(CPU)
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert dependent_launch.dependent_launch(CPU)
+
+
+@pytest.mark.parametrize(
+    ("programs", "rows", "row_bytes", "expected"),
+    [
+        (96 * 4, 64, 1024, 512),  # llama-3-8b qkv at one row: 96 channel blocks, K split in 4
+        (4096 // 8, 8, 4096, 4096),  # its o_proj on fp8_gemv (8 channels a program): all 16 MiB
+        (28672 // 32, 32, 4096, 512),  # gate_up: 896 programs of 32 channels
+        (64 * 4, 64, 3584, 1024),  # down_proj: 14,336 columns in 4 splits of 3,584
+        (2, 16, 1 << 20, MAX_PREFETCH_ROW_BYTES),  # a small launch: capped a row
+        (4, 16, 3000, 2048),  # a power of two, within the row's slice
+        (1 << 16, 64, 4096, 0),  # not one line a row within the budget: none
+        (8, 8, 100, 0),  # a slice narrower than a line
+    ],
+)
+def test_prefetch_is_a_power_of_two_of_lines_within_the_launchs_l2_budget(
+    monkeypatch, programs, rows, row_bytes, expected
+):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert weight_prefetch_bytes(CPU, programs, rows, row_bytes) == expected
+    assert programs * rows * expected <= L2_PREFETCH_BUDGET
+    monkeypatch.setenv(PDL_ENV, "0")  # without PDL the loads follow at once: nothing to prefetch
+    assert weight_prefetch_bytes(CPU, programs, rows, row_bytes) == 0
+
+
+def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without(monkeypatch):
+    """bench_dependent_launch on the tiny preset: every launch of the first graph sees PDL allowed, every
+    launch of the second SLUICE_PDL=0 (the interpreter launches without it either way), the logits are
+    equal and the switch is put back."""
+    seen = []
+
+    def spy(device: torch.device) -> bool:
+        seen.append(dependent_launch.os.environ.get(PDL_ENV))
+        return False
+
+    monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    times = iter([0.002, 0.003])
+    rows = dependent_launch_step.bench_dependent_launch(
+        CPU, preset="tiny", context=40, time_s=lambda fn: (fn(), next(times))[1]
+    )
+    assert seen and seen[: len(seen) // 2] == ["1"] * (len(seen) // 2)
+    assert seen[len(seen) // 2 :] == ["0"] * (len(seen) - len(seen) // 2)
+    assert [row[1:3] for row in rows] == [[2.0, 1.0], [3.0, 1.5]]
+    assert rows[1][3] == 0.0
+    assert PDL_ENV not in dependent_launch.os.environ
