@@ -284,9 +284,8 @@ def fp8_gemv(
         x_scale = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     programs = triton.cdiv(out_features, config.block_n)
     tile_k = config.tile_k(block_m)
-    split_len = (
-        triton.cdiv(triton.cdiv(in_features, tile_k), split_k) * tile_k
-    )  # the kernel's columns a split
+    # The columns a split takes, as the kernel cuts them (whole tiles)
+    split_len = triton.cdiv(triton.cdiv(in_features, tile_k), split_k) * tile_k
     _fp8_gemv_kernel[(programs, split_k)](
         out,
         x,
