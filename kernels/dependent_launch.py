@@ -36,12 +36,13 @@ batch-1 graph step with and without it and requires the same logits.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from sluice.kernels.compile_target import compiles_for_capability
 
 PDL_ENV = "SLUICE_PDL"  # "0": every launch without PDL
 L2_PREFETCH_BUDGET = 16 * 2**20  # bytes of weights the programs of one launch ask L2 for before their wait
@@ -51,16 +52,7 @@ CACHE_LINE = 128
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether launches on `device` use PDL: the launchers' `PDL` constexpr and Triton's `launch_pdl`."""
-    if os.environ.get(PDL_ENV) == "0" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if device.type == "cuda":
-        return _cuda_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
-    return True
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    return os.environ.get(PDL_ENV) != "0" and compiles_for_capability(device, (9, 0))
 
 
 def pdl_launch_options(device: torch.device) -> dict[str, bool]:

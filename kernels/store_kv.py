@@ -14,13 +14,11 @@ integer arithmetic that gives the same bits (`HW_E4M3`, a constexpr of every ker
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import compiles_for_capability
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.tensor_checks import FP8_KV_DTYPE, KVScales, check_store_kv_args
 
@@ -28,20 +26,11 @@ E4M3_MAX = 448.0
 
 
 def gpu_e4m3(device: torch.device) -> bool:
-    """Whether launches on `device` compile for a GPU with e4m3 conversions (compute capability 8.9+): a CUDA
-    device of one, or no GPU outside the interpreter (the ahead-of-time compiles of
-    scripts/compile_kernels.py, sm_90 unless told otherwise). False under TRITON_INTERPRET=1 and on older
-    GPUs. The launchers' HW_E4M3 (`quantize_e4m3`), and `paged_attention_tile.e4m3_upcast`'s choice."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if device.type == "cuda":
-        return _cuda_has_e4m3(device.index if device.index is not None else torch.cuda.current_device())
-    return True
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_has_e4m3(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    """Whether launches on `device` compile for a GPU with e4m3 conversions (compute capability 8.9+,
+    `compiles_for_capability`: also off a GPU outside the interpreter, for the ahead-of-time compiles).
+    False under TRITON_INTERPRET=1 and on older GPUs. The launchers' HW_E4M3 (`quantize_e4m3`), and
+    `paged_attention_tile.e4m3_upcast`'s choice."""
+    return compiles_for_capability(device, (8, 9))
 
 
 @triton.jit

@@ -1,0 +1,26 @@
+"""What a launch on a device compiles for: the launchers' choices that depend on the GPU's compute capability
+(`store_kv.gpu_e4m3`, `dependent_launch.dependent_launch`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def compiles_for_capability(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether launches on `device` compile for a GPU of at least `capability`: a CUDA device of one, or no
+    GPU outside the interpreter (the ahead-of-time compiles of scripts/compile_kernels.py, sm_90 unless told
+    otherwise). False under TRITON_INTERPRET=1."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_capability(index) >= capability
+    return True
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
