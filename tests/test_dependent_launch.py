@@ -5,6 +5,8 @@ GPU check's `pdl` section (the graph step's logits equal with and without it).""
 
 from __future__ import annotations
 
+import os
+
 import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
 import pytest
 import torch
@@ -68,7 +70,7 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without(monkeypatch
     seen = []
 
     def spy(device: torch.device) -> bool:
-        seen.append(dependent_launch.os.environ.get(PDL_ENV))
+        seen.append(os.environ.get(PDL_ENV))
         return False
 
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
@@ -81,4 +83,4 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without(monkeypatch
     assert seen[len(seen) // 2 :] == ["0"] * (len(seen) - len(seen) // 2)
     assert [row[1:3] for row in rows] == [[2.0, 1.0], [3.0, 1.5]]
     assert rows[1][3] == 0.0
-    assert PDL_ENV not in dependent_launch.os.environ
+    assert PDL_ENV not in os.environ
