@@ -63,9 +63,10 @@ def test_prefetch_is_a_power_of_two_of_lines_within_the_launchs_l2_budget(
     assert weight_prefetch_bytes(CPU, programs, rows, row_bytes) == 0
 
 
-def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without(monkeypatch):
-    """bench_dependent_launch on the tiny preset: every launch of the first graph sees PDL allowed, every
-    launch of the second SLUICE_PDL=0 (the interpreter launches without it either way), the logits are
+def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_kind_of_linear(monkeypatch):
+    """bench_dependent_launch on the tiny preset, with bf16 and with FP8 linears (quantized at load; on a
+    CPU their emulated matmul): every launch of each pair's first graph sees PDL allowed, every launch of
+    the second SLUICE_PDL=0 (the interpreter launches without it either way), the logits of a pair are
     equal and the switch is put back."""
     seen = []
 
@@ -75,12 +76,17 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without(monkeypatch
 
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
     monkeypatch.delenv(PDL_ENV, raising=False)
-    times = iter([0.002, 0.003])
+    times = iter([0.002, 0.003, 0.004, 0.005])
     rows = dependent_launch_step.bench_dependent_launch(
         CPU, preset="tiny", context=40, time_s=lambda fn: (fn(), next(times))[1]
     )
-    assert seen and seen[: len(seen) // 2] == ["1"] * (len(seen) // 2)
-    assert seen[len(seen) // 2 :] == ["0"] * (len(seen) - len(seen) // 2)
-    assert [row[1:3] for row in rows] == [[2.0, 1.0], [3.0, 1.5]]
-    assert rows[1][3] == 0.0
+    runs = [value for index, value in enumerate(seen) if index == 0 or seen[index - 1] != value]
+    assert runs == ["1", "0", "1", "0"]
+    assert [row[:4] for row in rows] == [
+        ["bf16", "with PDL (default on sm_90+)", 2.0, 1.0],
+        ["bf16", f"without ({PDL_ENV}=0)", 3.0, 1.5],
+        ["fp8", "with PDL (default on sm_90+)", 4.0, 1.0],
+        ["fp8", f"without ({PDL_ENV}=0)", 5.0, 1.25],
+    ]
+    assert [row[4] for row in rows] == [0.0] * 4
     assert PDL_ENV not in os.environ

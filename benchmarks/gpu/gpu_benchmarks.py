@@ -19,6 +19,7 @@ from unittest import mock
 
 import torch
 
+from sluice.engine.loading.fp8_config import Fp8Config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -147,18 +148,34 @@ def matmul_flops_per_s(device: torch.device, size: int = 8192) -> float:
 
 
 def triton_model(
-    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    fp8: Fp8Config | None = None,
 ) -> LlamaForCausalLM:
-    """Our model as ModelRunner builds it on CUDA: Triton attention, fused RMSNorm and rotary."""
-    kernels = KernelConfig.for_model(device, dtype, TritonAttentionBackend())
+    """Our model as ModelRunner builds it on CUDA: Triton attention, fused RMSNorm and rotary; with `fp8`,
+    FP8 linears (`--quantization fp8`: QUANTIZE_AT_LOAD)."""
+    kernels = _kernels(device, dtype, fp8)
     return LlamaForCausalLM(arch, kernels, max_positions)
 
 
-def _random_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    model = triton_model(arch, dtype, device, max_positions=4 * BENCH_CONTEXT)
+def _kernels(device: torch.device, dtype: torch.dtype, fp8: Fp8Config | None) -> KernelConfig:
+    quantization = "fp8" if fp8 is not None else None
+    return KernelConfig.for_model(device, dtype, TritonAttentionBackend(), quantization, fp8=fp8)
+
+
+def _random_model(
+    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, fp8: Fp8Config | None = None
+) -> LlamaForCausalLM:
+    model = triton_model(arch, dtype, device, max_positions=4 * BENCH_CONTEXT, fp8=fp8)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02)
+        if fp8 is not None:  # the random float weights quantized, as the loader's last pass does
+            for module in model.modules():
+                if hasattr(module, "process_weights_after_loading"):
+                    module.process_weights_after_loading()
     return model.eval()
 
 
@@ -222,13 +239,15 @@ def time_batch1_graph_steps(
     context: int,
     variants: Sequence[GraphVariant],
     time_s: Callable[[Callable[[], object]], float] = time_cuda_s,
+    fp8: Fp8Config | None = None,
 ) -> tuple[ModelArchConfig, list[tuple[float, float]]]:
-    """The batch-1 CUDA-graph decode step of `preset` (random bf16 weights) at a `context`-token context,
-    once per variant (`GraphVariant`). Returns the preset's shape and, per variant, (seconds a step, the
-    logits' max relative difference from the first variant's); the layers get the default kernels back."""
+    """The batch-1 CUDA-graph decode step of `preset` (random bf16 weights; with `fp8`, its linears
+    quantized to FP8 at load) at a `context`-token context, once per variant (`GraphVariant`). Returns the
+    preset's shape and, per variant, (seconds a step, the logits' max relative difference from the first
+    variant's); the layers get the default kernels back."""
     arch = preset_arch(preset)
-    model = _random_model(arch, torch.bfloat16, device)
-    kernels = KernelConfig.for_model(device, torch.bfloat16, TritonAttentionBackend())
+    model = _random_model(arch, torch.bfloat16, device, fp8)
+    kernels = _kernels(device, torch.bfloat16, fp8)
     kv_caches = random_kv_caches(arch, -(-context // BLOCK_SIZE) + 1, torch.bfloat16, device)
     inputs = decode_step_inputs(1, context, BLOCK_SIZE, device)
     timings, first = [], None
