@@ -77,17 +77,18 @@ def weight_prefetch_bytes(
 
 
 @triton.jit
-def prefetch_weight_rows(row_ptrs, k_lo, k_hi, PREFETCH_BYTES: tl.constexpr):
-    """Asks L2 for bytes [k_lo, k_lo + PREFETCH_BYTES) of each row at row_ptrs ([rows, 1] pointers to
-    bytes, each row valid over [0, k_hi)), one `prefetch.global.L2` per 128-byte line, clamped to k_hi - 1:
-    a hint that loads no register and cannot fault. PREFETCH_BYTES 0 (`weight_prefetch_bytes` without
-    PDL, the interpreter's case): nothing."""
+def prefetch_weight_rows(w_ptr, channels, N, stride_w, k_lo, k_hi, PREFETCH_BYTES: tl.constexpr):
+    """Asks L2 for bytes [k_lo, k_lo + PREFETCH_BYTES) of the weight rows `channels` ([rows] indices into
+    w_ptr's N rows of stride_w bytes, each valid over [0, k_hi)), one `prefetch.global.L2` per 128-byte
+    line, rows clamped to N - 1 and columns to k_hi - 1: a hint that loads no register and cannot fault.
+    PREFETCH_BYTES 0 (`weight_prefetch_bytes` without PDL, the interpreter's case): nothing."""
     if PREFETCH_BYTES > 0:
+        rows = w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w
         cols = tl.minimum(k_lo + tl.arange(0, PREFETCH_BYTES // 128) * 128, k_hi - 1)
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];",
             "=r,l",
-            [row_ptrs + cols[None, :]],
+            [rows + cols[None, :]],
             dtype=tl.int32,
             is_pure=False,
             pack=1,

@@ -204,9 +204,7 @@ def _fp8_gemv_kernel(
         w_next = tl.load(
             w_rows + k_lo + cols[None, :], mask=channel_mask[:, None] & (k_lo + cols < k_hi)[None, :], other=0
         )
-    prefetch_weight_rows(
-        w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w, k_lo, k_hi, PREFETCH_BYTES
-    )
+    prefetch_weight_rows(w_ptr, channels, N, stride_w, k_lo, k_hi, PREFETCH_BYTES)
     wait_prior_kernel(PDL)
 
     if DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it

@@ -206,15 +206,13 @@ def _fp8_skinny_kernel(
     split = tl.program_id(1)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
-    prefetch_weight_rows(
-        w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w, k_start, k_end, PREFETCH_BYTES
-    )
+    prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES)
     wait_prior_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     channel_mask = channels < N
     row_mask = rows < M
+    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE_BLOCK_N > 0:
