@@ -281,6 +281,13 @@ class EngineConfig:
         "structured output, penalties, min_tokens or speculation stay synchronous (default: on with one CUDA "
         "device, off on CPU and with tensor parallelism)",
     )
+    # Off until a GPU run times it (docs/GPU.md, the GPU check's `pdl` section): cuBLAS reads the 1b
+    # preset's bf16 weights at ~68% of the copy rate in a batch-1 step (run 15, H200).
+    skinny_linears: bool = option(
+        False,
+        "float linears of steps of up to 64 rows on Sluice's Triton split-K launch "
+        "(sluice.kernels.skinny_mm) instead of cuBLAS; needs the Triton kernels (a CUDA device); untimed",
+    )
     # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None
 

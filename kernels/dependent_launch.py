@@ -19,9 +19,10 @@ and its writes to be visible, so kernels without PDL (cuBLAS, torch's) before or
 always. The signal (`griddepcontrol.launch_dependents`) comes right after the wait, so at most the next
 kernel is placed early, never a chain of them.
 
-The FP8 linears of a decode step (`fp8_skinny_mm`, `fp8_gemv`) do one more thing before their wait: they ask
-L2 for the first bytes of their weight rows (`prefetch_weight_rows`, `prefetch.global.L2`: a hint, no
-register, no fault), so that a linear streams part of its weights while the norm, SiLU-and-mul or
+The FP8 linears of a decode step (`fp8_skinny_mm`, `fp8_gemv`; and the float ones where `skinny_linears`
+puts them on `skinny_mm`) do one more thing before their wait: they ask L2 for the first bytes of their
+weight rows (`prefetch_weight_rows`, `prefetch.global.L2`: a hint, no register, no fault), so that a
+linear streams part of its weights while the norm, SiLU-and-mul or
 attention before it still runs (at one row those are one or a few programs on one SM, 2-13 us each on
 the 8b FP8 step of run 15, while the other SMs idle). `weight_prefetch_bytes` sizes it so that a launch
 asks for at most L2_PREFETCH_BUDGET in all, well inside an H100/H200's 50 MB L2, where it stays until the
@@ -77,14 +78,17 @@ def weight_prefetch_bytes(
 
 
 @triton.jit
-def prefetch_weight_rows(w_ptr, channels, N, stride_w, k_lo, k_hi, PREFETCH_BYTES: tl.constexpr):
-    """Asks L2 for bytes [k_lo, k_lo + PREFETCH_BYTES) of the weight rows `channels` ([rows] indices into
-    w_ptr's N rows of stride_w bytes, each valid over [0, k_hi)), one `prefetch.global.L2` per 128-byte
-    line, rows clamped to N - 1 and columns to k_hi - 1: a hint that loads no register and cannot fault.
-    PREFETCH_BYTES 0 (`weight_prefetch_bytes` without PDL, the interpreter's case): nothing."""
+def prefetch_weight_rows(
+    w_ptr, channels, N, stride_w, k_lo, k_hi, PREFETCH_BYTES: tl.constexpr, ELEMENT_BYTES: tl.constexpr = 1
+):
+    """Asks L2 for PREFETCH_BYTES of the weight rows `channels` ([rows] indices into w_ptr's N rows of
+    stride_w elements of ELEMENT_BYTES, each valid over columns [0, k_hi)) from column k_lo on, one
+    `prefetch.global.L2` per 128-byte line, rows clamped to N - 1 and columns to k_hi - 1: a hint that
+    loads no register and cannot fault. PREFETCH_BYTES 0 (`weight_prefetch_bytes` without PDL, the
+    interpreter's case): nothing."""
     if PREFETCH_BYTES > 0:
         rows = w_ptr + tl.minimum(channels, N - 1)[:, None].to(tl.int64) * stride_w
-        cols = tl.minimum(k_lo + tl.arange(0, PREFETCH_BYTES // 128) * 128, k_hi - 1)
+        cols = tl.minimum(k_lo + tl.arange(0, PREFETCH_BYTES // 128) * (128 // ELEMENT_BYTES), k_hi - 1)
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];",
             "=r,l",

@@ -103,16 +103,16 @@ def skinny_config(out_features: int, in_features: int, sm_count: int, num_rows: 
         for most_rows, swept in SWEPT_CONFIGS.get((out_features, in_features), ()):
             if num_rows <= most_rows:
                 return swept
-    return _split_rule(SkinnyConfig(), out_features, in_features, sm_count)
+    return split_k_rule(SkinnyConfig(), out_features, in_features, sm_count)
 
 
 def block_skinny_config(out_features: int, in_features: int, sm_count: int, block_k: int) -> SkinnyConfig:
     """`skinny_config`'s rule for block scales: BLOCK_N 64, BLOCK_K = block_k (one K step is one scale
     block), the fewest K splits giving every SM 1.5 programs. Untuned: no sweep has run it."""
-    return _split_rule(SkinnyConfig(block_k=block_k), out_features, in_features, sm_count)
+    return split_k_rule(SkinnyConfig(block_k=block_k), out_features, in_features, sm_count)
 
 
-def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
+def split_k_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
     """`config` with the fewest K splits (powers of two, each at least BLOCK_K wide) that give every SM
     MIN_PROGRAMS_PER_SM programs of BLOCK_N output channels."""
     programs = triton.cdiv(out_features, config.block_n)
@@ -125,7 +125,7 @@ def _split_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_co
 
 
 @triton.jit
-def _workspace_offsets(split, rows, channels, M, N):
+def workspace_offsets(split, rows, channels, M, N):
     """Where split `split`'s partial sums of (rows, channels) sit in the workspace [SPLIT_K, M, N]."""
     return (split * M + rows).to(tl.int64) * N + channels
 
@@ -136,7 +136,7 @@ def _sum_splits(workspace_ptr, rows, channels, mask, M, N, SPLIT_K: tl.constexpr
     reduce paths (the reduce launch, `_add_splits_if_last`), so that they agree bit for bit."""
     total = tl.zeros(mask.shape, dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        partial = workspace_ptr + _workspace_offsets(split, rows, channels, M, N)
+        partial = workspace_ptr + workspace_offsets(split, rows, channels, M, N)
         if PAST_L1:  # written by other programs of this launch: read from L2, never a stale L1 line
             total += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
         else:
@@ -248,7 +248,7 @@ def _fp8_skinny_kernel(
             out_ptr + rows[None, :] * N + channels[:, None], y.to(out_ptr.dtype.element_ty), mask=out_mask
         )
     else:
-        partial = out_ptr + _workspace_offsets(split, rows[None, :], channels[:, None], M, N)
+        partial = out_ptr + workspace_offsets(split, rows[None, :], channels[:, None], M, N)
         tl.store(partial, acc, mask=out_mask)
         if FUSED_REDUCE:
             _add_splits_if_last(
@@ -411,8 +411,8 @@ def reduce_split_k(
 ) -> None:
     """y [M, N] (contiguous) = the split-K partial sums workspace [split_k, M, N] float32 added in split
     order, times `scales` = (x_scale: M or 1 values, contiguous, float32; weight_scale [N] float32): the
-    emulated path's order; None: the partial sums are scaled already (block scales). Shared by the FP8
-    kernels that split K (this one's two, `fp8_gemv`)."""
+    emulated path's order; None: the partial sums are scaled already (block scales) or unscaled (float
+    weights). Shared by the kernels that split K (this one's two, `fp8_gemv`, `skinny_mm`)."""
     split_k, num_rows, out_features = workspace.shape
     x_scale, weight_scale = scales if scales is not None else (workspace, workspace)  # unread when unscaled
     grid = (num_rows, triton.cdiv(out_features, REDUCE_BLOCK))

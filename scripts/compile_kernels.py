@@ -63,6 +63,7 @@ from sluice.kernels import (  # noqa: E402
     rotary,
     rotary_store_kv,
     silu_and_mul,
+    skinny_mm,
     store_kv,
 )
 from sluice.kernels.paged_attention_tile import E4M3_BITS  # noqa: E402
@@ -109,6 +110,7 @@ _KERNELS = (
     (fp8_block_mm, "_quantize_groups_kernel"),
     (fp8_block_mm, "_fp8_block_mm_kernel"),
     (fp8_block_gemv, "_fp8_block_gemv_kernel"),
+    (skinny_mm, "_skinny_kernel"),
 )
 
 
@@ -270,6 +272,12 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
                 config = fp8_skinny_mm.skinny_config(arch.hidden_size, width, sm_count, rows)
                 fused = replace(config, fused_reduce=True)
                 fp8_skinny_mm.fp8_skinny_mm(x_q, torch.ones(rows, 1), codes, scales, dtype, fused)
+        # The float linears on Sluice's launch (`skinny_linears`): one row and 64, o_proj's and down_proj's
+        # shapes, K split as on an H100.
+        for rows in (1, 64):
+            skinny_mm.skinny_mm(
+                torch.empty(rows, width, dtype=dtype), torch.empty(arch.hidden_size, width, dtype=dtype)
+            )
         # Block-wise FP8 checkpoints (128 x 128 weight blocks, activation groups of 128 columns): the group
         # quantization and the block-scaled product at one row and at 64 (both of its tiles), and the
         # one-launch gemv of their one-row steps.

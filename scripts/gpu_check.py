@@ -267,8 +267,8 @@ class GpuCheck:
             ("decode", f"Decode step, llama-3.2-1b shape, bf16, context {BENCH_CONTEXT}", self.decode, True),
             ("fusion", "Batch-1 graph step: rotary + K/V store fused or not (llama-3.2-1b shape)",
              self.fusion, True),
-            ("pdl", "Batch-1 graph step: programmatic dependent launch on or off, bf16 and FP8 linears "
-             "(llama-3.2-1b shape)",
+            ("pdl", "Batch-1 graph step: programmatic dependent launch on or off, bf16 linears (cuBLAS's, "
+             "Sluice's skinny launch) and FP8 ones (llama-3.2-1b shape)",
              self.pdl, True),
             ("partitions", f"Batch-1 graph step: decode attention's splits and tile (llama-3.2-1b shape, "
              f"context {BENCH_CONTEXT})", self.partitions, True),
@@ -368,7 +368,7 @@ class GpuCheck:
     def pdl(self) -> str:
         rows = bench_dependent_launch(self.device)
         self.figures["pdl"] = {
-            f"{row[0]}_{'with' if index % 2 == 0 else 'without'}_pdl_step_s": row[2] / 1e3
+            f"{row[0].replace(' ', '_')}_{'with' if index % 2 == 0 else 'without'}_pdl_step_s": row[2] / 1e3
             for index, row in enumerate(rows)
         }
         headers = ["linears", "launches", "graph step ms", "vs with PDL", "logits vs with PDL (max rel diff)"]

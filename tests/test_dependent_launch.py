@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sluice.benchmarks.gpu import dependent_launch_step
-from sluice.kernels import dependent_launch
+from sluice.kernels import dependent_launch, skinny_mm
 from sluice.kernels.dependent_launch import (
     L2_PREFETCH_BUDGET,
     MAX_PREFETCH_ROW_BYTES,
@@ -63,29 +63,43 @@ def test_prefetch_is_a_power_of_two_of_lines_within_the_launchs_l2_budget(
 
 
 def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_kind_of_linear(monkeypatch):
-    """bench_dependent_launch on the tiny preset, with bf16 and with FP8 linears (quantized at load; on a
-    CPU their emulated matmul): every launch of each pair's first graph sees PDL allowed, every launch of
-    the second SLUICE_PDL=0 (the interpreter launches without it either way), the logits of a pair are
-    equal and the switch is put back."""
-    seen = []
+    """bench_dependent_launch on the tiny preset, with bf16 linears on cuBLAS's path and on the skinny
+    launch, and with FP8 ones (quantized at load; on a CPU their emulated matmul): every launch of each
+    pair's first graph sees PDL allowed, every launch of the second SLUICE_PDL=0 (the interpreter launches
+    without it either way), only the skinny pair runs `skinny_mm`, the logits of a pair are equal and the
+    switch is put back."""
+    seen, skinny = [], []
 
     def spy(device: torch.device) -> bool:
         seen.append(os.environ.get(PDL_ENV))
         return False
 
+    launch = skinny_mm.skinny_mm
+
+    def skinny_spy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        skinny.append(os.environ.get(PDL_ENV))
+        return launch(x, weight)
+
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
+    monkeypatch.setattr(skinny_mm, "skinny_mm", skinny_spy)
     monkeypatch.delenv(PDL_ENV, raising=False)
-    times = iter([0.002, 0.003, 0.004, 0.005])
+    times = iter([0.002, 0.003, 0.004, 0.005, 0.006, 0.007])
     rows = dependent_launch_step.bench_dependent_launch(
         CPU, preset="tiny", context=40, time_s=lambda fn: (fn(), next(times))[1]
     )
     runs = [value for index, value in enumerate(seen) if index == 0 or seen[index - 1] != value]
-    assert runs == ["1", "0", "1", "0"]
+    assert runs == ["1", "0"] * 3
+    assert [value for index, value in enumerate(skinny) if index == 0 or skinny[index - 1] != value] == [
+        "1",
+        "0",
+    ]
     assert [row[:4] for row in rows] == [
         ["bf16", "with PDL (default on sm_90+)", 2.0, 1.0],
         ["bf16", f"without ({PDL_ENV}=0)", 3.0, 1.5],
-        ["fp8", "with PDL (default on sm_90+)", 4.0, 1.0],
-        ["fp8", f"without ({PDL_ENV}=0)", 5.0, 1.25],
+        ["bf16 skinny", "with PDL (default on sm_90+)", 4.0, 1.0],
+        ["bf16 skinny", f"without ({PDL_ENV}=0)", 5.0, 1.25],
+        ["fp8", "with PDL (default on sm_90+)", 6.0, 1.0],
+        ["fp8", f"without ({PDL_ENV}=0)", 7.0, 7 / 6],
     ]
-    assert [row[4] for row in rows] == [0.0] * 4
+    assert [row[4] for row in rows] == [0.0] * 6
     assert PDL_ENV not in os.environ

@@ -43,6 +43,8 @@ from sluice.engine.worker.attention.selector import FP8_KV_TRITON_NOTE
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, DecodeConfig
 
 REPO = Path(__file__).parent.parent
@@ -481,6 +483,18 @@ def test_the_fusion_section_switches_every_attention_layer():
     assert all(layer.fuse_rotary_store for layer in layers)
 
 
+def test_the_pdl_section_switches_every_float_linear_to_the_skinny_launch_and_back():
+    cpu = torch.device("cpu")
+    model = gpu_benchmarks.triton_model(preset_arch("tiny"), torch.float32, cpu)
+    kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    skinny = dataclasses.replace(kernels, skinny_linears=True)
+    assert gpu_benchmarks.select_float_linears(model, skinny) == len(linears) > 0
+    assert all(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
+    gpu_benchmarks.select_float_linears(model, kernels)
+    assert not any(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
+
+
 def test_the_partitions_section_gives_each_rows_tile_and_partition_to_every_decode_launch(monkeypatch):
     """bench_graph_step_partitions on the tiny preset (a short context, so interpreted kernels stay quick):
     each row's backend hands its partition size and tile to every layer's decode launch (the graph's split
@@ -550,7 +564,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
         "tests/test_model_parity.py\t-k\ttriton",
         "tests/test_kernels_fused_fp8_quant.py",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 14
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 15
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 
@@ -591,8 +605,10 @@ def test_the_parity_files_keyword_selects_its_triton_backend_only():
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     collected = [line for line in proc.stdout.splitlines() if line.startswith("tests/test_model_parity.py::")]
-    assert len(collected) == 3 * 6  # three tests over six checkpoints
-    assert all(line.endswith("-triton]") for line in collected)
+    parametrized = [line for line in collected if line.endswith("-triton]")]
+    assert len(parametrized) == 3 * 6  # three tests over six checkpoints
+    skinny = [line for line in collected if "::test_triton_skinny_linears_match_transformers[" in line]
+    assert len(skinny) == 2 and len(collected) == len(parametrized) + len(skinny)  # the skinny linears
 
 
 def test_the_kernel_tests_step_runs_the_files_the_knob_names(tmp_path: Path) -> None:

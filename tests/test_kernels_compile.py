@@ -37,6 +37,7 @@ KERNELS = {
     "_quantize_groups_kernel",
     "_fp8_block_mm_kernel",
     "_fp8_block_gemv_kernel",
+    "_skinny_kernel",
 }
 # The kernels that read or write the paged KV cache, launched again over an FP8 (e4m3) cache.
 CACHE_KERNELS = {
@@ -58,7 +59,7 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~350 variants (82 of them over an FP8 cache, 36 split-KV prefill, 22 of the FP8 activation quantization,
+# ~415 variants (82 of them over an FP8 cache, 36 split-KV prefill, 22 of the FP8 activation quantization,
 # ~40 of the batch-1 FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile
 # loops), compiled once for both tests, one per core at a time: about 90 s on a lightly loaded 2-core
 # machine; a machine shared with other jobs takes several times that.
@@ -93,6 +94,7 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
             "_fp8_block_mm_kernel",  # the same: its tiles' and the output dtype's
             "_fp8_block_gemv_kernel",  # the same: its tile's, the blocks' and the dtype's
             "_quantize_groups_kernel",  # the same: the group width and the groups a program holds
+            "_skinny_kernel",  # the same: its tile's and the dtype's
         }
     for dtype in ("bf16", "fp16", "fp32"):
         kernels = {kernel for kernel, s, d in compiled if s == "llama-3.2-1b" and d == dtype}
@@ -143,9 +145,10 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
 
 def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
     """The tensor-core instructions in each variant's PTX: every bf16 / fp16 attention variant's `tl.dot`
-    lowers to them; the prefill's 128-row tile (long prompts, the bulk of prefill FLOPs) and the FP8 GEMMs'
-    64-row tiles to Hopper's warpgroup wgmma, the decode kernel's GQA group (<= 16 rows) and the 16-row
-    tiles to mma.sync; fp32 attention ("ieee" products) and the kernels without a dot to neither."""
+    lowers to them; the prefill's 128-row tile (long prompts, the bulk of prefill FLOPs), the FP8 GEMMs'
+    64-row tiles and the skinny launches' 64-channel ones to Hopper's warpgroup wgmma, the decode kernel's
+    GQA group (<= 16 rows) and the 16-row tiles to mma.sync; fp32 attention and fp32 skinny products
+    ("ieee") and the kernels without a dot to neither."""
     proc, results = compile_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -165,11 +168,12 @@ def test_every_half_precision_dot_reaches_the_tensor_cores(compile_run):
         ops("_decode_partition_kernel", half),
     ):
         assert small and all(wgmma == 0 and mma > 0 for wgmma, mma in small)
-    for gemm in (ops("_fp8_block_mm_kernel", half, "BLOCK_M=64,"), ops("_fp8_skinny_kernel", half)):
+    gemms = ("_fp8_block_mm_kernel", "_fp8_skinny_kernel", "_skinny_kernel")
+    for gemm in (ops(gemms[0], half, "BLOCK_M=64,"), ops(gemms[1], half), ops(gemms[2], half)):
         assert gemm and all(wgmma > 0 for wgmma, _ in gemm)
-    for kernel in ATTENTION_KERNELS:
+    for kernel in (*ATTENTION_KERNELS, "_skinny_kernel"):
         assert ops(kernel, ("fp32",)) == {(0, 0)}
-    for kernel in KERNELS - ATTENTION_KERNELS - {"_fp8_block_mm_kernel", "_fp8_skinny_kernel"}:
+    for kernel in KERNELS - ATTENTION_KERNELS - set(gemms):
         assert ops(kernel, ("bf16", "fp16", "fp32")) == {(0, 0)}, kernel
 
 
@@ -200,7 +204,7 @@ def test_e4m3_values_are_made_and_read_with_the_gpus_own_conversions(compile_run
 # What a kernel launched with PDL may load before its wait, never written in a step: the norm's weight, and
 # the one-row FP8 gemv's first weight tile when its config prefetches it (PREFETCH=True).
 LOADS_BEFORE_WAIT = {"_rms_norm_kernel": "", "_fp8_gemv_kernel": "PREFETCH=True"}
-PREFETCHING = {"_fp8_skinny_kernel", "_fp8_gemv_kernel"}  # ask L2 for their weights' first lines first
+PREFETCHING = {"_fp8_skinny_kernel", "_fp8_gemv_kernel", "_skinny_kernel"}  # their weights' first lines
 
 
 def test_every_kernel_waits_for_the_kernel_before_it_before_it_touches_activations(compile_run):

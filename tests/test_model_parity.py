@@ -8,6 +8,7 @@ Three prompts are chunked across steps under a small token budget, so steps mix 
 with a cached prefix and fresh prefills, over interleaved (non-contiguous) block tables. Tolerance: the
 float32 logits of each prompt's last position match transformers' forward within rtol 1e-4, atol
 1e-4 * max|logit|; the greedy continuation equals transformers' generate(do_sample=False) token for token.
+The same with every linear on Sluice's Triton launch (`skinny_linears`) on Llama and Qwen2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from checkpoints import VOCAB_SIZE
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
 from sluice.engine.worker.model_runner import ModelRunner
 
 PROMPT_LENS = (5, 23, 40)
@@ -56,7 +59,7 @@ def _block_ids(index: int) -> tuple[int, ...]:
     return tuple(index + len(PROMPT_LENS) * i for i in range(BLOCKS_PER_REQUEST))
 
 
-def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
+def _run_sluice(directory: str, prompts: list[list[int]], backend: str, skinny_linears: bool = False):
     """A minimal first-come scheduler over the real runner. Returns (prompt-end logits, generated, steps)."""
     # The Triton kernels run compiled on a GPU, else in the interpreter (TRITON_INTERPRET=1) on CPU.
     interpreted = backend in ("torch", "cpu", "cpu-layers") or os.environ.get("TRITON_INTERPRET") == "1"
@@ -65,9 +68,14 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str):
         model=ModelConfig(model=directory, dtype="float32", device="cpu" if interpreted else "cuda"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(prompts) * BLOCKS_PER_REQUEST),
         attention_backend=attention_backend,
+        skinny_linears=skinny_linears,
     )
     runner = ModelRunner(config, load_model_source(config.model))
     assert runner.attention_backend.name == attention_backend
+    linears = [module for module in runner.model.modules() if isinstance(module, LinearBase)]
+    assert linears and all(
+        isinstance(linear.method, SkinnyLinearMethod) == skinny_linears for linear in linears
+    )
     arch = runner.arch
     stacked = attention_backend == "cpu" and arch.architecture in STACKED
     assert (runner.cpu_stack is not None) == stacked
@@ -159,6 +167,30 @@ def test_prompt_logits_match_transformers(runs) -> None:
 def test_greedy_tokens_match_transformers_generate(runs) -> None:
     (_, ours, _), (_, reference) = runs
     assert ours == reference
+
+
+@pytest.mark.parametrize("name", ["llama_dir", "qwen2_dir"])  # a tied lm_head; q, k, v biases
+def test_triton_skinny_linears_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
+    """Every linear on `sluice.kernels.skinny_mm` (the steps here have 1-20 rows)."""
+    directory = request.getfixturevalue(name)
+    ours, generated, _ = _run_sluice(directory, _prompts(), "triton", skinny_linears=True)
+    reference, reference_generated = _hf_reference(directory, _prompts())
+    for got, want in zip(ours, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert generated == reference_generated
+
+
+def test_skinny_linears_refuse_a_backend_without_them(llama_dir: str) -> None:
+    config = EngineConfig(
+        model=ModelConfig(model=llama_dir, device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=4),
+        attention_backend="torch",
+        skinny_linears=True,
+    )
+    with pytest.raises(
+        ValueError, match="^skinny_linears: needs the Triton kernels .* got the 'torch' backend$"
+    ):
+        ModelRunner(config, load_model_source(config.model))
 
 
 def test_runner_reports_shape_of_cache_and_model(llama_dir: str) -> None:

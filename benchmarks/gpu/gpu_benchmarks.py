@@ -29,6 +29,9 @@ from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear import LinearBase
+from sluice.engine.worker.layers.linear_method import UnquantizedLinearMethod
+from sluice.engine.worker.layers.quantization import float_linear_method
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
@@ -225,6 +228,19 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
     return len(layers)
 
 
+def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
+    """Give every linear of `model` in the model dtype the method `kernels` picks (cuBLAS's or Sluice's
+    skinny launch: `skinny_linears`; the same weight layout on a GPU); returns the layers."""
+    layers = [
+        module
+        for module in model.modules()
+        if isinstance(module, LinearBase) and isinstance(module.method, UnquantizedLinearMethod)
+    ]
+    for layer in layers:
+        layer.method = float_linear_method(kernels)
+    return len(layers)
+
+
 # A graph step variant: (its kernels from the default KernelConfig, the longest context its graph is captured
 # for[, environment variables set while it is captured and timed, e.g. `dependent_launch.PDL_ENV`]).
 GraphVariant = (
@@ -254,6 +270,7 @@ def time_batch1_graph_steps(
     with torch.inference_mode():
         for variant, graph_context, *environ in variants:
             select_attention(model, variant(kernels))
+            select_float_linears(model, variant(kernels))
             with mock.patch.dict(os.environ, environ[0] if environ else {}):
                 runner = CudaGraphRunner(
                     model, kv_caches, 1, -(-graph_context // BLOCK_SIZE), BLOCK_SIZE, device
@@ -265,6 +282,7 @@ def time_batch1_graph_steps(
             timings.append((seconds, relative_difference(logits, first)))
             del runner
         select_attention(model, kernels)
+        select_float_linears(model, kernels)
     return arch, timings
 
 

@@ -50,6 +50,8 @@ KERNEL_TESTS = (
     KernelTestFile("tests/test_kernels_fp8_gemv.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
     KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
+    # The float linears on the same launch (`skinny_linears`, off by default), against the float64 product.
+    KernelTestFile("tests/test_kernels_skinny_mm.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),
     # The block linears' one-row gemv: every check but its tile sweep against the reference, which runs
     # its rule's tile in bf16 there (each tile, dtype and row count is a compile of its own).

@@ -153,6 +153,7 @@ class ModelRunner:
             fp8=fp8,
             kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
             tensor_parallel=self.tensor_parallel,
+            skinny_linears=self.config.skinny_linears,
         )
 
     def forward(

@@ -54,6 +54,8 @@ class KernelConfig:
         token 0.85-0.98 on llama-3-8b, 0.76-0.83 on llama-3.2-1b; per group of 128, 2.1-4.2 and 1.1-2.0
         (hence off); the one-pass SiLU-and-mul per token 0.91-1.09 and 0.82-0.89, per group 0.64-0.85 and
         0.62-0.76 (run 11's two-pass kernel took 2x the unfused launches; off until run 12).
+    skinny_linears: the float linears run steps of up to 64 rows on `sluice.kernels.skinny_mm` (the
+        `SkinnyLinearMethod`) instead of cuBLAS; needs the Triton kernels (`triton`). Off: untimed.
     """
 
     device: torch.device
@@ -69,6 +71,7 @@ class KernelConfig:
     fuse_fp8_quant_norm: bool = True
     fuse_fp8_quant_norm_groups: bool = False
     fuse_fp8_quant_silu: bool = True
+    skinny_linears: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -86,6 +89,12 @@ class KernelConfig:
             raise ValueError(f"fp8: an Fp8Config goes with quantization 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in (None, torch.float8_e4m3fn):
             raise ValueError(f"kv_cache_dtype: None or torch.float8_e4m3fn, got {self.kv_cache_dtype}")
+        if self.skinny_linears and not self.triton:
+            backend = getattr(self.attention_backend, "name", None)
+            raise ValueError(
+                "skinny_linears: needs the Triton kernels (a Triton attention backend: a CUDA device, or "
+                f"TRITON_INTERPRET=1 on cpu), got the {backend!r} backend"
+            )
 
     @classmethod
     def for_model(
@@ -98,6 +107,7 @@ class KernelConfig:
         fp8: Fp8Config | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         tensor_parallel: TensorParallelGroup | None = None,
+        skinny_linears: bool = False,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
         once; a kernel that cannot be built is logged and its ops run plain PyTorch. A CUDA device's
@@ -117,6 +127,7 @@ class KernelConfig:
             kv_cache_dtype,
             capability,
             tensor_parallel,
+            skinny_linears=skinny_linears,
         )
 
     @property

@@ -21,6 +21,9 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
                               decode-sized steps, docs/BENCHMARKS.md). The packed tensor replaces the
                               weight's data, so memory stays flat, except for a weight tied to the
                               embeddings, which keeps its rows for the lookups and gets a packed copy.
+    SkinnyLinearMethod        the same weight; steps of up to 64 rows run Sluice's Triton split-K launch
+                              (`sluice.kernels.skinny_mm`) instead of cuBLAS (`KernelConfig.skinny_linears`,
+                              off by default: untimed on a GPU)
     CpuQuantizedLinearMethod  `sluice.engine.worker.layers.quantization`: int4 / int8 on CPU
     Fp8LinearMethod           `sluice.engine.worker.layers.fp8_linear`: e4m3 weights, FP8 checkpoints
 """
@@ -28,6 +31,7 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import import_module
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -119,6 +123,27 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(column_major={self.column_major})"
+
+
+class SkinnyLinearMethod(UnquantizedLinearMethod):
+    """weight [output_size, input_size] row-major in the model dtype; x of up to the kernel's MAX_ROWS rows
+    (64) runs `sluice.kernels.skinny_mm.skinny_mm` (then + bias), more rows `F.linear`. Where the Triton
+    kernels run (`KernelConfig.skinny_linears` checks)."""
+
+    def __init__(self) -> None:
+        super().__init__(column_major=False)
+        module = import_module("sluice.kernels.skinny_mm")  # imported only when chosen: triton is optional
+        self._skinny_mm, self.max_rows = module.skinny_mm, module.MAX_ROWS
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows:
+            return F.linear(x, layer.weight, bias)
+        y = self._skinny_mm(rows, layer.weight).view(*x.shape[:-1], layer.weight.shape[0])
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
 class CpuPackedLinearMethod(UnquantizedLinearMethod):

@@ -27,6 +27,7 @@ from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear_method import (
     CpuPackedLinearMethod,
     LinearMethod,
+    SkinnyLinearMethod,
     UnquantizedLinearMethod,
 )
 from sluice.kernels.cpu_decoder_stack import QuantizedArgs
@@ -154,15 +155,22 @@ class CpuQuantizedLinearMethod(LinearMethod):
         return f"{type(self).__name__}({self.quantization!r}, {self.float_method!r})"
 
 
+def float_linear_method(kernels: KernelConfig) -> UnquantizedLinearMethod:
+    """The method of a layer in the model dtype under `kernels`: Sluice's skinny launch where asked, the
+    C++ panels for float32 on CPU where built, else `F.linear` (column-major weights on CPU)."""
+    if kernels.skinny_linears:
+        return SkinnyLinearMethod()
+    if kernels.runs_cpu_kernel(CPU_PACKED_LINEAR):
+        return CpuPackedLinearMethod()
+    return UnquantizedLinearMethod(column_major=kernels.device.type == "cpu")
+
+
 def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> LinearMethod:
     """The method of linear layer `layer` (module name `prefix`, e.g. "model.layers.0.mlp.down_proj") under
     `kernels`. Under int4, lm_head takes int8: its error reaches the logits directly, and it is a tenth of the
     weights. Under fp8, the layers its `Fp8Config` leaves out take the float method. Raises ValueError
     naming `quantization` when the layer cannot be quantized so."""
-    if kernels.runs_cpu_kernel(CPU_PACKED_LINEAR):
-        float_method: UnquantizedLinearMethod = CpuPackedLinearMethod()
-    else:
-        float_method = UnquantizedLinearMethod(column_major=kernels.device.type == "cpu")
+    float_method = float_linear_method(kernels)
     if kernels.fp8 is not None:
         scheme = kernels.fp8.scheme_for(prefix)
         if scheme is None:

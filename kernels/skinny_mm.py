@@ -1,0 +1,164 @@
+"""A float linear (bf16, fp16; fp32 for the interpreter's tests) for 1 to 64 rows: `fp8_skinny_mm`'s launch
+on unquantized weights, so that a decode step's bf16 linears can be Sluice's own instead of cuBLAS's.
+
+    y[m, n] = sum_k x[m, k] * w[n, k]      fp32 accumulator, rounded to x's dtype once
+
+As `fp8_skinny_mm`: the weight is the product's tall operand ("swap AB"), a program computes BLOCK_N output
+channels for all rows (BLOCK_M, the rows padded to 16-64, the MMA's narrow side) over a slice of K, and K is
+split over programs (`split_k_rule`: every SM gets 1.5 programs) with the fp32 partial sums added by the same
+reduce launch (`reduce_split_k`, unscaled), in split order:
+
+    grid (cdiv(N, BLOCK_N), SPLIT_K)
+    acc [BLOCK_N, BLOCK_M] += dot(w_tile [BLOCK_N, BLOCK_K], x_tile^T [BLOCK_K, BLOCK_M])
+
+BLOCK_K is 64 (`float_skinny_config`): the FP8 launch's 128 columns in bytes. With programmatic dependent
+launch (sm_90+) each program asks L2 for the first bytes of its weight rows before it waits for the kernel
+ahead of it (`sluice.kernels.dependent_launch`), so a linear starts streaming its weight while the norm,
+SiLU-and-mul or attention before it still runs.
+
+Why: on an H200 (run 15, docs/perf/) cuBLAS's bf16 linears of the llama-3.2-1b batch-1 graph step read
+their weights at ~68% of the copy rate, 800 us of the 1,299 us step, where the step's goal (issue 33) is 879
+us in all; the FP8 skinny launch reads the llama-3-8b FP8 step's qkv / gate_up / down weights at ~83% of
+it. Whether this launch does as well on bf16 weights, and whether its early weight stream pays, is the GPU
+check's `pdl` section's "bf16, skinny" pair (`KernelConfig.skinny_linears`, off by default): written and
+checked under the interpreter on 2026-12-01, never timed on a GPU. fp32 operands multiply in IEEE fp32
+(not TF32), a correctness path only; under the interpreter bf16 tiles are widened to fp32 before the dot
+(`dot_settings`: its bf16 products are wrong there), the same exact products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sluice.kernels.dependent_launch import (
+    pdl_launch_options,
+    prefetch_weight_rows,
+    wait_prior_kernel,
+    weight_prefetch_bytes,
+)
+from sluice.kernels.fp8_skinny_mm import (
+    MAX_ROWS,
+    SkinnyConfig,
+    reduce_split_k,
+    split_k_rule,
+    workspace_offsets,
+)
+from sluice.kernels.paged_attention_tile import dot_settings
+from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.tensor_checks import check_shape, check_tensor
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_BLOCK_K = 64  # columns per step: 128 bytes of a bf16 row, as the FP8 launch's 128 e4m3 columns
+
+
+def float_skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
+    """BLOCK_N 64, BLOCK_K 64 and `split_k_rule`'s K splits (every SM 1.5 programs). Untuned: no sweep has
+    run it."""
+    return split_k_rule(SkinnyConfig(block_k=FLOAT_BLOCK_K), out_features, in_features, sm_count)
+
+
+@triton.jit
+def _skinny_kernel(
+    out_ptr,  # SPLIT_K == 1: y [M, N] x's dtype; else the workspace [SPLIT_K, M, N] float32
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_x,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    ELEMENT_BYTES: tl.constexpr,  # the weight's
+    INPUT_PRECISION: tl.constexpr,  # `dot_settings`': "ieee" for fp32 operands
+    UPCAST: tl.constexpr,  # `dot_settings`': bf16 widened to fp32 before the dot (the interpreter only)
+    PDL: tl.constexpr = False,
+    PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
+):
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES, ELEMENT_BYTES)
+    wait_prior_kernel(PDL)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    channel_mask = channels < N
+    row_mask = rows < M
+    w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+    x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for start in range(k_start, k_end, BLOCK_K):
+        k = start + cols
+        k_mask = k < k_end
+        w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        if UPCAST:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
+    out_mask = row_mask[None, :] & channel_mask[:, None]
+    if SPLIT_K == 1:
+        y = out_ptr + rows[None, :] * N + channels[:, None]
+        tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(
+            out_ptr + workspace_offsets(split, rows[None, :], channels[:, None], M, N), acc, mask=out_mask
+        )
+
+
+def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, unit last stride) @ weight [N, K] (row-major, x's dtype: bfloat16, float16
+    or float32) -> y [M, N] in x's dtype, as the module docstring; `config` None: `float_skinny_config`.
+    Raises ValueError naming a bad argument."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"x: at most {MAX_ROWS} rows, got {num_rows}")
+    check_shape("weight", weight, (out_features, in_features))
+    if config is None:
+        config = float_skinny_config(out_features, in_features, device_sm_count(x.device))
+    y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or out_features == 0:
+        return y
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns
+    out = (
+        y
+        if split_k == 1
+        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
+    )
+    channel_blocks = triton.cdiv(out_features, config.block_n)
+    row_bytes = k_per_split * weight.element_size()
+    input_precision, upcast = dot_settings(x.dtype)
+    _skinny_kernel[(channel_blocks, split_k)](
+        out,
+        x,
+        weight,
+        num_rows,
+        out_features,
+        in_features,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(num_rows)),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=split_k,
+        ELEMENT_BYTES=weight.element_size(),
+        INPUT_PRECISION=input_precision,
+        UPCAST=upcast,
+        PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, row_bytes),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl_launch_options(y.device),
+    )
+    if split_k > 1:
+        reduce_split_k(y, out, None)
+    return y

@@ -1,0 +1,93 @@
+"""`skinny_mm` (the float linear on the swapped, split-K launch) against the product in float64: rows 1-64,
+K split or not, shapes off the tiles, fp32, fp16 and bf16 (bf16 widened to fp32 under the interpreter, whose
+bf16 dot is wrong), its default config, bad arguments; and `SkinnyLinearMethod` on a layer (bias, more
+rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from paged_batch import DEVICE, KERNEL_DTYPES
+
+from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
+from sluice.kernels.fp8_skinny_mm import MAX_ROWS, SkinnyConfig
+from sluice.kernels.skinny_mm import FLOAT_BLOCK_K, float_skinny_config, skinny_mm
+
+
+def _inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype).to(DEVICE)
+    return x, weight
+
+
+def _assert_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    want = x.double() @ weight.double().t()  # the exact products; the kernel sums them in fp32
+    # fp32: IEEE products, on the GPU too; 16-bit outputs: one rounding at the end (bf16: 2^-8 relative)
+    rtol = 1e-5 if got.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 33, 64])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_matches_the_product(rows, split_k, dtype):
+    x, weight = _inputs(rows, 96, 320, dtype)  # N, K off the 64 x 64 tile
+    got = skinny_mm(x, weight, SkinnyConfig(block_n=64, block_k=FLOAT_BLOCK_K, split_k=split_k))
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    _assert_close(got, x, weight)
+
+
+def test_split_k_sums_every_column_once():
+    """K of 320 in splits of 64 columns and more (up to 5 splits; an eighth would have none)."""
+    x, weight = _inputs(5, 64, 320, torch.float32, seed=3)
+    for split_k in (1, 2, 4, 8):
+        _assert_close(skinny_mm(x, weight, SkinnyConfig(block_k=FLOAT_BLOCK_K, split_k=split_k)), x, weight)
+
+
+def test_the_default_config_splits_k_until_every_sm_has_work():
+    """llama-3.2-1b's linears on 132 SMs: 1.5 programs an SM, K slices of at least 64 columns."""
+    assert float_skinny_config(3072, 2048, 132) == SkinnyConfig(block_k=64, split_k=8)  # 48 channel blocks
+    assert float_skinny_config(2048, 8192, 132) == SkinnyConfig(block_k=64, split_k=8)  # down: 32
+    assert float_skinny_config(16384, 2048, 132) == SkinnyConfig(block_k=64, split_k=1)  # gate_up: 256
+    assert float_skinny_config(64, 128, 132).split_k == 2  # K stops it: two slices of 64
+    x, weight = _inputs(2, 64, 512, torch.float32, seed=5)
+    _assert_close(skinny_mm(x, weight), x, weight)  # this device's config
+
+
+def test_no_rows_and_no_channels_give_empty_outputs():
+    x, weight = _inputs(0, 32, 64, torch.float32)
+    assert skinny_mm(x, weight).shape == (0, 32)
+    x, weight = _inputs(2, 0, 64, torch.float32)
+    assert skinny_mm(x, weight).shape == (2, 0)
+
+
+def test_bad_arguments_name_the_argument():
+    x, weight = _inputs(2, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match=f"^x: at most {MAX_ROWS} rows, got {MAX_ROWS + 1}$"):
+        skinny_mm(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="^weight: dtype torch.float16 is not one of"):
+        skinny_mm(x, weight.half())
+    with pytest.raises(ValueError, match=r"^weight: expected shape \(32, 64\), got \(32, 48\)$"):
+        skinny_mm(x, weight[:, :48].contiguous())
+    with pytest.raises(ValueError, match="^x: dtype torch.int32 is not one of"):
+        skinny_mm(x.int(), weight)
+    with pytest.raises(ValueError, match="^weight: last dim must be contiguous"):
+        skinny_mm(x, weight.t().contiguous().t())
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+@pytest.mark.parametrize("rows", [1, MAX_ROWS, MAX_ROWS + 1])  # the last one on F.linear
+def test_the_linear_method_adds_the_bias_and_keeps_the_leading_dims(rows):
+    x, weight = _inputs(rows, 48, 128, torch.float32, seed=7)
+    bias = torch.randn(48).to(DEVICE)
+    got = SkinnyLinearMethod().apply(_Layer(weight), x.view(rows, 1, 128), bias)
+    assert got.shape == (rows, 1, 48)
+    want = F.linear(x.double(), weight.double(), bias.double()).view(rows, 1, 48)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
