@@ -16,17 +16,24 @@ launch (sm_90+) each program asks L2 for the first bytes of its weight rows befo
 ahead of it (`sluice.kernels.dependent_launch`), so a linear starts streaming its weight while the norm,
 SiLU-and-mul or attention before it still runs.
 
+`gated=True` (a SiLU-gated MLP's down_proj, `KernelConfig.fuse_silu_skinny`): x is the gate_up projection's
+[M, 2 * K] = [gate | up] and each x tile is made as it is loaded, silu(gate) * up by `silu_and_mul`'s own
+jit helper (the same roundings), so y is bit for bit `skinny_mm(silu_and_mul(x), w)` with one launch and
+one write and read of the activated rows fewer (16 launches of the 1b's step, 32 of the 8b's).
+
 Why: on an H200 (run 15, docs/perf/) cuBLAS's bf16 linears of the llama-3.2-1b batch-1 graph step read
 their weights at ~68% of the copy rate, 800 us of the 1,299 us step, where the step's goal (issue 33) is 879
 us in all; the FP8 skinny launch reads the llama-3-8b FP8 step's qkv / gate_up / down weights at ~83% of
 it. Whether this launch does as well on bf16 weights, and whether its early weight stream pays, is the GPU
-check's `pdl` section's "bf16, skinny" pair (`KernelConfig.skinny_linears`, off by default): written and
+check's `pdl` section's "bf16 skinny" rows (`KernelConfig.skinny_linears`, off by default): written and
 checked under the interpreter on 2026-12-01, never timed on a GPU. fp32 operands multiply in IEEE fp32
 (not TF32), a correctness path only; under the interpreter bf16 tiles are widened to fp32 before the dot
 (`dot_settings`: its bf16 products are wrong there), the same exact products.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -47,12 +54,14 @@ from sluice.kernels.fp8_skinny_mm import (
 )
 from sluice.kernels.paged_attention_tile import dot_settings
 from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.silu_and_mul import silu_and_mul_tile
 from sluice.kernels.tensor_checks import check_shape, check_tensor
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_BLOCK_K = 64  # columns per step: 128 bytes of a bf16 row, as the FP8 launch's 128 e4m3 columns
 
 
+@functools.cache  # a few shapes a model, asked at every eager launch
 def float_skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
     """BLOCK_N 64, BLOCK_K 64 and `split_k_rule`'s K splits (every SM 1.5 programs). Untuned: no sweep has
     run it."""
@@ -77,6 +86,7 @@ def _skinny_kernel(
     ELEMENT_BYTES: tl.constexpr,  # the weight's
     INPUT_PRECISION: tl.constexpr,  # `dot_settings`': "ieee" for fp32 operands
     UPCAST: tl.constexpr,  # `dot_settings`': bf16 widened to fp32 before the dot (the interpreter only)
+    GATED_D: tl.constexpr = 0,  # > 0: x_ptr holds [gate | up] rows, each GATED_D (= K) wide
     PDL: tl.constexpr = False,
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
@@ -92,12 +102,17 @@ def _skinny_kernel(
     row_mask = rows < M
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
+    if GATED_D > 0:  # the padding rows read row M - 1 (their sums are never stored)
+        x_cols = x_ptr + tl.minimum(rows, M - 1)[None, :].to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for start in range(k_start, k_end, BLOCK_K):
         k = start + cols
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        if GATED_D > 0:  # K slices are whole tiles: only the last split's last tile passes K, masked here
+            x = silu_and_mul_tile(x_cols, k[:, None], GATED_D)
+        else:
+            x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
@@ -111,9 +126,13 @@ def _skinny_kernel(
         )
 
 
-def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_mm(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, gated: bool = False
+) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, unit last stride) @ weight [N, K] (row-major, x's dtype: bfloat16, float16
     or float32) -> y [M, N] in x's dtype, as the module docstring; `config` None: `float_skinny_config`.
+    `gated`: x is [M, 2 * K] = [gate | up] and the product's input is silu(gate) * up, bit for bit
+    `sluice.kernels.silu_and_mul.silu_and_mul(x)` (its jit helper), made as each tile is loaded.
     Raises ValueError naming a bad argument."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
@@ -121,6 +140,10 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None
     out_features = weight.shape[0]
     if num_rows > MAX_ROWS:
         raise ValueError(f"x: at most {MAX_ROWS} rows, got {num_rows}")
+    if gated:
+        if in_features % 2:
+            raise ValueError(f"x: gated rows are [gate | up], an even width, got {in_features}")
+        in_features //= 2
     check_shape("weight", weight, (out_features, in_features))
     if config is None:
         config = float_skinny_config(out_features, in_features, device_sm_count(x.device))
@@ -152,6 +175,7 @@ def skinny_mm(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
         ELEMENT_BYTES=weight.element_size(),
+        GATED_D=in_features if gated else 0,
         INPUT_PRECISION=input_precision,
         UPCAST=upcast,
         PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, row_bytes),

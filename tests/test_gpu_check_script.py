@@ -41,6 +41,7 @@ from sluice.engine.loading.presets import preset_arch
 from sluice.engine.worker.attention import triton_backend
 from sluice.engine.worker.attention.selector import FP8_KV_TRITON_NOTE
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.worker.layers.activation import SiluAndMul
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
@@ -489,8 +490,12 @@ def test_the_pdl_section_switches_every_float_linear_to_the_skinny_launch_and_ba
     kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     skinny = dataclasses.replace(kernels, skinny_linears=True)
+    activations = [m for m in model.modules() if isinstance(m, SiluAndMul)]
     assert gpu_benchmarks.select_float_linears(model, skinny) == len(linears) > 0
     assert all(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
+    assert activations and all(op.fuses_into_linear for op in activations)
+    gpu_benchmarks.select_float_linears(model, dataclasses.replace(skinny, fuse_silu_skinny=False))
+    assert not any(op.fuses_into_linear for op in activations)
     gpu_benchmarks.select_float_linears(model, kernels)
     assert not any(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
 

@@ -140,6 +140,9 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     # acq_rel counter), compiled without spilling beside the two-launch variants.
     fused = [r for r in one_b if "FUSED_REDUCE=True" in r["constexprs"]]
     assert fused and all("SPLIT_K=1," not in r["constexprs"] and r["local_bytes"] == 0 for r in fused), fused
+    # The float skinny launch of down_proj on [gate | up] rows (SiLU-and-mul in its loads), without spills.
+    gated = [r for r in one_b if r["kernel"] == "_skinny_kernel" and "GATED_D=0," not in r["constexprs"]]
+    assert gated and all("GATED_D=8192," in r["constexprs"] and r["local_bytes"] == 0 for r in gated), gated
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from paged_batch import DEVICE, KERNEL_DTYPES
 
-from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
+from sluice.engine.worker.layers.linear_method import GatedRows, SkinnyLinearMethod
 from sluice.kernels.fp8_skinny_mm import MAX_ROWS, SkinnyConfig
+from sluice.kernels.silu_and_mul import silu_and_mul
 from sluice.kernels.skinny_mm import FLOAT_BLOCK_K, float_skinny_config, skinny_mm
 
 
@@ -37,6 +38,20 @@ def test_matches_the_product(rows, split_k, dtype):
     got = skinny_mm(x, weight, SkinnyConfig(block_n=64, block_k=FLOAT_BLOCK_K, split_k=split_k))
     assert got.shape == (rows, 96) and got.dtype == dtype
     _assert_close(got, x, weight)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gated_rows_are_bit_for_bit_silu_and_mul_then_the_product(rows, split_k, dtype):
+    """[gate | up] activated as each tile is loaded: the same bits as silu_and_mul's launch, then skinny_mm
+    (the padding rows of 5 read row 4; K of 320 ends inside the last split's tile)."""
+    gate_up, weight = _inputs(rows, 96, 640, dtype, seed=11)
+    weight = weight[:, :320].contiguous()
+    config = SkinnyConfig(block_k=FLOAT_BLOCK_K, split_k=split_k)
+    got = skinny_mm(gate_up, weight, config, gated=True)
+    assert torch.equal(got, skinny_mm(silu_and_mul(gate_up), weight, config))
+    _assert_close(got, silu_and_mul(gate_up), weight)
 
 
 def test_split_k_sums_every_column_once():
@@ -75,6 +90,10 @@ def test_bad_arguments_name_the_argument():
         skinny_mm(x.int(), weight)
     with pytest.raises(ValueError, match="^weight: last dim must be contiguous"):
         skinny_mm(x, weight.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"^x: gated rows are \[gate \| up\], an even width, got 63$"):
+        skinny_mm(x[:, :63].contiguous(), weight, gated=True)
+    with pytest.raises(ValueError, match=r"^weight: expected shape \(32, 32\), got \(32, 64\)$"):
+        skinny_mm(x, weight, gated=True)  # 64 columns of [gate | up]: a 32-wide input
 
 
 class _Layer(torch.nn.Module):
@@ -91,3 +110,13 @@ def test_the_linear_method_adds_the_bias_and_keeps_the_leading_dims(rows):
     assert got.shape == (rows, 1, 48)
     want = F.linear(x.double(), weight.double(), bias.double()).view(rows, 1, 48)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_linear_method_takes_gated_rows_up_to_the_kernels_rows():
+    gate_up, weight = _inputs(MAX_ROWS + 1, 48, 256, torch.float32, seed=9)
+    layer, method = _Layer(weight[:, :128].contiguous()), SkinnyLinearMethod()
+    assert method.gated_input(layer, MAX_ROWS) and not method.gated_input(layer, MAX_ROWS + 1)
+    got = method.apply(layer, GatedRows(gate_up[:3]), None)
+    assert torch.equal(got, skinny_mm(silu_and_mul(gate_up[:3]), layer.weight))
+    with pytest.raises(ValueError, match=f"^x: at most {MAX_ROWS} gated rows, got {MAX_ROWS + 1}$"):
+        method.apply(layer, GatedRows(gate_up), None)

@@ -22,6 +22,7 @@ from checkpoints import VOCAB_SIZE
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.worker.layers.activation import SiluAndMul
 from sluice.engine.worker.layers.linear import LinearBase
 from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
 from sluice.engine.worker.model_runner import ModelRunner
@@ -76,6 +77,9 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str, skinny_l
     assert linears and all(
         isinstance(linear.method, SkinnyLinearMethod) == skinny_linears for linear in linears
     )
+    # ... and their MLPs' SiLU-and-mul runs in down_proj's launch (all but Gemma's GELU)
+    silu = [module for module in runner.model.modules() if isinstance(module, SiluAndMul)]
+    assert all(op.fuses_into_linear == skinny_linears for op in silu)
     arch = runner.arch
     stacked = attention_backend == "cpu" and arch.architecture in STACKED
     assert (runner.cpu_stack is not None) == stacked
@@ -171,7 +175,8 @@ def test_greedy_tokens_match_transformers_generate(runs) -> None:
 
 @pytest.mark.parametrize("name", ["llama_dir", "qwen2_dir"])  # a tied lm_head; q, k, v biases
 def test_triton_skinny_linears_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
-    """Every linear on `sluice.kernels.skinny_mm` (the steps here have 1-20 rows)."""
+    """Every linear on `sluice.kernels.skinny_mm` (the steps here have 1-20 rows), SiLU-and-mul in
+    down_proj's launch."""
     directory = request.getfixturevalue(name)
     ours, generated, _ = _run_sluice(directory, _prompts(), "triton", skinny_linears=True)
     reference, reference_generated = _hf_reference(directory, _prompts())

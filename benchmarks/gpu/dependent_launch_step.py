@@ -4,7 +4,9 @@ linears on cuBLAS, bf16 linears on Sluice's skinny launch (`skinny_linears`: `sl
 which asks L2 for its weights before its wait) and FP8 ones: the GPU check's `pdl` section. PDL changes
 when kernels start, never what they compute, so a pair's logits must be equal bit for bit; a difference
 means a kernel read something before its wait. The first two pairs' "with" rows are also cuBLAS against
-Sluice's linears in the same step (issue 33's 1b batch-1 step: docs/GPU.md)."""
+Sluice's linears in the same step (issue 33's 1b batch-1 step: docs/GPU.md). The skinny model runs
+SiLU-and-mul inside down_proj's launch (`fuse_silu_skinny`); one more row of it runs its own launch, the
+same bits (the gated loads are `silu_and_mul`'s jit helper), so its logits must equal the pair's too."""
 
 from __future__ import annotations
 
@@ -33,12 +35,26 @@ def bench_dependent_launch(
     for linears, fp8 in (("bf16", None), ("bf16 skinny", None), ("fp8", QUANTIZE_AT_LOAD)):
         select = _skinny_linears if linears == "bf16 skinny" else _default_linears
         variants = [(select, context, {PDL_ENV: "1"}), (select, context, {PDL_ENV: "0"})]
-        _, ((with_s, _), (without_s, difference)) = time_batch1_graph_steps(
-            device, preset, context, variants, time_s, fp8
-        )
-        rows.append([linears, "with PDL (default on sm_90+)", with_s * 1e3, 1.0, 0.0])
-        rows.append([linears, f"without ({PDL_ENV}=0)", without_s * 1e3, without_s / with_s, difference])
+        if linears == "bf16 skinny":
+            variants.append((_silu_apart, context, {PDL_ENV: "1"}))
+        _, ((with_s, _), *others) = time_batch1_graph_steps(device, preset, context, variants, time_s, fp8)
+        rows.append([linears, WITH_PDL, with_s * 1e3, 1.0, 0.0])
+        for label, (seconds, difference) in zip((WITHOUT_PDL, SILU_APART), others, strict=False):
+            rows.append([linears, label, seconds * 1e3, seconds / with_s, difference])
     return rows
+
+
+WITH_PDL = "with PDL (default on sm_90+)"
+WITHOUT_PDL = f"without ({PDL_ENV}=0)"
+SILU_APART = "with PDL, SiLU-and-mul in its own launch"
+_FIGURE_SUFFIXES = {WITH_PDL: "with_pdl", WITHOUT_PDL: "without_pdl", SILU_APART: "silu_apart"}
+
+
+def dependent_launch_figures(rows: list[list[object]]) -> dict[str, float]:
+    """The results file's figures of `bench_dependent_launch`'s rows: "<linears>_<variant>_step_s"."""
+    return {
+        f"{str(row[0]).replace(' ', '_')}_{_FIGURE_SUFFIXES[row[1]]}_step_s": row[2] / 1e3 for row in rows
+    }
 
 
 def _default_linears(kernels: KernelConfig) -> KernelConfig:
@@ -47,3 +63,7 @@ def _default_linears(kernels: KernelConfig) -> KernelConfig:
 
 def _skinny_linears(kernels: KernelConfig) -> KernelConfig:
     return dataclasses.replace(kernels, skinny_linears=True)
+
+
+def _silu_apart(kernels: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(kernels, skinny_linears=True, fuse_silu_skinny=False)

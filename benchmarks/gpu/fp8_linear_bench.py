@@ -13,6 +13,8 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
                 the fastest config of a sweep sharing the cap
     fused       where that default config splits K: the same with `fused_reduce` (each channel block's
                 last split adds the partial sums up in the same launch, instead of a reduce launch)
+    bf16 skinny sluice.kernels.skinny_mm on the bf16 weight, its default config (`--skinny-linears`: the
+                float linears on the FP8 skinny launch; "bf16 skinny / bf16" against F.linear); up to 64 rows
     block 128   the same weight in 128 x 128 blocks (DeepSeek-V3 / Qwen3-FP8 checkpoints): quantize_fp8_groups
                 + fp8_block_mm (sluice.kernels.fp8_block_mm); up to 8 rows also fp8_block_gemv (one launch,
                 which no block linear runs since run 12), and up to 64 rows quantize_fp8_groups +
@@ -61,6 +63,7 @@ from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
 from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.skinny_mm import skinny_mm
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
@@ -204,6 +207,7 @@ class Row:
     block_s: float | None = None
     block_gemv_s: float | None = None
     block_skinny_s: float | None = None
+    bf16_skinny_s: float | None = None
 
     def block_served_s(self) -> float | None:
         """The block linears' time as they run this step: the skinny matmul where `block_runs_skinny`, else
@@ -259,6 +263,9 @@ def bench_linear(
             got = _block_skinny(x, *weights.block[0])
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(got, block_want))
             row.block_skinny_s = time_calls_s([partial(_block_skinny, x, *w) for w in weights.block], device)
+        if rows <= SKINNY_MAX_ROWS:
+            row.max_rel_diff = max(row.max_rel_diff, _rel_diff(skinny_mm(x, weights.bf16[0]), want))
+            row.bf16_skinny_s = time_calls_s([partial(skinny_mm, x, w) for w in weights.bf16], device)
         if runs_skinny(rows, linear.out_features, linear.in_features):  # one row too past GEMV_MAX_WEIGHT
             row.max_rel_diff = max(row.max_rel_diff, _rel_diff(_skinny(x, *weights.fp8[0]), want))
             row.skinny_s = time_calls_s([partial(_skinny, x, *w) for w in weights.fp8], device)
@@ -370,9 +377,10 @@ def table(rows: Sequence[Row]) -> str:
     lines = [
         "| linear | N x K | M | bf16 us | scaled_mm us | gemv us | gemv best us (tile) | skinny us "
         "| skinny fused reduce us | skinny best us (config) | best fp8 / bf16 | best fp8 GB/s | block 128 us "
-        "| block gemv us | block skinny us | block / bf16 | max rel diff vs bf16 |",
+        "| block gemv us | block skinny us | block / bf16 | max rel diff vs bf16 | bf16 skinny us "
+        "| bf16 skinny / bf16 |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- "
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         fp8 = row.fp8_times()
@@ -390,7 +398,7 @@ def table(rows: Sequence[Row]) -> str:
             f"| {'' if best is None else f'{linear.out_features * linear.in_features / best / 1e9:.0f}'} "
             f"| {_us(row.block_s)} | {_us(row.block_gemv_s)} | {_us(row.block_skinny_s)} "
             f"| {_ratio(row.block_served_s(), row.bf16_s)} "
-            f"| {row.max_rel_diff:.3g} |"
+            f"| {row.max_rel_diff:.3g} | {_us(row.bf16_skinny_s)} | {_ratio(row.bf16_skinny_s, row.bf16_s)} |"
         )
     return "\n".join(lines)
 
@@ -400,8 +408,9 @@ def layer_table(rows: Sequence[Row]) -> str:
     lines = [
         "| model | M | bf16 us | fp8 as served us (gemv where `runs_gemv`, skinny where `runs_skinny`, "
         "else scaled_mm) | best fp8 us "
-        "| served / bf16 | best / bf16 | block 128 as served us | block / bf16 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| served / bf16 | best / bf16 | block 128 as served us | block / bf16 | bf16 skinny us "
+        "| bf16 skinny / bf16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_model_and_m = sorted(rows, key=lambda r: (r.linear.model, r.rows))  # stable: the linears in order
     for (model, m), group in itertools.groupby(by_model_and_m, key=lambda r: (r.linear.model, r.rows)):
@@ -413,9 +422,12 @@ def layer_table(rows: Sequence[Row]) -> str:
         served = None if None in served_parts else sum(served_parts)
         best = None if None in best_parts else sum(best_parts)
         block = None if None in block_parts else sum(block_parts)
+        skinny_parts = [r.bf16_skinny_s for r in group]
+        skinny = None if None in skinny_parts else sum(skinny_parts)
         lines.append(
             f"| {model} | {m} | {_us(bf16)} | {_us(served)} | {_us(best)} "
-            f"| {_ratio(served, bf16)} | {_ratio(best, bf16)} | {_us(block)} | {_ratio(block, bf16)} |"
+            f"| {_ratio(served, bf16)} | {_ratio(best, bf16)} | {_us(block)} | {_ratio(block, bf16)} "
+            f"| {_us(skinny)} | {_ratio(skinny, bf16)} |"
         )
     return "\n".join(lines)
 

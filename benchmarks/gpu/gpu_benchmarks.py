@@ -27,6 +27,7 @@ from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
+from sluice.engine.worker.layers.activation import GatedActivation
 from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
@@ -230,7 +231,8 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
 
 def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     """Give every linear of `model` in the model dtype the method `kernels` picks (cuBLAS's or Sluice's
-    skinny launch: `skinny_linears`; the same weight layout on a GPU); returns the layers."""
+    skinny launch: `skinny_linears`; the same weight layout on a GPU), and re-select the MLPs' activations
+    (whether SiLU-and-mul runs in down_proj's launch: `fuse_silu_skinny`); returns the linears."""
     layers = [
         module
         for module in model.modules()
@@ -238,6 +240,9 @@ def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     ]
     for layer in layers:
         layer.method = float_linear_method(kernels)
+    for module in model.modules():
+        if isinstance(module, GatedActivation):
+            module.select(kernels)
     return len(layers)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear_method import GatedRows
 from sluice.kernels.cpu_silu_and_mul import EXTENSION as CPU_SILU_AND_MUL
 from sluice.kernels.cpu_silu_and_mul import cpu_silu_and_mul_prechecked
 
@@ -30,7 +31,8 @@ class SiluAndMul(GatedActivation):
     """silu(gate) * up (Llama, Mistral, Qwen), rounded as transformers' MLP rounds it; triton: one pass of
     `sluice.kernels.silu_and_mul` (the gate_up output read once); cpu: one pass of the C++ kernel
     `sluice.kernels.cpu_silu_and_mul`. On triton, where the consumer linear takes its input quantized to FP8
-    this step, `activate_for` writes the codes and scales instead (`silu_and_mul_fp8_quant`)."""
+    this step, `activate_for` writes the codes and scales instead (`silu_and_mul_fp8_quant`); where it
+    activates [gate | up] itself (`skinny_linears`: `gated_input`), it hands over gate_up untouched."""
 
     implementations = ("triton", "cpu", "native")
     cpu_kernel = CPU_SILU_AND_MUL
@@ -38,22 +40,31 @@ class SiluAndMul(GatedActivation):
     def __init__(self) -> None:
         super().__init__()
         self.fuses_fp8_quant = False
+        self.fuses_into_linear = False
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
         # only an FP8 model asks its linears (`quantized_input`): others keep the plain call per step
         fp8 = kernels.quantization == "fp8"
         self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_silu
+        self.fuses_into_linear = (
+            self.implementation == "triton" and kernels.skinny_linears and kernels.fuse_silu_skinny
+        )
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.silu_and_mul")
             self._triton_silu_and_mul = module.silu_and_mul
             self._triton_silu_and_mul_fp8_quant = module.silu_and_mul_fp8_quant
 
-    def activate_for(self, linear: LinearBase, gate_up: torch.Tensor) -> torch.Tensor | Fp8Activations:
-        """silu(gate) * up as `linear`'s input: its FP8 codes and scales where `linear.quantized_input`
-        asks for them for these rows (and this op runs the Triton kernel), else the activated tensor. Under
-        tensor parallelism gate_up is this rank's columns and `linear` the row-parallel down_proj holding the
+    def activate_for(
+        self, linear: LinearBase, gate_up: torch.Tensor
+    ) -> torch.Tensor | Fp8Activations | GatedRows:
+        """silu(gate) * up as `linear`'s input: gate_up itself where `linear.gated_input` takes these rows
+        (and this op fuses into it), its FP8 codes and scales where `linear.quantized_input` asks for them
+        for these rows (and this op runs the Triton kernel), else the activated tensor. Under tensor
+        parallelism gate_up is this rank's columns and `linear` the row-parallel down_proj holding the
         matching input columns: each row's amax is over this rank's part, as the linear's own launch takes."""
+        if self.fuses_into_linear and linear.gated_input(gate_up.shape[0]):
+            return GatedRows(gate_up)
         scheme = linear.quantized_input(gate_up.shape[0]) if self.fuses_fp8_quant else None
         if scheme is None:
             return self(gate_up)

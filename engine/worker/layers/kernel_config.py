@@ -56,6 +56,9 @@ class KernelConfig:
         0.62-0.76 (run 11's two-pass kernel took 2x the unfused launches; off until run 12).
     skinny_linears: the float linears run steps of up to 64 rows on `sluice.kernels.skinny_mm` (the
         `SkinnyLinearMethod`) instead of cuBLAS; needs the Triton kernels (`triton`). Off: untimed.
+    fuse_silu_skinny: with skinny_linears, SiLU-and-mul runs inside down_proj's launch (`GatedRows`: the
+        same bits, one launch fewer a layer); False: its own launch (the GPU check's `pdl` section's
+        "SiLU-and-mul apart" row).
     """
 
     device: torch.device
@@ -72,6 +75,7 @@ class KernelConfig:
     fuse_fp8_quant_norm_groups: bool = False
     fuse_fp8_quant_silu: bool = True
     skinny_linears: bool = False
+    fuse_silu_skinny: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

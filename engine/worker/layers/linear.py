@@ -27,7 +27,7 @@ from torch import nn
 from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
 from sluice.engine.worker.layers.kernel_config import KernelConfig
-from sluice.engine.worker.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from sluice.engine.worker.layers.linear_method import GatedRows, LinearMethod, UnquantizedLinearMethod
 from sluice.engine.worker.layers.quantization import linear_method_for
 
 
@@ -108,8 +108,14 @@ class LinearBase(nn.Module):
         an `Fp8Activations` (the method's `quantized_input`); None: pass the float x."""
         return self.method.quantized_input(self, num_rows)
 
-    def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
-        """x [..., input_size] (or its FP8 codes where `quantized_input` said so) -> [..., output_size]."""
+    def gated_input(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` may hand `forward` a SiLU-gated MLP's [gate | up] rows unactivated,
+        as `GatedRows` (the method's `gated_input`: its launch activates them)."""
+        return self.method.gated_input(self, num_rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activations | GatedRows) -> torch.Tensor:
+        """x [..., input_size] (or its FP8 codes where `quantized_input` said so, or [gate | up] where
+        `gated_input` did) -> [..., output_size]."""
         return self.method.apply(self, x, self.bias)
 
 

@@ -23,7 +23,8 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
                               embeddings, which keeps its rows for the lookups and gets a packed copy.
     SkinnyLinearMethod        the same weight; steps of up to 64 rows run Sluice's Triton split-K launch
                               (`sluice.kernels.skinny_mm`) instead of cuBLAS (`KernelConfig.skinny_linears`,
-                              off by default: untimed on a GPU)
+                              off by default: untimed on a GPU); as a SiLU-gated MLP's down_proj it takes
+                              the [gate | up] rows and activates them in its own loads (`gated_input`)
     CpuQuantizedLinearMethod  `sluice.engine.worker.layers.quantization`: int4 / int8 on CPU
     Fp8LinearMethod           `sluice.engine.worker.layers.fp8_linear`: e4m3 weights, FP8 checkpoints
 """
@@ -31,6 +32,7 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import import_module
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -44,6 +46,14 @@ from sluice.kernels.cpu_packed_linear import pack_weight, packed_linear_precheck
 if TYPE_CHECKING:
     from sluice.engine.worker.layers.fp8_activations import Fp8InputScheme
     from sluice.engine.worker.layers.linear import LinearBase
+
+
+@dataclass(frozen=True)
+class GatedRows:
+    """A linear's input handed over unactivated: gate_up [T, 2 * d] = [gate | up], the input being
+    silu(gate) * up [T, d], made by the linear's own launch (where `LinearMethod.gated_input` said so)."""
+
+    gate_up: torch.Tensor
 
 
 class LinearMethod:
@@ -89,6 +99,10 @@ class LinearMethod:
         but FP8's): `apply` takes the float x."""
         return None
 
+    def gated_input(self, layer: LinearBase, num_rows: int) -> bool:
+        """Whether `apply` takes a step of `num_rows` rows as `GatedRows` (SiLU-and-mul in its launch)."""
+        return False
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -127,19 +141,30 @@ class UnquantizedLinearMethod(LinearMethod):
 
 class SkinnyLinearMethod(UnquantizedLinearMethod):
     """weight [output_size, input_size] row-major in the model dtype; x of up to the kernel's MAX_ROWS rows
-    (64) runs `sluice.kernels.skinny_mm.skinny_mm` (then + bias), more rows `F.linear`. Where the Triton
-    kernels run (`KernelConfig.skinny_linears` checks)."""
+    (64) runs `sluice.kernels.skinny_mm.skinny_mm` (then + bias), more rows `F.linear`; `GatedRows` of up
+    to MAX_ROWS rows its gated launch (`gated_input`). Where the Triton kernels run (`KernelConfig.
+    skinny_linears` checks)."""
 
     def __init__(self) -> None:
         super().__init__(column_major=False)
         module = import_module("sluice.kernels.skinny_mm")  # imported only when chosen: triton is optional
         self._skinny_mm, self.max_rows = module.skinny_mm, module.MAX_ROWS
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def gated_input(self, layer: LinearBase, num_rows: int) -> bool:
+        return num_rows <= self.max_rows
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | GatedRows, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        gated = isinstance(x, GatedRows)
+        if gated:
+            x = x.gate_up
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_rows:
+            if gated:  # `gated_input` said no
+                raise ValueError(f"x: at most {self.max_rows} gated rows, got {rows.shape[0]}")
             return F.linear(x, layer.weight, bias)
-        y = self._skinny_mm(rows, layer.weight).view(*x.shape[:-1], layer.weight.shape[0])
+        y = self._skinny_mm(rows, layer.weight, gated=gated).view(*x.shape[:-1], layer.weight.shape[0])
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:
