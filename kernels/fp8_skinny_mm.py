@@ -125,6 +125,16 @@ def split_k_rule(config: SkinnyConfig, out_features: int, in_features: int, sm_c
 
 
 @triton.jit
+def split_program(K, k_per_split, BLOCK_N: tl.constexpr):
+    """A program of a (cdiv(N, BLOCK_N), SPLIT_K) grid: its BLOCK_N output channels, its split and the
+    split's columns [k_start, k_end)."""
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    return channels, split, k_start, tl.minimum(k_start + k_per_split, K)
+
+
+@triton.jit
 def workspace_offsets(split, rows, channels, M, N):
     """Where split `split`'s partial sums of (rows, channels) sit in the workspace [SPLIT_K, M, N]."""
     return (split * M + rows).to(tl.int64) * N + channels
@@ -202,10 +212,7 @@ def _fp8_skinny_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
-    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    channels, split, k_start, k_end = split_program(K, k_per_split, BLOCK_N)
     prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES)
     wait_prior_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -345,13 +352,7 @@ def _launch(
     if num_rows == 0 or out_features == 0:
         return y
     block_m = max(16, triton.next_power_of_2(num_rows))
-    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns
-    out = (
-        y
-        if split_k == 1
-        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
-    )
+    k_per_split, split_k, out = split_k_output(y, in_features, config)
     blocks = scale_block_n is not None
     channel_blocks = triton.cdiv(out_features, config.block_n)
     counters = split_counters(y.device, channel_blocks) if config.fused_reduce and split_k > 1 else None
@@ -385,6 +386,17 @@ def _launch(
     if split_k > 1 and counters is None:
         reduce_split_k(y, out, None if blocks else (x_scale, weight_scale))
     return y
+
+
+def split_k_output(y: torch.Tensor, in_features: int, config: SkinnyConfig) -> tuple[int, int, torch.Tensor]:
+    """(columns a split, splits, where the launch writes) for y [M, N] over `in_features` columns: splits
+    of whole BLOCK_K tiles, at most config.split_k and each with columns; y itself for one split, else a
+    float32 workspace [splits, M, N] for `reduce_split_k`."""
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(in_features, k_per_split)
+    if split_k == 1:
+        return k_per_split, split_k, y
+    return k_per_split, split_k, torch.empty((split_k, *y.shape), dtype=torch.float32, device=y.device)
 
 
 SPLIT_COUNTERS = 1 << 16  # channel blocks a fused-reduce launch may have (llama-3-8b's most: 448)

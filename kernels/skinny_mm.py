@@ -49,7 +49,9 @@ from sluice.kernels.fp8_skinny_mm import (
     MAX_ROWS,
     SkinnyConfig,
     reduce_split_k,
+    split_k_output,
     split_k_rule,
+    split_program,
     workspace_offsets,
 )
 from sluice.kernels.paged_attention_tile import dot_settings
@@ -90,10 +92,7 @@ def _skinny_kernel(
     PDL: tl.constexpr = False,
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
-    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    channels, split, k_start, k_end = split_program(K, k_per_split, BLOCK_N)
     prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES, ELEMENT_BYTES)
     wait_prior_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -150,13 +149,7 @@ def skinny_mm(
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return y
-    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(in_features, k_per_split)  # at most config.split_k; every split has columns
-    out = (
-        y
-        if split_k == 1
-        else torch.empty((split_k, num_rows, out_features), dtype=torch.float32, device=y.device)
-    )
+    k_per_split, split_k, out = split_k_output(y, in_features, config)
     channel_blocks = triton.cdiv(out_features, config.block_n)
     row_bytes = k_per_split * weight.element_size()
     input_precision, upcast = dot_settings(x.dtype)

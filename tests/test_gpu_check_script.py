@@ -472,10 +472,15 @@ def test_report_keeps_every_section_and_records_failures(tmp_path):
     assert text.endswith("## after\n\nstill measured\n")
 
 
-def test_the_fusion_section_switches_every_attention_layer():
+def _tiny_triton_model() -> tuple[torch.nn.Module, KernelConfig]:
+    """The tiny preset with the Triton kernels on CPU (interpreted), and its default kernels."""
     cpu = torch.device("cpu")
     model = gpu_benchmarks.triton_model(preset_arch("tiny"), torch.float32, cpu)
-    kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
+    return model, KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
+
+
+def test_the_fusion_section_switches_every_attention_layer():
+    model, kernels = _tiny_triton_model()
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     separate = dataclasses.replace(kernels, fuse_rotary_store=False)
     assert gpu_benchmarks.select_attention(model, separate) == len(layers) > 0
@@ -485,9 +490,7 @@ def test_the_fusion_section_switches_every_attention_layer():
 
 
 def test_the_pdl_section_switches_every_float_linear_to_the_skinny_launch_and_back():
-    cpu = torch.device("cpu")
-    model = gpu_benchmarks.triton_model(preset_arch("tiny"), torch.float32, cpu)
-    kernels = KernelConfig.for_model(cpu, torch.float32, TritonAttentionBackend())
+    model, kernels = _tiny_triton_model()
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     skinny = dataclasses.replace(kernels, skinny_linears=True)
     activations = [m for m in model.modules() if isinstance(m, SiluAndMul)]
