@@ -21,6 +21,16 @@ SiLU-and-mul or attention before it still runs.
 jit helper (the same roundings), so y is bit for bit `skinny_mm(silu_and_mul(x), w)` with one launch and
 one write and read of the activated rows fewer (16 launches of the 1b's step, 32 of the 8b's).
 
+`norm=RowNorm(weight, eps, residual, residual_out)` (qkv_proj and gate_up_proj after the decoder's RMSNorms,
+`KernelConfig.fuse_norm_skinny`; one row, NORM_MAX_ROWS): x is the norm's input and each x tile is
+normalized as it is loaded, `rms_norm`'s formula and roundings (x + residual rounded to x's dtype first;
+weight * (h * inv_rms) rounded twice). Each program first reads the whole row (and residual) once to sum
+its squares (one [next_power_of_2(K)] load each, L2 hits after the first program), and program (0, 0)
+writes x + residual to residual_out, a buffer of its own (the other programs are still reading x and
+residual). Under the interpreter that is bit for bit `rms_norm` then `skinny_mm`; on a GPU the sum of
+squares is reduced over this launch's warps, not `rms_norm`'s, so y may differ by a last-bit rounding of
+the normed row. 32 launches of the 1b's batch-1 step fewer (both norms of its 16 layers).
+
 Why: on an H200 (run 15, docs/perf/) cuBLAS's bf16 linears of the llama-3.2-1b batch-1 graph step read
 their weights at ~68% of the copy rate, 800 us of the 1,299 us step, where the step's goal (issue 33) is 879
 us in all; the FP8 skinny launch reads the llama-3-8b FP8 step's qkv / gate_up / down weights at ~83% of
@@ -34,6 +44,7 @@ checked under the interpreter on 2026-12-01, never timed on a GPU. fp32 operands
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -64,6 +75,19 @@ FLOAT_BLOCK_K = 64  # columns per step: 128 bytes of a bf16 row, as the FP8 laun
 
 
 @functools.cache  # a few shapes a model, asked at every eager launch
+class RowNorm(NamedTuple):
+    """`skinny_mm(norm=...)`: the RMSNorm (with its residual add) before the product, `rms_norm`'s."""
+
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+    residual: torch.Tensor | None  # [1, K]: x + residual is normalized and written to residual_out
+    residual_out: torch.Tensor | None  # [1, K], with residual: written by one program
+
+
+NORM_MAX_ROWS = 1  # each program sums its row's squares itself: a decode step of one sequence
+
+
+@functools.cache  # a few shapes a model, asked at every eager launch
 def float_skinny_config(out_features: int, in_features: int, sm_count: int) -> SkinnyConfig:
     """BLOCK_N 64, BLOCK_K 64 and `split_k_rule`'s K splits (every SM 1.5 programs). Untuned: no sweep has
     run it."""
@@ -75,12 +99,17 @@ def _skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] x's dtype; else the workspace [SPLIT_K, M, N] float32
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
+    norm_weight_ptr,  # NORM_K > 0: [K], x's dtype
+    residual_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K]
+    residual_out_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K], written by program (0, 0)
+    eps,
     M,
     N,
     K,
     k_per_split,
     stride_x,
     stride_w,
+    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,6 +118,9 @@ def _skinny_kernel(
     INPUT_PRECISION: tl.constexpr,  # `dot_settings`': "ieee" for fp32 operands
     UPCAST: tl.constexpr,  # `dot_settings`': bf16 widened to fp32 before the dot (the interpreter only)
     GATED_D: tl.constexpr = 0,  # > 0: x_ptr holds [gate | up] rows, each GATED_D (= K) wide
+    NORM_K: tl.constexpr = 0,  # > 0 (= K, M == 1): x is RMSNorm(x [+ residual]) of `rms_norm`, made here
+    NORM_PAD: tl.constexpr = 16,  # NORM_K > 0: a power of two >= K
+    HAS_RESIDUAL: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
 ):
@@ -103,6 +135,15 @@ def _skinny_kernel(
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     if GATED_D > 0:  # the padding rows read row M - 1 (their sums are never stored)
         x_cols = x_ptr + tl.minimum(rows, M - 1)[None, :].to(tl.int64) * stride_x
+    if NORM_K > 0:  # the row's inverse RMS, as `rms_norm` makes it; program (0, 0) writes x + residual
+        residual_cols = x_cols  # unread without a residual
+        if HAS_RESIDUAL:
+            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
+        norm_cols = tl.arange(0, NORM_PAD)
+        inv_rms = _row_inv_rms(
+            x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, tl.program_id(0) + split,
+            NORM_K, HAS_RESIDUAL,
+        )  # fmt: skip
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for start in range(k_start, k_end, BLOCK_K):
         k = start + cols
@@ -110,6 +151,10 @@ def _skinny_kernel(
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0.0)
         if GATED_D > 0:  # K slices are whole tiles: only the last split's last tile passes K, masked here
             x = silu_and_mul_tile(x_cols, k[:, None], GATED_D)
+        elif NORM_K > 0:
+            x = _normed_tile(
+                x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL
+            )
         else:
             x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         if UPCAST:
@@ -125,8 +170,45 @@ def _skinny_kernel(
         )
 
 
+@triton.jit
+def _row_inv_rms(
+    x_ptr, residual_ptr, residual_out_ptr, cols, eps, program, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
+    """1 / sqrt(mean(h^2) + eps) of row 0, h = x (+ residual, rounded to x's dtype and written to
+    residual_out by the program numbered 0): `rms_norm`'s formula over the whole row at once."""
+    mask = cols < K
+    h = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + cols, h, mask=mask & (cols * 0 + program == 0))
+    h = h.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
+
+
+@triton.jit
+def _normed_tile(
+    x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL: tl.constexpr
+):
+    """The [BLOCK_K, BLOCK_M] input tile at columns k: weight * (h * inv_rms) in x's dtype, `rms_norm`'s
+    roundings (h = x + residual rounded first); 0 in the padding rows and past K."""
+    mask = k_mask[:, None] & row_mask[None, :]
+    h = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_cols + k[:, None], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(h.dtype)
+    dtype = h.dtype
+    normed = (h.to(tl.float32) * inv_rms).to(dtype)
+    weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
+    return (weight.to(tl.float32)[:, None] * normed.to(tl.float32)).to(dtype)
+
+
 def skinny_mm(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None, gated: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: SkinnyConfig | None = None,
+    gated: bool = False,
+    norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, unit last stride) @ weight [N, K] (row-major, x's dtype: bfloat16, float16
     or float32) -> y [M, N] in x's dtype, as the module docstring; `config` None: `float_skinny_config`.
@@ -144,6 +226,8 @@ def skinny_mm(
             raise ValueError(f"x: gated rows are [gate | up], an even width, got {in_features}")
         in_features //= 2
     check_shape("weight", weight, (out_features, in_features))
+    if norm is not None:
+        _check_norm(norm, x, gated)
     if config is None:
         config = float_skinny_config(out_features, in_features, device_sm_count(x.device))
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
@@ -153,22 +237,31 @@ def skinny_mm(
     channel_blocks = triton.cdiv(out_features, config.block_n)
     row_bytes = k_per_split * weight.element_size()
     input_precision, upcast = dot_settings(x.dtype)
+    residual = norm.residual if norm is not None else None
     _skinny_kernel[(channel_blocks, split_k)](
         out,
         x,
         weight,
+        norm.weight if norm is not None else None,
+        residual,
+        norm.residual_out if norm is not None else None,
+        norm.eps if norm is not None else 0.0,
         num_rows,
         out_features,
         in_features,
         k_per_split,
         x.stride(0),
         weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
         ELEMENT_BYTES=weight.element_size(),
         GATED_D=in_features if gated else 0,
+        NORM_K=in_features if norm is not None else 0,
+        NORM_PAD=triton.next_power_of_2(in_features) if norm is not None else 16,
+        HAS_RESIDUAL=residual is not None,
         INPUT_PRECISION=input_precision,
         UPCAST=upcast,
         PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, row_bytes),
@@ -179,3 +272,24 @@ def skinny_mm(
     if split_k > 1:
         reduce_split_k(y, out, None)
     return y
+
+
+def _check_norm(norm: RowNorm, x: torch.Tensor, gated: bool) -> None:
+    num_rows, in_features = x.shape
+    if gated:
+        raise ValueError("norm: a normed input is not a gated one (gated=True)")
+    if num_rows > NORM_MAX_ROWS:
+        raise ValueError(f"x: at most {NORM_MAX_ROWS} row with a norm, got {num_rows}")
+    check_tensor("norm.weight", norm.weight, ndim=1, dtypes=(x.dtype,), device=x.device)
+    check_shape("norm.weight", norm.weight, (in_features,))
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("norm: residual and residual_out go together")
+    for name, tensor in (("norm.residual", norm.residual), ("norm.residual_out", norm.residual_out)):
+        if tensor is not None:
+            check_tensor(name, tensor, ndim=2, dtypes=(x.dtype,), device=x.device)
+            check_shape(name, tensor, tuple(x.shape))
+    if norm.residual_out is not None and norm.residual_out.data_ptr() in (
+        x.data_ptr(),
+        norm.residual.data_ptr(),
+    ):  # one program writes it while the others still read x and residual
+        raise ValueError("norm.residual_out: must not share memory with x or norm.residual")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sluice.benchmarks.gpu import dependent_launch_step
-from sluice.benchmarks.gpu.dependent_launch_step import SILU_APART, WITH_PDL, WITHOUT_PDL
+from sluice.benchmarks.gpu.dependent_launch_step import NORM_APART, SILU_APART, WITH_PDL, WITHOUT_PDL
 from sluice.kernels import dependent_launch, skinny_mm
 from sluice.kernels.dependent_launch import (
     L2_PREFETCH_BUDGET,
@@ -68,7 +68,8 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
     launch, and with FP8 ones (quantized at load; on a CPU their emulated matmul): every launch of each
     pair's first graph sees PDL allowed, every launch of the second SLUICE_PDL=0 (the interpreter launches
     without it either way), only the skinny model runs `skinny_mm` (SiLU-and-mul in down_proj's launch but
-    in its third row), the logits of each model's rows are equal and the switch is put back."""
+    in its third row, the one-row step's RMSNorms in the linears' launches but in its fourth), the logits of
+    each model's rows are equal and the switch is put back."""
     seen, skinny = [], []
 
     def spy(device: torch.device) -> bool:
@@ -77,33 +78,48 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
 
     launch = skinny_mm.skinny_mm
 
-    def skinny_spy(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
-        skinny.append((os.environ.get(PDL_ENV), gated))
-        return launch(x, weight, gated=gated)
+    def skinny_spy(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm) -> torch.Tensor:
+        skinny.append((os.environ.get(PDL_ENV), gated, norm is not None))
+        return launch(x, weight, gated=gated, norm=norm)
 
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
     monkeypatch.setattr(skinny_mm, "skinny_mm", skinny_spy)
     monkeypatch.delenv(PDL_ENV, raising=False)
-    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.006, 0.007])
+    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.0042, 0.006, 0.007])
     rows = dependent_launch_step.bench_dependent_launch(
         CPU, preset="tiny", context=40, time_s=lambda fn: (fn(), next(times))[1]
     )
     runs = [value for index, value in enumerate(seen) if index == 0 or seen[index - 1] != value]
     assert runs == ["1", "0"] * 3
-    # the tiny preset's linears, 1-row steps: down_proj takes the gated rows but in the last graph
-    phases = [value for index, value in enumerate(skinny) if index == 0 or skinny[index - 1] != value]
-    assert {pdl for pdl, _ in phases} == {"1", "0"} and ("1", True) in phases and ("0", True) in phases
-    assert skinny[-1] == ("1", False) and ("1", True) not in skinny[skinny.index(("0", True)) :]
+    # the tiny preset's one-row steps, four graphs: (PDL, gated rows, normed rows) of each launch. Both folds
+    # with and without PDL; then SiLU-and-mul apart (norms still folded), then the norms apart (SiLU folded).
+    without = [index for index, kind in enumerate(skinny) if kind[0] == "0"]
+    first, between, after = (
+        skinny[: without[0]],
+        skinny[without[0] : without[-1] + 1],
+        skinny[without[-1] + 1 :],
+    )
+    for graph in (first, between):
+        assert ("1" if graph is first else "0", True, False) in graph and any(kind[2] for kind in graph)
+    assert all(kind[0] == "1" for kind in first + after) and all(kind[0] == "0" for kind in between)
+    last_normed = max(index for index, kind in enumerate(after) if kind[2])
+    first_gated = min(index for index, kind in enumerate(after) if kind[1])
+    assert last_normed < first_gated  # the SiLU-apart graph's launches, then the norm-apart graph's
+    assert not any(gated and normed for _, gated, normed in skinny)
     assert [row[:4] for row in rows] == [
         ["bf16", WITH_PDL, 2.0, 1.0],
         ["bf16", WITHOUT_PDL, 3.0, 1.5],
         ["bf16 skinny", WITH_PDL, 4.0, 1.0],
         ["bf16 skinny", WITHOUT_PDL, 5.0, 1.25],
         ["bf16 skinny", SILU_APART, 4.5, 1.125],
+        ["bf16 skinny", NORM_APART, 4.2, 0.0042 / 0.004],
         ["fp8", WITH_PDL, 6.0, 1.0],
         ["fp8", WITHOUT_PDL, 7.0, 7 / 6],
     ]
-    assert [row[4] for row in rows] == [0.0] * 7
+    assert [row[4] for row in rows] == [0.0] * 8  # on the CPU the norm's row sum is the same sum either way
     assert PDL_ENV not in os.environ
     figures = dependent_launch_step.dependent_launch_figures(rows)
-    assert figures["bf16_skinny_silu_apart_step_s"] == 0.0045 and len(figures) == 7
+    assert figures["bf16_skinny_norm_apart_step_s"] == pytest.approx(0.0042) and len(figures) == 8
+    assert not any(dependent_launch_step.logits_depart(row) for row in rows)
+    assert dependent_launch_step.logits_depart(["bf16 skinny", SILU_APART, 4.5, 1.125, 1e-7])
+    assert not dependent_launch_step.logits_depart(["bf16 skinny", NORM_APART, 4.2, 1.05, 1e-3])

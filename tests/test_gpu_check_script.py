@@ -46,6 +46,7 @@ from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
 from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
+from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, DecodeConfig
 
 REPO = Path(__file__).parent.parent
@@ -494,11 +495,14 @@ def test_the_pdl_section_switches_every_float_linear_to_the_skinny_launch_and_ba
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     skinny = dataclasses.replace(kernels, skinny_linears=True)
     activations = [m for m in model.modules() if isinstance(m, SiluAndMul)]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert gpu_benchmarks.select_float_linears(model, skinny) == len(linears) > 0
     assert all(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
-    assert activations and all(op.fuses_into_linear for op in activations)
+    assert activations and norms and all(op.fuses_into_linear for op in activations + norms)
     gpu_benchmarks.select_float_linears(model, dataclasses.replace(skinny, fuse_silu_skinny=False))
-    assert not any(op.fuses_into_linear for op in activations)
+    assert not any(op.fuses_into_linear for op in activations) and all(n.fuses_into_linear for n in norms)
+    gpu_benchmarks.select_float_linears(model, dataclasses.replace(skinny, fuse_norm_skinny=False))
+    assert all(op.fuses_into_linear for op in activations) and not any(n.fuses_into_linear for n in norms)
     gpu_benchmarks.select_float_linears(model, kernels)
     assert not any(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
 

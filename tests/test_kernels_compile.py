@@ -143,6 +143,14 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     # The float skinny launch of down_proj on [gate | up] rows (SiLU-and-mul in its loads), without spills.
     gated = [r for r in one_b if r["kernel"] == "_skinny_kernel" and "GATED_D=0," not in r["constexprs"]]
     assert gated and all("GATED_D=8192," in r["constexprs"] and r["local_bytes"] == 0 for r in gated), gated
+    # ... and its one-row launch with the RMSNorm (with and without the residual add) in its loads.
+    normed = [
+        r["constexprs"]
+        for r in one_b
+        if r["kernel"] == "_skinny_kernel" and "NORM_K=2048," in r["constexprs"]
+    ]
+    assert {"HAS_RESIDUAL=True" in c for c in normed} == {True, False}, normed
+    assert all(r["local_bytes"] == 0 for r in one_b if r["kernel"] == "_skinny_kernel")
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

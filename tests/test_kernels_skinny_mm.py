@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from paged_batch import DEVICE, KERNEL_DTYPES
 
-from sluice.engine.worker.layers.linear_method import GatedRows, SkinnyLinearMethod
+from sluice.engine.worker.layers.linear_method import GatedRows, NormedRows, SkinnyLinearMethod
 from sluice.kernels.fp8_skinny_mm import MAX_ROWS, SkinnyConfig
+from sluice.kernels.rms_norm import rms_norm
 from sluice.kernels.silu_and_mul import silu_and_mul
-from sluice.kernels.skinny_mm import FLOAT_BLOCK_K, float_skinny_config, skinny_mm
+from sluice.kernels.skinny_mm import FLOAT_BLOCK_K, NORM_MAX_ROWS, RowNorm, float_skinny_config, skinny_mm
 
 
 def _inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):
@@ -52,6 +53,31 @@ def test_gated_rows_are_bit_for_bit_silu_and_mul_then_the_product(rows, split_k,
     got = skinny_mm(gate_up, weight, config, gated=True)
     assert torch.equal(got, skinny_mm(silu_and_mul(gate_up), weight, config))
     _assert_close(got, silu_and_mul(gate_up), weight)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_normed_row_is_rms_norm_then_the_product(split_k, dtype, with_residual):
+    """One row normalized (after the residual add) as each tile is loaded: `rms_norm`'s roundings. Under the
+    interpreter bit for bit rms_norm's launch then skinny_mm; on a GPU the row's sum of squares is reduced
+    over another layout (this launch's warps), so within the 16-bit rounding. x + residual is written once,
+    bit for bit rms_norm's residual_out."""
+    x, weight = _inputs(1, 96, 320, dtype, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    residual = torch.randn(1, 320, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(dtype).to(DEVICE)
+    residual_out = torch.full_like(x, float("nan")) if with_residual else None
+    config = SkinnyConfig(block_k=FLOAT_BLOCK_K, split_k=split_k)
+    got = skinny_mm(x, weight, config, norm=RowNorm(norm_weight, 1e-5, residual, residual_out))
+    normed, want_residual = rms_norm(x, norm_weight, 1e-5, residual)
+    want = skinny_mm(normed, weight, config)
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        _assert_close(got, normed, weight)
+    if with_residual:
+        assert torch.equal(residual_out, want_residual)
 
 
 def test_split_k_sums_every_column_once():
@@ -94,6 +120,20 @@ def test_bad_arguments_name_the_argument():
         skinny_mm(x[:, :63].contiguous(), weight, gated=True)
     with pytest.raises(ValueError, match=r"^weight: expected shape \(32, 32\), got \(32, 64\)$"):
         skinny_mm(x, weight, gated=True)  # 64 columns of [gate | up]: a 32-wide input
+    norm = RowNorm(torch.ones(64, device=DEVICE), 1e-5, None, None)
+    with pytest.raises(ValueError, match=f"^x: at most {NORM_MAX_ROWS} row with a norm, got 2$"):
+        skinny_mm(x, weight, norm=norm)
+    row = x[:1]
+    with pytest.raises(ValueError, match=r"^norm.weight: expected shape \(64,\), got \(32,\)$"):
+        skinny_mm(row, weight, norm=norm._replace(weight=torch.ones(32, device=DEVICE)))
+    with pytest.raises(ValueError, match="^norm: residual and residual_out go together$"):
+        skinny_mm(row, weight, norm=norm._replace(residual=row.clone()))
+    with pytest.raises(
+        ValueError, match="^norm.residual_out: must not share memory with x or norm.residual$"
+    ):
+        skinny_mm(row, weight, norm=norm._replace(residual=row.clone(), residual_out=row))
+    with pytest.raises(ValueError, match=r"^norm: a normed input is not a gated one \(gated=True\)$"):
+        skinny_mm(torch.zeros(1, 128, device=DEVICE), weight, gated=True, norm=norm)
 
 
 class _Layer(torch.nn.Module):
@@ -110,6 +150,17 @@ def test_the_linear_method_adds_the_bias_and_keeps_the_leading_dims(rows):
     assert got.shape == (rows, 1, 48)
     want = F.linear(x.double(), weight.double(), bias.double()).view(rows, 1, 48)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_linear_method_takes_one_normed_row():
+    x, weight = _inputs(1, 48, 128, torch.float32, seed=15)
+    layer, method = _Layer(weight), SkinnyLinearMethod()
+    assert method.normed_input(layer, NORM_MAX_ROWS) and not method.normed_input(layer, NORM_MAX_ROWS + 1)
+    residual, residual_out, norm_weight = torch.randn_like(x), torch.empty_like(x), torch.rand(128).to(DEVICE)
+    got = method.apply(layer, NormedRows(x, norm_weight, 1e-6, residual, residual_out), None)
+    normed, want_residual = rms_norm(x, norm_weight, 1e-6, residual)
+    torch.testing.assert_close(got, F.linear(normed, weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(residual_out, want_residual)
 
 
 def test_the_linear_method_takes_gated_rows_up_to_the_kernels_rows():

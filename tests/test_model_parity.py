@@ -25,7 +25,9 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.layers.activation import SiluAndMul
 from sluice.engine.worker.layers.linear import LinearBase
 from sluice.engine.worker.layers.linear_method import SkinnyLinearMethod
+from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.engine.worker.model_runner import ModelRunner
+from sluice.kernels import skinny_mm
 
 PROMPT_LENS = (5, 23, 40)
 BLOCK_SIZE = 16
@@ -77,9 +79,10 @@ def _run_sluice(directory: str, prompts: list[list[int]], backend: str, skinny_l
     assert linears and all(
         isinstance(linear.method, SkinnyLinearMethod) == skinny_linears for linear in linears
     )
-    # ... and their MLPs' SiLU-and-mul runs in down_proj's launch (all but Gemma's GELU)
-    silu = [module for module in runner.model.modules() if isinstance(module, SiluAndMul)]
-    assert all(op.fuses_into_linear == skinny_linears for op in silu)
+    # ... and their MLPs' SiLU-and-mul runs in down_proj's launch (all but Gemma's GELU), a one-row step's
+    # RMSNorms in qkv_proj's and gate_up_proj's (all but Gemma's)
+    fused = [module for module in runner.model.modules() if isinstance(module, (SiluAndMul, RMSNorm))]
+    assert all(op.fuses_into_linear == skinny_linears for op in fused)
     arch = runner.arch
     stacked = attention_backend == "cpu" and arch.architecture in STACKED
     assert (runner.cpu_stack is not None) == stacked
@@ -174,15 +177,28 @@ def test_greedy_tokens_match_transformers_generate(runs) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama_dir", "qwen2_dir"])  # a tied lm_head; q, k, v biases
-def test_triton_skinny_linears_match_transformers(name: str, request: pytest.FixtureRequest) -> None:
+def test_triton_skinny_linears_match_transformers(
+    name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every linear on `sluice.kernels.skinny_mm` (the steps here have 1-20 rows), SiLU-and-mul in
-    down_proj's launch."""
+    down_proj's launch; then one prompt alone, whose decode steps of one row also make their RMSNorms in
+    qkv_proj's and gate_up_proj's launches."""
     directory = request.getfixturevalue(name)
-    ours, generated, _ = _run_sluice(directory, _prompts(), "triton", skinny_linears=True)
-    reference, reference_generated = _hf_reference(directory, _prompts())
-    for got, want in zip(ours, reference, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert generated == reference_generated
+    normed = []
+    launch = skinny_mm.skinny_mm
+
+    def spy(x, weight, *, gated, norm):
+        normed.append(norm is not None and norm.residual is not None)
+        return launch(x, weight, gated=gated, norm=norm)
+
+    monkeypatch.setattr(skinny_mm, "skinny_mm", spy)
+    for prompts in (_prompts(), _prompts()[:1]):
+        ours, generated, _ = _run_sluice(directory, prompts, "triton", skinny_linears=True)
+        reference, reference_generated = _hf_reference(directory, prompts)
+        for got, want in zip(ours, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert generated == reference_generated
+    assert any(normed)  # the one-row steps' norms with their residual add, in the linears' launches
 
 
 def test_skinny_linears_refuse_a_backend_without_them(llama_dir: str) -> None:

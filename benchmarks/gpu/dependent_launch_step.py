@@ -5,8 +5,11 @@ which asks L2 for its weights before its wait) and FP8 ones: the GPU check's `pd
 when kernels start, never what they compute, so a pair's logits must be equal bit for bit; a difference
 means a kernel read something before its wait. The first two pairs' "with" rows are also cuBLAS against
 Sluice's linears in the same step (issue 33's 1b batch-1 step: docs/GPU.md). The skinny model runs
-SiLU-and-mul inside down_proj's launch (`fuse_silu_skinny`); one more row of it runs its own launch, the
-same bits (the gated loads are `silu_and_mul`'s jit helper), so its logits must equal the pair's too."""
+SiLU-and-mul inside down_proj's launch (`fuse_silu_skinny`) and the RMSNorms inside qkv_proj's and
+gate_up_proj's (`fuse_norm_skinny`); one more row of it runs SiLU-and-mul in its own launch, the same bits
+(the gated loads are `silu_and_mul`'s jit helper), so its logits must equal the pair's too; another the
+norms in theirs, whose logits may differ by the rounding of a row's sum of squares reduced over another
+layout (`logits_depart`)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,12 @@ from collections.abc import Callable
 
 import torch
 
-from sluice.benchmarks.gpu.gpu_benchmarks import BENCH_CONTEXT, time_batch1_graph_steps, time_cuda_s
+from sluice.benchmarks.gpu.gpu_benchmarks import (
+    BENCH_CONTEXT,
+    GRAPH_MAX_REL_DIFF,
+    time_batch1_graph_steps,
+    time_cuda_s,
+)
 from sluice.engine.loading.fp8_config import QUANTIZE_AT_LOAD
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.kernels.dependent_launch import PDL_ENV
@@ -36,10 +44,10 @@ def bench_dependent_launch(
         select = _skinny_linears if linears == "bf16 skinny" else _default_linears
         variants = [(select, context, {PDL_ENV: "1"}), (select, context, {PDL_ENV: "0"})]
         if linears == "bf16 skinny":
-            variants.append((_silu_apart, context, {PDL_ENV: "1"}))
+            variants += [(_silu_apart, context, {PDL_ENV: "1"}), (_norm_apart, context, {PDL_ENV: "1"})]
         _, ((with_s, _), *others) = time_batch1_graph_steps(device, preset, context, variants, time_s, fp8)
         rows.append([linears, WITH_PDL, with_s * 1e3, 1.0, 0.0])
-        for label, (seconds, difference) in zip((WITHOUT_PDL, SILU_APART), others, strict=False):
+        for label, (seconds, difference) in zip((WITHOUT_PDL, SILU_APART, NORM_APART), others, strict=False):
             rows.append([linears, label, seconds * 1e3, seconds / with_s, difference])
     return rows
 
@@ -47,7 +55,19 @@ def bench_dependent_launch(
 WITH_PDL = "with PDL (default on sm_90+)"
 WITHOUT_PDL = f"without ({PDL_ENV}=0)"
 SILU_APART = "with PDL, SiLU-and-mul in its own launch"
-_FIGURE_SUFFIXES = {WITH_PDL: "with_pdl", WITHOUT_PDL: "without_pdl", SILU_APART: "silu_apart"}
+NORM_APART = "with PDL, RMSNorm in its own launch"
+_FIGURE_SUFFIXES = {
+    WITH_PDL: "with_pdl",
+    WITHOUT_PDL: "without_pdl",
+    SILU_APART: "silu_apart",
+    NORM_APART: "norm_apart",
+}
+
+
+def logits_depart(row: list[object]) -> bool:
+    """Whether a row's logits are further from its model's first row than they may be: the same bits,
+    but for the norms apart (within GRAPH_MAX_REL_DIFF, as the other graph comparisons)."""
+    return row[4] > (GRAPH_MAX_REL_DIFF if row[1] == NORM_APART else 0.0)
 
 
 def dependent_launch_figures(rows: list[list[object]]) -> dict[str, float]:
@@ -67,3 +87,7 @@ def _skinny_linears(kernels: KernelConfig) -> KernelConfig:
 
 def _silu_apart(kernels: KernelConfig) -> KernelConfig:
     return dataclasses.replace(kernels, skinny_linears=True, fuse_silu_skinny=False)
+
+
+def _norm_apart(kernels: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(kernels, skinny_linears=True, fuse_norm_skinny=False)

@@ -32,6 +32,7 @@ from sluice.engine.worker.layers.attention import Attention
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
 from sluice.engine.worker.layers.linear_method import UnquantizedLinearMethod
+from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.engine.worker.layers.quantization import float_linear_method
 from sluice.engine.worker.models.llama import LlamaForCausalLM
 from sluice.kernels.paged_decode_attention import (
@@ -232,7 +233,8 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
 def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     """Give every linear of `model` in the model dtype the method `kernels` picks (cuBLAS's or Sluice's
     skinny launch: `skinny_linears`; the same weight layout on a GPU), and re-select the MLPs' activations
-    (whether SiLU-and-mul runs in down_proj's launch: `fuse_silu_skinny`); returns the linears."""
+    and the RMSNorms (whether SiLU-and-mul runs in down_proj's launch, a norm in its linear's:
+    `fuse_silu_skinny`, `fuse_norm_skinny`); returns the linears."""
     layers = [
         module
         for module in model.modules()
@@ -241,7 +243,7 @@ def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     for layer in layers:
         layer.method = float_linear_method(kernels)
     for module in model.modules():
-        if isinstance(module, GatedActivation):
+        if isinstance(module, (GatedActivation, RMSNorm)):
             module.select(kernels)
     return len(layers)
 

@@ -58,7 +58,10 @@ class KernelConfig:
         `SkinnyLinearMethod`) instead of cuBLAS; needs the Triton kernels (`triton`). Off: untimed.
     fuse_silu_skinny: with skinny_linears, SiLU-and-mul runs inside down_proj's launch (`GatedRows`: the
         same bits, one launch fewer a layer); False: its own launch (the GPU check's `pdl` section's
-        "SiLU-and-mul apart" row).
+        "SiLU-and-mul in its own launch" row).
+    fuse_norm_skinny: with skinny_linears, a one-row step's RMSNorm (and residual add) before qkv_proj and
+        gate_up_proj runs inside their launch (`NormedRows`; the row's sum of squares in each program);
+        False: its own launch (the `pdl` section's "RMSNorm in its own launch" row).
     """
 
     device: torch.device
@@ -76,6 +79,7 @@ class KernelConfig:
     fuse_fp8_quant_silu: bool = True
     skinny_linears: bool = False
     fuse_silu_skinny: bool = True
+    fuse_norm_skinny: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):

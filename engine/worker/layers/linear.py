@@ -27,7 +27,12 @@ from torch import nn
 from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations, Fp8InputScheme
 from sluice.engine.worker.layers.kernel_config import KernelConfig
-from sluice.engine.worker.layers.linear_method import GatedRows, LinearMethod, UnquantizedLinearMethod
+from sluice.engine.worker.layers.linear_method import (
+    GatedRows,
+    LinearMethod,
+    NormedRows,
+    UnquantizedLinearMethod,
+)
 from sluice.engine.worker.layers.quantization import linear_method_for
 
 
@@ -113,9 +118,14 @@ class LinearBase(nn.Module):
         as `GatedRows` (the method's `gated_input`: its launch activates them)."""
         return self.method.gated_input(self, num_rows)
 
-    def forward(self, x: torch.Tensor | Fp8Activations | GatedRows) -> torch.Tensor:
-        """x [..., input_size] (or its FP8 codes where `quantized_input` said so, or [gate | up] where
-        `gated_input` did) -> [..., output_size]."""
+    def normed_input(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` may hand `forward` its input before the RMSNorm that makes it, as
+        `NormedRows` (the method's `normed_input`: its launch normalizes them)."""
+        return self.method.normed_input(self, num_rows)
+
+    def forward(self, x: torch.Tensor | Fp8Activations | GatedRows | NormedRows) -> torch.Tensor:
+        """x [..., input_size] (or its FP8 codes where `quantized_input` said so, [gate | up] where
+        `gated_input` did, the norm's input where `normed_input` did) -> [..., output_size]."""
         return self.method.apply(self, x, self.bias)
 
 

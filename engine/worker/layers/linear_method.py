@@ -24,7 +24,9 @@ many layers. `apply` takes the bias apart from the layer so that a row-parallel 
     SkinnyLinearMethod        the same weight; steps of up to 64 rows run Sluice's Triton split-K launch
                               (`sluice.kernels.skinny_mm`) instead of cuBLAS (`KernelConfig.skinny_linears`,
                               off by default: untimed on a GPU); as a SiLU-gated MLP's down_proj it takes
-                              the [gate | up] rows and activates them in its own loads (`gated_input`)
+                              the [gate | up] rows and activates them in its own loads (`gated_input`), as
+                              the linear after an RMSNorm it takes one row un-normed and normalizes it in
+                              its own loads (`normed_input`)
     CpuQuantizedLinearMethod  `sluice.engine.worker.layers.quantization`: int4 / int8 on CPU
     Fp8LinearMethod           `sluice.engine.worker.layers.fp8_linear`: e4m3 weights, FP8 checkpoints
 """
@@ -54,6 +56,19 @@ class GatedRows:
     silu(gate) * up [T, d], made by the linear's own launch (where `LinearMethod.gated_input` said so)."""
 
     gate_up: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NormedRows:
+    """A linear's input handed over before its RMSNorm: x [T, d] (+ residual), the input being
+    `RMSNorm(x + residual)`, made by the linear's own launch (where `LinearMethod.normed_input` said so),
+    which also writes x + residual to residual_out (None without a residual)."""
+
+    x: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+    residual_out: torch.Tensor | None
 
 
 class LinearMethod:
@@ -103,6 +118,10 @@ class LinearMethod:
         """Whether `apply` takes a step of `num_rows` rows as `GatedRows` (SiLU-and-mul in its launch)."""
         return False
 
+    def normed_input(self, layer: LinearBase, num_rows: int) -> bool:
+        """Whether `apply` takes a step of `num_rows` rows as `NormedRows` (the RMSNorm in its launch)."""
+        return False
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -142,29 +161,37 @@ class UnquantizedLinearMethod(LinearMethod):
 class SkinnyLinearMethod(UnquantizedLinearMethod):
     """weight [output_size, input_size] row-major in the model dtype; x of up to the kernel's MAX_ROWS rows
     (64) runs `sluice.kernels.skinny_mm.skinny_mm` (then + bias), more rows `F.linear`; `GatedRows` of up
-    to MAX_ROWS rows its gated launch (`gated_input`). Where the Triton kernels run (`KernelConfig.
-    skinny_linears` checks)."""
+    to MAX_ROWS rows its gated launch (`gated_input`), `NormedRows` of NORM_MAX_ROWS (one) its launch with
+    the norm (`normed_input`). Where the Triton kernels run (`KernelConfig.skinny_linears` checks)."""
 
     def __init__(self) -> None:
         super().__init__(column_major=False)
         module = import_module("sluice.kernels.skinny_mm")  # imported only when chosen: triton is optional
-        self._skinny_mm, self.max_rows = module.skinny_mm, module.MAX_ROWS
+        self._skinny_mm, self._row_norm = module.skinny_mm, module.RowNorm
+        self.max_rows, self.norm_max_rows = module.MAX_ROWS, module.NORM_MAX_ROWS
 
     def gated_input(self, layer: LinearBase, num_rows: int) -> bool:
         return num_rows <= self.max_rows
 
+    def normed_input(self, layer: LinearBase, num_rows: int) -> bool:
+        return num_rows <= self.norm_max_rows
+
     def apply(
-        self, layer: LinearBase, x: torch.Tensor | GatedRows, bias: torch.Tensor | None
+        self, layer: LinearBase, x: torch.Tensor | GatedRows | NormedRows, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        gated = isinstance(x, GatedRows)
+        gated, norm = isinstance(x, GatedRows), None
         if gated:
             x = x.gate_up
+        elif isinstance(x, NormedRows):  # the kernel checks its rows (NORM_MAX_ROWS)
+            x, norm = x.x, self._row_norm(x.norm_weight, x.eps, x.residual, x.residual_out)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_rows:
-            if gated:  # `gated_input` said no
-                raise ValueError(f"x: at most {self.max_rows} gated rows, got {rows.shape[0]}")
+            if gated or norm is not None:  # `gated_input` / `normed_input` said no
+                kind = "gated" if gated else "normed"
+                raise ValueError(f"x: at most {self.max_rows} {kind} rows, got {rows.shape[0]}")
             return F.linear(x, layer.weight, bias)
-        y = self._skinny_mm(rows, layer.weight, gated=gated).view(*x.shape[:-1], layer.weight.shape[0])
+        y = self._skinny_mm(rows, layer.weight, gated=gated, norm=norm)
+        y = y.view(*x.shape[:-1], layer.weight.shape[0])
         return y if bias is None else y + bias
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ from torch import nn
 from sluice.engine.worker.layers.custom_op import CustomOp
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
+from sluice.engine.worker.layers.linear_method import NormedRows
 from sluice.kernels.cpu_rms_norm import EXTENSION as CPU_RMS_NORM
 from sluice.kernels.cpu_rms_norm import cpu_rms_norm_prechecked
 
@@ -30,7 +31,8 @@ class RMSNorm(CustomOp):
         native  `F.rms_norm` in float32 (the same roundings, fewer passes), plain PyTorch in other dtypes
 
     `norm_for(linear, x, residual)` is the same for the norm's one consumer `linear`: on triton, where that
-    linear takes its input quantized to FP8 this step, the kernel writes the codes instead of the normed x.
+    linear takes its input quantized to FP8 this step, the kernel writes the codes instead of the normed x;
+    where it normalizes its input itself (`skinny_linears`: `normed_input`), no kernel runs here.
     """
 
     implementations = ("triton", "cpu", "native")
@@ -42,6 +44,7 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.fuses_fp8_quant = False
         self.fuses_fp8_quant_groups = False
+        self.fuses_into_linear = False
 
     def select(self, kernels: KernelConfig) -> None:
         super().select(kernels)
@@ -49,6 +52,9 @@ class RMSNorm(CustomOp):
         fp8 = kernels.quantization == "fp8"
         self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_norm
         self.fuses_fp8_quant_groups = self.fuses_fp8_quant and kernels.fuse_fp8_quant_norm_groups
+        self.fuses_into_linear = (
+            self.implementation == "triton" and kernels.skinny_linears and kernels.fuse_norm_skinny
+        )
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.rms_norm")
             self._triton_rms_norm, self._triton_rms_norm_fp8_quant = (
@@ -58,12 +64,20 @@ class RMSNorm(CustomOp):
 
     def norm_for(
         self, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
-        """`self(x, residual)` as the input of `linear`, the normed x's only consumer: where this norm runs
-        the Triton kernel and `linear` takes its input quantized for x's rows (`quantized_input`: an FP8
-        linear off its one-row gemv; per group of columns only with `fuses_fp8_quant_groups`), that kernel
-        writes the codes and scales `linear` would compute (`rms_norm_fp8_quant`) and returns them in place
-        of the normed x; the residual_out is the same."""
+    ) -> tuple[torch.Tensor | Fp8Activations | NormedRows, torch.Tensor]:
+        """`self(x, residual)` as the input of `linear`, the normed x's only consumer: where `linear`
+        normalizes these rows itself (`normed_input`, and this op fuses into it), x and the norm handed over
+        as `NormedRows`, and the residual_out it will write (x itself without a residual); where this norm
+        runs the Triton kernel and `linear` takes its input quantized for x's rows (`quantized_input`: an
+        FP8 linear off its one-row gemv; per group of columns only with `fuses_fp8_quant_groups`), that
+        kernel writes the codes and scales `linear` would compute (`rms_norm_fp8_quant`) and returns them
+        in place of the normed x; the residual_out is the same."""
+        if self.fuses_into_linear and linear.normed_input(x.shape[0]):
+            residual_out = x if residual is None else torch.empty_like(x)
+            normed = NormedRows(
+                x, self.weight, self.eps, residual, None if residual is None else residual_out
+            )
+            return normed, residual_out
         scheme = linear.quantized_input(x.shape[0]) if self.fuses_fp8_quant else None
         if scheme is None or (scheme.group_size is not None and not self.fuses_fp8_quant_groups):
             return self(x, residual)
