@@ -24,8 +24,9 @@
 #   fp8              the preset with --quantization fp8, then with --kv-cache-dtype fp8 too: sluice bench at
 #                    concurrency 1 and 64, greedy outputs and KV blocks against serve_bench's (issue 34),
 #                    if the time budget allows
-#   async            the preset with --async-scheduling: greedy outputs equal serve_bench's, sluice bench at
-#                    concurrency 1 and 64 (issue 33), if the time budget allows after fp8
+#   async            the preset with --async-scheduling, then with --skinny-linears too: greedy outputs equal
+#                    serve_bench's, sluice bench at concurrency 1 and 64 (issue 33), if the time budget
+#                    allows after fp8
 #   large            llama-3-8b shape: batch-1 TPOT and 4096-token TTFT, if the time budget allows after async
 #   fp8_large        NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS (~4-5 min: four 8b servers):
 #                    llama-3-8b shape in bf16, with --quantization fp8, then with --kv-cache-dtype fp8 too,
@@ -223,7 +224,7 @@ if ((INSTALLED)); then
     run_step structured 90 30 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
     run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
     run_step fp8 150 90 "${SERVE[@]}" fp8
-    run_step async 90 45 "${SERVE[@]}" async
+    run_step async 120 45 "${SERVE[@]}" async
     run_step large 180 110 "${SERVE[@]}" large
     run_step fp8_large 330 150 "${SERVE[@]}" fp8_large
 else

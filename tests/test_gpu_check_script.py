@@ -157,7 +157,8 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
         assert agreement["equal"] == comparison["equal"] and agreement["tokens"] == 24
 
-    # async: --async-scheduling gives the synchronous server's greedy tokens, and completes its bench runs.
+    # async: --async-scheduling gives the synchronous server's greedy tokens, and completes its bench runs
+    # (the skinny linears' server runs on a GPU only: Plan.skinny_serve_args).
     assert step_result(out, "async")["variants"] == ["async"]
     asynchronous = variant_records(out, "async")["async"]
     assert asynchronous["comparison"]["equal"] == 3 and asynchronous["bench_rc"] == [0, 0]
@@ -186,6 +187,8 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "## Async scheduling (issue 33): --async-scheduling vs synchronous" in report
     assert "**Where the tiny TTFT goes: one 24-token prompt's first step** (the engine core's" in report
     assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
+    assert "| --async-scheduling --skinny-linears | - | - | - | - | - | not run |" in report
+    assert "the skinny linears' server does not run (their kernels interpreted" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
 
@@ -1045,3 +1048,23 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
         "## FP8 on the llama-3-8b shape (issue 34)\n\nNot measured: the fp8_large step SKIPPED "
         "(not in SLUICE_GPU_CHECK_STEPS (runs only when named there))." in text
     )
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_the_async_step_serves_the_skinny_linears_after_cublas_on_a_gpu(mode, tmp_path, monkeypatch):
+    """The async step's servers and their arguments, the servers stubbed: on a GPU --async-scheduling,
+    then with --skinny-linears too; in the CPU mode the first only (Plan.skinny_serve_args)."""
+    served = []
+
+    def serve(ctx, reference, name, extra):
+        served.append((name, extra))
+        return {"ok": True, "comparison": {"mismatch": 0}}
+
+    monkeypatch.setattr(variant_servers, "variant_server", serve)
+    ctx = step_context.StepContext(tmp_path, step_context.PLANS[mode], "async")
+    monkeypatch.setattr(ctx, "reference", lambda: {"prompts": []})
+    result = variant_servers.step_async(ctx)
+    expected = [("async", ("--async-scheduling",))]
+    if mode == "gpu":
+        expected.append(("async_skinny", ("--async-scheduling", "--skinny-linears")))
+    assert served == expected and result == {"ok": True, "variants": [name for name, _ in expected]}

@@ -51,6 +51,10 @@ class Plan:
     # The large step's: one prompt of its bench's length, its first forward step (the whole prompt at the
     # GPU's 8192-token budget); max_tokens keeps it streaming until the profile is written.
     large_profile: ProfilePlan
+    # The async step's second server, Sluice's skinny linears; None: not run (the CPU mode: on the Triton
+    # interpreter one server's requests took over two minutes, the tiny preset's 32k-row lm_head alone
+    # hundreds of interpreted programs a step; tests/test_model_parity.py checks them on CPU instead)
+    skinny_serve_args: tuple[str, ...] | None = ("--skinny-linears",)
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -84,6 +88,7 @@ PLANS = {
                              prefill_steps=3),
         large_profile=ProfilePlan(batches=(), num_steps=0, prompt_len=24, max_tokens=2048, prefill_batch=1,
                                   prefill_steps=1),
+        skinny_serve_args=None,
     ),
 }  # fmt: skip
 

@@ -131,14 +131,14 @@ def fp8_servers_parts(
     return parts
 
 
-ASYNC_LABELS = {"async": "--async-scheduling"}
+ASYNC_LABELS = {"async": "--async-scheduling", "async_skinny": "--async-scheduling --skinny-linears"}
 
 
 def async_section(
     records: list[dict[str, Any]], statuses: dict[str, dict], results: dict[str, dict], out: Path, mode: str
 ) -> str:
-    """The async step's server against serve_bench's synchronous one: TPOT, throughput, greedy outputs, and
-    issue 33's TPOT-at-64 goal against the graph step."""
+    """The async step's servers against serve_bench's synchronous one: TPOT, throughput, greedy outputs, and
+    issue 33's TPOT-at-64 goal against the graph step (the async server's, cuBLAS's linears)."""
     variants = fp8_figures.variant_records(records, "async")
     if not variants:
         return not_measured("async", statuses, results)
@@ -146,8 +146,9 @@ def async_section(
     record = variants["async"]
     parts = [
         f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
-        f"the `--async-scheduling` server ran `sluice bench` with {runs}, {plan.input_len} prompt and "
-        f"{plan.output_len} output tokens. In brackets: the ratio to {base}'s.",
+        f"the `--async-scheduling` servers (the second with Sluice's skinny linears, `--skinny-linears`) ran "
+        f"`sluice bench` with {runs}, {plan.input_len} prompt and {plan.output_len} output tokens. In "
+        f"brackets: the ratio to {base}'s.",
         markdown_table(
             fp8_figures.TABLE_HEADERS,
             fp8_figures.table_rows(reference, variants, base, labels=ASYNC_LABELS),
@@ -155,11 +156,17 @@ def async_section(
         "**Greedy, --async-scheduling vs synchronous** (must be equal, near ties aside): "
         + comparison_line(record["comparison"]),
     ]
+    if "async_skinny" in variants:
+        parts.append(
+            "**Greedy, --skinny-linears vs synchronous** (must be equal, near ties aside: another order of "
+            "the same products): " + comparison_line(variants["async_skinny"]["comparison"])
+        )
     goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
     if goal_rows:  # the same rows as the synchronous server's in the figures section
         parts.append(markdown_table(check_figures.HEADERS, goal_rows))
     if mode == "cpu":
         parts.append(
-            "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here."
+            "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here; the "
+            "skinny linears' server does not run (their kernels interpreted: minutes for its requests)."
         )
     return "\n\n".join(parts)

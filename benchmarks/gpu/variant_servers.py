@@ -3,7 +3,9 @@ another on the same prompts, each set against a reference server (steps of `serv
 
 fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34), set
            against serve_bench's server
-async      the preset with `--async-scheduling` (issue 33), set against serve_bench's synchronous server
+async      the preset with `--async-scheduling` (issue 33), then with `--skinny-linears` too (Sluice's own
+           linears for steps of up to 64 rows, untimed before), each set against serve_bench's synchronous
+           server
 fp8_large  (i) the large step's shape served four times, with async scheduling: bf16 (the reference,
            drawing its own prompts), fp8's two servers, then fp8 weights in 128 x 128 blocks made at load
            (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
@@ -74,11 +76,18 @@ def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:
-    """The preset with `--async-scheduling` (issue 33): the same greedy outputs as serve_bench's synchronous
-    server (near ties aside: both run the same kernels on the same batches), and `sluice bench` at 1 and 64
-    against serve_bench's sweep."""
-    record = variant_server(ctx, ctx.reference(), "async", ("--async-scheduling",))
-    return {"ok": record["ok"] and record["comparison"]["mismatch"] == 0, "variants": ["async"]}
+    """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the same
+    greedy outputs as serve_bench's synchronous server, near ties aside (the first runs the same kernels on
+    the same batches; the second sums its bf16 products in another order), and `sluice bench` at 1 and 64
+    against serve_bench's sweep (the second not in the CPU mode: `Plan.skinny_serve_args`). A record per
+    server appended as it finishes: a step killed at its limit keeps the first."""
+    reference, skinny = ctx.reference(), ctx.plan.skinny_serve_args
+    variants = {"async": ("--async-scheduling",)}
+    if skinny is not None:
+        variants["async_skinny"] = ("--async-scheduling", *skinny)
+    records = [variant_server(ctx, reference, name, args) for name, args in variants.items()]
+    ok = all(r["ok"] and r["comparison"]["mismatch"] == 0 for r in records)
+    return {"ok": ok, "variants": list(variants)}
 
 
 def variant_server(
