@@ -158,8 +158,8 @@ def async_section(
     ]
     if "async_skinny" in variants:
         parts.append(
-            "**Greedy, --skinny-linears vs synchronous** (must be equal, near ties aside: another order of "
-            "the same products): " + comparison_line(variants["async_skinny"]["comparison"])
+            "**Greedy, --skinny-linears vs synchronous** (need not be equal: the same products summed in "
+            "another order): " + comparison_line(variants["async_skinny"]["comparison"])
         )
     goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
     if goal_rows:  # the same rows as the synchronous server's in the figures section

@@ -76,9 +76,10 @@ def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:
-    """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the same
-    greedy outputs as serve_bench's synchronous server, near ties aside (the first runs the same kernels on
-    the same batches; the second sums its bf16 products in another order), and `sluice bench` at 1 and 64
+    """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the first's
+    greedy outputs equal serve_bench's synchronous server's, near ties aside (the same kernels on the same
+    batches), the second's set against them (its bf16 products summed in another order), and `sluice bench`
+    at 1 and 64
     against serve_bench's sweep (the second not in the CPU mode: `Plan.skinny_serve_args`). A record per
     server appended as it finishes: a step killed at its limit keeps the first."""
     reference, skinny = ctx.reference(), ctx.plan.skinny_serve_args
@@ -86,7 +87,9 @@ def step_async(ctx: StepContext) -> dict[str, Any]:
     if skinny is not None:
         variants["async_skinny"] = ("--async-scheduling", *skinny)
     records = [variant_server(ctx, reference, name, args) for name, args in variants.items()]
-    ok = all(r["ok"] and r["comparison"]["mismatch"] == 0 for r in records)
+    # the skinny server's greedy outputs are reported, not required equal (bf16 sums in another order can
+    # part beyond a near tie; the kernel and parity tests check its numbers)
+    ok = all(r["ok"] for r in records) and records[0]["comparison"]["mismatch"] == 0
     return {"ok": ok, "variants": list(variants)}
 
 
