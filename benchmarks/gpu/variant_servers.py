@@ -79,9 +79,8 @@ def step_async(ctx: StepContext) -> dict[str, Any]:
     """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the first's
     greedy outputs equal serve_bench's synchronous server's, near ties aside (the same kernels on the same
     batches), the second's set against them (its bf16 products summed in another order), and `sluice bench`
-    at 1 and 64
-    against serve_bench's sweep (the second not in the CPU mode: `Plan.skinny_serve_args`). A record per
-    server appended as it finishes: a step killed at its limit keeps the first."""
+    at 1 and 64 against serve_bench's sweep (the second not in the CPU mode: `Plan.skinny_serve_args`). A
+    record per server appended as it finishes: a step killed at its limit keeps the first."""
     reference, skinny = ctx.reference(), ctx.plan.skinny_serve_args
     variants = {"async": ("--async-scheduling",)}
     if skinny is not None:
