@@ -74,7 +74,6 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_BLOCK_K = 64  # columns per step: 128 bytes of a bf16 row, as the FP8 launch's 128 e4m3 columns
 
 
-@functools.cache  # a few shapes a model, asked at every eager launch
 class RowNorm(NamedTuple):
     """`skinny_mm(norm=...)`: the RMSNorm (with its residual add) before the product, `rms_norm`'s."""
 

@@ -5,6 +5,9 @@ rows)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,6 +81,17 @@ def test_a_normed_row_is_rms_norm_then_the_product(split_k, dtype, with_residual
         _assert_close(got, normed, weight)
     if with_residual:
         assert torch.equal(residual_out, want_residual)
+
+
+def test_a_normed_launch_keeps_no_tensor_of_its_step():
+    """Nothing of a step outlives it: a served model makes a residual_out every layer of every step."""
+    x, weight = _inputs(1, 32, 64, torch.float32, seed=16)
+    residual, residual_out = torch.randn_like(x), torch.empty_like(x)
+    collected = weakref.ref(residual_out)
+    skinny_mm(x, weight, norm=RowNorm(torch.ones(64, device=DEVICE), 1e-5, residual, residual_out))
+    del residual_out
+    gc.collect()
+    assert collected() is None
 
 
 def test_split_k_sums_every_column_once():
