@@ -131,9 +131,8 @@ def _skinny_kernel(
     channel_mask = channels < N
     row_mask = rows < M
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
-    x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
-    if GATED_D > 0:  # the padding rows read row M - 1 (their sums are never stored)
-        x_cols = x_ptr + tl.minimum(rows, M - 1)[None, :].to(tl.int64) * stride_x
+    x_rows = tl.minimum(rows, M - 1) if GATED_D > 0 else rows  # gated: the padding rows read row M - 1
+    x_cols = x_ptr + x_rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     if NORM_K > 0:  # the row's inverse RMS, as `rms_norm` makes it; program (0, 0) writes x + residual
         residual_cols = x_cols  # unread without a residual
         if HAS_RESIDUAL:
@@ -236,15 +235,15 @@ def skinny_mm(
     channel_blocks = triton.cdiv(out_features, config.block_n)
     row_bytes = k_per_split * weight.element_size()
     input_precision, upcast = dot_settings(x.dtype)
-    residual = norm.residual if norm is not None else None
+    norm_weight, eps, residual, residual_out = norm if norm is not None else (None, 0.0, None, None)
     _skinny_kernel[(channel_blocks, split_k)](
         out,
         x,
         weight,
-        norm.weight if norm is not None else None,
+        norm_weight,
         residual,
-        norm.residual_out if norm is not None else None,
-        norm.eps if norm is not None else 0.0,
+        residual_out,
+        eps,
         num_rows,
         out_features,
         in_features,

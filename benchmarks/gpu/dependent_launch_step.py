@@ -42,12 +42,13 @@ def bench_dependent_launch(
     rows = []
     for linears, fp8 in (("bf16", None), ("bf16 skinny", None), ("fp8", QUANTIZE_AT_LOAD)):
         select = _skinny_linears if linears == "bf16 skinny" else _default_linears
-        variants = [(select, context, {PDL_ENV: "1"}), (select, context, {PDL_ENV: "0"})]
+        labeled = [(WITH_PDL, select, "1"), (WITHOUT_PDL, select, "0")]  # the first: every row's baseline
         if linears == "bf16 skinny":
-            variants += [(_silu_apart, context, {PDL_ENV: "1"}), (_norm_apart, context, {PDL_ENV: "1"})]
-        _, ((with_s, _), *others) = time_batch1_graph_steps(device, preset, context, variants, time_s, fp8)
-        rows.append([linears, WITH_PDL, with_s * 1e3, 1.0, 0.0])
-        for label, (seconds, difference) in zip((WITHOUT_PDL, SILU_APART, NORM_APART), others, strict=False):
+            labeled += [(SILU_APART, _silu_apart, "1"), (NORM_APART, _norm_apart, "1")]
+        variants = [(kernels, context, {PDL_ENV: pdl}) for _, kernels, pdl in labeled]
+        _, timings = time_batch1_graph_steps(device, preset, context, variants, time_s, fp8)
+        with_s = timings[0][0]
+        for (label, *_), (seconds, difference) in zip(labeled, timings, strict=True):
             rows.append([linears, label, seconds * 1e3, seconds / with_s, difference])
     return rows
 
