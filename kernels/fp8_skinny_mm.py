@@ -34,6 +34,16 @@ time and 4% of a 64-row step's on an H200 (run 14: 64 and 96 launches of 1.4-2.1
 graph. Off by default until a GPU run times it and runs its tests: the interpreter runs programs one at a time
 and cannot check the memory ordering.
 
+`fp8_normed_skinny_mm` is the launch for one row taken before its RMSNorm (qkv_proj and gate_up_proj in
+a one-row step, `KernelConfig.fuse_norm_fp8_skinny`: the norm's launch folded in): x is the norm's float input
+(NORM_K > 0), and each program first reads the whole row (and residual) to get `rms_norm`'s inverse RMS
+and the normed row's amax (`rms_norm_fp8_quant`'s dynamic scale, capped or static as the scheme says),
+then normalizes and quantizes each x tile as it loads it with the same jit helpers; program (0, 0) writes
+x + residual and the scale (for the reduce launch: this launch never takes the fused reduce, whose last
+split would read the scale before its writer may have stored it). Under the interpreter bit for bit
+`rms_norm_fp8_quant` then `fp8_skinny_mm`; compiled for sm_90, 95-96 registers at bf16 (58 without the
+norm), no spills (docs/perf/kernels_sm90.md); untimed on a GPU.
+
 `fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
 operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
 so each K step is one scale block, whose dot is scaled by its [BLOCK_M] activation and [BLOCK_N] weight
@@ -58,8 +68,11 @@ from sluice.kernels.dependent_launch import (
     weight_prefetch_bytes,
 )
 from sluice.kernels.fp8_block_mm import check_mm_args
+from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale
 from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.tensor_checks import check_power_of_two, check_shape, check_tensor
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, norm_rounded, normed_tile, row_inv_rms
+from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
+from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_shape, check_tensor
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 64  # the most rows a launch takes: BLOCK_M, the MMA's narrow side, is at most 64
@@ -191,10 +204,16 @@ def _fp8_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
     y_ptr,  # FUSED_REDUCE only: y [M, N] out dtype
     counter_ptr,  # FUSED_REDUCE only: [>= cdiv(N, BLOCK_N)] int32, zero before the launch (and after it)
-    x_ptr,  # [M, K] uint8: x's e4m3 codes
-    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]
+    x_ptr,  # [M, K] uint8: x's e4m3 codes; NORM_K > 0: [1, K] x's float row, the norm's input
+    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]; NORM_K: written
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32; blocks: [cdiv(N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)]
+    norm_weight_ptr,  # NORM_K > 0: [K], x's dtype
+    residual_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K]
+    residual_out_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K], written by program (0, 0)
+    input_scale_ptr,  # NORM_K > 0 and not DYNAMIC: [] or [1] float32, read
+    scale_ub,  # NORM_K > 0 and CAPPED: the cap on the row's amax (float32)
+    eps,
     M,
     N,
     K,
@@ -203,6 +222,7 @@ def _fp8_skinny_kernel(
     stride_w,
     x_scale_stride,  # between rows' scales
     w_scale_stride,  # blocks only: between block rows' scales
+    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -211,6 +231,12 @@ def _fp8_skinny_kernel(
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT_K > 1 only: the last split of a channel block adds them up
     PDL: tl.constexpr = False,
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
+    NORM_K: tl.constexpr = 0,  # > 0 (= K, M == 1): x is quantized RMSNorm(x [+ residual]), made here
+    NORM_PAD: tl.constexpr = 16,  # NORM_K > 0: a power of two >= K
+    HAS_RESIDUAL: tl.constexpr = False,
+    DYNAMIC: tl.constexpr = True,  # NORM_K > 0: the row's scale from its amax, else input_scale
+    CAPPED: tl.constexpr = False,  # NORM_K > 0 and DYNAMIC: the amax capped at scale_ub
+    HW_E4M3: tl.constexpr = False,  # NORM_K > 0: the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
 ):
     channels, split, k_start, k_end = split_program(K, k_per_split, BLOCK_N)
     prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES)
@@ -221,6 +247,23 @@ def _fp8_skinny_kernel(
     row_mask = rows < M
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
+    if NORM_K > 0:  # `rms_norm_fp8_quant`'s inverse RMS and scale of the row; program (0, 0) writes them
+        residual_cols = x_cols  # unread without a residual
+        if HAS_RESIDUAL:
+            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
+        norm_cols = tl.arange(0, NORM_PAD)
+        program = tl.program_id(0) + split
+        inv_rms, h = row_inv_rms(
+            x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, program, NORM_K, HAS_RESIDUAL
+        )
+        if DYNAMIC:
+            norm_mask = norm_cols < NORM_K
+            normed = norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + norm_cols, mask=norm_mask, other=0.0))
+            amax = amax_keep_nan(tl.where(norm_mask, tl.abs(normed.to(tl.float32)), 0.0), 0)
+            norm_scale = dynamic_scale(capped(amax, scale_ub, CAPPED))
+        else:
+            norm_scale = tl.load(input_scale_ptr)
+        tl.store(x_scale_ptr, norm_scale, mask=program == 0)  # for the reduce launch
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE_BLOCK_N > 0:
         x_scales = x_scale_ptr + rows.to(tl.int64) * x_scale_stride  # [BLOCK_M]
@@ -229,7 +272,13 @@ def _fp8_skinny_kernel(
         k = start + cols
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
-        x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
+        if NORM_K > 0:  # the normed tile in x's dtype, then its codes: rms_norm_fp8_quant's
+            normed_x = normed_tile(
+                x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL
+            )
+            x = quantize_e4m3(normed_x, norm_scale, HW_E4M3)
+        else:
+            x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
         w_codes, x_codes = w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True)
         if SCALE_BLOCK_N > 0:  # one K block: its sums scaled by its scales (fp8_block_mm's formula)
             if BLOCK_K < 32:  # an 8-bit dot's smallest K: widen the codes (every e4m3 value is an fp16 one)
@@ -248,7 +297,10 @@ def _fp8_skinny_kernel(
         y = out_ptr + rows[None, :] * N + channels[:, None]
         tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif SPLIT_K == 1:
-        x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
+        if NORM_K > 0:
+            x_scale = tl.where(row_mask, norm_scale, 0.0)
+        else:
+            x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=0.0)
         y = acc * x_scale[None, :] * w_scale[:, None]
         tl.store(
@@ -336,42 +388,85 @@ def fp8_block_skinny_mm(
     return _launch(x_q, x_scale, w_q, w_scale, out_dtype, config, block[0])
 
 
+def fp8_normed_skinny_mm(
+    x: torch.Tensor,
+    norm: RowNorm,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    scale_ub: float | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_skinny_mm` of one row's RMSNorm (`norm`, after its residual add) quantized per token (capped at
+    `scale_ub` if given) or by the static `input_scale`, made as each tile is loaded: x [1, K] (or no rows)
+    bf16 / fp16 / fp32, the norm's input; weight and weight_scale as `fp8_skinny_mm`'s -> y [1, N] in x's
+    dtype. The same codes and scale as `rms_norm_fp8_quant(x, norm.weight, norm.eps, norm.residual,
+    input_scale, scale_ub=scale_ub)` then `fp8_skinny_mm` (bit for bit under the interpreter; on a GPU the
+    row's sum of squares is reduced over this launch's warps), and norm.residual_out gets that launch's
+    residual_out. Never `fused_reduce` (its last split would read the scale another program writes): the
+    splits are added by the reduce launch. Raises ValueError naming a bad argument."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_row_norm(norm, x)
+    check_quantization(input_scale, None, x.device, scale_ub)
+    _check_weight(weight, weight_scale, x)
+    num_rows, in_features = x.shape
+    if config is None:
+        config = skinny_config(weight.shape[0], in_features, device_sm_count(x.device), num_rows)
+    elif config.block_k < 32:
+        raise ValueError(f"config: block_k must be at least 32 (an 8-bit dot's K), got {config.block_k}")
+    x_scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)  # the kernel's to write
+    return _launch(x, x_scale, weight, weight_scale, x.dtype, config, None, (norm, input_scale, scale_ub))
+
+
 def _launch(
-    x_q: torch.Tensor,
+    x: torch.Tensor,
     x_scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
     config: SkinnyConfig,
     scale_block_n: int | None,
+    norm: tuple[RowNorm, torch.Tensor | None, float | None] | None = None,
 ) -> torch.Tensor:
-    """The checked launch: per-channel scales (`scale_block_n` None) or block scales with block_n rows."""
-    num_rows, in_features = x_q.shape
+    """The checked launch: per-channel scales (`scale_block_n` None) or block scales with block_n rows;
+    x the e4m3 codes, or with `norm` (the RowNorm, the static input_scale or None, the amax cap or None)
+    the norm's float input row, x_scale then written by the kernel."""
+    num_rows, in_features = x.shape
     out_features = weight.shape[0]
-    y = torch.empty((num_rows, out_features), dtype=out_dtype, device=x_q.device)
+    y = torch.empty((num_rows, out_features), dtype=out_dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return y
     block_m = max(16, triton.next_power_of_2(num_rows))
     k_per_split, split_k, out = split_k_output(y, in_features, config)
     blocks = scale_block_n is not None
     channel_blocks = triton.cdiv(out_features, config.block_n)
-    counters = split_counters(y.device, channel_blocks) if config.fused_reduce and split_k > 1 else None
+    fused_reduce = config.fused_reduce and split_k > 1 and norm is None
+    counters = split_counters(y.device, channel_blocks) if fused_reduce else None
+    row_norm, input_scale, scale_ub = norm if norm is not None else (None, None, None)
+    norm_weight, eps, residual, residual_out = row_norm if row_norm is not None else (None, 0.0, None, None)
     _fp8_skinny_kernel[(channel_blocks, split_k)](
         out,
         y if counters is not None else None,
         counters,
-        x_q.view(torch.uint8),
+        x if norm is not None else x.view(torch.uint8),
         x_scale,
         weight.view(torch.uint8),
         weight_scale,
+        norm_weight,
+        residual,
+        residual_out,
+        input_scale,
+        scale_ub or 1.0,
+        eps,
         num_rows,
         out_features,
         in_features,
         k_per_split,
-        x_q.stride(0),
+        x.stride(0),
         weight.stride(0),
         x_scale.stride(0) if blocks else _x_scale_stride(x_scale),
         weight_scale.stride(0) if blocks else 0,
+        residual.stride(0) if residual is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -379,6 +474,12 @@ def _launch(
         SCALE_BLOCK_N=scale_block_n or 0,
         FUSED_REDUCE=counters is not None,
         PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, k_per_split),
+        NORM_K=in_features if norm is not None else 0,
+        NORM_PAD=triton.next_power_of_2(in_features) if norm is not None else 16,
+        HAS_RESIDUAL=residual is not None,
+        DYNAMIC=input_scale is None,
+        CAPPED=scale_ub is not None,
+        HW_E4M3=norm is not None and gpu_e4m3(y.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(y.device),
@@ -452,16 +553,21 @@ def _check_args(
     x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> None:
     check_tensor("x_q", x_q, ndim=2, dtypes=(FP8,))
-    check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x_q.device)
-    num_rows, in_features = x_q.shape
-    out_features = weight.shape[0]
+    num_rows = x_q.shape[0]
     if num_rows > MAX_ROWS:
         raise ValueError(f"x_q: at most {MAX_ROWS} rows, got {num_rows}")
-    check_shape("weight", weight, (out_features, in_features))
-    check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x_q.device)
-    check_shape("weight_scale", weight_scale, (out_features,))
+    _check_weight(weight, weight_scale, x_q)
     check_tensor("x_scale", x_scale, ndim=x_scale.dim(), dtypes=(torch.float32,), device=x_q.device)
     if x_scale.numel() not in (1, num_rows) or not x_scale.is_contiguous():
         raise ValueError(
             f"x_scale: must hold 1 or {num_rows} contiguous scales, got shape {tuple(x_scale.shape)}"
         )
+
+
+def _check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """weight [N, K] e4m3 (K: x's columns) with weight_scale [N] float32, on x's device."""
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x.device)
+    out_features = weight.shape[0]
+    check_shape("weight", weight, (out_features, x.shape[1]))
+    check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x.device)
+    check_shape("weight_scale", weight_scale, (out_features,))

@@ -21,6 +21,8 @@ in bf16; 1024 and 624 quantizing to FP8. Not timed yet.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -83,8 +85,7 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-    normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    out = norm_rounded(x, inv_rms, weight)
     if QUANTIZE and GROUP_SIZE > 0:  # quantize_fp8_groups' recipe, a [groups, GROUP_SIZE] view of the row
         shape: tl.constexpr = (HIDDEN_PAD // GROUP_SIZE, GROUP_SIZE)
         groups = tl.arange(0, HIDDEN_PAD // GROUP_SIZE)
@@ -103,6 +104,83 @@ def _rms_norm_kernel(
         tl.store(scale_ptr + row * stride_scale, scale)
     else:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+@triton.jit
+def norm_rounded(h, inv_rms, weight):
+    """weight * (h * inv_rms) in h's dtype (h: x, + residual, rounded to x's dtype; weight in it too), with
+    the two roundings of transformers' LlamaRMSNorm: this kernel's formula, and the linears' that normalize
+    their input as they load it (`row_inv_rms`, `normed_tile`)."""
+    dtype = h.dtype
+    normed = (h.to(tl.float32) * inv_rms).to(dtype)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+
+class RowNorm(NamedTuple):
+    """A linear's RMSNorm (with its residual add) made in the linear's own loads, `rms_norm`'s: the `norm=`
+    of `sluice.kernels.skinny_mm.skinny_mm` and `sluice.kernels.fp8_skinny_mm.fp8_normed_skinny_mm`."""
+
+    weight: torch.Tensor  # [K], x's dtype
+    eps: float
+    residual: torch.Tensor | None  # [1, K]: x + residual is normalized and written to residual_out
+    residual_out: torch.Tensor | None  # [1, K], with residual: written by one program
+
+
+NORM_MAX_ROWS = 1  # each program of such a linear sums its row's squares itself: one sequence's decode step
+
+
+@triton.jit
+def row_inv_rms(
+    x_ptr, residual_ptr, residual_out_ptr, cols, eps, program, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
+    """(1 / sqrt(mean(h^2) + eps), h) of row 0, h = x (+ residual, rounded to x's dtype and written to
+    residual_out by the program numbered 0) in x's dtype, 0 past K: `rms_norm`'s formula over the whole row
+    at once, for a linear's program that normalizes its input tiles (`normed_tile`)."""
+    mask = cols < K
+    h = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + cols, h, mask=mask & (cols * 0 + program == 0))
+    squares = h.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(squares * squares, axis=0) / K + eps), h
+
+
+@triton.jit
+def normed_tile(
+    x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL: tl.constexpr
+):
+    """The [BLOCK_K, BLOCK_M] input tile of a linear at columns k: `norm_rounded` of x (+ residual, rounded
+    first) with the row's `row_inv_rms`; 0 in the padding rows and past K."""
+    mask = k_mask[:, None] & row_mask[None, :]
+    h = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_cols + k[:, None], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + residual.to(tl.float32)).to(h.dtype)
+    weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
+    return norm_rounded(h, inv_rms, weight[:, None])
+
+
+def check_row_norm(norm: RowNorm, x: torch.Tensor) -> None:
+    """A linear's `norm=` for its input x [M, K] (the norm's input): at most NORM_MAX_ROWS rows, the weight
+    [K] and the residual tensors [M, K] in x's dtype, residual_out with residual and apart from x and it.
+    Raises ValueError naming the argument."""
+    num_rows, in_features = x.shape
+    if num_rows > NORM_MAX_ROWS:
+        raise ValueError(f"x: at most {NORM_MAX_ROWS} row with a norm, got {num_rows}")
+    check_tensor("norm.weight", norm.weight, ndim=1, dtypes=(x.dtype,), device=x.device)
+    check_shape("norm.weight", norm.weight, (in_features,))
+    if (norm.residual is None) != (norm.residual_out is None):
+        raise ValueError("norm: residual and residual_out go together")
+    for name, tensor in (("norm.residual", norm.residual), ("norm.residual_out", norm.residual_out)):
+        if tensor is not None:
+            check_tensor(name, tensor, ndim=2, dtypes=(x.dtype,), device=x.device)
+            check_shape(name, tensor, tuple(x.shape))
+    if norm.residual_out is not None and norm.residual_out.data_ptr() in (
+        x.data_ptr(),
+        norm.residual.data_ptr(),
+    ):  # one program writes it while the others still read x and residual
+        raise ValueError("norm.residual_out: must not share memory with x or norm.residual")
 
 
 def _check_rms_norm_args(x, weight, residual) -> None:

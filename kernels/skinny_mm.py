@@ -44,7 +44,6 @@ checked under the interpreter on 2026-12-01, never timed on a GPU. fp32 operands
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -67,23 +66,12 @@ from sluice.kernels.fp8_skinny_mm import (
 )
 from sluice.kernels.paged_attention_tile import dot_settings
 from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_inv_rms
 from sluice.kernels.silu_and_mul import silu_and_mul_tile
 from sluice.kernels.tensor_checks import check_shape, check_tensor
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_BLOCK_K = 64  # columns per step: 128 bytes of a bf16 row, as the FP8 launch's 128 e4m3 columns
-
-
-class RowNorm(NamedTuple):
-    """`skinny_mm(norm=...)`: the RMSNorm (with its residual add) before the product, `rms_norm`'s."""
-
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-    residual: torch.Tensor | None  # [1, K]: x + residual is normalized and written to residual_out
-    residual_out: torch.Tensor | None  # [1, K], with residual: written by one program
-
-
-NORM_MAX_ROWS = 1  # each program sums its row's squares itself: a decode step of one sequence
 
 
 @functools.cache  # a few shapes a model, asked at every eager launch
@@ -138,7 +126,7 @@ def _skinny_kernel(
         if HAS_RESIDUAL:
             residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
         norm_cols = tl.arange(0, NORM_PAD)
-        inv_rms = _row_inv_rms(
+        inv_rms, _ = row_inv_rms(
             x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, tl.program_id(0) + split,
             NORM_K, HAS_RESIDUAL,
         )  # fmt: skip
@@ -150,7 +138,7 @@ def _skinny_kernel(
         if GATED_D > 0:  # K slices are whole tiles: only the last split's last tile passes K, masked here
             x = silu_and_mul_tile(x_cols, k[:, None], GATED_D)
         elif NORM_K > 0:
-            x = _normed_tile(
+            x = normed_tile(
                 x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL
             )
         else:
@@ -166,39 +154,6 @@ def _skinny_kernel(
         tl.store(
             out_ptr + workspace_offsets(split, rows[None, :], channels[:, None], M, N), acc, mask=out_mask
         )
-
-
-@triton.jit
-def _row_inv_rms(
-    x_ptr, residual_ptr, residual_out_ptr, cols, eps, program, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr
-):
-    """1 / sqrt(mean(h^2) + eps) of row 0, h = x (+ residual, rounded to x's dtype and written to
-    residual_out by the program numbered 0): `rms_norm`'s formula over the whole row at once."""
-    mask = cols < K
-    h = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + cols, h, mask=mask & (cols * 0 + program == 0))
-    h = h.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-
-
-@triton.jit
-def _normed_tile(
-    x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL: tl.constexpr
-):
-    """The [BLOCK_K, BLOCK_M] input tile at columns k: weight * (h * inv_rms) in x's dtype, `rms_norm`'s
-    roundings (h = x + residual rounded first); 0 in the padding rows and past K."""
-    mask = k_mask[:, None] & row_mask[None, :]
-    h = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_cols + k[:, None], mask=mask, other=0.0)
-        h = (h.to(tl.float32) + residual.to(tl.float32)).to(h.dtype)
-    dtype = h.dtype
-    normed = (h.to(tl.float32) * inv_rms).to(dtype)
-    weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
-    return (weight.to(tl.float32)[:, None] * normed.to(tl.float32)).to(dtype)
 
 
 def skinny_mm(
@@ -225,7 +180,9 @@ def skinny_mm(
         in_features //= 2
     check_shape("weight", weight, (out_features, in_features))
     if norm is not None:
-        _check_norm(norm, x, gated)
+        if gated:
+            raise ValueError("norm: a normed input is not a gated one (gated=True)")
+        check_row_norm(norm, x)
     if config is None:
         config = float_skinny_config(out_features, in_features, device_sm_count(x.device))
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
@@ -270,24 +227,3 @@ def skinny_mm(
     if split_k > 1:
         reduce_split_k(y, out, None)
     return y
-
-
-def _check_norm(norm: RowNorm, x: torch.Tensor, gated: bool) -> None:
-    num_rows, in_features = x.shape
-    if gated:
-        raise ValueError("norm: a normed input is not a gated one (gated=True)")
-    if num_rows > NORM_MAX_ROWS:
-        raise ValueError(f"x: at most {NORM_MAX_ROWS} row with a norm, got {num_rows}")
-    check_tensor("norm.weight", norm.weight, ndim=1, dtypes=(x.dtype,), device=x.device)
-    check_shape("norm.weight", norm.weight, (in_features,))
-    if (norm.residual is None) != (norm.residual_out is None):
-        raise ValueError("norm: residual and residual_out go together")
-    for name, tensor in (("norm.residual", norm.residual), ("norm.residual_out", norm.residual_out)):
-        if tensor is not None:
-            check_tensor(name, tensor, ndim=2, dtypes=(x.dtype,), device=x.device)
-            check_shape(name, tensor, tuple(x.shape))
-    if norm.residual_out is not None and norm.residual_out.data_ptr() in (
-        x.data_ptr(),
-        norm.residual.data_ptr(),
-    ):  # one program writes it while the others still read x and residual
-        raise ValueError("norm.residual_out: must not share memory with x or norm.residual")

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from sluice.benchmarks.gpu import dependent_launch_step
-from sluice.benchmarks.gpu.dependent_launch_step import NORM_APART, SILU_APART, WITH_PDL, WITHOUT_PDL
-from sluice.kernels import dependent_launch, skinny_mm
+from sluice.benchmarks.gpu.dependent_launch_step import (
+    NORM_APART,
+    NORM_FOLDED,
+    SILU_APART,
+    WITH_PDL,
+    WITHOUT_PDL,
+)
+from sluice.engine.worker.layers import fp8_linear
+from sluice.kernels import dependent_launch, fp8_skinny_mm, skinny_mm
 from sluice.kernels.dependent_launch import (
     L2_PREFETCH_BUDGET,
     MAX_PREFETCH_ROW_BYTES,
@@ -63,14 +70,19 @@ def test_prefetch_is_a_power_of_two_of_lines_within_the_launchs_l2_budget(
     assert weight_prefetch_bytes(CPU, programs, rows, row_bytes) == 0
 
 
-def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_kind_of_linear(monkeypatch):
+def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_kind_of_linear(
+    monkeypatch, scaled_mm_on_cpu
+):
     """bench_dependent_launch on the tiny preset, with bf16 linears on cuBLAS's path and on the skinny
-    launch, and with FP8 ones (quantized at load; on a CPU their emulated matmul): every launch of each
-    pair's first graph sees PDL allowed, every launch of the second SLUICE_PDL=0 (the interpreter launches
-    without it either way), only the skinny model runs `skinny_mm` (SiLU-and-mul in down_proj's launch but
-    in its third row, the one-row step's RMSNorms in the linears' launches but in its fourth), the logits of
-    each model's rows are equal and the switch is put back."""
-    seen, skinny = [], []
+    launch, and with FP8 ones (quantized at load; on `_scaled_mm`, the GPU's matmul, and one-row steps on
+    `fp8_skinny_mm` as the larger weights take it): every launch of each pair's first graph sees PDL
+    allowed, every launch of the second SLUICE_PDL=0 (the interpreter launches without it either way), only
+    the skinny model runs `skinny_mm` (SiLU-and-mul in down_proj's launch but in its third row, the one-row
+    step's RMSNorms in the linears' launches but in its fourth), only the FP8 model's third row runs its
+    norms in `fp8_normed_skinny_mm`, the logits of each model's rows are equal and the switch is put
+    back."""
+    monkeypatch.setattr(fp8_linear, "GEMV_MAX_WEIGHT", 0)
+    seen, skinny, normed_fp8 = [], [], []
 
     def spy(device: torch.device) -> bool:
         seen.append(os.environ.get(PDL_ENV))
@@ -82,15 +94,29 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
         skinny.append((os.environ.get(PDL_ENV), gated, norm is not None))
         return launch(x, weight, gated=gated, norm=norm)
 
+    normed_launch = fp8_skinny_mm.fp8_normed_skinny_mm
+
+    def normed_spy(x: torch.Tensor, *args) -> torch.Tensor:
+        normed_fp8.append(len(rows_timed))
+        return normed_launch(x, *args)
+
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
     monkeypatch.setattr(skinny_mm, "skinny_mm", skinny_spy)
+    monkeypatch.setattr(fp8_skinny_mm, "fp8_normed_skinny_mm", normed_spy)
     monkeypatch.delenv(PDL_ENV, raising=False)
-    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.0042, 0.006, 0.007])
-    rows = dependent_launch_step.bench_dependent_launch(
-        CPU, preset="tiny", context=40, time_s=lambda fn: (fn(), next(times))[1]
-    )
+    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.0042, 0.006, 0.007, 0.0055])
+    rows_timed = []  # a graph's timing, as each is taken
+
+    def time_s(fn) -> float:
+        fn()
+        rows_timed.append(next(times))
+        return rows_timed[-1]
+
+    rows = dependent_launch_step.bench_dependent_launch(CPU, preset="tiny", context=40, time_s=time_s)
     runs = [value for index, value in enumerate(seen) if index == 0 or seen[index - 1] != value]
-    assert runs == ["1", "0"] * 3
+    assert runs == ["1", "0"] * 3 + ["1"]
+    # the FP8 model's third graph only (8 graphs timed before it), captured and timed
+    assert normed_fp8 and set(normed_fp8) <= {8, 9} and 8 in normed_fp8
     # the tiny preset's one-row steps, four graphs: (PDL, gated rows, normed rows) of each launch. Both folds
     # with and without PDL; then SiLU-and-mul apart (norms still folded), then the norms apart (SiLU folded).
     without = [index for index, kind in enumerate(skinny) if kind[0] == "0"]
@@ -115,11 +141,13 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
         ["bf16 skinny", NORM_APART, 4.2, 0.0042 / 0.004],
         ["fp8", WITH_PDL, 6.0, 1.0],
         ["fp8", WITHOUT_PDL, 7.0, 7 / 6],
+        ["fp8", NORM_FOLDED, 5.5, 5.5 / 6],
     ]
-    assert [row[4] for row in rows] == [0.0] * 8  # on the CPU the norm's row sum is the same sum either way
+    assert [row[4] for row in rows] == [0.0] * 9  # on the CPU the norm's row sum is the same sum either way
     assert PDL_ENV not in os.environ
     figures = dependent_launch_step.dependent_launch_figures(rows)
-    assert figures["bf16_skinny_norm_apart_step_s"] == pytest.approx(0.0042) and len(figures) == 8
+    assert figures["bf16_skinny_norm_apart_step_s"] == pytest.approx(0.0042) and len(figures) == 9
+    assert figures["fp8_norm_folded_step_s"] == pytest.approx(0.0055)
     assert not any(dependent_launch_step.logits_depart(row) for row in rows)
     assert dependent_launch_step.logits_depart(["bf16 skinny", SILU_APART, 4.5, 1.125, 1e-7])
     assert not dependent_launch_step.logits_depart(["bf16 skinny", NORM_APART, 4.2, 1.05, 1e-3])

@@ -262,7 +262,7 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path)
     report = (out / "report.md").read_text()
     assert report.startswith("# Sluice GPU check: CPU: PASS")
     section = report.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The tiny preset (float32) on four servers of this step, one after another")
+    assert section.startswith("The tiny preset (float32) on 4 servers of this step, one after another")
     for line in (
         "| server | TPOT p50 ms, c=1 | TPOT p50 ms, c=64 | out tok/s, c=64 | KV blocks | requests done "
         "| greedy vs float32 |",
@@ -579,7 +579,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
         "tests/test_model_parity.py\t-k\ttriton",
         "tests/test_kernels_fused_fp8_quant.py",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 15
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 16
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 
@@ -1014,13 +1014,14 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     text, ok = check_report.build_report(tmp_path, "gpu", 350, 340)
     assert not ok
     section = text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The llama-3-8b preset (bfloat16) on four servers of this step")
+    assert section.startswith("The llama-3-8b preset (bfloat16) on 5 servers of this step")
     for line in (
         "| greedy vs bf16 |",
         "| bf16 (this step's) | 5.60 | 9.00 | 6000 | 5000 | 72/72 | the reference |",
         "| fp8 weights | 3.20 (0.57x) | 6.30 (0.70x) | 8400 (1.40x) | 6500 (1.30x) | 72/72 "
         "| 5/8 equal; 200/256 tokens before the first difference |",
         "| fp8 weights + fp8 KV | - | - | - | - | - | not run |",  # killed at the limit before it
+        "| fp8 weights, RMSNorms in the linears | - | - | - | - | - | not run |",  # a GPU's only
         "| fp8 weights, 128 x 128 blocks | - | - | - | - | - | not run |",
         "| fp8 weights: batch-1 TPOT p50 / bf16's (the goal's shape) | 0.57 | <= 0.6 | met |",
         "| fp8 weights: out tok/s at 64 concurrent / bf16's | 1.40 | >= 1.3 | met |",
@@ -1033,7 +1034,9 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     ):
         assert line in section, line
     assert (
-        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks" in text
+        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 with norms folded (GPU), fp8 "
+        "128-blocks"
+        in text
         and "| TIMED OUT | 330 |" in text
     )
     # The fp8 step's section, with no serve_bench or fp8 record, says why it has no figures.
@@ -1048,6 +1051,29 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
         "## FP8 on the llama-3-8b shape (issue 34)\n\nNot measured: the fp8_large step SKIPPED "
         "(not in SLUICE_GPU_CHECK_STEPS (runs only when named there))." in text
     )
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_the_fp8_large_step_serves_the_folded_norms_on_a_gpu_before_the_blocks(mode, tmp_path, monkeypatch):
+    """fp8_large's servers and their arguments, the servers stubbed: bf16, fp8, fp8 + fp8 KV, on a GPU fp8
+    with --fuse-norm-fp8-skinny (not in the CPU mode: Plan.fp8_norm_serve_args), fp8 in blocks last."""
+    served = []
+
+    def serve(ctx, reference, name, extra, preset=None, profile=False):
+        served.append((name, extra[1:]))  # after --async-scheduling
+        assert extra[0] == "--async-scheduling" and preset == ctx.plan.large_preset and profile
+        return {"ok": True}
+
+    monkeypatch.setattr(variant_servers, "variant_server", serve)
+    ctx = step_context.StepContext(tmp_path, step_context.PLANS[mode], "fp8_large")
+    result = variant_servers.step_fp8_large(ctx)
+    fp8 = ("--quantization", "fp8")
+    expected = [("bf16", ()), ("fp8", fp8), ("fp8_kv", (*fp8, "--kv-cache-dtype", "fp8"))]
+    if mode == "gpu":
+        expected.append(("fp8_norm", (*fp8, "--fuse-norm-fp8-skinny")))
+    expected.append(("fp8_block", (*fp8, "--fp8-weight-block", "128")))
+    assert served == expected
+    assert result == {"ok": True, "preset": ctx.plan.large_preset, "variants": [name for name, _ in expected]}
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])

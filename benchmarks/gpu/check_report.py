@@ -39,8 +39,8 @@ STEPS = {
     "async": "--async-scheduling, then + --skinny-linears: greedy equal to serve_bench's, sluice bench at 1 "
     "and 64",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
-    "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks: sluice bench at 1 and 64, "
-    "greedy, KV blocks",
+    "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 with norms folded (GPU), fp8 128-blocks: "
+    "sluice bench at 1 and 64, greedy, KV blocks",
 }
 FAILING = ("failed", "timed out", "out of time")
 

@@ -29,6 +29,7 @@ from sluice.engine.worker.cuda_graph_runner import CudaGraphRunner
 from sluice.engine.worker.input_batch import ModelInputs, build_model_inputs
 from sluice.engine.worker.layers.activation import GatedActivation
 from sluice.engine.worker.layers.attention import Attention
+from sluice.engine.worker.layers.fp8_linear import Fp8LinearMethod
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import LinearBase
 from sluice.engine.worker.layers.linear_method import UnquantizedLinearMethod
@@ -232,9 +233,10 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
 
 def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     """Give every linear of `model` in the model dtype the method `kernels` picks (cuBLAS's or Sluice's
-    skinny launch: `skinny_linears`; the same weight layout on a GPU), and re-select the MLPs' activations
-    and the RMSNorms (whether SiLU-and-mul runs in down_proj's launch, a norm in its linear's:
-    `fuse_silu_skinny`, `fuse_norm_skinny`); returns the linears."""
+    skinny launch: `skinny_linears`; the same weight layout on a GPU), every FP8 one its method again with
+    `fuse_norm_fp8_skinny` (the same weights), and re-select the MLPs' activations and the RMSNorms
+    (whether SiLU-and-mul runs in down_proj's launch, a norm in its linear's: `fuse_silu_skinny`,
+    `fuse_norm_skinny`, `fuse_norm_fp8_skinny`); returns the float linears."""
     layers = [
         module
         for module in model.modules()
@@ -242,6 +244,10 @@ def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     ]
     for layer in layers:
         layer.method = float_linear_method(kernels)
+    for module in model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.method, Fp8LinearMethod):
+            method = module.method
+            module.method = Fp8LinearMethod(method.scheme, method.matmul, kernels.fuse_norm_fp8_skinny)
     for module in model.modules():
         if isinstance(module, (GatedActivation, RMSNorm)):
             module.select(kernels)

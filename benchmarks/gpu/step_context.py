@@ -55,6 +55,10 @@ class Plan:
     # interpreter one server's requests took over two minutes, the tiny preset's 32k-row lm_head alone
     # hundreds of interpreted programs a step; tests/test_model_parity.py checks them on CPU instead)
     skinny_serve_args: tuple[str, ...] | None = ("--skinny-linears",)
+    # fp8_large's server with the RMSNorms in the FP8 linears' one-row launches (`--fuse-norm-fp8-skinny`),
+    # after the fp8-KV one; None: not run (the CPU mode: those launches need the Triton kernels, which its
+    # servers do not run; tests/test_fp8_fused_quant_model.py checks them on CPU instead)
+    fp8_norm_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8-skinny",)
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -89,6 +93,7 @@ PLANS = {
         large_profile=ProfilePlan(batches=(), num_steps=0, prompt_len=24, max_tokens=2048, prefill_batch=1,
                                   prefill_steps=1),
         skinny_serve_args=None,
+        fp8_norm_serve_args=None,
     ),
 }  # fmt: skip
 

@@ -15,6 +15,7 @@ from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.benchmarks.gpu.step_context import PLANS, Plan, read_runs
 from sluice.benchmarks.gpu.step_profiles import profile_tables
+from sluice.benchmarks.gpu.variant_servers import large_variants
 
 LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
 
@@ -78,18 +79,18 @@ def fp8_large_section(
         return not_measured("fp8_large", statuses, results)
     plan, base, _, runs = Baseline.of(results, out, mode)
     reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
+    labels = {name: fp8_figures.LARGE_LABELS[name] for name in large_variants(plan)}  # the plan's servers
+    servers = ", ".join([base, *labels.values()])
     intro = (
-        f"The {plan.large_preset} preset ({plan.dtype}) on four servers of this step, one after another, "
-        "each with `--async-scheduling` (as served on CUDA): "
-        f"{base}, fp8 weights, fp8 weights + fp8 KV, fp8 weights in 128 x 128 blocks made at load "
-        "(`--fp8-weight-block 128`, the layout of Qwen3-FP8 checkpoints); each ran `sluice bench` with "
-        f"{runs}, {plan.input_len} prompt and {plan.output_len} output tokens, the same prompts on each (the "
-        "same seeds). In "
-        f"brackets: the ratio to {base}'s."
+        f"The {plan.large_preset} preset ({plan.dtype}) on {len(labels) + 1} servers of this step, one "
+        f"after another, each with `--async-scheduling` (as served on CUDA): {servers} (RMSNorms in the "
+        "linears: `--fuse-norm-fp8-skinny`, each one-row step's norms made in qkv_proj's and "
+        "gate_up_proj's FP8 launches; 128 x 128 blocks: `--fp8-weight-block 128`, made at load, the layout "
+        f"of Qwen3-FP8 checkpoints); each ran `sluice bench` with {runs}, {plan.input_len} prompt and "
+        f"{plan.output_len} output tokens, the same prompts on each (the same seeds). In brackets: the "
+        f"ratio to {base}'s."
     )
-    rows = fp8_figures.table_rows(
-        reference, variants, base, labels=fp8_figures.LARGE_LABELS, base_source="this step's"
-    )
+    rows = fp8_figures.table_rows(reference, variants, base, labels=labels, base_source="this step's")
     table = markdown_table(fp8_figures.table_headers(base), rows)
     shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
     parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)

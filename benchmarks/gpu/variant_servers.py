@@ -6,8 +6,10 @@ fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype
 async      the preset with `--async-scheduling` (issue 33), then with `--skinny-linears` too (Sluice's own
            linears for steps of up to 64 rows, untimed before), each set against serve_bench's synchronous
            server
-fp8_large  (i) the large step's shape served four times, with async scheduling: bf16 (the reference,
-           drawing its own prompts), fp8's two servers, then fp8 weights in 128 x 128 blocks made at load
+fp8_large  (i) the large step's shape served four or five times, with async scheduling: bf16 (the
+           reference, drawing its own prompts), fp8's two servers, on a GPU fp8 with the RMSNorms in the
+           one-row FP8 linears' launches (`--fuse-norm-fp8-skinny`, untimed before:
+           `Plan.fp8_norm_serve_args`), then fp8 weights in 128 x 128 blocks made at load
            (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
            step cut short keeps issue 34's three
 
@@ -42,8 +44,7 @@ FP8_VARIANTS = {  # the fp8 step's servers, in order: name -> the serve argument
     "fp8": ("--quantization", "fp8"),
     "fp8_kv": ("--quantization", "fp8", "--kv-cache-dtype", "fp8"),
 }
-# fp8_large's servers after its bf16 one: fp8's, then the block-wise path (no target of its own)
-LARGE_VARIANTS = {**FP8_VARIANTS, "fp8_block": ("--quantization", "fp8", "--fp8-weight-block", "128")}
+FP8_BLOCK_ARGS = ("--quantization", "fp8", "--fp8-weight-block", "128")  # fp8_large's last server
 # The fp8_large servers schedule as served (async, the CUDA default since 2026-11-26 run 6), all alike;
 # runs 3-8 pinned them synchronous, as the plan's other servers still are (`Plan.serve_args`).
 LARGE_SCHEDULING = ("--async-scheduling",)
@@ -61,18 +62,28 @@ def step_fp8(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
-    """The fp8 step's servers and the block-wise one on the large step's shape (issue 34's batch-1 target
-    is set on llama-3-8b), after a bf16 server of that shape, their reference: greedy outputs and `sluice
-    bench` (the same seeds, so the same prompts, on each) against it. A record per server appended as it
-    finishes."""
-    preset = ctx.plan.large_preset
+    """The fp8 step's servers, on a GPU one with the norms in the FP8 linears' launches, and the block-wise
+    one on the large step's shape (issue 34's batch-1 target is set on llama-3-8b), after a bf16 server of
+    that shape, their reference: greedy outputs and `sluice bench` (the same seeds, so the same prompts, on
+    each) against it (`large_variants`). A record per server appended as it finishes."""
+    preset, variants = ctx.plan.large_preset, large_variants(ctx.plan)
     reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset, profile=True)
     records = [
         variant_server(ctx, reference, name, (*LARGE_SCHEDULING, *args), preset, profile=True)
-        for name, args in LARGE_VARIANTS.items()
+        for name, args in variants.items()
     ]
     ok = reference["ok"] and all(r["ok"] for r in records)
-    return {"ok": ok, "preset": preset, "variants": ["bf16", *LARGE_VARIANTS]}
+    return {"ok": ok, "preset": preset, "variants": ["bf16", *variants]}
+
+
+def large_variants(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """fp8_large's servers after its bf16 one, in order: fp8's, fp8 with the norms in the one-row linears'
+    launches where the plan runs it, then the block-wise path (no target of its own)."""
+    variants = dict(FP8_VARIANTS)
+    if plan.fp8_norm_serve_args is not None:
+        variants["fp8_norm"] = (*FP8_VARIANTS["fp8"], *plan.fp8_norm_serve_args)
+    variants["fp8_block"] = FP8_BLOCK_ARGS
+    return variants
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:

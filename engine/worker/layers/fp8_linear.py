@@ -59,6 +59,12 @@ Where `fp8_quant` or `quantize_fp8_groups` would run, the kernel that made x may
 qkv_proj / gate_up_proj and SiLU-and-mul before down_proj then hand `apply` an `Fp8Activations`, the same
 codes and scales (per token, static, or per group of a block scheme's block_k columns).
 
+With `fuse_norm` (`KernelConfig.fuse_norm_fp8_skinny`, off by default: untimed on a GPU) a one-row step
+on `fp8_skinny_mm` takes its input before the RMSNorm instead (`normed_input`, `NormedRows`):
+`fp8_normed_skinny_mm` normalizes the row (and adds the residual) and makes the same codes and scale as
+each tile is loaded, one launch instead of the norm's and the product's (llama-3-8b's qkv_proj and
+gate_up_proj: 64 launches a step fewer; the gemv layers keep the norm's launch).
+
 Every other step of up to SKINNY_MAX_ROWS rows runs `sluice.kernels.fp8_skinny_mm` on `fp8_quant`'s codes
 (`runs_skinny`): the weight as the MMA's tall operand, K split over programs. On llama-3-8b's qkv / o / down
 it took 0.76 / 0.72 / 0.65x `_scaled_mm`'s time at 16 rows and 1.02 / 0.85 / 0.78x at 64, and 0.93-0.99x on
@@ -85,7 +91,7 @@ from sluice.engine.worker.layers.fp8_blocks import (
     rank_block_scales,
 )
 from sluice.engine.worker.layers.kernel_config import KernelConfig
-from sluice.engine.worker.layers.linear_method import LinearMethod
+from sluice.engine.worker.layers.linear_method import LinearMethod, NormedRows
 
 if TYPE_CHECKING:
     from sluice.engine.worker.layers.linear import LinearBase
@@ -202,7 +208,7 @@ class Fp8LinearMethod(LinearMethod):
     "dequantized"). Serialized: the checkpoint fills weight (e4m3), weight_scale and, static, input_scale;
     else the float weight is quantized after loading, per channel or in the scheme's blocks."""
 
-    def __init__(self, scheme: Fp8Scheme, matmul: str) -> None:
+    def __init__(self, scheme: Fp8Scheme, matmul: str, fuse_norm: bool = False) -> None:
         if matmul not in MATMULS:
             raise ValueError(f"matmul: must be one of {MATMULS}, got {matmul!r}")
         if matmul != "dequantized" and matmul.startswith("block_") != (scheme.weight_strategy == "block"):
@@ -214,10 +220,16 @@ class Fp8LinearMethod(LinearMethod):
         self.quantizes_in_kernel = (
             matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
         )
+        # `KernelConfig.fuse_norm_fp8_skinny`: one-row steps on the skinny launch take `NormedRows`
+        self.fuse_norm = fuse_norm and self.quantizes_in_kernel
         if self.quantizes_in_kernel:  # imported only when chosen: triton is not installed everywhere
             self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
             self._fp8_gemv = import_module("sluice.kernels.fp8_gemv").fp8_gemv
-            self._fp8_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_skinny_mm
+            skinny = import_module("sluice.kernels.fp8_skinny_mm")
+            self._fp8_skinny_mm = skinny.fp8_skinny_mm
+            self._fp8_normed_skinny_mm = skinny.fp8_normed_skinny_mm
+            norm = import_module("sluice.kernels.rms_norm")
+            self._row_norm, self._norm_max_rows = norm.RowNorm, norm.NORM_MAX_ROWS
         if matmul == "block_triton":
             self._fp8_block_mm = import_module("sluice.kernels.fp8_block_mm")
             self._fp8_block_skinny_mm = import_module("sluice.kernels.fp8_skinny_mm").fp8_block_skinny_mm
@@ -315,11 +327,28 @@ class Fp8LinearMethod(LinearMethod):
             return None
         return layer.input_scheme
 
+    def normed_input(self, layer: LinearBase, num_rows: int) -> bool:
+        """With `fuse_norm`, a step of one row (NORM_MAX_ROWS) that `apply` runs on `fp8_skinny_mm` (not
+        the gemv's smaller weights) takes its input as `NormedRows`: the launch normalizes and quantizes
+        it (`fp8_normed_skinny_mm`)."""
+        return (
+            self.fuse_norm
+            and 0 < num_rows <= self._norm_max_rows
+            and runs_skinny(num_rows, *layer.weight.shape)
+        )
+
     def apply(
-        self, layer: LinearBase, x: torch.Tensor | Fp8Activations, bias: torch.Tensor | None
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activations | NormedRows, bias: torch.Tensor | None
     ) -> torch.Tensor:
         if isinstance(x, Fp8Activations):  # quantized by the kernel that made it ([M, in] only)
             y = self._matmul(layer, x.x_q, x.x_scale, x.dtype)
+            return y if bias is None else y + bias
+        if isinstance(x, NormedRows):  # normed and quantized in the product's loads ([1, in]: `normed_input`)
+            norm = self._row_norm(x.norm_weight, x.eps, x.residual, x.residual_out)
+            input_scale = getattr(layer, "input_scale", None)
+            y = self._fp8_normed_skinny_mm(
+                x.x, norm, layer.weight, layer.weight_scale, input_scale, self.scale_ub
+            )
             return y if bias is None else y + bias
         if self.matmul == "dequantized":
             return F.linear(x, layer.weight, bias)
@@ -400,7 +429,8 @@ class Fp8LinearMethod(LinearMethod):
         return (rows, 1) if self.scheme.weight_strategy == "channel" else (1,)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.scheme}, matmul={self.matmul!r})"
+        fused = ", fuse_norm=True" if self.fuse_norm else ""
+        return f"{type(self).__name__}({self.scheme}, matmul={self.matmul!r}{fused})"
 
 
 def _parameter(tensor: torch.Tensor) -> nn.Parameter:

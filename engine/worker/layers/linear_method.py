@@ -166,9 +166,10 @@ class SkinnyLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self) -> None:
         super().__init__(column_major=False)
-        module = import_module("sluice.kernels.skinny_mm")  # imported only when chosen: triton is optional
-        self._skinny_mm, self._row_norm = module.skinny_mm, module.RowNorm
-        self.max_rows, self.norm_max_rows = module.MAX_ROWS, module.NORM_MAX_ROWS
+        # imported only when chosen: triton is optional
+        module, norm = import_module("sluice.kernels.skinny_mm"), import_module("sluice.kernels.rms_norm")
+        self._skinny_mm, self._row_norm = module.skinny_mm, norm.RowNorm
+        self.max_rows, self.norm_max_rows = module.MAX_ROWS, norm.NORM_MAX_ROWS
 
     def gated_input(self, layer: LinearBase, num_rows: int) -> bool:
         return num_rows <= self.max_rows

@@ -175,7 +175,8 @@ def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> 
         scheme = kernels.fp8.scheme_for(prefix)
         if scheme is None:
             return float_method
-        return Fp8LinearMethod(scheme, fp8_matmul_for(scheme, kernels, layer.input_size, layer.output_size))
+        matmul = fp8_matmul_for(scheme, kernels, layer.input_size, layer.output_size)
+        return Fp8LinearMethod(scheme, matmul, fuse_norm=kernels.fuse_norm_fp8_skinny)
     method = kernels.quantization
     if method is None:
         return float_method
