@@ -290,11 +290,11 @@ class EngineConfig:
     )
     # Off until a GPU run times it (docs/GPU.md, the GPU check's `pdl` and `fp8_large` sections): run 15's
     # llama-3-8b FP8 one-row step spent 255 us of 3.62 ms in 65 RMSNorm launches (H200).
-    fuse_norm_fp8_skinny: bool = option(
+    fuse_norm_fp8: bool = option(
         False,
         "FP8 linears: a one-row step's RMSNorm (and residual add) runs inside qkv_proj's and gate_up_proj's "
-        "fp8_skinny_mm launch, which makes the activation codes as it loads them; needs the Triton kernels "
-        "(a CUDA device); untimed",
+        "launch, which normalizes and quantizes the row as it loads it; needs the Triton kernels (a CUDA "
+        "device); untimed",
     )
     # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None

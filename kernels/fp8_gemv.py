@@ -44,6 +44,11 @@ options, off by default until a GPU sweep (the kernel_bench step's one-row candi
     amax_k     the amax pass in steps of amax_k columns instead of block_k (4096: one or four loads a row
                on the 8b shape instead of 4-28); a max in any order is the same max, so y is bit for bit
 
+`fp8_normed_gemv` takes one row before its RMSNorm (qkv_proj in a one-row step, `KernelConfig.fuse_norm_fp8`):
+NORM_K > 0 replaces the amax pass by `rms_norm`'s over the whole row (the residual added first; program
+(0, 0) writes x + residual), and each x tile is normalized as it is loaded, with `rms_norm`'s jit helpers,
+before it is quantized as above: bit for bit `rms_norm` then `fp8_gemv` under the interpreter. Untimed.
+
 Split K sums its partials in a second launch (fp8_skinny_mm's reduce), not in the last program of each
 channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
 times it, as its graph replays include it), but keeps no state between launches (a counter buffer that
@@ -70,6 +75,7 @@ from sluice.kernels.dependent_launch import (
 from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, norm_rounded, normed_tile, row_inv_rms
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -171,12 +177,17 @@ def _fp8_gemv_kernel(
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32
     x_scale_out_ptr,  # SPLIT_K > 1: [M] float32, the rows' scales for the reduce (written once)
+    norm_weight_ptr,  # NORM_K > 0: [K], x's dtype
+    residual_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K]
+    residual_out_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K], written by program (0, 0)
+    eps,
     M,
     N,
     K,
     stride_x,
     stride_w,
     stride_y,
+    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -188,6 +199,9 @@ def _fp8_gemv_kernel(
     CAPPED: tl.constexpr = False,  # DYNAMIC: each row's amax capped at scale_ub (fbgemm_fp8)
     PDL: tl.constexpr = False,  # `dependent_launch`: PREFETCH's first weight tile is loaded before the wait
     PREFETCH_BYTES: tl.constexpr = 0,  # PDL: each weight row's first bytes asked of L2 before the wait
+    NORM_K: tl.constexpr = 0,  # > 0 (= K, M == 1): x is RMSNorm(x [+ residual]) of `rms_norm`, made here
+    NORM_PAD: tl.constexpr = 16,  # NORM_K > 0: a power of two >= K
+    HAS_RESIDUAL: tl.constexpr = False,
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -207,7 +221,24 @@ def _fp8_gemv_kernel(
     prefetch_weight_rows(w_ptr, channels, N, stride_w, k_lo, k_hi, PREFETCH_BYTES)
     wait_prior_kernel(PDL)
 
-    if DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
+    if NORM_K > 0:  # the row's inverse RMS and its normed values' amax, `rms_norm`'s (program 0 writes x + r)
+        x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]: `normed_tile`'s layout
+        residual_cols = x_cols  # unread without a residual
+        if HAS_RESIDUAL:
+            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
+        norm_cols = tl.arange(0, NORM_PAD)
+        program = tl.program_id(0) + tl.program_id(1)
+        inv_rms, h = row_inv_rms(
+            x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, program, NORM_K, HAS_RESIDUAL
+        )
+        if DYNAMIC:
+            norm_mask = norm_cols < NORM_K
+            normed = norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + norm_cols, mask=norm_mask, other=0.0))
+            amax = amax_keep_nan(tl.where(norm_mask, tl.abs(normed.to(tl.float32)), 0.0), 0)
+            x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + dynamic_scale(capped(amax, scale_ub, CAPPED))
+        else:
+            x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
+    elif DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
         amax_cols = tl.arange(0, AMAX_K)
         running = tl.zeros([BLOCK_M, AMAX_K], dtype=tl.float32)
         for start in range(0, K, AMAX_K):
@@ -232,7 +263,14 @@ def _fp8_gemv_kernel(
             )
         else:
             w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
-        x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
+        if NORM_K > 0:  # the normed tile in x's dtype, as `rms_norm` writes it
+            k = start + cols
+            tile = normed_tile(
+                x_cols, residual_cols, norm_weight_ptr, k, k < k_hi, row_mask, inv_rms, HAS_RESIDUAL
+            )
+            x = tl.trans(tile)  # [BLOCK_M, BLOCK_K]
+        else:
+            x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
         # The integer conversion (HW_E4M3 False): a step's BLOCK_M x BLOCK_K codes beside BLOCK_N x BLOCK_K
         # weights cost little, and the GPU's made a tile of the one-row sweep spill on sm_90
         x_q = _e4m3_to_float(quantize_e4m3(x, x_scale[:, None], False))  # [BLOCK_M, BLOCK_K]
@@ -267,6 +305,40 @@ def fp8_gemv(
     argument."""
     _check_args(x, weight, weight_scale)
     check_quantization(input_scale, None, x.device, scale_ub)
+    return _launch(x, weight, weight_scale, input_scale, config, scale_ub, None)
+
+
+def fp8_normed_gemv(
+    x: torch.Tensor,
+    norm: RowNorm,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    scale_ub: float | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_gemv` of one row's RMSNorm (`norm`, after its residual add), made as each tile is loaded: x
+    [1, K] (or no rows) is the norm's input, the rest as `fp8_gemv`'s -> y [1, N] in x's dtype. The same
+    numbers as `rms_norm(x, norm.weight, norm.eps, norm.residual)` then `fp8_gemv` (bit for bit under the
+    interpreter; on a GPU the row's sum of squares is reduced over this launch's warps), and
+    norm.residual_out gets that launch's residual_out. Each program reads the row once to sum its squares
+    and find the normed row's amax, in place of its amax pass. Raises ValueError naming a bad argument."""
+    _check_args(x, weight, weight_scale)
+    check_row_norm(norm, x)
+    check_quantization(input_scale, None, x.device, scale_ub)
+    return _launch(x, weight, weight_scale, input_scale, config, scale_ub, norm)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    config: GemvConfig | None,
+    scale_ub: float | None,
+    norm: RowNorm | None,
+) -> torch.Tensor:
+    """The checked launch; with `norm`, x is the norm's input row."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
@@ -284,6 +356,7 @@ def fp8_gemv(
     tile_k = config.tile_k(block_m)
     # The columns a split takes, as the kernel cuts them (whole tiles)
     split_len = triton.cdiv(triton.cdiv(in_features, tile_k), split_k) * tile_k
+    norm_weight, eps, residual, residual_out = norm if norm is not None else (None, 0.0, None, None)
     _fp8_gemv_kernel[(programs, split_k)](
         out,
         x,
@@ -292,12 +365,17 @@ def fp8_gemv(
         weight.view(torch.uint8),
         weight_scale,
         x_scale,
+        norm_weight,
+        residual,
+        residual_out,
+        eps,
         num_rows,
         out_features,
         in_features,
         x.stride(0),
         weight.stride(0),
         y.stride(0),
+        residual.stride(0) if residual is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=tile_k,
@@ -308,6 +386,9 @@ def fp8_gemv(
         STAGES=config.stages,
         CAPPED=scale_ub is not None,
         PREFETCH_BYTES=weight_prefetch_bytes(x.device, programs * split_k, config.block_n, split_len),
+        NORM_K=in_features if norm is not None else 0,
+        NORM_PAD=triton.next_power_of_2(in_features) if norm is not None else 16,
+        HAS_RESIDUAL=residual is not None,
         num_warps=config.num_warps,
         **pdl_launch_options(x.device),
     )

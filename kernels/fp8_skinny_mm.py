@@ -35,7 +35,7 @@ graph. Off by default until a GPU run times it and runs its tests: the interpret
 and cannot check the memory ordering.
 
 `fp8_normed_skinny_mm` is the launch for one row taken before its RMSNorm (qkv_proj and gate_up_proj in
-a one-row step, `KernelConfig.fuse_norm_fp8_skinny`: the norm's launch folded in): x is the norm's float input
+a one-row step, `KernelConfig.fuse_norm_fp8`: the norm's launch folded in): x is the norm's float input
 (NORM_K > 0), and each program first reads the whole row (and residual) to get `rms_norm`'s inverse RMS
 and the normed row's amax (`rms_norm_fp8_quant`'s dynamic scale, capped or static as the scheme says),
 then normalizes and quantizes each x tile as it loads it with the same jit helpers; program (0, 0) writes

@@ -275,7 +275,7 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         # The float linears on Sluice's launch (`skinny_linears`): one row and 64, o_proj's and down_proj's
         # shapes, K split as on an H100; down_proj also on the [gate | up] rows (SiLU-and-mul in its loads),
         # a hidden-wide one-row input also with its RMSNorm (and residual add) in its loads, and so the FP8
-        # launch (`fuse_norm_fp8_skinny`: the codes made in its loads; per token, static).
+        # launches (`fuse_norm_fp8`: the codes made in their loads; per token, static).
         float_weight = torch.empty(arch.hidden_size, width, dtype=dtype)
         for rows in (1, 64):
             skinny_mm.skinny_mm(torch.empty(rows, width, dtype=dtype), float_weight)
@@ -288,7 +288,9 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
                 norm = rms_norm.RowNorm(torch.empty(width, dtype=dtype), 1e-5, residual, residual_out)
                 skinny_mm.skinny_mm(row, float_weight, norm=norm)
                 fp8_skinny_mm.fp8_normed_skinny_mm(row, norm, codes, scales)
+                fp8_gemv.fp8_normed_gemv(row, norm, codes, scales)
             fp8_skinny_mm.fp8_normed_skinny_mm(row, norm, codes, scales, torch.ones(()))
+            fp8_gemv.fp8_normed_gemv(row, norm, codes, scales, torch.ones(()))
         # Block-wise FP8 checkpoints (128 x 128 weight blocks, activation groups of 128 columns): the group
         # quantization and the block-scaled product at one row and at 64 (both of its tiles), and the
         # one-launch gemv of their one-row steps.

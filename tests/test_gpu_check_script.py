@@ -1056,7 +1056,7 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 def test_the_fp8_large_step_serves_the_folded_norms_on_a_gpu_before_the_blocks(mode, tmp_path, monkeypatch):
     """fp8_large's servers and their arguments, the servers stubbed: bf16, fp8, fp8 + fp8 KV, on a GPU fp8
-    with --fuse-norm-fp8-skinny (not in the CPU mode: Plan.fp8_norm_serve_args), fp8 in blocks last."""
+    with --fuse-norm-fp8 (not in the CPU mode: Plan.fp8_norm_serve_args), fp8 in blocks last."""
     served = []
 
     def serve(ctx, reference, name, extra, preset=None, profile=False):
@@ -1070,7 +1070,7 @@ def test_the_fp8_large_step_serves_the_folded_norms_on_a_gpu_before_the_blocks(m
     fp8 = ("--quantization", "fp8")
     expected = [("bf16", ()), ("fp8", fp8), ("fp8_kv", (*fp8, "--kv-cache-dtype", "fp8"))]
     if mode == "gpu":
-        expected.append(("fp8_norm", (*fp8, "--fuse-norm-fp8-skinny")))
+        expected.append(("fp8_norm", (*fp8, "--fuse-norm-fp8")))
     expected.append(("fp8_block", (*fp8, "--fp8-weight-block", "128")))
     assert served == expected
     assert result == {"ok": True, "preset": ctx.plan.large_preset, "variants": [name for name, _ in expected]}

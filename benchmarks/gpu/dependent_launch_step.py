@@ -9,9 +9,9 @@ SiLU-and-mul inside down_proj's launch (`fuse_silu_skinny`) and the RMSNorms ins
 gate_up_proj's (`fuse_norm_skinny`); one more row of it runs SiLU-and-mul in its own launch, the same bits
 (the gated loads are `silu_and_mul`'s jit helper), so its logits must equal the pair's too; another the
 norms in theirs, whose logits may differ by the rounding of a row's sum of squares reduced over another
-layout (`logits_depart`). And one more row of the FP8 model runs the norms before its one-row
-`fp8_skinny_mm` launches inside them (`fuse_norm_fp8_skinny`, off by default: on this preset gate_up_proj's
-only, its qkv_proj takes `fp8_gemv`), within the same tolerance."""
+layout (`logits_depart`). And one more row of the FP8 model runs the norms before its one-row linears
+inside their launches (`fuse_norm_fp8`, off by default: on this preset qkv_proj's `fp8_normed_gemv` and
+gate_up_proj's `fp8_normed_skinny_mm`, 32 launches a step fewer), within the same tolerance."""
 
 from __future__ import annotations
 
@@ -102,4 +102,4 @@ def _norm_apart(kernels: KernelConfig) -> KernelConfig:
 
 
 def _fp8_norm_folded(kernels: KernelConfig) -> KernelConfig:
-    return dataclasses.replace(kernels, fuse_norm_fp8_skinny=True)
+    return dataclasses.replace(kernels, fuse_norm_fp8=True)

@@ -50,9 +50,9 @@ KERNEL_TESTS = (
     KernelTestFile("tests/test_kernels_fp8_gemv.py"),
     KernelTestFile("tests/test_kernels_norm_rope.py"),
     KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
-    # Its one-row launch with the RMSNorm and the activation codes made in its loads
-    # (`fuse_norm_fp8_skinny`, off by default), against the norm's quantizing launch then the product.
-    KernelTestFile("tests/test_kernels_fp8_normed_skinny_mm.py"),
+    # Its and fp8_gemv's one-row launches with the RMSNorm made in their loads (`fuse_norm_fp8`, off by
+    # default), against the norm's launch then the product.
+    KernelTestFile("tests/test_kernels_fp8_normed_linears.py"),
     # The float linears on the same launch (`skinny_linears`, off by default), against the float64 product.
     KernelTestFile("tests/test_kernels_skinny_mm.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),

@@ -55,10 +55,10 @@ class Plan:
     # interpreter one server's requests took over two minutes, the tiny preset's 32k-row lm_head alone
     # hundreds of interpreted programs a step; tests/test_model_parity.py checks them on CPU instead)
     skinny_serve_args: tuple[str, ...] | None = ("--skinny-linears",)
-    # fp8_large's server with the RMSNorms in the FP8 linears' one-row launches (`--fuse-norm-fp8-skinny`),
+    # fp8_large's server with the RMSNorms in the FP8 linears' one-row launches (`--fuse-norm-fp8`),
     # after the fp8-KV one; None: not run (the CPU mode: those launches need the Triton kernels, which its
     # servers do not run; tests/test_fp8_fused_quant_model.py checks them on CPU instead)
-    fp8_norm_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8-skinny",)
+    fp8_norm_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8",)
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`

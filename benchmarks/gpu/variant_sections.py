@@ -84,7 +84,7 @@ def fp8_large_section(
     intro = (
         f"The {plan.large_preset} preset ({plan.dtype}) on {len(labels) + 1} servers of this step, one "
         f"after another, each with `--async-scheduling` (as served on CUDA): {servers} (RMSNorms in the "
-        "linears: `--fuse-norm-fp8-skinny`, each one-row step's norms made in qkv_proj's and "
+        "linears: `--fuse-norm-fp8`, each one-row step's norms made in qkv_proj's and "
         "gate_up_proj's FP8 launches; 128 x 128 blocks: `--fp8-weight-block 128`, made at load, the layout "
         f"of Qwen3-FP8 checkpoints); each ran `sluice bench` with {runs}, {plan.input_len} prompt and "
         f"{plan.output_len} output tokens, the same prompts on each (the same seeds). In brackets: the "

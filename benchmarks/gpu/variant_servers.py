@@ -8,7 +8,7 @@ async      the preset with `--async-scheduling` (issue 33), then with `--skinny-
            server
 fp8_large  (i) the large step's shape served four or five times, with async scheduling: bf16 (the
            reference, drawing its own prompts), fp8's two servers, on a GPU fp8 with the RMSNorms in the
-           one-row FP8 linears' launches (`--fuse-norm-fp8-skinny`, untimed before:
+           one-row FP8 linears' launches (`--fuse-norm-fp8`, untimed before:
            `Plan.fp8_norm_serve_args`), then fp8 weights in 128 x 128 blocks made at load
            (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
            step cut short keeps issue 34's three

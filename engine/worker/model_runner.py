@@ -154,7 +154,7 @@ class ModelRunner:
             kv_cache_dtype=self.kv_cache_dtype if fp8_cache else None,
             tensor_parallel=self.tensor_parallel,
             skinny_linears=self.config.skinny_linears,
-            fuse_norm_fp8_skinny=self.config.fuse_norm_fp8_skinny,
+            fuse_norm_fp8=self.config.fuse_norm_fp8,
         )
 
     def forward(

@@ -59,11 +59,11 @@ Where `fp8_quant` or `quantize_fp8_groups` would run, the kernel that made x may
 qkv_proj / gate_up_proj and SiLU-and-mul before down_proj then hand `apply` an `Fp8Activations`, the same
 codes and scales (per token, static, or per group of a block scheme's block_k columns).
 
-With `fuse_norm` (`KernelConfig.fuse_norm_fp8_skinny`, off by default: untimed on a GPU) a one-row step
-on `fp8_skinny_mm` takes its input before the RMSNorm instead (`normed_input`, `NormedRows`):
-`fp8_normed_skinny_mm` normalizes the row (and adds the residual) and makes the same codes and scale as
-each tile is loaded, one launch instead of the norm's and the product's (llama-3-8b's qkv_proj and
-gate_up_proj: 64 launches a step fewer; the gemv layers keep the norm's launch).
+With `fuse_norm` (`KernelConfig.fuse_norm_fp8`, off by default: untimed on a GPU) a one-row step takes
+its input before the RMSNorm instead (`normed_input`, `NormedRows`): `fp8_normed_skinny_mm` (or on the
+gemv's weights `fp8_normed_gemv`) normalizes the row (and adds the residual) and makes the same codes and
+scale as each tile is loaded, one launch instead of the norm's and the product's (qkv_proj and
+gate_up_proj: 64 launches a step fewer on llama-3-8b, 32 on llama-3.2-1b).
 
 Every other step of up to SKINNY_MAX_ROWS rows runs `sluice.kernels.fp8_skinny_mm` on `fp8_quant`'s codes
 (`runs_skinny`): the weight as the MMA's tall operand, K split over programs. On llama-3-8b's qkv / o / down
@@ -220,11 +220,12 @@ class Fp8LinearMethod(LinearMethod):
         self.quantizes_in_kernel = (
             matmul in SCALED_MM_MATMULS and scheme.activations in KERNEL_QUANTIZED_ACTIVATIONS
         )
-        # `KernelConfig.fuse_norm_fp8_skinny`: one-row steps on the skinny launch take `NormedRows`
+        # `KernelConfig.fuse_norm_fp8`: one-row steps take `NormedRows` (on the gemv or the skinny launch)
         self.fuse_norm = fuse_norm and self.quantizes_in_kernel
         if self.quantizes_in_kernel:  # imported only when chosen: triton is not installed everywhere
             self._quantize_fp8 = import_module("sluice.kernels.fp8_quant").quantize_fp8
-            self._fp8_gemv = import_module("sluice.kernels.fp8_gemv").fp8_gemv
+            gemv = import_module("sluice.kernels.fp8_gemv")
+            self._fp8_gemv, self._fp8_normed_gemv = gemv.fp8_gemv, gemv.fp8_normed_gemv
             skinny = import_module("sluice.kernels.fp8_skinny_mm")
             self._fp8_skinny_mm = skinny.fp8_skinny_mm
             self._fp8_normed_skinny_mm = skinny.fp8_normed_skinny_mm
@@ -328,14 +329,10 @@ class Fp8LinearMethod(LinearMethod):
         return layer.input_scheme
 
     def normed_input(self, layer: LinearBase, num_rows: int) -> bool:
-        """With `fuse_norm`, a step of one row (NORM_MAX_ROWS) that `apply` runs on `fp8_skinny_mm` (not
-        the gemv's smaller weights) takes its input as `NormedRows`: the launch normalizes and quantizes
-        it (`fp8_normed_skinny_mm`)."""
-        return (
-            self.fuse_norm
-            and 0 < num_rows <= self._norm_max_rows
-            and runs_skinny(num_rows, *layer.weight.shape)
-        )
+        """With `fuse_norm`, a step of one row (NORM_MAX_ROWS) takes its input as `NormedRows`: its launch
+        normalizes the row and quantizes it (`fp8_normed_gemv` where `runs_gemv`, else
+        `fp8_normed_skinny_mm`)."""
+        return self.fuse_norm and 0 < num_rows <= self._norm_max_rows
 
     def apply(
         self, layer: LinearBase, x: torch.Tensor | Fp8Activations | NormedRows, bias: torch.Tensor | None
@@ -346,9 +343,9 @@ class Fp8LinearMethod(LinearMethod):
         if isinstance(x, NormedRows):  # normed and quantized in the product's loads ([1, in]: `normed_input`)
             norm = self._row_norm(x.norm_weight, x.eps, x.residual, x.residual_out)
             input_scale = getattr(layer, "input_scale", None)
-            y = self._fp8_normed_skinny_mm(
-                x.x, norm, layer.weight, layer.weight_scale, input_scale, self.scale_ub
-            )
+            gemv = runs_gemv(x.x.shape[0], *layer.weight.shape)
+            launch = self._fp8_normed_gemv if gemv else self._fp8_normed_skinny_mm
+            y = launch(x.x, norm, layer.weight, layer.weight_scale, input_scale, self.scale_ub)
             return y if bias is None else y + bias
         if self.matmul == "dequantized":
             return F.linear(x, layer.weight, bias)

@@ -62,11 +62,11 @@ class KernelConfig:
     fuse_norm_skinny: with skinny_linears, a one-row step's RMSNorm (and residual add) before qkv_proj and
         gate_up_proj runs inside their launch (`NormedRows`; the row's sum of squares in each program);
         False: its own launch (the `pdl` section's "RMSNorm in its own launch" row).
-    fuse_norm_fp8_skinny: in an FP8 model, a one-row step's RMSNorm (and residual add) before qkv_proj and
-        gate_up_proj runs inside their `fp8_skinny_mm` launch, which makes the activation codes as it loads
-        each tile (`NormedRows`: `sluice.kernels.fp8_skinny_mm.fp8_normed_skinny_mm`; the one-row
-        `fp8_gemv` layers keep the norm's launch); False (the default, untimed on a GPU): the norm's launch
-        writes the codes (`fuse_fp8_quant_norm`). Needs the Triton kernels and FP8 linears.
+    fuse_norm_fp8: in an FP8 model, a one-row step's RMSNorm (and residual add) before qkv_proj and
+        gate_up_proj runs inside their launch (`NormedRows`: `fp8_normed_skinny_mm`, or `fp8_normed_gemv`
+        on the gemv's weights), which normalizes and quantizes each tile as it loads it; False (the
+        default, untimed on a GPU): the norm's own launch (writing the codes where `fuse_fp8_quant_norm`
+        says so). Needs the Triton kernels and FP8 linears.
     """
 
     device: torch.device
@@ -85,7 +85,7 @@ class KernelConfig:
     skinny_linears: bool = False
     fuse_silu_skinny: bool = True
     fuse_norm_skinny: bool = True
-    fuse_norm_fp8_skinny: bool = False
+    fuse_norm_fp8: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -109,9 +109,9 @@ class KernelConfig:
                 "skinny_linears: needs the Triton kernels (a Triton attention backend: a CUDA device, or "
                 f"TRITON_INTERPRET=1 on cpu), got the {backend!r} backend"
             )
-        if self.fuse_norm_fp8_skinny and (self.fp8 is None or not self.triton):
+        if self.fuse_norm_fp8 and (self.fp8 is None or not self.triton):
             raise ValueError(
-                "fuse_norm_fp8_skinny: needs FP8 linears (--quantization fp8 or an FP8 checkpoint) on the "
+                "fuse_norm_fp8: needs FP8 linears (--quantization fp8 or an FP8 checkpoint) on the "
                 f"Triton kernels, got quantization {self.quantization!r} on the "
                 f"{getattr(self.attention_backend, 'name', None)!r} backend"
             )
@@ -128,7 +128,7 @@ class KernelConfig:
         kv_cache_dtype: torch.dtype | None = None,
         tensor_parallel: TensorParallelGroup | None = None,
         skinny_linears: bool = False,
-        fuse_norm_fp8_skinny: bool = False,
+        fuse_norm_fp8: bool = False,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
         once; a kernel that cannot be built is logged and its ops run plain PyTorch. A CUDA device's
@@ -149,7 +149,7 @@ class KernelConfig:
             capability,
             tensor_parallel,
             skinny_linears=skinny_linears,
-            fuse_norm_fp8_skinny=fuse_norm_fp8_skinny,
+            fuse_norm_fp8=fuse_norm_fp8,
         )
 
     @property

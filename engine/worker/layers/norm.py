@@ -33,7 +33,7 @@ class RMSNorm(CustomOp):
     `norm_for(linear, x, residual)` is the same for the norm's one consumer `linear`: on triton, where that
     linear takes its input quantized to FP8 this step, the kernel writes the codes instead of the normed x;
     where it normalizes its input itself (`normed_input`: `skinny_linears`, or an FP8 linear's one-row
-    `fp8_skinny_mm` under `fuse_norm_fp8_skinny`), no kernel runs here.
+    launch under `fuse_norm_fp8`), no kernel runs here.
     """
 
     implementations = ("triton", "cpu", "native")
@@ -54,7 +54,7 @@ class RMSNorm(CustomOp):
         self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_norm
         self.fuses_fp8_quant_groups = self.fuses_fp8_quant and kernels.fuse_fp8_quant_norm_groups
         self.fuses_into_linear = self.implementation == "triton" and (
-            (kernels.skinny_linears and kernels.fuse_norm_skinny) or (fp8 and kernels.fuse_norm_fp8_skinny)
+            (kernels.skinny_linears and kernels.fuse_norm_skinny) or (fp8 and kernels.fuse_norm_fp8)
         )
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.rms_norm")
