@@ -75,7 +75,7 @@ from sluice.kernels.dependent_launch import (
 from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.rms_norm import RowNorm, check_row_norm, norm_rounded, normed_tile, row_inv_rms
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -226,18 +226,12 @@ def _fp8_gemv_kernel(
         residual_cols = x_cols  # unread without a residual
         if HAS_RESIDUAL:
             residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
-        norm_cols = tl.arange(0, NORM_PAD)
-        program = tl.program_id(0) + tl.program_id(1)
-        inv_rms, h = row_inv_rms(
-            x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, program, NORM_K, HAS_RESIDUAL
-        )
-        if DYNAMIC:
-            norm_mask = norm_cols < NORM_K
-            normed = norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + norm_cols, mask=norm_mask, other=0.0))
-            amax = amax_keep_nan(tl.where(norm_mask, tl.abs(normed.to(tl.float32)), 0.0), 0)
-            x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + dynamic_scale(capped(amax, scale_ub, CAPPED))
-        else:
-            x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(input_scale_ptr)
+        inv_rms, norm_scale = row_norm_fp8_scale(
+            x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, input_scale_ptr, scale_ub,
+            tl.arange(0, NORM_PAD), eps, tl.program_id(0) + tl.program_id(1), NORM_K, HAS_RESIDUAL, DYNAMIC,
+            CAPPED,
+        )  # fmt: skip
+        x_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + norm_scale
     elif DYNAMIC:  # each row's amax over the whole row, as fp8_quant's kernel finds it
         amax_cols = tl.arange(0, AMAX_K)
         running = tl.zeros([BLOCK_M, AMAX_K], dtype=tl.float32)

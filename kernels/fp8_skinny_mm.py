@@ -68,9 +68,9 @@ from sluice.kernels.dependent_launch import (
     weight_prefetch_bytes,
 )
 from sluice.kernels.fp8_block_mm import check_mm_args
-from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale
+from sluice.kernels.fp8_quant import check_quantization
 from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.rms_norm import RowNorm, check_row_norm, norm_rounded, normed_tile, row_inv_rms
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_shape, check_tensor
 
@@ -251,18 +251,11 @@ def _fp8_skinny_kernel(
         residual_cols = x_cols  # unread without a residual
         if HAS_RESIDUAL:
             residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
-        norm_cols = tl.arange(0, NORM_PAD)
         program = tl.program_id(0) + split
-        inv_rms, h = row_inv_rms(
-            x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, program, NORM_K, HAS_RESIDUAL
-        )
-        if DYNAMIC:
-            norm_mask = norm_cols < NORM_K
-            normed = norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + norm_cols, mask=norm_mask, other=0.0))
-            amax = amax_keep_nan(tl.where(norm_mask, tl.abs(normed.to(tl.float32)), 0.0), 0)
-            norm_scale = dynamic_scale(capped(amax, scale_ub, CAPPED))
-        else:
-            norm_scale = tl.load(input_scale_ptr)
+        inv_rms, norm_scale = row_norm_fp8_scale(
+            x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, input_scale_ptr, scale_ub,
+            tl.arange(0, NORM_PAD), eps, program, NORM_K, HAS_RESIDUAL, DYNAMIC, CAPPED,
+        )  # fmt: skip
         tl.store(x_scale_ptr, norm_scale, mask=program == 0)  # for the reduce launch
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE_BLOCK_N > 0:

@@ -147,6 +147,36 @@ def row_inv_rms(
 
 
 @triton.jit
+def row_norm_fp8_scale(
+    x_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    norm_weight_ptr,
+    input_scale_ptr,
+    scale_ub,
+    cols,
+    eps,
+    program,
+    K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    CAPPED: tl.constexpr,
+):
+    """(`row_inv_rms`'s inverse RMS of row 0, the e4m3 scale of its normed values): `rms_norm_fp8_quant`'s
+    dynamic scale (the amax capped at scale_ub with CAPPED) or, not DYNAMIC, the static input_scale. For an
+    FP8 linear that normalizes and quantizes its input tiles (`normed_tile`, then `quantize_e4m3`)."""
+    inv_rms, h = row_inv_rms(x_ptr, residual_ptr, residual_out_ptr, cols, eps, program, K, HAS_RESIDUAL)
+    if DYNAMIC:
+        mask = cols < K
+        normed = norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + cols, mask=mask, other=0.0))
+        amax = amax_keep_nan(tl.where(mask, tl.abs(normed.to(tl.float32)), 0.0), 0)
+        scale = dynamic_scale(capped(amax, scale_ub, CAPPED))
+    else:
+        scale = tl.load(input_scale_ptr)
+    return inv_rms, scale
+
+
+@triton.jit
 def normed_tile(
     x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL: tl.constexpr
 ):
