@@ -34,6 +34,18 @@ QUANTIZATIONS = {  # (input_scale, scale_ub)
 }
 
 
+def _assert_as_unfused(got, want, dtype, residual_out, want_residual) -> None:
+    """Bit for bit the two launches under the interpreter; on a GPU within a code step of a few values (the
+    row's sum of squares reduced over another layout); the residual written bit for bit either way."""
+    assert got.shape == (1, 96) and got.dtype == dtype and got.isfinite().all()
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=0.07 * want.abs().max().item())
+    if residual_out is not None:
+        assert torch.equal(residual_out, want_residual)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -52,13 +64,7 @@ def test_the_row_is_rms_norm_fp8_quant_then_the_product(dtype, quantization, wit
         x, norm_weight, EPS, residual, input_scale, scale_ub=scale_ub
     )
     want = fp8_skinny_mm(x_q, x_scale, weight, weight_scale, dtype, config)
-    assert got.shape == (1, 96) and got.dtype == dtype and got.isfinite().all()
-    if DEVICE.type == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=0.07 * want.abs().max().item())
-    if with_residual:
-        assert torch.equal(residual_out, want_residual)
+    _assert_as_unfused(got, want, dtype, residual_out, want_residual)
 
 
 GEMV_CONFIGS = [  # 128-column tiles: K of 320 in three, the last partial
@@ -84,13 +90,7 @@ def test_the_gemvs_row_is_rms_norm_then_the_gemv(dtype, quantization, with_resid
     got = fp8_normed_gemv(x, norm, weight, weight_scale, input_scale, scale_ub, config)
     normed, want_residual = rms_norm(x, norm_weight, EPS, residual)
     want = fp8_gemv(normed, weight, weight_scale, input_scale, config, scale_ub)
-    assert got.shape == (1, 96) and got.dtype == dtype and got.isfinite().all()
-    if DEVICE.type == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=0.07 * want.abs().max().item())
-    if with_residual:
-        assert torch.equal(residual_out, want_residual)
+    _assert_as_unfused(got, want, dtype, residual_out, want_residual)
 
 
 def test_no_rows_give_an_empty_output():
