@@ -12,6 +12,10 @@ With `group_size` (a block-FP8 linear's input: a dynamic scale per row and group
 it is bit for bit `rms_norm` then `sluice.kernels.fp8_block_mm.quantize_fp8_groups`: the row viewed as
 [groups, group_size], one amax per group.
 
+The linears that take a one-row step's input before its norm (`skinny_mm(norm=)`, `fp8_normed_skinny_mm`,
+`fp8_normed_gemv`: `RowNorm`) make it with this kernel's formula from the jit helpers below
+(`row_inv_rms`, `row_norm_fp8_scale`, `normed_tile`, `norm_rounded`), the same roundings.
+
 Grid (num_tokens,): one program per row, num_warps by the row's padded width (`norm_warps`: Triton's
 layer-norm tutorial's rule, one warp per 256 columns, 1 to 8). A decode step's row is one program on one
 SM, whose time is the longest thread's chain of instructions: at llama-3-8b's 4096 columns with the
@@ -118,7 +122,8 @@ def norm_rounded(h, inv_rms, weight):
 
 class RowNorm(NamedTuple):
     """A linear's RMSNorm (with its residual add) made in the linear's own loads, `rms_norm`'s: the `norm=`
-    of `sluice.kernels.skinny_mm.skinny_mm` and `sluice.kernels.fp8_skinny_mm.fp8_normed_skinny_mm`."""
+    of `sluice.kernels.skinny_mm.skinny_mm`, `sluice.kernels.fp8_skinny_mm.fp8_normed_skinny_mm` and
+    `sluice.kernels.fp8_gemv.fp8_normed_gemv`."""
 
     weight: torch.Tensor  # [K], x's dtype
     eps: float
