@@ -187,7 +187,6 @@ def _fp8_gemv_kernel(
     stride_x,
     stride_w,
     stride_y,
-    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -222,10 +221,6 @@ def _fp8_gemv_kernel(
     wait_prior_kernel(PDL)
 
     if NORM_K > 0:  # the row's inverse RMS and its normed values' amax, `rms_norm`'s (program 0 writes x + r)
-        x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]: `normed_tile`'s layout
-        residual_cols = x_cols  # unread without a residual
-        if HAS_RESIDUAL:
-            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
         inv_rms, norm_scale = row_norm_fp8_scale(
             x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, input_scale_ptr, scale_ub,
             tl.arange(0, NORM_PAD), eps, tl.program_id(0) + tl.program_id(1), NORM_K, HAS_RESIDUAL, DYNAMIC,
@@ -257,12 +252,10 @@ def _fp8_gemv_kernel(
             )
         else:
             w = tl.load(w_rows + start + cols[None, :], mask=channel_mask[:, None] & col_mask, other=0)
-        if NORM_K > 0:  # the normed tile in x's dtype, as `rms_norm` writes it
+        if NORM_K > 0:  # the row's normed values in x's dtype, as `rms_norm` writes them
             k = start + cols
-            tile = normed_tile(
-                x_cols, residual_cols, norm_weight_ptr, k, k < k_hi, row_mask, inv_rms, HAS_RESIDUAL
-            )
-            x = tl.trans(tile)  # [BLOCK_M, BLOCK_K]
+            normed = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k < k_hi, inv_rms, HAS_RESIDUAL)
+            x = tl.broadcast_to(normed[None, :], (BLOCK_M, BLOCK_K))
         else:
             x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
         # The integer conversion (HW_E4M3 False): a step's BLOCK_M x BLOCK_K codes beside BLOCK_N x BLOCK_K
@@ -369,7 +362,6 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        residual.stride(0) if residual is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=tile_k,

@@ -41,8 +41,9 @@ and the normed row's amax (`rms_norm_fp8_quant`'s dynamic scale, capped or stati
 then normalizes and quantizes each x tile as it loads it with the same jit helpers; program (0, 0) writes
 x + residual and the scale (for the reduce launch: this launch never takes the fused reduce, whose last
 split would read the scale before its writer may have stored it). Under the interpreter bit for bit
-`rms_norm_fp8_quant` then `fp8_skinny_mm`; compiled for sm_90, 95-96 registers at bf16 (58 without the
-norm), no spills (docs/perf/kernels_sm90.md); untimed on a GPU.
+`rms_norm_fp8_quant` then `fp8_skinny_mm`. Each tile's codes are made for the one row and broadcast over
+the padding rows (whose outputs are never stored). Compiled for sm_90, 62-64 registers at bf16 (58 without
+the norm), no spills (docs/perf/kernels_sm90.md); untimed on a GPU.
 
 `fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
 operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
@@ -222,7 +223,6 @@ def _fp8_skinny_kernel(
     stride_w,
     x_scale_stride,  # between rows' scales
     w_scale_stride,  # blocks only: between block rows' scales
-    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -248,9 +248,6 @@ def _fp8_skinny_kernel(
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     if NORM_K > 0:  # `rms_norm_fp8_quant`'s inverse RMS and scale of the row; program (0, 0) writes them
-        residual_cols = x_cols  # unread without a residual
-        if HAS_RESIDUAL:
-            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
         program = tl.program_id(0) + split
         inv_rms, norm_scale = row_norm_fp8_scale(
             x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, input_scale_ptr, scale_ub,
@@ -265,11 +262,9 @@ def _fp8_skinny_kernel(
         k = start + cols
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
-        if NORM_K > 0:  # the normed tile in x's dtype, then its codes: rms_norm_fp8_quant's
-            normed_x = normed_tile(
-                x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL
-            )
-            x = quantize_e4m3(normed_x, norm_scale, HW_E4M3)
+        if NORM_K > 0:  # the row's normed values in x's dtype, then their codes: rms_norm_fp8_quant's
+            normed = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k_mask, inv_rms, HAS_RESIDUAL)
+            x = tl.broadcast_to(quantize_e4m3(normed, norm_scale, HW_E4M3)[:, None], (BLOCK_K, BLOCK_M))
         else:
             x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
         w_codes, x_codes = w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True)
@@ -459,7 +454,6 @@ def _launch(
         weight.stride(0),
         x_scale.stride(0) if blocks else _x_scale_stride(x_scale),
         weight_scale.stride(0) if blocks else 0,
-        residual.stride(0) if residual is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

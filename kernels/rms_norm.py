@@ -182,18 +182,15 @@ def row_norm_fp8_scale(
 
 
 @triton.jit
-def normed_tile(
-    x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL: tl.constexpr
-):
-    """The [BLOCK_K, BLOCK_M] input tile of a linear at columns k: `norm_rounded` of x (+ residual, rounded
-    first) with the row's `row_inv_rms`; 0 in the padding rows and past K."""
-    mask = k_mask[:, None] & row_mask[None, :]
-    h = tl.load(x_cols + k[:, None], mask=mask, other=0.0)
+def normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k_mask, inv_rms, HAS_RESIDUAL: tl.constexpr):
+    """Row 0's normed values at columns k, [BLOCK_K] in x's dtype: `norm_rounded` of x (+ residual, rounded
+    first) with the row's `row_inv_rms`; 0 past K. A linear broadcasts it over its padding rows (their
+    outputs are never stored)."""
+    h = tl.load(x_ptr + k, mask=k_mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_cols + k[:, None], mask=mask, other=0.0)
+        residual = tl.load(residual_ptr + k, mask=k_mask, other=0.0)
         h = (h.to(tl.float32) + residual.to(tl.float32)).to(h.dtype)
-    weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
-    return norm_rounded(h, inv_rms, weight[:, None])
+    return norm_rounded(h, inv_rms, tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0))
 
 
 def check_row_norm(norm: RowNorm, x: torch.Tensor) -> None:

@@ -96,7 +96,6 @@ def _skinny_kernel(
     k_per_split,
     stride_x,
     stride_w,
-    stride_residual,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,9 +121,6 @@ def _skinny_kernel(
     x_rows = tl.minimum(rows, M - 1) if GATED_D > 0 else rows  # gated: the padding rows read row M - 1
     x_cols = x_ptr + x_rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
     if NORM_K > 0:  # the row's inverse RMS, as `rms_norm` makes it; program (0, 0) writes x + residual
-        residual_cols = x_cols  # unread without a residual
-        if HAS_RESIDUAL:
-            residual_cols = residual_ptr + rows[None, :].to(tl.int64) * stride_residual
         norm_cols = tl.arange(0, NORM_PAD)
         inv_rms, _ = row_inv_rms(
             x_ptr, residual_ptr, residual_out_ptr, norm_cols, eps, tl.program_id(0) + split,
@@ -138,9 +134,8 @@ def _skinny_kernel(
         if GATED_D > 0:  # K slices are whole tiles: only the last split's last tile passes K, masked here
             x = silu_and_mul_tile(x_cols, k[:, None], GATED_D)
         elif NORM_K > 0:
-            x = normed_tile(
-                x_cols, residual_cols, norm_weight_ptr, k, k_mask, row_mask, inv_rms, HAS_RESIDUAL
-            )
+            normed = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k_mask, inv_rms, HAS_RESIDUAL)
+            x = tl.broadcast_to(normed[:, None], (BLOCK_K, BLOCK_M))
         else:
             x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         if UPCAST:
@@ -207,7 +202,6 @@ def skinny_mm(
         k_per_split,
         x.stride(0),
         weight.stride(0),
-        residual.stride(0) if residual is not None else 0,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
