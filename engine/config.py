@@ -296,6 +296,13 @@ class EngineConfig:
         "launch, which normalizes and quantizes the row as it loads it; needs the Triton kernels (a CUDA "
         "device); untimed",
     )
+    # Off until a GPU run times it (docs/GPU.md, the same sections): run 15's llama-3-8b FP8 one-row step
+    # spent 203 us of 3.62 ms in 32 SiLU-and-mul launches, each one program on one SM (H200).
+    fuse_silu_fp8: bool = option(
+        False,
+        "FP8 linears: a one-row step's SiLU-and-mul runs inside down_proj's launch, which activates and "
+        "quantizes the [gate | up] row as it loads it; needs the Triton kernels (a CUDA device); untimed",
+    )
     # None: no speculative decoding (on the command line: no --speculative).
     speculative: SpeculativeConfig | None = None
 

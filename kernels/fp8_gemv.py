@@ -48,6 +48,9 @@ options, off by default until a GPU sweep (the kernel_bench step's one-row candi
 NORM_K > 0 replaces the amax pass by `rms_norm`'s over the whole row (the residual added first; program
 (0, 0) writes x + residual), and each x tile is normalized as it is loaded, with `rms_norm`'s jit helpers,
 before it is quantized as above: bit for bit `rms_norm` then `fp8_gemv` under the interpreter. Untimed.
+`fp8_gated_gemv` takes [gate | up] rows before SiLU-and-mul (down_proj in a one-row step,
+`KernelConfig.fuse_silu_fp8`): GATED_D > 0 makes the amax pass and each product step activate the tiles they
+load (`silu_and_mul`'s jit helper): bit for bit `silu_and_mul` then `fp8_gemv`. Untimed.
 
 Split K sums its partials in a second launch (fp8_skinny_mm's reduce), not in the last program of each
 channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
@@ -76,6 +79,7 @@ from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, 
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
+from sluice.kernels.silu_and_mul import silu_and_mul_tile
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -169,9 +173,21 @@ def _e4m3_to_float(codes):
 
 
 @triton.jit
+def _input_tile(x_rows, start, cols, mask, GATED_D: tl.constexpr):
+    """x's values at columns start + `cols` ([1, C]) of the rows at `x_rows` ([BLOCK_M, 1]) in x's dtype,
+    0 outside `mask`; GATED_D > 0: silu(gate) * up of the [gate | up] rows (`silu_and_mul`'s), 0 past
+    GATED_D (the padding rows repeat row M - 1: their outputs are never stored)."""
+    if GATED_D > 0:
+        x = silu_and_mul_tile(x_rows, start + cols, GATED_D)
+    else:
+        x = tl.load(x_rows + start + cols, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     y_ptr,  # [M, N] x's dtype (SPLIT_K 1), or [SPLIT_K, M, N] float32 partial sums: written
-    x_ptr,  # [M, K] bf16/fp16/fp32
+    x_ptr,  # [M, K] bf16/fp16/fp32; GATED_D > 0: [M, 2 * K] = [gate | up]
     input_scale_ptr,  # static only: [] or [1] float32
     scale_ub,  # CAPPED only: the cap on each row's amax (float32)
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
@@ -201,13 +217,15 @@ def _fp8_gemv_kernel(
     NORM_K: tl.constexpr = 0,  # > 0 (= K, M == 1): x is RMSNorm(x [+ residual]) of `rms_norm`, made here
     NORM_PAD: tl.constexpr = 16,  # NORM_K > 0: a power of two >= K
     HAS_RESIDUAL: tl.constexpr = False,
+    GATED_D: tl.constexpr = 0,  # > 0 (= K): x is silu(gate) * up of x_ptr's [gate | up] rows, made here
 ):
     channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     channel_mask = channels < N
     row_mask = rows < M
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
+    x_rows = tl.minimum(rows, M - 1) if GATED_D > 0 else rows  # gated: the padding rows read row M - 1
+    x_rows = x_ptr + x_rows[:, None].to(tl.int64) * stride_x  # [BLOCK_M, 1]
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     # This program's columns: whole tiles [k_lo, k_hi) (all of them when SPLIT_K is 1).
     split_len = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -232,7 +250,7 @@ def _fp8_gemv_kernel(
         running = tl.zeros([BLOCK_M, AMAX_K], dtype=tl.float32)
         for start in range(0, K, AMAX_K):
             mask = row_mask[:, None] & (start + amax_cols < K)[None, :]
-            x = tl.load(x_rows + start + amax_cols[None, :], mask=mask, other=0.0)
+            x = _input_tile(x_rows, start, amax_cols[None, :], mask, GATED_D)
             running = max_keep_nan(running, tl.abs(x.to(tl.float32)))
         x_scale = dynamic_scale(capped(amax_keep_nan(running, 1), scale_ub, CAPPED))  # [BLOCK_M]
     else:
@@ -256,8 +274,8 @@ def _fp8_gemv_kernel(
             k = start + cols
             normed = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k < k_hi, inv_rms, HAS_RESIDUAL)
             x = tl.broadcast_to(normed[None, :], (BLOCK_M, BLOCK_K))
-        else:
-            x = tl.load(x_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask, other=0.0)
+        else:  # gated: split K takes whole tiles, so only columns past K are past k_hi (0 there)
+            x = _input_tile(x_rows, start, cols[None, :], row_mask[:, None] & col_mask, GATED_D)
         # The integer conversion (HW_E4M3 False): a step's BLOCK_M x BLOCK_K codes beside BLOCK_N x BLOCK_K
         # weights cost little, and the GPU's made a tile of the one-row sweep spill on sm_90
         x_q = _e4m3_to_float(quantize_e4m3(x, x_scale[:, None], False))  # [BLOCK_M, BLOCK_K]
@@ -316,6 +334,27 @@ def fp8_normed_gemv(
     return _launch(x, weight, weight_scale, input_scale, config, scale_ub, norm)
 
 
+def fp8_gated_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    scale_ub: float | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_gemv` of silu(gate) * up, made as each tile is loaded: gate_up [M, 2 * K] = [gate | up] (M <=
+    MAX_ROWS; bf16 / fp16 / fp32, unit last stride), the SiLU-gated MLP's gate_up output; weight [N, K] and
+    the rest as `fp8_gemv`'s -> y [M, N] in gate_up's dtype. Bit for bit `silu_and_mul(gate_up)` then
+    `fp8_gemv` (`silu_and_mul`'s jit helper makes each tile, in the amax pass and in the product). Raises
+    ValueError naming a bad argument."""
+    check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: rows are [gate | up], an even width, got {gate_up.shape[1]}")
+    _check_args(gate_up, weight, weight_scale, gate_up.shape[1] // 2, "gate_up")
+    check_quantization(input_scale, None, gate_up.device, scale_ub)
+    return _launch(gate_up, weight, weight_scale, input_scale, config, scale_ub, None, gated=True)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -324,10 +363,11 @@ def _launch(
     config: GemvConfig | None,
     scale_ub: float | None,
     norm: RowNorm | None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """The checked launch; with `norm`, x is the norm's input row."""
-    num_rows, in_features = x.shape
-    out_features = weight.shape[0]
+    """The checked launch; with `norm`, x is the norm's input row; `gated`, x is [gate | up]."""
+    num_rows = x.shape[0]
+    out_features, in_features = weight.shape
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return y
@@ -375,6 +415,7 @@ def _launch(
         NORM_K=in_features if norm is not None else 0,
         NORM_PAD=triton.next_power_of_2(in_features) if norm is not None else 16,
         HAS_RESIDUAL=residual is not None,
+        GATED_D=in_features if gated else 0,
         num_warps=config.num_warps,
         **pdl_launch_options(x.device),
     )
@@ -383,12 +424,21 @@ def _launch(
     return y
 
 
-def _check_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+def _check_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    in_features: int | None = None,
+    name: str = "x",
+) -> None:
+    """x (named `name`) [M, K'] float, M <= MAX_ROWS; weight [N, K] e4m3 with K = `in_features` (x's
+    columns if None) and weight_scale [N] float32, on x's device."""
+    check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"x: at most {MAX_ROWS} rows, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: at most {MAX_ROWS} rows, got shape {tuple(x.shape)}")
     check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x.device)
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight: expected {x.shape[1]} columns (x's), got shape {tuple(weight.shape)}")
+    expected, whose = (x.shape[1], f"{name}'s") if in_features is None else (in_features, f"half {name}'s")
+    if weight.shape[1] != expected:
+        raise ValueError(f"weight: expected {expected} columns ({whose}), got shape {tuple(weight.shape)}")
     check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x.device)
     check_shape("weight_scale", weight_scale, (weight.shape[0],))

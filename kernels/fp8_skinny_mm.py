@@ -45,6 +45,13 @@ split would read the scale before its writer may have stored it). Under the inte
 the padding rows (whose outputs are never stored). Compiled for sm_90, 62-64 registers at bf16 (58 without
 the norm), no spills (docs/perf/kernels_sm90.md); untimed on a GPU.
 
+`fp8_gated_skinny_mm` is the launch for one row taken before SiLU-and-mul (down_proj in a one-row step,
+`KernelConfig.fuse_silu_fp8`): x is gate_up's [1, 2 * K] row (GATED_D > 0), each program first activates
+the whole row in GATED_TILE-wide tiles for its amax (`silu_and_mul_fp8_quant`'s dynamic scale; capped or
+static as the scheme says), then activates and quantizes each x tile as it loads it, with the same jit
+helpers (`silu_and_mul_tile`, `gated_row_fp8_scale`); program (0, 0) writes the scale for the reduce. Bit
+for bit `silu_and_mul_fp8_quant` then `fp8_skinny_mm` on any device. Untimed on a GPU.
+
 `fp8_block_skinny_mm` is the same launch for block-wise FP8 (DeepSeek-V3 / Qwen3-FP8: `fp8_block_mm`'s
 operands, x_scale [M, cdiv(K, block_k)], w_scale [cdiv(N, block_n), cdiv(K, block_k)]): BLOCK_K == block_k,
 so each K step is one scale block, whose dot is scaled by its [BLOCK_M] activation and [BLOCK_N] weight
@@ -57,6 +64,7 @@ config is the rule's, unswept (timings: docs/QUANTIZATION.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -72,12 +80,23 @@ from sluice.kernels.fp8_block_mm import check_mm_args
 from sluice.kernels.fp8_quant import check_quantization
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
+from sluice.kernels.silu_and_mul import GATED_AMAX_TILE, gated_row_fp8_scale, silu_and_mul_tile
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_shape, check_tensor
 
 FP8 = torch.float8_e4m3fn
 MAX_ROWS = 64  # the most rows a launch takes: BLOCK_M, the MMA's narrow side, is at most 64
 MIN_PROGRAMS_PER_SM = 1.5
+GATED_MAX_ROWS = 1  # each program of `fp8_gated_skinny_mm` activates its whole row first for the amax
+
+
+class RowInput(NamedTuple):
+    """A one-row launch's float input, made into codes in its loads: normed by `norm`, or (None) gated
+    ([gate | up]); with the static input_scale (None: per token) and the amax cap (None: none)."""
+
+    norm: RowNorm | None
+    input_scale: torch.Tensor | None
+    scale_ub: float | None
 
 
 @dataclass(frozen=True)
@@ -205,15 +224,15 @@ def _fp8_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] out dtype; else the workspace [SPLIT_K, M, N] float32
     y_ptr,  # FUSED_REDUCE only: y [M, N] out dtype
     counter_ptr,  # FUSED_REDUCE only: [>= cdiv(N, BLOCK_N)] int32, zero before the launch (and after it)
-    x_ptr,  # [M, K] uint8: x's e4m3 codes; NORM_K > 0: [1, K] x's float row, the norm's input
-    x_scale_ptr,  # [M] float32 (or [1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]; NORM_K: written
+    x_ptr,  # [M, K] uint8: x's e4m3 codes; a row input: [1, K] the norm's float input, gated [1, 2 * K]
+    x_scale_ptr,  # [M] float32 ([1]: x_scale_stride 0); blocks: [M, cdiv(K, BLOCK_K)]; a row input: written
     w_ptr,  # [N, K] uint8: the weight's e4m3 codes
     w_scale_ptr,  # [N] float32; blocks: [cdiv(N, SCALE_BLOCK_N), cdiv(K, BLOCK_K)]
     norm_weight_ptr,  # NORM_K > 0: [K], x's dtype
     residual_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K]
     residual_out_ptr,  # NORM_K > 0 and HAS_RESIDUAL: [1, K], written by program (0, 0)
-    input_scale_ptr,  # NORM_K > 0 and not DYNAMIC: [] or [1] float32, read
-    scale_ub,  # NORM_K > 0 and CAPPED: the cap on the row's amax (float32)
+    input_scale_ptr,  # a row input (NORM_K or GATED_D > 0), not DYNAMIC: [] or [1] float32, read
+    scale_ub,  # a row input and CAPPED: the cap on the row's amax (float32)
     eps,
     M,
     N,
@@ -234,9 +253,11 @@ def _fp8_skinny_kernel(
     NORM_K: tl.constexpr = 0,  # > 0 (= K, M == 1): x is quantized RMSNorm(x [+ residual]), made here
     NORM_PAD: tl.constexpr = 16,  # NORM_K > 0: a power of two >= K
     HAS_RESIDUAL: tl.constexpr = False,
-    DYNAMIC: tl.constexpr = True,  # NORM_K > 0: the row's scale from its amax, else input_scale
-    CAPPED: tl.constexpr = False,  # NORM_K > 0 and DYNAMIC: the amax capped at scale_ub
-    HW_E4M3: tl.constexpr = False,  # NORM_K > 0: the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
+    GATED_D: tl.constexpr = 0,  # > 0 (= K, M == 1): x is quantized silu(gate) * up of [gate | up], made here
+    GATED_TILE: tl.constexpr = 16,  # GATED_D > 0: columns activated at once for the row's amax
+    DYNAMIC: tl.constexpr = True,  # a row input: its scale from its amax, else input_scale
+    CAPPED: tl.constexpr = False,  # a row input, DYNAMIC: the amax capped at scale_ub
+    HW_E4M3: tl.constexpr = False,  # a row input: the GPU's e4m3 conversion (`store_kv.gpu_e4m3`)
 ):
     channels, split, k_start, k_end = split_program(K, k_per_split, BLOCK_N)
     prefetch_weight_rows(w_ptr, channels, N, stride_w, k_start, k_end, PREFETCH_BYTES)
@@ -247,13 +268,18 @@ def _fp8_skinny_kernel(
     row_mask = rows < M
     w_rows = w_ptr + channels[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
     x_cols = x_ptr + rows[None, :].to(tl.int64) * stride_x  # [1, BLOCK_M]
+    program = tl.program_id(0) + split
     if NORM_K > 0:  # `rms_norm_fp8_quant`'s inverse RMS and scale of the row; program (0, 0) writes them
-        program = tl.program_id(0) + split
-        inv_rms, norm_scale = row_norm_fp8_scale(
+        inv_rms, row_scale = row_norm_fp8_scale(
             x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, input_scale_ptr, scale_ub,
             tl.arange(0, NORM_PAD), eps, program, NORM_K, HAS_RESIDUAL, DYNAMIC, CAPPED,
         )  # fmt: skip
-        tl.store(x_scale_ptr, norm_scale, mask=program == 0)  # for the reduce launch
+    elif GATED_D > 0:  # `silu_and_mul_fp8_quant`'s scale of the activated row
+        row_scale = gated_row_fp8_scale(
+            x_ptr, input_scale_ptr, scale_ub, GATED_D, GATED_TILE, DYNAMIC, CAPPED
+        )
+    if NORM_K > 0 or GATED_D > 0:
+        tl.store(x_scale_ptr, row_scale, mask=program == 0)  # for the reduce launch
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALE_BLOCK_N > 0:
         x_scales = x_scale_ptr + rows.to(tl.int64) * x_scale_stride  # [BLOCK_M]
@@ -262,9 +288,12 @@ def _fp8_skinny_kernel(
         k = start + cols
         k_mask = k < k_end
         w = tl.load(w_rows + k[None, :], mask=channel_mask[:, None] & k_mask[None, :], other=0)
-        if NORM_K > 0:  # the row's normed values in x's dtype, then their codes: rms_norm_fp8_quant's
-            normed = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k_mask, inv_rms, HAS_RESIDUAL)
-            x = tl.broadcast_to(quantize_e4m3(normed, norm_scale, HW_E4M3)[:, None], (BLOCK_K, BLOCK_M))
+        if NORM_K > 0 or GATED_D > 0:  # the row's values in x's dtype, then their codes, as the launch before
+            if NORM_K > 0:  # would write them (`rms_norm_fp8_quant`, `silu_and_mul_fp8_quant`)
+                row = normed_tile(x_ptr, residual_ptr, norm_weight_ptr, k, k_mask, inv_rms, HAS_RESIDUAL)
+            else:  # K slices are whole tiles: only columns past K are past k_end, 0 here
+                row = silu_and_mul_tile(x_ptr, k, GATED_D)
+            x = tl.broadcast_to(quantize_e4m3(row, row_scale, HW_E4M3)[:, None], (BLOCK_K, BLOCK_M))
         else:
             x = tl.load(x_cols + k[:, None], mask=k_mask[:, None] & row_mask[None, :], other=0)
         w_codes, x_codes = w.to(tl.float8e4nv, bitcast=True), x.to(tl.float8e4nv, bitcast=True)
@@ -285,8 +314,8 @@ def _fp8_skinny_kernel(
         y = out_ptr + rows[None, :] * N + channels[:, None]
         tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     elif SPLIT_K == 1:
-        if NORM_K > 0:
-            x_scale = tl.where(row_mask, norm_scale, 0.0)
+        if NORM_K > 0 or GATED_D > 0:
+            x_scale = tl.where(row_mask, row_scale, 0.0)
         else:
             x_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=row_mask, other=0.0)
         w_scale = tl.load(w_scale_ptr + channels, mask=channel_mask, other=0.0)
@@ -397,13 +426,52 @@ def fp8_normed_skinny_mm(
     check_row_norm(norm, x)
     check_quantization(input_scale, None, x.device, scale_ub)
     _check_weight(weight, weight_scale, x)
-    num_rows, in_features = x.shape
+    return _launch_row_input(x, weight, weight_scale, config, RowInput(norm, input_scale, scale_ub))
+
+
+def fp8_gated_skinny_mm(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    scale_ub: float | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_skinny_mm` of one row's silu(gate) * up quantized per token (capped at `scale_ub` if given) or
+    by the static `input_scale`, made as each tile is loaded: gate_up [1, 2 * K] (or no rows) bf16 / fp16 /
+    fp32 = [gate | up], the SiLU-gated MLP's gate_up output; weight [N, K] and weight_scale as
+    `fp8_skinny_mm`'s -> y [1, N] in gate_up's dtype. The same codes and scale as
+    `silu_and_mul_fp8_quant(gate_up, input_scale, scale_ub=scale_ub)` then `fp8_skinny_mm` (bit for bit:
+    the same jit helpers, and an amax is the same in any order); each program first activates the whole row
+    to find its amax (dynamic). Never `fused_reduce`, as `fp8_normed_skinny_mm`. Raises ValueError naming a
+    bad argument."""
+    check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
+    num_rows, width = gate_up.shape
+    if num_rows > GATED_MAX_ROWS:
+        raise ValueError(f"gate_up: at most {GATED_MAX_ROWS} row, got {num_rows}")
+    if width % 2:
+        raise ValueError(f"gate_up: rows are [gate | up], an even width, got {width}")
+    check_quantization(input_scale, None, gate_up.device, scale_ub)
+    _check_weight(weight, weight_scale, gate_up, width // 2)
+    return _launch_row_input(gate_up, weight, weight_scale, config, RowInput(None, input_scale, scale_ub))
+
+
+def _launch_row_input(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    config: SkinnyConfig | None,
+    row_input: RowInput,
+) -> torch.Tensor:
+    """The launch on a checked float row (`row_input` says which): y in x's dtype, x_scale written by the
+    kernel (for the reduce launch)."""
+    num_rows = x.shape[0]
     if config is None:
-        config = skinny_config(weight.shape[0], in_features, device_sm_count(x.device), num_rows)
+        config = skinny_config(*weight.shape, device_sm_count(x.device), num_rows)
     elif config.block_k < 32:
         raise ValueError(f"config: block_k must be at least 32 (an 8-bit dot's K), got {config.block_k}")
-    x_scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)  # the kernel's to write
-    return _launch(x, x_scale, weight, weight_scale, x.dtype, config, None, (norm, input_scale, scale_ub))
+    x_scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    return _launch(x, x_scale, weight, weight_scale, x.dtype, config, None, row_input)
 
 
 def _launch(
@@ -414,13 +482,13 @@ def _launch(
     out_dtype: torch.dtype,
     config: SkinnyConfig,
     scale_block_n: int | None,
-    norm: tuple[RowNorm, torch.Tensor | None, float | None] | None = None,
+    row_input: RowInput | None = None,
 ) -> torch.Tensor:
     """The checked launch: per-channel scales (`scale_block_n` None) or block scales with block_n rows;
-    x the e4m3 codes, or with `norm` (the RowNorm, the static input_scale or None, the amax cap or None)
-    the norm's float input row, x_scale then written by the kernel."""
-    num_rows, in_features = x.shape
-    out_features = weight.shape[0]
+    x the e4m3 codes, or with `row_input` the float row it names (the norm's input, or [gate | up]),
+    x_scale then written by the kernel."""
+    num_rows, out_features = x.shape[0], weight.shape[0]
+    in_features = weight.shape[1]
     y = torch.empty((num_rows, out_features), dtype=out_dtype, device=x.device)
     if num_rows == 0 or out_features == 0:
         return y
@@ -428,15 +496,16 @@ def _launch(
     k_per_split, split_k, out = split_k_output(y, in_features, config)
     blocks = scale_block_n is not None
     channel_blocks = triton.cdiv(out_features, config.block_n)
-    fused_reduce = config.fused_reduce and split_k > 1 and norm is None
+    fused_reduce = config.fused_reduce and split_k > 1 and row_input is None
     counters = split_counters(y.device, channel_blocks) if fused_reduce else None
-    row_norm, input_scale, scale_ub = norm if norm is not None else (None, None, None)
+    row_norm, input_scale, scale_ub = row_input if row_input is not None else (None, None, None)
     norm_weight, eps, residual, residual_out = row_norm if row_norm is not None else (None, 0.0, None, None)
+    gated = row_input is not None and row_norm is None
     _fp8_skinny_kernel[(channel_blocks, split_k)](
         out,
         y if counters is not None else None,
         counters,
-        x if norm is not None else x.view(torch.uint8),
+        x if row_input is not None else x.view(torch.uint8),
         x_scale,
         weight.view(torch.uint8),
         weight_scale,
@@ -461,12 +530,14 @@ def _launch(
         SCALE_BLOCK_N=scale_block_n or 0,
         FUSED_REDUCE=counters is not None,
         PREFETCH_BYTES=weight_prefetch_bytes(y.device, channel_blocks * split_k, config.block_n, k_per_split),
-        NORM_K=in_features if norm is not None else 0,
-        NORM_PAD=triton.next_power_of_2(in_features) if norm is not None else 16,
+        NORM_K=in_features if row_norm is not None else 0,
+        NORM_PAD=triton.next_power_of_2(in_features) if row_norm is not None else 16,
         HAS_RESIDUAL=residual is not None,
+        GATED_D=in_features if gated else 0,
+        GATED_TILE=min(GATED_AMAX_TILE, triton.next_power_of_2(in_features)) if gated else 16,
         DYNAMIC=input_scale is None,
         CAPPED=scale_ub is not None,
-        HW_E4M3=norm is not None and gpu_e4m3(y.device),
+        HW_E4M3=row_input is not None and gpu_e4m3(y.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(y.device),
@@ -551,10 +622,13 @@ def _check_args(
         )
 
 
-def _check_weight(weight: torch.Tensor, weight_scale: torch.Tensor, x: torch.Tensor) -> None:
-    """weight [N, K] e4m3 (K: x's columns) with weight_scale [N] float32, on x's device."""
+def _check_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, x: torch.Tensor, in_features: int | None = None
+) -> None:
+    """weight [N, K] e4m3 (K: `in_features`, x's columns if None) with weight_scale [N] float32, on x's
+    device."""
     check_tensor("weight", weight, ndim=2, dtypes=(FP8,), device=x.device)
     out_features = weight.shape[0]
-    check_shape("weight", weight, (out_features, x.shape[1]))
+    check_shape("weight", weight, (out_features, x.shape[1] if in_features is None else in_features))
     check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,), device=x.device)
     check_shape("weight_scale", weight_scale, (out_features,))

@@ -19,6 +19,10 @@ block-FP8 linear's input: a dynamic scale per row and group of group_size column
 `silu_and_mul` then `sluice.kernels.fp8_block_mm.quantize_fp8_groups`, and one pass: grid (num_tokens,
 cdiv(groups, GROUPS)), a program activates and quantizes GROUPS whole groups of a row, a [GROUPS,
 group_size] tile of up to GROUP_TILE columns, as `quantize_fp8_groups` tiles its input.
+
+The FP8 linears that take a one-row step's [gate | up] row and activate it in their own loads
+(`fp8_gated_skinny_mm`, `fp8_gated_gemv`: `KernelConfig.fuse_silu_fp8`) make the same values with
+`silu_and_mul_tile` and the row's scale with `gated_row_fp8_scale`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,29 @@ def silu_and_mul_tile(x_row, cols, D: tl.constexpr):
     dtype = x_row.dtype.element_ty
     activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (activated * up).to(dtype)
+
+
+GATED_AMAX_TILE = 2048  # columns of a gated row an FP8 linear's program activates at once for the amax
+
+
+@triton.jit
+def gated_row_fp8_scale(
+    x_row, input_scale_ptr, scale_ub, D: tl.constexpr, TILE: tl.constexpr, DYNAMIC: tl.constexpr,
+    CAPPED: tl.constexpr,
+):  # fmt: skip
+    """The e4m3 scale of the activated row silu(gate) * up at x_row ([gate | up], 2 * D wide): DYNAMIC,
+    `silu_and_mul_fp8_quant`'s (the amax of the row's values in x's dtype, found in TILE-wide tiles: a max
+    in any order is the same max; capped at scale_ub with CAPPED), else the static input_scale. For an FP8
+    linear that activates and quantizes its input tiles itself (`silu_and_mul_tile`, then `quantize_e4m3`)."""
+    if DYNAMIC:
+        cols = tl.arange(0, TILE)
+        running = tl.zeros([TILE], dtype=tl.float32)
+        for start in range(0, D, TILE):
+            running = max_keep_nan(running, tl.abs(silu_and_mul_tile(x_row, start + cols, D).to(tl.float32)))
+        scale = dynamic_scale(capped(amax_keep_nan(running, 0), scale_ub, CAPPED))
+    else:
+        scale = tl.load(input_scale_ptr)
+    return scale
 
 
 @triton.jit

@@ -275,12 +275,17 @@ def _run_launchers(shape: str, dtype: torch.dtype) -> None:
         # The float linears on Sluice's launch (`skinny_linears`): one row and 64, o_proj's and down_proj's
         # shapes, K split as on an H100; down_proj also on the [gate | up] rows (SiLU-and-mul in its loads),
         # a hidden-wide one-row input also with its RMSNorm (and residual add) in its loads, and so the FP8
-        # launches (`fuse_norm_fp8`: the codes made in their loads; per token, static).
+        # launches (`fuse_norm_fp8`, `fuse_silu_fp8`: the codes made in their loads; per token, static).
         float_weight = torch.empty(arch.hidden_size, width, dtype=dtype)
         for rows in (1, 64):
             skinny_mm.skinny_mm(torch.empty(rows, width, dtype=dtype), float_weight)
             if width == arch.intermediate_size:
                 skinny_mm.skinny_mm(torch.empty(rows, 2 * width, dtype=dtype), float_weight, gated=True)
+        if width == arch.intermediate_size:
+            gate_up = torch.empty(1, 2 * width, dtype=dtype)
+            for input_scale in (None, torch.ones(())):
+                fp8_skinny_mm.fp8_gated_skinny_mm(gate_up, codes, scales, input_scale)
+                fp8_gemv.fp8_gated_gemv(gate_up, codes, scales, input_scale)
         if width == arch.hidden_size:
             row = torch.empty(1, width, dtype=dtype)
             for residual in (None, torch.empty_like(row)):

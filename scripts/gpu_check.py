@@ -377,7 +377,8 @@ class GpuCheck:
         if any(logits_depart(row) for row in rows):  # PDL starts the same kernels earlier: the same bits
             raise CheckFailed(
                 "logits depart from their model's first row: without PDL, a kernel reads before its wait; "
-                "SiLU-and-mul in its own launch, down_proj's gated loads round otherwise; a row that moves "
+                "SiLU-and-mul in its own launch or in the FP8 down_proj's, down_proj's gated loads round "
+                "otherwise; a row that moves "
                 "the RMSNorms (the bf16 skinny ones apart, the FP8 ones folded), beyond "
                 f"{GRAPH_MAX_REL_DIFF}: a linear's norm prologue is wrong\n\n{table}"
             )

@@ -40,6 +40,7 @@ LONGEST_FILES = (
     "test_gemma3_270m.py",
     "test_async_scheduling.py",
     "test_tensor_parallel.py",
+    "test_fp8_folded_inputs_model.py",
 )
 
 

@@ -16,6 +16,7 @@ from sluice.benchmarks.gpu.dependent_launch_step import (
     NORM_APART,
     NORM_FOLDED,
     SILU_APART,
+    SILU_FOLDED,
     WITH_PDL,
     WITHOUT_PDL,
 )
@@ -79,10 +80,10 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
     allowed, every launch of the second SLUICE_PDL=0 (the interpreter launches without it either way), only
     the skinny model runs `skinny_mm` (SiLU-and-mul in down_proj's launch but in its third row, the one-row
     step's RMSNorms in the linears' launches but in its fourth), only the FP8 model's third row runs its
-    norms in `fp8_normed_skinny_mm`, the logits of each model's rows are equal and the switch is put
-    back."""
+    norms in `fp8_normed_skinny_mm` and only its fourth its SiLU-and-mul in `fp8_gated_skinny_mm`, the
+    logits of each model's rows are equal and the switch is put back."""
     monkeypatch.setattr(fp8_linear, "GEMV_MAX_WEIGHT", 0)
-    seen, skinny, normed_fp8 = [], [], []
+    seen, skinny, normed_fp8, gated_fp8 = [], [], [], []
 
     def spy(device: torch.device) -> bool:
         seen.append(os.environ.get(PDL_ENV))
@@ -100,11 +101,18 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
         normed_fp8.append(len(rows_timed))
         return normed_launch(x, *args)
 
+    gated_launch = fp8_skinny_mm.fp8_gated_skinny_mm
+
+    def gated_spy(gate_up: torch.Tensor, *args) -> torch.Tensor:
+        gated_fp8.append(len(rows_timed))
+        return gated_launch(gate_up, *args)
+
+    monkeypatch.setattr(fp8_skinny_mm, "fp8_gated_skinny_mm", gated_spy)
     monkeypatch.setattr(dependent_launch, "dependent_launch", spy)
     monkeypatch.setattr(skinny_mm, "skinny_mm", skinny_spy)
     monkeypatch.setattr(fp8_skinny_mm, "fp8_normed_skinny_mm", normed_spy)
     monkeypatch.delenv(PDL_ENV, raising=False)
-    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.0042, 0.006, 0.007, 0.0055])
+    times = iter([0.002, 0.003, 0.004, 0.005, 0.0045, 0.0042, 0.006, 0.007, 0.0055, 0.0058])
     rows_timed = []  # a graph's timing, as each is taken
 
     def time_s(fn) -> float:
@@ -117,6 +125,7 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
     assert runs == ["1", "0"] * 3 + ["1"]
     # the FP8 model's third graph only (8 graphs timed before it), captured and timed
     assert normed_fp8 and set(normed_fp8) <= {8, 9} and 8 in normed_fp8
+    assert gated_fp8 and set(gated_fp8) <= {9, 10} and 9 in gated_fp8  # its fourth
     # the tiny preset's one-row steps, four graphs: (PDL, gated rows, normed rows) of each launch. Both folds
     # with and without PDL; then SiLU-and-mul apart (norms still folded), then the norms apart (SiLU folded).
     without = [index for index, kind in enumerate(skinny) if kind[0] == "0"]
@@ -142,12 +151,15 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
         ["fp8", WITH_PDL, 6.0, 1.0],
         ["fp8", WITHOUT_PDL, 7.0, 7 / 6],
         ["fp8", NORM_FOLDED, 5.5, 5.5 / 6],
+        ["fp8", SILU_FOLDED, 5.8, 0.0058 / 0.006],
     ]
-    assert [row[4] for row in rows] == [0.0] * 9  # on the CPU the norm's row sum is the same sum either way
+    assert [row[4] for row in rows] == [0.0] * 10  # on the CPU the norm's row sum is the same sum either way
     assert PDL_ENV not in os.environ
     figures = dependent_launch_step.dependent_launch_figures(rows)
-    assert figures["bf16_skinny_norm_apart_step_s"] == pytest.approx(0.0042) and len(figures) == 9
+    assert figures["bf16_skinny_norm_apart_step_s"] == pytest.approx(0.0042) and len(figures) == 10
     assert figures["fp8_norm_folded_step_s"] == pytest.approx(0.0055)
+    assert figures["fp8_silu_folded_step_s"] == pytest.approx(0.0058)
     assert not any(dependent_launch_step.logits_depart(row) for row in rows)
     assert dependent_launch_step.logits_depart(["bf16 skinny", SILU_APART, 4.5, 1.125, 1e-7])
     assert not dependent_launch_step.logits_depart(["bf16 skinny", NORM_APART, 4.2, 1.05, 1e-3])
+    assert dependent_launch_step.logits_depart(["fp8", SILU_FOLDED, 5.8, 5.8 / 6, 1e-7])

@@ -26,13 +26,13 @@ from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.fp8_config import quantize_at_load
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
-from sluice.engine.worker.layers import fp8_linear, quantization
+from sluice.engine.worker.layers import quantization
 from sluice.engine.worker.layers.activation import SiluAndMul
 from sluice.engine.worker.layers.fp8_activations import Fp8Activations
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.mlp import GatedMLP
 from sluice.engine.worker.layers.norm import RMSNorm
-from sluice.kernels import fp8_block_mm, fp8_gemv, fp8_skinny_mm
+from sluice.kernels import fp8_block_mm
 
 BLOCK = 16
 NUM_LAYERS, HIDDEN, INTERMEDIATE = 2, 64, 128  # checkpoints.py's tiny models
@@ -284,93 +284,3 @@ def test_row_parallel_down_proj_gets_the_codes_of_its_own_slice(
         unfused = mlp(x)
         assert launches == launched((9, HIDDEN), (9, 48))  # down_proj quantizes its slice itself
         assert fused.shape == (9, HIDDEN) and fused.isfinite().all() and torch.equal(fused, unfused)
-
-
-@pytest.fixture(params=["gemv", "skinny"])
-def one_row_launch(request, monkeypatch) -> str:
-    """The launch one-row steps run: `fp8_gemv` on every layer (the tiny models' weights are all below
-    GEMV_MAX_WEIGHT, as llama-3.2-1b's qkv_proj is), or `fp8_skinny_mm` on every layer (as llama-3-8b's
-    qkv_proj and gate_up_proj take it)."""
-    if request.param == "skinny":
-        monkeypatch.setattr(fp8_linear, "GEMV_MAX_WEIGHT", 0)
-    return request.param
-
-
-@pytest.fixture
-def normed_launches(monkeypatch) -> list[tuple[str, tuple[int, int]]]:
-    """(launch, x's shape) of every `fp8_normed_gemv` / `fp8_normed_skinny_mm` launch, in order."""
-    calls: list[tuple[str, tuple[int, int]]] = []
-    for module, name, launch in (
-        (fp8_gemv, "fp8_normed_gemv", "gemv"),
-        (fp8_skinny_mm, "fp8_normed_skinny_mm", "skinny"),
-    ):
-        function = getattr(module, name)
-        monkeypatch.setattr(
-            module,
-            name,
-            lambda x, *args, f=function, launch=launch: calls.append((launch, tuple(x.shape))) or f(x, *args),
-        )
-    return calls
-
-
-def _fused_norm_llm(directory: str, dtype: str) -> LLM:
-    return LLM(
-        directory,
-        dtype=dtype,
-        attention_backend="triton",
-        block_size=BLOCK,
-        num_blocks=32,
-        fuse_norm_fp8=True,
-    )
-
-
-@pytest.mark.parametrize(
-    ("source", "activations"),
-    [("llama_dir", "token"), ("llama_dir", "static"), ("qwen2_dir", "token")],  # qwen2: qkv_proj's bias
-)
-def test_norms_in_the_one_row_products_give_the_same_hidden_states(
-    source, activations, request, tmp_path, scaled_mm_on_cpu, one_row_launch, normed_launches, quant_launches
-):
-    """`fuse_norm_fp8`: a one-row step's two norms a layer run inside qkv_proj's and gate_up_proj's launch
-    (`fp8_normed_gemv` or `fp8_normed_skinny_mm`), bit for bit (under the interpreter) the norm's launch
-    then the product's; o_proj still quantizes in a launch of its own on the skinny path (on the gemv's,
-    inside the gemv), down_proj's codes still come from SiLU-and-mul. Steps of more rows keep the norms'
-    launches."""
-    directory = write_fp8_checkpoint(
-        request.getfixturevalue(source), str(tmp_path / "fp8"), weights="channel", activations=activations
-    )
-    llm = _fused_norm_llm(directory, "bfloat16")
-    layers = llm.engine.model_runner.model.model.layers
-    assert all(layer.input_layernorm.fuses_into_linear for layer in layers)
-    assert all(layer.self_attn.qkv_proj.method.fuse_norm for layer in layers)
-    q_size = layers[0].self_attn.o_proj.input_size
-    o_proj_quant = [(1, q_size)] * NUM_LAYERS if one_row_launch == "skinny" else []
-    fused = _final_hidden(llm, (1,))
-    assert normed_launches == [(one_row_launch, (1, HIDDEN))] * 2 * NUM_LAYERS  # qkv_proj, gate_up_proj
-    assert quant_launches == o_proj_quant
-    normed_launches.clear()
-    assert _final_hidden(llm, (2, 3)).isfinite().all() and normed_launches == []  # 5 rows: the norms' own
-    for module in llm.engine.model_runner.model.modules():
-        if isinstance(module, RMSNorm):
-            module.select(dataclasses.replace(llm.engine.model_runner.kernels, fuse_norm_fp8=False))
-    unfused = _final_hidden(llm, (1,))
-    assert normed_launches == []
-    assert fused.shape == (1, HIDDEN) and fused.isfinite().all() and torch.equal(fused, unfused)
-
-
-def test_norms_in_the_one_row_products_keep_greedy_tokens_equal_transformers(
-    llama_dir, tmp_path, scaled_mm_on_cpu, one_row_launch, normed_launches
-):
-    """One prompt at a time in float32 (`tensorwise`), so that every decode step is one row and folds its
-    norms; greedy tokens as transformers' on the FP8 checkpoint."""
-    directory = write_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"), weights="channel", activations="token")
-    llm = _fused_norm_llm(directory, "float32")
-    for prompt in prompts():
-        agrees_with_transformers(llm, directory, [prompt], MAX_TOKENS)
-    assert len(normed_launches) >= 2 * NUM_LAYERS * (MAX_TOKENS - 1) * len(prompts())
-    assert {launch for launch, _ in normed_launches} == {one_row_launch}
-
-
-def test_norms_in_the_products_need_fp8_linears_on_the_triton_kernels(llama_dir):
-    with pytest.raises(ValueError, match="^fuse_norm_fp8: needs FP8 linears .* got quantization None"):
-        LLM(llama_dir, dtype="float32", attention_backend="triton", num_blocks=32, fuse_norm_fp8=True)

@@ -579,7 +579,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
         "tests/test_model_parity.py\t-k\ttriton",
         "tests/test_kernels_fused_fp8_quant.py",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 16
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 17
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 
@@ -1014,7 +1014,7 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     text, ok = check_report.build_report(tmp_path, "gpu", 350, 340)
     assert not ok
     section = text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The llama-3-8b preset (bfloat16) on 5 servers of this step")
+    assert section.startswith("The llama-3-8b preset (bfloat16) on 6 servers of this step")
     for line in (
         "| greedy vs bf16 |",
         "| bf16 (this step's) | 5.60 | 9.00 | 6000 | 5000 | 72/72 | the reference |",
@@ -1022,6 +1022,7 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
         "| 5/8 equal; 200/256 tokens before the first difference |",
         "| fp8 weights + fp8 KV | - | - | - | - | - | not run |",  # killed at the limit before it
         "| fp8 weights, RMSNorms in the linears | - | - | - | - | - | not run |",  # a GPU's only
+        "| fp8 weights, RMSNorms and SiLU-and-mul in the linears | - | - | - | - | - | not run |",
         "| fp8 weights, 128 x 128 blocks | - | - | - | - | - | not run |",
         "| fp8 weights: batch-1 TPOT p50 / bf16's (the goal's shape) | 0.57 | <= 0.6 | met |",
         "| fp8 weights: out tok/s at 64 concurrent / bf16's | 1.40 | >= 1.3 | met |",
@@ -1054,9 +1055,10 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_the_fp8_large_step_serves_the_folded_norms_on_a_gpu_before_the_blocks(mode, tmp_path, monkeypatch):
+def test_the_fp8_large_step_serves_the_folded_inputs_on_a_gpu_before_the_blocks(mode, tmp_path, monkeypatch):
     """fp8_large's servers and their arguments, the servers stubbed: bf16, fp8, fp8 + fp8 KV, on a GPU fp8
-    with --fuse-norm-fp8 (not in the CPU mode: Plan.fp8_norm_serve_args), fp8 in blocks last."""
+    with --fuse-norm-fp8 and fp8 with --fuse-silu-fp8 too (not in the CPU mode: Plan.fp8_norm_serve_args,
+    fp8_fold_serve_args), fp8 in blocks last."""
     served = []
 
     def serve(ctx, reference, name, extra, preset=None, profile=False):
@@ -1071,6 +1073,7 @@ def test_the_fp8_large_step_serves_the_folded_norms_on_a_gpu_before_the_blocks(m
     expected = [("bf16", ()), ("fp8", fp8), ("fp8_kv", (*fp8, "--kv-cache-dtype", "fp8"))]
     if mode == "gpu":
         expected.append(("fp8_norm", (*fp8, "--fuse-norm-fp8")))
+        expected.append(("fp8_fold", (*fp8, "--fuse-norm-fp8", "--fuse-silu-fp8")))
     expected.append(("fp8_block", (*fp8, "--fp8-weight-block", "128")))
     assert served == expected
     assert result == {"ok": True, "preset": ctx.plan.large_preset, "variants": [name for name, _ in expected]}

@@ -151,6 +151,16 @@ def test_every_kernel_compiles_for_sm90_in_every_shape_and_dtype(compile_run):
     ]
     assert {"HAS_RESIDUAL=True" in c for c in normed} == {True, False}, normed
     assert all(r["local_bytes"] == 0 for r in one_b if r["kernel"] == "_skinny_kernel")
+    # The one-row FP8 launches of down_proj on [gate | up] (SiLU-and-mul and the codes in their loads:
+    # `fuse_silu_fp8`), per token and static, on the skinny launch and the gemv, without spills.
+    fp8_gated = [
+        r
+        for r in one_b
+        if r["kernel"] in ("_fp8_skinny_kernel", "_fp8_gemv_kernel") and "GATED_D=8192" in r["constexprs"]
+    ]
+    kinds = {(r["kernel"], "DYNAMIC=True" in r["constexprs"]) for r in fp8_gated}
+    assert kinds == {(k, d) for k in ("_fp8_skinny_kernel", "_fp8_gemv_kernel") for d in (True, False)}
+    assert all(r["local_bytes"] == 0 for r in fp8_gated), fp8_gated
     assert f"{len(results)} of {len(results)} kernel variants compiled for sm_90" in proc.stdout
 
 

@@ -11,7 +11,9 @@ gate_up_proj's (`fuse_norm_skinny`); one more row of it runs SiLU-and-mul in its
 norms in theirs, whose logits may differ by the rounding of a row's sum of squares reduced over another
 layout (`logits_depart`). And one more row of the FP8 model runs the norms before its one-row linears
 inside their launches (`fuse_norm_fp8`, off by default: on this preset qkv_proj's `fp8_normed_gemv` and
-gate_up_proj's `fp8_normed_skinny_mm`, 32 launches a step fewer), within the same tolerance."""
+gate_up_proj's `fp8_normed_skinny_mm`, 32 launches a step fewer), within the same tolerance; another
+SiLU-and-mul inside down_proj's (`fuse_silu_fp8`, off by default: `fp8_gated_gemv` on this preset, 16
+launches fewer), the same bits as the first row (the same jit helpers; a row's amax in any order)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def bench_dependent_launch(
         if linears == "bf16 skinny":
             labeled += [(SILU_APART, _silu_apart, "1"), (NORM_APART, _norm_apart, "1")]
         if fp8 is not None:
-            labeled.append((NORM_FOLDED, _fp8_norm_folded, "1"))
+            labeled += [(NORM_FOLDED, _fp8_norm_folded, "1"), (SILU_FOLDED, _fp8_silu_folded, "1")]
         variants = [(kernels, context, {PDL_ENV: pdl}) for _, kernels, pdl in labeled]
         _, timings = time_batch1_graph_steps(device, preset, context, variants, time_s, fp8)
         with_s = timings[0][0]
@@ -62,12 +64,14 @@ WITHOUT_PDL = f"without ({PDL_ENV}=0)"
 SILU_APART = "with PDL, SiLU-and-mul in its own launch"
 NORM_APART = "with PDL, RMSNorm in its own launch"
 NORM_FOLDED = "with PDL, RMSNorm in the FP8 linear's launch"
+SILU_FOLDED = "with PDL, SiLU-and-mul in the FP8 linear's launch"
 _FIGURE_SUFFIXES = {
     WITH_PDL: "with_pdl",
     WITHOUT_PDL: "without_pdl",
     SILU_APART: "silu_apart",
     NORM_APART: "norm_apart",
     NORM_FOLDED: "norm_folded",
+    SILU_FOLDED: "silu_folded",
 }
 
 
@@ -103,3 +107,7 @@ def _norm_apart(kernels: KernelConfig) -> KernelConfig:
 
 def _fp8_norm_folded(kernels: KernelConfig) -> KernelConfig:
     return dataclasses.replace(kernels, fuse_norm_fp8=True)
+
+
+def _fp8_silu_folded(kernels: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(kernels, fuse_silu_fp8=True)

@@ -25,11 +25,13 @@ THROUGHPUT_RATIO_GOAL = 1.3  # output tokens/s at 64 concurrent / bf16's
 KV_BLOCKS_RATIO_GOAL = 2.0  # KV blocks with an fp8 cache / bf16's
 GOAL_SHAPE = "llama-3-8b"
 VARIANTS = {"fp8": "fp8 weights", "fp8_kv": "fp8 weights + fp8 KV"}  # the fp8 step's servers, in order
-# fp8_large's: those, the norms in the FP8 linears' launches (a GPU only), then the block-wise path
+# fp8_large's: those, the norms (then SiLU-and-mul too) in the FP8 linears' launches (a GPU only), then the
+# block-wise path
 # (`variant_servers.large_variants`)
 LARGE_LABELS = {
     **VARIANTS,
     "fp8_norm": "fp8 weights, RMSNorms in the linears",
+    "fp8_fold": "fp8 weights, RMSNorms and SiLU-and-mul in the linears",
     "fp8_block": "fp8 weights, 128 x 128 blocks",
 }
 # The selector's log line (INFO) when triton takes an fp8 cache, as `auto` on CUDA does: `FP8_KV_TRITON_NOTE`.

@@ -234,9 +234,9 @@ def select_attention(model: torch.nn.Module, kernels: KernelConfig) -> int:
 def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     """Give every linear of `model` in the model dtype the method `kernels` picks (cuBLAS's or Sluice's
     skinny launch: `skinny_linears`; the same weight layout on a GPU), every FP8 one its method again with
-    `fuse_norm_fp8` (the same weights), and re-select the MLPs' activations and the RMSNorms
-    (whether SiLU-and-mul runs in down_proj's launch, a norm in its linear's: `fuse_silu_skinny`,
-    `fuse_norm_skinny`, `fuse_norm_fp8`); returns the float linears."""
+    `fuse_norm_fp8` and `fuse_silu_fp8` (the same weights), and re-select the MLPs' activations and the
+    RMSNorms (whether SiLU-and-mul runs in down_proj's launch, a norm in its linear's: `fuse_silu_skinny`,
+    `fuse_norm_skinny`, `fuse_norm_fp8`, `fuse_silu_fp8`); returns the float linears."""
     layers = [
         module
         for module in model.modules()
@@ -247,7 +247,9 @@ def select_float_linears(model: torch.nn.Module, kernels: KernelConfig) -> int:
     for module in model.modules():
         if isinstance(module, LinearBase) and isinstance(module.method, Fp8LinearMethod):
             method = module.method
-            module.method = Fp8LinearMethod(method.scheme, method.matmul, kernels.fuse_norm_fp8)
+            module.method = Fp8LinearMethod(
+                method.scheme, method.matmul, kernels.fuse_norm_fp8, kernels.fuse_silu_fp8
+            )
     for module in model.modules():
         if isinstance(module, (GatedActivation, RMSNorm)):
             module.select(kernels)

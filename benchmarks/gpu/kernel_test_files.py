@@ -53,6 +53,9 @@ KERNEL_TESTS = (
     # Its and fp8_gemv's one-row launches with the RMSNorm made in their loads (`fuse_norm_fp8`, off by
     # default), against the norm's launch then the product.
     KernelTestFile("tests/test_kernels_fp8_normed_linears.py"),
+    # ... and with SiLU-and-mul made in their loads (`fuse_silu_fp8`, off by default), against
+    # SiLU-and-mul's launch then the product, bit for bit.
+    KernelTestFile("tests/test_kernels_fp8_gated_linears.py"),
     # The float linears on the same launch (`skinny_linears`, off by default), against the float64 product.
     KernelTestFile("tests/test_kernels_skinny_mm.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),

@@ -57,8 +57,11 @@ class Plan:
     skinny_serve_args: tuple[str, ...] | None = ("--skinny-linears",)
     # fp8_large's server with the RMSNorms in the FP8 linears' one-row launches (`--fuse-norm-fp8`),
     # after the fp8-KV one; None: not run (the CPU mode: those launches need the Triton kernels, which its
-    # servers do not run; tests/test_fp8_fused_quant_model.py checks them on CPU instead)
+    # servers do not run; tests/test_fp8_folded_inputs_model.py checks them on CPU instead)
     fp8_norm_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8",)
+    # ... and one with SiLU-and-mul in down_proj's one-row launch too (`--fuse-silu-fp8`), after it; None:
+    # not run (the CPU mode, as above; tests/test_fp8_folded_inputs_model.py)
+    fp8_fold_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8", "--fuse-silu-fp8")
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -94,6 +97,7 @@ PLANS = {
                                   prefill_steps=1),
         skinny_serve_args=None,
         fp8_norm_serve_args=None,
+        fp8_fold_serve_args=None,
     ),
 }  # fmt: skip
 

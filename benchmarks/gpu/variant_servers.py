@@ -6,10 +6,11 @@ fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype
 async      the preset with `--async-scheduling` (issue 33), then with `--skinny-linears` too (Sluice's own
            linears for steps of up to 64 rows, untimed before), each set against serve_bench's synchronous
            server
-fp8_large  (i) the large step's shape served four or five times, with async scheduling: bf16 (the
+fp8_large  (i) the large step's shape served four or six times, with async scheduling: bf16 (the
            reference, drawing its own prompts), fp8's two servers, on a GPU fp8 with the RMSNorms in the
            one-row FP8 linears' launches (`--fuse-norm-fp8`, untimed before:
-           `Plan.fp8_norm_serve_args`), then fp8 weights in 128 x 128 blocks made at load
+           `Plan.fp8_norm_serve_args`) and fp8 with SiLU-and-mul in down_proj's too (`--fuse-silu-fp8`,
+           `Plan.fp8_fold_serve_args`), then fp8 weights in 128 x 128 blocks made at load
            (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
            step cut short keeps issue 34's three
 
@@ -62,10 +63,11 @@ def step_fp8(ctx: StepContext) -> dict[str, Any]:
 
 
 def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
-    """The fp8 step's servers, on a GPU one with the norms in the FP8 linears' launches, and the block-wise
-    one on the large step's shape (issue 34's batch-1 target is set on llama-3-8b), after a bf16 server of
-    that shape, their reference: greedy outputs and `sluice bench` (the same seeds, so the same prompts, on
-    each) against it (`large_variants`). A record per server appended as it finishes."""
+    """The fp8 step's servers, on a GPU two with the norms (then SiLU-and-mul too) in the FP8 linears'
+    launches, and the block-wise one on the large step's shape (issue 34's batch-1 target is set on
+    llama-3-8b), after a bf16 server of that shape, their reference: greedy outputs and `sluice bench`
+    (the same seeds, so the same prompts, on each) against it (`large_variants`). A record per server
+    appended as it finishes."""
     preset, variants = ctx.plan.large_preset, large_variants(ctx.plan)
     reference = variant_server(ctx, None, "bf16", LARGE_SCHEDULING, preset=preset, profile=True)
     records = [
@@ -78,10 +80,13 @@ def step_fp8_large(ctx: StepContext) -> dict[str, Any]:
 
 def large_variants(plan: Plan) -> dict[str, tuple[str, ...]]:
     """fp8_large's servers after its bf16 one, in order: fp8's, fp8 with the norms in the one-row linears'
-    launches where the plan runs it, then the block-wise path (no target of its own)."""
+    launches and fp8 with SiLU-and-mul in down_proj's too where the plan runs them, then the block-wise
+    path (no target of its own)."""
     variants = dict(FP8_VARIANTS)
     if plan.fp8_norm_serve_args is not None:
         variants["fp8_norm"] = (*FP8_VARIANTS["fp8"], *plan.fp8_norm_serve_args)
+    if plan.fp8_fold_serve_args is not None:
+        variants["fp8_fold"] = (*FP8_VARIANTS["fp8"], *plan.fp8_fold_serve_args)
     variants["fp8_block"] = FP8_BLOCK_ARGS
     return variants
 

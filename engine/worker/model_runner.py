@@ -155,6 +155,7 @@ class ModelRunner:
             tensor_parallel=self.tensor_parallel,
             skinny_linears=self.config.skinny_linears,
             fuse_norm_fp8=self.config.fuse_norm_fp8,
+            fuse_silu_fp8=self.config.fuse_silu_fp8,
         )
 
     def forward(

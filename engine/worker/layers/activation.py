@@ -32,7 +32,8 @@ class SiluAndMul(GatedActivation):
     `sluice.kernels.silu_and_mul` (the gate_up output read once); cpu: one pass of the C++ kernel
     `sluice.kernels.cpu_silu_and_mul`. On triton, where the consumer linear takes its input quantized to FP8
     this step, `activate_for` writes the codes and scales instead (`silu_and_mul_fp8_quant`); where it
-    activates [gate | up] itself (`skinny_linears`: `gated_input`), it hands over gate_up untouched."""
+    activates [gate | up] itself (`gated_input`: `skinny_linears`, or an FP8 linear's one-row launch under
+    `fuse_silu_fp8`), it hands over gate_up untouched."""
 
     implementations = ("triton", "cpu", "native")
     cpu_kernel = CPU_SILU_AND_MUL
@@ -47,8 +48,8 @@ class SiluAndMul(GatedActivation):
         # only an FP8 model asks its linears (`quantized_input`): others keep the plain call per step
         fp8 = kernels.quantization == "fp8"
         self.fuses_fp8_quant = self.implementation == "triton" and fp8 and kernels.fuse_fp8_quant_silu
-        self.fuses_into_linear = (
-            self.implementation == "triton" and kernels.skinny_linears and kernels.fuse_silu_skinny
+        self.fuses_into_linear = self.implementation == "triton" and (
+            (kernels.skinny_linears and kernels.fuse_silu_skinny) or (fp8 and kernels.fuse_silu_fp8)
         )
         if self.implementation == "triton":  # imported only when chosen: triton is not installed everywhere
             module = import_module("sluice.kernels.silu_and_mul")

@@ -67,6 +67,10 @@ class KernelConfig:
         on the gemv's weights), which normalizes and quantizes each tile as it loads it; False (the
         default, untimed on a GPU): the norm's own launch (writing the codes where `fuse_fp8_quant_norm`
         says so). Needs the Triton kernels and FP8 linears.
+    fuse_silu_fp8: in an FP8 model, a one-row step's SiLU-and-mul before down_proj runs inside its launch
+        (`GatedRows`: `fp8_gated_skinny_mm`, or `fp8_gated_gemv` on the gemv's weights), which activates
+        and quantizes each tile as it loads it, each program first activating the whole row for its amax;
+        False (the default, untimed on a GPU): SiLU-and-mul's own launch. Needs what fuse_norm_fp8 needs.
     """
 
     device: torch.device
@@ -86,6 +90,7 @@ class KernelConfig:
     fuse_silu_skinny: bool = True
     fuse_norm_skinny: bool = True
     fuse_norm_fp8: bool = False
+    fuse_silu_fp8: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -109,12 +114,13 @@ class KernelConfig:
                 "skinny_linears: needs the Triton kernels (a Triton attention backend: a CUDA device, or "
                 f"TRITON_INTERPRET=1 on cpu), got the {backend!r} backend"
             )
-        if self.fuse_norm_fp8 and (self.fp8 is None or not self.triton):
-            raise ValueError(
-                "fuse_norm_fp8: needs FP8 linears (--quantization fp8 or an FP8 checkpoint) on the "
-                f"Triton kernels, got quantization {self.quantization!r} on the "
-                f"{getattr(self.attention_backend, 'name', None)!r} backend"
-            )
+        for name in ("fuse_norm_fp8", "fuse_silu_fp8"):
+            if getattr(self, name) and (self.fp8 is None or not self.triton):
+                raise ValueError(
+                    f"{name}: needs FP8 linears (--quantization fp8 or an FP8 checkpoint) on the "
+                    f"Triton kernels, got quantization {self.quantization!r} on the "
+                    f"{getattr(self.attention_backend, 'name', None)!r} backend"
+                )
 
     @classmethod
     def for_model(
@@ -129,6 +135,7 @@ class KernelConfig:
         tensor_parallel: TensorParallelGroup | None = None,
         skinny_linears: bool = False,
         fuse_norm_fp8: bool = False,
+        fuse_silu_fp8: bool = False,
     ) -> KernelConfig:
         """The config for a model on `device` in `dtype`: the C++ kernels are checked (built if needed) here,
         once; a kernel that cannot be built is logged and its ops run plain PyTorch. A CUDA device's
@@ -150,6 +157,7 @@ class KernelConfig:
             tensor_parallel,
             skinny_linears=skinny_linears,
             fuse_norm_fp8=fuse_norm_fp8,
+            fuse_silu_fp8=fuse_silu_fp8,
         )
 
     @property

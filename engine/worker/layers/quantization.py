@@ -176,7 +176,9 @@ def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> 
         if scheme is None:
             return float_method
         matmul = fp8_matmul_for(scheme, kernels, layer.input_size, layer.output_size)
-        return Fp8LinearMethod(scheme, matmul, fuse_norm=kernels.fuse_norm_fp8)
+        return Fp8LinearMethod(
+            scheme, matmul, fuse_norm=kernels.fuse_norm_fp8, fuse_silu=kernels.fuse_silu_fp8
+        )
     method = kernels.quantization
     if method is None:
         return float_method
