@@ -26,8 +26,7 @@ KV_BLOCKS_RATIO_GOAL = 2.0  # KV blocks with an fp8 cache / bf16's
 GOAL_SHAPE = "llama-3-8b"
 VARIANTS = {"fp8": "fp8 weights", "fp8_kv": "fp8 weights + fp8 KV"}  # the fp8 step's servers, in order
 # fp8_large's: those, the norms (then SiLU-and-mul too) in the FP8 linears' launches (a GPU only), then the
-# block-wise path
-# (`variant_servers.large_variants`)
+# block-wise path (`variant_servers.large_variants`)
 LARGE_LABELS = {
     **VARIANTS,
     "fp8_norm": "fp8 weights, RMSNorms in the linears",
