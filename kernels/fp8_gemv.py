@@ -79,7 +79,7 @@ from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, 
 from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
-from sluice.kernels.silu_and_mul import silu_and_mul_tile
+from sluice.kernels.silu_and_mul import check_gated_rows, silu_and_mul_tile
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -347,10 +347,7 @@ def fp8_gated_gemv(
     the rest as `fp8_gemv`'s -> y [M, N] in gate_up's dtype. Bit for bit `silu_and_mul(gate_up)` then
     `fp8_gemv` (`silu_and_mul`'s jit helper makes each tile, in the amax pass and in the product). Raises
     ValueError naming a bad argument."""
-    check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
-    if gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up: rows are [gate | up], an even width, got {gate_up.shape[1]}")
-    _check_args(gate_up, weight, weight_scale, gate_up.shape[1] // 2, "gate_up")
+    _check_args(gate_up, weight, weight_scale, check_gated_rows(gate_up, "gate_up"), "gate_up")
     check_quantization(input_scale, None, gate_up.device, scale_ub)
     return _launch(gate_up, weight, weight_scale, input_scale, config, scale_ub, None, gated=True)
 

@@ -80,7 +80,12 @@ from sluice.kernels.fp8_block_mm import check_mm_args
 from sluice.kernels.fp8_quant import check_quantization
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
-from sluice.kernels.silu_and_mul import GATED_AMAX_TILE, gated_row_fp8_scale, silu_and_mul_tile
+from sluice.kernels.silu_and_mul import (
+    GATED_AMAX_TILE,
+    check_gated_rows,
+    gated_row_fp8_scale,
+    silu_and_mul_tile,
+)
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_shape, check_tensor
 
@@ -445,14 +450,11 @@ def fp8_gated_skinny_mm(
     the same jit helpers, and an amax is the same in any order); each program first activates the whole row
     to find its amax (dynamic). Never `fused_reduce`, as `fp8_normed_skinny_mm`. Raises ValueError naming a
     bad argument."""
-    check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
-    num_rows, width = gate_up.shape
-    if num_rows > GATED_MAX_ROWS:
-        raise ValueError(f"gate_up: at most {GATED_MAX_ROWS} row, got {num_rows}")
-    if width % 2:
-        raise ValueError(f"gate_up: rows are [gate | up], an even width, got {width}")
+    in_features = check_gated_rows(gate_up, "gate_up")
+    if gate_up.shape[0] > GATED_MAX_ROWS:
+        raise ValueError(f"gate_up: at most {GATED_MAX_ROWS} row, got {gate_up.shape[0]}")
     check_quantization(input_scale, None, gate_up.device, scale_ub)
-    _check_weight(weight, weight_scale, gate_up, width // 2)
+    _check_weight(weight, weight_scale, gate_up, in_features)
     return _launch_row_input(gate_up, weight, weight_scale, config, RowInput(None, input_scale, scale_ub))
 
 

@@ -162,18 +162,19 @@ def _silu_and_mul_fp8_groups_kernel(
     store_quantized_groups(codes, scales, activated, cols, groups, D, num_groups, HW_E4M3)
 
 
-def _check_x(x: torch.Tensor) -> int:
-    """d, half of x's last dim; ValueError unless x is [num_tokens, 2 * d] float, unit last stride."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+def check_gated_rows(x: torch.Tensor, name: str = "x") -> int:
+    """d, half of x's last dim; ValueError naming `name` unless x is [num_tokens, 2 * d] = [gate | up] float,
+    unit last stride (this module's launches, and the FP8 linears that activate such rows themselves)."""
+    check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.shape[1] % 2:
-        raise ValueError(f"x: last dim must be even ([gate | up]), got {x.shape[1]}")
+        raise ValueError(f"{name}: last dim must be even ([gate | up]), got {x.shape[1]}")
     return x.shape[1] // 2
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, 2 * d] (float, unit last stride) -> [num_tokens, d] = silu(x[:, :d]) * x[:, d:],
     written into `out` when given. Raises ValueError naming a bad argument."""
-    d = _check_x(x)
+    d = check_gated_rows(x)
     num_tokens = x.shape[0]
     if out is None:
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
@@ -204,7 +205,7 @@ def silu_and_mul_fp8_quant(
     `quantize_fp8_groups(silu_and_mul(x), group_size)` returns. With `scale_ub` (per token only), each
     row's amax is capped there first, as `quantize_fp8(..., scale_ub=)` caps it. Written into `out` /
     `scale_out` when given. Raises ValueError naming a bad argument."""
-    d = _check_x(x)
+    d = check_gated_rows(x)
     if d == 0:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
     check_quantization(input_scale, group_size, x.device, scale_ub)

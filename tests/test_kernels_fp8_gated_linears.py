@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_batch import DEVICE
+from test_kernels_fp8_normed_linears import QUANTIZATIONS  # the capped one saturates these rows too
 
 from sluice.engine.worker.layers.fp8_linear import quantize_weight
 from sluice.kernels import fp8_skinny_mm as skinny
@@ -23,12 +24,6 @@ from sluice.kernels.fp8_skinny_mm import (
     fp8_skinny_mm,
 )
 from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
-
-QUANTIZATIONS = {  # (input_scale, scale_ub)
-    "token": lambda: (None, None),
-    "capped": lambda: (None, 1.0),  # below the activated row's amax: its largest values saturate
-    "static": lambda: (torch.tensor([0.02], device=DEVICE), None),
-}
 
 
 def _inputs(num_rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):
@@ -110,7 +105,7 @@ def test_bad_arguments_name_the_argument():
         fp8_gated_skinny_mm(gate_up, weight, weight_scale)
     with pytest.raises(ValueError, match="^gate_up: dtype torch.float8_e4m3fn is not one of"):
         fp8_gated_skinny_mm(row.to(torch.float8_e4m3fn), weight, weight_scale)
-    with pytest.raises(ValueError, match=r"^gate_up: rows are \[gate \| up\], an even width, got 127$"):
+    with pytest.raises(ValueError, match=r"^gate_up: last dim must be even \(\[gate \| up\]\), got 127$"):
         fp8_gated_skinny_mm(row[:, :127].contiguous(), weight, weight_scale)
     with pytest.raises(ValueError, match=r"^weight: expected shape \(32, 64\), got \(32, 48\)$"):
         fp8_gated_skinny_mm(row, weight[:, :48].contiguous(), weight_scale)
@@ -123,7 +118,7 @@ def test_bad_arguments_name_the_argument():
     rows = row.expand(GEMV_MAX_ROWS + 1, 128)
     with pytest.raises(ValueError, match=f"^gate_up: at most {GEMV_MAX_ROWS} rows, got shape"):
         fp8_gated_gemv(rows.contiguous(), weight, weight_scale)
-    with pytest.raises(ValueError, match=r"^gate_up: rows are \[gate \| up\], an even width, got 127$"):
+    with pytest.raises(ValueError, match=r"^gate_up: last dim must be even \(\[gate \| up\]\), got 127$"):
         fp8_gated_gemv(row[:, :127].contiguous(), weight, weight_scale)
     with pytest.raises(
         ValueError, match=r"^weight: expected 64 columns \(half gate_up's\), got shape \(32, 128\)$"
