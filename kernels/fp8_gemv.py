@@ -76,10 +76,10 @@ from sluice.kernels.dependent_launch import (
     weight_prefetch_bytes,
 )
 from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
-from sluice.kernels.fp8_skinny_mm import reduce_split_k
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
 from sluice.kernels.silu_and_mul import check_gated_rows, silu_and_mul_tile
+from sluice.kernels.split_k import reduce_split_k
 from sluice.kernels.store_kv import quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
@@ -288,7 +288,7 @@ def _fp8_gemv_kernel(
         y = acc * x_scale[:, None] * w_scale[None, :]  # the emulated path's order: (y * x_scale) * w_scale
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + channels[None, :]
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:  # this split's partial sums, which `fp8_skinny_mm.reduce_split_k` adds up and scales
+    else:  # this split's partial sums, which `split_k.reduce_split_k` adds up and scales
         part = y_ptr + (tl.program_id(1) * M + rows[:, None]).to(tl.int64) * N + channels[None, :]
         tl.store(part, acc, mask=out_mask)
         if tl.program_id(0) + tl.program_id(1) == 0:  # every program has the same scales: one writes them

@@ -55,8 +55,12 @@ from sluice.kernels.dependent_launch import (
     wait_prior_kernel,
     weight_prefetch_bytes,
 )
-from sluice.kernels.fp8_skinny_mm import (
-    MAX_ROWS,
+from sluice.kernels.fp8_skinny_mm import MAX_ROWS
+from sluice.kernels.paged_attention_tile import dot_settings
+from sluice.kernels.paged_decode_attention import device_sm_count
+from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_inv_rms
+from sluice.kernels.silu_and_mul import silu_and_mul_tile
+from sluice.kernels.split_k import (
     SkinnyConfig,
     reduce_split_k,
     split_k_output,
@@ -64,10 +68,6 @@ from sluice.kernels.fp8_skinny_mm import (
     split_program,
     workspace_offsets,
 )
-from sluice.kernels.paged_attention_tile import dot_settings
-from sluice.kernels.paged_decode_attention import device_sm_count
-from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_inv_rms
-from sluice.kernels.silu_and_mul import silu_and_mul_tile
 from sluice.kernels.tensor_checks import check_shape, check_tensor
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

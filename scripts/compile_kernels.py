@@ -64,6 +64,7 @@ from sluice.kernels import (  # noqa: E402
     rotary_store_kv,
     silu_and_mul,
     skinny_mm,
+    split_k,
     store_kv,
 )
 from sluice.kernels.paged_attention_tile import E4M3_BITS  # noqa: E402
@@ -106,7 +107,7 @@ _KERNELS = (
     (fp8_quant, "_fp8_quant_kernel"),
     (fp8_gemv, "_fp8_gemv_kernel"),
     (fp8_skinny_mm, "_fp8_skinny_kernel"),
-    (fp8_skinny_mm, "_fp8_skinny_reduce_kernel"),
+    (split_k, "_fp8_skinny_reduce_kernel"),
     (fp8_block_mm, "_quantize_groups_kernel"),
     (fp8_block_mm, "_fp8_block_mm_kernel"),
     (fp8_block_gemv, "_fp8_block_gemv_kernel"),

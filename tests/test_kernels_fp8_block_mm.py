@@ -20,12 +20,8 @@ from sluice.kernels.fp8_block_mm import (
     fp8_block_mm_reference,
     quantize_fp8_groups,
 )
-from sluice.kernels.fp8_skinny_mm import (
-    SkinnyConfig,
-    block_skinny_config,
-    fp8_block_skinny_mm,
-    split_counters,
-)
+from sluice.kernels.fp8_skinny_mm import block_skinny_config, fp8_block_skinny_mm
+from sluice.kernels.split_k import SkinnyConfig, split_counters
 
 NAN_CODE = 0x7F  # e4m3fn NaN: the codes' poison (a finite input never quantizes to it)
 MAX_CODE = 0x7E  # 448

@@ -17,13 +17,9 @@ from sluice.engine.worker.layers.fp8_linear import quantize_weight
 from sluice.kernels import fp8_skinny_mm as skinny
 from sluice.kernels.fp8_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from sluice.kernels.fp8_gemv import GemvConfig, fp8_gated_gemv, fp8_gemv
-from sluice.kernels.fp8_skinny_mm import (
-    GATED_MAX_ROWS,
-    SkinnyConfig,
-    fp8_gated_skinny_mm,
-    fp8_skinny_mm,
-)
+from sluice.kernels.fp8_skinny_mm import GATED_MAX_ROWS, fp8_gated_skinny_mm, fp8_skinny_mm
 from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
+from sluice.kernels.split_k import SkinnyConfig
 
 
 def _inputs(num_rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):

@@ -12,8 +12,9 @@ from paged_batch import DEVICE
 
 from sluice.engine.worker.layers.fp8_linear import quantize_weight
 from sluice.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_normed_gemv
-from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_normed_skinny_mm, fp8_skinny_mm
+from sluice.kernels.fp8_skinny_mm import fp8_normed_skinny_mm, fp8_skinny_mm
 from sluice.kernels.rms_norm import NORM_MAX_ROWS, RowNorm, rms_norm, rms_norm_fp8_quant
+from sluice.kernels.split_k import SkinnyConfig
 
 EPS = 1e-5
 

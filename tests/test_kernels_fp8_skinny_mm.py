@@ -17,16 +17,8 @@ from sluice.engine.worker.layers.fp8_linear import (
     runs_skinny,
 )
 from sluice.kernels.fp8_quant import quantize_fp8
-from sluice.kernels.fp8_skinny_mm import (
-    MAX_ROWS,
-    SPLIT_COUNTERS,
-    SWEPT_CONFIGS,
-    SWEPT_SM_COUNT,
-    SkinnyConfig,
-    fp8_skinny_mm,
-    skinny_config,
-    split_counters,
-)
+from sluice.kernels.fp8_skinny_mm import MAX_ROWS, SWEPT_CONFIGS, SWEPT_SM_COUNT, fp8_skinny_mm, skinny_config
+from sluice.kernels.split_k import SPLIT_COUNTERS, SkinnyConfig, split_counters
 
 
 def _inputs(rows: int, out_features: int, in_features: int, seed: int = 0):

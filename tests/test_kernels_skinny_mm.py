@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from paged_batch import DEVICE, KERNEL_DTYPES
 
 from sluice.engine.worker.layers.linear_method import GatedRows, NormedRows, SkinnyLinearMethod
-from sluice.kernels.fp8_skinny_mm import MAX_ROWS, SkinnyConfig
+from sluice.kernels.fp8_skinny_mm import MAX_ROWS
 from sluice.kernels.rms_norm import NORM_MAX_ROWS, RowNorm, rms_norm
 from sluice.kernels.silu_and_mul import silu_and_mul
 from sluice.kernels.skinny_mm import FLOAT_BLOCK_K, float_skinny_config, skinny_mm
+from sluice.kernels.split_k import SkinnyConfig
 
 
 def _inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):

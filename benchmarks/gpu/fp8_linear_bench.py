@@ -61,9 +61,10 @@ from sluice.kernels.fp8_block_gemv import fp8_block_gemv
 from sluice.kernels.fp8_block_mm import fp8_block_mm, quantize_fp8_groups
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
-from sluice.kernels.fp8_skinny_mm import SkinnyConfig, fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
+from sluice.kernels.fp8_skinny_mm import fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
 from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.skinny_mm import skinny_mm
+from sluice.kernels.split_k import SkinnyConfig
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MIN_BYTES_PER_GRAPH = 256 << 20  # past an H100's / H200's 50-60 MB of L2
