@@ -52,11 +52,11 @@ before it is quantized as above: bit for bit `rms_norm` then `fp8_gemv` under th
 `KernelConfig.fuse_silu_fp8`): GATED_D > 0 makes the amax pass and each product step activate the tiles they
 load (`silu_and_mul`'s jit helper): bit for bit `silu_and_mul` then `fp8_gemv`. Untimed.
 
-Split K sums its partials in a second launch (fp8_skinny_mm's reduce), not in the last program of each
+Split K sums its partials in a second launch (`split_k.reduce_split_k`), not in the last program of each
 channel block to finish (an acq_rel counter per block): the reduce adds a launch to the graph (the sweep
 times it, as its graph replays include it), but keeps no state between launches (a counter buffer that
 must be zero before every replay, on every device, allocated before any graph is captured) and needs no
-memory ordering, which the interpreter cannot check. `fp8_skinny_mm`'s `fused_reduce` option is that
+memory ordering, which the interpreter cannot check. `SkinnyConfig.fused_reduce` (split_k.py) is that
 counter (off by default until a GPU run times it); if the GPU sweep finds this kernel's split K winning by
 less than the reduce's launch, it is the next thing to bring here.
 """

@@ -1,5 +1,6 @@
-"""Split-K for the skinny linears (`fp8_skinny_mm`'s launches, `skinny_mm`, `fp8_gemv`): a product whose few
-output channels would leave SMs idle splits its K columns over programs, each adding up one slice:
+"""Split-K for the skinny linears (`fp8_skinny_mm`'s launches and `skinny_mm`; `fp8_gemv`, with its own
+tiles, shares the reduce): a product whose few output channels would leave SMs idle splits its K columns
+over programs, each adding up one slice:
 
     grid (cdiv(N, BLOCK_N), SPLIT_K)    a program: BLOCK_N output channels over columns [k_start, k_end)
     workspace [SPLIT_K, M, N] float32   each split's partial sums (`split_k_output`; one split writes y)

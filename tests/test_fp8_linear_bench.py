@@ -6,7 +6,22 @@ from __future__ import annotations
 
 import re
 
-from sluice.benchmarks.gpu.fp8_linear_bench import LATENCY_SWEEP, SWEEP, _tile, linears, main
+import torch
+from paged_batch import DEVICE
+
+from sluice.benchmarks.gpu.fp8_linear_bench import (
+    LATENCY_SWEEP,
+    SKINNY_SWEEP,
+    SWEEP,
+    WIDE_SKINNY_SWEEP,
+    _tile,
+    linears,
+    main,
+    skinny_candidates,
+)
+from sluice.engine.worker.layers.fp8_linear import quantize_weight
+from sluice.kernels.fp8_quant import quantize_fp8
+from sluice.kernels.fp8_skinny_mm import fp8_skinny_mm
 
 
 def test_the_cpu_mode_writes_both_tables(tmp_path):
@@ -50,3 +65,20 @@ def test_the_one_row_sweep_tries_the_latency_options_first_and_names_them():
     assert "16x512, 4 warps, amax 4096, stages 3" in labels
     assert "16x512, 4 warps, prefetch, split 4, amax 4096" in labels
     assert "16x1024, 8 warps, prefetch" in labels
+
+
+def test_from_32_rows_the_skinny_sweep_tries_wider_channel_blocks_first_and_each_computes_the_product():
+    assert skinny_candidates(16) == SKINNY_SWEEP
+    assert skinny_candidates(64) == WIDE_SKINNY_SWEEP + SKINNY_SWEEP
+    assert {(c.block_n, c.num_warps) for c in WIDE_SKINNY_SWEEP} == {(128, 8), (256, 8)}
+    assert not set(WIDE_SKINNY_SWEEP) & set(SKINNY_SWEEP)
+    # 64 rows, N of 300 (a partial channel block at 128 and at 256), K of 640 in 1-8 splits of 128 columns
+    gen = torch.Generator().manual_seed(5)
+    x_q, x_scale = quantize_fp8((torch.randn(64, 640, generator=gen) * 3).to(DEVICE))
+    weight, weight_scale = quantize_weight(torch.randn(300, 640, generator=gen) * 0.05)
+    weight, weight_scale = weight.to(DEVICE), weight_scale.to(DEVICE)
+    want = (x_q.float() @ weight.float().t()) * x_scale.float() * weight_scale
+    for config in WIDE_SKINNY_SWEEP:
+        got = fp8_skinny_mm(x_q, x_scale, weight, weight_scale, torch.float32, config)
+        # the same exact products, summed in another order (on a GPU the MMA adds a K tile in less than fp32)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())

@@ -10,7 +10,7 @@ For each linear of the llama-3-8b and llama-3.2-1b shapes (qkv, o, gate_up, down
                 checked; at more rows, that tile again
     skinny      where `runs_skinny` (2 to 64 rows, and one row past GEMV_MAX_WEIGHT): fp8_quant
                 + sluice.kernels.fp8_skinny_mm with its default config (the FP8 linears' path there), and
-                the fastest config of a sweep sharing the cap
+                the fastest config of a sweep sharing the cap (from 32 rows on, wider channel blocks first)
     fused       where that default config splits K: the same with `fused_reduce` (each channel block's
                 last split adds the partial sums up in the same launch, instead of a reduce launch)
     bf16 skinny sluice.kernels.skinny_mm on the bf16 weight, its default config (`--skinny-linears`: the
@@ -103,6 +103,18 @@ SWEEP = LATENCY_SWEEP + [
 SKINNY_SWEEP = [
     SkinnyConfig(block_n, 128, split_k, num_warps=4, num_stages=stages)
     for block_n, split_k, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 5))
+]
+# Tried first from WIDE_FROM_ROWS rows on: wider channel blocks at 8 warps. Every program reads the rows' x
+# slice again, BLOCK_K x M codes a K step beside BLOCK_N x BLOCK_K of weight, so at 64 rows and BLOCK_N 64
+# the launch reads as many bytes of x (from L2) as of weight (run 15's 64-row 8b FP8 step, the rule's
+# configs: about 160 MB of x reads a layer beside 218 MB of weights, which streamed at ~2.5 TB/s); BLOCK_N
+# 128 halves that, 256 quarters it (cuBLAS's longest bf16 launch at 64 rows in run 15 had 256 x 64 tiles).
+# sm_90, llama-3-8b at 64 rows: n128 127-131 registers, 56 KB shared at 3 stages; n256 185-215, 88 KB; no
+# spills (at 4 warps n128 takes 192-202 registers).
+WIDE_FROM_ROWS = 32
+WIDE_SKINNY_SWEEP = [
+    SkinnyConfig(block_n, 128, split_k, num_warps=8, num_stages=3)
+    for block_n, split_k in itertools.product((128, 256), (1, 2, 4, 8))
 ]
 
 
@@ -341,9 +353,15 @@ def _sweep_skinny(
     row: Row, x: torch.Tensor, weights: Weights, want: torch.Tensor, device: torch.device, deadline: float
 ) -> None:
     default = _default_skinny_config(row, device)
+    candidates = skinny_candidates(row.rows)
     row.skinny_best, row.skinny_best_s = _fastest(
-        row, partial(_skinny, x), SKINNY_SWEEP, default, row.skinny_s, weights, want, device, deadline
+        row, partial(_skinny, x), candidates, default, row.skinny_s, weights, want, device, deadline
     )
+
+
+def skinny_candidates(rows: int) -> list[SkinnyConfig]:
+    """The skinny sweep's configs at `rows`, in the order tried."""
+    return (WIDE_SKINNY_SWEEP if rows >= WIDE_FROM_ROWS else []) + SKINNY_SWEEP
 
 
 def _default_skinny_config(row: Row, device: torch.device) -> SkinnyConfig:
