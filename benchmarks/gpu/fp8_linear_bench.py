@@ -106,7 +106,7 @@ SKINNY_SWEEP = [
 ]
 # Tried first from WIDE_FROM_ROWS rows on: wider channel blocks at 8 warps. Every program reads the rows' x
 # slice again, BLOCK_K x M codes a K step beside BLOCK_N x BLOCK_K of weight, so at 64 rows and BLOCK_N 64
-# the launch reads as many bytes of x (from L2) as of weight (run 15's 64-row 8b FP8 step, the rule's
+# the launch reads as many bytes of x (from L2) as of weight (run 15's 64-row 8b FP8 step, its default
 # configs: about 160 MB of x reads a layer beside 218 MB of weights, which streamed at ~2.5 TB/s); BLOCK_N
 # 128 halves that, 256 quarters it (cuBLAS's longest bf16 launch at 64 rows in run 15 had 256 x 64 tiles).
 # sm_90, llama-3-8b at 64 rows: n128 127-131 registers, 56 KB shared at 3 stages; n256 185-215, 88 KB; no
