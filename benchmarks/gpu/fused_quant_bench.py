@@ -1,7 +1,7 @@
 """RMSNorm and SiLU-and-mul with the FP8 activation quantization fused in, against the two launches they
 replace: what the fusion saves per decoder layer of an FP8 model on a GPU.
 
-    python -m sluice.benchmarks.gpu.fused_quant_bench OUT.md [--device cuda|cpu] [--rows 1,16,64,256]
+    python -m sluice.benchmarks.gpu.fused_quant_bench OUT.md [--device cuda|cpu] [--rows 1,16,64,256,8192]
 
 For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     norm   rms_norm (with the residual add) then fp8_quant   vs  rms_norm_fp8_quant      [M, hidden]
@@ -35,7 +35,10 @@ from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
 from sluice.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8_quant
 
-ROWS = (1, 16, 64, 256)
+# Decode steps, and a prefill step's 8,192 (run 15's FP8 prompt burst: 8,065 tokens in one step, its fused
+# SiLU-and-mul ~530 us a launch, three times the bf16 server's `silu_and_mul` on as many tokens; run 12
+# had the fused one already 1.09x the two launches at 256 rows).
+ROWS = (1, 16, 64, 256, 8192)
 MODELS = ("llama-3-8b", "llama-3.2-1b")
 EPS = 1e-5
 GROUP_SIZE = 128  # DeepSeek-V3 / Qwen3-FP8's activation groups (32 on the CPU mode's tiny shape)
