@@ -43,7 +43,7 @@ from sluice.kernels.fp8_quant import (
     quantized_outputs,
 )
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
-from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_tensor, output_like
+from sluice.kernels.tensor_checks import FLOAT_DTYPES, check_power_of_two, check_tensor, output_like
 
 _BLOCK = 1024
 # Columns the fused FP8 kernel holds at once: llama-3-8b's 14,336 (and every preset's intermediate size) in
@@ -196,6 +196,7 @@ def silu_and_mul_fp8_quant(
     scale_out: torch.Tensor | None = None,
     group_size: int | None = None,
     scale_ub: float | None = None,
+    tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_and_mul(x)` going straight to an FP8 linear: (x_q [num_tokens, d] float8_e4m3fn, x_scale
     [num_tokens, 1] float32), bit for bit `quantize_fp8(silu_and_mul(x), input_scale)`; the activated
@@ -204,11 +205,18 @@ def silu_and_mul_fp8_quant(
     input_scale): x_scale [num_tokens, cdiv(d, group_size)], dynamic per row and group, what
     `quantize_fp8_groups(silu_and_mul(x), group_size)` returns. With `scale_ub` (per token only), each
     row's amax is capped there first, as `quantize_fp8(..., scale_ub=)` caps it. Written into `out` /
-    `scale_out` when given. Raises ValueError naming a bad argument."""
+    `scale_out` when given. `tile` (per token or static; a power of two >= 16): the columns a program
+    holds at once, one warp per 256 of them, instead of the whole row up to FP8_MAX_TILE; a row wider than
+    the tile is walked twice (the same bits), for the kernel bench's long-row comparison. Raises ValueError
+    naming a bad argument."""
     d = check_gated_rows(x)
     if d == 0:
         raise ValueError(f"x: rows must not be empty, got shape {tuple(x.shape)}")
     check_quantization(input_scale, group_size, x.device, scale_ub)
+    if tile is not None:
+        check_power_of_two("tile", tile, 16)
+        if group_size is not None:
+            raise ValueError("tile: per token or static scales only, not with group_size")
     num_tokens = x.shape[0]
     out, scale_out = quantized_outputs(out, scale_out, num_tokens, d, x.device, group_size)
     if num_tokens == 0:
@@ -232,7 +240,7 @@ def silu_and_mul_fp8_quant(
             **pdl_launch_options(x.device),
         )
         return out, scale_out
-    tile = min(triton.next_power_of_2(d), FP8_MAX_TILE)
+    tile = tile or min(triton.next_power_of_2(d), FP8_MAX_TILE)
     _silu_and_mul_fp8_kernel[(num_tokens,)](
         out.view(torch.uint8),
         scale_out,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES
 
+from sluice.kernels import silu_and_mul as silu_and_mul_module
 from sluice.kernels.fp8_block_mm import quantize_fp8_groups
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.rms_norm import rms_norm, rms_norm_fp8_quant
@@ -185,6 +186,38 @@ def test_silu_and_mul_fp8_quant_is_silu_and_mul_then_quantize_bit_for_bit(dtype,
         nonzero = silu_and_mul(x).float().abs().amax(dim=1) > 0
         assert ((codes & 0x7F) == MAX_CODE).any(dim=1).tolist() == nonzero.tolist()
         assert codes[-1, d - 1] == MAX_CODE
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_silu_and_mul_fp8_quant_in_narrower_tiles_writes_the_same_bits(static, monkeypatch):
+    """`tile=` (the kernel bench's long-row candidate): 300 columns in tiles of 64, the last of 44, walked
+    twice; the amax in the last tile."""
+    kernel, launched = silu_and_mul_module._silu_and_mul_fp8_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["TILE"], kwargs["num_warps"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(silu_and_mul_module, "_silu_and_mul_fp8_kernel", Spy())
+    x = _rows(3, 600, torch.bfloat16, seed=6)
+    x[-1, 299], x[-1, 599] = 50.0, 50.0
+    codes, scale = _poisoned(3, 300)
+    tiled = silu_and_mul_fp8_quant(x, _input_scale(static), out=codes, scale_out=scale, tile=64)
+    assert launched == [(64, 1)]  # one warp per 256 columns, at least one
+    _assert_same_bits(tiled, quantize_fp8(silu_and_mul(x), _input_scale(static)))
+    assert static or tiled[0].view(torch.uint8)[-1, 299] == MAX_CODE
+
+
+def test_silu_and_mul_fp8_quant_refuses_a_bad_tile():
+    x = _rows(1, 64, torch.bfloat16, seed=7)
+    with pytest.raises(ValueError, match=r"^tile: must be a power of two >= 16, got 48$"):
+        silu_and_mul_fp8_quant(x, tile=48)
+    with pytest.raises(ValueError, match=r"^tile: per token or static scales only, not with group_size$"):
+        silu_and_mul_fp8_quant(x, group_size=16, tile=32)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)

@@ -6,6 +6,10 @@ replace: what the fusion saves per decoder layer of an FP8 model on a GPU.
 For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     norm   rms_norm (with the residual add) then fp8_quant   vs  rms_norm_fp8_quant      [M, hidden]
     silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
+           per token also `silu_and_mul_fp8_quant(tile=LONG_ROW_TILE)`, "fused, tiled": a program of 16
+           warps holds 4,096 columns at a time (its first tile kept, the others made twice: amax, then
+           codes; sm_90: 38 registers on the 8b's rows, three programs an SM) where the default's one
+           program of 1,024 threads holds the whole row (42 registers, one an SM): long prompts' candidate
 per token (the per-channel FP8 linears' dynamic activations), and per group of 128 columns (block FP8's:
 `quantize_fp8_groups` unfused, the kernels' `group_size` fused); "per layer" adds two norms and one silu,
 what a decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
@@ -42,6 +46,7 @@ ROWS = (1, 16, 64, 256, 8192)
 MODELS = ("llama-3-8b", "llama-3.2-1b")
 EPS = 1e-5
 GROUP_SIZE = 128  # DeepSeek-V3 / Qwen3-FP8's activation groups (32 on the CPU mode's tiny shape)
+LONG_ROW_TILE = 4096  # the tiled candidate's columns a program (64 on the CPU mode's tiny shape)
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (codes, scales)
 
@@ -55,6 +60,8 @@ class Row:
     unfused_s: float
     fused_s: float
     same_bits: bool
+    tiled_s: float | None = None  # silu per token: the fused launch in LONG_ROW_TILE-wide tiles
+    tile: int | None = None
 
 
 def _same_bits(a: Outputs, b: Outputs) -> bool:
@@ -91,6 +98,13 @@ def _calls(op: str, group: int | None, rows: int, hidden: int, intermediate: int
     return lambda: quantize(silu_and_mul(gate_up)), lambda: silu_and_mul_fp8_quant(gate_up, group_size=group)
 
 
+def _tiled_call(rows: int, intermediate: int, tile: int, device: torch.device) -> Callable[[], Outputs]:
+    """The fused SiLU-and-mul per token in `tile`-wide tiles, on `_calls`' inputs for these rows."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
+    return lambda: silu_and_mul_fp8_quant(gate_up, tile=tile)
+
+
 def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
     shapes = (
         [(name, preset_arch(name).hidden_size, preset_arch(name).intermediate_size) for name in MODELS]
@@ -98,6 +112,7 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
         else [("tiny", 96, 160)]
     )
     groups = (None, GROUP_SIZE if device.type == "cuda" else 32)
+    tile = LONG_ROW_TILE if device.type == "cuda" else 64
     results = []
     for model, hidden, intermediate in shapes:
         for group in groups:
@@ -107,7 +122,12 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
                     unfused, fused = _calls(op, group, rows, hidden, intermediate, device)
                     same = _same_bits(unfused(), fused())
                     timed = _time_s(unfused, device), _time_s(fused, device)
-                    results.append(Row(model, op, scales, rows, *timed, same))
+                    tiled_s = None
+                    if op == "silu" and group is None:
+                        tiled = _tiled_call(rows, intermediate, tile, device)
+                        same = same and _same_bits(unfused(), tiled())
+                        tiled_s = _time_s(tiled, device)
+                    results.append(Row(model, op, scales, rows, *timed, same, tiled_s, tile))
         print(f"[fused_quant_bench] {model} done", file=sys.stderr, flush=True)
     return results
 
@@ -126,6 +146,7 @@ def report(results: Sequence[Row], where: str) -> str:
             _us(r.unfused_s),
             _us(r.fused_s),
             f"{r.fused_s / r.unfused_s:.2f}",
+            "" if r.tiled_s is None else f"{_us(r.tiled_s)} ({r.tile})",
             r.same_bits,
         ]
         for r in results
@@ -139,7 +160,8 @@ def report(results: Sequence[Row], where: str) -> str:
         layer_rows.append(
             [model, scales, m, _us(unfused), _us(fused), _us(unfused - fused), f"{fused / unfused:.2f}"]
         )
-    headers = ["model", "op", "scales", "rows", "unfused us", "fused us", "fused / unfused", "same bits"]
+    headers = ["model", "op", "scales", "rows", "unfused us", "fused us", "fused / unfused"]
+    headers += ["fused, tiled us (tile)", "same bits"]
     layer_headers = ["model", "scales", "rows", "unfused us", "fused us", "saved us", "fused / unfused"]
     return (
         f"# FP8 activation quantization fused into RMSNorm / SiLU-and-mul ({where})\n\n"
