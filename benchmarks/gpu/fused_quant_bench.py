@@ -79,9 +79,12 @@ def _time_s(call: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _calls(op: str, group: int | None, rows: int, hidden: int, intermediate: int, device: torch.device):
-    """(unfused, fused) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group` None) or
-    per group of `group` columns: each returns (codes, scales)."""
+def _calls(
+    op: str, group: int | None, rows: int, hidden: int, intermediate: int, tile: int, device: torch.device
+):
+    """(unfused, fused, tiled) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group`
+    None) or per group of `group` columns: each returns (codes, scales); tiled, the fused SiLU-and-mul per
+    token in `tile`-wide tiles, None for the others."""
     gen = torch.Generator().manual_seed(rows)
 
     def quantize(x: torch.Tensor) -> Outputs:
@@ -93,16 +96,14 @@ def _calls(op: str, group: int | None, rows: int, hidden: int, intermediate: int
         return (
             lambda: quantize(rms_norm(x, weight, EPS, residual)[0]),
             lambda: rms_norm_fp8_quant(x, weight, EPS, residual, group_size=group)[:2],
+            None,
         )
     gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
-    return lambda: quantize(silu_and_mul(gate_up)), lambda: silu_and_mul_fp8_quant(gate_up, group_size=group)
-
-
-def _tiled_call(rows: int, intermediate: int, tile: int, device: torch.device) -> Callable[[], Outputs]:
-    """The fused SiLU-and-mul per token in `tile`-wide tiles, on `_calls`' inputs for these rows."""
-    gen = torch.Generator().manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
-    return lambda: silu_and_mul_fp8_quant(gate_up, tile=tile)
+    return (
+        lambda: quantize(silu_and_mul(gate_up)),
+        lambda: silu_and_mul_fp8_quant(gate_up, group_size=group),
+        None if group is not None else lambda: silu_and_mul_fp8_quant(gate_up, tile=tile),
+    )
 
 
 def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
@@ -119,12 +120,11 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
             scales = "token" if group is None else f"group {group}"
             for op in ("norm", "silu"):
                 for rows in rows_list:
-                    unfused, fused = _calls(op, group, rows, hidden, intermediate, device)
+                    unfused, fused, tiled = _calls(op, group, rows, hidden, intermediate, tile, device)
                     same = _same_bits(unfused(), fused())
                     timed = _time_s(unfused, device), _time_s(fused, device)
                     tiled_s = None
-                    if op == "silu" and group is None:
-                        tiled = _tiled_call(rows, intermediate, tile, device)
+                    if tiled is not None:
                         same = same and _same_bits(unfused(), tiled())
                         tiled_s = _time_s(tiled, device)
                     results.append(Row(model, op, scales, rows, *timed, same, tiled_s, tile))
