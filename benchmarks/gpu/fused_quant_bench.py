@@ -121,12 +121,10 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
             for op in ("norm", "silu"):
                 for rows in rows_list:
                     unfused, fused, tiled = _calls(op, group, rows, hidden, intermediate, tile, device)
-                    same = _same_bits(unfused(), fused())
+                    want = unfused()
+                    same = _same_bits(want, fused()) and (tiled is None or _same_bits(want, tiled()))
                     timed = _time_s(unfused, device), _time_s(fused, device)
-                    tiled_s = None
-                    if tiled is not None:
-                        same = same and _same_bits(unfused(), tiled())
-                        tiled_s = _time_s(tiled, device)
+                    tiled_s = None if tiled is None else _time_s(tiled, device)
                     results.append(Row(model, op, scales, rows, *timed, same, tiled_s, tile))
         print(f"[fused_quant_bench] {model} done", file=sys.stderr, flush=True)
     return results
