@@ -20,7 +20,10 @@ Grid (num_tokens,): one program per row, num_warps by the row's padded width (`n
 layer-norm tutorial's rule, one warp per 256 columns, 1 to 8). A decode step's row is one program on one
 SM, whose time is the longest thread's chain of instructions: at llama-3-8b's 4096 columns with the
 residual, sm_90 SASS, 296 instructions a thread at 4 warps (the default before 2026-12-01) and 192 at 8
-in bf16; 1024 and 624 quantizing to FP8. Not timed yet.
+in bf16; 1024 and 624 quantizing to FP8. Not timed yet. `rms_norm_fp8_quant(warps=)` launches another
+count, for the kernel bench (`fused_quant_bench`): vLLM's fused add-RMSNorm FP8 kernel runs a row on 1,024
+threads below 256 tokens and on 256 from there (more threads hide a few rows' latency, fewer let more rows
+share an SM).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from sluice.kernels.fp8_quant import (
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,
+    check_power_of_two,
     check_same_dtype,
     check_shape,
     check_tensor,
@@ -258,6 +262,7 @@ def rms_norm_fp8_quant(
     residual_out: torch.Tensor | None = None,
     group_size: int | None = None,
     scale_ub: float | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rms_norm` whose normed output goes straight to an FP8 linear: returns (x_q [T, hidden]
     float8_e4m3fn, x_scale [T, 1] float32, residual_out), what `quantize_fp8(rms_norm(...)[0],
@@ -267,13 +272,18 @@ def rms_norm_fp8_quant(
     [T, cdiv(hidden, group_size)], dynamic per row and group, what `quantize_fp8_groups(rms_norm(...)[0],
     group_size)` returns. With `scale_ub` (per token only), each row's amax is capped there first, as
     `quantize_fp8(..., scale_ub=)` caps it. Outputs are written into `out` / `scale_out` / `residual_out`
-    when given. Raises ValueError naming a bad argument."""
+    when given. `warps` (a power of two up to MAX_WARPS): the program's warps instead of `norm_warps`'s
+    (the same bits), for the kernel bench's comparison. Raises ValueError naming a bad argument."""
     _check_rms_norm_args(x, weight, residual)
     check_quantization(input_scale, group_size, x.device, scale_ub)
+    if warps is not None:
+        check_power_of_two("warps", warps, 1)
+        if warps > MAX_WARPS:
+            raise ValueError(f"warps: at most {MAX_WARPS}, got {warps}")
     out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device, group_size)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
     quantize = (scale_out, input_scale, group_size or 0, scale_ub)
-    _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, quantize)
+    _launch(x, weight, eps, residual, out.view(torch.uint8), residual_out, quantize, warps)
     return out, scale_out, residual_out
 
 
@@ -285,9 +295,11 @@ def _launch(
     out: torch.Tensor,
     residual_out: torch.Tensor,
     quantize: tuple[torch.Tensor, torch.Tensor | None, int, float | None] | None = None,
+    warps: int | None = None,
 ) -> None:
-    """One program per row; `quantize`: (scale_out, input_scale or None for dynamic scales, group size or 0
-    for a scale per row, the cap on a row's amax or None), with `out` the codes' uint8 view."""
+    """One program per row of `warps` warps (default `norm_warps`); `quantize`: (scale_out, input_scale or
+    None for dynamic scales, group size or 0 for a scale per row, the cap on a row's amax or None), with
+    `out` the codes' uint8 view."""
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
@@ -316,9 +328,12 @@ def _launch(
         GROUP_SIZE=group_size,
         CAPPED=scale_ub is not None,
         HW_E4M3=quantize is not None and gpu_e4m3(x.device),
-        num_warps=norm_warps(hidden_pad),
+        num_warps=warps or norm_warps(hidden_pad),
         **pdl_launch_options(x.device),
     )
+
+
+MAX_WARPS = 32  # a CUDA block's 1,024 threads
 
 
 def norm_warps(width: int) -> int:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES
 
+from sluice.kernels import rms_norm as rms_norm_module
 from sluice.kernels import silu_and_mul as silu_and_mul_module
 from sluice.kernels.fp8_block_mm import quantize_fp8_groups
 from sluice.kernels.fp8_quant import quantize_fp8
@@ -91,6 +92,41 @@ def test_rms_norm_fp8_quant_is_rms_norm_then_quantize_bit_for_bit(
         assert ((codes & 0x7F) == MAX_CODE).any(dim=1).tolist() == nonzero.tolist()
         if num_rows > 1 and not has_residual:
             assert not nonzero[1] and fused[1][1].item() == torch.finfo(torch.float32).tiny
+
+
+def _spy_on_launches(monkeypatch, module, name: str, *keys: str) -> list[tuple]:
+    """Replaces module.name (a jit kernel) with one that records the launch's `keys` keyword arguments
+    and then launches the kernel."""
+    kernel, launched = getattr(module, name), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(tuple(kwargs[key] for key in keys))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Spy())
+    return launched
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_rms_norm_fp8_quant_on_more_warps_writes_the_same_bits(static, monkeypatch):
+    """`warps=` (the kernel bench's other launch): 32 warps on a row `norm_warps` gives 4 (640 columns
+    padded to 1024)."""
+    launched = _spy_on_launches(monkeypatch, rms_norm_module, "_rms_norm_kernel", "num_warps")
+    x, residual = _rows(3, 640, torch.bfloat16, seed=8), _rows(3, 640, torch.bfloat16, seed=9)
+    weight = (1.0 + torch.randn(640, generator=torch.Generator().manual_seed(10))).bfloat16().to(DEVICE)
+    codes, scale = _poisoned(3, 640)
+    fused = rms_norm_fp8_quant(
+        x, weight, EPS, residual, _input_scale(static), out=codes, scale_out=scale, warps=32
+    )
+    rms_norm_fp8_quant(x, weight, EPS, residual, _input_scale(static))
+    assert launched == [(32,), (4,)]  # default: one warp per 256 padded columns
+    normed, residual_out = rms_norm(x, weight, EPS, residual)
+    _assert_same_bits(fused[:2], quantize_fp8(normed, _input_scale(static)))
+    assert torch.equal(fused[2], residual_out)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -192,17 +228,9 @@ def test_silu_and_mul_fp8_quant_is_silu_and_mul_then_quantize_bit_for_bit(dtype,
 def test_silu_and_mul_fp8_quant_in_narrower_tiles_writes_the_same_bits(static, monkeypatch):
     """`tile=` (the kernel bench's long-row candidate): 300 columns in tiles of 64, the last of 44, walked
     twice; the amax in the last tile."""
-    kernel, launched = silu_and_mul_module._silu_and_mul_fp8_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((kwargs["TILE"], kwargs["num_warps"]))
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(silu_and_mul_module, "_silu_and_mul_fp8_kernel", Spy())
+    launched = _spy_on_launches(
+        monkeypatch, silu_and_mul_module, "_silu_and_mul_fp8_kernel", "TILE", "num_warps"
+    )
     x = _rows(3, 600, torch.bfloat16, seed=6)
     x[-1, 299], x[-1, 599] = 50.0, 50.0
     codes, scale = _poisoned(3, 300)
@@ -330,6 +358,11 @@ def _bad_arguments():
             r"^scale_ub: caps per-token",
         ),
         (lambda: rms_norm_fp8_quant(x, weight, EPS, scale_ub=0.0), r"^scale_ub: must be a positive finite"),
+        (
+            lambda: rms_norm_fp8_quant(x, weight, EPS, warps=12),
+            r"^warps: must be a power of two >= 1, got 12$",
+        ),
+        (lambda: rms_norm_fp8_quant(x, weight, EPS, warps=64), r"^warps: at most 32, got 64$"),
         (
             lambda: rms_norm_fp8_quant(x, weight, EPS, group_size=8),
             r"^group_size: must be a power of two >= 16",

@@ -6,10 +6,13 @@ replace: what the fusion saves per decoder layer of an FP8 model on a GPU.
 For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     norm   rms_norm (with the residual add) then fp8_quant   vs  rms_norm_fp8_quant      [M, hidden]
     silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
-           per token also `silu_and_mul_fp8_quant(tile=LONG_ROW_TILE)`, "fused, tiled": a program of 16
-           warps holds 4,096 columns at a time (its first tile kept, the others made twice: amax, then
-           codes; sm_90: 38 registers on the 8b's rows, three programs an SM) where the default's one
-           program of 1,024 threads holds the whole row (42 registers, one an SM): long prompts' candidate
+per token each also launched another way, "fused, other launch":
+    norm   `rms_norm_fp8_quant(warps=WIDE_NORM_WARPS)`: 32 warps a row where the default (`norm_warps`)
+           has 8 on both shapes' rows: vLLM's fused add-RMSNorm FP8 launch below 256 tokens
+    silu   `silu_and_mul_fp8_quant(tile=LONG_ROW_TILE)`: a program of 16 warps holds 4,096 columns at a
+           time (its first tile kept, the others made twice: amax, then codes; sm_90: 38 registers on the
+           8b's rows, three programs an SM) where the default's one program of 1,024 threads holds the
+           whole row (42 registers, one an SM): long prompts' candidate
 per token (the per-channel FP8 linears' dynamic activations), and per group of 128 columns (block FP8's:
 `quantize_fp8_groups` unfused, the kernels' `group_size` fused); "per layer" adds two norms and one silu,
 what a decoder layer runs (input and post-attention norms, the MLP's activation). Each figure is the median of
@@ -47,6 +50,7 @@ MODELS = ("llama-3-8b", "llama-3.2-1b")
 EPS = 1e-5
 GROUP_SIZE = 128  # DeepSeek-V3 / Qwen3-FP8's activation groups (32 on the CPU mode's tiny shape)
 LONG_ROW_TILE = 4096  # the tiled candidate's columns a program (64 on the CPU mode's tiny shape)
+WIDE_NORM_WARPS = 32  # the norm's other launch: a row on 1,024 threads
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (codes, scales)
 
@@ -60,8 +64,8 @@ class Row:
     unfused_s: float
     fused_s: float
     same_bits: bool
-    tiled_s: float | None = None  # silu per token: the fused launch in LONG_ROW_TILE-wide tiles
-    tile: int | None = None
+    other_s: float | None = None  # per token: the fused launch the other way (`_calls`)
+    other: str = ""  # which way, e.g. "tile 4096" or "32 warps"
 
 
 def _same_bits(a: Outputs, b: Outputs) -> bool:
@@ -82,9 +86,10 @@ def _time_s(call: Callable[[], object], device: torch.device) -> float:
 def _calls(
     op: str, group: int | None, rows: int, hidden: int, intermediate: int, tile: int, device: torch.device
 ):
-    """(unfused, fused, tiled) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group`
-    None) or per group of `group` columns: each returns (codes, scales); tiled, the fused SiLU-and-mul per
-    token in `tile`-wide tiles, None for the others."""
+    """(unfused, fused, other) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group`
+    None) or per group of `group` columns: each returns (codes, scales); other, per token only (else None),
+    (which, call) for the fused launch the other way: the norm on WIDE_NORM_WARPS warps, the SiLU-and-mul
+    in `tile`-wide tiles."""
     gen = torch.Generator().manual_seed(rows)
 
     def quantize(x: torch.Tensor) -> Outputs:
@@ -93,16 +98,21 @@ def _calls(
     if op == "norm":
         x, residual = (torch.randn(rows, hidden, generator=gen).bfloat16().to(device) for _ in range(2))
         weight = (1 + torch.randn(hidden, generator=gen) / 4).bfloat16().to(device)
+        wide = (
+            f"{WIDE_NORM_WARPS} warps",
+            lambda: rms_norm_fp8_quant(x, weight, EPS, residual, warps=WIDE_NORM_WARPS)[:2],
+        )
         return (
             lambda: quantize(rms_norm(x, weight, EPS, residual)[0]),
             lambda: rms_norm_fp8_quant(x, weight, EPS, residual, group_size=group)[:2],
-            None,
+            wide if group is None else None,
         )
     gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
+    tiled = f"tile {tile}", lambda: silu_and_mul_fp8_quant(gate_up, tile=tile)
     return (
         lambda: quantize(silu_and_mul(gate_up)),
         lambda: silu_and_mul_fp8_quant(gate_up, group_size=group),
-        None if group is not None else lambda: silu_and_mul_fp8_quant(gate_up, tile=tile),
+        tiled if group is None else None,
     )
 
 
@@ -120,12 +130,15 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
             scales = "token" if group is None else f"group {group}"
             for op in ("norm", "silu"):
                 for rows in rows_list:
-                    unfused, fused, tiled = _calls(op, group, rows, hidden, intermediate, tile, device)
+                    unfused, fused, other = _calls(op, group, rows, hidden, intermediate, tile, device)
+                    which, other_call = other or ("", None)
                     want = unfused()
-                    same = _same_bits(want, fused()) and (tiled is None or _same_bits(want, tiled()))
+                    same = _same_bits(want, fused()) and (
+                        other_call is None or _same_bits(want, other_call())
+                    )
                     timed = _time_s(unfused, device), _time_s(fused, device)
-                    tiled_s = None if tiled is None else _time_s(tiled, device)
-                    results.append(Row(model, op, scales, rows, *timed, same, tiled_s, tile))
+                    other_s = None if other_call is None else _time_s(other_call, device)
+                    results.append(Row(model, op, scales, rows, *timed, same, other_s, which))
         print(f"[fused_quant_bench] {model} done", file=sys.stderr, flush=True)
     return results
 
@@ -144,7 +157,7 @@ def report(results: Sequence[Row], where: str) -> str:
             _us(r.unfused_s),
             _us(r.fused_s),
             f"{r.fused_s / r.unfused_s:.2f}",
-            "" if r.tiled_s is None else f"{_us(r.tiled_s)} ({r.tile})",
+            "" if r.other_s is None else f"{_us(r.other_s)} ({r.other})",
             r.same_bits,
         ]
         for r in results
@@ -159,7 +172,7 @@ def report(results: Sequence[Row], where: str) -> str:
             [model, scales, m, _us(unfused), _us(fused), _us(unfused - fused), f"{fused / unfused:.2f}"]
         )
     headers = ["model", "op", "scales", "rows", "unfused us", "fused us", "fused / unfused"]
-    headers += ["fused, tiled us (tile)", "same bits"]
+    headers += ["fused, other launch us (which)", "same bits"]
     layer_headers = ["model", "scales", "rows", "unfused us", "fused us", "saved us", "fused / unfused"]
     return (
         f"# FP8 activation quantization fused into RMSNorm / SiLU-and-mul ({where})\n\n"
