@@ -9,6 +9,13 @@ Flash-decoding in two kernels:
     reduce kernel   grid (num_seqs, num_heads)
         merges the slices:  LSE = log2(sum_p 2^lse_p);  out = sum_p 2^(lse_p - LSE) * out_p
 
+With `DecodeConfig.fused_reduce` (off until a GPU times it) there is no reduce launch: each slice counts
+itself in on its (sequence, KV head)'s counter once its partials are stored, and the last to count merges
+the group's heads with the reduce kernel's code (`_merge_slices`), then puts the counter back to 0: split-K's
+fused reduce (`sluice.kernels.split_k`, whose counters it shares; one launch at a time uses them). A batch-1
+step saves a launch per layer where the context is split (run 15: a 512-token graph step as fast at
+128-position partitions, four slices and the reduce, as at 512, one slice and none).
+
 `num_splits` is fixed per launch (`pick_num_splits`: enough programs for every SM when batch x KV heads
 alone is too few), and each sequence divides *its own* context among at most that many slices, none
 shorter than `partition_size` positions (rounded up to whole tiles) unless the context is:
@@ -55,6 +62,7 @@ from sluice.kernels.paged_attention_tile import (
     split_context,
     unfold_v_scale,
 )
+from sluice.kernels.split_k import split_counters
 from sluice.kernels.store_kv import kernel_kv_cache
 from sluice.kernels.tensor_checks import (
     KVScales,
@@ -88,6 +96,9 @@ class DecodeConfig:
     num_stages: int
     # Load each KV tile's block-table entries one tile ahead (`attend_paged_span`'s PREFETCH_BLOCKS).
     prefetch_blocks: bool = False
+    # The last slice of each (sequence, KV head) to finish merges the slices itself (FUSED_REDUCE), in place
+    # of the reduce launch: one launch a step fewer. Off until a GPU times it (docs/GPU.md, call 1).
+    fused_reduce: bool = False
 
     def __post_init__(self) -> None:
         check_power_of_two("config.tile_n", self.tile_n, 16)
@@ -173,9 +184,10 @@ def _decode_partition_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    out_ptr,  # [num_seqs, num_heads, head_dim]: written only when SINGLE_SPLIT
+    out_ptr,  # [num_seqs, num_heads, head_dim]: written only when SINGLE_SPLIT or FUSED_REDUCE
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base 2
+    counter_ptr,  # FUSED_REDUCE only: [num_seqs * num_kv_heads] int32 zeros, left zero
     k_scale_ptr,  # FP8_KV only: [] fp32
     v_scale_ptr,
     qk_scale,
@@ -208,6 +220,8 @@ def _decode_partition_kernel(
     FP8_KV: tl.constexpr,
     E4M3_UPCAST: tl.constexpr,
     FOLD_KV_SCALES: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr = False,
+    SPLITS_PAD: tl.constexpr = 1,  # FUSED_REDUCE: next_power_of_2(num_splits)
     PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
@@ -225,7 +239,7 @@ def _decode_partition_kernel(
     dim_mask = dims < HEAD_DIM
     q_mask = group_mask[:, None] & dim_mask[None, :]
     if split >= slices:
-        if SINGLE_SPLIT:  # no context at all: the output is defined as 0
+        if (SINGLE_SPLIT or FUSED_REDUCE) and split == 0:  # no context at all: the output is defined as 0
             zeros = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty)
             o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
             tl.store(out_ptr + o_offsets, zeros, mask=q_mask)
@@ -269,6 +283,46 @@ def _decode_partition_kernel(
         stat_offsets = (seq * num_heads + heads) * num_splits + split
         tl.store(part_lse_ptr + stat_offsets, running_max + tl.math.log2(running_sum), mask=group_mask)
         tl.store(part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :], out, mask=q_mask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partials are stored before the count releases them
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last slice
+                for group in range(QUERIES_PER_KV):
+                    head = kv_head * QUERIES_PER_KV + group
+                    _merge_slices(
+                        out_ptr, part_out_ptr, part_lse_ptr, seq, head, slices, num_splits, stride_o_seq,
+                        stride_o_head, num_heads, HEAD_DIM, DIM_PAD, SPLITS_PAD,
+                    )  # fmt: skip
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_slices(
+    out_ptr, part_out_ptr, part_lse_ptr, seq, head, slices, num_splits, stride_o_seq, stride_o_head,
+    num_heads, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """out[seq, head] from its `slices` partial outputs and LSEs: LSE = log2(sum_p 2^lse_p), out =
+    sum_p 2^(lse_p - LSE) * out_p; 0 for a sequence with no slices. The reduce kernel's, and with
+    FUSED_REDUCE the last slice's."""
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    split_mask = splits < slices
+    stat_offsets = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + stat_offsets, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(slices > 0, lse_max, 0.0)
+    weights = tl.where(split_mask, tl.math.exp2(lse - lse_max), 0.0)
+    total = tl.sum(weights, axis=0)
+    # A sequence with no context (seq_len 0, e.g. a padding row) has no slices: output 0.
+    total = tl.where(total > 0.0, total, 1.0)
+    part_out = tl.load(
+        part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(part_out * weights[:, None], axis=0) / total
+    out_ptrs = out_ptr + seq * stride_o_seq + head * stride_o_head + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["sliding_window", "num_splits"])
@@ -294,25 +348,10 @@ def _decode_reduce_kernel(
     wait_prior_kernel(PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     _, _, _, slices = _sequence_slices(seq_len, sliding_window, num_splits, PARTITION_SIZE, TILE_N)
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, DIM_PAD)
-    split_mask = splits < slices
-    stat_offsets = (seq * num_heads + head) * num_splits + splits
-    lse = tl.load(part_lse_ptr + stat_offsets, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(slices > 0, lse_max, 0.0)
-    weights = tl.where(split_mask, tl.math.exp2(lse - lse_max), 0.0)
-    total = tl.sum(weights, axis=0)
-    # A sequence with no context (seq_len 0, e.g. a padding row) has no slices: output 0.
-    total = tl.where(total > 0.0, total, 1.0)
-    part_out = tl.load(
-        part_out_ptr + stat_offsets[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    out = tl.sum(part_out * weights[:, None], axis=0) / total
-    out_ptrs = out_ptr + seq * stride_o_seq + head * stride_o_head + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    _merge_slices(
+        out_ptr, part_out_ptr, part_lse_ptr, seq, head, slices, num_splits, stride_o_seq, stride_o_head,
+        num_heads, HEAD_DIM, DIM_PAD, SPLITS_PAD,
+    )  # fmt: skip
 
 
 def _check_decode_args(
@@ -376,6 +415,9 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, context, device_sm_count(q.device), partition_size
         )
     single = num_splits == 1
+    counters = (
+        None if single or not config.fused_reduce else split_counters(q.device, num_seqs * num_kv_heads)
+    )
     part_out = part_lse = None  # one split writes `out` itself: no partials, nothing allocated
     if not single:
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -386,7 +428,7 @@ def paged_decode_attention(
     precision, upcast = dot_settings(q.dtype)
     k_cache, v_cache, k_scale, v_scale = kernel_kv_cache(k_cache, v_cache, kv_scales)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters, k_scale, v_scale,
         scale * LOG2_E, window, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -407,11 +449,13 @@ def paged_decode_attention(
         FP8_KV=k_scale is not None,
         E4M3_UPCAST=e4m3_upcast(q.device),
         FOLD_KV_SCALES=folds_kv_scales(k_scale is not None, fold_kv_scales),
+        FUSED_REDUCE=counters is not None,
+        SPLITS_PAD=triton.next_power_of_2(num_splits) if counters is not None else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(q.device),
     )  # fmt: skip
-    if not single:
+    if not single and counters is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, window, num_splits,
             out.stride(0), out.stride(1), num_heads,

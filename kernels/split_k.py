@@ -176,8 +176,9 @@ _split_counters: dict[torch.device, torch.Tensor] = {}
 def split_counters(device: torch.device, channel_blocks: int) -> torch.Tensor | None:
     """The FUSED_REDUCE launches' counters on `device`: SPLIT_COUNTERS int32 zeros, allocated at the first
     call and kept (a captured CUDA graph holds their address); the launches leave them zero. None where a
-    launch has more channel blocks, or while a CUDA graph is being captured before any launch allocated
-    them: that launch adds its splits in the reduce launch instead."""
+    launch has more channel blocks (the decode attention's: (sequence, KV head) pairs,
+    `sluice.kernels.paged_decode_attention`), or while a CUDA graph is being captured before any launch
+    allocated them: that launch adds its splits in the reduce launch instead."""
     if channel_blocks > SPLIT_COUNTERS:
         return None
     counters = _split_counters.get(device)

@@ -79,6 +79,9 @@ BLOCK_SIZE = 16
 # a GPU) and the context, so these give a few slices (graph capture limit), the most slices (one 128k
 # sequence) and a single split (a large batch: the split kernel writes the output, no reduce).
 DECODE_LAUNCHES = ((3, 8192), (1, 131072), (64, 4096))
+# ... and a few slices merged by the split kernel's last one instead of the reduce launch
+# (`DecodeConfig.fused_reduce`, off by default: the GPU check's partitions rows time it).
+FUSED_REDUCE_DECODE_LAUNCH = (3, 8192)
 # Prefill launches (num_seqs, max_query_len, max_seq_len): a batch of short queries shrinks the tile to the
 # GQA group; one long prompt takes the full tile; two verify-sized queries after 32k positions and a
 # 256-token chunk after 32k (the full tile) split their contexts (split-KV, then the partials' merge).
@@ -336,11 +339,15 @@ def _run_cache_launchers(
     cache = torch.empty(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=cache_dtype)
     slots = torch.zeros(num_tokens, dtype=torch.int64)
     store_kv.store_kv(k, k, cache, cache, slots, kv_scales)
-    for batch, context in DECODE_LAUNCHES:
+    default = paged_decode_attention.decode_config(dim, dtype, fp8_kv=kv_scales is not None)
+    fused = replace(default, fused_reduce=True)
+    for (batch, context), config in [(launch, default) for launch in DECODE_LAUNCHES] + [
+        (FUSED_REDUCE_DECODE_LAUNCH, fused)
+    ]:
         paged_decode_attention.paged_decode_attention(
             torch.empty(batch, heads, dim, dtype=dtype), cache, cache,
             torch.zeros(batch, 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0, context,
-            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales,
+            kv_scales=kv_scales, fold_kv_scales=fold_kv_scales, config=config,
         )  # fmt: skip
     for num_seqs, max_query_len, max_seq_len in PREFILL_LAUNCHES:
         tokens = num_seqs * max_query_len  # a real token count, so the tile count is not a constant 1

@@ -531,24 +531,36 @@ def test_the_partitions_section_gives_each_rows_tile_and_partition_to_every_deco
         lambda model, kernels: selected.append(kernels.attention_backend) or select(model, kernels),
     )
     short = DecodeConfig(16, 4, 2)
-    partitions = ((64, None, DEFAULT_PARTITION_SIZE), (256, None, DEFAULT_PARTITION_SIZE), (256, short, 16))
-    times = iter([0.004, 0.004, 0.002])
+    fused = DecodeConfig(16, 4, 2, fused_reduce=True)
+    partitions = (
+        (64, None, DEFAULT_PARTITION_SIZE),
+        (256, None, DEFAULT_PARTITION_SIZE),
+        (256, short, 16),
+        (256, fused, 16),
+    )
+    times = iter([0.004, 0.004, 0.002, 0.001])
     cpu = torch.device("cpu")
     rows = gpu_benchmarks.bench_graph_step_partitions(
         cpu, preset="tiny", context=48, partitions=partitions, time_s=lambda fn: (fn(), next(times))[1]
     )
     layers = preset_arch("tiny").num_hidden_layers
     # A checked run and a timed one per row, each through every layer.
-    assert launches == [(DEFAULT_PARTITION_SIZE, None)] * 4 * layers + [(16, short)] * 2 * layers
+    assert launches == (
+        [(DEFAULT_PARTITION_SIZE, None)] * 4 * layers
+        + [(16, short)] * 2 * layers
+        + [(16, fused)] * 2 * layers
+    )
     default = f"{DEFAULT_PARTITION_SIZE} (default)"
     assert DEFAULT_PARTITION_SIZE >= 64  # so the 64 graph is one split: cdiv(64, the partition)
     assert [row[:4] for row in rows] == [
         [64, "128 (default)", default, 1],
         [256, "128 (default)", default, -(-256 // DEFAULT_PARTITION_SIZE)],
         [256, "16", "16", 16],  # pick_num_splits: 256 positions in partitions of 16 (2 KV heads, 132 SMs)
+        [256, "16, fused reduce", "16", 16],
     ]
-    assert [row[4:6] for row in rows] == [[4.0, 1.0], [4.0, 1.0], [2.0, 2.0]]  # vs its graph's first row
+    assert [row[4:6] for row in rows] == [[4.0, 1.0], [4.0, 1.0], [2.0, 2.0], [1.0, 4.0]]  # vs its first row
     assert rows[0][6] == rows[1][6] == 0 and rows[2][6] <= gpu_benchmarks.GRAPH_MAX_REL_DIFF
+    assert rows[3][6] == rows[2][6]  # the same merge, launched from the split kernel
     last = selected[-1]  # the model's layers are left on the default backend
     assert (last.decode_partition_size, last.decode_config) == (DEFAULT_PARTITION_SIZE, None)
     assert len(selected) == len(partitions) + 1
@@ -579,7 +591,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
         "tests/test_model_parity.py\t-k\ttriton",
         "tests/test_kernels_fused_fp8_quant.py",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 17
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 18
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 

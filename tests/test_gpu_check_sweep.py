@@ -195,8 +195,8 @@ def test_the_decode_sweep_passes_tile_splits_and_partition_and_records_a_launch_
     assert wrong == [] and "Wall-clock cap 30 s" in text and f"- {shape.record['best_line']}" in text
     best = shape.record["best_line"]
     assert (
-        "DecodeConfig(tile_n=128, num_warps=4, num_stages=3, prefetch_blocks=False), PROGRAMS_PER_SM = 2"
-        in best
+        "DecodeConfig(tile_n=128, num_warps=4, num_stages=3, prefetch_blocks=False, fused_reduce=False), "
+        "PROGRAMS_PER_SM = 2" in best
     )
 
 

@@ -323,12 +323,18 @@ def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
 # 512-token context is one program per KV head walking 4 tiles; at 128, four). The first row is
 # `bench_decode`'s graph, sized for BENCH_CONTEXT; the 8192 rows are a served graph's
 # (`max_seq_len_to_capture`), where run 12's kernel sweep timed 32-position partitions 1.69x faster at a
-# 256-token context. The 512 rows are the partition before run 15, which timed 128 1.07x faster for 8192.
+# 256-token context. The 512 rows are the partition before run 15, which timed 128 1.07x faster for 8192
+# and the same for 512 (four slices, and the reduce launch they need, against one). The "fused reduce"
+# rows are the default tile and partition with the split kernel's last slice merging the slices
+# (`DecodeConfig.fused_reduce`): 16 launches a step fewer.
 SERVED_GRAPH_CONTEXT = 8192
+FUSED_REDUCE_DECODE = DecodeConfig(128, 4, 3, fused_reduce=True)  # bf16's default tile, head_dim <= 128
 GRAPH_STEP_PARTITIONS: tuple[tuple[int, DecodeConfig | None, int], ...] = (
     (BENCH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
+    (BENCH_CONTEXT, FUSED_REDUCE_DECODE, DEFAULT_PARTITION_SIZE),
     (BENCH_CONTEXT, None, 512),
     (SERVED_GRAPH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
+    (SERVED_GRAPH_CONTEXT, FUSED_REDUCE_DECODE, DEFAULT_PARTITION_SIZE),
     (SERVED_GRAPH_CONTEXT, None, 512),
     (SERVED_GRAPH_CONTEXT, DecodeConfig(64, 4, 3), 64),
     (SERVED_GRAPH_CONTEXT, DecodeConfig(32, 4, 2), 32),
@@ -350,6 +356,7 @@ def graph_step_partition_rows(
         tile = (config or decode_config(head_dim, torch.bfloat16)).tile_n
         splits = pick_num_splits(1, num_kv_heads, graph_context, num_sms, partition)
         tile_text = f"{tile}" if config else f"{tile} (default)"
+        tile_text += ", fused reduce" if config and config.fused_reduce else ""
         partition_text = f"{partition}" if partition != DEFAULT_PARTITION_SIZE else f"{partition} (default)"
         speed = baseline[graph_context] / seconds
         rows.append([graph_context, tile_text, partition_text, splits, seconds * 1e3, speed, difference])

@@ -71,6 +71,10 @@ KERNEL_TESTS = (
     # the interpreter truncates to bf16), against torch's.
     KernelTestFile("tests/test_paged_attention_tile_e4m3.py"),
     KernelTestFile("tests/test_cuda_graph_runner.py"),
+    # The decode attention's split kernel merging its slices itself (`DecodeConfig.fused_reduce`, off by
+    # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
+    # exercised here).
+    KernelTestFile("tests/test_decode_fused_reduce.py"),
 )
 # The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
 CPU_KERNEL_TESTS = (KernelTestFile("tests/test_kernels_store_kv.py"),)
