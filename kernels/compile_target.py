@@ -1,5 +1,6 @@
-"""What a launch on a device compiles for: the launchers' choices that depend on the GPU's compute capability
-(`store_kv.gpu_e4m3`, `dependent_launch.dependent_launch`)."""
+"""What a launch on a device compiles for and how wide the device is: the launchers' choices that depend on
+the GPU's compute capability (`store_kv.gpu_e4m3`, `dependent_launch.dependent_launch`) and on its SM count
+(split counts, tiles a launch fills the GPU with)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,18 @@ def compiles_for_capability(device: torch.device, capability: tuple[int, int]) -
 @functools.lru_cache(maxsize=16)
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+DEFAULT_NUM_SMS = 132  # an H100 SXM's SM count: used to size launches when not on a CUDA device
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; DEFAULT_NUM_SMS elsewhere (interpreter, AOT compile)."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -44,11 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import check_block_weight
 from sluice.kernels.fp8_gemv import MAX_ROWS, TILE_BYTES, rule_block_n
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
-from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
     FLOAT_DTYPES,

@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.dependent_launch import (
     pdl_launch_options,
     prefetch_weight_rows,
@@ -76,7 +77,6 @@ from sluice.kernels.dependent_launch import (
     weight_prefetch_bytes,
 )
 from sluice.kernels.fp8_quant import amax_keep_nan, capped, check_quantization, dynamic_scale, max_keep_nan
-from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
 from sluice.kernels.silu_and_mul import check_gated_rows, silu_and_mul_tile
 from sluice.kernels.split_k import reduce_split_k

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.dependent_launch import (
     pdl_launch_options,
     prefetch_weight_rows,
@@ -67,7 +68,6 @@ from sluice.kernels.dependent_launch import (
 )
 from sluice.kernels.fp8_block_mm import check_mm_args
 from sluice.kernels.fp8_quant import check_quantization
-from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_norm_fp8_scale
 from sluice.kernels.silu_and_mul import (
     GATED_AMAX_TILE,

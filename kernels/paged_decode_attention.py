@@ -43,13 +43,13 @@ keeps 64 (run 15: served, 128 made its launches 1.8x slower).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.paged_attention_tile import (
     LOG2_E,
@@ -81,7 +81,6 @@ from sluice.kernels.tensor_checks import (
 DEFAULT_PARTITION_SIZE = 128
 MAX_SPLITS = 64  # the most slices per (sequence, KV head); bounds the reduce kernel's tile
 PROGRAMS_PER_SM = 2  # split until batch x KV heads x splits fills every SM this many times (untuned)
-DEFAULT_NUM_SMS = 132  # an H100 SXM's SM count: used to size splits when not on a CUDA device
 _MIN_DOT_ROWS = 16  # tl.dot needs every dim >= 16 on GPUs
 _PARTITION_MULTIPLE = 16
 NO_WINDOW = 2**31 - 1  # sliding_window passed to the kernels for full attention
@@ -153,18 +152,6 @@ def pick_num_splits(
     wanted = -(-programs_per_sm * num_sms // units)
     by_length = -(-max_context // partition_size)
     return max(1, min(wanted, by_length, max_splits))
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; DEFAULT_NUM_SMS elsewhere (interpreter, AOT compile)."""
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return DEFAULT_NUM_SMS
 
 
 @triton.jit

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.paged_decode_attention import DEFAULT_NUM_SMS, device_sm_count, pick_num_splits
+from sluice.kernels.compile_target import DEFAULT_NUM_SMS, device_sm_count
+from sluice.kernels.paged_decode_attention import pick_num_splits
 
 # The shortest context slice a split prefill program takes. Not the decode kernel's DEFAULT_PARTITION_SIZE
 # (128 since run 15): 512 is what run 15 timed split-KV prefill and mixed steps with.

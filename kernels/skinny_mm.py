@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.dependent_launch import (
     pdl_launch_options,
     prefetch_weight_rows,
@@ -57,7 +58,6 @@ from sluice.kernels.dependent_launch import (
 )
 from sluice.kernels.fp8_skinny_mm import MAX_ROWS
 from sluice.kernels.paged_attention_tile import dot_settings
-from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.rms_norm import RowNorm, check_row_norm, normed_tile, row_inv_rms
 from sluice.kernels.silu_and_mul import silu_and_mul_tile
 from sluice.kernels.split_k import (

@@ -30,7 +30,8 @@ from sluice.engine.worker.cuda_graph_runner import (
 from sluice.engine.worker.input_batch import build_model_inputs
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama import LlamaForCausalLM
-from sluice.kernels.paged_decode_attention import DEFAULT_NUM_SMS, pick_num_splits
+from sluice.kernels.compile_target import DEFAULT_NUM_SMS
+from sluice.kernels.paged_decode_attention import pick_num_splits
 from sluice.kernels.prefill_splits import split_partials_bound_bytes
 
 BLOCK_SIZE = 16

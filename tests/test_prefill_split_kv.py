@@ -35,13 +35,13 @@ from sluice.engine.scheduler.scheduler_output import ScheduledRequest, Scheduler
 from sluice.engine.worker.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.worker.attention.triton_backend import TritonAttentionBackend
 from sluice.engine.worker.model_runner import ModelRunner
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.merge_attention_partials import (
     merge_attention_partials,
     merge_attention_partials_reference,
 )
 from sluice.kernels.paged_decode_attention import (
     MAX_SPLITS,
-    device_sm_count,
     pick_num_splits,
 )
 from sluice.kernels.store_kv import store_kv_reference

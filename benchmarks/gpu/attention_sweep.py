@@ -45,12 +45,12 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     sdpa_prefill,
     time_kernel_s,
 )
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
     PROGRAMS_PER_SM,
     DecodeConfig,
     decode_config,
-    device_sm_count,
     pick_num_splits,
 )
 from sluice.kernels.prefill_attention import PrefillConfig, prefill_config

@@ -56,13 +56,13 @@ from sluice.engine.worker.layers.fp8_linear import (
     runs_gemv,
     runs_skinny,
 )
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.fp8_block_gemv import MAX_ROWS as BLOCK_GEMV_ROWS
 from sluice.kernels.fp8_block_gemv import fp8_block_gemv
 from sluice.kernels.fp8_block_mm import fp8_block_mm, quantize_fp8_groups
 from sluice.kernels.fp8_gemv import MAX_ROWS, GemvConfig, fp8_gemv, gemv_config
 from sluice.kernels.fp8_quant import quantize_fp8
 from sluice.kernels.fp8_skinny_mm import fp8_block_skinny_mm, fp8_skinny_mm, skinny_config
-from sluice.kernels.paged_decode_attention import device_sm_count
 from sluice.kernels.skinny_mm import skinny_mm
 from sluice.kernels.split_k import SkinnyConfig
 

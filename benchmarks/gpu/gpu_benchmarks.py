@@ -36,11 +36,11 @@ from sluice.engine.worker.layers.linear_method import UnquantizedLinearMethod
 from sluice.engine.worker.layers.norm import RMSNorm
 from sluice.engine.worker.layers.quantization import float_linear_method
 from sluice.engine.worker.models.llama import LlamaForCausalLM
+from sluice.kernels.compile_target import device_sm_count
 from sluice.kernels.paged_decode_attention import (
     DEFAULT_PARTITION_SIZE,
     DecodeConfig,
     decode_config,
-    device_sm_count,
     paged_decode_attention,
     pick_num_splits,
 )

@@ -284,7 +284,8 @@ def estimate_graph_memory_bytes(
     (`prefill_attention`'s split-KV), whose partials are bounded whatever the batch.
     """
     # Imported here: triton is not installed everywhere, and only CUDA graphs need the estimate.
-    from sluice.kernels.paged_decode_attention import DEFAULT_NUM_SMS, DEFAULT_PARTITION_SIZE, pick_num_splits
+    from sluice.kernels.compile_target import DEFAULT_NUM_SMS
+    from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, pick_num_splits
 
     partition = decode_partition_size or DEFAULT_PARTITION_SIZE
     sms = num_sms or DEFAULT_NUM_SMS

@@ -30,6 +30,7 @@ from sluice.engine.worker.jit_watch import JitCompileWatch
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.models.llama_cpu_stack import LlamaCpuStack, build_cpu_stack
 from sluice.engine.worker.prompt_logprobs import compute_prompt_logprobs
+from sluice.kernels.compile_target import device_sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -273,8 +274,6 @@ class ModelRunner:
                 verify_sizes = verify_capture_sizes(
                     scheduler.max_num_seqs, scheduler.max_num_batched_tokens, self.verify_query_len
                 )
-            from sluice.kernels.paged_decode_attention import device_sm_count  # CUDA only: needs triton
-
             graphs = estimate_graph_memory_bytes(
                 self.arch,
                 scheduler.max_num_seqs,
