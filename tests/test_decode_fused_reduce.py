@@ -1,11 +1,11 @@
 """`DecodeConfig(fused_reduce=True)`: the last slice of each (sequence, KV head) to finish merges the slices
 in the split kernel, and no reduce kernel runs. Under the interpreter its outputs are the reduce launch's bit
-for bit (the same merge, `_merge_slices`) and the PyTorch reference's within tolerance; the counters it
-counts on are left zero for the next launch; where it has no counters (more units than `SPLIT_COUNTERS`, or
-a graph captured before any launch allocated them) the reduce kernel runs as before. The memory ordering
-between the programs (each slice's partials stored before its count, read after the last count) is the
-split-K fused reduce's (`sluice.kernels.split_k.add_splits_if_last`) and needs a GPU to exercise: these
-tests run in the GPU check's kernel tests too.
+for bit (the same merge, `_merge_slices`; on a GPU within a few rounding steps) and the PyTorch reference's
+within tolerance; the counters it counts on are left zero for the next launch; where it has no counters
+(more units than `SPLIT_COUNTERS`, or a graph captured before any launch allocated them) the reduce kernel
+runs as before. The memory ordering between the programs (each slice's partials stored before its count,
+read after the last count) is the split-K fused reduce's (`sluice.kernels.split_k.add_splits_if_last`) and
+needs a GPU to exercise: these tests run in the GPU check's kernel tests too.
 """
 
 from __future__ import annotations
@@ -79,6 +79,17 @@ def _decode(batch, seq_lens, config, kv_scales=None, k_cache=None, v_cache=None,
     return out
 
 
+def _assert_merged_alike(fused: torch.Tensor, unfused: torch.Tensor) -> None:
+    """The interpreter: the same bits (the same merge code). Compiled into another kernel on a GPU the
+    merge may round a few steps apart (another FMA contraction), so there four steps of the dtype: a slice
+    merged before it was stored, or left out, moves an output by far more."""
+    if DEVICE.type == "cpu":
+        assert torch.equal(fused, unfused)
+    else:
+        steps = 4 * torch.finfo(fused.dtype).eps
+        torch.testing.assert_close(fused, unfused, rtol=steps, atol=steps)
+
+
 def _counters_zero(device: torch.device) -> bool:
     """The fused launches' counters on `device` (a tensor's: cuda:0, not cuda) exist and are all 0."""
     counters = split_k._split_counters.get(device)
@@ -98,7 +109,7 @@ def test_the_last_slice_merges_as_the_reduce_launch_does(
     fused = _decode(batch, seq_lens, FUSED, num_splits=num_splits)
     assert (split.count, reduce.count) == (2, 1)  # no reduce launch
     unfused = _decode(batch, seq_lens, SMALL, num_splits=num_splits)
-    assert torch.equal(fused, unfused)
+    _assert_merged_alike(fused, unfused)
     assert _counters_zero(batch.q.device)
     md = batch.metadata
     reference = paged_decode_attention_reference(
@@ -119,7 +130,8 @@ def test_with_a_window_and_an_fp8_cache(launches):
     for kwargs in ({"sliding_window": 20}, {"kv_scales": scales, **caches}):
         unfused = _decode(batch, seq_lens, SMALL, **kwargs)
         fused = _decode(batch, seq_lens, FUSED, **kwargs)
-        assert torch.equal(fused, unfused) and not fused.isnan().any()
+        _assert_merged_alike(fused, unfused)
+        assert not fused.isnan().any()
     assert launches[1].count == 2  # the unfused calls' reduce launches only
     assert _counters_zero(batch.q.device)
 
@@ -131,4 +143,4 @@ def test_without_counters_the_reduce_kernel_runs(monkeypatch, launches):
     unfused = _decode(batch, seq_lens, SMALL)
     monkeypatch.setattr(split_k, "SPLIT_COUNTERS", len(CONTEXTS) * 2 - 1)
     fused = _decode(batch, seq_lens, FUSED)
-    assert launches[1].count == 2 and torch.equal(fused, unfused)
+    assert launches[1].count == 2 and torch.equal(fused, unfused)  # both merged by the reduce launch
