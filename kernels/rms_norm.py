@@ -20,10 +20,11 @@ Grid (num_tokens,): one program per row, num_warps by the row's padded width (`n
 layer-norm tutorial's rule, one warp per 256 columns, 1 to 8). A decode step's row is one program on one
 SM, whose time is the longest thread's chain of instructions: at llama-3-8b's 4096 columns with the
 residual, sm_90 SASS, 296 instructions a thread at 4 warps (the default before 2026-12-01) and 192 at 8
-in bf16; 1024 and 624 quantizing to FP8. Not timed yet. `rms_norm_fp8_quant(warps=)` launches another
-count, for the kernel bench (`fused_quant_bench`): vLLM's fused add-RMSNorm FP8 kernel runs a row on 1,024
-threads below 256 tokens and on 256 from there (more threads hide a few rows' latency, fewer let more rows
-share an SM).
+in bf16; 1024 and 624 quantizing to FP8. Not timed yet. `warps=` launches another count, for the kernel
+bench (`fused_quant_bench`): vLLM's fused add-RMSNorm FP8 kernel runs a row on 1,024 threads below 256
+tokens and on 256 from there (more threads hide a few rows' latency, fewer let more rows share an SM). The
+sum of squares is reduced over the program's threads, so on a GPU another warp count may round it
+otherwise: `rms_norm_fp8_quant` is bit for bit `rms_norm` at the same warps.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def check_row_norm(norm: RowNorm, x: torch.Tensor) -> None:
         raise ValueError("norm.residual_out: must not share memory with x or norm.residual")
 
 
-def _check_rms_norm_args(x, weight, residual) -> None:
+def _check_rms_norm_args(x, weight, residual, warps) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, device=x.device)
     check_shape("weight", weight, (x.shape[1],))
@@ -228,6 +229,10 @@ def _check_rms_norm_args(x, weight, residual) -> None:
         check_tensor("residual", residual, ndim=2, device=x.device)
         check_shape("residual", residual, x.shape)
         check_same_dtype("residual", residual, x.dtype)
+    if warps is not None:
+        check_power_of_two("warps", warps, 1)
+        if warps > MAX_WARPS:
+            raise ValueError(f"warps: at most {MAX_WARPS}, got {warps}")
 
 
 def rms_norm(
@@ -237,17 +242,20 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [num_tokens, hidden] (after adding `residual` when given).
 
     Returns (normed, residual_out), both new [num_tokens, hidden] tensors in x's dtype; residual_out
     is the un-normalized input of the norm, i.e. the next layer's residual. Without `residual` it is x.
     `out` / `residual_out` may be given to write into (residual_out may alias residual: in-place add).
+    `warps` (a power of two up to MAX_WARPS): the program's warps instead of `norm_warps`'s; on a GPU a
+    row's sum of squares is then reduced in another order, so the result may round otherwise.
     """
-    _check_rms_norm_args(x, weight, residual)
+    _check_rms_norm_args(x, weight, residual, warps)
     out = output_like("out", out, x)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
-    _launch(x, weight, eps, residual, out, residual_out)
+    _launch(x, weight, eps, residual, out, residual_out, warps=warps)
     return out, residual_out
 
 
@@ -272,14 +280,10 @@ def rms_norm_fp8_quant(
     [T, cdiv(hidden, group_size)], dynamic per row and group, what `quantize_fp8_groups(rms_norm(...)[0],
     group_size)` returns. With `scale_ub` (per token only), each row's amax is capped there first, as
     `quantize_fp8(..., scale_ub=)` caps it. Outputs are written into `out` / `scale_out` / `residual_out`
-    when given. `warps` (a power of two up to MAX_WARPS): the program's warps instead of `norm_warps`'s
-    (the same bits), for the kernel bench's comparison. Raises ValueError naming a bad argument."""
-    _check_rms_norm_args(x, weight, residual)
+    when given. `warps`: as `rms_norm`'s (bit for bit `rms_norm(..., warps=)` then quantized), for the
+    kernel bench's comparison. Raises ValueError naming a bad argument."""
+    _check_rms_norm_args(x, weight, residual, warps)
     check_quantization(input_scale, group_size, x.device, scale_ub)
-    if warps is not None:
-        check_power_of_two("warps", warps, 1)
-        if warps > MAX_WARPS:
-            raise ValueError(f"warps: at most {MAX_WARPS}, got {warps}")
     out, scale_out = quantized_outputs(out, scale_out, x.shape[0], x.shape[1], x.device, group_size)
     residual_out = output_like("residual_out", residual_out, x) if residual is not None else x
     quantize = (scale_out, input_scale, group_size or 0, scale_ub)

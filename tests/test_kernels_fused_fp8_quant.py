@@ -112,9 +112,10 @@ def _spy_on_launches(monkeypatch, module, name: str, *keys: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_rms_norm_fp8_quant_on_more_warps_writes_the_same_bits(static, monkeypatch):
+def test_rms_norm_fp8_quant_on_more_warps_is_rms_norm_on_as_many_then_quantize(static, monkeypatch):
     """`warps=` (the kernel bench's other launch): 32 warps on a row `norm_warps` gives 4 (640 columns
-    padded to 1024)."""
+    padded to 1024), bit for bit `rms_norm` on 32 warps then `quantize_fp8` (on a GPU another warp count
+    may sum the squares in another order)."""
     launched = _spy_on_launches(monkeypatch, rms_norm_module, "_rms_norm_kernel", "num_warps")
     x, residual = _rows(3, 640, torch.bfloat16, seed=8), _rows(3, 640, torch.bfloat16, seed=9)
     weight = (1.0 + torch.randn(640, generator=torch.Generator().manual_seed(10))).bfloat16().to(DEVICE)
@@ -122,9 +123,9 @@ def test_rms_norm_fp8_quant_on_more_warps_writes_the_same_bits(static, monkeypat
     fused = rms_norm_fp8_quant(
         x, weight, EPS, residual, _input_scale(static), out=codes, scale_out=scale, warps=32
     )
-    rms_norm_fp8_quant(x, weight, EPS, residual, _input_scale(static))
-    assert launched == [(32,), (4,)]  # default: one warp per 256 padded columns
-    normed, residual_out = rms_norm(x, weight, EPS, residual)
+    normed, residual_out = rms_norm(x, weight, EPS, residual, warps=32)
+    rms_norm(x, weight, EPS, residual)
+    assert launched == [(32,), (32,), (4,)]  # the default: one warp per 256 padded columns
     _assert_same_bits(fused[:2], quantize_fp8(normed, _input_scale(static)))
     assert torch.equal(fused[2], residual_out)
 
@@ -363,6 +364,7 @@ def _bad_arguments():
             r"^warps: must be a power of two >= 1, got 12$",
         ),
         (lambda: rms_norm_fp8_quant(x, weight, EPS, warps=64), r"^warps: at most 32, got 64$"),
+        (lambda: rms_norm(x, weight, EPS, warps=0), r"^warps: must be a power of two >= 1, got 0$"),
         (
             lambda: rms_norm_fp8_quant(x, weight, EPS, group_size=8),
             r"^group_size: must be a power of two >= 16",

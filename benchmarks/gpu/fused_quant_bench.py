@@ -8,7 +8,9 @@ For the llama-3-8b and llama-3.2-1b shapes, bf16, and each row count M:
     silu   silu_and_mul then fp8_quant                       vs  silu_and_mul_fp8_quant  [M, 2 x intermediate]
 per token each also launched another way, "fused, other launch":
     norm   `rms_norm_fp8_quant(warps=WIDE_NORM_WARPS)`: 32 warps a row where the default (`norm_warps`)
-           has 8 on both shapes' rows: vLLM's fused add-RMSNorm FP8 launch below 256 tokens
+           has 8 on both shapes' rows: vLLM's fused add-RMSNorm FP8 launch below 256 tokens; its bits
+           are checked against `rms_norm(warps=WIDE_NORM_WARPS)` then fp8_quant (another warp count sums
+           a row's squares in another order)
     silu   `silu_and_mul_fp8_quant(tile=LONG_ROW_TILE)`: a program of 16 warps holds 4,096 columns at a
            time (its first tile kept, the others made twice: amax, then codes; sm_90: 38 registers on the
            8b's rows, three programs an SM) where the default's one program of 1,024 threads holds the
@@ -88,8 +90,8 @@ def _calls(
 ):
     """(unfused, fused, other) for `op` at `rows` rows on fresh random bf16 inputs, per token (`group`
     None) or per group of `group` columns: each returns (codes, scales); other, per token only (else None),
-    (which, call) for the fused launch the other way: the norm on WIDE_NORM_WARPS warps, the SiLU-and-mul
-    in `tile`-wide tiles."""
+    (which, call, the unfused launches it must equal, None where they are `unfused`) for the fused launch
+    the other way: the norm on WIDE_NORM_WARPS warps, the SiLU-and-mul in `tile`-wide tiles."""
     gen = torch.Generator().manual_seed(rows)
 
     def quantize(x: torch.Tensor) -> Outputs:
@@ -101,6 +103,7 @@ def _calls(
         wide = (
             f"{WIDE_NORM_WARPS} warps",
             lambda: rms_norm_fp8_quant(x, weight, EPS, residual, warps=WIDE_NORM_WARPS)[:2],
+            lambda: quantize(rms_norm(x, weight, EPS, residual, warps=WIDE_NORM_WARPS)[0]),
         )
         return (
             lambda: quantize(rms_norm(x, weight, EPS, residual)[0]),
@@ -108,7 +111,7 @@ def _calls(
             wide if group is None else None,
         )
     gate_up = torch.randn(rows, 2 * intermediate, generator=gen).bfloat16().to(device)
-    tiled = f"tile {tile}", lambda: silu_and_mul_fp8_quant(gate_up, tile=tile)
+    tiled = f"tile {tile}", lambda: silu_and_mul_fp8_quant(gate_up, tile=tile), None
     return (
         lambda: quantize(silu_and_mul(gate_up)),
         lambda: silu_and_mul_fp8_quant(gate_up, group_size=group),
@@ -131,11 +134,11 @@ def bench(device: torch.device, rows_list: Sequence[int]) -> list[Row]:
             for op in ("norm", "silu"):
                 for rows in rows_list:
                     unfused, fused, other = _calls(op, group, rows, hidden, intermediate, tile, device)
-                    which, other_call = other or ("", None)
+                    which, other_call, other_want = other or ("", None, None)
                     want = unfused()
-                    same = _same_bits(want, fused()) and (
-                        other_call is None or _same_bits(want, other_call())
-                    )
+                    same = _same_bits(want, fused())
+                    if other_call is not None:
+                        same &= _same_bits(want if other_want is None else other_want(), other_call())
                     timed = _time_s(unfused, device), _time_s(fused, device)
                     other_s = None if other_call is None else _time_s(other_call, device)
                     results.append(Row(model, op, scales, rows, *timed, same, other_s, which))
