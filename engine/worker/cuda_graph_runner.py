@@ -37,6 +37,7 @@ import torch
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.input_batch import ModelInputs, to_device
+from sluice.kernels.compile_target import DEFAULT_NUM_SMS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # model(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden_size]
@@ -284,7 +285,6 @@ def estimate_graph_memory_bytes(
     (`prefill_attention`'s split-KV), whose partials are bounded whatever the batch.
     """
     # Imported here: triton is not installed everywhere, and only CUDA graphs need the estimate.
-    from sluice.kernels.compile_target import DEFAULT_NUM_SMS
     from sluice.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, pick_num_splits
 
     partition = decode_partition_size or DEFAULT_PARTITION_SIZE
