@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES, make_paged_batch, nan_like, tolerance
+from test_kernels_attention import GridRecorder
 
 from sluice.engine.worker.attention.fp8_kv_cache import quantize_kv
 from sluice.kernels import paged_decode_attention as decode_module
@@ -35,22 +36,11 @@ CONTEXTS = [1, 17, 40, 0, 63, 130]
 LAYOUTS = [(2, 2, 16), (8, 2, 32), (8, 1, 16)]
 
 
-class Launches:
-    """Wraps a jit kernel: counts its launches, then runs it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    """(split launches, reduce launches) of `paged_decode_attention`."""
-    split = Launches(decode_module._decode_partition_kernel)
-    reduce = Launches(decode_module._decode_reduce_kernel)
+    """(split launches, reduce launches) of `paged_decode_attention`, recorded."""
+    split = GridRecorder(decode_module._decode_partition_kernel)
+    reduce = GridRecorder(decode_module._decode_reduce_kernel)
     monkeypatch.setattr(decode_module, "_decode_partition_kernel", split)
     monkeypatch.setattr(decode_module, "_decode_reduce_kernel", reduce)
     return split, reduce
@@ -107,7 +97,7 @@ def test_the_last_slice_merges_as_the_reduce_launch_does(
     # another batch's partials first, so that memory the fused launch's partials reuse holds other values
     _decode(dataclasses.replace(batch, q=-batch.q), seq_lens, SMALL, num_splits=num_splits)
     fused = _decode(batch, seq_lens, FUSED, num_splits=num_splits)
-    assert (split.count, reduce.count) == (2, 1)  # no reduce launch
+    assert (len(split.launches), len(reduce.launches)) == (2, 1)  # no reduce launch
     unfused = _decode(batch, seq_lens, SMALL, num_splits=num_splits)
     _assert_merged_alike(fused, unfused)
     assert _counters_zero(batch.q.device)
@@ -132,7 +122,7 @@ def test_with_a_window_and_an_fp8_cache(launches):
         fused = _decode(batch, seq_lens, FUSED, **kwargs)
         _assert_merged_alike(fused, unfused)
         assert not fused.isnan().any()
-    assert launches[1].count == 2  # the unfused calls' reduce launches only
+    assert len(launches[1].launches) == 2  # the unfused calls' reduce launches only
     assert _counters_zero(batch.q.device)
 
 
@@ -143,4 +133,4 @@ def test_without_counters_the_reduce_kernel_runs(monkeypatch, launches):
     unfused = _decode(batch, seq_lens, SMALL)
     monkeypatch.setattr(split_k, "SPLIT_COUNTERS", len(CONTEXTS) * 2 - 1)
     fused = _decode(batch, seq_lens, FUSED)
-    assert launches[1].count == 2 and torch.equal(fused, unfused)  # both merged by the reduce launch
+    assert len(launches[1].launches) == 2 and torch.equal(fused, unfused)  # both merged by the reduce launch

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_batch import DEVICE, KERNEL_DTYPES
+from test_kernels_attention import GridRecorder
 
 from sluice.kernels import rms_norm as rms_norm_module
 from sluice.kernels import silu_and_mul as silu_and_mul_module
@@ -94,29 +95,13 @@ def test_rms_norm_fp8_quant_is_rms_norm_then_quantize_bit_for_bit(
             assert not nonzero[1] and fused[1][1].item() == torch.finfo(torch.float32).tiny
 
 
-def _spy_on_launches(monkeypatch, module, name: str, *keys: str) -> list[tuple]:
-    """Replaces module.name (a jit kernel) with one that records the launch's `keys` keyword arguments
-    and then launches the kernel."""
-    kernel, launched = getattr(module, name), []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(tuple(kwargs[key] for key in keys))
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(module, name, Spy())
-    return launched
-
-
 @pytest.mark.parametrize("static", [False, True])
 def test_rms_norm_fp8_quant_on_more_warps_is_rms_norm_on_as_many_then_quantize(static, monkeypatch):
     """`warps=` (the kernel bench's other launch): 32 warps on a row `norm_warps` gives 4 (640 columns
     padded to 1024), bit for bit `rms_norm` on 32 warps then `quantize_fp8` (on a GPU another warp count
     may sum the squares in another order)."""
-    launched = _spy_on_launches(monkeypatch, rms_norm_module, "_rms_norm_kernel", "num_warps")
+    launches = GridRecorder(rms_norm_module._rms_norm_kernel)
+    monkeypatch.setattr(rms_norm_module, "_rms_norm_kernel", launches)
     x, residual = _rows(3, 640, torch.bfloat16, seed=8), _rows(3, 640, torch.bfloat16, seed=9)
     weight = (1.0 + torch.randn(640, generator=torch.Generator().manual_seed(10))).bfloat16().to(DEVICE)
     codes, scale = _poisoned(3, 640)
@@ -125,7 +110,8 @@ def test_rms_norm_fp8_quant_on_more_warps_is_rms_norm_on_as_many_then_quantize(s
     )
     normed, residual_out = rms_norm(x, weight, EPS, residual, warps=32)
     rms_norm(x, weight, EPS, residual)
-    assert launched == [(32,), (32,), (4,)]  # the default: one warp per 256 padded columns
+    # the default: one warp per 256 padded columns
+    assert [kwargs["num_warps"] for kwargs in launches.constexprs] == [32, 32, 4]
     _assert_same_bits(fused[:2], quantize_fp8(normed, _input_scale(static)))
     assert torch.equal(fused[2], residual_out)
 
@@ -229,14 +215,14 @@ def test_silu_and_mul_fp8_quant_is_silu_and_mul_then_quantize_bit_for_bit(dtype,
 def test_silu_and_mul_fp8_quant_in_narrower_tiles_writes_the_same_bits(static, monkeypatch):
     """`tile=` (the kernel bench's long-row candidate): 300 columns in tiles of 64, the last of 44, walked
     twice; the amax in the last tile."""
-    launched = _spy_on_launches(
-        monkeypatch, silu_and_mul_module, "_silu_and_mul_fp8_kernel", "TILE", "num_warps"
-    )
+    launches = GridRecorder(silu_and_mul_module._silu_and_mul_fp8_kernel)
+    monkeypatch.setattr(silu_and_mul_module, "_silu_and_mul_fp8_kernel", launches)
     x = _rows(3, 600, torch.bfloat16, seed=6)
     x[-1, 299], x[-1, 599] = 50.0, 50.0
     codes, scale = _poisoned(3, 300)
     tiled = silu_and_mul_fp8_quant(x, _input_scale(static), out=codes, scale_out=scale, tile=64)
-    assert launched == [(64, 1)]  # one warp per 256 columns, at least one
+    # one warp per 256 columns, at least one
+    assert [(kwargs["TILE"], kwargs["num_warps"]) for kwargs in launches.constexprs] == [(64, 1)]
     _assert_same_bits(tiled, quantize_fp8(silu_and_mul(x), _input_scale(static)))
     assert static or tiled[0].view(torch.uint8)[-1, 299] == MAX_CODE
 
