@@ -1,6 +1,6 @@
 """What a launch on a device compiles for and how wide the device is: the launchers' choices that depend on
 the GPU's compute capability (`store_kv.gpu_e4m3`, `dependent_launch.dependent_launch`) and on its SM count
-(split counts, tiles a launch fills the GPU with)."""
+(split counts, tiles a launch fills the GPU with); and the warps for a program holding a row's columns."""
 
 from __future__ import annotations
 
@@ -40,3 +40,9 @@ def device_sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=16)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def warps_for_columns(columns: int, most: int) -> int:
+    """Warps for a program holding `columns` values of a row: one warp per 256 of them, 1 to `most` (Triton's
+    layer-norm tutorial's rule, there up to 8; the row-wise launchers' choice, untuned)."""
+    return max(1, min(most, columns // 256))

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import warps_for_columns
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_quant import amax_keep_nan, dynamic_scale
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
@@ -167,7 +168,7 @@ def quantize_fp8_groups(
         GROUP_SIZE=group_size,
         GROUPS=groups,
         HW_E4M3=gpu_e4m3(x.device),
-        num_warps=max(1, min(8, groups * group_size // 256)),
+        num_warps=warps_for_columns(groups * group_size, 8),
         **pdl_launch_options(x.device),
     )
     return out, scale_out

@@ -21,7 +21,7 @@ ATen kernels of the torch version.
 Grid (M,): one program per row. A row of up to MAX_TILE columns is one tile, loaded once and kept in
 registers; a wider one (an MLP's intermediate size) is read twice in MAX_TILE-wide tiles, amax then codes
 (its first tile stays in registers).
-num_warps grows with the tile (one warp per 256 columns, 1 to 16; untuned).
+num_warps grows with the tile (`warps_for_columns`: one warp per 256 columns, 1 to 16; untuned).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import warps_for_columns
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.store_kv import gpu_e4m3, quantize_e4m3
 from sluice.kernels.tensor_checks import (
@@ -238,7 +239,7 @@ def _launch(
         DYNAMIC=input_scale is None,
         CAPPED=scale_ub is not None,
         HW_E4M3=gpu_e4m3(x.device),
-        num_warps=max(1, min(16, tile // 256)),
+        num_warps=warps_for_columns(tile, 16),
         **pdl_launch_options(x.device),
     )
     return out, scale_out

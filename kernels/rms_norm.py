@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import warps_for_columns
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
@@ -342,7 +343,7 @@ MAX_WARPS = 32  # a CUDA block's 1,024 threads
 
 def norm_warps(width: int) -> int:
     """Warps for a program holding a row of `width` (padded) columns: one per 256, 1 to 8."""
-    return max(1, min(8, width // 256))
+    return warps_for_columns(width, 8)
 
 
 def rms_norm_reference(

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.kernels.compile_target import warps_for_columns
 from sluice.kernels.dependent_launch import pdl_launch_options, wait_prior_kernel
 from sluice.kernels.fp8_block_mm import store_quantized_groups
 from sluice.kernels.fp8_quant import (
@@ -236,7 +237,7 @@ def silu_and_mul_fp8_quant(
             GROUP_SIZE=group_size,
             GROUPS=groups,
             HW_E4M3=gpu_e4m3(x.device),
-            num_warps=max(1, min(8, groups * group_size // 256)),  # quantize_fp8_groups' (untuned)
+            num_warps=warps_for_columns(groups * group_size, 8),  # quantize_fp8_groups'
             **pdl_launch_options(x.device),
         )
         return out, scale_out
@@ -255,7 +256,7 @@ def silu_and_mul_fp8_quant(
         DYNAMIC=input_scale is None,
         CAPPED=scale_ub is not None,
         HW_E4M3=gpu_e4m3(x.device),
-        num_warps=max(1, min(32, tile // 256)),
+        num_warps=warps_for_columns(tile, 32),
         **pdl_launch_options(x.device),
     )
     return out, scale_out
