@@ -16,7 +16,7 @@ class InvalidRequestError(SluiceError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """prompt + max_tokens does not fit the model's context (maps to RESOURCE_EXHAUSTED)."""
+    """prompt + max_tokens does not fit the model's context, or the KV cache (maps to RESOURCE_EXHAUSTED)."""
 
 
 class QueueFullError(SluiceError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import msgspec
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, OutputLogprobs, PromptLogprobs
 from sluice.engine.sampling_params import SamplingParams
@@ -101,6 +102,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # The request was refused before it ran, because of this field (e.g. a json_schema that does not
     # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
     invalid_field: str | None = None
+    # With invalid_field: the refusal was a ContextLengthError (the request does not fit the model's
+    # context or the KV cache), which the frontend raises as one.
+    context_length: bool = False
     # On the output carrying the first token of a request with prompt_logprobs: one entry per prompt
     # token after the first.
     prompt_logprobs: PromptLogprobs | None = None
@@ -115,7 +119,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
         return self.finish_reason is not None
 
     @classmethod
-    def failed(cls, request_id: str, error: str, invalid_field: str | None = None) -> CoreOutput:
+    def failed(
+        cls, request_id: str, error: str, invalid_field: str | None = None, context_length: bool = False
+    ) -> CoreOutput:
         """The last output of a request the core could not take."""
         return cls(
             request_id,
@@ -128,7 +134,14 @@ class CoreOutput(msgspec.Struct, array_like=True):
             finish_reason="error",
             error=error,
             invalid_field=invalid_field,
+            context_length=context_length,
         )
+
+    @classmethod
+    def refused(cls, request_id: str, exc: InvalidRequestError) -> CoreOutput:
+        """The last output of a request the core refused with `exc`: its field, and whether it was a
+        ContextLengthError (RESOURCE_EXHAUSTED at the gRPC edge, not INVALID_ARGUMENT)."""
+        return cls.failed(request_id, str(exc), exc.field, isinstance(exc, ContextLengthError))
 
     @classmethod
     def aborted(cls, request_id: str) -> CoreOutput:

@@ -16,6 +16,8 @@ from typing import overload
 
 import msgspec
 
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -174,8 +176,10 @@ class RequestOutput(msgspec.Struct, frozen=True):
     usage: Usage | None = None
     timings: Timings | None = None
     num_preemptions: int = 0
-    # Set when the request was refused before it ran (finish_reason "error"): the field to blame.
+    # Set when the request was refused before it ran (finish_reason "error"): the field to blame, and
+    # whether the request does not fit the model's context or the KV cache (`refusal`).
     invalid_field: str | None = None
+    context_length: bool = False
     # On the last output of a chat request with tools: the calls parsed from the whole output.
     tool_calls: tuple[ToolCall, ...] = ()
     index: int = 0
@@ -184,6 +188,12 @@ class RequestOutput(msgspec.Struct, frozen=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def refusal(self) -> InvalidRequestError:
+        """What a refused request's output (`invalid_field` set) raises: a ContextLengthError when it does
+        not fit, else an InvalidRequestError naming the field."""
+        error_type = ContextLengthError if self.context_length else InvalidRequestError
+        return error_type(self.invalid_field, self.error.partition(": ")[2])
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True):

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.outputs import NO_OUTPUT_LOGPROBS, RequestOutput
 from sluice.service import convert
@@ -125,7 +124,7 @@ class GenerationRunner:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     if output.invalid_field is not None:  # refused by the core: no chunk, a status
-                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
+                        raise output.refusal()
                     tracker.on_output(output)
                     last = output
                     if output.finished:

@@ -151,6 +151,24 @@ def test_what_cannot_run_is_invalid_argument(engine_stub, sampling: dict, messag
     assert info.value.details().startswith(message)
 
 
+def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: str) -> None:
+    """Inside the context but over the whole KV cache, which only the engine core checks: INVALID_ARGUMENT
+    as past the context (sluice.v1 says RESOURCE_EXHAUSTED, which SMG would retry), never INTERNAL."""
+    thread = ServerThread(tiny_engine_config(llama_long_dir, num_blocks=8)).start()  # 128 tokens
+    try:
+        with thread.channel() as channel:
+            stub = smg_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                _generate(stub, list(range(20, 60)), True, max_tokens=100)
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "sampling_params.max_tokens: needs 9 KV blocks but the cache has 8",
+            )
+            assert thread.wait_idle().num_kv_blocks_used == 0
+    finally:
+        thread.stop()
+
+
 def test_kv_events_and_embeddings_are_unimplemented(engine_stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from checkpoints import LONG_CONTEXT
-from service_harness import UNENDING, ServerThread, long_engine_config, wait_for
+from service_harness import UNENDING, ServerThread, long_engine_config, tiny_engine_config, wait_for
 
 from sluice import generate_request
 from sluice.service.status import DEADLINE_SLACK_S, cancelled_status
@@ -303,6 +303,32 @@ def test_full_queue_is_resource_exhausted(llama_long_dir: str) -> None:
         running.cancel()
         waiting.cancel()
         thread.wait_idle()
+        channel.close()
+    finally:
+        thread.stop()
+
+
+def test_a_request_the_kv_cache_cannot_hold_is_resource_exhausted_naming_max_tokens(llama_long_dir) -> None:
+    """prompt + max_tokens inside the model's context (which the frontend checks) but over the whole KV
+    cache (which only the engine core knows): refused as the context check refuses, RESOURCE_EXHAUSTED
+    naming max_tokens, alone, as n samples and behind a constraint (refused once its grammar compiled),
+    never INTERNAL (it was: the core's refusal reached the frontend as a failed run); nothing is held and
+    a request that fits runs after them."""
+    thread = ServerThread(tiny_engine_config(llama_long_dir, num_blocks=8)).start()  # 128 tokens
+    try:
+        channel = thread.channel()
+        stub = thread.stub(channel)
+        too_long = {"token_ids": [7] * 100, "max_tokens": 100}  # 13 blocks of 16
+        requests = [generate_request(**too_long), generate_request(**too_long, n=3)]
+        requests.append(generate_request(**too_long))
+        requests[-1].sampling_params.choice.choices.extend(["red", "green"])
+        expected = (grpc.StatusCode.RESOURCE_EXHAUSTED, "max_tokens: needs 13 KV blocks but the cache has 8")
+        assert [_status(stub.Generate(request)) for request in requests] == [expected] * 3
+        assert _rpc_count(thread, "Generate", "RESOURCE_EXHAUSTED") == 3
+        assert _rpc_count(thread, "Generate", "INTERNAL") == 0
+        assert thread.wait_idle().num_kv_blocks_used == 0
+        fits = list(stub.Generate(generate_request(token_ids=[7] * 100, max_tokens=28, ignore_eos=True)))
+        assert sum(len(chunk.token_ids) for chunk in fits) == 28
         channel.close()
     finally:
         thread.stop()

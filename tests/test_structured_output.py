@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from sluice.engine.errors import InvalidRequestError
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
@@ -232,6 +232,17 @@ def test_a_constraint_that_does_not_compile_names_its_field(llm: LLM, constraint
     assert info.value.field == constraint.kind
     assert str(info.value).startswith(message), str(info.value)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_constrained_request_the_kv_cache_cannot_hold_raises_context_length_error(llama_dir: str) -> None:
+    """The scheduler refuses it only once its grammar compiled, in a later step: the same error as an
+    unconstrained one gets at once (ContextLengthError naming max_tokens), not a plain InvalidRequestError."""
+    small = LLM(llama_dir, block_size=16, num_blocks=4, attention_backend="torch")
+    params = SamplingParams(max_tokens=100, constraint=Constraint(choice=("red", "green")))
+    for request_params in (params, dataclasses.replace(params, constraint=None)):
+        with pytest.raises(ContextLengthError, match=r"^max_tokens: needs 7 KV blocks but the cache has 4$"):
+            small.generate([[7] * 10], request_params)
+        assert not small.engine.has_unfinished_requests()
 
 
 def test_constraints_are_validated_when_built() -> None:

@@ -47,9 +47,9 @@ class GrammarWaitingRoom:
             except GrammarCompileError as exc:
                 field = request.sampling_params.constraint.kind
                 error = InvalidRequestError(field, f"does not compile: {exc}")
-                failed.append(CoreOutput.failed(request_id, str(error), invalid_field=field))
-            except InvalidRequestError as exc:
-                failed.append(CoreOutput.failed(request_id, str(exc), invalid_field=exc.field))
+                failed.append(CoreOutput.refused(request_id, error))
+            except InvalidRequestError as exc:  # the scheduler's, e.g. more KV blocks than the cache has
+                failed.append(CoreOutput.refused(request_id, exc))
             except Exception as exc:
                 logger.exception("compiling the grammar of request %s failed", request_id)
                 failed.append(CoreOutput.failed(request_id, f"grammar compilation failed: {exc}"))

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.engine import Engine
 from sluice.engine.outputs import (
     NO_OUTPUT_LOGPROBS,
@@ -143,7 +142,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.invalid_field is not None:
-                        raise InvalidRequestError(output.invalid_field, output.error.partition(": ")[2])
+                        raise output.refusal()
                     completions[output.request_id, output.index].add(output)
         except BaseException:
             # A rejected prompt or an interrupted run must not leave requests behind for the next call.

@@ -71,7 +71,10 @@ class ParallelSampling:
             return rest, []
         if output.finish_reason == "abort":
             return [], [CoreOutput.aborted(add.request_id) for add in rest]
-        return [], [CoreOutput.failed(add.request_id, output.error, output.invalid_field) for add in rest]
+        return [], [
+            CoreOutput.failed(add.request_id, output.error, output.invalid_field, output.context_length)
+            for add in rest
+        ]
 
     def drop(self, request_id: str) -> list[str]:
         """Forgets the request's samples not sent yet (it is aborted); returns their engine ids."""

@@ -96,8 +96,8 @@ class CoreLoop:
             elif isinstance(message, AddRequest):
                 try:
                     self.core.add_request(message)
-                except InvalidRequestError as exc:
-                    outputs.append(CoreOutput.failed(message.request_id, str(exc)))
+                except InvalidRequestError as exc:  # e.g. needs more KV blocks than the cache has
+                    outputs.append(CoreOutput.refused(message.request_id, exc))
 
 
 def serve_core(commands_address: str, results_address: str) -> int:
