@@ -104,7 +104,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     invalid_field: str | None = None
     # With invalid_field: the refusal was a ContextLengthError (the request does not fit the model's
     # context or the KV cache), which the frontend raises as one.
-    context_length: bool = False
+    too_long: bool = False
     # On the output carrying the first token of a request with prompt_logprobs: one entry per prompt
     # token after the first.
     prompt_logprobs: PromptLogprobs | None = None
@@ -120,7 +120,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
 
     @classmethod
     def failed(
-        cls, request_id: str, error: str, invalid_field: str | None = None, context_length: bool = False
+        cls, request_id: str, error: str, invalid_field: str | None = None, too_long: bool = False
     ) -> CoreOutput:
         """The last output of a request the core could not take."""
         return cls(
@@ -134,7 +134,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
             finish_reason="error",
             error=error,
             invalid_field=invalid_field,
-            context_length=context_length,
+            too_long=too_long,
         )
 
     @classmethod

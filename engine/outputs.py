@@ -179,7 +179,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     # Set when the request was refused before it ran (finish_reason "error"): the field to blame, and
     # whether the request does not fit the model's context or the KV cache (`refusal`).
     invalid_field: str | None = None
-    context_length: bool = False
+    too_long: bool = False
     # On the last output of a chat request with tools: the calls parsed from the whole output.
     tool_calls: tuple[ToolCall, ...] = ()
     index: int = 0
@@ -192,7 +192,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     def refusal(self) -> InvalidRequestError:
         """What a refused request's output (`invalid_field` set) raises: a ContextLengthError when it does
         not fit, else an InvalidRequestError naming the field."""
-        error_type = ContextLengthError if self.context_length else InvalidRequestError
+        error_type = ContextLengthError if self.too_long else InvalidRequestError
         return error_type(self.invalid_field, self.error.partition(": ")[2])
 
 

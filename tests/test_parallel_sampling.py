@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.engine.errors import InvalidRequestError
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -61,14 +61,22 @@ def test_aborting_before_sample_zeros_first_output_ends_the_unsent_samples_here(
     assert processor.abort(["a"]).to_abort == []  # nothing left of it
 
 
-def test_a_refused_sample_zero_ends_every_sample_with_its_error_and_field():
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidRequestError("regex", "does not compile: oops"),
+        ContextLengthError("max_tokens", "needs 9 KV blocks but the cache has 8"),
+    ],
+)
+def test_a_refused_sample_zero_ends_every_sample_with_its_error_and_field(error: InvalidRequestError):
     processor, _ = _started()
-    refused = CoreOutput.failed("a#0", "regex: does not compile: oops", invalid_field="regex")
-    processed = processor.process([refused])
+    processed = processor.process([CoreOutput.refused("a#0", error)])
     assert processed.to_add == []
     assert [(o.index, o.finish_reason, o.error, o.invalid_field) for o in processed.outputs] == [
-        (i, "error", "regex: does not compile: oops", "regex") for i in range(3)
+        (i, "error", str(error), error.field) for i in range(3)
     ]
+    # each sample raises what the core raised: a too-long request stays a ContextLengthError
+    assert {(type(o.refusal()), str(o.refusal())) for o in processed.outputs} == {(type(error), str(error))}
     assert processor.owner("a#1") is None and processor.owner("a#2") is None
 
 

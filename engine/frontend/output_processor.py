@@ -188,7 +188,7 @@ class OutputProcessor:
             ),
             num_preemptions=core_output.num_preemptions,
             invalid_field=core_output.invalid_field,
-            context_length=core_output.context_length,
+            too_long=core_output.too_long,
             tool_calls=()
             if state.tool_use is None
             else self._tool_calls(state, text, finish_reason is not None),

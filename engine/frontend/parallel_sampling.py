@@ -72,7 +72,7 @@ class ParallelSampling:
         if output.finish_reason == "abort":
             return [], [CoreOutput.aborted(add.request_id) for add in rest]
         return [], [
-            CoreOutput.failed(add.request_id, output.error, output.invalid_field, output.context_length)
+            CoreOutput.failed(add.request_id, output.error, output.invalid_field, output.too_long)
             for add in rest
         ]
 
