@@ -100,10 +100,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     error: str | None = None
     finished_time: float | None = None
     # The request was refused before it ran, because of this field (e.g. a json_schema that does not
-    # compile): the frontend raises InvalidRequestError(invalid_field, ...) instead of streaming.
+    # compile): the frontend raises it (`RequestOutput.refusal`) instead of streaming; `too_long`: it was
+    # a ContextLengthError (the request does not fit the model's context or the KV cache).
     invalid_field: str | None = None
-    # With invalid_field: the refusal was a ContextLengthError (the request does not fit the model's
-    # context or the KV cache), which the frontend raises as one.
     too_long: bool = False
     # On the output carrying the first token of a request with prompt_logprobs: one entry per prompt
     # token after the first.
