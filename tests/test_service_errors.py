@@ -315,20 +315,19 @@ def test_a_request_the_kv_cache_cannot_hold_is_resource_exhausted_naming_max_tok
     never INTERNAL (it was: the core's refusal reached the frontend as a failed run); nothing is held and
     a request that fits runs after them."""
     thread = ServerThread(tiny_engine_config(llama_long_dir, num_blocks=8)).start()  # 128 tokens
+    too_long = {"token_ids": [7] * 100, "max_tokens": 100}  # 13 blocks of 16
+    constrained = generate_request(**too_long)
+    constrained.sampling_params.choice.choices.extend(["red", "green"])
+    expected = (grpc.StatusCode.RESOURCE_EXHAUSTED, "max_tokens: needs 13 KV blocks but the cache has 8")
     try:
-        channel = thread.channel()
-        stub = thread.stub(channel)
-        too_long = {"token_ids": [7] * 100, "max_tokens": 100}  # 13 blocks of 16
-        requests = [generate_request(**too_long), generate_request(**too_long, n=3)]
-        requests.append(generate_request(**too_long))
-        requests[-1].sampling_params.choice.choices.extend(["red", "green"])
-        expected = (grpc.StatusCode.RESOURCE_EXHAUSTED, "max_tokens: needs 13 KV blocks but the cache has 8")
-        assert [_status(stub.Generate(request)) for request in requests] == [expected] * 3
-        assert _rpc_count(thread, "Generate", "RESOURCE_EXHAUSTED") == 3
-        assert _rpc_count(thread, "Generate", "INTERNAL") == 0
-        assert thread.wait_idle().num_kv_blocks_used == 0
-        fits = list(stub.Generate(generate_request(token_ids=[7] * 100, max_tokens=28, ignore_eos=True)))
-        assert sum(len(chunk.token_ids) for chunk in fits) == 28
-        channel.close()
+        with thread.channel() as channel:
+            stub = thread.stub(channel)
+            requests = [generate_request(**too_long), generate_request(**too_long, n=3), constrained]
+            assert [_status(stub.Generate(request)) for request in requests] == [expected] * 3
+            assert _rpc_count(thread, "Generate", "RESOURCE_EXHAUSTED") == 3
+            assert _rpc_count(thread, "Generate", "INTERNAL") == 0
+            assert thread.wait_idle().num_kv_blocks_used == 0
+            fits = generate_request(token_ids=[7] * 100, max_tokens=28, ignore_eos=True)  # all 8 blocks
+            assert sum(len(chunk.token_ids) for chunk in stub.Generate(fits)) == 28
     finally:
         thread.stop()
