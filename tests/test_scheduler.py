@@ -349,8 +349,9 @@ def test_eos_token_stops_and_frees():
     assert scheduler.num_blocks_used == 0 and not scheduler.has_unfinished_requests()
 
 
-def test_max_model_len_ends_generation_and_rejects_what_cannot_fit():
+def test_max_model_len_ends_generation_and_rejects_what_cannot_fit(caplog):
     scheduler, model = make_scheduler(max_model_len=32, num_blocks=2)
+    assert not caplog.records  # two blocks of 16 hold a request of max_model_len 32
     r = make_request("r", tokens(30), max_tokens=10)
     scheduler.add_request(r)
     run_until_done(scheduler, model)
@@ -358,6 +359,13 @@ def test_max_model_len_ends_generation_and_rejects_what_cannot_fit():
     with pytest.raises(ContextLengthError, match="33 tokens exceed max_model_len 32"):
         scheduler.add_request(make_request("long", tokens(33)))
     small_pool, _ = make_scheduler(num_blocks=2)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "the KV cache's 2 blocks hold less than one request of max_model_len 512 (32 blocks): a request "
+            "whose prompt + max_tokens needs more is refused (max_tokens, RESOURCE_EXHAUSTED)",
+        )
+    ]
     with pytest.raises(ContextLengthError, match="needs 3 KV blocks but the cache has 2"):
         small_pool.add_request(make_request("big", tokens(30), max_tokens=10))
     with pytest.raises(ValueError, match="already live"):

@@ -19,6 +19,7 @@ it keeps its output tokens and returns to the waiting queue in its original plac
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from sluice.engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixHit
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler.request_queue import RequestQueue
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +82,15 @@ class Scheduler:
         self.kv = KVCacheManager(
             self.block_size, num_blocks, cache_config.enable_prefix_caching, sliding_window
         )
+        longest = self.kv.num_blocks_needed(max_model_len, scheduler_config.max_num_batched_tokens)
+        if longest > num_blocks:  # vLLM refuses to start; here each request that cannot fit is refused
+            logger.warning(
+                "the KV cache's %d blocks hold less than one request of max_model_len %d (%d blocks): "
+                "a request whose prompt + max_tokens needs more is refused (max_tokens, RESOURCE_EXHAUSTED)",
+                num_blocks,
+                max_model_len,
+                longest,
+            )
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting = RequestQueue()
         self._running: dict[str, Request] = {}
