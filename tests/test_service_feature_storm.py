@@ -55,13 +55,11 @@ SCHEMA = {
 
 # The storm's servers: a cache every request fits (24 blocks of 16), and one smaller than some requests
 # need (12 blocks: RESOURCE_EXHAUSTED naming max_tokens; a soak found those INTERNAL), in FP8, read by the
-# C++ kernels, with the steps overlapped (async scheduling, off by default on a CPU).
+# default backend (the C++ kernels), with the steps overlapped (async scheduling, off by default on a CPU).
 SERVERS = {
     "roomy": dict(cache=CacheConfig(block_size=16, num_blocks=24), attention_backend="torch"),
     "small fp8 async": dict(
-        cache=CacheConfig(block_size=16, num_blocks=12, kv_cache_dtype="fp8"),
-        attention_backend="cpu",
-        async_scheduling=True,
+        cache=CacheConfig(block_size=16, num_blocks=12, kv_cache_dtype="fp8"), async_scheduling=True
     ),
 }
 
