@@ -4,7 +4,8 @@ and two are aborted mid-run, on an engine that chunks prompts, hits its prefix c
 steps or speculates (`SCENARIOS`). Each request's greedy tokens, text, finish and logprobs (and its seeded
 samples, where nothing speculates) must equal the same request run alone on a plain engine: one request at
 a time, whole prompts, no prefix caching, a cache it never runs short of. An aborted request's tokens are a
-prefix of its solo run. Nothing may be left running or holding a block.
+prefix of its solo run. Nothing may be left running or holding a block, and once one more request has run
+(state some parts free at their next step), no id of theirs may be left anywhere the engine reaches.
 
 The plain engine keeps what changes the numbers themselves (attention backend, block size, KV cache dtype,
 quantization): only the scheduling differs. The two runs sum in different orders (a step of one row against
@@ -17,10 +18,12 @@ configurations of five models met none). Speculative decoding keeps greedy token
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 
 import pytest
+import torch
 
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
@@ -169,6 +172,31 @@ def _run_together(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[tuple[str, in
     return completions, aborted
 
 
+def _ids_held(root: object, request_ids: set[str]) -> list[str]:
+    """Where, in the objects `root` reaches (attributes, dict keys and values, sequence items), a string
+    names one of `request_ids` or a sample of one ("r3#1"): per-request state that was never freed."""
+    held, seen, stack = [], set(), [(root, "engine")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, str):
+            if obj.split("#")[0] in request_ids:
+                held.append(path)
+            continue
+        if id(obj) in seen or isinstance(obj, (bytes, int, float, torch.Tensor, torch.nn.Module)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack += [(k, f"{path} key") for k in obj] + [(v, f"{path}[{k!r}]") for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack += [(item, f"{path}[*]") for item in obj]
+        elif not isinstance(obj, type) and type(obj).__module__.startswith("sluice"):
+            attributes = getattr(obj, "__dict__", None) or {
+                name: getattr(obj, name) for name in getattr(obj, "__slots__", ()) if hasattr(obj, name)
+            }
+            stack += [(v, f"{path}.{k}") for k, v in attributes.items()]
+    return held
+
+
 def _first_difference(got: list[int], want: list[int]) -> int | None:
     return next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), None)
 
@@ -187,6 +215,8 @@ def test_outputs_equal_each_request_run_alone(request, scenario):
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
     assert all(getattr(stats, field) > 0 for field in exercised), stats
     assert aborted == {f"r{i}" for i in ABORTED}
+    llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
+    assert _ids_held(llm.engine, {a.request_id for a in arrivals}) == []
 
     numerics = {name: settings[name] for name in NUMERICS if name in settings}
     solo = LLM(model_dir, **numerics, enable_prefix_caching=False, num_blocks=256, max_num_seqs=4)
