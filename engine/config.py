@@ -7,6 +7,7 @@ spelling live here, once, and `sluice serve` builds its engine flags from these 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import UnionType
 from typing import Any, get_args, get_origin, get_type_hints
@@ -63,7 +64,7 @@ class ModelConfig:
     dtype: str = option(
         "auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES
     )
-    device: str = option("auto", "cuda, cpu or auto (CUDA when available)")
+    device: str = option("auto", "cuda, cuda:N, cpu or auto (CUDA when available)")
     seed: int = option(0, "seed of random (preset) weights")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     quantization: str | None = option(
@@ -87,6 +88,11 @@ class ModelConfig:
         )
         _require(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        _require(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
         _require(
             self.preset is None or self.load_format == "dummy",
             "preset",

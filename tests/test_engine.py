@@ -156,3 +156,17 @@ def test_a_rejected_prompt_leaves_no_request_behind(llama_dir):
     assert not llm.engine.has_unfinished_requests()
     completions = llm.generate([5, 6, 7], GREEDY)
     assert [c.request_id for c in completions] == ["llm-2"]
+
+
+def test_a_cuda_device_torch_does_not_see_is_refused_naming_device(llama_dir):
+    """Before, torch's AssertionError ("Torch not compiled with CUDA enabled") or an invalid device
+    ordinal at the first allocation. (More ranks than devices: test_tensor_parallel.)"""
+    visible = torch.cuda.device_count()
+    for device in [f"cuda:{visible}"] + ([] if visible else ["cuda"]):
+        with pytest.raises(ValueError, match=rf"^device: {device}, but torch sees {visible} CUDA devices"):
+            LLM(llama_dir, device=device, num_blocks=8)
+
+
+def test_a_kv_cache_too_small_for_one_block_is_refused_naming_its_size(llama_dir):
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes: 0\.0 MiB left for the KV cache holds no"):
+        LLM(llama_dir, kv_cache_memory_bytes=1)

@@ -71,6 +71,10 @@ def test_bad_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -
         engine_config_from_args(_parse("--ngram-max", "3"))
     with pytest.raises(ValueError, match="^block_size: must be a multiple of 8$"):
         engine_config_from_args(_parse("--block-size", "12"))
+    for device in ("meta", "", "gpu", "cuda:x"):  # torch's errors came later: AttributeError, RuntimeError
+        with pytest.raises(ValueError, match=f"^device: must be auto, cpu, cuda or cuda:N, got '{device}'$"):
+            engine_config_from_args(_parse("--device", device))
+    assert engine_config_from_args(_parse("--device", "cuda:1")).model.device == "cuda:1"
 
 
 @dataclass(frozen=True)

@@ -223,10 +223,20 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_flag(llama_
         LLM(llama_dir, tensor_parallel_size=3, num_blocks=8)
 
 
+def test_a_setting_the_ranks_refuse_at_load_is_raised_naming_it(llama_dir):
+    """Every rank refuses it alike while loading; before, the other rank's failure replaced rank 0's
+    ValueError (a WorkerDiedError quoting it)."""
+    with pytest.raises(ValueError, match=r"^fuse_norm_fp8: needs FP8 linears"):
+        LLM(llama_dir, tensor_parallel_size=2, fuse_norm_fp8=True, num_blocks=8)
+
+
 def test_more_ranks_than_cuda_devices_is_refused(llama_dir):
     visible = torch.cuda.device_count()
     size = max(2, visible + 1)
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size: {size} ranks need .* {visible} visible"):
+    message = rf"tensor_parallel_size: {size} ranks need .* {visible} visible"
+    if visible == 0:  # no CUDA device at all: the device is what is refused
+        message = r"device: cuda, but torch sees 0 CUDA devices"
+    with pytest.raises(ValueError, match=message):
         LLM(llama_dir, tensor_parallel_size=size, device="cuda", num_blocks=8)
 
 

@@ -75,7 +75,8 @@ class MultiprocExecutor:
                 torch.set_num_threads(placement.num_threads)
             self.workers.wait_started()
             group = TensorParallelGroup.join(store, 0, size, device, timeout)
-            self.runner = self._named_failures(ModelRunner, config, source, group)
+            # A ValueError is a setting refused naming its field, which every rank refuses alike.
+            self.runner = self._named_failures(ModelRunner, config, source, group, keep=(ValueError,))
             self.workers.wait_ready()
         except BaseException:
             self.shutdown()
@@ -129,11 +130,15 @@ class MultiprocExecutor:
         """Stops the workers; rank 0's torch threads go back to what they were."""
         self._finalizer()
 
-    def _named_failures(self, call: Callable[..., T], *args: object) -> T:
+    def _named_failures(
+        self, call: Callable[..., T], *args: object, keep: tuple[type[Exception], ...] = ()
+    ) -> T:
         """call(*args); an exception raised while a worker is failing becomes that worker's
-        `WorkerDiedError` (the collective that broke names no rank)."""
+        `WorkerDiedError` (the collective that broke names no rank), unless it is one of `keep`."""
         try:
             return call(*args)
+        except keep:
+            raise
         except Exception as exc:
             try:
                 self.workers.monitor.wait_for(lambda: False, "failure", FAILURE_NAMING_SECONDS)

@@ -235,9 +235,10 @@ class ModelRunner:
             available = cache.kv_cache_memory_bytes
         num_blocks = int(available // self.kv_block_bytes)
         if num_blocks < 1:
+            field = "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory_bytes"
             raise ValueError(
-                f"cache: {available / 2**20:.1f} MiB left for the KV cache holds no block of "
-                f"{self.kv_block_bytes / 2**20:.2f} MiB; raise kv_cache_memory_bytes / gpu_memory_utilization"
+                f"{field}: {available / 2**20:.1f} MiB left for the KV cache holds no block of "
+                f"{self.kv_block_bytes / 2**20:.2f} MiB; raise it (or give num_blocks)"
             )
         return num_blocks
 
@@ -342,10 +343,16 @@ def _cached_prefix_step(query_len: int, num_cached: int, block_size: int) -> Sch
 
 
 def pick_device(name: str) -> torch.device:
-    """Device `name`; "auto" means cuda when available, else cpu."""
+    """Device `name`; "auto" means cuda when available, else cpu. ValueError naming `device` when it is a
+    CUDA device torch does not see (rather than torch's AssertionError at the first allocation)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (device.index or 0) >= visible:
+        build = "" if torch.version.cuda else " (a CPU-only build of torch)"
+        raise ValueError(f"device: {name}, but torch sees {visible} CUDA devices{build}")
+    return device
 
 
 def with_step_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
