@@ -37,6 +37,26 @@ from sluice.service.generation_spec import GenerationSpec, Prompt
 SERVER_TYPE = "sluice-grpc"
 
 
+# The fields the checks shared with sluice.v1 name as Sluice does, and SMG's GenerateRequest otherwise.
+_SMG_PROMPT_FIELDS = ("prompt", "token_ids")
+_SMG_SAMPLING_FIELDS = frozenset(smg.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def smg_refusal(exc: ValueError) -> ValueError:
+    """A refused request (`exc`: "field: message", from SamplingParams, the prompt checks or the engine)
+    as INVALID_ARGUMENT naming the field as SMG's GenerateRequest does (`sampling_params.top_p`,
+    `tokenized.input_ids`). A ContextLengthError becomes INVALID_ARGUMENT too, vLLM's 400: SMG would retry
+    a RESOURCE_EXHAUSTED. A message that names no field is kept."""
+    field, sep, message = str(exc).partition(": ")
+    if not sep or " " in field:
+        return exc
+    if field in _SMG_PROMPT_FIELDS:
+        field = "tokenized.input_ids"
+    elif field in _SMG_SAMPLING_FIELDS:
+        field = f"sampling_params.{field}"
+    return InvalidRequestError(field, message)
+
+
 def generation_spec_from_smg(
     request: smg.GenerateRequest, model_info: ModelInfo, tokenizer: Tokenizer | None
 ) -> GenerationSpec:

@@ -36,7 +36,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from sluice.engine.errors import ContextLengthError, InvalidRequestError, UnknownRequestError
+from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.engine.frontend.async_engine import tokenize_when_long
 from sluice.service import smg_convert
 from sluice.service.metrics import ServerMetrics
@@ -49,8 +49,6 @@ SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_na
 # GetTokenizer's chunk size (SMG's client reassembles up to 200 MB).
 TOKENIZER_CHUNK_BYTES = 64 << 10
 _METHOD_PREFIX = "VllmEngine."
-# The fields of the engine's refusals, as SMG's GenerateRequest names them.
-_SMG_FIELDS = {"max_tokens": "sampling_params.max_tokens", "prompt": "tokenized.input_ids"}
 
 
 class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -87,9 +85,12 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive = time.time()
         engine = runner.engine
         to_spec = smg_convert.generation_spec_from_smg
-        spec = await tokenize_when_long(
-            len(request.text), to_spec, request, engine.model_info, engine.tokenizer
-        )
+        try:
+            spec = await tokenize_when_long(
+                len(request.text), to_spec, request, engine.model_info, engine.tokenizer
+            )
+        except ValueError as exc:  # SamplingParams' checks name Sluice's fields
+            raise smg_convert.smg_refusal(exc) from exc
         tenant = caller.tenant.name
         request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
         cancel = self._request_ids.claim(tenant, request_id)
@@ -102,9 +103,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 async for output in outputs:
                     async for response in responses.responses(output):
                         yield response
-        except ContextLengthError as exc:  # the engine core's: e.g. more KV blocks than the cache has
-            field = _SMG_FIELDS.get(exc.field, exc.field)
-            raise InvalidRequestError(field, str(exc).partition(": ")[2]) from exc  # as past the context
+        except ValueError as exc:  # the prompt checks' and the engine's (e.g. more KV blocks than it has)
+            raise smg_convert.smg_refusal(exc) from exc
         finally:
             self._num_generate_calls -= 1
             self._request_ids.release(tenant, request_id, cancel)

@@ -141,7 +141,7 @@ def test_abort_refuses_an_id_over_512_bytes(engine_stub) -> None:
             f"sampling_params.max_tokens: {LONG_CONTEXT} tokens after a 40-token prompt",
         ),
         ({"structural_tag": "{}"}, "sampling_params.structural_tag: is not supported"),
-        ({"top_p": 2.0}, "top_p: must be in (0, 1]"),
+        ({"top_p": 2.0}, "sampling_params.top_p: must be in (0, 1]"),  # SamplingParams' own check
     ],
 )
 def test_what_cannot_run_is_invalid_argument(engine_stub, sampling: dict, message: str) -> None:
@@ -149,6 +149,16 @@ def test_what_cannot_run_is_invalid_argument(engine_stub, sampling: dict, messag
         _generate(engine_stub, list(range(20, 60)), True, **sampling)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(message)
+
+
+def test_a_prompt_check_names_smgs_field(engine_stub) -> None:
+    """The prompt checks shared with sluice.v1 say `token_ids`; SMG's request calls it tokenized.input_ids."""
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(engine_stub, [20, 600], True, max_tokens=2)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokenized.input_ids: token id 600 is outside the vocabulary [0, 512)",
+    )
 
 
 def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: str) -> None:
