@@ -19,6 +19,7 @@ from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.worker import model_runner
 from sluice.engine.worker.layers.kernel_config import KernelConfig
 from sluice.engine.worker.layers.linear import ReplicatedLinear
 from sluice.engine.worker.layers.quantization import CpuQuantizedLinearMethod, Int4Weight
@@ -121,12 +122,14 @@ def test_int4_keeps_q4_1_codes_exactly():
     assert (quantized.matmul(x, None) - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-def test_quantization_names_the_field(llama_dir):
+def test_quantization_names_the_field(llama_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"^quantization: must be one of \('int4', 'int8', 'fp8'\)$"):
         ModelConfig(model=llama_dir, quantization="int3")
     int4 = KernelConfig(torch.device("cpu"), torch.float32, quantization="int4")
     with pytest.raises(ValueError, match=r"^quantization: int4 needs input_size divisible by 32, got 48$"):
         ReplicatedLinear(48, 16).select(int4, "model.layers.0.mlp.down_proj")
-    config = EngineConfig(model=ModelConfig(model=llama_dir, device="meta", quantization="int8"))
+    # A device other than the CPU on any machine: the runner given "meta" (no flag names it).
+    monkeypatch.setattr(model_runner, "pick_device", lambda name: torch.device("meta"))
+    config = EngineConfig(model=ModelConfig(model=llama_dir, device="cuda", quantization="int8"))
     with pytest.raises(ValueError, match=r"^quantization: int8 runs on cpu, not meta$"):
         ModelRunner(config, load_model_source(config.model))
