@@ -146,7 +146,7 @@ def _arrivals(seed: int) -> list[Arrival]:
             params = _greedy_params(rng, max_tokens)
         step = rng.randint(0, 24)
         abort_step = step + 2 if i in ABORTED else None
-        arrivals.append(Arrival(f"r{i}", prompt, params, step, rng.choice([0, 0, 1, -1]), abort_step))
+        arrivals.append(Arrival(f"request-{i}", prompt, params, step, rng.choice([0, 0, 1, -1]), abort_step))
     return arrivals
 
 
@@ -174,7 +174,7 @@ def _run_together(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[tuple[str, in
 
 def _ids_held(root: object, request_ids: set[str]) -> list[str]:
     """Where, in the objects `root` reaches (attributes, dict keys and values, sequence items), a string
-    names one of `request_ids` or a sample of one ("r3#1"): per-request state that was never freed."""
+    names one of `request_ids` or a sample of one ("request-3#1"): per-request state that was never freed."""
     held, seen, stack = [], set(), [(root, "engine")]
     while stack:
         obj, path = stack.pop()
@@ -214,7 +214,7 @@ def test_outputs_equal_each_request_run_alone(request, scenario):
     stats = llm.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
     assert all(getattr(stats, field) > 0 for field in exercised), stats
-    assert aborted == {f"r{i}" for i in ABORTED}
+    assert aborted == {f"request-{i}" for i in ABORTED}
     llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
     assert _ids_held(llm.engine, {a.request_id for a in arrivals}) == []
 
