@@ -348,10 +348,11 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    if device.type == "cuda" and (device.index or 0) >= visible:
-        build = "" if torch.version.cuda else " (a CPU-only build of torch)"
-        raise ValueError(f"device: {name}, but torch sees {visible} CUDA devices{build}")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if (device.index or 0) >= visible:
+            build = "" if torch.version.cuda else " (a CPU-only build of torch)"
+            raise ValueError(f"device: {name}, but torch sees {visible} CUDA devices{build}")
     return device
 
 
