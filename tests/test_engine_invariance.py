@@ -4,8 +4,9 @@ and two are aborted mid-run, on an engine that chunks prompts, hits its prefix c
 steps or speculates (`SCENARIOS`). Each request's greedy tokens, text, finish and logprobs (and its seeded
 samples, where nothing speculates) must equal the same request run alone on a plain engine: one request at
 a time, whole prompts, no prefix caching, a cache it never runs short of. An aborted request's tokens are a
-prefix of its solo run. Nothing may be left running or holding a block, and once one more request has run
-(state some parts free at their next step), no id of theirs may be left anywhere the engine reaches.
+prefix of its solo run. Nothing may be left running or holding a block, and once the engine has no work left
+(`has_work`: the step after a request finishes frees its sampling state), no id of theirs may be left anywhere
+the engine reaches.
 
 The plain engine keeps what changes the numbers themselves (attention backend, block size, KV cache dtype,
 quantization): only the scheduling differs. The two runs sum in different orders (a step of one row against
@@ -18,12 +19,11 @@ configurations of five models met none). Speculative decoding keeps greedy token
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import random
 
 import pytest
-import torch
+from reachable_ids import ids_held
 
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
@@ -151,12 +151,12 @@ def _arrivals(seed: int) -> list[Arrival]:
 
 
 def _run_together(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[tuple[str, int], Completion], set[str]]:
-    """Adds each request at its step, aborts at its abort step; runs until nothing is left."""
+    """Adds each request at its step, aborts at its abort step; steps until the engine has no work."""
     engine = llm.engine
     completions: dict[tuple[str, int], Completion] = {}
     aborted = set()
     step = 0
-    while step <= max(a.step for a in arrivals) or engine.has_unfinished_requests():
+    while step <= max(a.step for a in arrivals) or engine.has_work():
         for a in arrivals:
             if a.step == step:
                 engine.add_request(a.request_id, a.prompt, a.params, priority=a.priority)
@@ -166,35 +166,10 @@ def _run_together(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[tuple[str, in
                 aborted.add(a.request_id)
                 for output in engine.abort([a.request_id]):
                     completions[output.request_id, output.index].add(output)
-        for output in engine.step() if engine.has_unfinished_requests() else ():
+        for output in engine.step() if engine.has_work() else ():
             completions[output.request_id, output.index].add(output)
         step += 1
     return completions, aborted
-
-
-def _ids_held(root: object, request_ids: set[str]) -> list[str]:
-    """Where, in the objects `root` reaches (attributes, dict keys and values, sequence items), a string
-    names one of `request_ids` or a sample of one ("request-3#1"): per-request state that was never freed."""
-    held, seen, stack = [], set(), [(root, "engine")]
-    while stack:
-        obj, path = stack.pop()
-        if isinstance(obj, str):
-            if obj.split("#")[0] in request_ids:
-                held.append(path)
-            continue
-        if id(obj) in seen or isinstance(obj, (bytes, int, float, torch.Tensor, torch.nn.Module)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, dict):
-            stack += [(k, f"{path} key") for k in obj] + [(v, f"{path}[{k!r}]") for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-            stack += [(item, f"{path}[*]") for item in obj]
-        elif not isinstance(obj, type) and type(obj).__module__.startswith("sluice"):
-            attributes = getattr(obj, "__dict__", None) or {
-                name: getattr(obj, name) for name in getattr(obj, "__slots__", ()) if hasattr(obj, name)
-            }
-            stack += [(v, f"{path}.{k}") for k, v in attributes.items()]
-    return held
 
 
 def _first_difference(got: list[int], want: list[int]) -> int | None:
@@ -215,8 +190,7 @@ def test_outputs_equal_each_request_run_alone(request, scenario):
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
     assert all(getattr(stats, field) > 0 for field in exercised), stats
     assert aborted == {f"request-{i}" for i in ABORTED}
-    llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
-    assert _ids_held(llm.engine, {a.request_id for a in arrivals}) == []
+    assert ids_held(llm.engine, {a.request_id for a in arrivals}) == []
 
     numerics = {name: settings[name] for name in NUMERICS if name in settings}
     solo = LLM(model_dir, **numerics, enable_prefix_caching=False, num_blocks=256, max_num_seqs=4)

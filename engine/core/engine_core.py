@@ -201,10 +201,17 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a worker failure for `step()` to raise. (A step in flight whose requests
-        all finished is left to the next `step()`: its results are discarded.)"""
+        """Requests to run, or a worker failure for `step()` to raise."""
         work = self.scheduler.has_unfinished_requests() or len(self._grammar_room) > 0
         return work or self.model_runner.failed
+
+    def has_work(self) -> bool:
+        """Whether `step()` has anything to do: unfinished requests, finished ones whose sampling,
+        penalty and proposer state the next step frees, or a step in flight whose requests all finished
+        (its results are discarded). A loop that steps while this holds keeps nothing of a request once
+        it stops (vLLM's busy loop steps while `has_requests()`, finished ones included)."""
+        pending = self.scheduler.has_finished_requests() or self._in_flight is not None
+        return pending or self.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -72,5 +72,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or finished ones whose state a `step()` frees (`EngineCore.has_work`)."""
+        return self.core.has_work()
+
     def stats(self) -> EngineStats:
         return self.core.stats()

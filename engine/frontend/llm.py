@@ -139,7 +139,7 @@ class LLM:
                 self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
                 for index in range(p.n):
                     completions[request_id, index] = Completion(request_id, list(ids), index)
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_work():  # the last step frees the finished requests' state
                 for output in self.engine.step():
                     if output.invalid_field is not None:
                         raise output.refusal()

@@ -60,7 +60,7 @@ class CoreLoop:
     def run(self) -> int:
         """Returns the process exit code."""
         while True:
-            if not self.core.has_unfinished_requests() and not self.commands.poll(self.heartbeat_ms):
+            if not self.core.has_work() and not self.commands.poll(self.heartbeat_ms):
                 if os.getppid() != self.parent_pid:
                     return 0  # the frontend is gone
                 self.results.send(encode(CoreHeartbeat(self.core.stats())))

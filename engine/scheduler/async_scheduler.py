@@ -40,7 +40,7 @@ class AsyncScheduler(Scheduler):
         self._num_in_flight: dict[str, int] = {}  # request id -> tokens sampled by steps not yet updated
         # Steps scheduled and not yet updated, oldest first: each with the request objects it scheduled.
         self._steps_in_flight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
-        self._owners: dict[str, Request] = {}  # of the step being updated
+        self._owners: dict[str, Request] = {}  # of the step being updated, while it is
         self.num_finished = 0  # requests finished (or aborted) so far: unchanged, every request is live
 
     def schedule(self) -> SchedulerOutput:
@@ -63,7 +63,10 @@ class AsyncScheduler(Scheduler):
         if not self._steps_in_flight or self._steps_in_flight[0][0] is not out:
             raise ValueError("out: async updates must come in the order the steps were scheduled")
         _, self._owners = self._steps_in_flight.popleft()
-        return super().update_from_output(out, sampled_token_ids)
+        try:
+            return super().update_from_output(out, sampled_token_ids)
+        finally:
+            self._owners = {}  # the step's requests, finished ones included, are not kept past it
 
     def num_in_flight(self, request: Request) -> int:
         """Tokens that steps already scheduled will sample for the request (0 with nothing in flight)."""

@@ -139,6 +139,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_finished_requests(self) -> bool:
+        """Requests finished since the last `schedule()`, whose ids the next one hands out
+        (`finished_request_ids`, for the engine to drop their state; vLLM's `has_finished_requests`)."""
+        return bool(self._finished_since_schedule)
+
     # ---- stats (read by the engine's EngineStats) --------------------------------------------------
 
     @property

@@ -1,0 +1,109 @@
+"""The engine core process's loop (`CoreLoop`) leaves nothing of a request behind once it waits idle: the
+step after a request finishes frees its sampling, penalty and proposer state, so the loop steps once more
+even when no request follows (vLLM's busy loop steps while `has_requests()`, finished ones included). The
+loop runs in a thread over inproc sockets, so the walk reads the very core it drives; its first heartbeat
+says it is idle."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+from reachable_ids import ids_held
+from service_harness import PATIENCE_S
+
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+from sluice.engine.core.engine_core import EngineCore
+from sluice.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreHeartbeat,
+    CoreOutputs,
+    Shutdown,
+    decode_core_message,
+    encode,
+)
+from sluice.engine.process.core_process import CoreLoop
+from sluice.engine.sampling_params import SamplingParams
+
+HEARTBEAT_S = 0.05
+# Greedy with penalties, seeded samples and an n-gram proposer: each keeps state per request in the core.
+ENDS = {"max_tokens": 6, "ignore_eos": True}  # each of REQUESTS ends by length
+REQUESTS = {
+    "penalized": ([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, presence_penalty=0.5, **ENDS)),
+    "seeded": ([9, 10, 11, 12], SamplingParams(temperature=0.8, seed=7, **ENDS)),
+    "bias": ([13, 14], SamplingParams(temperature=0.0, logit_bias={20: 2.0}, **ENDS)),
+}
+UNENDING = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # aborted once it runs
+
+
+class LoopThread:
+    """A CoreLoop over inproc PUSH/PULL sockets in a thread; `send` and `receive` talk to it."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.context = zmq.Context()
+        commands, self._commands = self.context.socket(zmq.PULL), self.context.socket(zmq.PUSH)
+        results, self._results = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)
+        commands.bind("inproc://commands")
+        self._commands.connect("inproc://commands")
+        self._results.bind("inproc://results")
+        results.connect("inproc://results")
+        self._sockets = (commands, results)
+        loop = CoreLoop(core, commands, results, HEARTBEAT_S, parent_pid=os.getppid())
+        self.thread = threading.Thread(target=loop.run, daemon=True)
+        self.thread.start()
+
+    def send(self, message: object) -> None:
+        self._commands.send(encode(message))
+
+    def receive(self) -> CoreOutputs | CoreHeartbeat:
+        assert self._results.poll(PATIENCE_S * 1000), "the core loop sent nothing"
+        return decode_core_message(self._results.recv())
+
+    def close(self) -> None:
+        self.send(Shutdown())
+        self.thread.join(PATIENCE_S)
+        for socket in (*self._sockets, self._commands, self._results):
+            socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_idle_core_loop_holds_nothing_of_the_requests_it_served(llama_dir, async_scheduling):
+    config = EngineConfig(
+        model=ModelConfig(model=llama_dir),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        async_scheduling=async_scheduling,
+    )
+    core = EngineCore(config)
+    loop = LoopThread(core)
+    try:
+        loop.send(AddRequest("unending", [3, 4, 5], UNENDING, time.time()))
+        for request_id, (prompt, params) in REQUESTS.items():
+            loop.send(AddRequest(request_id, prompt, params, time.time()))
+        finished: dict[str, str] = {}
+        aborted = False
+        while len(finished) < len(REQUESTS) + 1:
+            message = loop.receive()
+            if isinstance(message, CoreHeartbeat):
+                continue
+            for output in message.outputs:
+                if output.finish_reason is not None:
+                    finished[output.request_id] = output.finish_reason
+            if not aborted and any(o.request_id == "unending" and o.new_token_ids for o in message.outputs):
+                loop.send(AbortRequests(["unending"]))  # it runs: a step of it may be in flight
+                aborted = True
+        assert finished == {"unending": "abort", **dict.fromkeys(REQUESTS, "length")}
+        while not isinstance(loop.receive(), CoreHeartbeat):  # idle from here: nothing is stepping
+            pass
+        assert not core.has_work()
+        assert ids_held(core, {"unending", *REQUESTS}) == []
+        stats = core.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+    finally:
+        loop.close()
+    assert not loop.thread.is_alive()
