@@ -56,6 +56,25 @@ def test_token_ids_in_and_out_equal_sluices_own_answer(server: ServerThread, eng
     assert whole.complete.cached_tokens == 32
 
 
+@pytest.mark.parametrize(
+    "text_options", [{}, {"include_stop_str_in_output": True}, {"spaces_between_special_tokens": True}]
+)
+def test_a_stop_string_ends_with_the_tokens_that_complete_it(
+    server: ServerThread, engine_stub, text_options: dict
+) -> None:
+    """SMG detokenizes and trims a stop string itself (its stop decoder, `no_stop_trim`), so the worker
+    returns the ids through the token that completed it, whatever the text-only fields say."""
+    prompt, greedy = list(range(20, 60)), {"temperature": 0.0, "max_tokens": 9, "ignore_eos": True}
+    (whole,) = _generate(engine_stub, prompt, False, **greedy)
+    decode, tokens = server.engine.tokenizer.decode, list(whole.complete.output_ids)
+    stop = decode(tokens[:5])[len(decode(tokens[:3])) :].strip()  # a stretch of text past the start
+    assert stop, f"no text to stop at in {decode(tokens)!r}"
+    (stopped,) = _generate(engine_stub, prompt, False, stop=(stop,), **greedy, **text_options)
+    ids = list(stopped.complete.output_ids)
+    assert (stopped.complete.finish_reason, stopped.complete.matched_stop_str) == ("stop", stop)
+    assert ids == tokens[: len(ids)] and stop in decode(ids) and stop not in decode(ids[:-1])
+
+
 def test_text_is_tokenized_as_sluice_does_and_long_text_off_the_event_loop(
     server: ServerThread, engine_stub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
