@@ -6,6 +6,7 @@ says it is idle."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -13,9 +14,9 @@ import time
 import pytest
 import zmq
 from reachable_ids import ids_held
-from service_harness import PATIENCE_S
+from service_harness import PATIENCE_S, UNENDING, long_engine_config
 
-from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+from sluice.engine.config import SpeculativeConfig
 from sluice.engine.core.engine_core import EngineCore
 from sluice.engine.messages import (
     AbortRequests,
@@ -37,7 +38,6 @@ REQUESTS = {
     "seeded": ([9, 10, 11, 12], SamplingParams(temperature=0.8, seed=7, **ENDS)),
     "bias": ([13, 14], SamplingParams(temperature=0.0, logit_bias={20: 2.0}, **ENDS)),
 }
-UNENDING = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # aborted once it runs
 
 
 class LoopThread:
@@ -72,17 +72,17 @@ class LoopThread:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_the_idle_core_loop_holds_nothing_of_the_requests_it_served(llama_dir, async_scheduling):
-    config = EngineConfig(
-        model=ModelConfig(model=llama_dir),
-        cache=CacheConfig(block_size=16, num_blocks=64),
+def test_the_idle_core_loop_holds_nothing_of_the_requests_it_served(llama_long_dir, async_scheduling):
+    config = dataclasses.replace(
+        long_engine_config(llama_long_dir),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
         async_scheduling=async_scheduling,
     )
     core = EngineCore(config)
     loop = LoopThread(core)
     try:
-        loop.send(AddRequest("unending", [3, 4, 5], UNENDING, time.time()))
+        # Runs until aborted, however fast the machine (service_harness.UNENDING).
+        loop.send(AddRequest("unending", [3, 4, 5], SamplingParams(**UNENDING), time.time()))
         for request_id, (prompt, params) in REQUESTS.items():
             loop.send(AddRequest(request_id, prompt, params, time.time()))
         finished: dict[str, str] = {}
