@@ -116,6 +116,8 @@ def test_rms_norm_fp8_quant_on_more_warps_is_rms_norm_on_as_many_then_quantize(s
     assert torch.equal(fused[2], residual_out)
 
 
+# NaN and inf inputs on purpose: the interpreter's numpy says so
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("static", [False, True])
 def test_rms_norm_fp8_quant_nan_and_inf_rows_as_the_unfused_path(dtype, static):
@@ -235,6 +237,8 @@ def test_silu_and_mul_fp8_quant_refuses_a_bad_tile():
         silu_and_mul_fp8_quant(x, group_size=16, tile=32)
 
 
+# NaN and inf inputs on purpose: the interpreter's numpy says so
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("static", [False, True])
 def test_silu_and_mul_fp8_quant_nan_and_inf_as_the_unfused_path(dtype, static):
