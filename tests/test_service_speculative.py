@@ -31,10 +31,12 @@ def speculating(llama_dir: str):
     thread.stop()
 
 
-def _prompt() -> list[int]:
+def _greedy_request() -> pb.GenerateRequest:
+    """A phrase said four times, then 40 greedy tokens: long enough that the tiny model's n-gram drafts
+    are accepted at least once (each test sends its own, so none relies on another having run first)."""
     rng = random.Random(2)
     phrase = [rng.randrange(4, 512) for _ in range(10)]
-    return phrase * 4
+    return generate_request(token_ids=phrase * 4, temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -49,7 +51,7 @@ def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 
 def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThread) -> None:
-    request = generate_request(token_ids=_prompt(), temperature=0.0, max_tokens=40, ignore_eos=True)
+    request = _greedy_request()
     opted_out = pb.GenerateRequest()
     opted_out.CopyFrom(request)
     opted_out.disable_speculation = True
@@ -65,9 +67,7 @@ def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThrea
 
 def test_model_info_and_metrics_show_speculation(speculating: ServerThread) -> None:
     with Client(speculating.target) as client:
-        client.complete(
-            generate_request(token_ids=_prompt(), temperature=0.0, max_tokens=20, ignore_eos=True)
-        )
+        client.complete(_greedy_request())
     stats = speculating.wait_idle()
     with speculating.channel() as channel:
         info = speculating.stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
