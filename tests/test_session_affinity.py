@@ -31,8 +31,10 @@ def _generate_calls(server: ServerThread) -> float:
     return server.server.metrics.registry.get_sample_value("sluice_rpc_requests_total", labels) or 0.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(llama_dir: str):
+    """Three fresh servers for each test: the drain test leaves one NOT_SERVING and every server's prefix
+    cache holds what the test sent, so no test may inherit another's fleet."""
     first = ServerThread(tiny_engine_config(llama_dir), ServerConfig(host=HOSTS[0], port=0)).start()
     servers = [first]
     try:
@@ -99,8 +101,8 @@ def test_a_draining_servers_sessions_move_and_the_others_stay(fleet) -> None:
             return index
 
         owners = {f"s{i}": owner(f"s{i}") for i in range(NUM_SESSIONS)}
-        # s0's server goes NOT_SERVING and refuses new calls, as at the start of a drain (it stays so:
-        # the module's last test using the fleet).
+        # s0's server goes NOT_SERVING and refuses new calls, as at the start of a drain (it stays so
+        # until the fixture stops this test's fleet).
         leaving = owners["s0"]
         servers[leaving].call(servers[leaving].server.begin_drain())
         for session, index in owners.items():
