@@ -20,6 +20,7 @@ class FakeDns:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.num_queries = 0
+        self._closing = False
         self._thread = threading.Thread(target=self._serve, name="fake-dns", daemon=True)
         self._thread.start()
 
@@ -27,13 +28,18 @@ class FakeDns:
         return f"dns://127.0.0.1:{self.port}/{self.name}:{port}"
 
     def close(self) -> None:
+        """Stops the server's thread, then closes its socket. (Closing the socket alone would not wake the
+        thread's `recvfrom`: on Linux it waits on, so a datagram to itself wakes it.)"""
+        self._closing = True
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as waker:
+            waker.sendto(b"", ("127.0.0.1", self.port))
+        self._thread.join()
         self._socket.close()
 
     def _serve(self) -> None:
         while True:
-            try:
-                query, peer = self._socket.recvfrom(512)
-            except OSError:  # closed
+            query, peer = self._socket.recvfrom(512)
+            if self._closing:
                 return
             self.num_queries += 1
             self._socket.sendto(self._answer(query), peer)

@@ -5,6 +5,7 @@ kernel tests does not check `tl.dot` shapes, dtype rules or layouts; the GPU com
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -64,18 +65,22 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
 # loops), compiled once for both tests, one per core at a time: 337 s in the whole suite on a 2-core Zen 5
 # VM (2026-12-02, the other pytest worker busy beside it), more on a busier one. The limits only catch a
 # hang (ptxas): they leave a slower or busier CI machine seven times that.
+COMPILE_TIMEOUT_S = 2350
 pytestmark = pytest.mark.timeout(2400)
 
 
 @pytest.fixture(scope="module")
 def compile_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    # pytest's faulthandler_timeout (5 minutes) would print every thread's stack in the middle of the
+    # suite's report, as if this expected wait were a hang: the stacks wait for the compile's own limit.
+    faulthandler.dump_traceback_later(COMPILE_TIMEOUT_S, file=sys.stderr)
     tmp_path = tmp_path_factory.mktemp("compile_kernels")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     out = tmp_path / "kernels.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--json", str(out)],
-        env=env, capture_output=True, text=True, check=False, timeout=2350,
+        env=env, capture_output=True, text=True, check=False, timeout=COMPILE_TIMEOUT_S,
     )  # fmt: skip
     return proc, json.loads(out.read_text()) if out.exists() else []
 

@@ -282,6 +282,7 @@ def test_cancelling_the_bidi_call_aborts_every_request(stub, server: ServerThrea
     assert server.stats().num_running == 3
     responses.cancel()
     server.wait_idle()
+    outbox.half_close()  # ends the request iterator, which gRPC's sending thread still waits on
 
 
 def test_full_queue_is_resource_exhausted(llama_long_dir: str) -> None:
