@@ -3,7 +3,9 @@ invariance, preemption, stop strings, aborts, and no leaked blocks."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -156,6 +158,24 @@ def test_a_rejected_prompt_leaves_no_request_behind(llama_dir):
     assert not llm.engine.has_unfinished_requests()
     completions = llm.generate([5, 6, 7], GREEDY)
     assert [c.request_id for c in completions] == ["llm-2"]
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_dropping_the_llm_frees_its_model_at_once(llama_dir, tensor_parallel_size):
+    """Its last reference gone, an `LLM`'s model runner, every layer, the weights and the KV cache (and with
+    tensor parallelism, rank 0's gloo group, its workers stopped) go at once, not at the cycle collector's
+    next run: on a GPU that is the memory the next `LLM` in the process needs."""
+    llm = LLM(llama_dir, tensor_parallel_size=tensor_parallel_size, num_blocks=64)
+    assert len(llm.generate([5, 6, 7], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    executor = llm.engine.model_runner
+    runner = executor.runner if tensor_parallel_size > 1 else executor
+    held = [weakref.ref(obj) for obj in (runner, runner.kernels.tensor_parallel, *runner.model.modules())]
+    gc.disable()
+    try:
+        del llm, executor, runner
+        assert [type(ref()).__name__ for ref in held if ref() is not None] == []
+    finally:
+        gc.enable()
 
 
 def test_a_cuda_device_torch_does_not_see_is_refused_naming_device(llama_dir):

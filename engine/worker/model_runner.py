@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -111,8 +112,12 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.num_blocks * self.kv_block_bytes / 2**20,
         )
+        # The graph runner calls `forward` through a weak reference: the bound method would make a cycle
+        # (runner -> graph runner -> runner), and the weights, the KV cache (and a tensor-parallel group's
+        # sockets) would outlive the engine's last reference until Python's cycle collector ran.
+        forward = weakref.WeakMethod(self.forward)
         self.graph_runner = CudaGraphRunner(
-            self.forward,
+            lambda *args: forward()(*args),
             self.kv_caches,
             config.scheduler.max_num_seqs,
             self.graph_max_blocks_per_seq,

@@ -40,12 +40,14 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.implementation = "native"
-        self._forward = self.forward_native
+        # The class's function, called with self: a bound method kept on self would make every op a
+        # reference cycle, and a model dropped would wait for the cycle collector to free it.
+        self._forward = type(self).forward_native
 
     def select(self, kernels: KernelConfig) -> None:
         """Choose the implementation once, from the device, dtype, attention backend and built kernels."""
         self.implementation = next(name for name in self.implementations if self._runs(name, kernels))
-        self._forward = getattr(self, f"forward_{self.implementation}")
+        self._forward = getattr(type(self), f"forward_{self.implementation}")
 
     def _runs(self, implementation: str, kernels: KernelConfig) -> bool:
         if implementation == "triton":
@@ -58,4 +60,4 @@ class CustomOp(nn.Module):
         raise NotImplementedError
 
     def forward(self, *args: Any) -> Any:
-        return self._forward(*args)
+        return self._forward(self, *args)
