@@ -169,10 +169,12 @@ def test_dropping_the_llm_frees_its_model_at_once(llama_dir, tensor_parallel_siz
     assert len(llm.generate([5, 6, 7], GREEDY)[0].token_ids) == GREEDY.max_tokens
     executor = llm.engine.model_runner
     runner = executor.runner if tensor_parallel_size > 1 else executor
-    held = [weakref.ref(obj) for obj in (runner, runner.kernels.tensor_parallel, *runner.model.modules())]
+    kv_cache, weight = runner.kv_caches[0][0], next(runner.model.parameters())
+    held = [weakref.ref(obj) for obj in (runner, runner.kernels.tensor_parallel, kv_cache, weight)]
+    held += [weakref.ref(module) for module in runner.model.modules()]
     gc.disable()
     try:
-        del llm, executor, runner
+        del llm, executor, runner, kv_cache, weight
         assert [type(ref()).__name__ for ref in held if ref() is not None] == []
     finally:
         gc.enable()
