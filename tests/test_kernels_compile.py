@@ -73,7 +73,7 @@ pytestmark = pytest.mark.timeout(2400)
 def compile_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
     # pytest's faulthandler_timeout (5 minutes) would print every thread's stack in the middle of the
     # suite's report, as if this expected wait were a hang: the stacks wait for the compile's own limit.
-    faulthandler.dump_traceback_later(COMPILE_TIMEOUT_S, file=sys.stderr)
+    faulthandler.dump_traceback_later(COMPILE_TIMEOUT_S, file=sys.__stderr__)
     tmp_path = tmp_path_factory.mktemp("compile_kernels")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
