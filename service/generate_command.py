@@ -8,6 +8,7 @@ import sys
 import time
 
 from sluice.client import Client, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     first_token: float | None = None
     num_tokens = 0
     text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
+    finish_reason = pb.FINISH_REASON_UNSPECIFIED
     try:
         with Client(args.target, api_key=args.api_key) as client:
             for chunk in client.generate(_request(args), timeout=args.timeout):
@@ -53,8 +55,14 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 text_end = chunk.text[-1:] or text_end
+                finish_reason = chunk.finish_reason or finish_reason
     except SluiceError as exc:
         print(f"\nsluice generate: {exc}", file=sys.stderr)
+        return 1
+    if finish_reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_ERROR):
+        # The server ended the request (drained past its grace period, or failed it): the text is cut.
+        name = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"\nsluice generate: the request ended with finish reason {name}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
     if text_end != "\n":  # the stats line starts on a line of its own

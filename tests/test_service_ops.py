@@ -80,7 +80,7 @@ def test_drain_lets_in_flight_requests_finish(llama_long_dir: str) -> None:
         with Client(thread.target, service_config=None) as client, thread.channel() as channel:
             holder = client.generate(generate_request("Hold", **UNENDING))
             next(holder)
-            # A stub's call starts at once (the client's generate() starts when first read).
+            # The client's generate() starts its call at once, as a stub's does.
             request = generate_request("Hello", temperature=0.0, max_tokens=60, ignore_eos=True)
             in_flight = thread.stub(channel).Generate(request)
             wait_for(lambda: thread.stats().num_waiting == 1, "the request waiting behind the holder")

@@ -9,6 +9,7 @@ import grpc
 import jsonschema
 import pytest
 
+from sluice import Client
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -147,14 +148,18 @@ def test_allowed_token_ids_that_leave_the_constraint_nothing_end_the_call_invali
     assert [r.chunk for r in responses if r.request_id == "good"][-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def chat(stub, tool_choice: pb.ToolChoice | None, **params) -> list[pb.GenerateResponse]:
+def chat_request(tool_choice: pb.ToolChoice | None, **params) -> pb.GenerateRequest:
     messages = pb.ChatMessages(
         messages=[pb.ChatMessage(role="user", content="What is the weather in Paris?")],
         tools=[WEATHER, TIME],
         tool_choice=tool_choice,
     )
     sampling = pb.SamplingParams(**{"max_tokens": 120, **params})
-    return list(stub.Generate(pb.GenerateRequest(messages=messages, sampling_params=sampling), timeout=60))
+    return pb.GenerateRequest(messages=messages, sampling_params=sampling)
+
+
+def chat(stub, tool_choice: pb.ToolChoice | None, **params) -> list[pb.GenerateResponse]:
+    return list(stub.Generate(chat_request(tool_choice, **params), timeout=60))
 
 
 def test_required_tool_choice_returns_parsed_calls_of_the_tools(stub) -> None:
@@ -173,6 +178,17 @@ def test_named_tool_choice_returns_one_call_of_that_function(stub) -> None:
     arguments = json.loads(text_of(chunks))
     jsonschema.validate(arguments, json.loads(WEATHER.parameters))
     assert [(c.name, json.loads(c.arguments)) for c in chunks[-1].tool_calls] == [("get_weather", arguments)]
+
+
+def test_the_clients_completion_keeps_the_tool_calls(stub, server) -> None:
+    """`Client.complete` collects the last chunk's parsed calls as the raw stream has them."""
+    request = chat_request(pb.ToolChoice(function_name="get_weather"), temperature=0.0)
+    chunks = list(stub.Generate(request, timeout=60))
+    with Client(server.target) as client:
+        completion = client.complete(request, timeout=60)
+    assert completion.text == text_of(chunks)
+    assert [c.name for c in completion.tool_calls] == ["get_weather"]
+    assert completion.tool_calls == list(chunks[-1].tool_calls)
 
 
 def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> None:

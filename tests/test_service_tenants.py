@@ -181,6 +181,10 @@ def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_s
             "tenant 'small' has 1 requests running, its max_concurrent_requests; retry later",
         )
         assert dict(error.trailing_metadata())[PUSHBACK] == "500"
+        with pytest.raises(SluiceError) as info:  # the client's error keeps the trailer
+            client.complete(generate_request("more", max_tokens=2))
+        assert (info.value.code, info.value.retry_pushback_ms) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 500)
+        assert info.value.trailing_metadata[PUSHBACK] == "500"
         # Another tenant is not limited by small's requests: beta's is admitted and waits for the one
         # sequence, which small's request holds until the test closes it.
         beta_channel, beta = _start(tenant_server, "key-beta", generate_request("x", max_tokens=1))
@@ -189,7 +193,7 @@ def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_s
         assert list(beta)[-1].usage.completion_tokens == 1
         beta_channel.close()
     tenant_server.wait_idle()
-    assert rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) == before + 1
+    assert rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) == before + 2
     with _client(tenant_server, "key-small") as client:  # the slot is free again
         assert client.complete(generate_request("again", max_tokens=1)).usage.completion_tokens == 1
 

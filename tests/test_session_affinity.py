@@ -115,6 +115,18 @@ def test_a_draining_servers_sessions_move_and_the_others_stay(fleet) -> None:
                 assert moved == index, f"{session} moved though its server stayed"
 
 
+def test_an_abort_given_the_session_reaches_the_server_that_ran_the_request(fleet) -> None:
+    """Abort is OK where the id ended lately and NOT_FOUND on a server that never saw it; without the
+    header it would go to a random server. Given the request's session, it goes where the request went."""
+    dns, servers = fleet
+    with Client(dns.target(servers[0].server.port), session_affinity=True) as client:
+        for index in range(NUM_SESSIONS):
+            session, request_id = f"conversation-{index}", f"request-{index}"
+            request = generate_request(token_ids=[5, 6, 7], request_id=request_id, max_tokens=1)
+            client.complete(request, timeout=60, session=session)
+            client.abort(request_id, timeout=60, session=session)  # raises SluiceError on NOT_FOUND
+
+
 def test_the_documented_config_hashes_the_session_header() -> None:
     (policy,) = SESSION_AFFINITY_SERVICE_CONFIG["loadBalancingConfig"]
     assert policy == {"ring_hash_experimental": {"requestHashHeader": SESSION_HEADER}}

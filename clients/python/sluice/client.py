@@ -4,11 +4,14 @@
         for chunk in client.generate(generate_request("Hello", max_tokens=32, temperature=0)):
             print(chunk.text, end="", flush=True)
 
-Every RPC failure is raised as `SluiceError(code, message)`.
+A call that fails is raised as `SluiceError(code, message)`. A streaming call starts when it is made and
+ends early when its stream is closed (`close()`, leaving a `with` block, or dropping the stream).
+An `AsyncClient` belongs to the event loop it was created in (grpc.aio's rule): create it inside that loop.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -31,21 +34,33 @@ Metadata = Sequence[tuple[str, str]]
 # gRPC's default of 4 MB would refuse the first chunk of a long prompt asked for `prompt_logprobs` (about
 # 200 bytes a prompt token at 20 top): this client takes messages of any size unless told otherwise.
 MAX_RECEIVE_OPTION = "grpc.max_receive_message_length"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 class SluiceError(Exception):
-    """An RPC ended with a non-OK status; `code` is the grpc.StatusCode, `message` its details."""
+    """An RPC ended with a non-OK status; `code` is the grpc.StatusCode, `message` its details and
+    `trailing_metadata` the server's trailers (e.g. `grpc-retry-pushback-ms` on RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing_metadata: Mapping[str, str | bytes] | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.trailing_metadata = dict(trailing_metadata or {})
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> SluiceError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)
-        return cls(code, details or "")
+        trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        return cls(code, details or "", dict(trailers or ()))
+
+    @property
+    def retry_pushback_ms(self) -> int | None:
+        """How long the server asked the caller to wait before retrying, if it did."""
+        value = self.trailing_metadata.get(RETRY_PUSHBACK_KEY)
+        return int(value) if value is not None else None
 
 
 def _chat_messages(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessages:
@@ -70,7 +85,7 @@ def generate_request(
     seed: int | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool | None = None,
     logprobs: int | None = None,
@@ -81,10 +96,18 @@ def generate_request(
     trace_context: Mapping[str, str] | None = None,
     disable_speculation: bool = False,
 ) -> pb.GenerateRequest:
-    """Builds a GenerateRequest from one prompt form; sampling arguments left None take server defaults.
+    """Builds a GenerateRequest from one prompt form (`text`, `token_ids` or `messages`); sampling arguments
+    left None take server defaults. `stop`: one stop string or several.
     `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
     `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
     `trace_context`: W3C traceparent/tracestate the request's server span continues."""
+    forms = [
+        name
+        for name, form in (("text", text), ("token_ids", token_ids), ("messages", messages))
+        if form is not None
+    ]
+    if len(forms) > 1:
+        raise ValueError(f"{' and '.join(forms)}: give one prompt form, not {len(forms)}")
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
@@ -120,7 +143,7 @@ def generate_request(
     for name, value in optional.items():
         if value is not None:
             setattr(sampling, name, value)
-    sampling.stop.extend(stop)
+    sampling.stop.extend((stop,) if isinstance(stop, str) else stop)
     sampling.stop_token_ids.extend(stop_token_ids)
     return request
 
@@ -136,8 +159,12 @@ class Completion:
     logprobs: list[pb.Logprobs] = field(default_factory=list)
     prompt_logprobs: list[pb.Logprobs] = field(default_factory=list)
     finish_reason: pb.FinishReason.ValueType = pb.FINISH_REASON_UNSPECIFIED
+    # What stopped it when finish_reason is FINISH_REASON_STOP: a stop token id or a stop string (else None).
+    stop_token_id: int | None = None
+    stop_string: str | None = None
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
+    tool_calls: list[pb.ToolCall] = field(default_factory=list)  # parsed from the output (chat with tools)
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
@@ -150,6 +177,10 @@ class Completion:
             self.finish_reason = chunk.finish_reason
             self.usage = chunk.usage
             self.timings = chunk.timings
+            self.tool_calls.extend(chunk.tool_calls)
+            stop_reason = chunk.WhichOneof("stop_reason")
+            if stop_reason is not None:
+                setattr(self, stop_reason, getattr(chunk, stop_reason))
 
     @property
     def finish_reason_name(self) -> str:
@@ -175,6 +206,8 @@ def _single(request: pb.GenerateRequest) -> None:
 def _auth_metadata(
     api_key: str | None, metadata: Metadata, session: str | None = None
 ) -> tuple[tuple[str, str], ...]:
+    if session and not (session.isascii() and session.isprintable()):
+        raise ValueError(f"session: {session!r} is not printable ASCII (it is sent as a gRPC header value)")
     auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     affinity = ((SESSION_HEADER, session),) if session else ()
     return (*auth, *affinity, *metadata)
@@ -189,12 +222,16 @@ def _open_channel(
     session_affinity: bool = False,
 ) -> grpc.Channel | grpc.aio.Channel:
     """A channel from `api` (the `grpc` or `grpc.aio` module): TLS when `credentials` are given.
-    `session_affinity` swaps the default service config for the ring-hash one. Messages of any size are
+    `session_affinity` swaps the default service config for the ring-hash one; any config keyed on a
+    request header (given here or in `options`) gets the header honoured. Messages of any size are
     received unless `options` set MAX_RECEIVE_OPTION."""
-    if session_affinity:
+    if session_affinity and service_config is SERVICE_CONFIG:
+        service_config = SESSION_AFFINITY_SERVICE_CONFIG
+    configs = [value for name, value in options if name == "grpc.service_config"]
+    if service_config is not None:
+        configs.append(json.dumps(service_config))
+    if session_affinity or any("requestHashHeader" in str(config) for config in configs):
         enable_request_hash_header()
-        if service_config is SERVICE_CONFIG:
-            service_config = SESSION_AFFINITY_SERVICE_CONFIG
     options = list(options)
     if not any(name == MAX_RECEIVE_OPTION for name, _ in options):
         options.append((MAX_RECEIVE_OPTION, -1))
@@ -202,6 +239,69 @@ def _open_channel(
     if credentials is None:
         return api.insecure_channel(target, options=options)
     return api.secure_channel(target, credentials, options=options)
+
+
+class ResponseStream(Iterator[Any]):
+    """The responses of a streaming call, which started when it was made. `close()` (or leaving a `with`
+    block) cancels the call, and the server aborts its requests; so does dropping the stream (grpc cancels
+    a call it garbage-collects). A failed call raises SluiceError."""
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+        self._closed = False
+
+    def __iter__(self) -> ResponseStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            return next(self._call)
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+
+    def close(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> ResponseStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncResponseStream(AsyncIterator[Any]):
+    """`ResponseStream` for asyncio: `await stream.aclose()` or `async with` cancels the call."""
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self._call = call
+        self._closed = False
+
+    def __aiter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            response = await self._call.read()
+        except grpc.RpcError as error:
+            raise SluiceError.from_rpc_error(error) from None
+        if response is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return response
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class Client:
@@ -246,8 +346,9 @@ class Client:
         timeout: float | None = None,
         metadata: Metadata = (),
         session: str | None = None,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Streams chunks; leaving the loop early cancels the call (the server then aborts the request)."""
+    ) -> ResponseStream:
+        """Starts the call and streams its chunks. Closing the stream early (`close()`, or a `with` block
+        around it) cancels the call and the server aborts the request; so does dropping it."""
         return self._streamed(self._stub.Generate, request, timeout, metadata, session)
 
     def complete(
@@ -283,12 +384,21 @@ class Client:
         timeout: float | None = None,
         metadata: Metadata = (),
         session: str | None = None,
-    ) -> Iterator[pb.StreamGenerateResponse]:
+    ) -> ResponseStream:
         """Many requests on one bidirectional stream; responses are tagged with their request_id."""
         return self._streamed(self._stub.StreamGenerate, iter(requests), timeout, metadata, session)
 
-    def abort(self, request_id: str, *, timeout: float | None = None) -> None:
-        self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+    def abort(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
+    ) -> None:
+        """Aborts a running request by id. With session affinity give the request's `session`, so the
+        abort reaches the replica that runs it."""
+        self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata, session)
 
     def tokenize(
         self,
@@ -297,31 +407,30 @@ class Client:
         messages: Sequence[Mapping[str, str]] | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
+        metadata: Metadata = (),
     ) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
-        return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
+        return list(self._unary(self._stub.Tokenize, request, timeout, metadata).token_ids)
 
-    def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+    def model_info(self, *, timeout: float | None = None, metadata: Metadata = ()) -> pb.GetModelInfoResponse:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
 
-    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None) -> object:
+    def _unary(
+        self, method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float | None,
+        metadata: Metadata = (), session: str | None = None,
+    ) -> object:  # fmt: skip
         try:
-            return method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
+            return method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
 
     def _streamed(
         self, method: grpc.UnaryStreamMultiCallable | grpc.StreamStreamMultiCallable, request: object,
         timeout: float | None, metadata: Metadata, session: str | None,
-    ) -> Iterator[object]:  # fmt: skip
-        """The call's responses; its errors as SluiceError; cancelled when the caller stops early."""
-        call = method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
-        try:
-            yield from call
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+    ) -> ResponseStream:  # fmt: skip
+        return ResponseStream(
+            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+        )
 
 
 def _tokenize_request(
@@ -373,7 +482,8 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata = (),
         session: str | None = None,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncResponseStream:
+        """As `Client.generate`: started at once; `await stream.aclose()` (or `async with`) cancels it."""
         return self._streamed(self._stub.Generate, request, timeout, metadata, session)
 
     async def complete(
@@ -409,11 +519,20 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata = (),
         session: str | None = None,
-    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+    ) -> AsyncResponseStream:
         return self._streamed(self._stub.StreamGenerate, requests, timeout, metadata, session)
 
-    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
-        await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)
+    async def abort(
+        self,
+        request_id: str,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        session: str | None = None,
+    ) -> None:
+        await self._unary(
+            self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata, session
+        )
 
     async def tokenize(
         self,
@@ -422,31 +541,31 @@ class AsyncClient:
         messages: Sequence[Mapping[str, str]] | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
+        metadata: Metadata = (),
     ) -> list[int]:
         request = _tokenize_request(text, messages, add_special_tokens)
-        return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
+        return list((await self._unary(self._stub.Tokenize, request, timeout, metadata)).token_ids)
 
-    async def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+    async def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> pb.GetModelInfoResponse:
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
 
     async def _unary(
-        self, method: grpc.aio.UnaryUnaryMultiCallable, request: object, timeout: float | None
-    ) -> object:
+        self, method: grpc.aio.UnaryUnaryMultiCallable, request: object, timeout: float | None,
+        metadata: Metadata = (), session: str | None = None,
+    ) -> object:  # fmt: skip
         try:
-            return await method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, ()))
+            return await method(
+                request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
+            )
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
 
-    async def _streamed(
+    def _streamed(
         self, method: grpc.aio.UnaryStreamMultiCallable | grpc.aio.StreamStreamMultiCallable, request: object,
         timeout: float | None, metadata: Metadata, session: str | None,
-    ) -> AsyncIterator[object]:  # fmt: skip
-        """The call's responses; its errors as SluiceError; cancelled when the caller stops early."""
-        call = method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
-        try:
-            async for response in call:
-                yield response
-        except grpc.RpcError as error:
-            raise SluiceError.from_rpc_error(error) from None
-        finally:
-            call.cancel()
+    ) -> AsyncResponseStream:  # fmt: skip
+        return AsyncResponseStream(
+            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+        )

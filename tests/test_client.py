@@ -1,0 +1,136 @@
+"""The Python client (`Client`, `AsyncClient`, `generate_request`) and `sluice generate` against the real
+server: what the builder sends, when a stream's call starts and what ends it, and what a caller learns of
+how a request ended."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
+
+from sluice import AsyncClient, Client, generate_request
+from sluice.service_config import REQUEST_HASH_HEADER_ENV
+from sluice.v1 import sluice_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+
+SLUICE = str(Path(sys.executable).parent / "sluice")
+
+
+def _greedy(**kwargs: object) -> pb.GenerateRequest:
+    return generate_request("Hello world", temperature=0.0, max_tokens=24, ignore_eos=True, **kwargs)
+
+
+def test_a_stop_string_given_alone_is_one_stop_string(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        whole = client.complete(_greedy()).text
+        assert len(whole) >= 12, whole
+        stop = whole[8:12]
+        request = _greedy(stop=stop)
+        assert list(request.sampling_params.stop) == [stop]  # not its characters, each a stop string
+        completion = client.complete(request)
+    assert (completion.text, completion.finish_reason_name) == (whole[: whole.find(stop)], "stop")
+    assert (completion.stop_string, completion.stop_token_id) == (stop, None)
+
+
+def test_more_than_one_prompt_form_is_refused_naming_them() -> None:
+    with pytest.raises(ValueError, match=r"^text and token_ids: give one prompt form, not 2$"):
+        generate_request("Hello", token_ids=[5, 6])
+    with pytest.raises(ValueError, match=r"^text and token_ids and messages: give one prompt form, not 3$"):
+        generate_request("Hello", token_ids=[5], messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_a_session_that_is_no_header_value_is_refused_naming_it(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        for session in ("café", "a\nb"):
+            with pytest.raises(ValueError, match=r"^session: .* is not printable ASCII"):
+                client.complete(_greedy(), session=session)
+
+
+def test_a_stream_starts_when_made_and_closing_it_aborts_the_request(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        stream = client.generate(generate_request("Hello", **UNENDING))
+        wait_for(lambda: server.stats().num_running == 1, "the request running before its stream is read")
+        assert next(stream).token_ids
+        stream.close()
+        server.wait_idle()
+        assert list(stream) == []
+
+
+def test_leaving_a_with_block_or_dropping_a_stream_aborts_the_request(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        with client.generate(generate_request("Hello", **UNENDING)) as stream:
+            assert next(stream).token_ids
+        server.wait_idle()
+        stream = client.generate(generate_request("Hello", **UNENDING))
+        assert next(stream).token_ids
+        del stream  # grpc cancels a call it garbage-collects
+        server.wait_idle()
+
+
+def test_an_async_stream_starts_when_made_and_its_async_with_block_aborts_it(server: ServerThread) -> None:
+    async def run() -> list[pb.GenerateResponse]:
+        async with AsyncClient(server.target) as client:
+            stream = client.generate(generate_request("Hello", **UNENDING))
+            await asyncio.to_thread(wait_for, lambda: server.stats().num_running == 1, "the request running")
+            async with stream:
+                assert (await anext(stream)).token_ids
+            await asyncio.to_thread(server.wait_idle)
+            return [chunk async for chunk in stream]
+
+    assert asyncio.run(run()) == []
+
+
+def test_a_completion_keeps_what_stopped_it(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        token_ids = client.complete(_greedy()).token_ids
+        completion = client.complete(_greedy(stop_token_ids=[token_ids[3]]))
+    assert completion.token_ids == token_ids[: token_ids.index(token_ids[3]) + 1]
+    assert (completion.finish_reason_name, completion.stop_token_id, completion.stop_string) == (
+        "stop",
+        token_ids[3],
+        None,
+    )
+
+
+def test_the_affinity_config_given_as_service_config_works_in_a_fresh_process(server: ServerThread) -> None:
+    """grpc honours the config's requestHashHeader only with an environment variable set (see
+    sluice.service_config): the client sets it for any config keyed on a header, not only for
+    `session_affinity=True`. A fresh process, since one client that set it leaves it set."""
+    script = (
+        "from sluice import Client, generate_request\n"
+        "from sluice.service_config import SESSION_AFFINITY_SERVICE_CONFIG as config\n"
+        f"with Client({server.target!r}, service_config=config) as client:\n"
+        "    request = generate_request('Hi', max_tokens=2, ignore_eos=True)\n"
+        "    print(client.complete(request, timeout=60, session='conversation-1').usage.completion_tokens)\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != REQUEST_HASH_HEADER_ENV}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=PATIENCE_S
+    )
+    assert (result.returncode, result.stdout) == (0, "2\n"), result.stderr
+
+
+def test_sluice_generate_fails_when_the_server_aborts_its_request(llama_long_dir: str) -> None:
+    """One sequence at a time: the command's request waits behind one that runs until the drain's grace
+    period ends and aborts both; the command's stream then ends with FINISH_REASON_ABORT."""
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1)).start()
+    command = [SLUICE, "generate", "--target", thread.target, "--raw", "--max-tokens", "8", "Hello"]
+    try:
+        with Client(thread.target) as client:
+            holder = client.generate(generate_request("Hold", **UNENDING))
+            assert next(holder).token_ids
+            generate = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: thread.stats().num_waiting == 1, "the command's request waiting")
+            thread.call(thread.server.drain(grace_period=1.0))
+            _, stderr = generate.communicate(timeout=PATIENCE_S)
+            assert list(holder)[-1].finish_reason == pb.FINISH_REASON_ABORT
+    finally:
+        thread.stop()
+    assert generate.returncode == 1, stderr
+    assert stderr.endswith("sluice generate: the request ended with finish reason abort\n"), stderr
