@@ -9,6 +9,10 @@ answers `CoreReady` (or `CoreFailed`), then loops:
 
 It exits 0 on `Shutdown` or when its parent process is gone, and 1 after telling the frontend why it
 failed (`CoreFailed`) when loading or a step raises. Only this process imports torch.
+
+It ignores SIGTERM and SIGINT: sent to the whole process group (systemd's default KillMode, `kill -TERM
+-PGID`, Ctrl-C in a terminal) they reach it beside the frontend, which drains its requests through this
+process first and then stops it. The tensor-parallel workers it spawns inherit the ignored signals.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -60,9 +65,9 @@ class CoreLoop:
     def run(self) -> int:
         """Returns the process exit code."""
         while True:
+            if os.getppid() != self.parent_pid:
+                return 0  # the frontend is gone (no signal stops this process: see the module's docstring)
             if not self.core.has_work() and not self.commands.poll(self.heartbeat_ms):
-                if os.getppid() != self.parent_pid:
-                    return 0  # the frontend is gone
                 self.results.send(encode(CoreHeartbeat(self.core.stats())))
                 continue
             outputs = self._apply_commands()
@@ -140,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--commands", required=True, help="ZeroMQ address to pull commands from")
     parser.add_argument("--results", required=True, help="ZeroMQ address to push results to")
     args = parser.parse_args(argv)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # the frontend stops this process (docstring)
+        signal.signal(stop_signal, signal.SIG_IGN)
     faulthandler.enable()  # a crash in native code (torch, a C++ kernel) prints every thread's Python stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve_core(args.commands, args.results)
