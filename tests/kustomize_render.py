@@ -26,6 +26,9 @@ def render(directory: str) -> list[dict[str, Any]]:
     for resource in kustomization["resources"]:
         path = os.path.join(directory, resource)
         if os.path.isdir(path):  # a base this overlay builds on
+            base, overlay = os.path.realpath(path), os.path.realpath(directory)
+            if os.path.commonpath([base, overlay]) == base:  # kustomize: "cycle detected"
+                raise ValueError(f"{resource}: a base may not contain the kustomization using it")
             documents.extend(render(path))
             continue
         with open(path) as f:

@@ -1,4 +1,4 @@
-"""deploy/k8s and deploy/Dockerfile: the rendered kustomization validates against the Kubernetes schemas,
+"""deploy/k8s/base and deploy/Dockerfile: the rendered kustomization validates against the Kubernetes schemas,
 and every value that must match the server (ports, health service, grace period, metric names, CLI flags)
 does; the image's health probe answers like the server's health service."""
 
@@ -20,7 +20,7 @@ from toolchains import REPO
 
 from sluice.service.server import INFERENCE_SERVICE
 
-K8S_DIR = os.path.join(REPO, "deploy", "k8s")
+K8S_DIR = os.path.join(REPO, "deploy", "k8s", "base")
 DOCKERFILE = os.path.join(REPO, "deploy", "Dockerfile")
 HEALTH_PROBE = os.path.join(REPO, "deploy", "grpc_health_probe.py")
 # kube-apiserver SIGKILLs at terminationGracePeriodSeconds: leave time to abort leftovers and stop.

@@ -119,3 +119,14 @@ def test_the_gateway_image_installs_the_pinned_smg() -> None:
     assert "ARG SMG_VERSION=1.13.0" in text
     assert 'RUN pip install --no-cache-dir "smg==${SMG_VERSION}"' in text
     assert "USER 10001" in text
+
+
+def test_the_renderer_refuses_a_base_that_holds_its_overlay(tmp_path) -> None:
+    """As kustomize does ("cycle detected"): the fleet overlay once sat inside its base, deploy/k8s, and
+    `kubectl apply -k` refused it while this renderer rendered it."""
+    overlay = tmp_path / "k8s" / "overlays" / "fleet"
+    overlay.mkdir(parents=True)
+    (tmp_path / "k8s" / "kustomization.yaml").write_text("resources: []\n")
+    (overlay / "kustomization.yaml").write_text("resources:\n  - ../..\n")
+    with pytest.raises(ValueError, match=r"^\.\./\.\.: a base may not contain the kustomization"):
+        render(str(overlay))
