@@ -43,6 +43,7 @@ def _request(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     first_token: float | None = None
+    first_chunk_tokens = 0
     num_tokens = 0
     text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
     finish_reason = pb.FINISH_REASON_UNSPECIFIED
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             for chunk in client.generate(_request(args), timeout=args.timeout):
                 if chunk.token_ids and first_token is None:
                     first_token = time.perf_counter()
+                    first_chunk_tokens = len(chunk.token_ids)  # more than 1 with --stream-interval
                 num_tokens += len(chunk.token_ids)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -68,10 +70,16 @@ def run(args: argparse.Namespace) -> int:
     if text_end != "\n":  # the stats line starts on a line of its own
         sys.stdout.write("\n")
         sys.stdout.flush()
-    ttft_ms = (first_token - start) * 1000 if first_token is not None else float("nan")
-    decode_seconds = elapsed - (first_token - start) if first_token is not None else elapsed
-    rate = (num_tokens - 1) / decode_seconds if num_tokens > 1 and decode_seconds > 0 else float("nan")
-    print(
-        f"{num_tokens} tokens in {elapsed:.2f}s: {rate:.1f} tokens/s, TTFT {ttft_ms:.0f} ms", file=sys.stderr
-    )
+    ttft = None if first_token is None else first_token - start
+    print(stats_line(elapsed, ttft, num_tokens, first_chunk_tokens), file=sys.stderr)
     return 0
+
+
+def stats_line(elapsed: float, ttft: float | None, num_tokens: int, first_chunk_tokens: int) -> str:
+    """`N tokens in Ts: R tokens/s, TTFT M ms`; the rate is that of the tokens after the first chunk
+    (which holds several with --stream-interval) over the time after it."""
+    later_tokens = num_tokens - first_chunk_tokens
+    decode_seconds = elapsed - (ttft or 0.0)
+    rate = later_tokens / decode_seconds if later_tokens > 0 and decode_seconds > 0 else float("nan")
+    ttft_ms = float("nan") if ttft is None else ttft * 1000
+    return f"{num_tokens} tokens in {elapsed:.2f}s: {rate:.1f} tokens/s, TTFT {ttft_ms:.0f} ms"

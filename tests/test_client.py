@@ -14,6 +14,7 @@ import pytest
 from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
 
 from sluice import AsyncClient, Client, generate_request
+from sluice.service.generate_command import stats_line
 from sluice.service_config import REQUEST_HASH_HEADER_ENV
 from sluice.v1 import sluice_pb2 as pb
 
@@ -134,3 +135,11 @@ def test_sluice_generate_fails_when_the_server_aborts_its_request(llama_long_dir
         thread.stop()
     assert generate.returncode == 1, stderr
     assert stderr.endswith("sluice generate: the request ended with finish reason abort\n"), stderr
+
+
+def test_sluice_generates_rate_counts_the_tokens_after_the_first_chunk() -> None:
+    """With --stream-interval 4 the first chunk holds 4 tokens: 12 tokens, the first 4 after 0.5 s, the
+    other 8 over the next 1.5 s."""
+    assert stats_line(2.0, 0.5, 12, 4) == "12 tokens in 2.00s: 5.3 tokens/s, TTFT 500 ms"
+    assert stats_line(0.2, 0.1, 1, 1) == "1 tokens in 0.20s: nan tokens/s, TTFT 100 ms"
+    assert stats_line(0.2, None, 0, 0) == "0 tokens in 0.20s: nan tokens/s, TTFT nan ms"

@@ -151,13 +151,17 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResul
                 base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", timeout=600, max_retries=0
             )
             model = client.models.list().data[0].id
+            _wait_for_tokenizer(client, model)
+            served_before = [_generate_calls(w) for w in workers]
             start = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
                 conversations = list(
                     pool.map(lambda i: converse(client, model, i, args), range(args.conversations))
                 )
             seconds = time.perf_counter() - start
-            requests_per_worker = tuple(_generate_calls(w) for w in workers)
+            requests_per_worker = tuple(
+                _generate_calls(w) - before for w, before in zip(workers, served_before, strict=True)
+            )
         finally:
             gateway.close()
     finally:
@@ -175,6 +179,24 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResul
         seconds=seconds,
         requests_per_worker=requests_per_worker,
     )
+
+
+def _wait_for_tokenizer(client: openai.OpenAI, model: str, timeout: float = 300.0) -> None:
+    """SMG lists a model (and its workers healthy) before it has fetched the model's tokenizer, and
+    answers 503 "not registered yet" until then: one short chat, retried until it is answered. Its prompt
+    shares less than a KV block with the conversations' (their own system message), so no cached
+    token comes of it; the requests each worker served are counted after it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "ping"}], max_tokens=1, temperature=0
+            )
+            return
+        except openai.InternalServerError as error:
+            if error.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _generate_calls(worker: ServerProcess) -> int:
