@@ -18,6 +18,8 @@ Pure data (msgspec structs over msgpack), no torch: the frontend imports this mo
 
 from __future__ import annotations
 
+import operator
+
 import msgspec
 
 from sluice.engine.config import EngineConfig
@@ -57,6 +59,24 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0
     cache_salt: str | None = None
     use_speculation: bool = True  # False: this request never verifies draft tokens
+
+
+def checked_priority(priority: object) -> int:
+    """`priority` as an AddRequest carries it (an int; lower runs first), or InvalidRequestError: the
+    core's decoder refuses anything else, and a scheduler's queue cannot order it."""
+    if not isinstance(priority, bool):
+        try:
+            return operator.index(priority)
+        except TypeError:
+            pass
+    raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
+
+
+def checked_cache_salt(cache_salt: object) -> str | None:
+    """`cache_salt` as an AddRequest carries it (a string or None), or InvalidRequestError."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return cache_salt
+    raise InvalidRequestError("cache_salt", f"must be a string, got {cache_salt!r}")
 
 
 class AbortRequests(msgspec.Struct, tag=True):

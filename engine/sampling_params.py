@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from collections.abc import Iterable
+import numbers
+import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sluice.engine.structured.constraint import Constraint
@@ -18,6 +21,11 @@ MAX_STOP = 32
 # Each output token is looked up in them, and min_tokens bans them every step: 1,000,000 ids cost ~12 ms a
 # token and ~110 ms a step in the engine core. 1,024 is four times Llama 3's 256 special tokens.
 MAX_STOP_TOKEN_IDS = 1024
+# Temperatures in (0, MIN_TEMPERATURE) are raised to it, as vLLM does: logits divided by a float32
+# temperature of 1e-45 are infinite, and the sampled tokens then are not the greedy ones they approach.
+MIN_TEMPERATURE = 1e-2
+# torch.Generator.manual_seed takes [-2**63, 2**64); sample i of an n-sample request draws from seed + i.
+MIN_SEED, SEED_LIMIT = -(2**63), 2**64
 # Float fields checked finite before any range check (inf passes `>= 0`, and NaN fails every range
 # with a message that does not say why).
 _FLOAT_FIELDS = (
@@ -28,6 +36,11 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # or one string, a list, None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -67,13 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but keep the dataclass hashable and immutable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
-        if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        _normalize(self)
         _check_finite(self)
         checks = (
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
@@ -100,6 +107,11 @@ class SamplingParams:
             ),
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
             (
+                self.seed is None or MIN_SEED <= self.seed <= SEED_LIMIT - self.n,
+                "seed",
+                f"must be in [{MIN_SEED}, {SEED_LIMIT - self.n}] (sample i of n draws from seed + i)",
+            ),
+            (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 "prompt_logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
@@ -124,6 +136,9 @@ class SamplingParams:
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name}: {message}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, raised to it", self.temperature, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +159,58 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def _normalize(params: SamplingParams) -> None:
+    """Fields to their types, or ValueError naming the field: numbers to float / int (an integer type such
+    as numpy's too; a bool is no number here), sequences to tuples (callers pass lists; the params stay
+    hashable and immutable), a lone stop string to one stop string, None to empty."""
+    fields: dict[str, object] = {name: _float(name, getattr(params, name)) for name in _FLOAT_FIELDS}
+    fields |= {name: _int(name, getattr(params, name)) for name in _INT_FIELDS}
+    for name in _OPTIONAL_INT_FIELDS:
+        if getattr(params, name) is not None:
+            fields[name] = _int(name, getattr(params, name))
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name}: must be True or False, got {getattr(params, name)!r}")
+    stop = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
+    if not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop: must be strings, got {list(stop)!r}")
+    fields["stop"] = stop
+    fields["stop_token_ids"] = _ints("stop_token_ids", params.stop_token_ids or ())
+    bias = params.logit_bias.items() if isinstance(params.logit_bias, Mapping) else params.logit_bias or ()
+    fields["logit_bias"] = tuple(
+        sorted((_int("logit_bias", t), _float("logit_bias", b)) for t, b in _items("logit_bias", bias))
+    )
+    if params.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = _ints("allowed_token_ids", params.allowed_token_ids)
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+
+
+def _ints(name: str, values: object) -> tuple[int, ...]:
+    return tuple(_int(name, value) for value in _items(name, values))
+
+
+def _items(name: str, values: object) -> Iterable:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ValueError(f"{name}: must be a list, got {values!r}")
+    return values
+
+
+def _int(name: str, value: object) -> int:
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: must be an integer, got {value!r}")
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    return float(value)
 
 
 def _check_finite(params: SamplingParams) -> None:

@@ -236,6 +236,29 @@ async def test_bad_requests_raise_before_queueing(engine):
     assert engine.num_live_requests == 0
 
 
+async def test_a_bad_priority_or_salt_or_a_failed_send_leaves_nothing_and_the_core_serves_on(
+    engine, monkeypatch
+):
+    """A priority or cache salt of the wrong type once reached the core, whose message decoder refused it
+    and exited: every stream failed. A request whose message cannot be sent (msgspec cannot encode a
+    value) once stayed live: its id was taken for good."""
+    with pytest.raises(InvalidRequestError, match=r"^priority: must be an integer, got None$"):
+        await engine.add_request("a", PARAMS, token_ids=[5, 6, 7], priority=None)
+    with pytest.raises(InvalidRequestError, match=r"^cache_salt: must be a string, got 5$"):
+        await engine.add_request("a", PARAMS, token_ids=[5, 6, 7], cache_salt=5)
+
+    def cannot_send(message: object) -> None:
+        raise TypeError("Encoding objects of type X is unsupported")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(engine._client, "send", cannot_send)
+        with pytest.raises(TypeError, match="Encoding objects"):
+            await engine.add_request("a", PARAMS, token_ids=[5, 6, 7])
+    assert engine.num_live_requests == 0
+    outputs = await _collect(await engine.add_request("a", PARAMS, token_ids=[5, 6, 7], priority=2))
+    assert (outputs[-1].finish_reason, sum(len(o.token_ids) for o in outputs)) == ("length", 8)
+
+
 async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, llama_long_dir, monkeypatch):
     from sluice.engine.frontend import async_engine
 

@@ -37,6 +37,7 @@ from sluice.engine.config import (
     SpeculativeConfig,
 )
 from sluice.engine.core.launched_step import needs_step_tokens
+from sluice.engine.faults import InjectedFault
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.request import RequestStatus
@@ -447,6 +448,26 @@ def test_a_request_whose_sampling_fails_ends_alone_and_its_step_in_flight_is_dro
     # Its next step was launched (on a stand-in token) before the failure was seen, then dropped.
     assert counts == {"good": 11, "bad": 1}
     assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_a_step_that_raises_while_another_is_in_flight_leaves_the_llm_usable(llama_dir, monkeypatch):
+    """A step raises (as an interrupt or a failing kernel would) while the one before it is in flight:
+    `generate` raises, and the same LLM then gives the tokens it gave before. Both steps had been
+    scheduled and were never updated; the next call's first update once found them and failed ("async
+    updates must come in the order the steps were scheduled"), every call after too."""
+    monkeypatch.setenv("SLUICE_INJECT_FAULT", "step:llm-2")
+    llm = _llm(llama_dir, True, max_num_batched_tokens=BLOCK, max_num_seqs=4, num_blocks=64)
+    counts = _placeholder_counter(llm)
+    first = [5 + i for i in range(BLOCK)]  # the whole step budget: llm-2 waits for step 2
+    expected = llm.generate(first, GREEDY)[0].token_ids  # llm-0
+    with pytest.raises(InjectedFault, match="injected step fault for request 'llm-2'"):
+        # Step 1 prefills llm-1 and stays in flight while step 2 (llm-1's decode and llm-2's first
+        # chunk) raises at launch.
+        llm.generate([first, list(range(40, 60))], GREEDY)
+    assert counts["llm-1"] == 1  # step 2 was scheduled with llm-1's token in flight
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(first, GREEDY)[0].token_ids == expected  # llm-3
+    assert llm.engine.stats().num_kv_blocks_used == 0
 
 
 # ---- aborts in flight --------------------------------------------------------------------------------

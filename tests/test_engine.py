@@ -131,6 +131,8 @@ def test_chat_messages_use_the_checkpoint_template(llama_dir):
     )
     assert completion.prompt_token_ids == expected
     assert len(completion.token_ids) == 4
+    (alone,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # one
+    assert (alone.prompt_token_ids, alone.token_ids) == (completion.prompt_token_ids, completion.token_ids)
 
 
 def test_abort_in_every_state_returns_every_block(llama_dir):
@@ -158,6 +160,29 @@ def test_a_rejected_prompt_leaves_no_request_behind(llama_dir):
     assert not llm.engine.has_unfinished_requests()
     completions = llm.generate([5, 6, 7], GREEDY)
     assert [c.request_id for c in completions] == ["llm-2"]
+
+
+def test_bad_priorities_and_lengths_are_refused_naming_the_argument_and_leave_the_llm_usable(llama_dir):
+    """A priority that is no integer once left its request in the scheduler, whose queue could then order
+    no request again: every later call failed."""
+    llm = LLM(llama_dir)
+    expected = llm.generate([5, 6, 7], GREEDY)[0].token_ids
+    with pytest.raises(InvalidRequestError, match=r"^priority: must be an integer, got None$"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priorities=[0, None])
+    with pytest.raises(ValueError, match=r"^priorities: 1 entries for 2 prompts$"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priorities=[0])
+    with pytest.raises(ValueError, match=r"^params: 1 entries for 2 prompts$"):
+        llm.generate([[5, 6, 7], [8, 9]], [GREEDY])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([5, 6, 7], GREEDY, priorities=[3])[0].token_ids == expected
+
+
+def test_a_request_that_fails_alone_says_why(llama_dir, monkeypatch):
+    monkeypatch.setenv("SLUICE_INJECT_FAULT", "sample:llm-1")  # sampling raises for that request only
+    good, bad = LLM(llama_dir).generate([[5, 6, 7], [8, 9]], GREEDY)
+    assert (good.finish_reason, good.error, len(good.token_ids)) == ("length", None, NUM_NEW)
+    assert (bad.finish_reason, bad.token_ids) == ("error", [])
+    assert "injected sample fault for request 'llm-1'" in bad.error
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])

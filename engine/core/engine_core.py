@@ -177,6 +177,14 @@ class EngineCore:
         else:
             self._grammar_room.add(request)
 
+    def discard_in_flight(self) -> None:
+        """After `step()` raised with every request then aborted (the offline `LLM` does): forgets the
+        step in flight and, with async scheduling, the steps scheduled and never updated, so the next
+        `step()` schedules afresh. A synchronous engine keeps nothing between steps."""
+        self._in_flight = None
+        if self.async_scheduling:
+            self.scheduler.discard_steps_in_flight()
+
     def abort(
         self,
         request_ids: Iterable[str],

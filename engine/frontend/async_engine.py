@@ -29,6 +29,8 @@ from sluice.engine.messages import (
     CoreOutputs,
     StartProfile,
     StopProfile,
+    checked_cache_salt,
+    checked_priority,
 )
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, RequestOutput
@@ -145,15 +147,22 @@ class AsyncEngine:
         tokens (when the engine speculates).
         """
         self._check_accepting(request_id, params.n)
+        priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         tools = None if tool_use is None else tool_use.for_template()
         prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
         params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
-        self._streams[request_id] = collector
         add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
-        self._client.send(self._output_processor.add_request(add, tool_use))  # sample 0 when n > 1
+        first = self._output_processor.add_request(add, tool_use)  # sample 0 when n > 1
+        self._streams[request_id] = collector
+        try:
+            self._client.send(first)
+        except BaseException:  # e.g. a value msgspec cannot encode: nothing of the request stays behind
+            self._streams.pop(request_id, None)
+            self._output_processor.abort([request_id])
+            raise
         return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
 
     def start_profile(

@@ -10,7 +10,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.core.engine_core import EngineCore
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.loading.model_loader import ModelSource
-from sluice.engine.messages import AddRequest, CoreOutput
+from sluice.engine.messages import AddRequest, CoreOutput, checked_cache_salt, checked_priority
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
@@ -53,6 +53,7 @@ class Engine:
         """Validates and queues a request; raises InvalidRequestError / ContextLengthError. With
         `tool_use`, `params` must already carry its constraint (`ToolUse.sampling_params`)."""
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
+        priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         add = AddRequest(
             request_id, list(prompt_token_ids), params, time.time(), priority, cache_salt, use_speculation
         )

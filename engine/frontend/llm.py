@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.config import EngineConfig
@@ -41,6 +41,7 @@ class Completion:
     logprobs: OutputLogprobs = NO_OUTPUT_LOGPROBS
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why, when finish_reason is "error" (e.g. a sampler that raised for it)
     cached_tokens: int = 0
     num_preemptions: int = 0
     draft_tokens: int = 0  # speculative decoding: drafts verified for this request, and accepted
@@ -61,6 +62,7 @@ class Completion:
             self.logprobs = OutputLogprobs.joined(self._logprobs_parts)
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
+            self.error = output.error
             self.cached_tokens = output.usage.cached_tokens if output.usage else 0
             self.prompt_tokens_computed = output.usage.prompt_tokens_computed if output.usage else 0
             self.draft_tokens = output.usage.draft_tokens if output.usage else 0
@@ -108,8 +110,11 @@ class LLM:
         *,
         tool_use: ToolUse | None = None,
     ) -> list[Completion]:
-        """`tool_use`: tools for every conversation (see `sluice.engine.structured.tool_calls`); the
-        completions then carry the parsed `tool_calls`."""
+        """`conversations`: a list of them, or one (a list of messages). `tool_use`: tools for every
+        conversation (see `sluice.engine.structured.tool_calls`); the completions then carry the parsed
+        `tool_calls`."""
+        if conversations and isinstance(conversations[0], Mapping):  # one conversation
+            conversations = [conversations]
         tools = None if tool_use is None else tool_use.for_template()
         token_ids = [resolve_prompt(self.engine.tokenizer, messages=c, tools=tools) for c in conversations]
         return self._run(token_ids, params, None, tool_use)
@@ -128,6 +133,9 @@ class LLM:
     ) -> list[Completion]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_token_ids)
+        for name, values in (("params", params), ("priorities", priorities)):
+            if values is not None and len(values) != len(prompt_token_ids):
+                raise ValueError(f"{name}: {len(values)} entries for {len(prompt_token_ids)} prompts")
         if tool_use is not None:
             params = [tool_use.sampling_params(p) for p in params]
         completions: dict[tuple[str, int], Completion] = {}  # (request id, sample index)
@@ -145,7 +153,10 @@ class LLM:
                         raise output.refusal()
                     completions[output.request_id, output.index].add(output)
         except BaseException:
-            # A rejected prompt or an interrupted run must not leave requests behind for the next call.
+            # A rejected prompt or an interrupted run must not leave requests behind for the next call,
+            # nor, with async scheduling, the steps they were in.
             self.engine.abort(list(dict.fromkeys(request_id for request_id, _ in completions)))
+            if not self.engine.has_unfinished_requests():
+                self.engine.core.discard_in_flight()
             raise
         return list(completions.values())

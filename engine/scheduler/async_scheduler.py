@@ -68,6 +68,14 @@ class AsyncScheduler(Scheduler):
         finally:
             self._owners = {}  # the step's requests, finished ones included, are not kept past it
 
+    def discard_steps_in_flight(self) -> None:
+        """Forgets the steps scheduled and not yet updated, after an exception cut one short (their
+        updates will never come). Only with no request live: theirs would have lost their tokens."""
+        if self._requests:
+            raise RuntimeError(f"steps in flight discarded with {len(self._requests)} requests live")
+        self._steps_in_flight.clear()
+        self._num_in_flight.clear()
+
     def num_in_flight(self, request: Request) -> int:
         """Tokens that steps already scheduled will sample for the request (0 with nothing in flight)."""
         return self._num_in_flight.get(request.request_id, 0)
