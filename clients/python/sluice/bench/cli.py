@@ -14,14 +14,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from sluice.bench import report
 from sluice.bench.metrics import Slo
 from sluice.bench.runner import LoadConfig, run_load
 from sluice.bench.transports import GenerateTransport, StreamTransport, Transport
-from sluice.bench.workloads import WORKLOAD_KINDS, Workload
+from sluice.bench.workloads import FIRST_PROMPT_TOKEN, WORKLOAD_KINDS, Workload
 from sluice.client import AsyncClient, SluiceError
 
 
@@ -52,7 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--sweep", default=None, help="comma-separated concurrencies, one run each")
+    parser.add_argument(
+        "--sweep", type=_concurrencies, default=None, help="comma-separated concurrencies, one run each"
+    )
     stop = parser.add_mutually_exclusive_group()
     stop.add_argument("--num-requests", type=int, default=None, help="default 100")
     stop.add_argument("--duration", type=float, default=None, help="seconds of sending")
@@ -68,6 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     compare.add_argument("a", help="baseline JSON (A)")
     compare.add_argument("b", help="JSON to compare (B)")
+
+
+def _concurrencies(text: str) -> list[int]:
+    """--sweep's type: "1,2,4" -> [1, 2, 4] (LoadConfig checks that each is >= 1)."""
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
 
 
 class Progress:
@@ -97,9 +107,7 @@ def _transport(args: argparse.Namespace) -> Transport:
     return StreamTransport(client) if args.api == "stream" else GenerateTransport(client)
 
 
-async def _vocab_size(args: argparse.Namespace) -> int:
-    if args.vocab_size is not None:
-        return args.vocab_size
+async def _served_vocab_size(args: argparse.Namespace) -> int:
     async with AsyncClient(args.target, api_key=args.api_key) as client:
         return (await client.model_info(timeout=30)).vocab_size
 
@@ -118,20 +126,60 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     )
 
 
+def _plan(args: argparse.Namespace) -> tuple[Workload, list[LoadConfig], Slo]:
+    """The workload, one load per run and the SLO, validated, and the outputs checked: a ValueError
+    before anything connects. Without --vocab-size the workload's vocabulary is a stand-in until the
+    server's is known."""
+    _check_outputs(args)
+    workload = _workload(args, FIRST_PROMPT_TOKEN + 1 if args.vocab_size is None else args.vocab_size)
+    loads = [
+        LoadConfig(
+            num_requests=args.num_requests if args.duration is None else None,
+            duration=args.duration,
+            request_rate=args.request_rate,
+            concurrency=concurrency,
+            warmup_requests=args.warmup,
+        )
+        for concurrency in args.sweep or [args.concurrency]
+    ]
+    slo = Slo(*(None if v is None else v / 1e3 for v in (args.slo_ttft, args.slo_tpot)))
+    return workload, loads, slo
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """A ValueError naming --json or --plot if the run's results could not be written there."""
+    if args.json and (problem := _file_problem(args.json)):
+        raise ValueError(f"--json: {problem}")
+    if args.plot and (problem := _directory_problem(args.plot)):
+        raise ValueError(f"--plot: {problem}")
+
+
+def _file_problem(path: str) -> str | None:
+    """Why the file `path` could not be written, or None."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    return _directory_problem(parent) if os.path.exists(parent) else f"no directory {parent}"
+
+
+def _directory_problem(path: str) -> str | None:
+    """Why files could not be written in the directory `path`, made as by makedirs if missing, or None."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # makedirs would make it and the others missing below
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    return None if os.access(existing, os.W_OK) else f"{existing} is not writable"
+
+
 async def _one_run(
-    args: argparse.Namespace, workload: Workload, concurrency: int | None, run_index: int
+    args: argparse.Namespace, workload: Workload, load: LoadConfig, slo: Slo, run_index: int
 ) -> dict[str, Any]:
     """Run `run_index` of the sweep, on prompts of its own (no run or warm-up repeats another's)."""
     workload = workload.for_run(run_index)
-    load = LoadConfig(
-        num_requests=args.num_requests if args.duration is None else None,
-        duration=args.duration,
-        request_rate=args.request_rate,
-        concurrency=concurrency,
-        warmup_requests=args.warmup,
-    )
-    slo = Slo(*(None if v is None else v / 1e3 for v in (args.slo_ttft, args.slo_tpot)))
-    label = args.label or (f"concurrency {concurrency}" if args.sweep else args.workload)
+    label = args.label or (f"concurrency {load.concurrency}" if args.sweep else args.workload)
     progress = Progress(label, load.num_requests, not args.no_progress)
     transport = _transport(args)
     try:
@@ -146,36 +194,66 @@ async def _one_run(
     )
 
 
-async def _bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    workload = _workload(args, await _vocab_size(args))
-    sweep = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.concurrency]
-    return [await _one_run(args, workload, concurrency, i) for i, concurrency in enumerate(sweep)]
+async def _bench(
+    args: argparse.Namespace, workload: Workload, loads: list[LoadConfig], slo: Slo
+) -> list[dict[str, Any]]:
+    if args.vocab_size is None:
+        workload = replace(workload, vocab_size=await _served_vocab_size(args))
+    return [await _one_run(args, workload, load, slo, i) for i, load in enumerate(loads)]
 
 
-def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    if args.json:
-        report.write_json(args.json, runs)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        from sluice.bench import plot
+def _write_json(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[str]:
+    if not args.json:
+        return []
+    report.write_json(args.json, runs)
+    return [args.json]
 
-        paths = [plot.latency_cdfs(runs, os.path.join(args.plot, "latency_cdfs.png"))]
-        if args.sweep:
-            paths.append(plot.sweep(runs, os.path.join(args.plot, "sweep.png")))
-        print(f"wrote {', '.join(paths)}", file=sys.stderr)
+
+def _write_plots(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[str]:
+    if not args.plot:
+        return []
+    from sluice.bench import plot
+
+    paths = [plot.latency_cdfs(runs, os.path.join(args.plot, "latency_cdfs.png"))]
+    if args.sweep:
+        paths.append(plot.sweep(runs, os.path.join(args.plot, "sweep.png")))
+    return paths
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> bool:
+    """Writes --json and --plot; for each it cannot write, prints one line and returns False."""
+    written = True
+    for option, write in (("--json", _write_json), ("--plot", _write_plots)):
+        try:
+            paths = write(args, runs)
+        except OSError as exc:
+            print(f"sluice bench: {option}: {exc}", file=sys.stderr)
+            written = False
+        else:
+            if paths:
+                print(f"wrote {', '.join(paths)}", file=sys.stderr)
+    return written
+
+
+def _compare(args: argparse.Namespace) -> int:
+    try:
+        print(report.compare(report.read_json(args.a), report.read_json(args.b)))
+    except (OSError, ValueError) as exc:
+        print(f"sluice bench compare: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "compare":
-        print(report.compare(report.read_json(args.a), report.read_json(args.b)))
-        return 0
+        return _compare(args)
     if args.num_requests is None and args.duration is None:
         args.num_requests = 100
     try:
-        runs = asyncio.run(_bench(args))
+        runs = asyncio.run(_bench(args, *_plan(args)))
     except (ValueError, SluiceError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
     print(report.format_runs(runs))
-    _write_outputs(args, runs)
-    return 0 if all(run["metrics"]["num_completed"] for run in runs) else 1
+    written = _write_outputs(args, runs)
+    return 0 if written and all(run["metrics"]["num_completed"] for run in runs) else 1

@@ -100,6 +100,12 @@ class Slo:
     ttft: float | None = None  # seconds
     tpot: float | None = None  # seconds
 
+    def __post_init__(self) -> None:
+        for name in ("ttft", "tpot"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # NaN fails it too
+                raise ValueError(f"slo_{name}: must be > 0")
+
     def met_by(self, record: RequestRecord) -> bool:
         tpot = record.tpot
         ttft_ok = self.ttft is None or record.ttft <= self.ttft

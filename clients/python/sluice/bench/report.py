@@ -81,11 +81,29 @@ def write_json(path: str, runs: Sequence[dict[str, Any]]) -> None:
 
 
 def read_json(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        document = json.load(f)
+    """The runs of the sluice bench JSON file at `path`; a ValueError naming `path` if it is not one."""
+    try:
+        with open(path) as f:
+            document = json.load(f)
+    except ValueError as exc:  # not JSON (json.JSONDecodeError) or not text (UnicodeDecodeError)
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(document, dict) or not isinstance(document.get("runs"), list):
         raise ValueError(f"{path}: not a sluice bench JSON file (no 'runs' list)")
+    for index, run in enumerate(document["runs"]):
+        if not _is_run(run):
+            raise ValueError(f"{path}: run {index} has no 'label' or no numeric 'metrics'")
     return document["runs"]
+
+
+def _is_run(run: Any) -> bool:
+    """Whether `run` holds what `compare` reads: a label, and metrics whose compared values are numbers
+    or null."""
+    if not isinstance(run, dict) or not isinstance(run.get("label"), str):
+        return False
+    if not isinstance(run.get("metrics"), dict):
+        return False
+    values = (metric_value(run["metrics"], path) for _, path, _, _ in COMPARED)
+    return all(v is None or type(v) in (int, float) for v in values)
 
 
 def metric_value(metrics: dict[str, Any], path: tuple[str, ...]) -> float | None:
@@ -155,7 +173,7 @@ def _count(value: int | None) -> str:
 def compare(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> str:
     """Each metric of A's and B's runs (paired in order) side by side with the ratio B / A."""
     if len(a) != len(b):
-        raise ValueError(f"compare: A has {len(a)} runs and B has {len(b)}; they must pair up")
+        raise ValueError(f"A has {len(a)} runs and B has {len(b)}; they must pair up")
     blocks = []
     for run_a, run_b in zip(a, b, strict=True):
         lines = [f"{'metric':<28}{'A: ' + run_a['label']:>24}{'B: ' + run_b['label']:>24}{'B/A':>9}"]

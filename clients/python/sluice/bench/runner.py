@@ -32,13 +32,14 @@ class LoadConfig:
     warmup_requests: int = 1  # sent one by one before the clock starts, not counted
 
     def __post_init__(self) -> None:
+        # Float checks are written `not x > 0` so that NaN, which fails every comparison, fails them.
         if (self.num_requests is None) == (self.duration is None):
             raise ValueError("num_requests: give exactly one of num_requests and duration")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError("num_requests: must be >= 1")
-        if self.duration is not None and self.duration <= 0:
+        if self.duration is not None and not self.duration > 0:
             raise ValueError("duration: must be > 0")
-        if self.request_rate <= 0:
+        if not self.request_rate > 0:
             raise ValueError("request_rate: must be > 0")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency: must be >= 1")

@@ -58,7 +58,7 @@ class Workload:
         for name in ("input_len", "output_len", "max_input_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if self.sigma < 0:
+        if not self.sigma >= 0:  # NaN fails it too
             raise ValueError("sigma: must be >= 0")
         if self.prefix_len < 0:
             raise ValueError("prefix_len: must be >= 0")

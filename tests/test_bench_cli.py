@@ -1,0 +1,135 @@
+"""`sluice bench` refuses bad options before it connects, each in one line naming the option (or its
+field): NaN and out-of-range floats, --sweep, output paths it could not write; `sluice bench compare`
+names a file that is not a sluice bench file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+
+from sluice.bench.metrics import Slo, summarize
+from sluice.bench.report import run_document, write_json
+from sluice.bench.runner import LoadConfig
+from sluice.bench.workloads import Workload
+from sluice.service.cli import main
+
+
+@pytest.fixture
+def dead_target():
+    """HOST:PORT of a bound port nobody listens on: a connection there fails, so a command that reaches
+    the network ends in UNAVAILABLE, not in the message a test expects."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _bench(target: str, *args: str) -> int:
+    return main(["bench", "--target", target, "--no-progress", "--warmup", "0", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("--request-rate", "nan", "--duration", "0.3"), "request_rate: must be > 0"),
+        (("--request-rate", "0"), "request_rate: must be > 0"),
+        (("--duration", "nan", "--concurrency", "1"), "duration: must be > 0"),
+        (("--sigma", "nan"), "sigma: must be >= 0"),
+        (("--slo-ttft", "nan"), "slo_ttft: must be > 0"),
+        (("--slo-tpot", "nan"), "slo_tpot: must be > 0"),
+        (("--slo-tpot", "-5"), "slo_tpot: must be > 0"),
+        (("--sweep", "4,0"), "concurrency: must be >= 1"),
+    ],
+)
+def test_bad_floats_and_loads_are_refused_before_connecting(dead_target, capsys, args, error) -> None:
+    assert _bench(dead_target, *args) == 2
+    assert capsys.readouterr().err == f"sluice bench: {error}\n"
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: LoadConfig(num_requests=1, request_rate=math.nan), "request_rate: must be > 0"),
+        (lambda: LoadConfig(duration=math.nan, concurrency=1), "duration: must be > 0"),
+        (lambda: Workload("chat", 100, sigma=math.nan), "sigma: must be >= 0"),
+        (lambda: Slo(ttft=math.nan), "slo_ttft: must be > 0"),
+        (lambda: Slo(tpot=math.nan), "slo_tpot: must be > 0"),
+    ],
+    ids=["request_rate", "duration", "sigma", "slo_ttft", "slo_tpot"],
+)
+def test_nan_fails_every_float_check(make, error) -> None:
+    with pytest.raises(ValueError, match=f"^{error}$"):
+        make()
+
+
+def test_sweep_names_itself_when_it_is_not_integers(dead_target, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _bench(dead_target, "--sweep", "a,b")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == "sluice bench: error: argument --sweep: must be comma-separated integers, got 'a,b'"
+
+
+def test_output_paths_it_cannot_write_are_refused_before_the_run(dead_target, tmp_path, capsys) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    refused = [
+        ("--json", str(tmp_path / "missing" / "out.json"), f"no directory {tmp_path / 'missing'}"),
+        ("--json", str(a_file / "out.json"), f"{a_file} is not a directory"),
+        ("--json", str(tmp_path), f"{tmp_path} is a directory"),
+        ("--plot", str(a_file), f"{a_file} is not a directory"),
+        ("--plot", str(a_file / "charts" / "more"), f"{a_file} is not a directory"),
+    ]
+    for option, path, problem in refused:
+        assert _bench(dead_target, option, path) == 2, (option, path)
+        assert capsys.readouterr().err == f"sluice bench: {option}: {problem}\n"
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (ENOSPC on every write)")
+def test_an_output_that_fails_at_write_time_is_one_line_and_the_others_are_written(
+    server, tmp_path, capsys
+) -> None:
+    charts = tmp_path / "charts"
+    args = ("--input-len", "8", "--output-len", "2", "--num-requests", "2", "--concurrency", "1")
+    assert _bench(server.target, *args, "--json", "/dev/full", "--plot", str(charts)) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[1].split()[:2] == ["fixed", "2/2"]  # the run itself completed
+    assert captured.err == (
+        f"sluice bench: --json: [Errno 28] No space left on device\nwrote {charts / 'latency_cdfs.png'}\n"
+    )
+    assert os.listdir(charts) == ["latency_cdfs.png"]
+
+
+def _document(path, num_runs: int = 1) -> str:
+    """A sluice bench JSON file of `num_runs` runs (of no requests) at `path`; returns the path."""
+    write_json(str(path), [run_document("run", {}, summarize([], 1.0), [])] * num_runs)
+    return str(path)
+
+
+def test_compare_names_a_file_that_is_not_a_bench_file(tmp_path, capsys) -> None:
+    good = _document(tmp_path / "good.json")
+    _document(tmp_path / "pair.json", num_runs=2)
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "no_label.json").write_text(json.dumps({"runs": [{}]}))
+    run = json.loads((tmp_path / "good.json").read_text())["runs"][0]
+    run["metrics"]["ttft"]["p50"] = "fast"
+    (tmp_path / "word.json").write_text(json.dumps({"runs": [run]}))
+    not_a_run = "run 0 has no 'label' or no numeric 'metrics'"
+    cases = [
+        ("missing.json", f"[Errno 2] No such file or directory: '{tmp_path / 'missing.json'}'"),
+        ("text.json", f"{tmp_path / 'text.json'}: not JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("list.json", f"{tmp_path / 'list.json'}: not a sluice bench JSON file (no 'runs' list)"),
+        ("no_label.json", f"{tmp_path / 'no_label.json'}: {not_a_run}"),
+        ("word.json", f"{tmp_path / 'word.json'}: {not_a_run}"),
+        ("pair.json", "A has 1 runs and B has 2; they must pair up"),
+    ]
+    for name, error in cases:
+        assert main(["bench", "compare", good, str(tmp_path / name)]) == 2, name
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"sluice bench compare: {error}\n")
+    assert main(["bench", "compare", good, good]) == 0
