@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -18,12 +19,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
     )
     parser.add_argument("--system", default=None, help="a system message before the user message")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=_bounded(int, 1, 2**31 - 1), default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=_bounded(int, -(2**63), 2**63 - 1), default=None)
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
-    parser.add_argument("--timeout", type=float, default=None, help="call deadline in seconds")
+    parser.add_argument(
+        "--timeout", type=_bounded(float, 0.001, math.inf), default=None, help="call deadline in seconds"
+    )
+
+
+def _bounded(kind: type, low: float, high: float):
+    """An argparse type: `kind(text)` in [low, high] (what the request's field holds), else an error
+    that argparse reports naming the flag."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
+        return value
+
+    return parse
 
 
 def _request(args: argparse.Namespace):

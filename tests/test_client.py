@@ -14,6 +14,7 @@ import pytest
 from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
 
 from sluice import AsyncClient, Client, generate_request
+from sluice.service.cli import build_parser, load_commands
 from sluice.service.generate_command import stats_line
 from sluice.service_config import REQUEST_HASH_HEADER_ENV
 from sluice.v1 import sluice_pb2 as pb
@@ -143,3 +144,21 @@ def test_sluice_generates_rate_counts_the_tokens_after_the_first_chunk() -> None
     assert stats_line(2.0, 0.5, 12, 4) == "12 tokens in 2.00s: 5.3 tokens/s, TTFT 500 ms"
     assert stats_line(0.2, 0.1, 1, 1) == "1 tokens in 0.20s: nan tokens/s, TTFT 100 ms"
     assert stats_line(0.2, None, 0, 0) == "0 tokens in 0.20s: nan tokens/s, TTFT nan ms"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--max-tokens", str(2**64)), f"argument --max-tokens: must be in [1, 2147483647], got {2**64}"),
+        (("--seed", str(2**64)), f"argument --seed: must be in [{-(2**63)}, {2**63 - 1}], got {2**64}"),
+        (("--timeout", "0"), "argument --timeout: must be in [0.001, inf], got 0"),
+    ],
+)
+def test_sluice_generate_refuses_a_value_its_request_cannot_hold_naming_the_flag(
+    capsys, flags, message
+) -> None:
+    """A max_tokens beyond int32 ended in protobuf's traceback; a timeout of 0 as DEADLINE_EXCEEDED."""
+    with pytest.raises(SystemExit) as info:
+        build_parser(load_commands(["generate"])).parse_args(["generate", *flags, "hi"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"sluice generate: error: {message}\n")
