@@ -24,6 +24,15 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _require_int64_fields(config: object) -> None:
+    """Every integer field of `config` fits an int64: the config crosses to the engine core in a message
+    (msgpack), which takes no more, and no size or count needs more."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _require(-(2**63) <= value < 2**63, f.name, f"{value} is out of range (an int64)")
+
+
 def option(
     default: Any,
     help: str,
@@ -313,6 +322,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        for section in (self, *(getattr(self, name) for name in config_sections(type(self)))):
+            if section is not None:
+                _require_int64_fields(section)
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -13,7 +14,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.engine_args import add_engine_arguments, engine_config_from_args
-from sluice.service.server import ServerConfig, SluiceServer, TlsConfig
+from sluice.service.server import ListenError, ServerConfig, SluiceServer, TlsConfig
 from sluice.service.tenants import TenantDirectory
 from sluice.service.tracing import tracer_provider_from_env
 
@@ -122,14 +123,21 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    port = await server.start()
     try:
-        await engine.start()
+        port = await server.start()
+    except ListenError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        await engine.shutdown()  # never started: its sockets and directory
+        return 2
+    try:
+        started = await _start_unless_stopped(engine, stop)
     except EngineDeadError as exc:
         logger.error("the engine could not start: %s", exc)
+        started = False
+    if not started:
         await server.stop(0)
         await engine.shutdown()
-        return 1
+        return 0 if stop.is_set() else 1
     await server.attach_engine(engine)
     metrics = f" metrics_port={server.metrics_port}" if server.metrics_port is not None else ""
     print(
@@ -150,6 +158,23 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
     await server.drain()
     await engine.shutdown()
     return 0
+
+
+async def _start_unless_stopped(engine: AsyncEngine, stop: asyncio.Event) -> bool:
+    """Starts the engine (loads the model); False if SIGTERM / SIGINT came first, which cancels the load
+    (its core is killed). Raises EngineDeadError if the model fails to load."""
+    loading = asyncio.create_task(engine.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if loading.done():
+        loading.result()
+        return True
+    loading.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loading
+    logger.info("stopped while the model loaded")
+    return False
 
 
 def run(args: argparse.Namespace) -> int:

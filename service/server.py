@@ -63,6 +63,16 @@ QUIET_S = 0.25
 GOAWAY_SETTLE_S = 0.25
 
 
+def listen_address(host: str, port: int) -> str:
+    """grpc's address for `host` (a name, an IPv4 or an IPv6 address, bracketed or not) and `port`."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ListenError(Exception):
+    """The server cannot listen where its config says (the message names the setting)."""
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """Server certificate and key (PEM files); `client_ca` set means clients must present a cert (mTLS)."""
@@ -70,6 +80,20 @@ class TlsConfig:
     cert: str
     key: str
     client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        """Each file is read now, so that a missing or malformed one is refused naming its flag (grpc
+        would only fail to bind, as if the port were taken)."""
+        for name, flag in (("cert", "cert"), ("key", "key"), ("client_ca", "client-ca")):
+            path = getattr(self, name)
+            if path is None:
+                continue
+            try:
+                pem = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"tls-{flag}: cannot read {path}: {exc.strerror or exc}") from None
+            if b"-----BEGIN " not in pem:
+                raise ValueError(f"tls-{flag}: {path} is not a PEM file")
 
     def credentials(self) -> grpc.ServerCredentials:
         key_pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]
@@ -101,7 +125,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("port: must be in [0, 65535]")
-        if self.grace_period < 0:
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port: must be in [0, 65535]")
+        if not self.grace_period >= 0:  # NaN too
             raise ValueError("grace_period: must be >= 0")
         if self.api_key is not None and self.tenants is not None:
             raise ValueError("api_keys: give an API key or an API keys file, not both")
@@ -163,16 +189,27 @@ class SluiceServer:
         reflection.enable_server_reflection(
             (INFERENCE_SERVICE, SMG_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
-        address = f"{self.config.host}:{self.config.port}"
-        if self.config.tls is not None:
-            self.port = server.add_secure_port(address, self.config.tls.credentials())
-        else:
-            self.port = server.add_insecure_port(address)
+        host = self.config.host.strip("[]")
+        address = listen_address(host, self.config.port)
+        try:
+            if self.config.tls is not None:
+                self.port = server.add_secure_port(address, self.config.tls.credentials())
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address ..."
+            raise ListenError(
+                f"port: cannot listen on {address} (in use, or no address of this host)"
+            ) from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            try:
+                self.metrics_port = self.metrics.serve(self.config.metrics_port, host)
+            except OSError as exc:
+                await self.stop(0)
+                where = f"{host}:{self.config.metrics_port}"
+                raise ListenError(f"metrics_port: cannot listen on {where}: {exc.strerror or exc}") from None
         return self.port
 
     async def attach_engine(self, engine: AsyncEngine) -> None:

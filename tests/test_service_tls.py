@@ -211,10 +211,9 @@ def test_serve_rejects_incomplete_tls_flags(argv, message: str, capsys: pytest.C
     assert capsys.readouterr().err == f"sluice serve: {message}\n"
 
 
-def test_serve_tls_flags_build_the_tls_config() -> None:
-    args = _parse("--tls-cert", "s.pem", "--tls-key", "s.key", "--tls-client-ca", "ca.pem")
-    assert server_config(args).tls == TlsConfig("s.pem", "s.key", "ca.pem")
-    assert server_config(_parse("--tls-cert", "s.pem", "--tls-key", "s.key")).tls == TlsConfig(
-        "s.pem", "s.key"
-    )
+def test_serve_tls_flags_build_the_tls_config(pki: Pki) -> None:
+    cert, key, client_ca = pki.mtls.cert, pki.mtls.key, pki.mtls.client_ca
+    args = _parse("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_ca)
+    assert server_config(args).tls == pki.mtls
+    assert server_config(_parse("--tls-cert", cert, "--tls-key", key)).tls == pki.tls
     assert server_config(_parse()).tls is None

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from sluice.engine.faults import FaultInjector
-from sluice.engine.frontend.core_client import CoreClient
+from sluice.engine.frontend.core_client import HEARTBEAT_S, CoreClient
 from sluice.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from sluice.engine.frontend.parallel_sampling import sample_request_ids
 from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
@@ -72,6 +72,12 @@ class AsyncEngine:
     ) -> None:
         if stream_interval < 1:
             raise ValueError("stream_interval: must be >= 1")
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1 (None: unbounded), got {max_queue}")
+        if not engine_timeout > HEARTBEAT_S:  # NaN too: the watchdog would never fire
+            raise ValueError(
+                f"engine_timeout: must be > {HEARTBEAT_S} s (the core's heartbeat), got {engine_timeout}"
+            )
         self._client = CoreClient(config, timeout_seconds=engine_timeout)
         self._max_queue = max_queue
         self._stream_interval = stream_interval

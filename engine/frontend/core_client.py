@@ -41,11 +41,14 @@ from sluice.engine.process.threads import core_process_environment
 logger = logging.getLogger(__name__)
 
 
+HEARTBEAT_S = 0.5  # an idle core says it is alive this often
+
+
 class CoreClient:
     """One engine core process. `await start(...)` returns once the model is loaded."""
 
     def __init__(
-        self, config: EngineConfig, *, heartbeat_seconds: float = 0.5, timeout_seconds: float = 30.0
+        self, config: EngineConfig, *, heartbeat_seconds: float = HEARTBEAT_S, timeout_seconds: float = 30.0
     ) -> None:
         self.config = config
         self.heartbeat_seconds = heartbeat_seconds
@@ -74,6 +77,8 @@ class CoreClient:
 
         Raises EngineDeadError if the model fails to load or the process exits first.
         """
+        # Encoded before the core exists: a config that cannot be sent must not leave a core waiting for it.
+        config = encode(CoreConfig(self.config, self.heartbeat_seconds))
         self._commands.setsockopt(zmq.SNDHWM, 0)
         # The core binds the commands address; connecting first queues the config until it does.
         self._commands.connect(f"ipc://{self._directory}/commands")
@@ -93,8 +98,8 @@ class CoreClient:
             ],
             env=core_process_environment(os.environ),
         )
-        self.send(CoreConfig(self.config, self.heartbeat_seconds))
         try:
+            self._commands.send(config, zmq.NOBLOCK)
             ready = await self._wait_ready()
         except BaseException:  # failed, or cancelled while the model loads: no core outlives its start
             self.kill()

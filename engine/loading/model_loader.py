@@ -47,6 +47,8 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
     if model_config.load_format == "dummy":
         return _dummy_source(model_config)
     path = model_config.model
+    if model_config.load_format == "safetensors":  # never read a GGUF file instead of what was asked
+        return _hf_directory_source(_safetensors_directory(path))
     if path is None:
         from sluice.engine.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
         from sluice.engine.loading.gguf_loader import load_gguf
@@ -61,6 +63,13 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
 
         return load_gguf(path)
     return _hf_directory_source(path)
+
+
+def _safetensors_directory(path: str | None) -> str:
+    if path is None or path.endswith(".gguf") or not os.path.isdir(path):
+        given = "the embedded default model (a GGUF file)" if path is None else repr(path)
+        raise ValueError(f"load_format: 'safetensors' needs a Hugging Face directory as model, got {given}")
+    return path
 
 
 def _hf_directory_source(directory: str) -> ModelSource:

@@ -122,7 +122,11 @@ def serve_core(commands_address: str, results_address: str) -> int:
         retain_freed_memory()
         frozen = freeze_gc_heap()
     except Exception as exc:
-        logger.exception("loading the engine core failed")
+        if isinstance(exc, ValueError | OSError):  # what the user gave (a flag, a path, a file): no traceback
+            logger.error("loading the engine core failed: %s: %s", type(exc).__name__, exc)
+            logger.debug("loading the engine core failed", exc_info=True)
+        else:
+            logger.exception("loading the engine core failed")
         results.send(encode(CoreFailed(f"loading the model failed: {type(exc).__name__}: {exc}")))
         return 1
     logger.info(

@@ -17,6 +17,7 @@ from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.model_loader import DummyWeights, ModelSource
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.outputs import PromptLogprobs
+from sluice.engine.process.host_memory import available_memory_bytes
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.selector import get_attention_backend
@@ -103,6 +104,7 @@ class ModelRunner:
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
         )
         self.num_blocks = tp.min(self._num_kv_blocks())
+        self._check_host_memory(self.num_blocks)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB",
@@ -246,6 +248,19 @@ class ModelRunner:
                 f"{self.kv_block_bytes / 2**20:.2f} MiB; raise it (or give num_blocks)"
             )
         return num_blocks
+
+    def _check_host_memory(self, num_blocks: int) -> None:
+        """A CPU cache larger than the memory left would be zeroed page by page until the OOM killer
+        ended the process: refused at once instead, naming the setting."""
+        available = available_memory_bytes()
+        needed = num_blocks * self.kv_block_bytes
+        if self.device.type != "cpu" or available is None or needed <= available:
+            return
+        field = "num_blocks" if self.config.cache.num_blocks is not None else "kv_cache_memory_bytes"
+        raise ValueError(
+            f"{field}: a KV cache of {needed / 2**30:.1f} GiB is more than the {available / 2**30:.1f} GiB "
+            "of memory available"
+        )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeroed, not empty: padded context rows are masked, but 0 * NaN garbage would still poison them.

@@ -1,0 +1,149 @@
+"""`sluice serve` refuses what it cannot serve with one line naming the flag (exit code 2), before it
+starts anything, and stops at SIGTERM even while the model loads, leaving no engine core behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from service_harness import PATIENCE_S
+
+from sluice.engine.config import ModelConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.process.host_memory import available_memory_bytes
+from sluice.service.cli import build_parser, load_commands
+from sluice.service.serve_command import run
+from sluice.service.server import listen_address
+
+pytestmark = pytest.mark.timeout(120)
+
+SLUICE = str(Path(sys.executable).parent / "sluice")
+
+
+def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
+    args = build_parser(load_commands(["serve"])).parse_args(["serve", "--preset", "tiny", *flags])
+    code = run(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--max-queue", "0"), "max_queue: must be >= 1 (None: unbounded), got 0"),
+        (("--engine-timeout", "0.5"), "engine_timeout: must be > 0.5 s (the core's heartbeat), got 0.5"),
+        (("--engine-timeout", "nan"), "engine_timeout: must be > 0.5 s (the core's heartbeat), got nan"),
+        (("--grace-period", "nan"), "grace_period: must be >= 0"),
+        (("--metrics-port", "-1"), "metrics_port: must be in [0, 65535]"),
+        (("--seed", "99999999999999999999"), "seed: 99999999999999999999 is out of range (an int64)"),
+        (("--max-model-len", str(2**70)), f"max_model_len: {2**70} is out of range (an int64)"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:
+    assert _serve(capsys, *flags) == (2, f"sluice serve: {message}\n")
+
+
+def test_tls_files_are_read_before_serving(capsys, tmp_path) -> None:
+    """grpc read them only when binding, and then said it could not bind (or raised FileNotFoundError)."""
+    not_pem = tmp_path / "key.txt"
+    not_pem.write_text("not a key")
+    missing = tmp_path / "missing.pem"
+    code, err = _serve(capsys, "--tls-cert", str(missing), "--tls-key", str(not_pem))
+    assert (code, err) == (2, f"sluice serve: tls-cert: cannot read {missing}: No such file or directory\n")
+    pem = tmp_path / "cert.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    code, err = _serve(capsys, "--tls-cert", str(pem), "--tls-key", str(not_pem))
+    assert (code, err) == (2, f"sluice serve: tls-key: {not_pem} is not a PEM file\n")
+
+
+def test_a_port_or_metrics_port_in_use_is_one_line_naming_it(capsys) -> None:
+    """Both ended in a traceback (and the metrics one left the gRPC server running)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = _serve(capsys, "--host", "127.0.0.1", "--port", str(port))
+        assert code == 2
+        assert err.endswith(
+            f"sluice serve: port: cannot listen on 127.0.0.1:{port} (in use, or no address of this host)\n"
+        )
+        code, err = _serve(capsys, "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(port))
+        assert code == 2
+        assert err.endswith(
+            f"sluice serve: metrics_port: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+        )
+
+
+def test_an_ipv6_host_gets_its_brackets() -> None:
+    """`--host ::1` became the address "::1:PORT", which grpc cannot bind (and metrics got "[::1]")."""
+    assert listen_address("::1", 5) == "[::1]:5"
+    assert listen_address("[::]", 5) == "[::]:5"
+    assert listen_address("127.0.0.1", 5) == "127.0.0.1:5"
+    assert listen_address("localhost", 5) == "localhost:5"
+
+
+def test_sigterm_while_the_model_loads_stops_the_load_and_its_core(tmp_path) -> None:
+    """The core opens its model, a FIFO nobody writes, and waits there until stopped. SIGTERM (the server
+    handles it from before it starts the core) once went unheard until the load ended: here, never."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    process = subprocess.Popen(
+        [SLUICE, "serve", "--model", str(fifo), "--load-format", "gguf", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while not (core_pids := _children(process.pid)):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no engine core started"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=PATIENCE_S)
+        assert (process.returncode, out) == (0, ""), err
+        assert "stopped while the model loaded" in err
+        assert not any(Path(f"/proc/{pid}").exists() for pid in core_pids)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def test_a_cpu_kv_cache_larger_than_the_memory_left_is_refused_naming_the_setting(llama_dir) -> None:
+    """It was allocated page by page until the OOM killer came."""
+    too_much = 2 * available_memory_bytes()
+    with pytest.raises(
+        ValueError, match=r"^kv_cache_memory_bytes: a KV cache of [\d.]+ GiB is more than the "
+    ):
+        LLM(llama_dir, kv_cache_memory_bytes=too_much)
+
+
+def test_safetensors_is_refused_for_a_gguf_model(tmp_path) -> None:
+    """It was ignored: the GGUF file loaded."""
+    message = r"^load_format: 'safetensors' needs a Hugging Face directory as model, got "
+    with pytest.raises(ValueError, match=message + "the embedded default model"):
+        load_model_source(ModelConfig(load_format="safetensors"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=message + repr(str(gguf))):
+        load_model_source(ModelConfig(model=str(gguf), load_format="safetensors"))
