@@ -17,7 +17,7 @@ from service_harness import PATIENCE_S
 from sluice.engine.config import ModelConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.model_loader import load_model_source
-from sluice.engine.process.host_memory import available_memory_bytes
+from sluice.engine.worker.cpu_memory import available_memory_bytes
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.serve_command import run
 from sluice.service.server import listen_address

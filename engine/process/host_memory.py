@@ -42,29 +42,6 @@ MMAP_MAX = 0
 MALLOC_TUNABLES = "glibc.malloc.tcache_count=0"
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this process may still take: the kernel's MemAvailable, or less under a cgroup v2 limit
-    (a container's); None where neither can be read (not Linux)."""
-    limits = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    limits.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            limits.append(int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return min(limits, default=None)
-
-
 def with_malloc_tunables(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` with MALLOC_TUNABLES added to GLIBC_TUNABLES (kept where it sets tcache_count itself)."""
     env = dict(environ)

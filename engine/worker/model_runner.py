@@ -17,10 +17,10 @@ from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.model_loader import DummyWeights, ModelSource
 from sluice.engine.model_registry import get_model_class
 from sluice.engine.outputs import PromptLogprobs
-from sluice.engine.process.host_memory import available_memory_bytes
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, ScheduledRequest, SchedulerOutput
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.attention.selector import get_attention_backend
+from sluice.engine.worker.cpu_memory import available_memory_bytes
 from sluice.engine.worker.cuda_graph_runner import (
     CudaGraphRunner,
     KVCache,
