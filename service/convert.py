@@ -111,7 +111,11 @@ def tool_use_from_proto(request: pb.GenerateRequest) -> ToolUse | None:
     """The tools of a chat request and its tool_choice (unset: "auto"); None without tools."""
     if request.WhichOneof("prompt") != "messages":
         return None
-    chat = request.messages
+    return tool_use_from_chat(request.messages)
+
+
+def tool_use_from_chat(chat: pb.ChatMessages) -> ToolUse | None:
+    """`tool_use_from_proto` of a conversation (Generate's or Tokenize's)."""
     if not chat.tools:
         if chat.HasField("tool_choice"):
             raise InvalidRequestError("tool_choice", "needs tools")

@@ -11,6 +11,7 @@ from opentelemetry import trace
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.async_engine import AsyncEngine, prompt_chars, tokenize_when_long
+from sluice.engine.text.prompt import resolve_prompt
 from sluice.service import convert
 from sluice.service.auth import authenticate
 from sluice.service.caller import Caller
@@ -154,10 +155,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         kind = request.WhichOneof("prompt")
         if tokenizer is None:
             raise InvalidRequestError(kind or "prompt", "this model has no tokenizer")
-        if kind == "messages":
+        if kind == "messages":  # as Generate renders and checks it, tools included
             messages = list(convert.messages_from_proto(request.messages))
+            tool_use = convert.tool_use_from_chat(request.messages)
+            tools = None if tool_use is None else tool_use.for_template()
             size = prompt_chars(messages=messages)
-            token_ids = await tokenize_when_long(size, tokenizer.encode_chat, messages)
+            token_ids = await tokenize_when_long(
+                size, resolve_prompt, tokenizer, messages=messages, tools=tools
+            )
         elif request.text:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             token_ids = await tokenize_when_long(

@@ -107,6 +107,23 @@ def test_random_ids_concatenate_to_full_decode(
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
+def test_sentencepiece_bytes_of_no_character_are_shown_not_dropped(tokenizers_by_name, chunk: int) -> None:
+    """Held-back byte tokens that turn out to be no valid UTF-8 (a stream cannot know before the next
+    token) once vanished from the stream, with the next token's leading space: now they come out as the
+    whole decode shows them (U+FFFD), after what was already streamed of them."""
+    tokenizer = tokenizers_by_name["sentencepiece"]
+    byte = lambda b: tokenizer.token_to_id(f"<0x{b:02X}>")
+    hello = tokenizer.encode("Say hello", add_special_tokens=False)
+    cases = [
+        ([byte(0xC3), byte(0xA9), byte(0x80), *hello], "\u00e9\ufffd Say hello"),  # é, then a lone byte
+        ([hello[0], byte(0xE4), *hello[1:]], "Say\ufffd hello"),  # a character's first byte alone
+    ]
+    for ids, text in cases:
+        deltas, tail = stream(tokenizer, ids, SamplingParams(), chunk)
+        assert "".join(deltas) + tail == text, (ids, deltas)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
 def test_random_ids_stop_at_a_stop_string_of_their_text(tokenizer: Tokenizer, chunk: int) -> None:
     """A stop string drawn from the whole decode (2-4 characters, often a character split across ids or
     spanning several tokens) ends the text where it first occurs there, and no delta holds any of it."""

@@ -65,6 +65,12 @@ def test_tokenizer_matches_transformers(hf, llm):
         assert ours.decode(expected, skip_special_tokens=skip) == hf_tokenizer.decode(
             expected, skip_special_tokens=skip, clean_up_tokenization_spaces=False
         )
+    # A typed U+2581 beside spaces: the runs of spaces, pieces of their own, matched it whole as well.
+    typed = "see \u2581\u2581 here, a\u2581\u2581  b \u2581"
+    assert (
+        ours.encode(typed, add_special_tokens=False)
+        == hf_tokenizer(typed, add_special_tokens=False).input_ids
+    )
 
 
 def test_greedy_tokens_equal_transformers(hf, llm):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import grpc
 import jsonschema
 import pytest
+from checkpoints import CHAT_TEMPLATE
+from service_harness import ServerThread, long_engine_config
 
 from sluice import Client
 from sluice.v1 import sluice_pb2 as pb
@@ -199,3 +202,48 @@ def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> Non
         info.value.details()
         == "tool_choice: 'nope' is not a mode nor one of the tools ['get_weather', 'get_time']"
     )
+
+
+def test_tokenize_renders_and_checks_a_chat_as_generate_does(llama_long_dir, tmp_path) -> None:
+    """Tokenize left the tools out of the template and took what Generate refuses (an empty role,
+    tool_choice without tools). Here the template renders the tools it is given."""
+    directory = tmp_path / "llama"
+    shutil.copytree(llama_long_dir, directory)
+    template = (
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+    )
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    if (directory / "chat_template.jinja").exists():
+        (directory / "chat_template.jinja").write_text(template)
+    thread = ServerThread(long_engine_config(str(directory))).start()
+    try:
+        with thread.channel() as channel:
+            stub = thread.stub(channel)
+            request = chat_request(pb.ToolChoice(function_name="get_weather"), max_tokens=1, temperature=0.0)
+            tokenized = stub.Tokenize(pb.TokenizeRequest(messages=request.messages), timeout=60).token_ids
+            without_tools = pb.ChatMessages(messages=request.messages.messages)
+            plain = stub.Tokenize(pb.TokenizeRequest(messages=without_tools), timeout=60).token_ids
+            (*_, last) = stub.Generate(request, timeout=60)
+            assert len(tokenized) == last.usage.prompt_tokens > len(plain)
+            refused = [
+                (
+                    pb.ChatMessages(messages=[pb.ChatMessage(role="", content="hi")]),
+                    "messages[0].role: must not be empty",
+                ),
+                (
+                    pb.ChatMessages(
+                        messages=without_tools.messages, tool_choice=pb.ToolChoice(function_name="x")
+                    ),
+                    "tool_choice: needs tools",
+                ),
+            ]
+            for messages, details in refused:
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Tokenize(pb.TokenizeRequest(messages=messages), timeout=60)
+                assert (info.value.code(), info.value.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    details,
+                )
+    finally:
+        thread.stop()

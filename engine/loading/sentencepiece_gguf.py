@@ -33,8 +33,12 @@ def sentencepiece_bpe(
     """A byte-fallback BPE over the GGUF's pieces (ids are list positions). Control tokens and
     `special_ids` (the file's bos/eos/unk/pad) become special added tokens, user-defined ones plain
     added tokens, all matched whole."""
+    # Gemma's runs of spaces are pieces the BPE reaches through the normalizer (" " -> "\u2581"), as
+    # SentencePiece does; added whole they would also match a "\u2581" typed in the text (transformers'
+    # converter leaves them out too).
+    space_runs = {i for i, t in enumerate(tokens) if gemma and " " in t and not t.strip()}
     if gemma:
-        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        tokens = ["\u2581" * len(t) if i in space_runs else t for i, t in enumerate(tokens)]
         ranks = {token: -index for index, token in enumerate(tokens)}
     else:
         ranks = dict(zip(tokens, scores, strict=False))
@@ -56,9 +60,8 @@ def sentencepiece_bpe(
     special = [t for t, kind in typed if kind == _CONTROL]
     special += [tokens[i] for i in special_ids if tokens[i] not in special]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-    backend.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t, kind in typed if kind == _USER_DEFINED]
-    )
+    user_defined = [t for i, (t, kind) in enumerate(typed) if kind == _USER_DEFINED and i not in space_runs]
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
     return backend
 
 

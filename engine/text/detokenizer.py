@@ -91,12 +91,14 @@ class _WindowStream:
         try:
             text = self._stream.step(self._backend, token_id)
         except Exception as e:
-            # DecodeStream's state breaks when a decoder is not prefix-monotonic (vLLM issue 17448);
-            # restart it from this token, as vLLM does.
+            # DecodeStream's state breaks when a decoder is not prefix-monotonic (vLLM issue 17448), as
+            # when held-back byte tokens turn out to be no valid UTF-8: restarted from this token, as vLLM
+            # does, after emitting what a whole decode shows for the held-back ids and this one.
             if "Invalid prefix" not in str(e):
                 raise
+            text = self._tail_text(self._num_undecoded + 1)
             self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
-            text = self._stream.step(self._backend, token_id)
+            self._stream.step(self._backend, token_id)
         if text is None:
             self._num_undecoded += 1
             return ""
@@ -110,9 +112,15 @@ class _WindowStream:
         U+FFFD, exactly as a whole decode of the output shows it)."""
         if self._num_undecoded == 0:
             return ""
-        end = len(self._ids) - self._num_undecoded
+        text = self._tail_text(self._num_undecoded)
+        self._num_undecoded = 0
+        return text
+
+    def _tail_text(self, num_ids: int) -> str:
+        """The text of the last `num_ids` ids, decoded after a little context (so that a leading space
+        stays, and bytes of no valid character come out as U+FFFD, as in a whole decode)."""
+        end = len(self._ids) - num_ids
         context = self._ids[max(0, end - _CONTEXT_IDS) : end]
         decode = lambda ids: self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         prefix, full = decode(context), decode(context + self._ids[end:])
-        self._num_undecoded = 0
         return full[len(prefix) :] if full.startswith(prefix) else decode(self._ids[end:])

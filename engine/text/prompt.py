@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
@@ -36,6 +36,10 @@ def resolve_prompt(
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
         for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidRequestError(
+                    f"messages[{i}]", f"must be a mapping with role and content, got {message!r}"
+                )
             if not message.get("role"):
                 raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
         return tokenizer.encode_chat(list(messages), tools=tools)
