@@ -124,7 +124,10 @@ def tool_use_from_chat(chat: pb.ChatMessages) -> ToolUse | None:
     kind = chat.tool_choice.WhichOneof("choice")
     if kind == "function_name":
         return ToolUse(tools, chat.tool_choice.function_name)
-    return ToolUse(tools, _TOOL_CHOICE_MODES.get(chat.tool_choice.mode, "auto"))
+    mode = chat.tool_choice.mode
+    if mode not in _TOOL_CHOICE_MODES and mode != pb.TOOL_CHOICE_MODE_UNSPECIFIED:
+        raise InvalidRequestError("tool_choice.mode", f"unknown value {mode}")
+    return ToolUse(tools, _TOOL_CHOICE_MODES.get(mode, "auto"))
 
 
 def messages_from_proto(message: pb.ChatMessages) -> tuple[dict[str, str], ...]:

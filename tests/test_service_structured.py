@@ -194,6 +194,16 @@ def test_the_clients_completion_keeps_the_tool_calls(stub, server) -> None:
     assert completion.tool_calls == list(chunks[-1].tool_calls)
 
 
+def test_an_unknown_tool_choice_mode_is_invalid_argument(stub) -> None:
+    """It ran as auto (unconstrained)."""
+    with pytest.raises(grpc.RpcError) as info:
+        chat(stub, pb.ToolChoice(mode=7))
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tool_choice.mode: unknown value 7",
+    )
+
+
 def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         chat(stub, pb.ToolChoice(function_name="nope"))

@@ -149,6 +149,11 @@ def test_choice_returns_exactly_one_of_the_choices(llm: LLM) -> None:
     params = [sampled(Constraint(choice=choices), i) for i in range(len(PROMPTS))]
     texts = [c.text for c in llm.generate(PROMPTS, params)]
     assert all(text in choices for text in texts), texts
+    # With special tokens shown, the EOS that ends the choice is still no part of it (its text once was).
+    shown = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    completions = llm.generate(PROMPTS, shown)
+    assert [c.text for c in completions] == texts
+    assert all(c.token_ids[-1] == c.stop_reason for c in completions)  # the EOS is kept as a token
 
 
 @pytest.mark.parametrize(
@@ -252,6 +257,41 @@ def test_constraints_are_validated_when_built() -> None:
         Constraint(regex="a", choice=("a",))
     with pytest.raises(ValueError, match=r"^choice: must hold at least one non-empty string"):
         Constraint(choice=("a", ""))
+    assert Constraint(choice="yes").choice == ("yes",)  # one choice, not its characters
+    assert Constraint(json_schema={"type": "integer"}).json_schema == '{"type": "integer"}'
+    with pytest.raises(ValueError, match=r"^regex: must be a string, got 5$"):
+        Constraint(regex=5)
+    with pytest.raises(ValueError, match=r"^choice: must be strings, got \['a', 1\]$"):
+        Constraint(choice=["a", 1])
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword", "path"),
+    [
+        ({"not": {"type": "integer"}}, "not", "#"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 10}]}, "allOf", "#"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#"),
+        ({"type": "array", "contains": {"const": 5}}, "contains", "#"),
+        ({"type": "object", "properties": {"a": {"if": {}, "then": {}}}}, "if", "#/properties/a"),
+        (
+            {"$defs": {"d": {"dependentRequired": {"a": ["b"]}}}, "$ref": "#/$defs/d"},
+            "dependentRequired",
+            "#/$defs/d",
+        ),
+    ],
+)
+def test_a_json_schema_keyword_the_grammar_cannot_enforce_is_refused(schema, keyword, path) -> None:
+    """xgrammar compiled these without enforcing them (outputs broke them and were called valid)."""
+    message = f"json_schema: '{keyword}' at {path} is a keyword the grammar cannot enforce"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Constraint(json_schema=json.dumps(schema))
+    # A property named like a keyword is no keyword; one allOf branch and oneOf (as anyOf) compile.
+    for fine in (
+        {"properties": {"not": {}}},
+        {"allOf": [{"type": "integer"}]},
+        {"oneOf": [{"type": "integer"}]},
+    ):
+        Constraint(json_schema=json.dumps(fine))
 
 
 def test_a_repeated_constraint_compiles_once(llm: LLM) -> None:

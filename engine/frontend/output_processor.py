@@ -209,7 +209,15 @@ class OutputProcessor:
         if detokenizer is None:
             return "", None, len(core_output.new_token_ids)
         num_before = detokenizer.num_tokens
-        text = detokenizer.add_tokens(core_output.new_token_ids)
+        token_ids = core_output.new_token_ids
+        # The stop token (EOS, a stop_token_ids entry) ends the output but is no part of its text, also
+        # with skip_special_tokens off (vLLM's detokenizer skips it too): a constrained output it ends
+        # stays what the constraint matched.
+        stopped_by_token = core_output.finish_reason == "stop" and isinstance(core_output.stop_reason, int)
+        text = detokenizer.add_tokens(token_ids[:-1] if stopped_by_token else token_ids)
         if core_output.finish_reason is not None and detokenizer.stop_string is None:
             text += detokenizer.flush()
-        return text, detokenizer.stop_string, detokenizer.num_tokens - num_before
+        num_taken = detokenizer.num_tokens - num_before
+        if stopped_by_token and detokenizer.stop_string is None:
+            num_taken += 1  # the stop token itself is kept in the token ids
+        return text, detokenizer.stop_string, num_taken

@@ -24,8 +24,18 @@ class Constraint:
     json_object: bool = False
 
     def __post_init__(self) -> None:
-        if self.choice is not None:
+        if isinstance(self.json_schema, dict | bool):  # a schema as Python data: its JSON text
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.choice, str):  # one choice, not its characters
+            object.__setattr__(self, "choice", (self.choice,))
+        elif self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name}: must be a string, got {value!r}")
+        if self.choice is not None and not all(isinstance(c, str) for c in self.choice):
+            raise ValueError(f"choice: must be strings, got {list(self.choice)!r}")
         if len(self.kinds) != 1:
             given = ", ".join(self.kinds) or "none"
             raise ValueError(
@@ -78,3 +88,64 @@ def _check_json(schema: str) -> None:
         raise ValueError(f"json_schema: is not valid JSON: {e}") from e
     if not isinstance(value, dict | bool):
         raise ValueError("json_schema: must be a JSON object")
+    if (unenforced := unenforced_keyword(value)) is not None:
+        keyword, path = unenforced
+        raise ValueError(
+            f"json_schema: {keyword!r} at {path} is a keyword the grammar cannot enforce (xgrammar), so the "
+            "output could break it; leave it out"
+        )
+
+
+# JSON Schema keywords xgrammar compiles without enforcing them (its warnings say so), so an output that
+# breaks them would still be "guaranteed": refused, as vLLM refuses schemas with features xgrammar lacks.
+# `oneOf` is compiled as `anyOf`: the same wherever the branches exclude each other (pydantic's tagged
+# unions), and documented.
+_UNENFORCED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "contains",
+    "minContains",
+    "maxContains",
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMAS = (
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
+
+
+def unenforced_keyword(schema: object, path: str = "#") -> tuple[str, str] | None:
+    """(keyword, JSON pointer of its schema) of the first keyword in `schema` or its subschemas that the
+    grammar would not enforce; None if there is none."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in _UNENFORCED:
+        if keyword in schema:
+            return keyword, path
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems", path
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf", path
+    children = [(f"{path}/{k}", schema[k]) for k in _SCHEMAS if k in schema]
+    items = schema.get("items")
+    children += [(f"{path}/items/{i}", s) for i, s in enumerate(items)] if isinstance(items, list) else []
+    children += [(f"{path}/items", items)] if isinstance(items, dict) else []
+    for keyword in _SCHEMA_MAPS:
+        value = schema.get(keyword)
+        children += (
+            [(f"{path}/{keyword}/{k}", s) for k, s in value.items()] if isinstance(value, dict) else []
+        )
+    for keyword in _SCHEMA_LISTS:
+        value = schema.get(keyword)
+        children += (
+            [(f"{path}/{keyword}/{i}", s) for i, s in enumerate(value)] if isinstance(value, list) else []
+        )
+    return next((found for p, s in children if (found := unenforced_keyword(s, p)) is not None), None)

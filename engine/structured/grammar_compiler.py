@@ -96,7 +96,7 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(source)
             else:
                 compiled = compiler.compile_grammar(source)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(_XGRAMMAR_PREFIX.sub("", str(e)).strip()) from e
         finally:
             self.num_compiles += 1
