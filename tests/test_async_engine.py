@@ -105,13 +105,15 @@ async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp
     await engine.shutdown()
 
 
-# A frontend in a fresh interpreter serves one request and prints the heavy packages it imported; this
+# A frontend in a fresh interpreter serves a request and a chat with tools (whose checks once imported
+# xgrammar, and torch with it) and prints the heavy packages it imported; this
 # process cannot tell, since the tests import torch into it.
 _FRONTEND_ONLY = """
 import asyncio, os, sys
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.tool_calls import Tool, ToolUse
 
 async def main():
     model = ModelConfig(model=sys.argv[1])
@@ -120,6 +122,9 @@ async def main():
     await engine.start()
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outputs = [o async for o in await engine.add_request("r", params, text="hello world")]
+    tools = ToolUse((Tool("f", "", '{"properties": {"a": {"type": "integer"}}}'),), "auto")
+    chat = [{"role": "user", "content": "hi"}]
+    outputs += [o async for o in await engine.add_request("t", params, messages=chat, tool_use=tools)]
     core_pid = engine.core_pid
     await engine.shutdown()
     heavy = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers"})
@@ -134,7 +139,7 @@ def test_the_frontend_process_never_imports_torch(llama_dir):
         [sys.executable, "-c", _FRONTEND_ONLY, llama_dir], capture_output=True, text=True, timeout=PATIENCE_S
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == "4 True []", result.stdout
+    assert result.stdout.splitlines()[-1] == "8 True []", result.stdout
 
 
 async def test_the_core_process_is_started_with_the_core_environment(engine):

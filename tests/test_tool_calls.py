@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import json
 
 import jsonschema
 import pytest
+import xgrammar as xgr
+from pydantic import BaseModel, Field
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
@@ -16,6 +19,32 @@ from sluice.engine.structured.tool_calls import Tool, ToolUse
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = Tool("get_weather", "Weather in a city", json.dumps(CITY))
 TIME = Tool("get_time", "The time now")
+
+
+class Unit(enum.StrEnum):
+    C = "C"
+    F = "F"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    unit: Unit
+
+
+class Forecast(BaseModel):
+    place: Place
+    days: int = Field(ge=1, le=7)
+
+
+# pydantic's schemas keep nested models and enums in "$defs", referenced as "#/$defs/...".
+FORECAST = Tool("get_forecast", "Forecast for a place", json.dumps(Forecast.model_json_schema()))
+# A tree: "#" refers to the tool's own schema.
+TREE = {
+    "type": "object",
+    "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["label"],
+}
+OUTLINE = Tool("outline", "An outline", json.dumps(TREE))
 
 
 def test_tools_reach_the_template_in_transformers_json_schema_form() -> None:
@@ -46,6 +75,55 @@ def test_required_accepts_exactly_arrays_of_calls_of_the_tools() -> None:
             jsonschema.validate(bad, schema)
 
 
+def test_required_accepts_exactly_the_calls_of_tools_that_reference_their_own_definitions() -> None:
+    tools = (FORECAST, OUTLINE, WEATHER)
+    text = ToolUse(tools, "required").constraint().json_schema
+    xgr.Grammar.from_json_schema(text, any_whitespace=False)  # compiles: each "$ref" still resolves
+    schema = json.loads(text)
+    place = {"city": "Oslo", "unit": "C"}
+    arguments = [
+        {"place": place, "days": 3},
+        {"place": {**place, "unit": "K"}, "days": 3},
+        {"place": place, "days": 8},
+        {"place": {"city": "Oslo"}, "days": 3},
+        {"label": "a", "children": [{"label": "b", "children": [{"label": "c"}]}]},
+        {"label": "a", "children": [{"label": "b", "children": [{"title": "c"}]}]},
+        {"label": "a", "children": [{"label": 1}]},
+        {"city": "Rome"},
+    ]
+    calls = [[{"name": tool.name, "arguments": args}] for tool in tools for args in arguments]
+    accepted = [call for call in calls if jsonschema.Draft202012Validator(schema).is_valid(call)]
+    # The reference: jsonschema validating the arguments against the tool's own schema.
+    reference = [
+        [{"name": tool.name, "arguments": args}]
+        for tool in tools
+        for args in arguments
+        if jsonschema.Draft202012Validator(tool.schema).is_valid(args)
+    ]
+    assert accepted == reference
+    assert len(reference) == 3  # one valid call of each tool
+
+
+def test_parameters_without_a_type_describe_an_object_and_empty_ones_no_arguments() -> None:
+    for parameters, schema in [
+        ("{}", {"type": "object"}),
+        (
+            '{"properties": {"n": {"type": "integer"}}}',
+            {"type": "object", "properties": {"n": {"type": "integer"}}},
+        ),
+        ("", {"type": "object", "properties": {}}),
+    ]:
+        tool = Tool("f", parameters=parameters)
+        assert tool.for_template()["function"]["parameters"] == schema
+        named = json.loads(ToolUse((tool,), "f").constraint().json_schema)
+        required = json.loads(ToolUse((tool,), "required").constraint().json_schema)
+        jsonschema.validate({}, named)
+        jsonschema.validate([{"name": "f", "arguments": {}}], required)
+        for value in (4219990, "rich", None, []):
+            assert not jsonschema.Draft202012Validator(named).is_valid(value)
+            assert not jsonschema.Draft202012Validator(required).is_valid([{"name": "f", "arguments": value}])
+
+
 def test_a_named_function_constrains_to_its_arguments_and_none_auto_do_not() -> None:
     assert ToolUse((WEATHER, TIME), "get_weather").constraint() == Constraint(json_schema=json.dumps(CITY))
     assert ToolUse((WEATHER,), "auto").constraint() is None
@@ -74,6 +152,30 @@ def test_parsing_per_tool_choice() -> None:
     assert ToolUse(tools, "none").parse(required) == ()
 
 
+def test_auto_parses_a_last_block_the_output_did_not_close() -> None:
+    # A stop string "</tool_call>" or EOS right after the JSON leaves the last block unclosed.
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    last = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    assert ToolUse((WEATHER, TIME), "auto").parse(first + last) == (
+        ToolCall("get_weather", '{"city": "Rome"}'),
+        ToolCall("get_time", "{}"),
+    )
+    assert ToolUse((WEATHER, TIME), "auto").parse(last) == (ToolCall("get_time", "{}"),)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_calls_whose_arguments_are_not_json_numbers_are_dropped(number) -> None:
+    good = '{"name": "get_time", "arguments": {}}'
+    bad = f'{{"name": "get_weather", "arguments": {{"city": "Oslo", "days": {number}}}}}'
+    auto = ToolUse((WEATHER, TIME), "auto")
+    assert auto.parse(f"<tool_call>{bad}</tool_call><tool_call>{good}</tool_call>") == (
+        ToolCall("get_time", "{}"),
+    )
+    assert auto.parse(bad) == ()
+    assert ToolUse((WEATHER, TIME), "required").parse(f"[{bad}]") == ()
+    assert ToolUse((WEATHER,), "get_weather").parse(f'{{"city": {number}}}') == ()
+
+
 def test_a_required_call_cannot_be_combined_with_another_constraint() -> None:
     params = SamplingParams(constraint=Constraint(regex="a"))
     with pytest.raises(InvalidRequestError) as info:
@@ -87,6 +189,19 @@ def test_a_required_call_cannot_be_combined_with_another_constraint() -> None:
     [
         (lambda: Tool(""), "tools.name: must not be empty"),
         (lambda: Tool("f", parameters="[1]"), "tools.parameters: 'f' must be a JSON object"),
+        (
+            lambda: Tool("f", parameters='{"type": "string"}'),
+            'tools.parameters: \'f\' must have "type": "object", got "string"',
+        ),
+        (
+            lambda: Tool("f", parameters='{"type": ["object", "null"]}'),
+            'tools.parameters: \'f\' must have "type": "object", got ["object", "null"]',
+        ),
+        (
+            lambda: Tool("f", parameters='{"type": "object", "properties": {"a": {"not": {}}}}'),
+            "tools.parameters: 'f' has 'not' at #/properties/a, a keyword the grammar cannot enforce; "
+            "leave it out",
+        ),
         (lambda: ToolUse((WEATHER, WEATHER)), "tools: names must be unique"),
         (
             lambda: ToolUse((WEATHER,), "other"),

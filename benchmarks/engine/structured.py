@@ -132,7 +132,9 @@ def measure_compile(llm: LLM) -> dict[str, float]:
     seconds = {"tokenizer_info": time.perf_counter() - start}
     compiler = GrammarCompiler(core.tokenizer, core.model_info.vocab_size, core.eos_token_ids)
     compiler.submit(Constraint(regex="x")).result()  # builds the vocabulary in the compile thread
-    tools = ToolUse((Tool("get_weather", parameters=json.dumps(ORDER["properties"]["items"])),), "required")
+    tools = ToolUse(
+        (Tool("add_to_order", parameters=json.dumps(ORDER["properties"]["items"]["items"])),), "required"
+    )
     constraints = {
         "json_schema": Constraint(json_schema=json.dumps(ORDER)),
         "regex": Constraint(regex=r"[A-Z][a-z]{1,10} [0-9]{1,3}(, [A-Z][a-z]{1,10} [0-9]{1,3}){0,4}"),

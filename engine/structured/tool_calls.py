@@ -1,5 +1,5 @@
 """Tool calls: the tools of a chat request, the constraint that enforces a required or named call, and
-the calls parsed from the finished output. Pure Python: the frontend uses it.
+the calls parsed from the finished output. Pure Python: the frontend uses it (xgrammar imports torch).
 
     tool_choice   rendered tools   constraint on the output                     parsed from the output
     none          yes              none                                         nothing
@@ -10,7 +10,13 @@ the calls parsed from the finished output. Pure Python: the frontend uses it.
     a function    yes              that function's arguments object             one call of it
 
 The tools reach the chat template as transformers' `apply_chat_template(tools=...)` passes JSON-schema
-tools: {"type": "function", "function": {"name", "description", "parameters"}}.
+tools: {"type": "function", "function": {"name", "description", "parameters"}}. A tool's parameters
+describe an object: a schema without "type" gets "type": "object" (as vLLM gives empty parameters
+{"type": "object", "properties": {}}), another "type" is refused, and so is a keyword the grammar
+cannot enforce (`constraint.unenforced_keyword`), when the Tool is built, whatever the tool_choice; a
+schema xgrammar cannot compile fails a required or named call's constraint (json_schema). Calls whose
+arguments hold NaN or Infinity are dropped: JSON has no such numbers, and Go, Java and JavaScript clients
+could not parse them.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ from typing import Any
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.constraint import Constraint, unenforced_keyword
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# The last block may be unclosed: a stop string "</tool_call>" or EOS ended the output after its JSON.
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# Keywords whose values are maps of names to schemas, and keywords whose values are data, not schemas.
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,22 @@ class Tool:
                 raise ValueError(f"tools.parameters: {self.name!r} is not valid JSON: {e}") from e
             if not isinstance(schema, dict):
                 raise ValueError(f"tools.parameters: {self.name!r} must be a JSON object")
+            if schema.get("type", "object") != "object":
+                got = json.dumps(schema["type"])
+                raise ValueError(f'tools.parameters: {self.name!r} must have "type": "object", got {got}')
+            if (unenforced := unenforced_keyword(schema)) is not None:
+                keyword, path = unenforced
+                raise ValueError(
+                    f"tools.parameters: {self.name!r} has {keyword!r} at {path}, a keyword the grammar "
+                    "cannot enforce; leave it out"
+                )
 
     @property
     def schema(self) -> dict[str, Any]:
-        return json.loads(self.parameters) if self.parameters else dict(NO_ARGUMENTS_SCHEMA)
+        """The arguments' JSON schema: always of an object."""
+        if not self.parameters:
+            return dict(NO_ARGUMENTS_SCHEMA)
+        return {"type": "object", **json.loads(self.parameters)}
 
     def for_template(self) -> dict[str, Any]:
         function = {"name": self.name, "description": self.description, "parameters": self.schema}
@@ -96,24 +118,27 @@ class ToolUse:
             return None
         if self.tool_choice != "required":
             return Constraint(json_schema=json.dumps(self._tool(self.tool_choice).schema))
+        # Each tool's schema sits under the root's $defs, its own "#/..." references rebased to follow it.
+        defs = {f"tool_{i}": _rebased(tool.schema, f"#/$defs/tool_{i}") for i, tool in enumerate(self.tools)}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"enum": [tool.name]}, "arguments": tool.schema},
+                "properties": {"name": {"enum": [tool.name]}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for tool in self.tools
+            for i, tool in enumerate(self.tools)
         ]
-        return Constraint(json_schema=json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        return Constraint(json_schema=json.dumps(schema))
 
     def parse(self, text: str) -> tuple[ToolCall, ...]:
         """The calls in a finished output; () when there are none or they do not parse."""
         if self.tool_choice == "none":
             return ()
         if self.tool_choice not in TOOL_CHOICE_MODES:
-            arguments = _loads(text)
-            return () if not isinstance(arguments, dict) else (ToolCall(self.tool_choice, _dumps(arguments)),)
+            arguments = _arguments_text(_loads(text))
+            return () if arguments is None else (ToolCall(self.tool_choice, arguments),)
         blocks = _TOOL_CALL_BLOCK.findall(text) if self.tool_choice == "auto" else []
         values = [_loads(block) for block in blocks] or [_loads(text)]
         calls = [call for value in values for call in (value if isinstance(value, list) else [value])]
@@ -122,19 +147,49 @@ class ToolUse:
     def _call(self, value: Any) -> ToolCall | None:
         if not isinstance(value, dict) or value.get("name") not in {t.name for t in self.tools}:
             return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        return ToolCall(value["name"], _dumps(arguments)) if isinstance(arguments, dict) else None
+        arguments = _arguments_text(value.get("arguments", value.get("parameters", {})))
+        return None if arguments is None else ToolCall(value["name"], arguments)
 
     def _tool(self, name: str) -> Tool:
         return next(tool for tool in self.tools if tool.name == name)
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of `text`; None when it is not JSON, or holds NaN or Infinity."""
     try:
-        return json.loads(text.strip())
-    except json.JSONDecodeError:
+        return json.loads(text.strip(), parse_constant=_refuse_constant)
+    except ValueError:
         return None
 
 
-def _dumps(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _arguments_text(arguments: Any) -> str | None:
+    """`arguments` as JSON text; None unless an object of finite numbers (1e999 parses as infinity)."""
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A schema moved to the JSON pointer `base`, its local references ("#", "#/...") made to follow it."""
+    if isinstance(node, list):
+        return [_rebased(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    rebased = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(schema, base) for name, schema in value.items()}
+        else:
+            rebased[key] = _rebased(value, base)
+    return rebased
