@@ -71,7 +71,11 @@ def generation_spec_from_smg(
             "tokenized.input_ids",
             f"the prompt has {len(token_ids)} tokens; the model's context is {model_info.max_model_len}",
         )
-    params = sampling_params_from_smg(request.sampling_params, default_max_tokens=num_free)
+    # Unset max_tokens: the rest of the context, but no more than the KV cache holds after the prompt
+    # (vLLM refuses to start where it could not; Sluice starts, and would refuse every such request).
+    kv_free = model_info.kv_capacity_tokens - len(token_ids)
+    default_max_tokens = min(num_free, kv_free) if kv_free > 0 else num_free
+    params = sampling_params_from_smg(request.sampling_params, default_max_tokens=default_max_tokens)
     if params.max_tokens > num_free:
         raise InvalidRequestError(
             "sampling_params.max_tokens",
@@ -85,6 +89,11 @@ def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) 
     """The prompt's token ids: `tokenized.input_ids`, or `text` encoded with the model's tokenizer."""
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         raise InvalidRequestError("mm_inputs", "this server serves text models only")
+    for transfer in ("kv_transfer_params", "kv_transfer_params_json"):
+        if request.HasField(transfer):
+            raise InvalidRequestError(transfer, "prefill/decode disaggregation is not supported by Sluice")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise InvalidRequestError("data_parallel_rank", "this worker has one data-parallel rank, 0")
     kind = request.WhichOneof("input")
     if kind == "tokenized":
         if not request.tokenized.input_ids:
@@ -112,7 +121,10 @@ def sampling_params_from_smg(message: smg.SamplingParams, *, default_max_tokens:
         frequency_penalty=message.frequency_penalty,
         seed=message.seed if message.HasField("seed") else None,
         max_tokens=message.max_tokens if message.HasField("max_tokens") else default_max_tokens,
-        min_tokens=message.min_tokens,
+        # With max_tokens unset, vLLM holds min_tokens to nothing but the length limit.
+        min_tokens=message.min_tokens
+        if message.HasField("max_tokens")
+        else min(message.min_tokens, default_max_tokens),
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,

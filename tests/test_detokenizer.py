@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
 
@@ -73,6 +75,18 @@ def test_stop_string_across_tokens_is_not_emitted(tokenizer: Tokenizer) -> None:
     assert all(delta == "" for delta in emitted[first_with_stop + 1 :])
     assert detok.add_tokens(ids) == ""
     assert detok.flush() == ""
+
+
+def test_a_stop_string_in_the_first_min_tokens_tokens_does_not_stop(tokenizer: Tokenizer) -> None:
+    """As in vLLM, stop strings count only once min_tokens outputs exist (it stopped after 3 of 10)."""
+    ids = tokenizer.encode("the quick brown fox, the quick end", add_special_tokens=False)
+    first_stop = next(i for i in range(len(ids)) if "quick" in tokenizer.decode(ids[: i + 1]))
+    params = SamplingParams(max_tokens=len(ids), min_tokens=first_stop + 1, stop=("quick",))
+    deltas, tail = stream(tokenizer, ids, params)
+    text = tokenizer.decode(ids)
+    assert "".join(deltas) + tail == text[: text.index("quick", text.index("quick") + 1)]
+    deltas, tail = stream(tokenizer, ids, dataclasses.replace(params, min_tokens=0))
+    assert "".join(deltas) + tail == text[: text.index("quick")]
 
 
 def test_earliest_stop_string_wins_and_multibyte_stop(tokenizer: Tokenizer) -> None:

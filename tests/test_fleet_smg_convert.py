@@ -130,12 +130,38 @@ def test_constraints(constraint: dict, expected: Constraint) -> None:
         (smg.GenerateRequest(), "input"),
         (smg.GenerateRequest(text="hi"), "text"),  # no tokenizer to encode it with
         (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), mm_inputs={}), "mm_inputs"),
+        # Prefill/decode disaggregation and data parallelism, which this worker does not do (they were
+        # ignored: no KV handed over, any rank accepted).
+        (
+            smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"),
+            "kv_transfer_params_json",
+        ),
+        (
+            smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), kv_transfer_params={}),
+            "kv_transfer_params",
+        ),
+        (
+            smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), data_parallel_rank=5),
+            "data_parallel_rank",
+        ),
     ],
 )
 def test_what_sluice_cannot_do_is_invalid_argument_naming_the_field(request_, field: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         smg_convert.generation_spec_from_smg(request_, INFO, None)
     assert info.value.field == field
+
+
+def test_unset_max_tokens_is_what_the_context_and_the_kv_cache_leave() -> None:
+    """A KV cache smaller than the context (Sluice starts where vLLM would refuse) refused every request
+    that left max_tokens unset, naming max_tokens; min_tokens past that default was refused too."""
+    small = dataclasses.replace(INFO, num_kv_blocks=2)  # 32 tokens of KV, context 64
+    assert smg_convert.generation_spec_from_smg(_request(), small, None).params.max_tokens == 28
+    assert smg_convert.generation_spec_from_smg(_request(), INFO, None).params.max_tokens == 60
+    params = smg_convert.generation_spec_from_smg(_request(min_tokens=61), INFO, None).params
+    assert (params.max_tokens, params.min_tokens) == (60, 60)
+    with pytest.raises(ValueError, match=r"^min_tokens: must be in \[0, max_tokens\]"):  # given: checked
+        smg_convert.generation_spec_from_smg(_request(min_tokens=9, max_tokens=8), INFO, None)
 
 
 def test_a_bad_value_is_refused_naming_the_field() -> None:

@@ -157,7 +157,12 @@ def _check_complete(chunks: list[pb.GenerateResponse], params: dict, constraint:
             problems.append(f"[{index}] usage {last.usage.completion_tokens}, {tokens} tokens sent")
         if "logprobs" in params and sum(len(c.logprobs) for c in mine) != tokens:
             problems.append(f"[{index}] logprobs are not one per token")
-        if params.get("stop") and any(stop in text for stop in params["stop"]):
+        # Within the first min_tokens tokens a stop string does not stop the output (vLLM's rule).
+        if (
+            params.get("stop")
+            and not params.get("min_tokens")
+            and any(stop in text for stop in params["stop"])
+        ):
             problems.append(f"[{index}] a stop string in {text!r}")
         # A stop string may cut a constrained output short; one that ended at its eos is complete.
         complete = (

@@ -30,8 +30,8 @@ _MAX_IDS = 64
 class IncrementalDetokenizer:
     """One request's output text, produced a delta at a time.
 
-    `stop_string` is set once one of `params.stop` appears; the text from it on is never emitted and
-    later tokens are ignored.
+    `stop_string` is set once one of `params.stop` appears after the first `params.min_tokens` tokens'
+    text; the text from it on is never emitted and later tokens are ignored.
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
             else ByteLevelStream(vocab, params.skip_special_tokens)
         )
         self._stops = StopStringMatcher(params.stop) if params.stop else None
+        self._min_tokens = params.min_tokens  # stop strings end no output shorter (as in vLLM)
         self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 
     @property
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
             self.num_tokens += 1
             piece = step(token_id)
             if piece:
-                text += stops.push(piece)
+                text += stops.push(piece) if self.num_tokens > self._min_tokens else piece
         return text
 
     def flush(self) -> str:
