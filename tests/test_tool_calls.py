@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import json
 
 import jsonschema
 import pytest
 import xgrammar as xgr
-from pydantic import BaseModel, Field
+from tool_schemas import forecast_tool
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
@@ -19,25 +18,7 @@ from sluice.engine.structured.tool_calls import Tool, ToolUse
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = Tool("get_weather", "Weather in a city", json.dumps(CITY))
 TIME = Tool("get_time", "The time now")
-
-
-class Unit(enum.StrEnum):
-    C = "C"
-    F = "F"
-
-
-class Place(BaseModel):
-    city: str = Field(max_length=12)
-    unit: Unit
-
-
-class Forecast(BaseModel):
-    place: Place
-    days: int = Field(ge=1, le=7)
-
-
-# pydantic's schemas keep nested models and enums in "$defs", referenced as "#/$defs/...".
-FORECAST = Tool("get_forecast", "Forecast for a place", json.dumps(Forecast.model_json_schema()))
+FORECAST = forecast_tool(city_max_length=12)
 # A tree: "#" refers to the tool's own schema.
 TREE = {
     "type": "object",

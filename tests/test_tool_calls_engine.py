@@ -5,13 +5,12 @@ gRPC, a tool schema with a keyword the grammar cannot enforce is INVALID_ARGUMEN
 
 from __future__ import annotations
 
-import enum
 import json
 
 import grpc
 import jsonschema
 import pytest
-from pydantic import BaseModel, Field
+from tool_schemas import forecast_tool
 
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
@@ -20,25 +19,7 @@ from sluice.v1 import sluice_pb2 as pb
 
 NUM_SEEDS = 6
 CONVERSATION = [{"role": "user", "content": "What will the weather be in Oslo?"}]
-
-
-class Unit(enum.StrEnum):
-    C = "C"
-    F = "F"
-
-
-class Place(BaseModel):
-    city: str = Field(max_length=8)
-    unit: Unit
-
-
-class Forecast(BaseModel):
-    place: Place
-    days: int = Field(ge=1, le=7)
-
-
-# pydantic's schema keeps Place and Unit in "$defs", referenced as "#/$defs/...".
-FORECAST = Tool("get_forecast", "Forecast for a place", json.dumps(Forecast.model_json_schema()))
+FORECAST = forecast_tool(city_max_length=8)
 # What clients send for a function without arguments.
 TIME = Tool("get_time", "The time now", "{}")
 
