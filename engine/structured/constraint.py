@@ -111,7 +111,8 @@ _UNENFORCED = (
     "minContains",
     "maxContains",
 )
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords whose values map names to schemas (tool_calls rebases references through them too).
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMAS = (
     "additionalProperties",
@@ -138,7 +139,7 @@ def unenforced_keyword(schema: object, path: str = "#") -> tuple[str, str] | Non
     items = schema.get("items")
     children += [(f"{path}/items/{i}", s) for i, s in enumerate(items)] if isinstance(items, list) else []
     children += [(f"{path}/items", items)] if isinstance(items, dict) else []
-    for keyword in _SCHEMA_MAPS:
+    for keyword in SCHEMA_MAPS:
         value = schema.get(keyword)
         children += (
             [(f"{path}/{keyword}/{k}", s) for k, s in value.items()] if isinstance(value, dict) else []

@@ -30,14 +30,13 @@ from typing import Any
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured.constraint import Constraint, unenforced_keyword
+from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, unenforced_keyword
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
 # The last block may be unclosed: a stop string "</tool_call>" or EOS ended the output after its JSON.
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-# Keywords whose values are maps of names to schemas, and keywords whose values are data, not schemas.
-_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+# Keywords whose values are data, not schemas.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
 
 
@@ -188,7 +187,7 @@ def _rebased(node: Any, base: str) -> Any:
             rebased[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             rebased[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             rebased[key] = {name: _rebased(schema, base) for name, schema in value.items()}
         else:
             rebased[key] = _rebased(value, base)
