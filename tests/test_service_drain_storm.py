@@ -7,6 +7,11 @@ to a handler when stop() starts, and the calls that reach a connection after it:
 refuses calls with UNAVAILABLE while the server still takes them, and calls stop() only once calls
 have stopped coming. Every plain call must end OK (it came before the drain) or UNAVAILABLE (the
 drain refused it, or the server was gone), never CANCELLED; the service-config client sees no failure.
+
+The trickle, the calls that keep arriving until well after NOT_SERVING, runs in a process of its own:
+the server's promise holds for clients that do not fall silent for longer than its quiet window and then
+send, and the test's own event loop, busy with the storm on a loaded 2-core machine, once stalled 0.45 s
+and sent its next calls into the GOAWAY (CI, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import multiprocessing
 import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import grpc
@@ -68,9 +77,9 @@ class DocumentedClientLoop:
 async def _plain_call(
     stub: pb_grpc.InferenceServiceStub, index: int, answered: asyncio.Event, max_tokens: int = 2
 ) -> tuple[grpc.StatusCode, float]:
-    """The call's status and when it was fired (the event loop's clock); sets `answered` at its first
-    response (a handler is serving it)."""
-    fired = asyncio.get_running_loop().time()
+    """The call's status and when it was fired (time.monotonic, the same clock in every process); sets
+    `answered` at its first response (a handler is serving it)."""
+    fired = time.monotonic()
     request = generate_request(f"storm {index}", temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     call = stub.Generate(request, timeout=60)
     try:
@@ -81,55 +90,83 @@ async def _plain_call(
     return grpc.StatusCode.OK, fired
 
 
-async def _storm(draining: SluiceProcess) -> tuple[collections.Counter[grpc.StatusCode], str]:
-    """Plain calls at the draining server: LOAD long ones just before SIGTERM, a trickle from before
-    SIGTERM to well after NOT_SERVING, and WAVES waves of calls over the drain's first second. SIGTERM
-    comes once the server has answered one of them: a call in a handler before the drain, which must end
-    OK (on a busy machine 0.5 s was not always enough for any call to get that far). Returns the calls'
-    statuses and, for a failure's message, when the CANCELLED ones were fired and the trickle's longest
-    pause (a client stalled longer than the server's quiet window gives it a quiet it cannot tell from
-    calls having stopped)."""
-    options = [("grpc.enable_retries", 0)]  # plain: no retry of any kind
-    async with (
-        grpc.aio.insecure_channel(draining.target, options=options) as channel,
-        grpc.aio.insecure_channel(draining.target) as health_channel,
-    ):
-        stub = pb_grpc.InferenceServiceStub(channel)
-        health = health_pb2_grpc.HealthStub(health_channel)
-        calls: list[asyncio.Task[grpc.StatusCode]] = []
-        drain_seen, answered = asyncio.Event(), asyncio.Event()
+def _plain_channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=[("grpc.enable_retries", 0)])  # plain: no retry at all
 
-        def fire(index: int, max_tokens: int = 2) -> asyncio.Task[grpc.StatusCode]:
-            return asyncio.create_task(_plain_call(stub, index, answered, max_tokens))
 
-        async def trickle() -> None:
-            loop = asyncio.get_running_loop()
-            while not drain_seen.is_set() or loop.time() < drain_seen_at + TRICKLE_AFTER_DRAIN_S:
-                calls.append(fire(len(calls)))
-                trickle_times.append(loop.time())
+def _trickle(target: str, answered: Event, stop: Event, results: Connection) -> None:
+    """In its own process: a plain call every TRICKLE_INTERVAL_S until `stop` is set (`answered` set at
+    the first response); sends back each call's status and firing time."""
+
+    async def calls() -> list[tuple[grpc.StatusCode, float]]:
+        async with _plain_channel(target) as channel:
+            stub, first_answer = pb_grpc.InferenceServiceStub(channel), asyncio.Event()
+            first_answer_seen = asyncio.create_task(first_answer.wait())
+            first_answer_seen.add_done_callback(lambda _: answered.set())
+            fired = []
+            while not stop.is_set():
+                fired.append(asyncio.create_task(_plain_call(stub, 1_000_000 + len(fired), first_answer)))
                 await asyncio.sleep(TRICKLE_INTERVAL_S)
+            first_answer_seen.cancel()
+            return await asyncio.gather(*fired)
 
-        async def serving() -> bool:
-            check = health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE)
-            response = await health.Check(check, timeout=10)
-            return response.status == health_pb2.HealthCheckResponse.SERVING
+    results.send(asyncio.run(calls()))
 
-        drain_seen_at = 0.0
-        trickle_times: list[float] = []
-        trickling = asyncio.create_task(trickle())
-        calls += [fire(-i, max_tokens=40) for i in range(LOAD)]
-        await asyncio.sleep(0.5)
-        await answered.wait()
-        draining.terminate()
-        while await serving():
-            await asyncio.sleep(0.005)
-        drain_seen_at = asyncio.get_running_loop().time()
-        drain_seen.set()
-        for _ in range(WAVES):
-            calls += [fire(len(calls) + i) for i in range(WAVE_SIZE)]
-            await asyncio.sleep(WAVE_INTERVAL_S)
-        await trickling
-        results = await asyncio.gather(*calls)
+
+async def _storm(draining: SluiceProcess) -> tuple[collections.Counter[grpc.StatusCode], str]:
+    """Plain calls at the draining server: a trickle from another process from before SIGTERM to well
+    after NOT_SERVING, LOAD long ones just before SIGTERM, and WAVES waves of calls over the drain's first
+    second. SIGTERM comes once the server has answered one of the long ones: a call in a handler before
+    the drain, which must end OK (on a busy machine 0.5 s was not always enough for any call to get that
+    far). The trickle stops only once every wave call has ended. Returns the calls' statuses and, for a
+    failure's message, when the CANCELLED ones were fired and the trickle's longest pause (a client
+    stalled longer than the server's quiet window gives it a quiet it cannot tell from calls having
+    stopped)."""
+    spawn = multiprocessing.get_context("spawn")
+    trickle_answered, trickle_stop = spawn.Event(), spawn.Event()
+    trickle_results, trickle_sender = spawn.Pipe(duplex=False)
+    trickle = spawn.Process(
+        target=_trickle, args=(draining.target, trickle_answered, trickle_stop, trickle_sender), daemon=True
+    )
+    trickle.start()
+    try:
+        assert await asyncio.to_thread(trickle_answered.wait, 120), "no answer to the trickle's calls"
+        async with (
+            _plain_channel(draining.target) as channel,
+            grpc.aio.insecure_channel(draining.target) as health_channel,
+        ):
+            stub, health = pb_grpc.InferenceServiceStub(channel), health_pb2_grpc.HealthStub(health_channel)
+            answered = asyncio.Event()
+
+            def fire(index: int, max_tokens: int = 2) -> asyncio.Task[tuple[grpc.StatusCode, float]]:
+                return asyncio.create_task(_plain_call(stub, index, answered, max_tokens))
+
+            async def serving() -> bool:
+                check = health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE)
+                response = await health.Check(check, timeout=10)
+                return response.status == health_pb2.HealthCheckResponse.SERVING
+
+            long_calls = [fire(-i, max_tokens=40) for i in range(LOAD)]
+            await asyncio.sleep(0.5)
+            await answered.wait()
+            draining.terminate()
+            while await serving():
+                await asyncio.sleep(0.005)
+            drain_seen_at = time.monotonic()
+            waves = []
+            for wave in range(WAVES):
+                waves += [fire(wave * WAVE_SIZE + i) for i in range(WAVE_SIZE)]
+                await asyncio.sleep(WAVE_INTERVAL_S)
+            results = await asyncio.gather(*waves)
+            await asyncio.sleep(max(0.0, drain_seen_at + TRICKLE_AFTER_DRAIN_S - time.monotonic()))
+            trickle_stop.set()
+            trickle_calls = await asyncio.to_thread(trickle_results.recv)
+            results += trickle_calls + await asyncio.gather(*long_calls)
+    finally:
+        trickle_stop.set()
+        trickle.join(60)
+        trickle.kill()
+    trickle_times = sorted(at for _, at in trickle_calls)
     pause, after = max((b - a, a) for a, b in itertools.pairwise(trickle_times))
     cancelled = [f"{at - drain_seen_at:+.3f}" for code, at in results if code == grpc.StatusCode.CANCELLED]
     seen = (
