@@ -151,10 +151,12 @@ class Timings(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One function call the model made; `arguments` is a JSON object as text."""
+    """One function call the model made; `arguments` is a JSON object as text, `id` names the call (the
+    tool message with its result gives it as `tool_call_id`)."""
 
     name: str
     arguments: str
+    id: str
 
 
 class RequestOutput(msgspec.Struct, frozen=True):
@@ -180,8 +182,10 @@ class RequestOutput(msgspec.Struct, frozen=True):
     # whether the request does not fit the model's context or the KV cache (`refusal`).
     invalid_field: str | None = None
     too_long: bool = False
-    # On the last output of a chat request with tools: the calls parsed from the whole output.
+    # On the last output of a chat request with tools: the calls parsed from the whole output and, when
+    # there are some, the output's text outside them (the assistant message's content beside them).
     tool_calls: tuple[ToolCall, ...] = ()
+    content: str = ""
     index: int = 0
     prompt_logprobs: PromptLogprobs = NO_PROMPT_LOGPROBS
 

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
@@ -130,8 +130,22 @@ def tool_use_from_chat(chat: pb.ChatMessages) -> ToolUse | None:
     return ToolUse(tools, _TOOL_CHOICE_MODES.get(mode, "auto"))
 
 
-def messages_from_proto(message: pb.ChatMessages) -> tuple[dict[str, str], ...]:
-    return tuple({"role": m.role, "content": m.content} for m in message.messages)
+def messages_from_proto(chat: pb.ChatMessages) -> tuple[dict[str, Any], ...]:
+    """The conversation in the form `template_messages` takes; unset optional fields left out."""
+    return tuple(_message_from_proto(message) for message in chat.messages)
+
+
+def _message_from_proto(message: pb.ChatMessage) -> dict[str, Any]:
+    converted: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        converted["tool_calls"] = [
+            {"id": call.id, "name": call.name, "arguments": call.arguments} for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        converted["tool_call_id"] = message.tool_call_id
+    if message.name:
+        converted["name"] = message.name
+    return converted
 
 
 def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
@@ -221,7 +235,10 @@ def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.
         response.usage.CopyFrom(usage_to_proto(output.usage))
     if output.timings is not None:
         response.timings.CopyFrom(timings_to_proto(output.timings))
-    response.tool_calls.extend(pb.ToolCall(name=c.name, arguments=c.arguments) for c in output.tool_calls)
+    response.tool_calls.extend(
+        pb.ToolCall(name=call.name, arguments=call.arguments, id=call.id) for call in output.tool_calls
+    )
+    response.content = output.content
     return response
 
 

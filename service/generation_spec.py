@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
@@ -16,7 +17,7 @@ class Prompt:
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
 
     def as_kwargs(self) -> dict[str, object]:
         return {"text": self.text, "token_ids": self.token_ids, "messages": self.messages}

@@ -191,7 +191,10 @@ def test_the_clients_completion_keeps_the_tool_calls(stub, server) -> None:
         completion = client.complete(request, timeout=60)
     assert completion.text == text_of(chunks)
     assert [c.name for c in completion.tool_calls] == ["get_weather"]
-    assert completion.tool_calls == list(chunks[-1].tool_calls)
+    assert [(c.name, c.arguments) for c in completion.tool_calls] == [
+        (c.name, c.arguments) for c in chunks[-1].tool_calls
+    ]
+    assert completion.tool_calls[0].id != chunks[-1].tool_calls[0].id  # two calls, two ids
 
 
 def test_an_unknown_tool_choice_mode_is_invalid_argument(stub) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -10,7 +11,6 @@ import xgrammar as xgr
 from tool_schemas import forecast_tool
 
 from sluice.engine.errors import InvalidRequestError
-from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.tool_calls import Tool, ToolUse
@@ -26,6 +26,14 @@ TREE = {
     "required": ["label"],
 }
 OUTLINE = Tool("outline", "An outline", json.dumps(TREE))
+
+
+def parsed(tool_use: ToolUse, text: str) -> tuple[tuple[str, str], ...]:
+    """The calls in `text` as (name, arguments); each has an id of 9 letters and digits, its own."""
+    calls = tool_use.parse(text)
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", call.id) for call in calls), calls
+    assert len({call.id for call in calls}) == len(calls), calls
+    return tuple((call.name, call.arguments) for call in calls)
 
 
 def test_tools_reach_the_template_in_transformers_json_schema_form() -> None:
@@ -116,32 +124,47 @@ def test_parsing_per_tool_choice() -> None:
     required = (
         '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
     )
-    assert ToolUse(tools, "required").parse(required) == (
-        ToolCall("get_weather", '{"city": "Oslo"}'),
-        ToolCall("get_time", "{}"),
+    assert parsed(ToolUse(tools, "required"), required) == (
+        ("get_weather", '{"city": "Oslo"}'),
+        ("get_time", "{}"),
     )
-    assert ToolUse(tools, "get_weather").parse('{"city": "Lima"}') == (
-        ToolCall("get_weather", '{"city": "Lima"}'),
-    )
+    assert parsed(ToolUse(tools, "get_weather"), '{"city": "Lima"}') == (("get_weather", '{"city": "Lima"}'),)
     auto = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-    assert ToolUse(tools, "auto").parse(auto) == (ToolCall("get_weather", '{"city": "Rome"}'),)
-    assert ToolUse(tools, "auto").parse('{"name": "get_time", "parameters": {}}') == (
-        ToolCall("get_time", "{}"),
+    assert parsed(ToolUse(tools, "auto"), auto) == (("get_weather", '{"city": "Rome"}'),)
+    assert parsed(ToolUse(tools, "auto"), '{"name": "get_time", "parameters": {}}') == (("get_time", "{}"),)
+    assert parsed(ToolUse(tools, "auto"), "It is sunny.") == ()
+    assert parsed(ToolUse(tools, "auto"), '{"name": "unknown", "arguments": {}}') == ()
+    assert parsed(ToolUse(tools, "none"), required) == ()
+
+
+def test_the_content_beside_the_calls_is_autos_text_outside_its_blocks() -> None:
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    auto = ToolUse((WEATHER, TIME), "auto")
+    assert (
+        auto.content(f"Let me check.\n{block}\nThen the time.\n{block}") == "Let me check.\n\nThen the time."
     )
-    assert ToolUse(tools, "auto").parse("It is sunny.") == ()
-    assert ToolUse(tools, "auto").parse('{"name": "unknown", "arguments": {}}') == ()
-    assert ToolUse(tools, "none").parse(required) == ()
+    assert auto.content(block) == ""
+    assert auto.content('{"name": "get_time", "arguments": {}}') == ""  # a whole-output call
+    required = '[{"name": "get_time", "arguments": {}}]'
+    assert ToolUse((WEATHER, TIME), "required").content(required) == ""
+    assert ToolUse((WEATHER, TIME), "get_weather").content('{"city": "Oslo"}') == ""
+
+
+def test_each_parse_gives_its_calls_new_ids() -> None:
+    required = ToolUse((WEATHER, TIME), "required")
+    text = '[{"name": "get_time", "arguments": {}}]'
+    assert len({call.id for _ in range(20) for call in required.parse(text)}) == 20
 
 
 def test_auto_parses_a_last_block_the_output_did_not_close() -> None:
     # A stop string "</tool_call>" or EOS right after the JSON leaves the last block unclosed.
     first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
     last = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'
-    assert ToolUse((WEATHER, TIME), "auto").parse(first + last) == (
-        ToolCall("get_weather", '{"city": "Rome"}'),
-        ToolCall("get_time", "{}"),
+    assert parsed(ToolUse((WEATHER, TIME), "auto"), first + last) == (
+        ("get_weather", '{"city": "Rome"}'),
+        ("get_time", "{}"),
     )
-    assert ToolUse((WEATHER, TIME), "auto").parse(last) == (ToolCall("get_time", "{}"),)
+    assert parsed(ToolUse((WEATHER, TIME), "auto"), last) == (("get_time", "{}"),)
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
@@ -149,12 +172,10 @@ def test_calls_whose_arguments_are_not_json_numbers_are_dropped(number) -> None:
     good = '{"name": "get_time", "arguments": {}}'
     bad = f'{{"name": "get_weather", "arguments": {{"city": "Oslo", "days": {number}}}}}'
     auto = ToolUse((WEATHER, TIME), "auto")
-    assert auto.parse(f"<tool_call>{bad}</tool_call><tool_call>{good}</tool_call>") == (
-        ToolCall("get_time", "{}"),
-    )
-    assert auto.parse(bad) == ()
-    assert ToolUse((WEATHER, TIME), "required").parse(f"[{bad}]") == ()
-    assert ToolUse((WEATHER,), "get_weather").parse(f'{{"city": {number}}}') == ()
+    assert parsed(auto, f"<tool_call>{bad}</tool_call><tool_call>{good}</tool_call>") == (("get_time", "{}"),)
+    assert parsed(auto, bad) == ()
+    assert parsed(ToolUse((WEATHER, TIME), "required"), f"[{bad}]") == ()
+    assert parsed(ToolUse((WEATHER,), "get_weather"), f'{{"city": {number}}}') == ()
 
 
 def test_a_required_call_cannot_be_combined_with_another_constraint() -> None:

@@ -135,7 +135,7 @@ class AsyncEngine:
         *,
         text: str | None = None,
         token_ids: Sequence[int] | None = None,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         stream_interval: int | None = None,

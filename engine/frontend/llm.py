@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.frontend.engine import Engine
@@ -48,6 +49,7 @@ class Completion:
     accepted_draft_tokens: int = 0
     timings: Timings | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    content: str = ""  # with tool_calls: the text outside them
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
     prompt_tokens_computed: int = 0
     _logprobs_parts: list[OutputLogprobs] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -70,6 +72,16 @@ class Completion:
             self.num_preemptions = output.num_preemptions
             self.timings = output.timings
             self.tool_calls = output.tool_calls
+            self.content = output.content
+
+    def as_message(self) -> dict[str, Any]:
+        """The assistant message that continues the conversation: the text, or the tool calls and the
+        content beside them (then add a {"role": "tool", "tool_call_id": call.id, "content": ...}
+        message per call)."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        tool_calls = [asdict(call) for call in self.tool_calls]
+        return {"role": "assistant", "content": self.content, "tool_calls": tool_calls}
 
 
 class LLM:
@@ -105,7 +117,7 @@ class LLM:
 
     def chat(
         self,
-        conversations: Sequence[Sequence[dict[str, str]]],
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tool_use: ToolUse | None = None,

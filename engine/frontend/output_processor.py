@@ -167,6 +167,7 @@ class OutputProcessor:
         if num_taken < len(token_ids):
             token_ids, logprobs = token_ids[:num_taken], logprobs.first(num_taken)
         prompt_logprobs = core_output.prompt_logprobs
+        tool_calls, content = self._tool_calls(state, text, finish_reason is not None)
         return RequestOutput(
             request_id=state.request_id,
             token_ids=tuple(token_ids),
@@ -189,16 +190,21 @@ class OutputProcessor:
             num_preemptions=core_output.num_preemptions,
             invalid_field=core_output.invalid_field,
             too_long=core_output.too_long,
-            tool_calls=()
-            if state.tool_use is None
-            else self._tool_calls(state, text, finish_reason is not None),
+            tool_calls=tool_calls,
+            content=content,
             index=state.index,
             prompt_logprobs=NO_PROMPT_LOGPROBS if prompt_logprobs is None else prompt_logprobs,
         )
 
-    def _tool_calls(self, state: _RequestState, text: str, finished: bool) -> tuple[ToolCall, ...]:
+    def _tool_calls(
+        self, state: _RequestState, text: str, finished: bool
+    ) -> tuple[tuple[ToolCall, ...], str]:
+        """A chat with tools: once finished, its calls and the content beside them."""
+        if state.tool_use is None:
+            return (), ""
         state.text += text
-        return state.tool_use.parse(state.text) if finished else ()
+        calls = state.tool_use.parse(state.text) if finished else ()
+        return calls, state.tool_use.content(state.text) if calls else ""
 
     def _detokenize(self, state: _RequestState, core_output: CoreOutput) -> tuple[str, str | None, int]:
         """The text delta, the stop string if one matched, and how many of the new tokens count (all

@@ -9,6 +9,11 @@ the calls parsed from the finished output. Pure Python: the frontend uses it (xg
     required      yes              [{"name": <a tool>, "arguments": {...}}, ...] every call of the array
     a function    yes              that function's arguments object             one call of it
 
+Each parsed call gets an id of 9 letters and digits (Mistral's templates refuse any other length), which
+the next turn's messages give back: the assistant's `tool_calls` and each result's `tool_call_id`. The
+`content` beside the calls is what auto's output says outside its <tool_call> blocks; the other modes'
+outputs are only calls.
+
 The tools reach the chat template as transformers' `apply_chat_template(tools=...)` passes JSON-schema
 tools: {"type": "function", "function": {"name", "description", "parameters"}}. A tool's parameters
 describe an object: a schema without "type" gets "type": "object" (as vLLM gives empty parameters
@@ -24,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +45,8 @@ NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 # Keywords whose values are data, not schemas.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+_CALL_ID_CHARACTERS = string.ascii_letters + string.digits
+CALL_ID_LENGTH = 9
 
 
 @dataclass(frozen=True)
@@ -137,20 +146,31 @@ class ToolUse:
             return ()
         if self.tool_choice not in TOOL_CHOICE_MODES:
             arguments = _arguments_text(_loads(text))
-            return () if arguments is None else (ToolCall(self.tool_choice, arguments),)
+            return () if arguments is None else (ToolCall(self.tool_choice, arguments, new_call_id()),)
         blocks = _TOOL_CALL_BLOCK.findall(text) if self.tool_choice == "auto" else []
         values = [_loads(block) for block in blocks] or [_loads(text)]
         calls = [call for value in values for call in (value if isinstance(value, list) else [value])]
         return tuple(tc for tc in (self._call(c) for c in calls) if tc is not None)
 
+    def content(self, text: str) -> str:
+        """What a finished output with calls says besides them: auto's text outside its <tool_call>
+        blocks, stripped; "" for an output that is only a call (every mode's but auto's)."""
+        if self.tool_choice != "auto" or not _TOOL_CALL_BLOCK.search(text):
+            return ""
+        return _TOOL_CALL_BLOCK.sub("", text).strip()
+
     def _call(self, value: Any) -> ToolCall | None:
         if not isinstance(value, dict) or value.get("name") not in {t.name for t in self.tools}:
             return None
         arguments = _arguments_text(value.get("arguments", value.get("parameters", {})))
-        return None if arguments is None else ToolCall(value["name"], arguments)
+        return None if arguments is None else ToolCall(value["name"], arguments, new_call_id())
 
     def _tool(self, name: str) -> Tool:
         return next(tool for tool in self.tools if tool.name == name)
+
+
+def new_call_id() -> str:
+    return "".join(secrets.choice(_CALL_ID_CHARACTERS) for _ in range(CALL_ID_LENGTH))
 
 
 def _loads(text: str) -> Any:

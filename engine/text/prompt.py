@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.chat_messages import template_messages
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
@@ -18,11 +19,11 @@ def resolve_prompt(
     *,
     text: str | None = None,
     token_ids: Sequence[int] | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Sequence[dict] | None = None,
 ) -> list[int]:
     """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids. `tools` (with
-    `messages` only) are rendered by the chat template."""
+    `messages` only) are rendered by the chat template; `messages` as `template_messages` takes them."""
     given = [name for name, v in (("text", text), ("token_ids", token_ids), ("messages", messages)) if v]
     if len(given) != 1:
         if not given:
@@ -35,14 +36,7 @@ def resolve_prompt(
     if tokenizer is None:
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping):
-                raise InvalidRequestError(
-                    f"messages[{i}]", f"must be a mapping with role and content, got {message!r}"
-                )
-            if not message.get("role"):
-                raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
-        return tokenizer.encode_chat(list(messages), tools=tools)
+        return tokenizer.encode_chat(template_messages(messages), tools=tools)
     ids = tokenizer.encode(text)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")

@@ -63,15 +63,38 @@ class SluiceError(Exception):
         return int(value) if value is not None else None
 
 
-def _chat_messages(messages: Sequence[Mapping[str, str]]) -> pb.ChatMessages:
-    return pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> pb.ChatMessages:
+    """Messages as dicts: "role", "content" (None for none), and for a tool-using turn "tool_calls" (an
+    assistant's: `Completion.as_message()`'s {"id", "name", "arguments"}, OpenAI's {"id", "type",
+    "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result)."""
+    return pb.ChatMessages(messages=[_chat_message(message) for message in messages])
+
+
+def _chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
+    return pb.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_calls=[_tool_call(call) for call in message.get("tool_calls") or ()],
+        tool_call_id=message.get("tool_call_id") or "",
+        name=message.get("name") or "",
+    )
+
+
+def _tool_call(call: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
+    if isinstance(call, pb.ToolCall):
+        return call
+    function = call.get("function", call)
+    arguments = function.get("arguments") or ""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
 
 
 def generate_request(
     text: str | None = None,
     *,
     token_ids: Sequence[int] | None = None,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
@@ -165,6 +188,7 @@ class Completion:
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
     tool_calls: list[pb.ToolCall] = field(default_factory=list)  # parsed from the output (chat with tools)
+    content: str = ""  # with tool_calls: the text outside them
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
@@ -178,9 +202,19 @@ class Completion:
             self.usage = chunk.usage
             self.timings = chunk.timings
             self.tool_calls.extend(chunk.tool_calls)
+            self.content = chunk.content
             stop_reason = chunk.WhichOneof("stop_reason")
             if stop_reason is not None:
                 setattr(self, stop_reason, getattr(chunk, stop_reason))
+
+    def as_message(self) -> dict[str, Any]:
+        """The assistant message that continues the conversation: the text, or the tool calls and the
+        content beside them (then add a {"role": "tool", "tool_call_id": call.id, "content": ...}
+        message per call)."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        tool_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in self.tool_calls]
+        return {"role": "assistant", "content": self.content, "tool_calls": tool_calls}
 
     @property
     def finish_reason_name(self) -> str:
@@ -404,7 +438,7 @@ class Client:
         self,
         text: str | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
@@ -434,7 +468,7 @@ class Client:
 
 
 def _tokenize_request(
-    text: str | None, messages: Sequence[Mapping[str, str]] | None, add_special_tokens: bool | None
+    text: str | None, messages: Sequence[Mapping[str, Any]] | None, add_special_tokens: bool | None
 ) -> pb.TokenizeRequest:
     request = pb.TokenizeRequest()
     if text is not None:
@@ -538,7 +572,7 @@ class AsyncClient:
         self,
         text: str | None = None,
         *,
-        messages: Sequence[Mapping[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),

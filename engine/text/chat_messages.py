@@ -1,0 +1,64 @@
+"""A conversation as chat templates take it: the messages a caller sends (over gRPC, or to `LLM.chat`),
+checked, with their tool calls in the form transformers documents for templates.
+
+A tool call may come as Sluice returns it, {"id", "name", "arguments"}, or as OpenAI clients send it,
+{"id", "type": "function", "function": {"name", "arguments"}}, its arguments a JSON object or its text.
+Templates get {"id", "type": "function", "function": {"name", "arguments": <the object>}}: they print
+`arguments | tojson`, so text would be printed as a quoted string (vLLM parses it for them likewise). An
+assistant message's empty content beside its tool calls is left out, as transformers leaves out the null
+content OpenAI clients send there (some templates refuse content and calls in one message).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sluice.engine.errors import InvalidRequestError
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """`messages` checked (InvalidRequestError naming the field) and in the templates' form."""
+    return [_message(index, message) for index, message in enumerate(messages)]
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    field = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise InvalidRequestError(field, f"must be a mapping with role and content, got {message!r}")
+    if not message.get("role"):
+        raise InvalidRequestError(f"{field}.role", "must not be empty")
+    converted = dict(message)
+    tool_calls = message.get("tool_calls")
+    if tool_calls is None:
+        return converted
+    if isinstance(tool_calls, str | bytes | Mapping) or not isinstance(tool_calls, Sequence):
+        raise InvalidRequestError(f"{field}.tool_calls", f"must be a list of calls, got {tool_calls!r}")
+    converted["tool_calls"] = [_tool_call(f"{field}.tool_calls[{i}]", c) for i, c in enumerate(tool_calls)]
+    if converted["tool_calls"] and not converted.get("content"):
+        converted.pop("content", None)
+    return converted
+
+
+def _tool_call(field: str, call: Any) -> dict[str, Any]:
+    if not isinstance(call, Mapping):
+        raise InvalidRequestError(field, f"must be a mapping with name and arguments, got {call!r}")
+    function = call
+    if "function" in call:
+        field, function = f"{field}.function", call["function"]
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(field, f"must be a mapping with name and arguments, got {function!r}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{field}.name", f"must be a function's name, got {name!r}")
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
+    converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+    return {"id": call["id"], **converted} if call.get("id") else converted
