@@ -5,6 +5,7 @@ how a request ended."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,37 @@ def test_more_than_one_prompt_form_is_refused_naming_them() -> None:
         generate_request("Hello", token_ids=[5, 6])
     with pytest.raises(ValueError, match=r"^text and token_ids and messages: give one prompt form, not 3$"):
         generate_request("Hello", token_ids=[5], messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_tools_and_tool_choice_in_either_form_become_the_chats_fields() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    expected = pb.Tool(name="get_weather", description="Weather", parameters=json.dumps(schema))
+    forms = [
+        {"name": "get_weather", "description": "Weather", "parameters": schema},
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather", "parameters": schema},
+        },
+        {"name": "get_weather", "description": "Weather", "parameters": json.dumps(schema)},
+        expected,
+    ]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    for form in forms:
+        assert list(generate_request(messages=messages, tools=[form]).messages.tools) == [expected]
+    choices = {
+        None: pb.ToolChoice(),
+        "required": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+        "none": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE),
+        "get_weather": pb.ToolChoice(function_name="get_weather"),
+    }
+    for choice, message in choices.items():
+        request = generate_request(messages=messages, tools=forms[:1], tool_choice=choice)
+        assert request.messages.tool_choice == message
+        assert request.messages.HasField("tool_choice") == (choice is not None)
+    with pytest.raises(ValueError, match=r"^tools: needs messages$"):
+        generate_request("Hello", tools=forms[:1])
+    with pytest.raises(ValueError, match=r"^tool_choice: needs messages$"):
+        generate_request("Hello", tool_choice="auto")
 
 
 def test_a_session_that_is_no_header_value_is_refused_naming_it(server: ServerThread) -> None:

@@ -27,7 +27,6 @@ from sluice.engine.structured.tool_calls import Tool, ToolUse
 from sluice.engine.text.chat_template import ChatTemplate
 from sluice.engine.text.prompt import resolve_prompt
 from sluice.engine.text.tokenizer import Tokenizer
-from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,18 +202,12 @@ def test_the_calls_a_response_returned_go_back_with_their_results(mistral_server
     request, built from `Completion.as_message()` and a result per call, is rendered as transformers
     renders it (Mistral's template refuses any other id) and runs."""
     server, hf = mistral_server
-    tools = [pb.Tool(name="get_weather", description="Weather in a city", parameters=json.dumps(CITY))]
-    required = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
+    tools = TOOL_USE.for_template()  # OpenAI's form of them
     with Client(server.target) as client:
-
-        def request(conversation: list[dict], **params) -> pb.GenerateRequest:
-            request = generate_request(messages=conversation, **params)
-            request.messages.tools.extend(tools)
-            request.messages.tool_choice.CopyFrom(required)
-            return request
-
         bias = {hf.convert_tokens_to_ids(t): 3.0 for t in ('"', "}", "]")}  # JSON that ends soon
-        first = request([QUESTION], max_tokens=200, temperature=1.0, seed=3)
+        first = generate_request(
+            messages=[QUESTION], tools=tools, tool_choice="required", max_tokens=200, temperature=1.0, seed=3
+        )
         first.sampling_params.logit_bias.update(bias)
         completion = client.complete(first, timeout=60)
         assert completion.finish_reason_name == "stop", completion.text
@@ -227,11 +220,9 @@ def test_the_calls_a_response_returned_go_back_with_their_results(mistral_server
         conversation = [QUESTION, completion.as_message(), *results]
         calls = [(call.id, call.name, call.arguments) for call in completion.tool_calls]
         expected = reference_ids(hf, TEMPLATES["mistral_v7"], reference_turn(QUESTION, calls, results))
+        assert client.tokenize(messages=conversation, tools=tools) == expected
         assert client.tokenize(messages=conversation) != expected  # without the tools, another prompt
-        second = request(conversation, max_tokens=4, temperature=0.0, ignore_eos=True)
-        with server.channel() as channel:
-            tokenize = pb.TokenizeRequest(messages=second.messages)
-            assert list(server.stub(channel).Tokenize(tokenize, timeout=60).token_ids) == expected
+        second = generate_request(messages=conversation, tools=tools, max_tokens=4, temperature=0.0)
         answer = client.complete(second, timeout=60)
         assert answer.usage.prompt_tokens == len(expected)
         assert answer.finish_reason_name in ("stop", "length")

@@ -63,11 +63,43 @@ class SluiceError(Exception):
         return int(value) if value is not None else None
 
 
-def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> pb.ChatMessages:
+Tools = Sequence[pb.Tool | Mapping[str, Any]]
+TOOL_CHOICE_MODES = {
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def _chat_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Tools | None = None, tool_choice: str | None = None
+) -> pb.ChatMessages:
     """Messages as dicts: "role", "content" (None for none), and for a tool-using turn "tool_calls" (an
     assistant's: `Completion.as_message()`'s {"id", "name", "arguments"}, OpenAI's {"id", "type",
-    "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result)."""
-    return pb.ChatMessages(messages=[_chat_message(message) for message in messages])
+    "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result).
+    `tools`: `pb.Tool`s or dicts, {"name", "description", "parameters"} or OpenAI's {"type": "function",
+    "function": {...}}, parameters a JSON schema or its text; `tool_choice`: "none", "auto", "required"
+    or a tool's name (unset: auto)."""
+    chat = pb.ChatMessages(
+        messages=[_chat_message(message) for message in messages], tools=[_tool(t) for t in tools or ()]
+    )
+    if tool_choice in TOOL_CHOICE_MODES:
+        chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
+    elif tool_choice is not None:
+        chat.tool_choice.function_name = tool_choice
+    return chat
+
+
+def _tool(tool: pb.Tool | Mapping[str, Any]) -> pb.Tool:
+    if isinstance(tool, pb.Tool):
+        return tool
+    function = tool.get("function", tool)
+    parameters = function.get("parameters") or ""
+    if not isinstance(parameters, str):
+        parameters = json.dumps(parameters, ensure_ascii=False)
+    return pb.Tool(
+        name=function["name"], description=function.get("description") or "", parameters=parameters
+    )
 
 
 def _chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
@@ -95,6 +127,8 @@ def generate_request(
     *,
     token_ids: Sequence[int] | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
+    tools: Tools | None = None,
+    tool_choice: str | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
@@ -120,7 +154,8 @@ def generate_request(
     disable_speculation: bool = False,
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest from one prompt form (`text`, `token_ids` or `messages`); sampling arguments
-    left None take server defaults. `stop`: one stop string or several.
+    left None take server defaults. `stop`: one stop string or several. `messages`, `tools` and
+    `tool_choice`: see `_chat_messages`.
     `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
     `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
     `trace_context`: W3C traceparent/tracestate the request's server span continues."""
@@ -131,6 +166,7 @@ def generate_request(
     ]
     if len(forms) > 1:
         raise ValueError(f"{' and '.join(forms)}: give one prompt form, not {len(forms)}")
+    _check_tools(messages, tools, tool_choice)
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
@@ -144,7 +180,7 @@ def generate_request(
     if token_ids is not None:
         request.token_ids.token_ids.extend(token_ids)
     if messages is not None:
-        request.messages.CopyFrom(_chat_messages(messages))
+        request.messages.CopyFrom(_chat_messages(messages, tools, tool_choice))
     optional = {
         "temperature": temperature,
         "top_k": top_k,
@@ -439,11 +475,12 @@ class Client:
         text: str | None = None,
         *,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
     ) -> list[int]:
-        request = _tokenize_request(text, messages, add_special_tokens)
+        request = _tokenize_request(text, messages, add_special_tokens, tools)
         return list(self._unary(self._stub.Tokenize, request, timeout, metadata).token_ids)
 
     def model_info(self, *, timeout: float | None = None, metadata: Metadata = ()) -> pb.GetModelInfoResponse:
@@ -467,14 +504,25 @@ class Client:
         )
 
 
+def _check_tools(
+    messages: Sequence[Mapping[str, Any]] | None, tools: Tools | None, tool_choice: str | None
+) -> None:
+    if messages is None and (tools is not None or tool_choice is not None):
+        raise ValueError(f"{'tools' if tools is not None else 'tool_choice'}: needs messages")
+
+
 def _tokenize_request(
-    text: str | None, messages: Sequence[Mapping[str, Any]] | None, add_special_tokens: bool | None
+    text: str | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    add_special_tokens: bool | None,
+    tools: Tools | None = None,
 ) -> pb.TokenizeRequest:
+    _check_tools(messages, tools, None)
     request = pb.TokenizeRequest()
     if text is not None:
         request.text = text
     if messages is not None:
-        request.messages.CopyFrom(_chat_messages(messages))
+        request.messages.CopyFrom(_chat_messages(messages, tools))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request
@@ -573,11 +621,12 @@ class AsyncClient:
         text: str | None = None,
         *,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
     ) -> list[int]:
-        request = _tokenize_request(text, messages, add_special_tokens)
+        request = _tokenize_request(text, messages, add_special_tokens, tools)
         return list((await self._unary(self._stub.Tokenize, request, timeout, metadata)).token_ids)
 
     async def model_info(
