@@ -29,6 +29,10 @@ from sluice.engine.outputs import EngineStats, OutputLogprobs, PromptLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.tokenizer import TokenizerSpec
 
+# The frontend's temporary directory of the two ipc:// sockets is named with this prefix; its core removes
+# it when the frontend died without doing so.
+SOCKET_DIRECTORY_PREFIX = "sluice-core-"
+
 
 class CoreConfig(msgspec.Struct, tag=True):
     config: EngineConfig

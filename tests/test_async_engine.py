@@ -89,7 +89,8 @@ async def test_concurrent_streams_equal_the_offline_engine(engine, llama_long_di
 
 async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp_path):
     """The core reads its model from a FIFO nobody writes: it loads until the test cancels the start. The
-    cancelled start must kill it (a frontend that gives up must not leave an engine core running)."""
+    cancelled start must kill it (a frontend that gives up must not leave an engine core running) and
+    remove the sockets' directory."""
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     engine = AsyncEngine(
@@ -102,6 +103,7 @@ async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp
     with pytest.raises(asyncio.CancelledError):
         await start
     assert await asyncio.wait_for(process.wait(), PATIENCE_S) == -signal.SIGKILL
+    assert not os.path.exists(engine._client._directory)  # nor the directory of its sockets
     await engine.shutdown()
 
 

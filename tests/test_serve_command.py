@@ -1,5 +1,6 @@
 """`sluice serve` refuses what it cannot serve with one line naming the flag (exit code 2), before it
-starts anything, and stops at SIGTERM even while the model loads, leaving no engine core behind."""
+starts anything, and stops at SIGTERM even while the model loads, leaving no engine core behind; a
+killed server's core exits on its own."""
 
 from __future__ import annotations
 
@@ -114,6 +115,43 @@ def test_sigterm_while_the_model_loads_stops_the_load_and_its_core(tmp_path) -> 
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_core_whose_server_was_killed_exits_and_removes_the_servers_sockets(llama_dir: str) -> None:
+    """SIGKILL (or the OOM killer) gives the server no chance to stop its core or remove the directory
+    of their sockets: the core, finding its parent gone, does both (the directories once piled up in
+    /tmp, one per killed server)."""
+    process = subprocess.Popen(
+        [SLUICE, "serve", "--model", llama_dir, "--port", "0", "--attention-backend", "torch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        ready = process.stdout.readline()
+        assert ready.startswith("sluice ready:"), ready
+        core_pid = int(ready.rpartition("core_pid=")[2])
+        arguments = Path(f"/proc/{core_pid}/cmdline").read_text().split("\0")
+        sockets = Path(arguments[arguments.index("--commands") + 1].removeprefix("ipc://")).parent
+        assert sockets.is_dir()
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + PATIENCE_S
+        while _running(core_pid) or sockets.exists():
+            assert time.monotonic() < deadline, f"core running: {_running(core_pid)}, {sockets} left"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process not yet exited (a zombie nobody reaped has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _children(pid: int) -> list[int]:

@@ -26,6 +26,7 @@ import zmq
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
 from sluice.engine.messages import (
+    SOCKET_DIRECTORY_PREFIX,
     CoreConfig,
     CoreFailed,
     CoreMessage,
@@ -54,7 +55,7 @@ class CoreClient:
         self.heartbeat_seconds = heartbeat_seconds
         self.timeout_seconds = timeout_seconds
         self.process: ChildProcess | None = None
-        self._directory = tempfile.mkdtemp(prefix="sluice-core-")
+        self._directory = tempfile.mkdtemp(prefix=SOCKET_DIRECTORY_PREFIX)
         # Commands go out without waiting (no high-water mark). Results are read from the event loop
         # through the socket's file descriptor (`_next_result`), not through zmq.asyncio and its future and
         # event poll per message (92 against 62 us of CPU a message on a 2-core EPYC: docs/BENCHMARKS.md).
@@ -101,9 +102,9 @@ class CoreClient:
         try:
             self._commands.send(config, zmq.NOBLOCK)
             ready = await self._wait_ready()
-        except BaseException:  # failed, or cancelled while the model loads: no core outlives its start
+        except BaseException:  # failed, or cancelled while the model loads: nothing outlives its start
             self.kill()
-            self._stop_reading()
+            self._release()
             raise
         self._on_dead = on_dead
         self._last_heard = time.monotonic()
@@ -132,7 +133,13 @@ class CoreClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._release()
+
+    def _release(self) -> None:
+        """Closes the sockets and removes their directory (once; a failed start already did)."""
         self._stop_reading()
+        if self._context.closed:
+            return
         self._commands.close(linger=0)
         self._results.close(linger=0)
         self._context.term()

@@ -21,15 +21,18 @@ import argparse
 import faulthandler
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import zmq
 
 from sluice.engine.core.engine_core import EngineCore
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.messages import (
+    SOCKET_DIRECTORY_PREFIX,
     AbortRequests,
     AddRequest,
     CoreConfig,
@@ -140,6 +143,15 @@ def serve_core(commands_address: str, results_address: str) -> int:
         results.close(linger=1000)  # let the last message (e.g. CoreFailed) go out
         commands.close(linger=0)
         context.term()
+        if os.getppid() != parent_pid:  # the frontend died (SIGKILL, OOM): nobody else removes its sockets
+            _remove_socket_directory(commands_address)
+
+
+def _remove_socket_directory(address: str) -> None:
+    """The frontend's directory of the `ipc://` sockets (`CoreClient`), with them."""
+    directory = Path(address.removeprefix("ipc://")).parent
+    if directory.name.startswith(SOCKET_DIRECTORY_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
