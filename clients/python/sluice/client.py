@@ -93,13 +93,18 @@ def _chat_messages(
 def _tool(tool: pb.Tool | Mapping[str, Any]) -> pb.Tool:
     if isinstance(tool, pb.Tool):
         return tool
-    function = tool.get("function", tool)
-    parameters = function.get("parameters") or ""
-    if not isinstance(parameters, str):
-        parameters = json.dumps(parameters, ensure_ascii=False)
+    function, parameters = _function_and_json_text(tool, "parameters")
     return pb.Tool(
         name=function["name"], description=function.get("description") or "", parameters=parameters
     )
+
+
+def _function_and_json_text(entry: Mapping[str, Any], key: str) -> tuple[Mapping[str, Any], str]:
+    """A tool's or a call's fields (OpenAI's form wraps them in "function") and its `key` as JSON text
+    (given as a JSON value or as its text)."""
+    function = entry.get("function", entry)
+    value = function.get(key) or ""
+    return function, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
@@ -115,10 +120,7 @@ def _chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
 def _tool_call(call: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
     if isinstance(call, pb.ToolCall):
         return call
-    function = call.get("function", call)
-    arguments = function.get("arguments") or ""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+    function, arguments = _function_and_json_text(call, "arguments")
     return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
 
 
