@@ -1,6 +1,8 @@
 """Compiles constraints to xgrammar grammars off the engine's step path, and caches them.
 
-One background thread compiles; `submit` returns at once with a future. Futures are cached by
+Background threads compile (half the CPUs, as vLLM's structured-output manager sizes its pool: xgrammar
+compiles outside the GIL, and one slow constraint, e.g. a regex that takes seconds, must not hold up the
+others); `submit` returns at once with a future. Futures are cached by
 `Constraint.key` (least recently used dropped past `cache_size`), so a request whose constraint was seen
 before gets a finished future and waits for nothing. The xgrammar vocabulary is built in that thread on
 the first submit, so a server that never sees a constraint never pays for it; xgrammar itself is
@@ -10,6 +12,7 @@ constraint, saved).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -45,21 +48,30 @@ class GrammarCompileError(Exception):
 
 
 class GrammarCompiler:
-    """Thread-safe. `submit` from the engine thread; compilation runs in one worker thread."""
+    """Thread-safe. `submit` from the engine thread; compilation runs in `num_workers` threads (None:
+    half the CPUs this process may use, at least one)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Iterable[int], cache_size: int = 256
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        cache_size: int = 256,
+        num_workers: int | None = None,
     ) -> None:
         if cache_size < 1:
             raise ValueError("cache_size: must be >= 1")
+        if num_workers is None:
+            num_workers = max(1, (len(os.sched_getaffinity(0)) + 1) // 2)
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
         self._cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+        self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="sluice-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()  # the first compiles build it once
         self.num_compiles = 0
         self.num_cache_hits = 0
         self.compile_seconds = 0.0  # total time spent compiling (vocabulary setup excluded)
@@ -99,17 +111,19 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(_XGRAMMAR_PREFIX.sub("", str(e)).strip()) from e
         finally:
-            self.num_compiles += 1
-            self.compile_seconds += time.perf_counter() - start
+            with self._lock:
+                self.num_compiles += 1
+                self.compile_seconds += time.perf_counter() - start
         return compiled
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            from sluice.engine.structured.tokenizer_info import build_tokenizer_info
+                from sluice.engine.structured.tokenizer_info import build_tokenizer_info
 
-            info = build_tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
-            # xgrammar's own cache stays off: ours holds the futures, so in-flight compiles are shared too.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+                info = build_tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
+                # xgrammar's own cache stays off: ours holds the futures, so in-flight compiles are shared.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler

@@ -1,0 +1,64 @@
+"""The grammar compiler's workers: a constraint still compiling (a regex can take seconds) does not hold
+up the next one, and the compiled grammars are the ones asked for."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+from service_harness import PATIENCE_S
+
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.grammar_compiler import GrammarCompiler
+from sluice.engine.text.tokenizer import Tokenizer
+
+SLOW = Constraint(regex="[a-z]{1,40}@[a-z]{1,20}")
+NEXT = Constraint(regex="(yes|no)")
+
+
+def grammar_compiler(model_dir: str, num_workers: int | None) -> GrammarCompiler:
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    return GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=num_workers)
+
+
+def test_a_constraint_compiles_while_another_is_still_compiling(llama_dir: str) -> None:
+    compiler = grammar_compiler(llama_dir, num_workers=2)
+    compiling, release = threading.Event(), threading.Event()
+    compile_now = compiler._compile
+
+    def compile_held(key: tuple[str, str]) -> xgr.CompiledGrammar:
+        if key == SLOW.key:  # a compile that has not finished until the test says so
+            compiling.set()
+            assert release.wait(PATIENCE_S)
+        return compile_now(key)
+
+    compiler._compile = compile_held
+    try:
+        slow = compiler.submit(SLOW)
+        assert compiling.wait(PATIENCE_S)
+        grammar = compiler.submit(NEXT).result(timeout=PATIENCE_S)
+        assert not slow.done()
+        release.set()
+        slow_grammar = slow.result(timeout=PATIENCE_S)
+    finally:
+        release.set()
+        compiler.shutdown()
+    for compiled, accepted, refused in ((grammar, "yes", "maybe"), (slow_grammar, "ab@cd", "ab")):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(accepted) and matcher.is_completed()
+        matcher = xgr.GrammarMatcher(compiled)
+        assert not (matcher.accept_string(refused) and matcher.is_completed())
+
+
+@pytest.mark.parametrize("num_workers", [None, 1])
+def test_the_default_pool_has_at_least_one_worker(llama_dir: str, num_workers: int | None) -> None:
+    compiler = grammar_compiler(llama_dir, num_workers)
+    try:
+        assert compiler.submit(NEXT).result(timeout=PATIENCE_S) is not None
+        assert compiler.num_compiles == 1
+    finally:
+        compiler.shutdown()
