@@ -1,7 +1,7 @@
 """One StreamGenerate call: many concurrent generation requests multiplexed over a bidirectional stream.
 
     client ──StreamGenerateRequest──> _read ──generate──> one _pump task per request ──┐
-                                            └─cancel────> engine.abort                 │
+                                            └─cancel────> its RequestCancel            │
     client <──StreamGenerateResponse── run() <── outbox (chunks and in-band errors) <──┘
 
 A request's error goes out in-band (RequestError) and the stream goes on. Half-close lets the
@@ -24,6 +24,7 @@ import grpc
 
 from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
+from sluice.service.request_cancel import ABORT, RequestCancel
 from sluice.service.request_ids import RequestIdInUseError, check_request_id
 from sluice.service.status import ServiceUnavailableError, StatusRecorder, failure_status
 from sluice.v1 import sluice_pb2 as pb
@@ -54,6 +55,7 @@ class StreamSession:
             asyncio.Queue()
         )
         self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._cancels: dict[str, RequestCancel] = {}  # per live request, as long as its pump
 
     @property
     def num_live_requests(self) -> int:
@@ -106,19 +108,21 @@ class StreamSession:
         except (ValueError, ServiceUnavailableError, RequestIdInUseError) as exc:
             self._send_error(request_id, exc)
             return
-        task = asyncio.create_task(self._pump(request))
-        self._pumps[request_id] = task
+        cancel = RequestCancel()
+        task = asyncio.create_task(self._pump(request, cancel))
+        self._pumps[request_id], self._cancels[request_id] = task, cancel
         task.add_done_callback(lambda done: self._forget(request_id, done))
 
     async def _cancel(self, request_id: str) -> None:
         """Aborts one live request; its last chunk has FINISH_REASON_ABORT. Unknown or finished ids are
-        ignored, since a cancel may race with the request's natural end."""
-        if request_id in self._pumps:
-            await self._runner.engine.abort(self._prefix + request_id)
+        ignored, since a cancel may race with the request's natural end. Through the request's
+        RequestCancel: a request whose long prompt is still being tokenized is not in the engine yet."""
+        if (cancel := self._cancels.get(request_id)) is not None:
+            await cancel.cancel(ABORT)
 
-    async def _pump(self, request: pb.GenerateRequest) -> None:
+    async def _pump(self, request: pb.GenerateRequest, cancel: RequestCancel) -> None:
         request_id = request.request_id
-        chunks = self._runner.run(request, self._prefix + request_id, self._caller)
+        chunks = self._runner.run(request, self._prefix + request_id, self._caller, cancel=cancel)
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
@@ -133,7 +137,7 @@ class StreamSession:
 
     def _forget(self, request_id: str, task: asyncio.Task[None] | None) -> None:
         if self._pumps.get(request_id) is task:
-            del self._pumps[request_id]
+            del self._pumps[request_id], self._cancels[request_id]
 
     def _send(self, response: pb.StreamGenerateResponse) -> asyncio.Future[None]:
         """Queues `response`; the future is done once the call has written it."""

@@ -9,10 +9,12 @@ import time
 
 import grpc
 import pytest
+from checkpoints import LONG_CONTEXT
 from service_harness import PATIENCE_S, UNENDING, ServerThread
 
 from sluice import generate_request
 from sluice.engine.errors import UnknownRequestError
+from sluice.engine.frontend.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from sluice.service.request_ids import RequestIdInUseError, RequestIds
 from sluice.v1 import sluice_pb2 as pb
 
@@ -98,6 +100,20 @@ def test_stream_request_timeout_ends_only_that_request(stub, server: ServerThrea
     assert quick[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert sum(len(c.token_ids) for c in quick) == 3
     server.wait_idle()
+
+
+def test_a_stream_cancel_reaches_a_request_whose_long_prompt_is_still_being_tokenized(stub) -> None:
+    """A prompt over TOKENIZE_INLINE_MAX_CHARS is tokenized in a thread before the request is in the
+    engine: a cancel that came meanwhile was dropped, and the request ran to max_tokens."""
+    prompt = "the quick brown fox jumps over the lazy dog " * (TOKENIZE_INLINE_MAX_CHARS // 40)
+    num_prompt_tokens = len(stub.Tokenize(pb.TokenizeRequest(text=prompt)).token_ids)
+    unending = {**UNENDING, "max_tokens": LONG_CONTEXT - num_prompt_tokens - 8}
+    requests = [
+        pb.StreamGenerateRequest(generate=generate_request(prompt, request_id="long", **unending)),
+        pb.StreamGenerateRequest(cancel=pb.StreamCancel(request_id="long")),
+    ]
+    responses = list(stub.StreamGenerate(iter(requests), timeout=PATIENCE_S))
+    assert responses[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT, responses[-1]
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
