@@ -29,7 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    server.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
+    server.add_argument(
+        "--max-queue", type=int, default=None, help="bound on waiting sequences (n of a request's n samples)"
+    )
     server.add_argument(
         "--api-key",
         default=os.environ.get("SLUICE_API_KEY"),

@@ -200,9 +200,13 @@ class AsyncEngine:
             owner = self._output_processor.owner(engine_id)
             if owner is not None and owner != request_id:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
-        num_queued = len(self._streams) - self._stats.num_running
+        # Sequences on both sides: a request with n samples is n of them, running or waiting.
+        num_queued = self._output_processor.num_live_samples - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
-            raise QueueFullError(f"the waiting queue is full ({self._max_queue} requests); retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({num_queued} sequences waiting, max_queue {self._max_queue}); "
+                "retry later"
+            )
 
     async def _tokenize(self, **prompt: Any) -> list[int]:
         size = prompt_chars(prompt["text"], prompt["messages"])

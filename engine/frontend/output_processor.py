@@ -104,6 +104,11 @@ class OutputProcessor:
             processed.outputs += self.process([CoreOutput.aborted(e) for e in unsent]).outputs
         return processed
 
+    @property
+    def num_live_samples(self) -> int:
+        """Sequences not yet finished: every sample of every live request, sent to the core or not."""
+        return len(self._states)
+
     def owner(self, engine_id: str) -> str | None:
         """The caller's id of the live request that engine id `engine_id` belongs to, if any."""
         state = self._states.get(engine_id)
