@@ -10,14 +10,15 @@
 
 Ids are keys per tenant: two tenants may use the same id, and one tenant's Abort never finds another's
 request (it is "never seen" from there). Ended ids and early Aborts are kept for `remember_s` seconds
-and at most `max_remembered` of each (oldest dropped first), and an id is at most MAX_REQUEST_ID_BYTES
-long (`check_request_id`), so memory stays bounded whatever callers do.
+and at most `max_remembered` of each per tenant (oldest dropped first: one tenant's flood of Aborts
+drops only its own), and an id is at most MAX_REQUEST_ID_BYTES long (`check_request_id`), so memory
+stays bounded whatever callers do (tenants are the configured ones).
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 from sluice.engine.errors import InvalidRequestError, SluiceError, UnknownRequestError
@@ -48,22 +49,22 @@ class RequestIdInUseError(SluiceError):
 
 
 class _ExpiringSet:
-    """Keys with the time they were added; older than `ttl` or beyond `capacity` are forgotten."""
+    """Ids with the time they were added; older than `ttl` or beyond `capacity` are forgotten."""
 
     def __init__(self, ttl: float, capacity: int, clock: Callable[[], float]) -> None:
         self._ttl, self._capacity, self._clock = ttl, capacity, clock
-        self._items: OrderedDict[_Key, float] = OrderedDict()
+        self._items: OrderedDict[str, float] = OrderedDict()
 
-    def add(self, key: _Key) -> None:
+    def add(self, key: str) -> None:
         self._items.pop(key, None)
         self._items[key] = self._clock()
         self._expire()
 
-    def pop(self, key: _Key) -> bool:
+    def pop(self, key: str) -> bool:
         self._expire()
         return self._items.pop(key, None) is not None
 
-    def __contains__(self, key: _Key) -> bool:
+    def __contains__(self, key: str) -> bool:
         self._expire()
         return key in self._items
 
@@ -89,8 +90,13 @@ class RequestIds:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._live: dict[_Key, RequestCancel] = {}
-        self._ended = _ExpiringSet(remember_s, max_remembered, clock)
-        self._early_aborts = _ExpiringSet(remember_s, max_remembered, clock)
+        # Per tenant: tenant -> its ids.
+        self._ended: defaultdict[str, _ExpiringSet] = defaultdict(
+            lambda: _ExpiringSet(remember_s, max_remembered, clock)
+        )
+        self._early_aborts: defaultdict[str, _ExpiringSet] = defaultdict(
+            lambda: _ExpiringSet(remember_s, max_remembered, clock)
+        )
 
     def claim(self, tenant: str, request_id: str) -> RequestCancel:
         check_request_id(request_id)
@@ -98,17 +104,17 @@ class RequestIds:
         if key in self._live:
             raise RequestIdInUseError(request_id)
         cancel = RequestCancel()
-        if self._early_aborts.pop(key):
+        if self._early_aborts[tenant].pop(request_id):
             cancel.reason = ABORT
         self._live[key] = cancel
-        self._ended.pop(key)
+        self._ended[tenant].pop(request_id)
         return cancel
 
     def release(self, tenant: str, request_id: str, cancel: RequestCancel) -> None:
         key = (tenant, request_id)
         if self._live.get(key) is cancel:
             del self._live[key]
-            self._ended.add(key)
+            self._ended[tenant].add(request_id)
 
     def abort(self, tenant: str, request_id: str) -> RequestCancel | None:
         """The live request's RequestCancel; None if it ended lately; raises UnknownRequestError."""
@@ -116,9 +122,9 @@ class RequestIds:
         key = (tenant, request_id)
         if key in self._live:
             return self._live[key]
-        if key in self._ended:
+        if request_id in self._ended[tenant]:
             return None
-        self._early_aborts.add(key)
+        self._early_aborts[tenant].add(request_id)
         raise UnknownRequestError(request_id)
 
     @property

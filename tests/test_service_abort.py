@@ -140,3 +140,19 @@ def test_request_ids_forget_after_the_window_and_stay_bounded() -> None:
             ids.abort("t", f"early-{i}")
     assert not ids.claim("t", "early-0").cancelled
     assert ids.claim("t", "early-4").cancelled
+
+
+def test_one_tenants_flood_of_aborts_drops_only_its_own_remembered_ids() -> None:
+    """The remembered early Aborts and ended ids were one set for all tenants: a tenant sending Aborts
+    for ids it never used pushed out another tenant's early Abort (whose Generate then ran) and its
+    ended ids (whose idempotent Abort then was NOT_FOUND)."""
+    ids = RequestIds(remember_s=30.0, max_remembered=2)
+    with pytest.raises(UnknownRequestError):
+        ids.abort("beta", "job")
+    ids.release("beta", "done", ids.claim("beta", "done"))
+    for i in range(5):
+        with pytest.raises(UnknownRequestError):
+            ids.abort("alpha", f"flood-{i}")
+    assert ids.claim("beta", "job").cancelled
+    assert ids.abort("beta", "done") is None
+    assert not ids.claim("alpha", "flood-0").cancelled  # alpha's own oldest were dropped
