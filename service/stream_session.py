@@ -9,8 +9,9 @@ outstanding requests finish, then ends the stream. Cancelling the call cancels e
 pump's generation iterator aborts its engine request.
 
 A pump hands over one chunk and waits until the call has written it before it reads its request's next
-output, so a client that reads slowly gets merged chunks (see RequestStream) and the outbox holds at
-most one chunk per request.
+output, so a client that reads slowly gets merged chunks (see RequestStream); a refusal is written
+before the next request is read. The outbox holds at most one message per live request and one
+refusal: a client that sends and never reads stops being read (it grew by every refused request).
 """
 
 from __future__ import annotations
@@ -85,18 +86,20 @@ class StreamSession:
             async for message in requests:
                 action = message.WhichOneof("action")
                 if action == "generate":
-                    self._start(message.generate)
+                    if (refused := self._start(message.generate)) is not None:
+                        await refused
                 elif action == "cancel":
                     await self._cancel(message.cancel.request_id)
                 else:
-                    self._send_error("", ValueError("action: set generate or cancel"))
+                    await self._send_error("", ValueError("action: set generate or cancel"))
             # Half-closed: let the outstanding requests finish, then end the stream.
             while self._pumps:
                 await asyncio.gather(*self._pumps.values(), return_exceptions=True)
         finally:
             self._outbox.put_nowait(None)
 
-    def _start(self, request: pb.GenerateRequest) -> None:
+    def _start(self, request: pb.GenerateRequest) -> asyncio.Future[None] | None:
+        """Starts the request's pump; when it is refused, the write of its in-band error instead."""
         request_id = request.request_id
         try:
             self._check_accepting()
@@ -106,12 +109,12 @@ class StreamSession:
             if request_id in self._pumps:
                 raise RequestIdInUseError(request_id)
         except (ValueError, ServiceUnavailableError, RequestIdInUseError) as exc:
-            self._send_error(request_id, exc)
-            return
+            return self._send_error(request_id, exc)
         cancel = RequestCancel()
         task = asyncio.create_task(self._pump(request, cancel))
         self._pumps[request_id], self._cancels[request_id] = task, cancel
         task.add_done_callback(lambda done: self._forget(request_id, done))
+        return None
 
     async def _cancel(self, request_id: str) -> None:
         """Aborts one live request; its last chunk has FINISH_REASON_ABORT. Unknown or finished ids are
@@ -127,8 +130,11 @@ class StreamSession:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     await self._send(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
+        except asyncio.CancelledError:  # the call ended (cancelled, deadline): so did its requests
+            self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:
-            self._send_error(request_id, exc)
+            await self._send_error(request_id, exc)
         else:
             self._record_status(_METHOD, grpc.StatusCode.OK)
         finally:
@@ -145,8 +151,9 @@ class StreamSession:
         self._outbox.put_nowait((response, written))
         return written
 
-    def _send_error(self, request_id: str, exc: BaseException) -> None:
+    def _send_error(self, request_id: str, exc: BaseException) -> asyncio.Future[None]:
+        """Queues the request's in-band error; the future is done once the call has written it."""
         code, message = failure_status(exc)
         self._record_status(_METHOD, code)
         error = pb.RequestError(code=code.value[0], message=message)
-        self._send(pb.StreamGenerateResponse(request_id=request_id, error=error))
+        return self._send(pb.StreamGenerateResponse(request_id=request_id, error=error))

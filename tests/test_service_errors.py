@@ -168,6 +168,21 @@ def test_cancel_mid_stream_frees_blocks(stub, server: ServerThread) -> None:
     wait_for(lambda: _rpc_count(server, "Generate", "CANCELLED") == before + 1, "the CANCELLED count")
 
 
+def test_the_requests_of_a_cancelled_stream_are_counted_cancelled(stub, server: ServerThread) -> None:
+    """The call's CANCELLED was counted, its requests' (an in-band cancel's OK, an error's code) not."""
+    before = _rpc_count(server, "StreamGenerate.request", "CANCELLED")
+    outbox = Outbox()
+    call = stub.StreamGenerate(iter(outbox))
+    for request_id in ("a", "b"):
+        outbox.generate(generate_request("Hello world", request_id=request_id, **UNENDING))
+    wait_for(lambda: server.stats().num_running == 2, "both requests running")
+    call.cancel()
+    outbox.half_close()
+    server.wait_idle()
+    # Counted when the pumps unwind, which may come after the engine reports idle.
+    wait_for(lambda: _rpc_count(server, "StreamGenerate.request", "CANCELLED") == before + 2, "the count")
+
+
 def test_deadline_aborts_the_request(stub, server: ServerThread) -> None:
     before = _rpc_count(server, "Generate", "DEADLINE_EXCEEDED")
     # The request runs until something ends it: only the deadline can. 5 s is far more than any machine

@@ -1,0 +1,35 @@
+"""StreamGenerate's session without a server: a client that sends and never reads stops being read once
+a refusal waits to be written (each refused request grew the outbox: 42,000 of them held 70 MB)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from sluice.service.stream_session import StreamSession
+from sluice.v1 import sluice_pb2 as pb
+
+NUM_SENT = 100
+
+
+async def test_a_refused_request_is_written_before_the_next_is_read() -> None:
+    num_read = 0
+    statuses: list[grpc.StatusCode] = []
+
+    async def requests():
+        nonlocal num_read
+        for _ in range(NUM_SENT):  # every one refused: an empty request_id
+            num_read += 1
+            yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(text="hi"))
+
+    session = StreamSession(None, None, lambda: None, lambda _, code: statuses.append(code))
+    responses = session.run(requests())
+    first = await anext(responses)  # the call writes one response, and no more
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert first.error.message == "request_id: must not be empty on StreamGenerate"
+    assert num_read <= 2, num_read
+    rest = [response async for response in responses]  # the call writes again: the stream goes on
+    assert len(rest) == NUM_SENT - 1 and num_read == NUM_SENT
+    assert statuses == [grpc.StatusCode.INVALID_ARGUMENT] * NUM_SENT
