@@ -11,7 +11,7 @@
     requests_per_second = 10.0      # optional: token bucket refill rate ...
     burst = 20                      # ... and size (default: max(1, requests_per_second))
     prefix_cache_scope = "acme"     # optional: tenants with the same scope share prefix-cache blocks;
-                                    # default: the tenant's own name (no sharing)
+                                    # default: the tenant's own name (no sharing); as a name
 
 Keys are compared as SHA-256 digests with `hmac.compare_digest` against every key, so the time taken
 says nothing about which key (or how much of one) matched; keys never appear in a repr, a log line or
@@ -76,6 +76,13 @@ class Tenant:
             raise ValueError(f"burst: must be >= 1 and needs requests_per_second (tenant {self.name!r})")
         if rate is not None and self.burst is None:
             object.__setattr__(self, "burst", max(1.0, rate))
+        scope = self.prefix_cache_scope
+        if scope is not None and not (isinstance(scope, str) and _NAME.fullmatch(scope)):
+            # A number would share blocks with its text ("5"), and the salt's separator inside a scope
+            # would let another tenant's salt spell the same one.
+            raise ValueError(
+                f"prefix_cache_scope: {scope!r} must match [A-Za-z0-9._-]{{1,64}} (tenant {self.name!r})"
+            )
 
     @property
     def cache_scope(self) -> str:

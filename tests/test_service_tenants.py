@@ -255,6 +255,14 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = 0\n', "requests_per_second: must be"),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_priority = "high"\n', "max_priority: must be an integer"),
         ('key = "k"\n', "api-keys: expected only [[tenant]] tables"),
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\nprefix_cache_scope = 5\n',
+            "prefix_cache_scope: 5 must match [A-Za-z0-9._-]{1,64} (tenant 'a')",
+        ),
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\nprefix_cache_scope = "x\\u001fy"\n',
+            "prefix_cache_scope: 'x\\x1fy' must match [A-Za-z0-9._-]{1,64} (tenant 'a')",
+        ),
     ],
 )
 def test_bad_keys_files_are_refused_naming_the_field_never_the_key(
