@@ -32,6 +32,7 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 
 ROPE_FREQS = "rope_freqs.weight"  # not a weight: read into the config's rope scaling
+GGUF_ROPE_SCALING_TYPES = ("none", "linear")  # `<arch>.rope.scaling.type` values Sluice runs
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -61,25 +62,48 @@ def gguf_arch_config(
     eos_token_ids: tuple[int, ...] = (),
 ) -> ModelArchConfig:
     """The model's shape from `<arch>.*` metadata, as the config.json a Hugging Face export would have.
-    Raises ValueError for an unsupported architecture or a missing key."""
+    Raises ValueError for an unsupported architecture or RoPE scaling, or a missing key."""
     gguf_arch = file.metadata.get("general.architecture")
-    spec = gguf_spec(gguf_arch)
+    model_class = gguf_model_class(gguf_arch)
+    spec = model_class.gguf_specs[gguf_arch]
     config = {
         **spec.config_defaults,
         **_shape_config(file, gguf_arch),
+        **_rope_scaling_config(file, gguf_arch),
         "bos_token_id": bos_token_id,
         "eos_token_id": list(eos_token_ids),
     }
-    rope_freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
-    if rope_freqs is not None:  # Llama 3.1+: the llama3 scaling, one divisor per frequency
-        config["rope_scaling"] = {
-            "rope_type": "freq_factors",
-            "freq_factors": _dequantize(rope_freqs).tolist(),
-        }
     for metadata_key, config_key in spec.config_keys.items():
         if f"{gguf_arch}.{metadata_key}" in file.metadata:
             config[config_key] = file.metadata[f"{gguf_arch}.{metadata_key}"]
+    config.update(model_class.gguf_derived_config(config))
     return ModelArchConfig.from_hf_config(config, name=name)
+
+
+def _rope_scaling_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
+    """config.json's `rope_scaling`, read as llama.cpp reads a GGUF's: a `rope_freqs.weight` tensor (Llama
+    3.1+: one divisor per frequency), or `<arch>.rope.scaling.type` "linear" (llama.cpp's default: positions
+    divided by `<arch>.rope.scaling.factor`, where absent or 1 is plain RoPE) or "none". The config goes
+    through the safetensors path's `rope_parameters`, so Gemma 3 scales its global layers only.
+    Raises ValueError naming the key for any other type (yarn, longrope)."""
+    type_key, factor_key = f"{gguf_arch}.rope.scaling.type", f"{gguf_arch}.rope.scaling.factor"
+    kind = file.metadata.get(type_key, "linear")
+    if kind not in GGUF_ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"{type_key}: {kind!r} is not supported; "
+            f"supported: {', '.join(repr(t) for t in GGUF_ROPE_SCALING_TYPES)}"
+        )
+    factor = float(file.metadata.get(factor_key) or 1.0) if kind == "linear" else 1.0
+    rope_freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None and factor != 1.0:
+        raise ValueError(f"{factor_key}: linear scaling {factor} on top of {ROPE_FREQS} is not supported")
+    if rope_freqs is not None:
+        return {
+            "rope_scaling": {"rope_type": "freq_factors", "freq_factors": _dequantize(rope_freqs).tolist()}
+        }
+    if factor != 1.0:
+        return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+    return {}
 
 
 def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
@@ -114,12 +138,17 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
 
 def gguf_spec(gguf_arch: str | None) -> GGUFSpec:
     """The GGUF layout of `general.architecture` = gguf_arch. Raises ValueError when unsupported."""
+    return gguf_model_class(gguf_arch).gguf_specs[gguf_arch]
+
+
+def gguf_model_class(gguf_arch: str | None) -> Any:
+    """The model class running `general.architecture` = gguf_arch. Raises ValueError when unsupported."""
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"general.architecture: {gguf_arch!r} is not supported; "
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    return get_model_class(GGUF_ARCHITECTURES[gguf_arch]).gguf_specs[gguf_arch]
+    return get_model_class(GGUF_ARCHITECTURES[gguf_arch])
 
 
 def hf_tensor_name(gguf_name: str, spec: GGUFSpec) -> str:

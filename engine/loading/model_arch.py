@@ -14,6 +14,9 @@ from sluice.engine.text.tokenizer import token_ids
 
 ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Their configs window only the layers from `max_window_layers` (transformers' default 28) on.
+QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -151,15 +154,20 @@ def _check_architecture(architecture: str) -> None:
 
 
 def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
-    """config.json's `layer_types`, or the one a `sliding_window_pattern` p implies (older Gemma 3
-    configs and GGUFs): every p-th layer full, the others sliding."""
+    """config.json's `layer_types`, or the one older configs imply: a `sliding_window_pattern` p (older
+    Gemma 3 configs and GGUFs) makes every p-th layer full and the others sliding; Qwen2/Qwen3's
+    `use_sliding_window` windows the layers from `max_window_layers` on, as transformers derives it."""
     if config.get("layer_types"):
         return tuple(config["layer_types"])
-    pattern = config.get("sliding_window_pattern")
-    if not pattern:
-        return ()
     layers = range(_required(config, "num_hidden_layers"))
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
+    pattern = config.get("sliding_window_pattern")
+    if pattern:
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture in QWEN_WINDOW_ARCHITECTURES and config.get("use_sliding_window"):
+        first = config.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in layers)
+    return ()
 
 
 def _required(config: dict[str, Any], key: str) -> Any:

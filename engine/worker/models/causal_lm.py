@@ -17,7 +17,7 @@ any rank's part of the heads (it splits qkv with `qkv_proj.split`, never with th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -81,6 +81,12 @@ class CausalLM(nn.Module):
                 module.select(kernels)
         if self.tie_word_embeddings:
             self.lm_head.tie_weight(self.model.embed_tokens.weight)
+
+    @classmethod
+    def gguf_derived_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json entries a GGUF file cannot state and llama.cpp derives from its shape (`config`: what
+        the loader read from the file so far); none unless the model class says."""
+        return {}
 
     def rope(self, theta: float, scaling: RopeScaling | None, max_positions: int | None) -> RotaryEmbedding:
         return RotaryEmbedding(

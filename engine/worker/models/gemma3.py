@@ -8,6 +8,8 @@ plain ones of transformers' decoder layer, so every backend gets the same roundi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,6 +23,8 @@ from sluice.engine.worker.layers.norm import GemmaRMSNorm
 from sluice.engine.worker.layers.rotary import Rope, RotaryEmbedding
 from sluice.engine.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sluice.engine.worker.models.causal_lm import CausalLM
+
+GEMMA3_27B_LAYERS = 62  # how llama.cpp tells Gemma 3 27B's GGUF from the others
 
 
 class Gemma3RotaryEmbedding(RotaryEmbedding):
@@ -101,10 +105,19 @@ class Gemma3ForCausalLM(CausalLM):
             },
             config_keys={"attention.sliding_window": "sliding_window"},
             # As llama.cpp and transformers assume for Gemma 3 files: every 6th layer global.
-            config_defaults={"sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
+            config_defaults={"sliding_window_pattern": 6},
             norm_shift=1.0,
         )
     }
+
+    @classmethod
+    def gguf_derived_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """query_pre_attn_scalar, as llama.cpp derives it (src/llama-model.cpp, LLM_ARCH_GEMMA3): head_dim,
+        but hidden_size / num_attention_heads for Gemma 3 27B, which it knows by its 62 layers."""
+        scalar = config["head_dim"]
+        if config["num_hidden_layers"] == GEMMA3_27B_LAYERS:
+            scalar = config["hidden_size"] // config["num_attention_heads"]
+        return {"query_pre_attn_scalar": scalar}
 
     def __init__(
         self, arch: ModelArchConfig, kernels: KernelConfig | None, max_positions: int | None = None

@@ -53,7 +53,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = self.attention_class(arch, layer)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, "silu")
+        # config.json's hidden_act; get_act_and_mul refuses, naming hidden_act, one it does not run.
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.extra.get("hidden_act") or "silu")
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -1,0 +1,305 @@
+"""GGUF settings that live outside the tensors: RoPE scaling metadata and Gemma 3's query scale.
+
+Tiny random checkpoints are exported as llama.cpp's convert_hf_to_gguf.py writes them (F32 tensors, q/k
+rows permuted for Llama, Gemma norms stored as 1 + weight, `<arch>.rope.scaling.type` / `.factor` for a
+"linear" rope_scaling); Sluice loads the GGUF and must give transformers' logits (1e-4) and greedy tokens
+on the checkpoint it came from. A linear Llama (factor 4) and a Gemma 3 whose global layers alone scale
+(factor 8, as llama.cpp writes Gemma 3 4B/12B/27B) run scaled; a "yarn" file is refused by name.
+A GGUF cannot state Gemma 3's query_pre_attn_scalar: llama.cpp (src/llama-model.cpp) takes head_dim, and
+hidden_size / num_attention_heads for the 27B model (62 layers), and so must Sluice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import BOS_ID, EOS_ID, IM_END_ID, VOCAB_SIZE, randomize_weights, save_tokenizer
+from gguf import GGUFWriter, RopeScalingType, TokenType
+from safetensors.numpy import load_file
+from test_model_parity import _hf_reference, _prompts, _run_sluice
+
+from sluice.engine.config import ModelConfig
+from sluice.engine.loading.gguf_file import GGUFFile
+from sluice.engine.loading.gguf_loader import gguf_arch_config
+from sluice.engine.loading.model_arch import RopeScaling
+from sluice.engine.loading.model_loader import load_model_source
+
+SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+# Gemma 3 as llama.cpp reads its GGUF: every 6th layer global; head_dim 32, not hidden / heads (16).
+GEMMA3_HEAD_DIM = 32
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
+GEMMA3_WINDOW = 8
+_LAYER_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+_LLAMA_PARTS = {**_LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
+_GEMMA3_PARTS = {
+    **_LAYER_PARTS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _save(model: torch.nn.Module, directory: str, seed: int) -> str:
+    randomize_weights(model, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}, f)
+    save_tokenizer(directory)
+    return directory
+
+
+def _tiny_llama(directory: str) -> str:
+    """Llama with rope_scaling linear, factor 4: every position divided by 4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    config = LlamaConfig(**SHAPE, num_hidden_layers=2, rope_scaling=rope, tie_word_embeddings=False)
+    return _save(LlamaForCausalLM(config), directory, seed=41)
+
+
+def _tiny_gemma3(directory: str, global_rope: dict) -> str:
+    """Gemma 3 text, 6 layers (5 local with window 8, then 1 global), query_pre_attn_scalar = head_dim."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **SHAPE,
+        num_hidden_layers=len(GEMMA3_LAYER_TYPES),
+        head_dim=GEMMA3_HEAD_DIM,
+        query_pre_attn_scalar=GEMMA3_HEAD_DIM,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=GEMMA3_LAYER_TYPES,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_theta": 1e6, **global_rope},
+        },
+        pad_token_id=0,
+    )
+    return _save(Gemma3ForCausalLM(config), directory, seed=43)
+
+
+def _write_metadata(writer: GGUFWriter, config: dict, rope_scaling: dict | None) -> None:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta") or config["rope_theta"])
+    if "sliding_window" in config:
+        writer.add_sliding_window(config["sliding_window"])
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(RopeScalingType(rope_scaling["type"]))
+        writer.add_rope_scaling_factor(rope_scaling["factor"])
+        if "original_context_length" in rope_scaling:
+            writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_context_length"])
+
+
+def _write_vocabulary(writer: GGUFWriter, hf_dir: str, config: dict) -> None:
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    vocab = dict(tokenizer["model"]["vocab"])
+    vocab.update({added["content"]: added["id"] for added in tokenizer["added_tokens"]})
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute, in effect.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensor(name: str, value: np.ndarray, gguf_arch: str, config: dict) -> tuple[str, np.ndarray]:
+    value = value.astype(np.float32)
+    if name in _GLOBAL:
+        gguf_name = _GLOBAL[name]
+    else:
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        part, kind = rest.rsplit(".", 1)
+        parts = _GEMMA3_PARTS if gguf_arch == "gemma3" else _LLAMA_PARTS
+        gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
+    if gguf_arch == "llama" and name.endswith("q_proj.weight"):
+        value = _permute(value, config["num_attention_heads"])
+    elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
+        value = _permute(value, config["num_key_value_heads"])
+    elif gguf_arch == "gemma3" and name.endswith("norm.weight"):
+        value = value + 1.0  # llama.cpp's Gemma converter stores 1 + weight
+    return gguf_name, value
+
+
+def export_gguf(hf_dir: str, path: str, gguf_arch: str, rope_scaling: dict | None = None) -> str:
+    """The checkpoint in `hf_dir` as llama.cpp writes a `gguf_arch` ("llama" or "gemma3") GGUF; rope_scaling
+    {"type", "factor"[, "original_context_length"]} becomes `<arch>.rope.scaling.*`."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    writer = GGUFWriter(path, gguf_arch)
+    writer.add_name(f"tiny {gguf_arch}")
+    _write_metadata(writer, config, rope_scaling)
+    _write_vocabulary(writer, hf_dir, config)
+    for name, value in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        writer.add_tensor(*_gguf_tensor(name, value, gguf_arch, config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_linear_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _tiny_llama(str(tmp_path_factory.mktemp("llama_linear")))
+
+
+@pytest.fixture(scope="module")
+def gemma3_linear_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _tiny_gemma3(str(tmp_path_factory.mktemp("gemma3_linear")), {"rope_type": "linear", "factor": 8.0})
+
+
+@pytest.fixture(scope="module")
+def gemma3_plain_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _tiny_gemma3(str(tmp_path_factory.mktemp("gemma3_plain")), {"rope_type": "default"})
+
+
+def _assert_gguf_runs_like_transformers(gguf_path: str, hf_dir: str) -> None:
+    prompts = _prompts()  # 5, 23 and 40 tokens: past Gemma's window of 8
+    logits, tokens, _ = _run_sluice(gguf_path, prompts, "torch")
+    ref_logits, ref_tokens = _hf_reference(hf_dir, prompts)
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert tokens == ref_tokens
+
+
+def test_linear_llama_gguf_equals_transformers(llama_linear_dir, tmp_path):
+    path = export_gguf(
+        llama_linear_dir, str(tmp_path / "llama.gguf"), "llama", {"type": "linear", "factor": 4.0}
+    )
+    assert load_model_source(ModelConfig(model=path)).arch.rope_scaling == RopeScaling(
+        factor=4.0, rope_type="linear"
+    )
+    _assert_gguf_runs_like_transformers(path, llama_linear_dir)
+
+
+def test_linear_gemma3_gguf_scales_global_layers_only_like_transformers(gemma3_linear_dir, tmp_path):
+    path = export_gguf(
+        gemma3_linear_dir, str(tmp_path / "gemma3.gguf"), "gemma3", {"type": "linear", "factor": 8.0}
+    )
+    arch = load_model_source(ModelConfig(model=path)).arch
+    assert arch.rope_scaling == RopeScaling(factor=8.0, rope_type="linear")
+    assert [arch.layer_sliding_window(i) for i in range(6)] == [GEMMA3_WINDOW] * 5 + [None]
+    _assert_gguf_runs_like_transformers(path, gemma3_linear_dir)
+
+
+def test_gemma3_gguf_query_scale_is_head_dim_like_llama_cpp(gemma3_plain_dir, tmp_path):
+    path = export_gguf(gemma3_plain_dir, str(tmp_path / "gemma3.gguf"), "gemma3")
+    arch = load_model_source(ModelConfig(model=path)).arch
+    assert arch.extra["query_pre_attn_scalar"] == GEMMA3_HEAD_DIM
+    assert arch.rope_scaling is None
+    _assert_gguf_runs_like_transformers(path, gemma3_plain_dir)
+
+
+def test_safetensors_gemma3_keeps_its_own_query_scale(gemma3_dir):
+    # checkpoints.build_gemma3_checkpoint: query_pre_attn_scalar 24, head_dim 16
+    assert load_model_source(ModelConfig(model=gemma3_dir)).arch.extra["query_pre_attn_scalar"] == 24
+
+
+def _metadata_only_gguf(path: str, gguf_arch: str, config: dict, **tensors: np.ndarray) -> str:
+    """A GGUF with `config`'s shape metadata, an 8-token vocabulary and only `tensors` (F32)."""
+    writer = GGUFWriter(path, gguf_arch)
+    _write_metadata(writer, {"rms_norm_eps": 1e-6, "rope_theta": 1e6, **config}, config.get("rope_scaling"))
+    writer.add_token_list([f"t{i}" for i in range(8)])
+    for name, value in tensors.items():
+        writer.add_tensor(name, value.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("layers", "hidden", "heads", "head_dim", "scalar"),
+    [
+        (62, 5376, 32, 128, 168),  # Gemma 3 27B: hidden_size / num_attention_heads
+        (34, 2560, 8, 256, 256),  # Gemma 3 4B: head_dim, though hidden / heads is 320
+        (18, 640, 4, 256, 256),  # Gemma 3 270M: head_dim, though hidden / heads is 160
+    ],
+)
+def test_gemma3_query_scale_follows_llama_cpp_rule(tmp_path, layers, hidden, heads, head_dim, scalar):
+    shape = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads}
+    config = {**SHAPE, **shape, "head_dim": head_dim, "sliding_window": 512}
+    path = _metadata_only_gguf(str(tmp_path / "gemma3.gguf"), "gemma3", config)
+    assert gguf_arch_config(GGUFFile(path)).extra["query_pre_attn_scalar"] == scalar
+
+
+def test_linear_factor_on_top_of_rope_freqs_is_refused(tmp_path):
+    config = {**SHAPE, "num_hidden_layers": 2, "rope_scaling": {"type": "linear", "factor": 8.0}}
+    path = _metadata_only_gguf(
+        str(tmp_path / "llama.gguf"), "llama", config, **{"rope_freqs.weight": np.ones(8)}
+    )
+    with pytest.raises(ValueError) as error:
+        gguf_arch_config(GGUFFile(path))
+    assert str(error.value) == (
+        "llama.rope.scaling.factor: linear scaling 8.0 on top of rope_freqs.weight is not supported"
+    )
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "expected"),
+    [
+        (None, None),
+        ({"type": "none", "factor": 4.0}, None),  # llama.cpp: type none never scales
+        ({"type": "linear", "factor": 1.0}, None),
+        ({"type": "linear", "factor": 4.0}, RopeScaling(factor=4.0, rope_type="linear")),
+    ],
+)
+def test_rope_scaling_metadata_becomes_the_config(llama_linear_dir, tmp_path, rope_scaling, expected):
+    path = export_gguf(llama_linear_dir, str(tmp_path / "llama.gguf"), "llama", rope_scaling)
+    assert gguf_arch_config(GGUFFile(path)).rope_scaling == expected
+
+
+def test_yarn_gguf_is_refused_naming_the_key(llama_linear_dir, tmp_path):
+    yarn = {"type": "yarn", "factor": 4.0, "original_context_length": 64}
+    path = export_gguf(llama_linear_dir, str(tmp_path / "llama-yarn.gguf"), "llama", yarn)
+    with pytest.raises(ValueError) as error:
+        load_model_source(ModelConfig(model=path))
+    assert str(error.value) == "llama.rope.scaling.type: 'yarn' is not supported; supported: 'none', 'linear'"

@@ -1,0 +1,129 @@
+"""config.json fields of the Llama family that transformers honours and Sluice must too.
+
+Qwen2/Qwen3 configs as the Hub has them (transformers 4 style: `use_sliding_window`, `max_window_layers`,
+no `layer_types`) window only the layers from `max_window_layers` on; transformers derives that
+(models/qwen2/configuration_qwen2.py). Three layers, window 12, max_window_layers 2: only the last layer is
+windowed, and prompts of 23 and 40 tokens reach past it. `hidden_act` picks the MLP's activation; one
+Sluice does not run is refused by name. Each runs against transformers on the same checkpoint: logits
+within 1e-4 and greedy tokens equal (test_model_parity's runner and reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from checkpoints import BOS_ID, EOS_ID, IM_END_ID, VOCAB_SIZE, randomize_weights, save_tokenizer
+from test_model_parity import _hf_reference, _prompts, _run_sluice
+
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.worker.model_runner import ModelRunner
+
+SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_key_value_heads=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+WINDOW = 12
+QWEN_WINDOWED = dict(
+    num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, rope_theta=1e4
+)
+
+
+def _save(model: torch.nn.Module, directory: str, seed: int, drop: tuple[str, ...] = ()) -> str:
+    """The model as save_pretrained writes it, less the config.json keys in `drop`."""
+    randomize_weights(model, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}, f)
+    save_tokenizer(directory)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({k: v for k, v in config.items() if k not in drop}, f, indent=2)
+    return directory
+
+
+def _qwen2(directory: str) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(
+        Qwen2ForCausalLM(Qwen2Config(**SHAPE, **QWEN_WINDOWED)), directory, 51, drop=("layer_types",)
+    )
+
+
+def _qwen3(directory: str) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPE, **QWEN_WINDOWED, head_dim=32)
+    return _save(Qwen3ForCausalLM(config), directory, 52, drop=("layer_types",))
+
+
+def _llama(directory: str, hidden_act: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPE, num_hidden_layers=2, hidden_act=hidden_act, rope_theta=1e4)
+    return _save(LlamaForCausalLM(config), directory, 53)
+
+
+def _assert_runs_like_transformers(directory: str, backend: str) -> None:
+    prompts = _prompts()  # 5, 23 and 40 tokens
+    logits, tokens, _ = _run_sluice(directory, prompts, backend)
+    ref_logits, ref_tokens = _hf_reference(directory, prompts)
+    for got, want in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert tokens == ref_tokens
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen_windowed_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    build = {"qwen2": _qwen2, "qwen3": _qwen3}[request.param]
+    return build(str(tmp_path_factory.mktemp(request.param)))
+
+
+def test_config_without_layer_types_windows_layers_from_max_window_layers(qwen_windowed_dir):
+    with open(os.path.join(qwen_windowed_dir, "config.json")) as f:
+        assert "layer_types" not in json.load(f)
+    arch = load_model_source(ModelConfig(model=qwen_windowed_dir)).arch
+    assert arch.layer_types == ("full_attention", "full_attention", "sliding_attention")
+    assert [arch.layer_sliding_window(i) for i in range(3)] == [None, None, WINDOW]
+    assert arch.uniform_sliding_window is None  # the full layers keep every block
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_qwen_windowed_from_max_window_layers_equals_transformers(qwen_windowed_dir, backend):
+    _assert_runs_like_transformers(qwen_windowed_dir, backend)
+
+
+def test_qwen_without_use_sliding_window_windows_no_layer(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPE, **{**QWEN_WINDOWED, "use_sliding_window": False})
+    directory = _save(Qwen2ForCausalLM(config), str(tmp_path), 54, drop=("layer_types",))
+    arch = load_model_source(ModelConfig(model=directory)).arch
+    assert [arch.layer_sliding_window(i) for i in range(3)] == [None, None, None]
+
+
+def test_llama_gelu_tanh_hidden_act_equals_transformers(tmp_path):
+    _assert_runs_like_transformers(_llama(str(tmp_path), "gelu_pytorch_tanh"), "torch")
+
+
+def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
+    directory = _llama(str(tmp_path), "relu")
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=8),
+        attention_backend="torch",
+    )
+    with pytest.raises(ValueError) as error:
+        ModelRunner(config, load_model_source(config.model))
+    assert str(error.value) == "hidden_act: 'relu' is not supported; supported: silu, gelu_pytorch_tanh"
