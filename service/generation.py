@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
 
 import msgspec
 
 from sluice.engine.frontend.async_engine import AsyncEngine
-from sluice.engine.outputs import NO_OUTPUT_LOGPROBS, RequestOutput
+from sluice.engine.outputs import NO_OUTPUT_LOGPROBS, RequestOutput, Timings
 from sluice.service import convert
 from sluice.service.caller import Caller
 from sluice.service.generation_spec import GenerationSpec
@@ -17,7 +18,7 @@ from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT, TIMEOUT, RequestCancel
 from sluice.service.status import RequestFailedError, RequestTimeoutError
 from sluice.service.tenant_limits import TenantLimiter, TenantOverLimitError
-from sluice.service.tracing import RequestTracer
+from sluice.service.tracing import RequestSpan, RequestTracer
 from sluice.v1 import sluice_pb2 as pb
 
 
@@ -37,6 +38,13 @@ class GenerationRunner:
         self._limiter = limiter or TenantLimiter()
         self._timers: set[asyncio.Task[None]] = set()
 
+    def trace(
+        self, caller: Caller, operation: str, trace_context: Mapping[str, str] | None = None
+    ) -> RequestSpan:
+        """The span of one request, to open (`with`) around its whole generation path, conversion
+        included, so that a request refused anywhere on it has one too (see RequestSpan)."""
+        return self._tracer.start(caller, operation, trace_context)
+
     async def run(
         self,
         request: pb.GenerateRequest,
@@ -49,21 +57,23 @@ class GenerationRunner:
         """Streams the request's chunks, each named `reply_id` (default: `request.request_id`, or the
         engine id if empty); what `outputs` raises, after converting the request (ValueError naming a
         bad field)."""
-        spec = convert.generation_spec_from_proto(request)
         reply_id = reply_id or request.request_id or engine_request_id
-        outputs = self.outputs(spec, engine_request_id, caller, cancel)
-        async with contextlib.aclosing(outputs):
-            async for output in outputs:
-                yield await convert.generate_response(output, reply_id)
+        with self.trace(caller, _operation(request), dict(request.trace_context)) as span:
+            spec = convert.generation_spec_from_proto(request)
+            outputs = self.outputs(spec, engine_request_id, caller, span, cancel)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    yield await convert.generate_response(output, reply_id)
 
     async def outputs(
         self,
         spec: GenerationSpec,
         engine_request_id: str,
         caller: Caller,
+        span: RequestSpan,
         cancel: RequestCancel | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the engine's outputs of one request.
+        """Streams the engine's outputs of one request, recording them on its (open) `span`.
 
         Raises what the engine raises on validation, TenantOverLimitError, RequestTimeoutError when
         `spec.timeout` passed, and RequestFailedError after the last output if the engine ended the
@@ -71,8 +81,10 @@ class GenerationRunner:
         outside (Abort): cancelled before it reached the engine, it never does and ends with one
         "abort" output. Closing this iterator early (the handler was cancelled, the deadline passed)
         aborts the engine request (all its samples), freeing its KV blocks. Telemetry records one
-        request: the completion tokens of all samples, the finish of the last.
+        request: the completion tokens and preemptions of all samples, finished or not, and the finish
+        of the last ("abort" if the caller left before every sample finished).
         """
+        span.record_params(spec.params)
         cancel = cancel or RequestCancel()
         try:
             release = self._limiter.admit(caller.tenant)
@@ -81,7 +93,7 @@ class GenerationRunner:
             raise
         timer = None if spec.timeout is None else self._start_timer(spec.timeout, cancel)
         try:
-            outputs = self._run(spec, engine_request_id, caller, cancel)
+            outputs = self._run(spec, engine_request_id, caller, cancel, span)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     yield output
@@ -91,67 +103,63 @@ class GenerationRunner:
             release()
 
     async def _run(
-        self, spec: GenerationSpec, engine_request_id: str, caller: Caller, cancel: RequestCancel
+        self,
+        spec: GenerationSpec,
+        engine_request_id: str,
+        caller: Caller,
+        cancel: RequestCancel,
+        span: RequestSpan,
     ) -> AsyncIterator[RequestOutput]:
-        params = spec.params
-        span = self._tracer.start(caller.metadata, spec.prompt.operation, params, spec.trace_context)
         tracker = self._metrics.track(caller.tenant.name)
-        final: RequestOutput | None = None
-        failed: RequestOutput | None = None
-        num_completion_tokens = 0
-        last: RequestOutput | None = None
-        error: BaseException | None = None
-        cancelled = False
+        progress = RequestProgress(engine_request_id, spec.params.n)
+        caller_left = False
         try:
             if cancel.reason == ABORT:  # an Abort came before the request: it never reaches the engine
-                final = _aborted(None, engine_request_id)
-                yield final
+                aborted = progress.aborted()
+                progress.add(aborted)
+                yield aborted
                 return
-            outputs = await self.engine.add_request(
-                engine_request_id,
-                params,
-                **spec.prompt.as_kwargs(),
-                priority=caller.tenant.clamp_priority(spec.priority),
-                cache_salt=caller.tenant.cache_salt(spec.cache_salt),
-                stream_interval=spec.stream_interval,
-                tool_use=spec.tool_use,
-                use_speculation=spec.use_speculation,
-            )
-            cancel.attach(lambda: self.engine.abort(engine_request_id))
-            if cancel.cancelled:  # cancelled while the prompt was tokenized
-                await self.engine.abort(engine_request_id)
+            outputs = await self._add_request(spec, engine_request_id, caller, cancel)
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     if output.invalid_field is not None:  # refused by the core: no chunk, a status
                         raise output.refusal()
                     tracker.on_output(output)
-                    last = output
-                    if output.finished:
-                        final = output
-                        failed = output if output.finish_reason == "error" else failed
-                        num_completion_tokens += output.usage.completion_tokens if output.usage else 0
-                    if final is not None and final.finish_reason == "abort" and cancel.reason == TIMEOUT:
+                    progress.add(output)
+                    if output.finish_reason == "abort" and cancel.reason == TIMEOUT:
                         raise RequestTimeoutError(
                             f"timeout_seconds: the request's timeout of {spec.timeout:g} s passed"
                         )
                     yield output
-            if failed is not None:
-                raise RequestFailedError(failed.error or "the engine failed while running the request")
+            progress.raise_if_failed()
         except (GeneratorExit, asyncio.CancelledError):
-            cancelled = True  # the caller left (cancel, deadline, disconnect): an abort, not a failure
-            raise
-        except BaseException as exc:
-            error = exc
+            caller_left = True  # the caller left (cancel, deadline, disconnect): an abort, not a failure
             raise
         finally:
-            if final is None and cancelled:
-                final = _aborted(last, engine_request_id)
-            if final is not None and final.usage is not None and params.n > 1:
-                usage = msgspec.structs.replace(final.usage, completion_tokens=num_completion_tokens)
-                final = msgspec.structs.replace(final, usage=usage)
+            final = progress.final_output(caller_left)
             tracker.finish(final)
-            self._tracer.finish(span, final, error)
+            if final is not None:
+                span.record_final(final)
+
+    async def _add_request(
+        self, spec: GenerationSpec, engine_request_id: str, caller: Caller, cancel: RequestCancel
+    ) -> AsyncIterator[RequestOutput]:
+        """Submits the request; `cancel` aborts it from now on (and at once if it came meanwhile)."""
+        outputs = await self.engine.add_request(
+            engine_request_id,
+            spec.params,
+            **spec.prompt.as_kwargs(),
+            priority=caller.tenant.clamp_priority(spec.priority),
+            cache_salt=caller.tenant.cache_salt(spec.cache_salt),
+            stream_interval=spec.stream_interval,
+            tool_use=spec.tool_use,
+            use_speculation=spec.use_speculation,
+        )
+        cancel.attach(lambda: self.engine.abort(engine_request_id))
+        if cancel.cancelled:  # cancelled while the prompt was tokenized
+            await self.engine.abort(engine_request_id)
+        return outputs
 
     def _start_timer(self, timeout: float, cancel: RequestCancel) -> asyncio.Task[None]:
         async def expire() -> None:
@@ -171,10 +179,69 @@ class GenerationRunner:
         return len(live)
 
 
-def _aborted(last: RequestOutput | None, request_id: str) -> RequestOutput:
-    """The final output of a request whose caller left: its latest usage, finish_reason "abort"."""
-    if last is None:
-        return RequestOutput(request_id=request_id, token_ids=(), text="", finish_reason="abort")
-    return msgspec.structs.replace(
-        last, token_ids=(), text="", logprobs=NO_OUTPUT_LOGPROBS, finish_reason="abort"
-    )
+def _operation(request: pb.GenerateRequest) -> str:
+    """The gen_ai.operation.name of `request` (as its converted Prompt names it), read before conversion."""
+    return "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
+
+
+class RequestProgress:
+    """What a request's n samples have produced so far: the latest output of each (by `index`), finished
+    or not, whose usage counts that sample's tokens to date."""
+
+    def __init__(self, request_id: str, num_samples: int) -> None:
+        self._request_id = request_id
+        self._num_samples = num_samples
+        self._arrival = time.time()  # for a request that ends before the engine reports its own
+        self._latest: dict[int, RequestOutput] = {}
+        self._last: RequestOutput | None = None
+        self._last_finished: RequestOutput | None = None
+        self._failed: RequestOutput | None = None  # a sample's output with finish_reason "error"
+
+    def add(self, output: RequestOutput) -> None:
+        self._latest[output.index] = output
+        self._last = output
+        if output.finished:
+            self._last_finished = output
+            if output.finish_reason == "error":
+                self._failed = output
+
+    def raise_if_failed(self) -> None:
+        """RequestFailedError if the engine ended any sample with finish_reason "error"."""
+        if self._failed is not None:
+            raise RequestFailedError(self._failed.error or "the engine failed while running the request")
+
+    @property
+    def all_finished(self) -> bool:
+        return sum(output.finished for output in self._latest.values()) == self._num_samples
+
+    def aborted(self) -> RequestOutput:
+        """The final output of a request ended before its samples finished: finish_reason "abort", the
+        latest output's usage and timings, finished now."""
+        now = time.time()
+        last = self._last
+        if last is None or last.timings is None:
+            timings = Timings(arrival=self._arrival, first_scheduled=None, first_token=None, finished=now)
+        else:
+            timings = msgspec.structs.replace(last.timings, finished=now)
+        if last is None:
+            return RequestOutput(
+                request_id=self._request_id, token_ids=(), text="", finish_reason="abort", timings=timings
+            )
+        return msgspec.structs.replace(
+            last, token_ids=(), text="", logprobs=NO_OUTPUT_LOGPROBS, finish_reason="abort", timings=timings
+        )
+
+    def final_output(self, caller_left: bool) -> RequestOutput | None:
+        """The request's final output, with the completion tokens and preemptions of all its samples: the
+        last sample's to finish; an "abort" one if the caller left before all finished; None if none
+        finished otherwise (refused or failed before any did)."""
+        final = self.aborted() if caller_left and not self.all_finished else self._last_finished
+        if final is None:
+            return None
+        outputs = self._latest.values()
+        num_preemptions = sum(output.num_preemptions for output in outputs)
+        if final.usage is None:
+            return msgspec.structs.replace(final, num_preemptions=num_preemptions)
+        num_tokens = sum(output.usage.completion_tokens for output in outputs if output.usage is not None)
+        usage = msgspec.structs.replace(final.usage, completion_tokens=num_tokens)
+        return msgspec.structs.replace(final, usage=usage, num_preemptions=num_preemptions)

@@ -100,19 +100,21 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, tenant: str) -> None:
         self._metrics = metrics
         self._tenant = tenant
-        self._last_token_time: float | None = None
+        self._last_token_times: dict[int, float] = {}  # sample index -> when its latest chunk came
 
     def on_output(self, output: RequestOutput) -> None:
-        """Inter-token latency: time between chunks, spread over the tokens of the later chunk (tokens
-        merged into the first chunk, behind a slow reader, have no gap to observe)."""
+        """Inter-token latency: time between chunks of one sample (`output.index`; the n samples of a
+        request decode side by side, as vLLM's child requests), spread over the tokens of the later
+        chunk (tokens merged into a sample's first chunk, behind a slow reader, have no gap to observe)."""
         if not output.token_ids:
             return
         now = time.monotonic()
-        if self._last_token_time is not None:
-            gap = (now - self._last_token_time) / len(output.token_ids)
+        last = self._last_token_times.get(output.index)
+        if last is not None:
+            gap = (now - last) / len(output.token_ids)
             for _ in output.token_ids:
                 self._metrics.inter_token_latency.observe(gap)
-        self._last_token_time = now
+        self._last_token_times[output.index] = now
 
     def finish(self, final: RequestOutput | None) -> None:
         """Counts the request's tokens, finish reason and latencies; `final` is None if it never finished."""

@@ -28,6 +28,8 @@ from sluice.service.tracing import RequestTracer
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """Serves requests once an engine is attached; until then, and while draining, answers UNAVAILABLE."""
@@ -73,13 +75,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self._runner is None:
             raise ServiceUnavailableError("the server is still loading the model")
 
-    def caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        """The call's tenant (the interceptor has already refused unknown keys) and its metadata."""
+    def caller(
+        self, context: grpc.aio.ServicerContext, rpc_method: str = "", rpc_service: str = SERVICE_NAME
+    ) -> Caller:
+        """The call's tenant (the interceptor has already refused unknown keys), its metadata and deadline;
+        `rpc_method` of `rpc_service` names the method called, for the spans of its requests."""
         metadata = context.invocation_metadata() or ()
         tenant = authenticate(metadata, self._tenants)
         if isinstance(tenant, str):
             raise UnauthenticatedError(tenant)
-        return Caller(tenant, metadata)
+        return Caller(tenant, metadata, rpc_service, rpc_method, context.time_remaining)
 
     def accepting_runner(self) -> GenerationRunner:
         self.check_accepting()
@@ -91,7 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         runner = self.accepting_runner()
-        caller = self.caller(context)
+        caller = self.caller(context, "Generate")
         tenant = caller.tenant.name
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cancel = self._request_ids.claim(tenant, request_id)
@@ -117,7 +122,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
             raise
         try:
-            caller = self.caller(context)
+            caller = self.caller(context, "StreamGenerate")
         except UnauthenticatedError:
             await drain_request_stream(request_iterator)
             raise

@@ -39,16 +39,21 @@ from smg_grpc_proto.generated import common_pb2
 from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.engine.frontend.async_engine import tokenize_when_long
 from sluice.service import smg_convert
+from sluice.service.caller import Caller
+from sluice.service.generation import GenerationRunner
 from sluice.service.metrics import ServerMetrics
-from sluice.service.request_cancel import ABORT
+from sluice.service.request_cancel import ABORT, RequestCancel
 from sluice.service.request_ids import RequestIds, check_request_id
 from sluice.service.servicer import InferenceServicer
 from sluice.service.status import FailedPreconditionError, ServiceUnavailableError, rpc_errors
+from sluice.service.tracing import RequestSpan
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # GetTokenizer's chunk size (SMG's client reassembles up to 200 MB).
 TOKENIZER_CHUNK_BYTES = 64 << 10
 _METHOD_PREFIX = "VllmEngine."
+# gen_ai.operation.name of every Generate: SMG renders chats itself and sends the prompt's tokens.
+_OPERATION = "text_completion"
 
 
 class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -81,30 +86,19 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
         runner = self._inference.accepting_runner()
-        caller = self._inference.caller(context)
+        caller = self._inference.caller(context, "Generate", SERVICE_NAME)
         self._last_receive = time.time()
-        engine = runner.engine
-        to_spec = smg_convert.generation_spec_from_smg
-        try:
-            spec = await tokenize_when_long(
-                len(request.text), to_spec, request, engine.model_info, engine.tokenizer
-            )
-        except ValueError as exc:  # SamplingParams' checks name Sluice's fields
-            raise smg_convert.smg_refusal(exc) from exc
         tenant = caller.tenant.name
         request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
         cancel = self._request_ids.claim(tenant, request_id)
         self._num_generate_calls += 1
         try:
-            # Tenant names hold no "/": engine ids of two tenants never collide.
-            outputs = runner.outputs(spec, f"smg/{tenant}/{request_id}", caller, cancel)
-            responses = smg_convert.SmgResponses(spec, request.stream)
-            async with contextlib.aclosing(outputs):
-                async for output in outputs:
-                    async for response in responses.responses(output):
+            with runner.trace(caller, _OPERATION) as span:
+                # Tenant names hold no "/": engine ids of two tenants never collide.
+                responses = _responses(request, runner, f"smg/{tenant}/{request_id}", caller, span, cancel)
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
                         yield response
-        except ValueError as exc:  # the prompt checks' and the engine's (e.g. more KV blocks than it has)
-            raise smg_convert.smg_refusal(exc) from exc
         finally:
             self._num_generate_calls -= 1
             self._request_ids.release(tenant, request_id, cancel)
@@ -213,6 +207,32 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(
                 data=archive[offset:end], sha256=digest if end >= len(archive) else ""
             )
+
+
+async def _responses(
+    request: vllm_engine_pb2.GenerateRequest,
+    runner: GenerationRunner,
+    engine_request_id: str,
+    caller: Caller,
+    span: RequestSpan,
+    cancel: RequestCancel,
+) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+    """Converts the request and streams its responses; a refusal (ValueError: SamplingParams', the prompt
+    checks', the engine's, e.g. more KV blocks than it has) names SMG's fields."""
+    engine = runner.engine
+    to_spec = smg_convert.generation_spec_from_smg
+    try:
+        spec = await tokenize_when_long(
+            len(request.text), to_spec, request, engine.model_info, engine.tokenizer
+        )
+        outputs = runner.outputs(spec, engine_request_id, caller, span, cancel)
+        responses = smg_convert.SmgResponses(spec, request.stream)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                async for response in responses.responses(output):
+                    yield response
+    except ValueError as exc:
+        raise smg_convert.smg_refusal(exc) from exc
 
 
 async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc.aio.ServicerContext) -> None:

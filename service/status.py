@@ -23,7 +23,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -128,10 +128,16 @@ def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
 DEADLINE_SLACK_S = 1.0
 
 
-def cancelled_status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+class CallDeadline(Protocol):
+    """A call's deadline: grpc.aio.ServicerContext, or the Caller of a request."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+def cancelled_status(call: CallDeadline) -> grpc.StatusCode:
     """Why a handler was cancelled: its deadline passed (here or, just before, at the caller), or the
     caller went away."""
-    remaining = context.time_remaining()
+    remaining = call.time_remaining()
     if remaining is not None and remaining <= DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED

@@ -1,5 +1,6 @@
 """OpenTelemetry: one SERVER span per generation request, continuing the caller's W3C traceparent
-(the request's own `trace_context`, else the call's metadata).
+(the request's own `trace_context`, else the call's metadata), following OTel's gen_ai and RPC (gRPC
+server) conventions.
 
 The tracer provider is passed in explicitly (never the global one). `tracer_provider_from_env`
 builds an OTLP/gRPC exporting provider when the standard OTEL_* variables ask for one.
@@ -7,9 +8,12 @@ builds an OTLP/gRPC exporting provider when the standard OTEL_* variables ask fo
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from types import TracebackType
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,6 +23,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
+from sluice.service.caller import Caller
+from sluice.service.status import CallDeadline, cancelled_status, status_for
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -47,7 +53,7 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTracer:
-    """Starts and ends the span of each generation request."""
+    """Starts the span of each generation request."""
 
     def __init__(self, provider: trace.TracerProvider | None, model_name: str) -> None:
         provider = provider if provider is not None else trace.NoOpTracerProvider()
@@ -55,64 +61,95 @@ class RequestTracer:
         self._model_name = model_name
 
     def start(
-        self,
-        metadata: Sequence[tuple[str, str | bytes]],
-        operation: str,
-        params: SamplingParams,
-        trace_context: Mapping[str, str] | None = None,
-    ) -> Span:
+        self, caller: Caller, operation: str, trace_context: Mapping[str, str] | None = None
+    ) -> RequestSpan:
         """A SERVER span whose parent is the request's own `trace_context` (traceparent, tracestate)
-        when given, else the traceparent in the call's metadata (if any)."""
+        when given, else the traceparent in the call's metadata (if any). It starts before the request
+        is converted: it holds what is known of every request, even one refused."""
         if trace_context:
             carrier = {key.lower(): value for key, value in trace_context.items()}
         else:
-            carrier = {key: value for key, value in metadata if isinstance(value, str)}
+            carrier = {key: value for key, value in caller.metadata if isinstance(value, str)}
         parent = _PROPAGATOR.extract(carrier=carrier)
         attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.system": "sluice",
             "gen_ai.request.model": self._model_name,
+            "rpc.system": "grpc",
+            "rpc.service": caller.rpc_service,
+            "rpc.method": caller.rpc_method,
+        }
+        name = f"{operation} {self._model_name}"
+        span = self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        return RequestSpan(span, caller)
+
+
+class RequestSpan:
+    """The span of one request, open (`with`) around the request's whole generation path. How that
+    block ends gives the call's status (rpc.grpc.status_code) and the span's, then ends the span:
+
+        completed                  OK                  UNSET
+        raised (refused, failed)   as the caller gets  ERROR, error.type: the exception's class
+        cancelled at the deadline  DEADLINE_EXCEEDED   ERROR, error.type: "DEADLINE_EXCEEDED"
+        cancelled by the caller    CANCELLED           UNSET
+    """
+
+    def __init__(self, span: Span, call: CallDeadline) -> None:
+        self._span = span
+        self._call = call
+
+    def record_params(self, params: SamplingParams) -> None:
+        """The request's sampling parameters, once converted."""
+        attributes: dict[str, int | float] = {
             "gen_ai.request.max_tokens": params.max_tokens,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
-            "rpc.system": "grpc",
-            "rpc.service": "sluice.v1.InferenceService",
         }
         if params.top_k:
             attributes["gen_ai.request.top_k"] = params.top_k
         if params.seed is not None:
             attributes["gen_ai.request.seed"] = params.seed
-        name = f"{operation} {self._model_name}"
-        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        self._span.set_attributes(attributes)
 
-    @staticmethod
-    def finish(span: Span, final: RequestOutput | None, error: BaseException | None = None) -> None:
-        """Records usage, finish reason and the request's life events, then ends the span."""
-        if final is not None:
-            _record_final(span, final)
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
-            span.set_attribute("error.type", type(error).__name__)
-        span.end()
+    def record_final(self, final: RequestOutput) -> None:
+        """Usage, finish reason, preemptions and the request's life events (stamped when they happened)."""
+        span = self._span
+        span.set_attribute("gen_ai.response.finish_reasons", (final.finish_reason,))
+        span.set_attribute("sluice.num_preemptions", final.num_preemptions)
+        if final.usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", final.usage.completion_tokens)
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", final.usage.cached_tokens)
+        timings = final.timings
+        if timings is None:
+            return
+        span.add_event("queued", timestamp=_ns(timings.arrival))
+        if timings.first_scheduled is not None:
+            span.add_event("scheduled", timestamp=_ns(timings.first_scheduled))
+        if timings.first_token is not None:
+            span.add_event("first_token", timestamp=_ns(timings.first_token))
+        if timings.finished is not None:
+            attributes = {"finish_reason": final.finish_reason}
+            span.add_event("finished", attributes, timestamp=_ns(timings.finished))
 
+    def __enter__(self) -> RequestSpan:
+        return self
 
-def _record_final(span: Span, final: RequestOutput) -> None:
-    span.set_attribute("gen_ai.response.finish_reasons", (final.finish_reason,))
-    if final.usage is not None:
-        span.set_attribute("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", final.usage.completion_tokens)
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", final.usage.cached_tokens)
-    timings = final.timings
-    if timings is None:
-        return
-    span.add_event("queued", timestamp=_ns(timings.arrival))
-    if timings.first_scheduled is not None:
-        span.add_event("scheduled", timestamp=_ns(timings.first_scheduled))
-    if timings.first_token is not None:
-        span.add_event("first_token", timestamp=_ns(timings.first_token))
-    if final.num_preemptions > 0:
-        span.add_event("preempted", {"sluice.num_preemptions": final.num_preemptions})
-    if timings.finished is not None:
-        span.add_event("finished", {"finish_reason": final.finish_reason}, timestamp=_ns(timings.finished))
-    if final.finish_reason == "error":
-        span.set_status(Status(StatusCode.ERROR, final.error or "engine error"))
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if exc is None:
+            code = grpc.StatusCode.OK
+        elif isinstance(exc, GeneratorExit | asyncio.CancelledError):  # the call was cancelled
+            code = cancelled_status(self._call)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._set_error(code.name, "the call's deadline passed")
+        else:
+            code, message = status_for(exc)
+            self._set_error(type(exc).__name__, message)
+        self._span.set_attribute("rpc.grpc.status_code", code.value[0])
+        self._span.end()
+
+    def _set_error(self, error_type: str, message: str) -> None:
+        self._span.set_status(Status(StatusCode.ERROR, message or error_type))
+        self._span.set_attribute("error.type", error_type)
