@@ -52,7 +52,7 @@ class TenantLimiter:
         if limit is not None and self.live(tenant) >= limit:
             raise TenantOverLimitError(
                 f"tenant {tenant.name!r} has {limit} requests running, its max_concurrent_requests; "
-                "retry later",
+                f"retry in {CONCURRENCY_PUSHBACK_MS} ms",  # in-band on StreamGenerate, which has no trailer
                 CONCURRENCY_PUSHBACK_MS,
             )
         self._take_token(tenant)

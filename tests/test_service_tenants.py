@@ -178,7 +178,7 @@ def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_s
         error = _stub_call(tenant_server, "key-small", generate_request("more", max_tokens=2))
         assert (error.code(), error.details()) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "tenant 'small' has 1 requests running, its max_concurrent_requests; retry later",
+            "tenant 'small' has 1 requests running, its max_concurrent_requests; retry in 500 ms",
         )
         assert dict(error.trailing_metadata())[PUSHBACK] == "500"
         with pytest.raises(SluiceError) as info:  # the client's error keeps the trailer
