@@ -41,6 +41,13 @@ def check_request_id(request_id: str, field: str = "request_id") -> None:
         raise InvalidRequestError(field, f"must be at most {MAX_REQUEST_ID_BYTES} bytes (UTF-8), got {size}")
 
 
+def engine_id_of(namespace: str, request_id: str) -> str:
+    """The engine's id of a caller's request: `namespace` (the API and tenant, or the stream) and the id
+    with "%" and "#" escaped, so that no caller's id is the engine's id of another request's sample ("a#1"
+    is sample 1 of "a" with n > 1: a caller's own "a#1" was refused as in use while "a" ran)."""
+    return namespace + request_id.replace("%", "%25").replace("#", "%23")
+
+
 class RequestIdInUseError(SluiceError):
     """A live request of the same tenant already has this id (maps to ALREADY_EXISTS)."""
 

@@ -18,7 +18,7 @@ from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
-from sluice.service.request_ids import RequestIds
+from sluice.service.request_ids import RequestIds, engine_id_of
 from sluice.service.status import ServiceUnavailableError, UnauthenticatedError, rpc_errors
 from sluice.service.stream_refusal import drain_request_stream
 from sluice.service.stream_session import StreamSession
@@ -103,7 +103,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._num_generate_calls += 1
         try:
             # Tenant names hold no "/": engine ids of two tenants never collide.
-            engine_request_id = f"gen/{tenant}/{request_id}"
+            engine_request_id = engine_id_of(f"gen/{tenant}/", request_id)
             chunks = runner.run(request, engine_request_id, caller, reply_id=request_id, cancel=cancel)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -43,7 +43,7 @@ from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT, RequestCancel
-from sluice.service.request_ids import RequestIds, check_request_id
+from sluice.service.request_ids import RequestIds, check_request_id, engine_id_of
 from sluice.service.servicer import InferenceServicer
 from sluice.service.status import FailedPreconditionError, ServiceUnavailableError, rpc_errors
 from sluice.service.tracing import RequestSpan
@@ -95,7 +95,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             with runner.trace(caller, _OPERATION) as span:
                 # Tenant names hold no "/": engine ids of two tenants never collide.
-                responses = _responses(request, runner, f"smg/{tenant}/{request_id}", caller, span, cancel)
+                engine_request_id = engine_id_of(f"smg/{tenant}/", request_id)
+                responses = _responses(request, runner, engine_request_id, caller, span, cancel)
                 async with contextlib.aclosing(responses):
                     async for response in responses:
                         yield response

@@ -26,7 +26,7 @@ import grpc
 from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.request_cancel import ABORT, RequestCancel
-from sluice.service.request_ids import RequestIdInUseError, check_request_id
+from sluice.service.request_ids import RequestIdInUseError, check_request_id, engine_id_of
 from sluice.service.status import ServiceUnavailableError, StatusRecorder, failure_status
 from sluice.v1 import sluice_pb2 as pb
 
@@ -125,7 +125,8 @@ class StreamSession:
 
     async def _pump(self, request: pb.GenerateRequest, cancel: RequestCancel) -> None:
         request_id = request.request_id
-        chunks = self._runner.run(request, self._prefix + request_id, self._caller, cancel=cancel)
+        engine_request_id = engine_id_of(self._prefix, request_id)
+        chunks = self._runner.run(request, engine_request_id, self._caller, cancel=cancel)
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -5,6 +5,7 @@ stats), seeds, aborts, validation."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
 
 import grpc
@@ -93,6 +94,32 @@ def test_cancelling_an_n4_call_frees_every_block(stub, server):
     assert info.value.code() == grpc.StatusCode.CANCELLED
     stats = server.wait_idle()
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+
+
+def test_a_callers_id_that_names_anothers_sample_is_free(stub, server):
+    """Sample 1 of "x" (n = 2) is "x#1" in the engine: a caller's own request "x#1" was refused as in use
+    by "x" (naming the engine's ids), on Generate and on StreamGenerate."""
+    unending = {"temperature": 1.0, "max_tokens": UNENDING_TOKENS, "ignore_eos": True}
+    running = stub.Generate(_request("x", n=2, **unending))
+    next(running)
+    chunks = list(stub.Generate(_request("x#1", max_tokens=2), timeout=60))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    requests = [_request("s", n=2, **unending), _request("s#1", max_tokens=2)]
+    held_open = threading.Event()
+
+    def stream():
+        yield from (pb.StreamGenerateRequest(generate=request) for request in requests)
+        held_open.wait(60)
+
+    call = stub.StreamGenerate(stream(), timeout=60)
+    for response in call:
+        assert response.WhichOneof("event") == "chunk", response
+        if response.request_id == "s#1" and response.chunk.finish_reason == pb.FINISH_REASON_LENGTH:
+            break
+    call.cancel()
+    held_open.set()
+    running.cancel()
+    server.wait_idle()
 
 
 def test_a_grammar_that_does_not_compile_is_invalid_argument_for_an_n_sample_request(stub, server):
