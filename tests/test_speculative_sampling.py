@@ -23,7 +23,7 @@ from checkpoints import randomize_weights
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
-from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sampling_params import MIN_SEED, SEED_LIMIT, SamplingParams
 from sluice.engine.spec_decode.proposer import Proposal
 
 VOCAB = 16
@@ -189,3 +189,17 @@ def test_sampling_with_a_different_draft_model_keeps_the_target_distribution(
 def test_accepting_every_draft_fails_the_same_test(tiny_vocab_dir, exact_marginals):
     second, _, _ = _sample(tiny_vocab_dir, WrongProposer(), always_accept=True, num_seeds=500)
     assert chi_square_p_value(second, exact_marginals[0]) < 1e-6
+
+
+def test_seeds_at_either_end_of_the_range_draft_with_a_draft_model(tiny_vocab_dir, tiny_vocab_draft_dir):
+    """The draft stream is seeded with seed + 0x5EED: past 2**64 that overflowed torch's manual_seed, and
+    the step (every request of it, the engine with it) failed."""
+    speculative = SpeculativeConfig("draft", num_speculative_tokens=K, draft_model=tiny_vocab_draft_dir)
+    llm = LLM(tiny_vocab_dir, block_size=16, speculative=speculative)
+    seeds = [SEED_LIMIT - 1, MIN_SEED, None]
+    params = [
+        SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=4, ignore_eos=True) for seed in seeds
+    ]
+    completions = llm.generate([PROMPT] * len(seeds), params)
+    assert [(c.finish_reason, len(c.token_ids)) for c in completions] == [("length", 4)] * len(seeds)
+    assert llm.engine.stats().num_draft_tokens > 0

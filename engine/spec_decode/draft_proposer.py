@@ -133,7 +133,8 @@ class DraftProposer:
             return self._shared_generator
         generator = self._generators.get(request.request_id)
         if generator is None:
-            # Seeded requests draft reproducibly, from a stream apart from the sampler's.
-            generator = torch.Generator(device=self.runner.device).manual_seed(seed + 0x5EED)
+            # Seeded requests draft reproducibly, from a stream apart from the sampler's (modulo 2**64:
+            # a seed near the top of the accepted range overflowed manual_seed and failed the step).
+            generator = torch.Generator(device=self.runner.device).manual_seed((seed + 0x5EED) % 2**64)
             self._generators[request.request_id] = generator
         return generator

@@ -12,7 +12,9 @@ temperature / top-k / top-p / min-p.
               norm(max(0, p_j - q_j)) and stop; when all k are accepted, draw the bonus from p_k.
 
 Every draw comes from the request's own generator when it is seeded, so a seed reproduces a request's
-tokens whatever the batch (but not the tokens of a run without speculation: the draws differ).
+tokens in the same schedule, not whatever the batch: how many drafts a step verifies depends on the other
+requests (the step's token budget left, free blocks, preemption), and each verified draft takes a draw.
+Nor does it give the tokens of a run without speculation (the draws differ).
 """
 
 from __future__ import annotations

@@ -668,7 +668,8 @@ type SamplingParams struct {
 	PresencePenalty *float32 `protobuf:"fixed32,6,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
 	// In [-2, 2]; default 0.
 	FrequencyPenalty *float32 `protobuf:"fixed32,7,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
-	// A seed reproduces the same sampled tokens whatever the batch.
+	// A seed reproduces the same sampled tokens whatever the batch; with speculative decoding, only in the
+	// same schedule (how many drafts a step verifies depends on the other requests).
 	Seed *int64 `protobuf:"varint,8,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	// >= 1; default 16.
 	MaxTokens *int32 `protobuf:"varint,9,opt,name=max_tokens,json=maxTokens,proto3,oneof" json:"max_tokens,omitempty"`
