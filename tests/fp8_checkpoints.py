@@ -60,7 +60,9 @@ def write_fp8_checkpoint(
     weights "block") or None (weights only). quant_method "fp8": the same tensors in that format
     (`fp8_method_config`), the block scales named weight_scale_inv; its per-tensor scales named as vLLM and
     AutoFP8 name them (`names` "vllm": weight_scale, input_scale) or as transformers' FineGrainedFP8Linear
-    does ("transformers": weight_scale_inv, activation_scale, both 0-d). quant_method "modelopt": NVIDIA
+    does ("transformers": weight_scale_inv, activation_scale, both 0-d); `names` "autofp8": vLLM's names,
+    the KV scales as AutoFP8 saves them (k_proj.output_scale, v_proj.output_scale) and its config
+    (ignored_layers, kv_cache_scheme "static"). quant_method "modelopt": NVIDIA
     ModelOpt's (`modelopt_config`: tensor weights with static activations, or channel weights with token
     ones; per-tensor scales 0-d, per-channel ones [out]; KV scales as k_proj.k_scale / v_proj.v_scale), its
     config in config.json or, `hf_quant_config`, in hf_quant_config.json."""
@@ -86,9 +88,11 @@ def write_fp8_checkpoint(
             )
     for layer in range(_layers(source)):
         if kv_scales is not None:
-            k, v = (
-                ("k_proj.k_scale", "v_proj.v_scale") if quant_method == "modelopt" else ("k_scale", "v_scale")
-            )
+            k, v = ("k_scale", "v_scale")
+            if quant_method == "modelopt":
+                k, v = ("k_proj.k_scale", "v_proj.v_scale")
+            elif names == "autofp8":
+                k, v = ("k_proj.output_scale", "v_proj.output_scale")
             out[f"model.layers.{layer}.self_attn.{k}"] = torch.tensor(kv_scales[0])
             out[f"model.layers.{layer}.self_attn.{v}"] = torch.tensor(kv_scales[1])
     os.makedirs(directory, exist_ok=True)
@@ -98,7 +102,14 @@ def write_fp8_checkpoint(
             shutil.copy(os.path.join(source, name), directory)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    if quant_method == "fp8":
+    if quant_method == "fp8" and names == "autofp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "static" if activations == "static" else "dynamic",
+            "ignored_layers": list(ignore),
+            "kv_cache_scheme": "static" if kv_scales is not None else None,
+        }
+    elif quant_method == "fp8":
         config["quantization_config"] = fp8_method_config(block, activations, ignore)
     elif quant_method == "modelopt":
         algo = {("tensor", "static"): "FP8", ("channel", "token"): "FP8_PER_CHANNEL_PER_TOKEN"}[

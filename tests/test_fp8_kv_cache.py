@@ -144,6 +144,29 @@ def test_fp8_weights_with_the_checkpoints_kv_scales(llama_dir, tmp_path):
     )
 
 
+def test_an_autofp8_checkpoint_with_kv_scales_loads_as_the_same_tensors_do_in_vllms_format(
+    llama_dir, tmp_path
+):
+    """AutoFP8 writes "kv_cache_scheme": "static" beside calibrated KV scales (k_proj.output_scale): the
+    config was refused as an unknown field, with or without an FP8 cache."""
+    kv_scales = (0.05, 0.02)
+    formats = {
+        names: write_fp8_checkpoint(
+            llama_dir, str(tmp_path / names), weights="tensor", activations="static", kv_scales=kv_scales,
+            quant_method="fp8", names=names,
+        )
+        for names in ("autofp8", "vllm")
+    }  # fmt: skip
+    runs = {}
+    for names, directory in formats.items():
+        llm = LLM(directory, kv_cache_dtype="fp8", block_size=BLOCK, num_blocks=64)
+        attn = llm.engine.model_runner.model.model.layers[1].self_attn.attn
+        assert (attn.k_scale.item(), attn.v_scale.item()) == (pytest.approx(0.05), pytest.approx(0.02))
+        runs[names] = greedy(llm)
+    assert runs["autofp8"] == runs["vllm"]
+    assert greedy(LLM(formats["autofp8"], block_size=BLOCK, num_blocks=64))  # a float cache skips them
+
+
 @pytest.mark.parametrize(("dtype", "ratio"), [("bfloat16", 2), ("float32", 4)])
 def test_the_kv_capacity_reported_at_start_grows_by_the_bytes_saved(llama_dir, dtype, ratio, caplog):
     memory = 1 << 20

@@ -8,6 +8,8 @@ scales) and AutoFP8's (one scale a tensor). config.json says
       "weight_block_size": [128, 128] | null,
       "activation_scheme": "dynamic" | "static",
       "modules_to_not_convert": ["lm_head", ...] | null      (vLLM's checkpoints: "ignored_layers")
+      "kv_cache_scheme": "static" | null                      (AutoFP8's, with calibrated KV scales:
+                                                               k_proj.output_scale / v_proj.output_scale)
     }
 
 and each quantized linear holds
@@ -46,11 +48,12 @@ from sluice.engine.loading.fp8_config import (
 FP8_METHOD = "fp8"
 _FIELDS = {
     "quant_method", "fmt", "weight_block_size", "activation_scheme", "modules_to_not_convert",
-    "ignored_layers", "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype",
+    "ignored_layers", "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype", "kv_cache_scheme",
 }  # fmt: skip
 # field -> the values Sluice runs (the defaults transformers writes)
 _ACCEPTED = {
     "fmt": ("e4m3",), "scale_fmt": ("float",), "expert_dtype": ("fp8",), "modules_to_convert": (None,),
+    "kv_cache_scheme": (None, "static"),
 }  # fmt: skip
 # activations -> transformers' names for the per-tensor scales (FineGrainedFP8 without weight_block_size)
 _TRANSFORMERS_NAMES = {
@@ -85,4 +88,5 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
         for field in ("modules_to_not_convert", "ignored_layers")
         for target in transformers_left_out(raw.get(field) or [], f"{where}.{field}")
     ]
-    return Fp8Config((Fp8Group(FP8_METHOD, ("Linear",), scheme),), ("lm_head", *left_out))
+    groups = (Fp8Group(FP8_METHOD, ("Linear",), scheme),)
+    return Fp8Config(groups, ("lm_head", *left_out), kv_cache_scales=raw.get("kv_cache_scheme") == "static")
