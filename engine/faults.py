@@ -8,6 +8,8 @@ where:
     sample      sampling raises for requests whose id contains <marker> (those requests fail alone)
     worker      a tensor-parallel worker process (rank >= 1) raises while such a request is scheduled
                 (an engine failure: the worker exits, the engine fails)
+    join        the tensor-parallel worker of rank <marker> raises before it joins the group (the
+                engine fails to start)
     detokenize  the frontend's detokenization raises for such requests (those requests fail alone)
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 ENV_VAR = "SLUICE_INJECT_FAULT"
-PLACES = ("step", "sample", "detokenize", "worker")
+PLACES = ("step", "sample", "detokenize", "worker", "join")
 
 
 class InjectedFault(RuntimeError):

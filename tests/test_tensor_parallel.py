@@ -24,6 +24,8 @@ from gguf_export import export_llama_gguf
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.distributed.partition import VocabPartition, partition_heads
+from sluice.engine.executor.worker_monitor import WorkerDiedError
+from sluice.engine.faults import ENV_VAR
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.outputs import EngineStats
 from sluice.engine.sampling_params import SamplingParams
@@ -276,3 +278,11 @@ def test_each_rank_finds_its_query_heads_kv_head_on_itself():
 def test_the_vocabulary_splits_into_padded_ranges():
     parts = [VocabPartition.of(10, r, 4) for r in range(4)]
     assert [(p.start, p.end, p.num_rows) for p in parts] == [(0, 3, 3), (3, 6, 3), (6, 9, 3), (9, 10, 3)]
+
+
+def test_a_worker_that_dies_before_joining_the_group_fails_the_start_naming_it(llama_dir, monkeypatch):
+    """Rank 0's join waited for the whole distributed timeout (300 s by default) and then named no rank;
+    the monitor's news of the death now ends it at once."""
+    monkeypatch.setenv(ENV_VAR, "join:1")
+    with pytest.raises(WorkerDiedError, match=r"^tensor-parallel rank 1 \(pid \d+\) failed: InjectedFault"):
+        LLM(llama_dir, tensor_parallel_size=2, num_blocks=8, distributed_timeout_seconds=3600)

@@ -30,11 +30,13 @@ server that ends the engine core with `CoreFailed`, like any failed step.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
+from torch.distributed import Store
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.group import TensorParallelGroup
@@ -74,7 +76,7 @@ class MultiprocExecutor:
             else:
                 torch.set_num_threads(placement.num_threads)
             self.workers.wait_started()
-            group = TensorParallelGroup.join(store, 0, size, device, timeout)
+            group = self._join_watched(store, size, device, timeout)
             # A ValueError is a setting refused naming its field, which every rank refuses alike.
             self.runner = self._named_failures(ModelRunner, config, source, group, keep=(ValueError,))
             self.workers.wait_ready()
@@ -129,6 +131,27 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         """Stops the workers; rank 0's torch threads go back to what they were."""
         self._finalizer()
+
+    def _join_watched(
+        self, store: Store, size: int, device: torch.device, timeout: float
+    ) -> TensorParallelGroup:
+        """Rank 0's join of the group, in a thread while this one watches the workers: a worker that dies
+        before it joins fails the start at once with its WorkerDiedError (the join alone waited for the
+        store's `timeout`, 300 s by default, then named no rank)."""
+        joined: list[TensorParallelGroup | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(TensorParallelGroup.join(store, 0, size, device, timeout))
+            except BaseException as exc:
+                joined.append(exc)
+            self.workers.monitor.notify()
+
+        threading.Thread(target=join, name="sluice-tp-join", daemon=True).start()
+        self.workers.monitor.wait_for(lambda: bool(joined), "group join", timeout + FAILURE_NAMING_SECONDS)
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        return joined[0]
 
     def _named_failures(
         self, call: Callable[..., T], *args: object, keep: tuple[type[Exception], ...] = ()

@@ -86,6 +86,8 @@ class WorkerProcess:
         torch.set_num_interop_threads(1)
         timeout = spec.config.parallel.distributed_timeout_seconds
         store = Rendezvous(spec.rendezvous_host, spec.rendezvous_port, timeout).join(spec.world_size)
+        if self.faults is not None:
+            self.faults.check("join", [str(spec.rank)])
         group = TensorParallelGroup.join(store, spec.rank, spec.world_size, device, timeout)
         runner = ModelRunner(spec.config, load_model_source(spec.config.model), group)
         logger.info(

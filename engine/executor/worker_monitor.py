@@ -96,6 +96,12 @@ class WorkerMonitor(threading.Thread):
                     raise TimeoutError(f"tensor-parallel workers: no {what} within {timeout:.0f}s")
                 self._changed.wait(left)
 
+    def notify(self) -> None:
+        """Wakes `wait_for` callers to check their predicate again, after a change this thread does not
+        see (rank 0's own join of the group ended)."""
+        with self._changed:
+            self._changed.notify_all()
+
     def stop(self) -> None:
         """Ends the thread (workers exiting from now on are not failures)."""
         self._stopping = True
