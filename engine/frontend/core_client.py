@@ -55,7 +55,7 @@ class CoreClient:
         self.heartbeat_seconds = heartbeat_seconds
         self.timeout_seconds = timeout_seconds
         self.process: ChildProcess | None = None
-        self._directory = tempfile.mkdtemp(prefix=SOCKET_DIRECTORY_PREFIX)
+        self._directory: str | None = None  # the sockets' directory, made by `start`
         # Commands go out without waiting (no high-water mark). Results are read from the event loop
         # through the socket's file descriptor (`_next_result`), not through zmq.asyncio and its future and
         # event poll per message (92 against 62 us of CPU a message on a 2-core EPYC: docs/BENCHMARKS.md).
@@ -78,28 +78,23 @@ class CoreClient:
 
         Raises EngineDeadError if the model fails to load or the process exits first.
         """
-        # Encoded before the core exists: a config that cannot be sent must not leave a core waiting for it.
-        config = encode(CoreConfig(self.config, self.heartbeat_seconds))
-        self._commands.setsockopt(zmq.SNDHWM, 0)
-        # The core binds the commands address; connecting first queues the config until it does.
-        self._commands.connect(f"ipc://{self._directory}/commands")
-        self._results.bind(f"ipc://{self._directory}/results")
-        self._results_readable = asyncio.Event()
-        asyncio.get_running_loop().add_reader(self._results.FD, self._results_readable.set)
-        # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
-        self.process = ChildProcess(
-            [
-                sys.executable,
-                "-m",
-                "sluice.engine.process.core_process",
-                "--commands",
-                f"ipc://{self._directory}/commands",
-                "--results",
-                f"ipc://{self._directory}/results",
-            ],
-            env=core_process_environment(os.environ),
-        )
         try:
+            # Encoded before the core exists: a config that cannot be sent must not leave a core waiting.
+            config = encode(CoreConfig(self.config, self.heartbeat_seconds))
+            self._directory = tempfile.mkdtemp(prefix=SOCKET_DIRECTORY_PREFIX)
+            commands, results = f"ipc://{self._directory}/commands", f"ipc://{self._directory}/results"
+            self._commands.setsockopt(zmq.SNDHWM, 0)
+            # The core binds the commands address; connecting first queues the config until it does.
+            self._commands.connect(commands)
+            self._results.bind(results)
+            self._results_readable = asyncio.Event()
+            asyncio.get_running_loop().add_reader(self._results.FD, self._results_readable.set)
+            # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
+            self.process = ChildProcess(
+                [sys.executable, "-m", "sluice.engine.process.core_process", "--commands", commands,
+                 "--results", results],
+                env=core_process_environment(os.environ),
+            )  # fmt: skip
             self._commands.send(config, zmq.NOBLOCK)
             ready = await self._wait_ready()
         except BaseException:  # failed, or cancelled while the model loads: nothing outlives its start
@@ -143,7 +138,8 @@ class CoreClient:
         self._commands.close(linger=0)
         self._results.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._directory, ignore_errors=True)
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
     def kill(self) -> None:
         if self.process is not None:
