@@ -300,13 +300,16 @@ def test_cancelling_the_bidi_call_aborts_every_request(stub, server: ServerThrea
     outbox.half_close()  # ends the request iterator, which gRPC's sending thread still waits on
 
 
-def test_full_queue_is_resource_exhausted(llama_long_dir: str) -> None:
-    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1), max_queue=1).start()
+@pytest.mark.parametrize("n", [1, 4])
+def test_full_queue_is_resource_exhausted(llama_long_dir: str, n: int) -> None:
+    """A request of n samples runs (n sequences, all that may run), one more waits: the queue (max_queue 1)
+    is full. With n = 4 it counted requests against running sequences, and 4 more could wait."""
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=n), max_queue=1).start()
     try:
         channel = thread.channel()
         stub = thread.stub(channel)
-        running = stub.Generate(generate_request("first", **UNENDING))
-        next(running)  # running now; the next request waits, since only one sequence may run
+        running = stub.Generate(generate_request("first", n=n, **UNENDING))
+        wait_for(lambda: thread.stats().num_running == n, "the first request's samples running")
         waiting = stub.Generate(generate_request("second", **UNENDING))
         wait_for(lambda: thread.stats().num_waiting == 1, "the second request waiting")
         with pytest.raises(grpc.RpcError) as info:
@@ -316,31 +319,6 @@ def test_full_queue_is_resource_exhausted(llama_long_dir: str) -> None:
             "the waiting queue is full (1 sequences waiting, max_queue 1); retry later",
         )
         assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
-        running.cancel()
-        waiting.cancel()
-        thread.wait_idle()
-        channel.close()
-    finally:
-        thread.stop()
-
-
-def test_the_queue_bound_counts_sequences_as_the_engine_does(llama_long_dir: str) -> None:
-    """Four samples of one request running, one request waiting: the queue (max_queue 1) is full. It
-    counted requests against running sequences, so a running n = 4 request let 4 more wait."""
-    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=4), max_queue=1).start()
-    try:
-        channel = thread.channel()
-        stub = thread.stub(channel)
-        running = stub.Generate(generate_request("first", n=4, **UNENDING))
-        wait_for(lambda: thread.stats().num_running == 4, "the four samples running")
-        waiting = stub.Generate(generate_request("second", **UNENDING))
-        wait_for(lambda: thread.stats().num_waiting == 1, "the second request waiting")
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(generate_request("third", **UNENDING)))
-        assert (info.value.code(), info.value.details()) == (
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "the waiting queue is full (1 sequences waiting, max_queue 1); retry later",
-        )
         running.cancel()
         waiting.cancel()
         thread.wait_idle()
