@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_export import export_llama_gguf, llama3_rope_factors
+from gguf_export import export_gguf, llama3_rope_factors
 from test_model_parity import _hf_reference, _prompts, _run_sluice
 
 from sluice.engine.config import ModelConfig
@@ -18,7 +18,7 @@ from sluice.engine.worker.layers.rotary import compute_inv_freq
 
 @pytest.fixture(scope="module")
 def llama31_gguf(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return export_llama_gguf(llama_dir, str(tmp_path_factory.mktemp("llama31") / "tiny-llama31.gguf"))
+    return export_gguf(llama_dir, str(tmp_path_factory.mktemp("llama31") / "tiny-llama31.gguf"))
 
 
 def test_rope_freqs_become_the_models_rope_scaling(llama31_gguf, llama_dir):

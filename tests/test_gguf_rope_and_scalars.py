@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import BOS_ID, EOS_ID, IM_END_ID, VOCAB_SIZE, randomize_weights, save_tokenizer
-from gguf import GGUFWriter, RopeScalingType, TokenType
-from safetensors.numpy import load_file
+from gguf import GGUFWriter
+from gguf_export import export_gguf, write_shape_metadata
 from test_model_parity import _hf_reference, _prompts, _run_sluice
 
 from sluice.engine.config import ModelConfig
@@ -42,30 +42,6 @@ SHAPE = dict(
 GEMMA3_HEAD_DIM = 32
 GEMMA3_LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 GEMMA3_WINDOW = 8
-_LAYER_PARTS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-}
-_LLAMA_PARTS = {**_LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
-_GEMMA3_PARTS = {
-    **_LAYER_PARTS,
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 
 
 def _save(model: torch.nn.Module, directory: str, seed: int) -> str:
@@ -104,85 +80,6 @@ def _tiny_gemma3(directory: str, global_rope: dict) -> str:
         pad_token_id=0,
     )
     return _save(Gemma3ForCausalLM(config), directory, seed=43)
-
-
-def _write_metadata(writer: GGUFWriter, config: dict, rope_scaling: dict | None) -> None:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta") or config["rope_theta"])
-    if "sliding_window" in config:
-        writer.add_sliding_window(config["sliding_window"])
-    if rope_scaling is not None:
-        writer.add_rope_scaling_type(RopeScalingType(rope_scaling["type"]))
-        writer.add_rope_scaling_factor(rope_scaling["factor"])
-        if "original_context_length" in rope_scaling:
-            writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_context_length"])
-
-
-def _write_vocabulary(writer: GGUFWriter, hf_dir: str, config: dict) -> None:
-    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
-        tokenizer = json.load(f)
-    vocab = dict(tokenizer["model"]["vocab"])
-    vocab.update({added["content"]: added["id"] for added in tokenizer["added_tokens"]})
-    tokens = sorted(vocab, key=vocab.get)
-    specials = {added["content"] for added in tokenizer["added_tokens"] if added["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
-    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute, in effect.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_tensor(name: str, value: np.ndarray, gguf_arch: str, config: dict) -> tuple[str, np.ndarray]:
-    value = value.astype(np.float32)
-    if name in _GLOBAL:
-        gguf_name = _GLOBAL[name]
-    else:
-        layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        part, kind = rest.rsplit(".", 1)
-        parts = _GEMMA3_PARTS if gguf_arch == "gemma3" else _LLAMA_PARTS
-        gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
-    if gguf_arch == "llama" and name.endswith("q_proj.weight"):
-        value = _permute(value, config["num_attention_heads"])
-    elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
-        value = _permute(value, config["num_key_value_heads"])
-    elif gguf_arch == "gemma3" and name.endswith("norm.weight"):
-        value = value + 1.0  # llama.cpp's Gemma converter stores 1 + weight
-    return gguf_name, value
-
-
-def export_gguf(hf_dir: str, path: str, gguf_arch: str, rope_scaling: dict | None = None) -> str:
-    """The checkpoint in `hf_dir` as llama.cpp writes a `gguf_arch` ("llama" or "gemma3") GGUF; rope_scaling
-    {"type", "factor"[, "original_context_length"]} becomes `<arch>.rope.scaling.*`."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    writer = GGUFWriter(path, gguf_arch)
-    writer.add_name(f"tiny {gguf_arch}")
-    _write_metadata(writer, config, rope_scaling)
-    _write_vocabulary(writer, hf_dir, config)
-    for name, value in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        writer.add_tensor(*_gguf_tensor(name, value, gguf_arch, config))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +142,8 @@ def test_safetensors_gemma3_keeps_its_own_query_scale(gemma3_dir):
 def _metadata_only_gguf(path: str, gguf_arch: str, config: dict, **tensors: np.ndarray) -> str:
     """A GGUF with `config`'s shape metadata, an 8-token vocabulary and only `tensors` (F32)."""
     writer = GGUFWriter(path, gguf_arch)
-    _write_metadata(writer, {"rms_norm_eps": 1e-6, "rope_theta": 1e6, **config}, config.get("rope_scaling"))
+    shape = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, **config}
+    write_shape_metadata(writer, shape, config.get("rope_scaling"))
     writer.add_token_list([f"t{i}" for i in range(8)])
     for name, value in tensors.items():
         writer.add_tensor(name, value.astype(np.float32))

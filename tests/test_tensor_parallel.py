@@ -20,7 +20,7 @@ from unittest import mock
 import pytest
 import torch
 from checkpoints import build_llama_kv4_checkpoint
-from gguf_export import export_llama_gguf
+from gguf_export import export_gguf
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.distributed.partition import VocabPartition, partition_heads
@@ -194,7 +194,7 @@ def _replicated_parts(directory: str, size: int) -> tuple[int, int, float, int]:
 
 
 def test_a_gguf_file_on_two_ranks_gives_transformers_tokens(llama_dir, tmp_path):
-    path = export_llama_gguf(llama_dir, str(tmp_path / "tiny-llama.gguf"))
+    path = export_gguf(llama_dir, str(tmp_path / "tiny-llama.gguf"))
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     llm = LLM(path, tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
