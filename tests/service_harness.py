@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
 import uvloop
 from checkpoints import LONG_CONTEXT
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sluice.engine.frontend.async_engine import AsyncEngine
@@ -24,6 +26,8 @@ from sluice.service.server import ServerConfig, SluiceServer
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+# /metrics samples: (name, sorted (label, value) pairs) -> value
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 # A request that runs until the test ends it (cancel, Abort, a deadline, a drain), on a server of the
 # long-context tiny Llama (`llama_long_dir`, `long_engine_config`): 131,000 tokens are minutes of decoding on
@@ -137,6 +141,17 @@ class ServerThread:
     def stats(self) -> EngineStats:
         assert self.engine is not None
         return self.engine.stats()
+
+    def metric_samples(self) -> MetricSamples:
+        """The server's /metrics now (it needs a metrics port), by sample name and sorted labels."""
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
 
     def wait_idle(self, timeout: float = PATIENCE_S) -> EngineStats:
         """Waits until no request runs or waits and no KV block is held; returns the stats then. (With an

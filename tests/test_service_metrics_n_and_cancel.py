@@ -5,8 +5,6 @@ event and the call's status."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import msgspec
 import pytest
@@ -14,8 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from prometheus_client.parser import text_string_to_metric_families
-from service_harness import UNENDING, ServerThread, long_engine_config, wait_for
+from service_harness import UNENDING, MetricSamples, ServerThread, long_engine_config, wait_for
 
 from sluice import Client, SluiceError, generate_request
 from sluice.engine.outputs import RequestOutput, Timings, Usage
@@ -24,7 +21,6 @@ from sluice.service.server import ServerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 ABORTS = ("sluice_requests_total", (("finish_reason", "abort"), ("tenant", "default")))
 GENERATED = ("sluice_generation_tokens_total", (("tenant", "default"),))
 E2E_COUNT = ("sluice_e2e_request_latency_seconds_count", ())
@@ -45,26 +41,17 @@ def observed(llama_long_dir: str):
     provider.shutdown()
 
 
-def _scrape(server: ServerThread) -> Samples:
-    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def _delta(before: Samples, after: Samples, key: tuple[str, tuple[tuple[str, str], ...]]) -> float:
+def _delta(
+    before: MetricSamples, after: MetricSamples, key: tuple[str, tuple[tuple[str, str], ...]]
+) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _wait_for_the_abort(server: ServerThread, before: Samples):
+def _wait_for_the_abort(server: ServerThread, before: MetricSamples):
     """The request's span, once its abort is counted and its span ended (when the handler unwinds, which
     may come after the engine reports idle)."""
     server.wait_idle()
-    wait_for(lambda: _delta(before, _scrape(server), ABORTS) == 1, "the abort count")
+    wait_for(lambda: _delta(before, server.metric_samples(), ABORTS) == 1, "the abort count")
     wait_for(lambda: len(server.memory.get_finished_spans()) == 1, "the request's span")
     (span,) = server.memory.get_finished_spans()
     return span
@@ -73,7 +60,7 @@ def _wait_for_the_abort(server: ServerThread, before: Samples):
 def test_a_cancelled_request_counts_the_tokens_of_all_its_samples(observed: ServerThread) -> None:
     """n = 2, cancelled while both samples run: what they generated counts (no sample finished)."""
     observed.memory.clear()
-    before, generated_before = _scrape(observed), observed.stats().num_generation_tokens
+    before, generated_before = observed.metric_samples(), observed.stats().num_generation_tokens
     received = {0: 0, 1: 0}
     with Client(observed.target) as client:
         chunks = client.generate(generate_request("Hello world", n=2, **UNENDING))
@@ -83,7 +70,7 @@ def test_a_cancelled_request_counts_the_tokens_of_all_its_samples(observed: Serv
                 break
         chunks.close()  # cancels the call
     span = _wait_for_the_abort(observed, before)
-    counted = _delta(before, _scrape(observed), GENERATED)
+    counted = _delta(before, observed.metric_samples(), GENERATED)
     assert dict(span.attributes)["gen_ai.usage.output_tokens"] == counted
     assert dict(span.attributes)["gen_ai.response.finish_reasons"] == ("abort",)
     # The server streamed at least what the client read, and no more than the engine sampled.
@@ -109,7 +96,7 @@ def test_progress_sums_the_latest_usage_of_every_sample() -> None:
 def test_inter_token_latency_is_measured_within_each_sample(observed: ServerThread) -> None:
     """Each sample's tokens after its own first chunk get a gap; another sample's chunk in between does
     not end one (it decodes side by side)."""
-    before = _scrape(observed)
+    before = observed.metric_samples()
     with Client(observed.target) as client:
         request = generate_request("Hello world", n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
         chunks = [chunk for chunk in client.generate(request) if chunk.token_ids]
@@ -119,7 +106,7 @@ def test_inter_token_latency_is_measured_within_each_sample(observed: ServerThre
         sample = [chunk for chunk in chunks if chunk.index == index]
         assert sum(len(chunk.token_ids) for chunk in sample) == 8
         num_later_tokens += sum(len(chunk.token_ids) for chunk in sample[1:])
-    assert _delta(before, _scrape(observed), ITL_COUNT) == num_later_tokens
+    assert _delta(before, observed.metric_samples(), ITL_COUNT) == num_later_tokens
 
 
 def _events(span) -> list[str]:
@@ -130,13 +117,13 @@ def _events(span) -> list[str]:
 
 def test_a_request_the_caller_cancels_is_observed_in_the_e2e_latency(observed: ServerThread) -> None:
     observed.memory.clear()
-    before = _scrape(observed)
+    before = observed.metric_samples()
     with Client(observed.target) as client:
         chunks = client.generate(generate_request("Hello world", **UNENDING))
         assert next(chunks).token_ids
         chunks.close()  # cancels the call
     span = _wait_for_the_abort(observed, before)
-    assert _delta(before, _scrape(observed), E2E_COUNT) == 1
+    assert _delta(before, observed.metric_samples(), E2E_COUNT) == 1
     assert _events(span) == ["queued", "scheduled", "first_token", "finished"]
     assert dict(span.events[-1].attributes) == {"finish_reason": "abort"}
     assert span.status.status_code == StatusCode.UNSET  # the caller left: not a failure
@@ -149,7 +136,7 @@ def test_a_request_past_its_grpc_deadline_is_observed_and_is_an_error(
 ) -> None:
     """OTel's gRPC server conventions: DEADLINE_EXCEEDED is an error; the request is an abort."""
     observed.memory.clear()
-    before = _scrape(observed)
+    before = observed.metric_samples()
     with Client(observed.target) as client:
         chunks = client.generate(generate_request("Hello world", **UNENDING), timeout=5.0)
         with pytest.raises(SluiceError) as info:
@@ -157,7 +144,7 @@ def test_a_request_past_its_grpc_deadline_is_observed_and_is_an_error(
                 pass
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     span = _wait_for_the_abort(observed, before)
-    assert _delta(before, _scrape(observed), E2E_COUNT) == 1
+    assert _delta(before, observed.metric_samples(), E2E_COUNT) == 1
     assert _events(span)[-1] == "finished"
     assert span.status.status_code == StatusCode.ERROR
     attributes = dict(span.attributes)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, tiny_engine_config
 
 from sluice import Client, generate_request
@@ -39,17 +37,6 @@ def _greedy_request() -> pb.GenerateRequest:
     return generate_request(token_ids=phrase * 4, temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThread) -> None:
     request = _greedy_request()
     opted_out = pb.GenerateRequest()
@@ -72,7 +59,7 @@ def test_model_info_and_metrics_show_speculation(speculating: ServerThread) -> N
     with speculating.channel() as channel:
         info = speculating.stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.speculative_method, info.num_speculative_tokens) == ("ngram", K)
-    samples = _scrape(speculating)
+    samples = speculating.metric_samples()
     assert samples[("sluice_spec_decode_draft_tokens_total", ())] == stats.num_draft_tokens > 0
     assert samples[("sluice_spec_decode_accepted_tokens_total", ())] == stats.num_accepted_draft_tokens > 0
     for position in range(K):
