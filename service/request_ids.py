@@ -97,13 +97,13 @@ class RequestIds:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._live: dict[_Key, RequestCancel] = {}
+
+        def remembered() -> _ExpiringSet:
+            return _ExpiringSet(remember_s, max_remembered, clock)
+
         # Per tenant: tenant -> its ids.
-        self._ended: defaultdict[str, _ExpiringSet] = defaultdict(
-            lambda: _ExpiringSet(remember_s, max_remembered, clock)
-        )
-        self._early_aborts: defaultdict[str, _ExpiringSet] = defaultdict(
-            lambda: _ExpiringSet(remember_s, max_remembered, clock)
-        )
+        self._ended: defaultdict[str, _ExpiringSet] = defaultdict(remembered)
+        self._early_aborts: defaultdict[str, _ExpiringSet] = defaultdict(remembered)
 
     def claim(self, tenant: str, request_id: str) -> RequestCancel:
         check_request_id(request_id)
