@@ -4,6 +4,7 @@ killed server's core exits on its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -144,6 +145,42 @@ def test_a_core_whose_server_was_killed_exits_and_removes_the_servers_sockets(ll
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("when", ["started", "listening"])
+def test_a_core_whose_server_was_killed_while_it_loads_exits_at_once(tmp_path, when: str) -> None:
+    """The core loads a FIFO nobody writes (a load that never ends). Killed as soon as the core process
+    exists ("started": the core may not have read the server's pid yet) or once the core listens for the
+    config ("listening": it then waits for the config, or loads), the server leaves no core loading on (it
+    once loaded to the end, holding the memory a restarted server needs; here, forever) and no directory
+    of sockets."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    process = subprocess.Popen(
+        [SLUICE, "serve", "--model", str(fifo), "--load-format", "gguf", "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while not (core_pids := _children(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, "no engine core started"
+            time.sleep(0.05)
+        arguments = Path(f"/proc/{core_pids[0]}/cmdline").read_text().split("\0")
+        commands = Path(arguments[arguments.index("--commands") + 1].removeprefix("ipc://"))
+        while when == "listening" and not commands.exists():  # the core binds it before it reads the config
+            assert time.monotonic() < deadline, "the core never bound its commands socket"
+            time.sleep(0.05)
+        process.kill()
+        process.wait()
+        while _running(core := core_pids[0]) or commands.parent.exists():
+            assert time.monotonic() < deadline, f"core running: {_running(core)}, {commands.parent} left"
+            time.sleep(0.05)
+    finally:
+        for pid in [process.pid, *core_pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
 
 
 def _running(pid: int) -> bool:

@@ -4,7 +4,7 @@
     join the group (gloo / NCCL on the rendezvous store), load this rank's part of the model, allocate its
         KV cache (the ranks agree on the block count), send WorkerReady
     loop: each ExecuteModel runs the same step as rank 0 (the layers' collectives pair up); StopWorkers
-        exits 0; the driver's process gone exits 0
+        exits 0; the driver's process gone exits 0 (while loading too: `ParentWatch`)
     anything raised: WorkerFailed(error) to the driver, exit 1 (the driver fails the engine)
 
 Its logits are dropped: rank 0 samples. The worker never talks to the frontend.
@@ -35,6 +35,7 @@ from sluice.engine.executor.messages import (
 )
 from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import load_model_source
+from sluice.engine.parent_watch import ParentWatch
 from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("sluice.tp_worker")
@@ -63,8 +64,11 @@ class WorkerProcess:
     def run(self) -> int:
         spec = self.spec
         self.results.send(encode(WorkerStarted(spec.rank, os.getpid())))
+        driver = multiprocessing.parent_process()
+        assert driver is not None and driver.pid is not None, "a worker is a process the driver spawned"
         try:
-            runner = self._load()
+            with ParentWatch(driver.pid, lambda: None, f"rank {spec.rank} loaded the model"):
+                runner = self._load()
             self.results.send(encode(WorkerReady(spec.rank, runner.parameter_bytes, runner.num_blocks)))
             return self._loop(runner)
         except Exception as exc:

@@ -92,7 +92,7 @@ class CoreClient:
             # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
             self.process = ChildProcess(
                 [sys.executable, "-m", "sluice.engine.process.core_process", "--commands", commands,
-                 "--results", results],
+                 "--results", results, "--parent-pid", str(os.getpid())],
                 env=core_process_environment(os.environ),
             )  # fmt: skip
             self._commands.send(config, zmq.NOBLOCK)

@@ -1,5 +1,5 @@
 """The engine core's own process: `python -m sluice.engine.process.core_process --commands ADDR --results
-ADDR`.
+ADDR --parent-pid PID`.
 
 Started by `sluice.engine.frontend.core_client.CoreClient`. It receives a `CoreConfig`, loads the model,
 answers `CoreReady` (or `CoreFailed`), then loops:
@@ -7,8 +7,9 @@ answers `CoreReady` (or `CoreFailed`), then loops:
     apply every queued command (waiting up to a heartbeat when idle)
     step while there is work, sending one `CoreOutputs` per step (every request's new tokens, and stats)
 
-It exits 0 on `Shutdown` or when its parent process is gone, and 1 after telling the frontend why it
-failed (`CoreFailed`) when loading or a step raises. Only this process imports torch.
+It exits 0 on `Shutdown` or when its parent process is gone (while it loads too: `ParentWatch`), and 1
+after telling the frontend why it failed (`CoreFailed`) when loading or a step raises. Only this process
+imports torch.
 
 It ignores SIGTERM and SIGINT: sent to the whole process group (systemd's default KillMode, `kill -TERM
 -PGID`, Ctrl-C in a terminal) they reach it beside the frontend, which drains its requests through this
@@ -47,6 +48,7 @@ from sluice.engine.messages import (
     decode_frontend_message,
     encode,
 )
+from sluice.engine.parent_watch import ParentWatch
 from sluice.engine.process.host_memory import freeze_gc_heap, retain_freed_memory
 from sluice.engine.process.threads import configure_torch_threads
 
@@ -108,8 +110,8 @@ class CoreLoop:
                     outputs.append(CoreOutput.refused(message.request_id, exc))
 
 
-def serve_core(commands_address: str, results_address: str) -> int:
-    parent_pid = os.getppid()  # before loading: the frontend may give up and exit while the model loads
+def serve_core(commands_address: str, results_address: str, parent_pid: int) -> int:
+    """`parent_pid`: the frontend's, from its command line (it may have ended before this process began)."""
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.bind(commands_address)
@@ -117,13 +119,14 @@ def serve_core(commands_address: str, results_address: str) -> int:
     results.setsockopt(zmq.SNDHWM, 0)
     results.connect(results_address)
     try:
-        setup = decode_frontend_message(commands.recv())
-        assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
-        num_threads = configure_torch_threads(setup.config.num_threads)
-        core = EngineCore(setup.config)
-        # After loading, whose big temporaries (weights on their way to the device) go back to the OS.
-        retain_freed_memory()
-        frozen = freeze_gc_heap()
+        with ParentWatch(parent_pid, lambda: _remove_socket_directory(commands_address), "the model loaded"):
+            setup = decode_frontend_message(commands.recv())
+            assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
+            num_threads = configure_torch_threads(setup.config.num_threads)
+            core = EngineCore(setup.config)
+            # After loading, whose big temporaries (weights on their way to the device) go back to the OS.
+            retain_freed_memory()
+            frozen = freeze_gc_heap()
     except Exception as exc:
         if isinstance(exc, ValueError | OSError):  # what the user gave (a flag, a path, a file): no traceback
             logger.error("loading the engine core failed: %s: %s", type(exc).__name__, exc)
@@ -160,12 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--commands", required=True, help="ZeroMQ address to pull commands from")
     parser.add_argument("--results", required=True, help="ZeroMQ address to push results to")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the frontend's; exit when it ends")
     args = parser.parse_args(argv)
     for stop_signal in (signal.SIGTERM, signal.SIGINT):  # the frontend stops this process (docstring)
         signal.signal(stop_signal, signal.SIG_IGN)
     faulthandler.enable()  # a crash in native code (torch, a C++ kernel) prints every thread's Python stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve_core(args.commands, args.results)
+    return serve_core(args.commands, args.results, args.parent_pid)
 
 
 if __name__ == "__main__":
