@@ -3,8 +3,8 @@
     cos_sin_cache[p] = [cos(p * inv_freq) | sin(p * inv_freq)]        [max_position, head_dim] fp32
     x = [x1 | x2]  (halves of head_dim)  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 
-The table comes from `sluice.engine.worker.layers.rotary.build_cos_sin_cache` (plain, or "llama3" scaled
-frequencies).
+The table comes from `sluice.engine.worker.layers.rotary.build_cos_sin_cache` (plain or scaled frequencies;
+with "yarn", cos and sin already carry its attention factor).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Write a tiny Hugging Face Llama or Gemma 3 checkpoint (see checkpoints.py) as a GGUF the way llama.cpp's
-`convert_hf_to_gguf.py` does: F32 tensors, Llama's q/k rows permuted, Gemma's norms stored as 1 + weight,
-the byte-level BPE vocabulary, for a "llama3" rope_scaling a `rope_freqs.weight` tensor of per-frequency
-divisors (Llama 3.1+ files), and a linear or other scaling as `<arch>.rope.scaling.*` metadata."""
+"""Write a tiny Hugging Face Llama, Qwen2, Qwen3 or Gemma 3 checkpoint (see checkpoints.py) as a GGUF the way
+llama.cpp's `convert_hf_to_gguf.py` does: F32 tensors, Llama's q/k rows permuted, Gemma's norms stored as
+1 + weight, the byte-level BPE vocabulary, for a "llama3" rope_scaling a `rope_freqs.weight` tensor of
+per-frequency divisors (Llama 3.1+ files), and a linear, yarn or other scaling as `<arch>.rope.scaling.*`
+metadata."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ _LAYER_PARTS = {
 }
 _PARTS = {
     "llama": {**_LAYER_PARTS, "post_attention_layernorm": "ffn_norm"},
+    "qwen2": {**_LAYER_PARTS, "post_attention_layernorm": "ffn_norm"},
+    "qwen3": {**_LAYER_PARTS, "post_attention_layernorm": "ffn_norm"},
     "gemma3": {
         **_LAYER_PARTS,
         "post_attention_layernorm": "post_attention_norm",
@@ -34,6 +37,15 @@ _PARTS = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
 }
+# `<arch>.rope.scaling.<key>` float32 metadata beyond type, factor and original_context_length.
+_FLOAT_ROPE_SCALING_KEYS = (
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_attn_factor",
+    "yarn_log_multiplier",
+    "yarn_ext_factor",
+    "attn_factor",
+)
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -69,8 +81,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def export_gguf(hf_dir: str, path: str, gguf_arch: str = "llama", rope_scaling: dict | None = None) -> str:
-    """The checkpoint in `hf_dir` as llama.cpp writes a `gguf_arch` ("llama" or "gemma3") GGUF; rope_scaling
-    {"type", "factor"[, "original_context_length"]} becomes `<arch>.rope.scaling.*`."""
+    """The checkpoint in `hf_dir` as llama.cpp writes a `gguf_arch` (llama, qwen2, qwen3, gemma3) GGUF;
+    rope_scaling {"type", "factor"[, "original_context_length", yarn's "yarn_beta_fast", ...]} becomes
+    `<arch>.rope.scaling.*` (`write_shape_metadata`)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     writer = GGUFWriter(path, gguf_arch)
@@ -104,13 +117,16 @@ def write_shape_metadata(writer: GGUFWriter, config: dict, rope_scaling: dict | 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta") or config.get("rope_theta"))
-    if "sliding_window" in config:
+    if config.get("sliding_window") is not None:  # Qwen2/Qwen3 write null when not windowed
         writer.add_sliding_window(config["sliding_window"])
     if rope_scaling is not None:
         writer.add_rope_scaling_type(RopeScalingType(rope_scaling["type"]))
         writer.add_rope_scaling_factor(rope_scaling["factor"])
         if "original_context_length" in rope_scaling:
             writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_context_length"])
+        for key in _FLOAT_ROPE_SCALING_KEYS:  # llama.cpp's yarn keys, written as gguf-py's writer does
+            if key in rope_scaling:
+                writer.add_float32(f"{writer.arch}.rope.scaling.{key}", rope_scaling[key])
 
 
 def _write_vocabulary(writer: GGUFWriter, hf_dir: str, config: dict) -> None:

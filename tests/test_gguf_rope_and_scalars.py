@@ -4,7 +4,8 @@ Tiny random checkpoints are exported as llama.cpp's convert_hf_to_gguf.py writes
 rows permuted for Llama, Gemma norms stored as 1 + weight, `<arch>.rope.scaling.type` / `.factor` for a
 "linear" rope_scaling); Sluice loads the GGUF and must give transformers' logits (1e-4) and greedy tokens
 on the checkpoint it came from. A linear Llama (factor 4) and a Gemma 3 whose global layers alone scale
-(factor 8, as llama.cpp writes Gemma 3 4B/12B/27B) run scaled; a "yarn" file is refused by name.
+(factor 8, as llama.cpp writes Gemma 3 4B/12B/27B) run scaled; "yarn" metadata becomes the config's yarn
+scaling (tests/test_rope_yarn.py runs such files); a "longrope" file is refused by name.
 A GGUF cannot state Gemma 3's query_pre_attn_scalar: llama.cpp (src/llama-model.cpp) takes head_dim, and
 hidden_size / num_attention_heads for the 27B model (62 layers), and so must Sluice.
 """
@@ -188,6 +189,38 @@ def test_linear_factor_on_top_of_rope_freqs_is_refused(tmp_path):
         ({"type": "none", "factor": 4.0}, None),  # llama.cpp: type none never scales
         ({"type": "linear", "factor": 1.0}, None),
         ({"type": "linear", "factor": 4.0}, RopeScaling(factor=4.0, rope_type="linear")),
+        (  # llama.cpp: the original context defaults to the context length (256)
+            {"type": "yarn", "factor": 4.0},
+            RopeScaling(factor=4.0, original_max_position_embeddings=256, rope_type="yarn"),
+        ),
+        (
+            {"type": "yarn", "factor": 4.0, "original_context_length": 64, "yarn_beta_fast": 16.0},
+            RopeScaling(factor=4.0, original_max_position_embeddings=64, rope_type="yarn", beta_fast=16.0),
+        ),
+        (
+            {"type": "yarn", "factor": 8.0, "original_context_length": 64, "yarn_beta_slow": 2.0},
+            RopeScaling(factor=8.0, original_max_position_embeddings=64, rope_type="yarn", beta_slow=2.0),
+        ),
+        (  # convert_hf_to_gguf.py writes config.json's attention_factor as yarn_attn_factor
+            {"type": "yarn", "factor": 4.0, "original_context_length": 64, "yarn_attn_factor": 1.5},
+            RopeScaling(
+                factor=4.0, original_max_position_embeddings=64, rope_type="yarn", attention_factor=1.5
+            ),
+        ),
+        (  # llama.cpp: yarn_log_multiplier is mscale_all_dim, with mscale 1
+            {"type": "yarn", "factor": 4.0, "original_context_length": 64, "yarn_log_multiplier": 0.5},
+            RopeScaling(
+                factor=4.0,
+                original_max_position_embeddings=64,
+                rope_type="yarn",
+                mscale=1.0,
+                mscale_all_dim=0.5,
+            ),
+        ),
+        (  # neutral values of the keys Sluice otherwise refuses
+            {"type": "yarn", "factor": 4.0, "attn_factor": 1.0, "yarn_ext_factor": 1.0},
+            RopeScaling(factor=4.0, original_max_position_embeddings=256, rope_type="yarn"),
+        ),
     ],
 )
 def test_rope_scaling_metadata_becomes_the_config(llama_linear_dir, tmp_path, rope_scaling, expected):
@@ -195,9 +228,43 @@ def test_rope_scaling_metadata_becomes_the_config(llama_linear_dir, tmp_path, ro
     assert gguf_arch_config(GGUFFile(path)).rope_scaling == expected
 
 
-def test_yarn_gguf_is_refused_naming_the_key(llama_linear_dir, tmp_path):
-    yarn = {"type": "yarn", "factor": 4.0, "original_context_length": 64}
-    path = export_gguf(llama_linear_dir, str(tmp_path / "llama-yarn.gguf"), "llama", yarn)
+def test_longrope_gguf_is_refused_naming_the_key(llama_linear_dir, tmp_path):
+    longrope = {"type": "longrope", "factor": 4.0, "original_context_length": 64}
+    path = export_gguf(llama_linear_dir, str(tmp_path / "llama-longrope.gguf"), "llama", longrope)
     with pytest.raises(ValueError) as error:
         load_model_source(ModelConfig(model=path))
-    assert str(error.value) == "llama.rope.scaling.type: 'yarn' is not supported; supported: 'none', 'linear'"
+    assert str(error.value) == (
+        "llama.rope.scaling.type: 'longrope' is not supported; supported: 'none', 'linear', 'yarn'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "message"),
+    [
+        (
+            {"type": "yarn", "factor": 4.0, "attn_factor": 2.0},
+            "llama.rope.scaling.attn_factor: 2.0 is not supported with yarn scaling (only 1.0)",
+        ),
+        (
+            {"type": "yarn", "factor": 4.0, "yarn_ext_factor": 0.5},
+            "llama.rope.scaling.yarn_ext_factor: 0.5 is not supported with yarn scaling (only 1.0)",
+        ),
+    ],
+)
+def test_yarn_gguf_without_a_transformers_counterpart_is_refused(
+    llama_linear_dir, tmp_path, rope_scaling, message
+):
+    path = export_gguf(llama_linear_dir, str(tmp_path / "llama.gguf"), "llama", rope_scaling)
+    with pytest.raises(ValueError) as error:
+        gguf_arch_config(GGUFFile(path))
+    assert str(error.value) == message
+
+
+def test_yarn_on_top_of_rope_freqs_is_refused(tmp_path):
+    config = {**SHAPE, "num_hidden_layers": 2, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    path = _metadata_only_gguf(
+        str(tmp_path / "llama.gguf"), "llama", config, **{"rope_freqs.weight": np.ones(8)}
+    )
+    with pytest.raises(ValueError) as error:
+        gguf_arch_config(GGUFFile(path))
+    assert str(error.value) == "llama.rope.scaling.type: yarn on top of rope_freqs.weight is not supported"

@@ -32,7 +32,7 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 
 ROPE_FREQS = "rope_freqs.weight"  # not a weight: read into the config's rope scaling
-GGUF_ROPE_SCALING_TYPES = ("none", "linear")  # `<arch>.rope.scaling.type` values Sluice runs
+GGUF_ROPE_SCALING_TYPES = ("none", "linear", "yarn")  # `<arch>.rope.scaling.type` values Sluice runs
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -83,9 +83,9 @@ def gguf_arch_config(
 def _rope_scaling_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
     """config.json's `rope_scaling`, read as llama.cpp reads a GGUF's: a `rope_freqs.weight` tensor (Llama
     3.1+: one divisor per frequency), or `<arch>.rope.scaling.type` "linear" (llama.cpp's default: positions
-    divided by `<arch>.rope.scaling.factor`, where absent or 1 is plain RoPE) or "none". The config goes
-    through the safetensors path's `rope_parameters`, so Gemma 3 scales its global layers only.
-    Raises ValueError naming the key for any other type (yarn, longrope)."""
+    divided by `<arch>.rope.scaling.factor`, where absent or 1 is plain RoPE), "yarn" (`_yarn_scaling`) or
+    "none". The config goes through the safetensors path's `rope_parameters`, so Gemma 3 scales its global
+    layers only. Raises ValueError naming the key for any other type (longrope)."""
     type_key, factor_key = f"{gguf_arch}.rope.scaling.type", f"{gguf_arch}.rope.scaling.factor"
     kind = file.metadata.get(type_key, "linear")
     if kind not in GGUF_ROPE_SCALING_TYPES:
@@ -93,8 +93,12 @@ def _rope_scaling_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
             f"{type_key}: {kind!r} is not supported; "
             f"supported: {', '.join(repr(t) for t in GGUF_ROPE_SCALING_TYPES)}"
         )
-    factor = float(file.metadata.get(factor_key) or 1.0) if kind == "linear" else 1.0
     rope_freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if kind == "yarn":
+        if rope_freqs is not None:
+            raise ValueError(f"{type_key}: yarn on top of {ROPE_FREQS} is not supported")
+        return {"rope_scaling": _yarn_scaling(file, gguf_arch)}
+    factor = float(file.metadata.get(factor_key) or 1.0) if kind == "linear" else 1.0
     if rope_freqs is not None and factor != 1.0:
         raise ValueError(f"{factor_key}: linear scaling {factor} on top of {ROPE_FREQS} is not supported")
     if rope_freqs is not None:
@@ -104,6 +108,41 @@ def _rope_scaling_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
     if factor != 1.0:
         return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
     return {}
+
+
+def _yarn_scaling(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
+    """A "yarn" `rope_scaling` from llama.cpp's `<arch>.rope.scaling.*` keys: `factor` (required),
+    `original_context_length` (llama.cpp's default: the context length), `yarn_beta_fast` and
+    `yarn_beta_slow`, `yarn_attn_factor` (where convert_hf_to_gguf.py writes config.json's attention_factor)
+    and `yarn_log_multiplier` (llama.cpp takes it as mscale_all_dim, with mscale 1); llama.cpp always
+    truncates the correction range. An `attn_factor` or `yarn_ext_factor` other than 1 has no transformers
+    counterpart and is refused naming the key."""
+    prefix = f"{gguf_arch}.rope.scaling."
+    for name in ("attn_factor", "yarn_ext_factor"):
+        value = file.metadata.get(prefix + name)
+        if value is not None and float(value) != 1.0:
+            raise ValueError(f"{prefix}{name}: {float(value)} is not supported with yarn scaling (only 1.0)")
+    if file.metadata.get(prefix + "factor") is None:
+        raise ValueError(f"{prefix}factor: missing from the GGUF metadata")
+    context = file.metadata.get(prefix + "original_context_length") or file.metadata.get(
+        f"{gguf_arch}.context_length"
+    )
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(file.metadata[prefix + "factor"]),
+        "original_max_position_embeddings": int(context),
+    }
+    optional = {
+        "yarn_beta_fast": "beta_fast",
+        "yarn_beta_slow": "beta_slow",
+        "yarn_attn_factor": "attention_factor",
+    }
+    for name, key in optional.items():
+        if file.metadata.get(prefix + name) is not None:
+            scaling[key] = float(file.metadata[prefix + name])
+    if file.metadata.get(prefix + "yarn_log_multiplier"):
+        scaling.update(mscale=1.0, mscale_all_dim=float(file.metadata[prefix + "yarn_log_multiplier"]))
+    return scaling
 
 
 def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:

@@ -9,35 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.engine.loading.rope_scaling import RopeScaling, rope_parameters, rope_scaling_from_config
 from sluice.engine.model_registry import SUPPORTED_ARCHITECTURES
 from sluice.engine.text.tokenizer import token_ids
 
-ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Their configs window only the layers from `max_window_layers` (transformers' default 28) on.
 QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QWEN_MAX_WINDOW_LAYERS = 28
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """`rope_scaling` of type "llama3" (Llama 3.1/3.2), "linear" (positions divided by `factor`, e.g.
-    Gemma 3's global layers) or "freq_factors" (each inverse frequency divided by its factor, as a GGUF's
-    `rope_freqs.weight` stores the llama3 scaling); None on the config means plain RoPE."""
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
-    freq_factors: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_SCALING_TYPES:
-            raise ValueError(
-                f"rope_scaling: type {self.rope_type!r} is not supported; "
-                f"supported: {', '.join(repr(t) for t in ROPE_SCALING_TYPES)}"
-            )
 
 
 @dataclass(frozen=True)
@@ -121,6 +100,7 @@ class ModelArchConfig:
         _check_architecture(architecture)  # before the shape fields, which another family may lack
         num_heads = _required(config, "num_attention_heads")
         hidden = _required(config, "hidden_size")
+        rope_scaling = rope_scaling_from_config(config)
         return cls(
             architecture=architecture,
             vocab_size=_required(config, "vocab_size"),
@@ -130,10 +110,10 @@ class ModelArchConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(config, rope_scaling),
             rms_norm_eps=config.get("rms_norm_eps", 1e-5),
             rope_theta=_rope_theta(config),
-            rope_scaling=_rope_scaling(config),
+            rope_scaling=rope_scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
@@ -151,6 +131,16 @@ def _check_architecture(architecture: str) -> None:
             f"architectures: {architecture!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+
+
+def _max_positions(config: dict[str, Any], rope_scaling: RopeScaling | None) -> int:
+    """config.json's max_position_embeddings; with "yarn" at least original_max_position_embeddings * factor,
+    the context YaRN extends to (Qwen2.5 and Qwen3 configs keep their pre-YaRN length; vLLM derives its
+    max_model_len from the same product)."""
+    limit = config.get("max_position_embeddings", 4096)
+    if rope_scaling is None or rope_scaling.rope_type != "yarn":
+        return limit
+    return max(limit, int(rope_scaling.original_max_position_embeddings * rope_scaling.factor))
 
 
 def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
@@ -176,37 +166,5 @@ def _required(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
-def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
-    """The RoPE settings of `layer_type` layers. transformers >= 5 writes `rope_parameters` (per layer
-    type for hybrid models such as Gemma 3); older configs write `rope_theta` and `rope_scaling`."""
-    params = config.get("rope_parameters") or {}
-    if layer_type in params or "full_attention" in params:
-        params = params.get(layer_type) or {}
-    return {**params, **(config.get("rope_scaling") or {})}
-
-
 def _rope_theta(config: dict[str, Any]) -> float:
     return float(config.get("rope_theta") or rope_parameters(config).get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(config: dict[str, Any]) -> RopeScaling | None:
-    scaling = rope_parameters(config)
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
-    if kind == "freq_factors":
-        factors = tuple(float(f) for f in scaling["freq_factors"])
-        return RopeScaling(factor=1.0, rope_type="freq_factors", freq_factors=factors)
-    if kind != "llama3":
-        raise ValueError(
-            f"rope_scaling: type {kind!r} is not supported; "
-            f"supported: {', '.join(repr(t) for t in ROPE_SCALING_TYPES)}"
-        )
-    return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )

@@ -1,5 +1,7 @@
-"""Rotary position embedding (RoPE), with the "llama3" frequency scaling of Llama 3.1/3.2 and "linear"
-position scaling (Gemma 3's global layers), or explicit per-frequency factors (a GGUF's rope_freqs).
+"""Rotary position embedding (RoPE), with the "llama3" frequency scaling of Llama 3.1/3.2, "linear"
+position scaling (Gemma 3's global layers), explicit per-frequency factors (a GGUF's rope_freqs), or "yarn"
+(Qwen2.5/Qwen3 long context: scaled frequencies, and cos and sin multiplied by an attention factor, which
+every implementation reads from the one cos|sin table).
 
 Uses the Hugging Face "rotate half" layout: the first half of each head is paired with the second
 half, which is how Hugging Face checkpoints store q_proj/k_proj.
@@ -35,7 +37,57 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
                 f"rope_scaling: {len(scaling.freq_factors)} freq_factors for {len(inv_freq)} frequencies"
             )
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     return _llama3_scale(inv_freq, scaling)
+
+
+def attention_scaling(scaling: RopeScaling | None) -> float:
+    """The factor cos and sin are multiplied by: 1 but for "yarn", where it mirrors transformers'
+    `_compute_yarn_parameters`: `attention_factor` when set; else m(mscale) / m(mscale_all_dim) when both are
+    set, else m(1), where m(s) = 0.1 * s * ln(factor) + 1 (1 when factor <= 1)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        factor = scaling.factor
+        return _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling.factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Mirrors transformers' `_compute_yarn_parameters` (NTK-by-parts): dimension i keeps its frequency
+    (extrapolation) below `low`, is divided by `factor` (interpolation) above `high`, and mixes the two
+    linearly between, where low and high are the dimensions that turn `beta_fast` and `beta_slow` times over
+    the original context."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float32) / head_dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (scaling.factor * pos_freqs)
+    low, high = _yarn_correction_range(head_dim, theta, scaling)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq_interpolation * (1 - extrapolation) + inv_freq_extrapolation * extrapolation
+
+
+def _yarn_correction_range(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[float, float]:
+    """The dimensions whose frequencies turn `beta_fast` and `beta_slow` times over the original context,
+    widened to whole dimensions when `truncate`, within [0, head_dim - 1]."""
+
+    def dimension(num_rotations: float) -> float:
+        turns = scaling.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return (head_dim * math.log(turns)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_dim - 1)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -64,12 +116,18 @@ def build_cos_sin_cache(
     rope_scaling: RopeScaling | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin (the table
-    `sluice.kernels.rotary.rotary_embedding` reads)."""
+    """[max_position, head_dim] fp32: cos of the head_dim // 2 frequencies, then their sin, both times the
+    scaling's `attention_scaling` (YaRN's), as transformers multiplies them in fp32. Every implementation
+    rotates from this table (the Triton and C++ kernels, the native path's model-dtype copy, the C++ decoder
+    stack), so none applies the factor itself."""
     # On `device`, as transformers computes its tables: CUDA's cos/sin may differ from the CPU's by an ulp.
     inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
     freqs = torch.arange(max_position, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos, sin = freqs.cos(), freqs.sin()
+    scale = attention_scaling(rope_scaling)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat([cos, sin], dim=-1)
 
 
 # rope(q, k) -> (q, k): one step's rotation, applied by every layer.
