@@ -1,7 +1,8 @@
 """API-key authentication: every call must carry `authorization: Bearer <key>` metadata; the key
 names the caller's tenant (sluice.service.tenants).
 
-Health checks are exempt, so load balancers and probes need no key.
+Health checks are exempt, so load balancers and probes need no key. The generation methods check the key
+in their handlers instead (`authenticated_by_handler`), so that a refused call has its span too.
 """
 
 from __future__ import annotations
@@ -69,13 +70,21 @@ def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMet
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without a known bearer key with UNAUTHENTICATED, before any handler runs."""
+    """Rejects calls without a known bearer key with UNAUTHENTICATED, before any handler runs; except
+    calls of `exempt_services` (no key needed) and of `authenticated_by_handler` ('/pkg.Service/Method':
+    the handler refuses the same calls, with the same status and message, itself)."""
 
-    def __init__(self, tenants: TenantDirectory, exempt_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
+    def __init__(
+        self,
+        tenants: TenantDirectory,
+        exempt_services: Sequence[str] = (HEALTH_SERVICE,),
+        authenticated_by_handler: Sequence[str] = (),
+    ) -> None:
         if not tenants.requires_key:
             raise ValueError("tenants: no API keys to check")
         self._tenants = tenants
         self._exempt = frozenset(exempt_services)
+        self._by_handler = frozenset(authenticated_by_handler)
 
     async def intercept_service(
         self,
@@ -83,7 +92,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or _service_of(handler_call_details.method) in self._exempt:
+        method = handler_call_details.method
+        if handler is None or _service_of(method) in self._exempt or method in self._by_handler:
             return handler
         found = authenticate(handler_call_details.invocation_metadata, self._tenants)
         return handler if isinstance(found, Tenant) else _denying_handler(handler, found)

@@ -43,7 +43,14 @@ class GenerationRunner:
     ) -> RequestSpan:
         """The span of one request, to open (`with`) around its whole generation path, conversion
         included, so that a request refused anywhere on it has one too (see RequestSpan)."""
-        return self._tracer.start(caller, operation, trace_context)
+        return self._tracer.start(caller.call, operation, trace_context)
+
+    def refusals(
+        self, caller: Caller, request: pb.GenerateRequest
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around the checks `request` passes before `run` starts its span: one span if they refuse it
+        (RequestTracer.refusals)."""
+        return self._tracer.refusals(caller.call, operation_of(request), dict(request.trace_context))
 
     async def run(
         self,
@@ -58,7 +65,7 @@ class GenerationRunner:
         engine id if empty); what `outputs` raises, after converting the request (ValueError naming a
         bad field)."""
         reply_id = reply_id or request.request_id or engine_request_id
-        with self.trace(caller, _operation(request), dict(request.trace_context)) as span:
+        with self.trace(caller, operation_of(request), dict(request.trace_context)) as span:
             spec = convert.generation_spec_from_proto(request)
             outputs = self.outputs(spec, engine_request_id, caller, span, cancel)
             async with contextlib.aclosing(outputs):
@@ -179,7 +186,7 @@ class GenerationRunner:
         return len(live)
 
 
-def _operation(request: pb.GenerateRequest) -> str:
+def operation_of(request: pb.GenerateRequest) -> str:
     """The gen_ai.operation.name of `request` (as its converted Prompt names it), read before conversion."""
     return "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
 

@@ -34,8 +34,10 @@ from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from sluice.service.call_arrivals import CallArrivals
 from sluice.service.metrics import ServerMetrics
+from sluice.service.servicer import TRACED_METHODS as TRACED_INFERENCE_METHODS
 from sluice.service.servicer import InferenceServicer
 from sluice.service.smg_servicer import SERVICE_NAME as SMG_SERVICE
+from sluice.service.smg_servicer import TRACED_METHODS as TRACED_SMG_METHODS
 from sluice.service.smg_servicer import SmgEngineServicer
 from sluice.service.tenants import TenantDirectory
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
@@ -181,7 +183,9 @@ class SluiceServer:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
         interceptors: list[grpc.aio.ServerInterceptor] = [self.arrivals]
         if self.tenants.requires_key:
-            interceptors.append(ApiKeyInterceptor(self.tenants))
+            # The generation methods check the key in their handlers, to record a refused call's span.
+            traced = TRACED_INFERENCE_METHODS + TRACED_SMG_METHODS
+            interceptors.append(ApiKeyInterceptor(self.tenants, authenticated_by_handler=traced))
         server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_servicer, server)

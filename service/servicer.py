@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 from opentelemetry import trace
@@ -14,8 +15,8 @@ from sluice.engine.frontend.async_engine import AsyncEngine, prompt_chars, token
 from sluice.engine.text.prompt import resolve_prompt
 from sluice.service import convert
 from sluice.service.auth import authenticate
-from sluice.service.caller import Caller
-from sluice.service.generation import GenerationRunner
+from sluice.service.caller import Call, Caller
+from sluice.service.generation import GenerationRunner, operation_of
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
 from sluice.service.request_ids import RequestIds, engine_id_of
@@ -29,6 +30,9 @@ from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# The generation methods: each records a span even for a call refused on arrival (RequestTracer.refusals),
+# so each checks the API key itself, inside its refusals (the API key interceptor lets them through).
+TRACED_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate")
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -45,6 +49,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._tenants = tenants or TenantDirectory.open()
         self._limiter = TenantLimiter()
         self._request_ids = RequestIds()
+        self._tracer = RequestTracer(tracer_provider, None)  # its model named once attached
         self._runner: GenerationRunner | None = None
         self._num_generate_calls = 0
         self._sessions: set[StreamSession] = set()
@@ -56,8 +61,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self._num_generate_calls + sum(s.num_live_requests for s in self._sessions)
 
     def attach(self, engine: AsyncEngine) -> None:
-        tracer = RequestTracer(self._tracer_provider, engine.model_info.name)
-        self._runner = GenerationRunner(engine, self._metrics, tracer, self._limiter)
+        self._tracer = RequestTracer(self._tracer_provider, engine.model_info.name)
+        self._runner = GenerationRunner(engine, self._metrics, self._tracer, self._limiter)
 
     @property
     def runner(self) -> GenerationRunner | None:
@@ -75,16 +80,25 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if self._runner is None:
             raise ServiceUnavailableError("the server is still loading the model")
 
-    def caller(
-        self, context: grpc.aio.ServicerContext, rpc_method: str = "", rpc_service: str = SERVICE_NAME
-    ) -> Caller:
-        """The call's tenant (the interceptor has already refused unknown keys), its metadata and deadline;
-        `rpc_method` of `rpc_service` names the method called, for the spans of its requests."""
-        metadata = context.invocation_metadata() or ()
-        tenant = authenticate(metadata, self._tenants)
+    def caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The tenant of a call that starts no generation request (the interceptor has already refused
+        unknown keys)."""
+        return self.authenticate(Call.of(context, SERVICE_NAME, ""))
+
+    def authenticate(self, call: Call) -> Caller:
+        """The tenant whose API key `call` carries; UnauthenticatedError naming the header if none. Every
+        handler of TRACED_METHODS calls it first, inside its refusals: the interceptor lets them through."""
+        tenant = authenticate(call.metadata, self._tenants)
         if isinstance(tenant, str):
             raise UnauthenticatedError(tenant)
-        return Caller(tenant, metadata, rpc_service, rpc_method, context.time_remaining)
+        return Caller(tenant, call)
+
+    def refusals(
+        self, call: Call, operation: str | None, trace_context: Mapping[str, str] | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around a generation call's checks on arrival: one span if they refuse it
+        (RequestTracer.refusals)."""
+        return self._tracer.refusals(call, operation, trace_context)
 
     def accepting_runner(self) -> GenerationRunner:
         self.check_accepting()
@@ -95,11 +109,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        runner = self.accepting_runner()
-        caller = self.caller(context, "Generate")
-        tenant = caller.tenant.name
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        cancel = self._request_ids.claim(tenant, request_id)
+        call = Call.of(context, SERVICE_NAME, "Generate")
+        with self.refusals(call, operation_of(request), dict(request.trace_context)):
+            caller = self.authenticate(call)  # first: an unknown key learns nothing of the server
+            runner = self.accepting_runner()
+            tenant = caller.tenant.name
+            request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            cancel = self._request_ids.claim(tenant, request_id)
         self._num_generate_calls += 1
         try:
             # Tenant names hold no "/": engine ids of two tenants never collide.
@@ -116,22 +132,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def StreamGenerate(
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        try:
-            runner = self.accepting_runner()
-        except ServiceUnavailableError:
-            await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
-            raise
-        try:
-            caller = self.caller(context, "StreamGenerate")
-        except UnauthenticatedError:
-            await drain_request_stream(request_iterator)
-            raise
-        session = StreamSession(
-            runner,
-            caller,
-            self.check_accepting,
-            self.record_status,
-        )
+        call = Call.of(context, SERVICE_NAME, "StreamGenerate")
+        with self.refusals(call, None):  # refused whole: one span for the call, not one per request
+            try:
+                caller = self.authenticate(call)
+                runner = self.accepting_runner()
+            except (UnauthenticatedError, ServiceUnavailableError):
+                await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
+                raise
+        refusals = functools.partial(runner.refusals, caller)
+        session = StreamSession(runner, caller, self.check_accepting, self.record_status, refusals)
         self._sessions.add(session)
         try:
             async for response in session.run(request_iterator):

@@ -39,7 +39,7 @@ from smg_grpc_proto.generated import common_pb2
 from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.engine.frontend.async_engine import tokenize_when_long
 from sluice.service import smg_convert
-from sluice.service.caller import Caller
+from sluice.service.caller import Call, Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT, RequestCancel
@@ -49,6 +49,8 @@ from sluice.service.status import FailedPreconditionError, ServiceUnavailableErr
 from sluice.service.tracing import RequestSpan
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# As sluice.service.servicer.TRACED_METHODS: Generate checks the API key itself, inside its refusals.
+TRACED_METHODS = (f"/{SERVICE_NAME}/Generate",)
 # GetTokenizer's chunk size (SMG's client reassembles up to 200 MB).
 TOKENIZER_CHUNK_BYTES = 64 << 10
 _METHOD_PREFIX = "VllmEngine."
@@ -85,12 +87,14 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(
         self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
-        runner = self._inference.accepting_runner()
-        caller = self._inference.caller(context, "Generate", SERVICE_NAME)
-        self._last_receive = time.time()
-        tenant = caller.tenant.name
-        request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
-        cancel = self._request_ids.claim(tenant, request_id)
+        call = Call.of(context, SERVICE_NAME, "Generate")
+        with self._inference.refusals(call, _OPERATION):
+            caller = self._inference.authenticate(call)  # first, as the API key interceptor would
+            runner = self._inference.accepting_runner()
+            self._last_receive = time.time()
+            tenant = caller.tenant.name
+            request_id = request.request_id or f"smg-{uuid.uuid4().hex}"
+            cancel = self._request_ids.claim(tenant, request_id)
         self._num_generate_calls += 1
         try:
             with runner.trace(caller, _OPERATION) as span:

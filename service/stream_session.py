@@ -4,7 +4,8 @@
                                             └─cancel────> its RequestCancel            │
     client <──StreamGenerateResponse── run() <── outbox (chunks and in-band errors) <──┘
 
-A request's error goes out in-band (RequestError) and the stream goes on. Half-close lets the
+A request's error goes out in-band (RequestError) and the stream goes on; each request has one span,
+one refused on arrival (the server draining, its id empty or in use) too. Half-close lets the
 outstanding requests finish, then ends the stream. Cancelling the call cancels every pump, and each
 pump's generation iterator aborts its engine request.
 
@@ -33,10 +34,21 @@ from sluice.v1 import sluice_pb2 as pb
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"
 
+Refusals = Callable[[pb.GenerateRequest], contextlib.AbstractContextManager[None]]
+"""Around the checks a request passes on arrival: records the span of a request they refuse."""
+
+
+def untraced(request: pb.GenerateRequest) -> contextlib.AbstractContextManager[None]:
+    """Refusals recording nothing (a session without a tracer, as in tests of the session alone)."""
+    return contextlib.nullcontext()
+
 
 class StreamSession:
     """Serves one StreamGenerate call. Request ids are the client's, unique among the stream's live
-    requests (a duplicate gets ALREADY_EXISTS in-band); each request has its own timeout_seconds."""
+    requests (a duplicate gets ALREADY_EXISTS in-band); each request has its own timeout_seconds.
+    `refusals` records the span of a request refused on arrival (the servicer passes the runner's,
+    `GenerationRunner.refusals` for this caller, or `untraced`); a request let through has its span from
+    the runner."""
 
     def __init__(
         self,
@@ -44,11 +56,13 @@ class StreamSession:
         caller: Caller,
         check_accepting: Callable[[], None],
         record_status: StatusRecorder,
+        refusals: Refusals,
     ) -> None:
         self._runner = runner
         self._caller = caller
         self._check_accepting = check_accepting
         self._record_status = record_status
+        self._refusals = refusals
         # Engine ids are namespaced per stream so two streams may both use request_id "1".
         self._prefix = f"stream-{uuid.uuid4().hex[:12]}/"
         # (response, set once written); None ends the call.
@@ -99,15 +113,17 @@ class StreamSession:
             self._outbox.put_nowait(None)
 
     def _start(self, request: pb.GenerateRequest) -> asyncio.Future[None] | None:
-        """Starts the request's pump; when it is refused, the write of its in-band error instead."""
+        """Starts the request's pump; when it is refused, the write of its in-band error instead (and the
+        refused request's span: the pump starts the span of a request let through)."""
         request_id = request.request_id
         try:
-            self._check_accepting()
-            if not request_id:
-                raise ValueError("request_id: must not be empty on StreamGenerate")
-            check_request_id(request_id)
-            if request_id in self._pumps:
-                raise RequestIdInUseError(request_id)
+            with self._refusals(request):
+                self._check_accepting()
+                if not request_id:
+                    raise ValueError("request_id: must not be empty on StreamGenerate")
+                check_request_id(request_id)
+                if request_id in self._pumps:
+                    raise RequestIdInUseError(request_id)
         except (ValueError, ServiceUnavailableError, RequestIdInUseError) as exc:
             return self._send_error(request_id, exc)
         cancel = RequestCancel()

@@ -1,6 +1,8 @@
 """OpenTelemetry: one SERVER span per generation request, continuing the caller's W3C traceparent
 (the request's own `trace_context`, else the call's metadata), following OTel's gen_ai and RPC (gRPC
-server) conventions.
+server) conventions. A call refused before its request's span could start (unknown API key, the server
+loading or draining, the request id in use) gets one too (`RequestTracer.refusals`): every generation
+RPC leaves one span per request, or one for the call when it is refused before any request is read.
 
 The tracer provider is passed in explicitly (never the global one). `tracer_provider_from_env`
 builds an OTLP/gRPC exporting provider when the standard OTEL_* variables ask for one.
@@ -9,8 +11,10 @@ builds an OTLP/gRPC exporting provider when the standard OTEL_* variables ask fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 
 import grpc
@@ -23,7 +27,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
-from sluice.service.caller import Caller
+from sluice.service.caller import Call
 from sluice.service.status import CallDeadline, cancelled_status, status_for
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -53,35 +57,68 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTracer:
-    """Starts the span of each generation request."""
+    """Starts the span of each generation request, and of each call refused before its span started."""
 
-    def __init__(self, provider: trace.TracerProvider | None, model_name: str) -> None:
+    def __init__(self, provider: trace.TracerProvider | None, model_name: str | None) -> None:
+        """`model_name` None: the model is still loading (spans then carry no gen_ai.request.model)."""
         provider = provider if provider is not None else trace.NoOpTracerProvider()
         self._tracer = provider.get_tracer("sluice.service")
         self._model_name = model_name
 
     def start(
-        self, caller: Caller, operation: str, trace_context: Mapping[str, str] | None = None
+        self,
+        call: Call,
+        operation: str | None,
+        trace_context: Mapping[str, str] | None = None,
+        start_time: int | None = None,
     ) -> RequestSpan:
         """A SERVER span whose parent is the request's own `trace_context` (traceparent, tracestate)
         when given, else the traceparent in the call's metadata (if any). It starts before the request
-        is converted: it holds what is known of every request, even one refused."""
+        is converted: it holds what is known of every request, even one refused. `operation` None: the
+        span of a call refused before any request of it was read (see `refusals`)."""
         if trace_context:
             carrier = {key.lower(): value for key, value in trace_context.items()}
         else:
-            carrier = {key: value for key, value in caller.metadata if isinstance(value, str)}
+            carrier = {key: value for key, value in call.metadata if isinstance(value, str)}
         parent = _PROPAGATOR.extract(carrier=carrier)
         attributes = {
-            "gen_ai.operation.name": operation,
             "gen_ai.system": "sluice",
-            "gen_ai.request.model": self._model_name,
             "rpc.system": "grpc",
-            "rpc.service": caller.rpc_service,
-            "rpc.method": caller.rpc_method,
+            "rpc.service": call.rpc_service,
+            "rpc.method": call.rpc_method,
         }
-        name = f"{operation} {self._model_name}"
-        span = self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
-        return RequestSpan(span, caller)
+        if operation is not None:
+            attributes["gen_ai.operation.name"] = operation
+        if self._model_name is not None:
+            attributes["gen_ai.request.model"] = self._model_name
+        name = self._span_name(call, operation)
+        span = self._tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes=attributes, start_time=start_time
+        )
+        return RequestSpan(span, call)
+
+    def _span_name(self, call: Call, operation: str | None) -> str:
+        """gen_ai's "{operation} {model}", "{operation}" while the model loads; with no request (no
+        operation), as OTel names RPC spans: "{rpc.service}/{rpc.method}"."""
+        if operation is None:
+            return f"{call.rpc_service}/{call.rpc_method}"
+        return operation if self._model_name is None else f"{operation} {self._model_name}"
+
+    @contextlib.contextmanager
+    def refusals(
+        self, call: Call, operation: str | None, trace_context: Mapping[str, str] | None = None
+    ) -> Iterator[None]:
+        """Around the checks a call or request passes before its own span starts (its API key, the
+        server accepting: not loading, draining or failed, its request id): an exception out of the
+        block is recorded as the refused request's one span, from the block's start, ended as
+        RequestSpan ends a refused request; a block that passes records nothing (the request's own span
+        comes next). `operation` None: the call is refused whole, before any request of it was read."""
+        start_time = time.time_ns()
+        try:
+            yield
+        except Exception:
+            with self.start(call, operation, trace_context, start_time):
+                raise
 
 
 class RequestSpan:

@@ -20,9 +20,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from sluice import Client, SluiceError, generate_request
 from sluice.engine.outputs import RequestOutput, Timings, Usage
 from sluice.engine.sampling_params import SamplingParams
-from sluice.service.caller import Caller
+from sluice.service.caller import Call
 from sluice.service.server import ServerConfig
-from sluice.service.tenants import Tenant, TenantDirectory
+from sluice.service.tenants import TenantDirectory
 from sluice.service.tracing import RequestTracer
 from sluice.v1 import sluice_pb2 as pb
 
@@ -145,8 +145,8 @@ def test_a_span_continues_the_traceparent_and_records_the_request() -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(memory))
     metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"),)
-    caller = Caller(Tenant(), metadata, rpc_service=SLUICE, rpc_method="Generate")
-    with RequestTracer(provider, "tiny-llama").start(caller, "text_completion") as span:
+    call = Call(metadata, rpc_service=SLUICE, rpc_method="Generate")
+    with RequestTracer(provider, "tiny-llama").start(call, "text_completion") as span:
         span.record_params(SamplingParams(temperature=0.5, top_p=0.9, max_tokens=8, seed=7))
         span.record_final(
             RequestOutput(

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from sluice.service.stream_session import StreamSession
+from sluice.service.stream_session import StreamSession, untraced
 from sluice.v1 import sluice_pb2 as pb
 
 NUM_SENT = 100
@@ -23,7 +23,7 @@ async def test_a_refused_request_is_written_before_the_next_is_read() -> None:
             num_read += 1
             yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(text="hi"))
 
-    session = StreamSession(None, None, lambda: None, lambda _, code: statuses.append(code))
+    session = StreamSession(None, None, lambda: None, lambda _, code: statuses.append(code), untraced)
     responses = session.run(requests())
     first = await anext(responses)  # the call writes one response, and no more
     for _ in range(10):
