@@ -20,7 +20,10 @@ class ContextLengthError(InvalidRequestError):
 
 
 class QueueFullError(SluiceError):
-    """The waiting queue is at its bound (maps to RESOURCE_EXHAUSTED)."""
+    """The waiting queue is at its bound (maps to RESOURCE_EXHAUSTED, with `retry_pushback_ms` in the
+    `grpc-retry-pushback-ms` trailer and, for `StreamGenerate`'s in-band errors, in the message)."""
+
+    retry_pushback_ms = 1000  # the queue drains as requests finish: a short fixed hint
 
 
 class UnknownRequestError(InvalidRequestError):

@@ -37,8 +37,6 @@ StatusRecorder = Callable[[str, grpc.StatusCode], None]
 """Counts a call's final status: (method name, code)."""
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-# A full waiting queue drains as requests finish: a short fixed hint.
-QUEUE_FULL_PUSHBACK_MS = 1000
 
 
 class ServiceUnavailableError(Exception):
@@ -109,10 +107,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def retry_pushback_ms(exc: BaseException) -> int | None:
     """Milliseconds after which a retry of the refused call may succeed; None: no hint."""
-    if isinstance(exc, TenantOverLimitError):
+    if isinstance(exc, TenantOverLimitError | QueueFullError):
         return exc.retry_pushback_ms
-    if isinstance(exc, QueueFullError):
-        return QUEUE_FULL_PUSHBACK_MS
     return None
 
 

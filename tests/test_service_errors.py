@@ -316,7 +316,7 @@ def test_full_queue_is_resource_exhausted(llama_long_dir: str, n: int) -> None:
             list(stub.Generate(generate_request("third", **UNENDING)))
         assert (info.value.code(), info.value.details()) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "the waiting queue is full (1 sequences waiting, max_queue 1); retry later",
+            "the waiting queue is full (1 sequences waiting, max_queue 1); retry in 1000 ms",
         )
         assert dict(info.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
         running.cancel()

@@ -205,7 +205,7 @@ class AsyncEngine:
         if self._max_queue is not None and num_queued >= self._max_queue:
             raise QueueFullError(
                 f"the waiting queue is full ({num_queued} sequences waiting, max_queue {self._max_queue}); "
-                "retry later"
+                f"retry in {QueueFullError.retry_pushback_ms} ms"
             )
 
     async def _tokenize(self, **prompt: Any) -> list[int]:
