@@ -30,9 +30,9 @@ _EXPORTS = {
     "EngineStats": "sluice.engine.outputs",
     "Client": "sluice.client",
     "AsyncClient": "sluice.client",
-    "Completion": "sluice.client",
-    "SluiceError": "sluice.client",
-    "generate_request": "sluice.client",
+    "Completion": "sluice.completion",
+    "SluiceError": "sluice.sluice_error",
+    "generate_request": "sluice.request_builders",
     "SERVICE_CONFIG": "sluice.service_config",
 }
 
@@ -73,7 +73,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from sluice.client import AsyncClient, Client, Completion, SluiceError, generate_request
+    from sluice.client import AsyncClient, Client
+    from sluice.completion import Completion
     from sluice.engine.config import (
         CacheConfig,
         EngineConfig,
@@ -88,4 +89,6 @@ if TYPE_CHECKING:
     from sluice.engine.sampling_params import SamplingParams
     from sluice.engine.structured.constraint import Constraint
     from sluice.engine.structured.tool_calls import Tool, ToolUse
+    from sluice.request_builders import generate_request
     from sluice.service_config import SERVICE_CONFIG
+    from sluice.sluice_error import SluiceError

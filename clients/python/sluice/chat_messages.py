@@ -1,0 +1,100 @@
+"""Chat messages, tools, tool calls and tool_choice as Python values <-> their proto messages.
+
+A conversation is a list of dicts, as OpenAI's client takes them:
+
+    {"role": "user", "content": "Weather in Paris?"}
+    {"role": "assistant", "content": "", "tool_calls": [{"id", "name", "arguments"}]}   # as_message()
+    {"role": "tool", "tool_call_id": "Xk3f9QbZ1", "name": "get_weather", "content": "18 C"}
+
+A tool call may also be OpenAI's {"id", "type", "function": {"name", "arguments"}} or a `pb.ToolCall`; a
+tool {"name", "description", "parameters"}, OpenAI's {"type": "function", "function": {...}} or a
+`pb.Tool`. Arguments and parameters are JSON text or a JSON value (sent as its text).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sluice.v1 import sluice_pb2 as pb
+
+Tools = Sequence[pb.Tool | Mapping[str, Any]]
+TOOL_CHOICE_MODES = {
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def chat_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Tools | None = None, tool_choice: str | None = None
+) -> pb.ChatMessages:
+    """Messages as dicts: "role", "content" (None for none), and for a tool-using turn "tool_calls" (an
+    assistant's: `Completion.as_message()`'s {"id", "name", "arguments"}, OpenAI's {"id", "type",
+    "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result).
+    `tools`: `pb.Tool`s or dicts, {"name", "description", "parameters"} or OpenAI's {"type": "function",
+    "function": {...}}, parameters a JSON schema or its text; `tool_choice`: "none", "auto", "required"
+    or a tool's name (unset: auto)."""
+    chat = pb.ChatMessages(
+        messages=[chat_message(message) for message in messages], tools=[tool(t) for t in tools or ()]
+    )
+    if tool_choice in TOOL_CHOICE_MODES:
+        chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
+    elif tool_choice is not None:
+        chat.tool_choice.function_name = tool_choice
+    return chat
+
+
+def check_tools(
+    messages: Sequence[Mapping[str, Any]] | None, tools: Tools | None, tool_choice: str | None
+) -> None:
+    """Raises ValueError for tools or a tool_choice given without messages (only a chat has tools)."""
+    if messages is None and (tools is not None or tool_choice is not None):
+        raise ValueError(f"{'tools' if tools is not None else 'tool_choice'}: needs messages")
+
+
+def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
+    """One message dict as a `pb.ChatMessage`."""
+    return pb.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_calls=[tool_call(call) for call in message.get("tool_calls") or ()],
+        tool_call_id=message.get("tool_call_id") or "",
+        name=message.get("name") or "",
+    )
+
+
+def tool(tool: pb.Tool | Mapping[str, Any]) -> pb.Tool:
+    """A tool in either dict form (or a `pb.Tool`, as it is) as a `pb.Tool`."""
+    if isinstance(tool, pb.Tool):
+        return tool
+    function, parameters = _function_and_json_text(tool, "parameters")
+    return pb.Tool(
+        name=function["name"], description=function.get("description") or "", parameters=parameters
+    )
+
+
+def tool_call(call: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
+    """A tool call in either dict form (or a `pb.ToolCall`, as it is) as a `pb.ToolCall`."""
+    if isinstance(call, pb.ToolCall):
+        return call
+    function, arguments = _function_and_json_text(call, "arguments")
+    return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+
+
+def assistant_message(text: str, content: str, tool_calls: Sequence[pb.ToolCall]) -> dict[str, Any]:
+    """The assistant message of a generation, to send back as the conversation's next turn: its `text`,
+    or with `tool_calls` those calls as dicts and the `content` beside them."""
+    if not tool_calls:
+        return {"role": "assistant", "content": text}
+    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in tool_calls]
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+def _function_and_json_text(entry: Mapping[str, Any], key: str) -> tuple[Mapping[str, Any], str]:
+    """A tool's or a call's fields (OpenAI's form wraps them in "function") and its `key` as JSON text
+    (given as a JSON value or as its text)."""
+    function = entry.get("function", entry)
+    value = function.get(key) or ""
+    return function, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -1,0 +1,118 @@
+"""Request messages built from Python arguments: `generate_request` (a GenerateRequest) and
+`tokenize_request` (a TokenizeRequest)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sluice.chat_messages import Tools, chat_messages, check_tools
+from sluice.v1 import sluice_pb2 as pb
+
+
+def generate_request(
+    text: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    tools: Tools | None = None,
+    tool_choice: str | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+    stream_interval: int = 0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: str | Sequence[str] | None = (),
+    stop_token_ids: Sequence[int] | None = (),
+    ignore_eos: bool | None = None,
+    logprobs: int | None = None,
+    skip_special_tokens: bool | None = None,
+    n: int | None = None,
+    prompt_logprobs: int | None = None,
+    timeout_seconds: float = 0.0,
+    trace_context: Mapping[str, str] | None = None,
+    disable_speculation: bool = False,
+) -> pb.GenerateRequest:
+    """Builds a GenerateRequest from one prompt form (`text`, `token_ids` or `messages`); sampling arguments
+    left None take server defaults. `stop`: one stop string or several (None: none). `messages`, `tools` and
+    `tool_choice`: see `sluice.chat_messages.chat_messages`.
+    `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
+    `stream_interval` > 0: tokens per streamed chunk (0: the server's --stream-interval);
+    `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
+    `trace_context`: W3C traceparent/tracestate the request's server span continues."""
+    _check_one_prompt_form(text=text, token_ids=token_ids, messages=messages)
+    check_tools(messages, tools, tool_choice)
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        priority=priority,
+        cache_salt=cache_salt,
+        stream_interval=stream_interval,
+        timeout_seconds=timeout_seconds,
+        trace_context=dict(trace_context or {}),
+        disable_speculation=disable_speculation,
+    )
+    if text is not None:
+        request.text = text
+    if token_ids is not None:
+        request.token_ids.token_ids.extend(token_ids)
+    if messages is not None:
+        request.messages.CopyFrom(chat_messages(messages, tools, tool_choice))
+    optional = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": skip_special_tokens,
+        "n": n,
+        "prompt_logprobs": prompt_logprobs,
+    }
+    sampling = request.sampling_params
+    for name, value in optional.items():
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.stop.extend((stop,) if isinstance(stop, str) else stop or ())
+    sampling.stop_token_ids.extend(stop_token_ids or ())
+    return request
+
+
+def tokenize_request(
+    text: str | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+    add_special_tokens: bool | None,
+    tools: Tools | None = None,
+) -> pb.TokenizeRequest:
+    """Builds a TokenizeRequest for `text` or chat `messages` (with the `tools` their prompt lists)."""
+    _check_one_prompt_form(text=text, messages=messages)
+    check_tools(messages, tools, None)
+    request = pb.TokenizeRequest()
+    if text is not None:
+        request.text = text
+    if messages is not None:
+        request.messages.CopyFrom(chat_messages(messages, tools))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    return request
+
+
+def _check_one_prompt_form(**forms: object) -> None:
+    """Raises ValueError naming the prompt forms when more than one is given (not None)."""
+    given = [name for name, form in forms.items() if form is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one prompt form, not {len(given)}")

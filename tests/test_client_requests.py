@@ -1,0 +1,68 @@
+"""What the Python client's request builders send and what a failed call raises, against the real server:
+a request's stream_interval, `stop=None`, one prompt form for tokenize, and a SluiceError that survives
+pickling (a process pool sends a worker's exception back pickled)."""
+
+from __future__ import annotations
+
+import pickle
+
+import grpc
+import pytest
+from service_harness import ServerThread
+
+from sluice import Client, SluiceError, generate_request
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_TOKENS = 17
+
+
+def test_generate_request_sets_the_requests_stream_interval(server: ServerThread) -> None:
+    """Chunks of at least 4 tokens but the last (a reader slower than the tokens gets merged chunks)."""
+    request = generate_request(
+        "Hello", temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, stream_interval=4
+    )
+    assert request.stream_interval == 4
+    assert generate_request("Hello").stream_interval == 0  # the server's --stream-interval
+    with Client(server.target) as client:
+        sizes = [len(chunk.token_ids) for chunk in client.generate(request, timeout=60)]
+    assert sum(sizes) == NUM_TOKENS
+    assert all(size >= 4 for size in sizes[:-1]), sizes
+
+
+def test_stop_none_is_no_stop(server: ServerThread) -> None:
+    """As a sampling argument left None: protobuf's TypeError "must assign iterable" before."""
+    request = generate_request("Hello", max_tokens=3, ignore_eos=True, stop=None, stop_token_ids=None)
+    assert (list(request.sampling_params.stop), list(request.sampling_params.stop_token_ids)) == ([], [])
+    with Client(server.target) as client:
+        completion = client.complete(request, timeout=60)
+    assert (len(completion.token_ids), completion.finish_reason_name) == (3, "length")
+
+
+def test_tokenize_refuses_text_and_messages_together(server: ServerThread) -> None:
+    """As generate_request does; tokenize sent the messages and dropped the text without a word."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with Client(server.target) as client:
+        text_ids, chat_ids = client.tokenize("Hi"), client.tokenize(messages=messages)
+        assert text_ids and chat_ids and text_ids != chat_ids
+        with pytest.raises(ValueError, match=r"^text and messages: give one prompt form, not 2$"):
+            client.tokenize("Hi", messages=messages)
+
+
+def test_a_sluice_error_survives_pickling(server: ServerThread) -> None:
+    with Client(server.target) as client, pytest.raises(SluiceError) as info:
+        client.complete(generate_request("Hello", max_tokens=-1), timeout=60)
+    pushback = SluiceError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "over quota", {"grpc-retry-pushback-ms": "250"}
+    )
+    for error in (info.value, pushback):
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), copy.code, copy.message, copy.trailing_metadata, str(copy)) == (
+            SluiceError,
+            error.code,
+            error.message,
+            error.trailing_metadata,
+            str(error),
+        )
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in info.value.message
+    assert pickle.loads(pickle.dumps(pushback)).retry_pushback_ms == 250
