@@ -39,20 +39,24 @@ missing_apt_packages() {
     done
 }
 
-install_apt_packages() {
-    local missing
-    missing="$(missing_apt_packages)"
-    [ -z "$missing" ] && return 0
+apt_install() {
     if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
-        echo "install_toolchains: need root to install: $missing" >&2
+        echo "install_toolchains: need root to install: $*" >&2
         exit 1
     fi
     local sudo=""
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
-    echo "install_toolchains: apt-get install $(echo $missing | tr '\n' ' ')"
+    echo "install_toolchains: apt-get install $*"
     $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+install_apt_packages() {
+    local missing
+    missing="$(missing_apt_packages)"
+    [ -z "$missing" ] && return 0
     # shellcheck disable=SC2086
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing >/dev/null
+    apt_install $missing
 }
 
 install_buf() {
@@ -60,10 +64,8 @@ install_buf() {
     if [ -x "$buf" ] && [ "$("$buf" --version 2>/dev/null)" = "$BUF_VERSION" ]; then
         return 0
     fi
-    if ! command -v npm >/dev/null; then
-        echo "install_toolchains: npm is needed to install buf (apt-get install npm)" >&2
-        exit 1
-    fi
+    # Debian's npm only where there is no npm at all: a NodeSource nodejs carries its own and conflicts with it.
+    command -v npm >/dev/null || apt_install npm
     echo "install_toolchains: npm install @bufbuild/buf@$BUF_VERSION into $TOOLS_DIR/"
     mkdir -p "$TOOLS_DIR"
     npm install --silent --no-audit --no-fund --prefix "$TOOLS_DIR" "@bufbuild/buf@$BUF_VERSION" >/dev/null
