@@ -6,8 +6,10 @@ advance taken for free at admission. `schedule()` fills the budget with running 
 priority order), then admits waiting ones in (priority, arrival, sequence) order.
 
 A request in decode with draft tokens (speculative decoding, `Request.spec_token_ids`) advances by
-1 + k: its last token and k drafts, all under the same budget and with KV slots reserved for them. The
-step's result says how many drafts were accepted: `num_computed_tokens` then covers only the accepted
+1 + k: its last token and k drafts, all under the same budget and with KV slots reserved for them. Drafts
+are given after every running request's own tokens, from the budget and free blocks those leave: a
+request's drafts never keep another running request from advancing, nor preempt one. The step's result
+says how many drafts were accepted: `num_computed_tokens` then covers only the accepted
 ones (the rejected positions' KV is garbage to be overwritten), blocks past the request's tokens are
 freed, and the prefix cache registers only blocks full of accepted tokens.
 
@@ -44,13 +46,17 @@ class _StepPlan:
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts, beyond num_new
     preempted: list[str] = field(default_factory=list)
 
-    def add(
-        self, request_id: str, num_new_tokens: int, block_ids: tuple[int, ...], spec: tuple[int, ...] = ()
-    ) -> None:
+    def add(self, request_id: str, num_new_tokens: int, block_ids: tuple[int, ...]) -> None:
         self.num_new_tokens[request_id] = num_new_tokens
         self.block_ids[request_id] = block_ids
+        self.spec_token_ids[request_id] = ()
+        self.token_budget -= num_new_tokens
+
+    def add_drafts(self, request_id: str, block_ids: tuple[int, ...], spec: tuple[int, ...]) -> None:
+        """Drafts after a request's scheduled tokens; `block_ids` now holds their slots too."""
+        self.block_ids[request_id] = block_ids
         self.spec_token_ids[request_id] = spec
-        self.token_budget -= num_new_tokens + len(spec)
+        self.token_budget -= len(spec)
 
     def unschedule(self, request_id: str) -> None:
         self.token_budget += self.num_new_tokens.pop(request_id, 0)
@@ -274,7 +280,8 @@ class Scheduler:
     # ---- schedule() helpers --------------------------------------------------------------------
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Decodes and continuing prefill chunks, best priority first; preempts when blocks run out."""
+        """Decodes and continuing prefill chunks, best priority first; preempts when blocks run out.
+        Then drafts, from what the running requests' own tokens left (`_schedule_drafts`)."""
         if self._run_order is None:
             self._run_order = sorted(self._running.values(), key=self._order_key)
         for request in self._run_order:
@@ -285,23 +292,32 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if num_new == 0:
                 continue
-            spec = self._spec_tokens(request, num_new, plan.token_budget)
-            # Drafts never preempt anyone: without free blocks for them the request just decodes.
-            block_ids = self._allocate_slots(request, num_new + len(spec)) if spec else None
-            if block_ids is None:
-                spec = ()
-                block_ids = self._allocate_or_preempt(request, num_new, plan)
+            block_ids = self._allocate_or_preempt(request, num_new, plan)
             if block_ids is not None:
-                plan.add(request.request_id, num_new, block_ids, spec)
+                plan.add(request.request_id, num_new, block_ids)
+        self._schedule_drafts(plan)
+
+    def _schedule_drafts(self, plan: _StepPlan) -> None:
+        """Drafts for the running requests scheduled so far, best priority first, within the budget and
+        the free blocks left: a request whose drafts find no free block just decodes (drafts never
+        preempt, nor take the budget or blocks of another running request's own tokens)."""
+        for request_id, num_new in list(plan.num_new_tokens.items()):  # in run order
+            if plan.token_budget == 0:
+                break
+            request = self._running[request_id]
+            spec = self._spec_tokens(request, num_new, plan.token_budget)
+            block_ids = self._allocate_slots(request, num_new + len(spec)) if spec else None
+            if block_ids is not None:
+                plan.add_drafts(request_id, block_ids, spec)
 
     def _spec_tokens(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
         """The drafts a request verifies this step: only in decode (the step reaches its last token),
-        within the budget, max_model_len and the outputs it may still produce (k drafts yield up to
-        k + 1 tokens)."""
+        within `budget` (the step's tokens left for drafts), max_model_len and the outputs it may still
+        produce (k drafts yield up to k + 1 tokens)."""
         if not request.spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens:
             return ()
         limit = min(
-            budget - num_new,
+            budget,
             self.max_model_len - request.num_tokens,
             request.sampling_params.max_tokens - request.num_output_tokens - 1,
         )

@@ -11,6 +11,12 @@ after which the draft KV counts as covering tokens[:T] only: the drafts' positio
 next proposal from the tokens the target accepted. Greedy requests take the draft's argmax (q is then
 irrelevant to the verification); others draw d_j from q_j = the draft's distribution under the request's
 temperature / top-k / top-p / min-p, returned with the proposal for the rejection rule.
+
+Step 0 never feeds more than the step budget (max_num_batched_tokens) in one forward: where the requests'
+tokens from c on add up to more (a request's first proposal, after its prompt or a prefix-cache hit, finds
+no draft KV), a catch-up first feeds their tokens before the last, without logits, in forwards of at most
+the budget, as the target's chunked prefill does, until the rest fits one. In steady decode (c = the
+previous proposal's T, a few accepted tokens behind) step 0 alone runs, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
-from sluice.engine.request import Request
+from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.sampler import SamplingRow, apply_filters
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
@@ -37,7 +43,7 @@ class _Drafting:
 
     request: Request
     block_ids: tuple[int, ...]
-    start: int  # tokens with draft KV before this proposal
+    start: int  # tokens with draft KV before step 0 (the catch-up advances it)
     k: int  # drafts to propose
     token_ids: list[int] = dataclasses.field(default_factory=list)
     probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -67,12 +73,16 @@ class DraftProposer:
             enforce_eager=True,
         )
         self.runner = ModelRunner(draft_config, source)
+        # The runner's (and the target's) step budget: the most tokens one draft forward computes.
+        self.max_num_batched_tokens = self.runner.config.scheduler.max_num_batched_tokens
         self.tables = DraftBlockTables(config.cache.block_size, target.num_blocks)
         self._shared_generator = torch.Generator(device=self.runner.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._holders: dict[str, Request] = {}  # request id -> the request, while it has draft blocks
 
     def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
         drafting = [d for d in (self._start(r) for r in requests) if d is not None]
+        self._catch_up(drafting)
         for j in range(max((d.k for d in drafting), default=0)):
             active = [d for d in drafting if d.k > j]
             logits = self.runner.execute_model(self._step(active, j))
@@ -90,21 +100,59 @@ class DraftProposer:
         self.tables.free(request_ids)
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+            self._holders.pop(request_id, None)
 
     def _start(self, request: Request) -> _Drafting | None:
         """Blocks for the tokens this proposal feeds; None when none can be drafted (too long, or the
-        draft cache is full: the request then decodes without drafts)."""
+        draft cache is full even without the blocks of preempted requests: the request then decodes
+        without drafts)."""
         num_tokens = request.num_tokens
         k = min(self.k, self.max_model_len - num_tokens)
         if k <= 0:
             return None
+        self._holders[request.request_id] = request
         block_ids = self.tables.grow(request.request_id, num_tokens + k - 1)
+        while block_ids is None and self._evict_preempted():
+            block_ids = self.tables.grow(request.request_id, num_tokens + k - 1)
         if block_ids is None:
             return None
         start = min(self.tables.num_computed.get(request.request_id, 0), num_tokens - 1)
         return _Drafting(request, block_ids, start, k)
 
+    def _evict_preempted(self) -> bool:
+        """Frees the draft blocks of one request the target preempted (it waits to recompute, and its
+        draft KV is recomputed with it: `start` falls back to 0); False when none holds any. A preempted
+        request's draft KV stays valid, so it is kept until a running request needs the room."""
+        for request_id, holder in self._holders.items():
+            if holder.status is RequestStatus.PREEMPTED:
+                self.tables.free([request_id])
+                del self._holders[request_id]
+                return True
+        return False
+
+    def _catch_up(self, drafting: list[_Drafting]) -> None:
+        """While step 0 would feed more than `max_num_batched_tokens` tokens: draft KV, without logits, for
+        the requests' tokens before their last ([start, T - 1)), in forwards of at most that many tokens
+        (a request's run may span several)."""
+        while sum(d.request.num_tokens - d.start for d in drafting) > self.max_num_batched_tokens:
+            budget, scheduled = self.max_num_batched_tokens, []
+            for d in drafting:
+                request = d.request
+                end = min(d.start + budget, request.num_tokens - 1)
+                if end > d.start:
+                    token_ids = tuple(request.all_token_ids[d.start : end])
+                    scheduled.append(
+                        ScheduledRequest(request.request_id, token_ids, d.start, d.block_ids, False)
+                    )
+                    budget -= end - d.start
+                    d.start = end
+            if not scheduled:  # only last tokens left: more requests than the budget (never configured)
+                return
+            self.runner.execute_model(SchedulerOutput(tuple(scheduled), self.max_num_batched_tokens - budget))
+
     def _step(self, active: list[_Drafting], j: int) -> SchedulerOutput:
+        """Step 0: each request's tokens from `start` on (its last one among them); step j > 0: its latest
+        draft, at position T - 1 + j."""
         scheduled = []
         for d in active:
             request = d.request
