@@ -201,25 +201,34 @@ class SmgResponses:
         self._prompt_token_ids = spec.prompt.token_ids or ()
         self._stream = stream
         self._samples: dict[int, _Sample] = {}
-        self._prompt_logprobs = NO_PROMPT_LOGPROBS
+        self._prompt_logprobs: PromptLogprobs | None = None  # once sample 0's first tokens came
 
     async def responses(self, output: RequestOutput) -> AsyncIterator[smg.GenerateResponse]:
         sample = self._samples.setdefault(output.index, _Sample())
+        carries_prompt_logprobs = self._take_prompt_logprobs(output, sample)
         sample.token_ids += output.token_ids
         if output.logprobs and not self._stream:
             sample.logprobs.append(output.logprobs)
-        self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
         if self._stream and (output.token_ids or not sample.sent_first_chunk):
             response = smg.GenerateResponse(chunk=self._chunk(output, sample))
-            if not sample.sent_first_chunk and output.prompt_logprobs:
+            if carries_prompt_logprobs:
                 await self._add_input_logprobs(response.chunk.input_logprobs)
             sample.sent_first_chunk = True
             yield response
         if output.finished:
             response = smg.GenerateResponse(complete=self._complete(output, sample))
-            if self._prompt_logprobs and not self._stream:
+            if self._prompt_logprobs is not None and not self._stream:
                 await self._add_input_logprobs(response.complete.input_logprobs)
             yield response
+
+    def _take_prompt_logprobs(self, output: RequestOutput, sample: _Sample) -> bool:
+        """Whether `output` carries the prompt's logprobs (sample 0's first tokens, when asked for), kept
+        then. A one-token prompt has none, but as in vLLM its first token's entry still goes out."""
+        num_top = self._params.prompt_logprobs
+        if num_top is None or output.index != 0 or sample.token_ids or not output.token_ids:
+            return False
+        self._prompt_logprobs = output.prompt_logprobs or PromptLogprobs([], [], num_top)
+        return True
 
     def _chunk(self, output: RequestOutput, sample: _Sample) -> smg.GenerateStreamChunk:
         chunk = smg.GenerateStreamChunk(
@@ -261,7 +270,7 @@ class SmgResponses:
         return complete
 
     async def _add_input_logprobs(self, message: smg.InputLogProbs) -> None:
-        values = self._prompt_logprobs
+        values = self._prompt_logprobs if self._prompt_logprobs is not None else NO_PROMPT_LOGPROBS
         input_logprobs_head(message, values, self._prompt_token_ids)
         await in_slices(len(values), functools.partial(add_input_logprobs, message, values))
 

@@ -21,6 +21,7 @@ import torch
 
 from sluice.engine.outputs import OutputLogprobs
 from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
+from sluice.engine.sample.top_logprobs import top_k_ties_by_id
 from sluice.engine.sampling_params import SamplingParams
 from sluice.kernels.cpu_argmax import EXTENSION as ARGMAX_EXTENSION
 from sluice.kernels.cpu_argmax import cpu_argmax_prechecked
@@ -189,8 +190,9 @@ class DeviceLogprobs:
 def logprobs_no_sync(
     logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
 ) -> DeviceLogprobs | None:
-    """The logprobs of the rows that ask for them (log_softmax of the raw logits), queued on the device
-    without waiting for it; None when no row asks."""
+    """The logprobs of the rows that ask for them (log_softmax of the raw logits; the top ones in
+    decreasing logprob, ties in increasing token id), queued on the device without waiting for it; None
+    when no row asks."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return None
@@ -198,8 +200,9 @@ def logprobs_no_sync(
     logprobs = torch.log_softmax(logits[index], dim=-1)
     sampled = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
     num_top = tuple(rows[i].params.logprobs for i in wanted)
-    top = logprobs.topk(max(num_top), dim=-1)
-    return DeviceLogprobs(tuple(wanted), num_top, (sampled, top.values, top.indices))
+    # Ties by token id: a row's first n of the batch's largest k are its own top n.
+    top_values, top_ids = top_k_ties_by_id(logprobs, max(num_top))
+    return DeviceLogprobs(tuple(wanted), num_top, (sampled, top_values, top_ids))
 
 
 def device_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

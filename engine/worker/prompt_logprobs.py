@@ -3,8 +3,9 @@
     slice rows (hidden):   [ p0  p1  p2  p3 ]            start_position 0, prompt t0 t1 t2 t3 t4 ...
     targets:                 t1  t2  t3  t4             logprob[i] = log_softmax(logits[p_i])[t_{i+1}]
 
-Rows are taken in chunks of at most ROWS_PER_CHUNK so a long prefill chunk never holds a
-[rows, vocab] float32 tensor larger than that.
+The top N at each position are in decreasing logprob, ties in increasing token id (`top_k_ties_by_id`),
+whatever the chunking. Rows are taken in chunks of at most ROWS_PER_CHUNK so a long prefill chunk never
+holds a [rows, vocab] float32 tensor larger than that.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sluice.engine.outputs import PromptLogprobs
+from sluice.engine.sample.top_logprobs import top_k_ties_by_id
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice
 
 ROWS_PER_CHUNK = 256
@@ -49,6 +51,6 @@ def _add_logprobs(columns: PromptLogprobs, logits: torch.Tensor, targets: Sequen
     columns.token_ids.extend(targets)
     columns.logprobs.extend(logprobs.gather(1, index).squeeze(1).tolist())
     if columns.num_top > 0:
-        top = logprobs.topk(columns.num_top, dim=-1)
-        columns.top_token_ids.extend(top.indices.flatten().tolist())
-        columns.top_logprobs.extend(top.values.flatten().tolist())
+        values, ids = top_k_ties_by_id(logprobs, columns.num_top)
+        columns.top_token_ids.extend(ids.flatten().tolist())
+        columns.top_logprobs.extend(values.flatten().tolist())
