@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from scheduler_driver import make_request
 
 from sluice.engine.config import SpeculativeConfig
-from sluice.engine.spec_decode.ngram_proposer import propose_ngram
+from sluice.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.serve_command import engine_config
 
@@ -56,3 +59,39 @@ def test_ngram_lookup_prefers_the_longest_suffix_and_the_latest_match() -> None:
     assert propose_ngram([4, 5, 6], 1, 3, 2) == []  # no earlier match
     assert propose_ngram([5, 5], 1, 3, 3) == [5]
     assert propose_ngram([5], 1, 3, 3) == []
+
+
+def _lookup_by_hand(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    """The lookup's definition, one candidate at a time."""
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_its_definition_on_random_sequences() -> None:
+    """Small alphabets, so that suffixes recur, overlap and run into the end."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randrange(40))]
+        ngram_min = rng.randrange(1, 4)
+        ngram_max, k = rng.randrange(ngram_min, 6), rng.randrange(1, 6)
+        expected = _lookup_by_hand(tokens, ngram_min, ngram_max, k)
+        assert propose_ngram(tokens, ngram_min, ngram_max, k) == expected, (tokens, ngram_min, ngram_max, k)
+
+
+def test_the_ngram_proposer_follows_a_growing_request_and_forgets_it() -> None:
+    """Its copy of the request's tokens is extended, not rebuilt, as outputs arrive (a few at a time under
+    speculation); each proposal equals the lookup over the request's whole sequence."""
+    config = SpeculativeConfig("ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+    proposer = NgramProposer(config)
+    rng = random.Random(1)
+    request = make_request("r", [rng.randrange(4) for _ in range(20)], max_tokens=100)
+    for _ in range(30):
+        request.output_token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(1, 4)))
+        expected = propose_ngram(request.all_token_ids, 1, 3, 3)
+        proposals = proposer.propose([request])
+        assert (proposals["r"].token_ids if "r" in proposals else ()) == tuple(expected)
+    proposer.free(["r"])
+    assert proposer.propose([make_request("r", [1, 2, 1], max_tokens=4)])["r"].token_ids == (2, 1)
