@@ -62,3 +62,22 @@ def test_windowed_request_needs_only_the_blocks_its_window_reaches():
     assert kv.num_blocks_needed(10_000, max_tokens_per_step=32) == 5
     assert kv.num_blocks_needed(40, max_tokens_per_step=32) == 3
     assert KVCacheManager(BS, 4).num_blocks_needed(10_000, max_tokens_per_step=32) == 625
+
+
+def test_a_prefix_hit_references_only_the_blocks_its_window_reaches():
+    kv = KVCacheManager(BS, 4, sliding_window=16)
+    first = make_request("a", tokens(48))
+    assert kv.allocate_slots(first, 48) == (0, 1, 2)
+    first.num_computed_tokens = 48
+    kv.cache_computed_blocks(first)
+    kv.free("a")  # blocks 0, 1, 2 free and cached; 4 blocks free
+    second = make_request("b", tokens(48) + tokens(32, start=500))
+    hit = kv.find_prefix(second)
+    assert hit.num_tokens == 48
+    # Position 48 sees 33..48: blocks 0 and 1 are out of the window, so it takes block 2 and 2 new ones
+    # (3 of the 4 free), where referencing the whole hit needed 5. Free queue, tail-first frees: 3 2 1 0.
+    assert kv.allocate_slots(second, 32, hit) == (PLACEHOLDER_BLOCK_ID, PLACEHOLDER_BLOCK_ID, 2, 3, 1)
+    assert [b.ref_cnt for b in kv.pool.blocks] == [0, 1, 1, 1]
+    assert kv.pool.get_cached_block(hit.blocks[0].block_hash) is hit.blocks[0]  # unreferenced, still cached
+    kv.free("b")
+    assert kv.pool.num_free_blocks == 4

@@ -52,3 +52,28 @@ def test_admission_counts_only_the_windowed_blocks():
     _scheduler(num_blocks=5, sliding_window=20).add_request(request)
     with pytest.raises(ContextLengthError, match="needs 7 KV blocks but the cache has 5"):
         _scheduler(num_blocks=5, sliding_window=None).add_request(make_request("b", tokens(100), 2))
+
+
+def test_a_prefix_hit_reaching_past_the_window_is_admitted_into_a_pool_that_fits_the_window():
+    # Window 16 and 32-token steps need 4 blocks. "a" leaves blocks 0..47 cached and all 4 blocks free;
+    # "b" hits those 3 blocks, of which its first query (position 48) sees only the last. Counting the
+    # 2 it never reads, it needed 5 blocks for its first chunk and waited forever on an empty pool.
+    scheduler = _scheduler(num_blocks=4, sliding_window=16)
+    scheduler.add_request(make_request("a", tokens(49), max_tokens=1))
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
+    assert len(scheduler.kv.pool.cached_blocks) == 3 and scheduler.num_blocks_used == 0
+    scheduler.add_request(make_request("b", tokens(48) + tokens(33, start=500), max_tokens=1))
+    tables = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        assert out.scheduled, "livelock: b waits on a pool that holds its window"
+        (scheduled,) = out.scheduled
+        tables.append((scheduled.start_position, scheduled.block_ids, scheduler.num_blocks_used))
+        scheduler.update_from_output(out, {"b": [7]} if scheduled.sample else {})
+    assert tables == [
+        (48, (FREED, FREED, 2, 0, 3), 3),  # 48 sees 33..: hit blocks 0, 1 unreferenced (free queue 0 3 2 1)
+        (80, (FREED, FREED, FREED, FREED, 3, 1), 2),  # 80 sees 65..: the block of 64..79 and a new one
+    ]
+    assert scheduler.prefix_cache_hits == 48 and scheduler.num_blocks_used == 0

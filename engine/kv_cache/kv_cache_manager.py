@@ -17,7 +17,8 @@ request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (nev
     W = 20, block_size = 16, num_computed = 50: first visible position 31
     block table:      [ 0 (freed) | b9 | b2 | b5 ]      positions 0..15 freed; 16..31 kept (holds 31)
 
-Freed blocks keep their hash in the pool, so other requests can still hit them until evicted.
+Freed blocks keep their hash in the pool, so other requests can still hit them until evicted. A prefix
+hit's blocks wholly before the window are never referenced: the request holds only what it sees.
 """
 
 from __future__ import annotations
@@ -97,17 +98,24 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens if hit is None else hit.num_tokens
         if hit is not None and blocks:
             raise RuntimeError(f"request {request_id!r} already holds blocks; a prefix hit needs none")
+        # Hit blocks wholly before the window are never referenced: the request starts without them.
+        num_skipped = min(self._first_visible(num_computed) // self.block_size, len(hit_blocks))
+        kept_hit_blocks = hit_blocks[num_skipped:]
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(hit_blocks), 0)
         # Hit blocks sitting in the free queue stop being free once referenced.
-        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in kept_hit_blocks if block.ref_cnt == 0)
         self._free_out_of_window(request_id, num_computed)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch(hit_blocks)
-        new_blocks = list(hit_blocks) + (self.pool.allocate(num_new_blocks) or [])
+        self.pool.touch(kept_hit_blocks)
+        new_blocks = list(kept_hit_blocks) + (self.pool.allocate(num_new_blocks) or [])
         blocks = self._blocks.setdefault(request_id, blocks)
         block_ids = self._block_ids.setdefault(request_id, [])
+        if num_skipped:
+            blocks.extend([None] * num_skipped)
+            block_ids.extend([PLACEHOLDER_BLOCK_ID] * num_skipped)
+            self._num_freed[request_id] = num_skipped
         blocks.extend(new_blocks)
         block_ids.extend(block.block_id for block in new_blocks)
         if hit is not None:
@@ -115,7 +123,6 @@ class KVCacheManager:
             if self.enable_caching:
                 self.num_queries += request.num_tokens
                 self.num_hits += hit.num_tokens
-            self._free_out_of_window(request_id, num_computed)
         return tuple(block_ids)
 
     def num_blocks_needed(self, num_tokens: int, max_tokens_per_step: int) -> int:
@@ -180,7 +187,7 @@ class KVCacheManager:
         first one its next query sees), oldest first."""
         if self.sliding_window is None:
             return
-        first_visible = max(num_computed - self.sliding_window + 1, 0)
+        first_visible = self._first_visible(num_computed)
         blocks = self._blocks.get(request_id, [])
         start = self._num_freed.get(request_id, 0)
         end = min(first_visible // self.block_size, len(blocks))
@@ -193,6 +200,12 @@ class KVCacheManager:
             block_ids[i] = PLACEHOLDER_BLOCK_ID
         self._num_freed[request_id] = end
         self.pool.free(freed)
+
+    def _first_visible(self, num_computed: int) -> int:
+        """The first position the query at num_computed sees (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(num_computed - self.sliding_window + 1, 0)
 
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's tokens, extended as tokens are appended."""
