@@ -80,7 +80,9 @@ class EngineCore:
         )
         self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.speculator = Speculator(build_proposer(config, source, self.model_runner))
+        # A draft model runs on rank 0, whose runner loaded it and sized both KV caches together.
+        rank_zero = self.model_runner if single_rank else self.model_runner.runner
+        self.speculator = Speculator(build_proposer(config, rank_zero.draft_runner))
         self.faults = FaultInjector.from_env()
         # StartProfile / StopProfile: the core's own process (with tensor parallelism, not the ranks')
         self.profiler = StepProfiler(self.model_runner.device if single_rank else torch.device("cpu"))

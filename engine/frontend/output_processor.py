@@ -47,6 +47,7 @@ class _RequestState:
     arrival_time: float
     detokenizer: IncrementalDetokenizer | None
     num_output_tokens: int = 0
+    num_accepted_draft_tokens: int = 0  # accepted drafts among the output tokens kept
     tool_use: ToolUse | None = None
     text: str = ""  # the whole output so far, kept only for requests with tools
 
@@ -162,6 +163,12 @@ class OutputProcessor:
             finish_reason, stop_reason, error = "error", None, f"detokenization failed: {exc}"
         # A stop string completed by a token in the middle of a multi-token advance drops the rest.
         state.num_output_tokens += num_taken
+        # A step's tokens are its accepted drafts, then the target's own token: where a stop string keeps
+        # only the first num_taken of them, only so many of its drafts count (never more than the output's
+        # tokens after the first, which no draft gives).
+        state.num_accepted_draft_tokens = min(
+            core_output.num_accepted_draft_tokens, state.num_accepted_draft_tokens + num_taken
+        )
         if stop_string is not None:
             # Also when the core finished it by length in the same step: the stop string decides.
             finish_reason, stop_reason = "stop", stop_string
@@ -187,7 +194,7 @@ class OutputProcessor:
                 core_output.num_cached_tokens,
                 core_output.num_prompt_tokens_computed,
                 core_output.num_draft_tokens,
-                core_output.num_accepted_draft_tokens,
+                state.num_accepted_draft_tokens,
             ),
             timings=Timings(
                 state.arrival_time, core_output.first_scheduled, core_output.first_token, finished_time

@@ -9,11 +9,12 @@ from sluice.engine.spec_decode.ngram_proposer import NgramProposer
 from sluice.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
-    from sluice.engine.loading.model_loader import ModelSource
     from sluice.engine.worker.model_runner import ModelRunner
 
 
-def build_proposer(config: EngineConfig, source: ModelSource, target: ModelRunner) -> Proposer | None:
+def build_proposer(config: EngineConfig, draft_runner: ModelRunner | None) -> Proposer | None:
+    """`draft_runner`: the draft model's runner, which the target's (rank 0's) loaded and sized
+    (`ModelRunner.draft_runner`); None unless the method is draft."""
     spec = config.speculative
     if spec is None:
         return None
@@ -21,4 +22,4 @@ def build_proposer(config: EngineConfig, source: ModelSource, target: ModelRunne
         return NgramProposer(spec)
     from sluice.engine.spec_decode.draft_proposer import DraftProposer
 
-    return DraftProposer(config, source, target)
+    return DraftProposer(config, draft_runner)

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
-from sluice.engine.loading.model_loader import ModelSource, load_model_source
+from sluice.engine.config import EngineConfig
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.sampler import SamplingRow, apply_filters
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -50,32 +49,16 @@ class _Drafting:
 
 
 class DraftProposer:
-    def __init__(self, config: EngineConfig, target_source: ModelSource, target: ModelRunner) -> None:
-        spec = config.speculative
-        model_config = ModelConfig(
-            model=spec.draft_model, dtype=config.model.dtype, device=config.model.device
-        )
-        source = load_model_source(model_config)
-        if source.arch.vocab_size != target_source.arch.vocab_size:
-            raise ValueError(
-                f"draft_model: vocabulary of {source.arch.vocab_size} tokens differs from the target's "
-                f"{target_source.arch.vocab_size}; the draft must share the target's tokenizer"
-            )
-        self.k = spec.num_speculative_tokens
-        self.max_model_len = min(target.max_model_len, source.arch.max_position_embeddings)
-        draft_config = EngineConfig(
-            model=dataclasses.replace(model_config, max_model_len=self.max_model_len),
-            cache=CacheConfig(
-                block_size=config.cache.block_size, num_blocks=target.num_blocks, enable_prefix_caching=False
-            ),
-            scheduler=config.scheduler,
-            attention_backend=config.attention_backend,
-            enforce_eager=True,
-        )
-        self.runner = ModelRunner(draft_config, source)
+    """`runner`: the draft model's, which the target's runner loaded and gave as many KV blocks as its own
+    (`sluice.engine.worker.draft_model`)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.k = config.speculative.num_speculative_tokens
+        self.runner = runner
+        self.max_model_len = runner.max_model_len  # the target's, or less where the draft's limit is lower
         # The runner's (and the target's) step budget: the most tokens one draft forward computes.
-        self.max_num_batched_tokens = self.runner.config.scheduler.max_num_batched_tokens
-        self.tables = DraftBlockTables(config.cache.block_size, target.num_blocks)
+        self.max_num_batched_tokens = runner.config.scheduler.max_num_batched_tokens
+        self.tables = DraftBlockTables(config.cache.block_size, runner.num_blocks)
         self._shared_generator = torch.Generator(device=self.runner.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._holders: dict[str, Request] = {}  # request id -> the request, while it has draft blocks

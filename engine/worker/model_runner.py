@@ -27,6 +27,7 @@ from sluice.engine.worker.cuda_graph_runner import (
     estimate_graph_memory_bytes,
     verify_capture_sizes,
 )
+from sluice.engine.worker.draft_model import load_draft_runner
 from sluice.engine.worker.input_batch import SampledTokenIds, build_model_inputs, fill_placeholders
 from sluice.engine.worker.jit_watch import JitCompileWatch
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -55,13 +56,24 @@ class ModelRunner:
     rank: the model holds this rank's part of the weights, the cache this rank's KV heads, and every rank's
     runner must be driven through the same calls in the same order (`sluice.engine.executor`), since the
     layers' collectives pair up across ranks. `num_blocks` is the smallest any rank's memory allows.
+
+    With `--speculative draft`, rank 0 also loads the draft model (`draft_runner`, a `ModelRunner` built
+    with kv_cache=False) before its cache is sized: the draft's weights are then resident when the memory
+    left is measured, its forward runs in the CUDA memory profile, and the blocks are sized from both models'
+    bytes per block (`kv_block_bytes_with_draft`), since the draft gets as many blocks as the target.
     """
 
     failed = False  # as `MultiprocExecutor.failed` (a worker is gone): never, in one process
 
     def __init__(
-        self, config: EngineConfig, source: ModelSource, tensor_parallel: TensorParallelGroup | None = None
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        tensor_parallel: TensorParallelGroup | None = None,
+        *,
+        kv_cache: bool = True,
     ) -> None:
+        """kv_cache False (a draft model): no KV cache nor graphs until `initialize_kv_cache`."""
         self.arch = source.arch
         self.tensor_parallel = tensor_parallel or TensorParallelGroup.single()
         tp = self.tensor_parallel
@@ -103,17 +115,31 @@ class ModelRunner:
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and self.attention_backend.name != "torch"
         )
-        self.num_blocks = tp.min(self._num_kv_blocks())
-        self._check_host_memory(self.num_blocks)
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # The draft model runs whole on rank 0, the core's process: loaded before the cache is sized.
+        self.draft_runner = load_draft_runner(config, source, self.max_model_len) if tp.rank == 0 else None
+        if kv_cache:
+            self.initialize_kv_cache(tp.min(self._num_kv_blocks()))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates `num_blocks` KV blocks (and as many for the draft model), then captures the CUDA graphs
+        and warms the prefill kernels up. Raises ValueError naming the setting when a CPU cache would not
+        fit in the memory left."""
+        config = self.config
+        self._check_host_memory(num_blocks)
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        draft = self.draft_runner
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB",
-            self.num_blocks,
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB%s",
+            num_blocks,
             self.block_size,
-            self.num_blocks * self.block_size,
+            num_blocks * self.block_size,
             self.kv_cache_dtype,
-            self.num_blocks * self.kv_block_bytes / 2**20,
+            self.kv_cache_mib(num_blocks),
+            "" if draft is None else f"; the draft model's as many, {draft.kv_cache_mib(num_blocks):.1f} MiB",
         )
+        if draft is not None:
+            draft.initialize_kv_cache(num_blocks)
         # The graph runner calls `forward` through a weak reference: the bound method would make a cycle
         # (runner -> graph runner -> runner), and the weights, the KV cache (and a tensor-parallel group's
         # sockets) would outlive the engine's last reference until Python's cycle collector ran.
@@ -232,6 +258,14 @@ class ModelRunner:
         per_layer = self.block_size * self.num_kv_heads * arch.head_dim * self.kv_cache_dtype.itemsize
         return 2 * arch.num_hidden_layers * per_layer
 
+    def kv_cache_mib(self, num_blocks: int) -> float:
+        return num_blocks * self.kv_block_bytes / 2**20
+
+    @property
+    def kv_block_bytes_with_draft(self) -> int:
+        """Bytes a block number takes in this rank's memory: this model's block and the draft model's."""
+        return self.kv_block_bytes + (0 if self.draft_runner is None else self.draft_runner.kv_block_bytes)
+
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks is not None:
@@ -240,12 +274,13 @@ class ModelRunner:
             available = self._profile_available_cuda_bytes()
         else:
             available = cache.kv_cache_memory_bytes
-        num_blocks = int(available // self.kv_block_bytes)
+        num_blocks = int(available // self.kv_block_bytes_with_draft)
         if num_blocks < 1:
             field = "gpu_memory_utilization" if self.device.type == "cuda" else "kv_cache_memory_bytes"
             raise ValueError(
                 f"{field}: {available / 2**20:.1f} MiB left for the KV cache holds no block of "
-                f"{self.kv_block_bytes / 2**20:.2f} MiB; raise it (or give num_blocks)"
+                f"{self.kv_block_bytes_with_draft / 2**20:.2f} MiB{self._draft_share()}; raise it "
+                "(or give num_blocks)"
             )
         return num_blocks
 
@@ -253,14 +288,20 @@ class ModelRunner:
         """A CPU cache larger than the memory left would be zeroed page by page until the OOM killer
         ended the process: refused at once instead, naming the setting."""
         available = available_memory_bytes()
-        needed = num_blocks * self.kv_block_bytes
+        needed = num_blocks * self.kv_block_bytes_with_draft
         if self.device.type != "cpu" or available is None or needed <= available:
             return
         field = "num_blocks" if self.config.cache.num_blocks is not None else "kv_cache_memory_bytes"
         raise ValueError(
-            f"{field}: a KV cache of {needed / 2**30:.1f} GiB is more than the {available / 2**30:.1f} GiB "
-            "of memory available"
+            f"{field}: a KV cache of {needed / 2**30:.1f} GiB{self._draft_share()} is more than the "
+            f"{available / 2**30:.1f} GiB of memory available"
         )
+
+    def _draft_share(self) -> str:
+        draft = self.draft_runner
+        if draft is None:
+            return ""
+        return f" (target {self.kv_block_bytes} + draft model {draft.kv_block_bytes} bytes a block)"
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeroed, not empty: padded context rows are masked, but 0 * NaN garbage would still poison them.
@@ -277,8 +318,8 @@ class ModelRunner:
         return [(new_cache(), new_cache()) for _ in range(self.arch.num_hidden_layers)]
 
     def _profile_available_cuda_bytes(self) -> float:
-        """gpu_memory_utilization * total, minus the weights, other processes, a worst-case step's peak
-        and the memory the decode CUDA graphs will keep."""
+        """gpu_memory_utilization * total, minus the weights (the draft model's too), other processes, a
+        worst-case step's peak (the target's or the draft's) and the memory the CUDA graphs will keep."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
@@ -311,6 +352,8 @@ class ModelRunner:
         scheduler = self.config.scheduler
         tokens, seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
         self._throwaway_step(_profile_step(tokens, seqs, self.max_model_len, self.block_size))
+        if self.draft_runner is not None:  # its forwards (of at most as many tokens) run between the target's
+            self.draft_runner._profile_run()
 
     def _warm_up_prefill_tiles(self) -> None:
         """Compile, before the first request, every prefill tile a step can pick: the Triton prefill
