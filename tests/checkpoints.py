@@ -31,8 +31,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Shared shape: 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16.
-_SHAPE = dict(
+# The tiny checkpoints' shared shape: 2 layers, 4 query heads sharing 2 kv heads (GQA), head_dim 16.
+SHAPE = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -50,7 +50,7 @@ def build_llama_checkpoint(
     *,
     max_shard_size: str | None = None,
     seed: int = 0,
-    max_position_embeddings: int = _SHAPE["max_position_embeddings"],
+    max_position_embeddings: int = SHAPE["max_position_embeddings"],
 ) -> str:
     """Llama 3.1-style: rope_scaling "llama3" (active at these positions) and tied embeddings. The context
     adds no weights: with `max_position_embeddings=LONG_CONTEXT` it is the same model, same weights."""
@@ -64,7 +64,7 @@ def build_llama_checkpoint(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    shape = {**_SHAPE, "max_position_embeddings": max_position_embeddings}
+    shape = {**SHAPE, "max_position_embeddings": max_position_embeddings}
     config = LlamaConfig(**shape, rope_scaling=rope, tie_word_embeddings=True, rms_norm_eps=1e-5)
     return _save(LlamaForCausalLM(config), directory, max_shard_size, seed)
 
@@ -73,7 +73,7 @@ def build_mistral_checkpoint(directory: str, *, max_shard_size: str | None = Non
     """Mistral: untied lm_head, rope_theta 1e6, sliding window wider than the context."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(**_SHAPE, rope_theta=1e6, sliding_window=4096, tie_word_embeddings=False)
+    config = MistralConfig(**SHAPE, rope_theta=1e6, sliding_window=4096, tie_word_embeddings=False)
     return _save(MistralForCausalLM(config), directory, max_shard_size, seed)
 
 
@@ -81,7 +81,7 @@ def build_qwen2_checkpoint(directory: str, *, max_shard_size: str | None = "100K
     """Qwen2: q/k/v biases, rms_norm_eps 1e-6; sharded over several safetensors files by default."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**_SHAPE, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    config = Qwen2Config(**SHAPE, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
     return _save(Qwen2ForCausalLM(config), directory, max_shard_size, seed)
 
 
@@ -89,7 +89,7 @@ def build_mistral_windowed_checkpoint(directory: str, *, seed: int = 3) -> str:
     """Mistral whose sliding window (12) is shorter than most test prompts, so windowing shows."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(**_SHAPE, rope_theta=1e4, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
+    config = MistralConfig(**SHAPE, rope_theta=1e4, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
     return _save(MistralForCausalLM(config), directory, None, seed)
 
 
@@ -97,7 +97,7 @@ def build_qwen3_checkpoint(directory: str, *, seed: int = 4) -> str:
     """Qwen3: q/k RMSNorm per head, no biases, head_dim 32 (wider than hidden / heads), tied."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    shape = {**_SHAPE, "head_dim": 32}
+    shape = {**SHAPE, "head_dim": 32}
     config = Qwen3Config(**shape, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
     return _save(Qwen3ForCausalLM(config), directory, None, seed)
 
@@ -107,7 +107,7 @@ def build_llama_kv4_checkpoint(directory: str, *, seed: int = 6) -> str:
     each hold one KV head (the other checkpoints' 2 KV heads are replicated over 4 ranks)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = {**_SHAPE, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8}
+    shape = {**SHAPE, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8}
     config = LlamaConfig(**{**shape, "num_key_value_heads": 4}, rope_theta=1e4, tie_word_embeddings=False)
     return _save(LlamaForCausalLM(config), directory, None, seed)
 
@@ -121,7 +121,7 @@ def build_gemma3_checkpoint(
 
     layer_types = layer_types or ("sliding_attention", "sliding_attention", "full_attention")
     config = Gemma3TextConfig(
-        **{**_SHAPE, "num_hidden_layers": len(layer_types)},
+        **{**SHAPE, "num_hidden_layers": len(layer_types)},
         head_dim=16,
         sliding_window=GEMMA3_WINDOW,
         layer_types=list(layer_types),

@@ -16,7 +16,8 @@ import os
 
 import pytest
 import torch
-from checkpoints import BOS_ID, EOS_ID, IM_END_ID, VOCAB_SIZE, randomize_weights, save_tokenizer
+from checkpoints import BOS_ID, EOS_ID, IM_END_ID, randomize_weights, save_tokenizer
+from checkpoints import SHAPE as TINY_SHAPE
 from gguf_export import export_gguf
 from test_model_parity import _hf_reference, _prompts, _run_sluice
 
@@ -25,17 +26,7 @@ from sluice.engine.loading.model_arch import ModelArchConfig, RopeScaling
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.worker.layers.rotary import attention_scaling, build_cos_sin_cache, compute_inv_freq
 
-SHAPE = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=BOS_ID,
-    eos_token_id=EOS_ID,
-)
+SHAPE = {**TINY_SHAPE, "max_position_embeddings": 128}
 ORIGINAL_CONTEXT = 32  # the 40-token prompt and its continuation run past it
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT}
 # Llama's: explicit betas and attention factor (truncate=False has no GGUF key: llama.cpp always truncates).
