@@ -24,6 +24,7 @@ import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter wi
 import pytest
 import torch
 from packaging.version import Version
+from processes import process_running
 
 from sluice.benchmarks.gpu import (
     borrowed_tokenizer,
@@ -292,16 +293,6 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path)
     assert "Not measured: the fp8 step SKIPPED (not in SLUICE_GPU_CHECK_STEPS)." in report
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` still runs: gone, or a zombie not yet reaped (its parent, the killed step's
-    shell, died with it; what reaps orphans in a container differs from machine to machine), is not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def test_a_hung_step_is_killed_at_its_limit_and_fails_the_check(tmp_path: Path) -> None:
     # A python that hangs when asked to run pytest (the kernel-test step) and is itself otherwise.
     pid_file = tmp_path / "hung.pid"
@@ -322,7 +313,7 @@ def test_a_hung_step_is_killed_at_its_limit_and_fails_the_check(tmp_path: Path) 
         "skipped",
         "not in SLUICE_GPU_CHECK_STEPS",
     )
-    assert not _running(int(pid_file.read_text()))  # the hung process went with its step
+    assert not process_running(int(pid_file.read_text()))  # the hung process went with its step
     report = (out / "report.md").read_text()
     assert report.startswith("# Sluice GPU check: CPU: FAIL")
     assert "| kernel_tests |" in report and "| TIMED OUT | " in report

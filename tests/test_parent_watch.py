@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import process_running
 from service_harness import PATIENCE_S
 
 # The child: inside the watch, waits forever; its watch writes the marker and ends it.
@@ -43,11 +44,11 @@ def test_a_child_in_the_watch_ends_once_its_parent_is_killed(tmp_path: Path, how
     )
     try:
         child = int(middle.stdout.readline())  # printed inside the watch
-        assert _running(child) and not marker.exists()
+        assert process_running(child) and not marker.exists()
         middle.send_signal(signal.SIGKILL)
         middle.wait()
         deadline = time.monotonic() + PATIENCE_S
-        while _running(child):
+        while process_running(child):
             assert time.monotonic() < deadline, "the child outlived its parent"
             time.sleep(0.02)
         assert marker.read_text() == "gone"
@@ -55,11 +56,3 @@ def test_a_child_in_the_watch_ends_once_its_parent_is_killed(tmp_path: Path, how
         if middle.poll() is None:
             middle.kill()
             middle.wait()
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is a process not yet exited (init reaps the orphaned child; a zombie counts as ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False

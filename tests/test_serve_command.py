@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import child_pids, process_running
 from service_harness import PATIENCE_S
 
 from sluice.engine.config import ModelConfig
@@ -93,20 +94,9 @@ def test_an_ipv6_host_gets_its_brackets() -> None:
 def test_sigterm_while_the_model_loads_stops_the_load_and_its_core(tmp_path) -> None:
     """The core opens its model, a FIFO nobody writes, and waits there until stopped. SIGTERM (the server
     handles it from before it starts the core) once went unheard until the load ended: here, never."""
-    fifo = tmp_path / "model.gguf"
-    os.mkfifo(fifo)
-    process = subprocess.Popen(
-        [SLUICE, "serve", "--model", str(fifo), "--load-format", "gguf", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _serve_a_load_that_never_ends(tmp_path, subprocess.PIPE)
     try:
-        deadline = time.monotonic() + PATIENCE_S
-        while not (core_pids := _children(process.pid)):
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "no engine core started"
-            time.sleep(0.05)
+        core_pids = _wait_for_core(process, time.monotonic() + PATIENCE_S)
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=PATIENCE_S)
         assert (process.returncode, out) == (0, ""), err
@@ -138,8 +128,8 @@ def test_a_core_whose_server_was_killed_exits_and_removes_the_servers_sockets(ll
         process.kill()
         process.wait()
         deadline = time.monotonic() + PATIENCE_S
-        while _running(core_pid) or sockets.exists():
-            assert time.monotonic() < deadline, f"core running: {_running(core_pid)}, {sockets} left"
+        while process_running(core_pid) or sockets.exists():
+            assert time.monotonic() < deadline, f"core running: {process_running(core_pid)}, {sockets} left"
             time.sleep(0.05)
     finally:
         if process.poll() is None:
@@ -150,31 +140,27 @@ def test_a_core_whose_server_was_killed_exits_and_removes_the_servers_sockets(ll
 @pytest.mark.parametrize("when", ["started", "listening"])
 def test_a_core_whose_server_was_killed_while_it_loads_exits_at_once(tmp_path, when: str) -> None:
     """The core loads a FIFO nobody writes (a load that never ends). Killed as soon as the core process
-    exists ("started": the core may not have read the server's pid yet) or once the core listens for the
+    has exec'd ("started": the core may not have read the server's pid yet) or once the core listens for the
     config ("listening": it then waits for the config, or loads), the server leaves no core loading on (it
     once loaded to the end, holding the memory a restarted server needs; here, forever) and no directory
     of sockets."""
-    fifo = tmp_path / "model.gguf"
-    os.mkfifo(fifo)
-    process = subprocess.Popen(
-        [SLUICE, "serve", "--model", str(fifo), "--load-format", "gguf", "--port", "0"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = _serve_a_load_that_never_ends(tmp_path, subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + PATIENCE_S
-        while not (core_pids := _children(process.pid)):
-            assert process.poll() is None and time.monotonic() < deadline, "no engine core started"
+        core_pids = _wait_for_core(process, deadline)
+        cmdline = Path(f"/proc/{core_pids[0]}/cmdline")
+        # Until the core's exec, its command line is still the server's (no --commands yet).
+        while "--commands" not in (arguments := cmdline.read_text().split("\0")):
+            assert time.monotonic() < deadline, f"the core never exec'd: {arguments}"
             time.sleep(0.05)
-        arguments = Path(f"/proc/{core_pids[0]}/cmdline").read_text().split("\0")
         commands = Path(arguments[arguments.index("--commands") + 1].removeprefix("ipc://"))
         while when == "listening" and not commands.exists():  # the core binds it before it reads the config
             assert time.monotonic() < deadline, "the core never bound its commands socket"
             time.sleep(0.05)
         process.kill()
         process.wait()
-        while _running(core := core_pids[0]) or commands.parent.exists():
-            assert time.monotonic() < deadline, f"core running: {_running(core)}, {commands.parent} left"
+        while (running := process_running(core_pids[0])) or commands.parent.exists():
+            assert time.monotonic() < deadline, f"core running: {running}, {commands.parent} left"
             time.sleep(0.05)
     finally:
         for pid in [process.pid, *core_pids]:
@@ -183,25 +169,25 @@ def test_a_core_whose_server_was_killed_while_it_loads_exits_at_once(tmp_path, w
         process.wait()
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is a process not yet exited (a zombie nobody reaped has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+def _serve_a_load_that_never_ends(tmp_path: Path, streams: int) -> subprocess.Popen:
+    """`sluice serve` on a model that is a FIFO nobody writes: its core opens it and waits there."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    return subprocess.Popen(
+        [SLUICE, "serve", "--model", str(fifo), "--load-format", "gguf", "--port", "0"],
+        stdout=streams,
+        stderr=streams,
+        text=True,
+    )
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                children.append(int(entry.name))
-    return children
+def _wait_for_core(process: subprocess.Popen, deadline: float) -> list[int]:
+    """The pids of the server's children once it has started its engine core."""
+    while not (core_pids := child_pids(process.pid)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no engine core started"
+        time.sleep(0.05)
+    return core_pids
 
 
 def test_a_cpu_kv_cache_larger_than_the_memory_left_is_refused_naming_the_setting(llama_dir) -> None:

@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from service_harness import UNENDING, UNENDING_TOKENS, ServerThread, long_engine_config, tiny_engine_config
 from service_harness import wait_for as wait_until
-from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from test_service_spans import _smg_request
 
 from sluice import generate_request
 from sluice.service.server import ServerConfig
@@ -66,15 +66,6 @@ def sluice_stream_generate(target: str, metadata: Metadata) -> Outcome:
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         return _outcome(lambda: stub.StreamGenerate(iter([request]), metadata=metadata))
-
-
-def _smg_request(request_id: str, **sampling: object) -> smg.GenerateRequest:
-    return smg.GenerateRequest(
-        request_id=request_id,
-        tokenized=smg.TokenizedInput(input_ids=list(range(20, 30))),
-        sampling_params=smg.SamplingParams(**sampling),
-        stream=True,
-    )
 
 
 def smg_generate(target: str, metadata: Metadata, request_id: str = "") -> Outcome:
