@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import uuid
 from collections.abc import AsyncIterator, Mapping
 
@@ -140,8 +139,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             except (UnauthenticatedError, ServiceUnavailableError):
                 await drain_request_stream(request_iterator)  # else a grpc.aio client may see INTERNAL
                 raise
-        refusals = functools.partial(runner.refusals, caller)
-        session = StreamSession(runner, caller, self.check_accepting, self.record_status, refusals)
+        session = StreamSession(runner, caller, self.check_accepting, self.record_status)
         self._sessions.add(session)
         try:
             async for response in session.run(request_iterator):

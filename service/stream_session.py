@@ -34,21 +34,12 @@ from sluice.v1 import sluice_pb2 as pb
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
 _METHOD = "StreamGenerate.request"
 
-Refusals = Callable[[pb.GenerateRequest], contextlib.AbstractContextManager[None]]
-"""Around the checks a request passes on arrival: records the span of a request they refuse."""
-
-
-def untraced(request: pb.GenerateRequest) -> contextlib.AbstractContextManager[None]:
-    """Refusals recording nothing (a session without a tracer, as in tests of the session alone)."""
-    return contextlib.nullcontext()
-
 
 class StreamSession:
     """Serves one StreamGenerate call. Request ids are the client's, unique among the stream's live
-    requests (a duplicate gets ALREADY_EXISTS in-band); each request has its own timeout_seconds.
-    `refusals` records the span of a request refused on arrival (the servicer passes the runner's,
-    `GenerationRunner.refusals` for this caller, or `untraced`); a request let through has its span from
-    the runner."""
+    requests (a duplicate gets ALREADY_EXISTS in-band); each request has its own timeout_seconds. A
+    request refused on arrival has its span from `GenerationRunner.refusals`, one let through from the
+    runner's `run`."""
 
     def __init__(
         self,
@@ -56,13 +47,11 @@ class StreamSession:
         caller: Caller,
         check_accepting: Callable[[], None],
         record_status: StatusRecorder,
-        refusals: Refusals,
     ) -> None:
         self._runner = runner
         self._caller = caller
         self._check_accepting = check_accepting
         self._record_status = record_status
-        self._refusals = refusals
         # Engine ids are namespaced per stream so two streams may both use request_id "1".
         self._prefix = f"stream-{uuid.uuid4().hex[:12]}/"
         # (response, set once written); None ends the call.
@@ -117,7 +106,7 @@ class StreamSession:
         refused request's span: the pump starts the span of a request let through)."""
         request_id = request.request_id
         try:
-            with self._refusals(request):
+            with self._runner.refusals(self._caller, request):
                 self._check_accepting()
                 if not request_id:
                     raise ValueError("request_id: must not be empty on StreamGenerate")

@@ -4,13 +4,21 @@ a refusal waits to be written (each refused request grew the outbox: 42,000 of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
-from sluice.service.stream_session import StreamSession, untraced
+from sluice.service.stream_session import StreamSession
 from sluice.v1 import sluice_pb2 as pb
 
 NUM_SENT = 100
+
+
+class _UntracedRunner:
+    """A runner no request reaches (every one is refused on arrival), whose refusals record no span."""
+
+    def refusals(self, caller: None, request: pb.GenerateRequest) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 async def test_a_refused_request_is_written_before_the_next_is_read() -> None:
@@ -23,7 +31,7 @@ async def test_a_refused_request_is_written_before_the_next_is_read() -> None:
             num_read += 1
             yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(text="hi"))
 
-    session = StreamSession(None, None, lambda: None, lambda _, code: statuses.append(code), untraced)
+    session = StreamSession(_UntracedRunner(), None, lambda: None, lambda _, code: statuses.append(code))
     responses = session.run(requests())
     first = await anext(responses)  # the call writes one response, and no more
     for _ in range(10):
