@@ -36,6 +36,13 @@ def default_processors() -> list[LogitsProcessor]:
     return [MinTokens(), Penalties(), LogitBias(), AllowedTokenIds()]
 
 
+def draft_processors() -> list[LogitsProcessor]:
+    """The processors a draft model proposes under: those of `default_processors` that a request may
+    speculate with (`speculation_allowed`: no penalties, no grammar), each a function of the row alone,
+    so a row whose output tokens end in earlier drafts is masked as the target's verify row will be."""
+    return [MinTokens(), LogitBias(), AllowedTokenIds()]
+
+
 class MinTokens:
     """Bans `SamplingParams.held_back_by_min_tokens` (stop_token_ids; eos unless ignore_eos or a
     constraint) in rows with < min_tokens outputs. Stateless."""

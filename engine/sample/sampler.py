@@ -52,6 +52,20 @@ class SamplingRow:
     grammar: object | None = None
 
 
+def apply_processors(
+    processors: Sequence[LogitsProcessor], logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> torch.Tensor:
+    """logits [num_rows, vocab] with `processors` applied in order: a float32 copy, or `logits` itself
+    when none concerns any row."""
+    active = [p for p in processors if any(p.applies_to(row) for row in rows)]
+    if not active:
+        return logits
+    processed = logits.float().clone()
+    for processor in active:
+        processor.apply(processed, rows)
+    return processed
+
+
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
@@ -111,13 +125,7 @@ class Sampler:
         Copying is what a plain batch would pay for nothing: at 256 x 49152 float32 the copy is 50 MB,
         mapped and faulted in afresh each step (over glibc's mmap threshold; docs/BENCHMARKS.md).
         """
-        active = [p for p in self.processors if any(p.applies_to(row) for row in rows)]
-        if not active:
-            return logits
-        processed = logits.float().clone()
-        for processor in active:
-            processor.apply(processed, rows)
-        return processed
+        return apply_processors(self.processors, logits, rows)
 
     def uniform(self, row: SamplingRow, device: torch.device) -> float:
         """One draw from U[0, 1), from the request's generator when it is seeded."""

@@ -10,7 +10,10 @@ first c tokens, one proposal runs:
 after which the draft KV counts as covering tokens[:T] only: the drafts' positions are recomputed by the
 next proposal from the tokens the target accepted. Greedy requests take the draft's argmax (q is then
 irrelevant to the verification); others draw d_j from q_j = the draft's distribution under the request's
-temperature / top-k / top-p / min-p, returned with the proposal for the rejection rule.
+temperature / top-k / top-p / min-p, returned with the proposal for the rejection rule. Both come after
+the request's min_tokens, logit_bias and allowed_token_ids (`draft_processors`; a request with penalties or
+a grammar does not speculate), with d_0 .. d_{j-1} counted as outputs, as the target's verify rows are:
+without them a draft the target can never pick (a token outside allowed_token_ids) is rejected at once.
 
 Step 0 never feeds more than the step budget (max_num_batched_tokens) in one forward: where the requests'
 tokens from c on add up to more (a request's first proposal, after its prompt or a prefix-cache hit, finds
@@ -29,7 +32,8 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.request import Request, RequestStatus
-from sluice.engine.sample.sampler import SamplingRow, apply_filters
+from sluice.engine.sample.logits_processors import draft_processors
+from sluice.engine.sample.sampler import SamplingRow, apply_filters, apply_processors
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
 from sluice.engine.spec_decode.proposer import Proposal
@@ -44,8 +48,16 @@ class _Drafting:
     block_ids: tuple[int, ...]
     start: int  # tokens with draft KV before step 0 (the catch-up advances it)
     k: int  # drafts to propose
+    row: SamplingRow  # the request's row before its first draft (the processors read it)
+    masked: bool  # whether any of the proposer's processors concerns the request
     token_ids: list[int] = dataclasses.field(default_factory=list)
     probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def sampling_row(self) -> SamplingRow:
+        """The row of the next draft: the drafts so far count as outputs (min_tokens reads them)."""
+        if not self.masked or not self.token_ids:
+            return self.row
+        return dataclasses.replace(self.row, output_token_ids=[*self.row.output_token_ids, *self.token_ids])
 
 
 class DraftProposer:
@@ -62,6 +74,7 @@ class DraftProposer:
         self._shared_generator = torch.Generator(device=self.runner.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._holders: dict[str, Request] = {}  # request id -> the request, while it has draft blocks
+        self.processors = draft_processors()
 
     def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
         drafting = [d for d in (self._start(r) for r in requests) if d is not None]
@@ -69,6 +82,7 @@ class DraftProposer:
         for j in range(max((d.k for d in drafting), default=0)):
             active = [d for d in drafting if d.k > j]
             logits = self.runner.execute_model(self._step(active, j))
+            logits = apply_processors(self.processors, logits, [d.sampling_row() for d in active])
             for d, row in zip(active, logits, strict=True):
                 self._choose(d, row)
         proposals = {}
@@ -84,6 +98,8 @@ class DraftProposer:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
             self._holders.pop(request_id, None)
+        for processor in self.processors:
+            processor.free(request_ids)
 
     def _start(self, request: Request) -> _Drafting | None:
         """Blocks for the tokens this proposal feeds; None when none can be drafted (too long, or the
@@ -100,7 +116,14 @@ class DraftProposer:
         if block_ids is None:
             return None
         start = min(self.tables.num_computed.get(request.request_id, 0), num_tokens - 1)
-        return _Drafting(request, block_ids, start, k)
+        row = SamplingRow(
+            request.request_id,
+            request.sampling_params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.eos_token_ids,
+        )
+        return _Drafting(request, block_ids, start, k, row, any(p.applies_to(row) for p in self.processors))
 
     def _evict_preempted(self) -> bool:
         """Frees the draft blocks of one request the target preempted (it waits to recompute, and its
@@ -149,12 +172,10 @@ class DraftProposer:
         return SchedulerOutput(tuple(scheduled), sum(s.num_tokens for s in scheduled))
 
     def _choose(self, d: _Drafting, logits: torch.Tensor) -> None:
-        params = d.request.sampling_params
-        if params.greedy:
+        if d.request.sampling_params.greedy:
             d.token_ids.append(int(logits.argmax()))
             return
-        row = SamplingRow(d.request.request_id, params, (), ())
-        q = torch.softmax(apply_filters(logits.float().unsqueeze(0), [row]), dim=-1)[0]
+        q = torch.softmax(apply_filters(logits.float().unsqueeze(0), [d.row]), dim=-1)[0]
         d.token_ids.append(int(torch.multinomial(q, 1, generator=self._generator(d.request))))
         d.probs.append(q)
 
