@@ -11,7 +11,7 @@ import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter wi
 import pytest
 import torch
 
-from sluice.benchmarks.gpu import dependent_launch_step
+from sluice.benchmarks.gpu import dependent_launch_step, gpu_benchmarks
 from sluice.benchmarks.gpu.dependent_launch_step import (
     NORM_APART,
     NORM_FOLDED,
@@ -20,6 +20,8 @@ from sluice.benchmarks.gpu.dependent_launch_step import (
     WITH_PDL,
     WITHOUT_PDL,
 )
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.presets import PRESETS
 from sluice.engine.worker.layers import fp8_linear
 from sluice.kernels import dependent_launch, fp8_skinny_mm, skinny_mm
 from sluice.kernels.dependent_launch import (
@@ -83,6 +85,12 @@ def test_the_pdl_section_captures_one_graph_with_pdl_and_one_without_for_each_ki
     norms in `fp8_normed_skinny_mm` and only its fourth its SiLU-and-mul in `fp8_gated_skinny_mm`, the
     logits of each model's rows are equal and the switch is put back."""
     monkeypatch.setattr(fp8_linear, "GEMV_MAX_WEIGHT", 0)
+    # The tiny preset with 2 layers and a 4,096-token vocabulary: under the interpreter its 32,000-row
+    # lm_head and 4 layers took ~3 minutes of ten graphs; what is checked does not depend on either.
+    smaller = {**PRESETS["tiny"], "num_hidden_layers": 2, "vocab_size": 4096}
+    monkeypatch.setattr(
+        gpu_benchmarks, "preset_arch", lambda name: ModelArchConfig.from_hf_config(smaller, name)
+    )
     seen, skinny, normed_fp8, gated_fp8 = [], [], [], []
 
     def spy(device: torch.device) -> bool:
