@@ -49,9 +49,17 @@ def _serve(
         str(KV_CACHE_BYTES),
         *extra,
     ]
-    env = {FAULT_VAR: fault} if fault else {}
+    # The server's temporary files in a directory of the test's own (`_left_behind`).
+    (tmp_path / "tmp").mkdir()
+    env = {"TMPDIR": str(tmp_path / "tmp"), **({FAULT_VAR: fault} if fault else {})}
     server = ServerProcess(args, env=env, stderr=log_path.open("w"), startup_timeout=300)
     return server, log_path
+
+
+def _left_behind(tmp_path: Path) -> list[str]:
+    """What the server left in its temporary directory: the core's and the workers' socket directories
+    (`sluice-core-*`, `sluice-tp-*`) until it removes them."""
+    return sorted(path.name for path in (tmp_path / "tmp").iterdir())
 
 
 def _worker_pid(log_path: Path) -> int:
@@ -133,6 +141,7 @@ def test_two_ranks_serve_the_one_rank_tokens_with_a_cache_per_rank(llama_dir, tm
     # Each rank holds 1 of the 2 KV heads: a block is 2 layers x (K, V) x 16 tokens x 1 head x 16 x 4 bytes.
     assert info.num_kv_blocks == KV_CACHE_BYTES // (2 * 2 * 16 * 1 * 16 * 4)
     assert server.process.returncode == 0
+    assert _left_behind(tmp_path) == []
 
 
 def test_a_killed_worker_fails_every_stream_health_and_the_server(llama_dir, tmp_path):
@@ -151,6 +160,7 @@ def test_a_killed_worker_fails_every_stream_health_and_the_server(llama_dir, tmp
             noticed = _noticed_at(streams[0].details)
             assert 0.0 <= noticed - killed_at < DETECTION_BOUND_SECONDS
         assert server.process.wait(60) != 0
+        assert _left_behind(tmp_path) == []
     finally:
         server.stop()
 
@@ -170,6 +180,7 @@ def test_a_worker_that_raises_fails_the_server(llama_dir, tmp_path):
                 assert "failed: InjectedFault: injected worker fault for request" in stream.details
                 assert "poison-1" in stream.details
         assert server.process.wait(60) != 0
+        assert _left_behind(tmp_path) == []
     finally:
         server.stop()
 
@@ -182,6 +193,7 @@ def test_a_worker_killed_while_idle_fails_the_server(llama_dir, tmp_path):
             os.kill(worker, signal.SIGKILL)
             _wait_not_serving(channel)
         assert server.process.wait(60) != 0
+        assert _left_behind(tmp_path) == []
         assert f"tensor-parallel rank 1 (pid {worker}) exited (killed by SIGKILL)" in log_path.read_text()
     finally:
         server.stop()
@@ -202,6 +214,7 @@ def test_a_worker_that_hangs_fails_the_server_after_the_collective_timeout(llama
                 assert stream.code == grpc.StatusCode.UNAVAILABLE, f"{stream.code}: {stream.details}"
                 assert "Timed out waiting 20000ms" in stream.details
         assert server.process.wait(60) != 0
+        assert _left_behind(tmp_path) == []
     finally:
         with contextlib.suppress(ProcessLookupError):  # the core kills it as it exits
             os.kill(worker, signal.SIGKILL)

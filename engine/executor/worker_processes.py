@@ -5,6 +5,8 @@
              sent before every worker can receive it (a PUB drops messages to subscribers not yet joined).
     results  PULL bound on ipc://<dir>/results, read by the `WorkerMonitor` thread only.
 
+The directory is removed once every worker has connected to both (the connections stay).
+
 Processes start with multiprocessing's "spawn" (a fresh interpreter: no copy of the driver's threads,
 sockets or CUDA context); their only argument is the encoded `WorkerSpec`. A script that builds an offline
 `LLM(tensor_parallel_size=N)` must guard its top level with `if __name__ == "__main__":`, as with any spawn.
@@ -84,6 +86,10 @@ class WorkerProcesses:
                 raise TimeoutError(f"tensor-parallel workers: not subscribed within {self.timeout:.0f}s")
             if self.steps.poll(100) and self.steps.recv()[:1] == b"\x01":
                 subscribed += 1
+        # Every worker is connected to both sockets (its start came through the results one), so their files
+        # have done their work: removed now, they cannot outlive a driver killed before `shutdown` (the
+        # frontend SIGKILLs a core that reported a failure).
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     def wait_ready(self) -> None:
         """Until every worker loaded its part of the model and allocated its KV cache."""
