@@ -53,7 +53,8 @@ def test_the_draft_model_catches_up_long_prompts_within_the_step_budget(llama_di
 
 def test_a_decoding_request_drafts_in_k_forwards_a_step(llama_dir):
     """The catch-up runs only where step 0 would exceed the budget: a short prompt's first proposal and
-    every one after (the accepted tokens and the last one) are one forward each, k in all."""
+    every one after (the accepted tokens and the last one) are one forward each, k in all; fewer where
+    max_tokens leaves room for fewer drafts (the scheduler would not verify the others)."""
     spec = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
     config = dict(block_size=BLOCK, num_blocks=96, max_num_batched_tokens=BUDGET, max_num_seqs=8)
     llm = LLM(llama_dir, speculative=spec, **config)
@@ -73,7 +74,8 @@ def test_a_decoding_request_drafts_in_k_forwards_a_step(llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     completion = llm.generate([list(range(5, 25))], params)[0]
     assert len(completion.token_ids) == 24 and llm.engine.stats().num_accepted_draft_tokens > 0
-    assert forwards and set(forwards) == {3}, forwards
+    # Every draft accepted (the draft is the target): 1 + 4 + 4 + 4 + 4 + 4 outputs, then 3 left: 2 drafts.
+    assert forwards == [3, 3, 3, 3, 3, 2]
 
 
 def _decoding(scheduler, model, requests):

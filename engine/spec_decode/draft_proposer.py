@@ -102,11 +102,13 @@ class DraftProposer:
             processor.free(request_ids)
 
     def _start(self, request: Request) -> _Drafting | None:
-        """Blocks for the tokens this proposal feeds; None when none can be drafted (too long, or the
-        draft cache is full even without the blocks of preempted requests: the request then decodes
-        without drafts)."""
+        """Blocks for the tokens this proposal feeds; None when none can be drafted (too long, at its
+        last output token, or the draft cache is full even without the blocks of preempted requests: the
+        request then decodes without drafts). At most as many drafts as the scheduler can verify: k
+        drafts give up to k + 1 tokens, within max_tokens and max_model_len."""
         num_tokens = request.num_tokens
-        k = min(self.k, self.max_model_len - num_tokens)
+        outputs_left = request.sampling_params.max_tokens - request.num_output_tokens
+        k = min(self.k, self.max_model_len - num_tokens, outputs_left - 1)
         if k <= 0:
             return None
         self._holders[request.request_id] = request
