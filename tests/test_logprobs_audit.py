@@ -25,7 +25,7 @@ def _by_value_then_id(row: list[float], k: int) -> list[int]:
     return sorted(range(len(row)), key=lambda token_id: (-row[token_id], token_id))[:k]
 
 
-@pytest.mark.parametrize("k", [0, 1, 3, 7, 20])
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 20, 299, 300])
 def test_top_k_orders_ties_by_id_as_a_plain_sort_does(k: int) -> None:
     generator = torch.Generator().manual_seed(k)
     # Values from a handful of levels: every row is full of ties, also across the k-th place.
@@ -34,6 +34,22 @@ def test_top_k_orders_ties_by_id_as_a_plain_sort_does(k: int) -> None:
     logprobs[4, 40:] = float("-inf")  # fewer finite values than some k
     values, ids = top_k_ties_by_id(logprobs, k)
     for row in range(8):
+        want = _by_value_then_id(logprobs[row].tolist(), k)
+        assert ids[row].tolist() == want
+        assert values[row].tolist() == logprobs[row, want].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_top_k_of_distinct_values_and_of_a_tie_across_the_k_th_place(k: int) -> None:
+    """Odd rows: distinct values (the host takes topk's own); even rows: the k-th value copied to the
+    tokens ranked k + 1 and k + 6, so that the tie reaches past the k-th place (the vocabulary search)."""
+    generator = torch.Generator().manual_seed(100 + k)
+    logprobs = torch.randn(16, 500, generator=generator)
+    ranked = logprobs.argsort(dim=-1, descending=True)
+    for row in range(0, 16, 2):
+        logprobs[row, ranked[row, [k, k + 5]]] = logprobs[row, ranked[row, k - 1]].item()
+    values, ids = top_k_ties_by_id(logprobs, k)
+    for row in range(16):
         want = _by_value_then_id(logprobs[row].tolist(), k)
         assert ids[row].tolist() == want
         assert values[row].tolist() == logprobs[row, want].tolist()
