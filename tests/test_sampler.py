@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from sluice.engine.sample import sampler as sampler_module
 from sluice.engine.sample.logits_processors import Penalties
 from sluice.engine.sample.sampler import Sampler, SamplingRow, argmax_rows
 from sluice.engine.sampling_params import SamplingParams
@@ -251,3 +252,49 @@ def test_processors_copy_logits_only_for_rows_they_concern() -> None:
     ]
     assert [t.token_id for t in sampler.sample(logits, mixed)] == [2, 2]
     assert [t.token_id for t in sampler.sample(logits, plain[:1] * 2)] == [2, 0]
+
+
+def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) -> None:
+    """A 5,000-token vocabulary, beyond NUCLEUS_CANDIDATES: peaked rows find their nucleus among the
+    candidates, the flat one (top_p only) is sorted whole; every row keeps exactly the tokens, with the
+    values, that transformers' warpers keep (temperature, top_k, top_p, min_p in that order)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    generator = torch.Generator().manual_seed(3)
+    scales = [8.0, 8.0, 6.0, 4.0, 0.3, 8.0, 5.0]
+    logits = torch.randn(len(scales), 5000, generator=generator) * torch.tensor(scales).unsqueeze(1)
+    params = [
+        SamplingParams(temperature=0.8, top_k=50),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=300, top_p=0.8),
+        SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05),
+        SamplingParams(temperature=1.0, top_p=0.9),  # flat: its nucleus reaches past the candidates
+        SamplingParams(temperature=0.9),  # no cut, beside rows with cuts
+        SamplingParams(temperature=1.0, top_k=1200, top_p=0.99),  # top_k past the candidates' default
+    ]
+    sorted_whole = []
+    cut_sorted = sampler_module._cut_sorted
+    monkeypatch.setattr(
+        sampler_module,
+        "_cut_sorted",
+        lambda x, *args: sorted_whole.append(x.shape[0]) or cut_sorted(x, *args),
+    )
+    cut = sampler_module.apply_filters(logits, [row(p, f"r{i}") for i, p in enumerate(params)])
+    assert sorted_whole == [1]  # the flat row alone
+    for i, p in enumerate(params):
+        want = TemperatureLogitsWarper(p.temperature)(None, logits[i : i + 1])
+        if p.top_k:
+            want = TopKLogitsWarper(p.top_k)(None, want)
+        if p.top_p < 1.0:
+            want = TopPLogitsWarper(p.top_p)(None, want)
+        if p.min_p:
+            want = MinPLogitsWarper(p.min_p)(None, want)
+        kept = want[0].isfinite()
+        assert torch.equal(cut[i].isfinite(), kept), (i, int(cut[i].isfinite().sum()), int(kept.sum()))
+        assert 0 < int(kept.sum()) < (5000 if p.top_k or p.top_p < 1.0 else 5001)
+        torch.testing.assert_close(cut[i][kept], want[0][kept])

@@ -8,8 +8,8 @@ Order per row (transformers / vLLM semantics):
      -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
      -> logit_bias -> allowed_token_ids -> grammar mask (when the engine core adds one)
   -> greedy rows: argmax;  random rows: / temperature -> top_k -> top_p -> min_p -> draw
-Draws use the exponential race argmax(p / q), q ~ Exp(1), which picks token i with probability p_i; each
-seeded request draws its q from its own generator, so its tokens do not depend on the rest of the batch.
+A draw inverts the row's cumulative distribution at one uniform number; each seeded request draws its
+numbers from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.kernels.cpu_argmax import EXTENSION as ARGMAX_EXTENSION
 from sluice.kernels.cpu_argmax import cpu_argmax_prechecked
 from sluice.kernels.cpu_extension import cpu_extension_available
+
+# The most likely tokens a top_p-only row's nucleus is looked for among on the host before sorting the
+# row whole (docs/BENCHMARKS.md).
+NUCLEUS_CANDIDATES = 1024
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,20 +137,27 @@ class Sampler:
         return float(torch.rand(1, generator=generator, device=device).item())
 
     def draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row."""
-        # probs: [m, vocab]; q: [m, vocab] ~ Exp(1). argmax(probs / q) is a draw from probs.
-        q = torch.empty_like(probs)
+        """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row: where its
+        cumulative sum passes a uniform fraction of its total (one number a row, from the request's own
+        generator when it is seeded). The exponential race this replaced drew a number per token: 64 x
+        49,152 exponentials took ~65 ms on the host."""
+        fractions = torch.empty(len(rows), device=probs.device)
         unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
+        shared = self._shared(probs.device)
         if len(unseeded) == len(rows):
-            q.exponential_(generator=self._shared(probs.device))
+            fractions.uniform_(generator=shared)
         elif unseeded:
             index = device_tensor(unseeded, torch.long, probs.device)
-            q[index] = torch.empty_like(probs[index]).exponential_(generator=self._shared(probs.device))
+            fractions[index] = torch.rand(len(unseeded), generator=shared, device=probs.device)
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                q[i].exponential_(generator=self._for_request(row, probs.device))
-        # q == 0 would make 0 / 0 = nan for filtered tokens, and argmax picks nan.
-        return (probs / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+                fractions[i : i + 1].uniform_(generator=self._for_request(row, probs.device))
+        cumulative = probs.cumsum(dim=-1)
+        total = cumulative[:, -1:].contiguous()
+        token_ids = torch.searchsorted(cumulative, fractions.unsqueeze(1) * total, right=True)
+        # A fraction just below 1 can round the product up to the total: then the last token with mass.
+        last = torch.searchsorted(cumulative, total)
+        return torch.where(token_ids < probs.shape[1], token_ids, last).squeeze(1)
 
     def _shared(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -231,9 +242,7 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(
-            logits, device_tensor(top_k, torch.long, device), device_tensor(top_p, torch.float32, device)
-        )
+        logits = _top_k_top_p(logits, top_k, top_p)
     if any(r.params.min_p > 0 for r in rows):  # decided on the host: a device check would wait for it
         min_p = device_tensor([r.params.min_p for r in rows], torch.float32, device).unsqueeze(1)
         probs = torch.softmax(logits, dim=-1)
@@ -242,15 +251,52 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    # logits: [m, vocab]; top_k: [m] (vocab = off); top_p: [m] (1.0 = off).
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """logits [m, vocab] with each row's top_k (vocab: off) and top_p (1.0: off) cuts, -inf where cut.
+
+    On a GPU every row is sorted whole. On the host, where sorting 64 rows of 49,152 took ~120 ms, the
+    cuts are made among each row's most likely tokens (`topk`): its top_k, or NUCLEUS_CANDIDATES where it
+    has only top_p; a row whose nucleus reaches past those (a flat distribution) is sorted whole."""
+    device, vocab = logits.device, logits.shape[1]
+    top_k_t = device_tensor(top_k, torch.long, device)
+    top_p_t = device_tensor(top_p, torch.float32, device)
+    if device.type != "cpu":
+        return _cut_sorted(logits, top_k_t, top_p_t)
+    candidates = max(k if k < vocab else min(NUCLEUS_CANDIDATES, vocab) for k in top_k)
+    values, order = logits.topk(candidates, dim=-1)
+    rank = torch.arange(candidates).unsqueeze(0)
+    values = values.masked_fill(rank >= top_k_t.unsqueeze(1), float("-inf"))
+    # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
+    by_top_k = torch.tensor([k < vocab for k in top_k]).unsqueeze(1)
+    whole_rows = torch.logsumexp(logits, dim=-1, keepdim=True) if not all(k < vocab for k in top_k) else 0.0
+    log_total = torch.where(by_top_k, torch.logsumexp(values, dim=-1, keepdim=True), whole_rows)
+    probs = torch.exp(values - log_total)
+    values = values.masked_fill(_past_nucleus(probs, top_p_t, rank), float("-inf"))
+    cut = torch.full_like(logits, float("-inf")).scatter_(1, order, values)
+    # Rows with neither cut keep every token; a top_p-only row whose candidates hold less than top_p of
+    # its mass has tokens past them in its nucleus.
+    uncut = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k >= vocab and p >= 1.0]
+    if uncut:
+        cut[uncut] = logits[uncut]
+    wider = ((probs.sum(dim=-1) < top_p_t) & ~by_top_k.squeeze(1)).nonzero().squeeze(1)
+    if wider.numel():
+        cut[wider] = _cut_sorted(logits[wider], top_k_t[wider], top_p_t[wider])
+    return cut
+
+
+def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_top_k_top_p` over each row's whole vocabulary, sorted. top_k, top_p: [m] on the logits' device."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    # transformers removes a token when the ascending cumulative mass up to it is <= 1 - top_p, i.e. when the
-    # tokens ranked above it already hold >= top_p of the mass. The top token always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p, rank), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """probs [m, n] in decreasing order (a prefix of each row's): True past each row's nucleus.
+    transformers removes a token when the ascending cumulative mass up to it is <= 1 - top_p, i.e. when the
+    tokens ranked above it already hold >= top_p of the mass. The top token always stays."""
+    mass_before = probs.cumsum(dim=-1) - probs
+    return (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
