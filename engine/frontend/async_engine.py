@@ -20,7 +20,6 @@ from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFull
 from sluice.engine.faults import FaultInjector
 from sluice.engine.frontend.core_client import HEARTBEAT_S, CoreClient
 from sluice.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
-from sluice.engine.frontend.parallel_sampling import sample_request_ids
 from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
 from sluice.engine.messages import (
     AbortRequests,
@@ -82,6 +81,7 @@ class AsyncEngine:
         self._max_queue = max_queue
         self._stream_interval = stream_interval
         self._streams: dict[str, OutputCollector] = {}
+        self._num_added = 0  # numbers the core's ids of requests (`_core_request_id`)
         self._dead_listeners: list[Callable[[str], None]] = []
         self.error: EngineDeadError | None = None
         self.tokenizer: Tokenizer | None = None
@@ -152,16 +152,17 @@ class AsyncEngine:
         ends after the last one finished. `use_speculation` False: the request never verifies draft
         tokens (when the engine speculates).
         """
-        self._check_accepting(request_id, params.n)
+        self._check_accepting(request_id)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         tools = None if tool_use is None else tool_use.for_template()
         prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
         params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
-        self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
+        self._check_accepting(request_id)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
         add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
-        first = self._output_processor.add_request(add, tool_use)  # sample 0 when n > 1
+        core_request_id = self._core_request_id(request_id)
+        first = self._output_processor.add_request(add, tool_use, core_request_id=core_request_id)
         self._streams[request_id] = collector
         try:
             self._client.send(first)
@@ -189,17 +190,13 @@ class AsyncEngine:
             for output in self._send(self._output_processor.abort([request_id])):
                 stream.put(output)  # samples never sent to the core
 
-    def _check_accepting(self, request_id: str, n: int = 1) -> None:
+    def _check_accepting(self, request_id: str) -> None:
         if self.error is not None:
             raise self.error
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        for engine_id in sample_request_ids(request_id, n):  # e.g. "a#1" of "a" with n > 1
-            owner = self._output_processor.owner(engine_id)
-            if owner is not None and owner != request_id:
-                raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         # Sequences on both sides: a request with n samples is n of them, running or waiting.
         num_queued = self._output_processor.num_live_samples - self._stats.num_running
         if self._max_queue is not None and num_queued >= self._max_queue:
@@ -207,6 +204,14 @@ class AsyncEngine:
                 f"the waiting queue is full ({num_queued} sequences waiting, max_queue {self._max_queue}); "
                 f"retry in {QueueFullError.retry_pushback_ms} ms"
             )
+
+    def _core_request_id(self, request_id: str) -> str:
+        """A fresh id for the core: a caller may reuse `request_id` as soon as its stream ended (it was
+        abandoned, aborted, or a stop string ended it here) while the core, a step behind, still sends
+        outputs for the earlier request of that id; those must not reach the new request's stream (the
+        OutputProcessor's docstring). Unique: no id of this engine's ends with "@" and another number."""
+        self._num_added += 1
+        return f"{request_id}@{self._num_added}"
 
     async def _tokenize(self, **prompt: Any) -> list[int]:
         size = prompt_chars(prompt["text"], prompt["messages"])

@@ -8,6 +8,12 @@ A request with n > 1 runs in the core as n requests, sent by `ParallelSampling`
 (`sluice.engine.frontend.parallel_sampling`): sample 0 at once, the others in `ProcessedOutputs.to_add`
 once sample 0's first output came. Each sample has its own state here and its outputs carry the caller's
 request id and the sample's `index`.
+
+The core may know a request by an id of its own (`add_request`'s `core_request_id`): the server's
+engine gives each request a fresh one, so that an id its caller reuses at once (after a cancel, or after
+a stop string ended the request here) never receives what the core still sends for the earlier request
+of that id (its tokens of the step in flight, the answer to its abort). What the core sends for an
+earlier request of a reused id is processed (its state forgotten once it ends) and never handed over.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.faults import FaultInjector
@@ -50,6 +58,7 @@ class _RequestState:
     num_accepted_draft_tokens: int = 0  # accepted drafts among the output tokens kept
     tool_use: ToolUse | None = None
     text: str = ""  # the whole output so far, kept only for requests with tools
+    superseded: bool = False  # a later request took the caller's id: this one's outputs go to no one
 
 
 @dataclass
@@ -74,33 +83,43 @@ class OutputProcessor:
         self._faults = faults
         self._states: dict[str, _RequestState] = {}  # engine request id -> state
         self._engine_ids: dict[str, list[str]] = {}  # caller's id -> engine ids of its live samples
+        self._core_ids: dict[str, str] = {}  # caller's id -> the core's id of its live request
         self._samples = ParallelSampling()
 
-    def add_request(self, add: AddRequest, tool_use: ToolUse | None = None) -> AddRequest:
+    def add_request(
+        self, add: AddRequest, tool_use: ToolUse | None = None, *, core_request_id: str | None = None
+    ) -> AddRequest:
         """Tracks the request's `add.params.n` samples; returns what to send to the core now (sample 0
         when n > 1). `tool_use`: the request's tools; its last output carries the tool calls parsed from
-        its text. Raises InvalidRequestError if an engine id of it belongs to another live request (`a#1`
-        while `a` with n = 2 runs)."""
+        its text. `core_request_id`: the id the core knows the request by, if not `add.request_id` (the
+        module's docstring). Raises InvalidRequestError if an engine id of it belongs to another live
+        request (`a#1` while `a` with n = 2 runs)."""
         request_id, params = add.request_id, add.params
-        engine_ids = sample_request_ids(request_id, params.n)
+        core_id = core_request_id or request_id
+        engine_ids = sample_request_ids(core_id, params.n)
         for engine_id in engine_ids:
             owner = self.owner(engine_id)
             if owner is not None and owner != request_id:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
+        for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
+            self._states[engine_id].superseded = True
         for index, engine_id in enumerate(engine_ids):
             detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
             self._states[engine_id] = _RequestState(
                 request_id, index, len(add.prompt_token_ids), add.arrival_time, detokenizer, tool_use=tool_use
             )
         self._engine_ids[request_id] = list(engine_ids)
-        return self._samples.add(add)
+        self._core_ids[request_id] = core_id
+        return self._samples.add(
+            add if core_id == request_id else msgspec.structs.replace(add, request_id=core_id)
+        )
 
     def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
         """Ends the requests (every sample): the last outputs of the samples never sent to the core, and
         in `to_abort` the engine ids of those the core holds. Unknown ids are skipped."""
         processed = ProcessedOutputs()
         for request_id in request_ids:
-            unsent = self._samples.drop(request_id)
+            unsent = self._samples.drop(self._core_ids.get(request_id, request_id))
             processed.to_abort += [e for e in self._engine_ids.get(request_id, ()) if e not in unsent]
             processed.outputs += self.process([CoreOutput.aborted(e) for e in unsent]).outputs
         return processed
@@ -135,7 +154,8 @@ class OutputProcessor:
 
     def _emit(self, processed: ProcessedOutputs, state: _RequestState, core_output: CoreOutput) -> None:
         output = self._process_one(state, core_output)
-        processed.outputs.append(output)
+        if not state.superseded:
+            processed.outputs.append(output)
         if output.finish_reason is not None:
             self._forget(core_output.request_id)
             if core_output.finish_reason is None:
@@ -148,6 +168,7 @@ class OutputProcessor:
             live.remove(engine_id)
         if not live:
             self._engine_ids.pop(state.request_id, None)
+            self._core_ids.pop(state.request_id, None)
 
     def _process_one(self, state: _RequestState, core_output: CoreOutput) -> RequestOutput:
         finish_reason, stop_reason, error = (
