@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.service.tenants import DEFAULT_TENANT
 
+# Hosts that mean "every address": grpc listens on IPv4 and IPv6 for either, and so does /metrics.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # Latency buckets in seconds: sub-millisecond decode steps up to minute-long requests.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -190,8 +196,12 @@ class ServerMetrics:
         self.rpc_status.labels(method=method, code=code.name).inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
-        self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port. A wildcard host
+        listens on IPv4 and IPv6, as grpc does on the gRPC port (an IPv6 pod IP is scraped too)."""
+        if host in WILDCARD_HOSTS and socket.has_dualstack_ipv6():
+            self._http_server = _serve_dual_stack(port, self.registry)
+        else:
+            self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._http_server.server_port
 
     def close(self) -> None:
@@ -199,3 +209,24 @@ class ServerMetrics:
             self._http_server.shutdown()
             self._http_server.server_close()
             self._http_server = None
+
+
+class _DualStackServer(ThreadingWSGIServer):
+    """An IPv6 listener that takes IPv4 too (IPV6_V6ONLY off, whatever the system's default)."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """No line per scrape."""
+
+
+def _serve_dual_stack(port: int, registry: CollectorRegistry) -> WSGIServer:
+    server = make_server("::", port, make_wsgi_app(registry), _DualStackServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="sluice-metrics", daemon=True).start()
+    return server

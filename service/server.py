@@ -45,6 +45,8 @@ from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 logger = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# grpc.health.v1 answers for the server ("") and for each generation service it serves, all one status.
+HEALTH_SERVICES = ("", INFERENCE_SERVICE, SMG_SERVICE)
 # After the drain's grace period, leftover requests are aborted; their last chunks go out within this.
 ABORT_MARGIN_S = 1.0
 # Why the GOAWAY waits: from grpc's stop() on, grpc's core cancels (CANCELLED, which no client retries)
@@ -63,6 +65,16 @@ QUIET_S = 0.25
 # graceful stop had even started (nothing awaited between them), and a CI run (2026-11-30) saw 2 of 1,340
 # storm calls end CANCELLED, the cancel 5 ms after the GOAWAY's log line (docs/FLEET.md, "Drain").
 GOAWAY_SETTLE_S = 0.25
+
+
+# grpc takes these durations as int32 milliseconds: at most this, about 24.8 days (its own default).
+GRPC_MAX_MS = 2**31 - 1
+
+
+def grpc_millis(seconds: float) -> int:
+    """`seconds` as grpc's int32 milliseconds, held to GRPC_MAX_MS: a longer time (or inf) is as good as
+    never, where grpc itself would refuse it (OverflowError at server creation)."""
+    return GRPC_MAX_MS if seconds * 1000 >= GRPC_MAX_MS else round(seconds * 1000)
 
 
 def listen_address(host: str, port: int) -> str:
@@ -152,11 +164,14 @@ class ServerConfig:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.http2.max_pings_without_data", 0),
+            # grpc sets SO_REUSEPORT by default: a second server on a port in use would start as well and
+            # silently take a share of its connections. Off, it is refused (ListenError, naming the port).
+            ("grpc.so_reuseport", 0),
         ]
         if self.max_connection_age is not None:
             options += [
-                ("grpc.max_connection_age_ms", round(self.max_connection_age * 1000)),
-                ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace * 1000)),
+                ("grpc.max_connection_age_ms", grpc_millis(self.max_connection_age)),
+                ("grpc.max_connection_age_grace_ms", grpc_millis(self.max_connection_age_grace)),
             ]
         return options
 
@@ -288,5 +303,5 @@ class SluiceServer:
         await self._stopped.wait()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for service in ("", INFERENCE_SERVICE):
+        for service in HEALTH_SERVICES:
             await self.health.set(service, status)

@@ -9,7 +9,7 @@
                                       attempts with 0.1 s..1 s backoff; a call that already received a
                                       response message is never retried
 
-The same JSON works in every gRPC language (README "Clients and rollouts": Go and Java).
+The same JSON works in every gRPC language (docs/OPERATIONS.md "Kubernetes with N replicas": Go and Java).
 
 SESSION_AFFINITY_SERVICE_CONFIG is the same with `ring_hash` keyed on a request header (gRFC A76):
 every call carrying `x-sluice-session: <id>` goes to the replica the id hashes to on the ring, so a

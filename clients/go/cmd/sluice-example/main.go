@@ -27,9 +27,10 @@ import (
 	_ "google.golang.org/grpc/health"
 )
 
-// serviceConfig is Sluice's documented client service config (README "Kubernetes with N replicas",
-// sluice.service_config in Python): round robin over every address of the target, replicas that are
-// NOT_SERVING (loading, draining) left out, UNAVAILABLE retried (grpc-go < 1.40: GRPC_GO_RETRY=on).
+// serviceConfig is Sluice's documented client service config (docs/OPERATIONS.md "Kubernetes with N
+// replicas", sluice.service_config in Python): round robin over every address of the target, replicas
+// that are NOT_SERVING (loading, draining) left out, UNAVAILABLE retried (grpc-go < 1.40:
+// GRPC_GO_RETRY=on).
 const serviceConfig = `{
   "loadBalancingConfig": [{"round_robin": {}}],
   "healthCheckConfig": {"serviceName": "sluice.v1.InferenceService"},

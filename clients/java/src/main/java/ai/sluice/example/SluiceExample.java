@@ -143,10 +143,10 @@ public final class SluiceExample {
   }
 
   /**
-   * Sluice's documented client service config (README "Kubernetes with N replicas", sluice.service_config
-   * in Python) as the Map grpc-java takes (numbers as Double): round robin over every address of the
-   * target, UNAVAILABLE retried; healthCheckConfig takes effect where grpc-services is on the classpath
-   * (it is not among Debian's jars used here).
+   * Sluice's documented client service config (docs/OPERATIONS.md "Kubernetes with N replicas",
+   * sluice.service_config in Python) as the Map grpc-java takes (numbers as Double): round robin over
+   * every address of the target, UNAVAILABLE retried; healthCheckConfig takes effect where grpc-services
+   * is on the classpath (it is not among Debian's jars used here).
    */
   static Map<String, ?> serviceConfig() {
     Map<String, Object> retryPolicy = Map.of(
