@@ -236,13 +236,13 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     where = "quantization_config"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: must be a JSON object, got {type(raw).__name__}")
-    refuse_unknown(raw, _CONFIG_FIELDS, where)
     method = raw.get("quant_method")
-    if method != COMPRESSED_TENSORS:
+    if method != COMPRESSED_TENSORS:  # before the fields: a GPTQ / AWQ config's are all unknown here
         raise ValueError(
             f"{where}.quant_method: {method!r} is not supported, only {COMPRESSED_TENSORS}, fp8, modelopt or "
             "fbgemm_fp8"
         )
+    refuse_unknown(raw, _CONFIG_FIELDS, where)
     status = raw.get("quantization_status", "compressed")
     if status != "compressed":
         raise ValueError(f"{where}.quantization_status: {status!r} is not supported; supported: 'compressed'")

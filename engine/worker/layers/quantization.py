@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 CPU_QUANTIZATIONS = ("int4", "int8")
 INT4_GROUP_SIZE = 32
+INT4_OUTPUT_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` packs output rows in 16s
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
 # shapes on 2 cores (docs/BENCHMARKS.md, "Figures behind the code"). torch's int4 kernel gains more from
 # AVX-512 than the packed kernel does, so its limit depends on the CPU.
@@ -47,7 +48,8 @@ _ACTIVATIONS = torch.bfloat16
 
 
 class Int4Weight:
-    """Group-wise asymmetric int4, packed for the CPU kernel. input_size must be a multiple of 32."""
+    """Group-wise asymmetric int4, packed for the CPU kernel. input_size must be a multiple of 32,
+    output_size of 16."""
 
     max_rows = MAX_QUANTIZED_ROWS["int4"]  # larger steps use the float32 weight
 
@@ -106,12 +108,14 @@ class Int8Weight:
 QuantizedWeight = Int4Weight | Int8Weight  # weight [out, in] -> matmul(x, bias) = x W^T (+ b)
 
 
-def unsupported_reason(method: str, input_size: int, device: torch.device) -> str | None:
+def unsupported_reason(method: str, input_size: int, output_size: int, device: torch.device) -> str | None:
     """None when `method` can quantize a weight [output_size, input_size] on `device`, else why not."""
     if device.type != "cpu":
         return f"runs on cpu, the weight is on {device.type}"
     if method == "int4" and input_size % INT4_GROUP_SIZE:
         return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {input_size}"
+    if method == "int4" and output_size % INT4_OUTPUT_MULTIPLE:
+        return f"needs output_size divisible by {INT4_OUTPUT_MULTIPLE}, got {output_size}"
     return None
 
 
@@ -184,6 +188,6 @@ def linear_method_for(prefix: str, layer: LinearBase, kernels: KernelConfig) -> 
         return float_method
     if method == "int4" and prefix == "lm_head":
         method = "int8"
-    if reason := unsupported_reason(method, layer.input_size, kernels.device):
+    if reason := unsupported_reason(method, layer.input_size, layer.output_size, kernels.device):
         raise ValueError(f"quantization: {method} {reason}")
     return CpuQuantizedLinearMethod(method, float_method)
