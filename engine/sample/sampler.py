@@ -137,27 +137,13 @@ class Sampler:
         return float(torch.rand(1, generator=generator, device=device).item())
 
     def draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row: where its
-        cumulative sum passes a uniform fraction of its total (one number a row, from the request's own
-        generator when it is seeded). The exponential race this replaced drew a number per token: 64 x
-        49,152 exponentials took ~65 ms on the host."""
-        fractions = torch.empty(len(rows), device=probs.device)
-        unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
-        shared = self._shared(probs.device)
-        if len(unseeded) == len(rows):
-            fractions.uniform_(generator=shared)
-        elif unseeded:
-            index = device_tensor(unseeded, torch.long, probs.device)
-            fractions[index] = torch.rand(len(unseeded), generator=shared, device=probs.device)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                fractions[i : i + 1].uniform_(generator=self._for_request(row, probs.device))
-        cumulative = probs.cumsum(dim=-1)
-        total = cumulative[:, -1:].contiguous()
-        token_ids = torch.searchsorted(cumulative, fractions.unsqueeze(1) * total, right=True)
-        # A fraction just below 1 can round the product up to the total: then the last token with mass.
-        last = torch.searchsorted(cumulative, total)
-        return torch.where(token_ids < probs.shape[1], token_ids, last).squeeze(1)
+        """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row
+        (`draw_at`) at one uniform number, from the request's own generator when it is seeded."""
+        generators = [
+            self._shared(probs.device) if row.params.seed is None else self._for_request(row, probs.device)
+            for row in rows
+        ]
+        return draw_at(probs, uniform_fractions(generators, probs.device))
 
     def _shared(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -222,6 +208,36 @@ def logprobs_no_sync(
     # Ties by token id: a row's first n of the batch's largest k are its own top n.
     top_values, top_ids = top_k_ties_by_id(logprobs, max(num_top))
     return DeviceLogprobs(tuple(wanted), num_top, (sampled, top_values, top_ids))
+
+
+def draw_at(probs: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    """probs: [m, vocab] (each row's total need not be 1), fractions: [m] in [0, 1); returns [m] token ids:
+    each row's first token whose cumulative sum passes fractions[i] of the row's total, i.e. a draw from
+    the row when the fraction is uniform. One number a row: the exponential race this replaced drew one
+    a token (64 x 49,152 exponentials took ~65 ms on the host)."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:].contiguous()
+    token_ids = torch.searchsorted(cumulative, fractions.unsqueeze(1) * total, right=True)
+    # A fraction just below 1 can round the product up to the total: then the last token with mass.
+    last = torch.searchsorted(cumulative, total)
+    return torch.where(token_ids < probs.shape[1], token_ids, last).squeeze(1)
+
+
+def uniform_fractions(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """[len(generators)] numbers from U[0, 1), the i-th from generators[i]; rows that share a generator
+    (the unseeded ones) take theirs from it in one call, in row order."""
+    fractions = torch.empty(len(generators), device=device)
+    rows_of: dict[int, list[int]] = {}
+    for i, generator in enumerate(generators):
+        rows_of.setdefault(id(generator), []).append(i)
+    for rows in rows_of.values():
+        generator = generators[rows[0]]
+        if len(rows) == len(generators):
+            fractions.uniform_(generator=generator)
+        else:
+            index = device_tensor(rows, torch.long, device)
+            fractions[index] = torch.rand(len(rows), generator=generator, device=device)
+    return fractions
 
 
 def device_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

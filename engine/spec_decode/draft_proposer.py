@@ -33,7 +33,14 @@ import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.logits_processors import draft_processors
-from sluice.engine.sample.sampler import SamplingRow, apply_filters, apply_processors
+from sluice.engine.sample.sampler import (
+    SamplingRow,
+    apply_filters,
+    apply_processors,
+    device_tensor,
+    draw_at,
+    uniform_fractions,
+)
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
 from sluice.engine.spec_decode.proposer import Proposal
@@ -83,8 +90,7 @@ class DraftProposer:
             active = [d for d in drafting if d.k > j]
             logits = self.runner.execute_model(self._step(active, j))
             logits = apply_processors(self.processors, logits, [d.sampling_row() for d in active])
-            for d, row in zip(active, logits, strict=True):
-                self._choose(d, row)
+            self._choose(active, logits)
         proposals = {}
         for d in drafting:
             self.tables.num_computed[d.request.request_id] = d.request.num_tokens
@@ -173,13 +179,24 @@ class DraftProposer:
             scheduled.append(ScheduledRequest(request.request_id, token_ids, start, d.block_ids, True))
         return SchedulerOutput(tuple(scheduled), sum(s.num_tokens for s in scheduled))
 
-    def _choose(self, d: _Drafting, logits: torch.Tensor) -> None:
-        if d.request.sampling_params.greedy:
-            d.token_ids.append(int(logits.argmax()))
-            return
-        q = torch.softmax(apply_filters(logits.float().unsqueeze(0), [d.row]), dim=-1)[0]
-        d.token_ids.append(int(torch.multinomial(q, 1, generator=self._generator(d.request))))
-        d.probs.append(q)
+    def _choose(self, active: list[_Drafting], logits: torch.Tensor) -> None:
+        """Each request's next draft from its row of `logits`: the argmax for greedy requests, else a draw
+        from q (kept for the rejection rule), all rows at once."""
+        token_ids = torch.empty(len(active), dtype=torch.long, device=logits.device)
+        greedy = [i for i, d in enumerate(active) if d.request.sampling_params.greedy]
+        random = [i for i, d in enumerate(active) if not d.request.sampling_params.greedy]
+        if greedy:
+            index = device_tensor(greedy, torch.long, logits.device)
+            token_ids[index] = logits[index].argmax(dim=-1)
+        if random:
+            index = device_tensor(random, torch.long, logits.device)
+            q = torch.softmax(apply_filters(logits[index].float(), [active[i].row for i in random]), dim=-1)
+            generators = [self._generator(active[i].request) for i in random]
+            token_ids[index] = draw_at(q, uniform_fractions(generators, logits.device))
+            for row, i in enumerate(random):
+                active[i].probs.append(q[row])
+        for d, token_id in zip(active, token_ids.tolist(), strict=True):
+            d.token_ids.append(token_id)
 
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
