@@ -38,6 +38,7 @@ step), which changes none of the host's work for greedy requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -181,6 +182,9 @@ def derived(figures: dict[str, int]) -> dict[str, int]:
     return figures
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
 def run_batch(
     engine: Engine,
     clock: PhaseClock,
@@ -189,13 +193,14 @@ def run_batch(
     prompt_len: int,
     seed: int,
     replay: ForwardReplay | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> list[dict[str, dict[str, int]]]:
     """Prefills `batch` requests, warms up, times `num_steps` decode steps of all of them (`replay`: armed
-    from the first warm-up step on)."""
+    from the first warm-up step on). `sampling`: the requests' temperature, top_p, top_k (greedy)."""
     rng = random.Random(seed + batch)
     vocab = engine.model_info.vocab_size
-    params = SamplingParams(
-        temperature=0.0, max_tokens=max_output_len(batch, num_steps, prompt_len), ignore_eos=True
+    params = dataclasses.replace(
+        sampling, max_tokens=max_output_len(batch, num_steps, prompt_len), ignore_eos=True
     )
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -284,7 +289,11 @@ def main(argv: list[str] | None = None) -> None:
         default="run",
         help="run the model every step, or replay the first decode step's hidden states and logits",
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (random weights' logits")
+    parser.add_argument("--top-p", type=float, default=1.0, help="are flat: a nucleus is most of the vocab)")
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args(argv)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
     torch.set_num_threads(args.num_threads)
     max_batch = max(args.batch)
@@ -310,13 +319,16 @@ def main(argv: list[str] | None = None) -> None:
     raw: dict[str, dict[int, Any]] = {mode: {} for mode in modes}
     for batch in args.batch:  # the modes alternate batch by batch, so a machine's drift touches both
         for mode, engine in engines.items():
-            steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed, replay)
+            steps = run_batch(engine, clock, batch, args.steps, args.prompt_len, args.seed, replay, sampling)
             results[mode][batch] = summarize(steps)
             raw[mode][batch] = steps
             print("\n".join(format_table({batch: results[mode][batch]}, mode).splitlines()[-2:]), flush=True)
     name = next(iter(engines.values())).model_info.name
     forward = "replayed (no forward)" if replay is not None else "run"
-    print(f"\nmodel: {name}; forward {forward}; microseconds per decode step, medians over {args.steps}\n")
+    drawn = "greedy" if sampling.greedy else f"temperature {sampling.temperature}, top_p {sampling.top_p}"
+    drawn += f", top_k {sampling.top_k}" if sampling.top_k else ""
+    print(f"\nmodel: {name}; forward {forward}; {drawn}; microseconds per decode step", end="")
+    print(f", medians over {args.steps}\n")
     for mode in modes:
         print(format_table(results[mode], mode))
     if args.json:
