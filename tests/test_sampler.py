@@ -266,7 +266,7 @@ def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) ->
     )
 
     generator = torch.Generator().manual_seed(3)
-    scales = [8.0, 8.0, 6.0, 4.0, 0.3, 8.0, 5.0]
+    scales = [8.0, 8.0, 6.0, 4.0, 0.3, 0.3, 5.0]
     logits = torch.randn(len(scales), 5000, generator=generator) * torch.tensor(scales).unsqueeze(1)
     params = [
         SamplingParams(temperature=0.8, top_k=50),
@@ -274,7 +274,7 @@ def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) ->
         SamplingParams(temperature=1.2, top_k=300, top_p=0.8),
         SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05),
         SamplingParams(temperature=1.0, top_p=0.9),  # flat: its nucleus reaches past the candidates
-        SamplingParams(temperature=0.9),  # no cut, beside rows with cuts
+        SamplingParams(temperature=0.9),  # no cut, beside rows with cuts: kept whole, never sorted
         SamplingParams(temperature=1.0, top_k=1200, top_p=0.99),  # top_k past the candidates' default
     ]
     sorted_whole = []
@@ -285,7 +285,7 @@ def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) ->
         lambda x, *args: sorted_whole.append(x.shape[0]) or cut_sorted(x, *args),
     )
     cut = sampler_module.apply_filters(logits, [row(p, f"r{i}") for i, p in enumerate(params)])
-    assert sorted_whole == [1]  # the flat row alone
+    assert sorted_whole == [1]  # the flat top_p row alone
     for i, p in enumerate(params):
         want = TemperatureLogitsWarper(p.temperature)(None, logits[i : i + 1])
         if p.top_k:

@@ -294,7 +294,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     uncut = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k >= vocab and p >= 1.0]
     if uncut:
         cut[uncut] = logits[uncut]
-    wider = ((probs.sum(dim=-1) < top_p_t) & ~by_top_k.squeeze(1)).nonzero().squeeze(1)
+    top_p_only = ~by_top_k.squeeze(1) & (top_p_t < 1.0)
+    wider = ((probs.sum(dim=-1) < top_p_t) & top_p_only).nonzero().squeeze(1)
     if wider.numel():
         cut[wider] = _cut_sorted(logits[wider], top_k_t[wider], top_p_t[wider])
     return cut
