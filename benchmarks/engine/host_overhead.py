@@ -289,8 +289,13 @@ def main(argv: list[str] | None = None) -> None:
         default="run",
         help="run the model every step, or replay the first decode step's hidden states and logits",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (random weights' logits")
-    parser.add_argument("--top-p", type=float, default=1.0, help="are flat: a nucleus is most of the vocab)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="random weights' logits are flat: a nucleus is most of the vocab",
+    )
     parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args(argv)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

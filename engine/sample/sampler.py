@@ -283,8 +283,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     rank = torch.arange(candidates).unsqueeze(0)
     values = values.masked_fill(rank >= top_k_t.unsqueeze(1), float("-inf"))
     # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
-    by_top_k = torch.tensor([k < vocab for k in top_k]).unsqueeze(1)
-    whole_rows = torch.logsumexp(logits, dim=-1, keepdim=True) if not all(k < vocab for k in top_k) else 0.0
+    has_top_k = [k < vocab for k in top_k]
+    by_top_k = torch.tensor(has_top_k).unsqueeze(1)
+    whole_rows = 0.0 if all(has_top_k) else torch.logsumexp(logits, dim=-1, keepdim=True)
     log_total = torch.where(by_top_k, torch.logsumexp(values, dim=-1, keepdim=True), whole_rows)
     probs = torch.exp(values - log_total)
     values = values.masked_fill(_past_nucleus(probs, top_p_t, rank), float("-inf"))
