@@ -118,7 +118,8 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
     """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain and exit 0.
 
     If the engine core dies, health goes NOT_SERVING, calls end UNAVAILABLE, and after
-    ENGINE_FAILURE_GRACE seconds the process exits 1, so the orchestrator restarts it.
+    ENGINE_FAILURE_GRACE seconds the process exits 1, so the orchestrator restarts it. A core that
+    dies during the drain fails the requests still running: the drain goes on and the exit is 1.
     """
     server = SluiceServer(serving, tracer_provider=tracer_provider_from_env())
     stop = asyncio.Event()
@@ -159,6 +160,9 @@ async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine
     logger.info("draining: NOT_SERVING, new calls refused; grace period %.1fs", server.config.grace_period)
     await server.drain()
     await engine.shutdown()
+    if server.engine_failed.is_set():
+        logger.error("drained, but the engine failed during the drain (%s)", engine.error)
+        return 1
     return 0
 
 

@@ -36,10 +36,12 @@ NUM_STREAMS = 16
 PROMPT = "the quick brown fox"
 
 
-def _serve(model_dir: str, tmp_path: Path, fault: str | None = None) -> ServerProcess:
+def _serve(
+    model_dir: str, tmp_path: Path, fault: str | None = None, extra: tuple[str, ...] = ()
+) -> ServerProcess:
     # 80 MiB: KV blocks for a request of UNENDING_TOKENS (64 MiB) and some (the model needs 512 B a token).
     args = ["--model", model_dir, "--attention-backend", "torch", "--kv-cache-memory", "80MiB"]
-    args += ["--engine-timeout", "3600", "--metrics-port", "0"]
+    args += ["--engine-timeout", "3600", "--metrics-port", "0", *extra]
     log = (tmp_path / "serve.log").open("w")
     return ServerProcess(args, env={FAULT_VAR: fault} if fault else {}, stderr=log, startup_timeout=120)
 
@@ -119,6 +121,25 @@ def test_a_step_that_raises_fails_every_stream_health_and_the_process(llama_long
             poisoned = StreamWatcher(pb_grpc.InferenceServiceStub(channel), "poison-1")
             poisoned.start()
             _assert_engine_failure_ends_everything(server, channel, [*watchers, poisoned], "InjectedFault")
+    finally:
+        server.stop()
+
+
+def test_a_core_that_dies_during_the_drain_fails_its_streams_and_the_exit(llama_long_dir, tmp_path):
+    # The grace period outlasts the test: the drain is still waiting for the streams when the core dies.
+    server = _serve(llama_long_dir, tmp_path, extra=("--grace-period", "3600"))
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            watchers = _start_streams(channel, num=2)
+            server.process.send_signal(signal.SIGTERM)
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            wait_for(lambda: _health(channel) == not_serving, "health NOT_SERVING (draining)")
+            assert all(watcher.code is None for watcher in watchers)  # the drain lets them run
+            os.kill(server.core_pid, signal.SIGKILL)
+            for watcher in watchers:
+                watcher.join(PATIENCE_S)
+                assert watcher.code == grpc.StatusCode.UNAVAILABLE, f"{watcher.code}: {watcher.details}"
+            assert server.process.wait(PATIENCE_S) == 1
     finally:
         server.stop()
 
