@@ -30,7 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     server.add_argument(
-        "--max-queue", type=int, default=None, help="bound on waiting sequences (n of a request's n samples)"
+        "--max-queue",
+        type=int,
+        default=None,
+        help="bound on waiting sequences (a request of n samples is n; an empty queue takes any request)",
     )
     server.add_argument(
         "--api-key",

@@ -300,6 +300,29 @@ async def test_queue_bound_rejects_with_queue_full(llama_dir):
         await engine.shutdown()
 
 
+async def test_queue_bound_counts_a_requests_samples(llama_dir):
+    """max_queue bounds waiting sequences: n samples count n (a request of 2 samples took a queue of
+    bound 2 holding one to 3). An empty queue takes a request of more samples than its bound."""
+    engine = AsyncEngine(_config(llama_dir), max_queue=2)
+    await engine.start()
+    try:
+        held = [await engine.add_request("many", SamplingParams(n=3, max_tokens=4), text="one")]
+        with pytest.raises(QueueFullError, match="3 sequences waiting, max_queue 2"):
+            await engine.add_request("one-more", PARAMS, text="two")
+        for stream in held:
+            await _collect(stream)
+        held = [await engine.add_request("first", PARAMS, text="one")]  # the core reported none running
+        with pytest.raises(
+            QueueFullError, match="1 sequences waiting, this request's 2 samples, max_queue 2"
+        ):
+            await engine.add_request("pair", SamplingParams(n=2, max_tokens=4), text="two")
+        held.append(await engine.add_request("second", PARAMS, text="three"))
+        for stream in held:
+            await _collect(stream)
+    finally:
+        await engine.shutdown()
+
+
 async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
     stream = await engine.add_request("never-read", UNENDING, text="the quick brown fox")
     assert engine.has_request("never-read")

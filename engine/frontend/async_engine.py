@@ -152,13 +152,13 @@ class AsyncEngine:
         ends after the last one finished. `use_speculation` False: the request never verifies draft
         tokens (when the engine speculates).
         """
-        self._check_accepting(request_id)
+        self._check_accepting(request_id, params.n)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         tools = None if tool_use is None else tool_use.for_template()
         prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
         params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
-        self._check_accepting(request_id)  # again: tokenizing may have awaited
+        self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)
         add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
         core_request_id = self._core_request_id(request_id)
@@ -190,19 +190,24 @@ class AsyncEngine:
             for output in self._send(self._output_processor.abort([request_id])):
                 stream.put(output)  # samples never sent to the core
 
-    def _check_accepting(self, request_id: str) -> None:
+    def _check_accepting(self, request_id: str, num_samples: int) -> None:
         if self.error is not None:
             raise self.error
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        # Sequences on both sides: a request with n samples is n of them, running or waiting.
+        if self._max_queue is None:
+            return
+        # Sequences on both sides: a request with n samples is n of them, running or waiting, and waits
+        # as n until the core runs them. One that would take the queue past its bound is refused, unless
+        # nothing waits: a request of more samples than the bound still runs, alone in the queue.
         num_queued = self._output_processor.num_live_samples - self._stats.num_running
-        if self._max_queue is not None and num_queued >= self._max_queue:
+        if num_queued > 0 and num_queued + num_samples > self._max_queue:
+            these = "" if num_samples == 1 else f", this request's {num_samples} samples"
             raise QueueFullError(
-                f"the waiting queue is full ({num_queued} sequences waiting, max_queue {self._max_queue}); "
-                f"retry in {QueueFullError.retry_pushback_ms} ms"
+                f"the waiting queue is full ({num_queued} sequences waiting{these}, max_queue "
+                f"{self._max_queue}); retry in {QueueFullError.retry_pushback_ms} ms"
             )
 
     def _core_request_id(self, request_id: str) -> str:
