@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from service_harness import ServerThread, tiny_engine_config
+from toolchains import REPO
 
 from sluice import Client, SluiceError, generate_request
 from sluice.service.cli import build_parser, load_commands, main
@@ -217,3 +221,44 @@ def test_serve_tls_flags_build_the_tls_config(pki: Pki) -> None:
     assert server_config(args).tls == pki.mtls
     assert server_config(_parse("--tls-cert", cert, "--tls-key", key)).tls == pki.tls
     assert server_config(_parse()).tls is None
+
+
+HEALTH_PROBE = os.path.join(REPO, "deploy", "grpc_health_probe.py")
+
+
+def _probe(target: str, *flags: str) -> tuple[int, str]:
+    """The image's health probe, run as its HEALTHCHECK runs it: (exit code, the status it printed)."""
+    done = subprocess.run(
+        [sys.executable, HEALTH_PROBE, "--addr", target, *flags], capture_output=True, text=True, timeout=60
+    )
+    return done.returncode, done.stdout.rsplit(": ", 1)[-1].strip() or done.stderr
+
+
+def test_health_probe_speaks_tls(tls_server: ServerThread, pki: Pki) -> None:
+    ca = pki.mtls.client_ca
+    assert _probe(tls_server.target) == (1, "UNAVAILABLE")  # plaintext, as the kubelet's gRPC probe
+    assert _probe(tls_server.target, "--tls-ca-cert", ca) == (0, "SERVING")
+    assert _probe(tls_server.target, "--tls") == (1, "UNAVAILABLE")  # no system root signs the test CA
+    assert _probe(tls_server.target, "--tls-ca-cert", ca, "--tls-server-name", "localhost") == (0, "SERVING")
+    assert _probe(tls_server.target, "--tls-ca-cert", ca, "--tls-server-name", "elsewhere") == (
+        1,
+        "UNAVAILABLE",
+    )
+
+
+def test_health_probe_presents_a_client_certificate(mtls_server: ServerThread, pki: Pki, tmp_path) -> None:
+    ca = pki.mtls.client_ca
+    (tmp_path / "client.pem").write_bytes(pki.client.cert)
+    (tmp_path / "client.key").write_bytes(pki.client.key)
+    identity = (
+        "--tls-client-cert",
+        str(tmp_path / "client.pem"),
+        "--tls-client-key",
+        str(tmp_path / "client.key"),
+    )
+    assert _probe(mtls_server.target, "--tls-ca-cert", ca, *identity) == (0, "SERVING")
+    assert _probe(mtls_server.target, "--tls-ca-cert", ca) == (1, "UNAVAILABLE")
+    code, error = _probe(mtls_server.target, "--tls-ca-cert", ca, *identity[:2])
+    assert code == 2 and "--tls-client-cert and --tls-client-key go together" in error
+    code, error = _probe(mtls_server.target, "--tls-ca-cert", str(tmp_path / "missing.pem"))
+    assert code == 2 and "cannot read" in error and "missing.pem" in error
