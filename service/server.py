@@ -26,7 +26,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
@@ -34,6 +33,7 @@ from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from sluice.service.call_arrivals import CallArrivals
 from sluice.service.metrics import ServerMetrics
+from sluice.service.reflection import enable_reflection
 from sluice.service.servicer import TRACED_METHODS as TRACED_INFERENCE_METHODS
 from sluice.service.servicer import InferenceServicer
 from sluice.service.smg_servicer import SERVICE_NAME as SMG_SERVICE
@@ -205,9 +205,7 @@ class SluiceServer:
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, SMG_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((INFERENCE_SERVICE, SMG_SERVICE, HEALTH_SERVICE), server)
         host = self.config.host.strip("[]")
         address = listen_address(host, self.config.port)
         try:

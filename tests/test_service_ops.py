@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import time
 
 import grpc
@@ -18,6 +20,7 @@ from service_harness import (
     tiny_engine_config,
     wait_for,
 )
+from toolchains import BUF, require
 
 from sluice import Client, SluiceError, generate_request
 from sluice.service import server as server_module
@@ -217,6 +220,7 @@ def test_reflection_lists_the_services(keyed_server: ServerThread) -> None:
             "sluice.v1.InferenceService",
             "vllm.grpc.engine.VllmEngine",
             "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection",
         }
         service = DescriptorPool(database).FindServiceByName("sluice.v1.InferenceService")
@@ -228,6 +232,27 @@ def test_reflection_lists_the_services(keyed_server: ServerThread) -> None:
         "Tokenize": ("sluice.v1.TokenizeRequest", "sluice.v1.TokenizeResponse"),
         "GetModelInfo": ("sluice.v1.GetModelInfoRequest", "sluice.v1.GetModelInfoResponse"),
     }
+
+
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_buf_curl_calls_through_either_reflection_protocol(keyed_server: ServerThread, protocol: str) -> None:
+    """`buf curl` (as the README calls the server) with only one reflection protocol: v1 found no service
+    when grpcio-reflection served v1alpha alone."""
+    require("buf")
+    base = f"http://{keyed_server.target}"
+    flags = ["--protocol", "grpc", "--http2-prior-knowledge", "--reflect-protocol", protocol]
+    flags += ["--reflect-header", "authorization: Bearer s3cret", "-H", "authorization: Bearer s3cret"]
+
+    def buf_curl(*args: str) -> str:
+        done = subprocess.run([BUF, "curl", *flags, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    info = json.loads(buf_curl(f"{base}/sluice.v1.InferenceService/GetModelInfo"))
+    assert (info["blockSize"], info["numKvBlocks"]) == (16, 128)  # tiny_engine_config's cache
+    methods = buf_curl("--list-methods", base).split()
+    assert "grpc.reflection.v1.ServerReflection/ServerReflectionInfo" in methods
+    assert "sluice.v1.InferenceService/StreamGenerate" in methods
 
 
 def test_api_key_is_required_except_for_health(keyed_server: ServerThread) -> None:
