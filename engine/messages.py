@@ -6,7 +6,8 @@
                       <----------------------  CoreReady(model_info, tokenizer)  | CoreFailed(error)
     AddRequest        ---------------------->  scheduler
     AbortRequests     ---------------------->  frees blocks before the next step
-                      <----------------------  CoreOutputs(outputs, stats): every request's new tokens
+                      <----------------------  CoreOutputs(outputs, stats, kv_events): every request's
+                                                                 new tokens (and the prefix cache's changes)
                       <----------------------  CoreHeartbeat (when idle)
                       <----------------------  CoreFailed(error): the core is dead
     StartProfile      ---------------------->  profiles the next steps into a directory
@@ -24,6 +25,7 @@ import msgspec
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
+from sluice.engine.kv_cache.kv_events import KVEvent
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, OutputLogprobs, PromptLogprobs
 from sluice.engine.sampling_params import SamplingParams
@@ -37,6 +39,7 @@ SOCKET_DIRECTORY_PREFIX = "sluice-core-"
 class CoreConfig(msgspec.Struct, tag=True):
     config: EngineConfig
     heartbeat_seconds: float
+    kv_events: bool = False  # record the prefix cache's changes (CoreOutputs.kv_events)
 
 
 class CoreReady(msgspec.Struct, tag=True):
@@ -175,6 +178,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
 class CoreOutputs(msgspec.Struct, tag=True):
     outputs: list[CoreOutput]
     stats: EngineStats
+    kv_events: list[KVEvent] = msgspec.field(default_factory=list)  # this step's, in order
 
 
 FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown | StartProfile | StopProfile

@@ -88,6 +88,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds without a word from the engine core before it counts as failed",
     )
+    server.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="stream the prefix cache's stored and evicted blocks (VllmEngine.SubscribeKvEvents) to SMG's "
+        "cache-aware routing; the stream carries every request's token ids",
+    )
     add_engine_arguments(parser)
 
 
@@ -190,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        if args.kv_events and not config.cache.enable_prefix_caching:
+            raise ValueError("kv-events: the events are the prefix cache's; drop --no-prefix-caching")
         engine = AsyncEngine(
             config,
             args.max_queue,
             stream_interval=args.stream_interval,
             engine_timeout=args.engine_timeout,
+            kv_events=args.kv_events,
         )
         main = serve(config, server_config(args), engine)
     except ValueError as exc:

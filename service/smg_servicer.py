@@ -16,6 +16,7 @@ options, TensorRT-LLM's its executor's, MLX's and TokenSpeed's their engines'.)
     Generate     -> token ids in  ---- GenerationRunner.outputs ---->   add_request
                  <- chunks (token-id deltas), one Complete per sample
     Abort        -> ends the live requests named (unknown ids are ignored: SMG aborts what it drops)
+    SubscribeKvEvents -> the prefix cache's stored / removed blocks, a batch per step (--kv-events)
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ from smg_grpc_proto.generated import common_pb2
 
 from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.engine.frontend.async_engine import tokenize_when_long
-from sluice.service import smg_convert
+from sluice.service import smg_convert, smg_kv_events
 from sluice.service.caller import Call, Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT, RequestCancel
 from sluice.service.request_ids import RequestIds, check_request_id, engine_id_of
 from sluice.service.servicer import InferenceServicer
-from sluice.service.status import FailedPreconditionError, ServiceUnavailableError, rpc_errors
+from sluice.service.status import (
+    FailedPreconditionError,
+    ServiceUnavailableError,
+    UnimplementedError,
+    rpc_errors,
+)
 from sluice.service.tracing import RequestSpan
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -60,9 +66,10 @@ _OPERATION = "text_completion"
 
 class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """Shares `inference`'s engine, admission (loading, draining, a failed engine) and tenants.
-    Embed, FlushCache and SubscribeKvEvents answer UNIMPLEMENTED: SMG then polls GetLoads and keeps its
-    own prefix tree for cache-aware routing. StartProfile / StopProfile need `profile_dir`
-    (`sluice serve --profile-dir`), else FAILED_PRECONDITION."""
+    Embed and FlushCache answer UNIMPLEMENTED. SubscribeKvEvents streams the prefix cache's changes to
+    SMG's cache-aware routing when the engine records them (`sluice serve --kv-events`), else answers
+    UNIMPLEMENTED: SMG then keeps its own prefix tree of the requests it routed. StartProfile /
+    StopProfile need `profile_dir` (`sluice serve --profile-dir`), else FAILED_PRECONDITION."""
 
     def __init__(
         self, inference: InferenceServicer, metrics: ServerMetrics, profile_dir: str | None = None
@@ -124,6 +131,26 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if cancel is not None:
                     await cancel.cancel(ABORT)
         return vllm_engine_pb2.AbortResponse()
+
+    @rpc_errors
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The batches after `start_sequence_number` (0: from now on) until the engine stops or the
+        server drains; OUT_OF_RANGE when they are no longer all at hand (the subscriber starts over from
+        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind."""
+        log = self._inference.accepting_runner().engine.kv_event_log
+        if log is None:
+            raise UnimplementedError(
+                "SubscribeKvEvents: the server records no KV events (sluice serve --kv-events)"
+            )
+        subscription = log.subscribe(request.start_sequence_number)
+        try:
+            await context.send_initial_metadata(())  # the subscriber's call resolves before any event
+            async for batch in smg_kv_events.smg_batches(subscription):
+                yield batch
+        finally:
+            subscription.close()
 
     @rpc_errors
     async def HealthCheck(
@@ -245,7 +272,7 @@ async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by Sluice")
 
 
-for _name in ("Embed", "FlushCache", "SubscribeKvEvents"):
+for _name in ("Embed", "FlushCache"):
     setattr(SmgEngineServicer, _name, _unimplemented)
 
 

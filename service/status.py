@@ -9,6 +9,10 @@ UnauthenticatedError                    -> UNAUTHENTICATED
 InvalidRequestError, ValueError         -> INVALID_ARGUMENT   (message names the field)
 ServiceUnavailableError, EngineDeadError -> UNAVAILABLE       (loading, draining, the engine failed:
                                                                a retry goes to another replica)
+ReplayExpiredError                      -> OUT_OF_RANGE       (a KV event cursor no longer replayable)
+SubscriberLagError                      -> DATA_LOSS          (a KV event subscriber fell behind)
+EngineStoppedError                      -> UNAVAILABLE
+UnimplementedError                      -> UNIMPLEMENTED      (the server is not set up for the RPC)
 RequestFailedError                      -> INTERNAL
 asyncio.CancelledError                  -> DEADLINE_EXCEEDED when the deadline passed, else CANCELLED
 
@@ -28,6 +32,7 @@ from typing import Any, Protocol
 import grpc
 
 from sluice.engine.errors import ContextLengthError, EngineDeadError, QueueFullError, UnknownRequestError
+from sluice.engine.frontend.kv_event_log import EngineStoppedError, ReplayExpiredError, SubscriberLagError
 from sluice.service.request_ids import RequestIdInUseError
 from sluice.service.tenant_limits import TenantOverLimitError
 
@@ -57,6 +62,10 @@ class UnauthenticatedError(Exception):
 
 class FailedPreconditionError(Exception):
     """The server is not set up for this call (e.g. StartProfile without --profile-dir)."""
+
+
+class UnimplementedError(Exception):
+    """The server does not serve this RPC as started (e.g. SubscribeKvEvents without --kv-events)."""
 
 
 # A status's message travels in the grpc-message trailer, percent-encoded (a non-ASCII byte takes three).
@@ -94,6 +103,14 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, FailedPreconditionError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, UnimplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    if isinstance(exc, ReplayExpiredError):
+        return grpc.StatusCode.OUT_OF_RANGE, f"start_sequence_number: {exc}"
+    if isinstance(exc, SubscriberLagError):
+        return grpc.StatusCode.DATA_LOSS, f"the subscriber fell behind: {exc}"
+    if isinstance(exc, EngineStoppedError):
+        return grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {exc}"
     if isinstance(exc, ValueError):  # InvalidRequestError is a ValueError
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ServiceUnavailableError):

@@ -95,7 +95,17 @@ class Tenant:
 
     def cache_salt(self, request_salt: str) -> str:
         """The salt the engine sees: the tenant's scope, then the request's own salt."""
-        return f"{self.cache_scope}\x1f{request_salt}"
+        return f"{self.cache_scope}{_SALT_SEPARATOR}{request_salt}"
+
+
+_SALT_SEPARATOR = "\x1f"
+
+
+def request_salt_of(engine_salt: str | None) -> str | None:
+    """The request's own salt in a salt the engine saw (`Tenant.cache_salt`); None when it had none."""
+    if engine_salt is None:
+        return None
+    return engine_salt.partition(_SALT_SEPARATOR)[2] or None
 
 
 def _digest(key: str) -> bytes:

@@ -117,7 +117,8 @@ class SmgGateway:
         command += ["--health-success-threshold", "1", "--health-check-timeout-secs", "5"]
         command += ["--retry-max-retries", "10", "--retry-initial-backoff-ms", "50"]
         command += ["--retry-max-backoff-ms", "1000", "--prometheus-host", "127.0.0.1"]
-        command += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
+        self.metrics_port = free_port()
+        command += ["--prometheus-port", str(self.metrics_port), "--log-level", "warn"]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         self.num_workers = len(worker_urls)
         wait_for(self._ready, START_TIMEOUT_S, f"SMG to register {self.num_workers} healthy workers", 0.2)
@@ -137,6 +138,16 @@ class SmgGateway:
 
     def models(self) -> list[str]:
         return [model["id"] for model in self.get("/v1/models")["data"]]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the gateway's Prometheus samples `name` whose labels include `labels`."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def _ready(self) -> bool:
         assert self.process.poll() is None, f"smg exited; log: {self.log_path.read_text()[-3000:]}"

@@ -93,9 +93,11 @@ class ServerThread:
         *,
         max_queue: int | None = None,
         tracer_provider: Any = None,
+        kv_events: bool = False,
     ) -> None:
         self._engine_config = engine_config
         self._max_queue = max_queue
+        self._kv_events = kv_events
         config = server_config or ServerConfig(host="127.0.0.1", port=0)
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sluice-test-server", daemon=True)
@@ -120,7 +122,7 @@ class ServerThread:
         return self
 
     def attach(self) -> None:
-        self.engine = AsyncEngine(self._engine_config, self._max_queue)
+        self.engine = AsyncEngine(self._engine_config, self._max_queue, kv_events=self._kv_events)
         self.call(self.engine.start())
         self.call(self.server.attach_engine(self.engine))
 

@@ -198,10 +198,11 @@ def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: 
         thread.stop()
 
 
-def test_kv_events_and_embeddings_are_unimplemented(engine_stub) -> None:
+def test_kv_events_without_the_flag_and_embeddings_are_unimplemented(engine_stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(engine_stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10))
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "sluice serve --kv-events" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         engine_stub.Embed(smg.EmbedRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -6,6 +6,7 @@ duplicate prompts, salts, priorities, max_model_len edges), aborts at every stag
 decoding, preempted, between schedule and update) and speculative drafts (right, wrong, cut short).
 `WindowedPagedModel` writes every scheduled token through the block table and samples from what it reads
 back, so a wrong table, a block shared that should not be, or a wrong resume point changes the tokens.
+Every step, the KV events the pool recorded must replay to the hashes it holds cached.
 
 Run more seeds by hand: `KV_FUZZ_SEEDS=0-199 KV_FUZZ_STEPS=1500 .venv/bin/pytest -q tests/test_kv_fuzz.py`.
 """
@@ -22,8 +23,9 @@ from scheduler_driver import VOCAB, next_token
 
 from sluice.engine.config import CacheConfig, SchedulerConfig
 from sluice.engine.errors import ContextLengthError
-from sluice.engine.kv_cache.block_hash import BlockHash, extend_block_hashes
+from sluice.engine.kv_cache.block_hash import BlockHash, extend_block_hashes, hash_block
 from sluice.engine.kv_cache.kv_cache_manager import PLACEHOLDER_BLOCK_ID
+from sluice.engine.kv_cache.kv_events import BlocksRemoved, BlocksStored, KVEventRecorder, event_hash
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.async_scheduler import AsyncScheduler
@@ -142,6 +144,8 @@ class Fuzz:
             max_model_len=config.max_model_len,
             sliding_window=config.window,
         )
+        self.scheduler.kv.record_events(KVEventRecorder(BS))
+        self.kv_mirror: dict[int, tuple[int, ...]] = {}  # the pool's cache as its KV events tell it
         self.model = WindowedPagedModel(config.window)
         self.requests: list[Request] = []
         self.truth: dict[str, list[int]] = {}
@@ -353,6 +357,7 @@ class Fuzz:
         assert scheduler.num_blocks_used == len(holders)
         running = {r.request_id for r in self.live() if r.status is RequestStatus.RUNNING}
         assert set(kv.request_ids()) == running
+        self.check_kv_events()
         for block_hash, block in pool.cached_blocks.items():
             assert block.block_hash == block_hash
             content = tuple(self.model.slots.get((block.block_id, j)) for j in range(BS))
@@ -364,6 +369,28 @@ class Fuzz:
                 request.status is RequestStatus.FINISHED_STOPPED and request.eos_token_ids
             ):
                 assert request.output_token_ids == truth or request.stop_reason is None, request.request_id
+
+    def check_kv_events(self) -> None:
+        """The step's KV events, applied in order, give the pool's cached hashes; each stored block's
+        hash is the pool's hash of its token ids under its parent (the event's, or the block before)."""
+        full_hash = {event_hash(h): h for h in self.known}
+        for event in self.scheduler.kv.take_events():
+            if isinstance(event, BlocksRemoved):
+                for block_hash in event.block_hashes:
+                    assert self.kv_mirror.pop(block_hash, None) is not None, "removed a block never stored"
+                continue
+            assert isinstance(event, BlocksStored) and event.block_size == BS
+            assert len(event.token_ids) == len(event.block_hashes) * BS
+            parent = None if event.parent_block_hash is None else full_hash[event.parent_block_hash]
+            for i, block_hash in enumerate(event.block_hashes):
+                tokens = tuple(event.token_ids[i * BS : (i + 1) * BS])
+                expected = hash_block(parent, tokens, event.cache_salt)
+                assert event_hash(expected) == block_hash and self.known[expected] == tokens
+                assert block_hash not in self.kv_mirror, "stored a block already cached"
+                self.kv_mirror[block_hash] = tokens
+                parent = expected
+        cached = {event_hash(h): self.known[h] for h in self.scheduler.kv.pool.cached_blocks}
+        assert self.kv_mirror == cached
 
     def record_hashes(self) -> None:
         """The test's own hash chain of every request's full blocks, and each hash's block of tokens."""

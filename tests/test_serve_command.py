@@ -46,6 +46,10 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
         (("--metrics-port", "-1"), "metrics_port: must be in [0, 65535]"),
         (("--seed", "99999999999999999999"), "seed: 99999999999999999999 is out of range (an int64)"),
         (("--max-model-len", str(2**70)), f"max_model_len: {2**70} is out of range (an int64)"),
+        (
+            ("--kv-events", "--no-prefix-caching"),
+            "kv-events: the events are the prefix cache's; drop --no-prefix-caching",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:

@@ -12,6 +12,8 @@ computed (prompt tokens minus those served from their prefix caches, from each r
 share of prompt tokens cached, TTFT p50/p90 as the client sees it (first content chunk), the wall
 time and the requests each worker served. Cache-aware routing sends a conversation's turns to the
 worker holding its prefix; round robin spreads them, so each worker recomputes histories it has not seen.
+`cache_aware_events` is cache_aware told by the workers' KV events (`sluice serve --kv-events`) what
+their caches hold, evictions included, instead of guessing from the requests it routed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.benchmarks.serving.server_process import ServerProcess
 
-POLICIES = ("cache_aware", "round_robin")
+# cache_aware_events: SMG's cache_aware fed by the workers' KV events (`sluice serve --kv-events`) instead
+# of its own prefix tree of the requests it routed.
+POLICIES = ("cache_aware", "cache_aware_events", "round_robin")
 WORDS = (  # noqa: SIM905
     "river stone lantern orbit meadow copper signal harbor violet engine summit canvas thread ember "
     "glacier pocket mirror forest rocket velvet anchor puzzle crystal thunder garden compass"
@@ -140,12 +144,15 @@ def converse(client: openai.OpenAI, model: str, index: int, args: argparse.Names
 def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResult:
     serve_args = ["--model", args.model] if args.model else []
     serve_args += ["--kv-cache-memory", args.kv_cache_memory, "--metrics-port", "0"]
+    if policy == "cache_aware_events":
+        serve_args.append("--kv-events")
     workers = []
     try:
         for i in range(2):
             log = (logs / f"{policy}-worker{i}.log").open("w")
             workers.append(ServerProcess(serve_args, stderr=log))
-        gateway = Gateway([f"grpc://{w.target}" for w in workers], policy, logs / f"{policy}-smg.log")
+        smg_policy = policy.removesuffix("_events")
+        gateway = Gateway([f"grpc://{w.target}" for w in workers], smg_policy, logs / f"{policy}-smg.log")
         try:
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", timeout=600, max_retries=0
@@ -216,17 +223,17 @@ def _generate_calls(worker: ServerProcess) -> int:
 
 def print_table(results: list[PolicyResult]) -> None:
     print(
-        f"{'policy':<12} {'requests':>8} {'prompt tok':>10} {'computed':>9} {'cached':>7} "
+        f"{'policy':<18} {'requests':>8} {'prompt tok':>10} {'computed':>9} {'cached':>7} "
         f"{'TTFT p50':>9} {'TTFT p90':>9} {'wall':>7}  per worker"
     )
     for r in results:
         print(
-            f"{r.policy:<12} {r.num_requests:>8} {r.prompt_tokens:>10} {r.prompt_tokens_computed:>9} "
+            f"{r.policy:<18} {r.num_requests:>8} {r.prompt_tokens:>10} {r.prompt_tokens_computed:>9} "
             f"{r.cached_share:>6.0%} {r.ttft_p50_ms:>7.0f}ms {r.ttft_p90_ms:>7.0f}ms {r.seconds:>6.1f}s"
             f"  {'/'.join(map(str, r.requests_per_worker))}"
         )
-    base, other = results[0], results[-1]
-    if len(results) == 2 and base.prompt_tokens_computed:
+    base = results[0]
+    for other in results[1:] if base.prompt_tokens_computed else ():
         ratio = other.prompt_tokens_computed / base.prompt_tokens_computed
         print(f"{other.policy} computes {ratio:.2f}x the prompt tokens of {base.policy}")
 

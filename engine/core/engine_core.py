@@ -25,6 +25,7 @@ from sluice.engine.core.step_profiler import StepProfiler
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.executor.build import build_model_runner
 from sluice.engine.faults import FaultInjector
+from sluice.engine.kv_cache.kv_events import KVEvent, KVEventRecorder
 from sluice.engine.loading.model_loader import ModelSource, load_model_source
 from sluice.engine.messages import AddRequest, CoreOutput, StartProfile
 from sluice.engine.model_info import ModelInfo
@@ -222,6 +223,14 @@ class EngineCore:
         it stops (vLLM's busy loop steps while `has_requests()`, finished ones included)."""
         pending = self.scheduler.has_finished_requests() or self._in_flight is not None
         return pending or self.has_unfinished_requests()
+
+    def record_kv_events(self) -> None:
+        """From now on the prefix cache's changes are recorded, for `take_kv_events` after each step."""
+        self.scheduler.kv.record_events(KVEventRecorder(self.config.cache.block_size))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call, in order (none unless `record_kv_events`)."""
+        return self.scheduler.kv.take_events()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

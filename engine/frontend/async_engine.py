@@ -19,6 +19,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from sluice.engine.faults import FaultInjector
 from sluice.engine.frontend.core_client import HEARTBEAT_S, CoreClient
+from sluice.engine.frontend.kv_event_log import KVEventLog
 from sluice.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
 from sluice.engine.frontend.request_stream import OutputCollector, RequestStream
 from sluice.engine.messages import (
@@ -68,7 +69,10 @@ class AsyncEngine:
         *,
         stream_interval: int = 1,
         engine_timeout: float = 30.0,
+        kv_events: bool = False,
     ) -> None:
+        """`kv_events`: the core records the prefix cache's changes, for `kv_event_log`'s subscribers
+        (every request's token ids: a router's feed, not a tenant's)."""
         if stream_interval < 1:
             raise ValueError("stream_interval: must be >= 1")
         if max_queue is not None and max_queue < 1:
@@ -77,7 +81,8 @@ class AsyncEngine:
             raise ValueError(
                 f"engine_timeout: must be > {HEARTBEAT_S} s (the core's heartbeat), got {engine_timeout}"
             )
-        self._client = CoreClient(config, timeout_seconds=engine_timeout)
+        self._client = CoreClient(config, timeout_seconds=engine_timeout, kv_events=kv_events)
+        self.kv_event_log = KVEventLog() if kv_events else None
         self._max_queue = max_queue
         self._stream_interval = stream_interval
         self._streams: dict[str, OutputCollector] = {}
@@ -103,6 +108,8 @@ class AsyncEngine:
         if self._streams and self.error is None:
             self._send(self._output_processor.abort(list(self._streams)))
         self._closed = True
+        if self.kv_event_log is not None:
+            self.kv_event_log.stop("the engine shut down")
         await self._client.shutdown()
 
     @property
@@ -232,6 +239,8 @@ class AsyncEngine:
         self._stats = message.stats
         if not isinstance(message, CoreOutputs):
             return
+        if message.kv_events and self.kv_event_log is not None:
+            self.kv_event_log.publish(message.kv_events)
         for output in self._send(self._output_processor.process(message.outputs)):
             stream = self._streams.get(output.request_id)
             if stream is not None:
@@ -248,6 +257,8 @@ class AsyncEngine:
 
     def _on_dead(self, reason: str) -> None:
         self.error = EngineDeadError(reason)
+        if self.kv_event_log is not None:
+            self.kv_event_log.stop(reason)
         for stream in list(self._streams.values()):
             stream.fail(EngineDeadError(reason))
         for listener in self._dead_listeners:

@@ -49,9 +49,15 @@ class CoreClient:
     """One engine core process. `await start(...)` returns once the model is loaded."""
 
     def __init__(
-        self, config: EngineConfig, *, heartbeat_seconds: float = HEARTBEAT_S, timeout_seconds: float = 30.0
+        self,
+        config: EngineConfig,
+        *,
+        heartbeat_seconds: float = HEARTBEAT_S,
+        timeout_seconds: float = 30.0,
+        kv_events: bool = False,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events  # the core records the prefix cache's changes (CoreOutputs.kv_events)
         self.heartbeat_seconds = heartbeat_seconds
         self.timeout_seconds = timeout_seconds
         self.process: ChildProcess | None = None
@@ -80,7 +86,7 @@ class CoreClient:
         """
         try:
             # Encoded before the core exists: a config that cannot be sent must not leave a core waiting.
-            config = encode(CoreConfig(self.config, self.heartbeat_seconds))
+            config = encode(CoreConfig(self.config, self.heartbeat_seconds, self.kv_events))
             self._directory = tempfile.mkdtemp(prefix=SOCKET_DIRECTORY_PREFIX)
             commands, results = f"ipc://{self._directory}/commands", f"ipc://{self._directory}/results"
             self._commands.setsockopt(zmq.SNDHWM, 0)

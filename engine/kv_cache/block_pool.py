@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from sluice.engine.kv_cache.block_hash import BlockHash
+from sluice.engine.kv_cache.kv_events import KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -39,6 +40,7 @@ class BlockPool:
         self._free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.events: KVEventRecorder | None = None  # told of every evicted hash, when set
 
     @property
     def num_blocks(self) -> int:
@@ -107,6 +109,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         del self._cached[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

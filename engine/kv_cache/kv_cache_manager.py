@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from sluice.engine.kv_cache.block_hash import BlockHash, extend_block_hashes
 from sluice.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from sluice.engine.kv_cache.kv_events import KVEvent, KVEventRecorder
 from sluice.engine.request import Request
 
 
@@ -62,6 +63,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
         self.num_queries = 0  # tokens looked up in the prefix cache at admission
         self.num_hits = 0  # of which found cached
+        self.events: KVEventRecorder | None = None  # `record_events`
 
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest run of cached full blocks matching the request's leading tokens.
@@ -146,11 +148,33 @@ class KVCacheManager:
             return
         hashes = self._request_hashes(request)
         blocks = self._blocks[request_id]
+        stored = []
         for i in range(start, num_full):
             block = blocks[i]
-            if block is not None:  # a freed block was cached before it left the window
-                self.pool.cache_full_block(block, hashes[i])
+            # A freed block (None) was cached before it left the window.
+            if block is not None and self.pool.cache_full_block(block, hashes[i]):
+                stored.append(i)
         self._num_cached_blocks[request_id] = num_full
+        if stored and self.events is not None:
+            self._record_stored(request, hashes, stored)
+
+    def record_events(self, recorder: KVEventRecorder) -> None:
+        """From now on, tell `recorder` of every block the prefix cache gains or evicts."""
+        self.events = self.pool.events = recorder
+
+    def take_events(self) -> list[KVEvent]:
+        return [] if self.events is None else self.events.take()
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One event per run of consecutive blocks the cache gained (`stored`: their indices)."""
+        run_start = 0
+        for j in range(1, len(stored) + 1):
+            if j == len(stored) or stored[j] != stored[j - 1] + 1:
+                first, last = stored[run_start], stored[j - 1]
+                token_ids = request.all_token_ids[first * self.block_size : (last + 1) * self.block_size]
+                parent = hashes[first - 1] if first > 0 else None
+                self.events.stored(hashes[first : last + 1], parent, token_ids, request.cache_salt)
+                run_start = j
 
     def free(self, request_id: str) -> None:
         """Release every block of the request, tail first, and forget it. Unknown ids are a no-op."""

@@ -84,7 +84,7 @@ class CoreLoop:
                 logger.exception("engine step failed")
                 self.results.send(encode(CoreFailed(f"the engine failed: {type(exc).__name__}: {exc}")))
                 return 1
-            self.results.send(encode(CoreOutputs(outputs, self.core.stats())))
+            self.results.send(encode(CoreOutputs(outputs, self.core.stats(), self.core.take_kv_events())))
 
     def _apply_commands(self) -> list[CoreOutput] | None:
         """Applies every queued command; returns the outputs of aborted requests (None: shut down)."""
@@ -124,6 +124,8 @@ def serve_core(commands_address: str, results_address: str, parent_pid: int) -> 
             assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
             num_threads = configure_torch_threads(setup.config.num_threads)
             core = EngineCore(setup.config)
+            if setup.kv_events:
+                core.record_kv_events()
             # After loading, whose big temporaries (weights on their way to the device) go back to the OS.
             retain_freed_memory()
             frozen = freeze_gc_heap()

@@ -1,0 +1,140 @@
+"""The frontend's log of KV cache events: numbered batches, a bounded history, and live subscriptions.
+
+Each engine step that changed the prefix cache becomes one batch, numbered 1, 2, ... for the life of the
+engine. A subscriber names the last batch it applied (`cursor`, 0 for none) and gets every later batch
+still in the history, then the live ones, in order, without a gap:
+
+    history:  [41] [42] ... [1064]        subscribe(cursor=500) -> 501 ... 1064, then live 1065 ...
+              subscribe(cursor=0)   -> live only (what is cached already is not replayed)
+              subscribe(cursor=12)  -> ReplayExpiredError: 13 .. 40 are gone (as is a cursor past 1064:
+                                       one of an earlier engine)
+
+A subscriber that lets SUBSCRIBER_QUEUE_BATCHES batches pile up unread ends with SubscriberLagError
+(it resubscribes from its cursor, within the history, or from 0). Used from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from sluice.engine.kv_cache.kv_events import KVEvent
+
+HISTORY_BATCHES = 4096
+SUBSCRIBER_QUEUE_BATCHES = 4096
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    sequence_number: int
+    timestamp: float  # time.time() when the frontend received the step
+    events: list[KVEvent]
+
+
+class ReplayExpiredError(Exception):
+    """The cursor's next batch is no longer in the history (or never was)."""
+
+
+class SubscriberLagError(Exception):
+    """The subscriber left too many batches unread; it was dropped."""
+
+
+class EngineStoppedError(Exception):
+    """The engine died or shut down: no more batches will come."""
+
+
+class KVEventSubscription:
+    """Async iterator of the batches after the cursor. `close()` (or leaving the log) ends it."""
+
+    def __init__(self, log: KVEventLog, backlog: list[KVEventBatch], max_queued: int) -> None:
+        self._log = log
+        self._queue: deque[KVEventBatch] = deque(backlog)
+        self._max_queued = max_queued
+        self._ready = asyncio.Event()
+        self._error: Exception | None = None
+        if backlog:
+            self._ready.set()
+
+    def push(self, batch: KVEventBatch) -> None:
+        if len(self._queue) >= self._max_queued:
+            self.fail(SubscriberLagError(f"{len(self._queue)} batches unread; resubscribe from the cursor"))
+            return
+        self._queue.append(batch)
+        self._ready.set()
+
+    def fail(self, error: Exception) -> None:
+        """Ends the subscription with `error` once the batches already queued are read (now, for a lag)."""
+        if self._error is None:
+            self._error = error
+            if isinstance(error, SubscriberLagError):
+                self._queue.clear()
+            self._ready.set()
+        self._log.unsubscribe(self)
+
+    def close(self) -> None:
+        self._log.unsubscribe(self)
+
+    def __aiter__(self) -> KVEventSubscription:
+        return self
+
+    async def __anext__(self) -> KVEventBatch:
+        while not self._queue:
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            await self._ready.wait()
+        return self._queue.popleft()
+
+
+class KVEventLog:
+    def __init__(
+        self, history_batches: int = HISTORY_BATCHES, subscriber_queue_batches: int = SUBSCRIBER_QUEUE_BATCHES
+    ) -> None:
+        self._history: deque[KVEventBatch] = deque(maxlen=history_batches)
+        self._subscriber_queue_batches = subscriber_queue_batches
+        self._subscribers: set[KVEventSubscription] = set()
+        self._last_sequence_number = 0
+        self._stopped: str | None = None
+
+    @property
+    def last_sequence_number(self) -> int:
+        return self._last_sequence_number
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def publish(self, events: list[KVEvent]) -> None:
+        """One step's events, as the next batch."""
+        self._last_sequence_number += 1
+        batch = KVEventBatch(self._last_sequence_number, time.time(), events)
+        self._history.append(batch)
+        for subscriber in list(self._subscribers):
+            subscriber.push(batch)
+
+    def subscribe(self, cursor: int) -> KVEventSubscription:
+        """The batches after `cursor` (0: live ones only). Raises ReplayExpiredError if the history no
+        longer holds the first of them, EngineStoppedError once the engine stopped."""
+        if self._stopped is not None:
+            raise EngineStoppedError(self._stopped)
+        last = self._last_sequence_number
+        if cursor > last:
+            raise ReplayExpiredError(f"cursor {cursor} is past the last batch, {last}: an earlier engine's?")
+        first_kept = self._history[0].sequence_number if self._history else last + 1
+        if 0 < cursor < first_kept - 1:
+            raise ReplayExpiredError(f"batches after {cursor} are gone: the history starts at {first_kept}")
+        backlog = [batch for batch in self._history if batch.sequence_number > cursor] if cursor else []
+        subscription = KVEventSubscription(self, backlog, self._subscriber_queue_batches + len(backlog))
+        self._subscribers.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: KVEventSubscription) -> None:
+        self._subscribers.discard(subscription)
+
+    def stop(self, reason: str) -> None:
+        """No more batches: every subscription ends with EngineStoppedError after what it has queued."""
+        self._stopped = reason
+        for subscriber in list(self._subscribers):
+            subscriber.fail(EngineStoppedError(reason))

@@ -1,0 +1,141 @@
+"""VllmEngine.SubscribeKvEvents on a real Sluice server started with KV events (`sluice serve --kv-events`),
+called through smg-grpc-proto's stubs as SMG's gateway calls it: the blocks a request's prompt filled
+arrive as stored events with their token ids and chained hashes, batches are numbered without a gap, a
+subscriber resumes from its cursor, a cursor the server cannot replay is OUT_OF_RANGE, and the stream
+ends UNAVAILABLE when the engine stops. (The events' agreement with the pool's cache, evictions
+included, is checked every step by tests/test_kv_fuzz.py.)"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+from service_harness import PATIENCE_S, ServerThread, tiny_engine_config
+from smg_grpc_proto import vllm_engine_pb2 as smg
+from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from smg_grpc_proto.generated import common_pb2
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK_SIZE = 16  # tiny_engine_config's
+
+
+class Subscriber(threading.Thread):
+    """Reads one SubscribeKvEvents stream into a queue; `code` is how it ended."""
+
+    def __init__(self, stub: smg_grpc.VllmEngineStub, cursor: int = 0) -> None:
+        super().__init__(daemon=True)
+        request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=cursor)
+        self.call = stub.SubscribeKvEvents(request)
+        self.batches: queue.Queue[common_pb2.KvEventBatch] = queue.Queue()
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.call.initial_metadata()  # the server sends it at once: the subscription is in place
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for batch in self.call:
+                self.batches.put(batch)
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code, self.details = error.code(), error.details()
+
+    def next_batch(self) -> common_pb2.KvEventBatch:
+        return self.batches.get(timeout=PATIENCE_S)
+
+    def stored_until(self, token_ids: list[int]) -> list[common_pb2.KvEventBatch]:
+        """Batches up to the one whose stored blocks complete a run holding `token_ids`'s full blocks."""
+        batches, stored = [], []
+        wanted = token_ids[: len(token_ids) // BLOCK_SIZE * BLOCK_SIZE]
+        while [t for block in stored for t in block.token_ids][: len(wanted)] != wanted:
+            batches.append(self.next_batch())
+            for event in batches[-1].events:
+                if event.WhichOneof("data") == "stored":
+                    stored.extend(event.stored.blocks)
+        return batches
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: str):
+    thread = ServerThread(tiny_engine_config(llama_dir), kv_events=True).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread):
+    with server.channel() as channel:
+        yield smg_grpc.VllmEngineStub(channel)
+
+
+def _generate(stub: smg_grpc.VllmEngineStub, request_id: str, prompt: list[int], max_tokens: int = 3) -> None:
+    request = smg.GenerateRequest(
+        request_id=request_id,
+        tokenized=smg.TokenizedInput(input_ids=prompt),
+        sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    responses = list(stub.Generate(request, timeout=PATIENCE_S))
+    assert responses[-1].complete.finish_reason == "length"
+
+
+def test_a_prompts_blocks_arrive_as_stored_events_with_chained_hashes(stub) -> None:
+    subscriber = Subscriber(stub)
+    prompt = [(7 * i + 3) % 400 + 10 for i in range(2 * BLOCK_SIZE + 5)]  # two full blocks, and some
+    _generate(stub, "chained", prompt)
+    batches = subscriber.stored_until(prompt)
+    numbers = [b.sequence_number for b in batches]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))) and numbers[0] >= 1
+    events = [e for b in batches for e in b.events]
+    assert [e.event_id for e in events] == list(range(1, len(events) + 1))
+    stored = [e.stored for e in events if e.WhichOneof("data") == "stored"]
+    blocks = [block for event in stored for block in event.blocks]
+    assert [list(b.token_ids) for b in blocks[:2]] == [
+        prompt[:BLOCK_SIZE],
+        prompt[BLOCK_SIZE : 2 * BLOCK_SIZE],
+    ]
+    assert {b.block_size for b in blocks} == {BLOCK_SIZE}
+    assert not stored[0].HasField("parent_block_hash")  # the prompt's first block starts the chain
+    # The second block names the first as its parent: in the same event, or as its parent_block_hash.
+    parents = {}
+    for event in stored:
+        previous = event.parent_block_hash if event.HasField("parent_block_hash") else None
+        for block in event.blocks:
+            parents[block.block_hash] = previous
+            previous = block.block_hash
+    assert parents[blocks[1].block_hash] == blocks[0].block_hash
+    assert stored[0].tier == common_pb2.KV_CACHE_TIER_DEVICE
+    subscriber.call.cancel()
+
+
+def test_a_subscriber_resumes_after_its_cursor_and_an_unreplayable_cursor_is_out_of_range(stub) -> None:
+    first = Subscriber(stub)
+    prompt_a = [(11 * i + 5) % 400 + 10 for i in range(BLOCK_SIZE + 1)]
+    _generate(stub, "resume-a", prompt_a)
+    cursor = first.stored_until(prompt_a)[-1].sequence_number
+    first.call.cancel()
+    prompt_b = [(13 * i + 1) % 400 + 10 for i in range(BLOCK_SIZE + 1)]
+    _generate(stub, "resume-b", prompt_b)  # while nobody listens
+    resumed = Subscriber(stub, cursor)
+    batches = resumed.stored_until(prompt_b)  # replayed from the history
+    assert batches[0].sequence_number == cursor + 1
+    resumed.call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        next(iter(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9))))
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("start_sequence_number: cursor 1000000000 is past the last batch")
+
+
+def test_the_stream_ends_unavailable_when_the_engine_stops(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir), kv_events=True).start()
+    try:
+        with thread.channel() as channel:
+            subscriber = Subscriber(smg_grpc.VllmEngineStub(channel))
+            thread.call(thread.engine.shutdown())
+            subscriber.join(PATIENCE_S)
+            assert subscriber.code == grpc.StatusCode.UNAVAILABLE, subscriber.details
+            assert subscriber.details == "the engine stopped: the engine shut down"
+    finally:
+        thread.stop()

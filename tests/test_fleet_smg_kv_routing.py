@@ -1,0 +1,63 @@
+"""SMG's cache-aware routing fed by Sluice's KV events (`sluice serve --kv-events`): two workers behind the
+real gateway (`smg launch --policy cache_aware`). A prompt cached on a worker by a request the gateway never
+saw (sent to the worker directly) is routed to that worker: only the worker's KV events can tell the
+gateway where it is cached (its own prefix tree knows only what it routed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from fleet_harness import SluiceProcess, SmgGateway, wait_for
+
+from sluice import Client, generate_request
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK_SIZE = 16
+EVENT_PATIENCE_S = 60.0  # a hang, not a slow machine
+# Which worker caches each prompt: not the alternation a load balancer falls into (1 in 16 by chance).
+WARMED = (1, 1, 0, 1)
+
+
+def _prompt(k: int) -> str:
+    return f"story {k}: " + " ".join(f"w{k}x{i}" for i in range(30))
+
+
+def _stored_blocks(gateway: SmgGateway, worker: SluiceProcess) -> float:
+    return gateway.metric("smg_kv_event_blocks_total", worker=worker.url, op="stored")
+
+
+def test_a_prompt_cached_on_a_worker_is_routed_to_it(llama_dir: str, tmp_path: Path) -> None:
+    workers: list[SluiceProcess] = []
+    gateway = None
+    try:
+        workers = [
+            SluiceProcess(llama_dir, tmp_path / f"worker{i}.log", extra=["--kv-events"]) for i in range(2)
+        ]
+        gateway = SmgGateway([w.url for w in workers], tmp_path / "smg.log", policy="cache_aware")
+        openai_client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        model = gateway.models()[0]
+        for k, index in enumerate(WARMED):
+            warmed = workers[index]
+            with Client(warmed.target) as client:
+                # As SMG tokenizes a completion's prompt: no BOS (asserted below with prompt_tokens).
+                tokens = client.tokenize(_prompt(k), add_special_tokens=False)
+                goal = _stored_blocks(gateway, warmed) + len(tokens) // BLOCK_SIZE
+                client.complete(generate_request(token_ids=tokens, max_tokens=1, temperature=0.0), timeout=60)
+            num_blocks = len(tokens) // BLOCK_SIZE
+            assert num_blocks >= 3, len(tokens)
+            what = f"the gateway to index worker {index}'s {num_blocks} blocks"
+            wait_for(lambda w=warmed, g=goal: _stored_blocks(gateway, w) >= g, EVENT_PATIENCE_S, what)
+            response = openai_client.completions.create(
+                model=model, prompt=_prompt(k), max_tokens=1, temperature=0
+            )
+            # Routed to the warmed worker: its prefix cache held every full block of the prompt.
+            assert response.usage.prompt_tokens == len(tokens)
+            assert response.usage.prompt_tokens_details.cached_tokens == num_blocks * BLOCK_SIZE, k
+    finally:
+        if gateway is not None:
+            gateway.close()
+        for worker in workers:
+            worker.close()

@@ -1,0 +1,74 @@
+"""The frontend's KV event log: numbering, replay from a cursor within the history, refusal of a cursor
+outside it, a subscriber dropped when it falls behind, and the end when the engine stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.engine.frontend.kv_event_log import (
+    EngineStoppedError,
+    KVEventLog,
+    ReplayExpiredError,
+    SubscriberLagError,
+)
+from sluice.engine.kv_cache.kv_events import BlocksRemoved
+
+
+def _publish(log: KVEventLog, *hashes: int) -> None:
+    for block_hash in hashes:
+        log.publish([BlocksRemoved([block_hash])])
+
+
+async def _read(subscription, n: int) -> list[tuple[int, int]]:
+    """(sequence number, the batch's one hash) of the next n batches."""
+    return [
+        (b.sequence_number, b.events[0].block_hashes[0])
+        for b in [await anext(subscription) for _ in range(n)]
+    ]
+
+
+async def test_batches_are_numbered_and_a_cursor_within_the_history_replays_the_rest() -> None:
+    log = KVEventLog(history_batches=3)
+    live = log.subscribe(0)
+    _publish(log, 10, 11, 12, 13)
+    assert await _read(live, 4) == [(1, 10), (2, 11), (3, 12), (4, 13)]
+    assert log.last_sequence_number == 4
+    resumed = log.subscribe(2)  # the history holds 2 .. 4
+    _publish(log, 14)
+    assert await _read(resumed, 3) == [(3, 12), (4, 13), (5, 14)]
+    assert await _read(log.subscribe(5), 0) == []
+
+
+async def test_a_cursor_outside_the_history_is_refused() -> None:
+    log = KVEventLog(history_batches=2)
+    _publish(log, 10, 11, 12, 13)  # the history holds 3, 4
+    with pytest.raises(ReplayExpiredError, match="batches after 1 are gone: the history starts at 3"):
+        log.subscribe(1)
+    assert await _read(log.subscribe(2), 2) == [(3, 12), (4, 13)]
+    with pytest.raises(ReplayExpiredError, match="cursor 5 is past the last batch, 4"):
+        log.subscribe(5)
+
+
+async def test_a_subscriber_too_far_behind_is_dropped_and_the_others_go_on() -> None:
+    log = KVEventLog(subscriber_queue_batches=2)
+    slow, fast = log.subscribe(0), log.subscribe(0)
+    _publish(log, 10, 11)
+    assert await _read(fast, 2) == [(1, 10), (2, 11)]
+    _publish(log, 12)  # the slow one has 2 unread: dropped
+    with pytest.raises(SubscriberLagError):
+        await anext(slow)
+    assert log.num_subscribers == 1
+    assert await _read(fast, 1) == [(3, 12)]
+
+
+async def test_subscriptions_end_when_the_engine_stops_after_what_they_have_queued() -> None:
+    log = KVEventLog()
+    subscription = log.subscribe(0)
+    _publish(log, 10)
+    log.stop("the engine shut down")
+    assert await _read(subscription, 1) == [(1, 10)]
+    with pytest.raises(EngineStoppedError, match="the engine shut down"):
+        await anext(subscription)
+    with pytest.raises(EngineStoppedError):
+        log.subscribe(0)
+    assert log.num_subscribers == 0
