@@ -46,9 +46,15 @@ def event_to_smg(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
 def batch_to_smg(batch: KVEventBatch, first_event_id: int) -> common_pb2.KvEventBatch:
     """The batch, its events numbered from `first_event_id`."""
     events = [event_to_smg(event, first_event_id + i) for i, event in enumerate(batch.events)]
-    return common_pb2.KvEventBatch(
+    smg_batch = common_pb2.KvEventBatch(
         sequence_number=batch.sequence_number, timestamp=batch.timestamp, events=events
     )
+    if batch.snapshot is not None:  # the log saw every event since the engine started: nothing unknown
+        chunk = batch.snapshot
+        smg_batch.snapshot.CopyFrom(
+            common_pb2.KvSnapshotChunk(index=chunk.index, count=chunk.count, blocks=chunk.num_blocks)
+        )
+    return smg_batch
 
 
 async def smg_batches(subscription: KVEventSubscription) -> AsyncIterator[common_pb2.KvEventBatch]:

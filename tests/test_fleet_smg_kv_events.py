@@ -47,14 +47,23 @@ class Subscriber(threading.Thread):
         return self.batches.get(timeout=PATIENCE_S)
 
     def stored_until(self, token_ids: list[int]) -> list[common_pb2.KvEventBatch]:
-        """Batches up to the one whose stored blocks complete a run holding `token_ids`'s full blocks."""
-        batches, stored = [], []
+        """Batches up to the one whose stored blocks complete a chain, from a sequence's first block,
+        holding `token_ids`'s full blocks."""
+        batches: list[common_pb2.KvEventBatch] = []
+        chains: dict[int, list[int]] = {}  # block hash -> the tokens of its chain, through it
         wanted = token_ids[: len(token_ids) // BLOCK_SIZE * BLOCK_SIZE]
-        while [t for block in stored for t in block.token_ids][: len(wanted)] != wanted:
+        while not any(chain[: len(wanted)] == wanted for chain in chains.values()):
             batches.append(self.next_batch())
             for event in batches[-1].events:
-                if event.WhichOneof("data") == "stored":
-                    stored.extend(event.stored.blocks)
+                if event.WhichOneof("data") != "stored":
+                    continue
+                parent = (
+                    event.stored.parent_block_hash if event.stored.HasField("parent_block_hash") else None
+                )
+                chain = [] if parent is None else chains.get(parent)
+                for block in event.stored.blocks if chain is not None else ():
+                    chain = chain + list(block.token_ids)
+                    chains[block.block_hash] = chain
         return batches
 
 
@@ -85,11 +94,12 @@ def test_a_prompts_blocks_arrive_as_stored_events_with_chained_hashes(stub) -> N
     subscriber = Subscriber(stub)
     prompt = [(7 * i + 3) % 400 + 10 for i in range(2 * BLOCK_SIZE + 5)]  # two full blocks, and some
     _generate(stub, "chained", prompt)
-    batches = subscriber.stored_until(prompt)
+    batches = [batch for batch in subscriber.stored_until(prompt) if not batch.HasField("snapshot")]
     numbers = [b.sequence_number for b in batches]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers))) and numbers[0] >= 1
     events = [e for b in batches for e in b.events]
-    assert [e.event_id for e in events] == list(range(1, len(events) + 1))
+    ids = [e.event_id for e in events]
+    assert ids == list(range(ids[0], ids[0] + len(ids))) and ids[0] >= 1
     stored = [e.stored for e in events if e.WhichOneof("data") == "stored"]
     blocks = [block for event in stored for block in event.blocks]
     assert [list(b.token_ids) for b in blocks[:2]] == [
@@ -108,6 +118,26 @@ def test_a_prompts_blocks_arrive_as_stored_events_with_chained_hashes(stub) -> N
     assert parents[blocks[1].block_hash] == blocks[0].block_hash
     assert stored[0].tier == common_pb2.KV_CACHE_TIER_DEVICE
     subscriber.call.cancel()
+
+
+def test_a_new_subscriber_first_gets_a_snapshot_of_what_is_cached(stub) -> None:
+    prompt = [(5 * i + 2) % 400 + 10 for i in range(3 * BLOCK_SIZE + 1)]
+    watcher = Subscriber(stub)
+    _generate(stub, "snapshot", prompt)
+    last = watcher.stored_until(prompt)[-1].sequence_number
+    watcher.call.cancel()
+    late = Subscriber(stub)  # cursor 0: the cache as it is, then live
+    snapshot = late.stored_until(prompt)
+    assert all(batch.HasField("snapshot") for batch in snapshot)
+    chunk = snapshot[0].snapshot
+    assert (chunk.index, chunk.count, chunk.unknown_before) == (0, len(snapshot), 0)
+    assert snapshot[0].events[0].WhichOneof("data") == "cleared"
+    assert [b.sequence_number for b in snapshot] == list(range(last - len(snapshot) + 1, last + 1))
+    stored = [e.stored for b in snapshot for e in b.events if e.WhichOneof("data") == "stored"]
+    assert len(stored) == chunk.blocks and all(len(event.blocks) == 1 for event in stored)
+    _generate(stub, "after-snapshot", [(3 * i + 7) % 400 + 10 for i in range(BLOCK_SIZE + 1)])
+    assert late.next_batch().sequence_number == last + 1  # live, without a gap
+    late.call.cancel()
 
 
 def test_a_subscriber_resumes_after_its_cursor_and_an_unreplayable_cursor_is_out_of_range(stub) -> None:

@@ -1,7 +1,8 @@
 """SMG's cache-aware routing fed by Sluice's KV events (`sluice serve --kv-events`): two workers behind the
 real gateway (`smg launch --policy cache_aware`). A prompt cached on a worker by a request the gateway never
 saw (sent to the worker directly) is routed to that worker: only the worker's KV events can tell the
-gateway where it is cached (its own prefix tree knows only what it routed)."""
+gateway where it is cached (its own prefix tree knows only what it routed). That holds for a prompt cached
+before the gateway started too: a new subscriber first gets a snapshot of the cache."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def _stored_blocks(gateway: SmgGateway, worker: SluiceProcess) -> float:
     return gateway.metric("smg_kv_event_blocks_total", worker=worker.url, op="stored")
 
 
+def _warm(worker: SluiceProcess, prompt: str) -> list[int]:
+    """Caches `prompt` on `worker` with a request sent to it directly; returns the prompt's token ids."""
+    with Client(worker.target) as client:
+        # As SMG tokenizes a completion's prompt: no BOS (asserted with prompt_tokens).
+        tokens = client.tokenize(prompt, add_special_tokens=False)
+        client.complete(generate_request(token_ids=tokens, max_tokens=1, temperature=0.0), timeout=60)
+    assert len(tokens) >= 3 * BLOCK_SIZE, len(tokens)
+    return tokens
+
+
+def _served_from_cache(client: openai.OpenAI, model: str, prompt: str, tokens: list[int]) -> bool:
+    """Sends `prompt` through the gateway: True if every full block of it came from the prefix cache."""
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    assert response.usage.prompt_tokens == len(tokens)
+    return response.usage.prompt_tokens_details.cached_tokens == len(tokens) // BLOCK_SIZE * BLOCK_SIZE
+
+
 def test_a_prompt_cached_on_a_worker_is_routed_to_it(llama_dir: str, tmp_path: Path) -> None:
     workers: list[SluiceProcess] = []
     gateway = None
@@ -36,26 +54,20 @@ def test_a_prompt_cached_on_a_worker_is_routed_to_it(llama_dir: str, tmp_path: P
         workers = [
             SluiceProcess(llama_dir, tmp_path / f"worker{i}.log", extra=["--kv-events"]) for i in range(2)
         ]
+        early = _warm(workers[1], _prompt(len(WARMED)))  # before the gateway subscribes
         gateway = SmgGateway([w.url for w in workers], tmp_path / "smg.log", policy="cache_aware")
         openai_client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
         model = gateway.models()[0]
         for k, index in enumerate(WARMED):
             warmed = workers[index]
-            with Client(warmed.target) as client:
-                # As SMG tokenizes a completion's prompt: no BOS (asserted below with prompt_tokens).
-                tokens = client.tokenize(_prompt(k), add_special_tokens=False)
-                goal = _stored_blocks(gateway, warmed) + len(tokens) // BLOCK_SIZE
-                client.complete(generate_request(token_ids=tokens, max_tokens=1, temperature=0.0), timeout=60)
-            num_blocks = len(tokens) // BLOCK_SIZE
-            assert num_blocks >= 3, len(tokens)
-            what = f"the gateway to index worker {index}'s {num_blocks} blocks"
+            before = _stored_blocks(gateway, warmed)
+            tokens = _warm(warmed, _prompt(k))
+            goal, what = before + len(tokens) // BLOCK_SIZE, f"the gateway to index worker {index}'s blocks"
             wait_for(lambda w=warmed, g=goal: _stored_blocks(gateway, w) >= g, EVENT_PATIENCE_S, what)
-            response = openai_client.completions.create(
-                model=model, prompt=_prompt(k), max_tokens=1, temperature=0
-            )
             # Routed to the warmed worker: its prefix cache held every full block of the prompt.
-            assert response.usage.prompt_tokens == len(tokens)
-            assert response.usage.prompt_tokens_details.cached_tokens == num_blocks * BLOCK_SIZE, k
+            assert _served_from_cache(openai_client, model, _prompt(k), tokens), k
+        # The snapshot the gateway got when it subscribed held the prompt cached before it started.
+        assert _served_from_cache(openai_client, model, _prompt(len(WARMED)), early)
     finally:
         if gateway is not None:
             gateway.close()

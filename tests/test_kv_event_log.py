@@ -1,17 +1,20 @@
 """The frontend's KV event log: numbering, replay from a cursor within the history, refusal of a cursor
-outside it, a subscriber dropped when it falls behind, and the end when the engine stops."""
+outside it, a subscriber dropped when it falls behind, the end when the engine stops, and the snapshot a
+subscriber without a cursor gets first."""
 
 from __future__ import annotations
 
 import pytest
 
+from sluice.engine.frontend.cached_blocks import CachedBlocks
 from sluice.engine.frontend.kv_event_log import (
     EngineStoppedError,
     KVEventLog,
     ReplayExpiredError,
+    SnapshotChunk,
     SubscriberLagError,
 )
-from sluice.engine.kv_cache.kv_events import BlocksRemoved
+from sluice.engine.kv_cache.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored
 
 
 def _publish(log: KVEventLog, *hashes: int) -> None:
@@ -72,3 +75,37 @@ async def test_subscriptions_end_when_the_engine_stops_after_what_they_have_queu
     with pytest.raises(EngineStoppedError):
         log.subscribe(0)
     assert log.num_subscribers == 0
+
+
+def test_the_snapshot_lists_each_reachable_block_after_its_parent() -> None:
+    cached = CachedBlocks()
+    cached.apply(
+        [BlocksStored([1, 2, 3], None, list(range(6)), 2, "salt"), BlocksStored([7], None, [8, 9], 2)]
+    )
+    cached.apply([BlocksRemoved([1]), BlocksStored([1], None, [0, 1], 2, "salt")])  # 1 evicted, then back
+    cached.apply([BlocksRemoved([7])])
+    cached.apply([BlocksStored([8], 7, [5, 5], 2)])  # its parent is gone: no prefix reaches it
+    cleared, *stored = cached.snapshot()
+    assert isinstance(cleared, AllBlocksCleared)
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.cache_salt) for e in stored] == [
+        ([1], None, [0, 1], "salt"),
+        ([2], 1, [2, 3], "salt"),
+        ([3], 2, [4, 5], "salt"),
+    ]
+    assert len(cached) == 4
+    cached.apply([AllBlocksCleared()])
+    assert cached.snapshot() == [AllBlocksCleared()] and len(cached) == 0
+
+
+async def test_a_subscriber_without_a_cursor_gets_the_snapshot_numbered_up_to_the_last_batch() -> None:
+    log = KVEventLog()
+    assert await _read(log.subscribe(0), 0) == []  # nothing cached: no snapshot
+    log.publish([BlocksStored([1, 2], None, [0, 1, 2, 3], 2)])
+    _publish(log, 99)  # a hash not cached: nothing changes
+    subscription = log.subscribe(0)
+    snapshot = await anext(subscription)
+    assert (snapshot.sequence_number, snapshot.snapshot) == (2, SnapshotChunk(0, 1, 2))
+    stored = [BlocksStored([1], None, [0, 1], 2), BlocksStored([2], 1, [2, 3], 2)]
+    assert snapshot.events == [AllBlocksCleared(), *stored]
+    _publish(log, 5)
+    assert await _read(subscription, 1) == [(3, 5)]

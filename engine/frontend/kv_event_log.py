@@ -5,7 +5,8 @@ engine. A subscriber names the last batch it applied (`cursor`, 0 for none) and 
 still in the history, then the live ones, in order, without a gap:
 
     history:  [41] [42] ... [1064]        subscribe(cursor=500) -> 501 ... 1064, then live 1065 ...
-              subscribe(cursor=0)   -> live only (what is cached already is not replayed)
+              subscribe(cursor=0)   -> a snapshot of what is cached (`CachedBlocks`) in chunks numbered
+                                       up to 1064, then live 1065 ...
               subscribe(cursor=12)  -> ReplayExpiredError: 13 .. 40 are gone (as is a cursor past 1064:
                                        one of an earlier engine)
 
@@ -16,14 +17,26 @@ A subscriber that lets SUBSCRIBER_QUEUE_BATCHES batches pile up unread ends with
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from sluice.engine.frontend.cached_blocks import CachedBlocks
 from sluice.engine.kv_cache.kv_events import KVEvent
 
 HISTORY_BATCHES = 4096
 SUBSCRIBER_QUEUE_BATCHES = 4096
+SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks a snapshot batch carries (~250 KB on the wire), at least
+
+
+@dataclass(frozen=True)
+class SnapshotChunk:
+    """Batch `index` of a snapshot's `count`, which lists `num_blocks` blocks in all."""
+
+    index: int
+    count: int
+    num_blocks: int
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,7 @@ class KVEventBatch:
     sequence_number: int
     timestamp: float  # time.time() when the frontend received the step
     events: list[KVEvent]
+    snapshot: SnapshotChunk | None = None  # set on the batches of a snapshot
 
 
 class ReplayExpiredError(Exception):
@@ -97,6 +111,7 @@ class KVEventLog:
         self._subscribers: set[KVEventSubscription] = set()
         self._last_sequence_number = 0
         self._stopped: str | None = None
+        self._cached = CachedBlocks()
 
     @property
     def last_sequence_number(self) -> int:
@@ -109,14 +124,16 @@ class KVEventLog:
     def publish(self, events: list[KVEvent]) -> None:
         """One step's events, as the next batch."""
         self._last_sequence_number += 1
+        self._cached.apply(events)
         batch = KVEventBatch(self._last_sequence_number, time.time(), events)
         self._history.append(batch)
         for subscriber in list(self._subscribers):
             subscriber.push(batch)
 
     def subscribe(self, cursor: int) -> KVEventSubscription:
-        """The batches after `cursor` (0: live ones only). Raises ReplayExpiredError if the history no
-        longer holds the first of them, EngineStoppedError once the engine stopped."""
+        """The batches after `cursor` (0: a snapshot of what is cached, then the live ones). Raises
+        ReplayExpiredError if the history no longer holds the first of them, EngineStoppedError once
+        the engine stopped."""
         if self._stopped is not None:
             raise EngineStoppedError(self._stopped)
         last = self._last_sequence_number
@@ -125,10 +142,29 @@ class KVEventLog:
         first_kept = self._history[0].sequence_number if self._history else last + 1
         if 0 < cursor < first_kept - 1:
             raise ReplayExpiredError(f"batches after {cursor} are gone: the history starts at {first_kept}")
-        backlog = [batch for batch in self._history if batch.sequence_number > cursor] if cursor else []
+        if cursor:
+            backlog = [batch for batch in self._history if batch.sequence_number > cursor]
+        else:
+            backlog = self._snapshot()
         subscription = KVEventSubscription(self, backlog, self._subscriber_queue_batches + len(backlog))
         self._subscribers.add(subscription)
         return subscription
+
+    def _snapshot(self) -> list[KVEventBatch]:
+        """What is cached now, as batches numbered up to the last one (so the live ones follow without a
+        gap): `AllBlocksCleared` first, then the blocks. None before the cache held anything."""
+        if not len(self._cached):
+            return []
+        cleared, *stored = self._cached.snapshot()
+        last = self._last_sequence_number  # >= 1: something was published
+        per_batch = max(SNAPSHOT_CHUNK_BLOCKS, math.ceil(len(stored) / last))
+        chunks = [stored[i : i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
+        chunks[0].insert(0, cleared)
+        count, now = len(chunks), time.time()
+        return [
+            KVEventBatch(last - count + 1 + i, now, chunk, SnapshotChunk(i, count, len(stored)))
+            for i, chunk in enumerate(chunks)
+        ]
 
     def unsubscribe(self, subscription: KVEventSubscription) -> None:
         self._subscribers.discard(subscription)
