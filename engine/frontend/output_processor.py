@@ -104,7 +104,11 @@ class OutputProcessor:
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
         for index, engine_id in enumerate(engine_ids):
-            detokenizer = None if self._tokenizer is None else IncrementalDetokenizer(self._tokenizer, params)
+            detokenizer = (
+                None
+                if self._tokenizer is None
+                else IncrementalDetokenizer(self._tokenizer, params, add.prompt_token_ids)
+            )
             self._states[engine_id] = _RequestState(
                 request_id, index, len(add.prompt_token_ids), add.arrival_time, detokenizer, tool_use=tool_use
             )

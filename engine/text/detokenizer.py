@@ -1,6 +1,10 @@
 """Streaming token ids -> text deltas, with stop strings.
 
-The concatenated deltas (and `flush`) equal `Tokenizer.decode(all_output_ids)`. Two ways to get there:
+The concatenated deltas (and `flush`) are the output's text as it continues the prompt: what
+`Tokenizer.decode(prompt_tail + output_ids)` adds to `Tokenizer.decode(prompt_tail)`, as in vLLM. For most
+tokenizers that is `Tokenizer.decode(output_ids)`; a SentencePiece one whose decoder strips the first leading
+space (Llama 2, Mistral: "▁Paris" alone decodes as "Paris") keeps the space of a first output word that
+continues the prompt (" Paris"). Two ways to get there:
 
 - byte-level BPE tokenizers (decoder `ByteLevel` alone): a table of each id's bytes and an incremental
   UTF-8 decoder (`sluice.engine.text.byte_level`), the fast path;
@@ -25,19 +29,25 @@ from sluice.engine.text.tokenizer import Tokenizer
 _CONTEXT_IDS = 4
 # Ids held at most before the decoded ones beyond the last _CONTEXT_IDS are dropped.
 _MAX_IDS = 64
+# The prompt's last ids that `_WindowStream` starts after (vLLM's choice: the shortest tail of at least 4 ids
+# that decodes with no partial character, looked for up to 24 ids back).
+_PROMPT_CONTEXT_IDS = range(4, 25)
 
 
 class IncrementalDetokenizer:
     """One request's output text, produced a delta at a time.
 
-    `stop_string` is set once one of `params.stop` appears after the first `params.min_tokens` tokens'
-    text; the text from it on is never emitted and later tokens are ignored.
+    `stop_string` is set once one of `params.stop` ends in the text of a token after the first
+    `params.min_tokens` (as in vLLM, it may start in theirs); the text from it on is never emitted and
+    later tokens are ignored. `prompt_token_ids`: the prompt, whose last ids the output's text continues.
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         vocab = tokenizer.byte_level_vocab
         self._stream: ByteLevelStream | _WindowStream = (
-            _WindowStream(tokenizer.backend, params.skip_special_tokens)
+            _WindowStream(tokenizer.backend, params.skip_special_tokens, prompt_token_ids)
             if vocab is None
             else ByteLevelStream(vocab, params.skip_special_tokens)
         )
@@ -62,7 +72,8 @@ class IncrementalDetokenizer:
             self.num_tokens += 1
             piece = step(token_id)
             if piece:
-                text += stops.push(piece) if self.num_tokens > self._min_tokens else piece
+                # Within the first min_tokens tokens, text that may begin a stop string is still held.
+                text += stops.push(piece, match=self.num_tokens > self._min_tokens)
         return text
 
     def flush(self) -> str:
@@ -72,19 +83,44 @@ class IncrementalDetokenizer:
             return self._stream.flush()
         if stops.matched is not None:
             return ""
-        return stops.push(self._stream.flush()) + stops.flush()
+        tail = stops.push(self._stream.flush(), match=self.num_tokens > self._min_tokens)
+        return tail + stops.flush()
 
 
 class _WindowStream:
-    """`DecodeStream`, plus the recent ids to decode a tail left incomplete at the end."""
+    """`DecodeStream` started after the prompt's last ids, plus the recent ids to decode a tail left
+    incomplete at the end."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
+    def __init__(
+        self, backend: tokenizers.Tokenizer, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         # _ids: recent ids; the last _num_undecoded of them produced no text yet (partial character).
         self._ids: list[int] = []
         self._num_undecoded = 0
+        context = self._prompt_context(prompt_token_ids)
+        try:
+            for token_id in context:
+                self._stream.step(backend, token_id)
+        except Exception:  # a decoder DecodeStream cannot follow over these ids: start without them
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        else:
+            self._ids += context
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's shortest tail of at least 4 ids that decodes whole (no partial character at
+        either end); none if there is no such tail within 24 ids (a prompt ending mid-character)."""
+        if not prompt_token_ids:
+            return []
+        for num_ids in _PROMPT_CONTEXT_IDS:
+            tail = list(prompt_token_ids[-num_ids:])
+            if "\ufffd" not in self._backend.decode(tail, skip_special_tokens=self._skip_special_tokens):
+                return tail
+            if num_ids >= len(prompt_token_ids):
+                break
+        return []
 
     def step(self, token_id: int) -> str:
         ids = self._ids

@@ -18,14 +18,18 @@ class StopStringMatcher:
         self.matched: str | None = None
         self._held = ""
 
-    def push(self, text: str) -> str:
-        """Append `text`; return the newly emittable text (empty once a stop string matched)."""
+    def push(self, text: str, match: bool = True) -> str:
+        """Append `text`; return the newly emittable text (empty once a stop string matched).
+
+        Only a stop string that ends in `text` matches, and none with `match` False (the text of a request's
+        first min_tokens tokens: what may begin a stop string is still held back, as a stop string that
+        ends in later text may start in it)."""
         if self.matched is not None:
             return ""
         pending = self._held + text
         if not self.stop_strings:
             return pending
-        stop_at, stop = self._first_match(pending)
+        stop_at, stop = self._first_match(pending, len(self._held)) if match else (0, None)
         if stop is not None:
             self.matched = stop
             self._held = ""
@@ -39,11 +43,11 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str | None]:
-        # Earliest occurrence wins; on a tie, the stop string listed first.
+    def _first_match(self, text: str, num_held: int) -> tuple[int, str | None]:
+        # Earliest occurrence that ends after the held text wins; on a tie, the stop string listed first.
         best_at, best = len(text), None
         for stop in self.stop_strings:
-            at = text.find(stop)
+            at = text.find(stop, max(num_held - len(stop) + 1, 0))
             if at != -1 and at < best_at:
                 best_at, best = at, stop
         return best_at, best

@@ -1,0 +1,131 @@
+"""Where the output's text follows vLLM's detokenizer: a SentencePiece output continues its prompt (the first
+word keeps its leading space), and a stop string completed after min_tokens tokens may start in their text."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
+
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.messages import AddRequest, CoreOutput
+from sluice.engine.outputs import OutputLogprobs
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.text.detokenizer import IncrementalDetokenizer
+from sluice.engine.text.stop_strings import StopStringMatcher
+from sluice.engine.text.tokenizer import Tokenizer
+
+# (prompt, output) pairs, the output starting a new word, a multi-byte character, or mid-word.
+CONTINUATIONS = [
+    ("The capital of France is", " Paris, and then some"),
+    ("Emoji time:", " 😀🚀 👍🏽 done"),
+    ("你好，", "世界。今天天气很好。"),
+    ("Straß", "e and café naïve"),
+    ("a", " b"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {
+        "bpe": Tokenizer.from_pretrained(build_byte_level_bpe(root / "bpe")),
+        "sentencepiece": Tokenizer.from_pretrained(build_sentencepiece_llama(root / "sp")),
+    }
+
+
+@pytest.fixture(params=["bpe", "sentencepiece"])
+def tokenizer(request: pytest.FixtureRequest, tokenizers_by_kind: dict[str, Tokenizer]) -> Tokenizer:
+    return tokenizers_by_kind[request.param]
+
+
+def _split(tokenizer: Tokenizer, prompt: str, output: str) -> tuple[list[int], list[int], str]:
+    """The prompt's ids, the output's, and the text the output adds to the prompt's."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    output_ids = tokenizer.encode(output, add_special_tokens=False)
+    prompt_text = tokenizer.decode(prompt_ids)
+    whole = tokenizer.decode(prompt_ids + output_ids)
+    assert whole.startswith(prompt_text) and whole.replace(" ", "") == (prompt + output).replace(" ", "")
+    return prompt_ids, output_ids, whole[len(prompt_text) :]
+
+
+def _core_output(ids: list[int], finish_reason: str | None = None) -> CoreOutput:
+    logprobs = OutputLogprobs(ids, [-1.0] * len(ids), 0, [], [])
+    return CoreOutput("r", ids, logprobs, 0, 0, None, None, finish_reason=finish_reason)
+
+
+def test_the_first_output_word_keeps_its_leading_space(tokenizers_by_kind: dict[str, Tokenizer]) -> None:
+    """Llama 2 / Mistral SentencePiece: "▁Paris" alone decodes as "Paris", after the prompt as " Paris"
+    (vLLM, TGI); a client appending the output to its prompt must not get "isParis"."""
+    tokenizer = tokenizers_by_kind["sentencepiece"]
+    prompt_ids, output_ids, _ = _split(tokenizer, "The capital of France is", " Paris")
+    assert tokenizer.decode(output_ids) == "Paris"  # the first piece's space is stripped in a lone decode
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(AddRequest("r", prompt_ids, SamplingParams(max_tokens=len(output_ids)), 0.0))
+    (out,) = processor.process([_core_output(output_ids, finish_reason="length")]).outputs
+    assert (out.text, out.token_ids) == (" Paris", tuple(output_ids))
+
+
+@pytest.mark.parametrize("prompt,output", CONTINUATIONS)
+def test_streamed_output_continues_the_prompt(tokenizer: Tokenizer, prompt: str, output: str) -> None:
+    """One id at a time through the output processor, the deltas join to what the output adds to the
+    prompt's text, with no partial character (U+FFFD) in any delta."""
+    prompt_ids, output_ids, expected = _split(tokenizer, prompt, output)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(AddRequest("r", prompt_ids, SamplingParams(max_tokens=len(output_ids)), 0.0))
+    deltas = [
+        processor.process([_core_output([token_id], "length" if last else None)]).outputs[0].text
+        for last, token_id in ((i == len(output_ids) - 1, t) for i, t in enumerate(output_ids))
+    ]
+    assert "".join(deltas) == expected
+    assert expected == output or tokenizer.byte_level_vocab is None  # SentencePiece: "e" alone is "▁e"
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_a_prompt_ending_mid_character_is_not_decoded_into_the_output(tokenizer: Tokenizer) -> None:
+    """The prompt's last ids are bytes of a character its output completes: the output's text is its own
+    decode (U+FFFD for the bytes it lacks), never the prompt's bytes."""
+    ids = tokenizer.encode("ok \u9fff\u9fff", add_special_tokens=False)  # a rare CJK char: byte tokens
+    prompt_ids = ids[:-1]
+    assert tokenizer.decode(prompt_ids).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(), prompt_ids)
+    text = detok.add_tokens(ids[-1:]) + detok.flush()
+    assert text == tokenizer.decode(ids[-1:]) == "\ufffd"
+
+
+def test_a_stop_string_completed_after_min_tokens_may_start_within_them(tokenizer: Tokenizer) -> None:
+    """vLLM checks stop strings once min_tokens outputs exist, over the new text and the stop string's
+    length before it: "fox j" here starts in the first min_tokens tokens' text and ends after it."""
+    ids = tokenizer.encode("the quick brown fox jumps over the fox jumps", add_special_tokens=False)
+    min_tokens = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i]).endswith("fox"))
+    assert not tokenizer.decode(ids[min_tokens : min_tokens + 1]).lstrip().startswith("fox")
+    params = SamplingParams(max_tokens=len(ids), min_tokens=min_tokens, stop=("fox j",))
+    detok = IncrementalDetokenizer(tokenizer, params)
+    deltas = [detok.add_tokens([token_id]) for token_id in ids]
+    assert "".join(deltas) + detok.flush() == "the quick brown "
+    assert detok.stop_string == "fox j"
+    completes = next(i for i in range(len(ids)) if "fox j" in tokenizer.decode(ids[: i + 1]))
+    assert detok.num_tokens == completes + 1 > min_tokens  # the tokens up to the one completing it count
+    # A stop string wholly inside the first min_tokens tokens' text still does not stop the output.
+    params = SamplingParams(max_tokens=len(ids), min_tokens=min_tokens + 3, stop=("fox j",))
+    detok = IncrementalDetokenizer(tokenizer, params)
+    text = detok.add_tokens(ids) + detok.flush()
+    assert text == "the quick brown fox jumps over the "
+
+
+def test_text_held_within_min_tokens_matches_only_stop_strings_ending_after_it() -> None:
+    matcher = StopStringMatcher(["ab", "xaby"])
+    assert matcher.push("-xab", match=False) == "-"  # "xab" may still begin "xaby"
+    assert matcher.push("c") == "xabc"  # "ab" lies wholly in the earlier text: no match (as in vLLM)
+    assert matcher.matched is None
+    assert matcher.push("ab") == ""
+    assert matcher.matched == "ab"
+
+
+def test_the_text_flushed_within_min_tokens_does_not_stop(tokenizer: Tokenizer) -> None:
+    """An output of min_tokens tokens ending mid-character: its flushed U+FFFD is still their text."""
+    ids = tokenizer.encode("ok \u9fff", add_special_tokens=False)[:-1]
+    params = SamplingParams(max_tokens=len(ids), min_tokens=len(ids), stop=("\ufffd",))
+    detok = IncrementalDetokenizer(tokenizer, params)
+    text = detok.add_tokens(ids) + detok.flush()
+    assert text == tokenizer.decode(ids) and text.startswith("ok \ufffd")
+    assert detok.stop_string is None
