@@ -9,6 +9,12 @@ SmolLM2, Llama 3 and Qwen2) is rebuilt here with the `tokenizers` library; Sente
     token_type CONTROL     -> added special tokens (`<|im_start|>`), matched whole, skipped on decode
     token_type USER_DEFINED-> added plain tokens, matched whole
     tokenizer.ggml.pre     -> the pre-tokenizer split the merges were learned with
+
+Special ids, BOS and the chat templates are read as llama.cpp reads them (src/llama-vocab.cpp,
+`llama_vocab::impl::load`; common/chat.cpp): generation also ends on end-of-turn tokens found by name
+(`<end_of_turn>`, `<|eot_id|>`, ...) where the file names no eot id; BOS is added by default for a
+SentencePiece vocabulary and for the Llama 3 pre-tokenizer; `tokenizer.chat_template.<name>` keys are the
+named templates ("tool_use" renders requests with tools).
 """
 
 from __future__ import annotations
@@ -27,6 +33,22 @@ SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 _SPECIAL_ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding"))
 _CONTROL = 3  # llama.cpp's token types
 _USER_DEFINED = 4
+
+# Token texts llama.cpp's vocabulary loader treats as end of generation, whatever the file's ids say, less
+# the ones that end a document rather than a turn ("<|endoftext|>", "</s>", "<eos>": a file's eos names the
+# one the model uses, and Gemma 3's vocabulary has "</s>" as an ordinary HTML tag).
+END_OF_TURN_TOKENS = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<EOT>",
+    "<end_of_utterance>",
+)
+# The Llama 3 pre-tokenizer: llama.cpp adds BOS when the file has no tokenizer.ggml.add_bos_token, and
+# looks a whole piece up in the vocabulary before merging (`ignore_merges`, as Llama 3's tokenizer.json).
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -66,6 +88,7 @@ _PRE_TOKENIZERS = {
     "smollm": _digits_then_gpt2_split,
     "llama-bpe": _regex_split(_LLAMA3_SPLIT),
     "llama3": _regex_split(_LLAMA3_SPLIT),
+    "llama-v3": _regex_split(_LLAMA3_SPLIT),
     "smaug-bpe": _regex_split(_LLAMA3_SPLIT),
     "qwen2": _regex_split(_QWEN2_SPLIT),
     "deepseek-r1-qwen": _regex_split(_QWEN2_SPLIT),
@@ -86,9 +109,9 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         raise ValueError("tokenizer.ggml.tokens: missing from the GGUF metadata")
     backend = _sentencepiece(file, tokens) if model == "llama" else _byte_level(file, tokens)
     bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
-    eos_ids = _eos_token_ids(file.metadata)
-    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", model == "llama")
+    eos_ids = _eos_token_ids(file.metadata, tokens)
+    bos_by_default = model == "llama" or file.metadata.get("tokenizer.ggml.pre") in _LLAMA3_PRE
+    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", bos_by_default)
     return Tokenizer(
         backend,
         chat_template=file.metadata.get("tokenizer.chat_template"),
@@ -97,6 +120,7 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         eos_token_ids=eos_ids,
         add_bos_token=bool(add_bos),
         name=file.metadata.get("general.name", "gguf"),
+        named_chat_templates=_named_chat_templates(file.metadata),
     )
 
 
@@ -107,7 +131,8 @@ def _byte_level(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
             f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
         )
     token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
-    backend = byte_level_bpe(tokens, file.metadata.get("tokenizer.ggml.merges", []), token_types)
+    merges = file.metadata.get("tokenizer.ggml.merges", [])
+    backend = byte_level_bpe(tokens, merges, token_types, ignore_merges=pre in _LLAMA3_PRE)
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     return backend
 
@@ -130,15 +155,21 @@ def _sentencepiece(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
     )
 
 
-def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]) -> BackendTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` over `tokens` (ids are list positions).
+def byte_level_bpe(
+    tokens: list[str], merges: list[str], token_types: list[int], *, ignore_merges: bool = False
+) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` over `tokens` (ids are list positions); `ignore_merges`: a
+    pre-tokenized piece that is a token is that token, whatever the merges would make of it.
 
     Control tokens become special added tokens and user-defined ones plain added tokens, so both are
     matched whole in the text instead of being cut into bytes.
     """
     vocab = {token: index for index, token in enumerate(tokens)}
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    bpe = models.BPE(
+        vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
+    )
+    backend = BackendTokenizer(bpe)
     backend.pre_tokenizer = _gpt2_split()
     backend.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, token_types, strict=False))
@@ -151,12 +182,18 @@ def byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int])
     return backend
 
 
-def _eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
-    # eos first; llama.cpp also stops on end-of-turn / end-of-message ids (Llama 3 writes <|eot_id|> there).
+def _eos_token_ids(metadata: dict[str, Any], tokens: list[str]) -> tuple[int, ...]:
+    """eos first; then, as llama.cpp, the end-of-turn / end-of-message ids (Llama 3 writes <|eot_id|>
+    there) and the vocabulary's `END_OF_TURN_TOKENS` (Gemma 3's files name no eot id: <end_of_turn>)."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    ids: list[int] = []
-    for key in keys:
-        token_id = metadata.get(key)
-        if token_id is not None and token_id not in ids:
-            ids.append(int(token_id))
-    return tuple(ids)
+    ids = [int(metadata[key]) for key in keys if metadata.get(key) is not None]
+    end_of_turn = set(END_OF_TURN_TOKENS)
+    ids += [token_id for token_id, token in enumerate(tokens) if token in end_of_turn]
+    return tuple(dict.fromkeys(ids))
+
+
+def _named_chat_templates(metadata: dict[str, Any]) -> dict[str, str]:
+    """`tokenizer.chat_template.<name>` (gguf-py writes a checkpoint's named templates there and lists the
+    names in `tokenizer.chat_templates`)."""
+    prefix = "tokenizer.chat_template."
+    return {key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}

@@ -3,6 +3,8 @@
 Same environment as `transformers.utils.chat_template_utils`: an `ImmutableSandboxedEnvironment` with
 `trim_blocks`, `lstrip_blocks` and the `loopcontrols` extension, a `tojson` filter that does not escape
 HTML, `raise_exception` and `strftime_now` globals, and the `{% generation %}` tag (rendered as plain text).
+Messages reach the template as transformers passes them: None-valued keys dropped, and a message's reasoning,
+under any of its names (`REASONING_FIELDS`), under all of them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from sluice.engine.errors import InvalidRequestError
+
+# Names a message's reasoning goes by: Qwen3 / DeepSeek templates read the first, gpt-oss's the second,
+# vLLM's API sends the third.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplate:
@@ -64,7 +70,13 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         raise InvalidRequestError(
             "messages", f"message {index} must be a mapping, got {type(message).__name__}"
         )
-    return {key: value for key, value in message.items() if value is not None}
+    normalized = {key: value for key, value in message.items() if value is not None}
+    # transformers' `_alias_reasoning_fields`: the first name given fills "reasoning_content", and
+    # "thinking" unless the message has its own.
+    reasoning = next((normalized[key] for key in REASONING_FIELDS if key in normalized), None)
+    if reasoning is not None:
+        normalized = {"thinking": reasoning, **normalized, "reasoning_content": reasoning}
+    return normalized
 
 
 def _raise_exception(message: str) -> None:

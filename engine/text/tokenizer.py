@@ -4,6 +4,11 @@ Encoding follows transformers' `AutoTokenizer` on the same directory: the post-p
 `tokenizer.json` alone decides which special tokens `add_special_tokens=True` adds (transformers 5 ignores
 `add_bos_token` in `tokenizer_config.json` when a `tokenizer.json` exists). Decoding never applies
 transformers' `clean_up_tokenization_spaces`, so streamed text and whole decodes agree.
+
+A model may ship named chat templates beside its default one (`additional_chat_templates/tool_use.jinja`, a
+list of {"name", "template"} in `tokenizer_config.json`, a GGUF's `tokenizer.chat_template.tool_use`): as
+transformers' `get_chat_template` and llama.cpp do, a request with tools is rendered by "tool_use" when the
+model has one, by the default template otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+TOOL_USE_TEMPLATE = "tool_use"  # the named template transformers and llama.cpp render a request with tools by
 
 
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -53,6 +59,7 @@ class TokenizerSpec:
     eos_token_ids: tuple[int, ...]
     name: str
     special_tokens: dict[str, str] = field(default_factory=dict)
+    named_chat_templates: dict[str, str] = field(default_factory=dict)
 
 
 class Tokenizer:
@@ -73,7 +80,9 @@ class Tokenizer:
         add_bos_token: bool,
         name: str,
         special_tokens: Mapping[str, str] | None = None,
+        named_chat_templates: Mapping[str, str] | None = None,
     ) -> None:
+        """named_chat_templates: name -> source of the templates beside the default `chat_template`."""
         self.backend = backend
         self.name = name
         self.bos_token = bos_token
@@ -85,6 +94,9 @@ class Tokenizer:
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(special_tokens or {})}
         self.special_tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
         self.chat_template = None if chat_template is None else ChatTemplate(chat_template)
+        self.named_chat_templates = {
+            name: ChatTemplate(source) for name, source in (named_chat_templates or {}).items()
+        }
         if add_bos_token and self.bos_token_id is not None:
             _ensure_bos_prepended(backend, bos_token, self.bos_token_id)
 
@@ -98,15 +110,17 @@ class Tokenizer:
         special = {name: token for name, token in special.items() if token is not None}
         _add_missing_tokens(backend, config, special.values())
         generation = _read_json(directory / "generation_config.json")
+        templates = _load_chat_templates(directory, config)
         return cls(
             backend,
-            chat_template=_load_chat_template(directory, config),
+            chat_template=templates.pop("default", None),
             bos_token=special.get("bos_token"),
             eos_token=special.get("eos_token"),
             eos_token_ids=token_ids(generation.get("eos_token_id")),
             add_bos_token=False,
             name=directory.name,
             special_tokens=special,
+            named_chat_templates=templates,
         )
 
     def spec(self) -> TokenizerSpec:
@@ -118,6 +132,7 @@ class Tokenizer:
             eos_token_ids=self.eos_token_ids,
             name=self.name,
             special_tokens=dict(self.special_tokens),
+            named_chat_templates={name: t.source for name, t in self.named_chat_templates.items()},
         )
 
     @classmethod
@@ -131,6 +146,7 @@ class Tokenizer:
             add_bos_token=False,
             name=spec.name,
             special_tokens=spec.special_tokens,
+            named_chat_templates=spec.named_chat_templates,
         )
 
     @functools.cached_property
@@ -168,12 +184,16 @@ class Tokenizer:
     ) -> str:
         """Render a conversation to the prompt text. InvalidRequestError("messages") without a template.
 
-        `tools` are JSON-schema function tools, passed to the template as transformers passes them."""
-        if self.chat_template is None:
+        `tools` are JSON-schema function tools, passed to the template as transformers passes them; with
+        tools, the model's "tool_use" template renders the conversation where it has one."""
+        template = self.chat_template
+        if tools is not None:
+            template = self.named_chat_templates.get(TOOL_USE_TEMPLATE, template)
+        if template is None:
             raise InvalidRequestError(
                 "messages", f"model {self.name!r} has no chat template; send text instead"
             )
-        return self.chat_template.render(
+        return template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
             special_tokens=self.special_tokens,
@@ -220,16 +240,22 @@ def _add_missing_tokens(backend: tokenizers.Tokenizer, config: dict, named: Any)
         )
 
 
-def _load_chat_template(directory: Path, config: dict) -> str | None:
-    # A separate chat_template.jinja (transformers >= 4.47 saves it there) takes priority over the config.
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+def _load_chat_templates(directory: Path, config: dict) -> dict[str, str]:
+    """Template name -> source, the default one as "default", read as transformers reads them: template files
+    (`chat_template.jinja`, `additional_chat_templates/<name>.jinja`, as transformers >= 4.47 saves them)
+    take priority over the config's `chat_template` (one template, or a list of {"name", "template"})."""
+    files = {}
+    if (directory / "chat_template.jinja").is_file():
+        files["default"] = directory / "chat_template.jinja"
+    extra = directory / "additional_chat_templates"
+    if extra.is_dir():
+        files.update({path.name.removesuffix(".jinja"): path for path in sorted(extra.glob("*.jinja"))})
+    if files:
+        return {name: path.read_text(encoding="utf-8") for name, path in files.items()}
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {entry["name"]: entry["template"] for entry in template}
-        return named.get("default")
-    return template
+        return {entry["name"]: entry["template"] for entry in template}
+    return {} if template is None else {"default": template}
 
 
 def _token_content(value: Any) -> str | None:

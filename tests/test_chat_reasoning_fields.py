@@ -1,0 +1,49 @@
+"""An assistant message's reasoning reaches the chat template under every name templates read it by, as
+transformers passes it: "reasoning_content" (Qwen3, DeepSeek R1 templates), "thinking" (gpt-oss) and
+"reasoning" (what vLLM's API sends now), whichever of them the caller used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizer_fixtures import build_byte_level_bpe
+from transformers import AutoTokenizer
+
+from sluice.engine.text.chat_template import ChatTemplate
+from sluice.engine.text.tokenizer import Tokenizer
+
+# Prints each name's value, or "-" where the message has none.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for name in ['reasoning_content', 'thinking', 'reasoning'] %}"
+    "{{ name }}={{ m[name] if m[name] is defined else '-' }};"
+    "{% endfor %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    directory = build_byte_level_bpe(Path(tmp_path_factory.mktemp("bpe")))
+    ours = Tokenizer.from_pretrained(directory)
+    ours.chat_template = ChatTemplate(TEMPLATE)
+    return ours, AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    "reasoning",
+    [
+        {"reasoning": "add them"},
+        {"thinking": "add them"},
+        {"reasoning_content": "add them"},
+        {"reasoning_content": None, "reasoning": "add them"},  # an OpenAI client's null field
+        {"thinking": "add them", "reasoning": "vLLM's name, second to thinking"},
+    ],
+)
+def test_reasoning_renders_as_transformers(pair, reasoning: dict) -> None:
+    ours, hf = pair
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", **reasoning}]
+    expected = hf.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False)
+    assert "reasoning_content=add them;" in expected
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == expected
+    assert messages[1] == {"role": "assistant", "content": "4", **reasoning}  # the caller's message unchanged
