@@ -135,7 +135,12 @@ def unenforced_keyword(schema: object, path: str = "#") -> tuple[str, str] | Non
         return "uniqueItems", path
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "allOf", path
+    if (ignored := _ignored_keyword(schema)) is not None:
+        return ignored, path
     children = [(f"{path}/{k}", schema[k]) for k in _SCHEMAS if k in schema]
+    names = schema.get("propertyNames")
+    if isinstance(names, dict) and "type" not in names:  # xgrammar reads it as a string's schema, as it is
+        children = [(p, {"type": "string", **names} if s is names else s) for p, s in children]
     items = schema.get("items")
     children += [(f"{path}/items/{i}", s) for i, s in enumerate(items)] if isinstance(items, list) else []
     children += [(f"{path}/items", items)] if isinstance(items, dict) else []
@@ -150,3 +155,112 @@ def unenforced_keyword(schema: object, path: str = "#") -> tuple[str, str] | Non
             [(f"{path}/{keyword}/{i}", s) for i, s in enumerate(value)] if isinstance(value, list) else []
         )
     return next((found for p, s in children if (found := unenforced_keyword(s, p)) is not None), None)
+
+
+# The keywords xgrammar reads one of per schema, ignoring the others and every keyword beside it: a `$ref`
+# beside `maximum` or a `const` beside another `enum` compiles as the `$ref` or the `const` alone.
+_ALTERNATIVES = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_STRING_KEYWORDS = ("pattern", "format", "minLength", "maxLength")
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_OBJECT_KEYWORDS = (
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+    "unevaluatedProperties",
+)
+_ARRAY_KEYWORDS = ("items", "prefixItems", "additionalItems", "unevaluatedItems", "minItems", "maxItems")
+_VALUE_KEYWORDS = ("type", *_STRING_KEYWORDS, *_NUMBER_KEYWORDS, *_OBJECT_KEYWORDS, *_ARRAY_KEYWORDS)
+# The string formats xgrammar enforces: beside one, `pattern`, `minLength` and `maxLength` are ignored (beside
+# any other format, which it ignores as JSON Schema allows, they hold).
+_ENFORCED_FORMATS = frozenset(
+    [
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    ]
+)
+_JSON_TYPES = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _ignored_keyword(schema: dict) -> str | None:
+    """A keyword of this one schema (not its subschemas) that xgrammar compiles without enforcing where it
+    stands: beside another keyword that takes precedence, or where the schema's type leaves it unread."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return "$ref"  # a remote reference: xgrammar compiles it as any value
+    alternatives = [k for k in _ALTERNATIVES if k in schema]
+    if alternatives:
+        if len(alternatives) > 1:
+            return alternatives[1]
+        besides = [k for k in _VALUE_KEYWORDS if k in schema]
+        if "type" in besides and (alternatives[0] not in ("const", "enum") or _values_have_its_type(schema)):
+            # {"type": "string", "enum": ["a", "b"]}: the type says nothing more. Beside the others it says
+            # what their schemas say (vLLM's and SGLang's schema of required tool calls has
+            # {"type": "object", "anyOf": [<a call>, ...]}); where it does not, the schema holds no value.
+            besides.remove("type")
+        return besides[0] if besides else None
+    types = _types(schema)
+    if not types:  # typeless: xgrammar reads objects' and arrays' keywords only
+        unread = [k for k in (*_STRING_KEYWORDS, *_NUMBER_KEYWORDS) if k in schema]
+        return next((k for k in unread if k != "format" or schema[k] in _ENFORCED_FORMATS), None)
+    multiple = schema.get("multipleOf")
+    if "multipleOf" in schema and (
+        "number" in types
+        or "integer" not in types
+        or not isinstance(multiple, int)
+        or isinstance(multiple, bool)
+    ):
+        return "multipleOf"  # xgrammar enforces whole multiples of integers only
+    if "string" in types:
+        if schema.get("format") in _ENFORCED_FORMATS:
+            return next((k for k in ("pattern", "minLength", "maxLength") if k in schema), None)
+        if "pattern" in schema:
+            return next((k for k in ("minLength", "maxLength") if k in schema), None)
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list) and any(
+        name not in (properties if isinstance(properties, dict) else {}) for name in required
+    ):
+        return "required"  # a required name without a property schema: xgrammar never writes it
+    return None
+
+
+def _types(schema: dict) -> list[str]:
+    """The schema's "type", as a list (empty without one)."""
+    value = schema.get("type")
+    if isinstance(value, list):
+        return [t for t in value if isinstance(t, str)]
+    return [value] if isinstance(value, str) else []
+
+
+def _values_have_its_type(schema: dict) -> bool:
+    """Whether a schema with `const` or `enum` has a "type" that each of those values has."""
+    values = [schema["const"]] if "const" in schema else schema["enum"]
+    types = _types(schema)
+    return isinstance(values, list) and all(
+        any(t in _JSON_TYPES and _JSON_TYPES[t](v) for t in types) for v in values
+    )

@@ -1,13 +1,13 @@
 """Compiles constraints to xgrammar grammars off the engine's step path, and caches them.
 
-Background threads compile (half the CPUs, as vLLM's structured-output manager sizes its pool: xgrammar
-compiles outside the GIL, and one slow constraint, e.g. a regex that takes seconds, must not hold up the
-others); `submit` returns at once with a future. Futures are cached by
-`Constraint.key` (least recently used dropped past `cache_size`), so a request whose constraint was seen
-before gets a finished future and waits for nothing. The xgrammar vocabulary is built in that thread on
-the first submit, so a server that never sees a constraint never pays for it; xgrammar itself is
-imported there too (it imports transformers: ~2 s of every engine start, where no request asks for a
-constraint, saved).
+Background threads compile (half the CPUs, as vLLM's structured-output manager sizes its pool, and at
+least two: xgrammar compiles outside the GIL, and one slow constraint, e.g. a regex that takes seconds,
+must not hold up the others, also on a machine of one or two CPUs); `submit` returns at once with a
+future. Futures are cached by `Constraint.key` (least recently used dropped past `cache_size`), so a
+request whose constraint was seen before gets a finished future and waits for nothing. The xgrammar
+vocabulary is built in that thread on the first submit, so a server that never sees a constraint never
+pays for it; xgrammar itself is imported there too (it imports transformers: ~2 s of every engine start,
+where no request asks for a constraint, saved).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class GrammarCompileError(Exception):
 
 class GrammarCompiler:
     """Thread-safe. `submit` from the engine thread; compilation runs in `num_workers` threads (None:
-    half the CPUs this process may use, at least one)."""
+    half the CPUs this process may use, at least two)."""
 
     def __init__(
         self,
@@ -62,7 +62,7 @@ class GrammarCompiler:
         if cache_size < 1:
             raise ValueError("cache_size: must be >= 1")
         if num_workers is None:
-            num_workers = max(1, (len(os.sched_getaffinity(0)) + 1) // 2)
+            num_workers = max(2, (len(os.sched_getaffinity(0)) + 1) // 2)
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)

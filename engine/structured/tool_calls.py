@@ -11,8 +11,9 @@ the calls parsed from the finished output. Pure Python: the frontend uses it (xg
 
 Each parsed call gets an id of 9 letters and digits (Mistral's templates refuse any other length), which
 the next turn's messages give back: the assistant's `tool_calls` and each result's `tool_call_id`. The
-`content` beside the calls is what auto's output says outside its <tool_call> blocks; the other modes'
-outputs are only calls.
+`content` beside the calls is what auto's output says outside the <tool_call> blocks that parsed into
+calls (a block that did not, e.g. arguments that are not JSON, stays in it); the other modes' outputs are
+only calls.
 
 The tools reach the chat template as transformers' `apply_chat_template(tools=...)` passes JSON-schema
 tools: {"type": "function", "function": {"name", "description", "parameters"}}. A tool's parameters
@@ -110,7 +111,12 @@ class ToolUse:
         return [tool.for_template() for tool in self.tools]
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` with the constraint that enforces a required or named call."""
+        """`params` with the constraint that enforces a required or named call. Auto keeps special tokens
+        in the text, where the calls parse from: the <tool_call> tags are special tokens in some
+        tokenizers (Hermes-style checkpoints; vLLM's Hermes parser turns skip_special_tokens off too),
+        unless a constraint of the request's own holds the output, which then has no special token."""
+        if self.tool_choice == "auto" and params.constraint is None and params.skip_special_tokens:
+            return dataclasses.replace(params, skip_special_tokens=False)
         constraint = self.constraint()
         if constraint is None:
             return params
@@ -147,17 +153,23 @@ class ToolUse:
         if self.tool_choice not in TOOL_CHOICE_MODES:
             arguments = _arguments_text(_loads(text))
             return () if arguments is None else (ToolCall(self.tool_choice, arguments, new_call_id()),)
-        blocks = _TOOL_CALL_BLOCK.findall(text) if self.tool_choice == "auto" else []
-        values = [_loads(block) for block in blocks] or [_loads(text)]
-        calls = [call for value in values for call in (value if isinstance(value, list) else [value])]
-        return tuple(tc for tc in (self._call(c) for c in calls) if tc is not None)
+        blocks = (_TOOL_CALL_BLOCK.findall(text) if self.tool_choice == "auto" else []) or [text]
+        return tuple(call for block in blocks for call in self._block_calls(block) or ())
 
     def content(self, text: str) -> str:
-        """What a finished output with calls says besides them: auto's text outside its <tool_call>
-        blocks, stripped; "" for an output that is only a call (every mode's but auto's)."""
+        """What a finished output with calls says besides them: auto's text outside the <tool_call>
+        blocks it parsed into calls, stripped (a block that is not JSON of calls of the tools stays, as
+        the model wrote it); "" for an output that is only a call (every mode's but auto's)."""
         if self.tool_choice != "auto" or not _TOOL_CALL_BLOCK.search(text):
             return ""
-        return _TOOL_CALL_BLOCK.sub("", text).strip()
+        return _TOOL_CALL_BLOCK.sub(lambda m: "" if self._block_calls(m[1]) else m[0], text).strip()
+
+    def _block_calls(self, block: str) -> tuple[ToolCall, ...] | None:
+        """The calls of one <tool_call> block or of a whole output (JSON of a call or a list of them);
+        None unless each is a call of one of the tools."""
+        value = _loads(block)
+        calls = [self._call(c) for c in (value if isinstance(value, list) else [value])]
+        return tuple(calls) if calls and None not in calls else None
 
     def _call(self, value: Any) -> ToolCall | None:
         if not isinstance(value, dict) or value.get("name") not in {t.name for t in self.tools}:

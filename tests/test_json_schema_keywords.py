@@ -1,0 +1,159 @@
+"""JSON schemas whose keywords xgrammar compiles without enforcing them where they stand: a keyword beside
+the one xgrammar reads ($ref, const, enum, anyOf, oneOf, allOf), string and number keywords of a schema
+without a type, `multipleOf` of numbers, length limits beside a pattern or a format, a remote $ref, a
+required name without a property. Each is refused when the Constraint is built (the field and the
+keyword's place named); every schema that is accepted compiles to a grammar that holds the output to it,
+as `jsonschema` (the reference) judges it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+from referencing import Registry, Resource
+from service_harness import PATIENCE_S
+
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.grammar_compiler import GrammarCompiler
+from sluice.engine.text.tokenizer import Tokenizer
+
+# (schema, an output the schema refuses, the keyword refused, its place). Each output was matched by the
+# grammar xgrammar compiled from the schema, so the constraint would have "guaranteed" an invalid output.
+IGNORED = [
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "multipleOf", "#"),
+    ({"type": "integer", "multipleOf": 1.5}, "2", "multipleOf", "#"),
+    ({"type": ["number", "null"], "multipleOf": 2}, "3", "multipleOf", "#"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, '"a"', "minLength", "#"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, '"aaaaa"', "maxLength", "#"),
+    ({"type": "string", "format": "email", "maxLength": 3}, '"a@b.co"', "maxLength", "#"),
+    ({"type": "string", "format": "email", "pattern": "^a+$"}, '"b@c.de"', "pattern", "#"),
+    ({"$ref": "http://example.com/integer.json"}, '"anything"', "$ref", "#"),
+    ({"type": "string", "enum": ["a", 1]}, "1", "type", "#"),
+    ({"type": "integer", "const": "x"}, '"x"', "type", "#"),
+    ({"type": "integer", "enum": [1, 2], "minimum": 2}, "1", "minimum", "#"),
+    ({"type": "integer", "oneOf": [{"minimum": 1}, {"maximum": -1}]}, "0", "minimum", "#/oneOf/0"),
+    ({"allOf": [{"type": "integer"}], "maximum": 3}, "5", "maximum", "#"),
+    (
+        {"type": "object", "properties": {"n": {"$ref": "#/$defs/i", "maximum": 3}}, "required": ["n"],
+         "$defs": {"i": {"type": "integer"}}},
+        '{"n": 5}',
+        "maximum",
+        "#/properties/n",
+    ),
+    ({"type": "array", "items": {"minLength": 3}}, '["a"]', "minLength", "#/items"),
+    ({"type": "array", "items": {"minimum": 3}}, "[1]", "minimum", "#/items"),
+    ({"format": "email"}, '"not an email"', "format", "#"),
+    (
+        {"type": "object", "propertyNames": {"minLength": 3, "pattern": "^a+$"}},
+        '{"a": 1}',
+        "minLength",
+        "#/propertyNames",
+    ),
+    (
+        {"type": "object", "required": ["zz"], "additionalProperties": {"type": "integer"}},
+        "{}",
+        "required",
+        "#",
+    ),
+]  # fmt: skip
+
+# The schema vLLM and SGLang give tool_choice "required" (SMG sends it as json_schema): "type" beside anyOf.
+VLLM_REQUIRED_CALLS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "anyOf": [
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": ["f"]},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"v": {"type": "integer"}},
+                        "required": ["v"],
+                    },
+                },
+                "required": ["name", "parameters"],
+            }
+        ],
+    },
+}
+# (schema, an output it accepts, one it refuses): still accepted, and enforced.
+ENFORCED = [
+    ({"type": "integer", "multipleOf": 3}, "6", "4"),
+    ({"type": ["integer", "null"], "multipleOf": 3}, "null", "4"),
+    ({"type": "string", "pattern": "^a+$"}, '"aa"', '"b"'),
+    ({"type": "string", "format": "made-up", "maxLength": 3}, '"abc"', '"abcdef"'),
+    ({"type": "string", "enum": ["a", "b"]}, '"a"', '"c"'),
+    ({"type": ["string", "null"], "const": "x"}, '"x"', '"y"'),
+    ({"type": "number", "enum": [1, 2.5]}, "2.5", "2"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "O"}, "null", '"s"'),
+    (
+        {"$ref": "#/$defs/c", "default": "r", "$defs": {"c": {"enum": ["r", "g"], "type": "string"}}},
+        '"g"',
+        '"b"',
+    ),
+    ({"type": "string", "format": "date"}, '"2024-01-31"', '"soon"'),
+    ({"format": "made-up"}, "5", "x"),  # an annotation only, as JSON Schema has it
+    # A property name is a string: its schema needs no type for its string keywords to hold.
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"abc": 1}', '{"abcd": 1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 1}', "{}"),
+    (VLLM_REQUIRED_CALLS, '[{"name": "f", "parameters": {"v": 1}}]', '[{"name": "f", "parameters": {}}]'),
+]  # fmt: skip
+
+
+# What the remote reference above names, for the reference validator (xgrammar fetches nothing).
+REMOTE = Registry().with_resource(
+    "http://example.com/integer.json",
+    Resource.from_contents({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "integer"}),
+)
+
+
+def validate(value: object, schema: dict) -> None:
+    """Raises jsonschema.ValidationError unless `value` is valid, formats included."""
+    validator = jsonschema.Draft202012Validator(
+        schema, registry=REMOTE, format_checker=jsonschema.FormatChecker()
+    )
+    validator.validate(value)
+
+
+@pytest.fixture(scope="module")
+def compiler(llama_dir: str):
+    tokenizer = Tokenizer.from_pretrained(llama_dir)
+    vocab_size = json.loads((Path(llama_dir) / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=1)
+    yield compiler
+    compiler.shutdown()
+
+
+def matches(compiler: GrammarCompiler, constraint: Constraint, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(compiler.submit(constraint).result(timeout=PATIENCE_S))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize(("schema", "invalid", "keyword", "path"), IGNORED)
+def test_a_keyword_xgrammar_would_ignore_where_it_stands_is_refused(schema, invalid, keyword, path) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        validate(json.loads(invalid), schema)
+    message = f"json_schema: {keyword!r} at {path} is a keyword the grammar cannot enforce"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Constraint(json_schema=json.dumps(schema))
+
+
+@pytest.mark.parametrize(("schema", "valid", "invalid"), ENFORCED)
+def test_an_accepted_schema_holds_the_output_to_it(compiler: GrammarCompiler, schema, valid, invalid) -> None:
+    constraint = Constraint(json_schema=json.dumps(schema))
+    validate(json.loads(valid), schema)
+    assert matches(compiler, constraint, valid)
+    try:
+        value = json.loads(invalid)
+    except json.JSONDecodeError:
+        pass  # not JSON at all
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            validate(value, schema)
+    assert not matches(compiler, constraint, invalid)
