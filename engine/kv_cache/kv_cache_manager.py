@@ -17,8 +17,10 @@ request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (nev
     W = 20, block_size = 16, num_computed = 50: first visible position 31
     block table:      [ 0 (freed) | b9 | b2 | b5 ]      positions 0..15 freed; 16..31 kept (holds 31)
 
-Freed blocks keep their hash in the pool, so other requests can still hit them until evicted. A prefix
-hit's blocks wholly before the window are never referenced: the request holds only what it sees.
+A block leaving the window is registered in the prefix cache first (with async scheduling the step that
+computes it may still be in flight: steps run in order, so a later step that hits it reads its K/V), and
+keeps its hash in the pool once freed, so other requests can still hit it until evicted. A prefix hit's
+blocks wholly before the window are never referenced: the request holds only what it sees.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class KVCacheManager:
         num_new_blocks = max(num_required - len(blocks) - len(hit_blocks), 0)
         # Hit blocks sitting in the free queue stop being free once referenced.
         num_revived = sum(1 for block in kept_hit_blocks if block.ref_cnt == 0)
-        self._free_out_of_window(request_id, num_computed)
+        self._free_out_of_window(request, num_computed)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
         self.pool.touch(kept_hit_blocks)
@@ -139,10 +141,13 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register in the prefix cache every block now full of computed tokens."""
+        self._cache_full_blocks(request, request.num_computed_tokens // self.block_size)
+
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        """Register the request's first `num_full` blocks (full of computed tokens) not registered yet."""
         if not self.enable_caching:
             return
         request_id = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
@@ -151,7 +156,7 @@ class KVCacheManager:
         stored = []
         for i in range(start, num_full):
             block = blocks[i]
-            # A freed block (None) was cached before it left the window.
+            # A freed block (None) was registered before it left the window (`_free_out_of_window`).
             if block is not None and self.pool.cache_full_block(block, hashes[i]):
                 stored.append(i)
         self._num_cached_blocks[request_id] = num_full
@@ -206,17 +211,21 @@ class KVCacheManager:
         """Ids of the requests that hold blocks."""
         return list(self._blocks)
 
-    def _free_out_of_window(self, request_id: str, num_computed: int) -> None:
+    def _free_out_of_window(self, request: Request, num_computed: int) -> None:
         """Free the request's blocks wholly before position num_computed - sliding_window + 1 (the
-        first one its next query sees), oldest first."""
+        first one its next query sees), oldest first, registering them in the prefix cache first: with
+        async scheduling `num_computed` counts a step still in flight, whose update (and so
+        `cache_computed_blocks`) comes after this allocation."""
         if self.sliding_window is None:
             return
+        request_id = request.request_id
         first_visible = self._first_visible(num_computed)
         blocks = self._blocks.get(request_id, [])
         start = self._num_freed.get(request_id, 0)
         end = min(first_visible // self.block_size, len(blocks))
         if end <= start:
             return
+        self._cache_full_blocks(request, end)
         freed = [block for block in blocks[start:end] if block is not None]
         block_ids = self._block_ids[request_id]
         for i in range(start, end):
