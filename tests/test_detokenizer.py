@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
+from tokenizer_fixtures import tokenizers_of_both_kinds
 
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
@@ -23,11 +23,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
-    root = tmp_path_factory.mktemp("tokenizers")
-    return {
-        "bpe": Tokenizer.from_pretrained(build_byte_level_bpe(root / "bpe")),
-        "sentencepiece": Tokenizer.from_pretrained(build_sentencepiece_llama(root / "sp")),
-    }
+    return tokenizers_of_both_kinds(tmp_path_factory.mktemp("tokenizers"))
 
 
 @pytest.fixture(params=["bpe", "sentencepiece"])

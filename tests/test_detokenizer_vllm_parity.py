@@ -4,7 +4,7 @@ word keeps its leading space), and a stop string completed after min_tokens toke
 from __future__ import annotations
 
 import pytest
-from tokenizer_fixtures import build_byte_level_bpe, build_sentencepiece_llama
+from tokenizer_fixtures import tokenizers_of_both_kinds
 
 from sluice.engine.frontend.output_processor import OutputProcessor
 from sluice.engine.messages import AddRequest, CoreOutput
@@ -26,11 +26,7 @@ CONTINUATIONS = [
 
 @pytest.fixture(scope="module")
 def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
-    root = tmp_path_factory.mktemp("tokenizers")
-    return {
-        "bpe": Tokenizer.from_pretrained(build_byte_level_bpe(root / "bpe")),
-        "sentencepiece": Tokenizer.from_pretrained(build_sentencepiece_llama(root / "sp")),
-    }
+    return tokenizers_of_both_kinds(tmp_path_factory.mktemp("tokenizers"))
 
 
 @pytest.fixture(params=["bpe", "sentencepiece"])

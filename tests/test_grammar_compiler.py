@@ -1,9 +1,11 @@
 """The grammar compiler's workers: a constraint still compiling (a regex can take seconds) does not hold
-up the next one, and the compiled grammars are the ones asked for."""
+up the next one, also in the default pool of a one- or two-CPU machine, and the compiled grammars are the
+ones asked for."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -25,8 +27,14 @@ def grammar_compiler(model_dir: str, num_workers: int | None) -> GrammarCompiler
     return GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=num_workers)
 
 
-def test_a_constraint_compiles_while_another_is_still_compiling(llama_dir: str) -> None:
-    compiler = grammar_compiler(llama_dir, num_workers=2)
+@pytest.mark.parametrize(("num_workers", "num_cpus"), [(2, None), (None, 1), (None, 2)])
+def test_a_constraint_compiles_while_another_is_still_compiling(
+    llama_dir: str, num_workers: int | None, num_cpus: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with the default pool on a machine of one or two CPUs (half of them is one thread)."""
+    if num_cpus is not None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(num_cpus)))
+    compiler = grammar_compiler(llama_dir, num_workers=num_workers)
     compiling, release = threading.Event(), threading.Event()
     compile_now = compiler._compile
 

@@ -15,6 +15,8 @@ import mistral_common
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from sluice.engine.text.tokenizer import Tokenizer as SluiceTokenizer
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Streaming tokens one at a time.",
@@ -112,6 +114,15 @@ def build_sentencepiece_llama(directory: Path) -> Path:
     converted.save_pretrained(out)
     _write_json(out / "generation_config.json", {"eos_token_id": 2})
     return out
+
+
+def tokenizers_of_both_kinds(root: Path) -> dict[str, SluiceTokenizer]:
+    """Sluice tokenizers of the two decoding kinds, by name: "bpe" (byte-level, the table path) and
+    "sentencepiece" (Llama 2 style, the window path), built under `root`."""
+    return {
+        "bpe": SluiceTokenizer.from_pretrained(build_byte_level_bpe(root / "bpe")),
+        "sentencepiece": SluiceTokenizer.from_pretrained(build_sentencepiece_llama(root / "sp")),
+    }
 
 
 def _write_json(path: Path, data: dict) -> None:
