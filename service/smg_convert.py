@@ -222,13 +222,16 @@ class SmgResponses:
             yield response
 
     def _take_prompt_logprobs(self, output: RequestOutput, sample: _Sample) -> bool:
-        """Whether `output` carries the prompt's logprobs (sample 0's first tokens, when asked for), kept
-        then. A one-token prompt has none, but as in vLLM its first token's entry still goes out."""
+        """Whether `output`, a sample's first with tokens, carries the prompt's logprobs when they were
+        asked for: every sample's first chunk does, as vLLM's servicer sends them. They come with sample
+        0's (the other samples start after it answered) and are kept then. A one-token prompt has none,
+        but as in vLLM its first token's entry still goes out."""
         num_top = self._params.prompt_logprobs
-        if num_top is None or output.index != 0 or sample.token_ids or not output.token_ids:
+        if num_top is None or sample.token_ids or not output.token_ids:
             return False
-        self._prompt_logprobs = output.prompt_logprobs or PromptLogprobs([], [], num_top)
-        return True
+        if output.index == 0:
+            self._prompt_logprobs = output.prompt_logprobs or PromptLogprobs([], [], num_top)
+        return self._prompt_logprobs is not None
 
     def _chunk(self, output: RequestOutput, sample: _Sample) -> smg.GenerateStreamChunk:
         chunk = smg.GenerateStreamChunk(

@@ -137,8 +137,9 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The batches after `start_sequence_number` (0: a snapshot of the cache, then the live ones)
-        until the engine stops or the server drains; OUT_OF_RANGE when they are no longer all at hand (the subscriber starts over from
-        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind."""
+        until the engine stops or the server drains; OUT_OF_RANGE when they are no longer all at hand
+        (the subscriber starts over from 0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES
+        behind."""
         log = self._inference.accepting_runner().engine.kv_event_log
         if log is None:
             raise UnimplementedError(

@@ -277,6 +277,24 @@ def test_streaming_sends_a_long_prompts_logprobs_whole_in_the_first_chunk_in_sli
     assert not second.chunk.HasField("input_logprobs")
 
 
+def test_streaming_sends_the_prompts_logprobs_in_every_samples_first_chunk() -> None:
+    """As vLLM's servicer: SMG builds each choice from its own chunks (only sample 0's carried them)."""
+    spec = smg_convert.generation_spec_from_smg(_request(n=2, max_tokens=2, prompt_logprobs=1), INFO, None)
+    responses = smg_convert.SmgResponses(spec, stream=True)
+    prompt_lps = PromptLogprobs([6, 7, 8], [-1.0, -2.0, -3.0], 1, [6, 9, 8], [-1.0, -0.5, -3.0])
+    sent = _sent(
+        responses,
+        _output([10], prompt_logprobs=prompt_lps),
+        _output([20], index=1),
+        _output([11], finish="length"),
+        _output([21], index=1, finish="length"),
+    )
+    chunks = [r.chunk for r in sent if r.WhichOneof("response") == "chunk"]
+    assert [(c.index, list(c.token_ids)) for c in chunks] == [(0, [10]), (1, [20]), (0, [11]), (1, [21])]
+    assert [list(c.input_logprobs.token_ids) for c in chunks] == [[5, 6, 7, 8], [5, 6, 7, 8], [], []]
+    assert chunks[0].input_logprobs == chunks[1].input_logprobs
+
+
 def test_loads_and_model_info() -> None:
     from sluice.engine.outputs import EngineStats
 
