@@ -30,6 +30,11 @@ def _stored_blocks(gateway: SmgGateway, worker: SluiceProcess) -> float:
     return gateway.metric("smg_kv_event_blocks_total", worker=worker.url, op="stored")
 
 
+def _indexed_blocks(gateway: SmgGateway, worker: SluiceProcess) -> float:
+    """Blocks of `worker` in the gateway's index (a snapshot's count here, not in the stored events)."""
+    return gateway.metric("smg_kv_index_blocks", worker=worker.url)
+
+
 def _warm(worker: SluiceProcess, prompt: str) -> list[int]:
     """Caches `prompt` on `worker` with a request sent to it directly; returns the prompt's token ids."""
     with Client(worker.target) as client:
@@ -58,6 +63,9 @@ def test_a_prompt_cached_on_a_worker_is_routed_to_it(llama_dir: str, tmp_path: P
         gateway = SmgGateway([w.url for w in workers], tmp_path / "smg.log", policy="cache_aware")
         openai_client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
         model = gateway.models()[0]
+        # The snapshot of worker 1's cache is in the gateway's index before the events below are counted.
+        goal, what = len(early) // BLOCK_SIZE, "the gateway to index worker 1's snapshot"
+        wait_for(lambda: _indexed_blocks(gateway, workers[1]) >= goal, EVENT_PATIENCE_S, what)
         for k, index in enumerate(WARMED):
             warmed = workers[index]
             before = _stored_blocks(gateway, warmed)
