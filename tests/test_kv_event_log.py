@@ -52,6 +52,16 @@ async def test_a_cursor_outside_the_history_is_refused() -> None:
         log.subscribe(5)
 
 
+async def test_the_history_also_keeps_no_more_than_its_token_ids() -> None:
+    log = KVEventLog(history_token_ids=4)
+    for block_hash in range(1, 5):  # four batches of one stored block of two token ids
+        log.publish([BlocksStored([block_hash], None, [block_hash, block_hash], 2)])
+    with pytest.raises(ReplayExpiredError, match="batches after 1 are gone: the history starts at 3"):
+        log.subscribe(1)
+    resumed = log.subscribe(2)
+    assert [(await anext(resumed)).sequence_number for _ in range(2)] == [3, 4]
+
+
 async def test_a_subscriber_too_far_behind_is_dropped_and_the_others_go_on() -> None:
     log = KVEventLog(subscriber_queue_batches=2)
     slow, fast = log.subscribe(0), log.subscribe(0)

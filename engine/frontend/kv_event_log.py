@@ -23,9 +23,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from sluice.engine.frontend.cached_blocks import CachedBlocks
-from sluice.engine.kv_cache.kv_events import KVEvent
+from sluice.engine.kv_cache.kv_events import BlocksStored, KVEvent
 
 HISTORY_BATCHES = 4096
+# ... and at most this many token ids of stored blocks (a prefill-heavy GPU step stores hundreds of blocks:
+# 4,096 such batches would hold a gigabyte of Python ints).
+HISTORY_TOKEN_IDS = 1 << 20
 SUBSCRIBER_QUEUE_BATCHES = 4096
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks a snapshot batch carries (~250 KB on the wire), at least
 
@@ -104,9 +107,14 @@ class KVEventSubscription:
 
 class KVEventLog:
     def __init__(
-        self, history_batches: int = HISTORY_BATCHES, subscriber_queue_batches: int = SUBSCRIBER_QUEUE_BATCHES
+        self,
+        history_batches: int = HISTORY_BATCHES,
+        subscriber_queue_batches: int = SUBSCRIBER_QUEUE_BATCHES,
+        history_token_ids: int = HISTORY_TOKEN_IDS,
     ) -> None:
         self._history: deque[KVEventBatch] = deque(maxlen=history_batches)
+        self._history_token_ids = history_token_ids
+        self._num_history_token_ids = 0
         self._subscriber_queue_batches = subscriber_queue_batches
         self._subscribers: set[KVEventSubscription] = set()
         self._last_sequence_number = 0
@@ -126,9 +134,18 @@ class KVEventLog:
         self._last_sequence_number += 1
         self._cached.apply(events)
         batch = KVEventBatch(self._last_sequence_number, time.time(), events)
-        self._history.append(batch)
+        self._remember(batch)
         for subscriber in list(self._subscribers):
             subscriber.push(batch)
+
+    def _remember(self, batch: KVEventBatch) -> None:
+        """Appends to the history, dropping its oldest batches past either bound."""
+        if len(self._history) == self._history.maxlen:
+            self._num_history_token_ids -= _num_token_ids(self._history[0])
+        self._history.append(batch)
+        self._num_history_token_ids += _num_token_ids(batch)
+        while self._num_history_token_ids > self._history_token_ids and len(self._history) > 1:
+            self._num_history_token_ids -= _num_token_ids(self._history.popleft())
 
     def subscribe(self, cursor: int) -> KVEventSubscription:
         """The batches after `cursor` (0: a snapshot of what is cached, then the live ones). Raises
@@ -174,3 +191,7 @@ class KVEventLog:
         self._stopped = reason
         for subscriber in list(self._subscribers):
             subscriber.fail(EngineStoppedError(reason))
+
+
+def _num_token_ids(batch: KVEventBatch) -> int:
+    return sum(len(event.token_ids) for event in batch.events if isinstance(event, BlocksStored))
