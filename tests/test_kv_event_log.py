@@ -74,6 +74,18 @@ async def test_a_subscriber_too_far_behind_is_dropped_and_the_others_go_on() -> 
     assert await _read(fast, 1) == [(3, 12)]
 
 
+async def test_a_subscriber_with_too_many_token_ids_unread_is_dropped() -> None:
+    log = KVEventLog(history_token_ids=4)
+    slow, fast = log.subscribe(0), log.subscribe(0)
+    for block_hash in (1, 2):
+        log.publish([BlocksStored([block_hash], None, [block_hash, block_hash], 2)])
+    assert [(await anext(fast)).sequence_number for _ in range(2)] == [1, 2]
+    log.publish([BlocksStored([3], None, [3, 3], 2)])  # the slow one would hold 6 token ids
+    with pytest.raises(SubscriberLagError, match="2 batches \\(4 token ids\\) unread"):
+        await anext(slow)
+    assert (await anext(fast)).sequence_number == 3
+
+
 async def test_subscriptions_end_when_the_engine_stops_after_what_they_have_queued() -> None:
     log = KVEventLog()
     subscription = log.subscribe(0)

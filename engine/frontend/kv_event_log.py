@@ -65,20 +65,32 @@ class EngineStoppedError(Exception):
 class KVEventSubscription:
     """Async iterator of the batches after the cursor. `close()` (or leaving the log) ends it."""
 
-    def __init__(self, log: KVEventLog, backlog: list[KVEventBatch], max_queued: int) -> None:
+    def __init__(
+        self, log: KVEventLog, backlog: list[KVEventBatch], max_queued: int, max_queued_token_ids: int
+    ) -> None:
+        """Past `max_queued` unread batches, or `max_queued_token_ids` of their stored blocks' token ids
+        (the backlog's counted in both), the subscriber lags."""
         self._log = log
         self._queue: deque[KVEventBatch] = deque(backlog)
         self._max_queued = max_queued
+        self._num_token_ids = sum(_num_token_ids(batch) for batch in backlog)
+        self._max_queued_token_ids = max_queued_token_ids + self._num_token_ids
         self._ready = asyncio.Event()
         self._error: Exception | None = None
         if backlog:
             self._ready.set()
 
     def push(self, batch: KVEventBatch) -> None:
-        if len(self._queue) >= self._max_queued:
-            self.fail(SubscriberLagError(f"{len(self._queue)} batches unread; resubscribe from the cursor"))
+        num_token_ids = _num_token_ids(batch)
+        if (
+            len(self._queue) >= self._max_queued
+            or self._num_token_ids + num_token_ids > self._max_queued_token_ids
+        ):
+            unread = f"{len(self._queue)} batches ({self._num_token_ids} token ids) unread"
+            self.fail(SubscriberLagError(f"{unread}; resubscribe from the cursor"))
             return
         self._queue.append(batch)
+        self._num_token_ids += num_token_ids
         self._ready.set()
 
     def fail(self, error: Exception) -> None:
@@ -87,6 +99,7 @@ class KVEventSubscription:
             self._error = error
             if isinstance(error, SubscriberLagError):
                 self._queue.clear()
+                self._num_token_ids = 0
             self._ready.set()
         self._log.unsubscribe(self)
 
@@ -102,7 +115,9 @@ class KVEventSubscription:
                 raise self._error
             self._ready.clear()
             await self._ready.wait()
-        return self._queue.popleft()
+        batch = self._queue.popleft()
+        self._num_token_ids -= _num_token_ids(batch)
+        return batch
 
 
 class KVEventLog:
@@ -163,7 +178,8 @@ class KVEventLog:
             backlog = [batch for batch in self._history if batch.sequence_number > cursor]
         else:
             backlog = self._snapshot()
-        subscription = KVEventSubscription(self, backlog, self._subscriber_queue_batches + len(backlog))
+        max_batches = self._subscriber_queue_batches + len(backlog)
+        subscription = KVEventSubscription(self, backlog, max_batches, self._history_token_ids)
         self._subscribers.add(subscription)
         return subscription
 
