@@ -43,9 +43,12 @@ def event_to_smg(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
     return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
 
-def batch_to_smg(batch: KVEventBatch, first_event_id: int) -> common_pb2.KvEventBatch:
-    """The batch, its events numbered from `first_event_id`."""
-    events = [event_to_smg(event, first_event_id + i) for i, event in enumerate(batch.events)]
+def batch_to_smg(batch: KVEventBatch, first_event_id: int | None) -> common_pb2.KvEventBatch:
+    """The batch, its events numbered from `first_event_id` (all 0 for None)."""
+    events = [
+        event_to_smg(event, 0 if first_event_id is None else first_event_id + i)
+        for i, event in enumerate(batch.events)
+    ]
     smg_batch = common_pb2.KvEventBatch(
         sequence_number=batch.sequence_number, timestamp=batch.timestamp, events=events
     )
@@ -58,8 +61,12 @@ def batch_to_smg(batch: KVEventBatch, first_event_id: int) -> common_pb2.KvEvent
 
 
 async def smg_batches(subscription: KVEventSubscription) -> AsyncIterator[common_pb2.KvEventBatch]:
-    """The subscription's batches as SMG's, events numbered 1, 2, ... over the stream."""
+    """The subscription's batches as SMG's, events numbered 1, 2, ... over the stream; a snapshot's
+    events, made up from the cache rather than recorded, are numbered 0 (as SMG's KvSnapshotChunk says)."""
     next_event_id = 1
     async for batch in subscription:
+        if batch.snapshot is not None:
+            yield batch_to_smg(batch, None)
+            continue
         yield batch_to_smg(batch, next_event_id)
         next_event_id += len(batch.events)

@@ -135,8 +135,11 @@ def test_a_new_subscriber_first_gets_a_snapshot_of_what_is_cached(stub) -> None:
     assert [b.sequence_number for b in snapshot] == list(range(last - len(snapshot) + 1, last + 1))
     stored = [e.stored for b in snapshot for e in b.events if e.WhichOneof("data") == "stored"]
     assert len(stored) == chunk.blocks and all(len(event.blocks) == 1 for event in stored)
+    assert {e.event_id for b in snapshot for e in b.events} == {0}  # made up, not recorded
     _generate(stub, "after-snapshot", [(3 * i + 7) % 400 + 10 for i in range(BLOCK_SIZE + 1)])
-    assert late.next_batch().sequence_number == last + 1  # live, without a gap
+    live = late.next_batch()
+    assert live.sequence_number == last + 1  # live, without a gap
+    assert live.events[0].event_id == 1  # the stream's first recorded event
     late.call.cancel()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.engine.frontend import kv_event_log
 from sluice.engine.frontend.cached_blocks import CachedBlocks
 from sluice.engine.frontend.kv_event_log import (
     EngineStoppedError,
@@ -131,3 +132,23 @@ async def test_a_subscriber_without_a_cursor_gets_the_snapshot_numbered_up_to_th
     assert snapshot.events == [AllBlocksCleared(), *stored]
     _publish(log, 5)
     assert await _read(subscription, 1) == [(3, 5)]
+
+
+async def test_a_cursor_short_of_a_snapshots_last_chunk_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(kv_event_log, "SNAPSHOT_CHUNK_BLOCKS", 1)
+    log = KVEventLog()
+    for block_hash in (1, 2, 3):  # a chain of three blocks, one batch each
+        log.publish([BlocksStored([block_hash], block_hash - 1 or None, [block_hash] * 2, 2)])
+    assert await _read(log.subscribe(1), 2) == [(2, 2), (3, 3)]  # a live subscriber's cursor: replayed
+    cut = log.subscribe(0)
+    first_chunk = await anext(cut)  # the stream is cut after the first of three chunks
+    assert (first_chunk.sequence_number, first_chunk.snapshot) == (1, SnapshotChunk(0, 3, 3))
+    cut.close()
+    # Replaying 2 and 3 would leave it without block 1's children: it must start over.
+    for cursor in (1, 2):
+        with pytest.raises(
+            ReplayExpiredError, match=rf"cursor {cursor} is within a snapshot \(batches 1 .. 3\)"
+        ):
+            log.subscribe(cursor)
+    assert await _read(log.subscribe(3), 0) == []  # the whole snapshot read: live from here
+    assert (await anext(log.subscribe(0))).snapshot == SnapshotChunk(0, 3, 3)  # or from 0 again

@@ -10,6 +10,12 @@ still in the history, then the live ones, in order, without a gap:
               subscribe(cursor=12)  -> ReplayExpiredError: 13 .. 40 are gone (as is a cursor past 1064:
                                        one of an earlier engine)
 
+A snapshot's chunks take the numbers of the batches before it (the live ones must follow it), so a cursor
+set by a chunk before the snapshot's last names a state the history cannot continue: the subscriber has part
+of the snapshot, not the cache as it was after that batch. A cursor within a snapshot served in several
+chunks, short of its last, is refused too (the subscriber starts over from 0); so is such a cursor that came
+from the live batches of those numbers, which only costs that subscriber a snapshot.
+
 A subscriber that lets SUBSCRIBER_QUEUE_BATCHES batches pile up unread ends with SubscriberLagError
 (it resubscribes from its cursor, within the history, or from 0). Used from the event loop only.
 """
@@ -31,6 +37,7 @@ HISTORY_BATCHES = 4096
 HISTORY_TOKEN_IDS = 1 << 20
 SUBSCRIBER_QUEUE_BATCHES = 4096
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks a snapshot batch carries (~250 KB on the wire), at least
+SNAPSHOT_RANGES = 64  # the numbers of this many recent snapshots of several chunks are remembered
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,8 @@ class KVEventLog:
         self._last_sequence_number = 0
         self._stopped: str | None = None
         self._cached = CachedBlocks()
+        # (first, last) numbers of the snapshots served in more than one chunk, oldest first.
+        self._snapshot_ranges: deque[tuple[int, int]] = deque(maxlen=SNAPSHOT_RANGES)
 
     @property
     def last_sequence_number(self) -> int:
@@ -174,6 +183,11 @@ class KVEventLog:
         first_kept = self._history[0].sequence_number if self._history else last + 1
         if 0 < cursor < first_kept - 1:
             raise ReplayExpiredError(f"batches after {cursor} are gone: the history starts at {first_kept}")
+        for first, end in self._snapshot_ranges:
+            if first <= cursor < end:
+                raise ReplayExpiredError(
+                    f"cursor {cursor} is within a snapshot (batches {first} .. {end}) short of its last chunk"
+                )
         if cursor:
             backlog = [batch for batch in self._history if batch.sequence_number > cursor]
         else:
@@ -194,6 +208,8 @@ class KVEventLog:
         chunks = [stored[i : i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
         chunks[0].insert(0, cleared)
         count, now = len(chunks), time.time()
+        if count > 1 and (last - count + 1, last) not in self._snapshot_ranges:
+            self._snapshot_ranges.append((last - count + 1, last))
         return [
             KVEventBatch(last - count + 1 + i, now, chunk, SnapshotChunk(i, count, len(stored)))
             for i, chunk in enumerate(chunks)
