@@ -3,20 +3,31 @@
 SMG's gateway subscribes to every gRPC worker at registration: with the events its cache-aware policy
 routes a request to the worker whose prefix cache holds the longest run of the request's blocks (it
 hashes each stored block's token ids itself), instead of guessing from the requests it sent.
+
+Every batch also carries the engine's load (`EngineLoad`: GetLoads' numbers), so the gateway's load-aware
+choices see each step instead of its poll; a step that changed the load without a KV event, and a second
+without any batch, send a `load_only` batch repeating the stream's last sequence number (0 before the
+engine's first batch, for a subscriber that asked for `load_records_before_first_batch`; without it the
+first record comes with the first batch). A subscriber that got load records judges the worker stale
+after 15 s without one (SMG's `--worker-stale-secs`): LOAD_HEARTBEAT_S stays well below.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
 
 from sluice.engine.frontend.kv_event_log import KVEventBatch, KVEventSubscription
 from sluice.engine.kv_cache.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
+from sluice.engine.model_info import ModelInfo
+from sluice.engine.outputs import EngineStats
 from sluice.service.tenants import request_salt_of
 
 _DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
 _LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
+LOAD_HEARTBEAT_S = 1.0  # a load_only batch after this long without any batch on the stream
 
 
 def event_to_smg(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
@@ -60,13 +71,64 @@ def batch_to_smg(batch: KVEventBatch, first_event_id: int | None) -> common_pb2.
     return smg_batch
 
 
-async def smg_batches(subscription: KVEventSubscription) -> AsyncIterator[common_pb2.KvEventBatch]:
-    """The subscription's batches as SMG's, events numbered 1, 2, ... over the stream; a snapshot's
-    events, made up from the cache rather than recorded, are numbered 0 (as SMG's KvSnapshotChunk says)."""
-    next_event_id = 1
-    async for batch in subscription:
-        if batch.snapshot is not None:
-            yield batch_to_smg(batch, None)
-            continue
-        yield batch_to_smg(batch, next_event_id)
-        next_event_id += len(batch.events)
+def engine_load(stats: EngineStats, info: ModelInfo, sample: int, telemetry: bool) -> common_pb2.EngineLoad:
+    """The load record GetLoads' numbers make; `telemetry` adds those beyond the routing core (SMG sends
+    them on the heartbeat cadence: load_only batches and a stream's first record)."""
+    load = common_pb2.EngineLoad(
+        running_requests=stats.num_running,
+        waiting_requests=stats.num_waiting,
+        token_usage=stats.kv_usage,
+        # The engine counts only blocks requests hold as used (cached, unreferenced ones are free).
+        active_token_usage=stats.kv_usage,
+        max_running_requests=info.max_num_seqs,
+        sample=sample,
+    )
+    if telemetry:
+        queries = stats.prefix_cache_queries
+        load.cache_hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
+        load.num_used_tokens = stats.num_kv_blocks_used * info.block_size
+        load.max_total_num_tokens = info.kv_capacity_tokens
+    return load
+
+
+def _routing_core(stats: EngineStats) -> tuple[int, int, int]:
+    return stats.num_running, stats.num_waiting, stats.num_kv_blocks_used
+
+
+async def smg_batches(
+    subscription: KVEventSubscription,
+    cursor: int,
+    stats: Callable[[], EngineStats],
+    info: ModelInfo,
+    load_records_before_first_batch: bool = False,
+) -> AsyncIterator[common_pb2.KvEventBatch]:
+    """The subscription's batches (after `cursor`) as SMG's, each with the engine's load, and load_only
+    batches between them (see the module's docstring). Events are numbered 1, 2, ... over the stream; a
+    snapshot's, made up from the cache rather than recorded, 0 (as SMG's KvSnapshotChunk says)."""
+    next_event_id, sample = 1, 0
+    last_sent = cursor or None  # the sequence number a load_only batch repeats (None: none yet)
+    last_core: tuple[int, int, int] | None = None
+    sent_at = time.monotonic()
+    while True:
+        batch = await subscription.next(timeout=max(0.0, sent_at + LOAD_HEARTBEAT_S - time.monotonic()))
+        now_stats = stats()
+        if batch is not None:
+            if batch.snapshot is not None:
+                smg_batch = batch_to_smg(batch, None)
+            else:
+                smg_batch = batch_to_smg(batch, next_event_id)
+                next_event_id += len(batch.events)
+            last_sent = batch.sequence_number
+        else:
+            due = time.monotonic() - sent_at >= LOAD_HEARTBEAT_S
+            if (last_sent is None and not load_records_before_first_batch) or (
+                _routing_core(now_stats) == last_core and not due
+            ):
+                continue
+            smg_batch = common_pb2.KvEventBatch(sequence_number=last_sent or 0, timestamp=time.time())
+        sample += 1
+        load_only = batch is None
+        smg_batch.load.CopyFrom(engine_load(now_stats, info, sample, telemetry=load_only or sample == 1))
+        smg_batch.load.load_only = load_only
+        last_core, sent_at = _routing_core(now_stats), time.monotonic()
+        yield smg_batch

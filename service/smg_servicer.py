@@ -16,7 +16,8 @@ options, TensorRT-LLM's its executor's, MLX's and TokenSpeed's their engines'.)
     Generate     -> token ids in  ---- GenerationRunner.outputs ---->   add_request
                  <- chunks (token-id deltas), one Complete per sample
     Abort        -> ends the live requests named (unknown ids are ignored: SMG aborts what it drops)
-    SubscribeKvEvents -> the prefix cache's stored / removed blocks, a batch per step (--kv-events)
+    SubscribeKvEvents -> the prefix cache's stored / removed blocks, a batch per step, and the engine's
+                 load with each and between them (--kv-events)
 """
 
 from __future__ import annotations
@@ -136,19 +137,27 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        """The batches after `start_sequence_number` (0: a snapshot of the cache, then the live ones)
-        until the engine stops or the server drains; OUT_OF_RANGE when they are no longer all at hand
-        (the subscriber starts over from 0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES
-        behind."""
-        log = self._inference.accepting_runner().engine.kv_event_log
+        """The batches after `start_sequence_number` (0: a snapshot of the cache, then the live ones),
+        each with the engine's load, and load_only records between them, until the engine stops or the
+        server drains; OUT_OF_RANGE when they are no longer all at hand (the subscriber starts over from
+        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind."""
+        engine = self._inference.accepting_runner().engine
+        log = engine.kv_event_log
         if log is None:
             raise UnimplementedError(
                 "SubscribeKvEvents: the server records no KV events (sluice serve --kv-events)"
             )
         subscription = log.subscribe(request.start_sequence_number)
+        batches = smg_kv_events.smg_batches(
+            subscription,
+            request.start_sequence_number,
+            engine.stats,
+            engine.model_info,
+            request.load_records_before_first_batch,
+        )
         try:
             await context.send_initial_metadata(())  # the subscriber's call resolves before any event
-            async for batch in smg_kv_events.smg_batches(subscription):
+            async for batch in batches:
                 yield batch
         finally:
             subscription.close()

@@ -107,7 +107,9 @@ class SmgGateway:
     """`smg launch` on loopback in front of gRPC workers, with health checks every second (a worker is
     dropped at its first failed check) and retries of failed calls on other workers."""
 
-    def __init__(self, worker_urls: Sequence[str], log: Path, *, policy: str = "cache_aware") -> None:
+    def __init__(
+        self, worker_urls: Sequence[str], log: Path, *, policy: str = "cache_aware", extra: Sequence[str] = ()
+    ) -> None:
         self.port = free_port()
         self.log_path = log
         self._log = log.open("w")
@@ -118,7 +120,7 @@ class SmgGateway:
         command += ["--retry-max-retries", "10", "--retry-initial-backoff-ms", "50"]
         command += ["--retry-max-backoff-ms", "1000", "--prometheus-host", "127.0.0.1"]
         self.metrics_port = free_port()
-        command += ["--prometheus-port", str(self.metrics_port), "--log-level", "warn"]
+        command += ["--prometheus-port", str(self.metrics_port), "--log-level", "warn", *extra]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         self.num_workers = len(worker_urls)
         wait_for(self._ready, START_TIMEOUT_S, f"SMG to register {self.num_workers} healthy workers", 0.2)

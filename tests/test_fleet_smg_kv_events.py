@@ -1,8 +1,9 @@
 """VllmEngine.SubscribeKvEvents on a real Sluice server started with KV events (`sluice serve --kv-events`),
 called through smg-grpc-proto's stubs as SMG's gateway calls it: the blocks a request's prompt filled
 arrive as stored events with their token ids and chained hashes, batches are numbered without a gap, a
-subscriber resumes from its cursor, a cursor the server cannot replay is OUT_OF_RANGE, and the stream
-ends UNAVAILABLE when the engine stops. (The events' agreement with the pool's cache, evictions
+subscriber resumes from its cursor, a cursor the server cannot replay is OUT_OF_RANGE, every batch
+carries the engine's load and load_only records come between them, and the stream ends UNAVAILABLE when
+the engine stops. (The events' agreement with the pool's cache, evictions
 included, is checked every step by tests/test_kv_fuzz.py.)"""
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ BLOCK_SIZE = 16  # tiny_engine_config's
 class Subscriber(threading.Thread):
     """Reads one SubscribeKvEvents stream into a queue; `code` is how it ended."""
 
-    def __init__(self, stub: smg_grpc.VllmEngineStub, cursor: int = 0) -> None:
+    def __init__(self, stub: smg_grpc.VllmEngineStub, cursor: int = 0, early_loads: bool = False) -> None:
         super().__init__(daemon=True)
-        request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=cursor)
+        request = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=cursor, load_records_before_first_batch=early_loads
+        )
         self.call = stub.SubscribeKvEvents(request)
         self.batches: queue.Queue[common_pb2.KvEventBatch] = queue.Queue()
         self.code: grpc.StatusCode | None = None
@@ -43,8 +46,12 @@ class Subscriber(threading.Thread):
         except grpc.RpcError as error:
             self.code, self.details = error.code(), error.details()
 
-    def next_batch(self) -> common_pb2.KvEventBatch:
-        return self.batches.get(timeout=PATIENCE_S)
+    def next_batch(self, load_only: bool = False) -> common_pb2.KvEventBatch:
+        """The next batch of events (or the next batch of any kind, load_only ones included)."""
+        while True:
+            batch = self.batches.get(timeout=PATIENCE_S)
+            if load_only or not batch.load.load_only:
+                return batch
 
     def stored_until(self, token_ids: list[int]) -> list[common_pb2.KvEventBatch]:
         """Batches up to the one whose stored blocks complete a chain, from a sequence's first block,
@@ -170,5 +177,61 @@ def test_the_stream_ends_unavailable_when_the_engine_stops(llama_dir: str) -> No
             subscriber.join(PATIENCE_S)
             assert subscriber.code == grpc.StatusCode.UNAVAILABLE, subscriber.details
             assert subscriber.details == "the engine stopped: the engine shut down"
+    finally:
+        thread.stop()
+
+
+def test_every_batch_carries_the_engines_load_and_load_only_records_come_between(llama_dir: str) -> None:
+    thread = ServerThread(tiny_engine_config(llama_dir), kv_events=True).start()
+    try:
+        with thread.channel() as channel:
+            stub = smg_grpc.VllmEngineStub(channel)
+            early = Subscriber(stub, early_loads=True)
+            plain = Subscriber(stub)
+            info = thread.engine.model_info
+            # Before the engine's first batch: records numbered 0, for the subscriber that asked only.
+            first = early.next_batch(load_only=True)
+            assert (first.sequence_number, first.load.load_only, len(first.events)) == (0, True, 0)
+            assert (first.load.running_requests, first.load.waiting_requests, first.load.sample) == (0, 0, 1)
+            assert first.load.max_running_requests == info.max_num_seqs > 0
+            assert first.load.max_total_num_tokens == info.kv_capacity_tokens  # telemetry: first record
+            heartbeat = early.next_batch(load_only=True)  # nothing happens: the record repeats
+            assert (heartbeat.sequence_number, heartbeat.load.load_only, heartbeat.load.sample) == (
+                0,
+                True,
+                2,
+            )
+
+            prompt = [(17 * i + 3) % 400 + 10 for i in range(BLOCK_SIZE + 1)]
+            request = smg.GenerateRequest(
+                request_id="loaded",
+                tokenized=smg.TokenizedInput(input_ids=prompt),
+                sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                stream=True,
+            )
+            call = stub.Generate(request, timeout=PATIENCE_S)
+            next(call)  # running
+            batch = plain.next_batch(load_only=True)
+            assert batch.sequence_number >= 1 and not batch.load.load_only and len(batch.events) > 0
+            assert (batch.load.sample, batch.load.running_requests) == (1, 1)
+            assert batch.load.max_total_num_tokens == info.kv_capacity_tokens and batch.load.token_usage > 0
+            call.cancel()
+            # The request's end changes the load without a KV event: a load_only record says so,
+            # repeating the last sequence number sent.
+            last_sequence, last_sample = batch.sequence_number, batch.load.sample
+            while True:
+                batch = plain.next_batch(load_only=True)
+                assert batch.HasField("load") and batch.load.sample == last_sample + 1
+                last_sample = batch.load.sample
+                if batch.load.load_only:
+                    assert batch.sequence_number == last_sequence and not batch.events
+                else:
+                    assert batch.sequence_number == last_sequence + 1
+                    last_sequence = batch.sequence_number
+                if batch.load.running_requests == 0:
+                    break
+            assert batch.load.max_total_num_tokens == info.kv_capacity_tokens or not batch.load.load_only
+            early.call.cancel()
+            plain.call.cancel()
     finally:
         thread.stop()

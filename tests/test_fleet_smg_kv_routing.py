@@ -2,7 +2,8 @@
 real gateway (`smg launch --policy cache_aware`). A prompt cached on a worker by a request the gateway never
 saw (sent to the worker directly) is routed to that worker: only the worker's KV events can tell the
 gateway where it is cached (its own prefix tree knows only what it routed). That holds for a prompt cached
-before the gateway started too: a new subscriber first gets a snapshot of the cache."""
+before the gateway started too: a new subscriber first gets a snapshot of the cache. And the gateway reads
+the engine's load from the same stream (pushed, not polled)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 from fleet_harness import SluiceProcess, SmgGateway, wait_for
+from service_harness import UNENDING
 
 from sluice import Client, generate_request
 
@@ -81,3 +83,37 @@ def test_a_prompt_cached_on_a_worker_is_routed_to_it(llama_dir: str, tmp_path: P
             gateway.close()
         for worker in workers:
             worker.close()
+
+
+def _pushed_running(gateway: SmgGateway) -> int | None:
+    """Running requests of the gateway's one worker as its last load record pushed on the KV event stream
+    said (None while its record is a poll's)."""
+    load = gateway.get("/workers")["workers"][0].get("engine_load") or {}
+    return load["loads"][0]["num_running_reqs"] if load.get("version") == "pushed" else None
+
+
+def test_the_gateway_reads_the_engines_load_from_its_event_stream(
+    llama_long_dir: str, tmp_path: Path
+) -> None:
+    # KV blocks for an UNENDING request: one that runs until the test ends it.
+    worker = SluiceProcess(
+        llama_long_dir, tmp_path / "worker.log", extra=["--kv-events", "--kv-cache-memory", "80MiB"]
+    )
+    gateway = None
+    try:
+        # One poll at registration, the next in an hour: any later change it knows of was pushed.
+        gateway = SmgGateway([worker.url], tmp_path / "smg.log", extra=["--load-monitor-interval", "3600"])
+        wait_for(lambda: _pushed_running(gateway) == 0, EVENT_PATIENCE_S, "a pushed record of an idle engine")
+        with Client(worker.target) as client:  # sent to the worker directly: the gateway never sees it
+            stream = client.generate(generate_request("hold", **UNENDING), timeout=EVENT_PATIENCE_S)
+            next(iter(stream))
+            wait_for(
+                lambda: _pushed_running(gateway) == 1, EVENT_PATIENCE_S, "a pushed record of its request"
+            )
+            stream.close()
+        wait_for(lambda: _pushed_running(gateway) == 0, EVENT_PATIENCE_S, "a pushed record of its end")
+        assert gateway.metric("smg_kv_event_batches_total", worker=worker.url, disposition="load_only") > 0
+    finally:
+        if gateway is not None:
+            gateway.close()
+        worker.close()

@@ -152,3 +152,28 @@ async def test_a_cursor_short_of_a_snapshots_last_chunk_is_refused(monkeypatch) 
             log.subscribe(cursor)
     assert await _read(log.subscribe(3), 0) == []  # the whole snapshot read: live from here
     assert (await anext(log.subscribe(0))).snapshot == SnapshotChunk(0, 3, 3)  # or from 0 again
+
+
+async def test_a_snapshot_of_an_emptied_cache_still_clears_what_the_subscriber_knew() -> None:
+    log = KVEventLog()
+    log.publish([BlocksStored([1], None, [0, 1], 2)])
+    log.publish([BlocksRemoved([1])])  # evicted: nothing cached, but a subscriber may still hold block 1
+    snapshot = await anext(log.subscribe(0))
+    assert (snapshot.sequence_number, snapshot.snapshot, snapshot.events) == (
+        2,
+        SnapshotChunk(0, 1, 0),
+        [AllBlocksCleared()],
+    )
+
+
+async def test_next_returns_none_after_a_step_or_a_timeout_and_batches_first() -> None:
+    log = KVEventLog()
+    subscription = log.subscribe(0)
+    assert await subscription.next(timeout=0) is None  # nothing yet
+    log.note_load()
+    assert await subscription.next() is None  # a step without events: woken without a batch
+    _publish(log, 7)
+    log.note_load()
+    batch = await subscription.next()
+    assert batch is not None and batch.sequence_number == 1
+    assert await subscription.next() is None  # the step's load, after its batch

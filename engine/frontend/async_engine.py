@@ -237,10 +237,12 @@ class AsyncEngine:
 
     def _on_message(self, message: CoreMessage) -> None:
         self._stats = message.stats
+        if self.kv_event_log is not None:
+            if isinstance(message, CoreOutputs) and message.kv_events:
+                self.kv_event_log.publish(message.kv_events)
+            self.kv_event_log.note_load()  # after the step's batch: its load goes with it
         if not isinstance(message, CoreOutputs):
             return
-        if message.kv_events and self.kv_event_log is not None:
-            self.kv_event_log.publish(message.kv_events)
         for output in self._send(self._output_processor.process(message.outputs)):
             stream = self._streams.get(output.request_id)
             if stream is not None:

@@ -17,7 +17,9 @@ chunks, short of its last, is refused too (the subscriber starts over from 0); s
 from the live batches of those numbers, which only costs that subscriber a snapshot.
 
 A subscriber that lets SUBSCRIBER_QUEUE_BATCHES batches pile up unread ends with SubscriberLagError
-(it resubscribes from its cursor, within the history, or from 0). Used from the event loop only.
+(it resubscribes from its cursor, within the history, or from 0). `note_load()` (every engine step) wakes
+each subscription's `next()` without a batch, for a stream that also reports the engine's load. Used from
+the event loop only.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class KVEventSubscription:
         self._max_queued_token_ids = max_queued_token_ids + self._num_token_ids
         self._ready = asyncio.Event()
         self._error: Exception | None = None
+        self._load_changed = False
         if backlog:
             self._ready.set()
 
@@ -98,6 +101,11 @@ class KVEventSubscription:
             return
         self._queue.append(batch)
         self._num_token_ids += num_token_ids
+        self._ready.set()
+
+    def notify_load(self) -> None:
+        """The engine took a step: its load may have changed."""
+        self._load_changed = True
         self._ready.set()
 
     def fail(self, error: Exception) -> None:
@@ -117,11 +125,25 @@ class KVEventSubscription:
         return self
 
     async def __anext__(self) -> KVEventBatch:
-        while not self._queue:
-            if self._error is not None:
-                raise self._error
-            self._ready.clear()
-            await self._ready.wait()
+        while (batch := await self.next()) is None:
+            pass
+        return batch
+
+    async def next(self, timeout: float | None = None) -> KVEventBatch | None:
+        """The next batch; None once the engine took a step since the last call (`note_load`) or after
+        `timeout` seconds without a batch."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not self._queue:
+                    if self._error is not None:
+                        raise self._error
+                    if self._load_changed:
+                        self._load_changed = False
+                        return None
+                    self._ready.clear()
+                    await self._ready.wait()
+        except TimeoutError:
+            return None
         batch = self._queue.popleft()
         self._num_token_ids -= _num_token_ids(batch)
         return batch
@@ -162,6 +184,11 @@ class KVEventLog:
         for subscriber in list(self._subscribers):
             subscriber.push(batch)
 
+    def note_load(self) -> None:
+        """The engine took a step (with or without events): wakes every subscription's `next()`."""
+        for subscriber in self._subscribers:
+            subscriber.notify_load()
+
     def _remember(self, batch: KVEventBatch) -> None:
         """Appends to the history, dropping its oldest batches past either bound."""
         if len(self._history) == self._history.maxlen:
@@ -199,8 +226,9 @@ class KVEventLog:
 
     def _snapshot(self) -> list[KVEventBatch]:
         """What is cached now, as batches numbered up to the last one (so the live ones follow without a
-        gap): `AllBlocksCleared` first, then the blocks. None before the cache held anything."""
-        if not len(self._cached):
+        gap): `AllBlocksCleared` first (alone once everything was evicted: a subscriber starting over
+        forgets what it knew), then the blocks. None before the first batch: nothing to number it."""
+        if not self._last_sequence_number:
             return []
         cleared, *stored = self._cached.snapshot()
         last = self._last_sequence_number  # >= 1: something was published
