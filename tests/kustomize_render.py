@@ -1,5 +1,5 @@
-"""A small offline `kustomize build` for deploy/k8s: resources (files, or a base directory) and image
-overrides, nothing else.
+"""A small offline `kustomize build` for deploy/k8s: resources (files, or a base directory), image
+overrides and inline JSON 6902 patches (`add` only) of a kind and name, nothing else.
 
 kustomize is not installed everywhere the tests run. A kustomization using any other field fails loudly
 here instead of being rendered wrong.
@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-SUPPORTED_FIELDS = {"apiVersion", "kind", "resources", "images"}
+SUPPORTED_FIELDS = {"apiVersion", "kind", "resources", "images", "patches"}
 
 
 def render(directory: str) -> list[dict[str, Any]]:
@@ -33,6 +33,13 @@ def render(directory: str) -> list[dict[str, Any]]:
             continue
         with open(path) as f:
             documents.extend(doc for doc in yaml.safe_load_all(f) if doc is not None)
+    for patch in kustomization.get("patches", []):
+        target = patch["target"]
+        (document,) = [
+            d for d in documents if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"])
+        ]
+        for operation in yaml.safe_load(patch["patch"]):
+            _add(document, operation)
     for image in kustomization.get("images", []):
         for container in _containers(documents):
             if container["image"].split(":")[0] == image["name"]:
@@ -45,3 +52,17 @@ def _containers(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
         d["spec"]["template"]["spec"] for d in documents if d["kind"] in ("Deployment", "StatefulSet")
     ]
     return [c for spec in pod_specs for c in spec.get("containers", []) + spec.get("initContainers", [])]
+
+
+def _add(document: dict[str, Any], operation: dict[str, Any]) -> None:
+    """RFC 6902 `add`: `path` is a JSON pointer to a new member, or to a list's index or end (`-`)."""
+    if operation["op"] != "add":
+        raise ValueError(f"patch op {operation['op']!r} is not rendered by this helper")
+    *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+    node: Any = document
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node.insert(len(node) if last == "-" else int(last), operation["value"])
+    else:
+        node[last] = operation["value"]

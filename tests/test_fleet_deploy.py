@@ -76,6 +76,7 @@ def test_the_gateway_routes_cache_aware_and_leaves_a_draining_pod_fast(resources
     args = _smg_args(_container(resources, "smg"))
     sluice_args = parse_sluice_args(_container(resources, "sluice")["args"])
     assert args.policy == "cache_aware"
+    assert sluice_args.kv_events  # the pods' prefix-cache events: what cache_aware routes on
     assert args.health_failure_threshold == 1
     # SMG notices a draining pod within one health interval, far within the drain's grace period.
     assert args.health_check_interval_secs * args.health_failure_threshold < sluice_args.grace_period / 5
