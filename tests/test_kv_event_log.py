@@ -177,3 +177,26 @@ async def test_next_returns_none_after_a_step_or_a_timeout_and_batches_first() -
     batch = await subscription.next()
     assert batch is not None and batch.sequence_number == 1
     assert await subscription.next() is None  # the step's load, after its batch
+
+
+async def test_a_snapshot_is_the_cache_when_taken_made_into_events_a_chunk_at_a_time(monkeypatch) -> None:
+    monkeypatch.setattr(kv_event_log, "SNAPSHOT_CHUNK_BLOCKS", 1)
+    made: list[int] = []
+    stored_event = CachedBlocks.stored_event
+    monkeypatch.setattr(
+        CachedBlocks, "stored_event", lambda self, h, block: made.append(h) or stored_event(self, h, block)
+    )
+    log = KVEventLog()
+    for block_hash in (1, 2, 3):
+        log.publish([BlocksStored([block_hash], block_hash - 1 or None, [block_hash] * 2, 2)])
+    subscription = log.subscribe(0)
+    assert made == []  # nothing made before the subscriber reads
+    log.publish([BlocksRemoved([3])])  # the cache moves on; the snapshot stays what it was
+    first = await anext(subscription)
+    assert (made, first.events) == ([1], [AllBlocksCleared(), BlocksStored([1], None, [1, 1], 2)])
+    rest = [await anext(subscription) for _ in range(3)]
+    assert [b.events for b in rest[:2]] == [
+        [BlocksStored([2], 1, [2, 2], 2)],
+        [BlocksStored([3], 2, [3, 3], 2)],
+    ]
+    assert (rest[2].sequence_number, rest[2].events) == (4, [BlocksRemoved([3])])  # then live

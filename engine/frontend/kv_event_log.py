@@ -30,8 +30,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from sluice.engine.frontend.cached_blocks import CachedBlocks
-from sluice.engine.kv_cache.kv_events import BlocksStored, KVEvent
+from sluice.engine.frontend.cached_blocks import CachedBlock, CachedBlocks
+from sluice.engine.kv_cache.kv_events import AllBlocksCleared, BlocksStored, KVEvent
 
 HISTORY_BATCHES = 4096
 # ... and at most this many token ids of stored blocks (a prefill-heavy GPU step stores hundreds of blocks:
@@ -59,6 +59,24 @@ class KVEventBatch:
     snapshot: SnapshotChunk | None = None  # set on the batches of a snapshot
 
 
+@dataclass(frozen=True)
+class _PendingChunk:
+    """A snapshot batch whose events are made when the subscriber reads it (from immutable block records
+    taken with the snapshot: what the cache held then, whatever it holds by now)."""
+
+    sequence_number: int
+    timestamp: float
+    cleared: bool  # the snapshot's first chunk begins with AllBlocksCleared
+    blocks: list[tuple[int, CachedBlock]]
+    chunk: SnapshotChunk
+    cached: CachedBlocks
+
+    def batch(self) -> KVEventBatch:
+        events: list[KVEvent] = [AllBlocksCleared()] if self.cleared else []
+        events += [self.cached.stored_event(block_hash, block) for block_hash, block in self.blocks]
+        return KVEventBatch(self.sequence_number, self.timestamp, events, self.chunk)
+
+
 class ReplayExpiredError(Exception):
     """The cursor's next batch is no longer in the history (or never was)."""
 
@@ -75,12 +93,16 @@ class KVEventSubscription:
     """Async iterator of the batches after the cursor. `close()` (or leaving the log) ends it."""
 
     def __init__(
-        self, log: KVEventLog, backlog: list[KVEventBatch], max_queued: int, max_queued_token_ids: int
+        self,
+        log: KVEventLog,
+        backlog: list[KVEventBatch] | list[_PendingChunk],
+        max_queued: int,
+        max_queued_token_ids: int,
     ) -> None:
         """Past `max_queued` unread batches, or `max_queued_token_ids` of their stored blocks' token ids
         (the backlog's counted in both), the subscriber lags."""
         self._log = log
-        self._queue: deque[KVEventBatch] = deque(backlog)
+        self._queue: deque[KVEventBatch | _PendingChunk] = deque(backlog)
         self._max_queued = max_queued
         self._num_token_ids = sum(_num_token_ids(batch) for batch in backlog)
         self._max_queued_token_ids = max_queued_token_ids + self._num_token_ids
@@ -144,9 +166,9 @@ class KVEventSubscription:
                     await self._ready.wait()
         except TimeoutError:
             return None
-        batch = self._queue.popleft()
-        self._num_token_ids -= _num_token_ids(batch)
-        return batch
+        item = self._queue.popleft()
+        self._num_token_ids -= _num_token_ids(item)
+        return item.batch() if isinstance(item, _PendingChunk) else item
 
 
 class KVEventLog:
@@ -215,6 +237,7 @@ class KVEventLog:
                 raise ReplayExpiredError(
                     f"cursor {cursor} is within a snapshot (batches {first} .. {end}) short of its last chunk"
                 )
+        backlog: list[KVEventBatch] | list[_PendingChunk]
         if cursor:
             backlog = [batch for batch in self._history if batch.sequence_number > cursor]
         else:
@@ -224,22 +247,23 @@ class KVEventLog:
         self._subscribers.add(subscription)
         return subscription
 
-    def _snapshot(self) -> list[KVEventBatch]:
+    def _snapshot(self) -> list[_PendingChunk]:
         """What is cached now, as batches numbered up to the last one (so the live ones follow without a
         gap): `AllBlocksCleared` first (alone once everything was evicted: a subscriber starting over
         forgets what it knew), then the blocks. None before the first batch: nothing to number it."""
         if not self._last_sequence_number:
             return []
-        cleared, *stored = self._cached.snapshot()
+        blocks = self._cached.reachable()
         last = self._last_sequence_number  # >= 1: something was published
-        per_batch = max(SNAPSHOT_CHUNK_BLOCKS, math.ceil(len(stored) / last))
-        chunks = [stored[i : i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
-        chunks[0].insert(0, cleared)
+        per_batch = max(SNAPSHOT_CHUNK_BLOCKS, math.ceil(len(blocks) / last))
+        chunks = [blocks[i : i + per_batch] for i in range(0, len(blocks), per_batch)] or [[]]
         count, now = len(chunks), time.time()
         if count > 1 and (last - count + 1, last) not in self._snapshot_ranges:
             self._snapshot_ranges.append((last - count + 1, last))
         return [
-            KVEventBatch(last - count + 1 + i, now, chunk, SnapshotChunk(i, count, len(stored)))
+            _PendingChunk(
+                last - count + 1 + i, now, i == 0, chunk, SnapshotChunk(i, count, len(blocks)), self._cached
+            )
             for i, chunk in enumerate(chunks)
         ]
 
@@ -253,5 +277,8 @@ class KVEventLog:
             subscriber.fail(EngineStoppedError(reason))
 
 
-def _num_token_ids(batch: KVEventBatch) -> int:
+def _num_token_ids(batch: KVEventBatch | _PendingChunk) -> int:
+    """A snapshot's pending chunks count none: the backlog's count is added to the bound anyway."""
+    if isinstance(batch, _PendingChunk):
+        return 0
     return sum(len(event.token_ids) for event in batch.events if isinstance(event, BlocksStored))
