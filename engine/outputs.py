@@ -211,6 +211,10 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    # Lookups of requests resumed after preemption, not in prefix_cache_queries / _hits (vLLM's
+    # PrefixCacheStats.preempted_*): they find their own blocks, which would inflate the hit rate.
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
     num_steps: int = 0
     # Speculative decoding: drafts verified and accepted; per draft position j (0-based), how many
     # drafts were verified there and how many accepted (acceptance rate at j = accepted / verified).

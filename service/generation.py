@@ -241,7 +241,11 @@ class RequestProgress:
     def final_output(self, caller_left: bool) -> RequestOutput | None:
         """The request's final output, with the completion tokens and preemptions of all its samples: the
         last sample's to finish; an "abort" one if the caller left before all finished; None if none
-        finished otherwise (refused or failed before any did)."""
+        finished otherwise (refused or failed before any did).
+
+        Its prompt counts once, as sample 0 ran it: `cached_tokens` are sample 0's, whichever sample
+        finished last. The later samples hit the blocks sample 0 just computed (`ParallelSampling`), a
+        hit the request gave itself, as a request resumed after preemption does."""
         final = self.aborted() if caller_left and not self.all_finished else self._last_finished
         if final is None:
             return None
@@ -250,5 +254,7 @@ class RequestProgress:
         if final.usage is None:
             return msgspec.structs.replace(final, num_preemptions=num_preemptions)
         num_tokens = sum(output.usage.completion_tokens for output in outputs if output.usage is not None)
-        usage = msgspec.structs.replace(final.usage, completion_tokens=num_tokens)
+        first = self._latest.get(0)
+        num_cached = first.usage.cached_tokens if first is not None and first.usage is not None else 0
+        usage = msgspec.structs.replace(final.usage, completion_tokens=num_tokens, cached_tokens=num_cached)
         return msgspec.structs.replace(final, usage=usage, num_preemptions=num_preemptions)

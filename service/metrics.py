@@ -50,10 +50,24 @@ class EngineStatsCollector(Collector):
             ("sluice_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions),
             (
                 "sluice_prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
+                "Prompt tokens looked up in the prefix cache (requests admitted for the first time).",
                 stats.prefix_cache_queries,
             ),
-            ("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            (
+                "sluice_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (requests admitted for the first time).",
+                stats.prefix_cache_hits,
+            ),
+            (
+                "sluice_prefix_cache_preempted_queries",
+                "Tokens looked up in the prefix cache by requests resumed after preemption.",
+                stats.prefix_cache_preempted_queries,
+            ),
+            (
+                "sluice_prefix_cache_preempted_hits",
+                "Tokens found in the prefix cache by requests resumed after preemption.",
+                stats.prefix_cache_preempted_hits,
+            ),
             (
                 "sluice_prefix_cache_evictions",
                 "Cached KV blocks evicted for reuse.",
@@ -166,7 +180,10 @@ class ServerMetrics:
             "sluice_generation_tokens", "Generated tokens.", ["tenant"], registry=r
         )
         self.cached_tokens = Counter(
-            "sluice_cached_tokens", "Prompt tokens served from the prefix cache.", ["tenant"], registry=r
+            "sluice_cached_tokens",
+            "Prompt tokens served from the prefix cache (with n > 1, sample 0's: the prompt counts once).",
+            ["tenant"],
+            registry=r,
         )
         self.requests = Counter(
             "sluice_requests",

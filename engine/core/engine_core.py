@@ -245,6 +245,8 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_evictions=s.prefix_cache_evictions,
+            prefix_cache_preempted_queries=s.prefix_cache_preempted_queries,
+            prefix_cache_preempted_hits=s.prefix_cache_preempted_hits,
             num_steps=self._num_steps,
             **self.speculator.counters.stats_fields(),
         )

@@ -63,8 +63,12 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}  # parallel to _blocks, so tables are cheap to copy
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks of tokens
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
-        self.num_queries = 0  # tokens looked up in the prefix cache at admission
+        self.num_queries = 0  # tokens looked up in the prefix cache at a request's first admission
         self.num_hits = 0  # of which found cached
+        # The same for requests resumed after preemption, kept apart (vLLM's PrefixCacheStats): such a
+        # request finds its own blocks, freed when it was preempted, still cached unless evicted since.
+        self.num_preempted_queries = 0
+        self.num_preempted_hits = 0
         self.events: KVEventRecorder | None = None  # `record_events`
 
     def find_prefix(self, request: Request) -> PrefixHit:
@@ -125,9 +129,18 @@ class KVCacheManager:
         if hit is not None:
             self._num_cached_blocks[request_id] = len(hit_blocks)
             if self.enable_caching:
-                self.num_queries += request.num_tokens
-                self.num_hits += hit.num_tokens
+                self._count_lookup(request, hit)
         return tuple(block_ids)
+
+    def _count_lookup(self, request: Request, hit: PrefixHit) -> None:
+        """Count an admitted request's lookup: its tokens (the prompt, and after a preemption the outputs
+        so far too) and those the hit covers, apart for a request resumed after preemption."""
+        if request.num_preemptions:
+            self.num_preempted_queries += request.num_tokens
+            self.num_preempted_hits += hit.num_tokens
+        else:
+            self.num_queries += request.num_tokens
+            self.num_hits += hit.num_tokens
 
     def num_blocks_needed(self, num_tokens: int, max_tokens_per_step: int) -> int:
         """Most blocks a request of `num_tokens` tokens holds at once, advancing at most

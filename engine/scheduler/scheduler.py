@@ -166,13 +166,23 @@ class Scheduler:
 
     @property
     def prefix_cache_queries(self) -> int:
-        """Tokens looked up in the prefix cache at admission."""
+        """Tokens looked up in the prefix cache at a request's first admission."""
         return self.kv.num_queries
 
     @property
     def prefix_cache_hits(self) -> int:
-        """Tokens found cached at admission (never a request's last token)."""
+        """Tokens found cached at a request's first admission (never a request's last token)."""
         return self.kv.num_hits
+
+    @property
+    def prefix_cache_preempted_queries(self) -> int:
+        """Tokens looked up in the prefix cache by requests resumed after preemption."""
+        return self.kv.num_preempted_queries
+
+    @property
+    def prefix_cache_preempted_hits(self) -> int:
+        """Tokens found cached by requests resumed after preemption (their own blocks, if not evicted)."""
+        return self.kv.num_preempted_hits
 
     @property
     def prefix_cache_evictions(self) -> int:
