@@ -216,6 +216,7 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
     num_steps: int = 0
+    num_waiting_tokens: int = 0  # tokens the waiting requests have yet to compute (Scheduler's)
     # Speculative decoding: drafts verified and accepted; per draft position j (0-based), how many
     # drafts were verified there and how many accepted (acceptance rate at j = accepted / verified).
     num_draft_tokens: int = 0

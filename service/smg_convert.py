@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -324,8 +325,34 @@ def server_info_to_smg(
     )
 
 
-def loads_to_smg(stats: EngineStats, info: ModelInfo, timestamp: str, version: str) -> smg.GetLoadsResponse:
-    """One rank: running and waiting requests, KV usage (blocks in use over all blocks)."""
+class GenerationRate:
+    """Tokens generated per second over the last WINDOW_S seconds, from the engine's cumulative count:
+    `gen_throughput` of SMG's load records (its least_load policy drains the queued tokens at it)."""
+
+    WINDOW_S = 5.0
+    SAMPLE_S = 0.25  # the shortest span a rate is measured over; samples are kept this far apart
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()  # (time.monotonic(), tokens generated)
+        self._rate = 0.0
+
+    def __call__(self, num_tokens: int, now: float) -> float:
+        if not self._samples or now - self._samples[-1][0] >= self.SAMPLE_S:
+            self._samples.append((now, num_tokens))
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.WINDOW_S:
+            self._samples.popleft()  # the oldest kept is the last at least WINDOW_S old
+        since, num_before = self._samples[0]
+        if now - since >= self.SAMPLE_S:
+            self._rate = (num_tokens - num_before) / (now - since)
+        return self._rate
+
+
+def loads_to_smg(
+    stats: EngineStats, info: ModelInfo, timestamp: str, version: str, gen_throughput: float = 0.0
+) -> smg.GetLoadsResponse:
+    """One rank: running and waiting requests, KV usage (blocks in use over all blocks), the tokens the
+    waiting requests have yet to compute (some may be cached: the engine looks only at admission) and the
+    generation rate."""
     queries = stats.prefix_cache_queries
     load = smg.SchedulerLoad(
         dp_rank=0,
@@ -336,6 +363,9 @@ def loads_to_smg(stats: EngineStats, info: ModelInfo, timestamp: str, version: s
         max_total_num_tokens=info.kv_capacity_tokens,
         token_usage=stats.kv_usage,
         cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
+        num_waiting_uncached_tokens=stats.num_waiting_tokens,
+        gen_throughput=gen_throughput,
+        max_running_requests=info.max_num_seqs,
     )
     return smg.GetLoadsResponse(timestamp=timestamp, version=version, dp_rank_count=1, loads=[load])
 

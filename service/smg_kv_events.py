@@ -71,12 +71,17 @@ def batch_to_smg(batch: KVEventBatch, first_event_id: int | None) -> common_pb2.
     return smg_batch
 
 
-def engine_load(stats: EngineStats, info: ModelInfo, sample: int, telemetry: bool) -> common_pb2.EngineLoad:
+def engine_load(
+    stats: EngineStats, info: ModelInfo, sample: int, telemetry: bool, gen_throughput: float
+) -> common_pb2.EngineLoad:
     """The load record GetLoads' numbers make; `telemetry` adds those beyond the routing core (SMG sends
     them on the heartbeat cadence: load_only batches and a stream's first record)."""
     load = common_pb2.EngineLoad(
         running_requests=stats.num_running,
         waiting_requests=stats.num_waiting,
+        # What the waiting requests have yet to compute; the engine looks at the cache only at admission.
+        waiting_uncached_tokens=stats.num_waiting_tokens,
+        gen_throughput=gen_throughput,
         token_usage=stats.kv_usage,
         # The engine counts only blocks requests hold as used (cached, unreferenced ones are free).
         active_token_usage=stats.kv_usage,
@@ -91,8 +96,8 @@ def engine_load(stats: EngineStats, info: ModelInfo, sample: int, telemetry: boo
     return load
 
 
-def _routing_core(stats: EngineStats) -> tuple[int, int, int]:
-    return stats.num_running, stats.num_waiting, stats.num_kv_blocks_used
+def _routing_core(stats: EngineStats) -> tuple[int, int, int, int]:
+    return stats.num_running, stats.num_waiting, stats.num_waiting_tokens, stats.num_kv_blocks_used
 
 
 async def smg_batches(
@@ -100,6 +105,7 @@ async def smg_batches(
     cursor: int,
     stats: Callable[[], EngineStats],
     info: ModelInfo,
+    gen_throughput: Callable[[EngineStats], float],
     load_records_before_first_batch: bool = False,
 ) -> AsyncIterator[common_pb2.KvEventBatch]:
     """The subscription's batches (after `cursor`) as SMG's, each with the engine's load, and load_only
@@ -107,7 +113,7 @@ async def smg_batches(
     snapshot's, made up from the cache rather than recorded, 0 (as SMG's KvSnapshotChunk says)."""
     next_event_id, sample = 1, 0
     last_sent = cursor or None  # the sequence number a load_only batch repeats (None: none yet)
-    last_core: tuple[int, int, int] | None = None
+    last_core: tuple[int, int, int, int] | None = None
     sent_at = time.monotonic()
     while True:
         batch = await subscription.next(timeout=max(0.0, sent_at + LOAD_HEARTBEAT_S - time.monotonic()))
@@ -128,7 +134,8 @@ async def smg_batches(
             smg_batch = common_pb2.KvEventBatch(sequence_number=last_sent or 0, timestamp=time.time())
         sample += 1
         load_only = batch is None
-        smg_batch.load.CopyFrom(engine_load(now_stats, info, sample, telemetry=load_only or sample == 1))
+        record = engine_load(now_stats, info, sample, load_only or sample == 1, gen_throughput(now_stats))
+        smg_batch.load.CopyFrom(record)
         smg_batch.load.load_only = load_only
         last_core, sent_at = _routing_core(now_stats), time.monotonic()
         yield smg_batch

@@ -40,6 +40,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from sluice.engine.errors import InvalidRequestError, UnknownRequestError
 from sluice.engine.frontend.async_engine import tokenize_when_long
+from sluice.engine.outputs import EngineStats
 from sluice.service import smg_convert, smg_kv_events
 from sluice.service.caller import Call, Caller
 from sluice.service.generation import GenerationRunner
@@ -83,6 +84,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._started = time.time()
         self._last_receive = 0.0
         self._version = version("sluice")
+        self._generation_rate = smg_convert.GenerationRate()
 
     @property
     def num_active_requests(self) -> int:
@@ -153,6 +155,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             request.start_sequence_number,
             engine.stats,
             engine.model_info,
+            self._gen_throughput,
             request.load_records_before_first_batch,
         )
         try:
@@ -198,7 +201,14 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetLoadsResponse:
         engine = self._inference.accepting_runner().engine
         timestamp = datetime.now(UTC).isoformat()
-        return smg_convert.loads_to_smg(engine.stats(), engine.model_info, timestamp, self._version)
+        stats = engine.stats()
+        return smg_convert.loads_to_smg(
+            stats, engine.model_info, timestamp, self._version, self._gen_throughput(stats)
+        )
+
+    def _gen_throughput(self, stats: EngineStats) -> float:
+        """Tokens generated per second lately (GetLoads and the load records share the measure)."""
+        return self._generation_rate(stats.num_generation_tokens, time.monotonic())
 
     @rpc_errors
     async def StartProfile(

@@ -298,8 +298,11 @@ def test_streaming_sends_the_prompts_logprobs_in_every_samples_first_chunk() -> 
 def test_loads_and_model_info() -> None:
     from sluice.engine.outputs import EngineStats
 
-    stats = EngineStats(3, 2, 8, 4, 0, 0, 0, prefix_cache_queries=10, prefix_cache_hits=4)
-    (load,) = smg_convert.loads_to_smg(stats, INFO, "now", "0.1.0").loads
+    stats = EngineStats(
+        3, 2, 8, 4, 0, 0, 0, prefix_cache_queries=10, prefix_cache_hits=4, num_waiting_tokens=37
+    )
+    (load,) = smg_convert.loads_to_smg(stats, INFO, "now", "0.1.0", gen_throughput=12.5).loads
+    assert (load.num_waiting_uncached_tokens, load.gen_throughput) == (37, 12.5)
     assert (load.num_running_reqs, load.num_waiting_reqs, load.num_total_reqs) == (3, 2, 5)
     assert load.token_usage == 0.5 and load.num_used_tokens == 64 and load.max_total_num_tokens == 128
     assert load.cache_hit_rate == pytest.approx(0.4)
@@ -348,3 +351,13 @@ def test_the_bundle_exports_a_gguf_vocabulary_as_tokenizer_json(tmp_path: Path) 
     config = json.loads((directory / "config.json").read_text())
     assert (config["model_type"], config["max_position_embeddings"]) == ("llama", 8192)
     _check_against_transformers(ours, directory)
+
+
+def test_the_generation_rate_is_measured_over_the_last_seconds() -> None:
+    rate = smg_convert.GenerationRate()
+    assert rate(0, 0.0) == 0.0
+    assert rate(10, 0.1) == 0.0  # too short a span to measure
+    assert rate(100, 1.0) == pytest.approx(100.0)
+    assert rate(400, 3.0) == pytest.approx(400 / 3)
+    assert rate(600, 7.0) == pytest.approx(500 / 6)  # since the last sample at least 5 s old: (1.0, 100)
+    assert rate(600, 20.0) == 0.0  # idle since

@@ -13,7 +13,7 @@ import threading
 
 import grpc
 import pytest
-from service_harness import PATIENCE_S, ServerThread, tiny_engine_config
+from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, tiny_engine_config
 from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -233,5 +233,41 @@ def test_every_batch_carries_the_engines_load_and_load_only_records_come_between
             assert batch.load.max_total_num_tokens == info.kv_capacity_tokens or not batch.load.load_only
             early.call.cancel()
             plain.call.cancel()
+    finally:
+        thread.stop()
+
+
+def test_a_waiting_requests_tokens_and_the_generation_rate_are_in_the_load(llama_long_dir: str) -> None:
+    # One request runs at a time: the second waits, with its prompt yet to compute.
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1), kv_events=True).start()
+    try:
+        with thread.channel() as channel:
+            stub = smg_grpc.VllmEngineStub(channel)
+            subscriber = Subscriber(stub, early_loads=True)
+
+            def stream(request_id: str, prompt: list[int]):
+                sampling = smg.SamplingParams(**UNENDING)
+                request = smg.GenerateRequest(
+                    request_id=request_id,
+                    tokenized=smg.TokenizedInput(input_ids=prompt),
+                    sampling_params=sampling,
+                    stream=True,
+                )
+                return stub.Generate(request, timeout=PATIENCE_S)
+
+            running = stream("running", [11, 12, 13])
+            next(running)
+            waiting = stream("waiting", list(range(20, 57)))  # 37 tokens
+            while (load := subscriber.next_batch(load_only=True).load).waiting_requests != 1:
+                pass
+            assert (load.running_requests, load.waiting_uncached_tokens) == (1, 37)
+            while subscriber.next_batch(load_only=True).load.gen_throughput <= 0:
+                pass  # measured over a quarter of a second at least: a few records on
+            polled = stub.GetLoads(smg.GetLoadsRequest(), timeout=PATIENCE_S).loads[0]
+            assert (polled.num_waiting_reqs, polled.num_waiting_uncached_tokens) == (1, 37)
+            assert polled.gen_throughput > 0 and polled.max_running_requests == 1
+            waiting.cancel()
+            running.cancel()
+            subscriber.call.cancel()
     finally:
         thread.stop()

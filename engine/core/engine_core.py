@@ -248,6 +248,7 @@ class EngineCore:
             prefix_cache_preempted_queries=s.prefix_cache_preempted_queries,
             prefix_cache_preempted_hits=s.prefix_cache_preempted_hits,
             num_steps=self._num_steps,
+            num_waiting_tokens=s.num_waiting_tokens,
             **self.speculator.counters.stats_fields(),
         )
 
