@@ -8,20 +8,21 @@ SmolLM2, Llama 3 and Qwen2) is rebuilt here with the `tokenizers` library; Sente
     tokens + merges        -> BPE model (tokens are already spelled in the GPT-2 byte alphabet)
     token_type CONTROL     -> added special tokens (`<|im_start|>`), matched whole, skipped on decode
     token_type USER_DEFINED-> added plain tokens, matched whole
-    tokenizer.ggml.pre     -> the pre-tokenizer split the merges were learned with
+    tokenizer.ggml.pre     -> the pre-tokenizer split the merges were learned with ("default", or no key:
+                              llama.cpp's own regexes, not GPT-2's split as in transformers)
 
-Special ids, BOS and the chat templates are read as llama.cpp reads them (src/llama-vocab.cpp,
+Special ids, BOS, EOS and the chat templates are read as llama.cpp reads them (src/llama-vocab.cpp,
 `llama_vocab::impl::load`; common/chat.cpp): generation also ends on end-of-turn tokens found by name
 (`<end_of_turn>`, `<|eot_id|>`, ...) where the file names no eot id; BOS is added by default for a
-SentencePiece vocabulary and for the Llama 3 pre-tokenizer; `tokenizer.chat_template.<name>` keys are the
-named templates ("tool_use" renders requests with tools).
+SentencePiece vocabulary and for the Llama 3 pre-tokenizer, EOS where `add_eos_token` says so;
+`tokenizer.chat_template.<name>` keys are the named templates ("tool_use" renders requests with tools).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from sluice.engine.loading.gguf_file import GGUFFile
@@ -58,6 +59,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's "default" (also a file that names no pre-tokenizer): runs of punctuation, then the GPT-2 split,
+# runs of digits, and each run cut into threes; each regex splits the pieces the ones before it left.
+_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
 
 
 def _gpt2_split() -> pre_tokenizers.PreTokenizer:
@@ -69,13 +78,14 @@ def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 
-def _regex_split(pattern: str):
+def _regex_split(*patterns: str):
+    """Split by each pattern in turn (matches and the text between them are pieces), as llama.cpp's
+    `unicode_regex_split`, then spell the pieces' bytes in the GPT-2 alphabet."""
+
     def build() -> pre_tokenizers.PreTokenizer:
+        splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns]
         return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
 
     return build
@@ -83,7 +93,7 @@ def _regex_split(pattern: str):
 
 # tokenizer.ggml.pre -> builder of the pre-tokenizer (llama.cpp's llama-vocab.cpp names).
 _PRE_TOKENIZERS = {
-    "default": _gpt2_split,
+    "default": _regex_split(*_DEFAULT_SPLITS),
     "gpt-2": _gpt2_split,
     "smollm": _digits_then_gpt2_split,
     "llama-bpe": _regex_split(_LLAMA3_SPLIT),
@@ -111,14 +121,19 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = _eos_token_ids(file.metadata, tokens)
     bos_by_default = model == "llama" or file.metadata.get("tokenizer.ggml.pre") in _LLAMA3_PRE
-    add_bos = file.metadata.get("tokenizer.ggml.add_bos_token", bos_by_default)
+    add_bos = bool(file.metadata.get("tokenizer.ggml.add_bos_token", bos_by_default))
+    add_eos = bool(file.metadata.get("tokenizer.ggml.add_eos_token", False))
+    eos_id = file.metadata.get("tokenizer.ggml.eos_token_id")
+    processor = _bos_eos_processor(tokens, bos_id if add_bos else None, eos_id if add_eos else None)
+    if processor is not None:
+        backend.post_processor = processor
     return Tokenizer(
         backend,
         chat_template=file.metadata.get("tokenizer.chat_template"),
         bos_token=None if bos_id is None else tokens[bos_id],
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
         eos_token_ids=eos_ids,
-        add_bos_token=bool(add_bos),
+        add_bos_token=add_bos,
         name=file.metadata.get("general.name", "gguf"),
         named_chat_templates=_named_chat_templates(file.metadata),
     )
@@ -151,6 +166,9 @@ def _sentencepiece(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
         merges,
         gemma=gemma,
         unk_token=tokens[unk_id] if gemma and unk_id is not None else None,
+        # llama.cpp's default is true; Gemma's files all say false (its SentencePiece model has no dummy
+        # prefix), and transformers never prefixes Gemma.
+        add_space_prefix=bool(file.metadata.get("tokenizer.ggml.add_space_prefix", not gemma)),
         special_ids=tuple(i for i in map(file.metadata.get, _SPECIAL_ID_KEYS) if i is not None),
     )
 
@@ -180,6 +198,25 @@ def byte_level_bpe(
         [AddedToken(t, normalized=False, special=False) for t, kind in typed if kind == _USER_DEFINED]
     )
     return backend
+
+
+def _bos_eos_processor(
+    tokens: list[str], bos_id: int | None, eos_id: int | None
+) -> processors.TemplateProcessing | None:
+    """BOS before and EOS after each text where llama.cpp's `add_special` adds them (its `add_bos`,
+    `add_eos`), as transformers' post-processor for `add_bos_token` / `add_eos_token`; None if neither."""
+    if bos_id is None and eos_id is None:
+        return None
+
+    def part(sequence: str, type_id: int) -> str:
+        bos = [] if bos_id is None else [f"{tokens[bos_id]}:{type_id}"]
+        eos = [] if eos_id is None else [f"{tokens[eos_id]}:{type_id}"]
+        return " ".join([*bos, f"${sequence}:{type_id}", *eos])
+
+    special = [(tokens[i], i) for i in dict.fromkeys((bos_id, eos_id)) if i is not None]
+    return processors.TemplateProcessing(
+        single=part("A", 0), pair=f"{part('A', 0)} {part('B', 1)}", special_tokens=special
+    )
 
 
 def _eos_token_ids(metadata: dict[str, Any], tokens: list[str]) -> tuple[int, ...]:

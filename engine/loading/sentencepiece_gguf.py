@@ -1,13 +1,21 @@
 """SentencePiece vocabularies from GGUF files (`tokenizer.ggml.model == "llama"`: Llama 2, Mistral, Gemma).
 
 A GGUF stores a SentencePiece model as its pieces (`▁` for a space, `<0x41>` byte pieces), their
-scores and types, rarely with merges. It is rebuilt as a `tokenizers` BPE with byte fallback, the way
-transformers rebuilds it (`integrations/gguf/gguf_tokenizer_mapping.py`), so both encode alike:
+scores and types, rarely with merges. It is rebuilt as a `tokenizers` BPE with byte fallback, its merges
+the way transformers rebuilds them (`integrations/gguf/gguf_tokenizer_mapping.py`):
 
     merges   the file's, else every split of a piece into two pieces of the vocabulary, ranked by the
              piece's score (Gemma: by its position in the file, which is its merge order)
-    Llama    Metaspace pre-tokenizer: spaces -> `▁`, one `▁` prepended to the text; decoding strips it
-    Gemma    spaces -> `▁` by a normalizer, nothing prepended; pieces of 2+ real spaces respelled `▁▁`
+    spaces   -> `▁` by a normalizer; with `tokenizer.ggml.add_space_prefix` one `▁` is prepended too, and
+             decoding strips one leading space
+    Gemma    pieces of 2+ real spaces respelled `▁▁`
+
+The space prefix is llama.cpp's (`llama_vocab::impl::tokenize`, SPM): one space before every stretch of text
+that starts the input or follows a special or added token, even one that starts with a space. As a normalizer
+it reaches exactly those stretches (`tokenizers` normalizes the text between added tokens one stretch at a
+time), as in Llama 2's own tokenizer.json (transformers' legacy `LlamaConverter`). transformers' GGUF
+conversion differs: it ignores `add_space_prefix` = false, and its `Metaspace(prepend_scheme="first")`
+prefixes only the input's first stretch, and none that already starts with a space.
 """
 
 from __future__ import annotations
@@ -28,11 +36,12 @@ def sentencepiece_bpe(
     *,
     gemma: bool,
     unk_token: str | None,
+    add_space_prefix: bool,
     special_ids: tuple[int, ...] = (),
 ) -> BackendTokenizer:
     """A byte-fallback BPE over the GGUF's pieces (ids are list positions). Control tokens and
     `special_ids` (the file's bos/eos/unk/pad) become special added tokens, user-defined ones plain
-    added tokens, all matched whole."""
+    added tokens, all matched whole. `add_space_prefix`: llama.cpp's space before each stretch of text."""
     # Gemma's runs of spaces are pieces the BPE reaches through the normalizer (" " -> "\u2581"), as
     # SentencePiece does; added whole they would also match a "\u2581" typed in the text (transformers'
     # converter leaves them out too).
@@ -46,16 +55,13 @@ def sentencepiece_bpe(
     pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else merges_from_vocab(vocab, ranks)
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, unk_token=unk_token)
     backend = BackendTokenizer(bpe)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "\u2581")])
     if gemma:
-        backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first", split=False
-        )
-        steps.append(decoders.Strip(content=" ", left=1))
-    backend.decoder = decoders.Sequence(steps)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    strip = [decoders.Strip(content=" ", left=1)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([*steps, *strip])
     typed = list(zip(tokens, token_types, strict=False))
     special = [t for t, kind in typed if kind == _CONTROL]
     special += [tokens[i] for i in special_ids if tokens[i] not in special]
