@@ -9,12 +9,15 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf import json_format
+
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import LogprobColumns, RequestOutput, Timings, Usage
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.tool_calls import Tool, ToolUse
+from sluice.engine.text.chat_template import ChatTemplateOptions
 from sluice.service.generation_spec import GenerationSpec, Prompt
 from sluice.v1 import sluice_pb2 as pb
 
@@ -135,6 +138,30 @@ def messages_from_proto(chat: pb.ChatMessages) -> tuple[dict[str, Any], ...]:
     return tuple(_message_from_proto(message) for message in chat.messages)
 
 
+def chat_options_from_proto(chat: pb.ChatMessages) -> ChatTemplateOptions:
+    """How the chat template renders the conversation: an unset add_generation_prompt is true, and the
+    kwargs' whole numbers are ints (a Struct holds every number as a double; vLLM's JSON gives ints)."""
+    kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+    return ChatTemplateOptions(
+        chat_template_kwargs={key: _whole_numbers_as_ints(value) for key, value in kwargs.items()},
+        add_generation_prompt=(
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=chat.continue_final_message,
+    )
+
+
+def _whole_numbers_as_ints(value: Any) -> Any:
+    """A Struct value as JSON parsing gives it: 2.0 as 2 (a template prints 2.0 as "2.0")."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _whole_numbers_as_ints(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers_as_ints(item) for item in value]
+    return value
+
+
 def _message_from_proto(message: pb.ChatMessage) -> dict[str, Any]:
     converted: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
@@ -154,7 +181,10 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
     if kind == "token_ids":
         return Prompt(token_ids=tuple(request.token_ids.token_ids))
     if kind == "messages":
-        return Prompt(messages=messages_from_proto(request.messages))
+        return Prompt(
+            messages=messages_from_proto(request.messages),
+            chat_options=chat_options_from_proto(request.messages),
+        )
     return Prompt(text=request.text)
 
 

@@ -9,18 +9,26 @@ from typing import Any
 
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.chat_template import ChatTemplateOptions
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """The prompt of a request in the keyword form `AsyncEngine.add_request` takes."""
+    """The prompt of a request in the keyword form `AsyncEngine.add_request` takes; `chat_options` (with
+    `messages` only): how the chat template renders them (None: the defaults)."""
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
+    chat_options: ChatTemplateOptions | None = None
 
     def as_kwargs(self) -> dict[str, object]:
-        return {"text": self.text, "token_ids": self.token_ids, "messages": self.messages}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "messages": self.messages,
+            "chat_options": self.chat_options,
+        }
 
     @property
     def operation(self) -> str:

@@ -173,8 +173,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             tool_use = convert.tool_use_from_chat(request.messages)
             tools = None if tool_use is None else tool_use.for_template()
             size = prompt_chars(messages=messages)
+            options = convert.chat_options_from_proto(request.messages)
             token_ids = await tokenize_when_long(
-                size, resolve_prompt, tokenizer, messages=messages, tools=tools
+                size, resolve_prompt, tokenizer, messages=messages, tools=tools, chat_options=options
             )
         elif request.text:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True

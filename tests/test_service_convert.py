@@ -165,6 +165,7 @@ def test_prompt_oneof_maps_to_engine_keywords() -> None:
         "text": "",
         "token_ids": None,
         "messages": None,
+        "chat_options": None,
     }
 
 

@@ -36,6 +36,7 @@ from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.chat_template import ChatTemplateOptions
 from sluice.engine.text.prompt import check_prompt, resolve_prompt
 from sluice.engine.text.tokenizer import Tokenizer
 
@@ -143,6 +144,7 @@ class AsyncEngine:
         text: str | None = None,
         token_ids: Sequence[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
+        chat_options: ChatTemplateOptions | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         stream_interval: int | None = None,
@@ -153,8 +155,9 @@ class AsyncEngine:
         queues the request in the core, and returns its stream.
 
         Abandoning the stream (cancelling the task that awaits it, `aclose()`, or dropping it) aborts the
-        request, so its KV blocks are freed before the core's next step. `tool_use` (chat only): tools
-        rendered by the chat template, a required or named call enforced, calls parsed on the last output.
+        request, so its KV blocks are freed before the core's next step. `chat_options` (chat only): how the
+        chat template renders `messages`. `tool_use` (chat only): tools rendered by the chat template, a
+        required or named call enforced, calls parsed on the last output.
         With `params.n` > 1 the stream yields the outputs of the n samples (each with its `index`) and
         ends after the last one finished. `use_speculation` False: the request never verifies draft
         tokens (when the engine speculates).
@@ -162,7 +165,9 @@ class AsyncEngine:
         self._check_accepting(request_id, params.n)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         tools = None if tool_use is None else tool_use.for_template()
-        prompt = await self._tokenize(text=text, token_ids=token_ids, messages=messages, tools=tools)
+        prompt = await self._tokenize(
+            text=text, token_ids=token_ids, messages=messages, tools=tools, chat_options=chat_options
+        )
         params = params if tool_use is None else tool_use.sampling_params(params)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited

@@ -18,6 +18,7 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
+from sluice.engine.text.chat_template import ChatTemplateOptions
 from sluice.engine.text.prompt import resolve_prompt
 
 Prompt = str | Sequence[int]
@@ -121,14 +122,25 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tool_use: ToolUse | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[Completion]:
         """`conversations`: a list of them, or one (a list of messages). `tool_use`: tools for every
         conversation (see `sluice.engine.structured.tool_calls`); the completions then carry the parsed
-        `tool_calls`."""
+        `tool_calls`. The rest, as vLLM's `LLM.chat` names them, say how the chat template renders every
+        conversation (`ChatTemplateOptions`): extra template variables (e.g. {"enable_thinking": False}),
+        the generation prompt after it, or the prompt ending inside its last (assistant) message."""
         if conversations and isinstance(conversations[0], Mapping):  # one conversation
             conversations = [conversations]
         tools = None if tool_use is None else tool_use.for_template()
-        token_ids = [resolve_prompt(self.engine.tokenizer, messages=c, tools=tools) for c in conversations]
+        options = ChatTemplateOptions(
+            chat_template_kwargs or {}, add_generation_prompt, continue_final_message
+        )
+        token_ids = [
+            resolve_prompt(self.engine.tokenizer, messages=c, tools=tools, chat_options=options)
+            for c in conversations
+        ]
         return self._run(token_ids, params, None, tool_use)
 
     def _encode(self, prompt: Prompt) -> list[int]:

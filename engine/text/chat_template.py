@@ -4,7 +4,8 @@ Same environment as `transformers.utils.chat_template_utils`: an `ImmutableSandb
 `trim_blocks`, `lstrip_blocks` and the `loopcontrols` extension, a `tojson` filter that does not escape
 HTML, `raise_exception` and `strftime_now` globals, and the `{% generation %}` tag (rendered as plain text).
 Messages reach the template as transformers passes them: None-valued keys dropped, and a message's reasoning,
-under any of its names (`REASONING_FIELDS`), under all of them.
+under any of its names (`REASONING_FIELDS`), under all of them. `ChatTemplateOptions` are the rendering
+options of vLLM's chat API (extra template variables, the generation prompt, continuing the last message).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -26,6 +28,46 @@ from sluice.engine.errors import InvalidRequestError
 # Names a message's reasoning goes by: Qwen3 / DeepSeek templates read the first, gpt-oss's the second,
 # vLLM's API sends the third.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# transformers' marker: appended to the message to continue, it shows where that message's content ends in
+# the render (searching for the content itself can find it in the template's own text, "end" in "<|im_end|>").
+CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered, as vLLM's chat API (and transformers' apply_chat_template) takes it.
+
+    `chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False} for Qwen3's templates;
+    a name Sluice passes the template itself is refused when rendering. `add_generation_prompt`: the
+    assistant turn's header after the conversation. `continue_final_message`: the prompt ends right after
+    the last message's content (an assistant's), for the model to continue it.
+    """
+
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chat_template_kwargs, Mapping):
+            raise InvalidRequestError(
+                "chat_template_kwargs", f"must be a mapping, got {type(self.chat_template_kwargs).__name__}"
+            )
+        key = next((key for key in self.chat_template_kwargs if not isinstance(key, str)), None)
+        if key is not None:
+            raise InvalidRequestError("chat_template_kwargs", f"keys must be strings, got {key!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message",
+                "cannot be combined with add_generation_prompt: set add_generation_prompt to false",
+            )
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keywords `Tokenizer.apply_chat_template` and `encode_chat` take."""
+        return {
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
 class ChatTemplate:
@@ -42,26 +84,82 @@ class ChatTemplate:
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
-        add_generation_prompt: bool,
         special_tokens: Mapping[str, str],
+        options: ChatTemplateOptions | None = None,
         **variables: Any,
     ) -> str:
-        """Render `messages`; `special_tokens` maps e.g. "bos_token" to "<s>" (template variables).
+        """Render `messages`; `special_tokens` maps e.g. "bos_token" to "<s>" (template variables), as do
+        `variables` (e.g. tools) and `options.chat_template_kwargs`, which must not rename any of them.
 
-        Raises InvalidRequestError("messages", ...) for a bad conversation or a template `raise_exception`.
+        Raises InvalidRequestError("messages", ...) for a bad conversation or a template `raise_exception`,
+        InvalidRequestError naming the option for options this conversation or template cannot take.
         """
         if not messages:
             raise InvalidRequestError("messages", "must contain at least one message")
+        options = options or ChatTemplateOptions()
         conversation = [_normalize_message(i, message) for i, message in enumerate(messages)]
         context = {"tools": None, "documents": None, **special_tokens, **variables}
+        _check_no_reserved_names(options.chat_template_kwargs, context)
+        final_content = None
+        if options.continue_final_message:
+            final_content = _content_to_continue(conversation[-1], len(conversation) - 1)
+            conversation[-1] = {**conversation[-1], "content": final_content + CONTINUE_FINAL_MESSAGE_TAG}
         try:
-            return self._template.render(
-                messages=conversation, add_generation_prompt=add_generation_prompt, **context
+            rendered = self._template.render(
+                messages=conversation,
+                add_generation_prompt=options.add_generation_prompt,
+                **options.chat_template_kwargs,
+                **context,
             )
         except InvalidRequestError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise InvalidRequestError("messages", f"chat template failed: {e}") from e
+        return rendered if final_content is None else _cut_at_tag(rendered, final_content)
+
+
+def _check_no_reserved_names(kwargs: Mapping[str, Any], context: Mapping[str, Any]) -> None:
+    """`chat_template_kwargs` may not replace what Sluice passes the template: its variables (`context`,
+    messages, add_generation_prompt) and the environment's functions (raise_exception, namespace, ...)."""
+    reserved = {"messages", "add_generation_prompt", *context, *_environment().globals}
+    name = next((name for name in sorted(kwargs) if name in reserved), None)
+    if name is not None:
+        raise InvalidRequestError(
+            f"chat_template_kwargs.{name}",
+            "is a name Sluice passes the chat template itself; it cannot be set",
+        )
+
+
+def _content_to_continue(message: Mapping[str, Any], index: int) -> str:
+    """The content of the last message, which continue_final_message needs to be an assistant's text."""
+    role = message.get("role")
+    if role != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message",
+            f"the last message (messages[{index}]) must be an assistant message, got role {role!r}",
+        )
+    content = message.get("content")
+    if not isinstance(content, str):
+        raise InvalidRequestError(
+            "continue_final_message", f"the last message (messages[{index}]) has no text content to continue"
+        )
+    return content
+
+
+def _cut_at_tag(rendered: str, content: str) -> str:
+    """The render up to the end of the continued message's `content`, as transformers cuts it: at the
+    tag, or, where the template trimmed the spacing after the tag, at the tag less the spacing before it."""
+    tag = CONTINUE_FINAL_MESSAGE_TAG.strip()
+    if content.strip() not in rendered or tag not in rendered:
+        raise InvalidRequestError(
+            "continue_final_message",
+            "the last message's content does not appear in the chat template's render, so the prompt cannot "
+            "end inside it",
+        )
+    position = rendered.rindex(tag)
+    if rendered[position : position + len(CONTINUE_FINAL_MESSAGE_TAG)] == CONTINUE_FINAL_MESSAGE_TAG:
+        return rendered[:position]
+    return rendered[:position].rstrip()
 
 
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:

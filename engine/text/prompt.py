@@ -9,6 +9,7 @@ from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.text.chat_messages import template_messages
+from sluice.engine.text.chat_template import ChatTemplateOptions
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
@@ -21,9 +22,11 @@ def resolve_prompt(
     token_ids: Sequence[int] | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Sequence[dict] | None = None,
+    chat_options: ChatTemplateOptions | None = None,
 ) -> list[int]:
     """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids. `tools` (with
-    `messages` only) are rendered by the chat template; `messages` as `template_messages` takes them."""
+    `messages` only) are rendered by the chat template, as `chat_options` say (None: the defaults);
+    `messages` as `template_messages` takes them."""
     given = [name for name, v in (("text", text), ("token_ids", token_ids), ("messages", messages)) if v]
     if len(given) != 1:
         if not given:
@@ -31,12 +34,15 @@ def resolve_prompt(
         raise InvalidRequestError("prompt", f"give exactly one of text, token_ids, messages (got {given})")
     if tools is not None and not messages:
         raise InvalidRequestError("tools", "need a chat prompt (messages)")
+    if chat_options is not None and not messages:
+        raise InvalidRequestError("chat_options", "need a chat prompt (messages)")
     if token_ids:
         return [int(t) for t in token_ids]
     if tokenizer is None:
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
-        return tokenizer.encode_chat(template_messages(messages), tools=tools)
+        options = chat_options or ChatTemplateOptions()
+        return tokenizer.encode_chat(template_messages(messages), tools=tools, **options.as_kwargs())
     ids = tokenizer.encode(text)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")

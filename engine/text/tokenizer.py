@@ -25,7 +25,7 @@ from tokenizers import processors
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.text.byte_level import ByteLevelVocab
-from sluice.engine.text.chat_template import ChatTemplate
+from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -181,11 +181,18 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation to the prompt text. InvalidRequestError("messages") without a template.
 
         `tools` are JSON-schema function tools, passed to the template as transformers passes them; with
-        tools, the model's "tool_use" template renders the conversation where it has one."""
+        tools, the model's "tool_use" template renders the conversation where it has one. The rest are
+        `ChatTemplateOptions`' (transformers' own arguments of these names, its **kwargs as a mapping)."""
+        options = ChatTemplateOptions(
+            chat_template_kwargs or {}, add_generation_prompt, continue_final_message
+        )
         template = self.chat_template
         if tools is not None:
             template = self.named_chat_templates.get(TOOL_USE_TEMPLATE, template)
@@ -195,8 +202,8 @@ class Tokenizer:
             )
         return template.render(
             messages,
-            add_generation_prompt=add_generation_prompt,
             special_tokens=self.special_tokens,
+            options=options,
             tools=None if tools is None else list(tools),
         )
 
@@ -205,9 +212,19 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Render, then encode without adding special tokens (the template has them), as transformers."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        """Render (as `apply_chat_template`), then encode without adding special tokens (the template has
+        them), as transformers."""
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt,
+            tools,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self.encode(text, add_special_tokens=False)
 
 

@@ -28,30 +28,44 @@ TOOL_CHOICE_MODES = {
 
 
 def chat_messages(
-    messages: Sequence[Mapping[str, Any]], tools: Tools | None = None, tool_choice: str | None = None
+    messages: Sequence[Mapping[str, Any]],
+    tools: Tools | None = None,
+    tool_choice: str | None = None,
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
 ) -> pb.ChatMessages:
     """Messages as dicts: "role", "content" (None for none), and for a tool-using turn "tool_calls" (an
     assistant's: `Completion.as_message()`'s {"id", "name", "arguments"}, OpenAI's {"id", "type",
     "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result).
     `tools`: `pb.Tool`s or dicts, {"name", "description", "parameters"} or OpenAI's {"type": "function",
     "function": {...}}, parameters a JSON schema or its text; `tool_choice`: "none", "auto", "required"
-    or a tool's name (unset: auto)."""
+    or a tool's name (unset: auto). As vLLM's chat API: `chat_template_kwargs`, extra variables for the
+    chat template (JSON values, e.g. {"enable_thinking": False}); `add_generation_prompt` (None: the
+    server's default, true); `continue_final_message`, the prompt ends inside the last (assistant) message."""
     chat = pb.ChatMessages(
-        messages=[chat_message(message) for message in messages], tools=[tool(t) for t in tools or ()]
+        messages=[chat_message(message) for message in messages],
+        tools=[tool(t) for t in tools or ()],
+        continue_final_message=bool(continue_final_message),
     )
     if tool_choice in TOOL_CHOICE_MODES:
         chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
     elif tool_choice is not None:
         chat.tool_choice.function_name = tool_choice
+    if chat_template_kwargs:
+        chat.chat_template_kwargs.update(chat_template_kwargs)
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
     return chat
 
 
-def check_tools(
-    messages: Sequence[Mapping[str, Any]] | None, tools: Tools | None, tool_choice: str | None
-) -> None:
-    """Raises ValueError for tools or a tool_choice given without messages (only a chat has tools)."""
-    if messages is None and (tools is not None or tool_choice is not None):
-        raise ValueError(f"{'tools' if tools is not None else 'tool_choice'}: needs messages")
+def check_chat_fields(messages: Sequence[Mapping[str, Any]] | None, **fields: object) -> None:
+    """Raises ValueError naming the first of `fields` given (not None) without messages: only a chat has
+    tools, a tool_choice and chat template options."""
+    given = next((name for name, value in fields.items() if value is not None), None)
+    if messages is None and given is not None:
+        raise ValueError(f"{given}: needs messages")
 
 
 def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:

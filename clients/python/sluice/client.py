@@ -169,11 +169,24 @@ class Client:
         *,
         messages: Sequence[Mapping[str, Any]] | None = None,
         tools: Tools | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
     ) -> list[int]:
-        request = tokenize_request(text, messages, add_special_tokens, tools)
+        """The prompt's token ids, as the server renders and encodes it for `generate_request` of the same
+        arguments."""
+        request = tokenize_request(
+            text,
+            messages,
+            add_special_tokens,
+            tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         return list(self._unary(self._stub.Tokenize, request, timeout, metadata).token_ids)
 
     def model_info(self, *, timeout: float | None = None, metadata: Metadata = ()) -> pb.GetModelInfoResponse:
@@ -289,11 +302,24 @@ class AsyncClient:
         *,
         messages: Sequence[Mapping[str, Any]] | None = None,
         tools: Tools | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
         add_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
     ) -> list[int]:
-        request = tokenize_request(text, messages, add_special_tokens, tools)
+        """The prompt's token ids, as the server renders and encodes it for `generate_request` of the same
+        arguments."""
+        request = tokenize_request(
+            text,
+            messages,
+            add_special_tokens,
+            tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         return list((await self._unary(self._stub.Tokenize, request, timeout, metadata)).token_ids)
 
     async def model_info(

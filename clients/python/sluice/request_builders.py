@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sluice.chat_messages import Tools, chat_messages, check_tools
+from sluice.chat_messages import Tools, chat_messages, check_chat_fields
 from sluice.v1 import sluice_pb2 as pb
 
 
@@ -17,6 +17,9 @@ def generate_request(
     messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Tools | None = None,
     tool_choice: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
@@ -43,14 +46,20 @@ def generate_request(
     disable_speculation: bool = False,
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest from one prompt form (`text`, `token_ids` or `messages`); sampling arguments
-    left None take server defaults. `stop`: one stop string or several (None: none). `messages`, `tools` and
-    `tool_choice`: see `sluice.chat_messages.chat_messages`.
+    left None take server defaults. `stop`: one stop string or several (None: none). `messages`, `tools`,
+    `tool_choice` and the chat template options (`chat_template_kwargs`, `add_generation_prompt`,
+    `continue_final_message`): see `sluice.chat_messages.chat_messages`.
     `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
     `stream_interval` > 0: tokens per streamed chunk (0: the server's --stream-interval);
     `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
     `trace_context`: W3C traceparent/tracestate the request's server span continues."""
     _check_one_prompt_form(text=text, token_ids=token_ids, messages=messages)
-    check_tools(messages, tools, tool_choice)
+    chat_options = {
+        "chat_template_kwargs": chat_template_kwargs,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    check_chat_fields(messages, tools=tools, tool_choice=tool_choice, **chat_options)
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
@@ -65,7 +74,7 @@ def generate_request(
     if token_ids is not None:
         request.token_ids.token_ids.extend(token_ids)
     if messages is not None:
-        request.messages.CopyFrom(chat_messages(messages, tools, tool_choice))
+        request.messages.CopyFrom(chat_messages(messages, tools, tool_choice, **chat_options))
     optional = {
         "temperature": temperature,
         "top_k": top_k,
@@ -97,15 +106,18 @@ def tokenize_request(
     messages: Sequence[Mapping[str, Any]] | None,
     add_special_tokens: bool | None,
     tools: Tools | None = None,
+    **chat_options: Any,
 ) -> pb.TokenizeRequest:
-    """Builds a TokenizeRequest for `text` or chat `messages` (with the `tools` their prompt lists)."""
+    """Builds a TokenizeRequest for `text` or chat `messages` (with the `tools` their prompt lists, rendered
+    as `chat_options` say: `chat_messages`' chat_template_kwargs, add_generation_prompt and
+    continue_final_message)."""
     _check_one_prompt_form(text=text, messages=messages)
-    check_tools(messages, tools, None)
+    check_chat_fields(messages, tools=tools, **chat_options)
     request = pb.TokenizeRequest()
     if text is not None:
         request.text = text
     if messages is not None:
-        request.messages.CopyFrom(chat_messages(messages, tools))
+        request.messages.CopyFrom(chat_messages(messages, tools, **chat_options))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request
