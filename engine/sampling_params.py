@@ -37,7 +37,7 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
 )
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n")
-_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class SamplingParams:
     its last partial block); with a `seed`, sample i
     draws from seed + i. `prompt_logprobs=N` returns, once, the logprob of every prompt token after the
     first and the top N at each position (such a request takes no prefix-cache hit).
+    `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: as many as the model's context holds),
+    as vLLM's.
     """
 
     temperature: float = 1.0
@@ -78,6 +80,7 @@ class SamplingParams:
     constraint: Constraint | None = None
     n: int = 1
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _normalize(self)
@@ -115,6 +118,11 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 "prompt_logprobs",
                 f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+                "truncate_prompt_tokens",
+                "must be -1 (the model's context) or >= 1",
             ),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "token ids must be >= 0"),
             (

@@ -41,6 +41,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "skip_special_tokens",
     "n",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 
 # A prompt's logprobs go into a response this many positions at a time, and the event loop, which serves

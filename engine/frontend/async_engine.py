@@ -37,7 +37,7 @@ from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.chat_template import ChatTemplateOptions
-from sluice.engine.text.prompt import check_prompt, resolve_prompt
+from sluice.engine.text.prompt import check_prompt, resolve_prompt, truncated_prompt
 from sluice.engine.text.tokenizer import Tokenizer
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
@@ -169,6 +169,7 @@ class AsyncEngine:
             text=text, token_ids=token_ids, messages=messages, tools=tools, chat_options=chat_options
         )
         params = params if tool_use is None else tool_use.sampling_params(params)
+        prompt = truncated_prompt(prompt, params, self.model_info.max_model_len)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)

@@ -14,7 +14,7 @@ from sluice.engine.messages import AddRequest, CoreOutput, checked_cache_salt, c
 from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
-from sluice.engine.text.prompt import check_prompt
+from sluice.engine.text.prompt import check_prompt, truncated_prompt
 
 
 class Engine:
@@ -49,9 +49,11 @@ class Engine:
         cache_salt: str | None = None,
         tool_use: ToolUse | None = None,
         use_speculation: bool = True,
-    ) -> None:
-        """Validates and queues a request; raises InvalidRequestError / ContextLengthError. With
-        `tool_use`, `params` must already carry its constraint (`ToolUse.sampling_params`)."""
+    ) -> list[int]:
+        """Validates and queues a request; returns its prompt as queued (`truncate_prompt_tokens` applied);
+        raises InvalidRequestError / ContextLengthError. With `tool_use`, `params` must already carry its
+        constraint (`ToolUse.sampling_params`)."""
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.model_info.max_model_len)
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         add = AddRequest(
@@ -63,6 +65,7 @@ class Engine:
         except Exception as exc:  # refused (e.g. needs more KV blocks than the cache has): forget it
             self.output_processor.process([CoreOutput.failed(first.request_id, str(exc))])
             raise
+        return add.prompt_token_ids
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Frees the requests' blocks now (every sample of an n-sample request); returns their final

@@ -168,9 +168,9 @@ class LLM:
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
                 priority = priorities[i] if priorities else 0
-                self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
+                queued = self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
                 for index in range(p.n):
-                    completions[request_id, index] = Completion(request_id, list(ids), index)
+                    completions[request_id, index] = Completion(request_id, list(queued), index)
             while self.engine.has_work():  # the last step frees the finished requests' state
                 for output in self.engine.step():
                     if output.invalid_field is not None:

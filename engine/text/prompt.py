@@ -49,6 +49,18 @@ def resolve_prompt(
     return ids
 
 
+def truncated_prompt(
+    prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int
+) -> Sequence[int]:
+    """The prompt's last `params.truncate_prompt_tokens` tokens (-1: the model's context), as vLLM keeps
+    them; the whole prompt when unset."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
+
+
 def check_prompt(
     prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo, *, has_tokenizer: bool
 ) -> None:

@@ -41,6 +41,7 @@ def generate_request(
     skip_special_tokens: bool | None = None,
     n: int | None = None,
     prompt_logprobs: int | None = None,
+    truncate_prompt_tokens: int | None = None,
     timeout_seconds: float = 0.0,
     trace_context: Mapping[str, str] | None = None,
     disable_speculation: bool = False,
@@ -91,6 +92,7 @@ def generate_request(
         "skip_special_tokens": skip_special_tokens,
         "n": n,
         "prompt_logprobs": prompt_logprobs,
+        "truncate_prompt_tokens": truncate_prompt_tokens,
     }
     sampling = request.sampling_params
     for name, value in optional.items():

@@ -1,0 +1,73 @@
+"""`truncate_prompt_tokens` (vLLM's): a request keeps only its prompt's last k tokens (-1: as many as the
+model's context holds). The kept tokens give transformers' greedy continuation of them, usage and prompt
+logprobs count them, and a bad value is INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from sluice import generate_request
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+
+PROMPT = [(7 * i + 5) % 500 + 4 for i in range(40)]
+KEEP = 11
+NUM_NEW = 8
+
+
+def _hf_greedy(directory: str, prompt: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_the_offline_engine_continues_the_last_k_prompt_tokens_as_transformers(llama_dir: str) -> None:
+    llm = LLM(llama_dir, attention_backend="torch")
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, truncate_prompt_tokens=KEEP)
+    (completion,) = llm.generate(PROMPT, params)
+    assert completion.token_ids == _hf_greedy(llama_dir, PROMPT[-KEEP:])
+    assert completion.prompt_token_ids == PROMPT[-KEEP:]
+    # -1: the model's context (256 tokens) holds the whole prompt: nothing is cut.
+    whole = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, truncate_prompt_tokens=-1)
+    (completion,) = llm.generate(PROMPT, whole)
+    assert completion.prompt_token_ids == PROMPT
+
+
+def test_a_server_request_keeps_the_last_k_tokens_in_usage_and_prompt_logprobs(stub) -> None:
+    def run(**kwargs):
+        request = generate_request(
+            token_ids=PROMPT,
+            temperature=0.0,
+            max_tokens=NUM_NEW,
+            ignore_eos=True,
+            prompt_logprobs=0,
+            **kwargs,
+        )
+        return list(stub.Generate(request, timeout=60))
+
+    truncated, alone = run(truncate_prompt_tokens=KEEP), None
+    request = generate_request(
+        token_ids=PROMPT[-KEEP:], temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0
+    )
+    alone = list(stub.Generate(request, timeout=60))
+    assert [t for c in truncated for t in c.token_ids] == [t for c in alone for t in c.token_ids]
+    assert truncated[-1].usage.prompt_tokens == KEEP
+    prompt_logprobs = [lp.sampled.token_id for c in truncated for lp in c.prompt_logprobs]
+    assert prompt_logprobs == PROMPT[-KEEP + 1 :]  # every kept token after the first
+    assert run()[-1].usage.prompt_tokens == len(PROMPT)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_bad_value_is_invalid_argument_naming_the_field(stub, value: int) -> None:
+    request = generate_request(token_ids=PROMPT, max_tokens=1, truncate_prompt_tokens=value)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("truncate_prompt_tokens: must be -1")
