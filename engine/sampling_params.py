@@ -38,7 +38,7 @@ _FLOAT_FIELDS = (
 )
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n")
 _OPTIONAL_INT_FIELDS = ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # or one string, a list, None
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text, included
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None

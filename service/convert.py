@@ -42,6 +42,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "n",
     "prompt_logprobs",
     "truncate_prompt_tokens",
+    "include_stop_str_in_output",
 )
 
 # A prompt's logprobs go into a response this many positions at a time, and the event loop, which serves

@@ -3,6 +3,8 @@ word keeps its leading space), and a stop string completed after min_tokens toke
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizer_fixtures import tokenizers_of_both_kinds
 
@@ -125,3 +127,38 @@ def test_the_text_flushed_within_min_tokens_does_not_stop(tokenizer: Tokenizer) 
     text = detok.add_tokens(ids) + detok.flush()
     assert text == tokenizer.decode(ids) and text.startswith("ok \ufffd")
     assert detok.stop_string is None
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_unheld(tokenizer: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string (what follows it in the same
+    token is dropped), and nothing is held back while it might begin one (vLLM's stop buffer is 0 then)."""
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(ids), stop=("fox ju", "lazy"), include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(tokenizer, params)
+    deltas = [detok.add_tokens([token_id]) for token_id in ids]
+    assert "".join(deltas) + detok.flush() == "the quick brown fox ju"
+    assert detok.stop_string == "fox ju"
+    plain = IncrementalDetokenizer(tokenizer, SamplingParams(max_tokens=len(ids)))
+    unheld = [plain.add_tokens([token_id]) for token_id in ids[: len(deltas)]]
+    # Up to the token completing the stop string, each delta is what a request without stop strings gets.
+    completes = detok.num_tokens - 1
+    assert deltas[:completes] == unheld[:completes]
+
+
+def test_an_included_stop_string_is_found_across_emitted_pieces() -> None:
+    rng = random.Random(11)
+    for _ in range(2000):
+        stops = ["".join(rng.choices("abc", k=rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        matcher = StopStringMatcher(stops, include=True)
+        text, emitted = "", ""
+        while matcher.matched is None and len(text) < 30:
+            piece = "".join(rng.choices("abc", k=rng.randrange(1, 4)))
+            text += piece
+            emitted += matcher.push(piece)
+            if matcher.matched is None:
+                assert emitted == text  # nothing held back
+        if matcher.matched is not None:
+            # The earliest to start (all end in the last piece), on a tie the one listed first, as without
+            # `include`; the text ends with it.
+            start, _, first = min((text.find(s), stops.index(s), s) for s in stops if s in text)
+            assert (emitted, matcher.matched) == (text[: start + len(first)], first), (stops, text)

@@ -38,8 +38,9 @@ class IncrementalDetokenizer:
     """One request's output text, produced a delta at a time.
 
     `stop_string` is set once one of `params.stop` ends in the text of a token after the first
-    `params.min_tokens` (as in vLLM, it may start in theirs); the text from it on is never emitted and
-    later tokens are ignored. `prompt_token_ids`: the prompt, whose last ids the output's text continues.
+    `params.min_tokens` (as in vLLM, it may start in theirs); the text from it on (after it, with
+    `params.include_stop_str_in_output`) is never emitted and later tokens are ignored.
+    `prompt_token_ids`: the prompt, whose last ids the output's text continues.
     """
 
     def __init__(
@@ -51,7 +52,8 @@ class IncrementalDetokenizer:
             if vocab is None
             else ByteLevelStream(vocab, params.skip_special_tokens)
         )
-        self._stops = StopStringMatcher(params.stop) if params.stop else None
+        include = params.include_stop_str_in_output
+        self._stops = StopStringMatcher(params.stop, include) if params.stop else None
         self._min_tokens = params.min_tokens  # stop strings end no output shorter (as in vLLM)
         self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 

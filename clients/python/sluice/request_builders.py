@@ -42,6 +42,7 @@ def generate_request(
     n: int | None = None,
     prompt_logprobs: int | None = None,
     truncate_prompt_tokens: int | None = None,
+    include_stop_str_in_output: bool | None = None,
     timeout_seconds: float = 0.0,
     trace_context: Mapping[str, str] | None = None,
     disable_speculation: bool = False,
@@ -93,6 +94,7 @@ def generate_request(
         "n": n,
         "prompt_logprobs": prompt_logprobs,
         "truncate_prompt_tokens": truncate_prompt_tokens,
+        "include_stop_str_in_output": include_stop_str_in_output,
     }
     sampling = request.sampling_params
     for name, value in optional.items():

@@ -1,6 +1,7 @@
-"""`truncate_prompt_tokens` (vLLM's): a request keeps only its prompt's last k tokens (-1: as many as the
-model's context holds). The kept tokens give transformers' greedy continuation of them, usage and prompt
-logprobs count them, and a bad value is INVALID_ARGUMENT naming the field."""
+"""Request options of vLLM's that Sluice takes too. `truncate_prompt_tokens`: a request keeps only its
+prompt's last k tokens (-1: as many as the model's context holds); the kept tokens give transformers' greedy
+continuation of them, usage and prompt logprobs count them, and a bad value is INVALID_ARGUMENT naming the
+field. `include_stop_str_in_output`: the text ends with the stop string that ended it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from sluice import generate_request
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
+from sluice.v1 import sluice_pb2 as pb
 
 PROMPT = [(7 * i + 5) % 500 + 4 for i in range(40)]
 KEEP = 11
@@ -71,3 +73,20 @@ def test_a_bad_value_is_invalid_argument_naming_the_field(stub, value: int) -> N
         list(stub.Generate(request, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("truncate_prompt_tokens: must be -1")
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(stub) -> None:
+    def text(**kwargs) -> tuple[str, list]:
+        request = generate_request(
+            token_ids=PROMPT, temperature=0.0, max_tokens=24, ignore_eos=True, **kwargs
+        )
+        chunks = list(stub.Generate(request, timeout=60))
+        return "".join(c.text for c in chunks), chunks
+
+    whole, _ = text()
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    at = whole.find(stop)
+    included, chunks = text(stop=[stop], include_stop_str_in_output=True)
+    assert included == whole[: at + len(stop)]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP and chunks[-1].stop_string == stop
+    assert text(stop=[stop])[0] == whole[:at]
