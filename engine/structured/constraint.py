@@ -7,6 +7,7 @@ same constraint share one compilation.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -15,22 +16,28 @@ ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
 @dataclass(frozen=True)
 class Constraint:
     """One of: `json_schema` (a JSON schema, as text), `regex`, `grammar` (EBNF / GBNF, rule `root`),
-    `choice` (the output is exactly one of these strings), `json_object` (any JSON object)."""
+    `choice` (the output is exactly one of these strings), `json_object` (any JSON object),
+    `structural_tag` (vLLM's, as JSON text: xgrammar's `{"type": "structural_tag", "format": ...}`, or the
+    older `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free
+    text in which each trigger starts a tagged structure)."""
 
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict | bool):  # a schema as Python data: its JSON text
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.structural_tag, dict):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag))
         if isinstance(self.choice, str):  # one choice, not its characters
             object.__setattr__(self, "choice", (self.choice,))
         elif self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        for name in ("json_schema", "regex", "grammar"):
+        for name in ("json_schema", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name}: must be a string, got {value!r}")
@@ -40,10 +47,12 @@ class Constraint:
             given = ", ".join(self.kinds) or "none"
             raise ValueError(
                 f"constraint: give exactly one of json_schema, regex, grammar, choice, "
-                f"json_object (got {given})"
+                f"json_object, structural_tag (got {given})"
             )
         if self.json_schema is not None:
             _check_json(self.json_schema)
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
         for name, value in (("regex", self.regex), ("grammar", self.grammar)):
             if value is not None and not value:
                 raise ValueError(f"{name}: must not be empty")
@@ -58,6 +67,7 @@ class Constraint:
             ("grammar", self.grammar is not None),
             ("choice", self.choice is not None),
             ("json_object", self.json_object),
+            ("structural_tag", self.structural_tag is not None),
         )
         return [name for name, given in values if given]
 
@@ -73,12 +83,65 @@ class Constraint:
             return ("json_schema", ANY_JSON_OBJECT_SCHEMA)
         if self.choice is not None:
             return ("grammar", choice_grammar(self.choice))
-        return (self.kind, self.json_schema or self.regex or self.grammar)
+        return (self.kind, self.json_schema or self.regex or self.grammar or self.structural_tag)
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """EBNF whose only sentences are the choices (JSON string escapes are valid EBNF literals)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _check_structural_tag(text: str) -> None:
+    """Its shape, and each JSON schema in it as `json_schema` is checked (xgrammar checks the rest)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structural_tag: is not valid JSON: {e}") from e
+    if not isinstance(value, dict) or value.get("type") != "structural_tag":
+        raise ValueError('structural_tag: must be a JSON object with "type": "structural_tag"')
+    if "structures" in value:  # the older form
+        structures, triggers = value["structures"], value.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            raise ValueError("structural_tag.structures: must be a non-empty list")
+        if (
+            not isinstance(triggers, list)
+            or not triggers
+            or not all(isinstance(t, str) and t for t in triggers)
+        ):
+            raise ValueError("structural_tag.triggers: must be a non-empty list of non-empty strings")
+        for i, structure in enumerate(structures):
+            fields = ("begin", "end", "schema")
+            if not isinstance(structure, dict) or not all(field in structure for field in fields):
+                raise ValueError(f"structural_tag.structures[{i}]: must be an object with begin, schema, end")
+            if not all(isinstance(structure[field], str) for field in ("begin", "end")):
+                raise ValueError(f"structural_tag.structures[{i}]: begin and end must be strings")
+        schemas = [(f"structural_tag.structures[{i}].schema", s["schema"]) for i, s in enumerate(structures)]
+    elif isinstance(value.get("format"), dict):
+        schemas = list(_format_schemas(value["format"], "structural_tag.format"))
+    else:
+        raise ValueError('structural_tag: needs a "format" object (or the older "structures" and "triggers")')
+    for field, schema in schemas:
+        if not isinstance(schema, dict | bool):
+            raise ValueError(f"{field}: must be a JSON schema object")
+        if (unenforced := unenforced_keyword(schema)) is not None:
+            keyword, path = unenforced
+            raise ValueError(
+                f"{field}: {keyword!r} at {path} is a keyword the grammar cannot enforce (xgrammar), so the "
+                "output could break it; leave it out"
+            )
+
+
+def _format_schemas(node: object, path: str) -> Iterator[tuple[str, object]]:
+    """(field, schema) of each `{"type": "json_schema", "json_schema": ...}` in a structural tag's format."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield f"{path}.json_schema", node["json_schema"]
+        for key, child in node.items():
+            if key != "json_schema":
+                yield from _format_schemas(child, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from _format_schemas(child, f"{path}[{i}]")
 
 
 def _check_json(schema: str) -> None:

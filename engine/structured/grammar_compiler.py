@@ -12,6 +12,7 @@ where no request asks for a constraint, saved).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -36,6 +37,21 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # through (its unbounded strings exclude them, as RFC 8259 requires); `strict_json_strings` closes it.
 _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def structural_tag_grammar(source: str) -> xgr.Grammar:
+    """The grammar of a structural tag's JSON text, in either form `Constraint` takes (the older one
+    through xgrammar's StructuralTagItem list, as vLLM compiles it)."""
+    import xgrammar as xgr
+
+    tag = json.loads(source)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(source)
+    items = [
+        xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
+    return xgr.Grammar.from_structural_tag(items, tag["triggers"])
 
 
 def strict_json_strings(ebnf: str) -> str:
@@ -106,6 +122,8 @@ class GrammarCompiler:
                 compiled = compiler.compile_grammar(strict_json_strings(str(grammar)))
             elif kind == "regex":
                 compiled = compiler.compile_regex(source)
+            elif kind == "structural_tag":
+                compiled = compiler.compile_grammar(strict_json_strings(str(structural_tag_grammar(source))))
             else:
                 compiled = compiler.compile_grammar(source)
         except (RuntimeError, ValueError, TypeError) as e:
