@@ -147,6 +147,7 @@ def test_newest_equal_priority_request_is_preempted_when_blocks_run_out_and_keep
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_output_tokens == 9 and b.num_preemptions == 1
     assert scheduler.num_preemptions == 1 and scheduler.kv.block_ids("b") == ()
+    assert scheduler.num_waiting_tokens == 24 + 9  # its prompt and outputs, all to compute again
     c = make_request("c", tokens(8, 900), max_tokens=2, arrival=2)
     scheduler.add_request(c)
     # One block is free and c would fit, but b is ahead of it and does not.
@@ -238,7 +239,9 @@ def test_abort_while_waiting():
     scheduler, _ = make_scheduler()
     waiting = make_request("waiting", tokens(10))
     scheduler.add_request(waiting)
+    assert scheduler.num_waiting_tokens == 10
     assert scheduler.abort_requests(["waiting", "unknown"]) == [waiting]
+    assert scheduler.num_waiting_tokens == 0
     assert waiting.status is RequestStatus.FINISHED_ABORTED and waiting.times.finished is not None
     assert scheduler.num_waiting == 0 and not scheduler.has_unfinished_requests()
     out = scheduler.schedule()

@@ -13,26 +13,35 @@ from sluice.engine.request import Request
 
 
 class RequestQueue:
-    """A min-heap of waiting requests. `seq` breaks ties between equal arrival times."""
+    """A min-heap of waiting requests. `seq` breaks ties between equal arrival times. `num_tokens`: the
+    tokens the queued requests have yet to compute, kept as they come and go (a waiting request computes
+    nothing)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        # (priority, arrival time, seq, request, its tokens to compute when pushed)
+        self._heap: list[tuple[int, float, int, Request, int]] = []
+        self.num_tokens = 0
 
     def push(self, request: Request, seq: int) -> None:
         # seq is unique per request, so tuples never fall through to comparing Request objects.
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request))
+        num_tokens = request.num_tokens - request.num_computed_tokens
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request, num_tokens))
+        self.num_tokens += num_tokens
 
     def peek(self) -> Request:
         """The request that runs next. Raises IndexError when empty."""
         return self._heap[0][3]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        entry = heapq.heappop(self._heap)
+        self.num_tokens -= entry[4]
+        return entry[3]
 
     def remove(self, request: Request) -> bool:
         """Take `request` out wherever it sits (O(n)); False if it is not queued."""
         for i, entry in enumerate(self._heap):
             if entry[3] is request:
+                self.num_tokens -= entry[4]
                 self._heap[i] = self._heap[-1]
                 self._heap.pop()
                 heapq.heapify(self._heap)

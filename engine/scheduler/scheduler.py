@@ -164,7 +164,7 @@ class Scheduler:
     def num_waiting_tokens(self) -> int:
         """Tokens the waiting requests have yet to compute: their prompts (and a preempted request's
         outputs so far), some of which the prefix cache may hold."""
-        return sum(request.num_tokens - request.num_computed_tokens for request in self._waiting)
+        return self._waiting.num_tokens
 
     @property
     def num_preemptions(self) -> int:
