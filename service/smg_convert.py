@@ -64,8 +64,9 @@ def generation_spec_from_smg(
     """Raises InvalidRequestError naming a bad field. A prompt given as text is tokenized here (SMG
     always sends token ids), so the rest of the context is known: it is `max_tokens` when unset, as in
     vLLM, and a prompt with `max_tokens` past the context is INVALID_ARGUMENT (vLLM's 400), not
-    RESOURCE_EXHAUSTED, which SMG would retry."""
-    token_ids = prompt_token_ids(request, tokenizer)
+    RESOURCE_EXHAUSTED, which SMG would retry. `truncate_prompt_tokens` keeps the prompt's last tokens
+    before any of that."""
+    token_ids = truncated(prompt_token_ids(request, tokenizer), request.sampling_params, model_info)
     num_free = model_info.max_model_len - len(token_ids)
     if num_free < 1:
         raise InvalidRequestError(
@@ -84,6 +85,19 @@ def generation_spec_from_smg(
             f"context of {model_info.max_model_len}",
         )
     return GenerationSpec(prompt=Prompt(token_ids=token_ids), params=params)
+
+
+def truncated(token_ids: tuple[int, ...], message: smg.SamplingParams, info: ModelInfo) -> tuple[int, ...]:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context), as vLLM keeps them."""
+    if not message.HasField("truncate_prompt_tokens"):
+        return token_ids
+    keep = message.truncate_prompt_tokens
+    if keep != -1 and keep < 1:
+        raise InvalidRequestError(
+            "sampling_params.truncate_prompt_tokens", f"must be -1 (the model's context) or >= 1, got {keep}"
+        )
+    keep = info.max_model_len if keep == -1 else keep
+    return token_ids[-keep:]
 
 
 def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) -> tuple[int, ...]:
@@ -109,9 +123,8 @@ def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) 
 
 def sampling_params_from_smg(message: smg.SamplingParams, *, default_max_tokens: int) -> SamplingParams:
     """vLLM's reading of the proto3 defaults: an unset `temperature` is 1, `top_p` 0 and
-    `repetition_penalty` 0 mean off (1), `n` 0 is 1, `top_k` 0 and `min_p` 0 are off."""
-    if message.HasField("truncate_prompt_tokens"):
-        raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "is not supported")
+    `repetition_penalty` 0 mean off (1), `n` 0 is 1, `top_k` 0 and `min_p` 0 are off.
+    (`truncate_prompt_tokens` is applied to the prompt by `generation_spec_from_smg`.)"""
     return SamplingParams(
         temperature=message.temperature if message.HasField("temperature") else 1.0,
         top_k=message.top_k,
@@ -127,6 +140,7 @@ def sampling_params_from_smg(message: smg.SamplingParams, *, default_max_tokens:
         if message.HasField("max_tokens")
         else min(message.min_tokens, default_max_tokens),
         stop=tuple(message.stop),
+        include_stop_str_in_output=message.include_stop_str_in_output,
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
@@ -143,8 +157,6 @@ def constraint_from_smg(message: smg.SamplingParams) -> Constraint | None:
     kind = message.WhichOneof("constraint")
     if kind is None:
         return None
-    if kind == "structural_tag":
-        raise InvalidRequestError("sampling_params.structural_tag", "is not supported by Sluice")
     if kind == "choice":
         return Constraint(choice=tuple(message.choice.choices))
     if kind == "json_object":

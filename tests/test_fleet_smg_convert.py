@@ -43,6 +43,9 @@ INFO = ModelInfo(
 TEXTS = ("Hello there!", "def f(x):\n    return x ** 2  # 0 1 42", "naïve café, 東京 ✓")
 
 
+STRUCTURAL_TAG = '{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
+
+
 def _request(**sampling: object) -> smg.GenerateRequest:
     return smg.GenerateRequest(
         request_id="r",
@@ -112,6 +115,7 @@ def test_sampling_fields_map_one_to_one() -> None:
         ({"grammar": 'root ::= "a"'}, Constraint(grammar='root ::= "a"')),
         ({"choice": smg.ChoiceConstraint(choices=["yes", "no"])}, Constraint(choice=("yes", "no"))),
         ({"json_object": True}, Constraint(json_object=True)),
+        ({"structural_tag": STRUCTURAL_TAG}, Constraint(structural_tag=STRUCTURAL_TAG)),
     ],
 )
 def test_constraints(constraint: dict, expected: Constraint) -> None:
@@ -123,8 +127,7 @@ def test_constraints(constraint: dict, expected: Constraint) -> None:
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (_request(structural_tag="{}"), "sampling_params.structural_tag"),
-        (_request(truncate_prompt_tokens=3), "sampling_params.truncate_prompt_tokens"),
+        (_request(truncate_prompt_tokens=0), "sampling_params.truncate_prompt_tokens"),
         (_request(max_tokens=61), "sampling_params.max_tokens"),
         (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=list(range(64)))), "tokenized.input_ids"),
         (smg.GenerateRequest(), "input"),
@@ -361,3 +364,13 @@ def test_the_generation_rate_is_measured_over_the_last_seconds() -> None:
     assert rate(400, 3.0) == pytest.approx(400 / 3)
     assert rate(600, 7.0) == pytest.approx(500 / 6)  # since the last sample at least 5 s old: (1.0, 100)
     assert rate(600, 20.0) == 0.0  # idle since
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_before_the_context_checks() -> None:
+    spec = smg_convert.generation_spec_from_smg(_request(truncate_prompt_tokens=2), INFO, None)
+    assert spec.prompt.token_ids == (7, 8)
+    assert spec.params.max_tokens == INFO.max_model_len - 2  # unset: the rest of the context after them
+    whole = smg_convert.generation_spec_from_smg(_request(truncate_prompt_tokens=-1), INFO, None)
+    assert whole.prompt.token_ids == (5, 6, 7, 8)
+    included = _request(include_stop_str_in_output=True, stop=["x"])
+    assert smg_convert.generation_spec_from_smg(included, INFO, None).params.include_stop_str_in_output

@@ -159,7 +159,8 @@ def test_abort_refuses_an_id_over_512_bytes(engine_stub) -> None:
             {"max_tokens": LONG_CONTEXT},
             f"sampling_params.max_tokens: {LONG_CONTEXT} tokens after a 40-token prompt",
         ),
-        ({"structural_tag": "{}"}, "sampling_params.structural_tag: is not supported"),
+        ({"structural_tag": "{}"}, 'sampling_params.structural_tag: must be a JSON object with "type"'),
+        ({"truncate_prompt_tokens": -2}, "sampling_params.truncate_prompt_tokens: must be -1"),
         ({"top_p": 2.0}, "sampling_params.top_p: must be in (0, 1]"),  # SamplingParams' own check
     ],
 )
