@@ -116,7 +116,10 @@ async def smg_batches(
     last_core: tuple[int, int, int, int] | None = None
     sent_at = time.monotonic()
     while True:
-        batch = await subscription.next(timeout=max(0.0, sent_at + LOAD_HEARTBEAT_S - time.monotonic()))
+        # No heartbeat before the first batch for a subscriber that did not ask for records before it.
+        quiet = last_sent is None and not load_records_before_first_batch
+        timeout = None if quiet else max(0.0, sent_at + LOAD_HEARTBEAT_S - time.monotonic())
+        batch = await subscription.next(timeout=timeout)
         now_stats = stats()
         if batch is not None:
             if batch.snapshot is not None:
@@ -127,9 +130,7 @@ async def smg_batches(
             last_sent = batch.sequence_number
         else:
             due = time.monotonic() - sent_at >= LOAD_HEARTBEAT_S
-            if (last_sent is None and not load_records_before_first_batch) or (
-                _routing_core(now_stats) == last_core and not due
-            ):
+            if quiet or (_routing_core(now_stats) == last_core and not due):
                 continue
             smg_batch = common_pb2.KvEventBatch(sequence_number=last_sent or 0, timestamp=time.time())
         sample += 1

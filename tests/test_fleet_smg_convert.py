@@ -374,3 +374,32 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_before_the_context
     assert whole.prompt.token_ids == (5, 6, 7, 8)
     included = _request(include_stop_str_in_output=True, stop=["x"])
     assert smg_convert.generation_spec_from_smg(included, INFO, None).params.include_stop_str_in_output
+
+
+@pytest.mark.parametrize("early", [False, True])
+async def test_a_stream_waits_for_its_first_batch_without_spinning(monkeypatch, early: bool) -> None:
+    """Heartbeats due at once (LOAD_HEARTBEAT_S 0): a subscriber that did not ask for records before the
+    first batch is not woken until there is one (its stream polled the engine's load in a loop)."""
+    from sluice.engine.frontend.kv_event_log import KVEventLog
+    from sluice.engine.kv_cache.kv_events import BlocksRemoved
+    from sluice.engine.outputs import EngineStats
+    from sluice.service import smg_kv_events
+
+    monkeypatch.setattr(smg_kv_events, "LOAD_HEARTBEAT_S", 0.0)
+    log, num_reads = KVEventLog(), 0
+
+    def stats() -> EngineStats:
+        nonlocal num_reads
+        num_reads += 1
+        return EngineStats(0, 0, 8, 0, 0, 0, 0)
+
+    batches = smg_kv_events.smg_batches(log.subscribe(0), 0, stats, INFO, lambda _: 0.0, early)
+    reader = asyncio.ensure_future(anext(batches))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    if early:  # a record numbered 0 at once
+        assert reader.done() and (await reader).load.load_only and num_reads == 1
+        return
+    assert not reader.done() and num_reads == 0
+    log.publish([BlocksRemoved([5])])
+    assert (await reader).sequence_number == 1 and num_reads == 1
