@@ -50,6 +50,7 @@ from sluice.service.request_ids import RequestIds, check_request_id, engine_id_o
 from sluice.service.servicer import InferenceServicer
 from sluice.service.status import (
     FailedPreconditionError,
+    PermissionDeniedError,
     ServiceUnavailableError,
     UnimplementedError,
     rpc_errors,
@@ -142,7 +143,14 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """The batches after `start_sequence_number` (0: a snapshot of the cache, then the live ones),
         each with the engine's load, and load_only records between them, until the engine stops or the
         server drains; OUT_OF_RANGE when they are no longer all at hand (the subscriber starts over from
-        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind."""
+        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind. The stream shows every
+        tenant's cached token ids: PERMISSION_DENIED to a tenant without `kv_events = true`."""
+        tenant = self._inference.caller(context).tenant
+        if not tenant.kv_events:
+            raise PermissionDeniedError(
+                f"SubscribeKvEvents: tenant {tenant.name!r} may not read KV events (kv_events = true "
+                "in its [[tenant]] table)"
+            )
         engine = self._inference.accepting_runner().engine
         log = engine.kv_event_log
         if log is None:

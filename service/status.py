@@ -6,6 +6,7 @@ UnknownRequestError                     -> NOT_FOUND
 RequestIdInUseError                     -> ALREADY_EXISTS
 RequestTimeoutError                     -> DEADLINE_EXCEEDED  (the request's own timeout_seconds)
 UnauthenticatedError                    -> UNAUTHENTICATED
+PermissionDeniedError                   -> PERMISSION_DENIED  (the caller's tenant may not make this call)
 InvalidRequestError, ValueError         -> INVALID_ARGUMENT   (message names the field)
 ServiceUnavailableError, EngineDeadError -> UNAVAILABLE       (loading, draining, the engine failed:
                                                                a retry goes to another replica)
@@ -60,6 +61,10 @@ class UnauthenticatedError(Exception):
     """The call carries no known API key."""
 
 
+class PermissionDeniedError(Exception):
+    """The caller's tenant may not make this call (e.g. SubscribeKvEvents without `kv_events = true`)."""
+
+
 class FailedPreconditionError(Exception):
     """The server is not set up for this call (e.g. StartProfile without --profile-dir)."""
 
@@ -101,6 +106,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, FailedPreconditionError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnimplementedError):

@@ -12,11 +12,13 @@
     burst = 20                      # ... and size (default: max(1, requests_per_second))
     prefix_cache_scope = "acme"     # optional: tenants with the same scope share prefix-cache blocks;
                                     # default: the tenant's own name (no sharing); as a name
+    kv_events = false               # optional: may subscribe to VllmEngine.SubscribeKvEvents (every
+                                    # tenant's cached token ids: give it to the gateway's key only)
 
 Keys are compared as SHA-256 digests with `hmac.compare_digest` against every key, so the time taken
 says nothing about which key (or how much of one) matched; keys never appear in a repr, a log line or
-an error message. `--api-key KEY` is one tenant named "default" with no limits; with no key at all every
-caller is that tenant.
+an error message. `--api-key KEY` is one tenant named "default" with no limits (KV events included); with
+no key at all every caller is that tenant.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _FIELDS = frozenset(
         "requests_per_second",
         "burst",
         "prefix_cache_scope",
+        "kv_events",
     }
 )
 
@@ -55,6 +58,9 @@ class Tenant:
     requests_per_second: float | None = None
     burst: float | None = None
     prefix_cache_scope: str | None = None
+    # May read the KV event stream, which carries every tenant's cached token ids. A tenants file's
+    # tables default to False (`_tenant_from_table`); the one tenant of `--api-key` or of no key may.
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -62,6 +68,8 @@ class Tenant:
         for name in ("max_priority", "max_concurrent_requests"):
             if getattr(self, name) is not None and type(getattr(self, name)) is not int:
                 raise ValueError(f"{name}: must be an integer (tenant {self.name!r})")
+        if type(self.kv_events) is not bool:
+            raise ValueError(f"kv_events: must be true or false (tenant {self.name!r})")
         for name in ("requests_per_second", "burst"):
             if getattr(self, name) is not None and type(getattr(self, name)) not in (int, float):
                 raise ValueError(f"{name}: must be a number (tenant {self.name!r})")
@@ -190,7 +198,7 @@ def _tenant_from_table(table: object) -> tuple[Tenant, Sequence[str]]:
     keys = table.get("keys")
     if not isinstance(keys, list):
         raise ValueError(f"keys: tenant {table['name']!r} needs a list of keys")
-    settings = {k: v for k, v in table.items() if k != "keys"}
+    settings = {"kv_events": False} | {k: v for k, v in table.items() if k != "keys"}
     try:
         return Tenant(**settings), keys
     except TypeError as exc:

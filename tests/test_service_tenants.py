@@ -1,6 +1,7 @@
 """Tenants (`--api-keys`): the key names the tenant; tenants share no prefix-cache blocks unless given
 the same scope, cannot get ahead of their max_priority (clamped), cannot abort each other's requests,
-and get RESOURCE_EXHAUSTED with a `grpc-retry-pushback-ms` trailer over their limits."""
+get RESOURCE_EXHAUSTED with a `grpc-retry-pushback-ms` trailer over their limits, and read the KV event
+stream (every tenant's token ids) only with `kv_events = true`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from service_harness import UNENDING, ServerThread, long_engine_config, wait_for
+from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
+from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
+from smg_grpc_proto.generated import common_pb2
 
 from sluice import Client, SluiceError, generate_request
 from sluice.service.serve_command import configure, server_config
@@ -53,6 +56,11 @@ name = "slow"
 keys = ["key-slow"]
 requests_per_second = 0.5
 burst = 1
+
+[[tenant]]
+name = "gateway"
+keys = ["key-gateway"]
+kv_events = true
 """
 PUSHBACK = "grpc-retry-pushback-ms"
 
@@ -68,7 +76,8 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tenant_server(llama_long_dir: str, keys_file: Path):
     """One sequence runs at a time, so requests queue behind one that runs until the test ends it."""
     config = ServerConfig(host="127.0.0.1", port=0, tenants=TenantDirectory.load(keys_file))
-    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1), config).start()
+    engine_config = long_engine_config(llama_long_dir, max_num_seqs=1)
+    thread = ServerThread(engine_config, config, kv_events=True).start()
     yield thread
     thread.stop()
 
@@ -169,6 +178,37 @@ def test_a_tenant_cannot_abort_another_tenants_request(tenant_server: ServerThre
     tenant_server.wait_idle()
 
 
+def test_only_a_tenant_given_kv_events_may_subscribe_to_them(tenant_server: ServerThread) -> None:
+    """alpha's prompt reaches the gateway tenant's subscription as stored blocks; alpha itself, like
+    every tenant without `kv_events = true`, is PERMISSION_DENIED before anything is sent."""
+    prompt = list(range(200, 240))  # 2 full blocks of 16
+    with tenant_server.channel() as channel:
+        stub = smg_grpc.VllmEngineStub(channel)
+        request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=0)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.SubscribeKvEvents(request, metadata=(("authorization", "Bearer key-alpha"),)))
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "SubscribeKvEvents: tenant 'alpha' may not read KV events (kv_events = true in its [[tenant]] "
+            "table)",
+        )
+        call = stub.SubscribeKvEvents(
+            request, metadata=(("authorization", "Bearer key-gateway"),), timeout=PATIENCE_S
+        )
+        call.initial_metadata()  # sent once the subscription is in place
+        with _client(tenant_server, "key-alpha") as client:
+            client.complete(generate_request(token_ids=prompt, temperature=0.0, max_tokens=1))
+        stored: list[int] = []
+        for batch in call:
+            for event in batch.events:
+                if event.WhichOneof("data") == "stored":
+                    stored += [t for block in event.stored.blocks for t in block.token_ids]
+            if prompt[:32] == stored[-32:]:
+                break
+        call.cancel()
+    tenant_server.wait_idle()
+
+
 def test_over_the_concurrency_limit_is_resource_exhausted_with_pushback(tenant_server: ServerThread) -> None:
     rejected = tenant_server.server.metrics.registry.get_sample_value
     before = rejected("sluice_tenant_rejected_requests_total", {"tenant": "small"}) or 0.0
@@ -235,6 +275,8 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
     assert gamma.cache_salt("") == directory.tenant_for_key("key-delta").cache_salt("")
     assert gamma.cache_salt("") != directory.tenant_for_key("key-alpha").cache_salt("")
     assert "key-" not in repr(directory)
+    assert [t.name for t in directory.tenants if t.kv_events] == ["gateway"]  # tables default to false
+    assert TenantDirectory.single_key("k").tenants[0].kv_events  # --api-key's one tenant may
 
 
 @pytest.mark.parametrize(
@@ -255,6 +297,7 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = 0\n', "requests_per_second: must be"),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_priority = "high"\n', "max_priority: must be an integer"),
         ('key = "k"\n', "api-keys: expected only [[tenant]] tables"),
+        ('[[tenant]]\nname = "a"\nkeys = ["k"]\nkv_events = "yes"\n', "kv_events: must be true or false"),
         (
             '[[tenant]]\nname = "a"\nkeys = ["k"]\nprefix_cache_scope = 5\n',
             "prefix_cache_scope: 5 must match [A-Za-z0-9._-]{1,64} (tenant 'a')",
