@@ -9,7 +9,9 @@ choices see each step instead of its poll; a step that changed the load without 
 without any batch, send a `load_only` batch repeating the stream's last sequence number (0 before the
 engine's first batch, for a subscriber that asked for `load_records_before_first_batch`; without it the
 first record comes with the first batch). A subscriber that got load records judges the worker stale
-after 15 s without one (SMG's `--worker-stale-secs`): LOAD_HEARTBEAT_S stays well below.
+after 15 s without one (SMG's `--worker-stale-secs`): LOAD_HEARTBEAT_S stays well below. Each record
+also says how long the engine core has been silent while requests are live and how much prefill it
+has in hand (`engine_silence_ms`, `prefill_pending_tokens`): a wedged core shows in the heartbeats.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
 
+from sluice.engine.frontend.async_engine import EngineLiveness
 from sluice.engine.frontend.kv_event_log import KVEventBatch, KVEventSubscription
 from sluice.engine.kv_cache.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent
 from sluice.engine.model_info import ModelInfo
@@ -28,6 +31,7 @@ from sluice.service.tenants import request_salt_of
 _DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
 _LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
 LOAD_HEARTBEAT_S = 1.0  # a load_only batch after this long without any batch on the stream
+_UINT32_MAX = 2**32 - 1
 
 
 def event_to_smg(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
@@ -72,10 +76,18 @@ def batch_to_smg(batch: KVEventBatch, first_event_id: int | None) -> common_pb2.
 
 
 def engine_load(
-    stats: EngineStats, info: ModelInfo, sample: int, telemetry: bool, gen_throughput: float
+    stats: EngineStats,
+    info: ModelInfo,
+    sample: int,
+    telemetry: bool,
+    gen_throughput: float,
+    liveness: EngineLiveness | None = None,
 ) -> common_pb2.EngineLoad:
     """The load record GetLoads' numbers make; `telemetry` adds those beyond the routing core (SMG sends
-    them on the heartbeat cadence: load_only batches and a stream's first record)."""
+    them on the heartbeat cadence: load_only batches and a stream's first record). `liveness` adds the
+    engine's silence and the prefill in hand, by which the gateway tells a wedged worker from a busy one:
+    the core sends a message every step (its stats, tokens or none) and every HEARTBEAT_S when idle, so
+    while it serves its silence is one step at most (`engine_reports_steps`)."""
     load = common_pb2.EngineLoad(
         running_requests=stats.num_running,
         waiting_requests=stats.num_waiting,
@@ -93,6 +105,11 @@ def engine_load(
         load.cache_hit_rate = stats.prefix_cache_hits / queries if queries else 0.0
         load.num_used_tokens = stats.num_kv_blocks_used * info.block_size
         load.max_total_num_tokens = info.kv_capacity_tokens
+    if liveness is not None:
+        load.engine_reports_steps = True
+        load.prefill_pending_tokens = min(liveness.prefill_pending_tokens, _UINT32_MAX)
+        if liveness.silence_s is not None:
+            load.engine_silence_ms = min(int(liveness.silence_s * 1000), _UINT32_MAX)
     return load
 
 
@@ -107,6 +124,7 @@ async def smg_batches(
     info: ModelInfo,
     gen_throughput: Callable[[EngineStats], float],
     load_records_before_first_batch: bool = False,
+    liveness: Callable[[], EngineLiveness] | None = None,
 ) -> AsyncIterator[common_pb2.KvEventBatch]:
     """The subscription's batches (after `cursor`) as SMG's, each with the engine's load, and load_only
     batches between them (see the module's docstring). Events are numbered 1, 2, ... over the stream; a
@@ -135,7 +153,14 @@ async def smg_batches(
             smg_batch = common_pb2.KvEventBatch(sequence_number=last_sent or 0, timestamp=time.time())
         sample += 1
         load_only = batch is None
-        record = engine_load(now_stats, info, sample, load_only or sample == 1, gen_throughput(now_stats))
+        record = engine_load(
+            now_stats,
+            info,
+            sample,
+            load_only or sample == 1,
+            gen_throughput(now_stats),
+            None if liveness is None else liveness(),
+        )
         smg_batch.load.CopyFrom(record)
         smg_batch.load.load_only = load_only
         last_core, sent_at = _routing_core(now_stats), time.monotonic()

@@ -165,6 +165,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             engine.model_info,
             self._gen_throughput,
             request.load_records_before_first_batch,
+            engine.liveness,
         )
         try:
             await context.send_initial_metadata(())  # the subscriber's call resolves before any event

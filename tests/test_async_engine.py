@@ -23,7 +23,7 @@ from service_harness import PATIENCE_S, UNENDING_TOKENS
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, QueueFullError
 from sluice.engine.faults import ENV_VAR as FAULT_VAR
-from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.frontend.async_engine import AsyncEngine, EngineLiveness
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.process.threads import core_process_environment
 from sluice.engine.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp
 _FRONTEND_ONLY = """
 import asyncio, os, sys
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
-from sluice.engine.frontend.async_engine import AsyncEngine
+from sluice.engine.frontend.async_engine import AsyncEngine, EngineLiveness
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import Tool, ToolUse
 
@@ -197,6 +197,27 @@ async def test_abort_ends_the_stream_and_frees_blocks(engine):
     assert sum(len(o.token_ids) for o in rest) < UNENDING_TOKENS - 1
     await _wait_for_free_blocks(engine)
     assert not engine.has_request("long")
+
+
+async def test_liveness_counts_unanswered_prompts_and_the_cores_silence_while_requests_live(engine):
+    """What SMG's load records report (engine_silence_ms, prefill_pending_tokens): a prompt counts until
+    its request's first output or its end; the silence is reported only while a request is live."""
+    assert engine.liveness() == EngineLiveness(None, 0)
+    first = await engine.add_request("a", UNENDING, token_ids=list(range(10, 40)))
+    second = await engine.add_request("b", PARAMS, token_ids=list(range(50, 70)))
+    third = await engine.add_request("c", UNENDING, token_ids=list(range(80, 85)))
+    liveness = engine.liveness()  # nothing handled since they were added: none has had an output
+    assert liveness.prefill_pending_tokens == 30 + 20 + 5 and liveness.silence_s >= 0
+    assert engine.liveness().silence_s >= liveness.silence_s  # the same silence, longer
+    await engine.abort("c")
+    assert [out.finish_reason async for out in third][-1] == "abort"
+    await anext(first)
+    await _collect(second)
+    assert engine.liveness().prefill_pending_tokens == 0
+    assert engine.liveness().silence_s is not None  # "a" runs on
+    await engine.abort("a")
+    await _collect(first)
+    assert engine.liveness() == EngineLiveness(None, 0)
 
 
 async def test_cancelling_the_consumer_aborts_the_request(engine):

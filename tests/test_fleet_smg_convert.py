@@ -319,6 +319,25 @@ def test_loads_and_model_info() -> None:
     assert smg_convert.model_type("Gemma3ForCausalLM") == "gemma3_text"
 
 
+@pytest.mark.parametrize(
+    ("liveness", "silence_ms", "pending"),
+    [(None, None, None), ((None, 0), None, 0), ((2.5, 37), 2500, 37), ((1e9, 2**40), 2**32 - 1, 2**32 - 1)],
+)
+def test_load_records_carry_the_engines_silence_and_prefill_in_hand(liveness, silence_ms, pending) -> None:
+    """Set from the frontend's EngineLiveness: the silence only while requests are live (absent is not
+    0), both held to the uint32 fields' range."""
+    from sluice.engine.frontend.async_engine import EngineLiveness
+    from sluice.engine.outputs import EngineStats
+    from sluice.service import smg_kv_events
+
+    stats = EngineStats(1, 0, 8, 1, 0, 0, 0)
+    given = None if liveness is None else EngineLiveness(*liveness)
+    load = smg_kv_events.engine_load(stats, INFO, 1, False, 0.0, given)
+    assert load.HasField("engine_reports_steps") == (liveness is not None)
+    assert (load.engine_silence_ms if load.HasField("engine_silence_ms") else None) == silence_ms
+    assert (load.prefill_pending_tokens if load.HasField("prefill_pending_tokens") else None) == pending
+
+
 def _bundle_dir(tokenizer: Tokenizer, info: ModelInfo, directory: Path) -> Path:
     for name, text in smg_convert.bundle_files(tokenizer, info).items():
         (directory / name).write_text(text)

@@ -2,9 +2,9 @@
 called through smg-grpc-proto's stubs as SMG's gateway calls it: the blocks a request's prompt filled
 arrive as stored events with their token ids and chained hashes, batches are numbered without a gap, a
 subscriber resumes from its cursor, a cursor the server cannot replay is OUT_OF_RANGE, every batch
-carries the engine's load and load_only records come between them, and the stream ends UNAVAILABLE when
-the engine stops. (The events' agreement with the pool's cache, evictions
-included, is checked every step by tests/test_kv_fuzz.py.)"""
+carries the engine's load (with the core's silence while requests are live and the prefill in hand) and
+load_only records come between them, and the stream ends UNAVAILABLE when the engine stops. (The events'
+agreement with the pool's cache, evictions included, is checked every step by tests/test_kv_fuzz.py.)"""
 
 from __future__ import annotations
 
@@ -195,6 +195,9 @@ def test_every_batch_carries_the_engines_load_and_load_only_records_come_between
             assert (first.load.running_requests, first.load.waiting_requests, first.load.sample) == (0, 0, 1)
             assert first.load.max_running_requests == info.max_num_seqs > 0
             assert first.load.max_total_num_tokens == info.kv_capacity_tokens  # telemetry: first record
+            # The core reports every step; with no request live there is no silence to report.
+            assert first.load.engine_reports_steps and not first.load.HasField("engine_silence_ms")
+            assert first.load.HasField("prefill_pending_tokens") and first.load.prefill_pending_tokens == 0
             heartbeat = early.next_batch(load_only=True)  # nothing happens: the record repeats
             assert (heartbeat.sequence_number, heartbeat.load.load_only, heartbeat.load.sample) == (
                 0,
@@ -215,6 +218,7 @@ def test_every_batch_carries_the_engines_load_and_load_only_records_come_between
             assert batch.sequence_number >= 1 and not batch.load.load_only and len(batch.events) > 0
             assert (batch.load.sample, batch.load.running_requests) == (1, 1)
             assert batch.load.max_total_num_tokens == info.kv_capacity_tokens and batch.load.token_usage > 0
+            assert batch.load.HasField("engine_silence_ms")  # a request is live
             call.cancel()
             # The request's end changes the load without a KV event: a load_only record says so,
             # repeating the last sequence number sent.
@@ -261,6 +265,9 @@ def test_a_waiting_requests_tokens_and_the_generation_rate_are_in_the_load(llama
             while (load := subscriber.next_batch(load_only=True).load).waiting_requests != 1:
                 pass
             assert (load.running_requests, load.waiting_uncached_tokens) == (1, 37)
+            # The waiting request has had no output: its prompt is the prefill in hand (the running one's
+            # was answered); requests are live, so the engine's silence is reported.
+            assert load.prefill_pending_tokens == 37 and load.HasField("engine_silence_ms")
             while subscriber.next_batch(load_only=True).load.gen_throughput <= 0:
                 pass  # measured over a quarter of a second at least: a few records on
             polled = stub.GetLoads(smg.GetLoadsRequest(), timeout=PATIENCE_S).loads[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sluice.engine.config import EngineConfig
@@ -44,6 +45,17 @@ from sluice.engine.text.tokenizer import Tokenizer
 TOKENIZE_INLINE_MAX_CHARS = 4096
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class EngineLiveness:
+    """What the frontend sees of the core between its stats: `silence_s`, the time since the core's last
+    message (a step's outputs, or an idle core's heartbeat) while requests are live, None while none is;
+    `prefill_pending_tokens`, the prompt tokens of live requests that have had no output yet (the prefill
+    work in hand, which a long silence may be)."""
+
+    silence_s: float | None
+    prefill_pending_tokens: int
 
 
 def prompt_chars(text: str | None = None, messages: Sequence[Mapping[str, Any]] | None = None) -> int:
@@ -94,6 +106,9 @@ class AsyncEngine:
         self.model_info: ModelInfo | None = None
         self._output_processor: OutputProcessor | None = None
         self._stats: EngineStats | None = None
+        self._last_message_at = time.monotonic()
+        self._prefill_pending: dict[str, int] = {}  # live request id -> its prompt's tokens, until an output
+        self._num_prefill_pending = 0  # their sum
         self._closed = False
 
     async def start(self) -> None:
@@ -124,6 +139,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """As of the core's latest step."""
         return self._stats
+
+    def liveness(self) -> EngineLiveness:
+        """The core's silence while requests are live, and their prefill not yet answered."""
+        silence = time.monotonic() - self._last_message_at if self._streams else None
+        return EngineLiveness(silence, self._num_prefill_pending)
 
     @property
     def num_live_requests(self) -> int:
@@ -183,6 +203,8 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self._output_processor.abort([request_id])
             raise
+        self._prefill_pending[request_id] = len(prompt)
+        self._num_prefill_pending += len(prompt)
         return RequestStream(request_id, collector, self._abandon, num_samples=params.n)
 
     def start_profile(
@@ -238,11 +260,17 @@ class AsyncEngine:
     def _abandon(self, request_id: str, finished: bool) -> None:
         """A stream ended: forget it, and abort its request unless it had finished."""
         self._streams.pop(request_id, None)
+        self._answered(request_id)
         if not finished and self.error is None and not self._closed:
             self._send(self._output_processor.abort([request_id]))
 
+    def _answered(self, request_id: str) -> None:
+        """The request had an output (or ended): its prefill is no longer pending."""
+        self._num_prefill_pending -= self._prefill_pending.pop(request_id, 0)
+
     def _on_message(self, message: CoreMessage) -> None:
         self._stats = message.stats
+        self._last_message_at = time.monotonic()
         if self.kv_event_log is not None:
             if isinstance(message, CoreOutputs) and message.kv_events:
                 self.kv_event_log.publish(message.kv_events)
@@ -252,6 +280,7 @@ class AsyncEngine:
         for output in self._send(self._output_processor.process(message.outputs)):
             stream = self._streams.get(output.request_id)
             if stream is not None:
+                self._answered(output.request_id)
                 stream.put(output)
 
     def _send(self, processed: ProcessedOutputs) -> list[RequestOutput]:
