@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 BIN = Path(sys.executable).parent
-READY = re.compile(r"sluice ready: model=(\S+) port=(\d+) metrics_port=(\d+) core_pid=\d+\n")
+READY = re.compile(r"sluice ready: model=(\S+) port=(\d+) metrics_port=(\d+) core_pid=(\d+)\n")
 START_TIMEOUT_S = 300.0
 
 
@@ -55,6 +55,7 @@ class SluiceProcess:
         assert match, f"unexpected ready line {ready!r}; log: {log.read_text()}"
         self.model = match.group(1)
         self.port, self.metrics_port = int(match.group(2)), int(match.group(3))
+        self.core_pid = int(match.group(4))  # the engine core process
 
     @property
     def target(self) -> str:

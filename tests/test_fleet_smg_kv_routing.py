@@ -3,10 +3,13 @@ real gateway (`smg launch --policy cache_aware`). A prompt cached on a worker by
 saw (sent to the worker directly) is routed to that worker: only the worker's KV events can tell the
 gateway where it is cached (its own prefix tree knows only what it routed). That holds for a prompt cached
 before the gateway started too: a new subscriber first gets a snapshot of the cache. And the gateway reads
-the engine's load from the same stream (pushed, not polled)."""
+the engine's load from the same stream (pushed, not polled), and in it the engine's silence: a worker
+whose engine core stopped answering is routed around before any request of the gateway's waits on it."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import openai
@@ -117,3 +120,59 @@ def test_the_gateway_reads_the_engines_load_from_its_event_stream(
         if gateway is not None:
             gateway.close()
         worker.close()
+
+
+def _generate_calls(worker: SluiceProcess) -> float:
+    """VllmEngine.Generate calls the worker ended, whatever their status."""
+    return sum(
+        value
+        for labels, value in worker.samples("sluice_rpc_requests_total")
+        if labels["method"] == "VllmEngine.Generate"
+    )
+
+
+def test_a_worker_whose_engine_went_silent_is_routed_around(llama_long_dir: str, tmp_path: Path) -> None:
+    """Worker 0's engine core is stopped (SIGSTOP) while a request sent to it directly is live: its
+    frontend's load records report the growing silence, the gateway vetoes it as wedged, and every request
+    the gateway then routes goes to worker 1 (none waits on the stopped core: worker 0 ends no Generate
+    call, even after the core resumes). Worker 0 would declare a silent core dead only after an hour."""
+    extra = ["--kv-events", "--kv-cache-memory", "80MiB"]
+    workers = [
+        SluiceProcess(llama_long_dir, tmp_path / "worker0.log", extra=[*extra, "--engine-timeout", "3600"]),
+        SluiceProcess(llama_long_dir, tmp_path / "worker1.log", extra=extra),
+    ]
+    gateway, core = None, None
+    try:
+        gateway = SmgGateway([w.url for w in workers], tmp_path / "smg.log")
+        openai_client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        model = gateway.models()[0]
+        with Client(workers[0].target) as client:
+            stream = client.generate(generate_request("hold", **UNENDING), timeout=EVENT_PATIENCE_S * 4)
+            next(iter(stream))
+            core = workers[0].core_pid
+            os.kill(core, signal.SIGSTOP)
+
+            def stalled() -> str | None:
+                listed = {w["url"]: w for w in gateway.get("/workers")["workers"]}
+                return listed[workers[0].url].get("stalled")
+
+            wait_for(lambda: stalled() == "wedged", EVENT_PATIENCE_S, "the gateway to veto the silent worker")
+            before = [_generate_calls(w) for w in workers]
+            for k in range(6):
+                response = openai_client.completions.create(
+                    model=model, prompt=f"request {k}", max_tokens=2, temperature=0, timeout=EVENT_PATIENCE_S
+                )
+                assert response.choices[0].finish_reason == "length"
+            assert _generate_calls(workers[1]) == before[1] + 6
+            os.kill(core, signal.SIGCONT)
+            core = None
+            stream.close()
+        wait_for(lambda: workers[0].finished("abort") == 1, EVENT_PATIENCE_S, "the held request's end")
+        assert _generate_calls(workers[0]) == before[0]
+    finally:
+        if core is not None:
+            os.kill(core, signal.SIGCONT)
+        if gateway is not None:
+            gateway.close()
+        for worker in workers:
+            worker.close()
