@@ -30,7 +30,7 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
-from sluice.engine.text.tokenizer import Tokenizer
+from sluice.engine.text.tokenizer import TOOL_USE_TEMPLATE, Tokenizer
 from sluice.service.convert import in_slices
 from sluice.service.generation_spec import GenerationSpec, Prompt
 
@@ -389,8 +389,27 @@ def tokenizer_config(tokenizer: Tokenizer, info: ModelInfo) -> dict[str, object]
     config["model_max_length"] = info.max_model_len
     config["add_bos_token"] = False  # tokenizer.json's post-processor adds what is needed
     if tokenizer.chat_template is not None:
-        config["chat_template"] = tokenizer.chat_template.source
+        config["chat_template"] = bundled_chat_template(tokenizer)
     return config
+
+
+# Between a block tag and a template's own text: trim_blocks / lstrip_blocks (transformers' and SMG's
+# settings) would otherwise eat a newline that starts it or the indentation that ends it.
+_VERBATIM = "{{ '' }}"
+
+
+def bundled_chat_template(tokenizer: Tokenizer) -> str:
+    """The one template SMG reads (it takes `chat_template` as a string only: a list of named templates
+    fails every chat, `additional_chat_templates/` is ignored). With a "tool_use" template beside the
+    default, both in one: a request with tools renders by "tool_use", as transformers and Sluice pick it."""
+    default = tokenizer.chat_template.source
+    tool_use = tokenizer.named_chat_templates.get(TOOL_USE_TEMPLATE)
+    if tool_use is None:
+        return default
+    return (
+        f"{{% if tools is defined and tools is not none %}}{_VERBATIM}{tool_use.source}{_VERBATIM}"
+        f"{{% else %}}{_VERBATIM}{default}{_VERBATIM}{{% endif %}}"
+    )
 
 
 def bundle_files(tokenizer: Tokenizer, info: ModelInfo) -> dict[str, str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -133,6 +135,26 @@ def build_gemma3_checkpoint(
         pad_token_id=0,
     )
     return _save(Gemma3ForCausalLM(config), directory, None, seed)
+
+
+# A tool_use template as Hermes-style models ship it: a macro, a leading newline, indentation at the end.
+TOOL_USE_CHAT_TEMPLATE = (
+    "\n# tools\n{%- macro names(tools) -%}"
+    "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "{%- endmacro -%}\n"
+    "TOOLS: {{ names(tools) }}\n"
+    "{% for message in messages %}{{ message.role }}> {{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant>{% endif %}\n  "
+)
+
+
+def copy_with_tool_use_template(directory: str, destination: Path) -> Path:
+    """A copy of a checkpoint with TOOL_USE_CHAT_TEMPLATE as its named "tool_use" template (transformers 5's
+    `additional_chat_templates/`), which renders the tools' names: a prompt rendered by it is longer."""
+    shutil.copytree(directory, destination)
+    (destination / "additional_chat_templates").mkdir()
+    (destination / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_USE_CHAT_TEMPLATE)
+    return destination
 
 
 def _save(model: torch.nn.Module, directory: str, max_shard_size: str | None, seed: int) -> str:

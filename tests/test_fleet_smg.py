@@ -15,6 +15,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from checkpoints import copy_with_tool_use_template
 from fleet_harness import SluiceProcess, SmgGateway, wait_for
 
 from sluice import Client, generate_request
@@ -165,6 +166,33 @@ def test_a_tool_call_through_the_gateway(fleet, openai_client) -> None:
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_a_request_with_tools_renders_by_the_models_tool_use_template(llama_dir: str, tmp_path: Path) -> None:
+    """A model with a "tool_use" template beside its default one: the gateway renders a chat with tools by
+    it and one without by the default, as Sluice's own API does (the prompts are as long)."""
+    model = copy_with_tool_use_template(llama_dir, tmp_path / "model")
+    worker = SluiceProcess(str(model), tmp_path / "worker.log")
+    gateway = None
+    try:
+        gateway = SmgGateway([worker.url], tmp_path / "smg.log")
+        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", timeout=120, max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        with Client(worker.target) as sluice:
+            for tools in ([WEATHER_TOOL], None):
+                own = sluice.tokenize(
+                    messages=messages, tools=None if tools is None else [WEATHER_TOOL["function"]]
+                )
+                extra = {} if tools is None else {"tools": tools}
+                response = client.chat.completions.create(
+                    model=worker.model, messages=messages, max_tokens=1, temperature=0, **extra
+                )
+                assert response.usage.prompt_tokens == len(own), tools
+            assert len(own) < len(sluice.tokenize(messages=messages, tools=[WEATHER_TOOL["function"]]))
+    finally:
+        if gateway is not None:
+            gateway.close()
+        worker.close()
 
 
 def test_ten_turns_of_a_conversation_land_on_one_worker(fleet, openai_client) -> None:

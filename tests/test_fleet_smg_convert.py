@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from checkpoints import copy_with_tool_use_template
 from smg_grpc_proto import vllm_engine_pb2 as smg
 
 from sluice.engine.errors import InvalidRequestError
@@ -363,6 +364,32 @@ def test_the_bundle_of_a_hugging_face_directory_loads_in_transformers(llama_dir:
     ours = Tokenizer.from_pretrained(llama_dir)
     info = INFO
     _check_against_transformers(ours, _bundle_dir(ours, info, tmp_path))
+
+
+def test_a_tool_use_template_goes_into_the_bundles_one_template(llama_dir: str, tmp_path: Path) -> None:
+    """SMG reads one chat template (a string): with a "tool_use" one beside the default, the bundle's
+    renders a conversation with tools as transformers renders it by "tool_use", and one without by the
+    default, character for character."""
+    from transformers import AutoTokenizer
+
+    model = copy_with_tool_use_template(llama_dir, tmp_path / "model")
+    ours = Tokenizer.from_pretrained(model)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    _bundle_dir(ours, INFO, bundle)
+    original, bundled = AutoTokenizer.from_pretrained(str(model)), AutoTokenizer.from_pretrained(str(bundle))
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for given in (tools, None):
+        expected = original.apply_chat_template(
+            messages, tools=given, add_generation_prompt=True, tokenize=False
+        )
+        rendered = bundled.apply_chat_template(
+            messages, tools=given, add_generation_prompt=True, tokenize=False
+        )
+        assert rendered == expected
+        assert ("TOOLS: get_weather;" in expected) == (given is not None)
+    assert expected == ours.apply_chat_template(messages)
 
 
 def test_the_bundle_exports_a_gguf_vocabulary_as_tokenizer_json(tmp_path: Path) -> None:
