@@ -74,12 +74,12 @@ class SluiceProcess:
             if sample.name == name
         ]
 
-    def rpc_count(self, method: str, code: str = "OK") -> float:
-        """Calls of `method` (e.g. "VllmEngine.Generate") that ended with `code`."""
+    def rpc_count(self, method: str, code: str | None = "OK") -> float:
+        """Calls of `method` (e.g. "VllmEngine.Generate") that ended with `code` (None: with any)."""
         return sum(
             value
             for labels, value in self.samples("sluice_rpc_requests_total")
-            if labels["method"] == method and labels["code"] == code
+            if labels["method"] == method and code in (None, labels["code"])
         )
 
     def finished(self, finish_reason: str | None = None) -> float:

@@ -113,7 +113,7 @@ async def test_a_start_cancelled_while_the_model_loads_leaves_no_core_behind(tmp
 _FRONTEND_ONLY = """
 import asyncio, os, sys
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
-from sluice.engine.frontend.async_engine import AsyncEngine, EngineLiveness
+from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import Tool, ToolUse
 

@@ -122,15 +122,6 @@ def test_the_gateway_reads_the_engines_load_from_its_event_stream(
         worker.close()
 
 
-def _generate_calls(worker: SluiceProcess) -> float:
-    """VllmEngine.Generate calls the worker ended, whatever their status."""
-    return sum(
-        value
-        for labels, value in worker.samples("sluice_rpc_requests_total")
-        if labels["method"] == "VllmEngine.Generate"
-    )
-
-
 def test_a_worker_whose_engine_went_silent_is_routed_around(llama_long_dir: str, tmp_path: Path) -> None:
     """Worker 0's engine core is stopped (SIGSTOP) while a request sent to it directly is live: its
     frontend's load records report the growing silence, the gateway vetoes it as wedged, and every request
@@ -157,18 +148,18 @@ def test_a_worker_whose_engine_went_silent_is_routed_around(llama_long_dir: str,
                 return listed[workers[0].url].get("stalled")
 
             wait_for(lambda: stalled() == "wedged", EVENT_PATIENCE_S, "the gateway to veto the silent worker")
-            before = [_generate_calls(w) for w in workers]
+            before = [w.rpc_count("VllmEngine.Generate", code=None) for w in workers]
             for k in range(6):
                 response = openai_client.completions.create(
                     model=model, prompt=f"request {k}", max_tokens=2, temperature=0, timeout=EVENT_PATIENCE_S
                 )
                 assert response.choices[0].finish_reason == "length"
-            assert _generate_calls(workers[1]) == before[1] + 6
+            assert workers[1].rpc_count("VllmEngine.Generate", code=None) == before[1] + 6
             os.kill(core, signal.SIGCONT)
             core = None
             stream.close()
         wait_for(lambda: workers[0].finished("abort") == 1, EVENT_PATIENCE_S, "the held request's end")
-        assert _generate_calls(workers[0]) == before[0]
+        assert workers[0].rpc_count("VllmEngine.Generate", code=None) == before[0]
     finally:
         if core is not None:
             os.kill(core, signal.SIGCONT)
