@@ -50,7 +50,8 @@ def test_freed_blocks_stay_cached_for_other_requests_until_evicted():
     kv.allocate_slots(first, 1)  # position 40 sees 29..40: frees block 0, which keeps its hash
     second = make_request("b", tokens(40))
     hit = kv.find_prefix(second)
-    assert hit.num_tokens == 32 and [b.block_id for b in hit.blocks] == [0, 1]
+    # Position 32 sees 13..32: block 0 (before the window) stands in the hit as None, never referenced.
+    assert hit.num_tokens == 32 and hit.blocks[0] is None and hit.blocks[1].block_id == 1
     # Admitted with 32 cached tokens: its next query (position 32) sees 21..32, so block 0 leaves again.
     assert kv.allocate_slots(second, 8, hit) == (PLACEHOLDER_BLOCK_ID, 1, 3)
     assert kv.pool.num_used_blocks == 3  # blocks 1, 2 (a) and 1, 3 (b): block 1 shared
@@ -78,6 +79,34 @@ def test_a_prefix_hit_references_only_the_blocks_its_window_reaches():
     # (3 of the 4 free), where referencing the whole hit needed 5. Free queue, tail-first frees: 3 2 1 0.
     assert kv.allocate_slots(second, 32, hit) == (PLACEHOLDER_BLOCK_ID, PLACEHOLDER_BLOCK_ID, 2, 3, 1)
     assert [b.ref_cnt for b in kv.pool.blocks] == [0, 1, 1, 1]
-    assert kv.pool.get_cached_block(hit.blocks[0].block_hash) is hit.blocks[0]  # unreferenced, still cached
+    assert kv.pool.get_cached_block(kv.pool.blocks[0].block_hash) is kv.pool.blocks[0]  # unreferenced, cached
     kv.free("b")
     assert kv.pool.num_free_blocks == 4
+
+
+def test_a_prefix_whose_first_blocks_were_evicted_hits_the_blocks_its_window_reaches():
+    """Blocks that left the window are freed before the request's others, so evicted first; a repeated
+    prompt still hits as far as the blocks its next query sees are cached (vLLM's sliding-window manager):
+    the chained hashes make a block's match a match of every token before it."""
+    kv = KVCacheManager(BS, 8, sliding_window=20)
+    prompt = tokens(80)
+    first = make_request("a", prompt)
+    assert kv.allocate_slots(first, 80) == (0, 1, 2, 3, 4)
+    first.num_computed_tokens = 80
+    kv.cache_computed_blocks(first)
+    # Position 80 sees 61..80: blocks 0, 1, 2 leave the window, freed (free queue 5 6 7 0 1 2).
+    assert kv.allocate_slots(first, 1) == (PLACEHOLDER_BLOCK_ID,) * 3 + (3, 4, 5)
+    kv.free("a")  # free queue 6 7 0 1 2 5 4 3
+    assert kv.allocate_slots(make_request("b", tokens(48, start=700)), 48) == (6, 7, 0)  # evicts a's block 0
+    hashes = kv._request_hashes(first)
+    assert [kv.pool.get_cached_block(h) is not None for h in hashes] == [False, True, True, True, True]
+    repeat = make_request("c", prompt)
+    hit = kv.find_prefix(repeat)
+    # The next query (position 64) sees 45..64: blocks 2 and 3 are cached; blocks 0 and 1 are not needed.
+    assert hit.num_tokens == 64 and hit.blocks[:2] == (None, None)
+    assert [b.block_id for b in hit.blocks[2:]] == [2, 3]
+    assert kv.allocate_slots(repeat, 16, hit) == (PLACEHOLDER_BLOCK_ID, PLACEHOLDER_BLOCK_ID, 2, 3, 1)
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [1, 1, 1]
+    # A prompt sharing only blocks 0 and 1: a 32-token hit's next query sees 13..32, block 0 included,
+    # which was evicted: no hit.
+    assert kv.find_prefix(make_request("d", tokens(32) + tokens(48, start=300))).num_tokens == 0

@@ -20,7 +20,8 @@ request next allocates, and their table entries become PLACEHOLDER_BLOCK_ID (nev
 A block leaving the window is registered in the prefix cache first (with async scheduling the step that
 computes it may still be in flight: steps run in order, so a later step that hits it reads its K/V), and
 keeps its hash in the pool once freed, so other requests can still hit it until evicted. A prefix hit's
-blocks wholly before the window are never referenced: the request holds only what it sees.
+blocks wholly before the window are never referenced: the request holds only what it sees, and they need
+not be cached at all: a prompt whose first blocks were evicted still hits the blocks its window reaches.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from sluice.engine.request import Request
 @dataclass(frozen=True)
 class PrefixHit:
     """Cached blocks holding a request's leading tokens. The scheduler reads only `num_tokens` and
-    hands the hit back to `allocate_slots` unchanged."""
+    hands the hit back to `allocate_slots` unchanged. With a window, blocks before the one the next
+    query sees may be None (evicted; never read)."""
 
-    blocks: tuple[KVCacheBlock, ...]
+    blocks: tuple[KVCacheBlock | None, ...]
     num_tokens: int
 
 
@@ -82,6 +84,8 @@ class KVCacheManager:
             return NO_HIT  # cached positions have no logits: a request wanting prompt logprobs computes all
         hashes = self._request_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._find_windowed_prefix(hashes[:max_blocks])
         blocks = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -89,6 +93,24 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return PrefixHit(blocks=tuple(blocks), num_tokens=len(blocks) * self.block_size)
+
+    def _find_windowed_prefix(self, hashes: list[BlockHash]) -> PrefixHit:
+        """With a window, a hit of n blocks needs cached only the blocks its next query sees (from
+        `_first_visible(n * block_size)` on), not the blocks before them, which may have been evicted
+        (those freed for leaving the window are the oldest free ones): the largest such n, found from
+        the last block back (vLLM's sliding-window manager). The chained hashes make a later block's
+        match a match of every token before it. The blocks before the window stand in the hit as None."""
+        run: list[KVCacheBlock] = []  # cached blocks i .. end - 1, found from the right
+        for i in range(len(hashes) - 1, -1, -1):
+            block = self.pool.get_cached_block(hashes[i])
+            if block is None:
+                run.clear()
+                continue
+            run.append(block)
+            end = i + len(run)
+            if i <= self._first_visible(end * self.block_size) // self.block_size:
+                return PrefixHit(blocks=(None,) * i + tuple(reversed(run)), num_tokens=end * self.block_size)
+        return NO_HIT
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
