@@ -19,6 +19,7 @@ from service_harness import PATIENCE_S
 
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
+from sluice.engine.structured.tool_calls import Tool
 from sluice.engine.text.tokenizer import Tokenizer
 
 # (schema, an output the schema refuses, the keyword refused, its place). Each output was matched by the
@@ -157,3 +158,26 @@ def test_an_accepted_schema_holds_the_output_to_it(compiler: GrammarCompiler, sc
         with pytest.raises(jsonschema.ValidationError):
             validate(value, schema)
     assert not matches(compiler, constraint, invalid)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ('{"type": "string", "format": ["email"]}', "json_schema: 'format' at # is a keyword"),
+        (
+            '{"properties": {"a": {"format": {"x": 1}}}}',
+            "json_schema: 'format' at #/properties/a is a keyword",
+        ),
+        ('{"type": "object", "properties": {"a": {}}, "required": [["a"]]}', "json_schema: 'required' at #"),
+        ('{"items": ' * 3000 + "{}" + "}" * 3000, "json_schema: nests too deeply"),
+    ],
+)
+def test_a_malformed_schema_is_a_bad_argument_naming_the_field(schema, message) -> None:
+    """Shapes JSON Schema does not allow (a format or a required name that is no string), once a TypeError
+    in our checks, and nesting past the JSON parser's recursion limit, once a RecursionError: both gRPC
+    INTERNAL. A tool's parameters are checked the same way."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Constraint(json_schema=schema)
+    field = "tools.parameters: 'f'" if "nests" not in message else "tools.parameters"
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}"):
+        Tool("f", parameters=schema.replace('"type": "string", ', ""))

@@ -178,6 +178,24 @@ def test_calls_whose_arguments_are_not_json_numbers_are_dropped(number) -> None:
     assert parsed(ToolUse((WEATHER,), "get_weather"), f'{{"city": {number}}}') == ()
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        '{"name": [], "arguments": {}}',  # a name no tool can have: unhashable, once a TypeError
+        '{"name": {"get_time": 1}, "arguments": {}}',
+        '{"name": "get_time", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}",  # past json's recursion
+        "[" * 5000 + "]" * 5000,
+    ],
+)
+def test_json_that_is_no_call_of_the_tools_is_no_call_whatever_its_shape(call) -> None:
+    """Whatever JSON a model writes is parsed without raising: the parser runs in the frontend's reader
+    of the engine core's outputs, where an exception would fail every request in flight."""
+    auto = ToolUse((WEATHER, TIME), "auto")
+    assert parsed(auto, call) == () and parsed(auto, f"<tool_call>{call}</tool_call>") == ()
+    assert auto.content(f"Hi <tool_call>{call}</tool_call>") == f"Hi <tool_call>{call}</tool_call>"
+    assert parsed(ToolUse((WEATHER, TIME), "required"), f"[{call}]") == ()
+
+
 def test_a_required_call_cannot_be_combined_with_another_constraint() -> None:
     params = SamplingParams(constraint=Constraint(regex="a"))
     with pytest.raises(InvalidRequestError) as info:

@@ -204,7 +204,12 @@ class OutputProcessor:
         if num_taken < len(token_ids):
             token_ids, logprobs = token_ids[:num_taken], logprobs.first(num_taken)
         prompt_logprobs = core_output.prompt_logprobs
-        tool_calls, content = self._tool_calls(state, text, finish_reason is not None)
+        try:
+            tool_calls, content = self._tool_calls(state, text, finish_reason is not None)
+        except Exception as exc:  # a parser's bug fails this request alone, never the engine's reader
+            logger.exception("parsing the tool calls of request %s failed", core_output.request_id)
+            tool_calls, content = (), ""
+            finish_reason, stop_reason, error = "error", None, f"tool call parsing failed: {exc}"
         return RequestOutput(
             request_id=state.request_id,
             token_ids=tuple(token_ids),

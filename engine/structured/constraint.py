@@ -6,6 +6,7 @@ same constraint share one compilation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,10 +50,13 @@ class Constraint:
                 f"constraint: give exactly one of json_schema, regex, grammar, choice, "
                 f"json_object, structural_tag (got {given})"
             )
-        if self.json_schema is not None:
-            _check_json(self.json_schema)
-        if self.structural_tag is not None:
-            _check_structural_tag(self.structural_tag)
+        for name, value, check in (
+            ("json_schema", self.json_schema, _check_json),
+            ("structural_tag", self.structural_tag, _check_structural_tag),
+        ):
+            if value is not None:
+                with nesting_checked(name):
+                    check(value)
         for name, value in (("regex", self.regex), ("grammar", self.grammar)):
             if value is not None and not value:
                 raise ValueError(f"{name}: must not be empty")
@@ -276,6 +280,8 @@ def _ignored_keyword(schema: dict) -> str | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         return "$ref"  # a remote reference: xgrammar compiles it as any value
+    if not isinstance(schema.get("format", ""), str):
+        return "format"  # no format at all: xgrammar fails on it
     alternatives = [k for k in _ALTERNATIVES if k in schema]
     if alternatives:
         if len(alternatives) > 1:
@@ -290,7 +296,7 @@ def _ignored_keyword(schema: dict) -> str | None:
     types = _types(schema)
     if not types:  # typeless: xgrammar reads objects' and arrays' keywords only
         unread = [k for k in (*_STRING_KEYWORDS, *_NUMBER_KEYWORDS) if k in schema]
-        return next((k for k in unread if k != "format" or schema[k] in _ENFORCED_FORMATS), None)
+        return next((k for k in unread if k != "format" or _enforced_format(schema)), None)
     multiple = schema.get("multipleOf")
     if "multipleOf" in schema and (
         "number" in types
@@ -300,16 +306,33 @@ def _ignored_keyword(schema: dict) -> str | None:
     ):
         return "multipleOf"  # xgrammar enforces whole multiples of integers only
     if "string" in types:
-        if schema.get("format") in _ENFORCED_FORMATS:
+        if _enforced_format(schema):
             return next((k for k in ("pattern", "minLength", "maxLength") if k in schema), None)
         if "pattern" in schema:
             return next((k for k in ("minLength", "maxLength") if k in schema), None)
     required, properties = schema.get("required"), schema.get("properties")
     if isinstance(required, list) and any(
-        name not in (properties if isinstance(properties, dict) else {}) for name in required
+        not isinstance(name, str) or name not in (properties if isinstance(properties, dict) else {})
+        for name in required
     ):
         return "required"  # a required name without a property schema: xgrammar never writes it
     return None
+
+
+def _enforced_format(schema: dict) -> bool:
+    """Whether the schema's "format" is one xgrammar enforces."""
+    value = schema.get("format")
+    return isinstance(value, str) and value in _ENFORCED_FORMATS
+
+
+@contextlib.contextmanager
+def nesting_checked(field: str) -> Iterator[None]:
+    """JSON nested deeper than Python's parser or our walks recurse is a bad request naming `field`,
+    not an internal error (RecursionError)."""
+    try:
+        yield
+    except RecursionError as e:
+        raise ValueError(f"{field}: nests too deeply") from e
 
 
 def _types(schema: dict) -> list[str]:

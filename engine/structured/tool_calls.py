@@ -38,7 +38,7 @@ from typing import Any
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, unenforced_keyword
+from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, nesting_checked, unenforced_keyword
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
@@ -62,21 +62,25 @@ class Tool:
         if not self.name:
             raise ValueError("tools.name: must not be empty")
         if self.parameters:
-            try:
-                schema = json.loads(self.parameters)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"tools.parameters: {self.name!r} is not valid JSON: {e}") from e
-            if not isinstance(schema, dict):
-                raise ValueError(f"tools.parameters: {self.name!r} must be a JSON object")
-            if schema.get("type", "object") != "object":
-                got = json.dumps(schema["type"])
-                raise ValueError(f'tools.parameters: {self.name!r} must have "type": "object", got {got}')
-            if (unenforced := unenforced_keyword(schema)) is not None:
-                keyword, path = unenforced
-                raise ValueError(
-                    f"tools.parameters: {self.name!r} has {keyword!r} at {path}, a keyword the grammar "
-                    "cannot enforce; leave it out"
-                )
+            with nesting_checked("tools.parameters"):
+                self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        try:
+            schema = json.loads(self.parameters)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tools.parameters: {self.name!r} is not valid JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise ValueError(f"tools.parameters: {self.name!r} must be a JSON object")
+        if schema.get("type", "object") != "object":
+            got = json.dumps(schema["type"])
+            raise ValueError(f'tools.parameters: {self.name!r} must have "type": "object", got {got}')
+        if (unenforced := unenforced_keyword(schema)) is not None:
+            keyword, path = unenforced
+            raise ValueError(
+                f"tools.parameters: {self.name!r} has {keyword!r} at {path}, a keyword the grammar "
+                "cannot enforce; leave it out"
+            )
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -172,7 +176,10 @@ class ToolUse:
         return tuple(calls) if calls and None not in calls else None
 
     def _call(self, value: Any) -> ToolCall | None:
-        if not isinstance(value, dict) or value.get("name") not in {t.name for t in self.tools}:
+        if not isinstance(value, dict):
+            return None
+        name = value.get("name")  # any JSON value the model wrote: a list or an object is no tool's name
+        if not isinstance(name, str) or name not in {t.name for t in self.tools}:
             return None
         arguments = _arguments_text(value.get("arguments", value.get("parameters", {})))
         return None if arguments is None else ToolCall(value["name"], arguments, new_call_id())
@@ -186,10 +193,11 @@ def new_call_id() -> str:
 
 
 def _loads(text: str) -> Any:
-    """The JSON value of `text`; None when it is not JSON, or holds NaN or Infinity."""
+    """The JSON value of `text`; None when it is not JSON, holds NaN or Infinity, or nests too deep for
+    the parser (a model's output can: RecursionError)."""
     try:
         return json.loads(text.strip(), parse_constant=_refuse_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -203,7 +211,7 @@ def _arguments_text(arguments: Any) -> str | None:
         return None
     try:
         return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -56,7 +56,7 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
