@@ -19,7 +19,8 @@ from sluice import Client, generate_request
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.text.chat_template import ChatTemplate
+from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
+from sluice.engine.text.prompt import resolve_prompt
 from sluice.engine.text.tokenizer import Tokenizer
 from sluice.v1 import sluice_pb2 as pb
 
@@ -241,3 +242,23 @@ def test_a_template_that_drops_the_final_message_cannot_continue_it(model_dir: P
         "continue_final_message: the last message's content does not appear in the chat template's render, "
         "so the prompt cannot end inside it"
     )
+
+
+def test_a_chat_its_template_renders_to_nothing_is_refused_naming_messages(model_dir: Path) -> None:
+    """Qwen3-style templates render nothing for a role they do not know ("developer" here) and no
+    generation prompt when asked for none: such a chat reached the engine core with no prompt tokens,
+    and the core process died of it, failing every request in flight."""
+    skips_unknown_roles = (
+        "{% for message in messages %}{% if message.role in ('system', 'user', 'assistant') %}"
+        "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    ours = Tokenizer.from_pretrained(model_dir)
+    ours.chat_template = ChatTemplate(skips_unknown_roles)
+    developer = [{"role": "developer", "content": "Be brief."}]
+    assert resolve_prompt(ours, messages=developer)  # the generation prompt alone
+    with pytest.raises(InvalidRequestError) as info:
+        resolve_prompt(
+            ours, messages=developer, chat_options=ChatTemplateOptions(add_generation_prompt=False)
+        )
+    assert str(info.value) == "messages: the chat template renders them to no tokens"

@@ -107,3 +107,28 @@ def test_the_idle_core_loop_holds_nothing_of_the_requests_it_served(llama_long_d
     finally:
         loop.close()
     assert not loop.thread.is_alive()
+
+
+def test_a_request_the_core_cannot_take_fails_alone(llama_long_dir):
+    """A request the frontend let through that the core cannot build (here no prompt tokens: a chat
+    template that rendered nothing, once) ends with an error, and the loop serves the next one; before,
+    the exception ended the core process and with it every request in flight."""
+    core = EngineCore(long_engine_config(llama_long_dir))
+    loop = LoopThread(core)
+    try:
+        loop.send(AddRequest("empty", [], SamplingParams(**ENDS), time.time()))
+        loop.send(AddRequest("after", [3, 4, 5], SamplingParams(temperature=0.0, **ENDS), time.time()))
+        finished = {}
+        while len(finished) < 2:
+            message = loop.receive()
+            for output in [] if isinstance(message, CoreHeartbeat) else message.outputs:
+                if output.finish_reason is not None:
+                    finished[output.request_id] = (output.finish_reason, output.error)
+        assert finished["after"] == ("length", None)
+        assert (
+            finished["empty"][0] == "error"
+            and "prompt: must contain at least one token" in finished["empty"][1]
+        )
+        assert loop.thread.is_alive()
+    finally:
+        loop.close()

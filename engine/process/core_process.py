@@ -108,6 +108,11 @@ class CoreLoop:
                     self.core.add_request(message)
                 except InvalidRequestError as exc:  # e.g. needs more KV blocks than the cache has
                     outputs.append(CoreOutput.refused(message.request_id, exc))
+                except Exception as exc:  # a request the frontend should have refused fails alone
+                    logger.exception("adding request %s failed", message.request_id)
+                    outputs.append(
+                        CoreOutput.failed(message.request_id, f"the engine could not take it: {exc}")
+                    )
 
 
 def serve_core(commands_address: str, results_address: str, parent_pid: int) -> int:

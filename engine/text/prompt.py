@@ -42,7 +42,10 @@ def resolve_prompt(
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
         options = chat_options or ChatTemplateOptions()
-        return tokenizer.encode_chat(template_messages(messages), tools=tools, **options.as_kwargs())
+        ids = tokenizer.encode_chat(template_messages(messages), tools=tools, **options.as_kwargs())
+        if not ids:  # e.g. a template that renders nothing for a role it does not know
+            raise InvalidRequestError("messages", "the chat template renders them to no tokens")
+        return ids
     ids = tokenizer.encode(text)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")
