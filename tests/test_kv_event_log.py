@@ -87,6 +87,16 @@ async def test_a_subscriber_with_too_many_token_ids_unread_is_dropped() -> None:
     assert (await anext(fast)).sequence_number == 3
 
 
+async def test_a_batch_past_the_bound_reaches_a_subscriber_with_nothing_unread() -> None:
+    """One step storing more token ids than the bound (a huge step budget) dropped every subscriber,
+    even those that had read everything."""
+    log = KVEventLog(history_token_ids=4)
+    subscription = log.subscribe(0)
+    log.publish([BlocksStored([1, 2, 3], None, [1, 1, 2, 2, 3, 3], 2)])
+    assert (await anext(subscription)).sequence_number == 1
+    assert log.num_subscribers == 1
+
+
 async def test_subscriptions_end_when_the_engine_stops_after_what_they_have_queued() -> None:
     log = KVEventLog()
     subscription = log.subscribe(0)
@@ -152,6 +162,23 @@ async def test_a_cursor_short_of_a_snapshots_last_chunk_is_refused(monkeypatch) 
             log.subscribe(cursor)
     assert await _read(log.subscribe(3), 0) == []  # the whole snapshot read: live from here
     assert (await anext(log.subscribe(0))).snapshot == SnapshotChunk(0, 3, 3)  # or from 0 again
+
+
+async def test_a_cursor_short_of_a_snapshot_is_refused_however_many_snapshots_follow(monkeypatch) -> None:
+    """The snapshots' ranges were kept by count (64): after 64 later snapshots of several chunks, a cursor
+    cut inside the first was replayed and missed the blocks only its later chunks listed."""
+    monkeypatch.setattr(kv_event_log, "SNAPSHOT_CHUNK_BLOCKS", 1)
+    log = KVEventLog()
+    log.publish([BlocksStored([1, 2, 3], None, [1, 1, 2, 2, 3, 3], 2)])  # batch 1: a chain of three blocks
+    _publish(log, 900, 901)  # batches 2 and 3: nothing changes
+    cut = log.subscribe(0)
+    assert (await anext(cut)).snapshot == SnapshotChunk(0, 3, 3)  # batch 1 of 1 .. 3, then cut
+    cut.close()
+    for block_hash in range(100):  # later snapshots of three chunks, each at its own last batch
+        _publish(log, 1000 + block_hash)
+        log.subscribe(0).close()
+    with pytest.raises(ReplayExpiredError, match=r"cursor 1 is within a snapshot \(batches 1 .. 3\)"):
+        log.subscribe(1)
 
 
 async def test_a_snapshot_of_an_emptied_cache_still_clears_what_the_subscriber_knew() -> None:

@@ -39,7 +39,6 @@ HISTORY_BATCHES = 4096
 HISTORY_TOKEN_IDS = 1 << 20
 SUBSCRIBER_QUEUE_BATCHES = 4096
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks a snapshot batch carries (~250 KB on the wire), at least
-SNAPSHOT_RANGES = 64  # the numbers of this many recent snapshots of several chunks are remembered
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,8 @@ class KVEventSubscription:
 
     def push(self, batch: KVEventBatch) -> None:
         num_token_ids = _num_token_ids(batch)
-        if (
+        # A subscriber with nothing unread keeps up, however large the batch (one step past the bound).
+        if self._queue and (
             len(self._queue) >= self._max_queued
             or self._num_token_ids + num_token_ids > self._max_queued_token_ids
         ):
@@ -186,8 +186,9 @@ class KVEventLog:
         self._last_sequence_number = 0
         self._stopped: str | None = None
         self._cached = CachedBlocks()
-        # (first, last) numbers of the snapshots served in more than one chunk, oldest first.
-        self._snapshot_ranges: deque[tuple[int, int]] = deque(maxlen=SNAPSHOT_RANGES)
+        # (first, last) numbers of the snapshots served in more than one chunk, oldest first, while a
+        # cursor inside one could still be within the history (at most one a batch it holds).
+        self._snapshot_ranges: deque[tuple[int, int]] = deque()
 
     @property
     def last_sequence_number(self) -> int:
@@ -230,6 +231,8 @@ class KVEventLog:
         if cursor > last:
             raise ReplayExpiredError(f"cursor {cursor} is past the last batch, {last}: an earlier engine's?")
         first_kept = self._history[0].sequence_number if self._history else last + 1
+        while self._snapshot_ranges and self._snapshot_ranges[0][1] < first_kept - 1:
+            self._snapshot_ranges.popleft()  # its cursors are before the history: refused below anyway
         if 0 < cursor < first_kept - 1:
             raise ReplayExpiredError(f"batches after {cursor} are gone: the history starts at {first_kept}")
         for first, end in self._snapshot_ranges:
