@@ -375,6 +375,24 @@ async def test_a_killed_core_fails_every_stream_and_refuses_new_requests(engine)
         await engine.add_request("after", PARAMS, text="hello")
 
 
+async def test_a_frontend_that_fails_handling_the_cores_message_fails_every_stream_saying_why(
+    engine, monkeypatch
+):
+    """A bug in handling the core's outputs ended the frontend's reader silently: the streams waited for
+    the silence watchdog (engine_timeout, an hour here) and its 'stopped answering'."""
+    stream = await engine.add_request("s", UNENDING, text="the quick brown fox")
+    await anext(stream)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(engine._output_processor, "process", broken)
+    with pytest.raises(
+        EngineDeadError, match="handling the engine core's message failed: RuntimeError: a bug"
+    ):
+        await asyncio.wait_for(_collect(stream), PATIENCE_S)
+
+
 async def test_a_step_that_raises_kills_the_core_with_its_reason(llama_long_dir, monkeypatch):
     engine = await _started(llama_long_dir, monkeypatch, "step:poison")
     try:

@@ -192,7 +192,12 @@ class CoreClient:
             if isinstance(message, CoreFailed):
                 self._dead(message.error)
                 return
-            on_message(message)
+            try:
+                on_message(message)
+            except Exception as exc:  # a bug in handling one: fail now, saying why, not silent until timeout
+                logger.exception("handling the engine core's message failed")
+                self._dead(f"handling the engine core's message failed: {type(exc).__name__}: {exc}")
+                return
 
     async def _watch_exit(self) -> None:
         returncode = await self.process.wait()
