@@ -281,7 +281,7 @@ def _ignored_keyword(schema: dict) -> str | None:
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         return "$ref"  # a remote reference: xgrammar compiles it as any value
     if not isinstance(schema.get("format", ""), str):
-        return "format"  # no format at all: xgrammar fails on it
+        return "format"  # JSON Schema's format is a string; xgrammar fails on any other
     alternatives = [k for k in _ALTERNATIVES if k in schema]
     if alternatives:
         if len(alternatives) > 1:
