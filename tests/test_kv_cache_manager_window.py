@@ -50,7 +50,7 @@ def test_freed_blocks_stay_cached_for_other_requests_until_evicted():
     kv.allocate_slots(first, 1)  # position 40 sees 29..40: frees block 0, which keeps its hash
     second = make_request("b", tokens(40))
     hit = kv.find_prefix(second)
-    # Position 32 sees 13..32: block 0 (before the window) stands in the hit as None, never referenced.
+    # Position 32 sees 21..32: block 0 (before the window) stands in the hit as None, never referenced.
     assert hit.num_tokens == 32 and hit.blocks[0] is None and hit.blocks[1].block_id == 1
     # Admitted with 32 cached tokens: its next query (position 32) sees 21..32, so block 0 leaves again.
     assert kv.allocate_slots(second, 8, hit) == (PLACEHOLDER_BLOCK_ID, 1, 3)
