@@ -128,7 +128,7 @@ def tool_use_from_chat(chat: pb.ChatMessages) -> ToolUse | None:
     tools = tuple(Tool(t.name, t.description, t.parameters) for t in chat.tools)
     kind = chat.tool_choice.WhichOneof("choice")
     if kind == "function_name":
-        return ToolUse(tools, chat.tool_choice.function_name)
+        return ToolUse(tools, chat.tool_choice.function_name, named=True)
     mode = chat.tool_choice.mode
     if mode not in _TOOL_CHOICE_MODES and mode != pb.TOOL_CHOICE_MODE_UNSPECIFIED:
         raise InvalidRequestError("tool_choice.mode", f"unknown value {mode}")

@@ -73,6 +73,10 @@ def test_tools_and_tool_choice_in_either_form_become_the_chats_fields() -> None:
         request = generate_request(messages=messages, tools=forms[:1], tool_choice=choice)
         assert request.messages.tool_choice == message
         assert request.messages.HasField("tool_choice") == (choice is not None)
+    # OpenAI's named form names a tool even when the name is spelled like a mode.
+    named = {"type": "function", "function": {"name": "none"}}
+    request = generate_request(messages=messages, tools=forms[:1], tool_choice=named)
+    assert request.messages.tool_choice == pb.ToolChoice(function_name="none")
     with pytest.raises(ValueError, match=r"^tools: needs messages$"):
         generate_request("Hello", tools=forms[:1])
     with pytest.raises(ValueError, match=r"^tool_choice: needs messages$"):

@@ -183,6 +183,17 @@ def test_named_tool_choice_returns_one_call_of_that_function(stub) -> None:
     assert [(c.name, json.loads(c.arguments)) for c in chunks[-1].tool_calls] == [("get_weather", arguments)]
 
 
+def test_a_tool_named_like_a_mode_is_called_when_function_name_names_it(stub) -> None:
+    """function_name "none" was read as the mode none: no constraint and no call parsed."""
+    called_none = pb.Tool(name="none", description=WEATHER.description, parameters=WEATHER.parameters)
+    request = chat_request(pb.ToolChoice(function_name="none"), temperature=0.0)
+    request.messages.tools.append(called_none)
+    chunks = list(stub.Generate(request, timeout=60))
+    arguments = json.loads(text_of(chunks))
+    jsonschema.validate(arguments, json.loads(WEATHER.parameters))
+    assert [(c.name, json.loads(c.arguments)) for c in chunks[-1].tool_calls] == [("none", arguments)]
+
+
 def test_the_clients_completion_keeps_the_tool_calls(stub, server) -> None:
     """`Client.complete` collects the last chunk's parsed calls as the raw stream has them."""
     request = chat_request(pb.ToolChoice(function_name="get_weather"), temperature=0.0)
@@ -213,7 +224,7 @@ def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> Non
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
         info.value.details()
-        == "tool_choice: 'nope' is not a mode nor one of the tools ['get_weather', 'get_time']"
+        == "tool_choice.function_name: 'nope' is not one of the tools ['get_weather', 'get_time']"
     )
 
 

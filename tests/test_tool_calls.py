@@ -137,6 +137,20 @@ def test_parsing_per_tool_choice() -> None:
     assert parsed(ToolUse(tools, "none"), required) == ()
 
 
+def test_a_named_call_of_a_tool_spelled_like_a_mode_calls_that_tool() -> None:
+    """`named` (the proto's function_name) reads tool_choice as a tool's name: a tool called "none" was
+    taken for the mode, unconstrained and parsed as no call."""
+    called_none = Tool("none", "A tool with an unlucky name", json.dumps(CITY))
+    tool_use = ToolUse((WEATHER, called_none), "none", named=True)
+    assert tool_use.mode == "function"
+    assert tool_use.constraint() == Constraint(json_schema=json.dumps(CITY))
+    assert parsed(tool_use, '{"city": "Oslo"}') == (("none", '{"city": "Oslo"}'),)
+    assert ToolUse((WEATHER, called_none), "none").mode == "none"
+    with pytest.raises(ValueError) as info:
+        ToolUse((WEATHER,), "auto", named=True)
+    assert str(info.value) == "tool_choice.function_name: 'auto' is not one of the tools ['get_weather']"
+
+
 def test_the_content_beside_the_calls_is_autos_text_outside_its_blocks() -> None:
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     auto = ToolUse((WEATHER, TIME), "auto")

@@ -96,10 +96,13 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolUse:
-    """The tools of one chat request and `tool_choice`: "none", "auto", "required" or a tool's name."""
+    """The tools of one chat request and `tool_choice`: "none", "auto", "required" or a tool's name.
+    `named` says that tool_choice is a tool's name even where it is spelled like a mode (the proto's
+    `function_name`: a tool may be called "none")."""
 
     tools: tuple[Tool, ...]
     tool_choice: str = "auto"
+    named: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -108,8 +111,16 @@ class ToolUse:
             raise ValueError("tools: must not be empty when tool_choice is given")
         if len(set(names)) != len(names):
             raise ValueError("tools: names must be unique")
-        if self.tool_choice not in TOOL_CHOICE_MODES and self.tool_choice not in names:
+        if self.named and self.tool_choice not in names:
+            name = self.tool_choice
+            raise ValueError(f"tool_choice.function_name: {name!r} is not one of the tools {names}")
+        if self.mode == "function" and self.tool_choice not in names:
             raise ValueError(f"tool_choice: {self.tool_choice!r} is not a mode nor one of the tools {names}")
+
+    @property
+    def mode(self) -> str:
+        """The mode: "none", "auto", "required", or "function" (a call of the tool tool_choice names)."""
+        return "function" if self.named or self.tool_choice not in TOOL_CHOICE_MODES else self.tool_choice
 
     def for_template(self) -> list[dict[str, Any]]:
         return [tool.for_template() for tool in self.tools]
@@ -119,7 +130,7 @@ class ToolUse:
         in the text, where the calls parse from: the <tool_call> tags are special tokens in some
         tokenizers (Hermes-style checkpoints; vLLM's Hermes parser turns skip_special_tokens off too),
         unless a constraint of the request's own holds the output, which then has no special token."""
-        if self.tool_choice == "auto" and params.constraint is None and params.skip_special_tokens:
+        if self.mode == "auto" and params.constraint is None and params.skip_special_tokens:
             return dataclasses.replace(params, skip_special_tokens=False)
         constraint = self.constraint()
         if constraint is None:
@@ -132,9 +143,9 @@ class ToolUse:
 
     def constraint(self) -> Constraint | None:
         """What the output must match: None for "none" and "auto"."""
-        if self.tool_choice in ("none", "auto"):
+        if self.mode in ("none", "auto"):
             return None
-        if self.tool_choice != "required":
+        if self.mode == "function":
             return Constraint(json_schema=json.dumps(self._tool(self.tool_choice).schema))
         # Each tool's schema sits under the root's $defs, its own "#/..." references rebased to follow it.
         defs = {f"tool_{i}": _rebased(tool.schema, f"#/$defs/tool_{i}") for i, tool in enumerate(self.tools)}
@@ -152,19 +163,19 @@ class ToolUse:
 
     def parse(self, text: str) -> tuple[ToolCall, ...]:
         """The calls in a finished output; () when there are none or they do not parse."""
-        if self.tool_choice == "none":
+        if self.mode == "none":
             return ()
-        if self.tool_choice not in TOOL_CHOICE_MODES:
+        if self.mode == "function":
             arguments = _arguments_text(_loads(text))
             return () if arguments is None else (ToolCall(self.tool_choice, arguments, new_call_id()),)
-        blocks = (_TOOL_CALL_BLOCK.findall(text) if self.tool_choice == "auto" else []) or [text]
+        blocks = (_TOOL_CALL_BLOCK.findall(text) if self.mode == "auto" else []) or [text]
         return tuple(call for block in blocks for call in self._block_calls(block) or ())
 
     def content(self, text: str) -> str:
         """What a finished output with calls says besides them: auto's text outside the <tool_call>
         blocks it parsed into calls, stripped (a block that is not JSON of calls of the tools stays, as
         the model wrote it); "" for an output that is only a call (every mode's but auto's)."""
-        if self.tool_choice != "auto" or not _TOOL_CALL_BLOCK.search(text):
+        if self.mode != "auto" or not _TOOL_CALL_BLOCK.search(text):
             return ""
         return _TOOL_CALL_BLOCK.sub(lambda m: "" if self._block_calls(m[1]) else m[0], text).strip()
 

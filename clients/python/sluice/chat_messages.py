@@ -30,7 +30,7 @@ TOOL_CHOICE_MODES = {
 def chat_messages(
     messages: Sequence[Mapping[str, Any]],
     tools: Tools | None = None,
-    tool_choice: str | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
     *,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     add_generation_prompt: bool | None = None,
@@ -40,8 +40,9 @@ def chat_messages(
     assistant's: `Completion.as_message()`'s {"id", "name", "arguments"}, OpenAI's {"id", "type",
     "function": {"name", "arguments"}} or `pb.ToolCall`s), "tool_call_id" and "name" (a tool's result).
     `tools`: `pb.Tool`s or dicts, {"name", "description", "parameters"} or OpenAI's {"type": "function",
-    "function": {...}}, parameters a JSON schema or its text; `tool_choice`: "none", "auto", "required"
-    or a tool's name (unset: auto). As vLLM's chat API: `chat_template_kwargs`, extra variables for the
+    "function": {...}}, parameters a JSON schema or its text; `tool_choice`: "none", "auto", "required",
+    a tool's name, or OpenAI's {"type": "function", "function": {"name"}} (a tool's name even when it is
+    spelled like a mode) (unset: auto). As vLLM's chat API: `chat_template_kwargs`, extra variables for the
     chat template (JSON values, e.g. {"enable_thinking": False}); `add_generation_prompt` (None: the
     server's default, true); `continue_final_message`, the prompt ends inside the last (assistant) message."""
     chat = pb.ChatMessages(
@@ -49,7 +50,9 @@ def chat_messages(
         tools=[tool(t) for t in tools or ()],
         continue_final_message=bool(continue_final_message),
     )
-    if tool_choice in TOOL_CHOICE_MODES:
+    if isinstance(tool_choice, Mapping):
+        chat.tool_choice.function_name = tool_choice["function"]["name"]
+    elif tool_choice in TOOL_CHOICE_MODES:
         chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
     elif tool_choice is not None:
         chat.tool_choice.function_name = tool_choice

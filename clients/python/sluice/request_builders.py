@@ -16,7 +16,7 @@ def generate_request(
     token_ids: Sequence[int] | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Tools | None = None,
-    tool_choice: str | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     add_generation_prompt: bool | None = None,
     continue_final_message: bool | None = None,
