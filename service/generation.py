@@ -37,6 +37,8 @@ class GenerationRunner:
         self._tracer = tracer
         self._limiter = limiter or TenantLimiter()
         self._timers: set[asyncio.Task[None]] = set()
+        self._cancels: set[RequestCancel] = set()  # of the requests in `outputs`, engine or not yet
+        self._stopping = False  # `abort_all` ran: requests that come later are aborted on arrival
 
     def trace(
         self, caller: Caller, operation: str, trace_context: Mapping[str, str] | None = None
@@ -85,26 +87,30 @@ class GenerationRunner:
         Raises what the engine raises on validation, TenantOverLimitError, RequestTimeoutError when
         `spec.timeout` passed, and RequestFailedError after the last output if the engine ended the
         request (any of its n samples) with finish_reason "error". `cancel` ends the request from
-        outside (Abort): cancelled before it reached the engine, it never does and ends with one
-        "abort" output. Closing this iterator early (the handler was cancelled, the deadline passed)
-        aborts the engine request (all its samples), freeing its KV blocks. Telemetry records one
-        request: the completion tokens and preemptions of all samples, finished or not, and the finish
-        of the last ("abort" if the caller left before every sample finished).
+        outside (Abort): cancelled before it reached the engine, it never does, and each of its n
+        samples ends with an "abort" output. Closing this iterator early (the handler was cancelled,
+        the deadline passed) aborts the engine request (all its samples), freeing its KV blocks.
+        Telemetry records one request: the completion tokens and preemptions of all samples, finished or
+        not, and the finish of the last ("abort" if the caller left before every sample finished).
         """
         span.record_params(spec.params)
         cancel = cancel or RequestCancel()
+        if self._stopping:
+            await cancel.cancel(ABORT)
         try:
             release = self._limiter.admit(caller.tenant)
         except TenantOverLimitError:
             self._metrics.tenant_rejections.labels(tenant=caller.tenant.name).inc()
             raise
         timer = None if spec.timeout is None else self._start_timer(spec.timeout, cancel)
+        self._cancels.add(cancel)
         try:
             outputs = self._run(spec, engine_request_id, caller, cancel, span)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     yield output
         finally:
+            self._cancels.discard(cancel)
             if timer is not None:
                 timer.cancel()
             release()
@@ -122,9 +128,10 @@ class GenerationRunner:
         caller_left = False
         try:
             if cancel.reason == ABORT:  # an Abort came before the request: it never reaches the engine
-                aborted = progress.aborted()
-                progress.add(aborted)
-                yield aborted
+                for index in range(spec.params.n):  # each sample ends, as the engine's abort ends them
+                    aborted = msgspec.structs.replace(progress.aborted(), index=index)
+                    progress.add(aborted)
+                    yield aborted
                 return
             outputs = await self._add_request(spec, engine_request_id, caller, cancel)
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
@@ -179,10 +186,13 @@ class GenerationRunner:
         return timer
 
     async def abort_all(self) -> int:
-        """Aborts every live request (their streams end with FINISH_REASON_ABORT); returns how many."""
-        live = self.engine.live_request_ids()
-        for request_id in live:
-            await self.engine.abort(request_id)
+        """Aborts every live request, in the engine or not yet (a long prompt still being tokenized),
+        and every one that comes later: their streams end with FINISH_REASON_ABORT. Returns how many
+        were live."""
+        self._stopping = True
+        live = [cancel for cancel in self._cancels if not cancel.cancelled]
+        for cancel in live:
+            await cancel.cancel(ABORT)
         return len(live)
 
 

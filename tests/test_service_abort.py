@@ -47,6 +47,18 @@ def test_an_abort_before_its_generate_still_cancels_it(stub, server: ServerThrea
     assert again[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_an_abort_before_its_generate_ends_each_of_its_n_samples(stub, server: ServerThread) -> None:
+    """Each sample ends with an abort chunk, as when the engine aborts a running n > 1 request (one
+    chunk, of sample 0, ended it: a client waiting for n finished samples waited on)."""
+    code, _ = _error(lambda: stub.Abort(pb.AbortRequest(request_id="early-n")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    chunks = list(stub.Generate(generate_request("Hello", request_id="early-n", n=3, **UNENDING)))
+    assert [(c.index, c.finish_reason, c.usage.completion_tokens) for c in chunks] == [
+        (i, pb.FINISH_REASON_ABORT, 0) for i in range(3)
+    ]
+    server.wait_idle()
+
+
 def test_a_duplicate_live_id_is_already_exists_and_abort_is_idempotent(stub, server: ServerThread) -> None:
     running = stub.Generate(generate_request("Hello", request_id="dup", **UNENDING))
     next(running)

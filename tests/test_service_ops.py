@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
 import time
 
 import grpc
@@ -23,6 +24,8 @@ from service_harness import (
 from toolchains import BUF, require
 
 from sluice import Client, SluiceError, generate_request
+from sluice.engine.frontend import async_engine
+from sluice.engine.frontend.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from sluice.service import server as server_module
 from sluice.service.server import GOAWAY_SETTLE_S, ServerConfig, SluiceServer
 from sluice.v1 import sluice_pb2 as pb
@@ -152,6 +155,47 @@ def test_drain_aborts_what_outlives_the_grace_period(llama_long_dir: str) -> Non
             drained.result(timeout=PATIENCE_S)
             thread.wait_idle()
     finally:
+        thread.stop()
+
+
+def test_drain_aborts_a_request_whose_long_prompt_is_still_being_tokenized(
+    llama_long_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the grace period the drain aborted only the requests in the engine: one whose long prompt was
+    still being tokenized (off the event loop) reached it after that, ran, and its call was cancelled
+    with no abort chunk. Here the tokenizer holds that prompt until the drain has aborted."""
+    tokenizing, aborted = threading.Event(), threading.Event()
+    resolve_prompt = async_engine.resolve_prompt
+
+    def held_resolve_prompt(*args, **kwargs):
+        tokenizing.set()
+        assert aborted.wait(PATIENCE_S)
+        return resolve_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "resolve_prompt", held_resolve_prompt)
+    thread = ServerThread(long_engine_config(llama_long_dir)).start()
+    try:
+        runner = thread.server.servicer.runner
+        abort_all = runner.abort_all
+
+        async def abort_all_then_release() -> int:
+            num_aborted = await abort_all()
+            aborted.set()
+            return num_aborted
+
+        monkeypatch.setattr(runner, "abort_all", abort_all_then_release)
+        prompt = "the quick brown fox jumps over the lazy dog " * (TOKENIZE_INLINE_MAX_CHARS // 40)
+        with thread.channel() as channel:
+            in_flight = thread.stub(channel).Generate(generate_request(prompt, max_tokens=8, ignore_eos=True))
+            assert tokenizing.wait(PATIENCE_S)
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.02), thread.loop)
+            last = list(in_flight)[-1]
+            assert last.finish_reason == pb.FINISH_REASON_ABORT
+            assert last.usage.completion_tokens < 8
+            drained.result(timeout=PATIENCE_S)
+            thread.wait_idle()
+    finally:
+        aborted.set()
         thread.stop()
 
 
