@@ -23,6 +23,11 @@ CONTINUATIONS = [
     ("你好，", "世界。今天天气很好。"),
     ("Straß", "e and café naïve"),
     ("a", " b"),
+    # A prompt ending in its own U+FFFD (pasted text holds them) is whole: SentencePiece's output still
+    # starts " Paris"; after a 4-byte character of byte tokens, its shortest tail of 4 ids would start
+    # mid-character (the context is 5).
+    ("Garbled \ufffd", " Paris"),
+    ("\U00020000\ufffd", " Paris"),
 ]
 
 
@@ -88,6 +93,15 @@ def test_a_prompt_ending_mid_character_is_not_decoded_into_the_output(tokenizer:
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(), prompt_ids)
     text = detok.add_tokens(ids[-1:]) + detok.flush()
     assert text == tokenizer.decode(ids[-1:]) == "\ufffd"
+
+
+@pytest.mark.parametrize("output", ["\ufffd", "\ufffd\ufffd then", " \ufffd"])
+def test_u_fffd_in_an_output_after_a_prompt_ending_in_one_stays(tokenizer: Tokenizer, output: str) -> None:
+    """The prompt's held-back U+FFFD is left out of the output's text, not one of the output's own."""
+    prompt_ids, output_ids, expected = _split(tokenizer, "Garbled \ufffd", output)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(), prompt_ids)
+    text = "".join(detok.add_tokens([token_id]) for token_id in output_ids) + detok.flush()
+    assert text == expected and text.count("\ufffd") == output.count("\ufffd")
 
 
 def test_a_stop_string_completed_after_min_tokens_may_start_within_them(tokenizer: Tokenizer) -> None:

@@ -15,6 +15,8 @@ continues the prompt (" Paris"). Two ways to get there:
 
 from __future__ import annotations
 
+import codecs
+import re
 from collections.abc import Sequence
 
 import tokenizers
@@ -32,6 +34,8 @@ _MAX_IDS = 64
 # The prompt's last ids that `_WindowStream` starts after (vLLM's choice: the shortest tail of at least 4 ids
 # that decodes with no partial character, looked for up to 24 ids back).
 _PROMPT_CONTEXT_IDS = range(4, 25)
+# A SentencePiece byte-fallback token: one byte of a character the vocabulary lacks.
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
 class IncrementalDetokenizer:
@@ -102,14 +106,18 @@ class _WindowStream:
         # _ids: recent ids; the last _num_undecoded of them produced no text yet (partial character).
         self._ids: list[int] = []
         self._num_undecoded = 0
+        # The prompt's text DecodeStream holds back, to emit with the output's first text: a U+FFFD the
+        # prompt ends in (it holds any text ending in one, as maybe a partial character).
+        self._held_prompt_text = ""
         context = self._prompt_context(prompt_token_ids)
         try:
-            for token_id in context:
-                self._stream.step(backend, token_id)
+            emitted = "".join(self._stream.step(backend, token_id) or "" for token_id in context)
         except Exception:  # a decoder DecodeStream cannot follow over these ids: start without them
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         else:
             self._ids += context
+            text = backend.decode(context, skip_special_tokens=skip_special_tokens)
+            self._held_prompt_text = text[len(emitted) :] if text.startswith(emitted) else ""
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt's shortest tail of at least 4 ids that decodes whole (no partial character at
@@ -118,11 +126,33 @@ class _WindowStream:
             return []
         for num_ids in _PROMPT_CONTEXT_IDS:
             tail = list(prompt_token_ids[-num_ids:])
-            if "\ufffd" not in self._backend.decode(tail, skip_special_tokens=self._skip_special_tokens):
+            if self._decodes_whole(tail):
                 return tail
             if num_ids >= len(prompt_token_ids):
                 break
         return []
+
+    def _decodes_whole(self, ids: list[int]) -> bool:
+        """No partial character at either end of `ids`' text. A U+FFFD in it is one (vLLM's test) unless
+        the tokenizer falls back to byte tokens ("<0xE2>") and those at the ends of `ids` cut no
+        character: then it is the prompt's own U+FFFD (pasted text holds them), and the output's first
+        word still gets its leading space after it."""
+        if "\ufffd" not in self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens):
+            return True
+        if self._backend.token_to_id("<0x80>") is None:  # not byte fallback: a byte-level tokenizer's
+            return False  # bytes show as no such tokens, so a U+FFFD may be a cut character
+        first = _fallback_byte(self._backend.id_to_token(ids[0]))
+        if first is not None and 0x80 <= first < 0xC0:  # a continuation byte: cut at the start
+            return False
+        last_bytes = bytearray()
+        for token_id in reversed(ids):
+            byte = _fallback_byte(self._backend.id_to_token(token_id))
+            if byte is None:
+                break
+            last_bytes.insert(0, byte)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder.decode(bytes(last_bytes))
+        return not decoder.getstate()[0]  # no bytes held for a character still to come
 
     def step(self, token_id: int) -> str:
         ids = self._ids
@@ -135,13 +165,17 @@ class _WindowStream:
             # does, after emitting what a whole decode shows for the held-back ids and this one.
             if "Invalid prefix" not in str(e):
                 raise
-            text = self._tail_text(self._num_undecoded + 1)
+            text = self._tail_text(self._num_undecoded + 1)  # after the prompt's text, held or not
+            self._held_prompt_text = ""
             self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
             self._stream.step(self._backend, token_id)
         if text is None:
             self._num_undecoded += 1
             return ""
         self._num_undecoded = 0
+        if self._held_prompt_text:
+            held, self._held_prompt_text = self._held_prompt_text, ""
+            text = text.removeprefix(held)
         if len(ids) > _MAX_IDS:  # trimmed now and then, not at every token
             del ids[:-_CONTEXT_IDS]
         return text
@@ -163,3 +197,9 @@ class _WindowStream:
         decode = lambda ids: self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         prefix, full = decode(context), decode(context + self._ids[end:])
         return full[len(prefix) :] if full.startswith(prefix) else decode(self._ids[end:])
+
+
+def _fallback_byte(token: str | None) -> int | None:
+    """The byte a byte-fallback token stands for; None for any other token."""
+    match = None if token is None else _FALLBACK_BYTE.fullmatch(token)
+    return None if match is None else int(match[1], 16)
