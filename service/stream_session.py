@@ -118,7 +118,7 @@ class StreamSession:
         cancel = RequestCancel()
         task = asyncio.create_task(self._pump(request, cancel))
         self._pumps[request_id], self._cancels[request_id] = task, cancel
-        task.add_done_callback(lambda done: self._forget(request_id, done))
+        task.add_done_callback(lambda done: self._pump_done(request_id, done))
         return None
 
     async def _cancel(self, request_id: str) -> None:
@@ -146,6 +146,14 @@ class StreamSession:
         finally:
             # Forget the id in the same step as its last message, so the client may reuse it at once.
             self._forget(request_id, asyncio.current_task())
+
+    def _pump_done(self, request_id: str, task: asyncio.Task[None]) -> None:
+        """A pump still known here never ran its body, whose end forgets it: the call ended (cancelled
+        every pump) before its first step. Its request is counted CANCELLED, as a pump cancelled later
+        counts it."""
+        if self._pumps.get(request_id) is task:
+            self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
+            self._forget(request_id, task)
 
     def _forget(self, request_id: str, task: asyncio.Task[None] | None) -> None:
         if self._pumps.get(request_id) is task:
