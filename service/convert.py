@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.model_info import ModelInfo
@@ -143,14 +143,27 @@ def messages_from_proto(chat: pb.ChatMessages) -> tuple[dict[str, Any], ...]:
 def chat_options_from_proto(chat: pb.ChatMessages) -> ChatTemplateOptions:
     """How the chat template renders the conversation: an unset add_generation_prompt is true, and the
     kwargs' whole numbers are ints (a Struct holds every number as a double; vLLM's JSON gives ints)."""
-    kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
     return ChatTemplateOptions(
-        chat_template_kwargs={key: _whole_numbers_as_ints(value) for key, value in kwargs.items()},
+        chat_template_kwargs={
+            key: _whole_numbers_as_ints(_template_kwarg(key, value))
+            for key, value in sorted(chat.chat_template_kwargs.fields.items())
+        },
         add_generation_prompt=(
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         ),
         continue_final_message=chat.continue_final_message,
     )
+
+
+def _template_kwarg(key: str, value: struct_pb2.Value) -> Any:
+    """One kwarg as a JSON value; a NaN or an infinity (a Struct holds them, JSON has no such number)
+    is refused naming its key."""
+    try:
+        return json_format.MessageToDict(value)
+    except ValueError:
+        raise InvalidRequestError(
+            f"chat_template_kwargs.{key}", "holds NaN or an infinity, which JSON has no number for"
+        ) from None
 
 
 def _whole_numbers_as_ints(value: Any) -> Any:

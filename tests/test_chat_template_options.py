@@ -6,6 +6,7 @@ Generate's prompt logprobs) and offline; every refusal is INVALID_ARGUMENT namin
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -175,7 +176,15 @@ REFUSED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("options", "conversation", "field", "message"), REFUSED)
+# A Struct holds NaN and infinities, JSON (vLLM's request body) no such number: refused over gRPC.
+NOT_JSON = [
+    ({"chat_template_kwargs": {"enable_thinking": False, "budget": value}}, CHAT,
+     "chat_template_kwargs.budget", "holds NaN or an infinity, which JSON has no number for")
+    for value in (math.nan, -math.inf, [1, math.inf])
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("options", "conversation", "field", "message"), REFUSED + NOT_JSON)
 def test_refusals_are_invalid_argument_naming_the_field(
     server: ServerThread, options: dict, conversation: list[dict], field: str, message: str
 ) -> None:
