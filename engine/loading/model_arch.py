@@ -36,7 +36,9 @@ class ModelArchConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v
+    o_proj_bias: bool = False
+    mlp_bias: bool = False  # on gate, up and down (Llama's mlp_bias)
     sliding_window: int | None = None
     # Per layer, "full_attention" or "sliding_attention"; () means every layer is sliding when
     # sliding_window is set (Mistral), else full.
@@ -115,7 +117,7 @@ class ModelArchConfig:
             rope_theta=_rope_theta(config),
             rope_scaling=rope_scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=architecture == "Qwen2ForCausalLM" or config.get("attention_bias", False),
+            **_biases(architecture, config),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
             layer_types=_layer_types(config),
             bos_token_id=config.get("bos_token_id"),
@@ -123,6 +125,19 @@ class ModelArchConfig:
             name=name,
             extra=dict(config),
         )
+
+
+def _biases(architecture: str, config: dict[str, Any]) -> dict[str, bool]:
+    """Which projections have a bias, as transformers builds each family: config.json's attention_bias
+    puts one on q, k, v and o (Llama, Qwen3, Gemma 3); Qwen2 has them on q, k and v always and never on
+    o; Mistral on none; Llama's mlp_bias on the MLP's three."""
+    attention_bias = bool(config.get("attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return {"attention_bias": True}
+    if architecture == "MistralForCausalLM":
+        return {}
+    mlp_bias = architecture == "LlamaForCausalLM" and bool(config.get("mlp_bias", False))
+    return {"attention_bias": attention_bias, "o_proj_bias": attention_bias, "mlp_bias": mlp_bias}
 
 
 def _check_architecture(architecture: str) -> None:

@@ -15,11 +15,12 @@ class GatedMLP(nn.Module):
     Under tensor parallelism each rank holds 1/N of the intermediate columns: gate_up column-parallel,
     down row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, (intermediate_size, intermediate_size))
+        sizes = (intermediate_size, intermediate_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, bias)
         self.act = get_act_and_mul(activation)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
         """x: the hidden states, or their FP8 codes where gate_up_proj asked for them (`RMSNorm.norm_for`)."""

@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def o_proj(arch: ModelArchConfig) -> RowParallelLinear:
-        return RowParallelLinear(arch.q_size, arch.hidden_size)
+        return RowParallelLinear(arch.q_size, arch.hidden_size, arch.o_proj_bias)
 
     @staticmethod
     def lm_head_for(arch: ModelArchConfig) -> ParallelLMHead:

@@ -54,7 +54,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_class(arch, layer)
         # config.json's hidden_act; get_act_and_mul refuses, naming hidden_act, one it does not run.
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.extra.get("hidden_act") or "silu")
+        activation = arch.extra.get("hidden_act") or "silu"
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, activation, arch.mlp_bias)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
