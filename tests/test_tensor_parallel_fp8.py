@@ -14,9 +14,10 @@ less than FP8 itself moves them from the float model.
 from __future__ import annotations
 
 import pytest
-from checkpoints import build_llama_kv4_checkpoint
-from fp8_checkpoints import write_fp8_checkpoint
+from checkpoints import SHAPE, _save, build_llama_kv4_checkpoint
+from fp8_checkpoints import quantize_weight, write_fp8_checkpoint
 from fp8_greedy import assert_agrees, greedy_params, samples, transformers_samples
+from safetensors.torch import load_file, save_file
 from test_tensor_parallel import MIXED, NUM_NEW, _prompts
 
 from sluice.engine.frontend.llm import LLM, Completion
@@ -122,3 +123,24 @@ def test_blocks_made_at_load_that_a_rank_would_cut_are_refused_before_any_rank_s
         _generate(float_dir, 2, GREEDY, quantization="fp8", fp8_weight_block=64)
     one = LLM(float_dir, quantization="fp8", fp8_weight_block=64, num_blocks=32)
     assert len(one.generate(_prompts()[:1], GREEDY)[0].token_ids) == NUM_NEW
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_an_fp8_lm_head_on_two_ranks_gives_one_ranks_tokens(strategy, tmp_path_factory):
+    """An lm_head quantized too (`ignore` leaves it out), of a vocabulary two ranks split unevenly (513
+    rows: rank 1's last row is padding): its per-row scale was checked as whole-vocabulary rows and its
+    per-tensor scale as a row per token, so no rank loaded it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**SHAPE, "vocab_size": 513}, tie_word_embeddings=False)
+    float_dir = _save(LlamaForCausalLM(config), str(tmp_path_factory.mktemp("vocab513")), None, seed=8)
+    directory = _fp8_dir(
+        float_dir, tmp_path_factory, f"lm_head_{strategy}", weights=strategy, activations=None, ignore=()
+    )
+    tensors = load_file(f"{directory}/model.safetensors")
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale"] = quantize_weight(
+        tensors["lm_head.weight"], strategy
+    )
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    one = _generate(directory, 1, GREEDY, num_blocks=32)
+    assert _tokens(_generate(directory, 2, GREEDY, num_blocks=32)) == _tokens(one)

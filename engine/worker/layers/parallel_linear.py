@@ -119,12 +119,15 @@ class ParallelLMHead(ReplicatedLinear):
         self._set_sizes(self.checkpoint_input_size, (self.vocab.num_rows,))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        if self.group.size == 1:
-            return super().weight_loader(param, loaded, shard)
-        check_shape(loaded, (self.checkpoint_output_sizes[0], *param.shape[1:]))
-        rows = loaded[self.vocab.start : self.vocab.end]
-        param.data.zero_()
-        param.data[: rows.shape[0]].copy_(rows)
+        """This rank's vocabulary rows of a tensor with a row per token (weight, bias, an FP8 per-row
+        scale), padded to `vocab.num_rows` (zero weights, unit scales); any other (a per-tensor scale)
+        whole. The layer's method loads it, as with one rank."""
+        if self.group.size > 1 and loaded.dim() > 0 and loaded.shape[0] == self.checkpoint_output_sizes[0]:
+            rows = loaded[self.vocab.start : self.vocab.end]
+            fill = 0.0 if param is self.weight or param is self.bias else 1.0
+            padding = torch.full((self.vocab.num_rows - rows.shape[0], *rows.shape[1:]), fill)
+            loaded = torch.cat([rows, padding.to(rows.dtype)])
+        super().weight_loader(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.method.apply(self, x, self.bias)
