@@ -113,6 +113,20 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(checkpoint, 
     assert llm.engine.core.speculator.proposer.tables.num_used_blocks == 0
 
 
+def test_tokens_sampled_past_a_stop_token_are_not_counted_as_generated(llama_dir):
+    """A draft equal to the target has each verified run accepted whole; a stop token inside one drops
+    the run's rest, which num_generation_tokens counted (5 for an output of 3)."""
+    prompt = _prompts()[0]
+    reference = LLM(llama_dir, **PRESSURE).generate([prompt], PARAMS)[0].token_ids
+    stop_at = next(i for i in range(2, MAX_TOKENS) if reference[i] not in reference[:i])
+    spec = SpeculativeConfig("draft", num_speculative_tokens=4, draft_model=llama_dir)
+    llm = LLM(llama_dir, speculative=spec, **PRESSURE)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=(reference[stop_at],))
+    (completion,) = llm.generate([prompt], params)
+    assert completion.token_ids == reference[: stop_at + 1] and completion.finish_reason == "stop"
+    assert llm.engine.stats().num_generation_tokens == stop_at + 1
+
+
 @pytest.fixture(scope="module")
 def other_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from checkpoints import build_llama_checkpoint

@@ -387,6 +387,8 @@ class EngineCore:
             fields = {r: f.invalid_field for r, f in sampling_errors.items() if f.invalid_field is not None}
             failed = self.abort(list(sampling_errors), messages, fields)
         updated = self._append(scheduler_output, sampled)
+        # The tokens kept: a stop within a verified run drops the rest, as does an abort mid-step.
+        self._num_generation_tokens += sum(len(tokens) for _, tokens in updated)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
         return failed + [self._output(r, tokens) for r, tokens in updated]
 
@@ -466,9 +468,8 @@ class EngineCore:
     def _count_sampled(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
     ) -> None:
-        """Steps, tokens generated, drafts verified and accepted."""
+        """Steps, drafts verified and accepted (vLLM's figures: past a stop too)."""
         self._num_steps += 1
-        self._num_generation_tokens += sum(len(tokens) for tokens in sampled.values())
         self.speculator.count(scheduler_output, {r: len(tokens) for r, tokens in sampled.items()})
 
     def _count_scheduled(self, scheduler_output: SchedulerOutput) -> None:
