@@ -1,7 +1,7 @@
 """Prefix-cache metrics as vLLM counts them: the hit rate counts only a request's first lookup (a request
-resumed after preemption finds its own blocks and is counted apart, vLLM's `PrefixCacheStats.preempted_*`),
-and a request with n samples reports its prompt once, with sample 0's cached tokens, whatever order its
-samples finish in."""
+resumed after preemption finds its own blocks and is counted apart, vLLM's `PrefixCacheStats.preempted_*`;
+one wanting prompt logprobs reads no cache and is not counted), and a request with n samples reports its
+prompt once, with sample 0's cached tokens, whatever order its samples finish in."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def test_a_request_resumed_after_preemption_counts_its_lookup_apart(llama_dir):
     assert (stats.prefix_cache_preempted_queries, stats.prefix_cache_preempted_hits) == (61, 2 * BLOCK)
     assert stats.num_prompt_tokens_computed == 60 + 20 + (60 - 2 * BLOCK)  # the resumed past its hit
     assert outputs["low"][-1].usage.cached_tokens == 0  # cached at its first admission only
+
+
+def test_a_request_wanting_prompt_logprobs_is_no_lookup(llama_dir):
+    """It never reads the cache (cached positions have no logits), so it is no query: its 40 tokens were
+    counted as queries that missed, lowering the hit rate. A request without them after it is one."""
+    prompt = _tokens(random.Random(3), 40)
+    llm = LLM(llama_dir, block_size=BLOCK)
+    llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    stats = llm.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    llm.generate(prompt, SamplingParams(max_tokens=1))
+    stats = llm.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (40, 2 * BLOCK)
 
 
 def test_the_preempted_lookups_are_exported_beside_the_first_ones():

@@ -80,8 +80,8 @@ class KVCacheManager:
         A request that wants prompt logprobs gets no hit.
         Has no side effect on the pool (nothing is referenced until `allocate_slots`).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return NO_HIT  # cached positions have no logits: a request wanting prompt logprobs computes all
+        if not self._looks_up(request):
+            return NO_HIT
         hashes = self._request_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.sliding_window is not None:
@@ -150,9 +150,15 @@ class KVCacheManager:
         block_ids.extend(block.block_id for block in new_blocks)
         if hit is not None:
             self._num_cached_blocks[request_id] = len(hit_blocks)
-            if self.enable_caching:
+            if self._looks_up(request):
                 self._count_lookup(request, hit)
         return tuple(block_ids)
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether the request's prefix is looked for in the cache (and counted as a query, as in vLLM):
+        not when caching is off, nor for a request wanting prompt logprobs, which computes every position
+        (cached ones have no logits)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def _count_lookup(self, request: Request, hit: PrefixHit) -> None:
         """Count an admitted request's lookup: its tokens (the prompt, and after a preemption the outputs
