@@ -361,6 +361,24 @@ async def _started(model_dir: str, monkeypatch: pytest.MonkeyPatch, fault: str) 
     return engine
 
 
+async def test_a_shutdown_ends_every_stream_with_an_abort_and_refuses_new_requests(engine):
+    """A request the core runs and an n = 2 request whose sample 1 never reached it: each sample ends
+    with "abort" (the core stops without answering; the streams waited forever, and a later request
+    reached a closed socket: ZMQError)."""
+    running = await engine.add_request("running", UNENDING, text="the quick brown fox")
+    two = SamplingParams(n=2, temperature=1.0, max_tokens=UNENDING_TOKENS, ignore_eos=True)
+    pair = await engine.add_request("pair", two, text="jumps over")
+    assert (await anext(running)).token_ids
+    await engine.shutdown()
+    outputs = await asyncio.wait_for(_collect(running), PATIENCE_S)
+    assert outputs[-1].finish_reason == "abort"
+    pair_outputs = await asyncio.wait_for(_collect(pair), PATIENCE_S)
+    assert sorted(o.index for o in pair_outputs if o.finished) == [0, 1]
+    assert {o.finish_reason for o in pair_outputs if o.finished} == {"abort"}
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        await engine.add_request("after", PARAMS, text="hello")
+
+
 async def test_a_killed_core_fails_every_stream_and_refuses_new_requests(engine):
     dead = asyncio.Event()
     engine.on_dead(lambda reason: dead.set())

@@ -27,6 +27,7 @@ from sluice.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreMessage,
+    CoreOutput,
     CoreOutputs,
     StartProfile,
     StopProfile,
@@ -120,13 +121,20 @@ class AsyncEngine:
         self._stats = EngineStats(0, 0, ready.model_info.num_kv_blocks, 0, 0, 0, 0)
 
     async def shutdown(self) -> None:
-        """Aborts what still runs, stops the core process."""
-        if self._streams and self.error is None:
-            self._send(self._output_processor.abort(list(self._streams)))
+        """Stops the core process; what still runs ends with an "abort" output per sample (the core
+        stops without answering, so they are made here), and later requests get EngineDeadError."""
         self._closed = True
+        ended: list[RequestOutput] = []
+        if self._streams and self.error is None:
+            processed = self._output_processor.abort(list(self._streams))
+            in_core = [CoreOutput.aborted(engine_id) for engine_id in processed.to_abort]
+            ended = processed.outputs + self._output_processor.process(in_core).outputs
         if self.kv_event_log is not None:
             self.kv_event_log.stop("the engine shut down")
         await self._client.shutdown()
+        for output in ended:
+            if (stream := self._streams.get(output.request_id)) is not None:
+                stream.put(output)
 
     @property
     def core_pid(self) -> int | None:
@@ -228,6 +236,8 @@ class AsyncEngine:
     def _check_accepting(self, request_id: str, num_samples: int) -> None:
         if self.error is not None:
             raise self.error
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:
