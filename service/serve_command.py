@@ -112,7 +112,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=args.api_key,
         tenants=TenantDirectory.load(args.api_keys) if args.api_keys else None,
         grace_period=args.grace_period,
         metrics_port=args.metrics_port,

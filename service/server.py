@@ -39,7 +39,7 @@ from sluice.service.servicer import InferenceServicer
 from sluice.service.smg_servicer import SERVICE_NAME as SMG_SERVICE
 from sluice.service.smg_servicer import TRACED_METHODS as TRACED_SMG_METHODS
 from sluice.service.smg_servicer import SmgEngineServicer
-from sluice.service.tenants import TenantDirectory
+from sluice.service.tenants import TenantDirectory, check_key
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,8 @@ class ServerConfig:
             raise ValueError("grace_period: must be >= 0")
         if self.api_key is not None and self.tenants is not None:
             raise ValueError("api_keys: give an API key or an API keys file, not both")
+        if self.api_key is not None:  # "" too: an empty SLUICE_API_KEY must not turn keys off
+            check_key(self.api_key, "api_key")
         if self.max_connection_age is not None and not self.max_connection_age > 0:
             raise ValueError("max_connection_age: must be > 0 seconds (None disables it)")
         if not self.max_connection_age_grace >= 0:
@@ -153,7 +155,9 @@ class ServerConfig:
     def tenant_directory(self) -> TenantDirectory:
         if self.tenants is not None:
             return self.tenants
-        return TenantDirectory.single_key(self.api_key) if self.api_key else TenantDirectory.open()
+        if self.api_key is None:
+            return TenantDirectory.open()
+        return TenantDirectory.single_key(self.api_key)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         options = [

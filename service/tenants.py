@@ -34,6 +34,8 @@ from pathlib import Path
 
 DEFAULT_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_KEY = re.compile(r"[!-~]([ -~]*[!-~])?")
+KEY_FORM = "printable ASCII without surrounding whitespace"
 _FIELDS = frozenset(
     {
         "name",
@@ -120,6 +122,30 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _check_scopes(tenants: Sequence[Tenant]) -> None:
+    """A scope is shared only by the tenants that set it: one named like another tenant, whose scope
+    is by default its name, would share that tenant's blocks (and their timing) without its say."""
+    names = {tenant.name: tenant for tenant in tenants}
+    for tenant in tenants:
+        scope = tenant.prefix_cache_scope
+        other = names.get(scope or "")
+        if other is not None and other is not tenant and other.prefix_cache_scope != scope:
+            raise ValueError(
+                f"prefix_cache_scope: {scope!r} (tenant {tenant.name!r}) is the scope of "
+                f"tenant {other.name!r} by its name; set it there too to share blocks, or choose another"
+            )
+
+
+def check_key(key: str, field: str) -> None:
+    """ValueError naming `field`, never the key, unless `key` is a header value a caller can send and
+    match: printable ASCII, without surrounding whitespace (the server strips what callers send, so a
+    key read with a trailing newline never matched)."""
+    if not key:
+        raise ValueError(f"{field}: must not be empty")
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"{field}: must be {KEY_FORM}")
+
+
 @dataclass(frozen=True)
 class TenantDirectory:
     """API key -> tenant. `requires_key` False: nobody needs a key, everyone is the default tenant."""
@@ -139,8 +165,7 @@ class TenantDirectory:
     @classmethod
     def single_key(cls, api_key: str) -> TenantDirectory:
         """The `--api-key` form: one key, the default tenant, no limits."""
-        if not api_key:
-            raise ValueError("api_key: must not be empty")
+        check_key(api_key, "api_key")
         tenant = Tenant()
         return cls(((_digest(api_key), tenant),), (tenant,))
 
@@ -155,6 +180,8 @@ class TenantDirectory:
             if not tenant_keys or not all(isinstance(k, str) and k for k in tenant_keys):
                 raise ValueError(f"keys: tenant {tenant.name!r} needs one or more non-empty keys")
             for key in tenant_keys:
+                if not _KEY.fullmatch(key):
+                    raise ValueError(f"keys: a key of tenant {tenant.name!r} is not {KEY_FORM}")
                 digest = _digest(key)
                 if any(hmac.compare_digest(digest, known) for known, _ in keys):
                     raise ValueError(f"keys: a key of tenant {tenant.name!r} is also given elsewhere")
@@ -162,6 +189,7 @@ class TenantDirectory:
             tenants.append(tenant)
         if not tenants:
             raise ValueError("tenant: the file lists no tenants")
+        _check_scopes(tenants)
         return cls(tuple(keys), tuple(tenants))
 
     @classmethod

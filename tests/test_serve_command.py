@@ -50,10 +50,19 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
             ("--kv-events", "--no-prefix-caching"),
             "kv-events: the events are the prefix cache's; drop --no-prefix-caching",
         ),
+        # An empty key served with no keys at all; one with surrounding whitespace never matched.
+        (("--api-key", ""), "api_key: must not be empty"),
+        (("--api-key", "sk-1\n"), "api_key: must be printable ASCII without surrounding whitespace"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:
     assert _serve(capsys, *flags) == (2, f"sluice serve: {message}\n")
+
+
+def test_an_empty_sluice_api_key_is_refused_not_read_as_no_key(capsys, monkeypatch) -> None:
+    """An empty Secret behind SLUICE_API_KEY served every caller without a key."""
+    monkeypatch.setenv("SLUICE_API_KEY", "")
+    assert _serve(capsys) == (2, "sluice serve: api_key: must not be empty\n")
 
 
 def test_tls_files_are_read_before_serving(capsys, tmp_path) -> None:

@@ -17,7 +17,7 @@ from sluice import Client, SluiceError, generate_request
 from sluice.service.serve_command import configure, server_config
 from sluice.service.server import ServerConfig
 from sluice.service.tenant_limits import TenantLimiter, TenantOverLimitError
-from sluice.service.tenants import Tenant, TenantDirectory
+from sluice.service.tenants import KEY_FORM, Tenant, TenantDirectory
 from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -292,6 +292,17 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
         ),
         ('[[tenant]]\nname = "a b"\nkeys = ["k"]\n', "name: 'a b' must match [A-Za-z0-9._-]{1,64}"),
         ('[[tenant]]\nname = "a"\nkeys = []\n', "keys: tenant 'a' needs one or more non-empty keys"),
+        # Keys callers could never send as they are: the server strips the header's value, and gRPC
+        # metadata is ASCII.
+        *(
+            (f'[[tenant]]\nname = "a"\nkeys = ["{key}"]\n', f"keys: a key of tenant 'a' is not {KEY_FORM}")
+            for key in (" secret-1", "secret-1\\n", "secret-1\u00e9")
+        ),
+        (  # b's scope is a's by a's name: a would share its blocks without saying so
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\n[[tenant]]\nname = "b"\nkeys = ["k2"]\n'
+            'prefix_cache_scope = "a"\n',
+            "prefix_cache_scope: 'a' (tenant 'b') is the scope of tenant 'a' by its name",
+        ),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_prio = 1\n', "max_prio: unknown tenant field"),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nburst = 3\n', "burst: must be >= 1 and needs"),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = 0\n', "requests_per_second: must be"),
