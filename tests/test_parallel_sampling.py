@@ -99,3 +99,15 @@ def test_an_id_colliding_with_a_live_sample_is_refused():
     processor, _ = _started()
     with pytest.raises(InvalidRequestError, match=r"^request_id: 'a#1' is already in use by 'a'$"):
         processor.add_request(AddRequest("a#1", PROMPT, SamplingParams(), 1.0))
+
+
+def test_aborting_an_ended_request_leaves_another_whose_core_id_is_its_id_alone():
+    """`x@5` ended; `x` (core id `x@5`, as AsyncEngine numbers them) waits to send samples 1 and 2.
+    Aborting `x@5` took `x`'s core id for its own and ended those samples here: `x` never finished."""
+    processor = OutputProcessor(None)
+    short = processor.add_request(AddRequest("x@5", PROMPT, SamplingParams(), 1.0), core_request_id="x@5@4")
+    assert processor.process([_token(short.request_id, 9, "length")]).outputs[-1].finished
+    processor.add_request(AddRequest("x", PROMPT, PARAMS, 1.0), core_request_id="x@5")
+    processed = processor.abort(["x@5"])
+    assert (processed.outputs, processed.to_abort) == ([], [])
+    assert [a.request_id for a in processor.process([_token("x@5#0", 9)]).to_add] == ["x@5#1", "x@5#2"]

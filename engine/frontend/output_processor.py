@@ -123,7 +123,10 @@ class OutputProcessor:
         in `to_abort` the engine ids of those the core holds. Unknown ids are skipped."""
         processed = ProcessedOutputs()
         for request_id in request_ids:
-            unsent = self._samples.drop(self._core_ids.get(request_id, request_id))
+            core_id = self._core_ids.get(request_id)
+            if core_id is None:  # ended: its id may be another live request's core id (`x@5`)
+                continue
+            unsent = self._samples.drop(core_id)
             processed.to_abort += [e for e in self._engine_ids.get(request_id, ()) if e not in unsent]
             processed.outputs += self.process([CoreOutput.aborted(e) for e in unsent]).outputs
         return processed
