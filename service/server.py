@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +97,9 @@ class TlsConfig:
     client_ca: str | None = None
 
     def __post_init__(self) -> None:
-        """Each file is read now, so that a missing or malformed one is refused naming its flag (grpc
-        would only fail to bind, as if the port were taken)."""
+        """Each file is read now, and the key matched to the certificate, so that a missing, malformed or
+        mismatched one is refused naming its flag (grpc would only fail to bind, as if the port were
+        taken)."""
         for name, flag in (("cert", "cert"), ("key", "key"), ("client_ca", "client-ca")):
             path = getattr(self, name)
             if path is None:
@@ -108,6 +110,21 @@ class TlsConfig:
                 raise ValueError(f"tls-{flag}: cannot read {path}: {exc.strerror or exc}") from None
             if b"-----BEGIN " not in pem:
                 raise ValueError(f"tls-{flag}: {path} is not a PEM file")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as exc:  # swapped files, or a key of another certificate
+            raise ValueError(
+                f"tls-key: {self.key} is not the private key of the certificate in {self.cert} "
+                f"({exc.reason or exc})"
+            ) from None
+        if self.client_ca is not None:
+            try:
+                context.load_verify_locations(cafile=self.client_ca)
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"tls-client-ca: {self.client_ca} holds no CA certificate ({exc.reason or exc})"
+                ) from None
 
     def credentials(self) -> grpc.ServerCredentials:
         key_pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]

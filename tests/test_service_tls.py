@@ -215,6 +215,22 @@ def test_serve_rejects_incomplete_tls_flags(argv, message: str, capsys: pytest.C
     assert capsys.readouterr().err == f"sluice serve: {message}\n"
 
 
+def test_a_key_that_is_not_the_certificates_is_refused_naming_the_flag(pki: Pki, tmp_path) -> None:
+    """A key of another certificate, and the two files swapped: grpc failed to bind, and the server
+    said the port was in use."""
+    other_key = tmp_path / "other.key"
+    other_key.write_bytes(pki.client.key)
+    not_a_ca = tmp_path / "not_ca.pem"
+    not_a_ca.write_bytes(pki.client.key)
+    cert, key = pki.tls.cert, pki.tls.key
+    for bad_cert, bad_key in ((cert, str(other_key)), (key, cert)):
+        with pytest.raises(ValueError) as info:
+            TlsConfig(bad_cert, bad_key)
+        assert str(info.value).startswith(f"tls-key: {bad_key} is not the private key of the certificate")
+    with pytest.raises(ValueError, match=rf"^tls-client-ca: {not_a_ca} holds no CA certificate"):
+        TlsConfig(cert, key, str(not_a_ca))
+
+
 def test_serve_tls_flags_build_the_tls_config(pki: Pki) -> None:
     cert, key, client_ca = pki.mtls.cert, pki.mtls.key, pki.mtls.client_ca
     args = _parse("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_ca)
