@@ -223,7 +223,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        _require(self.distributed_timeout_seconds > 0, "distributed_timeout_seconds", "must be > 0")
+        # Finite and at most a day: inf failed the load with OverflowError (torch takes a timedelta).
+        _require(
+            0 < self.distributed_timeout_seconds <= 86400,
+            "distributed_timeout_seconds",
+            "must be in (0, 86400] seconds",
+        )
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")

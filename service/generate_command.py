@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -25,7 +24,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_bounded(int, -(2**63), 2**63 - 1), default=None)
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
     parser.add_argument(
-        "--timeout", type=_bounded(float, 0.001, math.inf), default=None, help="call deadline in seconds"
+        # grpc ends a call at once whose deadline it cannot hold (from ~1e10 s, and inf)
+        "--timeout",
+        type=_bounded(float, 0.001, 1e9),
+        default=None,
+        help="call deadline in seconds",
     )
 
 

@@ -197,7 +197,7 @@ class TenantDirectory:
         """Reads an `--api-keys` TOML file (format in this module's docstring)."""
         try:
             document = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             # The decode error's message quotes no values, only positions.
             raise ValueError(f"api-keys: cannot read {str(path)!r}: {exc}") from None
         tables = document.get("tenant")

@@ -187,7 +187,8 @@ def test_sluice_generates_rate_counts_the_tokens_after_the_first_chunk() -> None
     [
         (("--max-tokens", str(2**64)), f"argument --max-tokens: must be in [1, 2147483647], got {2**64}"),
         (("--seed", str(2**64)), f"argument --seed: must be in [{-(2**63)}, {2**63 - 1}], got {2**64}"),
-        (("--timeout", "0"), "argument --timeout: must be in [0.001, inf], got 0"),
+        (("--timeout", "0"), "argument --timeout: must be in [0.001, 1000000000.0], got 0"),
+        (("--timeout", "inf"), "argument --timeout: must be in [0.001, 1000000000.0], got inf"),
     ],
 )
 def test_sluice_generate_refuses_a_value_its_request_cannot_hold_naming_the_flag(

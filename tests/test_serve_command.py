@@ -53,6 +53,10 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
         # An empty key served with no keys at all; one with surrounding whitespace never matched.
         (("--api-key", ""), "api_key: must not be empty"),
         (("--api-key", "sk-1\n"), "api_key: must be printable ASCII without surrounding whitespace"),
+        (  # it failed the load with a traceback (OverflowError)
+            ("--distributed-timeout-seconds", "inf"),
+            "distributed_timeout_seconds: must be in (0, 86400] seconds",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:

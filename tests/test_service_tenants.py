@@ -369,3 +369,12 @@ def test_token_bucket_refills_at_the_rate() -> None:
     release()
     release()  # idempotent
     assert limiter.live(tenant) == 0
+
+
+def test_a_keys_file_that_is_not_utf_8_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """It ended with the decoder's message alone ("'utf-8' codec can't decode byte 0xe9 ..")."""
+    path = tmp_path / "keys.toml"
+    path.write_bytes(b'[[tenant]]\nname = "caf\xe9"\nkeys = ["k"]\n')
+    with pytest.raises(ValueError) as info:
+        TenantDirectory.load(path)
+    assert str(info.value).startswith(f"api-keys: cannot read {str(path)!r}: 'utf-8' codec can't decode")

@@ -8,6 +8,7 @@ import pytest
 from scheduler_driver import make_request
 
 from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM
 from sluice.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.serve_command import engine_config
@@ -95,3 +96,11 @@ def test_the_ngram_proposer_follows_a_growing_request_and_forgets_it() -> None:
         assert (proposals["r"].token_ids if "r" in proposals else ()) == tuple(expected)
     proposer.free(["r"])
     assert proposer.propose([make_request("r", [1, 2, 1], max_tokens=4)])["r"].token_ids == (2, 1)
+
+
+def test_a_draft_model_that_does_not_load_is_refused_naming_draft_model(llama_dir, tmp_path) -> None:
+    """Its loader's message named `model`, the target's flag."""
+    missing = str(tmp_path / "missing")
+    spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=missing)
+    with pytest.raises(ValueError, match=rf"^draft_model: '{missing}' has no config.json$"):
+        LLM(llama_dir, speculative=spec)

@@ -19,14 +19,17 @@ def load_draft_runner(
     target's device in the target's dtype, its KV cache not yet allocated. The target's runner sizes its
     own cache from the bytes per block of both, then gives the draft as many blocks
     (`ModelRunner.initialize_kv_cache`), so that one budget covers both models' weights and caches.
-    Raises ValueError naming `draft_model` when its vocabulary is not the target's."""
+    Raises ValueError naming `draft_model` when it does not load or its vocabulary is not the target's."""
     spec = config.speculative
     if spec is None or spec.method != "draft":
         return None
     from sluice.engine.worker.model_runner import ModelRunner  # which imports this module
 
     model_config = ModelConfig(model=spec.draft_model, dtype=config.model.dtype, device=config.model.device)
-    source = load_model_source(model_config)
+    try:
+        source = load_model_source(model_config)
+    except ValueError as exc:  # it names `model`, the target's flag
+        raise ValueError(f"draft_model: {str(exc).removeprefix('model: ')}") from None
     if source.arch.vocab_size != target_source.arch.vocab_size:
         raise ValueError(
             f"draft_model: vocabulary of {source.arch.vocab_size} tokens differs from the target's "
