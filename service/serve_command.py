@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
@@ -17,6 +18,9 @@ from sluice.service.engine_args import add_engine_arguments, engine_config_from_
 from sluice.service.server import ListenError, ServerConfig, SluiceServer, TlsConfig
 from sluice.service.tenants import TenantDirectory
 from sluice.service.tracing import tracer_provider_from_env
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 logger = logging.getLogger("sluice.serve")
 
@@ -123,14 +127,19 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-async def serve(config: EngineConfig, serving: ServerConfig, engine: AsyncEngine) -> int:
+async def serve(
+    config: EngineConfig,
+    serving: ServerConfig,
+    engine: AsyncEngine,
+    tracer_provider: TracerProvider | None = None,
+) -> int:
     """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain and exit 0.
 
     If the engine core dies, health goes NOT_SERVING, calls end UNAVAILABLE, and after
     ENGINE_FAILURE_GRACE seconds the process exits 1, so the orchestrator restarts it. A core that
     dies during the drain fails the requests still running: the drain goes on and the exit is 1.
     """
-    server = SluiceServer(serving, tracer_provider=tracer_provider_from_env())
+    server = SluiceServer(serving, tracer_provider=tracer_provider)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -205,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             engine_timeout=args.engine_timeout,
             kv_events=args.kv_events,
         )
-        main = serve(config, server_config(args), engine)
+        main = serve(config, server_config(args), engine, tracer_provider_from_env())
     except ValueError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2

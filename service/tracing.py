@@ -35,21 +35,41 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> TracerProvider | None:
     """An OTLP/gRPC exporting provider if OTEL_TRACES_EXPORTER is "otlp" or an OTLP endpoint is set;
-    None (tracing off) otherwise or when OTEL_TRACES_EXPORTER is "none". The exporter itself reads
-    OTEL_EXPORTER_OTLP_* (endpoint, headers, insecure, timeout) from the environment."""
+    None (tracing off) otherwise, when OTEL_TRACES_EXPORTER is "none" or OTEL_SDK_DISABLED is "true".
+    The exporter itself reads OTEL_EXPORTER_OTLP_* (endpoint, headers, insecure, timeout) from the
+    environment; a protocol other than grpc is refused (ValueError naming the variable: spans sent
+    over the wrong one were lost). The resource takes OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
+    service.name is "sluice" where neither sets it."""
     env = os.environ if environ is None else environ
     exporter_name = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     endpoint_set = bool(
         env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     )
-    if exporter_name == "none" or not (exporter_name == "otlp" or endpoint_set):
+    disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    if disabled or exporter_name == "none" or not (exporter_name == "otlp" or endpoint_set):
         return None
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = env.get(variable, "grpc").strip().lower()
+        if protocol != "grpc":
+            raise ValueError(
+                f"{variable}: {protocol!r} is not supported; Sluice exports over OTLP/gRPC (grpc)"
+            )
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME", "sluice")})
+    resource = Resource.create(_resource_attributes(env))
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return provider
+
+
+def _resource_attributes(env: Mapping[str, str]) -> dict[str, str]:
+    """What `Resource.create` adds to what it reads from os.environ: OTEL_SERVICE_NAME from `env`, or
+    "sluice" unless OTEL_RESOURCE_ATTRIBUTES names the service."""
+    if name := env.get("OTEL_SERVICE_NAME"):
+        return {SERVICE_NAME: name}
+    attributes = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    named = any(pair.split("=", 1)[0].strip() == SERVICE_NAME for pair in attributes.split(","))
+    return {} if named else {SERVICE_NAME: "sluice"}
 
 
 def _ns(seconds: float) -> int:

@@ -225,3 +225,14 @@ def test_safetensors_is_refused_for_a_gguf_model(tmp_path) -> None:
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ValueError, match=message + repr(str(gguf))):
         load_model_source(ModelConfig(model=str(gguf), load_format="safetensors"))
+
+
+def test_an_otlp_protocol_other_than_grpc_is_one_line_naming_the_variable(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    code, err = _serve(capsys)
+    assert (code, err.splitlines()[-1]) == (
+        2,
+        "sluice serve: OTEL_EXPORTER_OTLP_PROTOCOL: 'http/protobuf' is not supported; "
+        "Sluice exports over OTLP/gRPC (grpc)",
+    )

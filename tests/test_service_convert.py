@@ -397,12 +397,47 @@ def test_request_tracker_counts_a_finished_request() -> None:
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True),
         ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
         ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, False),
     ],
 )
 def test_tracer_provider_from_env(environ: dict[str, str], enabled: bool) -> None:
     provider = tracer_provider_from_env(environ)
     assert (provider is not None) == enabled
     if provider is not None:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_an_otlp_protocol_other_than_grpc_is_refused_naming_the_variable(variable: str) -> None:
+    """The gRPC exporter was used whatever the protocol said: a collector on http/protobuf got nothing."""
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", variable: "http/protobuf"}
+    with pytest.raises(ValueError, match=rf"^{variable}: 'http/protobuf' is not supported"):
+        tracer_provider_from_env(environ)
+
+
+@pytest.mark.parametrize(
+    ("resource_attributes", "service_name", "expected"),
+    [
+        ("", None, "sluice"),
+        ("deployment.environment=prod", None, "sluice"),
+        ("service.name=checkout-llm,deployment.environment=prod", None, "checkout-llm"),
+        ("service.name=checkout-llm", "from-otel-service-name", "from-otel-service-name"),
+    ],
+)
+def test_the_service_name_is_the_environments_else_sluice(
+    monkeypatch: pytest.MonkeyPatch, resource_attributes: str, service_name: str | None, expected: str
+) -> None:
+    """OTEL_RESOURCE_ATTRIBUTES' service.name was overridden with "sluice"."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", resource_attributes)
+    if service_name is None:
+        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_SERVICE_NAME", service_name)
+    provider = tracer_provider_from_env()
+    try:
+        assert provider.resource.attributes["service.name"] == expected
+    finally:
         provider.shutdown()
 
 
