@@ -58,18 +58,22 @@ def _add_flag(
     f: Field,
     hint: Any,
     switches_section_on: bool = False,
+    in_optional_section: bool = False,
 ) -> None:
     meta = f.metadata
     kind = _scalar_type(hint)
-    # An optional section's first flag has no default: giving it is what makes the section exist.
-    default = None if switches_section_on or f.default is MISSING else f.default
+    # An optional section's first flag has no default: giving it is what makes the section exist. Its
+    # other flags parse to None when not given, so that one given without the first is refused even at
+    # its default value (the field's default then applies: `engine_config_from_args`).
+    unset = switches_section_on or in_optional_section
+    default = None if unset or f.default is MISSING else f.default
     target = parser
     if meta.get("exclusive"):
         if meta["exclusive"] not in groups:
             groups[meta["exclusive"]] = parser.add_mutually_exclusive_group()
         target = groups[meta["exclusive"]]
     name, dest = f"--{flag_name(f)}", _dest(section, f)
-    if kind is bool and default is None and f.default is None:  # unset: the engine decides
+    if kind is bool and default is None and f.default is None and not unset:  # unset: the engine decides
         target.add_argument(
             name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=meta["help"]
         )
@@ -84,6 +88,8 @@ def _add_flag(
     help_text = meta["help"]
     if default is not None and "default" not in help_text:
         help_text += " (default: %(default)s)"
+    elif in_optional_section and f.default is not None and "default" not in help_text:
+        help_text += f" (default: {f.default})"
     metavar = None if meta.get("choices") else flag_name(f).upper().replace("-", "_")
     target.add_argument(
         name,
@@ -113,7 +119,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, config: type = EngineC
         for f in fields(section.cls):
             if "help" in f.metadata:
                 on = section.optional and f is first
-                _add_flag(group, groups, name, f, hints[f.name], switches_section_on=on)
+                within = section.optional and f is not first
+                _add_flag(
+                    group, groups, name, f, hints[f.name], switches_section_on=on, in_optional_section=within
+                )
     group = parser.add_argument_group("engine")
     hints = get_type_hints(config)
     for f in fields(config):
@@ -134,12 +143,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs = {f.name: values[_dest(name, f)] for f in fields(section.cls) if "help" in f.metadata}
         if section.optional:
             first = _first_option(section.cls)
+            given = [f for f in fields(section.cls) if kwargs.get(f.name) is not None]
             if kwargs[first.name] is None:
-                for f in fields(section.cls):
-                    if "help" in f.metadata and f is not first and kwargs[f.name] != f.default:
-                        raise ValueError(f"{flag_name(f)}: needs --{flag_name(first)}")
+                if given:
+                    raise ValueError(f"{flag_name(given[0])}: needs --{flag_name(first)}")
                 built[name] = None
                 continue
+            kwargs = {f.name: kwargs[f.name] for f in given}  # the others keep the field's default
         built[name] = section.cls(**kwargs)
     top = {
         f.name: values[_dest(None, f)]

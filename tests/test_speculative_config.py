@@ -51,6 +51,13 @@ def test_draft_model_without_draft_speculation_is_refused() -> None:
         _serve("--draft-model", "/models/small")
 
 
+@pytest.mark.parametrize("flags", [("--num-speculative-tokens", "3"), ("--ngram-max", "4")])
+def test_a_speculative_flag_at_its_default_without_speculative_is_refused_too(flags) -> None:
+    """A value other than the default was refused, the default itself accepted and ignored."""
+    with pytest.raises(ValueError, match=rf"^{flags[0][2:]}: needs --speculative$"):
+        _serve(*flags)
+
+
 def test_ngram_lookup_prefers_the_longest_suffix_and_the_latest_match() -> None:
     #         0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [1, 2, 3, 9, 8, 2, 3, 7, 6, 1, 2, 3]
