@@ -42,6 +42,7 @@ def _bench(target: str, *args: str) -> int:
         (("--slo-tpot", "nan"), "slo_tpot: must be > 0"),
         (("--slo-tpot", "-5"), "slo_tpot: must be > 0"),
         (("--sweep", "4,0"), "concurrency: must be >= 1"),
+        (("--sweep", "1,2", "--concurrency", "4"), "sweep: sets each run's concurrency; drop --concurrency"),
     ],
 )
 def test_bad_floats_and_loads_are_refused_before_connecting(dead_target, capsys, args, error) -> None:

@@ -131,6 +131,8 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, list[LoadConfig], Slo]:
     before anything connects. Without --vocab-size the workload's vocabulary is a stand-in until the
     server's is known."""
     _check_outputs(args)
+    if args.sweep and args.concurrency is not None:  # each run's concurrency is the sweep's
+        raise ValueError("sweep: sets each run's concurrency; drop --concurrency")
     workload = _workload(args, FIRST_PROMPT_TOKEN + 1 if args.vocab_size is None else args.vocab_size)
     loads = [
         LoadConfig(
