@@ -84,6 +84,27 @@ def test_streamed_output_continues_the_prompt(tokenizer: Tokenizer, prompt: str,
     assert not any("\ufffd" in delta for delta in deltas)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_tokens_text_is_in_the_output_only_with_include_stop_str_in_output(
+    tokenizer: Tokenizer, include: bool
+) -> None:
+    """As vLLM's detokenizer: the token that stopped the output is left out of the text unless
+    include_stop_str_in_output (it was left out either way)."""
+    prompt_ids, output_ids, _ = _split(tokenizer, "The capital of France is", " Paris, and then")
+    stop = output_ids[-1]
+    params = SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=include)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(AddRequest("r", prompt_ids, params, 0.0))
+    core_output = _core_output(output_ids, finish_reason="stop")
+    core_output.stop_reason = stop
+    (out,) = processor.process([core_output]).outputs
+    kept = output_ids if include else output_ids[:-1]
+    whole = tokenizer.decode(prompt_ids + kept, skip_special_tokens=False)
+    assert out.text == whole[len(tokenizer.decode(prompt_ids, skip_special_tokens=False)) :]
+    assert out.token_ids == tuple(output_ids)
+    assert out.text.endswith(" then") == include
+
+
 def test_a_prompt_ending_mid_character_is_not_decoded_into_the_output(tokenizer: Tokenizer) -> None:
     """The prompt's last ids are bytes of a character its output completes: the output's text is its own
     decode (U+FFFD for the bytes it lacks), never the prompt's bytes."""

@@ -263,8 +263,12 @@ class OutputProcessor:
         token_ids = core_output.new_token_ids
         # The stop token (EOS, a stop_token_ids entry) ends the output but is no part of its text, also
         # with skip_special_tokens off (vLLM's detokenizer skips it too): a constrained output it ends
-        # stays what the constraint matched.
-        stopped_by_token = core_output.finish_reason == "stop" and isinstance(core_output.stop_reason, int)
+        # stays what the constraint matched. With include_stop_str_in_output it is, as in vLLM.
+        stopped_by_token = (
+            core_output.finish_reason == "stop"
+            and isinstance(core_output.stop_reason, int)
+            and not detokenizer.includes_stop_token
+        )
         text = detokenizer.add_tokens(token_ids[:-1] if stopped_by_token else token_ids)
         if core_output.finish_reason is not None and detokenizer.stop_string is None:
             text += detokenizer.flush()

@@ -58,6 +58,7 @@ class IncrementalDetokenizer:
         )
         include = params.include_stop_str_in_output
         self._stops = StopStringMatcher(params.stop, include) if params.stop else None
+        self.includes_stop_token = include  # the text of a stop token that ends the output (vLLM's)
         self._min_tokens = params.min_tokens  # stop strings end no output shorter (as in vLLM)
         self.num_tokens = 0  # ids taken in: all fed ones up to the one that completed a stop string
 
