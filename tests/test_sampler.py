@@ -254,6 +254,25 @@ def test_processors_copy_logits_only_for_rows_they_concern() -> None:
     assert [t.token_id for t in sampler.sample(logits, plain[:1] * 2)] == [2, 0]
 
 
+def test_logit_bias_comes_before_the_repetition_penalty_as_in_transformers() -> None:
+    """Token 1 (logit -1, in the prompt) biased by 4.8 under repetition penalty 2: (-1 + 4.8) / 2 = 1.9
+    after the bias, as transformers' SequenceBiasLogitsProcessor then RepetitionPenaltyLogitsProcessor
+    (and vLLM) compute it; the penalty first gave -2 + 4.8 = 2.8, above token 0's 2 (a greedy flip)."""
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    logits = torch.tensor([[2.0, -1.0, 2.5, 0.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={1: 4.8})
+    processed = Sampler().apply_processors(logits, [row(params, prompt=[1, 2])])
+    prompt = torch.tensor([[1, 2]])
+    want = SequenceBiasLogitsProcessor({(1,): 4.8})(prompt, logits.clone())
+    want = RepetitionPenaltyLogitsProcessor(2.0)(prompt, want)
+    torch.testing.assert_close(processed, want)
+    assert [t.token_id for t in Sampler().sample(logits, [row(params, prompt=[1, 2])])] == [0]
+
+
 def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) -> None:
     """A 5,000-token vocabulary, beyond NUCLEUS_CANDIDATES: peaked rows find their nucleus among the
     candidates, the flat one (top_p only) is sorted whole; every row keeps exactly the tokens, with the

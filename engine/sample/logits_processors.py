@@ -5,7 +5,7 @@ per-request state across steps (dropped by `free`). State is synced from the row
 (the accepted tokens), never from what the processor saw sampled, so a preempted or re-sampled request
 finds its state consistent.
 
-    MinTokens -> Penalties -> LogitBias -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
+    MinTokens -> LogitBias -> Penalties -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class LogitsProcessor(Protocol):
 
 
 def default_processors() -> list[LogitsProcessor]:
-    return [MinTokens(), Penalties(), LogitBias(), AllowedTokenIds()]
+    # logit_bias before the penalties, as vLLM and transformers (sequence_bias) apply them
+    return [MinTokens(), LogitBias(), Penalties(), AllowedTokenIds()]
 
 
 def draft_processors() -> list[LogitsProcessor]:

@@ -1,12 +1,14 @@
 """Batched token sampling: logits processors, temperature, top-k / top-p / min-p, seeded generators, logprobs.
 
-Order per row (transformers / vLLM semantics):
+Order per row (vLLM's and transformers' for the processors; transformers' warper order, where vLLM V1
+applies min_p before top_k / top_p):
   raw logits --(logprobs are taken here: log_softmax of the raw model logits)
   -> the logits processors, in list order (sluice.engine.sample.logits_processors):
      min_tokens mask (eos and stop_token_ids get -inf until min_tokens outputs exist)
+     -> logit_bias
      -> repetition penalty on prompt + output tokens (positive logits divided, negative multiplied)
      -> frequency / presence penalties on output tokens (OpenAI: logit -= f * count + p * [count > 0])
-     -> logit_bias -> allowed_token_ids -> grammar mask (when the engine core adds one)
+     -> allowed_token_ids -> grammar mask (when the engine core adds one)
   -> greedy rows: argmax;  random rows: / temperature -> top_k -> top_p -> min_p -> draw
 A draw inverts the row's cumulative distribution at one uniform number; each seeded request draws its
 numbers from its own generator, so its tokens do not depend on the rest of the batch.
