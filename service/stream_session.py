@@ -152,7 +152,8 @@ class StreamSession:
         every pump) before its first step. Its request is counted CANCELLED, as a pump cancelled later
         counts it."""
         if self._pumps.get(request_id) is task:
-            self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
+            if task.cancelled():
+                self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
             self._forget(request_id, task)
 
     def _forget(self, request_id: str, task: asyncio.Task[None] | None) -> None:

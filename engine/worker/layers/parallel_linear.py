@@ -125,7 +125,8 @@ class ParallelLMHead(ReplicatedLinear):
         if self.group.size > 1 and loaded.dim() > 0 and loaded.shape[0] == self.checkpoint_output_sizes[0]:
             rows = loaded[self.vocab.start : self.vocab.end]
             fill = 0.0 if param is self.weight or param is self.bias else 1.0
-            padding = torch.full((self.vocab.num_rows - rows.shape[0], *rows.shape[1:]), fill)
+            shape = (self.vocab.num_rows - rows.shape[0], *rows.shape[1:])
+            padding = torch.full(shape, fill, device=rows.device)
             loaded = torch.cat([rows, padding.to(rows.dtype)])
         super().weight_loader(param, loaded, shard)
 
