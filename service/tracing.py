@@ -48,12 +48,12 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     if disabled or exporter_name == "none" or not (exporter_name == "otlp" or endpoint_set):
         return None
-    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        protocol = env.get(variable, "grpc").strip().lower()
-        if protocol != "grpc":
-            raise ValueError(
-                f"{variable}: {protocol!r} is not supported; Sluice exports over OTLP/gRPC (grpc)"
-            )
+    # The traces' own variable wins over the general one, as in the SDK.
+    variable = next(
+        (v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL") if env.get(v)), None
+    )
+    if variable is not None and (protocol := env[variable].strip().lower()) != "grpc":
+        raise ValueError(f"{variable}: {protocol!r} is not supported; Sluice exports over OTLP/gRPC (grpc)")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     resource = Resource.create(_resource_attributes(env))

@@ -415,6 +415,15 @@ def test_an_otlp_protocol_other_than_grpc_is_refused_naming_the_variable(variabl
         tracer_provider_from_env(environ)
 
 
+def test_the_traces_own_protocol_wins_over_the_general_one() -> None:
+    environ = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",  # for metrics or logs, say
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+    }
+    tracer_provider_from_env(environ).shutdown()
+
+
 @pytest.mark.parametrize(
     ("resource_attributes", "service_name", "expected"),
     [
