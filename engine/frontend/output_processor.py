@@ -264,15 +264,15 @@ class OutputProcessor:
         # The stop token (EOS, a stop_token_ids entry) ends the output but is no part of its text, also
         # with skip_special_tokens off (vLLM's detokenizer skips it too): a constrained output it ends
         # stays what the constraint matched. With include_stop_str_in_output it is, as in vLLM.
-        stopped_by_token = (
+        skips_stop_token = (
             core_output.finish_reason == "stop"
             and isinstance(core_output.stop_reason, int)
             and not detokenizer.includes_stop_token
         )
-        text = detokenizer.add_tokens(token_ids[:-1] if stopped_by_token else token_ids)
+        text = detokenizer.add_tokens(token_ids[:-1] if skips_stop_token else token_ids)
         if core_output.finish_reason is not None and detokenizer.stop_string is None:
             text += detokenizer.flush()
         num_taken = detokenizer.num_tokens - num_before
-        if stopped_by_token and detokenizer.stop_string is None:
+        if skips_stop_token and detokenizer.stop_string is None:
             num_taken += 1  # the stop token itself is kept in the token ids
         return text, detokenizer.stop_string, num_taken
