@@ -152,9 +152,10 @@ class GenerationRunner:
             raise
         finally:
             final = progress.final_output(caller_left)
-            tracker.finish(final)
             if final is not None:
-                span.record_final(final)
+                finish_reasons = progress.finish_reasons(final)
+                tracker.finish(final, finish_reasons)
+                span.record_final(final, finish_reasons)
 
     async def _add_request(
         self, spec: GenerationSpec, engine_request_id: str, caller: Caller, cancel: RequestCancel
@@ -261,6 +262,7 @@ class RequestProgress:
             return None
         outputs = self._latest.values()
         num_preemptions = sum(output.num_preemptions for output in outputs)
+        final = msgspec.structs.replace(final, timings=self._first_timings(final.timings))
         if final.usage is None:
             return msgspec.structs.replace(final, num_preemptions=num_preemptions)
         num_tokens = sum(output.usage.completion_tokens for output in outputs if output.usage is not None)
@@ -268,3 +270,27 @@ class RequestProgress:
         num_cached = first.usage.cached_tokens if first is not None and first.usage is not None else 0
         usage = msgspec.structs.replace(final.usage, completion_tokens=num_tokens, cached_tokens=num_cached)
         return msgspec.structs.replace(final, usage=usage, num_preemptions=num_preemptions)
+
+    def finish_reasons(self, final: RequestOutput) -> tuple[str, ...]:
+        """Each sample's finish reason, by index: its own where it finished, the request's (`final`'s,
+        "abort" when the caller left) where it was cut short."""
+        reasons = []
+        for index in range(self._num_samples):
+            output = self._latest.get(index)
+            finished = output is not None and output.finished
+            reasons.append(output.finish_reason if finished else final.finish_reason)
+        return tuple(reasons)
+
+    def _first_timings(self, timings: Timings | None) -> Timings | None:
+        """`timings` with the request's first scheduling and first token: the earliest of any sample's
+        (the caller got its first token then), not the last finished sample's own."""
+        if timings is None:
+            return None
+        samples = [output.timings for output in self._latest.values() if output.timings is not None]
+        scheduled = [t.first_scheduled for t in samples if t.first_scheduled is not None]
+        first_tokens = [t.first_token for t in samples if t.first_token is not None]
+        return msgspec.structs.replace(
+            timings,
+            first_scheduled=min(scheduled, default=timings.first_scheduled),
+            first_token=min(first_tokens, default=timings.first_token),
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from sluice.engine.outputs import EngineStats, RequestOutput
+from sluice.engine.outputs import EngineStats, RequestOutput, Usage
 from sluice.service.tenants import DEFAULT_TENANT
 
 # Hosts that mean "every address": grpc listens on IPv4 and IPv6 for either, and so does /metrics.
@@ -115,17 +115,24 @@ def _speculative_metrics(stats: EngineStats) -> Iterator[Metric]:
 
 
 class RequestTracker:
-    """Observes one request's outputs as they stream; `finish` records its totals once."""
+    """Observes one request's outputs as they stream: its tokens count as they come (a long request moves
+    the token counters while it runs, as vLLM's do every step); `finish` records the rest once."""
 
     def __init__(self, metrics: ServerMetrics, tenant: str) -> None:
         self._metrics = metrics
         self._tenant = tenant
         self._last_token_times: dict[int, float] = {}  # sample index -> when its latest chunk came
+        self._num_generated: dict[int, int] = {}  # sample index -> completion tokens counted so far
+        self._num_cached = 0  # sample 0's cached tokens counted so far (the prompt counts once)
+        self._prompt_counted = False
 
     def on_output(self, output: RequestOutput) -> None:
-        """Inter-token latency: time between chunks of one sample (`output.index`; the n samples of a
-        request decode side by side, as vLLM's child requests), spread over the tokens of the later
-        chunk (tokens merged into a sample's first chunk, behind a slow reader, have no gap to observe)."""
+        """Counts the tokens the output's usage adds to its sample's, then inter-token latency: time
+        between chunks of one sample (`output.index`; the n samples of a request decode side by side, as
+        vLLM's child requests), spread over the tokens of the later chunk (tokens merged into a sample's
+        first chunk, behind a slow reader, have no gap to observe)."""
+        if output.usage is not None:
+            self._count_tokens(output.index, output.usage)
         if not output.token_ids:
             return
         now = time.monotonic()
@@ -136,16 +143,25 @@ class RequestTracker:
                 self._metrics.inter_token_latency.observe(gap)
         self._last_token_times[output.index] = now
 
-    def finish(self, final: RequestOutput | None) -> None:
-        """Counts the request's tokens, finish reason and latencies; `final` is None if it never finished."""
-        if final is None:
-            return
+    def _count_tokens(self, index: int, usage: Usage) -> None:
+        m, tenant = self._metrics, self._tenant
+        if not self._prompt_counted:
+            self._prompt_counted = True
+            m.prompt_tokens.labels(tenant=tenant).inc(usage.prompt_tokens)
+        new_tokens = usage.completion_tokens - self._num_generated.get(index, 0)
+        if new_tokens > 0:
+            self._num_generated[index] = usage.completion_tokens
+            m.generation_tokens.labels(tenant=tenant).inc(new_tokens)
+        if index == 0 and usage.cached_tokens > self._num_cached:
+            m.cached_tokens.labels(tenant=tenant).inc(usage.cached_tokens - self._num_cached)
+            self._num_cached = usage.cached_tokens
+
+    def finish(self, final: RequestOutput, finish_reasons: Sequence[str]) -> None:
+        """Counts each sample's finish reason (as vLLM counts its child requests) and the request's
+        latencies: queue time and time to first token to its first sample's, end to end to its end."""
         m = self._metrics
-        m.requests.labels(finish_reason=final.finish_reason, tenant=self._tenant).inc()
-        if final.usage is not None:
-            m.prompt_tokens.labels(tenant=self._tenant).inc(final.usage.prompt_tokens)
-            m.generation_tokens.labels(tenant=self._tenant).inc(final.usage.completion_tokens)
-            m.cached_tokens.labels(tenant=self._tenant).inc(final.usage.cached_tokens)
+        for finish_reason in finish_reasons:
+            m.requests.labels(finish_reason=finish_reason, tenant=self._tenant).inc()
         timings = final.timings
         if timings is None:
             return
@@ -174,7 +190,10 @@ class ServerMetrics:
         self.queue_time = histogram("sluice_queue_time_seconds", "Arrival to first scheduled.")
         # Per tenant (sluice.service.tenants; "default" without --api-keys).
         self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens of finished requests.", ["tenant"], registry=r
+            "sluice_prompt_tokens",
+            "Prompt tokens of requests (counted at their first output).",
+            ["tenant"],
+            registry=r,
         )
         self.generation_tokens = Counter(
             "sluice_generation_tokens", "Generated tokens.", ["tenant"], registry=r
@@ -187,7 +206,7 @@ class ServerMetrics:
         )
         self.requests = Counter(
             "sluice_requests",
-            "Finished generation requests by finish reason and tenant.",
+            "Finished generation requests (each of n samples) by finish reason and tenant.",
             ["finish_reason", "tenant"],
             registry=r,
         )

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 
 import grpc
@@ -166,12 +166,15 @@ class RequestSpan:
             attributes["gen_ai.request.top_k"] = params.top_k
         if params.seed is not None:
             attributes["gen_ai.request.seed"] = params.seed
+        if params.n != 1:
+            attributes["gen_ai.request.choice.count"] = params.n
         self._span.set_attributes(attributes)
 
-    def record_final(self, final: RequestOutput) -> None:
-        """Usage, finish reason, preemptions and the request's life events (stamped when they happened)."""
+    def record_final(self, final: RequestOutput, finish_reasons: Sequence[str]) -> None:
+        """Usage, each sample's finish reason, preemptions and the request's life events (stamped when they
+        happened; first_token: the first sample's)."""
         span = self._span
-        span.set_attribute("gen_ai.response.finish_reasons", (final.finish_reason,))
+        span.set_attribute("gen_ai.response.finish_reasons", tuple(finish_reasons))
         span.set_attribute("sluice.num_preemptions", final.num_preemptions)
         if final.usage is not None:
             span.set_attribute("gen_ai.usage.input_tokens", final.usage.prompt_tokens)

@@ -374,14 +374,19 @@ def test_api_key_check(metadata: tuple[tuple[str, str], ...], reason: str | None
 def test_request_tracker_counts_a_finished_request() -> None:
     metrics = ServerMetrics(lambda: None)
     tracker = metrics.track()
-    tracker.on_output(RequestOutput(request_id="e", token_ids=(1,), text="a"))
-    tracker.on_output(RequestOutput(request_id="e", token_ids=(2, 3), text="bc"))
-    tracker.finish(_final_output())
     value = metrics.registry.get_sample_value
     default = {"tenant": "default"}
+    usage = Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=2)
+    tracker.on_output(RequestOutput(request_id="e", token_ids=(1,), text="a", usage=usage))
+    # The tokens count while the request runs (a long one moves the throughput panel before it ends).
+    assert value("sluice_prompt_tokens_total", default) == 5
+    assert value("sluice_generation_tokens_total", default) == 1
+    usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
+    tracker.on_output(RequestOutput(request_id="e", token_ids=(2, 3), text="bc", usage=usage))
+    tracker.finish(_final_output(), ("stop",))
     assert value("sluice_requests_total", {"finish_reason": "stop", **default}) == 1
     assert value("sluice_prompt_tokens_total", default) == 5
-    assert value("sluice_generation_tokens_total", default) == 4
+    assert value("sluice_generation_tokens_total", default) == 3
     assert value("sluice_cached_tokens_total", default) == 2
     assert value("sluice_inter_token_latency_seconds_count") == 2  # two tokens in the second chunk
     assert value("sluice_time_to_first_token_seconds_sum") == 1.0

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ABORTS = ("sluice_requests_total", (("finish_reason", "abort"), ("tenant", "default")))
 GENERATED = ("sluice_generation_tokens_total", (("tenant", "default"),))
+PROMPTS = ("sluice_prompt_tokens_total", (("tenant", "default"),))
 E2E_COUNT = ("sluice_e2e_request_latency_seconds_count", ())
 ITL_COUNT = ("sluice_inter_token_latency_seconds_count", ())
 
@@ -47,11 +48,11 @@ def _delta(
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _wait_for_the_abort(server: ServerThread, before: MetricSamples):
-    """The request's span, once its abort is counted and its span ended (when the handler unwinds, which
-    may come after the engine reports idle)."""
+def _wait_for_the_abort(server: ServerThread, before: MetricSamples, num_samples: int = 1):
+    """The request's span, once its samples' aborts are counted and its span ended (when the handler
+    unwinds, which may come after the engine reports idle)."""
     server.wait_idle()
-    wait_for(lambda: _delta(before, server.metric_samples(), ABORTS) == 1, "the abort count")
+    wait_for(lambda: _delta(before, server.metric_samples(), ABORTS) == num_samples, "the abort count")
     wait_for(lambda: len(server.memory.get_finished_spans()) == 1, "the request's span")
     (span,) = server.memory.get_finished_spans()
     return span
@@ -69,10 +70,11 @@ def test_a_cancelled_request_counts_the_tokens_of_all_its_samples(observed: Serv
             if min(received.values()) > 0:
                 break
         chunks.close()  # cancels the call
-    span = _wait_for_the_abort(observed, before)
+    span = _wait_for_the_abort(observed, before, num_samples=2)
     counted = _delta(before, observed.metric_samples(), GENERATED)
     assert dict(span.attributes)["gen_ai.usage.output_tokens"] == counted
-    assert dict(span.attributes)["gen_ai.response.finish_reasons"] == ("abort",)
+    assert dict(span.attributes)["gen_ai.response.finish_reasons"] == ("abort", "abort")
+    assert dict(span.attributes)["gen_ai.request.choice.count"] == 2
     # The server streamed at least what the client read, and no more than the engine sampled.
     assert sum(received.values()) <= counted <= observed.stats().num_generation_tokens - generated_before
 
@@ -91,6 +93,41 @@ def test_progress_sums_the_latest_usage_of_every_sample() -> None:
     assert final.usage.prompt_tokens == 4 and final.token_ids == ()
     assert final.timings.arrival == 100.0 and final.timings.finished >= 101.0
     assert progress.final_output(caller_left=False) is None  # refused or failed: no sample finished
+
+
+def test_the_token_counters_move_while_a_request_runs(observed: ServerThread) -> None:
+    """As vLLM's, every chunk's tokens count when it is sent: a request longer than a dashboard's rate
+    window shows as throughput while it runs, not as a spike when it ends."""
+    observed.memory.clear()
+    before = observed.metric_samples()
+    with Client(observed.target) as client:
+        chunks = client.generate(generate_request("Hello world", **UNENDING))
+        received = 0
+        for chunk in chunks:
+            received += len(chunk.token_ids)
+            if received >= 3:
+                break
+        running = observed.metric_samples()
+        chunks.close()
+    assert _delta(before, running, GENERATED) >= received
+    assert _delta(before, running, PROMPTS) > 0
+    assert _delta(before, running, ABORTS) == 0  # still running when read
+    _wait_for_the_abort(observed, before)
+
+
+def test_progress_keeps_every_samples_finish_reason_and_the_first_token() -> None:
+    """n = 2: each sample's own reason (the span's finish_reasons, one count each), and the request's
+    first token is the first sample's, not the last finished one's."""
+    progress = RequestProgress("r", num_samples=2)
+    usage = Usage(prompt_tokens=4, completion_tokens=3, cached_tokens=0)
+    for index, reason, first_token, finished in ((1, "length", 101.0, 104.0), (0, "stop", 102.5, 105.0)):
+        timings = Timings(arrival=100.0, first_scheduled=100.5, first_token=first_token, finished=finished)
+        output = RequestOutput("r", (1,), "a", finish_reason=reason, usage=usage, timings=timings)
+        progress.add(msgspec.structs.replace(output, index=index))
+    final = progress.final_output(caller_left=False)
+    assert progress.finish_reasons(final) == ("stop", "length")
+    assert (final.timings.first_token, final.timings.finished) == (101.0, 105.0)
+    assert final.usage.completion_tokens == 6
 
 
 def test_inter_token_latency_is_measured_within_each_sample(observed: ServerThread) -> None:

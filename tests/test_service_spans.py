@@ -157,7 +157,8 @@ def test_a_span_continues_the_traceparent_and_records_the_request() -> None:
                 usage=Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2),
                 timings=Timings(arrival=100.0, first_scheduled=100.5, first_token=101.0, finished=103.0),
                 num_preemptions=2,
-            )
+            ),
+            ("length",),
         )
     (finished,) = memory.get_finished_spans()
     assert finished.name == "text_completion tiny-llama" and finished.kind == SpanKind.SERVER
