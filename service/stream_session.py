@@ -28,7 +28,7 @@ from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
 from sluice.service.request_cancel import ABORT, RequestCancel
 from sluice.service.request_ids import RequestIdInUseError, check_request_id, engine_id_of
-from sluice.service.status import ServiceUnavailableError, StatusRecorder, failure_status
+from sluice.service.status import ServiceUnavailableError, StatusRecorder, cancelled_status, failure_status
 from sluice.v1 import sluice_pb2 as pb
 
 # Each request on the stream is counted under its own method label; the call itself under "StreamGenerate".
@@ -137,7 +137,7 @@ class StreamSession:
                 async for chunk in chunks:
                     await self._send(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
         except asyncio.CancelledError:  # the call ended (cancelled, deadline): so did its requests
-            self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
+            self._record_status(_METHOD, cancelled_status(self._caller.call))
             raise
         except Exception as exc:
             await self._send_error(request_id, exc)
@@ -149,11 +149,11 @@ class StreamSession:
 
     def _pump_done(self, request_id: str, task: asyncio.Task[None]) -> None:
         """A pump still known here never ran its body, whose end forgets it: the call ended (cancelled
-        every pump) before its first step. Its request is counted CANCELLED, as a pump cancelled later
-        counts it."""
+        every pump) before its first step. Its request is counted as the call ended (CANCELLED or
+        DEADLINE_EXCEEDED), as a pump cancelled later counts it."""
         if self._pumps.get(request_id) is task:
             if task.cancelled():
-                self._record_status(_METHOD, grpc.StatusCode.CANCELLED)
+                self._record_status(_METHOD, cancelled_status(self._caller.call))
             self._forget(request_id, task)
 
     def _forget(self, request_id: str, task: asyncio.Task[None] | None) -> None:

@@ -199,6 +199,25 @@ def test_deadline_aborts_the_request(stub, server: ServerThread) -> None:
     wait_for(lambda: _rpc_count(server, "Generate", "DEADLINE_EXCEEDED") == before + 1, "the count")
 
 
+def test_the_requests_of_a_stream_past_its_deadline_count_as_deadline_exceeded(
+    stub, server: ServerThread
+) -> None:
+    """As the call and each request's span: the call's deadline ended the request, not its caller."""
+    before = _rpc_count(server, "StreamGenerate.request", "DEADLINE_EXCEEDED")
+    outbox = Outbox()
+    call = stub.StreamGenerate(iter(outbox), timeout=5.0)  # as test_deadline_aborts_the_request
+    outbox.generate(generate_request("Hello world", request_id="a", **UNENDING))
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    outbox.half_close()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_idle()
+    wait_for(
+        lambda: _rpc_count(server, "StreamGenerate.request", "DEADLINE_EXCEEDED") == before + 1, "the count"
+    )
+
+
 class _Context:
     def __init__(self, remaining: float | None) -> None:
         self._remaining = remaining
