@@ -46,14 +46,18 @@ def check_api_key(metadata: Sequence[tuple[str, str | bytes]] | None, api_key: s
     return found if isinstance(found, str) else None
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+def _denying_handler(
+    handler: grpc.RpcMethodHandler, reason: str, refused: Callable[[], None]
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED (calling `refused`)."""
 
     async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        refused()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     async def deny_stream(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
         await drain_request_stream(requests)  # else a grpc.aio client may see INTERNAL
+        refused()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     serializers = {
@@ -72,19 +76,22 @@ def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMet
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without a known bearer key with UNAUTHENTICATED, before any handler runs; except
     calls of `exempt_services` (no key needed) and of `authenticated_by_handler` ('/pkg.Service/Method':
-    the handler refuses the same calls, with the same status and message, itself)."""
+    the handler refuses the same calls, with the same status and message, itself). `on_refused` is
+    called with the method ('/pkg.Service/Method') of each call refused here, as the call ends."""
 
     def __init__(
         self,
         tenants: TenantDirectory,
         exempt_services: Sequence[str] = (HEALTH_SERVICE,),
         authenticated_by_handler: Sequence[str] = (),
+        on_refused: Callable[[str], None] = lambda method: None,
     ) -> None:
         if not tenants.requires_key:
             raise ValueError("tenants: no API keys to check")
         self._tenants = tenants
         self._exempt = frozenset(exempt_services)
         self._by_handler = frozenset(authenticated_by_handler)
+        self._on_refused = on_refused
 
     async def intercept_service(
         self,
@@ -96,4 +103,6 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or _service_of(method) in self._exempt or method in self._by_handler:
             return handler
         found = authenticate(handler_call_details.invocation_metadata, self._tenants)
-        return handler if isinstance(found, Tenant) else _denying_handler(handler, found)
+        if isinstance(found, Tenant):
+            return handler
+        return _denying_handler(handler, found, lambda: self._on_refused(method))

@@ -215,13 +215,24 @@ class SluiceServer:
         self._stopped = asyncio.Event()
         self.engine_failed = asyncio.Event()
 
+    def _count_refusal(self, method: str) -> None:
+        """A call refused for its API key before any handler ran: counted as the handlers count theirs
+        (sluice_rpc_requests_total, by method name), for the services whose calls are counted."""
+        service, _, name = method.lstrip("/").partition("/")
+        if service in (INFERENCE_SERVICE, SMG_SERVICE):
+            self.metrics.record_status(name, grpc.StatusCode.UNAUTHENTICATED)
+
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
         interceptors: list[grpc.aio.ServerInterceptor] = [self.arrivals]
         if self.tenants.requires_key:
             # The generation methods check the key in their handlers, to record a refused call's span.
             traced = TRACED_INFERENCE_METHODS + TRACED_SMG_METHODS
-            interceptors.append(ApiKeyInterceptor(self.tenants, authenticated_by_handler=traced))
+            interceptors.append(
+                ApiKeyInterceptor(
+                    self.tenants, authenticated_by_handler=traced, on_refused=self._count_refusal
+                )
+            )
         server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_servicer, server)

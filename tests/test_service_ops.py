@@ -320,6 +320,25 @@ def test_api_key_is_required_except_for_health(keyed_server: ServerThread) -> No
         assert _health(channel) == SERVING
 
 
+def test_calls_refused_for_their_key_are_counted_by_method(keyed_server: ServerThread) -> None:
+    """Refused by the interceptor before any handler ran, as those the generation handlers refuse are."""
+    registry = keyed_server.server.metrics.registry
+
+    def count(method: str) -> float:
+        labels = {"method": method, "code": "UNAUTHENTICATED"}
+        return registry.get_sample_value("sluice_rpc_requests_total", labels) or 0.0
+
+    methods = ("GetModelInfo", "Tokenize", "Generate")
+    before = {method: count(method) for method in methods}
+    with Client(keyed_server.target, api_key="wrong") as client:
+        with pytest.raises(SluiceError):
+            client.model_info()
+        with pytest.raises(SluiceError):
+            client.tokenize("hi")
+        _generate_error(client, generate_request("hi", max_tokens=2))
+    assert {method: count(method) - before[method] for method in methods} == dict.fromkeys(methods, 1)
+
+
 class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Adds `authorization: Bearer <key>` to calls made by clients that take no metadata argument."""
 
