@@ -144,6 +144,18 @@ def test_the_frontend_process_never_imports_torch(llama_dir):
     assert result.stdout.splitlines()[-1] == "8 True []", result.stdout
 
 
+def test_the_core_process_imports_nothing_from_the_working_directory(llama_dir, tmp_path):
+    """A queue.py where the server is started (the caller's own, unrelated) would shadow the standard
+    library's in the core (torch imports queue), as `python -m` puts the working directory first."""
+    (tmp_path / "queue.py").write_text("raise ImportError('the working directory was imported')\n")
+    result = subprocess.run(  # -P: neither does the test's own interpreter import it
+        [sys.executable, "-P", "-c", _FRONTEND_ONLY, llama_dir],
+        capture_output=True, text=True, timeout=PATIENCE_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "8 True []", result.stdout
+
+
 async def test_the_core_process_is_started_with_the_core_environment(engine):
     with open(f"/proc/{engine.core_pid}/environ", "rb") as f:
         entries = [entry.decode().partition("=") for entry in f.read().split(b"\0") if entry]

@@ -96,8 +96,10 @@ class CoreClient:
             self._results_readable = asyncio.Event()
             asyncio.get_running_loop().add_reader(self._results.FD, self._results_readable.set)
             # Not the loop's create_subprocess_exec: uvloop's runs Python in a forked child (child_process).
+            # -P: the working directory is not put first on sys.path, where a queue.py or types.py of the
+            # caller's would shadow the standard library's in the core.
             self.process = ChildProcess(
-                [sys.executable, "-m", "sluice.engine.process.core_process", "--commands", commands,
+                [sys.executable, "-P", "-m", "sluice.engine.process.core_process", "--commands", commands,
                  "--results", results, "--parent-pid", str(os.getpid())],
                 env=core_process_environment(os.environ),
             )  # fmt: skip
