@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from sluice.service.call_arrivals import CallArrivals
+from sluice.service.health import HealthServicer
 from sluice.service.metrics import ServerMetrics
 from sluice.service.reflection import enable_reflection
 from sluice.service.servicer import TRACED_METHODS as TRACED_INFERENCE_METHODS
@@ -208,7 +209,7 @@ class SluiceServer:
         self.servicer = InferenceServicer(self.metrics, tracer_provider, self.tenants)
         self.smg_servicer = SmgEngineServicer(self.servicer, self.metrics, config.profile_dir)
         self.arrivals = CallArrivals()
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
