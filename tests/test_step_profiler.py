@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +18,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from sluice.benchmarks.gpu.step_profiles import profile_tables
+from sluice.engine.core.step_profiler import _new_stem
 from sluice.service.server import ServerConfig
 from sluice.service.smg_servicer import profile_request
 
@@ -166,3 +169,14 @@ def test_a_device_profile_is_tabulated_as_kernels_per_step() -> None:
         f"| `{long_name[:69]}...` | 200.0 | 40.0% | 1 |",
     ]
     assert failed == "**fp8, 1 row a step**: not profiled (RuntimeError: no profile)"
+
+
+def test_a_profile_never_overwrites_another_of_the_same_millisecond(tmp_path: Path, monkeypatch) -> None:
+    """Four StartProfile / request pairs in one second wrote two summaries (the name had the second)."""
+    monkeypatch.setattr(time, "time", lambda: 1_764_800_000.25)
+    first = _new_stem(tmp_path)
+    assert first.name == f"profile-20251203T221320250Z-{os.getpid()}"
+    first.with_suffix(".json").write_text("{}")
+    second = _new_stem(tmp_path)
+    second.with_suffix(".json").write_text("{}")
+    assert second.name == f"{first.name}-2" and _new_stem(tmp_path).name == f"{first.name}-3"

@@ -103,7 +103,7 @@ class StepProfiler:
     @staticmethod
     def _write(run: _Run, wall_s: float) -> Path:
         run.output_dir.mkdir(parents=True, exist_ok=True)
-        stem = run.output_dir / f"profile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+        stem = _new_stem(run.output_dir)
         averages = run.profiler.key_averages()
         on_device = any(device_us(event) > 0 for event in averages)
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
@@ -114,6 +114,20 @@ class StepProfiler:
         path.write_text(json.dumps(summary, indent=1) + "\n")
         logger.info("profile of %d forward steps written: %s", len(run.rows), path)
         return path
+
+
+def _new_stem(output_dir: Path) -> Path:
+    """profile-<UTC time to the millisecond: 20261204T075352123Z>-<pid>, with -2, -3, ... after it if a
+    profile of the same millisecond is there already (a profile never overwrites another)."""
+    now = time.time()
+    seconds = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+    # No "." in the name: the files are named by replacing its suffix.
+    base = output_dir / f"profile-{seconds}{int(now * 1000) % 1000:03d}Z-{os.getpid()}"
+    stem, number = base, 1
+    while stem.with_suffix(".json").exists():
+        number += 1
+        stem = base.with_name(f"{base.name}-{number}")
+    return stem
 
 
 def device_us(event: Any) -> float:
