@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -223,7 +223,7 @@ class ServerMetrics:
             registry=r,
         )
         r.register(EngineStatsCollector(stats))
-        self._http_server = None
+        self._http_servers: list[WSGIServer] = []
 
     def track(self, tenant: str = DEFAULT_TENANT) -> RequestTracker:
         return RequestTracker(self, tenant)
@@ -232,19 +232,20 @@ class ServerMetrics:
         self.rpc_status.labels(method=method, code=code.name).inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port. A wildcard host
-        listens on IPv4 and IPv6, as grpc does on the gRPC port (an IPv6 pod IP is scraped too)."""
+        """Starts the /metrics HTTP endpoint in daemon threads; returns the bound port. It listens where
+        grpc does on the gRPC port: a wildcard host on IPv4 and IPv6 (an IPv6 pod IP is scraped too), a
+        name on every address it resolves to ("localhost": 127.0.0.1 and ::1), on one port."""
         if host in WILDCARD_HOSTS and socket.has_dualstack_ipv6():
-            self._http_server = _serve_dual_stack(port, self.registry)
+            self._http_servers = [_serve(_DualStackServer, "::", port, self.registry)]
         else:
-            self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http_server.server_port
+            self._http_servers = _serve_each_address(host, port, self.registry)
+        return self._http_servers[0].server_port
 
     def close(self) -> None:
-        if self._http_server is not None:
-            self._http_server.shutdown()
-            self._http_server.server_close()
-            self._http_server = None
+        for server in self._http_servers:
+            server.shutdown()
+            server.server_close()
+        self._http_servers = []
 
 
 class _DualStackServer(ThreadingWSGIServer):
@@ -257,12 +258,44 @@ class _DualStackServer(ThreadingWSGIServer):
         super().server_bind()
 
 
+class _IPv6Server(ThreadingWSGIServer):
+    """An IPv6 listener for IPv6 alone, beside an IPv4 one on the same port."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         """No line per scrape."""
 
 
-def _serve_dual_stack(port: int, registry: CollectorRegistry) -> WSGIServer:
-    server = make_server("::", port, make_wsgi_app(registry), _DualStackServer, handler_class=_QuietHandler)
+def _serve(
+    server_class: type[WSGIServer], address: str, port: int, registry: CollectorRegistry
+) -> WSGIServer:
+    server = make_server(address, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="sluice-metrics", daemon=True).start()
     return server
+
+
+def _serve_each_address(host: str, port: int, registry: CollectorRegistry) -> list[WSGIServer]:
+    """A listener on each address `host` resolves to, all on the port the first one bound (OSError if
+    one cannot listen: none is left open)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = dict.fromkeys((family, sockaddr[0]) for family, _, _, _, sockaddr in found)
+    servers: list[WSGIServer] = []
+    try:
+        for family, address in addresses:
+            server_class = _IPv6Server if family == socket.AF_INET6 else ThreadingWSGIServer
+            servers.append(
+                _serve(server_class, address, servers[0].server_port if servers else port, registry)
+            )
+    except OSError:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        raise
+    return servers
