@@ -34,19 +34,26 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> TracerProvider | None:
-    """An OTLP/gRPC exporting provider if OTEL_TRACES_EXPORTER is "otlp" or an OTLP endpoint is set;
-    None (tracing off) otherwise, when OTEL_TRACES_EXPORTER is "none" or OTEL_SDK_DISABLED is "true".
+    """An OTLP/gRPC exporting provider if OTEL_TRACES_EXPORTER lists "otlp" or an OTLP endpoint is set;
+    None (tracing off) otherwise, when OTEL_TRACES_EXPORTER is "none" or OTEL_SDK_DISABLED is "true";
+    an exporter other than those two is refused (ValueError naming the variable).
     The exporter itself reads OTEL_EXPORTER_OTLP_* (endpoint, headers, insecure, timeout) from the
     environment; a protocol other than grpc is refused (ValueError naming the variable: spans sent
     over the wrong one were lost). The resource takes OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
     service.name is "sluice" where neither sets it."""
     env = os.environ if environ is None else environ
-    exporter_name = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    # A comma-separated list in the spec ("otlp,console"); only otlp and none are served here.
+    exporters = {name.strip().lower() for name in env.get("OTEL_TRACES_EXPORTER", "").split(",")} - {""}
+    if unsupported := sorted(exporters - {"otlp", "none"}):
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER: {', '.join(map(repr, unsupported))} not supported; Sluice exports "
+            "traces over OTLP (otlp) or not at all (none)"
+        )
     endpoint_set = bool(
         env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     )
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if disabled or exporter_name == "none" or not (exporter_name == "otlp" or endpoint_set):
+    if disabled or exporters == {"none"} or not ("otlp" in exporters or endpoint_set):
         return None
     # The traces' own variable wins over the general one, as in the SDK.
     variable = next(

@@ -401,6 +401,7 @@ def test_request_tracker_counts_a_finished_request() -> None:
         ({}, False),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True),
         ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": " OTLP , none"}, True),  # the spec's list; otlp in it exports
         ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, False),
         ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, False),
     ],
@@ -418,6 +419,12 @@ def test_an_otlp_protocol_other_than_grpc_is_refused_naming_the_variable(variabl
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", variable: "http/protobuf"}
     with pytest.raises(ValueError, match=rf"^{variable}: 'http/protobuf' is not supported"):
         tracer_provider_from_env(environ)
+
+
+def test_an_exporter_other_than_otlp_is_refused_naming_the_variable() -> None:
+    """ "otlp,console" (the spec's list) turned tracing off without a word: it was compared whole."""
+    with pytest.raises(ValueError, match=r"^OTEL_TRACES_EXPORTER: 'console' not supported"):
+        tracer_provider_from_env({"OTEL_TRACES_EXPORTER": "otlp,console"})
 
 
 def test_the_traces_own_protocol_wins_over_the_general_one() -> None:
