@@ -215,6 +215,7 @@ class SluiceServer:
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.engine_failed = asyncio.Event()
+        self._health_tasks: set[asyncio.Task[None]] = set()
 
     def _count_refusal(self, method: str) -> None:
         """A call refused for its API key before any handler ran: counted as the handlers count theirs
@@ -272,7 +273,12 @@ class SluiceServer:
     def _on_engine_dead(self, reason: str) -> None:
         logger.error("engine failed, no longer serving: %s", reason)
         self.engine_failed.set()
-        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        # Kept until done: the loop holds only a weak reference to a task.
+        task = asyncio.get_running_loop().create_task(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def begin_drain(self) -> None:
         """Health NOT_SERVING and new calls UNAVAILABLE; in-flight requests go on."""

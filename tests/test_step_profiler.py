@@ -12,13 +12,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from service_harness import ServerThread, tiny_engine_config
 from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from sluice.benchmarks.gpu.step_profiles import profile_tables
-from sluice.engine.core.step_profiler import _new_stem
+from sluice.engine.core.step_profiler import StepProfiler, _new_stem, _Run
 from sluice.service.server import ServerConfig
 from sluice.service.smg_servicer import profile_request
 
@@ -180,3 +181,17 @@ def test_a_profile_never_overwrites_another_of_the_same_millisecond(tmp_path: Pa
     second = _new_stem(tmp_path)
     second.with_suffix(".json").write_text("{}")
     assert second.name == f"{first.name}-2" and _new_stem(tmp_path).name == f"{first.name}-3"
+
+
+def test_a_profiler_failing_as_it_stops_never_fails_the_step(tmp_path: Path, caplog) -> None:
+    """Only OSError (writing) was caught: the profiler's own error as it stopped went up the engine step."""
+
+    class Broken:
+        def stop(self) -> None:
+            raise RuntimeError("the profiler's own error")
+
+    profiler = StepProfiler(torch.device("cpu"))
+    profiler._run = _Run(tmp_path, num_steps=1, profiler=Broken(), started=0.0)
+    profiler.forward_launched(3)
+    profiler.step_ended()  # the profile's last step: it stops
+    assert profiler._run is None and "the profile could not be written" in caplog.text

@@ -92,11 +92,11 @@ class StepProfiler:
             return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last steps' kernels, still in flight, belong to it
-        run.profiler.stop()
         wall_s = time.perf_counter() - run.started
         try:
+            run.profiler.stop()
             return self._write(run, wall_s)
-        except OSError:  # a full disk or a directory gone: logged, never the engine's failure
+        except Exception:  # a full disk, a directory gone, the profiler's own error: never the engine's
             logger.exception("the profile could not be written to %s", run.output_dir)
             return None
 
