@@ -4,6 +4,7 @@ names a file that is not a sluice bench file."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -134,3 +135,41 @@ def test_compare_names_a_file_that_is_not_a_bench_file(tmp_path, capsys) -> None
         captured = capsys.readouterr()
         assert (captured.out, captured.err) == ("", f"sluice bench compare: {error}\n")
     assert main(["bench", "compare", good, good]) == 0
+
+
+def test_a_duration_run_sleeps_to_no_arrival_past_its_deadline(monkeypatch) -> None:
+    """At 0.2 requests/s arrivals are seconds apart (minutes at 0.02): the run slept to the first one past
+    its --duration, with nothing in flight, before it stopped."""
+    from sluice.bench import runner
+    from sluice.bench.transports import Chunk
+
+    class Instant:
+        async def generate(self, request_id, request):
+            yield Chunk(num_tokens=1)
+
+        async def close(self) -> None:
+            pass
+
+    class Clock:  # the run's time: advanced by its sleeps alone
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            return cls.now
+
+    duration, sleeps = 30.0, []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        sleeps.append(delay)
+        Clock.now += delay
+        await real_sleep(0)
+
+    monkeypatch.setattr(runner, "time", Clock)
+    monkeypatch.setattr(runner.asyncio, "sleep", sleep)
+    load = LoadConfig(duration=duration, request_rate=0.2, warmup_requests=0)
+    arrivals = runner.poisson_arrival_times(0.2, seed=0)
+    expected = sum(1 for _ in iter(lambda: next(arrivals) < duration, False))
+    result = asyncio.run(runner.run_load(Instant(), Workload("fixed", vocab_size=512, input_len=4), load))
+    assert result.metrics.num_requests == expected > 1
+    assert Clock.now < duration, sleeps

@@ -100,9 +100,10 @@ class _LoadRun:
         self.start = time.perf_counter()
         arrivals = poisson_arrival_times(self.load.request_rate, workload.seed)
         requests = workload.requests(self.load.num_requests)
+        duration = self.load.duration
         for index, (request, send_at) in enumerate(zip(requests, arrivals, strict=False)):
-            if self.out_of_time():
-                break
+            if self.out_of_time() or (duration is not None and send_at >= duration):
+                break  # not sleeping to an arrival past the deadline (minutes at a low --request-rate)
             if (delay := send_at - self.elapsed()) > 0:
                 await asyncio.sleep(delay)
             await self.limit.acquire()
