@@ -57,6 +57,22 @@ def test_a_sweep_reads_nothing_from_the_cache_and_the_same_sweep_again_is_flagge
     server.wait_idle()
 
 
+def test_without_a_seed_no_command_replays_anothers_prompts(server: ServerThread, tmp_path, capsys) -> None:
+    """With a fixed default seed, changing only --output-len (or --input-len: a shorter prompt was a
+    prefix of the longer) replayed the last command's prompts, served from the cache: a wasted run."""
+    seeds = []
+    for output_len in ("4", "6"):
+        path = tmp_path / f"out{output_len}.json"
+        args = ["--num-requests", "4", "--input-len", "40", "--output-len", output_len, "--json", str(path)]
+        assert main(["bench", "--target", server.target, "--no-progress", *args]) == 0
+        (run,) = json.loads(path.read_text())["runs"]
+        assert run["metrics"]["cached_prompt_tokens"] == 0 and run["cache_hits_unexpected"] is False
+        seeds.append(run["config"]["seed"])
+        assert f"prompts drawn with --seed {seeds[-1]}" in capsys.readouterr().err  # to replay them
+    assert seeds[0] != seeds[1]
+    server.wait_idle()
+
+
 def test_a_shared_prefix_run_is_flagged_when_judged_without_its_shared_prefix(server: ServerThread) -> None:
     workload = Workload("shared-prefix", 512, seed=11, input_len=8, output_len=2, prefix_len=32)
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, replace
@@ -48,7 +49,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the served model's")
     parser.add_argument(
-        "--seed", type=int, default=0, help="each run of a sweep draws its prompts from this and its index"
+        "--seed",
+        type=int,
+        default=None,
+        help="each run of a sweep draws its prompts from this and its index; default: a new one each "
+        "command (printed, and in the JSON), so that no command replays another's prompts",
     )
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
@@ -251,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         return _compare(args)
     if args.num_requests is None and args.duration is None:
         args.num_requests = 100
+    if args.seed is None:  # a fixed default replayed one command's prompts in the next: cache hits
+        args.seed = random.SystemRandom().randrange(2**31)
+        print(f"sluice bench: prompts drawn with --seed {args.seed}", file=sys.stderr)
     try:
         runs = asyncio.run(_bench(args, *_plan(args)))
     except (ValueError, SluiceError) as exc:
