@@ -3,6 +3,9 @@ own, so neither engine's prefix cache holds more of a prompt than the chat templ
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from sluice.benchmarks.engine import speculative as bench
@@ -23,3 +26,15 @@ def test_more_requests_than_distinct_conversations_are_refused(capsys):
     assert (
         "--requests: must be in [1, 8] (a repeated request is a prefix-cache hit)" in capsys.readouterr().err
     )
+
+
+def test_one_request_of_one_token_each_is_measured_not_flagged(tmp_path, capsys):
+    """A single request shares only the chat template's prefix with the warm-up: that hit was flagged (no
+    second prompt to share it with); a one-token output divided by zero."""
+    path = tmp_path / "spec.json"
+    assert bench.main(["--requests", "1", "--max-tokens", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["cache_hits_unexpected"] for row in rows] == [False, False]
+    assert all(row["cached_tokens_off"] > 0 for row in rows)  # the template's prefix, from the warm-up
+    assert all(math.isnan(row["tpot_off_ms"]) for row in rows)  # no time per output token to measure
+    assert "warning" not in capsys.readouterr().out

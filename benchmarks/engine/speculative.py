@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 
-from sluice.benchmarks.engine.cache_hits import CacheHits
+from sluice.benchmarks.engine.cache_hits import CacheHits, common_prefix_len
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.outputs import EngineStats
@@ -122,12 +123,19 @@ def chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": CHAT[i % len(CHAT)]}]
 
 
-def tpot_ms(completion: Completion) -> float:
-    timings = completion.timings
-    return 1000 * (timings.finished - timings.first_token) / (len(completion.token_ids) - 1)
+def tpot_ms(completions: list[Completion]) -> float:
+    """Mean over requests of (last token time - first token time) / (tokens - 1), in milliseconds; one-token
+    completions (an EOS first) have no time per output token; NaN when none has more."""
+    per_request = [
+        (c.timings.finished - c.timings.first_token) / (len(c.token_ids) - 1)
+        for c in completions
+        if len(c.token_ids) > 1
+    ]
+    return 1000 * statistics.mean(per_request) if per_request else math.nan
 
 
-def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int) -> Row:
+def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int, warm_up: Completion) -> Row:
+    """`warm_up`: the engines' warm-up, whose prompt shares the chat template's prefix with every one."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = on.engine.stats()
     without, with_spec = [], []
@@ -135,14 +143,17 @@ def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int) 
         without += off.chat([conversation], params)
         with_spec += on.chat([conversation], params)
     after = on.engine.stats()
-    hits_off, hits_on = CacheHits.of(without), CacheHits.of(with_spec)
+    # What the prompts share, among themselves or with the warm-up (one request shares the template's).
+    prompts = [c.prompt_token_ids for c in without]
+    shared = max(common_prefix_len(prompts), common_prefix_len([warm_up.prompt_token_ids, *prompts]))
+    hits_off, hits_on = CacheHits.of(without, shared), CacheHits.of(with_spec, shared)
     return Row(
         workload=name,
         num_requests=len(conversations),
         output_tokens=sum(len(c.token_ids) for c in with_spec),
         identical=[c.token_ids for c in without] == [c.token_ids for c in with_spec],
-        tpot_off_ms=statistics.mean(tpot_ms(c) for c in without),
-        tpot_on_ms=statistics.mean(tpot_ms(c) for c in with_spec),
+        tpot_off_ms=tpot_ms(without),
+        tpot_on_ms=tpot_ms(with_spec),
         num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
         num_accepted_draft_tokens=after.num_accepted_draft_tokens - before.num_accepted_draft_tokens,
         acceptance_per_position=_acceptance_per_position(before, after),
@@ -191,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     off = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory)
     on = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, speculative=spec)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
-    for llm in (off, on):
-        llm.chat([WARM_UP], warm)
+    (warm_up,) = off.chat([WARM_UP], warm)
+    on.chat([WARM_UP], warm)
     rows = [
-        measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens),
-        measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens),
+        measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
+        measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
     ]
     print(
         f"Speculative decoding, ngram k={spec.num_speculative_tokens} n={spec.ngram_min}..{spec.ngram_max}, "
