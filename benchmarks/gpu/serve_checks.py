@@ -13,10 +13,11 @@ tensor_parallel  (f) `--tensor-parallel-size 2` against (c)'s greedy outputs, wh
 fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34):
                  each server's greedy outputs set against (c)'s, its KV blocks, `sluice bench` at
                  concurrency 1 and 64 (its runs kept in its record, one per server as it finishes)
-large            (h) llama-3-8b shape, no prefix caching: batch-1 TPOT and the TTFT of 4096-token prompts
-                 (JSON kept as OUT/bench_large.json), then the same on a server with the 2048-token step
-                 budget GPUs had before 2026-11-30 (its runs in the step's record: each prompt in two
-                 steps, against one at the default 8192); in the CPU mode, the tiny preset
+large            (h) llama-3-8b shape (prefix caching on, fresh prompts): batch-1 TPOT and the TTFT of
+                 4096-token prompts (JSON kept as OUT/bench_large.json), then the same on a server with
+                 the 2048-token step budget GPUs had before 2026-11-30 (its runs in the step's record:
+                 each prompt in two steps, against one at the default 8192); in the CPU mode, the tiny
+                 preset
 fp8_large        (i) the large step's shape served four times: bf16, fp8's two servers, then fp8 in 128 x 128
                  blocks made at load, each as in (g)
                  but set against the first (its own reference), the same `sluice bench` prompts on each
