@@ -13,7 +13,9 @@ measure them after loading.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from dataclasses import dataclass
 from unittest import mock
 
@@ -286,3 +288,51 @@ def test_a_worker_that_dies_before_joining_the_group_fails_the_start_naming_it(l
     monkeypatch.setenv(ENV_VAR, "join:1")
     with pytest.raises(WorkerDiedError, match=r"^tensor-parallel rank 1 \(pid \d+\) failed: InjectedFault"):
         LLM(llama_dir, tensor_parallel_size=2, num_blocks=8, distributed_timeout_seconds=3600)
+
+
+def test_an_interrupted_step_stops_the_workers_and_the_next_call_says_why(llama_dir):
+    """A KeyboardInterrupt in rank 0's part of a step left the workers inside it: the next generate's
+    collectives paired with the old step's, and it hung for the distributed timeout (or gloo aborted)."""
+    llm = LLM(llama_dir, tensor_parallel_size=2, num_blocks=16, distributed_timeout_seconds=3600)
+    executor = llm.engine.model_runner
+    workers = list(executor.workers.processes.values())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with (
+        mock.patch.object(
+            executor.runner, "execute_model_with_prompt_logprobs", side_effect=KeyboardInterrupt
+        ),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        llm.generate([[1, 2, 3]], params)
+    assert not any(worker.is_alive() for worker in workers)
+    with pytest.raises(WorkerDiedError, match="KeyboardInterrupt interrupted a step on rank 0"):
+        llm.generate([[1, 2, 3]], params)
+    llm.engine.model_runner.shutdown()
+
+
+def test_a_ctrl_c_at_the_prompt_leaves_the_workers_running(llama_dir):
+    """Ctrl-C in a REPL reaches the whole process group: rank 1 died of it (KeyboardInterrupt), and the
+    engine with it; the workers ignore SIGINT, as the server's core does."""
+    llm = LLM(llama_dir, tensor_parallel_size=2, num_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([[1, 2, 3]], params)[0].token_ids
+    (worker,) = llm.engine.model_runner.workers.processes.values()
+    os.kill(worker.pid, signal.SIGINT)
+    worker.join(timeout=1.0)  # dead within that on the old code; alive for good now
+    assert worker.is_alive()
+    assert llm.generate([[1, 2, 3]], params)[0].token_ids == expected
+    llm.engine.model_runner.shutdown()
+
+
+def test_shutdown_leaves_alone_the_threads_another_engine_set_since(llama_dir):
+    """Rank 0's torch threads go back to what they were at shutdown, unless another engine of the process
+    set them since (it still runs on them): an engine shut down first put back its own count under it."""
+    before = torch.get_num_threads()
+    llm = LLM(llama_dir, tensor_parallel_size=2, num_blocks=16)
+    other = max(before, torch.get_num_threads()) + 1  # as a second engine started since would set them
+    torch.set_num_threads(other)
+    try:
+        llm.engine.model_runner.shutdown()
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)

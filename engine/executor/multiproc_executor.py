@@ -66,9 +66,9 @@ class MultiprocExecutor:
         placement = place_ranks(config, source.arch)
         size, timeout = config.parallel.tensor_parallel_size, config.parallel.distributed_timeout_seconds
         rendezvous, store = Rendezvous.from_env(timeout).serve(size)
-        self._threads_before = torch.get_num_threads()
+        threads = (torch.get_num_threads(), placement.num_threads)  # before, and rank 0's while it runs
         self.workers = WorkerProcesses(config, placement, rendezvous)
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self._threads_before)
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers, *threads)
         try:
             device = placement.devices[0]
             if device.type == "cuda":
@@ -111,8 +111,8 @@ class MultiprocExecutor:
 
     @property
     def failed(self) -> bool:
-        """A worker is gone: the next call raises."""
-        return self.workers.monitor.failure is not None
+        """A worker is gone (or was stopped): the next call raises."""
+        return self.workers.monitor.failure is not None or self.workers.abandoned is not None
 
     def check_health(self) -> None:
         self.workers.check()
@@ -126,7 +126,16 @@ class MultiprocExecutor:
         """`ModelRunner.execute_model_with_prompt_logprobs` on every rank; rank 0's result."""
         self.workers.check()
         self.workers.broadcast(encode(ExecuteModel(out, tuple(slices))))
-        return self._named_failures(self.runner.execute_model_with_prompt_logprobs, out, slices)
+        try:
+            return self._named_failures(self.runner.execute_model_with_prompt_logprobs, out, slices)
+        except Exception:
+            raise
+        except BaseException as exc:  # KeyboardInterrupt: rank 0 left a step its workers are still in
+            self.workers.abandon(
+                f"were stopped: {type(exc).__name__} interrupted a step on rank 0, leaving the others inside "
+                "it (their collectives would pair with the wrong ones); build a new engine"
+            )
+            raise
 
     def shutdown(self) -> None:
         """Stops the workers; rank 0's torch threads go back to what they were."""
@@ -172,6 +181,7 @@ class MultiprocExecutor:
             raise
 
 
-def _shutdown(workers: WorkerProcesses, threads_before: int) -> None:
+def _shutdown(workers: WorkerProcesses, threads_before: int, threads_set: int) -> None:
     workers.shutdown()
-    torch.set_num_threads(threads_before)
+    if torch.get_num_threads() == threads_set:  # else another engine set them since: its to keep
+        torch.set_num_threads(threads_before)

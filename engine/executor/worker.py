@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 
 import torch
@@ -42,7 +43,11 @@ logger = logging.getLogger("sluice.tp_worker")
 
 
 def run_worker(spec_bytes: bytes) -> None:
-    """The process's target: `spec_bytes` is an encoded `WorkerSpec`. Exits with the loop's code."""
+    """The process's target: `spec_bytes` is an encoded `WorkerSpec`. Exits with the loop's code.
+
+    SIGINT is ignored, as the server's engine core ignores it: rank 0 owns the workers' lifetime. A Ctrl-C
+    at the prompt of an offline `LLM`'s REPL reaches its whole process group and killed them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = decode_worker_spec(spec_bytes)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s"

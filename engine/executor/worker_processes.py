@@ -28,7 +28,7 @@ from sluice.engine.distributed.rendezvous import Rendezvous
 from sluice.engine.executor.messages import StopWorkers, WorkerSpec, encode
 from sluice.engine.executor.placement import Placement
 from sluice.engine.executor.worker import run_worker
-from sluice.engine.executor.worker_monitor import WorkerMonitor
+from sluice.engine.executor.worker_monitor import WorkerDiedError, WorkerMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class WorkerProcesses:
         self.monitor = WorkerMonitor(self.processes, results)
         self.monitor.start()
         self._closed = False
+        self.abandoned: str | None = None  # why the workers were stopped mid-step (`abandon`)
 
     def wait_started(self) -> None:
         """Until every worker said it started and subscribed to the steps (then any step reaches it)."""
@@ -100,19 +101,29 @@ class WorkerProcesses:
         self.steps.send(message)
 
     def check(self) -> None:
-        """Raises the first worker failure's `WorkerDiedError`."""
+        """Raises the first worker failure's `WorkerDiedError` (or the one `abandon` gave)."""
+        if self.abandoned is not None:
+            raise WorkerDiedError(f"tensor-parallel ranks 1..{self.world_size - 1} {self.abandoned}")
         if self.monitor.failure is not None:
             raise self.monitor.failure.error()
 
-    def shutdown(self) -> None:
-        """Stops the workers (killed after STOP_SECONDS), the monitor, and removes the sockets. Idempotent."""
+    def abandon(self, reason: str) -> None:
+        """Kills the workers at once (rank 0 left a step they are still in: they can never pair their
+        collectives with its again) and shuts down; `check` raises `WorkerDiedError` with `reason` from
+        now on."""
+        self.abandoned = reason
+        self.shutdown(at_once=True)
+
+    def shutdown(self, at_once: bool = False) -> None:
+        """Stops the workers (killed after STOP_SECONDS; `at_once`: killed now), the monitor, and removes
+        the sockets. Idempotent."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(zmq.ZMQError):
             self.steps.send(encode(StopWorkers()), zmq.NOBLOCK)
-        self.monitor.stop()
-        deadline = time.monotonic() + STOP_SECONDS
+        self.monitor.stop()  # workers exiting from now on are not failures to report
+        deadline = time.monotonic() + (0.0 if at_once else STOP_SECONDS)
         for process in self.processes.values():
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
