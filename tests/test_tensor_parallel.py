@@ -336,3 +336,22 @@ def test_shutdown_leaves_alone_the_threads_another_engine_set_since(llama_dir):
         assert torch.get_num_threads() == other
     finally:
         torch.set_num_threads(before)
+
+
+def test_int4_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_rank_starts(tmp_path):
+    """96 MLP columns are three int4 groups of 32; two ranks' 48 are not whole groups. The quantizer
+    refused it at load on every rank, naming a size ("got 48") no config holds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert LLM(str(tmp_path), quantization="int4", load_format="dummy", num_blocks=8)  # one rank: fine
+    with (
+        mock.patch("sluice.engine.executor.worker_processes.WorkerProcesses") as spawn,
+        pytest.raises(ValueError, match=r"^tensor_parallel_size: 2 ranks leave each a part of mlp.down_"),
+    ):
+        LLM(str(tmp_path), quantization="int4", tensor_parallel_size=2, num_blocks=8)
+    spawn.assert_not_called()

@@ -20,6 +20,7 @@ from sluice.engine.distributed.partition import divide, partition_heads
 from sluice.engine.loading.fp8_config import resolve_fp8_config
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.model_registry import get_model_class
+from sluice.engine.worker.layers.quantization import unsupported_reason
 from sluice.engine.worker.model_runner import pick_device
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
     fit `config.parallel.tensor_parallel_size`."""
     size = config.parallel.tensor_parallel_size
     check_model_splits(arch, size, config.model.fp8_weight_block)
+    if config.model.quantization == "int4":
+        check_int4_splits(arch, size)
     device = pick_device(config.model.device)
     if device.type == "cuda":
         if device.index is not None:
@@ -93,3 +96,34 @@ def check_model_splits(arch: ModelArchConfig, size: int, weight_block: int | Non
                         f"tensor_parallel_size: {size} ranks would cut the FP8 weight blocks of {projection} "
                         f"({count} {what} a rank, blocks of {block})"
                     )
+
+
+def check_int4_splits(arch: ModelArchConfig, size: int) -> None:
+    """ValueError naming `tensor_parallel_size` when a rank's part of a projection is a shape int4 cannot
+    quantize (its 32-column groups cut, its 16-row packs) though the whole projection is one it can (the
+    quantizer's own error, at load on every rank, named a size no config holds)."""
+    heads = partition_heads(arch.num_attention_heads, arch.num_key_value_heads, 0, size)
+    mlp_columns, hidden, head_dim = arch.intermediate_size // size, arch.hidden_size, arch.head_dim
+    num_qkv_heads = arch.num_attention_heads + 2 * arch.num_key_value_heads
+    # projection -> ((rows, input columns) whole, (rows, input columns) of a rank)
+    parts = {
+        "self_attn.qkv_proj": (
+            (num_qkv_heads * head_dim, hidden),
+            ((heads.num_heads + 2 * heads.num_kv_heads) * head_dim, hidden),
+        ),
+        "self_attn.o_proj": (
+            (hidden, arch.num_attention_heads * head_dim),
+            (hidden, heads.num_heads * head_dim),
+        ),
+        "mlp.gate_up_proj": ((2 * arch.intermediate_size, hidden), (2 * mlp_columns, hidden)),
+        "mlp.down_proj": ((hidden, arch.intermediate_size), (hidden, mlp_columns)),
+    }
+    cpu = torch.device("cpu")
+    for projection, ((rows, columns), (rank_rows, rank_columns)) in parts.items():
+        if unsupported_reason("int4", columns, rows, cpu) is not None:
+            continue  # not a split's doing: the quantizer says why at load
+        if (reason := unsupported_reason("int4", rank_columns, rank_rows, cpu)) is not None:
+            raise ValueError(
+                f"tensor_parallel_size: {size} ranks leave each a part of {projection} that int4 cannot "
+                f"quantize ({rank_rows} rows x {rank_columns} input columns: {reason})"
+            )
