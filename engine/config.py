@@ -186,7 +186,12 @@ class SchedulerConfig:
         "other than an A100, 2048 elsewhere, and at least --max-num-seqs)",
     )
     max_num_seqs: int = option(128, "requests running at once")
-    enable_chunked_prefill: bool = option(True, "prefill a prompt in one step", flag="no-chunked-prefill")
+    enable_chunked_prefill: bool = option(
+        True,
+        "prefill a prompt in one step (the default step budget becomes at least the model's context; a "
+        "prompt and its max_tokens must fit the budget)",
+        flag="no-chunked-prefill",
+    )
 
     def __post_init__(self) -> None:
         budget = self.max_num_batched_tokens
@@ -199,13 +204,17 @@ class SchedulerConfig:
         )
 
     def with_step_budget(
-        self, device_type: str, total_memory: int = 0, device_name: str = ""
+        self, device_type: str, total_memory: int = 0, device_name: str = "", max_model_len: int = 0
     ) -> SchedulerConfig:
         """This config with `max_num_batched_tokens` set: as given, else the device's default
-        (`default_step_budget`), raised to max_num_seqs so that every running request can decode."""
+        (`default_step_budget`), raised to max_num_seqs so that every running request can decode and,
+        with chunked prefill off, to `max_model_len` so that any prompt the model takes fits one step (as
+        vLLM raises it: else every request was held to the default, 2048 tokens on a CPU)."""
         if self.max_num_batched_tokens is not None:
             return self
         budget = max(default_step_budget(device_type, total_memory, device_name), self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
         return replace(self, max_num_batched_tokens=budget)
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_step_budget
+from sluice.engine.errors import ContextLengthError
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.scheduler import Scheduler
 from sluice.engine.worker.model_runner import with_step_budget
 
@@ -62,11 +64,11 @@ def test_the_runner_reads_the_gpu_it_runs_on(monkeypatch, name, memory, budget) 
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     device = torch.device("cuda", 1)
-    config = with_step_budget(EngineConfig(), device)
+    config = with_step_budget(EngineConfig(), device, 4096)
     assert config.scheduler.max_num_batched_tokens == budget and asked == [device]
     assert config.cache == EngineConfig().cache  # only the budget changes
     given = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=512))
-    assert with_step_budget(given, device) is given and asked == [device]  # a given budget asks nothing
+    assert with_step_budget(given, device, 4096) is given and asked == [device]  # a given budget asks nothing
 
 
 def test_an_engine_on_cpu_schedules_with_the_cpu_budget(llama_dir) -> None:
@@ -86,3 +88,24 @@ def test_an_unset_budget_is_the_default_config() -> None:
     assert EngineConfig().scheduler.max_num_batched_tokens is None
     given = EngineConfig.from_kwargs(None, max_num_batched_tokens=4096)
     assert given.scheduler.max_num_batched_tokens == 4096
+
+
+def test_without_chunked_prefill_the_default_budget_holds_the_whole_context() -> None:
+    """As vLLM: else every request was held to 2048 tokens (prompt and max_tokens) on a CPU."""
+    whole = SchedulerConfig(enable_chunked_prefill=False)
+    assert whole.with_step_budget("cpu", max_model_len=8192).max_num_batched_tokens == 8192
+    assert whole.with_step_budget("cpu", max_model_len=1024).max_num_batched_tokens == 2048
+    assert SchedulerConfig().with_step_budget("cpu", max_model_len=8192).max_num_batched_tokens == 2048
+
+
+def test_without_chunked_prefill_a_request_over_the_budget_names_what_to_lower(llama_long_dir) -> None:
+    """The engine's default budget covers its context; one given smaller is kept, and a request whose
+    prompt fits but not with its max_tokens is refused naming max_tokens (it named the 10-token prompt)."""
+    llm = LLM(llama_long_dir, max_model_len=4096, enable_chunked_prefill=False, num_blocks=300)
+    assert llm.engine.core.scheduler.config.max_num_batched_tokens == 4096
+    small = LLM(llama_long_dir, enable_chunked_prefill=False, max_num_batched_tokens=256, num_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    with pytest.raises(ContextLengthError) as info:
+        small.generate([list(range(1, 11))], params)
+    assert info.value.field == "max_tokens"
+    assert "prompt (10 tokens) + max_tokens (300) exceed max_num_batched_tokens 256" in str(info.value)

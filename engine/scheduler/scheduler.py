@@ -497,11 +497,15 @@ class Scheduler:
             raise ContextLengthError(
                 "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"
             )
-        if not self.config.enable_chunked_prefill and max_tokens_with_kv > self.config.max_num_batched_tokens:
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and max_tokens_with_kv > budget:
+            # A preempted request recomputes its prompt and outputs in one step: both must fit.
+            field = "prompt" if request.num_prompt_tokens > budget else "max_tokens"
             raise ContextLengthError(
-                "prompt",
-                f"{max_tokens_with_kv} tokens exceed max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens} with chunked prefill off",
+                field,
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({max_tokens_with_kv - request.num_tokens}) exceed max_num_batched_tokens {budget} with "
+                "chunked prefill off",
             )
 
 

@@ -78,10 +78,10 @@ class ModelRunner:
         self.tensor_parallel = tensor_parallel or TensorParallelGroup.single()
         tp = self.tensor_parallel
         self.device = tp.device if tp.size > 1 else pick_device(config.model.device)
-        self.config = config = with_step_budget(config, self.device)
+        self.max_model_len = pick_max_model_len(config.model, self.arch)
+        self.config = config = with_step_budget(config, self.device, self.max_model_len)
         self.dtype = pick_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
-        self.max_model_len = pick_max_model_len(config.model, self.arch)
         # Graphs address whole blocks: contexts up to max_seq_len_to_capture, rounded up to a block.
         self.graph_max_blocks_per_seq = -(
             -min(self.max_model_len, config.max_seq_len_to_capture) // self.block_size
@@ -419,16 +419,17 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def with_step_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
+def with_step_budget(config: EngineConfig, device: torch.device, max_model_len: int) -> EngineConfig:
     """`config` with the step budget its scheduler section leaves to the device set for `device`
-    (`SchedulerConfig.with_step_budget`: 8192 tokens on GPUs of 70 GiB or more but the A100, else 2048)."""
+    (`SchedulerConfig.with_step_budget`: 8192 tokens on GPUs of 70 GiB or more but the A100, else 2048;
+    with chunked prefill off, at least `max_model_len`)."""
     if config.scheduler.max_num_batched_tokens is not None:
         return config
     total_memory, name = 0, ""
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
         total_memory, name = properties.total_memory, properties.name
-    scheduler = config.scheduler.with_step_budget(device.type, total_memory, name)
+    scheduler = config.scheduler.with_step_budget(device.type, total_memory, name, max_model_len)
     logger.info("step budget: %d tokens (%s)", scheduler.max_num_batched_tokens, name or device.type)
     return dataclasses.replace(config, scheduler=scheduler)
 
