@@ -119,6 +119,13 @@ MALFORMED = [
         f"max_tokens: prompt (250 tokens) + max_tokens ({LONG_CONTEXT - 249}) = {LONG_CONTEXT + 1} exceeds "
         f"the model's context of {LONG_CONTEXT} tokens",
     ),
+    (  # no max_tokens (>= 1) could fit: it named max_tokens, which the caller cannot lower below 1
+        "prompt fills the context",
+        generate_request(token_ids=[7] * LONG_CONTEXT, max_tokens=1),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"prompt: {LONG_CONTEXT} tokens leave no room for an output token in the model's context of "
+        f"{LONG_CONTEXT} tokens (shorten it, or set truncate_prompt_tokens)",
+    ),
 ]
 
 

@@ -88,6 +88,12 @@ def check_prompt(
         )
     _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
     total = len(prompt_token_ids) + params.max_tokens
+    if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
+        raise ContextLengthError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
+            f"{max_model_len} tokens (shorten it, or set truncate_prompt_tokens)",
+        )
     if total > max_model_len:
         raise ContextLengthError(
             "max_tokens",
