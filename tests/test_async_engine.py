@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from checkpoints import LONG_CONTEXT
@@ -320,31 +321,49 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_served(engine, 
 
 
 async def test_queue_bound_rejects_with_queue_full(llama_dir):
-    engine = AsyncEngine(_config(llama_dir), max_queue=2)
+    config = _config(llama_dir)
+    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=1))
+    engine = AsyncEngine(config, max_queue=2)
     await engine.start()
     try:
-        # Added back to back: the core has not reported any of them running yet.
-        held = [await engine.add_request(r, PARAMS, text="one") for r in ("a", "b")]
-        with pytest.raises(QueueFullError, match="the waiting queue is full"):
-            await engine.add_request("c", PARAMS, text="three")
+        # Added back to back, before the core reports: one takes its one seat, two wait, a fourth is refused.
+        held = [await engine.add_request(r, PARAMS, text="one") for r in ("a", "b", "c")]
+        with pytest.raises(QueueFullError, match=r"the waiting queue is full \(2 sequences waiting"):
+            await engine.add_request("d", PARAMS, text="three")
         for stream in held:
             await _collect(stream)
     finally:
         await engine.shutdown()
 
 
-async def test_queue_bound_counts_a_requests_samples(llama_dir):
-    """max_queue bounds waiting sequences: n samples count n (a request of 2 samples took a queue of
-    bound 2 holding one to 3). An empty queue takes a request of more samples than its bound."""
+async def test_an_idle_engine_takes_a_burst_its_seats_hold_whatever_the_queue_bound(llama_dir):
+    """Added before the core's next report, a burst counted as waiting whole: an idle server with 128
+    seats and --max-queue 2 refused 4 of 8 requests it would have run at once."""
     engine = AsyncEngine(_config(llama_dir), max_queue=2)
     await engine.start()
     try:
-        held = [await engine.add_request("many", SamplingParams(n=3, max_tokens=4), text="one")]
+        held = [await engine.add_request(f"r{i}", PARAMS, text="one") for i in range(8)]
+        for stream in held:
+            assert (await _collect(stream))[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown()
+
+
+async def test_queue_bound_counts_a_requests_samples(llama_dir):
+    """max_queue bounds waiting sequences: n samples count n (a request of 2 samples took a queue of
+    bound 2 holding one to 3). An empty queue takes a request of more samples than its bound. One seat:
+    what the core has not reported running, past the one it will run, waits."""
+    config = _config(llama_dir)
+    engine = AsyncEngine(replace(config, scheduler=replace(config.scheduler, max_num_seqs=1)), max_queue=2)
+    await engine.start()
+    try:
+        held = [await engine.add_request("many", SamplingParams(n=4, max_tokens=4), text="one")]
         with pytest.raises(QueueFullError, match="3 sequences waiting, max_queue 2"):
             await engine.add_request("one-more", PARAMS, text="two")
         for stream in held:
             await _collect(stream)
-        held = [await engine.add_request("first", PARAMS, text="one")]  # the core reported none running
+        held = [await engine.add_request("first", PARAMS, text="one")]  # in the one seat
+        held.append(await engine.add_request("waits", PARAMS, text="one"))
         with pytest.raises(
             QueueFullError, match="1 sequences waiting, this request's 2 samples, max_queue 2"
         ):

@@ -244,16 +244,25 @@ class AsyncEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if self._max_queue is None:
             return
-        # Sequences on both sides: a request with n samples is n of them, running or waiting, and waits
-        # as n until the core runs them. One that would take the queue past its bound is refused, unless
-        # nothing waits: a request of more samples than the bound still runs, alone in the queue.
-        num_queued = self._output_processor.num_live_samples - self._stats.num_running
-        if num_queued > 0 and num_queued + num_samples > self._max_queue:
+        # Sequences on both sides: a request with n samples is n of them. One that would take the queue
+        # past its bound is refused, unless nothing waits: a request of more samples than the bound still
+        # runs, alone in the queue.
+        if (num_queued := self._num_queued()) and num_queued + num_samples > self._max_queue:
             these = "" if num_samples == 1 else f", this request's {num_samples} samples"
             raise QueueFullError(
                 f"the waiting queue is full ({num_queued} sequences waiting{these}, max_queue "
                 f"{self._max_queue}); retry in {QueueFullError.retry_pushback_ms} ms"
             )
+
+    def _num_queued(self) -> int:
+        """Sequences waiting, as the core will find them at its next step. Those added since its last
+        report are not running yet: while it reported none waiting they take its free seats first
+        (max_num_seqs), so an idle server takes a burst it can run at once; while it holds some back
+        (seats or KV cache full), every sequence not reported running waits."""
+        num_live, stats = self._output_processor.num_live_samples, self._stats
+        if stats.num_waiting or not self.model_info.max_num_seqs:
+            return max(0, num_live - stats.num_running)
+        return max(0, num_live - self.model_info.max_num_seqs)
 
     def _core_request_id(self, request_id: str) -> str:
         """A fresh id for the core: a caller may reuse `request_id` as soon as its stream ended (it was
