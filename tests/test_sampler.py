@@ -317,3 +317,23 @@ def test_top_k_top_p_and_min_p_cut_what_transformers_warpers_cut(monkeypatch) ->
         assert torch.equal(cut[i].isfinite(), kept), (i, int(cut[i].isfinite().sum()), int(kept.sum()))
         assert 0 < int(kept.sum()) < (5000 if p.top_k or p.top_p < 1.0 else 5001)
         torch.testing.assert_close(cut[i][kept], want[0][kept])
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does() -> None:
+    """Rounded logits tie often (bf16 on a GPU): transformers and vLLM cut below the k-th value, so every
+    token tied with it stays; by rank Sluice kept k, and the host and the GPU path kept different ones."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 12, (6, 300), generator=generator).float()
+    logits[5, :] = 1.0  # one value everywhere: a tie that runs past every candidate
+    top_k = [1, 5, 20, 50, 7, 3]
+    host = sampler_module.apply_filters(
+        logits, [row(SamplingParams(top_k=k), f"r{i}") for i, k in enumerate(top_k)]
+    )
+    sorted_ = sampler_module._cut_sorted(logits, torch.tensor(top_k), torch.ones(len(top_k)))
+    for i, k in enumerate(top_k):
+        kept = TopKLogitsWarper(k)(None, logits[i : i + 1])[0].isfinite()
+        assert int(kept.sum()) > k or i == 0  # ties at the k-th place (the top token stands alone in row 0)
+        assert torch.equal(host[i].isfinite(), kept), (i, int(host[i].isfinite().sum()), int(kept.sum()))
+        assert torch.equal(sorted_[i].isfinite(), kept), i

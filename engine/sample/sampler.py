@@ -252,7 +252,8 @@ def device_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.dev
 
 
 def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, then top_k, top_p, min_p; filtered-out entries become -inf. Returns a new tensor."""
+    """Temperature, then top_k, top_p, min_p; filtered-out entries become -inf. Returns a new tensor.
+    top_k keeps the tokens tied with the k-th most likely too, as transformers and vLLM do."""
     device = logits.device
     vocab = logits.shape[1]
     temperature = device_tensor([r.params.temperature for r in rows], torch.float32, device).unsqueeze(1)
@@ -280,13 +281,17 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     top_p_t = device_tensor(top_p, torch.float32, device)
     if device.type != "cpu":
         return _cut_sorted(logits, top_k_t, top_p_t)
-    candidates = max(k if k < vocab else min(NUCLEUS_CANDIDATES, vocab) for k in top_k)
+    # One candidate past the most any row keeps: a tie at a row's k-th place shows among them.
+    candidates = min(max(k if k < vocab else min(NUCLEUS_CANDIDATES, vocab) for k in top_k) + 1, vocab)
     values, order = logits.topk(candidates, dim=-1)
     rank = torch.arange(candidates).unsqueeze(0)
-    values = values.masked_fill(rank >= top_k_t.unsqueeze(1), float("-inf"))
-    # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
     has_top_k = [k < vocab for k in top_k]
     by_top_k = torch.tensor(has_top_k).unsqueeze(1)
+    kth = values.gather(1, (top_k_t.clamp(max=candidates) - 1).unsqueeze(1))
+    values = values.masked_fill(by_top_k & (values < kth), float("-inf"))
+    # A tie at the k-th place that runs to the last candidate may run past it: such rows are sorted whole.
+    tie_past = by_top_k.squeeze(1) & (values[:, -1] >= kth.squeeze(1)) & (candidates < vocab)
+    # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
     whole_rows = 0.0 if all(has_top_k) else torch.logsumexp(logits, dim=-1, keepdim=True)
     log_total = torch.where(by_top_k, torch.logsumexp(values, dim=-1, keepdim=True), whole_rows)
     probs = torch.exp(values - log_total)
@@ -298,7 +303,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     if uncut:
         cut[uncut] = logits[uncut]
     top_p_only = ~by_top_k.squeeze(1) & (top_p_t < 1.0)
-    wider = ((probs.sum(dim=-1) < top_p_t) & top_p_only).nonzero().squeeze(1)
+    wider = (((probs.sum(dim=-1) < top_p_t) & top_p_only) | tie_past).nonzero().squeeze(1)
     if wider.numel():
         cut[wider] = _cut_sorted(logits[wider], top_k_t[wider], top_p_t[wider])
     return cut
@@ -308,7 +313,10 @@ def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     """`_top_k_top_p` over each row's whole vocabulary, sorted. top_k, top_p: [m] on the logits' device."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    # top_k by value, as transformers and vLLM cut: tokens tied with the k-th stay (by rank, which of
+    # them stayed was the sort's choice, another on the host's path than on a GPU's).
+    kth = sorted_logits.gather(1, (top_k.clamp(max=logits.shape[1]) - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p, rank), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
