@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
 
@@ -91,21 +91,26 @@ class GenerationRunner:
         samples ends with an "abort" output. Closing this iterator early (the handler was cancelled,
         the deadline passed) aborts the engine request (all its samples), freeing its KV blocks.
         Telemetry records one request: the completion tokens and preemptions of all samples, finished or
-        not, and the finish of the last ("abort" if the caller left before every sample finished).
+        not, each sample's finish ("abort" for those the caller left before they finished). The tenant's
+        slot is free before the last output is handed on (a caller may send its next request on it), and
+        a request aborted before it came takes none (nor a rate token).
         """
         span.record_params(spec.params)
         cancel = cancel or RequestCancel()
         if self._stopping:
             await cancel.cancel(ABORT)
-        try:
-            release = self._limiter.admit(caller.tenant)
-        except TenantOverLimitError:
-            self._metrics.tenant_rejections.labels(tenant=caller.tenant.name).inc()
-            raise
+        if cancel.reason == ABORT:  # it never reaches the engine (`_run`)
+            release = _nothing_to_release
+        else:
+            try:
+                release = self._limiter.admit(caller.tenant)
+            except TenantOverLimitError:
+                self._metrics.tenant_rejections.labels(tenant=caller.tenant.name).inc()
+                raise
         timer = None if spec.timeout is None else self._start_timer(spec.timeout, cancel)
         self._cancels.add(cancel)
         try:
-            outputs = self._run(spec, engine_request_id, caller, cancel, span)
+            outputs = self._run(spec, engine_request_id, caller, cancel, span, release)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     yield output
@@ -122,7 +127,10 @@ class GenerationRunner:
         caller: Caller,
         cancel: RequestCancel,
         span: RequestSpan,
+        release: Callable[[], None],
     ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs; `release` (the tenant's slot) is called once every sample finished,
+        before the last output goes on."""
         tracker = self._metrics.track(caller.tenant.name)
         progress = RequestProgress(engine_request_id, spec.params.n)
         caller_left = False
@@ -141,6 +149,8 @@ class GenerationRunner:
                         raise output.refusal()
                     tracker.on_output(output)
                     progress.add(output)
+                    if progress.all_finished:
+                        release()
                     if output.finish_reason == "abort" and cancel.reason == TIMEOUT:
                         raise RequestTimeoutError(
                             f"timeout_seconds: the request's timeout of {spec.timeout:g} s passed"
@@ -195,6 +205,10 @@ class GenerationRunner:
         for cancel in live:
             await cancel.cancel(ABORT)
         return len(live)
+
+
+def _nothing_to_release() -> None:
+    """The release of a request that took no tenant slot."""
 
 
 def operation_of(request: pb.GenerateRequest) -> str:

@@ -60,6 +60,7 @@ class StreamSession:
         )
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._cancels: dict[str, RequestCancel] = {}  # per live request, as long as its pump
+        self._tasks: set[asyncio.Task[None]] = set()  # every pump until done (a finished id's too)
 
     @property
     def num_live_requests(self) -> int:
@@ -79,7 +80,7 @@ class StreamSession:
                     written.set_result(None)
             await reader  # re-raises a failure of the request stream itself
         finally:
-            tasks = [reader, *self._pumps.values()]
+            tasks = [reader, *self._tasks]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -118,6 +119,8 @@ class StreamSession:
         cancel = RequestCancel()
         task = asyncio.create_task(self._pump(request, cancel))
         self._pumps[request_id], self._cancels[request_id] = task, cancel
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda done: self._pump_done(request_id, done))
         return None
 
@@ -132,9 +135,14 @@ class StreamSession:
         request_id = request.request_id
         engine_request_id = engine_id_of(self._prefix, request_id)
         chunks = self._runner.run(request, engine_request_id, self._caller, cancel=cancel)
+        unfinished = set(range(request.sampling_params.n if request.sampling_params.HasField("n") else 1))
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    if chunk.finish_reason not in (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_ERROR):
+                        unfinished.discard(chunk.index)
+                        if not unfinished:  # the client may send its next request of this id on reading it
+                            self._forget(request_id, asyncio.current_task())
                     await self._send(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
         except asyncio.CancelledError:  # the call ended (cancelled, deadline): so did its requests
             self._record_status(_METHOD, cancelled_status(self._caller.call))
@@ -144,7 +152,7 @@ class StreamSession:
         else:
             self._record_status(_METHOD, grpc.StatusCode.OK)
         finally:
-            # Forget the id in the same step as its last message, so the client may reuse it at once.
+            # Forgotten by now if its last chunk went out; else (an error, the call cancelled) as it ends.
             self._forget(request_id, asyncio.current_task())
 
     def _pump_done(self, request_id: str, task: asyncio.Task[None]) -> None:

@@ -5,6 +5,8 @@ stream (every tenant's token ids) only with `kv_events = true`."""
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -259,6 +261,48 @@ def test_stream_requests_count_against_the_tenant_too(tenant_server: ServerThrea
         responses = list(client.stream_generate(iter(requests)))
     errors = [(r.request_id, r.error.code) for r in responses if r.WhichOneof("event") == "error"]
     assert errors == [("b", grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    tenant_server.wait_idle()
+
+
+def test_a_stream_request_sent_on_its_predecessors_last_chunk_is_admitted(
+    tenant_server: ServerThread,
+) -> None:
+    """'small' runs one request at a time. The next, of the same id, sent as the last chunk of the one
+    before arrives, found the id in use or the slot still taken (the pump freed both only after the
+    call had written that chunk): 8 of 100 such requests were refused, 79 of 200 for the id alone."""
+    sent: queue.Queue[pb.GenerateRequest | None] = queue.Queue()
+
+    def requests() -> Iterator[pb.StreamGenerateRequest]:
+        while (request := sent.get()) is not None:
+            yield pb.StreamGenerateRequest(generate=request)
+
+    rounds, finished, errors = 20, 0, []
+    sent.put(generate_request("hi", request_id="same", max_tokens=2))
+    with _client(tenant_server, "key-small") as client:
+        for response in client.stream_generate(requests()):
+            if response.WhichOneof("event") == "error":
+                errors.append(response.error.message)
+                sent.put(None)  # no chunk comes for it: end the stream
+            elif response.chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finished += 1
+                sent.put(
+                    generate_request("hi", request_id="same", max_tokens=2) if finished < rounds else None
+                )
+    assert (errors, finished) == ([], rounds)
+    tenant_server.wait_idle()
+
+
+def test_an_abort_before_its_request_takes_no_slot_of_the_tenant(tenant_server: ServerThread) -> None:
+    """Aborted before it came, a request ends at once with FINISH_REASON_ABORT; it took the tenant's one
+    slot (RESOURCE_EXHAUSTED instead, while another ran) and a rate token."""
+    with _client(tenant_server, "key-small") as client:
+        running = client.generate(generate_request("Hello", **UNENDING))
+        next(running)
+        with pytest.raises(SluiceError):
+            client.abort("early")  # NOT_FOUND: remembered, to end that request when it comes
+        chunks = list(client.generate(generate_request("x", request_id="early", max_tokens=2)))
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_ABORT
+        running.close()
     tenant_server.wait_idle()
 
 

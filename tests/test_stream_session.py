@@ -10,16 +10,19 @@ import contextlib
 import grpc
 import pytest
 
+from sluice.service.caller import Caller
 from sluice.service.stream_session import StreamSession
+from sluice.service.tenants import Tenant
 from sluice.v1 import sluice_pb2 as pb
 
 NUM_SENT = 100
+CALLER = Caller(Tenant())  # a call without a deadline: its end is a cancel
 
 
 class _UntracedRunner:
     """A runner no request reaches (every one is refused on arrival), whose refusals record no span."""
 
-    def refusals(self, caller: None, request: pb.GenerateRequest) -> contextlib.AbstractContextManager[None]:
+    def refusals(self, caller: Caller, request: pb.GenerateRequest) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     async def run(self, *args, **kwargs):
@@ -37,7 +40,7 @@ async def test_a_refused_request_is_written_before_the_next_is_read() -> None:
             num_read += 1
             yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(text="hi"))
 
-    session = StreamSession(_UntracedRunner(), None, lambda: None, lambda _, code: statuses.append(code))
+    session = StreamSession(_UntracedRunner(), CALLER, lambda: None, lambda _, code: statuses.append(code))
     responses = session.run(requests())
     first = await anext(responses)  # the call writes one response, and no more
     for _ in range(10):
@@ -53,7 +56,7 @@ async def test_a_request_whose_call_ends_before_its_pump_starts_is_counted_cance
     """The call is cancelled as its request is read: the pump, cancelled before its first step, ran
     none of its body, and the request was counted nowhere (93 of 95 such requests in a race)."""
     statuses: list[grpc.StatusCode] = []
-    session = StreamSession(_UntracedRunner(), None, lambda: None, lambda _, code: statuses.append(code))
+    session = StreamSession(_UntracedRunner(), CALLER, lambda: None, lambda _, code: statuses.append(code))
 
     async def requests():
         call.cancel()  # the call ends; its handler wakes after the pump made below is scheduled
