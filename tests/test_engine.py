@@ -4,7 +4,9 @@ invariance, preemption, stop strings, aborts, and no leaked blocks."""
 from __future__ import annotations
 
 import gc
+import os
 import random
+import signal
 import weakref
 
 import pytest
@@ -13,6 +15,7 @@ from checkpoints import EOS_ID
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.kv_cache.block_pool import BlockPool
 from sluice.engine.sampling_params import SamplingParams
 
 NUM_NEW = 12
@@ -175,6 +178,29 @@ def test_bad_priorities_and_lengths_are_refused_naming_the_argument_and_leave_th
         llm.generate([[5, 6, 7], [8, 9]], [GREEDY])
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([5, 6, 7], GREEDY, priorities=[3])[0].token_ids == expected
+
+
+def test_a_ctrl_c_inside_a_step_is_raised_between_steps_and_leaves_the_llm_whole(llama_dir, monkeypatch):
+    """SIGINT landing inside the block pool's free (a request finishing) raised KeyboardInterrupt there:
+    the blocks stayed out of the free queue and in no table, and later calls leaked or failed (KeyError).
+    It is raised once the step is over; the aborts find every block."""
+    llm = LLM(llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = [c.token_ids for c in llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)]
+    free, signalled = BlockPool.free, []
+
+    def free_under_sigint(pool, blocks):
+        if not signalled:
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode of this thread
+        free(pool, blocks)
+
+    monkeypatch.setattr(BlockPool, "free", free_under_sigint)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]], SamplingParams(max_tokens=30))
+    assert signalled and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert llm.engine.stats().num_kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()
+    assert [c.token_ids for c in llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)] == expected
 
 
 def test_a_request_that_fails_alone_says_why(llama_dir, monkeypatch):

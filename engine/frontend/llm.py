@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.frontend.deferred_interrupt import DeferredInterrupt
 from sluice.engine.frontend.engine import Engine
 from sluice.engine.outputs import (
     NO_OUTPUT_LOGPROBS,
@@ -163,24 +164,28 @@ class LLM:
         if tool_use is not None:
             params = [tool_use.sampling_params(p) for p in params]
         completions: dict[tuple[str, int], Completion] = {}  # (request id, sample index)
-        try:
-            for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
-                request_id = f"llm-{self._next_id}"
-                self._next_id += 1
-                priority = priorities[i] if priorities else 0
-                queued = self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
-                for index in range(p.n):
-                    completions[request_id, index] = Completion(request_id, list(queued), index)
-            while self.engine.has_work():  # the last step frees the finished requests' state
-                for output in self.engine.step():
-                    if output.invalid_field is not None:
-                        raise output.refusal()
-                    completions[output.request_id, output.index].add(output)
-        except BaseException:
-            # A rejected prompt or an interrupted run must not leave requests behind for the next call,
-            # nor, with async scheduling, the steps they were in.
-            self.engine.abort(list(dict.fromkeys(request_id for request_id, _ in completions)))
-            if not self.engine.has_unfinished_requests():
-                self.engine.core.discard_in_flight()
-            raise
+        # Ctrl-C lands between steps (DeferredInterrupt), so the abort below finds consistent state.
+        with DeferredInterrupt() as interrupt:
+            try:
+                for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
+                    request_id = f"llm-{self._next_id}"
+                    self._next_id += 1
+                    priority = priorities[i] if priorities else 0
+                    queued = self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
+                    for index in range(p.n):
+                        completions[request_id, index] = Completion(request_id, list(queued), index)
+                    interrupt.deliver()
+                while self.engine.has_work():  # the last step frees the finished requests' state
+                    for output in self.engine.step():
+                        if output.invalid_field is not None:
+                            raise output.refusal()
+                        completions[output.request_id, output.index].add(output)
+                    interrupt.deliver()
+            except BaseException:
+                # A rejected prompt or an interrupted run must not leave requests behind for the next
+                # call, nor, with async scheduling, the steps they were in.
+                self.engine.abort(list(dict.fromkeys(request_id for request_id, _ in completions)))
+                if not self.engine.has_unfinished_requests():
+                    self.engine.core.discard_in_flight()
+                raise
         return list(completions.values())
