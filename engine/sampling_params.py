@@ -56,8 +56,8 @@ class SamplingParams:
     its last partial block); with a `seed`, sample i
     draws from seed + i. `prompt_logprobs=N` returns, once, the logprob of every prompt token after the
     first and the top N at each position (such a request takes no prefix-cache hit).
-    `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: as many as the model's context holds),
-    as vLLM's.
+    `truncate_prompt_tokens=k` keeps the prompt's last k tokens, as vLLM's (-1: as many as the context
+    holds beside max_tokens).
     """
 
     temperature: float = 1.0

@@ -40,6 +40,12 @@ def test_the_offline_engine_continues_the_last_k_prompt_tokens_as_transformers(l
     whole = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, truncate_prompt_tokens=-1)
     (completion,) = llm.generate(PROMPT, whole)
     assert completion.prompt_token_ids == PROMPT
+    # A prompt longer than the context: -1 keeps what fits beside max_tokens (it kept all 256 tokens of
+    # the context, a prompt no max_tokens could follow: refused every time).
+    long_prompt = [(7 * i) % 500 + 1 for i in range(300)]
+    (completion,) = llm.generate(long_prompt, whole)
+    assert completion.prompt_token_ids == long_prompt[-(256 - NUM_NEW) :]
+    assert completion.token_ids == _hf_greedy(llama_dir, long_prompt[-(256 - NUM_NEW) :])
 
 
 def test_a_server_request_keeps_the_last_k_tokens_in_usage_and_prompt_logprobs(stub) -> None:

@@ -55,12 +55,13 @@ def resolve_prompt(
 def truncated_prompt(
     prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int
 ) -> Sequence[int]:
-    """The prompt's last `params.truncate_prompt_tokens` tokens (-1: the model's context), as vLLM keeps
-    them; the whole prompt when unset."""
+    """The prompt's last `params.truncate_prompt_tokens` tokens, as vLLM keeps them (-1: as many as the
+    model's context holds beside max_tokens, at least one; all of it was never servable); the whole
+    prompt when unset."""
     keep = params.truncate_prompt_tokens
     if keep is None:
         return prompt_token_ids
-    keep = max_model_len if keep == -1 else keep
+    keep = max(1, max_model_len - params.max_tokens) if keep == -1 else keep
     return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
 
@@ -92,7 +93,7 @@ def check_prompt(
         raise ContextLengthError(
             "prompt",
             f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
-            f"{max_model_len} tokens (shorten it, or set truncate_prompt_tokens)",
+            f"{max_model_len} tokens ({_shorten_hint(params)})",
         )
     if total > max_model_len:
         raise ContextLengthError(
@@ -100,6 +101,12 @@ def check_prompt(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the model's context of {max_model_len} tokens",
         )
+
+
+def _shorten_hint(params: SamplingParams) -> str:
+    if params.truncate_prompt_tokens is None:
+        return "shorten it, or set truncate_prompt_tokens"
+    return "keep fewer with truncate_prompt_tokens, or -1 to fit max_tokens"
 
 
 def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
