@@ -12,6 +12,7 @@ import pytest
 import torch
 from hf_gguf import hf_gguf
 
+from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.default_model import (
     DEFAULT_MODEL_FILE,
@@ -21,6 +22,7 @@ from sluice.engine.loading.default_model import (
 )
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.text.prompt import resolve_prompt
 
 # Both sides run float32 on the same dequantized weights; only the summation order differs (paged attention
 # vs. transformers' sdpa), which moves logits of magnitude ~20 by well under 1e-3.
@@ -127,3 +129,25 @@ def test_the_default_model_answers_a_real_question(llm):
     assert "Paris" in answer.text
     assert answer.finish_reason == "stop"  # ended at <|im_end|>, which is not part of the text
     assert "<|im_end|>" not in answer.text
+
+
+def test_content_parts_and_a_tool_round_trip_render_with_the_default_template(llm):
+    """SmolLM2's template adds every message's content to a string: OpenAI's text parts failed ("can
+    only concatenate str (not "list")"), and so did API.md's tool round trip, whose assistant message
+    left its empty content out ("'dict object' has no attribute 'content'"). vLLM renders both."""
+    tokenizer = llm.engine.tokenizer
+    as_text = [{"role": "user", "content": "Hi\nthere"}]
+    as_parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+    ]
+    assert resolve_prompt(tokenizer, messages=as_parts) == resolve_prompt(tokenizer, messages=as_text)
+    call = {"id": "call-1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    turn = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},  # as Completion.as_message() gives it
+        {"role": "tool", "tool_call_id": "call-1", "content": "12 C"},
+    ]
+    text = tokenizer.decode(resolve_prompt(tokenizer, messages=turn))
+    assert "Weather in Oslo?" in text and "12 C" in text
+    with pytest.raises(InvalidRequestError, match=r"^messages\[0\]\.content\[0\]: must be a text part"):
+        resolve_prompt(tokenizer, messages=[{"role": "user", "content": [{"type": "image_url", "url": "x"}]}])

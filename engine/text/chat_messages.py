@@ -6,7 +6,9 @@ A tool call may come as Sluice returns it, {"id", "name", "arguments"}, or as Op
 Templates get {"id", "type": "function", "function": {"name", "arguments": <the object>}}: they print
 `arguments | tojson`, so text would be printed as a quoted string (vLLM parses it for them likewise). An
 assistant message's empty content beside its tool calls is left out, as transformers leaves out the null
-content OpenAI clients send there (some templates refuse content and calls in one message).
+content OpenAI clients send there (some templates refuse content and calls in one message; one that
+reads every message's content gets "" there, as vLLM gives it: `ChatTemplate.render`). Content given as
+OpenAI's text parts becomes their text, joined by newlines (vLLM's "string" content format).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if not message.get("role"):
         raise InvalidRequestError(f"{field}.role", "must not be empty")
     converted = dict(message)
+    content = message.get("content")
+    if isinstance(content, Sequence) and not isinstance(content, str | bytes):
+        converted["content"] = _text_of_parts(f"{field}.content", content)
     tool_calls = message.get("tool_calls")
     if tool_calls is None:
         return converted
@@ -39,6 +44,23 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if converted["tool_calls"] and not converted.get("content"):
         converted.pop("content", None)
     return converted
+
+
+def _text_of_parts(field: str, parts: Sequence[Any]) -> str:
+    """OpenAI's content parts, [{"type": "text", "text": ...}, ...], as the one string text templates
+    take (joined by newlines, as vLLM joins them for such templates); a part of another type is refused."""
+    texts = []
+    for i, part in enumerate(parts):
+        if (
+            not isinstance(part, Mapping)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise InvalidRequestError(
+                f"{field}[{i}]", f"must be a text part {{'type': 'text', 'text': ...}}, got {part!r}"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _tool_call(field: str, call: Any) -> dict[str, Any]:

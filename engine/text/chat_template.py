@@ -104,13 +104,16 @@ class ChatTemplate:
         if options.continue_final_message:
             final_content = _content_to_continue(conversation[-1], len(conversation) - 1)
             conversation[-1] = {**conversation[-1], "content": final_content + CONTINUE_FINAL_MESSAGE_TAG}
+        variables = {"add_generation_prompt": options.add_generation_prompt, **options.chat_template_kwargs}
         try:
-            rendered = self._template.render(
-                messages=conversation,
-                add_generation_prompt=options.add_generation_prompt,
-                **options.chat_template_kwargs,
-                **context,
-            )
+            try:
+                rendered = self._template.render(messages=conversation, **variables, **context)
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError):
+                # A template that reads every message's content (SmolLM2's) fails on tool-call messages
+                # without one (transformers' form): they get vLLM's empty content instead.
+                if not (with_content := _with_empty_content(conversation)):
+                    raise
+                rendered = self._template.render(messages=with_content, **variables, **context)
         except InvalidRequestError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
@@ -175,6 +178,16 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     if reasoning is not None:
         normalized = {"thinking": reasoning, **normalized, "reasoning_content": reasoning}
     return normalized
+
+
+def _with_empty_content(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`conversation` with content "" on its tool-call messages that have none; None if it has none such."""
+    if not any("tool_calls" in message and "content" not in message for message in conversation):
+        return None
+    return [
+        {**message, "content": ""} if "tool_calls" in message and "content" not in message else message
+        for message in conversation
+    ]
 
 
 def _raise_exception(message: str) -> None:
