@@ -189,12 +189,26 @@ def _normalize(params: SamplingParams) -> None:
     fields["stop_token_ids"] = _ints("stop_token_ids", params.stop_token_ids or ())
     bias = params.logit_bias.items() if isinstance(params.logit_bias, Mapping) else params.logit_bias or ()
     fields["logit_bias"] = tuple(
-        sorted((_int("logit_bias", t), _float("logit_bias", b)) for t, b in _items("logit_bias", bias))
+        sorted(
+            (_int("logit_bias", t), _float("logit_bias", b))
+            for t, b in map(_pair, _items("logit_bias", bias))
+        )
     )
+    if params.constraint is not None and not isinstance(params.constraint, Constraint):
+        raise ValueError(
+            f"constraint: must be a Constraint (json_schema, regex, choice, ...), got {params.constraint!r}"
+        )
     if params.allowed_token_ids is not None:
         fields["allowed_token_ids"] = _ints("allowed_token_ids", params.allowed_token_ids)
     for name, value in fields.items():
         object.__setattr__(params, name, value)
+
+
+def _pair(item: object) -> tuple[object, object]:
+    """A logit_bias entry: (token id, bias)."""
+    if isinstance(item, str | bytes) or not isinstance(item, Iterable) or len(item := tuple(item)) != 2:
+        raise ValueError(f"logit_bias: must map token ids to biases, got the entry {item!r}")
+    return item
 
 
 def _ints(name: str, values: object) -> tuple[int, ...]:

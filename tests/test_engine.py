@@ -243,3 +243,66 @@ def test_a_cuda_device_torch_does_not_see_is_refused_naming_device(llama_dir):
 def test_a_kv_cache_too_small_for_one_block_is_refused_naming_its_size(llama_dir):
     with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes: 0\.0 MiB left for the KV cache holds no"):
         LLM(llama_dir, kv_cache_memory_bytes=1)
+
+
+@pytest.fixture(scope="module")
+def typed_llm(llama_dir: str) -> LLM:
+    return LLM(llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda llm: llm.generate([[1.7, 2.2]], GREEDY),
+            InvalidRequestError,
+            r"^token_ids: must be integers, got 1\.7$",
+        ),
+        (
+            lambda llm: llm.generate([[True, 5]], GREEDY),
+            InvalidRequestError,
+            r"^token_ids: must be integers, got True$",
+        ),
+        (
+            lambda llm: llm.generate(b"hi", GREEDY),
+            ValueError,
+            r"^prompts: bytes are neither text nor token ids",
+        ),
+        (
+            lambda llm: llm.generate(["a", "b"], "x"),
+            ValueError,
+            r"^params: must be a SamplingParams or a list",
+        ),
+        (
+            lambda llm: llm.chat(["hi"], GREEDY),
+            ValueError,
+            r"^conversations\[0\]: must be a list of messages",
+        ),
+        (
+            lambda llm: SamplingParams(constraint={"regex": "a"}),
+            ValueError,
+            r"^constraint: must be a Constraint",
+        ),
+        (
+            lambda llm: SamplingParams(logit_bias=[1, 2]),
+            ValueError,
+            r"^logit_bias: must map token ids to biases",
+        ),
+    ],
+    ids=[
+        "float ids",
+        "bool ids",
+        "bytes",
+        "params string",
+        "chat of strings",
+        "constraint dict",
+        "bias list",
+    ],
+)
+def test_wrong_types_are_refused_naming_the_argument(typed_llm, call, error, message):
+    """Float and bool token ids were truncated silently (1.7 -> 1), bytes read as token ids, a string
+    for params or a conversation blamed on its length or its first character, a dict constraint failed
+    deep in the engine (AttributeError), a list logit_bias with a bare TypeError."""
+    with pytest.raises(error, match=message):
+        call(typed_llm)
+    assert not typed_llm.engine.has_unfinished_requests()

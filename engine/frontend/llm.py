@@ -112,8 +112,10 @@ class LLM:
     ) -> list[Completion]:
         """Completions in the order of `prompts`. A single prompt (str or token ids) is one request.
         A prompt whose params have n > 1 gives n consecutive completions (`index` 0 .. n - 1)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, bytes):
+            raise ValueError("prompts: bytes are neither text nor token ids; decode them to a str")
+        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], str | Sequence)):
+            prompts = [prompts]  # one prompt: text, or token ids
         token_ids = [self._encode(p) for p in prompts]
         return self._run(token_ids, params, priorities)
 
@@ -134,6 +136,11 @@ class LLM:
         the generation prompt after it, or the prompt ending inside its last (assistant) message."""
         if conversations and isinstance(conversations[0], Mapping):  # one conversation
             conversations = [conversations]
+        for i, conversation in enumerate(conversations):
+            if isinstance(conversation, str | bytes | Mapping) or not isinstance(conversation, Sequence):
+                raise ValueError(
+                    f"conversations[{i}]: must be a list of messages (role, content), got {conversation!r}"
+                )
         tools = None if tool_use is None else tool_use.for_template()
         options = ChatTemplateOptions(
             chat_template_kwargs or {}, add_generation_prompt, continue_final_message
@@ -158,6 +165,10 @@ class LLM:
     ) -> list[Completion]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_token_ids)
+        elif isinstance(params, str | bytes) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(
+                f"params: must be a SamplingParams or a list of them, one per prompt, got {params!r}"
+            )
         for name, values in (("params", params), ("priorities", priorities)):
             if values is not None and len(values) != len(prompt_token_ids):
                 raise ValueError(f"{name}: {len(values)} entries for {len(prompt_token_ids)} prompts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ def resolve_prompt(
     if chat_options is not None and not messages:
         raise InvalidRequestError("chat_options", "need a chat prompt (messages)")
     if token_ids:
-        return [int(t) for t in token_ids]
+        return _token_ids(token_ids)
     if tokenizer is None:
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
@@ -49,6 +50,21 @@ def resolve_prompt(
     ids = tokenizer.encode(text)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")
+    return ids
+
+
+def _token_ids(token_ids: Sequence[int]) -> list[int]:
+    """Integers (numpy's too), never floats, bools or the bytes of a string, which int() would take."""
+    if isinstance(token_ids, str | bytes):
+        raise InvalidRequestError("token_ids", f"must be a list of integers, got {type(token_ids).__name__}")
+    ids = []
+    for token_id in token_ids:
+        try:
+            if isinstance(token_id, bool):
+                raise TypeError
+            ids.append(operator.index(token_id))
+        except TypeError:
+            raise InvalidRequestError("token_ids", f"must be integers, got {token_id!r}") from None
     return ids
 
 
