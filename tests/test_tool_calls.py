@@ -247,3 +247,11 @@ def test_bad_tools_name_the_field(make, message) -> None:
     with pytest.raises(ValueError) as info:
         make()
     assert str(info.value) == message
+
+
+def test_a_tools_schema_may_be_a_dict_as_openai_clients_send_it() -> None:
+    """A dict failed in json.loads with a bare TypeError naming no field."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    assert Tool("get_weather", parameters=schema) == Tool("get_weather", parameters=json.dumps(schema))
+    with pytest.raises(ValueError, match=r"^tools.parameters: 'f' must be a JSON schema \(text or a dict\)$"):
+        Tool("f", parameters=["not", "a", "schema"])

@@ -32,6 +32,7 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ CALL_ID_LENGTH = 9
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call; `parameters` is the JSON schema of its arguments, as JSON text."""
+    """A function the model may call; `parameters` is the JSON schema of its arguments, as JSON text (or a
+    dict, kept as its JSON text)."""
 
     name: str
     description: str = ""
@@ -61,6 +63,10 @@ class Tool:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("tools.name: must not be empty")
+        if isinstance(self.parameters, Mapping):  # a schema object, as OpenAI clients send it
+            object.__setattr__(self, "parameters", json.dumps(self.parameters))
+        elif not isinstance(self.parameters, str):
+            raise ValueError(f"tools.parameters: {self.name!r} must be a JSON schema (text or a dict)")
         if self.parameters:
             with nesting_checked("tools.parameters"):
                 self._check_parameters()
