@@ -88,7 +88,7 @@ class SamplingParams:
         _check_finite(self)
         checks = (
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
@@ -176,6 +176,8 @@ def _normalize(params: SamplingParams) -> None:
     hashable and immutable), a lone stop string to one stop string, None to empty."""
     fields: dict[str, object] = {name: _float(name, getattr(params, name)) for name in _FLOAT_FIELDS}
     fields |= {name: _int(name, getattr(params, name)) for name in _INT_FIELDS}
+    if fields["top_k"] == -1:  # vLLM's "disabled"
+        fields["top_k"] = 0
     for name in _OPTIONAL_INT_FIELDS:
         if getattr(params, name) is not None:
             fields[name] = _int(name, getattr(params, name))

@@ -75,3 +75,10 @@ def test_a_temperature_below_the_minimum_is_raised_to_it(caplog) -> None:
     assert "temperature 1e-45 is below 0.01, raised to it" in caplog.text
     assert SamplingParams(temperature=0).temperature == 0.0  # greedy stays greedy
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+def test_top_k_minus_one_disables_it_as_in_vllm() -> None:
+    """vLLM's SamplingParams takes -1 (and 0) for "no top-k"; it was refused here."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match=r"^top_k: must be >= 0 \(0 or -1 disables it\)$"):
+        SamplingParams(top_k=-2)

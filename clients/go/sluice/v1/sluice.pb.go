@@ -689,7 +689,7 @@ type SamplingParams struct {
 
 	// Default 1.0; 0 is greedy.
 	Temperature *float32 `protobuf:"fixed32,1,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
-	// Default 0 (disabled).
+	// Default 0 (disabled; -1 too, as vLLM's).
 	TopK *int32 `protobuf:"varint,2,opt,name=top_k,json=topK,proto3,oneof" json:"top_k,omitempty"`
 	// In (0, 1]; default 1 (disabled).
 	TopP *float32 `protobuf:"fixed32,3,opt,name=top_p,json=topP,proto3,oneof" json:"top_p,omitempty"`
