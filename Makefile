@@ -70,7 +70,7 @@ gpu-check-cpu: venv kernels
 
 # Sluice over gRPC against transformers.generate (sequential and static batches), against itself with
 # prefix caching / chunked prefill off, and against the in-process engine; tables, JSON and PNGs in
-# bench-results/ (about 5 minutes on 2 CPU cores).
+# bench-results/ (about 6-8 minutes on 2 CPU cores: the baselines, then bench-serving's comparison).
 bench: venv
 	$(PY) -m sluice.benchmarks.serving.baselines --out bench-results $(ARGS)
 	$(PY) -m sluice.benchmarks.serving.serving_overhead --json bench-results/serving_overhead.json
