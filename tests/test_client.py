@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,25 @@ def test_leaving_a_with_block_or_dropping_a_stream_aborts_the_request(server: Se
         server.wait_idle()
 
 
+def test_breaking_out_of_or_dropping_an_async_stream_aborts_the_request(server: ServerThread) -> None:
+    """grpc.aio holds a running call itself (its channel's done-callback): a stream left by `break`, or
+    dropped unread, kept its request generating, with its KV blocks and its tenant's slot, until
+    max_tokens or the client's close."""
+
+    async def run() -> None:
+        async with AsyncClient(server.target) as client:
+            async for chunk in client.generate(generate_request("Hello", **UNENDING)):
+                assert chunk.token_ids
+                break
+            await asyncio.to_thread(server.wait_idle)
+            stream = client.generate(generate_request("Hello", **UNENDING))
+            await asyncio.to_thread(wait_for, lambda: server.stats().num_running == 1, "the request running")
+            del stream
+            await asyncio.to_thread(server.wait_idle)
+
+    asyncio.run(run())
+
+
 def test_an_async_stream_starts_when_made_and_its_async_with_block_aborts_it(server: ServerThread) -> None:
     async def run() -> list[pb.GenerateResponse]:
         async with AsyncClient(server.target) as client:
@@ -199,3 +219,31 @@ def test_sluice_generate_refuses_a_value_its_request_cannot_hold_naming_the_flag
         build_parser(load_commands(["generate"])).parse_args(["generate", *flags, "hi"])
     assert info.value.code == 2
     assert capsys.readouterr().err.endswith(f"sluice generate: error: {message}\n")
+
+
+@pytest.mark.parametrize(
+    ("api_key", "message"),
+    [
+        ("k3y\n", "api_key: must be a non-empty string without surrounding whitespace"),
+        ("", "api_key: must be a non-empty string without surrounding whitespace"),
+        ("clé", "api_key: must be printable ASCII"),
+    ],
+)
+def test_an_api_key_grpc_cannot_send_is_refused_naming_it_never_echoing_it(
+    api_key: str, message: str
+) -> None:
+    """A key read from a file with its newline failed every call with INTERNAL "Invalid metadata", and on
+    AsyncClient with grpc's ExecuteBatchError, no SluiceError."""
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}") as info:
+            make("localhost:1", api_key=api_key)
+        assert api_key.strip() not in str(info.value) or not api_key.strip()
+
+
+def test_metadata_grpc_cannot_send_is_refused_naming_the_argument(server: ServerThread) -> None:
+    with Client(server.target) as client:
+        with pytest.raises(ValueError, match=r"^metadata: must be \(key, value\) pairs, not a dict"):
+            client.model_info(metadata={"x-foo": "1"})
+        with pytest.raises(ValueError, match=r"^metadata: must be \(key, value\) pairs.*got 'X-Trace'$"):
+            client.model_info(metadata=[("X-Trace", "1")])
+        assert client.model_info(metadata=[("x-trace", "1")]).vocab_size > 0

@@ -4,6 +4,7 @@ pickling (a process pool sends a worker's exception back pickled)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import grpc
@@ -66,3 +67,27 @@ def test_a_sluice_error_survives_pickling(server: ServerThread) -> None:
         )
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in info.value.message
     assert pickle.loads(pickle.dumps(pushback)).retry_pushback_ms == 250
+
+
+def test_generate_request_sets_constraints_bias_and_allowed_ids(server: ServerThread) -> None:
+    """Structured output, logit_bias and allowed_token_ids could not be set through the builder (a
+    TypeError for each keyword): callers edited request.sampling_params by hand."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    with Client(server.target) as client:
+        chosen = client.complete(generate_request("Pick", choice=["yes", "no"], max_tokens=8), timeout=60)
+        assert chosen.text in ("yes", "no")
+        answer = client.complete(generate_request("JSON", json_schema=schema, max_tokens=24), timeout=60)
+        assert json.loads(answer.text)["ok"] in (True, False)
+        only = client.complete(
+            generate_request("Hi", allowed_token_ids=[5, 6], max_tokens=4, ignore_eos=True), timeout=60
+        )
+        assert set(only.token_ids) <= {5, 6}
+        biased = client.complete(
+            generate_request("Hi", logit_bias={9: 100.0}, temperature=0.0, max_tokens=3, ignore_eos=True),
+            timeout=60,
+        )
+        assert list(biased.token_ids) == [9, 9, 9]
+    assert generate_request("x", json_object=True).sampling_params.HasField("json_object")
+    assert generate_request("x", regex="a+").sampling_params.regex == "a+"
+    with pytest.raises(ValueError, match="^regex and choice: give one constraint, not 2$"):
+        generate_request("x", regex="a", choice=["a"])

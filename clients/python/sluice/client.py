@@ -57,11 +57,32 @@ def _single(request: pb.GenerateRequest) -> None:
         raise ValueError("sampling_params.n > 1: collect the samples with complete_samples()")
 
 
+def _checked_api_key(api_key: str | None) -> str | None:
+    """The key, sent as a gRPC header value: printable ASCII, no surrounding spaces (as the server takes
+    keys). One read from a file with its newline failed each call with INTERNAL "Invalid metadata", and
+    on AsyncClient with an error that was no SluiceError. The key itself is never in the message."""
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str) or not api_key or api_key != api_key.strip():
+        raise ValueError("api_key: must be a non-empty string without surrounding whitespace")
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError("api_key: must be printable ASCII (it is sent as a gRPC header value)")
+    return api_key
+
+
 def _auth_metadata(
     api_key: str | None, metadata: Metadata, session: str | None = None
 ) -> tuple[tuple[str, str], ...]:
     if session and not (session.isascii() and session.isprintable()):
         raise ValueError(f"session: {session!r} is not printable ASCII (it is sent as a gRPC header value)")
+    # grpc's own errors named nothing: a dict failed to unpack, an upper-case key was INTERNAL.
+    if isinstance(metadata, Mapping):
+        raise ValueError("metadata: must be (key, value) pairs, not a dict: pass list(metadata.items())")
+    for entry in metadata:
+        key = entry[0] if isinstance(entry, tuple | list) and len(entry) == 2 else None
+        if not isinstance(key, str) or key != key.lower() or not isinstance(entry[1], str | bytes):
+            shown = key if isinstance(key, str) else type(entry).__name__
+            raise ValueError(f"metadata: must be (key, value) pairs, keys lowercase strings; got {shown!r}")
     auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     affinity = ((SESSION_HEADER, session),) if session else ()
     return (*auth, *affinity, *metadata)
@@ -91,7 +112,7 @@ class Client:
     ) -> None:
         self._channel = open_channel(grpc, target, credentials, options, service_config, session_affinity)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._api_key = api_key
+        self._api_key = _checked_api_key(api_key)
 
     def __enter__(self) -> Client:
         return self
@@ -226,7 +247,7 @@ class AsyncClient:
     ) -> None:
         self._channel = open_channel(grpc.aio, target, credentials, options, service_config, session_affinity)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._api_key = api_key
+        self._api_key = _checked_api_key(api_key)
 
     async def __aenter__(self) -> AsyncClient:
         return self

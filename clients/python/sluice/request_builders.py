@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,14 @@ def generate_request(
     prompt_logprobs: int | None = None,
     truncate_prompt_tokens: int | None = None,
     include_stop_str_in_output: bool | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
+    json_object: bool = False,
+    structural_tag: str | Mapping[str, Any] | None = None,
     timeout_seconds: float = 0.0,
     trace_context: Mapping[str, str] | None = None,
     disable_speculation: bool = False,
@@ -51,6 +60,8 @@ def generate_request(
     left None take server defaults. `stop`: one stop string or several (None: none). `messages`, `tools`,
     `tool_choice` and the chat template options (`chat_template_kwargs`, `add_generation_prompt`,
     `continue_final_message`): see `sluice.chat_messages.chat_messages`.
+    At most one constraint: `json_schema` (a dict or its JSON text), `regex`, `grammar`, `choice` (the
+    strings the output may be), `json_object=True`, `structural_tag` (a dict or its JSON text).
     `n` > 1: that many samples of the prompt (collect them with `complete_samples`);
     `stream_interval` > 0: tokens per streamed chunk (0: the server's --stream-interval);
     `timeout_seconds` > 0: the server ends the request with DEADLINE_EXCEEDED after that long;
@@ -102,7 +113,35 @@ def generate_request(
             setattr(sampling, name, value)
     sampling.stop.extend((stop,) if isinstance(stop, str) else stop or ())
     sampling.stop_token_ids.extend(stop_token_ids or ())
+    sampling.logit_bias.update(logit_bias or {})
+    sampling.allowed_token_ids.extend(allowed_token_ids or ())
+    constraints = {
+        "json_schema": json_schema,
+        "regex": regex,
+        "grammar": grammar,
+        "choice": choice,
+        "json_object": json_object or None,
+        "structural_tag": structural_tag,
+    }
+    _set_constraint(sampling, {name: value for name, value in constraints.items() if value is not None})
     return request
+
+
+def _set_constraint(sampling: pb.SamplingParams, given: Mapping[str, Any]) -> None:
+    """The one constraint given (ValueError naming them when several are)."""
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one constraint, not {len(given)}")
+    for name, value in given.items():
+        if name == "choice":
+            if isinstance(value, str | bytes):
+                raise ValueError("choice: must be a list of strings, not one string")
+            sampling.choice.choices.extend(value)
+        elif name == "json_object":
+            sampling.json_object.SetInParent()
+        elif isinstance(value, Mapping):  # json_schema, structural_tag
+            setattr(sampling, name, json.dumps(value))
+        else:
+            setattr(sampling, name, value)
 
 
 def tokenize_request(

@@ -46,7 +46,8 @@ class ResponseStream(Iterator[Any]):
 
 
 class AsyncResponseStream(AsyncIterator[Any]):
-    """`ResponseStream` for asyncio: `await stream.aclose()` or `async with` cancels the call.
+    """`ResponseStream` for asyncio: `await stream.aclose()`, `async with` or dropping the stream (a
+    `break` out of `async for`) cancels the call.
 
     asyncio.CancelledError comes out of a read only when the reading task is cancelled (the call is then
     cancelled too). A call cancelled under a waiting reader by someone else, where grpc.aio raises
@@ -81,6 +82,14 @@ class AsyncResponseStream(AsyncIterator[Any]):
     async def aclose(self) -> None:
         self._closed = True
         self._call.cancel()
+
+    def __del__(self) -> None:
+        """Dropped (a `break` out of `async for`, or never read) with its call still running: cancelled,
+        as the blocking stream's call is. grpc.aio itself holds a running call until it ends (its channel
+        keeps a done-callback on it), so the server went on generating until max_tokens."""
+        call = getattr(self, "_call", None)
+        if call is not None and not call.done():
+            call.cancel()
 
     async def __aenter__(self) -> AsyncResponseStream:
         return self

@@ -749,9 +749,10 @@ type SamplingParams struct {
 	// Such a request takes no prefix-cache hit (cached positions have no logits).
 	PromptLogprobs *int32 `protobuf:"varint,24,opt,name=prompt_logprobs,json=promptLogprobs,proto3,oneof" json:"prompt_logprobs,omitempty"`
 	// Keep only the prompt's last k >= 1 tokens (left truncation, as vLLM's truncate_prompt_tokens); -1: as
-	// many as the model's context holds beside max_tokens; 0 or below -1: INVALID_ARGUMENT. Applied after tokenizing and
-	// rendering any chat template; usage and prompt_logprobs count the kept tokens. Unset: the whole prompt
-	// (one the context cannot hold with max_tokens is RESOURCE_EXHAUSTED, naming prompt or max_tokens).
+	// many as the model's context holds beside max_tokens; 0 or below -1: INVALID_ARGUMENT. Applied after
+	// tokenizing and rendering any chat template; usage and prompt_logprobs count the kept tokens. Unset:
+	// the whole prompt (one the context cannot hold with max_tokens is RESOURCE_EXHAUSTED, naming prompt
+	// or max_tokens).
 	TruncatePromptTokens *int32 `protobuf:"varint,25,opt,name=truncate_prompt_tokens,json=truncatePromptTokens,proto3,oneof" json:"truncate_prompt_tokens,omitempty"`
 	// Default false: the text ends before the stop string that ended it. True (vLLM's
 	// include_stop_str_in_output): the text ends with it, and is not held back while it might begin one.
