@@ -91,3 +91,33 @@ def test_generate_request_sets_constraints_bias_and_allowed_ids(server: ServerTh
     assert generate_request("x", regex="a+").sampling_params.regex == "a+"
     with pytest.raises(ValueError, match="^regex and choice: give one constraint, not 2$"):
         generate_request("x", regex="a", choice=["a"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 3.5}, r"^max_tokens: 3\.5 cannot be sent"),
+        ({"stop": ["a", 1]}, r"^stop: \['a', 1\] cannot be sent"),
+        ({"stop": b"ab"}, r"^stop: b'ab' cannot be sent"),
+        ({"stream_interval": -1}, r"^stream_interval: -1 cannot be sent"),
+        ({"seed": 2**70}, r"^seed: \d+ cannot be sent"),
+        ({"text": None, "token_ids": [1.5]}, r"^token_ids: \[1\.5\] cannot be sent"),
+        ({"text": b"bytes"}, r"^text: b'bytes' cannot be sent"),
+        ({"text": None, "messages": [{"content": "hi"}]}, r"^messages: each must be a mapping with a role"),
+        (
+            {"text": None, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"name": "f"}},
+            r"^tool_choice: as a dict",
+        ),
+    ],
+)
+def test_arguments_protobuf_cannot_take_are_refused_naming_them(kwargs: dict, message: str) -> None:
+    """protobuf's own errors named no field ("bad argument type for built-in operation", KeyError 'role'),
+    and bytes text went through."""
+    with pytest.raises(ValueError, match=message):
+        generate_request(**{"text": "Hello", **kwargs})
+
+
+def test_content_parts_are_sent_as_their_text() -> None:
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    request = generate_request(messages=[{"role": "user", "content": parts}])
+    assert request.messages.messages[0].content == "Hi\nthere"

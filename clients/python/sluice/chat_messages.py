@@ -51,7 +51,12 @@ def chat_messages(
         continue_final_message=bool(continue_final_message),
     )
     if isinstance(tool_choice, Mapping):
-        chat.tool_choice.function_name = tool_choice["function"]["name"]
+        function = tool_choice.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(
+                f"tool_choice: as a dict, {{'type': 'function', 'function': {{'name'}}}}; got {tool_choice!r}"
+            )
+        chat.tool_choice.function_name = function["name"]
     elif tool_choice in TOOL_CHOICE_MODES:
         chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
     elif tool_choice is not None:
@@ -72,14 +77,30 @@ def check_chat_fields(messages: Sequence[Mapping[str, Any]] | None, **fields: ob
 
 
 def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
-    """One message dict as a `pb.ChatMessage`."""
+    """One message dict as a `pb.ChatMessage`; OpenAI's text content parts are joined by newlines, as the
+    server joins them for text templates."""
+    if not isinstance(message, Mapping) or not message.get("role"):
+        raise ValueError(f"messages: each must be a mapping with a role and content, got {message!r}")
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        parts = content if isinstance(content, Sequence) else [content]
+        if not all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in parts
+        ):
+            raise ValueError(f"messages: content must be a string or text parts, got {content!r}")
+        content = "\n".join(part["text"] for part in parts)
     return pb.ChatMessage(
         role=message["role"],
-        content=message.get("content") or "",
+        content=content,
         tool_calls=[tool_call(call) for call in message.get("tool_calls") or ()],
         tool_call_id=message.get("tool_call_id") or "",
         name=message.get("name") or "",
     )
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
 def tool(tool: pb.Tool | Mapping[str, Any]) -> pb.Tool:

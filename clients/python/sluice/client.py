@@ -110,9 +110,9 @@ class Client:
         service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
         session_affinity: bool = False,
     ) -> None:
+        self._api_key = _checked_api_key(api_key)  # before a channel is opened
         self._channel = open_channel(grpc, target, credentials, options, service_config, session_affinity)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._api_key = _checked_api_key(api_key)
 
     def __enter__(self) -> Client:
         return self
@@ -245,9 +245,9 @@ class AsyncClient:
         service_config: Mapping[str, Any] | None = SERVICE_CONFIG,
         session_affinity: bool = False,
     ) -> None:
+        self._api_key = _checked_api_key(api_key)  # before a channel is opened
         self._channel = open_channel(grpc.aio, target, credentials, options, service_config, session_affinity)
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
-        self._api_key = _checked_api_key(api_key)
 
     async def __aenter__(self) -> AsyncClient:
         return self

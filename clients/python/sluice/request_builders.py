@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from sluice.chat_messages import Tools, chat_messages, check_chat_fields
@@ -73,19 +74,27 @@ def generate_request(
         "continue_final_message": continue_final_message,
     }
     check_chat_fields(messages, tools=tools, tool_choice=tool_choice, **chat_options)
-    request = pb.GenerateRequest(
-        request_id=request_id,
-        priority=priority,
-        cache_salt=cache_salt,
-        stream_interval=stream_interval,
-        timeout_seconds=timeout_seconds,
-        trace_context=dict(trace_context or {}),
-        disable_speculation=disable_speculation,
-    )
+    request = pb.GenerateRequest()
+    scalars = {
+        "request_id": request_id,
+        "priority": priority,
+        "cache_salt": cache_salt,
+        "stream_interval": stream_interval,
+        "timeout_seconds": timeout_seconds,
+        "disable_speculation": disable_speculation,
+    }
+    for name, value in scalars.items():
+        with _naming(name, value):
+            setattr(request, name, value)
+    request.trace_context.update(trace_context or {})
     if text is not None:
-        request.text = text
+        with _naming("text", text):
+            if not isinstance(text, str):
+                raise TypeError("text is a str")
+            request.text = text
     if token_ids is not None:
-        request.token_ids.token_ids.extend(token_ids)
+        with _naming("token_ids", token_ids):
+            request.token_ids.token_ids.extend(token_ids)
     if messages is not None:
         request.messages.CopyFrom(chat_messages(messages, tools, tool_choice, **chat_options))
     optional = {
@@ -108,13 +117,23 @@ def generate_request(
         "include_stop_str_in_output": include_stop_str_in_output,
     }
     sampling = request.sampling_params
-    for name, value in optional.items():
-        if value is not None:
-            setattr(sampling, name, value)
-    sampling.stop.extend((stop,) if isinstance(stop, str) else stop or ())
-    sampling.stop_token_ids.extend(stop_token_ids or ())
-    sampling.logit_bias.update(logit_bias or {})
-    sampling.allowed_token_ids.extend(allowed_token_ids or ())
+    fields = {name: value for name, value in optional.items() if value is not None}
+    fields |= {
+        "stop": (stop,) if isinstance(stop, str) else stop or (),
+        "stop_token_ids": stop_token_ids or (),
+        "logit_bias": logit_bias or {},
+        "allowed_token_ids": allowed_token_ids or (),
+    }
+    for name, value in fields.items():
+        with _naming(name, value):  # protobuf's errors name no field ("bad argument type ...")
+            if name in ("stop", "stop_token_ids", "allowed_token_ids"):
+                if isinstance(value, bytes):
+                    raise TypeError("bytes are not a list")
+                getattr(sampling, name).extend(value)
+            elif name == "logit_bias":
+                sampling.logit_bias.update(value)
+            else:
+                setattr(sampling, name, value)
     constraints = {
         "json_schema": json_schema,
         "regex": regex,
@@ -125,6 +144,16 @@ def generate_request(
     }
     _set_constraint(sampling, {name: value for name, value in constraints.items() if value is not None})
     return request
+
+
+@contextlib.contextmanager
+def _naming(name: str, value: object) -> Iterator[None]:
+    """protobuf's TypeError / ValueError for `value` (a float for an int, a value out of range, ...) as a
+    ValueError naming the argument."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {value!r} cannot be sent ({e})") from None
 
 
 def _set_constraint(sampling: pb.SamplingParams, given: Mapping[str, Any]) -> None:
