@@ -30,6 +30,10 @@ def cpu_rotary_embedding(
     check_rotary_args(positions, q, k, cos_sin_cache)
     if q.device != CPU or q.dtype != torch.float32:
         raise ValueError(f"q: the C++ kernel runs float32 on cpu, got {q.dtype} on {q.device}")
+    rows = cos_sin_cache.shape[0]
+    if positions.numel() and not (int(positions.min()) >= 0 and int(positions.max()) < rows):
+        # The kernel reads the table at each position unchecked: out of range, another row or SIGSEGV.
+        raise ValueError(f"positions: must be in [0, {rows}) (the cos/sin table's rows)")
     require_cpu_extension(EXTENSION)
     return cpu_rotary_embedding_prechecked(positions, q, k, cos_sin_cache)
 

@@ -52,6 +52,10 @@ def test_rotary_launcher_names_the_bad_argument():
         cpu_rotary_embedding(torch.zeros(2, dtype=torch.int64), q, k, table[:, :4])
     with pytest.raises(ValueError, match=r"^q: the C\+\+ kernel runs float32 on cpu"):
         cpu_rotary_embedding(torch.zeros(2, dtype=torch.int64), q.bfloat16(), k.bfloat16(), table)
+    # The kernel read any row the positions named: past the table another row, 10**9 a SIGSEGV.
+    for bad in (16, -3, 10**9):
+        with pytest.raises(ValueError, match=r"^positions: must be in \[0, 16\)"):
+            cpu_rotary_embedding(torch.tensor([0, bad]), q, k, table)
 
 
 def test_rotary_embedding_takes_the_kernel_on_cpu_float32(monkeypatch):
