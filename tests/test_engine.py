@@ -196,9 +196,14 @@ def test_a_ctrl_c_inside_a_step_is_raised_between_steps_and_leaves_the_llm_whole
         free(pool, blocks)
 
     monkeypatch.setattr(BlockPool, "free", free_under_sigint)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]], SamplingParams(max_tokens=30))
-    assert signalled and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own handler, as in a REPL (a test before may have left SIGINT ignored in this process).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]], SamplingParams(max_tokens=30))
+        assert signalled and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert llm.engine.stats().num_kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()
     assert [c.token_ids for c in llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)] == expected
 

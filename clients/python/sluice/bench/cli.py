@@ -256,11 +256,14 @@ def run(args: argparse.Namespace) -> int:
         return _compare(args)
     if args.num_requests is None and args.duration is None:
         args.num_requests = 100
-    if args.seed is None:  # a fixed default replayed one command's prompts in the next: cache hits
+    drawn = args.seed is None  # a fixed default replayed one command's prompts in the next: cache hits
+    if drawn:
         args.seed = random.SystemRandom().randrange(2**31)
-        print(f"sluice bench: prompts drawn with --seed {args.seed}", file=sys.stderr)
     try:
-        runs = asyncio.run(_bench(args, *_plan(args)))
+        plan = _plan(args)
+        if drawn:  # once the options passed, before anything is sent
+            print(f"sluice bench: prompts drawn with --seed {args.seed}", file=sys.stderr)
+        runs = asyncio.run(_bench(args, *plan))
     except (ValueError, SluiceError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
