@@ -138,6 +138,9 @@ class DecoderStack {
     check_step(num_tokens, positions, cos_sin, k_caches, v_caches, block_tables, query_start_loc, seq_lens);
     sluice::attention::check_slots(slot_mapping, k_caches[0]);  // every cache has layer 0's shape (check_step)
     const Tasks tasks = attention_tasks(query_start_loc, seq_lens, block_tables.size(1), k_caches[0].size(1));
+    for (const auto& [window, _] : tasks)  // each window the layers read (0: every block)
+      sluice::attention::check_block_ids(block_tables, query_start_loc, seq_lens, k_caches[0].size(1),
+                                         k_caches[0].size(0), window);
     const Step step{residual, positions, cos_sin, k_caches, v_caches, slot_mapping, block_tables, tasks};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const auto options = residual.options();

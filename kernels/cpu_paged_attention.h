@@ -331,6 +331,25 @@ inline std::vector<Task> make_tasks(const torch::Tensor& query_start_loc, const 
   return tasks;
 }
 
+// Every block a sequence's rows read is an index into the cache, which the kernel reads unchecked (a bad
+// one read NaN or another request's rows, or past the cache: SIGSEGV). Blocks wholly before a sliding
+// window are not read: they may be freed. After make_tasks, which checks the tables' width.
+inline void check_block_ids(const torch::Tensor& block_tables, const torch::Tensor& query_start_loc,
+                            const torch::Tensor& seq_lens, int64_t block_size, int64_t num_blocks, int64_t window) {
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
+    const int64_t seq_len = lens[s], query_len = starts[s + 1] - starts[s];
+    const int64_t first_seen = window > 0 ? std::max<int64_t>(0, seq_len - query_len - window + 1) : 0;
+    for (int64_t b = first_seen / block_size; b < (seq_len + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables: sequence ", s, " block ", b, " is ", block,
+                        ", not one of the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
 // The tasks of make_tasks on every thread parallel_for names (cpu_team.h), each claiming the next from
 // `next` (0 before the first thread starts; shared by the threads). Arguments as paged_attention's.
 template <class ParallelFor>
@@ -387,6 +406,7 @@ inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(sliding_window >= 0, "sliding_window: must be >= 0 (0 for none), got ", sliding_window);
   const std::vector<Task> tasks = make_tasks(query_start_loc, seq_lens, block_tables.size(1), k_cache.size(1),
                                              k_cache.size(2), sliding_window);
+  check_block_ids(block_tables, query_start_loc, seq_lens, k_cache.size(1), k_cache.size(0), sliding_window);
   std::atomic<int64_t> next{0};
   run_tasks(AtenParallelFor{}, next, tasks, out, q, k_cache, v_cache, block_tables, scale);
 }

@@ -215,3 +215,17 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(no_compiler,
     ) in caplog.messages
     with pytest.raises(ValueError, match=r"^attention_backend: 'cpu' cannot run: no C\+\+ compiler"):
         get_attention_backend("cpu", CPU)
+
+
+@pytest.mark.parametrize("bad", [-1, "num_blocks", 100_000_000])
+def test_kernel_rejects_a_block_id_outside_the_cache(bad):
+    """The kernel read any id a table held: NaN or another request's rows, and past the cache SIGSEGV."""
+    args = _kernel_args(_cpu_batch([(3, 3), (1, 9)], 4, 2, 16))
+    num_blocks = args["k_cache"].shape[0]
+    block_id = num_blocks if bad == "num_blocks" else bad
+    args["block_tables"] = args["block_tables"].clone()
+    args["block_tables"][1, 0] = block_id
+    with pytest.raises(
+        ValueError, match=rf"^block_tables: sequence 1 block 0 is {block_id}, not one of the cache's"
+    ):
+        cpu_paged_attention(**args)

@@ -9,6 +9,7 @@ per-layer path; and the checks the C++ side makes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -207,6 +208,16 @@ def test_a_position_past_the_rotary_table_is_refused(llama_runner):
     positions = positions.clone()
     positions[3] = llama_runner.model.rotary.cos_sin_cache.shape[0]
     with pytest.raises(RuntimeError, match=r"positions: \d+ \(token 3\) is outside the rotary table"):
+        llama_runner.cpu_stack.run(embeddings, positions, caches, metadata)
+
+
+def test_a_block_id_outside_the_cache_is_refused(llama_runner):
+    """As the per-layer kernel refuses it: the stack's attention read any id a table held."""
+    embeddings, positions, caches, metadata = _forward_args(llama_runner)
+    block_tables = metadata.block_tables.clone()
+    block_tables[0, 0] = caches[0][0].shape[0]
+    metadata = dataclasses.replace(metadata, block_tables=block_tables)
+    with pytest.raises(ValueError, match=r"^block_tables: sequence 0 block 0 is \d+, not one of the cache's"):
         llama_runner.cpu_stack.run(embeddings, positions, caches, metadata)
 
 
