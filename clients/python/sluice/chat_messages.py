@@ -79,7 +79,8 @@ def check_chat_fields(messages: Sequence[Mapping[str, Any]] | None, **fields: ob
 def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
     """One message dict as a `pb.ChatMessage`; OpenAI's text content parts are joined by newlines, as the
     server joins them for text templates."""
-    if not isinstance(message, Mapping) or not message.get("role"):
+    # A missing role failed with KeyError 'role'; an empty one is the server's to refuse, naming the index.
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages: each must be a mapping with a role and content, got {message!r}")
     content = message.get("content") or ""
     if not isinstance(content, str):
