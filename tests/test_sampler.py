@@ -337,3 +337,20 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does() -> None
         assert int(kept.sum()) > k or i == 0  # ties at the k-th place (the top token stands alone in row 0)
         assert torch.equal(host[i].isfinite(), kept), (i, int(host[i].isfinite().sum()), int(kept.sum()))
         assert torch.equal(sorted_[i].isfinite(), kept), i
+
+
+def test_a_constrained_row_with_fewer_tokens_than_top_k_is_not_sorted_whole(monkeypatch) -> None:
+    """Its k-th logit is -inf (the mask's), as is everything past it: no tie to look for past the
+    candidates (each such step sorted the whole vocabulary on the host)."""
+    logits = torch.full((1, 5000), float("-inf"))
+    logits[0, [3, 7]] = torch.tensor([1.0, 0.5])
+    sorted_whole = []
+    cut_sorted = sampler_module._cut_sorted
+
+    def spy(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        sorted_whole.append(x.shape[0])
+        return cut_sorted(x, *args)
+
+    monkeypatch.setattr(sampler_module, "_cut_sorted", spy)
+    cut = sampler_module.apply_filters(logits, [row(SamplingParams(top_k=50), "r")])
+    assert sorted_whole == [] and cut[0].isfinite().nonzero().flatten().tolist() == [3, 7]

@@ -289,8 +289,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     by_top_k = torch.tensor(has_top_k).unsqueeze(1)
     kth = values.gather(1, (top_k_t.clamp(max=candidates) - 1).unsqueeze(1))
     values = values.masked_fill(by_top_k & (values < kth), float("-inf"))
-    # A tie at the k-th place that runs to the last candidate may run past it: such rows are sorted whole.
-    tie_past = by_top_k.squeeze(1) & (values[:, -1] >= kth.squeeze(1)) & (candidates < vocab)
+    # A tie at the k-th place that runs to the last candidate may run past it: such rows are sorted whole
+    # (not a row with fewer than k finite logits, a constraint's: its k-th is -inf, and so is all past it).
+    kth_finite = torch.isfinite(kth.squeeze(1))
+    tie_past = by_top_k.squeeze(1) & kth_finite & (values[:, -1] >= kth.squeeze(1)) & (candidates < vocab)
     # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
     whole_rows = 0.0 if all(has_top_k) else torch.logsumexp(logits, dim=-1, keepdim=True)
     log_total = torch.where(by_top_k, torch.logsumexp(values, dim=-1, keepdim=True), whole_rows)
