@@ -242,9 +242,7 @@ class ServerMetrics:
         return self._http_servers[0].server_port
 
     def close(self) -> None:
-        for server in self._http_servers:
-            server.shutdown()
-            server.server_close()
+        _close(self._http_servers)
         self._http_servers = []
 
 
@@ -294,8 +292,12 @@ def _serve_each_address(host: str, port: int, registry: CollectorRegistry) -> li
                 _serve(server_class, address, servers[0].server_port if servers else port, registry)
             )
     except OSError:
-        for server in servers:
-            server.shutdown()
-            server.server_close()
+        _close(servers)
         raise
     return servers
+
+
+def _close(servers: list[WSGIServer]) -> None:
+    for server in servers:
+        server.shutdown()
+        server.server_close()

@@ -31,6 +31,8 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # transformers' marker: appended to the message to continue, it shows where that message's content ends in
 # the render (searching for the content itself can find it in the template's own text, "end" in "<|im_end|>").
 CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# What a template's render raises on a conversation it cannot take.
+_RENDER_ERRORS = (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class ChatTemplate:
         try:
             try:
                 rendered = self._template.render(messages=conversation, **variables, **context)
-            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError):
+            except _RENDER_ERRORS:
                 # A template that reads every message's content (SmolLM2's) fails on tool-call messages
                 # without one (transformers' form): they get vLLM's empty content instead.
                 if not (with_content := _with_empty_content(conversation)):
@@ -116,7 +118,7 @@ class ChatTemplate:
                 rendered = self._template.render(messages=with_content, **variables, **context)
         except InvalidRequestError:
             raise
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError) as e:
+        except _RENDER_ERRORS as e:
             raise InvalidRequestError("messages", f"chat template failed: {e}") from e
         return rendered if final_content is None else _cut_at_tag(rendered, final_content)
 
@@ -182,12 +184,13 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
 
 def _with_empty_content(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """`conversation` with content "" on its tool-call messages that have none; None if it has none such."""
-    if not any("tool_calls" in message and "content" not in message for message in conversation):
+
+    def lacks_content(message: dict[str, Any]) -> bool:
+        return "tool_calls" in message and "content" not in message
+
+    if not any(map(lacks_content, conversation)):
         return None
-    return [
-        {**message, "content": ""} if "tool_calls" in message and "content" not in message else message
-        for message in conversation
-    ]
+    return [{**message, "content": ""} if lacks_content(message) else message for message in conversation]
 
 
 def _raise_exception(message: str) -> None:

@@ -85,10 +85,7 @@ def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
     content = message.get("content") or ""
     if not isinstance(content, str):
         parts = content if isinstance(content, Sequence) else [content]
-        if not all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in parts
-        ):
+        if not all(_is_text_part(part) for part in parts):
             raise ValueError(f"messages: content must be a string or text parts, got {content!r}")
         content = "\n".join(part["text"] for part in parts)
     return pb.ChatMessage(
