@@ -117,23 +117,23 @@ def generate_request(
         "include_stop_str_in_output": include_stop_str_in_output,
     }
     sampling = request.sampling_params
-    fields = {name: value for name, value in optional.items() if value is not None}
-    fields |= {
+    # protobuf's own errors name no field ("bad argument type ..."): `_naming` names it.
+    for name, value in optional.items():
+        if value is not None:
+            with _naming(name, value):
+                setattr(sampling, name, value)
+    repeated = {
         "stop": (stop,) if isinstance(stop, str) else stop or (),
         "stop_token_ids": stop_token_ids or (),
-        "logit_bias": logit_bias or {},
         "allowed_token_ids": allowed_token_ids or (),
     }
-    for name, value in fields.items():
-        with _naming(name, value):  # protobuf's errors name no field ("bad argument type ...")
-            if name in ("stop", "stop_token_ids", "allowed_token_ids"):
-                if isinstance(value, bytes):
-                    raise TypeError("bytes are not a list")
-                getattr(sampling, name).extend(value)
-            elif name == "logit_bias":
-                sampling.logit_bias.update(value)
-            else:
-                setattr(sampling, name, value)
+    for name, values in repeated.items():
+        with _naming(name, values):
+            if isinstance(values, bytes):
+                raise TypeError("bytes are not a list")
+            getattr(sampling, name).extend(values)
+    with _naming("logit_bias", logit_bias):
+        sampling.logit_bias.update(logit_bias or {})
     constraints = {
         "json_schema": json_schema,
         "regex": regex,
