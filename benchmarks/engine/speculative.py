@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from dataclasses import asdict, dataclass
 
 from sluice.benchmarks.engine.cache_hits import CacheHits, common_prefix_len
+from sluice.benchmarks.engine.completion_timing import tpot_ms
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.outputs import EngineStats
@@ -121,17 +120,6 @@ def grounded(i: int) -> list[dict[str, str]]:
 
 def chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": CHAT[i % len(CHAT)]}]
-
-
-def tpot_ms(completions: list[Completion]) -> float:
-    """Mean over requests of (last token time - first token time) / (tokens - 1), in milliseconds; one-token
-    completions (an EOS first) have no time per output token; NaN when none has more."""
-    per_request = [
-        (c.timings.finished - c.timings.first_token) / (len(c.token_ids) - 1)
-        for c in completions
-        if len(c.token_ids) > 1
-    ]
-    return 1000 * statistics.mean(per_request) if per_request else math.nan
 
 
 def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int, warm_up: Completion) -> Row:

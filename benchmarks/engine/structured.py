@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from sluice.benchmarks.engine.completion_timing import tpot_ms
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
@@ -75,16 +75,6 @@ def conversation(i: int) -> list[dict[str, str]]:
     items = ", ".join(f"{2 + (i + k) % 9} {PRODUCTS[(i + 2 * k) % len(PRODUCTS)]}" for k in range(1 + i % 3))
     text = f"{name} from {city} ordered {items}. Please ship it as soon as possible."
     return [{"role": "user", "content": f"Extract the order as JSON: {text}"}]
-
-
-def tpot_ms(completions: list[Completion]) -> float:
-    """Mean over requests of (last token time - first token time) / (tokens - 1), in milliseconds."""
-    per_request = [
-        (c.timings.finished - c.timings.first_token) / (len(c.token_ids) - 1)
-        for c in completions
-        if len(c.token_ids) > 1
-    ]
-    return 1000 * statistics.mean(per_request)
 
 
 def run(llm: LLM, conversations: list, params: list[SamplingParams], concurrency: int) -> list[Completion]:
