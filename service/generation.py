@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import msgspec
 
+from sluice.engine.errors import QueueFullError
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.outputs import NO_OUTPUT_LOGPROBS, RequestOutput, Timings
 from sluice.service import convert
@@ -93,7 +94,8 @@ class GenerationRunner:
         Telemetry records one request: the completion tokens and preemptions of all samples, finished or
         not, each sample's finish ("abort" for those the caller left before they finished). The tenant's
         slot is free before the last output is handed on (a caller may send its next request on it), and
-        a request aborted before it came takes none (nor a rate token).
+        a request aborted before it came takes none (nor a rate token); one refused for a full queue
+        gives its rate token back.
         """
         span.record_params(spec.params)
         cancel = cancel or RequestCancel()
@@ -114,6 +116,9 @@ class GenerationRunner:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     yield output
+        except QueueFullError:  # the server's load, not the tenant's: its retry finds the token back
+            self._limiter.refund(caller.tenant)
+            raise
         finally:
             self._cancels.discard(cancel)
             if timer is not None:

@@ -5,6 +5,7 @@
     admit(tenant) ──over concurrency──> TenantOverLimitError(retry after CONCURRENCY_PUSHBACK_MS)
                   ──bucket empty──────> TenantOverLimitError(retry after the next token is due)
                   ──else──────────────> a release callable (call it once the request ends)
+    refund(tenant): gives the token back, for a request the server refused for its own load (full queue)
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class TenantLimiter:
                 self._live[tenant.name] -= 1
 
         return release
+
+    def refund(self, tenant: Tenant) -> None:
+        """Returns the token `admit` took, for a request the server turned away for its own load (its
+        queue was full): the retry the pushback asks for must not find the tenant's bucket empty."""
+        bucket = self._buckets.get(tenant.name)
+        if bucket is not None and tenant.burst is not None:
+            bucket.tokens = min(tenant.burst, bucket.tokens + 1.0)
 
     def _take_token(self, tenant: Tenant) -> None:
         rate, burst = tenant.requests_per_second, tenant.burst

@@ -306,6 +306,31 @@ def test_an_abort_before_its_request_takes_no_slot_of_the_tenant(tenant_server: 
     tenant_server.wait_idle()
 
 
+def test_a_request_refused_for_a_full_queue_gives_its_rate_token_back(
+    llama_long_dir: str, keys_file: Path
+) -> None:
+    """'slow' may send one request per 2 s. Refused because the server's queue was full (its load, not
+    the tenant's), its retry after the pushback was refused again for the rate: the refusal had spent the
+    token."""
+    config = ServerConfig(host="127.0.0.1", port=0, tenants=TenantDirectory.load(keys_file))
+    thread = ServerThread(long_engine_config(llama_long_dir, max_num_seqs=1), config, max_queue=1).start()
+    try:
+        with _client(thread, "key-alpha") as client:
+            running = client.generate(generate_request("Hello", **UNENDING))
+            next(running)
+            waiting = client.generate(generate_request("wait", **UNENDING))
+            wait_for(lambda: thread.stats().num_waiting == 1, "the second request waiting")
+            error = _stub_call(thread, "key-slow", generate_request("full", max_tokens=1))
+            assert error.details().startswith("the waiting queue is full")
+            running.close()
+            waiting.close()
+        thread.wait_idle()
+        with _client(thread, "key-slow") as client:
+            assert client.complete(generate_request("retry", max_tokens=1)).usage.completion_tokens == 1
+    finally:
+        thread.stop()
+
+
 # The keys file and the limiter without a server.
 
 
@@ -413,6 +438,14 @@ def test_token_bucket_refills_at_the_rate() -> None:
     release()
     release()  # idempotent
     assert limiter.live(tenant) == 0
+    limiter.refund(tenant)  # the token taken for the last admit
+    limiter.admit(tenant)()
+    for _ in range(3):
+        limiter.refund(tenant)
+    limiter.admit(tenant)()
+    limiter.admit(tenant)()  # refunds fill the bucket to its burst, no further
+    with pytest.raises(TenantOverLimitError):
+        limiter.admit(tenant)
 
 
 def test_a_keys_file_that_is_not_utf_8_is_refused_naming_the_flag(tmp_path: Path) -> None:
