@@ -197,3 +197,23 @@ def test_an_included_stop_string_is_found_across_emitted_pieces() -> None:
             # `include`; the text ends with it.
             start, _, first = min((text.find(s), stops.index(s), s) for s in stops if s in text)
             assert (emitted, matcher.matched) == (text[: start + len(first)], first), (stops, text)
+
+
+def test_held_text_is_the_longest_suffix_that_may_begin_a_stop_string() -> None:
+    """Against the definition, recomputed from the whole text at every piece: pieces within min_tokens
+    (match False) included, stop strings that overlap themselves ("aab", "abab") and each other."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab", k=rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        matcher = StopStringMatcher(stops)
+        text, emitted, unmatched = "", "", rng.randrange(0, 4)  # the first pieces may not match
+        for number in range(12):
+            piece = "".join(rng.choices("abc", k=rng.randrange(1, 4)))
+            text += piece
+            emitted += matcher.push(piece, match=number >= unmatched)
+            if matcher.matched is not None:
+                break
+            held = max(
+                (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0
+            )
+            assert emitted == text[: len(text) - held], (stops, text)

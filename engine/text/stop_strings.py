@@ -11,6 +11,9 @@ class StopStringMatcher:
     Invariant: the held-back text is the longest suffix of the unemitted text that is a proper prefix of some
     stop string, so at most (longest stop string - 1) characters are held, and a stop string that spans
     several pieces is still found. Once `matched` is set, the text from the stop string on is dropped.
+    Each stop string's partial match is carried from piece to piece (Knuth-Morris-Pratt), so a piece costs
+    its own length, however long the stop strings and the held text (a rescan of the held text at each
+    piece cost its square: seconds on the event loop for a 300k-character stop string).
 
     `include` (vLLM's include_stop_str_in_output): the stop string is emitted too, and only what follows it
     is dropped; nothing is held back (a stop string is looked for across the last pieces already emitted).
@@ -23,6 +26,8 @@ class StopStringMatcher:
         self._include = include
         self._emitted_tail = ""  # with `include`: the emitted text a stop string may have begun in
         self._tail_len = max(map(len, self.stop_strings), default=1) - 1
+        self._fallbacks = [_fallback_table(stop) for stop in self.stop_strings]
+        self._partials = [0] * len(self.stop_strings)  # per stop string: how much of it the text ends with
 
     def push(self, text: str, match: bool = True) -> str:
         """Append `text`; return the newly emittable text (empty once a stop string matched).
@@ -42,7 +47,7 @@ class StopStringMatcher:
             self.matched = stop
             self._held = ""
             return pending[:stop_at]
-        keep = self._partial_suffix_len(pending)
+        keep = self._advance_partials(text)
         self._held = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
 
@@ -70,15 +75,30 @@ class StopStringMatcher:
                 best_at, best = at, stop
         return best_at, best
 
-    def _partial_suffix_len(self, text: str) -> int:
-        # Only a suffix starting with a stop string's first character can be a prefix of it, so each stop
-        # string costs one `find` over the last (its length - 1) characters when that character is absent.
-        longest = 0
-        for stop in self.stop_strings:
-            at = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
-            while at != -1 and len(text) - at > longest:
-                if stop.startswith(text[at:]):
-                    longest = len(text) - at
-                    break
-                at = text.find(stop[0], at + 1)
-        return longest
+    def _advance_partials(self, text: str) -> int:
+        """Moves each stop string's partial match over `text`; returns the longest (what to hold)."""
+        for i, (stop, fallback) in enumerate(zip(self.stop_strings, self._fallbacks, strict=True)):
+            matched = self._partials[i]
+            for char in text:
+                while matched and stop[matched] != char:
+                    matched = fallback[matched - 1]
+                if stop[matched] == char:
+                    matched += 1
+                if matched == len(stop):  # whole (within min_tokens, or unmatched): keep its longest border
+                    matched = fallback[matched - 1]
+            self._partials[i] = matched
+        return max(self._partials)
+
+
+def _fallback_table(stop: str) -> list[int]:
+    """KMP's failure function: entry i is the longest proper prefix of stop[: i + 1] that is also its
+    suffix, where a partial match falls back to when the next character does not continue it."""
+    table = [0] * len(stop)
+    matched = 0
+    for i in range(1, len(stop)):
+        while matched and stop[i] != stop[matched]:
+            matched = table[matched - 1]
+        if stop[i] == stop[matched]:
+            matched += 1
+        table[i] = matched
+    return table
