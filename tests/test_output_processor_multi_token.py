@@ -64,3 +64,22 @@ def test_a_multi_token_advance_without_a_stop_keeps_every_token(tokenizer: Token
     (out,) = processor.process([_core_output(ids, finish_reason="length")]).outputs
     assert out.token_ids == tuple(ids) and out.text == TEXT
     assert out.usage.completion_tokens == len(ids)
+
+
+def test_a_stop_string_the_final_flush_completes_keeps_the_stop_token(tokenizer: Tokenizer) -> None:
+    """An output ending mid-character, then EOS: the flush makes the held byte U+FFFD, which completes
+    the stop string "\ufffd". The EOS that ended the output was dropped from token_ids and usage."""
+    eos = tokenizer.eos_token_ids[0]
+    ids = [
+        *tokenizer.encode("Hello", add_special_tokens=False),
+        tokenizer.encode("\U0001f600", add_special_tokens=False)[0],
+        eos,
+    ]
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(AddRequest("r", [1, 2, 3], SamplingParams(stop=("\ufffd",), max_tokens=20), 0.0))
+    core_output = _core_output(ids, finish_reason="stop")
+    core_output.stop_reason = eos
+    (output,) = processor.process([core_output]).outputs
+    assert (output.text, output.stop_reason) == ("Hello", "\ufffd")
+    assert list(output.token_ids) == ids
+    assert output.usage.completion_tokens == len(ids)

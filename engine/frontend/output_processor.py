@@ -270,9 +270,10 @@ class OutputProcessor:
             and not detokenizer.includes_stop_token
         )
         text = detokenizer.add_tokens(token_ids[:-1] if skips_stop_token else token_ids)
-        if core_output.finish_reason is not None and detokenizer.stop_string is None:
-            text += detokenizer.flush()
+        cut_by_stop_string = detokenizer.stop_string is not None
+        if core_output.finish_reason is not None and not cut_by_stop_string:
+            text += detokenizer.flush()  # a stop string completed only here (by a U+FFFD) cuts no token
         num_taken = detokenizer.num_tokens - num_before
-        if skips_stop_token and detokenizer.stop_string is None:
+        if skips_stop_token and not cut_by_stop_string:
             num_taken += 1  # the stop token itself is kept in the token ids
         return text, detokenizer.stop_string, num_taken
