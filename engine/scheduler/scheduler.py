@@ -106,10 +106,9 @@ class Scheduler:
         self._finished_since_schedule: list[str] = []
         self._num_preemptions = 0
         # Request id -> its block table as allocate_slots last returned it. A decode whose table has room
-        # reuses it: no KV-manager call, and the same tuple object each step (the runner's persistent
-        # batch sees at once that it is unchanged). Dropped wherever the table can change other than by
-        # growing: freed (finish, preemption), rejected drafts' blocks freed. Not kept with a window:
-        # the window frees blocks as the request advances.
+        # reuses it: no KV-manager call, and the same tuple object each step. Dropped wherever the table
+        # can change other than by growing: freed (finish, preemption), rejected drafts' blocks freed.
+        # Not kept with a window: the window frees blocks as the request advances.
         self._tables: dict[str, tuple[int, ...]] = {}
         self._keeps_tables = sliding_window is None
 

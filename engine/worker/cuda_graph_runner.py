@@ -4,8 +4,9 @@ up, replay.
     capture sizes  [1, 2, 4, 8, 16, 24, ...]  up to the first size >= max_num_seqs
     decode batch of n sequences  ->  padded to padded_size(n)  ->  copy into the static buffers  ->  replay
 
-Rows n .. padded-1 are padding: slot_mapping -1 (no K/V write), seq_len 1 reading block 0 (every
-block-table entry ever written is a real block id, so every read stays in bounds), token 0 at position 0.
+Rows n .. padded-1 are padding: slot_mapping -1 (no K/V write), seq_len 1 reading the first block its
+block-table row holds (left by an earlier batch: every entry ever written is a real block id, so every read
+stays in bounds), token 0 at position 0.
 Their outputs are computed and dropped. Batches larger than the largest captured size run eagerly.
 
 Verify graphs (with speculative decoding: `verify_query_len` q = k + 1) replay batches of up to b
@@ -16,7 +17,7 @@ decodes and short prefill chunks among them. Each sequence is padded to q query 
     seq_len_i + (q - q_i)         so the real rows keep their positions (a query row sits at
                                   seq_len - q + j); padding rows come after them, so causality
                                   hides them from the real rows
-    padding sequences n .. b-1:   q rows at positions 0 .. q-1 of block 0 (seq_len q)
+    padding sequences n .. b-1:   q rows at positions 0 .. q-1 of their row's first block (seq_len q)
 
 Padding rows write no K/V (slot -1), sit at rotary position 0, and their outputs are dropped: the real
 rows are gathered back into the unpadded order. The attention backend then runs its prefill kernel with
