@@ -11,6 +11,8 @@ import ai.sluice.v1.SamplingParams;
 import ai.sluice.v1.StreamCancel;
 import ai.sluice.v1.StreamGenerateRequest;
 import ai.sluice.v1.StreamGenerateResponse;
+import ai.sluice.v1.TokenizeRequest;
+import ai.sluice.v1.TokenizeResponse;
 import io.grpc.ClientInterceptor;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
@@ -32,7 +34,9 @@ import java.util.stream.Collectors;
  * StreamGenerate stream, the second cancelled in-band after its first chunk.
  *
  * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
- * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID}.
+ * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID}; a
+ * {@code --long-tokens} of 0 (the default) is what the context leaves beside the prompt, so the requests
+ * cancelled mid-stream are still running when cancelled.
  *
  * <p>{@code --session ID} turns on session affinity (docs/FLEET.md): the ring-hash service config
  * ({@link #sessionServiceConfig}) and the header {@code x-sluice-session: ID} on every call, so all of
@@ -188,8 +192,11 @@ public final class SluiceExample {
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
-        "--max-tokens", "8", "--long-tokens", "200", "--session", ""));
-    for (int i = 0; i + 1 < args.length; i += 2) {
+        "--max-tokens", "8", "--long-tokens", "0", "--session", ""));
+    if (args.length % 2 != 0) {
+      throw new IllegalArgumentException("flags come in pairs (--flag value); known: " + flags.keySet());
+    }
+    for (int i = 0; i < args.length; i += 2) {
       if (!flags.containsKey(args[i])) {
         throw new IllegalArgumentException("unknown flag " + args[i] + "; known: " + flags.keySet());
       }
@@ -215,6 +222,11 @@ public final class SluiceExample {
       GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
           .withWaitForReady().getModelInfo(GetModelInfoRequest.getDefaultInstance());
       System.out.printf("model: name=%s max_model_len=%d%n", info.getModelName(), info.getMaxModelLen());
+      if (longTokens == 0) {  // what the context leaves beside the prompt: still running when cancelled
+        TokenizeResponse tokens = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
+            .tokenize(TokenizeRequest.newBuilder().setText(prompt).build());
+        longTokens = info.getMaxModelLen() - tokens.getTokenIdsCount();
+      }
 
       runGenerate(blocking, textRequest("java-generate", prompt, maxTokens), false)
           .print("generate", "java-generate");
