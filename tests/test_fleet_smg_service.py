@@ -159,7 +159,7 @@ def test_abort_refuses_an_id_over_512_bytes(engine_stub) -> None:
             {"max_tokens": LONG_CONTEXT},
             f"sampling_params.max_tokens: {LONG_CONTEXT} tokens after a 40-token prompt",
         ),
-        ({"structural_tag": "{}"}, 'sampling_params.structural_tag: must be a JSON object with "type"'),
+        ({"structural_tag": "{}"}, 'sampling_params.structural_tag: needs a "format" object'),
         ({"truncate_prompt_tokens": -2}, "sampling_params.truncate_prompt_tokens: must be -1"),
         ({"top_p": 2.0}, "sampling_params.top_p: must be in (0, 1]"),  # SamplingParams' own check
     ],
@@ -169,6 +169,36 @@ def test_what_cannot_run_is_invalid_argument(engine_stub, sampling: dict, messag
         _generate(engine_stub, list(range(20, 60)), True, **sampling)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(message)
+
+
+def test_a_structural_tag_without_type_is_taken_as_smgs_mistral_parser_sends_it(
+    server: ServerThread, engine_stub
+) -> None:
+    """SMG's mistral tool parser (tool_choice "required" or named) sends xgrammar's form with no top-level
+    "type", which xgrammar and vLLM take: every such request was INVALID_ARGUMENT."""
+    call = {
+        "type": "json_schema",
+        "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    name = '{"name": "get_weather", "arguments": '
+    tags = {
+        "type": "tags_with_separator",
+        "tags": [{"begin": name, "content": call, "end": "}"}],
+        "separator": ", ",
+    }
+    tag = {
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["[TOOL_CALLS]"],
+            "tags": [{"begin": "[TOOL_CALLS] [", "content": tags, "end": "]"}],
+            "at_least_one": True,
+        }
+    }
+    responses = _generate(
+        engine_stub, list(range(20, 40)), False, structural_tag=json.dumps(tag), max_tokens=80
+    )
+    text = server.engine.tokenizer.decode(list(responses[-1].complete.output_ids))
+    assert text.startswith("[TOOL_CALLS] [" + name), text
 
 
 def test_a_prompt_check_names_smgs_field(engine_stub) -> None:

@@ -42,6 +42,9 @@ WHOLE = {
 }
 
 
+NOT_A_TAG = 'structural_tag: must be a JSON object whose "type", if given, is "structural_tag"'
+
+
 def _accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
     matcher = xgr.GrammarMatcher(compiled)
     return matcher.accept_string(text) and matcher.is_completed()
@@ -77,7 +80,8 @@ def test_smollm2_answers_inside_the_tag_with_json_of_its_schema() -> None:
     ("tag", "message"),
     [
         ("{", "structural_tag: is not valid JSON"),
-        ({"type": "tag"}, 'structural_tag: must be a JSON object with "type": "structural_tag"'),
+        ({"type": "tag"}, NOT_A_TAG),
+        ("[]", NOT_A_TAG),
         ({**OLDER, "triggers": []}, "structural_tag.triggers: must be a non-empty list"),
         (
             {**OLDER, "structures": [{"begin": "<f>", "schema": {"not": {"type": "null"}}, "end": "</f>"}]},

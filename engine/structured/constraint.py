@@ -101,8 +101,9 @@ def _check_structural_tag(text: str) -> None:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"structural_tag: is not valid JSON: {e}") from e
-    if not isinstance(value, dict) or value.get("type") != "structural_tag":
-        raise ValueError('structural_tag: must be a JSON object with "type": "structural_tag"')
+    # "type" may be left out, as xgrammar and vLLM take it (SMG's mistral tool parser sends none).
+    if not isinstance(value, dict) or value.get("type", "structural_tag") != "structural_tag":
+        raise ValueError('structural_tag: must be a JSON object whose "type", if given, is "structural_tag"')
     if "structures" in value:  # the older form
         structures, triggers = value["structures"], value.get("triggers")
         if not isinstance(structures, list) or not structures:
