@@ -207,13 +207,16 @@ class _Sample:
 
 class SmgResponses:
     """Turns one request's engine outputs (all its samples, interleaved) into GenerateResponses; the
-    prompt's logprobs go in slices, the event loop served in between (`in_slices`)."""
+    prompt's logprobs go in slices, the event loop served in between (`in_slices`). Not streaming, the
+    samples' completes go out together once the last finished, in sample order, as vLLM's servicer sends
+    them (FINAL_ONLY): SMG numbers non-streamed choices by arrival, not by `index`."""
 
     def __init__(self, spec: GenerationSpec, stream: bool) -> None:
         self._params = spec.params
         self._prompt_token_ids = spec.prompt.token_ids or ()
         self._stream = stream
         self._samples: dict[int, _Sample] = {}
+        self._completes: dict[int, smg.GenerateResponse] = {}  # not streaming: held until all finished
         self._prompt_logprobs: PromptLogprobs | None = None  # once sample 0's first tokens came
 
     async def responses(self, output: RequestOutput) -> AsyncIterator[smg.GenerateResponse]:
@@ -228,11 +231,18 @@ class SmgResponses:
                 await self._add_input_logprobs(response.chunk.input_logprobs)
             sample.sent_first_chunk = True
             yield response
-        if output.finished:
-            response = smg.GenerateResponse(complete=self._complete(output, sample))
-            if self._prompt_logprobs is not None and not self._stream:
-                await self._add_input_logprobs(response.complete.input_logprobs)
+        if not output.finished:
+            return
+        response = smg.GenerateResponse(complete=self._complete(output, sample))
+        if self._stream:
             yield response
+            return
+        if self._prompt_logprobs is not None:
+            await self._add_input_logprobs(response.complete.input_logprobs)
+        self._completes[output.index] = response
+        if len(self._completes) == self._params.n:
+            for index in sorted(self._completes):
+                yield self._completes[index]
 
     def _take_prompt_logprobs(self, output: RequestOutput, sample: _Sample) -> bool:
         """Whether `output`, a sample's first with tokens, carries the prompt's logprobs when they were
