@@ -239,6 +239,13 @@ def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: 
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "sampling_params.max_tokens: needs 9 KV blocks but the cache has 8",
             )
+            # max_tokens unset: the prompt alone fills the cache (the default named max_tokens, 8192 blocks).
+            with pytest.raises(grpc.RpcError) as info:
+                _generate(stub, [20] * 128, True)
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "tokenized.input_ids: its 128 tokens and one generated need 9 KV blocks but the cache has 8",
+            )
             assert thread.wait_idle().num_kv_blocks_used == 0
     finally:
         thread.stop()

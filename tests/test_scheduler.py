@@ -373,11 +373,14 @@ def test_max_model_len_ends_generation_and_rejects_what_cannot_fit(caplog):
         (
             "WARNING",
             "the KV cache's 2 blocks hold less than one request of max_model_len 512 (32 blocks): a request "
-            "whose prompt + max_tokens needs more is refused (max_tokens, RESOURCE_EXHAUSTED)",
+            "whose prompt + max_tokens needs more is refused (max_tokens or prompt, RESOURCE_EXHAUSTED)",
         )
     ]
-    with pytest.raises(ContextLengthError, match="needs 3 KV blocks but the cache has 2"):
+    with pytest.raises(ContextLengthError, match="^max_tokens: needs 3 KV blocks but the cache has 2$"):
         small_pool.add_request(make_request("big", tokens(30), max_tokens=10))
+    # A prompt that leaves no room for one generated token is the prompt's fault, whatever max_tokens.
+    with pytest.raises(ContextLengthError, match="^prompt: its 32 tokens and one generated need 3 KV blocks"):
+        small_pool.add_request(make_request("big", tokens(32), max_tokens=1))
     with pytest.raises(ValueError, match="already live"):
         small_pool.add_request(make_request("x", tokens(3)))
         small_pool.add_request(make_request("x", tokens(3)))

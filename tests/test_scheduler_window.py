@@ -50,7 +50,10 @@ def test_admission_counts_only_the_windowed_blocks():
     request = make_request("a", tokens(100), max_tokens=2)
     # 19 positions before a 32-token chunk span at most 5 blocks; the whole context would need 7.
     _scheduler(num_blocks=5, sliding_window=20).add_request(request)
-    with pytest.raises(ContextLengthError, match="needs 7 KV blocks but the cache has 5"):
+    with pytest.raises(
+        ContextLengthError,
+        match="^prompt: its 100 tokens and one generated need 7 KV blocks but the cache has 5$",
+    ):
         _scheduler(num_blocks=5, sliding_window=None).add_request(make_request("b", tokens(100), 2))
 
 

@@ -92,7 +92,8 @@ class Scheduler:
         if longest > num_blocks:  # vLLM refuses to start; here each request that cannot fit is refused
             logger.warning(
                 "the KV cache's %d blocks hold less than one request of max_model_len %d (%d blocks): "
-                "a request whose prompt + max_tokens needs more is refused (max_tokens, RESOURCE_EXHAUSTED)",
+                "a request whose prompt + max_tokens needs more is refused "
+                "(max_tokens or prompt, RESOURCE_EXHAUSTED)",
                 num_blocks,
                 max_model_len,
                 longest,
@@ -490,13 +491,21 @@ class Scheduler:
             raise ContextLengthError(
                 "prompt", f"{request.num_prompt_tokens} tokens exceed max_model_len {self.max_model_len}"
             )
+        budget = self.config.max_num_batched_tokens
         max_tokens_with_kv = min(request.num_tokens + request.sampling_params.max_tokens, self.max_model_len)
-        num_blocks_needed = self.kv.num_blocks_needed(max_tokens_with_kv, self.config.max_num_batched_tokens)
+        num_blocks_needed = self.kv.num_blocks_needed(max_tokens_with_kv, budget)
         if num_blocks_needed > self.num_blocks:
+            # The prompt's fault where it leaves the cache no room for one token to be generated.
+            with_one = self.kv.num_blocks_needed(min(request.num_tokens + 1, self.max_model_len), budget)
+            if with_one > self.num_blocks:
+                raise ContextLengthError(
+                    "prompt",
+                    f"its {request.num_tokens} tokens and one generated need {with_one} KV blocks but the "
+                    f"cache has {self.num_blocks}",
+                )
             raise ContextLengthError(
                 "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"
             )
-        budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and max_tokens_with_kv > budget:
             # A preempted request recomputes its prompt and outputs in one step: both must fit.
             field = "prompt" if request.num_prompt_tokens > budget else "max_tokens"
