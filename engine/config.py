@@ -53,15 +53,16 @@ def option(
 class ModelConfig:
     """Where the weights come from and how they are held.
 
-    `model` is a Hugging Face directory or a `.gguf` file; None means the embedded default model.
+    `model` is a Hugging Face directory or a GGUF file (or a directory holding one); None means the embedded
+    default model.
     With `load_format="dummy"`, `preset` names a shape from `sluice.engine.loading.presets` (or `model` points
     at a directory whose config.json gives the shape) and the weights are random.
     """
 
     model: str | None = option(
         None,
-        "Hugging Face directory, .gguf file or packaged model name such as gemma3-270m "
-        "(default: the embedded SmolLM2)",
+        "Hugging Face directory, GGUF file (or a directory holding one) or packaged model name such as "
+        "gemma3-270m (default: the embedded SmolLM2)",
         exclusive="source",
     )
     load_format: str = option(
@@ -69,6 +70,11 @@ class ModelConfig:
     )
     preset: str | None = option(
         None, "random weights in a named shape (sluice.engine.loading.presets)", exclusive="source"
+    )
+    served_model_name: str | None = option(
+        None,
+        "the model's name in the API (GetModelInfo, SMG, which routes by it, traces); default: the name "
+        "of --model's directory or file, or of the preset",
     )
     dtype: str = option(
         "auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES
@@ -113,6 +119,12 @@ class ModelConfig:
             "load_format='dummy' needs a preset name or a model directory with a config.json",
         )
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        name = self.served_model_name
+        _require(
+            name is None or (name.strip() == name != "" and name.isprintable()),
+            "served_model_name",
+            f"must be printable, without surrounding spaces, and not empty; got {name!r}",
+        )
         block = self.fp8_weight_block
         _require(
             block is None or self.quantization == "fp8", "fp8_weight_block", "goes with quantization fp8"

@@ -86,6 +86,7 @@ def test_gpu_and_read_only_model_volume(resources, container) -> None:
     args = parse_sluice_args(container["args"])
     (mount,) = container["volumeMounts"]
     assert (mount["mountPath"], mount["readOnly"]) == (args.model, True)
+    assert args.served_model_name == "llm"  # not the mount's name, "models", which SMG would route by
     (volume,) = pod["volumes"]
     assert volume["name"] == mount["name"] and volume["persistentVolumeClaim"]["readOnly"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True

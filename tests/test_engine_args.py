@@ -4,6 +4,7 @@ field's default, and the flags build the config the fields describe; `LLM(**kwar
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field, fields
 
 import pytest
@@ -51,11 +52,11 @@ def test_flags_build_every_section() -> None:
             "--block-size", "32", "--kv-cache-memory", "64MiB", "--no-prefix-caching",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-chunked-prefill",
             "--attention-backend", "torch", "--enforce-eager", "--num-threads", "1",
-            "--speculative", "ngram", "--ngram-max", "3",
+            "--speculative", "ngram", "--ngram-max", "3", "--served-model-name", "llama-3-8b",
         )
     )  # fmt: skip
     assert (config.model.preset, config.model.load_format, config.model.dtype) == ("tiny", "dummy", "float32")
-    assert config.model.max_model_len == 512
+    assert (config.model.max_model_len, config.model.served_model_name) == (512, "llama-3-8b")
     assert (config.cache.block_size, config.cache.kv_cache_memory_bytes) == (32, 64 << 20)
     assert config.cache.enable_prefix_caching is False
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 256)
@@ -79,6 +80,11 @@ def test_bad_flags_are_refused_naming_them(capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(ValueError, match=f"^device: must be auto, cpu, cuda or cuda:N, got '{device}'$"):
             engine_config_from_args(_parse("--device", device))
     assert engine_config_from_args(_parse("--device", "cuda:1")).model.device == "cuda:1"
+    for name in ("", " llama", "llama\n"):
+        with pytest.raises(
+            ValueError, match=f"^served_model_name: must be printable, .* got {re.escape(repr(name))}$"
+        ):
+            engine_config_from_args(_parse("--served-model-name", name))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ sluice.v1's answer, Abort, and the status codes of what Sluice does not do."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -19,6 +20,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from sluice import Client, generate_request
+from sluice.v1 import sluice_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -262,7 +264,13 @@ def test_kv_events_without_the_flag_and_embeddings_are_unimplemented(engine_stub
 
 
 def test_health_follows_loading_and_draining(llama_dir: str) -> None:
-    thread = ServerThread(tiny_engine_config(llama_dir)).start(attach=False)
+    """With --served-model-name, both APIs call the model by it: SMG routes by that name (a model mounted
+    at /models in the image was "models", and every OpenAI call naming its model failed)."""
+    config = tiny_engine_config(llama_dir)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, served_model_name="fleet-llama")
+    )
+    thread = ServerThread(config).start(attach=False)
     try:
         with thread.channel() as channel:
             stub = smg_grpc.VllmEngineStub(channel)
@@ -270,6 +278,9 @@ def test_health_follows_loading_and_draining(llama_dir: str) -> None:
             assert (loading.healthy, loading.message) == (False, "the server is still loading the model")
             thread.attach()
             assert stub.HealthCheck(smg.HealthCheckRequest(), timeout=10).healthy
+            info = stub.GetModelInfo(smg.GetModelInfoRequest(), timeout=10)
+            own = thread.stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert (info.served_model_name, info.model_path, own.model_name) == ("fleet-llama",) * 3
             thread.call(thread.server.begin_drain())
             draining = stub.HealthCheck(smg.HealthCheckRequest(), timeout=10)
             assert not draining.healthy and "draining" in draining.message

