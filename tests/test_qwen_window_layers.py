@@ -4,8 +4,10 @@ Qwen2/Qwen3 configs as the Hub has them (transformers 4 style: `use_sliding_wind
 no `layer_types`) window only the layers from `max_window_layers` on; transformers derives that
 (models/qwen2/configuration_qwen2.py). Three layers, window 12, max_window_layers 2: only the last layer is
 windowed, and prompts of 23 and 40 tokens reach past it. `hidden_act` picks the MLP's activation; one
-Sluice does not run is refused by name. Each runs against transformers on the same checkpoint: logits
-within 1e-4 and greedy tokens equal (test_model_parity's runner and reference).
+Sluice does not run is refused by name. A Llama config carrying `sliding_window` windows nothing, a Qwen
+config without `use_sliding_window` neither; Gemma 3's local layers take their own RoPE scaling; keys a
+config leaves out take transformers' defaults. Each runs against transformers on the same checkpoint:
+logits within 1e-4 and greedy tokens equal (test_model_parity's runner and reference).
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ def _llama(directory: str, hidden_act: str) -> str:
     return _save(LlamaForCausalLM(config), directory, 53)
 
 
-def _assert_runs_like_transformers(directory: str, backend: str) -> None:
+def _assert_runs_like_transformers(directory: str, backend: str, reference=None) -> None:
+    """`reference`: transformers' logits and greedy tokens (default: on `directory`)."""
     prompts = _prompts()  # 5, 23 and 40 tokens
     logits, tokens, _ = _run_sluice(directory, prompts, backend)
-    ref_logits, ref_tokens = _hf_reference(directory, prompts)
+    ref_logits, ref_tokens = reference or _hf_reference(directory, prompts)
     for got, want in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert tokens == ref_tokens
@@ -127,3 +130,92 @@ def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError) as error:
         ModelRunner(config, load_model_source(config.model))
     assert str(error.value) == "hidden_act: 'relu' is not supported; supported: silu, gelu_pytorch_tanh"
+
+
+def _with_config(directory: str, **extra: object) -> str:
+    """config.json with `extra` keys added, as hand-written or converted configs carry them."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, **extra}, f, indent=2)
+    return directory
+
+
+def _gemma3(directory: str, local_rope: dict | None = None, drop: tuple[str, ...] = ()) -> str:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, **(local_rope or {})},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        pad_token_id=0,
+    )
+    return _save(Gemma3ForCausalLM(config), directory, 55, drop)
+
+
+def test_a_llama_config_with_a_sliding_window_key_windows_no_layer(tmp_path):
+    """transformers' Llama forward ignores `sliding_window` (and vLLM windows only what layer_types
+    marks); configs converted from Mistral or Qwen keep the key, and every layer was windowed. The
+    reference is transformers on the config without the key: its generate would keep only the window's
+    tokens in its cache, which its own forward does not do."""
+    directory = _llama(str(tmp_path), "silu")
+    reference = _hf_reference(directory, _prompts())
+    _with_config(directory, sliding_window=8)
+    assert load_model_source(ModelConfig(model=directory)).arch.uniform_sliding_window is None
+    _assert_runs_like_transformers(directory, "torch", reference)
+
+
+def test_qwen_without_a_use_sliding_window_key_windows_no_layer(tmp_path):
+    """transformers' Qwen2/Qwen3 configs default use_sliding_window to False; it was taken as True."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPE, **QWEN_WINDOWED)
+    directory = _save(Qwen2ForCausalLM(config), str(tmp_path), 54, drop=("layer_types", "use_sliding_window"))
+    arch = load_model_source(ModelConfig(model=directory)).arch
+    assert [arch.layer_sliding_window(i) for i in range(3)] == [None, None, None]
+
+
+def test_gemma3_local_layers_take_their_own_rope_scaling(tmp_path):
+    """transformers 5 (and vLLM) scale each layer type's RoPE by its own rope_parameters; the local
+    layers' scaling was dropped."""
+    _assert_runs_like_transformers(_gemma3(str(tmp_path), {"rope_type": "linear", "factor": 4.0}), "torch")
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path):
+    """Gemma 3 without query_pre_attn_scalar (256) and rope_parameters (global base 1e6), Llama without
+    rms_norm_eps (1e-6): Sluice took head_dim, 10000 and 1e-5."""
+    from transformers import LlamaConfig
+
+    _assert_runs_like_transformers(
+        _gemma3(str(tmp_path / "gemma3"), drop=("query_pre_attn_scalar", "rope_parameters")), "torch"
+    )
+    llama = _save_llama_without(str(tmp_path / "llama"), "rms_norm_eps")
+    assert load_model_source(ModelConfig(model=llama)).arch.rms_norm_eps == LlamaConfig().rms_norm_eps
+
+
+def _save_llama_without(directory: str, key: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPE, num_hidden_layers=2, rope_theta=1e4)
+    return _save(LlamaForCausalLM(config), directory, 53, drop=(key,))
+
+
+def test_an_unsupported_gemma_activation_is_refused_naming_hidden_activation(tmp_path):
+    directory = _with_config(_gemma3(str(tmp_path)), hidden_activation="gelu")
+    config = EngineConfig(
+        model=ModelConfig(model=directory, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=8),
+        attention_backend="torch",
+    )
+    with pytest.raises(ValueError) as error:
+        ModelRunner(config, load_model_source(config.model))
+    assert (
+        str(error.value) == "hidden_activation: 'gelu' is not supported; supported: silu, gelu_pytorch_tanh"
+    )

@@ -17,6 +17,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # Their configs window only the layers from `max_window_layers` (transformers' default 28) on.
 QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QWEN_MAX_WINDOW_LAYERS = 28
+# transformers' defaults for keys a config.json leaves out (every family's config class: 1e-6; Gemma 3's
+# global RoPE base 1e6; Mistral's, Qwen's and Gemma 3's window 4096).
+DEFAULT_RMS_NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
+GEMMA3_ROPE_THETA = 1_000_000.0
+DEFAULT_SLIDING_WINDOW = 4096
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
 @dataclass(frozen=True)
@@ -113,13 +120,12 @@ class ModelArchConfig:
             num_key_value_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden // num_heads,
             max_position_embeddings=_max_positions(config, rope_scaling),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_theta=_rope_theta(config),
+            rms_norm_eps=config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
+            rope_theta=_rope_theta(architecture, config),
             rope_scaling=rope_scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             **_biases(architecture, config),
-            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
-            layer_types=_layer_types(config),
+            **_windows(architecture, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=token_ids(config.get("eos_token_id")),
             name=name,
@@ -158,6 +164,25 @@ def _max_positions(config: dict[str, Any], rope_scaling: RopeScaling | None) -> 
     return max(limit, int(rope_scaling.original_max_position_embeddings * rope_scaling.factor))
 
 
+def _windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers builds each family: Mistral windows every layer;
+    Qwen2/Qwen3 only with `use_sliding_window` (default off), the layers from `max_window_layers` on;
+    Gemma 3 the layers its layer_types (or sliding_window_pattern, default 6) mark sliding; Llama only
+    the layers a layer_types marks, as vLLM reads it (transformers' Llama ignores the key, which configs
+    converted from Mistral or Qwen keep: every layer was windowed)."""
+    window = config.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if architecture == "MistralForCausalLM":
+        return {"sliding_window": window}
+    if architecture in QWEN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
+        return {}
+    if architecture == "Gemma3ForCausalLM":
+        config = {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, **config}
+    layer_types = _layer_types(config)
+    if "sliding_attention" not in layer_types:
+        return {"layer_types": layer_types}
+    return {"sliding_window": window, "layer_types": layer_types}
+
+
 def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     """config.json's `layer_types`, or the one older configs imply: a `sliding_window_pattern` p (older
     Gemma 3 configs and GGUFs) makes every p-th layer full and the others sliding; Qwen2/Qwen3's
@@ -181,5 +206,6 @@ def _required(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    return float(config.get("rope_theta") or rope_parameters(config).get("rope_theta") or 10000.0)
+def _rope_theta(architecture: str, config: dict[str, Any]) -> float:
+    default = GEMMA3_ROPE_THETA if architecture == "Gemma3ForCausalLM" else DEFAULT_ROPE_THETA
+    return float(config.get("rope_theta") or rope_parameters(config).get("rope_theta") or default)

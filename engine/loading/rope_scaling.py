@@ -63,13 +63,17 @@ def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") 
     params = config.get("rope_parameters") or {}
     if layer_type in params or "full_attention" in params:
         params = params.get(layer_type) or {}
+    if layer_type != "full_attention":
+        return params  # an older config's rope_scaling is its global layers' (Gemma 3: local RoPE plain)
     return {**params, **(config.get("rope_scaling") or {})}
 
 
-def rope_scaling_from_config(config: dict[str, Any]) -> RopeScaling | None:
-    """The full-attention layers' `RopeScaling` of a parsed `config.json`; None for plain RoPE. Raises
+def rope_scaling_from_config(
+    config: dict[str, Any], layer_type: str = "full_attention"
+) -> RopeScaling | None:
+    """The `RopeScaling` of a parsed `config.json`'s `layer_type` layers; None for plain RoPE. Raises
     ValueError naming rope_scaling and the type when the type is not supported (dynamic, longrope, ...)."""
-    scaling = rope_parameters(config)
+    scaling = rope_parameters(config, layer_type)
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None

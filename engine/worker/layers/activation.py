@@ -96,8 +96,8 @@ class GeluTanhAndMul(GatedActivation):
 _ACTIVATIONS: dict[str, type[GatedActivation]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
-def get_act_and_mul(name: str) -> GatedActivation:
-    """The gated activation for config.json's `hidden_act` / `hidden_activation`."""
+def get_act_and_mul(name: str, field: str = "hidden_act") -> GatedActivation:
+    """The gated activation for config.json's `hidden_act` (or Gemma's `hidden_activation`: `field`)."""
     if name not in _ACTIVATIONS:
-        raise ValueError(f"hidden_act: {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        raise ValueError(f"{field}: {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]()

@@ -15,11 +15,18 @@ class GatedMLP(nn.Module):
     Under tensor parallelism each rank holds 1/N of the intermediate columns: gate_up column-parallel,
     down row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        bias: bool = False,
+        activation_field: str = "hidden_act",
+    ) -> None:
         super().__init__()
         sizes = (intermediate_size, intermediate_size)
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, bias)
-        self.act = get_act_and_mul(activation)
+        self.act = get_act_and_mul(activation, activation_field)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor | Fp8Activations) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 
 from sluice.engine.loading.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec
 from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.rope_scaling import rope_parameters, rope_scaling_from_config
 from sluice.engine.worker.attention.metadata import AttentionMetadata
 from sluice.engine.worker.layers.attention import KVCache
 from sluice.engine.worker.layers.kernel_config import KernelConfig
@@ -25,6 +26,7 @@ from sluice.engine.worker.layers.vocab_parallel_embedding import VocabParallelEm
 from sluice.engine.worker.models.causal_lm import CausalLM
 
 GEMMA3_27B_LAYERS = 62  # how llama.cpp tells Gemma 3 27B's GGUF from the others
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256  # transformers' default, where config.json leaves it out
 
 
 class Gemma3RotaryEmbedding(RotaryEmbedding):
@@ -43,7 +45,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = CausalLM.o_proj(arch)
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
-        scale = float(arch.extra.get("query_pre_attn_scalar") or arch.head_dim) ** -0.5
+        scale = float(arch.extra.get("query_pre_attn_scalar") or GEMMA3_QUERY_PRE_ATTN_SCALAR) ** -0.5
         self.attn = CausalLM.attention(arch, layer, scale)
 
     def forward(
@@ -61,7 +63,7 @@ class Gemma3DecoderLayer(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.self_attn = Gemma3Attention(arch, layer)
         activation = arch.extra.get("hidden_activation") or "gelu_pytorch_tanh"
-        self.mlp = GatedMLP(h, arch.intermediate_size, activation)
+        self.mlp = GatedMLP(h, arch.intermediate_size, activation, activation_field="hidden_activation")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
@@ -124,8 +126,11 @@ class Gemma3ForCausalLM(CausalLM):
     ) -> None:
         """kernels: see `CausalLM.materialize`."""
         super().__init__(arch)
-        local = (arch.extra.get("rope_parameters") or {}).get("sliding_attention") or {}
+        local = rope_parameters(arch.extra, "sliding_attention")
         local_theta = float(local.get("rope_theta") or arch.extra.get("rope_local_base_freq") or 10000.0)
+        local_scaling = rope_scaling_from_config(
+            arch.extra, "sliding_attention"
+        )  # transformers 5 scales both
         max_positions = max_positions or arch.max_position_embeddings
         with torch.device("meta"):
             self.model = Gemma3Model(arch)
@@ -133,7 +138,9 @@ class Gemma3ForCausalLM(CausalLM):
             self.rotary_global = Gemma3RotaryEmbedding(
                 arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling
             )
-            self.rotary_local = Gemma3RotaryEmbedding(arch.head_dim, max_positions, local_theta, None)
+            self.rotary_local = Gemma3RotaryEmbedding(
+                arch.head_dim, max_positions, local_theta, local_scaling
+            )
         self.materialize(kernels)
         # As transformers: sqrt(hidden_size) in fp32, then rounded to the model dtype.
         self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(
