@@ -354,3 +354,26 @@ def test_a_constrained_row_with_fewer_tokens_than_top_k_is_not_sorted_whole(monk
     monkeypatch.setattr(sampler_module, "_cut_sorted", spy)
     cut = sampler_module.apply_filters(logits, [row(SamplingParams(top_k=50), "r")])
     assert sorted_whole == [] and cut[0].isfinite().nonzero().flatten().tolist() == [3, 7]
+
+
+def test_an_extreme_repetition_penalty_keeps_logits_finite_and_draws_inside_the_vocabulary() -> None:
+    """repetition_penalty may be anything > 0 (as in vLLM): 1e-45 divided positive logits to +inf and
+    3e38 multiplied negative ones to -inf; a row of infinities softmaxed to NaN, the draw returned the id
+    one past the vocabulary, and the next step's embedding took the engine down for every caller."""
+    logits = torch.tensor([[2.0, -2.0, 3.0, -math.inf]])
+    tiny = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=1e-45), output=[0, 1, 3])])
+    huge = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=3e38), output=[0, 1, 3])])
+    top = torch.finfo(torch.float32).max
+    nearly_zero = (torch.tensor(-2.0) * torch.tensor(1e-45)).item()  # float32 rounds 1e-45
+    assert tiny.tolist() == [[top, nearly_zero, 3.0, -math.inf]]  # a masked token stays masked
+    assert huge.tolist() == [[(torch.tensor(2.0) / torch.tensor(3e38)).item(), -top, 3.0, -math.inf]]
+    params = SamplingParams(repetition_penalty=1e-45, temperature=1.0)
+    batch = torch.tensor([[2.0, 1.0, 3.0, 0.5]] * 64)
+    rows = [row(params, f"r{i}", output=[0, 2]) for i in range(64)]
+    assert {t.token_id for t in Sampler(seed=0).sample(batch, rows)} == {0, 2}  # both at the float max
+
+
+def test_a_row_of_nan_probabilities_draws_an_id_inside_the_vocabulary() -> None:
+    """NaN logits (a model overflowing) give a NaN total: no token is found; the last id, not one past it."""
+    probs = torch.tensor([[math.nan] * 5, [0.1, 0.2, 0.3, 0.2, 0.2]])
+    assert sampler_module.draw_at(probs, torch.tensor([0.5, 0.5])).tolist() == [4, 2]

@@ -98,7 +98,10 @@ class Penalties:
         rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
         seen = torch.stack([s.seen for s in states])
         scaled = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, scaled, sub)
+        # An extreme penalty (1e-45, 3e38: both > 0, both allowed) overflows a finite logit to +-inf, and
+        # a row of infinities softmaxes to NaN; a masked one (-inf) stays masked.
+        finite = torch.finfo(scaled.dtype)
+        sub = torch.where(seen, scaled.clamp(finite.min, finite.max).where(sub.isfinite(), scaled), sub)
         counts = torch.stack([s.counts for s in states])
         f = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
         p = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)

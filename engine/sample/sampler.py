@@ -222,7 +222,9 @@ def draw_at(probs: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
     token_ids = torch.searchsorted(cumulative, fractions.unsqueeze(1) * total, right=True)
     # A fraction just below 1 can round the product up to the total: then the last token with mass.
     last = torch.searchsorted(cumulative, total)
-    return torch.where(token_ids < probs.shape[1], token_ids, last).squeeze(1)
+    # A row whose total is NaN (NaN logits from the model) finds no token: the last id, never one past
+    # the vocabulary, which the next step's embedding would index out of range.
+    return torch.where(token_ids < probs.shape[1], token_ids, last).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def uniform_fractions(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
