@@ -2222,7 +2222,9 @@ type GetModelInfoResponse struct {
 
 	ModelName    string `protobuf:"bytes,1,opt,name=model_name,json=modelName,proto3" json:"model_name,omitempty"`
 	Architecture string `protobuf:"bytes,2,opt,name=architecture,proto3" json:"architecture,omitempty"`
-	// The longest prompt + generated tokens one request may hold.
+	// The longest prompt + generated tokens one request may hold, by the model's context. A server whose KV
+	// cache holds fewer (kv_capacity_tokens; it warns at start) refuses a request needing more blocks than
+	// it has with RESOURCE_EXHAUSTED, naming max_tokens or the prompt.
 	MaxModelLen int32   `protobuf:"varint,3,opt,name=max_model_len,json=maxModelLen,proto3" json:"max_model_len,omitempty"`
 	VocabSize   int32   `protobuf:"varint,4,opt,name=vocab_size,json=vocabSize,proto3" json:"vocab_size,omitempty"`
 	EosTokenIds []int32 `protobuf:"varint,5,rep,packed,name=eos_token_ids,json=eosTokenIds,proto3" json:"eos_token_ids,omitempty"`
