@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.bench.metrics import percentile
 from sluice.benchmarks.engine.cache_hits import CacheHits
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.presets import PRESETS
@@ -92,7 +93,7 @@ def run_sluice(name: str, directory: str, prompts: list[list[int]], output_len: 
         seconds,
         sum(len(c.token_ids) for c in completions),
         ttft_mean=statistics.fmean(ttfts),
-        ttft_p90=ttfts[int(0.9 * (len(ttfts) - 1))],
+        ttft_p90=percentile(ttfts, 90),  # interpolated, as `sluice bench` reports its percentiles
         cached_tokens=hits.cached_tokens,
         prompt_tokens_computed=hits.computed_tokens,
         cache_hits_unexpected=hits.unexpected,
