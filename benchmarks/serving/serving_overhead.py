@@ -29,6 +29,7 @@ that a gap between the sides reads as CPU the serving path spent or time no thre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import resource
@@ -36,7 +37,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from sluice.bench.runner import LoadConfig, run_load_sync
+from sluice.bench.runner import LoadConfig, run_load_sync, warm_up
 from sluice.bench.transports import GenerateTransport
 from sluice.bench.workloads import Workload
 from sluice.benchmarks.serving.server_process import ServerProcess
@@ -92,7 +93,9 @@ def offline_run(llm: LLM, workload: Workload, concurrency: int, num_requests: in
 
 
 def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_requests: int) -> Side:
-    load = LoadConfig(num_requests=num_requests, concurrency=concurrency)
+    """The warm-up request goes before the CPU and wall readings, as the offline side's does."""
+    asyncio.run(_warm_up(server.target, workload))
+    load = LoadConfig(num_requests=num_requests, concurrency=concurrency, warmup_requests=0)
     pids = {"frontend": server.process.pid, "core": server.core_pid}
     machine = machine_sample()
     before = {"client": self_cpu_seconds()} | {name: pid_cpu_seconds(pid) for name, pid in pids.items()}
@@ -114,6 +117,14 @@ def grpc_run(server: ServerProcess, workload: Workload, concurrency: int, num_re
         window_seconds=window,
         idle_cpu_seconds=idle,
     )
+
+
+async def _warm_up(target: str, workload: Workload) -> None:
+    transport = GenerateTransport(AsyncClient(target))
+    try:
+        await warm_up(transport, workload, 1)
+    finally:
+        await transport.close()
 
 
 @dataclass(frozen=True)
