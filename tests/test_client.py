@@ -247,3 +247,24 @@ def test_metadata_grpc_cannot_send_is_refused_naming_the_argument(server: Server
         with pytest.raises(ValueError, match=r"^metadata: must be \(key, value\) pairs.*got 'X-Trace'$"):
             client.model_info(metadata=[("X-Trace", "1")])
         assert client.model_info(metadata=[("x-trace", "1")]).vocab_size > 0
+    # What else gRPC cannot send as a header: grpc.aio failed it with its own ExecuteBatchError.
+    refused = [
+        ([("x-a", "caf\u00e9")], "the value of 'x-a' must be printable ASCII"),
+        ([("x-a", "a\nb")], "the value of 'x-a' must be printable ASCII"),
+        ([("x-a", b"\xff")], "the value of 'x-a' must be printable ASCII"),
+        ([("x-a-bin", "text")], "the value of 'x-a-bin' must be bytes"),
+        ([("x a", "1")], "key 'x a' may hold only lowercase letters, digits"),
+    ]
+
+    async def refused_on_async_client() -> None:
+        async with AsyncClient(server.target) as client:
+            for metadata, message in refused:
+                with pytest.raises(ValueError, match=f"^metadata: {re.escape(message)}"):
+                    await client.model_info(metadata=metadata)
+
+    asyncio.run(refused_on_async_client())
+    with Client(server.target) as client:
+        for metadata, message in refused:
+            with pytest.raises(ValueError, match=f"^metadata: {re.escape(message)}"):
+                client.model_info(metadata=metadata)
+        assert client.model_info(metadata=[("x-a-bin", b"\xff"), ("x-b", b"ascii")]).vocab_size > 0

@@ -16,6 +16,7 @@ streams (sluice.response_stream), the channel (sluice.channel) and the chat conv
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,22 @@ def _checked_api_key(api_key: str | None) -> str | None:
     return api_key
 
 
+def _check_metadata_entry(key: str, value: str | bytes) -> None:
+    """What gRPC sends as a header (grpc/doc/PROTOCOL-HTTP2.md): the value never in the message, it may
+    be a secret. grpc.aio failed these calls with its own ExecuteBatchError, no SluiceError."""
+    if not re.fullmatch(r"[0-9a-z_.-]+", key):
+        raise ValueError(f"metadata: key {key!r} may hold only lowercase letters, digits, '-', '_' and '.'")
+    if key.endswith("-bin"):
+        if not isinstance(value, bytes):
+            raise ValueError(f"metadata: the value of {key!r} must be bytes (its key ends in -bin)")
+        return
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if not (text.isascii() and text.isprintable()):
+        raise ValueError(
+            f"metadata: the value of {key!r} must be printable ASCII (any bytes under a -bin key)"
+        )
+
+
 def _auth_metadata(
     api_key: str | None, metadata: Metadata, session: str | None = None
 ) -> tuple[tuple[str, str], ...]:
@@ -83,6 +100,7 @@ def _auth_metadata(
         if not isinstance(key, str) or key != key.lower() or not isinstance(entry[1], str | bytes):
             shown = key if isinstance(key, str) else type(entry).__name__
             raise ValueError(f"metadata: must be (key, value) pairs, keys lowercase strings; got {shown!r}")
+        _check_metadata_entry(key, entry[1])
     auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     affinity = ((SESSION_HEADER, session),) if session else ()
     return (*auth, *affinity, *metadata)
