@@ -105,7 +105,10 @@ class Gemma3ForCausalLM(CausalLM):
                 "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm",
             },
-            config_keys={"attention.sliding_window": "sliding_window"},
+            config_keys={
+                "attention.sliding_window": "sliding_window",
+                "final_logit_softcapping": "final_logit_softcapping",
+            },
             # As llama.cpp and transformers assume for Gemma 3 files: every 6th layer global.
             config_defaults={"sliding_window_pattern": 6},
             norm_shift=1.0,
@@ -115,11 +118,18 @@ class Gemma3ForCausalLM(CausalLM):
     @classmethod
     def gguf_derived_config(cls, config: dict[str, Any]) -> dict[str, Any]:
         """query_pre_attn_scalar, as llama.cpp derives it (src/llama-model.cpp, LLM_ARCH_GEMMA3): head_dim,
-        but hidden_size / num_attention_heads for Gemma 3 27B, which it knows by its 62 layers."""
+        but hidden_size / num_attention_heads for Gemma 3 27B, which it knows by its 62 layers. A file
+        without a sliding window (or 0: an all-global Gemma 3 such as Rnj-1) has no local layers."""
         scalar = config["head_dim"]
         if config["num_hidden_layers"] == GEMMA3_27B_LAYERS:
             scalar = config["hidden_size"] // config["num_attention_heads"]
-        return {"query_pre_attn_scalar": scalar}
+        derived: dict[str, Any] = {"query_pre_attn_scalar": scalar}
+        if not config.get("sliding_window"):  # absent or 0: no SWA in llama.cpp, every layer global
+            derived |= {
+                "sliding_window": None,
+                "layer_types": ["full_attention"] * config["num_hidden_layers"],
+            }
+        return derived
 
     def __init__(
         self, arch: ModelArchConfig, kernels: KernelConfig | None, max_positions: int | None = None
