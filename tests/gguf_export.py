@@ -56,7 +56,7 @@ _GLOBAL = {
 def llama3_rope_factors(config: dict) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors, in effect (float64, then f32)."""
     rope = config.get("rope_scaling") or config["rope_parameters"]
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     base = rope.get("rope_theta") or config.get("rope_theta")
     freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
