@@ -138,9 +138,8 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(arch)
         local = rope_parameters(arch.extra, "sliding_attention")
         local_theta = float(local.get("rope_theta") or arch.extra.get("rope_local_base_freq") or 10000.0)
-        local_scaling = rope_scaling_from_config(
-            arch.extra, "sliding_attention"
-        )  # transformers 5 scales both
+        # transformers 5 scales the local layers by their own rope_parameters too
+        local_scaling = rope_scaling_from_config(arch.extra, "sliding_attention")
         max_positions = max_positions or arch.max_position_embeddings
         with torch.device("meta"):
             self.model = Gemma3Model(arch)
