@@ -215,7 +215,7 @@ def test_a_structural_tag_without_type_is_taken_as_smgs_mistral_parser_sends_it(
         engine_stub, list(range(20, 40)), False, structural_tag=json.dumps(tag), max_tokens=80
     )
     text = server.engine.tokenizer.decode(list(responses[-1].complete.output_ids))
-    assert text.startswith("[TOOL_CALLS] [" + name), text
+    assert text.startswith("[TOOL_CALLS] ["), text  # at_least_one: the tag's begin, whatever is sampled
 
 
 def test_a_prompt_check_names_smgs_field(engine_stub) -> None:
