@@ -43,3 +43,25 @@ def test_an_output_that_is_calls_gives_them_all_or_none() -> None:
     assert [c.name for c in AUTO.parse(f"[{good}, {good}]")] == ["get_time", "get_time"]
     assert AUTO.parse(f'[{good}, {{"name": "nope", "arguments": {{}}}}]') == ()
     assert AUTO.parse(f'[{good}, {{"name": "get_time", "arguments": "{{}}"}}]') == ()
+
+
+def test_mistral_and_llama_outputs_give_their_calls_after_their_markers() -> None:
+    """Auto keeps special tokens in the text, so Mistral's [TOOL_CALLS] and Llama 3.1's <|python_tag|>
+    stayed before the JSON, which then did not parse: every such call came back as text. Split as vLLM's
+    mistral (v3/v7 JSON list, v11 name[ARGS]{...}) and llama3_json (calls apart by ';') parsers split."""
+    rome = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    outputs = {
+        f"[TOOL_CALLS] [{rome}]": ["get_weather"],
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}': [
+            "get_weather",
+            "get_time",
+        ],
+        f'<|python_tag|>{rome}; {{"name": "get_time", "parameters": {{}}}}': ["get_weather", "get_time"],
+        '{"name": "get_weather", "parameters": {"city": "a; b"}}': ["get_weather"],  # ';' inside a string
+    }
+    for text, names in outputs.items():
+        assert [c.name for c in AUTO.parse(text)] == names, text
+        assert AUTO.content(text) == ""
+    assert json.loads(AUTO.parse(f"[TOOL_CALLS] [{rome}]")[0].arguments) == {"city": "Rome"}
+    for text in (f"Sure. [TOOL_CALLS] [{rome}]", f"{rome} and more", f"{rome};", "[TOOL_CALLS]nope[ARGS]{}"):
+        assert AUTO.parse(text) == (), text  # text, as the model wrote it

@@ -5,7 +5,9 @@ the calls parsed from the finished output. Pure Python: the frontend uses it (xg
     none          yes              none                                         nothing
     auto          yes              none                                         <tool_call>{...}</tool_call>
                                                                                 blocks, or the whole text
-                                                                                when it is such JSON
+                                                                                when it is such JSON (after
+                                                                                [TOOL_CALLS] or
+                                                                                <|python_tag|>; ';' apart)
     required      yes              [{"name": <a tool>, "arguments": {...}}, ...] every call of the array
     a function    yes              that function's arguments object             one call of it
 
@@ -45,6 +47,10 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
 # The last block may be unclosed: a stop string "</tool_call>" or EOS ended the output after its JSON.
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# What opens the calls of Mistral's ([TOOL_CALLS]) and Llama 3.1's (<|python_tag|>) outputs, where vLLM's
+# mistral and llama3_json parsers split them: special tokens, in the text since auto keeps them.
+_CALL_MARKERS = re.compile(r"\[TOOL_CALLS\]|<\|python_tag\|>")
+_MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)\[ARGS\](.*)", re.DOTALL)  # [TOOL_CALLS]name[ARGS]{...}
 # Keywords whose values are data, not schemas.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
 _CALL_ID_CHARACTERS = string.ascii_letters + string.digits
@@ -174,8 +180,28 @@ class ToolUse:
         if self.mode == "function":
             arguments = _arguments_text(_loads(text))
             return () if arguments is None else (ToolCall(self.tool_choice, arguments, new_call_id()),)
-        blocks = (_TOOL_CALL_BLOCK.findall(text) if self.mode == "auto" else []) or [text]
+        blocks = _TOOL_CALL_BLOCK.findall(text) if self.mode == "auto" else []
+        if not blocks:
+            return self._whole_output_calls(text) or ()
         return tuple(call for block in blocks for call in self._block_calls(block) or ())
+
+    def _whole_output_calls(self, text: str) -> tuple[ToolCall, ...] | None:
+        """The calls of an output that is only calls: JSON of a call or a list of them, calls apart by
+        ';' (Llama 3.1), each after Mistral's or Llama's marker where it has one (Mistral v11's
+        name[ARGS]{...} too). None unless every part is calls of the tools, or with text before a marker."""
+        before, *segments = _CALL_MARKERS.split(text)
+        if segments and before.strip():
+            return None
+        calls: list[ToolCall] = []
+        for segment in segments or [before]:
+            if v11 := _MISTRAL_V11_CALL.fullmatch(segment):
+                found = self._block_calls(json.dumps({"name": v11[1], "arguments": _loads(v11[2])}))
+            else:
+                found = self._block_calls(segment)
+            if found is None:
+                return None
+            calls += found
+        return tuple(calls) or None
 
     def content(self, text: str) -> str:
         """What a finished output with calls says besides them: auto's text outside the <tool_call>
@@ -186,10 +212,12 @@ class ToolUse:
         return _TOOL_CALL_BLOCK.sub(lambda m: "" if self._block_calls(m[1]) else m[0], text).strip()
 
     def _block_calls(self, block: str) -> tuple[ToolCall, ...] | None:
-        """The calls of one <tool_call> block or of a whole output (JSON of a call or a list of them);
-        None unless each is a call of one of the tools."""
-        value = _loads(block)
-        calls = [self._call(c) for c in (value if isinstance(value, list) else [value])]
+        """The calls of one <tool_call> block or of a whole output (JSON of a call or a list of them, or
+        calls apart by ';'); None unless each is a call of one of the tools."""
+        values = _json_values(block)
+        if values is None:
+            return None
+        calls = [self._call(c) for value in values for c in (value if isinstance(value, list) else [value])]
         return tuple(calls) if calls and None not in calls else None
 
     def _call(self, value: Any) -> ToolCall | None:
@@ -214,6 +242,25 @@ def _loads(text: str) -> Any:
     the parser (a model's output can: RecursionError)."""
     try:
         return json.loads(text.strip(), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values of `text`, one or several apart by ';' (Llama 3.1's parallel calls); None unless
+    all of it is such values (as `_loads`: no NaN or Infinity, not nested too deep)."""
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    values, text, at = [], text.strip(), 0
+    try:
+        while True:
+            value, at = decoder.raw_decode(text, at)
+            values.append(value)
+            rest = text[at:].lstrip()
+            if not rest:
+                return values
+            if not rest.startswith(";"):
+                return None
+            at = len(text) - len(rest[1:].lstrip())
     except (ValueError, RecursionError):
         return None
 
