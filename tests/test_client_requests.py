@@ -108,6 +108,33 @@ def test_generate_request_sets_constraints_bias_and_allowed_ids(server: ServerTh
             {"text": None, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"name": "f"}},
             r"^tool_choice: as a dict",
         ),
+        (
+            {
+                "text": None,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"parameters": {}}}],
+            },
+            r"^tools: each must be a mapping",
+        ),
+        (
+            {
+                "text": None,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"description": "no name"}],
+            },
+            r"^tools: each must be a mapping with a string name",
+        ),
+        (
+            {"text": None, "messages": [{"role": "user", "content": "hi"}], "tools": ["get_weather"]},
+            r"^tools: each must be a mapping",
+        ),
+        (
+            {
+                "text": None,
+                "messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+            },
+            r"^tool_calls: each must be a mapping with a string name",
+        ),
     ],
 )
 def test_arguments_protobuf_cannot_take_are_refused_naming_them(kwargs: dict, message: str) -> None:

@@ -105,7 +105,7 @@ def tool(tool: pb.Tool | Mapping[str, Any]) -> pb.Tool:
     """A tool in either dict form (or a `pb.Tool`, as it is) as a `pb.Tool`."""
     if isinstance(tool, pb.Tool):
         return tool
-    function, parameters = _function_and_json_text(tool, "parameters")
+    function, parameters = _function_and_json_text(tool, "parameters", "tools")
     return pb.Tool(
         name=function["name"], description=function.get("description") or "", parameters=parameters
     )
@@ -115,7 +115,7 @@ def tool_call(call: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
     """A tool call in either dict form (or a `pb.ToolCall`, as it is) as a `pb.ToolCall`."""
     if isinstance(call, pb.ToolCall):
         return call
-    function, arguments = _function_and_json_text(call, "arguments")
+    function, arguments = _function_and_json_text(call, "arguments", "tool_calls")
     return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
 
 
@@ -128,9 +128,11 @@ def assistant_message(text: str, content: str, tool_calls: Sequence[pb.ToolCall]
     return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
-def _function_and_json_text(entry: Mapping[str, Any], key: str) -> tuple[Mapping[str, Any], str]:
+def _function_and_json_text(entry: Mapping[str, Any], key: str, field: str) -> tuple[Mapping[str, Any], str]:
     """A tool's or a call's fields (OpenAI's form wraps them in "function") and its `key` as JSON text
-    (given as a JSON value or as its text)."""
-    function = entry.get("function", entry)
+    (given as a JSON value or as its text). One without a name failed with KeyError 'name'."""
+    function = entry.get("function", entry) if isinstance(entry, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{field}: each must be a mapping with a string name (or OpenAI's under 'function')")
     value = function.get(key) or ""
     return function, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
