@@ -195,7 +195,8 @@ class ToolUse:
         calls: list[ToolCall] = []
         for segment in segments or [before]:
             if v11 := _MISTRAL_V11_CALL.fullmatch(segment):
-                found = self._block_calls(json.dumps({"name": v11[1], "arguments": _loads(v11[2])}))
+                call = self._call({"name": v11[1], "arguments": _loads(v11[2])})
+                found = None if call is None else (call,)
             else:
                 found = self._block_calls(segment)
             if found is None:
