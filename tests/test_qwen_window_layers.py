@@ -70,11 +70,11 @@ def _qwen3(directory: str) -> str:
     return _save(Qwen3ForCausalLM(config), directory, 52, drop=("layer_types",))
 
 
-def _llama(directory: str, hidden_act: str) -> str:
+def _llama(directory: str, hidden_act: str = "silu", drop: tuple[str, ...] = ()) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SHAPE, num_hidden_layers=2, hidden_act=hidden_act, rope_theta=1e4)
-    return _save(LlamaForCausalLM(config), directory, 53)
+    return _save(LlamaForCausalLM(config), directory, 53, drop)
 
 
 def _assert_runs_like_transformers(directory: str, backend: str, reference=None) -> None:
@@ -120,8 +120,8 @@ def test_llama_gelu_tanh_hidden_act_equals_transformers(tmp_path):
     _assert_runs_like_transformers(_llama(str(tmp_path), "gelu_pytorch_tanh"), "torch")
 
 
-def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
-    directory = _llama(str(tmp_path), "relu")
+def _load_refusal(directory: str) -> str:
+    """The message of the ValueError building the model runner on `directory` raises."""
     config = EngineConfig(
         model=ModelConfig(model=directory, dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=16, num_blocks=8),
@@ -129,7 +129,12 @@ def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
     )
     with pytest.raises(ValueError) as error:
         ModelRunner(config, load_model_source(config.model))
-    assert str(error.value) == "hidden_act: 'relu' is not supported; supported: silu, gelu_pytorch_tanh"
+    return str(error.value)
+
+
+def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
+    refusal = _load_refusal(_llama(str(tmp_path), "relu"))
+    assert refusal == "hidden_act: 'relu' is not supported; supported: silu, gelu_pytorch_tanh"
 
 
 def _with_config(directory: str, **extra: object) -> str:
@@ -165,7 +170,7 @@ def test_a_llama_config_with_a_sliding_window_key_windows_no_layer(tmp_path):
     marks); configs converted from Mistral or Qwen keep the key, and every layer was windowed. The
     reference is transformers on the config without the key: its generate would keep only the window's
     tokens in its cache, which its own forward does not do."""
-    directory = _llama(str(tmp_path), "silu")
+    directory = _llama(str(tmp_path))
     reference = _hf_reference(directory, _prompts())
     _with_config(directory, sliding_window=8)
     assert load_model_source(ModelConfig(model=directory)).arch.uniform_sliding_window is None
@@ -196,26 +201,10 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path):
     _assert_runs_like_transformers(
         _gemma3(str(tmp_path / "gemma3"), drop=("query_pre_attn_scalar", "rope_parameters")), "torch"
     )
-    llama = _save_llama_without(str(tmp_path / "llama"), "rms_norm_eps")
+    llama = _llama(str(tmp_path / "llama"), drop=("rms_norm_eps",))
     assert load_model_source(ModelConfig(model=llama)).arch.rms_norm_eps == LlamaConfig().rms_norm_eps
 
 
-def _save_llama_without(directory: str, key: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**SHAPE, num_hidden_layers=2, rope_theta=1e4)
-    return _save(LlamaForCausalLM(config), directory, 53, drop=(key,))
-
-
 def test_an_unsupported_gemma_activation_is_refused_naming_hidden_activation(tmp_path):
-    directory = _with_config(_gemma3(str(tmp_path)), hidden_activation="gelu")
-    config = EngineConfig(
-        model=ModelConfig(model=directory, dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=16, num_blocks=8),
-        attention_backend="torch",
-    )
-    with pytest.raises(ValueError) as error:
-        ModelRunner(config, load_model_source(config.model))
-    assert (
-        str(error.value) == "hidden_activation: 'gelu' is not supported; supported: silu, gelu_pytorch_tanh"
-    )
+    refusal = _load_refusal(_with_config(_gemma3(str(tmp_path)), hidden_activation="gelu"))
+    assert refusal == "hidden_activation: 'gelu' is not supported; supported: silu, gelu_pytorch_tanh"
