@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -140,11 +141,20 @@ def test_safetensors_gemma3_keeps_its_own_query_scale(gemma3_dir):
     assert load_model_source(ModelConfig(model=gemma3_dir)).arch.extra["query_pre_attn_scalar"] == 24
 
 
-def _metadata_only_gguf(path: str, gguf_arch: str, config: dict, **tensors: np.ndarray) -> str:
-    """A GGUF with `config`'s shape metadata, an 8-token vocabulary and only `tensors` (F32)."""
+def _metadata_only_gguf(
+    path: str,
+    gguf_arch: str,
+    config: dict,
+    write_more: Callable[[GGUFWriter], None] | None = None,
+    **tensors: np.ndarray,
+) -> str:
+    """A GGUF with `config`'s shape metadata (and what `write_more` writes), an 8-token vocabulary and only
+    `tensors` (F32)."""
     writer = GGUFWriter(path, gguf_arch)
     shape = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, **config}
     write_shape_metadata(writer, shape, config.get("rope_scaling"))
+    if write_more is not None:
+        write_more(writer)
     writer.add_token_list([f"t{i}" for i in range(8)])
     for name, value in tensors.items():
         writer.add_tensor(name, value.astype(np.float32))

@@ -5,9 +5,9 @@ case reads it for its local layers (every 6th layer global), and a file without 
 
 from __future__ import annotations
 
+from operator import methodcaller
+
 import pytest
-from gguf import GGUFWriter
-from gguf_export import write_shape_metadata
 from test_gguf_rope_and_scalars import SHAPE, _metadata_only_gguf
 
 from sluice.engine.loading.gguf_file import GGUFFile
@@ -47,13 +47,6 @@ def test_a_gemma3_file_without_a_window_has_no_local_layers(tmp_path, window: in
 def test_a_gemma3_files_final_logit_softcapping_is_read(tmp_path) -> None:
     """llama.cpp applies it, as transformers does; it was dropped, and every logprob was off."""
     config = {**SHAPE, "num_hidden_layers": 6, "head_dim": 16, "sliding_window": WINDOW}
-    path = str(tmp_path / "gemma3.gguf")
-    writer = GGUFWriter(path, "gemma3")
-    write_shape_metadata(writer, {"rms_norm_eps": 1e-6, "rope_theta": 1e6, **config}, None)
-    writer.add_final_logit_softcapping(30.0)
-    writer.add_token_list([f"t{i}" for i in range(8)])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    softcap = methodcaller("add_final_logit_softcapping", 30.0)
+    path = _metadata_only_gguf(str(tmp_path / "gemma3.gguf"), "gemma3", config, softcap)
     assert gguf_arch_config(GGUFFile(path)).extra["final_logit_softcapping"] == 30.0
