@@ -253,6 +253,21 @@ def test_not_streaming_sends_one_complete_with_every_token_and_logprob() -> None
     assert [list(t.token_ids) for t in prompt.top_logprobs] == [[], [6], [9], [8]]
 
 
+def test_not_streaming_sends_the_samples_completes_together_in_sample_order() -> None:
+    """SMG numbers non-streamed choices by the order their completes arrive, not by `index`: each went out
+    as its sample finished, and choice i was not sample i (seed + i) when a later sample ended first."""
+    spec = smg_convert.generation_spec_from_smg(_request(n=3, max_tokens=2), INFO, None)
+    responses = smg_convert.SmgResponses(spec, stream=False)
+    assert _sent(responses, _output([30, 1], index=2, finish="stop", stop_reason=1)) == []
+    assert _sent(responses, _output([10, 11], finish="length")) == []
+    sent = _sent(responses, _output([20, 21], index=1, finish="length"))
+    assert [(r.complete.index, list(r.complete.output_ids)) for r in sent] == [
+        (0, [10, 11]),
+        (1, [20, 21]),
+        (2, [30, 1]),
+    ]
+
+
 def test_streaming_sends_a_long_prompts_logprobs_whole_in_the_first_chunk_in_slices(monkeypatch) -> None:
     n = 2 * PROMPT_LOGPROBS_PER_SLICE + 3
     request = _request(max_tokens=2, prompt_logprobs=2)

@@ -58,21 +58,6 @@ def test_token_ids_in_and_out_equal_sluices_own_answer(server: ServerThread, eng
     assert whole.complete.cached_tokens == 32
 
 
-def test_non_streamed_samples_complete_together_in_sample_order(engine_stub) -> None:
-    """SMG numbers non-streamed choices by the order their completes arrive, not by `index`: each went out
-    as its sample finished, and choice i was not sample i (seed + i) when a later sample ended first."""
-    prompt, sampling = list(range(20, 60)), {"n": 3, "seed": 1, "temperature": 1.0, "max_tokens": 20}
-    streamed = _generate(engine_stub, prompt, True, **sampling)
-    finish_order = [r.complete.index for r in streamed if r.WhichOneof("response") == "complete"]
-    assert sorted(finish_order) == [0, 1, 2] != finish_order  # sample 2 samples EOS first
-    samples: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    for response in streamed:
-        if response.WhichOneof("response") == "chunk":
-            samples[response.chunk.index] += response.chunk.token_ids
-    whole = _generate(engine_stub, prompt, False, **sampling)
-    assert [(r.complete.index, list(r.complete.output_ids)) for r in whole] == sorted(samples.items())
-
-
 @pytest.mark.parametrize(
     "text_options", [{}, {"include_stop_str_in_output": True}, {"spaces_between_special_tokens": True}]
 )
