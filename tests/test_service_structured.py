@@ -228,6 +228,23 @@ def test_tool_choice_naming_an_unknown_function_is_invalid_argument(stub) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    "tool_choice", [pb.ToolChoice(function_name="bad"), pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)]
+)
+def test_a_tool_schema_that_does_not_compile_is_refused_naming_the_tools_parameters(
+    stub, tool_choice
+) -> None:
+    """The grammar built from the tools' schemas did not compile: the error named json_schema, a field
+    the request never set."""
+    request = chat_request(tool_choice)
+    dangling = json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
+    request.messages.tools.append(pb.Tool(name="bad", parameters=dangling))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("tools.parameters: does not compile: "), info.value.details()
+
+
 def test_tokenize_renders_and_checks_a_chat_as_generate_does(llama_long_dir, tmp_path) -> None:
     """Tokenize left the tools out of the template and took what Generate refuses (an empty role,
     tool_choice without tools). Here the template renders the tools it is given."""

@@ -114,7 +114,9 @@ def test_parameters_without_a_type_describe_an_object_and_empty_ones_no_argument
 
 
 def test_a_named_function_constrains_to_its_arguments_and_none_auto_do_not() -> None:
-    assert ToolUse((WEATHER, TIME), "get_weather").constraint() == Constraint(json_schema=json.dumps(CITY))
+    assert ToolUse((WEATHER, TIME), "get_weather").constraint() == Constraint(
+        json_schema=json.dumps(CITY), origin="tools.parameters"
+    )
     assert ToolUse((WEATHER,), "auto").constraint() is None
     assert ToolUse((WEATHER,), "none").constraint() is None
 
@@ -143,7 +145,7 @@ def test_a_named_call_of_a_tool_spelled_like_a_mode_calls_that_tool() -> None:
     called_none = Tool("none", "A tool with an unlucky name", json.dumps(CITY))
     tool_use = ToolUse((WEATHER, called_none), "none", named=True)
     assert tool_use.mode == "function"
-    assert tool_use.constraint() == Constraint(json_schema=json.dumps(CITY))
+    assert tool_use.constraint() == Constraint(json_schema=json.dumps(CITY), origin="tools.parameters")
     assert parsed(tool_use, '{"city": "Oslo"}') == (("none", '{"city": "Oslo"}'),)
     assert ToolUse((WEATHER, called_none), "none").mode == "none"
     with pytest.raises(ValueError) as info:

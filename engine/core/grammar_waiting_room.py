@@ -30,7 +30,7 @@ class GrammarWaitingRoom:
         constraint = request.sampling_params.constraint
         if self._compiler is None:
             raise InvalidRequestError(
-                constraint.kind, "constrained output needs a tokenizer; this model has none"
+                constraint.field, "constrained output needs a tokenizer; this model has none"
             )
         self._waiting[request.request_id] = (request, self._compiler.submit(constraint))
 
@@ -45,7 +45,7 @@ class GrammarWaitingRoom:
                 request.grammar = grammar.result()
                 admit(request)
             except GrammarCompileError as exc:
-                field = request.sampling_params.constraint.kind
+                field = request.sampling_params.constraint.field
                 error = InvalidRequestError(field, f"does not compile: {exc}")
                 failed.append(CoreOutput.refused(request_id, error))
             except InvalidRequestError as exc:  # the scheduler's, e.g. more KV blocks than the cache has

@@ -45,7 +45,7 @@ class NoTokenLeftError(InvalidRequestError):
             field = "min_tokens"
             message = f"holds back stop_token_ids, the only tokens the constraint accepts {where}"
         else:
-            field, message = params.constraint.kind, f"accepts no token {where}"
+            field, message = params.constraint.field, f"accepts no token {where}"
         super().__init__(field, message)
 
 

@@ -20,7 +20,8 @@ class Constraint:
     `choice` (the output is exactly one of these strings), `json_object` (any JSON object),
     `structural_tag` (vLLM's, as JSON text: xgrammar's `{"type": "structural_tag", "format": ...}`, or the
     older `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free
-    text in which each trigger starts a tagged structure)."""
+    text in which each trigger starts a tagged structure). `origin` names the request field the constraint
+    was built from when that is not its kind's own (a tool call's schema: `tools.parameters`)."""
 
     json_schema: str | None = None
     regex: str | None = None
@@ -28,6 +29,7 @@ class Constraint:
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     structural_tag: str | None = None
+    origin: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict | bool):  # a schema as Python data: its JSON text
@@ -77,8 +79,13 @@ class Constraint:
 
     @property
     def kind(self) -> str:
-        """The request field the constraint came from; compile errors name it."""
+        """Which of the kinds this is."""
         return self.kinds[0]
+
+    @property
+    def field(self) -> str:
+        """The request field the constraint came from; compile errors name it."""
+        return self.origin or self.kind
 
     @property
     def key(self) -> tuple[str, str]:

@@ -45,6 +45,8 @@ from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, nesting
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
+# The field a required or named call's grammar comes from: its errors name it.
+_PARAMETERS = "tools.parameters"
 # The last block may be unclosed: a stop string "</tool_call>" or EOS ended the output after its JSON.
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 # What opens the calls of Mistral's ([TOOL_CALLS]) and Llama 3.1's (<|python_tag|>) outputs, where vLLM's
@@ -158,7 +160,7 @@ class ToolUse:
         if self.mode in ("none", "auto"):
             return None
         if self.mode == "function":
-            return Constraint(json_schema=json.dumps(self._tool(self.tool_choice).schema))
+            return Constraint(json_schema=json.dumps(self._tool(self.tool_choice).schema), origin=_PARAMETERS)
         # Each tool's schema sits under the root's $defs, its own "#/..." references rebased to follow it.
         defs = {f"tool_{i}": _rebased(tool.schema, f"#/$defs/tool_{i}") for i, tool in enumerate(self.tools)}
         calls = [
@@ -171,7 +173,7 @@ class ToolUse:
             for i, tool in enumerate(self.tools)
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
-        return Constraint(json_schema=json.dumps(schema))
+        return Constraint(json_schema=json.dumps(schema), origin=_PARAMETERS)
 
     def parse(self, text: str) -> tuple[ToolCall, ...]:
         """The calls in a finished output; () when there are none or they do not parse."""

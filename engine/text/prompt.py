@@ -93,7 +93,7 @@ def check_prompt(
         raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
     if params.constraint is not None and not has_tokenizer:
         raise InvalidRequestError(
-            params.constraint.kind, "constrained output needs a tokenizer; this model has none"
+            params.constraint.field, "constrained output needs a tokenizer; this model has none"
         )
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
