@@ -1,8 +1,8 @@
 """Write a tiny Hugging Face Llama, Qwen2, Qwen3 or Gemma 3 checkpoint (see checkpoints.py) as a GGUF the way
-llama.cpp's `convert_hf_to_gguf.py` does: F32 tensors, Llama's q/k rows permuted, Gemma's norms stored as
-1 + weight, the byte-level BPE vocabulary, for a "llama3" rope_scaling a `rope_freqs.weight` tensor of
-per-frequency divisors (Llama 3.1+ files), and a linear, yarn or other scaling as `<arch>.rope.scaling.*`
-metadata."""
+llama.cpp's `convert_hf_to_gguf.py` does: F32 tensors, Llama's q/k rows (weights and biases) permuted,
+Gemma's norms stored as 1 + weight, the byte-level BPE vocabulary, for a "llama3" rope_scaling a
+`rope_freqs.weight` tensor of per-frequency divisors (Llama 3.1+ files), and a linear, yarn or other scaling
+as `<arch>.rope.scaling.*` metadata."""
 
 from __future__ import annotations
 
@@ -153,9 +153,9 @@ def _gguf_tensor(name: str, value: np.ndarray, gguf_arch: str, config: dict) -> 
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         part, kind = rest.rsplit(".", 1)
         gguf_name = f"blk.{layer}.{_PARTS[gguf_arch][part]}.{kind}"
-    if gguf_arch == "llama" and name.endswith("q_proj.weight"):
+    if gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         value = _permute(value, config["num_attention_heads"])
-    elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
+    elif gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         value = _permute(value, config["num_key_value_heads"])
     elif gguf_arch == "gemma3" and name.endswith("norm.weight"):
         value = value + 1.0  # llama.cpp's Gemma converter stores 1 + weight

@@ -1,16 +1,18 @@
 """Biases on the attention and MLP projections where transformers builds them: config.json's
 attention_bias puts one on q, k, v and o (Llama, Qwen3, Gemma 3), Llama's mlp_bias on gate, up and
 down. Greedy tokens equal transformers', on one rank and on two (a row-parallel bias is added once,
-after the all-reduce). The o_proj and MLP biases were not built, and such checkpoints failed to load
-("unexpected tensor 'model.layers.0.self_attn.o_proj.bias'")."""
+after the all-reduce), and from the GGUF llama.cpp writes of the Llama. The o_proj and MLP biases were not
+built, and such checkpoints failed to load ("unexpected tensor 'model.layers.0.self_attn.o_proj.bias'")."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import SHAPE, _save
+from gguf_export import export_gguf
 
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
@@ -65,3 +67,13 @@ def test_greedy_tokens_equal_transformers(checkpoint: str, tensor_parallel_size:
     prompts = _prompts()
     llm = LLM(checkpoint, tensor_parallel_size=tensor_parallel_size, num_blocks=32)
     assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == _hf_greedy(checkpoint, prompts)
+
+
+def test_a_llama_gguf_with_biases_runs_like_transformers(tmp_path: Path) -> None:
+    """llama.cpp loads the bias tensors a Llama GGUF has; Sluice refused the file ("unexpected tensor
+    'model.layers.0.self_attn.q_proj.bias'", a name the file does not have)."""
+    hf_dir = _llama(str(tmp_path / "hf"))
+    path = export_gguf(hf_dir, str(tmp_path / "biased.gguf"))
+    prompts = _prompts()
+    llm = LLM(path, num_blocks=32)
+    assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == _hf_greedy(hf_dir, prompts)

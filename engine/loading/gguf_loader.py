@@ -154,6 +154,7 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
             raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
         return value
 
+    names = {t.name for t in file.tensors}
     hidden = key("embedding_length")
     num_heads = key("attention.head_count")
     head_dim = key("attention.key_length", hidden // num_heads)
@@ -171,7 +172,11 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
         "max_position_embeddings": key("context_length"),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in file.tensors),
+        "tie_word_embeddings": "output.weight" not in names,
+        # llama.cpp loads a projection's bias wherever the file has one; the config says so as
+        # transformers' does (each family then takes the flags it has, model_arch._biases).
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in names,
     }
 
 
@@ -243,9 +248,9 @@ class GGUFWeights:
                 continue
             name = hf_tensor_name(tensor.name, self.spec)
             weight = _dequantize(tensor)
-            if permute_rows and name.endswith("q_proj.weight"):
+            if permute_rows and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, self.arch.num_attention_heads)
-            elif permute_rows and name.endswith("k_proj.weight"):
+            elif permute_rows and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary_rows(weight, self.arch.num_key_value_heads)
             elif self.spec.norm_shift and name.endswith("norm.weight"):
                 weight = weight - self.spec.norm_shift
