@@ -32,11 +32,11 @@ kernels: venv
 # Two pytest workers, one test file each at a time (module fixtures build once): run alone, the suite keeps
 # a 2-core machine about half busy (load average ~1: interpreted Triton kernels, server start-ups,
 # subprocesses), so two finish it in ~0.55x the time; the longest files go first (tests/conftest.py).
-# TEST_WORKERS=0 runs it in this process.
+# TEST_WORKERS=0 runs it in this process. The report ends with the 25 slowest tests (setup included).
 TEST_WORKERS ?= 2
 
 test: venv toolchains lint kernels
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # Go, Java, protoc plugins (apt) and buf (npm, into .tools/) for the client examples and proto checks.
 toolchains:
