@@ -121,8 +121,8 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert scheduler.num_blocks_used == len(owners)
     for block_hash, block in pool.cached_blocks.items():
         assert block.block_hash == block_hash
-    hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
-    assert hashed == {b.block_id for b in pool.cached_blocks.values()}
+    hashed = {b.block_hash for b in pool.blocks if b.block_hash is not None}
+    assert hashed == set(pool.cached_blocks)
     # Exactly the running requests hold blocks, each ceil(num_computed_tokens / block_size) of them.
     assert scheduler.num_running == len(kv.request_ids())
     for request_id in kv.request_ids():

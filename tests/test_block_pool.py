@@ -10,6 +10,7 @@ import pytest
 
 from sluice.engine.kv_cache.block_hash import hash_block
 from sluice.engine.kv_cache.block_pool import BlockPool
+from sluice.engine.kv_cache.kv_events import BlocksRemoved, KVEventRecorder, event_hash
 
 
 def test_allocation_pops_from_head_in_id_order():
@@ -83,14 +84,25 @@ def test_allocation_evicts_the_hash_of_a_reused_block():
     assert pool.num_evictions == 1
 
 
-def test_second_block_with_a_cached_hash_stays_uncached():
-    pool = BlockPool(2)
+def test_a_second_holder_of_a_prefix_keeps_it_cached_when_the_first_is_evicted():
+    """Two requests computing one prompt side by side: the second block was left uncached, so evicting
+    the first lost the prefix while the second still held its K/V (vLLM keeps both)."""
+    pool = BlockPool(3)
     b0, b1 = pool.allocate(2)
     h = hash_block(None, [3] * 8, None)
-    assert pool.cache_full_block(b0, h)
-    assert not pool.cache_full_block(b1, h)
+    pool.events = recorder = KVEventRecorder(block_size=8)
+    assert pool.cache_full_block(b0, h)  # the cache gains the prefix
+    assert not pool.cache_full_block(b1, h)  # a second holder: nothing new
     assert not pool.cache_full_block(b0, h)
-    assert b1.block_hash is None and pool.get_cached_block(h) is b0
+    assert b1.block_hash == h and pool.get_cached_block(h) is b0
+    pool.free([b0])
+    pool.allocate(2)  # the free block 2, then b0: its hash is evicted
+    assert b0.block_hash is None and pool.get_cached_block(h) is b1
+    assert recorder.take() == []  # b1 still holds it: no removal
+    pool.free([b1])
+    pool.allocate(1)
+    assert pool.get_cached_block(h) is None and pool.num_evictions == 2
+    assert recorder.take() == [BlocksRemoved([event_hash(h)])]
 
 
 def test_caching_disabled_never_caches():

@@ -360,8 +360,10 @@ class Fuzz:
         self.check_kv_events()
         for block_hash, block in pool.cached_blocks.items():
             assert block.block_hash == block_hash
-            content = tuple(self.model.slots.get((block.block_id, j)) for j in range(BS))
-            assert self.known.get(block_hash) == content, f"cached block {block.block_id} content"
+        for block in pool.blocks:  # every holder of a cached prefix, the second of two included
+            if block.block_hash is not None:
+                content = tuple(self.model.slots.get((block.block_id, j)) for j in range(BS))
+                assert self.known.get(block.block_hash) == content, f"cached block {block.block_id} content"
         for request in self.requests:
             truth = self.truth[request.request_id]
             assert request.output_token_ids == truth[: request.num_output_tokens], request.request_id

@@ -7,6 +7,10 @@ later request can hit it, which takes it out of the free queue. Allocation pops 
 
     free queue:  head -> [b7] [b3] [b9] ... [b2] <- tail
                  allocate() pops here        free() appends here
+
+Two blocks can hold the same prefix (requests with one prompt computed side by side): both stay cached, as
+in vLLM, so the prefix outlives the eviction of either. A hit takes the first still cached; the cache gains
+the prefix with its first holder and loses it with its last (what the KV events report).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         # Insertion order is LRU order: first key = head (next to allocate), last key = tail.
         self._free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}  # hash -> its holders, by block id
         self.num_evictions = 0
         self.events: KVEventRecorder | None = None  # told of every evicted hash, when set
 
@@ -56,15 +60,16 @@ class BlockPool:
 
     @property
     def cached_blocks(self) -> Mapping[BlockHash, KVCacheBlock]:
-        """Read-only view of the prefix cache: hash -> the block holding that prefix's K/V."""
-        return self._cached
+        """The prefix cache: hash -> the block a hit on it takes (a copy; for inspection)."""
+        return {block_hash: next(iter(holders.values())) for block_hash, holders in self._cached.items()}
 
     def free_block_ids(self) -> Iterator[int]:
         """Free block ids in LRU order, head (allocated next) first."""
         return iter(self._free_queue)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash) if self.enable_caching else None
+        holders = self._cached.get(block_hash) if self.enable_caching else None
+        return next(iter(holders.values())) if holders else None
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """Pop `num_blocks` blocks from the head of the free queue with ref_cnt 1; None if too few."""
@@ -98,19 +103,24 @@ class BlockPool:
                 self._free_queue[block.block_id] = block
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
-        """Register a full, computed block under its hash. False if caching is off, the block is already
-        cached, or another block already holds this prefix (the block then stays uncached)."""
-        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+        """Register a full, computed block under its hash. True if the cache gained the prefix: False if
+        caching is off, the block is already cached, or another block holds the prefix too (this one is
+        then a second holder)."""
+        if not self.enable_caching or block.block_hash is not None:
             return False
         block.block_hash = block_hash
-        self._cached[block_hash] = block
-        return True
+        holders = self._cached.setdefault(block_hash, {})
+        holders[block.block_id] = block
+        return len(holders) == 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self.events is not None:
-            self.events.removed(block.block_hash)
-        del self._cached[block.block_hash]
+        holders = self._cached[block.block_hash]
+        del holders[block.block_id]
+        if not holders:  # its last holder: the cache loses the prefix
+            del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
