@@ -48,6 +48,8 @@ _OPTIONAL_SAMPLING_FIELDS = (
 # A prompt's logprobs go into a response this many positions at a time, and the event loop, which serves
 # every stream, runs in between: a 5,800-token prompt at 20 top is ~120,000 messages, ~0.12 s to build.
 PROMPT_LOGPROBS_PER_SLICE = 256
+# Room for any digest or id a caller salts with (vLLM suggests a random 256-bit value, 44 in base64).
+MAX_CACHE_SALT_BYTES = 256
 
 _TOOL_CHOICE_MODES = {
     pb.TOOL_CHOICE_MODE_NONE: "none",
@@ -84,11 +86,22 @@ def generation_spec_from_proto(request: pb.GenerateRequest) -> GenerationSpec:
         tool_use=tool_use_from_proto(request),
         timeout=timeout_from_proto(request),
         priority=request.priority,
-        cache_salt=request.cache_salt,
+        cache_salt=cache_salt_from_proto(request),
         stream_interval=request.stream_interval or None,
         use_speculation=not request.disable_speculation,
         trace_context=dict(request.trace_context),
     )
+
+
+def cache_salt_from_proto(request: pb.GenerateRequest) -> str:
+    """Raises InvalidRequestError past MAX_CACHE_SALT_BYTES: the salt travels with every cached block's
+    KV event and stays in the frontend's view of the cache as long as the block."""
+    size = len(request.cache_salt.encode())
+    if size > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(
+            "cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes (UTF-8), got {size}"
+        )
+    return request.cache_salt
 
 
 def timeout_from_proto(request: pb.GenerateRequest) -> float | None:

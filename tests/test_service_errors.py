@@ -64,6 +64,12 @@ MALFORMED = [
         "request_id: must be at most 512 bytes (UTF-8), got 514",
     ),
     (
+        "cache_salt over 256 bytes",
+        generate_request("hi", cache_salt="s" * 257),
+        INVALID,
+        "cache_salt: must be at most 256 bytes (UTF-8), got 257",
+    ),
+    (
         "temperature inf",
         generate_request("hi", temperature=float("inf")),
         INVALID,

@@ -1060,7 +1060,7 @@ type GenerateRequest struct {
 	// max_priority (clamped).
 	Priority int32 `protobuf:"varint,6,opt,name=priority,proto3" json:"priority,omitempty"`
 	// Requests with different salts never share prefix-cache blocks; neither do different tenants
-	// unless the operator gives them the same prefix_cache_scope.
+	// unless the operator gives them the same prefix_cache_scope. At most 256 bytes (UTF-8).
 	CacheSalt string `protobuf:"bytes,7,opt,name=cache_salt,json=cacheSalt,proto3" json:"cache_salt,omitempty"`
 	// Tokens per streamed chunk; 0 takes the server's --stream-interval (default 1). A client that
 	// reads slower than tokens arrive gets merged chunks whatever this is.
