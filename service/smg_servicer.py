@@ -55,6 +55,7 @@ from sluice.service.status import (
     UnimplementedError,
     rpc_errors,
 )
+from sluice.service.tenants import scope_of
 from sluice.service.tracing import RequestSpan
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -143,8 +144,9 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """The batches after `start_sequence_number` (0: a snapshot of the cache, then the live ones),
         each with the engine's load, and load_only records between them, until the engine stops or the
         server drains; OUT_OF_RANGE when they are no longer all at hand (the subscriber starts over from
-        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind. The stream shows every
-        tenant's cached token ids: PERMISSION_DENIED to a tenant without `kv_events = true`."""
+        0), DATA_LOSS when the subscriber falls SUBSCRIBER_QUEUE_BATCHES behind. The stream shows the
+        cached token ids of every tenant of the subscriber's prefix-cache scope (the stored blocks of
+        other scopes are left out): PERMISSION_DENIED to a tenant without `kv_events = true`."""
         tenant = self._inference.caller(context).tenant
         if not tenant.kv_events:
             raise PermissionDeniedError(
@@ -157,7 +159,10 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise UnimplementedError(
                 "SubscribeKvEvents: the server records no KV events (sluice serve --kv-events)"
             )
-        subscription = log.subscribe(request.start_sequence_number)
+        # Only the blocks the tenant's requests can hit (its scope's): another tenant's cached prompt
+        # spelled as the gateway's would have it route requests to a worker that recomputes them.
+        scope = tenant.cache_scope
+        subscription = log.subscribe(request.start_sequence_number, lambda salt: scope_of(salt) == scope)
         batches = smg_kv_events.smg_batches(
             subscription,
             request.start_sequence_number,

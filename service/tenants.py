@@ -12,8 +12,9 @@
     burst = 20                      # ... and size (default: max(1, requests_per_second))
     prefix_cache_scope = "acme"     # optional: tenants with the same scope share prefix-cache blocks;
                                     # default: the tenant's own name (no sharing); as a name
-    kv_events = false               # optional: may subscribe to VllmEngine.SubscribeKvEvents (every
-                                    # tenant's cached token ids: give it to the gateway's key only)
+    kv_events = false               # optional: may subscribe to VllmEngine.SubscribeKvEvents (the
+                                    # cached token ids of every tenant of its prefix_cache_scope: give
+                                    # it to the gateway's key only)
 
 Keys are compared as SHA-256 digests with `hmac.compare_digest` against every key, so the time taken
 says nothing about which key (or how much of one) matched; keys never appear in a repr, a log line or
@@ -60,8 +61,9 @@ class Tenant:
     requests_per_second: float | None = None
     burst: float | None = None
     prefix_cache_scope: str | None = None
-    # May read the KV event stream, which carries every tenant's cached token ids. A tenants file's
-    # tables default to False (`_tenant_from_table`); the one tenant of `--api-key` or of no key may.
+    # May read the KV event stream, which carries the cached token ids of every tenant of its scope. A
+    # tenants file's tables default to False (`_tenant_from_table`); the one tenant of `--api-key` or of
+    # no key may.
     kv_events: bool = True
 
     def __post_init__(self) -> None:
@@ -116,6 +118,13 @@ def request_salt_of(engine_salt: str | None) -> str | None:
     if engine_salt is None:
         return None
     return engine_salt.partition(_SALT_SEPARATOR)[2] or None
+
+
+def scope_of(engine_salt: str | None) -> str | None:
+    """The tenant scope in a salt the engine saw (`Tenant.cache_salt`); None in one no tenant made."""
+    if engine_salt is None or _SALT_SEPARATOR not in engine_salt:
+        return None
+    return engine_salt.partition(_SALT_SEPARATOR)[0]
 
 
 def _digest(key: str) -> bytes:

@@ -227,3 +227,23 @@ async def test_a_snapshot_is_the_cache_when_taken_made_into_events_a_chunk_at_a_
         [BlocksStored([3], 2, [3, 3], 2)],
     ]
     assert (rest[2].sequence_number, rest[2].events) == (4, [BlocksRemoved([3])])  # then live
+
+
+async def test_a_subscriber_keeping_some_salts_gets_their_stored_blocks_only() -> None:
+    """Snapshot, replay and live batches alike: the other salts' stored blocks are left out, every batch
+    keeps its number, removals all go out."""
+    log = KVEventLog()
+    log.publish([BlocksStored([1], None, [5, 5], 2, "a"), BlocksStored([2], None, [6, 6], 2, "b")])
+    log.publish([BlocksStored([3], 1, [7, 7], 2, "a"), BlocksStored([4], 2, [8, 8], 2, "b")])
+
+    def stored(batch) -> list[int]:
+        return [h for event in batch.events if isinstance(event, BlocksStored) for h in event.block_hashes]
+
+    snapshot = await anext(log.subscribe(0, keep=lambda salt: salt == "b"))
+    assert (snapshot.sequence_number, stored(snapshot)) == (2, [2, 4])
+    replayed = await anext(log.subscribe(1, keep=lambda salt: salt == "b"))
+    assert (replayed.sequence_number, stored(replayed)) == (2, [4])
+    live = log.subscribe(2, keep=lambda salt: salt == "b")
+    log.publish([BlocksStored([5], 3, [9, 9], 2, "a"), BlocksRemoved([1])])
+    batch = await anext(live)
+    assert (batch.sequence_number, stored(batch), batch.events[-1]) == (3, [], BlocksRemoved([1]))

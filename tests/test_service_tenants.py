@@ -1,7 +1,7 @@
 """Tenants (`--api-keys`): the key names the tenant; tenants share no prefix-cache blocks unless given
 the same scope, cannot get ahead of their max_priority (clamped), cannot abort each other's requests,
 get RESOURCE_EXHAUSTED with a `grpc-retry-pushback-ms` trailer over their limits, and read the KV event
-stream (every tenant's token ids) only with `kv_events = true`."""
+stream (the blocks of their own prefix-cache scope) only with `kv_events = true`."""
 
 from __future__ import annotations
 
@@ -180,10 +180,15 @@ def test_a_tenant_cannot_abort_another_tenants_request(tenant_server: ServerThre
     tenant_server.wait_idle()
 
 
-def test_only_a_tenant_given_kv_events_may_subscribe_to_them(tenant_server: ServerThread) -> None:
-    """alpha's prompt reaches the gateway tenant's subscription as stored blocks; alpha itself, like
-    every tenant without `kv_events = true`, is PERMISSION_DENIED before anything is sent."""
-    prompt = list(range(200, 240))  # 2 full blocks of 16
+def test_only_a_tenant_given_kv_events_may_subscribe_to_them_and_sees_its_own_scope(
+    tenant_server: ServerThread,
+) -> None:
+    """The gateway tenant's subscription gets its own prompt's stored blocks and not alpha's, which no
+    request of the gateway's can hit (SMG, hashing token ids alone, routed the gateway's copy of alpha's
+    prompt to a worker that computed it again); alpha itself, like every tenant without
+    `kv_events = true`, is PERMISSION_DENIED before anything is sent."""
+    alpha_prompt = list(range(200, 240))  # 2 full blocks of 16
+    own_prompt = list(range(300, 340))
     with tenant_server.channel() as channel:
         stub = smg_grpc.VllmEngineStub(channel)
         request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=0)
@@ -198,16 +203,19 @@ def test_only_a_tenant_given_kv_events_may_subscribe_to_them(tenant_server: Serv
             request, metadata=(("authorization", "Bearer key-gateway"),), timeout=PATIENCE_S
         )
         call.initial_metadata()  # sent once the subscription is in place
-        with _client(tenant_server, "key-alpha") as client:
-            client.complete(generate_request(token_ids=prompt, temperature=0.0, max_tokens=1))
+        # alpha's blocks are stored (a step) before the gateway's request is sent.
+        for key, prompt in (("key-alpha", alpha_prompt), ("key-gateway", own_prompt)):
+            with _client(tenant_server, key) as client:
+                client.complete(generate_request(token_ids=prompt, temperature=0.0, max_tokens=1))
         stored: list[int] = []
         for batch in call:
             for event in batch.events:
                 if event.WhichOneof("data") == "stored":
                     stored += [t for block in event.stored.blocks for t in block.token_ids]
-            if prompt[:32] == stored[-32:]:
+            if own_prompt[:32] == stored[-32:]:
                 break
         call.cancel()
+        assert stored == own_prompt[:32]
     tenant_server.wait_idle()
 
 

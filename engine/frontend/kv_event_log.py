@@ -16,6 +16,10 @@ of the snapshot, not the cache as it was after that batch. A cursor within a sna
 chunks, short of its last, is refused too (the subscriber starts over from 0); so is such a cursor that came
 from the live batches of those numbers, which only costs that subscriber a snapshot.
 
+A subscriber may take only the stored blocks of some salts (`subscribe(keep=)`: a tenant those of its own
+prefix-cache scope, the only ones its requests can hit); its batches keep their numbers, and its snapshot
+holds only those blocks.
+
 A subscriber that lets SUBSCRIBER_QUEUE_BATCHES batches pile up unread ends with SubscriberLagError
 (it resubscribes from its cursor, within the history, or from 0). `note_load()` (every engine step) wakes
 each subscription's `next()` without a batch, for a stream that also reports the engine's load. Used from
@@ -28,7 +32,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from sluice.engine.frontend.cached_blocks import CachedBlock, CachedBlocks
 from sluice.engine.kv_cache.kv_events import AllBlocksCleared, BlocksStored, KVEvent
@@ -39,6 +44,8 @@ HISTORY_BATCHES = 4096
 HISTORY_TOKEN_IDS = 1 << 20
 SUBSCRIBER_QUEUE_BATCHES = 4096
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks a snapshot batch carries (~250 KB on the wire), at least
+# Which stored blocks a subscriber takes, by their salt (`BlocksStored.cache_salt`); None: all.
+SaltFilter = Callable[[str | None], bool]
 
 
 @dataclass(frozen=True)
@@ -97,10 +104,13 @@ class KVEventSubscription:
         backlog: list[KVEventBatch] | list[_PendingChunk],
         max_queued: int,
         max_queued_token_ids: int,
+        keep: SaltFilter | None = None,
     ) -> None:
         """Past `max_queued` unread batches, or `max_queued_token_ids` of their stored blocks' token ids
-        (the backlog's counted in both), the subscriber lags."""
+        (the backlog's counted in both), the subscriber lags. `keep`: the stored blocks it takes."""
         self._log = log
+        self._keep = keep
+        backlog = [self._kept(batch) if isinstance(batch, KVEventBatch) else batch for batch in backlog]
         self._queue: deque[KVEventBatch | _PendingChunk] = deque(backlog)
         self._max_queued = max_queued
         self._num_token_ids = sum(_num_token_ids(batch) for batch in backlog)
@@ -111,7 +121,15 @@ class KVEventSubscription:
         if backlog:
             self._ready.set()
 
+    def _kept(self, batch: KVEventBatch) -> KVEventBatch:
+        """The batch without the stored blocks the subscriber does not take (its number kept)."""
+        if self._keep is None:
+            return batch
+        events = [e for e in batch.events if not isinstance(e, BlocksStored) or self._keep(e.cache_salt)]
+        return batch if len(events) == len(batch.events) else replace(batch, events=events)
+
     def push(self, batch: KVEventBatch) -> None:
+        batch = self._kept(batch)
         num_token_ids = _num_token_ids(batch)
         # A subscriber with nothing unread keeps up, however large the batch (one step past the bound).
         if self._queue and (
@@ -221,10 +239,10 @@ class KVEventLog:
         while self._num_history_token_ids > self._history_token_ids and len(self._history) > 1:
             self._num_history_token_ids -= _num_token_ids(self._history.popleft())
 
-    def subscribe(self, cursor: int) -> KVEventSubscription:
-        """The batches after `cursor` (0: a snapshot of what is cached, then the live ones). Raises
-        ReplayExpiredError if the history no longer holds the first of them, EngineStoppedError once
-        the engine stopped."""
+    def subscribe(self, cursor: int, keep: SaltFilter | None = None) -> KVEventSubscription:
+        """The batches after `cursor` (0: a snapshot of what is cached, then the live ones), with only
+        the stored blocks whose salt `keep` takes (None: all). Raises ReplayExpiredError if the history
+        no longer holds the first of them, EngineStoppedError once the engine stopped."""
         if self._stopped is not None:
             raise EngineStoppedError(self._stopped)
         last = self._last_sequence_number
@@ -244,19 +262,22 @@ class KVEventLog:
         if cursor:
             backlog = [batch for batch in self._history if batch.sequence_number > cursor]
         else:
-            backlog = self._snapshot()
+            backlog = self._snapshot(keep)
         max_batches = self._subscriber_queue_batches + len(backlog)
-        subscription = KVEventSubscription(self, backlog, max_batches, self._history_token_ids)
+        subscription = KVEventSubscription(self, backlog, max_batches, self._history_token_ids, keep)
         self._subscribers.add(subscription)
         return subscription
 
-    def _snapshot(self) -> list[_PendingChunk]:
-        """What is cached now, as batches numbered up to the last one (so the live ones follow without a
-        gap): `AllBlocksCleared` first (alone once everything was evicted: a subscriber starting over
-        forgets what it knew), then the blocks. None before the first batch: nothing to number it."""
+    def _snapshot(self, keep: SaltFilter | None) -> list[_PendingChunk]:
+        """What is cached now (the blocks whose salt `keep` takes), as batches numbered up to the last
+        one (so the live ones follow without a gap): `AllBlocksCleared` first (alone once everything was
+        evicted: a subscriber starting over forgets what it knew), then the blocks. None before the first
+        batch: nothing to number it."""
         if not self._last_sequence_number:
             return []
         blocks = self._cached.reachable()
+        if keep is not None:  # a block's parent has its salt (the chained hashes): the order holds
+            blocks = [(block_hash, block) for block_hash, block in blocks if keep(block.cache_salt)]
         last = self._last_sequence_number  # >= 1: something was published
         per_batch = max(SNAPSHOT_CHUNK_BLOCKS, math.ceil(len(blocks) / last))
         chunks = [blocks[i : i + per_batch] for i in range(0, len(blocks), per_batch)] or [[]]
