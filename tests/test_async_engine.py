@@ -375,6 +375,27 @@ async def test_queue_bound_counts_a_requests_samples(llama_dir):
         await engine.shutdown()
 
 
+async def test_the_samples_held_back_until_sample_0_answers_count_as_waiting(llama_long_dir):
+    """The frontend sends samples 1 .. n-1 once sample 0 answers; until then they wait too (vLLM sends
+    all n to its core): an n=4 request behind the one seat counted 1 waiting."""
+    config = _config(llama_long_dir)
+    engine = AsyncEngine(replace(config, scheduler=replace(config.scheduler, max_num_seqs=1)))
+    await engine.start()
+    try:
+        running = await engine.add_request("seated", UNENDING, text="one")
+        many = await engine.add_request("many", SamplingParams(n=4, max_tokens=2), token_ids=[5, 6, 7])
+        core_stats = lambda: engine._stats  # noqa: E731  (what the core reported, nothing added)
+        await _wait_until(lambda: core_stats().num_waiting == 1, "sample 0 waiting in the core")
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_waiting_tokens) == (1, 4, 4 * 3)
+        await engine.abort("seated")
+        await _collect(running)
+        await _collect(many)
+        await _wait_for_free_blocks(engine)
+    finally:
+        await engine.shutdown()
+
+
 async def test_a_stream_dropped_before_iterating_aborts_its_request(engine):
     stream = await engine.add_request("never-read", UNENDING, text="the quick brown fox")
     assert engine.has_request("never-read")

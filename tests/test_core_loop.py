@@ -10,6 +10,7 @@ import dataclasses
 import os
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import zmq
@@ -29,6 +30,7 @@ from sluice.engine.messages import (
 )
 from sluice.engine.process.core_process import CoreLoop
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
 
 HEARTBEAT_S = 0.05
 # Greedy with penalties, seeded samples and an n-gram proposer: each keeps state per request in the core.
@@ -132,3 +134,14 @@ def test_a_request_the_core_cannot_take_fails_alone(llama_long_dir):
         assert loop.thread.is_alive()
     finally:
         loop.close()
+
+
+def test_a_request_whose_grammar_compiles_counts_as_waiting(llama_long_dir, monkeypatch):
+    """Like vLLM's WAITING_FOR_FSM: the queue-depth gauge (and the HPA, and SMG's load) read an idle
+    server while requests waited for their grammars."""
+    core = EngineCore(long_engine_config(llama_long_dir))
+    monkeypatch.setattr(core._grammar_room._compiler, "submit", lambda constraint: Future())  # never done
+    params = SamplingParams(constraint=Constraint(regex="a+"), **ENDS)
+    core.add_request(AddRequest("constrained", [3, 4, 5], params, time.time()))
+    stats = core.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_waiting_tokens) == (0, 1, 3)

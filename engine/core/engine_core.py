@@ -233,10 +233,11 @@ class EngineCore:
         return self.scheduler.kv.take_events()
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        """The scheduler's counts; a request whose grammar is compiling waits (vLLM's WAITING_FOR_FSM)."""
+        s, room = self.scheduler, self._grammar_room
         return EngineStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(room),
             num_kv_blocks_total=s.num_blocks_total,
             num_kv_blocks_used=s.num_blocks_used,
             num_preemptions=s.num_preemptions,
@@ -248,7 +249,7 @@ class EngineCore:
             prefix_cache_preempted_queries=s.prefix_cache_preempted_queries,
             prefix_cache_preempted_hits=s.prefix_cache_preempted_hits,
             num_steps=self._num_steps,
-            num_waiting_tokens=s.num_waiting_tokens,
+            num_waiting_tokens=s.num_waiting_tokens + room.num_tokens,
             **self.speculator.counters.stats_fields(),
         )
 

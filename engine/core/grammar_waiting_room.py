@@ -75,3 +75,8 @@ class GrammarWaitingRoom:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt tokens of the requests waiting here (none computed yet)."""
+        return sum(request.num_tokens for request, _ in self._waiting.values())

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from sluice.engine.faults import FaultInjector
@@ -145,8 +147,16 @@ class AsyncEngine:
         self._dead_listeners.append(listener)
 
     def stats(self) -> EngineStats:
-        """As of the core's latest step."""
-        return self._stats
+        """As of the core's latest step; the samples of n-sample requests held here until their first
+        answers wait too (vLLM sends the n to its core at once)."""
+        num_unsent, unsent_tokens = self._output_processor.unsent_samples
+        if not num_unsent:
+            return self._stats
+        return msgspec.structs.replace(
+            self._stats,
+            num_waiting=self._stats.num_waiting + num_unsent,
+            num_waiting_tokens=self._stats.num_waiting_tokens + unsent_tokens,
+        )
 
     def liveness(self) -> EngineLiveness:
         """The core's silence while requests are live, and their prefill not yet answered."""

@@ -132,6 +132,11 @@ class OutputProcessor:
         return processed
 
     @property
+    def unsent_samples(self) -> tuple[int, int]:
+        """(samples, their prompt tokens) of n-sample requests not sent to the core yet."""
+        return self._samples.unsent
+
+    @property
     def num_live_samples(self) -> int:
         """Sequences not yet finished: every sample of every live request, sent to the core or not."""
         return len(self._states)

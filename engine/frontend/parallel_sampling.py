@@ -59,6 +59,12 @@ class ParallelSampling:
         """n-sample requests whose sample 0 has not answered yet (`on_output` has nothing to do when 0)."""
         return len(self._waiting)
 
+    @property
+    def unsent(self) -> tuple[int, int]:
+        """(samples, their prompt tokens) held here, not sent to the core yet."""
+        held = [add for rest in self._waiting.values() for add in rest]
+        return len(held), sum(len(add.prompt_token_ids) for add in held)
+
     def on_output(self, output: CoreOutput) -> tuple[list[AddRequest], list[CoreOutput]]:
         """On sample 0's first output: the samples to send now, or, when sample 0 ended without a token
         having never run or been aborted, the last outputs of the others (its finish reason, error and
