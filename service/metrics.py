@@ -19,8 +19,11 @@ from sluice.service.tenants import DEFAULT_TENANT
 
 # Hosts that mean "every address": grpc listens on IPv4 and IPv6 for either, and so does /metrics.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-# Latency buckets in seconds: sub-millisecond decode steps up to minute-long requests.
+# Latency buckets in seconds: sub-millisecond decode steps up to a minute between tokens ...
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# ... and for a whole request, its queue time and its first token, up to vLLM's longest request bucket:
+# a quantile past the last bound reads as that bound, and long outputs or an overloaded queue pass 60 s.
+_REQUEST_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class EngineStatsCollector(Collector):
@@ -125,12 +128,16 @@ class RequestTracker:
         self._num_generated: dict[int, int] = {}  # sample index -> completion tokens counted so far
         self._num_cached = 0  # sample 0's cached tokens counted so far (the prompt counts once)
         self._prompt_counted = False
+        self._prefilled = False  # a token came: the prompt was computed
 
     def on_output(self, output: RequestOutput) -> None:
         """Counts the tokens the output's usage adds to its sample's, then inter-token latency: time
         between chunks of one sample (`output.index`; the n samples of a request decode side by side, as
         vLLM's child requests), spread over the tokens of the later chunk (tokens merged into a sample's
-        first chunk, behind a slow reader, have no gap to observe)."""
+        first chunk, behind a slow reader, have no gap to observe). The prompt counts once a token came,
+        as vLLM counts it at its first token: a request aborted or expired while it waited, whose last
+        output still reports its prompt, counted it, and one its caller cancelled did not."""
+        self._prefilled = self._prefilled or bool(output.token_ids)
         if output.usage is not None:
             self._count_tokens(output.index, output.usage)
         if not output.token_ids:
@@ -145,14 +152,14 @@ class RequestTracker:
 
     def _count_tokens(self, index: int, usage: Usage) -> None:
         m, tenant = self._metrics, self._tenant
-        if not self._prompt_counted:
+        if self._prefilled and not self._prompt_counted:
             self._prompt_counted = True
             m.prompt_tokens.labels(tenant=tenant).inc(usage.prompt_tokens)
         new_tokens = usage.completion_tokens - self._num_generated.get(index, 0)
         if new_tokens > 0:
             self._num_generated[index] = usage.completion_tokens
             m.generation_tokens.labels(tenant=tenant).inc(new_tokens)
-        if index == 0 and usage.cached_tokens > self._num_cached:
+        if self._prefilled and index == 0 and usage.cached_tokens > self._num_cached:
             m.cached_tokens.labels(tenant=tenant).inc(usage.cached_tokens - self._num_cached)
             self._num_cached = usage.cached_tokens
 
@@ -181,17 +188,19 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
 
         self.time_to_first_token = histogram("sluice_time_to_first_token_seconds", "Arrival to first token.")
-        self.inter_token_latency = histogram("sluice_inter_token_latency_seconds", "Between output tokens.")
+        self.inter_token_latency = histogram(
+            "sluice_inter_token_latency_seconds", "Between output tokens.", _LATENCY_BUCKETS
+        )
         self.e2e_latency = histogram("sluice_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("sluice_queue_time_seconds", "Arrival to first scheduled.")
         # Per tenant (sluice.service.tenants; "default" without --api-keys).
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens",
-            "Prompt tokens of requests (counted at their first output).",
+            "Prompt tokens of requests (counted at their first token: a request ended before has none).",
             ["tenant"],
             registry=r,
         )

@@ -395,6 +395,38 @@ def test_request_tracker_counts_a_finished_request() -> None:
     assert value("sluice_num_requests_running") is None  # no engine yet: no gauges
 
 
+def test_a_request_ended_before_its_first_token_counts_no_prompt_tokens() -> None:
+    """vLLM counts a prompt at its first token: one aborted or expired while it waited, whose last output
+    still reports its prompt, counted it (and one its caller cancelled, ending without that output, not)."""
+    metrics = ServerMetrics(lambda: None)
+    tracker = metrics.track()
+    usage = Usage(prompt_tokens=183, completion_tokens=0, cached_tokens=16)
+    timings = Timings(arrival=100.0, first_scheduled=None, first_token=None, finished=101.0)
+    ended = RequestOutput("e", (), "", finish_reason="abort", usage=usage, timings=timings)
+    tracker.on_output(ended)
+    tracker.finish(ended, ("abort",))
+    value = metrics.registry.get_sample_value
+    default = {"tenant": "default"}
+    assert value("sluice_prompt_tokens_total", default) == value("sluice_cached_tokens_total", default) == 0
+    assert value("sluice_requests_total", {"finish_reason": "abort", **default}) == 1
+
+
+def test_request_latencies_have_buckets_past_a_minute() -> None:
+    """They ended at 60 s: every quantile of a 5-minute request (or queue wait) read 60."""
+    metrics = ServerMetrics(lambda: None)
+    tracker = metrics.track()
+    timings = Timings(arrival=0.0, first_scheduled=130.0, first_token=200.0, finished=300.0)
+    tracker.finish(_final_output(timings=timings), ("stop",))
+    value = metrics.registry.get_sample_value
+    for name, seconds, (below, above) in (
+        ("sluice_queue_time_seconds", 130.0, ("120.0", "240.0")),
+        ("sluice_time_to_first_token_seconds", 200.0, ("120.0", "240.0")),
+        ("sluice_e2e_request_latency_seconds", 300.0, ("240.0", "480.0")),
+    ):
+        counts = [value(f"{name}_bucket", {"le": le}) for le in (below, above)]
+        assert (value(f"{name}_sum"), counts) == (seconds, [0, 1]), name
+
+
 @pytest.mark.parametrize(
     ("environ", "enabled"),
     [
