@@ -9,6 +9,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
@@ -74,3 +75,21 @@ def test_a_cpu_cache_of_both_models_beyond_the_memory_left_is_refused(
         f"{field}: a KV cache of 0.0 GiB (target 8192 + draft model 16384 bytes a block) is more than the "
         "0.0 GiB of memory available"
     )
+
+
+def test_an_fp8_kv_cache_holds_the_draft_models_keys_and_values_too(llama_dir, qwen3_dir):
+    """The draft's cache took the model's dtype whatever --kv-cache-dtype said: with fp8, its float32
+    blocks were 80% of the budget (97 blocks of both where 244 fit)."""
+    per_block = (_block_bytes(llama_dir) + _block_bytes(qwen3_dir)) // 4  # a byte per value
+    llm = LLM(
+        llama_dir,
+        speculative=_draft(qwen3_dir),
+        kv_cache_memory_bytes=BUDGET,
+        block_size=BLOCK,
+        kv_cache_dtype="fp8",
+    )
+    engine = llm.engine
+    draft_runner = engine.core.speculator.proposer.runner
+    caches = [*engine.model_runner.kv_caches, *draft_runner.kv_caches]
+    assert {t.dtype for cache in caches for t in cache} == {torch.float8_e4m3fn}
+    assert engine.model_info.num_kv_blocks == draft_runner.num_blocks == BUDGET // per_block == 162

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+import re
+import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 from scheduler_driver import make_request
 
 from sluice.engine.config import SpeculativeConfig
@@ -110,4 +113,17 @@ def test_a_draft_model_that_does_not_load_is_refused_naming_draft_model(llama_di
     missing = str(tmp_path / "missing")
     spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=missing)
     with pytest.raises(ValueError, match=rf"^draft_model: '{missing}' has no config.json$"):
+        LLM(llama_dir, speculative=spec)
+
+
+def test_a_draft_whose_weights_do_not_fit_is_refused_naming_draft_model(llama_dir, tmp_path) -> None:
+    """A tensor missing from the draft was reported in the target's words, as if the target were broken."""
+    draft = tmp_path / "draft"
+    shutil.copytree(llama_dir, draft)
+    tensors = load_file(draft / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=str(draft))
+    missing = re.escape("draft_model: weights: missing ['model.layers.1.mlp.down_proj.weight']")
+    with pytest.raises(ValueError, match=rf"^{missing}$"):
         LLM(llama_dir, speculative=spec)

@@ -36,11 +36,21 @@ def load_draft_runner(
             f"{target_source.arch.vocab_size}; the draft must share the target's tokenizer"
         )
     max_model_len = min(max_model_len, source.arch.max_position_embeddings)
+    # The target's KV cache dtype, as vLLM's drafter shares the engine's cache config: with an FP8 cache
+    # the draft's blocks take a byte per value too.
+    cache = CacheConfig(
+        block_size=config.cache.block_size,
+        enable_prefix_caching=False,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+    )
     draft_config = EngineConfig(
         model=dataclasses.replace(model_config, max_model_len=max_model_len),
-        cache=CacheConfig(block_size=config.cache.block_size, enable_prefix_caching=False),
+        cache=cache,
         scheduler=config.scheduler,
         attention_backend=config.attention_backend,
         enforce_eager=True,
     )
-    return ModelRunner(draft_config, source, kv_cache=False)
+    try:
+        return ModelRunner(draft_config, source, kv_cache=False)
+    except ValueError as exc:  # its weights (a tensor missing or of another shape): the target's words
+        raise ValueError(f"draft_model: {str(exc).removeprefix('model: ')}") from None
