@@ -172,7 +172,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             messages = list(convert.messages_from_proto(request.messages))
             tool_use = convert.tool_use_from_chat(request.messages)
             tools = None if tool_use is None else tool_use.for_template()
-            size = prompt_chars(messages=messages)
+            size = prompt_chars(messages=messages, tools=tools)
             options = convert.chat_options_from_proto(request.messages)
             token_ids = await tokenize_when_long(
                 size, resolve_prompt, tokenizer, messages=messages, tools=tools, chat_options=options

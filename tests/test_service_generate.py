@@ -6,6 +6,7 @@ the machine's speed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 from collections import defaultdict
@@ -235,6 +236,39 @@ def test_tokenize_answers_as_the_tokenizer_and_takes_long_prompts_off_the_event_
         ),
     ]
     assert [list(a.token_ids) for a in answers] == expected
+    loop_thread = server.call(_current_thread())
+    assert [t is loop_thread for t in threads] == [True, False, False]
+
+
+def test_a_chat_long_in_its_tools_or_tool_calls_renders_off_the_event_loop(
+    stub, server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the messages' contents were counted: a chat of short messages with 200 tools' schemas (an
+    agent's), or a call's long arguments, rendered and tokenized on the event loop every stream shares."""
+    tokenizer, threads = server.engine.tokenizer, []
+    encode = tokenizer.encode
+
+    def spy(*args: object, **kwargs: object) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    long = "x " * 2100
+    user = pb.ChatMessage(role="user", content="hi")
+    call = pb.ToolCall(name="note", arguments=json.dumps({"text": long}), id="abcdefghi")
+    chats = [
+        pb.ChatMessages(messages=[user]),
+        pb.ChatMessages(messages=[user], tools=[pb.Tool(name="note", description=long)]),
+        pb.ChatMessages(
+            messages=[
+                user,
+                pb.ChatMessage(role="assistant", tool_calls=[call]),
+                pb.ChatMessage(role="tool", content="ok", tool_call_id="abcdefghi"),
+            ]
+        ),
+    ]
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    for chat in chats:
+        stub.Tokenize(pb.TokenizeRequest(messages=chat))
     loop_thread = server.call(_current_thread())
     assert [t is loop_thread for t in threads] == [True, False, False]
 
