@@ -271,3 +271,25 @@ def test_a_chat_its_template_renders_to_nothing_is_refused_naming_messages(model
             ours, messages=developer, chat_options=ChatTemplateOptions(add_generation_prompt=False)
         )
     assert str(info.value) == "messages: the chat template renders them to no tokens"
+
+
+@pytest.mark.parametrize(
+    ("template", "error"),
+    [
+        ("{% macro deep(n) %}{{ deep(n + 1) }}{% endmacro %}{{ deep(0) }}", "maximum recursion depth"),
+        ("{% for i in range(200000) %}{% endfor %}", "Range too big"),
+        ("{{ 1 // 0 }}", "by zero"),
+        ("{{ '{:d}'.format('x') }}", "Unknown format code 'd'"),
+    ],
+)
+def test_a_render_that_fails_is_invalid_argument_not_an_internal_error(
+    model_dir: Path, template: str, error: str
+) -> None:
+    """A template's recursion (gpt-oss's render_typescript_type over a deeply nested tool schema), the
+    sandbox's range limit, an arithmetic error: INTERNAL (and a logged traceback) for what the caller sent."""
+    ours = Tokenizer.from_pretrained(model_dir)
+    ours.chat_template = ChatTemplate(template)
+    with pytest.raises(InvalidRequestError) as info:
+        resolve_prompt(ours, messages=CHAT)
+    assert info.value.field == "messages" and "chat template failed: " in str(info.value)
+    assert error in str(info.value)

@@ -31,8 +31,19 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # transformers' marker: appended to the message to continue, it shows where that message's content ends in
 # the render (searching for the content itself can find it in the template's own text, "end" in "<|im_end|>").
 CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-# What a template's render raises on a conversation it cannot take.
-_RENDER_ERRORS = (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError)
+# What a template's render raises on a conversation it cannot take (vLLM answers 400 to ValueError,
+# TypeError, RuntimeError and TemplateError): RecursionError (a recursive macro over a deeply nested tool
+# schema), the sandbox's OverflowError (a range past its limit), a ZeroDivisionError.
+_RENDER_ERRORS = (
+    jinja2.TemplateError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    ValueError,
+    RuntimeError,
+    ArithmeticError,
+)
 
 
 @dataclass(frozen=True)
