@@ -200,6 +200,8 @@ def _message_from_proto(message: pb.ChatMessage) -> dict[str, Any]:
         converted["tool_call_id"] = message.tool_call_id
     if message.name:
         converted["name"] = message.name
+    if message.reasoning_content:
+        converted["reasoning_content"] = message.reasoning_content
     return converted
 
 

@@ -20,6 +20,8 @@ from typing import Any
 from sluice.v1 import sluice_pb2 as pb
 
 Tools = Sequence[pb.Tool | Mapping[str, Any]]
+# The names a message's reasoning goes by, in the server's order (sluice.engine.text.chat_template).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TOOL_CHOICE_MODES = {
     "none": pb.TOOL_CHOICE_MODE_NONE,
     "auto": pb.TOOL_CHOICE_MODE_AUTO,
@@ -88,12 +90,17 @@ def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
         if not all(_is_text_part(part) for part in parts):
             raise ValueError(f"messages: content must be a string or text parts, got {content!r}")
         content = "\n".join(part["text"] for part in parts)
+    # Its reasoning under any name the server's templates read it by (it was dropped): the first given.
+    reasoning = next((message[name] for name in REASONING_FIELDS if message.get(name) is not None), "")
+    if not isinstance(reasoning, str):
+        raise ValueError(f"messages: reasoning must be a string, got {reasoning!r}")
     return pb.ChatMessage(
         role=message["role"],
         content=content,
         tool_calls=[tool_call(call) for call in message.get("tool_calls") or ()],
         tool_call_id=message.get("tool_call_id") or "",
         name=message.get("name") or "",
+        reasoning_content=reasoning,
     )
 
 
