@@ -234,6 +234,18 @@ def test_a_setting_the_ranks_refuse_at_load_is_raised_naming_it(llama_dir):
         LLM(llama_dir, tensor_parallel_size=2, fuse_norm_fp8=True, num_blocks=8)
 
 
+def test_a_cpu_cache_the_ranks_together_do_not_have_memory_for_is_refused(llama_dir, monkeypatch):
+    """CPU ranks share one host: each rank checked its own half of the cache against the memory left, so
+    two ranks of 2 GiB each started (and then allocated) where 2.8 GiB were left."""
+    # 40 blocks of 8192 bytes (the tiny Llama in float32): 4096 a block on each rank.
+    monkeypatch.setattr("sluice.engine.worker.model_runner.available_memory_bytes", lambda: 200_000)
+    with pytest.raises(ValueError) as refused:
+        LLM(llama_dir, tensor_parallel_size=2, num_blocks=40, distributed_timeout_seconds=3600)
+    assert str(refused.value) == (
+        "num_blocks: a KV cache of 0.0 GiB over 2 ranks is more than the 0.0 GiB of memory available"
+    )
+
+
 def test_more_ranks_than_cuda_devices_is_refused(llama_dir):
     visible = torch.cuda.device_count()
     size = max(2, visible + 1)

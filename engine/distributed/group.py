@@ -86,11 +86,18 @@ class TensorParallelGroup:
 
     def min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
+        return self._reduce(value, ReduceOp.MIN)
+
+    def sum(self, value: int) -> int:
+        """The sum of every rank's `value`."""
+        return self._reduce(value, ReduceOp.SUM)
+
+    def _reduce(self, value: int, op: ReduceOp) -> int:
         if self.size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = AllreduceOptions()
-        options.reduceOp = ReduceOp.MIN
+        options.reduceOp = op
         self._process_group.allreduce([tensor], options).wait()
         return int(tensor.item())
 

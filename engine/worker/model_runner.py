@@ -286,14 +286,20 @@ class ModelRunner:
 
     def _check_host_memory(self, num_blocks: int) -> None:
         """A CPU cache larger than the memory left would be zeroed page by page until the OOM killer
-        ended the process: refused at once instead, naming the setting."""
+        ended the process: refused at once instead, naming the setting. Tensor-parallel ranks on a CPU
+        share one host: their caches together (each rank checked only its own, so two ranks of 2 GiB
+        each started where 2.8 GiB were left). Every rank checks before any allocates."""
+        if self.device.type != "cpu":
+            return
+        tp = self.tensor_parallel
+        needed = tp.sum(num_blocks * self.kv_block_bytes_with_draft)
         available = available_memory_bytes()
-        needed = num_blocks * self.kv_block_bytes_with_draft
-        if self.device.type != "cpu" or available is None or needed <= available:
+        if available is None or needed <= available:
             return
         field = "num_blocks" if self.config.cache.num_blocks is not None else "kv_cache_memory_bytes"
+        ranks = f" over {tp.size} ranks" if tp.size > 1 else ""
         raise ValueError(
-            f"{field}: a KV cache of {needed / 2**30:.1f} GiB{self._draft_share()} is more than the "
+            f"{field}: a KV cache of {needed / 2**30:.1f} GiB{self._draft_share()}{ranks} is more than the "
             f"{available / 2**30:.1f} GiB of memory available"
         )
 
