@@ -361,6 +361,12 @@ def test_runner_picks_verify_graphs_but_off_cuda_runs_eagerly():
         torch.testing.assert_close(runner.run(verify), expected, atol=0, rtol=0)
     without = CudaGraphRunner(model, kv_caches, 5, 4, 16, cpu)
     assert without.verify_buffers is None and without.graph_for(verify) is None
+    # k + 1 = 65 positions past the 4 blocks of 16 a graph addresses: no verify graphs, every verify step
+    # eager (the engine refused to start, on a CPU too).
+    too_long = CudaGraphRunner(
+        model, kv_caches, 5, 4, 16, cpu, verify_query_len=65, max_num_batched_tokens=16
+    )
+    assert too_long.verify_buffers is None and too_long.graph_for(verify) is None
 
 
 def test_graph_memory_estimate_covers_the_verify_graphs():

@@ -12,6 +12,7 @@ from scheduler_driver import make_request
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode.ngram_proposer import NgramProposer, propose_ngram
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.serve_command import engine_config
@@ -127,3 +128,15 @@ def test_a_draft_whose_weights_do_not_fit_is_refused_naming_draft_model(llama_di
     missing = re.escape("draft_model: weights: missing ['model.layers.1.mlp.down_proj.weight']")
     with pytest.raises(ValueError, match=rf"^{missing}$"):
         LLM(llama_dir, speculative=spec)
+
+
+def test_more_drafts_than_a_graph_addresses_run_eagerly(llama_dir) -> None:
+    """k + 1 = 17 positions past the one 16-token block a graph of an 8-token context addresses: the engine
+    refused to start ("query_len: 17 positions exceed ..."), on a CPU, which captures no graph, too."""
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = [[5, 6, 5]]
+    plain = LLM(llama_dir, max_model_len=8).generate(prompt, params)
+    assert LLM(llama_dir, max_model_len=8, speculative=spec).generate(prompt, params)[0].token_ids == (
+        plain[0].token_ids
+    )

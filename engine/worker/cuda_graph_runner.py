@@ -346,7 +346,11 @@ class CudaGraphRunner:
         self.buffers = GraphInputBuffers.allocate(self.sizes[-1], max_num_blocks_per_seq, device)
         self.verify_sizes: list[int] = []
         self.verify_buffers: VerifyInputBuffers | None = None
-        if verify_query_len > 1:
+        # Verify graphs (picked off CUDA too, run eagerly there) only where a padding sequence's k + 1
+        # positions fit the blocks a graph addresses: past a short --max-seq-len-to-capture or context,
+        # verify steps run eagerly, as steps past the graphs do (such settings were refused, CPU included).
+        fits = verify_query_len <= max_num_blocks_per_seq * block_size
+        if verify_query_len > 1 and fits:
             budget = max(max_num_batched_tokens, verify_query_len)
             self.verify_sizes = verify_capture_sizes(max_num_seqs, budget, verify_query_len)
             self.verify_buffers = VerifyInputBuffers.allocate(
