@@ -73,10 +73,12 @@ def generation_spec_from_smg(
             "tokenized.input_ids",
             f"the prompt has {len(token_ids)} tokens; the model's context is {model_info.max_model_len}",
         )
-    # Unset max_tokens: the rest of the context, but no more than the KV cache holds after the prompt
-    # (vLLM refuses to start where it could not; Sluice starts, and would refuse every such request).
-    kv_free = model_info.kv_capacity_tokens - len(token_ids)
-    default_max_tokens = min(num_free, kv_free) if kv_free > 0 else num_free
+    # Unset max_tokens: the rest of the context, but no more than one request can hold after the prompt
+    # (the KV cache, as a window reaches it; the step budget with chunked prefill off): vLLM refuses to
+    # start where it could not; Sluice starts, and would refuse every such request.
+    most = model_info.max_request_tokens or model_info.kv_capacity_tokens
+    room = most - len(token_ids)
+    default_max_tokens = min(num_free, room) if room > 0 else num_free
     params = sampling_params_from_smg(request.sampling_params, default_max_tokens=default_max_tokens)
     if params.max_tokens > num_free:
         raise InvalidRequestError(

@@ -311,3 +311,13 @@ def test_wrong_types_are_refused_naming_the_argument(typed_llm, call, error, mes
     with pytest.raises(error, match=message):
         call(typed_llm)
     assert not typed_llm.engine.has_unfinished_requests()
+
+
+def test_the_engine_reports_the_most_tokens_a_request_can_hold(llama_dir):
+    """SMG's unset max_tokens comes from it: with chunked prefill off and a 32-token budget, every such
+    request asked for the rest of the 64-token context and was refused for the budget."""
+    llm = LLM(
+        llama_dir, max_model_len=64, enable_chunked_prefill=False, max_num_batched_tokens=32, max_num_seqs=8
+    )
+    assert llm.engine.model_info.max_request_tokens == 32
+    assert LLM(llama_dir, max_model_len=64).engine.model_info.max_request_tokens == 64

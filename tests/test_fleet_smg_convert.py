@@ -161,6 +161,9 @@ def test_unset_max_tokens_is_what_the_context_and_the_kv_cache_leave() -> None:
     that left max_tokens unset, naming max_tokens; min_tokens past that default was refused too."""
     small = dataclasses.replace(INFO, num_kv_blocks=2)  # 32 tokens of KV, context 64
     assert smg_convert.generation_spec_from_smg(_request(), small, None).params.max_tokens == 28
+    # What one request can hold, as the engine reports it (a window, the step budget without chunking).
+    held = dataclasses.replace(INFO, num_kv_blocks=2, max_request_tokens=40)
+    assert smg_convert.generation_spec_from_smg(_request(), held, None).params.max_tokens == 36
     assert smg_convert.generation_spec_from_smg(_request(), INFO, None).params.max_tokens == 60
     params = smg_convert.generation_spec_from_smg(_request(min_tokens=61), INFO, None).params
     assert (params.max_tokens, params.min_tokens) == (60, 60)

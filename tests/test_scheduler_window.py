@@ -1,5 +1,6 @@
 """The scheduler with a sliding window (every layer windowed): block tables step by step, blocks held,
-and admission bounded by the window instead of the whole context."""
+and admission bounded by the window instead of the whole context (and the most tokens a request can
+hold, with and without a window)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,32 @@ def test_a_prefix_hit_reaching_past_the_window_is_admitted_into_a_pool_that_fits
         (80, (FREED, FREED, FREED, FREED, 3, 1), 2),  # 80 sees 65..: the block of 64..79 and a new one
     ]
     assert scheduler.prefix_cache_hits == 48 and scheduler.num_blocks_used == 0
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "sliding_window", "chunked", "most"),
+    [
+        (100, None, True, 1000),  # the context
+        (5, None, True, 80),  # the cache: 5 blocks of 16
+        (5, 20, True, 1000),  # a window of 20 with 32-token steps needs 5 blocks, however long the request
+        (4, 20, True, 64),  # ... and 4 hold 64 tokens
+        (100, None, False, 32),  # chunked prefill off: a preempted request recomputes in one step
+    ],
+)
+def test_the_most_tokens_a_request_can_hold_are_what_admission_takes(
+    num_blocks, sliding_window, chunked, most
+):
+    """What SMG's unset max_tokens defaults to: the flat cache size cut a windowed model's requests
+    short, and with chunked prefill off every such request was refused for the step budget."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, enable_chunked_prefill=chunked),
+        CacheConfig(block_size=BS),
+        num_blocks=num_blocks,
+        max_model_len=1000,
+        sliding_window=sliding_window,
+    )
+    assert scheduler.max_request_tokens == most
+    scheduler.add_request(make_request("fits", tokens(10), max_tokens=most - 10))
+    if most < 1000:  # past the context, the frontend refuses
+        with pytest.raises(ContextLengthError):
+            scheduler.add_request(make_request("past", tokens(10), max_tokens=most - 9))

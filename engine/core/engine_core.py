@@ -114,6 +114,7 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
+            max_request_tokens=self.scheduler.max_request_tokens,
         )
         self._num_steps = 0
         self._num_prompt_tokens_computed = 0

@@ -485,6 +485,19 @@ class Scheduler:
         """Run order: lower priority value first, then earlier arrival, then insertion."""
         return (request.priority, request.arrival_time, self._seq[request.request_id])
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request can hold, as `_check_fits` judges: the
+        context, or fewer where the KV cache (counted as a window reaches it) or, with chunked prefill
+        off, the step budget holds fewer."""
+        budget = self.config.max_num_batched_tokens
+        limit = self.max_model_len
+        if self.kv.num_blocks_needed(limit, budget) > self.num_blocks:
+            limit = self.num_blocks * self.kv.block_size
+        if not self.config.enable_chunked_prefill:
+            limit = min(limit, budget)
+        return limit
+
     def _check_fits(self, request: Request) -> None:
         """Reject what could never run, so the scheduler cannot livelock on it."""
         if request.num_prompt_tokens > self.max_model_len:
