@@ -209,3 +209,15 @@ def test_a_gguf_file_is_known_by_its_magic_and_found_alone_in_a_directory(tmp_pa
         ValueError, match=r"^model: '.*models' has no config.json and 2 .gguf files: name one$"
     ):
         load_model_source(ModelConfig(model=str(tmp_path / "models")))
+
+
+def test_a_gguf_asked_for_that_is_no_file_is_refused_naming_model(llama_dir: str, tmp_path) -> None:
+    """A directory or a missing path with load_format gguf (or a missing *.gguf) failed with the OS's
+    IsADirectoryError / FileNotFoundError, naming no setting."""
+    for path, load_format in (
+        (llama_dir, "gguf"),
+        (str(tmp_path / "missing"), "gguf"),
+        (str(tmp_path / "missing.gguf"), "auto"),
+    ):
+        with pytest.raises(ValueError, match=r"^model: '.*' is not a file, as a GGUF model is"):
+            load_model_source(ModelConfig(model=path, load_format=load_format))
