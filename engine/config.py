@@ -24,13 +24,35 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
-def _require_int64_fields(config: object) -> None:
-    """Every integer field of `config` fits an int64: the config crosses to the engine core in a message
-    (msgpack), which takes no more, and no size or count needs more."""
+def _check_fields(config: object) -> None:
+    """Each field of `config` holds its declared type, as vLLM's pydantic configs check (`LLM(**kwargs)`
+    took block_size=16.0 and failed in the engine; enforce_eager="false" read as true), a bool being no
+    integer and an integer a number; and every integer fits an int64: the config crosses to the engine
+    core in a message (msgpack), which takes no more, and no size or count needs more."""
+    hints = get_type_hints(type(config))
     for f in fields(config):
-        value = getattr(config, f.name)
+        value, hint = getattr(config, f.name), hints[f.name]
+        members = get_args(hint) if get_origin(hint) is UnionType else (hint,)
+        if value is None and type(None) in members:
+            continue
+        if not any(_is_a(value, member) for member in members):
+            kinds = " or ".join(_kind(member) for member in members if member is not type(None))
+            raise ValueError(f"{f.name}: must be {kinds}, got {value!r}")
         if isinstance(value, int) and not isinstance(value, bool):
             _require(-(2**63) <= value < 2**63, f.name, f"{value} is out of range (an int64)")
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _kind(kind: type) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(kind, f"a {kind.__name__}")
 
 
 def option(
@@ -96,6 +118,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.preset is not None and self.load_format == "auto":
             object.__setattr__(self, "load_format", "dummy")  # a preset's weights are random
         _require(
@@ -159,6 +182,7 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}"
         )
@@ -206,6 +230,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         budget = self.max_num_batched_tokens
         _require(budget is None or budget > 0, "max_num_batched_tokens", "must be > 0")
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
@@ -243,6 +268,7 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         # Finite and at most a day: inf failed the load with OverflowError (torch takes a timedelta).
         _require(
@@ -276,6 +302,7 @@ class SpeculativeConfig:
     draft_model: str | None = option(None, "draft model directory (--speculative draft)")
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _require(self.method in SPECULATIVE_METHODS, "speculative", f"must be one of {SPECULATIVE_METHODS}")
         _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
         _require(self.ngram_min >= 1, "ngram_min", "must be >= 1")
@@ -348,9 +375,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        for section in (self, *(getattr(self, name) for name in config_sections(type(self)))):
-            if section is not None:
-                _require_int64_fields(section)
+        _check_fields(self)  # its sections checked themselves
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

@@ -119,3 +119,27 @@ def test_llm_keywords_are_the_config_field_names() -> None:
     assert EngineConfig.from_kwargs(None, speculative=whole).speculative is whole
     with pytest.raises(TypeError, match="unknown engine argument 'bogus'"):
         EngineConfig.from_kwargs(None, bogus=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 16.0}, "block_size: must be an integer, got 16.0"),
+        ({"max_num_seqs": 2.5}, "max_num_seqs: must be an integer, got 2.5"),
+        ({"max_model_len": True}, "max_model_len: must be an integer, got True"),
+        ({"enforce_eager": "false"}, "enforce_eager: must be true or false, got 'false'"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching: must be true or false, got 'no'"),
+        ({"num_blocks": "64"}, "num_blocks: must be an integer, got '64'"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization: must be a number, got '0.5'"),
+        ({"dtype": 16}, "dtype: must be a string, got 16"),
+        ({"async_scheduling": 1}, "async_scheduling: must be true or false, got 1"),
+        ({"max_num_batched_tokens": float("inf")}, "max_num_batched_tokens: must be an integer, got inf"),
+        ({"seed": 2**63}, f"seed: {2**63} is out of range (an int64)"),
+    ],
+)
+def test_llm_keywords_of_another_type_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
+    """`LLM(**kwargs)` took them: block_size=16.0 failed in the engine (a float to torch.zeros), "false"
+    turned enforce_eager on, max_num_seqs=2.5 ran."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineConfig.from_kwargs(None, **kwargs)
+    assert EngineConfig.from_kwargs(None, gpu_memory_utilization=1).cache.gpu_memory_utilization == 1
