@@ -50,6 +50,10 @@ def _is_a(value: object, kind: type) -> bool:
     return isinstance(value, kind)
 
 
+def _default(config: type, name: str) -> Any:
+    return next(f.default for f in fields(config) if f.name == name)
+
+
 def _kind(kind: type) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return names.get(kind, f"a {kind.__name__}")
@@ -317,6 +321,12 @@ class SpeculativeConfig:
             "draft_model",
             "is only used with speculative method 'draft'",
         )
+        for name in ("ngram_min", "ngram_max"):  # as draft_model with ngram: a setting that would do nothing
+            _require(
+                self.method == "ngram" or getattr(self, name) == _default(type(self), name),
+                name,
+                "is only used with speculative method 'ngram'",
+            )
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,15 @@ def test_serve_flags_build_the_speculative_config() -> None:
         (dict(ngram_min=3, ngram_max=2), "ngram_max: must be >= ngram_min"),
         (dict(method="draft"), "draft_model: speculative method 'draft' needs a draft model"),
         (dict(draft_model="/m"), "draft_model: is only used with speculative method 'draft'"),
+        # They were taken and did nothing.
+        (
+            dict(method="draft", draft_model="/m", ngram_max=6),
+            "ngram_max: is only used with speculative method",
+        ),
+        (
+            dict(method="draft", draft_model="/m", ngram_min=2),
+            "ngram_min: is only used with speculative method",
+        ),
     ],
 )
 def test_invalid_settings_name_the_field(kwargs, message) -> None:
