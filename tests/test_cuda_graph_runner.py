@@ -46,6 +46,7 @@ BLOCK_SIZE = 16
         (9, [1, 2, 4, 8, 16]),
         (20, [1, 2, 4, 8, 16, 24]),
         (128, [1, 2, 4, 8, *range(16, 129, 8)]),
+        (4096, [1, 2, 4, 8, *range(16, 513, 8)]),  # 512 at most (vLLM's cap): larger batches run eagerly
     ],
 )
 def test_capture_sizes(max_num_seqs, expected):

@@ -46,15 +46,21 @@ ModelForward = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMet
 
 _FIRST_SIZES = (1, 2, 4, 8)
 _SIZE_STEP = 8
+# No larger batch is captured (vLLM's max_cudagraph_capture_size): a graph per 8 sequences up to
+# --max-num-seqs 4096 would be 515 captures at start-up and their memory; larger batches run eagerly,
+# where the host's launches weigh little against the step.
+MAX_CAPTURE_SIZE = 512
 _PADDING_SLOT = -1
 _PADDING_SEQ_LEN = 1
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to capture, ascending: 1, 2, 4, 8, then steps of 8, ending at the first size that
-    holds `max_num_seqs` (so every decode batch the scheduler can form has a graph)."""
+    holds `max_num_seqs` (so every decode batch the scheduler can form has a graph), MAX_CAPTURE_SIZE at
+    most."""
     if max_num_seqs <= 0:
         raise ValueError(f"max_num_seqs: must be > 0, got {max_num_seqs}")
+    max_num_seqs = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [size for size in _FIRST_SIZES if size < max_num_seqs]
     if len(sizes) < len(_FIRST_SIZES):
         return [*sizes, _FIRST_SIZES[len(sizes)]]
