@@ -66,6 +66,29 @@ def test_encode_matches_transformers(pair, add_special_tokens: bool) -> None:
         ), text
 
 
+def test_truncation_or_padding_saved_in_the_file_is_not_applied(tokenizer_dirs, tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation (some checkpoints ship max_length 2048) cut every prompt to
+    it, and with fixed padding padded every one; transformers turns both off as it loads."""
+    directory = tmp_path / "saved-mid-training"
+    shutil.copytree(tokenizer_dirs["bpe"], directory)
+    saved = json.loads((directory / "tokenizer.json").read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {
+        "strategy": {"Fixed": 40},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 4,
+        "pad_type_id": 0,
+        "pad_token": "<pad>",
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(saved))
+    ours, hf = Tokenizer.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    text = TEXTS[1]
+    assert 4 < len(hf.encode(text)) < 40
+    assert ours.encode(text) == hf.encode(text) == Tokenizer.from_spec(ours.spec()).encode(text)
+    assert json.loads(ours.spec().tokenizer_json)["truncation"] is None  # nor in what SMG gets
+
+
 def test_add_special_tokens_prepends_bos(pair) -> None:
     ours, _ = pair
     assert ours.encode("Hello", add_special_tokens=True)[0] == ours.bos_token_id

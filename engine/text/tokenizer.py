@@ -105,6 +105,10 @@ class Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`."""
         directory = Path(directory)
         backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # A file saved with truncation or padding on (a training run's last state: some checkpoints ship
+        # max_length 2048) would cut or pad every prompt; transformers turns both off as it loads.
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(directory / "tokenizer_config.json")
         special = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         special = {name: token for name, token in special.items() if token is not None}
