@@ -2,8 +2,11 @@
 
 Encoding follows transformers' `AutoTokenizer` on the same directory: the post-processor in
 `tokenizer.json` alone decides which special tokens `add_special_tokens=True` adds (transformers 5 ignores
-`add_bos_token` in `tokenizer_config.json` when a `tokenizer.json` exists). Decoding never applies
-transformers' `clean_up_tokenization_spaces`, so streamed text and whole decodes agree.
+`add_bos_token` in `tokenizer_config.json` when a `tokenizer.json` exists), and the file's own
+normalizer and pre-tokenizer run as written (transformers 4 and llama.cpp do the same; transformers 5
+replaces an old Llama 2 / Mistral v0.1 file's `Prepend("▁")` normalizer with its own Metaspace, so a
+leading space encodes differently there). Decoding never applies transformers'
+`clean_up_tokenization_spaces`, so streamed text and whole decodes agree.
 
 A model may ship named chat templates beside its default one (`additional_chat_templates/tool_use.jinja`, a
 list of {"name", "template"} in `tokenizer_config.json`, a GGUF's `tokenizer.chat_template.tool_use`): as
