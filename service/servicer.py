@@ -168,6 +168,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         kind = request.WhichOneof("prompt")
         if tokenizer is None:
             raise InvalidRequestError(kind or "prompt", "this model has no tokenizer")
+        if kind == "messages" and request.HasField("add_special_tokens") and request.add_special_tokens:
+            raise InvalidRequestError(
+                "add_special_tokens", "applies to text prompts: a chat's template writes its special tokens"
+            )
         if kind == "messages":  # as Generate renders and checks it, tools included
             messages = list(convert.messages_from_proto(request.messages))
             tool_use = convert.tool_use_from_chat(request.messages)

@@ -16,7 +16,7 @@ import pytest
 from checkpoints import EOS_ID, IM_END_ID, LONG_CONTEXT
 from service_harness import LONG_NUM_BLOCKS, PATIENCE_S, UNENDING, ServerThread
 
-from sluice import AsyncClient, Client, generate_request
+from sluice import AsyncClient, Client, SluiceError, generate_request
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
 from sluice.v1 import sluice_pb2 as pb
@@ -108,6 +108,14 @@ def test_tokenize_and_model_info(server: ServerThread, llm: LLM) -> None:
         no_special = llm.tokenizer.encode("Hello world", add_special_tokens=False)
         assert client.tokenize("Hello world", add_special_tokens=False) == no_special
         assert client.tokenize(messages=messages) == llm.tokenizer.encode_chat(messages)
+        chat = llm.tokenizer.encode_chat(messages)
+        assert client.tokenize(messages=messages, add_special_tokens=False) == chat
+        with pytest.raises(SluiceError) as refused:  # it was ignored: vLLM would add a second BOS
+            client.tokenize(messages=messages, add_special_tokens=True)
+        assert (refused.value.code, refused.value.message) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "add_special_tokens: applies to text prompts: a chat's template writes its special tokens",
+        )
         info = client.model_info()
     assert (info.architecture, info.max_model_len, info.vocab_size) == ("LlamaForCausalLM", LONG_CONTEXT, 512)
     assert sorted(info.eos_token_ids) == sorted({EOS_ID, IM_END_ID})

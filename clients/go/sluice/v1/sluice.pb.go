@@ -2058,7 +2058,8 @@ type TokenizeRequest struct {
 	//	*TokenizeRequest_Text
 	//	*TokenizeRequest_Messages
 	Prompt isTokenizeRequest_Prompt `protobuf_oneof:"prompt"`
-	// Add BOS and other special tokens to text prompts; default true.
+	// Add BOS and other special tokens to text prompts; default true. A chat's template writes its own:
+	// true with messages is INVALID_ARGUMENT (vLLM would add a second BOS), false is what a chat gets.
 	AddSpecialTokens *bool `protobuf:"varint,3,opt,name=add_special_tokens,json=addSpecialTokens,proto3,oneof" json:"add_special_tokens,omitempty"`
 }
 
