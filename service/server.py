@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import time
 from dataclasses import dataclass
@@ -169,6 +170,13 @@ class ServerConfig:
             raise ValueError("max_connection_age: must be > 0 seconds (None disables it)")
         if not self.max_connection_age_grace >= 0:
             raise ValueError("max_connection_age_grace: must be >= 0 seconds")
+        if (
+            self.profile_dir is not None
+            and os.path.exists(self.profile_dir)
+            and not os.path.isdir(self.profile_dir)
+        ):
+            # Else taken, and only the first StartProfile would fail.
+            raise ValueError(f"profile_dir: {self.profile_dir!r} is not a directory")
 
     def tenant_directory(self) -> TenantDirectory:
         if self.tenants is not None:

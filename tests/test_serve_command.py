@@ -57,6 +57,8 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
             ("--distributed-timeout-seconds", "inf"),
             "distributed_timeout_seconds: must be in (0, 86400] seconds",
         ),
+        # Taken, and only the first StartProfile failed.
+        (("--profile-dir", __file__), f"profile_dir: {__file__!r} is not a directory"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:
