@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.serve_command import server_config
-from sluice.service.server import GRPC_MAX_MS, ServerConfig, SluiceServer, grpc_millis
+from sluice.service.server import GRPC_MAX_MS, MAX_PENDING_CALLS, ServerConfig, SluiceServer, grpc_millis
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,12 @@ def test_connection_age_options_in_grpcs_milliseconds() -> None:
         GRPC_MAX_MS,
         GRPC_MAX_MS,
     ]
+
+
+def test_grpc_holds_a_bursts_calls_for_admission_control() -> None:
+    """grpc's defaults dropped the calls past 1,000 waiting for the event loop (CANCELLED, uncounted, never
+    retried): 667 of a burst of 3,000 Generate calls on a 2-core machine; admission control refuses the
+    excess with RESOURCE_EXHAUSTED instead."""
+    options = dict(ServerConfig().grpc_options())
+    assert options["grpc.server.max_pending_requests"] == MAX_PENDING_CALLS >= 20_000
+    assert options["grpc.server.max_pending_requests_hard_limit"] == 2 * MAX_PENDING_CALLS
