@@ -115,10 +115,13 @@ class TlsConfig:
                 raise ValueError(f"tls-{flag}: cannot read {path}: {exc.strerror or exc}") from None
             if b"-----BEGIN " not in pem:
                 raise ValueError(f"tls-{flag}: {path} is not a PEM file")
+            if name == "key" and b"ENCRYPTED" in pem:  # OpenSSL would prompt for it on the terminal
+                raise ValueError(f"tls-key: {path} is passphrase-protected; grpc needs an unencrypted key")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            context.load_cert_chain(self.cert, self.key)
-        except ssl.SSLError as exc:  # swapped files, or a key of another certificate
+            # No password: never OpenSSL's prompt on the terminal, which a server would wait at forever.
+            context.load_cert_chain(self.cert, self.key, password=b"")
+        except (ssl.SSLError, OSError) as exc:  # swapped files, or a key of another certificate
             raise ValueError(
                 f"tls-key: {self.key} is not the private key of the certificate in {self.cert} "
                 f"({exc.reason or exc})"

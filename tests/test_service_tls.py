@@ -231,6 +231,24 @@ def test_a_key_that_is_not_the_certificates_is_refused_naming_the_flag(pki: Pki,
         TlsConfig(cert, key, str(not_a_ca))
 
 
+def test_a_passphrase_protected_key_is_refused_naming_the_flag(pki: Pki, tmp_path) -> None:
+    """OpenSSL asked for the passphrase on the terminal (a server with one waited there forever; without
+    one, an OSError traceback)."""
+    with open(pki.tls.key, "rb") as f:
+        key = serialization.load_pem_private_key(f.read(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pw"),
+        )
+    )
+    with pytest.raises(ValueError) as info:
+        TlsConfig(pki.tls.cert, str(encrypted))
+    assert str(info.value) == f"tls-key: {encrypted} is passphrase-protected; grpc needs an unencrypted key"
+
+
 def test_serve_tls_flags_build_the_tls_config(pki: Pki) -> None:
     cert, key, client_ca = pki.mtls.cert, pki.mtls.key, pki.mtls.client_ca
     args = _parse("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_ca)
