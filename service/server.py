@@ -23,7 +23,7 @@ import logging
 import os
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -149,7 +149,7 @@ class ServerConfig:
 
     host: str = "0.0.0.0"
     port: int = 50051  # 0 picks a free port
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a repr, as tenants keep theirs
     tenants: TenantDirectory | None = None
     grace_period: float = 30.0
     metrics_port: int | None = None  # None: no /metrics endpoint; 0 picks a free port
@@ -241,8 +241,10 @@ class SluiceServer:
         """A call refused for its API key before any handler ran: counted as the handlers count theirs
         (sluice_rpc_requests_total, by method name), for the services whose calls are counted."""
         service, _, name = method.lstrip("/").partition("/")
-        if service in (INFERENCE_SERVICE, SMG_SERVICE):
+        if service == INFERENCE_SERVICE:
             self.metrics.record_status(name, grpc.StatusCode.UNAUTHENTICATED)
+        elif service == SMG_SERVICE:  # as "VllmEngine.<method>", apart from sluice.v1's of one name
+            self.smg_servicer.record_status(name, grpc.StatusCode.UNAUTHENTICATED)
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""

@@ -53,3 +53,7 @@ def test_grpc_holds_a_bursts_calls_for_admission_control() -> None:
     options = dict(ServerConfig().grpc_options())
     assert options["grpc.server.max_pending_requests"] == MAX_PENDING_CALLS >= 20_000
     assert options["grpc.server.max_pending_requests_hard_limit"] == 2 * MAX_PENDING_CALLS
+
+
+def test_the_api_key_is_never_in_the_configs_repr() -> None:
+    assert "sk-secret" not in repr(ServerConfig(api_key="sk-secret"))

@@ -21,6 +21,7 @@ from service_harness import (
     tiny_engine_config,
     wait_for,
 )
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from toolchains import BUF, require
 
 from sluice import Client, SluiceError, generate_request
@@ -337,6 +338,24 @@ def test_calls_refused_for_their_key_are_counted_by_method(keyed_server: ServerT
             client.tokenize("hi")
         _generate_error(client, generate_request("hi", max_tokens=2))
     assert {method: count(method) - before[method] for method in methods} == dict.fromkeys(methods, 1)
+    # SMG's methods as its handlers count theirs, "VllmEngine.<method>": a refused GetModelInfo was
+    # counted as sluice.v1's.
+    smg_methods = ("VllmEngine.GetModelInfo", "VllmEngine.GetLoads", "GetModelInfo")
+    before = {method: count(method) for method in smg_methods}
+    with grpc.insecure_channel(keyed_server.target) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        wrong = (("authorization", "Bearer wrong"),)
+        for call, request in (
+            (stub.GetModelInfo, vllm_engine_pb2.GetModelInfoRequest()),
+            (stub.GetLoads, vllm_engine_pb2.GetLoadsRequest()),
+        ):
+            with pytest.raises(grpc.RpcError):
+                call(request, metadata=wrong, timeout=PATIENCE_S)
+    assert {method: count(method) - before[method] for method in smg_methods} == {
+        "VllmEngine.GetModelInfo": 1,
+        "VllmEngine.GetLoads": 1,
+        "GetModelInfo": 0,
+    }
 
 
 class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
