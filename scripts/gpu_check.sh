@@ -175,14 +175,14 @@ if ((INSTALLED)); then
         unset TRITON_INTERPRET
     fi
     if [[ ! -f $TOKENIZER/tokenizer.json ]]; then
-        $PY -m sluice.benchmarks.gpu.borrowed_tokenizer export "$WORK/smollm2-tokenizer" >>"$LOG" 2>&1 &&
+        $PY -P -m sluice.benchmarks.gpu.borrowed_tokenizer export "$WORK/smollm2-tokenizer" >>"$LOG" 2>&1 &&
             TOKENIZER=$WORK/smollm2-tokenizer
     fi
     # One entry a line, its pytest arguments tab-separated (a file, and -k EXPR where only part of it runs).
     KERNEL_TESTS=$WORK/kernel_tests.txt
     timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" \
         --kernel-tests "${SLUICE_GPU_CHECK_KERNEL_TESTS:-}" >"$KERNEL_TESTS" 2>"$WORK/kernel_tests.err"
-    SERVE=($PY -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
+    SERVE=($PY -P -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
     # Kernel test files run at once: 4 on a GPU machine (run 15's took ~290 s one after another on an
     # H200's 16 CPUs, over the step's 180), one in CPU mode (the interpreter is the work there).
     KERNEL_TEST_JOBS=${SLUICE_GPU_CHECK_KERNEL_TEST_JOBS:-$([[ $MODE == gpu ]] && echo 4 || echo 1)}
@@ -194,9 +194,10 @@ if ((INSTALLED)); then
         run_step kernel_tests 180 30 bash -c "rc=0; n=0; i=0; mapfile -t entries <'$KERNEL_TESTS'
             run() {
                 IFS=\$'\\t' read -r -a args <<<\"\$2\"
-                $PY -m pytest -q -p no:cacheprovider --basetemp=\"$WORK/kt-tmp.\$1\" \"\${args[@]}\" </dev/null >\"$WORK/kt.\$1\" 2>&1
+                echo \"\${args[*]}\" >\"$WORK/kt.\$1.name\"
+                $PY -P -m pytest -q -p no:cacheprovider --basetemp=\"$WORK/kt-tmp.\$1\" \"\${args[@]}\" </dev/null >\"$WORK/kt.\$1\" 2>&1
                 local status=\$?
-                { flock 9; cat \"$WORK/kt.\$1\"; echo \"kernel tests: \${args[*]} exit \$status\"; } 9>'$WORK/kt.lock'
+                { flock 9; cat \"$WORK/kt.\$1\"; echo \"kernel tests: \${args[*]} exit \$status\"; rm -f \"$WORK/kt.\$1.name\"; } 9>'$WORK/kt.lock'
                 return \$status
             }
             for entry in \"\${entries[@]}\"; do
@@ -204,6 +205,12 @@ if ((INSTALLED)); then
                 i=\$((i + 1)); run \$i \"\$entry\" & n=\$((n + 1))
             done
             while ((n > 0)); do wait -n || rc=1; n=\$((n - 1)); done; exit \$rc"
+        # The files still running when the step's limit cut it: what they had written (the work folder
+        # goes at exit), each named.
+        for name_file in "$WORK"/kt.*.name; do
+            [[ -f $name_file ]] || continue
+            { echo "kernel tests: $(<"$name_file") cut at the step's limit; its output so far:"; cat "${name_file%.name}"; echo; } >>"$LOG"
+        done
     else
         run_step kernel_tests 180 30 bash -c "echo 'scripts/gpu_check.py --print-kernel-tests printed nothing:'; cat '$WORK/kernel_tests.err'; exit 1"
     fi
@@ -213,10 +220,10 @@ if ((INSTALLED)); then
     BENCH_ROWS=${SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS:-1,2,4,8,16,32,64}
     KV_PATHS_ARGS=$([[ $MODE == cpu ]] && echo "--device cpu --tiny")
     run_step kernel_bench $((BENCH_CAP + 150)) 60 bash -c "
-        $PY -m sluice.benchmarks.gpu.fp8_linear_bench '$OUT/kernel_bench.md' --device '$DEVICE' --cap-s '$BENCH_CAP' --rows '$BENCH_ROWS'; rc=\$?
-        $PY -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
+        $PY -P -m sluice.benchmarks.gpu.fp8_linear_bench '$OUT/kernel_bench.md' --device '$DEVICE' --cap-s '$BENCH_CAP' --rows '$BENCH_ROWS'; rc=\$?
+        $PY -P -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
         [[ -f '$WORK/fp8_kv_paths.md' ]] && { echo; cat '$WORK/fp8_kv_paths.md'; } >>'$OUT/kernel_bench.md'
-        $PY -m sluice.benchmarks.gpu.fused_quant_bench '$WORK/fused_quant.md' --device '$DEVICE' || rc=1
+        $PY -P -m sluice.benchmarks.gpu.fused_quant_bench '$WORK/fused_quant.md' --device '$DEVICE' || rc=1
         [[ -f '$WORK/fused_quant.md' ]] && { echo; cat '$WORK/fused_quant.md'; } >>'$OUT/kernel_bench.md'
         exit \$rc"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
@@ -234,7 +241,7 @@ else
 fi
 
 WALL=$((SECONDS - START))
-if ! timeout -k 5 "$REPORT_RESERVE" $PY -m sluice.benchmarks.gpu.check_report "$OUT" --mode "$MODE" --wall-s "$WALL" --budget-s "$BUDGET" >>"$LOG" 2>&1; then
+if ! timeout -k 5 "$REPORT_RESERVE" $PY -P -m sluice.benchmarks.gpu.check_report "$OUT" --mode "$MODE" --wall-s "$WALL" --budget-s "$BUDGET" >>"$LOG" 2>&1; then
     FAILED=1
     [[ -s $OUT/report.md ]] || { echo "# Sluice GPU check: the report could not be built (see steps.log)"; cat "$RESULTS"; } >"$OUT/report.md"
 fi

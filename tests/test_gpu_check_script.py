@@ -294,12 +294,15 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path)
 
 
 def test_a_hung_step_is_killed_at_its_limit_and_fails_the_check(tmp_path: Path) -> None:
-    # A python that hangs when asked to run pytest (the kernel-test step) and is itself otherwise.
+    # A python that hangs when asked to run pytest (the kernel-test step; -P: the repository's kernels/
+    # must not hide Hugging Face's `kernels`, which transformers imports) after printing a line, and is
+    # itself otherwise.
     pid_file = tmp_path / "hung.pid"
     python = tmp_path / "python"
     python.write_text(
         "#!/bin/bash\n"
-        f'if [[ "$1 $2" == "-m pytest" ]]; then echo $$ > {pid_file}; exec sleep 300; fi\n'
+        f'if [[ "$1 $2 $3" == "-P -m pytest" ]]; then echo $$ > {pid_file}; echo "..... [ 48%]"; '
+        "exec sleep 300; fi\n"
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
@@ -314,6 +317,10 @@ def test_a_hung_step_is_killed_at_its_limit_and_fails_the_check(tmp_path: Path) 
         "not in SLUICE_GPU_CHECK_STEPS",
     )
     assert not process_running(int(pid_file.read_text()))  # the hung process went with its step
+    # The file cut at the limit is named with what it had written (its output was deleted unread).
+    log = (out / "steps.log").read_text()
+    cut = "kernel tests: tests/test_kernels_store_kv.py cut at the step's limit; its output so far:"
+    assert f"{cut}\n..... [ 48%]" in log
     report = (out / "report.md").read_text()
     assert report.startswith("# Sluice GPU check: CPU: FAIL")
     assert "| kernel_tests |" in report and "| TIMED OUT | " in report
