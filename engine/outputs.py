@@ -217,6 +217,9 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     prefix_cache_preempted_hits: int = 0
     num_steps: int = 0
     num_waiting_tokens: int = 0  # tokens the waiting requests have yet to compute (Scheduler's)
+    # Of num_waiting, the requests whose grammar is compiling: not held back for a seat (admission
+    # control's test, AsyncEngine._num_queued), each takes a free one once its grammar is ready.
+    num_waiting_for_grammar: int = 0
     # Speculative decoding: drafts verified and accepted; per draft position j (0-based), how many
     # drafts were verified there and how many accepted (acceptance rate at j = accepted / verified).
     num_draft_tokens: int = 0

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import replace
 
+import msgspec
 import pytest
 from checkpoints import LONG_CONTEXT
 from service_harness import PATIENCE_S, UNENDING_TOKENS
@@ -373,6 +374,18 @@ async def test_queue_bound_counts_a_requests_samples(llama_dir):
             await _collect(stream)
     finally:
         await engine.shutdown()
+
+
+async def test_requests_whose_grammars_compile_leave_the_free_seats_to_a_burst(engine, monkeypatch):
+    """They count as waiting (the gauge, SMG's load) but hold no request back: once the core reported
+    two of them, --max-queue 2 refused a plain request on an idle server of 64 seats."""
+    monkeypatch.setattr(type(engine._output_processor), "num_live_samples", property(lambda self: 3))
+    compiling = msgspec.structs.replace(engine._stats, num_waiting=2, num_waiting_for_grammar=2)
+    monkeypatch.setattr(engine, "_stats", compiling)
+    assert engine._num_queued() == 0  # 3 live sequences, all in free seats
+    held_back = msgspec.structs.replace(compiling, num_waiting=3)  # one waits for a seat: all do
+    monkeypatch.setattr(engine, "_stats", held_back)
+    assert engine._num_queued() == 3
 
 
 async def test_the_samples_held_back_until_sample_0_answers_count_as_waiting(llama_long_dir):

@@ -145,3 +145,4 @@ def test_a_request_whose_grammar_compiles_counts_as_waiting(llama_long_dir, monk
     core.add_request(AddRequest("constrained", [3, 4, 5], params, time.time()))
     stats = core.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_waiting_tokens) == (0, 1, 3)
+    assert stats.num_waiting_for_grammar == 1  # holding no request back for a seat (admission control)

@@ -251,6 +251,7 @@ class EngineCore:
             prefix_cache_preempted_hits=s.prefix_cache_preempted_hits,
             num_steps=self._num_steps,
             num_waiting_tokens=s.num_waiting_tokens + room.num_tokens,
+            num_waiting_for_grammar=len(room),
             **self.speculator.counters.stats_fields(),
         )
 

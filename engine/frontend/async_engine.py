@@ -288,9 +288,10 @@ class AsyncEngine:
         """Sequences waiting, as the core will find them at its next step. Those added since its last
         report are not running yet: while it reported none waiting they take its free seats first
         (max_num_seqs), so an idle server takes a burst it can run at once; while it holds some back
-        (seats or KV cache full), every sequence not reported running waits."""
+        (seats or KV cache full), every sequence not reported running waits. A request whose grammar
+        compiles holds no other back: it takes a free seat once its grammar is ready."""
         num_live, stats = self._output_processor.num_live_samples, self._stats
-        if stats.num_waiting or not self.model_info.max_num_seqs:
+        if stats.num_waiting > stats.num_waiting_for_grammar or not self.model_info.max_num_seqs:
             return max(0, num_live - stats.num_running)
         return max(0, num_live - self.model_info.max_num_seqs)
 
