@@ -510,3 +510,15 @@ async def test_a_request_that_fails_alone_ends_alone(llama_dir, monkeypatch, pla
         assert engine.error is None
     finally:
         await engine.shutdown()
+
+
+def test_a_prompt_counts_what_its_template_renders_punctuation_included():
+    """150,000 empty arrays in a tool's schema render to 600 KB of JSON but counted 0 characters: the
+    chat was rendered on the event loop (0.6 s)."""
+    from sluice.engine.frontend.async_engine import TOKENIZE_INLINE_MAX_CHARS, prompt_chars
+
+    user = [{"role": "user", "content": "hi"}]
+    empty = [{"type": "function", "function": {"name": "f", "parameters": {"enum": [[]] * 150_000}}}]
+    assert prompt_chars(messages=user) < 100
+    assert prompt_chars(messages=user, tools=empty) > TOKENIZE_INLINE_MAX_CHARS
+    assert prompt_chars(messages=user, tools=[{"x": [""] * 150_000}]) > TOKENIZE_INLINE_MAX_CHARS

@@ -69,20 +69,24 @@ def prompt_chars(
     """The characters a prompt gives the chat template and the tokenizer (the template's own text aside):
     every string in the messages (contents, tool calls' arguments, reasoning) and the tools (their
     schemas are rendered too: 200 tools of an agent, 500 KB, rendered inline stalled every stream for
-    0.5 s). Counting stops past TOKENIZE_INLINE_MAX_CHARS, so the count costs little however large."""
+    0.5 s), each with its JSON punctuation (quotes, brackets: 150,000 empty arrays render to 600 KB).
+    Counting stops past TOKENIZE_INLINE_MAX_CHARS: every value counts 2 or more, so at most ~2,000 are
+    visited however large the prompt."""
     count, limit = len(text or ""), TOKENIZE_INLINE_MAX_CHARS
     pending: list[Any] = [messages or (), tools or ()]
     while pending and count <= limit:
         value = pending.pop()
         if isinstance(value, str):
-            count += len(value)
+            count += len(value) + 2
         elif isinstance(value, Mapping):
+            count += 2
             pending += value.keys()
             pending += value.values()
         elif isinstance(value, list | tuple):
+            count += 2
             pending += value
-        else:  # a number, a bool, None: a few characters
-            count += 1
+        else:  # a number, a bool, None
+            count += max(2, len(str(value)))
     return count
 
 
