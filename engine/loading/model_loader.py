@@ -78,7 +78,7 @@ def _gguf_file(path: str, asked: bool) -> str | None:
             raise ValueError(f"model: {path!r} has no config.json and {len(found)} .gguf files: name one")
         return os.path.join(path, found[0]) if found else None
     if path.endswith(".gguf") or asked:
-        if not os.path.isfile(path):  # an OS error naming no setting
+        if os.path.isdir(path) or not os.path.exists(path):  # an OS error naming no setting
             raise ValueError(f"model: {path!r} is not a file, as a GGUF model is (load_format gguf)")
         return path
     if os.path.isfile(path):
