@@ -7,6 +7,8 @@ spelling live here, once, and `sluice serve` builds its engine flags from these 
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from types import UnionType
@@ -26,27 +28,37 @@ def _require(condition: bool, name: str, message: str) -> None:
 
 def _check_fields(config: object) -> None:
     """Each field of `config` holds its declared type, as vLLM's pydantic configs check (`LLM(**kwargs)`
-    took block_size=16.0 and failed in the engine; enforce_eager="false" read as true), a bool being no
-    integer and an integer a number; and every integer fits an int64: the config crosses to the engine
-    core in a message (msgpack), which takes no more, and no size or count needs more."""
+    took block_size=16.0 and failed in the engine; enforce_eager="false" read as true), and as they take
+    numbers (pydantic's lax mode): an integer field any integral number (numpy's, a whole float) made an
+    int, a float field any real number made a float, a bool neither; and every integer fits an int64: the
+    config crosses to the engine core in a message (msgpack), which takes no more, and no size or count
+    needs more."""
     hints = get_type_hints(type(config))
     for f in fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
         members = get_args(hint) if get_origin(hint) is UnionType else (hint,)
         if value is None and type(None) in members:
             continue
-        if not any(_is_a(value, member) for member in members):
+        kind = next((member for member in members if _is_a(value, member)), None)
+        if kind is None:
             kinds = " or ".join(_kind(member) for member in members if member is not type(None))
             raise ValueError(f"{f.name}: must be {kinds}, got {value!r}")
-        if isinstance(value, int) and not isinstance(value, bool):
+        if kind in (int, float) and type(value) is not kind:
+            value = kind(value)  # frozen: as the dataclass's own __post_init__ normalizes a field
+            object.__setattr__(config, f.name, value)
+        if kind is int:
             _require(-(2**63) <= value < 2**63, f.name, f"{value} is out of range (an int64)")
 
 
 def _is_a(value: object, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(value, numbers.Integral):
+            return True
+        return isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()
     if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real)
     return isinstance(value, kind)
 
 

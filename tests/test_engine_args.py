@@ -7,6 +7,7 @@ import argparse
 import re
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import pytest
 
 from sluice.engine.config import EngineConfig, SpeculativeConfig, config_sections, option
@@ -124,7 +125,6 @@ def test_llm_keywords_are_the_config_field_names() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"block_size": 16.0}, "block_size: must be an integer, got 16.0"),
         ({"max_num_seqs": 2.5}, "max_num_seqs: must be an integer, got 2.5"),
         ({"max_model_len": True}, "max_model_len: must be an integer, got True"),
         ({"enforce_eager": "false"}, "enforce_eager: must be true or false, got 'false'"),
@@ -138,8 +138,27 @@ def test_llm_keywords_are_the_config_field_names() -> None:
     ],
 )
 def test_llm_keywords_of_another_type_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
-    """`LLM(**kwargs)` took them: block_size=16.0 failed in the engine (a float to torch.zeros), "false"
-    turned enforce_eager on, max_num_seqs=2.5 ran."""
+    """`LLM(**kwargs)` took them: "false" turned enforce_eager on, max_num_seqs=2.5 ran."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         EngineConfig.from_kwargs(None, **kwargs)
-    assert EngineConfig.from_kwargs(None, gpu_memory_utilization=1).cache.gpu_memory_utilization == 1
+
+
+def test_llm_keywords_take_numbers_as_pydantic_does() -> None:
+    """A whole float, numpy's integers and floats, an integer for a float: made the field's type
+    (block_size=16.0 failed in the engine: a float to torch.zeros)."""
+    config = EngineConfig.from_kwargs(
+        None,
+        block_size=16.0,
+        max_model_len=np.int64(256),
+        max_num_seqs=np.int32(4),
+        gpu_memory_utilization=np.float32(0.5),
+        distributed_timeout_seconds=60,
+    )
+    values = (
+        config.cache.block_size,
+        config.model.max_model_len,
+        config.scheduler.max_num_seqs,
+        config.cache.gpu_memory_utilization,
+        config.parallel.distributed_timeout_seconds,
+    )
+    assert [(type(v), v) for v in values] == [(int, 16), (int, 256), (int, 4), (float, 0.5), (float, 60.0)]
