@@ -80,10 +80,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export_gguf(hf_dir: str, path: str, gguf_arch: str = "llama", rope_scaling: dict | None = None) -> str:
+def export_gguf(
+    hf_dir: str,
+    path: str,
+    gguf_arch: str = "llama",
+    rope_scaling: dict | None = None,
+    leave_out: tuple[str, ...] = (),
+) -> str:
     """The checkpoint in `hf_dir` as llama.cpp writes a `gguf_arch` (llama, qwen2, qwen3, gemma3) GGUF;
     rope_scaling {"type", "factor"[, "original_context_length", yarn's "yarn_beta_fast", ...]} becomes
-    `<arch>.rope.scaling.*` (`write_shape_metadata`)."""
+    `<arch>.rope.scaling.*` (`write_shape_metadata`); tensors whose names end with one of `leave_out` are
+    not written."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     writer = GGUFWriter(path, gguf_arch)
@@ -96,6 +103,8 @@ def export_gguf(hf_dir: str, path: str, gguf_arch: str = "llama", rope_scaling: 
             "rope_freqs.weight", llama3_rope_factors(config), raw_dtype=GGMLQuantizationType.F32
         )
     for name, value in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if leave_out and name.endswith(leave_out):
+            continue
         writer.add_tensor(*_gguf_tensor(name, value, gguf_arch, config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from checkpoints import SHAPE, _save
 from gguf_export import export_gguf
+from safetensors.torch import load_file, save_file
 
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
@@ -74,6 +75,22 @@ def test_a_llama_gguf_with_biases_runs_like_transformers(tmp_path: Path) -> None
     'model.layers.0.self_attn.q_proj.bias'", a name the file does not have)."""
     hf_dir = _llama(str(tmp_path / "hf"))
     path = export_gguf(hf_dir, str(tmp_path / "biased.gguf"))
+    prompts = _prompts()
+    llm = LLM(path, num_blocks=32)
+    assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == _hf_greedy(hf_dir, prompts)
+
+
+def test_a_llama_gguf_with_qkv_biases_and_no_o_bias_runs_like_transformers(tmp_path: Path) -> None:
+    """llama.cpp takes each projection's bias as optional: a file with q/k/v biases and none on o (the
+    LLaMAfied-Qwen lineage) was refused ("weights: missing [...o_proj.bias...]"). Transformers runs the
+    same model as the Llama whose o biases are zero."""
+    hf_dir = _llama(str(tmp_path / "hf"))
+    tensors = load_file(f"{hf_dir}/model.safetensors")
+    for name in tensors:
+        if name.endswith("o_proj.bias"):
+            tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
+    path = export_gguf(hf_dir, str(tmp_path / "qkv-biased.gguf"), leave_out=("o_proj.bias",))
     prompts = _prompts()
     llm = LLM(path, num_blocks=32)
     assert [c.token_ids for c in llm.generate(prompts, GREEDY)] == _hf_greedy(hf_dir, prompts)

@@ -8,6 +8,7 @@ only one dequantized tensor is alive while the model copies it in.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator
@@ -77,7 +78,16 @@ def gguf_arch_config(
         if f"{gguf_arch}.{metadata_key}" in file.metadata:
             config[config_key] = file.metadata[f"{gguf_arch}.{metadata_key}"]
     config.update(model_class.gguf_derived_config(config))
-    return ModelArchConfig.from_hf_config(config, name=name)
+    arch = ModelArchConfig.from_hf_config(config, name=name)
+    # llama.cpp loads each projection's bias wherever the file has one (q/k/v, o and the MLP's apart: a
+    # Llama file may have q/k/v biases and no o bias).
+    names = {t.name for t in file.tensors}
+    return dataclasses.replace(
+        arch,
+        attention_bias="blk.0.attn_q.bias" in names,
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+    )
 
 
 def _rope_scaling_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
@@ -173,10 +183,6 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
-        # llama.cpp loads a projection's bias wherever the file has one; the config says so as
-        # transformers' does (each family then takes the flags it has, model_arch._biases).
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "mlp_bias": "blk.0.ffn_gate.bias" in names,
     }
 
 
