@@ -4,7 +4,8 @@ Same environment as `transformers.utils.chat_template_utils`: an `ImmutableSandb
 `trim_blocks`, `lstrip_blocks` and the `loopcontrols` extension, a `tojson` filter that does not escape
 HTML, `raise_exception` and `strftime_now` globals, and the `{% generation %}` tag (rendered as plain text).
 Messages reach the template as transformers passes them: None-valued keys dropped, and a message's reasoning,
-under any of its names (`REASONING_FIELDS`), under all of them. `ChatTemplateOptions` are the rendering
+under any of its names (`REASONING_FIELDS`), under "reasoning_content" and "thinking" too ("reasoning" only
+where the caller used it). `ChatTemplateOptions` are the rendering
 options of vLLM's chat API (extra template variables, the generation prompt, continuing the last message).
 """
 
