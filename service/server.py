@@ -124,7 +124,7 @@ class TlsConfig:
         except (ssl.SSLError, OSError) as exc:  # swapped files, or a key of another certificate
             raise ValueError(
                 f"tls-key: {self.key} is not the private key of the certificate in {self.cert} "
-                f"({exc.reason or exc})"
+                f"({getattr(exc, 'reason', None) or exc})"
             ) from None
         if self.client_ca is not None:
             try:

@@ -293,8 +293,9 @@ class ModelRunner:
             return
         tp = self.tensor_parallel
         needed = tp.sum(num_blocks * self.kv_block_bytes_with_draft)
-        available = available_memory_bytes()
-        if available is None or needed <= available:
+        # The least any rank saw (-1: one could not tell), so every rank judges alike.
+        available = tp.min(-1 if (left := available_memory_bytes()) is None else left)
+        if available < 0 or needed <= available:
             return
         field = "num_blocks" if self.config.cache.num_blocks is not None else "kv_cache_memory_bytes"
         ranks = f" over {tp.size} ranks" if tp.size > 1 else ""
