@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -43,19 +44,25 @@ _SMG_PROMPT_FIELDS = ("prompt", "token_ids")
 _SMG_SAMPLING_FIELDS = frozenset(smg.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def smg_refusal(exc: ValueError) -> ValueError:
+def smg_refusal(exc: ValueError, prompt_field: str = "tokenized.input_ids") -> ValueError:
     """A refused request (`exc`: "field: message", from SamplingParams, the prompt checks or the engine)
     as INVALID_ARGUMENT naming the field as SMG's GenerateRequest does (`sampling_params.top_p`,
-    `tokenized.input_ids`). A ContextLengthError becomes INVALID_ARGUMENT too, vLLM's 400: SMG would retry
-    a RESOURCE_EXHAUSTED. A message that names no field is kept."""
+    `sampling_params.structural_tag.format...`, the prompt as `prompt_field`: `tokenized.input_ids` or
+    `text`, whichever the request sent). A ContextLengthError becomes INVALID_ARGUMENT too, vLLM's 400:
+    SMG would retry a RESOURCE_EXHAUSTED. A message that names no field is kept."""
     field, sep, message = str(exc).partition(": ")
     if not sep or " " in field:
         return exc
     if field in _SMG_PROMPT_FIELDS:
-        field = "tokenized.input_ids"
-    elif field in _SMG_SAMPLING_FIELDS:
+        field = prompt_field
+    elif re.split(r"[.\[]", field, maxsplit=1)[0] in _SMG_SAMPLING_FIELDS:
         field = f"sampling_params.{field}"
     return InvalidRequestError(field, message)
+
+
+def smg_prompt_field(request: smg.GenerateRequest) -> str:
+    """The field a request's prompt came in: `text`, or `tokenized.input_ids`."""
+    return "text" if request.WhichOneof("input") == "text" else "tokenized.input_ids"
 
 
 def generation_spec_from_smg(
@@ -70,7 +77,7 @@ def generation_spec_from_smg(
     num_free = model_info.max_model_len - len(token_ids)
     if num_free < 1:
         raise InvalidRequestError(
-            "tokenized.input_ids",
+            smg_prompt_field(request),
             f"the prompt has {len(token_ids)} tokens; the model's context is {model_info.max_model_len}",
         )
     # Unset max_tokens: the rest of the context, but no more than one request can hold after the prompt
@@ -104,8 +111,13 @@ def truncated(token_ids: tuple[int, ...], message: smg.SamplingParams, info: Mod
 
 def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """The prompt's token ids: `tokenized.input_ids`, or `text` encoded with the model's tokenizer."""
-    if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
-        raise InvalidRequestError("mm_inputs", "this server serves text models only")
+    for media, given in (
+        ("mm_inputs", request.HasField("mm_inputs")),
+        ("extra_mm_inputs", bool(request.extra_mm_inputs)),
+        ("media_refs", request.HasField("media_refs")),
+    ):
+        if given:
+            raise InvalidRequestError(media, "this server serves text models only")
     for transfer in ("kv_transfer_params", "kv_transfer_params_json"):
         if request.HasField(transfer):
             raise InvalidRequestError(transfer, "prefill/decode disaggregation is not supported by Sluice")

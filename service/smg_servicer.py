@@ -264,8 +264,10 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """A zip of tokenizer.json, tokenizer_config.json (chat template), config.json and
         generation_config.json, in chunks; the last carries the archive's SHA-256."""
         engine = self._inference.accepting_runner().engine
-        if engine.tokenizer is None:
-            raise InvalidRequestError("tokenizer", "this model has no tokenizer")
+        if engine.tokenizer is None:  # the server's state, not the (empty) request's fault
+            raise FailedPreconditionError(
+                "GetTokenizer: this model has no tokenizer (no tokenizer.json): send tokenized.input_ids"
+            )
         archive = _zip(smg_convert.bundle_files(engine.tokenizer, engine.model_info))
         digest = hashlib.sha256(archive).hexdigest()
         for offset in range(0, len(archive), TOKENIZER_CHUNK_BYTES):
@@ -298,7 +300,7 @@ async def _responses(
                 async for response in responses.responses(output):
                     yield response
     except ValueError as exc:
-        raise smg_convert.smg_refusal(exc) from exc
+        raise smg_convert.smg_refusal(exc, smg_convert.smg_prompt_field(request)) from exc
 
 
 async def _unimplemented(self: SmgEngineServicer, request: object, context: grpc.aio.ServicerContext) -> None:

@@ -13,7 +13,7 @@ import pytest
 from checkpoints import copy_with_tool_use_template
 from smg_grpc_proto import vllm_engine_pb2 as smg
 
-from sluice.engine.errors import InvalidRequestError
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.loading.default_model import default_model_path
 from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
@@ -134,6 +134,14 @@ def test_constraints(constraint: dict, expected: Constraint) -> None:
         (smg.GenerateRequest(), "input"),
         (smg.GenerateRequest(text="hi"), "text"),  # no tokenizer to encode it with
         (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), mm_inputs={}), "mm_inputs"),
+        # Each named as sent (both were named mm_inputs).
+        (
+            smg.GenerateRequest(
+                tokenized=smg.TokenizedInput(input_ids=[1]), extra_mm_inputs=[smg.MultimodalInputs()]
+            ),
+            "extra_mm_inputs",
+        ),
+        (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), media_refs={}), "media_refs"),
         # Prefill/decode disaggregation and data parallelism, which this worker does not do (they were
         # ignored: no KV handed over, any rank accepted).
         (
@@ -154,6 +162,25 @@ def test_what_sluice_cannot_do_is_invalid_argument_naming_the_field(request_, fi
     with pytest.raises(InvalidRequestError) as info:
         smg_convert.generation_spec_from_smg(request_, INFO, None)
     assert info.value.field == field
+
+
+class _OneTokenAWord:
+    def encode(self, text: str) -> list[int]:
+        return [7] * len(text.split())
+
+
+def test_a_refusal_names_the_field_as_smgs_request_spells_it() -> None:
+    """A text prompt was blamed on tokenized.input_ids, which the caller never sent, and a structural tag's
+    inner paths lost their sampling_params. prefix."""
+    long_text = smg.GenerateRequest(text="word " * 64)
+    with pytest.raises(InvalidRequestError) as info:
+        smg_convert.generation_spec_from_smg(long_text, INFO, _OneTokenAWord())
+    assert info.value.field == "text"
+    engine_refusal = ContextLengthError("prompt", "its 60 tokens and one generated need 5 KV blocks")
+    assert smg_convert.smg_refusal(engine_refusal, "text").field == "text"
+    assert smg_convert.smg_refusal(engine_refusal).field == "tokenized.input_ids"
+    inner = InvalidRequestError("structural_tag.structures[0]", "must be an object with begin, schema, end")
+    assert smg_convert.smg_refusal(inner).field == "sampling_params.structural_tag.structures[0]"
 
 
 def test_unset_max_tokens_is_what_the_context_and_the_kv_cache_leave() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import shutil
 import threading
 import zipfile
 
@@ -234,6 +235,26 @@ def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: 
                 "tokenized.input_ids: its 128 tokens and one generated need 9 KV blocks but the cache has 8",
             )
             assert thread.wait_idle().num_kv_blocks_used == 0
+    finally:
+        thread.stop()
+
+
+def test_get_tokenizer_of_a_model_without_one_is_failed_precondition(llama_dir: str, tmp_path) -> None:
+    """The server's state, not the empty request's fault: it was INVALID_ARGUMENT naming `tokenizer`, a
+    field GetTokenizerRequest does not have."""
+    directory = tmp_path / "no-tokenizer"
+    shutil.copytree(llama_dir, directory)
+    (directory / "tokenizer.json").unlink()
+    thread = ServerThread(tiny_engine_config(str(directory), num_blocks=8)).start()
+    try:
+        with thread.channel() as channel:
+            stub = smg_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=60))
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "GetTokenizer: this model has no tokenizer (no tokenizer.json): send tokenized.input_ids",
+            )
     finally:
         thread.stop()
 

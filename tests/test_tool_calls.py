@@ -257,3 +257,22 @@ def test_a_tools_schema_may_be_a_dict_as_openai_clients_send_it() -> None:
     assert Tool("get_weather", parameters=schema) == Tool("get_weather", parameters=json.dumps(schema))
     with pytest.raises(ValueError, match=r"^tools.parameters: 'f' must be a JSON schema \(text or a dict\)$"):
         Tool("f", parameters=["not", "a", "schema"])
+
+
+def test_a_tool_schema_too_deep_once_wrapped_for_tool_choice_is_refused_naming_tools_parameters() -> None:
+    """tool_choice required nests each tool's schema a few levels deeper: a schema the tool took then
+    failed as "json_schema: nests too deeply", a field the request never set."""
+    for depth in range(250, 3000):
+        schema: dict = {"type": "object"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        try:
+            tool = Tool("deep", parameters=json.dumps(schema))
+        except ValueError:
+            break  # the tool itself too deep before its wrapping was: no depth between
+        try:
+            ToolUse((tool,), "required").constraint()
+        except ValueError as exc:
+            assert str(exc) == "tools.parameters: nests too deeply"
+            return
+    pytest.fail(f"no depth the tool takes and its wrapping does not (up to {depth})")

@@ -57,7 +57,7 @@ class Constraint:
             ("structural_tag", self.structural_tag, _check_structural_tag),
         ):
             if value is not None:
-                with nesting_checked(name):
+                with nesting_checked(self.origin or name):  # a tool's schema, wrapped deeper by tool_choice
                     check(value)
         for name, value in (("regex", self.regex), ("grammar", self.grammar)):
             if value is not None and not value:
