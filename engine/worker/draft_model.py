@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -26,10 +28,8 @@ def load_draft_runner(
     from sluice.engine.worker.model_runner import ModelRunner  # which imports this module
 
     model_config = ModelConfig(model=spec.draft_model, dtype=config.model.dtype, device=config.model.device)
-    try:
+    with _named_draft_model():
         source = load_model_source(model_config)
-    except ValueError as exc:  # it names `model`, the target's flag
-        raise ValueError(f"draft_model: {str(exc).removeprefix('model: ')}") from None
     if source.arch.vocab_size != target_source.arch.vocab_size:
         raise ValueError(
             f"draft_model: vocabulary of {source.arch.vocab_size} tokens differs from the target's "
@@ -50,7 +50,14 @@ def load_draft_runner(
         attention_backend=config.attention_backend,
         enforce_eager=True,
     )
-    try:
+    with _named_draft_model():  # its weights: a tensor missing or of another shape
         return ModelRunner(draft_config, source, kv_cache=False)
-    except ValueError as exc:  # its weights (a tensor missing or of another shape): the target's words
+
+
+@contextlib.contextmanager
+def _named_draft_model() -> Iterator[None]:
+    """A load error, which names `model` (the target's flag) or nothing, as one naming `draft_model`."""
+    try:
+        yield
+    except ValueError as exc:
         raise ValueError(f"draft_model: {str(exc).removeprefix('model: ')}") from None
