@@ -164,7 +164,6 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
             raise ValueError(f"{gguf_arch}.{name}: missing from the GGUF metadata")
         return value
 
-    names = {t.name for t in file.tensors}
     hidden = key("embedding_length")
     num_heads = key("attention.head_count")
     head_dim = key("attention.key_length", hidden // num_heads)
@@ -182,7 +181,7 @@ def _shape_config(file: GGUFFile, gguf_arch: str) -> dict[str, Any]:
         "max_position_embeddings": key("context_length"),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in names,
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in file.tensors),
     }
 
 
