@@ -309,7 +309,11 @@ def _launch(
     if num_tokens == 0:
         return
     scale_out, input_scale, group_size, scale_ub = quantize if quantize is not None else (None, None, 0, None)
-    hidden_pad = max(triton.next_power_of_2(hidden), group_size)
+    hidden_pad = triton.next_power_of_2(hidden)
+    # A group wider than the padded row is the row, one group: the same padded width as `rms_norm`'s, so
+    # that the row's sum of squares is reduced over the same threads in the same order (wider, a GPU summed
+    # it otherwise: a scale one ulp off in fp32, run 16).
+    group_size = min(group_size, hidden_pad)
     _rms_norm_kernel[(num_tokens,)](
         out,
         residual_out,

@@ -173,6 +173,24 @@ def test_rms_norm_fp8_quant_in_groups_is_rms_norm_then_quantize_fp8_groups_bit_f
     assert torch.equal(_group_maxima(fused[0], group_size), nonzero.amax(dim=2) > 0)
 
 
+@pytest.mark.parametrize(("hidden", "group_size"), [(40, 128), (300, 128), (1000, 16)])
+def test_rms_norm_fp8_quant_in_groups_sums_the_squares_as_rms_norm_does(hidden, group_size, monkeypatch):
+    """The fused launch pads the row to `rms_norm`'s width and runs its warps, also with a group wider than
+    the padded row (one group): on a GPU the sum of squares is reduced over the threads holding the padded
+    row, so a wider pad summed it in another order (40 columns in groups of 128, fp32: one scale an ulp
+    off in run 16's kernel tests on an H200; the interpreter sums it as numpy does, either way)."""
+    launches = GridRecorder(rms_norm_module._rms_norm_kernel)
+    monkeypatch.setattr(rms_norm_module, "_rms_norm_kernel", launches)
+    x = _rows(3, hidden, torch.float32, seed=0)
+    weight = torch.ones(hidden, device=DEVICE)
+    fused = rms_norm_fp8_quant(x, weight, EPS, group_size=group_size)
+    normed, _ = rms_norm(x, weight, EPS)
+    fused_launch, norm_launch = launches.constexprs
+    for key in ("HIDDEN_PAD", "num_warps"):
+        assert fused_launch[key] == norm_launch[key], key
+    _assert_same_bits(fused[:2], quantize_fp8_groups(normed, group_size))
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_rms_norm_fp8_quant_in_groups_nan_stays_in_its_group(dtype):
     x = _rows(3, 200, dtype, seed=3)

@@ -30,35 +30,41 @@ class KernelTestFile:
 
 
 # The longest first: the step runs four files at once (scripts/gpu_check.sh, KERNEL_TEST_JOBS), so these
-# start together and the short ones fill in behind them (run 15, one after another on an H200: attention
-# 61 s, the fused FP8 quantization 42, split-KV prefill 31, store 30, fp8_gemv 26, the rest 4-12; the FP8
-# cache and model parity files were cut off there, both compile and load much).
+# start together and the short ones fill in behind them. Seconds each in run 16 (an H200, four at once):
+# the FP8 cache 101, attention 68, model parity 52, the gated and normed FP8 linears 49 and 47, the fused
+# FP8 quantization 46, skinny_mm 37, fp8_gemv 33, store 32, split-KV prefill 31, the rest 4-20: ~570 s of
+# files, ~145 s on four. The decode reduce fused into the split kernel goes first: run 16 cut it at the
+# step's limit, the last file then, so it has never run on a GPU (39 s interpreted here).
 KERNEL_TESTS = (
-    KernelTestFile("tests/test_kernels_attention.py"),
+    # The decode attention's split kernel merging its slices itself (`DecodeConfig.fused_reduce`, off by
+    # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
+    # exercised here).
+    KernelTestFile("tests/test_decode_fused_reduce.py"),
     # Store, decode and prefill over an FP8 cache.
     KernelTestFile("tests/test_triton_fp8_kv.py"),
+    KernelTestFile("tests/test_kernels_attention.py"),
     # The whole model with every Triton kernel, fp32, against transformers: the triton backend only. The
     # torch, cpu and cpu-layers backends run on the CPU device with the C++ CPU kernels (a JIT build of
     # minutes on the GPU machine, nothing GPU-related), as do the file's runner tests.
     KernelTestFile("tests/test_model_parity.py", keyword="triton"),
+    # The FP8 linears' one-row launches with SiLU-and-mul made in their loads (`fuse_silu_fp8`, off by
+    # default), against SiLU-and-mul's launch then the product, bit for bit ...
+    KernelTestFile("tests/test_kernels_fp8_gated_linears.py"),
+    # ... and with the RMSNorm made in their loads (`fuse_norm_fp8`, off by default), against the norm's
+    # launch then the product.
+    KernelTestFile("tests/test_kernels_fp8_normed_linears.py"),
     # RMSNorm and SiLU-and-mul with the FP8 quantization fused in: bit for bit the two launches they replace.
     KernelTestFile("tests/test_kernels_fused_fp8_quant.py"),
-    KernelTestFile("tests/test_prefill_split_kv.py"),
-    KernelTestFile("tests/test_kernels_store_kv.py"),
+    # The float linears on the skinny launch (`skinny_linears`, off by default), against the float64 product.
+    KernelTestFile("tests/test_kernels_skinny_mm.py"),
     # The FP8 linears' decode-sized steps: quantization and product in one launch, against the emulated
     # product.
     KernelTestFile("tests/test_kernels_fp8_gemv.py"),
-    KernelTestFile("tests/test_kernels_norm_rope.py"),
-    KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
-    # Its and fp8_gemv's one-row launches with the RMSNorm made in their loads (`fuse_norm_fp8`, off by
-    # default), against the norm's launch then the product.
-    KernelTestFile("tests/test_kernels_fp8_normed_linears.py"),
-    # ... and with SiLU-and-mul made in their loads (`fuse_silu_fp8`, off by default), against
-    # SiLU-and-mul's launch then the product, bit for bit.
-    KernelTestFile("tests/test_kernels_fp8_gated_linears.py"),
-    # The float linears on the same launch (`skinny_linears`, off by default), against the float64 product.
-    KernelTestFile("tests/test_kernels_skinny_mm.py"),
+    KernelTestFile("tests/test_kernels_store_kv.py"),
+    KernelTestFile("tests/test_prefill_split_kv.py"),
     KernelTestFile("tests/test_kernels_fp8_block_mm.py"),
+    KernelTestFile("tests/test_kernels_fp8_skinny_mm.py"),
+    KernelTestFile("tests/test_kernels_norm_rope.py"),
     # The block linears' one-row gemv: every check but its tile sweep against the reference, which runs
     # its rule's tile in bf16 there (each tile, dtype and row count is a compile of its own).
     KernelTestFile(
@@ -67,14 +73,10 @@ KERNEL_TESTS = (
     # The FP8 linears' activation quantization: bit for bit quantize_activations; the _scaled_mm layers
     # through it.
     KernelTestFile("tests/test_kernels_fp8_quant.py"),
+    KernelTestFile("tests/test_cuda_graph_runner.py"),
     # Every e4m3 code read back in each way the attention kernels convert it (bf16 only checked here:
     # the interpreter truncates to bf16), against torch's.
     KernelTestFile("tests/test_paged_attention_tile_e4m3.py"),
-    KernelTestFile("tests/test_cuda_graph_runner.py"),
-    # The decode attention's split kernel merging its slices itself (`DecodeConfig.fused_reduce`, off by
-    # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
-    # exercised here).
-    KernelTestFile("tests/test_decode_fused_reduce.py"),
 )
 # The CPU mode's stand-in (kernels interpreted): one quick file, enough to exercise the step.
 CPU_KERNEL_TESTS = (KernelTestFile("tests/test_kernels_store_kv.py"),)
