@@ -287,8 +287,8 @@ class GpuCheck:
             ("split_prefill", "Split-KV prefill attention: short queries after long contexts (bf16, 32 query "
              "/ 8 KV heads, head_dim 64)", self.split_prefill, True),
             ("goals", "Goals (issue 33, kernel level)", self.goals, True),
-            ("kv_fp8", "FP8 KV cache at kernel level: attention over e4m3 codes vs bf16 (default configs)",
-             self.kv_fp8, True),
+            ("kv_fp8", "FP8 KV cache at kernel level: attention over e4m3 codes vs bf16 (default configs, and"
+             " the FP8 decode at bf16's tile)", self.kv_fp8, True),
             ("attention_sweep", "Attention tile configs (sweep)", self.attention_sweep, True),
             ("end_to_end", "End to end: Sluice vs transformers.generate (llama-3.2-1b shape, bf16)",
              self.end_to_end, True),

@@ -273,6 +273,30 @@ def test_an_fp8_row_checks_the_fp8_kernel_against_bf16_on_the_dequantized_cache(
     assert figures["scale"] == fp8_kv_kernels.FP8_KV_SCALE and figures["rows"][0]["check"] == row[-1]
 
 
+def test_the_fp8_decode_row_at_the_other_tile_runs_only_the_fp8_kernel_on_it(monkeypatch):
+    """The FP8 cache's decode at bf16's tile beside its default one: the FP8 launch gets the tile, the bf16
+    launch keeps its default, and the FP8 output is still checked against bf16's on the dequantized cache."""
+    problem = gpu_benchmarks.decode_problem(300, 2, CPU)  # bf16, as on the GPU: 64-position FP8 tiles
+    configs = []
+
+    def recording(p, **kwargs):
+        configs.append(("fp8" if "kv_scales" in kwargs else "bf16", kwargs.get("config")))
+        return gpu_benchmarks.run_decode_attention(p, **kwargs)
+
+    monkeypatch.setattr(fp8_kv_kernels, "run_decode_attention", recording)
+    other = fp8_kv_kernels.FP8_OTHER_DECODE_TILE
+    assert other != decode_config(64, torch.bfloat16, fp8_kv=True)
+    caches, rates = (problem.k_cache, problem.v_cache), lambda a, b: (1, 1)
+    run = fp8_kv_kernels.fp8_decode_run(problem, other)
+    row = fp8_kv_kernels.fp8_row("paged decode, fp8 tile 128", "300 x 2", run, caches, rates, "GB/s", _once)
+    assert row[-1].startswith("PASS")
+    assert set(configs) == {("bf16", None), ("fp8", other)}
+    configs.clear()
+    run = fp8_kv_kernels.fp8_decode_run(problem, None)
+    fp8_kv_kernels.fp8_row("paged decode", "300 x 2", run, caches, rates, "GB/s", _once)
+    assert set(configs) == {("bf16", None), ("fp8", None)}
+
+
 def test_fp8_codes_never_saturate_at_the_check_scale():
     k = gpu_benchmarks.decode_problem(4096, 1, CPU).k_cache
     (codes, _), (dequantized, _), _ = fp8_kv_kernels.fp8_kv(k, k)

@@ -131,7 +131,10 @@ def attention_kernels_section(records: list[dict[str, Any]], mode: str) -> str:
              f"{r['bf16_rate']:.0f}", f"{r['fp8_rate']:.0f}", r["unit"], r["check"]]
             for r in fp8[-1]["rows"]
         ]  # fmt: skip
-        lines.append("FP8 (e4m3) KV cache, default configs:\n\n" + markdown_table(headers, rows))
+        lines.append(
+            "FP8 (e4m3) KV cache, default configs (and the FP8 decode at bf16's tile):\n\n"
+            + markdown_table(headers, rows)
+        )
     else:
         lines.append("FP8 KV kernel rows: not measured (the gpu_check step did not reach them).")
     if sweep:

@@ -9,6 +9,12 @@ dequantized cache: the same values, so the outputs must agree (bit for bit when 
 each value; folding the scales skips rounding code * scale to bf16: FP8_MAX_REL_DIFF allows rounding).
 Each row: both times, decode bandwidth counting the bytes each actually reads (2 or 1 per K/V value),
 prefill TFLOP/s.
+
+Decode runs twice over the FP8 cache, at its default tile (`decode_config(fp8_kv=True)`: 64 positions) and
+at bf16's 128 (FP8_OTHER_DECODE_TILE), and at one more shape, the served steps' short contexts
+(FP8_SHORT_DECODE_SHAPE): run 16 timed the 64-position tile 0.86x / 0.69x bf16's time at 4k x 32 / 32k x 8
+where run 15's 128 (before the fp32 hop) made 0.93x / 0.82x, while the 8b fp8-KV server's short-context
+steps were as fast as the bf16 cache's. These rows say which tile wins at which length, on one card.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     time_kernel_s,
 )
 from sluice.engine.worker.attention.fp8_kv_cache import dequantize_kv, quantize_kv
+from sluice.kernels.paged_decode_attention import DecodeConfig
 
 FP8_KV_SCALE = 0.05  # K/V ~ N(0, 1): codes up to ~100, far from e4m3's 448
 FP8_MAX_REL_DIFF = 1e-2  # max |fp8 - bf16 on the dequantized cache| / max |that|
+FP8_OTHER_DECODE_TILE = DecodeConfig(tile_n=128, num_warps=4, num_stages=3)  # bf16's decode tile
+FP8_SHORT_DECODE_SHAPE = (256, 64)  # (context, batch): a served decode step of 64 short requests
 HEADERS = ["kernel", "shape", "bf16 ms", "fp8 ms", "fp8 speedup", "bf16", "fp8", "unit", "max abs diff",
            "check"]  # fmt: skip
 KEYS = ("kernel", "shape", "bf16_ms", "fp8_ms", "fp8_speedup", "bf16_rate", "fp8_rate", "unit",
@@ -85,21 +94,24 @@ def fp8_row(
 
 
 def bench_fp8_kv_kernels(device: torch.device) -> list[list[object]]:
-    """Decode attention at 4k x 32 and 32k x 8, prefill at 2k and 8k, each over bf16 and FP8 caches."""
+    """Decode attention at 4k x 32, 32k x 8 and FP8_SHORT_DECODE_SHAPE (the FP8 cache at its default tile,
+    then at FP8_OTHER_DECODE_TILE), prefill at 2k and 8k, each over bf16 and FP8 caches."""
     rows = []
-    for context, batch in DECODE_ATTENTION_SHAPES:
+    for context, batch in (*DECODE_ATTENTION_SHAPES, FP8_SHORT_DECODE_SHAPE):
         problem = decode_problem(context, batch, device)
         kv_heads, head_dim = problem.k_cache.shape[2:]
         read = {size: kv_read_bytes(batch, context, kv_heads, head_dim, size) / 1e9 for size in (2, 1)}
-        rows.append(
-            fp8_row(
-                "paged decode", f"{context // 1024}k x {batch}",
-                lambda p=problem, **kw: run_decode_attention(p, **kw),
-                (problem.k_cache, problem.v_cache),
-                lambda bf16_s, fp8_s, read=read: (read[2] / bf16_s, read[1] / fp8_s),
-                "GB/s read",
-            )
-        )  # fmt: skip
+        shape = f"{context // 1024}k x {batch}" if context % 1024 == 0 else f"{context} x {batch}"
+        for kernel, fp8_config in (
+            ("paged decode", None),
+            (f"paged decode, fp8 tile {FP8_OTHER_DECODE_TILE.tile_n}", FP8_OTHER_DECODE_TILE),
+        ):
+            rows.append(
+                fp8_row(
+                    kernel, shape, fp8_decode_run(problem, fp8_config), (problem.k_cache, problem.v_cache),
+                    lambda bf16_s, fp8_s, read=read: (read[2] / bf16_s, read[1] / fp8_s), "GB/s read",
+                )
+            )  # fmt: skip
         del problem
         torch.cuda.empty_cache()
     for prompt_len in PREFILL_PROMPT_LENS:
@@ -115,6 +127,18 @@ def bench_fp8_kv_kernels(device: torch.device) -> list[list[object]]:
             )
         )  # fmt: skip
     return rows
+
+
+def fp8_decode_run(problem, fp8_config: DecodeConfig | None) -> Callable[..., torch.Tensor]:
+    """`fp8_row`'s run for a decode problem: the launcher's default config on the bf16 cache, and on the
+    FP8 one (the call with kv_scales) `fp8_config` where given."""
+
+    def run(**kwargs: object) -> torch.Tensor:
+        if fp8_config is not None and "kv_scales" in kwargs:
+            kwargs["config"] = fp8_config
+        return run_decode_attention(problem, **kwargs)
+
+    return run
 
 
 def figures(rows: list[list[object]]) -> dict[str, object]:
