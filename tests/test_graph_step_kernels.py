@@ -5,6 +5,7 @@ section's arithmetic on device kernels is checked on a summary in the profiler's
 from __future__ import annotations
 
 import paged_batch  # noqa: F401  (first: runs the kernels in the interpreter without CUDA)
+import pytest
 import torch
 
 from sluice.benchmarks.gpu.graph_step_kernels import (
@@ -40,6 +41,7 @@ def test_each_graph_is_timed_then_profiled_over_its_steps_alone():
         assert counts["aten::linear"] == 3 * linears
         assert counts["aten::embedding"] == 3
         assert profile.device_s == 0 and profile.launches == 0
+        assert "device_busy_us_total" not in summary  # nothing ran on a device
     text = step_kernels_text(profiles, floor_s=0.002)
     assert "| 64 | 4.0 | - | - | - | 2.0 |" in text  # no device: no kernel figures
     assert text.count("CPU only (no device)") == 2
@@ -84,3 +86,34 @@ def test_device_kernels_give_the_step_its_kernel_time_launches_and_the_rest():
         {"name": "rms_norm_kernel", "launches": 1.0, "us": 200.0},
     ]
     assert (figures["step_s"], figures["launches"]) == (0.001, 3.0)
+
+
+def test_kernels_overlapping_under_pdl_count_once_in_the_kernel_time_and_the_rest():
+    """Over 2 steps the kernels' durations sum to 1.2 ms a step, but the norm launched under programmatic
+    dependent launch waited 400 us a step inside for the GEMV: the device was busy 0.8 ms of the 1 ms step,
+    so 0.2 ms is between kernels (the durations' sum left none)."""
+    summary = {
+        "steps": 2,
+        "rows_per_step": [1] * 2,
+        "wall_s": 0.01,
+        "measured": "device",
+        "device_us_total": 2400.0,
+        "device_busy_us_total": 1600.0,
+        "device_overlap_us": 800.0,
+        "cpu_us_total": 50.0,
+        "top": [
+            _entry("rms_norm_kernel", 2, 1000.0) | {"exclusive_device_us": 200.0},
+            _entry("gemv_bf16", 2, 1400.0) | {"exclusive_device_us": 1400.0},
+        ],
+    }
+    profile = GraphStepProfile(512, 0.001, summary)
+    assert profile.device_s == 800e-6
+    graph_context, *figures, by_floor = profile.totals_row(None)
+    assert (graph_context, by_floor) == (512, "-") and figures == pytest.approx([1.0, 0.8, 0.2, 2.0])
+    text = step_kernels_text([profile], floor_s=None)
+    assert "device busy 800 us a step" in text
+    assert "| `gemv_bf16` | 700.0 | 87.5% | 1 |\n| `rms_norm_kernel` | 100.0 | 12.5% | 1 |" in text
+    assert step_kernels_figures([profile])["graphs"][0]["kernels"] == [
+        {"name": "gemv_bf16", "launches": 1.0, "us": 700.0},
+        {"name": "rms_norm_kernel", "launches": 1.0, "us": 100.0},
+    ]

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -17,9 +18,11 @@ from service_harness import ServerThread, tiny_engine_config
 from smg_grpc_proto import vllm_engine_pb2 as smg
 from smg_grpc_proto import vllm_engine_pb2_grpc as smg_grpc
 from smg_grpc_proto.generated import common_pb2
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
-from sluice.benchmarks.gpu.step_profiles import profile_tables
-from sluice.engine.core.step_profiler import StepProfiler, _new_stem, _Run
+from sluice.benchmarks.gpu.step_profiles import profile_table, profile_tables
+from sluice.engine.core.step_profiler import StepProfiler, _new_stem, _Run, exclusive_us, summarize
 from sluice.service.server import ServerConfig
 from sluice.service.smg_servicer import profile_request
 
@@ -71,6 +74,8 @@ def test_a_profile_of_three_steps_is_written_while_the_request_runs_on(profiled,
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 3 and summary["rows_per_step"] == [40, 1, 1]
     assert summary["measured"] == "cpu" and summary["device_us_total"] == 0  # the CPU engine: no device
+    assert "device_busy_us_total" not in summary and "device_overlap_us" not in summary
+    assert not any("exclusive_device_us" in entry for entry in summary["top"])
     names = [entry["name"] for entry in summary["top"]]
     assert any(name.startswith("aten::") for name in names), names
     assert summary["top"][0]["self_cpu_us"] >= summary["top"][-1]["self_cpu_us"]  # largest first
@@ -170,6 +175,121 @@ def test_a_device_profile_is_tabulated_as_kernels_per_step() -> None:
         f"| `{long_name[:69]}...` | 200.0 | 40.0% | 1 |",
     ]
     assert failed == "**fp8, 1 row a step**: not profiled (RuntimeError: no profile)"
+
+
+@pytest.mark.parametrize(
+    ("intervals", "exclusive"),
+    [
+        # One after another: each kernel its whole duration.
+        ([("gemm", 0, 10), ("silu", 10, 15), ("gemm", 15, 30)], {"gemm": 25, "silu": 5}),
+        # Programmatic dependent launch: silu launched at 40 waits for gemm's end at 100; only its tail.
+        ([("silu", 40, 130), ("gemm", 0, 100)], {"gemm": 100, "silu": 30}),
+        # A kernel inside another's interval adds nothing; the kernel after both, from the latest end.
+        ([("gemm", 0, 50), ("norm", 10, 20), ("add", 30, 60)], {"gemm": 50, "norm": 0, "add": 10}),
+        # The gaps between kernels are nobody's.
+        ([("gemm", 0, 10), ("silu", 30, 40), ("gemm", 45, 50)], {"gemm": 15, "silu": 10}),
+    ],
+    ids=["sequential", "pdl-overlap", "inside-another", "gaps"],
+)
+def test_a_kernels_exclusive_time_is_what_no_earlier_kernel_covered(intervals, exclusive) -> None:
+    assert exclusive_us(intervals) == exclusive
+
+
+def _kernel(name: str, start: float, end: float, device_index: int = 0, annotation: bool = False):
+    """A device event as torch.profiler's `events()` gives it."""
+    return FunctionEvent(
+        id=0,
+        name=name,
+        thread=0,
+        start_us=start,
+        end_us=end,
+        device_type=DeviceType.CUDA,
+        device_index=device_index,
+        is_user_annotation=annotation,
+    )
+
+
+def _average(name: str, count: int, device_us: float, cpu_us: float = 0.0, on_device: bool = True):
+    """An entry of torch.profiler's `key_averages()`: the fields `summarize` reads."""
+    device_type = DeviceType.CUDA if on_device else DeviceType.CPU
+    return SimpleNamespace(
+        key=name,
+        count=count,
+        self_device_time_total=device_us,
+        self_cpu_time_total=cpu_us,
+        device_type=device_type,
+    )
+
+
+def test_the_summary_has_each_kernels_exclusive_time_and_the_devices_busy_time() -> None:
+    """Two steps of a GEMM and the SiLU launched under programmatic dependent launch 60 us before the GEMM
+    ends; a GPU user annotation around them (not work of its own), and a kernel on a second device at the
+    same time (its own device's busy time)."""
+    events = [
+        _kernel("gemm", 0, 100),
+        _kernel("silu", 40, 130),
+        _kernel("gemm", 300, 400),
+        _kernel("silu", 340, 430),
+        _kernel("ProfilerStep#1", 0, 500, annotation=True),
+        _kernel("all_reduce", 0, 50, device_index=1),
+        FunctionEvent(id=0, name="aten::mm", thread=0, start_us=0, end_us=30),
+    ]
+    averages = [
+        _average("gemm", 2, 200.0),
+        _average("silu", 2, 180.0),
+        _average("all_reduce", 1, 50.0),
+        _average("aten::mm", 2, 200.0, cpu_us=30.0, on_device=False),
+    ]
+    summary = summarize(averages, [1, 1], 0.001, True, events)
+    assert summary["device_us_total"] == 430.0  # the durations' sum, as before
+    assert (summary["device_busy_us_total"], summary["device_overlap_us"]) == (310.0, 120.0)
+    exclusive = {entry["name"]: entry.get("exclusive_device_us") for entry in summary["top"]}
+    assert exclusive == {"gemm": 200.0, "aten::mm": None, "silu": 60.0, "all_reduce": 50.0}
+    assert summary["top"][2]["self_device_us"] == 180.0  # the whole durations stay, for the .txt's readers
+
+
+def _kernel_entry(name: str, count: int, device_us: float, exclusive_us: float) -> dict:
+    """A kernel's entry in a summary, as `summarize` writes it."""
+    return {
+        "name": name,
+        "count": count,
+        "self_device_us": device_us,
+        "self_cpu_us": 0.0,
+        "on_device": True,
+        "exclusive_device_us": exclusive_us,
+    }
+
+
+def test_a_profile_with_exclusive_times_is_tabulated_by_them() -> None:
+    """The SiLU's interval holds its wait for the GEMM before it: by its whole duration it came first."""
+    summary = {
+        "steps": 2,
+        "rows_per_step": [1, 1],
+        "wall_s": 0.006,
+        "measured": "device",
+        "device_us_total": 3850.0,
+        "device_busy_us_total": 2106.0,
+        "device_overlap_us": 1744.0,
+        "cpu_us_total": 50.0,
+        "top": [
+            _kernel_entry("silu", 2, 2050.0, 406.0),
+            _kernel_entry("gemm", 4, 1800.0, 1700.0),
+            {
+                "name": "aten::mm",
+                "count": 4,
+                "self_device_us": 1800.0,
+                "self_cpu_us": 50.0,
+                "on_device": False,
+            },
+        ],
+    }
+    head, rows = profile_table("**fp8, 1 row a step**", summary).split("\n\n")
+    assert head == (
+        "**fp8, 1 row a step**: 2 steps of 1 rows; device busy 1053 us a step (kernels overlapping under "
+        "programmatic dependent launch: 872 us a step counted once, from the earlier kernel's end), "
+        "wall 3.00 ms a step while profiled"
+    )
+    assert rows.splitlines()[2:] == ["| `gemm` | 850.0 | 80.7% | 2 |", "| `silu` | 203.0 | 19.3% | 1 |"]
 
 
 def test_a_profile_never_overwrites_another_of_the_same_millisecond(tmp_path: Path, monkeypatch) -> None:

@@ -1,11 +1,14 @@
 """Where the batch-1 CUDA-graph decode step's time goes, kernel by kernel (gpu_check's `step_kernels`
 section): the step is timed (CUDA events, `time_cuda_s`), then replayed under torch.profiler, whose
 kernels CUPTI reports one by one from the graph. Per graph: the step's time, the kernels' device time a
-step (their sum: one stream, no overlap), the rest (the device idle between kernels: inside the graph,
-and around the replay's launch and the logits' launches after it, which run eagerly) and the table of
-kernels. Issue 33's 1b batch-1 graph step is 2.24x its
-weight-bytes floor (run 12); this says whether what is left is in the linears, in the small kernels or
-between kernels.
+step, the rest (the device idle between kernels: inside the graph, and around the replay's launch and the
+logits' launches after it, which run eagerly) and the table of kernels. The kernels' time is the device's
+busy time, the union of their intervals, not their sum: under programmatic dependent launch a kernel is
+launched while the one before it still runs and waits inside for it to end, so the kernels of one stream
+overlap, and their sum would overstate the kernels and understate the rest. The table gives each kernel its
+exclusive time (`step_profiler.exclusive_us`), and those sum to the busy time. Issue 33's 1b batch-1
+graph step is 2.24x its weight-bytes floor (run 12); this says whether what is left is in the linears, in
+the small kernels or between kernels.
 """
 
 from __future__ import annotations
@@ -39,13 +42,16 @@ class GraphStepProfile:
 
     @property
     def device_s(self) -> float:
-        """The kernels' device time a step (0 where nothing ran on a device)."""
-        return self.summary["device_us_total"] / 1e6 / max(1, self.summary["steps"])
+        """The device's busy time a step, kernels overlapping under programmatic dependent launch counted
+        once (their durations' sum in a summary without it; 0 where nothing ran on a device)."""
+        busy_us = self.summary.get("device_busy_us_total", self.summary["device_us_total"])
+        return busy_us / 1e6 / max(1, self.summary["steps"])
 
     @property
     def kernels(self) -> list[dict[str, Any]]:
-        """The summary's device entries (kernels), longest first."""
-        return [entry for entry in self.summary["top"] if entry["on_device"]]
+        """The summary's device entries (kernels), longest first (by exclusive time where it has it)."""
+        kernels = [entry for entry in self.summary["top"] if entry["on_device"]]
+        return sorted(kernels, key=_kernel_us, reverse=True)
 
     @property
     def launches(self) -> float:
@@ -80,7 +86,7 @@ def profile_calls(fn: Callable[[], object], calls: int, device: torch.device) ->
         wall_s = time.perf_counter() - started
     averages = profiler.key_averages()
     on_device = any(device_us(entry) > 0 for entry in averages)
-    return summarize(averages, [1] * calls, wall_s, on_device)
+    return summarize(averages, [1] * calls, wall_s, on_device, profiler.events())
 
 
 def profile_graph_steps(
@@ -122,14 +128,19 @@ def step_kernels_text(profiles: Sequence[GraphStepProfile], floor_s: float | Non
 
 
 def step_kernels_figures(profiles: Sequence[GraphStepProfile]) -> dict[str, object]:
-    """For results.jsonl: per graph its totals and its kernels (name, launches and device us a step)."""
+    """For results.jsonl: per graph its totals and its kernels (name, launches and device us a step: the
+    kernel's exclusive time where the summary has it, as in the table)."""
     graphs = []
     for p in profiles:
         steps = max(1, p.summary["steps"])
         kernels = [
-            {"name": e["name"], "launches": e["count"] / steps, "us": e["self_device_us"] / steps}
+            {"name": e["name"], "launches": e["count"] / steps, "us": _kernel_us(e) / steps}
             for e in p.kernels
         ]
         graphs.append({"graph_context": p.graph_context, "step_s": p.step_s, "device_s": p.device_s,
                        "launches": p.launches, "kernels": kernels})  # fmt: skip
     return {"graphs": graphs}
+
+
+def _kernel_us(entry: dict[str, Any]) -> float:
+    return entry.get("exclusive_device_us", entry["self_device_us"])

@@ -151,8 +151,8 @@ def _run_request(
 
 
 def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown for the profiles of each server: per batch size, device time per step and the kernels
-    taking most of it (microseconds per step, share, launches per step)."""
+    """Markdown for the profiles of each server: per batch size, the device's busy time per step and the
+    kernels taking most of it (exclusive microseconds per step, share, launches per step)."""
     parts = []
     for server, profiles in servers.items():
         for batch, summary in profiles.items():
@@ -172,7 +172,9 @@ def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
 
 def profile_table(title: str, summary: dict[str, Any], top: int = TOP_KERNELS) -> str:
     """A profile's markdown: its title and totals, then the `top` kernels by device time (operators by
-    CPU time where nothing ran on a device)."""
+    CPU time where nothing ran on a device). A kernel's device time is its exclusive time where the summary
+    has it (the part of its interval no earlier kernel covered: a kernel launched early under programmatic
+    dependent launch does not count its wait for the one before), its whole duration in older summaries."""
     steps = max(1, summary["steps"])
     tokens = summary["rows_per_step"]
     shape = (
@@ -185,13 +187,20 @@ def profile_table(title: str, summary: dict[str, Any], top: int = TOP_KERNELS) -
         rows = [_row(entry, entry["self_cpu_us"], summary["cpu_us_total"], steps) for entry in entries]
         head = f"{title}: {shape}, CPU only (no device): CPU us per step"
         return head + "\n\n" + markdown_table(["operator", "us / step", "share", "calls / step"], rows)
-    kernels = [entry for entry in summary["top"] if entry["on_device"]][:top]
-    total = summary["device_us_total"] / steps
-    rows = [_row(entry, entry["self_device_us"], summary["device_us_total"], steps) for entry in kernels]
-    head = (
-        f"{title}: {shape}; device time {total:.0f} us a step, "
-        f"wall {summary['wall_s'] / steps * 1e3:.2f} ms a step while profiled"
-    )
+    wall = f"wall {summary['wall_s'] / steps * 1e3:.2f} ms a step while profiled"
+    kernels = [entry for entry in summary["top"] if entry["on_device"]]
+    if "device_busy_us_total" in summary:
+        total_us, field = summary["device_busy_us_total"], "exclusive_device_us"
+        kernels.sort(key=lambda entry: entry[field], reverse=True)
+        head = (
+            f"{title}: {shape}; device busy {total_us / steps:.0f} us a step (kernels overlapping under "
+            f"programmatic dependent launch: {summary['device_overlap_us'] / steps:.0f} us a step counted "
+            f"once, from the earlier kernel's end), {wall}"
+        )
+    else:  # a summary written before the exclusive times: every kernel's whole duration
+        total_us, field = summary["device_us_total"], "self_device_us"
+        head = f"{title}: {shape}; device time {total_us / steps:.0f} us a step, {wall}"
+    rows = [_row(entry, entry[field], total_us, steps) for entry in kernels[:top]]
     return head + "\n\n" + markdown_table(["kernel", "us / step", "share", "launches / step"], rows)
 
 

@@ -8,7 +8,8 @@ StartProfile / StopProfile RPCs; `sluice serve --profile-dir`).
 
 An ended profile is written to output_dir as three files named `profile-<UTC time>-<pid>`:
     .json           the summary the GPU check reads: steps, rows per step, wall seconds, and the top
-                    operators and kernels by their own device time (CPU time where nothing ran on a device)
+                    operators and kernels by their own device time (CPU time where nothing ran on a device),
+                    with each kernel's exclusive time and the device's busy time (`device_times`)
     .txt            torch's key_averages table, sorted the same way
     .trace.json.gz  the Chrome / Perfetto trace
 With async scheduling the device may still be running the last counted step when the count is reached: the
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -109,7 +112,7 @@ class StepProfiler:
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
         stem.with_suffix(".txt").write_text(averages.table(sort_by=sort_by, row_limit=TABLE_ROWS) + "\n")
         run.profiler.export_chrome_trace(str(stem.with_suffix(".trace.json.gz")))
-        summary = summarize(averages, run.rows, wall_s, on_device)
+        summary = summarize(averages, run.rows, wall_s, on_device, run.profiler.events())
         path = stem.with_suffix(".json")
         path.write_text(json.dumps(summary, indent=1) + "\n")
         logger.info("profile of %d forward steps written: %s", len(run.rows), path)
@@ -135,24 +138,28 @@ def device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
 
 
-def summarize(averages: Any, rows: list[int], wall_s: float, on_device: bool) -> dict[str, Any]:
+def summarize(
+    averages: Any, rows: list[int], wall_s: float, on_device: bool, events: Iterable[Any] = ()
+) -> dict[str, Any]:
     """The summary of a profile: per entry of `averages` (torch's FunctionEventAvg list) its name, calls,
     own device time and own CPU time (microseconds), the SUMMARY_TOP largest by the time that was measured;
-    device totals count kernels (device-side events) only, so nothing is counted twice."""
+    device totals count kernels (device-side events) only, so nothing is counted twice. Where `events`
+    (the profiler's own, `profiler.events()`) hold kernels, each kernel's entry also has its exclusive time
+    and the summary the device's busy time and the overlap between kernels (`device_times`)."""
     entries = [
         {
             "name": event.key,
             "count": int(event.count),
             "self_device_us": round(device_us(event), 1),
             "self_cpu_us": round(float(event.self_cpu_time_total), 1),
-            "on_device": str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1")),
+            "on_device": _on_device(event),
         }
         for event in averages
     ]
     key = "self_device_us" if on_device else "self_cpu_us"
     entries.sort(key=lambda entry: entry[key], reverse=True)
     kernels = [entry for entry in entries if entry["on_device"]]
-    return {
+    summary = {
         "steps": len(rows),
         "rows_per_step": rows,
         "wall_s": round(wall_s, 4),
@@ -161,3 +168,66 @@ def summarize(averages: Any, rows: list[int], wall_s: float, on_device: bool) ->
         "cpu_us_total": round(sum(entry["self_cpu_us"] for entry in entries), 1),
         "top": entries[:SUMMARY_TOP],
     }
+    times = device_times(events)
+    if times is not None:
+        for entry in kernels:
+            entry["exclusive_device_us"] = round(times.exclusive_us.get(entry["name"], 0.0), 1)
+        summary["device_busy_us_total"] = round(times.busy_us, 1)
+        summary["device_overlap_us"] = round(times.overlap_us, 1)
+    return summary
+
+
+def _on_device(event: Any) -> bool:
+    return str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+
+
+KernelInterval = tuple[str, float, float]  # (name, start us, end us)
+
+
+class DeviceTimes(NamedTuple):
+    exclusive_us: dict[str, float]  # per kernel name, summed over its launches and the devices
+    busy_us: float  # the union of each device's kernel intervals, summed over the devices
+    overlap_us: float  # the kernels' durations summed, less busy_us
+
+
+def device_times(events: Iterable[Any]) -> DeviceTimes | None:
+    """The exclusive times of the device-side events among the profiler's `events` (kernels, copies,
+    fills), and the busy time of their devices; None where none ran on a device. GPU user annotations are
+    left out: they are ranges around other kernels, not work of their own."""
+    per_device: dict[tuple[str, int], list[KernelInterval]] = {}
+    for event in events:
+        if _on_device(event) and not getattr(event, "is_user_annotation", False):
+            device = (str(event.device_type), int(getattr(event, "device_index", 0)))
+            interval = (event.key, float(event.time_range.start), float(event.time_range.end))
+            per_device.setdefault(device, []).append(interval)
+    if not per_device:
+        return None
+    exclusive: dict[str, float] = {}
+    for intervals in per_device.values():
+        for name, us in exclusive_us(intervals).items():
+            exclusive[name] = exclusive.get(name, 0.0) + us
+    duration_us = sum(end - start for intervals in per_device.values() for _, start, end in intervals)
+    busy_us = sum(exclusive.values())
+    return DeviceTimes(exclusive, busy_us, duration_us - busy_us)
+
+
+def exclusive_us(intervals: Iterable[KernelInterval]) -> dict[str, float]:
+    """Per kernel name, the exclusive time of one device's kernel `intervals`: the part of each interval
+    that no kernel starting before it covered.
+
+    With programmatic dependent launch a kernel is launched while the one before it still runs, and waits
+    inside for it to end: its recorded interval holds that wait, and the kernels' durations sum to more
+    than the device was busy. Counted from where the kernels before it ended, each moment is counted once:
+
+        A  |=========|                 A: all of its own interval
+        B       |.....=======|         B: from A's end to its own
+        C          |==|                C: 0 (inside B's interval)
+        D                       |===|  D: all of it (the gap before it is nobody's)
+
+    So the exclusive times sum to the union of the intervals: the time the device was busy."""
+    exclusive: dict[str, float] = {}
+    covered_until = -math.inf  # the latest end of the kernels so far
+    for name, start, end in sorted(intervals, key=lambda interval: interval[1]):
+        exclusive[name] = exclusive.get(name, 0.0) + max(0.0, end - max(start, covered_until))
+        covered_until = max(covered_until, end)
+    return exclusive
