@@ -183,9 +183,11 @@ if ((INSTALLED)); then
     timeout 120 $PY scripts/gpu_check.py --print-kernel-tests --device "$DEVICE" \
         --kernel-tests "${SLUICE_GPU_CHECK_KERNEL_TESTS:-}" >"$KERNEL_TESTS" 2>"$WORK/kernel_tests.err"
     SERVE=($PY -P -m sluice.benchmarks.gpu.serve_checks --out "$OUT" --mode "$MODE")
-    # Kernel test files run at once: 4 on a GPU machine (run 15's took ~290 s one after another on an
-    # H200's 16 CPUs, over the step's 180), one in CPU mode (the interpreter is the work there).
-    KERNEL_TEST_JOBS=${SLUICE_GPU_CHECK_KERNEL_TEST_JOBS:-$([[ $MODE == gpu ]] && echo 4 || echo 1)}
+    # Kernel test files run at once: 8 on a GPU machine, one in CPU mode (the interpreter is the work
+    # there). On an H200's 16 CPUs run 15's took ~290 s one after another, over the step's 180; run 16's,
+    # four at once, ~570 s of files (each ~10% slower than alone) filled the 180 s and cut the last. At 8
+    # the longest file (the FP8 cache's, 101 s) bounds the step, which leaves `large` its 110 s of call 1.
+    KERNEL_TEST_JOBS=${SLUICE_GPU_CHECK_KERNEL_TEST_JOBS:-$([[ $MODE == gpu ]] && echo 8 || echo 1)}
     if [[ -s $KERNEL_TESTS ]]; then
         # One pytest per file: a crash in one (a segfault in a JIT-built extension was seen) loses no other.
         # KERNEL_TEST_JOBS of them at a time (most of their time is Triton compiling, on the CPUs); each

@@ -581,8 +581,8 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     lines = capsys.readouterr().out.splitlines()
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
-    # The file no GPU has run yet, then the longest, started together (four at once), the model parity
-    # file with its triton backend only; each file once.
+    # The file no GPU has run yet, then the longest, started together (eight at once on a GPU), the model
+    # parity file with its triton backend only; each file once.
     assert lines[:4] == [
         "tests/test_decode_fused_reduce.py",
         "tests/test_triton_fp8_kv.py",

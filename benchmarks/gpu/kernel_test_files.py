@@ -29,12 +29,13 @@ class KernelTestFile:
         return "\t".join(self.pytest_args())
 
 
-# The longest first: the step runs four files at once (scripts/gpu_check.sh, KERNEL_TEST_JOBS), so these
+# The longest first: the step runs eight files at once (scripts/gpu_check.sh, KERNEL_TEST_JOBS), so these
 # start together and the short ones fill in behind them. Seconds each in run 16 (an H200, four at once):
 # the FP8 cache 101, attention 68, model parity 52, the gated and normed FP8 linears 49 and 47, the fused
 # FP8 quantization 46, skinny_mm 37, fp8_gemv 33, store 32, split-KV prefill 31, the rest 4-20: ~570 s of
-# files, ~145 s on four. The decode reduce fused into the split kernel goes first: run 16 cut it at the
-# step's limit, the last file then, so it has never run on a GPU (39 s interpreted here).
+# files, ~145 s on four, bound by the longest on eight. The decode reduce fused into the split kernel goes
+# first: run 16 cut it at the step's limit, the last file then, so it has never run on a GPU (39 s
+# interpreted here).
 KERNEL_TESTS = (
     # The decode attention's split kernel merging its slices itself (`DecodeConfig.fused_reduce`, off by
     # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
