@@ -28,6 +28,7 @@ from sluice.benchmarks.gpu.attention_sweep import differences
 from sluice.benchmarks.gpu.gpu_benchmarks import (
     DECODE_ATTENTION_SHAPES,
     PREFILL_PROMPT_LENS,
+    DecodeProblem,
     decode_problem,
     kv_read_bytes,
     prefill_problem,
@@ -129,7 +130,7 @@ def bench_fp8_kv_kernels(device: torch.device) -> list[list[object]]:
     return rows
 
 
-def fp8_decode_run(problem, fp8_config: DecodeConfig | None) -> Callable[..., torch.Tensor]:
+def fp8_decode_run(problem: DecodeProblem, fp8_config: DecodeConfig | None) -> Callable[..., torch.Tensor]:
     """`fp8_row`'s run for a decode problem: the launcher's default config on the bf16 cache, and on the
     FP8 one (the call with kv_scales) `fp8_config` where given."""
 
