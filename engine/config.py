@@ -112,7 +112,8 @@ class ModelConfig:
     served_model_name: str | None = option(
         None,
         "the model's name in the API (GetModelInfo, SMG, which routes by it, traces); default: the name "
-        "of --model's directory or file, or of the preset",
+        "of --model's directory or file (less .gguf); with random weights dummy- and the preset's or "
+        "directory's name",
     )
     dtype: str = option(
         "auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES

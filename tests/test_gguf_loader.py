@@ -11,10 +11,12 @@ from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from sluice.engine.config import ModelConfig
 from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.gguf_loader import load_gguf
 from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
 from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.model_loader import load_model_source
 
 Q = GGMLQuantizationType
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16
@@ -143,6 +145,18 @@ def tiny(tmp_path_factory):
     tensors, bpe = write_tiny_gguf(path)
     source = load_gguf(path)
     return path, tensors, bpe, source, dict(source.weights)
+
+
+def test_a_gguf_model_is_named_by_the_file_or_directory_model_names(tiny, tmp_path):
+    """As a checkpoint directory is, and as README and `--served-model-name`'s help say: the name SMG's
+    OpenAI callers send, not the file's general.name ("Tiny Llama" here)."""
+    directory = tmp_path / "my-model"
+    directory.mkdir()
+    (directory / "weights-q8_0.gguf").write_bytes(tiny[0].read_bytes())
+    assert load_gguf(tiny[0]).name == "Tiny Llama"
+    assert load_model_source(ModelConfig(model=str(directory))).name == "my-model"
+    assert load_model_source(ModelConfig(model=f"{directory}/")).name == "my-model"
+    assert load_model_source(ModelConfig(model=str(directory / "weights-q8_0.gguf"))).name == "weights-q8_0"
 
 
 def test_gguf_file_reads_what_gguf_reader_reads(tiny):

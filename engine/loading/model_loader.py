@@ -64,8 +64,16 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
     if gguf is not None:
         from sluice.engine.loading.gguf_loader import load_gguf
 
-        return load_gguf(gguf)
+        # Named as a checkpoint directory is: by what --model names (a directory holding the file: its
+        # name; the file: its name less .gguf), not by the file's general.name ("Smollm2 135M 8k Lc100K
+        # Mix1 Ep2" for SmolLM2's), which SMG's OpenAI callers would have had to send.
+        return replace(load_gguf(gguf), name=_path_name(path))
     return _hf_directory_source(path)
+
+
+def _path_name(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    return name.removesuffix(".gguf") if os.path.isfile(path) else name
 
 
 def _gguf_file(path: str, asked: bool) -> str | None:
