@@ -244,11 +244,16 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def StopProfile(
         self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ProfileResponse:
-        """Ends the running profile (if any) and has it written."""
+        """Ends the running profile (if any) and has it written. The stop goes to the engine core without
+        an answer, so the message cannot say whether a profile was running (one of num_steps may have
+        ended and been written already)."""
         self._inference.caller(context)
         root = self._profile_root()
         self._inference.accepting_runner().engine.stop_profile()
-        return common_pb2.ProfileResponse(success=True, message=f"a running profile is written under {root}")
+        return common_pb2.ProfileResponse(
+            success=True,
+            message=f"profiling stopped: a profile still running is written to its output_dir under {root}",
+        )
 
     def _profile_root(self) -> Path:
         if self._profile_dir is None:

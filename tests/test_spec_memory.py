@@ -49,6 +49,9 @@ def test_the_kv_budget_holds_the_target_and_the_draft_model_caches(llama_dir, qw
         f"KV cache: {expected} blocks of {BLOCK} tokens ({expected * BLOCK} tokens), torch.float32, 0.3 MiB; "
         "the draft model's as many, 0.6 MiB" in caplog.messages
     )
+    # One line for both caches: the draft's runner allocating its own logged a second, the draft's 0.6 MiB
+    # under the same words, which read as the target's cache.
+    assert len([message for message in caplog.messages if message.startswith("KV cache:")]) == 1
     alone = LLM(llama_dir, kv_cache_memory_bytes=BUDGET, block_size=BLOCK)
     assert alone.engine.model_info.num_kv_blocks == BUDGET // _block_bytes(llama_dir) == 122
 

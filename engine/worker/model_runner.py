@@ -120,26 +120,33 @@ class ModelRunner:
         if kv_cache:
             self.initialize_kv_cache(tp.min(self._num_kv_blocks()))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, *, log: bool = True) -> None:
         """Allocates `num_blocks` KV blocks (and as many for the draft model), then captures the CUDA graphs
         and warms the prefill kernels up. Raises ValueError naming the setting when a CPU cache would not
-        fit in the memory left."""
+        fit in the memory left. `log`: the line giving the cache's size (the target's gives the draft's
+        too, so the draft's runner logs none)."""
         config = self.config
         self._check_host_memory(num_blocks)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         draft = self.draft_runner
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB%s",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.block_size,
-            self.kv_cache_dtype,
-            self.kv_cache_mib(num_blocks),
-            "" if draft is None else f"; the draft model's as many, {draft.kv_cache_mib(num_blocks):.1f} MiB",
-        )
+        if log:
+            draft_mib = (
+                ""
+                if draft is None
+                else f"; the draft model's as many, {draft.kv_cache_mib(num_blocks):.1f} MiB"
+            )
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB%s",
+                num_blocks,
+                self.block_size,
+                num_blocks * self.block_size,
+                self.kv_cache_dtype,
+                self.kv_cache_mib(num_blocks),
+                draft_mib,
+            )
         if draft is not None:
-            draft.initialize_kv_cache(num_blocks)
+            draft.initialize_kv_cache(num_blocks, log=False)
         # The graph runner calls `forward` through a weak reference: the bound method would make a cycle
         # (runner -> graph runner -> runner), and the weights, the KV cache (and a tensor-parallel group's
         # sockets) would outlive the engine's last reference until Python's cycle collector ran.
