@@ -124,8 +124,13 @@ def test_chunked_prefill_off_schedules_whole_prompts_in_strict_order():
     assert slices(step(scheduler, model)[0]) == [("a", 1, 50, True), ("b", 40, 0, True), ("c", 5, 0, True)]
     run_until_done(scheduler, model)
     assert_reference(a, b, c)
-    with pytest.raises(ContextLengthError, match="exceed max_num_batched_tokens 64 with chunked prefill off"):
+    with pytest.raises(ContextLengthError) as refused:
         make_scheduler(budget=64, chunked=False)[0].add_request(make_request("x", tokens(70)))
+    # The prompt alone: no max_tokens quoted (an SMG caller's unset one is the rest of the context).
+    assert (refused.value.field, str(refused.value)) == (
+        "prompt",
+        "prompt: 70 tokens exceed max_num_batched_tokens 64 with chunked prefill off",
+    )
 
 
 def run_to_block_exhaustion(scheduler: Scheduler, model: PagedFakeModel, steps: int) -> None:

@@ -520,10 +520,17 @@ class Scheduler:
                 "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"
             )
         if not self.config.enable_chunked_prefill and max_tokens_with_kv > budget:
-            # A preempted request recomputes its prompt and outputs in one step: both must fit.
-            field = "prompt" if request.num_prompt_tokens > budget else "max_tokens"
+            # A preempted request recomputes its prompt and outputs in one step: both must fit. A prompt
+            # over the budget alone is named without max_tokens, which the caller may not have set (SMG's
+            # unset max_tokens is the rest of the context).
+            if request.num_prompt_tokens > budget:
+                raise ContextLengthError(
+                    "prompt",
+                    f"{request.num_prompt_tokens} tokens exceed max_num_batched_tokens {budget} with chunked "
+                    "prefill off",
+                )
             raise ContextLengthError(
-                field,
+                "max_tokens",
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({max_tokens_with_kv - request.num_tokens}) exceed max_num_batched_tokens {budget} with "
                 "chunked prefill off",
