@@ -73,7 +73,7 @@ def load_model_source(model_config: ModelConfig) -> ModelSource:
 
 def _path_name(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
-    return name.removesuffix(".gguf") if os.path.isfile(path) else name
+    return name if os.path.isdir(path) else name.removesuffix(".gguf")  # a file, or a FIFO (load_format gguf)
 
 
 def _gguf_file(path: str, asked: bool) -> str | None:
