@@ -27,7 +27,7 @@ from sluice.benchmarks.gpu.gpu_benchmarks import (
     time_cuda_s,
 )
 from sluice.benchmarks.gpu.markdown_table import markdown_table
-from sluice.benchmarks.gpu.step_profiles import profile_table
+from sluice.benchmarks.gpu.step_profiles import busy_us, kernel_us, profile_table
 from sluice.engine.core.step_profiler import device_us, summarize
 
 PROFILED_STEPS = 20  # graph replays under the profiler, per graph
@@ -44,14 +44,13 @@ class GraphStepProfile:
     def device_s(self) -> float:
         """The device's busy time a step, kernels overlapping under programmatic dependent launch counted
         once (their durations' sum in a summary without it; 0 where nothing ran on a device)."""
-        busy_us = self.summary.get("device_busy_us_total", self.summary["device_us_total"])
-        return busy_us / 1e6 / max(1, self.summary["steps"])
+        return busy_us(self.summary) / 1e6 / max(1, self.summary["steps"])
 
     @property
     def kernels(self) -> list[dict[str, Any]]:
         """The summary's device entries (kernels), longest first (by exclusive time where it has it)."""
         kernels = [entry for entry in self.summary["top"] if entry["on_device"]]
-        return sorted(kernels, key=_kernel_us, reverse=True)
+        return sorted(kernels, key=kernel_us, reverse=True)
 
     @property
     def launches(self) -> float:
@@ -134,13 +133,8 @@ def step_kernels_figures(profiles: Sequence[GraphStepProfile]) -> dict[str, obje
     for p in profiles:
         steps = max(1, p.summary["steps"])
         kernels = [
-            {"name": e["name"], "launches": e["count"] / steps, "us": _kernel_us(e) / steps}
-            for e in p.kernels
+            {"name": e["name"], "launches": e["count"] / steps, "us": kernel_us(e) / steps} for e in p.kernels
         ]
         graphs.append({"graph_context": p.graph_context, "step_s": p.step_s, "device_s": p.device_s,
                        "launches": p.launches, "kernels": kernels})  # fmt: skip
     return {"graphs": graphs}
-
-
-def _kernel_us(entry: dict[str, Any]) -> float:
-    return entry.get("exclusive_device_us", entry["self_device_us"])

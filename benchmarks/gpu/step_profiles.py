@@ -188,20 +188,30 @@ def profile_table(title: str, summary: dict[str, Any], top: int = TOP_KERNELS) -
         head = f"{title}: {shape}, CPU only (no device): CPU us per step"
         return head + "\n\n" + markdown_table(["operator", "us / step", "share", "calls / step"], rows)
     wall = f"wall {summary['wall_s'] / steps * 1e3:.2f} ms a step while profiled"
-    kernels = [entry for entry in summary["top"] if entry["on_device"]]
+    kernels = sorted((entry for entry in summary["top"] if entry["on_device"]), key=kernel_us, reverse=True)
+    total_us = busy_us(summary)
     if "device_busy_us_total" in summary:
-        total_us, field = summary["device_busy_us_total"], "exclusive_device_us"
-        kernels.sort(key=lambda entry: entry[field], reverse=True)
         head = (
             f"{title}: {shape}; device busy {total_us / steps:.0f} us a step (kernels overlapping under "
             f"programmatic dependent launch: {summary['device_overlap_us'] / steps:.0f} us a step counted "
             f"once, from the earlier kernel's end), {wall}"
         )
-    else:  # a summary written before the exclusive times: every kernel's whole duration
-        total_us, field = summary["device_us_total"], "self_device_us"
+    else:
         head = f"{title}: {shape}; device time {total_us / steps:.0f} us a step, {wall}"
-    rows = [_row(entry, entry[field], total_us, steps) for entry in kernels[:top]]
+    rows = [_row(entry, kernel_us(entry), total_us, steps) for entry in kernels[:top]]
     return head + "\n\n" + markdown_table(["kernel", "us / step", "share", "launches / step"], rows)
+
+
+def kernel_us(entry: dict[str, Any]) -> float:
+    """A kernel's device time in a summary: its exclusive time (`step_profiler.exclusive_us`), its whole
+    duration in a summary written before the exclusive times."""
+    return entry.get("exclusive_device_us", entry["self_device_us"])
+
+
+def busy_us(summary: dict[str, Any]) -> float:
+    """The device's busy time over a profile, kernels overlapping counted once (their durations' sum in a
+    summary written before the exclusive times)."""
+    return summary.get("device_busy_us_total", summary["device_us_total"])
 
 
 def _row(entry: dict[str, Any], us: float, total_us: float, steps: int) -> list[object]:
