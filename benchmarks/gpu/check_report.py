@@ -7,6 +7,11 @@ around serve_bench's server; the sections on the variant servers (fp8, fp8_large
     python -m sluice.benchmarks.gpu.check_report OUT --mode gpu --wall-s 431 --budget-s 470
 
 Exits 0 when every step passed or was skipped, 1 otherwise (the script's exit status).
+
+The report's head says where the steps ran: the device, its card, the versions, the call's time and budget.
+The first build of a report (the script's, on the machine that ran the steps) appends them to
+results.jsonl as a `{"step": "report", ...}` record, so a report rebuilt elsewhere (another machine's
+`check_report`, or `merge_calls` joining a lease's calls) keeps that machine's head, not its own.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from sluice.benchmarks.gpu import check_figures
 from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
-from sluice.benchmarks.gpu.step_context import PLANS, RESULTS, Plan, read_results, read_runs
+from sluice.benchmarks.gpu.step_context import PLANS, RESULTS, Plan, append_result, read_results, read_runs
 from sluice.benchmarks.gpu.step_profiles import profile_table
 from sluice.benchmarks.gpu.variant_sections import async_section, fp8_large_section, fp8_section
 
@@ -219,11 +224,18 @@ def checks_section(results: dict[str, dict]) -> str:
     return "\n\n".join(parts)
 
 
-def environment(mode: str) -> tuple[str, str]:
-    """The device's name, and the versions that matter (on a GPU, also whether the kernels use PDL)."""
+REPORT_STEP = "report"  # the step name of the record that says where the steps ran (`machine_record`)
+
+
+def machine_record(mode: str, wall_s: float, budget_s: float) -> dict[str, Any]:
+    """This machine's device (its card's UUID on a GPU), the versions that matter (on a GPU, also whether
+    the kernels use PDL), the date, and the call's wall time and budget: the record of REPORT_STEP."""
     import torch
 
-    device = torch.cuda.get_device_name() if mode == "gpu" and torch.cuda.is_available() else "CPU"
+    gpu = mode == "gpu" and torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if gpu else "CPU"
+    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "")) if gpu else ""
+    card = uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"  # as `nvidia-smi -L` names it
     try:
         import triton
 
@@ -234,25 +246,53 @@ def environment(mode: str) -> tuple[str, str]:
     versions = (
         f"torch {torch.__version__}, CUDA {cuda}, triton {triton_version}, Python {sys.version.split()[0]}"
     )
-    if device != "CPU":
+    if gpu:
         from sluice.kernels.dependent_launch import dependent_launch
 
         versions += (
             f", programmatic dependent launch {'on' if dependent_launch(torch.device('cuda')) else 'off'}"
         )
-    return device, versions
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return {
+        "step": REPORT_STEP, "mode": mode, "device": device, "card": card, "versions": versions,
+        "date": date, "wall_s": wall_s, "budget_s": budget_s,
+    }  # fmt: skip
+
+
+def report_head(runs: list[dict[str, Any]]) -> tuple[str, str]:
+    """The report's device, and its line on where and how long the steps ran, from the machine records of
+    the calls it joins (one, or several on one lease: `merge_calls`, which stands an `unrecorded` record
+    for a call whose report was never built)."""
+    recorded = [run for run in runs if not run.get("unrecorded")]
+    if not recorded:
+        return "unrecorded machine", "No call recorded its machine (none built its report there)."
+    first = recorded[0]
+    if len(runs) == 1:
+        timing = f"{first['wall_s']:.0f} s of a {first['budget_s']:.0f} s budget"
+    else:
+        calls = ", ".join(
+            "unrecorded" if run.get("unrecorded") else f"{run['wall_s']:.0f} s of {run['budget_s']:.0f}"
+            for run in runs
+        )
+        timing = f"{len(runs)} calls: {calls}"
+    cards = list(dict.fromkeys(run["card"] for run in recorded))
+    if cards != [""]:
+        timing += f"; card {cards[0]}" if len(cards) == 1 else f"; NOT one card: {', '.join(cards)}"
+    return first["device"], f"{first['date']}; mode {first['mode']}; {first['versions']}; {timing}."
 
 
 def build_report(out: Path, mode: str, wall_s: float, budget_s: float) -> tuple[str, bool]:
+    """The report's text and whether every step passed or was skipped. Its head is the machine records'
+    in results.jsonl where there are any, else this machine's with `wall_s` and `budget_s`."""
     records = read_results(out)
     statuses, results = step_records(records)
     ok = not any(s["status"] in FAILING for s in statuses.values())
-    device, versions = environment(mode)
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    runs = [r for r in records if r.get("step") == REPORT_STEP] or [machine_record(mode, wall_s, budget_s)]
+    device, head = report_head(runs)
     gpu_check = out / "gpu_check.md"
     parts = [
         f"# Sluice GPU check: {device}: {'PASS' if ok else 'FAIL'}",
-        f"{date}; mode {mode}; {versions}; {wall_s:.0f} s of a {budget_s:.0f} s budget.",
+        head,
         "## Steps\n\n" + steps_section(statuses, results),
         "## Figures against their limits and issue 33's goals\n\n"
         + figures_section(records, results, out, mode),
@@ -285,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (out / RESULTS).is_file():
         print(f"check_report: {out / RESULTS} does not exist", file=sys.stderr)
         return 1
+    if not any(r.get("step") == REPORT_STEP for r in read_results(out)):  # the first build: this machine's
+        append_result(out, machine_record(args.mode, args.wall_s, args.budget_s))
     text, ok = build_report(out, args.mode, args.wall_s, args.budget_s)
     (out / "report.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'report.md'}: {'PASS' if ok else 'FAIL'}")
