@@ -32,6 +32,7 @@ kernels: venv
 # Two pytest workers, one test file each at a time (module fixtures build once): run alone, the suite keeps
 # a 2-core machine about half busy (load average ~1: interpreted Triton kernels, server start-ups,
 # subprocesses), so two finish it in ~0.55x the time; the longest files go first (tests/conftest.py).
+# Two keep it busy: three took 1345 s against two's 1260 s on one 2-core AMD EPYC (2026-12-04, one run each).
 # TEST_WORKERS=0 runs it in this process. The report ends with the 25 slowest tests (setup included).
 TEST_WORKERS ?= 2
 
