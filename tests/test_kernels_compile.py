@@ -60,11 +60,12 @@ CONFIGS = {(shape, "bf16") for shape in ("llama-3.2-1b", "llama-3-8b", "llama-2-
     ("llama-3.2-1b", "fp32"),
 }
 
-# ~415 variants (82 of them over an FP8 cache, 36 split-KV prefill, 22 of the FP8 activation quantization,
-# ~40 of the batch-1 FP8 gemv) at up to a few CPU seconds each (the attention kernels inline three tile
-# loops), compiled once for both tests, one per core at a time: 337 s in the whole suite on a 2-core Zen 5
-# VM (2026-12-02, the other pytest worker busy beside it), more on a busier one. The limits only catch a
-# hang (ptxas): they leave a slower or busier CI machine seven times that.
+# 512 variants (2026-12-04; 92 of them over an FP8 cache, 33 split-KV prefill, 33 of the FP8 activation
+# quantization, 97 of the batch-1 FP8 gemv) at up to a few CPU seconds each, compiled once for both tests,
+# one per core at a time: 384 s one at a time on an idle 2-core AMD EPYC, two thirds of it the attention
+# kernels (~2 s each: they inline three tile loops) and most of each compile Triton's own passes (ptxas
+# ~15%); 345 s in the whole suite there, the other pytest worker busy beside it; more on a busier machine.
+# The limits only catch a hang (ptxas): they leave a slower or busier CI machine six times that.
 COMPILE_TIMEOUT_S = 2350
 pytestmark = pytest.mark.timeout(2400)
 
