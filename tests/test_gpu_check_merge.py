@@ -114,6 +114,27 @@ def test_calls_on_two_cards_or_without_a_report_say_so_in_the_head(tmp_path: Pat
     assert lines[2] == "No call recorded its machine (none built its report there)."
 
 
+def test_a_step_its_call_ended_inside_keeps_what_it_recorded_and_says_it_was_cut(tmp_path: Path):
+    # Call 2 was killed inside large (the device tool's limit): the step's first record is there, its
+    # status is not, and the call wrote no report.
+    first = write_call(tmp_path / "call1", [status("large", "skipped"), machine(462, 520)])
+    result = {"step": "large", "model_info": {"max_num_batched_tokens": 8192}}
+    second = write_call(tmp_path / "call2", [status("fp8", "passed", 90), result])
+    assert merge_calls.main([str(tmp_path / "out"), str(first), str(second)]) == 1
+    records = read_results(tmp_path / "out")
+    assert [r for r in records if r["step"] == "large"] == [
+        result,
+        {"step": "large", "status": "timed out", "seconds": 0, "limit_s": 0,
+         "note": "call 2 ended inside this step: it recorded no status (merge_calls)"},
+    ]  # fmt: skip
+    assert [r.get("unrecorded", False) for r in records if r["step"] == "report"] == [False, True]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert (
+        "| TIMED OUT | 0 | 0 | call 2 ended inside this step: it recorded no status (merge_calls) |" in report
+    )
+    assert report.splitlines()[2].endswith("2 calls: 462 s of 520, unrecorded; card GPU-c43d6822.")
+
+
 def test_bad_arguments_are_refused_naming_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     first, second = two_calls(tmp_path)
     assert merge_calls.main([str(tmp_path / "out"), str(first), str(tmp_path / "nope")]) == 2

@@ -6,7 +6,8 @@ skipped for time) are joined as if one call had run them all:
     python -m sluice.benchmarks.gpu.merge_calls OUT CALL_OUT [CALL_OUT ...]
 
 Each step's records (its status, its result, its variants' records) come from the last call that ran it
-(status not "skipped"), else from the first call that recorded it; so do the files that step writes
+(status not "skipped", or records without a status: the call ended inside the step, which the merged
+status then says), else from the first call that recorded it; so do the files that step writes
 (`STEP_FILES`, and its `profiles/<step>/`). The logs are joined, each call's under a line naming it. The
 calls' machine records (`check_report.REPORT_STEP`, written by each call's own report) stay, in order
 (an `unrecorded` one for a call cut before its report): the report's head gives each call's time and
@@ -38,27 +39,37 @@ STEP_FILES = {
 LOGS = ("steps.log", "servers.log")
 
 
+def _ran(records: list[dict[str, Any]]) -> set[str]:
+    """The steps a call ran: those with a status other than "skipped", and those with records but no
+    status (the call ended inside the step, e.g. at the device tool's limit)."""
+    statuses = {r["step"]: r["status"] for r in records if "status" in r}
+    steps = {r["step"] for r in records if r["step"] != REPORT_STEP}
+    return {step for step in steps if statuses.get(step, "cut") != "skipped"}
+
+
 def step_sources(calls: Sequence[list[dict[str, Any]]]) -> dict[str, int]:
-    """Which call each step's records come from (an index into `calls`): the last that ran it, else the
-    first that recorded it."""
+    """Which call each step's records come from (an index into `calls`): the last that ran it (`_ran`),
+    else the first that recorded it."""
     sources: dict[str, int] = {}
     for index, records in enumerate(calls):
-        for record in records:
-            step = record["step"]
-            if step == REPORT_STEP or "status" not in record:
-                continue
-            if step not in sources or record["status"] != "skipped":
+        ran = _ran(records)
+        for step in dict.fromkeys(r["step"] for r in records if r["step"] != REPORT_STEP):
+            if step not in sources or step in ran:
                 sources[step] = index
     return sources
 
 
 def merge_records(calls: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The calls' records of each step from its source call (`step_sources`), steps in the order the
-    calls first recorded them, then each call's machine record in call order (`unrecorded` where it has
-    none)."""
+    calls first recorded them (a step its call ended inside gets a "timed out" status saying so), then
+    each call's machine record in call order (`unrecorded` where it has none)."""
     sources = step_sources(calls)
     merged = [r for index, records in enumerate(calls) for r in records if sources.get(r["step"]) == index]
-    first_seen = {}
+    for step, index in sources.items():
+        if not any("status" in r for r in calls[index] if r["step"] == step):
+            note = f"call {index + 1} ended inside this step: it recorded no status (merge_calls)"
+            merged.append({"step": step, "status": "timed out", "seconds": 0, "limit_s": 0, "note": note})
+    first_seen: dict[str, int] = {}
     for records in calls:
         for record in records:
             first_seen.setdefault(record["step"], len(first_seen))
@@ -67,7 +78,7 @@ def merge_records(calls: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]
         next((r for r in records if r["step"] == REPORT_STEP), {"step": REPORT_STEP, "unrecorded": True})
         for records in calls
     ]
-    return [r for r in merged if r["step"] != REPORT_STEP] + machines
+    return merged + machines
 
 
 def merge_calls(out: Path, call_dirs: Sequence[Path], mode: str | None = None) -> bool:
