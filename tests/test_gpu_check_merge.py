@@ -159,6 +159,12 @@ def test_a_rebuilt_report_keeps_the_head_of_the_machine_that_ran_the_steps(tmp_p
     )
     assert (call / "results.jsonl").read_text() == before
 
+    # A GPU call's folder from before the record, rebuilt here: this CPU machine is not recorded as its.
+    older = write_call(tmp_path / "older", [status("serve_bench", "passed", 40)])
+    before = (older / "results.jsonl").read_text()
+    check_report.main([str(older), "--mode", "gpu", "--wall-s", "1", "--budget-s", "2"])
+    assert (older / "results.jsonl").read_text() == before
+
     # The first build records the machine it runs on, once; the next build reads it back.
     fresh = write_call(tmp_path / "fresh", [status("serve_bench", "passed", 40)])
     check_report.main([str(fresh), "--mode", "cpu", "--wall-s", "53", "--budget-s", "470"])

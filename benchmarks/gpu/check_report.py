@@ -10,8 +10,9 @@ Exits 0 when every step passed or was skipped, 1 otherwise (the script's exit st
 
 The report's head says where the steps ran: the device, its card, the versions, the call's time and budget.
 The first build of a report (the script's, on the machine that ran the steps) appends them to
-results.jsonl as a `{"step": "report", ...}` record, so a report rebuilt elsewhere (another machine's
-`check_report`, or `merge_calls` joining a lease's calls) keeps that machine's head, not its own.
+results.jsonl as a `{"step": "report", ...}` record (not a GPU mode build on a machine without a GPU), so
+a report rebuilt elsewhere (another machine's `check_report`, or `merge_calls` joining a lease's calls)
+keeps that machine's head, not its own.
 """
 
 from __future__ import annotations
@@ -325,8 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (out / RESULTS).is_file():
         print(f"check_report: {out / RESULTS} does not exist", file=sys.stderr)
         return 1
-    if not any(r.get("step") == REPORT_STEP for r in read_results(out)):  # the first build: this machine's
-        append_result(out, machine_record(args.mode, args.wall_s, args.budget_s))
+    machine = machine_record(args.mode, args.wall_s, args.budget_s)
+    # The first build records this machine, where it can be the one that ran the steps: not a GPU
+    # call's rebuilt on a machine without one (an older call's folder, which has no record).
+    first_build = not any(r.get("step") == REPORT_STEP for r in read_results(out))
+    if first_build and (args.mode == "cpu" or machine["device"] != "CPU"):
+        append_result(out, machine)
     text, ok = build_report(out, args.mode, args.wall_s, args.budget_s)
     (out / "report.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'report.md'}: {'PASS' if ok else 'FAIL'}")
