@@ -326,12 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (out / RESULTS).is_file():
         print(f"check_report: {out / RESULTS} does not exist", file=sys.stderr)
         return 1
-    machine = machine_record(args.mode, args.wall_s, args.budget_s)
-    # The first build records this machine, where it can be the one that ran the steps: not a GPU
-    # call's rebuilt on a machine without one (an older call's folder, which has no record).
-    first_build = not any(r.get("step") == REPORT_STEP for r in read_results(out))
-    if first_build and (args.mode == "cpu" or machine["device"] != "CPU"):
-        append_result(out, machine)
+    if not any(r.get("step") == REPORT_STEP for r in read_results(out)):
+        # The first build records this machine, where it can be the one that ran the steps: not a GPU
+        # call's rebuilt on a machine without one (an older call's folder, which has no record).
+        machine = machine_record(args.mode, args.wall_s, args.budget_s)
+        if args.mode == "cpu" or machine["device"] != "CPU":
+            append_result(out, machine)
     text, ok = build_report(out, args.mode, args.wall_s, args.budget_s)
     (out / "report.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'report.md'}: {'PASS' if ok else 'FAIL'}")
