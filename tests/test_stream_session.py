@@ -1,6 +1,7 @@
 """StreamGenerate's session without a server: a client that sends and never reads stops being read once
 a refusal waits to be written (each refused request grew the outbox: 42,000 of them held 70 MB); a
-request whose call ends before its pump starts is still counted."""
+request whose call ends before its pump starts is still counted; a message without an action is answered
+with an error naming the field, and the stream goes on."""
 
 from __future__ import annotations
 
@@ -71,3 +72,20 @@ async def test_a_request_whose_call_ends_before_its_pump_starts_is_counted_cance
         await call
     assert statuses == [grpc.StatusCode.CANCELLED]
     assert session.num_live_requests == 0
+
+
+async def test_a_message_without_an_action_is_answered_naming_the_field_and_the_stream_goes_on() -> None:
+    statuses: list[grpc.StatusCode] = []
+
+    async def requests():
+        yield pb.StreamGenerateRequest()  # neither generate nor cancel
+        yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(text="hi"))  # refused: no request_id
+
+    session = StreamSession(_UntracedRunner(), CALLER, lambda: None, lambda _, code: statuses.append(code))
+    responses = [response async for response in session.run(requests())]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert [(r.request_id, r.error.code, r.error.message) for r in responses] == [
+        ("", invalid.value[0], "action: set generate or cancel"),
+        ("", invalid.value[0], "request_id: must not be empty on StreamGenerate"),
+    ]
+    assert statuses == [invalid, invalid] and session.num_live_requests == 0
