@@ -12,6 +12,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from service_harness import (
     PATIENCE_S,
@@ -22,6 +23,7 @@ from service_harness import (
     wait_for,
 )
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
 from toolchains import BUF, require
 
 from sluice import Client, SluiceError, generate_request
@@ -356,6 +358,43 @@ def test_calls_refused_for_their_key_are_counted_by_method(keyed_server: ServerT
         "VllmEngine.GetLoads": 1,
         "GetModelInfo": 0,
     }
+
+
+def test_streaming_calls_without_their_key_are_refused_before_sending_anything(
+    keyed_server: ServerThread,
+) -> None:
+    """The interceptor's stream handlers: reflection (a bidirectional stream) and SMG's GetTokenizer and
+    SubscribeKvEvents (server streams) end UNAUTHENTICATED with no key or a wrong one, no response sent;
+    with the key, reflection answers."""
+    missing = "authorization: missing; send 'authorization: Bearer <api key>' metadata"
+    list_services = reflection_pb2.ServerReflectionRequest(list_services="")
+    with keyed_server.channel() as channel:
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        smg = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        calls = {
+            "ServerReflectionInfo": lambda metadata: reflection.ServerReflectionInfo(
+                iter([list_services]), metadata=metadata, timeout=PATIENCE_S
+            ),
+            "GetTokenizer": lambda metadata: smg.GetTokenizer(
+                common_pb2.GetTokenizerRequest(), metadata=metadata, timeout=PATIENCE_S
+            ),
+            "SubscribeKvEvents": lambda metadata: smg.SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest(), metadata=metadata, timeout=PATIENCE_S
+            ),
+        }
+        for name, call in calls.items():
+            for metadata, details in (
+                ((), missing),
+                ((("authorization", "Bearer wrong"),), "authorization: invalid API key"),
+            ):
+                responses = []
+                with pytest.raises(grpc.RpcError) as info:
+                    for response in call(metadata):
+                        responses.append(response)
+                outcome = (info.value.code(), info.value.details(), responses)
+                assert outcome == (grpc.StatusCode.UNAUTHENTICATED, details, []), name
+        (answer,) = calls["ServerReflectionInfo"]((("authorization", "Bearer s3cret"),))
+    assert "sluice.v1.InferenceService" in {service.name for service in answer.list_services_response.service}
 
 
 class _BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
