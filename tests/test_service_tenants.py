@@ -354,6 +354,9 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
     assert "key-" not in repr(directory)
     assert [t.name for t in directory.tenants if t.kv_events] == ["gateway"]  # tables default to false
     assert TenantDirectory.single_key("k").tenants[0].kv_events  # --api-key's one tenant may
+    # A rate without a burst: the bucket holds a second's requests, at least one.
+    assert Tenant(name="t", requests_per_second=3.0).burst == 3.0
+    assert Tenant(name="t", requests_per_second=0.25).burst == 1.0
 
 
 @pytest.mark.parametrize(
@@ -385,6 +388,19 @@ def test_keys_file_maps_keys_to_tenants(keys_file: Path) -> None:
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = 0\n', "requests_per_second: must be"),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_priority = "high"\n', "max_priority: must be an integer"),
         ('key = "k"\n', "api-keys: expected only [[tenant]] tables"),
+        ("tenant = []\n", "tenant: the file lists no tenants"),
+        ("tenant = [1]\n", "tenant: each [[tenant]] must be a table"),
+        ('[[tenant]]\nkeys = ["k"]\n', "name: every tenant needs a name"),
+        ('[[tenant]]\nname = "a"\n', "keys: tenant 'a' needs a list of keys"),
+        ('[[tenant]]\nname = "a"\nkeys = "secret-1"\n', "keys: tenant 'a' needs a list of keys"),
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\nmax_concurrent_requests = 0\n',
+            "max_concurrent_requests: must be >= 1",
+        ),
+        (
+            '[[tenant]]\nname = "a"\nkeys = ["k"]\nrequests_per_second = "9"\n',
+            "requests_per_second: must be a number",
+        ),
         ('[[tenant]]\nname = "a"\nkeys = ["k"]\nkv_events = "yes"\n', "kv_events: must be true or false"),
         (
             '[[tenant]]\nname = "a"\nkeys = ["k"]\nprefix_cache_scope = 5\n',
