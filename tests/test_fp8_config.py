@@ -137,6 +137,9 @@ G = "config_groups.group_0"
         (f"{G}.weights.actorder", "weight", "'weight' is not supported (no activation ordering)"),
         (f"{G}.weights.zero_points", True, "unknown field"),
         (f"{G}.weights", ..., "missing; Sluice runs FP8 weights"),
+        (f"{G}.weights", "float8", "must be an object, got 'float8'"),
+        (f"{G}.weights.strategy", ..., "missing"),
+        (G, "FP8_DYNAMIC", "must be a scheme object with targets and weights, got 'FP8_DYNAMIC'"),
         (f"{G}.input_activations.dynamic", False, "'token' (dynamic False) is not supported"),
         (f"{G}.input_activations.strategy", "group", "'group' (dynamic True) is not supported; supported: "),
         (f"{G}.input_activations.num_bits", 4, "4 is not supported (FP8 takes 8)"),
@@ -151,7 +154,7 @@ def test_an_unsupported_config_is_refused_naming_the_field(path, value, message)
     raw = _with(path, value)
     # the field named: the path changed, or the field it is about (input_activations.strategy for dynamic)
     field = path.replace("input_activations.dynamic", "input_activations.strategy")
-    if path.endswith(".weights") or path == "config_groups":
+    if path.endswith(".weights") or path in ("config_groups", G):
         field = path
     with pytest.raises(ValueError) as refused:
         resolve_fp8_config(None, {"quantization_config": raw}, PACKED_QKV_GATE_UP)
@@ -192,6 +195,22 @@ def test_block_weights_take_power_of_two_blocks_and_groups_as_wide(change, messa
     weights_only["config_groups"]["group_0"]["input_activations"] = None
     scheme = parse_compressed_tensors(weights_only).groups[0].scheme
     assert scheme == Fp8Scheme("block", "none", serialized=True, block=(128, 128))
+
+
+def test_a_config_that_is_no_object_or_gives_a_module_two_schemes_is_refused():
+    with pytest.raises(ValueError, match=r"^quantization_config: must be a JSON object, got str$"):
+        resolve_fp8_config(None, {"quantization_config": "fp8"}, PACKED_QKV_GATE_UP)
+    raw = _with(f"{G}.targets", ["Linear"])
+    static = copy.deepcopy(raw["config_groups"]["group_0"])
+    static["input_activations"].update(strategy="tensor", dynamic=False)
+    raw["config_groups"]["group_1"] = static
+    config = resolve_fp8_config(None, {"quantization_config": raw}, PACKED_QKV_GATE_UP)
+    with pytest.raises(ValueError) as refused:
+        config.scheme_for("model.layers.0.mlp.down_proj")
+    assert str(refused.value) == (
+        "quantization_config.config_groups: model.layers.0.mlp.down_proj matches groups of different schemes"
+    )
+    assert config.scheme_for("lm_head") is None  # ignored: no group asked
 
 
 def test_a_config_that_does_not_go_with_the_model_is_refused():
