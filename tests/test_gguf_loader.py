@@ -3,6 +3,9 @@ the original tensors, transformers' GGUF loader and a `tokenizers`-trained BPE."
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -286,3 +289,56 @@ def test_missing_vocabulary_is_named(tiny):
     with pytest.raises(ValueError) as err:
         gguf_tokenizer(file)
     assert str(err.value) == "tokenizer.ggml.tokens: missing from the GGUF metadata"
+
+
+def _patch(source: Path, destination: Path, key: bytes, offset: int, value: bytes) -> Path:
+    """A copy of `source` with `value` written `offset` bytes after the end of the string `key`."""
+    data = bytearray(source.read_bytes())
+    at = data.index(key) + len(key) + offset
+    data[at : at + len(value)] = value
+    destination.write_bytes(data)
+    return destination
+
+
+def test_a_file_that_is_no_gguf_or_of_another_version_is_refused_naming_the_model(tiny, tmp_path):
+    path = Path(tiny[0])
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(ValueError) as err:
+        GGUFFile(bad)
+    assert str(err.value) == f"model: {str(bad)!r} is not a GGUF file (bad magic)"
+    old = _patch(path, tmp_path / "v1.gguf", b"GGUF", 0, struct.pack("<I", 1))
+    with pytest.raises(ValueError) as err:
+        load_gguf(old)
+    assert str(err.value) == f"model: {str(old)!r} is GGUF version 1; supported: 2, 3"
+
+
+def test_an_unknown_tensor_type_id_or_tensor_name_is_refused_naming_the_tensor(tmp_path):
+    extra = ("blk.0.attn_z.weight", np.zeros((4, 8), dtype=np.float32), Q.F32)
+    write_tiny_gguf(tmp_path / "extra.gguf", extra_tensor=extra)
+    with pytest.raises(ValueError) as err:
+        load_gguf(tmp_path / "extra.gguf")
+    assert str(err.value) == "tensor 'blk.0.attn_z.weight': no Hugging Face name is known for it"
+    # After the name: its number of dimensions (uint32), its 2 dimensions (uint64 each), its type id.
+    unknown = _patch(
+        tmp_path / "extra.gguf", tmp_path / "type.gguf", extra[0].encode(), 4 + 16, struct.pack("<I", 99)
+    )
+    with pytest.raises(ValueError) as err:
+        GGUFFile(unknown)
+    assert str(err.value) == "tensor 'blk.0.attn_z.weight': unknown GGML type id 99"
+
+
+def test_missing_shape_metadata_and_partial_rotary_embeddings_are_refused_naming_the_key(tiny, tmp_path):
+    path = Path(tiny[0])
+    renamed = _patch(path, tmp_path / "ffn.gguf", b"llama.feed_forward_length", -1, b"x")
+    with pytest.raises(ValueError) as err:
+        load_gguf(renamed)
+    assert str(err.value) == "llama.feed_forward_length: missing from the GGUF metadata"
+    # After the key: its value's type (uint32), then the value (uint32).
+    key = b"llama.rope.dimension_count"
+    assert path.read_bytes().count(key) == 1
+    partial = _patch(path, tmp_path / "rope.gguf", key, 4, struct.pack("<I", HEAD_DIM // 2))
+    assert GGUFFile(partial).metadata[key.decode()] == HEAD_DIM // 2
+    with pytest.raises(ValueError) as err:
+        load_gguf(partial)
+    assert str(err.value) == "llama.rope.dimension_count: partial rotary embeddings are not supported"
