@@ -68,6 +68,31 @@ def test_config_missing_a_shape_field_names_it(tmp_path) -> None:
     assert str(error.value) == "intermediate_size: missing from the model's config.json"
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_key_value_heads": 4}, "num_key_value_heads: must divide num_attention_heads"),
+        (
+            {"architectures": ["MistralForCausalLM"], "sliding_window": 0},
+            "sliding_window: must be > 0, got 0",
+        ),
+        ({"layer_types": ["full_attention"]}, "layer_types: 1 entries for 4 layers"),
+        (
+            {"layer_types": ["full_attention", "local_attention"] * 2},
+            "layer_types: each must be one of ('full_attention', 'sliding_attention'), got "
+            "('full_attention', 'local_attention', 'full_attention', 'local_attention')",
+        ),
+    ],
+)
+def test_a_config_whose_heads_or_windows_cannot_be_served_is_refused_naming_the_field(
+    tmp_path, change, message
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS["tiny"], **change}))  # 6 heads, 4 layers
+    with pytest.raises(ValueError) as error:
+        load_model_source(ModelConfig(model=str(tmp_path)))
+    assert str(error.value) == message
+
+
 def test_directory_without_weights_is_rejected(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
     with pytest.raises(ValueError, match="has no model.safetensors"):
