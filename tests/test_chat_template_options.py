@@ -253,6 +253,41 @@ def test_a_template_that_drops_the_final_message_cannot_continue_it(model_dir: P
     )
 
 
+@pytest.mark.parametrize("prefill", ["The answer is ", "The answer is", "  Sure,\n"])
+def test_a_template_that_trims_the_final_message_is_continued_as_transformers_cuts_it(
+    model_dir: Path, hf, prefill: str
+) -> None:
+    """Where the template trimmed the spacing after the content, the prompt ends at the content less its
+    trailing spacing (transformers' "more cautious" cut), not inside the tag."""
+    trims = (
+        "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+        "{{ message.content | trim }}<|im_end|>\n{% endfor %}"
+    )
+    conversation = [*CHAT, {"role": "assistant", "content": prefill}]
+    expected = hf.apply_chat_template(
+        conversation, chat_template=trims, tokenize=False, continue_final_message=True
+    )
+    assert expected.endswith(f"<|im_start|>assistant\n{prefill.strip()}")
+    ours = Tokenizer.from_pretrained(model_dir)
+    ours.chat_template = ChatTemplate(trims)
+    assert (
+        ours.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+        == expected
+    )
+
+
+def test_a_final_message_without_text_cannot_be_continued(model_dir: Path, hf) -> None:
+    conversation = [*CHAT, {"role": "assistant", "content": None}]
+    with pytest.raises(ValueError, match='the final message has no "content" to continue'):
+        hf.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+    ours = Tokenizer.from_pretrained(model_dir)
+    with pytest.raises(InvalidRequestError) as info:
+        ours.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert str(info.value) == (
+        "continue_final_message: the last message (messages[2]) has no text content to continue"
+    )
+
+
 def test_a_chat_its_template_renders_to_nothing_is_refused_naming_messages(model_dir: Path) -> None:
     """Qwen3-style templates render nothing for a role they do not know ("developer" here) and no
     generation prompt when asked for none: such a chat reached the engine core with no prompt tokens,
