@@ -71,6 +71,9 @@ def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
     [
         ({"json_schema": '{"type": "foo"}'}, 'json_schema: does not compile: Unsupported type "foo"'),
         ({"json_schema": "{"}, "json_schema: is not valid JSON: "),
+        ({"json_schema": "[1, 2]"}, "json_schema: must be a JSON object"),
+        ({"regex": ""}, "regex: must not be empty"),
+        ({"grammar": ""}, "grammar: must not be empty"),
         (
             {"regex": "a(b"},
             "regex: does not compile: Regex parsing error at position 4: The parenthesis is not closed.",

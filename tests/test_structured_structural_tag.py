@@ -83,6 +83,19 @@ def test_smollm2_answers_inside_the_tag_with_json_of_its_schema() -> None:
         ({"type": "tag"}, NOT_A_TAG),
         ("[]", NOT_A_TAG),
         ({**OLDER, "triggers": []}, "structural_tag.triggers: must be a non-empty list"),
+        ({**OLDER, "structures": []}, "structural_tag.structures: must be a non-empty list"),
+        (
+            {**OLDER, "structures": ["<f>"]},
+            "structural_tag.structures[0]: must be an object with begin, schema, end",
+        ),
+        (
+            {**OLDER, "structures": [{"begin": "<f>", "schema": CITY, "end": None}]},
+            "structural_tag.structures[0]: begin and end must be strings",
+        ),
+        (
+            {**OLDER, "structures": [{"begin": "<f>", "schema": "city", "end": "</f>"}]},
+            "structural_tag.structures[0].schema: must be a JSON schema object",
+        ),
         (
             {**OLDER, "structures": [{"begin": "<f>", "schema": {"not": {"type": "null"}}, "end": "</f>"}]},
             "structural_tag.structures[0].schema: 'not' at # is a keyword the grammar cannot enforce",
