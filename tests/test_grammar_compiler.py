@@ -1,6 +1,6 @@
 """The grammar compiler's workers: a constraint still compiling (a regex can take seconds) does not hold
 up the next one, also in the default pool of a one- or two-CPU machine, and the compiled grammars are the
-ones asked for."""
+ones asked for; the cache keeps the grammars used last."""
 
 from __future__ import annotations
 
@@ -68,5 +68,26 @@ def test_the_default_pool_has_at_least_one_worker(llama_dir: str, num_workers: i
     try:
         assert compiler.submit(NEXT).result(timeout=PATIENCE_S) is not None
         assert compiler.num_compiles == 1
+    finally:
+        compiler.shutdown()
+
+
+def test_the_cache_keeps_the_grammars_used_last(llama_dir: str) -> None:
+    tokenizer = Tokenizer.from_pretrained(llama_dir)
+    with pytest.raises(ValueError, match="^cache_size: must be >= 1$"):
+        GrammarCompiler(tokenizer, 512, tokenizer.eos_token_ids, cache_size=0)
+    compiler = GrammarCompiler(tokenizer, 512, tokenizer.eos_token_ids, cache_size=2, num_workers=1)
+    a, b, c = (Constraint(regex=f"({x}|z)") for x in "abc")
+    try:
+        for constraint in (a, b, a, c):  # a used again after b: c takes b's place
+            compiler.submit(constraint).result(timeout=PATIENCE_S)
+        assert (compiler.num_compiles, compiler.num_cache_hits) == (3, 1)
+        kept = compiler.submit(a)  # kept, and now used last
+        compiler.submit(b).result(timeout=PATIENCE_S)  # compiled again, in c's place
+        assert (compiler.num_compiles, compiler.num_cache_hits) == (4, 2)
+        assert compiler.submit(a) is kept
+        compiler.submit(c).result(timeout=PATIENCE_S)  # compiled again, in b's place
+        compiler.submit(b).result(timeout=PATIENCE_S)
+        assert (compiler.num_compiles, compiler.num_cache_hits) == (6, 3)
     finally:
         compiler.shutdown()
