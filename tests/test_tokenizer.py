@@ -169,6 +169,17 @@ def test_no_chat_template_is_invalid_request(tokenizer_dirs: dict[str, Path], tm
     assert info.value.field == "messages"
 
 
+def test_a_chat_template_that_is_no_jinja_is_refused_at_load_naming_it(
+    tokenizer_dirs, tmp_path: Path
+) -> None:
+    directory = tmp_path / "broken"
+    shutil.copytree(tokenizer_dirs["bpe"], directory)
+    (directory / "chat_template.jinja").write_text("{% for message in messages %}{{ message.content }}")
+    with pytest.raises(ValueError) as info:
+        Tokenizer.from_pretrained(directory)
+    assert str(info.value).startswith("chat_template: invalid jinja2 template: Unexpected end of template.")
+
+
 FEATURE_TEMPLATE = (
     "{% set ns = namespace(count=0) %}"
     "{% for message in messages %}"
