@@ -226,6 +226,12 @@ def test_a_required_call_cannot_be_combined_with_another_constraint() -> None:
         (lambda: Tool(""), "tools.name: must not be empty"),
         (lambda: Tool("f", parameters="[1]"), "tools.parameters: 'f' must be a JSON object"),
         (
+            lambda: Tool("f", parameters='{"type": "object",}'),
+            "tools.parameters: 'f' is not valid JSON: Expecting property name enclosed in double quotes: "
+            "line 1 column 19 (char 18)",
+        ),
+        (lambda: ToolUse((), "none"), "tools: must not be empty when tool_choice is given"),
+        (
             lambda: Tool("f", parameters='{"type": "string"}'),
             'tools.parameters: \'f\' must have "type": "object", got "string"',
         ),
