@@ -132,6 +132,7 @@ def test_constraints(constraint: dict, expected: Constraint) -> None:
         (_request(max_tokens=61), "sampling_params.max_tokens"),
         (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=list(range(64)))), "tokenized.input_ids"),
         (smg.GenerateRequest(), "input"),
+        (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[])), "tokenized.input_ids"),
         (smg.GenerateRequest(text="hi"), "text"),  # no tokenizer to encode it with
         (smg.GenerateRequest(tokenized=smg.TokenizedInput(input_ids=[1]), mm_inputs={}), "mm_inputs"),
         # Each named as sent (both were named mm_inputs).

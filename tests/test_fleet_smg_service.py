@@ -146,13 +146,17 @@ def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread,
     server.wait_idle()
 
 
-def test_abort_refuses_an_id_over_512_bytes(engine_stub) -> None:
+@pytest.mark.parametrize(
+    ("bad", "details"),
+    [
+        ("x" * 513, "request_ids: must be at most 512 bytes (UTF-8), got 513"),
+        ("", "request_ids: must not contain empty ids"),
+    ],
+)
+def test_abort_refuses_an_id_over_512_bytes_or_empty(engine_stub, bad: str, details: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        engine_stub.Abort(smg.AbortRequest(request_ids=["fine", "x" * 513]), timeout=10)
-    assert (info.value.code(), info.value.details()) == (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "request_ids: must be at most 512 bytes (UTF-8), got 513",
-    )
+        engine_stub.Abort(smg.AbortRequest(request_ids=["fine", bad]), timeout=10)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
 @pytest.mark.parametrize(
