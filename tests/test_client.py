@@ -194,6 +194,18 @@ def test_sluice_generate_fails_when_the_server_aborts_its_request(llama_long_dir
     assert stderr.endswith("sluice generate: the request ended with finish reason abort\n"), stderr
 
 
+def test_sluice_generate_reports_a_refused_request_and_fails(server: ServerThread) -> None:
+    """The server's status and message on stderr, exit status 1 (docs/API.md: a prompt and max_tokens
+    beyond the context are RESOURCE_EXHAUSTED, without a retry trailer)."""
+    command = [SLUICE, "generate", "--target", server.target, "--raw", "--max-tokens", "2147483647", "Hello"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr == (
+        "\nsluice generate: RESOURCE_EXHAUSTED: max_tokens: prompt (3 tokens) + max_tokens (2147483647) = "
+        "2147483650 exceeds the model's context of 131072 tokens\n"
+    )
+
+
 def test_sluice_generates_rate_counts_the_tokens_after_the_first_chunk() -> None:
     """With --stream-interval 4 the first chunk holds 4 tokens: 12 tokens, the first 4 after 0.5 s, the
     other 8 over the next 1.5 s."""
@@ -207,6 +219,8 @@ def test_sluice_generates_rate_counts_the_tokens_after_the_first_chunk() -> None
     [
         (("--max-tokens", str(2**64)), f"argument --max-tokens: must be in [1, 2147483647], got {2**64}"),
         (("--seed", str(2**64)), f"argument --seed: must be in [{-(2**63)}, {2**63 - 1}], got {2**64}"),
+        (("--max-tokens", "lots"), "argument --max-tokens: invalid int value: 'lots'"),
+        (("--temperature", "hot"), "argument --temperature: invalid float value: 'hot'"),
         (("--timeout", "0"), "argument --timeout: must be in [0.001, 1000000000.0], got 0"),
         (("--timeout", "inf"), "argument --timeout: must be in [0.001, 1000000000.0], got inf"),
     ],
