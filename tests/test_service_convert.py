@@ -16,6 +16,7 @@ from sluice.engine.errors import (
     QueueFullError,
     UnknownRequestError,
 )
+from sluice.engine.frontend.kv_event_log import EngineStoppedError, ReplayExpiredError, SubscriberLagError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import (
     NO_OUTPUT_LOGPROBS,
@@ -331,6 +332,18 @@ def test_model_info() -> None:
         (ServiceUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE, "draining"),
         (EngineDeadError("exit code 1"), grpc.StatusCode.UNAVAILABLE, "the engine failed: exit code 1"),
         (RequestFailedError("nan logits"), grpc.StatusCode.INTERNAL, "nan logits"),
+        # A KV event subscription (SMG's SubscribeKvEvents): its cursor, its lag, the engine's end.
+        (
+            ReplayExpiredError("cursor 3 is gone"),
+            grpc.StatusCode.OUT_OF_RANGE,
+            "start_sequence_number: cursor 3 is gone",
+        ),
+        (
+            SubscriberLagError("1024 batches"),
+            grpc.StatusCode.DATA_LOSS,
+            "the subscriber fell behind: 1024 batches",
+        ),
+        (EngineStoppedError("shutdown"), grpc.StatusCode.UNAVAILABLE, "the engine stopped: shutdown"),
         (RuntimeError("secret detail"), grpc.StatusCode.INTERNAL, "internal error: RuntimeError"),
     ],
 )
