@@ -558,3 +558,14 @@ def test_serve_arguments_build_engine_config() -> None:
     assert (config.model.load_format, config.model.preset) == ("dummy", "llama-tiny")
     assert (config.cache.block_size, config.cache.kv_cache_memory_bytes) == (32, 64 << 20)
     assert config.cache.enable_prefix_caching is False and config.scheduler.enable_chunked_prefill is True
+
+
+def test_chat_template_kwargs_reach_the_template_with_whole_numbers_as_ints_at_any_depth() -> None:
+    """A Struct holds every number as a double: 512 would print as 512.0 in a template, also inside a
+    nested object or list (JSON parsing, as vLLM takes the kwargs, gives 512)."""
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    chat.chat_template_kwargs.update({"budget": {"tokens": 512, "shares": [1, 0.5]}, "depth": 2, "on": True})
+    kwargs = convert.chat_options_from_proto(chat).chat_template_kwargs
+    assert kwargs == {"budget": {"tokens": 512, "shares": [1, 0.5]}, "depth": 2, "on": True}
+    numbers = [kwargs["depth"], kwargs["budget"]["tokens"], *kwargs["budget"]["shares"]]
+    assert [type(number) for number in numbers] == [int, int, int, float]
