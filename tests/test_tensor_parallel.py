@@ -24,11 +24,14 @@ import torch
 from checkpoints import build_llama_kv4_checkpoint
 from gguf_export import export_gguf
 
-from sluice.engine.config import SpeculativeConfig
+from sluice.engine.config import EngineConfig, ModelConfig, ParallelConfig, SpeculativeConfig
 from sluice.engine.distributed.partition import VocabPartition, partition_heads
+from sluice.engine.executor.placement import Placement, place_ranks
 from sluice.engine.executor.worker_monitor import WorkerDiedError
 from sluice.engine.faults import ENV_VAR
 from sluice.engine.frontend.llm import LLM, Completion
+from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.presets import PRESETS
 from sluice.engine.outputs import EngineStats
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.worker.models.gemma3 import Gemma3ForCausalLM
@@ -254,6 +257,30 @@ def test_more_ranks_than_cuda_devices_is_refused(llama_dir):
         message = r"device: cuda, but torch sees 0 CUDA devices"
     with pytest.raises(ValueError, match=message):
         LLM(llama_dir, tensor_parallel_size=size, device="cuda", num_blocks=8)
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "refusal"),
+    [
+        ("cuda", 2, None),
+        ("cuda", 1, "tensor_parallel_size: 2 ranks need 2 CUDA devices, 1 visible"),
+        ("cuda:1", 2, "device: give 'cuda', not cuda:1: tensor-parallel ranks take cuda:0..1"),
+    ],
+)
+def test_cuda_ranks_take_one_visible_device_each_from_cuda_0(monkeypatch, device, visible, refusal):
+    """The placement by torch's device count, as a GPU machine reports it (run here without one: the
+    placement is decided before any process or device is touched)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    config = EngineConfig(
+        model=ModelConfig(model="tiny", device=device), parallel=ParallelConfig(tensor_parallel_size=2)
+    )
+    arch = ModelArchConfig.from_hf_config(PRESETS["tiny"])
+    if refusal is None:
+        assert place_ranks(config, arch) == Placement((torch.device("cuda", 0), torch.device("cuda", 1)), 1)
+        return
+    with pytest.raises(ValueError) as refused:
+        place_ranks(config, arch)
+    assert str(refused.value) == refusal
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(gemma3_dir):
