@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -57,6 +58,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Llama with rope_scaling llama3 and tied embeddings; one model.safetensors."""
     return build_llama_checkpoint(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def llama_without_tokenizer_dir(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`llama_dir` without its tokenizer.json: a model served on token ids alone."""
+    directory = tmp_path_factory.mktemp("no_tokenizer") / "llama"
+    shutil.copytree(llama_dir, directory)
+    (directory / "tokenizer.json").unlink()
+    return str(directory)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import shutil
 import threading
 import zipfile
 
@@ -243,13 +242,12 @@ def test_a_request_the_kv_cache_cannot_hold_is_invalid_argument(llama_long_dir: 
         thread.stop()
 
 
-def test_get_tokenizer_of_a_model_without_one_is_failed_precondition(llama_dir: str, tmp_path) -> None:
+def test_get_tokenizer_of_a_model_without_one_is_failed_precondition(
+    llama_without_tokenizer_dir: str,
+) -> None:
     """The server's state, not the empty request's fault: it was INVALID_ARGUMENT naming `tokenizer`, a
     field GetTokenizerRequest does not have."""
-    directory = tmp_path / "no-tokenizer"
-    shutil.copytree(llama_dir, directory)
-    (directory / "tokenizer.json").unlink()
-    thread = ServerThread(tiny_engine_config(str(directory), num_blocks=8)).start()
+    thread = ServerThread(tiny_engine_config(llama_without_tokenizer_dir, num_blocks=8)).start()
     try:
         with thread.channel() as channel:
             stub = smg_grpc.VllmEngineStub(channel)

@@ -6,7 +6,6 @@ INVALID_ARGUMENT naming its field, leaving nothing in the engine."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 
 import grpc
@@ -24,16 +23,8 @@ NONE_FOR = "needs a tokenizer; this model has none"
 
 
 @pytest.fixture(scope="module")
-def model_dir(llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("no-tokenizer") / "model"
-    shutil.copytree(llama_dir, directory)
-    (directory / "tokenizer.json").unlink()
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: str) -> Iterator[ServerThread]:
-    thread = ServerThread(tiny_engine_config(model_dir)).start()
+def server(llama_without_tokenizer_dir: str) -> Iterator[ServerThread]:
+    thread = ServerThread(tiny_engine_config(llama_without_tokenizer_dir)).start()
     try:
         yield thread
     finally:
@@ -46,10 +37,14 @@ def _by_ids(**params) -> pb.GenerateRequest:
     )
 
 
-def test_a_token_ids_prompt_answers_transformers_greedy_tokens_without_text(server, model_dir) -> None:
+def test_a_token_ids_prompt_answers_transformers_greedy_tokens_without_text(
+    server, llama_without_tokenizer_dir
+) -> None:
     with server.channel() as channel:
         chunks = list(server.stub(channel).Generate(_by_ids(temperature=0.0, max_tokens=6, ignore_eos=True)))
-    assert [t for chunk in chunks for t in chunk.token_ids] == transformers_greedy(model_dir, [PROMPT], 6)[0]
+    assert [t for chunk in chunks for t in chunk.token_ids] == transformers_greedy(
+        llama_without_tokenizer_dir, [PROMPT], 6
+    )[0]
     assert "".join(chunk.text for chunk in chunks) == ""
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
