@@ -38,6 +38,8 @@ pytestmark = pytest.mark.timeout(120)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+MISSING_KEY = "authorization: missing; send 'authorization: Bearer <api key>' metadata"
+INVALID_KEY = "authorization: invalid API key"
 
 
 def _health(channel: grpc.Channel, service: str = "") -> int:
@@ -306,16 +308,15 @@ def test_api_key_is_required_except_for_health(keyed_server: ServerThread) -> No
     request = generate_request("hi", max_tokens=2)
     unauthenticated = grpc.StatusCode.UNAUTHENTICATED
     with Client(keyed_server.target) as client:
-        missing = "authorization: missing; send 'authorization: Bearer <api key>' metadata"
-        assert _generate_error(client, request) == (unauthenticated, missing)
+        assert _generate_error(client, request) == (unauthenticated, MISSING_KEY)
         with pytest.raises(SluiceError) as info:
             client.model_info()
-        assert (info.value.code, info.value.message) == (unauthenticated, missing)
+        assert (info.value.code, info.value.message) == (unauthenticated, MISSING_KEY)
     with Client(keyed_server.target, api_key="wrong") as client:
-        assert _generate_error(client, request) == (unauthenticated, "authorization: invalid API key")
+        assert _generate_error(client, request) == (unauthenticated, INVALID_KEY)
         with pytest.raises(SluiceError) as info:
             list(client.stream_generate([pb.StreamGenerateRequest(generate=request)]))
-        assert (info.value.code, info.value.message) == (unauthenticated, "authorization: invalid API key")
+        assert (info.value.code, info.value.message) == (unauthenticated, INVALID_KEY)
     with Client(keyed_server.target, api_key="s3cret") as client:
         assert client.complete(request).finish_reason != pb.FINISH_REASON_UNSPECIFIED
         assert client.model_info().vocab_size == 512
@@ -366,7 +367,6 @@ def test_streaming_calls_without_their_key_are_refused_before_sending_anything(
     """The interceptor's stream handlers: reflection (a bidirectional stream) and SMG's GetTokenizer and
     SubscribeKvEvents (server streams) end UNAUTHENTICATED with no key or a wrong one, no response sent;
     with the key, reflection answers."""
-    missing = "authorization: missing; send 'authorization: Bearer <api key>' metadata"
     list_services = reflection_pb2.ServerReflectionRequest(list_services="")
     with keyed_server.channel() as channel:
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -384,8 +384,8 @@ def test_streaming_calls_without_their_key_are_refused_before_sending_anything(
         }
         for name, call in calls.items():
             for metadata, details in (
-                ((), missing),
-                ((("authorization", "Bearer wrong"),), "authorization: invalid API key"),
+                ((), MISSING_KEY),
+                ((("authorization", "Bearer wrong"),), INVALID_KEY),
             ):
                 responses = []
                 with pytest.raises(grpc.RpcError) as info:
