@@ -41,6 +41,7 @@ from sluice.engine.faults import InjectedFault
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.request import RequestStatus
+from sluice.engine.sample.logits_processors import counts_outputs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.async_scheduler import AsyncScheduler
 from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
@@ -51,6 +52,9 @@ from sluice.v1 import sluice_pb2 as pb
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PENALISED = SamplingParams(
+    temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.0
+)
 
 
 # ---- the scheduler, overlapped, against a paged fake model ---------------------------------------
@@ -373,10 +377,12 @@ def test_stop_strings_cut_the_same_text(llama_dir):
 
 def test_preemption_under_kv_pressure_keeps_greedy_and_seeded_outputs(llama_dir):
     prompts = _prompts(32, seed=7, lo=5, hi=120)
+    seeded = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True) for i in range(32)
+    ]
+    # Penalised ones among them: their counts follow each recompute, the token in flight included.
     params = [
-        GREEDY
-        if i % 2
-        else SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
+        [seeded[i], GREEDY, dataclasses.replace(seeded[i], frequency_penalty=1.0), PENALISED][i % 4]
         for i in range(32)
     ]
     # 24 blocks of 16 tokens cannot hold 32 running requests: the newest ones get preempted.
@@ -384,6 +390,7 @@ def test_preemption_under_kv_pressure_keeps_greedy_and_seeded_outputs(llama_dir)
     expected, got, counts = _both(llama_dir, prompts, params, **pressure)
     assert _summary(got) == _summary(expected)
     assert any(c.num_preemptions > 0 for c in got) and counts
+    assert any(c.num_preemptions > 0 and counts.get(c.request_id) for c in got[3::4])
 
 
 def test_prefix_hits_and_n_samples_compute_what_they_compute_synchronously(llama_dir):
@@ -481,12 +488,13 @@ def _drain(engine) -> dict[str, list[int]]:
     return tokens_by_id
 
 
-def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_and_ends_its_tokens(llama_dir):
+@pytest.mark.parametrize("params", [GREEDY, PENALISED], ids=["plain", "penalised"])
+def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_and_ends_its_tokens(llama_dir, params):
     prompts = _prompts(4, seed=17, lo=20, hi=40)
-    expected = {f"r{i}": c.token_ids for i, c in enumerate(_llm(llama_dir, False).generate(prompts, GREEDY))}
+    expected = {f"r{i}": c.token_ids for i, c in enumerate(_llm(llama_dir, False).generate(prompts, params))}
     engine = _llm(llama_dir, True).engine
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.add_request(f"r{i}", prompt, params)
     received: dict[str, list[int]] = {}
     scheduler = engine.core.scheduler
     victim = scheduler.get_request("r2")
@@ -508,16 +516,17 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_and_ends_its_toke
     assert engine.stats().num_kv_blocks_used == 0
 
 
-def test_an_id_aborted_and_reused_while_its_step_is_in_flight_starts_afresh(llama_dir):
+@pytest.mark.parametrize("params", [GREEDY, PENALISED], ids=["plain", "penalised"])
+def test_an_id_aborted_and_reused_while_its_step_is_in_flight_starts_afresh(llama_dir, params):
     first, second = _prompts(2, seed=19, lo=10, hi=30)
-    expected = _llm(llama_dir, False).generate(second, GREEDY)[0].token_ids
+    expected = _llm(llama_dir, False).generate(second, params)[0].token_ids
     engine = _llm(llama_dir, True).engine
-    engine.add_request("x", first, GREEDY)
+    engine.add_request("x", first, params)
     engine.step()
     engine.step()
     assert engine.core.scheduler.num_in_flight(engine.core.scheduler.get_request("x")) == 1
     engine.abort(["x"])
-    engine.add_request("x", second, GREEDY)
+    engine.add_request("x", second, params)
     assert _drain(engine) == {"x": expected}
 
 
@@ -533,14 +542,17 @@ def test_needs_step_tokens_names_what_reads_the_tokens_on_the_host():
     assert not needs_step_tokens(request(), speculating=False)
     assert needs_step_tokens(request(), speculating=True)
     assert not needs_step_tokens(request(logit_bias={5: 1.0}, logprobs=2), speculating=False)
+    assert needs_step_tokens(request(constraint=Constraint(regex="[a-z]+")), speculating=False)
+    # Penalties and min_tokens count the token in flight on the device (test_penalised_and_min_tokens_...).
     for params in (
         dict(repetition_penalty=1.2),
         dict(frequency_penalty=0.5),
         dict(presence_penalty=0.5),
         dict(min_tokens=1),
-        dict(constraint=Constraint(regex="[a-z]+")),
     ):
-        assert needs_step_tokens(request(**params), speculating=False), params
+        assert not needs_step_tokens(request(**params), speculating=False), params
+        assert counts_outputs(request(**params).sampling_params), params
+    assert not counts_outputs(request(logit_bias={5: 1.0}, logprobs=2).sampling_params)
     opted_out = request()
     opted_out.use_speculation = False
     assert not needs_step_tokens(opted_out, speculating=True)
@@ -605,7 +617,7 @@ def test_a_verify_step_in_flight_finishes_before_the_next_even_when_its_speculat
     assert engine.stats().num_kv_blocks_used == 0
 
 
-def test_structured_penalised_and_min_tokens_requests_step_synchronously(llama_dir):
+def test_structured_requests_step_synchronously_beside_penalised_ones_that_overlap(llama_dir):
     prompts = _prompts(8, seed=23)
     constraint = Constraint(regex="[a-z]{3,8}")
     params = [
@@ -620,10 +632,58 @@ def test_structured_penalised_and_min_tokens_requests_step_synchronously(llama_d
     expected, got = sync.generate(prompts, params), overlapped.generate(prompts, params)
     assert _summary(got) == _summary(expected)
     assert all(c.text.isalpha() and 3 <= len(c.text) <= 8 for c in got[::4]), [c.text for c in got[::4]]
-    # min_tokens keeps the step synchronous only until the request has them.
-    min_tokens_ids = {got[2].request_id, got[6].request_id}
-    assert set(counts) <= min_tokens_ids
-    assert all(counts.get(r, 0) <= 12 - 6 for r in min_tokens_ids)
+    # A constrained request is never scheduled before its tokens are known; the others overlap while a
+    # constrained one is in no step: after the constrained requests end (at most 9 tokens).
+    assert not {got[0].request_id, got[4].request_id} & set(counts)
+    assert all(counts.get(c.request_id, 0) >= 1 for i, c in enumerate(got) if i % 4), counts
+
+
+def _penalised_overlapped_and_synchronous(directory, prompts, params, **kwargs):
+    expected, got, counts = _both(directory, prompts, params, attention_backend="torch", **kwargs)
+    assert _summary(got) == _summary(expected)
+    # Every step after a request's first decode had its token in flight: none ran synchronously (one
+    # more, discarded, where a stop token ended the request while its next step was in flight).
+    assert all(counts.get(c.request_id, 0) >= len(c.token_ids) - 1 for c in got), counts
+    return got
+
+
+def test_penalties_count_the_token_in_flight_and_give_the_synchronous_tokens(llama_dir):
+    prompts = _prompts(6, seed=29, hi=30)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = _llm(llama_dir, False, attention_backend="torch").generate(prompts, greedy)
+    params = [
+        dataclasses.replace(greedy, repetition_penalty=2.0),
+        dataclasses.replace(greedy, frequency_penalty=1.5),
+        dataclasses.replace(greedy, presence_penalty=2.0),
+        dataclasses.replace(greedy, temperature=0.8, seed=5, frequency_penalty=1.0, presence_penalty=0.5),
+        dataclasses.replace(greedy, repetition_penalty=1.5, frequency_penalty=0.5),
+        greedy,  # beside them, unpenalised
+    ]
+    got = _penalised_overlapped_and_synchronous(llama_dir, prompts, params)
+    # The penalties change what greedy decoding picks, so a count missing the token in flight shows.
+    assert sum(c.token_ids != p.token_ids for c, p in zip(got[:3], plain[:3], strict=True)) >= 2
+    assert got[5].token_ids == plain[5].token_ids
+
+
+def test_min_tokens_counts_the_token_in_flight_and_frees_the_stop_token_at_its_count(llama_dir):
+    """Each request's stop token is the token greedy decoding picks first at position k (no earlier),
+    with min_tokens k: it is held back before k and must end the request at k. A count that missed the
+    token in flight would hold it back one step longer."""
+    prompts = _prompts(6, seed=31, hi=30)
+    free = _llm(llama_dir, False, attention_backend="torch").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
+    params = []
+    for completion in free:
+        tokens = completion.token_ids
+        k = next(k for k in range(4, 16) if tokens[k] not in tokens[:k])
+        params.append(
+            SamplingParams(temperature=0.0, max_tokens=16, min_tokens=k, stop_token_ids=[tokens[k]])
+        )
+    got = _penalised_overlapped_and_synchronous(llama_dir, prompts, params)
+    for completion, free_completion, p in zip(got, free, params, strict=True):
+        assert completion.token_ids == free_completion.token_ids[: p.min_tokens + 1]
+        assert completion.stop_reason == p.stop_token_ids[0]
 
 
 # ---- configuration and the server's core process -----------------------------------------------------

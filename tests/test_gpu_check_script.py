@@ -581,15 +581,16 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     lines = capsys.readouterr().out.splitlines()
     assert lines == [entry.line() for entry in gpu_check.KERNEL_TESTS]
     assert all((REPO / line.split("\t")[0]).is_file() for line in lines)
-    # The file no GPU has run yet, then the longest, started together (eight at once on a GPU), the model
+    # The files no GPU has run yet, then the longest, started together (eight at once on a GPU), the model
     # parity file with its triton backend only; each file once.
-    assert lines[:4] == [
+    assert lines[:5] == [
         "tests/test_decode_fused_reduce.py",
+        "tests/test_sampling_in_flight.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_kernels_attention.py",
         "tests/test_model_parity.py\t-k\ttriton",
     ]
-    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 18
+    assert len({line.split("\t")[0] for line in lines}) == len(lines) == 19
     assert gpu_check.main(["--print-kernel-tests", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == ["tests/test_kernels_store_kv.py"]
 

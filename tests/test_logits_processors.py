@@ -1,12 +1,15 @@
-"""Logits processors: logit_bias, allowed_token_ids, and penalty state kept across steps."""
+"""Logits processors: logit_bias, allowed_token_ids, penalty state kept across steps, and a row's token
+in flight (async scheduling)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from sluice.engine.sample.logits_processors import AllowedTokenIds, LogitBias, Penalties
-from sluice.engine.sample.sampler import Sampler, SamplingRow
+from sluice.engine.sample.logits_processors import AllowedTokenIds, LogitBias, MinTokens, Penalties
+from sluice.engine.sample.sampler import Sampler, SamplingRow, apply_processors
 from sluice.engine.sampling_params import SamplingParams
 
 INF = float("inf")
@@ -63,6 +66,27 @@ def test_penalty_state_grows_with_accepted_tokens_and_equals_a_fresh_computation
         assert logits.tolist() == fresh.tolist()
     # outputs 0, 3, 3, 1, 3; prompt 2. token 3: 1 / 2 - 0.5 * 3 - 0.25 = -1.25
     assert logits.tolist() == [[2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.25, 3.0 / 2, -1.25, 0.5]]
+
+
+def test_a_token_in_flight_counts_as_the_last_output_without_entering_the_kept_state() -> None:
+    """Async scheduling: the row's last output is still on the device. Penalties and min_tokens give
+    what they give with it on the host, and the kept counts take it only once it is there."""
+    params = SamplingParams(
+        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3, stop_token_ids=[4]
+    )
+    processors = [MinTokens(), Penalties()]
+    outputs: list[int] = []
+    for token in [0, 3, 3, 1]:  # each step: the outputs so far on the host, `token` in flight
+        in_flight = replace(row(params, prompt=[2], output=outputs), token_in_flight=torch.tensor([token]))
+        logits = apply_processors(processors, torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]]), [in_flight])
+        reference = row(params, prompt=[2], output=[*outputs, token])
+        fresh = apply_processors(
+            [MinTokens(), Penalties()], torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]]), [reference]
+        )
+        assert logits.tolist() == fresh.tolist(), (outputs, token)
+        assert (logits[0, 4] == -INF) == (len(outputs) + 1 < 3)  # stop token 4 held back below 3 outputs
+        assert processors[1]._state["r"].counts.tolist() == [outputs.count(t) for t in range(5)]
+        outputs.append(token)
 
 
 @pytest.mark.parametrize(

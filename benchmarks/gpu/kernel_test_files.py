@@ -35,12 +35,16 @@ class KernelTestFile:
 # FP8 quantization 46, skinny_mm 37, fp8_gemv 33, store 32, split-KV prefill 31, the rest 4-20: ~570 s of
 # files, ~145 s on four, bound by the longest on eight. The decode reduce fused into the split kernel goes
 # first: run 16 cut it at the step's limit, the last file then, so it has never run on a GPU (39 s
-# interpreted here).
+# interpreted here); the sampler's no-wait check beside it.
 KERNEL_TESTS = (
     # The decode attention's split kernel merging its slices itself (`DecodeConfig.fused_reduce`, off by
     # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
     # exercised here).
     KernelTestFile("tests/test_decode_fused_reduce.py"),
+    # Never run on a GPU either, and short (one test, ~1 s on the CPU): penalties and min_tokens counting
+    # the token in flight (async scheduling) without the sampler waiting for the device (torch's sync
+    # debug mode), or the step it samples would stop overlapping.
+    KernelTestFile("tests/test_sampling_in_flight.py"),
     # Store, decode and prefill over an FP8 cache.
     KernelTestFile("tests/test_triton_fp8_kv.py"),
     KernelTestFile("tests/test_kernels_attention.py"),

@@ -17,8 +17,8 @@ from sluice.engine.core.launched_step import (
     LaunchedStep,
     SamplingFailure,
     launch_sampling,
-    may_need_step_tokens,
     needs_step_tokens,
+    with_tokens_in_flight,
 )
 from sluice.engine.core.prompt_logprobs_tracker import PromptLogprobsTracker
 from sluice.engine.core.step_profiler import StepProfiler
@@ -32,7 +32,7 @@ from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import EngineStats, OutputLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sample.grammar_mask import GrammarMask
-from sluice.engine.sample.logits_processors import default_processors
+from sluice.engine.sample.logits_processors import counts_outputs, default_processors
 from sluice.engine.sample.sampler import SampledToken, Sampler, SamplingRow
 from sluice.engine.scheduler.async_scheduler import AsyncScheduler
 from sluice.engine.scheduler.scheduler import Scheduler
@@ -101,6 +101,7 @@ class EngineCore:
         self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step running on the device
         self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
+        self._counts_outputs: set[str] = set()  # ids of requests whose sampling counts their outputs
         spec = config.speculative
         self.model_info = ModelInfo(
             name=config.model.served_model_name or source.name,
@@ -274,6 +275,7 @@ class EngineCore:
         for request_id in request_ids:
             self._sampling_rows.pop(request_id, None)
             self._maybe_synchronous.discard(request_id)
+            self._counts_outputs.discard(request_id)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
@@ -309,6 +311,9 @@ class EngineCore:
             )
         else:
             rows = [self._sampling_row(request) for request in requests]
+            if in_flight is not None and self._counts_outputs:
+                sampled = in_flight.sampled_token_ids()
+                rows = with_tokens_in_flight(rows, scheduler_output, sampled, self._counts_outputs)
             launched = launch_sampling(
                 self.sampler, logits, scheduler_output, requests, rows, self._inject_faults
             )
@@ -432,8 +437,10 @@ class EngineCore:
                 grammar=request.grammar,
             )
             self._sampling_rows[request.request_id] = row
-            if may_need_step_tokens(request, self.speculator.proposer is not None):
+            if needs_step_tokens(request, self.speculator.proposer is not None):
                 self._maybe_synchronous.add(request.request_id)
+            if counts_outputs(request.sampling_params):
+                self._counts_outputs.add(request.request_id)
         return row
 
     def _output(

@@ -10,17 +10,18 @@ tokens on their way to the host while the core schedules and launches the next s
         -> N's outputs (a step later than a synchronous engine returns them)
 
 A request "needs its step's tokens first" (`needs_step_tokens`) when scheduling or sampling its next step
-reads them on the host: a grammar (the mask follows every accepted token), penalties and min_tokens
-(they count the outputs), and speculation (drafts are proposed from the tokens). With such a request in
-the step in flight the core finishes that step before scheduling: that step runs synchronously. A step
-that verifies drafts samples on the host at once (`LaunchedStep.on_host`).
+reads them on the host: a grammar (the mask follows every accepted token) and speculation (drafts are
+proposed from the tokens). With such a request in the step in flight the core finishes that step before
+scheduling: that step runs synchronously. A step that verifies drafts samples on the host at once
+(`LaunchedStep.on_host`). Penalties and min_tokens count the outputs, the one in flight too: their rows
+carry its token on the device (`with_tokens_in_flight`), so they overlap like any other request.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence, Set
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,7 +34,7 @@ from sluice.engine.sample.sampler import (
     SamplingRow,
     logprobs_no_sync,
 )
-from sluice.engine.scheduler.scheduler_output import SchedulerOutput
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from sluice.engine.spec_decode.proposer import speculation_allowed
 from sluice.engine.worker.input_batch import SampledTokenIds
 
@@ -62,20 +63,26 @@ StepResults = tuple[dict[str, list[SampledToken]], dict[str, SamplingFailure]]
 def needs_step_tokens(request: Request, speculating: bool) -> bool:
     """Whether the request's next step can only be scheduled and sampled once the tokens of its step in
     flight are on the host (`speculating`: the engine has a proposer)."""
-    params = request.sampling_params
-    return (
-        params.constraint is not None
-        or params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-        or request.num_output_tokens < params.min_tokens
-        or (speculating and speculation_allowed(request))
-    )
+    return request.sampling_params.constraint is not None or (speculating and speculation_allowed(request))
 
 
-def may_need_step_tokens(request: Request, speculating: bool) -> bool:
-    """Whether `needs_step_tokens` can ever hold for the request, from its parameters alone."""
-    return request.sampling_params.min_tokens > 0 or needs_step_tokens(request, speculating)
+def with_tokens_in_flight(
+    rows: list[SamplingRow],
+    scheduler_output: SchedulerOutput,
+    sampled: SampledTokenIds,
+    counting: Set[str],
+) -> list[SamplingRow]:
+    """`rows` (one per sampled slice of `scheduler_output`, in its order), where each request in
+    `counting` (its processors count its outputs: `counts_outputs`) whose slice ends in a placeholder
+    gets the token that `sampled`, the step in flight, samples for it (`SamplingRow.token_in_flight`)."""
+    sampled_slices = (s for s in scheduler_output.scheduled if s.sample)
+    out = []
+    for row, scheduled in zip(rows, sampled_slices, strict=True):
+        if scheduled.request_id in counting and scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            i = sampled.rows[scheduled.request_id]  # there: the placeholder was filled from it
+            row = replace(row, token_in_flight=sampled.token_ids[i : i + 1])
+        out.append(row)
+    return out
 
 
 class HostCopy:

@@ -3,7 +3,8 @@
 Each processor edits the logits of the rows it concerns (`applies_to`), in place, and may keep
 per-request state across steps (dropped by `free`). State is synced from the row's `output_token_ids`
 (the accepted tokens), never from what the processor saw sampled, so a preempted or re-sampled request
-finds its state consistent.
+finds its state consistent. Under async scheduling a row's last output may still be on the device
+(`SamplingRow.token_in_flight`): the processors that count outputs add it to this step's counts only.
 
     MinTokens -> LogitBias -> Penalties -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
 """
@@ -16,8 +17,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from sluice.engine.sample.device_tensor import device_tensor, to_device_no_wait
+
 if TYPE_CHECKING:
     from sluice.engine.sample.sampler import SamplingRow
+    from sluice.engine.sampling_params import SamplingParams
 
 
 class LogitsProcessor(Protocol):
@@ -49,20 +53,22 @@ class MinTokens:
     constraint) in rows with < min_tokens outputs. Stateless."""
 
     def applies_to(self, row: SamplingRow) -> bool:
-        return len(row.output_token_ids) < row.params.min_tokens
+        return row.num_output_tokens < row.params.min_tokens
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         vocab = logits.shape[1]
         row_idx, col_idx = [], []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) >= row.params.min_tokens:
+            if row.num_output_tokens >= row.params.min_tokens:
                 continue
             banned = row.params.held_back_by_min_tokens(row.eos_token_ids)
             cols = [t for t in banned if t < vocab]
             row_idx += [i] * len(cols)
             col_idx += cols
         if row_idx:
-            logits[row_idx, col_idx] = float("-inf")
+            device = logits.device
+            at = (device_tensor(row_idx, torch.long, device), device_tensor(col_idx, torch.long, device))
+            logits[at] = float("-inf")
 
     def free(self, request_ids: Iterable[str]) -> None:
         pass
@@ -78,34 +84,38 @@ class _TokenCounts:
 class Penalties:
     """Repetition (prompt + output), frequency and presence (output only) penalties.
 
-    Keeps each penalized request's token counts and adds only the tokens accepted since the last step.
+    Keeps each penalized request's token counts and adds only the tokens accepted since the last step;
+    a row's token in flight is added on the device to this step's copy of its counts, not to the state
+    (the state takes it from `output_token_ids` once it arrives).
     """
 
     def __init__(self) -> None:
         self._state: dict[str, _TokenCounts] = {}
 
     def applies_to(self, row: SamplingRow) -> bool:
-        return _penalized(row)
+        return _penalized(row.params)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        picked = [i for i, r in enumerate(rows) if _penalized(r)]
+        picked = [i for i, r in enumerate(rows) if _penalized(r.params)]
         if not picked:
             return
         device = logits.device
         states = [self._sync(rows[i], logits.shape[1], device) for i in picked]
         params = [rows[i].params for i in picked]
-        sub = logits[picked]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
         seen = torch.stack([s.seen for s in states])
+        counts = torch.stack([s.counts for s in states])
+        _count_tokens_in_flight([rows[i] for i in picked], seen, counts)
+        at = device_tensor(picked, torch.long, device)
+        sub = logits.index_select(0, at)
+        rep = device_tensor([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
         scaled = torch.where(sub > 0, sub / rep, sub * rep)
         # An extreme penalty (1e-45, 3e38: both > 0, both allowed) overflows a finite logit to +-inf, and
         # a row of infinities softmaxes to NaN; a masked one (-inf) stays masked.
         finite = torch.finfo(scaled.dtype)
         sub = torch.where(seen, scaled.clamp(finite.min, finite.max).where(sub.isfinite(), scaled), sub)
-        counts = torch.stack([s.counts for s in states])
-        f = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-        p = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-        logits[picked] = sub - f * counts - p * (counts > 0).float()
+        f = device_tensor([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
+        p = device_tensor([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
+        logits.index_copy_(0, at, sub - f * counts - p * (counts > 0).float())
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -145,7 +155,7 @@ class LogitBias:
             return
         biases = [self._bias(rows[i], logits) for i in picked]
         sizes = torch.tensor([ids.shape[0] for ids, _ in biases])
-        row_idx = torch.repeat_interleave(torch.tensor(picked), sizes).to(logits.device)
+        row_idx = to_device_no_wait(torch.repeat_interleave(torch.tensor(picked), sizes), logits.device)
         cols = torch.cat([ids for ids, _ in biases])
         logits.index_put_((row_idx, cols), torch.cat([values for _, values in biases]), accumulate=True)
 
@@ -158,8 +168,8 @@ class LogitBias:
         cached = self._biases.get(row.request_id)
         if cached is None or cached[0] != vocab:
             bias = {t: b for t, b in row.params.logit_bias if t < vocab}  # one entry an id: adds once
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            ids = device_tensor(list(bias), torch.long, logits.device)
+            values = device_tensor(list(bias.values()), logits.dtype, logits.device)
             cached = self._biases[row.request_id] = (vocab, ids, values)
         return cached[1], cached[2]
 
@@ -178,7 +188,8 @@ class AllowedTokenIds:
         if not picked:
             return
         banned = torch.stack([self._mask(rows[i], logits.shape[1], logits.device) for i in picked])
-        logits[picked] = logits[picked].masked_fill(banned, float("-inf"))
+        at = device_tensor(picked, torch.long, logits.device)
+        logits.index_copy_(0, at, logits.index_select(0, at).masked_fill(banned, float("-inf")))
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -193,11 +204,28 @@ class AllowedTokenIds:
         return mask
 
 
-def _penalized(row: SamplingRow) -> bool:
-    p = row.params
+def _count_tokens_in_flight(rows: Sequence[SamplingRow], seen: torch.Tensor, counts: torch.Tensor) -> None:
+    """Adds each row's token in flight to its row of `seen` and `counts` ([len(rows), vocab]), on the
+    device: nothing waits for the step that samples them."""
+    in_flight = [(i, row.token_in_flight) for i, row in enumerate(rows) if row.token_in_flight is not None]
+    if not in_flight:
+        return
+    at = device_tensor([i for i, _ in in_flight], torch.long, counts.device)
+    token_ids = torch.cat([token for _, token in in_flight])
+    seen[at, token_ids] = True
+    counts.index_put_((at, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
+
+
+def counts_outputs(params: SamplingParams) -> bool:
+    """Whether a default processor reads the request's output tokens when it samples: penalties (which
+    tokens), min_tokens (how many)."""
+    return params.min_tokens > 0 or _penalized(params)
+
+
+def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _ids_below(token_ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     ids = torch.tensor(list(token_ids), dtype=torch.long)
-    return ids[ids < vocab].to(device)
+    return to_device_no_wait(ids[ids < vocab], device)

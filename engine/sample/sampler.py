@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sluice.engine.outputs import OutputLogprobs
+from sluice.engine.sample.device_tensor import device_tensor
 from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
 from sluice.engine.sample.top_logprobs import top_k_ties_by_id
 from sluice.engine.sampling_params import SamplingParams
@@ -47,7 +48,9 @@ class SamplingRow:
     """One row of the logits batch: the request it samples for and the tokens it has seen.
 
     `grammar` is the compiled grammar of a request with a constraint (opaque here; the grammar mask
-    processor reads it).
+    processor reads it). `token_in_flight` (async scheduling): the token the step still running samples
+    for the request, not yet in `output_token_ids`, as a [1] int64 tensor on the logits' device; the
+    processors that count the outputs (penalties, min_tokens) count it too, without waiting for it.
     """
 
     request_id: str
@@ -56,6 +59,12 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     grammar: object | None = None
+    token_in_flight: torch.Tensor | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens before the one this row samples: those on the host and the one in flight."""
+        return len(self.output_token_ids) + (self.token_in_flight is not None)
 
 
 def apply_processors(
@@ -103,8 +112,8 @@ class Sampler:
 
     def sample_no_sync(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """`sample`'s token ids [num_rows] int64, left on the logits' device: on CUDA the work is queued
-        and nothing waits for it (greedy rows, and random rows' filters and draws; a logits processor
-        that builds tensors from host lists may still wait for the device)."""
+        and nothing waits for it (greedy rows, random rows' filters and draws, the default processors;
+        a grammar's mask, built on the host, is the exception)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
@@ -242,15 +251,6 @@ def uniform_fractions(generators: Sequence[torch.Generator], device: torch.devic
             index = device_tensor(rows, torch.long, device)
             fractions[index] = torch.rand(len(rows), generator=generator, device=device)
     return fractions
-
-
-def device_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of host values on `device`. On CUDA through pinned memory with a non-blocking copy:
-    `torch.tensor(values, device=cuda)` copies from pageable memory, which waits for the device's queue."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
