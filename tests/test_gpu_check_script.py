@@ -585,7 +585,7 @@ def test_print_kernel_tests_names_existing_files_with_their_pytest_arguments(cap
     # parity file with its triton backend only; each file once.
     assert lines[:5] == [
         "tests/test_decode_fused_reduce.py",
-        "tests/test_sampling_in_flight.py",
+        "tests/test_async_launch_no_wait.py",
         "tests/test_triton_fp8_kv.py",
         "tests/test_kernels_attention.py",
         "tests/test_model_parity.py\t-k\ttriton",

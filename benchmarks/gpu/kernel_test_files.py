@@ -41,10 +41,10 @@ KERNEL_TESTS = (
     # default): bit for bit the reduce launch, the counters left zero (the order between programs is only
     # exercised here).
     KernelTestFile("tests/test_decode_fused_reduce.py"),
-    # Never run on a GPU either, and short (one test, ~1 s on the CPU): penalties and min_tokens counting
-    # the token in flight (async scheduling) without the sampler waiting for the device (torch's sync
-    # debug mode), or the step it samples would stop overlapping.
-    KernelTestFile("tests/test_sampling_in_flight.py"),
+    # Never run on a GPU either, and short (two tests on the tiny checkpoint, ~12 s on the CPU): an async
+    # step's launch, its sampling with penalties and min_tokens counting the token in flight included,
+    # must not wait for the device (torch's sync debug mode), or the step would stop overlapping.
+    KernelTestFile("tests/test_async_launch_no_wait.py"),
     # Store, decode and prefill over an FP8 cache.
     KernelTestFile("tests/test_triton_fp8_kv.py"),
     KernelTestFile("tests/test_kernels_attention.py"),

@@ -1,21 +1,27 @@
-"""Sampling rows whose penalties and min_tokens count a token in flight (async scheduling: the token the
-step still running samples, on the device, not yet in the row's outputs), on the device the tests run on.
+"""Async scheduling launches step N+1 while step N runs: nothing in that launch may wait for the device,
+or N+1's inputs and sampling would queue only once N (and N+1's own forward) is done, and the step would
+no longer overlap. Checked on the device the tests run on: on CUDA under torch's sync debug mode set to
+"error" (the GPU check runs this file, `sluice.benchmarks.gpu.kernel_test_files`); on a CPU, where the mode
+is CUDA's, only the tokens are checked.
 
-They must give the tokens of the same rows with that token on the host, and on CUDA sample without
-waiting for the device (torch's sync debug mode set to "error"): a pageable host-to-device copy would wait
-for the forward just launched, and the step would no longer overlap. The GPU check runs this file
-(`sluice.benchmarks.gpu.kernel_test_files`); on a CPU the mode is CUDA's and only the tokens are checked.
+First the sampler alone, with rows whose penalties and min_tokens count a token in flight (the token step
+N samples, on the device, not yet in the row's outputs): the tokens of the same rows with it on the host.
+Then whole launches of the engine, for the requests that overlap.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
+from sluice.engine.frontend.llm import LLM
 from sluice.engine.sample.sampler import Sampler, SamplingRow
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 64
@@ -89,3 +95,41 @@ def test_penalised_and_min_tokens_rows_count_their_token_in_flight_without_waiti
     assert [g != w for g, w in zip(expected, without, strict=True)][:4] == [True, True, False, True]
     assert expected[0] != 7 and expected[1] == 11 and expected[2] != STOP and expected[3] == STOP
     assert expected[5:] == without[5:] == [8, 10, 20 + int(logits[7, 21] > logits[7, 20])]
+
+
+def test_an_engine_launch_waits_for_nothing_and_its_steps_give_the_synchronous_tokens(llama_dir) -> None:
+    """Every launch of an async engine (inputs with placeholders, forward, sampling, the copy of its
+    tokens to the host) for the requests that overlap: plain and penalised, min_tokens, seeded draws with
+    top_k / top_p, logprobs, n samples, logit_bias and allowed_token_ids."""
+    rng = random.Random(41)
+    prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(3, 40))] for _ in range(8)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = [
+        greedy,
+        replace(greedy, repetition_penalty=1.5, frequency_penalty=0.5),
+        replace(greedy, min_tokens=6, ignore_eos=False),
+        replace(greedy, temperature=0.8, seed=3, top_k=20, top_p=0.9, presence_penalty=0.5),
+        replace(greedy, logprobs=2),
+        replace(greedy, temperature=1.0, seed=4, n=2),
+        replace(greedy, logit_bias={7: 5.0}),
+        replace(greedy, allowed_token_ids=list(range(100, 300))),
+    ]
+    expected = LLM(llama_dir, async_scheduling=False).generate(prompts, params)
+    llm = LLM(llama_dir, async_scheduling=True)
+    core = llm.engine.core
+    launch = core._launch
+    overlapped = []
+
+    def launch_waiting_for_nothing(scheduler_output: SchedulerOutput):
+        with no_device_waits():
+            launched = launch(scheduler_output)
+        if any(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduler_output.scheduled):
+            overlapped.append(scheduler_output)
+        return launched
+
+    core._launch = launch_waiting_for_nothing
+    got = llm.generate(prompts, params)
+    summary = [(c.token_ids, c.finish_reason, c.logprobs) for c in got]
+    assert summary == [(c.token_ids, c.finish_reason, c.logprobs) for c in expected]
+    assert len(overlapped) >= greedy.max_tokens - 1  # every decode step after the first
+    assert llm.engine.stats().num_kv_blocks_used == 0
