@@ -369,8 +369,8 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None,
         "schedule step N+1 while step N runs on the device (its sampled tokens feed N+1 there); steps with "
-        "structured output or speculation stay synchronous (default: on with one CUDA device, off on CPU "
-        "and with tensor parallelism)",
+        "speculation stay synchronous (default: on with one CUDA device, off on CPU and with tensor "
+        "parallelism)",
     )
     # Off until a GPU run times it (docs/GPU.md, the GPU check's `pdl` section): cuBLAS reads the 1b
     # preset's bf16 weights at ~68% of the copy rate in a batch-1 step (run 15, H200).

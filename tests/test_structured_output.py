@@ -9,9 +9,12 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.sample.grammar_mask import _no_token_left
+from sluice.engine.sample.sampler import SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 
@@ -93,9 +96,18 @@ def sampled(constraint: Constraint, i: int, max_tokens: int = 200) -> SamplingPa
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, constraint=constraint)
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir: str) -> LLM:
-    return LLM(llama_dir, block_size=16, num_blocks=256, max_num_seqs=64, attention_backend="torch")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(llama_dir: str, request: pytest.FixtureRequest) -> LLM:
+    """Synchronous steps, then async scheduling's (a grammar follows the token still in flight on the
+    host before the mask of the step launched after it: sluice.engine.core.launched_step)."""
+    return LLM(
+        llama_dir,
+        block_size=16,
+        num_blocks=256,
+        max_num_seqs=64,
+        attention_backend="torch",
+        async_scheduling=request.param,
+    )
 
 
 def test_every_output_validates_against_its_json_schema(llm: LLM) -> None:
@@ -194,6 +206,26 @@ def test_parameters_that_leave_the_constraint_no_token_name_their_field(llm: LLM
         temperature=0.0, constraint=Constraint(choice=("red",)), allowed_token_ids=red.token_ids
     )
     assert llm.generate(["hello"], allowed)[0].text == "red"
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 95])
+def test_no_token_left_is_read_from_the_bitmask_below_the_vocabulary(vocab) -> None:
+    """The check the mask makes on the host instead of reading the masked logits: the allowed bits below
+    the vocabulary, less what allowed_token_ids and min_tokens ban. One bit set at a time, the top bit of
+    a word (a negative int32) and bits past the vocabulary in its last word included."""
+    plain = SamplingParams()
+    listed = SamplingParams(allowed_token_ids=[3, 40])
+    held = SamplingParams(min_tokens=2, stop_token_ids=[3, 40])
+    for token in [None, *range(((vocab + 31) // 32) * 32)]:
+        words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+        if token is not None:
+            words[token // 32] = 1 << token % 32 if token % 32 < 31 else -(2**31)
+        inside = token is not None and token < vocab
+        assert _no_token_left(words, SamplingRow("r", plain, [1], []), vocab) == (not inside)
+        assert _no_token_left(words, SamplingRow("r", listed, [1], []), vocab) == (token not in (3, 40))
+        held_back = SamplingRow("r", held, [1], [5])  # one output: 3 and 40 held back until two
+        assert _no_token_left(words, held_back, vocab) == (not inside or token in (3, 40))
+        assert _no_token_left(words, SamplingRow("r", held, [1], [5, 5]), vocab) == (not inside)
 
 
 def test_constrained_requests_leave_unconstrained_greedy_outputs_unchanged(llm: LLM) -> None:

@@ -102,6 +102,7 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step running on the device
         self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
         self._counts_outputs: set[str] = set()  # ids of requests whose sampling counts their outputs
+        self._constrained: set[str] = set()  # ids of requests with a grammar
         spec = config.speculative
         self.model_info = ModelInfo(
             name=config.model.served_model_name or source.name,
@@ -276,6 +277,7 @@ class EngineCore:
             self._sampling_rows.pop(request_id, None)
             self._maybe_synchronous.discard(request_id)
             self._counts_outputs.discard(request_id)
+            self._constrained.discard(request_id)
         self.sampler.free(request_ids)
         self._prompt_logprobs.free(request_ids)
         self.speculator.free(request_ids)
@@ -311,9 +313,10 @@ class EngineCore:
             )
         else:
             rows = [self._sampling_row(request) for request in requests]
-            if in_flight is not None and self._counts_outputs:
-                sampled = in_flight.sampled_token_ids()
-                rows = with_tokens_in_flight(rows, scheduler_output, sampled, self._counts_outputs)
+            if in_flight is not None and (self._counts_outputs or self._constrained):
+                rows = with_tokens_in_flight(
+                    rows, scheduler_output, in_flight, self._counts_outputs, self._constrained
+                )
             launched = launch_sampling(
                 self.sampler, logits, scheduler_output, requests, rows, self._inject_faults
             )
@@ -441,6 +444,8 @@ class EngineCore:
                 self._maybe_synchronous.add(request.request_id)
             if counts_outputs(request.sampling_params):
                 self._counts_outputs.add(request.request_id)
+            if request.grammar is not None:
+                self._constrained.add(request.request_id)
         return row
 
     def _output(

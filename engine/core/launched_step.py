@@ -9,12 +9,12 @@ tokens on their way to the host while the core schedules and launches the next s
         finish N: wait for N's event (not for N+1), append tokens, check stops, free what finished
         -> N's outputs (a step later than a synchronous engine returns them)
 
-A request "needs its step's tokens first" (`needs_step_tokens`) when scheduling or sampling its next step
-reads them on the host: a grammar (the mask follows every accepted token) and speculation (drafts are
-proposed from the tokens). With such a request in the step in flight the core finishes that step before
-scheduling: that step runs synchronously. A step that verifies drafts samples on the host at once
-(`LaunchedStep.on_host`). Penalties and min_tokens count the outputs, the one in flight too: their rows
-carry its token on the device (`with_tokens_in_flight`), so they overlap like any other request.
+A request "needs its step's tokens first" (`needs_step_tokens`) when scheduling its next step reads them
+on the host: speculation (drafts are proposed from the tokens). With such a request in the step in flight
+the core finishes that step before scheduling: that step runs synchronously. A step that verifies drafts
+samples on the host at once (`LaunchedStep.on_host`). The processors that read a request's outputs when
+sampling see the one in flight too (`with_tokens_in_flight`): a grammar on the host, once the step in
+flight's tokens arrived (after the next step's forward is queued); penalties and min_tokens on the device.
 """
 
 from __future__ import annotations
@@ -61,28 +61,9 @@ StepResults = tuple[dict[str, list[SampledToken]], dict[str, SamplingFailure]]
 
 
 def needs_step_tokens(request: Request, speculating: bool) -> bool:
-    """Whether the request's next step can only be scheduled and sampled once the tokens of its step in
-    flight are on the host (`speculating`: the engine has a proposer)."""
-    return request.sampling_params.constraint is not None or (speculating and speculation_allowed(request))
-
-
-def with_tokens_in_flight(
-    rows: list[SamplingRow],
-    scheduler_output: SchedulerOutput,
-    sampled: SampledTokenIds,
-    counting: Set[str],
-) -> list[SamplingRow]:
-    """`rows` (one per sampled slice of `scheduler_output`, in its order), where each request in
-    `counting` (its processors count its outputs: `counts_outputs`) whose slice ends in a placeholder
-    gets the token that `sampled`, the step in flight, samples for it (`SamplingRow.token_in_flight`)."""
-    sampled_slices = (s for s in scheduler_output.scheduled if s.sample)
-    out = []
-    for row, scheduled in zip(rows, sampled_slices, strict=True):
-        if scheduled.request_id in counting and scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-            i = sampled.rows[scheduled.request_id]  # there: the placeholder was filled from it
-            row = replace(row, token_in_flight=sampled.token_ids[i : i + 1])
-        out.append(row)
-    return out
+    """Whether the request's next step can only be scheduled once the tokens of its step in flight are on
+    the host (`speculating`: the engine has a proposer, which proposes drafts from them)."""
+    return speculating and speculation_allowed(request)
 
 
 class HostCopy:
@@ -154,6 +135,43 @@ class LaunchedStep:
         live = [r.request_id for r in self.requests if is_live is None or is_live(r)]
         errors = {r: self.errors[r] for r in live if r in self.errors}
         return {r: self.sampled[r] for r in live if r not in errors}, errors
+
+
+def with_tokens_in_flight(
+    rows: list[SamplingRow],
+    scheduler_output: SchedulerOutput,
+    in_flight: LaunchedStep,
+    counting: Set[str],
+    constrained: Set[str],
+) -> list[SamplingRow]:
+    """`rows` (one per sampled slice of `scheduler_output`, in its order) with the token that `in_flight`,
+    the step before, samples for each request whose slice ends in its placeholder, where this step's
+    sampling reads it:
+    - a constrained request's grammar must accept it before its next mask: its row gets it on the host
+      (the wait is for the step in flight's tokens, not for this step's forward, queued after them). Where
+      that step's sampling failed for the request (it ends with that step), its row goes unmasked: the
+      token it draws is never used;
+    - the processors of a request in `counting` (penalties, min_tokens: `counts_outputs`) count it on the
+      device (`SamplingRow.token_in_flight`)."""
+    sampled_slices = (s for s in scheduler_output.scheduled if s.sample)
+    on_host: StepResults | None = None
+    out = []
+    for row, scheduled in zip(rows, sampled_slices, strict=True):
+        request_id = scheduled.request_id
+        has_token_in_flight = scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+        if has_token_in_flight and request_id in constrained:
+            on_host = on_host or in_flight.results(None)
+            sampled, errors = on_host
+            if request_id in errors:
+                row = replace(row, grammar=None)
+            else:
+                row = replace(row, output_token_ids=[*row.output_token_ids, sampled[request_id][0].token_id])
+        elif has_token_in_flight and request_id in counting:
+            device = in_flight.sampled_token_ids()  # there: the placeholder was filled from it
+            i = device.rows[request_id]
+            row = replace(row, token_in_flight=device.token_ids[i : i + 1])
+        out.append(row)
+    return out
 
 
 def launch_sampling(

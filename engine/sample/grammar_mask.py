@@ -1,15 +1,18 @@
 """The grammar mask: a logits processor that allows only the tokens a request's grammar accepts next.
 
 Each constrained request has an xgrammar matcher, synced before every step with the request's accepted
-output tokens: new ones are accepted, and a matcher that has seen more tokens than the request holds is
-rebuilt from the request's tokens. After a preemption by recompute the outputs are kept, so the matcher
-stays valid; anything that shortens them (none today, speculative rejection later) rebuilds it.
+output tokens (under async scheduling with the token in flight too, which its row carries on the host:
+`sluice.engine.core.launched_step.with_tokens_in_flight`): new ones are accepted, and a matcher that has
+seen more tokens than the request holds is rebuilt from the request's tokens. After a preemption by
+recompute the outputs are kept, so the matcher stays valid; anything that shortens them (none today,
+speculative rejection later) rebuilds it.
 
 The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
 that share none with what the constraint accepts next, stop_token_ids that min_tokens holds back where the
 constraint needs one, or a grammar that compiles but matches no string (`root ::= root`). Such a row
 raises `NoTokenLeftError` (an InvalidRequestError naming the field) rather than drawing a token from
-nothing, which would break the constraint.
+nothing, which would break the constraint. Whether one is left is read from the bitmask on the host, not
+from the masked logits, so that nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sluice.engine.errors import InvalidRequestError
+from sluice.engine.sample.device_tensor import device_tensor, to_device_no_wait
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -73,16 +77,25 @@ class GrammarMask:
         import xgrammar as xgr
 
         # bitmask: [num_rows, ceil(vocab / 32)] int32, bit j of row i set = token j allowed.
-        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+        vocab = logits.shape[1]
+        bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+        masked = []
         for i in picked:
-            self._sync(rows[i]).matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=picked)
-        # Reading the flags waits for the device, as the blocking copy of the bitmask above already did.
-        index = torch.tensor(picked, device=logits.device)
-        empty = torch.isneginf(logits.index_select(0, index)).all(dim=1).tolist()
-        for i, is_empty in zip(picked, empty, strict=True):
-            if is_empty:
+            matcher = self._sync(rows[i]).matcher
+            # Complete (it accepted eos): the request ends with the token it has, so this row is one that
+            # async scheduling launched before it knew; its token is never used.
+            if matcher.is_terminated():
+                continue
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if _no_token_left(bitmask[i], rows[i], vocab):
                 raise NoTokenLeftError(rows[i])
+            masked.append(i)
+        if masked:
+            # Tensors on the logits' device: given a list, xgrammar's CUDA launch copies it from pageable
+            # memory, which waits for the device (the step's forward, under async scheduling).
+            device = logits.device
+            indices = device_tensor(masked, torch.int32, device)
+            xgr.apply_token_bitmask_inplace(logits, to_device_no_wait(bitmask, device), indices=indices)
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -101,3 +114,23 @@ class GrammarMask:
                 raise GrammarViolationError(f"token {token_id} does not match the request's constraint")
             state.num_accepted += 1
         return state
+
+
+def _no_token_left(words: torch.Tensor, row: SamplingRow, vocab: int) -> bool:
+    """Whether nothing is left to sample in the row once the mask (its bitmask row, `words`) is applied
+    after the other processors: allowed_token_ids and min_tokens are the ones that ban tokens (a bias and
+    the penalties move logits, never to -inf). Read on the host, so that no one waits for the logits."""
+    params = row.params
+    holds_back = row.num_output_tokens < params.min_tokens
+    if params.allowed_token_ids is None and not holds_back:  # the mask alone: any bit below vocab
+        full, rest = divmod(vocab, 32)
+        return not (bool(words[:full].any()) or (rest > 0 and bool(words[full] & ((1 << rest) - 1))))
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words.unsqueeze(1) >> shifts) & 1).flatten()[:vocab].bool()
+    if params.allowed_token_ids is not None:
+        listed = torch.zeros(vocab, dtype=torch.bool)
+        listed[[t for t in params.allowed_token_ids if t < vocab]] = True
+        allowed &= listed
+    if holds_back:
+        allowed[[t for t in params.held_back_by_min_tokens(row.eos_token_ids) if t < vocab]] = False
+    return not bool(allowed.any())

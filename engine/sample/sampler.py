@@ -112,8 +112,8 @@ class Sampler:
 
     def sample_no_sync(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """`sample`'s token ids [num_rows] int64, left on the logits' device: on CUDA the work is queued
-        and nothing waits for it (greedy rows, random rows' filters and draws, the default processors;
-        a grammar's mask, built on the host, is the exception)."""
+        and nothing waits for it (greedy rows, random rows' filters and draws, the default processors
+        and the grammar mask)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         logits = logits.float()
