@@ -42,6 +42,7 @@ from sluice.engine.faults import InjectedFault
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.request import RequestStatus
+from sluice.engine.sample.grammar_mask import GrammarMask
 from sluice.engine.sample.logits_processors import counts_outputs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler.async_scheduler import AsyncScheduler
@@ -456,6 +457,43 @@ def test_a_request_whose_sampling_fails_ends_alone_and_its_step_in_flight_is_dro
     assert received == _llm(llama_dir, False).generate(good, GREEDY)[0].token_ids
     # Its next step was launched (on a stand-in token) before the failure was seen, then dropped.
     assert counts == {"good": 11, "bad": 1}
+    assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_a_constrained_request_left_no_token_ends_alone_and_its_next_row_goes_unmasked(
+    llama_dir, monkeypatch, caplog
+):
+    """allowed_token_ids leave its choice no token: it ends with that error, after its next step was
+    launched; that step's row must not feed the failed step's stand-in token to its grammar (which would
+    refuse it, failing the whole batch's sampling)."""
+    reference = _llm(llama_dir, False, attention_backend="torch")
+    [red] = reference.generate(
+        ["hello"], SamplingParams(temperature=0.0, constraint=Constraint(choice=("red",)))
+    )
+    outside = [t for t in range(1, 50) if t not in red.token_ids][:3]
+    dead_end = SamplingParams(
+        temperature=0.0, max_tokens=12, constraint=Constraint(choice=("red",)), allowed_token_ids=outside
+    )
+    llm = _llm(llama_dir, True, attention_backend="torch")
+    counts = _placeholder_counter(llm)
+    engine = llm.engine
+    (mask,) = [p for p in engine.core.sampler.processors if isinstance(p, GrammarMask)]
+    synced, sync = [], mask._sync
+    monkeypatch.setattr(mask, "_sync", lambda row: synced.append(list(row.output_token_ids)) or sync(row))
+    good, bad = _prompts(2, seed=3)
+    engine.add_request("good", good, GREEDY)
+    engine.add_request("bad", bad, dead_end)
+    finals, received = {}, []
+    with caplog.at_level(logging.WARNING):
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                received += output.token_ids if output.request_id == "good" else []
+                if output.finished:
+                    finals[output.request_id] = (output.finish_reason, output.usage.completion_tokens)
+    assert finals == {"good": ("length", 12), "bad": ("error", 0)}
+    assert received == reference.generate(good, GREEDY)[0].token_ids
+    assert counts["bad"] == 1 and synced and all(outputs == [] for outputs in synced)
+    assert not caplog.records, caplog.text
     assert engine.stats().num_kv_blocks_used == 0
 
 
