@@ -753,7 +753,8 @@ def test_min_tokens_counts_the_token_in_flight_and_frees_the_stop_token_at_its_c
     params = []
     for completion in free:
         tokens = completion.token_ids
-        k = next(k for k in range(4, 16) if tokens[k] not in tokens[:k])
+        # (nor eos before it: min_tokens holds it back too, which would change the greedy path)
+        k = next(k for k in range(4, 16) if tokens[k] not in tokens[:k] and EOS_ID not in tokens[:k])
         params.append(
             SamplingParams(temperature=0.0, max_tokens=16, min_tokens=k, stop_token_ids=[tokens[k]])
         )
