@@ -100,7 +100,7 @@ class EngineCore:
         self._prompt_logprobs = PromptLogprobsTracker()
         self._sampling_rows: dict[str, SamplingRow] = {}  # request id -> its row, until it finishes
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step running on the device
-        self._maybe_synchronous: set[str] = set()  # ids of requests that may need their steps' tokens first
+        self._maybe_synchronous: set[str] = set()  # ids of requests that need their steps' tokens first
         self._counts_outputs: set[str] = set()  # ids of requests whose sampling counts their outputs
         self._constrained: set[str] = set()  # ids of requests with a grammar
         spec = config.speculative
@@ -333,10 +333,8 @@ class EngineCore:
             return True
         if not self._maybe_synchronous:
             return False
-        speculating = self.speculator.proposer is not None
         candidates = (r for r in self._in_flight.requests if r.request_id in self._maybe_synchronous)
-        live = (r for r in candidates if self.scheduler.get_request(r.request_id) is r)
-        return any(needs_step_tokens(r, speculating) for r in live)
+        return any(self.scheduler.get_request(r.request_id) is r for r in candidates)
 
     def _finish_in_flight(self) -> list[CoreOutput]:
         """Waits for the step in flight's tokens and updates with them; [] when none is in flight."""
