@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sample.sampler import Sampler, SamplingRow
 from sluice.engine.sampling_params import SamplingParams
@@ -134,3 +135,45 @@ def test_an_engine_launch_waits_for_nothing_and_its_steps_give_the_synchronous_t
     assert summary == [(c.token_ids, c.finish_reason, c.logprobs) for c in expected]
     assert len(overlapped) >= greedy.max_tokens - 1  # every decode step after the first
     assert llm.engine.stats().num_kv_blocks_used == 0
+
+
+def test_a_draft_model_queues_its_k_draft_steps_and_waits_once_for_their_drafts(llama_dir) -> None:
+    """The draft proposer feeds each draft to the next draft step on the device (a placeholder filled from
+    the step before's ids) and takes the k drafts to the host together: its launches wait for nothing, for
+    greedy and seeded rows with top_k / top_p and for the rows the draft processors mask (min_tokens,
+    logit_bias, allowed_token_ids). With the target as its own draft the target accepts every draft, and
+    the greedy rows' tokens are the engine's without speculation (on a CPU, where the verify and draft
+    steps round as the plain ones do)."""
+    rng = random.Random(43)
+    prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [
+        greedy,
+        replace(greedy, temperature=0.8, seed=5, top_k=20, top_p=0.9),
+        replace(greedy, min_tokens=8, stop_token_ids=[7, 8]),
+        replace(greedy, logit_bias={7: 5.0}),
+        replace(greedy, allowed_token_ids=list(range(100, 300))),
+        replace(greedy, temperature=1.0),
+    ]
+    spec = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
+    llm = LLM(llama_dir, speculative=spec)
+    proposer = llm.engine.core.speculator.proposer
+    launch_drafts = proposer._launch_drafts
+    launched = []
+
+    def launch_waiting_for_nothing(drafting):
+        with no_device_waits():
+            steps = launch_drafts(drafting)
+        launched.append(len(steps))
+        return steps
+
+    proposer._launch_drafts = launch_waiting_for_nothing
+    got = llm.generate(prompts, params)
+    assert launched and max(launched) == 3
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens > 0 and stats.num_kv_blocks_used == 0
+    if DEVICE.type == "cpu":
+        assert stats.num_accepted_draft_tokens == stats.num_draft_tokens
+        expected = LLM(llama_dir).generate(prompts, params)
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]  # sampled rows draw otherwise
+        assert [got[i].token_ids for i in greedy_rows] == [expected[i].token_ids for i in greedy_rows]

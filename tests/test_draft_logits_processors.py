@@ -10,10 +10,14 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.sample.logits_processors import draft_processors
+from sluice.engine.sample.sampler import SamplingRow, apply_processors
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID
 
 MAX_TOKENS = 24
 PLAIN = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -61,3 +65,50 @@ def test_a_draft_equal_to_the_target_has_every_draft_accepted_under_the_request_
     stats = llm.engine.stats()
     assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
     assert stats.num_kv_blocks_used == 0
+
+
+def test_a_stop_token_that_min_tokens_frees_inside_a_draft_run_is_drafted_and_accepted(
+    llama_dir, plain_outputs
+):
+    """min_tokens counts the drafts before a draft as outputs (they are still on the device then: by
+    placeholders). Each request's stop token is the one its plain output first picks at position p, held
+    back until p: a draft at p that counted only the request's outputs would still ban it and be rejected."""
+    requests = []
+    for prompt, plain in zip(_prompts(), plain_outputs, strict=True):
+        firsts = [p for p in range(2, MAX_TOKENS - 4) if plain[p] not in plain[:p]][:4]
+        params = [dataclasses.replace(PLAIN, min_tokens=p, stop_token_ids=(plain[p],)) for p in firsts]
+        requests += [(prompt, p) for p in params]
+    prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+    spec = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
+    llm = LLM(llama_dir, speculative=spec, **ENGINE)
+    completions = llm.generate(prompts, params)
+    expected = LLM(llama_dir, **ENGINE).generate(prompts, params)
+    assert [(c.token_ids, c.finish_reason) for c in completions] == [
+        (c.token_ids, c.finish_reason) for c in expected
+    ]
+    assert [len(c.token_ids) for c in completions] == [p.min_tokens + 1 for p in params]
+    assert {c.finish_reason for c in completions} == {"stop"}
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
+
+
+def test_the_draft_processors_read_how_many_outputs_a_row_has_never_which():
+    """A proposal's drafts are still on the device when the next draft is chosen: they count as outputs
+    by placeholders. A draft processor that read the ids would see -1s: each must give the same logits."""
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+    params = [
+        dataclasses.replace(PLAIN, min_tokens=4, stop_token_ids=(5,)),
+        dataclasses.replace(PLAIN, min_tokens=3, stop_token_ids=(6,)),  # held back no more at 3 outputs
+        dataclasses.replace(PLAIN, logit_bias=((7, 3.0),)),
+        dataclasses.replace(PLAIN, allowed_token_ids=(8, 9, 10)),
+    ]
+    drafts = [11, 12]
+    for processor in draft_processors():
+        on_host = [SamplingRow(f"r{i}", p, [1, 2], [3, *drafts]) for i, p in enumerate(params)]
+        in_flight = [
+            dataclasses.replace(r, output_token_ids=[3, PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID])
+            for r in on_host
+        ]
+        expected = apply_processors([processor], logits, on_host)
+        assert torch.equal(apply_processors([processor], logits, in_flight), expected)
+        assert not torch.equal(expected, logits)  # each processor concerns a row here

@@ -15,6 +15,12 @@ the request's min_tokens, logit_bias and allowed_token_ids (`draft_processors`; 
 a grammar does not speculate), with d_0 .. d_{j-1} counted as outputs, as the target's verify rows are:
 without them a draft the target can never pick (a token outside allowed_token_ids) is rejected at once.
 
+d_{j-1} reaches step j on the device, as a placeholder that its forward fills from step j - 1's chosen ids
+(as async scheduling fills the target's: `fill_placeholders`), so the k forwards queue one after another
+and a proposal waits for the device once, for all its drafts: on a GPU the host builds step j's inputs
+while step j - 1 runs, where a wait for each draft left the GPU idle meanwhile. The processors above read
+how many outputs a row has, never which, so the drafts still on the device count by placeholders.
+
 Step 0 never feeds more than the step budget (max_num_batched_tokens) in one forward: where the requests'
 tokens from c on add up to more (a request's first proposal, after its prompt or a prefix-cache hit, finds
 no draft KV), a catch-up first feeds their tokens before the last, without logits, in forwards of at most
@@ -41,10 +47,14 @@ from sluice.engine.sample.sampler import (
     draw_at,
     uniform_fractions,
 )
-from sluice.engine.scheduler.scheduler_output import ScheduledRequest, SchedulerOutput
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
 from sluice.engine.spec_decode.proposer import Proposal
+from sluice.engine.worker.input_batch import SampledTokenIds
 from sluice.engine.worker.model_runner import ModelRunner
+
+# One draft step's requests and the drafts chosen for them, still on the device.
+_DraftStep = tuple[list["_Drafting"], torch.Tensor]
 
 
 @dataclass
@@ -57,14 +67,16 @@ class _Drafting:
     k: int  # drafts to propose
     row: SamplingRow  # the request's row before its first draft (the processors read it)
     masked: bool  # whether any of the proposer's processors concerns the request
-    token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # on the host once all are chosen
     probs: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
-    def sampling_row(self) -> SamplingRow:
-        """The row of the next draft: the drafts so far count as outputs (min_tokens reads them)."""
-        if not self.masked or not self.token_ids:
+    def sampling_row(self, j: int) -> SamplingRow:
+        """The row of draft j: the j drafts before it count as outputs (min_tokens counts them), by
+        placeholders, since they are still on the device (the draft processors never read the ids)."""
+        if not self.masked or j == 0:
             return self.row
-        return dataclasses.replace(self.row, output_token_ids=[*self.row.output_token_ids, *self.token_ids])
+        outputs = [*self.row.output_token_ids, *(PLACEHOLDER_TOKEN_ID,) * j]
+        return dataclasses.replace(self.row, output_token_ids=outputs)
 
 
 class DraftProposer:
@@ -86,11 +98,7 @@ class DraftProposer:
     def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
         drafting = [d for d in (self._start(r) for r in requests) if d is not None]
         self._catch_up(drafting)
-        for j in range(max((d.k for d in drafting), default=0)):
-            active = [d for d in drafting if d.k > j]
-            logits = self.runner.execute_model(self._step(active, j))
-            logits = apply_processors(self.processors, logits, [d.sampling_row() for d in active])
-            self._choose(active, logits)
+        self._take_drafts(self._launch_drafts(drafting))
         proposals = {}
         for d in drafting:
             self.tables.num_computed[d.request.request_id] = d.request.num_tokens
@@ -164,9 +172,33 @@ class DraftProposer:
                 return
             self.runner.execute_model(SchedulerOutput(tuple(scheduled), self.max_num_batched_tokens - budget))
 
+    def _launch_drafts(self, drafting: list[_Drafting]) -> list[_DraftStep]:
+        """Queues the draft steps, each fed the drafts of the one before on the device: nothing here waits
+        for the device (on a CPU each step has run when it returns)."""
+        steps: list[_DraftStep] = []
+        chosen = None  # the step before's drafts, by request
+        for j in range(max((d.k for d in drafting), default=0)):
+            active = [d for d in drafting if d.k > j]
+            logits = self.runner.execute_model(self._step(active, j), chosen)
+            logits = apply_processors(self.processors, logits, [d.sampling_row(j) for d in active])
+            token_ids = self._choose(active, logits)
+            steps.append((active, token_ids))
+            chosen = SampledTokenIds(token_ids, {d.request.request_id: i for i, d in enumerate(active)})
+        return steps
+
+    @staticmethod
+    def _take_drafts(steps: list[_DraftStep]) -> None:
+        """Each request's drafts, on the host: the proposal's one wait for the device."""
+        if not steps:
+            return
+        token_ids = iter(torch.cat([chosen for _, chosen in steps]).tolist())
+        for active, _ in steps:
+            for d in active:
+                d.token_ids.append(next(token_ids))
+
     def _step(self, active: list[_Drafting], j: int) -> SchedulerOutput:
         """Step 0: each request's tokens from `start` on (its last one among them); step j > 0: its latest
-        draft, at position T - 1 + j."""
+        draft, at position T - 1 + j, as a placeholder (still on the device)."""
         scheduled = []
         for d in active:
             request = d.request
@@ -174,14 +206,14 @@ class DraftProposer:
                 token_ids = tuple(request.all_token_ids[d.start :])
                 start = d.start
             else:
-                token_ids = (d.token_ids[-1],)
+                token_ids = (PLACEHOLDER_TOKEN_ID,)
                 start = request.num_tokens + j - 1
             scheduled.append(ScheduledRequest(request.request_id, token_ids, start, d.block_ids, True))
         return SchedulerOutput(tuple(scheduled), sum(s.num_tokens for s in scheduled))
 
-    def _choose(self, active: list[_Drafting], logits: torch.Tensor) -> None:
-        """Each request's next draft from its row of `logits`: the argmax for greedy requests, else a draw
-        from q (kept for the rejection rule), all rows at once."""
+    def _choose(self, active: list[_Drafting], logits: torch.Tensor) -> torch.Tensor:
+        """Each request's next draft from its row of `logits`, on the device: the argmax for greedy
+        requests, else a draw from q (kept for the rejection rule), all rows at once."""
         token_ids = torch.empty(len(active), dtype=torch.long, device=logits.device)
         greedy = [i for i, d in enumerate(active) if d.request.sampling_params.greedy]
         random = [i for i, d in enumerate(active) if not d.request.sampling_params.greedy]
@@ -195,8 +227,7 @@ class DraftProposer:
             token_ids[index] = draw_at(q, uniform_fractions(generators, logits.device))
             for row, i in enumerate(random):
                 active[i].probs.append(q[row])
-        for d, token_id in zip(active, token_ids.tolist(), strict=True):
-            d.token_ids.append(token_id)
+        return token_ids
 
     def _generator(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
