@@ -2,8 +2,9 @@
 
 A one-layer Llama with a 16-token vocabulary samples at temperature 0.9 with top-k 10. A proposer that
 is deliberately wrong drafts 2 tokens per step from a fixed skewed distribution q (unrelated to the
-model) and hands q to the rejection sampler (and, in a second run, a draft model of other weights
-does), so every path runs: accepted drafts, rejections with a draw
+model) and hands q to the rejection sampler (in a second run, to every other request only, the others'
+drafts being point masses as n-gram drafts are; in a third, a draft model of other weights does), so
+every path runs: accepted drafts, rejections with a draw
 from norm(max(0, p - q)), and the bonus token. The first output token comes from the prefill (no
 drafts); the second and third are the first ones speculation decides. Their empirical distributions
 over 2000 seeded requests must match the exact marginals computed with transformers (chi-square,
@@ -89,6 +90,18 @@ class WrongProposer:
         pass
 
 
+class HalfPointMassProposer(WrongProposer):
+    """WrongProposer's drafts, handed over as point masses (no q, as n-gram drafts) for every other
+    request: both kinds verified in the same steps. A rejection then draws from p less the draft."""
+
+    def propose(self, requests):
+        proposals = super().propose(requests)
+        for n, request in enumerate(requests):
+            if n % 2:
+                proposals[request.request_id] = Proposal(proposals[request.request_id].token_ids, None)
+        return proposals
+
+
 def _filtered_probs(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float() / TEMPERATURE
     kth = logits.topk(TOP_K, dim=-1).values[..., -1:]
@@ -128,7 +141,8 @@ def _sample(
     if proposer is not None:
         llm.engine.core.speculator.proposer = proposer
     if always_accept:
-        llm.engine.core.rejection_sampler.sampler.uniform = lambda row, device: 0.0
+        rejection_sampler = llm.engine.core.rejection_sampler
+        rejection_sampler.acceptance_fractions = lambda rows, device: torch.zeros(len(rows), device=device)
     params = [
         SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=seed, max_tokens=4, ignore_eos=True)
         for seed in range(num_seeds)
@@ -172,6 +186,16 @@ def test_sampling_with_a_wrong_draft_keeps_the_target_distribution(tiny_vocab_di
     assert stats.num_draft_tokens >= NUM_SEEDS * K
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert stats.accepted_draft_tokens_per_position[1] > 0  # the bonus and second-draft paths both ran
+    assert chi_square_p_value(second, exact_marginals[0]) > ALPHA
+    assert chi_square_p_value(third, exact_marginals[1]) > ALPHA
+
+
+def test_sampling_with_point_mass_drafts_beside_others_keeps_the_target_distribution(
+    tiny_vocab_dir, exact_marginals
+):
+    second, third, stats = _sample(tiny_vocab_dir, HalfPointMassProposer())
+    assert stats.num_draft_tokens >= NUM_SEEDS * K
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert chi_square_p_value(second, exact_marginals[0]) > ALPHA
     assert chi_square_p_value(third, exact_marginals[1]) > ALPHA
 

@@ -142,19 +142,19 @@ class Sampler:
         """
         return apply_processors(self.processors, logits, rows)
 
-    def uniform(self, row: SamplingRow, device: torch.device) -> float:
-        """One draw from U[0, 1), from the request's generator when it is seeded."""
-        generator = self._shared(device) if row.params.seed is None else self._for_request(row, device)
-        return float(torch.rand(1, generator=generator, device=device).item())
+    def fractions(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """[len(rows)] numbers from U[0, 1) on `device`, row i's from its request's generator when it is
+        seeded (a request's rows in order), the others' from the shared one."""
+        generators = [self._generator_of(row, device) for row in rows]
+        return uniform_fractions(generators, device)
 
     def draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """probs: [m, vocab], row i for rows[i]; returns [m] token ids, each drawn from its row
         (`draw_at`) at one uniform number, from the request's own generator when it is seeded."""
-        generators = [
-            self._shared(probs.device) if row.params.seed is None else self._for_request(row, probs.device)
-            for row in rows
-        ]
-        return draw_at(probs, uniform_fractions(generators, probs.device))
+        return draw_at(probs, self.fractions(rows, probs.device))
+
+    def _generator_of(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        return self._shared(device) if row.params.seed is None else self._for_request(row, device)
 
     def _shared(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
