@@ -6,7 +6,10 @@ is CUDA's, only the tokens are checked.
 
 First the sampler alone, with rows whose penalties and min_tokens count a token in flight (the token step
 N samples, on the device, not yet in the row's outputs): the tokens of the same rows with it on the host.
-Then whole launches of the engine, for the requests that overlap.
+Then whole launches of the engine, for the requests that overlap. Last, speculative decoding's two
+waits a step, once each by design: a draft model's k draft steps queue before the proposal takes its
+drafts, and a verify step's sampled requests are verified on the device before the step takes the
+counts accepted and the tokens.
 """
 
 from __future__ import annotations
@@ -177,3 +180,37 @@ def test_a_draft_model_queues_its_k_draft_steps_and_waits_once_for_their_drafts(
         expected = LLM(llama_dir).generate(prompts, params)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]  # sampled rows draw otherwise
         assert [got[i].token_ids for i in greedy_rows] == [expected[i].token_ids for i in greedy_rows]
+
+
+def test_a_verify_step_s_sampled_requests_are_verified_waiting_once(llama_dir) -> None:
+    """The rejection sampler verifies a step's sampled requests together (n-gram drafts: point masses),
+    queuing the acceptance tests, the residuals and the draws without waiting for them; then the step
+    waits once. Seeded requests then give the same tokens in the same schedule, run after run."""
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [12, 13] * 10, list(range(20, 44))]
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+    params = [
+        replace(sampled, seed=1),
+        replace(sampled, seed=2, top_k=20, top_p=0.9),
+        replace(sampled, seed=3, logprobs=2),
+        replace(sampled, temperature=0.0),
+    ]
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3)
+    runs = []
+    for _ in range(2):
+        llm = LLM(llama_dir, speculative=spec)
+        rejection_sampler = llm.engine.core.rejection_sampler
+        launch_random = rejection_sampler._launch_random
+        launched = []
+
+        def launch_waiting_for_nothing(*args, launch_random=launch_random, launched=launched):
+            with no_device_waits():
+                out = launch_random(*args)
+            launched.append(out.shape[0])
+            return out
+
+        rejection_sampler._launch_random = launch_waiting_for_nothing
+        got = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+        assert launched and stats.num_draft_tokens > 0 and stats.num_kv_blocks_used == 0
+        runs.append([(c.token_ids, c.logprobs) for c in got])
+    assert runs[0] == runs[1]

@@ -96,6 +96,23 @@ class RejectionSampler:
         min(1, p_j(d_j) / q_j(d_j)); at its first rejection r a token is drawn from max(0, p_r - q_r)
         (p_r less d_r where q is a point mass; p_r itself where that leaves nothing), and after k_m
         acceptances from p_k. One wait for the device: each request's count accepted and its token."""
+        launched = self._launch_random(processed, expanded, starts, random, drafts, proposals)
+        accepted_and_token = launched.tolist()  # the one wait
+        m = len(random)
+        accepted, tokens = accepted_and_token[:m], accepted_and_token[m:]
+        return [[*drafts[i][:a], t] for i, a, t in zip(random, accepted, tokens, strict=True)]
+
+    def _launch_random(
+        self,
+        processed: torch.Tensor,
+        expanded: Sequence[SamplingRow],
+        starts: Sequence[int],
+        random: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        proposals: Sequence[Proposal | None],
+    ) -> torch.Tensor:
+        """`_verify_random`'s work, queued on the device without waiting for it: [each request's count
+        accepted..., each request's token...]."""
         device = processed.device
 
         def on_device(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -150,10 +167,7 @@ class RejectionSampler:
         token = draw_at(
             torch.where(nothing_left, base, residual), self.sampler.fractions(request_rows, device)
         )
-        accepted_and_token = torch.cat([r, token]).tolist()  # the one wait
-        m = len(random)
-        accepted, tokens = accepted_and_token[:m], accepted_and_token[m:]
-        return [[*drafts[i][:a], t] for i, a, t in zip(random, accepted, tokens, strict=True)]
+        return torch.cat([r, token])
 
     def _sampled_tokens(
         self,
