@@ -4,10 +4,11 @@ one call, whose tokens must follow the target's distributions exactly (chi-squar
 Each request verifies k = 2 drafts over a 16-token vocabulary against the same three target rows p_0,
 p_1, p_2. Its drafts are drawn from q_0, q_1 (one per place, each half p_j and half a skewed
 distribution), handed over with q (a draft model's proposal) for half of the requests and as point
-masses (no q, n-gram drafts) for the other half, in the same batch. Whatever the drafts, the first token
-must follow p_0; among the requests whose first token is their first draft (accepted), the second must
-follow p_1; after both accepted, the bonus p_2. A residual built from the wrong place's q, or a point
-mass's draft left in p at a rejection, fails."""
+masses (no q, n-gram drafts) for the other half, in the same batch; in another batch all are point
+masses, as in an n-gram proposer's step. Whatever the drafts, the first token must follow p_0; among the
+requests whose first token is their first draft (accepted), the second must follow p_1; after both
+accepted, the bonus p_2. A residual built from the wrong place's q, or a point mass's draft left in p at
+a rejection, fails."""
 
 from __future__ import annotations
 
@@ -31,14 +32,12 @@ def _distributions() -> tuple[torch.Tensor, torch.Tensor]:
     return p, (p[:K] + skewed) / 2
 
 
-@pytest.fixture(scope="module")
-def verified() -> tuple[list[list[int]], list[tuple[int, ...]], list[bool]]:
+def _verify(with_q: list[bool]) -> tuple[list[list[int]], list[tuple[int, ...]], list[bool]]:
     p, q = _distributions()
     generator = torch.Generator().manual_seed(6)
     drafts = torch.stack(
         [torch.multinomial(q[j], NUM_REQUESTS, True, generator=generator) for j in range(K)], 1
     )
-    with_q = [n % 2 == 0 for n in range(NUM_REQUESTS)]
     params = SamplingParams(temperature=1.0, max_tokens=8)
     rows = [SamplingRow(f"r{n}", params, [3], []) for n in range(NUM_REQUESTS)]
     proposals = [
@@ -50,10 +49,22 @@ def verified() -> tuple[list[list[int]], list[tuple[int, ...]], list[bool]]:
     return [[t.token_id for t in tokens] for tokens in sampled], [x.token_ids for x in proposals], with_q
 
 
-@pytest.mark.parametrize("kind", ["q", "point mass"])
-def test_each_place_follows_the_target_whatever_the_drafts(verified, kind):
+@pytest.fixture(scope="module")
+def mixed():
+    return _verify([n % 2 == 0 for n in range(NUM_REQUESTS)])
+
+
+@pytest.fixture(scope="module")
+def point_masses_only():
+    return _verify([False] * NUM_REQUESTS)
+
+
+@pytest.mark.parametrize(
+    "batch, kind", [("mixed", "q"), ("mixed", "point mass"), ("point_masses_only", "point mass")]
+)
+def test_each_place_follows_the_target_whatever_the_drafts(request, batch, kind):
     p, _ = _distributions()
-    tokens, drafts, with_q = verified
+    tokens, drafts, with_q = request.getfixturevalue(batch)
     mine = [(t, d) for t, d, has_q in zip(tokens, drafts, with_q, strict=True) if has_q == (kind == "q")]
     assert all(1 <= len(t) <= K + 1 and t[:-1] == list(d[: len(t) - 1]) for t, d in mine)
     first = [t[0] for t, _ in mine]

@@ -120,7 +120,8 @@ class RejectionSampler:
 
         # The requests' rows, compacted: request m's k_m + 1 rows start at row_start[m].
         rows = [r for i in random for r in range(starts[i], starts[i + 1])]
-        filtered = apply_filters(processed[on_device(rows)], [expanded[r] for r in rows])
+        selected = processed if len(rows) == processed.shape[0] else processed[on_device(rows)]
+        filtered = apply_filters(selected, [expanded[r] for r in rows])
         p = torch.softmax(filtered, dim=-1)
         num_drafts = [len(drafts[i]) for i in random]
         row_start = list(accumulate((k + 1 for k in num_drafts), initial=0))[:-1]
@@ -155,8 +156,11 @@ class RejectionSampler:
         rejected = r < k_t
         base = p[on_device(row_start) + r]
         q_start_t = on_device(q_start)
-        q_rejected = q_all[torch.where(rejected & (q_start_t >= 0), q_start_t + r, zeros)]
-        residual = (base - q_rejected).clamp_(min=0.0)
+        if q_rows:
+            q_rejected = q_all[torch.where(rejected & (q_start_t >= 0), q_start_t + r, zeros)]
+            residual = (base - q_rejected).clamp_(min=0.0)
+        else:  # point masses only (n-gram drafts)
+            residual = base.clone()
         if any(q < 0 < k for q, k in zip(q_start, num_drafts, strict=True)):  # point masses: d_r out
             draft_start = on_device(list(accumulate(num_drafts, initial=0))[:-1])
             rejected_token = draft_token[(draft_start + r).clamp(max=len(owner) - 1)].unsqueeze(1)
