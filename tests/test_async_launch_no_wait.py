@@ -15,9 +15,10 @@ counts accepted and the tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +32,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 64
 PROMPT = [4, 5]
 STOP = 9
+T = TypeVar("T")
 
 
 @contextmanager
@@ -46,6 +48,18 @@ def no_device_waits() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def waiting_for_nothing(launch: Callable[..., T], launched: list[T]) -> Callable[..., T]:
+    """`launch` run under `no_device_waits`, each of its results kept in `launched`."""
+
+    def wrapped(*args: Any) -> T:
+        with no_device_waits():
+            result = launch(*args)
+        launched.append(result)
+        return result
+
+    return wrapped
 
 
 def _case() -> tuple[torch.Tensor, list[SamplingParams], list[list[int]], list[int]]:
@@ -161,18 +175,10 @@ def test_a_draft_model_queues_its_k_draft_steps_and_waits_once_for_their_drafts(
     spec = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=llama_dir)
     llm = LLM(llama_dir, speculative=spec)
     proposer = llm.engine.core.speculator.proposer
-    launch_drafts = proposer._launch_drafts
     launched = []
-
-    def launch_waiting_for_nothing(drafting):
-        with no_device_waits():
-            steps = launch_drafts(drafting)
-        launched.append(len(steps))
-        return steps
-
-    proposer._launch_drafts = launch_waiting_for_nothing
+    proposer._launch_drafts = waiting_for_nothing(proposer._launch_drafts, launched)
     got = llm.generate(prompts, params)
-    assert launched and max(launched) == 3
+    assert launched and max(len(steps) for steps in launched) == 3
     stats = llm.engine.stats()
     assert stats.num_draft_tokens > 0 and stats.num_kv_blocks_used == 0
     if DEVICE.type == "cpu":
@@ -199,16 +205,8 @@ def test_a_verify_step_s_sampled_requests_are_verified_waiting_once(llama_dir) -
     for _ in range(2):
         llm = LLM(llama_dir, speculative=spec)
         rejection_sampler = llm.engine.core.rejection_sampler
-        launch_random = rejection_sampler._launch_random
         launched = []
-
-        def launch_waiting_for_nothing(*args, launch_random=launch_random, launched=launched):
-            with no_device_waits():
-                out = launch_random(*args)
-            launched.append(out.shape[0])
-            return out
-
-        rejection_sampler._launch_random = launch_waiting_for_nothing
+        rejection_sampler._launch_random = waiting_for_nothing(rejection_sampler._launch_random, launched)
         got = llm.generate(prompts, params)
         stats = llm.engine.stats()
         assert launched and stats.num_draft_tokens > 0 and stats.num_kv_blocks_used == 0

@@ -73,34 +73,16 @@ class RejectionSampler:
                 token_ids[i] = _verify_greedy(drafts[i], argmax[starts[i] : starts[i + 1]])
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random:
-            verified = self._verify_random(processed, expanded, starts, random, drafts, proposals)
-            for i, tokens in zip(random, verified, strict=True):
-                token_ids[i] = tokens
+            launched = self._launch_random(processed, expanded, starts, random, drafts, proposals)
+            accepted_and_token = launched.tolist()  # the one wait
+            accepted, tokens = accepted_and_token[: len(random)], accepted_and_token[len(random) :]
+            for i, a, t in zip(random, accepted, tokens, strict=True):
+                token_ids[i] = [*drafts[i][:a], t]
         return self._sampled_tokens(logits, expanded, starts, token_ids)
 
     def acceptance_fractions(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """The uniform numbers that accept drafts, one a draft (`rows`: each draft's request's row)."""
         return self.sampler.fractions(rows, device)
-
-    def _verify_random(
-        self,
-        processed: torch.Tensor,
-        expanded: Sequence[SamplingRow],
-        starts: Sequence[int],
-        random: Sequence[int],
-        drafts: Sequence[Sequence[int]],
-        proposals: Sequence[Proposal | None],
-    ) -> list[list[int]]:
-        """The tokens of the random requests (`random`: their indices), verified together on the device:
-        request m's draft j is accepted when u_j * q_j(d_j) < p_j(d_j), i.e. with probability
-        min(1, p_j(d_j) / q_j(d_j)); at its first rejection r a token is drawn from max(0, p_r - q_r)
-        (p_r less d_r where q is a point mass; p_r itself where that leaves nothing), and after k_m
-        acceptances from p_k. One wait for the device: each request's count accepted and its token."""
-        launched = self._launch_random(processed, expanded, starts, random, drafts, proposals)
-        accepted_and_token = launched.tolist()  # the one wait
-        m = len(random)
-        accepted, tokens = accepted_and_token[:m], accepted_and_token[m:]
-        return [[*drafts[i][:a], t] for i, a, t in zip(random, accepted, tokens, strict=True)]
 
     def _launch_random(
         self,
@@ -111,8 +93,11 @@ class RejectionSampler:
         drafts: Sequence[Sequence[int]],
         proposals: Sequence[Proposal | None],
     ) -> torch.Tensor:
-        """`_verify_random`'s work, queued on the device without waiting for it: [each request's count
-        accepted..., each request's token...]."""
+        """The random requests (`random`: their indices) verified together, queued on the device without
+        waiting for it: [each request's count accepted..., each request's token...]. Request m's draft j
+        is accepted when u_j * q_j(d_j) < p_j(d_j), i.e. with probability min(1, p_j(d_j) / q_j(d_j)); at
+        its first rejection r a token is drawn from max(0, p_r - q_r) (p_r less d_r where q is a point
+        mass; p_r itself where that leaves nothing), and after k_m acceptances from p_k."""
         device = processed.device
 
         def on_device(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
