@@ -305,6 +305,8 @@ class SpeculativeConfig:
 
     `ngram` (prompt lookup) matches the last `ngram_max` .. `ngram_min` tokens of the prompt + output
     against earlier tokens and proposes what followed; `draft` runs `draft_model` (same tokenizer).
+    With `disable_by_batch_size` N, no drafts are proposed while N or more requests are running: at large
+    batches a verify step's k + 1 rows a request cost more than its accepted drafts save.
     """
 
     method: str = option(
@@ -317,11 +319,22 @@ class SpeculativeConfig:
     ngram_min: int = option(1, "shortest suffix n-gram looked up")
     ngram_max: int = option(4, "longest suffix n-gram looked up")
     draft_model: str | None = option(None, "draft model directory (--speculative draft)")
+    disable_by_batch_size: int | None = option(
+        None,
+        "no drafts while this many requests or more are running: steps decode plainly (and overlap, with "
+        "async scheduling) until the batch is smaller again (vLLM's speculative_disable_by_batch_size)",
+        flag="speculative-disable-by-batch-size",
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _require(self.method in SPECULATIVE_METHODS, "speculative", f"must be one of {SPECULATIVE_METHODS}")
         _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "must be in 1..16")
+        _require(
+            self.disable_by_batch_size is None or self.disable_by_batch_size >= 2,
+            "disable_by_batch_size",
+            "must be >= 2 (at 1 no request would ever speculate)",
+        )
         _require(self.ngram_min >= 1, "ngram_min", "must be >= 1")
         _require(self.ngram_max >= self.ngram_min, "ngram_max", "must be >= ngram_min")
         _require(

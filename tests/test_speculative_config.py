@@ -59,6 +59,15 @@ def test_invalid_settings_name_the_field(kwargs, message) -> None:
         SpeculativeConfig(**kwargs)
 
 
+def test_the_batch_size_that_pauses_speculation_is_a_flag_checked_like_the_others() -> None:
+    config = _serve("--speculative", "ngram", "--speculative-disable-by-batch-size", "16")
+    assert config.speculative.disable_by_batch_size == 16
+    with pytest.raises(ValueError, match=r"^speculative-disable-by-batch-size: needs --speculative$"):
+        _serve("--speculative-disable-by-batch-size", "16")
+    with pytest.raises(ValueError, match=r"^disable_by_batch_size: must be >= 2"):
+        _serve("--speculative", "ngram", "--speculative-disable-by-batch-size", "1")
+
+
 def test_draft_model_without_draft_speculation_is_refused() -> None:
     with pytest.raises(ValueError, match="draft-model: needs --speculative"):
         _serve("--draft-model", "/models/small")

@@ -83,7 +83,8 @@ class EngineCore:
         self.rejection_sampler = RejectionSampler(self.sampler)
         # A draft model runs on rank 0, whose runner loaded it and sized both KV caches together.
         rank_zero = self.model_runner if single_rank else self.model_runner.runner
-        self.speculator = Speculator(build_proposer(config, rank_zero.draft_runner))
+        pause_at = None if config.speculative is None else config.speculative.disable_by_batch_size
+        self.speculator = Speculator(build_proposer(config, rank_zero.draft_runner), pause_at)
         self.faults = FaultInjector.from_env()
         # StartProfile / StopProfile: the core's own process (with tensor parallelism, not the ranks')
         self.profiler = StepProfiler(self.model_runner.device if single_rank else torch.device("cpu"))
@@ -150,7 +151,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self._free(scheduler_output.finished_request_ids)
         launched = None if scheduler_output.is_empty else self._launch(scheduler_output)
-        outputs = self._finish_in_flight()
+        # No drafts from N's tokens: N+1 is scheduled already (with a placeholder where they would go).
+        outputs = self._finish_in_flight(propose=False)
         self._in_flight = launched
         if launched is None and not outputs:
             return refused + self._idle()
@@ -324,20 +326,22 @@ class EngineCore:
         return launched
 
     def _in_flight_needs_its_tokens(self) -> bool:
-        """A request of the step in flight that is still live needs its tokens before its next step,
-        or the step was sampled on the host (it verified drafts): it has no device tokens to fill the
-        next step's placeholders, and finishing it costs no wait."""
+        """A request of the step in flight that is still live needs its tokens before its next step (it
+        may speculate, and the batch is below the speculative config's disable_by_batch_size), or the step
+        was sampled on the host (it verified drafts): it has no device tokens to fill the next step's
+        placeholders, and finishing it costs no wait."""
         if self._in_flight is None:
             return False
         if self._in_flight.sampled is not None:
             return True
-        if not self._maybe_synchronous:
+        if not self._maybe_synchronous or not self.speculator.drafts_at(self.scheduler.num_running):
             return False
         candidates = (r for r in self._in_flight.requests if r.request_id in self._maybe_synchronous)
         return any(self.scheduler.get_request(r.request_id) is r for r in candidates)
 
-    def _finish_in_flight(self) -> list[CoreOutput]:
-        """Waits for the step in flight's tokens and updates with them; [] when none is in flight."""
+    def _finish_in_flight(self, propose: bool = True) -> list[CoreOutput]:
+        """Waits for the step in flight's tokens and updates with them; [] when none is in flight.
+        `propose`: drafts are proposed from the tokens (no step has been scheduled since it)."""
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return []
@@ -345,7 +349,7 @@ class EngineCore:
         all_live = launched.num_finished == self.scheduler.num_finished
         is_live = None if all_live else lambda r: self.scheduler.get_request(r.request_id) is r
         sampled, sampling_errors = launched.results(is_live)
-        return self._update(launched.scheduler_output, sampled, sampling_errors)
+        return self._update(launched.scheduler_output, sampled, sampling_errors, propose)
 
     def _sample(
         self, logits: torch.Tensor, scheduler_output: SchedulerOutput
@@ -384,9 +388,11 @@ class EngineCore:
         scheduler_output: SchedulerOutput,
         sampled: dict[str, list[SampledToken]],
         sampling_errors: dict[str, SamplingFailure],
+        propose: bool = True,
     ) -> list[CoreOutput]:
         """Counts the step, ends the requests whose sampling failed, hands the sampled tokens to the
-        scheduler and proposes the next drafts: one output per request touched."""
+        scheduler and proposes the next drafts (with `propose`, while the batch is below the speculative
+        config's disable_by_batch_size): one output per request touched."""
         self._count_sampled(scheduler_output, sampled)
         self.profiler.step_ended()  # a profile of N forwards ends with the step that updates the N-th
         # Before the update, which skips them.
@@ -398,7 +404,8 @@ class EngineCore:
         updated = self._append(scheduler_output, sampled)
         # The tokens kept: a stop within a verified run drops the rest, as does an abort mid-step.
         self._num_generation_tokens += sum(len(tokens) for _, tokens in updated)
-        self.speculator.propose((r for r, _ in updated), self.scheduler.get_request)
+        draft = propose and self.speculator.drafts_at(self.scheduler.num_running)
+        self.speculator.propose((r for r, _ in updated), self.scheduler.get_request, draft)
         return failed + [self._output(r, tokens) for r, tokens in updated]
 
     def _append(

@@ -15,8 +15,9 @@ class Speculator:
     """Proposes drafts for requests in decode (`Request.spec_token_ids`, which the scheduler trims to
     its budget) and hands the rejection sampler the drafts a step verifies. `proposer` None: a no-op."""
 
-    def __init__(self, proposer: Proposer | None) -> None:
+    def __init__(self, proposer: Proposer | None, disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
+        self.disable_by_batch_size = disable_by_batch_size
         self.counters = SpecCounters()
         self._proposals: dict[str, Proposal] = {}  # request id -> its latest drafts, until verified
 
@@ -34,14 +35,27 @@ class Speculator:
                 num_accepted = num_sampled[scheduled.request_id] - 1
                 self.counters.add(len(scheduled.spec_token_ids), num_accepted)
 
-    def propose(self, updated: Iterable[Request], get_request: Callable[[str], Request | None]) -> None:
-        """Drafts for the next step, for the requests just advanced that are in decode and may speculate."""
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether requests get drafts while `num_running` requests are running: with a proposer, below
+        `disable_by_batch_size` (vLLM's speculative_disable_by_batch_size: at or above it, no drafts)."""
+        if self.proposer is None:
+            return False
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
+
+    def propose(
+        self, updated: Iterable[Request], get_request: Callable[[str], Request | None], draft: bool = True
+    ) -> None:
+        """Drafts for the next step, for the requests just advanced that are in decode and may speculate.
+        `draft` False: none (the batch is at `disable_by_batch_size`, or the next step was scheduled before
+        these tokens came); only the verified drafts and the finished requests' state are dropped."""
         if self.proposer is None:
             return
         updated = list(updated)
         for request in updated:  # their drafts were verified (or they finished)
             self._proposals.pop(request.request_id, None)
         self.proposer.free([r.request_id for r in updated if r.is_finished])
+        if not draft:
+            return
         requests = [r for r in updated if not r.is_finished and speculation_allowed(r)]
         if not requests:
             return
