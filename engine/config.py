@@ -423,15 +423,11 @@ class EngineConfig:
             f"must be > 0, got {self.max_seq_len_to_capture}",
         )
         _require(self.num_threads is None or self.num_threads > 0, "num_threads", "must be > 0")
-        _require(
-            self.async_scheduling is not True or self.parallel.tensor_parallel_size == 1,
-            "async_scheduling",
-            "needs tensor_parallel_size 1 (the workers would need the sampled tokens on their devices)",
-        )
 
     def schedules_async(self, device_type: str | None) -> bool:
         """Whether the engine core on a `device_type` ("cuda", "cpu"; None for tensor-parallel ranks) device
-        overlaps its steps: the `async_scheduling` given, else on for CUDA with one rank, off otherwise."""
+        overlaps its steps: the `async_scheduling` given, else on for CUDA with one rank, off otherwise
+        (under tensor parallelism it works, tested with gloo on CPU, but no multi-GPU run has timed it)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device_type == "cuda" and self.parallel.tensor_parallel_size == 1

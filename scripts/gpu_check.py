@@ -184,7 +184,8 @@ def check_parity(
 
 def check_tensor_parallel() -> tuple[bool, list[list[object]]]:
     """The tiny Llama (fp32) on 1 rank, then on 2 (NCCL) eager and with CUDA graphs, which capture the
-    row-parallel all-reduces: a batch's greedy tokens must be equal."""
+    row-parallel all-reduces, and with graphs and async scheduling (rank 0's sampled tokens broadcast to
+    rank 1's device each step): a batch's greedy tokens must be equal."""
     from sluice.engine.frontend.llm import LLM
     from sluice.engine.sampling_params import SamplingParams
 
@@ -194,17 +195,28 @@ def check_tensor_parallel() -> tuple[bool, list[list[object]]]:
     runs, rows = {}, []
     with tempfile.TemporaryDirectory() as directory:
         _save_tiny_checkpoint(directory)
-        for size, eager in ((1, False), (2, True), (2, False)):
+        for size, eager, overlapped in (
+            (1, False, False),
+            (2, True, False),
+            (2, False, False),
+            (2, False, True),
+        ):
             llm = LLM(
-                directory, tensor_parallel_size=size, enforce_eager=eager, dtype="float32", num_blocks=64
+                directory,
+                tensor_parallel_size=size,
+                enforce_eager=eager,
+                async_scheduling=overlapped,
+                dtype="float32",
+                num_blocks=64,
             )
             try:
-                runs[size, eager] = [c.token_ids for c in llm.generate(prompts, params)]
+                runs[size, eager, overlapped] = [c.token_ids for c in llm.generate(prompts, params)]
             finally:
                 if size > 1:
                     llm.engine.model_runner.shutdown()
-            equal = runs[size, eager] == runs[1, False]
-            rows.append([f"{size} rank(s), {'eager' if eager else 'CUDA graphs'}", "yes" if equal else "NO"])
+            equal = runs[size, eager, overlapped] == runs[1, False, False]
+            run = f"{size} rank(s), {'eager' if eager else 'CUDA graphs'}{', async' if overlapped else ''}"
+            rows.append([run, "yes" if equal else "NO"])
     return all(row[1] == "yes" for row in rows), rows
 
 

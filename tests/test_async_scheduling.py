@@ -767,11 +767,6 @@ def test_min_tokens_counts_the_token_in_flight_and_frees_the_stop_token_at_its_c
 # ---- configuration and the server's core process -----------------------------------------------------
 
 
-def test_async_scheduling_refuses_tensor_parallelism_naming_the_field():
-    with pytest.raises(ValueError, match="^async_scheduling: needs tensor_parallel_size 1"):
-        EngineConfig(async_scheduling=True, parallel=ParallelConfig(tensor_parallel_size=2))
-
-
 def test_the_flags_reach_the_config():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -783,7 +778,8 @@ def test_the_flags_reach_the_config():
 
 def test_by_default_steps_overlap_on_one_cuda_device_only():
     """Unset, async scheduling is on where an H100 run measured it to pay (one CUDA device) and off on CPU
-    and across tensor-parallel ranks; given, it is what it says (True with ranks is refused above)."""
+    and across tensor-parallel ranks (untimed there); given, it is what it says (with ranks too:
+    tests/test_tensor_parallel_async.py)."""
     default = EngineConfig()
     assert default.schedules_async("cuda") and not default.schedules_async("cpu")
     assert not EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2)).schedules_async("cuda")

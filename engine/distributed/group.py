@@ -20,7 +20,7 @@ import datetime
 import os
 
 import torch
-from torch.distributed import AllreduceOptions, ProcessGroup, ReduceOp, Store
+from torch.distributed import AllreduceOptions, BroadcastOptions, ProcessGroup, ReduceOp, Store
 
 
 class TensorParallelGroup:
@@ -83,6 +83,15 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._process_group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (x contiguous, of one shape and dtype on every rank);
+        returns x."""
+        if self.size > 1:
+            options = BroadcastOptions()
+            options.rootRank = 0
+            self._process_group.broadcast([x], options).wait()
+        return x
 
     def min(self, value: int) -> int:
         """The smallest of every rank's `value`."""

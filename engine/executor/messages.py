@@ -4,6 +4,8 @@
     ------                                        ---------------
     steps (ZeroMQ XPUB, one message per step,     SUB: ExecuteModel -> its runner runs the same step;
            sent once, fanned out by ZeroMQ)            StopWorkers -> exits 0
+    the step before's sampled tokens (async       the group's broadcast, from rank 0's device to
+           scheduling: ExecuteModel.tokens_before)     each rank's, as the step starts
     results (PULL)                          <--   PUSH: WorkerStarted (before the rendezvous),
                                                         WorkerReady (model loaded, cache allocated),
                                                         WorkerFailed (then it exits 1)
@@ -34,11 +36,22 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     results_address: str
 
 
+class TokensBefore(msgspec.Struct, frozen=True):
+    """Async scheduling: the step before's sampled tokens fill this step's placeholders. Rank 0 holds them
+    on its device and broadcasts them over the group as the step starts (`ModelRunner`); the message says
+    how many (int64) and which request's is which (`SampledTokenIds.rows`)."""
+
+    rows: dict[str, int]
+    num_sampled: int
+
+
 class ExecuteModel(msgspec.Struct, tag=True):
-    """Run `ModelRunner.execute_model_with_prompt_logprobs(scheduler_output, prompt_logprobs)`."""
+    """Run `ModelRunner.execute_model_with_prompt_logprobs(scheduler_output, prompt_logprobs,
+    sampled_before)`, `sampled_before` received from rank 0 when `tokens_before` is set."""
 
     scheduler_output: SchedulerOutput
     prompt_logprobs: tuple[PromptLogprobsSlice, ...] = ()
+    tokens_before: TokensBefore | None = None
 
 
 class StopWorkers(msgspec.Struct, tag=True):

@@ -7,6 +7,8 @@ same logits.
       executor.execute_model(out):
           broadcast ExecuteModel(out) once (ZeroMQ XPUB)  ->  every worker: runner.execute_model(out)
           rank 0: runner.execute_model(out)                    (layers' all-reduces pair the ranks up)
+              async scheduling: rank 0's sampled tokens of the step before, on its device, go to every
+              rank's device by the group's broadcast as the step starts (`ExecuteModel.tokens_before`)
           <- logits [num_sampled, vocab]: rank 0's, gathered over the vocabulary (every rank has them)
       sampler (rank 0 only), scheduler update
 
@@ -41,13 +43,14 @@ from torch.distributed import Store
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.group import TensorParallelGroup
 from sluice.engine.distributed.rendezvous import Rendezvous
-from sluice.engine.executor.messages import ExecuteModel, encode
+from sluice.engine.executor.messages import ExecuteModel, TokensBefore, encode
 from sluice.engine.executor.placement import place_ranks
 from sluice.engine.executor.worker_monitor import WorkerDiedError
 from sluice.engine.executor.worker_processes import WorkerProcesses
 from sluice.engine.loading.model_loader import ModelSource
 from sluice.engine.outputs import PromptLogprobs
 from sluice.engine.scheduler.scheduler_output import PromptLogprobsSlice, SchedulerOutput
+from sluice.engine.worker.input_batch import SampledTokenIds
 from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -117,17 +120,32 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         self.workers.check()
 
-    def execute_model(self, out: SchedulerOutput) -> torch.Tensor:
-        return self.execute_model_with_prompt_logprobs(out, ())[0]
+    def execute_model(
+        self, out: SchedulerOutput, sampled_before: SampledTokenIds | None = None
+    ) -> torch.Tensor:
+        return self.execute_model_with_prompt_logprobs(out, (), sampled_before)[0]
 
     def execute_model_with_prompt_logprobs(
-        self, out: SchedulerOutput, slices: Sequence[PromptLogprobsSlice]
+        self,
+        out: SchedulerOutput,
+        slices: Sequence[PromptLogprobsSlice],
+        sampled_before: SampledTokenIds | None = None,
     ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
-        """`ModelRunner.execute_model_with_prompt_logprobs` on every rank; rank 0's result."""
+        """`ModelRunner.execute_model_with_prompt_logprobs` on every rank; rank 0's result. With
+        `sampled_before` (async scheduling: rank 0's tokens of the step before, still on its device) every
+        rank's runner receives those tokens from rank 0 as the step starts and fills its placeholders."""
         self.workers.check()
-        self.workers.broadcast(encode(ExecuteModel(out, tuple(slices))))
+        assert sampled_before is None or sampled_before.token_ids.dtype == torch.int64  # as workers receive
+        before = (
+            None
+            if sampled_before is None
+            else TokensBefore(dict(sampled_before.rows), len(sampled_before.token_ids))
+        )
+        self.workers.broadcast(encode(ExecuteModel(out, tuple(slices), before)))
         try:
-            return self._named_failures(self.runner.execute_model_with_prompt_logprobs, out, slices)
+            return self._named_failures(
+                self.runner.execute_model_with_prompt_logprobs, out, slices, sampled_before
+            )
         except Exception:
             raise
         except BaseException as exc:  # KeyboardInterrupt: rank 0 left a step its workers are still in

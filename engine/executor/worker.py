@@ -37,6 +37,7 @@ from sluice.engine.executor.messages import (
 from sluice.engine.faults import FaultInjector
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.parent_watch import ParentWatch
+from sluice.engine.worker.input_batch import SampledTokenIds
 from sluice.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("sluice.tp_worker")
@@ -126,4 +127,17 @@ class WorkerProcess:
             out = message.scheduler_output
             if self.faults is not None:
                 self.faults.check("worker", (s.request_id for s in out.scheduled))
-            runner.execute_model_with_prompt_logprobs(out, message.prompt_logprobs)
+            runner.execute_model_with_prompt_logprobs(
+                out, message.prompt_logprobs, _room_for(message, runner)
+            )
+
+
+def _room_for(message: ExecuteModel, runner: ModelRunner) -> SampledTokenIds | None:
+    """Where this rank receives rank 0's tokens of the step before (async scheduling: the driver sent
+    `tokens_before` with the step), int64 as rank 0 sampled them; the runner's broadcast fills it."""
+    before = message.tokens_before
+    if before is None:
+        return None
+    return SampledTokenIds(
+        torch.empty(before.num_sampled, dtype=torch.int64, device=runner.device), before.rows
+    )

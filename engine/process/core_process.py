@@ -143,7 +143,11 @@ def serve_core(commands_address: str, results_address: str, parent_pid: int) -> 
         results.send(encode(CoreFailed(f"loading the model failed: {type(exc).__name__}: {exc}")))
         return 1
     logger.info(
-        "engine core ready (pid %d, %d torch threads, %d objects frozen)", os.getpid(), num_threads, frozen
+        "engine core ready (pid %d, %d torch threads, %d objects frozen, %s scheduling)",
+        os.getpid(),
+        num_threads,
+        frozen,
+        "async" if core.async_scheduling else "synchronous",
     )
     tokenizer = None if core.tokenizer is None else core.tokenizer.spec()
     results.send(encode(CoreReady(core.model_info, tokenizer, os.getpid())))

@@ -240,6 +240,12 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         inputs = build_model_inputs(out, self.block_size, self.device)
         if sampled_before is not None:
+            # Under tensor parallelism rank 0 sampled them: the other ranks' sampled_before has room for
+            # them (`sluice.engine.executor`), filled here on the device, before any layer's collective
+            # (contiguous already there, so received in place; on rank 0 a copy, if any, is only sent).
+            # Every rank skips it alike when the step before sampled nothing (prompt chunks only).
+            if len(sampled_before.token_ids):
+                self.tensor_parallel.broadcast(sampled_before.token_ids.contiguous())
             fill_placeholders(inputs.input_ids, out, sampled_before)
         hidden = self.graph_runner.run(inputs)
         logits = self.model.compute_logits(
