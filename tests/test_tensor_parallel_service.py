@@ -5,7 +5,8 @@ It serves the one-rank engine's tokens, with a KV cache sized per rank. A worker
 fails the server as a dead core does: health NOT_SERVING, every running stream UNAVAILABLE naming the
 worker, exit non-zero, also when it dies while the server is idle. The engine reports when it noticed the
 death (on the monotonic clock every process of the machine shares): within the issue's 2 s of the kill;
-everything else is waited for generously.
+everything else is waited for generously. The tokens and the killed worker are checked with synchronous
+and with async scheduling (a step in flight when the worker dies).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.timeout(600)
 PROMPT = "the quick brown fox"
 KV_CACHE_BYTES = 1 << 20
 DETECTION_BOUND_SECONDS = 2.0
+# The flag, and what the engine core's start-up line says of it.
+SCHEDULING = {"--no-async-scheduling": "synchronous", "--async-scheduling": "async"}
 
 
 def _serve(
@@ -125,11 +128,12 @@ def _noticed_at(details: str) -> float:
     return float(match.group(1))
 
 
-def test_two_ranks_serve_the_one_rank_tokens_with_a_cache_per_rank(llama_dir, tmp_path):
+@pytest.mark.parametrize("scheduling", list(SCHEDULING))
+def test_two_ranks_serve_the_one_rank_tokens_with_a_cache_per_rank(llama_dir, tmp_path, scheduling):
     expected = LLM(llama_dir).generate(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     )
-    server, _ = _serve(llama_dir, tmp_path)
+    server, log_path = _serve(llama_dir, tmp_path, scheduling)
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.InferenceServiceStub(channel)
@@ -142,10 +146,13 @@ def test_two_ranks_serve_the_one_rank_tokens_with_a_cache_per_rank(llama_dir, tm
     assert info.num_kv_blocks == KV_CACHE_BYTES // (2 * 2 * 16 * 1 * 16 * 4)
     assert server.process.returncode == 0
     assert _left_behind(tmp_path) == []
+    assert f"{SCHEDULING[scheduling]} scheduling)" in log_path.read_text()
 
 
-def test_a_killed_worker_fails_every_stream_health_and_the_server(llama_dir, tmp_path):
-    server, log_path = _serve(llama_dir, tmp_path)
+@pytest.mark.parametrize("scheduling", list(SCHEDULING))
+def test_a_killed_worker_fails_every_stream_health_and_the_server(llama_dir, tmp_path, scheduling):
+    """Killed mid-stream; with async scheduling, with a step in flight when the collective breaks."""
+    server, log_path = _serve(llama_dir, tmp_path, scheduling)
     try:
         worker = _worker_pid(log_path)
         with grpc.insecure_channel(server.target) as channel:
