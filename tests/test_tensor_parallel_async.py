@@ -4,11 +4,14 @@ runner receives them from rank 0's device by the group's broadcast as N+1 starts
 placeholders (`ExecuteModel.tokens_before`). A worker that filled them otherwise would embed other
 tokens and send the other ranks wrong partial sums.
 
-The tiny Llama on 2 ranks, overlapped, against the same 2 ranks stepping synchronously (the same sums in
-the same order: every token and logprob must be equal; tests/test_tensor_parallel.py holds 2 ranks'
-greedy tokens to one rank's and transformers'): a mix of chunked prompts sharing a prefix, preemption,
-n = 2, prompt logprobs, seeded sampling, penalties and min_tokens; then ngram speculation paused at a
-batch size, so that synchronous (verify) steps and overlapped ones alternate.
+The tiny Llama on 2 ranks, overlapped, against the same 2 ranks stepping synchronously: every token and
+logprob must be equal, since with 2 ranks each all-reduced element is one addition, the same whatever
+else the step batches (with 3 or more, gloo's summation order follows the tensor's size: PARALLELISM.md),
+and the CPU kernels compute a row alike in any batch (as the one-rank async tests rely on);
+tests/test_tensor_parallel.py holds 2 ranks' greedy tokens to one rank's and transformers'. A mix of
+chunked prompts sharing a prefix, preemption, n = 2, prompt logprobs, seeded sampling, penalties and
+min_tokens; then ngram speculation paused at a batch size, so that synchronous (verify) steps and
+overlapped ones alternate.
 """
 
 from __future__ import annotations
