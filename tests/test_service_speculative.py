@@ -1,6 +1,7 @@
 """Speculative decoding through the real gRPC server: the final chunk's usage reports draft tokens, a
-request can opt out (GenerateRequest.disable_speculation), GetModelInfo says what runs, and /metrics
-exports drafts verified, accepted and the acceptance rate per position."""
+request can opt out (GenerateRequest.disable_speculation), a constrained request verifies drafts too,
+GetModelInfo says what runs, and /metrics exports drafts verified, accepted and the acceptance rate per
+position."""
 
 from __future__ import annotations
 
@@ -37,18 +38,33 @@ def _greedy_request() -> pb.GenerateRequest:
     return generate_request(token_ids=phrase * 4, temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThread) -> None:
-    request = _greedy_request()
+def _with_and_without_speculation(server: ServerThread, request: pb.GenerateRequest) -> tuple:
+    """The request's completion as sent, then opted out of speculation (`disable_speculation`)."""
     opted_out = pb.GenerateRequest()
     opted_out.CopyFrom(request)
     opted_out.disable_speculation = True
-    with Client(speculating.target) as client:
-        spec = client.complete(request)
-        plain = client.complete(opted_out)
+    with Client(server.target) as client:
+        return client.complete(request), client.complete(opted_out)
+
+
+def test_usage_reports_drafts_and_a_request_can_opt_out(speculating: ServerThread) -> None:
+    spec, plain = _with_and_without_speculation(speculating, _greedy_request())
     assert list(spec.token_ids) == list(plain.token_ids)
     assert spec.usage.completion_tokens == plain.usage.completion_tokens == 40
     assert 0 < spec.usage.accepted_draft_tokens < spec.usage.draft_tokens
     assert plain.usage.draft_tokens == 0 and plain.usage.accepted_draft_tokens == 0
+    speculating.wait_idle()
+
+
+def test_a_constrained_request_verifies_drafts_and_returns_the_tokens_it_would_without(
+    speculating: ServerThread,
+) -> None:
+    request = generate_request(text="the cat", regex="(the cat ){6}", temperature=0.0, max_tokens=64)
+    spec, plain = _with_and_without_speculation(speculating, request)
+    assert spec.text == plain.text == "the cat " * 6
+    assert list(spec.token_ids) == list(plain.token_ids)
+    assert spec.finish_reason == plain.finish_reason == pb.FINISH_REASON_STOP
+    assert spec.usage.draft_tokens > 0 and plain.usage.draft_tokens == 0
     speculating.wait_idle()
 
 

@@ -1,11 +1,13 @@
 """The grammar mask: a logits processor that allows only the tokens a request's grammar accepts next.
 
-Each constrained request has an xgrammar matcher, synced before every step with the request's accepted
-output tokens (under async scheduling with the token in flight too, which its row carries on the host:
-`sluice.engine.core.launched_step.with_tokens_in_flight`): new ones are accepted, and a matcher that has
-seen more tokens than the request holds is rebuilt from the request's tokens. After a preemption by
-recompute the outputs are kept, so the matcher stays valid; anything that shortens them (none today,
-speculative rejection later) rebuilds it.
+Each constrained request has an xgrammar matcher, synced before every row with the row's output tokens
+(under async scheduling with the token in flight too, which its row carries on the host:
+`sluice.engine.core.launched_step.with_tokens_in_flight`; in a speculative verify step with the drafts the
+row follows, `SamplingRow.num_drafts`): new ones are accepted, and tokens the matcher took that the row does
+not hold (drafts rejected since) are rolled back. A draft the grammar refuses is not an error: the rows after
+it go unmasked, and the row before it masks it out, so the verification stops there. After a preemption by
+recompute the outputs are kept, so the matcher stays valid; anything that shortens them (none today)
+rebuilds it.
 
 The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
 that share none with what the constraint accepts next, stop_token_ids that min_tokens holds back where the
@@ -18,7 +20,7 @@ from the masked logits, so that nothing waits for the device.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,8 +57,12 @@ class NoTokenLeftError(InvalidRequestError):
 
 @dataclass
 class _MatcherState:
+    """The request's matcher, which accepted its first `settled` output tokens and then `tail` (drafts of
+    a verify step, not known to be accepted)."""
+
     matcher: xgr.GrammarMatcher
-    num_accepted: int = 0
+    settled: int = 0
+    tail: list[int] = field(default_factory=list)
 
 
 class GrammarMask:
@@ -81,11 +87,13 @@ class GrammarMask:
         bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
         masked = []
         for i in picked:
-            matcher = self._sync(rows[i]).matcher
-            # Complete (it accepted eos): the request ends with the token it has, so this row is one that
-            # async scheduling launched before it knew; its token is never used.
-            if matcher.is_terminated():
+            state = self._sync(rows[i])
+            # None: the row follows a draft the grammar refuses. Complete (it accepted eos): the request
+            # ends with the token it has, so this row is one that async scheduling launched before it knew,
+            # or one past an eos draft. Neither row's token is ever used.
+            if state is None or state.matcher.is_terminated():
                 continue
+            matcher = state.matcher
             matcher.fill_next_token_bitmask(bitmask, i)
             if _no_token_left(bitmask[i], rows[i], vocab):
                 raise NoTokenLeftError(rows[i])
@@ -101,19 +109,43 @@ class GrammarMask:
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
-    def _sync(self, row: SamplingRow) -> _MatcherState:
+    def _sync(self, row: SamplingRow) -> _MatcherState | None:
+        """The request's matcher after the row's output tokens; None where one of the row's drafts is a
+        token the grammar refuses (then the matcher stops before it)."""
         state = self._states.get(row.request_id)
         outputs = row.output_token_ids
-        if state is None or state.num_accepted > len(outputs):
+        if state is None or state.settled > len(outputs):
             import xgrammar as xgr  # imported by now: `apply`
 
             state = _MatcherState(xgr.GrammarMatcher(row.grammar))
             self._states[row.request_id] = state
-        for token_id in outputs[state.num_accepted :]:
-            if not state.matcher.accept_token(token_id):
-                raise GrammarViolationError(f"token {token_id} does not match the request's constraint")
-            state.num_accepted += 1
-        return state
+        # Keep the part of the tail the row holds; roll back the drafts it does not (rejected since).
+        start = state.settled
+        kept = 0
+        for taken, held in zip(state.tail, outputs[start:], strict=False):
+            if taken != held:
+                break
+            kept += 1
+        if kept < len(state.tail):
+            state.matcher.rollback(len(state.tail) - kept)
+            del state.tail[kept:]
+        num_accepted = len(outputs) - row.num_drafts
+        refused = False
+        for position in range(start + kept, len(outputs)):
+            token_id = outputs[position]
+            # A complete matcher takes no token (xgrammar would log a warning for each: drafts past eos).
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token_id):
+                if position < num_accepted:
+                    raise GrammarViolationError(f"token {token_id} does not match the request's constraint")
+                refused = True
+                break
+            state.tail.append(token_id)
+        # The row's accepted outputs are the request's own: they never roll back.
+        settle = num_accepted - state.settled
+        if settle > 0:
+            del state.tail[:settle]
+            state.settled = num_accepted
+        return None if refused else state
 
 
 def _no_token_left(words: torch.Tensor, row: SamplingRow, vocab: int) -> bool:

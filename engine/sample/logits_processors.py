@@ -43,8 +43,9 @@ def default_processors() -> list[LogitsProcessor]:
 
 def draft_processors() -> list[LogitsProcessor]:
     """The processors a draft model proposes under: those of `default_processors` that a request may
-    speculate with (`speculation_allowed`: no penalties, no grammar), each a function of the row alone,
-    so a row whose output tokens end in earlier drafts is masked as the target's verify row will be."""
+    speculate with (`speculation_allowed`: no penalties; a grammar masks the target's rows only), each a
+    function of the row alone, so a row whose output tokens end in earlier drafts is masked as the target's
+    verify row will be."""
     return [MinTokens(), LogitBias(), AllowedTokenIds()]
 
 

@@ -51,6 +51,9 @@ class SamplingRow:
     processor reads it). `token_in_flight` (async scheduling): the token the step still running samples
     for the request, not yet in `output_token_ids`, as a [1] int64 tensor on the logits' device; the
     processors that count the outputs (penalties, min_tokens) count it too, without waiting for it.
+    `num_drafts` (a speculative verify row): how many of `output_token_ids`, at their end, are drafts this
+    row follows, not accepted yet; a draft the grammar refuses leaves the row unmasked (the rejection
+    sampler never uses it: the row before masks that draft out, so it is rejected there or earlier).
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     grammar: object | None = None
     token_in_flight: torch.Tensor | None = None
+    num_drafts: int = 0
 
     @property
     def num_output_tokens(self) -> int:

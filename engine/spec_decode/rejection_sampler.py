@@ -60,7 +60,7 @@ class RejectionSampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {starts[-1]} verified rows")
         logits = logits.float()
         expanded = [
-            replace(row, output_token_ids=[*row.output_token_ids, *draft[:j]])
+            replace(row, output_token_ids=[*row.output_token_ids, *draft[:j]], num_drafts=j)
             for row, draft in zip(rows, drafts, strict=True)
             for j in range(len(draft) + 1)
         ]
