@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram prompt lookup) on the embedded SmolLM2-135M, offline, batch 1: TPOT with
-speculation against the same requests without it, in the same run, on two workloads.
+speculation against the same requests without it, in the same run, on three workloads.
 
     python -m sluice.benchmarks.engine.speculative                 # table on stdout
     python -m sluice.benchmarks.engine.speculative --json out.json
@@ -8,6 +8,8 @@ speculation against the same requests without it, in the same run, on two worklo
               output copies its input, where prompt lookup drafts well.
   chat:       free-form questions: little to copy, so drafts are few and mostly rejected; speculation
               must not make it slower.
+  extraction: a person's name, city, job and employer from a short text into a JSON schema (structured
+              output): the values are copied from the prompt, and each verify row is grammar-masked.
 
 Greedy both ways, so the two runs produce the same tokens (checked). Requests run one at a time,
 alternating between the engine without and the engine with speculation. TPOT per request is (last token
@@ -31,6 +33,7 @@ from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM, Completion
 from sluice.engine.outputs import EngineStats
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
 
 PASSAGES = [
     "The lighthouse on the northern cape was built in 1871 from granite quarried on the island itself. "
@@ -79,8 +82,24 @@ CHAT = [
     "Suggest a name for a small bakery by the sea, and say why.",
     "What are the rules of chess for how a knight moves?",
 ]
+PEOPLE = [
+    ("Maria Lopez", "Valencia", "nurse", "Saint Anne Hospital"),
+    ("Tomasz Nowak", "Gdansk", "welder", "Baltic Shipyards"),
+    ("Aiko Tanaka", "Sapporo", "data analyst", "Northern Rail Company"),
+    ("Samuel Okafor", "Lagos", "architect", "Okafor and Partners"),
+    ("Ingrid Berg", "Tromso", "marine biologist", "Arctic Research Institute"),
+    ("Rahul Mehta", "Pune", "software engineer", "Lotus Systems"),
+    ("Chloe Martin", "Lyon", "baker", "Boulangerie du Parc"),
+    ("Diego Alvarez", "Cordoba", "history teacher", "San Martin High School"),
+]
+EXTRACTION_SCHEMA = {
+    "type": "object",
+    "properties": {key: {"type": "string", "maxLength": 60} for key in ("name", "city", "job", "employer")},
+    "required": ["name", "city", "job", "employer"],
+    "additionalProperties": False,
+}
 WARM_UP = [{"role": "user", "content": "Say hello in three languages."}]
-MAX_REQUESTS = min(len(PASSAGES) * len(EDITS[0]), len(CHAT))  # distinct requests per workload
+MAX_REQUESTS = min(len(PASSAGES) * len(EDITS[0]), len(CHAT), len(PEOPLE))  # distinct requests per workload
 
 
 @dataclass(frozen=True)
@@ -122,9 +141,27 @@ def chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": CHAT[i % len(CHAT)]}]
 
 
-def measure(name: str, conversations: list, off: LLM, on: LLM, max_tokens: int, warm_up: Completion) -> Row:
+def extraction(i: int) -> list[dict[str, str]]:
+    name, city, job, employer = PEOPLE[i % len(PEOPLE)]
+    text = (
+        f"{name} works as a {job} at {employer} in {city}. Before joining {employer}, {name} studied in "
+        f"{city} and still lives near the city centre."
+    )
+    ask = "Extract the person's name, city, job and employer from the text above as JSON."
+    return [{"role": "user", "content": f"{text}\n\n{ask}"}]
+
+
+def measure(
+    name: str,
+    conversations: list,
+    off: LLM,
+    on: LLM,
+    max_tokens: int,
+    warm_up: Completion,
+    constraint: Constraint | None = None,
+) -> Row:
     """`warm_up`: the engines' warm-up, whose prompt shares the chat template's prefix with every one."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     before = on.engine.stats()
     without, with_spec = [], []
     for conversation in conversations:
@@ -195,13 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
         measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
+        measure(
+            "extraction",
+            [extraction(i) for i in range(args.requests)],
+            *(off, on, args.max_tokens, warm_up),
+            constraint=Constraint(json_schema=json.dumps(EXTRACTION_SCHEMA)),
+        ),
     ]
     print(
         f"Speculative decoding, ngram k={spec.num_speculative_tokens} n={spec.ngram_min}..{spec.ngram_max}, "
         f"{off.engine.model_info.name}, batch 1, greedy"
     )
     print(
-        f"{'workload':>9} {'reqs':>4} {'tokens':>6} {'same':>4} {'off ms':>7} {'on ms':>7} "
+        f"{'workload':>10} {'reqs':>4} {'tokens':>6} {'same':>4} {'off ms':>7} {'on ms':>7} "
         f"{'speedup':>7} {'accept':>6} {'cached off/on':>13}  per position"
     )
     for r in rows:
@@ -209,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         same = "yes" if r.identical else "NO"
         cached = f"{r.cached_tokens_off}/{r.cached_tokens_on}{'!' if r.cache_hits_unexpected else ''}"
         print(
-            f"{r.workload:>9} {r.num_requests:>4} {r.output_tokens:>6} {same:>4} {r.tpot_off_ms:>7.2f} "
+            f"{r.workload:>10} {r.num_requests:>4} {r.output_tokens:>6} {same:>4} {r.tpot_off_ms:>7.2f} "
             f"{r.tpot_on_ms:>7.2f} {r.speedup:>7.2f} {r.acceptance:>6.2f} {cached:>13}  {per_position}"
         )
     for r in rows:
