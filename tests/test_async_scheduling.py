@@ -623,9 +623,22 @@ def test_speculation_runs_its_steps_synchronously_with_identical_greedy_tokens(l
     assert set(counts) == {"plain0", "plain1"}
 
 
+def _opting_out(llm: LLM, request_ids: set[str]) -> LLM:
+    """`llm` with those requests opted out of speculation (`use_speculation=False`), as gRPC's
+    `disable_speculation` does."""
+    add_request = llm.engine.add_request
+
+    def add(request_id: str, *args, **kwargs):
+        return add_request(request_id, *args, use_speculation=request_id not in request_ids, **kwargs)
+
+    llm.engine.add_request = add
+    return llm
+
+
 def test_constrained_and_penalised_requests_beside_speculating_ones_give_the_synchronous_outputs(llama_dir):
-    """They never speculate: in an engine that does, they overlap in the steps without a speculating
-    request, and their grammars and counts follow the token in flight across the steps that do not."""
+    """Opted out of speculation (constrained and penalised requests speculate otherwise), in an engine that
+    speculates they overlap in the steps without a speculating request, and their grammars and counts follow
+    the token in flight across the steps that do not."""
     rng = random.Random(6)
     phrase = [rng.randrange(4, 512) for _ in range(12)]
     prompts = [phrase * 3, _prompts(1, seed=7)[0], _prompts(1, seed=8)[0]]
@@ -635,12 +648,16 @@ def test_constrained_and_penalised_requests_beside_speculating_ones_give_the_syn
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8),
     ]
     speculative = SpeculativeConfig("ngram", num_speculative_tokens=3)
-    expected = _llm(llama_dir, False, speculative=speculative).generate(prompts, params)
-    llm = _llm(llama_dir, True, speculative=speculative)
+    opted_out = {"llm-1", "llm-2"}  # the ids LLM gives the second and third prompts
+    expected = _opting_out(_llm(llama_dir, False, speculative=speculative), opted_out).generate(
+        prompts, params
+    )
+    llm = _opting_out(_llm(llama_dir, True, speculative=speculative), opted_out)
     counts = _placeholder_counter(llm)
     got = llm.generate(prompts, params)
+    assert {got[1].request_id, got[2].request_id} == opted_out
     assert _summary(got) == _summary(expected)
-    assert set(counts) <= {got[1].request_id, got[2].request_id} and counts
+    assert set(counts) == opted_out
     assert llm.engine.stats().num_draft_tokens > 0  # drafts were verified beside them
     assert llm.engine.stats().num_kv_blocks_used == 0
 

@@ -67,7 +67,7 @@ SCENARIOS = {
     "draft-speculation": (
         "llama",
         dict(
-            method="draft", num_speculative_tokens=2, num_blocks=24, max_num_batched_tokens=64, max_num_seqs=6
+            method="draft", num_speculative_tokens=2, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=6
         ),
         ("num_accepted_draft_tokens", "num_preemptions"),
     ),

@@ -89,6 +89,28 @@ def test_a_token_in_flight_counts_as_the_last_output_without_entering_the_kept_s
         outputs.append(token)
 
 
+def test_a_verify_rows_drafts_count_as_outputs_for_that_row_only() -> None:
+    """Speculative decoding: row j of a verify step follows the request's outputs and j drafts. Each row
+    is penalised as if its drafts were accepted, and the kept counts take only the accepted outputs."""
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    kept = Penalties()
+    outputs, drafts = [0, 3], [3, 1, 3]
+    rows = [replace(row(params, prompt=[2], output=[*outputs, *drafts[:j]]), num_drafts=j) for j in range(4)]
+    logits = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]]).repeat(4, 1)
+    kept.apply(logits, rows)
+    for j in range(4):
+        fresh = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]])
+        Penalties().apply(fresh, [row(params, prompt=[2], output=[*outputs, *drafts[:j]])])
+        assert logits[j].tolist() == fresh[0].tolist(), j
+    assert kept._state["r"].counts.tolist() == [1, 0, 0, 1, 0]
+    # Next step: the first draft was accepted, then 4 sampled; the other drafts never count.
+    logits = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]])
+    kept.apply(logits, [row(params, prompt=[2], output=[0, 3, 3, 4])])
+    fresh = torch.tensor([[2.0, -1.0, 3.0, 1.0, 0.5]])
+    Penalties().apply(fresh, [row(params, prompt=[2], output=[0, 3, 3, 4])])
+    assert logits.tolist() == fresh.tolist()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

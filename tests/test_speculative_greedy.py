@@ -9,6 +9,7 @@ proposer has something to propose; each test also checks that drafts were verifi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,19 +86,35 @@ def test_speculative_greedy_tokens_equal_transformers_generate(checkpoint):
             assert tokens == out[0, len(prompt) :].tolist()
 
 
-def test_requests_that_opt_out_or_use_penalties_never_verify_drafts(llama_dir):
+def test_a_request_that_opts_out_never_verifies_drafts(llama_dir):
     llm = LLM(llama_dir, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3), block_size=BLOCK)
     engine = llm.engine
-    prompt = _prompts()[0]
-    penalized = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
-    llm.generate([prompt], penalized)
-    assert engine.stats().num_draft_tokens == 0
-    engine.add_request("opt-out", prompt, PARAMS, use_speculation=False)
+    engine.add_request("opt-out", _prompts()[0], PARAMS, use_speculation=False)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_draft_tokens == 0
-    llm.generate([prompt], PARAMS)
+    llm.generate([_prompts()[0]], PARAMS)
     assert engine.stats().num_draft_tokens > 0
+
+
+# Mild enough that the tiny models still repeat what the n-gram lookup drafts.
+PENALTIES = [
+    dict(repetition_penalty=1.05),
+    dict(frequency_penalty=0.2),
+    dict(presence_penalty=0.2),
+    dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1),
+]
+
+
+def test_penalised_greedy_tokens_are_identical_with_ngram_speculation(checkpoint):
+    """Each verify row is penalised as if the drafts before it were accepted (`SamplingRow.num_drafts`)."""
+    params = [dataclasses.replace(PARAMS, **penalties) for penalties in PENALTIES]
+    expected = [c.token_ids for c in LLM(checkpoint, **PRESSURE).generate(_prompts(), params)]
+    llm = LLM(checkpoint, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3), **PRESSURE)
+    assert [c.token_ids for c in llm.generate(_prompts(), params)] == expected
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert stats.num_preemptions > 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])

@@ -43,9 +43,9 @@ def default_processors() -> list[LogitsProcessor]:
 
 def draft_processors() -> list[LogitsProcessor]:
     """The processors a draft model proposes under: those of `default_processors` that a request may
-    speculate with (`speculation_allowed`: no penalties; a grammar masks the target's rows only), each a
-    function of the row alone, so a row whose output tokens end in earlier drafts is masked as the target's
-    verify row will be."""
+    speculate with, each a function of the row alone, so a row whose output tokens end in earlier drafts is
+    masked as the target's verify row will be. The penalties and a grammar apply to the target's verify rows
+    only: a draft they would not pick is rejected there."""
     return [MinTokens(), LogitBias(), AllowedTokenIds()]
 
 
@@ -86,8 +86,8 @@ class Penalties:
     """Repetition (prompt + output), frequency and presence (output only) penalties.
 
     Keeps each penalized request's token counts and adds only the tokens accepted since the last step;
-    a row's token in flight is added on the device to this step's copy of its counts, not to the state
-    (the state takes it from `output_token_ids` once it arrives).
+    a row's token in flight, and the drafts a verify row follows, are added on the device to this step's
+    copy of its counts, not to the state (the state takes them from `output_token_ids` once accepted).
     """
 
     def __init__(self) -> None:
@@ -106,6 +106,7 @@ class Penalties:
         seen = torch.stack([s.seen for s in states])
         counts = torch.stack([s.counts for s in states])
         _count_tokens_in_flight([rows[i] for i in picked], seen, counts)
+        _count_drafts([rows[i] for i in picked], seen, counts)
         at = device_tensor(picked, torch.long, device)
         sub = logits.index_select(0, at)
         rep = device_tensor([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
@@ -124,7 +125,8 @@ class Penalties:
 
     def _sync(self, row: SamplingRow, vocab: int, device: torch.device) -> _TokenCounts:
         state = self._state.get(row.request_id)
-        if state is None or state.num_outputs > len(row.output_token_ids) or state.seen.shape[0] != vocab:
+        num_accepted = len(row.output_token_ids) - row.num_drafts  # a verify row's drafts: this step only
+        if state is None or state.num_outputs > num_accepted or state.seen.shape[0] != vocab:
             state = _TokenCounts(
                 seen=torch.zeros(vocab, dtype=torch.bool, device=device),
                 counts=torch.zeros(vocab, device=device),
@@ -132,10 +134,10 @@ class Penalties:
             )
             state.seen[_ids_below(row.prompt_token_ids, vocab, device)] = True
             self._state[row.request_id] = state
-        new = _ids_below(row.output_token_ids[state.num_outputs :], vocab, device)
+        new = _ids_below(row.output_token_ids[state.num_outputs : num_accepted], vocab, device)
         state.seen[new] = True
         state.counts.index_put_((new,), torch.ones_like(new, dtype=state.counts.dtype), accumulate=True)
-        state.num_outputs = len(row.output_token_ids)
+        state.num_outputs = num_accepted
         return state
 
 
@@ -215,6 +217,24 @@ def _count_tokens_in_flight(rows: Sequence[SamplingRow], seen: torch.Tensor, cou
     token_ids = torch.cat([token for _, token in in_flight])
     seen[at, token_ids] = True
     counts.index_put_((at, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
+
+
+def _count_drafts(rows: Sequence[SamplingRow], seen: torch.Tensor, counts: torch.Tensor) -> None:
+    """Adds the drafts each verify row follows (`SamplingRow.num_drafts`) to its row of `seen` and
+    `counts`: they count as outputs for this row only, as if accepted."""
+    vocab = counts.shape[1]
+    at, token_ids = [], []
+    for i, row in enumerate(rows):
+        if row.num_drafts:
+            drafts = [t for t in row.output_token_ids[-row.num_drafts :] if t < vocab]
+            at += [i] * len(drafts)
+            token_ids += drafts
+    if not at:
+        return
+    device = counts.device
+    index = (device_tensor(at, torch.long, device), device_tensor(token_ids, torch.long, device))
+    seen[index] = True
+    counts.index_put_(index, torch.ones(len(at), dtype=counts.dtype, device=device), accumulate=True)
 
 
 def counts_outputs(params: SamplingParams) -> bool:

@@ -11,11 +11,10 @@ after which the draft KV counts as covering tokens[:T] only: the drafts' positio
 next proposal from the tokens the target accepted. Greedy requests take the draft's argmax (q is then
 irrelevant to the verification); others draw d_j from q_j = the draft's distribution under the request's
 temperature / top-k / top-p / min-p, returned with the proposal for the rejection rule. Both come after
-the request's min_tokens, logit_bias and allowed_token_ids (`draft_processors`; a request with penalties
-does not speculate), with d_0 .. d_{j-1} counted as outputs, as the target's verify rows are: without them
-a draft the target can never pick (a token outside allowed_token_ids) is rejected at once. A constrained
-request's drafts are not masked by its grammar: the target's verify rows are, so a draft the grammar
-refuses is rejected there.
+the request's min_tokens, logit_bias and allowed_token_ids (`draft_processors`), with d_0 .. d_{j-1}
+counted as outputs, as the target's verify rows are: without them a draft the target can never pick (a
+token outside allowed_token_ids) is rejected at once. The penalties and a grammar apply to the target's
+verify rows only: a draft the grammar refuses is rejected there.
 
 d_{j-1} reaches step j on the device, as a placeholder that its forward fills from step j - 1's chosen ids
 (as async scheduling fills the target's: `fill_placeholders`), so the k forwards queue one after another

@@ -36,16 +36,12 @@ class Proposer(Protocol):
 
 
 def speculation_allowed(request: Request) -> bool:
-    """Whether a request may verify drafts. The penalties keep counts that follow the output tokens and
-    would have to see each draft as if accepted, so requests with them decode one token per step; so do
-    requests that opted out. A constrained request speculates: each verify row's grammar mask follows the
-    drafts before it (`GrammarMask`). But not with min_tokens or allowed_token_ids, the processors that can
-    leave its grammar no token at all: a draft row, which the request may never reach, would fail it."""
+    """Whether a request may verify drafts: unless it opted out. The processors that follow the output
+    tokens see, at each verify row, the drafts before it as if accepted (penalties count them, a grammar
+    takes them: `SamplingRow.num_drafts`). Not a constrained request with min_tokens or allowed_token_ids,
+    the processors that can leave its grammar no token at all: a draft row, which the request may never
+    reach, would fail it."""
     params = request.sampling_params
-    return (
-        request.use_speculation
-        and (params.constraint is None or (params.min_tokens == 0 and params.allowed_token_ids is None))
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
+    return request.use_speculation and (
+        params.constraint is None or (params.min_tokens == 0 and params.allowed_token_ids is None)
     )
