@@ -9,6 +9,7 @@ import json
 import math
 import os
 import socket
+import threading
 
 import pytest
 
@@ -140,7 +141,13 @@ def test_compare_names_a_file_that_is_not_a_bench_file(tmp_path, capsys) -> None
 
 def test_a_duration_run_sleeps_to_no_arrival_past_its_deadline(monkeypatch) -> None:
     """At 0.2 requests/s arrivals are seconds apart (minutes at 0.02): the run slept to the first one past
-    its --duration, with nothing in flight, before it stopped."""
+    its --duration, with nothing in flight, before it stopped.
+
+    The run's clock advances by the run's own sleeps only: `asyncio.sleep` is one function for the whole
+    process, and an event loop in another thread must not move it. The module's `server` (a real server,
+    alive from the first test that uses it to the module's end) runs one: its engine core client's 0.25 s
+    silence watch moved the run's clock by as many 0.25 s as that thread managed meanwhile (CI,
+    2026-12-05: 641 s of a 30 s run). A stand-in for it runs here whatever the order of the tests."""
     from sluice.bench import runner
     from sluice.bench.transports import Chunk
 
@@ -160,17 +167,38 @@ def test_a_duration_run_sleeps_to_no_arrival_past_its_deadline(monkeypatch) -> N
 
     duration, sleeps = 30.0, []
     real_sleep = asyncio.sleep
+    run_thread = threading.get_ident()
 
     async def sleep(delay: float) -> None:
+        if threading.get_ident() != run_thread:  # another thread's loop: a real sleep, not the run's time
+            await real_sleep(delay)
+            return
         sleeps.append(delay)
         Clock.now += delay
         await real_sleep(0)
 
     monkeypatch.setattr(runner, "time", Clock)
     monkeypatch.setattr(runner.asyncio, "sleep", sleep)
-    load = LoadConfig(duration=duration, request_rate=0.2, warmup_requests=0)
-    arrivals = runner.poisson_arrival_times(0.2, seed=0)
-    expected = sum(1 for _ in iter(lambda: next(arrivals) < duration, False))
-    result = asyncio.run(runner.run_load(Instant(), Workload("fixed", vocab_size=512, input_len=4), load))
+    watching = threading.Event()
+    stop = threading.Event()
+
+    async def watch_silence() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.25)
+            watching.set()
+
+    neighbour = threading.Thread(target=asyncio.run, args=(watch_silence(),), daemon=True)
+    neighbour.start()
+    try:
+        assert watching.wait(30)  # its loop sleeps through the patched function before the run starts
+        load = LoadConfig(duration=duration, request_rate=0.2, warmup_requests=0)
+        arrivals = runner.poisson_arrival_times(0.2, seed=0)
+        expected = sum(1 for _ in iter(lambda: next(arrivals) < duration, False))
+        workload = Workload("fixed", vocab_size=512, input_len=4)
+        result = asyncio.run(runner.run_load(Instant(), workload, load))
+    finally:
+        stop.set()
+        neighbour.join(30)
     assert result.metrics.num_requests == expected > 1
     assert Clock.now < duration, sleeps
+    assert 0.25 not in sleeps  # none of the neighbour's
