@@ -4,7 +4,8 @@ Each processor edits the logits of the rows it concerns (`applies_to`), in place
 per-request state across steps (dropped by `free`). State is synced from the row's `output_token_ids`
 (the accepted tokens), never from what the processor saw sampled, so a preempted or re-sampled request
 finds its state consistent. Under async scheduling a row's last output may still be on the device
-(`SamplingRow.token_in_flight`): the processors that count outputs add it to this step's counts only.
+(`SamplingRow.token_in_flight`): the processors that count outputs add it to this step's counts only, as
+they do with the drafts a speculative verify row follows (`SamplingRow.num_drafts`).
 
     MinTokens -> LogitBias -> Penalties -> AllowedTokenIds -> (GrammarMask, sluice.engine.sample.grammar_mask)
 """

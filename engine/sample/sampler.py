@@ -52,8 +52,10 @@ class SamplingRow:
     for the request, not yet in `output_token_ids`, as a [1] int64 tensor on the logits' device; the
     processors that count the outputs (penalties, min_tokens) count it too, without waiting for it.
     `num_drafts` (a speculative verify row): how many of `output_token_ids`, at their end, are drafts this
-    row follows, not accepted yet; a draft the grammar refuses leaves the row unmasked (the rejection
-    sampler never uses it: the row before masks that draft out, so it is rejected there or earlier).
+    row follows, not accepted yet. The processors read them as outputs of this row only: the penalties
+    count them on the step's copy of their counts; a draft the grammar refuses leaves the row unmasked
+    (the rejection sampler never uses it: the row before masks that draft out, so it is rejected there
+    or earlier).
     """
 
     request_id: str
