@@ -235,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         measure(
             "extraction",
             [extraction(i) for i in range(args.requests)],
-            *(off, on, args.max_tokens, warm_up),
-            constraint=Constraint(json_schema=json.dumps(EXTRACTION_SCHEMA)),
+            off,
+            on,
+            args.max_tokens,
+            warm_up,
+            Constraint(json_schema=json.dumps(EXTRACTION_SCHEMA)),
         ),
     ]
     print(
