@@ -478,8 +478,8 @@ def test_a_constrained_request_left_no_token_ends_alone_and_its_next_row_goes_un
     counts = _placeholder_counter(llm)
     engine = llm.engine
     (mask,) = [p for p in engine.core.sampler.processors if isinstance(p, GrammarMask)]
-    synced, sync = [], mask._sync
-    monkeypatch.setattr(mask, "_sync", lambda row: synced.append(list(row.output_token_ids)) or sync(row))
+    synced, sync = [], mask._sync_row
+    monkeypatch.setattr(mask, "_sync_row", lambda row: synced.append(list(row.output_token_ids)) or sync(row))
     good, bad = _prompts(2, seed=3)
     engine.add_request("good", good, GREEDY)
     engine.add_request("bad", bad, dead_end)

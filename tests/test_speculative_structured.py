@@ -3,7 +3,8 @@
 Each verify row of a constrained request is masked by its grammar after the drafts the row follows; a
 draft the grammar refuses leaves the rows after it unmasked (they are never used: the row before masks
 that draft out, so the verification stops there), and the next step rolls back the drafts the
-verification rejected, also when as many tokens were accepted as the matcher took. Unit tests on a
+verification rejected, also when as many tokens were accepted as the matcher took; drafts from the first
+one the grammar refuses are dropped before the step (vLLM's validate_tokens). Unit tests on a
 six-token vocabulary; then the embedded SmolLM2-135M-Instruct (real weights and tokenizer): greedy
 constrained outputs are identical with ngram speculation and without (synchronous and async scheduling),
 with drafts verified and accepted, and sampled ones stay valid."""
@@ -85,6 +86,23 @@ def test_a_token_the_request_holds_must_still_match_its_grammar(grammar) -> None
         _allowed(GrammarMask(), [_row(grammar, [A, A])])
 
 
+def test_drafts_are_kept_up_to_the_first_one_the_grammar_refuses(grammar) -> None:
+    mask = GrammarMask()
+    assert mask.num_valid_drafts("r", grammar, [A], (B, B, X)) == 1
+    assert mask.num_valid_drafts("r", grammar, [A], (B, A, X, EOS, A)) == 4  # nothing after eos
+    assert mask.num_valid_drafts("r", grammar, [A], (C,)) == 0
+    # The matcher is left as the outputs leave it: the rows of the step that verifies them.
+    assert _allowed(mask, _verify_rows(grammar, [A], [B, A])) == [{B}, {A, C}, {X}]
+
+
+def test_drafts_are_validated_after_the_tokens_the_verification_kept(grammar) -> None:
+    mask = GrammarMask()
+    _allowed(mask, _verify_rows(grammar, [A], [B, A]))  # the matcher took a, b, a
+    # b accepted, a rejected, c sampled: y is next, then eos and nothing.
+    assert mask.num_valid_drafts("r", grammar, [A, B, C], (Y, EOS, A)) == 2
+    assert mask.num_valid_drafts("r", grammar, [A, B, C], (X, Y)) == 0
+
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -135,13 +153,31 @@ def test_constrained_greedy_tokens_are_identical_with_ngram_speculation(
     assert stats.num_kv_blocks_used == 0
 
 
+def test_drafts_the_grammar_refuses_are_dropped_before_the_step(plain_tokens, monkeypatch) -> None:
+    """No verify row follows a draft the grammar refuses (the mask's sync would say None there)."""
+    refused = []
+    sync_row = GrammarMask._sync_row
+
+    def recording(self, row):
+        state = sync_row(self, row)
+        refused.extend([row.output_token_ids] if state is None else [])
+        return state
+
+    monkeypatch.setattr(GrammarMask, "_sync_row", recording)
+    llm = LLM(speculative=NGRAM)
+    assert _greedy_runs(llm) == plain_tokens
+    assert refused == []
+    assert llm.engine.stats().num_draft_tokens > 0
+
+
 def test_constrained_greedy_tokens_are_identical_with_a_draft_model(plain_tokens) -> None:
-    """The draft model (SmolLM2 itself) proposes without the grammar: the drafts it refuses are rejected."""
+    """The draft model (SmolLM2 itself) proposes without the grammar; the drafts it refuses are dropped
+    before the step, and those left are the target's own greedy tokens under the mask: all accepted."""
     draft = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=default_model_path())
     llm = LLM(speculative=draft)
     assert _greedy_runs(llm) == plain_tokens
     stats = llm.engine.stats()
-    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert 0 < stats.num_accepted_draft_tokens == stats.num_draft_tokens
 
 
 def test_sampled_constrained_outputs_stay_valid_with_ngram_speculation() -> None:

@@ -79,12 +79,17 @@ class EngineCore:
             self.model_runner.max_model_len,
             sliding_window=source.arch.uniform_sliding_window,
         )
-        self.sampler = Sampler(processors=[*default_processors(), GrammarMask()])
+        grammar_mask = GrammarMask()
+        self.sampler = Sampler(processors=[*default_processors(), grammar_mask])
         self.rejection_sampler = RejectionSampler(self.sampler)
         # A draft model runs on rank 0, whose runner loaded it and sized both KV caches together.
         rank_zero = self.model_runner if single_rank else self.model_runner.runner
         pause_at = None if config.speculative is None else config.speculative.disable_by_batch_size
-        self.speculator = Speculator(build_proposer(config, rank_zero.draft_runner), pause_at)
+        self.speculator = Speculator(
+            build_proposer(config, rank_zero.draft_runner),
+            pause_at,
+            validate=grammar_mask.num_valid_drafts,
+        )
         self.faults = FaultInjector.from_env()
         # StartProfile / StopProfile: the core's own process (with tensor parallelism, not the ranks')
         self.profiler = StepProfiler(self.model_runner.device if single_rank else torch.device("cpu"))

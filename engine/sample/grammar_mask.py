@@ -4,8 +4,10 @@ Each constrained request has an xgrammar matcher, synced before every row with t
 (under async scheduling with the token in flight too, which its row carries on the host:
 `sluice.engine.core.launched_step.with_tokens_in_flight`; in a speculative verify step with the drafts the
 row follows, `SamplingRow.num_drafts`): new ones are accepted, and tokens the matcher took that the row does
-not hold (drafts rejected since) are rolled back. A draft the grammar refuses is not an error: the rows after
-it go unmasked, and the row before it masks it out, so the verification stops there. After a preemption by
+not hold (drafts rejected since) are rolled back. The drafts a request verifies were cut before the first
+one its grammar refuses (`num_valid_drafts`, which the speculator calls as they are proposed); were a refused
+one verified, it would not be an error: the rows after it go unmasked, and the row before it masks it out,
+so the verification stops there. After a preemption by
 recompute the outputs are kept, so the matcher stays valid; anything that shortens them (none today)
 rebuilds it.
 
@@ -87,7 +89,7 @@ class GrammarMask:
         bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
         masked = []
         for i in picked:
-            state = self._sync(rows[i])
+            state = self._sync_row(rows[i])
             # None: the row follows a draft the grammar refuses. Complete (it accepted eos): the request
             # ends with the token it has, so this row is one that async scheduling launched before it knew,
             # or one past an eos draft. Neither row's token is ever used.
@@ -109,16 +111,38 @@ class GrammarMask:
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
-    def _sync(self, row: SamplingRow) -> _MatcherState | None:
-        """The request's matcher after the row's output tokens; None where one of the row's drafts is a
-        token the grammar refuses (then the matcher stops before it)."""
-        state = self._states.get(row.request_id)
-        outputs = row.output_token_ids
-        if state is None or state.settled > len(outputs):
-            import xgrammar as xgr  # imported by now: `apply`
+    def num_valid_drafts(
+        self, request_id: str, grammar: object, output_token_ids: Sequence[int], drafts: Sequence[int]
+    ) -> int:
+        """How many of the drafts proposed after the request's output tokens its grammar accepts in a row
+        (vLLM's `validate_tokens`): the drafts from the first one it refuses on are dropped before the
+        step, sparing their verify rows. The matcher is left as the outputs leave it."""
+        state = self._sync(request_id, grammar, output_token_ids, num_drafts=0)
+        matcher = state.matcher
+        num_valid = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return num_valid
 
-            state = _MatcherState(xgr.GrammarMatcher(row.grammar))
-            self._states[row.request_id] = state
+    def _sync_row(self, row: SamplingRow) -> _MatcherState | None:
+        return self._sync(row.request_id, row.grammar, row.output_token_ids, row.num_drafts)
+
+    def _sync(
+        self, request_id: str, grammar: object, outputs: Sequence[int], num_drafts: int
+    ) -> _MatcherState | None:
+        """The request's matcher after its output tokens, the last `num_drafts` of them a verify row's
+        drafts; None where one of those drafts is a token the grammar refuses (then the matcher stops
+        before it)."""
+        state = self._states.get(request_id)
+        if state is None or state.settled > len(outputs):
+            import xgrammar as xgr  # imported by now: the grammar's compiler imported it
+
+            state = _MatcherState(xgr.GrammarMatcher(grammar))
+            self._states[request_id] = state
         # Keep the part of the tail the row holds; roll back the drafts it does not (rejected since).
         start = state.settled
         kept = 0
@@ -129,7 +153,7 @@ class GrammarMask:
         if kept < len(state.tail):
             state.matcher.rollback(len(state.tail) - kept)
             del state.tail[kept:]
-        num_accepted = len(outputs) - row.num_drafts
+        num_accepted = len(outputs) - num_drafts
         refused = False
         for position in range(start + kept, len(outputs)):
             token_id = outputs[position]

@@ -3,21 +3,33 @@ verifies them, and the counts of drafts verified and accepted."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from sluice.engine.request import Request
 from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.proposer import Proposal, Proposer, speculation_allowed
 from sluice.engine.spec_decode.spec_counters import SpecCounters
 
+# (request id, its grammar, its output token ids, drafts) -> how many of the drafts, from the first, the
+# grammar accepts after those outputs
+DraftValidator = Callable[[str, object, Sequence[int], tuple[int, ...]], int]
+
 
 class Speculator:
     """Proposes drafts for requests in decode (`Request.spec_token_ids`, which the scheduler trims to
-    its budget) and hands the rejection sampler the drafts a step verifies. `proposer` None: a no-op."""
+    its budget) and hands the rejection sampler the drafts a step verifies. `proposer` None: a no-op.
+    A constrained request keeps the drafts up to the first one its grammar refuses (`validate`: the
+    grammar mask's `num_valid_drafts`); the verification would reject that one and all after it."""
 
-    def __init__(self, proposer: Proposer | None, disable_by_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        proposer: Proposer | None,
+        disable_by_batch_size: int | None = None,
+        validate: DraftValidator | None = None,
+    ) -> None:
         self.proposer = proposer
         self.disable_by_batch_size = disable_by_batch_size
+        self.validate = validate
         self.counters = SpecCounters()
         self._proposals: dict[str, Proposal] = {}  # request id -> its latest drafts, until verified
 
@@ -61,7 +73,12 @@ class Speculator:
             return
         proposals = self.proposer.propose(requests)
         for request_id, proposal in proposals.items():
-            get_request(request_id).spec_token_ids = list(proposal.token_ids)
+            request = get_request(request_id)
+            drafts = proposal.token_ids
+            if request.grammar is not None and self.validate is not None and drafts:
+                num_valid = self.validate(request_id, request.grammar, request.output_token_ids, drafts)
+                drafts = drafts[:num_valid]
+            request.spec_token_ids = list(drafts)
         self._proposals.update(proposals)
 
     def free(self, request_ids: Iterable[str]) -> None:
