@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram prompt lookup) on the embedded SmolLM2-135M, offline, batch 1: TPOT with
-speculation against the same requests without it, in the same run, on three workloads.
+speculation against the same requests without it, in the same run, on four workloads.
 
     python -m sluice.benchmarks.engine.speculative                 # table on stdout
     python -m sluice.benchmarks.engine.speculative --json out.json
@@ -9,7 +9,11 @@ speculation against the same requests without it, in the same run, on three work
   chat:       free-form questions: little to copy, so drafts are few and mostly rejected; speculation
               must not make it slower.
   extraction: a person's name, city, job and employer from a short text into a JSON schema (structured
-              output): the values are copied from the prompt, and each verify row is grammar-masked.
+              output): the values are copied from the prompt, the keys between them forced by the
+              grammar (drafted too), and each verify row is grammar-masked.
+  penalised:  how-to questions with repetition_penalty 1.1 (the value many models' generation configs
+              ship): each verify row is penalised as if the drafts before it were accepted, and the
+              penalty steers the output away from the words that the lookup would copy.
 
 Greedy both ways, so the two runs produce the same tokens (checked). Requests run one at a time,
 alternating between the engine without and the engine with speculation. TPOT per request is (last token
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sluice.benchmarks.engine.cache_hits import CacheHits, common_prefix_len
 from sluice.benchmarks.engine.completion_timing import tpot_ms
@@ -82,6 +86,17 @@ CHAT = [
     "Suggest a name for a small bakery by the sea, and say why.",
     "What are the rules of chess for how a knight moves?",
 ]
+HOW_TO = [
+    "Describe, step by step, how to bake a loaf of bread at home.",
+    "List the steps to change a flat tyre on a bicycle, with a sentence on each.",
+    "Explain how to plan a vegetable garden for a small backyard.",
+    "How do I write a good cover letter? Go through it part by part.",
+    "Walk me through setting up a freshwater aquarium for beginners.",
+    "Tell me how to prepare for a job interview, from the week before to the day itself.",
+    "Outline how to paint a room, from choosing the paint to cleaning the brushes.",
+    "Explain how compound interest works, with a worked example.",
+]
+REPETITION_PENALTY = 1.1
 PEOPLE = [
     ("Maria Lopez", "Valencia", "nurse", "Saint Anne Hospital"),
     ("Tomasz Nowak", "Gdansk", "welder", "Baltic Shipyards"),
@@ -99,7 +114,9 @@ EXTRACTION_SCHEMA = {
     "additionalProperties": False,
 }
 WARM_UP = [{"role": "user", "content": "Say hello in three languages."}]
-MAX_REQUESTS = min(len(PASSAGES) * len(EDITS[0]), len(CHAT), len(PEOPLE))  # distinct requests per workload
+MAX_REQUESTS = min(
+    len(PASSAGES) * len(EDITS[0]), len(CHAT), len(PEOPLE), len(HOW_TO)
+)  # distinct requests per workload
 
 
 @dataclass(frozen=True)
@@ -151,17 +168,14 @@ def extraction(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{text}\n\n{ask}"}]
 
 
+def how_to(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": HOW_TO[i % len(HOW_TO)]}]
+
+
 def measure(
-    name: str,
-    conversations: list,
-    off: LLM,
-    on: LLM,
-    max_tokens: int,
-    warm_up: Completion,
-    constraint: Constraint | None = None,
+    name: str, conversations: list, off: LLM, on: LLM, params: SamplingParams, warm_up: Completion
 ) -> Row:
     """`warm_up`: the engines' warm-up, whose prompt shares the chat template's prefix with every one."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     before = on.engine.stats()
     without, with_spec = [], []
     for conversation in conversations:
@@ -229,18 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     (warm_up,) = off.chat([WARM_UP], warm)
     on.chat([WARM_UP], warm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    schema = Constraint(json_schema=json.dumps(EXTRACTION_SCHEMA))
+    workloads = [
+        ("grounded", grounded, greedy),
+        ("chat", chat, greedy),
+        ("extraction", extraction, replace(greedy, constraint=schema)),
+        ("penalised", how_to, replace(greedy, repetition_penalty=REPETITION_PENALTY)),
+    ]
     rows = [
-        measure("grounded", [grounded(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
-        measure("chat", [chat(i) for i in range(args.requests)], off, on, args.max_tokens, warm_up),
-        measure(
-            "extraction",
-            [extraction(i) for i in range(args.requests)],
-            off,
-            on,
-            args.max_tokens,
-            warm_up,
-            Constraint(json_schema=json.dumps(EXTRACTION_SCHEMA)),
-        ),
+        measure(name, [conversation(i) for i in range(args.requests)], off, on, params, warm_up)
+        for name, conversation, params in workloads
     ]
     print(
         f"Speculative decoding, ngram k={spec.num_speculative_tokens} n={spec.ngram_min}..{spec.ngram_max}, "

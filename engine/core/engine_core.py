@@ -84,11 +84,12 @@ class EngineCore:
         self.rejection_sampler = RejectionSampler(self.sampler)
         # A draft model runs on rank 0, whose runner loaded it and sized both KV caches together.
         rank_zero = self.model_runner if single_rank else self.model_runner.runner
-        pause_at = None if config.speculative is None else config.speculative.disable_by_batch_size
+        spec = config.speculative
         self.speculator = Speculator(
             build_proposer(config, rank_zero.draft_runner),
-            pause_at,
-            validate=grammar_mask.num_valid_drafts,
+            None if spec is None else spec.disable_by_batch_size,
+            constrain=grammar_mask.constrained_drafts,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         self.faults = FaultInjector.from_env()
         # StartProfile / StopProfile: the core's own process (with tensor parallelism, not the ranks')
@@ -109,7 +110,6 @@ class EngineCore:
         self._maybe_synchronous: set[str] = set()  # ids of requests that need their steps' tokens first
         self._counts_outputs: set[str] = set()  # ids of requests whose sampling counts their outputs
         self._constrained: set[str] = set()  # ids of requests with a grammar
-        spec = config.speculative
         self.model_info = ModelInfo(
             name=config.model.served_model_name or source.name,
             architecture=source.arch.architecture,

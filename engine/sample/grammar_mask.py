@@ -5,11 +5,11 @@ Each constrained request has an xgrammar matcher, synced before every row with t
 `sluice.engine.core.launched_step.with_tokens_in_flight`; in a speculative verify step with the drafts the
 row follows, `SamplingRow.num_drafts`): new ones are accepted, and tokens the matcher took that the row does
 not hold (drafts rejected since) are rolled back. The drafts a request verifies were cut before the first
-one its grammar refuses (`num_valid_drafts`, which the speculator calls as they are proposed); were a refused
-one verified, it would not be an error: the rows after it go unmasked, and the row before it masks it out,
-so the verification stops there. After a preemption by
-recompute the outputs are kept, so the matcher stays valid; anything that shortens them (none today)
-rebuilds it.
+one its grammar refuses (`constrained_drafts`, which the speculator calls as they are proposed, and which
+adds the tokens the grammar forces after them); were a refused one verified, it would not be an error:
+the rows after it go unmasked, and the row before it masks it out, so the verification stops there.
+After a preemption by recompute the outputs are kept, so the matcher stays valid; anything that shortens
+them (none today) rebuilds it.
 
 The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
 that share none with what the constraint accepts next, stop_token_ids that min_tokens holds back where the
@@ -111,22 +111,36 @@ class GrammarMask:
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
-    def num_valid_drafts(
-        self, request_id: str, grammar: object, output_token_ids: Sequence[int], drafts: Sequence[int]
-    ) -> int:
-        """How many of the drafts proposed after the request's output tokens its grammar accepts in a row
-        (vLLM's `validate_tokens`): the drafts from the first one it refuses on are dropped before the
-        step, sparing their verify rows. The matcher is left as the outputs leave it."""
-        state = self._sync(request_id, grammar, output_token_ids, num_drafts=0)
-        matcher = state.matcher
-        num_valid = 0
-        for token_id in drafts:
+    def constrained_drafts(
+        self,
+        request_id: str,
+        grammar: object,
+        output_token_ids: Sequence[int],
+        drafts: Sequence[int],
+        max_drafts: int,
+    ) -> tuple[int, tuple[int, ...]]:
+        """The drafts a constrained request verifies, as (how many of the proposed `drafts` it keeps, the
+        tokens its grammar forces after those): the proposed ones up to the first its grammar refuses
+        (vLLM's `validate_tokens`: verify rows are not spent on drafts the verification would reject),
+        then, up to `max_drafts` in all, the continuation the grammar forces there (xgrammar's jump-forward
+        tokens: a JSON key and its quotes, the rest of a `choice`), drafted rather than decoded one step a
+        token (SGLang's jump-forward decoding, verified like any draft, so another tokenization of the
+        same text is only a rejected draft). The matcher is left as the outputs leave it."""
+        matcher = self._sync(request_id, grammar, output_token_ids, num_drafts=0).matcher
+        num_kept = 0
+        for token_id in drafts[:max_drafts]:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
                 break
-            num_valid += 1
-        if num_valid:
-            matcher.rollback(num_valid)
-        return num_valid
+            num_kept += 1
+        forced: list[int] = []
+        if not matcher.is_terminated():  # (a complete one forces nothing: stop tokens are not drafted)
+            for token_id in matcher.find_jump_forward_tokens()[: max_drafts - num_kept]:
+                if not matcher.accept_token(token_id):
+                    break
+                forced.append(token_id)
+        if num_kept + len(forced):
+            matcher.rollback(num_kept + len(forced))
+        return num_kept, tuple(forced)
 
     def _sync_row(self, row: SamplingRow) -> _MatcherState | None:
         return self._sync(row.request_id, row.grammar, row.output_token_ids, row.num_drafts)

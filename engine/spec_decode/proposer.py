@@ -25,6 +25,21 @@ class Proposal:
     # deterministic proposer (a point mass at each draft).
     probs: torch.Tensor | None = None
 
+    def followed_by(self, num_kept: int, forced: tuple[int, ...]) -> Proposal:
+        """The first `num_kept` drafts, then `forced` ones, which no distribution drew: their q is a
+        point mass (a row of zeros with a one at the draft where the others have q)."""
+        token_ids = self.token_ids[:num_kept] + forced
+        if self.probs is None or not forced:
+            return Proposal(token_ids, None if self.probs is None else self.probs[:num_kept])
+        import torch
+
+        from sluice.engine.sample.device_tensor import device_tensor
+
+        probs = self.probs
+        point_masses = probs.new_zeros(len(forced), probs.shape[1])
+        point_masses.scatter_(1, device_tensor(forced, torch.long, probs.device).unsqueeze(1), 1.0)
+        return Proposal(token_ids, torch.cat([probs[:num_kept], point_masses]))
+
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:

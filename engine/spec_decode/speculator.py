@@ -10,26 +10,30 @@ from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.proposer import Proposal, Proposer, speculation_allowed
 from sluice.engine.spec_decode.spec_counters import SpecCounters
 
-# (request id, its grammar, its output token ids, drafts) -> how many of the drafts, from the first, the
-# grammar accepts after those outputs
-DraftValidator = Callable[[str, object, Sequence[int], tuple[int, ...]], int]
+# (request id, its grammar, its output token ids, the drafts proposed, k) -> (how many of those, from the
+# first, the grammar accepts after the outputs; the tokens it forces after them, k drafts at most in all):
+# the grammar mask's `constrained_drafts`
+ConstrainDrafts = Callable[[str, object, Sequence[int], tuple[int, ...], int], tuple[int, tuple[int, ...]]]
 
 
 class Speculator:
     """Proposes drafts for requests in decode (`Request.spec_token_ids`, which the scheduler trims to
     its budget) and hands the rejection sampler the drafts a step verifies. `proposer` None: a no-op.
-    A constrained request keeps the drafts up to the first one its grammar refuses (`validate`: the
-    grammar mask's `num_valid_drafts`); the verification would reject that one and all after it."""
+    A constrained request (`constrain`) keeps the drafts up to the first one its grammar refuses (the
+    verification would reject that one and all after it), then drafts what its grammar forces there,
+    up to `num_speculative_tokens` in all; also where the proposer had nothing to offer."""
 
     def __init__(
         self,
         proposer: Proposer | None,
         disable_by_batch_size: int | None = None,
-        validate: DraftValidator | None = None,
+        constrain: ConstrainDrafts | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.proposer = proposer
         self.disable_by_batch_size = disable_by_batch_size
-        self.validate = validate
+        self.constrain = constrain
+        self.num_speculative_tokens = num_speculative_tokens
         self.counters = SpecCounters()
         self._proposals: dict[str, Proposal] = {}  # request id -> its latest drafts, until verified
 
@@ -72,14 +76,24 @@ class Speculator:
         if not requests:
             return
         proposals = self.proposer.propose(requests)
+        for request in requests:
+            if request.grammar is not None and self.constrain is not None:
+                proposals[request.request_id] = self._constrained(request, proposals.get(request.request_id))
         for request_id, proposal in proposals.items():
-            request = get_request(request_id)
-            drafts = proposal.token_ids
-            if request.grammar is not None and self.validate is not None and drafts:
-                num_valid = self.validate(request_id, request.grammar, request.output_token_ids, drafts)
-                drafts = drafts[:num_valid]
-            request.spec_token_ids = list(drafts)
+            get_request(request_id).spec_token_ids = list(proposal.token_ids)
         self._proposals.update(proposals)
+
+    def _constrained(self, request: Request, proposal: Proposal | None) -> Proposal:
+        """The proposal cut before the first draft the request's grammar refuses, then what it forces."""
+        proposal = proposal or Proposal(())
+        num_kept, forced = self.constrain(
+            request.request_id,
+            request.grammar,
+            request.output_token_ids,
+            proposal.token_ids,
+            self.num_speculative_tokens,
+        )
+        return proposal.followed_by(num_kept, forced)
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Drops the requests' drafts and the proposer's state (a draft model's KV blocks), now."""
