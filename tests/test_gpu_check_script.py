@@ -171,6 +171,12 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     for answer in structured["answers"]:
         jsonschema.validate(json.loads(answer["text"]), SCHEMA)
     assert structured["answers"][1]["cached_tokens"] > 0  # the same chat prompt, served from the cache
+    # Served with ngram speculation: the greedy answer unchanged, drafts (the keys, forced) verified.
+    for answer in structured["speculating"]:
+        jsonschema.validate(json.loads(answer["text"]), SCHEMA)
+    assert structured["speculating"][0]["text"] == structured["answers"][0]["text"]
+    assert structured["speculating_greedy_same"]
+    assert all(answer["draft_tokens"] > 0 for answer in structured["speculating"])
 
     parity = (out / "gpu_check.md").read_text()
     assert "## Parity with transformers (Triton kernels)\n\nPASS" in parity

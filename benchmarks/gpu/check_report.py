@@ -214,6 +214,21 @@ def checks_section(results: dict[str, dict]) -> str:
             f"(vocab_size {structured['vocab_size']}):**\n\n"
             + markdown_table(["request", "output", "schema", "cached prompt tokens"], rows)
         )
+    if structured and "speculating" in structured:
+        rows = [
+            [
+                _request_name(a["seed"]),
+                f"`{a['text']}`",
+                "; ".join(a["errors"]) or "valid",
+                f"{a['draft_tokens']} / {a['accepted_draft_tokens']}",
+            ]
+            for a in structured["speculating"]
+        ]
+        same = "the same" if structured["speculating_greedy_same"] else "NOT the same"
+        parts.append(
+            f"**The same, served with `--speculative ngram`** (greedy answer {same} as without):\n\n"
+            + markdown_table(["request", "output", "schema", "drafts / accepted"], rows)
+        )
     tensor_parallel = results.get("tensor_parallel", {})
     tp_line = tensor_parallel.get("skipped") or tensor_parallel.get("error") or "not run"
     if "comparison" in tensor_parallel:

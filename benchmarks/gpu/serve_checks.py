@@ -113,9 +113,16 @@ def step_structured(ctx: StepContext, tokenizer_dir: Path | None) -> dict[str, A
         with ctx.server([*args, *plan.extra_serve_args]) as server, Client(server.target) as client:
             info = model_info(client)
             answers = [structured_answer(client, seed) for seed in (None, 1, 2)]
-    ok = all(not answer["errors"] for answer in answers)
-    return {"ok": ok, "vocab_size": config["vocab_size"], "model_info": info,
-            "schema": SCHEMA, "answers": answers}  # fmt: skip
+        # Speculating: the lookup's drafts cut where the grammar refuses them, the keys it forces drafted,
+        # each verify row masked on the device; greedy must give the same answer.
+        speculating_args = [*args, "--speculative", "ngram", *plan.extra_serve_args]
+        with ctx.server(speculating_args) as server, Client(server.target) as client:
+            speculating = [structured_answer(client, seed) for seed in (None, 1)]
+    same = speculating[0]["text"] == answers[0]["text"]
+    drafts = sum(answer["draft_tokens"] for answer in speculating)
+    ok = all(not answer["errors"] for answer in answers + speculating) and same and drafts > 0
+    return {"ok": ok, "vocab_size": config["vocab_size"], "model_info": info, "schema": SCHEMA,
+            "answers": answers, "speculating": speculating, "speculating_greedy_same": same}  # fmt: skip
 
 
 def structured_answer(client: Client, seed: int | None) -> dict[str, Any]:
@@ -135,7 +142,9 @@ def structured_answer(client: Client, seed: int | None) -> dict[str, Any]:
         errors.append(f"not JSON: {error}")
     usage = completion.usage
     return {"seed": seed, "text": completion.text, "errors": errors,
-            "cached_tokens": usage.cached_tokens if usage else 0}  # fmt: skip
+            "cached_tokens": usage.cached_tokens if usage else 0,
+            "draft_tokens": usage.draft_tokens if usage else 0,
+            "accepted_draft_tokens": usage.accepted_draft_tokens if usage else 0}  # fmt: skip
 
 
 def step_tensor_parallel(ctx: StepContext) -> dict[str, Any]:
