@@ -88,6 +88,12 @@ def test_a_token_the_request_holds_must_still_match_its_grammar(grammar) -> None
     assert _allowed(GrammarMask(), [_row(grammar, [A, A], num_drafts=1)]) == [EVERY_TOKEN]
     with pytest.raises(GrammarViolationError):
         _allowed(GrammarMask(), [_row(grammar, [A, A])])
+    # Proposing drafts after such outputs (after the step that sampled them) raises nothing: no drafts,
+    # and the next step's mask fails that request alone.
+    mask = GrammarMask()
+    assert mask.constrained_drafts("r", grammar, [A, A], (B,), 3) == (0, ())
+    with pytest.raises(GrammarViolationError):
+        _allowed(mask, [_row(grammar, [A, A])])
 
 
 def test_drafts_are_kept_up_to_the_first_one_the_grammar_refuses(grammar) -> None:

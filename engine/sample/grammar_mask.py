@@ -125,8 +125,12 @@ class GrammarMask:
         then, up to `max_drafts` in all, the continuation the grammar forces there (xgrammar's jump-forward
         tokens: a JSON key and its quotes, the rest of a `choice`), drafted rather than decoded one step a
         token (SGLang's jump-forward decoding, verified like any draft, so another tokenization of the
-        same text is only a rejected draft). The matcher is left as the outputs leave it."""
-        matcher = self._sync(request_id, grammar, output_token_ids, num_drafts=0).matcher
+        same text is only a rejected draft). The matcher is left as the outputs leave it. Outputs the
+        grammar refuses get no drafts: the next step's mask ends the request with that error alone."""
+        try:
+            matcher = self._sync(request_id, grammar, output_token_ids, num_drafts=0).matcher
+        except GrammarViolationError:
+            return 0, ()
         num_kept = 0
         for token_id in drafts[:max_drafts]:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
