@@ -114,13 +114,15 @@ def step_structured(ctx: StepContext, tokenizer_dir: Path | None) -> dict[str, A
             info = model_info(client)
             answers = [structured_answer(client, seed) for seed in (None, 1, 2)]
         # Speculating: the lookup's drafts cut where the grammar refuses them, the keys it forces drafted,
-        # each verify row masked on the device; greedy must give the same answer.
+        # each verify row masked on the device. Whether greedy gives the same answer is reported, not
+        # required: in bf16 a verify step's rows may part from a decode step's at a near tie (the
+        # `speculative` step compares with a tolerance for those; one answer gives nothing to weigh).
         speculating_args = [*args, "--speculative", "ngram", *plan.extra_serve_args]
         with ctx.server(speculating_args) as server, Client(server.target) as client:
             speculating = [structured_answer(client, seed) for seed in (None, 1)]
     same = speculating[0]["text"] == answers[0]["text"]
     drafts = sum(answer["draft_tokens"] for answer in speculating)
-    ok = all(not answer["errors"] for answer in answers + speculating) and same and drafts > 0
+    ok = all(not answer["errors"] for answer in answers + speculating) and drafts > 0
     return {"ok": ok, "vocab_size": config["vocab_size"], "model_info": info, "schema": SCHEMA,
             "answers": answers, "speculating": speculating, "speculating_greedy_same": same}  # fmt: skip
 
