@@ -114,9 +114,8 @@ EXTRACTION_SCHEMA = {
     "additionalProperties": False,
 }
 WARM_UP = [{"role": "user", "content": "Say hello in three languages."}]
-MAX_REQUESTS = min(
-    len(PASSAGES) * len(EDITS[0]), len(CHAT), len(PEOPLE), len(HOW_TO)
-)  # distinct requests per workload
+# distinct requests per workload
+MAX_REQUESTS = min(len(PASSAGES) * len(EDITS[0]), len(CHAT), len(PEOPLE), len(HOW_TO))
 
 
 @dataclass(frozen=True)

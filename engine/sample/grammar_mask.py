@@ -139,7 +139,7 @@ class GrammarMask:
         forced: list[int] = []
         # Jump-forward leaves out stop tokens; drafting the one a complete text must end with would save
         # no step (the verify step's bonus token samples it; measured: the same steps, only more drafts).
-        if not matcher.is_terminated():
+        if num_kept < max_drafts and not matcher.is_terminated():
             for token_id in matcher.find_jump_forward_tokens()[: max_drafts - num_kept]:
                 if not matcher.accept_token(token_id):
                     break
