@@ -623,6 +623,58 @@ def test_speculation_runs_its_steps_synchronously_with_identical_greedy_tokens(l
     assert set(counts) == {"plain0", "plain1"}
 
 
+def test_a_verify_step_is_sampled_after_the_outputs_before_it_are_returned(llama_dir):
+    """A step that verifies drafts is launched, then the step before's outputs are returned (a server's
+    core sends them while the verify forward runs on a GPU), and only the next step samples it, before it
+    schedules. Greedy and seeded requests give the synchronous engine's tokens."""
+    rng = random.Random(9)
+    phrase = [rng.randrange(4, 512) for _ in range(10)]
+    prompts = [phrase * 4, [rng.randrange(4, 512) for _ in range(8)] * 4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+    ]
+    speculative = SpeculativeConfig("ngram", num_speculative_tokens=3)
+    expected = _llm(llama_dir, False, speculative=speculative).generate(prompts, params)
+    llm = _llm(llama_dir, True, speculative=speculative)
+    core = llm.engine.core
+    events: list[str] = []
+    launch, verify, schedule = core._launch, core.rejection_sampler.sample, core.scheduler.schedule
+
+    def recording_launch(scheduler_output: SchedulerOutput):
+        events.append(
+            "launch verify" if any(s.spec_token_ids for s in scheduler_output.scheduled) else "launch"
+        )
+        return launch(scheduler_output)
+
+    def recording_verify(logits, rows, proposals):
+        events.append("sample verify" if any(p is not None for p in proposals) else "sample")
+        return verify(logits, rows, proposals)
+
+    def recording_schedule() -> SchedulerOutput:
+        events.append("schedule")
+        return schedule()
+
+    core._launch = recording_launch
+    core.rejection_sampler.sample = recording_verify
+    core.scheduler.schedule = recording_schedule
+    step = core.step
+
+    def recording_step():
+        outputs = step()
+        events.append("return")
+        return outputs
+
+    core.step = recording_step
+    assert _summary(llm.generate(prompts, params)) == _summary(expected)
+    assert llm.engine.stats().num_accepted_draft_tokens > 0
+    launches = [i for i, event in enumerate(events) if event == "launch verify"]
+    assert len(launches) > 2
+    for i in launches:
+        # Returned before it is sampled; sampled in the next step before anything is scheduled.
+        assert events[i + 1 : i + 4] == ["return", "sample verify", "schedule"], events[i - 3 : i + 6]
+
+
 def _opting_out(llm: LLM, request_ids: set[str]) -> LLM:
     """`llm` with those requests opted out of speculation (`use_speculation=False`), as gRPC's
     `disable_speculation` does."""

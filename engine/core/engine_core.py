@@ -7,7 +7,8 @@ offline `LLM` (`sluice.engine.frontend.engine.Engine`); both drive this same cla
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 import torch
 
@@ -16,6 +17,7 @@ from sluice.engine.core.grammar_waiting_room import GrammarWaitingRoom
 from sluice.engine.core.launched_step import (
     LaunchedStep,
     SamplingFailure,
+    StepResults,
     launch_sampling,
     needs_step_tokens,
     with_tokens_in_flight,
@@ -38,6 +40,7 @@ from sluice.engine.scheduler.async_scheduler import AsyncScheduler
 from sluice.engine.scheduler.scheduler import Scheduler
 from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.build import build_proposer
+from sluice.engine.spec_decode.proposer import Proposal
 from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
 from sluice.engine.spec_decode.speculator import Speculator
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
@@ -310,14 +313,13 @@ class EngineCore:
 
     def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Async scheduling: runs the model and queues the sampling, waiting for neither; a step that
-        verifies drafts samples on the host at once."""
+        verifies drafts is sampled on the host when the next step finishes it (`LaunchedStep.verifying`)."""
         in_flight = self._in_flight
         logits = self._execute(scheduler_output, None if in_flight is None else in_flight.sampled_token_ids())
         requests = [self.scheduler.get_request(s.request_id) for s in scheduler_output.scheduled if s.sample]
         if any(s.spec_token_ids for s in scheduler_output.scheduled):
-            launched = LaunchedStep.on_host(
-                scheduler_output, requests, self._sample(logits, scheduler_output)
-            )
+            sample = self._sampling(logits, scheduler_output)
+            launched = LaunchedStep.verifying(scheduler_output, requests, sample)
         else:
             rows = [self._sampling_row(request) for request in requests]
             if in_flight is not None and (self._counts_outputs or self._constrained):
@@ -333,11 +335,11 @@ class EngineCore:
     def _in_flight_needs_its_tokens(self) -> bool:
         """A request of the step in flight that is still live needs its tokens before its next step (it
         may speculate, and the batch is below the speculative config's disable_by_batch_size), or the step
-        was sampled on the host (it verified drafts): it has no device tokens to fill the next step's
-        placeholders, and finishing it costs no wait."""
+        is sampled on the host (it verifies drafts): it has no device tokens to fill the next step's
+        placeholders."""
         if self._in_flight is None:
             return False
-        if self._in_flight.sampled is not None:
+        if self._in_flight.token_ids is None:
             return True
         if not self._maybe_synchronous or not self.speculator.drafts_at(self.scheduler.num_running):
             return False
@@ -366,9 +368,19 @@ class EngineCore:
         parameters ends that request (returned in the second dict: request id -> error) and the others
         go on.
         """
+        return self._sampling(logits, scheduler_output)()
+
+    def _sampling(self, logits: torch.Tensor, scheduler_output: SchedulerOutput) -> Callable[[], StepResults]:
+        """`_sample`'s work, done when the result is called; the step's rows and drafts are taken now (a
+        request aborted in between is still sampled, and its result discarded)."""
         scheduled = [s for s in scheduler_output.scheduled if s.sample]
         rows = [self._sampling_row(self.scheduler.get_request(s.request_id)) for s in scheduled]
         proposals = [self.speculator.proposal(s.request_id, s.spec_token_ids) for s in scheduled]
+        return partial(self._sample_rows, logits, rows, proposals)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: list[SamplingRow], proposals: list[Proposal | None]
+    ) -> StepResults:
         try:
             self._inject_faults("sample", (row.request_id for row in rows))
             sampled = self.rejection_sampler.sample(logits, rows, proposals)

@@ -12,7 +12,9 @@ tokens on their way to the host while the core schedules and launches the next s
 A request "needs its step's tokens first" (`needs_step_tokens`) when scheduling its next step reads them
 on the host: speculation (drafts are proposed from the tokens). With such a request in the step in flight
 the core finishes that step before scheduling: that step runs synchronously. A step that verifies drafts
-samples on the host at once (`LaunchedStep.on_host`). The processors that read a request's outputs when
+is sampled on the host (`LaunchedStep.verifying`), not at its launch but when the next `step()` finishes
+it: meanwhile the core returns the outputs of the step before (its process sends them and takes new
+requests) while the verify step's forward runs. The processors that read a request's outputs when
 sampling see the one in flight too (`with_tokens_in_flight`): a grammar on the host, once the step in
 flight's tokens arrived (after the next step's forward is queued); penalties and min_tokens on the device.
 """
@@ -98,20 +100,21 @@ class LaunchedStep:
     scheduler_output: SchedulerOutput
     requests: list[Request]
     rows: list[SamplingRow]
-    errors: dict[str, SamplingFailure]  # request id -> why its sampling failed (found at launch)
+    errors: dict[str, SamplingFailure]  # request id -> why its sampling failed (verifying: once sampled)
     num_finished: int = 0  # the scheduler's count of finished requests at launch
     token_ids: torch.Tensor | None = None  # [len(rows)] int64 on the device; None: sampled on the host
     copy: HostCopy | None = None  # token_ids, then the logprobs' tensors
     logprobs: DeviceLogprobs | None = None
-    sampled: dict[str, list[SampledToken]] | None = None  # results already on the host
+    sampled: dict[str, list[SampledToken]] | None = None  # results on the host, once taken
+    sample_on_host: Callable[[], StepResults] | None = None  # a verify step's sampling, until it runs
 
     @classmethod
-    def on_host(
-        cls, scheduler_output: SchedulerOutput, requests: list[Request], results: StepResults
+    def verifying(
+        cls, scheduler_output: SchedulerOutput, requests: list[Request], sample: Callable[[], StepResults]
     ) -> LaunchedStep:
-        """A step sampled on the host at once (it verified drafts)."""
-        sampled, errors = results
-        return cls(scheduler_output, requests, [], errors, sampled=sampled)
+        """A step that verifies drafts, sampled on the host by `sample` (its rows and drafts taken at the
+        launch) when its results are first asked for: its forward runs in the meantime."""
+        return cls(scheduler_output, requests, [], {}, sample_on_host=sample)
 
     def sampled_token_ids(self) -> SampledTokenIds | None:
         """The token ids the next step's placeholders read (None when sampled on the host: no request
@@ -122,7 +125,10 @@ class LaunchedStep:
 
     def results(self, is_live: Callable[[Request], bool] | None) -> StepResults:
         """Waits for the tokens; the results of the requests `is_live` still accepts (None: all of them)."""
-        if self.sampled is None:
+        if self.sampled is None and self.sample_on_host is not None:
+            sample, self.sample_on_host = self.sample_on_host, None
+            self.sampled, self.errors = sample()
+        elif self.sampled is None:
             host = self.copy.wait()
             token_ids = host[0].tolist()
             if self.logprobs is None:
