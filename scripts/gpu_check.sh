@@ -19,7 +19,8 @@
 #                    (sluice/benchmarks/gpu/fused_quant_bench.py), all to kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
-#   structured       JSON-schema requests, SmolLM2's tokenizer borrowed by the preset; then served with --speculative ngram
+#   structured       JSON-schema requests, SmolLM2's tokenizer borrowed by the preset; then served with --speculative ngram,
+#                    with and without async scheduling: the greedy answer's TPOT on each server
 #   tensor_parallel  TP=2 where there are 2 GPUs and --tensor-parallel-size exists; else skipped, saying why
 #   fp8              the preset with --quantization fp8, then with --kv-cache-dtype fp8 too: sluice bench at
 #                    concurrency 1 and 64, greedy outputs and KV blocks against serve_bench's (issue 34),
@@ -230,7 +231,7 @@ if ((INSTALLED)); then
         exit \$rc"
     run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
     run_step speculative 100 30 "${SERVE[@]}" speculative
-    run_step structured 90 50 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
+    run_step structured 120 60 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
     run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
     run_step fp8 150 90 "${SERVE[@]}" fp8
     run_step async 120 45 "${SERVE[@]}" async

@@ -177,12 +177,23 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert structured["speculating"][0]["text"] == structured["answers"][0]["text"]
     assert structured["speculating_greedy_same"]
     assert all(answer["draft_tokens"] > 0 for answer in structured["speculating"])
+    # Timed: the same greedy answer from each server (with and without async scheduling), each answer's
+    # TPOT from the server's timings, its drafts verified when speculating.
+    timed = structured["timed"]
+    assert set(timed) == {"plain", "speculating", "speculating_sync"}
+    for name, runs in timed.items():
+        assert [a["text"] for a in runs["answers"]] == [structured["answers"][0]["text"]] * 5, name
+        assert all(a["tpot_ms"] > 0 and a["num_tokens"] > 1 for a in runs["answers"]), name
+        assert runs["tpot_ms_median"] == sorted(a["tpot_ms"] for a in runs["answers"])[2], name
+        assert all((a["draft_tokens"] > 0) == (name != "plain") for a in runs["answers"]), name
 
     parity = (out / "gpu_check.md").read_text()
     assert "## Parity with transformers (Triton kernels)\n\nPASS" in parity
     assert "## Decode step" in parity and "skipped: needs CUDA (this run is on the CPU)" in parity
     report = (out / "report.md").read_text()
     assert report.startswith("# Sluice GPU check: CPU: PASS")
+    assert "**TPOT of the greedy JSON answer** (median of 5 answers a server" in report
+    assert "`--speculative ngram`, async scheduling " in report and "not timed" not in report
     assert (
         "| serve_bench | sluice serve + greedy reference + sluice bench --sweep 1,16,64 | PASSED |" in report
     )

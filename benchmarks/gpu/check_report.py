@@ -186,6 +186,34 @@ def _request_name(seed: int | None) -> str:
     return "greedy" if seed is None else f"seed {seed}, temperature 1"
 
 
+def structured_timing_line(timed: dict[str, dict]) -> str:
+    """The structured step's timed greedy answers: plain, speculating with async scheduling, speculating
+    synchronously."""
+    plain = timed["plain"]["tpot_ms_median"]
+    figures = []
+    for name, label in (
+        ("plain", "plain"),
+        ("speculating", "`--speculative ngram`, async scheduling"),
+        ("speculating_sync", "the same, `--no-async-scheduling`"),
+    ):
+        runs = timed.get(name)
+        if runs is None or runs["tpot_ms_median"] is None:
+            figures.append(f"{label}: not timed")
+            continue
+        tpot, first = runs["tpot_ms_median"], runs["answers"][0]
+        notes = [f"{first['num_tokens']} tokens"]
+        if name != "plain":
+            notes.append(f"{first['draft_tokens']} drafts / {first['accepted_draft_tokens']} accepted")
+            if plain:
+                notes.append(f"{tpot / plain:.2f}x plain")
+        figures.append(f"{label} {tpot:.3f} ms ({', '.join(notes)})")
+    count = len(timed["plain"]["answers"])
+    return (
+        f"**TPOT of the greedy JSON answer** (median of {count} answers a server, the server's timings): "
+        + "; ".join(figures)
+    )
+
+
 def checks_section(results: dict[str, dict]) -> str:
     parts = []
     speculative = results.get("speculative")
@@ -229,6 +257,8 @@ def checks_section(results: dict[str, dict]) -> str:
             f"**The same, served with `--speculative ngram`** (greedy answer {same} as without):\n\n"
             + markdown_table(["request", "output", "schema", "drafts / accepted"], rows)
         )
+    if structured and "timed" in structured:
+        parts.append(structured_timing_line(structured["timed"]))
     tensor_parallel = results.get("tensor_parallel", {})
     tp_line = tensor_parallel.get("skipped") or tensor_parallel.get("error") or "not run"
     if "comparison" in tensor_parallel:

@@ -7,7 +7,9 @@ serve_bench      (c) `sluice serve --preset llama-3.2-1b --dtype bfloat16` answe
                  (JSON kept as OUT/bench_serve.json)
 speculative      (d) the same server with `--speculative ngram`: greedy outputs equal (c)'s
 structured       (e) a JSON-schema request: the preset with SmolLM2's tokenizer borrowed
-                 (sluice.benchmarks.gpu.borrowed_tokenizer), output parsed and checked against the schema
+                 (sluice.benchmarks.gpu.borrowed_tokenizer), output parsed and checked against the schema;
+                 then served with `--speculative ngram`, with and without async scheduling: the greedy
+                 answer's TPOT on each of the three servers
 tensor_parallel  (f) `--tensor-parallel-size 2` against (c)'s greedy outputs, where there are 2 GPUs and
                  the flag exists (issue 35); else skipped with the reason
 fp8              (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34):
@@ -113,18 +115,41 @@ def step_structured(ctx: StepContext, tokenizer_dir: Path | None) -> dict[str, A
         with ctx.server([*args, *plan.extra_serve_args]) as server, Client(server.target) as client:
             info = model_info(client)
             answers = [structured_answer(client, seed) for seed in (None, 1, 2)]
+            timed = {"plain": timed_answers(client)}
         # Speculating: the lookup's drafts cut where the grammar refuses them, the keys it forces drafted,
         # each verify row masked on the device. Whether greedy gives the same answer is reported, not
         # required: in bf16 a verify step's rows may part from a decode step's at a near tie (the
         # `speculative` step compares with a tolerance for those; one answer gives nothing to weigh).
+        # Served with async scheduling (a verify step sampled once the step before's outputs are out),
+        # then without: what speculation costs or saves a constrained answer, and what the overlap saves.
         speculating_args = [*args, "--speculative", "ngram", *plan.extra_serve_args]
-        with ctx.server(speculating_args) as server, Client(server.target) as client:
+        overlapped = [*speculating_args, "--async-scheduling"]
+        synchronous = [*speculating_args, "--no-async-scheduling"]
+        with ctx.server(overlapped) as server, Client(server.target) as client:
             speculating = [structured_answer(client, seed) for seed in (None, 1)]
+            timed["speculating"] = timed_answers(client)
+        with ctx.server(synchronous) as server, Client(server.target) as client:
+            timed["speculating_sync"] = timed_answers(client)
     same = speculating[0]["text"] == answers[0]["text"]
     drafts = sum(answer["draft_tokens"] for answer in speculating)
-    ok = all(not answer["errors"] for answer in answers + speculating) and drafts > 0
+    every_answer = answers + speculating + [a for runs in timed.values() for a in runs["answers"]]
+    ok = all(not answer["errors"] for answer in every_answer) and drafts > 0
     return {"ok": ok, "vocab_size": config["vocab_size"], "model_info": info, "schema": SCHEMA,
-            "answers": answers, "speculating": speculating, "speculating_greedy_same": same}  # fmt: skip
+            "answers": answers, "speculating": speculating, "speculating_greedy_same": same,
+            "timed": timed}  # fmt: skip
+
+
+# Greedy answers each structured server times after its checked ones: the same request, so the same answer
+# (its prompt from the prefix cache after the first).
+TIMED_ANSWERS = 5
+
+
+def timed_answers(client: Client) -> dict[str, Any]:
+    """TIMED_ANSWERS greedy answers one after another; the median of their TPOTs (the server's own
+    timings: from the first token to the last, over the tokens after the first)."""
+    answers = [structured_answer(client, None) for _ in range(TIMED_ANSWERS)]
+    tpots = sorted(a["tpot_ms"] for a in answers if a["tpot_ms"] is not None)
+    return {"answers": answers, "tpot_ms_median": tpots[len(tpots) // 2] if tpots else None}
 
 
 def structured_answer(client: Client, seed: int | None) -> dict[str, Any]:
@@ -142,9 +167,12 @@ def structured_answer(client: Client, seed: int | None) -> dict[str, Any]:
         errors += schema_errors(json.loads(completion.text))
     except json.JSONDecodeError as error:
         errors.append(f"not JSON: {error}")
-    usage = completion.usage
-    return {"seed": seed, "text": completion.text, "errors": errors,
-            "cached_tokens": usage.cached_tokens if usage else 0,
+    usage, timings, num_tokens = completion.usage, completion.timings, len(completion.token_ids)
+    tpot_ms = None
+    if timings is not None and num_tokens > 1:
+        tpot_ms = round((timings.total_seconds - timings.ttft_seconds) / (num_tokens - 1) * 1e3, 3)
+    return {"seed": seed, "text": completion.text, "errors": errors, "num_tokens": num_tokens,
+            "tpot_ms": tpot_ms, "cached_tokens": usage.cached_tokens if usage else 0,
             "draft_tokens": usage.draft_tokens if usage else 0,
             "accepted_draft_tokens": usage.accepted_draft_tokens if usage else 0}  # fmt: skip
 
