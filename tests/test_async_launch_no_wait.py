@@ -9,7 +9,8 @@ N samples, on the device, not yet in the row's outputs): the tokens of the same 
 Then whole launches of the engine, for the requests that overlap. Last, speculative decoding's two
 waits a step, once each by design: a draft model's k draft steps queue before the proposal takes its
 drafts, and a verify step's sampled requests are verified on the device before the step takes the
-counts accepted and the tokens.
+counts accepted and the tokens; and that wait comes at the next step, the verify step's launch waiting for
+nothing.
 """
 
 from __future__ import annotations
@@ -212,3 +213,35 @@ def test_a_verify_step_s_sampled_requests_are_verified_waiting_once(llama_dir) -
         assert launched and stats.num_draft_tokens > 0 and stats.num_kv_blocks_used == 0
         runs.append([(c.token_ids, c.logprobs) for c in got])
     assert runs[0] == runs[1]
+
+
+def test_a_verify_step_s_launch_waits_for_nothing_and_is_sampled_at_the_next_step(llama_dir) -> None:
+    """Under async scheduling a step that verifies n-gram drafts is launched (inputs, forward) without
+    waiting for the device, and sampled by the next step, after the outputs of the step before were
+    returned: the wait for its forward is that sampling's. Greedy and seeded requests give the synchronous
+    engine's tokens."""
+    rng = random.Random(47)
+    phrase = [rng.randrange(4, 500) for _ in range(8)]
+    prompts = [phrase * 4, [rng.randrange(4, 500) for _ in range(6)] * 5]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = [greedy, replace(greedy, temperature=0.8, seed=7, top_k=30)]
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3)
+    expected = LLM(llama_dir, speculative=spec, async_scheduling=False).generate(prompts, params)
+    llm = LLM(llama_dir, speculative=spec, async_scheduling=True)
+    core = llm.engine.core
+    launch = core._launch
+    verifying = []
+
+    def launch_waiting_for_nothing(scheduler_output: SchedulerOutput):
+        with no_device_waits():
+            launched = launch(scheduler_output)
+        if any(s.spec_token_ids for s in scheduler_output.scheduled):
+            verifying.append(launched)
+        return launched
+
+    core._launch = launch_waiting_for_nothing
+    got = llm.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert verifying and all(step.sampled is not None for step in verifying)  # each sampled since
+    assert llm.engine.stats().num_accepted_draft_tokens > 0
+    assert llm.engine.stats().num_kv_blocks_used == 0
