@@ -192,7 +192,7 @@ def structured_timing_line(timed: dict[str, dict]) -> str:
     plain = timed["plain"]["tpot_ms_median"]
     figures = []
     for name, label in (
-        ("plain", "plain"),
+        ("plain", "plain (the default scheduling: async on CUDA)"),
         ("speculating", "`--speculative ngram`, async scheduling"),
         ("speculating_sync", "the same, `--no-async-scheduling`"),
     ):
