@@ -27,7 +27,7 @@ from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sample.sampler import Sampler, SamplingRow
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from sluice.engine.scheduler.scheduler_output import PLACEHOLDER_TOKEN_ID
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = 64
@@ -137,18 +137,14 @@ def test_an_engine_launch_waits_for_nothing_and_its_steps_give_the_synchronous_t
     expected = LLM(llama_dir, async_scheduling=False).generate(prompts, params)
     llm = LLM(llama_dir, async_scheduling=True)
     core = llm.engine.core
-    launch = core._launch
-    overlapped = []
-
-    def launch_waiting_for_nothing(scheduler_output: SchedulerOutput):
-        with no_device_waits():
-            launched = launch(scheduler_output)
-        if any(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in scheduler_output.scheduled):
-            overlapped.append(scheduler_output)
-        return launched
-
-    core._launch = launch_waiting_for_nothing
+    launched = []
+    core._launch = waiting_for_nothing(core._launch, launched)
     got = llm.generate(prompts, params)
+    overlapped = [
+        step
+        for step in launched
+        if any(s.token_ids[-1] == PLACEHOLDER_TOKEN_ID for s in step.scheduler_output.scheduled)
+    ]
     summary = [(c.token_ids, c.finish_reason, c.logprobs) for c in got]
     assert summary == [(c.token_ids, c.finish_reason, c.logprobs) for c in expected]
     assert len(overlapped) >= greedy.max_tokens - 1  # every decode step after the first
@@ -229,19 +225,11 @@ def test_a_verify_step_s_launch_waits_for_nothing_and_is_sampled_at_the_next_ste
     expected = LLM(llama_dir, speculative=spec, async_scheduling=False).generate(prompts, params)
     llm = LLM(llama_dir, speculative=spec, async_scheduling=True)
     core = llm.engine.core
-    launch = core._launch
-    verifying = []
-
-    def launch_waiting_for_nothing(scheduler_output: SchedulerOutput):
-        with no_device_waits():
-            launched = launch(scheduler_output)
-        if any(s.spec_token_ids for s in scheduler_output.scheduled):
-            verifying.append(launched)
-        return launched
-
-    core._launch = launch_waiting_for_nothing
+    launched = []
+    core._launch = waiting_for_nothing(core._launch, launched)
     got = llm.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    verifying = [step for step in launched if any(s.spec_token_ids for s in step.scheduler_output.scheduled)]
     assert verifying and all(step.sampled is not None for step in verifying)  # each sampled since
     assert llm.engine.stats().num_accepted_draft_tokens > 0
     assert llm.engine.stats().num_kv_blocks_used == 0
