@@ -9,14 +9,6 @@
 #   kernel_tests     the kernel tests compiled for the GPU (scripts/gpu_check.py KERNEL_TESTS)
 #   gpu_check        scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, FP8-KV kernels, the
 #                    attention tile-config sweep, end to end
-#   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
-#                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
-#                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
-#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), then
-#                    the attention kernels over an FP8 KV cache in both ways of applying its scales
-#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), then RMSNorm / SiLU-and-mul with the FP8
-#                    quantization fused in against the two launches they replace
-#                    (sluice/benchmarks/gpu/fused_quant_bench.py), all to kernel_bench.md
 #   serve_bench      sluice serve --preset llama-3.2-1b --dtype bfloat16, greedy reference, sluice bench --sweep
 #   speculative      a second server with --speculative ngram: the same greedy outputs
 #   structured       JSON-schema requests, SmolLM2's tokenizer borrowed by the preset; then served with --speculative ngram,
@@ -35,6 +27,14 @@
 #                    sluice bench at concurrency 1 and 64 (the same prompts on each), greedy outputs and KV
 #                    blocks against the step's own bf16 server (issue 34's targets on their shape), e.g.
 #                    SLUICE_GPU_CHECK_STEPS=fp8_large SLUICE_GPU_CHECK_BUDGET_S=390 (device timeout 410 s)
+#   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
+#                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
+#                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
+#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), then
+#                    the attention kernels over an FP8 KV cache in both ways of applying its scales
+#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), then RMSNorm / SiLU-and-mul with the FP8
+#                    quantization fused in against the two launches they replace
+#                    (sluice/benchmarks/gpu/fused_quant_bench.py), all to kernel_bench.md
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 8 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json, kernel_bench.md. Exit status 0: every step passed
@@ -48,6 +48,8 @@
 # sweep (default 75 s of wall clock; 0 skips it); SLUICE_GPU_CHECK_STEP_LIMIT_S caps every step's limit;
 # SLUICE_GPU_CHECK_SKIP_E2E=1 leaves out scripts/gpu_check.py's end-to-end section (~1.5 min), which makes
 # room in the budget for the optional steps (fp8, async, then large).
+# SLUICE_GPU_CHECK_OFF_OPTIONS=1 serves the options a GPU run timed and left off (run 16: the async step's
+# --skinny-linears server, fp8_large's --fuse-norm-fp8 and --fuse-silu-fp8 ones), ~90 s; unset, they do not run.
 # CPU mode (tests/test_gpu_check_script.py): SLUICE_GPU_CHECK_DEVICE=cpu runs the same steps on the `tiny`
 # preset in float32 with the kernels interpreted (the large and fp8_large steps on tiny too), skipping only the
 # GPU-only parts.
@@ -67,8 +69,8 @@ case $DEVICE in
     *) echo "SLUICE_GPU_CHECK_DEVICE: must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 BUDGET=${SLUICE_GPU_CHECK_BUDGET_S:-470}
-STEPS=(kernel_tests gpu_check kernel_bench serve_bench speculative structured tensor_parallel fp8 async large fp8_large)
-ON_REQUEST_STEPS="kernel_bench fp8_large" # run only when SLUICE_GPU_CHECK_STEPS names them
+STEPS=(kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large fp8_large kernel_bench)
+ON_REQUEST_STEPS="fp8_large kernel_bench" # run only when SLUICE_GPU_CHECK_STEPS names them, last
 DEFAULT_STEPS=
 for name in "${STEPS[@]}"; do
     [[ " $ON_REQUEST_STEPS " == *" $name "* ]] || DEFAULT_STEPS+="$name "
@@ -87,7 +89,7 @@ OUT=$(cd "$1" && pwd)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
 REPORT_RESERVE=30 # seconds kept for the report at the end (its own limit)
-OPTIONAL_STEPS="fp8 async large fp8_large" # run "if time allows", in this order (docs/GPU.md says why)
+OPTIONAL_STEPS="fp8 async large fp8_large kernel_bench" # run "if time allows", in this order (docs/GPU.md says why)
 WHL=$REPO/.whl
 TOKENIZER=${SLUICE_GPU_CHECK_TOKENIZER:-$WHL/smollm2-tokenizer}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
@@ -219,6 +221,14 @@ if ((INSTALLED)); then
     fi
     E2E=$([[ ${SLUICE_GPU_CHECK_SKIP_E2E:-0} == 1 ]] && echo --skip-e2e)
     run_step gpu_check 240 60 $PY scripts/gpu_check.py --skip-tests $E2E --device "$DEVICE" --out "$OUT/gpu_check.md" --results "$RESULTS"
+    run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
+    run_step speculative 100 30 "${SERVE[@]}" speculative
+    run_step structured 120 60 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
+    run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
+    run_step fp8 150 90 "${SERVE[@]}" fp8
+    run_step async 120 45 "${SERVE[@]}" async
+    run_step large 180 110 "${SERVE[@]}" large
+    run_step fp8_large 330 150 "${SERVE[@]}" fp8_large
     BENCH_CAP=${SLUICE_GPU_CHECK_KERNEL_BENCH_S:-120}
     BENCH_ROWS=${SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS:-1,2,4,8,16,32,64}
     KV_PATHS_ARGS=$([[ $MODE == cpu ]] && echo "--device cpu --tiny")
@@ -229,14 +239,6 @@ if ((INSTALLED)); then
         $PY -P -m sluice.benchmarks.gpu.fused_quant_bench '$WORK/fused_quant.md' --device '$DEVICE' || rc=1
         [[ -f '$WORK/fused_quant.md' ]] && { echo; cat '$WORK/fused_quant.md'; } >>'$OUT/kernel_bench.md'
         exit \$rc"
-    run_step serve_bench 150 40 "${SERVE[@]}" serve_bench
-    run_step speculative 100 30 "${SERVE[@]}" speculative
-    run_step structured 120 60 "${SERVE[@]}" structured --tokenizer-dir "$TOKENIZER"
-    run_step tensor_parallel 150 20 "${SERVE[@]}" tensor_parallel
-    run_step fp8 150 90 "${SERVE[@]}" fp8
-    run_step async 120 45 "${SERVE[@]}" async
-    run_step large 180 110 "${SERVE[@]}" large
-    run_step fp8_large 330 150 "${SERVE[@]}" fp8_large
 else
     for name in "${STEPS[@]}"; do
         record "$name" skipped 0 0 "the install step did not pass"

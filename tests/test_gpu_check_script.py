@@ -34,6 +34,7 @@ from sluice.benchmarks.gpu import (
     gpu_benchmarks,
     greedy_compare,
     kernel_test_files,
+    serve_checks,
     step_context,
     variant_servers,
 )
@@ -58,6 +59,12 @@ _SPEC.loader.exec_module(gpu_check)
 
 OUT_FILES = {"report.md", "gpu_check.md", "results.jsonl", "steps.log", "servers.log", "bench_serve.json",
              "bench_large.json"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_off_options(monkeypatch):
+    """The plans as run by default, whatever this shell set: the tests that want the knob set it."""
+    monkeypatch.delenv(step_context.OFF_OPTIONS_ENV, raising=False)
 
 
 def run_script(out: Path, timeout: float, python: str = sys.executable, **env: str):
@@ -205,7 +212,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "## Async scheduling (issue 33): --async-scheduling vs synchronous" in report
     assert "**Where the tiny TTFT goes: one 24-token prompt's first step** (the engine core's" in report
     assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
-    assert "| --async-scheduling --skinny-linears | - | - | - | - | - | not run |" in report
+    assert "--skinny-linears |" not in report  # never planned here: no row
     assert "the skinny linears' server does not run (their kernels interpreted" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
@@ -355,6 +362,23 @@ def test_a_budget_too_small_fails_the_required_steps_and_skips_the_optional_one(
     assert (out / "report.md").read_text().startswith("# Sluice GPU check: CPU: FAIL")
 
 
+def test_the_on_request_steps_run_last_and_are_skipped_for_time_without_failing(tmp_path: Path) -> None:
+    """fp8_large, then kernel_bench, after every other step: a call naming both gives kernel_bench what
+    fp8_large leaves, and a budget too small for either skips them without failing the check."""
+    out = tmp_path / "out"
+    proc = run_script(
+        out, timeout=120, SLUICE_GPU_CHECK_STEPS="kernel_bench fp8_large", SLUICE_GPU_CHECK_BUDGET_S="40"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    order = [r["step"] for r in records if "status" in r]
+    assert order[-2:] == ["fp8_large", "kernel_bench"] and len(order) == len(check_report.STEPS)
+    assert order == list(check_report.STEPS)  # the report's table in the script's order
+    steps = statuses(out)
+    for name in ("fp8_large", "kernel_bench"):
+        assert steps[name]["status"] == "skipped" and "s left of the 40s budget, needs" in steps[name]["note"]
+
+
 def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_step(tmp_path: Path) -> None:
     proc = subprocess.run([str(SCRIPT)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == "usage: scripts/gpu_check.sh OUT_DIR\n"
@@ -369,8 +393,8 @@ def test_the_script_refuses_a_missing_out_dir_an_unknown_device_and_an_unknown_s
     )
     assert proc.returncode == 2 and proc.stderr == (
         "SLUICE_GPU_CHECK_STEPS: unknown step 'parity'; "
-        "steps: kernel_tests gpu_check kernel_bench serve_bench speculative structured tensor_parallel fp8 "
-        "async large fp8_large\n"
+        "steps: kernel_tests gpu_check serve_bench speculative structured tensor_parallel fp8 async large "
+        "fp8_large kernel_bench\n"
     )
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
@@ -1042,16 +1066,16 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     text, ok = check_report.build_report(tmp_path, "gpu", 350, 340)
     assert not ok
     section = text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
-    assert section.startswith("The llama-3-8b preset (bfloat16) on 6 servers of this step")
+    assert section.startswith("The llama-3-8b preset (bfloat16) on 4 servers of this step")
     for line in (
         "| greedy vs bf16 |",
         "| bf16 (this step's) | 5.60 | 9.00 | 6000 | 5000 | 72/72 | the reference |",
         "| fp8 weights | 3.20 (0.57x) | 6.30 (0.70x) | 8400 (1.40x) | 6500 (1.30x) | 72/72 "
         "| 5/8 equal; 200/256 tokens before the first difference |",
         "| fp8 weights + fp8 KV | - | - | - | - | - | not run |",  # killed at the limit before it
-        "| fp8 weights, RMSNorms in the linears | - | - | - | - | - | not run |",  # a GPU's only
-        "| fp8 weights, RMSNorms and SiLU-and-mul in the linears | - | - | - | - | - | not run |",
         "| fp8 weights, 128 x 128 blocks | - | - | - | - | - | not run |",
+        "The servers of fp8 weights with the RMSNorms (and SiLU-and-mul) in the linears did not run: off by "
+        "default since run 16, where they were slower; `SLUICE_GPU_CHECK_OFF_OPTIONS=1` serves them.",
         "| fp8 weights: batch-1 TPOT p50 / bf16's (the goal's shape) | 0.57 | <= 0.6 | met |",
         "| fp8 weights: out tok/s at 64 concurrent / bf16's | 1.40 | >= 1.3 | met |",
         "| fp8 weights + fp8 KV: out tok/s at 64 concurrent / bf16's | - | >= 1.3 | not measured |",
@@ -1062,9 +1086,10 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
         "tie, 1 mismatched.",
     ):
         assert line in section, line
+    assert "RMSNorms in the linears |" not in section  # the folds' rows: not planned, not recorded
     assert (
-        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 with norms folded (GPU), fp8 "
-        "128-blocks"
+        "| fp8_large | llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks (fp8 with norms folded: "
+        "SLUICE_GPU_CHECK_OFF_OPTIONS=1)"
         in text
         and "| TIMED OUT | 330 |" in text
     )
@@ -1082,11 +1107,89 @@ def test_the_fp8_large_section_sets_the_8b_fp8_servers_against_the_steps_own_bf1
     )
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_the_fp8_large_step_serves_the_folded_inputs_on_a_gpu_before_the_blocks(mode, tmp_path, monkeypatch):
-    """fp8_large's servers and their arguments, the servers stubbed: bf16, fp8, fp8 + fp8 KV, on a GPU fp8
-    with --fuse-norm-fp8 and fp8 with --fuse-silu-fp8 too (not in the CPU mode: Plan.fp8_norm_serve_args,
-    fp8_fold_serve_args), fp8 in blocks last."""
+def test_the_fp8_large_section_lists_the_folded_servers_planned_or_recorded(tmp_path: Path, monkeypatch):
+    """With SLUICE_GPU_CHECK_OFF_OPTIONS=1 the folds' servers are planned: their rows say "not run" until
+    they record figures; without it, a fold's record (a call with the knob, its report rebuilt here by
+    merge_calls) still gets its row, and the section no longer says they did not run."""
+    bf16 = _fp8_record("bf16", 5000, 5.6e-3, 9.0e-3, 6000.0, step="fp8_large")
+    records = [bf16, _fp8_record("fp8", 6500, 3.2e-3, 6.3e-3, 8400.0, step="fp8_large")]
+
+    def section() -> str:
+        (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        text, _ = check_report.build_report(tmp_path, "gpu", 350, 340)
+        return text.split("## FP8 on the llama-3-8b shape (issue 34)\n\n")[1].split("\n## ")[0]
+
+    monkeypatch.setenv(step_context.OFF_OPTIONS_ENV, "1")
+    text = section()
+    assert text.startswith("The llama-3-8b preset (bfloat16) on 6 servers of this step")
+    assert "| fp8 weights, RMSNorms in the linears | - | - | - | - | - | not run |" in text
+    assert "| fp8 weights, RMSNorms and SiLU-and-mul in the linears | - | - | - | - | - | not run |" in text
+    assert "(RMSNorms in the linears: `--fuse-norm-fp8`" in text and "did not run" not in text
+
+    monkeypatch.delenv(step_context.OFF_OPTIONS_ENV)
+    records.append(_fp8_record("fp8_norm", 6500, 3.9e-3, 6.3e-3, 8400.0, step="fp8_large"))
+    text = section()
+    assert text.startswith("The llama-3-8b preset (bfloat16) on 5 servers of this step")
+    assert "| fp8 weights, RMSNorms in the linears | 3.90 (0.70x) |" in text
+    assert "RMSNorms and SiLU-and-mul in the linears |" not in text and "did not run" not in text
+
+
+def test_the_async_section_lists_the_skinny_server_planned_or_recorded(tmp_path: Path, monkeypatch):
+    """On a GPU without SLUICE_GPU_CHECK_OFF_OPTIONS the skinny linears' server is not planned: no row, and
+    the section says why and how to serve it; with the knob its row says "not run" until it records
+    figures; a skinny record gets its row either way."""
+    comparison = {"equal": 8, "near tie": 0, "mismatch": 0, "details": []}
+    agreement = {"samples": 8, "equal": 8, "tokens_before_first_difference": 256, "tokens": 256}
+    served = {"ok": True, "model_info": {"num_kv_blocks": 9000}, "comparison": comparison, "step": "async"}
+    served["agreement"] = agreement
+    records = [
+        {"step": "serve_bench", "ok": True, "model_info": {"num_kv_blocks": 9000}, "greedy": []},
+        {
+            **served,
+            "variant": "async",
+            "runs": [_bench_run(1, 8, 1.2e-3, 800.0), _bench_run(64, 256, 2e-3, 3e4)],
+        },
+    ]
+    (tmp_path / "bench_serve.json").write_text(json.dumps({"runs": [_bench_run(1, 64, 1.5e-3, 620.0)]}))
+
+    def section() -> str:
+        (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        text, _ = check_report.build_report(tmp_path, "gpu", 350, 470)
+        return text.split("## Async scheduling (issue 33): --async-scheduling vs synchronous\n\n")[1].split(
+            "\n## "
+        )[0]
+
+    text = section()
+    assert (
+        "the `--async-scheduling` server ran `sluice bench`" in text
+        and "| --async-scheduling | 1.20 (0.80x) |" in text
+    )
+    assert "--skinny-linears |" not in text
+    assert (
+        "The servers of Sluice's skinny linears (`--skinny-linears`) did not run: off by default since run "
+        "16, where they were slower; `SLUICE_GPU_CHECK_OFF_OPTIONS=1` serves them." in text
+    )
+    monkeypatch.setenv(step_context.OFF_OPTIONS_ENV, "1")
+    text = section()
+    assert "| --async-scheduling --skinny-linears | - | - | - | - | - | not run |" in text
+    assert "the second with Sluice's skinny linears" in text and "did not run" not in text
+    monkeypatch.delenv(step_context.OFF_OPTIONS_ENV)
+    records.append({**records[1], "variant": "async_skinny", "runs": [_bench_run(1, 8, 1.5e-3, 700.0)]})
+    text = section()
+    assert "| --async-scheduling --skinny-linears | 1.50 (1.00x) |" in text and "did not run" not in text
+
+
+OFF_OPTIONS = [("gpu", None), ("gpu", "1"), ("cpu", "1")]  # (mode, SLUICE_GPU_CHECK_OFF_OPTIONS)
+
+
+@pytest.mark.parametrize(("mode", "off_options"), OFF_OPTIONS)
+def test_the_fp8_large_step_serves_the_folded_inputs_when_asked_before_the_blocks(
+    mode, off_options, tmp_path, monkeypatch
+):
+    """fp8_large's servers and their arguments, the servers stubbed, as `serve_checks.run_step` runs the
+    step: bf16, fp8, fp8 + fp8 KV, with SLUICE_GPU_CHECK_OFF_OPTIONS=1 on a GPU fp8 with --fuse-norm-fp8
+    and fp8 with --fuse-silu-fp8 too (never in the CPU mode: Plan.fp8_norm_serve_args,
+    fp8_fold_serve_args; run 16 left them off), fp8 in blocks last."""
     served = []
 
     def serve(ctx, reference, name, extra, preset=None, profile=False):
@@ -1095,22 +1198,27 @@ def test_the_fp8_large_step_serves_the_folded_inputs_on_a_gpu_before_the_blocks(
         return {"ok": True}
 
     monkeypatch.setattr(variant_servers, "variant_server", serve)
-    ctx = step_context.StepContext(tmp_path, step_context.PLANS[mode], "fp8_large")
-    result = variant_servers.step_fp8_large(ctx)
+    if off_options is not None:
+        monkeypatch.setenv(step_context.OFF_OPTIONS_ENV, off_options)
+    assert serve_checks.run_step("fp8_large", tmp_path, mode, None) == serve_checks.EXIT_PASSED
     fp8 = ("--quantization", "fp8")
     expected = [("bf16", ()), ("fp8", fp8), ("fp8_kv", (*fp8, "--kv-cache-dtype", "fp8"))]
-    if mode == "gpu":
+    if mode == "gpu" and off_options == "1":
         expected.append(("fp8_norm", (*fp8, "--fuse-norm-fp8")))
         expected.append(("fp8_fold", (*fp8, "--fuse-norm-fp8", "--fuse-silu-fp8")))
     expected.append(("fp8_block", (*fp8, "--fp8-weight-block", "128")))
     assert served == expected
-    assert result == {"ok": True, "preset": ctx.plan.large_preset, "variants": [name for name, _ in expected]}
+    (record,) = step_context.read_results(tmp_path)
+    assert record["ok"] and record["variants"] == [name for name, _ in expected]
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_the_async_step_serves_the_skinny_linears_after_cublas_on_a_gpu(mode, tmp_path, monkeypatch):
-    """The async step's servers and their arguments, the servers stubbed: on a GPU --async-scheduling,
-    then with --skinny-linears too; in the CPU mode the first only (Plan.skinny_serve_args)."""
+@pytest.mark.parametrize(("mode", "off_options"), OFF_OPTIONS)
+def test_the_async_step_serves_the_skinny_linears_after_cublas_when_asked(
+    mode, off_options, tmp_path, monkeypatch
+):
+    """The async step's servers and their arguments, the servers stubbed: --async-scheduling, then, on a
+    GPU with SLUICE_GPU_CHECK_OFF_OPTIONS=1, with --skinny-linears too (Plan.skinny_serve_args; never in
+    the CPU mode)."""
     served = []
 
     def serve(ctx, reference, name, extra):
@@ -1118,10 +1226,11 @@ def test_the_async_step_serves_the_skinny_linears_after_cublas_on_a_gpu(mode, tm
         return {"ok": True, "comparison": {"mismatch": int(name == "async_skinny")}}  # reported, not failed
 
     monkeypatch.setattr(variant_servers, "variant_server", serve)
-    ctx = step_context.StepContext(tmp_path, step_context.PLANS[mode], "async")
+    environ = {} if off_options is None else {step_context.OFF_OPTIONS_ENV: off_options}
+    ctx = step_context.StepContext(tmp_path, step_context.plan_for(mode, environ), "async")
     monkeypatch.setattr(ctx, "reference", lambda: {"prompts": []})
     result = variant_servers.step_async(ctx)
     expected = [("async", ("--async-scheduling",))]
-    if mode == "gpu":
+    if mode == "gpu" and off_options == "1":
         expected.append(("async_skinny", ("--async-scheduling", "--skinny-linears")))
     assert served == expected and result == {"ok": True, "variants": [name for name, _ in expected]}

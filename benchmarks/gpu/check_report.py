@@ -36,17 +36,17 @@ STEPS = {
     "install": "wheels from .whl/ and Sluice itself, pip --no-index --target",
     "kernel_tests": "kernel tests, compiled for the device (scripts/gpu_check.py --print-kernel-tests)",
     "gpu_check": "scripts/gpu_check.py: parity, ceilings, decode, attention, prefill, end to end",
-    "kernel_bench": "kernels one at a time: FP8 linears at decode batch sizes vs bf16 (kernel_bench.md)",
     "serve_bench": "sluice serve + greedy reference + sluice bench --sweep 1,16,64",
     "speculative": "sluice serve --speculative ngram: greedy outputs equal serve_bench's",
     "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",
     "tensor_parallel": "sluice serve --tensor-parallel-size 2 (issue 35)",
     "fp8": "--quantization fp8, then + --kv-cache-dtype fp8: sluice bench at 1 and 64, greedy, KV blocks",
-    "async": "--async-scheduling, then + --skinny-linears: greedy equal to serve_bench's, sluice bench at 1 "
-    "and 64",
+    "async": "--async-scheduling (then + --skinny-linears: SLUICE_GPU_CHECK_OFF_OPTIONS=1): greedy equal to "
+    "serve_bench's, sluice bench at 1 and 64",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
-    "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 with norms folded (GPU), fp8 128-blocks: "
-    "sluice bench at 1 and 64, greedy, KV blocks",
+    "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks (fp8 with norms folded: "
+    "SLUICE_GPU_CHECK_OFF_OPTIONS=1): sluice bench at 1 and 64, greedy, KV blocks",
+    "kernel_bench": "kernels one at a time: FP8 linears at decode batch sizes vs bf16 (kernel_bench.md)",
 }
 FAILING = ("failed", "timed out", "out of time")
 

@@ -24,6 +24,9 @@ fp8_large        (i) the large step's shape served four times: bf16, fp8's two s
                  blocks made at load, each as in (g)
                  but set against the first (its own reference), the same `sluice bench` prompts on each
 
+The servers of options a GPU run timed and left off (the async step's skinny linears, fp8_large's FP8
+folds) serve only with SLUICE_GPU_CHECK_OFF_OPTIONS=1 (`step_context.plan_for`).
+
 Each step appends one JSON line to OUT/results.jsonl and exits 0 (passed), 1 (failed) or 3 (skipped).
 The CPU mode runs the same steps on the `tiny` preset in float32, so a CPU test covers this code.
 
@@ -52,6 +55,7 @@ from sluice.benchmarks.gpu.step_context import (
     bench_runs,
     greedy_outputs,
     model_info,
+    plan_for,
     run_bench,
 )
 from sluice.benchmarks.gpu.step_profiles import PROFILES_DIR, profile_server
@@ -227,7 +231,7 @@ def step_large(ctx: StepContext) -> dict[str, Any]:
 
 
 def run_step(step: str, out: Path, mode: str, tokenizer_dir: Path | None) -> int:
-    ctx = StepContext(out, PLANS[mode], step)
+    ctx = StepContext(out, plan_for(mode), step)
     steps = {
         "serve_bench": lambda: step_serve_bench(ctx),
         "speculative": lambda: step_speculative(ctx),

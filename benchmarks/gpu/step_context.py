@@ -7,12 +7,14 @@ outputs of fixed prompts, and `sluice bench` run beside it as a user runs it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,22 @@ PLANS = {
         fp8_fold_serve_args=None,
     ),
 }  # fmt: skip
+
+
+# The servers of options that a GPU run timed and left off by default (docs/GPU.md's table of changes, run 16:
+# each lost): the async step's skinny linears and fp8_large's two with the FP8 linears' inputs folded in,
+# ~90 s of a lease. They serve again with SLUICE_GPU_CHECK_OFF_OPTIONS=1 (after a change to their kernels).
+OFF_OPTIONS_ENV = "SLUICE_GPU_CHECK_OFF_OPTIONS"
+
+
+def plan_for(mode: str, environ: Mapping[str, str] = os.environ) -> Plan:
+    """The mode's plan as the steps run it: `PLANS[mode]` less the off-by-default options' servers, unless
+    `OFF_OPTIONS_ENV` is 1 in `environ`."""
+    plan = PLANS[mode]
+    if environ.get(OFF_OPTIONS_ENV) == "1":
+        return plan
+    off = {"skinny_serve_args": None, "fp8_norm_serve_args": None, "fp8_fold_serve_args": None}
+    return dataclasses.replace(plan, **off)
 
 
 class StepContext:

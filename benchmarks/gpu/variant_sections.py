@@ -7,13 +7,14 @@ FP8 sections) or issue 33's TPOT goal (async), each server's greedy comparison a
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from sluice.benchmarks.gpu import check_figures, fp8_figures
 from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
-from sluice.benchmarks.gpu.step_context import PLANS, Plan, read_runs
+from sluice.benchmarks.gpu.step_context import OFF_OPTIONS_ENV, PLANS, Plan, plan_for, read_runs
 from sluice.benchmarks.gpu.step_profiles import profile_tables
 from sluice.benchmarks.gpu.variant_servers import large_variants
 
@@ -79,20 +80,21 @@ def fp8_large_section(
         return not_measured("fp8_large", statuses, results)
     plan, base, _, runs = Baseline.of(results, out, mode)
     reference = fp8_figures.ServerFigures.of(bf16["runs"], bf16["model_info"])
-    labels = {name: fp8_figures.LARGE_LABELS[name] for name in large_variants(plan)}  # the plan's servers
+    labels = served_labels(fp8_figures.LARGE_LABELS, large_variants(plan_for(mode)), variants)
     servers = ", ".join([base, *labels.values()])
+    flags = "; ".join(note for name, note in LARGE_FLAG_NOTES.items() if name in labels)
     intro = (
         f"The {plan.large_preset} preset ({plan.dtype}) on {len(labels) + 1} servers of this step, one "
-        f"after another, each with `--async-scheduling` (as served on CUDA): {servers} (RMSNorms in the "
-        "linears: `--fuse-norm-fp8`, each one-row step's norms made in qkv_proj's and "
-        "gate_up_proj's FP8 launches; and SiLU-and-mul: `--fuse-silu-fp8` too, its activation made in "
-        "down_proj's; 128 x 128 blocks: `--fp8-weight-block 128`, made at load, the layout "
-        f"of Qwen3-FP8 checkpoints); each ran `sluice bench` with {runs}, {plan.input_len} prompt and "
+        f"after another, each with `--async-scheduling` (as served on CUDA): {servers}"
+        + (f" ({flags})" if flags else "")
+        + f"; each ran `sluice bench` with {runs}, {plan.input_len} prompt and "
         f"{plan.output_len} output tokens, the same prompts on each (the same seeds). In brackets: the "
         f"ratio to {base}'s."
     )
     rows = fp8_figures.table_rows(reference, variants, base, labels=labels, base_source="this step's")
     table = markdown_table(fp8_figures.table_headers(base), rows)
+    if mode == "gpu" and not {"fp8_norm", "fp8_fold"} & labels.keys():
+        table += "\n\n" + off_options_line("fp8 weights with the RMSNorms (and SiLU-and-mul) in the linears")
     shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
     parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
     profiled = {name: r["profiles"] for name, r in {"bf16": bf16, **variants}.items() if "profiles" in r}
@@ -105,6 +107,30 @@ def fp8_large_section(
             *profile_tables(profiled),
         ]
     return "\n\n".join([intro, table, *parts])
+
+
+# What fp8_large's flags do, for the servers that ran.
+LARGE_FLAG_NOTES = {
+    "fp8_norm": "RMSNorms in the linears: `--fuse-norm-fp8`, each one-row step's norms made in qkv_proj's "
+    "and gate_up_proj's FP8 launches",
+    "fp8_fold": "and SiLU-and-mul: `--fuse-silu-fp8` too, its activation made in down_proj's",
+    "fp8_block": "128 x 128 blocks: `--fp8-weight-block 128`, made at load, the layout of Qwen3-FP8 "
+    "checkpoints",
+}
+
+
+def served_labels(labels: dict[str, str], planned: Iterable[str], variants: dict[str, Any]) -> dict[str, str]:
+    """`labels` (in their order) of the servers the plan runs, and of any other that recorded figures (a
+    call with `OFF_OPTIONS_ENV` set, its report rebuilt without it by merge_calls)."""
+    planned = set(planned)
+    return {name: label for name, label in labels.items() if name in planned or name in variants}
+
+
+def off_options_line(servers: str) -> str:
+    return (
+        f"The servers of {servers} did not run: off by default since run 16, where they were slower; "
+        f"`{OFF_OPTIONS_ENV}=1` serves them."
+    )
 
 
 def fp8_servers_parts(
@@ -146,14 +172,20 @@ def async_section(
         return not_measured("async", statuses, results)
     plan, base, reference, runs = Baseline.of(results, out, mode)
     record = variants["async"]
+    planned = ["async"] + (["async_skinny"] if plan_for(mode).skinny_serve_args is not None else [])
+    labels = served_labels(ASYNC_LABELS, planned, variants)
+    servers = (
+        "the `--async-scheduling` servers (the second with Sluice's skinny linears, `--skinny-linears`) ran"
+        if "async_skinny" in labels
+        else "the `--async-scheduling` server ran"
+    )
     parts = [
         f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
-        f"the `--async-scheduling` servers (the second with Sluice's skinny linears, `--skinny-linears`) ran "
-        f"`sluice bench` with {runs}, {plan.input_len} prompt and {plan.output_len} output tokens. In "
-        f"brackets: the ratio to {base}'s.",
+        f"{servers} `sluice bench` with {runs}, {plan.input_len} prompt and {plan.output_len} output tokens. "
+        f"In brackets: the ratio to {base}'s.",
         markdown_table(
             fp8_figures.TABLE_HEADERS,
-            fp8_figures.table_rows(reference, variants, base, labels=ASYNC_LABELS),
+            fp8_figures.table_rows(reference, variants, base, labels=labels),
         ),
         "**Greedy, --async-scheduling vs synchronous** (must be equal, near ties aside): "
         + comparison_line(record["comparison"]),
@@ -171,4 +203,6 @@ def async_section(
             "CPU mode: the forward runs on the thread the host work needs, so nothing overlaps here; the "
             "skinny linears' server does not run (their kernels interpreted: minutes for its requests)."
         )
+    elif "async_skinny" not in labels:
+        parts.append(off_options_line("Sluice's skinny linears (`--skinny-linears`)"))
     return "\n\n".join(parts)

@@ -3,16 +3,16 @@ another on the same prompts, each set against a reference server (steps of `serv
 
 fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype fp8` too (issue 34), set
            against serve_bench's server
-async      the preset with `--async-scheduling` (issue 33), then with `--skinny-linears` too (Sluice's own
-           linears for steps of up to 64 rows, untimed before), each set against serve_bench's synchronous
-           server
-fp8_large  (i) the large step's shape served four or six times, with async scheduling: bf16 (the
-           reference, drawing its own prompts), fp8's two servers, on a GPU fp8 with the RMSNorms in the
-           one-row FP8 linears' launches (`--fuse-norm-fp8`, untimed before:
+async      the preset with `--async-scheduling` (issue 33), then, with SLUICE_GPU_CHECK_OFF_OPTIONS=1,
+           with `--skinny-linears` too (Sluice's own linears for steps of up to 64 rows: off by default,
+           slower in run 16), each set against serve_bench's synchronous server
+fp8_large  (i) the large step's shape served four times (six with SLUICE_GPU_CHECK_OFF_OPTIONS=1), with
+           async scheduling: bf16 (the reference, drawing its own prompts), fp8's two servers, with the
+           knob on a GPU fp8 with the RMSNorms in the one-row FP8 linears' launches (`--fuse-norm-fp8`:
            `Plan.fp8_norm_serve_args`) and fp8 with SiLU-and-mul in down_proj's too (`--fuse-silu-fp8`,
-           `Plan.fp8_fold_serve_args`), then fp8 weights in 128 x 128 blocks made at load
-           (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3 checkpoints), last, so that a
-           step cut short keeps issue 34's three
+           `Plan.fp8_fold_serve_args`; both off by default, slower in run 16), then fp8 weights in 128 x
+           128 blocks made at load (`--fp8-weight-block 128`: the layout of Qwen3-FP8 / DeepSeek-V3
+           checkpoints), last, so that a step cut short keeps issue 34's three
 
 Every variant server is `variant_server`: its greedy outputs of the reference's prompts compared with the
 reference's, its KV blocks, `sluice bench` at the plan's concurrencies (the same seeds, so the same prompts,
