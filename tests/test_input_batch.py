@@ -68,6 +68,22 @@ def test_pure_decode_batch() -> None:
     assert inputs.samples_every_token  # the runner then takes the hidden states as they are
 
 
+@pytest.mark.parametrize("start", [0, 5, 15, 16, 31])
+@pytest.mark.parametrize("length", [2, 11, 16, 17, 40, 100])
+def test_a_prompt_chunk_takes_each_slot_from_the_block_of_its_position(start: int, length: int) -> None:
+    """A prompt chunk starting anywhere in a block and crossing any number of them: every position's
+    slot is its block's physical number times the block size plus its offset (the builder works block by
+    block; a scrambled table shows a run carried into the wrong block)."""
+    table = (13, 2, 29, 7, 0, 21, 5, 18, 11)[: -(-(start + length) // BLOCK_SIZE)]
+    chunk = ScheduledRequest("chunk", tuple(range(length)), start, table, sample=True)
+    out = SchedulerOutput((DECODE, chunk, DECODE), num_batched_tokens=length + 2)
+    inputs = build_model_inputs(out, BLOCK_SIZE, CPU)
+    positions = range(start, start + length)
+    assert inputs.positions.tolist() == [20, *positions, 20]
+    expected = [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in positions]
+    assert inputs.metadata.slot_mapping.tolist() == [5 * 16 + 4, *expected, 5 * 16 + 4]
+
+
 def test_block_table_too_short_is_rejected() -> None:
     out = SchedulerOutput((ScheduledRequest("short", (1, 2), 15, (4,), True),), 2)
     message = "block_ids: request 'short' has 1 blocks of 16, too few for 17 tokens"

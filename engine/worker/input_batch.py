@@ -69,9 +69,18 @@ def build_model_inputs(out: SchedulerOutput, block_size: int, device: torch.devi
         input_ids += req.token_ids
         if drafts:
             input_ids += drafts
-        for pos in range(req.start_position, seq_len):
+        pos = req.start_position
+        if seq_len - pos == 1:  # a decode
             positions.append(pos)
             slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        else:  # block by block: a block's positions have consecutive slots (a 4096-token prompt's 256 runs)
+            positions += range(pos, seq_len)
+            while pos < seq_len:
+                block, offset = divmod(pos, block_size)
+                run = min(seq_len - pos, block_size - offset)
+                first = table[block] * block_size + offset
+                slot_mapping += range(first, first + run)
+                pos += run
         query_start_loc.append(len(input_ids))
         seq_lens_list.append(seq_len)
         if req.sample:
