@@ -549,6 +549,20 @@ def test_the_pdl_section_switches_every_float_linear_to_the_skinny_launch_and_ba
     assert not any(isinstance(linear.method, SkinnyLinearMethod) for linear in linears)
 
 
+def test_each_graph_of_the_partitions_section_is_timed_first_with_the_default_attention():
+    """Its rows' speeds are against the first row of the same graph size, so that row must be the default
+    tile and partition; the goal's graph (BENCH_CONTEXT) and the served one both try 32-position slices."""
+    firsts = {}
+    for graph, config, partition in gpu_benchmarks.GRAPH_STEP_PARTITIONS:
+        firsts.setdefault(graph, (config, partition))
+    assert firsts == {
+        gpu_benchmarks.BENCH_CONTEXT: (None, DEFAULT_PARTITION_SIZE),
+        gpu_benchmarks.SERVED_GRAPH_CONTEXT: (None, DEFAULT_PARTITION_SIZE),
+    }
+    for graph in firsts:
+        assert (graph, DecodeConfig(32, 4, 2), 32) in gpu_benchmarks.GRAPH_STEP_PARTITIONS
+
+
 def test_the_partitions_section_gives_each_rows_tile_and_partition_to_every_decode_launch(monkeypatch):
     """bench_graph_step_partitions on the tiny preset (a short context, so interpreted kernels stay quick):
     each row's backend hands its partition size and tile to every layer's decode launch (the graph's split

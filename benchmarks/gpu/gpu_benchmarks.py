@@ -326,13 +326,18 @@ def bench_rotary_store_fusion(device: torch.device) -> list[list[object]]:
 # 256-token context. The 512 rows are the partition before run 15, which timed 128 1.07x faster for 8192
 # and the same for 512 (four slices, and the reduce launch they need, against one). The "fused reduce"
 # rows are the default tile and partition with the split kernel's last slice merging the slices
-# (`DecodeConfig.fused_reduce`): 16 launches a step fewer.
+# (`DecodeConfig.fused_reduce`): 16 launches a step fewer. The 512 rows with 64- and 32-position tiles and
+# partitions (2026-12-06) ask whether what won in the 8192 graph in run 16 (1.05x, 1.08x: a short context's
+# slices spread over more programs) wins in the goal's graph too: there the default's four slices give 32
+# programs on 132 SMs, 32-position ones 16 slices and 128 programs.
 SERVED_GRAPH_CONTEXT = 8192
 FUSED_REDUCE_DECODE = DecodeConfig(128, 4, 3, fused_reduce=True)  # bf16's default tile, head_dim <= 128
 GRAPH_STEP_PARTITIONS: tuple[tuple[int, DecodeConfig | None, int], ...] = (
     (BENCH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
     (BENCH_CONTEXT, FUSED_REDUCE_DECODE, DEFAULT_PARTITION_SIZE),
     (BENCH_CONTEXT, None, 512),
+    (BENCH_CONTEXT, DecodeConfig(64, 4, 3), 64),
+    (BENCH_CONTEXT, DecodeConfig(32, 4, 2), 32),
     (SERVED_GRAPH_CONTEXT, None, DEFAULT_PARTITION_SIZE),
     (SERVED_GRAPH_CONTEXT, FUSED_REDUCE_DECODE, DEFAULT_PARTITION_SIZE),
     (SERVED_GRAPH_CONTEXT, None, 512),
