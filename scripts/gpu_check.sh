@@ -30,11 +30,12 @@
 #   kernel_bench     NOT run by default, only when named in SLUICE_GPU_CHECK_STEPS: kernels one at a time
 #                    (sluice/benchmarks/gpu/fp8_linear_bench.py: the FP8 linears at decode batch sizes against
 #                    bf16, with a tile sweep capped at SLUICE_GPU_CHECK_KERNEL_BENCH_S, default 120 s, 0
-#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only), then
-#                    the attention kernels over an FP8 KV cache in both ways of applying its scales
-#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), then RMSNorm / SiLU-and-mul with the FP8
-#                    quantization fused in against the two launches they replace
-#                    (sluice/benchmarks/gpu/fused_quant_bench.py), all to kernel_bench.md
+#                    skips it; SLUICE_GPU_CHECK_KERNEL_BENCH_ROWS=1,2,4 times those row counts only;
+#                    its file rewritten after each linear, so a step cut at its limit keeps what it timed),
+#                    then RMSNorm / SiLU-and-mul with the FP8 quantization fused in against the two
+#                    launches they replace (sluice/benchmarks/gpu/fused_quant_bench.py), then the
+#                    attention kernels over an FP8 KV cache in both ways of applying its scales
+#                    (sluice/benchmarks/gpu/fp8_kv_paths.py), all to kernel_bench.md
 # The whole run keeps within SLUICE_GPU_CHECK_BUDGET_S (default 470 s): each step's limit is its own or what
 # is left, and a step with too little left is skipped. OUT_DIR gets at most 8 files: report.md, gpu_check.md,
 # results.jsonl, steps.log, servers.log, bench_serve.json, bench_large.json, kernel_bench.md. Exit status 0: every step passed
@@ -234,10 +235,10 @@ if ((INSTALLED)); then
     KV_PATHS_ARGS=$([[ $MODE == cpu ]] && echo "--device cpu --tiny")
     run_step kernel_bench $((BENCH_CAP + 150)) 60 bash -c "
         $PY -P -m sluice.benchmarks.gpu.fp8_linear_bench '$OUT/kernel_bench.md' --device '$DEVICE' --cap-s '$BENCH_CAP' --rows '$BENCH_ROWS'; rc=\$?
-        $PY -P -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
-        [[ -f '$WORK/fp8_kv_paths.md' ]] && { echo; cat '$WORK/fp8_kv_paths.md'; } >>'$OUT/kernel_bench.md'
         $PY -P -m sluice.benchmarks.gpu.fused_quant_bench '$WORK/fused_quant.md' --device '$DEVICE' || rc=1
         [[ -f '$WORK/fused_quant.md' ]] && { echo; cat '$WORK/fused_quant.md'; } >>'$OUT/kernel_bench.md'
+        $PY -P -m sluice.benchmarks.gpu.fp8_kv_paths '$WORK/fp8_kv_paths.md' $KV_PATHS_ARGS || rc=1
+        [[ -f '$WORK/fp8_kv_paths.md' ]] && { echo; cat '$WORK/fp8_kv_paths.md'; } >>'$OUT/kernel_bench.md'
         exit \$rc"
 else
     for name in "${STEPS[@]}"; do

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from paged_batch import DEVICE
 
+from sluice.benchmarks.gpu import fp8_linear_bench
 from sluice.benchmarks.gpu.fp8_linear_bench import (
     LATENCY_SWEEP,
     SKINNY_SWEEP,
     SWEEP,
     WIDE_SKINNY_SWEEP,
+    Linear,
     _tile,
     linears,
     main,
+    run,
     skinny_candidates,
 )
 from sluice.engine.worker.layers.fp8_linear import quantize_weight
@@ -47,6 +51,26 @@ def test_the_cpu_mode_writes_both_tables(tmp_path):
     # per layer: bf16, fp8 as served, best fp8, their ratios, the block linears as served, bf16 skinny
     layer = r"^\| tiny \| (\d) \|" + r" [0-9.]+ \|" * 9 + "$"
     assert re.findall(layer, report, re.M) == ["1", "4"]
+
+
+def test_a_run_cut_short_keeps_the_linears_it_finished(monkeypatch):
+    """The GPU check's step limit may kill the bench: the report is handed on after each linear, so the
+    file holds what was timed, and says it is partial."""
+    bench = fp8_linear_bench.bench_linear
+
+    def bench_then_die(linear, *args):
+        if linear.name == "two":
+            raise KeyboardInterrupt  # the step's timeout, as far as the file can tell
+        return bench(linear, *args)
+
+    monkeypatch.setattr(fp8_linear_bench, "bench_linear", bench_then_die)
+    written = []
+    shapes = [Linear("tiny", "one", 32, 256), Linear("tiny", "two", 64, 256)]
+    with pytest.raises(KeyboardInterrupt):
+        run(torch.device("cpu"), 0.0, shapes=shapes, written=written.append)
+    (report,) = written
+    assert "Partial: 1 of 2 linears timed so far." in report
+    assert re.search(r"^\| tiny one \| 32 x 256 \| 1 \|", report, re.M) and "tiny two" not in report
 
 
 def test_the_linears_of_a_preset_are_its_four_projections():

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -459,14 +460,23 @@ def _served_s(row: Row) -> float | None:
     return row.scaled_mm_s
 
 
-def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
+def run(
+    device: torch.device,
+    cap_s: float,
+    rows: Sequence[int] = ROWS,
+    shapes: Sequence[Linear] | None = None,
+    written: Callable[[str], None] | None = None,
+) -> str:
+    """The report of every linear of `shapes` (on CUDA the two presets' by default) at `rows`; `written`
+    gets the report so far after each linear, so that a run cut short (the GPU check's step limit) keeps
+    the linears it finished."""
     deadline = time.monotonic() + cap_s
     if device.type == "cuda":
-        shapes = linears("llama-3-8b") + linears("llama-3.2-1b")
+        shapes = shapes or linears("llama-3-8b") + linears("llama-3.2-1b")
         rows_list = rows
         where = torch.cuda.get_device_name(device)
     else:
-        shapes = [Linear("tiny", "one", 32, 256)]  # K split in two at 4 rows: the fused reduce runs
+        shapes = shapes or [Linear("tiny", "one", 32, 256)]  # K split in two at 4 rows: the fused reduce runs
         rows_list = (1, 4)
         where = "cpu, Triton interpreter: no speed figures"
     results = []
@@ -477,27 +487,34 @@ def run(device: torch.device, cap_s: float, rows: Sequence[int] = ROWS) -> str:
         share = now + max(deadline - now, 0.0) / (2 if index == 0 else len(shapes) - index)
         results += bench_linear(linear, rows_list, device, share)
         print(f"[fp8_linear_bench] {linear.model} {linear.name} done", file=sys.stderr, flush=True)
+        if written is not None:
+            written(_report(results, where, cap_s, deadline, index + 1, len(shapes)))
+    return _report(results, where, cap_s, deadline, len(shapes), len(shapes))
+
+
+def _report(results: list[Row], where: str, cap_s: float, deadline: float, done: int, total: int) -> str:
+    progress = "" if done == total else f" Partial: {done} of {total} linears timed so far."
     return (
         f"# FP8 linears at decode batch sizes ({where})\n\n"
         f"GEMV_MAX_ROWS = {GEMV_MAX_ROWS}, GEMV_MAX_WEIGHT = {GEMV_MAX_WEIGHT}, "
         f"SKINNY_MAX_ROWS = {SKINNY_MAX_ROWS}; "
         f"tile sweeps capped at {cap_s:.0f} s "
-        f"({'stopped early' if time.monotonic() > deadline else 'complete'}).\n\n"
+        f"({'stopped early' if time.monotonic() > deadline else 'complete'}).{progress}\n\n"
         f"{table(results)}\n\n## Per layer (the four linears summed)\n\n{layer_table(results)}\n"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="markdown file to write")
+    parser.add_argument("out", help="markdown file to write (rewritten after each linear)")
     parser.add_argument("--cap-s", type=float, default=120.0, help="wall clock for the tile sweeps")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M on CUDA, e.g. 1,2,4")
     args = parser.parse_args(argv)
     rows = [int(m) for m in args.rows.split(",")]
-    report = run(torch.device(args.device), args.cap_s, rows)
-    with open(args.out, "w") as f:
-        f.write(report)
+    out = Path(args.out)
+    report = run(torch.device(args.device), args.cap_s, rows, written=out.write_text)
+    out.write_text(report)
     print(report)
     return 0
 
