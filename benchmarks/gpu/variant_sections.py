@@ -16,7 +16,7 @@ from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
 from sluice.benchmarks.gpu.step_context import OFF_OPTIONS_ENV, PLANS, Plan, plan_for, read_runs
 from sluice.benchmarks.gpu.step_profiles import profile_tables
-from sluice.benchmarks.gpu.variant_servers import large_variants
+from sluice.benchmarks.gpu.variant_servers import async_variants, large_variants
 
 LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
 
@@ -93,10 +93,10 @@ def fp8_large_section(
     )
     rows = fp8_figures.table_rows(reference, variants, base, labels=labels, base_source="this step's")
     table = markdown_table(fp8_figures.table_headers(base), rows)
-    if mode == "gpu" and not {"fp8_norm", "fp8_fold"} & labels.keys():
-        table += "\n\n" + off_options_line("fp8 weights with the RMSNorms (and SiLU-and-mul) in the linears")
     shape = fp8_figures.shape_line(plan.large_preset, "the CPU mode runs this step on the tiny preset")
     parts = fp8_servers_parts(variants, reference, plan.large_preset, base, mode, shape)
+    if mode == "gpu" and not {"fp8_norm", "fp8_fold"} & labels.keys():
+        parts.insert(0, off_options_line("fp8 weights with the RMSNorms (and SiLU-and-mul) in the linears"))
     profiled = {name: r["profiles"] for name, r in {"bf16": bf16, **variants}.items() if "profiles" in r}
     if profiled:
         parts += [
@@ -172,8 +172,7 @@ def async_section(
         return not_measured("async", statuses, results)
     plan, base, reference, runs = Baseline.of(results, out, mode)
     record = variants["async"]
-    planned = ["async"] + (["async_skinny"] if plan_for(mode).skinny_serve_args is not None else [])
-    labels = served_labels(ASYNC_LABELS, planned, variants)
+    labels = served_labels(ASYNC_LABELS, async_variants(plan_for(mode)), variants)
     servers = (
         "the `--async-scheduling` servers (the second with Sluice's skinny linears, `--skinny-linears`) ran"
         if "async_skinny" in labels

@@ -95,17 +95,23 @@ def step_async(ctx: StepContext) -> dict[str, Any]:
     """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the first's
     greedy outputs equal serve_bench's synchronous server's, near ties aside (the same kernels on the same
     batches), the second's set against them (its bf16 products summed in another order), and `sluice bench`
-    at 1 and 64 against serve_bench's sweep (the second not in the CPU mode: `Plan.skinny_serve_args`). A
+    at 1 and 64 against serve_bench's sweep (the second where the plan runs it: `async_variants`). A
     record per server appended as it finishes: a step killed at its limit keeps the first."""
-    reference, skinny = ctx.reference(), ctx.plan.skinny_serve_args
-    variants = {"async": ("--async-scheduling",)}
-    if skinny is not None:
-        variants["async_skinny"] = ("--async-scheduling", *skinny)
+    reference, variants = ctx.reference(), async_variants(ctx.plan)
     records = [variant_server(ctx, reference, name, args) for name, args in variants.items()]
     # the skinny server's greedy outputs are reported, not required equal (bf16 sums in another order can
     # part beyond a near tie; the kernel and parity tests check its numbers)
     ok = all(r["ok"] for r in records) and records[0]["comparison"]["mismatch"] == 0
     return {"ok": ok, "variants": list(variants)}
+
+
+def async_variants(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """The async step's servers, in order: async scheduling, then with Sluice's skinny linears too where
+    the plan runs them (`Plan.skinny_serve_args`: not in the CPU mode, nor without the off-options knob)."""
+    variants = {"async": ("--async-scheduling",)}
+    if plan.skinny_serve_args is not None:
+        variants["async_skinny"] = ("--async-scheduling", *plan.skinny_serve_args)
+    return variants
 
 
 def variant_server(
