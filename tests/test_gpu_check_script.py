@@ -367,7 +367,7 @@ def test_the_on_request_steps_run_last_and_are_skipped_for_time_without_failing(
     fp8_large leaves, and a budget too small for either skips them without failing the check."""
     out = tmp_path / "out"
     proc = run_script(
-        out, timeout=120, SLUICE_GPU_CHECK_STEPS="kernel_bench fp8_large", SLUICE_GPU_CHECK_BUDGET_S="40"
+        out, timeout=300, SLUICE_GPU_CHECK_STEPS="kernel_bench fp8_large", SLUICE_GPU_CHECK_BUDGET_S="40"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
