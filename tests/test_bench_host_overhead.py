@@ -72,3 +72,20 @@ def test_main_prints_and_writes_every_batch(tmp_path, capsys, restored_modules):
     assert sorted(results["summary"]["sync"]) == ["1", "2"]
     assert all(len(steps) == 2 for steps in results["steps"]["sync"].values())
     assert "forward replayed (no forward)" in capsys.readouterr().out
+
+
+def test_speculative_steps_count_their_tokens_and_time_the_lookup(tmp_path, capsys, restored_modules):
+    """`--speculative ngram`: a step's tokens are its accepted drafts and a token a request, its drafts
+    are verified (the random weights soon repeat themselves, so the lookup finds some), and the lookup
+    has its own column."""
+    out = tmp_path / "host.json"
+    argv = ["--batch", "2", "--steps", "6", "--num-layers", "1", "--speculative", "ngram"]
+    bench.main([*argv, "--json", str(out)])
+    steps = json.loads(out.read_text())["steps"]["sync"]["2"]
+    assert all(step["tokens"] == 2 + step["accepted"] for step in steps)
+    assert sum(step["drafts"] for step in steps) > 0
+    assert all(step["wall"]["propose"] > 0 for step in steps)
+    assert "ngram drafts, k = 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--speculative", "ngram", "--forward", "replay"])
+    assert "its forward must run" in capsys.readouterr().err

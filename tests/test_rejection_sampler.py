@@ -19,7 +19,7 @@ from test_speculative_sampling import ALPHA, VOCAB, chi_square_p_value
 from sluice.engine.sample.sampler import Sampler, SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode.proposer import Proposal
-from sluice.engine.spec_decode.rejection_sampler import RejectionSampler
+from sluice.engine.spec_decode.rejection_sampler import RejectionSampler, _verify_rows
 
 NUM_REQUESTS = 20_000
 K = 2
@@ -74,3 +74,23 @@ def test_each_place_follows_the_target_whatever_the_drafts(request, batch, kind)
     assert len(second) < len(mine) * 0.8  # and rejections too
     for observed, expected in ((first, p[0]), (second, p[1]), (bonus, p[2])):
         assert chi_square_p_value(observed, expected.double()) > ALPHA
+
+
+def test_a_request_no_processor_reads_shares_one_row_for_all_its_places():
+    """Place j of a verify follows the first j drafts, as outputs of that place only; only the logits
+    processors read them. A request none concerns gets its one row at every place (no copy of its
+    outputs a place: 64 requests' k = 3 copies cost ~1 ms a step on the host), a penalised one the drafts
+    in each place's outputs."""
+    sampler = RejectionSampler(Sampler())
+    plain = SamplingRow("plain", SamplingParams(temperature=0.0), [3], [5, 6])
+    assert not sampler._concerned(plain)
+    assert all(row is plain for row in _verify_rows(plain, (7, 8), concerned=False))
+    penalised = SamplingRow("penalised", SamplingParams(temperature=0.0, repetition_penalty=1.2), [3], [5, 6])
+    assert sampler._concerned(penalised)
+    rows = _verify_rows(penalised, (7, 8), concerned=True)
+    assert [(list(row.output_token_ids), row.num_drafts) for row in rows] == [
+        ([5, 6], 0),
+        ([5, 6, 7], 1),
+        ([5, 6, 7, 8], 2),
+    ]
+    assert _verify_rows(penalised, (), concerned=True) == (penalised,)

@@ -1,7 +1,7 @@
 """The engine's host time per decode step, the forward excluded.
 
     python -m sluice.benchmarks.engine.host_overhead [--batch 1 64 256] [--steps 40] [--json out.json]
-        [--async-scheduling off|on|both] [--forward run|replay]
+        [--async-scheduling off|on|both] [--forward run|replay] [--speculative ngram]
 
 Model: the embedded SmolLM2-135M's shape, tokenizer and 49152-token vocabulary with random weights and
 only `--num-layers` decoder layers (default 2), so the forward is short and the host's work (which does
@@ -19,6 +19,15 @@ host = step - forward + ipc + frontend. The phases are timed by wrapping the eng
 outside (time.perf_counter_ns for wall time, time.thread_time_ns for this thread's CPU time, which a
 busy shared machine disturbs less); nothing in the engine is changed. Prints a table of medians (and
 host p90) and writes every step's figures with --json.
+
+`--speculative ngram` (k = `--num-speculative-tokens`): every request drafts by prompt lookup and each
+step verifies its drafts (k + 1 rows a request); "propose" is the lookup (a part of "update"), the
+rejection sampling is in "sample" (in "update" with async scheduling, which samples a verify step when it
+finishes it), and a step's tokens (the batch's accepted drafts and one token a request) divide the host
+time in the last column. The random weights' greedy outputs soon repeat a token, which the lookup finds
+with one token after its latest match: most requests verify one draft a step, and most of those are
+accepted (the table's "tokens"; the JSON has each step's drafts). Under speculation a step's host work
+lies between two forwards on a GPU too: async scheduling runs a speculating step synchronously.
 
 `--async-scheduling both` runs two engines in one process, synchronous and async (`--async-scheduling`),
 batch size by batch size, and prints both. With async scheduling a step launches the next step's forward
@@ -51,7 +60,7 @@ from typing import Any
 
 import torch
 
-from sluice.engine.config import EngineConfig
+from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.core import engine_core as engine_core_module
 from sluice.engine.frontend.engine import Engine
 from sluice.engine.frontend.output_processor import OutputProcessor
@@ -66,7 +75,8 @@ from sluice.engine.worker import model_runner as model_runner_module
 CORE_PHASES = ("schedule", "inputs", "forward", "sample", "update")
 NUM_WARMUP_STEPS = 3
 TOKEN_BUDGET = 2048
-PHASES = (*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "step", "host")
+PHASES = (*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "propose", "step", "host")
+STEP_COUNTS = ("tokens", "drafts", "accepted")
 
 
 class PhaseClock:
@@ -149,6 +159,8 @@ def instrument(engine: Engine, clock: PhaseClock, replay: ForwardReplay | None =
     clock.wrap(core, "_finish_in_flight" if core.config.async_scheduling else "_update", "update")
     clock.wrap(core, "step", "step")
     clock.wrap(engine.output_processor, "process", "frontend")
+    if core.speculator.proposer is not None:
+        clock.wrap(core.speculator, "propose", "propose")
 
 
 def instrument_modules(clock: PhaseClock) -> None:
@@ -160,9 +172,9 @@ def instrument_modules(clock: PhaseClock) -> None:
     OutputProcessor._detokenize = clock.timed("detokenize", OutputProcessor._detokenize)
 
 
-def server_step(engine: Engine, clock: PhaseClock) -> int:
+def server_step(engine: Engine, clock: PhaseClock) -> tuple[int, int]:
     """One step as a server runs it: core step, CoreOutputs over msgpack, frontend output processing.
-    Returns the number of outputs."""
+    Returns the number of outputs and of tokens in them."""
     core = engine.core
     outputs = core.step()
     wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -171,7 +183,7 @@ def server_step(engine: Engine, clock: PhaseClock) -> int:
     clock.cpu["ipc"] += time.thread_time_ns() - cpu
     processed = engine.output_processor.process(message.outputs)
     core.abort(processed.to_abort)
-    return len(processed.outputs)
+    return len(processed.outputs), sum(len(o.new_token_ids) for o in message.outputs)
 
 
 def derived(figures: dict[str, int]) -> dict[str, int]:
@@ -194,14 +206,15 @@ def run_batch(
     seed: int,
     replay: ForwardReplay | None = None,
     sampling: SamplingParams = GREEDY,
-) -> list[dict[str, dict[str, int]]]:
+) -> list[dict[str, Any]]:
     """Prefills `batch` requests, warms up, times `num_steps` decode steps of all of them (`replay`: armed
-    from the first warm-up step on). `sampling`: the requests' temperature, top_p, top_k (greedy)."""
+    from the first warm-up step on). `sampling`: the requests' temperature, top_p, top_k (greedy). Each
+    step's figures: its phases' wall and CPU nanoseconds, the tokens it gave, the drafts it verified and
+    accepted."""
     rng = random.Random(seed + batch)
     vocab = engine.model_info.vocab_size
-    params = dataclasses.replace(
-        sampling, max_tokens=max_output_len(batch, num_steps, prompt_len), ignore_eos=True
-    )
+    max_tokens = max_output_len(batch, num_steps, prompt_len, tokens_per_step(engine))
+    params = dataclasses.replace(sampling, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
@@ -217,20 +230,31 @@ def run_batch(
     steps = []
     for _ in range(num_steps):
         clock.reset()
-        num_outputs = server_step(engine, clock)
+        counters = engine.core.speculator.counters
+        drafts, accepted = counters.num_draft_tokens, counters.num_accepted
+        num_outputs, num_tokens = server_step(engine, clock)
         if num_outputs != batch:
             raise RuntimeError(f"a decode step of {batch} requests gave {num_outputs} outputs")
-        steps.append({"wall": derived(clock.wall), "cpu": derived(clock.cpu)})
+        figures = {"wall": derived(clock.wall), "cpu": derived(clock.cpu), "tokens": num_tokens}
+        figures["drafts"] = counters.num_draft_tokens - drafts
+        figures["accepted"] = counters.num_accepted - accepted
+        steps.append(figures)
     if replay is not None:
         replay.disarm()
     engine.abort(ids)
     return steps
 
 
-def max_output_len(batch: int, num_steps: int, prompt_len: int) -> int:
-    """Outputs the first request admitted may reach: one per prefill step, warm-up and timed step."""
+def tokens_per_step(engine: Engine) -> int:
+    """The most tokens a request gets in one step: 1, or k + 1 when it verifies k drafts."""
+    return 1 + engine.model_info.num_speculative_tokens
+
+
+def max_output_len(batch: int, num_steps: int, prompt_len: int, per_step: int = 1) -> int:
+    """Outputs the first request admitted may reach: up to `per_step` per prefill step, warm-up and timed
+    step."""
     num_prefill_steps = -(-batch * prompt_len // TOKEN_BUDGET) + 1
-    return num_prefill_steps + NUM_WARMUP_STEPS + num_steps + 1
+    return (num_prefill_steps + NUM_WARMUP_STEPS + num_steps + 1) * per_step
 
 
 def quantile(values: list[int], q: float) -> float:
@@ -238,9 +262,10 @@ def quantile(values: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(steps: list[dict[str, dict[str, int]]]) -> dict[str, Any]:
-    """Medians per phase (microseconds), host p90, wall and thread CPU."""
-    summary: dict[str, Any] = {}
+def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per phase (microseconds), host p90, wall and thread CPU; tokens, drafts verified and
+    accepted a step (means)."""
+    summary: dict[str, Any] = {key: statistics.fmean(s[key] for s in steps) for key in STEP_COUNTS}
     for clock in ("wall", "cpu"):
         by_phase = {p: [s[clock][p] for s in steps] for p in PHASES}
         summary[clock] = {p: statistics.median(v) / 1000 for p, v in by_phase.items()}
@@ -249,17 +274,19 @@ def summarize(steps: list[dict[str, dict[str, int]]]) -> dict[str, Any]:
 
 
 def format_table(results: dict[int, dict[str, Any]], mode: str = "sync") -> str:
-    columns = [*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "step", "host"]
+    columns = [*CORE_PHASES, "core_other", "ipc", "frontend", "detokenize", "propose", "step", "host"]
     lines = [
-        "| batch | scheduling | clock | " + " | ".join(columns) + " | host p90 | host / token |",
-        "| ---: | --- | --- |" + " ---: |" * (len(columns) + 2),
+        "| batch | scheduling | clock | " + " | ".join(columns) + " | host p90 | tokens | host / token |",
+        "| ---: | --- | --- |" + " ---: |" * (len(columns) + 3),
     ]
     for batch, summary in results.items():
         for clock in ("wall", "cpu"):
             s = summary[clock]
             cells = " | ".join(f"{s[c]:.0f}" for c in columns)
+            tokens = summary["tokens"]
             lines.append(
-                f"| {batch} | {mode} | {clock} | {cells} | {s['host_p90']:.0f} | {s['host'] / batch:.1f} |"
+                f"| {batch} | {mode} | {clock} | {cells} | {s['host_p90']:.0f} | {tokens:.1f}"
+                f" | {s['host'] / tokens:.1f} |"
             )
     return "\n".join(lines)
 
@@ -297,12 +324,27 @@ def main(argv: list[str] | None = None) -> None:
         help="random weights' logits are flat: a nucleus is most of the vocab",
     )
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="off",
+        help="ngram: every step verifies prompt-lookup drafts (with --forward run only)",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="k, with --speculative ngram")
     args = parser.parse_args(argv)
+    if args.speculative != "off" and args.forward == "replay":
+        parser.error("--speculative: a verify step's logits have a row a draft, so its forward must run")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    speculative = (
+        None
+        if args.speculative == "off"
+        else SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    )
+    per_step = 1 if speculative is None else 1 + args.num_speculative_tokens
 
     torch.set_num_threads(args.num_threads)
     max_batch = max(args.batch)
-    max_len = args.prompt_len + max_output_len(max_batch, args.steps, args.prompt_len)
+    max_len = args.prompt_len + max_output_len(max_batch, args.steps, args.prompt_len, per_step)
     num_blocks = max_batch * (-(-max_len // 16) + 1) + 16
     modes = {"off": ["sync"], "on": ["async"], "both": ["sync", "async"]}[args.async_scheduling]
     clock = PhaseClock()
@@ -315,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=max(TOKEN_BUDGET, max_batch),
             num_blocks=num_blocks,
             async_scheduling=mode == "async",
+            speculative=speculative,
         )
         engines[mode] = Engine(config, build_source(args.num_layers, args.seed))
         instrument(engines[mode], clock, replay)
@@ -332,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     forward = "replayed (no forward)" if replay is not None else "run"
     drawn = "greedy" if sampling.greedy else f"temperature {sampling.temperature}, top_p {sampling.top_p}"
     drawn += f", top_k {sampling.top_k}" if sampling.top_k else ""
+    if speculative is not None:
+        drawn += f"; {speculative.method} drafts, k = {speculative.num_speculative_tokens}"
     print(f"\nmodel: {name}; forward {forward}; {drawn}; microseconds per decode step", end="")
     print(f", medians over {args.steps}\n")
     for mode in modes:

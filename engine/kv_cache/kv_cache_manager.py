@@ -231,18 +231,19 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
 
-    def free_blocks_beyond(self, request_id: str, num_tokens: int) -> None:
+    def free_blocks_beyond(self, request_id: str, num_tokens: int) -> bool:
         """Free the request's blocks past the first ceil(num_tokens / block_size), tail first: blocks
         reserved for draft tokens that were rejected. They were never full of computed tokens, so never
-        cached."""
+        cached. Returns whether any was (the request's block table changed)."""
         blocks = self._blocks.get(request_id)
         keep = -(-num_tokens // self.block_size)
         if blocks is None or len(blocks) <= keep:
-            return
+            return False
         tail = blocks[keep:]
         del blocks[keep:]
         del self._block_ids[request_id][keep:]
         self.pool.free(block for block in reversed(tail) if block is not None)
+        return True
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         """The request's block table (logical block i -> physical block id); empty if it holds none."""

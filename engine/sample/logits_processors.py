@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 class LogitsProcessor(Protocol):
     def applies_to(self, row: SamplingRow) -> bool:
         """Whether `apply` would change this row's logits (cheap: the sampler asks for every row, and
-        leaves the logits uncopied when no processor concerns any row)."""
+        leaves the logits uncopied when no processor concerns any row). False must stay False for the
+        row with more output tokens: the rejection sampler asks it of a request's row before its drafts,
+        and lets the rows after them, which no processor then reads, share it."""
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """logits: [num_rows, vocab] float32, row i belongs to rows[i]; edited in place."""

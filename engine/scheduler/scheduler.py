@@ -263,9 +263,8 @@ class Scheduler:
         self.kv.cache_computed_blocks(request)
         if status is not None:
             self._finish(request, status)
-        elif num_drafts:
-            self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens)
-            self._tables.pop(request.request_id, None)
+        elif num_drafts and self.kv.free_blocks_beyond(request.request_id, request.num_computed_tokens):
+            self._tables.pop(request.request_id, None)  # else the table the scheduler keeps holds
 
     # ---- what a step's result applies to (async scheduling overrides these: async_scheduler.py) ----
 

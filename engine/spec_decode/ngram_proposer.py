@@ -4,10 +4,14 @@ last n tokens (n from ngram_max down to ngram_min), anywhere in the prompt + out
     tokens:   ... a b c d e ... x a b c   <- suffix "a b c" (n = 3)
                   ^ match    k = 2 -> propose "d e"
 
-The lookup runs every step for every speculating request over its whole context, so it is a vectorized
-scan (numpy: n comparisons of the context against the suffix's tokens) over a copy of the request's tokens
-that the proposer keeps and extends as the request grows, not a Python loop: at 32k tokens with no match
-the loop took ~3 ms a request a step.
+The lookup runs every step for every speculating request over its whole context, on a copy of the
+request's tokens that the proposer keeps and extends as the request grows (a numpy array), never a Python
+loop over the context (at 32k tokens with no match that took ~3 ms a request a step). One pass finds the
+earlier positions of the last token, the ends of every candidate match; the latest few are then extended
+one at a time, back along the suffix, stopping at the first that matches it all (ngram_max tokens), and
+only where none does are the older ones extended together, each further suffix token keeping those it
+extends. Scanning the whole context once per suffix token and per n, as before 2026-12-06, took 1.5-10x
+as long (docs/BENCHMARKS.md, "Figures behind the code").
 """
 
 from __future__ import annotations
@@ -70,25 +74,59 @@ class TokenArray:
         return self._array[: self._length]
 
 
+# The latest candidate matches checked one at a time (a Python loop, stopping at the first of the longest
+# length possible) before the rest, if need be, are checked together (numpy): most lookups end in the first
+# few, where a numpy call a suffix token cost more than the loop.
+NUM_SCANNED = 8
+
+
 def propose_ngram(tokens: Sequence[int] | np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
     """Up to k tokens following the latest earlier match of the longest suffix of `tokens` (length
     ngram_max down to ngram_min) that occurs before; [] when none does."""
     tokens = np.asarray(tokens, dtype=np.int64)
     num_tokens = len(tokens)
-    for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
-        start = _latest_match(tokens, n)
-        if start >= 0:
-            return tokens[start + n : start + n + k].tolist()
-    return []
+    if num_tokens < 2:
+        return []
+    # The ends of the earlier matches of the last token (a token follows each), ascending.
+    ends = np.flatnonzero(tokens[: num_tokens - 1] == tokens[num_tokens - 1])
+    if not ends.size:
+        return []
+    longest = min(ngram_max, num_tokens - 1)
+    suffix = tokens[num_tokens - longest :].tolist()
+    latest, length = _latest_longest(tokens, ends[-NUM_SCANNED:].tolist(), suffix)
+    if length < longest and ends.size > NUM_SCANNED:
+        older, older_length = _latest_longest_of_many(tokens, ends[:-NUM_SCANNED], suffix)
+        if older_length > length:
+            latest, length = older, older_length
+    if length < ngram_min:
+        return []
+    return tokens[latest + 1 : latest + 1 + k].tolist()
 
 
-def _latest_match(tokens: np.ndarray, n: int) -> int:
-    """The latest start i of the last n tokens' earlier occurrence that a token follows (i + n < len),
-    or -1: match[i] holds while tokens[i + j] == suffix[j] for every j < n."""
-    width = len(tokens) - n  # candidate starts 0 .. width - 1
-    suffix = tokens[width:]
-    match = tokens[:width] == suffix[0]
-    for j in range(1, n):
-        match &= tokens[j : j + width] == suffix[j]
-    hits = np.flatnonzero(match)
-    return int(hits[-1]) if hits.size else -1
+def _latest_longest(tokens: np.ndarray, ends: list[int], suffix: list[int]) -> tuple[int, int]:
+    """(end, length) of the longest match of the suffix's last tokens (up to all of `suffix`) among those
+    ending at `ends` (ascending), the latest of that length."""
+    longest = len(suffix)
+    best, best_length = -1, 0
+    for end in reversed(ends):
+        length = 1  # the last token matches at every end
+        while length < longest and length <= end and tokens[end - length] == suffix[-1 - length]:
+            length += 1
+        if length > best_length:
+            best, best_length = end, length
+            if length == longest:
+                break
+    return best, best_length
+
+
+def _latest_longest_of_many(tokens: np.ndarray, ends: np.ndarray, suffix: list[int]) -> tuple[int, int]:
+    """`_latest_longest` over many ends at once: each further suffix token keeps the ends it extends."""
+    latest, length = int(ends[-1]), 1
+    for j in range(1, len(suffix)):
+        if ends[0] < j:  # a match of j + 1 tokens cannot end before position j
+            ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == suffix[-1 - j]]
+        if not ends.size:
+            break
+        latest, length = int(ends[-1]), j + 1
+    return latest, length

@@ -59,12 +59,14 @@ class RejectionSampler:
         if logits.dim() != 2 or logits.shape[0] != starts[-1]:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {starts[-1]} verified rows")
         logits = logits.float()
+        # Whether a logits processor concerns the request (then also each place after a draft, or not).
+        concerned = [self._concerned(row) for row in rows]
         expanded = [
-            replace(row, output_token_ids=[*row.output_token_ids, *draft[:j]], num_drafts=j)
-            for row, draft in zip(rows, drafts, strict=True)
-            for j in range(len(draft) + 1)
+            place
+            for row, draft, read in zip(rows, drafts, concerned, strict=True)
+            for place in _verify_rows(row, draft, read)
         ]
-        processed = self.sampler.apply_processors(logits, expanded)
+        processed = self.sampler.apply_processors(logits, expanded) if any(concerned) else logits
         token_ids: list[list[int]] = [[] for _ in rows]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
@@ -79,6 +81,12 @@ class RejectionSampler:
             for i, a, t in zip(random, accepted, tokens, strict=True):
                 token_ids[i] = [*drafts[i][:a], t]
         return self._sampled_tokens(logits, expanded, starts, token_ids)
+
+    def _concerned(self, row: SamplingRow) -> bool:
+        """Whether a logits processor concerns the row; if not, none concerns it with more outputs (its
+        places after drafts: `LogitsProcessor.applies_to`), and the step's check is made per request,
+        not per place."""
+        return any(processor.applies_to(row) for processor in self.sampler.processors)
 
     def acceptance_fractions(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """The uniform numbers that accept drafts, one a draft (`rows`: each draft's request's row)."""
@@ -188,6 +196,19 @@ class RejectionSampler:
             out.append(sampled[at : at + len(tokens)])
             at += len(tokens)
         return out
+
+
+def _verify_rows(row: SamplingRow, draft: Sequence[int], concerned: bool) -> Sequence[SamplingRow]:
+    """The request's len(draft) + 1 rows: place j follows the first j drafts, outputs of that place only
+    (`SamplingRow.num_drafts`). Only the logits processors read a row's outputs: where none concerns the
+    request, `row` serves every place rather than a copy of its outputs a place."""
+    if not concerned:
+        return (row,) * (len(draft) + 1)
+    followed = [
+        replace(row, output_token_ids=[*row.output_token_ids, *draft[:j]], num_drafts=j)
+        for j in range(1, len(draft) + 1)
+    ]
+    return (row, *followed)
 
 
 def _verify_greedy(draft: Sequence[int], argmax: Sequence[int]) -> list[int]:
