@@ -4,6 +4,7 @@ decode steps get its hidden states and logits), so the host phases run without a
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -89,3 +90,30 @@ def test_speculative_steps_count_their_tokens_and_time_the_lookup(tmp_path, caps
     with pytest.raises(SystemExit):
         bench.main(["--speculative", "ngram", "--forward", "replay"])
     assert "its forward must run" in capsys.readouterr().err
+
+
+def test_a_draft_model_drafts_k_tokens_a_request_every_step(tmp_path, capsys, restored_modules):
+    """`--speculative draft`: a random draft model of the embedded shape, written as a checkpoint for the
+    run, proposes k = 3 drafts for each request every step."""
+    out = tmp_path / "host.json"
+    argv = ["--batch", "2", "--steps", "3", "--num-layers", "1", "--speculative", "draft"]
+    bench.main([*argv, "--json", str(out)])
+    steps = json.loads(out.read_text())["steps"]["sync"]["2"]
+    assert [step["drafts"] for step in steps] == [6, 6, 6]
+    assert all(step["tokens"] == 2 + step["accepted"] for step in steps)
+    assert "draft drafts, k = 3 (1-layer draft model)" in capsys.readouterr().out
+
+
+def test_a_phase_nested_in_another_is_taken_out_of_it(monkeypatch):
+    """A draft model's forwards run inside its proposal: "forward" counts them, "propose" does not."""
+    ticks = itertools.count(0, 10)
+    monkeypatch.setattr(bench.time, "perf_counter_ns", lambda: next(ticks))
+    monkeypatch.setattr(bench.time, "thread_time_ns", lambda: 0)
+    clock = bench.PhaseClock()
+    forward = clock.timed("forward", lambda: None)
+    propose = clock.timed("propose", forward)
+    clock.nested("propose", "forward")
+    propose()  # reads 0 (propose), 10 (forward), 20 (forward ends), 30 (propose ends)
+    assert (clock.wall["propose"], clock.wall["forward"]) == (20, 10)
+    forward()  # outside a proposal: nothing taken out of it
+    assert (clock.wall["propose"], clock.wall["forward"]) == (20, 20)

@@ -1,7 +1,7 @@
 """The engine's host time per decode step, the forward excluded.
 
     python -m sluice.benchmarks.engine.host_overhead [--batch 1 64 256] [--steps 40] [--json out.json]
-        [--async-scheduling off|on|both] [--forward run|replay] [--speculative ngram]
+        [--async-scheduling off|on|both] [--forward run|replay] [--speculative ngram|draft]
 
 Model: the embedded SmolLM2-135M's shape, tokenizer and 49152-token vocabulary with random weights and
 only `--num-layers` decoder layers (default 2), so the forward is short and the host's work (which does
@@ -28,6 +28,10 @@ time in the last column. The random weights' greedy outputs soon repeat a token,
 with one token after its latest match: most requests verify one draft a step, and most of those are
 accepted (the table's "tokens"; the JSON has each step's drafts). Under speculation a step's host work
 lies between two forwards on a GPU too: async scheduling runs a speculating step synchronously.
+`--speculative draft`: a draft model of the same shape with `--draft-layers` layers (default 1) and other
+random weights, written as a checkpoint directory for the run, proposes k drafts a request; "propose" is
+its proposal less its forwards, which count in "forward" (its inputs count in "inputs" too, so "update",
+around the proposal, holds them twice and "core_other" comes out low; "host" is exact).
 
 `--async-scheduling both` runs two engines in one process, synchronous and async (`--async-scheduling`),
 batch size by batch size, and prints both. With async scheduling a step launches the next step's forward
@@ -50,15 +54,19 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.core import engine_core as engine_core_module
@@ -80,25 +88,39 @@ STEP_COUNTS = ("tokens", "drafts", "accepted")
 
 
 class PhaseClock:
-    """Sums wall and thread-CPU nanoseconds per phase for the step in progress."""
+    """Sums wall and thread-CPU nanoseconds per phase for the step in progress. A phase timed inside
+    another counts in both, unless `nested` says the outer one excludes it."""
 
     def __init__(self) -> None:
         self.wall: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, int] = defaultdict(int)
+        self._active: list[str] = []  # the phases running, outermost first
+        self._excluded_from: dict[str, set[str]] = defaultdict(set)  # inner phase -> outer phases
 
     def reset(self) -> None:
         self.wall.clear()
         self.cpu.clear()
 
+    def nested(self, outer: str, inner: str) -> None:
+        """Time in `inner` while `outer` runs is not `outer`'s."""
+        self._excluded_from[inner].add(outer)
+
     def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            self._active.append(phase)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.wall[phase] += time.perf_counter_ns() - wall
-                self.cpu[phase] += time.thread_time_ns() - cpu
+                self._active.pop()
+                wall, cpu = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
+                self.wall[phase] += wall
+                self.cpu[phase] += cpu
+                for outer in self._excluded_from.get(phase, ()):
+                    if outer in self._active:
+                        self.wall[outer] -= wall
+                        self.cpu[outer] -= cpu
 
         return wrapper
 
@@ -144,6 +166,19 @@ def build_source(num_layers: int, seed: int) -> ModelSource:
     return ModelSource(arch=arch, weights=DummyWeights(arch, seed), tokenizer=embedded.tokenizer, name=name)
 
 
+def write_draft_checkpoint(directory: str, num_layers: int, seed: int) -> None:
+    """A Hugging Face checkpoint of the embedded model's shape with `num_layers` layers and random weights
+    (other than the target's: another seed), for `--speculative draft`."""
+    embedded = load_gguf(default_model_path()).arch
+    arch = replace(embedded, num_hidden_layers=num_layers)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**embedded.extra, "num_hidden_layers": num_layers}, f)
+    save_file(
+        {name: weight.contiguous() for name, weight in DummyWeights(arch, seed)},
+        os.path.join(directory, "model.safetensors"),
+    )
+
+
 def instrument(engine: Engine, clock: PhaseClock, replay: ForwardReplay | None = None) -> None:
     """Wraps the phases of `engine`'s step (instance attributes). Async scheduling: "update" is finishing
     the step in flight (waiting for its tokens, then the update). `replay`: the forward's two calls
@@ -155,12 +190,18 @@ def instrument(engine: Engine, clock: PhaseClock, replay: ForwardReplay | None =
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.model_runner.graph_runner, "run", "forward")
     clock.wrap(core.model_runner.model, "compute_logits", "forward")
+    draft = core.model_runner.draft_runner
+    if draft is not None:  # its forwards are device work on a GPU too
+        clock.wrap(draft.graph_runner, "run", "forward")
+        clock.wrap(draft.model, "compute_logits", "forward")
     clock.wrap(core, "_sample", "sample")
     clock.wrap(core, "_finish_in_flight" if core.config.async_scheduling else "_update", "update")
     clock.wrap(core, "step", "step")
     clock.wrap(engine.output_processor, "process", "frontend")
     if core.speculator.proposer is not None:
         clock.wrap(core.speculator, "propose", "propose")
+        if draft is not None:  # the proposal less the draft's forwards, which "forward" counts
+            clock.nested("propose", "forward")
 
 
 def instrument_modules(clock: PhaseClock) -> None:
@@ -326,21 +367,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument(
         "--speculative",
-        choices=("off", "ngram"),
+        choices=("off", "ngram", "draft"),
         default="off",
-        help="ngram: every step verifies prompt-lookup drafts (with --forward run only)",
+        help="every step verifies drafts: by prompt lookup or a random draft model (with --forward run only)",
     )
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="k, with --speculative ngram")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="k, with --speculative")
+    parser.add_argument("--draft-layers", type=int, default=1, help="the draft model's, --speculative draft")
     args = parser.parse_args(argv)
     if args.speculative != "off" and args.forward == "replay":
         parser.error("--speculative: a verify step's logits have a row a draft, so its forward must run")
+    drafting = args.speculative == "draft"
+    with tempfile.TemporaryDirectory(prefix="sluice-draft-") if drafting else nullcontext() as draft_dir:
+        speculative = None
+        if args.speculative != "off":
+            speculative = SpeculativeConfig(
+                method=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens,
+                draft_model=draft_dir,
+            )
+        if drafting:
+            write_draft_checkpoint(draft_dir, args.draft_layers, args.seed + 1)
+        run(args, speculative)
+
+
+def run(args: argparse.Namespace, speculative: SpeculativeConfig | None) -> None:
+    """The timed batches and their tables, as `main` parsed them."""
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    speculative = (
-        None
-        if args.speculative == "off"
-        else SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
-    )
-    per_step = 1 if speculative is None else 1 + args.num_speculative_tokens
+    per_step = 1 if speculative is None else 1 + speculative.num_speculative_tokens
 
     torch.set_num_threads(args.num_threads)
     max_batch = max(args.batch)
@@ -377,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     drawn += f", top_k {sampling.top_k}" if sampling.top_k else ""
     if speculative is not None:
         drawn += f"; {speculative.method} drafts, k = {speculative.num_speculative_tokens}"
+        drawn += f" ({args.draft_layers}-layer draft model)" if speculative.method == "draft" else ""
     print(f"\nmodel: {name}; forward {forward}; {drawn}; microseconds per decode step", end="")
     print(f", medians over {args.steps}\n")
     for mode in modes:
