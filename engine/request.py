@@ -86,6 +86,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """`all_token_ids[start:end]` (0 <= start <= end) without concatenating the whole sequence: a step
+        reads a few tokens of a context of thousands."""
+        prompt, outputs = self.prompt_token_ids, self.output_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return tuple(prompt[start:end])
+        if start >= num_prompt:
+            return tuple(outputs[start - num_prompt : end - num_prompt])
+        return tuple(prompt[start:]) + tuple(outputs[: end - num_prompt])
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from scheduler_driver import make_request, tokens
 
+from sluice.engine.kv_cache.block_hash import extend_block_hashes
 from sluice.engine.kv_cache.kv_cache_manager import KVCacheManager
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
@@ -177,3 +178,23 @@ def test_prompt_logprobs_requests_take_no_prefix_hit():
     wants.sampling_params = SamplingParams(temperature=0.0, prompt_logprobs=2)
     assert kv.find_prefix(wants).num_tokens == 0
     assert kv.find_prefix(make_request("c", tokens(40))).num_tokens == 32
+
+
+def test_token_slices_and_block_hashes_from_a_block_on_equal_the_whole_sequences():
+    """A step reads a few tokens of a long context (`Request.token_slice`) and hashes only the blocks
+    that filled since the last (`extend_block_hashes` from a block boundary): the same as slicing and
+    hashing the whole prompt + output sequence."""
+    request = make_request("a", tokens(37))
+    request.output_token_ids.extend(range(900, 930))
+    whole = request.all_token_ids
+    for start in range(0, len(whole) + 1, 3):
+        for end in range(start, len(whole) + 1, 5):
+            assert request.token_slice(start, end) == tuple(whole[start:end]), (start, end)
+    expected: list[bytes] = []
+    extend_block_hashes(expected, whole, BS, "salt")
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, whole[:20], BS, "salt")  # one full block
+    extend_block_hashes(hashes, request.token_slice(BS, len(whole)), BS, "salt", start=BS)
+    assert hashes == expected and len(hashes) == len(whole) // BS
+    with pytest.raises(ValueError, match="^start: "):
+        extend_block_hashes(hashes[:1], whole[2 * BS :], BS, "salt", start=2 * BS)  # block 1 would be skipped

@@ -36,10 +36,19 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: s
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    start: int = 0,
 ) -> None:
-    """Append to `hashes` the hash of every full block of `token_ids` not hashed yet (in place)."""
-    num_full_blocks = len(token_ids) // block_size
+    """Append to `hashes` the hash of every full block not hashed yet (in place), `token_ids` being the
+    sequence's tokens from position `start` on (a block boundary, at or before the first block not
+    hashed yet)."""
+    if start % block_size or start > len(hashes) * block_size:
+        raise ValueError(f"start: {start} is not a block boundary at or before the unhashed blocks")
+    num_full_blocks = (start + len(token_ids)) // block_size
     for i in range(len(hashes), num_full_blocks):
         parent = hashes[i - 1] if i > 0 else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], cache_salt))
+        at = i * block_size - start
+        hashes.append(hash_block(parent, token_ids[at : at + block_size], cache_salt))

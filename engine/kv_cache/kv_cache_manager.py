@@ -217,7 +217,7 @@ class KVCacheManager:
         for j in range(1, len(stored) + 1):
             if j == len(stored) or stored[j] != stored[j - 1] + 1:
                 first, last = stored[run_start], stored[j - 1]
-                token_ids = request.all_token_ids[first * self.block_size : (last + 1) * self.block_size]
+                token_ids = request.token_slice(first * self.block_size, (last + 1) * self.block_size)
                 parent = hashes[first - 1] if first > 0 else None
                 self.events.stored(hashes[first : last + 1], parent, token_ids, request.cache_salt)
                 run_start = j
@@ -285,6 +285,9 @@ class KVCacheManager:
     def _request_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's tokens, extended as tokens are appended."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        if len(hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:  # the new full blocks' tokens only, not the whole sequence
+            start = len(hashes) * self.block_size
+            token_ids = request.token_slice(start, num_full * self.block_size)
+            extend_block_hashes(hashes, token_ids, self.block_size, request.cache_salt, start)
         return hashes

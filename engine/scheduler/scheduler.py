@@ -290,7 +290,7 @@ class Scheduler:
 
     def _token_ids(self, request: Request, start: int, end: int) -> tuple[int, ...]:
         """The request's tokens at positions start .. end - 1."""
-        return _token_slice(request, start, end)
+        return request.token_slice(start, end)
 
     # ---- schedule() helpers --------------------------------------------------------------------
 
@@ -534,14 +534,3 @@ class Scheduler:
                 f"({max_tokens_with_kv - request.num_tokens}) exceed max_num_batched_tokens {budget} with "
                 "chunked prefill off",
             )
-
-
-def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """request.all_token_ids[start:end] without concatenating the whole sequence."""
-    prompt, outputs = request.prompt_token_ids, request.output_token_ids
-    num_prompt = len(prompt)
-    if end <= num_prompt:
-        return tuple(prompt[start:end])
-    if start >= num_prompt:
-        return tuple(outputs[start - num_prompt : end - num_prompt])
-    return tuple(prompt[start:]) + tuple(outputs[: end - num_prompt])

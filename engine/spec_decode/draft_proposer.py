@@ -164,7 +164,7 @@ class DraftProposer:
                 request = d.request
                 end = min(d.start + budget, request.num_tokens - 1)
                 if end > d.start:
-                    token_ids = tuple(request.all_token_ids[d.start : end])
+                    token_ids = request.token_slice(d.start, end)
                     scheduled.append(
                         ScheduledRequest(request.request_id, token_ids, d.start, d.block_ids, False)
                     )
@@ -205,7 +205,7 @@ class DraftProposer:
         for d in active:
             request = d.request
             if j == 0:
-                token_ids = tuple(request.all_token_ids[d.start :])
+                token_ids = request.token_slice(d.start, request.num_tokens)
                 start = d.start
             else:
                 token_ids = (PLACEHOLDER_TOKEN_ID,)
