@@ -12,6 +12,7 @@ from test_scheduler_spec import make_scheduler, step
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode.draft_block_tables import DraftBlockTables
 
 BLOCK = 16
 BUDGET = 32
@@ -170,3 +171,19 @@ def test_a_preempted_request_gives_up_its_draft_blocks_to_the_running_one(llama_
     assert second_end.usage.draft_tokens >= 3 * (len(outputs["second"]) - 2)
     assert 0 < first_end.usage.accepted_draft_tokens == first_end.usage.draft_tokens
     assert llm.engine.core.speculator.proposer.tables.num_used_blocks == 0
+
+
+def test_a_draft_block_table_grows_by_whole_blocks_and_a_freed_one_starts_afresh():
+    """`DraftBlockTables` keeps each request's block ids (a proposal asks for every table every step):
+    growing within its blocks gives the same table, past them the table extended; once freed, a request
+    of that id gets new blocks, not the table it had."""
+    tables = DraftBlockTables(block_size=4, num_blocks=6)
+    first = tables.grow("a", 5)
+    assert len(first) == 2 and tables.grow("a", 8) == first
+    grown = tables.grow("a", 9)
+    assert grown[:2] == first and len(grown) == 3
+    tables.free(["a"])
+    other = tables.grow("b", 12)
+    again = tables.grow("a", 1)
+    assert len(again) == 1 and not set(again) & set(other) and tables.num_used_blocks == 4
+    assert tables.grow("c", 12) is None  # 2 blocks left: the pool is short

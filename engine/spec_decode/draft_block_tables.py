@@ -18,22 +18,28 @@ class DraftBlockTables:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=False)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        # The block ids of `_blocks`, kept: a proposal asks for every request's table every step, and
+        # a long context's (hundreds of blocks) took longer to rebuild than the rest of its proposal.
+        self._block_ids: dict[str, tuple[int, ...]] = {}
         self.num_computed: dict[str, int] = {}  # request id -> tokens with draft KV
 
     def grow(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
         """The request's block table, grown to hold `num_tokens` tokens; None if the pool is short."""
         blocks = self._blocks.setdefault(request_id, [])
+        block_ids = self._block_ids.get(request_id, ())
         missing = -(-num_tokens // self.block_size) - len(blocks)
         if missing > 0:
             new = self.pool.allocate(missing)
             if new is None:
                 return None
             blocks.extend(new)
-        return tuple(block.block_id for block in blocks)
+            block_ids = self._block_ids[request_id] = block_ids + tuple(block.block_id for block in new)
+        return block_ids
 
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.pool.free(reversed(self._blocks.pop(request_id, [])))
+            self._block_ids.pop(request_id, None)
             self.num_computed.pop(request_id, None)
 
     @property
