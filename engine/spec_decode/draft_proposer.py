@@ -220,7 +220,7 @@ class DraftProposer:
         behind the code")."""
         greedy = [i for i, d in enumerate(active) if d.request.sampling_params.greedy]
         random = [i for i, d in enumerate(active) if not d.request.sampling_params.greedy]
-        if not random:  # no rows picked out: a copy of the logits and two launches fewer
+        if not random:  # no rows picked out: no copy, and no index copy, gather or scatter launched
             return argmax_rows(logits)
         token_ids = torch.empty(len(active), dtype=torch.long, device=logits.device)
         if greedy:
