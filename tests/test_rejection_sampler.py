@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_speculative_sampling import ALPHA, VOCAB, chi_square_p_value
 
+from sluice.engine.sample.logits_processors import any_applies
 from sluice.engine.sample.sampler import Sampler, SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode.proposer import Proposal
@@ -83,10 +84,10 @@ def test_a_request_no_processor_reads_shares_one_row_for_all_its_places():
     in each place's outputs."""
     sampler = RejectionSampler(Sampler())
     plain = SamplingRow("plain", SamplingParams(temperature=0.0), [3], [5, 6])
-    assert not sampler._concerned(plain)
+    assert not any_applies(sampler.sampler.processors, plain)
     assert all(row is plain for row in _verify_rows(plain, (7, 8), concerned=False))
     penalised = SamplingRow("penalised", SamplingParams(temperature=0.0, repetition_penalty=1.2), [3], [5, 6])
-    assert sampler._concerned(penalised)
+    assert any_applies(sampler.sampler.processors, penalised)
     rows = _verify_rows(penalised, (7, 8), concerned=True)
     assert [(list(row.output_token_ids), row.num_drafts) for row in rows] == [
         ([5, 6], 0),

@@ -29,14 +29,20 @@ class LogitsProcessor(Protocol):
     def applies_to(self, row: SamplingRow) -> bool:
         """Whether `apply` would change this row's logits (cheap: the sampler asks for every row, and
         leaves the logits uncopied when no processor concerns any row). False must stay False for the
-        row with more output tokens: the rejection sampler asks it of a request's row before its drafts,
-        and lets the rows after them, which no processor then reads, share it."""
+        row with more output tokens (`any_applies`)."""
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """logits: [num_rows, vocab] float32, row i belongs to rows[i]; edited in place."""
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Forget the state of finished requests."""
+
+
+def any_applies(processors: Iterable[LogitsProcessor], row: SamplingRow) -> bool:
+    """Whether a processor concerns the row. If none does, none concerns its rows after drafts (the
+    drafts counted as outputs: `LogitsProcessor.applies_to`'s rule), so those rows may share it: the
+    rejection sampler's verify places and the draft proposer's draft steps ask this once a request."""
+    return any(processor.applies_to(row) for processor in processors)
 
 
 def default_processors() -> list[LogitsProcessor]:

@@ -39,7 +39,7 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.request import Request, RequestStatus
-from sluice.engine.sample.logits_processors import draft_processors
+from sluice.engine.sample.logits_processors import any_applies, draft_processors
 from sluice.engine.sample.sampler import (
     SamplingRow,
     apply_filters,
@@ -141,7 +141,7 @@ class DraftProposer:
             request.output_token_ids,
             request.eos_token_ids,
         )
-        return _Drafting(request, block_ids, start, k, row, any(p.applies_to(row) for p in self.processors))
+        return _Drafting(request, block_ids, start, k, row, any_applies(self.processors, row))
 
     def _evict_preempted(self) -> bool:
         """Frees the draft blocks of one request the target preempted (it waits to recompute, and its

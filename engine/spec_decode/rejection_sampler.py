@@ -28,6 +28,7 @@ from itertools import accumulate
 
 import torch
 
+from sluice.engine.sample.logits_processors import any_applies
 from sluice.engine.sample.sampler import (
     SampledToken,
     Sampler,
@@ -60,7 +61,7 @@ class RejectionSampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {starts[-1]} verified rows")
         logits = logits.float()
         # Whether a logits processor concerns the request (then also each place after a draft, or not).
-        concerned = [self._concerned(row) for row in rows]
+        concerned = [any_applies(self.sampler.processors, row) for row in rows]
         expanded = [
             place
             for row, draft, read in zip(rows, drafts, concerned, strict=True)
@@ -81,12 +82,6 @@ class RejectionSampler:
             for i, a, t in zip(random, accepted, tokens, strict=True):
                 token_ids[i] = [*drafts[i][:a], t]
         return self._sampled_tokens(logits, expanded, starts, token_ids)
-
-    def _concerned(self, row: SamplingRow) -> bool:
-        """Whether a logits processor concerns the row; if not, none concerns it with more outputs (its
-        places after drafts: `LogitsProcessor.applies_to`), and the step's check is made per request,
-        not per place."""
-        return any(processor.applies_to(row) for processor in self.sampler.processors)
 
     def acceptance_fractions(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """The uniform numbers that accept drafts, one a draft (`rows`: each draft's request's row)."""
