@@ -10,6 +10,8 @@ import json
 import pytest
 
 from sluice.benchmarks.engine import host_overhead as bench
+from sluice.benchmarks.engine import phase_clock
+from sluice.benchmarks.engine.phase_clock import ForwardReplay, PhaseClock
 from sluice.engine.config import EngineConfig
 from sluice.engine.core import engine_core
 from sluice.engine.frontend.engine import Engine
@@ -28,7 +30,7 @@ def restored_modules(monkeypatch):
     monkeypatch.setattr(OutputProcessor, "_detokenize", OutputProcessor._detokenize)
 
 
-def forward_calls(replay: bench.ForwardReplay | None) -> tuple[int, int, list[dict[str, dict[str, int]]]]:
+def forward_calls(replay: ForwardReplay | None) -> tuple[int, int, list[dict[str, dict[str, int]]]]:
     """(model runs, logits computed, the timed steps) over one batch of 2 on a 1-layer engine."""
     config = EngineConfig.from_kwargs(
         max_num_seqs=2, max_num_batched_tokens=bench.TOKEN_BUDGET, num_blocks=64
@@ -46,7 +48,7 @@ def forward_calls(replay: bench.ForwardReplay | None) -> tuple[int, int, list[di
 
     runner.graph_runner.run = counted("hidden", runner.graph_runner.run)
     runner.model.compute_logits = counted("logits", runner.model.compute_logits)
-    clock = bench.PhaseClock()
+    clock = PhaseClock()
     bench.instrument_modules(clock)
     bench.instrument(engine, clock, replay)
     steps = bench.run_batch(engine, clock, 2, NUM_STEPS, prompt_len=40, seed=0, replay=replay)
@@ -56,7 +58,7 @@ def forward_calls(replay: bench.ForwardReplay | None) -> tuple[int, int, list[di
 
 def test_replay_runs_the_model_once_after_the_prefill(restored_modules):
     ran, logits_ran, _ = forward_calls(None)
-    replay = bench.ForwardReplay()
+    replay = ForwardReplay()
     replayed, logits_replayed, steps = forward_calls(replay)
     decode_steps = bench.NUM_WARMUP_STEPS + NUM_STEPS
     assert ran - replayed == logits_ran - logits_replayed == decode_steps - 1
@@ -107,9 +109,9 @@ def test_a_draft_model_drafts_k_tokens_a_request_every_step(tmp_path, capsys, re
 def test_a_phase_nested_in_another_is_taken_out_of_it(monkeypatch):
     """A draft model's forwards run inside its proposal: "forward" counts them, "propose" does not."""
     ticks = itertools.count(0, 10)
-    monkeypatch.setattr(bench.time, "perf_counter_ns", lambda: next(ticks))
-    monkeypatch.setattr(bench.time, "thread_time_ns", lambda: 0)
-    clock = bench.PhaseClock()
+    monkeypatch.setattr(phase_clock.time, "perf_counter_ns", lambda: next(ticks))
+    monkeypatch.setattr(phase_clock.time, "thread_time_ns", lambda: 0)
+    clock = PhaseClock()
     forward = clock.timed("forward", lambda: None)
     propose = clock.timed("propose", forward)
     clock.nested("propose", "forward")
