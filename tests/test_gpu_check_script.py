@@ -39,6 +39,7 @@ from sluice.benchmarks.gpu import (
     variant_servers,
 )
 from sluice.benchmarks.gpu.structured_request import SCHEMA, _errors_by_hand, schema_errors
+from sluice.benchmarks.gpu.variant_sections import ASYNC_LABELS
 from sluice.engine.loading.presets import preset_arch
 from sluice.engine.worker.attention import triton_backend
 from sluice.engine.worker.attention.selector import FP8_KV_TRITON_NOTE
@@ -63,8 +64,9 @@ OUT_FILES = {"report.md", "gpu_check.md", "results.jsonl", "steps.log", "servers
 
 @pytest.fixture(autouse=True)
 def _no_off_options(monkeypatch):
-    """The plans as run by default, whatever this shell set: the tests that want the knob set it."""
+    """The plans as run by default, whatever this shell set: the tests that want a knob set it."""
     monkeypatch.delenv(step_context.OFF_OPTIONS_ENV, raising=False)
+    monkeypatch.delenv(step_context.SPEC_ASYNC_ENV, raising=False)
 
 
 def run_script(out: Path, timeout: float, python: str = sys.executable, **env: str):
@@ -100,7 +102,7 @@ def variant_records(out: Path, step: str = "fp8") -> dict[str, dict]:
 @pytest.mark.timeout(900)
 def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = run_script(out, timeout=840)
+    proc = run_script(out, timeout=840, **{step_context.SPEC_ASYNC_ENV: "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = {p.name for p in out.iterdir() if p.is_file()}
     assert files == OUT_FILES and len(files) <= 8
@@ -165,13 +167,15 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         assert comparison["equal"] + comparison["near tie"] + comparison["mismatch"] == 3
         assert agreement["equal"] == comparison["equal"] and agreement["tokens"] == 24
 
-    # async: --async-scheduling gives the synchronous server's greedy tokens, and completes its bench runs
-    # (the skinny linears' server runs on a GPU only: Plan.skinny_serve_args).
-    assert step_result(out, "async")["variants"] == ["async"]
-    asynchronous = variant_records(out, "async")["async"]
-    assert asynchronous["comparison"]["equal"] == 3 and asynchronous["bench_rc"] == [0, 0]
-    assert [run["metrics"]["num_completed"] for run in asynchronous["runs"]] == [2, 4]
-    assert "--async-scheduling" in asynchronous["serve_args"]
+    # async: --async-scheduling gives the synchronous server's greedy tokens, and completes its bench runs,
+    # as do its speculating servers (SLUICE_GPU_CHECK_SPEC_ASYNC=1), drafts verified (the skinny linears'
+    # server runs on a GPU only: Plan.skinny_serve_args).
+    assert step_result(out, "async")["variants"] == ["async", *variant_servers.SPEC_VARIANTS]
+    for name, record in variant_records(out, "async").items():
+        assert record["comparison"]["equal"] == 3 and record["bench_rc"] == [0, 0], name
+        assert [run["metrics"]["num_completed"] for run in record["runs"]] == [2, 4], name
+        assert "--async-scheduling" in record["serve_args"], name
+        assert (sum(s["draft_tokens"] for s in record["greedy"]) > 0) == (name != "async"), name
 
     structured = step_result(out, "structured")
     assert structured["vocab_size"] == 49152  # tiny's 32000 widened to SmolLM2's tokenizer
@@ -213,6 +217,8 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "**Where the tiny TTFT goes: one 24-token prompt's first step** (the engine core's" in report
     assert "| --async-scheduling | " in report and "| 6/6 | 3/3 equal; 24/24 tokens" in report
     assert "--skinny-linears |" not in report  # never planned here: no row
+    ngram = ASYNC_LABELS["async_ngram"]
+    assert f"**Greedy, {ngram} vs synchronous** (must be equal, near ties aside): 3 equal" in report
     assert "the skinny linears' server does not run (their kernels interpreted" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
@@ -1186,11 +1192,29 @@ def test_the_async_section_lists_the_skinny_server_planned_or_recorded(tmp_path:
     monkeypatch.setenv(step_context.OFF_OPTIONS_ENV, "1")
     text = section()
     assert "| --async-scheduling --skinny-linears | - | - | - | - | - | not run |" in text
-    assert "the second with Sluice's skinny linears" in text and "did not run" not in text
+    assert "the second with Sluice's skinny linears" in text and "skinny-linears`) did not run" not in text
     monkeypatch.delenv(step_context.OFF_OPTIONS_ENV)
     records.append({**records[1], "variant": "async_skinny", "runs": [_bench_run(1, 8, 1.5e-3, 700.0)]})
     text = section()
-    assert "| --async-scheduling --skinny-linears | 1.50 (1.00x) |" in text and "did not run" not in text
+    assert "| --async-scheduling --skinny-linears | 1.50 (1.00x) |" in text
+    assert "skinny-linears`) did not run" not in text
+    # the speculating servers: planned with SLUICE_GPU_CHECK_SPEC_ASYNC=1, else a line says how to serve them
+    ngram, paused = ASYNC_LABELS["async_ngram"], ASYNC_LABELS["async_ngram_pause"]
+    assert f"| {ngram} |" not in text and "`SLUICE_GPU_CHECK_SPEC_ASYNC=1` serves them" in text
+    monkeypatch.setenv(step_context.SPEC_ASYNC_ENV, "1")
+    text = section()
+    assert f"| {ngram} | - | - | - | - | - | not run |" in text and f"| {paused} | - |" in text
+    assert "the last two speculating, `--speculative ngram`" in text and "SPEC_ASYNC=1` serves" not in text
+    greedy = [
+        {"draft_tokens": 9, "accepted_draft_tokens": 6},
+        {"draft_tokens": 3, "accepted_draft_tokens": 1},
+    ]
+    speculating = {**records[1], "variant": "async_ngram", "greedy": greedy}
+    records.append({**speculating, "runs": [_bench_run(1, 8, 0.9e-3, 900.0)]})
+    text = section()
+    assert f"| {ngram} | 0.90 (0.60x) |" in text and f"| {paused} | - |" in text
+    assert f"**Greedy, {ngram} vs synchronous** (must be equal, near ties aside): 8 equal" in text
+    assert "0 mismatched; 7/12 drafts accepted." in text
 
 
 OFF_OPTIONS = [("gpu", None), ("gpu", "1"), ("cpu", "1")]  # (mode, SLUICE_GPU_CHECK_OFF_OPTIONS)
@@ -1248,3 +1272,40 @@ def test_the_async_step_serves_the_skinny_linears_after_cublas_when_asked(
     if mode == "gpu" and off_options == "1":
         expected.append(("async_skinny", ("--async-scheduling", "--skinny-linears")))
     assert served == expected and result == {"ok": True, "variants": [name for name, _ in expected]}
+
+
+def _speculating_server(drafts: int, mismatch: int):
+    """A stub of `variant_server` whose speculating servers' greedy samples drafted `drafts` tokens and
+    mismatched `mismatch` samples; the servers it was asked for, in `served`."""
+    served = []
+
+    def serve(ctx, reference, name, extra):
+        served.append((name, extra))
+        speculating = name in variant_servers.SPEC_VARIANTS
+        sample = {"draft_tokens": drafts if speculating else 0, "accepted_draft_tokens": 0}
+        return {"ok": True, "comparison": {"mismatch": mismatch * speculating}, "greedy": [sample]}
+
+    return serve, served
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_the_async_step_serves_the_speculating_servers_last_when_asked(mode, tmp_path, monkeypatch):
+    """With SLUICE_GPU_CHECK_SPEC_ASYNC=1 the async step serves --speculative ngram under async scheduling,
+    then paused from 16 running requests, after its other servers, in both modes; each must give the
+    synchronous server's greedy tokens with drafts verified, or the step fails."""
+    environ = {step_context.SPEC_ASYNC_ENV: "1"}
+    ctx = step_context.StepContext(tmp_path, step_context.plan_for(mode, environ), "async")
+    monkeypatch.setattr(ctx, "reference", lambda: {"prompts": []})
+    serve, served = _speculating_server(drafts=5, mismatch=0)
+    monkeypatch.setattr(variant_servers, "variant_server", serve)
+    result = variant_servers.step_async(ctx)
+    ngram = ("--async-scheduling", "--speculative", "ngram")
+    assert served == [
+        ("async", ("--async-scheduling",)),
+        ("async_ngram", ngram),
+        ("async_ngram_pause", (*ngram, "--speculative-disable-by-batch-size", "16")),
+    ]
+    assert result == {"ok": True, "variants": ["async", "async_ngram", "async_ngram_pause"]}
+    for drafts, mismatch in ((0, 0), (5, 1)):  # no drafts verified; a greedy sample that differs
+        monkeypatch.setattr(variant_servers, "variant_server", _speculating_server(drafts, mismatch)[0])
+        assert not variant_servers.step_async(ctx)["ok"]

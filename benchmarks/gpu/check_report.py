@@ -41,8 +41,9 @@ STEPS = {
     "structured": "JSON-schema requests, SmolLM2's tokenizer borrowed",
     "tensor_parallel": "sluice serve --tensor-parallel-size 2 (issue 35)",
     "fp8": "--quantization fp8, then + --kv-cache-dtype fp8: sluice bench at 1 and 64, greedy, KV blocks",
-    "async": "--async-scheduling (then + --skinny-linears: SLUICE_GPU_CHECK_OFF_OPTIONS=1): greedy equal to "
-    "serve_bench's, sluice bench at 1 and 64",
+    "async": "--async-scheduling (then + --skinny-linears: SLUICE_GPU_CHECK_OFF_OPTIONS=1; + --speculative "
+    "ngram, then paused at 16: SLUICE_GPU_CHECK_SPEC_ASYNC=1): greedy equal to serve_bench's, sluice bench "
+    "at 1 and 64",
     "large": "llama-3-8b shape: batch-1 TPOT, 4096-token TTFT",
     "fp8_large": "llama-3-8b shape in bf16, fp8, fp8 + fp8 KV, fp8 128-blocks (fp8 with norms folded: "
     "SLUICE_GPU_CHECK_OFF_OPTIONS=1): sluice bench at 1 and 64, greedy, KV blocks",

@@ -60,7 +60,7 @@ from sluice.benchmarks.gpu.step_context import (
 )
 from sluice.benchmarks.gpu.step_profiles import PROFILES_DIR, profile_server
 from sluice.benchmarks.gpu.structured_request import SCHEMA, schema_errors
-from sluice.benchmarks.gpu.variant_servers import step_async, step_fp8, step_fp8_large
+from sluice.benchmarks.gpu.variant_servers import draft_counts, step_async, step_fp8, step_fp8_large
 from sluice.client import Client, generate_request
 from sluice.engine.config import DEFAULT_STEP_BUDGET
 
@@ -99,8 +99,7 @@ def compare_with_reference(ctx: StepContext, serve_args: Sequence[str]) -> dict[
 
 def step_speculative(ctx: StepContext) -> dict[str, Any]:
     result = compare_with_reference(ctx, ctx.plan.serve_args("--speculative", "ngram"))
-    drafts = sum(sample["draft_tokens"] for sample in result["greedy"])
-    accepted = sum(sample["accepted_draft_tokens"] for sample in result["greedy"])
+    drafts, accepted = draft_counts(result["greedy"])
     speculating = result["model_info"]["speculative_method"] == "ngram" and drafts > 0
     ok = result["comparison"]["mismatch"] == 0 and speculating
     return {**result, "ok": ok, "draft_tokens": drafts, "accepted_draft_tokens": accepted}

@@ -64,6 +64,9 @@ class Plan:
     # ... and one with SiLU-and-mul in down_proj's one-row launch too (`--fuse-silu-fp8`), after it; None:
     # not run (the CPU mode, as above; tests/test_fp8_folded_inputs_model.py)
     fp8_fold_serve_args: tuple[str, ...] | None = ("--fuse-norm-fp8", "--fuse-silu-fp8")
+    # The async step's speculating servers (`variant_servers.SPEC_VARIANTS`: n-gram drafts under async
+    # scheduling, then paused from 16 running requests), after its others; only with SPEC_ASYNC_ENV=1
+    spec_servers: bool = False
 
     def serve_args(self, *extra: str, preset: str | None = None) -> list[str]:
         # The plan's preset (or `preset`). Prefix caching stays on, as served: every run of `sluice bench`
@@ -110,12 +113,16 @@ PLANS = {
 # each lost): the async step's skinny linears and fp8_large's two with the FP8 linears' inputs folded in,
 # ~90 s of a lease. They serve again with SLUICE_GPU_CHECK_OFF_OPTIONS=1 (after a change to their kernels).
 OFF_OPTIONS_ENV = "SLUICE_GPU_CHECK_OFF_OPTIONS"
+# The async step's two speculating servers (~20 s each on a GPU): whether a speculating batch, which gives up
+# the overlap (docs/ARCHITECTURE.md, "Async scheduling"), still pays on a GPU. Served with SPEC_ASYNC_ENV=1.
+SPEC_ASYNC_ENV = "SLUICE_GPU_CHECK_SPEC_ASYNC"
 
 
 def plan_for(mode: str, environ: Mapping[str, str] = os.environ) -> Plan:
     """The mode's plan as the steps run it: `PLANS[mode]` less the off-by-default options' servers, unless
-    `OFF_OPTIONS_ENV` is 1 in `environ`."""
-    plan = PLANS[mode]
+    `OFF_OPTIONS_ENV` is 1 in `environ`, and with the async step's speculating servers where `SPEC_ASYNC_ENV`
+    is 1."""
+    plan = dataclasses.replace(PLANS[mode], spec_servers=environ.get(SPEC_ASYNC_ENV) == "1")
     if environ.get(OFF_OPTIONS_ENV) == "1":
         return plan
     off = {"skinny_serve_args": None, "fp8_norm_serve_args": None, "fp8_fold_serve_args": None}

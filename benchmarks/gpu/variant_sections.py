@@ -14,9 +14,16 @@ from typing import Any, NamedTuple
 from sluice.benchmarks.gpu import check_figures, fp8_figures
 from sluice.benchmarks.gpu.greedy_compare import comparison_line
 from sluice.benchmarks.gpu.markdown_table import markdown_table
-from sluice.benchmarks.gpu.step_context import OFF_OPTIONS_ENV, PLANS, Plan, plan_for, read_runs
+from sluice.benchmarks.gpu.step_context import (
+    OFF_OPTIONS_ENV,
+    PLANS,
+    SPEC_ASYNC_ENV,
+    Plan,
+    plan_for,
+    read_runs,
+)
 from sluice.benchmarks.gpu.step_profiles import profile_tables
-from sluice.benchmarks.gpu.variant_servers import async_variants, large_variants
+from sluice.benchmarks.gpu.variant_servers import SPEC_VARIANTS, async_variants, draft_counts, large_variants
 
 LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ [\w.]+: ")  # a server log line's "date time LEVEL logger: "
 
@@ -159,7 +166,12 @@ def fp8_servers_parts(
     return parts
 
 
-ASYNC_LABELS = {"async": "--async-scheduling", "async_skinny": "--async-scheduling --skinny-linears"}
+ASYNC_LABELS = {
+    "async": "--async-scheduling",
+    "async_skinny": "--async-scheduling --skinny-linears",
+    "async_ngram": "--async-scheduling --speculative ngram",
+    "async_ngram_pause": "--async-scheduling --speculative ngram --speculative-disable-by-batch-size 16",
+}
 
 
 def async_section(
@@ -173,11 +185,14 @@ def async_section(
     plan, base, reference, runs = Baseline.of(results, out, mode)
     record = variants["async"]
     labels = served_labels(ASYNC_LABELS, async_variants(plan_for(mode)), variants)
-    servers = (
-        "the `--async-scheduling` servers (the second with Sluice's skinny linears, `--skinny-linears`) ran"
-        if "async_skinny" in labels
-        else "the `--async-scheduling` server ran"
-    )
+    others = []
+    if "async_skinny" in labels:
+        others.append("the second with Sluice's skinny linears, `--skinny-linears`")
+    if any(name in labels for name in SPEC_VARIANTS):
+        others.append("the last two speculating, `--speculative ngram`")
+    servers = "the `--async-scheduling` server ran"
+    if others:
+        servers = f"the `--async-scheduling` servers ({'; '.join(others)}) ran"
     parts = [
         f"The {plan.preset} preset ({plan.dtype}): {base} is serve_bench's synchronous server (its sweep); "
         f"{servers} `sluice bench` with {runs}, {plan.input_len} prompt and {plan.output_len} output tokens. "
@@ -194,6 +209,7 @@ def async_section(
             "**Greedy, --skinny-linears vs synchronous** (need not be equal: the same products summed in "
             "another order): " + comparison_line(variants["async_skinny"]["comparison"])
         )
+    parts += speculating_parts(variants, labels)
     goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
     if goal_rows:  # the same rows as the synchronous server's in the figures section
         parts.append(markdown_table(check_figures.HEADERS, goal_rows))
@@ -205,3 +221,27 @@ def async_section(
     elif "async_skinny" not in labels:
         parts.append(off_options_line("Sluice's skinny linears (`--skinny-linears`)"))
     return "\n\n".join(parts)
+
+
+def speculating_parts(variants: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
+    """The async step's speculating servers: each one's greedy comparison and drafts, or why none ran."""
+    if not any(name in labels for name in SPEC_VARIANTS):
+        return [
+            "The speculating servers (`--speculative ngram`, then paused from 16 running requests) did not "
+            f"run: `{SPEC_ASYNC_ENV}=1` serves them (each about as long as the async server)."
+        ]
+    parts = [
+        "Speculating under async scheduling, a step that verifies drafts runs synchronously (its outputs "
+        "are sampled on the host before the next step is scheduled: docs/ARCHITECTURE.md); its TPOT against "
+        "--async-scheduling's says whether the drafts still pay for the overlap given up, the paused "
+        "server's at 64 what pausing gives back. Drafts and accepted drafts: the greedy requests' (batch 1)."
+    ]
+    for name in SPEC_VARIANTS:
+        record = variants.get(name)
+        if record is not None:
+            drafts, accepted = draft_counts(record["greedy"])
+            parts.append(
+                f"**Greedy, {labels[name]} vs synchronous** (must be equal, near ties aside): "
+                + comparison_line(record["comparison"], f"; {accepted}/{drafts} drafts accepted")
+            )
+    return parts

@@ -5,7 +5,9 @@ fp8        (g) the preset with `--quantization fp8`, then with `--kv-cache-dtype
            against serve_bench's server
 async      the preset with `--async-scheduling` (issue 33), then, with SLUICE_GPU_CHECK_OFF_OPTIONS=1,
            with `--skinny-linears` too (Sluice's own linears for steps of up to 64 rows: off by default,
-           slower in run 16), each set against serve_bench's synchronous server
+           slower in run 16), then, with SLUICE_GPU_CHECK_SPEC_ASYNC=1, with `--speculative ngram` too and
+           with it paused from 16 running requests (`SPEC_VARIANTS`), each set against serve_bench's
+           synchronous server
 fp8_large  (i) the large step's shape served four times (six with SLUICE_GPU_CHECK_OFF_OPTIONS=1), with
            async scheduling: bf16 (the reference, drawing its own prompts), fp8's two servers, with the
            knob on a GPU fp8 with the RMSNorms in the one-row FP8 linears' launches (`--fuse-norm-fp8`:
@@ -91,27 +93,47 @@ def large_variants(plan: Plan) -> dict[str, tuple[str, ...]]:
     return variants
 
 
+# The async step's speculating servers (`Plan.spec_servers`), after --async-scheduling: n-gram drafts (k = 3)
+# in every step, then paused while 16 or more requests run (vLLM's speculative_disable_by_batch_size), whose
+# steps at 64 then overlap again.
+SPEC_VARIANTS = {
+    "async_ngram": ("--speculative", "ngram"),
+    "async_ngram_pause": ("--speculative", "ngram", "--speculative-disable-by-batch-size", "16"),
+}
+
+
 def step_async(ctx: StepContext) -> dict[str, Any]:
-    """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too: the first's
-    greedy outputs equal serve_bench's synchronous server's, near ties aside (the same kernels on the same
-    batches), the second's set against them (its bf16 products summed in another order), and `sluice bench`
-    at 1 and 64 against serve_bench's sweep (the second where the plan runs it: `async_variants`). A
-    record per server appended as it finishes: a step killed at its limit keeps the first."""
+    """The preset with `--async-scheduling` (issue 33), then with Sluice's skinny linears too, then
+    speculating: the first's greedy outputs equal serve_bench's synchronous server's, near ties aside (the
+    same kernels on the same batches), as the speculating servers' must, drafts verified; the skinny
+    server's are set against them (its bf16 products summed in another order); `sluice bench` at 1 and 64
+    against serve_bench's sweep (the others where the plan runs them: `async_variants`). A record per
+    server appended as it finishes: a step killed at its limit keeps the first."""
     reference, variants = ctx.reference(), async_variants(ctx.plan)
-    records = [variant_server(ctx, reference, name, args) for name, args in variants.items()]
+    records = {name: variant_server(ctx, reference, name, args) for name, args in variants.items()}
     # the skinny server's greedy outputs are reported, not required equal (bf16 sums in another order can
     # part beyond a near tie; the kernel and parity tests check its numbers)
-    ok = all(r["ok"] for r in records) and records[0]["comparison"]["mismatch"] == 0
+    exact = [records["async"], *(records[name] for name in SPEC_VARIANTS if name in records)]
+    ok = all(r["ok"] for r in records.values()) and all(r["comparison"]["mismatch"] == 0 for r in exact)
+    ok = ok and all(draft_counts(records[name]["greedy"])[0] > 0 for name in SPEC_VARIANTS if name in records)
     return {"ok": ok, "variants": list(variants)}
 
 
 def async_variants(plan: Plan) -> dict[str, tuple[str, ...]]:
     """The async step's servers, in order: async scheduling, then with Sluice's skinny linears too where
-    the plan runs them (`Plan.skinny_serve_args`: not in the CPU mode, nor without the off-options knob)."""
+    the plan runs them (`Plan.skinny_serve_args`: not in the CPU mode, nor without the off-options knob),
+    then the speculating ones where it runs them (`Plan.spec_servers`)."""
     variants = {"async": ("--async-scheduling",)}
     if plan.skinny_serve_args is not None:
         variants["async_skinny"] = ("--async-scheduling", *plan.skinny_serve_args)
+    if plan.spec_servers:
+        variants |= {name: ("--async-scheduling", *args) for name, args in SPEC_VARIANTS.items()}
     return variants
+
+
+def draft_counts(samples: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """Draft tokens verified and accepted over a server's greedy samples."""
+    return sum(s["draft_tokens"] for s in samples), sum(s["accepted_draft_tokens"] for s in samples)
 
 
 def variant_server(
