@@ -176,6 +176,11 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
         assert [run["metrics"]["num_completed"] for run in record["runs"]] == [2, 4], name
         assert "--async-scheduling" in record["serve_args"], name
         assert (sum(s["draft_tokens"] for s in record["greedy"]) > 0) == (name != "async"), name
+        # the first speculating server's steps profiled, every profile written
+        profiles = record.get("profiles", {})
+        profiled = name in variant_servers.PROFILED_ASYNC
+        assert sorted(profiles) == (["b1", "b4", "prefill4"] if profiled else []), name
+        assert not any("error" in summary for summary in profiles.values()), name
 
     structured = step_result(out, "structured")
     assert structured["vocab_size"] == 49152  # tiny's 32000 widened to SmolLM2's tokenizer
@@ -219,6 +224,8 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     assert "--skinny-linears |" not in report  # never planned here: no row
     ngram = ASYNC_LABELS["async_ngram"]
     assert f"**Greedy, {ngram} vs synchronous** (must be equal, near ties aside): 3 equal" in report
+    assert "**Where a step's time goes** (the engine core's torch.profiler over 3 decode steps" in report
+    assert f"**{ngram}, 1 row a step**: " in report and f"**{ngram}, 4 rows a step**: " in report
     assert "the skinny linears' server does not run (their kernels interpreted" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 
@@ -1259,8 +1266,9 @@ def test_the_async_step_serves_the_skinny_linears_after_cublas_when_asked(
     the CPU mode)."""
     served = []
 
-    def serve(ctx, reference, name, extra):
+    def serve(ctx, reference, name, extra, profile):
         served.append((name, extra))
+        assert not profile  # profiles come with the speculating servers only
         return {"ok": True, "comparison": {"mismatch": int(name == "async_skinny")}}  # reported, not failed
 
     monkeypatch.setattr(variant_servers, "variant_server", serve)
@@ -1276,11 +1284,11 @@ def test_the_async_step_serves_the_skinny_linears_after_cublas_when_asked(
 
 def _speculating_server(drafts: int, mismatch: int):
     """A stub of `variant_server` whose speculating servers' greedy samples drafted `drafts` tokens and
-    mismatched `mismatch` samples; the servers it was asked for, in `served`."""
+    mismatched `mismatch` samples; the servers it was asked for, in `served`, and whether it profiled them."""
     served = []
 
-    def serve(ctx, reference, name, extra):
-        served.append((name, extra))
+    def serve(ctx, reference, name, extra, profile):
+        served.append((name, extra, profile))
         speculating = name in variant_servers.SPEC_VARIANTS
         sample = {"draft_tokens": drafts if speculating else 0, "accepted_draft_tokens": 0}
         return {"ok": True, "comparison": {"mismatch": mismatch * speculating}, "greedy": [sample]}
@@ -1291,8 +1299,9 @@ def _speculating_server(drafts: int, mismatch: int):
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 def test_the_async_step_serves_the_speculating_servers_last_when_asked(mode, tmp_path, monkeypatch):
     """With SLUICE_GPU_CHECK_SPEC_ASYNC=1 the async step serves --speculative ngram under async scheduling,
-    then paused from 16 running requests, after its other servers, in both modes; each must give the
-    synchronous server's greedy tokens with drafts verified, or the step fails."""
+    then paused from 16 running requests, after its other servers, in both modes, profiling the first
+    speculating server's steps; each must give the synchronous server's greedy tokens with drafts
+    verified, or the step fails."""
     environ = {step_context.SPEC_ASYNC_ENV: "1"}
     ctx = step_context.StepContext(tmp_path, step_context.plan_for(mode, environ), "async")
     monkeypatch.setattr(ctx, "reference", lambda: {"prompts": []})
@@ -1301,9 +1310,9 @@ def test_the_async_step_serves_the_speculating_servers_last_when_asked(mode, tmp
     result = variant_servers.step_async(ctx)
     ngram = ("--async-scheduling", "--speculative", "ngram")
     assert served == [
-        ("async", ("--async-scheduling",)),
-        ("async_ngram", ngram),
-        ("async_ngram_pause", (*ngram, "--speculative-disable-by-batch-size", "16")),
+        ("async", ("--async-scheduling",), False),
+        ("async_ngram", ngram, True),
+        ("async_ngram_pause", (*ngram, "--speculative-disable-by-batch-size", "16"), False),
     ]
     assert result == {"ok": True, "variants": ["async", "async_ngram", "async_ngram_pause"]}
     for drafts, mismatch in ((0, 0), (5, 1)):  # no drafts verified; a greedy sample that differs

@@ -113,9 +113,9 @@ PLANS = {
 # each lost): the async step's skinny linears and fp8_large's two with the FP8 linears' inputs folded in,
 # ~90 s of a lease. They serve again with SLUICE_GPU_CHECK_OFF_OPTIONS=1 (after a change to their kernels).
 OFF_OPTIONS_ENV = "SLUICE_GPU_CHECK_OFF_OPTIONS"
-# The async step's two speculating servers (each about as long as its async one): whether a speculating batch,
-# which gives up the overlap (docs/ARCHITECTURE.md, "Async scheduling"), still pays on a GPU. Served with
-# SPEC_ASYNC_ENV=1.
+# The async step's two speculating servers and the first one's profiles (~60 s on a GPU): whether a
+# speculating batch, which gives up the overlap (docs/ARCHITECTURE.md, "Async scheduling"), still pays on a
+# GPU. Served with SPEC_ASYNC_ENV=1.
 SPEC_ASYNC_ENV = "SLUICE_GPU_CHECK_SPEC_ASYNC"
 
 

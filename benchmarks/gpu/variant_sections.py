@@ -210,6 +210,16 @@ def async_section(
             "another order): " + comparison_line(variants["async_skinny"]["comparison"])
         )
     parts += speculating_parts(variants, labels)
+    profiled = {labels[name]: r["profiles"] for name, r in variants.items() if "profiles" in r}
+    if profiled:
+        parts += [
+            f"**Where a step's time goes** (the engine core's torch.profiler over {plan.profiles.num_steps} "
+            "decode steps of each server once its benchmark runs were over; files in OUT/profiles/): the "
+            "wall time a step against the device's busy time, the difference what the device idled (the "
+            "profiler's own host work included); its steps verify drafts, their host work between two "
+            "forwards:",
+            *profile_tables(profiled),
+        ]
     goal_rows = check_figures.serving_rows(check_figures.gpu_check_figures(records), record["runs"])
     if goal_rows:  # the same rows as the synchronous server's in the figures section
         parts.append(markdown_table(check_figures.HEADERS, goal_rows))
@@ -228,7 +238,7 @@ def speculating_parts(variants: dict[str, dict[str, Any]], labels: dict[str, str
     if not any(name in labels for name in SPEC_VARIANTS):
         return [
             "The speculating servers (`--speculative ngram`, then paused from 16 running requests) did not "
-            f"run: `{SPEC_ASYNC_ENV}=1` serves them (each about as long as the async server)."
+            f"run: `{SPEC_ASYNC_ENV}=1` serves them (~60 s on a GPU, with the first one's profiles)."
         ]
     parts = [
         "Speculating under async scheduling, a step that verifies drafts runs synchronously (its outputs "

@@ -100,6 +100,9 @@ SPEC_VARIANTS = {
     "async_ngram": ("--speculative", "ngram"),
     "async_ngram_pause": ("--speculative", "ngram", "--speculative-disable-by-batch-size", "16"),
 }
+# The first speculating server is profiled too (`step_profiles`, ~15 s): a step's wall time against the
+# device's busy time, what a verify step's synchronous host work leaves idle.
+PROFILED_ASYNC = ("async_ngram",)
 
 
 def step_async(ctx: StepContext) -> dict[str, Any]:
@@ -107,10 +110,15 @@ def step_async(ctx: StepContext) -> dict[str, Any]:
     speculating: the first's greedy outputs equal serve_bench's synchronous server's, near ties aside (the
     same kernels on the same batches), as the speculating servers' must, drafts verified; the skinny
     server's are set against them (its bf16 products summed in another order); `sluice bench` at 1 and 64
-    against serve_bench's sweep (the others where the plan runs them: `async_variants`). A record per
-    server appended as it finishes: a step killed at its limit keeps the first."""
+    against serve_bench's sweep (the others where the plan runs them: `async_variants`), then, with the
+    speculating servers, step profiles of `PROFILED_ASYNC`. A record per server appended as it finishes:
+    a step killed at its limit keeps the first."""
     reference, variants = ctx.reference(), async_variants(ctx.plan)
-    records = {name: variant_server(ctx, reference, name, args) for name, args in variants.items()}
+    profiled = PROFILED_ASYNC if ctx.plan.spec_servers else ()
+    records = {
+        name: variant_server(ctx, reference, name, args, profile=name in profiled)
+        for name, args in variants.items()
+    }
     # the skinny server's greedy outputs are reported, not required equal (bf16 sums in another order can
     # part beyond a near tie; the kernel and parity tests check its numbers)
     exact = [records["async"], *(records[name] for name in SPEC_VARIANTS if name in records)]
