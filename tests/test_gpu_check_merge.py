@@ -45,9 +45,11 @@ def two_calls(tmp_path: Path, second_card: str = "GPU-c43d6822") -> tuple[Path, 
     """Call 1 ran serve_bench and skipped large for time; call 2, sent at once, ran large only."""
     first = write_call(
         tmp_path / "call1",
-        [status("serve_bench", "passed", 40), status("large", "skipped"), machine(462, 520)],
+        [status("serve_bench", "passed", 40), status("async", "passed", 60), status("large", "skipped"),
+         machine(462, 520)],
         {"bench_serve.json": json.dumps(bench(1.5e-3, 0.01)), "steps.log": "call one's steps\n",
-         "servers.log": "call one's servers\n", "bench_large.json": "call one's: never read"},
+         "servers.log": "call one's servers\n", "bench_large.json": "call one's: never read",
+         "profiles/async-async_ngram/b1/profile.txt": "a server's profile, named by step and server"},
     )  # fmt: skip
     second = write_call(
         tmp_path / "call2",
@@ -70,12 +72,14 @@ def test_each_step_comes_from_the_call_that_ran_it_under_one_head(tmp_path: Path
 
     records = read_results(out)
     statuses = {r["step"]: r["status"] for r in records if "status" in r}
-    assert statuses == {"serve_bench": "passed", "large": "passed"}
+    assert statuses == {"serve_bench": "passed", "async": "passed", "large": "passed"}
     assert {"step": "large", "model_info": {"max_num_batched_tokens": 8192}} in records
     assert [r["wall_s"] for r in records if r["step"] == "report"] == [462, 246]
     assert (out / "bench_serve.json").read_text() == (first / "bench_serve.json").read_text()
     assert (out / "bench_large.json").read_text() == (second / "bench_large.json").read_text()
     assert (out / "profiles/large/prefill1/profile.txt").read_text() == "the large step's profile"
+    server_profile = (out / "profiles/async-async_ngram/b1/profile.txt").read_text()
+    assert server_profile == "a server's profile, named by step and server"
     steps_log = (out / "steps.log").read_text()
     assert steps_log == (
         f"# merge_calls: call 1 of 2, {first}\ncall one's steps\n"

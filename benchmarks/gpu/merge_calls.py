@@ -8,11 +8,12 @@ skipped for time) are joined as if one call had run them all:
 Each step's records (its status, its result, its variants' records) come from the last call that ran it
 (status not "skipped", or records without a status: the call ended inside the step, which the merged
 status then says), else from the first call that recorded it; so do the files that step writes
-(`STEP_FILES`, and its `profiles/<step>/`). The logs are joined, each call's under a line naming it. The
-calls' machine records (`check_report.REPORT_STEP`, written by each call's own report) stay, in order
-(an `unrecorded` one for a call cut before its report): the report's head gives each call's time and
-budget and says whether they ran on one card. Then OUT/report.md is built as the script builds it. Exits
-as `check_report` does: 0 when every step passed or was skipped, 1 otherwise; 2 for bad arguments.
+(`STEP_FILES`, its `profiles/<step>/` and its servers' `profiles/<step>-<server>/`). The logs are joined,
+each call's under a line naming it. The calls' machine records (`check_report.REPORT_STEP`, written by
+each call's own report) stay, in order (an `unrecorded` one for a call cut before its report): the
+report's head gives each call's time and budget and says whether they ran on one card. Then OUT/report.md
+is built as the script builds it. Exits as `check_report` does: 0 when every step passed or was skipped,
+1 otherwise; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def _ran(records: list[dict[str, Any]]) -> set[str]:
     statuses = {r["step"]: r["status"] for r in records if "status" in r}
     steps = {r["step"] for r in records if r["step"] != REPORT_STEP}
     return {step for step in steps if statuses.get(step, "cut") != "skipped"}
+
+
+def step_profile_dirs(call_dir: Path, step: str) -> list[Path]:
+    """A call's profile folders of `step`: profiles/<step> (the large step's) and profiles/<step>-<server>
+    (a variant server's, `variant_servers.variant_server`)."""
+    root = call_dir / PROFILES_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.split("-", 1)[0] == step)
 
 
 def step_sources(calls: Sequence[list[dict[str, Any]]]) -> dict[str, int]:
@@ -99,9 +109,8 @@ def merge_calls(out: Path, call_dirs: Sequence[Path], mode: str | None = None) -
             if step in sources and (call_dirs[sources[step]] / name).is_file():
                 shutil.copyfile(call_dirs[sources[step]] / name, out / name)
     for step, index in sources.items():
-        profiles = call_dirs[index] / PROFILES_DIR / step
-        if profiles.is_dir():
-            shutil.copytree(profiles, out / PROFILES_DIR / step, copy_function=shutil.copyfile)
+        for profiles in step_profile_dirs(call_dirs[index], step):
+            shutil.copytree(profiles, out / PROFILES_DIR / profiles.name, copy_function=shutil.copyfile)
     for name in LOGS:
         with (out / name).open("w", encoding="utf-8") as log:
             for number, call in enumerate(call_dirs, 1):
