@@ -134,7 +134,7 @@ def step_structured(ctx: StepContext, tokenizer_dir: Path | None) -> dict[str, A
         with ctx.server(synchronous) as server, Client(server.target) as client:
             timed["speculating_sync"] = timed_answers(client)
     same = speculating[0]["text"] == answers[0]["text"]
-    drafts = sum(answer["draft_tokens"] for answer in speculating)
+    drafts, _ = draft_counts(speculating)
     every_answer = answers + speculating + [a for runs in timed.values() for a in runs["answers"]]
     ok = all(not answer["errors"] for answer in every_answer) and drafts > 0
     return {"ok": ok, "vocab_size": config["vocab_size"], "model_info": info, "schema": SCHEMA,
