@@ -225,7 +225,7 @@ def test_the_script_runs_every_step_on_cpu_and_reports(tmp_path: Path) -> None:
     ngram = ASYNC_LABELS["async_ngram"]
     assert f"**Greedy, {ngram} vs synchronous** (must be equal, near ties aside): 3 equal" in report
     assert "**Where a step's time goes** (the engine core's torch.profiler over 3 decode steps" in report
-    assert f"**{ngram}, 1 row a step**: " in report and f"**{ngram}, 4 rows a step**: " in report
+    assert f"**{ngram}, 1 sequence a step**: " in report and f"**{ngram}, 4 sequences a step**: " in report
     assert "the skinny linears' server does not run (their kernels interpreted" in report
     assert proc.stdout.rstrip().endswith(f"report: {out}/report.md") and "PASS in" in proc.stdout
 

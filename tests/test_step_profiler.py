@@ -170,14 +170,14 @@ def test_a_device_profile_is_tabulated_as_kernels_per_step() -> None:
     table, failed = profile_tables({"fp8": {"b64": summary, "b1": {"error": "RuntimeError: no profile"}}})
     head, rows = table.split("\n\n")
     assert head == (
-        "**fp8, 64 rows a step**: 2 steps of 64 rows; device time 500 us a step, "
+        "**fp8, 64 sequences a step**: 2 steps of 64 rows; device time 500 us a step, "
         "wall 10.00 ms a step while profiled"
     )
     assert rows.splitlines()[2:] == [
         "| `gemm` | 300.0 | 60.0% | 32 |",
         f"| `{long_name[:69]}...` | 200.0 | 40.0% | 1 |",
     ]
-    assert failed == "**fp8, 1 row a step**: not profiled (RuntimeError: no profile)"
+    assert failed == "**fp8, 1 sequence a step**: not profiled (RuntimeError: no profile)"
 
 
 @pytest.mark.parametrize(
@@ -286,10 +286,10 @@ def test_a_profile_with_exclusive_times_is_tabulated_by_them() -> None:
             },
         ],
     }
-    head, rows = profile_table("**fp8, 1 row a step**", summary).split("\n\n")
+    head, rows = profile_table("**fp8, 1 sequence a step**", summary).split("\n\n")
     assert head == (
-        "**fp8, 1 row a step**: 2 steps of 1 rows; device busy 1053 us a step (kernels overlapping under "
-        "programmatic dependent launch: 872 us a step counted once, from the earlier kernel's end), "
+        "**fp8, 1 sequence a step**: 2 steps of 1 rows; device busy 1053 us a step (kernels overlapping "
+        "under programmatic dependent launch: 872 us a step counted once, from the earlier kernel's end), "
         "wall 3.00 ms a step while profiled"
     )
     assert rows.splitlines()[2:] == ["| `gemm` | 850.0 | 80.7% | 2 |", "| `silu` | 203.0 | 19.3% | 1 |"]

@@ -161,8 +161,9 @@ def profile_tables(servers: dict[str, dict[str, Any]]) -> list[str]:
                     f"**{server}, a burst of {batch.removeprefix('prefill')} prompts from its first step**"
                 )
             else:
-                rows = int(batch.removeprefix("b"))
-                title = f"**{server}, {rows} row{'' if rows == 1 else 's'} a step**"
+                # Sequences, not rows: a speculating server's steps verify several rows of each.
+                batch_size = int(batch.removeprefix("b"))
+                title = f"**{server}, {batch_size} sequence{'' if batch_size == 1 else 's'} a step**"
             if "error" in summary:
                 parts.append(f"{title}: not profiled ({summary['error']})")
                 continue
