@@ -19,6 +19,15 @@ _MODELS = {
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
+# config.json model_type -> architecture, for a config without `architectures`
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
 # GGUF general.architecture -> architecture
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -97,6 +98,22 @@ def test_directory_without_weights_is_rejected(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
     with pytest.raises(ValueError, match="has no model.safetensors"):
         load_model_source(ModelConfig(model=str(tmp_path)))
+
+
+def test_an_unreadable_shard_or_index_is_refused_naming_the_file(qwen2_dir, tmp_path) -> None:
+    """A truncated shard (a download cut short), an index without its weight_map."""
+    shutil.copytree(qwen2_dir, tmp_path / "qwen2")
+    index = tmp_path / "qwen2" / "model.safetensors.index.json"
+    shard = tmp_path / "qwen2" / sorted(set(json.loads(index.read_text())["weight_map"].values()))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    source = load_model_source(ModelConfig(model=str(tmp_path / "qwen2")))
+    with pytest.raises(ValueError, match=rf"^model: '{shard}' is not a readable safetensors file \("):
+        list(source.weights)
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(
+        ValueError, match=rf"^model: '{index}' has no weight_map \(tensor name -> shard file\)$"
+    ):
+        load_model_source(ModelConfig(model=str(tmp_path / "qwen2")))
 
 
 def test_tiny_dummy_preset_shapes_and_parameter_count() -> None:
@@ -204,11 +221,18 @@ def test_load_weights_reports_missing_and_misshapen_tensors() -> None:
     weights = dict(load_model_source(ModelConfig(load_format="dummy", preset="tiny")).weights)
     own = {n: t for n, t in weights.items() if not n.startswith(("model.layers.", "model.embed", "lm_head"))}
     own |= {n: t for n, t in weights.items() if n.startswith("model.layers.0.")}
-    own["model.embed_tokens.weight"] = torch.zeros(64, 384)
+    own["model.embed_tokens.weight"] = own["lm_head.weight"] = torch.zeros(64, 384)
     model = LlamaForCausalLM(arch, KernelConfig(torch.device("cpu"), torch.float32, TorchAttentionBackend()))
     partial = {n: t for n, t in own.items() if "v_proj" not in n}
-    with pytest.raises(ValueError, match=r"weights: missing \['model.layers.0.self_attn.qkv_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"weights: missing \['model.layers.0.self_attn.qkv_proj.weight'\]$"):
         model.load_weights(partial.items())
+    # An untied model's lm_head is a weight like the others: never tied to the embeddings in its place.
+    headless = {n: t for n, t in own.items() if n != "lm_head.weight"}
+    with pytest.raises(
+        ValueError,
+        match=r"^weights: missing \['lm_head.weight'\] \(config.json's tie_word_embeddings is false\)$",
+    ):
+        model.load_weights(headless.items())
     wrong = own | {"model.layers.0.mlp.up_proj.weight": torch.zeros(1024, 383)}
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' has shape \(1024, 383\)"):
         model.load_weights(wrong.items())

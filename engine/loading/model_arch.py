@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.engine.loading.config_fields import flag, positive_float, positive_int
 from sluice.engine.loading.rope_scaling import RopeScaling, rope_parameters, rope_scaling_from_config
-from sluice.engine.model_registry import SUPPORTED_ARCHITECTURES
+from sluice.engine.model_registry import MODEL_TYPE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from sluice.engine.text.tokenizer import token_ids
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -103,27 +104,33 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "unknown") -> ModelArchConfig:
-        """Build from a parsed `config.json`. Raises ValueError naming the field when it is unusable."""
-        architectures = config.get("architectures") or ["LlamaForCausalLM"]
-        architecture = architectures[0]
+        """Build from a parsed `config.json`. Raises ValueError naming the field when it is unusable: absent
+        where transformers has no default, of the wrong type or out of range."""
+        architecture = _architecture(config)
         _check_architecture(architecture)  # before the shape fields, which another family may lack
-        num_heads = _required(config, "num_attention_heads")
-        hidden = _required(config, "hidden_size")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError(
+                "use_bidirectional_attention: bidirectional attention (an embedding model's) is not "
+                "supported; Sluice serves causal decoders"
+            )
+        num_heads = positive_int(config, "num_attention_heads")
+        hidden = positive_int(config, "hidden_size")
         rope_scaling = rope_scaling_from_config(config)
         return cls(
             architecture=architecture,
-            vocab_size=_required(config, "vocab_size"),
+            vocab_size=positive_int(config, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required(config, "intermediate_size"),
-            num_hidden_layers=_required(config, "num_hidden_layers"),
+            intermediate_size=positive_int(config, "intermediate_size"),
+            num_hidden_layers=positive_int(config, "num_hidden_layers"),
             num_attention_heads=num_heads,
-            num_key_value_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
+            num_key_value_heads=positive_int(config, "num_key_value_heads", num_heads),
+            head_dim=positive_int(config, "head_dim", hidden // num_heads),
             max_position_embeddings=_max_positions(config, rope_scaling),
-            rms_norm_eps=config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
+            rms_norm_eps=positive_float(config, "rms_norm_eps", DEFAULT_RMS_NORM_EPS),
             rope_theta=_rope_theta(architecture, config),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            # transformers' default: Gemma 3 ties its output projection to the embeddings, the others not.
+            tie_word_embeddings=flag(config, "tie_word_embeddings", architecture == "Gemma3ForCausalLM"),
             **_biases(architecture, config),
             **_windows(architecture, config),
             bos_token_id=config.get("bos_token_id"),
@@ -131,6 +138,23 @@ class ModelArchConfig:
             name=name,
             extra=dict(config),
         )
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    """config.json's `architectures[0]`; without one, the architecture of its `model_type`, as transformers'
+    Auto classes pick the model."""
+    architectures = config.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise ValueError(f"architectures: must be a list of class names, got {architectures!r}")
+        return architectures[0]
+    model_type = config.get("model_type")
+    if model_type in MODEL_TYPE_ARCHITECTURES:
+        return MODEL_TYPE_ARCHITECTURES[model_type]
+    raise ValueError(
+        f"architectures: missing from the model's config.json, and its model_type {model_type!r} is not one "
+        f"of the supported {', '.join(MODEL_TYPE_ARCHITECTURES)}"
+    )
 
 
 def _biases(architecture: str, config: dict[str, Any]) -> dict[str, bool]:
@@ -158,7 +182,7 @@ def _max_positions(config: dict[str, Any], rope_scaling: RopeScaling | None) -> 
     """config.json's max_position_embeddings; with "yarn" at least original_max_position_embeddings * factor,
     the context YaRN extends to (Qwen2.5 and Qwen3 configs keep their pre-YaRN length; vLLM derives its
     max_model_len from the same product)."""
-    limit = config.get("max_position_embeddings", 4096)
+    limit = positive_int(config, "max_position_embeddings", 4096)
     if rope_scaling is None or rope_scaling.rope_type != "yarn":
         return limit
     return max(limit, int(rope_scaling.original_max_position_embeddings * rope_scaling.factor))
@@ -177,33 +201,26 @@ def _windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         return {}
     if architecture == "Gemma3ForCausalLM":
         config = {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, **config}
-    layer_types = _layer_types(config)
+    layer_types = _layer_types(architecture, config)
     if "sliding_attention" not in layer_types:
         return {"layer_types": layer_types}
     return {"sliding_window": window, "layer_types": layer_types}
 
 
-def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+def _layer_types(architecture: str, config: dict[str, Any]) -> tuple[str, ...]:
     """config.json's `layer_types`, or the one older configs imply: a `sliding_window_pattern` p (older
     Gemma 3 configs and GGUFs) makes every p-th layer full and the others sliding; Qwen2/Qwen3's
     `use_sliding_window` windows the layers from `max_window_layers` on, as transformers derives it."""
     if config.get("layer_types"):
         return tuple(config["layer_types"])
-    layers = range(_required(config, "num_hidden_layers"))
+    layers = range(positive_int(config, "num_hidden_layers"))
     pattern = config.get("sliding_window_pattern")
     if pattern:
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
-    architecture = (config.get("architectures") or [None])[0]
     if architecture in QWEN_WINDOW_ARCHITECTURES and config.get("use_sliding_window"):
         first = config.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in layers)
     return ()
-
-
-def _required(config: dict[str, Any], key: str) -> Any:
-    if key not in config:
-        raise ValueError(f"{key}: missing from the model's config.json")
-    return config[key]
 
 
 def _rope_theta(architecture: str, config: dict[str, Any]) -> float:

@@ -7,13 +7,15 @@ parameter names (yielded lazily, one tensor at a time), and the tokenizer when t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from sluice.engine.config import ModelConfig
 from sluice.engine.loading.model_arch import ModelArchConfig
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
 
 DUMMY_INIT_STD = 0.02
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+OUTPUT_PROJECTION, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+COMPARED_ROWS = 4096  # rows of the two compared at a time (`SafetensorsWeights.holds_distinct_lm_head`)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,9 +111,17 @@ def _safetensors_directory(path: str | None) -> str:
 
 def _hf_directory_source(directory: str) -> ModelSource:
     arch = read_arch(directory)
-    return ModelSource(
-        arch=arch, weights=SafetensorsWeights(directory), tokenizer=_tokenizer(directory), name=arch.name
-    )
+    weights = SafetensorsWeights(directory)
+    if arch.tie_word_embeddings and weights.holds_distinct_lm_head():
+        # transformers (>= 5) does the same, with the same warning: the checkpoint's own lm_head is used.
+        logger.warning(
+            "config.json's tie_word_embeddings is true, but the checkpoint's %s differs from its %s: "
+            "not tying them",
+            OUTPUT_PROJECTION,
+            EMBEDDINGS,
+        )
+        arch = replace(arch, tie_word_embeddings=False)
+    return ModelSource(arch=arch, weights=weights, tokenizer=_tokenizer(directory), name=arch.name)
 
 
 def read_arch(directory: str) -> ModelArchConfig:
@@ -141,20 +155,57 @@ class SafetensorsWeights:
     def __init__(self, directory: str) -> None:
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single_path = os.path.join(directory, "model.safetensors")
+        self.weight_map: dict[str, str] | None = None  # tensor -> its file, from the index
         if os.path.isfile(index_path):
             with open(index_path) as f:
-                shard_names = sorted(set(json.load(f)["weight_map"].values()))
-            self.files = [os.path.join(directory, name) for name in shard_names]
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"model: {index_path!r} has no weight_map (tensor name -> shard file)")
+            self.weight_map = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+            self.files = sorted(set(self.weight_map.values()))
         elif os.path.isfile(single_path):
             self.files = [single_path]
         else:
             raise ValueError(f"model: {directory!r} has no model.safetensors or model.safetensors.index.json")
 
+    def holds_distinct_lm_head(self) -> bool:
+        """Whether the checkpoint has an lm_head.weight other than its embeddings (compared a slice of rows
+        at a time; a tied checkpoint may carry a copy, or nothing)."""
+        head_file, embed_file = (self._file_of(name) for name in (OUTPUT_PROJECTION, EMBEDDINGS))
+        if head_file is None or embed_file is None:
+            return False  # no lm_head to use, or no embeddings (load_weights names it missing)
+        with _opened(head_file) as heads, _opened(embed_file) as embeds:
+            head, embed = heads.get_slice(OUTPUT_PROJECTION), embeds.get_slice(EMBEDDINGS)
+            if head.get_shape() != embed.get_shape() or head.get_dtype() != embed.get_dtype():
+                return True
+            rows = head.get_shape()[0]
+            return any(
+                not torch.equal(head[start : start + COMPARED_ROWS], embed[start : start + COMPARED_ROWS])
+                for start in range(0, rows, COMPARED_ROWS)
+            )
+
+    def _file_of(self, name: str) -> str | None:
+        if self.weight_map is not None:
+            return self.weight_map.get(name)
+        with _opened(self.files[0]) as f:
+            return self.files[0] if name in f.keys() else None  # noqa: SIM118 - no __contains__
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.files:
-            with safe_open(path, framework="pt") as f:
+            with _opened(path) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _opened(path: str) -> Iterator[Any]:
+    """safe_open(path), a file it cannot read (truncated, not safetensors) refused naming the file."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"model: {path!r} is not a readable safetensors file ({error})") from None
+    with handle as f:
+        yield f
 
 
 class DummyWeights:

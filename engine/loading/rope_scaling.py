@@ -7,7 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.engine.loading.config_fields import positive_float, positive_int
+
 ROPE_SCALING_TYPES = ("llama3", "linear", "freq_factors", "yarn")
+PREFIX = "rope_scaling."  # before a field's name in messages (transformers >= 5 writes rope_parameters)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def rope_scaling_from_config(
 
 
 def _linear(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
-    return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    return RopeScaling(factor=positive_float(scaling, "factor", prefix=PREFIX), rope_type="linear")
 
 
 def _freq_factors(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
@@ -92,11 +95,12 @@ def _freq_factors(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScalin
 
 
 def _llama3(scaling: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
+    original = positive_int(scaling, "original_max_position_embeddings", prefix=PREFIX)
     return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=positive_float(scaling, "factor", prefix=PREFIX),
+        low_freq_factor=positive_float(scaling, "low_freq_factor", prefix=PREFIX),
+        high_freq_factor=positive_float(scaling, "high_freq_factor", prefix=PREFIX),
+        original_max_position_embeddings=original,
     )
 
 

@@ -37,8 +37,10 @@ Packed = Mapping[str, tuple[str, int]]
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every tensor into `model` (casting to its dtype); a missing `lm_head.weight` ties it to the
-    embeddings. Raises ValueError on an unknown name, a shape mismatch or a missing weight."""
+    """Copy every tensor into `model` (casting to its dtype); a tied model (`tie_word_embeddings`, its
+    lm_head built on the embeddings) skips an `lm_head.weight`. Raises ValueError on an unknown name, a shape
+    mismatch or a missing weight (an untied model's lm_head.weight too, as vLLM: transformers would draw it
+    at random)."""
     packed: Packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -61,12 +63,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         except ValueError as error:
             raise ValueError(f"weights: {name!r} {error}") from None
         loaded.add((param_name, shard))
-    missing = [key for key in expected_keys(model) if key not in loaded]
-    if ("lm_head.weight", None) in missing:
-        model.lm_head.tie_weight(model.model.embed_tokens.weight)
-        missing.remove(("lm_head.weight", None))
+    missing = sorted({name for name, shard in expected_keys(model) if (name, shard) not in loaded})
     if missing:
-        raise ValueError(f"weights: missing {sorted({name for name, _ in missing})}")
+        untied = " (config.json's tie_word_embeddings is false)" if "lm_head.weight" in missing else ""
+        raise ValueError(f"weights: missing {missing}{untied}")
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
