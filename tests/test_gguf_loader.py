@@ -311,6 +311,10 @@ def test_a_file_that_is_no_gguf_or_of_another_version_is_refused_naming_the_mode
     with pytest.raises(ValueError) as err:
         load_gguf(old)
     assert str(err.value) == f"model: {str(old)!r} is GGUF version 1; supported: 2, 3"
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"^model: '{cut}' is truncated: tensor '[^']+' ends at byte \d+, "):
+        load_gguf(str(cut))
 
 
 def test_an_unknown_tensor_type_id_or_tensor_name_is_refused_naming_the_tensor(tmp_path):

@@ -100,5 +100,11 @@ class GGUFFile:
         row_bytes = dims[0] // block_size * type_size
         num_rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
         start = data_start + offset
-        data = self._buffer[start : start + num_rows * row_bytes].reshape(num_rows, row_bytes)
+        end = start + num_rows * row_bytes
+        if end > len(self._buffer):  # a download cut short: numpy's reshape would name no file or tensor
+            raise ValueError(
+                f"model: {self.path!r} is truncated: tensor {name!r} ends at byte {end}, "
+                f"the file has {len(self._buffer)}"
+            )
+        data = self._buffer[start:end].reshape(num_rows, row_bytes)
         return GGUFTensor(name, tuple(int(d) for d in reversed(dims)), tensor_type, data)
