@@ -323,8 +323,8 @@ def test_the_fp8_large_step_serves_bf16_then_fp8s_servers_on_cpu(tmp_path: Path)
     )
     for server in ("bf16", "fp8", "fp8_kv", "fp8_block"):
         for batch in (1, 4):
-            rows = "1 row" if batch == 1 else f"{batch} rows"
-            assert f"**{server}, {rows} a step**: 3 steps of {batch} rows, CPU only" in section
+            sequences = "1 sequence" if batch == 1 else f"{batch} sequences"
+            assert f"**{server}, {sequences} a step**: 3 steps of {batch} rows, CPU only" in section
     assert "| operator | us / step | share | calls / step |" in section
     assert "**fp8_kv, a burst of 4 prompts from its first step**: tokens a step [" in section
     assert "Not measured: the fp8 step SKIPPED (not in SLUICE_GPU_CHECK_STEPS)." in report
