@@ -19,6 +19,7 @@ Life of a server:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import ssl
@@ -35,10 +36,11 @@ from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from sluice.service.call_arrivals import CallArrivals
 from sluice.service.health import HealthServicer
+from sluice.service.malformed_messages import MalformedMessageInterceptor
 from sluice.service.metrics import ServerMetrics
 from sluice.service.reflection import enable_reflection
+from sluice.service.servicer import MALFORMED_IN_BAND_METHODS, InferenceServicer
 from sluice.service.servicer import TRACED_METHODS as TRACED_INFERENCE_METHODS
-from sluice.service.servicer import InferenceServicer
 from sluice.service.smg_servicer import SERVICE_NAME as SMG_SERVICE
 from sluice.service.smg_servicer import TRACED_METHODS as TRACED_SMG_METHODS
 from sluice.service.smg_servicer import SmgEngineServicer
@@ -237,14 +239,15 @@ class SluiceServer:
         self.engine_failed = asyncio.Event()
         self._health_tasks: set[asyncio.Task[None]] = set()
 
-    def _count_refusal(self, method: str) -> None:
-        """A call refused for its API key before any handler ran: counted as the handlers count theirs
-        (sluice_rpc_requests_total, by method name), for the services whose calls are counted."""
+    def _count_refusal(self, code: grpc.StatusCode, method: str) -> None:
+        """A call refused before any handler ran (for its API key, or a request message that did not
+        parse): counted as the handlers count theirs (sluice_rpc_requests_total, by method name), for the
+        services whose calls are counted."""
         service, _, name = method.lstrip("/").partition("/")
         if service == INFERENCE_SERVICE:
-            self.metrics.record_status(name, grpc.StatusCode.UNAUTHENTICATED)
+            self.metrics.record_status(name, code)
         elif service == SMG_SERVICE:  # as "VllmEngine.<method>", apart from sluice.v1's of one name
-            self.smg_servicer.record_status(name, grpc.StatusCode.UNAUTHENTICATED)
+            self.smg_servicer.record_status(name, code)
 
     async def start(self) -> int:
         """Binds and starts serving (health NOT_SERVING until `attach_engine`); returns the bound port."""
@@ -254,9 +257,19 @@ class SluiceServer:
             traced = TRACED_INFERENCE_METHODS + TRACED_SMG_METHODS
             interceptors.append(
                 ApiKeyInterceptor(
-                    self.tenants, authenticated_by_handler=traced, on_refused=self._count_refusal
+                    self.tenants,
+                    authenticated_by_handler=traced,
+                    on_refused=functools.partial(self._count_refusal, grpc.StatusCode.UNAUTHENTICATED),
                 )
             )
+        # Last: a call the API key interceptor refuses is refused for its key, whatever its message (the
+        # Generate methods check the key in their handlers: a message that does not parse is refused first).
+        interceptors.append(
+            MalformedMessageInterceptor(
+                refused_by_handler=MALFORMED_IN_BAND_METHODS,
+                on_refused=functools.partial(self._count_refusal, grpc.StatusCode.INVALID_ARGUMENT),
+            )
+        )
         server = grpc.aio.server(interceptors=interceptors, options=self.config.grpc_options())
         sluice_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.smg_servicer, server)

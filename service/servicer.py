@@ -16,6 +16,7 @@ from sluice.service import convert
 from sluice.service.auth import authenticate
 from sluice.service.caller import Call, Caller
 from sluice.service.generation import GenerationRunner, operation_of
+from sluice.service.malformed_messages import MalformedMessageError
 from sluice.service.metrics import ServerMetrics
 from sluice.service.request_cancel import ABORT
 from sluice.service.request_ids import RequestIds, engine_id_of
@@ -32,6 +33,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # The generation methods: each records a span even for a call refused on arrival (RequestTracer.refusals),
 # so each checks the API key itself, inside its refusals (the API key interceptor lets them through).
 TRACED_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate")
+# The methods that answer a request message that does not parse themselves: StreamGenerate, in-band like
+# any bad request, and its stream goes on (sluice.service.malformed_messages ends other calls at one).
+MALFORMED_IN_BAND_METHODS = (f"/{SERVICE_NAME}/StreamGenerate",)
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -129,8 +133,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     @rpc_errors
     async def StreamGenerate(
-        self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[pb.StreamGenerateRequest | MalformedMessageError],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        """A message that does not parse comes as a MalformedMessageError (MALFORMED_IN_BAND_METHODS),
+        which the session refuses in-band."""
         call = Call.of(context, SERVICE_NAME, "StreamGenerate")
         with self.refusals(call, None):  # refused whole: one span for the call, not one per request
             try:

@@ -4,9 +4,10 @@
                                             └─cancel────> its RequestCancel            │
     client <──StreamGenerateResponse── run() <── outbox (chunks and in-band errors) <──┘
 
-A request's error goes out in-band (RequestError) and the stream goes on; each request has one span,
-one refused on arrival (the server draining, its id empty or in use) too. Half-close lets the
-outstanding requests finish, then ends the stream. Cancelling the call cancels every pump, and each
+A request's error goes out in-band (RequestError) and the stream goes on, as does that of a message that
+did not parse (under request_id "": it names no request); each request has one span, one refused on
+arrival (the server draining, its id empty or in use) too. Half-close lets the outstanding requests
+finish, then ends the stream. Cancelling the call cancels every pump, and each
 pump's generation iterator aborts its engine request.
 
 A pump hands over one chunk and waits until the call has written it before it reads its request's next
@@ -26,6 +27,7 @@ import grpc
 
 from sluice.service.caller import Caller
 from sluice.service.generation import GenerationRunner
+from sluice.service.malformed_messages import MalformedMessageError
 from sluice.service.request_cancel import ABORT, RequestCancel
 from sluice.service.request_ids import RequestIdInUseError, check_request_id, engine_id_of
 from sluice.service.status import ServiceUnavailableError, StatusRecorder, cancelled_status, failure_status
@@ -68,9 +70,11 @@ class StreamSession:
         return len(self._pumps)
 
     async def run(
-        self, requests: AsyncIterator[pb.StreamGenerateRequest]
+        self, requests: AsyncIterator[pb.StreamGenerateRequest | MalformedMessageError]
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        """Yields every request's chunks as they come; ends after half-close and the last request."""
+        """Yields every request's chunks as they come; ends after half-close and the last request. A
+        message that did not parse (MalformedMessageError, from sluice.service.malformed_messages) is
+        refused in-band like a message without an action."""
         reader = asyncio.create_task(self._read(requests))
         try:
             while (item := await self._outbox.get()) is not None:
@@ -85,9 +89,12 @@ class StreamSession:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest | MalformedMessageError]) -> None:
         try:
             async for message in requests:
+                if isinstance(message, MalformedMessageError):  # it names no request: answered under ""
+                    await self._send_error("", message)
+                    continue
                 action = message.WhichOneof("action")
                 if action == "generate":
                     if (refused := self._start(message.generate)) is not None:
