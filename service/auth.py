@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
+from sluice.service.method_handlers import handler_like
 from sluice.service.stream_refusal import drain_request_stream
 from sluice.service.tenants import Tenant, TenantDirectory
 
@@ -60,17 +61,8 @@ def _denying_handler(
         refused()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    serializers = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, **serializers)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny_stream, **serializers)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **serializers)
-    return grpc.unary_unary_rpc_method_handler(deny, **serializers)
+    behaviour = deny_stream if handler.request_streaming else deny
+    return handler_like(handler, behaviour, handler.request_deserializer)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -24,10 +24,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from sluice.service.method_handlers import Behaviour, Deserializer, handler_like
 from sluice.service.stream_refusal import drain_request_stream
 
-Deserializer = Callable[[bytes], Any]
-Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
 # Takes a call's request (or request stream) before its behaviour does: refuses it, or hands it on.
 RequestCheck = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
@@ -86,25 +85,11 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
             check = _checked_stream if handler.request_streaming else _checked_message
             refused = functools.partial(self._on_refused, method)
             behaviour = _with_request_check(behaviour, functools.partial(check, refused=refused))
-        return _handler_like(handler, behaviour, lenient_deserializer(handler.request_deserializer))
+        return handler_like(handler, behaviour, lenient_deserializer(handler.request_deserializer))
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Behaviour:
     return handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
-
-
-def _handler_like(
-    handler: grpc.RpcMethodHandler, behaviour: Behaviour, deserializer: Deserializer
-) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler`, with `behaviour` and `deserializer`."""
-    serializers = {"request_deserializer": deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(behaviour, **serializers)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(behaviour, **serializers)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(behaviour, **serializers)
-    return grpc.unary_unary_rpc_method_handler(behaviour, **serializers)
 
 
 def _with_request_check(behaviour: Behaviour, check: RequestCheck) -> Behaviour:
