@@ -373,6 +373,24 @@ def test_an_extreme_repetition_penalty_keeps_logits_finite_and_draws_inside_the_
     assert {t.token_id for t in Sampler(seed=0).sample(batch, rows)} == {0, 2}  # both at the float max
 
 
+def test_a_temperature_past_float32s_range_draws_uniformly_among_the_allowed_tokens() -> None:
+    """temperature has no upper bound (as in vLLM), and 1e39 is a finite float: on the device it was inf,
+    a masked logit over it NaN, and every draw the row's last id, outside allowed_token_ids. Now it is
+    float32's largest, whose limit is every allowed token alike."""
+    params = SamplingParams(temperature=1e39, allowed_token_ids=[1, 2, 4])
+    assert_distribution(frequencies(params), [0.0, 1 / 3, 1 / 3, 0.0, 1 / 3, 0.0])
+
+
+def test_a_logit_at_the_float_max_over_a_temperature_below_one_is_still_the_most_likely() -> None:
+    """An extreme repetition penalty (1e-45) puts the repeated positive logits at float32's largest; over a
+    temperature of 0.5 they overflowed to inf, the row softmaxed to NaN and drew its last id (3), which
+    the penalty had left far below them."""
+    params = SamplingParams(repetition_penalty=1e-45, temperature=0.5)
+    batch = torch.tensor([[2.0, 1.0, 3.0, 0.5]] * 64)
+    rows = [row(params, f"r{i}", output=[0, 2]) for i in range(64)]
+    assert {t.token_id for t in Sampler(seed=0).sample(batch, rows)} == {0, 2}
+
+
 def test_a_row_of_nan_probabilities_draws_an_id_inside_the_vocabulary() -> None:
     """NaN logits (a model overflowing) give a NaN total: no token is found; the last id, not one past it."""
     probs = torch.tensor([[math.nan] * 5, [0.1, 0.2, 0.3, 0.2, 0.2]])

@@ -33,6 +33,11 @@ from sluice.kernels.cpu_extension import cpu_extension_available
 # The most likely tokens a top_p-only row's nucleus is looked for among on the host before sorting the
 # row whole (docs/BENCHMARKS.md).
 NUCLEUS_CANDIDATES = 1024
+# float32's largest value. A temperature above it (1e39 is a finite Python float) is inf on the device, and a
+# masked logit over it NaN; a logit at it (where an extreme repetition penalty put it) over a temperature
+# below 1 is inf, and a row with two infinities softmaxes to NaN. Either row drew the vocabulary's last id,
+# allowed or not.
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -264,8 +269,9 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     top_k keeps the tokens tied with the k-th most likely too, as transformers and vLLM do."""
     device = logits.device
     vocab = logits.shape[1]
-    temperature = device_tensor([r.params.temperature for r in rows], torch.float32, device).unsqueeze(1)
-    logits = logits / temperature
+    temperatures = [min(r.params.temperature, FLOAT32_MAX) for r in rows]
+    temperature = device_tensor(temperatures, torch.float32, device).unsqueeze(1)
+    logits = (logits / temperature).clamp_(max=FLOAT32_MAX)  # -inf (masked) stays -inf
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
