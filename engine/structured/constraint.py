@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -313,6 +314,8 @@ def _ignored_keyword(schema: dict) -> str | None:
         or isinstance(multiple, bool)
     ):
         return "multipleOf"  # xgrammar enforces whole multiples of integers only
+    if "multipleOf" in schema and not _multiple_of_enforced(schema):
+        return "multipleOf"
     if "string" in types:
         if _enforced_format(schema):
             return next((k for k in ("pattern", "minLength", "maxLength") if k in schema), None)
@@ -325,6 +328,30 @@ def _ignored_keyword(schema: dict) -> str | None:
     ):
         return "required"  # a required name without a property schema: xgrammar never writes it
     return None
+
+
+# xgrammar enforces an integer's whole multipleOf up to this one, without bounds or between a lower and an
+# upper bound at most this many integers apart; past them, or beside one bound alone, it drops it
+# ("range + multipleOf combination not yet supported; ignoring multipleOf").
+_MAX_MULTIPLE_OF = 1024
+_MAX_MULTIPLE_OF_RANGE = 10_000
+
+
+def _multiple_of_enforced(schema: dict) -> bool:
+    """Whether xgrammar enforces the whole `multipleOf` of this integer schema, given its bounds (bounds
+    that are not numbers are left to xgrammar, which refuses them)."""
+    bounds = {
+        k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in schema
+    }
+    if not all(isinstance(b, int | float) and not isinstance(b, bool) for b in bounds.values()):
+        return True
+    if schema["multipleOf"] > _MAX_MULTIPLE_OF:
+        return False
+    if not bounds:
+        return True
+    lows = [b + (k == "exclusiveMinimum") for k, b in bounds.items() if k.endswith("inimum")]
+    highs = [b - (k == "exclusiveMaximum") for k, b in bounds.items() if k.endswith("aximum")]
+    return bool(lows and highs) and math.ceil(min(highs)) - math.floor(max(lows)) < _MAX_MULTIPLE_OF_RANGE
 
 
 def _enforced_format(schema: dict) -> bool:

@@ -39,14 +39,67 @@ _LENIENT_STRING_CHAR = r"[^\"\\\r\n]"
 _STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
+# xgrammar's grammars of these formats let through strings the format refuses (and parsers with it, Python's
+# `ipaddress` and `datetime` among them): an IPv4 octet with a leading zero ("01.2.3.4", octal to some
+# parsers), a day its month lacks ("2023-02-30", "2023-11-31", Feb 29 of 2023), a leap second (":60", valid
+# at a few instants only), a hostname label over 63 characters. They compile as these patterns instead,
+# which keep the rest of xgrammar's grammar (its lowercase hostnames, its time offsets).
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
+_DATE = (
+    r"([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    rf"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+STRICT_FORMATS = {
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "date": rf"^{_DATE}$",
+    "time": rf"^{_TIME}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
+    "hostname": rf"^{_LABEL}(\.{_LABEL})*$",
+}
+# Keywords whose values are data, never schemas: a "format" or "pattern" in them is neither.
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+# A group's `?` quantifier (and its lazy `??`), outside character classes and escapes.
+_OPTIONAL_GROUP = re.compile(r"(\\.|\[(?:\\.|[^\]])*\])|\)\?\??")
+
+
+def xgrammar_schema(node: object) -> object:
+    """A JSON schema (or a structural tag holding schemas) as xgrammar compiles it to the grammar the schema
+    means: each format of STRICT_FORMATS made the pattern that enforces it (beside such a format a schema
+    has no pattern: `Constraint` refuses one), and each pattern's optional groups written `{0,1}` (given
+    `(xy+)?`, xgrammar's patterns match "y": the group's first part went optional on its own)."""
+    if isinstance(node, list):
+        return [xgrammar_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    rewritten = {k: v if k in _DATA_KEYWORDS else xgrammar_schema(v) for k, v in node.items()}
+    format_pattern = STRICT_FORMATS.get(node["format"]) if isinstance(node.get("format"), str) else None
+    if format_pattern is not None and "pattern" not in node:
+        del rewritten["format"]
+        rewritten["pattern"] = format_pattern
+    if isinstance(rewritten.get("pattern"), str):
+        rewritten["pattern"] = bounded_optional_groups(rewritten["pattern"])
+    if isinstance(rewritten.get("patternProperties"), dict):
+        properties = rewritten["patternProperties"].items()
+        rewritten["patternProperties"] = {bounded_optional_groups(k): v for k, v in properties}
+    return rewritten
+
+
+def bounded_optional_groups(pattern: str) -> str:
+    """The regex `pattern` with each group's `?` quantifier written `{0,1}`: the same strings."""
+    return _OPTIONAL_GROUP.sub(lambda m: m[1] or "){0,1}", pattern)
+
+
 def structural_tag_grammar(source: str) -> xgr.Grammar:
     """The grammar of a structural tag's JSON text, in either form `Constraint` takes (the older one
     through xgrammar's StructuralTagItem list, as vLLM compiles it)."""
     import xgrammar as xgr
 
-    tag = json.loads(source)
+    tag = xgrammar_schema(json.loads(source))
     if "structures" not in tag:
-        return xgr.Grammar.from_structural_tag(source)
+        return xgr.Grammar.from_structural_tag(json.dumps(tag))
     items = [
         xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
         for s in tag["structures"]
@@ -118,7 +171,8 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             if kind == "json_schema":
-                grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+                schema = json.dumps(xgrammar_schema(json.loads(source)))
+                grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
                 compiled = compiler.compile_grammar(strict_json_strings(str(grammar)))
             elif kind == "regex":
                 compiled = compiler.compile_regex(source)

@@ -55,6 +55,7 @@ _CALL_MARKERS = re.compile(r"\[TOOL_CALLS\]|<\|python_tag\|>")
 _MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)\[ARGS\](.*)", re.DOTALL)  # [TOOL_CALLS]name[ARGS]{...}
 # Keywords whose values are data, not schemas.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str from JSON: a pair's halves are joined
 _CALL_ID_CHARACTERS = string.ascii_letters + string.digits
 CALL_ID_LENGTH = 9
 
@@ -273,13 +274,16 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _arguments_text(arguments: Any) -> str | None:
-    """`arguments` as JSON text; None unless an object of finite numbers (1e999 parses as infinity)."""
+    """`arguments` as JSON text; None unless an object of finite numbers (1e999 parses as infinity). A lone
+    surrogate the model wrote as an escape ("\\ud83d", JSON text no UTF-8 can hold as a character) stays
+    an escape: the text goes out in protobuf strings, which are UTF-8."""
     if not isinstance(arguments, dict):
         return None
     try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return None
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
 def _rebased(node: Any, base: str) -> Any:
