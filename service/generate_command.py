@@ -69,9 +69,14 @@ def run(args: argparse.Namespace) -> int:
     num_tokens = 0
     text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
     finish_reason = pb.FINISH_REASON_UNSPECIFIED
+    try:  # a key or prompt grpc cannot send (SLUICE_API_KEY="", text not UTF-8): no traceback
+        request, client = _request(args), Client(args.target, api_key=args.api_key)
+    except ValueError as exc:
+        print(f"sluice generate: {exc}", file=sys.stderr)
+        return 2
     try:
-        with Client(args.target, api_key=args.api_key) as client:
-            for chunk in client.generate(_request(args), timeout=args.timeout):
+        with client:
+            for chunk in client.generate(request, timeout=args.timeout):
                 if chunk.token_ids and first_token is None:
                     first_token = time.perf_counter()
                     first_chunk_tokens = len(chunk.token_ids)  # more than 1 with --stream-interval

@@ -22,7 +22,10 @@ from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.chat_template import ChatTemplateOptions
 from sluice.engine.text.prompt import resolve_prompt
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts of them: TextPrompt {"prompt": str}, TokensPrompt
+# {"prompt_token_ids": [int, ...]}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -110,13 +113,16 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Completions in the order of `prompts`. A single prompt (str or token ids) is one request.
-        A prompt whose params have n > 1 gives n consecutive completions (`index` 0 .. n - 1)."""
+        """Completions in the order of `prompts`. A single prompt (str, token ids, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}) is one request. A prompt whose params have n > 1
+        gives n consecutive completions (`index` 0 .. n - 1)."""
         if isinstance(prompts, bytes):
             raise ValueError("prompts: bytes are neither text nor token ids; decode them to a str")
-        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], str | Sequence)):
-            prompts = [prompts]  # one prompt: text, or token ids
-        token_ids = [self._encode(p) for p in prompts]
+        if isinstance(prompts, str | Mapping) or (
+            prompts and not isinstance(prompts[0], str | Sequence | Mapping)
+        ):
+            prompts = [prompts]  # one prompt: text, token ids or a prompt dict
+        token_ids = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         return self._run(token_ids, params, priorities)
 
     def chat(
@@ -151,7 +157,13 @@ class LLM:
         ]
         return self._run(token_ids, params, None, tool_use)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, name: str) -> list[int]:
+        if isinstance(prompt, Mapping):  # a dict had been read as token ids: KeyError 0
+            if len(prompt) != 1 or next(iter(prompt)) not in PROMPT_KEYS:
+                raise ValueError(f"{name}: a prompt dict holds one of {PROMPT_KEYS}, got keys {list(prompt)}")
+            ((key, prompt),) = prompt.items()
+            if (key == "prompt") != isinstance(prompt, str):
+                raise ValueError(f"{name}: {key!r} takes {'text' if key == 'prompt' else 'token ids'}")
         if isinstance(prompt, str):
             return resolve_prompt(self.engine.tokenizer, text=prompt)
         return resolve_prompt(self.engine.tokenizer, token_ids=prompt)

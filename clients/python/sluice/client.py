@@ -26,6 +26,7 @@ from sluice.channel import MAX_RECEIVE_OPTION, open_channel
 from sluice.chat_messages import TOOL_CHOICE_MODES, Tools
 from sluice.completion import Completion, collect_samples
 from sluice.request_builders import generate_request, tokenize_request
+from sluice.request_feed import RequestFeed
 from sluice.response_stream import AsyncResponseStream, ResponseStream
 from sluice.service_config import SERVICE_CONFIG, SESSION_AFFINITY_SERVICE_CONFIG, SESSION_HEADER
 from sluice.sluice_error import RETRY_PUSHBACK_KEY, SluiceError
@@ -53,8 +54,17 @@ __all__ = [
 Metadata = Sequence[tuple[str, str]]
 
 
+def _checked_request(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """grpc sent anything else as it could: the blocking client raised grpc's own INTERNAL "Exception
+    serializing request!" (no SluiceError), AsyncClient sent a string as an empty request."""
+    if not isinstance(request, pb.GenerateRequest):
+        name = type(request).__name__
+        raise TypeError(f"request: must be a sluice.v1.GenerateRequest (see generate_request()), got {name}")
+    return request
+
+
 def _single(request: pb.GenerateRequest) -> None:
-    if request.sampling_params.n > 1:
+    if _checked_request(request).sampling_params.n > 1:
         raise ValueError("sampling_params.n > 1: collect the samples with complete_samples()")
 
 
@@ -151,7 +161,7 @@ class Client:
     ) -> ResponseStream:
         """Starts the call and streams its chunks. Closing the stream early (`close()`, or a `with` block
         around it) cancels the call and the server aborts the request; so does dropping it."""
-        return self._streamed(self._stub.Generate, request, timeout, metadata, session)
+        return self._streamed(self._stub.Generate, _checked_request(request), timeout, metadata, session)
 
     def complete(
         self,
@@ -161,11 +171,13 @@ class Client:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> Completion:
-        """Runs one request (n = 1) to its end and returns the collected text, tokens, usage and timings."""
+        """Runs one request (n = 1) to its end and returns the collected text, tokens, usage and timings.
+        Left by an exception (a KeyboardInterrupt), it cancels the call: the server aborts the request."""
         _single(request)
         completion = Completion()
-        for chunk in self.generate(request, timeout=timeout, metadata=metadata, session=session):
-            completion.add(chunk)
+        with self.generate(request, timeout=timeout, metadata=metadata, session=session) as stream:
+            for chunk in stream:
+                completion.add(chunk)
         return completion
 
     def complete_samples(
@@ -176,8 +188,10 @@ class Client:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> list[Completion]:
-        """Runs a request with `sampling_params.n` samples to its end: one Completion per sample."""
-        return collect_samples(self.generate(request, timeout=timeout, metadata=metadata, session=session))
+        """Runs a request with `sampling_params.n` samples to its end: one Completion per sample (as
+        `complete`, cancelled when left by an exception)."""
+        with self.generate(request, timeout=timeout, metadata=metadata, session=session) as stream:
+            return collect_samples(stream)
 
     def stream_generate(
         self,
@@ -187,8 +201,13 @@ class Client:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> ResponseStream:
-        """Many requests on one bidirectional stream; responses are tagged with their request_id."""
-        return self._streamed(self._stub.StreamGenerate, iter(requests), timeout, metadata, session)
+        """Many requests on one bidirectional stream; responses are tagged with their request_id. Each of
+        `requests` must be a StreamGenerateRequest; an exception that ends them (one raised by their
+        iterator, or the TypeError of another item) cancels the call and is raised to its reader."""
+        feed = RequestFeed()
+        return self._streamed(
+            self._stub.StreamGenerate, feed.sync(requests), timeout, metadata, session, feed
+        )
 
     def abort(
         self,
@@ -242,10 +261,10 @@ class Client:
 
     def _streamed(
         self, method: grpc.UnaryStreamMultiCallable | grpc.StreamStreamMultiCallable, request: object,
-        timeout: float | None, metadata: Metadata, session: str | None,
+        timeout: float | None, metadata: Metadata, session: str | None, feed: RequestFeed | None = None,
     ) -> ResponseStream:  # fmt: skip
         return ResponseStream(
-            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)), feed
         )
 
 
@@ -285,7 +304,7 @@ class AsyncClient:
         session: str | None = None,
     ) -> AsyncResponseStream:
         """As `Client.generate`: started at once; `await stream.aclose()` (or `async with`) cancels it."""
-        return self._streamed(self._stub.Generate, request, timeout, metadata, session)
+        return self._streamed(self._stub.Generate, _checked_request(request), timeout, metadata, session)
 
     async def complete(
         self,
@@ -297,8 +316,9 @@ class AsyncClient:
     ) -> Completion:
         _single(request)
         completion = Completion()
-        async for chunk in self.generate(request, timeout=timeout, metadata=metadata, session=session):
-            completion.add(chunk)
+        async with self.generate(request, timeout=timeout, metadata=metadata, session=session) as stream:
+            async for chunk in stream:
+                completion.add(chunk)
         return completion
 
     async def complete_samples(
@@ -309,9 +329,8 @@ class AsyncClient:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> list[Completion]:
-        return collect_samples(
-            [c async for c in self.generate(request, timeout=timeout, metadata=metadata, session=session)]
-        )
+        async with self.generate(request, timeout=timeout, metadata=metadata, session=session) as stream:
+            return collect_samples([chunk async for chunk in stream])
 
     def stream_generate(
         self,
@@ -321,7 +340,9 @@ class AsyncClient:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> AsyncResponseStream:
-        return self._streamed(self._stub.StreamGenerate, requests, timeout, metadata, session)
+        """As `Client.stream_generate`; `requests` may also be an async iterable."""
+        feed = RequestFeed()
+        return self._streamed(self._stub.StreamGenerate, feed.aio(requests), timeout, metadata, session, feed)
 
     async def abort(
         self,
@@ -379,8 +400,8 @@ class AsyncClient:
 
     def _streamed(
         self, method: grpc.aio.UnaryStreamMultiCallable | grpc.aio.StreamStreamMultiCallable, request: object,
-        timeout: float | None, metadata: Metadata, session: str | None,
+        timeout: float | None, metadata: Metadata, session: str | None, feed: RequestFeed | None = None,
     ) -> AsyncResponseStream:  # fmt: skip
         return AsyncResponseStream(
-            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)), feed
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from sluice.request_feed import RequestFeed
 from sluice.sluice_error import SluiceError
 
 
@@ -15,10 +16,12 @@ class ResponseStream(Iterator[Any]):
     """The responses of a streaming call, which started when it was made. `close()` (or leaving a `with`
     block) cancels the call, and the server aborts its requests; so does dropping the stream (grpc cancels
     a call it garbage-collects). A closed stream ends, also for a thread reading it while another closes
-    it. A failed call raises SluiceError."""
+    it. A failed call raises SluiceError; one its requests' iterator (`feed`) ended by raising, that
+    exception."""
 
-    def __init__(self, call: grpc.Call) -> None:
+    def __init__(self, call: grpc.Call, feed: RequestFeed | None = None) -> None:
         self._call = call
+        self._feed = feed
         self._closed = False
 
     def __iter__(self) -> ResponseStream:
@@ -32,6 +35,8 @@ class ResponseStream(Iterator[Any]):
         except grpc.RpcError as error:
             if self._closed:  # closed by another thread while this one waited: the cancel it caused
                 raise StopIteration from None
+            if self._feed is not None and self._feed.error is not None:
+                raise self._feed.error from None
             raise SluiceError.from_rpc_error(error) from None
 
     def close(self) -> None:
@@ -52,10 +57,12 @@ class AsyncResponseStream(AsyncIterator[Any]):
     asyncio.CancelledError comes out of a read only when the reading task is cancelled (the call is then
     cancelled too). A call cancelled under a waiting reader by someone else, where grpc.aio raises
     CancelledError in a task nobody cancelled, ends the stream if it was this stream's `aclose()` and
-    raises SluiceError(CANCELLED) otherwise (the channel closed)."""
+    raises SluiceError(CANCELLED) otherwise (the channel closed). A call its requests' iterator (`feed`)
+    ended by raising raises that exception."""
 
-    def __init__(self, call: grpc.aio.Call) -> None:
+    def __init__(self, call: grpc.aio.Call, feed: RequestFeed | None = None) -> None:
         self._call = call
+        self._feed = feed
         self._closed = False
 
     def __aiter__(self) -> AsyncResponseStream:
@@ -67,6 +74,7 @@ class AsyncResponseStream(AsyncIterator[Any]):
         try:
             response = await self._call.read()
         except grpc.RpcError as error:
+            self._raise_feed_error()
             raise SluiceError.from_rpc_error(error) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -74,10 +82,15 @@ class AsyncResponseStream(AsyncIterator[Any]):
                 raise
             if self._closed:
                 raise StopAsyncIteration from None
+            self._raise_feed_error()
             raise SluiceError(grpc.StatusCode.CANCELLED, await self._call.details()) from None
         if response is grpc.aio.EOF:
             raise StopAsyncIteration
         return response
+
+    def _raise_feed_error(self) -> None:
+        if self._feed is not None and self._feed.error is not None:
+            raise self._feed.error from None
 
     async def aclose(self) -> None:
         self._closed = True

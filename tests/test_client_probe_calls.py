@@ -1,0 +1,151 @@
+"""The Python client where a probe of its surface found it wrong: `complete()` left by an exception, a
+`stream_generate` whose requests' iterator raises or yields something else, and a request of the wrong
+type. Against the real server; where a call is cut short, the server must abort its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+from service_harness import PATIENCE_S, UNENDING, ServerThread, wait_for
+
+from sluice import AsyncClient, Client, SluiceError, generate_request
+from sluice.v1 import sluice_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _stream_request(request_id: str, **kwargs: object) -> pb.StreamGenerateRequest:
+    return pb.StreamGenerateRequest(generate=generate_request("Hello", request_id=request_id, **kwargs))
+
+
+def _interrupt_once_running(server: ServerThread) -> threading.Thread:
+    """SIGINT to this process once the server runs a request (the main thread then waits in the call)."""
+
+    def interrupt() -> None:
+        wait_for(lambda: server.stats().num_running >= 1, "the request running")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("method", ["complete", "complete_samples"])
+def test_a_ctrl_c_in_complete_aborts_the_request_while_the_exception_lives(
+    server: ServerThread, method: str
+) -> None:
+    """`complete()` hands out no stream to close: a KeyboardInterrupt (kept, as a REPL keeps the last one
+    in sys.last_value) left its request generating until max_tokens."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Client(server.target) as client:
+            thread = _interrupt_once_running(server)
+            with pytest.raises(KeyboardInterrupt) as interrupted:
+                getattr(client, method)(generate_request("Hello", **UNENDING))
+            thread.join(PATIENCE_S)
+            server.wait_idle()
+            assert interrupted.value is not None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _raising_requests():
+    yield _stream_request("a", **UNENDING)
+    raise RuntimeError("the caller's request generator failed")
+
+
+def test_a_request_iterator_that_raises_fails_the_stream_with_its_exception(server: ServerThread) -> None:
+    """Not UNKNOWN "Exception iterating requests!", with the caller's exception lost."""
+    message = r"^the caller's request generator failed$"
+    with Client(server.target) as client, pytest.raises(RuntimeError, match=message):
+        list(client.stream_generate(_raising_requests()))
+    server.wait_idle()
+
+
+def test_an_async_request_iterator_that_raises_fails_the_stream_with_its_exception(
+    server: ServerThread,
+) -> None:
+    """grpc.aio logged the exception at DEBUG only: the reader saw CANCELLED "Locally cancelled by
+    application!", which nobody had asked for. A sync iterable on AsyncClient too."""
+
+    async def raising_async_requests():
+        for request in _raising_requests():
+            yield request
+
+    async def run(requests) -> BaseException:
+        async with AsyncClient(server.target) as client:
+            try:
+                async for _ in client.stream_generate(requests):
+                    pass
+            except Exception as error:  # noqa: BLE001 - what the reader saw is the assertion
+                return error
+        raise AssertionError("the stream ended without an error")
+
+    for requests in (raising_async_requests, _raising_requests):
+        error = asyncio.run(run(requests()))
+        assert (type(error), str(error)) == (RuntimeError, "the caller's request generator failed")
+        server.wait_idle()
+
+
+def test_a_generate_request_sent_on_stream_generate_is_a_type_error_naming_it(server: ServerThread) -> None:
+    """It was sent as the StreamGenerateRequest its bytes happened to parse as (here none: the stream
+    answered an in-band INVALID_ARGUMENT "did not parse", which says nothing of the cause)."""
+    message = (
+        r"^requests: each must be a sluice\.v1\.StreamGenerateRequest, got GenerateRequest "
+        r"\(send it as StreamGenerateRequest\(generate=request\)\)$"
+    )
+    with Client(server.target) as client, pytest.raises(TypeError, match=message):
+        list(client.stream_generate([generate_request("Hello", request_id="a", max_tokens=2)]))
+
+    async def run() -> None:
+        async with AsyncClient(server.target) as client:
+            with pytest.raises(TypeError, match=r"StreamGenerateRequest, got str$"):
+                async for _ in client.stream_generate([_stream_request("a", **UNENDING), "Hello"]):
+                    pass
+
+    asyncio.run(run())
+    server.wait_idle()
+
+
+def test_a_stream_whose_requests_end_well_still_ends_well(server: ServerThread) -> None:
+    """The checked feed changes nothing for good requests: both answered, then the stream ends."""
+    with Client(server.target) as client:
+        requests = [_stream_request(rid, temperature=0.0, max_tokens=3, ignore_eos=True) for rid in "ab"]
+        responses = list(client.stream_generate(iter(requests)))
+    finished = {r.request_id for r in responses if r.chunk.finish_reason == pb.FINISH_REASON_LENGTH}
+    assert finished == {"a", "b"}
+
+
+@pytest.mark.parametrize("method", ["generate", "complete", "complete_samples"])
+def test_a_request_of_another_type_is_a_type_error_naming_it(server: ServerThread, method: str) -> None:
+    """The blocking client raised grpc's own INTERNAL "Exception serializing request!" (no SluiceError),
+    or AttributeError 'sampling_params' for a StreamGenerateRequest; AsyncClient sent a string as an
+    empty request, refused as "prompt: is empty"."""
+    for request, name in (("Hello", "str"), (_stream_request("a"), "StreamGenerateRequest")):
+        message = (
+            rf"^request: must be a sluice\.v1\.GenerateRequest \(see generate_request\(\)\), got {name}$"
+        )
+        with Client(server.target) as client, pytest.raises(TypeError, match=message):
+            getattr(client, method)(request)
+
+        async def run(request: object) -> None:
+            async with AsyncClient(server.target) as client:
+                call = getattr(client, method)(request)
+                if method != "generate":
+                    await call
+
+        with pytest.raises(TypeError, match=message):
+            asyncio.run(run(request))
+
+
+def test_an_error_of_the_server_is_still_a_sluice_error_on_stream_generate(server: ServerThread) -> None:
+    """A feed without an error of its own leaves the call's status as it was: here the deadline's."""
+    with Client(server.target) as client, pytest.raises(SluiceError) as info:
+        list(client.stream_generate([_stream_request("a", **UNENDING)], timeout=0.5))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    server.wait_idle()
