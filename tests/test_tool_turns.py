@@ -135,6 +135,11 @@ def assistant(*tool_calls: object) -> list[dict]:
     [
         (assistant({"id": "a", "name": "f", "arguments": "{oops"}), "messages[1].tool_calls[0].arguments",
          "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        # The escape the model may write (tool_calls.py keeps it an escape in a call it returns): a template
+        # printed it as a character no UTF-8 holds, and the tokenizer raised TypeError (INTERNAL).
+        (assistant({"id": "a", "name": "f", "arguments": '{"s": "\\ud83d"}'}),
+         "messages[1].tool_calls[0].arguments",
+         "holds a lone surrogate (\\ud83d), which a prompt's UTF-8 text cannot hold"),
         (assistant({"type": "function", "function": {"name": "f", "arguments": "[1]"}}),
          "messages[1].tool_calls[0].function.arguments", "must be a JSON object, got [1]"),
         (assistant({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].name",

@@ -14,10 +14,15 @@ OpenAI's text parts becomes their text, joined by newlines (vLLM's "string" cont
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sluice.engine.errors import InvalidRequestError
+
+# A surrogate in a str parsed from JSON: a lone one (the escape "\\ud83d" alone; a pair's halves are
+# joined). A template prints it as a character no UTF-8 text holds, and the tokenizer fails on it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -82,5 +87,21 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
+    if (lone := _lone_surrogate(arguments)) is not None:
+        raise InvalidRequestError(
+            f"{field}.arguments",
+            f"holds a lone surrogate (\\u{ord(lone):04x}), which a prompt's UTF-8 text cannot hold",
+        )
     converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
     return {"id": call["id"], **converted} if call.get("id") else converted
+
+
+def _lone_surrogate(arguments: Mapping[str, Any]) -> str | None:
+    """The first lone surrogate in the arguments' strings (keys too), if any; None also for arguments
+    that are no JSON (a cycle, too deep), which the template's `tojson` refuses in its own words."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError):
+        return None
+    found = _LONE_SURROGATE.search(text)
+    return None if found is None else found[0]
