@@ -15,7 +15,8 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
 from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.engine_args import add_engine_arguments, engine_config_from_args
-from sluice.service.server import ListenError, ServerConfig, SluiceServer, TlsConfig
+from sluice.service.listen_address import ListenError
+from sluice.service.server import ServerConfig, SluiceServer, TlsConfig
 from sluice.service.tenants import TenantDirectory
 from sluice.service.tracing import tracer_provider_from_env
 
@@ -133,7 +134,8 @@ async def serve(
     engine: AsyncEngine,
     tracer_provider: TracerProvider | None = None,
 ) -> int:
-    """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain and exit 0.
+    """Health NOT_SERVING while the model loads, SERVING once ready; SIGTERM/SIGINT drain and exit 0
+    (a second SIGINT aborts what still runs instead of waiting out the grace period).
 
     If the engine core dies, health goes NOT_SERVING, calls end UNAVAILABLE, and after
     ENGINE_FAILURE_GRACE seconds the process exits 1, so the orchestrator restarts it. A core that
@@ -143,7 +145,7 @@ async def serve(
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_stop_signal, sig, stop, server)
     try:
         port = await server.start()
     except ListenError as exc:
@@ -182,6 +184,20 @@ async def serve(
         logger.error("drained, but the engine failed during the drain (%s)", engine.error)
         return 1
     return 0
+
+
+def _on_stop_signal(sig: signal.Signals, stop: asyncio.Event, server: SluiceServer) -> None:
+    """The first SIGTERM or SIGINT stops the server (the drain, or the load cancelled); a SIGINT after it
+    (Ctrl-C again, as uvicorn takes it) ends the drain's grace period at once. A repeated SIGTERM changes
+    nothing: a supervisor may deliver it twice (to every process of a cgroup, and again through a
+    wrapper script that forwards it), and a pod's in-flight requests keep their grace period."""
+    if not stop.is_set():
+        stop.set()
+    elif sig == signal.SIGINT:
+        logger.warning("SIGINT again: the grace period ends now; requests still running are aborted")
+        server.end_grace_period()
+    else:
+        logger.info("SIGTERM again: the drain goes on (SIGINT ends its grace period now)")
 
 
 async def _start_unless_stopped(engine: AsyncEngine, stop: asyncio.Event) -> bool:

@@ -9,6 +9,7 @@ Life of a server:
                      period) grpc's stop(grace): GOAWAY to every connection, the listener closes;
                      in-flight requests get `grace_period` seconds (from the start), the rest are
                      aborted (FINISH_REASON_ABORT); then it stops
+    end_grace_period()  during the drain (a second SIGINT): the grace period ends now
     every connection lives `max_connection_age` seconds (grpc adds +-10% jitter), then gets a GOAWAY
                      so clients re-resolve and new replicas get their share; its calls in flight get
                      `max_connection_age_grace` more seconds before the connection closes
@@ -19,13 +20,16 @@ Life of a server:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import ssl
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +40,7 @@ from sluice.engine.frontend.async_engine import AsyncEngine
 from sluice.service.auth import HEALTH_SERVICE, ApiKeyInterceptor
 from sluice.service.call_arrivals import CallArrivals
 from sluice.service.health import HealthServicer
+from sluice.service.listen_address import ListenError, bind_failure, listen_address
 from sluice.service.malformed_messages import MalformedMessageInterceptor
 from sluice.service.metrics import ServerMetrics
 from sluice.service.reflection import enable_reflection
@@ -48,6 +53,7 @@ from sluice.service.tenants import TenantDirectory, check_key
 from sluice.v1 import sluice_pb2, sluice_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 INFERENCE_SERVICE = sluice_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # grpc.health.v1 answers for the server ("") and for each generation service it serves, all one status.
@@ -83,16 +89,6 @@ def grpc_millis(seconds: float) -> int:
     """`seconds` as grpc's int32 milliseconds, held to GRPC_MAX_MS: a longer time (or inf) is as good as
     never, where grpc itself would refuse it (OverflowError at server creation)."""
     return GRPC_MAX_MS if seconds * 1000 >= GRPC_MAX_MS else round(seconds * 1000)
-
-
-def listen_address(host: str, port: int) -> str:
-    """grpc's address for `host` (a name, an IPv4 or an IPv6 address, bracketed or not) and `port`."""
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class ListenError(Exception):
-    """The server cannot listen where its config says (the message names the setting)."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +232,7 @@ class SluiceServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self._grace_over = asyncio.Event()  # set by `end_grace_period`: the drain aborts what still runs
         self.engine_failed = asyncio.Event()
         self._health_tasks: set[asyncio.Task[None]] = set()
 
@@ -282,10 +279,8 @@ class SluiceServer:
                 self.port = server.add_secure_port(address, self.config.tls.credentials())
             else:
                 self.port = server.add_insecure_port(address)
-        except RuntimeError:  # grpc: "Failed to bind to address ..."
-            raise ListenError(
-                f"port: cannot listen on {address} (in use, or no address of this host)"
-            ) from None
+        except RuntimeError:  # grpc: "Failed to bind to address ...", without the reason
+            raise ListenError(bind_failure(host, self.config.port)) from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
@@ -322,26 +317,20 @@ class SluiceServer:
 
     async def drain(self, grace_period: float | None = None) -> None:
         """Health NOT_SERVING and new calls UNAVAILABLE; once calls have stopped coming (see QUIET_S)
-        grpc's stop(grace): GOAWAY, no new connections; in-flight requests get the grace period, then
-        the rest are aborted and their streams end. Then, at least GOAWAY_SETTLE_S after the GOAWAY, the
-        calls that never end by themselves (health Watch streams, idle StreamGenerate calls) are
-        cancelled and the server stops."""
+        grpc's stop(grace): GOAWAY, no new connections; in-flight requests get the grace period (or until
+        `end_grace_period`), then the rest are aborted and their streams end. Then, at least
+        GOAWAY_SETTLE_S after the GOAWAY, the calls that never end by themselves (health Watch streams,
+        idle StreamGenerate calls) are cancelled and the server stops."""
         grace = self.config.grace_period if grace_period is None else grace_period
         start = time.monotonic()
         await self.begin_drain()
-        if await self.arrivals.wait_for_quiet(QUIET_S, start + min(HEALTH_NOTICE_S, grace), start + grace):
-            elapsed = time.monotonic() - start
-            logger.info("draining: no new call for %.2f s, %.2f s into the drain: GOAWAY", QUIET_S, elapsed)
-        else:
-            logger.warning(
-                "calls still arriving (or the event loop too busy to tell) at the end of the grace period; "
-                "sending GOAWAY anyway"
-            )
+        quiet = self.arrivals.wait_for_quiet(QUIET_S, start + min(HEALTH_NOTICE_S, grace), start + grace)
+        self._log_goaway(await self._unless_grace_over(quiet), grace, time.monotonic() - start)
         server, self._server = self._server, None
         goaway_at = time.monotonic()
-        remaining = max(0.0, start + grace - goaway_at)
+        remaining = 0.0 if self._grace_over.is_set() else max(0.0, start + grace - goaway_at)
         stopping = None if server is None else asyncio.ensure_future(server.stop(remaining + ABORT_MARGIN_S))
-        await self._wait_for_requests(start + grace)
+        await self._unless_grace_over(self._wait_for_requests(start + grace))
         runner = self.servicer.runner
         if runner is not None and (num_aborted := await runner.abort_all()):
             logger.warning("grace period over: aborted %d in-flight requests", num_aborted)
@@ -353,6 +342,37 @@ class SluiceServer:
             await server.stop(0)
             await stopping
         await self.stop()
+
+    def _log_goaway(self, quiet: bool | None, grace: float, elapsed: float) -> None:
+        """Says why the drain's GOAWAY goes out now: calls stopped coming (`quiet`), the grace period is
+        too short to wait for that, it was ended early (None), or it passed with calls still coming."""
+        if quiet:
+            logger.info("draining: no new call for %.2f s, %.2f s into the drain: GOAWAY", QUIET_S, elapsed)
+        elif grace <= HEALTH_NOTICE_S:
+            logger.info("draining: grace period %.2f s, no time to wait for calls to stop: GOAWAY", grace)
+        elif quiet is not None:
+            logger.warning(
+                "calls still arriving (or the event loop too busy to tell) at the end of the grace period; "
+                "sending GOAWAY anyway"
+            )
+
+    def end_grace_period(self) -> None:
+        """Ends the drain's grace period now (`sluice serve`: a second SIGINT): the GOAWAY goes out without
+        waiting for calls to stop coming, and the requests still running are aborted."""
+        self._grace_over.set()
+
+    async def _unless_grace_over(self, waiting: Coroutine[Any, Any, _T]) -> _T | None:
+        """`waiting`'s result, or None (`waiting` cancelled) once `end_grace_period` is called."""
+        task = asyncio.ensure_future(waiting)
+        grace_over = asyncio.ensure_future(self._grace_over.wait())
+        await asyncio.wait((task, grace_over), return_when=asyncio.FIRST_COMPLETED)
+        grace_over.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
 
     @property
     def num_active_requests(self) -> int:

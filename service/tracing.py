@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,12 +62,52 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     )
     if variable is not None and (protocol := env[variable].strip().lower()) != "grpc":
         raise ValueError(f"{variable}: {protocol!r} is not supported; Sluice exports over OTLP/gRPC (grpc)")
+    _check_export_settings(env)
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     resource = Resource.create(_resource_attributes(env))
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return provider
+
+
+# The exporter's and the span processor's settings that the SDK reads with int() / float() (its errors name
+# no variable: "could not convert string to float", "max_queue_size must be a positive integer") or checks
+# with an exception other than ValueError (compression): each refused here naming its variable.
+_EXPORT_SECONDS = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+_EXPORT_COMPRESSIONS = ("OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION")
+_COMPRESSIONS = ("gzip", "deflate", "none")
+# The batch span processor's, with the SDK's defaults.
+_BATCH_INTEGERS = {
+    "OTEL_BSP_SCHEDULE_DELAY": 5000,
+    "OTEL_BSP_EXPORT_TIMEOUT": 30000,
+    "OTEL_BSP_MAX_QUEUE_SIZE": 2048,
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512,
+}
+
+
+def _check_export_settings(env: Mapping[str, str]) -> None:
+    """ValueError naming the first OTEL_* export setting the SDK would fail on (or, for the span
+    processor's integers, log a traceback for and ignore)."""
+    for variable in _EXPORT_SECONDS:
+        if (text := env.get(variable)) is not None:
+            try:
+                seconds = float(text)
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds < math.inf:
+                raise ValueError(f"{variable}: must be a number of seconds > 0, got {text!r}")
+    for variable in _EXPORT_COMPRESSIONS:
+        if (text := env.get(variable)) is not None and text.strip().lower() not in _COMPRESSIONS:
+            raise ValueError(f"{variable}: must be one of {', '.join(_COMPRESSIONS)}, got {text!r}")
+    values = {}
+    for variable, default in _BATCH_INTEGERS.items():
+        text = env.get(variable)
+        values[variable] = default if text is None else int(text) if text.strip().isdigit() else 0
+        if values[variable] <= 0:
+            raise ValueError(f"{variable}: must be an integer > 0, got {text!r}")
+    if values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] > values["OTEL_BSP_MAX_QUEUE_SIZE"]:
+        raise ValueError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE: must be <= OTEL_BSP_MAX_QUEUE_SIZE")
 
 
 def _resource_attributes(env: Mapping[str, str]) -> dict[str, str]:

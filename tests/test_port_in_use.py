@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.service.server import ListenError, ServerConfig, SluiceServer
+from sluice.service.listen_address import ListenError
+from sluice.service.server import ServerConfig, SluiceServer
 
 
 async def test_a_second_server_on_a_port_in_use_is_refused() -> None:

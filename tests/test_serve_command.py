@@ -22,8 +22,8 @@ from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.model_loader import load_model_source
 from sluice.engine.worker.cpu_memory import available_memory_bytes
 from sluice.service.cli import build_parser, load_commands
+from sluice.service.listen_address import listen_address
 from sluice.service.serve_command import run
-from sluice.service.server import listen_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +93,7 @@ def test_a_port_or_metrics_port_in_use_is_one_line_naming_it(capsys) -> None:
         code, err = _serve(capsys, "--host", "127.0.0.1", "--port", str(port))
         assert code == 2
         assert err.endswith(
-            f"sluice serve: port: cannot listen on 127.0.0.1:{port} (in use, or no address of this host)\n"
+            f"sluice serve: port: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
         )
         code, err = _serve(capsys, "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(port))
         assert code == 2
