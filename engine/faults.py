@@ -11,16 +11,23 @@ where:
     join        the tensor-parallel worker of rank <marker> raises before it joins the group (the
                 engine fails to start)
     detokenize  the frontend's detokenization raises for such requests (those requests fail alone)
+    busy        the first engine step that schedules such a request keeps the CPU busy for SLOW_STEP_S
+                seconds (a long step, which the frontend must not take for a hang)
+    stall       the first engine step that schedules such a request sleeps SLOW_STEP_S seconds (a hung
+                step, silent: the frontend fails the engine after its engine timeout)
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV_VAR = "SLUICE_INJECT_FAULT"
-PLACES = ("step", "sample", "detokenize", "worker", "join")
+PLACES = ("step", "sample", "detokenize", "worker", "join", "busy", "stall")
+SLOW_PLACES = ("busy", "stall")  # checked where "step" is
+SLOW_STEP_S = 6.0
 
 
 class InjectedFault(RuntimeError):
@@ -31,6 +38,7 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     place: str
     marker: str
+    _slowed: set[str] = field(default_factory=set, compare=False)  # the requests a slow step held
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
@@ -43,9 +51,27 @@ class FaultInjector:
         return cls(place, marker)
 
     def check(self, place: str, request_ids: Iterable[str]) -> None:
-        """Raises InjectedFault when `place` is this injector's and a request id carries the marker."""
-        if place != self.place:
+        """Raises InjectedFault when `place` is this injector's and a request id carries the marker; at
+        "step", a "busy" or "stall" injector holds the step instead (once a request)."""
+        slow = place == "step" and self.place in SLOW_PLACES
+        if place != self.place and not slow:
             return
         hit = next((r for r in request_ids if self.marker in r), None)
-        if hit is not None:
+        if hit is None:
+            return
+        if not slow:
             raise InjectedFault(f"injected {place} fault for request {hit!r}")
+        if hit not in self._slowed:
+            self._slowed.add(hit)
+            _hold(self.place == "busy", SLOW_STEP_S)
+
+
+def _hold(busy: bool, seconds: float) -> None:
+    """Returns after `seconds`, spent using the CPU (`busy`: Python's loop, which lets other threads run
+    between its bytecodes) or asleep."""
+    if not busy:
+        time.sleep(seconds)
+        return
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass

@@ -58,6 +58,13 @@ class CoreHeartbeat(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class CoreBusy(msgspec.Struct, tag=True):
+    """Sent while a long step runs on the CPU and the core keeps using it (`StepWatch`): the core is slow,
+    not hung. `step_seconds`: how long the step has run."""
+
+    step_seconds: float
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -182,7 +189,7 @@ class CoreOutputs(msgspec.Struct, tag=True):
 
 
 FrontendMessage = CoreConfig | AddRequest | AbortRequests | Shutdown | StartProfile | StopProfile
-CoreMessage = CoreReady | CoreFailed | CoreHeartbeat | CoreOutputs
+CoreMessage = CoreReady | CoreFailed | CoreHeartbeat | CoreBusy | CoreOutputs
 
 encode = msgspec.msgpack.Encoder().encode
 decode_frontend_message = msgspec.msgpack.Decoder(FrontendMessage).decode

@@ -91,7 +91,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--engine-timeout",
         type=float,
         default=30.0,
-        help="seconds without a word from the engine core before it counts as failed",
+        help="seconds without a word from the engine core before it counts as failed (a CPU step that "
+        "keeps the core busy says so meanwhile)",
     )
     server.add_argument(
         "--kv-events",

@@ -2,7 +2,7 @@
 
     frontend (event loop)                                  engine core process
     send(AddRequest | AbortRequests) --PUSH commands-->    sluice.engine.process.core_process.CoreLoop
-    on_message(CoreOutputs | CoreHeartbeat) <--PULL results--
+    on_message(CoreOutputs | CoreHeartbeat) <--PULL results--  (CoreBusy: heard from, nothing to handle)
     on_dead(reason)  <- the process exited, said CoreFailed, or sent nothing for `timeout_seconds`
 
 `on_dead` runs once, on the event loop; the process is killed if it still runs.
@@ -27,6 +27,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineDeadError
 from sluice.engine.messages import (
     SOCKET_DIRECTORY_PREFIX,
+    CoreBusy,
     CoreConfig,
     CoreFailed,
     CoreMessage,
@@ -74,6 +75,7 @@ class CoreClient:
         self._results_readable: asyncio.Event | None = None  # set when the results fd is readable
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
+        self._long_step_logged = False  # the step running now was logged as long (CoreBusy)
         self._on_dead: Callable[[str], None] | None = None
         self._closing = False
 
@@ -156,7 +158,12 @@ class CoreClient:
     async def _wait_ready(self) -> CoreReady:
         receive = asyncio.ensure_future(self._next_result())
         exited = asyncio.ensure_future(self.process.wait())
-        await asyncio.wait((receive, exited), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((receive, exited), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the load cancelled (SIGTERM): asyncio logged the tasks left pending
+            receive.cancel()
+            exited.cancel()
+            raise
         if not receive.done():
             receive.cancel()
             raise EngineDeadError(f"the engine core exited while loading ({_exit_reason(exited.result())})")
@@ -194,12 +201,26 @@ class CoreClient:
             if isinstance(message, CoreFailed):
                 self._dead(message.error)
                 return
+            if isinstance(message, CoreBusy):
+                self._log_long_step(message.step_seconds)
+                continue
             try:
                 on_message(message)
             except Exception as exc:  # a bug in handling one: fail now, saying why, not silent until timeout
                 logger.exception("handling the engine core's message failed")
                 self._dead(f"handling the engine core's message failed: {type(exc).__name__}: {exc}")
                 return
+
+    def _log_long_step(self, step_seconds: float) -> None:
+        """Logs once a step that has run past `timeout_seconds`: busy, so not counted as a hang."""
+        if step_seconds > self.timeout_seconds and not self._long_step_logged:
+            logger.warning(
+                "an engine step has run %.1f s, past the engine timeout (%.1f s); the core is busy on the "
+                "CPU, not hung (a smaller --max-num-batched-tokens makes steps shorter)",
+                step_seconds,
+                self.timeout_seconds,
+            )
+        self._long_step_logged = step_seconds > self.timeout_seconds
 
     async def _watch_exit(self) -> None:
         returncode = await self.process.wait()

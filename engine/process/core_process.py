@@ -6,6 +6,7 @@ answers `CoreReady` (or `CoreFailed`), then loops:
 
     apply every queued command (waiting up to a heartbeat when idle)
     step while there is work, sending one `CoreOutputs` per step (every request's new tokens, and stats)
+    (a step that runs long on the CPU: `CoreBusy` every heartbeat while it works, from `StepWatch`)
 
 It exits 0 on `Shutdown` or when its parent process is gone (while it loads too: `ParentWatch`), and 1
 after telling the frontend why it failed (`CoreFailed`) when loading or a step raises. Only this process
@@ -19,6 +20,7 @@ process first and then stops it. The tensor-parallel workers it spawns inherit t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -50,7 +52,9 @@ from sluice.engine.messages import (
 )
 from sluice.engine.parent_watch import ParentWatch
 from sluice.engine.process.host_memory import freeze_gc_heap, retain_freed_memory
+from sluice.engine.process.step_watch import StepWatch
 from sluice.engine.process.threads import configure_torch_threads
+from sluice.engine.worker.model_runner import pick_device
 
 logger = logging.getLogger("sluice.engine_core")
 
@@ -59,13 +63,20 @@ class CoreLoop:
     """Feeds commands to an `EngineCore` and sends back what each step produced."""
 
     def __init__(
-        self, core: EngineCore, commands: zmq.Socket, results: zmq.Socket, heartbeat: float, parent_pid: int
+        self,
+        core: EngineCore,
+        commands: zmq.Socket,
+        results: zmq.Socket,
+        heartbeat: float,
+        parent_pid: int,
+        step_watch: StepWatch | None = None,
     ) -> None:
         self.core = core
         self.commands = commands
         self.results = results
         self.heartbeat_ms = int(heartbeat * 1000)
         self.parent_pid = parent_pid  # the frontend, read when the process started (it may be gone by now)
+        self._stepping = contextlib.nullcontext if step_watch is None else step_watch.step
 
     def run(self) -> int:
         """Returns the process exit code."""
@@ -79,7 +90,8 @@ class CoreLoop:
             if outputs is None:
                 return 0
             try:
-                outputs += self.core.step()
+                with self._stepping():
+                    outputs += self.core.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 self.results.send(encode(CoreFailed(f"the engine failed: {type(exc).__name__}: {exc}")))
@@ -151,9 +163,14 @@ def serve_core(commands_address: str, results_address: str, parent_pid: int) -> 
     )
     tokenizer = None if core.tokenizer is None else core.tokenizer.spec()
     results.send(encode(CoreReady(core.model_info, tokenizer, os.getpid())))
+    # A long CPU step keeps telling the frontend it is busy (see StepWatch for why not on a GPU).
+    on_cpu = pick_device(setup.config.model.device).type == "cpu"
+    watch = StepWatch(context, results_address, setup.heartbeat_seconds) if on_cpu else None
     try:
-        return CoreLoop(core, commands, results, setup.heartbeat_seconds, parent_pid).run()
+        return CoreLoop(core, commands, results, setup.heartbeat_seconds, parent_pid, watch).run()
     finally:
+        if watch is not None:
+            watch.close()
         results.close(linger=1000)  # let the last message (e.g. CoreFailed) go out
         commands.close(linger=0)
         context.term()
