@@ -483,7 +483,7 @@ async def test_a_step_that_raises_kills_the_core_with_its_reason(llama_long_dir,
         await anext(healthy)
         poisoned = await engine.add_request("poison-1", PARAMS, text="hello")
         for stream in (healthy, poisoned):
-            with pytest.raises(EngineDeadError, match="engine failed: InjectedFault: injected step fault"):
+            with pytest.raises(EngineDeadError, match="^a step raised InjectedFault: injected step fault"):
                 await asyncio.wait_for(_collect(stream), PATIENCE_S)
         await asyncio.wait_for(engine._client.process.wait(), PATIENCE_S)  # the failed core is gone
     finally:

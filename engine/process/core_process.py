@@ -94,7 +94,7 @@ class CoreLoop:
                     outputs += self.core.step()
             except Exception as exc:
                 logger.exception("engine step failed")
-                self.results.send(encode(CoreFailed(f"the engine failed: {type(exc).__name__}: {exc}")))
+                self.results.send(encode(CoreFailed(f"a step raised {type(exc).__name__}: {exc}")))
                 return 1
             self.results.send(encode(CoreOutputs(outputs, self.core.stats(), self.core.take_kv_events())))
 
