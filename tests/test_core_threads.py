@@ -28,3 +28,9 @@ def test_the_malloc_tunables_join_the_callers_and_keep_its_tcache_setting() -> N
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.mxfast=0:{MALLOC_TUNABLES}"
     kept = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
     assert core_process_environment(kept)["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=3"
+
+
+def test_the_servers_api_key_stays_out_of_the_core() -> None:
+    """SLUICE_API_KEY is the frontend's: the core and its tensor-parallel workers never read it."""
+    env = core_process_environment({"PATH": "/bin", "SLUICE_API_KEY": "secret"})
+    assert "SLUICE_API_KEY" not in env and env["PATH"] == "/bin"

@@ -46,11 +46,16 @@ def configure_torch_threads(num_threads: int | None) -> int:
     return num_threads
 
 
+# Secrets of the frontend's that the core (and its tensor-parallel workers, which inherit its environment)
+# never needs: the server's API key.
+FRONTEND_ONLY_VARIABLES = ("SLUICE_API_KEY",)
+
+
 def core_process_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment to start the engine core process with: `environ` plus GOMP_SPINCOUNT (a short
-    spin), unless `environ` sets OMP_WAIT_POLICY or GOMP_SPINCOUNT itself, and glibc's malloc tunables for
-    reusing freed memory (`host_memory.with_malloc_tunables`)."""
-    env = with_malloc_tunables(environ)
+    """The environment to start the engine core process with: `environ` without FRONTEND_ONLY_VARIABLES,
+    plus GOMP_SPINCOUNT (a short spin), unless `environ` sets OMP_WAIT_POLICY or GOMP_SPINCOUNT itself,
+    and glibc's malloc tunables for reusing freed memory (`host_memory.with_malloc_tunables`)."""
+    env = with_malloc_tunables({k: v for k, v in environ.items() if k not in FRONTEND_ONLY_VARIABLES})
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = CORE_GOMP_SPINCOUNT
     return env
