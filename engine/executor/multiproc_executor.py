@@ -26,7 +26,9 @@ same code (prompt logprobs included); only rank 0 samples.
 Failure: a worker that exits or raises is noticed by the `WorkerMonitor` (process sentinels, no polling
 timer); the next call raises `WorkerDiedError`, as does a collective that fails because of it (gloo raises
 at once when a peer's connection drops; a silent peer fails it after `distributed_timeout_seconds`). In a
-server that ends the engine core with `CoreFailed`, like any failed step.
+server that ends the engine core with `CoreFailed`, like any failed step. An exception in rank 0's own part
+of a step (out of memory, a KeyboardInterrupt) kills the workers at once: they are still inside the step,
+and their collectives would pair with the next step's.
 """
 
 from __future__ import annotations
@@ -146,14 +148,23 @@ class MultiprocExecutor:
             return self._named_failures(
                 self.runner.execute_model_with_prompt_logprobs, out, slices, sampled_before
             )
-        except Exception:
+        except BaseException as exc:  # rank 0 left a step its workers may still be in
+            self._stop_workers_left_in_step(exc)
             raise
-        except BaseException as exc:  # KeyboardInterrupt: rank 0 left a step its workers are still in
-            self.workers.abandon(
-                f"were stopped: {type(exc).__name__} interrupted a step on rank 0, leaving the others inside "
-                "it (their collectives would pair with the wrong ones); build a new engine"
-            )
-            raise
+
+    def _stop_workers_left_in_step(self, exc: BaseException) -> None:
+        """Rank 0's part of a step raised (an exception of its own, out of memory, a KeyboardInterrupt, or
+        a collective a failing worker broke): the workers still in that step would pair their collectives
+        with the next step's, which gloo answers by aborting the whole process. They are killed at once;
+        unless a worker's own failure explains it, the next call raises `WorkerDiedError` saying why."""
+        if self.workers.monitor.failure is not None:
+            self.workers.shutdown(at_once=True)
+            return
+        detail = f" ({exc})" if str(exc) else ""
+        self.workers.abandon(
+            f"were stopped: {type(exc).__name__} interrupted a step on rank 0{detail}, leaving the others "
+            "inside it (their collectives would pair with the wrong ones); build a new engine"
+        )
 
     def shutdown(self) -> None:
         """Stops the workers; rank 0's torch threads go back to what they were."""
