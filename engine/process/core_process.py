@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import zmq
 
 from sluice.engine.core.engine_core import EngineCore
@@ -139,7 +140,7 @@ def serve_core(commands_address: str, results_address: str, parent_pid: int) -> 
         with ParentWatch(parent_pid, lambda: _remove_socket_directory(commands_address), "the model loaded"):
             setup = decode_frontend_message(commands.recv())
             assert isinstance(setup, CoreConfig), f"expected CoreConfig first, got {type(setup).__name__}"
-            num_threads = configure_torch_threads(setup.config.num_threads)
+            configure_torch_threads(setup.config.num_threads)
             core = EngineCore(setup.config)
             if setup.kv_events:
                 core.record_kv_events()
@@ -157,7 +158,7 @@ def serve_core(commands_address: str, results_address: str, parent_pid: int) -> 
     logger.info(
         "engine core ready (pid %d, %d torch threads, %d objects frozen, %s scheduling)",
         os.getpid(),
-        num_threads,
+        torch.get_num_threads(),  # rank 0 of a tensor-parallel group: its share, set by the executor
         frozen,
         "async" if core.async_scheduling else "synchronous",
     )
