@@ -17,6 +17,7 @@ captured with the decode graphs. Gloo runs on CPU tensors only, without graphs.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 
 import torch
@@ -60,13 +61,7 @@ class TensorParallelGroup:
 
         options = ProcessGroupGloo._Options()
         options._timeout = timeout
-        interface = os.environ.get("GLOO_SOCKET_IFNAME")  # as torch.distributed reads it
-        device_of_gloo = (
-            ProcessGroupGloo.create_device(interface=interface)
-            if interface
-            else ProcessGroupGloo.create_default_device()
-        )
-        options._devices = [device_of_gloo]
+        options._devices = [gloo_device(store)]
         return cls(rank, size, device, ProcessGroupGloo(store, rank, size, options))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,3 +107,28 @@ class TensorParallelGroup:
 
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size}, device={self.device})"
+
+
+def gloo_device(store: Store) -> object:
+    """The network device of a rank's gloo group: on `GLOO_SOCKET_IFNAME`'s interface (as torch.distributed
+    reads it); else, for a store on a loopback address (one node), on that address, so gloo's sockets stay
+    off the network as the store's do (gloo's default device listens on the address the machine's hostname
+    resolves to: a pod's IP in Kubernetes); else gloo's default (several nodes reach each other there)."""
+    from torch.distributed import ProcessGroupGloo
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return ProcessGroupGloo.create_device(interface=interface)
+    host = getattr(store, "host", "")
+    if _is_loopback(host):
+        return ProcessGroupGloo.create_device(hostname=host)
+    return ProcessGroupGloo.create_default_device()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
