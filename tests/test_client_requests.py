@@ -105,6 +105,10 @@ def test_generate_request_sets_constraints_bias_and_allowed_ids(server: ServerTh
         ({"text": b"bytes"}, r"^text: b'bytes' cannot be sent"),
         ({"text": None, "messages": [{"content": "hi"}]}, r"^messages: each must be a mapping with a role"),
         (
+            {"text": None, "messages": [{"role": "user", "content": "a\udc80"}]},
+            r"^messages: cannot be sent \('utf-8' codec can't encode character '\\udc80'",
+        ),
+        (
             {"text": None, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"name": "f"}},
             r"^tool_choice: as a dict",
         ),

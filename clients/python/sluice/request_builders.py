@@ -96,7 +96,8 @@ def generate_request(
         with _naming("token_ids", token_ids):
             request.token_ids.token_ids.extend(token_ids)
     if messages is not None:
-        request.messages.CopyFrom(chat_messages(messages, tools, tool_choice, **chat_options))
+        with _naming_without_value("messages"):  # text no UTF-8 holds (a lone surrogate)
+            request.messages.CopyFrom(chat_messages(messages, tools, tool_choice, **chat_options))
     optional = {
         "temperature": temperature,
         "top_k": top_k,
@@ -156,6 +157,15 @@ def _naming(name: str, value: object) -> Iterator[None]:
         raise ValueError(f"{name}: {value!r} cannot be sent ({e})") from None
 
 
+@contextlib.contextmanager
+def _naming_without_value(name: str) -> Iterator[None]:
+    """As `_naming`, for a value too large to quote (a conversation)."""
+    try:
+        yield
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: cannot be sent ({e})") from None
+
+
 def _set_constraint(sampling: pb.SamplingParams, given: Mapping[str, Any]) -> None:
     """The one constraint given (ValueError naming them when several are)."""
     if len(given) > 1:
@@ -189,7 +199,8 @@ def tokenize_request(
     if text is not None:
         request.text = text
     if messages is not None:
-        request.messages.CopyFrom(chat_messages(messages, tools, **chat_options))
+        with _naming_without_value("messages"):
+            request.messages.CopyFrom(chat_messages(messages, tools, **chat_options))
     if add_special_tokens is not None:
         request.add_special_tokens = add_special_tokens
     return request
