@@ -8,6 +8,7 @@ import sys
 import time
 
 from sluice.client import Client, SluiceError, generate_request
+from sluice.tls_flags import add_tls_flags, tls_client_options
 from sluice.v1 import sluice_pb2 as pb
 
 
@@ -30,6 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="call deadline in seconds",
     )
+    add_tls_flags(parser)
 
 
 def _bounded(kind: type, low: float, high: float):
@@ -69,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     num_tokens = 0
     text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
     finish_reason = pb.FINISH_REASON_UNSPECIFIED
-    try:  # a key or prompt grpc cannot send (SLUICE_API_KEY="", text not UTF-8): no traceback
-        request, client = _request(args), Client(args.target, api_key=args.api_key)
+    try:  # a key, prompt or TLS file grpc cannot use (SLUICE_API_KEY="", text not UTF-8): no traceback
+        request = _request(args)
+        client = Client(args.target, api_key=args.api_key, **tls_client_options(args))
     except ValueError as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2

@@ -296,3 +296,53 @@ def test_health_probe_presents_a_client_certificate(mtls_server: ServerThread, p
     assert code == 2 and "--tls-client-cert and --tls-client-key go together" in error
     code, error = _probe(mtls_server.target, "--tls-ca-cert", str(tmp_path / "missing.pem"))
     assert code == 2 and "cannot read" in error and "missing.pem" in error
+
+
+def _sluice(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """A `sluice` command run in this process: (exit code, stdout, stderr)."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_sluice_generate_speaks_tls_and_mtls(
+    tls_server: ServerThread, mtls_server: ServerThread, pki: Pki, tmp_path, capsys
+) -> None:
+    """`sluice generate` had no TLS flags: against a --tls-cert server it failed UNAVAILABLE."""
+    ca = pki.mtls.client_ca
+    (tmp_path / "client.pem").write_bytes(pki.client.cert)
+    (tmp_path / "client.key").write_bytes(pki.client.key)
+    identity = (
+        "--tls-client-cert",
+        str(tmp_path / "client.pem"),
+        "--tls-client-key",
+        str(tmp_path / "client.key"),
+    )
+    generate = ("generate", "--raw", "--max-tokens", str(MAX_TOKENS), "--timeout", "60")
+    for target, flags in ((tls_server.target, ()), (mtls_server.target, identity)):
+        code, out, err = _sluice(capsys, *generate, "--target", target, "--tls-ca-cert", ca, *flags, "Hello")
+        assert code == 0 and out.strip() != "" and err.startswith(f"{MAX_TOKENS} tokens in "), err
+    code, _, err = _sluice(capsys, *generate, "--target", tls_server.target, "--timeout", "5", "Hello")
+    assert code == 1 and "UNAVAILABLE" in err  # plaintext against TLS
+    code, _, err = _sluice(
+        capsys, *generate, "--target", mtls_server.target, "--tls-ca-cert", ca, *identity[:2], "Hi"
+    )
+    assert (code, err) == (
+        2,
+        "sluice generate: tls-client-cert: --tls-client-cert and --tls-client-key go together\n",
+    )
+    missing = str(tmp_path / "missing.pem")
+    code, _, err = _sluice(capsys, *generate, "--target", tls_server.target, "--tls-ca-cert", missing, "Hi")
+    assert (code, err) == (
+        2,
+        f"sluice generate: tls-ca-cert: cannot read {missing} (No such file or directory)\n",
+    )
+
+
+def test_sluice_bench_speaks_tls(tls_server: ServerThread, pki: Pki, capsys) -> None:
+    bench = ("bench", "--target", tls_server.target, "--num-requests", "2", "--warmup", "0", "--no-progress")
+    bench += ("--input-len", "8", "--output-len", str(MAX_TOKENS), "--vocab-size", "200")
+    code, out, err = _sluice(capsys, *bench, "--tls-ca-cert", pki.mtls.client_ca)
+    assert code == 0, err
+    row = out.splitlines()[1].split()  # the run's row: its label, then done/requests
+    assert row[1] == "2/2" and out.rstrip().endswith("none"), out  # both done, no errors

@@ -24,11 +24,13 @@ from sluice.bench.runner import LoadConfig, run_load
 from sluice.bench.transports import GenerateTransport, StreamTransport, Transport
 from sluice.bench.workloads import FIRST_PROMPT_TOKEN, WORKLOAD_KINDS, Workload
 from sluice.client import AsyncClient, SluiceError
+from sluice.tls_flags import add_tls_flags, tls_client_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="localhost:50051", help="HOST:PORT of the server")
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), help="or SLUICE_API_KEY")
+    add_tls_flags(parser)
     parser.add_argument(
         "--api",
         choices=("generate", "stream"),
@@ -107,13 +109,17 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _client(args: argparse.Namespace) -> AsyncClient:
+    return AsyncClient(args.target, api_key=args.api_key, **tls_client_options(args))
+
+
 def _transport(args: argparse.Namespace) -> Transport:
-    client = AsyncClient(args.target, api_key=args.api_key)
+    client = _client(args)
     return StreamTransport(client) if args.api == "stream" else GenerateTransport(client)
 
 
 async def _served_vocab_size(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.target, api_key=args.api_key) as client:
+    async with _client(args) as client:
         return (await client.model_info(timeout=30)).vocab_size
 
 
@@ -136,6 +142,7 @@ def _plan(args: argparse.Namespace) -> tuple[Workload, list[LoadConfig], Slo]:
     before anything connects. Without --vocab-size the workload's vocabulary is a stand-in until the
     server's is known."""
     _check_outputs(args)
+    tls_client_options(args)  # the TLS flags' files readable, before anything connects
     if args.sweep and args.concurrency is not None:  # each run's concurrency is the sweep's
         raise ValueError("sweep: sets each run's concurrency; drop --concurrency")
     workload = _workload(args, FIRST_PROMPT_TOKEN + 1 if args.vocab_size is None else args.vocab_size)
