@@ -271,3 +271,14 @@ def test_a_gguf_asked_for_that_is_no_file_is_refused_naming_model(llama_dir: str
     ):
         with pytest.raises(ValueError, match=r"^model: '.*' is not a file, as a GGUF model is"):
             load_model_source(ModelConfig(model=path, load_format=load_format))
+
+
+@pytest.mark.parametrize("model", ["/models/Meta-Llama-3-8B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_a_model_that_is_not_here_is_refused_saying_nothing_is_downloaded(model: str) -> None:
+    """A path that does not exist, or a hub id (which vLLM would download), was 'has no config.json'."""
+    with pytest.raises(ValueError) as info:
+        load_model_source(ModelConfig(model=model))
+    assert str(info.value) == (
+        f"model: {model!r} does not exist: give a local checkpoint directory or GGUF file, or a packaged "
+        "model (gemma3-270m); Sluice downloads nothing from a model hub"
+    )

@@ -128,6 +128,13 @@ def read_arch(directory: str) -> ModelArchConfig:
     """config.json -> ModelArchConfig, with generation_config.json's eos ids merged in (and ModelOpt's
     hf_quant_config.json as the quantization_config, where config.json has none)."""
     config_path = os.path.join(directory, "config.json")
+    if not os.path.exists(directory):  # a hub id ("org/name") too: nothing is downloaded
+        from sluice.engine.loading.packaged_models import PACKAGED_MODELS
+
+        raise ValueError(
+            f"model: {directory!r} does not exist: give a local checkpoint directory or GGUF file, or a "
+            f"packaged model ({', '.join(PACKAGED_MODELS)}); Sluice downloads nothing from a model hub"
+        )
     if not os.path.isfile(config_path):
         raise ValueError(f"model: {directory!r} has no config.json")
     with open(config_path) as f:
