@@ -4,6 +4,7 @@ every valid output is the grammar mask's doing. Outputs are checked with `jsonsc
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import re
 
@@ -13,6 +14,7 @@ import torch
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.request import Request
 from sluice.engine.sample.grammar_mask import _no_token_left
 from sluice.engine.sample.sampler import SamplingRow
 from sluice.engine.sampling_params import SamplingParams
@@ -269,6 +271,19 @@ def test_a_constraint_that_does_not_compile_names_its_field(llm: LLM, constraint
     assert info.value.field == constraint.kind
     assert str(info.value).startswith(message), str(info.value)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_requests_refused_for_a_cached_grammar_error_are_not_kept(llm: LLM) -> None:
+    """The compiler's cache hands every request of one source the same failed future: re-raising its one
+    exception chained each refused request's frame onto that exception's traceback, keeping the request
+    (and the step's scheduler output) for as long as the cache kept the future. Found by a server soak."""
+    constraint = Constraint(regex="(a|b")
+    for _ in range(3):
+        with pytest.raises(InvalidRequestError, match=r"^regex: does not compile: "):
+            llm.generate(["hello"], SamplingParams(constraint=constraint))
+    gc.collect()
+    requests = [o for o in gc.get_objects() if type(o) is Request]
+    assert [r.request_id for r in requests if r.sampling_params.constraint == constraint] == []
 
 
 def test_a_constrained_request_the_kv_cache_cannot_hold_raises_context_length_error(llama_dir: str) -> None:

@@ -41,18 +41,18 @@ class GrammarWaitingRoom:
         failed = []
         for request_id in [rid for rid, (_, future) in self._waiting.items() if future.done()]:
             request, grammar = self._waiting.pop(request_id)
+            # Never grammar.result() on a failed compile: the compiler's cache hands one future to every
+            # request of the same source, and each raise of its one exception would chain this frame (and
+            # the request it holds) onto that exception's traceback for as long as the cache keeps it.
             try:
-                request.grammar = grammar.result()
-                admit(request)
-            except GrammarCompileError as exc:
-                field = request.sampling_params.constraint.field
-                error = InvalidRequestError(field, f"does not compile: {exc}")
-                failed.append(CoreOutput.refused(request_id, error))
-            except InvalidRequestError as exc:  # the scheduler's, e.g. more KV blocks than the cache has
-                failed.append(CoreOutput.refused(request_id, exc))
-            except Exception as exc:
-                logger.exception("compiling the grammar of request %s failed", request_id)
-                failed.append(CoreOutput.failed(request_id, f"grammar compilation failed: {exc}"))
+                error = grammar.exception()
+                if error is None:
+                    request.grammar = grammar.result()
+                    admit(request)
+            except Exception as exc:  # the scheduler's InvalidRequestError, e.g. more KV blocks than it has
+                error = exc
+            if error is not None:
+                failed.append(_refusal(request, error))
         return failed
 
     def abort(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -80,3 +80,15 @@ class GrammarWaitingRoom:
     def num_tokens(self) -> int:
         """The prompt tokens of the requests waiting here (none computed yet)."""
         return sum(request.num_tokens for request, _ in self._waiting.values())
+
+
+def _refusal(request: Request, error: Exception) -> CoreOutput:
+    """The last output of a request that could not join the scheduler because of `error`."""
+    if isinstance(error, GrammarCompileError):
+        field = request.sampling_params.constraint.field
+        error = InvalidRequestError(field, f"does not compile: {error}")
+        return CoreOutput.refused(request.request_id, error)
+    if isinstance(error, InvalidRequestError):
+        return CoreOutput.refused(request.request_id, error)
+    logger.error("compiling the grammar of request %s failed", request.request_id, exc_info=error)
+    return CoreOutput.failed(request.request_id, f"grammar compilation failed: {error}")
