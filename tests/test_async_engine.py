@@ -522,3 +522,16 @@ def test_a_prompt_counts_what_its_template_renders_punctuation_included():
     assert prompt_chars(messages=user) < 100
     assert prompt_chars(messages=user, tools=empty) > TOKENIZE_INLINE_MAX_CHARS
     assert prompt_chars(messages=user, tools=[{"x": [""] * 150_000}]) > TOKENIZE_INLINE_MAX_CHARS
+
+
+async def test_calls_after_the_engine_died_each_get_their_own_error(llama_long_dir) -> None:
+    """Re-raising the one kept EngineDeadError chained every refused call's frames (and the request they
+    hold) onto its traceback, for as long as the engine object lived (found by a soak of the server)."""
+    engine = AsyncEngine(_config(llama_long_dir))
+    engine.error = EngineDeadError("the engine core process exited (exit code 1)")
+    raised = []
+    for request_id in ("a", "b"):
+        with pytest.raises(EngineDeadError, match=r"^the engine core process exited \(exit code 1") as info:
+            await engine.add_request(request_id, PARAMS, text="hello")
+        raised.append(info.value)
+    assert raised[0] is not raised[1] and engine.error.__traceback__ is None

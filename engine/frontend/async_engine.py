@@ -268,8 +268,8 @@ class AsyncEngine:
                 stream.put(output)  # samples never sent to the core
 
     def _check_accepting(self, request_id: str, num_samples: int) -> None:
-        if self.error is not None:
-            raise self.error
+        if self.error is not None:  # a new one: re-raising the kept one chained each call's frames onto it
+            raise EngineDeadError(str(self.error))
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         if not request_id:
