@@ -535,3 +535,29 @@ async def test_calls_after_the_engine_died_each_get_their_own_error(llama_long_d
             await engine.add_request(request_id, PARAMS, text="hello")
         raised.append(info.value)
     assert raised[0] is not raised[1] and engine.error.__traceback__ is None
+
+
+def test_an_engine_dropped_unstarted_in_a_reference_cycle_does_not_hang_the_collector(
+    llama_long_dir, tmp_path
+) -> None:
+    """The cycle's weak references (the zmq context's list of its sockets) are cleared before its
+    finalizers run: the context's __del__ terminated it with the sockets still open, and zmq waited for
+    them forever, in the middle of whatever allocation ran the collector (a test's model build)."""
+    script = (
+        "import gc, sys\n"
+        "from sluice.engine.config import EngineConfig, ModelConfig\n"
+        "from sluice.engine.frontend.async_engine import AsyncEngine\n"
+        "engine = AsyncEngine(EngineConfig(model=ModelConfig(model=sys.argv[1])))\n"
+        "engine.cycle = engine\n"
+        "del engine\n"
+        "gc.collect()\n"
+        "print('collected')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, llama_long_dir],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+    )
+    assert (done.returncode, done.stdout) == (0, "collected\n"), done.stderr

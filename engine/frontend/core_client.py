@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -72,6 +73,14 @@ class CoreClient:
         self._context.setsockopt(zmq.LINGER, 0)
         self._commands = self._context.socket(zmq.PUSH)
         self._results = self._context.socket(zmq.PULL)
+        # A client dropped without `shutdown` inside a reference cycle (an AsyncEngine never started, or
+        # one whose owner failed) hung the garbage collector: the cycle's weak references (the context's
+        # list of its sockets) are cleared before its finalizers run, so the context's __del__ terminated
+        # it with its sockets still open, which zmq waits for forever. The finalizer holds them strongly
+        # and closes them first.
+        self._sockets_closer = weakref.finalize(
+            self, _close_sockets, self._context, (self._commands, self._results)
+        )
         self._results_readable: asyncio.Event | None = None  # set when the results fd is readable
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
@@ -145,9 +154,7 @@ class CoreClient:
         self._stop_reading()
         if self._context.closed:
             return
-        self._commands.close(linger=0)
-        self._results.close(linger=0)
-        self._context.term()
+        self._sockets_closer()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
 
@@ -243,6 +250,12 @@ class CoreClient:
         logger.error("engine core failed: %s", reason)
         self.kill()
         on_dead(reason)
+
+
+def _close_sockets(context: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()
 
 
 def _exit_reason(returncode: int) -> str:
