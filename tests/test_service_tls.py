@@ -280,16 +280,21 @@ def test_health_probe_speaks_tls(tls_server: ServerThread, pki: Pki) -> None:
     )
 
 
+def _client_identity_flags(pki: Pki, directory) -> tuple[str, ...]:
+    """The client certificate and key written to `directory`, as the clients' flags name them."""
+    (directory / "client.pem").write_bytes(pki.client.cert)
+    (directory / "client.key").write_bytes(pki.client.key)
+    return (
+        "--tls-client-cert",
+        str(directory / "client.pem"),
+        "--tls-client-key",
+        str(directory / "client.key"),
+    )
+
+
 def test_health_probe_presents_a_client_certificate(mtls_server: ServerThread, pki: Pki, tmp_path) -> None:
     ca = pki.mtls.client_ca
-    (tmp_path / "client.pem").write_bytes(pki.client.cert)
-    (tmp_path / "client.key").write_bytes(pki.client.key)
-    identity = (
-        "--tls-client-cert",
-        str(tmp_path / "client.pem"),
-        "--tls-client-key",
-        str(tmp_path / "client.key"),
-    )
+    identity = _client_identity_flags(pki, tmp_path)
     assert _probe(mtls_server.target, "--tls-ca-cert", ca, *identity) == (0, "SERVING")
     assert _probe(mtls_server.target, "--tls-ca-cert", ca) == (1, "UNAVAILABLE")
     code, error = _probe(mtls_server.target, "--tls-ca-cert", ca, *identity[:2])
@@ -310,14 +315,7 @@ def test_sluice_generate_speaks_tls_and_mtls(
 ) -> None:
     """`sluice generate` had no TLS flags: against a --tls-cert server it failed UNAVAILABLE."""
     ca = pki.mtls.client_ca
-    (tmp_path / "client.pem").write_bytes(pki.client.cert)
-    (tmp_path / "client.key").write_bytes(pki.client.key)
-    identity = (
-        "--tls-client-cert",
-        str(tmp_path / "client.pem"),
-        "--tls-client-key",
-        str(tmp_path / "client.key"),
-    )
+    identity = _client_identity_flags(pki, tmp_path)
     generate = ("generate", "--raw", "--max-tokens", str(MAX_TOKENS), "--timeout", "60")
     for target, flags in ((tls_server.target, ()), (mtls_server.target, identity)):
         code, out, err = _sluice(capsys, *generate, "--target", target, "--tls-ca-cert", ca, *flags, "Hello")
