@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +126,19 @@ def stub(server):
     channel = server.channel()
     yield server.stub(channel)
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def compiler(llama_dir: str):
+    """A grammar compiler (one worker) for the tiny Llama's tokenizer, one per test module."""
+    from sluice.engine.structured.grammar_compiler import GrammarCompiler
+    from sluice.engine.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(llama_dir)
+    vocab_size = json.loads((Path(llama_dir) / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=1)
+    yield compiler
+    compiler.shutdown()
 
 
 # FP8 layers on their CUDA kernel path, on CPU (tests/test_fp8_fused_quant_model.py, test_fp8_fbgemm.py).

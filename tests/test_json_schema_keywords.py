@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -20,7 +19,6 @@ from service_harness import PATIENCE_S
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
 from sluice.engine.structured.tool_calls import Tool
-from sluice.engine.text.tokenizer import Tokenizer
 
 # (schema, an output the schema refuses, the keyword refused, its place). Each output was matched by the
 # grammar xgrammar compiled from the schema, so the constraint would have "guaranteed" an invalid output.
@@ -120,15 +118,6 @@ def validate(value: object, schema: dict) -> None:
         schema, registry=REMOTE, format_checker=jsonschema.FormatChecker()
     )
     validator.validate(value)
-
-
-@pytest.fixture(scope="module")
-def compiler(llama_dir: str):
-    tokenizer = Tokenizer.from_pretrained(llama_dir)
-    vocab_size = json.loads((Path(llama_dir) / "config.json").read_text())["vocab_size"]
-    compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=1)
-    yield compiler
-    compiler.shutdown()
 
 
 def matches(compiler: GrammarCompiler, constraint: Constraint, text: str) -> bool:

@@ -12,7 +12,6 @@ import datetime
 import ipaddress
 import json
 import re
-from pathlib import Path
 
 import pytest
 import xgrammar as xgr
@@ -24,7 +23,6 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.structured.grammar_compiler import GrammarCompiler
 from sluice.engine.structured.tool_calls import Tool, ToolUse
-from sluice.engine.text.tokenizer import Tokenizer
 
 # (an integer schema with multipleOf, a value xgrammar's own grammar of it matched, though no multiple).
 IGNORED_MULTIPLE_OF = [
@@ -62,15 +60,6 @@ PATTERNS = ["^a(cb+)?$", "^a(b+c)?$", "^(cb*)??d?$", "^a(c[b\\)]{1,3})?$", "^(?:
 WORDS = [""] + [
     w + c for w in ["", "a", "b", "c", "aa", "ab", "ac", "ba", "ca", "cb", "abb", "acb"] for c in "abcd"
 ]
-
-
-@pytest.fixture(scope="module")
-def compiler(llama_dir: str):
-    tokenizer = Tokenizer.from_pretrained(llama_dir)
-    vocab_size = json.loads((Path(llama_dir) / "config.json").read_text())["vocab_size"]
-    compiler = GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids, num_workers=1)
-    yield compiler
-    compiler.shutdown()
 
 
 def matches(compiler: GrammarCompiler, schema: dict, value: object, text: str | None = None) -> bool:

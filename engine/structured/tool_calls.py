@@ -42,6 +42,7 @@ from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, nesting_checked, unenforced_keyword
+from sluice.engine.text.chat_messages import LONE_SURROGATE
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
@@ -55,7 +56,6 @@ _CALL_MARKERS = re.compile(r"\[TOOL_CALLS\]|<\|python_tag\|>")
 _MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)\[ARGS\](.*)", re.DOTALL)  # [TOOL_CALLS]name[ARGS]{...}
 # Keywords whose values are data, not schemas.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str from JSON: a pair's halves are joined
 _CALL_ID_CHARACTERS = string.ascii_letters + string.digits
 CALL_ID_LENGTH = 9
 
@@ -283,7 +283,7 @@ def _arguments_text(arguments: Any) -> str | None:
         text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return None
-    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
 def _rebased(node: Any, base: str) -> Any:

@@ -22,7 +22,7 @@ from sluice.engine.errors import InvalidRequestError
 
 # A surrogate in a str parsed from JSON: a lone one (the escape "\\ud83d" alone; a pair's halves are
 # joined). A template prints it as a character no UTF-8 text holds, and the tokenizer fails on it.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -103,5 +103,5 @@ def _lone_surrogate(arguments: Mapping[str, Any]) -> str | None:
         text = json.dumps(arguments, ensure_ascii=False, default=str)
     except (ValueError, RecursionError):
         return None
-    found = _LONE_SURROGATE.search(text)
+    found = LONE_SURROGATE.search(text)
     return None if found is None else found[0]
