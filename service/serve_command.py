@@ -164,10 +164,7 @@ async def serve(
         return 0 if stop.is_set() else 1
     await server.attach_engine(engine)
     metrics = f" metrics_port={server.metrics_port}" if server.metrics_port is not None else ""
-    print(
-        f"sluice ready: model={engine.model_info.name} port={port}{metrics} core_pid={engine.core_pid}",
-        flush=True,
-    )
+    _announce(f"sluice ready: model={engine.model_info.name} port={port}{metrics} core_pid={engine.core_pid}")
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.engine_failed.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in waits:
@@ -185,6 +182,20 @@ async def serve(
         logger.error("drained, but the engine failed during the drain (%s)", engine.error)
         return 1
     return 0
+
+
+def _announce(line: str) -> None:
+    """The ready line on stdout. A stdout whose reader is gone (a pipe to a log shipper that died) must not
+    stop a server that is ready: the line goes to the log instead, and stdout to /dev/null, so that the
+    interpreter's last flush cannot fail either."""
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        logger.warning("stdout cannot be written (%s); %s", exc.strerror or exc, line)
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 def _on_stop_signal(sig: signal.Signals, stop: asyncio.Event, server: SluiceServer) -> None:
