@@ -294,11 +294,13 @@ class SluiceServer:
         return self.port
 
     async def attach_engine(self, engine: AsyncEngine) -> None:
-        """Starts serving requests on a started engine."""
+        """Starts serving requests on a started engine. Its death is listened for once SERVING is set,
+        with no await between: a core that died before (since the load, or while health was set) fails
+        the server at once, and NOT_SERVING is the last write either way."""
         self.engine = engine
         self.servicer.attach(engine)
-        engine.on_dead(self._on_engine_dead)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        engine.on_dead(self._on_engine_dead)
 
     def _on_engine_dead(self, reason: str) -> None:
         logger.error("engine failed, no longer serving: %s", reason)

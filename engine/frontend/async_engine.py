@@ -167,19 +167,25 @@ class AsyncEngine:
         return None if self._client.process is None else self._client.process.pid
 
     def on_dead(self, listener: Callable[[str], None]) -> None:
-        """`listener(reason)` runs once if the engine core dies."""
-        self._dead_listeners.append(listener)
+        """`listener(reason)` runs once if the engine core dies; at once if it has died already (as a
+        future's done callback), so that a listener added after the load cannot miss an early death."""
+        if self.error is not None:
+            listener(str(self.error))
+        else:
+            self._dead_listeners.append(listener)
 
     def stats(self) -> EngineStats:
         """As of the core's latest step; the samples of n-sample requests held here until their first
-        answers wait too (vLLM sends the n to its core at once)."""
+        answers wait too (vLLM sends the n to its core at once). Safe from any thread: the metrics
+        endpoint reads it from its own, while this one's loop replaces the stats and adds requests."""
+        stats = self._stats
         num_unsent, unsent_tokens = self._output_processor.unsent_samples
         if not num_unsent:
-            return self._stats
+            return stats
         return msgspec.structs.replace(
-            self._stats,
-            num_waiting=self._stats.num_waiting + num_unsent,
-            num_waiting_tokens=self._stats.num_waiting_tokens + unsent_tokens,
+            stats,
+            num_waiting=stats.num_waiting + num_unsent,
+            num_waiting_tokens=stats.num_waiting_tokens + unsent_tokens,
         )
 
     def liveness(self) -> EngineLiveness:

@@ -61,8 +61,10 @@ class ParallelSampling:
 
     @property
     def unsent(self) -> tuple[int, int]:
-        """(samples, their prompt tokens) held here, not sent to the core yet."""
-        held = [add for rest in self._waiting.values() for add in rest]
+        """(samples, their prompt tokens) held here, not sent to the core yet. Safe from any thread (the
+        metrics endpoint reads it from its own): it copies the dict at once (one C call under the GIL)
+        instead of iterating it while the frontend's thread may add or pop a request."""
+        held = [add for rest in list(self._waiting.values()) for add in rest]
         return len(held), sum(len(add.prompt_token_ids) for add in held)
 
     def on_output(self, output: CoreOutput) -> tuple[list[AddRequest], list[CoreOutput]]:
