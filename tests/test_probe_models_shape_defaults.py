@@ -1,9 +1,10 @@
-"""A config.json that leaves out `head_dim` or `num_key_value_heads` is read with the family's transformers
-default, not the Llama rule: Qwen3's head_dim is 128 and Gemma 3's 256 (not hidden_size /
-num_attention_heads), and Mistral's, Qwen2/Qwen3's and Gemma 3's K/V head counts are 8, 32 and 4 (not
-num_attention_heads). Such a checkpoint was refused at load with a weight shape its config never stated;
-now it runs as transformers runs it (logits within 1e-4, greedy tokens equal: test_model_parity's runner
-and reference). A key that is present but null still means the Llama rule, as transformers reads it."""
+"""A config.json that leaves out `head_dim`, `num_key_value_heads` or `max_position_embeddings` is read
+with the family's transformers default, not the Llama rule (nor 4096): Qwen3's head_dim is 128 and Gemma
+3's 256 (not hidden_size / num_attention_heads), and Mistral's, Qwen2/Qwen3's and Gemma 3's K/V head
+counts are 8, 32 and 4 (not num_attention_heads). Such a checkpoint was refused at load with a weight
+shape its config never stated; now it runs as transformers runs it (logits within 1e-4, greedy tokens
+equal: test_model_parity's runner and reference). A key that is present but null still means the Llama
+rule, as transformers reads it."""
 
 from __future__ import annotations
 
@@ -90,22 +91,25 @@ def test_a_config_without_the_key_runs_like_transformers(family: str, tmp_path) 
 
 
 @pytest.mark.parametrize(
-    ("architecture", "head_dim", "num_key_value_heads"),
+    ("architecture", "head_dim", "num_key_value_heads", "max_position_embeddings"),
     [
-        ("LlamaForCausalLM", 16, 64),
-        ("MistralForCausalLM", 16, 8),
-        ("Qwen2ForCausalLM", 16, 32),
-        ("Qwen3ForCausalLM", 128, 32),
-        ("Gemma3ForCausalLM", 256, 4),
+        ("LlamaForCausalLM", 16, 64, 2048),
+        ("MistralForCausalLM", 16, 8, 131072),
+        ("Qwen2ForCausalLM", 16, 32, 32768),
+        ("Qwen3ForCausalLM", 128, 32, 32768),
+        ("Gemma3ForCausalLM", 256, 4, 131072),
     ],
 )
 def test_absent_keys_take_the_family_default_and_null_the_llama_rule(
-    architecture: str, head_dim: int, num_key_value_heads: int
+    architecture: str, head_dim: int, num_key_value_heads: int, max_position_embeddings: int
 ) -> None:
-    """64 heads over hidden 1024: the Llama rule gives head_dim 16 and 64 K/V heads."""
+    """64 heads over hidden 1024: the Llama rule gives head_dim 16 and 64 K/V heads. The context length
+    too (Sluice took 4096 for every family): it bounds max_model_len."""
     shape = {"architectures": [architecture], "hidden_size": 1024, "num_attention_heads": 64}
-    absent = {**{k: v for k, v in PRESETS["tiny"].items() if k != "num_key_value_heads"}, **shape}
+    left_out = ("num_key_value_heads", "max_position_embeddings")
+    absent = {**{k: v for k, v in PRESETS["tiny"].items() if k not in left_out}, **shape}
     arch = ModelArchConfig.from_hf_config(absent)
     assert (arch.head_dim, arch.num_key_value_heads) == (head_dim, num_key_value_heads)
+    assert arch.max_position_embeddings == max_position_embeddings
     null = ModelArchConfig.from_hf_config({**absent, "head_dim": None, "num_key_value_heads": None})
     assert (null.head_dim, null.num_key_value_heads) == (16, 64)

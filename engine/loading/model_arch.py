@@ -27,11 +27,12 @@ DEFAULT_SLIDING_WINDOW = 4096
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 # Where a config.json leaves the key out (not where it is null: then hidden_size // num_attention_heads and
 # num_attention_heads, Llama's rule), each family's config class default.
-SHAPE_DEFAULTS: dict[str, dict[str, int]] = {
-    "MistralForCausalLM": {"num_key_value_heads": 8},
-    "Qwen2ForCausalLM": {"num_key_value_heads": 32},
-    "Qwen3ForCausalLM": {"num_key_value_heads": 32, "head_dim": 128},
-    "Gemma3ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256},
+FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "Gemma3ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072},
 }
 
 
@@ -116,7 +117,7 @@ class ModelArchConfig:
         where transformers has no default, of the wrong type or out of range."""
         architecture = _architecture(config)
         _check_architecture(architecture)  # before the shape fields, which another family may lack
-        config = {**SHAPE_DEFAULTS.get(architecture, {}), **config}
+        config = {**FAMILY_DEFAULTS.get(architecture, {}), **config}
         if config.get("use_bidirectional_attention"):
             raise ValueError(
                 "use_bidirectional_attention: bidirectional attention (an embedding model's) is not "
