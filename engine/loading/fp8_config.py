@@ -113,7 +113,8 @@ class Fp8Scheme:
 @dataclass(frozen=True)
 class Fp8Group:
     """Linears matching any of `targets` ("Linear": every one; "re:<regex>": re.match on the checkpoint
-    module name; else that exact name) run `scheme`."""
+    module name; else that exact name) run `scheme`, unless another group's target names them more closely
+    (`_precedence`)."""
 
     name: str
     targets: tuple[str, ...]
@@ -146,12 +147,23 @@ class Fp8Config:
         return schemes[names[0]]
 
     def _scheme_of(self, name: str) -> Fp8Scheme | None:
+        """The scheme of checkpoint module `name`: none where `ignore` matches it, else that of the group
+        whose target names it most closely (`_precedence`), as compressed-tensors and vLLM choose."""
         if any(_matches(target, name) for target in self.ignore):
             return None
-        matched = {group.scheme for group in self.groups if any(_matches(t, name) for t in group.targets)}
-        if len(matched) > 1:
+        matched = [
+            (_precedence(target), group.scheme)
+            for group in self.groups
+            for target in group.targets
+            if _matches(target, name)
+        ]
+        if not matched:
+            return None
+        closest = min(rank for rank, _ in matched)
+        schemes = {scheme for rank, scheme in matched if rank == closest}
+        if len(schemes) > 1:
             raise ValueError(f"quantization_config.config_groups: {name} matches groups of different schemes")
-        return matched.pop() if matched else None
+        return schemes.pop()
 
 
 # `--quantization fp8` on a float checkpoint: every linear but lm_head (its error reaches the logits
@@ -197,8 +209,8 @@ def resolve_fp8_config(
                 f"quantization: {quantization} does not go with the checkpoint's FP8 quantization_config "
                 "(leave it unset, or fp8)"
             )
-        if random_weights:
-            config = at_load if config.groups else None
+        if random_weights:  # float weights: FP8 where the checkpoint's are, or where asked
+            config = at_load if config.groups or quantization == "fp8" else None
         elif weight_block is not None and config.groups:
             raise ValueError(
                 "fp8_weight_block: the checkpoint's weights are FP8 already (quantization_config); "
@@ -260,6 +272,7 @@ def parse_compressed_tensors(raw: Mapping[str, Any]) -> Fp8Config:
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
         raise ValueError(f"{where}.ignore: must be a list of module names")
+    _check_regexes(ignore, f"{where}.ignore")
     kv_scheme = raw.get("kv_cache_scheme")
     if kv_scheme is not None:
         args = _parse_args(kv_scheme, f"{where}.kv_cache_scheme")
@@ -284,6 +297,7 @@ def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8G
     targets = group.get("targets")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"{where}.targets: must be a non-empty list of names")
+    _check_regexes(targets, f"{where}.targets")
     if group.get("output_activations") is not None:
         raise ValueError(f"{where}.output_activations: output quantization is not supported")
     weights = group.get("weights")
@@ -372,6 +386,17 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
     }
 
 
+def _check_regexes(names: list[str], where: str) -> None:
+    """Every "re:" entry of `names` (at `where`) is a regular expression; ValueError naming it otherwise
+    (else re.error, naming neither, when the first module is matched)."""
+    for name in names:
+        if name.startswith("re:"):
+            try:
+                re.compile(name.removeprefix("re:"))
+            except re.error as error:
+                raise ValueError(f"{where}: {name!r} is not a regular expression ({error})") from None
+
+
 def refuse_unknown(raw: Mapping[str, Any], known: set[str], where: str) -> None:
     """Raise ValueError naming the first field of `raw` (at `where`) that is not in `known`."""
     unknown = sorted(set(raw) - known)
@@ -411,6 +436,15 @@ def _is_block(block: object) -> bool:
         and len(block) == 2
         and all(isinstance(n, int) and n >= 16 and n & (n - 1) == 0 for n in block)
     )
+
+
+def _precedence(target: str) -> int:
+    """How closely a target that matches a module names it, closest first: the module's name (0), a "re:"
+    regex (1), the class "Linear" (2). A module that two groups' targets match takes the closer one's scheme
+    (a "re:.*down_proj$" group over a "Linear" one), as compressed-tensors' `match_targets` orders them."""
+    if target == "Linear":
+        return 2
+    return 1 if target.startswith("re:") else 0
 
 
 def _matches(target: str, name: str) -> bool:
