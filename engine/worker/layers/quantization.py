@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 CPU_QUANTIZATIONS = ("int4", "int8")
 INT4_GROUP_SIZE = 32
 INT4_OUTPUT_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` packs output rows in 16s
+# `_weight_int8pack_mm` on CPU steps along the input 16 columns at a time with AVX-512 (8 with AVX2), with
+# aligned loads and no remainder loop, and checks nothing: another input_size read past each row (garbage
+# outputs, or SIGSEGV). 16 serves every host.
+INT8_INPUT_MULTIPLE = 16
 # Rows at or below which a quantized matmul beats the packed float32 kernel, measured on SmolLM2-135M's
 # shapes on 2 cores (docs/BENCHMARKS.md, "Figures behind the code"). torch's int4 kernel gains more from
 # AVX-512 than the packed kernel does, so its limit depends on the CPU.
@@ -82,7 +86,7 @@ class Int4Weight:
 
 
 class Int8Weight:
-    """Per-output-row symmetric int8."""
+    """Per-output-row symmetric int8. input_size must be a multiple of 16."""
 
     max_rows = MAX_QUANTIZED_ROWS["int8"]  # larger steps use the float32 weight
 
@@ -116,6 +120,8 @@ def unsupported_reason(method: str, input_size: int, output_size: int, device: t
         return f"needs input_size divisible by {INT4_GROUP_SIZE}, got {input_size}"
     if method == "int4" and output_size % INT4_OUTPUT_MULTIPLE:
         return f"needs output_size divisible by {INT4_OUTPUT_MULTIPLE}, got {output_size}"
+    if method == "int8" and input_size % INT8_INPUT_MULTIPLE:
+        return f"needs input_size divisible by {INT8_INPUT_MULTIPLE}, got {input_size}"
     return None
 
 
