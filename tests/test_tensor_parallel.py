@@ -394,3 +394,24 @@ def test_int4_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_ran
     ):
         LLM(str(tmp_path), quantization="int4", tensor_parallel_size=2, num_blocks=8)
     spawn.assert_not_called()
+
+
+def test_int8_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_rank_starts(tmp_path):
+    """48 MLP columns are three of int8's 16-column input steps; two ranks' 24 are not (torch's kernel
+    reads past each row there): refused naming the flag, not a rank's size."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert LLM(str(tmp_path), quantization="int8", load_format="dummy", num_blocks=8)  # one rank: fine
+    with (
+        mock.patch("sluice.engine.executor.worker_processes.WorkerProcesses") as spawn,
+        pytest.raises(
+            ValueError, match=r"^tensor_parallel_size: 2 ranks leave each a part of mlp.down_proj that int8"
+        ),
+    ):
+        LLM(str(tmp_path), quantization="int8", tensor_parallel_size=2, num_blocks=8)
+    spawn.assert_not_called()

@@ -39,8 +39,8 @@ def place_ranks(config: EngineConfig, arch: ModelArchConfig) -> Placement:
     fit `config.parallel.tensor_parallel_size`."""
     size = config.parallel.tensor_parallel_size
     check_model_splits(arch, size, config.model.fp8_weight_block)
-    if config.model.quantization == "int4":
-        check_int4_splits(arch, size)
+    if config.model.quantization in ("int4", "int8"):
+        check_quantized_splits(arch, size, config.model.quantization)
     device = pick_device(config.model.device)
     if device.type == "cuda":
         if device.index is not None:
@@ -98,10 +98,11 @@ def check_model_splits(arch: ModelArchConfig, size: int, weight_block: int | Non
                     )
 
 
-def check_int4_splits(arch: ModelArchConfig, size: int) -> None:
-    """ValueError naming `tensor_parallel_size` when a rank's part of a projection is a shape int4 cannot
-    quantize (its 32-column groups cut, its 16-row packs) though the whole projection is one it can (the
-    quantizer's own error, at load on every rank, named a size no config holds)."""
+def check_quantized_splits(arch: ModelArchConfig, size: int, method: str) -> None:
+    """ValueError naming `tensor_parallel_size` when a rank's part of a projection is a shape `method` (int4:
+    its 32-column groups, its 16-row packs; int8: 16-column input steps) cannot quantize though the whole
+    projection is one it can (the quantizer's own error, at load on every rank, named a size no config
+    holds)."""
     heads = partition_heads(arch.num_attention_heads, arch.num_key_value_heads, 0, size)
     mlp_columns, hidden, head_dim = arch.intermediate_size // size, arch.hidden_size, arch.head_dim
     num_qkv_heads = arch.num_attention_heads + 2 * arch.num_key_value_heads
@@ -120,10 +121,10 @@ def check_int4_splits(arch: ModelArchConfig, size: int) -> None:
     }
     cpu = torch.device("cpu")
     for projection, ((rows, columns), (rank_rows, rank_columns)) in parts.items():
-        if unsupported_reason("int4", columns, rows, cpu) is not None:
+        if unsupported_reason(method, columns, rows, cpu) is not None:
             continue  # not a split's doing: the quantizer says why at load
-        if (reason := unsupported_reason("int4", rank_columns, rank_rows, cpu)) is not None:
+        if (reason := unsupported_reason(method, rank_columns, rank_rows, cpu)) is not None:
             raise ValueError(
-                f"tensor_parallel_size: {size} ranks leave each a part of {projection} that int4 cannot "
+                f"tensor_parallel_size: {size} ranks leave each a part of {projection} that {method} cannot "
                 f"quantize ({rank_rows} rows x {rank_columns} input columns: {reason})"
             )
