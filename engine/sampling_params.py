@@ -49,13 +49,15 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k=0` and `top_p=1` and `min_p=0` disable those filters.
     `logprobs=None` returns none; `logprobs=N` returns the sampled token's logprob and the top N.
-    `logit_bias` adds a bias to token ids' logits (a mapping or (token_id, bias) pairs; kept sorted);
+    `logit_bias` adds a bias to token ids' logits (a mapping or (token_id, bias) pairs, the last of an id's
+    counting, as in a dict; kept sorted);
     `allowed_token_ids=None` allows every token, else only those. `constraint` forces the output to
     match a JSON schema, regex, grammar or choice (logprobs stay those of the raw model logits).
     `n` samples of the prompt share its full KV blocks (sample 0 computes the prompt, the others recompute
     its last partial block); with a `seed`, sample i
-    draws from seed + i. `prompt_logprobs=N` returns, once, the logprob of every prompt token after the
-    first and the top N at each position (such a request takes no prefix-cache hit).
+    draws from seed + i (`seed=-1` is no seed, as in vLLM). `prompt_logprobs=N` returns, once, the logprob
+    of every prompt token after the first and the top N at each position (such a request takes no
+    prefix-cache hit).
     `truncate_prompt_tokens=k` keeps the prompt's last k tokens, as vLLM's (-1: as many as the context
     holds beside max_tokens).
     """
@@ -181,6 +183,8 @@ def _normalize(params: SamplingParams) -> None:
     for name in _OPTIONAL_INT_FIELDS:
         if getattr(params, name) is not None:
             fields[name] = _int(name, getattr(params, name))
+    if fields.get("seed") == -1:  # vLLM's "no seed": an unseeded request, not torch's seed -1
+        fields["seed"] = None
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name}: must be True or False, got {getattr(params, name)!r}")
@@ -190,12 +194,10 @@ def _normalize(params: SamplingParams) -> None:
     fields["stop"] = stop
     fields["stop_token_ids"] = _ints("stop_token_ids", params.stop_token_ids or ())
     bias = params.logit_bias.items() if isinstance(params.logit_bias, Mapping) else params.logit_bias or ()
-    fields["logit_bias"] = tuple(
-        sorted(
-            (_int("logit_bias", t), _float("logit_bias", b))
-            for t, b in map(_pair, _items("logit_bias", bias))
-        )
+    pairs = (
+        (_int("logit_bias", t), _float("logit_bias", b)) for t, b in map(_pair, _items("logit_bias", bias))
     )
+    fields["logit_bias"] = tuple(sorted(dict(pairs).items()))  # an id listed twice: its last bias, as dict()
     if params.constraint is not None and not isinstance(params.constraint, Constraint):
         raise ValueError(
             f"constraint: must be a Constraint (json_schema, regex, choice, ...), got {params.constraint!r}"

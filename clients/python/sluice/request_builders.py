@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 from sluice.chat_messages import Tools, chat_messages, check_chat_fields
@@ -123,6 +123,8 @@ def generate_request(
         if value is not None:
             with _naming(name, value):
                 setattr(sampling, name, value)
+    if isinstance(allowed_token_ids, Sized) and not len(allowed_token_ids):  # the proto's "unset"
+        raise ValueError("allowed_token_ids: must not be empty (leave it unset to allow every token)")
     repeated = {
         "stop": (stop,) if isinstance(stop, str) else stop or (),
         "stop_token_ids": stop_token_ids or (),
