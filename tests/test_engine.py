@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from checkpoints import EOS_ID
+from checkpoints import EOS_ID, VOCAB_SIZE
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
@@ -99,7 +99,9 @@ def test_eos_stops_unless_ignored(llama_dir):
     prompt = _prompts(1, seed=5)[0]
     banned_eos = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[]))[0]
     assert banned_eos.token_ids  # generation happened
-    stop_ids = [*range(10**6, 10**6 + 1023), banned_eos.token_ids[0]]  # MAX_STOP_TOKEN_IDS, the last one hit
+    first = banned_eos.token_ids[0]
+    others = [t for t in range(VOCAB_SIZE) if t != first] * 3
+    stop_ids = [*others[:1023], first]  # MAX_STOP_TOKEN_IDS, the last one hit
     params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=stop_ids)
     eos_first = llm.generate(prompt, params)[0]
     assert eos_first.token_ids == banned_eos.token_ids[:1]

@@ -103,6 +103,13 @@ def check_prompt(
         raise InvalidRequestError(
             "allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if (
+        bad is not None
+    ):  # it could never be sampled: the request would run to max_tokens (vLLM refuses it too)
+        raise InvalidRequestError(
+            "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
     _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
     total = len(prompt_token_ids) + params.max_tokens
     if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
