@@ -65,6 +65,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from sluice.bench.metrics import percentile
 from sluice.benchmarks.engine.phase_clock import ForwardReplay, PhaseClock
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.core import engine_core as engine_core_module
@@ -226,8 +227,8 @@ def max_output_len(batch: int, num_steps: int, prompt_len: int, per_step: int = 
 
 
 def quantile(values: list[int], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The q-quantile, interpolated as `sluice bench` reports its percentiles (numpy's default)."""
+    return percentile(values, 100 * q)
 
 
 def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +34,7 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.bench.metrics import percentile
 from sluice.benchmarks.serving.server_process import ServerProcess
 
 # cache_aware_events: SMG's cache_aware fed by the workers' KV events (`sluice serve --kv-events`) instead
@@ -66,6 +67,24 @@ class PolicyResult:
     @property
     def cached_share(self) -> float:
         return 1 - self.prompt_tokens_computed / max(self.prompt_tokens, 1)
+
+    @classmethod
+    def of(
+        cls, policy: str, turns: list[Turn], seconds: float, requests_per_worker: tuple[int, ...]
+    ) -> PolicyResult:
+        """The policy's figures from its turns. A turn that streamed no content has no TTFT (NaN): left
+        out of the percentiles, which interpolate as `sluice bench` reports its own (numpy's default)."""
+        ttfts = [t.ttft_s for t in turns if not math.isnan(t.ttft_s)]
+        return cls(
+            policy=policy,
+            num_requests=len(turns),
+            prompt_tokens=sum(t.prompt_tokens for t in turns),
+            prompt_tokens_computed=sum(t.prompt_tokens - t.cached_tokens for t in turns),
+            ttft_p50_ms=1000 * percentile(ttfts, 50) if ttfts else math.nan,
+            ttft_p90_ms=1000 * percentile(ttfts, 90) if ttfts else math.nan,
+            seconds=seconds,
+            requests_per_worker=requests_per_worker,
+        )
 
 
 class Gateway:
@@ -175,17 +194,7 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path) -> PolicyResul
         for worker in workers:
             worker.stop()
     turns = [turn for conversation in conversations for turn in conversation]
-    ttfts = sorted(t.ttft_s for t in turns)
-    return PolicyResult(
-        policy=policy,
-        num_requests=len(turns),
-        prompt_tokens=sum(t.prompt_tokens for t in turns),
-        prompt_tokens_computed=sum(t.prompt_tokens - t.cached_tokens for t in turns),
-        ttft_p50_ms=1000 * statistics.median(ttfts),
-        ttft_p90_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
-        seconds=seconds,
-        requests_per_worker=requests_per_worker,
-    )
+    return PolicyResult.of(policy, turns, seconds, requests_per_worker)
 
 
 def _wait_for_tokenizer(client: openai.OpenAI, model: str, timeout: float = 300.0) -> None:

@@ -1,15 +1,16 @@
 """Serving metrics from per-request timelines, defined as serving engines are measured.
 
 For one request sent at `start`, with token-carrying chunks received at t_1 < t_2 < ... < t_k and its
-stream closed at `end`, having produced n_out tokens:
+last chunk (the one that finishes it) at `end`, having produced n_out tokens:
 
     TTFT  = t_1 - start                       time to first token
     E2E   = end - start                       end-to-end latency
     TPOT  = (E2E - TTFT) / (n_out - 1)        time per output token after the first (n_out > 1 only)
     ITL   = t_{j+1} - t_j for every j         inter-token latency: every gap between chunks, pooled
 
-Throughputs divide by the run's wall time. Goodput counts the successful requests whose TTFT and TPOT
-both meet the SLOs given (an SLO left None always holds; a one-token request has no TPOT to miss).
+Throughputs divide by the run's wall time (until its last request ended, failed or not). Goodput counts
+the successful requests whose TTFT and TPOT both meet the SLOs given (an SLO left None always holds; a
+one-token request has no TPOT to miss).
 
 Prompt tokens split, as the server counts them, into those served from its prefix cache and those it
 computed. A request served more from the cache than its workload shares by design (`unexpected_cache_hits`)

@@ -113,8 +113,9 @@ class _LoadRun:
             self.launch(index, request)
         if self.tasks:
             await asyncio.wait(set(self.tasks))
-        ends = [r.end for r in self.records if r.end is not None]
-        duration = max(ends) if ends else self.elapsed()
+        # The run's wall time: from its start (the first send) until every request has ended, the failed
+        # ones too (vLLM's benchmark duration); the last success alone would leave out a late failure.
+        duration = self.elapsed()
         return RunResult(summarize(self.records, max(duration, 1e-9), slo), self.records)
 
     def launch(self, index: int, request: BenchRequest) -> None:
@@ -137,17 +138,20 @@ async def _send(
     transport: Transport, request_id: str, record: RequestRecord, request: BenchRequest, start: float = 0.0
 ) -> None:
     """Streams one request, stamping each token-carrying chunk and the end on `record` (clock: start),
-    and the prefix-cache counts the last chunk reports."""
+    and the prefix-cache counts the last chunk reports. The end is the arrival of the last chunk, as
+    vLLM's benchmark times it: not the call's close, which waits for the server's trailers."""
     try:
+        last = None
         async for chunk in transport.generate(request_id, request):
+            last = time.perf_counter() - start
             if chunk.num_tokens:
-                record.chunk_times.append(time.perf_counter() - start)
+                record.chunk_times.append(last)
                 record.num_output_tokens += chunk.num_tokens
             if chunk.cached_tokens is not None:
                 record.cached_tokens = chunk.cached_tokens
             if chunk.prompt_tokens_computed is not None:
                 record.prompt_tokens_computed = chunk.prompt_tokens_computed
-        record.end = time.perf_counter() - start
+        record.end = time.perf_counter() - start if last is None else last
     except BenchError as error:
         record.error = error.code
     except Exception as error:  # a benchmark reports failures; it does not stop at the first
