@@ -1,7 +1,7 @@
 """`sluice bench`'s timings against vLLM's benchmark_serving definitions: a request's end-to-end latency
 ends at its last chunk (not at the call's close), and a run's wall time ends when its last request ends,
 failed ones included (vLLM's `benchmark_duration`). Metrics cross-checked on random timelines against a
-transcription of vLLM's `calculate_metrics`."""
+computation written out from vLLM's `calculate_metrics` definitions."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_against_a_server_e2e_is_the_last_chunks_arrival(server: ServerThread, t
 
 
 def _vllm_metrics(records: list[RequestRecord], dur_s: float, slo_ttft: float, slo_tpot: float) -> dict:
-    """vLLM benchmarks/benchmark_serving.py `calculate_metrics`, transcribed (seconds, not ms)."""
+    """The figures as vLLM's benchmark_serving `calculate_metrics` defines them, written out (seconds)."""
     actual_output_lens, total_input, completed, good = [], 0, 0, 0
     itls, tpots, all_tpots, ttfts, e2els = [], [], [], [], []
     for r in records:

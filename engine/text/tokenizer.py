@@ -28,6 +28,7 @@ from tokenizers import processors
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.text.byte_level import ByteLevelVocab
+from sluice.engine.text.chat_messages import LONE_SURROGATE
 from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -167,11 +168,23 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, field: str = "text") -> list[int]:
         """Through `encode_batch`, which releases the GIL while it runs (`encode` holds it: a 4 MB prompt
         tokenized by SmolLM2's tokenizer in a worker thread stalled the frontend's event loop for 2.2-2.5 s;
-        now for 62-77 ms, the ids' conversion to a list) and is no slower."""
-        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        now for 62-77 ms, the ids' conversion to a list) and is no slower.
+
+        Raises InvalidRequestError naming `field` for text holding a lone surrogate, which no UTF-8 text
+        holds (`tokenizers` refuses it with a TypeError that names no cause)."""
+        try:
+            (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        except TypeError:
+            if (lone := LONE_SURROGATE.search(text)) is None:
+                raise
+            raise InvalidRequestError(
+                field,
+                f"holds a lone surrogate (\\u{ord(lone[0]):04x}) at character {lone.start()}, which UTF-8 "
+                "text cannot hold",
+            ) from None
         return encoding.ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -224,7 +237,8 @@ class Tokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Render (as `apply_chat_template`), then encode without adding special tokens (the template has
-        them), as transformers."""
+        them), as transformers. A lone surrogate in the render is refused naming "tools" where the tools
+        hold one (a JSON schema's "\\ud83d" escape), else "messages"."""
         text = self.apply_chat_template(
             messages,
             add_generation_prompt,
@@ -232,7 +246,8 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False)
+        in_tools = tools is not None and LONE_SURROGATE.search(json.dumps(tools, ensure_ascii=False, default=str))
+        return self.encode(text, add_special_tokens=False, field="tools" if in_tools else "messages")
 
 
 def _ensure_bos_prepended(backend: tokenizers.Tokenizer, bos_token: str, bos_token_id: int) -> None:
