@@ -20,6 +20,7 @@ SentencePiece vocabulary and for the Llama 3 pre-tokenizer, EOS where `add_eos_t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -28,6 +29,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.sentencepiece_gguf import GEMMA_ARCHITECTURES, sentencepiece_bpe
 from sluice.engine.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
@@ -117,59 +120,60 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
     tokens: list[str] | None = file.metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError("tokenizer.ggml.tokens: missing from the GGUF metadata")
-    backend = _sentencepiece(file, tokens) if model == "llama" else _byte_level(file, tokens)
-    bos_id = file.metadata.get("tokenizer.ggml.bos_token_id")
-    eos_ids = _eos_token_ids(file.metadata, tokens)
-    bos_by_default = model == "llama" or file.metadata.get("tokenizer.ggml.pre") in _LLAMA3_PRE
-    add_bos = bool(file.metadata.get("tokenizer.ggml.add_bos_token", bos_by_default))
-    add_eos = bool(file.metadata.get("tokenizer.ggml.add_eos_token", False))
-    eos_id = file.metadata.get("tokenizer.ggml.eos_token_id")
+    metadata = _with_special_ids_in_vocabulary(file.metadata, len(tokens))
+    backend = _sentencepiece(metadata, tokens) if model == "llama" else _byte_level(metadata, tokens)
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_ids = _eos_token_ids(metadata, tokens)
+    bos_by_default = model == "llama" or metadata.get("tokenizer.ggml.pre") in _LLAMA3_PRE
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", bos_by_default))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
     processor = _bos_eos_processor(tokens, bos_id if add_bos else None, eos_id if add_eos else None)
     if processor is not None:
         backend.post_processor = processor
     return Tokenizer(
         backend,
-        chat_template=file.metadata.get("tokenizer.chat_template"),
+        chat_template=metadata.get("tokenizer.chat_template"),
         bos_token=None if bos_id is None else tokens[bos_id],
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
         eos_token_ids=eos_ids,
         add_bos_token=add_bos,
-        name=file.metadata.get("general.name", "gguf"),
-        named_chat_templates=_named_chat_templates(file.metadata),
+        name=metadata.get("general.name", "gguf"),
+        named_chat_templates=_named_chat_templates(metadata),
     )
 
 
-def _byte_level(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
-    pre = file.metadata.get("tokenizer.ggml.pre", "default")
+def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
+    pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
             f"tokenizer.ggml.pre: {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
         )
-    token_types: list[int] = file.metadata.get("tokenizer.ggml.token_type", [])
-    merges = file.metadata.get("tokenizer.ggml.merges", [])
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type", [])
+    merges = metadata.get("tokenizer.ggml.merges", [])
     backend = byte_level_bpe(tokens, merges, token_types, ignore_merges=pre in _LLAMA3_PRE)
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     return backend
 
 
-def _sentencepiece(file: GGUFFile, tokens: list[str]) -> BackendTokenizer:
-    scores = file.metadata.get("tokenizer.ggml.scores")
-    merges = file.metadata.get("tokenizer.ggml.merges")
+def _sentencepiece(metadata: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
+    scores = metadata.get("tokenizer.ggml.scores")
+    merges = metadata.get("tokenizer.ggml.merges")
     if scores is None and merges is None:
         raise ValueError("tokenizer.ggml.scores: missing from the GGUF metadata (needed without merges)")
-    gemma = file.metadata.get("general.architecture") in GEMMA_ARCHITECTURES
-    unk_id = file.metadata.get("tokenizer.ggml.unknown_token_id")
+    gemma = metadata.get("general.architecture") in GEMMA_ARCHITECTURES
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     return sentencepiece_bpe(
         tokens,
         scores or [0.0] * len(tokens),
-        file.metadata.get("tokenizer.ggml.token_type", []),
+        metadata.get("tokenizer.ggml.token_type", []),
         merges,
         gemma=gemma,
         unk_token=tokens[unk_id] if gemma and unk_id is not None else None,
         # llama.cpp's default is true; Gemma's files all say false (its SentencePiece model has no dummy
         # prefix), and transformers never prefixes Gemma.
-        add_space_prefix=bool(file.metadata.get("tokenizer.ggml.add_space_prefix", not gemma)),
-        special_ids=tuple(i for i in map(file.metadata.get, _SPECIAL_ID_KEYS) if i is not None),
+        add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma)),
+        special_ids=tuple(i for i in map(metadata.get, _SPECIAL_ID_KEYS) if i is not None),
     )
 
 
@@ -217,6 +221,20 @@ def _bos_eos_processor(
     return processors.TemplateProcessing(
         single=part("A", 0), pair=f"{part('A', 0)} {part('B', 1)}", special_tokens=special
     )
+
+
+def _with_special_ids_in_vocabulary(metadata: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+    """`metadata` less the special token ids (`tokenizer.ggml.*_token_id`) past the vocabulary, which
+    llama.cpp ignores with a warning ("bad special token"): files carry 4294967295 (-1 written unsigned)
+    for a padding or separator token they do not have."""
+    bad = {
+        key: value
+        for key, value in metadata.items()
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= value < num_tokens
+    }
+    for key, value in bad.items():
+        logger.warning("GGUF %s = %d is no token of the %d-token vocabulary; ignored", key, value, num_tokens)
+    return {key: value for key, value in metadata.items() if key not in bad}
 
 
 def _eos_token_ids(metadata: dict[str, Any], tokens: list[str]) -> tuple[int, ...]:

@@ -178,13 +178,9 @@ class Tokenizer:
         try:
             (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         except TypeError:
-            if (lone := LONE_SURROGATE.search(text)) is None:
+            if (error := _lone_surrogate_error(field, text)) is None:
                 raise
-            raise InvalidRequestError(
-                field,
-                f"holds a lone surrogate (\\u{ord(lone[0]):04x}) at character {lone.start()}, which UTF-8 "
-                "text cannot hold",
-            ) from None
+            raise error from None
         return encoding.ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -246,8 +242,20 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
-        in_tools = tools is not None and LONE_SURROGATE.search(json.dumps(tools, ensure_ascii=False, default=str))
-        return self.encode(text, add_special_tokens=False, field="tools" if in_tools else "messages")
+        try:
+            return self.encode(text, add_special_tokens=False, field="messages")
+        except InvalidRequestError as error:  # a lone surrogate: the tools' where they hold one
+            tools_text = "" if tools is None else json.dumps(tools, ensure_ascii=False, default=str)
+            raise _lone_surrogate_error("tools", tools_text) or error from None
+
+
+def _lone_surrogate_error(field: str, text: str) -> InvalidRequestError | None:
+    """The error naming `field` for the first lone surrogate in `text`; None if it holds none."""
+    if (lone := LONE_SURROGATE.search(text)) is None:
+        return None
+    return InvalidRequestError(
+        field, f"holds a lone surrogate (\\u{ord(lone[0]):04x}), which a prompt's UTF-8 text cannot hold"
+    )
 
 
 def _ensure_bos_prepended(backend: tokenizers.Tokenizer, bos_token: str, bos_token_id: int) -> None:
