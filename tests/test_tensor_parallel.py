@@ -377,41 +377,25 @@ def test_shutdown_leaves_alone_the_threads_another_engine_set_since(llama_dir):
         torch.set_num_threads(before)
 
 
-def test_int4_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_rank_starts(tmp_path):
-    """96 MLP columns are three int4 groups of 32; two ranks' 48 are not whole groups. The quantizer
-    refused it at load on every rank, naming a size ("got 48") no config holds."""
+@pytest.mark.parametrize(("method", "intermediate_size"), [("int4", 96), ("int8", 48)])
+def test_quantized_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_rank_starts(
+    tmp_path, method: str, intermediate_size: int
+) -> None:
+    """int4: 96 MLP columns are three groups of 32; two ranks' 48 are not whole groups. int8: 48 columns
+    are three of its 16-column input steps; two ranks' 24 are not (torch's kernel reads past each row
+    there). The quantizer refused it at load on every rank, naming a size ("got 48") no config holds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, intermediate_size=intermediate_size, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=2, vocab_size=512, max_position_embeddings=256,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    assert LLM(str(tmp_path), quantization="int4", load_format="dummy", num_blocks=8)  # one rank: fine
+    assert LLM(str(tmp_path), quantization=method, load_format="dummy", num_blocks=8)  # one rank: fine
+    message = rf"^tensor_parallel_size: 2 ranks leave each a part of mlp.down_proj that {method} cannot"
     with (
         mock.patch("sluice.engine.executor.worker_processes.WorkerProcesses") as spawn,
-        pytest.raises(ValueError, match=r"^tensor_parallel_size: 2 ranks leave each a part of mlp.down_"),
+        pytest.raises(ValueError, match=message),
     ):
-        LLM(str(tmp_path), quantization="int4", tensor_parallel_size=2, num_blocks=8)
-    spawn.assert_not_called()
-
-
-def test_int8_parts_a_split_would_cut_are_refused_naming_the_flag_before_any_rank_starts(tmp_path):
-    """48 MLP columns are three of int8's 16-column input steps; two ranks' 24 are not (torch's kernel
-    reads past each row there): refused naming the flag, not a rank's size."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=512, max_position_embeddings=256,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    assert LLM(str(tmp_path), quantization="int8", load_format="dummy", num_blocks=8)  # one rank: fine
-    with (
-        mock.patch("sluice.engine.executor.worker_processes.WorkerProcesses") as spawn,
-        pytest.raises(
-            ValueError, match=r"^tensor_parallel_size: 2 ranks leave each a part of mlp.down_proj that int8"
-        ),
-    ):
-        LLM(str(tmp_path), quantization="int8", tensor_parallel_size=2, num_blocks=8)
+        LLM(str(tmp_path), quantization=method, tensor_parallel_size=2, num_blocks=8)
     spawn.assert_not_called()
