@@ -219,7 +219,7 @@ class KVEventLog:
     def publish(self, events: list[KVEvent]) -> None:
         """One step's events, as the next batch."""
         self._last_sequence_number += 1
-        self._cached.apply(events)
+        events = self._cached.apply(events)  # with the blocks a store makes reachable again
         batch = KVEventBatch(self._last_sequence_number, time.time(), events)
         self._remember(batch)
         for subscriber in list(self._subscribers):
