@@ -103,10 +103,10 @@ def check_prompt(
         raise InvalidRequestError(
             "allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
+    # A stop token id past the vocabulary is never sampled: the request would run to max_tokens (vLLM
+    # refuses it too).
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if (
-        bad is not None
-    ):  # it could never be sampled: the request would run to max_tokens (vLLM refuses it too)
+    if bad is not None:
         raise InvalidRequestError(
             "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
