@@ -148,7 +148,9 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Stops the core process; what still runs ends with an "abort" output per sample (the core
-        stops without answering, so they are made here), and later requests get EngineDeadError."""
+        stops without answering, so they are made here), and later requests get EngineDeadError. From another
+        event loop than `start`'s: RuntimeError, unless that one has closed (`CoreClient.shutdown`)."""
+        self._client.check_loop(stopping=True)
         self._closed = True
         ended: list[RequestOutput] = []
         if self._streams and self.error is None:
@@ -278,6 +280,7 @@ class AsyncEngine:
             raise EngineDeadError(str(self.error))
         if self._closed:
             raise EngineDeadError("the engine was shut down")
+        self._client.check_loop()
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:

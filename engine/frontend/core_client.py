@@ -87,14 +87,19 @@ class CoreClient:
         self._long_step_logged = False  # the step running now was logged as long (CoreBusy)
         self._on_dead: Callable[[str], None] | None = None
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # `start`'s, whose tasks read the results
 
     async def start(
         self, on_message: Callable[[CoreMessage], None], on_dead: Callable[[str], None]
     ) -> CoreReady:
         """Spawns the core, sends it the config and waits for `CoreReady`.
 
-        Raises EngineDeadError if the model fails to load or the process exits first.
+        Raises EngineDeadError if the model fails to load or the process exits first, RuntimeError if this
+        client was started before (a second core behind the same sockets took the first's messages: it hung).
         """
+        if self._loop is not None or self._closing:
+            raise RuntimeError("the engine core was started before: an engine starts once (make a new one)")
+        self._loop = asyncio.get_running_loop()
         try:
             # Encoded before the core exists: a config that cannot be sent must not leave a core waiting.
             config = encode(CoreConfig(self.config, self.heartbeat_seconds, self.kv_events))
@@ -133,8 +138,35 @@ class CoreClient:
         """Queues a command without waiting (the commands socket has no high-water mark)."""
         self._commands.send(encode(message), zmq.NOBLOCK)
 
+    def check_loop(self, *, stopping: bool = False) -> None:
+        """Raises RuntimeError unless called on the event loop that started the core: only its tasks read
+        the core's results, so a request sent from another loop (a second `asyncio.run`) waited forever.
+        `stopping`: any loop will do once that one has closed (`shutdown`)."""
+        if self._loop is None or self._loop is asyncio.get_running_loop():
+            return
+        if self._loop.is_closed():
+            if stopping:
+                return
+            raise RuntimeError(
+                "the event loop that started this engine has closed (an asyncio.run that returned?): "
+                "start, use and shut down an engine on one event loop"
+            )
+        raise RuntimeError("this engine was started on another event loop: use it from that loop")
+
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Asks the core to exit, kills it after `timeout`, and releases the sockets."""
+        """Asks the core to exit, kills it after `timeout`, and releases the sockets. From another loop
+        than `start`'s: only once that one has closed (and its tasks with it), stopping the core from here."""
+        if self._loop is not None and self._loop.is_closed() and self._loop is not asyncio.get_running_loop():
+            self._closing = True
+            with contextlib.suppress(zmq.ZMQError):
+                self.send(Shutdown())
+            # Its exit is handed to the closed loop: waited for in a thread instead.
+            if self.process is not None and await asyncio.to_thread(self.process.join, timeout) is None:
+                self.kill()
+                await asyncio.to_thread(self.process.join, None)
+            self._release()
+            return
+        self.check_loop(stopping=True)
         self._closing = True
         if self.process is not None and self.process.returncode is None:
             with contextlib.suppress(zmq.ZMQError):
@@ -198,7 +230,8 @@ class CoreClient:
 
     def _stop_reading(self) -> None:
         if self._results_readable is not None:
-            asyncio.get_running_loop().remove_reader(self._results.FD)
+            if not self._loop.is_closed():  # a closed loop forgot its readers
+                self._loop.remove_reader(self._results.FD)
             self._results_readable = None
 
     async def _receive(self, on_message: Callable[[CoreMessage], None]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -96,11 +97,16 @@ class LLM:
     ...: e.g. `block_size=16, num_blocks=64, max_num_batched_tokens=256, enable_prefix_caching=False`) or
     of `EngineConfig` (`attention_backend`, `enforce_eager`, `speculative=SpeculativeConfig(...)`); see
     `EngineConfig.from_kwargs`.
+
+    Calls from several threads run one at a time (each steps the engine until its own requests finish).
     """
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model, **kwargs))
         self._next_id = 0
+        # Two threads stepping the one engine took each other's outputs: one failed (KeyError), the other
+        # returned completions short of the tokens the first had taken.
+        self._running = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -188,7 +194,7 @@ class LLM:
             params = [tool_use.sampling_params(p) for p in params]
         completions: dict[tuple[str, int], Completion] = {}  # (request id, sample index)
         # Ctrl-C lands between steps (DeferredInterrupt), so the abort below finds consistent state.
-        with DeferredInterrupt() as interrupt:
+        with self._running, DeferredInterrupt() as interrupt:
             try:
                 for i, (ids, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
                     request_id = f"llm-{self._next_id}"

@@ -40,6 +40,13 @@ class ChildProcess:
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
 
+    def join(self, timeout: float | None) -> int | None:
+        """Blocks until it exits (the exit code) or `timeout` passes (None), for a caller off the loop
+        that started it (once that loop has closed, `wait` never returns)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self._popen.wait(timeout)
+        return None
+
     def kill(self) -> None:
         """SIGKILL, unless it has already exited."""
         if self._popen.returncode is None:
