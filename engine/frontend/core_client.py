@@ -155,31 +155,32 @@ class CoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Asks the core to exit, kills it after `timeout`, and releases the sockets. From another loop
-        than `start`'s: only once that one has closed (and its tasks with it), stopping the core from here."""
-        if self._loop is not None and self._loop.is_closed() and self._loop is not asyncio.get_running_loop():
-            self._closing = True
-            with contextlib.suppress(zmq.ZMQError):
-                self.send(Shutdown())
-            # Its exit is handed to the closed loop: waited for in a thread instead.
-            if self.process is not None and await asyncio.to_thread(self.process.join, timeout) is None:
-                self.kill()
-                await asyncio.to_thread(self.process.join, None)
-            self._release()
-            return
+        than `start`'s only once that one has closed: its tasks and its watch of the core went with it, so
+        the core's exit is waited for in a thread."""
         self.check_loop(stopping=True)
         self._closing = True
+        orphaned = self._loop is not None and self._loop.is_closed()
         if self.process is not None and self.process.returncode is None:
             with contextlib.suppress(zmq.ZMQError):
                 self.send(Shutdown())
-            try:
-                await asyncio.wait_for(self.process.wait(), timeout)
-            except TimeoutError:
+            if not await self._exited(timeout, orphaned):
                 self.kill()
-                await self.process.wait()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+                await self._exited(None, orphaned)
+        if not orphaned:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         self._release()
+
+    async def _exited(self, timeout: float | None, orphaned: bool) -> bool:
+        """Whether the core exited within `timeout` (None: however long it takes)."""
+        if orphaned:
+            return await asyncio.to_thread(self.process.join, timeout) is not None
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def _release(self) -> None:
         """Closes the sockets and removes their directory (once; a failed start already did)."""
