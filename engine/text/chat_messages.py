@@ -87,21 +87,25 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
-    if (lone := _lone_surrogate(arguments)) is not None:
-        raise InvalidRequestError(
-            f"{field}.arguments",
-            f"holds a lone surrogate (\\u{ord(lone):04x}), which a prompt's UTF-8 text cannot hold",
-        )
+    if (error := lone_surrogate_error(f"{field}.arguments", json_text(arguments))) is not None:
+        raise error
     converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
     return {"id": call["id"], **converted} if call.get("id") else converted
 
 
-def _lone_surrogate(arguments: Mapping[str, Any]) -> str | None:
-    """The first lone surrogate in the arguments' strings (keys too), if any; None also for arguments
-    that are no JSON (a cycle, too deep), which the template's `tojson` refuses in its own words."""
+def json_text(value: Any) -> str:
+    """`value` as JSON text with its characters unescaped (surrogates included); "" for a value that is no
+    JSON (a cycle, too deep), which the template's `tojson` refuses in its own words."""
     try:
-        text = json.dumps(arguments, ensure_ascii=False, default=str)
+        return json.dumps(value, ensure_ascii=False, default=str)
     except (ValueError, RecursionError):
+        return ""
+
+
+def lone_surrogate_error(field: str, text: str) -> InvalidRequestError | None:
+    """The error naming `field` for the first lone surrogate in `text`; None if it holds none."""
+    if (lone := LONE_SURROGATE.search(text)) is None:
         return None
-    found = LONE_SURROGATE.search(text)
-    return None if found is None else found[0]
+    return InvalidRequestError(
+        field, f"holds a lone surrogate (\\u{ord(lone[0]):04x}), which a prompt's UTF-8 text cannot hold"
+    )

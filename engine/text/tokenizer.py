@@ -28,7 +28,7 @@ from tokenizers import processors
 
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.text.byte_level import ByteLevelVocab
-from sluice.engine.text.chat_messages import LONE_SURROGATE
+from sluice.engine.text.chat_messages import json_text, lone_surrogate_error
 from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
 
 # Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -178,7 +178,7 @@ class Tokenizer:
         try:
             (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         except TypeError:
-            if (error := _lone_surrogate_error(field, text)) is None:
+            if (error := lone_surrogate_error(field, text)) is None:
                 raise
             raise error from None
         return encoding.ids
@@ -245,17 +245,7 @@ class Tokenizer:
         try:
             return self.encode(text, add_special_tokens=False, field="messages")
         except InvalidRequestError as error:  # a lone surrogate: the tools' where they hold one
-            tools_text = "" if tools is None else json.dumps(tools, ensure_ascii=False, default=str)
-            raise _lone_surrogate_error("tools", tools_text) or error from None
-
-
-def _lone_surrogate_error(field: str, text: str) -> InvalidRequestError | None:
-    """The error naming `field` for the first lone surrogate in `text`; None if it holds none."""
-    if (lone := LONE_SURROGATE.search(text)) is None:
-        return None
-    return InvalidRequestError(
-        field, f"holds a lone surrogate (\\u{ord(lone[0]):04x}), which a prompt's UTF-8 text cannot hold"
-    )
+            raise lone_surrogate_error("tools", json_text(tools)) or error from None
 
 
 def _ensure_bos_prepended(backend: tokenizers.Tokenizer, bos_token: str, bos_token_id: int) -> None:
