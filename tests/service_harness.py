@@ -60,6 +60,23 @@ def status_code(value: int) -> grpc.StatusCode:
     return next(code for code in grpc.StatusCode if code.value[0] == value)
 
 
+def bench_load(target: str, workload, config, transport=None):
+    """`sluice bench`'s `run_load` of `workload` against the server at `target`, through a transport
+    (GenerateTransport unless given) on a client of its own, closed after: the RunResult."""
+    from sluice.bench.runner import run_load
+    from sluice.bench.transports import GenerateTransport
+    from sluice.client import AsyncClient
+
+    async def run():
+        bench = (transport or GenerateTransport)(AsyncClient(target))
+        try:
+            return await run_load(bench, workload, config)
+        finally:
+            await bench.close()
+
+    return asyncio.run(run())
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = PATIENCE_S) -> None:
     """Polls `condition` until it holds; fails naming `what` after `timeout` (a hang, not a slow machine)."""
     deadline = time.monotonic() + timeout

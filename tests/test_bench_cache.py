@@ -4,16 +4,13 @@ in each response's Usage); a run that is served from the cache is flagged in the
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-from service_harness import ServerThread
+from service_harness import ServerThread, bench_load
 
 from sluice.bench.report import run_document
-from sluice.bench.runner import LoadConfig, run_load
-from sluice.bench.transports import GenerateTransport
+from sluice.bench.runner import LoadConfig
 from sluice.bench.workloads import Workload
-from sluice.client import AsyncClient
 from sluice.service.cli import main
 
 # 40-token prompts fill two 16-token blocks: a prompt the server has seen is a 32-token prefix-cache hit.
@@ -75,15 +72,7 @@ def test_without_a_seed_no_command_replays_anothers_prompts(server: ServerThread
 
 def test_a_shared_prefix_run_is_flagged_when_judged_without_its_shared_prefix(server: ServerThread) -> None:
     workload = Workload("shared-prefix", 512, seed=11, input_len=8, output_len=2, prefix_len=32)
-
-    async def bench():
-        transport = GenerateTransport(AsyncClient(server.target))
-        try:
-            return await run_load(transport, workload, LoadConfig(num_requests=4, concurrency=2))
-        finally:
-            await transport.close()
-
-    result = asyncio.run(bench())
+    result = bench_load(server.target, workload, LoadConfig(num_requests=4, concurrency=2))
     # The warm-up computed the 32-token system prompt; each request reads it and computes its suffix.
     assert [(r.cached_tokens, r.prompt_tokens_computed) for r in result.records] == [(32, 8)] * 4
     assert (result.metrics.cached_prompt_tokens, result.metrics.computed_prompt_tokens) == (128, 32)

@@ -10,13 +10,12 @@ import random
 
 import numpy
 import pytest
-from service_harness import ServerThread, tiny_engine_config
+from service_harness import ServerThread, bench_load, tiny_engine_config
 
 from sluice.bench.metrics import RequestRecord, Slo, summarize
 from sluice.bench.runner import LoadConfig, run_load
 from sluice.bench.transports import BenchError, Chunk, GenerateTransport, StreamTransport
 from sluice.bench.workloads import Workload
-from sluice.client import AsyncClient
 
 
 class _LateFailure:
@@ -87,15 +86,7 @@ def server(llama_dir: str):
 @pytest.mark.parametrize(("transport", "seed"), [(GenerateTransport, 1), (StreamTransport, 2)])
 def test_against_a_server_e2e_is_the_last_chunks_arrival(server: ServerThread, transport, seed: int) -> None:
     workload = Workload("fixed", 128, seed=seed, input_len=20, output_len=5)  # prompts of its own
-
-    async def main():
-        t = transport(AsyncClient(server.target))
-        try:
-            return await run_load(t, workload, LoadConfig(num_requests=4, concurrency=2))
-        finally:
-            await t.close()
-
-    result = asyncio.run(main())
+    result = bench_load(server.target, workload, LoadConfig(num_requests=4, concurrency=2), transport)
     assert result.metrics.num_completed == 4
     for record in result.records:
         assert record.num_output_tokens == 5
