@@ -58,10 +58,15 @@ def _piece_type(sp, i: int) -> int:
 
 
 def write_sentencepiece_gguf(
-    path: str, spm_model: str, arch: str, flags: dict[str, bool] | None = None
+    path: str,
+    spm_model: str,
+    arch: str,
+    flags: dict[str, bool] | None = None,
+    token_ids: dict[str, int] | None = None,
 ) -> None:
     """Tokenizer metadata as llama.cpp's converter writes it for a SentencePiece vocabulary; `flags`:
-    `tokenizer.ggml.<name>` booleans beside add_bos_token (true unless stated)."""
+    `tokenizer.ggml.<name>` booleans beside add_bos_token (true unless stated); `token_ids`:
+    `tokenizer.ggml.<name>_token_id`s beside bos, eos and unknown (padding, eot, ...)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=spm_model)
@@ -82,6 +87,8 @@ def write_sentencepiece_gguf(
         add(value)
     for name, flag in {"add_bos_token": True, **(flags or {})}.items():
         writer.add_bool(f"tokenizer.ggml.{name}", flag)
+    for name, token_id in (token_ids or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,7 +17,7 @@ from pathlib import Path
 import mistral_common
 import pytest
 import sentencepiece as spm
-from gguf import GGUFWriter, TokenType
+from test_gguf_sentencepiece import write_sentencepiece_gguf
 
 from sluice.engine.loading.gguf_file import GGUFFile
 from sluice.engine.loading.gguf_tokenizer import gguf_tokenizer
@@ -27,30 +27,8 @@ NO_TOKEN = 4294967295
 TEXTS = ["Hello, world!", "東京タワー 🙂 Привет мир", "def f(x):\n    return x ** 2"]
 
 
-def _piece_type(sp: spm.SentencePieceProcessor, i: int) -> int:
-    if sp.is_control(i):
-        return TokenType.CONTROL
-    if sp.is_unknown(i):
-        return TokenType.UNKNOWN
-    return TokenType.BYTE if sp.is_byte(i) else TokenType.NORMAL
-
-
-def _write(path: Path, sp: spm.SentencePieceProcessor, extra_ids: dict[str, int]) -> str:
-    size = sp.get_piece_size()
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(size)])
-    writer.add_token_scores([sp.get_score(i) for i in range(size)])
-    writer.add_token_types([_piece_type(sp, i) for i in range(size)])
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.eos_id())
-    writer.add_unk_token_id(sp.unk_id())
-    for name, token_id in extra_ids.items():
-        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", token_id)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def _write(path: Path, token_ids: dict[str, int]) -> str:
+    write_sentencepiece_gguf(str(path), str(SPM_MODEL), "llama", token_ids=token_ids)
     return str(path)
 
 
@@ -63,7 +41,7 @@ def sp() -> spm.SentencePieceProcessor:
 def test_a_special_id_past_the_vocabulary_is_ignored(
     sp: spm.SentencePieceProcessor, tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
-    path = _write(tmp_path / f"{name}.gguf", sp, {name: NO_TOKEN})
+    path = _write(tmp_path / f"{name}.gguf", {name: NO_TOKEN})
     with caplog.at_level(logging.WARNING, logger="sluice.engine.loading.gguf_tokenizer"):
         tokenizer = gguf_tokenizer(GGUFFile(path))
     assert caplog.messages == [
@@ -77,7 +55,7 @@ def test_a_special_id_past_the_vocabulary_is_ignored(
 
 
 def test_special_ids_in_the_vocabulary_are_kept(sp: spm.SentencePieceProcessor, tmp_path: Path) -> None:
-    path = _write(tmp_path / "in_range.gguf", sp, {"padding": sp.unk_id(), "eot": sp.eos_id() + 1})
+    path = _write(tmp_path / "in_range.gguf", {"padding": sp.unk_id(), "eot": sp.eos_id() + 1})
     tokenizer = gguf_tokenizer(GGUFFile(path))
     assert tokenizer.eos_token_ids == (sp.eos_id(), sp.eos_id() + 1)
     assert tokenizer.encode("Hello") == [sp.bos_id(), *sp.encode("Hello")]
