@@ -56,11 +56,15 @@ class GrammarWaitingRoom:
         return failed
 
     def abort(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Takes a waiting request out, finished with `status`; None if it is not here."""
+        """Takes a waiting request out, finished with `status`; None if it is not here. Its grammar's
+        compile is cancelled if it has not started and no other request waits for it (as SGLang's abort
+        cancels its grammar future): requests that left must not hold up the compiles of those that stay."""
         entry = self._waiting.pop(request_id, None)
         if entry is None:
             return None
-        request = entry[0]
+        request, grammar = entry
+        if all(future is not grammar for _, future in self._waiting.values()):
+            self._compiler.cancel(request.sampling_params.constraint, grammar)
         request.status = status
         request.times.finished = time.time()
         return request

@@ -160,6 +160,18 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return future
 
+    def cancel(self, constraint: Constraint, future: Future) -> bool:
+        """Cancels the compile of `future` (from `submit(constraint)`) if it has not started, for when no
+        request waits for it any longer: a worker is then free for the next, and the cache forgets it, so
+        a later request of the same source compiles afresh. One under way runs on (xgrammar cannot stop
+        it) and stays cached. Returns whether it was cancelled."""
+        with self._lock:
+            if not future.cancel():
+                return False
+            if self._cache.get(constraint.key) is future:
+                del self._cache[constraint.key]
+        return True
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

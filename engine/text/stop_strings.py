@@ -13,7 +13,10 @@ class StopStringMatcher:
     several pieces is still found. Once `matched` is set, the text from the stop string on is dropped.
     Each stop string's partial match is carried from piece to piece (Knuth-Morris-Pratt), so a piece costs
     its own length, however long the stop strings and the held text (a rescan of the held text at each
-    piece cost its square: seconds on the event loop for a 300k-character stop string).
+    piece cost its square: seconds on the event loop for a 300k-character stop string). Each stop string's
+    fallback table grows only as far as a partial match has reached, so a matcher costs nothing per
+    character of its stop strings up front (built whole, 32 stop strings of 1 MB held the event loop, and
+    every stream on it, for 12 s before the request's first token).
 
     `include` (vLLM's include_stop_str_in_output): the stop string is emitted too, and only what follows it
     is dropped; nothing is held back (a stop string is looked for across the last pieces already emitted).
@@ -26,7 +29,7 @@ class StopStringMatcher:
         self._include = include
         self._emitted_tail = ""  # with `include`: the emitted text a stop string may have begun in
         self._tail_len = max(map(len, self.stop_strings), default=1) - 1
-        self._fallbacks = [_fallback_table(stop) for stop in self.stop_strings]
+        self._fallbacks: list[list[int]] = [[] for _ in self.stop_strings]  # grown by _advance_partials
         self._partials = [0] * len(self.stop_strings)  # per stop string: how much of it the text ends with
 
     def push(self, text: str, match: bool = True) -> str:
@@ -84,21 +87,25 @@ class StopStringMatcher:
                     matched = fallback[matched - 1]
                 if stop[matched] == char:
                     matched += 1
+                    if len(fallback) < matched:  # fallback[matched - 1] may be read next
+                        _grow_fallback_table(fallback, stop, matched)
                 if matched == len(stop):  # whole (within min_tokens, or unmatched): keep its longest border
                     matched = fallback[matched - 1]
             self._partials[i] = matched
         return max(self._partials)
 
 
-def _fallback_table(stop: str) -> list[int]:
-    """KMP's failure function: entry i is the longest proper prefix of stop[: i + 1] that is also its
-    suffix, where a partial match falls back to when the next character does not continue it."""
-    table = [0] * len(stop)
-    matched = 0
-    for i in range(1, len(stop)):
+def _grow_fallback_table(table: list[int], stop: str, size: int) -> None:
+    """Extends `table`, the first entries of KMP's failure function of `stop`, to its first `size`: entry i
+    is the longest proper prefix of stop[: i + 1] that is also its suffix, where a partial match falls back
+    to when the next character does not continue it. Entry i needs only those before it, so growing the
+    table a piece at a time costs what building it whole would, up to `size`."""
+    if not table:
+        table.append(0)
+    for i in range(len(table), size):
+        matched = table[i - 1]
         while matched and stop[i] != stop[matched]:
             matched = table[matched - 1]
         if stop[i] == stop[matched]:
             matched += 1
-        table[i] = matched
-    return table
+        table.append(matched)
