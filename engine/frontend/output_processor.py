@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -114,9 +114,12 @@ class OutputProcessor:
             )
         self._engine_ids[request_id] = list(engine_ids)
         self._core_ids[request_id] = core_id
-        return self._samples.add(
-            add if core_id == request_id else msgspec.structs.replace(add, request_id=core_id)
-        )
+        # The stop strings stay here, where the detokenizers match them: the core never reads them, and
+        # they crossed the pipe once per sample (32 of 1 MB with n = 16: 512 MB, seconds of the loop).
+        to_core = {"params": replace(params, stop=())} if params.stop else {}
+        if core_id != request_id:
+            to_core["request_id"] = core_id
+        return self._samples.add(msgspec.structs.replace(add, **to_core) if to_core else add)
 
     def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
         """Ends the requests (every sample): the last outputs of the samples never sent to the core, and
