@@ -170,8 +170,11 @@ class ServerConfig:
             raise ValueError("api_keys: give an API key or an API keys file, not both")
         if self.api_key is not None:  # "" too: an empty SLUICE_API_KEY must not turn keys off
             check_key(self.api_key, "api_key")
-        if self.max_connection_age is not None and not self.max_connection_age > 0:
-            raise ValueError("max_connection_age: must be > 0 seconds (None disables it)")
+        # grpc counts whole milliseconds, where 0 would age every connection out at once (NaN too).
+        if self.max_connection_age is not None and not self.max_connection_age >= 0.001:
+            raise ValueError(
+                "max_connection_age: must be >= 0.001 seconds (0 on the command line, None here, disables it)"
+            )
         if not self.max_connection_age_grace >= 0:
             raise ValueError("max_connection_age_grace: must be >= 0 seconds")
         if (

@@ -57,3 +57,10 @@ def test_grpc_holds_a_bursts_calls_for_admission_control() -> None:
 
 def test_the_api_key_is_never_in_the_configs_repr() -> None:
     assert "sk-secret" not in repr(ServerConfig(api_key="sk-secret"))
+
+
+@pytest.mark.parametrize("age", [1e-9, 0.0009, -1.0, float("nan")])
+def test_an_age_grpc_would_round_to_0_ms_is_refused_saying_how_to_disable_it(age: float) -> None:
+    with pytest.raises(ValueError, match=r"max_connection_age: must be >= 0\.001 seconds \(0 on the command"):
+        ServerConfig(max_connection_age=age)
+    assert dict(ServerConfig(max_connection_age=0.001).grpc_options())["grpc.max_connection_age_ms"] == 1
