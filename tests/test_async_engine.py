@@ -442,6 +442,11 @@ async def test_a_shutdown_ends_every_stream_with_an_abort_and_refuses_new_reques
     assert {o.finish_reason for o in pair_outputs if o.finished} == {"abort"}
     with pytest.raises(EngineDeadError, match="the engine was shut down"):
         await engine.add_request("after", PARAMS, text="hello")
+    # The profiler's commands too (they reached the closed socket: ZMQError "Socket operation on non-socket").
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        engine.start_profile("/tmp", 1, ["cpu"], record_shapes=False, with_stack=False)
+    with pytest.raises(EngineDeadError, match="the engine was shut down"):
+        engine.stop_profile()
 
 
 async def test_a_killed_core_fails_every_stream_and_refuses_new_requests(engine):

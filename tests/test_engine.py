@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -312,6 +313,19 @@ def test_wrong_types_are_refused_naming_the_argument(typed_llm, call, error, mes
     deep in the engine (AttributeError), a list logit_bias with a bare TypeError."""
     with pytest.raises(error, match=message):
         call(typed_llm)
+    assert not typed_llm.engine.has_unfinished_requests()
+
+
+def test_generators_of_prompts_params_and_conversations_are_taken_as_lists(typed_llm):
+    """vLLM's LLM.generate takes lists only; a generator gave a bare TypeError ('generator' object is not
+    subscriptable / has no len())."""
+    prompts, params = ["the quick brown fox", [5, 6, 7]], [GREEDY, replace(GREEDY, max_tokens=3)]
+    expected = [c.token_ids for c in typed_llm.generate(prompts, params, priorities=[0, 1])]
+    got = typed_llm.generate((p for p in prompts), (p for p in params), priorities=iter([0, 1]))
+    assert [c.token_ids for c in got] == expected
+    conversation = [{"role": "user", "content": "hi"}]
+    chat = typed_llm.chat((c for c in [conversation, conversation]), GREEDY)
+    assert [c.token_ids for c in chat] == [c.token_ids for c in typed_llm.chat([conversation] * 2, GREEDY)]
     assert not typed_llm.engine.has_unfinished_requests()
 
 

@@ -261,10 +261,13 @@ class AsyncEngine:
         self, output_dir: str, num_steps: int, activities: list[str], record_shapes: bool, with_stack: bool
     ) -> None:
         """The core profiles its next `num_steps` forward steps (0: until `stop_profile`) into `output_dir`
-        (the caller checked the arguments); nothing is awaited: the files appear when the steps have run."""
+        (the caller checked the arguments); nothing is awaited: the files appear when the steps have run.
+        EngineDeadError once the engine died or was shut down."""
+        self._check_live()
         self._client.send(StartProfile(output_dir, num_steps, activities, record_shapes, with_stack))
 
     def stop_profile(self) -> None:
+        self._check_live()
         self._client.send(StopProfile())
 
     async def abort(self, request_id: str) -> None:
@@ -275,12 +278,16 @@ class AsyncEngine:
             for output in self._send(self._output_processor.abort([request_id])):
                 stream.put(output)  # samples never sent to the core
 
-    def _check_accepting(self, request_id: str, num_samples: int) -> None:
+    def _check_live(self) -> None:
+        """EngineDeadError once the core died or was shut down (its sockets are closed then)."""
         if self.error is not None:  # a new one: re-raising the kept one chained each call's frames onto it
             raise EngineDeadError(str(self.error))
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         self._client.check_loop()
+
+    def _check_accepting(self, request_id: str, num_samples: int) -> None:
+        self._check_live()
         if not request_id:
             raise InvalidRequestError("request_id", "must not be empty")
         if request_id in self._streams:

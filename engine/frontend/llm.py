@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,6 +124,8 @@ class LLM:
         gives n consecutive completions (`index` 0 .. n - 1)."""
         if isinstance(prompts, bytes):
             raise ValueError("prompts: bytes are neither text nor token ids; decode them to a str")
+        if isinstance(prompts, Iterator):  # a generator: taken as the list it yields
+            prompts = list(prompts)
         if isinstance(prompts, str | Mapping) or (
             prompts and not isinstance(prompts[0], str | Sequence | Mapping)
         ):
@@ -146,6 +148,8 @@ class LLM:
         `tool_calls`. The rest, as vLLM's `LLM.chat` names them, say how the chat template renders every
         conversation (`ChatTemplateOptions`): extra template variables (e.g. {"enable_thinking": False}),
         the generation prompt after it, or the prompt ending inside its last (assistant) message."""
+        if isinstance(conversations, Iterator):  # a generator: taken as the list it yields
+            conversations = list(conversations)
         if conversations and isinstance(conversations[0], Mapping):  # one conversation
             conversations = [conversations]
         for i, conversation in enumerate(conversations):
@@ -181,6 +185,7 @@ class LLM:
         priorities: Sequence[int] | None,
         tool_use: ToolUse | None = None,
     ) -> list[Completion]:
+        params, priorities = (list(v) if isinstance(v, Iterator) else v for v in (params, priorities))
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompt_token_ids)
         elif isinstance(params, str | bytes) or not all(isinstance(p, SamplingParams) for p in params):
