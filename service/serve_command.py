@@ -67,8 +67,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--max-connection-age-grace",
         type=float,
-        default=120.0,
-        help="seconds the calls of an aged connection may still run before it closes",
+        default=3600.0,
+        help="seconds the calls of an aged connection may still run before it closes (then cut: "
+        "UNAVAILABLE mid-stream; keep it above the longest generation)",
     )
     server.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     server.add_argument(

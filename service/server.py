@@ -157,7 +157,7 @@ class ServerConfig:
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
     max_connection_age: float | None = 300.0
-    max_connection_age_grace: float = 120.0
+    max_connection_age_grace: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -437,7 +437,7 @@ def test_serve_flags_build_the_tenant_directory(keys_file: Path) -> None:
     assert single.tenant_for_key("k") == Tenant() and single.tenant_for_key("x") is None
     assert config.grpc_options()[-2:] == [
         ("grpc.max_connection_age_ms", 300_000),
-        ("grpc.max_connection_age_grace_ms", 120_000),
+        ("grpc.max_connection_age_grace_ms", 3_600_000),
     ]
     no_age = server_config(parser.parse_args(["--max-connection-age", "0"])).grpc_options()
     assert not any(name.startswith("grpc.max_connection_age") for name, _ in no_age)
