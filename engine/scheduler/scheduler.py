@@ -498,36 +498,42 @@ class Scheduler:
         return limit
 
     def _check_fits(self, request: Request) -> None:
-        """Reject what could never run, so the scheduler cannot livelock on it."""
+        """Reject what could never run, so the scheduler cannot livelock on it. The prompt is named where
+        it leaves no room for one generated token (in the KV cache, or in the step budget with chunked
+        prefill off), before max_tokens is: a smaller max_tokens must be able to fit where it is named (the
+        caller may not have set it: SMG's unset max_tokens is the rest of the context)."""
         if request.num_prompt_tokens > self.max_model_len:
             raise ContextLengthError(
                 "prompt", f"{request.num_prompt_tokens} tokens exceed max_model_len {self.max_model_len}"
             )
         budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        with_one = min(request.num_tokens + 1, self.max_model_len)
         max_tokens_with_kv = min(request.num_tokens + request.sampling_params.max_tokens, self.max_model_len)
-        num_blocks_needed = self.kv.num_blocks_needed(max_tokens_with_kv, budget)
-        if num_blocks_needed > self.num_blocks:
-            # The prompt's fault where it leaves the cache no room for one token to be generated.
-            with_one = self.kv.num_blocks_needed(min(request.num_tokens + 1, self.max_model_len), budget)
-            if with_one > self.num_blocks:
-                raise ContextLengthError(
-                    "prompt",
-                    f"its {request.num_tokens} tokens and one generated need {with_one} KV blocks but the "
-                    f"cache has {self.num_blocks}",
-                )
+        if (num_blocks_needed := self.kv.num_blocks_needed(with_one, budget)) > self.num_blocks:
             raise ContextLengthError(
-                "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"
+                "prompt",
+                f"its {request.num_tokens} tokens and one generated need {num_blocks_needed} KV blocks but "
+                f"the cache has {self.num_blocks}",
             )
-        if not self.config.enable_chunked_prefill and max_tokens_with_kv > budget:
-            # A preempted request recomputes its prompt and outputs in one step: both must fit. A prompt
-            # over the budget alone is named without max_tokens, which the caller may not have set (SMG's
-            # unset max_tokens is the rest of the context).
+        # A preempted request recomputes its prompt and outputs in one step: both must fit.
+        if not chunked and with_one > budget:
             if request.num_prompt_tokens > budget:
                 raise ContextLengthError(
                     "prompt",
                     f"{request.num_prompt_tokens} tokens exceed max_num_batched_tokens {budget} with chunked "
                     "prefill off",
                 )
+            raise ContextLengthError(
+                "prompt",
+                f"{request.num_prompt_tokens} tokens leave no room for an output token in "
+                f"max_num_batched_tokens {budget} with chunked prefill off",
+            )
+        if (num_blocks_needed := self.kv.num_blocks_needed(max_tokens_with_kv, budget)) > self.num_blocks:
+            raise ContextLengthError(
+                "max_tokens", f"needs {num_blocks_needed} KV blocks but the cache has {self.num_blocks}"
+            )
+        if not chunked and max_tokens_with_kv > budget:
             raise ContextLengthError(
                 "max_tokens",
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
