@@ -29,4 +29,10 @@ if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
     javac -J-XX:TieredStopAtLevel=1 -nowarn -encoding UTF-8 -d "$build" -cp "$classpath" "${sources[@]}"
     touch "$stamp"
 fi
+# Java decodes its arguments (--prompt) and encodes what it prints in the locale's charset: in the POSIX
+# locale (a bare container's) that is ASCII, and every other character turns into '?'. The Go example takes
+# and prints UTF-8 whatever the locale; so does this one, run in C.UTF-8 where the locale is not UTF-8.
+if [ "$(locale charmap 2>/dev/null)" != "UTF-8" ]; then
+    export LC_ALL=C.UTF-8
+fi
 java -XX:TieredStopAtLevel=1 -cp "$build:$classpath" ai.sluice.example.SluiceExample "$@"

@@ -14,6 +14,7 @@ import ai.sluice.v1.StreamGenerateResponse;
 import ai.sluice.v1.TokenizeRequest;
 import ai.sluice.v1.TokenizeResponse;
 import io.grpc.ClientInterceptor;
+import io.grpc.Context;
 import io.grpc.ManagedChannel;
 import io.grpc.ManagedChannelBuilder;
 import io.grpc.Metadata;
@@ -35,8 +36,8 @@ import java.util.stream.Collectors;
  *
  * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
  * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID}; a
- * {@code --long-tokens} of 0 (the default) is what the context leaves beside the prompt, so the requests
- * cancelled mid-stream are still running when cancelled.
+ * {@code --long-tokens} of 0 (the default) is what the context (or the KV cache, where it holds less)
+ * leaves beside the prompt, so the requests cancelled mid-stream are still running when cancelled.
  *
  * <p>{@code --session ID} turns on session affinity (docs/FLEET.md): the ring-hash service config
  * ({@link #sessionServiceConfig}) and the header {@code x-sluice-session: ID} on every call, so all of
@@ -65,8 +66,38 @@ public final class SluiceExample {
       String ids = tokenIds.stream().map(String::valueOf).collect(Collectors.joining(","));
       String body = text.toString();
       int textBytes = body.getBytes(java.nio.charset.StandardCharsets.UTF_8).length;
-      System.out.printf("%s: request_id=%s finish=%s tokens=%d text_bytes=%d token_ids=[%s] text=\"%s\"%n",
-          kind, requestId, finish, tokenIds.size(), textBytes, ids, body.replace("\n", "\\n"));
+      System.out.printf("%s: request_id=%s finish=%s tokens=%d text_bytes=%d token_ids=[%s] text=%s%n",
+          kind, requestId, finish, tokenIds.size(), textBytes, ids, quote(body));
+    }
+
+    /**
+     * The text quoted as the Go example's %q quotes it: a generated line break or other control
+     * character, quote or backslash is escaped, so that every result stays on one line.
+     */
+    static String quote(String text) {
+      StringBuilder quoted = new StringBuilder("\"");
+      text.codePoints().forEach(c -> {
+        switch (c) {
+          case 0x07 -> quoted.append("\\a");
+          case '\b' -> quoted.append("\\b");
+          case '\f' -> quoted.append("\\f");
+          case '\n' -> quoted.append("\\n");
+          case '\r' -> quoted.append("\\r");
+          case '\t' -> quoted.append("\\t");
+          case 0x0b -> quoted.append("\\v");
+          case '"', '\\' -> quoted.append('\\').appendCodePoint(c);
+          default -> {
+            if (c < 0x20 || c == 0x7f) {
+              quoted.append(String.format("\\x%02x", c));
+            } else if (Character.isISOControl(c) || c == 0x2028 || c == 0x2029) {
+              quoted.append(String.format("\\u%04x", c));
+            } else {
+              quoted.appendCodePoint(c);
+            }
+          }
+        }
+      });
+      return quoted.append('"').toString();
     }
   }
 
@@ -78,8 +109,23 @@ public final class SluiceExample {
         .setRequestId(requestId).setText(prompt).setSamplingParams(params).build();
   }
 
-  /** Reads one Generate stream to its end; abortAfterFirst aborts it after its first chunk. */
+  /**
+   * Reads one Generate stream to its end; abortAfterFirst aborts it after its first chunk. Every return
+   * cancels the call: one that leaves before the stream's end (the Abort failed) ends the request on the
+   * server too, instead of leaving it generating until the deadline (a blocking stub's call ends only when
+   * read to its end or when its Context is cancelled).
+   */
   static Result runGenerate(InferenceServiceGrpc.InferenceServiceBlockingStub stub,
+      GenerateRequest request, boolean abortAfterFirst) throws Exception {
+    Context.CancellableContext call = Context.current().withCancellation();
+    try {
+      return call.call(() -> readGenerate(stub, request, abortAfterFirst));
+    } finally {
+      call.cancel(null);
+    }
+  }
+
+  private static Result readGenerate(InferenceServiceGrpc.InferenceServiceBlockingStub stub,
       GenerateRequest request, boolean abortAfterFirst) {
     Result result = new Result();
     Iterator<GenerateResponse> chunks = stub.withDeadlineAfter(120, TimeUnit.SECONDS).generate(request);
@@ -95,9 +141,20 @@ public final class SluiceExample {
 
   /**
    * Starts the requests on one StreamGenerate stream, cancels {@code cancelled} after its first chunk
-   * and half-closes, then waits until the server ends the stream.
+   * and half-closes, then waits until the server ends the stream. As in runGenerate, every return
+   * cancels the call: one on a request's error ends the stream's other requests on the server too.
    */
   static Map<String, Result> runBidi(InferenceServiceGrpc.InferenceServiceStub stub,
+      List<GenerateRequest> requests, String cancelled) throws Exception {
+    Context.CancellableContext call = Context.current().withCancellation();
+    try {
+      return call.call(() -> streamBidi(stub, requests, cancelled));
+    } finally {
+      call.cancel(null);
+    }
+  }
+
+  private static Map<String, Result> streamBidi(InferenceServiceGrpc.InferenceServiceStub stub,
       List<GenerateRequest> requests, String cancelled) throws Exception {
     Map<String, Result> results = new LinkedHashMap<>();
     requests.forEach(r -> results.put(r.getRequestId(), new Result()));
@@ -225,7 +282,13 @@ public final class SluiceExample {
       if (longTokens == 0) {  // what the context leaves beside the prompt: still running when cancelled
         TokenizeResponse tokens = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
             .tokenize(TokenizeRequest.newBuilder().setText(prompt).build());
-        longTokens = info.getMaxModelLen() - tokens.getTokenIdsCount();
+        // The KV cache may hold less than one request of max_model_len (the server warns at start, and
+        // refuses a request needing more blocks than it has): then the room is what the cache holds.
+        long room = info.getMaxModelLen();
+        if (info.getKvCapacityTokens() > 0) {
+          room = Math.min(room, info.getKvCapacityTokens());
+        }
+        longTokens = (int) room - tokens.getTokenIdsCount();
       }
 
       runGenerate(blocking, textRequest("java-generate", prompt, maxTokens), false)
