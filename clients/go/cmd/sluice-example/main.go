@@ -4,6 +4,9 @@
 //
 // Every result is one line, `<kind>: request_id=... finish=... tokens=N ...`, then `done`.
 //
+// --api-key KEY (default: $SLUICE_API_KEY) sends `authorization: Bearer KEY` on every call, for a server
+// started with --api-key or --api-keys.
+//
 // --session ID turns on session affinity: the ring-hash service config below and the header
 // x-sluice-session: ID on every call, so all of them reach the replica ID hashes to (docs/FLEET.md).
 // That needs grpc-go 1.73 or newer built with `-tags ringhash` (ringhash.go registers the policy) and,
@@ -17,6 +20,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"os"
 	"strings"
 	"time"
 
@@ -197,6 +201,8 @@ func main() {
 		"max_tokens of the requests cancelled mid-stream (0: what the context, or the KV cache where it "+
 			"holds less, leaves beside the prompt, so they still run when cancelled)")
 	session := flag.String("session", "", "send every call with this session id (ring-hash affinity)")
+	apiKey := flag.String("api-key", os.Getenv("SLUICE_API_KEY"),
+		"send 'authorization: Bearer KEY' on every call (default: $SLUICE_API_KEY)")
 	flag.Parse()
 
 	config := serviceConfig
@@ -218,6 +224,9 @@ func main() {
 	defer cancel()
 	if *session != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, sessionHeader, *session)
+	}
+	if *apiKey != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+*apiKey)
 	}
 
 	info, err := client.GetModelInfo(ctx, &sluicev1.GetModelInfoRequest{})

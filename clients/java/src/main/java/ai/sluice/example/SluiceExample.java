@@ -35,7 +35,8 @@ import java.util.stream.Collectors;
  * StreamGenerate stream, the second cancelled in-band after its first chunk.
  *
  * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
- * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID}; a
+ * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID
+ * --api-key KEY}; a
  * {@code --long-tokens} of 0 (the default) is what the context (or the KV cache, where it holds less)
  * leaves beside the prompt, so the requests cancelled mid-stream are still running when cancelled.
  *
@@ -241,15 +242,22 @@ public final class SluiceExample {
 
   /** Adds x-sluice-session: session to every call of a stub. */
   static ClientInterceptor sessionHeader(String session) {
+    return header(SESSION_HEADER, session);
+  }
+
+  /** Adds the header {@code name: value} to every call of a stub. */
+  static ClientInterceptor header(String name, String value) {
     Metadata headers = new Metadata();
-    headers.put(Metadata.Key.of(SESSION_HEADER, Metadata.ASCII_STRING_MARSHALLER), session);
+    headers.put(Metadata.Key.of(name, Metadata.ASCII_STRING_MARSHALLER), value);
     return MetadataUtils.newAttachHeadersInterceptor(headers);
   }
 
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
-        "--max-tokens", "8", "--long-tokens", "0", "--session", ""));
+        "--max-tokens", "8", "--long-tokens", "0", "--session", "",
+        // authorization: Bearer KEY on every call, for a server started with --api-key or --api-keys.
+        "--api-key", System.getenv().getOrDefault("SLUICE_API_KEY", "")));
     if (args.length % 2 != 0) {
       throw new IllegalArgumentException("flags come in pairs (--flag value); known: " + flags.keySet());
     }
@@ -275,6 +283,11 @@ public final class SluiceExample {
       if (!session.isEmpty()) {
         blocking = blocking.withInterceptors(sessionHeader(session));
         async = async.withInterceptors(sessionHeader(session));
+      }
+      String apiKey = flags.get("--api-key");
+      if (!apiKey.isEmpty()) {
+        blocking = blocking.withInterceptors(header("authorization", "Bearer " + apiKey));
+        async = async.withInterceptors(header("authorization", "Bearer " + apiKey));
       }
       GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
           .withWaitForReady().getModelInfo(GetModelInfoRequest.getDefaultInstance());
