@@ -10,8 +10,7 @@ import subprocess
 
 import pytest
 from service_harness import ServerThread, long_engine_config
-from test_clients_go_java import CLIENTS, MAX_TOKENS, PROMPT, parse
-from toolchains import require
+from test_clients_go_java import parse, run_example
 
 from sluice.service.server import ServerConfig
 
@@ -27,13 +26,10 @@ def keyed_server(llama_long_dir: str):
 
 
 def _run(language: str, target: str, extra: list[str], key_in_env: bool) -> subprocess.CompletedProcess[str]:
-    programs, command = CLIENTS[language]
-    require(*programs, "bash")
     env = {name: value for name, value in os.environ.items() if name != "SLUICE_API_KEY"}
     if key_in_env:
         env["SLUICE_API_KEY"] = KEY
-    args = [command, "--addr", target, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=540, env=env)
+    return run_example(language, target, *extra, check=False, env=env)
 
 
 @pytest.mark.parametrize("language", ["go", "java"])

@@ -6,9 +6,11 @@ test with the command that installs it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -54,14 +56,20 @@ def reference(llama_long_dir: str) -> tuple[list[int], str]:
     return generated, tokenizer.decode(generated, skip_special_tokens=True)
 
 
-def run_example(language: str, target: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_example(
+    language: str,
+    target: str,
+    *extra: str,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """The requests the examples abort or cancel after their first chunk have the default --long-tokens:
     all the context leaves (minutes on any machine, the module's server has the long-context tiny Llama),
-    so they always end aborted."""
+    so they always end aborted. `extra`: more flags; `env`: the example's environment (None: this one)."""
     programs, command = CLIENTS[language]
     require(*programs, "bash")
-    args = [command, "--addr", target, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=540)
+    args = [command, "--addr", target, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), *extra]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=540, env=env)
     if check:
         assert result.returncode == 0, f"{language} example failed:\n{result.stdout}\n{result.stderr}"
     return result
@@ -110,6 +118,23 @@ def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThr
     assert stats.num_kv_blocks_used == 0
 
 
+@contextlib.contextmanager
+def stand_in_server(servicer: sluice_pb2_grpc.InferenceServiceServicer) -> Iterator[str]:
+    """`servicer` as the InferenceService of a server on a loopback port, its health SERVING (the examples'
+    service config checks it); yields the target."""
+    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
+    sluice_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, stand_in)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("sluice.v1.InferenceService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, stand_in)
+    port = stand_in.add_insecure_port("127.0.0.1:0")
+    stand_in.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stand_in.stop(None)
+
+
 class _DrainingOnce(sluice_pb2_grpc.InferenceServiceServicer):
     """Refuses the first GetModelInfo UNAVAILABLE, as a draining replica refuses, then answers."""
 
@@ -129,17 +154,8 @@ def test_example_retries_a_call_a_draining_replica_refused(language: str) -> Non
     (1.33) applies it only with GRPC_GO_RETRY=on, which run_example.sh did not set: the Go example failed
     on the first refusal. (This stand-in serves no more: the example fails at its next call.)"""
     servicer = _DrainingOnce()
-    stand_in = grpc.server(futures.ThreadPoolExecutor(2))
-    sluice_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, stand_in)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("sluice.v1.InferenceService", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, stand_in)
-    port = stand_in.add_insecure_port("127.0.0.1:0")
-    stand_in.start()
-    try:
-        result = run_example(language, f"127.0.0.1:{port}", check=False)
-    finally:
-        stand_in.stop(None)
+    with stand_in_server(servicer) as target:
+        result = run_example(language, target, check=False)
     assert "model: name=after-retry max_model_len=64" in result.stdout.splitlines(), result.stderr
     assert servicer.calls == 2
 

@@ -14,13 +14,12 @@ import re
 import subprocess
 import tempfile
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 from service_harness import PATIENCE_S
-from test_clients_go_java import CLIENTS
+from test_clients_go_java import CLIENTS, stand_in_server
 from toolchains import REPO, require
 
 from sluice.v1 import sluice_pb2 as pb
@@ -139,14 +138,10 @@ def test_java_example_functions_end_their_call_when_they_return_early(function: 
     """The same for the Java example's runGenerate and runBidi: the blocking stub's call and the async
     stub's stream stayed open after the function threw, until their 120 s deadline."""
     servicer = _HoldsCallsOpen()
-    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
-    sluice_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, stand_in)
-    port = stand_in.add_insecure_port("127.0.0.1:0")
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, stand_in_server(servicer) as target:
         java = _compile_harness(scratch)
-        stand_in.start()
         harness = subprocess.Popen(
-            [*java, f"127.0.0.1:{port}", function], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [*java, target, function], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         try:
             returned = harness.stdout.readline()
@@ -155,4 +150,3 @@ def test_java_example_functions_end_their_call_when_they_return_early(function: 
             assert servicer.ended.wait(PATIENCE_S), "the call is still open after the function returned"
         finally:
             harness.communicate("\n", timeout=PATIENCE_S)
-            stand_in.stop(None)

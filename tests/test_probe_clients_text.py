@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from concurrent import futures
 
-import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from test_clients_go_java import CLIENTS, parse
+from test_clients_go_java import CLIENTS, parse, stand_in_server
 from toolchains import require
 
 from sluice.v1 import sluice_pb2 as pb
@@ -79,23 +76,14 @@ def _run_against_echo(language: str, prompt: str, locale: dict[str, str]) -> lis
     """The example's output lines, run against an _Echo stand-in with `locale` in place of the caller's."""
     programs, command = CLIENTS[language]
     require(*programs, "bash")
-    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
-    sluice_pb2_grpc.add_InferenceServiceServicer_to_server(_Echo(), stand_in)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("sluice.v1.InferenceService", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, stand_in)
-    port = stand_in.add_insecure_port("127.0.0.1:0")
-    stand_in.start()
     env = dict(os.environ)
     if locale:
         env = {key: value for key, value in env.items() if not key.startswith(("LANG", "LC_"))} | locale
-    args = [command, "--addr", f"127.0.0.1:{port}", "--prompt", prompt, "--max-tokens", "8"]
-    try:
+    with stand_in_server(_Echo()) as target:
+        args = [command, "--addr", target, "--prompt", prompt, "--max-tokens", "8"]
         result = subprocess.run(
             [*args, "--long-tokens", str(len(prompt))], capture_output=True, env=env, timeout=540, check=False
         )
-    finally:
-        stand_in.stop(None)
     stdout = result.stdout.decode("utf-8", errors="replace")
     assert result.returncode == 0, f"{stdout}\n{result.stderr.decode(errors='replace')}"
     return stdout.splitlines()

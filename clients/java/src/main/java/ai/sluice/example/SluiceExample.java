@@ -25,6 +25,7 @@ import java.util.Iterator;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.concurrent.Callable;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
 import java.util.stream.Collectors;
@@ -118,9 +119,17 @@ public final class SluiceExample {
    */
   static Result runGenerate(InferenceServiceGrpc.InferenceServiceBlockingStub stub,
       GenerateRequest request, boolean abortAfterFirst) throws Exception {
+    return cancelledOnReturn(() -> readGenerate(stub, request, abortAfterFirst));
+  }
+
+  /**
+   * Runs {@code body} in a cancellable gRPC Context and cancels it on every return, normal or thrown: a
+   * call the body started and did not finish ends on the server too.
+   */
+  static <T> T cancelledOnReturn(Callable<T> body) throws Exception {
     Context.CancellableContext call = Context.current().withCancellation();
     try {
-      return call.call(() -> readGenerate(stub, request, abortAfterFirst));
+      return call.call(body);
     } finally {
       call.cancel(null);
     }
@@ -147,12 +156,7 @@ public final class SluiceExample {
    */
   static Map<String, Result> runBidi(InferenceServiceGrpc.InferenceServiceStub stub,
       List<GenerateRequest> requests, String cancelled) throws Exception {
-    Context.CancellableContext call = Context.current().withCancellation();
-    try {
-      return call.call(() -> streamBidi(stub, requests, cancelled));
-    } finally {
-      call.cancel(null);
-    }
+    return cancelledOnReturn(() -> streamBidi(stub, requests, cancelled));
   }
 
   private static Map<String, Result> streamBidi(InferenceServiceGrpc.InferenceServiceStub stub,
