@@ -11,6 +11,9 @@ gopath="$(mktemp -d)"
 trap 'rm -rf "$gopath"' EXIT
 mkdir -p "$build" "$gopath/src/github.com/sluice-ai"
 ln -s "$repo" "$gopath/src/github.com/sluice-ai/sluice"
+# Built beside the binary and renamed over it: two runs at once (e.g. two test processes) never run or
+# write a half-written one.
 GO111MODULE=off GOPATH="$gopath:/usr/share/gocode" GOCACHE="$build/cache" \
-    go build -o "$build/sluice-example" github.com/sluice-ai/sluice/clients/go/cmd/sluice-example
+    go build -o "$build/sluice-example.$$" github.com/sluice-ai/sluice/clients/go/cmd/sluice-example
+mv -f "$build/sluice-example.$$" "$build/sluice-example"
 GRPC_GO_RETRY=on "$build/sluice-example" "$@"

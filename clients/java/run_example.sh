@@ -17,6 +17,10 @@ classpath="$(printf '/usr/share/java/%s.jar:' "${jars[@]}")"
 stamp="$java_dir/build/compiled.stamp"
 proto="$repo/proto/sluice/v1/sluice.proto"
 mkdir -p "$build"
+# One build at a time (two runs at once, e.g. two test processes, each found no stamp, and one's rm -rf
+# removed the classes the other compiled or ran): the lock is held until the build is done.
+exec {lock}>"$java_dir/build/build.lock"
+flock "$lock"
 # Regenerate and recompile only when the proto or the example changed since the last build (javac on ~50
 # generated classes takes a while).
 if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
@@ -29,6 +33,7 @@ if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
     javac -J-XX:TieredStopAtLevel=1 -nowarn -encoding UTF-8 -d "$build" -cp "$classpath" "${sources[@]}"
     touch "$stamp"
 fi
+flock --unlock "$lock"
 # Java decodes its arguments (--prompt) and encodes what it prints in the locale's charset: in the POSIX
 # locale (a bare container's) that is ASCII, and every other character turns into '?'. The Go example takes
 # and prints UTF-8 whatever the locale; so does this one, run in C.UTF-8 where the locale is not UTF-8.
