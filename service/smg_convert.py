@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto import vllm_engine_pb2 as smg
 
-from sluice.engine.errors import InvalidRequestError
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.model_info import ModelInfo
 from sluice.engine.outputs import (
     NO_PROMPT_LOGPROBS,
@@ -73,7 +73,8 @@ def generation_spec_from_smg(
     vLLM, and a prompt with `max_tokens` past the context is INVALID_ARGUMENT (vLLM's 400), not
     RESOURCE_EXHAUSTED, which SMG would retry. `truncate_prompt_tokens` keeps the prompt's last tokens
     before any of that."""
-    token_ids = truncated(prompt_token_ids(request, tokenizer), request.sampling_params, model_info)
+    context = None if request.sampling_params.HasField("truncate_prompt_tokens") else model_info.max_model_len
+    token_ids = truncated(prompt_token_ids(request, tokenizer, context), request.sampling_params, model_info)
     num_free = model_info.max_model_len - len(token_ids)
     if num_free < 1:
         raise InvalidRequestError(
@@ -109,8 +110,11 @@ def truncated(token_ids: tuple[int, ...], message: smg.SamplingParams, info: Mod
     return token_ids[-keep:]
 
 
-def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    """The prompt's token ids: `tokenized.input_ids`, or `text` encoded with the model's tokenizer."""
+def prompt_token_ids(
+    request: smg.GenerateRequest, tokenizer: Tokenizer | None, context: int | None = None
+) -> tuple[int, ...]:
+    """The prompt's token ids: `tokenized.input_ids`, or `text` encoded with the model's tokenizer (past
+    `context`, when given, refused from a prefix: `Tokenizer.encode`)."""
     for media, given in (
         ("mm_inputs", request.HasField("mm_inputs")),
         ("extra_mm_inputs", bool(request.extra_mm_inputs)),
@@ -131,7 +135,10 @@ def prompt_token_ids(request: smg.GenerateRequest, tokenizer: Tokenizer | None) 
     if kind == "text" and request.text:
         if tokenizer is None:
             raise InvalidRequestError("text", "this model has no tokenizer: send tokenized.input_ids")
-        return tuple(tokenizer.encode(request.text))
+        try:
+            return tuple(tokenizer.encode(request.text, context=context))
+        except ContextLengthError as exc:  # INVALID_ARGUMENT, as the context check below
+            raise smg_refusal(exc, "text") from None
     raise InvalidRequestError("input", "is empty: give tokenized.input_ids or text")
 
 

@@ -166,7 +166,7 @@ def test_what_sluice_cannot_do_is_invalid_argument_naming_the_field(request_, fi
 
 
 class _OneTokenAWord:
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, context: int | None = None) -> list[int]:
         return [7] * len(text.split())
 
 

@@ -41,7 +41,7 @@ from sluice.engine.outputs import EngineStats, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.chat_template import ChatTemplateOptions
-from sluice.engine.text.prompt import check_prompt, resolve_prompt, truncated_prompt
+from sluice.engine.text.prompt import check_prompt, prompt_context, resolve_prompt, truncated_prompt
 from sluice.engine.text.tokenizer import Tokenizer
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
@@ -236,7 +236,12 @@ class AsyncEngine:
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         tools = None if tool_use is None else tool_use.for_template()
         prompt = await self._tokenize(
-            text=text, token_ids=token_ids, messages=messages, tools=tools, chat_options=chat_options
+            text=text,
+            token_ids=token_ids,
+            messages=messages,
+            tools=tools,
+            chat_options=chat_options,
+            context=prompt_context(params, self.model_info.max_model_len),
         )
         params = params if tool_use is None else tool_use.sampling_params(params)
         prompt = truncated_prompt(prompt, params, self.model_info.max_model_len)

@@ -24,10 +24,12 @@ def resolve_prompt(
     messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Sequence[dict] | None = None,
     chat_options: ChatTemplateOptions | None = None,
+    context: int | None = None,
 ) -> list[int]:
     """Exactly one of `text`, `token_ids`, `messages`; returns the prompt's token ids. `tools` (with
     `messages` only) are rendered by the chat template, as `chat_options` say (None: the defaults);
-    `messages` as `template_messages` takes them."""
+    `messages` as `template_messages` takes them. `context` (the model's; None where the prompt is to be
+    truncated): a text or rendered chat past it may be refused from a prefix (`Tokenizer.encode`)."""
     given = [name for name, v in (("text", text), ("token_ids", token_ids), ("messages", messages)) if v]
     if len(given) != 1:
         if not given:
@@ -43,11 +45,13 @@ def resolve_prompt(
         raise InvalidRequestError(given[0], "this model has no tokenizer; send token_ids")
     if messages:
         options = chat_options or ChatTemplateOptions()
-        ids = tokenizer.encode_chat(template_messages(messages), tools=tools, **options.as_kwargs())
+        ids = tokenizer.encode_chat(
+            template_messages(messages), tools=tools, **options.as_kwargs(), context=context
+        )
         if not ids:  # e.g. a template that renders nothing for a role it does not know
             raise InvalidRequestError("messages", "the chat template renders them to no tokens")
         return ids
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, context=context)
     if not ids:
         raise InvalidRequestError("text", "encodes to no tokens")
     return ids
@@ -68,6 +72,11 @@ def _token_ids(token_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+def prompt_context(params: SamplingParams, max_model_len: int) -> int | None:
+    """`resolve_prompt`'s `context`: the model's, unless the prompt is to be truncated to fit it."""
+    return max_model_len if params.truncate_prompt_tokens is None else None
+
+
 def truncated_prompt(
     prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int
 ) -> Sequence[int]:
@@ -84,8 +93,16 @@ def truncated_prompt(
 def check_prompt(
     prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo, *, has_tokenizer: bool
 ) -> None:
-    """Rejects prompts the model cannot serve, naming the field."""
+    """Rejects prompts the model cannot serve, naming the field. The prompt's length first: the scans of
+    its ids run on the event loop (with the ids' conversion to a list, they held it up to 4.9 s for a
+    prompt of 20M tokens before its refusal)."""
     vocab_size, max_model_len = model_info.vocab_size, model_info.max_model_len
+    if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
+        raise ContextLengthError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
+            f"{max_model_len} tokens ({_shorten_hint(params)})",
+        )
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -112,12 +129,6 @@ def check_prompt(
         )
     _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
     total = len(prompt_token_ids) + params.max_tokens
-    if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
-        raise ContextLengthError(
-            "prompt",
-            f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
-            f"{max_model_len} tokens ({_shorten_hint(params)})",
-        )
     if total > max_model_len:
         raise ContextLengthError(
             "max_tokens",

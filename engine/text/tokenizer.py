@@ -26,7 +26,7 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
-from sluice.engine.errors import InvalidRequestError
+from sluice.engine.errors import ContextLengthError, InvalidRequestError
 from sluice.engine.text.byte_level import ByteLevelVocab
 from sluice.engine.text.chat_messages import json_text, lone_surrogate_error
 from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
@@ -42,6 +42,11 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 TOOL_USE_TEMPLATE = "tool_use"  # the named template transformers and llama.cpp render a request with tools by
+# A text longer than this many characters per token of the model's context is encoded first in prefixes,
+# each this many times the last, so that one far past the context is refused from a prefix: encoded whole,
+# 60 MB took 127 s and 3.7 GB of the frontend to be refused.
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_GROWTH = 4
 
 
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -168,13 +173,41 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True, *, field: str = "text") -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, field: str = "text", context: int | None = None
+    ) -> list[int]:
         """Through `encode_batch`, which releases the GIL while it runs (`encode` holds it: a 4 MB prompt
         tokenized by SmolLM2's tokenizer in a worker thread stalled the frontend's event loop for 2.2-2.5 s;
         now for 62-77 ms, the ids' conversion to a list) and is no slower.
 
         Raises InvalidRequestError naming `field` for text holding a lone surrogate, which no UTF-8 text
-        holds (`tokenizers` refuses it with a TypeError that names no cause)."""
+        holds (`tokenizers` refuses it with a TypeError that names no cause). `context` (the model's, for a
+        prompt): a text that a prefix shows to be `context` tokens or more, which leaves no room for an
+        output token, raises ContextLengthError naming the prompt without being encoded whole."""
+        if context is not None:
+            self._refuse_past_context(text, add_special_tokens, field, context)
+        return self._encode(text, add_special_tokens, field)
+
+    def _refuse_past_context(self, text: str, add_special_tokens: bool, field: str, context: int) -> None:
+        """Encodes ever longer prefixes of a long `text`, each cut at a whitespace where its last half has
+        one: the pre-tokenizers split there, so the prefix's tokens are the whole's first ones (a cut
+        inside a word may split it into a few more: the margin). Costs at most ~1.3x the whole's encoding
+        when the text fits (a text that fits in fewer characters per token than the first prefix's)."""
+        margin = 16 + context // 16
+        chars = PREFIX_CHARS_PER_TOKEN * context
+        while chars < len(text):
+            cut = max(text.rfind(" ", chars // 2, chars), text.rfind("\n", chars // 2, chars))
+            cut = chars if cut <= 0 else cut
+            count = len(self._encode(text[:cut], add_special_tokens, field))
+            if count >= context + margin:
+                raise ContextLengthError(
+                    "prompt",
+                    f"its first {cut:,} of {len(text):,} characters alone are {count:,} tokens, past the "
+                    f"model's context of {context} tokens (shorten it, or set truncate_prompt_tokens)",
+                )
+            chars *= PREFIX_GROWTH
+
+    def _encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         try:
             (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         except TypeError:
@@ -231,10 +264,11 @@ class Tokenizer:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        context: int | None = None,
     ) -> list[int]:
         """Render (as `apply_chat_template`), then encode without adding special tokens (the template has
         them), as transformers. A lone surrogate in the render is refused naming "tools" where the tools
-        hold one (a JSON schema's "\\ud83d" escape), else "messages"."""
+        hold one (a JSON schema's "\\ud83d" escape), else "messages". `context`: as `encode`'s."""
         text = self.apply_chat_template(
             messages,
             add_generation_prompt,
@@ -243,7 +277,7 @@ class Tokenizer:
             chat_template_kwargs=chat_template_kwargs,
         )
         try:
-            return self.encode(text, add_special_tokens=False, field="messages")
+            return self.encode(text, add_special_tokens=False, field="messages", context=context)
         except InvalidRequestError as error:  # a lone surrogate: the tools' where they hold one
             raise lone_surrogate_error("tools", json_text(tools)) or error from None
 
