@@ -1,5 +1,5 @@
 """Request options of vLLM's that Sluice takes too. `truncate_prompt_tokens`: a request keeps only its
-prompt's last k tokens (-1: as many as the model's context holds); the kept tokens give transformers' greedy
+prompt's last k tokens (-1: as many as one request holds); the kept tokens give transformers' greedy
 continuation of them, usage and prompt logprobs count them, and a bad value is INVALID_ARGUMENT naming the
 field. `include_stop_str_in_output`: the text ends with the stop string that ended it."""
 
@@ -46,6 +46,18 @@ def test_the_offline_engine_continues_the_last_k_prompt_tokens_as_transformers(l
     (completion,) = llm.generate(long_prompt, whole)
     assert completion.prompt_token_ids == long_prompt[-(256 - NUM_NEW) :]
     assert completion.token_ids == _hf_greedy(llama_dir, long_prompt[-(256 - NUM_NEW) :])
+
+
+def test_minus_one_keeps_what_a_kv_cache_smaller_than_the_context_holds(llama_dir: str) -> None:
+    """-1 kept the context's 256 - max_tokens tokens where the KV cache holds 96: the request was then
+    refused for the cache. It keeps what one request can hold (`max_request_tokens`) beside max_tokens."""
+    llm = LLM(llama_dir, attention_backend="torch", block_size=16, num_blocks=6)
+    assert llm.engine.model_info.max_request_tokens == 96
+    whole = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, truncate_prompt_tokens=-1)
+    long_prompt = [(7 * i) % 500 + 1 for i in range(300)]
+    (completion,) = llm.generate(long_prompt, whole)
+    assert completion.prompt_token_ids == long_prompt[-(96 - NUM_NEW) :]
+    assert completion.token_ids == _hf_greedy(llama_dir, long_prompt[-(96 - NUM_NEW) :])
 
 
 def test_a_server_request_keeps_the_last_k_tokens_in_usage_and_prompt_logprobs(stub) -> None:

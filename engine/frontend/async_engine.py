@@ -244,7 +244,7 @@ class AsyncEngine:
             context=prompt_context(params, self.model_info.max_model_len),
         )
         params = params if tool_use is None else tool_use.sampling_params(params)
-        prompt = truncated_prompt(prompt, params, self.model_info.max_model_len)
+        prompt = truncated_prompt(prompt, params, self.model_info)
         check_prompt(prompt, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         self._check_accepting(request_id, params.n)  # again: tokenizing may have awaited
         collector = OutputCollector(stream_interval or self._stream_interval)

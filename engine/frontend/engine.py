@@ -53,7 +53,7 @@ class Engine:
         """Validates and queues a request; returns its prompt as queued (`truncate_prompt_tokens` applied);
         raises InvalidRequestError / ContextLengthError. With `tool_use`, `params` must already carry its
         constraint (`ToolUse.sampling_params`)."""
-        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.model_info.max_model_len)
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.model_info)
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         add = AddRequest(

@@ -78,15 +78,17 @@ def prompt_context(params: SamplingParams, max_model_len: int) -> int | None:
 
 
 def truncated_prompt(
-    prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int
+    prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo
 ) -> Sequence[int]:
-    """The prompt's last `params.truncate_prompt_tokens` tokens, as vLLM keeps them (-1: as many as the
-    model's context holds beside max_tokens, at least one; all of it was never servable); the whole
-    prompt when unset."""
+    """The prompt's last `params.truncate_prompt_tokens` tokens, as vLLM keeps them (-1: as many as one
+    request holds beside max_tokens, at least one: the model's context, or less where the KV cache or the
+    step budget without chunked prefill holds less, which would then refuse it); the whole prompt when
+    unset."""
     keep = params.truncate_prompt_tokens
     if keep is None:
         return prompt_token_ids
-    keep = max(1, max_model_len - params.max_tokens) if keep == -1 else keep
+    most = model_info.max_request_tokens or model_info.max_model_len
+    keep = max(1, most - params.max_tokens) if keep == -1 else keep
     return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
 
