@@ -86,14 +86,29 @@ class SiluAndMul(GatedActivation):
 
 
 class GeluTanhAndMul(GatedActivation):
-    """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)."""
+    """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`; transformers' `gelu_new` is the same function)."""
 
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
 
-_ACTIVATIONS: dict[str, type[GatedActivation]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+class GeluAndMul(GatedActivation):
+    """gelu(gate) * up, the exact (erf) GELU: transformers' `gelu`."""
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate) * up
+
+
+# transformers' ACT2FN names: `swish` is its SiLU, `gelu_new` its own tanh approximation of GELU.
+_ACTIVATIONS: dict[str, type[GatedActivation]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_new": GeluTanhAndMul,
+    "gelu": GeluAndMul,
+}
 
 
 def get_act_and_mul(name: str, field: str = "hidden_act") -> GatedActivation:
