@@ -44,7 +44,7 @@ SPECIAL_TOKEN_NAMES = (
 TOOL_USE_TEMPLATE = "tool_use"  # the named template transformers and llama.cpp render a request with tools by
 # A text longer than this many characters per token of the model's context is encoded first in prefixes,
 # each this many times the last, so that one far past the context is refused from a prefix: encoded whole,
-# 60 MB took 127 s and 3.7 GB of the frontend to be refused.
+# 60 MB took the server 127 s and 3.7 GB to refuse (the tiny preset's tokenizer).
 PREFIX_CHARS_PER_TOKEN = 16
 PREFIX_GROWTH = 4
 
