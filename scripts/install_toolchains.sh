@@ -26,6 +26,9 @@ APT_PACKAGES=(
     libgeronimo-annotation-1.3-spec-java
     libguava-java
     libnetty-java
+    # netty's OpenSSL provider: the Java example's TLS (Debian's netty has no JDK ALPN; run_example.sh)
+    libnetty-tcnative-java
+    libnetty-tcnative-jni
     libperfmark-java
     default-jdk-headless
 )

@@ -13,6 +13,25 @@ jars=(grpc-api grpc-context grpc-core grpc-netty grpc-protobuf grpc-protobuf-lit
       guava perfmark-api geronimo-annotation-1.3-spec
       netty-buffer netty-codec netty-codec-http netty-codec-http2 netty-common netty-handler
       netty-handler-proxy netty-codec-socks netty-resolver netty-transport)
+# TLS: gRPC needs ALPN, and Debian's netty (4.1.48) dropped the JDK's (no JdkAlpnApplicationProtocolNegotiator;
+# TLS fails "JDK provider does not support ALPN protocol"): its OpenSSL provider, netty-tcnative
+# (libnetty-tcnative-java, libnetty-tcnative-jni), does ALPN instead. Netty loads it as libnetty_tcnative.so,
+# which must be the file's own name (the library checks the path it was loaded from); Debian installs it as
+# libnetty-tcnative.so, so a copy goes to build/native/. Maven's grpc-netty-shaded needs none of this.
+tcnative_jar=/usr/share/java/netty-tcnative.jar
+tcnative_so=/usr/lib/$(uname -m)-linux-gnu/jni/libnetty-tcnative.so
+native="$java_dir/build/native"
+if [ -e "$tcnative_jar" ] && [ -e "$tcnative_so" ]; then
+    jars+=(netty-tcnative)
+else
+    for arg in "$@"; do
+        if [[ "$arg" == --tls* ]]; then
+            echo "run_example.sh: TLS needs netty-tcnative (Debian's netty has no JDK ALPN): install" \
+                "libnetty-tcnative-java and libnetty-tcnative-jni (scripts/install_toolchains.sh)" >&2
+            exit 1
+        fi
+    done
+fi
 classpath="$(printf '/usr/share/java/%s.jar:' "${jars[@]}")"
 stamp="$java_dir/build/compiled.stamp"
 proto="$repo/proto/sluice/v1/sluice.proto"
@@ -33,6 +52,11 @@ if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
     javac -J-XX:TieredStopAtLevel=1 -nowarn -encoding UTF-8 -d "$build" -cp "$classpath" "${sources[@]}"
     touch "$stamp"
 fi
+if [ -e "$tcnative_so" ] && [ "$tcnative_so" -nt "$native/libnetty_tcnative.so" ]; then
+    # Copied beside and renamed over: a run loading the library meanwhile never reads a half-written one.
+    mkdir -p "$native" && cp "$tcnative_so" "$native/libnetty_tcnative.so.$$"
+    mv -f "$native/libnetty_tcnative.so.$$" "$native/libnetty_tcnative.so"
+fi
 flock --unlock "$lock"
 # Java decodes its arguments (--prompt) and encodes what it prints in the locale's charset: in the POSIX
 # locale (a bare container's) that is ASCII, and every other character turns into '?'. The Go example takes
@@ -40,4 +64,5 @@ flock --unlock "$lock"
 if [ "$(locale charmap 2>/dev/null)" != "UTF-8" ]; then
     export LC_ALL=C.UTF-8
 fi
-java -XX:TieredStopAtLevel=1 -cp "$build:$classpath" ai.sluice.example.SluiceExample "$@"
+java -XX:TieredStopAtLevel=1 -Djava.library.path="$native" -cp "$build:$classpath" \
+    ai.sluice.example.SluiceExample "$@"

@@ -7,6 +7,13 @@
 // --api-key KEY (default: $SLUICE_API_KEY) sends `authorization: Bearer KEY` on every call, for a server
 // started with --api-key or --api-keys.
 //
+// TLS takes the flags of Sluice's Python clients (tls_flags.go), plaintext unless one is given: --tls
+// trusts the system's roots; --tls-ca-cert CA.pem trusts that CA instead (a server's --tls-cert signed by
+// it); --tls-client-cert C.pem --tls-client-key K.pem (together) present a client certificate, for a
+// server started with --tls-client-ca; --tls-server-name NAME verifies the server's certificate against
+// NAME rather than the address's host. A client certificate without its key, or a file that cannot be
+// read, exits 1 naming the flag.
+//
 // --session ID turns on session affinity: the ring-hash service config below and the header
 // x-sluice-session: ID on every call, so all of them reach the replica ID hashes to (docs/FLEET.md).
 // That needs grpc-go 1.73 or newer built with `-tags ringhash` (ringhash.go registers the policy) and,
@@ -203,7 +210,12 @@ func main() {
 	session := flag.String("session", "", "send every call with this session id (ring-hash affinity)")
 	apiKey := flag.String("api-key", os.Getenv("SLUICE_API_KEY"),
 		"send 'authorization: Bearer KEY' on every call (default: $SLUICE_API_KEY)")
+	tlsArgs := addTLSFlags(flag.CommandLine)
 	flag.Parse()
+	security, err := tlsArgs.dialOption()
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	config := serviceConfig
 	if *session != "" {
@@ -212,8 +224,9 @@ func main() {
 
 	dialCtx, cancelDial := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancelDial()
-	// grpc-go 1.33 (Debian 12) predates credentials/insecure: WithInsecure is its plaintext option.
-	conn, err := grpc.DialContext(dialCtx, *addr, grpc.WithInsecure(), grpc.WithBlock(),
+	// WithReturnConnectionError blocks as WithBlock does and, when the dial times out, says why the last
+	// connection failed (a TLS handshake's error, say), not only "context deadline exceeded".
+	conn, err := grpc.DialContext(dialCtx, *addr, security, grpc.WithReturnConnectionError(),
 		grpc.WithDefaultServiceConfig(config))
 	if err != nil {
 		log.Fatalf("dial %s: %v", *addr, err)

@@ -16,8 +16,9 @@ import ai.sluice.v1.TokenizeResponse;
 import io.grpc.ClientInterceptor;
 import io.grpc.Context;
 import io.grpc.ManagedChannel;
-import io.grpc.ManagedChannelBuilder;
 import io.grpc.Metadata;
+import io.grpc.Status;
+import io.grpc.StatusRuntimeException;
 import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.StreamObserver;
 import java.util.ArrayList;
@@ -37,9 +38,17 @@ import java.util.stream.Collectors;
  *
  * <p>Every result is one line, {@code <kind>: request_id=... finish=... tokens=N ...}, then {@code done}.
  * Arguments: {@code --addr host:port --prompt TEXT --max-tokens N --long-tokens N --session ID
- * --api-key KEY}; a
- * {@code --long-tokens} of 0 (the default) is what the context (or the KV cache, where it holds less)
- * leaves beside the prompt, so the requests cancelled mid-stream are still running when cancelled.
+ * --api-key KEY} and the TLS flags below; a {@code --long-tokens} of 0 (the default) is what the context
+ * (or the KV cache, where it holds less) leaves beside the prompt, so the requests cancelled mid-stream
+ * are still running when cancelled.
+ *
+ * <p>TLS takes the flags of Sluice's Python clients ({@link TlsFlags}), plaintext unless one is given:
+ * {@code --tls} trusts the system's roots; {@code --tls-ca-cert CA.pem} trusts that CA instead (a
+ * server's --tls-cert signed by it); {@code --tls-client-cert C.pem --tls-client-key K.pem} (together,
+ * a PKCS#8 key) present a client certificate, for a server started with --tls-client-ca;
+ * {@code --tls-server-name NAME} verifies the server's certificate against NAME rather than the
+ * address's host. A client certificate without its key, or a file that cannot be read, exits 1 naming
+ * the flag.
  *
  * <p>{@code --session ID} turns on session affinity (docs/FLEET.md): the ring-hash service config
  * ({@link #sessionServiceConfig}) and the header {@code x-sluice-session: ID} on every call, so all of
@@ -256,31 +265,69 @@ public final class SluiceExample {
     return MetadataUtils.newAttachHeadersInterceptor(headers);
   }
 
+  /**
+   * Reads {@code args} into {@code flags} (each {@code --flag value}, but {@code --tls} alone) and says
+   * whether {@code --tls} was given. IllegalArgumentException: an unknown flag, one without its value.
+   */
+  static boolean parseFlags(String[] args, Map<String, String> flags) {
+    boolean tls = false;
+    for (int i = 0; i < args.length; i++) {
+      if (args[i].equals(TlsFlags.TLS)) {
+        tls = true;
+      } else if (!flags.containsKey(args[i])) {
+        throw new IllegalArgumentException("unknown flag " + args[i] + "; known: " + flags.keySet()
+            + " and " + TlsFlags.TLS);
+      } else if (i + 1 == args.length) {
+        throw new IllegalArgumentException(args[i].substring(2) + ": " + args[i] + " takes a value");
+      } else {
+        flags.put(args[i], args[++i]);
+      }
+    }
+    return tls;
+  }
+
+  /**
+   * GetModelInfo, waiting up to 10 s for the connection as the Go example's dial does. When the wait
+   * runs out, one call that does not wait says why the connection failed (UNAVAILABLE caused by a TLS
+   * handshake's error, say), which the waiting call's DEADLINE_EXCEEDED does not.
+   */
+  static GetModelInfoResponse firstCall(InferenceServiceGrpc.InferenceServiceBlockingStub stub) {
+    GetModelInfoRequest request = GetModelInfoRequest.getDefaultInstance();
+    try {
+      return stub.withDeadlineAfter(10, TimeUnit.SECONDS).withWaitForReady().getModelInfo(request);
+    } catch (StatusRuntimeException e) {
+      if (e.getStatus().getCode() != Status.Code.DEADLINE_EXCEEDED) {
+        throw e;
+      }
+      return stub.withDeadlineAfter(10, TimeUnit.SECONDS).getModelInfo(request);
+    }
+  }
+
   public static void main(String[] args) throws Exception {
     Map<String, String> flags = new LinkedHashMap<>(Map.of(
         "--addr", "localhost:50051", "--prompt", "The quick brown fox",
         "--max-tokens", "8", "--long-tokens", "0", "--session", "",
         // authorization: Bearer KEY on every call, for a server started with --api-key or --api-keys.
         "--api-key", System.getenv().getOrDefault("SLUICE_API_KEY", "")));
-    if (args.length % 2 != 0) {
-      throw new IllegalArgumentException("flags come in pairs (--flag value); known: " + flags.keySet());
-    }
-    for (int i = 0; i < args.length; i += 2) {
-      if (!flags.containsKey(args[i])) {
-        throw new IllegalArgumentException("unknown flag " + args[i] + "; known: " + flags.keySet());
-      }
-      flags.put(args[i], args[i + 1]);
+    TlsFlags.VALUE_FLAGS.forEach(flag -> flags.put(flag, ""));
+    String session;
+    ManagedChannel channel;
+    try {  // a bad flag: its message, and exit status 1
+      boolean tls = parseFlags(args, flags);
+      session = flags.get("--session");
+      channel = TlsFlags.of(tls, flags).channelBuilder(flags.get("--addr"))
+          .defaultServiceConfig(session.isEmpty() ? serviceConfig() : sessionServiceConfig())
+          .enableRetry()
+          .build();
+    } catch (IllegalArgumentException e) {
+      System.err.println("sluice-example: " + e.getMessage());
+      System.exit(1);
+      return;
     }
     String prompt = flags.get("--prompt");
     int maxTokens = Integer.parseInt(flags.get("--max-tokens"));
     int longTokens = Integer.parseInt(flags.get("--long-tokens"));
-    String session = flags.get("--session");
 
-    ManagedChannel channel = ManagedChannelBuilder.forTarget(flags.get("--addr"))
-        .defaultServiceConfig(session.isEmpty() ? serviceConfig() : sessionServiceConfig())
-        .enableRetry()
-        .usePlaintext()
-        .build();
     try {
       var blocking = InferenceServiceGrpc.newBlockingStub(channel);
       var async = InferenceServiceGrpc.newStub(channel);
@@ -293,8 +340,7 @@ public final class SluiceExample {
         blocking = blocking.withInterceptors(header("authorization", "Bearer " + apiKey));
         async = async.withInterceptors(header("authorization", "Bearer " + apiKey));
       }
-      GetModelInfoResponse info = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
-          .withWaitForReady().getModelInfo(GetModelInfoRequest.getDefaultInstance());
+      GetModelInfoResponse info = firstCall(blocking);
       System.out.printf("model: name=%s max_model_len=%d%n", info.getModelName(), info.getMaxModelLen());
       if (longTokens == 0) {  // what the context leaves beside the prompt: still running when cancelled
         TokenizeResponse tokens = blocking.withDeadlineAfter(10, TimeUnit.SECONDS)
