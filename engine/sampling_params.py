@@ -168,6 +168,8 @@ class SamplingParams:
         """The params of sample `index` of an n-sample request: n=1, seed + index when seeded, and
         prompt logprobs for sample 0 only."""
         seed = None if self.seed is None else self.seed + index
+        if seed == -1:  # a seed, not vLLM's "no seed": torch seeds -1 and 2**64 - 1 alike
+            seed = SEED_LIMIT - 1
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 

@@ -24,7 +24,7 @@ import torch
 from sluice.engine.outputs import OutputLogprobs
 from sluice.engine.sample.device_tensor import device_tensor
 from sluice.engine.sample.logits_processors import LogitsProcessor, default_processors
-from sluice.engine.sample.top_logprobs import top_k_ties_by_id
+from sluice.engine.sample.top_logprobs import by_value_then_id, top_k_ties_by_id
 from sluice.engine.sampling_params import SamplingParams
 from sluice.kernels.cpu_argmax import EXTENSION as ARGMAX_EXTENSION
 from sluice.kernels.cpu_argmax import cpu_argmax_prechecked
@@ -289,7 +289,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
     On a GPU every row is sorted whole. On the host, where sorting 64 rows of 49,152 took ~120 ms, the
     cuts are made among each row's most likely tokens (`topk`): its top_k, or NUCLEUS_CANDIDATES where it
-    has only top_p; a row whose nucleus reaches past those (a flat distribution) is sorted whole."""
+    has only top_p; a row whose nucleus reaches past those (a flat distribution) is sorted whole.
+    The nucleus takes tied tokens in increasing id on every path, so which of a tie it keeps does not
+    depend on how many candidates the batch's other rows ask for (a seed reproduces whatever the batch)."""
     device, vocab = logits.device, logits.shape[1]
     top_k_t = device_tensor(top_k, torch.long, device)
     top_p_t = device_tensor(top_p, torch.float32, device)
@@ -297,7 +299,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         return _cut_sorted(logits, top_k_t, top_p_t)
     # One candidate past the most any row keeps: a tie at a row's k-th place shows among them.
     candidates = min(max(k if k < vocab else min(NUCLEUS_CANDIDATES, vocab) for k in top_k) + 1, vocab)
-    values, order = logits.topk(candidates, dim=-1)
+    values, order = _candidates(logits, candidates)
+    last = values[:, -1].clone()  # a value topk may have kept only some of the tokens of
     rank = torch.arange(candidates).unsqueeze(0)
     has_top_k = [k < vocab for k in top_k]
     by_top_k = torch.tensor(has_top_k).unsqueeze(1)
@@ -319,21 +322,36 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     if uncut:
         cut[uncut] = logits[uncut]
     top_p_only = ~by_top_k.squeeze(1) & (top_p_t < 1.0)
-    wider = (((probs.sum(dim=-1) < top_p_t) & top_p_only) | tie_past).nonzero().squeeze(1)
+    # A top_p-only nucleus that reaches the last candidate's value may need the lower ids of its tie.
+    tie_at_last = (values == last.unsqueeze(1)).any(dim=-1) & torch.isfinite(last) & (candidates < vocab)
+    wider = ((((probs.sum(dim=-1) < top_p_t) | tie_at_last) & top_p_only) | tie_past).nonzero().squeeze(1)
     if wider.numel():
         cut[wider] = _cut_sorted(logits[wider], top_k_t[wider], top_p_t[wider])
     return cut
 
 
+def _candidates(logits: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `candidates` largest logits and their ids, in decreasing value, tied values in
+    increasing id (`topk` orders a tie as it happens to: another way for another count). Only rows with
+    a finite tie are reordered."""
+    values, order = logits.topk(candidates, dim=-1)
+    tied = ((values[:, 1:] == values[:, :-1]) & torch.isfinite(values[:, 1:])).any(dim=-1)
+    tied = tied.nonzero().squeeze(1)
+    if tied.numel():
+        values[tied], order[tied] = by_value_then_id(values[tied], order[tied])
+    return values, order
+
+
 def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`_top_k_top_p` over each row's whole vocabulary, sorted. top_k, top_p: [m] on the logits' device."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties in increasing id
     rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     # top_k by value, as transformers and vLLM cut: tokens tied with the k-th stay (by rank, which of
     # them stayed was the sort's choice, another on the host's path than on a GPU's).
     kth = sorted_logits.gather(1, (top_k.clamp(max=logits.shape[1]) - 1).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
+    # As the candidates' path computes them (not softmax): a row's nucleus ends alike on either path.
+    probs = torch.exp(sorted_logits - torch.logsumexp(sorted_logits, dim=-1, keepdim=True))
     sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p, rank), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -38,14 +38,14 @@ def _top_k_on_host(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     (a wait, free on the host), and saves the search's passes over every row's vocabulary: 64 x 49,152 at
     k = 20, ~16 -> ~3.5 ms (2-core Zen 4)."""
     top = logprobs.topk(k + 1, dim=-1)
-    values, ids = _by_value_then_id(top.values[:, :k], top.indices[:, :k])
+    values, ids = by_value_then_id(top.values[:, :k], top.indices[:, :k])
     tied = (top.values[:, k] == top.values[:, k - 1]).nonzero().squeeze(1)
     if tied.numel():
         values[tied], ids[tied] = _top_k_queued(logprobs[tied], k)
     return values, ids
 
 
-def _by_value_then_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def by_value_then_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidates of each row in decreasing value, equal values in increasing id."""
     ids, by_id = ids.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
@@ -57,7 +57,7 @@ def _top_k_queued(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     top = logprobs.topk(k, dim=-1)
     if k == 0:
         return top.values, top.indices
-    values, ids = _by_value_then_id(top.values, top.indices)
+    values, ids = by_value_then_id(top.values, top.indices)
     threshold = values[:, -1:]  # [rows, 1]: the k-th value
     num_above = (values > threshold).sum(dim=-1, keepdim=True)
     # ties[r, j]: how many tokens <= j equal the threshold; the n-th of them is the first j where it is n.
