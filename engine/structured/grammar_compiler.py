@@ -116,9 +116,18 @@ class GrammarCompileError(Exception):
     """The constraint's source does not compile; the message says why (without the field)."""
 
 
+# A constraint whose source is longer than this compiles in a lane of its own, one at a time: compile time
+# and memory grow faster than the source (a 10,000-value enum, 120 kB, ~1 s with SmolLM2's vocabulary; a
+# 200,000-value one, 3 MB, 300 s and 1.2 GB with the tiny Llama's), and a few such requests held every
+# worker from everyone's grammars. Below it (a 3,000-value enum, 36 kB, ~0.15 s; tool schemas of a few kB)
+# they share the others.
+LARGE_SOURCE_CHARS = 64 * 1024
+
+
 class GrammarCompiler:
     """Thread-safe. `submit` from the engine thread; compilation runs in `num_workers` threads (None:
-    half the CPUs this process may use, at least two)."""
+    half the CPUs this process may use, at least two), a source over LARGE_SOURCE_CHARS in one more
+    thread of its own."""
 
     def __init__(
         self,
@@ -139,6 +148,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix="sluice-grammar")
+        self._large_executor = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar-large")
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()  # the first compiles build it once
         self.num_compiles = 0
@@ -154,7 +164,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 return future
-            future = self._executor.submit(self._compile, key)
+            executor = self._large_executor if len(key[1]) > LARGE_SOURCE_CHARS else self._executor
+            future = executor.submit(self._compile, key)
             self._cache[key] = future
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -173,7 +184,8 @@ class GrammarCompiler:
         return True
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._executor, self._large_executor):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
         import xgrammar as xgr  # here, in the worker thread, not at start: module docstring
