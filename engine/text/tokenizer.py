@@ -278,6 +278,8 @@ class Tokenizer:
         )
         try:
             return self.encode(text, add_special_tokens=False, field="messages", context=context)
+        except ContextLengthError:
+            raise
         except InvalidRequestError as error:  # a lone surrogate: the tools' where they hold one
             raise lone_surrogate_error("tools", json_text(tools)) or error from None
 
