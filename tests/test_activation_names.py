@@ -58,7 +58,10 @@ def test_each_gated_activation_is_transformers_function_of_that_name(name: str) 
 
     from sluice.engine.worker.layers.activation import get_act_and_mul
 
-    gate_up = torch.randn(64, 2 * 96, generator=torch.Generator().manual_seed(0)) * 4
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = ACT2FN[name](gate) * up
-    torch.testing.assert_close(get_act_and_mul(name).forward_native(gate_up), expected, rtol=0, atol=2e-6)
+    gate = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 4
+    # up = 1: the activation itself, |x| < ~20 (GELU and its tanh approximation differ by up to ~5e-4 there,
+    # `gelu_new` and torch's tanh GELU, the same function, by float32 rounding)
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
+    torch.testing.assert_close(
+        get_act_and_mul(name).forward_native(gate_up), ACT2FN[name](gate), rtol=0, atol=2e-5
+    )

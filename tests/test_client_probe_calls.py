@@ -8,6 +8,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ def _stream_request(request_id: str, **kwargs: object) -> pb.StreamGenerateReque
 # allocates next, waits on it for ever. In this process that thread was the test server's (CI: the
 # module's later tests timed out); in the child, the held lock ends with it.
 _INTERRUPTED_CALLER = """
-import sys
+import os, sys
 from sluice import Client, generate_request
 target, method, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Client(target) as client:
@@ -42,29 +43,34 @@ with Client(target) as client:
         print("interrupted", flush=True)
         sys.stdin.readline()  # the parent has seen the request end while it lives
         print(type(kept).__name__, flush=True)
+        os._exit(0)  # not through the channel's close, which a lock the SIGINT left held could stall
 """
 
 
 @pytest.mark.parametrize("method", ["complete", "complete_samples"])
 def test_a_ctrl_c_in_complete_aborts_the_request_while_the_exception_lives(
-    server: ServerThread, method: str
+    server: ServerThread, method: str, tmp_path: Path
 ) -> None:
     """`complete()` hands out no stream to close: a KeyboardInterrupt (kept, as a REPL keeps the last one
     in sys.last_value) left its request generating until max_tokens."""
     command = [sys.executable, "-c", _INTERRUPTED_CALLER, server.target, method, str(UNENDING["max_tokens"])]
-    with subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as caller:
+    log = tmp_path / "stderr"  # a file: read while the child may still run (a pipe's read would wait)
+    with (
+        log.open("w") as stderr,
+        subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+        ) as caller,
+    ):
         try:
-            assert caller.stdout.readline() == "calling\n", caller.stderr.read()
+            assert caller.stdout.readline() == "calling\n", log.read_text()
             wait_for(lambda: server.stats().num_running >= 1, "the request running")
             caller.send_signal(signal.SIGINT)
-            assert caller.stdout.readline() == "interrupted\n", caller.stderr.read()
+            assert caller.stdout.readline() == "interrupted\n", log.read_text()
             server.wait_idle()
-            stdout, stderr = caller.communicate("\n", timeout=PATIENCE_S)
+            stdout, _ = caller.communicate("\n", timeout=PATIENCE_S)
         finally:
             caller.kill()
-    assert (caller.returncode, stdout) == (0, "KeyboardInterrupt\n"), stderr
+    assert (caller.returncode, stdout) == (0, "KeyboardInterrupt\n"), log.read_text()
 
 
 def _raising_requests():

@@ -88,3 +88,23 @@ def test_a_top_k_row_tied_at_its_top_cuts_the_same_nucleus_sorted_whole_or_among
             if not torch.equal(alone.isfinite(), beside.isfinite()):
                 differ.append((num_tied, top_p))
     assert differ == []
+
+
+def test_the_whole_sort_ends_a_nucleus_where_the_candidates_end_it() -> None:
+    """A top_p-only row goes to the whole sort or stays among the candidates depending on the batch's
+    largest top_k (a nucleus past 1,025 candidates fits in 2,001). At a top_p equal to the exact mass of a
+    row's first j tokens (as the candidates' path sums it), both paths end its nucleus at token j: the
+    sort normalised over the row in sorted order, whose sum can differ in its last bit (about 6% of rows),
+    and kept one token more or fewer there."""
+    rows = 300
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, VOCAB, generator=generator) * 3
+    values, _ = logits.sort(dim=-1, descending=True, stable=True)
+    mass = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True)).cumsum(dim=-1)
+    ends = torch.randint(1, 400, (rows,), generator=generator)  # inside the first 1,025 candidates
+    top_p = mass.gather(1, ends.unsqueeze(1)).squeeze(1)
+    among_candidates = sampler_module._top_k_top_p(logits, [VOCAB] * rows, top_p.tolist())
+    sorted_whole = sampler_module._cut_sorted(logits, torch.full((rows,), VOCAB), top_p)
+    kept = torch.isfinite(among_candidates)
+    assert torch.equal(kept, torch.isfinite(sorted_whole))
+    assert ((kept.sum(dim=-1) - (ends + 1)).abs() <= 1).all()  # each ends at its boundary (the test's)

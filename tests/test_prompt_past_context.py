@@ -87,7 +87,7 @@ def test_a_text_far_past_the_context_is_refused_from_a_prefix(tokenizer: Tokeniz
         tokenizer.encode(text, context=context)
     assert refused.value.field == "prompt"
     assert "characters alone are" in str(refused.value)
-    assert f"past the model's context of {context} tokens" in str(refused.value)
+    assert f"past the model's context of {context:,} tokens" in str(refused.value)
     assert max(recording.lengths) <= 4 * PREFIX_CHARS_PER_TOKEN * context < len(text) // 4
     # A chat prompt's render, the same way.
     if tokenizer.chat_template is not None:
@@ -125,7 +125,7 @@ def test_a_prompt_far_past_the_context_is_refused_over_grpc_and_a_truncated_one_
 ) -> None:
     """RESOURCE_EXHAUSTED naming the prompt, as the whole's refusal; with truncate_prompt_tokens the whole
     text is tokenized and its last tokens served."""
-    text = "word " * (PREFIX_CHARS_PER_TOKEN * LONG_CONTEXT // 5 + 1000)
+    text = "word " * (2 * PREFIX_CHARS_PER_TOKEN * LONG_CONTEXT // 5 + 1000)  # the first prefix under half
     with Client(server.target) as client:
         with pytest.raises(SluiceError) as refused:
             client.complete(generate_request(text, max_tokens=2))

@@ -52,7 +52,7 @@ if [ ! -e "$stamp" ] || [ "$proto" -nt "$stamp" ] \
     javac -J-XX:TieredStopAtLevel=1 -nowarn -encoding UTF-8 -d "$build" -cp "$classpath" "${sources[@]}"
     touch "$stamp"
 fi
-if [ -e "$tcnative_so" ] && [ "$tcnative_so" -nt "$native/libnetty_tcnative.so" ]; then
+if [ -e "$tcnative_so" ] && ! cmp -s "$tcnative_so" "$native/libnetty_tcnative.so"; then
     # Copied beside and renamed over: a run loading the library meanwhile never reads a half-written one.
     mkdir -p "$native" && cp "$tcnative_so" "$native/libnetty_tcnative.so.$$"
     mv -f "$native/libnetty_tcnative.so.$$" "$native/libnetty_tcnative.so"

@@ -2,12 +2,14 @@
 
 Background threads compile (half the CPUs, as vLLM's structured-output manager sizes its pool, and at
 least two: xgrammar compiles outside the GIL, and one slow constraint, e.g. a regex that takes seconds,
-must not hold up the others, also on a machine of one or two CPUs); `submit` returns at once with a
-future. Futures are cached by `Constraint.key` (least recently used dropped past `cache_size`), so a
-request whose constraint was seen before gets a finished future and waits for nothing. The xgrammar
-vocabulary is built in that thread on the first submit, so a server that never sees a constraint never
-pays for it; xgrammar itself is imported there too (it imports transformers: ~2 s of every engine start,
-where no request asks for a constraint, saved).
+must not hold up the others, also on a machine of one or two CPUs), and one more thread compiles the
+sources over LARGE_SOURCE_CHARS, one at a time (the source's size is the proxy: a short one that expands,
+`(a|b){200000}`, still compiles among the others); `submit` returns at once with a future. Futures are
+cached by `Constraint.key` (least recently used dropped past `cache_size`), so a request whose constraint
+was seen before gets a finished future and waits for nothing. The xgrammar vocabulary is built in that
+thread on the first submit, so a server that never sees a constraint never pays for it; xgrammar itself is
+imported there too (it imports transformers: ~2 s of every engine start, where no request asks for a
+constraint, saved).
 """
 
 from __future__ import annotations

@@ -95,19 +95,10 @@ def truncated_prompt(
 def check_prompt(
     prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo, *, has_tokenizer: bool
 ) -> None:
-    """Rejects prompts the model cannot serve, naming the field. The prompt's length first: the scans of
-    its ids run on the event loop (with the ids' conversion to a list, they held it up to 4.9 s for a
-    prompt of 20M tokens before its refusal)."""
+    """Rejects prompts the model cannot serve, naming the field. The prompt's length before the scan of
+    its ids, which runs on the event loop (with the ids' conversion to a list, it held the loop up to 4.9 s
+    for a prompt of 20M tokens before its refusal)."""
     vocab_size, max_model_len = model_info.vocab_size, model_info.max_model_len
-    if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
-        raise ContextLengthError(
-            "prompt",
-            f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
-            f"{max_model_len} tokens ({_shorten_hint(params)})",
-        )
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if params.stop and not has_tokenizer:
         raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
     if params.constraint is not None and not has_tokenizer:
@@ -130,6 +121,15 @@ def check_prompt(
             "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
     _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
+    if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
+        raise ContextLengthError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room for an output token in the model's context of "
+            f"{max_model_len} tokens ({_shorten_hint(params)})",
+        )
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:
         raise ContextLengthError(

@@ -191,11 +191,11 @@ class Tokenizer:
     def _refuse_past_context(self, text: str, add_special_tokens: bool, field: str, context: int) -> None:
         """Encodes ever longer prefixes of a long `text`, each cut at a whitespace where its last half has
         one: the pre-tokenizers split there, so the prefix's tokens are the whole's first ones (a cut
-        inside a word may split it into a few more: the margin). Costs at most ~1.3x the whole's encoding
-        when the text fits (a text that fits in fewer characters per token than the first prefix's)."""
+        inside a word may split it into a few more: the margin). No prefix past half the text: one that
+        fits costs at most ~1.7x its encoding (those a prefix could refuse are past 16 characters a token)."""
         margin = 16 + context // 16
         chars = PREFIX_CHARS_PER_TOKEN * context
-        while chars < len(text):
+        while 2 * chars < len(text):
             cut = max(text.rfind(" ", chars // 2, chars), text.rfind("\n", chars // 2, chars))
             cut = chars if cut <= 0 else cut
             count = len(self._encode(text[:cut], add_special_tokens, field))
@@ -203,7 +203,7 @@ class Tokenizer:
                 raise ContextLengthError(
                     "prompt",
                     f"its first {cut:,} of {len(text):,} characters alone are {count:,} tokens, past the "
-                    f"model's context of {context} tokens (shorten it, or set truncate_prompt_tokens)",
+                    f"model's context of {context:,} tokens (shorten it, or set truncate_prompt_tokens)",
                 )
             chars *= PREFIX_GROWTH
 
