@@ -108,3 +108,20 @@ def test_the_whole_sort_ends_a_nucleus_where_the_candidates_end_it() -> None:
     kept = torch.isfinite(among_candidates)
     assert torch.equal(kept, torch.isfinite(sorted_whole))
     assert ((kept.sum(dim=-1) - (ends + 1)).abs() <= 1).all()  # each ends at its boundary (the test's)
+
+
+def test_a_top_k_and_top_p_row_ends_its_nucleus_alike_beside_a_larger_top_k() -> None:
+    """Its normaliser sums its top_k tokens over as many candidates as the batch's largest top_k asks for
+    (-inf past its own k): in float32 the sum's last bit depended on that count, and at a top_p equal to
+    the exact mass of its first j tokens 5 of 400 rows kept a token more or fewer beside a top_k=2000 row."""
+    rows, k = 400, 300
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, VOCAB, generator=generator) * 3
+    top = logits.sort(dim=-1, descending=True, stable=True).values[:, :k]
+    mass = torch.exp(top - torch.logsumexp(top, dim=-1, keepdim=True)).cumsum(dim=-1)
+    ends = torch.randint(1, k - 20, (rows,), generator=generator)
+    top_p = mass.gather(1, ends.unsqueeze(1)).squeeze(1).tolist()
+    alone = sampler_module._top_k_top_p(logits, [k] * rows, top_p)
+    neighbour = torch.randn(1, VOCAB, generator=generator)
+    beside = sampler_module._top_k_top_p(torch.cat([logits, neighbour]), [k] * rows + [2000], [*top_p, 1.0])
+    assert torch.equal(torch.isfinite(alone), torch.isfinite(beside[:rows]))

@@ -312,7 +312,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     tie_past = by_top_k.squeeze(1) & kth_finite & (values[:, -1] >= kth.squeeze(1)) & (candidates < vocab)
     # Each row's log normaliser: over its top_k tokens (all among the candidates), else over the vocabulary.
     whole_rows = 0.0 if all(has_top_k) else torch.logsumexp(logits, dim=-1, keepdim=True)
-    log_total = torch.where(by_top_k, torch.logsumexp(values, dim=-1, keepdim=True), whole_rows)
+    log_total = torch.where(by_top_k, _top_k_log_total(values), whole_rows)
     probs = torch.exp(values - log_total)
     values = values.masked_fill(_past_nucleus(probs, top_p_t, rank), float("-inf"))
     cut = torch.full_like(logits, float("-inf")).scatter_(1, order, values)
@@ -342,6 +342,17 @@ def _candidates(logits: torch.Tensor, candidates: int) -> tuple[torch.Tensor, to
     return values, order
 
 
+def _top_k_log_total(values: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row [m, n] (its top_k tokens, -inf past them), keepdim. On the host in float64,
+    rounded back: the float32 sum's last bit depends on how many -inf columns the row has, as many as the
+    batch's largest top_k asks for, and a nucleus ending within it of top_p ended a token apart beside
+    other requests (5 of 400 rows at exact boundaries). On a GPU every row is sorted whole (n: the
+    vocabulary), whatever the batch."""
+    if values.device.type != "cpu":
+        return torch.logsumexp(values, dim=-1, keepdim=True)
+    return torch.logsumexp(values.double(), dim=-1, keepdim=True).to(values.dtype)
+
+
 def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`_top_k_top_p` over each row's whole vocabulary, sorted. top_k, top_p: [m] on the logits' device."""
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties in increasing id
@@ -355,7 +366,7 @@ def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     # either path, and which one a row takes depends on the batch.
     by_top_k = (top_k < logits.shape[1]).unsqueeze(1)
     whole = torch.logsumexp(logits, dim=-1, keepdim=True)
-    log_total = torch.where(by_top_k, torch.logsumexp(sorted_logits, dim=-1, keepdim=True), whole)
+    log_total = torch.where(by_top_k, _top_k_log_total(sorted_logits), whole)
     probs = torch.exp(sorted_logits - log_total)
     sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p, rank), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
