@@ -30,8 +30,11 @@ def _stream_request(request_id: str, **kwargs: object) -> pb.StreamGenerateReque
 # allocates next, waits on it for ever. In this process that thread was the test server's (CI: the
 # module's later tests timed out); in the child, the held lock ends with it.
 _INTERRUPTED_CALLER = """
-import os, sys
+import os, signal, sys
 from sluice import Client, generate_request
+# Python's own handler, as in a REPL: a process started in the background (CI's) has SIGINT ignored, and
+# its children inherit that (Python then installs no handler, and the SIGINT did nothing).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 target, method, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Client(target) as client:
     print("calling", flush=True)

@@ -134,7 +134,10 @@ def _load_refusal(directory: str) -> str:
 
 def test_unsupported_hidden_act_is_refused_by_name(tmp_path):
     refusal = _load_refusal(_llama(str(tmp_path), "relu"))
-    assert refusal == "hidden_act: 'relu' is not supported; supported: silu, gelu_pytorch_tanh"
+    assert (
+        refusal
+        == "hidden_act: 'relu' is not supported; supported: silu, swish, gelu_pytorch_tanh, gelu_new, gelu"
+    )
 
 
 def _with_config(directory: str, **extra: object) -> str:
@@ -206,5 +209,6 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path):
 
 
 def test_an_unsupported_gemma_activation_is_refused_naming_hidden_activation(tmp_path):
-    refusal = _load_refusal(_with_config(_gemma3(str(tmp_path)), hidden_activation="gelu"))
-    assert refusal == "hidden_activation: 'gelu' is not supported; supported: silu, gelu_pytorch_tanh"
+    refusal = _load_refusal(_with_config(_gemma3(str(tmp_path)), hidden_activation="relu"))
+    supported = "silu, swish, gelu_pytorch_tanh, gelu_new, gelu"
+    assert refusal == f"hidden_activation: 'relu' is not supported; supported: {supported}"
