@@ -42,9 +42,9 @@ SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 TOOL_USE_TEMPLATE = "tool_use"  # the named template transformers and llama.cpp render a request with tools by
-# A text longer than this many characters per token of the model's context is encoded first in prefixes,
-# each this many times the last, so that one far past the context is refused from a prefix: encoded whole,
-# 60 MB took the server 127 s and 3.7 GB to refuse (the tiny preset's tokenizer).
+# A text is encoded first in prefixes of this many characters per token of the model's context, each this
+# many times the last and none past half the text, so that one far past the context is refused from a
+# prefix: encoded whole, 60 MB took the server 127 s and 3.7 GB to refuse (the tiny preset's tokenizer).
 PREFIX_CHARS_PER_TOKEN = 16
 PREFIX_GROWTH = 4
 
