@@ -361,12 +361,13 @@ def _cut_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     # them stayed was the sort's choice, another on the host's path than on a GPU's).
     kth = sorted_logits.gather(1, (top_k.clamp(max=logits.shape[1]) - 1).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    # As the candidates' path computes them (not softmax), the normaliser of a row without top_k over its
-    # logits in id order as there (summed sorted, its last bit can differ): a row's nucleus ends alike on
-    # either path, and which one a row takes depends on the batch.
-    by_top_k = (top_k < logits.shape[1]).unsqueeze(1)
-    whole = torch.logsumexp(logits, dim=-1, keepdim=True)
-    log_total = torch.where(by_top_k, _top_k_log_total(sorted_logits), whole)
+    # As the candidates' path computes them (not softmax). On the host, the normaliser of a row without
+    # top_k over its logits in id order as there (summed sorted, its last bit can differ): a row's nucleus
+    # ends alike on either path, and which one a row takes depends on the batch. A GPU has one path.
+    log_total = _top_k_log_total(sorted_logits)
+    if logits.device.type == "cpu":
+        by_top_k = (top_k < logits.shape[1]).unsqueeze(1)
+        log_total = torch.where(by_top_k, log_total, torch.logsumexp(logits, dim=-1, keepdim=True))
     probs = torch.exp(sorted_logits - log_total)
     sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p, rank), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
