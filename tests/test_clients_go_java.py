@@ -89,13 +89,12 @@ def parse(lines: list[str]) -> dict[str, dict[str, object]]:
     return results
 
 
-@pytest.mark.parametrize("language", ["go", "java"])
-def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThread, reference) -> None:
+def check_results(
+    language: str, lines: list[str], reference: tuple[list[int], str], max_model_len: int
+) -> None:
+    """The example's four results, ending "done": the two read to the end are transformers' greedy tokens
+    (`reference`), the two aborted or cancelled mid-stream ended ABORT after a prefix of them."""
     expected_ids, expected_text = reference
-    with server.channel() as channel:
-        info = server.stub(channel).GetModelInfo(pb.GetModelInfoRequest())
-    lines = run_example(language, server.target).stdout.splitlines()
-    assert lines[0] == f"model: name={info.model_name} max_model_len={info.max_model_len}"
     assert lines[-1] == "done"
     results = parse(lines)
     prefix = language
@@ -110,9 +109,18 @@ def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThr
     for aborted in (f"{prefix}-abort", f"{prefix}-bidi-1"):
         got = results[aborted]
         assert got["finish"] == "FINISH_REASON_ABORT", got
-        assert 1 <= got["tokens"] < info.max_model_len - 8, got
+        assert 1 <= got["tokens"] < max_model_len - 8, got
         shared = min(got["tokens"], MAX_TOKENS)
         assert got["token_ids"][:shared] == expected_ids[:shared], got
+
+
+@pytest.mark.parametrize("language", ["go", "java"])
+def test_example_streams_aborts_and_multiplexes(language: str, server: ServerThread, reference) -> None:
+    with server.channel() as channel:
+        info = server.stub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    lines = run_example(language, server.target).stdout.splitlines()
+    assert lines[0] == f"model: name={info.model_name} max_model_len={info.max_model_len}"
+    check_results(language, lines, reference, info.max_model_len)
     # The aborted and cancelled requests released every KV block.
     stats = server.wait_idle()
     assert stats.num_kv_blocks_used == 0

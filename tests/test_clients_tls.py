@@ -8,18 +8,18 @@ only fail."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import test_clients_go_java
+from checkpoints import LONG_CONTEXT
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from service_harness import ServerThread, long_engine_config
-from test_clients_go_java import parse, run_example
+from test_clients_go_java import check_results, run_example
 from test_service_tls import CertificateAuthority, _sign
 
 from sluice.service.server import ServerConfig, TlsConfig
@@ -83,30 +83,14 @@ def mtls_server(llama_long_dir: str, pems: dict[str, str]) -> Iterator[ServerThr
     yield from _serve(llama_long_dir, tls)
 
 
-def _assert_as_over_plaintext(language: str, result: subprocess.CompletedProcess[str], reference) -> None:
-    """test_clients_go_java's results over plaintext: the greedy tokens of transformers, and the requests
-    aborted or cancelled mid-stream ended ABORT."""
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    lines = result.stdout.splitlines()
-    assert lines[-1] == "done"
-    results = parse(lines)
-    names = ("generate", "abort", "bidi-0", "bidi-1")
-    assert sorted(results) == sorted(f"{language}-{name}" for name in names)
-    expected_ids, _ = reference
-    for finished in (f"{language}-generate", f"{language}-bidi-0"):
-        assert results[finished]["finish"] == "FINISH_REASON_LENGTH", results[finished]
-        assert results[finished]["token_ids"] == expected_ids, results[finished]
-    for aborted in (f"{language}-abort", f"{language}-bidi-1"):
-        assert results[aborted]["finish"] == "FINISH_REASON_ABORT", results[aborted]
-
-
 @pytest.mark.parametrize("language", ["go", "java"])
 def test_tls_with_the_ca_and_the_certificates_name(
     language: str, tls_server: ServerThread, pems: dict[str, str], reference
 ) -> None:
     flags = ("--tls-ca-cert", pems["ca"], "--tls-server-name", SERVER_NAME)
     result = run_example(language, tls_server.target, *flags, check=False)
-    _assert_as_over_plaintext(language, result, reference)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    check_results(language, result.stdout.splitlines(), reference, LONG_CONTEXT)
     assert tls_server.wait_idle().num_kv_blocks_used == 0
 
 
@@ -118,7 +102,8 @@ def test_mtls_with_the_client_certificate(
     flags = ("--tls-ca-cert", pems["ca"], "--tls-client-cert", pems["client_cert"])
     flags += ("--tls-client-key", pems["client_key"])
     result = run_example(language, mtls_server.target, *flags, check=False)
-    _assert_as_over_plaintext(language, result, reference)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    check_results(language, result.stdout.splitlines(), reference, LONG_CONTEXT)
     assert mtls_server.wait_idle().num_kv_blocks_used == 0
 
 
