@@ -17,7 +17,10 @@ _MODELS = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
-SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# Multimodal architectures served text-only (`sluice.engine.loading.language_model`): architecture -> its
+# language model's.
+TEXT_ONLY_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (*_MODELS, *TEXT_ONLY_ARCHITECTURES)
 
 # config.json model_type -> architecture, for a config without `architectures`
 MODEL_TYPE_ARCHITECTURES = {
@@ -26,6 +29,7 @@ MODEL_TYPE_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 # GGUF general.architecture -> architecture

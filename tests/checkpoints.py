@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -119,10 +120,30 @@ def build_gemma3_checkpoint(
 ) -> str:
     """Gemma 3 text: 3 layers, local (window 8, shorter than the prompts) then global by default;
     query_pre_attn_scalar differs from head_dim; separate local and global RoPE bases."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM
+
+    return _save(Gemma3ForCausalLM(_gemma3_text_config(layer_types)), directory, None, seed)
+
+
+def build_gemma3_multimodal_checkpoint(directory: str, *, seed: int = 5) -> str:
+    """Gemma 3 as the hub's 4B/12B/27B ship it, `Gemma3ForConditionalGeneration`: the language model of
+    `build_gemma3_checkpoint` (its text_config) beside a one-layer SigLIP vision tower and its projector."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14,
+    )  # fmt: skip
+    text = _gemma3_text_config(None).to_dict()
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return _save(Gemma3ForConditionalGeneration(config), directory, None, seed)
+
+
+def _gemma3_text_config(layer_types: tuple[str, ...] | None) -> Any:
+    from transformers import Gemma3TextConfig
 
     layer_types = layer_types or ("sliding_attention", "sliding_attention", "full_attention")
-    config = Gemma3TextConfig(
+    return Gemma3TextConfig(
         **{**SHAPE, "num_hidden_layers": len(layer_types)},
         head_dim=16,
         sliding_window=GEMMA3_WINDOW,
@@ -134,7 +155,6 @@ def build_gemma3_checkpoint(
         },
         pad_token_id=0,
     )
-    return _save(Gemma3ForCausalLM(config), directory, None, seed)
 
 
 # A tool_use template as Hermes-style models ship it: a macro, a leading newline, indentation at the end.

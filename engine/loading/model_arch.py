@@ -6,12 +6,17 @@ rope base, ...) from `extra`, the config.json it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.engine.loading.config_fields import flag, positive_float, positive_int
+from sluice.engine.loading.language_model import language_model_config
 from sluice.engine.loading.rope_scaling import RopeScaling, rope_parameters, rope_scaling_from_config
-from sluice.engine.model_registry import MODEL_TYPE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from sluice.engine.model_registry import (
+    MODEL_TYPE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    TEXT_ONLY_ARCHITECTURES,
+)
 from sluice.engine.text.tokenizer import token_ids
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -32,7 +37,17 @@ FAMILY_DEFAULTS: dict[str, dict[str, int]] = {
     "MistralForCausalLM": {"num_key_value_heads": 8, "max_position_embeddings": 131072},
     "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
     "Qwen3ForCausalLM": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
-    "Gemma3ForCausalLM": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072},
+    # Gemma3TextConfig's: the hub's multimodal Gemma 3 configs leave vocab_size (and the 4B its heads) out.
+    "Gemma3ForCausalLM": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+    },
 }
 
 
@@ -63,6 +78,8 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "unknown"
+    # The multimodal checkpoint's architecture whose language model this is (`language_model`), else None.
+    multimodal_architecture: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +134,9 @@ class ModelArchConfig:
         where transformers has no default, of the wrong type or out of range."""
         architecture = _architecture(config)
         _check_architecture(architecture)  # before the shape fields, which another family may lack
+        if architecture in TEXT_ONLY_ARCHITECTURES:
+            text = cls.from_hf_config(language_model_config(config, architecture), name)
+            return replace(text, multimodal_architecture=architecture)
         config = {**FAMILY_DEFAULTS.get(architecture, {}), **config}
         if config.get("use_bidirectional_attention"):
             raise ValueError(

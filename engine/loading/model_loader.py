@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sluice.engine.config import ModelConfig
+from sluice.engine.loading.language_model import language_model_name
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.modelopt_config import HF_QUANT_CONFIG, MODELOPT
 from sluice.engine.loading.presets import preset_arch
@@ -111,7 +112,8 @@ def _safetensors_directory(path: str | None) -> str:
 
 def _hf_directory_source(directory: str) -> ModelSource:
     arch = read_arch(directory)
-    weights = SafetensorsWeights(directory)
+    # A multimodal checkpoint's language model under the text model's names, its vision tower unread.
+    weights = SafetensorsWeights(directory, language_model_name if arch.multimodal_architecture else None)
     if arch.tie_word_embeddings and weights.holds_distinct_lm_head():
         # transformers (>= 5) does the same, with the same warning: the checkpoint's own lm_head is used.
         logger.warning(
@@ -159,7 +161,9 @@ class SafetensorsWeights:
     Each pass reopens the files, so the weights can be read more than once; tensors load one at a time.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, rename: Callable[[str], str | None] | None = None) -> None:
+        """rename: a checkpoint name -> the model's (None: not read); by default the names stand."""
+        self.rename = rename or (lambda name: name)
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single_path = os.path.join(directory, "model.safetensors")
         self.weight_map: dict[str, str] | None = None  # tensor -> its file, from the index
@@ -178,11 +182,12 @@ class SafetensorsWeights:
     def holds_distinct_lm_head(self) -> bool:
         """Whether the checkpoint has an lm_head.weight other than its embeddings (compared a slice of rows
         at a time; a tied checkpoint may carry a copy, or nothing)."""
-        head_file, embed_file = (self._file_of(name) for name in (OUTPUT_PROJECTION, EMBEDDINGS))
-        if head_file is None or embed_file is None:
+        head_at, embed_at = (self._find(name) for name in (OUTPUT_PROJECTION, EMBEDDINGS))
+        if head_at is None or embed_at is None:
             return False  # no lm_head to use, or no embeddings (load_weights names it missing)
+        (head_file, head_name), (embed_file, embed_name) = head_at, embed_at
         with _opened(head_file) as heads, _opened(embed_file) as embeds:
-            head, embed = heads.get_slice(OUTPUT_PROJECTION), embeds.get_slice(EMBEDDINGS)
+            head, embed = heads.get_slice(head_name), embeds.get_slice(embed_name)
             if head.get_shape() != embed.get_shape() or head.get_dtype() != embed.get_dtype():
                 return True
             rows = head.get_shape()[0]
@@ -191,17 +196,22 @@ class SafetensorsWeights:
                 for start in range(0, rows, COMPARED_ROWS)
             )
 
-    def _file_of(self, name: str) -> str | None:
+    def _find(self, name: str) -> tuple[str, str] | None:
+        """(file, checkpoint name) of the tensor the model calls `name`; None when there is none."""
         if self.weight_map is not None:
-            return self.weight_map.get(name)
-        with _opened(self.files[0]) as f:
-            return self.files[0] if name in f.keys() else None  # noqa: SIM118 - no __contains__
+            located = list(self.weight_map.items())
+        else:
+            with _opened(self.files[0]) as f:
+                located = [(key, self.files[0]) for key in f.keys()]  # noqa: SIM118 - no __iter__
+        return next(((path, key) for key, path in located if self.rename(key) == name), None)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.files:
             with _opened(path) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    yield name, f.get_tensor(name)
+                    ours = self.rename(name)
+                    if ours is not None:
+                        yield ours, f.get_tensor(name)
 
 
 @contextmanager
