@@ -47,6 +47,9 @@ WEIGHT_STRATEGIES = ("channel", "tensor", "block")
 ACTIVATION_MODES = ("token", "tensor", "static", "group", "none")
 COMPRESSED_TENSORS = "compressed-tensors"
 FLOAT_QUANTIZED = "float-quantized"
+# The same tensors: compressed-tensors' naive compressor stores each weight cast to its scheme's dtype (e4m3
+# for float 8-bit args, which `_parse_args` requires) beside its scale, as the float compressor does.
+FP8_FORMATS = (FLOAT_QUANTIZED, "naive-quantized")
 _ARGS_FIELDS = {
     "num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
     "observer", "observer_kwargs", "scale_dtype", "zp_dtype",
@@ -291,9 +294,9 @@ def _parse_group(name: str, group: Any, default_format: str, where: str) -> Fp8G
     group_format, field = (
         (group["format"], f"{where}.format") if group.get("format") else (default_format, "")
     )
-    if group_format != FLOAT_QUANTIZED:
+    if group_format not in FP8_FORMATS:
         field = field or "quantization_config.format"
-        raise ValueError(f"{field}: {group_format!r} is not supported; supported: {FLOAT_QUANTIZED}")
+        raise ValueError(f"{field}: {group_format!r} is not supported; supported: {', '.join(FP8_FORMATS)}")
     targets = group.get("targets")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"{where}.targets: must be a non-empty list of names")
