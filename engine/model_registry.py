@@ -19,7 +19,10 @@ _MODELS = {
 }
 # Multimodal architectures served text-only (`sluice.engine.loading.language_model`): architecture -> its
 # language model's.
-TEXT_ONLY_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_ONLY_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+}
 SUPPORTED_ARCHITECTURES = (*_MODELS, *TEXT_ONLY_ARCHITECTURES)
 
 # config.json model_type -> architecture, for a config without `architectures`
@@ -30,6 +33,7 @@ MODEL_TYPE_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 
 # GGUF general.architecture -> architecture

@@ -139,6 +139,29 @@ def build_gemma3_multimodal_checkpoint(directory: str, *, seed: int = 5) -> str:
     return _save(Gemma3ForConditionalGeneration(config), directory, None, seed)
 
 
+def build_mistral3_multimodal_checkpoint(directory: str, *, tied: bool, seed: int = 4) -> str:
+    """Mistral Small 3.x's layout, `Mistral3ForConditionalGeneration`: a Mistral language model without a
+    window (as the hub's) beside a one-layer Pixtral vision tower and its projector. Untied: its own
+    lm_head, and no top-level tie_word_embeddings in config.json (the hub's); tied: transformers 5's
+    default (true at the top, whatever the text_config says), no lm_head saved."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {**SHAPE, "model_type": "mistral", "head_dim": 32, "sliding_window": None, "rope_theta": 1e6}
+    vision = dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, image_size=28, patch_size=14, head_dim=16,
+    )  # fmt: skip
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=IM_START_ID)
+    config.tie_word_embeddings = tied
+    _save(Mistral3ForConditionalGeneration(config), directory, None, seed)
+    if not tied:
+        path = Path(directory) / "config.json"
+        path.write_text(
+            json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "tie_word_embeddings"})
+        )
+    return directory
+
+
 def _gemma3_text_config(layer_types: tuple[str, ...] | None) -> Any:
     from transformers import Gemma3TextConfig
 

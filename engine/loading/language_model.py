@@ -1,11 +1,12 @@
-"""The language model of a multimodal checkpoint (Gemma 3 4B/12B/27B: `Gemma3ForConditionalGeneration`),
-served text-only, as vLLM serves one with `--limit-mm-per-prompt '{"image": 0}'`: its config.json's
-`text_config` becomes the text architecture's config, its language-model tensors take the text model's
-names, and its vision tower and projector are never read.
+"""The language model of a multimodal checkpoint (Gemma 3 4B/12B/27B: `Gemma3ForConditionalGeneration`;
+Mistral Small 3.1/3.2: `Mistral3ForConditionalGeneration`), served text-only, as vLLM serves one with
+`--limit-mm-per-prompt '{"image": 0}'`: its config.json's `text_config` becomes the text architecture's
+config, its language-model tensors take the text model's names, and its vision tower and projector are
+never read.
 
     config.json                              -> the text model's config
       {"architectures": ["Gemma3ForConditionalGeneration"],
-       "text_config": {"hidden_size": 2560, ...},   (what it leaves out: the text config class's defaults)
+       "text_config": {"hidden_size": 2560, ...},   (what it leaves out: the family's defaults)
        "vision_config": {...}, "eos_token_id": [1, 106], "quantization_config": {...}}
 
     tensor names                             -> the text model's
@@ -62,6 +63,9 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
         raise ValueError(f"text_config: must be an object (the language model's config), got {text!r}")
     shared = {key: value for key, value in config.items() if key not in _WRAPPER_KEYS}
     merged = {**shared, **text, "architectures": [TEXT_ONLY_ARCHITECTURES[architecture]]}
+    # The wrapper ties, as transformers >= 5 reads it (its config classes' default: true, whatever the
+    # text_config says); a checkpoint with an lm_head of its own (Mistral Small 3.x) uses it, untied.
+    merged["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
     merged.pop("model_type", None)  # the text config's ("gemma3_text"): the architecture names the model
     if isinstance(merged.get("quantization_config"), dict):
         merged["quantization_config"] = _renamed_module_lists(merged["quantization_config"])

@@ -117,8 +117,8 @@ def _hf_directory_source(directory: str) -> ModelSource:
     if arch.tie_word_embeddings and weights.holds_distinct_lm_head():
         # transformers (>= 5) does the same, with the same warning: the checkpoint's own lm_head is used.
         logger.warning(
-            "config.json's tie_word_embeddings is true, but the checkpoint's %s differs from its %s: "
-            "not tying them",
+            "tie_word_embeddings is true (config.json's, or its architecture's default), but the "
+            "checkpoint's %s differs from its %s: not tying them",
             OUTPUT_PROJECTION,
             EMBEDDINGS,
         )

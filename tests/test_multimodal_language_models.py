@@ -1,7 +1,9 @@
-"""Gemma 3 as the hub ships its 4B/12B/27B, `Gemma3ForConditionalGeneration`, served text-only: its
-language model gives transformers' greedy tokens (the multimodal class, on text) from the hub's tensor
-layout and from transformers 4.52-4.57's; the hub's sparse text_config reads as transformers reads it; the
-vision tower is never read, and the quantization_config's module names become the text model's."""
+"""Multimodal checkpoints served text-only. Gemma 3 as the hub ships its 4B/12B/27B
+(`Gemma3ForConditionalGeneration`): its language model gives transformers' greedy tokens (the multimodal
+class, on text) from the hub's tensor layout and from transformers 4.52-4.57's; the hub's sparse
+text_config reads as transformers reads it; the vision tower is never read, and the quantization_config's
+module names become the text model's. Mistral Small 3.x (`Mistral3ForConditionalGeneration`): the same
+tokens with its own lm_head (config.json naming no top-level tie) and tied."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import VOCAB_SIZE, build_gemma3_multimodal_checkpoint
+from checkpoints import VOCAB_SIZE, build_gemma3_multimodal_checkpoint, build_mistral3_multimodal_checkpoint
 from safetensors.torch import load_file, save_file
 
 from sluice.engine.config import ModelConfig
@@ -64,9 +66,9 @@ def _prompts() -> list[list[int]]:
 
 
 def _hf_greedy(directory: str, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import Gemma3ForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.inference_mode():
         outputs = [
             model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False)
@@ -118,6 +120,15 @@ def test_transformers_4_52_layout_with_its_own_lm_head(multimodal_dir, tmp_path)
     expected = _hf_greedy(str(directory), prompts)
     assert expected != _hf_greedy(multimodal_dir, prompts)  # the lm_head changed the tokens
     assert _greedy(str(directory), prompts) == expected
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied"])
+def test_mistral_small_3s_language_model_gives_transformers_greedy_tokens(tmp_path, tied):
+    directory = build_mistral3_multimodal_checkpoint(str(tmp_path / "mistral3"), tied=tied)
+    source = load_model_source(ModelConfig(model=directory))
+    assert (source.arch.architecture, source.arch.tie_word_embeddings) == ("MistralForCausalLM", tied)
+    prompts = _prompts()
+    assert _greedy(directory, prompts) == _hf_greedy(directory, prompts)
 
 
 @pytest.mark.parametrize("text_config", [HUB_4B_TEXT_CONFIG, HUB_27B_TEXT_CONFIG], ids=["4b", "27b"])
