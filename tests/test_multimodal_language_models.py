@@ -197,6 +197,17 @@ def test_a_text_config_that_is_not_an_object_is_refused():
         ModelArchConfig.from_hf_config(config)
 
 
+def test_another_language_model_in_the_wrapper_is_refused():
+    """Ministral 3 ships in Mistral3ForConditionalGeneration with a text_config of its own model_type,
+    not Mistral's: refused, not run as Mistral."""
+    text = {**HUB_27B_TEXT_CONFIG, "model_type": "ministral3", "vocab_size": 131072}
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": text}
+    with pytest.raises(
+        ValueError, match=r"^text_config.model_type: 'ministral3' is not supported in Mistral3"
+    ):
+        ModelArchConfig.from_hf_config(config)
+
+
 def test_a_vision_tensor_in_a_text_checkpoint_is_still_refused(tmp_path):
     """Only a multimodal checkpoint's vision tower is skipped: in a Gemma3ForCausalLM checkpoint, a stray
     tensor is named as unexpected."""

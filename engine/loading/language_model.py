@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.engine.model_registry import TEXT_ONLY_ARCHITECTURES
+from sluice.engine.model_registry import MODEL_TYPE_ARCHITECTURES, TEXT_ONLY_ARCHITECTURES
 
 # checkpoint name prefix -> the text model's (each ends at a module boundary)
 LANGUAGE_MODEL_PREFIXES = (
@@ -57,12 +57,21 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
     """The text model's config.json: the multimodal config's `text_config` over its top-level keys (those a
     language model reads: quantization_config, eos_token_id, tie_word_embeddings, ...), as the text
     architecture; the quantization_config's module lists renamed (`language_model_name`). Raises
-    ValueError when `text_config` is not an object."""
+    ValueError when `text_config` is not an object or its model_type is not the text architecture's."""
     text = config.get("text_config") or {}
     if not isinstance(text, dict):
         raise ValueError(f"text_config: must be an object (the language model's config), got {text!r}")
+    text_architecture = TEXT_ONLY_ARCHITECTURES[architecture]
+    model_type = text.get("model_type")
+    if model_type is not None and MODEL_TYPE_ARCHITECTURES.get(model_type) != text_architecture:
+        # another language model in the same wrapper (Ministral 3's "ministral3"): not the one Sluice runs
+        supported = [t for t, a in MODEL_TYPE_ARCHITECTURES.items() if a == text_architecture]
+        raise ValueError(
+            f"text_config.model_type: {model_type!r} is not supported in {architecture}; supported: "
+            f"{', '.join(map(repr, supported))}"
+        )
     shared = {key: value for key, value in config.items() if key not in _WRAPPER_KEYS}
-    merged = {**shared, **text, "architectures": [TEXT_ONLY_ARCHITECTURES[architecture]]}
+    merged = {**shared, **text, "architectures": [text_architecture]}
     # The wrapper ties, as transformers >= 5 reads it (its config classes' default: true, whatever the
     # text_config says); a checkpoint with an lm_head of its own (Mistral Small 3.x) uses it, untied.
     merged["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
