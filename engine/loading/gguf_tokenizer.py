@@ -140,7 +140,15 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         add_bos_token=add_bos,
         name=metadata.get("general.name", "gguf"),
         named_chat_templates=_named_chat_templates(metadata),
+        special_tokens=_template_tokens(metadata, tokens),
     )
+
+
+def _template_tokens(metadata: dict[str, Any], tokens: list[str]) -> dict[str, str]:
+    """unk_token and pad_token, as transformers' GGUF conversion names them: chat templates may read them
+    as bos_token and eos_token are read."""
+    keys = {"unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+    return {name: tokens[metadata[key]] for name, key in keys.items() if metadata.get(key) is not None}
 
 
 def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
