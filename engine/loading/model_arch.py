@@ -11,7 +11,7 @@ from typing import Any
 
 from sluice.engine.loading.config_fields import flag, positive_float, positive_int
 from sluice.engine.loading.language_model import language_model_config
-from sluice.engine.loading.rope_scaling import RopeScaling, rope_parameters, rope_scaling_from_config
+from sluice.engine.loading.rope_scaling import RopeScaling, rope_scaling_from_config, rope_theta
 from sluice.engine.model_registry import (
     MODEL_TYPE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -255,4 +255,4 @@ def _layer_types(architecture: str, config: dict[str, Any]) -> tuple[str, ...]:
 
 def _rope_theta(architecture: str, config: dict[str, Any]) -> float:
     default = GEMMA3_ROPE_THETA if architecture == "Gemma3ForCausalLM" else DEFAULT_ROPE_THETA
-    return float(config.get("rope_theta") or rope_parameters(config).get("rope_theta") or default)
+    return rope_theta(config, default)

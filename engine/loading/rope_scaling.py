@@ -62,13 +62,21 @@ def _unsupported(kind: Any) -> str:
 
 def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
     """The RoPE settings of `layer_type` layers. transformers >= 5 writes `rope_parameters` (per layer
-    type for hybrid models such as Gemma 3); older configs write `rope_theta` and `rope_scaling`."""
+    type for hybrid models such as Gemma 3); older configs write `rope_theta` and `rope_scaling`. A config
+    with both is read as transformers reads it: a `rope_scaling` replaces the global layers'
+    rope_parameters whole (their rope_theta too: `rope_theta` below)."""
     params = config.get("rope_parameters") or {}
     if layer_type in params or "full_attention" in params:
         params = params.get(layer_type) or {}
     if layer_type != "full_attention":
         return params  # an older config's rope_scaling is its global layers' (Gemma 3: local RoPE plain)
-    return {**params, **(config.get("rope_scaling") or {})}
+    return dict(config.get("rope_scaling") or params)
+
+
+def rope_theta(config: dict[str, Any], default: float) -> float:
+    """The global layers' RoPE base, in transformers' order: the RoPE settings' own (`rope_parameters`),
+    then a top-level `rope_theta`, then the family's default."""
+    return float(rope_parameters(config).get("rope_theta") or config.get("rope_theta") or default)
 
 
 def rope_scaling_from_config(
