@@ -234,6 +234,11 @@ def _windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     layer_types = _layer_types(architecture, config)
     if "sliding_attention" not in layer_types:
         return {"layer_types": layer_types}
+    if window is None:  # transformers fails on it too (a window of None); vLLM would attend in full
+        raise ValueError(
+            "sliding_window: null, but layer_types has sliding_attention layers: give the window's size "
+            "(or mark those layers full_attention)"
+        )
     return {"sliding_window": window, "layer_types": layer_types}
 
 
@@ -247,7 +252,8 @@ def _layer_types(architecture: str, config: dict[str, Any]) -> tuple[str, ...]:
     pattern = config.get("sliding_window_pattern")
     if pattern:
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in layers)
-    if architecture in QWEN_WINDOW_ARCHITECTURES and config.get("use_sliding_window"):
+    windowed = config.get("use_sliding_window") and config.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if architecture in QWEN_WINDOW_ARCHITECTURES and windowed:  # a null window: none (transformers')
         first = config.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
         return tuple("sliding_attention" if i >= first else "full_attention" for i in layers)
     return ()
