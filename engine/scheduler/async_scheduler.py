@@ -18,8 +18,10 @@ An update applies to the request object that was scheduled, if it is still live:
   synchronous engine would have appended it before preempting, and it recomputes later;
 - running: tokens appended as usual; only rejected drafts roll `num_computed_tokens` back.
 A request whose steps in flight will finish it for sure (max_tokens or max_model_len reached) is not
-scheduled again. Drafts (speculative decoding) never follow a placeholder: the core finishes the step in
-flight before scheduling requests that speculate (`sluice.engine.core.launched_step`).
+scheduled again. The full blocks a step computes join the prefix cache by the next `schedule()` (the step
+is launched by then: a step that hits them runs after it), as a synchronous scheduler's do. Drafts
+(speculative decoding) never follow a placeholder: the core finishes the step in flight before scheduling
+requests that speculate (`sluice.engine.core.launched_step`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class AsyncScheduler(Scheduler):
         self.num_finished = 0  # requests finished (or aborted) so far: unchanged, every request is live
 
     def schedule(self) -> SchedulerOutput:
+        self._cache_blocks_in_flight()
         out = super().schedule()
         owners, requests, num_in_flight = {}, self._requests, self._num_in_flight
         for scheduled in out.scheduled:
@@ -67,6 +70,20 @@ class AsyncScheduler(Scheduler):
             return super().update_from_output(out, sampled_token_ids)
         finally:
             self._owners = {}  # the step's requests, finished ones included, are not kept past it
+
+    def _cache_blocks_in_flight(self) -> None:
+        """Registers in the prefix cache the full blocks that the step in flight (launched: a step that
+        hits them runs after it) computes, as a synchronous scheduler has by its next `schedule()`. A
+        request whose first slice that step holds (admitted, or resumed after a preemption) would register
+        them only at its update, after this `schedule()`: a request sharing its prefix admitted now would
+        miss them. Not past a draft (its token may be rejected)."""
+        if not self._steps_in_flight:
+            return
+        out, owners = self._steps_in_flight[-1]
+        for scheduled in out.scheduled:
+            request = owners[scheduled.request_id]
+            if request.status is RequestStatus.RUNNING and not scheduled.spec_token_ids:
+                self.kv.cache_computed_blocks(request)
 
     def discard_steps_in_flight(self) -> None:
         """Forgets the steps scheduled and not yet updated, after an exception cut one short (their

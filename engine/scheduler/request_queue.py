@@ -22,9 +22,10 @@ class RequestQueue:
         self._heap: list[tuple[int, float, int, Request, int]] = []
         self.num_tokens = 0
 
-    def push(self, request: Request, seq: int) -> None:
+    def push(self, request: Request, seq: int, num_tokens: int) -> None:
+        """`num_tokens`: the tokens the request has yet to compute, those of steps in flight included (a
+        request preempted under async scheduling gets its token in flight while it waits)."""
         # seq is unique per request, so tuples never fall through to comparing Request objects.
-        num_tokens = request.num_tokens - request.num_computed_tokens
         heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request, num_tokens))
         self.num_tokens += num_tokens
 

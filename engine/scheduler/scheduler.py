@@ -123,7 +123,7 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._seq[request.request_id] = next(self._next_seq)
         request.status = RequestStatus.WAITING
-        self._waiting.push(request, self._seq[request.request_id])
+        self._waiting.push(request, self._seq[request.request_id], request.num_tokens)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort live requests in any state and free their blocks now; unknown ids are skipped."""
@@ -422,7 +422,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
-        self._waiting.push(request, self._seq[request_id])
+        self._waiting.push(request, self._seq[request_id], self._num_tokens(request))
         plan.unschedule(request_id)
         plan.preempted.append(request_id)
 
