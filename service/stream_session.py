@@ -155,6 +155,7 @@ class StreamSession:
             self._record_status(_METHOD, cancelled_status(self._caller.call))
             raise
         except Exception as exc:
+            self._forget(request_id, asyncio.current_task())  # ended: its id is free once the error is read
             await self._send_error(request_id, exc)
         else:
             self._record_status(_METHOD, grpc.StatusCode.OK)

@@ -9,6 +9,12 @@ import msgspec
 
 from sluice.engine.outputs import NO_PROMPT_LOGPROBS, OutputLogprobs, RequestOutput
 
+# The most tokens one merged output takes (more when its stream_interval asks for more): at 20 logprobs a
+# token is about 230 bytes of a chunk, so a chunk stays far below a gRPC client's default 4 MB receive
+# limit. Unbounded, a reader that paused while 48,000 tokens were made got one chunk of 6.3 MB, which
+# failed its call (RESOURCE_EXHAUSTED) and lost every token.
+MAX_MERGED_TOKENS = 4096
+
 
 class _Pending:
     """One sample's deltas not yet read, merged when read (a reader keeping up reads them one by one)."""
@@ -25,15 +31,21 @@ class _Pending:
         self.outputs.append(output)
         self.num_tokens += len(output.token_ids)
 
-    def take(self) -> RequestOutput:
-        """The deltas merged, and taken. A refusal (`invalid_field`: its reader gets a status, no chunk)
-        is never merged into the tokens before it: those are taken first, and the refusal stays."""
+    def take(self, max_tokens: int) -> RequestOutput:
+        """The oldest deltas merged, and taken: all of them, or as many as hold at most `max_tokens`
+        tokens (one at least). A refusal (`invalid_field`: its reader gets a status, no chunk) is never
+        merged into the tokens before it: those are taken first, and the refusal stays."""
         outputs = self.outputs
-        if len(outputs) > 1 and outputs[-1].invalid_field is not None:
-            self.outputs, self.num_tokens = outputs[-1:], len(outputs[-1].token_ids)
-            return _merged(outputs[:-1])
-        self.outputs, self.num_tokens = [], 0
-        return _merged(outputs)
+        end = len(outputs) - 1 if len(outputs) > 1 and outputs[-1].invalid_field is not None else len(outputs)
+        num_taken = len(outputs[0].token_ids)
+        for count in range(1, end):
+            num_taken += len(outputs[count].token_ids)
+            if num_taken > max_tokens:
+                end = count
+                break
+        self.outputs = outputs[end:]
+        self.num_tokens = sum(len(output.token_ids) for output in self.outputs)
+        return _merged(outputs[:end])
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:
@@ -53,9 +65,9 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
 class OutputCollector:
     """The engine side `put`s each step's delta and never blocks; `get` returns them merged.
 
-    A reader slower than the engine finds every delta since its last read merged into one output
-    (token ids, text and logprobs concatenated in order; usage, timings and finish of the newest), so a
-    request holds at most one pending output per sample however slow its reader. With `stream_interval`
+    A reader slower than the engine finds the deltas since its last read merged into one output
+    (token ids, text and logprobs concatenated in order; usage, timings and finish of the newest), of
+    at most MAX_MERGED_TOKENS tokens (the rest come in the next ones). With `stream_interval`
     n > 1 an output is handed over once it holds n tokens, or its sample finished. The samples of an
     n-sample request (`RequestOutput.index`) are merged separately and handed over oldest first. A
     refusal (an output with `invalid_field`) is handed over on its own, after the tokens before it.
@@ -88,7 +100,7 @@ class OutputCollector:
             self._ready.set()
             raise self._error
         pending = self._pending[index]
-        output = pending.take()
+        output = pending.take(max(MAX_MERGED_TOKENS, self._stream_interval))
         if not pending.outputs:
             del self._pending[index]
         if self._error is not None or any(self._is_ready(p) for p in self._pending.values()):
