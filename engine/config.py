@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 QUANTIZATIONS = ("int4", "int8", "fp8")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # sluice.engine.text.reasoning's
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's other name for fp8, stored as "fp8"
 
 
@@ -133,6 +134,13 @@ class ModelConfig:
         "of N columns (the layout of DeepSeek-V3 / Qwen3-FP8 checkpoints; N a power of two >= 16) instead "
         "of per channel and token",
     )
+    reasoning_parser: str | None = option(
+        None,
+        "split a chat's output into reasoning (<think>...</think>) and content, as vLLM's parser of that "
+        "name; streamed apart (reasoning_text beside text), tool calls parsed from the content (default: "
+        "off, the text whole)",
+        choices=REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -142,6 +150,11 @@ class ModelConfig:
             self.quantization in (None, *QUANTIZATIONS), "quantization", f"must be one of {QUANTIZATIONS}"
         )
         _require(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}")
+        _require(
+            self.reasoning_parser in (None, *REASONING_PARSERS),
+            "reasoning_parser",
+            f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
+        )
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
         _require(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,

@@ -188,6 +188,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     content: str = ""
     index: int = 0
     prompt_logprobs: PromptLogprobs = NO_PROMPT_LOGPROBS
+    # A chat request's reasoning delta when the engine runs a reasoning parser (`text` is then the content
+    # delta: the output after the think block).
+    reasoning: str = ""
 
     @property
     def finished(self) -> bool:

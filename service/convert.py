@@ -280,6 +280,7 @@ def generate_response_from_output(output: RequestOutput, request_id: str) -> pb.
         text=output.text,
         token_ids=output.token_ids,
         index=output.index,
+        reasoning_text=output.reasoning,
     )
     if output.logprobs:
         add_logprobs(response.logprobs, output.logprobs, 0, len(output.logprobs))

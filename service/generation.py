@@ -265,7 +265,13 @@ class RequestProgress:
                 request_id=self._request_id, token_ids=(), text="", finish_reason="abort", timings=timings
             )
         return msgspec.structs.replace(
-            last, token_ids=(), text="", logprobs=NO_OUTPUT_LOGPROBS, finish_reason="abort", timings=timings
+            last,
+            token_ids=(),
+            text="",
+            reasoning="",
+            logprobs=NO_OUTPUT_LOGPROBS,
+            finish_reason="abort",
+            timings=timings,
         )
 
     def final_output(self, caller_left: bool) -> RequestOutput | None:

@@ -122,6 +122,7 @@ class AsyncEngine:
                 f"engine_timeout: must be > {HEARTBEAT_S} s (the core's heartbeat), got {engine_timeout}"
             )
         self._client = CoreClient(config, timeout_seconds=engine_timeout, kv_events=kv_events)
+        self._reasoning_parser = config.model.reasoning_parser
         self.kv_event_log = KVEventLog() if kv_events else None
         self._max_queue = max_queue
         self._stream_interval = stream_interval
@@ -143,7 +144,9 @@ class AsyncEngine:
         ready = await self._client.start(self._on_message, self._on_dead)
         self.model_info = ready.model_info
         self.tokenizer = None if ready.tokenizer is None else Tokenizer.from_spec(ready.tokenizer)
-        self._output_processor = OutputProcessor(self.tokenizer, FaultInjector.from_env())
+        self._output_processor = OutputProcessor(
+            self.tokenizer, FaultInjector.from_env(), reasoning_parser=self._reasoning_parser
+        )
         self._stats = EngineStats(0, 0, ready.model_info.num_kv_blocks, 0, 0, 0, 0)
 
     async def shutdown(self) -> None:
@@ -227,7 +230,8 @@ class AsyncEngine:
         Abandoning the stream (cancelling the task that awaits it, `aclose()`, or dropping it) aborts the
         request, so its KV blocks are freed before the core's next step. `chat_options` (chat only): how the
         chat template renders `messages`. `tool_use` (chat only): tools rendered by the chat template, a
-        required or named call enforced, calls parsed on the last output.
+        required or named call enforced, calls parsed on the last output. A chat's outputs carry their
+        reasoning apart when the engine runs a reasoning parser (`RequestOutput.reasoning`).
         With `params.n` > 1 the stream yields the outputs of the n samples (each with its `index`) and
         ends after the last one finished. `use_speculation` False: the request never verifies draft
         tokens (when the engine speculates).
@@ -250,7 +254,9 @@ class AsyncEngine:
         collector = OutputCollector(stream_interval or self._stream_interval)
         add = AddRequest(request_id, prompt, params, time.time(), priority, cache_salt, use_speculation)
         core_request_id = self._core_request_id(request_id)
-        first = self._output_processor.add_request(add, tool_use, core_request_id=core_request_id)
+        first = self._output_processor.add_request(
+            add, tool_use, core_request_id=core_request_id, chat=messages is not None
+        )
         self._streams[request_id] = collector
         try:
             self._client.send(first)

@@ -25,7 +25,9 @@ class Engine:
         self.tokenizer = self.core.tokenizer
         self.model_info = self.core.model_info
         self.eos_token_ids = self.core.eos_token_ids
-        self.output_processor = OutputProcessor(self.tokenizer, self.core.faults)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.core.faults, reasoning_parser=config.model.reasoning_parser
+        )
 
     @property
     def model_runner(self):
@@ -49,17 +51,19 @@ class Engine:
         cache_salt: str | None = None,
         tool_use: ToolUse | None = None,
         use_speculation: bool = True,
+        chat: bool = False,
     ) -> list[int]:
         """Validates and queues a request; returns its prompt as queued (`truncate_prompt_tokens` applied);
         raises InvalidRequestError / ContextLengthError. With `tool_use`, `params` must already carry its
-        constraint (`ToolUse.sampling_params`)."""
+        constraint (`ToolUse.sampling_params`). `chat`: the prompt is a rendered chat (whose outputs a
+        reasoning parser splits)."""
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.model_info)
         check_prompt(prompt_token_ids, params, self.model_info, has_tokenizer=self.tokenizer is not None)
         priority, cache_salt = checked_priority(priority), checked_cache_salt(cache_salt)
         add = AddRequest(
             request_id, list(prompt_token_ids), params, time.time(), priority, cache_salt, use_speculation
         )
-        first = self.output_processor.add_request(add, tool_use)  # sample 0 when n > 1
+        first = self.output_processor.add_request(add, tool_use, chat=chat)  # sample 0 when n > 1
         try:
             self.core.add_request(first)
         except Exception as exc:  # refused (e.g. needs more KV blocks than the cache has): forget it

@@ -44,7 +44,8 @@ class Completion:
     prompt_token_ids: list[int]
     index: int = 0
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # with a reasoning parser, a chat's content: the output after its think block
+    reasoning: str = ""  # with a reasoning parser, a chat's reasoning
     logprobs: OutputLogprobs = NO_OUTPUT_LOGPROBS
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -63,6 +64,7 @@ class Completion:
     def add(self, output: RequestOutput) -> None:
         self.token_ids.extend(output.token_ids)
         self.text += output.text
+        self.reasoning += output.reasoning
         if output.logprobs:
             self._logprobs_parts.append(output.logprobs)
         self.prompt_logprobs.extend(output.prompt_logprobs)
@@ -83,11 +85,14 @@ class Completion:
     def as_message(self) -> dict[str, Any]:
         """The assistant message that continues the conversation: the text, or the tool calls and the
         content beside them (then add a {"role": "tool", "tool_call_id": call.id, "content": ...}
-        message per call)."""
-        if not self.tool_calls:
-            return {"role": "assistant", "content": self.text}
-        tool_calls = [asdict(call) for call in self.tool_calls]
-        return {"role": "assistant", "content": self.content, "tool_calls": tool_calls}
+        message per call); the reasoning, if any, as "reasoning_content"."""
+        content = self.content if self.tool_calls else self.text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [asdict(call) for call in self.tool_calls]
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        return message
 
 
 class LLM:
@@ -165,7 +170,7 @@ class LLM:
             resolve_prompt(self.engine.tokenizer, messages=c, tools=tools, chat_options=options)
             for c in conversations
         ]
-        return self._run(token_ids, params, None, tool_use)
+        return self._run(token_ids, params, None, tool_use, chat=True)
 
     def _encode(self, prompt: Prompt, name: str) -> list[int]:
         if isinstance(prompt, Mapping):  # a dict had been read as token ids: KeyError 0
@@ -184,6 +189,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         priorities: Sequence[int] | None,
         tool_use: ToolUse | None = None,
+        *,
+        chat: bool = False,
     ) -> list[Completion]:
         params, priorities = (list(v) if isinstance(v, Iterator) else v for v in (params, priorities))
         if params is None or isinstance(params, SamplingParams):
@@ -205,7 +212,9 @@ class LLM:
                     request_id = f"llm-{self._next_id}"
                     self._next_id += 1
                     priority = priorities[i] if priorities else 0
-                    queued = self.engine.add_request(request_id, ids, p, priority=priority, tool_use=tool_use)
+                    queued = self.engine.add_request(
+                        request_id, ids, p, priority=priority, tool_use=tool_use, chat=chat
+                    )
                     for index in range(p.n):
                         completions[request_id, index] = Completion(request_id, list(queued), index)
                     interrupt.deliver()

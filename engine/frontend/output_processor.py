@@ -9,6 +9,10 @@ A request with n > 1 runs in the core as n requests, sent by `ParallelSampling`
 once sample 0's first output came. Each sample has its own state here and its outputs carry the caller's
 request id and the sample's `index`.
 
+With a reasoning parser (`ModelConfig.reasoning_parser`), a chat request's text deltas are split by a
+`ReasoningParser` (`sluice.engine.text.reasoning`) per sample: `RequestOutput.reasoning` holds the
+reasoning delta and `text` the content delta; the tool calls are parsed from the content only.
+
 The core may know a request by an id of its own (`add_request`'s `core_request_id`): the server's
 engine gives each request a fresh one, so that an id its caller reuses at once (after a cancel, or after
 a stop string ended the request here) never receives what the core still sends for the earlier request
@@ -40,11 +44,16 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
+from sluice.engine.text.reasoning import ReasoningParser, prompt_ends_reasoning
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# The prompt's last tokens where a template that turned thinking off wrote its empty think block
+# (`<think>\n\n</think>\n\n`, and an end-of-turn or two before it).
+_PROMPT_TAIL_TOKENS = 16
 
 
 @dataclass
@@ -57,7 +66,8 @@ class _RequestState:
     num_output_tokens: int = 0
     num_accepted_draft_tokens: int = 0  # accepted drafts among the output tokens kept
     tool_use: ToolUse | None = None
-    text: str = ""  # the whole output so far, kept only for requests with tools
+    text: str = ""  # the whole output (its content, with a reasoning parser) so far, kept only with tools
+    reasoning: ReasoningParser | None = None  # a chat request's, when the engine runs a reasoning parser
     superseded: bool = False  # a later request took the caller's id: this one's outputs go to no one
 
 
@@ -76,8 +86,15 @@ class ProcessedOutputs:
 class OutputProcessor:
     """Owns the detokenizer of every live request."""
 
-    def __init__(self, tokenizer: Tokenizer | None, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        faults: FaultInjector | None = None,
+        *,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._reasoning_parser = reasoning_parser  # a name of REASONING_PARSERS, for chat requests
         if tokenizer is not None:
             _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
@@ -87,13 +104,19 @@ class OutputProcessor:
         self._samples = ParallelSampling()
 
     def add_request(
-        self, add: AddRequest, tool_use: ToolUse | None = None, *, core_request_id: str | None = None
+        self,
+        add: AddRequest,
+        tool_use: ToolUse | None = None,
+        *,
+        core_request_id: str | None = None,
+        chat: bool = False,
     ) -> AddRequest:
         """Tracks the request's `add.params.n` samples; returns what to send to the core now (sample 0
         when n > 1). `tool_use`: the request's tools; its last output carries the tool calls parsed from
         its text. `core_request_id`: the id the core knows the request by, if not `add.request_id` (the
-        module's docstring). Raises InvalidRequestError if an engine id of it belongs to another live
-        request (`a#1` while `a` with n = 2 runs)."""
+        module's docstring). `chat`: the prompt is a rendered chat, whose outputs the reasoning parser
+        splits (when the engine runs one). Raises InvalidRequestError if an engine id of it belongs to
+        another live request (`a#1` while `a` with n = 2 runs)."""
         request_id, params = add.request_id, add.params
         core_id = core_request_id or request_id
         engine_ids = sample_request_ids(core_id, params.n)
@@ -103,14 +126,27 @@ class OutputProcessor:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
+        splits_reasoning = chat and self._reasoning_parser is not None
+        closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
         for index, engine_id in enumerate(engine_ids):
             detokenizer = (
                 None
                 if self._tokenizer is None
                 else IncrementalDetokenizer(self._tokenizer, params, add.prompt_token_ids)
             )
+            reasoning = (
+                ReasoningParser(self._reasoning_parser, prompt_ends_reasoning=closed_in_prompt)
+                if splits_reasoning
+                else None
+            )
             self._states[engine_id] = _RequestState(
-                request_id, index, len(add.prompt_token_ids), add.arrival_time, detokenizer, tool_use=tool_use
+                request_id,
+                index,
+                len(add.prompt_token_ids),
+                add.arrival_time,
+                detokenizer,
+                tool_use=tool_use,
+                reasoning=reasoning,
             )
         self._engine_ids[request_id] = list(engine_ids)
         self._core_ids[request_id] = core_id
@@ -120,6 +156,13 @@ class OutputProcessor:
         if core_id != request_id:
             to_core["request_id"] = core_id
         return self._samples.add(msgspec.structs.replace(add, **to_core) if to_core else add)
+
+    def _prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the chat template closed the think block at the prompt's end (thinking off)."""
+        if self._tokenizer is None:
+            return False
+        tail = self._tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return prompt_ends_reasoning(tail)
 
     def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
         """Ends the requests (every sample): the last outputs of the samples never sent to the core, and
@@ -215,6 +258,9 @@ class OutputProcessor:
         if num_taken < len(token_ids):
             token_ids, logprobs = token_ids[:num_taken], logprobs.first(num_taken)
         prompt_logprobs = core_output.prompt_logprobs
+        reasoning = ""
+        if state.reasoning is not None:
+            reasoning, text = state.reasoning.feed(text, final=finish_reason is not None)
         try:
             tool_calls, content = self._tool_calls(state, text, finish_reason is not None)
         except Exception as exc:  # a parser's bug fails this request alone, never the engine's reader
@@ -247,6 +293,7 @@ class OutputProcessor:
             content=content,
             index=state.index,
             prompt_logprobs=NO_PROMPT_LOGPROBS if prompt_logprobs is None else prompt_logprobs,
+            reasoning=reasoning,
         )
 
     def _tool_calls(

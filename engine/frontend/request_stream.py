@@ -49,14 +49,15 @@ class _Pending:
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:
-    """Deltas of one sample, oldest first, as one: tokens, text and logprobs concatenated; the rest the
-    newest's."""
+    """Deltas of one sample, oldest first, as one: tokens, text, reasoning and logprobs concatenated; the
+    rest the newest's."""
     if len(outputs) == 1:
         return outputs[0]
     return msgspec.structs.replace(
         outputs[-1],
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
+        reasoning="".join(o.reasoning for o in outputs),
         logprobs=OutputLogprobs.joined([o.logprobs for o in outputs]),
         prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), NO_PROMPT_LOGPROBS),
     )

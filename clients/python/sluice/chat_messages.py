@@ -126,13 +126,18 @@ def tool_call(call: pb.ToolCall | Mapping[str, Any]) -> pb.ToolCall:
     return pb.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
 
 
-def assistant_message(text: str, content: str, tool_calls: Sequence[pb.ToolCall]) -> dict[str, Any]:
+def assistant_message(
+    text: str, content: str, tool_calls: Sequence[pb.ToolCall], reasoning: str = ""
+) -> dict[str, Any]:
     """The assistant message of a generation, to send back as the conversation's next turn: its `text`,
-    or with `tool_calls` those calls as dicts and the `content` beside them."""
-    if not tool_calls:
-        return {"role": "assistant", "content": text}
-    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in tool_calls]
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+    or with `tool_calls` those calls as dicts and the `content` beside them; its `reasoning` (a server
+    running a reasoning parser) as "reasoning_content", which the chat template keeps or drops."""
+    message: dict[str, Any] = {"role": "assistant", "content": content if tool_calls else text}
+    if tool_calls:
+        message["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in tool_calls]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def _function_and_json_text(entry: Mapping[str, Any], key: str, field: str) -> tuple[Mapping[str, Any], str]:

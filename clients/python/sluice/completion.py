@@ -16,7 +16,8 @@ class Completion:
 
     request_id: str = ""
     index: int = 0  # which of the request's n samples
-    text: str = ""
+    text: str = ""  # with a server's reasoning parser, a chat's content: the output after its think block
+    reasoning: str = ""  # with a server's reasoning parser, a chat's reasoning (chunks' reasoning_text)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.Logprobs] = field(default_factory=list)
     prompt_logprobs: list[pb.Logprobs] = field(default_factory=list)
@@ -35,6 +36,7 @@ class Completion:
         self.index = chunk.index
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.text += chunk.text
+        self.reasoning += chunk.reasoning_text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -50,8 +52,8 @@ class Completion:
     def as_message(self) -> dict[str, Any]:
         """The assistant message that continues the conversation: the text, or the tool calls and the
         content beside them (then add a {"role": "tool", "tool_call_id": call.id, "content": ...}
-        message per call)."""
-        return assistant_message(self.text, self.content, self.tool_calls)
+        message per call); the reasoning, if any, as "reasoning_content"."""
+        return assistant_message(self.text, self.content, self.tool_calls, self.reasoning)
 
     @property
     def finish_reason_name(self) -> str:
