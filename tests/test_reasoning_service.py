@@ -39,13 +39,6 @@ def server(llama_dir: str):
     thread.stop()
 
 
-@pytest.fixture(scope="module")
-def stub(server):
-    channel = server.channel()
-    yield server.stub(channel)
-    channel.close()
-
-
 def forced(output: str, *, chat: bool = True, tools: tuple[pb.Tool, ...] = ()) -> pb.GenerateRequest:
     """A request whose output is `output` (the regex allows nothing else), then EOS."""
     sampling = pb.SamplingParams(max_tokens=200, regex=re.escape(output), temperature=0.0)
