@@ -56,12 +56,11 @@ def parts(chunks: list[pb.GenerateResponse]) -> tuple[str, str]:
 @pytest.mark.parametrize("output", ["<think>abc def</think>the answer", "abc def</think>the answer"])
 def test_a_chats_reasoning_streams_apart_from_its_answer(stub, output: str) -> None:
     chunks = list(stub.Generate(forced(output), timeout=60))
-    assert len(chunks) > 5  # streamed token by token: the tags were cut across chunks
     assert parts(chunks) == ("abc def", "the answer")
 
 
 def test_an_output_cut_while_thinking_is_all_reasoning(stub) -> None:
-    request = forced("<think>still thinking about it")
+    request = forced("<think>still thinking about it</think>done")
     request.sampling_params.max_tokens = 4
     chunks = list(stub.Generate(request, timeout=60))
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -99,3 +98,34 @@ def test_the_offline_llm_chat_collects_the_reasoning(llama_dir: str) -> None:
     assert (chat.reasoning, chat.text) == ("ab", "cd")
     assert chat.as_message() == {"role": "assistant", "content": "cd", "reasoning_content": "ab"}
     assert (plain.reasoning, plain.text) == ("", "<think>ab</think>cd")
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "output"),
+    [
+        (pb.ToolChoice(function_name="get_time"), "{}"),
+        (pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), '[{"name": "get_time", "arguments": {}}]'),
+    ],
+    ids=["named", "required"],
+)
+def test_a_forced_tool_call_is_content_with_the_parser_on(stub, tool_choice, output) -> None:
+    """A required or named call's grammar applies from the first token (no think block): its output is
+    content, and the call is returned, as without the parser."""
+    request = pb.GenerateRequest(
+        request_id="forced-call",
+        messages=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content="time?")], tools=[TIME], tool_choice=tool_choice
+        ),
+        sampling_params=pb.SamplingParams(max_tokens=60, temperature=0.0),
+    )
+    chunks = list(stub.Generate(request, timeout=60))
+    assert [c.name for c in chunks[-1].tool_calls] == ["get_time"]
+    assert parts(chunks) == ("", output)
+
+
+def test_a_json_answer_is_content_with_the_parser_on(stub) -> None:
+    request = forced("x")
+    request.sampling_params.ClearField("regex")
+    request.sampling_params.json_schema = json.dumps({"type": "object", "properties": {}, "maxProperties": 0})
+    chunks = list(stub.Generate(request, timeout=60))
+    assert parts(chunks) == ("", "{}")

@@ -1,8 +1,6 @@
 """Merged deltas keep their reasoning: a reader slower than the engine, or a stream_interval above one,
-gets several deltas as one output, whose `reasoning` must hold all of theirs, as its `text` does.
-
-NEEDS engine/frontend/request_stream.py's `_merged` to join `reasoning` beside `text`; it fails until then
-(the output kept only the newest delta's reasoning: a client lost the reasoning of every merged delta)."""
+gets several deltas as one output, whose `reasoning` holds all of theirs, as its `text` does (it kept only
+the newest delta's: a client lost the reasoning of every merged delta)."""
 
 from __future__ import annotations
 

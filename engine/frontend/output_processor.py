@@ -44,7 +44,12 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
-from sluice.engine.text.reasoning import ReasoningParser, prompt_ends_reasoning
+from sluice.engine.text.reasoning import (
+    THINK_END,
+    ReasoningParser,
+    constraint_writes_reasoning,
+    prompt_ends_reasoning,
+)
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
@@ -95,6 +100,19 @@ class OutputProcessor:
     ) -> None:
         self._tokenizer = tokenizer
         self._reasoning_parser = reasoning_parser  # a name of REASONING_PARSERS, for chat requests
+        if (
+            reasoning_parser is not None
+            and tokenizer is not None
+            and tokenizer.token_to_id(THINK_END) is None
+        ):
+            # vLLM refuses it; the split is by text, so it works, but a model that never thinks gets its
+            # whole answer as reasoning (deepseek_r1's output without </think>)
+            logger.warning(
+                "reasoning_parser %s: the model's vocabulary has no %s token: its chats' outputs without "
+                "one are all reasoning",
+                reasoning_parser,
+                THINK_END,
+            )
         if tokenizer is not None:
             _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
@@ -126,7 +144,9 @@ class OutputProcessor:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
-        splits_reasoning = chat and self._reasoning_parser is not None
+        splits_reasoning = (
+            chat and self._reasoning_parser is not None and constraint_writes_reasoning(params.constraint)
+        )
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
         for index, engine_id in enumerate(engine_ids):
             detokenizer = (
