@@ -219,3 +219,39 @@ def test_a_vision_tensor_in_a_text_checkpoint_is_still_refused(tmp_path):
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected tensor 'vision_tower.post_layernorm.weight'"):
         LLM(str(directory))
+
+
+def test_the_wrappers_token_ids_win_over_the_text_configs_as_in_transformers():
+    """A transformers-5-saved Gemma 3 writes the text config's own eos (1) beside the wrapper's [1, 106]:
+    transformers' generation config takes the wrapper's, and so does Sluice (stopping at <end_of_turn>)."""
+    from transformers import Gemma3Config, GenerationConfig
+
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "text_config": {**HUB_4B_TEXT_CONFIG, "eos_token_id": 1, "bos_token_id": 2},
+    }
+    hf = GenerationConfig.from_model_config(Gemma3Config(**json.loads(json.dumps(config))))
+    arch = ModelArchConfig.from_hf_config(json.loads(json.dumps(config)))
+    assert arch.eos_token_ids == tuple(hf.eos_token_id) == (1, 106)
+    assert arch.bos_token_id == hf.bos_token_id == 2
+
+
+def test_modelopts_nested_exclude_modules_take_the_text_models_names():
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": HUB_4B_TEXT_CONFIG,
+        "quantization_config": {
+            "quant_method": "modelopt",
+            "quantization": {
+                "quant_algo": "FP8",
+                "exclude_modules": [
+                    "language_model.lm_head",
+                    "multi_modal_projector.mm_input_projection",
+                    "*vision*",
+                ],
+            },
+        },
+    }
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.extra["quantization_config"]["quantization"]["exclude_modules"] == ["lm_head", "*vision*"]

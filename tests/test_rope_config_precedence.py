@@ -14,6 +14,7 @@ import torch
 
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.loading.model_arch import ModelArchConfig
+from sluice.engine.loading.rope_scaling import rope_parameters
 from sluice.engine.sampling_params import SamplingParams
 
 SHAPE = {
@@ -67,6 +68,30 @@ def test_rope_settings_read_as_transformers_reads_them(rope):
             expected["rope_type"],
             expected["factor"],
         )
+
+
+def test_gemma3s_per_layer_type_parameters_take_a_rope_scaling_into_their_global_settings():
+    """Gemma 3's config class merges a top-level rope_scaling into rope_parameters' full_attention entry
+    (its rope_theta kept) instead of replacing it, and leaves the local layers' plain."""
+    from transformers import Gemma3TextConfig
+
+    config = {
+        **SHAPE, "architectures": ["Gemma3ForCausalLM"], "num_key_value_heads": 1, "head_dim": 16,
+        "sliding_window": 8, "layer_types": ["sliding_attention"],
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 2e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+        },
+    }  # fmt: skip
+    expected = Gemma3TextConfig.from_dict(json.loads(json.dumps(config))).rope_parameters["full_attention"]
+    arch = ModelArchConfig.from_hf_config(json.loads(json.dumps(config)))
+    assert (arch.rope_theta, arch.rope_scaling.rope_type, arch.rope_scaling.factor) == (
+        expected["rope_theta"],
+        expected["rope_type"],
+        expected["factor"],
+    )
+    assert rope_parameters(config, "sliding_attention") == {"rope_type": "default", "rope_theta": 20000.0}
 
 
 def test_a_top_level_rope_theta_beside_rope_parameters_gives_transformers_tokens(llama_dir, tmp_path):

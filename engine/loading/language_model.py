@@ -36,6 +36,7 @@ VISION_PREFIXES = (
 )
 # The multimodal config's keys that describe the other parts, or the wrapper itself.
 _WRAPPER_KEYS = ("text_config", "vision_config", "architectures", "model_type")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # quantization_config's lists of module names (compressed-tensors, transformers' fp8 and fbgemm, vLLM's,
 # ModelOpt's), whose exact names are the checkpoint's.
 _MODULE_LISTS = ("ignore", "modules_to_not_convert", "ignored_layers", "exclude_modules")
@@ -72,6 +73,9 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
         )
     shared = {key: value for key, value in config.items() if key not in _WRAPPER_KEYS}
     merged = {**shared, **text, "architectures": [text_architecture]}
+    # The wrapper's special token ids win, as transformers builds a composite model's generation config
+    # from its top level (text_config only where that leaves one unset): Gemma 3's eos [1, 106].
+    merged.update({key: config[key] for key in _TOKEN_ID_KEYS if config.get(key) is not None})
     # The wrapper ties, as transformers >= 5 reads it (its config classes' default: true, whatever the
     # text_config says); a checkpoint with an lm_head of its own (Mistral Small 3.x) uses it, untied.
     merged["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
@@ -82,13 +86,16 @@ def language_model_config(config: dict[str, Any], architecture: str) -> dict[str
 
 
 def _renamed_module_lists(quantization: dict[str, Any]) -> dict[str, Any]:
-    """The lists of module names renamed to the text model's, the vision tower's dropped; patterns
-    ("re:..." regexes, "*" wildcards) are left as written."""
+    """The lists of module names renamed to the text model's, the vision tower's dropped (also in ModelOpt's
+    nested `quantization` object); patterns ("re:..." regexes, "*" wildcards) are left as written, matched
+    against the text model's names."""
     renamed = dict(quantization)
     for key in _MODULE_LISTS:
         names = quantization.get(key)
         if isinstance(names, list):
             renamed[key] = [ours for name in names if (ours := _renamed_module(name)) is not None]
+    if isinstance(quantization.get("quantization"), dict):  # ModelOpt's hf_quant_config.json
+        renamed["quantization"] = _renamed_module_lists(quantization["quantization"])
     return renamed
 
 

@@ -64,13 +64,16 @@ def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") 
     """The RoPE settings of `layer_type` layers. transformers >= 5 writes `rope_parameters` (per layer
     type for hybrid models such as Gemma 3); older configs write `rope_theta` and `rope_scaling`. A config
     with both is read as transformers reads it: a `rope_scaling` replaces the global layers'
-    rope_parameters whole (their rope_theta too: `rope_theta` below)."""
+    rope_parameters whole (their rope_theta too: `rope_theta` below), or, in a per-layer-type one (Gemma
+    3's config class), is merged into its full_attention settings."""
     params = config.get("rope_parameters") or {}
-    if layer_type in params or "full_attention" in params:
+    nested = layer_type in params or "full_attention" in params
+    if nested:
         params = params.get(layer_type) or {}
     if layer_type != "full_attention":
         return params  # an older config's rope_scaling is its global layers' (Gemma 3: local RoPE plain)
-    return dict(config.get("rope_scaling") or params)
+    scaling = config.get("rope_scaling") or {}
+    return {**params, **scaling} if nested else dict(scaling or params)
 
 
 def rope_theta(config: dict[str, Any], default: float) -> float:
