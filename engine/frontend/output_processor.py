@@ -44,12 +44,7 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
-from sluice.engine.text.reasoning import (
-    THINK_END,
-    ReasoningParser,
-    constraint_writes_reasoning,
-    prompt_ends_reasoning,
-)
+from sluice.engine.text.reasoning import THINK_END, ReasoningParser, prompt_ends_reasoning
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
@@ -144,8 +139,12 @@ class OutputProcessor:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
+        # A constraint applies from the first token: its output is all content unless it writes the tag.
+        constraint = params.constraint
         splits_reasoning = (
-            chat and self._reasoning_parser is not None and constraint_writes_reasoning(params.constraint)
+            chat
+            and self._reasoning_parser is not None
+            and (constraint is None or constraint.writes(THINK_END))
         )
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
         for index, engine_id in enumerate(engine_ids):

@@ -88,6 +88,12 @@ class Constraint:
         """The request field the constraint came from; compile errors name it."""
         return self.origin or self.kind
 
+    def writes(self, text: str) -> bool:
+        """Whether the constraint's own text (a regex, grammar, structural tag or choice) holds `text`: a
+        constrained output can then contain it (a reasoning parser's `</think>`)."""
+        sources = (self.regex, self.grammar, self.structural_tag, *(self.choice or ()))
+        return any(source is not None and text in source for source in sources)
+
     @property
     def key(self) -> tuple[str, str]:
         """(kind, source): what the core compiles and caches."""

@@ -11,10 +11,10 @@ neither part. As vLLM's parsers (`vllm/reasoning/deepseek_r1_reasoning_parser.py
   reasoning without `</think>` (Qwen3.5 may call a tool from inside its thinking); the `<tool_call>` is the
   content's start, as vLLM's streaming split has it (its one-shot split, given a `</think>` after the call,
   ends the reasoning there instead). Only the first `<tool_call>` of the reasoning is looked at.
-- both: a constrained output is all content unless the constraint itself writes `</think>`
-  (`constraint_writes_reasoning`);
-  a prompt whose think block the template closed (`enable_thinking: false` renders
-  `<think>\\n\\n</think>\\n\\n`; vLLM's `prompt_is_reasoning_end`) gives content only.
+- both: a prompt whose think block the template closed (`enable_thinking: false` renders
+  `<think>\\n\\n</think>\\n\\n`; vLLM's `prompt_is_reasoning_end`) gives content only, and so does a
+  constrained output whose constraint does not write `</think>` (`Constraint.writes`: the output
+  processor asks; a constraint applies from the first token).
 
 Only the first `<think>` before `</think>` is a tag, as vLLM strips only the first; text before it stays
 reasoning (vLLM's one-shot split drops it, its streaming keeps it: the streaming one is followed here, as
@@ -27,12 +27,8 @@ deltas' parts concatenate to the one-shot split of the whole text, wherever the 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from sluice.engine.config import REASONING_PARSERS
-
-if TYPE_CHECKING:
-    from sluice.engine.structured.constraint import Constraint
 
 _START, _END, _TOOL_CALL = "<think>", "</think>", "<tool_call>"
 THINK_END = _END
@@ -90,17 +86,6 @@ class ReasoningParser:
     def _partial_tag_length(self, text: str) -> int:
         """The longest end of `text` that a tag starts with."""
         return max((n for tag in self._tags for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
-
-
-def constraint_writes_reasoning(constraint: Constraint | None) -> bool:
-    """Whether a request's output, under `constraint`, may hold a think block to split: unconstrained, or a
-    constraint whose own text writes `</think>` (a regex, grammar, structural tag or choice naming it).
-    Any other constraint (JSON, a required or named tool call) applies from the output's first token, as
-    Sluice applies constraints, so its output is all content (vLLM's grammar starts after the block)."""
-    if constraint is None:
-        return True
-    sources = (constraint.regex, constraint.grammar, constraint.structural_tag, *(constraint.choice or ()))
-    return any(source is not None and _END in source for source in sources)
 
 
 def prompt_ends_reasoning(prompt_tail: str) -> bool:
