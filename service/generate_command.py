@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     first_token: float | None = None
     first_chunk_tokens = 0
     num_tokens = 0
-    text_end = "\n"  # the answer's last character so far (none yet: no newline owed)
+    # The last character written, to the answer (stdout) or the reasoning (stderr); none yet: no newline owed
+    last_written, last_stream = "\n", sys.stdout
     finish_reason = pb.FINISH_REASON_UNSPECIFIED
     try:  # a key, prompt or TLS file grpc cannot use (SLUICE_API_KEY="", text not UTF-8): no traceback
         request = _request(args)
@@ -84,9 +85,17 @@ def run(args: argparse.Namespace) -> int:
                     first_token = time.perf_counter()
                     first_chunk_tokens = len(chunk.token_ids)  # more than 1 with --stream-interval
                 num_tokens += len(chunk.token_ids)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                text_end = chunk.text[-1:] or text_end
+                # A thinking model's reasoning (a server with --reasoning-parser) goes to stderr, so that
+                # stdout holds the answer alone; the answer starts on a line of its own.
+                for stream, text in ((sys.stderr, chunk.reasoning_text), (sys.stdout, chunk.text)):
+                    if not text:
+                        continue
+                    if stream is not last_stream and last_written != "\n":
+                        last_stream.write("\n")
+                        last_stream.flush()
+                    stream.write(text)
+                    stream.flush()
+                    last_written, last_stream = text[-1], stream
                 finish_reason = chunk.finish_reason or finish_reason
     except SluiceError as exc:
         print(f"\nsluice generate: {exc}", file=sys.stderr)
@@ -97,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nsluice generate: the request ended with finish reason {name}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
-    if text_end != "\n":  # the stats line starts on a line of its own
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    if last_written != "\n":  # the stats line starts on a line of its own
+        last_stream.write("\n")
+        last_stream.flush()
     ttft = None if first_token is None else first_token - start
     print(stats_line(elapsed, ttft, num_tokens, first_chunk_tokens), file=sys.stderr)
     return 0

@@ -365,6 +365,11 @@ def server_info_to_smg(
         block_size=info.block_size,
         attention_backend="",
         max_num_seqs=info.max_num_seqs,
+        # SMG's requests run no reasoning parser here (the gateway parses reasoning itself), so their
+        # grammar applies from the first token: the gateway then leads a forced call's grammar with the
+        # model's thought. (A `--reasoning-parser` holds back the constraints of Sluice's own chats only.)
+        engine_reasoning_parser="",
+        constrained_decoding_start="first_token",
     )
 
 

@@ -105,6 +105,25 @@ def build_qwen3_checkpoint(directory: str, *, seed: int = 4) -> str:
     return _save(Qwen3ForCausalLM(config), directory, None, seed)
 
 
+THINK_TOKENS = ("<think>", "</think>")  # the thinking Qwen3's tokens of their own: ids 512, 513
+
+
+def build_qwen3_thinking_checkpoint(directory: str, *, seed: int = 7) -> str:
+    """Qwen3 with `<think>` and `</think>` as tokens of their own (not special: they are in the text), as
+    the hub's Qwen3 and DeepSeek-R1 tokenizers have them; the vocabulary two tokens larger."""
+    from tokenizers import AddedToken
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = {**SHAPE, "head_dim": 32, "vocab_size": VOCAB_SIZE + len(THINK_TOKENS)}
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
+    _save(Qwen3ForCausalLM(config), directory, None, seed)
+    path = os.path.join(directory, "tokenizer.json")
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
+    tokenizer.save(path)
+    return directory
+
+
 def build_llama_kv4_checkpoint(directory: str, *, seed: int = 6) -> str:
     """Llama with 8 query heads sharing 4 KV heads (head_dim 16), hidden 128, untied: 4 tensor-parallel ranks
     each hold one KV head (the other checkpoints' 2 KV heads are replicated over 4 ranks)."""

@@ -128,6 +128,9 @@ def test_health_model_info_and_tokenizer_bundle(
     assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens == LONG_NUM_BLOCKS * 16
     server_info = engine_stub.GetServerInfo(smg.GetServerInfoRequest(), timeout=10)
     assert (server_info.block_size, server_info.max_num_seqs) == (16, 64)
+    # Where the grammar starts, which shapes SMG's forced tool-call grammars: no parser holds it back.
+    assert server_info.engine_reasoning_parser == ""
+    assert server_info.constrained_decoding_start == "first_token"
 
 
 def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread, engine_stub) -> None:

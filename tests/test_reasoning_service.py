@@ -109,8 +109,9 @@ def test_the_offline_llm_chat_collects_the_reasoning(llama_dir: str) -> None:
     ids=["named", "required"],
 )
 def test_a_forced_tool_call_is_content_with_the_parser_on(stub, tool_choice, output) -> None:
-    """A required or named call's grammar applies from the first token (no think block): its output is
-    content, and the call is returned, as without the parser."""
+    """Over a vocabulary without a `</think>` token (the tiny Llama's), a required or named call's grammar
+    applies from the first token (no think block): its output is content, and the call is returned, as
+    without the parser."""
     request = pb.GenerateRequest(
         request_id="forced-call",
         messages=pb.ChatMessages(

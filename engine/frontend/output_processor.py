@@ -11,7 +11,11 @@ request id and the sample's `index`.
 
 With a reasoning parser (`ModelConfig.reasoning_parser`), a chat request's text deltas are split by a
 `ReasoningParser` (`sluice.engine.text.reasoning`) per sample: `RequestOutput.reasoning` holds the
-reasoning delta and `text` the content delta; the tool calls are parsed from the content only.
+reasoning delta and `text` the content delta; the tool calls are parsed from the content only. A
+thinking chat's constraint (JSON, a required tool call, ...) applies once its reasoning has ended, as vLLM's
+grammar: the core starts it after the output's first `</think>` token (`Constraint.after_token_id`). One
+that writes `</think>` itself applies from the first token, as do all where the template closed the think
+block (thinking off) or the vocabulary has no such token (its output all content then).
 
 The core may know a request by an id of its own (`add_request`'s `core_request_id`): the server's
 engine gives each request a fresh one, so that an id its caller reuses at once (after a cancel, or after
@@ -95,19 +99,19 @@ class OutputProcessor:
     ) -> None:
         self._tokenizer = tokenizer
         self._reasoning_parser = reasoning_parser  # a name of REASONING_PARSERS, for chat requests
-        if (
-            reasoning_parser is not None
-            and tokenizer is not None
-            and tokenizer.token_to_id(THINK_END) is None
-        ):
-            # vLLM refuses it; the split is by text, so it works, but a model that never thinks gets its
-            # whole answer as reasoning (deepseek_r1's output without </think>)
-            logger.warning(
-                "reasoning_parser %s: the model's vocabulary has no %s token: its chats' outputs without "
-                "one are all reasoning",
-                reasoning_parser,
-                THINK_END,
-            )
+        # The token after which a thinking chat's constraint applies; None: it applies from the first token
+        self._think_end_id = None
+        if reasoning_parser is not None and tokenizer is not None:
+            self._think_end_id = tokenizer.token_to_id(THINK_END)
+            if self._think_end_id is None:
+                # vLLM refuses it; the split is by text, so it works, but a model that never thinks gets
+                # its whole answer as reasoning (deepseek_r1's output without </think>)
+                logger.warning(
+                    "reasoning_parser %s: the model's vocabulary has no %s token: its chats' outputs "
+                    "without one are all reasoning, and their constraints apply from the first token",
+                    reasoning_parser,
+                    THINK_END,
+                )
         if tokenizer is not None:
             _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
@@ -139,14 +143,16 @@ class OutputProcessor:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
-        # A constraint applies from the first token: its output is all content unless it writes the tag.
-        constraint = params.constraint
-        splits_reasoning = (
-            chat
-            and self._reasoning_parser is not None
-            and (constraint is None or constraint.writes(THINK_END))
-        )
+        splits_reasoning = chat and self._reasoning_parser is not None
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
+        constraint = params.constraint
+        if splits_reasoning and not closed_in_prompt and constraint and not constraint.writes(THINK_END):
+            if self._think_end_id is not None:
+                # As vLLM's grammar, it applies once the reasoning has ended: the think block is free.
+                constraint = replace(constraint, after_token_id=self._think_end_id)
+                params = replace(params, constraint=constraint)
+            else:  # nothing to start it at: from the first token, the output all content
+                splits_reasoning = False
         for index, engine_id in enumerate(engine_ids):
             detokenizer = (
                 None
@@ -171,7 +177,8 @@ class OutputProcessor:
         self._core_ids[request_id] = core_id
         # The stop strings stay here, where the detokenizers match them: the core never reads them, and
         # they crossed the pipe once per sample (32 of 1 MB with n = 16: 512 MB, seconds of the loop).
-        to_core = {"params": replace(params, stop=())} if params.stop else {}
+        sent = replace(params, stop=()) if params.stop else params
+        to_core = {"params": sent} if sent is not add.params else {}
         if core_id != request_id:
             to_core["request_id"] = core_id
         return self._samples.add(msgspec.structs.replace(add, **to_core) if to_core else add)

@@ -11,6 +11,11 @@ the rows after it go unmasked, and the row before it masks it out, so the verifi
 After a preemption by recompute the outputs are kept, so the matcher stays valid; anything that shortens
 them (none today) rebuilds it.
 
+A constraint with `after_token_id` (a thinking chat's `</think>`) applies to the outputs after the first such
+token: until one is among the row's outputs the row goes unmasked (its drafts are kept through that token),
+and the matcher takes the outputs after it. Where that token was a draft rejected since, the matcher
+starts again from where the row's outputs have it.
+
 The mask runs after the other processors, so a row can be left with no token at all: allowed_token_ids
 that share none with what the constraint accepts next, stop_token_ids that min_tokens holds back where the
 constraint needs one, or a grammar that compiles but matches no string (`root ::= root`). Such a row
@@ -59,10 +64,12 @@ class NoTokenLeftError(InvalidRequestError):
 
 @dataclass
 class _MatcherState:
-    """The request's matcher, which accepted its first `settled` output tokens and then `tail` (drafts of
+    """The request's matcher over its output tokens from index `start` (after its constraint's
+    `after_token_id`; 0 without one): it accepted the first `settled` of them and then `tail` (drafts of
     a verify step, not known to be accepted)."""
 
     matcher: xgr.GrammarMatcher
+    start: int = 0
     settled: int = 0
     tail: list[int] = field(default_factory=list)
 
@@ -72,6 +79,10 @@ class GrammarMask:
 
     def __init__(self) -> None:
         self._states: dict[str, _MatcherState] = {}
+        # Requests whose constraint waits for its `after_token_id`: how many of their accepted outputs are
+        # known not to hold it; once one of those does, the index after it.
+        self._scanned: dict[str, int] = {}
+        self._starts: dict[str, int] = {}
 
     def applies_to(self, row: SamplingRow) -> bool:
         return row.grammar is not None
@@ -110,6 +121,8 @@ class GrammarMask:
     def free(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._states.pop(request_id, None)
+            self._scanned.pop(request_id, None)
+            self._starts.pop(request_id, None)
 
     def constrained_drafts(
         self,
@@ -118,6 +131,7 @@ class GrammarMask:
         output_token_ids: Sequence[int],
         drafts: Sequence[int],
         max_drafts: int,
+        after_token_id: int | None = None,
     ) -> tuple[int, tuple[int, ...]]:
         """The drafts a constrained request verifies, as (how many of the proposed `drafts` it keeps, the
         tokens its grammar forces after those): the proposed ones up to the first its grammar refuses
@@ -126,11 +140,18 @@ class GrammarMask:
         tokens: a JSON key and its quotes, the rest of a `choice`), drafted rather than decoded one step a
         token (SGLang's jump-forward decoding, verified like any draft, so another tokenization of the
         same text is only a rejected draft). The matcher is left as the outputs leave it. Outputs the
-        grammar refuses get no drafts: the next step's mask ends the request with that error alone."""
+        grammar refuses get no drafts: the next step's mask ends the request with that error alone.
+        `after_token_id`: the constraint's; before one is among the outputs, the drafts are kept up to and
+        including the first one (the grammar's part starts after it, checked from the next step)."""
+        if self._start(request_id, output_token_ids, 0, after_token_id) is None:
+            kept = list(drafts[:max_drafts])
+            return (kept.index(after_token_id) + 1 if after_token_id in kept else len(kept)), ()
         try:
-            matcher = self._sync(request_id, grammar, output_token_ids, num_drafts=0).matcher
+            state = self._sync(request_id, grammar, output_token_ids, 0, after_token_id)
         except GrammarViolationError:
             return 0, ()
+        assert state is not None  # no drafts given: nothing refused
+        matcher = state.matcher
         num_kept = 0
         for token_id in drafts[:max_drafts]:
             if matcher.is_terminated() or not matcher.accept_token(token_id):
@@ -149,34 +170,45 @@ class GrammarMask:
         return num_kept, tuple(forced)
 
     def _sync_row(self, row: SamplingRow) -> _MatcherState | None:
-        return self._sync(row.request_id, row.grammar, row.output_token_ids, row.num_drafts)
+        constraint = row.params.constraint
+        after_token_id = None if constraint is None else constraint.after_token_id
+        return self._sync(row.request_id, row.grammar, row.output_token_ids, row.num_drafts, after_token_id)
 
     def _sync(
-        self, request_id: str, grammar: object, outputs: Sequence[int], num_drafts: int
+        self,
+        request_id: str,
+        grammar: object,
+        outputs: Sequence[int],
+        num_drafts: int,
+        after_token_id: int | None = None,
     ) -> _MatcherState | None:
         """The request's matcher after its output tokens, the last `num_drafts` of them a verify row's
         drafts; None where one of those drafts is a token the grammar refuses (then the matcher stops
-        before it)."""
+        before it), or where the outputs do not hold the constraint's `after_token_id` yet."""
+        start = self._start(request_id, outputs, num_drafts, after_token_id)
+        if start is None:
+            return None
+        num_outputs = len(outputs) - start  # the grammar's part of the outputs
         state = self._states.get(request_id)
-        if state is None or state.settled > len(outputs):
+        if state is None or state.start != start or state.settled > num_outputs:
             import xgrammar as xgr  # imported by now: the grammar's compiler imported it
 
-            state = _MatcherState(xgr.GrammarMatcher(grammar))
+            state = _MatcherState(xgr.GrammarMatcher(grammar), start)
             self._states[request_id] = state
         # Keep the part of the tail the row holds; roll back the drafts it does not (rejected since).
-        start = state.settled
+        first = state.settled
         kept = 0
-        for taken, held in zip(state.tail, outputs[start:], strict=False):
+        for taken, held in zip(state.tail, outputs[start + first :], strict=False):
             if taken != held:
                 break
             kept += 1
         if kept < len(state.tail):
             state.matcher.rollback(len(state.tail) - kept)
             del state.tail[kept:]
-        num_accepted = len(outputs) - num_drafts
+        num_accepted = num_outputs - min(num_drafts, num_outputs)
         refused = False
-        for position in range(start + kept, len(outputs)):
-            token_id = outputs[position]
+        for position in range(first + kept, num_outputs):
+            token_id = outputs[start + position]
             # A complete matcher takes no token (xgrammar would log a warning for each: drafts past eos).
             if state.matcher.is_terminated() or not state.matcher.accept_token(token_id):
                 if position < num_accepted:
@@ -190,6 +222,30 @@ class GrammarMask:
             del state.tail[:settle]
             state.settled = num_accepted
         return None if refused else state
+
+    def _start(
+        self, request_id: str, outputs: Sequence[int], num_drafts: int, after_token_id: int | None
+    ) -> int | None:
+        """Where the constraint's part of `outputs` starts: 0 without an `after_token_id`, else the index
+        after the first one; None while the outputs hold none. Each accepted output is searched once."""
+        if after_token_id is None:
+            return 0
+        start = self._starts.get(request_id)
+        if start is not None and start <= len(outputs):
+            return start
+        scanned = self._scanned.get(request_id, 0)
+        num_accepted = len(outputs) - num_drafts
+        try:
+            index = outputs.index(after_token_id, min(scanned, num_accepted))
+        except ValueError:
+            self._scanned[request_id] = num_accepted
+            return None
+        if index < num_accepted:  # accepted: it stays the first
+            self._starts[request_id] = index + 1
+            self._scanned.pop(request_id, None)
+        else:
+            self._scanned[request_id] = num_accepted
+        return index + 1
 
 
 def _no_token_left(words: torch.Tensor, row: SamplingRow, vocab: int) -> bool:

@@ -10,10 +10,12 @@ from sluice.engine.scheduler.scheduler_output import SchedulerOutput
 from sluice.engine.spec_decode.proposer import Proposal, Proposer, speculation_allowed
 from sluice.engine.spec_decode.spec_counters import SpecCounters
 
-# (request id, its grammar, its output token ids, the drafts proposed, k) -> (how many of those, from the
-# first, the grammar accepts after the outputs; the tokens it forces after them, k drafts at most in all):
-# the grammar mask's `constrained_drafts`
-ConstrainDrafts = Callable[[str, object, Sequence[int], tuple[int, ...], int], tuple[int, tuple[int, ...]]]
+# (request id, its grammar, its output token ids, the drafts proposed, k, its constraint's after_token_id)
+# -> (how many of those, from the first, the grammar accepts after the outputs; the tokens it forces after
+# them, k drafts at most in all): the grammar mask's `constrained_drafts`
+ConstrainDrafts = Callable[
+    [str, object, Sequence[int], tuple[int, ...], int, int | None], tuple[int, tuple[int, ...]]
+]
 
 
 class Speculator:
@@ -92,6 +94,7 @@ class Speculator:
             request.output_token_ids,
             proposal.token_ids,
             self.num_speculative_tokens,
+            constraint.after_token_id if (constraint := request.sampling_params.constraint) else None,
         )
         return proposal.followed_by(num_kept, forced)
 

@@ -22,7 +22,11 @@ class Constraint:
     `structural_tag` (vLLM's, as JSON text: xgrammar's `{"type": "structural_tag", "format": ...}`, or the
     older `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free
     text in which each trigger starts a tagged structure). `origin` names the request field the constraint
-    was built from when that is not its kind's own (a tool call's schema: `tools.parameters`)."""
+    was built from when that is not its kind's own (a tool call's schema: `tools.parameters`).
+
+    `after_token_id`: the constraint applies to the output after the first such token, the text before it
+    being free; None: from the first token. The output processor sets it to a reasoning parser's `</think>`
+    for a chat that thinks, as vLLM starts a grammar once the reasoning has ended."""
 
     json_schema: str | None = None
     regex: str | None = None
@@ -31,6 +35,7 @@ class Constraint:
     json_object: bool = False
     structural_tag: str | None = None
     origin: str = ""
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict | bool):  # a schema as Python data: its JSON text

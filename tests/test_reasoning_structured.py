@@ -1,0 +1,253 @@
+"""A thinking chat's constraint applies once its reasoning has ended, as vLLM's grammar: the think block is
+free text, and the answer after `</think>` matches the constraint (`Constraint.after_token_id`, set by the
+output processor for a chat when the engine runs a reasoning parser).
+
+Unit tests of the grammar mask on a seven-token vocabulary (the grammar's tokens and `</think>`): rows go
+unmasked until the outputs hold `</think>`, also as a draft; a draft `</think>` rejected since moves the
+grammar's start; drafts are kept through the first `</think>`. Then a tiny random-weight Qwen3 whose
+tokenizer has `<think>` and `</think>` tokens, with a logit bias that makes it end its thinking after a few
+sampled tokens (seeded): its think block is free text and its answer one of the choices, offline (sync,
+async scheduling, ngram speculation, n = 2) and over gRPC (a JSON schema, a required tool call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from checkpoints import THINK_TOKENS, VOCAB_SIZE, build_qwen3_thinking_checkpoint
+from service_harness import PATIENCE_S, ServerThread, tiny_engine_config
+from test_speculative_structured import EOS, GRAMMAR, A, B, C, X, Y
+from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
+
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.frontend.llm import LLM
+from sluice.engine.sample.grammar_mask import GrammarMask, GrammarViolationError
+from sluice.engine.sample.sampler import SamplingRow
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.constraint import Constraint
+from sluice.service import generate_command
+from sluice.v1 import sluice_pb2 as pb
+
+pytestmark = pytest.mark.timeout(300)
+
+SLUICE = str(Path(sys.executable).parent / "sluice")
+
+# The speculative tests' grammar and six tokens, and </think>.
+T = len(SPECULATIVE_VOCAB)
+VOCAB = [*SPECULATIVE_VOCAB, "</think>"]
+EVERY_TOKEN = set(range(len(VOCAB)))
+
+
+@pytest.fixture(scope="module")
+def grammar() -> object:
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS]))
+    return compiler.compile_grammar(GRAMMAR)
+
+
+def _step(
+    mask: GrammarMask, grammar: object, outputs: list[int], drafts: list[int] = (), after: int | None = T
+) -> list[set[int]]:
+    """The tokens each row of a step keeps once the mask is applied: a request with `outputs` verifying
+    `drafts` (one row per draft and one after them, as `RejectionSampler.verify` expands them)."""
+    params = SamplingParams(temperature=0.0, constraint=Constraint(grammar=GRAMMAR, after_token_id=after))
+    rows = [
+        SamplingRow("r", params, [A], [*outputs, *drafts[:j]], grammar=grammar, num_drafts=j)
+        for j in range(len(drafts) + 1)
+    ]
+    logits = torch.zeros(len(rows), len(VOCAB))
+    mask.apply(logits, rows)
+    return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+
+
+def test_the_grammar_applies_after_the_first_think_end(grammar) -> None:
+    mask = GrammarMask()
+    assert _step(mask, grammar, []) == [EVERY_TOKEN]
+    assert _step(mask, grammar, [X, Y, C]) == [EVERY_TOKEN]  # thinking: any token
+    assert _step(mask, grammar, [X, Y, C, T]) == [{A}]
+    assert _step(mask, grammar, [X, Y, C, T, A]) == [{B}]
+    # A later </think> is the grammar's to accept or refuse, as any token of the answer.
+    with pytest.raises(GrammarViolationError):
+        _step(mask, grammar, [X, Y, C, T, A, T])
+    # Without after_token_id the grammar applies from the first token, </think> a token like the others.
+    assert _step(GrammarMask(), grammar, [], after=None) == [{A}]
+    with pytest.raises(GrammarViolationError):
+        _step(GrammarMask(), grammar, [X, T], after=None)
+
+
+def test_verify_rows_are_masked_from_a_think_end_among_the_drafts(grammar) -> None:
+    assert _step(GrammarMask(), grammar, [X], [Y, T, A]) == [
+        EVERY_TOKEN,
+        EVERY_TOKEN,
+        {A},
+        {B},
+    ]
+
+
+def test_a_rejected_think_end_draft_moves_the_grammars_start(grammar) -> None:
+    mask = GrammarMask()
+    assert _step(mask, grammar, [X], [Y, T, A]) == [EVERY_TOKEN, EVERY_TOKEN, {A}, {B}]
+    # y rejected, </think> sampled in its place: the grammar starts one token earlier.
+    assert _step(mask, grammar, [X, T], [A, B]) == [{A}, {B}, {A, C}]
+    # The next step: a and b accepted; their rejected drafts are rolled back, the start kept.
+    assert _step(mask, grammar, [X, T, A, B, C]) == [{Y}]
+
+    mask = GrammarMask()
+    assert _step(mask, grammar, [X], [T, A]) == [EVERY_TOKEN, {A}, {B}]
+    # </think> rejected: thinking goes on, unmasked; it ends later, and the grammar starts there.
+    assert _step(mask, grammar, [X, Y], [C]) == [EVERY_TOKEN, EVERY_TOKEN]
+    assert _step(mask, grammar, [X, Y, C, T, A]) == [{B}]
+
+
+def test_a_freed_requests_start_is_forgotten(grammar) -> None:
+    mask = GrammarMask()
+    assert _step(mask, grammar, [X, T]) == [{A}]
+    mask.free(["r"])
+    assert _step(mask, grammar, [X, Y]) == [EVERY_TOKEN]  # another request of that id
+
+
+def test_drafts_are_kept_through_the_first_think_end(grammar) -> None:
+    mask = GrammarMask()
+    assert mask.constrained_drafts("r", grammar, [X], (Y, T, A, B), 5, T) == (2, ())
+    assert mask.constrained_drafts("r", grammar, [X], (Y, C, Y), 5, T) == (3, ())  # free text
+    assert mask.constrained_drafts("r", grammar, [X], (Y, C, Y), 2, T) == (2, ())  # k at most
+    # Once the outputs hold it, the grammar's drafts as without a think block: kept, then forced.
+    assert mask.constrained_drafts("r", grammar, [X, T], (A, C), 5, T) == (1, (B,))
+    assert mask.constrained_drafts("r", grammar, [X, T], (), 5, T) == (0, (A, B))
+    assert _step(mask, grammar, [X, T, A]) == [{B}]  # the matcher left as the outputs leave it
+
+
+CHOICES = ("yes", "no")
+THINK_END_ID = VOCAB_SIZE + THINK_TOKENS.index("</think>")
+# Enough that the model ends its thinking after a few sampled tokens (seeds 0-4 think for 5 to 20).
+ENDS_THINKING = {THINK_END_ID: 6.0}
+
+
+@pytest.fixture(scope="module")
+def qwen3_thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_qwen3_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_thinking")))
+
+
+def _thinks_then_answers(token_ids: tuple[int, ...], reasoning: str, text: str) -> None:
+    """A think block of free text (not an answer), then the constraint's answer."""
+    assert token_ids.count(THINK_END_ID) == 1, token_ids
+    assert token_ids.index(THINK_END_ID) > 0 and reasoning.strip()
+    assert text in CHOICES
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ngram"])
+def test_a_thinking_chat_thinks_before_its_constrained_answer(qwen3_thinking_dir: str, mode: str) -> None:
+    speculative = SpeculativeConfig("ngram", num_speculative_tokens=3) if mode == "ngram" else None
+    llm = LLM(
+        qwen3_thinking_dir,
+        reasoning_parser="qwen3",
+        num_blocks=64,
+        attention_backend="torch",
+        async_scheduling=mode == "async",
+        speculative=speculative,
+    )
+    for seed in range(3):
+        params = SamplingParams(
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+            n=2,
+            logit_bias=ENDS_THINKING,
+            constraint=Constraint(choice=CHOICES),
+        )
+        completions = llm.chat([{"role": "user", "content": "Is it raining?"}], params)
+        assert len(completions) == 2
+        for completion in completions:
+            assert completion.finish_reason == "stop"
+            _thinks_then_answers(completion.token_ids, completion.reasoning, completion.text)
+    # A plain prompt is no chat: its constraint applies from the first token.
+    (plain,) = llm.generate("Is it raining?", dataclasses.replace(params, n=1))
+    assert plain.text in CHOICES and THINK_END_ID not in plain.token_ids
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_thinking_dir: str):
+    config = tiny_engine_config(qwen3_thinking_dir)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, reasoning_parser="qwen3"))
+    thread = ServerThread(config).start()
+    yield thread
+    thread.stop()
+
+
+def _chat(seed: int, **fields: object) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=80, temperature=1.0, seed=seed, logit_bias=ENDS_THINKING)
+    for name, value in fields.pop("sampling", {}).items():
+        setattr(sampling, name, value)
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Weather?")], **fields)
+    return pb.GenerateRequest(messages=messages, sampling_params=sampling)
+
+
+def test_a_json_answer_follows_the_think_block_over_grpc(stub) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": list(CHOICES)}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        request = _chat(seed, sampling={"json_schema": json.dumps(schema)})
+        chunks = list(stub.Generate(request, timeout=120))
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+        token_ids = tuple(t for c in chunks for t in c.token_ids)
+        reasoning = "".join(c.reasoning_text for c in chunks)
+        text = "".join(c.text for c in chunks)
+        assert token_ids.count(THINK_END_ID) == 1 and reasoning.strip()
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_required_tool_call_follows_the_think_block_over_grpc(stub) -> None:
+    time_tool = pb.Tool(name="get_time", description="The time now", parameters="")
+    required = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)
+    chunks = list(stub.Generate(_chat(1, tools=[time_tool], tool_choice=required), timeout=120))
+    assert [c.name for c in chunks[-1].tool_calls] == ["get_time"]
+    assert "".join(c.reasoning_text for c in chunks).strip()
+    assert THINK_END_ID in [t for c in chunks for t in c.token_ids]
+
+
+def test_sluice_generate_writes_the_reasoning_to_stderr_and_the_answer_to_stdout(stub, server) -> None:
+    """Greedy, the tiny model never writes `</think>` here: its output is all reasoning, so stdout is
+    empty and stderr holds the reasoning, then the stats line on a line of its own."""
+    request = _chat(0, sampling={"temperature": 0.0, "max_tokens": 12})
+    request.sampling_params.logit_bias.clear()
+    request.sampling_params.ClearField("seed")
+    chunks = list(stub.Generate(request, timeout=120))
+    reasoning = "".join(c.reasoning_text for c in chunks)
+    assert reasoning and not "".join(c.text for c in chunks)
+    command = [SLUICE, "generate", "--target", server.target, "--max-tokens", "12", "Weather?"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith(reasoning + ("" if reasoning.endswith("\n") else "\n")), result.stderr
+    assert re.fullmatch(r"12 tokens in .*TTFT \d+ ms\n", result.stderr[len(reasoning) :].lstrip("\n"))
+
+
+def test_sluice_generate_starts_the_answer_on_a_line_of_its_own(monkeypatch, capsys) -> None:
+    """The reasoning streams to stderr, then the answer to stdout after a newline there (what a terminal
+    shows in order), and the stats line after a newline on stdout."""
+    chunks = [
+        pb.GenerateResponse(token_ids=[5], reasoning_text="let me"),
+        pb.GenerateResponse(token_ids=[6], reasoning_text=" think"),
+        pb.GenerateResponse(token_ids=[7, 8], text="Paris"),
+        pb.GenerateResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_STOP),
+    ]
+    monkeypatch.setattr(generate_command.Client, "generate", lambda self, request, timeout: iter(chunks))
+    parser = argparse.ArgumentParser()
+    generate_command.configure(parser)
+    assert generate_command.run(parser.parse_args(["--target", "localhost:1", "Capital of France?"])) == 0
+    out, err = capsys.readouterr()
+    assert out == "Paris\n"
+    assert err.startswith("let me think\n5 tokens in ")
