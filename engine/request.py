@@ -64,11 +64,18 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     times: RequestTimes = field(init=False)
+    # The first output index its constraint applies to: 0, or the one after its `after_token_id` (a
+    # thinking chat's </think>); None while that token has not come (the first `_searched` outputs lack it)
+    # or without a constraint.
+    constraint_start: int | None = field(init=False)
+    _searched: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         self.times = RequestTimes(arrival=self.arrival_time)
+        constraint = self.sampling_params.constraint
+        self.constraint_start = 0 if constraint is not None and constraint.after_token_id is None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,13 +123,25 @@ class Request:
                 return status
         return None
 
+    def _under_constraint(self, index: int) -> bool:
+        """Whether output token `index` was sampled under the request's constraint. Each output is searched
+        for the constraint's `after_token_id` once."""
+        if self.constraint_start is None and self.sampling_params.constraint is not None:
+            after, outputs = self.sampling_params.constraint.after_token_id, self.output_token_ids
+            try:
+                self.constraint_start = outputs.index(after, self._searched) + 1
+            except ValueError:
+                self._searched = len(outputs)
+        return self.constraint_start is not None and index >= self.constraint_start
+
     def check_token_stop(self) -> RequestStatus | None:
         """Stop conditions decided by token ids alone (stop strings are the detokenizer's job)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
         # A constrained output ends where its constraint is complete, whatever ignore_eos and min_tokens
-        # say: the grammar mask lets eos through only there, and nothing else after it.
-        if params.constraint is not None and last in self.eos_token_ids:
+        # say: the grammar mask lets eos through only there, and nothing else after it. Before the
+        # constraint applies (a thinking chat's think block), eos is what it is without one.
+        if last in self.eos_token_ids and self._under_constraint(len(self.output_token_ids) - 1):
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens < params.min_tokens:

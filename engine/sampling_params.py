@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
 import numbers
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sluice.engine.structured.constraint import Constraint
@@ -155,14 +156,30 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def held_back_by_min_tokens(self, eos_token_ids: Iterable[int]) -> set[int]:
+    def held_back_by_min_tokens(self, eos_token_ids: Iterable[int], under_constraint: bool) -> set[int]:
         """The token ids banned until min_tokens outputs exist: stop_token_ids, and eos unless ignore_eos
-        or a constraint (its grammar mask lets eos through only where the constraint is complete, which
-        ends the output there; banning it where nothing else matches would leave no token)."""
+        or the next token is `under_constraint` (its grammar mask lets eos through only where the
+        constraint is complete, which ends the output there; banning it where nothing else matches would
+        leave no token)."""
         held_back = set(self.stop_token_ids)
-        if not self.ignore_eos and self.constraint is None:
+        if not self.ignore_eos and not under_constraint:
             held_back |= set(eos_token_ids)
         return held_back
+
+    def constraint_applies(self, output_token_ids: Sequence[int]) -> bool:
+        """Whether the constraint applies to the token after these outputs: from the first token, or after
+        the first of its `after_token_id` (a thinking chat's think block is free). Scans the outputs."""
+        constraint = self.constraint
+        if constraint is None:
+            return False
+        return constraint.after_token_id is None or constraint.after_token_id in output_token_ids
+
+    def with_constraint(self, constraint: Constraint) -> SamplingParams:
+        """These params with `constraint` in place of theirs: a copy, not validated again (the frontend
+        adds a chat's reasoning start to a constraint it already checked)."""
+        params = copy.copy(self)
+        object.__setattr__(params, "constraint", constraint)
+        return params
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n-sample request: n=1, seed + index when seeded, and

@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from checkpoints import THINK_TOKENS, VOCAB_SIZE, build_qwen3_thinking_checkpoint
+from checkpoints import EOS_ID, IM_END_ID, THINK_TOKENS, VOCAB_SIZE, build_qwen3_thinking_checkpoint
 from service_harness import PATIENCE_S, ServerThread, tiny_engine_config
 from test_speculative_structured import EOS, GRAMMAR, A, B, C, X, Y
 from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
@@ -172,6 +172,51 @@ def test_a_thinking_chat_thinks_before_its_constrained_answer(qwen3_thinking_dir
     # A plain prompt is no chat: its constraint applies from the first token.
     (plain,) = llm.generate("Is it raining?", dataclasses.replace(params, n=1))
     assert plain.text in CHOICES and THINK_END_ID not in plain.token_ids
+
+
+def test_eos_while_thinking_ends_the_output_as_without_a_constraint(qwen3_thinking_dir: str) -> None:
+    """Before `</think>` no grammar decides where the output ends: an eos there ends it, unless min_tokens
+    holds it back or ignore_eos is set; after it, the complete constraint ends the output, ignore_eos or
+    not (docs/API.md)."""
+    llm = LLM(qwen3_thinking_dir, reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
+    favours_eos = SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={EOS_ID: 50.0}, constraint=Constraint(choice=CHOICES)
+    )
+    messages = [{"role": "user", "content": "Is it raining?"}]
+    (ended,) = llm.chat(messages, favours_eos)
+    assert (ended.token_ids, ended.finish_reason) == ([EOS_ID], "stop")
+    (held,) = llm.chat(messages, dataclasses.replace(favours_eos, min_tokens=8))
+    assert EOS_ID not in held.token_ids[:8] and held.token_ids[-1] == EOS_ID and held.finish_reason == "stop"
+    (ignored,) = llm.chat(messages, dataclasses.replace(favours_eos, ignore_eos=True))
+    assert (len(ignored.token_ids), ignored.finish_reason) == (12, "length")
+    params = SamplingParams(
+        max_tokens=60,
+        temperature=1.0,
+        seed=0,
+        ignore_eos=True,
+        logit_bias=ENDS_THINKING,
+        constraint=Constraint(choice=CHOICES),
+    )
+    (answered,) = llm.chat(messages, params)
+    assert answered.finish_reason == "stop" and answered.token_ids[-1] in (EOS_ID, IM_END_ID)
+    _thinks_then_answers(answered.token_ids, answered.reasoning, answered.text)
+
+
+def test_a_constraint_that_writes_the_think_end_shapes_the_think_block_too(qwen3_thinking_dir: str) -> None:
+    """A regex naming `</think>` (also escaped, `<\\/think>`) applies from the first token: it forces
+    the think block, which is split off as reasoning."""
+    llm = LLM(qwen3_thinking_dir, reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
+    for regex in (r"<think>ab</think>(yes|no)", r"<think>ab<\/think>(yes|no)"):
+        params = SamplingParams(max_tokens=30, temperature=0.0, constraint=Constraint(regex=regex))
+        (completion,) = llm.chat([{"role": "user", "content": "Is it raining?"}], params)
+        assert (completion.reasoning, completion.text in CHOICES) == ("ab", True), regex
+        assert completion.token_ids.count(THINK_END_ID) == 1
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "513"])
+def test_after_token_id_must_be_a_token_id(value) -> None:
+    with pytest.raises(ValueError, match="after_token_id: must be a token id"):
+        Constraint(json_object=True, after_token_id=value)
 
 
 @pytest.fixture(scope="module")

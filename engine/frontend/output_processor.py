@@ -149,8 +149,7 @@ class OutputProcessor:
         if splits_reasoning and not closed_in_prompt and constraint and not constraint.writes(THINK_END):
             if self._think_end_id is not None:
                 # As vLLM's grammar, it applies once the reasoning has ended: the think block is free.
-                constraint = replace(constraint, after_token_id=self._think_end_id)
-                params = replace(params, constraint=constraint)
+                params = params.with_constraint(constraint.starting_after(self._think_end_id))
             else:  # nothing to start it at: from the first token, the output all content
                 splits_reasoning = False
         for index, engine_id in enumerate(engine_ids):

@@ -264,5 +264,6 @@ def _no_token_left(words: torch.Tensor, row: SamplingRow, vocab: int) -> bool:
         listed[[t for t in params.allowed_token_ids if t < vocab]] = True
         allowed &= listed
     if holds_back:
-        allowed[[t for t in params.held_back_by_min_tokens(row.eos_token_ids) if t < vocab]] = False
+        held_back = params.held_back_by_min_tokens(row.eos_token_ids, under_constraint=True)  # masked here
+        allowed[[t for t in held_back if t < vocab]] = False
     return not bool(allowed.any())

@@ -60,7 +60,7 @@ def draft_processors() -> list[LogitsProcessor]:
 
 class MinTokens:
     """Bans `SamplingParams.held_back_by_min_tokens` (stop_token_ids; eos unless ignore_eos or a
-    constraint) in rows with < min_tokens outputs. Stateless."""
+    constraint that applies to the row) in rows with < min_tokens outputs. Stateless."""
 
     def applies_to(self, row: SamplingRow) -> bool:
         return row.num_output_tokens < row.params.min_tokens
@@ -71,7 +71,9 @@ class MinTokens:
         for i, row in enumerate(rows):
             if row.num_output_tokens >= row.params.min_tokens:
                 continue
-            banned = row.params.held_back_by_min_tokens(row.eos_token_ids)
+            # Scans the outputs: fewer than min_tokens here.
+            under_constraint = row.params.constraint_applies(row.output_token_ids)
+            banned = row.params.held_back_by_min_tokens(row.eos_token_ids, under_constraint)
             cols = [t for t in banned if t < vocab]
             row_idx += [i] * len(cols)
             col_idx += cols

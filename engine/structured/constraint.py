@@ -7,8 +7,10 @@ same constraint share one compilation.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,6 +72,9 @@ class Constraint:
                 raise ValueError(f"{name}: must not be empty")
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise ValueError("choice: must hold at least one non-empty string")
+        after = self.after_token_id
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise ValueError(f"after_token_id: must be a token id (an int >= 0) or None, got {after!r}")
 
     @property
     def kinds(self) -> list[str]:
@@ -94,10 +99,19 @@ class Constraint:
         return self.origin or self.kind
 
     def writes(self, text: str) -> bool:
-        """Whether the constraint's own text (a regex, grammar, structural tag or choice) holds `text`: a
-        constrained output can then contain it (a reasoning parser's `</think>`)."""
-        sources = (self.regex, self.grammar, self.structural_tag, *(self.choice or ()))
+        """Whether the constraint's own text (a regex, grammar, structural tag or choice) holds `text`, a
+        regex's also with its escapes dropped (`<\\/think>`): a constrained output can then contain it (a
+        reasoning parser's `</think>`). Text spelled otherwise (`[<]/think>`, `"</" "think>"`) is not seen."""
+        unescaped = None if self.regex is None else re.sub(r"\\(.)", r"\1", self.regex)
+        sources = (self.regex, unescaped, self.grammar, self.structural_tag, *(self.choice or ()))
         return any(source is not None and text in source for source in sources)
+
+    def starting_after(self, token_id: int) -> Constraint:
+        """This constraint with `after_token_id`: a copy, not validated again (a large schema's check is
+        milliseconds)."""
+        constraint = copy.copy(self)
+        object.__setattr__(constraint, "after_token_id", token_id)
+        return constraint
 
     @property
     def key(self) -> tuple[str, str]:

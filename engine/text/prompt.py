@@ -149,7 +149,8 @@ def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Seque
     """Where the tokens min_tokens holds back are all the allowed_token_ids, nothing is left to sample."""
     if params.min_tokens == 0 or params.allowed_token_ids is None:
         return
-    if params.held_back_by_min_tokens(eos_token_ids).issuperset(params.allowed_token_ids):
+    under_constraint = params.constraint_applies(())  # at the first token
+    if params.held_back_by_min_tokens(eos_token_ids, under_constraint).issuperset(params.allowed_token_ids):
         raise InvalidRequestError(
             "min_tokens",
             "holds back every allowed_token_ids entry (each is a stop token or eos): no token is left",

@@ -13,8 +13,8 @@ neither part. As vLLM's parsers (`vllm/reasoning/deepseek_r1_reasoning_parser.py
   ends the reasoning there instead). Only the first `<tool_call>` of the reasoning is looked at.
 - both: a prompt whose think block the template closed (`enable_thinking: false` renders
   `<think>\\n\\n</think>\\n\\n`; vLLM's `prompt_is_reasoning_end`) gives content only. A constrained
-  output is split as any other: its constraint applies after the think block (the output processor's
-  module says when).
+  output is split as any other where its constraint applies after the think block or writes `</think>`
+  itself (the output processor's module says when; elsewhere it is all content, unsplit).
 
 Only the first `<think>` before `</think>` is a tag, as vLLM strips only the first; text before it stays
 reasoning (vLLM's one-shot split drops it, its streaming keeps it: the streaming one is followed here, as
