@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +31,13 @@ from test_speculative_structured import EOS, GRAMMAR, A, B, C, X, Y
 from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
 
 from sluice.engine.config import SpeculativeConfig
+from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sample.grammar_mask import GrammarMask, GrammarViolationError
 from sluice.engine.sample.sampler import SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
+from sluice.engine.text.reasoning import ReasoningParser
 from sluice.service import generate_command
 from sluice.v1 import sluice_pb2 as pb
 
@@ -211,6 +214,89 @@ def test_a_constraint_that_writes_the_think_end_shapes_the_think_block_too(qwen3
         (completion,) = llm.chat([{"role": "user", "content": "Is it raining?"}], params)
         assert (completion.reasoning, completion.text in CHOICES) == ("ab", True), regex
         assert completion.token_ids.count(THINK_END_ID) == 1
+
+
+# Qwen3's way with an assistant turn: its think block, closed, before its content (so that a prefilled
+# answer continued with continue_final_message follows a closed block).
+THINK_BLOCK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}<think>\n{{ m.get('reasoning_content', '') }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_block_llm(qwen3_thinking_dir: str, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    directory = tmp_path_factory.mktemp("think_block_template") / "model"
+    shutil.copytree(qwen3_thinking_dir, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = THINK_BLOCK_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(THINK_BLOCK_TEMPLATE)  # transformers 5 reads it first
+    return LLM(str(directory), reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
+
+
+def test_a_prefilled_answer_after_a_closed_think_block_is_constrained_from_its_first_token(
+    think_block_llm: LLM,
+) -> None:
+    """The prompt's last think tag, found by token id however long the prefilled answer after it (it was
+    looked for in the prompt's last 16 tokens), closes the block: no thinking, the constraint applies."""
+    schema = {"type": "object", "properties": {"answer": {"enum": list(CHOICES)}}, "required": ["answer"]}
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, constraint=Constraint(json_schema=json.dumps(schema))
+    )
+    for prefix in ("Sure: ", "Sure, here is the answer, as the JSON object that you asked me for: "):
+        conversation = [
+            {"role": "user", "content": "Is it raining? Answer in JSON."},
+            {"role": "assistant", "content": prefix, "reasoning_content": "It is cloudy."},
+        ]
+        (completion,) = think_block_llm.chat(
+            conversation, params, continue_final_message=True, add_generation_prompt=False
+        )
+        assert completion.finish_reason == "stop" and completion.reasoning == "", prefix
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_an_earlier_turns_closed_think_block_leaves_the_new_turn_thinking(think_block_llm: LLM) -> None:
+    """The search for the prompt's last think tag stops at the eos that ends an earlier turn."""
+    conversation = [
+        {"role": "user", "content": "Rain?"},
+        {"role": "assistant", "content": "no", "reasoning_content": "dry"},
+        {"role": "user", "content": "Now?"},
+    ]
+    for seed in range(3):
+        params = SamplingParams(
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+            logit_bias=ENDS_THINKING,
+            constraint=Constraint(choice=CHOICES),
+        )
+        (completion,) = think_block_llm.chat(conversation, params)
+        _thinks_then_answers(completion.token_ids, completion.reasoning, completion.text)
+
+
+def test_min_tokens_that_leave_no_allowed_token_while_thinking_are_refused(qwen3_thinking_dir: str) -> None:
+    """Before `</think>` min_tokens holds eos back as without a constraint: allowed_token_ids of only
+    eos ids leave nothing to sample there, refused as without a constraint."""
+    llm = LLM(qwen3_thinking_dir, reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
+    params = SamplingParams(max_tokens=6, min_tokens=2, allowed_token_ids=(EOS_ID, IM_END_ID))
+    message = [{"role": "user", "content": "Is it raining?"}]
+    for constraint in (None, Constraint(choice=CHOICES)):
+        with pytest.raises(InvalidRequestError, match="^min_tokens: holds back every allowed_token_ids"):
+            llm.chat(message, dataclasses.replace(params, constraint=constraint))
+
+
+def test_a_constrained_chats_reasoning_ends_at_the_think_end_alone() -> None:
+    """qwen3's split ends the reasoning at a `<tool_call><function=` too; a constrained chat's starts its
+    constraint at `</think>`, so its reasoning ends there alone: the call written while thinking is
+    reasoning."""
+    text = "hm <tool_call>\n<function=get_time>\n</function>\n</tool_call></think>{}"
+    assert ReasoningParser.split("qwen3", text) == ("hm ", text[3:])
+    parser = ReasoningParser("qwen3", only_think_end=True)
+    assert parser.feed(text, final=True) == (text[: text.index("</think>")], "{}")
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "513"])

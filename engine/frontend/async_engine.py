@@ -145,7 +145,10 @@ class AsyncEngine:
         self.model_info = ready.model_info
         self.tokenizer = None if ready.tokenizer is None else Tokenizer.from_spec(ready.tokenizer)
         self._output_processor = OutputProcessor(
-            self.tokenizer, FaultInjector.from_env(), reasoning_parser=self._reasoning_parser
+            self.tokenizer,
+            FaultInjector.from_env(),
+            reasoning_parser=self._reasoning_parser,
+            eos_token_ids=ready.model_info.eos_token_ids,
         )
         self._stats = EngineStats(0, 0, ready.model_info.num_kv_blocks, 0, 0, 0, 0)
 

@@ -26,7 +26,10 @@ class Engine:
         self.model_info = self.core.model_info
         self.eos_token_ids = self.core.eos_token_ids
         self.output_processor = OutputProcessor(
-            self.tokenizer, self.core.faults, reasoning_parser=config.model.reasoning_parser
+            self.tokenizer,
+            self.core.faults,
+            reasoning_parser=config.model.reasoning_parser,
+            eos_token_ids=self.model_info.eos_token_ids,
         )
 
     @property

@@ -48,7 +48,8 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
-from sluice.engine.text.reasoning import THINK_END, ReasoningParser, prompt_ends_reasoning
+from sluice.engine.text.prompt import check_min_tokens_leave_a_token
+from sluice.engine.text.reasoning import THINK_END, THINK_START, ReasoningParser, prompt_ends_reasoning
 
 if TYPE_CHECKING:
     from sluice.engine.text.tokenizer import Tokenizer
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The prompt's last tokens where a template that turned thinking off wrote its empty think block
-# (`<think>\n\n</think>\n\n`, and an end-of-turn or two before it).
+# (`<think>\n\n</think>\n\n`, and an end-of-turn or two before it), over a vocabulary without think tokens.
 _PROMPT_TAIL_TOKENS = 16
 
 
@@ -96,12 +97,15 @@ class OutputProcessor:
         faults: FaultInjector | None = None,
         *,
         reasoning_parser: str | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._reasoning_parser = reasoning_parser  # a name of REASONING_PARSERS, for chat requests
+        self._eos_token_ids = tuple(eos_token_ids)  # also where a chat's turns end
         # The token after which a thinking chat's constraint applies; None: it applies from the first token
-        self._think_end_id = None
+        self._think_end_id = self._think_start_id = None
         if reasoning_parser is not None and tokenizer is not None:
+            self._think_start_id = tokenizer.token_to_id(THINK_START)
             self._think_end_id = tokenizer.token_to_id(THINK_END)
             if self._think_end_id is None:
                 # vLLM refuses it; the split is by text, so it works, but a model that never thinks gets
@@ -144,12 +148,15 @@ class OutputProcessor:
         for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
             self._states[engine_id].superseded = True
         splits_reasoning = chat and self._reasoning_parser is not None
+        deferred = False
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
         constraint = params.constraint
         if splits_reasoning and not closed_in_prompt and constraint and not constraint.writes(THINK_END):
             if self._think_end_id is not None:
                 # As vLLM's grammar, it applies once the reasoning has ended: the think block is free.
                 params = params.with_constraint(constraint.starting_after(self._think_end_id))
+                check_min_tokens_leave_a_token(params, self._eos_token_ids)  # eos is held back there
+                deferred = True
             else:  # nothing to start it at: from the first token, the output all content
                 splits_reasoning = False
         for index, engine_id in enumerate(engine_ids):
@@ -159,7 +166,9 @@ class OutputProcessor:
                 else IncrementalDetokenizer(self._tokenizer, params, add.prompt_token_ids)
             )
             reasoning = (
-                ReasoningParser(self._reasoning_parser, prompt_ends_reasoning=closed_in_prompt)
+                ReasoningParser(
+                    self._reasoning_parser, prompt_ends_reasoning=closed_in_prompt, only_think_end=deferred
+                )
                 if splits_reasoning
                 else None
             )
@@ -183,8 +192,19 @@ class OutputProcessor:
         return self._samples.add(msgspec.structs.replace(add, **to_core) if to_core else add)
 
     def _prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether the chat template closed the think block at the prompt's end (thinking off)."""
+        """Whether the chat template closed the think block in the prompt's last turn: thinking off, or an
+        answer prefilled after the thought (`continue_final_message`). By the think tags' token ids where
+        the vocabulary has them (the last tag back from the end, before an eos that ends an earlier turn),
+        else by the text of the prompt's last tokens."""
         if self._tokenizer is None:
+            return False
+        if self._think_end_id is not None:
+            tags = {self._think_end_id: True, self._think_start_id: False}
+            for token_id in reversed(prompt_token_ids):
+                if token_id in tags:
+                    return tags[token_id]
+                if token_id in self._eos_token_ids:
+                    return False
             return False
         tail = self._tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return prompt_ends_reasoning(tail)

@@ -120,7 +120,7 @@ def check_prompt(
         raise InvalidRequestError(
             "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
-    _check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
+    check_min_tokens_leave_a_token(params, model_info.eos_token_ids)
     if len(prompt_token_ids) >= max_model_len:  # no max_tokens (>= 1) fits beside it: the prompt's to cut
         raise ContextLengthError(
             "prompt",
@@ -145,8 +145,9 @@ def _shorten_hint(params: SamplingParams) -> str:
     return "keep fewer with truncate_prompt_tokens, or -1 to fit max_tokens"
 
 
-def _check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
-    """Where the tokens min_tokens holds back are all the allowed_token_ids, nothing is left to sample."""
+def check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """Where the tokens min_tokens holds back are all the allowed_token_ids, nothing is left to sample.
+    (Again once a chat's constraint is put after its think block, where eos is held back as without one.)"""
     if params.min_tokens == 0 or params.allowed_token_ids is None:
         return
     under_constraint = params.constraint_applies(())  # at the first token

@@ -31,7 +31,7 @@ import re
 from sluice.engine.config import REASONING_PARSERS
 
 _START, _END, _TOOL_CALL = "<think>", "</think>", "<tool_call>"
-THINK_END = _END
+THINK_START, THINK_END = _START, _END
 _FUNCTION = "<function"
 _FUNCTION_OPEN = re.compile(r"<function[\s=]")
 
@@ -39,11 +39,16 @@ _FUNCTION_OPEN = re.compile(r"<function[\s=]")
 class ReasoningParser:
     """One output's split; `feed` each text delta, the last with `final=True`."""
 
-    def __init__(self, name: str, *, prompt_ends_reasoning: bool = False) -> None:
+    def __init__(
+        self, name: str, *, prompt_ends_reasoning: bool = False, only_think_end: bool = False
+    ) -> None:
+        """`only_think_end`: the reasoning ends at `</think>` alone, not at qwen3's tool call (a constrained
+        chat's, whose constraint starts at the `</think>` token: a call written while thinking is
+        reasoning, and the constrained one follows the block)."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS}, got {name!r}")
         self._in_reasoning = not prompt_ends_reasoning
-        self._tags = [_END, _START] + ([_TOOL_CALL] if name == "qwen3" else [])
+        self._tags = [_END, _START] + ([_TOOL_CALL] if name == "qwen3" and not only_think_end else [])
         self._held = ""  # text whose part waits on what follows (a tag's start)
 
     @classmethod
