@@ -140,6 +140,14 @@ def qwen3_thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_qwen3_thinking_checkpoint(str(tmp_path_factory.mktemp("qwen3_thinking")))
 
 
+def _ends_thinking(seed: int, **fields: object) -> SamplingParams:
+    """Seeded sampling that ends the thinking after a few tokens, then one of the choices."""
+    constraint = Constraint(choice=CHOICES)
+    return SamplingParams(
+        max_tokens=60, temperature=1.0, seed=seed, logit_bias=ENDS_THINKING, constraint=constraint, **fields
+    )
+
+
 def _thinks_then_answers(token_ids: tuple[int, ...], reasoning: str, text: str) -> None:
     """A think block of free text (not an answer), then the constraint's answer."""
     assert token_ids.count(THINK_END_ID) == 1, token_ids
@@ -159,14 +167,7 @@ def test_a_thinking_chat_thinks_before_its_constrained_answer(qwen3_thinking_dir
         speculative=speculative,
     )
     for seed in range(3):
-        params = SamplingParams(
-            max_tokens=60,
-            temperature=1.0,
-            seed=seed,
-            n=2,
-            logit_bias=ENDS_THINKING,
-            constraint=Constraint(choice=CHOICES),
-        )
+        params = _ends_thinking(seed, n=2)
         completions = llm.chat([{"role": "user", "content": "Is it raining?"}], params)
         assert len(completions) == 2
         for completion in completions:
@@ -192,15 +193,7 @@ def test_eos_while_thinking_ends_the_output_as_without_a_constraint(qwen3_thinki
     assert EOS_ID not in held.token_ids[:8] and held.token_ids[-1] == EOS_ID and held.finish_reason == "stop"
     (ignored,) = llm.chat(messages, dataclasses.replace(favours_eos, ignore_eos=True))
     assert (len(ignored.token_ids), ignored.finish_reason) == (12, "length")
-    params = SamplingParams(
-        max_tokens=60,
-        temperature=1.0,
-        seed=0,
-        ignore_eos=True,
-        logit_bias=ENDS_THINKING,
-        constraint=Constraint(choice=CHOICES),
-    )
-    (answered,) = llm.chat(messages, params)
+    (answered,) = llm.chat(messages, _ends_thinking(0, ignore_eos=True))
     assert answered.finish_reason == "stop" and answered.token_ids[-1] in (EOS_ID, IM_END_ID)
     _thinks_then_answers(answered.token_ids, answered.reasoning, answered.text)
 
@@ -267,14 +260,7 @@ def test_an_earlier_turns_closed_think_block_leaves_the_new_turn_thinking(think_
         {"role": "user", "content": "Now?"},
     ]
     for seed in range(3):
-        params = SamplingParams(
-            max_tokens=60,
-            temperature=1.0,
-            seed=seed,
-            logit_bias=ENDS_THINKING,
-            constraint=Constraint(choice=CHOICES),
-        )
-        (completion,) = think_block_llm.chat(conversation, params)
+        (completion,) = think_block_llm.chat(conversation, _ends_thinking(seed))
         _thinks_then_answers(completion.token_ids, completion.reasoning, completion.text)
 
 
