@@ -181,8 +181,8 @@ def test_the_stream_ends_unavailable_when_the_engine_stops(llama_dir: str) -> No
         thread.stop()
 
 
-def test_every_batch_carries_the_engines_load_and_load_only_records_come_between(llama_dir: str) -> None:
-    thread = ServerThread(tiny_engine_config(llama_dir), kv_events=True).start()
+def test_every_batch_carries_the_engines_load_and_load_only_records_come_between(llama_long_dir: str) -> None:
+    thread = ServerThread(long_engine_config(llama_long_dir), kv_events=True).start()
     try:
         with thread.channel() as channel:
             stub = smg_grpc.VllmEngineStub(channel)
@@ -209,7 +209,9 @@ def test_every_batch_carries_the_engines_load_and_load_only_records_come_between
             request = smg.GenerateRequest(
                 request_id="loaded",
                 tokenized=smg.TokenizedInput(input_ids=prompt),
-                sampling_params=smg.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                # Running until cancelled: a request of a few hundred tokens could end before the batch
+                # that reports it, on a fast machine or behind a stalled frontend.
+                sampling_params=smg.SamplingParams(**UNENDING),
                 stream=True,
             )
             call = stub.Generate(request, timeout=PATIENCE_S)

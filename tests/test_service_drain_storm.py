@@ -37,7 +37,9 @@ from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
-GRACE_PERIOD = 10.0
+# Only a hang's limit: the drain sends its GOAWAY once calls stop coming, which its grace period must never
+# decide (at 10 s a storm on a busy machine still arrived when it ran out: GOAWAY anyway, CANCELLED calls).
+GRACE_PERIOD = 120.0
 LOAD = 200  # long calls in flight when the drain starts, keeping the server's event loop busy
 WAVES = 21  # then waves of calls, one every WAVE_INTERVAL_S from the moment the server is NOT_SERVING
 WAVE_SIZE = 50  # (over the first second of the drain, where the GOAWAY used to come at 0.5 s)
@@ -195,6 +197,7 @@ def test_calls_fired_across_a_drain_end_ok_or_unavailable_never_cancelled(
         assert codes[grpc.StatusCode.UNAVAILABLE] >= WAVES * WAVE_SIZE, codes  # the waves met the drain
         assert codes[grpc.StatusCode.OK] >= 1, codes  # the answered call, at least, came before it
         assert documented.failures == []
+        assert "at the end of the grace period" not in draining.log_path.read_text()
     finally:
         draining.close()
         staying.close()

@@ -107,10 +107,11 @@ class _LoadRun:
             if (delay := send_at - self.elapsed()) > 0:
                 await asyncio.sleep(delay)
             await self.limit.acquire()
-            if self.out_of_time():
+            now = self.elapsed()  # read once: a request recorded as sent is one sent before the deadline
+            if duration is not None and now >= duration:
                 self.limit.release()
                 break
-            self.launch(index, request)
+            self.launch(index, request, now)
         if self.tasks:
             await asyncio.wait(set(self.tasks))
         # The run's wall time: from its start (the first send) until every request has ended, the failed
@@ -118,8 +119,8 @@ class _LoadRun:
         duration = self.elapsed()
         return RunResult(summarize(self.records, max(duration, 1e-9), slo), self.records)
 
-    def launch(self, index: int, request: BenchRequest) -> None:
-        record = RequestRecord(index, len(request.prompt_token_ids), self.elapsed())
+    def launch(self, index: int, request: BenchRequest, at: float) -> None:
+        record = RequestRecord(index, len(request.prompt_token_ids), at)
         self.records.append(record)
         request_id = f"bench-{self.run_id}-{index}"
         task = asyncio.create_task(_send(self.transport, request_id, record, request, self.start))
