@@ -25,7 +25,14 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from checkpoints import EOS_ID, IM_END_ID, THINK_TOKENS, VOCAB_SIZE, build_qwen3_thinking_checkpoint
+from checkpoints import (
+    EOS_ID,
+    IM_END_ID,
+    IM_START_ID,
+    THINK_TOKENS,
+    VOCAB_SIZE,
+    build_qwen3_thinking_checkpoint,
+)
 from service_harness import PATIENCE_S, ServerThread, tiny_engine_config
 from test_speculative_structured import EOS, GRAMMAR, A, B, C, X, Y
 from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
@@ -33,11 +40,14 @@ from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
+from sluice.engine.frontend.output_processor import OutputProcessor
+from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.sample.grammar_mask import GrammarMask, GrammarViolationError
 from sluice.engine.sample.sampler import SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.text.reasoning import ReasoningParser
+from sluice.engine.text.tokenizer import Tokenizer
 from sluice.service import generate_command
 from sluice.v1 import sluice_pb2 as pb
 
@@ -273,6 +283,27 @@ def test_min_tokens_that_leave_no_allowed_token_while_thinking_are_refused(qwen3
     for constraint in (None, Constraint(choice=CHOICES)):
         with pytest.raises(InvalidRequestError, match="^min_tokens: holds back every allowed_token_ids"):
             llm.chat(message, dataclasses.replace(params, constraint=constraint))
+
+
+def test_a_refused_request_leaves_the_live_one_of_its_id_its_outputs(qwen3_thinking_dir: str) -> None:
+    """A request refused once its constraint waits for `</think>` (min_tokens leaving no allowed token)
+    supersedes nothing: the live request of that id still gets its outputs."""
+    processor = OutputProcessor(
+        Tokenizer.from_pretrained(qwen3_thinking_dir),
+        reasoning_parser="qwen3",
+        eos_token_ids=(EOS_ID, IM_END_ID),
+    )
+    prompt = [IM_START_ID, 17, 18]
+    processor.add_request(AddRequest("a", prompt, SamplingParams(max_tokens=4), 1.0), chat=True)
+    refused = SamplingParams(
+        max_tokens=4, min_tokens=2, allowed_token_ids=(EOS_ID,), constraint=Constraint(choice=CHOICES)
+    )
+    with pytest.raises(InvalidRequestError, match="^min_tokens"):
+        processor.add_request(AddRequest("a", prompt, refused, 2.0), chat=True)
+    output = CoreOutput("a", [THINK_END_ID], None, 0, 0, 1.0, 2.0)
+    assert [(o.request_id, o.token_ids) for o in processor.process([output]).outputs] == [
+        ("a", (THINK_END_ID,))
+    ]
 
 
 def test_a_constrained_chats_reasoning_ends_at_the_think_end_alone() -> None:

@@ -145,8 +145,6 @@ class OutputProcessor:
             owner = self.owner(engine_id)
             if owner is not None and owner != request_id:
                 raise InvalidRequestError("request_id", f"{engine_id!r} is already in use by {owner!r}")
-        for engine_id in self._engine_ids.get(request_id, ()):  # an earlier request of this id, abandoned
-            self._states[engine_id].superseded = True
         splits_reasoning = chat and self._reasoning_parser is not None
         deferred = False
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
@@ -159,6 +157,9 @@ class OutputProcessor:
                 deferred = True
             else:  # nothing to start it at: from the first token, the output all content
                 splits_reasoning = False
+        # Accepted (nothing above refused it): an earlier request of this id is abandoned.
+        for engine_id in self._engine_ids.get(request_id, ()):
+            self._states[engine_id].superseded = True
         for index, engine_id in enumerate(engine_ids):
             detokenizer = (
                 None
