@@ -118,8 +118,8 @@ async def test_duration_stops_sending_and_waits_for_requests_in_flight() -> None
     load = LoadConfig(duration=0.12, concurrency=2, warmup_requests=0)
     result = await run_load(clock, Workload("fixed", 100, input_len=4, output_len=2), load)
     # Each of the 2 slots sends at 0, then after each 0.05 s request: at most 3 each before 0.12 s (fewer
-    # on a busy machine, down to the first alone after a long stall).
-    assert 1 <= result.metrics.num_requests <= 6
+    # on a busy machine, none after a stall of 0.12 s before the first).
+    assert result.metrics.num_requests <= 6
     assert result.metrics.num_completed == result.metrics.num_requests
     assert all(r.start < 0.12 for r in result.records)
     assert clock.in_flight == 0

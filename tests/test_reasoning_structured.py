@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -28,7 +29,6 @@ import xgrammar as xgr
 from checkpoints import (
     EOS_ID,
     IM_END_ID,
-    IM_START_ID,
     THINK_TOKENS,
     VOCAB_SIZE,
     build_qwen3_thinking_checkpoint,
@@ -40,14 +40,11 @@ from test_speculative_structured import VOCAB as SPECULATIVE_VOCAB
 from sluice.engine.config import SpeculativeConfig
 from sluice.engine.errors import InvalidRequestError
 from sluice.engine.frontend.llm import LLM
-from sluice.engine.frontend.output_processor import OutputProcessor
-from sluice.engine.messages import AddRequest, CoreOutput
 from sluice.engine.sample.grammar_mask import GrammarMask, GrammarViolationError
 from sluice.engine.sample.sampler import SamplingRow
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
 from sluice.engine.text.reasoning import ReasoningParser
-from sluice.engine.text.tokenizer import Tokenizer
 from sluice.service import generate_command
 from sluice.v1 import sluice_pb2 as pb
 
@@ -229,14 +226,24 @@ THINK_BLOCK_TEMPLATE = (
 )
 
 
+def _copy(model_dir: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    directory = tmp_path_factory.mktemp(name) / "model"
+    shutil.copytree(model_dir, directory)
+    return directory
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
 @pytest.fixture(scope="module")
 def think_block_llm(qwen3_thinking_dir: str, tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    directory = tmp_path_factory.mktemp("think_block_template") / "model"
-    shutil.copytree(qwen3_thinking_dir, directory)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = THINK_BLOCK_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    directory = _copy(qwen3_thinking_dir, tmp_path_factory, "think_block_template")
+    _edit_json(
+        directory / "tokenizer_config.json", lambda config: config.update(chat_template=THINK_BLOCK_TEMPLATE)
+    )
     (directory / "chat_template.jinja").write_text(THINK_BLOCK_TEMPLATE)  # transformers 5 reads it first
     return LLM(str(directory), reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
 
@@ -274,36 +281,56 @@ def test_an_earlier_turns_closed_think_block_leaves_the_new_turn_thinking(think_
         _thinks_then_answers(completion.token_ids, completion.reasoning, completion.text)
 
 
-def test_min_tokens_that_leave_no_allowed_token_while_thinking_are_refused(qwen3_thinking_dir: str) -> None:
-    """Before `</think>` min_tokens holds eos back as without a constraint: allowed_token_ids of only
-    eos ids leave nothing to sample there, refused as without a constraint."""
+def test_allowed_token_ids_of_eos_ids_alone_are_refused_with_or_without_a_constraint(
+    qwen3_thinking_dir: str,
+) -> None:
+    """Without a constraint min_tokens leaves none of them (refused up front); with one, which cannot wait
+    for a `</think>` the request cannot write, the constraint accepts none of them at the first token."""
     llm = LLM(qwen3_thinking_dir, reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
     params = SamplingParams(max_tokens=6, min_tokens=2, allowed_token_ids=(EOS_ID, IM_END_ID))
     message = [{"role": "user", "content": "Is it raining?"}]
-    for constraint in (None, Constraint(choice=CHOICES)):
-        with pytest.raises(InvalidRequestError, match="^min_tokens: holds back every allowed_token_ids"):
+    for constraint, refusal in (
+        (None, "^min_tokens: holds back every allowed_token_ids"),
+        (
+            Constraint(choice=CHOICES),
+            "^allowed_token_ids: none is a token the constraint accepts at output token 0",
+        ),
+    ):
+        with pytest.raises(InvalidRequestError, match=refusal):
             llm.chat(message, dataclasses.replace(params, constraint=constraint))
 
 
-def test_a_refused_request_leaves_the_live_one_of_its_id_its_outputs(qwen3_thinking_dir: str) -> None:
-    """A request refused once its constraint waits for `</think>` (min_tokens leaving no allowed token)
-    supersedes nothing: the live request of that id still gets its outputs."""
-    processor = OutputProcessor(
-        Tokenizer.from_pretrained(qwen3_thinking_dir),
-        reasoning_parser="qwen3",
-        eos_token_ids=(EOS_ID, IM_END_ID),
-    )
-    prompt = [IM_START_ID, 17, 18]
-    processor.add_request(AddRequest("a", prompt, SamplingParams(max_tokens=4), 1.0), chat=True)
-    refused = SamplingParams(
-        max_tokens=4, min_tokens=2, allowed_token_ids=(EOS_ID,), constraint=Constraint(choice=CHOICES)
-    )
-    with pytest.raises(InvalidRequestError, match="^min_tokens"):
-        processor.add_request(AddRequest("a", prompt, refused, 2.0), chat=True)
-    output = CoreOutput("a", [THINK_END_ID], None, 0, 0, 1.0, 2.0)
-    assert [(o.request_id, o.token_ids) for o in processor.process([output]).outputs] == [
-        ("a", (THINK_END_ID,))
-    ]
+@pytest.fixture(scope="module")
+def special_think_end_dir(qwen3_thinking_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The thinking Qwen3 with `</think>` a special token (skip_special_tokens drops its text)."""
+    directory = _copy(qwen3_thinking_dir, tmp_path_factory, "special_think_end")
+
+    def special(tokenizer: dict) -> None:
+        for added in tokenizer["added_tokens"]:
+            added["special"] = added["special"] or added["content"] == "</think>"
+
+    _edit_json(directory / "tokenizer.json", special)
+    return str(directory)
+
+
+@pytest.mark.parametrize("rules_it_out", ["allowed_token_ids", "stop_token_ids", "special"])
+def test_a_chat_that_cannot_write_the_think_end_is_constrained_from_its_first_token(
+    qwen3_thinking_dir: str, special_think_end_dir: str, rules_it_out: str
+) -> None:
+    """Where the request cannot write `</think>` (allowed_token_ids without it, stop_token_ids with it) or
+    its text would not reach the split (a special token, skipped), waiting for it would leave the output
+    unconstrained: the constraint applies from the first token, the output all content."""
+    directory = special_think_end_dir if rules_it_out == "special" else qwen3_thinking_dir
+    llm = LLM(directory, reasoning_parser="qwen3", num_blocks=64, attention_backend="torch")
+    params = _ends_thinking(0)
+    if rules_it_out == "allowed_token_ids":
+        spelled = {t for choice in CHOICES for t in llm.tokenizer.encode(choice, add_special_tokens=False)}
+        params = dataclasses.replace(params, allowed_token_ids=(*spelled, EOS_ID, IM_END_ID))
+    elif rules_it_out == "stop_token_ids":
+        params = dataclasses.replace(params, stop_token_ids=(THINK_END_ID,))
+    (completion,) = llm.chat([{"role": "user", "content": "Is it raining?"}], params)
+    assert (completion.reasoning, completion.text in CHOICES, completion.finish_reason) == ("", True, "stop")
+    assert THINK_END_ID not in completion.token_ids
 
 
 def test_a_constrained_chats_reasoning_ends_at_the_think_end_alone() -> None:
@@ -379,8 +406,10 @@ def test_sluice_generate_writes_the_reasoning_to_stderr_and_the_answer_to_stdout
     result = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
-    assert result.stderr.startswith(reasoning + ("" if reasoning.endswith("\n") else "\n")), result.stderr
-    assert re.fullmatch(r"12 tokens in .*TTFT \d+ ms\n", result.stderr[len(reasoning) :].lstrip("\n"))
+    # The reasoning, then the stats line on a line of its own (anything the process warns of before).
+    assert (reasoning + ("" if reasoning.endswith("\n") else "\n")) in result.stderr, result.stderr
+    after = result.stderr[result.stderr.index(reasoning) + len(reasoning) :].lstrip("\n")
+    assert re.fullmatch(r"12 tokens in .*TTFT \d+ ms\n", after), result.stderr
 
 
 def test_sluice_generate_starts_the_answer_on_a_line_of_its_own(monkeypatch, capsys) -> None:

@@ -15,7 +15,8 @@ reasoning delta and `text` the content delta; the tool calls are parsed from the
 thinking chat's constraint (JSON, a required tool call, ...) applies once its reasoning has ended, as vLLM's
 grammar: the core starts it after the output's first `</think>` token (`Constraint.after_token_id`). One
 that writes `</think>` itself applies from the first token, as do all where the template closed the think
-block (thinking off) or the vocabulary has no such token (its output all content then).
+block (thinking off) or the request could not write the token (none in the vocabulary, or its
+allowed_token_ids, stop_token_ids or a skipped special token rule it out: its output all content then).
 
 The core may know a request by an id of its own (`add_request`'s `core_request_id`): the server's
 engine gives each request a fresh one, so that an id its caller reuses at once (after a cancel, or after
@@ -48,10 +49,10 @@ from sluice.engine.outputs import (
 )
 from sluice.engine.structured.tool_calls import ToolUse
 from sluice.engine.text.detokenizer import IncrementalDetokenizer
-from sluice.engine.text.prompt import check_min_tokens_leave_a_token
 from sluice.engine.text.reasoning import THINK_END, THINK_START, ReasoningParser, prompt_ends_reasoning
 
 if TYPE_CHECKING:
+    from sluice.engine.sampling_params import SamplingParams
     from sluice.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class OutputProcessor:
                     reasoning_parser,
                     THINK_END,
                 )
+        # A special token, which skip_special_tokens drops from the text the split reads
+        self._think_end_is_special = (
+            self._think_end_id is not None and tokenizer.decode([self._think_end_id]) != THINK_END
+        )
         if tokenizer is not None:
             _ = tokenizer.byte_level_vocab  # the detokenizers' table: built at start, not on a first request
         self._faults = faults
@@ -150,12 +155,11 @@ class OutputProcessor:
         closed_in_prompt = splits_reasoning and self._prompt_ends_reasoning(add.prompt_token_ids)
         constraint = params.constraint
         if splits_reasoning and not closed_in_prompt and constraint and not constraint.writes(THINK_END):
-            if self._think_end_id is not None:
+            if self._can_think(params):
                 # As vLLM's grammar, it applies once the reasoning has ended: the think block is free.
                 params = params.with_constraint(constraint.starting_after(self._think_end_id))
-                check_min_tokens_leave_a_token(params, self._eos_token_ids)  # eos is held back there
                 deferred = True
-            else:  # nothing to start it at: from the first token, the output all content
+            else:  # nothing it could start at: from the first token, the output all content
                 splits_reasoning = False
         # Accepted (nothing above refused it): an earlier request of this id is abandoned.
         for engine_id in self._engine_ids.get(request_id, ()):
@@ -191,6 +195,18 @@ class OutputProcessor:
         if core_id != request_id:
             to_core["request_id"] = core_id
         return self._samples.add(msgspec.structs.replace(add, **to_core) if to_core else add)
+
+    def _can_think(self, params: SamplingParams) -> bool:
+        """Whether a constrained chat's constraint can wait for `</think>`: the vocabulary has the token,
+        the request can write it (`allowed_token_ids`, `stop_token_ids`: it would never start, or end the
+        output first), and its text reaches the split (not a special token `skip_special_tokens` drops)."""
+        think_end = self._think_end_id
+        return (
+            think_end is not None
+            and (params.allowed_token_ids is None or think_end in params.allowed_token_ids)
+            and think_end not in params.stop_token_ids
+            and not (self._think_end_is_special and params.skip_special_tokens)
+        )
 
     def _prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the chat template closed the think block in the prompt's last turn: thinking off, or an

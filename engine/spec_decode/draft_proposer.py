@@ -20,7 +20,9 @@ d_{j-1} reaches step j on the device, as a placeholder that its forward fills fr
 (as async scheduling fills the target's: `fill_placeholders`), so the k forwards queue one after another
 and a proposal waits for the device once, for all its drafts: on a GPU the host builds step j's inputs
 while step j - 1 runs, where a wait for each draft left the GPU idle meanwhile. The processors above read
-how many outputs a row has, never which, so the drafts still on the device count by placeholders.
+how many outputs a row has, so the drafts still on the device count by placeholders; which ones, only
+min_tokens over a constrained request (whether a thinking chat's `</think>` came), and such a request does
+not speculate (`speculation_allowed`).
 
 Step 0 never feeds more than the step budget (max_num_batched_tokens) in one forward: where the requests'
 tokens from c on add up to more (a request's first proposal, after its prompt or a prefix-cache hit, finds

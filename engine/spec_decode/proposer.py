@@ -55,7 +55,8 @@ def speculation_allowed(request: Request) -> bool:
     tokens see, at each verify row, the drafts before it as if accepted (penalties count them, a grammar
     takes them: `SamplingRow.num_drafts`). Not a constrained request with min_tokens or allowed_token_ids,
     the processors that can leave its grammar no token at all: a draft row, which the request may never
-    reach, would fail it."""
+    reach, would fail it. (Also what keeps min_tokens, which reads whether a thinking chat's `</think>` is
+    among the outputs, off the draft model's rows, where drafts are placeholders.)"""
     params = request.sampling_params
     return request.use_speculation and (
         params.constraint is None or (params.min_tokens == 0 and params.allowed_token_ids is None)

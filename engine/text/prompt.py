@@ -147,7 +147,8 @@ def _shorten_hint(params: SamplingParams) -> str:
 
 def check_min_tokens_leave_a_token(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
     """Where the tokens min_tokens holds back are all the allowed_token_ids, nothing is left to sample.
-    (Again once a chat's constraint is put after its think block, where eos is held back as without one.)"""
+    (A thinking chat's constraint waits for `</think>` only where allowed_token_ids hold it: never all
+    held back then.)"""
     if params.min_tokens == 0 or params.allowed_token_ids is None:
         return
     under_constraint = params.constraint_applies(())  # at the first token
