@@ -30,8 +30,7 @@ import re
 
 from sluice.engine.config import REASONING_PARSERS
 
-_START, _END, _TOOL_CALL = "<think>", "</think>", "<tool_call>"
-THINK_START, THINK_END = _START, _END
+THINK_START, THINK_END, _TOOL_CALL = "<think>", "</think>", "<tool_call>"
 _FUNCTION = "<function"
 _FUNCTION_OPEN = re.compile(r"<function[\s=]")
 
@@ -48,7 +47,8 @@ class ReasoningParser:
         if name not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS}, got {name!r}")
         self._in_reasoning = not prompt_ends_reasoning
-        self._tags = [_END, _START] + ([_TOOL_CALL] if name == "qwen3" and not only_think_end else [])
+        ends_at_call = name == "qwen3" and not only_think_end
+        self._tags = [THINK_END, THINK_START] + ([_TOOL_CALL] if ends_at_call else [])
         self._held = ""  # text whose part waits on what follows (a tag's start)
 
     @classmethod
@@ -70,12 +70,12 @@ class ReasoningParser:
                 return reasoning + text[: len(text) - keep], ""
             index, tag = min(found)
             reasoning += text[:index]
-            if tag == _END:
+            if tag == THINK_END:
                 self._in_reasoning = False
-                return reasoning, text[index + len(_END) :]
-            if tag == _START:
-                self._tags.remove(_START)  # only the first is a tag
-                text = text[index + len(_START) :]
+                return reasoning, text[index + len(THINK_END) :]
+            if tag == THINK_START:
+                self._tags.remove(THINK_START)  # only the first is a tag
+                text = text[index + len(THINK_START) :]
                 continue
             after = text[index + len(_TOOL_CALL) :].lstrip()
             if _FUNCTION_OPEN.match(after):
@@ -96,4 +96,4 @@ class ReasoningParser:
 def prompt_ends_reasoning(prompt_tail: str) -> bool:
     """Whether the prompt's last think tag closes its block (`<think>\\n\\n</think>\\n\\n` of a template
     with thinking off): the output is then all content."""
-    return prompt_tail.rfind(_END) > prompt_tail.rfind(_START)
+    return prompt_tail.rfind(THINK_END) > prompt_tail.rfind(THINK_START)
