@@ -18,7 +18,7 @@ from sluice.engine.frontend.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from sluice.service.request_ids import RequestIdInUseError, RequestIds
 from sluice.v1 import sluice_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang's bound: one wait alone may take PATIENCE_S (60 s)
 
 
 def _error(call) -> tuple[grpc.StatusCode, str]:

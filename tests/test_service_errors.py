@@ -15,7 +15,7 @@ from sluice import generate_request
 from sluice.service.status import DEADLINE_SLACK_S, cancelled_status
 from sluice.v1 import sluice_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang's bound: one wait alone may take PATIENCE_S (60 s)
 
 
 class Outbox:

@@ -21,7 +21,7 @@ from sluice import generate_request
 from sluice.service.server import ServerConfig
 from sluice.v1 import sluice_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang's bound: one wait alone may take PATIENCE_S (60 s)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_UTF8 = "String field had bad UTF-8"

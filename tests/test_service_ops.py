@@ -121,9 +121,18 @@ def _wait_for_unavailable(client: Client) -> None:
 def test_drain_sends_goaway_at_once(llama_long_dir: str) -> None:
     """A connected client learns of the drain from health (NOT_SERVING first) and then from the GOAWAY,
     long before the grace period ends: its channel leaves READY although a request still runs (one that
-    runs until the test cancels it)."""
+    runs until the test cancels it). The GOAWAY is held until the test has seen the channel READY after
+    the notice (the drain's notice is 0.5 s, which a busy machine could let pass between the two reads)."""
     grace_period = 300.0
     thread = ServerThread(long_engine_config(llama_long_dir)).start()
+    notice_read = threading.Event()
+    wait_for_quiet = thread.server.arrivals.wait_for_quiet
+
+    async def held_for_the_test(*args, **kwargs) -> bool:
+        await asyncio.to_thread(notice_read.wait, PATIENCE_S)
+        return await wait_for_quiet(*args, **kwargs)
+
+    thread.server.arrivals.wait_for_quiet = held_for_the_test
     try:
         with thread.channel() as channel:
             stub = thread.stub(channel)
@@ -137,12 +146,14 @@ def test_drain_sends_goaway_at_once(llama_long_dir: str) -> None:
             )
             assert next(watch).status == NOT_SERVING
             assert channel._channel.check_connectivity_state(False) == 2  # the notice before the GOAWAY
+            notice_read.set()
             wait_for(lambda: channel._channel.check_connectivity_state(False) != 2, "the GOAWAY")
             assert thread.stats().num_running == 1  # the request still runs
             in_flight.cancel()
             # Neither the cancelled request nor the open Watch stream holds the drain for its grace period.
             drained.result(timeout=PATIENCE_S)
     finally:
+        notice_read.set()
         thread.stop()
 
 

@@ -18,7 +18,7 @@ from sluice.service.server import ServerConfig
 from sluice.v1 import sluice_pb2 as pb
 from sluice.v1 import sluice_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang's bound: one wait alone may take PATIENCE_S (60 s)
 
 Outcome = tuple[grpc.StatusCode, str]
 Caller = Callable[[pb_grpc.InferenceServiceStub, tuple[tuple[str, str], ...]], Awaitable[Outcome]]

@@ -21,7 +21,7 @@ from sluice.service.server import ServerConfig
 from sluice.service.tracing import tracer_provider_from_env
 from sluice.v1 import sluice_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # a hang's bound: one wait alone may take PATIENCE_S (60 s)
 
 TRACE_IDS = ("0af7651916cd43dd8448eb211c80319c", "4bf92f3577b34da6a3ce929d0e0e4736")
 PARENT_SPAN_ID = "b7ad6b7169203331"
