@@ -140,13 +140,15 @@ class GenerationRunner:
         progress = RequestProgress(engine_request_id, spec.params.n)
         caller_left = False
         try:
-            if cancel.reason == ABORT:  # an Abort came before the request: it never reaches the engine
+            outputs = await self._add_request(spec, engine_request_id, caller, cancel)
+            if outputs is None:  # cancelled before it reached the engine: it never does
                 for index in range(spec.params.n):  # each sample ends, as the engine's abort ends them
                     aborted = msgspec.structs.replace(progress.aborted(), index=index)
                     progress.add(aborted)
+                    if cancel.reason == TIMEOUT:
+                        raise _timeout_error(spec)
                     yield aborted
                 return
-            outputs = await self._add_request(spec, engine_request_id, caller, cancel)
             # aclosing: an abandoned engine stream aborts its request (AsyncEngine contract).
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -157,9 +159,7 @@ class GenerationRunner:
                     if progress.all_finished:
                         release()
                     if output.finish_reason == "abort" and cancel.reason == TIMEOUT:
-                        raise RequestTimeoutError(
-                            f"timeout_seconds: the request's timeout of {spec.timeout:g} s passed"
-                        )
+                        raise _timeout_error(spec)
                     yield output
             progress.raise_if_failed()
         except (GeneratorExit, asyncio.CancelledError):
@@ -174,20 +174,42 @@ class GenerationRunner:
 
     async def _add_request(
         self, spec: GenerationSpec, engine_request_id: str, caller: Caller, cancel: RequestCancel
-    ) -> AsyncIterator[RequestOutput]:
-        """Submits the request; `cancel` aborts it from now on (and at once if it came meanwhile)."""
-        outputs = await self.engine.add_request(
-            engine_request_id,
-            spec.params,
-            **spec.prompt.as_kwargs(),
-            priority=caller.tenant.clamp_priority(spec.priority),
-            cache_salt=caller.tenant.cache_salt(spec.cache_salt),
-            stream_interval=spec.stream_interval,
-            tool_use=spec.tool_use,
-            use_speculation=spec.use_speculation,
+    ) -> AsyncIterator[RequestOutput] | None:
+        """Submits the request, and returns its outputs; `cancel` aborts it from then on. None when it was
+        cancelled before it reached the engine: before it came (an early Abort) or while its prompt was
+        tokenized (a long one takes a thread seconds; the cancel ends the call at once, and what the
+        thread returns is dropped, never sent to the engine)."""
+        if cancel.cancelled:
+            return None
+        adding = asyncio.ensure_future(
+            self.engine.add_request(
+                engine_request_id,
+                spec.params,
+                **spec.prompt.as_kwargs(),
+                priority=caller.tenant.clamp_priority(spec.priority),
+                cache_salt=caller.tenant.cache_salt(spec.cache_salt),
+                stream_interval=spec.stream_interval,
+                tool_use=spec.tool_use,
+                use_speculation=spec.use_speculation,
+            )
         )
+
+        async def stop_adding() -> None:
+            adding.cancel()  # `add_request` sends to the engine after its last await: all or nothing
+
+        cancel.attach(stop_adding)
+        try:
+            await asyncio.wait((adding,))
+        except asyncio.CancelledError:  # the caller left
+            adding.cancel()
+            if adding.done() and not adding.cancelled() and adding.exception() is None:
+                await adding.result().aclose()  # it reached the engine: aborted there
+            raise
+        if adding.cancelled():
+            return None
+        outputs = adding.result()
         cancel.attach(lambda: self.engine.abort(engine_request_id))
-        if cancel.cancelled:  # cancelled while the prompt was tokenized
+        if cancel.cancelled:  # it came as the request reached the engine (`stop_adding` was too late)
             await self.engine.abort(engine_request_id)
         return outputs
 
@@ -210,6 +232,10 @@ class GenerationRunner:
         for cancel in live:
             await cancel.cancel(ABORT)
         return len(live)
+
+
+def _timeout_error(spec: GenerationSpec) -> RequestTimeoutError:
+    return RequestTimeoutError(f"timeout_seconds: the request's timeout of {spec.timeout:g} s passed")
 
 
 def _nothing_to_release() -> None:

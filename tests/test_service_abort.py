@@ -4,7 +4,9 @@ timeout_seconds ends it with DEADLINE_EXCEEDED and frees its KV blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 import time
 
 import grpc
@@ -126,6 +128,59 @@ def test_a_stream_cancel_reaches_a_request_whose_long_prompt_is_still_being_toke
     ]
     responses = list(stub.StreamGenerate(iter(requests), timeout=PATIENCE_S))
     assert responses[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT, responses[-1]
+
+
+@pytest.fixture
+def held_tokenization(server: ServerThread):
+    """Prompts wait to be tokenized until the test lets them go, as a long one waits for its thread:
+    yields (entered: a prompt is being tokenized, release)."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = server.engine._tokenize
+
+    async def held(**prompt):
+        entered.set()
+        await asyncio.to_thread(release.wait, PATIENCE_S)
+        return await tokenize(**prompt)
+
+    server.engine._tokenize = held
+    yield entered, release
+    release.set()
+    del server.engine._tokenize
+
+
+def test_a_timeout_ends_a_request_whose_prompt_is_still_being_tokenized_at_once(
+    stub, server: ServerThread, held_tokenization
+) -> None:
+    """Its call ended only once the tokenizer was done (seconds for a long prompt), and the request went
+    to the engine then, to be aborted there; it never reaches it now."""
+    entered, release = held_tokenization
+    code, message = _error(
+        stub.Generate(generate_request("Hello", timeout_seconds=0.1, **UNENDING), timeout=PATIENCE_S)
+    )
+    assert (code, message) == (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "timeout_seconds: the request's timeout of 0.1 s passed",
+    )
+    assert entered.is_set() and not release.is_set()
+    release.set()
+    server.wait_idle()
+
+
+def test_an_abort_ends_each_sample_of_a_request_whose_prompt_is_still_being_tokenized_at_once(
+    stub, server: ServerThread, held_tokenization
+) -> None:
+    entered, release = held_tokenization
+    call = stub.Generate(
+        generate_request("Hello", request_id="tokenizing", n=2, **UNENDING), timeout=PATIENCE_S
+    )
+    assert entered.wait(PATIENCE_S)
+    stub.Abort(pb.AbortRequest(request_id="tokenizing"))
+    assert [(c.index, c.finish_reason, c.usage.completion_tokens) for c in call] == [
+        (i, pb.FINISH_REASON_ABORT, 0) for i in range(2)
+    ]
+    assert not release.is_set()
+    release.set()
+    server.wait_idle()
 
 
 @pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
