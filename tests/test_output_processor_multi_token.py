@@ -90,6 +90,23 @@ def test_a_stop_string_the_final_flush_completes_keeps_the_stop_token(tokenizer:
     assert output.usage.completion_tokens == len(ids)
 
 
+@pytest.mark.parametrize("finish_reason", ["abort", "error"])
+def test_a_stop_string_the_final_flush_would_complete_ends_no_aborted_or_failed_output(
+    tokenizer: Tokenizer, finish_reason: str
+) -> None:
+    """An output ending mid-character is aborted (or fails): the held byte comes out as U+FFFD, which
+    would complete the stop string "\ufffd"; the output stays aborted (it came back as finished by the
+    stop string, "stop")."""
+    ids = [*tokenizer.encode("Hello", add_special_tokens=False)]
+    partial = tokenizer.encode("\U0001f600", add_special_tokens=False)[0]
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(AddRequest("r", [1, 2, 3], SamplingParams(stop=("\ufffd",), max_tokens=20), 0.0))
+    (first,) = processor.process([_core_output([*ids, partial])]).outputs
+    (output,) = processor.process([_core_output([], finish_reason=finish_reason)]).outputs
+    assert (output.finish_reason, output.stop_reason) == (finish_reason, None)
+    assert first.text + output.text == "Hello\ufffd"
+
+
 @pytest.mark.parametrize("ended_by", ["the core", "a stop string"])
 def test_a_tool_parser_that_raises_fails_its_request_alone(tokenizer, monkeypatch, ended_by) -> None:
     def parse(self: ToolUse, text: str) -> tuple:

@@ -389,7 +389,9 @@ class OutputProcessor:
         text = detokenizer.add_tokens(token_ids[:-1] if skips_stop_token else token_ids)
         cut_by_stop_string = detokenizer.stop_string is not None
         if core_output.finish_reason is not None and not cut_by_stop_string:
-            text += detokenizer.flush()  # a stop string completed only here (by a U+FFFD) cuts no token
+            # A stop string completed only here (by a U+FFFD) cuts no token; it ends no aborted or failed
+            # output (it would turn "abort" into "stop").
+            text += detokenizer.flush(match=core_output.finish_reason not in ("abort", "error"))
         num_taken = detokenizer.num_tokens - num_before
         if skips_stop_token and not cut_by_stop_string:
             num_taken += 1  # the stop token itself is kept in the token ids

@@ -83,14 +83,16 @@ class IncrementalDetokenizer:
                 text += stops.push(piece, match=self.num_tokens > self._min_tokens)
         return text
 
-    def flush(self) -> str:
-        """The request ended without a stop string: return everything still held back."""
+    def flush(self, match: bool = True) -> str:
+        """The request ended without a stop string: return everything still held back. The held bytes of a
+        partial character come out as U+FFFD, which may complete a stop string; not with `match` False
+        (an output the core aborted or failed: the end it gives stands)."""
         stops = self._stops
         if stops is None:
             return self._stream.flush()
         if stops.matched is not None:
             return ""
-        tail = stops.push(self._stream.flush(), match=self.num_tokens > self._min_tokens)
+        tail = stops.push(self._stream.flush(), match=match and self.num_tokens > self._min_tokens)
         return tail + stops.flush()
 
 
