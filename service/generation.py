@@ -145,6 +145,8 @@ class GenerationRunner:
                 for index in range(spec.params.n):  # each sample ends, as the engine's abort ends them
                     aborted = msgspec.structs.replace(progress.aborted(), index=index)
                     progress.add(aborted)
+                    if progress.all_finished:
+                        release()  # before the last output goes on, as below
                     if cancel.reason == TIMEOUT:
                         raise _timeout_error(spec)
                     yield aborted
@@ -194,23 +196,29 @@ class GenerationRunner:
             )
         )
 
+        def reached_engine() -> bool:
+            return adding.done() and not adding.cancelled() and adding.exception() is None
+
         async def stop_adding() -> None:
-            adding.cancel()  # `add_request` sends to the engine after its last await: all or nothing
+            if reached_engine():  # a moment ago, and this coroutine has not resumed yet
+                await self.engine.abort(engine_request_id)
+            else:
+                adding.cancel()  # `add_request` sends to the engine after its last await: all or nothing
 
         cancel.attach(stop_adding)
         try:
             await asyncio.wait((adding,))
         except asyncio.CancelledError:  # the caller left
+            if reached_engine():
+                await adding.result().aclose()  # aborted there
             adding.cancel()
-            if adding.done() and not adding.cancelled() and adding.exception() is None:
-                await adding.result().aclose()  # it reached the engine: aborted there
             raise
         if adding.cancelled():
-            return None
+            if cancel.cancelled:
+                return None
+            raise asyncio.CancelledError  # cancelled by another than `cancel` (the loop shutting down)
         outputs = adding.result()
         cancel.attach(lambda: self.engine.abort(engine_request_id))
-        if cancel.cancelled:  # it came as the request reached the engine (`stop_adding` was too late)
-            await self.engine.abort(engine_request_id)
         return outputs
 
     def _start_timer(self, timeout: float, cancel: RequestCancel) -> asyncio.Task[None]:
