@@ -126,6 +126,30 @@ def test_a_tool_turn_renders_as_transformers_renders_it(tokenizers, template: st
     assert '"Oslo"' in text and "Rome: 12 C" in text  # the calls and the results are in the prompt
 
 
+# A caller's tool as OpenAI clients write it: "type" after the properties, no description.
+TIME_SCHEMA = {"properties": {"tz": {"type": "string"}}, "required": ["tz"], "type": "object"}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
+
+
+@pytest.mark.parametrize("template", ["llama4", "mistral_v11"])
+def test_a_callers_tool_renders_as_transformers_renders_it(tokenizers, template: str) -> None:
+    """Its schema's keys in its own order and no "description" (they rendered "type" first and an empty
+    description: another prompt than transformers')."""
+    ours, hf = tokenizers
+    ours.chat_template = ChatTemplate(TEMPLATES[template])
+    (tool,) = ToolUse((Tool("get_time", "", json.dumps(TIME_SCHEMA)),)).for_template()
+    assert json.dumps(tool) == json.dumps(TIME_TOOL)
+    expected = hf.apply_chat_template(
+        [QUESTION],
+        tools=[TIME_TOOL],
+        chat_template=TEMPLATES[template],
+        tokenize=True,
+        return_dict=False,
+        add_generation_prompt=True,
+    )
+    assert resolve_prompt(ours, messages=[QUESTION], tools=[tool]) == expected
+
+
 def assistant(*tool_calls: object) -> list[dict]:
     return [QUESTION, {"role": "assistant", "content": "", "tool_calls": list(tool_calls)}]
 
@@ -140,6 +164,9 @@ def assistant(*tool_calls: object) -> list[dict]:
         (assistant({"id": "a", "name": "f", "arguments": '{"s": "\\ud83d"}'}),
          "messages[1].tool_calls[0].arguments",
          "holds a lone surrogate (\\ud83d), which a prompt's UTF-8 text cannot hold"),
+        # Python's json reads NaN and Infinity, which a template then printed into the prompt as they are.
+        (assistant({"id": "a", "name": "f", "arguments": '{"x": NaN}'}),
+         "messages[1].tool_calls[0].arguments", "is not valid JSON: NaN is not a JSON number"),
         (assistant({"type": "function", "function": {"name": "f", "arguments": "[1]"}}),
          "messages[1].tool_calls[0].function.arguments", "must be a JSON object, got [1]"),
         (assistant({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].name",

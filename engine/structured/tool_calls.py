@@ -18,7 +18,8 @@ calls (a block that did not, e.g. arguments that are not JSON, stays in it); the
 only calls.
 
 The tools reach the chat template as transformers' `apply_chat_template(tools=...)` passes JSON-schema
-tools: {"type": "function", "function": {"name", "description", "parameters"}}. A tool's parameters
+tools: {"type": "function", "function": {"name", "description", "parameters"}} (no "description" where it
+is empty, the parameters' keys in the caller's order). A tool's parameters
 describe an object: a schema without "type" gets "type": "object" (as vLLM gives empty parameters
 {"type": "object", "properties": {}}), another "type" is refused, and so is a keyword the grammar
 cannot enforce (`constraint.unenforced_keyword`), when the Tool is built, whatever the tool_choice; a
@@ -99,13 +100,17 @@ class Tool:
 
     @property
     def schema(self) -> dict[str, Any]:
-        """The arguments' JSON schema: always of an object."""
+        """The arguments' JSON schema: always of an object (its keys in the caller's order)."""
         if not self.parameters:
             return dict(NO_ARGUMENTS_SCHEMA)
-        return {"type": "object", **json.loads(self.parameters)}
+        schema = json.loads(self.parameters)
+        return schema if "type" in schema else {"type": "object", **schema}
 
     def for_template(self) -> dict[str, Any]:
+        """As transformers renders the caller's tool: without a "description" where it has none."""
         function = {"name": self.name, "description": self.description, "parameters": self.schema}
+        if not self.description:
+            del function["description"]
         return {"type": "function", "function": function}
 
 

@@ -82,7 +82,7 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, parse_constant=_refuse_constant)
         except (ValueError, RecursionError) as e:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
@@ -91,6 +91,11 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
         raise error
     converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
     return {"id": call["id"], **converted} if call.get("id") else converted
+
+
+def _refuse_constant(name: str) -> None:
+    """Python's json takes NaN and Infinity, which JSON has not (a template would print them as they are)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def json_text(value: Any) -> str:
