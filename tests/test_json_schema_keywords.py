@@ -58,6 +58,29 @@ IGNORED = [
         "required",
         "#",
     ),
+    # A structured-output fuzz found these three: xgrammar holds only additional keys' names to
+    # propertyNames (and writes them past additionalProperties false), and a listed property that a
+    # pattern also names may take the pattern's schema alone.
+    (
+        {"type": "object", "properties": {"abc": {"type": "integer"}}, "propertyNames": {"maxLength": 1}},
+        '{"abc": 1}',
+        "propertyNames",
+        "#",
+    ),
+    (
+        {"type": "object", "properties": {}, "additionalProperties": False,
+         "propertyNames": {"pattern": "^[a-c]+$"}},
+        '{"aa": 0}',
+        "propertyNames",
+        "#",
+    ),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5}},
+         "patternProperties": {"^[a-z]+$": {"type": "integer"}}, "additionalProperties": False},
+        '{"a": 1}',
+        "patternProperties",
+        "#",
+    ),
 ]  # fmt: skip
 
 # The schema vLLM and SGLang give tool_choice "required" (SMG sends it as json_schema): "type" beside anyOf.
