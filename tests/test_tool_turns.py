@@ -167,6 +167,8 @@ def assistant(*tool_calls: object) -> list[dict]:
         # Python's json reads NaN and Infinity, which a template then printed into the prompt as they are.
         (assistant({"id": "a", "name": "f", "arguments": '{"x": NaN}'}),
          "messages[1].tool_calls[0].arguments", "is not valid JSON: NaN is not a JSON number"),
+        (assistant({"id": "a", "name": "f", "arguments": '{"x": [1e999]}'}),
+         "messages[1].tool_calls[0].arguments", "holds a number past a float's range"),
         (assistant({"type": "function", "function": {"name": "f", "arguments": "[1]"}}),
          "messages[1].tool_calls[0].function.arguments", "must be a JSON object, got [1]"),
         (assistant({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].name",

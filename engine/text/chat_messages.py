@@ -87,10 +87,28 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
+    if not _finite(arguments):  # 1e999 reads as infinity, which the template prints as Infinity
+        raise InvalidRequestError(f"{field}.arguments", "holds a number past a float's range")
     if (error := lone_surrogate_error(f"{field}.arguments", json_text(arguments))) is not None:
         raise error
     converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
     return {"id": call["id"], **converted} if call.get("id") else converted
+
+
+def _finite(value: Any) -> bool:
+    """Whether `value` holds no infinite or NaN float (a value that is no JSON at all, a cycle, is left to
+    the template's `tojson`)."""
+    try:
+        text = json.dumps(value, default=str)  # such a float comes out as Infinity or NaN
+    except (ValueError, RecursionError):
+        return True
+    try:
+        json.loads(text, parse_constant=_refuse_constant)
+    except ValueError:
+        return False
+    except RecursionError:
+        return True
+    return True
 
 
 def _refuse_constant(name: str) -> None:
