@@ -101,13 +101,22 @@ def test_directory_without_weights_is_rejected(tmp_path) -> None:
 
 
 def test_an_unreadable_shard_or_index_is_refused_naming_the_file(qwen2_dir, tmp_path) -> None:
-    """A truncated shard (a download cut short), an index without its weight_map."""
+    """A truncated shard (a download cut short), a missing one (FileNotFoundError), an index without its
+    weight_map."""
     shutil.copytree(qwen2_dir, tmp_path / "qwen2")
     index = tmp_path / "qwen2" / "model.safetensors.index.json"
-    shard = tmp_path / "qwen2" / sorted(set(json.loads(index.read_text())["weight_map"].values()))[1]
+    first, shard = (
+        tmp_path / "qwen2" / name
+        for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))[:2]
+    )
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     source = load_model_source(ModelConfig(model=str(tmp_path / "qwen2")))
     with pytest.raises(ValueError, match=rf"^model: '{shard}' is not a readable safetensors file \("):
+        list(source.weights)
+    first.unlink()
+    with pytest.raises(
+        ValueError, match=rf"^model: '{first}' is missing \(the checkpoint's index names it\)$"
+    ):
         list(source.weights)
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(

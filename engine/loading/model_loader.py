@@ -216,10 +216,12 @@ class SafetensorsWeights:
 
 @contextmanager
 def _opened(path: str) -> Iterator[Any]:
-    """safe_open(path), a file it cannot read (truncated, not safetensors) refused naming the file."""
+    """safe_open(path); a file it cannot read (missing, truncated, not safetensors) refused naming it."""
     try:
         handle = safe_open(path, framework="pt")
-    except SafetensorError as error:
+    except FileNotFoundError:
+        raise ValueError(f"model: {path!r} is missing (the checkpoint's index names it)") from None
+    except (SafetensorError, OSError) as error:
         raise ValueError(f"model: {path!r} is not a readable safetensors file ({error})") from None
     with handle as f:
         yield f
