@@ -114,9 +114,7 @@ def test_an_unreadable_shard_or_index_is_refused_naming_the_file(qwen2_dir, tmp_
     with pytest.raises(ValueError, match=rf"^model: '{shard}' is not a readable safetensors file \("):
         list(source.weights)
     first.unlink()
-    with pytest.raises(
-        ValueError, match=rf"^model: '{first}' is missing \(the checkpoint's index names it\)$"
-    ):
+    with pytest.raises(ValueError, match=rf"^model: '{first}' is missing$"):
         list(source.weights)
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(

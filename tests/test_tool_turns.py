@@ -126,18 +126,20 @@ def test_a_tool_turn_renders_as_transformers_renders_it(tokenizers, template: st
     assert '"Oslo"' in text and "Rome: 12 C" in text  # the calls and the results are in the prompt
 
 
-# A caller's tool as OpenAI clients write it: "type" after the properties, no description.
+# A caller's tool whose schema has "type" after the properties.
 TIME_SCHEMA = {"properties": {"tz": {"type": "string"}}, "required": ["tz"], "type": "object"}
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}
+TIME_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME_SCHEMA},
+}
 
 
 @pytest.mark.parametrize("template", ["llama4", "mistral_v11"])
 def test_a_callers_tool_renders_as_transformers_renders_it(tokenizers, template: str) -> None:
-    """Its schema's keys in its own order and no "description" (they rendered "type" first and an empty
-    description: another prompt than transformers')."""
+    """Its schema's keys in its own order (they rendered "type" first: another prompt than transformers')."""
     ours, hf = tokenizers
     ours.chat_template = ChatTemplate(TEMPLATES[template])
-    (tool,) = ToolUse((Tool("get_time", "", json.dumps(TIME_SCHEMA)),)).for_template()
+    (tool,) = ToolUse((Tool("get_time", "Time in a zone", json.dumps(TIME_SCHEMA)),)).for_template()
     assert json.dumps(tool) == json.dumps(TIME_TOOL)
     expected = hf.apply_chat_template(
         [QUESTION],
@@ -168,7 +170,7 @@ def assistant(*tool_calls: object) -> list[dict]:
         (assistant({"id": "a", "name": "f", "arguments": '{"x": NaN}'}),
          "messages[1].tool_calls[0].arguments", "is not valid JSON: NaN is not a JSON number"),
         (assistant({"id": "a", "name": "f", "arguments": '{"x": [1e999]}'}),
-         "messages[1].tool_calls[0].arguments", "holds a number past a float's range"),
+         "messages[1].tool_calls[0].arguments", "holds NaN or a number past a float's range"),
         (assistant({"type": "function", "function": {"name": "f", "arguments": "[1]"}}),
          "messages[1].tool_calls[0].function.arguments", "must be a JSON object, got [1]"),
         (assistant({"name": "", "arguments": "{}"}), "messages[1].tool_calls[0].name",

@@ -219,9 +219,9 @@ def _opened(path: str) -> Iterator[Any]:
     """safe_open(path); a file it cannot read (missing, truncated, not safetensors) refused naming it."""
     try:
         handle = safe_open(path, framework="pt")
-    except FileNotFoundError:
-        raise ValueError(f"model: {path!r} is missing (the checkpoint's index names it)") from None
     except (SafetensorError, OSError) as error:
+        if not os.path.exists(path):  # safetensors says FileNotFoundError for any file it cannot open
+            raise ValueError(f"model: {path!r} is missing") from None
         raise ValueError(f"model: {path!r} is not a readable safetensors file ({error})") from None
     with handle as f:
         yield f

@@ -327,15 +327,16 @@ def _ignored_keyword(schema: dict) -> str | None:
             # {"type": "object", "anyOf": [<a call>, ...]}); where it does not, the schema holds no value.
             besides.remove("type")
         return besides[0] if besides else None
-    if "propertyNames" in schema and (
-        schema.get("properties")
-        or schema.get("patternProperties")
-        or schema.get("additionalProperties") is False
-    ):
-        # xgrammar holds only the additional keys' names to it, and writes such keys even where
-        # additionalProperties is false
+    properties, patterns = (
+        value if isinstance(value := schema.get(keyword), dict) else {}
+        for keyword in ("properties", "patternProperties")
+    )
+    closed = schema.get("additionalProperties") is False or schema.get("unevaluatedProperties") is False
+    if "propertyNames" in schema and (properties or patterns or closed):
+        # xgrammar holds only the additional keys' names to it, and writes such keys even where the object
+        # is closed to them
         return "propertyNames"
-    if schema.get("patternProperties") and schema.get("properties"):
+    if patterns and properties:
         return "patternProperties"  # a listed property whose name a pattern matches may skip its own schema
     types = _types(schema)
     if not types:  # typeless: xgrammar reads objects' and arrays' keywords only

@@ -18,8 +18,9 @@ calls (a block that did not, e.g. arguments that are not JSON, stays in it); the
 only calls.
 
 The tools reach the chat template as transformers' `apply_chat_template(tools=...)` passes JSON-schema
-tools: {"type": "function", "function": {"name", "description", "parameters"}} (no "description" where it
-is empty, the parameters' keys in the caller's order). A tool's parameters
+tools: {"type": "function", "function": {"name", "description", "parameters"}} (the parameters' keys in the
+caller's order; a tool without a description has "" for it, which the proto cannot tell from none, and
+templates that print `tool.description` need: Hermes'). A tool's parameters
 describe an object: a schema without "type" gets "type": "object" (as vLLM gives empty parameters
 {"type": "object", "properties": {}}), another "type" is refused, and so is a keyword the grammar
 cannot enforce (`constraint.unenforced_keyword`), when the Tool is built, whatever the tool_choice; a
@@ -107,10 +108,7 @@ class Tool:
         return schema if "type" in schema else {"type": "object", **schema}
 
     def for_template(self) -> dict[str, Any]:
-        """As transformers renders the caller's tool: without a "description" where it has none."""
         function = {"name": self.name, "description": self.description, "parameters": self.schema}
-        if not self.description:
-            del function["description"]
         return {"type": "function", "function": function}
 
 

@@ -87,8 +87,8 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON object, got {arguments!r}")
-    if not _finite(arguments):  # 1e999 reads as infinity, which the template prints as Infinity
-        raise InvalidRequestError(f"{field}.arguments", "holds a number past a float's range")
+    if not _finite(dict(arguments)):  # 1e999 reads as infinity, which the template prints as Infinity
+        raise InvalidRequestError(f"{field}.arguments", "holds NaN or a number past a float's range")
     if (error := lone_surrogate_error(f"{field}.arguments", json_text(arguments))) is not None:
         raise error
     converted = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
