@@ -127,10 +127,11 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Idempotent, and allowed while draining; an id never seen is remembered (a Generate with it
         arriving later ends at once), not an error."""
         tenant = self._inference.caller(context).tenant.name
-        for request_id in request.request_ids:
+        for request_id in request.request_ids:  # all checked first: a refused Abort aborts none of them
             if not request_id:
                 raise InvalidRequestError("request_ids", "must not contain empty ids")
             check_request_id(request_id, "request_ids")
+        for request_id in request.request_ids:
             with contextlib.suppress(UnknownRequestError):
                 cancel = self._request_ids.abort(tenant, request_id)
                 if cancel is not None:

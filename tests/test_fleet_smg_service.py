@@ -156,9 +156,18 @@ def test_abort_ends_a_live_request_and_ignores_unknown_ids(server: ServerThread,
     ],
 )
 def test_abort_refuses_an_id_over_512_bytes_or_empty(engine_stub, bad: str, details: str) -> None:
+    """And aborts none of the ids beside it (the ones before it were aborted, or remembered as early
+    aborts: a Generate with such an id ended at once)."""
     with pytest.raises(grpc.RpcError) as info:
-        engine_stub.Abort(smg.AbortRequest(request_ids=["fine", bad]), timeout=10)
+        engine_stub.Abort(smg.AbortRequest(request_ids=[fine := f"fine-{len(bad)}", bad]), timeout=10)
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+    request = smg.GenerateRequest(
+        request_id=fine,
+        tokenized=smg.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=smg.SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    (response,) = engine_stub.Generate(request, timeout=60)
+    assert (response.complete.finish_reason, len(response.complete.output_ids)) == ("length", 2)
 
 
 @pytest.mark.parametrize(
