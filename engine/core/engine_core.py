@@ -419,7 +419,9 @@ class EngineCore:
             fields = {r: f.invalid_field for r, f in sampling_errors.items() if f.invalid_field is not None}
             failed = self.abort(list(sampling_errors), messages, fields)
         updated = self._append(scheduler_output, sampled)
-        # The tokens kept: a stop within a verified run drops the rest, as does an abort mid-step.
+        # The tokens kept: a stop within a verified run drops the rest, as does an abort mid-step. A stop
+        # string is the frontend's to find: the tokens of such a run after it count (the model made them),
+        # though the output leaves them out.
         self._num_generation_tokens += sum(len(tokens) for _, tokens in updated)
         draft = propose and self.speculator.drafts_at(self.scheduler.num_running)
         self.speculator.propose((r for r, _ in updated), self.scheduler.get_request, draft)
