@@ -44,7 +44,7 @@ from sluice.engine.errors import InvalidRequestError
 from sluice.engine.outputs import ToolCall
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import SCHEMA_MAPS, Constraint, nesting_checked, unenforced_keyword
-from sluice.engine.text.chat_messages import LONE_SURROGATE
+from sluice.engine.text.chat_messages import LONE_SURROGATE, refuse_json_constant
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}}
@@ -248,7 +248,7 @@ def _loads(text: str) -> Any:
     """The JSON value of `text`; None when it is not JSON, holds NaN or Infinity, or nests too deep for
     the parser (a model's output can: RecursionError)."""
     try:
-        return json.loads(text.strip(), parse_constant=_refuse_constant)
+        return json.loads(text.strip(), parse_constant=refuse_json_constant)
     except (ValueError, RecursionError):
         return None
 
@@ -256,7 +256,7 @@ def _loads(text: str) -> Any:
 def _json_values(text: str) -> list[Any] | None:
     """The JSON values of `text`, one or several apart by ';' (Llama 3.1's parallel calls); None unless
     all of it is such values (as `_loads`: no NaN or Infinity, not nested too deep)."""
-    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    decoder = json.JSONDecoder(parse_constant=refuse_json_constant)
     values, text, at = [], text.strip(), 0
     try:
         while True:
@@ -270,10 +270,6 @@ def _json_values(text: str) -> list[Any] | None:
             at = len(text) - len(rest[1:].lstrip())
     except (ValueError, RecursionError):
         return None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _arguments_text(arguments: Any) -> str | None:

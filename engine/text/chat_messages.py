@@ -82,7 +82,7 @@ def _tool_call(field: str, call: Any) -> dict[str, Any]:
     arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, parse_constant=_refuse_constant)
+            arguments = json.loads(arguments, parse_constant=refuse_json_constant)
         except (ValueError, RecursionError) as e:
             raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {e}") from e
     if not isinstance(arguments, Mapping):
@@ -103,7 +103,7 @@ def _finite(value: Any) -> bool:
     except (ValueError, RecursionError):
         return True
     try:
-        json.loads(text, parse_constant=_refuse_constant)
+        json.loads(text, parse_constant=refuse_json_constant)
     except ValueError:
         return False
     except RecursionError:
@@ -111,8 +111,9 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def _refuse_constant(name: str) -> None:
-    """Python's json takes NaN and Infinity, which JSON has not (a template would print them as they are)."""
+def refuse_json_constant(name: str) -> None:
+    """json's `parse_constant`: Python's json takes NaN and Infinity, which JSON has not (a template would
+    print them as they are; Go, Java and JavaScript clients could not parse them)."""
     raise ValueError(f"{name} is not a JSON number")
 
 
