@@ -100,25 +100,32 @@ def test_a_callers_id_that_names_anothers_sample_is_free(stub, server):
     """Sample 1 of "x" (n = 2) is "x#1" in the engine: a caller's own request "x#1" was refused as in use
     by "x" (naming the engine's ids), on Generate and on StreamGenerate."""
     unending = {"temperature": 1.0, "max_tokens": UNENDING_TOKENS, "ignore_eos": True}
+    # Greedy, past EOS: a sampled 2-token request ended "stop" now and then (EOS drawn), and the stream
+    # below, waiting for a "length" that never came, ran to its deadline beside `s` and `x` (ci197).
+    two_tokens = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
     running = stub.Generate(_request("x", n=2, **unending))
-    next(running)
-    chunks = list(stub.Generate(_request("x#1", max_tokens=2), timeout=60))
-    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    requests = [_request("s", n=2, **unending), _request("s#1", max_tokens=2)]
-    held_open = threading.Event()
+    held_open, calls = threading.Event(), [running]
+    try:
+        next(running)
+        chunks = list(stub.Generate(_request("x#1", **two_tokens), timeout=60))
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        requests = [_request("s", n=2, **unending), _request("s#1", **two_tokens)]
 
-    def stream():
-        yield from (pb.StreamGenerateRequest(generate=request) for request in requests)
-        held_open.wait(60)
+        def stream():
+            yield from (pb.StreamGenerateRequest(generate=request) for request in requests)
+            held_open.wait(60)
 
-    call = stub.StreamGenerate(stream(), timeout=60)
-    for response in call:
-        assert response.WhichOneof("event") == "chunk", response
-        if response.request_id == "s#1" and response.chunk.finish_reason == pb.FINISH_REASON_LENGTH:
-            break
-    call.cancel()
-    held_open.set()
-    running.cancel()
+        call = stub.StreamGenerate(stream(), timeout=60)
+        calls.append(call)
+        for response in call:
+            assert response.WhichOneof("event") == "chunk", response
+            if response.request_id == "s#1" and response.chunk.finish_reason:
+                assert response.chunk.finish_reason == pb.FINISH_REASON_LENGTH
+                break
+    finally:  # `x` and `s` run until cancelled: a failure above must not leave them to the next tests
+        for call in calls:
+            call.cancel()
+        held_open.set()
     server.wait_idle()
 
 
