@@ -13,6 +13,8 @@ tiny models are 64-256 wide); a layer whose edges cut blocks is checked element 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fp8_checkpoints import fp8_method_config, transformers_greedy, write_fp8_checkpoint
@@ -132,6 +134,30 @@ def test_the_fp8_method_format_without_blocks_runs_as_per_tensor_compressed_tens
     agrees_with_transformers(llms["fp8"], written["compressed-tensors"], prompts(), MAX_TOKENS)
 
 
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["tensor", "block"])
+def test_the_fp8_method_with_dequantize_runs_the_weights_alone_as_transformers(block, llama_dir, tmp_path):
+    """FineGrainedFP8Config's `dequantize: true`: transformers multiplies the codes by their scales at load
+    and runs the float model (activations unquantized); Sluice ran FP8 activations."""
+    directory = write_fp8_checkpoint(
+        llama_dir,
+        str(tmp_path / "fp8"),
+        weights="block" if block else "tensor",
+        activations="group" if block else "token",
+        block=block,
+        quant_method="fp8",
+        names="vllm" if block else "transformers",  # transformers' names: weight_scale_inv, 0-d
+    )
+    with open(f"{directory}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["dequantize"] = True
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(directory, num_blocks=32)
+    down = linears(llm)[DOWN]
+    assert (down.method.scheme.activations, down.method.matmul) == ("none", "dequantized")
+    assert greedy(llm) == transformers_greedy(directory, prompts(), MAX_TOKENS)
+
+
 def test_a_scale_under_both_of_its_names_is_refused(llama_dir, tmp_path):
     directory = write_fp8_checkpoint(
         llama_dir, str(tmp_path / "fp8"), weights="tensor", activations="token", quant_method="fp8"
@@ -219,6 +245,8 @@ def test_what_transformers_writes_for_the_fp8_method_parses_to_its_scheme():
     static = _resolve(fp8_method_config(None, "static", ()))
     aliases = (inverse, ("activation_scale", "input_scale"))
     assert static.scheme_for(DOWN) == Fp8Scheme("tensor", "static", serialized=True, aliases=aliases)
+    with pytest.raises(ValueError, match=r"^quantization_config.dequantize: true is supported with 'dyn"):
+        _resolve({**fp8_method_config(None, "static", ()), "dequantize": True})  # its input scales unused
     deepseek = {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -241,6 +269,7 @@ def test_what_transformers_writes_for_the_fp8_method_parses_to_its_scheme():
         ("modules_to_not_convert", ["layers.(1"], r"'layers.\(1' is not a regular expression"),
         ("modules_to_convert", ["q_proj"], r"\['q_proj'\] is not supported; supported: None"),
         ("bits", 8, "unknown field; Sluice does not know what it changes"),
+        ("dequantize", "yes", "must be true or false, got 'yes'"),
     ],
 )
 def test_an_unsupported_fp8_method_config_is_refused_naming_the_field(field, value, message):

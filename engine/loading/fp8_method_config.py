@@ -10,6 +10,9 @@ scales) and AutoFP8's (one scale a tensor). config.json says
       "modules_to_not_convert": ["lm_head", ...] | null      (vLLM's checkpoints: "ignored_layers")
       "kv_cache_scheme": "static" | null                      (AutoFP8's, with calibrated KV scales:
                                                                k_proj.output_scale / v_proj.output_scale)
+      "dequantize": false | true                              (true: weights only, x in the model dtype,
+                                                               as transformers runs it: the codes times
+                                                               their scales; dynamic activations only)
     }
 
 and each quantized linear holds
@@ -75,14 +78,30 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
         raise ValueError(
             f"{where}.activation_scheme: {activations!r} is not supported; supported: 'dynamic', 'static'"
         )
+    dequantize = raw.get("dequantize", False)
+    if not isinstance(dequantize, bool):
+        raise ValueError(f"{where}.dequantize: must be true or false, got {dequantize!r}")
+    if dequantize and activations != "dynamic":
+        raise ValueError(
+            f"{where}.dequantize: true is supported with 'dynamic' activations (the static input scales "
+            "would go unused); set it false to run the checkpoint in FP8"
+        )
     if raw.get("weight_block_size") is None:
         mode = "token" if activations == "dynamic" else "static"
-        scheme = Fp8Scheme("tensor", mode, serialized=True, aliases=_TRANSFORMERS_NAMES[mode])
+        scheme = Fp8Scheme(
+            "tensor", "none" if dequantize else mode, serialized=True, aliases=_TRANSFORMERS_NAMES[mode]
+        )
     else:
         if activations != "dynamic":
             raise ValueError(f"{where}.activation_scheme: block weights take 'dynamic' activations")
         block = parse_block(raw["weight_block_size"], f"{where}.weight_block_size")
-        scheme = Fp8Scheme("block", "group", serialized=True, block=block, scale_name="weight_scale_inv")
+        scheme = Fp8Scheme(
+            "block",
+            "none" if dequantize else "group",
+            serialized=True,
+            block=block,
+            scale_name="weight_scale_inv",
+        )
     left_out = [
         target
         for field in ("modules_to_not_convert", "ignored_layers")
