@@ -154,6 +154,10 @@ def test_a_checkpoint_that_breaks_its_config_is_refused_naming_the_tensor(llama_
             {f"{name}.weight_scale": torch.ones(1)},
             rf"'{name}.weight_scale' has shape \(1,\), expected \(32, 1\)",
         ),
+        (  # exponents as bytes (e8m0 scales): read as numbers they would be 2**127 times too large
+            {f"{name}.weight_scale": torch.full((32, 1), 127, dtype=torch.uint8)},
+            rf"'{name}.weight_scale' has dtype torch.uint8, expected a float: a scale",
+        ),
         (
             {f"{name}.weight_scale": None},
             r"^weights: missing \['model.layers.0.self_attn.qkv_proj.weight_scale'\]",

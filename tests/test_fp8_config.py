@@ -57,6 +57,20 @@ def test_what_compressed_tensors_writes_parses_to_its_scheme(preset, scheme):
     assert config.scheme_for("model.layers.0.self_attn.q_proj") == scheme
 
 
+def test_a_float_scale_dtype_reads_the_scales_as_stored():
+    """compressed-tensors' `scale_dtype` (the dtype the scales are stored in): a float one is widened to
+    float32 at load like any other; one that is not (exponents as uint8) is refused (below)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+
+    weights = QuantizationArgs(num_bits=8, type="float", strategy="channel", scale_dtype=torch.bfloat16)
+    raw = written_by_compressed_tensors("FP8_DYNAMIC")
+    raw["config_groups"]["group_0"]["weights"] = weights.model_dump(mode="json")
+    assert raw["config_groups"]["group_0"]["weights"]["scale_dtype"] == "torch.bfloat16"
+    resolved = resolve_fp8_config(None, {"quantization_config": raw}, PACKED_QKV_GATE_UP)
+    assert resolved.scheme_for(QKV) == Fp8Scheme("channel", "token", serialized=True)
+
+
 def test_schemes_by_module_name():
     raw = quantization_config("channel", "token", False, ("lm_head", "re:.*down_proj$"))
     raw["config_groups"]["group_1"] = {
@@ -136,6 +150,9 @@ G = "config_groups.group_0"
         (f"{G}.weights.dynamic", True, "True is not supported (FP8 weights have stored scales)"),
         (f"{G}.weights.actorder", "weight", "'weight' is not supported (no activation ordering)"),
         (f"{G}.weights.zero_points", True, "unknown field"),
+        (f"{G}.weights.scale_dtype", "torch.uint8", "'torch.uint8' is not supported (scales are floats"),
+        (f"{G}.weights.scale_dtype", "torch.float9", "'torch.float9' is not supported (scales are floats"),
+        (f"{G}.weights.zp_dtype", "int8", "'int8' is not supported (symmetric scales have no zero point)"),
         (f"{G}.weights", ..., "missing; Sluice runs FP8 weights"),
         (f"{G}.weights", "float8", "must be an object, got 'float8'"),
         (f"{G}.weights.strategy", ..., "missing"),

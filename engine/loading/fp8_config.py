@@ -374,6 +374,8 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
          "only with strategy 'block'"),
         ("actorder", args.get("actorder") in (None, False), "no activation ordering"),
         ("dynamic", args.get("dynamic", False) in (True, False), "true or false"),
+        ("scale_dtype", _is_float_dtype(args.get("scale_dtype")), "scales are floats: a torch float dtype"),
+        ("zp_dtype", args.get("zp_dtype") is None, "symmetric scales have no zero point"),
     )  # fmt: skip
     for field, ok, why in checks:
         if not ok:
@@ -387,6 +389,17 @@ def _parse_args(args: Any, where: str) -> dict[str, Any]:
         "group_size": args.get("group_size"),
         "block_structure": args.get("block_structure"),
     }
+
+
+def _is_float_dtype(name: Any) -> bool:
+    """None (the scales' own dtype), or a torch floating dtype as compressed-tensors writes it
+    ("torch.bfloat16", "bfloat16"): the scales are read as they are stored, widened to float32."""
+    if name is None:
+        return True
+    import torch  # here: parsing a config needs no torch until a field names a dtype
+
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
 def _check_regexes(names: list[str], where: str) -> None:

@@ -272,6 +272,8 @@ class Fp8LinearMethod(LinearMethod):
     ) -> None:
         if param is layer.weight and self.scheme.serialized and loaded.dtype != FP8:
             raise ValueError(f"has dtype {loaded.dtype}, expected {FP8} (quantization_config: FP8 weights)")
+        if param is not layer.weight and param is not layer.bias and not loaded.dtype.is_floating_point:
+            raise ValueError(f"has dtype {loaded.dtype}, expected a float: a scale")  # e.g. exponent bytes
         if self.scheme.block is not None and param is getattr(layer, self.scheme.scale_name, None):
             self._load_block_scale(layer, param, loaded, shard)
         elif param is getattr(layer, "weight_scale", None):
