@@ -122,6 +122,8 @@ def test_a_callers_id_that_names_anothers_sample_is_free(stub, server):
             if response.request_id == "s#1" and response.chunk.finish_reason:
                 assert response.chunk.finish_reason == pb.FINISH_REASON_LENGTH
                 break
+        else:
+            pytest.fail("the stream ended before s#1 finished")
     finally:  # `x` and `s` run until cancelled: a failure above must not leave them to the next tests
         for call in calls:
             call.cancel()

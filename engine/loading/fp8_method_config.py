@@ -10,9 +10,9 @@ scales) and AutoFP8's (one scale a tensor). config.json says
       "modules_to_not_convert": ["lm_head", ...] | null      (vLLM's checkpoints: "ignored_layers")
       "kv_cache_scheme": "static" | null                      (AutoFP8's, with calibrated KV scales:
                                                                k_proj.output_scale / v_proj.output_scale)
-      "dequantize": false | true                              (true: weights only, x in the model dtype,
-                                                               as transformers runs it: the codes times
-                                                               their scales; dynamic activations only)
+      "dequantize": false | true                              (true: weights only, x in the model dtype:
+                                                               the codes times their scales, as transformers
+                                                               runs its own names; dynamic activations only)
     }
 
 and each quantized linear holds
@@ -78,7 +78,7 @@ def parse_fp8_method(raw: Mapping[str, Any]) -> Fp8Config:
         raise ValueError(
             f"{where}.activation_scheme: {activations!r} is not supported; supported: 'dynamic', 'static'"
         )
-    dequantize = raw.get("dequantize", False)
+    dequantize = raw.get("dequantize") or False  # null: false, as transformers reads it
     if not isinstance(dequantize, bool):
         raise ValueError(f"{where}.dequantize: must be true or false, got {dequantize!r}")
     if dequantize and activations != "dynamic":
