@@ -1,14 +1,21 @@
 """FP8 under tensor parallelism (gloo on CPU, real worker processes): FP8 checkpoints (compressed-tensors) and
 the FP8 KV cache on 2 ranks, with the Llama whose 4 KV heads split over them.
 
-Where FP8's numbers do not depend on how the input is split (static activation scales from the checkpoint,
-weights-only FP8, the KV cache's per-layer scales), 2 ranks give the one-rank engine's greedy tokens, which
-agree with transformers' (compressed-tensors, K/V rounded to e4m3; up to near ties, `fp8_greedy`), through
-test_tensor_parallel's mixed workload
+Where FP8's scales do not depend on how the input is split (static activation scales from the checkpoint,
+weights-only FP8, the KV cache's per-layer scales, block weights with their activation groups), 2 ranks give
+the one-rank engine's greedy tokens, which agree with transformers' (compressed-tensors, K/V rounded to e4m3),
+through test_tensor_parallel's mixed workload
 (chunks, prefix hits, preemption, n = 2, ngram drafts). Dynamic per-token activation scales are taken, on a
 row-parallel layer (o_proj, down_proj), over the rank's own slice of the input, as vLLM does: each rank
 quantizes its part, so the result moves by FP8 rounding. Its bound here: 2 ranks move the prompt logprobs
 less than FP8 itself moves them from the float model.
+
+"Give the one-rank engine's tokens" is up to near ties (`fp8_greedy.assert_agrees`) where activations are
+rounded to e4m3: a row-parallel layer's two partial sums, added by the all-reduce, round otherwise than one
+rank's sum, and a value within that of an e4m3 rounding boundary then rounds the other way in the next
+layer's input (or the KV cache), which moves the logits by up to ~0.1 nats. Seen on an AVX2 build (torch's
+AVX2 kernels, the C++ ones compiled for x86-64-v3): block weights on 2 ranks parted from 1 rank at a
+0.04-nat tie, where AVX-512 had not. Weights-only FP8 rounds no activation: its tokens are equal.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ def test_static_scales_and_an_fp8_kv_cache_on_two_ranks_give_one_ranks_and_trans
     directory = _fp8_dir(float_dir, tmp_path_factory, "static", activations="static", kv_scales=KV_SCALES)
     one = _generate(directory, 1, GREEDY, kv_cache_dtype="fp8")
     two = _generate(directory, 2, GREEDY, kv_cache_dtype="fp8")
-    assert _tokens(two) == _tokens(one)
+    assert_agrees(samples(two), samples(one))  # up to near ties (above)
     assert_agrees(samples(two), transformers_samples(directory, _prompts(), NUM_NEW, KV_SCALES))
     assert [c.cached_tokens for c in two] == [c.cached_tokens for c in one]
 
@@ -83,13 +90,14 @@ def test_dynamic_token_scales_per_rank_move_logprobs_less_than_fp8_itself(float_
 
 def test_block_scales_on_two_ranks_give_one_ranks_and_transformers_tokens(float_dir, tmp_path_factory):
     """32 x 32 blocks: each rank holds whole blocks, and a row-parallel rank's input columns are whole
-    activation groups, so its groups (and their scales) are the one-rank engine's: the same tokens."""
+    activation groups, so its groups (and their scales) are the one-rank engine's: the same tokens, up to
+    near ties (the module's docstring)."""
     block = (32, 32)
     directory = _fp8_dir(
         float_dir, tmp_path_factory, "block", weights="block", activations="group", block=block
     )
     two = _generate(directory, 2, GREEDY)
-    assert _tokens(two) == _tokens(_generate(directory, 1, GREEDY))
+    assert_agrees(samples(two), samples(_generate(directory, 1, GREEDY)))
     assert_agrees(samples(two), transformers_samples(directory, _prompts(), NUM_NEW))
 
 
