@@ -24,10 +24,12 @@ Greedy decoding reruns the whole sequence each step, so every step sees the same
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -141,6 +143,18 @@ def write_fp8_checkpoint(
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return directory
+
+
+@contextlib.contextmanager
+def edited_config(directory: str) -> Iterator[dict]:
+    """`directory`'s config.json as a dict, written back when the block ends (a test's change to the
+    quantization_config a checkpoint was written with)."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    yield config
+    with open(path, "w") as f:
+        json.dump(config, f)
 
 
 def quantization_config(

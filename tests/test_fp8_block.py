@@ -13,11 +13,9 @@ tiny models are 64-256 wide); a layer whose edges cut blocks is checked element 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from fp8_checkpoints import fp8_method_config, transformers_greedy, write_fp8_checkpoint
+from fp8_checkpoints import edited_config, fp8_method_config, transformers_greedy, write_fp8_checkpoint
 from fp8_greedy import agrees_with_transformers
 from safetensors.torch import load_file, save_file
 from test_fp8_checkpoint import greedy, linears, prompts
@@ -147,11 +145,8 @@ def test_the_fp8_method_with_dequantize_runs_the_weights_alone_as_transformers(b
         quant_method="fp8",
         names="vllm" if block else "transformers",  # transformers' names: weight_scale_inv, 0-d
     )
-    with open(f"{directory}/config.json") as f:
-        config = json.load(f)
-    config["quantization_config"]["dequantize"] = True
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(config, f)
+    with edited_config(directory) as config:
+        config["quantization_config"]["dequantize"] = True
     llm = LLM(directory, num_blocks=32)
     down = linears(llm)[DOWN]
     assert (down.method.scheme.activations, down.method.matmul) == ("none", "dequantized")

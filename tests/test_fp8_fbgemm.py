@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from fp8_checkpoints import write_fp8_checkpoint
+from fp8_checkpoints import edited_config, write_fp8_checkpoint
 from fp8_greedy import agrees_with_transformers
 from safetensors.torch import load_file, save_file
 from test_fp8_checkpoint import greedy, linears, prompts
@@ -37,15 +37,12 @@ def _fbgemm_checkpoint(source: str, directory: str, cap: float = CAP, ignore: tu
     write_fp8_checkpoint(
         source, directory, weights="channel", activations="token", ignore=("lm_head", *ignore)
     )
-    with open(f"{directory}/config.json") as f:
-        config = json.load(f)
-    config["quantization_config"] = {
-        "quant_method": "fbgemm_fp8",
-        "activation_scale_ub": cap,
-        "modules_to_not_convert": list(ignore) or None,
-    }
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(config, f)
+    with edited_config(directory) as config:
+        config["quantization_config"] = {
+            "quant_method": "fbgemm_fp8",
+            "activation_scale_ub": cap,
+            "modules_to_not_convert": list(ignore) or None,
+        }
     return directory
 
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from fp8_checkpoints import write_fp8_checkpoint
+from fp8_checkpoints import edited_config, write_fp8_checkpoint
 from fp8_greedy import agrees_with_transformers
 from test_fp8_checkpoint import greedy, linears, prompts
 
@@ -87,11 +87,8 @@ def test_exclude_modules_are_wildcards_or_module_names(llama_dir, tmp_path):
         quant_method="modelopt",
     )  # fmt: skip
     for entry in ("model.layers.1.mlp*", "model.layers.1.mlp"):
-        with open(f"{directory}/config.json") as f:
-            config = json.load(f)
-        config["quantization_config"]["ignore"] = ["lm_head", entry]
-        with open(f"{directory}/config.json", "w") as f:
-            json.dump(config, f)
+        with edited_config(directory) as config:
+            config["quantization_config"]["ignore"] = ["lm_head", entry]
         layers = linears(LLM(directory, num_blocks=32))
         assert not hasattr(layers[DOWN], "weight_scale") and layers[DOWN].weight.dtype == torch.float32
         assert layers["model.layers.0.mlp.down_proj"].method.scheme.weight_strategy == "tensor"

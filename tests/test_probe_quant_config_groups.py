@@ -9,13 +9,12 @@ quantization_config quantizes only its KV cache quantizes the random weights at 
 from __future__ import annotations
 
 import copy
-import json
 import re
 
 import pytest
 import torch
 from checkpoints import VOCAB_SIZE
-from fp8_checkpoints import quantization_config, write_fp8_checkpoint
+from fp8_checkpoints import edited_config, quantization_config, write_fp8_checkpoint
 from fp8_greedy import agrees_with_transformers
 
 from sluice.engine.frontend.llm import LLM
@@ -75,11 +74,8 @@ def test_a_checkpoint_with_a_closer_group_gives_transformers_greedy_tokens(llama
     """down_proj's weights are the channel/token checkpoint's; a "re:.*down_proj$" group runs them with
     float activations, as transformers + compressed-tensors do (the checkpoint was refused)."""
     directory = write_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"), weights="channel", activations="token")
-    with open(f"{directory}/config.json") as f:
-        config = json.load(f)
-    config["quantization_config"] = _with_groups(group_1=(["re:.*down_proj$"], "channel", None))
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(config, f)
+    with edited_config(directory) as config:
+        config["quantization_config"] = _with_groups(group_1=(["re:.*down_proj$"], "channel", None))
     llm = LLM(directory, num_blocks=32)
     model = llm.engine.model_runner.model
     for layer in model.model.layers:
@@ -94,11 +90,8 @@ def test_a_checkpoint_with_a_closer_group_gives_transformers_greedy_tokens(llama
 def test_random_weights_under_a_kv_cache_only_config_take_quantization_fp8(llama_dir, tmp_path):
     """Refused before with "fp8: an Fp8Config goes with quantization 'fp8', got 'fp8'"."""
     directory = write_fp8_checkpoint(llama_dir, str(tmp_path / "kv"), kv_scales=(0.05, 0.02))
-    with open(f"{directory}/config.json") as f:
-        config = json.load(f)
-    config["quantization_config"]["config_groups"] = {}
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump(config, f)
+    with edited_config(directory) as config:
+        config["quantization_config"]["config_groups"] = {}
     llm = LLM(directory, load_format="dummy", quantization="fp8", num_blocks=16)
     qkv = llm.engine.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.method, Fp8LinearMethod)
