@@ -87,6 +87,29 @@ IGNORED = [
         "patternProperties",
         "#",
     ),
+    # JSON Schema's pattern matches anywhere in a name: "x" names "max" (its value must be an integer).
+    (
+        {"type": "object", "properties": {"max": {}}, "patternProperties": {"x": {"type": "integer"}}},
+        '{"max": "s"}',
+        "patternProperties",
+        "#",
+    ),
+    # Assertions xgrammar drops inside a schema's regexes: a lookahead, an anchor inside a group.
+    ({"type": "string", "pattern": "^(?!admin$)[a-z]+$"}, '"admin"', "pattern", "#"),
+    ({"type": ["string", "null"], "pattern": "^(a$|b)c$"}, '"ac"', "pattern", "#"),
+    (
+        {"type": "object", "patternProperties": {"^(?!id$)[a-z]+$": {"type": "string"}},
+         "additionalProperties": False},
+        '{"id": "x"}',
+        "patternProperties",
+        "#",
+    ),
+    (
+        {"type": "object", "propertyNames": {"pattern": "^(?!x$)[a-z]+$"}},
+        '{"x": 1}',
+        "pattern",
+        "#/propertyNames",
+    ),
 ]  # fmt: skip
 
 # The schema vLLM and SGLang give tool_choice "required" (SMG sends it as json_schema): "type" beside anyOf.
@@ -131,6 +154,15 @@ ENFORCED = [
     ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"abc": 1}', '{"abcd": 1}'),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 1}', "{}"),
     (VLLM_REQUIRED_CALLS, '[{"name": "f", "parameters": {"v": 1}}]', '[{"name": "f", "parameters": {}}]'),
+    # Patterns that name no listed property beside the properties; anchors where xgrammar keeps them.
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}},
+         "patternProperties": {"^x_[a-z]+$": {"type": "string"}}, "additionalProperties": False},
+        '{"a": 1, "x_b": "s"}',
+        '{"a": 1, "x_b": 2}',
+    ),
+    ({"type": "string", "pattern": "^a+$|^b$"}, '"aa"', '"ab"'),
+    ({"type": "string", "pattern": "^\\$[0-9]+$"}, '"$5"', '"5"'),
 ]  # fmt: skip
 
 
@@ -176,6 +208,33 @@ def test_an_accepted_schema_holds_the_output_to_it(compiler: GrammarCompiler, sc
         with pytest.raises(jsonschema.ValidationError):
             validate(value, schema)
     assert not matches(compiler, constraint, invalid)
+
+
+@pytest.mark.parametrize(
+    ("schema", "why"),
+    [
+        (
+            {"type": "string", "pattern": "^(?!admin$)[a-z]+$"},
+            "xgrammar drops the lookahead '(?!' at position 1 of '^(?!admin$)[a-z]+$'",
+        ),
+        ({"type": "string", "pattern": "a$b"}, "xgrammar drops the anchor '$' at position 1 of 'a$b'"),
+        (
+            {"type": "object", "properties": {"id": {}, "max": {}}, "patternProperties": {"x": {}}},
+            "'x' may name the listed property 'max', which xgrammar writes with the property's schema alone",
+        ),
+    ],
+)
+def test_a_refused_pattern_says_what_xgrammar_would_do_with_it(schema, why) -> None:
+    """A pattern is refused only for what it holds (others compile): the message says which part."""
+    with pytest.raises(ValueError) as info:
+        Constraint(json_schema=json.dumps(schema))
+    assert str(info.value).endswith(f"; leave it out ({why})"), str(info.value)
+    with pytest.raises(ValueError) as info:
+        Tool("f", parameters=json.dumps({"type": "object", "properties": {"p": schema}}))
+    assert str(info.value) == (
+        f"tools.parameters: 'f' has {unenforced_keyword(schema).keyword!r} at #/properties/p, a keyword the "
+        f"grammar cannot enforce; leave it out ({why})"
+    )
 
 
 def test_properties_that_are_no_object_are_left_to_xgrammars_own_refusal() -> None:

@@ -82,6 +82,16 @@ def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
             {"grammar": "root ::= foo"},
             'grammar: does not compile: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
         ),
+        (
+            {"regex": "[0-9]+$[a-z]"},
+            "regex: the anchor '$' at position 6 is an assertion the grammar cannot enforce (xgrammar)",
+        ),
+        (
+            {"json_schema": '{"type": "string", "pattern": "^(?!admin$)[a-z]+$"}'},
+            "json_schema: 'pattern' at # is a keyword the grammar cannot enforce (xgrammar), so the output "
+            "could break it; leave it out (xgrammar drops the lookahead '(?!' at position 1 of "
+            "'^(?!admin$)[a-z]+$')",
+        ),
         ({"choice": pb.Choice()}, "choice: must hold at least one non-empty string"),
         # Compiles, but no string matches it: the first mask is empty.
         ({"grammar": "root ::= root"}, "grammar: accepts no token at output token 0"),

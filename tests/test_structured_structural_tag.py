@@ -111,6 +111,14 @@ def test_smollm2_answers_inside_the_tag_with_json_of_its_schema() -> None:
             "structural_tag.format.content.json_schema: 'if' at # is a keyword the grammar cannot enforce",
         ),
         (
+            {
+                "type": "structural_tag",
+                "format": {**WHOLE["format"], "content": {"type": "regex", "pattern": "a$b"}},
+            },
+            "structural_tag.format.content.pattern: the anchor '$' at position 1 is an assertion the grammar "
+            "cannot enforce (xgrammar)",
+        ),
+        (
             {"type": "structural_tag", "format": {"type": "no such format"}},
             "structural_tag: does not compile",
         ),

@@ -13,6 +13,9 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from sluice.engine.structured.schema_patterns import ignored_assertion, ignored_pattern
 
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -70,6 +73,8 @@ class Constraint:
         for name, value in (("regex", self.regex), ("grammar", self.grammar)):
             if value is not None and not value:
                 raise ValueError(f"{name}: must not be empty")
+        if self.regex:
+            check_assertions("regex", self.regex)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise ValueError("choice: must hold at least one non-empty string")
         after = self.after_token_id
@@ -155,31 +160,49 @@ def _check_structural_tag(text: str) -> None:
                 raise ValueError(f"structural_tag.structures[{i}]: begin and end must be strings")
         schemas = [(f"structural_tag.structures[{i}].schema", s["schema"]) for i, s in enumerate(structures)]
     elif isinstance(value.get("format"), dict):
-        schemas = list(_format_schemas(value["format"], "structural_tag.format"))
+        schemas = list(_format_values(value["format"], "structural_tag.format", "json_schema", "json_schema"))
+        for field, pattern in _format_values(value["format"], "structural_tag.format", "regex", "pattern"):
+            if isinstance(pattern, str):
+                check_assertions(field, pattern)
     else:
         raise ValueError('structural_tag: needs a "format" object (or the older "structures" and "triggers")')
     for field, schema in schemas:
         if not isinstance(schema, dict | bool):
             raise ValueError(f"{field}: must be a JSON schema object")
         if (unenforced := unenforced_keyword(schema)) is not None:
-            keyword, path = unenforced
+            keyword, path, _ = unenforced
             raise ValueError(
                 f"{field}: {keyword!r} at {path} is a keyword the grammar cannot enforce (xgrammar), so the "
-                "output could break it; leave it out"
+                f"output could break it; leave it out{unenforced.note}"
             )
 
 
-def _format_schemas(node: object, path: str) -> Iterator[tuple[str, object]]:
-    """(field, schema) of each `{"type": "json_schema", "json_schema": ...}` in a structural tag's format."""
+def check_assertions(field: str, pattern: str) -> None:
+    """Refuses a regex (the constraint's `field`) with an assertion xgrammar drops (`schema_patterns`)."""
+    if part := ignored_assertion(pattern):
+        raise ValueError(
+            f"{field}: {part} is an assertion the grammar cannot enforce (xgrammar), so the output could "
+            "break it; an anchor may stand only at the start or end of the pattern or of a top-level "
+            "alternative"
+        )
+
+
+# The formats of a structural tag that hold a schema or a regex: (type, the key of its value).
+_FORMAT_LEAVES = frozenset([("json_schema", "json_schema"), ("regex", "pattern")])
+
+
+def _format_values(node: object, path: str, kind: str, key: str) -> Iterator[tuple[str, object]]:
+    """(field, value) of each `{"type": kind, key: value}` of _FORMAT_LEAVES in a structural tag's format,
+    not looking inside the values of any."""
     if isinstance(node, dict):
-        if node.get("type") == "json_schema" and "json_schema" in node:
-            yield f"{path}.json_schema", node["json_schema"]
-        for key, child in node.items():
-            if key != "json_schema":
-                yield from _format_schemas(child, f"{path}.{key}")
+        if node.get("type") == kind and key in node:
+            yield f"{path}.{key}", node[key]
+        for name, child in node.items():
+            if (node.get("type"), name) not in _FORMAT_LEAVES:
+                yield from _format_values(child, f"{path}.{name}", kind, key)
     elif isinstance(node, list):
         for i, child in enumerate(node):
-            yield from _format_schemas(child, f"{path}[{i}]")
+            yield from _format_values(child, f"{path}[{i}]", kind, key)
 
 
 def _check_json(schema: str) -> None:
@@ -190,10 +213,10 @@ def _check_json(schema: str) -> None:
     if not isinstance(value, dict | bool):
         raise ValueError("json_schema: must be a JSON object")
     if (unenforced := unenforced_keyword(value)) is not None:
-        keyword, path = unenforced
+        keyword, path, _ = unenforced
         raise ValueError(
             f"json_schema: {keyword!r} at {path} is a keyword the grammar cannot enforce (xgrammar), so the "
-            "output could break it; leave it out"
+            f"output could break it; leave it out{unenforced.note}"
         )
 
 
@@ -224,20 +247,37 @@ _SCHEMAS = (
 )
 
 
-def unenforced_keyword(schema: object, path: str = "#") -> tuple[str, str] | None:
-    """(keyword, JSON pointer of its schema) of the first keyword in `schema` or its subschemas that the
-    grammar would not enforce; None if there is none."""
+class Unenforced(NamedTuple):
+    """A keyword the grammar would not enforce, the JSON pointer of its schema, and why where the keyword
+    alone does not say (a pattern's part that xgrammar drops)."""
+
+    keyword: str
+    path: str
+    why: str = ""
+
+    @property
+    def note(self) -> str:
+        """The why, as the end of a message: " (...)", or nothing."""
+        return f" ({self.why})" if self.why else ""
+
+
+def unenforced_keyword(schema: object, path: str = "#") -> Unenforced | None:
+    """The first keyword in `schema` or its subschemas that the grammar would not enforce; None if there
+    is none."""
     if not isinstance(schema, dict):
         return None
     for keyword in _UNENFORCED:
         if keyword in schema:
-            return keyword, path
+            return Unenforced(keyword, path)
     if schema.get("uniqueItems") is True:
-        return "uniqueItems", path
+        return Unenforced("uniqueItems", path)
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return "allOf", path
+        return Unenforced("allOf", path)
     if (ignored := _ignored_keyword(schema)) is not None:
-        return ignored, path
+        return Unenforced(ignored, path)
+    if (pattern := ignored_pattern(schema, reads_pattern="string" in _types(schema))) is not None:
+        keyword, why = pattern
+        return Unenforced(keyword, path, why)
     children = [(f"{path}/{k}", schema[k]) for k in _SCHEMAS if k in schema]
     names = schema.get("propertyNames")
     if isinstance(names, dict) and "type" not in names:  # xgrammar reads it as a string's schema, as it is
@@ -336,8 +376,6 @@ def _ignored_keyword(schema: dict) -> str | None:
         # xgrammar holds only the additional keys' names to it, and writes such keys even where the object
         # is closed to them
         return "propertyNames"
-    if patterns and properties:
-        return "patternProperties"  # a listed property whose name a pattern matches may skip its own schema
     types = _types(schema)
     if not types:  # typeless: xgrammar reads objects' and arrays' keywords only
         unread = [k for k in (*_STRING_KEYWORDS, *_NUMBER_KEYWORDS) if k in schema]

@@ -93,10 +93,10 @@ class Tool:
             got = json.dumps(schema["type"])
             raise ValueError(f'tools.parameters: {self.name!r} must have "type": "object", got {got}')
         if (unenforced := unenforced_keyword(schema)) is not None:
-            keyword, path = unenforced
+            keyword, path, _ = unenforced
             raise ValueError(
                 f"tools.parameters: {self.name!r} has {keyword!r} at {path}, a keyword the grammar "
-                "cannot enforce; leave it out"
+                f"cannot enforce; leave it out{unenforced.note}"
             )
 
     @property

@@ -1,0 +1,133 @@
+"""The regexes of a constraint as xgrammar and JSON Schema read them, where the two part.
+
+xgrammar holds a string to the whole of a pattern (as vLLM, SGLang and TGI do: JSON Schema's `pattern`
+matches anywhere in it), which only narrows what a schema allows. Two parts of a pattern it drops instead,
+with a warning ("is ignored"), widening it to strings the pattern refuses: an anchor anywhere but at the
+start or end of the pattern or of one of its top-level alternatives (`a$b` holds on no string; xgrammar
+takes "ab"), and, inside a JSON schema, a lookahead (`^(?!admin$)[a-z]+$` took "admin"; a `regex`
+constraint's fails to compile). `ignored_assertion` names them so that the constraint can be refused.
+
+xgrammar also writes a listed property with its own schema alone where a pattern of `patternProperties`
+names it too (JSON Schema holds its value to both): `names_it_may_match` tells which listed names a pattern
+may name, and `ignored_pattern` refuses a schema where one does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+_LOOKAHEADS = ("(?=", "(?!")
+_SYNTAX = frozenset("^$\\.*+?()[]{}|")
+_BOUNDS = re.compile(r"\{[0-9]+(,[0-9]*)?\}")
+# An escape, whole: a code point (`\u0041`, `\u{41}`, `\x41`, `\cJ`), a Unicode property (`\p{L}`), a
+# back-reference (`\k<name>`, `\12`), or a backslash and the character after it.
+_ESCAPE = re.compile(
+    r"\\(u\{[0-9A-Fa-f]*\}|u[0-9A-Fa-f]{4}|x[0-9A-Fa-f]{2}|c[A-Za-z]|[pP]\{[^}]*\}|k<[^>]*>|[0-9]+|.?)", re.S
+)
+
+
+def ignored_assertion(pattern: str) -> str | None:
+    """The first assertion of the regex `pattern` that xgrammar drops, described with its position
+    ("the anchor '$' at position 1"); None if there is none. An anchor at the start or the end of the
+    pattern or of a top-level alternative (`^a+$|^b$`) is kept: matching the whole string, xgrammar
+    holds it as written."""
+    depth = 0
+    at_branch_start = True  # nothing of the current top-level alternative read yet
+    atoms = list(_atoms(pattern))
+    for k, (i, atom) in enumerate(atoms):
+        if pattern.startswith(_LOOKAHEADS, i):
+            return f"the lookahead {pattern[i : i + 3]!r} at position {i}"
+        if atom == "^" and not (depth == 0 and at_branch_start):
+            return f"the anchor '^' at position {i}"
+        following = atoms[k + 1][1] if k + 1 < len(atoms) else ""
+        if atom == "$" and not (depth == 0 and following in ("", "|")):
+            return f"the anchor '$' at position {i}"
+        depth += (atom == "(") - (atom == ")")
+        at_branch_start = atom == "|" and depth == 0
+    return None
+
+
+def ignored_pattern(schema: dict, reads_pattern: bool) -> tuple[str, str] | None:
+    """(keyword, why) of a regex of this one schema that xgrammar would not hold the output to: one with an
+    assertion it drops (`ignored_assertion`), or a pattern of `patternProperties` that names a listed
+    property, which xgrammar writes with the property's own schema alone (JSON Schema holds it to both).
+    `reads_pattern`: whether the schema's own `pattern` holds (a string's schema)."""
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and reads_pattern and (part := ignored_assertion(pattern)):
+        return "pattern", f"xgrammar drops {part} of {pattern!r}"
+    patterns, properties = schema.get("patternProperties"), schema.get("properties")
+    if not isinstance(patterns, dict):
+        return None
+    for key in patterns:
+        if part := ignored_assertion(key):
+            return "patternProperties", f"xgrammar drops {part} of {key!r}"
+    for key in patterns if isinstance(properties, dict) else ():
+        if named := names_it_may_match(key, list(properties)):
+            return "patternProperties", (
+                f"{key!r} may name the listed property {named[0]!r}, which xgrammar writes with the "
+                "property's schema alone"
+            )
+    return None
+
+
+def names_it_may_match(pattern: str, names: list[str]) -> list[str]:
+    """The `names` that JSON Schema's `pattern` (matching anywhere in a name) may match: all but those
+    without a literal the pattern needs (`^x-` needs a name to start with "x-", `_id$` to end with "_id",
+    `a.b` to hold "a" and "b"). Read from the pattern's text, never by running it on the names: the
+    frontend's event loop would wait out a backtracking one (`^(a+)+$` against "aaa...ab") under Python's
+    `re`, and xgrammar takes seconds to import there. A pattern of alternatives, or with a flag or an
+    assertion group (`(?i)`, `(?<=`), is taken to match any name. `pattern` has its anchors only where
+    `ignored_assertion` allows them."""
+    atoms = [atom for _, atom in _atoms(pattern)]
+    if "|" in atoms or "(?" in pattern.replace("(?:", ""):
+        return names
+    anchored_start, anchored_end = atoms[:1] == ["^"], atoms[-1:] == ["$"]
+    body = atoms[int(anchored_start) : len(atoms) - int(anchored_end)]
+    runs, run, depth = [], "", 0  # the literals each match holds, in the order it holds them
+    for k, atom in enumerate(body):
+        literal = _literal(atom) if depth == 0 else None
+        if literal is not None and not (k + 1 < len(body) and _is_quantifier(body[k + 1])):
+            run += literal
+            continue
+        runs.append(run)
+        run = ""
+        depth += (atom == "(") - (atom == ")")
+    runs.append(run)
+    prefix, suffix = runs[0] if anchored_start else "", runs[-1] if anchored_end else ""
+    return [
+        name
+        for name in names
+        if name.startswith(prefix) and name.endswith(suffix) and all(r in name for r in runs)
+    ]
+
+
+def _literal(atom: str) -> str | None:
+    """The character `atom` stands for, if it is one: a plain character or an escaped punctuation mark."""
+    if len(atom) == 1 and atom not in _SYNTAX:
+        return atom
+    if len(atom) == 2 and atom[0] == "\\" and not atom[1].isalnum():
+        return atom[1]
+    return None
+
+
+def _is_quantifier(atom: str) -> bool:
+    return atom in ("*", "+", "?") or _BOUNDS.fullmatch(atom) is not None
+
+
+def _atoms(pattern: str) -> Iterator[tuple[int, str]]:
+    """(position, text) of each character of `pattern`, an escape (`\\$`, `\\u0041`), a class (`[^$]`, to its
+    first unescaped "]": ECMAScript's, where "[]" is an empty class) or bounds (`{2,5}`) taken whole."""
+    i = 0
+    while i < len(pattern):
+        end = i + 1
+        if escape := _ESCAPE.match(pattern, i):
+            end = escape.end()
+        elif pattern[i] == "[":
+            while end < len(pattern) and pattern[end] != "]":
+                end += 2 if pattern[end] == "\\" else 1
+            end += 1
+        elif bounds := _BOUNDS.match(pattern, i):
+            end = bounds.end()
+        yield i, pattern[i:end]
+        i = end

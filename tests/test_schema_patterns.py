@@ -1,0 +1,87 @@
+"""Which assertions of a regex xgrammar drops (and so are refused), and which names a JSON Schema pattern
+may match: every name it matches by Python's `re` (which `jsonschema`, the reference, validates patterns
+with; these patterns read alike in it and in ECMAScript), and none without a literal it needs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.schema_patterns import ignored_assertion, names_it_may_match
+
+NAMES = ["a", "ab", "ba", "x_id", "max", "$5", "a$b", "", "A-1"]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["^a+$", "^a+$|^b$", "a|^b", "a$|b", r"^\$[0-9]+$", "[^$]+$", r"[\]^$]", "^(?:a|b)$", "(a)|b", "^$", ""],
+)
+def test_anchors_at_the_edges_of_the_pattern_or_of_a_top_level_alternative_are_kept(pattern) -> None:
+    assert ignored_assertion(pattern) is None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "part"),
+    [
+        ("a$b", "the anchor '$' at position 1"),
+        ("^(a$|b)c$", "the anchor '$' at position 3"),
+        ("(^a)", "the anchor '^' at position 1"),
+        ("^^a", "the anchor '^' at position 1"),
+        (r"\$^", "the anchor '^' at position 2"),
+        ("^(?!admin$)[a-z]+$", "the lookahead '(?!' at position 1"),
+        ("x(?=y)", "the lookahead '(?=' at position 1"),
+    ],
+)
+def test_an_assertion_elsewhere_is_named_with_its_position(pattern, part) -> None:
+    assert ignored_assertion(pattern) == part
+
+
+# (pattern, the names of NAMES it may match: those it matches, and those it is not read closely enough to
+# rule out).
+MAY_MATCH = [
+    ("x", ["x_id", "max"]),
+    ("^x_", ["x_id"]),
+    ("_id$", ["x_id"]),
+    ("^[a-z]+_id$", ["x_id"]),
+    ("^x-", []),
+    (r"^\$[0-9]+$", ["$5"]),
+    ("a.b", ["ab", "ba", "a$b"]),  # needs "a" and "b", in either order here
+    ("^ab?$", ["a", "ab", "a$b"]),  # "b" is optional: the name starts with "a"
+    ("^a{2}$", NAMES),  # bounds: no literal needed
+    ("^(ab)+$", NAMES),
+    (r"^\u0041-\d$", ["A-1"]),  # "-" and nothing else is read: "A" is spelled as an escape
+    ("^a|b$", NAMES),  # alternatives
+    ("(?i)^A", NAMES),  # a flag
+    ("", NAMES),
+]
+
+
+@pytest.mark.parametrize(("pattern", "may_match"), MAY_MATCH)
+def test_a_pattern_may_match_every_name_it_matches_and_none_without_a_literal_it_needs(
+    pattern, may_match
+) -> None:
+    assert names_it_may_match(pattern, NAMES) == may_match
+    matched = [name for name in NAMES if re.search(pattern, name)]
+    assert set(matched) <= set(may_match), matched
+
+
+def test_a_backtracking_pattern_is_never_run() -> None:
+    """Python's `re` takes 2^40 steps here (the frontend's event loop would hang): the pattern is read,
+    not run. Fails by the test's timeout, not by a measured time."""
+    assert names_it_may_match("^(a+)+$", ["a" * 40 + "b", "c"]) == ["a" * 40 + "b", "c"]
+    assert names_it_may_match("^x(a+)+$", ["x" + "a" * 40 + "b", "c"]) == ["x" + "a" * 40 + "b"]
+
+
+@pytest.mark.parametrize(
+    ("regex", "message"),
+    [
+        ("a$b", "regex: the anchor '$' at position 1 is an assertion the grammar cannot enforce (xgrammar)"),
+        ("(?!a).", "regex: the lookahead '(?!' at position 0 is an assertion the grammar cannot enforce"),
+    ],
+)
+def test_a_regex_constraint_with_an_assertion_xgrammar_drops_is_refused(regex, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Constraint(regex=regex)
+    assert Constraint(regex="^a+$|^b$").regex == "^a+$|^b$"
