@@ -162,6 +162,18 @@ ENFORCED = [
         '{"a": 1, "x_b": 2}',
     ),
     ({"type": "string", "pattern": "^a+$|^b$"}, '"aa"', '"ab"'),
+    # A literal quote, backslash or control character: its JSON escape, never the character as it is
+    # (`"C:\ab"` does not parse; `"C:\fa"` would parse as "C:", a form feed, "a").
+    ({"type": "string", "pattern": r"^C:\\[a-z]+$"}, json.dumps("C:\\ab"), r'"C:\ab"'),
+    ({"type": "string", "pattern": r"^\\+$"}, json.dumps("\\\\"), r'"\\\"'),
+    ({"type": "string", "pattern": '^"[a-z]"$'}, json.dumps('"a"'), '""a""'),
+    ({"type": "string", "pattern": r"^a[\n]b\x09c$"}, json.dumps("a\nb\tc"), '"a\nb\tc"'),
+    (
+        {"type": "object", "patternProperties": {r"^\\[a-z]$": {"type": "integer"}},
+         "additionalProperties": False},
+        json.dumps({"\\a": 1}),
+        r'{"\a": 1}',
+    ),
     ({"type": "string", "pattern": "^\\$[0-9]+$"}, '"$5"', '"5"'),
 ]  # fmt: skip
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from sluice.engine.structured.constraint import Constraint
-from sluice.engine.structured.schema_patterns import ignored_assertion, names_it_may_match
+from sluice.engine.structured.schema_patterns import ignored_assertion, json_escaped, names_it_may_match
 
 NAMES = ["a", "ab", "ba", "x_id", "max", "$5", "a$b", "", "A-1"]
 
@@ -51,7 +51,7 @@ MAY_MATCH = [
     ("^ab?$", ["a", "ab", "a$b"]),  # "b" is optional: the name starts with "a"
     ("^a{2}$", NAMES),  # bounds: no literal needed
     ("^(ab)+$", NAMES),
-    (r"^\u0041-\d$", ["A-1"]),  # "-" and nothing else is read: "A" is spelled as an escape
+    (r"^\u0041-\d$", ["A-1"]),  # "A" spelled as an escape
     ("^a|b$", NAMES),  # alternatives
     ("(?i)^A", NAMES),  # a flag
     ("", NAMES),
@@ -72,6 +72,23 @@ def test_a_backtracking_pattern_is_never_run() -> None:
     not run. Fails by the test's timeout, not by a measured time."""
     assert names_it_may_match("^(a+)+$", ["a" * 40 + "b", "c"]) == ["a" * 40 + "b", "c"]
     assert names_it_may_match("^x(a+)+$", ["x" + "a" * 40 + "b", "c"]) == ["x" + "a" * 40 + "b"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "escaped"),
+    [
+        (r"^C:\\[a-z]+$", r"^C:(?:\\\\)[a-z]+$"),  # the JSON text of one backslash is two
+        (r"^\\+$", r"^(?:\\\\)+$"),  # a quantifier repeats the whole escape
+        ('^"a"$', r'^(?:\\")a(?:\\")$'),
+        (r"\x22[\"]\u0022\u{22}", r'(?:\\")' * 4),
+        (r"\n\t[\b]\cA" + "\x01", r"(?:\\n)(?:\\t)(?:\\b)(?:\\u0001)(?:\\u0001)"),
+        # Classes of more than one character, and what is no one character, stay as written.
+        (r'[\\"]\d\\d[^\\]\b\s.', r'[\\"]\d(?:\\\\)d[^\\]\b\s.'),
+        (r"^[a-z]+\.json$", r"^[a-z]+\.json$"),
+    ],
+)
+def test_a_literal_a_json_string_must_escape_becomes_its_escape(pattern, escaped) -> None:
+    assert json_escaped(pattern) == escaped
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ schemas on a random-weight model and checking every output with `jsonschema` and
 an integer's `multipleOf` beside one bound, a wide range or above 1024 (xgrammar drops it: refused, as the
 other keywords it ignores are); the formats ipv4, date, time, date-time and hostname (their grammars let
 through "01.2.3.4", "2023-11-31", ":60", labels over 63 characters: compiled as strict patterns instead);
-a pattern's optional group holding a repetition (`(xy+)?` matched "y": written `{0,1}` for xgrammar). And
+a pattern's optional group holding a repetition (`(xy+)?` matched "y": written `{0,1}` for xgrammar); a
+pattern's literal backslash, quote or control character (written unescaped in the JSON string). And
 a tool call whose arguments hold a lone surrogate escape, which no protobuf string (UTF-8) could carry."""
 
 from __future__ import annotations
@@ -162,6 +163,27 @@ def test_every_sampled_format_parses_as_its_format(llama_dir: str) -> None:
         for completion in llm.generate(["x"] * 24, params):
             assert completion.finish_reason == "stop", completion.text
             parse(json.loads(completion.text))
+
+
+def test_every_sampled_string_of_a_pattern_with_quotes_and_backslashes_parses_and_matches(llama_dir) -> None:
+    """xgrammar wrote a pattern's literal backslash, quote or control character as it is inside the JSON
+    string (`"C:\\ab"` does not parse); written as their JSON escapes, every output parses, and the string
+    it holds matches the pattern (the escapes decoded)."""
+    llm = LLM(llama_dir, block_size=16, num_blocks=128, max_num_seqs=32, attention_backend="torch")
+    patterns = [r"^C:\\[a-z]{1,6}(\\[a-z]{1,6})?$", r'^"[a-z ]{1,8}"\t[0-9]$', r"^[a-z]{1,4}\n[a-z]{1,4}$"]
+    for pattern in patterns:
+        schema = {
+            "type": "object",
+            "properties": {"s": {"type": "string", "pattern": pattern}},
+            "required": ["s"],
+        }
+        params = [
+            SamplingParams(max_tokens=48, temperature=1.0, seed=i, constraint=Constraint(json_schema=schema))
+            for i in range(16)
+        ]
+        for completion in llm.generate(["x"] * 16, params):
+            assert completion.finish_reason == "stop", completion.text
+            assert re.fullmatch(pattern, json.loads(completion.text)["s"]), completion.text
 
 
 @pytest.mark.parametrize("tool_choice", ["f", "auto"])

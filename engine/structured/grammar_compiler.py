@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from sluice.engine.structured.constraint import Constraint
+from sluice.engine.structured.schema_patterns import json_escaped
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -70,8 +71,9 @@ _OPTIONAL_GROUP = re.compile(r"(\\.|\[(?:\\.|[^\]])*\])|\)\?\??")
 def xgrammar_schema(node: object) -> object:
     """A JSON schema (or a structural tag holding schemas) as xgrammar compiles it to the grammar the schema
     means: each format of STRICT_FORMATS made the pattern that enforces it (beside such a format a schema
-    has no pattern: `Constraint` refuses one), and each pattern's optional groups written `{0,1}` (given
-    `(xy+)?`, xgrammar's patterns match "y": the group's first part went optional on its own)."""
+    has no pattern: `Constraint` refuses one), each pattern's optional groups written `{0,1}` (given
+    `(xy+)?`, xgrammar's patterns match "y": the group's first part went optional on its own), and its
+    literal quotes, backslashes and control characters written as their JSON escapes (`json_escaped`)."""
     if isinstance(node, list):
         return [xgrammar_schema(item) for item in node]
     if not isinstance(node, dict):
@@ -82,10 +84,10 @@ def xgrammar_schema(node: object) -> object:
         del rewritten["format"]
         rewritten["pattern"] = format_pattern
     if isinstance(rewritten.get("pattern"), str):
-        rewritten["pattern"] = bounded_optional_groups(rewritten["pattern"])
+        rewritten["pattern"] = bounded_optional_groups(json_escaped(rewritten["pattern"]))
     if isinstance(rewritten.get("patternProperties"), dict):
         properties = rewritten["patternProperties"].items()
-        rewritten["patternProperties"] = {bounded_optional_groups(k): v for k, v in properties}
+        rewritten["patternProperties"] = {bounded_optional_groups(json_escaped(k)): v for k, v in properties}
     return rewritten
 
 

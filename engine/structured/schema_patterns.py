@@ -7,6 +7,10 @@ start or end of the pattern or of one of its top-level alternatives (`a$b` holds
 takes "ab"), and, inside a JSON schema, a lookahead (`^(?!admin$)[a-z]+$` took "admin"; a `regex`
 constraint's fails to compile). `ignored_assertion` names them so that the constraint can be refused.
 
+Inside a JSON schema xgrammar matches a pattern against the string's JSON text, and keeps `"`, `\\` and
+control characters out of its classes and `.`, but writes a literal one as it is (`^C:\\\\[a-z]+$` wrote
+`"C:\\ab"`, which does not parse): `json_escaped` writes each as the JSON escape it stands for.
+
 xgrammar also writes a listed property with its own schema alone where a pattern of `patternProperties`
 names it too (JSON Schema holds its value to both): `names_it_may_match` tells which listed names a pattern
 may name, and `ignored_pattern` refuses a schema where one does.
@@ -14,6 +18,7 @@ may name, and `ignored_pattern` refuses a schema where one does.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -86,7 +91,7 @@ def names_it_may_match(pattern: str, names: list[str]) -> list[str]:
     body = atoms[int(anchored_start) : len(atoms) - int(anchored_end)]
     runs, run, depth = [], "", 0  # the literals each match holds, in the order it holds them
     for k, atom in enumerate(body):
-        literal = _literal(atom) if depth == 0 else None
+        literal = _one_char(atom) if depth == 0 else None
         if literal is not None and not (k + 1 < len(body) and _is_quantifier(body[k + 1])):
             run += literal
             continue
@@ -102,12 +107,43 @@ def names_it_may_match(pattern: str, names: list[str]) -> list[str]:
     ]
 
 
-def _literal(atom: str) -> str | None:
-    """The character `atom` stands for, if it is one: a plain character or an escaped punctuation mark."""
-    if len(atom) == 1 and atom not in _SYNTAX:
-        return atom
-    if len(atom) == 2 and atom[0] == "\\" and not atom[1].isalnum():
-        return atom[1]
+def json_escaped(pattern: str) -> str:
+    """`pattern` with each literal character that a JSON string holds only as an escape (`"`, `\\`, a
+    control character; written as it is, escaped as `\\\\`, `\\n` or `\\x22`, or as a class of that one
+    character) made a group matching its JSON escape (`\\\\` -> `(?:\\\\\\\\)`), so that a quantifier after
+    it repeats the whole escape."""
+    written = []
+    for _, atom in _atoms(pattern):
+        char = _one_char(atom)
+        if char is not None and (char in '"\\' or ord(char) < 0x20):
+            atom = f"(?:{re.escape(json.dumps(char)[1:-1])})"
+        written.append(atom)
+    return "".join(written)
+
+
+# The escapes of one character by a letter (`\b` stands for one inside a class only).
+_LETTER_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+
+
+def _one_char(atom: str, in_class: bool = False) -> str | None:
+    """The one character `atom` matches, if it matches one: a plain character, an escape of one, or a
+    class of one (`[\\\\]`, not `[^\\\\]`)."""
+    if len(atom) == 1:
+        return atom if atom not in _SYNTAX else None
+    if atom.startswith("[") and atom.endswith("]") and not in_class and len(atom) > 2 and atom[1] != "^":
+        inner = list(_atoms(atom[1:-1]))
+        return _one_char(inner[0][1], in_class=True) if len(inner) == 1 else None
+    if not atom.startswith("\\") or len(atom) < 2:
+        return None
+    body = atom[1:]
+    if len(body) == 1:
+        if body == "b" and in_class:
+            return "\b"
+        return _LETTER_ESCAPES.get(body, None if body.isalnum() else body)
+    if body[0] in "xu" and (digits := body[1:].strip("{}")) and body[1:] in (digits, f"{{{digits}}}"):
+        return chr(int(digits, 16)) if int(digits, 16) <= 0x10FFFF else None
+    if body[0] == "c" and len(body) == 2:
+        return chr(ord(body[1]) % 32)
     return None
 
 
