@@ -66,6 +66,44 @@ def test_the_compiled_grammar_is_the_tags(llama_dir: str) -> None:
     assert not _accepts(whole, '<weather>{"city": "Rome", "x": 1}</weather>')
 
 
+def test_a_backslash_is_a_json_escape_in_the_tags_schema_and_itself_in_its_regex(llama_dir: str) -> None:
+    """A schema's pattern matches the JSON text of a string, where one backslash is written as two; a
+    regex format's pattern matches the text itself."""
+    path = {
+        "type": "object",
+        "properties": {"p": {"type": "string", "pattern": r"^C:\\[a-z]+$"}},
+        "required": ["p"],
+    }
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {
+                    "type": "tag",
+                    "begin": "<json>",
+                    "content": {"type": "json_schema", "json_schema": path},
+                    "end": "</json>",
+                },
+                {
+                    "type": "tag",
+                    "begin": "<text>",
+                    "content": {"type": "regex", "pattern": r"C:\\[a-z]+"},
+                    "end": "</text>",
+                },
+            ],
+        },
+    }
+    compiler = grammar_compiler(llama_dir, num_workers=1)
+    try:
+        compiled = compiler.submit(Constraint(structural_tag=tag)).result(timeout=PATIENCE_S)
+    finally:
+        compiler.shutdown()
+    assert _accepts(compiled, '<json>{"p": "C:\\\\ab"}</json><text>C:\\ab</text>')
+    assert not _accepts(compiled, '<json>{"p": "C:\\ab"}</json><text>C:\\ab</text>')
+    assert not _accepts(compiled, '<json>{"p": "C:\\\\ab"}</json><text>C:\\\\ab</text>')
+
+
 def test_smollm2_answers_inside_the_tag_with_json_of_its_schema() -> None:
     conversation = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     params = SamplingParams(temperature=0.0, max_tokens=60, constraint=Constraint(structural_tag=WHOLE))

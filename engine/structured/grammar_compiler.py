@@ -73,10 +73,12 @@ def xgrammar_schema(node: object) -> object:
     means: each format of STRICT_FORMATS made the pattern that enforces it (beside such a format a schema
     has no pattern: `Constraint` refuses one), each pattern's optional groups written `{0,1}` (given
     `(xy+)?`, xgrammar's patterns match "y": the group's first part went optional on its own), and its
-    literal quotes, backslashes and control characters written as their JSON escapes (`json_escaped`)."""
+    literal quotes, backslashes and control characters written as their JSON escapes (`json_escaped`). A
+    structural tag's `{"type": "regex"}` format stays as written: its pattern matches text, not a JSON
+    string (no JSON schema has that type)."""
     if isinstance(node, list):
         return [xgrammar_schema(item) for item in node]
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or node.get("type") == "regex":
         return node
     rewritten = {k: v if k in _DATA_KEYWORDS else xgrammar_schema(v) for k, v in node.items()}
     format_pattern = STRICT_FORMATS.get(node["format"]) if isinstance(node.get("format"), str) else None
