@@ -4,6 +4,7 @@ with; these patterns read alike in it and in ECMAScript), and none without a lit
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -65,6 +66,39 @@ def test_a_pattern_may_match_every_name_it_matches_and_none_without_a_literal_it
     assert names_it_may_match(pattern, NAMES) == may_match
     matched = [name for name in NAMES if re.search(pattern, name)]
     assert set(matched) <= set(may_match), matched
+
+
+def _random_pattern(rng: random.Random, depth: int = 0) -> str:
+    atoms = ["a", "b", "x", "_", "-", r"\.", ".", "[ab]", "[^a]", r"\d", r"\u0061", "[x]"]
+    parts = []
+    for _ in range(rng.randint(0, 4)):
+        part = (
+            rng.choice(atoms) if depth > 1 or rng.random() < 0.8 else f"({_random_pattern(rng, depth + 1)})"
+        )
+        parts.append(part + rng.choice(["", "", "", "*", "+", "?", "{1,2}", "{2}"]))
+    pattern = "".join(parts)
+    if rng.random() < 0.2:
+        pattern += "|" + _random_pattern(rng, depth + 1)
+    return (
+        ("^" if depth == 0 and rng.random() < 0.4 else "")
+        + pattern
+        + ("$" if depth == 0 and rng.random() < 0.4 else "")
+    )
+
+
+def test_no_random_pattern_matches_a_name_ruled_out() -> None:
+    """Soundness: a name that a pattern matches (Python's `re`) is never one it is taken not to match."""
+    rng = random.Random(0)
+    names = ["".join(rng.choice("abx_-.1") for _ in range(rng.randint(0, 6))) for _ in range(60)]
+    checked = 0
+    for _ in range(3000):
+        pattern = _random_pattern(rng)
+        if ignored_assertion(pattern) is not None:
+            continue
+        matched = {name for name in names if re.search(pattern, name)}
+        assert matched <= set(names_it_may_match(pattern, names)), pattern
+        checked += 1
+    assert checked > 2000
 
 
 def test_a_backtracking_pattern_is_never_run() -> None:
