@@ -168,6 +168,9 @@ ENFORCED = [
     ({"type": "string", "pattern": r"^\\+$"}, json.dumps("\\\\"), r'"\\\"'),
     ({"type": "string", "pattern": '^"[a-z]"$'}, json.dumps('"a"'), '""a""'),
     ({"type": "string", "pattern": r"^a[\n]b\x09c$"}, json.dumps("a\nb\tc"), '"a\nb\tc"'),
+    ({"type": "string", "pattern": r"^[\t\n]+$"}, json.dumps("\t\n"), '"\t\n"'),
+    ({"type": "string", "pattern": r'^[\\"]+$'}, json.dumps('"\\'), '"""'),
+    ({"type": "string", "pattern": r"^x[\x00-\x1f]$"}, json.dumps("x\x01"), '"x\x01"'),
     (
         {"type": "object", "patternProperties": {r"^\\[a-z]$": {"type": "integer"}},
          "additionalProperties": False},

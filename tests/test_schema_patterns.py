@@ -116,8 +116,15 @@ def test_a_backtracking_pattern_is_never_run() -> None:
         ('^"a"$', r'^(?:\\")a(?:\\")$'),
         (r"\x22[\"]\u0022\u{22}", r'(?:\\")' * 4),
         (r"\n\t[\b]\cA" + "\x01", r"(?:\\n)(?:\\t)(?:\\b)(?:\\u0001)(?:\\u0001)"),
-        # Classes of more than one character, and what is no one character, stay as written.
-        (r'[\\"]\d\\d[^\\]\b\s.', r'[\\"]\d(?:\\\\)d[^\\]\b\s.'),
+        # A class holding them: the class without them, or their escapes (xgrammar wrote those of a class
+        # that held nothing else as they are); a negated class, `.` and `\s` stay as written (xgrammar
+        # keeps them out of those).
+        (r"[\t\n]", r"(?:\\t|\\n)"),
+        (r'[\\"]', r'(?:\\"|\\\\)'),
+        (r"[a-z\x00-\x02]", r"(?:[a-z]|\\u0000|\\u0001|\\u0002)"),
+        (r"[ -~]", r'(?:[ -!#-\[\]-~]|\\"|\\\\)'),
+        (r'[\d"^-]', r'(?:[\d\^\-]|\\")'),
+        (r'[^\\"]\d\\d\b\s.', r'[^\\"]\d(?:\\\\)d\b\s.'),
         (r"^[a-z]+\.json$", r"^[a-z]+\.json$"),
     ],
 )

@@ -166,11 +166,15 @@ def test_every_sampled_format_parses_as_its_format(llama_dir: str) -> None:
 
 
 def test_every_sampled_string_of_a_pattern_with_quotes_and_backslashes_parses_and_matches(llama_dir) -> None:
-    """xgrammar wrote a pattern's literal backslash, quote or control character as it is inside the JSON
-    string (`"C:\\ab"` does not parse); written as their JSON escapes, every output parses, and the string
-    it holds matches the pattern (the escapes decoded)."""
+    """xgrammar wrote a pattern's literal backslash, quote or control character (or a class of only such)
+    as it is in the JSON string (`"C:\\ab"` does not parse); written as their JSON escapes, every output
+    parses, and the string it holds matches the pattern (the escapes decoded)."""
     llm = LLM(llama_dir, block_size=16, num_blocks=128, max_num_seqs=32, attention_backend="torch")
-    patterns = [r"^C:\\[a-z]{1,6}(\\[a-z]{1,6})?$", r'^"[a-z ]{1,8}"\t[0-9]$', r"^[a-z]{1,4}\n[a-z]{1,4}$"]
+    patterns = [
+        r"^C:\\[a-z]{1,6}(\\[a-z]{1,6})?$",
+        r'^"[a-z ]{1,8}"\t[0-9]$',
+        r"^[a-z]{1,4}[\t\n][a-z]{1,4}$",
+    ]
     for pattern in patterns:
         schema = {
             "type": "object",

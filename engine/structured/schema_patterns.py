@@ -109,16 +109,67 @@ def names_it_may_match(pattern: str, names: list[str]) -> list[str]:
 
 def json_escaped(pattern: str) -> str:
     """`pattern` with each literal character that a JSON string holds only as an escape (`"`, `\\`, a
-    control character; written as it is, escaped as `\\\\`, `\\n` or `\\x22`, or as a class of that one
-    character) made a group matching its JSON escape (`\\\\` -> `(?:\\\\\\\\)`), so that a quantifier after
-    it repeats the whole escape."""
+    control character; written as it is, or escaped as `\\\\`, `\\n` or `\\x22`) made a group matching its
+    JSON escape (`\\\\` -> `(?:\\\\\\\\)`), so that a quantifier after it repeats the whole escape; and each
+    class holding such characters a group of the class without them and their escapes (`_json_class`)."""
     written = []
     for _, atom in _atoms(pattern):
         char = _one_char(atom)
-        if char is not None and (char in '"\\' or ord(char) < 0x20):
-            atom = f"(?:{re.escape(json.dumps(char)[1:-1])})"
+        if char is not None and ord(char) in _JSON_ESCAPED:
+            atom = f"(?:{_json_escape(ord(char))})"
+        elif atom.startswith("[") and (group := _json_class(atom)) is not None:
+            atom = group
         written.append(atom)
     return "".join(written)
+
+
+# The characters a JSON string holds only as escapes: the control characters, the quote and the backslash.
+_JSON_ESCAPED = frozenset([*range(0x20), ord('"'), ord("\\")])
+# An item of a class: an escape, whole, or one character.
+_CLASS_ITEM = re.compile(rf"{_ESCAPE.pattern}|.", re.S)
+
+
+def _json_escape(code: int) -> str:
+    """A regex of the JSON escape of one character of _JSON_ESCAPED (`\\\\n` for a newline)."""
+    return re.escape(json.dumps(chr(code))[1:-1])
+
+
+def _json_class(atom: str) -> str | None:
+    """A class holding characters of _JSON_ESCAPED (`[\\t\\n]`, `[ -~]`), as a group of the class without
+    them and the JSON escape of each: xgrammar writes those of a class that holds nothing else as they are,
+    and leaves them out of one that does. None for a class without them, and for a negated class (xgrammar
+    keeps them out of it, as it should)."""
+    if atom.startswith("[^") or not atom.endswith("]"):
+        return None
+    items = [m.group() for m in _CLASS_ITEM.finditer(atom[1:-1])]
+    kept, escaped = [], set()
+    i = 0
+    while i < len(items):
+        low = _one_char(items[i], in_class=True)
+        high = _one_char(items[i + 2], in_class=True) if i + 2 < len(items) and items[i + 1] == "-" else None
+        if low is None:  # \d, \s, \w, \p{...}: xgrammar keeps the characters out of these itself
+            kept.append(items[i])
+            i += 1
+            continue
+        first, last = ord(low), ord(high if high is not None else low)
+        i += 3 if high is not None else 1
+        inside = sorted(c for c in _JSON_ESCAPED if first <= c <= last)
+        escaped.update(inside)
+        for start, end in zip(
+            [first] + [c + 1 for c in inside], [c - 1 for c in inside] + [last], strict=True
+        ):
+            if start <= end:
+                kept.append(_class_char(start) + (f"-{_class_char(end)}" if end > start else ""))
+    if not escaped:
+        return None
+    alternatives = ([f"[{''.join(kept)}]"] if kept else []) + [_json_escape(c) for c in sorted(escaped)]
+    return f"(?:{'|'.join(alternatives)})"
+
+
+def _class_char(code: int) -> str:
+    """One character as a class writes it: escaped where a class would read it otherwise."""
+    char = chr(code)
+    return f"\\{char}" if char in "\\]^-[" else char
 
 
 # The escapes of one character by a letter (`\b` stands for one inside a class only).
@@ -129,7 +180,7 @@ def _one_char(atom: str, in_class: bool = False) -> str | None:
     """The one character `atom` matches, if it matches one: a plain character, an escape of one, or a
     class of one (`[\\\\]`, not `[^\\\\]`)."""
     if len(atom) == 1:
-        return atom if atom not in _SYNTAX else None
+        return atom if in_class or atom not in _SYNTAX else None
     if atom.startswith("[") and atom.endswith("]") and not in_class and len(atom) > 2 and atom[1] != "^":
         inner = list(_atoms(atom[1:-1]))
         return _one_char(inner[0][1], in_class=True) if len(inner) == 1 else None
