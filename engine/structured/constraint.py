@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sluice.engine.structured.schema_numbers import unwritable_number
 from sluice.engine.structured.schema_patterns import ignored_assertion, ignored_pattern
 
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -249,7 +250,7 @@ _SCHEMAS = (
 
 class Unenforced(NamedTuple):
     """A keyword the grammar would not enforce, the JSON pointer of its schema, and why where the keyword
-    alone does not say (a pattern's part that xgrammar drops)."""
+    alone does not say (a pattern's part that xgrammar drops, a number it writes otherwise)."""
 
     keyword: str
     path: str
@@ -275,9 +276,13 @@ def unenforced_keyword(schema: object, path: str = "#") -> Unenforced | None:
         return Unenforced("allOf", path)
     if (ignored := _ignored_keyword(schema)) is not None:
         return Unenforced(ignored, path)
-    if (pattern := ignored_pattern(schema, reads_pattern="string" in _types(schema))) is not None:
-        keyword, why = pattern
-        return Unenforced(keyword, path, why)
+    for unwritten in (
+        ignored_pattern(schema, reads_pattern="string" in _types(schema)),
+        unwritable_number(schema, _types(schema)),
+    ):
+        if unwritten is not None:
+            keyword, why = unwritten
+            return Unenforced(keyword, path, why)
     children = [(f"{path}/{k}", schema[k]) for k in _SCHEMAS if k in schema]
     names = schema.get("propertyNames")
     if isinstance(names, dict) and "type" not in names:  # xgrammar reads it as a string's schema, as it is
