@@ -1,8 +1,9 @@
 """Where xgrammar's grammar of a JSON schema matched outputs the schema refuses, found by sampling random
 schemas on a random-weight model and checking every output with `jsonschema` and the formats' parsers:
 an integer's `multipleOf` beside one bound, a wide range or above 1024 (xgrammar drops it: refused, as the
-other keywords it ignores are); the formats ipv4, date, time, date-time and hostname (their grammars let
-through "01.2.3.4", "2023-11-31", ":60", labels over 63 characters: compiled as strict patterns instead);
+other keywords it ignores are); the formats ipv4, date, time, date-time, hostname and ipv6 (their grammars
+let through "01.2.3.4", "2023-11-31", ":60", labels over 63 characters, "::01.2.3.4": compiled as strict
+patterns instead);
 a pattern's optional group holding a repetition (`(xy+)?` matched "y": written `{0,1}` for xgrammar); a
 pattern's literal backslash, quote or control character (written unescaped in the JSON string). And
 a tool call whose arguments hold a lone surrogate escape, which no protobuf string (UTF-8) could carry."""
@@ -55,6 +56,11 @@ FORMATS = [
         ["2024-02-30T00:00:00Z", "2024-01-01T12:00:60Z"],
     ),
     ("hostname", ["a.b", "a" * 63 + ".b", "ab-c.d-e"], ["a" * 64 + ".b", "b." + "c" * 64]),
+    (
+        "ipv6",
+        ["::", "::1", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6::8", "::ffff:1.2.3.4", "FE80::a:10.0.0.9", "1::"],
+        ["::01.2.3.4", "::ffff:01.2.3.4", "::1.2.3.04"],
+    ),
 ]
 # Patterns with an optional group that holds a repetition, and strings over "abc" of up to 4 characters.
 PATTERNS = ["^a(cb+)?$", "^a(b+c)?$", "^(cb*)??d?$", "^a(c[b\\)]{1,3})?$", "^(?:a(cb+)?)+$"]
@@ -154,11 +160,15 @@ def test_every_sampled_format_parses_as_its_format(llama_dir: str) -> None:
     """A random-weight model at temperature 1: a third of its IPv4 addresses had an octet with a leading
     zero, and some dates a day their month lacks."""
     llm = LLM(llama_dir, block_size=16, num_blocks=128, max_num_seqs=32, attention_backend="torch")
-    parsers = {"ipv4": ipaddress.IPv4Address, "date": datetime.date.fromisoformat}
+    parsers = {
+        "ipv4": ipaddress.IPv4Address,
+        "ipv6": ipaddress.IPv6Address,
+        "date": datetime.date.fromisoformat,
+    }
     for fmt, parse in parsers.items():
         constraint = Constraint(json_schema={"type": "string", "format": fmt})
         params = [
-            SamplingParams(max_tokens=40, temperature=1.0, seed=i, constraint=constraint) for i in range(24)
+            SamplingParams(max_tokens=64, temperature=1.0, seed=i, constraint=constraint) for i in range(24)
         ]
         for completion in llm.generate(["x"] * 24, params):
             assert completion.finish_reason == "stop", completion.text

@@ -44,9 +44,10 @@ _STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 # xgrammar's grammars of these formats let through strings the format refuses (and parsers with it, Python's
 # `ipaddress` and `datetime` among them): an IPv4 octet with a leading zero ("01.2.3.4", octal to some
-# parsers), a day its month lacks ("2023-02-30", "2023-11-31", Feb 29 of 2023), a leap second (":60", valid
-# at a few instants only), a hostname label over 63 characters. They compile as these patterns instead,
-# which keep the rest of xgrammar's grammar (its lowercase hostnames, its time offsets).
+# parsers; in an IPv6 address too), a day its month lacks ("2023-02-30", "2023-11-31", Feb 29 of 2023), a
+# leap second (":60", valid at a few instants only), a hostname label over 63 characters. They compile as
+# these patterns instead, which keep the rest of xgrammar's grammar (its lowercase hostnames, its time
+# offsets).
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
 _DATE = (
@@ -55,12 +56,29 @@ _DATE = (
 )
 _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+# RFC 3986's IPv6address, its last 32 bits as two groups or an IPv4 address (whose octets xgrammar's own
+# grammar let have leading zeros: "::01.2.3.4").
+_H16 = r"[0-9a-fA-F]{1,4}"
+_LS32 = rf"({_H16}:{_H16}|({_OCTET}\.){{3}}{_OCTET})"
+_IPV6 = "|".join(
+    [
+        rf"({_H16}:){{6}}{_LS32}",
+        rf"::({_H16}:){{5}}{_LS32}",
+        rf"({_H16})?::({_H16}:){{4}}{_LS32}",
+        *(rf"(({_H16}:){{0,{n}}}{_H16})?::({_H16}:){{{4 - n}}}{_LS32}" for n in (1, 2)),
+        rf"(({_H16}:){{0,3}}{_H16})?::{_H16}:{_LS32}",
+        rf"(({_H16}:){{0,4}}{_H16})?::{_LS32}",
+        rf"(({_H16}:){{0,5}}{_H16})?::{_H16}",
+        rf"(({_H16}:){{0,6}}{_H16})?::",
+    ]
+)
 STRICT_FORMATS = {
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
     "date": rf"^{_DATE}$",
     "time": rf"^{_TIME}$",
     "date-time": rf"^{_DATE}T{_TIME}$",
     "hostname": rf"^{_LABEL}(\.{_LABEL})*$",
+    "ipv6": rf"^({_IPV6})$",
 }
 # Keywords whose values are data, never schemas: a "format" or "pattern" in them is neither.
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
