@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import random
 import re
 
 import pytest
@@ -23,7 +24,7 @@ from xgrammar.testing import _is_grammar_accept_string
 from sluice.engine.frontend.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured.constraint import Constraint
-from sluice.engine.structured.grammar_compiler import GrammarCompiler
+from sluice.engine.structured.grammar_compiler import STRICT_FORMATS, GrammarCompiler
 from sluice.engine.structured.tool_calls import Tool, ToolUse
 
 # (an integer schema with multipleOf, a value xgrammar's own grammar of it matched, though no multiple).
@@ -125,6 +126,39 @@ def test_a_format_holds_the_output_to_what_the_format_allows(compiler, fmt, vali
     # A format given as data (an enum's value, a default) is no format: the enum's object stays (compact).
     data = {"type": "object", "properties": {"v": {"enum": [{"format": fmt}]}}, "default": {"format": fmt}}
     assert matches(compiler, data, None, f'{{"v": {{"format":"{fmt}"}}}}')
+
+
+def _random_ipv6(rng: random.Random) -> str:
+    """An IPv6 address, often compressed, sometimes ending in IPv4 (an octet with a leading zero now and
+    then), sometimes broken (a colon dropped or added)."""
+    groups = [format(rng.randrange(65536), rng.choice(["x", "X", "04x"])) for _ in range(8)]
+    if rng.random() < 0.4:
+        octets = [
+            str(rng.randrange(256)) if rng.random() < 0.9 else f"0{rng.randrange(10)}" for _ in range(4)
+        ]
+        groups = [*groups[:6], ".".join(octets)]
+    if rng.random() < 0.7:
+        i = rng.randrange(len(groups))
+        j = rng.randrange(i, len(groups) + ("." not in groups[-1]))
+        text = ":".join(groups[:i]) + "::" + ":".join(groups[j:])
+    else:
+        text = ":".join(groups)
+    if rng.random() < 0.1:
+        text = text.replace("::", ":", 1)
+    return text + (":" if rng.random() < 0.05 else "")
+
+
+def test_the_ipv6_pattern_holds_what_pythons_ipaddress_holds() -> None:
+    """RFC 3986's IPv6address, as `jsonschema` checks the format (Python's ipaddress, no zone)."""
+    rng = random.Random(0)
+    pattern = re.compile(STRICT_FORMATS["ipv6"])
+    for _ in range(20_000):
+        text = _random_ipv6(rng)
+        try:
+            valid = ipaddress.IPv6Address(text).scope_id is None
+        except ValueError:
+            valid = False
+        assert bool(pattern.fullmatch(text)) == valid, text
 
 
 def test_a_format_inside_a_structural_tag_is_held_as_strictly() -> None:
