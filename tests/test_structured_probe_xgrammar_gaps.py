@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import itertools
 import json
 import random
 import re
@@ -47,14 +48,14 @@ FORMATS = [
     ("ipv4", ["0.0.0.0", "255.255.255.255", "10.0.0.9"], ["01.2.3.4", "10.0.0.09", "00.0.0.0"]),
     (
         "date",
-        ["2024-02-29", "2000-02-29", "2023-04-30", "2023-12-31"],
-        ["2023-02-29", "1900-02-29", "2023-11-31"],
+        ["2024-02-29", "2000-02-29", "2023-04-30", "2023-12-31", "0001-01-01", "0400-02-29", "9999-12-31"],
+        ["2023-02-29", "1900-02-29", "2023-11-31", "0000-01-01", "0000-02-29"],
     ),
     ("time", ["23:59:59Z", "00:00:00.123-01:00"], ["23:59:60Z"]),
     (
         "date-time",
         ["2024-02-29T23:59:59Z", "2024-01-01T00:00:00.5+05:30"],
-        ["2024-02-30T00:00:00Z", "2024-01-01T12:00:60Z"],
+        ["2024-02-30T00:00:00Z", "2024-01-01T12:00:60Z", "0000-01-01T00:00:00Z"],
     ),
     ("hostname", ["a.b", "a" * 63 + ".b", "ab-c.d-e"], ["a" * 64 + ".b", "b." + "c" * 64]),
     (
@@ -146,6 +147,20 @@ def _random_ipv6(rng: random.Random) -> str:
     if rng.random() < 0.1:
         text = text.replace("::", ":", 1)
     return text + (":" if rng.random() < 0.05 else "")
+
+
+def test_the_date_pattern_holds_what_pythons_datetime_holds() -> None:
+    """Every day of the years 0000-0410 and 1890-2110 (and 31 days of each month), as `jsonschema` checks
+    the format."""
+    pattern = re.compile(STRICT_FORMATS["date"])
+    for year in [*range(0, 411), *range(1890, 2111), 9999]:
+        for month, day in itertools.product(range(1, 13), range(1, 32)):
+            text = f"{year:04d}-{month:02d}-{day:02d}"
+            try:
+                valid = datetime.date.fromisoformat(text) is not None
+            except ValueError:
+                valid = False
+            assert bool(pattern.fullmatch(text)) == valid, text
 
 
 def test_the_ipv6_pattern_holds_what_pythons_ipaddress_holds() -> None:

@@ -44,14 +44,16 @@ _STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 # xgrammar's grammars of these formats let through strings the format refuses (and parsers with it, Python's
 # `ipaddress` and `datetime` among them): an IPv4 octet with a leading zero ("01.2.3.4", octal to some
-# parsers; in an IPv6 address too), a day its month lacks ("2023-02-30", "2023-11-31", Feb 29 of 2023), a
-# leap second (":60", valid at a few instants only), a hostname label over 63 characters. They compile as
-# these patterns instead, which keep the rest of xgrammar's grammar (its lowercase hostnames, its time
-# offsets).
+# parsers; in an IPv6 address too), a day its month lacks ("2023-02-30", "2023-11-31", Feb 29 of 2023) or
+# the year 0000, a leap second (":60", valid at a few instants only), a hostname label over 63 characters.
+# They compile as these patterns instead, which keep the rest of xgrammar's grammar (its lowercase
+# hostnames, its time offsets). A hostname's 253 characters in all stay unchecked.
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
+# Years 0001-9999, as Python's datetime has them (RFC 3339's 0000 too, which `date.fromisoformat` refuses).
+_YEAR = r"([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DATE = (
-    r"([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
     rf"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
 )
 _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
