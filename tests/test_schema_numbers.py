@@ -110,3 +110,11 @@ def test_an_integer_no_double_holds_is_refused(schema, written, why) -> None:
 def test_numbers_xgrammar_writes_as_meant_are_accepted(schema) -> None:
     assert Constraint(json_schema=schema).json_schema == json.dumps(schema)
     assert not _is_grammar_accept_string(_grammar(schema), "")
+
+
+@pytest.mark.parametrize("bounds", ['"minimum": -Infinity, "maximum": 1', '"minimum": NaN, "maximum": 1'])
+def test_a_bound_that_is_no_finite_number_is_left_to_xgrammar(bounds) -> None:
+    """Python's json reads NaN and Infinity; the check passes them by (it raised OverflowError, INTERNAL),
+    and xgrammar refuses them when the grammar compiles."""
+    text = f'{{"type": "number", {bounds}}}'
+    assert Constraint(json_schema=text).json_schema == text

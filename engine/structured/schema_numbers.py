@@ -74,4 +74,5 @@ def _written(integer: int) -> str:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A JSON number Python can reason about: not a bool, nor json's NaN or Infinity (left to xgrammar)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -152,6 +152,8 @@ def _json_class(atom: str) -> str | None:
             i += 1
             continue
         first, last = ord(low), ord(high if high is not None else low)
+        if last < first:
+            return None  # a range out of order: xgrammar's error says so
         i += 3 if high is not None else 1
         inside = sorted(c for c in _JSON_ESCAPED if first <= c <= last)
         escaped.update(inside)
