@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import VOCAB_SIZE, build_llama_checkpoint, build_qwen2_checkpoint
+from checkpoints import VOCAB_SIZE, build_gemma3_checkpoint, build_llama_checkpoint, build_qwen2_checkpoint
 
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.frontend.llm import LLM
@@ -31,6 +31,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROMPT_LENS = (3, 9, 16)
 NUM_NEW_TOKENS = 6
 TOLERANCE = 0.03  # of max |logit|
+# Gemma 3 rounds worse in bf16: transformers' own bf16 run of the tiny one is off its float32 logits by
+# 1.3 / 1.5 / 3.9% on these prompts (Sluice's int4: 1.9 / 0.7 / 3.3%; docs/QUANTIZATION.md).
+TOLERANCES = {build_gemma3_checkpoint: 0.05}
 
 
 def q4_1_grid(weight: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -82,7 +85,11 @@ def transformers_logits(directory: str, sequences: list[list[int]]) -> list[torc
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
-@pytest.mark.parametrize("build", [build_llama_checkpoint, build_qwen2_checkpoint], ids=["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "build",
+    [build_llama_checkpoint, build_qwen2_checkpoint, build_gemma3_checkpoint],
+    ids=["llama", "qwen2", "gemma3"],
+)
 def test_quantized_engine_agrees_with_transformers(method, build, tmp_path):
     directory = snapped_checkpoint(build, str(tmp_path / method), method)
     llm = LLM(directory, dtype="float32", quantization=method, num_blocks=16, block_size=16)
@@ -96,7 +103,7 @@ def test_quantized_engine_agrees_with_transformers(method, build, tmp_path):
     for prompt, seq, expected in zip(
         prompts(), sequences, transformers_logits(directory, sequences), strict=True
     ):
-        tolerance = TOLERANCE * expected.abs().max()
+        tolerance = TOLERANCES.get(build, TOLERANCE) * expected.abs().max()
         logits = _prompt_logits(llm.engine.model_runner, prompt)
         assert (logits - expected[len(prompt) - 1]).abs().max() <= tolerance
         # Greedy up to near-ties: each chosen token is within the tolerance of transformers' best there.
