@@ -84,13 +84,13 @@ def test_allowed_token_ids_and_logit_bias_over_grpc(stub) -> None:
         ),
         (
             {"regex": "[0-9]+$[a-z]"},
-            "regex: the anchor '$' at position 6 is an assertion the grammar cannot enforce (xgrammar)",
+            "regex: the pattern has the anchor '$' at position 6, which xgrammar drops inside a pattern",
         ),
         (
             {"json_schema": '{"type": "string", "pattern": "^(?!admin$)[a-z]+$"}'},
             "json_schema: 'pattern' at # is a keyword the grammar cannot enforce (xgrammar), so the output "
-            "could break it; leave it out (xgrammar drops the lookahead '(?!' at position 1 of "
-            "'^(?!admin$)[a-z]+$')",
+            "could break it; leave it out ('^(?!admin$)[a-z]+$' has the lookahead '(?!' at position 1, "
+            "which xgrammar drops)",
         ),
         ({"choice": pb.Choice()}, "choice: must hold at least one non-empty string"),
         # Compiles, but no string matches it: the first mask is empty.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sluice.engine.structured.schema_numbers import unwritable_number
-from sluice.engine.structured.schema_patterns import ignored_assertion, ignored_pattern
+from sluice.engine.structured.schema_patterns import ignored_pattern, misread_part
 
 ANY_JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -75,7 +75,7 @@ class Constraint:
             if value is not None and not value:
                 raise ValueError(f"{name}: must not be empty")
         if self.regex:
-            check_assertions("regex", self.regex)
+            check_regex("regex", self.regex)
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise ValueError("choice: must hold at least one non-empty string")
         after = self.after_token_id
@@ -164,7 +164,7 @@ def _check_structural_tag(text: str) -> None:
         schemas = list(_format_values(value["format"], "structural_tag.format", "json_schema", "json_schema"))
         for field, pattern in _format_values(value["format"], "structural_tag.format", "regex", "pattern"):
             if isinstance(pattern, str):
-                check_assertions(field, pattern)
+                check_regex(field, pattern)
     else:
         raise ValueError('structural_tag: needs a "format" object (or the older "structures" and "triggers")')
     for field, schema in schemas:
@@ -178,14 +178,10 @@ def _check_structural_tag(text: str) -> None:
             )
 
 
-def check_assertions(field: str, pattern: str) -> None:
-    """Refuses a regex (the constraint's `field`) with an assertion xgrammar drops (`schema_patterns`)."""
-    if part := ignored_assertion(pattern):
-        raise ValueError(
-            f"{field}: {part} is an assertion the grammar cannot enforce (xgrammar), so the output could "
-            "break it; an anchor may stand only at the start or end of the pattern or of a top-level "
-            "alternative"
-        )
+def check_regex(field: str, pattern: str) -> None:
+    """Refuses a regex (the constraint's `field`) with a part xgrammar drops or misreads (`misread_part`)."""
+    if part := misread_part(pattern):
+        raise ValueError(f"{field}: the pattern has {part}, so the output could break it")
 
 
 # The formats of a structural tag that hold a schema or a regex: (type, the key of its value).

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from sluice.engine.structured.constraint import Constraint
-from sluice.engine.structured.schema_patterns import json_escaped
+from sluice.engine.structured.schema_patterns import json_escaped, xgrammar_regex
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -93,24 +93,32 @@ def xgrammar_schema(node: object) -> object:
     means: each format of STRICT_FORMATS made the pattern that enforces it (beside such a format a schema
     has no pattern: `Constraint` refuses one), each pattern's optional groups written `{0,1}` (given
     `(xy+)?`, xgrammar's patterns match "y": the group's first part went optional on its own), and its
-    literal quotes, backslashes and control characters written as their JSON escapes (`json_escaped`). A
-    structural tag's `{"type": "regex"}` format stays as written: its pattern matches text, not a JSON
-    string (no JSON schema has that type)."""
+    literal quotes, backslashes and control characters written as their JSON escapes (`json_escaped`),
+    after `xgrammar_regex`. A structural tag's `{"type": "regex"}` format matches text, not a JSON string
+    (no JSON schema has that type): `xgrammar_regex` alone."""
     if isinstance(node, list):
         return [xgrammar_schema(item) for item in node]
-    if not isinstance(node, dict) or node.get("type") == "regex":
+    if not isinstance(node, dict):
         return node
+    if node.get("type") == "regex":  # a structural tag's regex format: it matches text
+        pattern = node.get("pattern")
+        return {**node, "pattern": xgrammar_regex(pattern, text=True)} if isinstance(pattern, str) else node
     rewritten = {k: v if k in _DATA_KEYWORDS else xgrammar_schema(v) for k, v in node.items()}
     format_pattern = STRICT_FORMATS.get(node["format"]) if isinstance(node.get("format"), str) else None
     if format_pattern is not None and "pattern" not in node:
         del rewritten["format"]
         rewritten["pattern"] = format_pattern
     if isinstance(rewritten.get("pattern"), str):
-        rewritten["pattern"] = bounded_optional_groups(json_escaped(rewritten["pattern"]))
+        rewritten["pattern"] = json_string_regex(rewritten["pattern"])
     if isinstance(rewritten.get("patternProperties"), dict):
         properties = rewritten["patternProperties"].items()
-        rewritten["patternProperties"] = {bounded_optional_groups(json_escaped(k)): v for k, v in properties}
+        rewritten["patternProperties"] = {json_string_regex(k): v for k, v in properties}
     return rewritten
+
+
+def json_string_regex(pattern: str) -> str:
+    """A schema's pattern as xgrammar is to match it against a JSON string's text."""
+    return bounded_optional_groups(json_escaped(xgrammar_regex(pattern, text=False)))
 
 
 def bounded_optional_groups(pattern: str) -> str:
@@ -225,7 +233,7 @@ class GrammarCompiler:
                 grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
                 compiled = compiler.compile_grammar(strict_json_strings(str(grammar)))
             elif kind == "regex":
-                compiled = compiler.compile_regex(source)
+                compiled = compiler.compile_regex(xgrammar_regex(source, text=True))
             elif kind == "structural_tag":
                 compiled = compiler.compile_grammar(strict_json_strings(str(structural_tag_grammar(source))))
             else:

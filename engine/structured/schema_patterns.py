@@ -28,45 +28,155 @@ _BOUNDS = re.compile(r"\{[0-9]+(,[0-9]*)?\}")
 # An escape, whole: a code point (`\u0041`, `\u{41}`, `\x41`, `\cJ`), a Unicode property (`\p{L}`), a
 # back-reference (`\k<name>`, `\12`), or a backslash and the character after it.
 _ESCAPE = re.compile(
-    r"\\(u\{[0-9A-Fa-f]*\}|u[0-9A-Fa-f]{4}|x[0-9A-Fa-f]{2}|c[A-Za-z]|[pP]\{[^}]*\}|k<[^>]*>|[0-9]+|.?)", re.S
+    r"\\(u\{[0-9A-Fa-f]*\}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|x[0-9A-Fa-f]{2}|c[A-Za-z]|[pP]\{[^}]*\}|k<[^>]*>"
+    r"|[0-9]+|.?)",
+    re.S,
 )
 
 
-def ignored_assertion(pattern: str) -> str | None:
-    """The first assertion of the regex `pattern` that xgrammar drops, described with its position
-    ("the anchor '$' at position 1"); None if there is none. An anchor at the start or the end of the
-    pattern or of a top-level alternative (`^a+$|^b$`) is kept: matching the whole string, xgrammar
-    holds it as written."""
+# Python's anchors `\A` and `\Z` (and 3.14's `\z`), which xgrammar reads as the letters: at the edges of
+# a pattern they say what xgrammar's whole-string match says, so `xgrammar_regex` drops them there.
+_EDGE_ANCHORS = {"\\A": "^", "\\Z": "$", "\\z": "$"}
+# Escaped letters xgrammar reads as Python and ECMAScript do (classes, controls, code points); `\b`, `\B`,
+# `\p`, `\P` and `\k` outside a class it refuses itself, naming them.
+_READ_LETTERS = frozenset("dDwWsSnrtfvcxuU")
+_REFUSED_LETTERS = frozenset("bBpPk")
+
+
+def misread_part(pattern: str) -> str | None:
+    """The first part of the regex `pattern` that xgrammar drops or reads otherwise than Python and
+    ECMAScript, described with its position ("the anchor '$' at position 1, which xgrammar drops inside
+    a pattern"); None if there is none. An anchor at the start or the end of the pattern or of a top-level
+    alternative (`^a+$|^b$`, `\\A...\\Z`) is kept: matching the whole string, xgrammar holds it."""
     depth = 0
     at_branch_start = True  # nothing of the current top-level alternative read yet
     atoms = list(_atoms(pattern))
     for k, (i, atom) in enumerate(atoms):
         if pattern.startswith(_LOOKAHEADS, i):
-            return f"the lookahead {pattern[i : i + 3]!r} at position {i}"
-        if atom == "^" and not (depth == 0 and at_branch_start):
-            return f"the anchor '^' at position {i}"
+            return f"the lookahead {pattern[i : i + 3]!r} at position {i}, which xgrammar drops"
+        anchor = _EDGE_ANCHORS.get(atom, atom)
         following = atoms[k + 1][1] if k + 1 < len(atoms) else ""
-        if atom == "$" and not (depth == 0 and following in ("", "|")):
-            return f"the anchor '$' at position {i}"
+        if (anchor == "^" and not (depth == 0 and at_branch_start)) or (
+            anchor == "$" and not (depth == 0 and following in ("", "|"))
+        ):
+            return (
+                f"the anchor {atom!r} at position {i}, which xgrammar drops inside a pattern (an anchor may "
+                "stand only at the start or end of the pattern or of a top-level alternative)"
+            )
+        if misread := _misread_atom(i, atom):
+            return misread
         depth += (atom == "(") - (atom == ")")
         at_branch_start = atom == "|" and depth == 0
     return None
 
 
+def _misread_atom(position: int, atom: str) -> str | None:
+    """How xgrammar misreads this atom of a pattern (an escape, or a class and the escapes in it)."""
+    if atom.startswith("\\") and atom not in _EDGE_ANCHORS:
+        return _misread_escape(position, atom, in_class=False)
+    if not atom.startswith("["):
+        return None
+    inner = atom[2:] if atom.startswith("[^") else atom[1:]
+    if inner.startswith("]"):
+        return (
+            f"the class {atom!r} at position {position}, which Python and ECMAScript read differently "
+            "(write '\\]' for a ']' in it)"
+        )
+    offset = position + len(atom) - len(inner)
+    for item in _CLASS_ITEM.finditer(inner[:-1]):
+        if item.group().startswith("\\") and (
+            misread := _misread_escape(offset + item.start(), item.group(), in_class=True)
+        ):
+            return misread
+    return None
+
+
+def _misread_escape(position: int, escape: str, in_class: bool) -> str | None:
+    """How xgrammar misreads `escape`, if it does: a letter it does not know (`\\h`, `\\Q`, `\\p` in a
+    class: the letter itself), `\\x` or `\\u` without their digits, an octal escape or back-reference."""
+    body = escape[1:]
+    if not body or not (body[0].isalnum() or body[0] == "_"):
+        return None  # a backslash at the end (xgrammar refuses it) or an escaped punctuation mark
+    where = f"the escape {escape!r} at position {position}, which xgrammar reads"
+    if body[0].isdigit():
+        return None if body == "0" else f"{where} otherwise (an octal escape or a back-reference)"
+    if body[0] in "xuUc":
+        return None if _one_char(escape, in_class) is not None else f"{where} as the letter {body[0]!r}"
+    if body[0] in _READ_LETTERS or (body[0] == "b" and in_class):
+        return None
+    if body[0] in _REFUSED_LETTERS and not in_class:
+        return None
+    return f"{where} as the letter {body[0]!r}"
+
+
+def xgrammar_regex(pattern: str, text: bool) -> str:
+    """`pattern` written for xgrammar to read it as Python and ECMAScript do, its anchors where
+    `misread_part` allows them: `\\xHH` as `\\u00HH` (xgrammar's `\\x` took every hex digit after it:
+    `\\x41b` was U+041B), `\\A`, `\\Z` and `\\z` dropped; and where the pattern matches `text` (a `regex`
+    constraint, a structural tag's regex) rather than a JSON string, a class that starts with its caret
+    (`[\\^x]`) rewritten without it first (xgrammar's regex converter made it a negation: anything but x)."""
+    written = []
+    for _, atom in _atoms(pattern):
+        if atom in _EDGE_ANCHORS:
+            continue
+        if atom.startswith("["):
+            atom = _HEX2.sub(_as_u00, atom)
+            atom = _class_for_text(atom) if text else atom
+        elif _HEX2.fullmatch(atom):
+            atom = _as_u00(_HEX2.fullmatch(atom))
+        written.append(atom)
+    return "".join(written)
+
+
+_HEX2 = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")
+
+
+def _as_u00(match: re.Match) -> str:
+    return f"{match[1]}\\u00{match[2]}"
+
+
+def _class_for_text(atom: str) -> str:
+    """A class `[...]` ordered for xgrammar's regex converter, which writes it into EBNF text and reads it
+    back: a control character followed by a hex digit became one code point (`[\\x01-\\x02a]` matched up to
+    "*"), so ranges and characters ending in one go last; and a caret first became a negation
+    (`[\\^x]` matched anything but x), so it goes after the others (alone, it leaves the class)."""
+    negated = atom.startswith("[^")
+    items = [m.group() for m in _CLASS_ITEM.finditer(atom[2 if negated else 1 : -1])]
+    pieces = []  # (text, first character, last character): a character, a range, or a class like \d
+    i = 0
+    while i < len(items):
+        first, last = (
+            _one_char(item, in_class=True) for item in (items[i], items[min(i + 2, len(items) - 1)])
+        )
+        size = (
+            3 if i + 2 < len(items) and items[i + 1] == "-" and first is not None and last is not None else 1
+        )
+        pieces.append(("".join(items[i : i + size]), first, last if size == 3 else first))
+        i += size
+    controls = [p for p in pieces if p[2] is not None and ord(p[2]) < 0x20]
+    carets = [p for p in pieces if p not in controls and not negated and p[1] == "^"]
+    others = [p for p in pieces if p not in controls and p not in carets]
+    if carets and not others and not controls:
+        high = max(p[2] for p in carets)
+        return "\\^" if high == "^" else f"(?:\\^|[_-{_class_char(ord(high))}])"
+    ordered = others + carets + controls if others or not carets else [controls[0], *carets, *controls[1:]]
+    return f"[{'^' if negated else ''}{''.join(text for text, _, _ in ordered)}]"
+
+
 def ignored_pattern(schema: dict, reads_pattern: bool) -> tuple[str, str] | None:
     """(keyword, why) of a regex of this one schema that xgrammar would not hold the output to: one with an
-    assertion it drops (`ignored_assertion`), or a pattern of `patternProperties` that names a listed
+    part it drops or misreads (`misread_part`), or a pattern of `patternProperties` that names a listed
     property, which xgrammar writes with the property's own schema alone (JSON Schema holds it to both).
     `reads_pattern`: whether the schema's own `pattern` holds (a string's schema)."""
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and reads_pattern and (part := ignored_assertion(pattern)):
-        return "pattern", f"xgrammar drops {part} of {pattern!r}"
+    if isinstance(pattern, str) and reads_pattern and (part := misread_part(pattern)):
+        return "pattern", f"{pattern!r} has {part}"
     patterns, properties = schema.get("patternProperties"), schema.get("properties")
     if not isinstance(patterns, dict):
         return None
     for key in patterns:
-        if part := ignored_assertion(key):
-            return "patternProperties", f"xgrammar drops {part} of {key!r}"
+        if part := misread_part(key):
+            return "patternProperties", f"{key!r} has {part}"
     for key in patterns if isinstance(properties, dict) else ():
         if named := names_it_may_match(key, list(properties)):
             return "patternProperties", (
@@ -83,7 +193,7 @@ def names_it_may_match(pattern: str, names: list[str]) -> list[str]:
     frontend's event loop would wait out a backtracking one (`^(a+)+$` against "aaa...ab") under Python's
     `re`, and xgrammar takes seconds to import there. A pattern of alternatives, or with a flag or an
     assertion group (`(?i)`, `(?<=`), is taken to match any name. `pattern` has its anchors only where
-    `ignored_assertion` allows them."""
+    `misread_part` allows them."""
     atoms = [atom for _, atom in _atoms(pattern)]
     if "|" in atoms or "(?" in pattern.replace("(?:", ""):
         return names
@@ -193,7 +303,7 @@ def _one_char(atom: str, in_class: bool = False) -> str | None:
         if body == "b" and in_class:
             return "\b"
         return _LETTER_ESCAPES.get(body, None if body.isalnum() else body)
-    if body[0] in "xu" and (digits := body[1:].strip("{}")) and body[1:] in (digits, f"{{{digits}}}"):
+    if body[0] in "xuU" and (digits := body[1:].strip("{}")) and body[1:] in (digits, f"{{{digits}}}"):
         return chr(int(digits, 16)) if int(digits, 16) <= 0x10FFFF else None
     if body[0] == "c" and len(body) == 2:
         return chr(ord(body[1]) % 32)
