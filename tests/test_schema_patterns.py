@@ -193,6 +193,10 @@ REGEXES = [
     (r"[\x30-\x39a-f]+", ["5a", "f"], ["\u00e9~"]),
     (r"[\u0010a]", ["\x10", "a"], ["\u010a"]),  # a control character before a hex digit: one code point
     (r"[^\x00-\x1fa]+", ["b", "\u00e9"], ["a", "\x01"]),
+    (r"[\x01a-]", ["\x01", "a", "-"], ["b", "\x00"]),  # the dash stays a dash wherever the class puts it
+    (r"[b\u00e0-\u00ffa-c]", ["b", "\u00e0", "\u00ff", "c"], ["-", "\u0130", "\u017f"]),  # not up to U+0FFA
+    (r"[\u00ffa]", ["\u00ff", "a"], ["\u0ffa"]),
+    (r"[\0\n\ra]", ["\x00", "\n", "\r", "a"], ["0", "n"]),
 ]
 
 

@@ -136,35 +136,44 @@ def _as_u00(match: re.Match) -> str:
 
 
 def _class_for_text(atom: str) -> str:
-    """A class `[...]` ordered for xgrammar's regex converter, which writes it into EBNF text and reads it
-    back: a control character followed by a hex digit became one code point (`[\\x01-\\x02a]` matched up to
-    "*"), so ranges and characters ending in one go last; and a caret first became a negation
-    (`[\\^x]` matched anything but x), so it goes after the others (alone, it leaves the class)."""
+    """A class `[...]` rewritten for xgrammar's regex converter, which turns the escapes of a class into
+    `\\x` text and reads that again: an escaped character below U+0100 before a hex digit became one code
+    point (`[\\x00-\\x1fa]` matched "é", `[\\u00ffa]` only U+0FFA), so each character is written as
+    itself (a newline, a carriage return and a NUL, which it refuses as they are, escaped, the NUL last);
+    and a caret first became a negation (`[\\^x]` matched anything but x), so it goes after the others
+    (alone, it leaves the class)."""
     negated = atom.startswith("[^")
     items = [m.group() for m in _CLASS_ITEM.finditer(atom[2 if negated else 1 : -1])]
     pieces = []  # (text, first character, last character): a character, a range, or a class like \d
     i = 0
     while i < len(items):
-        first, last = (
-            _one_char(item, in_class=True) for item in (items[i], items[min(i + 2, len(items) - 1)])
-        )
-        size = (
-            3 if i + 2 < len(items) and items[i + 1] == "-" and first is not None and last is not None else 1
-        )
-        pieces.append(("".join(items[i : i + size]), first, last if size == 3 else first))
-        i += size
-    controls = [p for p in pieces if p[2] is not None and ord(p[2]) < 0x20]
-    carets = [p for p in pieces if p not in controls and not negated and p[1] == "^"]
-    others = [p for p in pieces if p not in controls and p not in carets]
-    if carets and not others and not controls:
+        first = _one_char(items[i], in_class=True)
+        last = _one_char(items[i + 2], in_class=True) if i + 2 < len(items) and items[i + 1] == "-" else None
+        if first is None:
+            pieces.append((items[i], None, None))
+        elif last is None:
+            pieces.append((_text_char(first), first, first))
+        else:
+            pieces.append((f"{_text_char(first)}-{_text_char(last)}", first, last))
+        i += 1 if first is None or last is None else 3
+    nuls = [p for p in pieces if p[2] == "\0"]
+    carets = [p for p in pieces if p not in nuls and not negated and p[1] == "^"]
+    others = [p for p in pieces if p not in nuls and p not in carets]
+    if carets and not others and not nuls:
         high = max(p[2] for p in carets)
-        return "\\^" if high == "^" else f"(?:\\^|[_-{_class_char(ord(high))}])"
-    ordered = others + carets + controls if others or not carets else [controls[0], *carets, *controls[1:]]
+        return "\\^" if high == "^" else f"(?:\\^|[_-{_text_char(high)}])"
+    ordered = others + carets + nuls if others or not carets else [nuls[0], *carets, *nuls[1:]]
     return f"[{'^' if negated else ''}{''.join(text for text, _, _ in ordered)}]"
 
 
+def _text_char(char: str) -> str:
+    """One character of a class as xgrammar's regex converter reads it back as that character."""
+    escapes = {"\n": "\\n", "\r": "\\r", "\0": "\\0"}
+    return escapes.get(char) or (f"\\{char}" if char in "\\]^-[" else char)
+
+
 def ignored_pattern(schema: dict, reads_pattern: bool) -> tuple[str, str] | None:
-    """(keyword, why) of a regex of this one schema that xgrammar would not hold the output to: one with an
+    """(keyword, why) of a regex of this one schema that xgrammar would not hold the output to: one with a
     part it drops or misreads (`misread_part`), or a pattern of `patternProperties` that names a listed
     property, which xgrammar writes with the property's own schema alone (JSON Schema holds it to both).
     `reads_pattern`: whether the schema's own `pattern` holds (a string's schema)."""
