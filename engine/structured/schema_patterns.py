@@ -167,7 +167,7 @@ def _class_for_text(atom: str) -> str:
 
 
 def _text_char(char: str) -> str:
-    """One character of a class as xgrammar's regex converter reads it back as that character."""
+    """One character of a class, written so that xgrammar reads it back as that character."""
     escapes = {"\n": "\\n", "\r": "\\r", "\0": "\\0"}
     return escapes.get(char) or (f"\\{char}" if char in "\\]^-[" else char)
 
@@ -280,17 +280,11 @@ def _json_class(atom: str) -> str | None:
             [first] + [c + 1 for c in inside], [c - 1 for c in inside] + [last], strict=True
         ):
             if start <= end:
-                kept.append(_class_char(start) + (f"-{_class_char(end)}" if end > start else ""))
+                kept.append(_text_char(chr(start)) + (f"-{_text_char(chr(end))}" if end > start else ""))
     if not escaped:
         return None
     alternatives = ([f"[{''.join(kept)}]"] if kept else []) + [_json_escape(c) for c in sorted(escaped)]
     return f"(?:{'|'.join(alternatives)})"
-
-
-def _class_char(code: int) -> str:
-    """One character as a class writes it: escaped where a class would read it otherwise."""
-    char = chr(code)
-    return f"\\{char}" if char in "\\]^-[" else char
 
 
 # The escapes of one character by a letter (`\b` stands for one inside a class only).
