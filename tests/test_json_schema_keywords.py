@@ -171,6 +171,9 @@ ENFORCED = [
     ({"type": "string", "pattern": r"^[\t\n]+$"}, json.dumps("\t\n"), '"\t\n"'),
     ({"type": "string", "pattern": r'^[\\"]+$'}, json.dumps('"\\'), '"""'),
     ({"type": "string", "pattern": r"^x[\x00-\x1f]$"}, json.dumps("x\x01"), '"x\x01"'),
+    # Beside them, a character beyond ASCII stays what it is (written as itself, xgrammar took any ASCII).
+    ({"type": "string", "pattern": r'^["\^\u00ff]$'}, '"\u00ff"', '"a"'),
+    ({"type": "string", "pattern": r"^[\u00c0-\u00ff0-9\n]+$"}, '"5\u00e9"', '"a"'),
     (
         {"type": "object", "patternProperties": {r"^\\[a-z]$": {"type": "integer"}},
          "additionalProperties": False},

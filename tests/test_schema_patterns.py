@@ -39,6 +39,7 @@ NAMES = ["a", "ab", "ba", "x_id", "max", "$5", "a$b", "", "A-1"]
             "",
         ),
         *(r"\A[a-z]+\Z", r"^\d+\z", r"\x41\u0042\U00000043\u{44}\cJ\0[\b\x00-\x1f]\d\W\s\.\-\/"),
+        r"^[a-zA-Z0-9\_\-]+$",  # an escaped underscore is one
     ],
 )
 def test_anchors_at_the_edges_and_escapes_xgrammar_reads_as_python_are_kept(pattern) -> None:
@@ -157,6 +158,7 @@ def test_a_backtracking_pattern_is_never_run() -> None:
         (r"[a-z\x00-\x02]", r"(?:[a-z]|\\u0000|\\u0001|\\u0002)"),
         (r"[ -~]", r'(?:[ -!#-\[\]-~]|\\"|\\\\)'),
         (r'[\d"^-]', r'(?:[\d\^\-]|\\")'),
+        (r'[\u00e9"a-c\U0001F600]', r'(?:[\u00e9a-c\u{1f600}]|\\")'),  # beyond ASCII as escapes
         (r'[^\\"]\d\\d\b\s.', r'[^\\"]\d(?:\\\\)d\b\s.'),
         (r"^[a-z]+\.json$", r"^[a-z]+\.json$"),
         ('[z-a"]', '[z-a"]'),  # a range out of order, left to xgrammar's error

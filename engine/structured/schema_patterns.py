@@ -95,8 +95,8 @@ def _misread_escape(position: int, escape: str, in_class: bool) -> str | None:
     """How xgrammar misreads `escape`, if it does: a letter it does not know (`\\h`, `\\Q`, `\\p` in a
     class: the letter itself), `\\x` or `\\u` without their digits, an octal escape or back-reference."""
     body = escape[1:]
-    if not body or not (body[0].isalnum() or body[0] == "_"):
-        return None  # a backslash at the end (xgrammar refuses it) or an escaped punctuation mark
+    if not body or not body[0].isalnum():
+        return None  # a backslash at the end (xgrammar refuses it), an escaped punctuation mark or "_"
     where = f"the escape {escape!r} at position {position}, which xgrammar reads"
     if body[0].isdigit():
         return None if body == "0" else f"{where} otherwise (an octal escape or a back-reference)"
@@ -164,6 +164,14 @@ def _class_for_text(atom: str) -> str:
         return "\\^" if high == "^" else f"(?:\\^|[_-{_text_char(high)}])"
     ordered = others + carets + nuls if others or not carets else [nuls[0], *carets, *nuls[1:]]
     return f"[{'^' if negated else ''}{''.join(text for text, _, _ in ordered)}]"
+
+
+def _json_class_char(code: int) -> str:
+    """One character of a class matched against a JSON string's text: beyond ASCII as an escape (xgrammar
+    misread `[\\^ÿ...]` written as it is: it took any ASCII character), else as `_text_char` writes it."""
+    if code < 0x80:
+        return _text_char(chr(code))
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\u{{{code:x}}}"
 
 
 def _text_char(char: str) -> str:
@@ -280,7 +288,7 @@ def _json_class(atom: str) -> str | None:
             [first] + [c + 1 for c in inside], [c - 1 for c in inside] + [last], strict=True
         ):
             if start <= end:
-                kept.append(_text_char(chr(start)) + (f"-{_text_char(chr(end))}" if end > start else ""))
+                kept.append(_json_class_char(start) + (f"-{_json_class_char(end)}" if end > start else ""))
     if not escaped:
         return None
     alternatives = ([f"[{''.join(kept)}]"] if kept else []) + [_json_escape(c) for c in sorted(escaped)]
