@@ -263,9 +263,10 @@ def _json_escape(code: int) -> str:
 
 def _json_class(atom: str) -> str | None:
     """A class holding characters of _JSON_ESCAPED (`[\\t\\n]`, `[ -~]`), as a group of the class without
-    them and the JSON escape of each: xgrammar writes those of a class that holds nothing else as they are,
-    and leaves them out of one that does. None for a class without them, and for a negated class (xgrammar
-    keeps them out of it, as it should)."""
+    them and the JSON escape of each: xgrammar wrote those of a class that holds nothing else as they are.
+    Beside other characters it still leaves the escapes out (the class's first characters and the escapes'
+    backslash meet in one of its character sets, which keeps a backslash out): narrower, never wider. None
+    for a class without them, and for a negated class (xgrammar keeps them out of it, as it should)."""
     if atom.startswith("[^") or not atom.endswith("]"):
         return None
     items = [m.group() for m in _CLASS_ITEM.finditer(atom[1:-1])]
