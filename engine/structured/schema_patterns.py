@@ -5,7 +5,9 @@ matches anywhere in it), which only narrows what a schema allows. Two parts of a
 with a warning ("is ignored"), widening it to strings the pattern refuses: an anchor anywhere but at the
 start or end of the pattern or of one of its top-level alternatives (`a$b` holds on no string; xgrammar
 takes "ab"), and, inside a JSON schema, a lookahead (`^(?!admin$)[a-z]+$` took "admin"; a `regex`
-constraint's fails to compile). `ignored_assertion` names them so that the constraint can be refused.
+constraint's fails to compile). It also reads some escapes and classes otherwise than Python and
+ECMAScript (`\\h` as "h", Python's `\\A` as "A"): `misread_part` names what it would drop or misread, so
+that the constraint can be refused, and `xgrammar_regex` writes the rest as xgrammar reads them right.
 
 Inside a JSON schema xgrammar matches a pattern against the string's JSON text, and keeps `"`, `\\` and
 control characters out of its classes and `.`, but writes a literal one as it is (`^C:\\\\[a-z]+$` wrote
@@ -120,8 +122,7 @@ def xgrammar_regex(pattern: str, text: bool) -> str:
         if atom in _EDGE_ANCHORS:
             continue
         if atom.startswith("["):
-            atom = _HEX2.sub(_as_u00, atom)
-            atom = _class_for_text(atom) if text else atom
+            atom = _class_for_text(atom) if text else _HEX2.sub(_as_u00, atom)
         elif _HEX2.fullmatch(atom):
             atom = _as_u00(_HEX2.fullmatch(atom))
         written.append(atom)
@@ -143,19 +144,14 @@ def _class_for_text(atom: str) -> str:
     and a caret first became a negation (`[\\^x]` matched anything but x), so it goes after the others
     (alone, it leaves the class)."""
     negated = atom.startswith("[^")
-    items = [m.group() for m in _CLASS_ITEM.finditer(atom[2 if negated else 1 : -1])]
-    pieces = []  # (text, first character, last character): a character, a range, or a class like \d
-    i = 0
-    while i < len(items):
-        first = _one_char(items[i], in_class=True)
-        last = _one_char(items[i + 2], in_class=True) if i + 2 < len(items) and items[i + 1] == "-" else None
-        if first is None:
-            pieces.append((items[i], None, None))
-        elif last is None:
-            pieces.append((_text_char(first), first, first))
-        else:
-            pieces.append((f"{_text_char(first)}-{_text_char(last)}", first, last))
-        i += 1 if first is None or last is None else 3
+    pieces = [
+        (
+            text if first is None else _text_char(first) + (f"-{_text_char(last)}" if last != first else ""),
+            first,
+            last,
+        )
+        for text, first, last in _class_pieces(atom)
+    ]
     nuls = [p for p in pieces if p[2] == "\0"]
     carets = [p for p in pieces if p not in nuls and not negated and p[1] == "^"]
     others = [p for p in pieces if p not in nuls and p not in carets]
@@ -166,6 +162,22 @@ def _class_for_text(atom: str) -> str:
     return f"[{'^' if negated else ''}{''.join(text for text, _, _ in ordered)}]"
 
 
+def _class_pieces(atom: str) -> list[tuple[str, str | None, str | None]]:
+    """(text, first character, last character) of each piece of the class `atom`, after its caret if
+    negated: a character (first = last), a range, or what matches no one character (`\\d`, `\\p{L}`:
+    None, None)."""
+    items = [m.group() for m in _CLASS_ITEM.finditer(atom[2 if atom.startswith("[^") else 1 : -1])]
+    pieces = []
+    i = 0
+    while i < len(items):
+        first = _one_char(items[i], in_class=True)
+        last = _one_char(items[i + 2], in_class=True) if i + 2 < len(items) and items[i + 1] == "-" else None
+        size = 1 if first is None or last is None else 3
+        pieces.append(("".join(items[i : i + size]), first, first if size == 1 else last))
+        i += size
+    return pieces
+
+
 def _json_class_char(code: int) -> str:
     """One character of a class matched against a JSON string's text: beyond ASCII as an escape (xgrammar
     misread `[\\^ÿ...]` written as it is: it took any ASCII character), else as `_text_char` writes it."""
@@ -174,10 +186,13 @@ def _json_class_char(code: int) -> str:
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\u{{{code:x}}}"
 
 
+# The characters xgrammar's regex converter refuses in a class as they are.
+_CLASS_ESCAPES = {"\n": "\\n", "\r": "\\r", "\0": "\\0"}
+
+
 def _text_char(char: str) -> str:
     """One character of a class, written so that xgrammar reads it back as that character."""
-    escapes = {"\n": "\\n", "\r": "\\r", "\0": "\\0"}
-    return escapes.get(char) or (f"\\{char}" if char in "\\]^-[" else char)
+    return _CLASS_ESCAPES.get(char) or (f"\\{char}" if char in "\\]^-[" else char)
 
 
 def ignored_pattern(schema: dict, reads_pattern: bool) -> tuple[str, str] | None:
@@ -269,25 +284,18 @@ def _json_class(atom: str) -> str | None:
     for a class without them, and for a negated class (xgrammar keeps them out of it, as it should)."""
     if atom.startswith("[^") or not atom.endswith("]"):
         return None
-    items = [m.group() for m in _CLASS_ITEM.finditer(atom[1:-1])]
     kept, escaped = [], set()
-    i = 0
-    while i < len(items):
-        low = _one_char(items[i], in_class=True)
-        high = _one_char(items[i + 2], in_class=True) if i + 2 < len(items) and items[i + 1] == "-" else None
+    for text, low, high in _class_pieces(atom):
         if low is None:  # \d, \s, \w, \p{...}: xgrammar keeps the characters out of these itself
-            kept.append(items[i])
-            i += 1
+            kept.append(text)
             continue
-        first, last = ord(low), ord(high if high is not None else low)
+        first, last = ord(low), ord(high)
         if last < first:
             return None  # a range out of order: xgrammar's error says so
-        i += 3 if high is not None else 1
         inside = sorted(c for c in _JSON_ESCAPED if first <= c <= last)
         escaped.update(inside)
-        for start, end in zip(
-            [first] + [c + 1 for c in inside], [c - 1 for c in inside] + [last], strict=True
-        ):
+        starts, ends = [first] + [c + 1 for c in inside], [c - 1 for c in inside] + [last]
+        for start, end in zip(starts, ends, strict=True):  # the runs between them
             if start <= end:
                 kept.append(_json_class_char(start) + (f"-{_json_class_char(end)}" if end > start else ""))
     if not escaped:
