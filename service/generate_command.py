@@ -19,7 +19,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--raw", action="store_true", help="send the prompt as plain text, without the chat template"
     )
     parser.add_argument("--system", default=None, help="a system message before the user message")
-    parser.add_argument("--max-tokens", type=_bounded(int, 1, 2**31 - 1), default=128)
+    parser.add_argument(
+        "--max-tokens",
+        type=_bounded(int, 1, 2**31 - 1),
+        default=128,
+        help="the most tokens to generate (default: 128)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=_bounded(int, -(2**63), 2**63 - 1), default=None)
