@@ -233,10 +233,12 @@ class GenerationRunner:
 
     async def abort_all(self) -> int:
         """Aborts every live request, in the engine or not yet (a long prompt still being tokenized),
-        and every one that comes later: their streams end with FINISH_REASON_ABORT. Returns how many
+        and every one that comes later: their streams end with FINISH_REASON_ABORT, those in the engine
+        at once (not after the core's step under way, which may outlast the drain). Returns how many
         were live."""
         self._stopping = True
         live = [cancel for cancel in self._cancels if not cancel.cancelled]
+        self.engine.abort_all_now()
         for cancel in live:
             await cancel.cancel(ABORT)
         return len(live)

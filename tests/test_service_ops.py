@@ -27,6 +27,7 @@ from smg_grpc_proto.generated import common_pb2
 from toolchains import BUF, require
 
 from sluice import Client, SluiceError, generate_request
+from sluice.engine.faults import ENV_VAR as FAULT_VAR
 from sluice.engine.frontend import async_engine
 from sluice.engine.frontend.async_engine import TOKENIZE_INLINE_MAX_CHARS
 from sluice.service import server as server_module
@@ -170,6 +171,32 @@ def test_drain_aborts_what_outlives_the_grace_period(llama_long_dir: str) -> Non
             assert last.usage.completion_tokens < UNENDING["max_tokens"]
             drained.result(timeout=PATIENCE_S)
             thread.wait_idle()
+    finally:
+        thread.stop()
+
+
+def test_the_drain_ends_what_it_aborts_at_once_while_the_cores_step_runs_on(
+    llama_long_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the grace period an aborted request's stream ends with FINISH_REASON_ABORT at once: it
+    waited for the core's answer, a step later, and a step longer than the drain's margin (ABORT_MARGIN_S;
+    a long prompt's chunk on a CPU takes seconds) left the call to grpc's stop: UNAVAILABLE, "Cancelling
+    all calls", after its tokens. Here the request's first step runs busy for SLOW_STEP_S."""
+    monkeypatch.setenv(FAULT_VAR, "busy:held")
+    thread = ServerThread(long_engine_config(llama_long_dir)).start()
+    try:
+        in_step = threading.Event()  # the core said it is busy in a step: CoreBusy
+        core_client = thread.server.servicer.runner.engine._client
+        monkeypatch.setattr(core_client, "_log_long_step", lambda step_seconds: in_step.set())
+        with thread.channel() as channel:
+            request = generate_request("Hello", request_id="held", **UNENDING)
+            in_flight = thread.stub(channel).Generate(request)
+            assert in_step.wait(PATIENCE_S)
+            drained = asyncio.run_coroutine_threadsafe(thread.server.drain(grace_period=0.02), thread.loop)
+            last = list(in_flight)[-1]
+            assert last.finish_reason == pb.FINISH_REASON_ABORT
+            drained.result(timeout=PATIENCE_S)
+        thread.wait_idle()
     finally:
         thread.stop()
 

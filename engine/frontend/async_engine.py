@@ -160,15 +160,11 @@ class AsyncEngine:
         self._closed = True
         ended: list[RequestOutput] = []
         if self._streams and self.error is None:
-            processed = self._output_processor.abort(list(self._streams))
-            in_core = [CoreOutput.aborted(engine_id) for engine_id in processed.to_abort]
-            ended = processed.outputs + self._output_processor.process(in_core).outputs
+            _, ended = self._end_here(list(self._streams))
         if self.kv_event_log is not None:
             self.kv_event_log.stop("the engine shut down")
         await self._client.shutdown()
-        for output in ended:
-            if (stream := self._streams.get(output.request_id)) is not None:
-                stream.put(output)
+        self._put(ended)
 
     @property
     def core_pid(self) -> int | None:
@@ -291,6 +287,30 @@ class AsyncEngine:
         if stream is not None and self.error is None:
             for output in self._send(self._output_processor.abort([request_id])):
                 stream.put(output)  # samples never sent to the core
+
+    def abort_all_now(self) -> None:
+        """Aborts every live request, and ends its stream now, with finish_reason "abort" and the tokens
+        it has, instead of a step later with the core's answer (dropped when it comes): the drain's end,
+        where the step under way may run for seconds on a CPU (a long prompt's chunk) and the server stops
+        right after."""
+        if not self._streams or self.error is not None or self._closed:
+            return
+        to_abort, ended = self._end_here(list(self._streams))
+        if to_abort:
+            self._client.send(AbortRequests(to_abort))
+        self._put(ended)
+
+    def _end_here(self, request_ids: list[str]) -> tuple[list[str], list[RequestOutput]]:
+        """Ends the requests here: every sample's last output ("abort"; those the core holds made here as
+        it would send them), and the engine ids of the samples the core holds."""
+        processed = self._output_processor.abort(request_ids)
+        in_core = [CoreOutput.aborted(engine_id) for engine_id in processed.to_abort]
+        return processed.to_abort, processed.outputs + self._output_processor.process(in_core).outputs
+
+    def _put(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if (stream := self._streams.get(output.request_id)) is not None:
+                stream.put(output)
 
     def _check_live(self) -> None:
         """EngineDeadError once the core died or was shut down (its sockets are closed then)."""
