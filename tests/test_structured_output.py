@@ -259,6 +259,7 @@ def test_preempted_constrained_requests_recompute_to_the_same_valid_outputs(llam
     [
         (Constraint(json_schema='{"type": "foo"}'), 'json_schema: does not compile: Unsupported type "foo"'),
         (Constraint(regex="a(b"), "regex: does not compile: Regex parsing error at position 4"),
+        (Constraint(regex="x[a-z"), "regex: does not compile: Regex parsing error at position 6"),
         (
             Constraint(grammar="root ::= foo"),
             "grammar: does not compile: EBNF parser error at line 1, column 10",

@@ -121,7 +121,7 @@ def xgrammar_regex(pattern: str, text: bool) -> str:
     for _, atom in _atoms(pattern):
         if atom in _EDGE_ANCHORS:
             continue
-        if atom.startswith("["):
+        if atom.startswith("[") and _closed(atom):  # one never closed stays, for xgrammar to refuse
             atom = _class_for_text(atom) if text else _HEX2.sub(_as_u00, atom)
         elif _HEX2.fullmatch(atom):
             atom = _as_u00(_HEX2.fullmatch(atom))
@@ -130,6 +130,14 @@ def xgrammar_regex(pattern: str, text: bool) -> str:
 
 
 _HEX2 = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")
+
+
+def _closed(atom: str) -> bool:
+    """Whether the class `atom` (from `_atoms`) ends with its closing "]": `[ab` and `[a\\]` do not."""
+    end = 1
+    while end < len(atom) and atom[end] != "]":
+        end += 2 if atom[end] == "\\" else 1
+    return end == len(atom) - 1
 
 
 def _as_u00(match: re.Match) -> str:
