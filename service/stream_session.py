@@ -66,8 +66,9 @@ class StreamSession:
 
     @property
     def num_live_requests(self) -> int:
-        """Requests whose last message is not yet written."""
-        return len(self._pumps)
+        """Requests whose last message is not yet written: their pumps until done (a request's id is free
+        once its last chunk is queued, `_pumps`, but the drain must wait for the write)."""
+        return len(self._tasks)
 
     async def run(
         self, requests: AsyncIterator[pb.StreamGenerateRequest | MalformedMessageError]
@@ -103,9 +104,10 @@ class StreamSession:
                     await self._cancel(message.cancel.request_id)
                 else:
                     await self._send_error("", ValueError("action: set generate or cancel"))
-            # Half-closed: let the outstanding requests finish, then end the stream.
-            while self._pumps:
-                await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+            # Half-closed: let the outstanding requests finish and their last messages be written (their
+            # pumps end), then end the stream; ended sooner, it cancelled a pump woken by its last write.
+            while live := [task for task in self._tasks if not task.done()]:
+                await asyncio.gather(*live, return_exceptions=True)
         finally:
             self._outbox.put_nowait(None)
 

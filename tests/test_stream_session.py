@@ -74,6 +74,37 @@ async def test_a_request_whose_call_ends_before_its_pump_starts_is_counted_cance
     assert session.num_live_requests == 0
 
 
+class _OneChunkRunner(_UntracedRunner):
+    """A runner whose every request ends with its first chunk."""
+
+    async def run(self, *args, **kwargs):
+        yield pb.GenerateResponse(text="hi", finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+async def test_a_request_is_live_until_its_last_chunk_is_written() -> None:
+    """Its id is free once its last chunk is queued, but it counted as ended then: a drain found the
+    server idle while the call still had that chunk to write, and cut it (UNAVAILABLE, the answers
+    lost); and a half-close ended the stream at that write, cancelling the pump it woke: counted
+    CANCELLED, though the client had every chunk and the call ended OK."""
+    statuses: list[grpc.StatusCode] = []
+    half_close = asyncio.Event()
+
+    async def requests():  # one request, then half-close
+        yield pb.StreamGenerateRequest(generate=pb.GenerateRequest(request_id="r", text="hi"))
+        await half_close.wait()
+
+    session = StreamSession(_OneChunkRunner(), CALLER, lambda: None, lambda _, code: statuses.append(code))
+    responses = session.run(requests())
+    last = await anext(responses)  # taken by the call, not yet written: that is the next `anext`
+    assert last.request_id == "r" and last.chunk.finish_reason == pb.FINISH_REASON_LENGTH
+    assert session.num_live_requests == 1
+    half_close.set()
+    for _ in range(10):  # the session reads the half-close before the call writes the chunk
+        await asyncio.sleep(0)
+    assert [response async for response in responses] == []
+    assert statuses == [grpc.StatusCode.OK] and session.num_live_requests == 0
+
+
 async def test_a_message_without_an_action_is_answered_naming_the_field_and_the_stream_goes_on() -> None:
     statuses: list[grpc.StatusCode] = []
 
