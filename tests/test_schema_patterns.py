@@ -184,11 +184,14 @@ def test_a_regex_constraint_with_a_part_xgrammar_misreads_is_refused(regex, mess
 
 @pytest.mark.parametrize("regex", ["[ab", "x[a-z", "[a-", "b[^", r"[a\]", "[a-z]{2}[0-"])
 def test_a_class_never_closed_is_left_for_xgrammar_to_refuse(regex) -> None:
-    """The rewrite of a text regex's classes closed it (`[ab` became `[a]`, `b[^` anything but b): the
-    request ran under a pattern it never sent, where Python, ECMAScript and xgrammar refuse it."""
+    """The rewrite of a text regex's classes closed it (`[ab` became `[a]`, `b[^` anything but b), and so
+    did a schema pattern's JSON rewrite where the pattern ended in an escaped "]" (`[a\\]` became "a" or a
+    backslash): the request ran under a pattern it never sent, where Python, ECMAScript and xgrammar
+    refuse it."""
     with pytest.raises(re.error):
         re.compile(regex)
     assert xgrammar_regex(regex, text=True) == regex
+    assert json_escaped(xgrammar_regex(regex, text=False)) == regex
     with pytest.raises(RuntimeError, match="Regex parsing error"):
         xgr.Grammar.from_regex(xgrammar_regex(regex, text=True))
 

@@ -289,8 +289,9 @@ def _json_class(atom: str) -> str | None:
     them and the JSON escape of each: xgrammar wrote those of a class that holds nothing else as they are.
     Beside other characters it still leaves the escapes out (the class's first characters and the escapes'
     backslash meet in one of its character sets, which keeps a backslash out): narrower, never wider. None
-    for a class without them, and for a negated class (xgrammar keeps them out of it, as it should)."""
-    if atom.startswith("[^") or not atom.endswith("]"):
+    for a class without them, for a negated class (xgrammar keeps them out of it, as it should), and for
+    one never closed (left for xgrammar to refuse)."""
+    if atom.startswith("[^") or not _closed(atom):
         return None
     kept, escaped = [], set()
     for text, low, high in _class_pieces(atom):
