@@ -18,13 +18,16 @@ from kustomize_render import render
 from service_harness import ServerThread, tiny_engine_config
 from toolchains import REPO
 
-from sluice.service.server import INFERENCE_SERVICE
+from sluice.engine.frontend.core_client import CORE_EXIT_TIMEOUT_S
+from sluice.service.server import ABORT_MARGIN_S, GOAWAY_SETTLE_S, INFERENCE_SERVICE
 
 K8S_DIR = os.path.join(REPO, "deploy", "k8s", "base")
 DOCKERFILE = os.path.join(REPO, "deploy", "Dockerfile")
 HEALTH_PROBE = os.path.join(REPO, "deploy", "grpc_health_probe.py")
-# kube-apiserver SIGKILLs at terminationGracePeriodSeconds: leave time to abort leftovers and stop.
-MIN_STOP_MARGIN_SECONDS = 5
+# kube-apiserver SIGKILLs at terminationGracePeriodSeconds: after the grace period the drain aborts the
+# leftovers (their streams end within ABORT_MARGIN_S), lets the GOAWAY settle, then asks the core to exit
+# and kills it after CORE_EXIT_TIMEOUT_S; a second to spare for the process to end.
+MIN_STOP_MARGIN_SECONDS = ABORT_MARGIN_S + GOAWAY_SETTLE_S + CORE_EXIT_TIMEOUT_S + 1
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 HEARTBEAT_S = 0.5  # an idle core says it is alive this often
+# How long `shutdown` waits for the core to exit once asked before it kills it.
+CORE_EXIT_TIMEOUT_S = 10.0
 
 
 class CoreClient:
@@ -153,7 +155,7 @@ class CoreClient:
             )
         raise RuntimeError("this engine was started on another event loop: use it from that loop")
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
+    async def shutdown(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
         """Asks the core to exit, kills it after `timeout`, and releases the sockets. From another loop
         than `start`'s only once that one has closed: its tasks and its watch of the core went with it, so
         the core's exit is waited for in a thread."""
