@@ -220,9 +220,24 @@ def test_offline_chat_takes_the_options_as_vllm_names_them(llm: LLM, hf) -> None
         ),
     ]
     for options, messages, expected in cases:
-        (completion,) = llm.chat([messages], params, **options)
+        (completion,) = llm.chat(messages=[messages], sampling_params=params, **options)
         assert completion.prompt_token_ids == expected, options
     assert "<think>\n2 and 2 make 4.\n</think>\n\nend" in hf.decode(cases[2][2])
+
+
+def test_a_message_whose_content_is_none_renders_as_empty_offline_as_over_grpc(
+    llm: LLM, server: ServerThread, hf
+) -> None:
+    """vLLM renders content None as "", and so does the server (a ChatMessage's content is "" when
+    unset); offline, the template (which reads every message's content) failed on it."""
+    conversation = [*CHAT, {"role": "assistant", "content": None}, {"role": "user", "content": "And 3+3?"}]
+    expected = reference(
+        hf, [*CHAT, {**conversation[2], "content": ""}, conversation[3]], add_generation_prompt=True
+    )
+    (completion,) = llm.chat([conversation], SamplingParams(max_tokens=1))
+    assert completion.prompt_token_ids == expected
+    with Client(server.target) as client:
+        assert client.tokenize(messages=conversation) == expected
 
 
 @pytest.mark.parametrize(("options", "conversation", "field", "message"), REFUSED)

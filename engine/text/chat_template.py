@@ -123,8 +123,9 @@ class ChatTemplate:
             try:
                 rendered = self._template.render(messages=conversation, **variables, **context)
             except _RENDER_ERRORS:
-                # A template that reads every message's content (SmolLM2's) fails on tool-call messages
-                # without one (transformers' form): they get vLLM's empty content instead.
+                # A template that reads every message's content (SmolLM2's, ChatML's) fails on messages
+                # without one (transformers' form: a tool-call message, content None): they get vLLM's
+                # empty content instead, as over gRPC (a ChatMessage's content is "" when unset).
                 if not (with_content := _with_empty_content(conversation)):
                     raise
                 rendered = self._template.render(messages=with_content, **variables, **context)
@@ -195,14 +196,10 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
 
 
 def _with_empty_content(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """`conversation` with content "" on its tool-call messages that have none; None if it has none such."""
-
-    def lacks_content(message: dict[str, Any]) -> bool:
-        return "tool_calls" in message and "content" not in message
-
-    if not any(map(lacks_content, conversation)):
+    """`conversation` with content "" on its messages that have none; None if it has none such."""
+    if all("content" in message for message in conversation):
         return None
-    return [{**message, "content": ""} if lacks_content(message) else message for message in conversation]
+    return [message if "content" in message else {**message, "content": ""} for message in conversation]
 
 
 def _raise_exception(message: str) -> None:
