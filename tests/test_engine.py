@@ -174,13 +174,13 @@ def test_bad_priorities_and_lengths_are_refused_naming_the_argument_and_leave_th
     llm = LLM(llama_dir)
     expected = llm.generate([5, 6, 7], GREEDY)[0].token_ids
     with pytest.raises(InvalidRequestError, match=r"^priority: must be an integer, got None$"):
-        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priorities=[0, None])
-    with pytest.raises(ValueError, match=r"^priorities: 1 entries for 2 prompts$"):
-        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priorities=[0])
-    with pytest.raises(ValueError, match=r"^params: 1 entries for 2 prompts$"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priority=[0, None])
+    with pytest.raises(ValueError, match=r"^priority: 1 entries for 2 prompts$"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, priority=[0])
+    with pytest.raises(ValueError, match=r"^sampling_params: 1 entries for 2 prompts$"):
         llm.generate([[5, 6, 7], [8, 9]], [GREEDY])
     assert not llm.engine.has_unfinished_requests()
-    assert llm.generate([5, 6, 7], GREEDY, priorities=[3])[0].token_ids == expected
+    assert llm.generate([5, 6, 7], GREEDY, priority=[3])[0].token_ids == expected
 
 
 def test_a_ctrl_c_inside_a_step_is_raised_between_steps_and_leaves_the_llm_whole(llama_dir, monkeypatch):
@@ -279,12 +279,12 @@ def typed_llm(llama_dir: str) -> LLM:
         (
             lambda llm: llm.generate(["a", "b"], "x"),
             ValueError,
-            r"^params: must be a SamplingParams or a list",
+            r"^sampling_params: must be a SamplingParams or a list",
         ),
         (
             lambda llm: llm.chat(["hi"], GREEDY),
             ValueError,
-            r"^conversations\[0\]: must be a list of messages",
+            r"^messages\[0\]: must be a list of messages",
         ),
         (
             lambda llm: SamplingParams(constraint={"regex": "a"}),
@@ -320,8 +320,8 @@ def test_generators_of_prompts_params_and_conversations_are_taken_as_lists(typed
     """vLLM's LLM.generate takes lists only; a generator gave a bare TypeError ('generator' object is not
     subscriptable / has no len())."""
     prompts, params = ["the quick brown fox", [5, 6, 7]], [GREEDY, replace(GREEDY, max_tokens=3)]
-    expected = [c.token_ids for c in typed_llm.generate(prompts, params, priorities=[0, 1])]
-    got = typed_llm.generate((p for p in prompts), (p for p in params), priorities=iter([0, 1]))
+    expected = [c.token_ids for c in typed_llm.generate(prompts, params, priority=[0, 1])]
+    got = typed_llm.generate((p for p in prompts), (p for p in params), priority=iter([0, 1]))
     assert [c.token_ids for c in got] == expected
     conversation = [{"role": "user", "content": "hi"}]
     chat = typed_llm.chat((c for c in [conversation, conversation]), GREEDY)

@@ -182,6 +182,9 @@ def test_logprobs_are_the_raw_models_whatever_samples_and_asking_changes_no_toke
     assert [entry.sampled.token_id for entry in got] == tokens
     sampled = want.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(torch.tensor([e.sampled.logprob for e in got]), sampled, atol=1e-4, rtol=0)
+    # vLLM's cumulative_logprob: their sum; None where no logprobs were asked for.
+    assert completion.cumulative_logprob == pytest.approx(sampled.sum().item(), abs=1e-3)
+    assert plain.cumulative_logprob is None
     top = want.topk(2, dim=-1)
     assert [[t.token_id for t in e.top] for e in got] == top.indices.tolist()
     torch.testing.assert_close(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,6 +83,12 @@ class Completion:
             self.tool_calls = output.tool_calls
             self.content = output.content
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs (as `logprobs` gives them), None when there
+        are none (logprobs not asked for)."""
+        return math.fsum(self.logprobs.logprobs) if self.logprobs.token_ids else None
+
     def as_message(self) -> dict[str, Any]:
         """The assistant message that continues the conversation: the text, or the tool calls and the
         content beside them (then add a {"role": "tool", "tool_call_id": call.id, "content": ...}
@@ -120,13 +127,14 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        priorities: Sequence[int] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Completions in the order of `prompts`. A single prompt (str, token ids, or vLLM's
-        {"prompt": text} / {"prompt_token_ids": ids}) is one request. A prompt whose params have n > 1
-        gives n consecutive completions (`index` 0 .. n - 1)."""
+        {"prompt": text} / {"prompt_token_ids": ids}) is one request. A prompt whose sampling params have
+        n > 1 gives n consecutive completions (`index` 0 .. n - 1). `priority`: one a prompt (vLLM's
+        name; lower runs first)."""
         if isinstance(prompts, bytes):
             raise ValueError("prompts: bytes are neither text nor token ids; decode them to a str")
         if isinstance(prompts, Iterator):  # a generator: taken as the list it yields
@@ -136,31 +144,31 @@ class LLM:
         ):
             prompts = [prompts]  # one prompt: text, token ids or a prompt dict
         token_ids = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(token_ids, params, priorities)
+        return self._run(token_ids, sampling_params, priority)
 
     def chat(
         self,
-        conversations: Sequence[Sequence[Mapping[str, Any]]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        messages: Sequence[Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tool_use: ToolUse | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[Completion]:
-        """`conversations`: a list of them, or one (a list of messages). `tool_use`: tools for every
-        conversation (see `sluice.engine.structured.tool_calls`); the completions then carry the parsed
-        `tool_calls`. The rest, as vLLM's `LLM.chat` names them, say how the chat template renders every
-        conversation (`ChatTemplateOptions`): extra template variables (e.g. {"enable_thinking": False}),
-        the generation prompt after it, or the prompt ending inside its last (assistant) message."""
-        if isinstance(conversations, Iterator):  # a generator: taken as the list it yields
-            conversations = list(conversations)
+        """`messages`: one conversation (a list of messages), or a list of them, as vLLM takes them.
+        `tool_use`: tools for every conversation (see `sluice.engine.structured.tool_calls`); the
+        completions then carry the parsed `tool_calls`. The rest, as vLLM's `LLM.chat` names them, say
+        how the chat template renders every conversation (`ChatTemplateOptions`): extra template
+        variables (e.g. {"enable_thinking": False}), the generation prompt after it, or the prompt
+        ending inside its last (assistant) message."""
+        conversations = list(messages) if isinstance(messages, Iterator) else messages  # a generator's list
         if conversations and isinstance(conversations[0], Mapping):  # one conversation
             conversations = [conversations]
         for i, conversation in enumerate(conversations):
             if isinstance(conversation, str | bytes | Mapping) or not isinstance(conversation, Sequence):
                 raise ValueError(
-                    f"conversations[{i}]: must be a list of messages (role, content), got {conversation!r}"
+                    f"messages[{i}]: must be a list of messages (role, content), got {conversation!r}"
                 )
         tools = None if tool_use is None else tool_use.for_template()
         options = ChatTemplateOptions(
@@ -170,7 +178,7 @@ class LLM:
             resolve_prompt(self.engine.tokenizer, messages=c, tools=tools, chat_options=options)
             for c in conversations
         ]
-        return self._run(token_ids, params, None, tool_use, chat=True)
+        return self._run(token_ids, sampling_params, None, tool_use, chat=True)
 
     def _encode(self, prompt: Prompt, name: str) -> list[int]:
         if isinstance(prompt, Mapping):  # a dict had been read as token ids: KeyError 0
@@ -197,9 +205,9 @@ class LLM:
             params = [params or SamplingParams()] * len(prompt_token_ids)
         elif isinstance(params, str | bytes) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(
-                f"params: must be a SamplingParams or a list of them, one per prompt, got {params!r}"
+                f"sampling_params: must be a SamplingParams or a list of them, one per prompt, got {params!r}"
             )
-        for name, values in (("params", params), ("priorities", priorities)):
+        for name, values in (("sampling_params", params), ("priority", priorities)):
             if values is not None and len(values) != len(prompt_token_ids):
                 raise ValueError(f"{name}: {len(values)} entries for {len(prompt_token_ids)} prompts")
         if tool_use is not None:
