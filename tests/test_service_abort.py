@@ -43,6 +43,8 @@ def test_an_abort_before_its_generate_still_cancels_it(stub, server: ServerThrea
     assert [(c.request_id, c.finish_reason, c.usage.completion_tokens) for c in chunks] == [
         ("early", pb.FINISH_REASON_ABORT, 0)
     ]
+    # It never reached the engine: no usage (the proto's GenerateResponse.usage), the timings.
+    assert not chunks[0].HasField("usage") and chunks[0].HasField("timings")
     server.wait_idle()
     # Remembered once: the id may be used again.
     again = list(stub.Generate(generate_request("Hello", request_id="early", temperature=0.0, max_tokens=2)))

@@ -1520,7 +1520,8 @@ type GenerateResponse struct {
 	//	*GenerateResponse_StopTokenId
 	//	*GenerateResponse_StopString
 	StopReason isGenerateResponse_StopReason `protobuf_oneof:"stop_reason"`
-	// Set on the last chunk only.
+	// Set on the last chunk only; unset on a request that ended before it reached the engine (an
+	// earlier Abort of its id, a cancel while its prompt was tokenized): nothing of it was counted.
 	Usage *Usage `protobuf:"bytes,8,opt,name=usage,proto3" json:"usage,omitempty"`
 	// Set on the last chunk only.
 	Timings *Timings `protobuf:"bytes,9,opt,name=timings,proto3" json:"timings,omitempty"`
