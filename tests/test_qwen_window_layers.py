@@ -180,6 +180,23 @@ def test_a_llama_config_with_a_sliding_window_key_windows_no_layer(tmp_path):
     _assert_runs_like_transformers(directory, "torch", reference)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_mistral_config_with_layer_types_windows_only_the_sliding_layers(tmp_path, backend):
+    """transformers reads a Mistral config.json that has layer_types as Ministral's (AutoConfig's
+    heuristic), windowing only the layers marked sliding; every layer was windowed, the greedy tokens
+    off from the first."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**SHAPE, num_hidden_layers=3, sliding_window=WINDOW, rope_theta=1e4)
+    directory = _save(MistralForCausalLM(config), str(tmp_path), 56)
+    layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    _with_config(directory, layer_types=layer_types)
+    arch = load_model_source(ModelConfig(model=directory)).arch
+    assert [arch.layer_sliding_window(i) for i in range(3)] == [None, WINDOW, None]
+    assert arch.uniform_sliding_window is None  # the full layers keep every block
+    _assert_runs_like_transformers(directory, backend)
+
+
 def test_qwen_without_a_use_sliding_window_key_windows_no_layer(tmp_path):
     """transformers' Qwen2/Qwen3 configs default use_sliding_window to False; it was taken as True."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -219,13 +219,14 @@ def _max_positions(config: dict[str, Any], rope_scaling: RopeScaling | None) -> 
 
 
 def _windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
-    """sliding_window and layer_types as transformers builds each family: Mistral windows every layer;
-    Qwen2/Qwen3 only with `use_sliding_window` (default off), the layers from `max_window_layers` on;
-    Gemma 3 the layers its layer_types (or sliding_window_pattern, default 6) mark sliding; Llama only
-    the layers a layer_types marks, as vLLM reads it (transformers' Llama ignores the key, which configs
-    converted from Mistral or Qwen keep: every layer was windowed)."""
+    """sliding_window and layer_types as transformers builds each family: Mistral windows every layer,
+    unless its config has a layer_types (transformers then builds it as Ministral: the layers marked
+    sliding); Qwen2/Qwen3 only with `use_sliding_window` (default off), the layers from
+    `max_window_layers` on; Gemma 3 the layers its layer_types (or sliding_window_pattern, default 6)
+    mark sliding; Llama only the layers a layer_types marks, as vLLM reads it (transformers' Llama
+    ignores the key, which configs converted from Mistral or Qwen keep: every layer was windowed)."""
     window = config.get("sliding_window", DEFAULT_SLIDING_WINDOW)
-    if architecture == "MistralForCausalLM":
+    if architecture == "MistralForCausalLM" and not config.get("layer_types"):
         return {"sliding_window": window}
     if architecture in QWEN_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
         return {}
