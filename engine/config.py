@@ -27,6 +27,17 @@ def _require(condition: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+# GetModelInfo (and SMG's GetServerInfo / GetLoads) report the context, the block size, the number of blocks
+# and the scheduler's limits as int32s: a larger value would fail every one of those calls.
+INT32_MAX = 2**31 - 1
+
+
+def _require_positive_int32(value: int | None, name: str) -> None:
+    """`value` (None: unset) is in 1..INT32_MAX."""
+    _require(value is None or value > 0, name, "must be > 0")
+    _require(value is None or value <= INT32_MAX, name, f"must be at most {INT32_MAX}, got {value}")
+
+
 def _check_fields(config: object) -> None:
     """Each field of `config` holds its declared type, as vLLM's pydantic configs check (`LLM(**kwargs)`
     took block_size=16.0 and failed in the engine; enforce_eager="false" read as true), and as they take
@@ -171,7 +182,7 @@ class ModelConfig:
             "preset",
             "load_format='dummy' needs a preset name or a model directory with a config.json",
         )
-        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        _require_positive_int32(self.max_model_len, "max_model_len")
         name = self.served_model_name
         _require(
             name is None or (name.strip() == name != "" and name.isprintable()),
@@ -219,9 +230,10 @@ class CacheConfig:
         if self.kv_cache_dtype == "fp8_e4m3":
             object.__setattr__(self, "kv_cache_dtype", "fp8")
         _require(self.block_size > 0 and self.block_size % 8 == 0, "block_size", "must be a multiple of 8")
+        _require_positive_int32(self.block_size, "block_size")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
-        _require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", "must be > 0")
+        _require_positive_int32(self.num_blocks, "num_blocks")
 
 
 # The step budget when none is given (`SchedulerConfig.max_num_batched_tokens`), as vLLM's server picks it:
@@ -262,8 +274,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_fields(self)
         budget = self.max_num_batched_tokens
-        _require(budget is None or budget > 0, "max_num_batched_tokens", "must be > 0")
-        _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
+        _require_positive_int32(budget, "max_num_batched_tokens")
+        _require_positive_int32(self.max_num_seqs, "max_num_seqs")
         _require(
             budget is None or budget >= self.max_num_seqs,
             "max_num_batched_tokens",

@@ -46,6 +46,14 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
         (("--metrics-port", "-1"), "metrics_port: must be in [0, 65535]"),
         (("--seed", "99999999999999999999"), "seed: 99999999999999999999 is out of range (an int64)"),
         (("--max-model-len", str(2**70)), f"max_model_len: {2**70} is out of range (an int64)"),
+        # Served, and GetModelInfo, SMG's GetServerInfo and GetLoads then failed on every call (int32s).
+        (("--max-num-seqs", "3000000000"), "max_num_seqs: must be at most 2147483647, got 3000000000"),
+        (
+            ("--max-num-batched-tokens", "3000000000"),
+            "max_num_batched_tokens: must be at most 2147483647, got 3000000000",
+        ),
+        (("--num-blocks", str(2**31)), f"num_blocks: must be at most 2147483647, got {2**31}"),
+        (("--max-model-len", str(2**31)), f"max_model_len: must be at most 2147483647, got {2**31}"),
         (
             ("--kv-events", "--no-prefix-caching"),
             "kv-events: the events are the prefix cache's; drop --no-prefix-caching",
