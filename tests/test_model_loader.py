@@ -123,6 +123,36 @@ def test_an_unreadable_shard_or_index_is_refused_naming_the_file(qwen2_dir, tmp_
         load_model_source(ModelConfig(model=str(tmp_path / "qwen2")))
 
 
+@pytest.mark.parametrize(
+    ("file", "text", "message"),
+    [
+        ("config.json", "{'a': 1}", r"^model: '.*/config\.json' is not valid JSON \(Expecting property name"),
+        ("config.json", "[1, 2]", r"^model: '.*/config\.json' must hold a JSON object, got list$"),
+        ("generation_config.json", "{", r"^model: '.*/generation_config\.json' is not valid JSON \("),
+        ("tokenizer_config.json", "{,}", r"^model: '.*/tokenizer_config\.json' is not valid JSON \("),
+        ("model.safetensors.index.json", "", r"^model: '.*/model\.safetensors\.index\.json' is not valid"),
+        (
+            "tokenizer.json",
+            "{'a'",
+            r"^model: '.*/tokenizer\.json' is no tokenizer the tokenizers library reads: ",
+        ),
+        ("generation_config.json", '{"eos_token_id": "x"}', r"^eos_token_id: must be a token id or a list"),
+        ("config.json", None, r"^eos_token_id: must be a token id or a list of them, got \[2, True\]$"),
+    ],
+)
+def test_a_checkpoint_file_that_cannot_be_read_is_refused_naming_it(qwen2_dir, tmp_path, file, text, message):
+    """json's own errors (JSONDecodeError "Expecting property name ... (char 1)") named no file; an eos id
+    that is no integer failed the engine core's start with a TypeError."""
+    directory = tmp_path / "qwen2"
+    shutil.copytree(qwen2_dir, directory)
+    path = directory / file
+    if text is None:  # config.json's own eos ids
+        text = json.dumps({**json.loads(path.read_text()), "eos_token_id": [2, True]})
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_model_source(ModelConfig(model=str(directory)))
+
+
 def test_tiny_dummy_preset_shapes_and_parameter_count() -> None:
     source = load_model_source(ModelConfig(load_format="dummy", preset="tiny", seed=3))
     weights = dict(source.weights)

@@ -6,7 +6,6 @@ parameter names (yielded lazily, one tensor at a time), and the tokenizer when t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sluice.engine.config import ModelConfig
+from sluice.engine.loading.config_fields import read_json_object
 from sluice.engine.loading.language_model import language_model_name
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.modelopt_config import HF_QUANT_CONFIG, MODELOPT
@@ -139,17 +139,15 @@ def read_arch(directory: str) -> ModelArchConfig:
         )
     if not os.path.isfile(config_path):
         raise ValueError(f"model: {directory!r} has no config.json")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_json_object(config_path)
     quant_path = os.path.join(directory, HF_QUANT_CONFIG)
     if "quantization_config" not in config and os.path.isfile(quant_path):
-        with open(quant_path) as f:  # ModelOpt's older exports describe their FP8 there
-            config["quantization_config"] = {"quant_method": MODELOPT, **json.load(f)}
+        # ModelOpt's older exports describe their FP8 there
+        config["quantization_config"] = {"quant_method": MODELOPT, **read_json_object(quant_path)}
     arch = ModelArchConfig.from_hf_config(config, name=os.path.basename(os.path.normpath(directory)))
     generation_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation_path):
-        with open(generation_path) as f:
-            extra = token_ids(json.load(f).get("eos_token_id"))
+        extra = token_ids(read_json_object(generation_path).get("eos_token_id"))
         merged = tuple(dict.fromkeys([*arch.eos_token_ids, *extra]))
         arch = replace(arch, eos_token_ids=merged)
     return arch
@@ -168,8 +166,7 @@ class SafetensorsWeights:
         single_path = os.path.join(directory, "model.safetensors")
         self.weight_map: dict[str, str] | None = None  # tensor -> its file, from the index
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json_object(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"model: {index_path!r} has no weight_map (tensor name -> shard file)")
             self.weight_map = {name: os.path.join(directory, file) for name, file in weight_map.items()}

@@ -17,7 +17,6 @@ model has one, by the default template otherwise.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import tokenizers
 from tokenizers import processors
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
+from sluice.engine.loading.config_fields import read_json_object
 from sluice.engine.text.byte_level import ByteLevelVocab
 from sluice.engine.text.chat_messages import json_text, lone_surrogate_error
 from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
@@ -50,10 +50,14 @@ PREFIX_GROWTH = 4
 
 
 def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """A config's `eos_token_id` (one id, a list of ids, or absent) as a tuple of ids."""
+    """A config's `eos_token_id` (one id, a list of ids, or absent) as a tuple of ids; anything else is
+    refused naming the field."""
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, list) else (value,)
+    ids = tuple(value) if isinstance(value, list) else (value,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id: must be a token id or a list of them, got {value!r}")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,11 @@ class Tokenizer:
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`."""
         directory = Path(directory)
-        backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        path = directory / "tokenizer.json"
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a file it cannot read
+            raise ValueError(f"model: {str(path)!r} is no tokenizer the tokenizers library reads: {e}") from e
         # A file saved with truncation or padding on (a training run's last state: some checkpoints ship
         # max_length 2048) would cut or pad every prompt; transformers turns both off as it loads.
         backend.no_truncation()
@@ -338,7 +346,4 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path) if path.is_file() else {}
