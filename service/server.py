@@ -177,13 +177,21 @@ class ServerConfig:
             )
         if not self.max_connection_age_grace >= 0:
             raise ValueError("max_connection_age_grace: must be >= 0 seconds")
-        if (
-            self.profile_dir is not None
-            and os.path.exists(self.profile_dir)
-            and not os.path.isdir(self.profile_dir)
-        ):
-            # Else taken, and only the first StartProfile would fail.
-            raise ValueError(f"profile_dir: {self.profile_dir!r} is not a directory")
+        if self.profile_dir is not None:
+            self._make_profile_dir(self.profile_dir)
+
+    @staticmethod
+    def _make_profile_dir(path: str) -> None:
+        """Made now, so that a path no profile can be written to is refused at start: else taken, and
+        StartProfile and StopProfile answered success while the core only logged that it wrote nothing."""
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"profile_dir: {path!r} is not a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"profile_dir: {path!r} cannot be made a directory ({e.strerror})") from e
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"profile_dir: {path!r} is not writable")
 
     def tenant_directory(self) -> TenantDirectory:
         if self.tenants is not None:

@@ -67,6 +67,11 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
         ),
         # Taken, and only the first StartProfile failed.
         (("--profile-dir", __file__), f"profile_dir: {__file__!r} is not a directory"),
+        # Taken, and StartProfile / StopProfile answered success while the core wrote nothing.
+        (
+            ("--profile-dir", f"{__file__}/profiles"),
+            f"profile_dir: {__file__ + '/profiles'!r} cannot be made a directory (Not a directory)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(capsys, flags, message) -> None:
