@@ -183,6 +183,9 @@ class ModelConfig:
             "load_format='dummy' needs a preset name or a model directory with a config.json",
         )
         _require_positive_int32(self.max_model_len, "max_model_len")
+        # torch's CPU generator keeps a seed's low 32 bits: 0 and 2**32 (or -1 and 2**63 - 1) drew the same.
+        limit = f"must be in [0, {2**32 - 1}] (torch's CPU generator takes 32 bits)"
+        _require(0 <= self.seed < 2**32, "seed", limit)
         name = self.served_model_name
         _require(
             name is None or (name.strip() == name != "" and name.isprintable()),

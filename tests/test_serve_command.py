@@ -45,6 +45,8 @@ def _serve(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
         (("--grace-period", "nan"), "grace_period: must be >= 0"),
         (("--metrics-port", "-1"), "metrics_port: must be in [0, 65535]"),
         (("--seed", "99999999999999999999"), "seed: 99999999999999999999 is out of range (an int64)"),
+        (("--seed", str(2**32)), "seed: must be in [0, 4294967295] (torch's CPU generator takes 32 bits)"),
+        (("--seed", "-1"), "seed: must be in [0, 4294967295] (torch's CPU generator takes 32 bits)"),
         (("--max-model-len", str(2**70)), f"max_model_len: {2**70} is out of range (an int64)"),
         # Served, and GetModelInfo, SMG's GetServerInfo and GetLoads then failed on every call (int32s).
         (("--max-num-seqs", "3000000000"), "max_num_seqs: must be at most 2147483647, got 3000000000"),
