@@ -43,6 +43,8 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     over the wrong one were lost). The resource takes OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
     service.name is "sluice" where neither sets it."""
     env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None  # the SDK off: no other OTEL_* variable is read (the spec's no-op SDK)
     # A comma-separated list in the spec ("otlp,console"); only otlp and none are served here.
     exporters = {name.strip().lower() for name in env.get("OTEL_TRACES_EXPORTER", "").split(",")} - {""}
     if unsupported := sorted(exporters - {"otlp", "none"}):
@@ -53,8 +55,7 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     endpoint_set = bool(
         env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     )
-    disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if disabled or exporters == {"none"} or not ("otlp" in exporters or endpoint_set):
+    if exporters == {"none"} or not ("otlp" in exporters or endpoint_set):
         return None
     # The traces' own variable wins over the general one, as in the SDK.
     variable = next(

@@ -67,3 +67,12 @@ def test_export_settings_are_not_read_while_tracing_is_off(monkeypatch: pytest.M
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-1")
     assert tracer_provider_from_env() is None
+
+
+def test_nothing_else_is_read_while_the_sdk_is_disabled() -> None:
+    """OTEL_SDK_DISABLED=true turns tracing off (docs/OPERATIONS.md); an exporter Sluice does not serve
+    beside it stopped the server."""
+    for extra in ({"OTEL_TRACES_EXPORTER": "console"}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}):
+        endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+        environ = {"OTEL_SDK_DISABLED": "true", **endpoint, **extra}
+        assert tracer_provider_from_env(environ) is None
