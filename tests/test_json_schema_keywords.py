@@ -213,6 +213,31 @@ def test_a_keyword_xgrammar_would_ignore_where_it_stands_is_refused(schema, inva
         Constraint(json_schema=json.dumps(schema))
 
 
+@pytest.mark.parametrize(
+    ("schema", "keyword", "path", "written"),
+    [
+        ({"type": "object", "properties": {"x": {"anyOf": []}}, "required": ["x"]}, "anyOf", "#/properties/x",
+         "nothing in its place"),
+        ({"oneOf": []}, "oneOf", "#", "nothing in its place"),
+        ({"type": "array", "items": {"type": []}}, "type", "#/items", "any value"),
+    ],
+)  # fmt: skip
+def test_an_empty_any_of_one_of_or_type_list_is_refused(schema, keyword, path, written) -> None:
+    """No value matches one (jsonschema: none of 1, "a", null, [] and {}); xgrammar wrote nothing in place of
+    an empty anyOf or oneOf (`{"x": }` came out with finish_reason "stop"), any value for an empty type."""
+    wrap = {"#": lambda v: v, "#/items": lambda v: [v], "#/properties/x": lambda v: {"x": v}}[path]
+    for value in (1, "a", None, [], {}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate(wrap(value), schema)
+    with pytest.raises(ValueError) as info:
+        Constraint(json_schema=json.dumps(schema))
+    assert str(info.value) == (
+        f"json_schema: {keyword!r} at {path} is a keyword the grammar cannot enforce (xgrammar), so the "
+        f"output could break it; leave it out (an empty list, which no value matches; xgrammar writes "
+        f"{written})"
+    )
+
+
 @pytest.mark.parametrize(("schema", "valid", "invalid"), ENFORCED)
 def test_an_accepted_schema_holds_the_output_to_it(compiler: GrammarCompiler, schema, valid, invalid) -> None:
     constraint = Constraint(json_schema=json.dumps(schema))

@@ -244,6 +244,11 @@ _SCHEMAS = (
 )
 
 
+# What xgrammar writes for these keywords given an empty list (JSON Schema: no value matches one): nothing at
+# all (`{"x": }` came out, finish_reason "stop"), or any value.
+_EMPTY_LISTS_WRITTEN = {"anyOf": "nothing in its place", "oneOf": "nothing in its place", "type": "any value"}
+
+
 class Unenforced(NamedTuple):
     """A keyword the grammar would not enforce, the JSON pointer of its schema, and why where the keyword
     alone does not say (a pattern's part that xgrammar drops, a number it writes otherwise)."""
@@ -270,6 +275,10 @@ def unenforced_keyword(schema: object, path: str = "#") -> Unenforced | None:
         return Unenforced("uniqueItems", path)
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return Unenforced("allOf", path)
+    for keyword, written in _EMPTY_LISTS_WRITTEN.items():
+        if schema.get(keyword) == []:
+            why = f"an empty list, which no value matches; xgrammar writes {written}"
+            return Unenforced(keyword, path, why)
     if (ignored := _ignored_keyword(schema)) is not None:
         return Unenforced(ignored, path)
     for unwritten in (
