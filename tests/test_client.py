@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
 
-from sluice import AsyncClient, Client, generate_request
+from sluice import AsyncClient, Client, SluiceError, generate_request
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.generate_command import stats_line
 from sluice.service_config import REQUEST_HASH_HEADER_ENV
@@ -26,8 +27,13 @@ pytestmark = pytest.mark.timeout(180)
 SLUICE = str(Path(sys.executable).parent / "sluice")
 
 
+NUM_GREEDY_TOKENS = 24
+
+
 def _greedy(**kwargs: object) -> pb.GenerateRequest:
-    return generate_request("Hello world", temperature=0.0, max_tokens=24, ignore_eos=True, **kwargs)
+    return generate_request(
+        "Hello world", temperature=0.0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True, **kwargs
+    )
 
 
 def test_a_stop_string_given_alone_is_one_stop_string(server: ServerThread) -> None:
@@ -282,3 +288,78 @@ def test_metadata_grpc_cannot_send_is_refused_naming_the_argument(server: Server
             with pytest.raises(ValueError, match=f"^metadata: {re.escape(message)}"):
                 client.model_info(metadata=metadata)
         assert client.model_info(metadata=[("x-a-bin", b"\xff"), ("x-b", b"ascii")]).vocab_size > 0
+
+
+def test_a_timeout_past_any_deadline_grpc_holds_is_no_deadline(server: ServerThread) -> None:
+    """grpc ended a call whose deadline it cannot hold at once, DEADLINE_EXCEEDED before sending it
+    (inf, and from ~1e10 s); a timeout that is no number of seconds > 0 is refused naming it."""
+
+    async def on_async_client() -> list[int]:
+        async with AsyncClient(server.target) as client:
+            return [len((await client.complete(_greedy(), timeout=t)).token_ids) for t in (math.inf, 1e10)]
+
+    assert asyncio.run(on_async_client()) == [NUM_GREEDY_TOKENS] * 2
+    with Client(server.target) as client:
+        for timeout in (math.inf, 1e10):
+            assert len(client.complete(_greedy(), timeout=timeout).token_ids) == NUM_GREEDY_TOKENS
+            assert client.model_info(timeout=timeout).vocab_size > 0
+        for timeout in (0, -1.0, math.nan, "5", True):
+            with pytest.raises(ValueError, match=r"^timeout: must be a number of seconds > 0"):
+                client.model_info(timeout=timeout)
+
+
+def test_arguments_grpc_or_protobuf_cannot_take_are_refused_naming_them(server: ServerThread) -> None:
+    """Each failed with protobuf's or grpc's own error, naming nothing ("bad argument type for built-in
+    operation", "'int' object has no attribute 'isascii'", "too many values to unpack"), or was read as
+    true ("false")."""
+    with Client(server.target) as client:
+        calls = [
+            (lambda: client.tokenize(5), "text"),
+            (lambda: client.tokenize("\ud800"), "text"),
+            (lambda: client.tokenize("hi", add_special_tokens="no"), "add_special_tokens"),
+            (lambda: client.abort(5), "request_id"),
+            (lambda: client.abort("\ud800"), "request_id"),
+            (lambda: client.complete(_greedy(), session=5), "session"),
+        ]
+        for call, name in calls:
+            with pytest.raises(ValueError, match=f"^{name}: "):
+                call()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    builders = [
+        (lambda: generate_request("hi", trace_context={"traceparent": 1}), "trace_context"),
+        (lambda: generate_request("hi", regex=5), "regex"),
+        (lambda: generate_request("hi", choice=[1, 2]), "choice"),
+        (lambda: generate_request("hi", json_object="false"), "json_object"),
+        (lambda: generate_request(**chat, continue_final_message="false"), "continue_final_message"),
+        (lambda: generate_request(**chat, add_generation_prompt="yes"), "add_generation_prompt"),
+        (lambda: Client(None), "target"),
+        (lambda: Client("localhost:1", options={"grpc.x": 1}), "options"),
+        (lambda: Client("localhost:1", service_config='{"loadBalancingConfig": []}'), "service_config"),
+        (lambda: Client("localhost:1", credentials="x"), "credentials"),
+    ]
+    for build, name in builders:
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            build()
+
+
+def test_a_request_that_never_reached_the_engine_has_no_usage(server: ServerThread) -> None:
+    """The proto leaves usage unset there (an earlier Abort of its id); the Completion read it as zeros."""
+    with Client(server.target) as client:
+        with pytest.raises(SluiceError):  # NOT_FOUND, and remembered
+            client.abort("never-ran")
+        completion = client.complete(_greedy(request_id="never-ran"))
+        assert (completion.finish_reason_name, completion.usage) == ("abort", None)
+        assert completion.timings is not None
+        assert client.complete(_greedy()).usage.completion_tokens == NUM_GREEDY_TOKENS
+
+
+def test_sluice_generate_into_a_closed_pipe_exits_without_a_traceback(server: ServerThread) -> None:
+    """`sluice generate ... | head -c 5`: a BrokenPipeError traceback, exit 1."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first token is written
+    command = [SLUICE, "generate", "--target", server.target, "--raw", "--max-tokens", "8", "Hello"]
+    try:
+        result = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=PATIENCE_S)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (1, "")

@@ -33,6 +33,7 @@ def open_channel(
     `session_affinity` swaps the default service config for the ring-hash one; any config keyed on a
     request header (given here or in `options`) gets the header honoured. Messages of any size are
     received unless `options` set MAX_RECEIVE_OPTION."""
+    _check_arguments(target, credentials, options, service_config)
     if session_affinity and service_config is SERVICE_CONFIG:
         service_config = SESSION_AFFINITY_SERVICE_CONFIG
     configs = [value for name, value in options if name == "grpc.service_config"]
@@ -47,3 +48,22 @@ def open_channel(
     if credentials is None:
         return api.insecure_channel(target, options=options)
     return api.secure_channel(target, credentials, options=options)
+
+
+def _check_arguments(target: object, credentials: object, options: object, service_config: object) -> None:
+    """A ValueError naming the argument of a type grpc would fail on naming nothing ("'NoneType' object has
+    no attribute 'encode'", "too many values to unpack")."""
+    if not isinstance(target, str):
+        raise ValueError(f"target: must be a str such as 'localhost:50051', got {target!r}")
+    if credentials is not None and not isinstance(credentials, grpc.ChannelCredentials):
+        raise ValueError(
+            f"credentials: must be grpc.ChannelCredentials (ssl_channel_credentials), got {credentials!r}"
+        )
+    if isinstance(options, Mapping | str | bytes) or not all(
+        isinstance(option, tuple | list) and len(option) == 2 for option in options
+    ):
+        raise ValueError(f"options: must be (name, value) pairs, got {options!r}")
+    if service_config is not None and not isinstance(service_config, Mapping):
+        raise ValueError(
+            f"service_config: must be a dict (the service config's JSON, parsed), got {service_config!r}"
+        )

@@ -47,6 +47,12 @@ def chat_messages(
     spelled like a mode) (unset: auto). As vLLM's chat API: `chat_template_kwargs`, extra variables for the
     chat template (JSON values, e.g. {"enable_thinking": False}); `add_generation_prompt` (None: the
     server's default, true); `continue_final_message`, the prompt ends inside the last (assistant) message."""
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if value is not None and not isinstance(value, bool):  # bool("false") is True
+            raise ValueError(f"{name}: must be True or False, got {value!r}")
     chat = pb.ChatMessages(
         messages=[chat_message(message) for message in messages],
         tools=[tool(t) for t in tools or ()],

@@ -25,7 +25,7 @@ import grpc
 from sluice.channel import MAX_RECEIVE_OPTION, open_channel
 from sluice.chat_messages import TOOL_CHOICE_MODES, Tools
 from sluice.completion import Completion, collect_samples
-from sluice.request_builders import generate_request, tokenize_request
+from sluice.request_builders import abort_request, generate_request, tokenize_request
 from sluice.request_feed import RequestFeed
 from sluice.response_stream import AsyncResponseStream, ResponseStream
 from sluice.service_config import SERVICE_CONFIG, SESSION_AFFINITY_SERVICE_CONFIG, SESSION_HEADER
@@ -97,9 +97,33 @@ def _check_metadata_entry(key: str, value: str | bytes) -> None:
         )
 
 
+# grpc ends a call at once whose deadline it cannot hold (from ~1e10 s, and inf: DEADLINE_EXCEEDED before
+# the call is sent): a longer timeout is no deadline.
+MAX_TIMEOUT_S = 1e9
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """`timeout` as grpc takes it: None (and inf, or anything past MAX_TIMEOUT_S) no deadline; a ValueError
+    naming it when it is no number of seconds > 0."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout: must be a number of seconds > 0 (None: no deadline), got {timeout!r}")
+    return None if timeout > MAX_TIMEOUT_S else float(timeout)
+
+
+def _call_options(
+    api_key: str | None, timeout: float | None, metadata: Metadata, session: str | None
+) -> dict[str, Any]:
+    """A call's grpc keyword arguments: its deadline and metadata, checked."""
+    return {"timeout": _deadline(timeout), "metadata": _auth_metadata(api_key, metadata, session)}
+
+
 def _auth_metadata(
     api_key: str | None, metadata: Metadata, session: str | None = None
 ) -> tuple[tuple[str, str], ...]:
+    if session is not None and not isinstance(session, str):
+        raise ValueError(f"session: must be a str, got {session!r}")
     if session and not (session.isascii() and session.isprintable()):
         raise ValueError(f"session: {session!r} is not printable ASCII (it is sent as a gRPC header value)")
     # grpc's own errors named nothing: a dict failed to unpack, an upper-case key was INTERNAL.
@@ -219,7 +243,7 @@ class Client:
     ) -> None:
         """Aborts a running request by id. With session affinity give the request's `session`, so the
         abort reaches the replica that runs it."""
-        self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata, session)
+        self._unary(self._stub.Abort, abort_request(request_id), timeout, metadata, session)
 
     def tokenize(
         self,
@@ -255,7 +279,7 @@ class Client:
         metadata: Metadata = (), session: str | None = None,
     ) -> object:  # fmt: skip
         try:
-            return method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session))
+            return method(request, **_call_options(self._api_key, timeout, metadata, session))
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
 
@@ -264,7 +288,8 @@ class Client:
         timeout: float | None, metadata: Metadata, session: str | None, feed: RequestFeed | None = None,
     ) -> ResponseStream:  # fmt: skip
         return ResponseStream(
-            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)), feed
+            method(request, **_call_options(self._api_key, timeout, metadata, session)),
+            feed,
         )
 
 
@@ -352,9 +377,7 @@ class AsyncClient:
         metadata: Metadata = (),
         session: str | None = None,
     ) -> None:
-        await self._unary(
-            self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata, session
-        )
+        await self._unary(self._stub.Abort, abort_request(request_id), timeout, metadata, session)
 
     async def tokenize(
         self,
@@ -392,9 +415,7 @@ class AsyncClient:
         metadata: Metadata = (), session: str | None = None,
     ) -> object:  # fmt: skip
         try:
-            return await method(
-                request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)
-            )
+            return await method(request, **_call_options(self._api_key, timeout, metadata, session))
         except grpc.RpcError as error:
             raise SluiceError.from_rpc_error(error) from None
 
@@ -403,5 +424,6 @@ class AsyncClient:
         timeout: float | None, metadata: Metadata, session: str | None, feed: RequestFeed | None = None,
     ) -> AsyncResponseStream:  # fmt: skip
         return AsyncResponseStream(
-            method(request, timeout=timeout, metadata=_auth_metadata(self._api_key, metadata, session)), feed
+            method(request, **_call_options(self._api_key, timeout, metadata, session)),
+            feed,
         )

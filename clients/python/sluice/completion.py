@@ -41,8 +41,9 @@ class Completion:
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = chunk.finish_reason
-            self.usage = chunk.usage
-            self.timings = chunk.timings
+            # Unset on a request that ended before it reached the engine (the proto's usage): None here.
+            self.usage = chunk.usage if chunk.HasField("usage") else None
+            self.timings = chunk.timings if chunk.HasField("timings") else None
             self.tool_calls.extend(chunk.tool_calls)
             self.content = chunk.content
             stop_reason = chunk.WhichOneof("stop_reason")

@@ -86,7 +86,8 @@ def generate_request(
     for name, value in scalars.items():
         with _naming(name, value):
             setattr(request, name, value)
-    request.trace_context.update(trace_context or {})
+    with _naming("trace_context", trace_context):
+        request.trace_context.update(trace_context or {})
     if text is not None:
         with _naming("text", text):
             if not isinstance(text, str):
@@ -142,7 +143,7 @@ def generate_request(
         "regex": regex,
         "grammar": grammar,
         "choice": choice,
-        "json_object": json_object or None,
+        "json_object": _flag("json_object", json_object) or None,
         "structural_tag": structural_tag,
     }
     _set_constraint(sampling, {name: value for name, value in constraints.items() if value is not None})
@@ -173,16 +174,17 @@ def _set_constraint(sampling: pb.SamplingParams, given: Mapping[str, Any]) -> No
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)}: give one constraint, not {len(given)}")
     for name, value in given.items():
-        if name == "choice":
-            if isinstance(value, str | bytes):
-                raise ValueError("choice: must be a list of strings, not one string")
-            sampling.choice.choices.extend(value)
-        elif name == "json_object":
-            sampling.json_object.SetInParent()
-        elif isinstance(value, Mapping):  # json_schema, structural_tag
-            setattr(sampling, name, json.dumps(value))
-        else:
-            setattr(sampling, name, value)
+        with _naming(name, value):
+            if name == "choice":
+                if isinstance(value, str | bytes):
+                    raise ValueError("choice: must be a list of strings, not one string")
+                sampling.choice.choices.extend(value)
+            elif name == "json_object":
+                sampling.json_object.SetInParent()
+            elif isinstance(value, Mapping):  # json_schema, structural_tag
+                setattr(sampling, name, json.dumps(value))
+            else:
+                setattr(sampling, name, value)
 
 
 def tokenize_request(
@@ -199,13 +201,27 @@ def tokenize_request(
     check_chat_fields(messages, tools=tools, **chat_options)
     request = pb.TokenizeRequest()
     if text is not None:
-        request.text = text
+        with _naming("text", text):
+            request.text = text
     if messages is not None:
         with _naming_without_value("messages"):
             request.messages.CopyFrom(chat_messages(messages, tools, **chat_options))
     if add_special_tokens is not None:
-        request.add_special_tokens = add_special_tokens
+        request.add_special_tokens = _flag("add_special_tokens", add_special_tokens)
     return request
+
+
+def abort_request(request_id: str) -> pb.AbortRequest:
+    """An AbortRequest for `request_id` (a ValueError naming it for a value protobuf cannot take)."""
+    with _naming("request_id", request_id):
+        return pb.AbortRequest(request_id=request_id)
+
+
+def _flag(name: str, value: object) -> bool | None:
+    """`value`, a bool or None (None: unset); a ValueError naming it otherwise ("false" is true)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
+    return value
 
 
 def _check_one_prompt_form(**forms: object) -> None:
