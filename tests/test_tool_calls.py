@@ -166,6 +166,19 @@ def test_the_content_beside_the_calls_is_autos_text_outside_its_blocks() -> None
     assert ToolUse((WEATHER, TIME), "get_weather").content('{"city": "Oslo"}') == ""
 
 
+@pytest.mark.parametrize("marker", ["<|python_tag|>", "[TOOL_CALLS]", "<tool_call>", "</tool_call>"])
+def test_a_marker_inside_an_arguments_string_is_its_text(marker: str) -> None:
+    """A required call's array (or a whole-output call under auto) was split at a Mistral or Llama marker,
+    or cut at a <tool_call> tag, inside one of its strings: no call parsed from a valid output."""
+    arguments = json.dumps({"city": f"see {marker} here"})
+    required = f'[{{"name": "get_weather", "arguments": {arguments}}}]'
+    assert parsed(ToolUse((WEATHER, TIME), "required"), required) == (("get_weather", arguments),)
+    auto = ToolUse((WEATHER, TIME), "auto")
+    whole = f'{{"name": "get_weather", "arguments": {arguments}}}'
+    assert parsed(auto, whole) == (("get_weather", arguments),)
+    assert auto.content(whole) == ""
+
+
 def test_each_parse_gives_its_calls_new_ids() -> None:
     required = ToolUse((WEATHER, TIME), "required")
     text = '[{"name": "get_time", "arguments": {}}]'

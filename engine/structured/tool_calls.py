@@ -186,6 +186,10 @@ class ToolUse:
         if self.mode == "function":
             arguments = _arguments_text(_loads(text))
             return () if arguments is None else (ToolCall(self.tool_choice, arguments, new_call_id()),)
+        # An output that is JSON of calls as a whole (required's array) is taken as such first: a marker or
+        # a <tool_call> tag inside one of its strings is an argument's text, not where calls start.
+        if (whole := self._block_calls(text)) is not None:
+            return whole
         blocks = _TOOL_CALL_BLOCK.findall(text) if self.mode == "auto" else []
         if not blocks:
             return self._whole_output_calls(text) or ()
@@ -214,7 +218,7 @@ class ToolUse:
         """What a finished output with calls says besides them: auto's text outside the <tool_call>
         blocks it parsed into calls, stripped (a block that is not JSON of calls of the tools stays, as
         the model wrote it); "" for an output that is only a call (every mode's but auto's)."""
-        if self.mode != "auto" or not _TOOL_CALL_BLOCK.search(text):
+        if self.mode != "auto" or not _TOOL_CALL_BLOCK.search(text) or self._block_calls(text) is not None:
             return ""
         return _TOOL_CALL_BLOCK.sub(lambda m: "" if self._block_calls(m[1]) else m[0], text).strip()
 
