@@ -70,6 +70,19 @@ def _request(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Streams the answer to stdout, the reasoning and the stats line to stderr; the exit status."""
+    try:
+        return _generate(args)
+    except BrokenPipeError:  # the reader went away (`| head`): the call is cancelled, no traceback
+        # Python's recipe: stdout onto /dev/null, so that the interpreter's own flush at exit cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, as a shell expects, no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     first_token: float | None = None
     first_chunk_tokens = 0
@@ -105,13 +118,6 @@ def run(args: argparse.Namespace) -> int:
     except SluiceError as exc:
         print(f"\nsluice generate: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # the reader went away (`| head`): the call is cancelled, no traceback
-        # Python's recipe: stdout onto /dev/null, so that the interpreter's own flush at exit cannot fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, as a shell expects, no traceback
-        print(file=sys.stderr)
-        return 130
     if finish_reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_ERROR):
         # The server ended the request (drained past its grace period, or failed it): the text is cut.
         name = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()

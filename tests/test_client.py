@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from service_harness import PATIENCE_S, UNENDING, ServerThread, long_engine_config, wait_for
 
 from sluice import AsyncClient, Client, SluiceError, generate_request
+from sluice.service import generate_command
 from sluice.service.cli import build_parser, load_commands
 from sluice.service.generate_command import stats_line
 from sluice.service_config import REQUEST_HASH_HEADER_ENV
@@ -303,6 +305,7 @@ def test_a_timeout_past_any_deadline_grpc_holds_is_no_deadline(server: ServerThr
         for timeout in (math.inf, 1e10):
             assert len(client.complete(_greedy(), timeout=timeout).token_ids) == NUM_GREEDY_TOKENS
             assert client.model_info(timeout=timeout).vocab_size > 0
+        assert client.model_info(timeout=np.float32(60)).vocab_size > 0  # any real number, numpy's too
         for timeout in (0, -1.0, math.nan, "5", True):
             with pytest.raises(ValueError, match=r"^timeout: must be a number of seconds > 0"):
                 client.model_info(timeout=timeout)
@@ -334,6 +337,7 @@ def test_arguments_grpc_or_protobuf_cannot_take_are_refused_naming_them(server: 
         (lambda: generate_request(**chat, add_generation_prompt="yes"), "add_generation_prompt"),
         (lambda: Client(None), "target"),
         (lambda: Client("localhost:1", options={"grpc.x": 1}), "options"),
+        (lambda: Client("localhost:1", options=None), "options"),
         (lambda: Client("localhost:1", service_config='{"loadBalancingConfig": []}'), "service_config"),
         (lambda: Client("localhost:1", credentials="x"), "credentials"),
     ]
@@ -363,3 +367,32 @@ def test_sluice_generate_into_a_closed_pipe_exits_without_a_traceback(server: Se
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (1, "")
+
+
+def test_sluice_generate_whose_reader_leaves_after_the_last_text_exits_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`| head -c 5` that has its 5 bytes: the newline owed after the text (and the stats line) raised the
+    BrokenPipeError outside the stream's handler."""
+    read, write = os.pipe()
+
+    class ReaderLeavesClient:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> ReaderLeavesClient:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
+            yield pb.GenerateResponse(text="Hello", token_ids=[5])
+            os.close(read)  # the reader has what it wanted
+            yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH)
+
+    monkeypatch.setattr(generate_command, "Client", ReaderLeavesClient)
+    args = build_parser(load_commands(["generate"])).parse_args(["generate", "--raw", "Hi"])
+    with open(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert generate_command.run(args) == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -33,6 +33,8 @@ def open_channel(
     `session_affinity` swaps the default service config for the ring-hash one; any config keyed on a
     request header (given here or in `options`) gets the header honoured. Messages of any size are
     received unless `options` set MAX_RECEIVE_OPTION."""
+    if isinstance(options, Iterable) and not isinstance(options, Mapping | str | bytes):
+        options = list(options)  # a generator too: read once, here
     _check_arguments(target, credentials, options, service_config)
     if session_affinity and service_config is SERVICE_CONFIG:
         service_config = SESSION_AFFINITY_SERVICE_CONFIG
@@ -59,7 +61,7 @@ def _check_arguments(target: object, credentials: object, options: object, servi
         raise ValueError(
             f"credentials: must be grpc.ChannelCredentials (ssl_channel_credentials), got {credentials!r}"
         )
-    if isinstance(options, Mapping | str | bytes) or not all(
+    if not isinstance(options, list) or not all(
         isinstance(option, tuple | list) and len(option) == 2 for option in options
     ):
         raise ValueError(f"options: must be (name, value) pairs, got {options!r}")

@@ -16,6 +16,7 @@ streams (sluice.response_stream), the channel (sluice.channel) and the chat conv
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any
@@ -107,7 +108,7 @@ def _deadline(timeout: float | None) -> float | None:
     naming it when it is no number of seconds > 0."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: must be a number of seconds > 0 (None: no deadline), got {timeout!r}")
     return None if timeout > MAX_TIMEOUT_S else float(timeout)
 

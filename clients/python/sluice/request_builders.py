@@ -174,10 +174,10 @@ def _set_constraint(sampling: pb.SamplingParams, given: Mapping[str, Any]) -> No
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)}: give one constraint, not {len(given)}")
     for name, value in given.items():
+        if name == "choice" and isinstance(value, str | bytes):
+            raise ValueError("choice: must be a list of strings, not one string")
         with _naming(name, value):
             if name == "choice":
-                if isinstance(value, str | bytes):
-                    raise ValueError("choice: must be a list of strings, not one string")
                 sampling.choice.choices.extend(value)
             elif name == "json_object":
                 sampling.json_object.SetInParent()
