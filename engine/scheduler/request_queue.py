@@ -17,8 +17,9 @@ class RequestQueue:
     tokens the queued requests have yet to compute, kept as they come and go (a waiting request computes
     nothing).
 
-    `remove` is O(1): the entry stays in the heap, no longer live, and is dropped when it reaches the top (or
-    when dead entries outnumber the live ones). A scan and a heapify per removal made a mass cancel of N
+    `remove` is O(1) amortized: the entry stays in the heap, no longer live, and is dropped when it reaches
+    the top, when dead entries outnumber the live ones, or when the queue empties (so an idle engine holds
+    no removed request). A scan and a heapify per removal made a mass cancel of N
     waiting requests O(N^2): 30,000 took 37 s in one core step, past --engine-timeout."""
 
     def __init__(self) -> None:
@@ -47,6 +48,8 @@ class RequestQueue:
         entry = heapq.heappop(self._heap)
         del self._live[id(entry[3])]
         self.num_tokens -= entry[4]
+        if not self._live:
+            self._heap.clear()
         return entry[3]
 
     def remove(self, request: Request) -> bool:
@@ -55,9 +58,13 @@ class RequestQueue:
         if entry is None:
             return False
         self.num_tokens -= entry[4]
-        if len(self._heap) > 2 * len(self._live) + 64:  # dead entries are most of the heap: compact it
+        if not self._live:
+            self._heap.clear()  # nothing keeps a removed request alive once the queue is empty
+        elif len(self._heap) > 2 * len(self._live) + 64:  # dead entries are most of the heap: compact it
             self._heap = [e for e in self._heap if self._is_live(e)]
             heapq.heapify(self._heap)
+        else:
+            self._drop_dead_top()
         return True
 
     def _is_live(self, entry: tuple[int, float, int, Request, int]) -> bool:
