@@ -213,6 +213,29 @@ def test_high_priority_arrival_preempts_low_priority_holder_of_every_block():
     assert high.times.finished < low.times.finished
 
 
+def test_a_better_priority_long_prompt_takes_what_the_decodes_leave_and_stalls_none():
+    """As vLLM's scheduler walks its running requests in admission order: the long prompt's chunks took the
+    whole budget first (priority order), and the three requests decoding beside it got no token for 14 of
+    20 steps."""
+    scheduler, model = make_scheduler(num_blocks=256, budget=64, max_model_len=2048)
+    decoding = [
+        make_request(f"d{i}", tokens(8, 100 * i), max_tokens=40, priority=5, arrival=i) for i in range(3)
+    ]
+    for request in decoding:
+        scheduler.add_request(request)
+    step(scheduler, model)
+    urgent = make_request("urgent", tokens(1000, 5000), max_tokens=4, priority=0, arrival=10)
+    scheduler.add_request(urgent)
+    for _ in range(16):  # 61 of its 1,000 tokens a step
+        out, _ = step(scheduler, model)
+        assert [(s.request_id, s.num_tokens) for s in out.scheduled][:3] == [
+            (r.request_id, 1) for r in decoding
+        ]
+        assert out.scheduled[3].request_id == "urgent" and out.num_batched_tokens == 64
+    run_until_done(scheduler, model)
+    assert_reference(*decoding, urgent)
+
+
 def test_equal_priority_arrival_never_preempts():
     scheduler, model = make_scheduler(num_blocks=4)
     low = make_request("low", tokens(60), max_tokens=4, priority=5, arrival=0)

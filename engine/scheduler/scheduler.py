@@ -2,8 +2,10 @@
 
 Each step every request advances from `num_computed_tokens` towards `num_tokens`; there are no prefill
 or decode modes. A decode is an advance of 1, a prefill chunk an advance of many, a prefix-cache hit an
-advance taken for free at admission. `schedule()` fills the budget with running requests first (in
-priority order), then admits waiting ones in (priority, arrival, sequence) order.
+advance taken for free at admission. `schedule()` fills the budget with running requests first, in the
+order they were admitted (as vLLM's: a long prompt admitted later, whatever its priority, takes what the
+decodes before it leave, and never stalls them), then admits waiting ones in (priority, arrival,
+sequence) order. Priority picks who is admitted and who is preempted, not who decodes.
 
 A request in decode with draft tokens (speculative decoding, `Request.spec_token_ids`) advances by
 1 + k: its last token and k drafts, all under the same budget and with KV slots reserved for them. Drafts
@@ -101,7 +103,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting = RequestQueue()
         self._running: dict[str, Request] = {}
-        self._run_order: list[Request] | None = None  # _running sorted by _order_key; None: changed since
+        self._run_order: list[Request] | None = None  # _running in admission order; None: changed since
         self._seq: dict[str, int] = {}  # insertion sequence, the last tie-breaker
         self._next_seq = itertools.count()
         self._finished_since_schedule: list[str] = []
@@ -295,10 +297,12 @@ class Scheduler:
     # ---- schedule() helpers --------------------------------------------------------------------
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Decodes and continuing prefill chunks, best priority first; preempts when blocks run out.
-        Then drafts, from what the running requests' own tokens left (`_schedule_drafts`)."""
+        """Decodes and continuing prefill chunks, in admission order; preempts the worst running request
+        (`_order_key`) when blocks run out. Then drafts, from what the running requests' own tokens left
+        (`_schedule_drafts`). In priority order, a better-priority prompt's chunks took the whole budget
+        step after step, and the requests decoding beside it got no token until its prefill ended."""
         if self._run_order is None:
-            self._run_order = sorted(self._running.values(), key=self._order_key)
+            self._run_order = list(self._running.values())  # a copy: a preemption changes _running
         for request in self._run_order:
             if plan.token_budget == 0:
                 break
@@ -313,7 +317,7 @@ class Scheduler:
         self._schedule_drafts(plan)
 
     def _schedule_drafts(self, plan: _StepPlan) -> None:
-        """Drafts for the running requests scheduled so far, best priority first, within the budget and
+        """Drafts for the running requests scheduled so far, in run order, within the budget and
         the free blocks left: a request whose drafts find no free block just decodes (drafts never
         preempt, nor take the budget or blocks of another running request's own tokens)."""
         for request_id, num_new in list(plan.num_new_tokens.items()):  # in run order
