@@ -4,9 +4,7 @@ name nothing) or a truth test (where the string "false" is true)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any
 
 _MISSING = object()
@@ -47,16 +45,3 @@ def _read(config: dict[str, Any], key: str, default: Any, prefix: str) -> Any:
     if default is _MISSING:
         raise ValueError(f"{prefix}{key}: missing from the model's config.json")
     return default
-
-
-def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A checkpoint's JSON file (config.json, generation_config.json, ...) as a dict; one that is not a
-    JSON object is refused naming the file (json's own error named neither it nor the model)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model: {os.fspath(path)!r} is not valid JSON ({e})") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"model: {os.fspath(path)!r} must hold a JSON object, got {type(value).__name__}")
-    return value

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sluice.engine.config import ModelConfig
-from sluice.engine.loading.config_fields import read_json_object
+from sluice.engine.json_file import read_json_object
 from sluice.engine.loading.language_model import language_model_name
 from sluice.engine.loading.model_arch import ModelArchConfig
 from sluice.engine.loading.modelopt_config import HF_QUANT_CONFIG, MODELOPT

@@ -26,7 +26,7 @@ import tokenizers
 from tokenizers import processors
 
 from sluice.engine.errors import ContextLengthError, InvalidRequestError
-from sluice.engine.loading.config_fields import read_json_object
+from sluice.engine.json_file import read_json_object
 from sluice.engine.text.byte_level import ByteLevelVocab
 from sluice.engine.text.chat_messages import json_text, lone_surrogate_error
 from sluice.engine.text.chat_template import ChatTemplate, ChatTemplateOptions
