@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from sluice.client import Client, SluiceError, generate_request
+from sluice.client import MAX_TIMEOUT_S, Client, SluiceError, generate_request
 from sluice.tls_flags import add_tls_flags, tls_client_options
 from sluice.v1 import sluice_pb2 as pb
 
@@ -32,7 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         # grpc ends a call at once whose deadline it cannot hold (from ~1e10 s, and inf)
         "--timeout",
-        type=_bounded(float, 0.001, 1e9),
+        type=_bounded(float, 0.001, MAX_TIMEOUT_S),
         default=None,
         help="call deadline in seconds",
     )

@@ -47,12 +47,8 @@ def chat_messages(
     spelled like a mode) (unset: auto). As vLLM's chat API: `chat_template_kwargs`, extra variables for the
     chat template (JSON values, e.g. {"enable_thinking": False}); `add_generation_prompt` (None: the
     server's default, true); `continue_final_message`, the prompt ends inside the last (assistant) message."""
-    for name, value in (
-        ("add_generation_prompt", add_generation_prompt),
-        ("continue_final_message", continue_final_message),
-    ):
-        if value is not None and not isinstance(value, bool):  # bool("false") is True
-            raise ValueError(f"{name}: must be True or False, got {value!r}")
+    checked_flag("add_generation_prompt", add_generation_prompt)
+    checked_flag("continue_final_message", continue_final_message)
     chat = pb.ChatMessages(
         messages=[chat_message(message) for message in messages],
         tools=[tool(t) for t in tools or ()],
@@ -74,6 +70,13 @@ def chat_messages(
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     return chat
+
+
+def checked_flag(name: str, value: object) -> bool | None:
+    """`value`, a bool or None (None: unset); a ValueError naming it otherwise (bool("false") is True)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}: must be True or False, got {value!r}")
+    return value
 
 
 def check_chat_fields(messages: Sequence[Mapping[str, Any]] | None, **fields: object) -> None:

@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
-from sluice.chat_messages import Tools, chat_messages, check_chat_fields
+from sluice.chat_messages import Tools, chat_messages, check_chat_fields, checked_flag
 from sluice.v1 import sluice_pb2 as pb
 
 
@@ -143,7 +143,7 @@ def generate_request(
         "regex": regex,
         "grammar": grammar,
         "choice": choice,
-        "json_object": _flag("json_object", json_object) or None,
+        "json_object": checked_flag("json_object", json_object) or None,
         "structural_tag": structural_tag,
     }
     _set_constraint(sampling, {name: value for name, value in constraints.items() if value is not None})
@@ -207,7 +207,7 @@ def tokenize_request(
         with _naming_without_value("messages"):
             request.messages.CopyFrom(chat_messages(messages, tools, **chat_options))
     if add_special_tokens is not None:
-        request.add_special_tokens = _flag("add_special_tokens", add_special_tokens)
+        request.add_special_tokens = checked_flag("add_special_tokens", add_special_tokens)
     return request
 
 
@@ -215,13 +215,6 @@ def abort_request(request_id: str) -> pb.AbortRequest:
     """An AbortRequest for `request_id` (a ValueError naming it for a value protobuf cannot take)."""
     with _naming("request_id", request_id):
         return pb.AbortRequest(request_id=request_id)
-
-
-def _flag(name: str, value: object) -> bool | None:
-    """`value`, a bool or None (None: unset); a ValueError naming it otherwise ("false" is true)."""
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{name}: must be True or False, got {value!r}")
-    return value
 
 
 def _check_one_prompt_form(**forms: object) -> None:
